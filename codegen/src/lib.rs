@@ -1,0 +1,1 @@
+//! Kernel generation (filled by the codegen issue).

@@ -1,0 +1,1 @@
+//! Strategy search and cost model (filled by the planner issue).

@@ -1,0 +1,1 @@
+//! Execution of rank programs (filled by the runtime issue).
