@@ -1,1 +1,23 @@
-//! The tensor IR.
+//! dplc's tensor IR: the model graph with its `repeat` structure, symbolic
+//! shapes, a closed set of primitive ops, analyses and the textual printer.
+
+mod analysis;
+mod config;
+mod dtype;
+mod error;
+mod graph;
+mod id;
+mod op;
+mod print;
+mod shape;
+
+pub use config::{ClusterSpec, LinkSpec, LrSchedule, Optimizer, Precision, TrainSpec};
+pub use dtype::DType;
+pub use error::{IrError, Result};
+pub use graph::{
+    broadcast, Graph, InputInfo, Node, ParamInfo, Region, Scope, ScopeKind, Tensor, TensorDef,
+};
+pub use id::{InputId, NodeId, ParamId, RegionId, ScopeId, SymId, TensorId};
+pub use op::{BinaryOp, Init, Op, ReduceKind, UnaryOp};
+
+pub use shape::{Dim, Poly, Ratio, Shape};

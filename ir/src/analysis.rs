@@ -1,0 +1,1 @@
+//! Analyses derived from the graph: parameters, FLOPs, stored activations.

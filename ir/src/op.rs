@@ -1,0 +1,280 @@
+//! The closed set of primitive operations, matched exhaustively everywhere.
+//! Blocks (attention, mlp, norms, moe…) are written in .dpl over these.
+
+use crate::{DType, Dim, InputId, ParamId, RegionId, Shape};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// An elementwise function of one tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum UnaryOp {
+    Neg,
+    Exp,
+    Log,
+    Sqrt,
+    Rsqrt,
+    Recip,
+    Tanh,
+    Sigmoid,
+    Relu,
+    /// GELU with the exact erf (BERT).
+    Gelu,
+    /// GELU with the tanh approximation (GPT-2, Megatron).
+    GeluTanh,
+    Silu,
+    Sin,
+    Cos,
+}
+
+impl UnaryOp {
+    pub const ALL: [UnaryOp; 14] = [
+        UnaryOp::Neg,
+        UnaryOp::Exp,
+        UnaryOp::Log,
+        UnaryOp::Sqrt,
+        UnaryOp::Rsqrt,
+        UnaryOp::Recip,
+        UnaryOp::Tanh,
+        UnaryOp::Sigmoid,
+        UnaryOp::Relu,
+        UnaryOp::Gelu,
+        UnaryOp::GeluTanh,
+        UnaryOp::Silu,
+        UnaryOp::Sin,
+        UnaryOp::Cos,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            UnaryOp::Neg => "neg",
+            UnaryOp::Exp => "exp",
+            UnaryOp::Log => "log",
+            UnaryOp::Sqrt => "sqrt",
+            UnaryOp::Rsqrt => "rsqrt",
+            UnaryOp::Recip => "recip",
+            UnaryOp::Tanh => "tanh",
+            UnaryOp::Sigmoid => "sigmoid",
+            UnaryOp::Relu => "relu",
+            UnaryOp::Gelu => "gelu",
+            UnaryOp::GeluTanh => "gelu_tanh",
+            UnaryOp::Silu => "silu",
+            UnaryOp::Sin => "sin",
+            UnaryOp::Cos => "cos",
+        }
+    }
+}
+
+/// An elementwise function of two tensors, broadcasting numpy-style.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Max,
+    Min,
+    Pow,
+}
+
+impl BinaryOp {
+    pub const ALL: [BinaryOp; 7] = [
+        BinaryOp::Add,
+        BinaryOp::Sub,
+        BinaryOp::Mul,
+        BinaryOp::Div,
+        BinaryOp::Max,
+        BinaryOp::Min,
+        BinaryOp::Pow,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            BinaryOp::Add => "add",
+            BinaryOp::Sub => "sub",
+            BinaryOp::Mul => "mul",
+            BinaryOp::Div => "div",
+            BinaryOp::Max => "max",
+            BinaryOp::Min => "min",
+            BinaryOp::Pow => "pow",
+        }
+    }
+}
+
+/// How a reduction combines the elements along its axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ReduceKind {
+    Sum,
+    Mean,
+    Max,
+}
+
+impl ReduceKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceKind::Sum => "sum",
+            ReduceKind::Mean => "mean",
+            ReduceKind::Max => "max",
+        }
+    }
+}
+
+/// A primitive operation. Inputs are listed in the node; attributes live here.
+///
+/// Softmax, log-softmax and the two norms are primitives rather than
+/// compositions: their numerically stable forms need a max or a mean/variance
+/// per row, their backward saves one tensor (the output, or the input plus two
+/// row statistics), and each is one fused kernel. Keeping them whole lets the
+/// activation analysis count what a real implementation stores.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Op {
+    /// A model input, fed by the data loader. No inputs.
+    Input(InputId),
+    /// A trainable parameter. No inputs.
+    Param(ParamId),
+    /// A scalar `f32` constant. No inputs.
+    Constant(f64),
+    /// `[0, 1, …, len-1]` as `i32`. No inputs.
+    Iota {
+        len: Dim,
+    },
+    Unary(UnaryOp),
+    Binary(BinaryOp),
+    Cast(DType),
+    /// `[…, m, k] × [k, n]` or `[…, m, k] × […, k, n]` with broadcast batch dims.
+    MatMul,
+    /// Permute the axes: output axis `i` is input axis `perm[i]`.
+    Transpose {
+        perm: Vec<usize>,
+    },
+    /// Same elements, new shape (row-major).
+    Reshape {
+        shape: Shape,
+    },
+    /// Broadcast size-1 axes (and new leading axes) to `shape`.
+    Expand {
+        shape: Shape,
+    },
+    /// `len` elements from `start` along `axis`.
+    Slice {
+        axis: usize,
+        start: i64,
+        len: i64,
+    },
+    /// Join the inputs along `axis`.
+    Concat {
+        axis: usize,
+    },
+    Reduce {
+        kind: ReduceKind,
+        axis: usize,
+        keep_dim: bool,
+    },
+    Softmax {
+        axis: usize,
+    },
+    LogSoftmax {
+        axis: usize,
+    },
+    /// Normalise over the last axis, then scale and shift: inputs `(x, weight, bias)`.
+    LayerNorm {
+        eps: f64,
+    },
+    /// Normalise by the root mean square over the last axis, then scale: `(x, weight)`.
+    RmsNorm {
+        eps: f64,
+    },
+    /// Zero elements with probability `p` and scale the rest by `1/(1-p)`.
+    Dropout {
+        p: f64,
+    },
+    /// Set entries above the diagonal of the last two axes to −∞.
+    CausalMask,
+    /// Rows of `table [n, d]` picked by integer `indices […]`: `[…, d]`.
+    Embedding,
+    /// `x […, n]` at integer `indices […]` along the last axis: `[…]`.
+    TakeAlong,
+    /// The `k` largest values of the last axis and their indices: two outputs.
+    TopK {
+        k: i64,
+    },
+    /// Route tokens `x [t, d]` by `indices [t, k]` to `[experts, capacity, d]`,
+    /// `capacity = t·k·capacity_factor / experts`.
+    MoeDispatch {
+        experts: i64,
+        capacity_factor: crate::Ratio,
+    },
+    /// Gather expert outputs `[experts, capacity, d]` back to `[t, d]`, weighted
+    /// by `weights [t, k]` at `indices [t, k]`.
+    MoeCombine,
+    /// Run `body` `count` times. Inputs: the `carried` initial values, then the
+    /// captured ones; outputs: the carried values after the last iteration.
+    Repeat {
+        count: u64,
+        body: RegionId,
+        carried: usize,
+    },
+}
+
+impl Op {
+    /// The mnemonic the textual IR prints.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Input(_) => "input",
+            Op::Param(_) => "param",
+            Op::Constant(_) => "const",
+            Op::Iota { .. } => "iota",
+            Op::Unary(u) => u.name(),
+            Op::Binary(b) => b.name(),
+            Op::Cast(_) => "cast",
+            Op::MatMul => "matmul",
+            Op::Transpose { .. } => "transpose",
+            Op::Reshape { .. } => "reshape",
+            Op::Expand { .. } => "expand",
+            Op::Slice { .. } => "slice",
+            Op::Concat { .. } => "concat",
+            Op::Reduce { kind, .. } => match kind {
+                ReduceKind::Sum => "reduce_sum",
+                ReduceKind::Mean => "reduce_mean",
+                ReduceKind::Max => "reduce_max",
+            },
+            Op::Softmax { .. } => "softmax",
+            Op::LogSoftmax { .. } => "log_softmax",
+            Op::LayerNorm { .. } => "layernorm",
+            Op::RmsNorm { .. } => "rmsnorm",
+            Op::Dropout { .. } => "dropout",
+            Op::CausalMask => "causal_mask",
+            Op::Embedding => "embedding",
+            Op::TakeAlong => "take_along",
+            Op::TopK { .. } => "topk",
+            Op::MoeDispatch { .. } => "moe_dispatch",
+            Op::MoeCombine => "moe_combine",
+            Op::Repeat { .. } => "repeat",
+        }
+    }
+
+    /// Ops whose output aliases their input's storage (no new memory).
+    pub fn is_view(&self) -> bool {
+        matches!(
+            self,
+            Op::Reshape { .. } | Op::Transpose { .. } | Op::Expand { .. } | Op::Slice { .. }
+        )
+    }
+}
+
+/// How a parameter starts before training.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Init {
+    Zeros,
+    Ones,
+    Normal { std: f64 },
+}
+
+impl fmt::Display for Init {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Init::Zeros => f.write_str("zeros"),
+            Init::Ones => f.write_str("ones"),
+            Init::Normal { std } => write!(f, "normal({std})"),
+        }
+    }
+}

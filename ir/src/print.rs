@@ -1,0 +1,1 @@
+//! The stable textual form of a graph, read by golden tests.
