@@ -11,6 +11,7 @@ mod op;
 mod print;
 mod shape;
 
+pub use analysis::{ActivationProfile, Analysis, SavedKind, SavedTensor};
 pub use config::{ClusterSpec, LinkSpec, LrSchedule, Optimizer, Precision, TrainSpec};
 pub use dtype::DType;
 pub use error::{IrError, Result};
@@ -20,4 +21,5 @@ pub use graph::{
 pub use id::{InputId, NodeId, ParamId, RegionId, ScopeId, SymId, TensorId};
 pub use op::{BinaryOp, Init, Op, ReduceKind, UnaryOp};
 
+pub use print::print_graph;
 pub use shape::{Dim, Poly, Ratio, Shape};
