@@ -1,1 +1,7 @@
-//! The .dpl frontend.
+//! The .dpl frontend: grammar, diagnostics, and lowering of models to the IR.
+
+mod ast;
+mod diag;
+mod syntax;
+
+pub use diag::{Diagnostic, Diagnostics};
