@@ -69,7 +69,6 @@ pub struct Variant {
 pub struct Section {
     pub name: Ident,
     pub entries: Vec<(Ident, Expr)>,
-    pub span: Span,
 }
 
 #[derive(Clone, Debug)]
@@ -104,6 +103,8 @@ pub enum StmtKind {
         otherwise: Option<Vec<Stmt>>,
     },
     Return(Vec<Expr>),
+    /// A call evaluated for its effect (checks with `error`).
+    Call(Expr),
 }
 
 /// An argument of a call: positional when `name` is `None`.

@@ -161,6 +161,7 @@ fn rule_words(rule: Rule) -> &'static str {
         Rule::kw_else | Rule::else_if | Rule::else_body => "`else`",
         Rule::kw_return | Rule::return_stmt => "`return`",
         Rule::assign_stmt => "an assignment",
+        Rule::call_stmt => "a call",
         Rule::formals => "a parameter list `(…)`",
         Rule::formal => "a parameter name",
         Rule::section | Rule::body => "`{`",
@@ -334,11 +335,7 @@ impl Builder {
             let value = self.expr(self.next(&mut ei, span)?)?;
             entries.push((key, value));
         }
-        Ok(Section {
-            name,
-            entries,
-            span,
-        })
+        Ok(Section { name, entries })
     }
 
     fn body(&self, p: Pair<'_, Rule>) -> Res<Vec<Stmt>> {
@@ -391,6 +388,10 @@ impl Builder {
                 StmtKind::If { arms, otherwise }
             }
             Rule::return_stmt => StmtKind::Return(self.exprs(it)?),
+            Rule::call_stmt => {
+                let call = self.next(&mut it, span)?;
+                StmtKind::Call(self.primary(call)?)
+            }
             Rule::assign_stmt => {
                 let mut targets = Vec::new();
                 let mut value = None;

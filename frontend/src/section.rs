@@ -1,0 +1,299 @@
+//! `train` and `cluster` sections: evaluate their entries and validate them
+//! into `dplc_ir::TrainSpec` and `dplc_ir::ClusterSpec`, key by key.
+
+use crate::ast::{Section, Span, UnitKind};
+use crate::diag::{did_you_mean, Diag, DiagExt, Res};
+use crate::elab::{Elab, Program};
+use crate::value::Value;
+use dplc_ir::{ClusterSpec, LinkSpec, LrSchedule, Optimizer, Precision, TrainSpec};
+
+const TRAIN_KEYS: &[&str] = &[
+    "seq",
+    "global_batch",
+    "precision",
+    "optimizer",
+    "schedule",
+    "grad_clip",
+    "steps",
+];
+const CLUSTER_KEYS: &[&str] = &["nodes", "devices_per_node", "device", "intra_node", "inter_node"];
+const LINK_KINDS: &[&str] = &["nvswitch", "nvlink", "pcie", "infiniband", "ethernet", "shm"];
+
+/// Evaluate every entry, refusing unknown and repeated keys.
+fn entries(prog: &Program, s: &Section, known: &[&str], what: &str) -> Res<Vec<(String, Value, Span)>> {
+    let mut e = Elab::for_sections(prog);
+    let mut out: Vec<(String, Value, Span)> = Vec::new();
+    for (key, expr) in &s.entries {
+        if !known.contains(&key.name.as_str()) {
+            let d = Diag::new("dpl::unknown-key", key.span, format!("unknown {what} key `{}`", key.name))
+                .label("not a known key");
+            let list = format!("{what} keys are {}", known.join(", "));
+            return Err(match did_you_mean(&key.name, known.iter().copied()) {
+                Some(h) => d.help(format!("{h} {list}")),
+                None => d.help(list),
+            });
+        }
+        if out.iter().any(|(k, _, _)| *k == key.name) {
+            return Err(Diag::new("dpl::duplicate", key.span, format!("`{}` is set twice", key.name))
+                .label("set again here"));
+        }
+        let v = e.eval(expr)?;
+        out.push((key.name.clone(), v, expr.span));
+    }
+    Ok(out)
+}
+
+fn expected(v: &Value, span: Span, what: &str) -> Box<Diag> {
+    let found = match v {
+        Value::Int(n) => format!("the integer {n}"),
+        Value::Float(x) => format!("the number {x}"),
+        Value::Bool(b) => format!("the bool {b}"),
+        Value::Str(s) => format!("the string \"{s}\""),
+        Value::Name(n) => format!("the name `{n}`"),
+        Value::Quantity { unit, .. } => unit.name().to_string(),
+        Value::Record { kind, .. } => format!("`{kind}(…)`"),
+        Value::Tuple(_) => "a tuple".to_string(),
+        Value::List(_) => "a list".to_string(),
+        _ => "another kind of value".to_string(),
+    };
+    let code = if matches!(v, Value::Quantity { .. }) { "dpl::bad-unit" } else { "dpl::arg-type" };
+    Diag::new(code, span, format!("expected {what}, found {found}")).label(format!("should be {what}"))
+}
+
+fn positive(v: &Value, span: Span) -> Res<u64> {
+    match v {
+        Value::Int(n) if *n > 0 => Ok(*n as u64),
+        other => Err(expected(other, span, "a positive integer")),
+    }
+}
+
+fn number(v: &Value, span: Span) -> Res<f64> {
+    match v.as_f64() {
+        Some(x) if x.is_finite() && x >= 0.0 => Ok(x),
+        _ => Err(expected(v, span, "a non-negative number")),
+    }
+}
+
+fn name_of(v: &Value) -> Option<&str> {
+    match v {
+        Value::Name(n) | Value::Str(n) => Some(n),
+        _ => None,
+    }
+}
+
+/// The fields of a record, with defaults, refusing unknown fields.
+struct Fields<'a> {
+    kind: &'a str,
+    fields: &'a [(String, Value, Span)],
+    span: Span,
+}
+
+impl<'a> Fields<'a> {
+    fn new(v: &'a Value, span: Span, allowed: &[&str], signature: &str) -> Res<Fields<'a>> {
+        match v {
+            Value::Record { kind, fields } => {
+                for (k, _, at) in fields {
+                    if !allowed.contains(&k.as_str()) {
+                        return Err(Diag::new("dpl::unknown-keyword", *at, format!("`{kind}` has no field `{k}`"))
+                            .label("unknown field")
+                            .help(format!("the fields are {signature}")));
+                    }
+                }
+                Ok(Fields { kind, fields, span })
+            }
+            Value::Name(kind) => Ok(Fields { kind, fields: &[], span }),
+            other => Err(expected(other, span, &format!("a record such as {signature}"))),
+        }
+    }
+
+    fn get(&self, key: &str) -> Option<(&'a Value, Span)> {
+        self.fields.iter().find(|(k, _, _)| k == key).map(|(_, v, s)| (v, *s))
+    }
+
+    fn number(&self, key: &str, default: Option<f64>) -> Res<f64> {
+        match (self.get(key), default) {
+            (Some((v, s)), _) => number(v, s),
+            (None, Some(d)) => Ok(d),
+            (None, None) => Err(Diag::new("dpl::missing-key", self.span, format!("`{}` needs `{key}`", self.kind))
+                .label(format!("`{key}` is missing"))),
+        }
+    }
+
+    fn count(&self, key: &str, default: Option<u64>) -> Res<u64> {
+        match (self.get(key), default) {
+            (Some((Value::Int(n), _)), _) if *n >= 0 => Ok(*n as u64),
+            (Some((v, s)), _) => Err(expected(v, s, "a non-negative integer")),
+            (None, Some(d)) => Ok(d),
+            (None, None) => Err(Diag::new("dpl::missing-key", self.span, format!("`{}` needs `{key}`", self.kind))
+                .label(format!("`{key}` is missing"))),
+        }
+    }
+}
+
+fn optimizer(v: &Value, span: Span) -> Res<Optimizer> {
+    let kind = match v {
+        Value::Record { kind, .. } | Value::Name(kind) => kind.as_str(),
+        other => return Err(expected(other, span, "an optimizer such as adamw(lr = 3e-4)")),
+    };
+    match kind {
+        "adamw" => {
+            let f = Fields::new(v, span, &["lr", "betas", "eps", "weight_decay"], "adamw(lr, betas = (0.9, 0.999), eps = 1e-8, weight_decay = 0.0)")?;
+            let (beta1, beta2) = match f.get("betas") {
+                None => (0.9, 0.999),
+                Some((Value::Tuple(b) | Value::List(b), s)) if b.len() == 2 => (number(&b[0], s)?, number(&b[1], s)?),
+                Some((other, s)) => return Err(expected(other, s, "a pair of numbers (β1, β2)")),
+            };
+            Ok(Optimizer::AdamW {
+                lr: f.number("lr", None)?,
+                beta1,
+                beta2,
+                eps: f.number("eps", Some(1e-8))?,
+                weight_decay: f.number("weight_decay", Some(0.0))?,
+            })
+        }
+        "sgd" => {
+            let f = Fields::new(v, span, &["lr", "momentum"], "sgd(lr, momentum = 0.0)")?;
+            Ok(Optimizer::Sgd {
+                lr: f.number("lr", None)?,
+                momentum: f.number("momentum", Some(0.0))?,
+            })
+        }
+        other => {
+            let d = Diag::new("dpl::unknown-kind", span, format!("unknown optimizer `{other}`"))
+                .label("not an optimizer");
+            Err(d.help(match did_you_mean(other, ["adamw", "sgd"]) {
+                Some(h) => format!("{h} optimizers are adamw and sgd"),
+                None => "optimizers are adamw and sgd".to_string(),
+            }))
+        }
+    }
+}
+
+fn schedule(v: &Value, span: Span) -> Res<LrSchedule> {
+    let kind = match v {
+        Value::Record { kind, .. } | Value::Name(kind) => kind.as_str(),
+        other => return Err(expected(other, span, "a schedule such as warmup_cosine(…)")),
+    };
+    match kind {
+        "constant" => {
+            Fields::new(v, span, &[], "constant")?;
+            Ok(LrSchedule::Constant)
+        }
+        "warmup_cosine" => {
+            let f = Fields::new(v, span, &["warmup", "total", "min_ratio"], "warmup_cosine(warmup, total, min_ratio = 0.0)")?;
+            let warmup = f.count("warmup", None)?;
+            let total = f.count("total", None)?;
+            let min_ratio = f.number("min_ratio", Some(0.0))?;
+            if warmup > total || min_ratio > 1.0 {
+                return Err(Diag::new("dpl::bad-schedule", span, "a warmup-cosine schedule needs warmup ≤ total and min_ratio ≤ 1")
+                    .label("inconsistent schedule"));
+            }
+            Ok(LrSchedule::WarmupCosine { warmup, total, min_ratio })
+        }
+        other => {
+            let d = Diag::new("dpl::unknown-kind", span, format!("unknown schedule `{other}`")).label("not a schedule");
+            Err(d.help(match did_you_mean(other, ["constant", "warmup_cosine"]) {
+                Some(h) => format!("{h} schedules are constant and warmup_cosine"),
+                None => "schedules are constant and warmup_cosine".to_string(),
+            }))
+        }
+    }
+}
+
+/// Validate a `train` section; `seq` defaults to the model's `ctx` argument.
+pub fn train_spec(prog: &Program, s: Option<&Section>, ctx: Option<i64>) -> Res<TrainSpec> {
+    let mut spec = TrainSpec::default();
+    if let Some(c) = ctx.filter(|c| *c > 0) {
+        spec.seq = c as u64;
+    }
+    let Some(s) = s else { return Ok(spec) };
+    for (key, v, span) in entries(prog, s, TRAIN_KEYS, "train")? {
+        match key.as_str() {
+            "seq" => spec.seq = positive(&v, span)?,
+            "global_batch" => spec.global_batch = positive(&v, span)?,
+            "steps" => spec.steps = Some(positive(&v, span)?),
+            "precision" => {
+                let name = name_of(&v).ok_or_else(|| expected(&v, span, "a precision: fp32, bf16 or fp16"))?;
+                spec.precision = Precision::from_name(name).ok_or_else(|| {
+                    let d = Diag::new("dpl::unknown-kind", span, format!("unknown precision `{name}`")).label("not a precision");
+                    d.help(match did_you_mean(name, ["fp32", "bf16", "fp16"]) {
+                        Some(h) => format!("{h} precisions are fp32, bf16 and fp16"),
+                        None => "precisions are fp32, bf16 and fp16".to_string(),
+                    })
+                })?;
+            }
+            "optimizer" => spec.optimizer = optimizer(&v, span)?,
+            "schedule" => spec.schedule = schedule(&v, span)?,
+            "grad_clip" => {
+                spec.grad_clip = match &v {
+                    Value::Name(n) if n == "none" => None,
+                    other => Some(number(other, span)?),
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(spec)
+}
+
+fn link(v: &Value, span: Span) -> Res<LinkSpec> {
+    let kind = match v {
+        Value::Record { kind, .. } => kind.as_str(),
+        other => return Err(expected(other, span, "a link such as nvswitch(bandwidth = 300 GB/s, latency = 2 us)")),
+    };
+    if !LINK_KINDS.contains(&kind) {
+        let d = Diag::new("dpl::unknown-kind", span, format!("unknown link kind `{kind}`")).label("not a link kind");
+        let list = format!("link kinds are {}", LINK_KINDS.join(", "));
+        return Err(d.help(match did_you_mean(kind, LINK_KINDS.iter().copied()) {
+            Some(h) => format!("{h} {list}"),
+            None => list,
+        }));
+    }
+    let f = Fields::new(v, span, &["bandwidth", "latency"], &format!("{kind}(bandwidth = 300 GB/s, latency = 2 us)"))?;
+    let quantity = |key: &str, unit: UnitKind, example: &str| -> Res<f64> {
+        match f.get(key) {
+            Some((Value::Quantity { value, unit: u, per_device }, s)) if *u == unit => {
+                if *per_device && unit != UnitKind::Bandwidth {
+                    return Err(Diag::new("dpl::bad-unit", s, "`per device` only applies to bandwidths").label("here"));
+                }
+                Ok(*value)
+            }
+            Some((other, s)) => Err(expected(other, s, &format!("{} such as `{example}`", unit.name()))),
+            None => Err(Diag::new("dpl::missing-key", span, format!("`{kind}` needs `{key}`")).label(format!("`{key}` is missing"))),
+        }
+    };
+    Ok(LinkSpec {
+        kind: kind.to_string(),
+        bandwidth_bytes_per_s: quantity("bandwidth", UnitKind::Bandwidth, "300 GB/s")?,
+        latency_s: quantity("latency", UnitKind::Time, "2 us")?,
+    })
+}
+
+/// Validate a `cluster` section.
+pub fn cluster_spec(prog: &Program, s: &Section) -> Res<ClusterSpec> {
+    let mut spec = ClusterSpec {
+        name: s.name.name.clone(),
+        nodes: 1,
+        devices_per_node: 0,
+        device: String::new(),
+        intra_node: None,
+        inter_node: None,
+    };
+    for (key, v, span) in entries(prog, s, CLUSTER_KEYS, "cluster")? {
+        match key.as_str() {
+            "nodes" => spec.nodes = positive(&v, span)?,
+            "devices_per_node" => spec.devices_per_node = positive(&v, span)?,
+            "device" => spec.device = name_of(&v).ok_or_else(|| expected(&v, span, "a device name such as A100_80GB"))?.to_string(),
+            "intra_node" => spec.intra_node = Some(link(&v, span)?),
+            "inter_node" => spec.inter_node = Some(link(&v, span)?),
+            _ => {}
+        }
+    }
+    for (missing, key) in [(spec.devices_per_node == 0, "devices_per_node"), (spec.device.is_empty(), "device")] {
+        if missing {
+            return Err(Diag::new("dpl::missing-key", s.name.span, format!("cluster `{}` does not set `{key}`", s.name.name))
+                .label(format!("needs `{key} = …`")));
+        }
+    }
+    Ok(spec)
+}
