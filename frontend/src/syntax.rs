@@ -548,8 +548,14 @@ impl Builder {
                     };
                     d
                 })?;
+                // Divide by 10^k for sub-unit factors: `5 us` must be exactly 5e-6.
+                let si = if factor < 1.0 {
+                    value / (1.0 / factor).round()
+                } else {
+                    value * factor
+                };
                 ExprKind::Quantity {
-                    value: value * factor,
+                    value: si,
                     unit,
                     per_device: it.next().is_some(),
                 }

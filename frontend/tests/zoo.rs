@@ -18,3 +18,79 @@ fn gpt2_parameter_counts() {
     assert_eq!(params("gpt2.dpl", "gpt2_large"), 774_030_080);
     assert_eq!(params("gpt2.dpl", "gpt2_xl"), 1_557_611_200);
 }
+
+#[test]
+fn llama_parameter_counts() {
+    assert_eq!(params("llama2.dpl", "llama2_7b"), 6_738_415_616);
+    assert_eq!(params("llama2.dpl", "llama2_70b"), 68_976_648_192);
+    assert_eq!(params("llama3.dpl", "llama3_8b"), 8_030_261_248);
+    assert_eq!(params("llama3.dpl", "llama3_70b"), 70_553_706_496);
+    assert_eq!(params("llama3.dpl", "llama3_405b"), 405_853_388_800);
+}
+
+#[test]
+fn mixtral_parameter_count() {
+    assert_eq!(params("mixtral.dpl", "mixtral_8x7b"), 46_702_792_704);
+}
+
+#[test]
+fn bert_parameter_counts() {
+    assert_eq!(params("bert.dpl", "bert_base"), 109_482_240);
+    assert_eq!(params("bert.dpl", "bert_large"), 335_141_888);
+}
+
+#[test]
+fn every_zoo_file_checks() {
+    for file in ["gpt2.dpl", "llama2.dpl", "llama3.dpl", "mixtral.dpl", "bert.dpl", "megatron_gpt.dpl", "tiny.dpl"] {
+        let unit = dplc_frontend::parse(file, &zoo(file)).unwrap_or_else(|d| panic!("{}", d.render_plain()));
+        unit.check().unwrap_or_else(|d| panic!("{}", d.render_plain()));
+    }
+}
+
+#[test]
+fn megatron_models_are_listed_in_source_order() {
+    let unit = dplc_frontend::parse("m.dpl", &zoo("megatron_gpt.dpl")).unwrap();
+    let names = unit.model_names();
+    assert_eq!(names.len(), 12);
+    assert_eq!(names[0], "gpt_1_7b");
+    assert_eq!(names[11], "gpt_175b");
+    let lowered = unit.lower("gpt_175b").unwrap();
+    assert_eq!(lowered.train.seq, 2048);
+    assert!(lowered.args.contains(&("d".to_string(), "12288".to_string())));
+}
+
+#[test]
+fn variants_inherit_the_train_section_and_ctx_sets_seq() {
+    let unit = dplc_frontend::parse("gpt2.dpl", &zoo("gpt2.dpl")).unwrap();
+    let xl = unit.lower("gpt2_xl").unwrap();
+    assert_eq!(xl.train.global_batch, 512);
+    let bare = dplc_frontend::parse("t.dpl", "model m(ctx = 77) { input x: i32[b, s]  param e: [4, 2]  return embedding(e, x) }").unwrap();
+    assert_eq!(bare.lower("m").unwrap().train.seq, 77);
+}
+
+#[test]
+fn llama3_405b_lowers_its_repeat_body_once() {
+    let unit = dplc_frontend::parse("llama3.dpl", &zoo("llama3.dpl")).unwrap();
+    let start = std::time::Instant::now();
+    let lowered = unit.lower("llama3_405b").unwrap();
+    let elapsed = start.elapsed();
+    // 126 layers unrolled would be thousands of nodes; one body is ~100.
+    assert!(lowered.graph.nodes().len() < 300, "{} nodes", lowered.graph.nodes().len());
+    assert_eq!(lowered.graph.regions().len(), 2);
+    assert!(elapsed.as_secs_f64() < 1.0, "lowering took {elapsed:?}");
+    let names: Vec<_> = lowered.graph.params().map(|(_, p)| p.name.clone()).collect();
+    assert!(names.contains(&"layers.attention.q.w".to_string()), "{names:?}");
+    assert!(names.contains(&"layers.swiglu.w1".to_string()), "{names:?}");
+}
+
+#[test]
+fn clusters_convert_units_to_si() {
+    let c = dplc_frontend::parse("c.dpl", &zoo("clusters/dgx_a100_x4.dpl")).unwrap().clusters().unwrap();
+    assert_eq!(c[0].world_size(), 32);
+    let inter = c[0].inter_node.as_ref().unwrap();
+    assert_eq!((inter.kind.as_str(), inter.bandwidth_bytes_per_s, inter.latency_s), ("infiniband", 25e9, 5e-6));
+    for f in ["clusters/dgx_h100.dpl", "clusters/cpu_4.dpl"] {
+        let c = dplc_frontend::parse(f, &zoo(f)).unwrap().clusters().unwrap();
+        assert_eq!(c.len(), 1);
+    }
+}
