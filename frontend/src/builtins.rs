@@ -30,54 +30,251 @@ const AXIS: &[(&str, ArgDefault)] = &[("x", R), ("axis", I(-1))];
 const AB: &[(&str, ArgDefault)] = &[("a", R), ("b", R)];
 
 pub const BUILTINS: &[Builtin] = &[
-    Builtin { name: "matmul", params: AB, doc: "`a @ b`: [.., m, k] × [.., k, n]" },
-    Builtin { name: "max", params: AB, doc: "elementwise maximum (numbers too)" },
-    Builtin { name: "min", params: AB, doc: "elementwise minimum (numbers too)" },
-    Builtin { name: "pow", params: AB, doc: "`a ** b` elementwise" },
-    Builtin { name: "exp", params: X, doc: "eˣ (numbers too)" },
-    Builtin { name: "log", params: X, doc: "natural log (numbers too)" },
-    Builtin { name: "sqrt", params: X, doc: "square root (numbers too, giving a float)" },
-    Builtin { name: "rsqrt", params: X, doc: "1/√x" },
-    Builtin { name: "recip", params: X, doc: "1/x" },
-    Builtin { name: "tanh", params: X, doc: "hyperbolic tangent (numbers too)" },
-    Builtin { name: "sigmoid", params: X, doc: "1/(1+e⁻ˣ)" },
-    Builtin { name: "relu", params: X, doc: "max(x, 0)" },
-    Builtin { name: "gelu", params: X, doc: "GELU with erf (BERT)" },
-    Builtin { name: "gelu_tanh", params: X, doc: "GELU, tanh approximation (GPT-2)" },
-    Builtin { name: "silu", params: X, doc: "x·sigmoid(x)" },
-    Builtin { name: "sin", params: X, doc: "sine (numbers too)" },
-    Builtin { name: "cos", params: X, doc: "cosine (numbers too)" },
-    Builtin { name: "neg", params: X, doc: "−x" },
-    Builtin { name: "cast", params: &[("x", R), ("dtype", R)], doc: "convert to f32, bf16, f16 or i32; a number becomes a scalar tensor" },
-    Builtin { name: "sum", params: REDUCE, doc: "sum over one axis" },
-    Builtin { name: "mean", params: REDUCE, doc: "mean over one axis" },
-    Builtin { name: "amax", params: REDUCE, doc: "maximum over one axis" },
-    Builtin { name: "softmax", params: AXIS, doc: "numerically stable softmax" },
-    Builtin { name: "log_softmax", params: AXIS, doc: "numerically stable log-softmax" },
-    Builtin { name: "layernorm", params: &[("x", R), ("w", R), ("b", R), ("eps", F(1e-5))], doc: "layer norm over the last axis, scale w, shift b" },
-    Builtin { name: "rmsnorm", params: &[("x", R), ("w", R), ("eps", F(1e-6))], doc: "RMS norm over the last axis, scale w" },
-    Builtin { name: "dropout", params: &[("x", R), ("p", R)], doc: "dropout with probability p; p = 0 emits nothing" },
-    Builtin { name: "causal_mask", params: X, doc: "−∞ above the diagonal of the last two axes" },
-    Builtin { name: "reshape", params: &[("x", R), ("dims", R)], doc: "same elements, new shape; one dim may be -1" },
-    Builtin { name: "transpose", params: &[("x", R), ("a", I(-2)), ("b", I(-1))], doc: "swap two axes" },
-    Builtin { name: "permute", params: &[("x", R), ("perm", R)], doc: "output axis i is input axis perm[i]" },
-    Builtin { name: "expand", params: &[("x", R), ("dims", R)], doc: "broadcast size-1 axes to dims" },
-    Builtin { name: "slice", params: &[("x", R), ("axis", R), ("start", R), ("len", R)], doc: "len elements from start along a fixed-size axis" },
-    Builtin { name: "concat", params: &[("xs", R), ("axis", I(-1))], doc: "join a list of tensors along axis" },
-    Builtin { name: "embedding", params: &[("table", R), ("indices", R)], doc: "rows of table [n, d] at i32 indices: [.., d]" },
-    Builtin { name: "take_along", params: &[("x", R), ("indices", R)], doc: "x[.., n] at i32 indices [..] along the last axis" },
-    Builtin { name: "topk", params: &[("x", R), ("k", R)], doc: "(values, indices) of the k largest along the last axis" },
-    Builtin { name: "moe_dispatch", params: &[("x", R), ("indices", R), ("experts", R), ("capacity_factor", F(1.0))], doc: "route tokens [t, d] to [experts, capacity, d]" },
-    Builtin { name: "moe_combine", params: &[("y", R), ("weights", R), ("indices", R)], doc: "gather expert outputs back to [t, d], weighted" },
-    Builtin { name: "positions", params: &[("n", R)], doc: "i32 [0, 1, …, n-1]" },
-    Builtin { name: "dim", params: &[("x", R), ("axis", R)], doc: "the size of one axis, as a number or symbolic dim" },
-    Builtin { name: "shape", params: X, doc: "the list of a tensor's dims" },
-    Builtin { name: "rank", params: X, doc: "the number of axes" },
-    Builtin { name: "len", params: &[("xs", R)], doc: "the length of a list or tuple" },
-    Builtin { name: "int", params: &[("v", R)], doc: "a number or constant dim as an integer (floats truncate)" },
-    Builtin { name: "float", params: &[("v", R)], doc: "a number as a float" },
-    Builtin { name: "floordiv", params: AB, doc: "integer division rounding down (`//` is a comment)" },
-    Builtin { name: "error", params: &[("message", R)], doc: "stop with an error: for checks in blocks" },
+    Builtin {
+        name: "matmul",
+        params: AB,
+        doc: "`a @ b`: [.., m, k] × [.., k, n]",
+    },
+    Builtin {
+        name: "max",
+        params: AB,
+        doc: "elementwise maximum (numbers too)",
+    },
+    Builtin {
+        name: "min",
+        params: AB,
+        doc: "elementwise minimum (numbers too)",
+    },
+    Builtin {
+        name: "pow",
+        params: AB,
+        doc: "`a ** b` elementwise",
+    },
+    Builtin {
+        name: "exp",
+        params: X,
+        doc: "eˣ (numbers too)",
+    },
+    Builtin {
+        name: "log",
+        params: X,
+        doc: "natural log (numbers too)",
+    },
+    Builtin {
+        name: "sqrt",
+        params: X,
+        doc: "square root (numbers too, giving a float)",
+    },
+    Builtin {
+        name: "rsqrt",
+        params: X,
+        doc: "1/√x",
+    },
+    Builtin {
+        name: "recip",
+        params: X,
+        doc: "1/x",
+    },
+    Builtin {
+        name: "tanh",
+        params: X,
+        doc: "hyperbolic tangent (numbers too)",
+    },
+    Builtin {
+        name: "sigmoid",
+        params: X,
+        doc: "1/(1+e⁻ˣ)",
+    },
+    Builtin {
+        name: "relu",
+        params: X,
+        doc: "max(x, 0)",
+    },
+    Builtin {
+        name: "gelu",
+        params: X,
+        doc: "GELU with erf (BERT)",
+    },
+    Builtin {
+        name: "gelu_tanh",
+        params: X,
+        doc: "GELU, tanh approximation (GPT-2)",
+    },
+    Builtin {
+        name: "silu",
+        params: X,
+        doc: "x·sigmoid(x)",
+    },
+    Builtin {
+        name: "sin",
+        params: X,
+        doc: "sine (numbers too)",
+    },
+    Builtin {
+        name: "cos",
+        params: X,
+        doc: "cosine (numbers too)",
+    },
+    Builtin {
+        name: "neg",
+        params: X,
+        doc: "−x",
+    },
+    Builtin {
+        name: "cast",
+        params: &[("x", R), ("dtype", R)],
+        doc: "convert to f32, bf16, f16 or i32; a number becomes a scalar tensor",
+    },
+    Builtin {
+        name: "sum",
+        params: REDUCE,
+        doc: "sum over one axis",
+    },
+    Builtin {
+        name: "mean",
+        params: REDUCE,
+        doc: "mean over one axis",
+    },
+    Builtin {
+        name: "amax",
+        params: REDUCE,
+        doc: "maximum over one axis",
+    },
+    Builtin {
+        name: "softmax",
+        params: AXIS,
+        doc: "numerically stable softmax",
+    },
+    Builtin {
+        name: "log_softmax",
+        params: AXIS,
+        doc: "numerically stable log-softmax",
+    },
+    Builtin {
+        name: "layernorm",
+        params: &[("x", R), ("w", R), ("b", R), ("eps", F(1e-5))],
+        doc: "layer norm over the last axis, scale w, shift b",
+    },
+    Builtin {
+        name: "rmsnorm",
+        params: &[("x", R), ("w", R), ("eps", F(1e-6))],
+        doc: "RMS norm over the last axis, scale w",
+    },
+    Builtin {
+        name: "dropout",
+        params: &[("x", R), ("p", R)],
+        doc: "dropout with probability p; p = 0 emits nothing",
+    },
+    Builtin {
+        name: "causal_mask",
+        params: X,
+        doc: "−∞ above the diagonal of the last two axes",
+    },
+    Builtin {
+        name: "reshape",
+        params: &[("x", R), ("dims", R)],
+        doc: "same elements, new shape; one dim may be -1",
+    },
+    Builtin {
+        name: "transpose",
+        params: &[("x", R), ("a", I(-2)), ("b", I(-1))],
+        doc: "swap two axes",
+    },
+    Builtin {
+        name: "permute",
+        params: &[("x", R), ("perm", R)],
+        doc: "output axis i is input axis perm[i]",
+    },
+    Builtin {
+        name: "expand",
+        params: &[("x", R), ("dims", R)],
+        doc: "broadcast size-1 axes to dims",
+    },
+    Builtin {
+        name: "slice",
+        params: &[("x", R), ("axis", R), ("start", R), ("len", R)],
+        doc: "len elements from start along a fixed-size axis",
+    },
+    Builtin {
+        name: "concat",
+        params: &[("xs", R), ("axis", I(-1))],
+        doc: "join a list of tensors along axis",
+    },
+    Builtin {
+        name: "embedding",
+        params: &[("table", R), ("indices", R)],
+        doc: "rows of table [n, d] at i32 indices: [.., d]",
+    },
+    Builtin {
+        name: "take_along",
+        params: &[("x", R), ("indices", R)],
+        doc: "x[.., n] at i32 indices [..] along the last axis",
+    },
+    Builtin {
+        name: "topk",
+        params: &[("x", R), ("k", R)],
+        doc: "(values, indices) of the k largest along the last axis",
+    },
+    Builtin {
+        name: "moe_dispatch",
+        params: &[
+            ("x", R),
+            ("indices", R),
+            ("experts", R),
+            ("capacity_factor", F(1.0)),
+        ],
+        doc: "route tokens [t, d] to [experts, capacity, d]",
+    },
+    Builtin {
+        name: "moe_combine",
+        params: &[("y", R), ("weights", R), ("indices", R)],
+        doc: "gather expert outputs back to [t, d], weighted",
+    },
+    Builtin {
+        name: "positions",
+        params: &[("n", R)],
+        doc: "i32 [0, 1, …, n-1]",
+    },
+    Builtin {
+        name: "dim",
+        params: &[("x", R), ("axis", R)],
+        doc: "the size of one axis, as a number or symbolic dim",
+    },
+    Builtin {
+        name: "shape",
+        params: X,
+        doc: "the list of a tensor's dims",
+    },
+    Builtin {
+        name: "rank",
+        params: X,
+        doc: "the number of axes",
+    },
+    Builtin {
+        name: "len",
+        params: &[("xs", R)],
+        doc: "the length of a list or tuple",
+    },
+    Builtin {
+        name: "int",
+        params: &[("v", R)],
+        doc: "a number or constant dim as an integer (floats truncate)",
+    },
+    Builtin {
+        name: "float",
+        params: &[("v", R)],
+        doc: "a number as a float",
+    },
+    Builtin {
+        name: "floordiv",
+        params: AB,
+        doc: "integer division rounding down (`//` is a comment)",
+    },
+    Builtin {
+        name: "error",
+        params: &[("message", R)],
+        doc: "stop with an error: for checks in blocks",
+    },
 ];
 
 pub fn find(name: &str) -> Option<&'static Builtin> {
@@ -124,7 +321,10 @@ pub fn call(e: &mut Elab<'_>, b: &Builtin, args: Vec<(Value, Span)>, span: Span)
                     return Err(Diag::new(
                         "dpl::domain",
                         span,
-                        format!("`{name}` of {} is not a real number", crate::value::fmt_float(x)),
+                        format!(
+                            "`{name}` of {} is not a real number",
+                            crate::value::fmt_float(x)
+                        ),
                     )
                     .label("out of domain"))
                 }
@@ -139,7 +339,10 @@ pub fn call(e: &mut Elab<'_>, b: &Builtin, args: Vec<(Value, Span)>, span: Span)
     }
     match name {
         "matmul" => {
-            let (a, c) = (e.tensor_arg(arg(0), at(0), name)?, e.tensor_arg(arg(1), at(1), name)?);
+            let (a, c) = (
+                e.tensor_arg(arg(0), at(0), name)?,
+                e.tensor_arg(arg(1), at(1), name)?,
+            );
             e.node1(Op::MatMul, &[a, c], span).map(Value::Tensor)
         }
         "max" | "min" | "pow" => {
@@ -150,7 +353,11 @@ pub fn call(e: &mut Elab<'_>, b: &Builtin, args: Vec<(Value, Span)>, span: Span)
             };
             if let (Some(x), Some(y)) = (arg(0).as_f64(), arg(1).as_f64()) {
                 if let (Value::Int(x), Value::Int(y), false) = (arg(0), arg(1), name == "pow") {
-                    return Ok(Value::Int(if name == "max" { *x.max(y) } else { *x.min(y) }));
+                    return Ok(Value::Int(if name == "max" {
+                        *x.max(y)
+                    } else {
+                        *x.min(y)
+                    }));
                 }
                 let r = match op {
                     BinaryOp::Max => x.max(y),
@@ -159,7 +366,10 @@ pub fn call(e: &mut Elab<'_>, b: &Builtin, args: Vec<(Value, Span)>, span: Span)
                 };
                 return Ok(Value::Float(r));
             }
-            let (a, c) = (e.tensor_or_const(arg(0), at(0))?, e.tensor_or_const(arg(1), at(1))?);
+            let (a, c) = (
+                e.tensor_or_const(arg(0), at(0))?,
+                e.tensor_or_const(arg(1), at(1))?,
+            );
             e.node1(Op::Binary(op), &[a, c], span).map(Value::Tensor)
         }
         "cast" => {
@@ -178,7 +388,16 @@ pub fn call(e: &mut Elab<'_>, b: &Builtin, args: Vec<(Value, Span)>, span: Span)
             let t = e.tensor_arg(arg(0), at(0), name)?;
             let axis = e.axis_arg(t, arg(1), at(1))?;
             let keep_dim = e.bool_arg(arg(2), at(2))?;
-            e.node1(Op::Reduce { kind, axis, keep_dim }, &[t], span).map(Value::Tensor)
+            e.node1(
+                Op::Reduce {
+                    kind,
+                    axis,
+                    keep_dim,
+                },
+                &[t],
+                span,
+            )
+            .map(Value::Tensor)
         }
         "softmax" | "log_softmax" => {
             let t = e.tensor_arg(arg(0), at(0), name)?;
@@ -195,13 +414,15 @@ pub fn call(e: &mut Elab<'_>, b: &Builtin, args: Vec<(Value, Span)>, span: Span)
             let w = e.tensor_arg(arg(1), at(1), name)?;
             let bias = e.tensor_arg(arg(2), at(2), name)?;
             let eps = e.number_arg(arg(3), at(3))?;
-            e.node1(Op::LayerNorm { eps }, &[x, w, bias], span).map(Value::Tensor)
+            e.node1(Op::LayerNorm { eps }, &[x, w, bias], span)
+                .map(Value::Tensor)
         }
         "rmsnorm" => {
             let x = e.tensor_arg(arg(0), at(0), name)?;
             let w = e.tensor_arg(arg(1), at(1), name)?;
             let eps = e.number_arg(arg(2), at(2))?;
-            e.node1(Op::RmsNorm { eps }, &[x, w], span).map(Value::Tensor)
+            e.node1(Op::RmsNorm { eps }, &[x, w], span)
+                .map(Value::Tensor)
         }
         "dropout" => {
             let x = e.tensor_arg(arg(0), at(0), name)?;
@@ -235,7 +456,8 @@ pub fn call(e: &mut Elab<'_>, b: &Builtin, args: Vec<(Value, Span)>, span: Span)
             let c = e.axis_arg(x, arg(2), at(2))?;
             let mut perm: Vec<usize> = (0..e.graph().tensor(x).shape.rank()).collect();
             perm.swap(a, c);
-            e.node1(Op::Transpose { perm }, &[x], span).map(Value::Tensor)
+            e.node1(Op::Transpose { perm }, &[x], span)
+                .map(Value::Tensor)
         }
         "permute" => {
             let x = e.tensor_arg(arg(0), at(0), name)?;
@@ -244,14 +466,16 @@ pub fn call(e: &mut Elab<'_>, b: &Builtin, args: Vec<(Value, Span)>, span: Span)
             for v in items {
                 perm.push(e.axis_arg(x, &v, at(1))?);
             }
-            e.node1(Op::Transpose { perm }, &[x], span).map(Value::Tensor)
+            e.node1(Op::Transpose { perm }, &[x], span)
+                .map(Value::Tensor)
         }
         "slice" => {
             let x = e.tensor_arg(arg(0), at(0), name)?;
             let axis = e.axis_arg(x, arg(1), at(1))?;
             let start = e.int_arg(arg(2), at(2))?;
             let len = e.int_arg(arg(3), at(3))?;
-            e.node1(Op::Slice { axis, start, len }, &[x], span).map(Value::Tensor)
+            e.node1(Op::Slice { axis, start, len }, &[x], span)
+                .map(Value::Tensor)
         }
         "concat" => {
             let items = e.list_arg(arg(0), at(0))?;
@@ -287,22 +511,38 @@ pub fn call(e: &mut Elab<'_>, b: &Builtin, args: Vec<(Value, Span)>, span: Span)
             let idx = e.tensor_arg(arg(1), at(1), name)?;
             let experts = e.int_arg(arg(2), at(2))?;
             if experts < 1 {
-                return Err(Diag::new("dpl::arg-type", at(2), "the number of experts must be positive")
-                    .label(format!("is {experts}")));
+                return Err(Diag::new(
+                    "dpl::arg-type",
+                    at(2),
+                    "the number of experts must be positive",
+                )
+                .label(format!("is {experts}")));
             }
             let cf = e.number_arg(arg(3), at(3))?;
             let capacity_factor = ratio_of(cf).ok_or_else(|| {
-                Diag::new("dpl::arg-type", at(3), "the capacity factor must be a positive number")
-                    .label("out of range")
+                Diag::new(
+                    "dpl::arg-type",
+                    at(3),
+                    "the capacity factor must be a positive number",
+                )
+                .label("out of range")
             })?;
-            e.node1(Op::MoeDispatch { experts, capacity_factor }, &[x, idx], span)
-                .map(Value::Tensor)
+            e.node1(
+                Op::MoeDispatch {
+                    experts,
+                    capacity_factor,
+                },
+                &[x, idx],
+                span,
+            )
+            .map(Value::Tensor)
         }
         "moe_combine" => {
             let y = e.tensor_arg(arg(0), at(0), name)?;
             let w = e.tensor_arg(arg(1), at(1), name)?;
             let idx = e.tensor_arg(arg(2), at(2), name)?;
-            e.node1(Op::MoeCombine, &[y, w, idx], span).map(Value::Tensor)
+            e.node1(Op::MoeCombine, &[y, w, idx], span)
+                .map(Value::Tensor)
         }
         "positions" => {
             let len = e.dim_arg(arg(0), at(0))?;
@@ -328,7 +568,9 @@ pub fn call(e: &mut Elab<'_>, b: &Builtin, args: Vec<(Value, Span)>, span: Span)
         }
         "int" => match arg(0) {
             Value::Int(n) => Ok(Value::Int(*n)),
-            Value::Float(x) if x.is_finite() && x.abs() < 9.2e18 => Ok(Value::Int(x.trunc() as i64)),
+            Value::Float(x) if x.is_finite() && x.abs() < 9.2e18 => {
+                Ok(Value::Int(x.trunc() as i64))
+            }
             v => Err(e.expected(v, at(0), "a finite number")),
         },
         "float" => match arg(0).as_f64() {
@@ -338,14 +580,20 @@ pub fn call(e: &mut Elab<'_>, b: &Builtin, args: Vec<(Value, Span)>, span: Span)
         "floordiv" => {
             let (a, c) = (e.int_arg(arg(0), at(0))?, e.int_arg(arg(1), at(1))?);
             if c == 0 {
-                return Err(Diag::new("dpl::division-by-zero", at(1), "division by zero")
-                    .label("this is zero"));
+                return Err(
+                    Diag::new("dpl::division-by-zero", at(1), "division by zero")
+                        .label("this is zero"),
+                );
             }
-            let q = a
-                .checked_div(c)
-                .ok_or_else(|| Diag::new("dpl::overflow", span, "integer overflow in `floordiv`"))?;
+            let q = a.checked_div(c).ok_or_else(|| {
+                Diag::new("dpl::overflow", span, "integer overflow in `floordiv`")
+            })?;
             // Round toward −∞ like Python's `//`, not toward zero like Rust's `/`.
-            Ok(Value::Int(if a % c != 0 && ((a < 0) != (c < 0)) { q - 1 } else { q }))
+            Ok(Value::Int(if a % c != 0 && ((a < 0) != (c < 0)) {
+                q - 1
+            } else {
+                q
+            }))
         }
         "error" => {
             let msg = match arg(0) {

@@ -116,7 +116,13 @@ impl Program {
             if let Some(t) = self.trains.iter().find(|t| t.name.name == current) {
                 return Some(t);
             }
-            current = self.variants.iter().find(|v| v.name.name == current)?.base.name.clone();
+            current = self
+                .variants
+                .iter()
+                .find(|v| v.name.name == current)?
+                .base
+                .name
+                .clone();
         }
         None
     }
@@ -238,7 +244,10 @@ impl<'p> Elab<'p> {
                 None => f.default.as_ref().ok_or_else(|| missing_default(f))?,
             };
             let v = e.eval(expr)?;
-            if !matches!(v, Value::Int(_) | Value::Float(_) | Value::Bool(_) | Value::Str(_)) {
+            if !matches!(
+                v,
+                Value::Int(_) | Value::Float(_) | Value::Bool(_) | Value::Str(_)
+            ) {
                 return Err(e.expected(&v, expr.span, "a number, a bool or a string"));
             }
             args.push((f.name.name.clone(), v.clone()));
@@ -266,7 +275,11 @@ impl<'p> Elab<'p> {
                     return Err(Diag::new(
                         "dpl::type",
                         def.name.span,
-                        format!("model `{}` must return tensors, not {}", def.name.name, other.describe(&e.g)),
+                        format!(
+                            "model `{}` must return tensors, not {}",
+                            def.name.name,
+                            other.describe(&e.g)
+                        ),
                     )
                     .label("in this model"))
                 }
@@ -374,7 +387,11 @@ impl<'p> Elab<'p> {
                         Value::Bool(true) => return self.exec(body),
                         Value::Bool(false) => {}
                         other => {
-                            return Err(self.expected(&other, cond.span, "a bool (conditions are decided while compiling)"))
+                            return Err(self.expected(
+                                &other,
+                                cond.span,
+                                "a bool (conditions are decided while compiling)",
+                            ))
                         }
                     }
                 }
@@ -441,7 +458,7 @@ impl<'p> Elab<'p> {
         if elements > MAX_PARAM_ELEMENTS {
             return Err(Diag::new(
                 "dpl::too-large",
-                span,
+                name.span,
                 format!("parameter `{}` would have {elements} elements", name.name),
             )
             .label("too large")
@@ -455,7 +472,14 @@ impl<'p> Elab<'p> {
         let region = self.region();
         let t = self
             .g
-            .add_param(region, self.scope, &name.name, DType::F32, Shape(shape), init)
+            .add_param(
+                region,
+                self.scope,
+                &name.name,
+                DType::F32,
+                Shape(shape),
+                init,
+            )
             .map_err(|err| self.ir_error(err, name.span))?;
         self.bind(&name.name, Value::Tensor(t));
         Ok(())
@@ -494,8 +518,12 @@ impl<'p> Elab<'p> {
             .label("inside a block or repeat"));
         }
         let ty = DType::from_name(&dtype.name).ok_or_else(|| {
-            let mut d = Diag::new("dpl::unknown-dtype", dtype.span, format!("unknown element type `{}`", dtype.name))
-                .label("not a type");
+            let mut d = Diag::new(
+                "dpl::unknown-dtype",
+                dtype.span,
+                format!("unknown element type `{}`", dtype.name),
+            )
+            .label("not a type");
             d = d.help(match did_you_mean(&dtype.name, builtins::dtype_names()) {
                 Some(s) => format!("{s} types are f32, bf16, f16 and i32"),
                 None => "types are f32, bf16, f16 and i32".to_string(),
@@ -532,11 +560,16 @@ impl<'p> Elab<'p> {
                 return Err(Diag::new(
                     "dpl::repeat-count",
                     count_expr.span,
-                    format!("a repeat count must be between 1 and {MAX_REPEAT}, `{}` is {n}", self.prog.text(count_expr.span)),
+                    format!(
+                        "a repeat count must be between 1 and {MAX_REPEAT}, `{}` is {n}",
+                        self.prog.text(count_expr.span)
+                    ),
                 )
                 .label("not a valid count"))
             }
-            other => return Err(self.expected(&other, count_expr.span, "a positive integer count")),
+            other => {
+                return Err(self.expected(&other, count_expr.span, "a positive integer count"))
+            }
         };
         if self.levels.len() > MAX_REPEAT_NESTING {
             return Err(Diag::new(
@@ -583,7 +616,9 @@ impl<'p> Elab<'p> {
             f.scopes.push(scope_vars);
         }
         let outer_scope = self.scope;
-        self.scope = self.g.add_scope(outer_scope, &scope_name, ScopeKind::Repeat { count });
+        self.scope = self
+            .g
+            .add_scope(outer_scope, &scope_name, ScopeKind::Repeat { count });
         let flow = self.exec(body);
         self.scope = outer_scope;
         let finals = self
@@ -593,7 +628,13 @@ impl<'p> Elab<'p> {
             .unwrap_or_default();
         let level = self.levels.pop();
         flow?;
-        let level = level.ok_or_else(|| Diag::new("dpl::internal", span, "internal error: region stack is empty"))?;
+        let level = level.ok_or_else(|| {
+            Diag::new(
+                "dpl::internal",
+                span,
+                "internal error: region stack is empty",
+            )
+        })?;
         let mut results = Vec::new();
         for (n, before) in &carried {
             let after = finals.get(n).cloned().unwrap_or_else(|| before.clone());
@@ -603,7 +644,10 @@ impl<'p> Elab<'p> {
                         return Err(Diag::new(
                             "dpl::repeat-carried",
                             span,
-                            format!("`{n}` enters the repeat as a tensor but leaves as {}", after.describe(&self.g)),
+                            format!(
+                                "`{n}` enters the repeat as a tensor but leaves as {}",
+                                after.describe(&self.g)
+                            ),
                         )
                         .label("in this repeat"));
                     };
@@ -687,7 +731,9 @@ impl<'p> Elab<'p> {
                 continue;
             }
             let info = self.g.tensor(cur).clone();
-            let arg = self.g.add_region_arg(self.levels[j].region, info.dtype, info.shape);
+            let arg = self
+                .g
+                .add_region_arg(self.levels[j].region, info.dtype, info.shape);
             self.levels[j].captured.insert(cur, arg);
             self.levels[j].capture_inputs.push(cur);
             cur = arg;
@@ -698,8 +744,12 @@ impl<'p> Elab<'p> {
     fn localize_value(&mut self, v: Value) -> Value {
         match v {
             Value::Tensor(t) => Value::Tensor(self.localize(t)),
-            Value::Tuple(xs) => Value::Tuple(xs.into_iter().map(|x| self.localize_value(x)).collect()),
-            Value::List(xs) => Value::List(xs.into_iter().map(|x| self.localize_value(x)).collect()),
+            Value::Tuple(xs) => {
+                Value::Tuple(xs.into_iter().map(|x| self.localize_value(x)).collect())
+            }
+            Value::List(xs) => {
+                Value::List(xs.into_iter().map(|x| self.localize_value(x)).collect())
+            }
             other => other,
         }
     }
@@ -729,9 +779,13 @@ impl<'p> Elab<'p> {
 
     pub fn node1(&mut self, op: Op, inputs: &[TensorId], span: Span) -> Res<TensorId> {
         let outs = self.node(op, inputs, span)?;
-        outs.first()
-            .copied()
-            .ok_or_else(|| Diag::new("dpl::internal", span, "internal error: an op produced no output"))
+        outs.first().copied().ok_or_else(|| {
+            Diag::new(
+                "dpl::internal",
+                span,
+                "internal error: an op produced no output",
+            )
+        })
     }
 
     fn ir_error(&self, e: IrError, span: Span) -> Box<Diag> {
@@ -752,7 +806,9 @@ impl<'p> Elab<'p> {
         let d = Diag::new(code, span, e.to_string()).label(format!("in `{text}`"));
         match e {
             IrError::DuplicateParam(_) => d.help("give each parameter of a block its own name"),
-            IrError::Shape { .. } => d.help("shapes are [outermost, …, innermost]; check the sizes passed to the block or op"),
+            IrError::Shape { .. } => d.help(
+                "shapes are [outermost, …, innermost]; check the sizes passed to the block or op",
+            ),
             _ => d,
         }
     }
@@ -801,13 +857,16 @@ impl<'p> Elab<'p> {
                 let v = self.eval(x)?;
                 match (op, &v) {
                     (UnOp::Not, Value::Bool(b)) => Ok(Value::Bool(!b)),
-                    (UnOp::Neg, Value::Int(n)) => n.checked_neg().map(Value::Int).ok_or_else(|| {
-                        Diag::new("dpl::overflow", e.span, "integer overflow in `-`").label("here")
-                    }),
-                    (UnOp::Neg, Value::Float(x)) => Ok(Value::Float(-x)),
-                    (UnOp::Neg, Value::Tensor(t)) => {
-                        self.node1(Op::Unary(dplc_ir::UnaryOp::Neg), &[*t], e.span).map(Value::Tensor)
+                    (UnOp::Neg, Value::Int(n)) => {
+                        n.checked_neg().map(Value::Int).ok_or_else(|| {
+                            Diag::new("dpl::overflow", e.span, "integer overflow in `-`")
+                                .label("here")
+                        })
                     }
+                    (UnOp::Neg, Value::Float(x)) => Ok(Value::Float(-x)),
+                    (UnOp::Neg, Value::Tensor(t)) => self
+                        .node1(Op::Unary(dplc_ir::UnaryOp::Neg), &[*t], e.span)
+                        .map(Value::Tensor),
                     (UnOp::Not, _) => Err(self.expected(&v, x.span, "a bool")),
                     (UnOp::Neg, _) => Err(self.expected(&v, x.span, "a number or a tensor")),
                 }
@@ -838,7 +897,9 @@ impl<'p> Elab<'p> {
             return arith(op, &x, &y, &self.g).map_err(|(code, msg)| {
                 let d = Diag::new(code, span, msg);
                 match code {
-                    "dpl::division-by-zero" => d.label(format!("`{}` is zero", self.prog.text(b.span))),
+                    "dpl::division-by-zero" => {
+                        d.label(format!("`{}` is zero", self.prog.text(b.span)))
+                    }
                     _ => d.label("here"),
                 }
             });
@@ -850,7 +911,10 @@ impl<'p> Elab<'p> {
             BinOp::Div => dplc_ir::BinaryOp::Div,
             BinOp::Pow => dplc_ir::BinaryOp::Pow,
             BinOp::MatMul => {
-                let (ta, tb) = (self.tensor_arg(&x, a.span, "@")?, self.tensor_arg(&y, b.span, "@")?);
+                let (ta, tb) = (
+                    self.tensor_arg(&x, a.span, "@")?,
+                    self.tensor_arg(&y, b.span, "@")?,
+                );
                 return self.node1(Op::MatMul, &[ta, tb], span).map(Value::Tensor);
             }
             _ => {
@@ -859,12 +923,18 @@ impl<'p> Elab<'p> {
                     span,
                     format!("`{}` does not apply to tensors", op.symbol()),
                 )
-                .label(format!("{} {} {}", x.describe(&self.g), op.symbol(), y.describe(&self.g))))
+                .label(format!(
+                    "{} {} {}",
+                    x.describe(&self.g),
+                    op.symbol(),
+                    y.describe(&self.g)
+                )))
             }
         };
         let ta = self.tensor_or_const(&x, a.span)?;
         let tb = self.tensor_or_const(&y, b.span)?;
-        self.node1(Op::Binary(bin), &[ta, tb], span).map(Value::Tensor)
+        self.node1(Op::Binary(bin), &[ta, tb], span)
+            .map(Value::Tensor)
     }
 
     fn unknown_name(&self, name: &str, span: Span, label: &str) -> Box<Diag> {
@@ -872,7 +942,9 @@ impl<'p> Elab<'p> {
         let d = Diag::new("dpl::unknown-name", span, format!("unknown name `{name}`")).label(label);
         match did_you_mean(name, names.iter().map(String::as_str)) {
             Some(s) => d.help(s),
-            None => d.help("names must be defined before use: a formal, an assignment, a param or an input"),
+            None => d.help(
+                "names must be defined before use: a formal, an assignment, a param or an input",
+            ),
         }
     }
 
@@ -899,9 +971,16 @@ impl<'p> Elab<'p> {
                     )
                     .label("write `key = value`"));
                 };
-                if fields.iter().any(|(k, _, _): &(String, Value, Span)| *k == n.name) {
-                    return Err(Diag::new("dpl::duplicate-keyword", n.span, format!("field `{}` is given twice", n.name))
-                        .label("given again here"));
+                if fields
+                    .iter()
+                    .any(|(k, _, _): &(String, Value, Span)| *k == n.name)
+                {
+                    return Err(Diag::new(
+                        "dpl::duplicate-keyword",
+                        n.span,
+                        format!("field `{}` is given twice", n.name),
+                    )
+                    .label("given again here"));
                 }
                 let v = self.eval(&a.value)?;
                 fields.push((n.name.clone(), v, a.value.span));
@@ -936,16 +1015,30 @@ impl<'p> Elab<'p> {
             return builtins::call(self, b, full, span);
         }
         if self.prog.models.iter().any(|m| m.name.name == callee.name) {
-            return Err(Diag::new("dpl::call-model", callee.span, format!("`{}` is a model; only blocks and builtins can be called", callee.name))
-                .label("a model"));
+            return Err(Diag::new(
+                "dpl::call-model",
+                callee.span,
+                format!(
+                    "`{}` is a model; only blocks and builtins can be called",
+                    callee.name
+                ),
+            )
+            .label("a model"));
         }
-        let mut names: Vec<String> = builtins::BUILTINS.iter().map(|b| b.name.to_string()).collect();
+        let mut names: Vec<String> = builtins::BUILTINS
+            .iter()
+            .map(|b| b.name.to_string())
+            .collect();
         names.extend(self.prog.std_blocks.keys().cloned());
         if self.in_user_file() {
             names.extend(self.prog.user_blocks.keys().cloned());
         }
-        let d = Diag::new("dpl::unknown-block", callee.span, format!("unknown block or builtin `{}`", callee.name))
-            .label("not a block or builtin");
+        let d = Diag::new(
+            "dpl::unknown-block",
+            callee.span,
+            format!("unknown block or builtin `{}`", callee.name),
+        )
+        .label("not a block or builtin");
         Err(match did_you_mean(&callee.name, names.iter().map(String::as_str)) {
             Some(s) => d.help(s),
             None => d.help("blocks are declared with `block name(…) { … }`; docs/language.md lists the builtins"),
@@ -974,9 +1067,13 @@ impl<'p> Elab<'p> {
             match name {
                 None => {
                     if seen_keyword {
-                        return Err(Diag::new("dpl::arg-order", at, "a positional argument after a keyword argument")
-                            .label("move this before the keyword arguments")
-                            .help(format!("the signature is {signature}")));
+                        return Err(Diag::new(
+                            "dpl::arg-order",
+                            at,
+                            "a positional argument after a keyword argument",
+                        )
+                        .label("move this before the keyword arguments")
+                        .help(format!("the signature is {signature}")));
                     }
                     if positional >= formals.len() {
                         return Err(Diag::new(
@@ -1076,11 +1173,20 @@ impl<'p> Elab<'p> {
         }
         // `name = "q"` names the block instance's scope (and so its parameters).
         let mut scope_name = name.clone();
-        if let Some(i) = args.iter().position(|(n, _, _)| n.as_ref().is_some_and(|n| n.name == "name")) {
+        if let Some(i) = args
+            .iter()
+            .position(|(n, _, _)| n.as_ref().is_some_and(|n| n.name == "name"))
+        {
             let (_, v, at) = args.remove(i);
             match v {
                 Value::Str(s) if is_scope_name(&s) => scope_name = s,
-                other => return Err(self.expected(&other, at, "a name string such as \"q\" (letters, digits, _)")),
+                other => {
+                    return Err(self.expected(
+                        &other,
+                        at,
+                        "a name string such as \"q\" (letters, digits, _)",
+                    ))
+                }
             }
         }
         let formals: Vec<&str> = def.formals.iter().map(|f| f.name.name.as_str()).collect();
@@ -1093,20 +1199,33 @@ impl<'p> Elab<'p> {
             file: def.name.span.file,
         });
         let outer_scope = self.scope;
-        self.scope = self.g.add_scope(outer_scope, &scope_name, ScopeKind::Block { block: name.clone() });
+        self.scope = self.g.add_scope(
+            outer_scope,
+            &scope_name,
+            ScopeKind::Block {
+                block: name.clone(),
+            },
+        );
         let result = self.run_block(def, bound, span, &sig);
         self.scope = outer_scope;
         self.frames.pop();
         self.calls.pop();
         result.map_err(|mut d| {
             if self.prog.is_std(d.span.file) && !self.prog.is_std(span.file) && d.notes.is_empty() {
-                d.notes.push((span, format!("the error is inside this call of `{name}`")));
+                d.notes
+                    .push((span, format!("the error is inside this call of `{name}`")));
             }
             d
         })
     }
 
-    fn run_block(&mut self, def: &'p FnDef, bound: Vec<Option<(Value, Span)>>, span: Span, sig: &str) -> Res<Value> {
+    fn run_block(
+        &mut self,
+        def: &'p FnDef,
+        bound: Vec<Option<(Value, Span)>>,
+        span: Span,
+        sig: &str,
+    ) -> Res<Value> {
         for (f, slot) in def.formals.iter().zip(bound) {
             let v = match (slot, &f.default) {
                 (Some((v, _)), _) => v,
@@ -1140,9 +1259,20 @@ impl<'p> Elab<'p> {
         } else {
             "dpl::arg-type"
         };
-        let code = if what.contains("tensor") { "dpl::arg-type" } else { code };
-        Diag::new(code, span, format!("expected {what}, found {}", v.describe(&self.g)))
-            .label(format!("`{}`", self.prog.text(span).chars().take(60).collect::<String>()))
+        let code = if what.contains("tensor") {
+            "dpl::arg-type"
+        } else {
+            code
+        };
+        Diag::new(
+            code,
+            span,
+            format!("expected {what}, found {}", v.describe(&self.g)),
+        )
+        .label(format!(
+            "`{}`",
+            self.prog.text(span).chars().take(60).collect::<String>()
+        ))
     }
 
     pub fn tensor_arg(&mut self, v: &Value, span: Span, op: &str) -> Res<TensorId> {
@@ -1196,10 +1326,16 @@ impl<'p> Elab<'p> {
             Diag::new(
                 "dpl::axis",
                 span,
-                format!("axis {a} is out of range for a tensor of shape {}", self.g.shape_str(shape)),
+                format!(
+                    "axis {a} is out of range for a tensor of shape {}",
+                    self.g.shape_str(shape)
+                ),
             )
             .label("no such axis")
-            .help(format!("axes run from 0 to {} (or -1 from the end)", shape.rank().saturating_sub(1)))
+            .help(format!(
+                "axes run from 0 to {} (or -1 from the end)",
+                shape.rank().saturating_sub(1)
+            ))
         })
     }
 
@@ -1207,8 +1343,12 @@ impl<'p> Elab<'p> {
     pub fn dim_arg(&self, v: &Value, span: Span) -> Res<Dim> {
         let text = self.prog.text(span).chars().take(60).collect::<String>();
         let bad = |why: String| {
-            Diag::new("dpl::bad-dim", span, format!("`{text}` is not a valid dimension: {why}"))
-                .label("used as a dimension")
+            Diag::new(
+                "dpl::bad-dim",
+                span,
+                format!("`{text}` is not a valid dimension: {why}"),
+            )
+            .label("used as a dimension")
         };
         match v {
             Value::Int(n) if *n <= 0 => Err(bad(format!("it is {n}, dimensions must be positive"))),
@@ -1216,7 +1356,7 @@ impl<'p> Elab<'p> {
                 .help("dimensions above 2^40 elements are refused")),
             Value::Int(n) => Ok(Dim::konst(*n)),
             Value::Float(x) => Err(bad(format!("it is {}, not an integer", crate::value::fmt_float(*x)))
-                .help("use `//`-free integer arithmetic: `768 / 12` is 64 but `10 / 4` is 2.5; `floordiv` rounds down")),
+                .help("`/` is exact or fractional: `768 / 12` is 64 but `10 / 4` is 2.5; floordiv(a, b) rounds down")),
             Value::Dim(d) if d.coeff().numer() > 0 => Ok(d.clone()),
             Value::Dim(d) => Err(bad(format!("{} is not positive", self.g.dim_str(d)))),
             other => Err(self.expected(other, span, "a dimension (a positive integer or a symbolic size)")),
@@ -1238,7 +1378,12 @@ impl<'p> Elab<'p> {
         let dims = builtins::dims_of(self, &items, span)?;
         let unknown = dims.iter().filter(|d| d.is_none()).count();
         if unknown > 1 {
-            return Err(Diag::new("dpl::bad-dim", span, "only one dimension of a reshape can be -1").label("two -1s"));
+            return Err(Diag::new(
+                "dpl::bad-dim",
+                span,
+                "only one dimension of a reshape can be -1",
+            )
+            .label("two -1s"));
         }
         let known = dims
             .iter()
@@ -1262,7 +1407,11 @@ impl<'p> Elab<'p> {
                     .label("in this shape"))
                 }
             },
-            _ => return Err(Diag::new("dpl::overflow", span, "the shape's size overflows").label("here")),
+            _ => {
+                return Err(
+                    Diag::new("dpl::overflow", span, "the shape's size overflows").label("here"),
+                )
+            }
         };
         Ok(Shape(
             dims.into_iter()

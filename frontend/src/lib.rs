@@ -102,9 +102,18 @@ fn register(prog: &mut Program, file: FileId, items: Vec<Item>) -> Res<()> {
                     .label("choose another name"));
                 }
                 check_formals(&b, true)?;
-                let table = if is_std { &mut prog.std_blocks } else { &mut prog.user_blocks };
+                let table = if is_std {
+                    &mut prog.std_blocks
+                } else {
+                    &mut prog.user_blocks
+                };
                 if let Some(prev) = table.get(&b.name.name) {
-                    return Err(duplicate("block", &b.name.name, b.name.span, prev.name.span));
+                    return Err(duplicate(
+                        "block",
+                        &b.name.name,
+                        b.name.span,
+                        prev.name.span,
+                    ));
                 }
                 table.insert(b.name.name.clone(), b);
             }
@@ -124,13 +133,23 @@ fn register(prog: &mut Program, file: FileId, items: Vec<Item>) -> Res<()> {
             }
             Item::Train(t) if !is_std => {
                 if let Some(prev) = prog.trains.iter().find(|p| p.name.name == t.name.name) {
-                    return Err(duplicate("train section for", &t.name.name, t.name.span, prev.name.span));
+                    return Err(duplicate(
+                        "train section for",
+                        &t.name.name,
+                        t.name.span,
+                        prev.name.span,
+                    ));
                 }
                 prog.trains.push(t);
             }
             Item::Cluster(c) if !is_std => {
                 if let Some(prev) = prog.clusters.iter().find(|p| p.name.name == c.name.name) {
-                    return Err(duplicate("cluster", &c.name.name, c.name.span, prev.name.span));
+                    return Err(duplicate(
+                        "cluster",
+                        &c.name.name,
+                        c.name.span,
+                        prev.name.span,
+                    ));
                 }
                 prog.clusters.push(c);
             }
@@ -150,9 +169,13 @@ fn model_span(prog: &Program, name: &str) -> Option<Span> {
 }
 
 fn duplicate(what: &str, name: &str, at: Span, prev: Span) -> Box<Diag> {
-    Diag::new("dpl::duplicate", at, format!("{what} `{name}` is defined twice"))
-        .label("defined again here")
-        .note(prev, "first defined here")
+    Diag::new(
+        "dpl::duplicate",
+        at,
+        format!("{what} `{name}` is defined twice"),
+    )
+    .label("defined again here")
+    .note(prev, "first defined here")
 }
 
 fn check_formals(def: &ast::FnDef, block: bool) -> Res<()> {
@@ -201,10 +224,13 @@ impl Unit {
     fn lower_inner(&self, model: &str) -> Res<Lowered> {
         let at = nowhere(&self.prog);
         let lowered = Elab::lower_model(&self.prog, model, at)?;
-        let ctx = lowered.args.iter().find_map(|(k, v)| match (k.as_str(), v) {
-            ("ctx", value::Value::Int(n)) => Some(*n),
-            _ => None,
-        });
+        let ctx = lowered
+            .args
+            .iter()
+            .find_map(|(k, v)| match (k.as_str(), v) {
+                ("ctx", value::Value::Int(n)) => Some(*n),
+                _ => None,
+            });
         let train = section::train_spec(&self.prog, self.prog.train_for(model), ctx)?;
         let args = lowered
             .args

@@ -16,17 +16,39 @@ const TRAIN_KEYS: &[&str] = &[
     "grad_clip",
     "steps",
 ];
-const CLUSTER_KEYS: &[&str] = &["nodes", "devices_per_node", "device", "intra_node", "inter_node"];
-const LINK_KINDS: &[&str] = &["nvswitch", "nvlink", "pcie", "infiniband", "ethernet", "shm"];
+const CLUSTER_KEYS: &[&str] = &[
+    "nodes",
+    "devices_per_node",
+    "device",
+    "intra_node",
+    "inter_node",
+];
+const LINK_KINDS: &[&str] = &[
+    "nvswitch",
+    "nvlink",
+    "pcie",
+    "infiniband",
+    "ethernet",
+    "shm",
+];
 
 /// Evaluate every entry, refusing unknown and repeated keys.
-fn entries(prog: &Program, s: &Section, known: &[&str], what: &str) -> Res<Vec<(String, Value, Span)>> {
+fn entries(
+    prog: &Program,
+    s: &Section,
+    known: &[&str],
+    what: &str,
+) -> Res<Vec<(String, Value, Span)>> {
     let mut e = Elab::for_sections(prog);
     let mut out: Vec<(String, Value, Span)> = Vec::new();
     for (key, expr) in &s.entries {
         if !known.contains(&key.name.as_str()) {
-            let d = Diag::new("dpl::unknown-key", key.span, format!("unknown {what} key `{}`", key.name))
-                .label("not a known key");
+            let d = Diag::new(
+                "dpl::unknown-key",
+                key.span,
+                format!("unknown {what} key `{}`", key.name),
+            )
+            .label("not a known key");
             let list = format!("{what} keys are {}", known.join(", "));
             return Err(match did_you_mean(&key.name, known.iter().copied()) {
                 Some(h) => d.help(format!("{h} {list}")),
@@ -34,8 +56,12 @@ fn entries(prog: &Program, s: &Section, known: &[&str], what: &str) -> Res<Vec<(
             });
         }
         if out.iter().any(|(k, _, _)| *k == key.name) {
-            return Err(Diag::new("dpl::duplicate", key.span, format!("`{}` is set twice", key.name))
-                .label("set again here"));
+            return Err(Diag::new(
+                "dpl::duplicate",
+                key.span,
+                format!("`{}` is set twice", key.name),
+            )
+            .label("set again here"));
         }
         let v = e.eval(expr)?;
         out.push((key.name.clone(), v, expr.span));
@@ -56,8 +82,13 @@ fn expected(v: &Value, span: Span, what: &str) -> Box<Diag> {
         Value::List(_) => "a list".to_string(),
         _ => "another kind of value".to_string(),
     };
-    let code = if matches!(v, Value::Quantity { .. }) { "dpl::bad-unit" } else { "dpl::arg-type" };
-    Diag::new(code, span, format!("expected {what}, found {found}")).label(format!("should be {what}"))
+    let code = if matches!(v, Value::Quantity { .. }) {
+        "dpl::bad-unit"
+    } else {
+        "dpl::arg-type"
+    };
+    Diag::new(code, span, format!("expected {what}, found {found}"))
+        .label(format!("should be {what}"))
 }
 
 fn positive(v: &Value, span: Span) -> Res<u64> {
@@ -94,28 +125,47 @@ impl<'a> Fields<'a> {
             Value::Record { kind, fields } => {
                 for (k, _, at) in fields {
                     if !allowed.contains(&k.as_str()) {
-                        return Err(Diag::new("dpl::unknown-keyword", *at, format!("`{kind}` has no field `{k}`"))
-                            .label("unknown field")
-                            .help(format!("the fields are {signature}")));
+                        return Err(Diag::new(
+                            "dpl::unknown-keyword",
+                            *at,
+                            format!("`{kind}` has no field `{k}`"),
+                        )
+                        .label("unknown field")
+                        .help(format!("the fields are {signature}")));
                     }
                 }
                 Ok(Fields { kind, fields, span })
             }
-            Value::Name(kind) => Ok(Fields { kind, fields: &[], span }),
-            other => Err(expected(other, span, &format!("a record such as {signature}"))),
+            Value::Name(kind) => Ok(Fields {
+                kind,
+                fields: &[],
+                span,
+            }),
+            other => Err(expected(
+                other,
+                span,
+                &format!("a record such as {signature}"),
+            )),
         }
     }
 
     fn get(&self, key: &str) -> Option<(&'a Value, Span)> {
-        self.fields.iter().find(|(k, _, _)| k == key).map(|(_, v, s)| (v, *s))
+        self.fields
+            .iter()
+            .find(|(k, _, _)| k == key)
+            .map(|(_, v, s)| (v, *s))
     }
 
     fn number(&self, key: &str, default: Option<f64>) -> Res<f64> {
         match (self.get(key), default) {
             (Some((v, s)), _) => number(v, s),
             (None, Some(d)) => Ok(d),
-            (None, None) => Err(Diag::new("dpl::missing-key", self.span, format!("`{}` needs `{key}`", self.kind))
-                .label(format!("`{key}` is missing"))),
+            (None, None) => Err(Diag::new(
+                "dpl::missing-key",
+                self.span,
+                format!("`{}` needs `{key}`", self.kind),
+            )
+            .label(format!("`{key}` is missing"))),
         }
     }
 
@@ -124,8 +174,12 @@ impl<'a> Fields<'a> {
             (Some((Value::Int(n), _)), _) if *n >= 0 => Ok(*n as u64),
             (Some((v, s)), _) => Err(expected(v, s, "a non-negative integer")),
             (None, Some(d)) => Ok(d),
-            (None, None) => Err(Diag::new("dpl::missing-key", self.span, format!("`{}` needs `{key}`", self.kind))
-                .label(format!("`{key}` is missing"))),
+            (None, None) => Err(Diag::new(
+                "dpl::missing-key",
+                self.span,
+                format!("`{}` needs `{key}`", self.kind),
+            )
+            .label(format!("`{key}` is missing"))),
         }
     }
 }
@@ -133,14 +187,27 @@ impl<'a> Fields<'a> {
 fn optimizer(v: &Value, span: Span) -> Res<Optimizer> {
     let kind = match v {
         Value::Record { kind, .. } | Value::Name(kind) => kind.as_str(),
-        other => return Err(expected(other, span, "an optimizer such as adamw(lr = 3e-4)")),
+        other => {
+            return Err(expected(
+                other,
+                span,
+                "an optimizer such as adamw(lr = 3e-4)",
+            ))
+        }
     };
     match kind {
         "adamw" => {
-            let f = Fields::new(v, span, &["lr", "betas", "eps", "weight_decay"], "adamw(lr, betas = (0.9, 0.999), eps = 1e-8, weight_decay = 0.0)")?;
+            let f = Fields::new(
+                v,
+                span,
+                &["lr", "betas", "eps", "weight_decay"],
+                "adamw(lr, betas = (0.9, 0.999), eps = 1e-8, weight_decay = 0.0)",
+            )?;
             let (beta1, beta2) = match f.get("betas") {
                 None => (0.9, 0.999),
-                Some((Value::Tuple(b) | Value::List(b), s)) if b.len() == 2 => (number(&b[0], s)?, number(&b[1], s)?),
+                Some((Value::Tuple(b) | Value::List(b), s)) if b.len() == 2 => {
+                    (number(&b[0], s)?, number(&b[1], s)?)
+                }
                 Some((other, s)) => return Err(expected(other, s, "a pair of numbers (β1, β2)")),
             };
             Ok(Optimizer::AdamW {
@@ -159,8 +226,12 @@ fn optimizer(v: &Value, span: Span) -> Res<Optimizer> {
             })
         }
         other => {
-            let d = Diag::new("dpl::unknown-kind", span, format!("unknown optimizer `{other}`"))
-                .label("not an optimizer");
+            let d = Diag::new(
+                "dpl::unknown-kind",
+                span,
+                format!("unknown optimizer `{other}`"),
+            )
+            .label("not an optimizer");
             Err(d.help(match did_you_mean(other, ["adamw", "sgd"]) {
                 Some(h) => format!("{h} optimizers are adamw and sgd"),
                 None => "optimizers are adamw and sgd".to_string(),
@@ -180,22 +251,42 @@ fn schedule(v: &Value, span: Span) -> Res<LrSchedule> {
             Ok(LrSchedule::Constant)
         }
         "warmup_cosine" => {
-            let f = Fields::new(v, span, &["warmup", "total", "min_ratio"], "warmup_cosine(warmup, total, min_ratio = 0.0)")?;
+            let f = Fields::new(
+                v,
+                span,
+                &["warmup", "total", "min_ratio"],
+                "warmup_cosine(warmup, total, min_ratio = 0.0)",
+            )?;
             let warmup = f.count("warmup", None)?;
             let total = f.count("total", None)?;
             let min_ratio = f.number("min_ratio", Some(0.0))?;
             if warmup > total || min_ratio > 1.0 {
-                return Err(Diag::new("dpl::bad-schedule", span, "a warmup-cosine schedule needs warmup ≤ total and min_ratio ≤ 1")
-                    .label("inconsistent schedule"));
+                return Err(Diag::new(
+                    "dpl::bad-schedule",
+                    span,
+                    "a warmup-cosine schedule needs warmup ≤ total and min_ratio ≤ 1",
+                )
+                .label("inconsistent schedule"));
             }
-            Ok(LrSchedule::WarmupCosine { warmup, total, min_ratio })
+            Ok(LrSchedule::WarmupCosine {
+                warmup,
+                total,
+                min_ratio,
+            })
         }
         other => {
-            let d = Diag::new("dpl::unknown-kind", span, format!("unknown schedule `{other}`")).label("not a schedule");
-            Err(d.help(match did_you_mean(other, ["constant", "warmup_cosine"]) {
-                Some(h) => format!("{h} schedules are constant and warmup_cosine"),
-                None => "schedules are constant and warmup_cosine".to_string(),
-            }))
+            let d = Diag::new(
+                "dpl::unknown-kind",
+                span,
+                format!("unknown schedule `{other}`"),
+            )
+            .label("not a schedule");
+            Err(
+                d.help(match did_you_mean(other, ["constant", "warmup_cosine"]) {
+                    Some(h) => format!("{h} schedules are constant and warmup_cosine"),
+                    None => "schedules are constant and warmup_cosine".to_string(),
+                }),
+            )
         }
     }
 }
@@ -213,9 +304,15 @@ pub fn train_spec(prog: &Program, s: Option<&Section>, ctx: Option<i64>) -> Res<
             "global_batch" => spec.global_batch = positive(&v, span)?,
             "steps" => spec.steps = Some(positive(&v, span)?),
             "precision" => {
-                let name = name_of(&v).ok_or_else(|| expected(&v, span, "a precision: fp32, bf16 or fp16"))?;
+                let name = name_of(&v)
+                    .ok_or_else(|| expected(&v, span, "a precision: fp32, bf16 or fp16"))?;
                 spec.precision = Precision::from_name(name).ok_or_else(|| {
-                    let d = Diag::new("dpl::unknown-kind", span, format!("unknown precision `{name}`")).label("not a precision");
+                    let d = Diag::new(
+                        "dpl::unknown-kind",
+                        span,
+                        format!("unknown precision `{name}`"),
+                    )
+                    .label("not a precision");
                     d.help(match did_you_mean(name, ["fp32", "bf16", "fp16"]) {
                         Some(h) => format!("{h} precisions are fp32, bf16 and fp16"),
                         None => "precisions are fp32, bf16 and fp16".to_string(),
@@ -239,27 +336,64 @@ pub fn train_spec(prog: &Program, s: Option<&Section>, ctx: Option<i64>) -> Res<
 fn link(v: &Value, span: Span) -> Res<LinkSpec> {
     let kind = match v {
         Value::Record { kind, .. } => kind.as_str(),
-        other => return Err(expected(other, span, "a link such as nvswitch(bandwidth = 300 GB/s, latency = 2 us)")),
+        other => {
+            return Err(expected(
+                other,
+                span,
+                "a link such as nvswitch(bandwidth = 300 GB/s, latency = 2 us)",
+            ))
+        }
     };
     if !LINK_KINDS.contains(&kind) {
-        let d = Diag::new("dpl::unknown-kind", span, format!("unknown link kind `{kind}`")).label("not a link kind");
+        let d = Diag::new(
+            "dpl::unknown-kind",
+            span,
+            format!("unknown link kind `{kind}`"),
+        )
+        .label("not a link kind");
         let list = format!("link kinds are {}", LINK_KINDS.join(", "));
-        return Err(d.help(match did_you_mean(kind, LINK_KINDS.iter().copied()) {
-            Some(h) => format!("{h} {list}"),
-            None => list,
-        }));
+        return Err(
+            d.help(match did_you_mean(kind, LINK_KINDS.iter().copied()) {
+                Some(h) => format!("{h} {list}"),
+                None => list,
+            }),
+        );
     }
-    let f = Fields::new(v, span, &["bandwidth", "latency"], &format!("{kind}(bandwidth = 300 GB/s, latency = 2 us)"))?;
+    let f = Fields::new(
+        v,
+        span,
+        &["bandwidth", "latency"],
+        &format!("{kind}(bandwidth = 300 GB/s, latency = 2 us)"),
+    )?;
     let quantity = |key: &str, unit: UnitKind, example: &str| -> Res<f64> {
         match f.get(key) {
-            Some((Value::Quantity { value, unit: u, per_device }, s)) if *u == unit => {
+            Some((
+                Value::Quantity {
+                    value,
+                    unit: u,
+                    per_device,
+                },
+                s,
+            )) if *u == unit => {
                 if *per_device && unit != UnitKind::Bandwidth {
-                    return Err(Diag::new("dpl::bad-unit", s, "`per device` only applies to bandwidths").label("here"));
+                    return Err(Diag::new(
+                        "dpl::bad-unit",
+                        s,
+                        "`per device` only applies to bandwidths",
+                    )
+                    .label("here"));
                 }
                 Ok(*value)
             }
-            Some((other, s)) => Err(expected(other, s, &format!("{} such as `{example}`", unit.name()))),
-            None => Err(Diag::new("dpl::missing-key", span, format!("`{kind}` needs `{key}`")).label(format!("`{key}` is missing"))),
+            Some((other, s)) => Err(expected(
+                other,
+                s,
+                &format!("{} such as `{example}`", unit.name()),
+            )),
+            None => Err(
+                Diag::new("dpl::missing-key", span, format!("`{kind}` needs `{key}`"))
+                    .label(format!("`{key}` is missing")),
+            ),
         }
     };
     Ok(LinkSpec {
@@ -283,16 +417,27 @@ pub fn cluster_spec(prog: &Program, s: &Section) -> Res<ClusterSpec> {
         match key.as_str() {
             "nodes" => spec.nodes = positive(&v, span)?,
             "devices_per_node" => spec.devices_per_node = positive(&v, span)?,
-            "device" => spec.device = name_of(&v).ok_or_else(|| expected(&v, span, "a device name such as A100_80GB"))?.to_string(),
+            "device" => {
+                spec.device = name_of(&v)
+                    .ok_or_else(|| expected(&v, span, "a device name such as A100_80GB"))?
+                    .to_string()
+            }
             "intra_node" => spec.intra_node = Some(link(&v, span)?),
             "inter_node" => spec.inter_node = Some(link(&v, span)?),
             _ => {}
         }
     }
-    for (missing, key) in [(spec.devices_per_node == 0, "devices_per_node"), (spec.device.is_empty(), "device")] {
+    for (missing, key) in [
+        (spec.devices_per_node == 0, "devices_per_node"),
+        (spec.device.is_empty(), "device"),
+    ] {
         if missing {
-            return Err(Diag::new("dpl::missing-key", s.name.span, format!("cluster `{}` does not set `{key}`", s.name.name))
-                .label(format!("needs `{key} = …`")));
+            return Err(Diag::new(
+                "dpl::missing-key",
+                s.name.span,
+                format!("cluster `{}` does not set `{key}`", s.name.name),
+            )
+            .label(format!("needs `{key} = …`")));
         }
     }
     Ok(spec)

@@ -25,7 +25,11 @@ pub fn parse_file(file: FileId, text: &str) -> Res<Vec<Item>> {
     check_nesting(file, text)?;
     let mut pairs = DplParser::parse(Rule::file, text).map_err(|e| syntax_error(file, text, e))?;
     let file_pair = pairs.next().ok_or_else(|| {
-        Diag::new("dpl::syntax", span_at(file, 0, 0), "the file could not be read")
+        Diag::new(
+            "dpl::syntax",
+            span_at(file, 0, 0),
+            "the file could not be read",
+        )
     })?;
     let b = Builder { file };
     let mut items = Vec::new();
@@ -274,7 +278,11 @@ impl Builder {
         span_at(self.file, s.start(), s.end())
     }
 
-    fn next<'i>(&self, it: &mut impl Iterator<Item = Pair<'i, Rule>>, at: Span) -> Res<Pair<'i, Rule>> {
+    fn next<'i>(
+        &self,
+        it: &mut impl Iterator<Item = Pair<'i, Rule>>,
+        at: Span,
+    ) -> Res<Pair<'i, Rule>> {
         it.next().ok_or_else(|| internal(at, "end of a rule"))
     }
 
@@ -608,9 +616,13 @@ impl Builder {
             }
         } else {
             text.parse::<i64>().map(ExprKind::Int).map_err(|_| {
-                Diag::new("dpl::overflow", span, "this integer does not fit in 64 bits")
-                    .label("too large")
-                    .help("integers range up to 9223372036854775807")
+                Diag::new(
+                    "dpl::overflow",
+                    span,
+                    "this integer does not fit in 64 bits",
+                )
+                .label("too large")
+                .help("integers range up to 9223372036854775807")
             })
         }
     }
@@ -695,9 +707,11 @@ mod tests {
 
     #[test]
     fn units_become_si_values() {
-        let items = parse("cluster c { a = 300 GB/s per device  b = 2 us  c = 400 Gb/s  s = 1 }")
-            .unwrap();
-        let Item::Cluster(c) = &items[0] else { panic!() };
+        let items =
+            parse("cluster c { a = 300 GB/s per device  b = 2 us  c = 400 Gb/s  s = 1 }").unwrap();
+        let Item::Cluster(c) = &items[0] else {
+            panic!()
+        };
         let values: Vec<_> = c
             .entries
             .iter()
@@ -709,12 +723,19 @@ mod tests {
                 _ => panic!(),
             })
             .collect();
-        assert_eq!(values, vec![(3e11, true), (2e-6, false), (5e10, false), (1.0, false)]);
+        assert_eq!(
+            values,
+            vec![(3e11, true), (2e-6, false), (5e10, false), (1.0, false)]
+        );
     }
 
     #[test]
     fn too_deep_nesting_is_refused_before_parsing() {
-        let text = format!("model m() {{ x = {}1{} }}", "(".repeat(500), ")".repeat(500));
+        let text = format!(
+            "model m() {{ x = {}1{} }}",
+            "(".repeat(500),
+            ")".repeat(500)
+        );
         assert_eq!(parse(&text).unwrap_err().code, "dpl::too-deep");
     }
 

@@ -177,11 +177,9 @@ pub fn arith(op: BinOp, a: &Value, b: &Value, g: &Graph) -> Result<Value, OpErro
             };
             Ok(Bool(r))
         }
-        (BinOp::And | BinOp::Or, Bool(x), Bool(y)) => Ok(Bool(if op == BinOp::And {
-            *x && *y
-        } else {
-            *x || *y
-        })),
+        (BinOp::And | BinOp::Or, Bool(x), Bool(y)) => {
+            Ok(Bool(if op == BinOp::And { *x && *y } else { *x || *y }))
+        }
         (_, Int(x), Int(y)) => {
             let (x, y) = (*x, *y);
             match op {
@@ -239,7 +237,8 @@ pub fn arith(op: BinOp, a: &Value, b: &Value, g: &Graph) -> Result<Value, OpErro
                 ))
             }
         }
-        (BinOp::Mul | BinOp::Div | BinOp::Add, Dim(_), _) | (BinOp::Mul | BinOp::Add, _, Dim(_)) => {
+        (BinOp::Mul | BinOp::Div | BinOp::Add, Dim(_), _)
+        | (BinOp::Mul | BinOp::Add, _, Dim(_)) => {
             let (x, y) = match (dim_of(a), dim_of(b)) {
                 (Some(x), Some(y)) => (x, y),
                 _ => return Err(mismatch()),
@@ -280,7 +279,11 @@ pub fn arith(op: BinOp, a: &Value, b: &Value, g: &Graph) -> Result<Value, OpErro
                 return Err(div_zero());
             }
             Ok(Quantity {
-                value: if op == BinOp::Mul { value * k } else { value / k },
+                value: if op == BinOp::Mul {
+                    value * k
+                } else {
+                    value / k
+                },
                 unit: *unit,
                 per_device: *per_device,
             })
@@ -308,16 +311,28 @@ mod tests {
 
     #[test]
     fn int_division_is_exact_or_float() {
-        assert_eq!(ar(BinOp::Div, Value::Int(768), Value::Int(12)), Ok(Value::Int(64)));
-        assert_eq!(ar(BinOp::Div, Value::Int(10), Value::Int(4)), Ok(Value::Float(2.5)));
-        assert_eq!(ar(BinOp::Div, Value::Int(1), Value::Int(0)).unwrap_err().0, "dpl::division-by-zero");
+        assert_eq!(
+            ar(BinOp::Div, Value::Int(768), Value::Int(12)),
+            Ok(Value::Int(64))
+        );
+        assert_eq!(
+            ar(BinOp::Div, Value::Int(10), Value::Int(4)),
+            Ok(Value::Float(2.5))
+        );
+        assert_eq!(
+            ar(BinOp::Div, Value::Int(1), Value::Int(0)).unwrap_err().0,
+            "dpl::division-by-zero"
+        );
     }
 
     #[test]
     fn integer_overflow_is_an_error() {
         let e = ar(BinOp::Mul, Value::Int(i64::MAX), Value::Int(2)).unwrap_err();
         assert_eq!(e.0, "dpl::overflow");
-        assert_eq!(ar(BinOp::Pow, Value::Int(2), Value::Int(10)), Ok(Value::Int(1024)));
+        assert_eq!(
+            ar(BinOp::Pow, Value::Int(2), Value::Int(10)),
+            Ok(Value::Int(1024))
+        );
     }
 
     #[test]
@@ -325,17 +340,36 @@ mod tests {
         let mut g = Graph::new("t");
         let s = Value::Dim(Dim::sym(g.intern_sym("seq")));
         let twice = arith(BinOp::Mul, &s, &Value::Int(2), &g).unwrap();
-        assert_eq!(g.dim_str(&match &twice { Value::Dim(d) => d.clone(), _ => panic!() }), "2*seq");
+        assert_eq!(
+            g.dim_str(&match &twice {
+                Value::Dim(d) => d.clone(),
+                _ => panic!(),
+            }),
+            "2*seq"
+        );
         assert_eq!(arith(BinOp::Div, &twice, &s, &g), Ok(Value::Int(2)));
-        assert_eq!(arith(BinOp::Sub, &s, &Value::Int(1), &g).unwrap_err().0, "dpl::type");
+        assert_eq!(
+            arith(BinOp::Sub, &s, &Value::Int(1), &g).unwrap_err().0,
+            "dpl::type"
+        );
     }
 
     #[test]
     fn comparisons_mix_ints_and_floats() {
-        assert_eq!(ar(BinOp::Lt, Value::Int(1), Value::Float(1.5)), Ok(Value::Bool(true)));
-        assert_eq!(ar(BinOp::Eq, Value::Int(2), Value::Float(2.0)), Ok(Value::Bool(true)));
         assert_eq!(
-            ar(BinOp::Eq, Value::Str("gelu".into()), Value::Str("gelu".into())),
+            ar(BinOp::Lt, Value::Int(1), Value::Float(1.5)),
+            Ok(Value::Bool(true))
+        );
+        assert_eq!(
+            ar(BinOp::Eq, Value::Int(2), Value::Float(2.0)),
+            Ok(Value::Bool(true))
+        );
+        assert_eq!(
+            ar(
+                BinOp::Eq,
+                Value::Str("gelu".into()),
+                Value::Str("gelu".into())
+            ),
             Ok(Value::Bool(true))
         );
     }

@@ -6,8 +6,11 @@ fn zoo(file: &str) -> String {
 }
 
 fn params(file: &str, model: &str) -> u128 {
-    let unit = dplc_frontend::parse(file, &zoo(file)).unwrap_or_else(|d| panic!("{}", d.render_plain()));
-    let lowered = unit.lower(model).unwrap_or_else(|d| panic!("{}", d.render_plain()));
+    let unit =
+        dplc_frontend::parse(file, &zoo(file)).unwrap_or_else(|d| panic!("{}", d.render_plain()));
+    let lowered = unit
+        .lower(model)
+        .unwrap_or_else(|d| panic!("{}", d.render_plain()));
     lowered.graph.param_count()
 }
 
@@ -41,9 +44,19 @@ fn bert_parameter_counts() {
 
 #[test]
 fn every_zoo_file_checks() {
-    for file in ["gpt2.dpl", "llama2.dpl", "llama3.dpl", "mixtral.dpl", "bert.dpl", "megatron_gpt.dpl", "tiny.dpl"] {
-        let unit = dplc_frontend::parse(file, &zoo(file)).unwrap_or_else(|d| panic!("{}", d.render_plain()));
-        unit.check().unwrap_or_else(|d| panic!("{}", d.render_plain()));
+    for file in [
+        "gpt2.dpl",
+        "llama2.dpl",
+        "llama3.dpl",
+        "mixtral.dpl",
+        "bert.dpl",
+        "megatron_gpt.dpl",
+        "tiny.dpl",
+    ] {
+        let unit = dplc_frontend::parse(file, &zoo(file))
+            .unwrap_or_else(|d| panic!("{}", d.render_plain()));
+        unit.check()
+            .unwrap_or_else(|d| panic!("{}", d.render_plain()));
     }
 }
 
@@ -56,7 +69,9 @@ fn megatron_models_are_listed_in_source_order() {
     assert_eq!(names[11], "gpt_175b");
     let lowered = unit.lower("gpt_175b").unwrap();
     assert_eq!(lowered.train.seq, 2048);
-    assert!(lowered.args.contains(&("d".to_string(), "12288".to_string())));
+    assert!(lowered
+        .args
+        .contains(&("d".to_string(), "12288".to_string())));
 }
 
 #[test]
@@ -64,7 +79,11 @@ fn variants_inherit_the_train_section_and_ctx_sets_seq() {
     let unit = dplc_frontend::parse("gpt2.dpl", &zoo("gpt2.dpl")).unwrap();
     let xl = unit.lower("gpt2_xl").unwrap();
     assert_eq!(xl.train.global_batch, 512);
-    let bare = dplc_frontend::parse("t.dpl", "model m(ctx = 77) { input x: i32[b, s]  param e: [4, 2]  return embedding(e, x) }").unwrap();
+    let bare = dplc_frontend::parse(
+        "t.dpl",
+        "model m(ctx = 77) { input x: i32[b, s]  param e: [4, 2]  return embedding(e, x) }",
+    )
+    .unwrap();
     assert_eq!(bare.lower("m").unwrap().train.seq, 77);
 }
 
@@ -75,22 +94,46 @@ fn llama3_405b_lowers_its_repeat_body_once() {
     let lowered = unit.lower("llama3_405b").unwrap();
     let elapsed = start.elapsed();
     // 126 layers unrolled would be thousands of nodes; one body is ~100.
-    assert!(lowered.graph.nodes().len() < 300, "{} nodes", lowered.graph.nodes().len());
+    assert!(
+        lowered.graph.nodes().len() < 300,
+        "{} nodes",
+        lowered.graph.nodes().len()
+    );
     assert_eq!(lowered.graph.regions().len(), 2);
     assert!(elapsed.as_secs_f64() < 1.0, "lowering took {elapsed:?}");
-    let names: Vec<_> = lowered.graph.params().map(|(_, p)| p.name.clone()).collect();
-    assert!(names.contains(&"layers.attention.q.w".to_string()), "{names:?}");
+    let names: Vec<_> = lowered
+        .graph
+        .params()
+        .map(|(_, p)| p.name.clone())
+        .collect();
+    assert!(
+        names.contains(&"layers.attention.q.w".to_string()),
+        "{names:?}"
+    );
     assert!(names.contains(&"layers.swiglu.w1".to_string()), "{names:?}");
 }
 
 #[test]
 fn clusters_convert_units_to_si() {
-    let c = dplc_frontend::parse("c.dpl", &zoo("clusters/dgx_a100_x4.dpl")).unwrap().clusters().unwrap();
+    let c = dplc_frontend::parse("c.dpl", &zoo("clusters/dgx_a100_x4.dpl"))
+        .unwrap()
+        .clusters()
+        .unwrap();
     assert_eq!(c[0].world_size(), 32);
     let inter = c[0].inter_node.as_ref().unwrap();
-    assert_eq!((inter.kind.as_str(), inter.bandwidth_bytes_per_s, inter.latency_s), ("infiniband", 25e9, 5e-6));
+    assert_eq!(
+        (
+            inter.kind.as_str(),
+            inter.bandwidth_bytes_per_s,
+            inter.latency_s
+        ),
+        ("infiniband", 25e9, 5e-6)
+    );
     for f in ["clusters/dgx_h100.dpl", "clusters/cpu_4.dpl"] {
-        let c = dplc_frontend::parse(f, &zoo(f)).unwrap().clusters().unwrap();
+        let c = dplc_frontend::parse(f, &zoo(f))
+            .unwrap()
+            .clusters()
+            .unwrap();
         assert_eq!(c.len(), 1);
     }
 }
