@@ -112,13 +112,17 @@ impl miette::Diagnostic for Diagnostic {
 /// One or more diagnostics: the first is the error, the rest come as `related()`.
 #[derive(Debug)]
 pub struct Diagnostics {
-    first: Diagnostic,
+    // Boxed: results carrying diagnostics stay small on the happy path.
+    first: Box<Diagnostic>,
     rest: Vec<Diagnostic>,
 }
 
 impl Diagnostics {
     /// Bind internal diagnostics to their source files. `diags` is non-empty.
-    pub(crate) fn new(sources: &[Source], diags: Vec<Box<Diag>>) -> Diagnostics {
+    pub(crate) fn new(
+        sources: &[Source],
+        diags: impl IntoIterator<Item = Box<Diag>>,
+    ) -> Diagnostics {
         let mut all = Vec::new();
         for d in diags {
             let d = *d;
@@ -160,7 +164,7 @@ impl Diagnostics {
             )
         });
         Diagnostics {
-            first,
+            first: Box::new(first),
             rest: iter.collect(),
         }
     }
@@ -181,7 +185,7 @@ impl Diagnostics {
 
     /// The error codes, in order (e.g. `dpl::unknown-name`).
     pub fn codes(&self) -> Vec<&'static str> {
-        std::iter::once(&self.first)
+        std::iter::once(self.first.as_ref())
             .chain(&self.rest)
             .map(|d| d.code)
             .collect()

@@ -160,7 +160,7 @@ proptest! {
 
     #[test]
     fn mutated_zoo_files_never_panic(file in 0usize..SOURCES.len(), edits in prop::collection::vec(edit(), 1..6)) {
-        let text = edits.iter().fold(SOURCES[file].to_string(), |s, e| apply(s, e));
+        let text = edits.iter().fold(SOURCES[file].to_string(), apply);
         run(&text);
     }
 }
