@@ -288,3 +288,63 @@ impl Unit {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lower(src: &str) -> Lowered {
+        let unit = parse("t.dpl", src).unwrap_or_else(|d| panic!("{}", d.render_plain()));
+        let name = unit.model_names()[0].clone();
+        unit.lower(&name)
+            .unwrap_or_else(|d| panic!("{}", d.render_plain()))
+    }
+
+    #[test]
+    fn nested_repeats_capture_through_every_level() {
+        let l = lower(
+            "model m() { input x: f32[b, 4]  param w: [4, 4]
+               repeat 3 { repeat 2 { x = x @ w } }  return x }",
+        );
+        let g = &l.graph;
+        assert_eq!(g.regions().len(), 3);
+        // Outer body: x carried + w captured; inner body the same.
+        for (_, r) in g.regions().skip(1) {
+            assert_eq!(r.args.len(), 2);
+            assert_eq!(r.results.len(), 1);
+        }
+        assert_eq!(g.scope_path(g.scopes().last().unwrap().0), "repeat.repeat");
+    }
+
+    #[test]
+    fn params_in_repeats_get_dotted_names_and_count_every_iteration() {
+        let l = lower(
+            "model m(layers = 2) { input x: f32[b, 4]
+               repeat layers { x = linear(x, 4, 4, name = \"q\") }  return x }",
+        );
+        let names: Vec<_> = l.graph.params().map(|(_, p)| p.name.clone()).collect();
+        assert_eq!(names, ["layers.q.w", "layers.q.b"]);
+        assert_eq!(l.graph.param_count(), 2 * (16 + 4));
+    }
+
+    #[test]
+    fn user_blocks_shadow_std_blocks_only_in_user_code() {
+        let l = lower(
+            "block linear(x, a, b) { return x }
+             model m() { input x: f32[s, 4]  return linear(x, 4, 4) + attention(reshape(x, [1, s, 4]), 4, 2) }",
+        );
+        // attention's own q/k/v/o linears still come from std.
+        assert_eq!(l.graph.param_count(), 4 * (16 + 4));
+    }
+
+    #[test]
+    fn nesting_up_to_the_limit_parses_on_a_test_thread() {
+        let depth = syntax::MAX_NESTING - 2;
+        let src = format!(
+            "model m() {{ x = {}1{}  param w: [x] return w }}",
+            "(".repeat(depth),
+            ")".repeat(depth)
+        );
+        assert_eq!(lower(&src).graph.param_count(), 1);
+    }
+}
