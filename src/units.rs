@@ -15,7 +15,8 @@ pub fn thousands(n: u128) -> String {
 
 /// `1.24e8` → `124.4 M`: SI prefixes for counts and FLOPs.
 pub fn si(x: f64) -> String {
-    const PREFIXES: [(f64, &str); 5] = [(1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")];
+    const PREFIXES: [(f64, &str); 5] =
+        [(1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")];
     for (scale, p) in PREFIXES {
         if x.abs() >= scale {
             return format!("{:.1} {p}", x / scale);

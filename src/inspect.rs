@@ -1,0 +1,156 @@
+//! `dplc inspect`: what a model is, from the lowered graph — parameters by
+//! block, layers, forward FLOPs per token and activations stored per layer.
+
+use crate::{load, units};
+use dplc_ir::{Analysis, Graph, Poly, SymId};
+use miette::Result;
+use serde_json::json;
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// The .dpl file.
+    file: PathBuf,
+    /// The model to inspect (needed when the file defines several).
+    #[arg(long)]
+    model: Option<String>,
+    /// Sequence length for FLOPs and activations (default: the model's train section).
+    #[arg(long)]
+    seq: Option<u64>,
+    /// Print a JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Also print the textual IR.
+    #[arg(long)]
+    ir: bool,
+}
+
+/// The numbers `inspect` reports, evaluated at one sequence length.
+struct Report {
+    params: u128,
+    params_by_block: Vec<(String, u128)>,
+    layers: u64,
+    seq: u64,
+    flops_per_token: f64,
+    attention_flops_per_token: f64,
+    activation_bytes_per_layer_per_token: f64,
+    activation_formula: String,
+}
+
+/// Bind `seq` to the sequence length and every other symbol (batch) to 1, so
+/// that dividing by `seq` gives a per-token figure.
+fn per_token(graph: &Graph, poly: &Poly, seq: u64) -> f64 {
+    let seq_sym = graph.sym_by_name("seq");
+    let bind = |s: SymId| if Some(s) == seq_sym { seq as f64 } else { 1.0 };
+    let tokens = if seq_sym.is_some() { seq as f64 } else { 1.0 };
+    poly.eval(&bind) / tokens
+}
+
+fn report(graph: &Graph, seq: u64, precision: dplc_ir::Precision) -> Report {
+    let an = Analysis::new(graph);
+    let activations = an
+        .layer_body()
+        .map(|body| an.activations(body).bytes(precision))
+        .unwrap_or_default();
+    let report = Report {
+        params: graph.param_count(),
+        params_by_block: an.params_by_block(),
+        layers: an.layers(),
+        seq,
+        flops_per_token: per_token(graph, &an.forward_flops(), seq),
+        attention_flops_per_token: per_token(graph, &an.attention_flops(), seq),
+        activation_bytes_per_layer_per_token: per_token(graph, &activations, seq),
+        activation_formula: activations.display(graph.sym_names()).to_string(),
+    };
+    report
+}
+
+pub fn run(args: &Args) -> Result<()> {
+    let unit = load::parse(&args.file)?;
+    let name = load::choose_model(&unit, &args.file, args.model.as_deref())?;
+    let lowered = unit.lower(&name)?;
+    let train = &lowered.train;
+    let seq = args.seq.unwrap_or(train.seq);
+    let r = report(&lowered.graph, seq, train.precision);
+    if args.json {
+        let by_block: serde_json::Map<String, serde_json::Value> = r
+            .params_by_block
+            .iter()
+            .map(|(k, v)| (k.clone(), json!(*v as u64)))
+            .collect();
+        let obj = json!({
+            "model": name,
+            "file": args.file.display().to_string(),
+            "arguments": lowered.args.iter().map(|(k, v)| (k.clone(), json!(v))).collect::<serde_json::Map<_, _>>(),
+            "params": r.params as u64,
+            "params_by_block": by_block,
+            "layers": r.layers,
+            "seq": r.seq,
+            "precision": train.precision.name(),
+            "flops_per_token_forward": r.flops_per_token,
+            "attention_flops_per_token_forward": r.attention_flops_per_token,
+            "activation_bytes_per_layer": r.activation_bytes_per_layer_per_token,
+            "activation_bytes_per_layer_formula": r.activation_formula,
+        });
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&obj).expect("JSON values serialise")
+        );
+        return Ok(());
+    }
+    let args_line: Vec<String> = lowered
+        .args
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    println!("model {name}  ({})", args.file.display());
+    println!("  arguments        {}", args_line.join(" "));
+    println!(
+        "  parameters       {} ({})",
+        units::thousands(r.params),
+        units::si(r.params as f64).trim()
+    );
+    println!("  layers           {}", r.layers);
+    println!(
+        "  training         seq {}, global batch {}, {}",
+        train.seq,
+        train.global_batch,
+        train.precision.name()
+    );
+    println!();
+    println!("  parameters by block");
+    let width = r
+        .params_by_block
+        .iter()
+        .map(|(k, _)| k.len())
+        .max()
+        .unwrap_or(0);
+    for (block, n) in &r.params_by_block {
+        let share = 100.0 * *n as f64 / r.params.max(1) as f64;
+        println!(
+            "    {block:<width$}  {:>18}  {share:5.1}%",
+            units::thousands(*n)
+        );
+    }
+    println!();
+    println!("  per token, at seq {}", r.seq);
+    println!(
+        "    forward FLOPs                 {}FLOP  (attention {}FLOP)",
+        units::si(r.flops_per_token),
+        units::si(r.attention_flops_per_token)
+    );
+    println!(
+        "    activations stored per layer  {}  ({})",
+        units::bytes(r.activation_bytes_per_layer_per_token),
+        train.precision.name()
+    );
+    println!(
+        "    per layer, batch × seq        {} bytes",
+        r.activation_formula
+    );
+    if args.ir {
+        println!();
+        print!("{}", dplc_ir::print_graph(&lowered.graph));
+    }
+    Ok(())
+}
