@@ -272,20 +272,19 @@ impl Graph {
     /// Elements of one parameter tensor times the iterations of its region.
     pub fn param_elements(&self, p: ParamId) -> u128 {
         let info = self.param(p);
-        let per_iteration: u128 = info
-            .shape
-            .dims()
-            .iter()
-            .map(|d| d.as_const().expect("parameter dims are checked constant") as u128)
-            .product();
-        per_iteration * self.trip_count(self.tensor_region(info.tensor)) as u128
+        // Saturating: a count past 2^128 is nonsense the frontend already rejects,
+        // and must not panic here.
+        let per_iteration = info.shape.dims().iter().fold(1u128, |acc, d| {
+            acc.saturating_mul(d.as_const().expect("parameter dims are checked constant") as u128)
+        });
+        per_iteration.saturating_mul(self.trip_count(self.tensor_region(info.tensor)) as u128)
     }
 
     /// Total trainable parameters, counting every iteration of every `repeat`.
     pub fn param_count(&self) -> u128 {
         (0..self.params.len())
             .map(|i| self.param_elements(ParamId::new(i)))
-            .sum()
+            .fold(0u128, u128::saturating_add)
     }
 
     // ---- building ------------------------------------------------------
@@ -657,13 +656,10 @@ impl Graph {
                     axis: *axis as i64,
                     rank: dims.len(),
                 })?;
-                let size = d.as_const().ok_or_else(|| {
-                    shape_err(format!(
-                        "slicing axis {axis} of {} needs a fixed size",
-                        s(0)
-                    ))
-                })?;
-                if *start < 0 || *len <= 0 || start + len > size {
+                // A symbolic axis (e.g. `seq`) is sliced with fixed bounds that
+                // the runtime checks once the symbol is bound.
+                let size = d.as_const().unwrap_or(i64::MAX);
+                if *start < 0 || *len <= 0 || start.saturating_add(*len) > size {
                     return Err(shape_err(format!(
                         "[{start}, {}) is outside axis {axis} of {}",
                         start + len,
