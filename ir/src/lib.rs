@@ -2,16 +2,19 @@
 //! shapes, a closed set of primitive ops, analyses and the textual printer.
 
 mod analysis;
+mod autodiff;
 mod config;
 mod dtype;
 mod error;
 mod graph;
 mod id;
 mod op;
+mod plan;
 mod print;
 mod shape;
 
 pub use analysis::{ActivationProfile, Analysis, SavedKind, SavedTensor};
+pub use autodiff::{differentiable_inputs, saved_for_backward, GradPlan, SavedForBackward};
 pub use config::{ClusterSpec, LinkSpec, LrSchedule, Optimizer, Precision, TrainSpec};
 pub use dtype::DType;
 pub use error::{IrError, Result};
@@ -20,6 +23,11 @@ pub use graph::{
 };
 pub use id::{InputId, NodeId, ParamId, RegionId, ScopeId, SymId, TensorId};
 pub use op::{BinaryOp, Init, Op, ReduceKind, UnaryOp};
+pub use plan::{
+    Alternative, AxisMapping, ClusterSummary, Collective, CollectiveKind, Estimate, LinkLevel,
+    MemoryBreakdown, Mesh, MeshAxis, ParamSharding, PipelineSchedule, Plan, Recompute, SearchStats,
+    StagePlan, StepPhase, Strategy, TimeBreakdown,
+};
 
 pub use print::print_graph;
 pub use shape::{Dim, Poly, Ratio, Shape};

@@ -1,0 +1,320 @@
+//! The `Plan`: what the planner decided and what it expects, as plain data.
+//! The planner writes it (RON on disk, JSON on request); explain, viz and the runtime read it.
+
+use serde::{Deserialize, Serialize};
+
+/// A parallelism axis of the device mesh.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum MeshAxis {
+    /// Tensor parallelism (Megatron column/row splits inside a layer).
+    Tp,
+    /// Context parallelism: the sequence split over ranks, attention by ring.
+    Cp,
+    /// Expert parallelism, carved out of the data-parallel group.
+    Ep,
+    /// Data parallelism (replicas, sharded by ZeRO when asked).
+    Dp,
+    /// Pipeline parallelism: consecutive layers on consecutive stages.
+    Pp,
+}
+
+impl MeshAxis {
+    pub fn name(self) -> &'static str {
+        match self {
+            MeshAxis::Tp => "tp",
+            MeshAxis::Cp => "cp",
+            MeshAxis::Ep => "ep",
+            MeshAxis::Dp => "dp",
+            MeshAxis::Pp => "pp",
+        }
+    }
+}
+
+/// The kind of link a mesh axis's groups talk over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LinkLevel {
+    /// Every group lies inside one node (NVLink/NVSwitch, shared memory).
+    IntraNode,
+    /// Groups cross nodes (InfiniBand, Ethernet).
+    InterNode,
+    /// The axis has size 1: no communication.
+    None,
+}
+
+/// One axis of the mesh and where its groups land on the hardware.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AxisMapping {
+    pub axis: MeshAxis,
+    pub size: u64,
+    /// Distance in global rank between neighbours of a group.
+    pub stride: u64,
+    pub link: LinkLevel,
+    /// Bandwidth per device per direction of that link, bytes/s.
+    pub bandwidth_bytes_per_s: f64,
+}
+
+/// The device mesh: `dp × tp × pp × cp` ranks (`ep` divides `dp`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Mesh {
+    pub dp: u64,
+    pub tp: u64,
+    pub pp: u64,
+    pub cp: u64,
+    pub ep: u64,
+    /// Innermost (consecutive ranks) first.
+    pub axes: Vec<AxisMapping>,
+}
+
+/// The hardware a plan was made for.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ClusterSummary {
+    pub name: String,
+    pub nodes: u64,
+    pub devices_per_node: u64,
+    pub device: String,
+    pub memory_bytes: u64,
+    pub peak_flops: f64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum PipelineSchedule {
+    /// All forwards, then all backwards (Huang et al. 2019).
+    GPipe,
+    /// One forward, one backward (PipeDream-Flush, Narayanan et al. 2021).
+    OneFOneB,
+    /// 1F1B over `virtual_stages` model chunks per device (Narayanan et al. 2021).
+    Interleaved,
+}
+
+impl PipelineSchedule {
+    pub fn name(self) -> &'static str {
+        match self {
+            PipelineSchedule::GPipe => "gpipe",
+            PipelineSchedule::OneFOneB => "1f1b",
+            PipelineSchedule::Interleaved => "interleaved",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Recompute {
+    /// Keep every activation the backward needs.
+    None,
+    /// Recompute the core attention (the tensors quadratic in the sequence),
+    /// Korthikanti et al. 2022.
+    Selective,
+    /// Keep only each layer's input and rerun its forward in backward.
+    Full,
+}
+
+impl Recompute {
+    pub fn name(self) -> &'static str {
+        match self {
+            Recompute::None => "none",
+            Recompute::Selective => "selective",
+            Recompute::Full => "full",
+        }
+    }
+}
+
+/// The choices besides the mesh.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Strategy {
+    pub global_batch: u64,
+    pub seq: u64,
+    pub micro_batch: u64,
+    /// Micro-batches per step per data-parallel replica.
+    pub num_micro_batches: u64,
+    pub schedule: PipelineSchedule,
+    /// Model chunks per device (1 unless interleaved).
+    pub virtual_stages: u64,
+    /// 0: replicated; 1: optimizer states sharded over dp; 2: + gradients; 3: + weights.
+    pub zero_stage: u8,
+    pub recompute: Recompute,
+    pub sequence_parallel: bool,
+}
+
+/// Bytes one rank holds, by kind.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct MemoryBreakdown {
+    pub weights: u64,
+    pub gradients: u64,
+    pub optimizer: u64,
+    /// Activations kept for backward by all micro-batches in flight.
+    pub activations: u64,
+    /// Embedding, logits and loss tensors of the first and last stages.
+    pub embedding_and_loss: u64,
+    /// Collective and point-to-point buffers, the gathered layer under ZeRO-3,
+    /// and the transient activations of the layer being recomputed.
+    pub buffers: u64,
+}
+
+impl MemoryBreakdown {
+    pub fn total(&self) -> u64 {
+        self.weights
+            + self.gradients
+            + self.optimizer
+            + self.activations
+            + self.embedding_and_loss
+            + self.buffers
+    }
+}
+
+/// One pipeline stage: its layers and the memory of one of its ranks.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StagePlan {
+    pub stage: u64,
+    /// Layers `first_layer .. first_layer + layers` (all chunks together when interleaved).
+    pub first_layer: u64,
+    pub layers: u64,
+    pub embedding: bool,
+    pub head: bool,
+    /// Micro-batches (of whole stages) whose activations are in flight at the peak.
+    pub micro_batches_in_flight: f64,
+    pub memory: MemoryBreakdown,
+}
+
+/// How one parameter (or group) is split.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ParamSharding {
+    pub name: String,
+    /// Elements across all iterations of its `repeat`.
+    pub elements: u128,
+    /// `(axis, tensor dimension)` pairs: the dimension split over that mesh axis.
+    pub splits: Vec<(MeshAxis, usize)>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum CollectiveKind {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    AllToAll,
+    SendRecv,
+}
+
+impl CollectiveKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            CollectiveKind::AllReduce => "all-reduce",
+            CollectiveKind::AllGather => "all-gather",
+            CollectiveKind::ReduceScatter => "reduce-scatter",
+            CollectiveKind::AllToAll => "all-to-all",
+            CollectiveKind::SendRecv => "send/recv",
+        }
+    }
+}
+
+/// Where in the step a collective runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum StepPhase {
+    Forward,
+    Backward,
+    /// Forward collectives repeated by activation recomputation.
+    Recompute,
+    /// After (or overlapped with) the last backward: gradient synchronisation.
+    GradientSync,
+    /// Around the optimizer step (ZeRO parameter all-gather).
+    Optimizer,
+}
+
+impl StepPhase {
+    pub fn name(self) -> &'static str {
+        match self {
+            StepPhase::Forward => "forward",
+            StepPhase::Backward => "backward",
+            StepPhase::Recompute => "recompute",
+            StepPhase::GradientSync => "grad-sync",
+            StepPhase::Optimizer => "optimizer",
+        }
+    }
+}
+
+/// One collective of the step, as every rank of the axis runs it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Collective {
+    pub kind: CollectiveKind,
+    pub axis: MeshAxis,
+    /// What it moves, e.g. `layer output (row-parallel)`.
+    pub what: String,
+    /// Bytes of the full tensor per call (before the algorithm's 2(n−1)/n).
+    pub bytes: u64,
+    pub phase: StepPhase,
+    /// Calls per step per rank.
+    pub count_per_step: u64,
+    /// Estimated seconds of one call.
+    pub time_s: f64,
+}
+
+/// Where the time of a step goes (seconds, on the critical path).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct TimeBreakdown {
+    /// Forward and backward compute of all micro-batches on the slowest stage.
+    pub compute_s: f64,
+    /// The part of `compute_s` spent recomputing activations.
+    pub recompute_s: f64,
+    /// Tensor-, context- and expert-parallel collectives (not overlapped).
+    pub exposed_comm_s: f64,
+    /// Sends and receives between pipeline stages.
+    pub pipeline_p2p_s: f64,
+    /// Idle time of the pipeline fill and drain.
+    pub bubble_s: f64,
+    /// Gradient reduction and ZeRO gathers not hidden behind compute.
+    pub exposed_dp_comm_s: f64,
+    pub optimizer_s: f64,
+}
+
+/// What the plan is expected to achieve.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Estimate {
+    pub step_time_s: f64,
+    pub breakdown: TimeBreakdown,
+    pub tokens_per_s: f64,
+    /// `3 × forward FLOPs` per step (no recomputation).
+    pub model_flops_per_step: f64,
+    /// Model FLOPs plus the recomputed forward.
+    pub hardware_flops_per_step: f64,
+    pub model_tflops_per_gpu: f64,
+    pub hardware_tflops_per_gpu: f64,
+    /// Model FLOP/s over the devices' peak.
+    pub mfu: f64,
+    /// The largest per-rank memory over all stages, bytes.
+    pub peak_memory_bytes: u64,
+}
+
+/// Counts of the search that produced the plan (no wall time: plans are deterministic).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SearchStats {
+    pub configs_evaluated: u64,
+    pub feasible: u64,
+    /// The keys fixed by `--strategy`, as given.
+    pub pinned: String,
+}
+
+/// A runner-up and why it lost to the chosen plan.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Alternative {
+    pub rank: u64,
+    pub mesh: Mesh,
+    pub strategy: Strategy,
+    pub step_time_s: f64,
+    pub peak_memory_bytes: u64,
+    pub reason: String,
+}
+
+/// A complete parallelisation plan for one model on one cluster.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    pub model: String,
+    pub params: u128,
+    pub layers: u64,
+    pub cluster: ClusterSummary,
+    pub mesh: Mesh,
+    pub strategy: Strategy,
+    pub stages: Vec<StagePlan>,
+    pub param_sharding: Vec<ParamSharding>,
+    pub collectives: Vec<Collective>,
+    pub estimate: Estimate,
+    pub search: SearchStats,
+    pub alternatives: Vec<Alternative>,
+}

@@ -1,0 +1,279 @@
+//! The cluster model: a device catalog with cited numbers, the two link levels
+//! (inside a node, between nodes) and the `8xA100` / `4x8xH100` shorthands.
+
+use crate::PlanError;
+use dplc_ir::{ClusterSpec, Precision};
+
+const GIB: u64 = 1 << 30;
+const TERA: f64 = 1e12;
+const GB: f64 = 1e9;
+
+/// One accelerator model: its peak rates, memory and default links.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Device {
+    /// Catalog name, e.g. `A100-80GB`.
+    pub name: &'static str,
+    /// Dense tensor-core peak, FLOP/s, by precision.
+    pub peak_bf16: f64,
+    pub peak_fp16: f64,
+    pub peak_fp32: f64,
+    pub memory_bytes: u64,
+    /// HBM (or DRAM) bandwidth, bytes/s.
+    pub memory_bandwidth: f64,
+    /// The fraction of peak that large matmuls reach in practice (the
+    /// "maximum achievable matmul FLOPS" of a tuned cuBLAS GEMM).
+    pub matmul_efficiency: f64,
+    pub intra_node: Link,
+    pub inter_node: Link,
+    /// Devices in the usual node (DGX/HGX have 8).
+    pub devices_per_node: u64,
+}
+
+impl Device {
+    /// Dense peak FLOP/s for matmuls in `precision`.
+    pub fn peak_flops(&self, precision: Precision) -> f64 {
+        match precision {
+            Precision::Bf16 => self.peak_bf16,
+            Precision::Fp16 => self.peak_fp16,
+            Precision::Fp32 => self.peak_fp32,
+        }
+    }
+}
+
+/// A link level: bandwidth per device per direction and one-hop latency.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Link {
+    pub kind: String,
+    pub bandwidth: f64,
+    pub latency_s: f64,
+}
+
+fn link(kind: &str, bandwidth: f64, latency_s: f64) -> Link {
+    Link {
+        kind: kind.to_string(),
+        bandwidth,
+        latency_s,
+    }
+}
+
+/// Large-GEMM efficiency on A100 and H100 from Stas Bekman's "Maximum
+/// Achievable Matmul FLOPS" measurements (ml-engineering, compute/accelerator):
+/// A100-SXM bf16 267.9 of 312 TFLOP/s (85.9%), H100-SXM 792.1 of 989 (80.1%).
+const A100_MAMF: f64 = 267.9 / 312.0;
+const H100_MAMF: f64 = 792.1 / 989.4;
+/// V100 and CPUs: no measurement at hand; the usual 80% of peak for tuned BLAS.
+const DEFAULT_MAMF: f64 = 0.8;
+
+/// NVLink/NVSwitch and NCCL-over-InfiniBand latencies per hop: a few microseconds
+/// (NCCL's own tuning model uses ~1–2 µs per NVLink step and ~5 µs over the network).
+const NVLINK_LATENCY_S: f64 = 2e-6;
+const IB_LATENCY_S: f64 = 5e-6;
+
+/// The catalog. Sources: NVIDIA A100 datasheet (2021): 312 TFLOP/s dense
+/// bf16/fp16, 19.5 fp32, 1.555 TB/s (40GB) / 2.039 TB/s (80GB SXM), NVLink 3
+/// 600 GB/s total = 300 GB/s per direction; DGX A100: 8× HDR 200 Gb/s HCAs =
+/// 25 GB/s per GPU. H100 SXM datasheet: 989.4 TFLOP/s dense bf16, 67 fp32,
+/// 3.35 TB/s, NVLink 4 900 GB/s = 450 per direction; DGX H100: 8× NDR 400 Gb/s
+/// = 50 GB/s per GPU. H200 datasheet: the H100 die, 141 GB at 4.8 TB/s.
+/// V100 SXM2 datasheet: 125 TFLOP/s fp16 tensor (no bf16: it runs at the fp32
+/// rate, 15.7), 900 GB/s, NVLink 2 300 GB/s = 150 per direction; DGX-1V: 4×
+/// EDR 100 Gb/s for 8 GPUs = 6.25 GB/s per GPU. `cpu` is one rank of a CPU run:
+/// a few AVX2 cores (~100 GFLOP/s fp32), 20 GB/s of DRAM, shared-memory links.
+pub fn catalog() -> Vec<Device> {
+    let a100 = |name, memory_gib: u64, bw| Device {
+        name,
+        peak_bf16: 312.0 * TERA,
+        peak_fp16: 312.0 * TERA,
+        peak_fp32: 19.5 * TERA,
+        memory_bytes: memory_gib * GIB,
+        memory_bandwidth: bw,
+        matmul_efficiency: A100_MAMF,
+        intra_node: link("nvswitch", 300.0 * GB, NVLINK_LATENCY_S),
+        inter_node: link("infiniband", 25.0 * GB, IB_LATENCY_S),
+        devices_per_node: 8,
+    };
+    let h100 = |name, memory_bytes, bw| Device {
+        name,
+        peak_bf16: 989.4 * TERA,
+        peak_fp16: 989.4 * TERA,
+        peak_fp32: 66.9 * TERA,
+        memory_bytes,
+        memory_bandwidth: bw,
+        matmul_efficiency: H100_MAMF,
+        intra_node: link("nvswitch", 450.0 * GB, NVLINK_LATENCY_S),
+        inter_node: link("infiniband", 50.0 * GB, IB_LATENCY_S),
+        devices_per_node: 8,
+    };
+    vec![
+        a100("A100-40GB", 40, 1555.0 * GB),
+        a100("A100-80GB", 80, 2039.0 * GB),
+        h100("H100-SXM-80GB", 80 * GIB, 3350.0 * GB),
+        h100("H200", 141_000_000_000, 4800.0 * GB),
+        Device {
+            name: "V100-32GB",
+            peak_bf16: 15.7 * TERA,
+            peak_fp16: 125.0 * TERA,
+            peak_fp32: 15.7 * TERA,
+            memory_bytes: 32 * GIB,
+            memory_bandwidth: 900.0 * GB,
+            matmul_efficiency: DEFAULT_MAMF,
+            intra_node: link("nvlink", 150.0 * GB, NVLINK_LATENCY_S),
+            inter_node: link("infiniband", 6.25 * GB, IB_LATENCY_S),
+            devices_per_node: 8,
+        },
+        Device {
+            name: "cpu",
+            peak_bf16: 0.1 * TERA,
+            peak_fp16: 0.1 * TERA,
+            peak_fp32: 0.1 * TERA,
+            memory_bytes: 16 * GIB,
+            memory_bandwidth: 20.0 * GB,
+            matmul_efficiency: DEFAULT_MAMF,
+            intra_node: link("shm", 10.0 * GB, 1e-6),
+            inter_node: link("ethernet", 1.25 * GB, 20e-6),
+            devices_per_node: 1024,
+        },
+    ]
+}
+
+/// Find a device by catalog name or alias (`A100`, `a100_80gb`, `H100`, `h100-sxm`…).
+pub fn device(name: &str) -> Result<Device, PlanError> {
+    let key = name.to_ascii_lowercase().replace('_', "-");
+    let canonical = match key.as_str() {
+        "a100" | "a100-80gb" | "a100-80g" | "a100-sxm" | "a100-sxm-80gb" | "a100-sxm4-80gb" => {
+            "A100-80GB"
+        }
+        "a100-40gb" | "a100-40g" | "a100-sxm4-40gb" => "A100-40GB",
+        "h100" | "h100-sxm" | "h100-80gb" | "h100-sxm-80gb" | "h100-sxm5-80gb" => "H100-SXM-80GB",
+        "h200" | "h200-sxm" | "h200-141gb" => "H200",
+        "v100" | "v100-32gb" | "v100-sxm2-32gb" => "V100-32GB",
+        "cpu" => "cpu",
+        _ => "",
+    };
+    let all = catalog();
+    all.iter()
+        .find(|d| d.name == canonical)
+        .cloned()
+        .ok_or_else(|| PlanError::UnknownDevice {
+            name: name.to_string(),
+            known: all.iter().map(|d| d.name).collect::<Vec<_>>().join(", "),
+        })
+}
+
+/// Nodes of identical devices joined by an intra-node and an inter-node link.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Cluster {
+    pub name: String,
+    pub nodes: u64,
+    pub devices_per_node: u64,
+    pub device: Device,
+    pub intra_node: Link,
+    pub inter_node: Link,
+}
+
+impl Cluster {
+    pub fn world_size(&self) -> u64 {
+        self.nodes * self.devices_per_node
+    }
+
+    /// A cluster of `nodes × devices_per_node` devices with the device's default links.
+    pub fn new(nodes: u64, devices_per_node: u64, device: Device) -> Cluster {
+        let name = if nodes == 1 {
+            format!("{devices_per_node}x{}", device.name)
+        } else {
+            format!("{nodes}x{devices_per_node}x{}", device.name)
+        };
+        Cluster {
+            name,
+            nodes,
+            devices_per_node,
+            intra_node: device.intra_node.clone(),
+            inter_node: device.inter_node.clone(),
+            device,
+        }
+    }
+}
+
+/// Read `8xA100` (one node of 8), `4x8xH100` (4 nodes of 8) or `16xcpu`.
+/// `64xA100` is read as nodes of the device's usual size (8 nodes of 8).
+pub fn parse_cluster(spec: &str) -> Result<Cluster, PlanError> {
+    let err = |detail: &str| PlanError::Cluster {
+        spec: spec.to_string(),
+        detail: detail.to_string(),
+    };
+    let parts: Vec<&str> = spec.trim().split(['x', 'X', '*']).collect();
+    let (counts, name) = parts.split_at(parts.len() - 1);
+    let name = name[0];
+    if name.is_empty() {
+        return Err(err(
+            "expected COUNTxDEVICE or NODESxCOUNTxDEVICE, e.g. 8xA100 or 4x8xH100",
+        ));
+    }
+    let device = device(name)?;
+    let nums = counts
+        .iter()
+        .map(|c| c.trim().parse::<u64>().ok().filter(|&n| n > 0))
+        .collect::<Option<Vec<u64>>>()
+        .ok_or_else(|| err("counts must be positive whole numbers, e.g. 4x8xH100"))?;
+    let (nodes, per_node) = match nums.as_slice() {
+        [] => (1, 1),
+        [n] if *n <= device.devices_per_node => (1, *n),
+        [n] if n % device.devices_per_node == 0 => {
+            (n / device.devices_per_node, device.devices_per_node)
+        }
+        [n] => {
+            return Err(err(&format!(
+                "{n} {} devices do not fill whole nodes of {}; write NODESxPER_NODEx{}",
+                device.name, device.devices_per_node, device.name
+            )))
+        }
+        [nodes, per] => (*nodes, *per),
+        _ => return Err(err("at most two counts: NODESxPER_NODExDEVICE")),
+    };
+    Ok(Cluster::new(nodes, per_node, device))
+}
+
+/// The cluster a `.dpl` `cluster` section describes; its links override the device's.
+pub fn cluster_from_spec(spec: &ClusterSpec) -> Result<Cluster, PlanError> {
+    if spec.nodes == 0 || spec.devices_per_node == 0 {
+        return Err(PlanError::Cluster {
+            spec: spec.name.clone(),
+            detail: "nodes and devices_per_node must be at least 1".into(),
+        });
+    }
+    let mut c = Cluster::new(spec.nodes, spec.devices_per_node, device(&spec.device)?);
+    c.name = spec.name.clone();
+    for (ours, theirs) in [
+        (&mut c.intra_node, &spec.intra_node),
+        (&mut c.inter_node, &spec.inter_node),
+    ] {
+        if let Some(l) = theirs {
+            *ours = link(&l.kind, l.bandwidth_bytes_per_s, l.latency_s);
+        }
+    }
+    Ok(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shorthands_read_nodes_and_devices() {
+        let c = parse_cluster("8xA100").unwrap();
+        assert_eq!((c.nodes, c.devices_per_node), (1, 8));
+        assert_eq!(c.device.name, "A100-80GB");
+        let c = parse_cluster("4x8xH100").unwrap();
+        assert_eq!((c.nodes, c.devices_per_node, c.world_size()), (4, 8, 32));
+        let c = parse_cluster("64xa100_40gb").unwrap();
+        assert_eq!((c.nodes, c.devices_per_node), (8, 8));
+        let c = parse_cluster("16xcpu").unwrap();
+        assert_eq!((c.nodes, c.devices_per_node), (1, 16));
+        assert!(matches!(
+            parse_cluster("8xTPU"),
+            Err(PlanError::UnknownDevice { .. })
+        ));
+        assert!(parse_cluster("0xA100").is_err());
+        assert!(parse_cluster("12xA100").is_err());
+    }
+}

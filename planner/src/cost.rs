@@ -1,0 +1,613 @@
+//! The cost model: per-rank memory by kind and step time by phase for one
+//! configuration, from the model profile and the cluster's links.
+//!
+//! Every constant here is stated with its source; the same constants serve
+//! every model and cluster (no per-row calibration).
+
+use crate::cluster::{Cluster, Link};
+use crate::profile::{Bind, ModelProfile, RegionProfile, Work};
+use crate::sharding::{GemmSplit, Pass, TpCollectiveKind};
+use dplc_ir::{
+    CollectiveKind, LinkLevel, MemoryBreakdown, MeshAxis, PipelineSchedule, Precision, Recompute,
+    TimeBreakdown,
+};
+use std::collections::HashMap;
+
+/// NCCL reaches about 80% of the link's line rate: "with the protocol overhead
+/// (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s" of 450
+/// (S. Jeaugey, NVIDIA/nccl-tests#212); the same holds over InfiniBand.
+pub(crate) const NCCL_EFFICIENCY: f64 = 0.8;
+/// Streaming kernels reach about 80% of HBM bandwidth (BabelStream-class
+/// measurements on A100/H100 land at 80–90% of the datasheet figure).
+pub(crate) const MEMORY_EFFICIENCY: f64 = 0.8;
+/// CUDA kernel launch and framework dispatch, per kernel (a few microseconds).
+pub(crate) const KERNEL_OVERHEAD_S: f64 = 4e-6;
+/// Megatron keeps fp32 main gradients (`accumulate_allreduce_grads_in_fp32`
+/// with bf16) and reduces them in fp32.
+const GRAD_BYTES: f64 = 4.0;
+/// fp32 master weights and two fp32 Adam moments (Megatron; the ZeRO paper
+/// counts the same 12 bytes, with 2-byte gradients, for 16 in all).
+const OPTIMIZER_BYTES_MIXED: f64 = 12.0;
+/// fp32 training keeps no master copy: two moments.
+const OPTIMIZER_BYTES_FP32: f64 = 8.0;
+/// AdamW step traffic per parameter: read the fp32 gradient (4), read and write
+/// master weight, m and v (3 × 8), write the working copy (2).
+const OPTIMIZER_STEP_BYTES: f64 = 30.0;
+
+/// Mesh axes from the innermost (consecutive ranks) outwards.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) enum AxisOrder {
+    /// Megatron's order: tp, cp, dp (with ep inside), pp.
+    DataInner,
+    /// tp, cp, pp, dp: pipeline neighbours share a node, replicas span nodes.
+    PipelineInner,
+}
+
+/// One point of the search space.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) struct Config {
+    pub tp: u64,
+    pub cp: u64,
+    pub pp: u64,
+    pub dp: u64,
+    pub ep: u64,
+    pub micro_batch: u64,
+    pub num_micro_batches: u64,
+    pub schedule: PipelineSchedule,
+    pub virtual_stages: u64,
+    pub zero: u8,
+    pub recompute: Recompute,
+    pub sp: bool,
+    pub order: AxisOrder,
+}
+
+impl Config {
+    pub fn axes(&self) -> Vec<(MeshAxis, u64)> {
+        let mut v = vec![(MeshAxis::Tp, self.tp), (MeshAxis::Cp, self.cp)];
+        match self.order {
+            AxisOrder::DataInner => {
+                v.push((MeshAxis::Dp, self.dp));
+                v.push((MeshAxis::Pp, self.pp));
+            }
+            AxisOrder::PipelineInner => {
+                v.push((MeshAxis::Pp, self.pp));
+                v.push((MeshAxis::Dp, self.dp));
+            }
+        }
+        v
+    }
+
+    /// `(stride, size)` of an axis in global rank order. The expert axis is the
+    /// innermost part of the data-parallel axis.
+    pub fn stride_size(&self, axis: MeshAxis) -> (u64, u64) {
+        let mut stride = 1;
+        for (a, n) in self.axes() {
+            if a == axis || (axis == MeshAxis::Ep && a == MeshAxis::Dp) {
+                return (stride, if axis == MeshAxis::Ep { self.ep } else { n });
+            }
+            stride *= n;
+        }
+        (stride, 1)
+    }
+}
+
+/// The bandwidth and latency a group of `size` ranks spaced `stride` apart sees.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct GroupLink {
+    pub size: u64,
+    pub level: LinkLevel,
+    pub bandwidth: f64,
+    pub latency: f64,
+}
+
+pub(crate) fn group_link(cluster: &Cluster, stride: u64, size: u64) -> GroupLink {
+    let dpn = cluster.devices_per_node;
+    if size <= 1 {
+        return GroupLink {
+            size: 1,
+            level: LinkLevel::None,
+            bandwidth: f64::INFINITY,
+            latency: 0.0,
+        };
+    }
+    let eff = |l: &Link| l.bandwidth * NCCL_EFFICIENCY;
+    if stride * size <= dpn {
+        GroupLink {
+            size,
+            level: LinkLevel::IntraNode,
+            bandwidth: eff(&cluster.intra_node),
+            latency: cluster.intra_node.latency_s,
+        }
+    } else {
+        // Members of the group that share a node send over their own NICs in
+        // parallel (NCCL runs one ring per NIC), up to the intra-node rate.
+        let per_node = (dpn / stride.max(1)).clamp(1, size) as f64;
+        GroupLink {
+            size,
+            level: LinkLevel::InterNode,
+            bandwidth: (eff(&cluster.inter_node) * per_node).min(eff(&cluster.intra_node)),
+            latency: cluster.inter_node.latency_s,
+        }
+    }
+}
+
+/// Seconds for one collective of `bytes` (the full tensor) on `link`:
+/// alpha–beta cost of the ring, or of a tree when latency dominates.
+pub(crate) fn collective_time(kind: CollectiveKind, bytes: f64, link: &GroupLink) -> f64 {
+    let n = link.size as f64;
+    if link.size <= 1 || bytes <= 0.0 {
+        return 0.0;
+    }
+    let (a, bw) = (link.latency, link.bandwidth);
+    match kind {
+        CollectiveKind::AllReduce => {
+            let ring = 2.0 * (n - 1.0) / n * bytes / bw + 2.0 * (n - 1.0) * a;
+            let tree = 2.0 * n.log2().ceil() * a + 2.0 * bytes / bw;
+            ring.min(tree)
+        }
+        CollectiveKind::AllGather | CollectiveKind::ReduceScatter | CollectiveKind::AllToAll => {
+            (n - 1.0) / n * bytes / bw + (n - 1.0) * a
+        }
+        CollectiveKind::SendRecv => bytes / bw + a,
+    }
+}
+
+/// Per-micro-batch costs of one layer (or of the embedding / head) on one rank.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct PassCost {
+    /// Forward compute, seconds.
+    pub forward: f64,
+    /// Backward compute, seconds (without recomputation).
+    pub backward: f64,
+    /// Forward work repeated in backward by recomputation.
+    pub recompute: f64,
+    /// Exposed tensor/context/expert-parallel communication, seconds, all passes.
+    pub comm: f64,
+    /// Bytes kept for backward per micro-batch.
+    pub saved_bytes: f64,
+    /// Bytes of the whole activation set of one micro-batch (the transient
+    /// working set while a fully recomputed layer runs its backward).
+    pub full_saved_bytes: f64,
+}
+
+impl PassCost {
+    pub fn total(&self) -> f64 {
+        self.forward + self.backward + self.recompute + self.comm
+    }
+}
+
+/// Evaluates configurations against one model and cluster, memoising layer costs.
+pub(crate) struct CostModel<'a> {
+    pub profile: &'a ModelProfile,
+    pub cluster: &'a Cluster,
+    pub seq: u64,
+    pub peak_flops: f64,
+    layer_memo: HashMap<(u64, u64, u64, u64, bool, Recompute), [PassCost; 3]>,
+}
+
+/// Which part of the model a cost is for.
+#[derive(Clone, Copy)]
+enum Part {
+    Layer,
+    Pre,
+    Post,
+}
+
+impl<'a> CostModel<'a> {
+    pub fn new(profile: &'a ModelProfile, cluster: &'a Cluster, seq: u64) -> CostModel<'a> {
+        CostModel {
+            profile,
+            cluster,
+            seq,
+            peak_flops: cluster.device.peak_flops(profile.precision),
+            layer_memo: HashMap::new(),
+        }
+    }
+
+    fn bind(&self, c: &Config) -> Bind {
+        Bind {
+            batch_sym: self.profile.batch_sym,
+            seq_sym: self.profile.seq_sym,
+            micro_batch: c.micro_batch as f64,
+            seq: self.seq as f64,
+            cp: c.cp as f64,
+        }
+    }
+
+    pub fn link(&self, c: &Config, axis: MeshAxis) -> GroupLink {
+        let (stride, size) = c.stride_size(axis);
+        group_link(self.cluster, stride, size)
+    }
+
+    fn gemm_time(&self, flops: f64, bytes: f64) -> f64 {
+        let dev = &self.cluster.device;
+        let compute = flops / (self.peak_flops * dev.matmul_efficiency);
+        let memory = bytes / (dev.memory_bandwidth * MEMORY_EFFICIENCY);
+        compute.max(memory) + KERNEL_OVERHEAD_S
+    }
+
+    fn memory_time(&self, bytes: f64) -> f64 {
+        bytes / (self.cluster.device.memory_bandwidth * MEMORY_EFFICIENCY) + KERNEL_OVERHEAD_S
+    }
+
+    /// Costs of the layer, the embedding part and the head part for `c`.
+    pub fn parts(&mut self, c: &Config) -> [PassCost; 3] {
+        let key = (c.tp, c.cp, c.ep, c.micro_batch, c.sp, c.recompute);
+        if let Some(v) = self.layer_memo.get(&key) {
+            return *v;
+        }
+        let v = [
+            self.region_cost(c, Part::Layer),
+            self.region_cost(c, Part::Pre),
+            self.region_cost(c, Part::Post),
+        ];
+        self.layer_memo.insert(key, v);
+        v
+    }
+
+    fn region(&self, part: Part) -> &RegionProfile {
+        match part {
+            Part::Layer => &self.profile.layer,
+            Part::Pre => &self.profile.pre,
+            Part::Post => &self.profile.post,
+        }
+    }
+
+    fn region_cost(&self, c: &Config, part: Part) -> PassCost {
+        let r = self.region(part);
+        let bind = self.bind(c);
+        let tp = c.tp as f64;
+        let rep_div = if c.sp { tp } else { 1.0 };
+        let elt = self.profile.precision.bytes() as f64;
+        let mut pc = PassCost::default();
+        let mut core_forward = 0.0;
+        for op in &r.ops {
+            let (fwd, bwd) = match &op.work {
+                Work::Gemm {
+                    m,
+                    n,
+                    k,
+                    split,
+                    backward_gemms,
+                } => {
+                    let div = if *split == GemmSplit::Replicated { 1.0 } else { tp };
+                    let (m, n, k) = (bind.eval(m), bind.eval(n), bind.eval(k));
+                    let flops = 2.0 * m * n * k / div;
+                    let bytes = (m * k + k * n + m * n) * elt / div;
+                    let t = self.gemm_time(flops, bytes);
+                    (t, t * *backward_gemms as f64)
+                }
+                Work::Memory {
+                    sharded,
+                    replicated,
+                } => {
+                    let bytes = bind.eval(sharded) / tp + bind.eval(replicated) / rep_div;
+                    // Backward reads the output gradient and the saved inputs and
+                    // writes the input gradient: about twice the forward traffic.
+                    let t = self.memory_time(bytes);
+                    (t, 2.0 * t)
+                }
+            };
+            pc.forward += fwd;
+            pc.backward += bwd;
+            if op.attention_core {
+                core_forward += fwd;
+            }
+        }
+        let layer = matches!(part, Part::Layer);
+        pc.recompute = match (c.recompute, layer) {
+            (Recompute::Selective, true) => core_forward,
+            (Recompute::Full, true) => pc.forward,
+            _ => 0.0,
+        };
+        // Tensor-parallel collectives are on the critical path (Megatron does
+        // not overlap them); recomputing the forward repeats the forward ones.
+        let tp_link = self.link(c, MeshAxis::Tp);
+        for col in &r.collectives {
+            let bytes = bind.eval(&col.bytes);
+            let kind = match col.kind {
+                TpCollectiveKind::AllReduce | TpCollectiveKind::RowStats => {
+                    CollectiveKind::AllReduce
+                }
+                TpCollectiveKind::AllGather => CollectiveKind::AllGather,
+            };
+            let t = collective_time(kind, bytes, &tp_link);
+            let repeats = if col.pass == Pass::Forward && layer && c.recompute == Recompute::Full {
+                2.0
+            } else {
+                1.0
+            };
+            pc.comm += t * repeats;
+        }
+        // Context parallelism: K and V go round the ring in forward, their
+        // gradients in backward; the ring overlaps with the attention blocks.
+        if c.cp > 1 {
+            let cp_link = self.link(c, MeshAxis::Cp);
+            let kv = bind.eval(&r.kv_bytes) / tp * c.cp as f64;
+            let t = collective_time(CollectiveKind::AllGather, kv, &cp_link);
+            pc.comm += (t - core_forward).max(0.0)
+                + (collective_time(CollectiveKind::ReduceScatter, kv, &cp_link)
+                    - 2.0 * core_forward)
+                    .max(0.0);
+        }
+        if c.ep > 1 {
+            let ep_link = self.link(c, MeshAxis::Ep);
+            let bytes = bind.eval(&r.all_to_all_bytes) / rep_div;
+            // Dispatch and combine in forward, their transposes in backward.
+            pc.comm += 2.0 * collective_time(CollectiveKind::AllToAll, bytes, &ep_link);
+        }
+        for s in &r.saved {
+            let b = bind.eval(&s.bytes) / if s.sharded { tp } else { rep_div };
+            pc.full_saved_bytes += b;
+            if !(c.recompute == Recompute::Selective && s.attention_core) {
+                pc.saved_bytes += b;
+            }
+        }
+        if layer && c.recompute == Recompute::Full {
+            pc.saved_bytes = bind.eval(&self.profile.layer_input_bytes) / rep_div;
+        }
+        pc
+    }
+
+    /// Layers per pipeline stage, balanced by time: the first stage also runs
+    /// the embedding and the last the head and loss.
+    pub fn partition(&mut self, c: &Config) -> Vec<u64> {
+        let [layer, pre, post] = self.parts(c);
+        let (l, p) = (self.profile.layers, c.pp);
+        if c.schedule == PipelineSchedule::Interleaved || p == 1 {
+            return vec![l / p; p as usize];
+        }
+        let mut counts: Vec<u64> = (0..p).map(|i| l / p + u64::from(i < l % p)).collect();
+        let extra = |i: usize| {
+            (if i == 0 { pre.total() } else { 0.0 })
+                + (if i as u64 == p - 1 { post.total() } else { 0.0 })
+        };
+        let time = |counts: &[u64], i: usize| counts[i] as f64 * layer.total() + extra(i);
+        for _ in 0..l {
+            let (mut hi, mut lo) = (0, 0);
+            for i in 0..p as usize {
+                if time(&counts, i) > time(&counts, hi) {
+                    hi = i;
+                }
+                if time(&counts, i) < time(&counts, lo) {
+                    lo = i;
+                }
+            }
+            if counts[hi] <= 1 {
+                break;
+            }
+            let old = time(&counts, hi);
+            counts[hi] -= 1;
+            counts[lo] += 1;
+            if time(&counts, lo) >= old {
+                counts[hi] += 1;
+                counts[lo] -= 1;
+                break;
+            }
+        }
+        counts
+    }
+
+    /// Micro-batches (of whole stages) whose activations stage `i` holds at its peak.
+    pub fn in_flight(c: &Config, i: u64) -> f64 {
+        let (p, m, v) = (c.pp, c.num_micro_batches, c.virtual_stages);
+        match c.schedule {
+            PipelineSchedule::GPipe => m as f64,
+            PipelineSchedule::OneFOneB => (p - i).min(m) as f64,
+            // Megatron's interleaved warm-up: 2(p−i−1) + (v−1)p chunks, plus
+            // the one in its steady state (Korthikanti et al. 2022, eq. 5).
+            PipelineSchedule::Interleaved => {
+                ((2 * (p - i - 1) + (v - 1) * p + 1).min(m * v)) as f64 / v as f64
+            }
+        }
+    }
+
+    /// Parameters on one rank of stage `i`: `(all, expert)` elements.
+    fn stage_params(&self, c: &Config, i: u64, layers: u64) -> (f64, f64) {
+        let prof = self.profile;
+        let (tp, ep) = (c.tp as f64, c.ep as f64);
+        let mut all = layers as f64 * prof.layer.params.per_rank(tp, ep);
+        let expert = layers as f64 * prof.layer.params.expert_per_rank(tp, ep);
+        if i == 0 {
+            all += prof.pre.params.per_rank(tp, ep);
+        }
+        if i == c.pp - 1 && (c.pp > 1 || i != 0 || prof.pre.params.total() == 0.0) {
+            all += prof.post.params.per_rank(tp, ep);
+        } else if i == c.pp - 1 {
+            // One stage holds both ends: a tied embedding is stored once.
+            all += prof.post.params.per_rank(tp, ep) - prof.tied_params / tp;
+        }
+        (all, expert)
+    }
+
+    /// Memory of one rank of stage `i` holding `layers` layers.
+    pub fn stage_memory(&mut self, c: &Config, i: u64, layers: u64) -> MemoryBreakdown {
+        let [layer, pre, post] = self.parts(c);
+        let (params, expert) = self.stage_params(c, i, layers);
+        let dense = params - expert;
+        let dp = c.dp as f64;
+        let edp = (c.dp / c.ep).max(1) as f64;
+        let shard = |stage: u8| {
+            if c.zero >= stage {
+                dense / dp + expert / edp
+            } else {
+                params
+            }
+        };
+        let mixed = self.profile.precision != Precision::Fp32;
+        let w_bytes = self.profile.precision.bytes() as f64;
+        let opt_bytes = if mixed {
+            OPTIMIZER_BYTES_MIXED
+        } else {
+            OPTIMIZER_BYTES_FP32
+        };
+        let grad_bytes = if mixed { GRAD_BYTES } else { 4.0 };
+        let flight = Self::in_flight(c, i);
+        let mut embedding_and_loss = 0.0;
+        if i == 0 {
+            embedding_and_loss += pre.saved_bytes * flight;
+        }
+        if i == c.pp - 1 {
+            embedding_and_loss += post.saved_bytes * flight;
+        }
+        let rep_div = if c.sp { c.tp as f64 } else { 1.0 };
+        let bind = self.bind(c);
+        let boundary = bind.eval(&self.profile.layer_input_bytes) / rep_div;
+        let mut buffers = 2.0 * boundary * f64::from(c.pp > 1);
+        if c.recompute == Recompute::Full {
+            buffers += layer.full_saved_bytes;
+        }
+        if c.zero >= 3 {
+            // The gathered weights of the layer running and the next one prefetched.
+            buffers += 2.0 * self.profile.layer.params.per_rank(c.tp as f64, c.ep as f64) * w_bytes;
+        }
+        MemoryBreakdown {
+            weights: (shard(3) * w_bytes) as u64,
+            gradients: (shard(2) * grad_bytes) as u64,
+            optimizer: (shard(1) * opt_bytes) as u64,
+            activations: (layer.saved_bytes * layers as f64 * flight) as u64,
+            embedding_and_loss: embedding_and_loss as u64,
+            buffers: buffers as u64,
+        }
+    }
+
+    /// The largest per-rank memory over the stages, and the stage it is on.
+    pub fn peak_memory(&mut self, c: &Config, counts: &[u64]) -> (u64, u64) {
+        let p = c.pp;
+        let mut best = (0, 0);
+        // Middle stages differ only in layers and in-flight micro-batches, both
+        // largest nearest the start: stage 1 bounds them; check it and the ends.
+        let mut idx = vec![0, p - 1];
+        if p > 2 {
+            idx.push(1);
+            let heaviest = (1..p - 1)
+                .max_by_key(|&i| (counts[i as usize], std::cmp::Reverse(i)))
+                .expect("p > 2");
+            idx.push(heaviest);
+        }
+        for i in idx {
+            let m = self.stage_memory(c, i, counts[i as usize]).total();
+            if m > best.0 {
+                best = (m, i);
+            }
+        }
+        best
+    }
+
+    /// Step time of `c` with stages holding `counts` layers.
+    pub fn step_time(&mut self, c: &Config, counts: &[u64]) -> TimeBreakdown {
+        let [layer, pre, post] = self.parts(c);
+        let (p, m, v) = (c.pp, c.num_micro_batches as f64, c.virtual_stages as f64);
+        let stage = |i: usize| {
+            let mut s = PassCost {
+                forward: counts[i] as f64 * layer.forward,
+                backward: counts[i] as f64 * layer.backward,
+                recompute: counts[i] as f64 * layer.recompute,
+                comm: counts[i] as f64 * layer.comm,
+                ..PassCost::default()
+            };
+            for (cond, e) in [(i == 0, pre), (i as u64 == p - 1, post)] {
+                if cond {
+                    s.forward += e.forward;
+                    s.backward += e.backward;
+                    s.comm += e.comm;
+                }
+            }
+            s
+        };
+        let stages: Vec<PassCost> = (0..p as usize).map(stage).collect();
+        let slowest = stages
+            .iter()
+            .copied()
+            .max_by(|a, b| a.total().total_cmp(&b.total()))
+            .expect("at least one stage");
+        let sum: f64 = stages.iter().map(PassCost::total).sum();
+        let t_max = slowest.total();
+        // Fill and drain: the first micro-batch passes every stage once (in
+        // chunks of 1/v under interleaving); the rest follow at the slowest rate.
+        let pipeline = (m - 1.0) * t_max + sum / v;
+        let bubble = (pipeline - m * t_max).max(0.0);
+
+        let bind = self.bind(c);
+        let rep_div = if c.sp { c.tp as f64 } else { 1.0 };
+        let boundary = bind.eval(&self.profile.layer_input_bytes) / rep_div;
+        let pp_link = self.link(c, MeshAxis::Pp);
+        // Megatron's scatter/gather optimisation sends 1/tp of the boundary
+        // tensor per rank when it is not already sequence-sharded.
+        let per_rank = if c.sp { boundary } else { boundary / c.tp as f64 };
+        let p2p = if p > 1 {
+            2.0 * collective_time(CollectiveKind::SendRecv, per_rank, &pp_link)
+                * (m * v + p as f64 - 1.0)
+        } else {
+            0.0
+        };
+
+        // Data-parallel gradient reduction, started bucket by bucket as the last
+        // micro-batch's backward produces gradients; the last bucket is exposed.
+        let (params, expert) = self.stage_params(c, 0, counts[0]);
+        let dense = params - expert;
+        let dp_link = self.link(c, MeshAxis::Dp);
+        let edp = (c.dp / c.ep).max(1);
+        let (edp_stride, _) = c.stride_size(MeshAxis::Dp);
+        let edp_link = group_link(self.cluster, edp_stride * c.ep, edp);
+        let grad_bytes = if self.profile.precision == Precision::Fp32 {
+            4.0
+        } else {
+            GRAD_BYTES
+        };
+        let w_bytes = self.profile.precision.bytes() as f64;
+        let reduce = |bytes: f64, link: &GroupLink| {
+            if c.zero >= 1 {
+                collective_time(CollectiveKind::ReduceScatter, bytes, link)
+            } else {
+                collective_time(CollectiveKind::AllReduce, bytes, link)
+            }
+        };
+        let dp_reduce = reduce(dense * grad_bytes, &dp_link) + reduce(expert * grad_bytes, &edp_link);
+        let last_backward = stages[0].backward + stages[0].recompute;
+        let layers0 = counts[0].max(1) as f64;
+        let mut exposed_dp = if c.zero >= 2 {
+            // ZeRO-2 reduce-scatters every micro-batch's gradients during its backward.
+            m * (dp_reduce - last_backward * (1.0 - 1.0 / layers0)).max(0.0)
+        } else {
+            (dp_reduce - last_backward * (1.0 - 1.0 / layers0)).max(0.0)
+        };
+        if c.zero >= 1 {
+            // The updated shards are all-gathered, overlapped with the next forward.
+            let gather = collective_time(CollectiveKind::AllGather, dense * w_bytes, &dp_link)
+                + collective_time(CollectiveKind::AllGather, expert * w_bytes, &edp_link);
+            exposed_dp += (gather - stages[0].forward).max(0.0);
+        }
+        if c.zero >= 3 {
+            // Weights gathered again for each micro-batch's forward and backward.
+            let gather = collective_time(CollectiveKind::AllGather, dense * w_bytes, &dp_link);
+            exposed_dp += m * (2.0 * gather - (stages[0].forward + stages[0].backward)).max(0.0);
+        }
+        let opt_params = if c.zero >= 1 {
+            dense / c.dp as f64 + expert / edp as f64
+        } else {
+            params
+        };
+        let optimizer = opt_params * OPTIMIZER_STEP_BYTES
+            / (self.cluster.device.memory_bandwidth * MEMORY_EFFICIENCY);
+
+        TimeBreakdown {
+            compute_s: m * (slowest.forward + slowest.backward + slowest.recompute),
+            recompute_s: m * slowest.recompute,
+            exposed_comm_s: m * slowest.comm,
+            pipeline_p2p_s: p2p,
+            bubble_s: bubble,
+            exposed_dp_comm_s: exposed_dp,
+            optimizer_s: optimizer,
+        }
+    }
+}
+
+pub(crate) fn step_total(t: &TimeBreakdown) -> f64 {
+    t.compute_s
+        + t.exposed_comm_s
+        + t.pipeline_p2p_s
+        + t.bubble_s
+        + t.exposed_dp_comm_s
+        + t.optimizer_s
+}

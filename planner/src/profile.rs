@@ -1,0 +1,604 @@
+//! What the cost model needs from a graph, computed once per model: per-op
+//! work (GEMM shapes, memory traffic), stored activations and collectives, each
+//! tagged with how tensor parallelism divides it.
+
+use crate::sharding::{self, GemmSplit, Pass, RegionSharding, TpCollectiveKind};
+use crate::PlanError;
+use dplc_ir::{
+    Analysis, DType, Dim, Graph, NodeId, Op, ParamId, Poly, Precision, Ratio, RegionId, SymId,
+    TensorDef, TensorId,
+};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// The symbolic sizes a cost is evaluated at, per rank.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Bind {
+    pub batch_sym: Option<SymId>,
+    pub seq_sym: Option<SymId>,
+    pub micro_batch: f64,
+    pub seq: f64,
+    /// Context-parallel degree: each rank holds `seq / cp` queries but
+    /// attends to all `seq` keys.
+    pub cp: f64,
+}
+
+impl Bind {
+    /// The value of `p` on one context-parallel rank: the first `seq` factor
+    /// of each term is local (`seq / cp`), further ones (attention's keys) are whole.
+    pub fn eval(&self, p: &Poly) -> f64 {
+        p.terms()
+            .map(|(syms, c)| {
+                let mut v = c.to_f64();
+                let mut seen_seq = false;
+                for &s in syms {
+                    if Some(s) == self.batch_sym {
+                        v *= self.micro_batch;
+                    } else if Some(s) == self.seq_sym {
+                        v *= if seen_seq { self.seq } else { self.seq / self.cp };
+                        seen_seq = true;
+                    }
+                }
+                v
+            })
+            .sum()
+    }
+}
+
+/// The work of one node, per iteration of its region.
+#[derive(Clone, Debug)]
+pub(crate) enum Work {
+    /// `2·m·n·k` FLOPs; `m` includes the batch dims.
+    Gemm {
+        m: Poly,
+        n: Poly,
+        k: Poly,
+        split: GemmSplit,
+        /// Backward GEMMs: one per operand that needs a gradient.
+        backward_gemms: u32,
+    },
+    /// A memory-bound kernel: bytes read and written, split by whether the
+    /// tensors are sharded over tensor parallelism.
+    Memory { sharded: Poly, replicated: Poly },
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct OpCost {
+    pub work: Work,
+    /// Part of the core attention: recomputed under selective recomputation.
+    pub attention_core: bool,
+}
+
+/// One tensor kept for backward.
+#[derive(Clone, Debug)]
+pub(crate) struct Saved {
+    pub bytes: Poly,
+    pub sharded: bool,
+    pub attention_core: bool,
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct CollectiveCost {
+    pub kind: TpCollectiveKind,
+    pub pass: Pass,
+    pub bytes: Poly,
+    /// Repeated when the forward is recomputed.
+    pub what: String,
+}
+
+/// Parameters of a region by how they are split.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct ParamCounts {
+    pub tp_split: f64,
+    pub replicated: f64,
+    pub expert_tp_split: f64,
+    pub expert_replicated: f64,
+}
+
+impl ParamCounts {
+    /// Elements one rank holds.
+    pub fn per_rank(&self, tp: f64, ep: f64) -> f64 {
+        self.tp_split / tp + self.replicated + self.expert_tp_split / (tp * ep)
+            + self.expert_replicated / ep
+    }
+    pub fn total(&self) -> f64 {
+        self.tp_split + self.replicated + self.expert_tp_split + self.expert_replicated
+    }
+    /// Elements whose data-parallel group is the expert-data group (`dp / ep`).
+    pub fn expert_per_rank(&self, tp: f64, ep: f64) -> f64 {
+        self.expert_tp_split / (tp * ep) + self.expert_replicated / ep
+    }
+}
+
+/// A region's costs: a layer body, or the part of the model before or after the layers.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct RegionProfile {
+    pub ops: Vec<OpCost>,
+    pub saved: Vec<Saved>,
+    pub collectives: Vec<CollectiveCost>,
+    /// Bytes of K and V entering attention matmuls (all-gathered under context parallelism).
+    pub kv_bytes: Poly,
+    pub all_to_all_bytes: Poly,
+    pub params: ParamCounts,
+    pub forward_flops: Poly,
+}
+
+/// The model as the cost model sees it.
+#[derive(Clone, Debug)]
+pub(crate) struct ModelProfile {
+    pub name: String,
+    pub layers: u64,
+    pub layer: RegionProfile,
+    pub pre: RegionProfile,
+    pub post: RegionProfile,
+    /// Parameters used both before and after the layers (tied embeddings).
+    pub tied_params: f64,
+    /// Bytes of the value carried from layer to layer (the full-recompute checkpoint
+    /// and the pipeline send), per micro-batch.
+    pub layer_input_bytes: Poly,
+    pub precision: Precision,
+    pub batch_sym: Option<SymId>,
+    pub seq_sym: Option<SymId>,
+    pub max_tp: u64,
+    pub experts: Option<u64>,
+    pub total_params: u128,
+    /// Forward FLOPs of the whole model per step's worth of `batch`/`seq`.
+    pub forward_flops: Poly,
+    /// Forward FLOPs of the core attention of one layer.
+    pub attention_core_flops: Poly,
+    /// Per parameter: name, elements (all iterations), splits.
+    pub param_layout: Vec<(String, u128, Option<usize>, bool)>,
+}
+
+fn poly(d: &Dim) -> Poly {
+    Poly::from_dim(d)
+}
+
+fn scaled(d: &Dim, r: u64) -> Poly {
+    let mut p = Poly::zero();
+    p.add_dim(d, Ratio::int(r as i64));
+    p
+}
+
+fn seq_power(d: &Dim, seq: Option<SymId>) -> usize {
+    d.syms().iter().filter(|&&s| Some(s) == seq).count()
+}
+
+fn elt_bytes(dtype: DType, precision: Precision) -> u64 {
+    if dtype.is_float() {
+        precision.bytes()
+    } else {
+        4
+    }
+}
+
+fn fusible(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Unary(_) | Op::Binary(_) | Op::Cast(_) | Op::Dropout { .. } | Op::CausalMask
+    )
+}
+
+struct RegionBuilder<'a> {
+    g: &'a Graph,
+    an: &'a Analysis<'a>,
+    precision: Precision,
+    seq: Option<SymId>,
+    sharding: &'a RegionSharding,
+    consumers: BTreeMap<TensorId, Vec<NodeId>>,
+    escapes: BTreeSet<TensorId>,
+    saved_roots: BTreeSet<TensorId>,
+}
+
+impl RegionBuilder<'_> {
+    fn numel(&self, t: TensorId) -> Dim {
+        self.g
+            .tensor(t)
+            .shape
+            .numel()
+            .unwrap_or_else(|| Dim::konst(0))
+    }
+
+    fn sharded(&self, t: TensorId) -> bool {
+        self.sharding.sharded.contains(&self.an.storage_root(t))
+    }
+
+    /// A tensor reaches memory unless an elementwise op produces it and one
+    /// elementwise op (or norm/softmax prologue) consumes it, and backward does not keep it.
+    fn materialized(&self, t: TensorId) -> bool {
+        let producer_fuses = self.g.producer(t).is_some_and(|p| fusible(&p.op));
+        if !producer_fuses || self.escapes.contains(&t) || self.saved_roots.contains(&t) {
+            return true;
+        }
+        match self.consumers.get(&t).map(Vec::as_slice) {
+            Some([only]) => {
+                let op = &self.g.node(*only).op;
+                !(fusible(op)
+                    || matches!(
+                        op,
+                        Op::Softmax { .. }
+                            | Op::LogSoftmax { .. }
+                            | Op::LayerNorm { .. }
+                            | Op::RmsNorm { .. }
+                    ))
+            }
+            _ => true,
+        }
+    }
+
+    fn add_traffic(&self, t: TensorId, extra: u64, sharded: &mut Poly, replicated: &mut Poly) {
+        if !self.an.is_activation(t) {
+            return;
+        }
+        let b = elt_bytes(self.g.tensor(t).dtype, self.precision) + extra;
+        let target = if self.sharded(t) { sharded } else { replicated };
+        target.add_dim(&self.numel(t), Ratio::int(b as i64));
+    }
+
+    fn op_cost(&self, n: NodeId) -> Option<OpCost> {
+        let g = self.g;
+        let node = g.node(n);
+        let out = node.outputs.first().copied();
+        let quadratic = out.is_some_and(|o| seq_power(&self.numel(o), self.seq) >= 2);
+        match &node.op {
+            Op::Input(_)
+            | Op::Param(_)
+            | Op::Constant(_)
+            | Op::Iota { .. }
+            | Op::Repeat { .. }
+            | Op::Reshape { .. }
+            | Op::Transpose { .. }
+            | Op::Expand { .. }
+            | Op::Slice { .. } => None,
+            Op::MatMul => {
+                let (a, b) = (node.inputs[0], node.inputs[1]);
+                let o = out.expect("matmul has an output");
+                let shape = &g.tensor(o).shape;
+                let nd = shape.last().cloned().unwrap_or_else(|| Dim::konst(1));
+                let kd = g
+                    .tensor(a)
+                    .shape
+                    .last()
+                    .cloned()
+                    .unwrap_or_else(|| Dim::konst(1));
+                let md = self.numel(o).checked_div(&nd)?;
+                let split = self
+                    .sharding
+                    .gemms
+                    .get(&n)
+                    .copied()
+                    .unwrap_or(GemmSplit::Replicated);
+                let backward_gemms =
+                    self.an.requires_grad(a) as u32 + self.an.requires_grad(b) as u32;
+                let both_activations = self.an.is_activation(a) && self.an.is_activation(b);
+                Some(OpCost {
+                    work: Work::Gemm {
+                        m: poly(&md),
+                        n: poly(&nd),
+                        k: poly(&kd),
+                        split,
+                        backward_gemms,
+                    },
+                    attention_core: both_activations,
+                })
+            }
+            _ => {
+                let (mut sharded, mut replicated) = (Poly::zero(), Poly::zero());
+                for &t in &node.inputs {
+                    let fused = g.producer(t).is_some_and(|p| fusible(&p.op))
+                        && fusible(&node.op)
+                        && !self.materialized(t);
+                    if !fused {
+                        self.add_traffic(t, 0, &mut sharded, &mut replicated);
+                    }
+                }
+                for &o in &node.outputs {
+                    if !fusible(&node.op) || self.materialized(o) {
+                        self.add_traffic(o, 0, &mut sharded, &mut replicated);
+                    }
+                }
+                if matches!(node.op, Op::Dropout { .. }) {
+                    // The mask is written too, one byte per element.
+                    let o = node.outputs[0];
+                    let target = if self.sharded(o) {
+                        &mut sharded
+                    } else {
+                        &mut replicated
+                    };
+                    target.add_dim(&self.numel(o), Ratio::ONE);
+                }
+                if sharded.is_zero() && replicated.is_zero() {
+                    return None;
+                }
+                Some(OpCost {
+                    work: Work::Memory {
+                        sharded,
+                        replicated,
+                    },
+                    attention_core: quadratic,
+                })
+            }
+        }
+    }
+}
+
+fn region_consumers(g: &Graph, nodes: &[NodeId]) -> BTreeMap<TensorId, Vec<NodeId>> {
+    let mut map: BTreeMap<TensorId, Vec<NodeId>> = BTreeMap::new();
+    for &n in nodes {
+        for &t in &g.node(n).inputs {
+            map.entry(t).or_default().push(n);
+        }
+    }
+    map
+}
+
+/// Build the profile of the nodes `nodes` of `region`.
+#[allow(clippy::too_many_arguments)]
+fn region_profile(
+    g: &Graph,
+    an: &Analysis,
+    region: RegionId,
+    nodes: &[NodeId],
+    saved: &[dplc_ir::SavedTensor],
+    sharding: &RegionSharding,
+    precision: Precision,
+    seq: Option<SymId>,
+) -> RegionProfile {
+    let reg = g.region(region);
+    let mut escapes: BTreeSet<TensorId> = reg.results.iter().copied().collect();
+    for &n in &reg.nodes {
+        if let Op::Repeat { .. } = g.node(n).op {
+            escapes.extend(g.node(n).inputs.iter().copied());
+        }
+    }
+    let b = RegionBuilder {
+        g,
+        an,
+        precision,
+        seq,
+        sharding,
+        consumers: region_consumers(g, &reg.nodes),
+        escapes,
+        saved_roots: saved.iter().map(|s| s.tensor).collect(),
+    };
+    let node_set: BTreeSet<NodeId> = nodes.iter().copied().collect();
+    let mut p = RegionProfile {
+        ops: nodes.iter().filter_map(|&n| b.op_cost(n)).collect(),
+        ..RegionProfile::default()
+    };
+    for s in saved {
+        let mut bytes = Poly::zero();
+        bytes.add_dim(&s.elements, Ratio::int(s.kind.bytes(precision) as i64));
+        p.saved.push(Saved {
+            bytes,
+            sharded: b.sharded(s.tensor),
+            attention_core: seq_power(&s.elements, seq) >= 2,
+        });
+    }
+    for c in &sharding.collectives {
+        let node_ok = match g.tensor(c.tensor).def {
+            TensorDef::Node { node, .. } => node_set.contains(&node),
+            TensorDef::Arg { .. } => true,
+        };
+        if !node_ok {
+            continue;
+        }
+        let bytes = if c.fp32 { 4 } else { precision.bytes() };
+        let what = match c.kind {
+            TpCollectiveKind::AllReduce if c.pass == Pass::Forward => "row-parallel output",
+            TpCollectiveKind::AllReduce => "column-parallel input gradient",
+            TpCollectiveKind::AllGather => "gather of a sharded tensor",
+            TpCollectiveKind::RowStats => "softmax row statistics (vocab-parallel loss)",
+        };
+        p.collectives.push(CollectiveCost {
+            kind: c.kind,
+            pass: c.pass,
+            bytes: scaled(&c.elements, bytes),
+            what: what.to_string(),
+        });
+    }
+    for &n in nodes {
+        let node = g.node(n);
+        match node.op {
+            Op::MatMul => {
+                let (a, bt) = (node.inputs[0], node.inputs[1]);
+                let o = node.outputs[0];
+                let k = g.tensor(a).shape.last().cloned().unwrap_or(Dim::konst(1));
+                if let Some(macs) = b.numel(o).checked_mul(&k) {
+                    p.forward_flops.add_dim(&macs, Ratio::int(2));
+                }
+                if an.is_activation(a) && an.is_activation(bt) {
+                    p.kv_bytes
+                        .add_dim(&b.numel(bt), Ratio::int(precision.bytes() as i64));
+                }
+            }
+            Op::MoeDispatch { .. } | Op::MoeCombine => {}
+            _ => {}
+        }
+    }
+    for e in &sharding.all_to_all {
+        p.all_to_all_bytes
+            .add_dim(e, Ratio::int(precision.bytes() as i64));
+    }
+    p
+}
+
+fn param_counts(g: &Graph, params: &[ParamId], sharding: &RegionSharding, per_iteration: bool) -> ParamCounts {
+    let mut c = ParamCounts::default();
+    for &p in params {
+        let info = g.param(p);
+        let n = if per_iteration {
+            info.shape
+                .dims()
+                .iter()
+                .map(|d| d.as_const().unwrap_or(0) as f64)
+                .product::<f64>()
+        } else {
+            g.param_elements(p) as f64
+        };
+        let split = sharding.split_params.contains_key(&p);
+        let expert = sharding.expert_params.contains(&p);
+        match (split, expert) {
+            (true, false) => c.tp_split += n,
+            (false, false) => c.replicated += n,
+            (true, true) => c.expert_tp_split += n,
+            (false, true) => c.expert_replicated += n,
+        }
+    }
+    c
+}
+
+impl ModelProfile {
+    pub fn new(g: &Graph, precision: Precision) -> Result<ModelProfile, PlanError> {
+        let an = Analysis::new(g);
+        let body = an.layer_body().ok_or_else(|| {
+            PlanError::Model(format!(
+                "model `{}` has no `repeat` of layers; the planner splits models by layer",
+                g.name
+            ))
+        })?;
+        let seq_sym = g.sym_by_name("seq");
+        let batch_sym = g.sym_by_name("batch");
+        let layer_sh = sharding::propagate(g, &an, body, true);
+        let body_nodes = g.region(body).nodes.clone();
+        let saved = an.activations(body).saved;
+        let layer = region_profile(
+            g, &an, body, &body_nodes, &saved, &layer_sh, precision, seq_sym,
+        );
+
+        // The root: nodes before the first repeat feed the first stage,
+        // nodes after it belong to the last stage.
+        let root = g.root();
+        let root_nodes = &g.region(root).nodes;
+        let repeat_at = root_nodes
+            .iter()
+            .position(|&n| matches!(g.node(n).op, Op::Repeat { .. }))
+            .expect("a layer body implies a repeat in the root");
+        let (pre_nodes, post_nodes) = (&root_nodes[..repeat_at], &root_nodes[repeat_at + 1..]);
+        let root_sh = sharding::propagate(g, &an, root, false);
+        let root_saved = an.activations(root).saved;
+        let pre_set: BTreeSet<NodeId> = pre_nodes.iter().copied().collect();
+        let (pre_saved, post_saved): (Vec<_>, Vec<_>) =
+            root_saved.into_iter().partition(|s| pre_set.contains(&s.saved_by));
+        let pre = region_profile(g, &an, root, pre_nodes, &pre_saved, &root_sh, precision, seq_sym);
+        let post = region_profile(
+            g, &an, root, post_nodes, &post_saved, &root_sh, precision, seq_sym,
+        );
+
+        let mut layer_params = Vec::new();
+        let (mut pre_params, mut post_params) = (Vec::new(), Vec::new());
+        let consumers = region_consumers(g, root_nodes);
+        let mut tied = 0.0;
+        let mut param_layout = Vec::new();
+        for (p, info) in g.params() {
+            let region = g.tensor_region(info.tensor);
+            let split = layer_sh
+                .split_params
+                .get(&p)
+                .or_else(|| root_sh.split_params.get(&p))
+                .copied();
+            let expert = layer_sh.expert_params.contains(&p);
+            param_layout.push((info.name.clone(), g.param_elements(p), split, expert));
+            if region != root {
+                layer_params.push(p);
+                continue;
+            }
+            let users = root_uses(g, &an, info.tensor, &consumers);
+            let before = users.iter().any(|n| pre_set.contains(n));
+            let after = users.iter().any(|n| !pre_set.contains(n));
+            if before {
+                pre_params.push(p);
+            }
+            if after || !before {
+                post_params.push(p);
+            }
+            if before && after {
+                tied += g.param_elements(p) as f64;
+            }
+        }
+        let mut layer = layer;
+        layer.params = param_counts(g, &layer_params, &layer_sh, true);
+        let mut pre = pre;
+        pre.params = param_counts(g, &pre_params, &root_sh, false);
+        let mut post = post;
+        post.params = param_counts(g, &post_params, &root_sh, false);
+
+        let mut layer_input_bytes = Poly::zero();
+        let reg = g.region(body);
+        let carried = match g.node(reg.repeat.expect("a body has its repeat")).op {
+            Op::Repeat { carried, .. } => carried,
+            _ => 0,
+        };
+        for &a in reg.args.iter().take(carried) {
+            if let Some(e) = g.tensor(a).shape.numel() {
+                let b = elt_bytes(g.tensor(a).dtype, precision);
+                layer_input_bytes.add_dim(&e, Ratio::int(b as i64));
+            }
+        }
+        let experts = g.nodes().find_map(|(_, n)| match n.op {
+            Op::MoeDispatch { experts, .. } => Some(experts as u64),
+            _ => None,
+        });
+        let mut attention_core_flops = Poly::zero();
+        for &n in &body_nodes {
+            let node = g.node(n);
+            if matches!(node.op, Op::MatMul)
+                && node.inputs.iter().all(|&t| an.is_activation(t))
+            {
+                let k = g
+                    .tensor(node.inputs[0])
+                    .shape
+                    .last()
+                    .cloned()
+                    .unwrap_or(Dim::konst(1));
+                if let Some(macs) = g
+                    .tensor(node.outputs[0])
+                    .shape
+                    .numel()
+                    .and_then(|e| e.checked_mul(&k))
+                {
+                    attention_core_flops.add_dim(&macs, Ratio::int(2));
+                }
+            }
+        }
+        Ok(ModelProfile {
+            name: g.name.clone(),
+            layers: an.layers(),
+            layer,
+            pre,
+            post,
+            tied_params: tied,
+            layer_input_bytes,
+            precision,
+            batch_sym,
+            seq_sym,
+            max_tp: layer_sh.max_tp,
+            experts,
+            total_params: g.param_count(),
+            forward_flops: an.forward_flops(),
+            attention_core_flops,
+            param_layout,
+        })
+    }
+}
+
+/// The root nodes that use parameter tensor `t`, looking through views and casts.
+fn root_uses(
+    g: &Graph,
+    an: &Analysis,
+    t: TensorId,
+    consumers: &BTreeMap<TensorId, Vec<NodeId>>,
+) -> Vec<NodeId> {
+    let mut out = Vec::new();
+    let mut stack = vec![t];
+    while let Some(t) = stack.pop() {
+        for &n in consumers.get(&t).map(Vec::as_slice).unwrap_or(&[]) {
+            let node = g.node(n);
+            if (node.op.is_view() || matches!(node.op, Op::Cast(_))) && !an.is_activation(t) {
+                stack.extend(node.outputs.iter().copied());
+            } else {
+                out.push(n);
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,587 @@
+//! Turning the chosen configuration into a `Plan`, and the plan into the
+//! human summary and the `--json` object.
+
+use crate::cluster::Cluster;
+use crate::cost::{collective_time, group_link, Config, CostModel, GroupLink};
+use crate::profile::{Bind, ModelProfile};
+use crate::search::Candidate;
+use crate::sharding::{Pass, TpCollectiveKind};
+use crate::Compiled;
+use dplc_ir::{
+    Alternative, AxisMapping, ClusterSummary, Collective, CollectiveKind, Estimate, LinkLevel,
+    Mesh, MeshAxis, ParamSharding, Plan, Recompute, SearchStats, StagePlan, StepPhase, Strategy,
+    TimeBreakdown,
+};
+use serde_json::json;
+use std::fmt::Write;
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+pub(crate) fn mesh(c: &Config, cluster: &Cluster) -> Mesh {
+    let mut axes = Vec::new();
+    for axis in [MeshAxis::Tp, MeshAxis::Cp, MeshAxis::Ep, MeshAxis::Dp, MeshAxis::Pp] {
+        let (stride, size) = c.stride_size(axis);
+        let l = group_link(cluster, stride, size);
+        axes.push(AxisMapping {
+            axis,
+            size,
+            stride,
+            link: l.level,
+            bandwidth_bytes_per_s: if l.level == LinkLevel::None {
+                0.0
+            } else {
+                l.bandwidth
+            },
+        });
+    }
+    axes.sort_by_key(|a| (a.stride, a.axis));
+    Mesh {
+        dp: c.dp,
+        tp: c.tp,
+        pp: c.pp,
+        cp: c.cp,
+        ep: c.ep,
+        axes,
+    }
+}
+
+pub(crate) fn strategy(c: &Config, global_batch: u64, seq: u64) -> Strategy {
+    Strategy {
+        global_batch,
+        seq,
+        micro_batch: c.micro_batch,
+        num_micro_batches: c.num_micro_batches,
+        schedule: c.schedule,
+        virtual_stages: c.virtual_stages,
+        zero_stage: c.zero,
+        recompute: c.recompute,
+        sequence_parallel: c.sp,
+    }
+}
+
+/// Model and hardware FLOPs of one step, from the graph: `3 ×` forward, plus
+/// the forward work that recomputation repeats.
+pub(crate) fn step_flops(profile: &ModelProfile, c: &Config, global_batch: u64, seq: u64) -> (f64, f64) {
+    let bind = Bind {
+        batch_sym: profile.batch_sym,
+        seq_sym: profile.seq_sym,
+        micro_batch: global_batch as f64,
+        seq: seq as f64,
+        cp: 1.0,
+    };
+    let model = 3.0 * bind.eval(&profile.forward_flops);
+    let layers = profile.layers as f64;
+    let extra = match c.recompute {
+        Recompute::None => 0.0,
+        Recompute::Selective => layers * bind.eval(&profile.attention_core_flops),
+        Recompute::Full => layers * bind.eval(&profile.layer.forward_flops),
+    };
+    (model, model + extra)
+}
+
+fn reason(best: &Candidate, alt: &Candidate) -> String {
+    let (a, b) = (&alt.time, &best.time);
+    let rel = alt.step_time / best.step_time - 1.0;
+    if rel.abs() < 1e-4 {
+        return if alt.peak_memory > best.peak_memory {
+            format!(
+                "same step time, more memory ({:.1} vs {:.1} GiB)",
+                alt.peak_memory as f64 / GIB,
+                best.peak_memory as f64 / GIB
+            )
+        } else {
+            "same step time and memory; ordered after by configuration".to_string()
+        };
+    }
+    let terms = [
+        ("compute", a.compute_s - a.recompute_s - (b.compute_s - b.recompute_s)),
+        ("recomputation", a.recompute_s - b.recompute_s),
+        ("exposed tp/cp/ep communication", a.exposed_comm_s - b.exposed_comm_s),
+        ("pipeline send/recv", a.pipeline_p2p_s - b.pipeline_p2p_s),
+        ("pipeline bubble", a.bubble_s - b.bubble_s),
+        ("exposed data-parallel communication", a.exposed_dp_comm_s - b.exposed_dp_comm_s),
+        ("optimizer step", a.optimizer_s - b.optimizer_s),
+    ];
+    let (name, delta) = terms
+        .iter()
+        .copied()
+        .max_by(|x, y| x.1.total_cmp(&y.1))
+        .expect("terms are not empty");
+    format!(
+        "{:+.1}% step time: more {name} ({:+.3} s)",
+        rel * 100.0,
+        delta
+    )
+}
+
+fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
+    let c = &cand.config;
+    let profile = cost.profile;
+    let bind = Bind {
+        batch_sym: profile.batch_sym,
+        seq_sym: profile.seq_sym,
+        micro_batch: c.micro_batch as f64,
+        seq: cost.seq as f64,
+        cp: c.cp as f64,
+    };
+    let m = c.num_micro_batches;
+    let layers0 = cand.counts[0];
+    let mut out = Vec::new();
+    let tp_link = cost.link(c, MeshAxis::Tp);
+    if c.tp > 1 {
+        for (region, per_mb, name) in [
+            (&profile.layer, layers0, "layer"),
+            (&profile.pre, 1, "embedding"),
+            (&profile.post, u64::from(c.pp == 1), "head"),
+        ] {
+            for col in &region.collectives {
+                let bytes = bind.eval(&col.bytes);
+                let phase = match col.pass {
+                    Pass::Forward => StepPhase::Forward,
+                    Pass::Backward => StepPhase::Backward,
+                };
+                let what = format!("{name}: {}", col.what);
+                let kinds: &[CollectiveKind] = match (col.kind, c.sp) {
+                    (TpCollectiveKind::AllReduce, true) => {
+                        &[CollectiveKind::ReduceScatter, CollectiveKind::AllGather]
+                    }
+                    (TpCollectiveKind::AllGather, _) => &[CollectiveKind::AllGather],
+                    _ => &[CollectiveKind::AllReduce],
+                };
+                for &kind in kinds {
+                    push(&mut out, kind, MeshAxis::Tp, &what, bytes, phase, per_mb * m, &tp_link);
+                    if phase == StepPhase::Forward
+                        && c.recompute == Recompute::Full
+                        && name == "layer"
+                    {
+                        push(&mut out, kind, MeshAxis::Tp, &what, bytes, StepPhase::Recompute, per_mb * m, &tp_link);
+                    }
+                }
+            }
+        }
+    }
+    if c.cp > 1 {
+        let link = cost.link(c, MeshAxis::Cp);
+        let kv = bind.eval(&profile.layer.kv_bytes) / c.tp as f64 * c.cp as f64;
+        push(&mut out, CollectiveKind::AllGather, MeshAxis::Cp, "layer: attention keys and values", kv, StepPhase::Forward, layers0 * m, &link);
+        push(&mut out, CollectiveKind::ReduceScatter, MeshAxis::Cp, "layer: key and value gradients", kv, StepPhase::Backward, layers0 * m, &link);
+    }
+    if c.ep > 1 {
+        let link = cost.link(c, MeshAxis::Ep);
+        let div = if c.sp { c.tp as f64 } else { 1.0 };
+        let bytes = bind.eval(&profile.layer.all_to_all_bytes) / div;
+        push(&mut out, CollectiveKind::AllToAll, MeshAxis::Ep, "layer: token dispatch and combine", bytes / 2.0, StepPhase::Forward, 2 * layers0 * m, &link);
+        push(&mut out, CollectiveKind::AllToAll, MeshAxis::Ep, "layer: token dispatch and combine gradients", bytes / 2.0, StepPhase::Backward, 2 * layers0 * m, &link);
+    }
+    if c.pp > 1 {
+        let link = cost.link(c, MeshAxis::Pp);
+        let div = c.tp as f64;
+        let bytes = bind.eval(&profile.layer_input_bytes) / div;
+        let n = m * c.virtual_stages;
+        push(&mut out, CollectiveKind::SendRecv, MeshAxis::Pp, "stage boundary activations", bytes, StepPhase::Forward, n, &link);
+        push(&mut out, CollectiveKind::SendRecv, MeshAxis::Pp, "stage boundary gradients", bytes, StepPhase::Backward, n, &link);
+    }
+    if c.dp > 1 {
+        let link = cost.link(c, MeshAxis::Dp);
+        let mem = cost.stage_memory(c, 0, layers0);
+        let _ = mem;
+        let params = grads_per_rank(cost, c, layers0);
+        let grad_bytes = if profile.precision == dplc_ir::Precision::Fp32 { 4.0 } else { 4.0 };
+        let kind = if c.zero >= 1 {
+            CollectiveKind::ReduceScatter
+        } else {
+            CollectiveKind::AllReduce
+        };
+        let count = if c.zero >= 2 { m } else { 1 };
+        push(&mut out, kind, MeshAxis::Dp, "gradients (fp32)", params * grad_bytes, StepPhase::GradientSync, count, &link);
+        let w = profile.precision.bytes() as f64;
+        if c.zero >= 1 {
+            push(&mut out, CollectiveKind::AllGather, MeshAxis::Dp, "updated weights", params * w, StepPhase::Optimizer, 1, &link);
+        }
+        if c.zero >= 3 {
+            push(&mut out, CollectiveKind::AllGather, MeshAxis::Dp, "weights for forward", params * w, StepPhase::Forward, m, &link);
+            push(&mut out, CollectiveKind::AllGather, MeshAxis::Dp, "weights for backward", params * w, StepPhase::Backward, m, &link);
+        }
+    }
+    out
+}
+
+#[allow(clippy::too_many_arguments)]
+fn push(
+    out: &mut Vec<Collective>,
+    kind: CollectiveKind,
+    axis: MeshAxis,
+    what: &str,
+    bytes: f64,
+    phase: StepPhase,
+    count: u64,
+    link: &GroupLink,
+) {
+    if count == 0 || bytes <= 0.0 {
+        return;
+    }
+    out.push(Collective {
+        kind,
+        axis,
+        what: what.to_string(),
+        bytes: bytes as u64,
+        phase,
+        count_per_step: count,
+        time_s: collective_time(kind, bytes, link),
+    });
+}
+
+fn grads_per_rank(cost: &CostModel, c: &Config, layers0: u64) -> f64 {
+    let p = cost.profile;
+    let (tp, ep) = (c.tp as f64, c.ep as f64);
+    layers0 as f64 * p.layer.params.per_rank(tp, ep) + p.pre.params.per_rank(tp, ep)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn build_plan(
+    profile: &ModelProfile,
+    cluster: &Cluster,
+    global_batch: u64,
+    seq: u64,
+    ranked: &[Candidate],
+    evaluated: u64,
+    feasible: u64,
+    pinned: String,
+) -> Plan {
+    let best = &ranked[0];
+    let c = best.config;
+    let mut cost = CostModel::new(profile, cluster, seq);
+    let mut first = 0;
+    let stages: Vec<StagePlan> = (0..c.pp)
+        .map(|i| {
+            let layers = best.counts[i as usize];
+            let s = StagePlan {
+                stage: i,
+                first_layer: first,
+                layers,
+                embedding: i == 0,
+                head: i == c.pp - 1,
+                micro_batches_in_flight: CostModel::in_flight(&c, i),
+                memory: cost.stage_memory(&c, i, layers),
+            };
+            first += layers;
+            s
+        })
+        .collect();
+    let param_sharding = profile
+        .param_layout
+        .iter()
+        .map(|(name, elements, split, expert)| {
+            let mut splits = Vec::new();
+            if *expert && c.ep > 1 {
+                splits.push((MeshAxis::Ep, 0));
+            }
+            if let Some(d) = split {
+                if c.tp > 1 {
+                    splits.push((MeshAxis::Tp, *d));
+                }
+            }
+            ParamSharding {
+                name: name.clone(),
+                elements: *elements,
+                splits,
+            }
+        })
+        .collect();
+    let (model_flops, hw_flops) = step_flops(profile, &c, global_batch, seq);
+    let world = cluster.world_size() as f64;
+    let step = best.step_time;
+    let peak = cluster.device.peak_flops(profile.precision);
+    let estimate = Estimate {
+        step_time_s: step,
+        breakdown: best.time.clone(),
+        tokens_per_s: (global_batch * seq) as f64 / step,
+        model_flops_per_step: model_flops,
+        hardware_flops_per_step: hw_flops,
+        model_tflops_per_gpu: model_flops / step / world / 1e12,
+        hardware_tflops_per_gpu: hw_flops / step / world / 1e12,
+        mfu: model_flops / step / world / peak,
+        peak_memory_bytes: stages.iter().map(|s| s.memory.total()).max().unwrap_or(0),
+    };
+    let alternatives = ranked[1..]
+        .iter()
+        .enumerate()
+        .map(|(i, alt)| Alternative {
+            rank: i as u64 + 2,
+            mesh: mesh(&alt.config, cluster),
+            strategy: strategy(&alt.config, global_batch, seq),
+            step_time_s: alt.step_time,
+            peak_memory_bytes: alt.peak_memory,
+            reason: reason(best, alt),
+        })
+        .collect();
+    Plan {
+        model: profile.name.clone(),
+        params: profile.total_params,
+        layers: profile.layers,
+        cluster: ClusterSummary {
+            name: cluster.name.clone(),
+            nodes: cluster.nodes,
+            devices_per_node: cluster.devices_per_node,
+            device: cluster.device.name.to_string(),
+            memory_bytes: cluster.device.memory_bytes,
+            peak_flops: peak,
+        },
+        mesh: mesh(&c, cluster),
+        strategy: strategy(&c, global_batch, seq),
+        stages,
+        param_sharding,
+        collectives: collectives(&mut cost, best),
+        estimate,
+        search: SearchStats {
+            configs_evaluated: evaluated,
+            feasible,
+            pinned,
+        },
+        alternatives,
+    }
+}
+
+fn gib(b: u64) -> String {
+    format!("{:.2}", b as f64 / GIB)
+}
+
+fn link_name(l: LinkLevel) -> &'static str {
+    match l {
+        LinkLevel::IntraNode => "intra-node",
+        LinkLevel::InterNode => "inter-node",
+        LinkLevel::None => "-",
+    }
+}
+
+fn strategy_line(s: &Strategy) -> String {
+    let sched = if s.virtual_stages > 1 {
+        format!("{} v={}", s.schedule.name(), s.virtual_stages)
+    } else {
+        s.schedule.name().to_string()
+    };
+    format!(
+        "micro-batch {} × {} (global batch {}, seq {}), schedule {sched}, ZeRO-{}, recompute {}, sequence parallel {}",
+        s.micro_batch,
+        s.num_micro_batches,
+        s.global_batch,
+        s.seq,
+        s.zero_stage,
+        s.recompute.name(),
+        if s.sequence_parallel { "on" } else { "off" }
+    )
+}
+
+fn mesh_line(m: &Mesh) -> String {
+    format!(
+        "dp {} × tp {} × pp {} × cp {} (ep {})",
+        m.dp, m.tp, m.pp, m.cp, m.ep
+    )
+}
+
+fn time_line(t: &TimeBreakdown) -> String {
+    format!(
+        "compute {:.3} s (recompute {:.3} s), exposed comm {:.3} s, p2p {:.3} s, bubble {:.3} s, dp comm {:.3} s, optimizer {:.3} s",
+        t.compute_s,
+        t.recompute_s,
+        t.exposed_comm_s,
+        t.pipeline_p2p_s,
+        t.bubble_s,
+        t.exposed_dp_comm_s,
+        t.optimizer_s
+    )
+}
+
+/// The human summary `dplc compile` prints.
+pub fn summary(compiled: &Compiled) -> String {
+    let p = &compiled.plan;
+    let mut s = String::new();
+    let cl = &p.cluster;
+    let _ = writeln!(
+        s,
+        "plan {} ({} params, {} layers) on {} ({} × {} {})",
+        p.model,
+        crate::report::si(p.params as f64),
+        p.layers,
+        cl.name,
+        cl.nodes,
+        cl.devices_per_node,
+        cl.device
+    );
+    let _ = writeln!(s, "  mesh      {}", mesh_line(&p.mesh));
+    for a in p.mesh.axes.iter().filter(|a| a.size > 1) {
+        let _ = writeln!(
+            s,
+            "    {:<3} {:>5}  stride {:<5} {:<11} {:>7.1} GB/s per device",
+            a.axis.name(),
+            a.size,
+            a.stride,
+            link_name(a.link),
+            a.bandwidth_bytes_per_s / 1e9
+        );
+    }
+    let _ = writeln!(s, "  strategy  {}", strategy_line(&p.strategy));
+    let last = p.stages.len() - 1;
+    let layers: Vec<u64> = p.stages.iter().map(|st| st.layers).collect();
+    let same = layers.iter().all(|&l| l == layers[0]);
+    let _ = writeln!(
+        s,
+        "  stages    {} × {}; stage 0 holds the embedding, stage {last} the head and loss",
+        p.stages.len(),
+        if same {
+            format!("{} layers", layers[0])
+        } else {
+            format!("layers {layers:?}")
+        }
+    );
+    let _ = writeln!(
+        s,
+        "  memory per rank, GiB (capacity {})",
+        gib(cl.memory_bytes)
+    );
+    let _ = writeln!(
+        s,
+        "    stage  layers  weights  grads  optimizer  activations  emb+loss  buffers    total"
+    );
+    let peak_stage = p
+        .stages
+        .iter()
+        .max_by_key(|st| (st.memory.total(), std::cmp::Reverse(st.stage)))
+        .map_or(0, |st| st.stage);
+    let mut shown: Vec<u64> = vec![0, 1, last as u64, peak_stage];
+    shown.retain(|&i| (i as usize) <= last);
+    shown.sort();
+    shown.dedup();
+    for i in shown {
+        let st = &p.stages[i as usize];
+        let m = &st.memory;
+        let _ = writeln!(
+            s,
+            "    {:>5}  {:>6}  {:>7}  {:>5}  {:>9}  {:>11}  {:>8}  {:>7}  {:>7}",
+            st.stage,
+            st.layers,
+            gib(m.weights),
+            gib(m.gradients),
+            gib(m.optimizer),
+            gib(m.activations),
+            gib(m.embedding_and_loss),
+            gib(m.buffers),
+            gib(m.total())
+        );
+    }
+    let e = &p.estimate;
+    let _ = writeln!(s, "  step      {:.3} s: {}", e.step_time_s, time_line(&e.breakdown));
+    let _ = writeln!(
+        s,
+        "  speed     {} tokens/s; model {:.1} TFLOP/s/GPU, hardware {:.1} TFLOP/s/GPU, MFU {:.1}%",
+        si(e.tokens_per_s),
+        e.model_tflops_per_gpu,
+        e.hardware_tflops_per_gpu,
+        e.mfu * 100.0
+    );
+    let _ = writeln!(
+        s,
+        "  search    {} configurations, {} fit, {:.0} ms{}",
+        p.search.configs_evaluated,
+        p.search.feasible,
+        compiled.search_time_ms,
+        if p.search.pinned.is_empty() {
+            String::new()
+        } else {
+            format!("; pinned {}", p.search.pinned)
+        }
+    );
+    for a in &p.alternatives {
+        let _ = writeln!(
+            s,
+            "  #{:<2} {:.3} s  {}; {}: {}",
+            a.rank,
+            a.step_time_s,
+            mesh_line(&a.mesh),
+            strategy_line(&a.strategy),
+            a.reason
+        );
+    }
+    s
+}
+
+/// A number with an SI prefix, e.g. `1.3 G`.
+pub(crate) fn si(x: f64) -> String {
+    let units = [(1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")];
+    for (scale, u) in units {
+        if x.abs() >= scale {
+            return format!("{:.1}{u}", x / scale);
+        }
+    }
+    format!("{x:.0}")
+}
+
+/// The `--json` object.
+pub fn to_json(compiled: &Compiled) -> serde_json::Value {
+    let p = &compiled.plan;
+    let s = &p.strategy;
+    let e = &p.estimate;
+    json!({
+        "model": p.model,
+        "cluster": p.cluster.name,
+        "mesh": {
+            "dp": p.mesh.dp, "tp": p.mesh.tp, "pp": p.mesh.pp, "cp": p.mesh.cp, "ep": p.mesh.ep,
+            "axes": p.mesh.axes.iter().map(|a| json!({
+                "axis": a.axis.name(), "size": a.size, "stride": a.stride,
+                "link": link_name(a.link), "bandwidth_bytes_per_s": a.bandwidth_bytes_per_s,
+            })).collect::<Vec<_>>(),
+        },
+        "strategy": {
+            "micro_batch": s.micro_batch,
+            "num_micro_batches": s.num_micro_batches,
+            "global_batch": s.global_batch,
+            "seq": s.seq,
+            "schedule": s.schedule.name(),
+            "virtual_stages": s.virtual_stages,
+            "zero_stage": s.zero_stage,
+            "recompute": s.recompute.name(),
+            "sequence_parallel": s.sequence_parallel,
+        },
+        "estimate": {
+            "step_time_s": e.step_time_s,
+            "tokens_per_s": e.tokens_per_s,
+            "model_tflops_per_gpu": e.model_tflops_per_gpu,
+            "hardware_tflops_per_gpu": e.hardware_tflops_per_gpu,
+            "mfu": e.mfu,
+            "peak_memory_bytes": e.peak_memory_bytes,
+            "breakdown": {
+                "compute_s": e.breakdown.compute_s,
+                "recompute_s": e.breakdown.recompute_s,
+                "exposed_comm_s": e.breakdown.exposed_comm_s,
+                "pipeline_p2p_s": e.breakdown.pipeline_p2p_s,
+                "bubble_s": e.breakdown.bubble_s,
+                "exposed_dp_comm_s": e.breakdown.exposed_dp_comm_s,
+                "optimizer_s": e.breakdown.optimizer_s,
+            },
+            "memory_by_stage": p.stages.iter().map(|st| json!({
+                "stage": st.stage,
+                "layers": st.layers,
+                "weights": st.memory.weights,
+                "gradients": st.memory.gradients,
+                "optimizer": st.memory.optimizer,
+                "activations": st.memory.activations,
+                "embedding_and_loss": st.memory.embedding_and_loss,
+                "buffers": st.memory.buffers,
+                "total": st.memory.total(),
+            })).collect::<Vec<_>>(),
+        },
+        "search": {
+            "configs_evaluated": p.search.configs_evaluated,
+            "feasible": p.search.feasible,
+            "time_ms": compiled.search_time_ms,
+        },
+        "alternatives": p.alternatives.iter().map(|a| json!({
+            "rank": a.rank,
+            "mesh": {"dp": a.mesh.dp, "tp": a.mesh.tp, "pp": a.mesh.pp, "cp": a.mesh.cp, "ep": a.mesh.ep},
+            "strategy": strategy_line(&a.strategy),
+            "step_time_s": a.step_time_s,
+            "peak_memory_bytes": a.peak_memory_bytes,
+            "reason": a.reason,
+        })).collect::<Vec<_>>(),
+    })
+}

@@ -1,0 +1,400 @@
+//! The strategy search: enumerate meshes, micro-batching, schedules, ZeRO,
+//! recomputation and sequence parallelism; prune by memory; keep the fastest.
+//!
+//! Architecture invariant: the search is deterministic. Loops run in a fixed
+//! order and ties break on the configuration's total order, never on hash order.
+
+use crate::cluster::Cluster;
+use crate::cost::{step_total, AxisOrder, Config, CostModel};
+use crate::profile::ModelProfile;
+use crate::{PlanError, StrategyConstraints};
+use dplc_ir::{MemoryBreakdown, PipelineSchedule, Recompute, TimeBreakdown};
+use std::collections::HashMap;
+
+/// One evaluated, feasible configuration.
+#[derive(Clone, Debug)]
+pub(crate) struct Candidate {
+    pub config: Config,
+    pub step_time: f64,
+    pub time: TimeBreakdown,
+    pub peak_memory: u64,
+    pub counts: Vec<u64>,
+}
+
+/// The configuration with the least memory, kept to explain an infeasible model.
+#[derive(Clone, Debug)]
+pub(crate) struct Smallest {
+    pub config: Config,
+    pub stage: u64,
+    pub memory: MemoryBreakdown,
+}
+
+pub(crate) struct Outcome {
+    /// Best first; at most `top_k + 1`.
+    pub best: Vec<Candidate>,
+    pub evaluated: u64,
+    pub feasible: u64,
+    pub smallest: Option<Smallest>,
+}
+
+fn divisors(n: u64) -> Vec<u64> {
+    (1..=n).filter(|d| n % d == 0).collect()
+}
+
+fn allowed(pin: Option<u64>, v: u64) -> bool {
+    pin.is_none_or(|p| p == v)
+}
+
+/// Check the pinned choices against the model and cluster before searching.
+pub(crate) fn validate(
+    pins: &StrategyConstraints,
+    profile: &ModelProfile,
+    world: u64,
+    global_batch: u64,
+    seq: u64,
+) -> Result<(), PlanError> {
+    let bad = |m: String| Err(PlanError::Strategy(m));
+    let degrees = [
+        ("tp", pins.tp),
+        ("pp", pins.pp),
+        ("dp", pins.dp),
+        ("cp", pins.cp),
+    ];
+    let mut product = 1u64;
+    for (name, d) in degrees {
+        if let Some(d) = d {
+            if world % d != 0 {
+                return bad(format!("{name}={d} does not divide the {world} devices"));
+            }
+            product = product.saturating_mul(d);
+        }
+    }
+    if world % product != 0 {
+        return bad(format!(
+            "{pins}: the pinned degrees multiply to {product}, which does not divide the {world} devices"
+        ));
+    }
+    if degrees.iter().all(|(_, d)| d.is_some()) && product != world {
+        return bad(format!(
+            "{pins}: dp × tp × pp × cp = {product} but the cluster has {world} devices"
+        ));
+    }
+    if let Some(tp) = pins.tp {
+        if tp > profile.max_tp || profile.max_tp % tp != 0 {
+            return bad(format!(
+                "tp={tp} does not divide the layer's split dimensions (heads, KV heads, hidden widths): \
+                 their greatest common divisor is {}, so tp must divide {}",
+                profile.max_tp, profile.max_tp
+            ));
+        }
+    }
+    if let Some(pp) = pins.pp {
+        if pp > profile.layers {
+            return bad(format!(
+                "pp={pp} is more stages than the model's {} layers",
+                profile.layers
+            ));
+        }
+    }
+    if let Some(v) = pins.virtual_stages {
+        let pp = pins.pp.unwrap_or(1);
+        if v > 1 && profile.layers % (pp * v) != 0 {
+            return bad(format!(
+                "v={v} with pp={pp}: the {} layers do not split into {} equal chunks",
+                profile.layers,
+                pp * v
+            ));
+        }
+    }
+    if let Some(cp) = pins.cp {
+        if seq % cp != 0 {
+            return bad(format!("cp={cp} does not divide the sequence length {seq}"));
+        }
+    }
+    if let Some(ep) = pins.ep {
+        match profile.experts {
+            None if ep > 1 => return bad(format!("ep={ep}, but the model has no experts")),
+            Some(e) if e % ep != 0 => {
+                return bad(format!("ep={ep} does not divide the {e} experts"))
+            }
+            _ => {}
+        }
+        if let Some(dp) = pins.dp {
+            if dp % ep != 0 {
+                return bad(format!(
+                    "ep={ep} must divide dp={dp}: expert groups are carved from the data-parallel group"
+                ));
+            }
+        }
+    }
+    if pins.sequence_parallel == Some(true) && pins.tp == Some(1) {
+        return bad("sp=on needs tp > 1: sequence parallelism splits along the tensor-parallel group".into());
+    }
+    if let Some(dp) = pins.dp {
+        if global_batch % dp != 0 {
+            return bad(format!(
+                "dp={dp} does not divide the global batch {global_batch}"
+            ));
+        }
+        if let Some(mb) = pins.micro_batch {
+            if (global_batch / dp) % mb != 0 {
+                return bad(format!(
+                    "mb={mb} does not divide the {} sequences each of the {dp} replicas gets",
+                    global_batch / dp
+                ));
+            }
+        }
+    }
+    if let (Some(dp), Some(mb), Some(m)) = (pins.dp, pins.micro_batch, pins.num_micro_batches) {
+        if dp * mb * m != global_batch {
+            return bad(format!(
+                "dp × mb × m = {} but the global batch is {global_batch}",
+                dp * mb * m
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The largest micro-batch the search tries: beyond it GEMMs are already large.
+const MAX_MICRO_BATCH: u64 = 64;
+
+pub(crate) fn search(
+    profile: &ModelProfile,
+    cluster: &Cluster,
+    global_batch: u64,
+    seq: u64,
+    pins: &StrategyConstraints,
+    top_k: usize,
+    ignore_memory: bool,
+) -> Outcome {
+    let world = cluster.world_size();
+    let capacity = cluster.device.memory_bytes;
+    let mut cost = CostModel::new(profile, cluster, seq);
+    let mut out = Outcome {
+        best: Vec::new(),
+        evaluated: 0,
+        feasible: 0,
+        smallest: None,
+    };
+    let keep = top_k + 1;
+    let mut partitions: HashMap<(Config, bool), Vec<u64>> = HashMap::new();
+    let layers = profile.layers;
+    let tps: Vec<u64> = divisors(world)
+        .into_iter()
+        .filter(|&t| {
+            allowed(pins.tp, t)
+                && profile.max_tp % t == 0
+                && (t <= cluster.devices_per_node || pins.tp == Some(t))
+        })
+        .collect();
+    for &tp in &tps {
+        for cp in divisors(world / tp) {
+            // Context parallelism pays off only for long sequences; it stays on the
+            // menu up to 8 ranks when pinned or when seq ≥ 8192.
+            let cp_useful = cp == 1 || (seq >= 8192 && cp <= 8);
+            if !allowed(pins.cp, cp) || seq % cp != 0 || !(cp_useful || pins.cp == Some(cp)) {
+                continue;
+            }
+            for pp in divisors(world / (tp * cp)) {
+                if !allowed(pins.pp, pp) || pp > layers {
+                    continue;
+                }
+                let dp = world / (tp * cp * pp);
+                if !allowed(pins.dp, dp) || global_batch % dp != 0 {
+                    continue;
+                }
+                let eps: Vec<u64> = match profile.experts {
+                    Some(e) => divisors(dp)
+                        .into_iter()
+                        .filter(|&x| e % x == 0 && allowed(pins.ep, x))
+                        .collect(),
+                    None => vec![1],
+                };
+                let orders: &[AxisOrder] = if dp > 1 && pp > 1 {
+                    &[AxisOrder::DataInner, AxisOrder::PipelineInner]
+                } else {
+                    &[AxisOrder::DataInner]
+                };
+                let per_replica = global_batch / dp;
+                for &ep in &eps {
+                    for &order in orders {
+                        for mb in divisors(per_replica) {
+                            if !allowed(pins.micro_batch, mb)
+                                || (mb > MAX_MICRO_BATCH && pins.micro_batch != Some(mb))
+                            {
+                                continue;
+                            }
+                            let m = per_replica / mb;
+                            if !allowed(pins.num_micro_batches, m) {
+                                continue;
+                            }
+                            let base = Config {
+                                tp,
+                                cp,
+                                pp,
+                                dp,
+                                ep,
+                                micro_batch: mb,
+                                num_micro_batches: m,
+                                schedule: PipelineSchedule::OneFOneB,
+                                virtual_stages: 1,
+                                zero: 0,
+                                recompute: Recompute::None,
+                                sp: false,
+                                order,
+                            };
+                            explore(
+                                base,
+                                profile,
+                                pins,
+                                &mut cost,
+                                &mut partitions,
+                                &mut out,
+                                capacity,
+                                keep,
+                                ignore_memory,
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Schedules worth trying for `pp` stages and `m` micro-batches.
+fn schedules(pp: u64, m: u64, layers: u64, pins: &StrategyConstraints) -> Vec<(PipelineSchedule, u64)> {
+    let mut v = Vec::new();
+    if pp == 1 {
+        v.push((PipelineSchedule::OneFOneB, 1));
+    } else {
+        v.push((PipelineSchedule::OneFOneB, 1));
+        v.push((PipelineSchedule::GPipe, 1));
+        // Megatron needs the micro-batches to be a multiple of the stages and
+        // the layers to split into pp × v equal chunks.
+        if m % pp == 0 {
+            for chunks in 2..=(layers / pp) {
+                if layers % (pp * chunks) == 0 {
+                    v.push((PipelineSchedule::Interleaved, chunks));
+                }
+            }
+        }
+    }
+    v.retain(|&(s, chunks)| {
+        allowed(pins.schedule.map(|x| x as u64), s as u64)
+            && allowed(pins.virtual_stages, chunks)
+            && !(pins.schedule == Some(PipelineSchedule::Interleaved) && pp == 1)
+    });
+    if pp == 1 && pins.schedule.is_some() {
+        // One stage has no pipeline: any pinned schedule means the same thing.
+        v = vec![(pins.schedule.unwrap_or(PipelineSchedule::OneFOneB), 1)];
+    }
+    v
+}
+
+#[allow(clippy::too_many_arguments)]
+fn explore(
+    base: Config,
+    profile: &ModelProfile,
+    pins: &StrategyConstraints,
+    cost: &mut CostModel,
+    partitions: &mut HashMap<(Config, bool), Vec<u64>>,
+    out: &mut Outcome,
+    capacity: u64,
+    keep: usize,
+    ignore_memory: bool,
+) {
+    let sps: &[bool] = if base.tp > 1 { &[false, true] } else { &[false] };
+    for &sp in sps {
+        if !pins.sequence_parallel.is_none_or(|p| p == sp) {
+            continue;
+        }
+        for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
+            if !pins.recompute.is_none_or(|p| p == recompute) {
+                continue;
+            }
+            for (schedule, v) in schedules(base.pp, base.num_micro_batches, profile.layers, pins) {
+                let zeros: &[u8] = if base.dp == 1 {
+                    &[0]
+                } else if base.pp > 1 {
+                    &[0, 1]
+                } else {
+                    &[0, 1, 2, 3]
+                };
+                for &zero in zeros {
+                    if !pins.zero.is_none_or(|z| z == zero) {
+                        continue;
+                    }
+                    let c = Config {
+                        sp,
+                        recompute,
+                        schedule,
+                        virtual_stages: v,
+                        zero,
+                        ..base
+                    };
+                    out.evaluated += 1;
+                    let interleaved = schedule == PipelineSchedule::Interleaved;
+                    let key = (
+                        Config {
+                            zero: 0,
+                            schedule: PipelineSchedule::OneFOneB,
+                            virtual_stages: 1,
+                            order: AxisOrder::DataInner,
+                            ..c
+                        },
+                        interleaved,
+                    );
+                    let counts = partitions
+                        .entry(key)
+                        .or_insert_with(|| cost.partition(&c))
+                        .clone();
+                    let (peak, stage) = cost.peak_memory(&c, &counts);
+                    let smaller = out.smallest.as_ref().is_none_or(|s| peak < s.memory.total());
+                    if smaller {
+                        out.smallest = Some(Smallest {
+                            config: c,
+                            stage,
+                            memory: cost.stage_memory(&c, stage, counts[stage as usize]),
+                        });
+                    }
+                    if peak > capacity && !ignore_memory {
+                        continue;
+                    }
+                    out.feasible += 1;
+                    let time = cost.step_time(&c, &counts);
+                    let cand = Candidate {
+                        config: c,
+                        step_time: step_total(&time),
+                        time,
+                        peak_memory: peak,
+                        counts,
+                    };
+                    insert(&mut out.best, cand, keep);
+                }
+            }
+        }
+    }
+}
+
+/// Keep the `keep` fastest, ordered by step time, then memory, then configuration.
+fn insert(best: &mut Vec<Candidate>, cand: Candidate, keep: usize) {
+    let before = |a: &Candidate, b: &Candidate| {
+        a.step_time
+            .total_cmp(&b.step_time)
+            .then(a.peak_memory.cmp(&b.peak_memory))
+            .then(a.config.cmp(&b.config))
+    };
+    if best.len() == keep
+        && best
+            .last()
+            .is_some_and(|w| before(&cand, w) != std::cmp::Ordering::Less)
+    {
+        return;
+    }
+    let at = best.partition_point(|b| before(b, &cand) == std::cmp::Ordering::Less);
+    best.insert(at, cand);
+    best.truncate(keep);
+}

@@ -1,0 +1,173 @@
+//! `--strategy tp=8,pp=8,dp=24,mb=1,schedule=1f1b,…`: the choices a person
+//! pins; the search fills in the rest.
+
+use crate::PlanError;
+use dplc_ir::{PipelineSchedule, Recompute};
+use std::fmt;
+
+/// Choices fixed before the search; `None` leaves a choice to the search.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StrategyConstraints {
+    pub tp: Option<u64>,
+    pub pp: Option<u64>,
+    pub dp: Option<u64>,
+    pub cp: Option<u64>,
+    pub ep: Option<u64>,
+    pub micro_batch: Option<u64>,
+    pub num_micro_batches: Option<u64>,
+    pub schedule: Option<PipelineSchedule>,
+    pub virtual_stages: Option<u64>,
+    pub zero: Option<u8>,
+    pub recompute: Option<Recompute>,
+    pub sequence_parallel: Option<bool>,
+}
+
+/// Read `key=value` pairs separated by commas. Keys: `tp pp dp cp ep mb m
+/// schedule v zero recompute sp`.
+pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
+    let err = |detail: String| PlanError::StrategySyntax {
+        spec: spec.to_string(),
+        detail,
+    };
+    let mut c = StrategyConstraints::default();
+    for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let (key, value) = item
+            .split_once('=')
+            .ok_or_else(|| err(format!("`{item}` is not key=value")))?;
+        let (key, value) = (key.trim().to_ascii_lowercase(), value.trim());
+        let int = || {
+            value
+                .parse::<u64>()
+                .ok()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| err(format!("{key} needs a positive whole number, got `{value}`")))
+        };
+        match key.as_str() {
+            "tp" => c.tp = Some(int()?),
+            "pp" => c.pp = Some(int()?),
+            "dp" => c.dp = Some(int()?),
+            "cp" => c.cp = Some(int()?),
+            "ep" => c.ep = Some(int()?),
+            "mb" | "micro_batch" => c.micro_batch = Some(int()?),
+            "m" | "micro_batches" | "num_micro_batches" => c.num_micro_batches = Some(int()?),
+            "v" | "virtual_stages" => c.virtual_stages = Some(int()?),
+            "zero" => {
+                c.zero = Some(
+                    value
+                        .parse::<u8>()
+                        .ok()
+                        .filter(|&z| z <= 3)
+                        .ok_or_else(|| err(format!("zero is 0, 1, 2 or 3, got `{value}`")))?,
+                )
+            }
+            "schedule" => {
+                c.schedule = Some(match value.to_ascii_lowercase().as_str() {
+                    "gpipe" => PipelineSchedule::GPipe,
+                    "1f1b" => PipelineSchedule::OneFOneB,
+                    "interleaved" | "interleaved-1f1b" | "interleaved_1f1b" => {
+                        PipelineSchedule::Interleaved
+                    }
+                    _ => {
+                        return Err(err(format!(
+                            "schedule is gpipe, 1f1b or interleaved, got `{value}`"
+                        )))
+                    }
+                })
+            }
+            "recompute" => {
+                c.recompute = Some(match value.to_ascii_lowercase().as_str() {
+                    "none" | "off" => Recompute::None,
+                    "selective" => Recompute::Selective,
+                    "full" => Recompute::Full,
+                    _ => {
+                        return Err(err(format!(
+                            "recompute is none, selective or full, got `{value}`"
+                        )))
+                    }
+                })
+            }
+            "sp" | "sequence_parallel" => {
+                c.sequence_parallel = Some(match value.to_ascii_lowercase().as_str() {
+                    "on" | "true" | "1" | "yes" => true,
+                    "off" | "false" | "0" | "no" => false,
+                    _ => return Err(err(format!("sp is on or off, got `{value}`"))),
+                })
+            }
+            _ => {
+                return Err(err(format!(
+                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp"
+                )))
+            }
+        }
+    }
+    if c.virtual_stages.is_some_and(|v| v > 1) {
+        match c.schedule {
+            None => c.schedule = Some(PipelineSchedule::Interleaved),
+            Some(PipelineSchedule::Interleaved) => {}
+            Some(s) => {
+                return Err(PlanError::Strategy(format!(
+                    "v={} needs the interleaved schedule, not {}",
+                    c.virtual_stages.unwrap_or(1),
+                    s.name()
+                )))
+            }
+        }
+    }
+    Ok(c)
+}
+
+impl fmt::Display for StrategyConstraints {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut parts = Vec::new();
+        let mut num = |k: &str, v: Option<u64>| {
+            if let Some(v) = v {
+                parts.push(format!("{k}={v}"));
+            }
+        };
+        num("tp", self.tp);
+        num("pp", self.pp);
+        num("dp", self.dp);
+        num("cp", self.cp);
+        num("ep", self.ep);
+        num("mb", self.micro_batch);
+        num("m", self.num_micro_batches);
+        num("v", self.virtual_stages);
+        if let Some(s) = self.schedule {
+            parts.push(format!("schedule={}", s.name()));
+        }
+        if let Some(z) = self.zero {
+            parts.push(format!("zero={z}"));
+        }
+        if let Some(r) = self.recompute {
+            parts.push(format!("recompute={}", r.name()));
+        }
+        if let Some(sp) = self.sequence_parallel {
+            parts.push(format!("sp={}", if sp { "on" } else { "off" }));
+        }
+        f.write_str(&parts.join(","))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_every_key_and_prints_it_back() {
+        let s = "tp=8,pp=8,dp=24,cp=1,ep=1,mb=1,zero=1,schedule=interleaved,v=2,recompute=selective,sp=on";
+        let c = parse_strategy(s).unwrap();
+        assert_eq!(c.tp, Some(8));
+        assert_eq!(c.schedule, Some(PipelineSchedule::Interleaved));
+        assert_eq!(c.recompute, Some(Recompute::Selective));
+        assert_eq!(c.sequence_parallel, Some(true));
+        assert_eq!(parse_strategy(&c.to_string()).unwrap(), c);
+    }
+
+    #[test]
+    fn rejects_bad_keys_and_values() {
+        assert!(parse_strategy("tq=8").unwrap_err().to_string().contains("unknown key"));
+        assert!(parse_strategy("tp=0").is_err());
+        assert!(parse_strategy("zero=4").is_err());
+        assert!(parse_strategy("schedule=1f1b,v=2").is_err());
+    }
+}
