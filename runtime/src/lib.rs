@@ -1,1 +1,31 @@
-//! Execution of rank programs (filled by the runtime issue).
+//! dplc's runtime: CPU reference kernels and their VJPs, an interpreter of the
+//! IR, in-process ranks with a deterministic communicator, and the training
+//! executors (data parallel, ZeRO-1/2/3, pipeline schedules, recompute).
+//!
+//! Architecture invariant: the runtime never needs the planner; a rank's work
+//! is a list of forward/backward units with collectives between them.
+
+mod comm;
+mod data;
+mod error;
+mod exec;
+#[cfg(test)]
+mod gradcheck;
+mod interp;
+mod kernels;
+mod params;
+mod partition;
+mod rng;
+mod tensor;
+mod vjp;
+
+pub use comm::{Communicator, Group, Message, World};
+pub use data::{Corpus, TokenFormat};
+pub use error::{Result, RuntimeError};
+pub use exec::{train, Faults, Parameters, RunConfig, StepStats, TrainReport};
+pub use interp::ParamKey;
+pub use kernels::{forward, DropoutKey, OpCtx};
+pub use params::ZeroStage;
+pub use partition::Schedule;
+pub use tensor::{Data, Tensor};
+pub use vjp::backward;

@@ -1,0 +1,413 @@
+//! In-process communication between rank threads over shared memory: process
+//! groups, the collectives, send/recv, and poisoning so that one failing rank
+//! stops all the others (named) within a poll interval instead of hanging.
+//!
+//! Every collective is an exchange of contributions followed by local
+//! arithmetic in group order, so each member computes the same bits and a run
+//! is reproducible: the sum of an all-reduce is always `x_0 + x_1 + … + x_{n-1}`.
+
+use crate::error::{Result, RuntimeError};
+use crate::tensor::Tensor;
+use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// How often a waiting rank looks for a failure elsewhere.
+const POLL: Duration = Duration::from_millis(20);
+
+/// A set of ranks that take part in collectives together, in a fixed order.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Group {
+    ranks: Vec<usize>,
+}
+
+impl Group {
+    pub fn new(ranks: Vec<usize>) -> Group {
+        Group { ranks }
+    }
+    pub fn ranks(&self) -> &[usize] {
+        &self.ranks
+    }
+    pub fn size(&self) -> usize {
+        self.ranks.len()
+    }
+    /// Position of `rank` in the group.
+    pub fn position(&self, rank: usize) -> Option<usize> {
+        self.ranks.iter().position(|&r| r == rank)
+    }
+}
+
+/// What one member contributed to a collective: one piece per destination
+/// (all-to-all) or a single piece.
+type Contribution = Arc<Vec<Vec<f32>>>;
+
+struct Slot {
+    deposits: Vec<Option<Contribution>>,
+    taken: usize,
+}
+
+/// A point-to-point message: a list of tensors, `None` where a value has no gradient.
+pub type Message = Vec<Option<Tensor>>;
+
+#[derive(Default)]
+struct State {
+    failure: Option<(usize, String)>,
+    slots: HashMap<(Vec<usize>, u64), Slot>,
+    mail: HashMap<(usize, usize, u64), VecDeque<Message>>,
+}
+
+/// The shared memory of one process's ranks.
+pub struct World {
+    size: usize,
+    timeout: Duration,
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+impl World {
+    /// A world of `size` ranks; a wait longer than `timeout` is an error.
+    pub fn new(size: usize, timeout: Duration) -> Arc<World> {
+        Arc::new(World {
+            size,
+            timeout,
+            state: Mutex::new(State::default()),
+            changed: Condvar::new(),
+        })
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A rank that panicked while holding the lock left consistent data
+        // (every update is a single insert or remove), so keep going.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Record that `rank` failed; the first failure is the one reported.
+    pub fn poison(&self, rank: usize, reason: String) {
+        let mut s = self.lock();
+        if s.failure.is_none() {
+            s.failure = Some((rank, reason));
+        }
+        drop(s);
+        self.changed.notify_all();
+    }
+
+    /// The first failure, if any rank failed.
+    pub fn failure(&self) -> Option<(usize, String)> {
+        self.lock().failure.clone()
+    }
+
+    pub fn communicator(self: &Arc<World>, rank: usize) -> Communicator {
+        Communicator {
+            world: Arc::clone(self),
+            rank,
+            seqs: HashMap::new(),
+        }
+    }
+}
+
+/// One rank's handle on the world.
+pub struct Communicator {
+    world: Arc<World>,
+    rank: usize,
+    seqs: HashMap<Vec<usize>, u64>,
+}
+
+impl Communicator {
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn world(&self) -> &Arc<World> {
+        &self.world
+    }
+
+    /// Wait on the world until `ready` yields, a rank fails or the deadline passes.
+    fn wait<T>(&self, what: &str, mut ready: impl FnMut(&mut State) -> Option<T>) -> Result<T> {
+        let start = Instant::now();
+        let mut s = self.world.lock();
+        loop {
+            if let Some((rank, reason)) = &s.failure {
+                return Err(RuntimeError::RankFailed {
+                    rank: *rank,
+                    reason: reason.clone(),
+                });
+            }
+            if let Some(v) = ready(&mut s) {
+                drop(s);
+                self.world.changed.notify_all();
+                return Ok(v);
+            }
+            if start.elapsed() > self.world.timeout {
+                let seconds = start.elapsed().as_secs_f64();
+                drop(s);
+                let err = RuntimeError::Timeout {
+                    rank: self.rank,
+                    what: what.to_string(),
+                    seconds,
+                };
+                self.world.poison(self.rank, err.to_string());
+                return Err(err);
+            }
+            s = self
+                .world
+                .changed
+                .wait_timeout(s, POLL)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// Deposit this rank's contribution and collect every member's, in group order.
+    fn exchange(
+        &mut self,
+        group: &Group,
+        what: &str,
+        mine: Vec<Vec<f32>>,
+    ) -> Result<Vec<Contribution>> {
+        let pos = group.position(self.rank).ok_or_else(|| {
+            RuntimeError::Config(format!(
+                "rank {} is not in group {:?}",
+                self.rank, group.ranks
+            ))
+        })?;
+        let seq = self.seqs.entry(group.ranks.clone()).or_insert(0);
+        let key = (group.ranks.clone(), *seq);
+        *seq += 1;
+        let n = group.size();
+        {
+            let mut s = self.world.lock();
+            let slot = s.slots.entry(key.clone()).or_insert_with(|| Slot {
+                deposits: vec![None; n],
+                taken: 0,
+            });
+            slot.deposits[pos] = Some(Arc::new(mine));
+        }
+        self.world.changed.notify_all();
+        self.wait(what, |s| {
+            let slot = s.slots.get_mut(&key)?;
+            if slot.deposits.iter().any(Option::is_none) {
+                return None;
+            }
+            let all: Vec<Contribution> = slot.deposits.iter().flatten().cloned().collect();
+            slot.taken += 1;
+            if slot.taken == n {
+                s.slots.remove(&key);
+            }
+            Some(all)
+        })
+    }
+
+    /// Sum `data` over the group, in group order, on every member.
+    pub fn all_reduce(&mut self, group: &Group, data: &mut [f32]) -> Result<()> {
+        let all = self.exchange(group, "all_reduce", vec![data.to_vec()])?;
+        sum_into(data, all.iter().map(|c| &c[0][..]));
+        Ok(())
+    }
+
+    /// Sum over the group, delivered only at the member at position `root`.
+    pub fn reduce(&mut self, group: &Group, root: usize, data: &mut [f32]) -> Result<()> {
+        let all = self.exchange(group, "reduce", vec![data.to_vec()])?;
+        if group.position(self.rank) == Some(root) {
+            sum_into(data, all.iter().map(|c| &c[0][..]));
+        }
+        Ok(())
+    }
+
+    /// Every member's `data`, in group order.
+    pub fn all_gather(&mut self, group: &Group, data: &[f32]) -> Result<Vec<Vec<f32>>> {
+        let all = self.exchange(group, "all_gather", vec![data.to_vec()])?;
+        Ok(all.iter().map(|c| c[0].clone()).collect())
+    }
+
+    /// Sum over the group and keep the part `ranges[position]` of the result.
+    pub fn reduce_scatter(
+        &mut self,
+        group: &Group,
+        data: &[f32],
+        ranges: &[Range<usize>],
+    ) -> Result<Vec<f32>> {
+        let pos = group.position(self.rank).unwrap_or(0);
+        let mine = ranges.get(pos).cloned().unwrap_or(0..0);
+        // Each member ships every member's part; only the owner of a part reads it.
+        let pieces = ranges.iter().map(|r| data[r.clone()].to_vec()).collect();
+        let all = self.exchange(group, "reduce_scatter", pieces)?;
+        let mut out = vec![0.0; mine.len()];
+        sum_into(&mut out, all.iter().map(|c| &c[pos][..]));
+        Ok(out)
+    }
+
+    /// The member at position `root` sends `data` to every member.
+    pub fn broadcast(&mut self, group: &Group, root: usize, data: &mut Vec<f32>) -> Result<()> {
+        let mine = if group.position(self.rank) == Some(root) {
+            data.clone()
+        } else {
+            Vec::new()
+        };
+        let all = self.exchange(group, "broadcast", vec![mine])?;
+        *data = all[root][0].clone();
+        Ok(())
+    }
+
+    /// Piece `j` of `pieces` goes to the member at position `j`; returns what
+    /// each member sent here, in group order.
+    pub fn all_to_all(&mut self, group: &Group, pieces: Vec<Vec<f32>>) -> Result<Vec<Vec<f32>>> {
+        let pos = group.position(self.rank).unwrap_or(0);
+        let all = self.exchange(group, "all_to_all", pieces)?;
+        Ok(all
+            .iter()
+            .map(|c| c.get(pos).cloned().unwrap_or_default())
+            .collect())
+    }
+
+    /// Queue `msg` for `to` under `tag`; never blocks (buffers are unbounded).
+    pub fn send(&mut self, to: usize, tag: u64, msg: Message) -> Result<()> {
+        if to >= self.world.size {
+            return Err(RuntimeError::Config(format!(
+                "send to rank {to} of {}",
+                self.world.size
+            )));
+        }
+        let mut s = self.world.lock();
+        s.mail
+            .entry((self.rank, to, tag))
+            .or_default()
+            .push_back(msg);
+        drop(s);
+        self.world.changed.notify_all();
+        Ok(())
+    }
+
+    /// The next message from `from` under `tag`, waiting for it.
+    pub fn recv(&mut self, from: usize, tag: u64) -> Result<Message> {
+        let key = (from, self.rank, tag);
+        self.wait(&format!("recv from rank {from}"), |s| {
+            s.mail.get_mut(&key).and_then(VecDeque::pop_front)
+        })
+    }
+}
+
+fn sum_into<'a>(out: &mut [f32], parts: impl Iterator<Item = &'a [f32]>) {
+    out.iter_mut().for_each(|v| *v = 0.0);
+    for p in parts {
+        out.iter_mut().zip(p).for_each(|(o, &v)| *o += v);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run<T: Send>(n: usize, f: impl Fn(Communicator) -> Result<T> + Sync) -> Vec<Result<T>> {
+        let world = World::new(n, Duration::from_secs(5));
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..n)
+                .map(|r| {
+                    let c = world.communicator(r);
+                    let f = &f;
+                    s.spawn(move || f(c))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("test rank"))
+                .collect()
+        })
+    }
+
+    #[test]
+    fn collectives_agree_on_every_rank() {
+        let out = run(4, |mut c| {
+            let g = Group::new(vec![0, 1, 2, 3]);
+            let r = c.rank() as f32;
+            let mut x = vec![r, 1.0];
+            c.all_reduce(&g, &mut x)?;
+            let gathered = c.all_gather(&g, &[r])?;
+            let ranges = [0..1, 1..2, 2..3, 3..4];
+            let rs = c.reduce_scatter(&g, &[r; 4], &ranges)?;
+            let mut b = vec![r];
+            c.broadcast(&g, 2, &mut b)?;
+            let a2a = c.all_to_all(&g, (0..4).map(|j| vec![r * 10.0 + j as f32]).collect())?;
+            let mut red = vec![r];
+            c.reduce(&g, 0, &mut red)?;
+            Ok((x, gathered, rs, b, a2a, red))
+        });
+        for (rank, o) in out.into_iter().enumerate() {
+            let (x, gathered, rs, b, a2a, red) = o.unwrap();
+            assert_eq!(x, vec![6.0, 4.0]);
+            assert_eq!(gathered, vec![vec![0.0], vec![1.0], vec![2.0], vec![3.0]]);
+            assert_eq!(rs, vec![6.0]);
+            assert_eq!(b, vec![2.0]);
+            let want: Vec<Vec<f32>> = (0..4)
+                .map(|s| vec![s as f32 * 10.0 + rank as f32])
+                .collect();
+            assert_eq!(a2a, want);
+            if rank == 0 {
+                assert_eq!(red, vec![6.0]);
+            }
+        }
+    }
+
+    #[test]
+    fn send_and_recv_pair_by_tag() {
+        let out = run(2, |mut c| {
+            if c.rank() == 0 {
+                c.send(1, 7, vec![Some(Tensor::f32(vec![1], vec![7.0]))])?;
+                c.send(1, 3, vec![None])?;
+                Ok(0.0)
+            } else {
+                let three = c.recv(0, 3)?;
+                let seven = c.recv(0, 7)?;
+                assert!(three[0].is_none());
+                Ok(seven[0].as_ref().unwrap().f()?[0])
+            }
+        });
+        assert_eq!(*out[1].as_ref().unwrap(), 7.0);
+    }
+
+    #[test]
+    fn a_failed_rank_stops_the_others_quickly() {
+        let start = Instant::now();
+        let world = World::new(3, Duration::from_secs(60));
+        let out: Vec<Result<()>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..3)
+                .map(|r| {
+                    let mut c = world.communicator(r);
+                    let w = Arc::clone(&world);
+                    s.spawn(move || {
+                        if r == 1 {
+                            w.poison(1, "deliberate failure".into());
+                            return Ok(());
+                        }
+                        let mut x = vec![1.0];
+                        c.all_reduce(&Group::new(vec![0, 1, 2]), &mut x)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(start.elapsed() < Duration::from_secs(2));
+        for r in [0, 2] {
+            assert_eq!(
+                out[r].as_ref().unwrap_err().to_string(),
+                "rank 1 failed: deliberate failure"
+            );
+        }
+    }
+
+    #[test]
+    fn a_missing_rank_times_out_instead_of_hanging() {
+        let world = World::new(2, Duration::from_millis(200));
+        let mut c = world.communicator(0);
+        let err = c.recv(1, 0).unwrap_err();
+        assert!(
+            matches!(err, RuntimeError::Timeout { rank: 0, .. }),
+            "{err}"
+        );
+        assert!(world.failure().is_some());
+    }
+}

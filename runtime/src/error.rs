@@ -1,0 +1,39 @@
+//! The runtime's one error type: what can go wrong running a graph on CPU ranks,
+//! from a bad configuration or data file to a peer rank that failed.
+
+use thiserror::Error;
+
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum RuntimeError {
+    /// The run configuration does not fit the graph or the training spec.
+    #[error("invalid run configuration: {0}")]
+    Config(String),
+    /// The graph uses something the CPU reference cannot run.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// A kernel got values it cannot compute with (e.g. a token id past the table).
+    #[error("{op}: {detail}")]
+    Kernel { op: &'static str, detail: String },
+    /// The training data cannot be read or is too short.
+    #[error("data: {0}")]
+    Data(String),
+    /// Another rank failed first; this rank stopped because of it.
+    #[error("rank {rank} failed: {reason}")]
+    RankFailed { rank: usize, reason: String },
+    /// A collective or receive waited past the deadline: a rank is missing.
+    #[error("rank {rank} timed out after {seconds:.1}s waiting in {what}")]
+    Timeout {
+        rank: usize,
+        what: String,
+        seconds: f64,
+    },
+}
+
+pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
+
+pub(crate) fn kernel_err(op: &'static str, detail: impl Into<String>) -> RuntimeError {
+    RuntimeError::Kernel {
+        op,
+        detail: detail.into(),
+    }
+}

@@ -1,0 +1,763 @@
+//! The training executors: ranks as threads over a dp × pp grid, each running
+//! its pipeline schedule of forward/backward work on micro-batches, then the
+//! gradient synchronisation of its ZeRO stage, clipping and the optimizer step.
+
+use crate::comm::{Communicator, Group, Message, World};
+use crate::data::Corpus;
+use crate::error::{Result, RuntimeError};
+use crate::interp::{add_grad, Frame, Grads, Interp, ParamKey, Value};
+use crate::kernels::DropoutKey;
+use crate::params::{ParamStore, Unit, ZeroStage};
+use crate::partition::{schedule, Partition, Schedule, Work};
+use crate::tensor::Tensor;
+use dplc_ir::{GradPlan, Graph, Op, RegionId, TrainSpec};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+/// Faults to inject, so that tests can show the checks catch them.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Faults {
+    /// This rank fails (returns an error) at the start of this step.
+    pub fail_rank_at: Option<(usize, u64)>,
+    /// This rank panics at the start of this step.
+    pub panic_rank_at: Option<(usize, u64)>,
+    /// Leave out the data-parallel gradient all-reduce: a wrong plan.
+    pub skip_grad_sync: bool,
+}
+
+/// How one training run is split over CPU ranks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunConfig {
+    /// Data-parallel replicas.
+    pub dp: usize,
+    /// Pipeline stages (ranks per replica).
+    pub pp: usize,
+    /// Samples per micro-batch on one rank.
+    pub micro_batch: usize,
+    /// Micro-batches per step on one replica (gradient accumulation).
+    pub num_micro_batches: usize,
+    pub zero: ZeroStage,
+    pub schedule: Schedule,
+    /// Keep only each layer's inputs and run its forward again in backward.
+    pub recompute: bool,
+    /// Elements per all-reduce bucket of data-parallel gradient sync.
+    pub bucket_elems: usize,
+    /// A rank waiting longer than this for a peer fails the run.
+    pub timeout: Duration,
+    pub faults: Faults,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        RunConfig {
+            dp: 1,
+            pp: 1,
+            micro_batch: 1,
+            num_micro_batches: 1,
+            zero: ZeroStage::None,
+            schedule: Schedule::OneFOneB,
+            recompute: false,
+            bucket_elems: 1 << 16,
+            timeout: Duration::from_secs(60),
+            faults: Faults::default(),
+        }
+    }
+}
+
+impl RunConfig {
+    pub fn world_size(&self) -> usize {
+        self.dp * self.pp
+    }
+    pub fn global_batch(&self) -> usize {
+        self.dp * self.micro_batch * self.num_micro_batches
+    }
+}
+
+/// What one step did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepStats {
+    pub step: u64,
+    /// Mean loss over the global batch.
+    pub loss: f64,
+    pub lr: f64,
+    /// Global gradient L2 norm before clipping.
+    pub grad_norm: f64,
+    pub tokens_per_s: f64,
+}
+
+/// Parameter values by (parameter, layer), with names for reports.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Parameters {
+    pub values: BTreeMap<ParamKey, (String, Tensor)>,
+}
+
+impl Parameters {
+    /// The largest difference relative to its tensor's scale,
+    /// `max_i |a_i − b_i| / max(max_j |a_j|, floor)`, and where it is. Normwise,
+    /// because an element that happens to cross zero has no relative precision
+    /// of its own: its rounding error is that of the tensor's large elements.
+    pub fn max_rel_diff(&self, other: &Parameters, floor: f32) -> (f32, String) {
+        let mut worst = (0.0f32, String::new());
+        for (k, (name, a)) in &self.values {
+            let Some((_, b)) = other.values.get(k) else {
+                return (f32::INFINITY, format!("{name}[layer {}] missing", k.layer));
+            };
+            let (Ok(a), Ok(b)) = (a.f(), b.f()) else {
+                continue;
+            };
+            let scale = a.iter().fold(floor, |m, x| m.max(x.abs()));
+            for (x, y) in a.iter().zip(b) {
+                let d = (x - y).abs() / scale;
+                if d > worst.0 || d.is_nan() {
+                    worst = (d, format!("{name}[layer {}]", k.layer));
+                }
+            }
+        }
+        worst
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainReport {
+    pub steps: Vec<StepStats>,
+    pub params: Parameters,
+}
+
+/// Everything the ranks share, read-only.
+struct Shared<'a> {
+    graph: &'a Graph,
+    plan: GradPlan,
+    part: Partition,
+    spec: &'a TrainSpec,
+    cfg: &'a RunConfig,
+    data: &'a Corpus,
+    seed: u64,
+    syms: Vec<i64>,
+    seq: usize,
+    /// Root parameters used on more than one stage (tied weights), by key.
+    tied: BTreeMap<ParamKey, Vec<usize>>,
+}
+
+/// Train `graph` for `steps` steps on `cfg.dp × cfg.pp` rank threads.
+#[allow(clippy::too_many_arguments)]
+pub fn train(
+    graph: &Graph,
+    spec: &TrainSpec,
+    cfg: &RunConfig,
+    data: &Corpus,
+    steps: u64,
+    seed: u64,
+    mut on_step: impl FnMut(&StepStats),
+) -> Result<TrainReport> {
+    if cfg.dp == 0 || cfg.pp == 0 || cfg.micro_batch == 0 || cfg.num_micro_batches == 0 {
+        return Err(RuntimeError::Config(
+            "dp, pp, micro_batch and num_micro_batches must be positive".into(),
+        ));
+    }
+    if cfg.global_batch() as u64 != spec.global_batch {
+        return Err(RuntimeError::Config(format!(
+            "dp {} × micro_batch {} × micro-batches {} = {} samples, but the global batch is {}",
+            cfg.dp,
+            cfg.micro_batch,
+            cfg.num_micro_batches,
+            cfg.global_batch(),
+            spec.global_batch
+        )));
+    }
+    let v = cfg.schedule.chunks();
+    if v > 1 && !cfg.num_micro_batches.is_multiple_of(cfg.pp) {
+        return Err(RuntimeError::Config(format!(
+            "the interleaved schedule needs the micro-batches ({}) to be a multiple of pp ({})",
+            cfg.num_micro_batches, cfg.pp
+        )));
+    }
+    let seq = spec.seq as usize;
+    let mut syms = Vec::new();
+    for name in graph.sym_names() {
+        syms.push(match name.as_str() {
+            "batch" => cfg.micro_batch as i64,
+            "seq" => seq as i64,
+            other => {
+                return Err(RuntimeError::Unsupported(format!(
+                    "the symbolic dimension `{other}` has no value"
+                )))
+            }
+        });
+    }
+    let loss = *graph
+        .outputs()
+        .first()
+        .ok_or_else(|| RuntimeError::Config("the model returns nothing".into()))?;
+    if !graph.tensor(loss).shape.dims().is_empty() || !graph.tensor(loss).dtype.is_float() {
+        return Err(RuntimeError::Config(
+            "the model's first result must be a scalar float loss".into(),
+        ));
+    }
+    let vocab = graph.nodes().find_map(|(_, n)| {
+        let input_is_tokens = |t| {
+            graph
+                .inputs()
+                .any(|(_, i)| i.tensor == t && i.name == "tokens")
+        };
+        (matches!(n.op, Op::Embedding) && input_is_tokens(n.inputs[1]))
+            .then(|| {
+                graph.tensor(n.inputs[0]).shape.dims()[0]
+                    .as_const()
+                    .map(|v| v as usize)
+            })
+            .flatten()
+    });
+    data.check(seq, vocab)?;
+    for (_, input) in graph.inputs() {
+        if input.name != "tokens" && input.name != "targets" {
+            return Err(RuntimeError::Unsupported(format!(
+                "input `{}`: the data loader feeds `tokens` and `targets` only",
+                input.name
+            )));
+        }
+    }
+    let part = Partition::new(graph, cfg.pp * v)?;
+    let mut tied: BTreeMap<ParamKey, Vec<usize>> = BTreeMap::new();
+    for (c, chunk) in part.chunks.iter().enumerate() {
+        for &n in &chunk.nodes {
+            if let Op::Param(p) = graph.node(n).op {
+                let stages = tied.entry(ParamKey { param: p, layer: 0 }).or_default();
+                if !stages.contains(&(c % cfg.pp)) {
+                    stages.push(c % cfg.pp);
+                }
+            }
+        }
+    }
+    tied.retain(|_, s| s.len() > 1);
+    let shared = Shared {
+        graph,
+        plan: GradPlan::new(graph),
+        part,
+        spec,
+        cfg,
+        data,
+        seed,
+        syms,
+        seq,
+        tied,
+    };
+    let world = World::new(cfg.world_size(), cfg.timeout);
+    let (tx, rx) = mpsc::channel::<StepStats>();
+    let mut stats = Vec::new();
+    let results: Vec<Result<Vec<(ParamKey, Tensor)>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..cfg.world_size())
+            .map(|rank| {
+                let comm = world.communicator(rank);
+                let tx = tx.clone();
+                let (shared, world) = (&shared, &world);
+                std::thread::Builder::new()
+                    .name(format!("rank{rank}"))
+                    .spawn_scoped(s, move || {
+                        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            run_rank(shared, comm, steps, &tx)
+                        }));
+                        let result = match run {
+                            Ok(r) => r,
+                            Err(panic) => {
+                                let msg = panic
+                                    .downcast_ref::<String>()
+                                    .cloned()
+                                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                                    .unwrap_or_else(|| "unknown panic".into());
+                                Err(RuntimeError::Kernel {
+                                    op: "rank",
+                                    detail: format!("panicked: {msg}"),
+                                })
+                            }
+                        };
+                        if let Err(e) = &result {
+                            if !matches!(e, RuntimeError::RankFailed { .. }) {
+                                world.poison(rank, e.to_string());
+                            }
+                        }
+                        result
+                    })
+                    .expect("the OS starts a rank thread")
+            })
+            .collect();
+        drop(tx);
+        for st in rx {
+            on_step(&st);
+            stats.push(st);
+        }
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(RuntimeError::Kernel {
+                        op: "rank",
+                        detail: "panicked".into(),
+                    })
+                })
+            })
+            .collect()
+    });
+    if let Some((rank, reason)) = world.failure() {
+        return Err(RuntimeError::RankFailed { rank, reason });
+    }
+    let mut params = Parameters::default();
+    for r in results {
+        for (k, t) in r? {
+            params
+                .values
+                .entry(k)
+                .or_insert_with(|| (graph.param(k.param).name.clone(), t));
+        }
+    }
+    Ok(TrainReport {
+        steps: stats,
+        params,
+    })
+}
+
+/// Which parameter tensors a pipeline rank holds, with their ZeRO-3 unit and
+/// whether it counts them in the gradient norm.
+fn rank_keys(sh: &Shared, stage: usize) -> Vec<(ParamKey, Unit, bool)> {
+    let g = sh.graph;
+    let pp = sh.cfg.pp;
+    let mut keys = Vec::new();
+    let mut seen = HashSet::new();
+    for (c, chunk) in sh
+        .part
+        .chunks
+        .iter()
+        .enumerate()
+        .filter(|(c, _)| c % pp == stage)
+    {
+        let _ = c;
+        for &n in &chunk.nodes {
+            if let Op::Param(p) = g.node(n).op {
+                let key = ParamKey { param: p, layer: 0 };
+                if seen.insert(key) {
+                    let owner = sh.tied.get(&key).is_none_or(|st| st[0] == stage);
+                    keys.push((key, Unit::Root, owner));
+                }
+            }
+        }
+        if let Some(rep) = sh.part.repeat {
+            let Op::Repeat { count, body, .. } = g.node(rep).op else {
+                continue;
+            };
+            for (p, info) in g.params() {
+                let region = g.tensor_region(info.tensor);
+                if !region_within(g, region, body) {
+                    continue;
+                }
+                let inner = g.trip_count(region) / count.max(1);
+                for i in chunk.layers.clone() {
+                    for j in 0..inner {
+                        keys.push((
+                            ParamKey {
+                                param: p,
+                                layer: i * inner + j,
+                            },
+                            Unit::Layer(i),
+                            true,
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    keys
+}
+
+fn region_within(g: &Graph, mut r: RegionId, outer: RegionId) -> bool {
+    loop {
+        if r == outer {
+            return true;
+        }
+        match g.region(r).parent {
+            Some(p) => r = p,
+            None => return false,
+        }
+    }
+}
+
+/// A micro-batch's forward state, kept until its backward.
+struct Live {
+    frame: Frame,
+}
+
+struct Rank<'a, 'b> {
+    sh: &'a Shared<'b>,
+    stage: usize,
+    dp_index: usize,
+    store: ParamStore,
+    pp_group: Group,
+    live: HashMap<(usize, usize), Live>,
+    losses: Vec<f64>,
+    step: u64,
+}
+
+fn tag(micro: usize, chunk: usize, chunks: usize, backward: bool) -> u64 {
+    ((micro * chunks + chunk) as u64) * 2 + u64::from(backward)
+}
+
+fn run_rank(
+    sh: &Shared,
+    comm: Communicator,
+    steps: u64,
+    tx: &mpsc::Sender<StepStats>,
+) -> Result<Vec<(ParamKey, Tensor)>> {
+    let cfg = sh.cfg;
+    let rank = comm.rank();
+    let (dp_index, stage) = (rank / cfg.pp, rank % cfg.pp);
+    let dp_group = Group::new((0..cfg.dp).map(|d| d * cfg.pp + stage).collect());
+    let pp_group = Group::new((0..cfg.pp).map(|s| dp_index * cfg.pp + s).collect());
+    let store = ParamStore::new(
+        sh.graph,
+        rank_keys(sh, stage),
+        cfg.zero,
+        comm,
+        dp_group,
+        sh.seed,
+    );
+    let mut r = Rank {
+        sh,
+        stage,
+        dp_index,
+        store,
+        pp_group,
+        live: HashMap::new(),
+        losses: Vec::new(),
+        step: 0,
+    };
+    let work = schedule(cfg.schedule, stage, cfg.pp, cfg.num_micro_batches);
+    for step in 0..steps {
+        let start = Instant::now();
+        r.step = step;
+        if cfg.faults.fail_rank_at == Some((rank, step)) {
+            return Err(RuntimeError::Kernel {
+                op: "rank",
+                detail: format!("injected failure at step {step}"),
+            });
+        }
+        if cfg.faults.panic_rank_at == Some((rank, step)) {
+            panic!("injected panic at step {step}");
+        }
+        for &w in &work {
+            match w {
+                Work::Forward { micro, chunk } => r.forward(micro, chunk)?,
+                Work::Backward { micro, chunk } => r.backward(micro, chunk)?,
+            }
+        }
+        let stats = r.finish_step(start)?;
+        if rank == 0 {
+            // The receiver only goes away when the run is over; nothing to do then.
+            let _ = tx.send(stats);
+        }
+    }
+    let exported = r.store.export()?;
+    Ok(if r.dp_index == 0 {
+        exported
+    } else {
+        Vec::new()
+    })
+}
+
+impl<'a, 'b> Rank<'a, 'b> {
+    fn chunks(&self) -> usize {
+        self.sh.part.chunks.len()
+    }
+
+    fn peer(&self, chunk: usize) -> usize {
+        self.dp_index * self.sh.cfg.pp + chunk % self.sh.cfg.pp
+    }
+
+    fn interp(&self, micro: usize) -> Interp<'a> {
+        let sh: &'a Shared<'b> = self.sh;
+        let cfg = sh.cfg;
+        let first = self.step * cfg.global_batch() as u64
+            + ((micro * cfg.dp + self.dp_index) * cfg.micro_batch) as u64;
+        Interp {
+            graph: sh.graph,
+            plan: &sh.plan,
+            syms: sh.syms.clone(),
+            key: DropoutKey {
+                seed: sh.seed,
+                step: self.step,
+                node: 0,
+                layer: 0,
+                first_sample: first,
+                batch: cfg.micro_batch,
+            },
+            recompute: cfg.recompute,
+        }
+    }
+
+    fn inputs(&self, micro: usize) -> HashMap<dplc_ir::TensorId, Value> {
+        let cfg = self.sh.cfg;
+        let first = self.step * cfg.global_batch() as u64
+            + ((micro * cfg.dp + self.dp_index) * cfg.micro_batch) as u64;
+        let (mut xs, mut ys) = (Vec::new(), Vec::new());
+        for i in 0..cfg.micro_batch as u64 {
+            let (x, y) = self.sh.data.sample(first + i, self.sh.seq);
+            xs.extend(x);
+            ys.extend(y);
+        }
+        let shape = vec![cfg.micro_batch, self.sh.seq];
+        let mut out = HashMap::new();
+        for (_, input) in self.sh.graph.inputs() {
+            let v = if input.name == "tokens" {
+                xs.clone()
+            } else {
+                ys.clone()
+            };
+            out.insert(input.tensor, Arc::new(Tensor::i32(shape.clone(), v)));
+        }
+        out
+    }
+
+    fn repeat_carried(&self) -> usize {
+        self.sh
+            .part
+            .repeat
+            .map_or(0, |n| match self.sh.graph.node(n).op {
+                Op::Repeat { carried, .. } => carried,
+                _ => 0,
+            })
+    }
+
+    fn forward(&mut self, micro: usize, c: usize) -> Result<()> {
+        let sh = self.sh;
+        let g = sh.graph;
+        let last = c + 1 == self.chunks();
+        let n_carried = self.repeat_carried();
+        let interp = self.interp(micro);
+        let mut frame = Frame {
+            values: self.inputs(micro),
+            tapes: HashMap::new(),
+        };
+        let mut carried: Vec<Value> = Vec::new();
+        if c > 0 {
+            let msg = self
+                .store
+                .comm
+                .recv(self.peer(c - 1), tag(micro, c, self.chunks(), false))?;
+            let mut vals = msg.into_iter().map(|t| {
+                t.map(Arc::new).ok_or_else(|| RuntimeError::Kernel {
+                    op: "recv",
+                    detail: "empty activation".into(),
+                })
+            });
+            for _ in 0..n_carried {
+                carried.push(
+                    vals.next()
+                        .transpose()?
+                        .ok_or_else(|| RuntimeError::Kernel {
+                            op: "recv",
+                            detail: "short message".into(),
+                        })?,
+                );
+            }
+            for &t in &sh.part.extras {
+                let v = vals
+                    .next()
+                    .transpose()?
+                    .ok_or_else(|| RuntimeError::Kernel {
+                        op: "recv",
+                        detail: "short message".into(),
+                    })?;
+                frame.values.insert(t, v);
+            }
+        }
+        self.store.gather(Unit::Root)?;
+        let chunk = &sh.part.chunks[c];
+        for &n in &chunk.nodes {
+            if Some(n) == sh.part.repeat {
+                let node = g.node(n);
+                let init = if c == 0 {
+                    node.inputs[..n_carried]
+                        .iter()
+                        .map(|t| frame.values[t].clone())
+                        .collect()
+                } else {
+                    std::mem::take(&mut carried)
+                };
+                let out = interp.forward_repeat(
+                    &mut frame,
+                    n,
+                    chunk.layers.clone(),
+                    init,
+                    0,
+                    true,
+                    &mut self.store,
+                )?;
+                if last {
+                    for (t, v) in node.outputs.iter().zip(out) {
+                        frame.values.insert(*t, v);
+                    }
+                } else {
+                    carried = out;
+                }
+            } else {
+                interp.eval_node(&mut frame, n, 0, &mut self.store)?;
+            }
+        }
+        self.store.release(Unit::Root, false)?;
+        if last {
+            let loss = frame.values[&g.outputs()[0]].f()?[0];
+            self.losses.push(f64::from(loss));
+        } else {
+            let mut msg: Message = carried.iter().map(|v| Some((**v).clone())).collect();
+            msg.extend(
+                sh.part
+                    .extras
+                    .iter()
+                    .map(|t| Some((*frame.values[t]).clone())),
+            );
+            self.store.comm.send(
+                self.peer(c + 1),
+                tag(micro, c + 1, self.chunks(), false),
+                msg,
+            )?;
+        }
+        self.live.insert((micro, c), Live { frame });
+        Ok(())
+    }
+
+    fn backward(&mut self, micro: usize, c: usize) -> Result<()> {
+        let sh = self.sh;
+        let g = sh.graph;
+        let cfg = sh.cfg;
+        let last = c + 1 == self.chunks();
+        let n_carried = self.repeat_carried();
+        let interp = self.interp(micro);
+        let Live { mut frame } =
+            self.live
+                .remove(&(micro, c))
+                .ok_or_else(|| RuntimeError::Kernel {
+                    op: "schedule",
+                    detail: format!("backward of micro-batch {micro} before its forward"),
+                })?;
+        let mut grads = Grads::new();
+        let mut carried_grads: Vec<Option<Tensor>> = vec![None; n_carried];
+        if last {
+            // Each micro-batch's loss is a mean over its tokens; the step's loss
+            // is the mean over all micro-batches of all replicas.
+            let scale = 1.0 / (cfg.dp * cfg.num_micro_batches) as f32;
+            grads.insert(g.outputs()[0], Tensor::f32(vec![], vec![scale]));
+        } else {
+            let msg = self
+                .store
+                .comm
+                .recv(self.peer(c + 1), tag(micro, c, self.chunks(), true))?;
+            let mut it = msg.into_iter();
+            for cg in carried_grads.iter_mut() {
+                *cg = it.next().flatten();
+            }
+            for &t in &sh.part.extras {
+                if let Some(gr) = it.next().flatten() {
+                    add_grad(&mut grads, t, gr)?;
+                }
+            }
+        }
+        self.store.gather(Unit::Root)?;
+        let chunk = &sh.part.chunks[c];
+        let mut carried_in: Vec<Option<Tensor>> = vec![None; n_carried];
+        for &n in chunk.nodes.iter().rev() {
+            if Some(n) == sh.part.repeat {
+                let node = g.node(n);
+                let gout = if last {
+                    node.outputs.iter().map(|t| grads.remove(t)).collect()
+                } else {
+                    std::mem::take(&mut carried_grads)
+                };
+                let gin = interp.backward_repeat(
+                    &mut frame,
+                    n,
+                    chunk.layers.clone(),
+                    gout,
+                    &mut grads,
+                    0,
+                    true,
+                    &mut self.store,
+                )?;
+                if c == 0 {
+                    let need = sh.plan.input_grads(g, n);
+                    for (j, gr) in gin.into_iter().enumerate() {
+                        if let (Some(gr), true) = (gr, need[j]) {
+                            add_grad(&mut grads, node.inputs[j], gr)?;
+                        }
+                    }
+                } else {
+                    carried_in = gin;
+                }
+            } else if sh.plan.input_grads(g, n).iter().any(|&x| x) {
+                interp.backward_node(&mut frame, n, &mut grads, 0, &mut self.store)?;
+            }
+        }
+        interp.flush_param_grads(g.root(), &mut grads, 0, &mut self.store)?;
+        self.store.release(Unit::Root, true)?;
+        if c > 0 {
+            let mut msg: Message = carried_in;
+            msg.extend(sh.part.extras.iter().map(|t| grads.remove(t)));
+            self.store.comm.send(
+                self.peer(c - 1),
+                tag(micro, c - 1, self.chunks(), true),
+                msg,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Gradient sync, norm, clipping, optimizer step and the step's statistics.
+    fn finish_step(&mut self, start: Instant) -> Result<StepStats> {
+        let sh = self.sh;
+        let cfg = sh.cfg;
+        // Tied weights (an embedding reused by the head on another stage):
+        // every copy gets the sum of the copies' gradients.
+        for (key, stages) in &sh.tied {
+            if !stages.contains(&self.stage) {
+                continue;
+            }
+            let group = Group::new(stages.iter().map(|&s| self.dp_index * cfg.pp + s).collect());
+            let slot = self
+                .store
+                .slots
+                .get_mut(key)
+                .expect("tied keys are held by their stages");
+            let mut g = std::mem::take(&mut slot.grad);
+            self.store.comm.all_reduce(&group, &mut g)?;
+            self.store.slots.get_mut(key).expect("held").grad = g;
+        }
+        if !cfg.faults.skip_grad_sync {
+            self.store.reduce_grads(cfg.bucket_elems)?;
+        }
+        let mut sq = vec![self.store.local_sq_norm() as f32];
+        let dp_group = self.store.dp_group.clone();
+        self.store.comm.all_reduce(&dp_group, &mut sq)?;
+        self.store.comm.all_reduce(&self.pp_group, &mut sq)?;
+        let grad_norm = f64::from(sq[0]).sqrt();
+        let clip = match sh.spec.grad_clip {
+            Some(max) if grad_norm > max => max / (grad_norm + 1e-6),
+            _ => 1.0,
+        };
+        let lr = sh.spec.optimizer.lr() * sh.spec.schedule.factor(self.step);
+        self.store
+            .step(&sh.spec.optimizer, lr, clip, self.step + 1)?;
+        // The loss lives on the last stage: sum it over replicas, then hand it to every stage.
+        let mut loss = vec![self.losses.drain(..).sum::<f64>() as f32];
+        self.store.comm.all_reduce(&dp_group, &mut loss)?;
+        let mut loss_v = loss.clone();
+        self.store
+            .comm
+            .broadcast(&self.pp_group, cfg.pp - 1, &mut loss_v)?;
+        let loss = f64::from(loss_v[0]) / (cfg.dp * cfg.num_micro_batches) as f64;
+        let tokens = (cfg.global_batch() * sh.seq) as f64;
+        Ok(StepStats {
+            step: self.step,
+            loss,
+            lr,
+            grad_norm,
+            tokens_per_s: tokens / start.elapsed().as_secs_f64().max(1e-9),
+        })
+    }
+}

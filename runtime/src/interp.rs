@@ -1,0 +1,390 @@
+//! The interpreter: runs the nodes of a region forward, keeping per-iteration
+//! tapes of `repeat` bodies, and walks them back through the VJPs in the order
+//! `dplc_ir::GradPlan` gives. Parameters come from, and gradients go to, a
+//! [`ParamAccess`], whose layer hooks are where ZeRO-3 gathers and scatters.
+
+use crate::error::{kernel_err, Result, RuntimeError};
+use crate::kernels::{self, DropoutKey, OpCtx};
+use crate::tensor::Tensor;
+use crate::vjp;
+use dplc_ir::{GradPlan, Graph, NodeId, Op, ParamId, RegionId, Shape, TensorId};
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::Arc;
+
+pub(crate) type Value = Arc<Tensor>;
+
+/// One parameter tensor: a parameter of the graph at one flat `repeat`
+/// iteration (0 outside any repeat; `outer·count + inner` when nested).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ParamKey {
+    pub param: ParamId,
+    pub layer: u64,
+}
+
+/// Where the interpreter reads parameters and leaves their gradients.
+pub(crate) trait ParamAccess {
+    fn param(&mut self, key: ParamKey) -> Result<Value>;
+    fn add_grad(&mut self, key: ParamKey, grad: Tensor) -> Result<()>;
+    /// Called around the forward (`backward == false`) or backward of one
+    /// iteration of the top-level repeat: before it with `enter`, after without.
+    fn layer_hook(&mut self, layer: u64, backward: bool, enter: bool) -> Result<()>;
+}
+
+/// The values of one run of a region, and the tapes of its repeats.
+#[derive(Default)]
+pub(crate) struct Frame {
+    pub values: HashMap<TensorId, Value>,
+    pub tapes: HashMap<NodeId, Vec<Tape>>,
+}
+
+/// What one iteration of a repeat keeps for its backward.
+pub(crate) enum Tape {
+    Kept(Frame),
+    /// Activation recompute: only the body's arguments; the backward runs the
+    /// forward of the iteration again (dropout masks are keyed, so identical).
+    Recompute(Vec<Value>),
+}
+
+pub(crate) type Grads = HashMap<TensorId, Tensor>;
+
+pub(crate) fn add_grad(grads: &mut Grads, t: TensorId, g: Tensor) -> Result<()> {
+    match grads.get_mut(&t) {
+        None => {
+            grads.insert(t, g);
+        }
+        Some(acc) => {
+            let (a, b) = match (&mut acc.data, &g.data) {
+                (crate::Data::F32(a), crate::Data::F32(b)) if a.len() == b.len() => (a, b),
+                _ => return Err(kernel_err("backward", "gradients of different shapes meet")),
+            };
+            a.iter_mut().zip(b).for_each(|(x, y)| *x += y);
+        }
+    }
+    Ok(())
+}
+
+pub(crate) struct Interp<'g> {
+    pub graph: &'g Graph,
+    pub plan: &'g GradPlan,
+    /// Values of the symbolic dims, by `SymId`.
+    pub syms: Vec<i64>,
+    /// Seed, step and samples of this micro-batch; node and layer are set per op.
+    pub key: DropoutKey,
+    pub recompute: bool,
+}
+
+impl<'g> Interp<'g> {
+    pub fn dims(&self, shape: &Shape) -> Vec<usize> {
+        shape
+            .dims()
+            .iter()
+            .map(|d| d.eval(&|s| self.syms[s.index()]).max(0) as usize)
+            .collect()
+    }
+
+    fn ctx_for<'a>(&self, node: NodeId, layer: u64, shapes: &'a [Vec<usize>]) -> OpCtx<'a> {
+        OpCtx {
+            out_shapes: shapes,
+            dropout: DropoutKey {
+                node: node.index() as u64,
+                layer,
+                ..self.key
+            },
+        }
+    }
+
+    fn value(frame: &Frame, t: TensorId) -> Result<&Value> {
+        frame
+            .values
+            .get(&t)
+            .ok_or_else(|| kernel_err("interpreter", format!("{t} is used before it is computed")))
+    }
+
+    /// Run one node that is not a repeat; its outputs land in `frame`.
+    pub fn eval_node(
+        &self,
+        frame: &mut Frame,
+        n: NodeId,
+        layer: u64,
+        access: &mut dyn ParamAccess,
+    ) -> Result<()> {
+        let node = self.graph.node(n);
+        let outs: Vec<Tensor> = match &node.op {
+            Op::Param(p) => {
+                let v = access.param(ParamKey { param: *p, layer })?;
+                frame.values.insert(node.outputs[0], v);
+                return Ok(());
+            }
+            Op::Input(_) => {
+                return Self::value(frame, node.outputs[0]).map(|_| ());
+            }
+            Op::Repeat { count, .. } => {
+                let carried = self.repeat_carried(node)?;
+                let ins = node.inputs.clone();
+                let init = ins[..carried]
+                    .iter()
+                    .map(|&t| Self::value(frame, t).cloned())
+                    .collect::<Result<_>>()?;
+                let out = self.forward_repeat(frame, n, 0..*count, init, layer, false, access)?;
+                for (t, v) in node.outputs.iter().zip(out) {
+                    frame.values.insert(*t, v);
+                }
+                return Ok(());
+            }
+            op => {
+                let ins = node
+                    .inputs
+                    .iter()
+                    .map(|&t| Self::value(frame, t).map(|v| &**v))
+                    .collect::<Result<Vec<_>>>()?;
+                let shapes: Vec<Vec<usize>> = node
+                    .outputs
+                    .iter()
+                    .map(|&t| self.dims(&self.graph.tensor(t).shape))
+                    .collect();
+                kernels::forward(op, &ins, &self.ctx_for(n, layer, &shapes))?
+            }
+        };
+        for (t, v) in node.outputs.iter().zip(outs) {
+            frame.values.insert(*t, Arc::new(v));
+        }
+        Ok(())
+    }
+
+    fn repeat_carried(&self, node: &dplc_ir::Node) -> Result<usize> {
+        match node.op {
+            Op::Repeat { carried, .. } => Ok(carried),
+            _ => Err(kernel_err("interpreter", "not a repeat")),
+        }
+    }
+
+    /// Run every node of `region` with its arguments bound to `args`.
+    pub fn forward_region(
+        &self,
+        region: RegionId,
+        args: Vec<Value>,
+        layer: u64,
+        access: &mut dyn ParamAccess,
+    ) -> Result<Frame> {
+        let mut frame = Frame::default();
+        for (&a, v) in self.graph.region(region).args.iter().zip(args) {
+            frame.values.insert(a, v);
+        }
+        for &n in &self.graph.region(region).nodes {
+            self.eval_node(&mut frame, n, layer, access)?;
+        }
+        Ok(frame)
+    }
+
+    /// Iterations `range` of repeat `n`, whose captured inputs are in `frame`,
+    /// starting from carried values `carried`. The tapes are appended to
+    /// `frame.tapes[n]`; returns the carried values after the last iteration.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_repeat(
+        &self,
+        frame: &mut Frame,
+        n: NodeId,
+        range: Range<u64>,
+        mut carried: Vec<Value>,
+        outer_layer: u64,
+        top: bool,
+        access: &mut dyn ParamAccess,
+    ) -> Result<Vec<Value>> {
+        let node = self.graph.node(n);
+        let (count, body, n_carried) = match node.op {
+            Op::Repeat {
+                count,
+                body,
+                carried,
+            } => (count, body, carried),
+            _ => return Err(kernel_err("interpreter", "not a repeat")),
+        };
+        let captured = node.inputs[n_carried..]
+            .iter()
+            .map(|&t| Self::value(frame, t).cloned())
+            .collect::<Result<Vec<_>>>()?;
+        let results = self.graph.region(body).results.clone();
+        for i in range {
+            let layer = outer_layer * count + i;
+            let args: Vec<Value> = carried.iter().chain(&captured).cloned().collect();
+            if top {
+                access.layer_hook(i, false, true)?;
+            }
+            let body_frame = self.forward_region(body, args.clone(), layer, access)?;
+            if top {
+                access.layer_hook(i, false, false)?;
+            }
+            carried = results
+                .iter()
+                .map(|&t| Self::value(&body_frame, t).cloned())
+                .collect::<Result<_>>()?;
+            let tape = if self.recompute {
+                Tape::Recompute(args)
+            } else {
+                Tape::Kept(body_frame)
+            };
+            frame.tapes.entry(n).or_default().push(tape);
+        }
+        Ok(carried)
+    }
+
+    /// Walk `region` back from the gradients in `grads` (seeded at its results);
+    /// leaves the gradients of its arguments in `grads`, sends parameter
+    /// gradients to `access`.
+    pub fn backward_region(
+        &self,
+        region: RegionId,
+        frame: &mut Frame,
+        grads: &mut Grads,
+        layer: u64,
+        access: &mut dyn ParamAccess,
+    ) -> Result<()> {
+        let order: Vec<NodeId> = self.plan.backward_order(self.graph, region).collect();
+        for n in order {
+            self.backward_node(frame, n, grads, layer, access)?;
+        }
+        self.flush_param_grads(region, grads, layer, access)
+    }
+
+    /// Send the gradients that reached parameter nodes of `region` to `access`.
+    pub fn flush_param_grads(
+        &self,
+        region: RegionId,
+        grads: &mut Grads,
+        layer: u64,
+        access: &mut dyn ParamAccess,
+    ) -> Result<()> {
+        for &n in &self.graph.region(region).nodes {
+            let node = self.graph.node(n);
+            if let Op::Param(p) = node.op {
+                if let Some(g) = grads.remove(&node.outputs[0]) {
+                    access.add_grad(ParamKey { param: p, layer }, g)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The VJP of one node (a repeat runs all its iterations back).
+    pub fn backward_node(
+        &self,
+        frame: &mut Frame,
+        n: NodeId,
+        grads: &mut Grads,
+        layer: u64,
+        access: &mut dyn ParamAccess,
+    ) -> Result<()> {
+        let node = self.graph.node(n);
+        let need = self.plan.input_grads(self.graph, n);
+        if let Op::Repeat { count, carried, .. } = node.op {
+            let gout = node.outputs.iter().map(|t| grads.remove(t)).collect();
+            let gin =
+                self.backward_repeat(frame, n, 0..count, gout, grads, layer, false, access)?;
+            for (j, g) in gin.into_iter().enumerate().take(carried) {
+                if let (Some(g), true) = (g, need[j]) {
+                    add_grad(grads, node.inputs[j], g)?;
+                }
+            }
+            return Ok(());
+        }
+        let Some(gout) = grads.remove(&node.outputs[0]) else {
+            return Ok(());
+        };
+        let ins = node
+            .inputs
+            .iter()
+            .map(|&t| Self::value(frame, t).map(|v| &**v))
+            .collect::<Result<Vec<_>>>()?;
+        let outs = node
+            .outputs
+            .iter()
+            .map(|&t| Self::value(frame, t).map(|v| &**v))
+            .collect::<Result<Vec<_>>>()?;
+        let shapes: Vec<Vec<usize>> = outs.iter().map(|t| t.shape.clone()).collect();
+        let gin = vjp::backward(
+            &node.op,
+            &ins,
+            &outs,
+            &gout,
+            &need,
+            &self.ctx_for(n, layer, &shapes),
+        )?;
+        for (&t, g) in node.inputs.iter().zip(gin) {
+            if let Some(g) = g {
+                add_grad(grads, t, g)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Iterations `range` of repeat `n` back, last first, from the gradients of
+    /// the carried values after `range.end`. Captured inputs' gradients are
+    /// summed into `grads`; returns the carried gradients before `range.start`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_repeat(
+        &self,
+        frame: &mut Frame,
+        n: NodeId,
+        range: Range<u64>,
+        mut carried: Vec<Option<Tensor>>,
+        grads: &mut Grads,
+        outer_layer: u64,
+        top: bool,
+        access: &mut dyn ParamAccess,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let node = self.graph.node(n);
+        let (count, body, n_carried) = match node.op {
+            Op::Repeat {
+                count,
+                body,
+                carried,
+            } => (count, body, carried),
+            _ => return Err(kernel_err("interpreter", "not a repeat")),
+        };
+        let need = self.plan.input_grads(self.graph, n);
+        let mut tapes = frame.tapes.remove(&n).unwrap_or_default();
+        if tapes.len() as u64 != range.end - range.start {
+            return Err(RuntimeError::Kernel {
+                op: "repeat",
+                detail: format!(
+                    "{} tapes for {} iterations",
+                    tapes.len(),
+                    range.end - range.start
+                ),
+            });
+        }
+        let reg = self.graph.region(body);
+        for i in range.rev() {
+            let layer = outer_layer * count + i;
+            if top {
+                access.layer_hook(i, true, true)?;
+            }
+            let tape = tapes.pop().expect("one tape per iteration, counted above");
+            let mut body_frame = match tape {
+                Tape::Kept(f) => f,
+                Tape::Recompute(args) => self.forward_region(body, args, layer, access)?,
+            };
+            let mut body_grads = Grads::new();
+            for (&r, g) in reg.results.iter().zip(carried.drain(..)) {
+                if let Some(g) = g {
+                    add_grad(&mut body_grads, r, g)?;
+                }
+            }
+            self.backward_region(body, &mut body_frame, &mut body_grads, layer, access)?;
+            carried = reg.args[..n_carried]
+                .iter()
+                .map(|a| body_grads.remove(a))
+                .collect();
+            for (j, &a) in reg.args.iter().enumerate().skip(n_carried) {
+                if let (Some(g), true) = (body_grads.remove(&a), need[j]) {
+                    add_grad(grads, node.inputs[j], g)?;
+                }
+            }
+            if top {
+                access.layer_hook(i, true, false)?;
+            }
+        }
+        Ok(carried)
+    }
+}

@@ -1,0 +1,392 @@
+//! Parameter storage of one rank: full values, the shard it updates, AdamW
+//! moments and gradients, laid out per ZeRO stage; and the layer hooks through
+//! which ZeRO-3 all-gathers weights and reduce-scatters gradients per layer.
+
+use crate::comm::{Communicator, Group};
+use crate::error::{kernel_err, Result};
+use crate::interp::{ParamAccess, ParamKey, Value};
+use crate::rng;
+use crate::tensor::Tensor;
+use dplc_ir::{Graph, Init, Optimizer};
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
+use std::sync::Arc;
+
+/// How much of the training state data-parallel ranks split between them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ZeroStage {
+    /// Plain data parallel: everything replicated, gradients all-reduced.
+    None,
+    /// Optimizer states sharded.
+    One,
+    /// Optimizer states and gradients sharded (gradients reduce-scattered).
+    Two,
+    /// Parameters sharded too (FSDP): gathered per layer, freed after use.
+    Three,
+}
+
+/// Which layer a parameter belongs to, for ZeRO-3's per-layer gathers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Unit {
+    Root,
+    Layer(u64),
+}
+
+pub(crate) struct Slot {
+    pub shape: Vec<usize>,
+    pub numel: usize,
+    /// The full value, when present (always below ZeRO-3; while gathered at 3).
+    pub full: Option<Value>,
+    /// Every data-parallel rank's part, in rank order.
+    pub shards: Vec<Range<usize>>,
+    /// The part this rank updates (all of it without ZeRO).
+    pub own: Range<usize>,
+    /// fp32 master values of `own`.
+    pub master: Vec<f32>,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+    /// Gradient: whole while accumulating, `own`'s part once reduce-scattered
+    /// (ZeRO-2 after the step's sync, ZeRO-3 always).
+    pub grad: Vec<f32>,
+    /// Matrices decay; biases and norm gains do not (the GPT-2 convention).
+    pub decay: bool,
+    pub unit: Unit,
+    /// Counted in the global gradient norm (a tied copy on a later stage is not).
+    pub norm_owner: bool,
+}
+
+/// Split `n` elements over `parts` ranks in contiguous, nearly equal pieces.
+pub(crate) fn split(n: usize, parts: usize) -> Vec<Range<usize>> {
+    let chunk = n.div_ceil(parts);
+    (0..parts)
+        .map(|d| (d * chunk).min(n)..((d + 1) * chunk).min(n))
+        .collect()
+}
+
+/// The initial value of one parameter tensor: keyed by (seed, param, layer,
+/// element), so it is the same on every rank that holds it or a shard of it.
+pub(crate) fn init_value(init: Init, seed: u64, key: ParamKey, n: usize) -> Vec<f32> {
+    match init {
+        Init::Zeros => vec![0.0; n],
+        Init::Ones => vec![1.0; n],
+        Init::Normal { std } => (0..n)
+            .map(|j| {
+                (std * rng::normal(&[seed, 0x1417, key.param.index() as u64, key.layer, j as u64]))
+                    as f32
+            })
+            .collect(),
+    }
+}
+
+pub(crate) struct ParamStore {
+    pub slots: BTreeMap<ParamKey, Slot>,
+    pub zero: ZeroStage,
+    pub comm: Communicator,
+    pub dp_group: Group,
+    /// ZeRO-3: full gradients of the current micro-batch, waiting for their
+    /// layer's reduce-scatter.
+    pending: HashMap<ParamKey, Vec<f32>>,
+}
+
+impl ParamStore {
+    pub fn new(
+        graph: &Graph,
+        keys: Vec<(ParamKey, Unit, bool)>,
+        zero: ZeroStage,
+        comm: Communicator,
+        dp_group: Group,
+        seed: u64,
+    ) -> ParamStore {
+        let dp = dp_group.size();
+        let pos = dp_group.position(comm.rank()).unwrap_or(0);
+        let slots = keys
+            .into_iter()
+            .map(|(key, unit, norm_owner)| {
+                let info = graph.param(key.param);
+                let shape: Vec<usize> = info
+                    .shape
+                    .dims()
+                    .iter()
+                    .map(|d| d.as_const().unwrap_or(0).max(0) as usize)
+                    .collect();
+                let numel = shape.iter().product();
+                let value = init_value(info.init, seed, key, numel);
+                let shards = split(numel, dp);
+                let own = if zero == ZeroStage::None {
+                    0..numel
+                } else {
+                    shards[pos].clone()
+                };
+                // ZeRO-2 accumulates whole gradients over the micro-batches and
+                // reduce-scatters once per step; ZeRO-3 scatters per layer.
+                let grad_len = if zero == ZeroStage::Three {
+                    own.len()
+                } else {
+                    numel
+                };
+                let slot = Slot {
+                    full: (zero != ZeroStage::Three)
+                        .then(|| Arc::new(Tensor::f32(shape.clone(), value.clone()))),
+                    master: value[own.clone()].to_vec(),
+                    m: vec![0.0; own.len()],
+                    v: vec![0.0; own.len()],
+                    grad: vec![0.0; grad_len],
+                    decay: shape.len() >= 2,
+                    shape,
+                    numel,
+                    shards,
+                    own,
+                    unit,
+                    norm_owner,
+                };
+                (key, slot)
+            })
+            .collect();
+        ParamStore {
+            slots,
+            zero,
+            comm,
+            dp_group,
+            pending: HashMap::new(),
+        }
+    }
+
+    fn keys_of(&self, unit: Unit) -> Vec<ParamKey> {
+        self.slots
+            .iter()
+            .filter(|(_, s)| s.unit == unit)
+            .map(|(&k, _)| k)
+            .collect()
+    }
+
+    /// ZeRO-3: all-gather the parameters of `unit` from their shards.
+    pub fn gather(&mut self, unit: Unit) -> Result<()> {
+        if self.zero != ZeroStage::Three {
+            return Ok(());
+        }
+        for key in self.keys_of(unit) {
+            let slot = self.slots.get(&key).expect("key listed from the slots");
+            let parts = self.comm.all_gather(&self.dp_group, &slot.master)?;
+            let slot = self.slots.get_mut(&key).expect("key listed from the slots");
+            let full: Vec<f32> = parts.concat();
+            slot.full = Some(Arc::new(Tensor::f32(slot.shape.clone(), full)));
+        }
+        Ok(())
+    }
+
+    /// ZeRO-3: reduce-scatter the gradients `unit` got in this micro-batch
+    /// (when `reduce`), then free its gathered parameters.
+    pub fn release(&mut self, unit: Unit, reduce: bool) -> Result<()> {
+        if self.zero != ZeroStage::Three {
+            return Ok(());
+        }
+        for key in self.keys_of(unit) {
+            if reduce {
+                let slot = self.slots.get(&key).expect("key listed from the slots");
+                let full = self
+                    .pending
+                    .remove(&key)
+                    .unwrap_or_else(|| vec![0.0; slot.numel]);
+                let part = self
+                    .comm
+                    .reduce_scatter(&self.dp_group, &full, &slot.shards)?;
+                let slot = self.slots.get_mut(&key).expect("key listed from the slots");
+                slot.grad.iter_mut().zip(part).for_each(|(g, p)| *g += p);
+            }
+            self.slots
+                .get_mut(&key)
+                .expect("key listed from the slots")
+                .full = None;
+        }
+        Ok(())
+    }
+
+    /// Sum every gradient over the data-parallel group: all-reduce in buckets
+    /// of about `bucket` elements (ZeRO 0/1) or reduce-scatter (ZeRO-2).
+    pub fn reduce_grads(&mut self, bucket: usize) -> Result<()> {
+        match self.zero {
+            ZeroStage::None | ZeroStage::One => {
+                let keys: Vec<ParamKey> = self.slots.keys().copied().collect();
+                let mut start = 0;
+                while start < keys.len() {
+                    let mut end = start;
+                    let mut size = 0;
+                    while end < keys.len()
+                        && (end == start || size + self.slots[&keys[end]].numel <= bucket)
+                    {
+                        size += self.slots[&keys[end]].numel;
+                        end += 1;
+                    }
+                    let mut flat: Vec<f32> = Vec::with_capacity(size);
+                    for k in &keys[start..end] {
+                        flat.extend_from_slice(&self.slots[k].grad);
+                    }
+                    self.comm.all_reduce(&self.dp_group, &mut flat)?;
+                    let mut at = 0;
+                    for k in &keys[start..end] {
+                        let slot = self.slots.get_mut(k).expect("key from the slots");
+                        slot.grad.copy_from_slice(&flat[at..at + slot.numel]);
+                        at += slot.numel;
+                    }
+                    start = end;
+                }
+            }
+            ZeroStage::Two => {
+                // Gradients were accumulated full-length over the micro-batches;
+                // each rank keeps the sum of its own part.
+                for slot in self.slots.values_mut() {
+                    let part =
+                        self.comm
+                            .reduce_scatter(&self.dp_group, &slot.grad, &slot.shards)?;
+                    slot.grad = part;
+                }
+            }
+            ZeroStage::Three => {}
+        }
+        Ok(())
+    }
+
+    /// Σ g² over the gradient elements this rank counts towards the global norm.
+    pub fn local_sq_norm(&self) -> f64 {
+        let pos = self.dp_group.position(self.comm.rank()).unwrap_or(0);
+        self.slots
+            .values()
+            .filter(|s| s.norm_owner)
+            .map(|s| {
+                let part: &[f32] = if s.grad.len() == s.numel {
+                    &s.grad[s.shards[pos].clone()]
+                } else {
+                    &s.grad
+                };
+                part.iter()
+                    .map(|&g| f64::from(g) * f64::from(g))
+                    .sum::<f64>()
+            })
+            .sum()
+    }
+
+    /// One optimizer step on this rank's part of every parameter, with the
+    /// gradient multiplied by `clip`, then the parameters made whole again.
+    pub fn step(&mut self, opt: &Optimizer, lr: f64, clip: f64, t: u64) -> Result<()> {
+        for slot in self.slots.values_mut() {
+            let offset = if slot.grad.len() == slot.numel {
+                slot.own.start
+            } else {
+                0
+            };
+            let grad = &slot.grad[offset..offset + slot.own.len()];
+            match *opt {
+                Optimizer::AdamW {
+                    beta1,
+                    beta2,
+                    eps,
+                    weight_decay,
+                    ..
+                } => {
+                    let (bc1, bc2) = (1.0 - beta1.powi(t as i32), 1.0 - beta2.powi(t as i32));
+                    let wd = if slot.decay { weight_decay } else { 0.0 };
+                    for (j, &g) in grad.iter().enumerate() {
+                        let g = f64::from(g) * clip;
+                        let m = beta1 * f64::from(slot.m[j]) + (1.0 - beta1) * g;
+                        let v = beta2 * f64::from(slot.v[j]) + (1.0 - beta2) * g * g;
+                        slot.m[j] = m as f32;
+                        slot.v[j] = v as f32;
+                        let p = f64::from(slot.master[j]);
+                        // Decoupled weight decay: shrink the weight, not the gradient.
+                        let update = (m / bc1) / ((v / bc2).sqrt() + eps) + wd * p;
+                        slot.master[j] = (p - lr * update) as f32;
+                    }
+                }
+                Optimizer::Sgd { momentum, .. } => {
+                    for (j, &g) in grad.iter().enumerate() {
+                        let g = f64::from(g) * clip;
+                        let m = momentum * f64::from(slot.m[j]) + g;
+                        slot.m[j] = m as f32;
+                        slot.master[j] = (f64::from(slot.master[j]) - lr * m) as f32;
+                    }
+                }
+            }
+            if self.zero == ZeroStage::Two {
+                slot.grad = vec![0.0; slot.numel];
+            } else {
+                slot.grad.iter_mut().for_each(|g| *g = 0.0);
+            }
+        }
+        match self.zero {
+            ZeroStage::None => {
+                for slot in self.slots.values_mut() {
+                    slot.full = Some(Arc::new(Tensor::f32(
+                        slot.shape.clone(),
+                        slot.master.clone(),
+                    )));
+                }
+            }
+            ZeroStage::One | ZeroStage::Two => {
+                let keys: Vec<ParamKey> = self.slots.keys().copied().collect();
+                for k in keys {
+                    let parts = self
+                        .comm
+                        .all_gather(&self.dp_group, &self.slots[&k].master)?;
+                    let slot = self.slots.get_mut(&k).expect("key from the slots");
+                    slot.full = Some(Arc::new(Tensor::f32(slot.shape.clone(), parts.concat())));
+                }
+            }
+            ZeroStage::Three => {}
+        }
+        Ok(())
+    }
+
+    /// Whole values of every parameter (all-gathering shards where sharded).
+    pub fn export(&mut self) -> Result<Vec<(ParamKey, Tensor)>> {
+        let keys: Vec<ParamKey> = self.slots.keys().copied().collect();
+        let mut out = Vec::with_capacity(keys.len());
+        for k in keys {
+            let slot = &self.slots[&k];
+            let full = if self.zero == ZeroStage::None {
+                slot.master.clone()
+            } else {
+                self.comm.all_gather(&self.dp_group, &slot.master)?.concat()
+            };
+            out.push((k, Tensor::f32(slot.shape.clone(), full)));
+        }
+        Ok(out)
+    }
+}
+
+impl ParamAccess for ParamStore {
+    fn param(&mut self, key: ParamKey) -> Result<Value> {
+        let slot = self
+            .slots
+            .get(&key)
+            .ok_or_else(|| kernel_err("param", format!("{key:?} is not held by this rank")))?;
+        slot.full
+            .clone()
+            .ok_or_else(|| kernel_err("param", format!("{key:?} is used while not gathered")))
+    }
+
+    fn add_grad(&mut self, key: ParamKey, grad: Tensor) -> Result<()> {
+        let g = grad.into_f()?;
+        if self.zero == ZeroStage::Three {
+            let acc = self
+                .pending
+                .entry(key)
+                .or_insert_with(|| vec![0.0; g.len()]);
+            acc.iter_mut().zip(&g).for_each(|(a, b)| *a += b);
+            return Ok(());
+        }
+        let slot = self
+            .slots
+            .get_mut(&key)
+            .ok_or_else(|| kernel_err("param", format!("{key:?} is not held by this rank")))?;
+        slot.grad.iter_mut().zip(&g).for_each(|(a, b)| *a += b);
+        Ok(())
+    }
+
+    fn layer_hook(&mut self, layer: u64, backward: bool, enter: bool) -> Result<()> {
+        if enter {
+            self.gather(Unit::Layer(layer))
+        } else {
+            self.release(Unit::Layer(layer), backward)
+        }
+    }
+}

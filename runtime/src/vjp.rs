@@ -1,0 +1,385 @@
+//! Vector-Jacobian products for every primitive op, keyed by the forward `Op`:
+//! given the forward inputs and outputs and the gradient of the outputs, the
+//! gradient of each input that `dplc_ir::GradPlan` asks for.
+
+use crate::error::{kernel_err, Result};
+use crate::kernels::{self, batch_offsets, binary_f, gemm, moe_slots, norm_stats, Mat, OpCtx};
+use crate::tensor::{broadcast_data, reduce_to, split_axis, strided_offsets, strides, Tensor};
+use dplc_ir::{BinaryOp, Op, ReduceKind, UnaryOp};
+
+/// d unary(x) / dx, from the input `x` and the output `y`.
+fn unary_grad(u: UnaryOp, x: f32, y: f32) -> f32 {
+    let xd = f64::from(x);
+    match u {
+        UnaryOp::Neg => -1.0,
+        UnaryOp::Exp => y,
+        UnaryOp::Log => 1.0 / x,
+        UnaryOp::Sqrt => 0.5 / y,
+        UnaryOp::Rsqrt => -0.5 * y * y * y,
+        UnaryOp::Recip => -y * y,
+        UnaryOp::Tanh => 1.0 - y * y,
+        UnaryOp::Sigmoid => y * (1.0 - y),
+        UnaryOp::Relu => {
+            if x > 0.0 {
+                1.0
+            } else {
+                0.0
+            }
+        }
+        UnaryOp::Gelu => {
+            let cdf = 0.5 * (1.0 + kernels::erf(xd / std::f64::consts::SQRT_2));
+            let pdf = (-0.5 * xd * xd).exp() / (2.0 * std::f64::consts::PI).sqrt();
+            (cdf + xd * pdf) as f32
+        }
+        UnaryOp::GeluTanh => {
+            let c = 0.797_884_560_802_865_4;
+            let inner = c * (xd + 0.044715 * xd * xd * xd);
+            let t = inner.tanh();
+            let dinner = c * (1.0 + 3.0 * 0.044715 * xd * xd);
+            (0.5 * (1.0 + t) + 0.5 * xd * (1.0 - t * t) * dinner) as f32
+        }
+        UnaryOp::Silu => {
+            let s = 1.0 / (1.0 + (-x).exp());
+            s * (1.0 + x * (1.0 - s))
+        }
+        UnaryOp::Sin => x.cos(),
+        UnaryOp::Cos => -x.sin(),
+    }
+}
+
+/// The partial derivatives of `x ∘ y` with respect to x and y.
+fn binary_grad(b: BinaryOp, x: f32, y: f32) -> (f32, f32) {
+    match b {
+        BinaryOp::Add => (1.0, 1.0),
+        BinaryOp::Sub => (1.0, -1.0),
+        BinaryOp::Mul => (y, x),
+        BinaryOp::Div => (1.0 / y, -x / (y * y)),
+        // Ties send the gradient to the first operand, as the forward picks it.
+        BinaryOp::Max => {
+            if x >= y {
+                (1.0, 0.0)
+            } else {
+                (0.0, 1.0)
+            }
+        }
+        BinaryOp::Min => {
+            if x <= y {
+                (1.0, 0.0)
+            } else {
+                (0.0, 1.0)
+            }
+        }
+        BinaryOp::Pow => {
+            let p = binary_f(b, x, y);
+            let dy = if x > 0.0 { p * x.ln() } else { 0.0 };
+            (y * x.powf(y - 1.0), dy)
+        }
+    }
+}
+
+fn f(shape: &[usize], v: Vec<f32>) -> Option<Tensor> {
+    Some(Tensor::f32(shape.to_vec(), v))
+}
+
+/// The gradients of `op`'s inputs (`None` where not needed or not defined).
+pub fn backward(
+    op: &Op,
+    ins: &[&Tensor],
+    outs: &[&Tensor],
+    gout: &Tensor,
+    need: &[bool],
+    ctx: &OpCtx,
+) -> Result<Vec<Option<Tensor>>> {
+    let g = gout.f()?;
+    let x = ins[0];
+    let mut grads: Vec<Option<Tensor>> = vec![None; ins.len()];
+    match op {
+        Op::Input(_) | Op::Param(_) | Op::Constant(_) | Op::Iota { .. } | Op::Repeat { .. } => {}
+        Op::Unary(u) => {
+            let (xs, ys) = (x.f()?, outs[0].f()?);
+            let v = g
+                .iter()
+                .zip(xs.iter().zip(ys))
+                .map(|(&g, (&x, &y))| g * unary_grad(*u, x, y))
+                .collect();
+            grads[0] = f(&x.shape, v);
+        }
+        Op::Binary(b) => {
+            let shape = &gout.shape;
+            let xs = broadcast_data(x.f()?, &x.shape, shape);
+            let ys = broadcast_data(ins[1].f()?, &ins[1].shape, shape);
+            let (mut gx, mut gy) = (Vec::with_capacity(g.len()), Vec::with_capacity(g.len()));
+            for ((&g, &p), &q) in g.iter().zip(&xs).zip(&ys) {
+                let (dx, dy) = binary_grad(*b, p, q);
+                gx.push(g * dx);
+                gy.push(g * dy);
+            }
+            if need[0] {
+                grads[0] = f(&x.shape, reduce_to(&gx, shape, &x.shape));
+            }
+            if need[1] {
+                grads[1] = f(&ins[1].shape, reduce_to(&gy, shape, &ins[1].shape));
+            }
+        }
+        Op::Cast(_) => grads[0] = x.is_float().then(|| gout.clone().reshaped(x.shape.clone())),
+        Op::MatMul => {
+            let (a, b) = (x, ins[1]);
+            let (ad, bd) = (a.f()?, b.f()?);
+            let (ra, rb) = (a.shape.len(), b.shape.len());
+            let (m, k, n) = (a.shape[ra - 2], a.shape[ra - 1], b.shape[rb - 1]);
+            let out_batch = &gout.shape[..gout.shape.len() - 2];
+            let (ao, bo) = (
+                batch_offsets(&a.shape, out_batch),
+                batch_offsets(&b.shape, out_batch),
+            );
+            if need[0] {
+                // dA = G · Bᵀ, summed over the batch entries that broadcast A.
+                let mut da = vec![0.0f32; ad.len()];
+                for (i, (&oa, &ob)) in ao.iter().zip(&bo).enumerate() {
+                    let gm = Mat {
+                        data: g,
+                        offset: i * m * n,
+                        rs: n,
+                        cs: 1,
+                    };
+                    let bt = Mat {
+                        data: bd,
+                        offset: ob,
+                        rs: 1,
+                        cs: n,
+                    };
+                    gemm(m, n, k, gm, bt, &mut da, oa, 1.0);
+                }
+                grads[0] = f(&a.shape, da);
+            }
+            if need[1] {
+                // dB = Aᵀ · G, summed over the batch entries that broadcast B.
+                let mut db = vec![0.0f32; bd.len()];
+                for (i, (&oa, &ob)) in ao.iter().zip(&bo).enumerate() {
+                    let at = Mat {
+                        data: ad,
+                        offset: oa,
+                        rs: 1,
+                        cs: k,
+                    };
+                    let gm = Mat {
+                        data: g,
+                        offset: i * m * n,
+                        rs: n,
+                        cs: 1,
+                    };
+                    gemm(k, m, n, at, gm, &mut db, ob, 1.0);
+                }
+                grads[1] = f(&b.shape, db);
+            }
+        }
+        Op::Transpose { perm } => {
+            let mut inv = vec![0; perm.len()];
+            for (i, &p) in perm.iter().enumerate() {
+                inv[p] = i;
+            }
+            grads[0] = Some(kernels::transpose(gout, &inv));
+        }
+        Op::Reshape { .. } => grads[0] = Some(gout.clone().reshaped(x.shape.clone())),
+        Op::Expand { .. } => grads[0] = f(&x.shape, reduce_to(g, &gout.shape, &x.shape)),
+        Op::Slice { axis, start, .. } => {
+            let mut dx = vec![0.0f32; x.numel()];
+            let s = strides(&x.shape);
+            let offs = strided_offsets(&gout.shape, &s, *start as usize * s[*axis]);
+            for (&o, &v) in offs.iter().zip(g) {
+                dx[o] = v;
+            }
+            grads[0] = f(&x.shape, dx);
+        }
+        Op::Concat { axis } => {
+            let (outer, total, inner) = split_axis(&gout.shape, *axis);
+            let mut at = 0;
+            for (i, t) in ins.iter().enumerate() {
+                let len = t.shape[*axis];
+                if need[i] {
+                    let mut v = Vec::with_capacity(t.numel());
+                    for o in 0..outer {
+                        v.extend_from_slice(&g[(o * total + at) * inner..][..len * inner]);
+                    }
+                    grads[i] = f(&t.shape, v);
+                }
+                at += len;
+            }
+        }
+        Op::Reduce { kind, axis, .. } => {
+            let (outer, n, inner) = split_axis(&x.shape, *axis);
+            let mut dx = vec![0.0f32; x.numel()];
+            let xs = x.f()?;
+            for o in 0..outer {
+                for i in 0..inner {
+                    let gv = g[o * inner + i];
+                    let idx = |j: usize| (o * n + j) * inner + i;
+                    match kind {
+                        ReduceKind::Sum => (0..n).for_each(|j| dx[idx(j)] = gv),
+                        ReduceKind::Mean => (0..n).for_each(|j| dx[idx(j)] = gv / n as f32),
+                        ReduceKind::Max => {
+                            // The first maximum takes the gradient, as one kernel would pick it.
+                            let best = (0..n)
+                                .max_by(|&a, &b| xs[idx(a)].total_cmp(&xs[idx(b)]).then(b.cmp(&a)))
+                                .expect("reduced axes are not empty");
+                            dx[idx(best)] = gv;
+                        }
+                    }
+                }
+            }
+            grads[0] = f(&x.shape, dx);
+        }
+        Op::Softmax { axis } | Op::LogSoftmax { axis } => {
+            let log = matches!(op, Op::LogSoftmax { .. });
+            let ys = outs[0].f()?;
+            let (outer, n, inner) = split_axis(&x.shape, *axis);
+            let mut dx = vec![0.0f32; x.numel()];
+            for o in 0..outer {
+                for i in 0..inner {
+                    let idx = |j: usize| (o * n + j) * inner + i;
+                    if log {
+                        let sum: f32 = (0..n).map(|j| g[idx(j)]).sum();
+                        (0..n).for_each(|j| dx[idx(j)] = g[idx(j)] - ys[idx(j)].exp() * sum);
+                    } else {
+                        let dot: f32 = (0..n).map(|j| g[idx(j)] * ys[idx(j)]).sum();
+                        (0..n).for_each(|j| dx[idx(j)] = ys[idx(j)] * (g[idx(j)] - dot));
+                    }
+                }
+            }
+            grads[0] = f(&x.shape, dx);
+        }
+        Op::LayerNorm { eps } | Op::RmsNorm { eps } => {
+            let centre = matches!(op, Op::LayerNorm { .. });
+            let (xs, ws) = (x.f()?, ins[1].f()?);
+            let d = ws.len();
+            let stats = norm_stats(xs, d, *eps, centre);
+            let (mut dx, mut dw, mut db) =
+                (vec![0.0f32; xs.len()], vec![0.0f32; d], vec![0.0f32; d]);
+            for (r, &(mean, rstd)) in stats.iter().enumerate() {
+                let row = &xs[r * d..][..d];
+                let gr = &g[r * d..][..d];
+                let xhat: Vec<f32> = row.iter().map(|&v| (v - mean) * rstd).collect();
+                let dxhat: Vec<f32> = gr.iter().zip(ws).map(|(&g, &w)| g * w).collect();
+                let mean_d = if centre {
+                    dxhat.iter().sum::<f32>() / d as f32
+                } else {
+                    0.0
+                };
+                let mean_dx = dxhat.iter().zip(&xhat).map(|(a, b)| a * b).sum::<f32>() / d as f32;
+                for j in 0..d {
+                    dx[r * d + j] = rstd * (dxhat[j] - mean_d - xhat[j] * mean_dx);
+                    dw[j] += gr[j] * xhat[j];
+                    db[j] += gr[j];
+                }
+            }
+            grads[0] = f(&x.shape, dx);
+            grads[1] = f(&ins[1].shape, dw);
+            if centre {
+                grads[2] = f(&ins[2].shape, db);
+            }
+        }
+        Op::Dropout { p } => {
+            if *p == 0.0 {
+                grads[0] = Some(gout.clone());
+            } else {
+                let keep = ctx.dropout.mask(*p, g.len());
+                let scale = (1.0 / (1.0 - p)) as f32;
+                let v = g
+                    .iter()
+                    .zip(keep)
+                    .map(|(&g, k)| if k { g * scale } else { 0.0 })
+                    .collect();
+                grads[0] = f(&x.shape, v);
+            }
+        }
+        Op::CausalMask => {
+            let r = x.shape.len();
+            let (q, k) = (x.shape[r - 2], x.shape[r - 1]);
+            let v = g
+                .iter()
+                .enumerate()
+                .map(|(i, &g)| if i % k > (i / k) % q { 0.0 } else { g })
+                .collect();
+            grads[0] = f(&x.shape, v);
+        }
+        Op::Embedding => {
+            let idx = ins[1].i()?;
+            let (n, d) = (x.shape[0], x.shape[1]);
+            let mut dt = vec![0.0f32; n * d];
+            for (r, &i) in idx.iter().enumerate() {
+                let row = kernels::check_index("embedding", i, n)?;
+                for (t, &v) in dt[row * d..][..d].iter_mut().zip(&g[r * d..][..d]) {
+                    *t += v;
+                }
+            }
+            grads[0] = f(&x.shape, dt);
+        }
+        Op::TakeAlong => {
+            let idx = ins[1].i()?;
+            let n = *x.shape.last().expect("take_along input has an axis");
+            let mut dx = vec![0.0f32; x.numel()];
+            for (r, (&i, &gv)) in idx.iter().zip(g).enumerate() {
+                dx[r * n + kernels::check_index("take_along", i, n)?] += gv;
+            }
+            grads[0] = f(&x.shape, dx);
+        }
+        Op::TopK { k } => {
+            let idx = outs[1].i()?;
+            let n = *x.shape.last().expect("top-k input has an axis");
+            let k = *k as usize;
+            let mut dx = vec![0.0f32; x.numel()];
+            for (j, (&i, &gv)) in idx.iter().zip(g).enumerate() {
+                dx[(j / k) * n + i as usize] += gv;
+            }
+            grads[0] = f(&x.shape, dx);
+        }
+        Op::MoeDispatch { .. } => {
+            let idx = ins[1].i()?;
+            let (experts, capacity, d) = (gout.shape[0], gout.shape[1], gout.shape[2]);
+            let k = ins[1].shape[1];
+            let mut dx = vec![0.0f32; x.numel()];
+            for (j, slot) in moe_slots(idx, experts, capacity)?.into_iter().enumerate() {
+                if let Some((e, c)) = slot {
+                    for (o, &v) in dx[(j / k) * d..][..d]
+                        .iter_mut()
+                        .zip(&g[(e * capacity + c) * d..][..d])
+                    {
+                        *o += v;
+                    }
+                }
+            }
+            grads[0] = f(&x.shape, dx);
+        }
+        Op::MoeCombine => {
+            let (y, w, idx) = (x.f()?, ins[1].f()?, ins[2].i()?);
+            let (experts, capacity, d) = (x.shape[0], x.shape[1], x.shape[2]);
+            let k = ins[1].shape[1];
+            let (mut dy, mut dw) = (vec![0.0f32; y.len()], vec![0.0f32; w.len()]);
+            for (j, slot) in moe_slots(idx, experts, capacity)?.into_iter().enumerate() {
+                if let Some((e, c)) = slot {
+                    let at = (e * capacity + c) * d;
+                    let gr = &g[(j / k) * d..][..d];
+                    let mut dot = 0.0f32;
+                    for ((o, &gv), &yv) in dy[at..at + d].iter_mut().zip(gr).zip(&y[at..at + d]) {
+                        *o += w[j] * gv;
+                        dot += gv * yv;
+                    }
+                    dw[j] = dot;
+                }
+            }
+            grads[0] = f(&x.shape, dy);
+            grads[1] = f(&ins[1].shape, dw);
+        }
+    }
+    if grads.iter().zip(need).any(|(g, &n)| n && g.is_none()) && !matches!(op, Op::Cast(_)) {
+        return Err(kernel_err(
+            "backward",
+            format!("{} gave no gradient for a needed input", op.name()),
+        ));
+    }
+    Ok(grads
+        .into_iter()
+        .zip(need)
+        .map(|(g, &n)| if n { g } else { None })
+        .collect())
+}

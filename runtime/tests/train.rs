@@ -1,0 +1,240 @@
+//! Training on CPU ranks: the loss falls on the synthetic corpus, and every
+//! parallel strategy reproduces the serial run.
+//!
+//! Tolerance: 1e-5 relative (floored at 1e-3 in magnitude). The strategies
+//! compute the same sums in a different association — a micro-batch's matmul
+//! over its own samples then an all-reduce over ranks, instead of one matmul
+//! over all samples — and f32 addition is not associative: each reassociation
+//! moves a result by a few ulps (1e-7 relative), and five AdamW steps amplify
+//! that by at most a few tens. A missing gradient sync moves parameters by
+//! about the learning rate (1e-2), three orders of magnitude more.
+
+mod common;
+
+use common::{spec, Gpt};
+use dplc_runtime::*;
+
+const STEPS: u64 = 5;
+const TOL: f32 = 1e-5;
+
+fn run(g: &dplc_ir::Graph, cfg: RunConfig) -> Result<TrainReport> {
+    let data = Corpus::synthetic(7, 32, 4096);
+    let s = spec(8, cfg.global_batch() as u64);
+    train(g, &s, &cfg, &data, STEPS, 42, |_| {})
+}
+
+fn serial(mb: usize, n: usize) -> RunConfig {
+    RunConfig {
+        micro_batch: mb,
+        num_micro_batches: n,
+        ..RunConfig::default()
+    }
+}
+
+fn assert_same(name: &str, a: &TrainReport, b: &TrainReport) {
+    for (x, y) in a.steps.iter().zip(&b.steps) {
+        let rel = ((x.loss - y.loss) / x.loss.abs().max(1e-3)).abs();
+        assert!(
+            rel < f64::from(TOL),
+            "{name}: step {} loss {} vs {}",
+            x.step,
+            x.loss,
+            y.loss
+        );
+    }
+    assert_eq!(a.steps.len(), b.steps.len());
+    let (d, at) = a.params.max_rel_diff(&b.params, 1e-3);
+    eprintln!("{name}: max relative parameter difference {d:e} at {at}");
+    assert!(d < TOL, "{name}: parameters differ by {d} at {at}");
+}
+
+#[test]
+fn loss_falls_on_the_synthetic_corpus() {
+    let g = Gpt {
+        layers: 2,
+        dropout: 0.0,
+        ..Gpt::default()
+    }
+    .build();
+    let data = Corpus::synthetic(1, 32, 8192);
+    let mut s = spec(8, 8);
+    s.schedule = dplc_ir::LrSchedule::Constant;
+    let cfg = RunConfig {
+        micro_batch: 8,
+        ..RunConfig::default()
+    };
+    let mut losses = Vec::new();
+    train(&g, &s, &cfg, &data, 30, 3, |st| losses.push(st.loss)).unwrap();
+    let (first, last) = (losses[0], *losses.last().unwrap());
+    assert!(
+        (first - (32f64).ln()).abs() < 0.5,
+        "starts near ln(vocab): {first}"
+    );
+    assert!(last < first - 0.7, "loss falls: {losses:?}");
+}
+
+#[test]
+fn data_parallel_and_zero_match_serial() {
+    let g = Gpt::default().build();
+    let base = run(&g, serial(2, 4)).unwrap();
+    let dp2 = run(
+        &g,
+        RunConfig {
+            dp: 2,
+            micro_batch: 2,
+            num_micro_batches: 2,
+            bucket_elems: 300,
+            ..RunConfig::default()
+        },
+    )
+    .unwrap();
+    assert_same("dp2", &base, &dp2);
+    for zero in [ZeroStage::One, ZeroStage::Two, ZeroStage::Three] {
+        let r = run(
+            &g,
+            RunConfig {
+                dp: 4,
+                micro_batch: 2,
+                num_micro_batches: 1,
+                zero,
+                ..RunConfig::default()
+            },
+        )
+        .unwrap();
+        assert_same(&format!("{zero:?} dp4"), &base, &r);
+    }
+}
+
+#[test]
+fn pipeline_schedules_match_serial() {
+    let g = Gpt::default().build();
+    let base = run(&g, serial(2, 4)).unwrap();
+    for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+        let r = run(
+            &g,
+            RunConfig {
+                pp: 2,
+                micro_batch: 2,
+                num_micro_batches: 4,
+                schedule,
+                ..RunConfig::default()
+            },
+        )
+        .unwrap();
+        assert_same(&format!("pp2 {schedule:?}"), &base, &r);
+    }
+    let r = run(
+        &g,
+        RunConfig {
+            pp: 2,
+            micro_batch: 2,
+            num_micro_batches: 4,
+            schedule: Schedule::Interleaved { chunks: 2 },
+            ..RunConfig::default()
+        },
+    )
+    .unwrap();
+    assert_same("pp2 interleaved v2", &base, &r);
+}
+
+#[test]
+fn data_and_pipeline_parallel_with_zero_and_recompute_match_serial() {
+    let g = Gpt::default().build();
+    let base = run(&g, serial(2, 4)).unwrap();
+    let cfg = RunConfig {
+        dp: 2,
+        pp: 2,
+        micro_batch: 2,
+        num_micro_batches: 2,
+        zero: ZeroStage::One,
+        recompute: true,
+        ..RunConfig::default()
+    };
+    assert_same("dp2 pp2 zero1 recompute", &base, &run(&g, cfg).unwrap());
+}
+
+#[test]
+fn a_dropped_gradient_all_reduce_is_caught() {
+    let g = Gpt::default().build();
+    let base = run(&g, serial(2, 4)).unwrap();
+    let faults = Faults {
+        skip_grad_sync: true,
+        ..Faults::default()
+    };
+    let bad = run(
+        &g,
+        RunConfig {
+            dp: 2,
+            micro_batch: 2,
+            num_micro_batches: 2,
+            faults,
+            ..RunConfig::default()
+        },
+    )
+    .unwrap();
+    let (d, _) = base.params.max_rel_diff(&bad.params, 1e-3);
+    assert!(
+        d > 100.0 * TOL,
+        "the check must see a missing all-reduce, diff {d}"
+    );
+}
+
+#[test]
+fn a_failing_rank_stops_every_rank_and_is_named() {
+    let g = Gpt {
+        layers: 2,
+        ..Gpt::default()
+    }
+    .build();
+    for faults in [
+        Faults {
+            fail_rank_at: Some((2, 1)),
+            ..Faults::default()
+        },
+        Faults {
+            panic_rank_at: Some((2, 1)),
+            ..Faults::default()
+        },
+    ] {
+        let start = std::time::Instant::now();
+        let cfg = RunConfig {
+            dp: 2,
+            pp: 2,
+            micro_batch: 1,
+            num_micro_batches: 2,
+            faults,
+            timeout: std::time::Duration::from_secs(30),
+            ..RunConfig::default()
+        };
+        let err = run(&g, cfg).unwrap_err();
+        assert!(
+            matches!(err, RuntimeError::RankFailed { rank: 2, .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("injected"), "{err}");
+        assert!(start.elapsed() < std::time::Duration::from_secs(10));
+    }
+}
+
+#[test]
+fn configuration_errors_are_reported() {
+    let g = Gpt {
+        layers: 2,
+        ..Gpt::default()
+    }
+    .build();
+    let err = run(
+        &g,
+        RunConfig {
+            pp: 4,
+            micro_batch: 1,
+            num_micro_batches: 4,
+            ..RunConfig::default()
+        },
+    )
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "invalid run configuration: 2 layers cannot fill 4 pipeline stages"
+    );
+}
