@@ -9,6 +9,7 @@ mod error;
 mod graph;
 mod id;
 mod op;
+mod plan;
 mod print;
 mod shape;
 
@@ -22,6 +23,11 @@ pub use graph::{
 };
 pub use id::{InputId, NodeId, ParamId, RegionId, ScopeId, SymId, TensorId};
 pub use op::{BinaryOp, Init, Op, ReduceKind, UnaryOp};
+pub use plan::{
+    Alternative, AxisMapping, ClusterSummary, Collective, CollectiveKind, Estimate, LinkLevel,
+    MemoryBreakdown, Mesh, MeshAxis, ParamSharding, PipelineSchedule, Plan, Recompute, SearchStats,
+    StagePlan, StepPhase, Strategy, TimeBreakdown,
+};
 
 pub use print::print_graph;
 pub use shape::{Dim, Poly, Ratio, Shape};
