@@ -77,7 +77,10 @@ fn a_file_with_several_models_asks_which() {
 
 #[test]
 fn check_accepts_every_zoo_file() {
-    for entry in std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/models")).unwrap() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dirs = [root.join("models"), root.join("models/clusters")];
+    let entries = dirs.iter().flat_map(|d| std::fs::read_dir(d).unwrap());
+    for entry in entries {
         let path = entry.unwrap().path();
         if path.extension().is_some_and(|e| e == "dpl") {
             let out = dplc(&["check", path.to_str().unwrap()]);
