@@ -27,6 +27,8 @@ pub struct Device {
     pub inter_node: Link,
     /// Devices in the usual node (DGX/HGX have 8).
     pub devices_per_node: u64,
+    /// Streaming multiprocessors, for GEMM wave quantization (0: no waves).
+    pub multiprocessors: u64,
 }
 
 impl Device {
@@ -74,7 +76,7 @@ const IB_LATENCY_S: f64 = 5e-6;
 /// 600 GB/s total = 300 GB/s per direction; DGX A100: 8× HDR 200 Gb/s HCAs =
 /// 25 GB/s per GPU. H100 SXM datasheet: 989.4 TFLOP/s dense bf16, 67 fp32,
 /// 3.35 TB/s, NVLink 4 900 GB/s = 450 per direction; DGX H100: 8× NDR 400 Gb/s
-/// = 50 GB/s per GPU. H200 datasheet: the H100 die, 141 GB at 4.8 TB/s.
+/// = 50 GB/s per GPU; 108 SMs (A100) and 132 (H100 SXM, H200). H200 datasheet: the H100 die, 141 GB at 4.8 TB/s.
 /// V100 SXM2 datasheet: 125 TFLOP/s fp16 tensor (no bf16: it runs at the fp32
 /// rate, 15.7), 900 GB/s, NVLink 2 300 GB/s = 150 per direction; DGX-1V: 4×
 /// EDR 100 Gb/s for 8 GPUs = 6.25 GB/s per GPU. `cpu` is one rank of a CPU run:
@@ -91,6 +93,7 @@ pub fn catalog() -> Vec<Device> {
         intra_node: link("nvswitch", 300.0 * GB, NVLINK_LATENCY_S),
         inter_node: link("infiniband", 25.0 * GB, IB_LATENCY_S),
         devices_per_node: 8,
+        multiprocessors: 108,
     };
     let h100 = |name, memory_bytes, bw| Device {
         name,
@@ -103,6 +106,7 @@ pub fn catalog() -> Vec<Device> {
         intra_node: link("nvswitch", 450.0 * GB, NVLINK_LATENCY_S),
         inter_node: link("infiniband", 50.0 * GB, IB_LATENCY_S),
         devices_per_node: 8,
+        multiprocessors: 132,
     };
     vec![
         a100("A100-40GB", 40, 1555.0 * GB),
@@ -120,6 +124,7 @@ pub fn catalog() -> Vec<Device> {
             intra_node: link("nvlink", 150.0 * GB, NVLINK_LATENCY_S),
             inter_node: link("infiniband", 6.25 * GB, IB_LATENCY_S),
             devices_per_node: 8,
+            multiprocessors: 80,
         },
         Device {
             name: "cpu",
@@ -132,6 +137,7 @@ pub fn catalog() -> Vec<Device> {
             intra_node: link("shm", 10.0 * GB, 1e-6),
             inter_node: link("ethernet", 1.25 * GB, 20e-6),
             devices_per_node: 1024,
+            multiprocessors: 0,
         },
     ]
 }

@@ -30,9 +30,34 @@ const GRAD_BYTES: f64 = 4.0;
 const OPTIMIZER_BYTES_MIXED: f64 = 12.0;
 /// fp32 training keeps no master copy: two moments.
 const OPTIMIZER_BYTES_FP32: f64 = 8.0;
-/// AdamW step traffic per parameter: read the fp32 gradient (4), read and write
-/// master weight, m and v (3 × 8), write the working copy (2).
-const OPTIMIZER_STEP_BYTES: f64 = 30.0;
+/// Optimizer step traffic per parameter: AdamW reads the fp32 gradient (4),
+/// reads and writes master weight, m and v (3 × 8) and writes the working copy
+/// (2); the global gradient norm reads the gradients again (4) and zeroing them
+/// for the next step writes them (4).
+const OPTIMIZER_STEP_BYTES: f64 = 38.0;
+
+/// Output tiles cuBLAS uses for large bf16/fp16 GEMMs on sm80/sm90; it picks
+/// the one that wastes least (NVIDIA, "Matrix Multiplication Background User's
+/// Guide": tile and wave quantization).
+const GEMM_TILES: [(f64, f64); 2] = [(256.0, 128.0), (128.0, 128.0)];
+
+/// The fraction of the machine a GEMM with an `m × n` output keeps busy: tiles
+/// are rounded up to whole tiles (tile quantization) and run in waves of one
+/// tile per multiprocessor (wave quantization).
+pub(crate) fn wave_efficiency(m: f64, n: f64, multiprocessors: u64) -> f64 {
+    if multiprocessors == 0 || m <= 0.0 || n <= 0.0 {
+        return 1.0;
+    }
+    let sms = multiprocessors as f64;
+    GEMM_TILES
+        .iter()
+        .map(|&(tm, tn)| {
+            let tiles = (m / tm).ceil() * (n / tn).ceil();
+            let waves = (tiles / sms).ceil();
+            (m * n) / (waves * sms * tm * tn)
+        })
+        .fold(0.0, f64::max)
+}
 
 /// Mesh axes from the innermost (consecutive ranks) outwards.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -219,9 +244,10 @@ impl<'a> CostModel<'a> {
         group_link(self.cluster, stride, size)
     }
 
-    fn gemm_time(&self, flops: f64, bytes: f64) -> f64 {
+    fn gemm_time(&self, m: f64, n: f64, flops: f64, bytes: f64) -> f64 {
         let dev = &self.cluster.device;
-        let compute = flops / (self.peak_flops * dev.matmul_efficiency);
+        let waves = wave_efficiency(m, n, dev.multiprocessors);
+        let compute = flops / (self.peak_flops * dev.matmul_efficiency * waves);
         let memory = bytes / (dev.memory_bandwidth * MEMORY_EFFICIENCY);
         compute.max(memory) + KERNEL_OVERHEAD_S
     }
@@ -274,7 +300,14 @@ impl<'a> CostModel<'a> {
                     let (m, n, k) = (bind.eval(m), bind.eval(n), bind.eval(k));
                     let flops = 2.0 * m * n * k / div;
                     let bytes = (m * k + k * n + m * n) * elt / div;
-                    let t = self.gemm_time(flops, bytes);
+                    // The output tile grid each rank computes: column and batch
+                    // splits narrow `n` or the batch (in `m`); a row split narrows `k`.
+                    let (mt, nt) = match split {
+                        GemmSplit::Column => (m, n / tp),
+                        GemmSplit::Batch => (m / tp, n),
+                        GemmSplit::Row | GemmSplit::Replicated => (m, n),
+                    };
+                    let t = self.gemm_time(mt, nt, flops, bytes);
                     (t, t * *backward_gemms as f64)
                 }
                 Work::Memory {
@@ -525,7 +558,7 @@ impl<'a> CostModel<'a> {
         let t_max = slowest.total();
         // Fill and drain: the first micro-batch passes every stage once (in
         // chunks of 1/v under interleaving); the rest follow at the slowest rate.
-        let pipeline = (m - 1.0) * t_max + sum / v;
+        let pipeline = m * t_max + (sum - t_max) / v;
         let bubble = (pipeline - m * t_max).max(0.0);
 
         let bind = self.bind(c);
