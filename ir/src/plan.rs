@@ -179,7 +179,7 @@ pub struct StagePlan {
 pub struct ParamSharding {
     pub name: String,
     /// Elements across all iterations of its `repeat`.
-    pub elements: u128,
+    pub elements: u64,
     /// `(axis, tensor dimension)` pairs: the dimension split over that mesh axis.
     pub splits: Vec<(MeshAxis, usize)>,
 }
@@ -306,7 +306,7 @@ pub struct Alternative {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
     pub model: String,
-    pub params: u128,
+    pub params: u64,
     pub layers: u64,
     pub cluster: ClusterSummary,
     pub mesh: Mesh,

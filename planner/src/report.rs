@@ -4,7 +4,7 @@
 use crate::cluster::Cluster;
 use crate::cost::{collective_time, group_link, Config, CostModel, GroupLink};
 use crate::profile::{Bind, ModelProfile};
-use crate::search::Candidate;
+use crate::search::{complexity, Candidate};
 use crate::sharding::{Pass, TpCollectiveKind};
 use crate::Compiled;
 use dplc_ir::{
@@ -82,15 +82,17 @@ pub(crate) fn step_flops(profile: &ModelProfile, c: &Config, global_batch: u64, 
 fn reason(best: &Candidate, alt: &Candidate) -> String {
     let (a, b) = (&alt.time, &best.time);
     let rel = alt.step_time / best.step_time - 1.0;
-    if rel.abs() < 1e-4 {
-        return if alt.peak_memory > best.peak_memory {
+    if rel.abs() < 5e-4 {
+        return if complexity(&alt.config) > complexity(&best.config) {
+            "ties on step time (within 0.05%); the chosen plan needs less machinery \
+             (lower ZeRO stage, less recomputation, fewer chunks)"
+                .to_string()
+        } else {
             format!(
-                "same step time, more memory ({:.1} vs {:.1} GiB)",
+                "ties on step time (within 0.05%); more memory ({:.1} vs {:.1} GiB)",
                 alt.peak_memory as f64 / GIB,
                 best.peak_memory as f64 / GIB
             )
-        } else {
-            "same step time and memory; ordered after by configuration".to_string()
         };
     }
     let terms = [
@@ -283,7 +285,7 @@ pub(crate) fn build_plan(
             }
             ParamSharding {
                 name: name.clone(),
-                elements: *elements,
+                elements: *elements as u64,
                 splits,
             }
         })
@@ -317,7 +319,7 @@ pub(crate) fn build_plan(
         .collect();
     Plan {
         model: profile.name.clone(),
-        params: profile.total_params,
+        params: profile.total_params as u64,
         layers: profile.layers,
         cluster: ClusterSummary {
             name: cluster.name.clone(),

@@ -1,0 +1,139 @@
+//! The planner on Megatron GPTs built with the IR builder: FLOPs against
+//! Megatron's formula, Korthikanti et al. 2022 Fig. 1 memory, determinism and
+//! the errors for impossible requests. (The zoo versions live in the root's
+//! tests/planner_*.rs.)
+
+mod common;
+
+use common::*;
+use dplc_planner::{compile, parse_cluster, parse_strategy, Compiled, PlanError, PlanRequest};
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+fn plan(cfg: Gpt, cluster: &str, batch: u64, strategy: &str, ignore_memory: bool) -> Compiled {
+    let g = gpt("gpt", cfg);
+    let mut req = PlanRequest::new(&g, train(2048, batch), parse_cluster(cluster).unwrap());
+    req.pinned = parse_strategy(strategy).unwrap();
+    req.ignore_memory = ignore_memory;
+    compile(&req).unwrap()
+}
+
+fn error(cfg: Gpt, cluster: &str, batch: u64, strategy: &str) -> PlanError {
+    let g = gpt("gpt", cfg);
+    let mut req = PlanRequest::new(&g, train(2048, batch), parse_cluster(cluster).unwrap());
+    req.pinned = parse_strategy(strategy).unwrap();
+    match compile(&req) {
+        Ok(_) => panic!("`{strategy}` on {cluster} was accepted"),
+        Err(e) => e,
+    }
+}
+
+fn within(got: f64, want: f64, tol: f64, what: &str) {
+    let rel = got / want - 1.0;
+    assert!(
+        rel.abs() <= tol,
+        "{what}: predicted {got:.3}, published {want:.3} ({:+.1}%, tolerance {:.0}%)",
+        rel * 100.0,
+        tol * 100.0
+    );
+}
+
+/// Korthikanti Fig. 1: (weights + grads + optimizer, activations) per GPU, GiB.
+fn memory_row(cfg: Gpt, cluster: &str, batch: u64, strategy: &str) -> (f64, f64) {
+    let c = plan(cfg, cluster, batch, strategy, true);
+    let m = &c.plan.stages[0].memory;
+    let states = (m.weights + m.gradients + m.optimizer) as f64 / GIB;
+    let acts = (m.activations + m.embedding_and_loss) as f64 / GIB;
+    (states, acts)
+}
+
+#[test]
+fn korthikanti_fig1_gpt_22b() {
+    let base = "tp=8,pp=1,dp=1,mb=4,zero=0";
+    let (states, none) = memory_row(GPT_22B, "8xA100", 4, &format!("{base},recompute=none,sp=off"));
+    within(states, 45.56, 0.05, "22B weights+grads+optimizer");
+    within(none, 59.25, 0.05, "22B activations, no recompute");
+    let (_, sel) = memory_row(GPT_22B, "8xA100", 4, &format!("{base},recompute=selective,sp=on"));
+    within(sel, 9.56, 0.05, "22B activations, sp + selective");
+}
+
+#[test]
+fn korthikanti_fig1_gpt_175b_first_stage() {
+    // Korthikanti et al. train 175B with the interleaved schedule, 3 chunks per device.
+    let base = "tp=8,pp=8,dp=1,mb=1,zero=0,schedule=interleaved,v=3";
+    let (states, none) = memory_row(GPT_175B, "8x8xA100", 64, &format!("{base},recompute=none,sp=off"));
+    within(states, 45.56, 0.10, "175B weights+grads+optimizer");
+    within(none, 66.84, 0.10, "175B activations, no recompute");
+    let (_, sel) = memory_row(GPT_175B, "8x8xA100", 64, &format!("{base},recompute=selective,sp=on"));
+    within(sel, 12.35, 0.10, "175B activations, sp + selective");
+}
+
+#[test]
+fn model_flops_are_megatrons_formula_exactly() {
+    // Megatron: 72·B·s·l·h²·(1 + s/6h + V/12lh) per step, no recomputation.
+    for cfg in [GPT_1_7B, GPT_22B, GPT_1T] {
+        let c = plan(cfg, "8xA100", 8, "tp=8,pp=1,dp=1,recompute=none", true);
+        let (b, s, l, h, v) = (8.0, 2048.0, cfg.layers as f64, cfg.hidden as f64, cfg.vocab as f64);
+        let megatron = 72.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * l * h));
+        let got = c.plan.estimate.model_flops_per_step;
+        assert!((got / megatron - 1.0).abs() < 1e-12, "{got} vs {megatron}");
+        // Full recomputation adds one forward of the layers: Narayanan's 96·B·s·l·h²(…).
+        let c = plan(cfg, "8xA100", 8, "tp=8,pp=1,dp=1,recompute=full", true);
+        let hw = 96.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * l * h));
+        let got = c.plan.estimate.hardware_flops_per_step;
+        assert!((got / hw - 1.0).abs() < 1e-12, "{got} vs {hw}");
+    }
+}
+
+#[test]
+fn the_same_request_gives_a_byte_identical_plan_that_round_trips() {
+    let a = plan(GPT_175B, "16x8xA100", 256, "", false);
+    let b = plan(GPT_175B, "16x8xA100", 256, "", false);
+    let ra = ron::ser::to_string_pretty(&a.plan, ron::ser::PrettyConfig::default()).unwrap();
+    let rb = ron::ser::to_string_pretty(&b.plan, ron::ser::PrettyConfig::default()).unwrap();
+    assert_eq!(ra, rb);
+    let back: dplc_ir::Plan = ron::from_str(&ra).unwrap();
+    assert_eq!(back, a.plan);
+    let json = dplc_planner::to_json(&a);
+    for key in ["dp", "tp", "pp", "cp", "ep"] {
+        assert!(json["mesh"][key].is_u64(), "mesh.{key}");
+    }
+    for key in ["micro_batch", "num_micro_batches", "schedule", "virtual_stages", "zero_stage", "recompute", "sequence_parallel"] {
+        assert!(!json["strategy"][key].is_null(), "strategy.{key}");
+    }
+    for key in ["step_time_s", "tokens_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu", "mfu", "peak_memory_bytes", "memory_by_stage"] {
+        assert!(!json["estimate"][key].is_null(), "estimate.{key}");
+    }
+    for key in ["configs_evaluated", "feasible", "time_ms"] {
+        assert!(json["search"][key].is_number(), "search.{key}");
+    }
+}
+
+#[test]
+fn a_model_that_fits_nowhere_says_how_close_it_came_and_what_would_fit() {
+    let msg = error(GPT_1T, "8xA100", 8, "").to_string();
+    for needle in ["does not fit on 8xA100-80GB", "smallest per-rank memory", "optimizer", "activations", "holds 80.00 GiB", "devices", "H200"] {
+        assert!(msg.contains(needle), "`{needle}` missing from: {msg}");
+    }
+    assert!(matches!(error(GPT_1T, "8xA100", 8, ""), PlanError::Infeasible(_)));
+}
+
+#[test]
+fn impossible_strategies_are_refused_with_the_reason() {
+    let cases = [
+        ("tp=3", "does not divide the 64 devices"),
+        ("tp=8,pp=2,dp=2,cp=1", "cluster has 64 devices"),
+        ("tp=128", "does not divide the 64 devices"),
+        ("pp=64", "more stages than the model's 48 layers"),
+        ("ep=2", "no experts"),
+        ("tp=1,sp=on", "needs tp > 1"),
+        ("dp=64,mb=3", "does not divide"),
+    ];
+    for (strategy, needle) in cases {
+        let msg = error(GPT_22B, "8x8xA100", 256, strategy).to_string();
+        assert!(msg.contains(needle), "{strategy}: `{needle}` missing from: {msg}");
+    }
+    // 24 heads: tensor parallelism of 16 would split a head.
+    let msg = error(GPT_1_7B, "4x8xA100", 512, "tp=16").to_string();
+    assert!(msg.contains("greatest common divisor is 24"), "{msg}");
+}
