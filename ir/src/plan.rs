@@ -144,8 +144,9 @@ pub struct MemoryBreakdown {
     pub activations: u64,
     /// Embedding, logits and loss tensors of the first and last stages.
     pub embedding_and_loss: u64,
-    /// Collective and point-to-point buffers, the gathered layer under ZeRO-3,
-    /// and the transient activations of the layer being recomputed.
+    /// Point-to-point buffers, the gathered layers under ZeRO-3, the transient
+    /// activations of the layer being recomputed, and the runtime's own share
+    /// (CUDA context, library workspaces, NCCL buffers).
     pub buffers: u64,
 }
 

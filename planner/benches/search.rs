@@ -17,7 +17,11 @@ fn main() {
         let build = Instant::now();
         let g = common::gpt(name, cfg);
         let build_ms = build.elapsed().as_secs_f64() * 1e3;
-        let req = PlanRequest::new(&g, common::train(2048, batch), parse_cluster(cluster).unwrap());
+        let req = PlanRequest::new(
+            &g,
+            common::train(2048, batch),
+            parse_cluster(cluster).unwrap(),
+        );
         let mut times = Vec::new();
         let mut last = None;
         for _ in 0..5 {

@@ -22,6 +22,10 @@ pub(crate) const NCCL_EFFICIENCY: f64 = 0.8;
 pub(crate) const MEMORY_EFFICIENCY: f64 = 0.8;
 /// CUDA kernel launch and framework dispatch, per kernel (a few microseconds).
 pub(crate) const KERNEL_OVERHEAD_S: f64 = 4e-6;
+/// What a GPU process holds besides the plan's tensors: the CUDA context
+/// (~0.5 GiB), cuBLAS workspaces and NCCL's channel buffers (tens of MiB per
+/// communicator), and allocator fragmentation. Counted in `buffers`.
+const RUNTIME_RESERVE_BYTES: f64 = 1.5 * (1u64 << 30) as f64;
 /// Megatron keeps fp32 main gradients (`accumulate_allreduce_grads_in_fp32`
 /// with bf16) and reduces them in fp32.
 const GRAD_BYTES: f64 = 4.0;
@@ -201,13 +205,17 @@ impl PassCost {
     }
 }
 
+/// What the per-micro-batch costs of a layer depend on: tp, cp, ep,
+/// micro-batch, sequence parallelism and recomputation.
+type LayerKey = (u64, u64, u64, u64, bool, Recompute);
+
 /// Evaluates configurations against one model and cluster, memoising layer costs.
 pub(crate) struct CostModel<'a> {
     pub profile: &'a ModelProfile,
     pub cluster: &'a Cluster,
     pub seq: u64,
     pub peak_flops: f64,
-    layer_memo: HashMap<(u64, u64, u64, u64, bool, Recompute), [PassCost; 3]>,
+    layer_memo: HashMap<LayerKey, [PassCost; 3]>,
 }
 
 /// Which part of the model a cost is for.
@@ -296,7 +304,11 @@ impl<'a> CostModel<'a> {
                     split,
                     backward_gemms,
                 } => {
-                    let div = if *split == GemmSplit::Replicated { 1.0 } else { tp };
+                    let div = if *split == GemmSplit::Replicated {
+                        1.0
+                    } else {
+                        tp
+                    };
                     let (m, n, k) = (bind.eval(m), bind.eval(n), bind.eval(k));
                     let flops = 2.0 * m * n * k / div;
                     let bytes = (m * k + k * n + m * n) * elt / div;
@@ -487,6 +499,9 @@ impl<'a> CostModel<'a> {
         let bind = self.bind(c);
         let boundary = bind.eval(&self.profile.layer_input_bytes) / rep_div;
         let mut buffers = 2.0 * boundary * f64::from(c.pp > 1);
+        if self.cluster.device.multiprocessors > 0 {
+            buffers += RUNTIME_RESERVE_BYTES;
+        }
         if c.recompute == Recompute::Full {
             buffers += layer.full_saved_bytes;
         }
@@ -567,7 +582,11 @@ impl<'a> CostModel<'a> {
         let pp_link = self.link(c, MeshAxis::Pp);
         // Megatron's scatter/gather optimisation sends 1/tp of the boundary
         // tensor per rank when it is not already sequence-sharded.
-        let per_rank = if c.sp { boundary } else { boundary / c.tp as f64 };
+        let per_rank = if c.sp {
+            boundary
+        } else {
+            boundary / c.tp as f64
+        };
         let p2p = if p > 1 {
             2.0 * collective_time(CollectiveKind::SendRecv, per_rank, &pp_link)
                 * (m * v + p as f64 - 1.0)
@@ -596,7 +615,8 @@ impl<'a> CostModel<'a> {
                 collective_time(CollectiveKind::AllReduce, bytes, link)
             }
         };
-        let dp_reduce = reduce(dense * grad_bytes, &dp_link) + reduce(expert * grad_bytes, &edp_link);
+        let dp_reduce =
+            reduce(dense * grad_bytes, &dp_link) + reduce(expert * grad_bytes, &edp_link);
         let last_backward = stages[0].backward + stages[0].recompute;
         let layers0 = counts[0].max(1) as f64;
         let mut exposed_dp = if c.zero >= 2 {

@@ -34,7 +34,11 @@ impl Bind {
                     if Some(s) == self.batch_sym {
                         v *= self.micro_batch;
                     } else if Some(s) == self.seq_sym {
-                        v *= if seen_seq { self.seq } else { self.seq / self.cp };
+                        v *= if seen_seq {
+                            self.seq
+                        } else {
+                            self.seq / self.cp
+                        };
                         seen_seq = true;
                     }
                 }
@@ -97,7 +101,9 @@ pub(crate) struct ParamCounts {
 impl ParamCounts {
     /// Elements one rank holds.
     pub fn per_rank(&self, tp: f64, ep: f64) -> f64 {
-        self.tp_split / tp + self.replicated + self.expert_tp_split / (tp * ep)
+        self.tp_split / tp
+            + self.replicated
+            + self.expert_tp_split / (tp * ep)
             + self.expert_replicated / ep
     }
     pub fn total(&self) -> f64 {
@@ -422,7 +428,12 @@ fn region_profile(
     p
 }
 
-fn param_counts(g: &Graph, params: &[ParamId], sharding: &RegionSharding, per_iteration: bool) -> ParamCounts {
+fn param_counts(
+    g: &Graph,
+    params: &[ParamId],
+    sharding: &RegionSharding,
+    per_iteration: bool,
+) -> ParamCounts {
     let mut c = ParamCounts::default();
     for &p in params {
         let info = g.param(p);
@@ -462,7 +473,14 @@ impl ModelProfile {
         let body_nodes = g.region(body).nodes.clone();
         let saved = an.activations(body).saved;
         let layer = region_profile(
-            g, &an, body, &body_nodes, &saved, &layer_sh, precision, seq_sym,
+            g,
+            &an,
+            body,
+            &body_nodes,
+            &saved,
+            &layer_sh,
+            precision,
+            seq_sym,
         );
 
         // The root: nodes before the first repeat feed the first stage,
@@ -477,11 +495,21 @@ impl ModelProfile {
         let root_sh = sharding::propagate(g, &an, root, false);
         let root_saved = an.activations(root).saved;
         let pre_set: BTreeSet<NodeId> = pre_nodes.iter().copied().collect();
-        let (pre_saved, post_saved): (Vec<_>, Vec<_>) =
-            root_saved.into_iter().partition(|s| pre_set.contains(&s.saved_by));
-        let pre = region_profile(g, &an, root, pre_nodes, &pre_saved, &root_sh, precision, seq_sym);
+        let (pre_saved, post_saved): (Vec<_>, Vec<_>) = root_saved
+            .into_iter()
+            .partition(|s| pre_set.contains(&s.saved_by));
+        let pre = region_profile(
+            g, &an, root, pre_nodes, &pre_saved, &root_sh, precision, seq_sym,
+        );
         let post = region_profile(
-            g, &an, root, post_nodes, &post_saved, &root_sh, precision, seq_sym,
+            g,
+            &an,
+            root,
+            post_nodes,
+            &post_saved,
+            &root_sh,
+            precision,
+            seq_sym,
         );
 
         let mut layer_params = Vec::new();
@@ -541,9 +569,7 @@ impl ModelProfile {
         let mut attention_core_flops = Poly::zero();
         for &n in &body_nodes {
             let node = g.node(n);
-            if matches!(node.op, Op::MatMul)
-                && node.inputs.iter().all(|&t| an.is_activation(t))
-            {
+            if matches!(node.op, Op::MatMul) && node.inputs.iter().all(|&t| an.is_activation(t)) {
                 let k = g
                     .tensor(node.inputs[0])
                     .shape

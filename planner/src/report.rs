@@ -19,7 +19,13 @@ const GIB: f64 = (1u64 << 30) as f64;
 
 pub(crate) fn mesh(c: &Config, cluster: &Cluster) -> Mesh {
     let mut axes = Vec::new();
-    for axis in [MeshAxis::Tp, MeshAxis::Cp, MeshAxis::Ep, MeshAxis::Dp, MeshAxis::Pp] {
+    for axis in [
+        MeshAxis::Tp,
+        MeshAxis::Cp,
+        MeshAxis::Ep,
+        MeshAxis::Dp,
+        MeshAxis::Pp,
+    ] {
         let (stride, size) = c.stride_size(axis);
         let l = group_link(cluster, stride, size);
         axes.push(AxisMapping {
@@ -61,7 +67,12 @@ pub(crate) fn strategy(c: &Config, global_batch: u64, seq: u64) -> Strategy {
 
 /// Model and hardware FLOPs of one step, from the graph: `3 ×` forward, plus
 /// the forward work that recomputation repeats.
-pub(crate) fn step_flops(profile: &ModelProfile, c: &Config, global_batch: u64, seq: u64) -> (f64, f64) {
+pub(crate) fn step_flops(
+    profile: &ModelProfile,
+    c: &Config,
+    global_batch: u64,
+    seq: u64,
+) -> (f64, f64) {
     let bind = Bind {
         batch_sym: profile.batch_sym,
         seq_sym: profile.seq_sym,
@@ -96,12 +107,21 @@ fn reason(best: &Candidate, alt: &Candidate) -> String {
         };
     }
     let terms = [
-        ("compute", a.compute_s - a.recompute_s - (b.compute_s - b.recompute_s)),
+        (
+            "compute",
+            a.compute_s - a.recompute_s - (b.compute_s - b.recompute_s),
+        ),
         ("recomputation", a.recompute_s - b.recompute_s),
-        ("exposed tp/cp/ep communication", a.exposed_comm_s - b.exposed_comm_s),
+        (
+            "exposed tp/cp/ep communication",
+            a.exposed_comm_s - b.exposed_comm_s,
+        ),
         ("pipeline send/recv", a.pipeline_p2p_s - b.pipeline_p2p_s),
         ("pipeline bubble", a.bubble_s - b.bubble_s),
-        ("exposed data-parallel communication", a.exposed_dp_comm_s - b.exposed_dp_comm_s),
+        (
+            "exposed data-parallel communication",
+            a.exposed_dp_comm_s - b.exposed_dp_comm_s,
+        ),
         ("optimizer step", a.optimizer_s - b.optimizer_s),
     ];
     let (name, delta) = terms
@@ -151,12 +171,30 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
                     _ => &[CollectiveKind::AllReduce],
                 };
                 for &kind in kinds {
-                    push(&mut out, kind, MeshAxis::Tp, &what, bytes, phase, per_mb * m, &tp_link);
+                    push(
+                        &mut out,
+                        kind,
+                        MeshAxis::Tp,
+                        &what,
+                        bytes,
+                        phase,
+                        per_mb * m,
+                        &tp_link,
+                    );
                     if phase == StepPhase::Forward
                         && c.recompute == Recompute::Full
                         && name == "layer"
                     {
-                        push(&mut out, kind, MeshAxis::Tp, &what, bytes, StepPhase::Recompute, per_mb * m, &tp_link);
+                        push(
+                            &mut out,
+                            kind,
+                            MeshAxis::Tp,
+                            &what,
+                            bytes,
+                            StepPhase::Recompute,
+                            per_mb * m,
+                            &tp_link,
+                        );
                     }
                 }
             }
@@ -165,44 +203,135 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
     if c.cp > 1 {
         let link = cost.link(c, MeshAxis::Cp);
         let kv = bind.eval(&profile.layer.kv_bytes) / c.tp as f64 * c.cp as f64;
-        push(&mut out, CollectiveKind::AllGather, MeshAxis::Cp, "layer: attention keys and values", kv, StepPhase::Forward, layers0 * m, &link);
-        push(&mut out, CollectiveKind::ReduceScatter, MeshAxis::Cp, "layer: key and value gradients", kv, StepPhase::Backward, layers0 * m, &link);
+        push(
+            &mut out,
+            CollectiveKind::AllGather,
+            MeshAxis::Cp,
+            "layer: attention keys and values",
+            kv,
+            StepPhase::Forward,
+            layers0 * m,
+            &link,
+        );
+        push(
+            &mut out,
+            CollectiveKind::ReduceScatter,
+            MeshAxis::Cp,
+            "layer: key and value gradients",
+            kv,
+            StepPhase::Backward,
+            layers0 * m,
+            &link,
+        );
     }
     if c.ep > 1 {
         let link = cost.link(c, MeshAxis::Ep);
         let div = if c.sp { c.tp as f64 } else { 1.0 };
         let bytes = bind.eval(&profile.layer.all_to_all_bytes) / div;
-        push(&mut out, CollectiveKind::AllToAll, MeshAxis::Ep, "layer: token dispatch and combine", bytes / 2.0, StepPhase::Forward, 2 * layers0 * m, &link);
-        push(&mut out, CollectiveKind::AllToAll, MeshAxis::Ep, "layer: token dispatch and combine gradients", bytes / 2.0, StepPhase::Backward, 2 * layers0 * m, &link);
+        push(
+            &mut out,
+            CollectiveKind::AllToAll,
+            MeshAxis::Ep,
+            "layer: token dispatch and combine",
+            bytes / 2.0,
+            StepPhase::Forward,
+            2 * layers0 * m,
+            &link,
+        );
+        push(
+            &mut out,
+            CollectiveKind::AllToAll,
+            MeshAxis::Ep,
+            "layer: token dispatch and combine gradients",
+            bytes / 2.0,
+            StepPhase::Backward,
+            2 * layers0 * m,
+            &link,
+        );
     }
     if c.pp > 1 {
         let link = cost.link(c, MeshAxis::Pp);
         let div = c.tp as f64;
         let bytes = bind.eval(&profile.layer_input_bytes) / div;
         let n = m * c.virtual_stages;
-        push(&mut out, CollectiveKind::SendRecv, MeshAxis::Pp, "stage boundary activations", bytes, StepPhase::Forward, n, &link);
-        push(&mut out, CollectiveKind::SendRecv, MeshAxis::Pp, "stage boundary gradients", bytes, StepPhase::Backward, n, &link);
+        push(
+            &mut out,
+            CollectiveKind::SendRecv,
+            MeshAxis::Pp,
+            "stage boundary activations",
+            bytes,
+            StepPhase::Forward,
+            n,
+            &link,
+        );
+        push(
+            &mut out,
+            CollectiveKind::SendRecv,
+            MeshAxis::Pp,
+            "stage boundary gradients",
+            bytes,
+            StepPhase::Backward,
+            n,
+            &link,
+        );
     }
     if c.dp > 1 {
         let link = cost.link(c, MeshAxis::Dp);
         let mem = cost.stage_memory(c, 0, layers0);
         let _ = mem;
         let params = grads_per_rank(cost, c, layers0);
-        let grad_bytes = if profile.precision == dplc_ir::Precision::Fp32 { 4.0 } else { 4.0 };
+        // fp32 main gradients with mixed precision, fp32 gradients without.
+        let grad_bytes = 4.0;
         let kind = if c.zero >= 1 {
             CollectiveKind::ReduceScatter
         } else {
             CollectiveKind::AllReduce
         };
         let count = if c.zero >= 2 { m } else { 1 };
-        push(&mut out, kind, MeshAxis::Dp, "gradients (fp32)", params * grad_bytes, StepPhase::GradientSync, count, &link);
+        push(
+            &mut out,
+            kind,
+            MeshAxis::Dp,
+            "gradients (fp32)",
+            params * grad_bytes,
+            StepPhase::GradientSync,
+            count,
+            &link,
+        );
         let w = profile.precision.bytes() as f64;
         if c.zero >= 1 {
-            push(&mut out, CollectiveKind::AllGather, MeshAxis::Dp, "updated weights", params * w, StepPhase::Optimizer, 1, &link);
+            push(
+                &mut out,
+                CollectiveKind::AllGather,
+                MeshAxis::Dp,
+                "updated weights",
+                params * w,
+                StepPhase::Optimizer,
+                1,
+                &link,
+            );
         }
         if c.zero >= 3 {
-            push(&mut out, CollectiveKind::AllGather, MeshAxis::Dp, "weights for forward", params * w, StepPhase::Forward, m, &link);
-            push(&mut out, CollectiveKind::AllGather, MeshAxis::Dp, "weights for backward", params * w, StepPhase::Backward, m, &link);
+            push(
+                &mut out,
+                CollectiveKind::AllGather,
+                MeshAxis::Dp,
+                "weights for forward",
+                params * w,
+                StepPhase::Forward,
+                m,
+                &link,
+            );
+            push(
+                &mut out,
+                CollectiveKind::AllGather,
+                MeshAxis::Dp,
+                "weights for backward",
+                params * w,
+                StepPhase::Backward,
+                m,
+                &link,
+            );
         }
     }
     out
@@ -472,7 +601,12 @@ pub fn summary(compiled: &Compiled) -> String {
         );
     }
     let e = &p.estimate;
-    let _ = writeln!(s, "  step      {:.3} s: {}", e.step_time_s, time_line(&e.breakdown));
+    let _ = writeln!(
+        s,
+        "  step      {:.3} s: {}",
+        e.step_time_s,
+        time_line(&e.breakdown)
+    );
     let _ = writeln!(
         s,
         "  speed     {} tokens/s; model {:.1} TFLOP/s/GPU, hardware {:.1} TFLOP/s/GPU, MFU {:.1}%",

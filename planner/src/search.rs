@@ -38,7 +38,7 @@ pub(crate) struct Outcome {
 }
 
 fn divisors(n: u64) -> Vec<u64> {
-    (1..=n).filter(|d| n % d == 0).collect()
+    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
 }
 
 fn allowed(pin: Option<u64>, v: u64) -> bool {
@@ -63,13 +63,13 @@ pub(crate) fn validate(
     let mut product = 1u64;
     for (name, d) in degrees {
         if let Some(d) = d {
-            if world % d != 0 {
+            if !world.is_multiple_of(d) {
                 return bad(format!("{name}={d} does not divide the {world} devices"));
             }
             product = product.saturating_mul(d);
         }
     }
-    if world % product != 0 {
+    if !world.is_multiple_of(product) {
         return bad(format!(
             "{pins}: the pinned degrees multiply to {product}, which does not divide the {world} devices"
         ));
@@ -80,7 +80,7 @@ pub(crate) fn validate(
         ));
     }
     if let Some(tp) = pins.tp {
-        if tp > profile.max_tp || profile.max_tp % tp != 0 {
+        if tp > profile.max_tp || !profile.max_tp.is_multiple_of(tp) {
             return bad(format!(
                 "tp={tp} does not divide the layer's split dimensions (heads, KV heads, hidden widths): \
                  their greatest common divisor is {}, so tp must divide {}",
@@ -98,7 +98,7 @@ pub(crate) fn validate(
     }
     if let Some(v) = pins.virtual_stages {
         let pp = pins.pp.unwrap_or(1);
-        if v > 1 && profile.layers % (pp * v) != 0 {
+        if v > 1 && !profile.layers.is_multiple_of(pp * v) {
             return bad(format!(
                 "v={v} with pp={pp}: the {} layers do not split into {} equal chunks",
                 profile.layers,
@@ -107,7 +107,7 @@ pub(crate) fn validate(
         }
     }
     if let Some(cp) = pins.cp {
-        if seq % cp != 0 {
+        if !seq.is_multiple_of(cp) {
             return bad(format!("cp={cp} does not divide the sequence length {seq}"));
         }
     }
@@ -128,16 +128,19 @@ pub(crate) fn validate(
         }
     }
     if pins.sequence_parallel == Some(true) && pins.tp == Some(1) {
-        return bad("sp=on needs tp > 1: sequence parallelism splits along the tensor-parallel group".into());
+        return bad(
+            "sp=on needs tp > 1: sequence parallelism splits along the tensor-parallel group"
+                .into(),
+        );
     }
     if let Some(dp) = pins.dp {
-        if global_batch % dp != 0 {
+        if !global_batch.is_multiple_of(dp) {
             return bad(format!(
                 "dp={dp} does not divide the global batch {global_batch}"
             ));
         }
         if let Some(mb) = pins.micro_batch {
-            if (global_batch / dp) % mb != 0 {
+            if !(global_batch / dp).is_multiple_of(mb) {
                 return bad(format!(
                     "mb={mb} does not divide the {} sequences each of the {dp} replicas gets",
                     global_batch / dp
@@ -184,7 +187,7 @@ pub(crate) fn search(
         .into_iter()
         .filter(|&t| {
             allowed(pins.tp, t)
-                && profile.max_tp % t == 0
+                && profile.max_tp.is_multiple_of(t)
                 && (t <= cluster.devices_per_node || pins.tp == Some(t))
         })
         .collect();
@@ -193,7 +196,10 @@ pub(crate) fn search(
             // Context parallelism pays off only for long sequences; it stays on the
             // menu up to 8 ranks when pinned or when seq ≥ 8192.
             let cp_useful = cp == 1 || (seq >= 8192 && cp <= 8);
-            if !allowed(pins.cp, cp) || seq % cp != 0 || !(cp_useful || pins.cp == Some(cp)) {
+            if !allowed(pins.cp, cp)
+                || !seq.is_multiple_of(cp)
+                || !(cp_useful || pins.cp == Some(cp))
+            {
                 continue;
             }
             for pp in divisors(world / (tp * cp)) {
@@ -201,7 +207,7 @@ pub(crate) fn search(
                     continue;
                 }
                 let dp = world / (tp * cp * pp);
-                if !allowed(pins.dp, dp) || global_batch % dp != 0 {
+                if !allowed(pins.dp, dp) || !global_batch.is_multiple_of(dp) {
                     continue;
                 }
                 let eps: Vec<u64> = match profile.experts {
@@ -265,7 +271,12 @@ pub(crate) fn search(
 }
 
 /// Schedules worth trying for `pp` stages and `m` micro-batches.
-fn schedules(pp: u64, m: u64, layers: u64, pins: &StrategyConstraints) -> Vec<(PipelineSchedule, u64)> {
+fn schedules(
+    pp: u64,
+    m: u64,
+    layers: u64,
+    pins: &StrategyConstraints,
+) -> Vec<(PipelineSchedule, u64)> {
     let mut v = Vec::new();
     if pp == 1 {
         v.push((PipelineSchedule::OneFOneB, 1));
@@ -274,9 +285,9 @@ fn schedules(pp: u64, m: u64, layers: u64, pins: &StrategyConstraints) -> Vec<(P
         v.push((PipelineSchedule::GPipe, 1));
         // Megatron needs the micro-batches to be a multiple of the stages and
         // the layers to split into pp × v equal chunks.
-        if m % pp == 0 {
+        if m.is_multiple_of(pp) {
             for chunks in 2..=(layers / pp) {
-                if layers % (pp * chunks) == 0 {
+                if layers.is_multiple_of(pp * chunks) {
                     v.push((PipelineSchedule::Interleaved, chunks));
                 }
             }
@@ -306,13 +317,17 @@ fn explore(
     keep: usize,
     ignore_memory: bool,
 ) {
-    let sps: &[bool] = if base.tp > 1 { &[false, true] } else { &[false] };
+    let sps: &[bool] = if base.tp > 1 {
+        &[false, true]
+    } else {
+        &[false]
+    };
     for &sp in sps {
-        if !pins.sequence_parallel.is_none_or(|p| p == sp) {
+        if pins.sequence_parallel.is_some_and(|p| p != sp) {
             continue;
         }
         for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
-            if !pins.recompute.is_none_or(|p| p == recompute) {
+            if pins.recompute.is_some_and(|p| p != recompute) {
                 continue;
             }
             for (schedule, v) in schedules(base.pp, base.num_micro_batches, profile.layers, pins) {
@@ -324,7 +339,7 @@ fn explore(
                     &[0, 1, 2, 3]
                 };
                 for &zero in zeros {
-                    if !pins.zero.is_none_or(|z| z == zero) {
+                    if pins.zero.is_some_and(|z| z != zero) {
                         continue;
                     }
                     let c = Config {
@@ -352,7 +367,10 @@ fn explore(
                         .or_insert_with(|| cost.partition(&c))
                         .clone();
                     let (peak, stage) = cost.peak_memory(&c, &counts);
-                    let smaller = out.smallest.as_ref().is_none_or(|s| peak < s.memory.total());
+                    let smaller = out
+                        .smallest
+                        .as_ref()
+                        .is_none_or(|s| peak < s.memory.total());
                     if smaller {
                         out.smallest = Some(Smallest {
                             config: c,
@@ -387,7 +405,14 @@ fn time_bucket(step_time: f64) -> i64 {
 
 /// How much machinery a configuration asks for: lower is simpler.
 pub(crate) fn complexity(c: &Config) -> (u8, Recompute, u64, PipelineSchedule, bool, AxisOrder) {
-    (c.zero, c.recompute, c.virtual_stages, c.schedule, c.sp, c.order)
+    (
+        c.zero,
+        c.recompute,
+        c.virtual_stages,
+        c.schedule,
+        c.sp,
+        c.order,
+    )
 }
 
 fn before(a: &Candidate, b: &Candidate) -> std::cmp::Ordering {
@@ -403,8 +428,19 @@ fn before(a: &Candidate, b: &Candidate) -> std::cmp::Ordering {
 /// nodes count once (the better mapping).
 fn insert(best: &mut Vec<Candidate>, cand: Candidate, keep: usize) {
     use std::cmp::Ordering::Less;
-    let same_choice = |a: &Config, b: &Config| Config { order: AxisOrder::DataInner, ..*a } == Config { order: AxisOrder::DataInner, ..*b };
-    if let Some(i) = best.iter().position(|b| same_choice(&b.config, &cand.config)) {
+    let same_choice = |a: &Config, b: &Config| {
+        Config {
+            order: AxisOrder::DataInner,
+            ..*a
+        } == Config {
+            order: AxisOrder::DataInner,
+            ..*b
+        }
+    };
+    if let Some(i) = best
+        .iter()
+        .position(|b| same_choice(&b.config, &cand.config))
+    {
         if before(&cand, &best[i]) != Less {
             return;
         }

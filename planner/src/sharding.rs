@@ -243,7 +243,9 @@ impl Propagation<'_> {
             Op::Transpose { perm } => {
                 let l = match self.get(ins[0]) {
                     Layout::Sharded(a) => Layout::Sharded(
-                        perm.iter().position(|&p| p == a).expect("perm is a permutation"),
+                        perm.iter()
+                            .position(|&p| p == a)
+                            .expect("perm is a permutation"),
                     ),
                     l => l,
                 };
@@ -297,7 +299,11 @@ impl Propagation<'_> {
                 self.set(outs[0], l);
             }
             Op::MatMul => self.matmul(n, ins[0], ins[1], outs[0]),
-            Op::Reduce { kind, axis, keep_dim } => {
+            Op::Reduce {
+                kind,
+                axis,
+                keep_dim,
+            } => {
                 let l = match self.get(ins[0]) {
                     Layout::Sharded(a) if a == *axis => {
                         if *kind == dplc_ir::ReduceKind::Max {
@@ -483,7 +489,9 @@ impl Propagation<'_> {
             _ => None,
         };
         let split = match (la, lb) {
-            _ if batch_a && (batch_b && align(la, ra) == align(lb, rb) || lb == Layout::Replicated) => {
+            _ if batch_a
+                && (batch_b && align(la, ra) == align(lb, rb) || lb == Layout::Replicated) =>
+            {
                 self.set(out, Layout::Sharded(align(la, ra).expect("sharded")));
                 GemmSplit::Batch
             }

@@ -36,11 +36,11 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
             .ok_or_else(|| err(format!("`{item}` is not key=value")))?;
         let (key, value) = (key.trim().to_ascii_lowercase(), value.trim());
         let int = || {
-            value
-                .parse::<u64>()
-                .ok()
-                .filter(|&n| n > 0)
-                .ok_or_else(|| err(format!("{key} needs a positive whole number, got `{value}`")))
+            value.parse::<u64>().ok().filter(|&n| n > 0).ok_or_else(|| {
+                err(format!(
+                    "{key} needs a positive whole number, got `{value}`"
+                ))
+            })
         };
         match key.as_str() {
             "tp" => c.tp = Some(int()?),
@@ -165,7 +165,10 @@ mod tests {
 
     #[test]
     fn rejects_bad_keys_and_values() {
-        assert!(parse_strategy("tq=8").unwrap_err().to_string().contains("unknown key"));
+        assert!(parse_strategy("tq=8")
+            .unwrap_err()
+            .to_string()
+            .contains("unknown key"));
         assert!(parse_strategy("tp=0").is_err());
         assert!(parse_strategy("zero=4").is_err());
         assert!(parse_strategy("schedule=1f1b,v=2").is_err());

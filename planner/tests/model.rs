@@ -50,10 +50,20 @@ fn memory_row(cfg: Gpt, cluster: &str, batch: u64, strategy: &str) -> (f64, f64)
 #[test]
 fn korthikanti_fig1_gpt_22b() {
     let base = "tp=8,pp=1,dp=1,mb=4,zero=0";
-    let (states, none) = memory_row(GPT_22B, "8xA100", 4, &format!("{base},recompute=none,sp=off"));
+    let (states, none) = memory_row(
+        GPT_22B,
+        "8xA100",
+        4,
+        &format!("{base},recompute=none,sp=off"),
+    );
     within(states, 45.56, 0.05, "22B weights+grads+optimizer");
     within(none, 59.25, 0.05, "22B activations, no recompute");
-    let (_, sel) = memory_row(GPT_22B, "8xA100", 4, &format!("{base},recompute=selective,sp=on"));
+    let (_, sel) = memory_row(
+        GPT_22B,
+        "8xA100",
+        4,
+        &format!("{base},recompute=selective,sp=on"),
+    );
     within(sel, 9.56, 0.05, "22B activations, sp + selective");
 }
 
@@ -61,10 +71,20 @@ fn korthikanti_fig1_gpt_22b() {
 fn korthikanti_fig1_gpt_175b_first_stage() {
     // Korthikanti et al. train 175B with the interleaved schedule, 3 chunks per device.
     let base = "tp=8,pp=8,dp=1,mb=1,zero=0,schedule=interleaved,v=3";
-    let (states, none) = memory_row(GPT_175B, "8x8xA100", 64, &format!("{base},recompute=none,sp=off"));
+    let (states, none) = memory_row(
+        GPT_175B,
+        "8x8xA100",
+        64,
+        &format!("{base},recompute=none,sp=off"),
+    );
     within(states, 45.56, 0.10, "175B weights+grads+optimizer");
     within(none, 66.84, 0.10, "175B activations, no recompute");
-    let (_, sel) = memory_row(GPT_175B, "8x8xA100", 64, &format!("{base},recompute=selective,sp=on"));
+    let (_, sel) = memory_row(
+        GPT_175B,
+        "8x8xA100",
+        64,
+        &format!("{base},recompute=selective,sp=on"),
+    );
     within(sel, 12.35, 0.10, "175B activations, sp + selective");
 }
 
@@ -73,7 +93,13 @@ fn model_flops_are_megatrons_formula_exactly() {
     // Megatron: 72·B·s·l·h²·(1 + s/6h + V/12lh) per step, no recomputation.
     for cfg in [GPT_1_7B, GPT_22B, GPT_1T] {
         let c = plan(cfg, "8xA100", 8, "tp=8,pp=1,dp=1,recompute=none", true);
-        let (b, s, l, h, v) = (8.0, 2048.0, cfg.layers as f64, cfg.hidden as f64, cfg.vocab as f64);
+        let (b, s, l, h, v) = (
+            8.0,
+            2048.0,
+            cfg.layers as f64,
+            cfg.hidden as f64,
+            cfg.vocab as f64,
+        );
         let megatron = 72.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * l * h));
         let got = c.plan.estimate.model_flops_per_step;
         assert!((got / megatron - 1.0).abs() < 1e-12, "{got} vs {megatron}");
@@ -98,10 +124,26 @@ fn the_same_request_gives_a_byte_identical_plan_that_round_trips() {
     for key in ["dp", "tp", "pp", "cp", "ep"] {
         assert!(json["mesh"][key].is_u64(), "mesh.{key}");
     }
-    for key in ["micro_batch", "num_micro_batches", "schedule", "virtual_stages", "zero_stage", "recompute", "sequence_parallel"] {
+    for key in [
+        "micro_batch",
+        "num_micro_batches",
+        "schedule",
+        "virtual_stages",
+        "zero_stage",
+        "recompute",
+        "sequence_parallel",
+    ] {
         assert!(!json["strategy"][key].is_null(), "strategy.{key}");
     }
-    for key in ["step_time_s", "tokens_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu", "mfu", "peak_memory_bytes", "memory_by_stage"] {
+    for key in [
+        "step_time_s",
+        "tokens_per_s",
+        "model_tflops_per_gpu",
+        "hardware_tflops_per_gpu",
+        "mfu",
+        "peak_memory_bytes",
+        "memory_by_stage",
+    ] {
         assert!(!json["estimate"][key].is_null(), "estimate.{key}");
     }
     for key in ["configs_evaluated", "feasible", "time_ms"] {
@@ -112,10 +154,21 @@ fn the_same_request_gives_a_byte_identical_plan_that_round_trips() {
 #[test]
 fn a_model_that_fits_nowhere_says_how_close_it_came_and_what_would_fit() {
     let msg = error(GPT_1T, "8xA100", 8, "").to_string();
-    for needle in ["does not fit on 8xA100-80GB", "smallest per-rank memory", "optimizer", "activations", "holds 80.00 GiB", "devices", "H200"] {
+    for needle in [
+        "does not fit on 8xA100-80GB",
+        "smallest per-rank memory",
+        "optimizer",
+        "activations",
+        "holds 80.00 GiB",
+        "devices",
+        "H200",
+    ] {
         assert!(msg.contains(needle), "`{needle}` missing from: {msg}");
     }
-    assert!(matches!(error(GPT_1T, "8xA100", 8, ""), PlanError::Infeasible(_)));
+    assert!(matches!(
+        error(GPT_1T, "8xA100", 8, ""),
+        PlanError::Infeasible(_)
+    ));
 }
 
 #[test]
@@ -131,7 +184,10 @@ fn impossible_strategies_are_refused_with_the_reason() {
     ];
     for (strategy, needle) in cases {
         let msg = error(GPT_22B, "8x8xA100", 256, strategy).to_string();
-        assert!(msg.contains(needle), "{strategy}: `{needle}` missing from: {msg}");
+        assert!(
+            msg.contains(needle),
+            "{strategy}: `{needle}` missing from: {msg}"
+        );
     }
     // 24 heads: tensor parallelism of 16 would split a head.
     let msg = error(GPT_1_7B, "4x8xA100", 512, "tp=16").to_string();

@@ -1,0 +1,125 @@
+//! The planner on the model zoo through the frontend: golden plan summaries,
+//! the published rows on the zoo's Megatron models, determinism and errors.
+
+use dplc_planner::{compile, parse_cluster, parse_strategy, summary, Compiled, PlanRequest};
+
+fn lowered(file: &str, model: &str) -> dplc_frontend::Lowered {
+    let path = format!("{}/models/{file}", env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(&path).expect("zoo file exists");
+    let unit = dplc_frontend::parse(file, &text).expect("zoo file parses");
+    unit.lower(model).expect("zoo model lowers")
+}
+
+fn plan(file: &str, model: &str, cluster: &str, strategy: &str, top_k: usize) -> Compiled {
+    let l = lowered(file, model);
+    let mut req = PlanRequest::new(&l.graph, l.train.clone(), parse_cluster(cluster).unwrap());
+    req.pinned = parse_strategy(strategy).unwrap();
+    req.top_k = top_k;
+    compile(&req).unwrap_or_else(|e| panic!("{model} on {cluster}: {e}"))
+}
+
+/// The summary without the search's wall time, which varies run to run.
+fn golden(c: &Compiled) -> String {
+    let s = summary(c);
+    let mut out = String::new();
+    for line in s.lines() {
+        match line.find(" fit, ") {
+            Some(at) if line.trim_start().starts_with("search") => {
+                let rest = &line[at + 6..];
+                let after_ms = rest.find(" ms").map_or("", |i| &rest[i + 3..]);
+                out.push_str(&format!("{} fit, <time> ms{after_ms}\n", &line[..at]));
+            }
+            _ => {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+    }
+    out
+}
+
+fn plan_batch(file: &str, model: &str, cluster: &str, batch: Option<u64>) -> Compiled {
+    let l = lowered(file, model);
+    let mut req = PlanRequest::new(&l.graph, l.train.clone(), parse_cluster(cluster).unwrap());
+    req.global_batch = batch;
+    req.top_k = 3;
+    compile(&req).unwrap_or_else(|e| panic!("{model} on {cluster}: {e}"))
+}
+
+// Golden plan summaries: a change to a plan is a reviewed diff
+// (`cargo insta review`, or INSTA_UPDATE=always to re-bless).
+
+#[test]
+fn golden_gpt2_on_8xa100() {
+    insta::assert_snapshot!(golden(&plan_batch("gpt2.dpl", "gpt2", "8xA100", None)));
+}
+
+#[test]
+fn golden_llama3_70b_on_8x8xh100() {
+    insta::assert_snapshot!(golden(&plan_batch(
+        "llama3.dpl",
+        "llama3_70b",
+        "8x8xH100",
+        None
+    )));
+}
+
+#[test]
+fn golden_gpt_1t_on_384x8xa100() {
+    // Narayanan et al. 2021's batch for the 1T model on 3072 GPUs.
+    insta::assert_snapshot!(golden(&plan_batch(
+        "megatron_gpt.dpl",
+        "gpt_1t",
+        "384x8xA100",
+        Some(3072)
+    )));
+}
+
+#[test]
+fn golden_mixtral_8x7b_on_2x8xh100() {
+    insta::assert_snapshot!(golden(&plan_batch(
+        "mixtral.dpl",
+        "mixtral_8x7b",
+        "2x8xH100",
+        None
+    )));
+}
+
+#[test]
+fn pinned_keys_are_kept_and_the_rest_searched() {
+    let c = plan(
+        "megatron_gpt.dpl",
+        "gpt_175b",
+        "16x8xA100",
+        "tp=8,pp=8,recompute=selective,sp=on",
+        0,
+    );
+    let p = &c.plan;
+    assert_eq!((p.mesh.tp, p.mesh.pp, p.mesh.dp), (8, 8, 2));
+    assert_eq!(p.strategy.recompute, dplc_ir::Recompute::Selective);
+    assert!(p.strategy.sequence_parallel);
+    assert_eq!(p.search.pinned, "tp=8,pp=8,recompute=selective,sp=on");
+}
+
+#[test]
+fn llama3_405b_on_one_node_is_infeasible_with_advice() {
+    let l = lowered("llama3.dpl", "llama3_405b");
+    let req = PlanRequest::new(&l.graph, l.train.clone(), parse_cluster("8xH100").unwrap());
+    let err = compile(&req).unwrap_err().to_string();
+    assert!(err.contains("smallest per-rank memory"), "{err}");
+    assert!(err.contains("the devices"), "{err}");
+}
+
+#[test]
+fn tensor_parallelism_beyond_the_kv_heads_is_refused() {
+    // Llama 3 70B has 8 KV heads: tp = 16 would split one.
+    let l = lowered("llama3.dpl", "llama3_70b");
+    let mut req = PlanRequest::new(
+        &l.graph,
+        l.train.clone(),
+        parse_cluster("4x8xH100").unwrap(),
+    );
+    req.pinned = parse_strategy("tp=16").unwrap();
+    let err = compile(&req).unwrap_err().to_string();
+    assert!(err.contains("tp=16") && err.contains("divide"), "{err}");
+}
