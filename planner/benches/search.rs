@@ -4,10 +4,169 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use dplc_planner::{compile, parse_cluster, PlanRequest};
+use dplc_planner::{compile, parse_cluster, parse_strategy, PlanRequest};
 use std::time::Instant;
 
+/// The published rows (see tests/planner_published.rs), printed as predicted vs published.
+fn published() {
+    const GIB: f64 = (1u64 << 30) as f64;
+    let rows: [(&str, common::Gpt, &str, u64, &str, &str, f64); 14] = [
+        (
+            "Korthikanti Fig.1 22B states GiB",
+            common::GPT_22B,
+            "8xA100",
+            4,
+            "tp=8,pp=1,dp=1,mb=4,zero=0,recompute=none,sp=off",
+            "states",
+            45.56,
+        ),
+        (
+            "Korthikanti Fig.1 22B activations (none) GiB",
+            common::GPT_22B,
+            "8xA100",
+            4,
+            "tp=8,pp=1,dp=1,mb=4,zero=0,recompute=none,sp=off",
+            "acts",
+            59.25,
+        ),
+        (
+            "Korthikanti Fig.1 22B activations (sp+sel) GiB",
+            common::GPT_22B,
+            "8xA100",
+            4,
+            "tp=8,pp=1,dp=1,mb=4,zero=0,recompute=selective,sp=on",
+            "acts",
+            9.56,
+        ),
+        (
+            "Korthikanti Fig.1 175B states GiB",
+            common::GPT_175B,
+            "8x8xA100",
+            64,
+            "tp=8,pp=8,dp=1,mb=1,zero=0,v=3,recompute=none,sp=off",
+            "states",
+            45.56,
+        ),
+        (
+            "Korthikanti Fig.1 175B activations (none) GiB",
+            common::GPT_175B,
+            "8x8xA100",
+            64,
+            "tp=8,pp=8,dp=1,mb=1,zero=0,v=3,recompute=none,sp=off",
+            "acts",
+            66.84,
+        ),
+        (
+            "Korthikanti Fig.1 175B activations (sp+sel) GiB",
+            common::GPT_175B,
+            "8x8xA100",
+            64,
+            "tp=8,pp=8,dp=1,mb=1,zero=0,v=3,recompute=selective,sp=on",
+            "acts",
+            12.35,
+        ),
+        (
+            "Korthikanti Table 5 22B full s",
+            common::GPT_22B,
+            "8xA100",
+            4,
+            "tp=8,pp=1,dp=1,mb=4,recompute=full,sp=off",
+            "step",
+            1.42,
+        ),
+        (
+            "Korthikanti Table 5 22B sp+sel s",
+            common::GPT_22B,
+            "8xA100",
+            4,
+            "tp=8,pp=1,dp=1,mb=4,recompute=selective,sp=on",
+            "step",
+            1.10,
+        ),
+        (
+            "Korthikanti Table 5 175B full s",
+            common::GPT_175B,
+            "8x8xA100",
+            64,
+            "tp=8,pp=8,dp=1,mb=1,v=3,recompute=full,sp=off",
+            "step",
+            18.13,
+        ),
+        (
+            "Korthikanti Table 5 175B sp+sel s",
+            common::GPT_175B,
+            "8x8xA100",
+            64,
+            "tp=8,pp=8,dp=1,mb=1,v=3,recompute=selective,sp=on",
+            "step",
+            13.75,
+        ),
+        (
+            "Korthikanti Table 5 1T full s (not an acceptance row)",
+            common::GPT_1T,
+            "64x8xA100",
+            512,
+            "tp=8,pp=64,dp=1,mb=1,recompute=full,sp=off",
+            "step",
+            94.42,
+        ),
+        (
+            "Narayanan Table 1 1.7B hw TFLOP/s",
+            common::GPT_1_7B,
+            "4x8xA100",
+            512,
+            "tp=1,pp=1,dp=32,recompute=full",
+            "hw",
+            137.0,
+        ),
+        (
+            "Narayanan Table 1 145.6B hw TFLOP/s",
+            common::GPT_145_6B,
+            "192x8xA100",
+            2304,
+            "tp=8,pp=8,dp=24,recompute=full,sp=off",
+            "hw",
+            148.0,
+        ),
+        (
+            "Narayanan Table 1 1T hw TFLOP/s",
+            common::GPT_1T,
+            "384x8xA100",
+            3072,
+            "tp=8,pp=64,dp=6,recompute=full,sp=off",
+            "hw",
+            163.0,
+        ),
+    ];
+    println!("| row | predicted | published | error |");
+    println!("|---|---:|---:|---:|");
+    for (name, cfg, cluster, batch, strategy, what, published) in rows {
+        let g = common::gpt("gpt", cfg);
+        let mut req = PlanRequest::new(
+            &g,
+            common::train(2048, batch),
+            parse_cluster(cluster).unwrap(),
+        );
+        req.pinned = parse_strategy(strategy).unwrap();
+        req.ignore_memory = what == "states" || what == "acts";
+        let p = compile(&req).expect("the row plans").plan;
+        let m = &p.stages[0].memory;
+        let got = match what {
+            "states" => (m.weights + m.gradients + m.optimizer) as f64 / GIB,
+            "acts" => (m.activations + m.embedding_and_loss) as f64 / GIB,
+            "step" => p.estimate.step_time_s,
+            _ => p.estimate.hardware_tflops_per_gpu,
+        };
+        println!(
+            "| {name} | {got:.2} | {published:.2} | {:+.1}% |",
+            (got / published - 1.0) * 100.0
+        );
+    }
+    println!();
+}
+
 fn main() {
+    published();
     let cases = [
         ("gpt_1t", common::GPT_1T, "384x8xA100", 3072u64),
         ("gpt_175b", common::GPT_175B, "128x8xA100", 1536),
