@@ -193,3 +193,46 @@ fn impossible_strategies_are_refused_with_the_reason() {
     let msg = error(GPT_1_7B, "4x8xA100", 512, "tp=16").to_string();
     assert!(msg.contains("greatest common divisor is 24"), "{msg}");
 }
+
+#[test]
+fn megatron_layout_comes_out_of_the_graph() {
+    let c = plan(GPT_22B, "8xA100", 4, "tp=8,pp=1,dp=1,mb=4,recompute=none,sp=off", true);
+    let p = &c.plan;
+    let split = |name: &str| {
+        p.param_sharding
+            .iter()
+            .find(|s| s.name == name)
+            .unwrap_or_else(|| panic!("{name} is listed"))
+            .splits
+            .clone()
+    };
+    use dplc_ir::MeshAxis::Tp;
+    // Column-parallel QKV and fc1 (and their biases), row-parallel projections,
+    // vocab-parallel embedding, replicated norms.
+    assert_eq!(split("layers.qkv.w"), vec![(Tp, 1)]);
+    assert_eq!(split("layers.qkv.b"), vec![(Tp, 0)]);
+    assert_eq!(split("layers.proj.w"), vec![(Tp, 0)]);
+    assert_eq!(split("layers.proj.b"), vec![]);
+    assert_eq!(split("layers.fc1.w"), vec![(Tp, 1)]);
+    assert_eq!(split("layers.fc2.w"), vec![(Tp, 0)]);
+    assert_eq!(split("layers.ln1.w"), vec![]);
+    assert_eq!(split("wte"), vec![(Tp, 0)]);
+    // Two all-reduces of b·s·h in forward and two in backward per layer.
+    let sbh = 4 * 2048 * 6144 * 2;
+    let layer: Vec<_> = p
+        .collectives
+        .iter()
+        .filter(|c| c.axis == Tp && c.what.starts_with("layer"))
+        .map(|c| (c.kind, c.phase, c.bytes, c.count_per_step))
+        .collect();
+    use dplc_ir::{CollectiveKind::AllReduce, StepPhase::*};
+    assert_eq!(
+        layer,
+        vec![
+            (AllReduce, Forward, sbh, 48),
+            (AllReduce, Forward, sbh, 48),
+            (AllReduce, Backward, sbh, 48),
+            (AllReduce, Backward, sbh, 48),
+        ]
+    );
+}
