@@ -82,7 +82,10 @@ fn op_str(graph: &Graph, op: &Op) -> String {
             let p: Vec<String> = perm.iter().map(|a| a.to_string()).collect();
             format!("transpose[{}]", p.join(", "))
         }
-        Op::Slice { axis, start, len } => format!("slice[axis={axis}, {start}..{}]", start.saturating_add(*len)),
+        Op::Slice { axis, start, len } => format!(
+            "slice[axis={axis}, {start}..{}]",
+            start.saturating_add(*len)
+        ),
         Op::Concat { axis } | Op::Softmax { axis } | Op::LogSoftmax { axis } => {
             format!("{name}[axis={axis}]")
         }
