@@ -1,1 +1,25 @@
-//! Kernel generation (filled by the codegen issue).
+//! dplc's code generator: fuses elementwise and row-reduction chains into
+//! kernels, interprets them on the CPU, emits CUDA C and compiles it with NVRTC.
+//!
+//! Architecture invariant: codegen never touches a GPU. Everything here runs
+//! and is tested on a CPU; NVRTC (a compiler, not a driver) is optional and
+//! loaded at run time.
+
+mod adamw;
+mod cuda;
+mod error;
+mod fuse;
+mod interp;
+mod kernel;
+mod nvrtc;
+
+pub use adamw::{adamw_kernel, AdamwScalars};
+pub use cuda::{emit_cuda, CudaSource, LaunchShape, ROW_BLOCK};
+pub use error::CodegenError;
+pub use fuse::{fuse, fuse_graph, FusedKernel, FusionPlan, Operand, Step};
+pub use interp::{binary, erf, interpret, unary, Args, Data};
+pub use kernel::{
+    fnv1a, random_uniform, Buffer, Builder, Cond, Elem, Expr, Idx, Kernel, RowReduce, Size, Space,
+    Store, ValueId,
+};
+pub use nvrtc::{Arch, Nvrtc, Ptx};

@@ -1,0 +1,133 @@
+//! The AdamW update over a flat parameter shard, as a kernel: decoupled
+//! weight decay and bias-corrected moments (Loshchilov & Hutter; PyTorch's AdamW).
+
+use crate::interp::Args;
+use crate::kernel::{Buffer, Builder, Elem, Expr, Idx, Kernel, Size, Space, Store};
+use dplc_ir::{BinaryOp, UnaryOp};
+
+/// The scalar arguments of [`adamw_kernel`], in argument order `s0..s5`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamwScalars {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    /// The step being taken, from 1.
+    pub step: u64,
+}
+
+impl AdamwScalars {
+    /// Launch arguments for a shard of `len` elements.
+    pub fn args(&self, len: i64) -> Args {
+        Args {
+            sizes: vec![len],
+            scalars: vec![
+                self.lr,
+                self.beta1,
+                self.beta2,
+                self.eps,
+                self.weight_decay,
+                self.step as f32,
+            ],
+            seed: 0,
+        }
+    }
+}
+
+/// One AdamW step over `n0` elements. Buffers: `b0..b2` the new parameter,
+/// first and second moment (f32); `b3..b6` the parameter, gradient (storage
+/// type), first and second moment. Each element is read before it is written
+/// by the same thread, so a caller may pass `b0 = b3`, `b1 = b5`, `b2 = b6`
+/// to update in place.
+pub fn adamw_kernel() -> Kernel {
+    let n = vec![Size::Param(0)];
+    let buf = |label: &str, elem, output| Buffer {
+        label: label.to_string(),
+        elem,
+        output,
+        len: n.clone(),
+    };
+    let buffers = vec![
+        buf("p_out", Elem::F32, true),
+        buf("m_out", Elem::F32, true),
+        buf("v_out", Elem::F32, true),
+        buf("p", Elem::F32, false),
+        buf("g", Elem::Float, false),
+        buf("m", Elem::F32, false),
+        buf("v", Elem::F32, false),
+    ];
+    let i = Idx::Var(0);
+    let mut b = Builder::default();
+    let load = |b: &mut Builder, buf| {
+        b.push(Expr::Load {
+            buf,
+            index: Idx::Var(0),
+        })
+    };
+    let p = load(&mut b, 3);
+    let g = load(&mut b, 4);
+    let m = load(&mut b, 5);
+    let v = load(&mut b, 6);
+    let lr = b.push(Expr::Scalar(0));
+    let b1 = b.push(Expr::Scalar(1));
+    let b2 = b.push(Expr::Scalar(2));
+    let eps = b.push(Expr::Scalar(3));
+    let wd = b.push(Expr::Scalar(4));
+    let step = b.push(Expr::Scalar(5));
+    let one = b.konst(1.0);
+    use BinaryOp::{Add, Div, Mul, Pow, Sub};
+    // m' = b1 m + (1 - b1) g ;  v' = b2 v + (1 - b2) g²
+    let c1 = b.binary(Sub, one, b1);
+    let bm = b.binary(Mul, b1, m);
+    let cg = b.binary(Mul, c1, g);
+    let m2 = b.binary(Add, bm, cg);
+    let c2 = b.binary(Sub, one, b2);
+    let bv = b.binary(Mul, b2, v);
+    let gg = b.binary(Mul, g, g);
+    let cgg = b.binary(Mul, c2, gg);
+    let v2 = b.binary(Add, bv, cgg);
+    // Bias corrections 1 - β^t.
+    let p1 = b.binary(Pow, b1, step);
+    let bc1 = b.binary(Sub, one, p1);
+    let p2 = b.binary(Pow, b2, step);
+    let bc2 = b.binary(Sub, one, p2);
+    let mhat = b.binary(Div, m2, bc1);
+    let vhat = b.binary(Div, v2, bc2);
+    let root = b.unary(UnaryOp::Sqrt, vhat);
+    let den = b.binary(Add, root, eps);
+    let upd = b.binary(Div, mhat, den);
+    // p' = p - lr (update + wd p): the decay does not pass through the moments.
+    let decay = b.binary(Mul, wd, p);
+    let total = b.binary(Add, upd, decay);
+    let delta = b.binary(Mul, lr, total);
+    let p2v = b.binary(Sub, p, delta);
+    Kernel {
+        op: "adamw".to_string(),
+        sizes: 1,
+        scalars: 6,
+        buffers,
+        space: Space {
+            outer: n.clone(),
+            inner: None,
+        },
+        values: b.values,
+        stores: vec![
+            Store {
+                buf: 0,
+                index: i.clone(),
+                value: p2v,
+            },
+            Store {
+                buf: 1,
+                index: i.clone(),
+                value: m2,
+            },
+            Store {
+                buf: 2,
+                index: i,
+                value: v2,
+            },
+        ],
+    }
+}

@@ -1,0 +1,850 @@
+//! CUDA C emission from the kernel IR through a small C syntax tree: f32,
+//! bf16 or f16 storage with f32 arithmetic, 16-byte vector access along the
+//! contiguous axis, and one block per row with warp-shuffle reductions.
+
+use crate::kernel::{Cond, Elem, Expr, Idx, Kernel, RowReduce, Size, Store};
+use dplc_ir::{BinaryOp, DType, UnaryOp};
+use std::collections::BTreeSet;
+
+/// Threads per block of a row kernel (the kernel's `__launch_bounds__`).
+pub const ROW_BLOCK: u32 = 256;
+
+/// How the runtime launches a kernel (both kinds stride over their grid, so
+/// any grid size is correct).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LaunchShape {
+    /// One thread per `vector` consecutive points of the iteration space.
+    Elementwise { vector: u32 },
+    /// One block of `block` threads per row.
+    Rows { block: u32 },
+}
+
+/// Generated CUDA C for one kernel.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CudaSource {
+    /// `{op}_{dtype}_{hash8}`, also the `extern "C"` symbol.
+    pub name: String,
+    pub source: String,
+    pub launch: LaunchShape,
+}
+
+// ---- a small C syntax tree -------------------------------------------------
+
+#[derive(Clone, Debug)]
+enum C {
+    Id(String),
+    Lit(String),
+    Call(String, Vec<C>),
+    Bin(&'static str, Box<C>, Box<C>),
+    Neg(Box<C>),
+    At(Box<C>, Box<C>),
+    Cond(Box<C>, Box<C>, Box<C>),
+    Cast(&'static str, Box<C>),
+}
+
+fn id(s: impl Into<String>) -> C {
+    C::Id(s.into())
+}
+
+fn call(f: &str, args: Vec<C>) -> C {
+    C::Call(f.to_string(), args)
+}
+
+fn bin(op: &'static str, a: C, b: C) -> C {
+    C::Bin(op, Box::new(a), Box::new(b))
+}
+
+fn at(a: C, i: C) -> C {
+    C::At(Box::new(a), Box::new(i))
+}
+
+impl C {
+    fn render(&self) -> String {
+        match self {
+            C::Id(s) | C::Lit(s) => s.clone(),
+            C::Call(f, args) => {
+                let args: Vec<String> = args.iter().map(C::render).collect();
+                format!("{f}({})", args.join(", "))
+            }
+            C::Bin(op, a, b) => format!("({} {op} {})", a.render(), b.render()),
+            C::Neg(a) => format!("(-{})", a.render()),
+            C::At(a, i) => format!("{}[{}]", a.render(), i.render()),
+            C::Cond(c, a, b) => format!("({} ? {} : {})", c.render(), a.render(), b.render()),
+            C::Cast(t, a) => format!("(({t}){})", a.render()),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+enum S {
+    /// `[const] ty name[ = init];`
+    Decl {
+        ty: String,
+        name: String,
+        init: Option<C>,
+        konst: bool,
+    },
+    Assign(C, C),
+    For {
+        var: String,
+        from: C,
+        to: C,
+        step: C,
+        body: Vec<S>,
+    },
+    If(C, Vec<S>),
+    Block(Vec<S>),
+    Line(String),
+}
+
+fn decl(ty: &str, name: impl Into<String>, init: C) -> S {
+    S::Decl {
+        ty: ty.to_string(),
+        name: name.into(),
+        init: Some(init),
+        konst: true,
+    }
+}
+
+fn var(ty: &str, name: impl Into<String>, init: Option<C>) -> S {
+    S::Decl {
+        ty: ty.to_string(),
+        name: name.into(),
+        init,
+        konst: false,
+    }
+}
+
+struct Writer {
+    out: String,
+    depth: usize,
+}
+
+impl Writer {
+    fn line(&mut self, s: &str) {
+        for _ in 0..self.depth {
+            self.out.push_str("    ");
+        }
+        self.out.push_str(s);
+        self.out.push('\n');
+    }
+
+    fn stmts(&mut self, body: &[S]) {
+        for s in body {
+            self.stmt(s);
+        }
+    }
+
+    fn stmt(&mut self, s: &S) {
+        match s {
+            S::Decl {
+                ty,
+                name,
+                init,
+                konst,
+            } => {
+                let k = if *konst { "const " } else { "" };
+                match init {
+                    Some(i) => self.line(&format!("{k}{ty} {name} = {};", i.render())),
+                    None => self.line(&format!("{ty} {name};")),
+                }
+            }
+            S::Assign(l, r) => self.line(&format!("{} = {};", l.render(), r.render())),
+            S::For {
+                var,
+                from,
+                to,
+                step,
+                body,
+            } => {
+                self.line(&format!(
+                    "for (long long {var} = {}; {var} < {}; {var} += {}) {{",
+                    from.render(),
+                    to.render(),
+                    step.render()
+                ));
+                self.depth += 1;
+                self.stmts(body);
+                self.depth -= 1;
+                self.line("}");
+            }
+            S::If(c, body) => {
+                self.line(&format!("if ({}) {{", c.render()));
+                self.depth += 1;
+                self.stmts(body);
+                self.depth -= 1;
+                self.line("}");
+            }
+            S::Block(body) => {
+                self.line("{");
+                self.depth += 1;
+                self.stmts(body);
+                self.depth -= 1;
+                self.line("}");
+            }
+            S::Line(l) => self.line(l),
+        }
+    }
+}
+
+// ---- fixed helpers ---------------------------------------------------------
+
+const PRELUDE: &str = r#"// Generated by dplc-codegen. Launch contract: buffers are 16-byte aligned;
+// row kernels run with blockDim.x a multiple of 32 (at most 1024).
+__device__ __forceinline__ long long dplc_imin(long long a, long long b) { return a < b ? a : b; }
+__device__ __forceinline__ long long dplc_imax(long long a, long long b) { return a > b ? a : b; }
+__device__ __forceinline__ float dplc_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float dplc_silu(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float dplc_gelu(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
+__device__ __forceinline__ float dplc_gelu_tanh(float x) {
+    return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+__device__ __forceinline__ float dplc_random(unsigned long long seed, unsigned int stream, long long index) {
+    unsigned long long x = seed ^ ((unsigned long long)stream * 0x9e3779b97f4a7c15ULL)
+        ^ ((unsigned long long)index * 0xbf58476d1ce4e5b9ULL);
+    x ^= x >> 30; x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27; x *= 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+    return (float)(x >> 40) * (1.0f / 16777216.0f);
+}
+"#;
+
+const REDUCE: &str = r#"__device__ __forceinline__ float dplc_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float dplc_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+// Every thread of the block gets the result; `red` holds 32 floats.
+__device__ float dplc_block_sum(float v, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = dplc_warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    v = (lane < warps) ? red[lane] : 0.0f;
+    return dplc_warp_sum(v);
+}
+__device__ float dplc_block_max(float v, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = dplc_warp_max(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    v = (lane < warps) ? red[lane] : __int_as_float(0xff800000);
+    return dplc_warp_max(v);
+}
+"#;
+
+const STORAGE_F32: &str = r#"typedef float dplc_t;
+__device__ __forceinline__ float dplc_ld(float x) { return x; }
+__device__ __forceinline__ float dplc_st(float x) { return x; }
+"#;
+
+const STORAGE_BF16: &str = r#"typedef unsigned short dplc_t;  // bf16 bits
+__device__ __forceinline__ float dplc_ld(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
+__device__ __forceinline__ unsigned short dplc_st(float f) {
+    unsigned short h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
+}
+"#;
+
+const STORAGE_F16: &str = r#"typedef unsigned short dplc_t;  // f16 bits
+__device__ __forceinline__ float dplc_ld(unsigned short h) {
+    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
+}
+__device__ __forceinline__ unsigned short dplc_st(float f) {
+    unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
+}
+"#;
+
+// ---- emission --------------------------------------------------------------
+
+fn storage_bytes(elem: Elem, dtype: DType) -> usize {
+    match elem {
+        Elem::Float => dtype.size_bytes() as usize,
+        Elem::F32 | Elem::I32 => 4,
+    }
+}
+
+fn vector_type(bytes: usize) -> &'static str {
+    match bytes {
+        16 => "uint4",
+        8 => "uint2",
+        4 => "unsigned int",
+        _ => "unsigned short",
+    }
+}
+
+fn elem_type(elem: Elem) -> &'static str {
+    match elem {
+        Elem::Float => "dplc_t",
+        Elem::F32 => "float",
+        Elem::I32 => "int",
+    }
+}
+
+fn float_lit(c: f64) -> C {
+    let f = c as f32;
+    if f.is_nan() {
+        call("__int_as_float", vec![C::Lit("0x7fffffff".into())])
+    } else if f.is_infinite() {
+        let bits = if f > 0.0 { "0x7f800000" } else { "0xff800000" };
+        call("__int_as_float", vec![C::Lit(bits.into())])
+    } else {
+        let s = format!("{f:?}");
+        let s = if s.contains(['.', 'e']) {
+            s
+        } else {
+            format!("{s}.0")
+        };
+        if f < 0.0 {
+            C::Neg(Box::new(C::Lit(format!("{}f", &s[1..]))))
+        } else {
+            C::Lit(format!("{s}f"))
+        }
+    }
+}
+
+fn size(s: Size) -> C {
+    match s {
+        Size::Const(n) => C::Lit(format!("{n}LL")),
+        Size::Param(k) => id(format!("n{k}")),
+    }
+}
+
+fn index(i: &Idx) -> C {
+    match i {
+        Idx::Var(a) => id(format!("i{a}")),
+        Idx::Inner => id("j"),
+        Idx::Const(c) => C::Lit(format!("{c}LL")),
+        Idx::Size(s) => size(*s),
+        Idx::Add(a, b) => bin("+", index(a), index(b)),
+        Idx::Sub(a, b) => bin("-", index(a), index(b)),
+        Idx::Mul(a, b) => bin("*", index(a), index(b)),
+        Idx::Div(a, b) => bin("/", index(a), index(b)),
+        Idx::Rem(a, b) => bin("%", index(a), index(b)),
+        Idx::Min(a, b) => call("dplc_imin", vec![index(a), index(b)]),
+        Idx::Max(a, b) => call("dplc_imax", vec![index(a), index(b)]),
+        Idx::Load(buf, i) => C::Cast("long long", Box::new(at(id(format!("b{buf}")), index(i)))),
+    }
+}
+
+fn vname(v: crate::kernel::ValueId) -> C {
+    id(format!("v{}", v.0))
+}
+
+/// The varying index of a vectorised section and its lane count.
+struct Lanes {
+    /// `Idx::Var(a)` or `Idx::Inner`.
+    var: Idx,
+    count: usize,
+}
+
+struct Emit<'k> {
+    k: &'k Kernel,
+    dtype: DType,
+}
+
+impl Emit<'_> {
+    fn value(&self, i: usize, loaded: &dyn Fn(usize) -> Option<C>) -> C {
+        let v = |x: crate::kernel::ValueId| vname(x);
+        match &self.k.values[i] {
+            Expr::Load { buf, index: ix } => match loaded(i) {
+                Some(c) => c,
+                None => {
+                    let raw = at(id(format!("b{buf}")), index(ix));
+                    match self.k.buffers[*buf].elem {
+                        Elem::Float => call("dplc_ld", vec![raw]),
+                        Elem::F32 => raw,
+                        Elem::I32 => C::Cast("float", Box::new(raw)),
+                    }
+                }
+            },
+            Expr::Const(c) => float_lit(*c),
+            Expr::Scalar(k) => id(format!("s{k}")),
+            Expr::FromIndex(ix) => C::Cast("float", Box::new(index(ix))),
+            Expr::Unary(op, a) => {
+                let f = match op {
+                    UnaryOp::Neg => return C::Neg(Box::new(v(*a))),
+                    UnaryOp::Exp => "expf",
+                    UnaryOp::Log => "logf",
+                    UnaryOp::Sqrt => "sqrtf",
+                    UnaryOp::Rsqrt => "rsqrtf",
+                    UnaryOp::Recip => return bin("/", C::Lit("1.0f".into()), v(*a)),
+                    UnaryOp::Tanh => "tanhf",
+                    UnaryOp::Sigmoid => "dplc_sigmoid",
+                    UnaryOp::Relu => return call("fmaxf", vec![v(*a), C::Lit("0.0f".into())]),
+                    UnaryOp::Gelu => "dplc_gelu",
+                    UnaryOp::GeluTanh => "dplc_gelu_tanh",
+                    UnaryOp::Silu => "dplc_silu",
+                    UnaryOp::Sin => "sinf",
+                    UnaryOp::Cos => "cosf",
+                };
+                call(f, vec![v(*a)])
+            }
+            Expr::Binary(op, a, b) => match op {
+                BinaryOp::Add => bin("+", v(*a), v(*b)),
+                BinaryOp::Sub => bin("-", v(*a), v(*b)),
+                BinaryOp::Mul => bin("*", v(*a), v(*b)),
+                BinaryOp::Div => bin("/", v(*a), v(*b)),
+                BinaryOp::Max => call("fmaxf", vec![v(*a), v(*b)]),
+                BinaryOp::Min => call("fminf", vec![v(*a), v(*b)]),
+                BinaryOp::Pow => call("powf", vec![v(*a), v(*b)]),
+            },
+            Expr::Select {
+                cond,
+                then,
+                otherwise,
+            } => {
+                let c = match cond {
+                    Cond::IdxLt(a, b) => bin("<", index(a), index(b)),
+                    Cond::ValLt(a, b) => bin("<", v(*a), v(*b)),
+                };
+                C::Cond(Box::new(c), Box::new(v(*then)), Box::new(v(*otherwise)))
+            }
+            Expr::Random { stream, index: ix } => call(
+                "dplc_random",
+                vec![id("seed"), C::Lit(format!("{stream}u")), index(ix)],
+            ),
+            Expr::Reduce { .. } => unreachable!("reductions are emitted as block reductions"),
+        }
+    }
+
+    /// Base of a load or store that is contiguous in the lane variable and aligned.
+    fn vector_base(&self, buf: usize, ix: &Idx, lanes: &Lanes) -> Option<Idx> {
+        if self.k.buffers[buf].elem == Elem::I32 {
+            return None;
+        }
+        let base = ix.contiguous_in(&lanes.var)?;
+        base.multiple_of(lanes.count as i64).then_some(base)
+    }
+
+    /// Compute `values` (in order) and do `stores` for each lane of one step of
+    /// the lane variable, optionally folding value `fold` into accumulator `acc`.
+    fn section(
+        &self,
+        values: &[usize],
+        stores: &[&Store],
+        fold: Option<(RowReduce, usize)>,
+        lanes: Option<&Lanes>,
+    ) -> Vec<S> {
+        let mut pre = Vec::new();
+        let mut body = Vec::new();
+        let mut post = Vec::new();
+        let mut vector_loads: BTreeSet<usize> = BTreeSet::new();
+        if let Some(l) = lanes {
+            for &i in values {
+                if let Expr::Load { buf, index: ix } = &self.k.values[i] {
+                    if let Some(base) = self.vector_base(*buf, ix, l) {
+                        let elem = self.k.buffers[*buf].elem;
+                        let vt = vector_type(storage_bytes(elem, self.dtype) * l.count);
+                        pre.push(S::Line(format!(
+                            "__align__(16) {} l{i}[{}];",
+                            elem_type(elem),
+                            l.count
+                        )));
+                        pre.push(S::Line(format!(
+                            "*reinterpret_cast<{vt}*>(l{i}) = *reinterpret_cast<const {vt}*>(b{buf} + {});",
+                            index(&base).render()
+                        )));
+                        vector_loads.insert(i);
+                    }
+                }
+            }
+            let first = match l.var {
+                Idx::Inner => bin("*", id("jv"), C::Lit(format!("{}LL", l.count))),
+                _ => id(format!("{}v", lanes_var_name(l))),
+            };
+            body.push(decl(
+                "long long",
+                lanes_var_name(l),
+                bin("+", first, id("lane")),
+            ));
+        }
+        let loaded = |i: usize| -> Option<C> {
+            vector_loads.contains(&i).then(|| {
+                let raw = at(id(format!("l{i}")), id("lane"));
+                match self.k.values[i] {
+                    Expr::Load { buf, .. } if self.k.buffers[buf].elem == Elem::Float => {
+                        call("dplc_ld", vec![raw])
+                    }
+                    _ => raw,
+                }
+            })
+        };
+        for &i in values {
+            body.push(decl("float", format!("v{i}"), self.value(i, &loaded)));
+        }
+        if let Some((kind, v)) = fold {
+            let next = match kind {
+                RowReduce::Sum => bin("+", id("acc"), id(format!("v{v}"))),
+                RowReduce::Max => call("fmaxf", vec![id("acc"), id(format!("v{v}"))]),
+            };
+            body.push(S::Assign(id("acc"), next));
+        }
+        for (n, st) in stores.iter().enumerate() {
+            let elem = self.k.buffers[st.buf].elem;
+            let conv = |v: C| match elem {
+                Elem::Float => call("dplc_st", vec![v]),
+                Elem::F32 => v,
+                Elem::I32 => C::Cast("int", Box::new(v)),
+            };
+            let vector = lanes.and_then(|l| self.vector_base(st.buf, &st.index, l).map(|b| (l, b)));
+            match vector {
+                Some((l, base)) => {
+                    let vt = vector_type(storage_bytes(elem, self.dtype) * l.count);
+                    pre.push(S::Line(format!(
+                        "__align__(16) {} o{n}[{}];",
+                        elem_type(elem),
+                        l.count
+                    )));
+                    body.push(S::Assign(
+                        at(id(format!("o{n}")), id("lane")),
+                        conv(vname(st.value)),
+                    ));
+                    post.push(S::Line(format!(
+                        "*reinterpret_cast<{vt}*>(b{} + {}) = *reinterpret_cast<const {vt}*>(o{n});",
+                        st.buf,
+                        index(&base).render()
+                    )));
+                }
+                None => body.push(S::Assign(
+                    at(id(format!("b{}", st.buf)), index(&st.index)),
+                    conv(vname(st.value)),
+                )),
+            }
+        }
+        match lanes {
+            Some(l) => {
+                let mut out = pre;
+                out.push(S::Line("#pragma unroll".into()));
+                out.push(S::For {
+                    var: "lane".into(),
+                    from: C::Lit("0".into()),
+                    to: C::Lit(format!("{}", l.count)),
+                    step: C::Lit("1".into()),
+                    body,
+                });
+                out.extend(post);
+                out
+            }
+            None => body,
+        }
+    }
+
+    /// Values (in SSA order) that `roots` need and that vary along the row.
+    fn along_deps(&self, roots: &[usize], along: &[bool]) -> Vec<usize> {
+        let mut need = BTreeSet::new();
+        let mut stack: Vec<usize> = roots.iter().copied().filter(|&r| along[r]).collect();
+        while let Some(i) = stack.pop() {
+            if !need.insert(i) {
+                continue;
+            }
+            for d in operands(&self.k.values[i]) {
+                if along[d] {
+                    stack.push(d);
+                }
+            }
+        }
+        need.into_iter().collect()
+    }
+
+    /// How many lanes a thread handles along `extent` (1 when not divisible).
+    fn lane_count(&self, extent: Option<Size>) -> usize {
+        let widest = self
+            .k
+            .buffers
+            .iter()
+            .filter(|b| b.elem != Elem::I32)
+            .map(|b| storage_bytes(b.elem, self.dtype))
+            .max()
+            .unwrap_or(4);
+        let lanes = 16 / widest;
+        match extent {
+            Some(Size::Const(n)) if n % lanes as i64 == 0 && lanes > 1 => lanes,
+            _ => 1,
+        }
+    }
+}
+
+fn lanes_var_name(l: &Lanes) -> String {
+    match l.var {
+        Idx::Inner => "j".into(),
+        Idx::Var(a) => format!("i{a}"),
+        _ => unreachable!("lanes run along an index variable"),
+    }
+}
+
+fn operands(e: &Expr) -> Vec<usize> {
+    match e {
+        Expr::Unary(_, a) => vec![a.0 as usize],
+        Expr::Binary(_, a, b) => vec![a.0 as usize, b.0 as usize],
+        Expr::Select {
+            cond,
+            then,
+            otherwise,
+        } => {
+            let mut v = vec![then.0 as usize, otherwise.0 as usize];
+            if let Cond::ValLt(a, b) = cond {
+                v.extend([a.0 as usize, b.0 as usize]);
+            }
+            v
+        }
+        Expr::Reduce { value, .. } => vec![value.0 as usize],
+        _ => vec![],
+    }
+}
+
+/// `{op}_{dtype}_{hash8}`: the hash covers the kernel IR and the storage type.
+pub fn kernel_name(k: &Kernel, dtype: DType) -> String {
+    let h = crate::kernel::fnv1a(format!("{}\n{}", dtype.name(), k.text()).as_bytes());
+    format!(
+        "{}_{}_{:08x}",
+        k.op,
+        dtype.name(),
+        (h >> 32) as u32 ^ h as u32
+    )
+}
+
+/// Decompose `flat` into the outer variables `i0..` (row-major over `outer`).
+/// With `lanes`, the last variable steps by that many: `i{last}v` is the first
+/// of the thread's lanes and the lane loop declares `i{last}` itself.
+fn decompose(flat: &str, outer: &[Size], lanes: Option<usize>) -> Vec<S> {
+    let mut out = Vec::new();
+    if outer.is_empty() {
+        return out;
+    }
+    out.push(var("long long", "rest", Some(id(flat))));
+    let last = outer.len() - 1;
+    for a in (0..outer.len()).rev() {
+        let scaled = lanes.filter(|_| a == last);
+        let extent = match (scaled, outer[a]) {
+            (Some(l), Size::Const(n)) => C::Lit(format!("{}LL", n / l as i64)),
+            (_, s) => size(s),
+        };
+        let mut value = if a == 0 {
+            id("rest")
+        } else {
+            bin("%", id("rest"), extent.clone())
+        };
+        let mut name = format!("i{a}");
+        if let Some(l) = scaled {
+            value = bin("*", value, C::Lit(format!("{l}LL")));
+            name.push('v');
+        }
+        out.push(decl("long long", name, value));
+        if a != 0 {
+            out.push(S::Assign(id("rest"), bin("/", id("rest"), extent)));
+        }
+    }
+    out
+}
+
+/// Emit CUDA C for `kernel` with float buffers stored as `dtype`.
+pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
+    let name = kernel_name(kernel, dtype);
+    let e = Emit { k: kernel, dtype };
+    let along = kernel.along_row();
+    let mut params = Vec::new();
+    for (i, b) in kernel.buffers.iter().enumerate() {
+        let c = if b.output { "" } else { "const " };
+        params.push(format!("{c}{}* __restrict__ b{i}", elem_type(b.elem)));
+    }
+    params.extend((0..kernel.sizes).map(|k| format!("long long n{k}")));
+    params.extend((0..kernel.scalars).map(|k| format!("float s{k}")));
+    if kernel.uses_random() {
+        params.push("unsigned long long seed".into());
+    }
+    let mut body = Vec::new();
+    let launch;
+    match kernel.space.inner {
+        None => {
+            let outer = &kernel.space.outer;
+            let lanes = e.lane_count(outer.last().copied());
+            launch = LaunchShape::Elementwise {
+                vector: lanes as u32,
+            };
+            let mut total = C::Lit("1LL".into());
+            for (a, &s) in outer.iter().enumerate() {
+                let s = match (a + 1 == outer.len(), s) {
+                    (true, Size::Const(n)) if lanes > 1 => {
+                        C::Lit(format!("{}LL", n / lanes as i64))
+                    }
+                    (_, s) => size(s),
+                };
+                total = if a == 0 { s } else { bin("*", total, s) };
+            }
+            body.push(decl("long long", "total", total));
+            body.push(decl(
+                "long long",
+                "stride",
+                bin(
+                    "*",
+                    C::Cast("long long", Box::new(id("gridDim.x"))),
+                    id("blockDim.x"),
+                ),
+            ));
+            let mut inner = decompose("flat", outer, (lanes > 1).then_some(lanes));
+            let values: Vec<usize> = (0..kernel.values.len()).collect();
+            let stores: Vec<&Store> = kernel.stores.iter().collect();
+            let l = Lanes {
+                var: Idx::Var(outer.len().saturating_sub(1)),
+                count: lanes,
+            };
+            inner.extend(e.section(&values, &stores, None, (lanes > 1).then_some(&l)));
+            body.push(S::For {
+                var: "flat".into(),
+                from: bin(
+                    "+",
+                    bin(
+                        "*",
+                        C::Cast("long long", Box::new(id("blockIdx.x"))),
+                        id("blockDim.x"),
+                    ),
+                    id("threadIdx.x"),
+                ),
+                to: id("total"),
+                step: id("stride"),
+                body: inner,
+            });
+        }
+        Some(inner_size) => {
+            launch = LaunchShape::Rows { block: ROW_BLOCK };
+            let lanes = e.lane_count(Some(inner_size));
+            let l = Lanes {
+                var: Idx::Inner,
+                count: lanes,
+            };
+            let outer = &kernel.space.outer;
+            let mut rows = C::Lit("1LL".into());
+            for (a, &s) in outer.iter().enumerate() {
+                rows = if a == 0 {
+                    size(s)
+                } else {
+                    bin("*", rows, size(s))
+                };
+            }
+            body.push(S::Line("__shared__ float red[32];".into()));
+            body.push(decl("long long", "rows", rows));
+            let mut row = decompose("row", outer, None);
+            let mut done = vec![false; kernel.values.len()];
+            let j_loop = |section: Vec<S>| {
+                let (to, step) = match (lanes, inner_size) {
+                    (1, s) => (size(s), C::Cast("long long", Box::new(id("blockDim.x")))),
+                    (n, Size::Const(c)) => (
+                        C::Lit(format!("{}LL", c / n as i64)),
+                        C::Cast("long long", Box::new(id("blockDim.x"))),
+                    ),
+                    _ => unreachable!("lanes need a fixed row"),
+                };
+                S::For {
+                    var: if lanes > 1 { "jv".into() } else { "j".into() },
+                    from: C::Cast("long long", Box::new(id("threadIdx.x"))),
+                    to,
+                    step,
+                    body: section,
+                }
+            };
+            let lanes_ref = (lanes > 1).then_some(&l);
+            let row_values = |upto: usize, done: &mut Vec<bool>, out: &mut Vec<S>| {
+                for i in 0..upto {
+                    if !done[i] && !along[i] && !matches!(kernel.values[i], Expr::Reduce { .. }) {
+                        done[i] = true;
+                        out.push(decl("float", format!("v{i}"), e.value(i, &|_| None)));
+                    }
+                }
+            };
+            for (i, v) in kernel.values.iter().enumerate() {
+                let Expr::Reduce { kind, value } = v else {
+                    continue;
+                };
+                row_values(i, &mut done, &mut row);
+                let deps = e.along_deps(&[value.0 as usize], &along);
+                let init = match kind {
+                    RowReduce::Sum => C::Lit("0.0f".into()),
+                    RowReduce::Max => float_lit(f64::NEG_INFINITY),
+                };
+                let mut block = vec![var("float", "acc", Some(init))];
+                block.push(j_loop(e.section(
+                    &deps,
+                    &[],
+                    Some((*kind, value.0 as usize)),
+                    lanes_ref,
+                )));
+                let f = match kind {
+                    RowReduce::Sum => "dplc_block_sum",
+                    RowReduce::Max => "dplc_block_max",
+                };
+                block.push(S::Assign(
+                    id(format!("v{i}")),
+                    call(f, vec![id("acc"), id("red")]),
+                ));
+                row.push(var("float", format!("v{i}"), None));
+                row.push(S::Block(block));
+                done[i] = true;
+            }
+            row_values(kernel.values.len(), &mut done, &mut row);
+            let (elem_stores, row_stores): (Vec<&Store>, Vec<&Store>) = kernel
+                .stores
+                .iter()
+                .partition(|s| along[s.value.0 as usize] || s.index.uses_inner());
+            if !elem_stores.is_empty() {
+                let roots: Vec<usize> = elem_stores.iter().map(|s| s.value.0 as usize).collect();
+                let deps = e.along_deps(&roots, &along);
+                row.push(j_loop(e.section(&deps, &elem_stores, None, lanes_ref)));
+            }
+            if !row_stores.is_empty() {
+                let stores = e.section(&[], &row_stores, None, None);
+                row.push(S::If(
+                    bin("==", id("threadIdx.x"), C::Lit("0".into())),
+                    stores,
+                ));
+            }
+            body.push(S::For {
+                var: "row".into(),
+                from: C::Cast("long long", Box::new(id("blockIdx.x"))),
+                to: id("rows"),
+                step: C::Cast("long long", Box::new(id("gridDim.x"))),
+                body: row,
+            });
+        }
+    }
+    let mut w = Writer {
+        out: String::new(),
+        depth: 0,
+    };
+    w.out.push_str(PRELUDE);
+    w.out.push_str(match dtype {
+        DType::BF16 => STORAGE_BF16,
+        DType::F16 => STORAGE_F16,
+        DType::F32 | DType::I32 => STORAGE_F32,
+    });
+    if kernel.is_row_kernel() {
+        w.out.push_str(REDUCE);
+    }
+    w.line("");
+    for l in kernel.text().lines() {
+        w.line(&format!("// {l}"));
+    }
+    let bounds = if kernel.is_row_kernel() {
+        format!("__launch_bounds__({ROW_BLOCK}) ")
+    } else {
+        String::new()
+    };
+    w.line(&format!("extern \"C\" __global__ void {bounds}{name}("));
+    w.depth += 1;
+    for (i, p) in params.iter().enumerate() {
+        let sep = if i + 1 == params.len() { ") {" } else { "," };
+        w.line(&format!("{p}{sep}"));
+    }
+    w.stmts(&body);
+    w.depth -= 1;
+    w.line("}");
+    CudaSource {
+        name,
+        source: w.out,
+        launch,
+    }
+}

@@ -1,0 +1,1023 @@
+//! Fusion: splits a region into cuBLAS matmul calls, opaque steps the runtime
+//! runs itself, and maximal fused kernels of elementwise ops and row reductions.
+//!
+//! The plan picks which tensors are *materialized* (written to memory); every
+//! other fusible tensor is recomputed inside the kernel of each materialized
+//! tensor that needs it, views included (they become index arithmetic). A kernel
+//! holds at most one row operation (softmax, norm, reduce): its *anchor*.
+
+use crate::kernel::{
+    Buffer, Builder, Cond, Elem, Expr, Idx, Kernel, RowReduce, Size, Space, Store, ValueId,
+};
+use dplc_ir::{
+    BinaryOp, DType, Dim, Graph, NodeId, Op, ReduceKind, RegionId, Shape, TensorId, UnaryOp,
+};
+use std::collections::{BTreeSet, HashMap, HashSet};
+
+/// A matmul operand: the materialized tensor it reads, possibly with the last two axes swapped.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Operand {
+    /// The tensor in memory (a reshape of it is the operand).
+    pub tensor: TensorId,
+    /// The operand is this tensor with its last two axes swapped (a cuBLAS transpose flag).
+    pub transposed: bool,
+}
+
+/// One fused kernel and how to bind it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FusedKernel {
+    pub kernel: Kernel,
+    /// The graph tensor behind each kernel buffer.
+    pub buffers: Vec<TensorId>,
+    /// The symbolic dimension behind each size argument `n{k}`.
+    pub sizes: Vec<Dim>,
+    /// The graph nodes computed (or recomputed) inside the kernel.
+    pub nodes: Vec<NodeId>,
+}
+
+/// One step of a region, in execution order.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Step {
+    /// A generated kernel.
+    Kernel(FusedKernel),
+    /// A (batched) matmul for cuBLAS / cuBLASLt.
+    MatMul {
+        node: NodeId,
+        a: Operand,
+        b: Operand,
+    },
+    /// A node the runtime executes itself (top-k, MoE routing, `repeat`), or
+    /// one codegen cannot lower yet, with the reason.
+    Extern { node: NodeId, reason: String },
+}
+
+/// How one region runs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FusionPlan {
+    pub region: RegionId,
+    pub steps: Vec<Step>,
+}
+
+impl FusionPlan {
+    pub fn kernels(&self) -> impl Iterator<Item = &FusedKernel> {
+        self.steps.iter().filter_map(|s| match s {
+            Step::Kernel(k) => Some(k),
+            _ => None,
+        })
+    }
+}
+
+/// Fuse every region of `graph` (the root and each `repeat` body).
+pub fn fuse_graph(graph: &Graph) -> Vec<FusionPlan> {
+    graph.regions().map(|(r, _)| fuse(graph, r)).collect()
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// Already in memory: parameters, inputs, region arguments.
+    Source,
+    /// Computed by a library call or the runtime.
+    Library,
+    /// Index or value arithmetic that is always recomputed where it is needed.
+    Inline,
+    Fusible,
+    Row,
+}
+
+fn role(op: &Op) -> Role {
+    match op {
+        Op::Input(_) | Op::Param(_) => Role::Source,
+        Op::MatMul
+        | Op::TopK { .. }
+        | Op::MoeDispatch { .. }
+        | Op::MoeCombine
+        | Op::Repeat { .. } => Role::Library,
+        Op::Constant(_)
+        | Op::Iota { .. }
+        | Op::Transpose { .. }
+        | Op::Reshape { .. }
+        | Op::Expand { .. }
+        | Op::Slice { .. } => Role::Inline,
+        Op::Unary(_)
+        | Op::Binary(_)
+        | Op::Cast(_)
+        | Op::Concat { .. }
+        | Op::Dropout { .. }
+        | Op::CausalMask
+        | Op::Embedding
+        | Op::TakeAlong => Role::Fusible,
+        Op::Reduce { .. }
+        | Op::Softmax { .. }
+        | Op::LogSoftmax { .. }
+        | Op::LayerNorm { .. }
+        | Op::RmsNorm { .. } => Role::Row,
+    }
+}
+
+/// The axis a row operation reduces over.
+fn row_axis(g: &Graph, node: NodeId) -> usize {
+    let n = g.node(node);
+    match n.op {
+        Op::Reduce { axis, .. } | Op::Softmax { axis } | Op::LogSoftmax { axis } => axis,
+        _ => g.tensor(n.inputs[0]).shape.rank() - 1,
+    }
+}
+
+fn is_last_two_swap(perm: &[usize]) -> bool {
+    let r = perm.len();
+    r >= 2 && perm[r - 1] == r - 2 && perm[r - 2] == r - 1 && (0..r - 2).all(|i| perm[i] == i)
+}
+
+struct Analysis<'g> {
+    g: &'g Graph,
+    region: RegionId,
+    /// Position of each node of the region.
+    pos: HashMap<NodeId, usize>,
+    consumers: HashMap<TensorId, Vec<NodeId>>,
+    materialized: HashSet<TensorId>,
+}
+
+impl<'g> Analysis<'g> {
+    fn producer_role(&self, t: TensorId) -> Role {
+        match self.g.producer(t) {
+            Some(n) if self.g.tensor_region(t) == self.region => role(&n.op),
+            _ => Role::Source,
+        }
+    }
+
+    fn in_memory(&self, t: TensorId) -> bool {
+        matches!(self.producer_role(t), Role::Source | Role::Library)
+            || self.materialized.contains(&t)
+    }
+
+    /// Mark what a library operand reads: through reshapes, and one swap of the last two axes.
+    fn operand(&mut self, x: TensorId, allow_transpose: bool) -> Operand {
+        let mut t = x;
+        let mut transposed = false;
+        if allow_transpose {
+            if let Some(n) = self.g.producer(t) {
+                if let Op::Transpose { perm } = &n.op {
+                    if is_last_two_swap(perm) {
+                        transposed = true;
+                        t = n.inputs[0];
+                    }
+                }
+            }
+        }
+        while let Some(n) = self.g.producer(t) {
+            match n.op {
+                Op::Reshape { .. } => t = n.inputs[0],
+                _ => break,
+            }
+        }
+        if !self.in_memory(t) {
+            self.materialized.insert(t);
+        }
+        Operand {
+            tensor: t,
+            transposed,
+        }
+    }
+
+    /// Whether `t`'s recomputed ancestry holds a row operation.
+    fn has_row_ancestor(&self, t: TensorId) -> bool {
+        let mut stack = vec![t];
+        let mut seen = HashSet::new();
+        while let Some(t) = stack.pop() {
+            if !seen.insert(t) || self.in_memory(t) {
+                continue;
+            }
+            let n = self
+                .g
+                .producer(t)
+                .expect("not in memory, so produced by a node");
+            if role(&n.op) == Role::Row {
+                return true;
+            }
+            stack.extend(n.inputs.iter().copied());
+        }
+        false
+    }
+
+    /// The one row operation in `t`'s recomputed ancestry, if any.
+    fn anchor_of(&self, t: TensorId) -> Result<Option<NodeId>, String> {
+        let mut stack = vec![t];
+        let mut seen = HashSet::new();
+        let mut found = None;
+        let mut first = true;
+        while let Some(t) = stack.pop() {
+            if !seen.insert(t) || (!first && self.in_memory(t)) {
+                continue;
+            }
+            first = false;
+            let Some(n) = self.g.producer(t) else {
+                continue;
+            };
+            if role(&n.op) == Role::Row {
+                let id = node_of(self.g, t);
+                if found.is_some_and(|f| f != id) {
+                    return Err("two row operations would share one kernel".into());
+                }
+                found = Some(id);
+            }
+            stack.extend(n.inputs.iter().copied());
+        }
+        Ok(found)
+    }
+}
+
+fn node_of(g: &Graph, t: TensorId) -> NodeId {
+    match g.tensor(t).def {
+        dplc_ir::TensorDef::Node { node, .. } => node,
+        dplc_ir::TensorDef::Arg { .. } => unreachable!("arguments have no producer"),
+    }
+}
+
+/// Plan one region: which tensors are materialized, and the steps that make them.
+pub fn fuse(g: &Graph, region: RegionId) -> FusionPlan {
+    let reg = g.region(region);
+    let mut a = Analysis {
+        g,
+        region,
+        pos: reg.nodes.iter().enumerate().map(|(i, &n)| (n, i)).collect(),
+        consumers: HashMap::new(),
+        materialized: HashSet::new(),
+    };
+    for &n in &reg.nodes {
+        let node = g.node(n);
+        let mut seen = HashSet::new();
+        for &t in &node.inputs {
+            if seen.insert(t) {
+                a.consumers.entry(t).or_default().push(n);
+            }
+        }
+    }
+    let mut uses: HashMap<TensorId, usize> =
+        a.consumers.iter().map(|(t, c)| (*t, c.len())).collect();
+    for &t in &reg.results {
+        *uses.entry(t).or_default() += 1;
+        if !a.in_memory(t) {
+            a.materialized.insert(t);
+        }
+    }
+    // Library operands, and whatever more than one consumer reads.
+    let mut matmuls = HashMap::new();
+    for &n in &reg.nodes {
+        let node = g.node(n);
+        match node.op {
+            Op::MatMul => {
+                let x = a.operand(node.inputs[0], true);
+                let y = a.operand(node.inputs[1], true);
+                matmuls.insert(n, (x, y));
+            }
+            _ if role(&node.op) == Role::Library => {
+                for &t in &node.inputs {
+                    let allow = false;
+                    a.operand(t, allow);
+                }
+            }
+            _ => {}
+        }
+        for &t in &node.outputs {
+            let r = role(&node.op);
+            if matches!(r, Role::Fusible | Role::Row)
+                && uses.get(&t).copied().unwrap_or(0) != 1
+                && g.tensor(t).dtype.is_float()
+            {
+                a.materialized.insert(t);
+            }
+        }
+    }
+    // Each row operation's output flows on through single-consumer elementwise
+    // ops; the chain ends (is materialized) where it cannot go further.
+    for &n in &reg.nodes {
+        let node = g.node(n);
+        if role(&node.op) != Role::Row {
+            continue;
+        }
+        let axis_last = row_axis(g, n) + 1 == g.tensor(node.inputs[0]).shape.rank();
+        let mut cur = node.outputs[0];
+        let mut along_row = !matches!(node.op, Op::Reduce { .. });
+        loop {
+            if a.in_memory(cur) {
+                break;
+            }
+            let next = a
+                .consumers
+                .get(&cur)
+                .and_then(|c| (c.len() == 1).then(|| c[0]));
+            let ok = next.and_then(|c| {
+                let cn = g.node(c);
+                let out = cn.outputs[0];
+                let same_shape = g.tensor(out).shape == g.tensor(cur).shape;
+                let go = match &cn.op {
+                    Op::Unary(_) | Op::Dropout { .. } => true,
+                    Op::CausalMask => along_row,
+                    Op::Cast(to) => to.is_float(),
+                    Op::Binary(_) => {
+                        same_shape
+                            && g.tensor(out).dtype.is_float()
+                            && cn
+                                .inputs
+                                .iter()
+                                .all(|&i| i == cur || !a.has_row_ancestor(i))
+                    }
+                    Op::TakeAlong if along_row && axis_last && cn.inputs[0] == cur => {
+                        along_row = false;
+                        true
+                    }
+                    _ => false,
+                };
+                go.then_some(out)
+            });
+            match ok {
+                Some(out) => cur = out,
+                None => {
+                    a.materialized.insert(cur);
+                    break;
+                }
+            }
+        }
+    }
+
+    // Lower row kernels first: they may absorb elementwise roots of their row
+    // shape (residual add + norm) as extra outputs.
+    let mut absorbed: HashSet<TensorId> = HashSet::new();
+    let mut lowered: HashMap<TensorId, Result<FusedKernel, String>> = HashMap::new();
+    let roots: Vec<TensorId> = reg
+        .nodes
+        .iter()
+        .flat_map(|&n| g.node(n).outputs.iter().copied())
+        .filter(|t| {
+            a.materialized.contains(t)
+                && matches!(
+                    a.producer_role(*t),
+                    Role::Fusible | Role::Row | Role::Inline
+                )
+        })
+        .collect();
+    let anchors: HashMap<TensorId, Result<Option<NodeId>, String>> =
+        roots.iter().map(|&t| (t, a.anchor_of(t))).collect();
+    for pass_rows in [true, false] {
+        for &t in &roots {
+            let anchor = match &anchors[&t] {
+                Err(e) => {
+                    if pass_rows {
+                        lowered.insert(t, Err(e.clone()));
+                    }
+                    continue;
+                }
+                Ok(anchor) => *anchor,
+            };
+            if anchor.is_some() != pass_rows || absorbed.contains(&t) {
+                continue;
+            }
+            let candidates: HashSet<TensorId> = if pass_rows {
+                roots
+                    .iter()
+                    .copied()
+                    .filter(|r| matches!(anchors[r], Ok(None)) && !absorbed.contains(r))
+                    .collect()
+            } else {
+                HashSet::new()
+            };
+            let result = lower_root(&a, t, anchor, &candidates);
+            if let Ok((_, took)) = &result {
+                absorbed.extend(took.iter().copied());
+            }
+            lowered.insert(t, result.map(|(k, _)| k));
+        }
+    }
+
+    let mut steps = Vec::new();
+    for &n in &reg.nodes {
+        let node = g.node(n);
+        if let Some((x, y)) = matmuls.remove(&n) {
+            steps.push(Step::MatMul {
+                node: n,
+                a: x,
+                b: y,
+            });
+            continue;
+        }
+        if role(&node.op) == Role::Library {
+            steps.push(Step::Extern {
+                node: n,
+                reason: format!("`{}` runs in the runtime", node.op.name()),
+            });
+            continue;
+        }
+        for t in &node.outputs {
+            match lowered.remove(t) {
+                Some(Ok(k)) => steps.push(Step::Kernel(k)),
+                Some(Err(reason)) => steps.push(Step::Extern { node: n, reason }),
+                None => {}
+            }
+        }
+    }
+    FusionPlan { region, steps }
+}
+
+/// Where a row kernel is: its anchor, the axis it reduces, the anchor's input shape.
+struct Anchor {
+    node: NodeId,
+    axis: usize,
+    shape: Shape,
+}
+
+struct Lower<'a, 'g> {
+    a: &'a Analysis<'g>,
+    b: Builder,
+    buffers: Vec<Buffer>,
+    tensors: Vec<TensorId>,
+    sizes: Vec<Dim>,
+    nodes: BTreeSet<NodeId>,
+    anchor: Option<Anchor>,
+    stores: Vec<Store>,
+    streams: u32,
+    memo: HashMap<(TensorId, Vec<Idx>), ValueId>,
+    /// Flat indices that delinearised into these multi-indices over these dims.
+    flat_of: HashMap<(Vec<Idx>, Vec<Dim>), Idx>,
+    row_stats: HashMap<NodeId, Vec<ValueId>>,
+    candidates: &'a HashSet<TensorId>,
+    absorbed: Vec<TensorId>,
+    root: TensorId,
+}
+
+type Res<T> = Result<T, String>;
+
+fn lower_root(
+    a: &Analysis<'_>,
+    root: TensorId,
+    anchor: Option<NodeId>,
+    candidates: &HashSet<TensorId>,
+) -> Res<(FusedKernel, Vec<TensorId>)> {
+    let g = a.g;
+    let mut l = Lower {
+        a,
+        b: Builder::default(),
+        buffers: Vec::new(),
+        tensors: Vec::new(),
+        sizes: Vec::new(),
+        nodes: BTreeSet::new(),
+        anchor: None,
+        stores: Vec::new(),
+        streams: 0,
+        memo: HashMap::new(),
+        flat_of: HashMap::new(),
+        row_stats: HashMap::new(),
+        candidates,
+        absorbed: Vec::new(),
+        root,
+    };
+    let shape = g.tensor(root).shape.clone();
+    let space;
+    let index: Vec<Idx>;
+    match anchor {
+        None => {
+            space = Space {
+                outer: shape.dims().iter().map(|d| l.size(d)).collect(),
+                inner: None,
+            };
+            index = (0..shape.rank()).map(Idx::Var).collect();
+        }
+        Some(n) => {
+            let node = g.node(n);
+            let axis = row_axis(g, n);
+            let in_shape = g.tensor(node.inputs[0]).shape.clone();
+            let rank = in_shape.rank();
+            let rows: Vec<Idx> = (0..rank - 1).map(Idx::Var).collect();
+            let outer = in_shape
+                .dims()
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| *i != axis)
+                .map(|(_, d)| d.clone())
+                .collect::<Vec<_>>();
+            space = Space {
+                outer: outer.iter().map(|d| l.size(d)).collect(),
+                inner: Some(l.size(&in_shape.dims()[axis])),
+            };
+            // A keep-dim reduction has a 1 where the row was.
+            let keeps_dim = shape.rank() == rank
+                && shape.dims()[axis].is_one()
+                && !in_shape.dims()[axis].is_one();
+            let along_row = shape.rank() == rank && !keeps_dim;
+            index = if shape.rank() == rank - 1 {
+                rows
+            } else {
+                let mut i = rows;
+                i.insert(axis, if along_row { Idx::Inner } else { Idx::Const(0) });
+                i
+            };
+            l.anchor = Some(Anchor {
+                node: n,
+                axis,
+                shape: in_shape,
+            });
+        }
+    }
+    let out = l.buffer(root, true);
+    let value = l.compute(root, &index)?;
+    let at = l.linearize(&index, shape.dims());
+    l.stores.insert(
+        0,
+        Store {
+            buf: out,
+            index: at,
+            value,
+        },
+    );
+    let nodes: Vec<NodeId> = l.nodes.iter().copied().collect();
+    let mut names: Vec<&'static str> = Vec::new();
+    for &n in &nodes {
+        let op = &g.node(n).op;
+        if role(op) == Role::Inline || matches!(op, Op::Cast(_)) {
+            continue;
+        }
+        if names.last() != Some(&op.name()) && names.len() < 4 {
+            names.push(op.name());
+        }
+    }
+    let op = if names.is_empty() {
+        "copy".to_string()
+    } else {
+        names.join("_")
+    };
+    let kernel = Kernel {
+        op,
+        sizes: l.sizes.len(),
+        scalars: 0,
+        buffers: l.buffers,
+        space,
+        values: l.b.values,
+        stores: l.stores,
+    };
+    Ok((
+        FusedKernel {
+            kernel,
+            buffers: l.tensors,
+            sizes: l.sizes,
+            nodes,
+        },
+        l.absorbed,
+    ))
+}
+
+impl Lower<'_, '_> {
+    fn g(&self) -> &Graph {
+        self.a.g
+    }
+
+    fn size(&mut self, d: &Dim) -> Size {
+        if let Some(c) = d.as_const() {
+            return Size::Const(c);
+        }
+        let k = match self.sizes.iter().position(|x| x == d) {
+            Some(k) => k,
+            None => {
+                self.sizes.push(d.clone());
+                self.sizes.len() - 1
+            }
+        };
+        Size::Param(k)
+    }
+
+    fn size_idx(&mut self, d: &Dim) -> Idx {
+        match self.size(d) {
+            Size::Const(c) => Idx::Const(c),
+            s => Idx::Size(s),
+        }
+    }
+
+    fn buffer(&mut self, t: TensorId, output: bool) -> usize {
+        if let Some(i) = self.tensors.iter().position(|&x| x == t) {
+            return i;
+        }
+        let tensor = self.g().tensor(t).clone();
+        let len = tensor.shape.dims().iter().map(|d| self.size(d)).collect();
+        self.buffers.push(Buffer {
+            label: t.to_string(),
+            elem: if tensor.dtype == DType::I32 {
+                Elem::I32
+            } else {
+                Elem::Float
+            },
+            output,
+            len,
+        });
+        self.tensors.push(t);
+        self.tensors.len() - 1
+    }
+
+    fn linearize(&mut self, index: &[Idx], dims: &[Dim]) -> Idx {
+        if let Some(flat) = self.flat_of.get(&(index.to_vec(), dims.to_vec())) {
+            return flat.clone();
+        }
+        let mut acc = Idx::Const(0);
+        for (i, d) in index.iter().zip(dims) {
+            let s = self.size_idx(d);
+            acc = Idx::add(Idx::mul(acc, s), i.clone());
+        }
+        acc
+    }
+
+    fn delinearize(&mut self, flat: Idx, dims: &[Dim]) -> Vec<Idx> {
+        let mut out = vec![Idx::Const(0); dims.len()];
+        let mut stride = Idx::Const(1);
+        for k in (0..dims.len()).rev() {
+            let d = self.size_idx(&dims[k]);
+            let q = Idx::div(flat.clone(), stride.clone());
+            out[k] = if k == 0 { q } else { Idx::rem(q, d.clone()) };
+            stride = Idx::mul(stride, d);
+        }
+        self.flat_of.insert((out.clone(), dims.to_vec()), flat);
+        out
+    }
+
+    /// The index into an input of shape `from` of a broadcasting elementwise op at `index`.
+    fn broadcast(&self, index: &[Idx], from: &Shape, out: &Shape) -> Vec<Idx> {
+        let off = out.rank() - from.rank();
+        (0..from.rank())
+            .map(|k| {
+                if from.dims()[k].is_one() && !out.dims()[k + off].is_one() {
+                    Idx::Const(0)
+                } else {
+                    index[k + off].clone()
+                }
+            })
+            .collect()
+    }
+
+    fn value(&mut self, t: TensorId, index: &[Idx]) -> Res<ValueId> {
+        let g = self.a.g;
+        if g.tensor(t).dtype == DType::I32 {
+            let i = self.index(t, index)?;
+            return Ok(self.b.push(Expr::FromIndex(i)));
+        }
+        if self.absorbed.contains(&t) && self.memo.contains_key(&(t, index.to_vec())) {
+            return self.compute(t, index);
+        }
+        if t != self.root && self.a.in_memory(t) {
+            if self.absorbable(t, index) {
+                self.absorbed.push(t);
+                let v = self.compute(t, index)?;
+                let buf = self.buffer(t, true);
+                let at = self.linearize(index, g.tensor(t).shape.dims());
+                self.stores.push(Store {
+                    buf,
+                    index: at,
+                    value: v,
+                });
+                return Ok(v);
+            }
+            let buf = self.buffer(t, false);
+            let at = self.linearize(index, g.tensor(t).shape.dims());
+            return Ok(self.b.push(Expr::Load { buf, index: at }));
+        }
+        self.compute(t, index)
+    }
+
+    /// Whether materialized `t` can be computed and stored here instead of in its own kernel.
+    fn absorbable(&self, t: TensorId, index: &[Idx]) -> bool {
+        let Some(anchor) = &self.anchor else {
+            return false;
+        };
+        if !self.candidates.contains(&t)
+            || self.absorbed.contains(&t)
+            || !self.a.materialized.contains(&t)
+        {
+            return false;
+        }
+        let g = self.a.g;
+        let rank = anchor.shape.rank();
+        if g.tensor(t).shape != anchor.shape || anchor.axis + 1 != rank {
+            return false;
+        }
+        let mut want: Vec<Idx> = (0..rank - 1).map(Idx::Var).collect();
+        want.push(Idx::Inner);
+        if index != want.as_slice() {
+            return false;
+        }
+        // Every other reader of `t` must run after this kernel.
+        let root_pos = self.a.pos[&node_of(g, self.root)];
+        self.a.consumers.get(&t).is_some_and(|cs| {
+            cs.iter()
+                .all(|c| self.a.pos[c] > root_pos || self.is_fused_here(*c))
+        })
+    }
+
+    fn is_fused_here(&self, c: NodeId) -> bool {
+        // The anchor chain: the readers this kernel recomputes are before its root.
+        let g = self.a.g;
+        let anchor = self.anchor.as_ref().map(|a| a.node);
+        Some(c) == anchor
+            || g.node(c)
+                .outputs
+                .iter()
+                .any(|o| !self.a.in_memory(*o) && self.memo.keys().any(|(t, _)| t == o))
+    }
+
+    fn index(&mut self, t: TensorId, index: &[Idx]) -> Res<Idx> {
+        let g = self.a.g;
+        if self.a.in_memory(t) && t != self.root {
+            let buf = self.buffer(t, false);
+            let at = self.linearize(index, g.tensor(t).shape.dims());
+            return Ok(Idx::Load(buf, Box::new(at)));
+        }
+        let node = g.producer(t).expect("computed tensors have producers");
+        self.nodes.insert(node_of(g, t));
+        let out = &g.tensor(t).shape;
+        Ok(match &node.op {
+            Op::Iota { .. } => index[0].clone(),
+            Op::Cast(_) => {
+                let x = node.inputs[0];
+                match g.producer(x).map(|n| &n.op) {
+                    _ if g.tensor(x).dtype == DType::I32 => self.index(x, index)?,
+                    Some(Op::Constant(c)) if c.fract() == 0.0 => Idx::Const(*c as i64),
+                    _ => return Err("a float cast to an index inside a kernel".into()),
+                }
+            }
+            Op::Binary(op @ (BinaryOp::Add | BinaryOp::Sub | BinaryOp::Mul)) => {
+                let (x, y) = (node.inputs[0], node.inputs[1]);
+                let ix = self.broadcast(index, &g.tensor(x).shape, out);
+                let iy = self.broadcast(index, &g.tensor(y).shape, out);
+                let (x, y) = (self.index(x, &ix)?, self.index(y, &iy)?);
+                match op {
+                    BinaryOp::Add => Idx::add(x, y),
+                    BinaryOp::Sub => Idx::sub(x, y),
+                    _ => Idx::mul(x, y),
+                }
+            }
+            Op::Transpose { .. } | Op::Reshape { .. } | Op::Expand { .. } | Op::Slice { .. } => {
+                let inner = self.view_index(node_of(g, t), index);
+                self.index(node.inputs[0], &inner)?
+            }
+            op => return Err(format!("`{}` on indices inside a kernel", op.name())),
+        })
+    }
+
+    /// The input index of a view node at output `index`.
+    fn view_index(&mut self, n: NodeId, index: &[Idx]) -> Vec<Idx> {
+        let g = self.a.g;
+        let node = g.node(n);
+        let input = g.tensor(node.inputs[0]).shape.clone();
+        let out = g.tensor(node.outputs[0]).shape.clone();
+        match &node.op {
+            Op::Transpose { perm } => {
+                let mut inner = vec![Idx::Const(0); perm.len()];
+                for (i, &p) in perm.iter().enumerate() {
+                    inner[p] = index[i].clone();
+                }
+                inner
+            }
+            Op::Reshape { .. } => {
+                let flat = self.linearize(index, out.dims());
+                self.delinearize(flat, input.dims())
+            }
+            Op::Expand { .. } => self.broadcast(index, &input, &out),
+            Op::Slice { axis, start, .. } => {
+                let mut inner = index.to_vec();
+                inner[*axis] = Idx::add(inner[*axis].clone(), Idx::Const(*start));
+                inner
+            }
+            _ => unreachable!("only views"),
+        }
+    }
+
+    /// Lower the node producing `t` at `index`, whether or not `t` is materialized.
+    fn compute(&mut self, t: TensorId, index: &[Idx]) -> Res<ValueId> {
+        let key = (t, index.to_vec());
+        if let Some(&v) = self.memo.get(&key) {
+            return Ok(v);
+        }
+        let v = self.compute_inner(t, index)?;
+        self.memo.insert(key, v);
+        Ok(v)
+    }
+
+    fn compute_inner(&mut self, t: TensorId, index: &[Idx]) -> Res<ValueId> {
+        let g = self.a.g;
+        let n = node_of(g, t);
+        let node = g.node(n);
+        self.nodes.insert(n);
+        let out = g.tensor(t).shape.clone();
+        let input = |i: usize| node.inputs[i];
+        Ok(match &node.op {
+            Op::Constant(c) => self.b.konst(*c),
+            Op::Unary(op) => {
+                let x = self.value(input(0), index)?;
+                self.b.unary(*op, x)
+            }
+            Op::Binary(op) => {
+                let ix = self.broadcast(index, &g.tensor(input(0)).shape, &out);
+                let iy = self.broadcast(index, &g.tensor(input(1)).shape, &out);
+                let x = self.value(input(0), &ix)?;
+                let y = self.value(input(1), &iy)?;
+                self.b.binary(*op, x, y)
+            }
+            Op::Cast(_) => self.value(input(0), index)?,
+            Op::Transpose { .. } | Op::Reshape { .. } | Op::Expand { .. } | Op::Slice { .. } => {
+                let inner = self.view_index(n, index);
+                self.value(input(0), &inner)?
+            }
+            Op::Concat { axis } => {
+                let mut parts = Vec::new();
+                let mut offset = Idx::Const(0);
+                for &x in &node.inputs {
+                    let len = g.tensor(x).shape.dims()[*axis].clone();
+                    let len = self.size_idx(&len);
+                    let mut ix = index.to_vec();
+                    let local = Idx::sub(index[*axis].clone(), offset.clone());
+                    ix[*axis] = Idx::min(
+                        Idx::max(local, Idx::Const(0)),
+                        Idx::sub(len.clone(), Idx::Const(1)),
+                    );
+                    let v = self.value(x, &ix)?;
+                    offset = Idx::add(offset, len);
+                    parts.push((v, offset.clone()));
+                }
+                let (mut acc, _) = parts.pop().expect("concat has inputs");
+                while let Some((v, end)) = parts.pop() {
+                    acc = self.b.push(Expr::Select {
+                        cond: Cond::IdxLt(index[*axis].clone(), end),
+                        then: v,
+                        otherwise: acc,
+                    });
+                }
+                acc
+            }
+            Op::CausalMask => {
+                let x = self.value(input(0), index)?;
+                let r = index.len();
+                let neg_inf = self.b.konst(f64::NEG_INFINITY);
+                self.b.push(Expr::Select {
+                    cond: Cond::IdxLt(index[r - 2].clone(), index[r - 1].clone()),
+                    then: neg_inf,
+                    otherwise: x,
+                })
+            }
+            Op::Dropout { p } => {
+                let x = self.value(input(0), index)?;
+                if *p == 0.0 {
+                    x
+                } else {
+                    let at = self.linearize(index, out.dims());
+                    let stream = self.streams;
+                    self.streams += 1;
+                    let r = self.b.push(Expr::Random { stream, index: at });
+                    let pv = self.b.konst(*p);
+                    let zero = self.b.konst(0.0);
+                    let scale = self.b.konst(1.0 / (1.0 - *p));
+                    let kept = self.b.binary(BinaryOp::Mul, x, scale);
+                    self.b.push(Expr::Select {
+                        cond: Cond::ValLt(r, pv),
+                        then: zero,
+                        otherwise: kept,
+                    })
+                }
+            }
+            Op::Embedding => {
+                let r = index.len();
+                let row = self.index(input(1), &index[..r - 1])?;
+                self.value(input(0), &[row, index[r - 1].clone()])?
+            }
+            Op::TakeAlong => {
+                let col = self.index(input(1), index)?;
+                let mut ix = index.to_vec();
+                ix.push(col);
+                self.value(input(0), &ix)?
+            }
+            Op::Reduce { .. }
+            | Op::Softmax { .. }
+            | Op::LogSoftmax { .. }
+            | Op::LayerNorm { .. }
+            | Op::RmsNorm { .. } => self.row_op(n, index)?,
+            op => return Err(format!("`{}` inside a kernel", op.name())),
+        })
+    }
+
+    fn row_op(&mut self, n: NodeId, index: &[Idx]) -> Res<ValueId> {
+        let g = self.a.g;
+        let node = g.node(n);
+        let Some(anchor) = &self.anchor else {
+            return Err("a row operation in an elementwise kernel".into());
+        };
+        if anchor.node != n {
+            return Err("a second row operation in one kernel".into());
+        }
+        let axis = anchor.axis;
+        let rank = anchor.shape.rank();
+        let inner_len = anchor.shape.dims()[axis].clone();
+        // The point asked for: its row must be this kernel's row.
+        let (rows, col): (Vec<Idx>, Option<Idx>) = match &node.op {
+            Op::Reduce { keep_dim, .. } => {
+                let mut r = index.to_vec();
+                if *keep_dim {
+                    r.remove(axis);
+                }
+                (r, None)
+            }
+            _ => {
+                let mut r = index.to_vec();
+                let c = r.remove(axis);
+                (r, Some(c))
+            }
+        };
+        if rows != (0..rank - 1).map(Idx::Var).collect::<Vec<_>>() {
+            return Err("a row operation read at another row".into());
+        }
+        let at = |c: Idx| {
+            let mut i = rows.clone();
+            i.insert(axis, c);
+            i
+        };
+        let x = node.inputs[0];
+        let stats = match self.row_stats.get(&n) {
+            Some(s) => s.clone(),
+            None => {
+                let xj = self.value(x, &at(Idx::Inner))?;
+                let len = self.size_idx(&inner_len);
+                let len = match len {
+                    Idx::Const(c) => self.b.konst(c as f64),
+                    i => self.b.push(Expr::FromIndex(i)),
+                };
+                let s = match &node.op {
+                    Op::Reduce { kind, .. } => {
+                        let r = self.b.reduce(
+                            if *kind == ReduceKind::Max {
+                                RowReduce::Max
+                            } else {
+                                RowReduce::Sum
+                            },
+                            xj,
+                        );
+                        if *kind == ReduceKind::Mean {
+                            vec![self.b.binary(BinaryOp::Div, r, len)]
+                        } else {
+                            vec![r]
+                        }
+                    }
+                    Op::Softmax { .. } | Op::LogSoftmax { .. } => {
+                        let m = self.b.reduce(RowReduce::Max, xj);
+                        let d = self.b.binary(BinaryOp::Sub, xj, m);
+                        let e = self.b.unary(UnaryOp::Exp, d);
+                        let s = self.b.reduce(RowReduce::Sum, e);
+                        vec![m, s]
+                    }
+                    Op::LayerNorm { eps } => {
+                        let sum = self.b.reduce(RowReduce::Sum, xj);
+                        let mean = self.b.binary(BinaryOp::Div, sum, len);
+                        let d = self.b.binary(BinaryOp::Sub, xj, mean);
+                        let d2 = self.b.binary(BinaryOp::Mul, d, d);
+                        let ss = self.b.reduce(RowReduce::Sum, d2);
+                        let var = self.b.binary(BinaryOp::Div, ss, len);
+                        let eps = self.b.konst(*eps);
+                        let ve = self.b.binary(BinaryOp::Add, var, eps);
+                        let rstd = self.b.unary(UnaryOp::Rsqrt, ve);
+                        vec![mean, rstd]
+                    }
+                    Op::RmsNorm { eps } => {
+                        let x2 = self.b.binary(BinaryOp::Mul, xj, xj);
+                        let ss = self.b.reduce(RowReduce::Sum, x2);
+                        let ms = self.b.binary(BinaryOp::Div, ss, len);
+                        let eps = self.b.konst(*eps);
+                        let me = self.b.binary(BinaryOp::Add, ms, eps);
+                        vec![self.b.unary(UnaryOp::Rsqrt, me)]
+                    }
+                    _ => unreachable!("row operations only"),
+                };
+                self.row_stats.insert(n, s.clone());
+                s
+            }
+        };
+        let Some(col) = col else { return Ok(stats[0]) };
+        let xi = self.value(x, &at(col.clone()))?;
+        Ok(match &node.op {
+            Op::Softmax { .. } => {
+                let d = self.b.binary(BinaryOp::Sub, xi, stats[0]);
+                let e = self.b.unary(UnaryOp::Exp, d);
+                self.b.binary(BinaryOp::Div, e, stats[1])
+            }
+            Op::LogSoftmax { .. } => {
+                let ls = self.b.unary(UnaryOp::Log, stats[1]);
+                let lse = self.b.binary(BinaryOp::Add, stats[0], ls);
+                self.b.binary(BinaryOp::Sub, xi, lse)
+            }
+            Op::LayerNorm { .. } => {
+                let d = self.b.binary(BinaryOp::Sub, xi, stats[0]);
+                let nrm = self.b.binary(BinaryOp::Mul, d, stats[1]);
+                let w = self.value(node.inputs[1], std::slice::from_ref(&col))?;
+                let bias = self.value(node.inputs[2], &[col])?;
+                let y = self.b.binary(BinaryOp::Mul, nrm, w);
+                self.b.binary(BinaryOp::Add, y, bias)
+            }
+            Op::RmsNorm { .. } => {
+                let nrm = self.b.binary(BinaryOp::Mul, xi, stats[0]);
+                let w = self.value(node.inputs[1], &[col])?;
+                self.b.binary(BinaryOp::Mul, nrm, w)
+            }
+            _ => unreachable!("reductions return above"),
+        })
+    }
+}

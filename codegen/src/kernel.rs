@@ -1,0 +1,494 @@
+//! The kernel IR: one fused kernel as SSA scalar arithmetic over a row-major
+//! iteration space, with loads, stores, index arithmetic and row reductions.
+//!
+//! A kernel runs its body once per point of `space.outer`; when `space.inner`
+//! is set it is a *row kernel*: values that depend on the inner index `j` are
+//! vectors over the row, and [`Expr::Reduce`] folds one back to a scalar. The
+//! printed form ([`Kernel::text`]) is stable: names hash it and goldens show it.
+
+use dplc_ir::{BinaryOp, UnaryOp};
+use std::fmt::{self, Write as _};
+
+/// A dimension of the iteration space or of a buffer: fixed, or a run-time
+/// size argument `n{k}` of the kernel (a symbolic dimension such as `batch*seq`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Size {
+    Const(i64),
+    Param(usize),
+}
+
+impl fmt::Display for Size {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Size::Const(n) => write!(f, "{n}"),
+            Size::Param(k) => write!(f, "n{k}"),
+        }
+    }
+}
+
+/// What a buffer holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Elem {
+    /// Floating point in the kernel's storage type (f32, bf16 or f16), read
+    /// and written through `f32` arithmetic.
+    Float,
+    /// Always `f32`, whatever the storage type (optimizer state, master weights).
+    F32,
+    /// `i32` indices (tokens, targets).
+    I32,
+}
+
+/// A kernel argument pointing at device memory.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Buffer {
+    /// What the buffer is in the graph (`%15`, `p`, `m`): for people, not hashed.
+    pub label: String,
+    pub elem: Elem,
+    /// Written by the kernel (every other buffer is only read).
+    pub output: bool,
+    /// Elements in the buffer, as a product of sizes.
+    pub len: Vec<Size>,
+}
+
+/// An `i64` index expression. `Var(a)` is the index along outer axis `a` of
+/// the iteration space, `Inner` the index along the row of a row kernel.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Idx {
+    Var(usize),
+    Inner,
+    Const(i64),
+    Size(Size),
+    Add(Box<Idx>, Box<Idx>),
+    Sub(Box<Idx>, Box<Idx>),
+    Mul(Box<Idx>, Box<Idx>),
+    /// Floor division of non-negative operands.
+    Div(Box<Idx>, Box<Idx>),
+    Rem(Box<Idx>, Box<Idx>),
+    Min(Box<Idx>, Box<Idx>),
+    Max(Box<Idx>, Box<Idx>),
+    /// An `i32` read from an index buffer (gathers: embeddings, take-along).
+    Load(usize, Box<Idx>),
+}
+
+#[allow(clippy::should_implement_trait)]
+impl Idx {
+    pub fn add(a: Idx, b: Idx) -> Idx {
+        match (a, b) {
+            (Idx::Const(0), x) | (x, Idx::Const(0)) => x,
+            (Idx::Const(x), Idx::Const(y)) => Idx::Const(x + y),
+            (x, y) => Idx::Add(Box::new(x), Box::new(y)),
+        }
+    }
+
+    pub fn sub(a: Idx, b: Idx) -> Idx {
+        match (a, b) {
+            (x, Idx::Const(0)) => x,
+            (Idx::Const(x), Idx::Const(y)) => Idx::Const(x - y),
+            (x, y) => Idx::Sub(Box::new(x), Box::new(y)),
+        }
+    }
+
+    pub fn mul(a: Idx, b: Idx) -> Idx {
+        match (a, b) {
+            (Idx::Const(0), _) | (_, Idx::Const(0)) => Idx::Const(0),
+            (Idx::Const(1), x) | (x, Idx::Const(1)) => x,
+            (Idx::Const(x), Idx::Const(y)) => Idx::Const(x * y),
+            (x, y) => Idx::Mul(Box::new(x), Box::new(y)),
+        }
+    }
+
+    /// `a / b`, simplifying `(x * b + y) / b` to `x` when `0 <= y < b` is known.
+    pub fn div(a: Idx, b: Idx) -> Idx {
+        if let Some((hi, _)) = split_multiple(&a, &b) {
+            return hi;
+        }
+        match (a, b) {
+            (x, Idx::Const(1)) => x,
+            (Idx::Const(x), Idx::Const(y)) => Idx::Const(x / y),
+            (x, y) => Idx::Div(Box::new(x), Box::new(y)),
+        }
+    }
+
+    /// `a % b`, simplifying `(x * b + y) % b` to `y` when `0 <= y < b` is known.
+    pub fn rem(a: Idx, b: Idx) -> Idx {
+        if let Some((_, lo)) = split_multiple(&a, &b) {
+            return lo;
+        }
+        match (a, b) {
+            (_, Idx::Const(1)) => Idx::Const(0),
+            (Idx::Const(x), Idx::Const(y)) => Idx::Const(x % y),
+            (x, y) => Idx::Rem(Box::new(x), Box::new(y)),
+        }
+    }
+
+    pub fn min(a: Idx, b: Idx) -> Idx {
+        match (a, b) {
+            (Idx::Const(x), Idx::Const(y)) => Idx::Const(x.min(y)),
+            (x, y) => Idx::Min(Box::new(x), Box::new(y)),
+        }
+    }
+
+    pub fn max(a: Idx, b: Idx) -> Idx {
+        match (a, b) {
+            (Idx::Const(x), Idx::Const(y)) => Idx::Const(x.max(y)),
+            (x, y) => Idx::Max(Box::new(x), Box::new(y)),
+        }
+    }
+
+    /// Whether the expression reads the inner (row) index.
+    pub fn uses_inner(&self) -> bool {
+        match self {
+            Idx::Inner => true,
+            Idx::Var(_) | Idx::Const(_) | Idx::Size(_) => false,
+            Idx::Load(_, i) => i.uses_inner(),
+            Idx::Add(a, b)
+            | Idx::Sub(a, b)
+            | Idx::Mul(a, b)
+            | Idx::Div(a, b)
+            | Idx::Rem(a, b)
+            | Idx::Min(a, b)
+            | Idx::Max(a, b) => a.uses_inner() || b.uses_inner(),
+        }
+    }
+
+    /// Whether the expression reads the outer index of `axis`.
+    pub fn uses_var(&self, axis: usize) -> bool {
+        match self {
+            Idx::Var(a) => *a == axis,
+            Idx::Inner | Idx::Const(_) | Idx::Size(_) => false,
+            Idx::Load(_, i) => i.uses_var(axis),
+            Idx::Add(a, b)
+            | Idx::Sub(a, b)
+            | Idx::Mul(a, b)
+            | Idx::Div(a, b)
+            | Idx::Rem(a, b)
+            | Idx::Min(a, b)
+            | Idx::Max(a, b) => a.uses_var(axis) || b.uses_var(axis),
+        }
+    }
+
+    /// `Some(base)` when `self == base + v` with `base` free of `v`, where `v`
+    /// is the variable `var` (so consecutive `v` read consecutive elements).
+    pub fn contiguous_in(&self, var: &Idx) -> Option<Idx> {
+        if self == var {
+            return Some(Idx::Const(0));
+        }
+        match self {
+            Idx::Add(a, b) if **b == *var && !a.mentions(var) => Some((**a).clone()),
+            Idx::Add(a, b) if **a == *var && !b.mentions(var) => Some((**b).clone()),
+            Idx::Add(a, b) if !b.mentions(var) => a
+                .contiguous_in(var)
+                .map(|base| Idx::add(base, (**b).clone())),
+            _ => None,
+        }
+    }
+
+    fn mentions(&self, var: &Idx) -> bool {
+        match var {
+            Idx::Inner => self.uses_inner(),
+            Idx::Var(a) => self.uses_var(*a),
+            _ => true,
+        }
+    }
+
+    /// Whether the value is certainly a multiple of `m` (for aligned vector access).
+    pub fn multiple_of(&self, m: i64) -> bool {
+        match self {
+            Idx::Const(c) => c % m == 0,
+            Idx::Size(Size::Const(c)) => c % m == 0,
+            Idx::Mul(a, b) => a.multiple_of(m) || b.multiple_of(m),
+            Idx::Add(a, b) | Idx::Sub(a, b) => a.multiple_of(m) && b.multiple_of(m),
+            _ => false,
+        }
+    }
+}
+
+/// `Some((x, y))` when `a == x * b + y` syntactically with `y` a sum of
+/// products whose bound is below `b` (the linearised index of a row-major shape).
+fn split_multiple(a: &Idx, b: &Idx) -> Option<(Idx, Idx)> {
+    if let Idx::Add(hi, lo) = a {
+        if let Idx::Mul(x, m) = &**hi {
+            if **m == *b {
+                return Some(((**x).clone(), (**lo).clone()));
+            }
+        }
+    }
+    if let Idx::Mul(x, m) = a {
+        if **m == *b {
+            return Some(((**x).clone(), Idx::Const(0)));
+        }
+    }
+    None
+}
+
+impl fmt::Display for Idx {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Idx::Var(a) => write!(f, "i{a}"),
+            Idx::Inner => f.write_str("j"),
+            Idx::Const(c) => write!(f, "{c}"),
+            Idx::Size(s) => write!(f, "{s}"),
+            Idx::Add(a, b) => write!(f, "({a} + {b})"),
+            Idx::Sub(a, b) => write!(f, "({a} - {b})"),
+            Idx::Mul(a, b) => write!(f, "{a}*{b}"),
+            Idx::Div(a, b) => write!(f, "({a} / {b})"),
+            Idx::Rem(a, b) => write!(f, "({a} % {b})"),
+            Idx::Min(a, b) => write!(f, "min({a}, {b})"),
+            Idx::Max(a, b) => write!(f, "max({a}, {b})"),
+            Idx::Load(buf, i) => write!(f, "b{buf}[{i}]"),
+        }
+    }
+}
+
+/// An SSA value of the kernel body.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ValueId(pub u32);
+
+impl fmt::Display for ValueId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "v{}", self.0)
+    }
+}
+
+/// How a row reduction combines.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RowReduce {
+    Sum,
+    Max,
+}
+
+/// A comparison that picks one of two values.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Cond {
+    /// `a < b` on indices.
+    IdxLt(Idx, Idx),
+    /// `a < b` on values.
+    ValLt(ValueId, ValueId),
+}
+
+/// An `f32` scalar expression. Operands are earlier values.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Expr {
+    Load {
+        buf: usize,
+        index: Idx,
+    },
+    Const(f64),
+    /// Run-time scalar argument `s{k}` (learning rate, step, …).
+    Scalar(usize),
+    /// An index as a float (`cast(iota)`).
+    FromIndex(Idx),
+    Unary(UnaryOp, ValueId),
+    Binary(BinaryOp, ValueId, ValueId),
+    Select {
+        cond: Cond,
+        then: ValueId,
+        otherwise: ValueId,
+    },
+    /// Fold a value over the whole row (row kernels only): a per-row scalar.
+    Reduce {
+        kind: RowReduce,
+        value: ValueId,
+    },
+    /// A uniform number in `[0, 1)`, a pure function of the kernel's `seed`
+    /// argument, `stream` and `index` (dropout masks replay in backward).
+    Random {
+        stream: u32,
+        index: Idx,
+    },
+}
+
+/// A write of `value` to `buf[index]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Store {
+    pub buf: usize,
+    pub index: Idx,
+    pub value: ValueId,
+}
+
+/// The iteration space: one point per element of `outer` (row-major), and for
+/// a row kernel a row of `inner` elements at each point.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Space {
+    pub outer: Vec<Size>,
+    pub inner: Option<Size>,
+}
+
+/// One fused kernel.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Kernel {
+    /// What it computes, e.g. `add_layernorm`: the first part of its name.
+    pub op: String,
+    /// Run-time size arguments `n0..`.
+    pub sizes: usize,
+    /// Run-time `f32` arguments `s0..`.
+    pub scalars: usize,
+    pub buffers: Vec<Buffer>,
+    pub space: Space,
+    pub values: Vec<Expr>,
+    pub stores: Vec<Store>,
+}
+
+impl Kernel {
+    pub fn is_row_kernel(&self) -> bool {
+        self.space.inner.is_some()
+    }
+
+    /// Whether the kernel draws random numbers (and so takes a `seed`).
+    pub fn uses_random(&self) -> bool {
+        self.values.iter().any(|e| matches!(e, Expr::Random { .. }))
+    }
+
+    /// Per value: whether it varies along the row (depends on `j`).
+    pub fn along_row(&self) -> Vec<bool> {
+        let mut elem = Vec::with_capacity(self.values.len());
+        for e in &self.values {
+            let v = match e {
+                Expr::Load { index, .. } | Expr::FromIndex(index) | Expr::Random { index, .. } => {
+                    index.uses_inner()
+                }
+                Expr::Const(_) | Expr::Scalar(_) => false,
+                Expr::Unary(_, a) => elem[a.0 as usize],
+                Expr::Binary(_, a, b) => elem[a.0 as usize] || elem[b.0 as usize],
+                Expr::Select {
+                    cond,
+                    then,
+                    otherwise,
+                } => {
+                    let c = match cond {
+                        Cond::IdxLt(a, b) => a.uses_inner() || b.uses_inner(),
+                        Cond::ValLt(a, b) => elem[a.0 as usize] || elem[b.0 as usize],
+                    };
+                    c || elem[then.0 as usize] || elem[otherwise.0 as usize]
+                }
+                Expr::Reduce { .. } => false,
+            };
+            elem.push(v);
+        }
+        elem
+    }
+
+    /// The stable textual form: hashed for the name, shown in goldens.
+    pub fn text(&self) -> String {
+        let mut s = String::new();
+        let outer: Vec<String> = self.space.outer.iter().map(|d| d.to_string()).collect();
+        let _ = write!(s, "kernel {} [{}]", self.op, outer.join(", "));
+        if let Some(inner) = self.space.inner {
+            let _ = write!(s, " rows of {inner}");
+        }
+        let _ = writeln!(s, " sizes={} scalars={}", self.sizes, self.scalars);
+        for (i, b) in self.buffers.iter().enumerate() {
+            let len: Vec<String> = b.len.iter().map(|d| d.to_string()).collect();
+            let _ = writeln!(
+                s,
+                "  b{i}: {} {}[{}]  // {}",
+                if b.output { "out" } else { "in" },
+                match b.elem {
+                    Elem::Float => "float",
+                    Elem::F32 => "f32",
+                    Elem::I32 => "i32",
+                },
+                len.join("*"),
+                b.label
+            );
+        }
+        for (i, e) in self.values.iter().enumerate() {
+            let _ = write!(s, "  v{i} = ");
+            let _ = match e {
+                Expr::Load { buf, index } => write!(s, "load b{buf}[{index}]"),
+                Expr::Const(c) => write!(s, "const {c:?}"),
+                Expr::Scalar(k) => write!(s, "scalar s{k}"),
+                Expr::FromIndex(i) => write!(s, "index {i}"),
+                Expr::Unary(op, a) => write!(s, "{} {a}", op.name()),
+                Expr::Binary(op, a, b) => write!(s, "{} {a}, {b}", op.name()),
+                Expr::Select {
+                    cond,
+                    then,
+                    otherwise,
+                } => match cond {
+                    Cond::IdxLt(a, b) => write!(s, "select {a} < {b} ? {then} : {otherwise}"),
+                    Cond::ValLt(a, b) => write!(s, "select {a} < {b} ? {then} : {otherwise}"),
+                },
+                Expr::Reduce { kind, value } => write!(
+                    s,
+                    "row_{} {value}",
+                    match kind {
+                        RowReduce::Sum => "sum",
+                        RowReduce::Max => "max",
+                    }
+                ),
+                Expr::Random { stream, index } => write!(s, "random {stream} @ {index}"),
+            };
+            s.push('\n');
+        }
+        for st in &self.stores {
+            let _ = writeln!(s, "  store b{}[{}] = {}", st.buf, st.index, st.value);
+        }
+        s
+    }
+
+    /// A stable 64-bit FNV-1a hash of the printed kernel (not std's seeded hasher).
+    pub fn hash64(&self) -> u64 {
+        fnv1a(self.text().as_bytes())
+    }
+}
+
+/// 64-bit FNV-1a: stable across runs, platforms and compiler versions.
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// Builds a kernel body value by value.
+#[derive(Default)]
+pub struct Builder {
+    pub values: Vec<Expr>,
+}
+
+impl Builder {
+    pub fn push(&mut self, e: Expr) -> ValueId {
+        // Reuse an identical earlier value (loads of the same element, shared constants).
+        if !matches!(e, Expr::Random { .. }) {
+            if let Some(i) = self.values.iter().position(|x| *x == e) {
+                return ValueId(i as u32);
+            }
+        }
+        self.values.push(e);
+        ValueId(self.values.len() as u32 - 1)
+    }
+
+    pub fn konst(&mut self, c: f64) -> ValueId {
+        self.push(Expr::Const(c))
+    }
+
+    pub fn unary(&mut self, op: UnaryOp, a: ValueId) -> ValueId {
+        self.push(Expr::Unary(op, a))
+    }
+
+    pub fn binary(&mut self, op: BinaryOp, a: ValueId, b: ValueId) -> ValueId {
+        self.push(Expr::Binary(op, a, b))
+    }
+
+    pub fn reduce(&mut self, kind: RowReduce, value: ValueId) -> ValueId {
+        self.push(Expr::Reduce { kind, value })
+    }
+}
+
+/// The random number of [`Expr::Random`]: a counter-based hash, the same bits
+/// on the CPU and on the GPU.
+pub fn random_uniform(seed: u64, stream: u32, index: i64) -> f32 {
+    let mut x = seed
+        ^ (u64::from(stream).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+        ^ (index as u64).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x ^= x >> 30;
+    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x ^= x >> 27;
+    x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^= x >> 31;
+    // The top 24 bits: exactly representable in f32, uniform in [0, 1).
+    (x >> 40) as f32 * (1.0 / 16_777_216.0)
+}

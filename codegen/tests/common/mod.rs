@@ -1,0 +1,403 @@
+//! Shared by codegen's tests: zoo models, the plan printout, and a small
+//! unfused reference evaluator of the IR on concrete shapes.
+#![allow(dead_code)]
+
+use dplc_codegen::{Data, FusionPlan, Step};
+use dplc_ir::{DType, Dim, Graph, Op, ReduceKind, RegionId, TensorId};
+use std::collections::HashMap;
+use std::path::Path;
+
+pub fn zoo(file: &str, model: &str) -> dplc_frontend::Lowered {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../models")
+        .join(file);
+    let text = std::fs::read_to_string(&path).expect("zoo files are in the repository");
+    let unit = dplc_frontend::parse(&format!("models/{file}"), &text)
+        .unwrap_or_else(|d| panic!("{}", d.render_plain()));
+    unit.lower(model)
+        .unwrap_or_else(|d| panic!("{}", d.render_plain()))
+}
+
+/// Every model of every zoo file.
+pub fn all_zoo() -> Vec<(String, dplc_frontend::Lowered)> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .expect("models/ exists")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "dpl"))
+        .collect();
+    files.sort();
+    let mut out = Vec::new();
+    for f in files {
+        let text = std::fs::read_to_string(&f).expect("readable");
+        let name = f.file_name().unwrap().to_string_lossy().into_owned();
+        let unit =
+            dplc_frontend::parse(&name, &text).unwrap_or_else(|d| panic!("{}", d.render_plain()));
+        for m in unit.model_names() {
+            let lowered = unit
+                .lower(&m)
+                .unwrap_or_else(|d| panic!("{}", d.render_plain()));
+            out.push((m, lowered));
+        }
+    }
+    out
+}
+
+/// The plan of one region as text: one line per step, kernels with their IR.
+pub fn plan_text(g: &Graph, plan: &FusionPlan) -> String {
+    let mut s = format!("region {}\n", plan.region);
+    for step in &plan.steps {
+        match step {
+            Step::MatMul { node, a, b } => {
+                let t = |o: &dplc_codegen::Operand| {
+                    format!("{}{}", o.tensor, if o.transposed { "ᵀ" } else { "" })
+                };
+                s += &format!(
+                    "  matmul {} = {} × {}\n",
+                    g.node(*node).outputs[0],
+                    t(a),
+                    t(b)
+                );
+            }
+            Step::Extern { node, reason } => {
+                s += &format!("  extern {} ({reason})\n", g.node(*node).op.name());
+            }
+            Step::Kernel(k) => {
+                let outs: Vec<String> = k
+                    .kernel
+                    .buffers
+                    .iter()
+                    .zip(&k.buffers)
+                    .filter(|(b, _)| b.output)
+                    .map(|(_, t)| t.to_string())
+                    .collect();
+                let sizes: Vec<String> = k.sizes.iter().map(|d| g.dim_str(d)).collect();
+                s += &format!(
+                    "  kernel {} -> {}  sizes [{}]\n",
+                    k.kernel.op,
+                    outs.join(", "),
+                    sizes.join(", ")
+                );
+                for line in k.kernel.text().lines() {
+                    s += &format!("    {line}\n");
+                }
+            }
+        }
+    }
+    s
+}
+
+/// A dense tensor of the reference evaluator (i32 tensors hold whole floats).
+#[derive(Clone, Debug)]
+pub struct T {
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+    pub fn uniform(&mut self) -> f32 {
+        (self.next() % 1_000_000) as f32 / 1_000_000.0
+    }
+    pub fn normal_ish(&mut self) -> f32 {
+        (self.uniform() + self.uniform() + self.uniform() - 1.5) * 1.4
+    }
+}
+
+pub fn dim(d: &Dim, syms: &HashMap<String, i64>, g: &Graph) -> usize {
+    let mut v = d.coeff();
+    for s in d.syms() {
+        v = v
+            .checked_mul(dplc_ir::Ratio::int(syms[&g.sym_names()[s.index()]]))
+            .unwrap();
+    }
+    v.as_int().expect("whole dimension") as usize
+}
+
+fn strides(shape: &[usize]) -> Vec<usize> {
+    let mut s = vec![1; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        s[i] = s[i + 1] * shape[i + 1];
+    }
+    s
+}
+
+fn unravel(mut flat: usize, shape: &[usize]) -> Vec<usize> {
+    let mut idx = vec![0; shape.len()];
+    for a in (0..shape.len()).rev() {
+        idx[a] = flat % shape[a];
+        flat /= shape[a];
+    }
+    idx
+}
+
+fn bcast_at(t: &T, idx: &[usize]) -> f32 {
+    let off = idx.len() - t.shape.len();
+    let st = strides(&t.shape);
+    let mut at = 0;
+    for k in 0..t.shape.len() {
+        let i = if t.shape[k] == 1 { 0 } else { idx[k + off] };
+        at += i * st[k];
+    }
+    t.data[at]
+}
+
+/// Evaluate region `r` of `g` unfused: random sources (parameters, inputs,
+/// region arguments, outputs of matmul-free opaque ops), every other node by
+/// the textbook definition. Matmuls are computed too.
+pub fn evaluate(
+    g: &Graph,
+    r: RegionId,
+    syms: &HashMap<String, i64>,
+    seed: u64,
+) -> HashMap<TensorId, T> {
+    let mut rng = Rng(seed);
+    let mut env: HashMap<TensorId, T> = HashMap::new();
+    let shape_of = |t: TensorId| -> Vec<usize> {
+        g.tensor(t)
+            .shape
+            .dims()
+            .iter()
+            .map(|d| dim(d, syms, g))
+            .collect()
+    };
+    let random = |t: TensorId, rng: &mut Rng| -> T {
+        let shape = shape_of(t);
+        let n = shape.iter().product();
+        let data = if g.tensor(t).dtype == DType::I32 {
+            (0..n).map(|_| (rng.next() % 4) as f32).collect()
+        } else {
+            (0..n).map(|_| rng.normal_ish()).collect()
+        };
+        T { shape, data }
+    };
+    for &a in &g.region(r).args {
+        env.insert(a, random(a, &mut rng));
+    }
+    for &n in &g.region(r).nodes {
+        let node = g.node(n);
+        let out_shape = shape_of(node.outputs[0]);
+        let numel: usize = out_shape.iter().product();
+        let x = |i: usize| env[&node.inputs[i]].clone();
+        let elementwise = |f: &dyn Fn(&[usize]) -> f32| -> T {
+            T {
+                shape: out_shape.clone(),
+                data: (0..numel).map(|i| f(&unravel(i, &out_shape))).collect(),
+            }
+        };
+        let value = match &node.op {
+            Op::Input(_)
+            | Op::Param(_)
+            | Op::TopK { .. }
+            | Op::MoeDispatch { .. }
+            | Op::MoeCombine
+            | Op::Repeat { .. } => {
+                for &o in &node.outputs {
+                    env.insert(o, random(o, &mut rng));
+                }
+                continue;
+            }
+            // Embedding tables are indexed by the random small integers above.
+            Op::Constant(c) => T {
+                shape: vec![],
+                data: vec![*c as f32],
+            },
+            Op::Iota { .. } => elementwise(&|i| i[0] as f32),
+            Op::Unary(u) => {
+                let a = x(0);
+                T {
+                    shape: a.shape,
+                    data: a.data.iter().map(|&v| dplc_codegen::unary(*u, v)).collect(),
+                }
+            }
+            Op::Binary(b) => {
+                let (a, c) = (x(0), x(1));
+                elementwise(&|i| dplc_codegen::binary(*b, bcast_at(&a, i), bcast_at(&c, i)))
+            }
+            Op::Cast(_) => x(0),
+            Op::MatMul => {
+                let (a, b) = (x(0), x(1));
+                let k = a.shape[a.shape.len() - 1];
+                elementwise(&|i| {
+                    let r = i.len();
+                    (0..k)
+                        .map(|kk| {
+                            let mut ia = i.to_vec();
+                            ia[r - 1] = kk;
+                            let mut ib = i.to_vec();
+                            ib[r - 2] = kk;
+                            bcast_at(&a, &ia) * bcast_at(&b, &ib)
+                        })
+                        .sum()
+                })
+            }
+            Op::Transpose { perm } => {
+                let a = x(0);
+                let st = strides(&a.shape);
+                elementwise(&|i| {
+                    let mut at = 0;
+                    for (o, &p) in perm.iter().enumerate() {
+                        at += i[o] * st[p];
+                    }
+                    a.data[at]
+                })
+            }
+            Op::Reshape { .. } => T {
+                shape: out_shape.clone(),
+                data: x(0).data,
+            },
+            Op::Expand { .. } => {
+                let a = x(0);
+                elementwise(&|i| bcast_at(&a, i))
+            }
+            Op::Slice { axis, start, .. } => {
+                let a = x(0);
+                let st = strides(&a.shape);
+                elementwise(&|i| {
+                    let mut at = 0;
+                    for k in 0..i.len() {
+                        at += (i[k] + if k == *axis { *start as usize } else { 0 }) * st[k];
+                    }
+                    a.data[at]
+                })
+            }
+            Op::Concat { axis } => {
+                let parts: Vec<T> = (0..node.inputs.len()).map(x).collect();
+                elementwise(&|i| {
+                    let mut k = i[*axis];
+                    for p in &parts {
+                        if k < p.shape[*axis] {
+                            let mut j = i.to_vec();
+                            j[*axis] = k;
+                            let st = strides(&p.shape);
+                            return p.data[j.iter().zip(&st).map(|(a, b)| a * b).sum::<usize>()];
+                        }
+                        k -= p.shape[*axis];
+                    }
+                    unreachable!()
+                })
+            }
+            Op::Reduce { kind, axis, .. } => {
+                let a = x(0);
+                let st = strides(&a.shape);
+                let len = a.shape[*axis];
+                let keep = out_shape.len() == a.shape.len();
+                elementwise(&|i| {
+                    let mut base = i.to_vec();
+                    if !keep {
+                        base.insert(*axis, 0);
+                    }
+                    base[*axis] = 0;
+                    let at0: usize = base.iter().zip(&st).map(|(a, b)| a * b).sum();
+                    let vals = (0..len).map(|c| a.data[at0 + c * st[*axis]]);
+                    match kind {
+                        ReduceKind::Sum => vals.sum(),
+                        ReduceKind::Mean => vals.sum::<f32>() / len as f32,
+                        ReduceKind::Max => vals.fold(f32::NEG_INFINITY, f32::max),
+                    }
+                })
+            }
+            Op::Softmax { axis } | Op::LogSoftmax { axis } => {
+                let a = x(0);
+                let st = strides(&a.shape);
+                let len = a.shape[*axis];
+                let log = matches!(node.op, Op::LogSoftmax { .. });
+                elementwise(&|i| {
+                    let mut base = i.to_vec();
+                    base[*axis] = 0;
+                    let at0: usize = base.iter().zip(&st).map(|(a, b)| a * b).sum();
+                    let row: Vec<f32> = (0..len).map(|c| a.data[at0 + c * st[*axis]]).collect();
+                    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let s: f32 = row.iter().map(|v| (v - m).exp()).sum();
+                    let v = row[i[*axis]];
+                    if log {
+                        v - m - s.ln()
+                    } else {
+                        (v - m).exp() / s
+                    }
+                })
+            }
+            Op::LayerNorm { eps } | Op::RmsNorm { eps } => {
+                let a = x(0);
+                let w = x(1);
+                let b = (node.inputs.len() == 3).then(|| x(2));
+                let c = *a.shape.last().unwrap();
+                elementwise(&|i| {
+                    let r = i.len();
+                    let row0 = i
+                        .iter()
+                        .zip(strides(&a.shape))
+                        .map(|(x, s)| x * s)
+                        .sum::<usize>()
+                        - i[r - 1];
+                    let row = &a.data[row0..row0 + c];
+                    let v = row[i[r - 1]];
+                    match &b {
+                        Some(bias) => {
+                            let mean = row.iter().sum::<f32>() / c as f32;
+                            let var =
+                                row.iter().map(|x| (x - mean) * (x - mean)).sum::<f32>() / c as f32;
+                            (v - mean) / (var + *eps as f32).sqrt() * w.data[i[r - 1]]
+                                + bias.data[i[r - 1]]
+                        }
+                        None => {
+                            let ms = row.iter().map(|x| x * x).sum::<f32>() / c as f32;
+                            v / (ms + *eps as f32).sqrt() * w.data[i[r - 1]]
+                        }
+                    }
+                })
+            }
+            Op::Dropout { p } => {
+                assert_eq!(*p, 0.0, "the reference runs without dropout");
+                x(0)
+            }
+            Op::CausalMask => {
+                let a = x(0);
+                elementwise(&|i| {
+                    let r = i.len();
+                    if i[r - 1] > i[r - 2] {
+                        f32::NEG_INFINITY
+                    } else {
+                        bcast_at(&a, i)
+                    }
+                })
+            }
+            Op::Embedding => {
+                let (table, idx) = (x(0), x(1));
+                let d = table.shape[1];
+                elementwise(&|i| {
+                    let r = i.len();
+                    let row = bcast_at(&idx, &i[..r - 1]) as usize;
+                    table.data[row * d + i[r - 1]]
+                })
+            }
+            Op::TakeAlong => {
+                let (a, idx) = (x(0), x(1));
+                elementwise(&|i| {
+                    let mut j = i.to_vec();
+                    j.push(bcast_at(&idx, i) as usize);
+                    bcast_at(&a, &j)
+                })
+            }
+        };
+        env.insert(node.outputs[0], value);
+    }
+    env
+}
+
+/// The kernel buffer contents for tensor `t`.
+pub fn data_of(g: &Graph, t: TensorId, v: &T) -> Data {
+    if g.tensor(t).dtype == DType::I32 {
+        Data::I32(v.data.iter().map(|&x| x as i32).collect())
+    } else {
+        Data::F32(v.data.clone())
+    }
+}

@@ -1,0 +1,99 @@
+//! Fusion of the zoo's layers: the plan printout (golden), and every fused
+//! kernel run by the CPU interpreter against the unfused reference evaluator.
+
+mod common;
+
+use common::{data_of, evaluate, plan_text, zoo};
+use dplc_codegen::{fuse, interpret, Args, Data, Step};
+use dplc_ir::Graph;
+use std::collections::HashMap;
+
+fn plans(g: &Graph) -> String {
+    g.regions()
+        .map(|(r, _)| plan_text(g, &fuse(g, r)))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[test]
+fn gpt_tiny_plan() {
+    insta::assert_snapshot!(plans(&zoo("tiny.dpl", "gpt_tiny").graph));
+}
+
+#[test]
+fn llama_tiny_plan() {
+    insta::assert_snapshot!(plans(&zoo("tiny.dpl", "llama_tiny").graph));
+}
+
+/// Run every kernel of every region on reference inputs and compare each
+/// output with the unfused evaluation; returns how many kernels ran.
+fn check_against_reference(g: &Graph, syms: &HashMap<String, i64>) -> usize {
+    let mut checked = 0;
+    for (r, _) in g.regions() {
+        let env = evaluate(g, r, syms, 7 + r.index() as u64);
+        let plan = fuse(g, r);
+        for step in &plan.steps {
+            let Step::Kernel(k) = step else { continue };
+            let sizes = k
+                .sizes
+                .iter()
+                .map(|d| common::dim(d, syms, g) as i64)
+                .collect();
+            let args = Args {
+                sizes,
+                scalars: vec![],
+                seed: 1,
+            };
+            let mut bufs: Vec<Data> = k
+                .buffers
+                .iter()
+                .zip(&k.kernel.buffers)
+                .map(|(&t, b)| {
+                    if b.output {
+                        Data::F32(vec![])
+                    } else {
+                        data_of(g, t, &env[&t])
+                    }
+                })
+                .collect();
+            interpret(&k.kernel, &args, &mut bufs)
+                .unwrap_or_else(|e| panic!("{e}\n{}", k.kernel.text()));
+            for ((&t, b), got) in k.buffers.iter().zip(&k.kernel.buffers).zip(&bufs) {
+                if !b.output {
+                    continue;
+                }
+                let want = &env[&t].data;
+                let got = got.f32();
+                assert_eq!(got.len(), want.len(), "{t} of\n{}", k.kernel.text());
+                for (i, (x, y)) in got.iter().zip(want).enumerate() {
+                    let ok = (x - y).abs() <= 1e-4 * (1.0 + y.abs()) || (x.is_infinite() && x == y);
+                    assert!(
+                        ok,
+                        "{t}[{i}]: fused {x}, reference {y}\n{}",
+                        k.kernel.text()
+                    );
+                }
+            }
+            checked += 1;
+        }
+    }
+    checked
+}
+
+fn syms(pairs: &[(&str, i64)]) -> HashMap<String, i64> {
+    pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+}
+
+#[test]
+fn gpt_tiny_kernels_match_reference() {
+    let g = zoo("tiny.dpl", "gpt_tiny").graph;
+    let n = check_against_reference(&g, &syms(&[("batch", 2), ("seq", 5)]));
+    assert!(n >= 8, "{n} kernels");
+}
+
+#[test]
+fn llama_tiny_kernels_match_reference() {
+    let g = zoo("tiny.dpl", "llama_tiny").graph;
+    let n = check_against_reference(&g, &syms(&[("batch", 2), ("seq", 6)]));
+    assert!(n >= 8, "{n} kernels");
+}
