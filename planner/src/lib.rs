@@ -6,6 +6,7 @@
 
 mod cluster;
 mod cost;
+pub mod egraph;
 mod error;
 mod profile;
 mod report;
