@@ -1,0 +1,143 @@
+//! Every kernel of every zoo model compiles with NVRTC for sm_80 and sm_90, in
+//! the model's training precision (the tiny models and AdamW in all three). NVRTC needs no GPU; when its library is
+//! absent (DPLC_NVRTC_LIB unset and none on the library path) the test says
+//! so and passes. CI installs it first: `export DPLC_NVRTC_LIB=$(scripts/install-nvrtc.sh)`.
+
+mod common;
+
+use dplc_codegen::{adamw_kernel, emit_cuda, fuse, Arch, CodegenError, CudaSource, Nvrtc, Step};
+use dplc_ir::DType;
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+fn all_sources() -> BTreeMap<String, CudaSource> {
+    let mut out = BTreeMap::new();
+    let mut add = |src: CudaSource| {
+        out.entry(src.name.clone()).or_insert(src);
+    };
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        add(emit_cuda(&adamw_kernel(), dtype));
+    }
+    for (name, lowered) in common::all_zoo() {
+        let g = &lowered.graph;
+        let dtypes = match (name.ends_with("_tiny"), lowered.train.precision) {
+            (true, _) => vec![DType::F32, DType::BF16, DType::F16],
+            (false, dplc_ir::Precision::Fp32) => vec![DType::F32],
+            (false, dplc_ir::Precision::Bf16) => vec![DType::BF16],
+            (false, dplc_ir::Precision::Fp16) => vec![DType::F16],
+        };
+        for (r, _) in g.regions() {
+            for step in fuse(g, r).steps {
+                if let Step::Kernel(k) = step {
+                    for &dtype in &dtypes {
+                        add(emit_cuda(&k.kernel, dtype));
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn every_zoo_kernel_compiles() {
+    let nvrtc = match Nvrtc::load() {
+        Ok(n) => n.with_cache(None),
+        Err(CodegenError::NvrtcUnavailable { reason }) => {
+            eprintln!("SKIPPED every_zoo_kernel_compiles: NVRTC is unavailable: {reason}");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let sources = all_sources();
+    let start = Instant::now();
+    // Kernels of one storage type share translation units of up to 48 (their
+    // helpers are include-guarded): NVRTC's fixed cost per program dominates
+    // small kernels. A failure names its kernel in the log; compile that one
+    // alone to see its source.
+    let mut batches: Vec<CudaSource> = Vec::new();
+    for dtype in ["_f32_", "_bf16_", "_f16_"] {
+        let group: Vec<&CudaSource> = sources
+            .values()
+            .filter(|s| s.name.contains(dtype))
+            .collect();
+        for chunk in group.chunks(48) {
+            batches.push(CudaSource {
+                name: format!("batch{}{}", dtype.trim_end_matches('_'), batches.len()),
+                source: chunk
+                    .iter()
+                    .map(|s| s.source.as_str())
+                    .collect::<Vec<_>>()
+                    .join("\n"),
+                launch: chunk[0].launch,
+            });
+        }
+    }
+    // Two threads: CI has two cores, and NVRTC programs are independent.
+    let jobs: Vec<(&CudaSource, Arch)> = batches
+        .iter()
+        .flat_map(|s| Arch::ALL.map(|a| (s, a)))
+        .collect();
+    let failures: Vec<String> = std::thread::scope(|scope| {
+        let handles: Vec<_> = jobs
+            .chunks(jobs.len().div_ceil(2).max(1))
+            .map(|chunk| {
+                let nvrtc = &nvrtc;
+                scope.spawn(move || {
+                    chunk
+                        .iter()
+                        .filter_map(|(s, a)| nvrtc.compile_uncached(s, *a).err())
+                        .map(|e| e.to_string())
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("compile thread"))
+            .collect()
+    });
+    eprintln!(
+        "NVRTC {:?}: {} distinct kernels × {} architectures in {:.1?}",
+        nvrtc.version(),
+        sources.len(),
+        Arch::ALL.len(),
+        start.elapsed()
+    );
+    assert!(
+        failures.is_empty(),
+        "{} failures; the first:\n{}",
+        failures.len(),
+        failures[0]
+    );
+}
+
+#[test]
+fn compile_errors_carry_log_and_source_and_the_cache_hits() {
+    let Ok(nvrtc) = Nvrtc::load() else {
+        eprintln!("SKIPPED: NVRTC is unavailable");
+        return;
+    };
+    let bad = CudaSource {
+        name: "broken_f32_00000000".into(),
+        source: "extern \"C\" __global__ void broken_f32_00000000() { undeclared = 1; }\n".into(),
+        launch: dplc_codegen::LaunchShape::Elementwise { vector: 1 },
+    };
+    match nvrtc.compile(&bad, Arch::Sm80) {
+        Err(CodegenError::Compile { log, code, .. }) => {
+            assert!(log.contains("undeclared"), "{log}");
+            assert_eq!(code, bad.source);
+        }
+        other => panic!("expected a compile error, got {other:?}"),
+    }
+    let dir = std::env::temp_dir().join(format!("dplc-ptx-test-{}", std::process::id()));
+    let nvrtc = nvrtc.with_cache(Some(dir.clone()));
+    let src = emit_cuda(&adamw_kernel(), DType::BF16);
+    let first = nvrtc.compile(&src, Arch::Sm90).unwrap();
+    let path = nvrtc.cache_path(&src, Arch::Sm90).unwrap();
+    assert!(path.is_file(), "{}", path.display());
+    assert!(first.text.contains(&src.name));
+    let again = nvrtc.compile(&src, Arch::Sm90).unwrap();
+    assert_eq!(first, again);
+    std::fs::remove_dir_all(dir).ok();
+}
