@@ -7,12 +7,16 @@ use super::lang::{MeshAxis, ShardLang};
 use super::{LinkCost, ShardOptions};
 use dplc_ir::{Dim, Op};
 use egg::{Id, Language};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// Cost of the e-nodes: compute, memory traffic and communication of one
 /// training step (forward and backward) on one rank.
 pub struct CostModel<'a> {
     pub opts: &'a ShardOptions,
+    /// Classes that feed a contraction split: Megatron splits a contraction
+    /// only when an earlier op already split its input, so these may not be
+    /// slices of a replicated activation.
+    pub computed_split: HashSet<Id>,
 }
 
 fn eval(d: &Dim, opts: &ShardOptions, eg: &ShardGraph) -> f64 {
@@ -50,7 +54,29 @@ pub fn local_numel(data: &Data, opts: &ShardOptions, eg: &ShardGraph) -> f64 {
     n
 }
 
-impl CostModel<'_> {
+impl<'a> CostModel<'a> {
+    pub fn new(opts: &'a ShardOptions, eg: &ShardGraph) -> CostModel<'a> {
+        let mut computed_split = HashSet::new();
+        for class in eg.classes() {
+            for n in &class.nodes {
+                if let ShardLang::MatMul([_, a, _]) = n {
+                    let k = eg[*a].data.shape().len().saturating_sub(1);
+                    if eg[*a]
+                        .data
+                        .layout()
+                        .is_some_and(|l| l.0.contains(&Part::Sharded(k)))
+                    {
+                        computed_split.insert(eg.find(*a));
+                    }
+                }
+            }
+        }
+        CostModel {
+            opts,
+            computed_split,
+        }
+    }
+
     fn link(&self, m: MeshAxis) -> &LinkCost {
         &self.opts.links[m.index()]
     }
@@ -132,12 +158,16 @@ impl CostModel<'_> {
                     o.replicated_weight_s_per_byte * full_bytes(&class)
                 }
             }
-            Shard([_, _, x]) => {
+            Shard([m, _, x]) => {
                 let local = local_numel(data, o, eg);
                 if eg[*x].data.flags().weight {
                     o.replicated_weight_s_per_byte * local * eb
                 } else if Self::stored_shard(eg, n) {
                     0.0
+                } else if mesh(m) == MeshAxis::Ep || self.computed_split.contains(&eg.find(class)) {
+                    // An expert shard of an activation holds other ranks'
+                    // tokens: only an all-to-all makes it.
+                    f64::INFINITY
                 } else {
                     local * eb / o.memory_bytes_per_s
                 }

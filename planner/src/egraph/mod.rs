@@ -293,7 +293,7 @@ pub fn shard_region(
             eg.analysis.conflicts
         )));
     }
-    let cost = CostModel { opts };
+    let cost = CostModel::new(opts, eg);
     let program = extract::extract(eg, &roots, &cost);
     if !program.cost.is_finite() {
         return Err(ShardError::NoLayout(format!(
@@ -711,4 +711,53 @@ pub fn split_param_names(g: &Graph, r: &ShardResult) -> BTreeSet<String> {
         .iter()
         .map(|(p, d)| format!("{}/{d}", g.param(*p).name))
         .collect()
+}
+
+/// Saturate `start` (an expression over `region`'s ops) with `rules` and say
+/// whether `goal` landed in its class: the `egg::test_fn!` check, with this
+/// e-graph's analysis context. For the rule families' "start => goal" tests.
+pub fn proves(
+    g: &Graph,
+    an: &Analysis,
+    region: RegionId,
+    opts: &ShardOptions,
+    rules: &[rules::Rule],
+    start: &str,
+    goal: &str,
+) -> Result<bool, ShardError> {
+    let reg = g.region(region);
+    let ctx = Arc::new(Context {
+        ops: lower::op_table(g, region),
+        args: reg
+            .args
+            .iter()
+            .map(|a| g.tensor(*a).shape.dims().to_vec())
+            .collect(),
+        arg_grad: reg
+            .args
+            .iter()
+            .map(|a| an.requires_grad(*a) || an.is_activation(*a))
+            .collect(),
+        local_args: vec![None; reg.args.len()],
+        degree: [opts.tp.max(1), opts.ep.max(1), opts.cp.max(1)],
+        sequence_parallel: opts.sequence_parallel && opts.tp > 1,
+        seq_sym: g.sym_by_name("seq"),
+        batch_sym: g.sym_by_name("batch"),
+    });
+    let start: egg::RecExpr<ShardLang> = start
+        .parse()
+        .map_err(|e| ShardError::Lowering(format!("bad start expression: {e}")))?;
+    let goal: egg::Pattern<ShardLang> = goal
+        .parse()
+        .map_err(|e| ShardError::Lowering(format!("bad goal pattern: {e}")))?;
+    let analysis = ShardAnalysis { ctx, conflicts: 0 };
+    let runner: Runner<ShardLang, ShardAnalysis, ()> = Runner::new(analysis)
+        .with_expr(&start)
+        .with_node_limit(opts.limits.nodes)
+        .with_iter_limit(opts.limits.iterations)
+        .with_time_limit(opts.limits.time)
+        .with_scheduler(SimpleScheduler)
+        .run(rules);
+    let root = runner.egraph.find(runner.roots[0]);
+    Ok(egg::Searcher::search_eclass(&goal, &runner.egraph, root).is_some())
 }

@@ -71,6 +71,9 @@ fn push(
     let Some(parts) = operand_options(&ctx, tag, want).into_iter().next() else {
         return vec![];
     };
+    if parts.len() != operands.len() {
+        return vec![];
+    }
     let cheap = matches!(
         info.op,
         Op::Unary(_)
@@ -115,7 +118,9 @@ fn push(
         };
         children.push(child);
     }
-    let node = <ShardLang as egg::FromOp>::from_op(op, children).expect("rule names a known op");
+    let Ok(node) = <ShardLang as egg::FromOp>::from_op(op, children) else {
+        return vec![];
+    };
     let id = eg.add(node);
     if eg.union(eclass, id) {
         vec![eclass]

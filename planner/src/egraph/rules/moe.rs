@@ -11,13 +11,15 @@ fn experts_axis(eg: &mut ShardGraph, _: Id, s: &Subst) -> bool {
     mesh_of(eg, s[var("?m")]) == Some(MeshAxis::Ep) && axis(eg, s) == Some(0)
 }
 
-/// Expert parallelism is on and the experts divide over it.
+/// Expert parallelism is on, the experts divide over it, and the expert
+/// outputs are an op's (not already an all-to-all's).
 fn experts_split(eg: &mut ShardGraph, id: Id, s: &Subst) -> bool {
     if !super::whole_over(eg, id, MeshAxis::Ep) {
         return false;
     }
-    let y = &eg[s[var("?y")]].data;
-    eg.analysis.ctx.splits(y.shape(), 0, MeshAxis::Ep)
+    let y = &eg[s[var("?y")]];
+    let computed = y.nodes.iter().any(|n| n.tagged().is_some());
+    computed && eg.analysis.ctx.splits(y.data.shape(), 0, MeshAxis::Ep)
 }
 
 pub fn rules() -> Vec<Rule> {
