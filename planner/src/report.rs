@@ -555,15 +555,21 @@ pub fn summary(compiled: &Compiled) -> String {
     let last = p.stages.len() - 1;
     let layers: Vec<u64> = p.stages.iter().map(|st| st.layers).collect();
     let same = layers.iter().all(|&l| l == layers[0]);
+    let per_stage = if same {
+        format!("{} layers", layers[0])
+    } else {
+        format!("layers {layers:?}")
+    };
+    let ends = if last == 0 {
+        "with the embedding, head and loss".to_string()
+    } else {
+        format!("; stage 0 holds the embedding, stage {last} the head and loss")
+    };
     let _ = writeln!(
         s,
-        "  stages    {} × {}; stage 0 holds the embedding, stage {last} the head and loss",
+        "  stages    {} × {per_stage}{}{ends}",
         p.stages.len(),
-        if same {
-            format!("{} layers", layers[0])
-        } else {
-            format!("layers {layers:?}")
-        }
+        if last == 0 { " " } else { "" }
     );
     let _ = writeln!(
         s,

@@ -196,7 +196,13 @@ fn impossible_strategies_are_refused_with_the_reason() {
 
 #[test]
 fn megatron_layout_comes_out_of_the_graph() {
-    let c = plan(GPT_22B, "8xA100", 4, "tp=8,pp=1,dp=1,mb=4,recompute=none,sp=off", true);
+    let c = plan(
+        GPT_22B,
+        "8xA100",
+        4,
+        "tp=8,pp=1,dp=1,mb=4,recompute=none,sp=off",
+        true,
+    );
     let p = &c.plan;
     let split = |name: &str| {
         p.param_sharding
