@@ -1,6 +1,7 @@
 //! The `dplc` command line: parse arguments, run one command, render errors
 //! with miette (source line, caret, hint) and exit non-zero on failure.
 
+mod compile;
 mod inspect;
 mod load;
 mod units;
@@ -26,13 +27,17 @@ enum Command {
     },
     /// Show a model's parameters, layers, FLOPs and stored activations.
     Inspect(inspect::Args),
+    /// Plan a model on a cluster: the fastest split that fits, with its estimates.
+    Compile(compile::Args),
 }
 
 fn main() -> ExitCode {
+    restore_sigpipe();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Check { file } => check(&file),
         Command::Inspect(args) => inspect::run(&args),
+        Command::Compile(args) => compile::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -57,4 +62,15 @@ fn check(file: &std::path::Path) -> miette::Result<()> {
         if clusters.len() == 1 { "" } else { "s" },
     );
     Ok(())
+}
+
+/// Rust ignores SIGPIPE, so `dplc … | head` would fail on its next print;
+/// like every Unix filter, dplc should just stop when its reader goes away.
+fn restore_sigpipe() {
+    #[cfg(unix)]
+    // SAFETY: called first thing in main, before any thread exists; SIG_DFL
+    // is a valid disposition for SIGPIPE.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
 }

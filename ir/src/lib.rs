@@ -24,8 +24,9 @@ pub use graph::{
 pub use id::{InputId, NodeId, ParamId, RegionId, ScopeId, SymId, TensorId};
 pub use op::{BinaryOp, Init, Op, ReduceKind, UnaryOp};
 pub use plan::{
-    Alternative, AxisMapping, ClusterSummary, Collective, CollectiveKind, Estimate, LinkLevel,
-    MemoryBreakdown, Mesh, MeshAxis, ParamSharding, PipelineSchedule, Plan, Recompute, SearchStats,
+    Alternative, AxisMapping, AxisPart, BackwardCollective, ClusterSummary, Collective,
+    CollectiveKind, Estimate, LinkLevel, MemoryBreakdown, Mesh, MeshAxis, ModelSource,
+    ParamSharding, PipelineSchedule, Plan, ProgramValue, Recompute, RegionProgram, SearchStats,
     StagePlan, StepPhase, Strategy, TimeBreakdown,
 };
 

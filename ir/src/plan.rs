@@ -303,6 +303,77 @@ pub struct Alternative {
     pub reason: String,
 }
 
+/// What one rank holds of a tensor along one mesh axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AxisPart {
+    /// The slice along this dimension of the tensor.
+    Shard(usize),
+    /// A summand: the group's values add up to the tensor.
+    Partial,
+}
+
+/// One value of a region's per-rank program, as the sharding e-graph extracted it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ProgramValue {
+    /// `v12`, the name the other values use.
+    pub name: String,
+    /// The e-node, operands by value name: `(matmul n12 v3 v4)`, `(all-reduce tp v32)`.
+    pub expr: String,
+    /// The whole (unsplit) tensor's shape, e.g. `[batch, seq, 768]`.
+    pub shape: String,
+    /// What a rank holds, per mesh axis; empty: replicated.
+    pub layout: Vec<(MeshAxis, AxisPart)>,
+    /// The IR tensor (index of `%t`) this value is a layout of, when there is one.
+    pub tensor: Option<u32>,
+    /// Set when the value is a collective the forward pass performs.
+    pub collective: Option<CollectiveKind>,
+    /// Names of the values it reads.
+    pub inputs: Vec<String>,
+}
+
+/// A backward-pass collective the forward layout implies.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BackwardCollective {
+    pub kind: CollectiveKind,
+    pub axis: MeshAxis,
+    /// The value whose gradient it moves.
+    pub of: String,
+    /// Elements of the whole tensor, as a formula in the symbolic dims.
+    pub elements: String,
+}
+
+/// The extracted per-rank program of one region (a layer body, or the model's
+/// embedding and head) at the plan's tensor/expert/sequence-parallel degrees.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RegionProgram {
+    /// `layer` (one iteration of the repeat) or `model` (embedding, head and loss).
+    pub region: String,
+    pub tp: u64,
+    pub ep: u64,
+    pub sequence_parallel: bool,
+    /// Operands before users.
+    pub values: Vec<ProgramValue>,
+    /// The values the region yields.
+    pub outputs: Vec<String>,
+    pub backward: Vec<BackwardCollective>,
+    /// The e-graph's size and why saturation stopped, for `explain`.
+    pub egraph_nodes: u64,
+    pub egraph_iterations: u64,
+    pub stop_reason: String,
+}
+
+/// Where a plan's model came from: enough to lower it again, so that a plan
+/// file alone suffices for `verify`, `build` and `run --plan`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ModelSource {
+    /// The path the model was read from, as given (for messages only).
+    pub file: String,
+    /// The model's name in that file.
+    pub model: String,
+    /// The whole `.dpl` text, so the plan does not depend on the file staying put.
+    pub text: String,
+}
+
 /// A complete parallelisation plan for one model on one cluster.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
@@ -318,4 +389,11 @@ pub struct Plan {
     pub estimate: Estimate,
     pub search: SearchStats,
     pub alternatives: Vec<Alternative>,
+    /// The per-rank programs of the layer and of the model's ends, from the
+    /// sharding e-graph; empty when no axis splits a layer (tp = ep = 1).
+    #[serde(default)]
+    pub programs: Vec<RegionProgram>,
+    /// The model's source; empty when the plan was made from a graph alone.
+    #[serde(default)]
+    pub source: ModelSource,
 }

@@ -8,6 +8,7 @@ mod cluster;
 mod cost;
 pub mod egraph;
 mod error;
+mod layouts;
 mod profile;
 mod report;
 mod search;
@@ -16,7 +17,8 @@ mod strategy;
 
 pub use cluster::{catalog, cluster_from_spec, device, parse_cluster, Cluster, Device, Link};
 pub use error::PlanError;
-pub use report::{summary, to_json};
+pub use layouts::LayoutStats;
+pub use report::{layouts_summary, summary, to_json};
 pub use strategy::{parse_strategy, StrategyConstraints};
 
 use dplc_ir::{Graph, MemoryBreakdown, Plan, TrainSpec};
@@ -55,17 +57,19 @@ impl<'a> PlanRequest<'a> {
     }
 }
 
-/// A plan and how long the search took to find it.
+/// A plan, how long the search took to find it and how its layouts were found.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Compiled {
     pub plan: Plan,
     pub search_time_ms: f64,
+    /// Every e-graph the search ran (one per region and distinct degrees),
+    /// then those of the chosen plan's programs.
+    pub layouts: Vec<LayoutStats>,
 }
 
 /// Find the fastest plan that fits in memory.
 pub fn compile(req: &PlanRequest) -> Result<Compiled, PlanError> {
     let start = Instant::now();
-    let profile = profile::ModelProfile::new(req.graph, req.train.precision)?;
     let global_batch = req.global_batch.unwrap_or(req.train.global_batch);
     let seq = req.seq.unwrap_or(req.train.seq);
     if global_batch == 0 || seq == 0 {
@@ -74,9 +78,23 @@ pub fn compile(req: &PlanRequest) -> Result<Compiled, PlanError> {
         ));
     }
     let world = req.cluster.world_size();
-    search::validate(&req.pinned, &profile, world, global_batch, seq)?;
+    let precision = req.train.precision;
+    let layouts =
+        layouts::Layouts::new(req.graph, precision, &req.cluster, seq, degrees(req, world))?;
+    let profile = match layouts.get((1, 1)) {
+        Some(l) => &l.profile,
+        None => {
+            let why = layouts.why_not((1, 1)).unwrap_or("no layout");
+            return Err(PlanError::Model(format!(
+                "`{}` has no single-rank layout: {why}",
+                req.graph.name
+            )));
+        }
+    };
+    search::validate(&req.pinned, &layouts, profile, world, global_batch, seq)?;
     let out = search::search(
-        &profile,
+        &layouts,
+        profile,
         &req.cluster,
         global_batch,
         seq,
@@ -84,11 +102,49 @@ pub fn compile(req: &PlanRequest) -> Result<Compiled, PlanError> {
         req.top_k,
         req.ignore_memory,
     );
-    if out.best.is_empty() {
+    let Some(best) = out.best.first() else {
         return Err(infeasible(req, &out, world));
-    }
-    let plan = report::build_plan(
-        &profile,
+    };
+    let c = &best.config;
+    let layout = layouts
+        .get((c.tp, c.ep))
+        .expect("the search only prices degrees with a layout");
+    let mut stats: Vec<LayoutStats> = layouts
+        .by_degrees
+        .values()
+        .filter_map(|l| l.as_ref().ok())
+        .flat_map(|l| {
+            [
+                LayoutStats::of("layer", &l.layer),
+                LayoutStats::of("model", &l.root),
+            ]
+        })
+        .collect();
+    // The plan's programs at its own degrees; under sequence parallelism the
+    // e-graph runs again with the residual stream split along the sequence.
+    let (layer, root) = if c.sp {
+        let an = dplc_ir::Analysis::new(req.graph);
+        let (l, r) = layouts::extract(
+            req.graph,
+            &an,
+            &req.cluster,
+            precision,
+            seq,
+            (c.tp, c.ep),
+            true,
+        )
+        .map_err(PlanError::Model)?;
+        stats.push(LayoutStats::of("layer", &l));
+        stats.push(LayoutStats::of("model", &r));
+        (l.region_program, r.region_program)
+    } else {
+        (
+            layout.layer.region_program.clone(),
+            layout.root.region_program.clone(),
+        )
+    };
+    let mut plan = report::build_plan(
+        &layout.profile,
         &req.cluster,
         global_batch,
         seq,
@@ -97,10 +153,47 @@ pub fn compile(req: &PlanRequest) -> Result<Compiled, PlanError> {
         out.feasible,
         req.pinned.to_string(),
     );
+    if c.tp > 1 || c.ep > 1 {
+        plan.programs = vec![layer, root];
+    }
     Ok(Compiled {
         plan,
         search_time_ms: start.elapsed().as_secs_f64() * 1e3,
+        layouts: stats,
     })
+}
+
+/// The tensor- and expert-parallel degrees the search may try: divisors of the
+/// world, inside a node unless pinned, and the expert counts' divisors.
+fn degrees(req: &PlanRequest, world: u64) -> Vec<(u64, u64)> {
+    let divisors = |n: u64| (1..=n).filter(move |d| n.is_multiple_of(*d));
+    let pins = &req.pinned;
+    let tps: Vec<u64> = divisors(world)
+        .filter(|&t| match pins.tp {
+            Some(p) => p == t,
+            None => t <= req.cluster.devices_per_node,
+        })
+        .collect();
+    let eps: Vec<u64> = match profile::experts(req.graph) {
+        Some(e) => divisors(world)
+            .filter(|&x| e.is_multiple_of(x) && pins.ep.is_none_or(|p| p == x))
+            .collect(),
+        None => vec![1],
+    };
+    let mut out = Vec::new();
+    for &t in &tps {
+        for &e in &eps {
+            if world.is_multiple_of(t * e) {
+                out.push((t, e));
+            }
+        }
+    }
+    // One rank's layout is always there: validation and the degree-free parts
+    // of the profile (layers, experts, FLOPs) read it.
+    if !out.contains(&(1, 1)) {
+        out.insert(0, (1, 1));
+    }
+    out
 }
 
 fn gib(b: u64) -> String {

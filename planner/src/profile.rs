@@ -2,7 +2,7 @@
 //! work (GEMM shapes, memory traffic), stored activations and collectives, each
 //! tagged with how tensor parallelism divides it.
 
-use crate::sharding::{self, GemmSplit, Pass, RegionSharding, TpCollectiveKind};
+use crate::sharding::{GemmSplit, Pass, RegionSharding, TpCollectiveKind};
 use crate::PlanError;
 use dplc_ir::{
     Analysis, DType, Dim, Graph, NodeId, Op, ParamId, Poly, Precision, Ratio, RegionId, SymId,
@@ -144,7 +144,6 @@ pub(crate) struct ModelProfile {
     pub precision: Precision,
     pub batch_sym: Option<SymId>,
     pub seq_sym: Option<SymId>,
-    pub max_tp: u64,
     pub experts: Option<u64>,
     pub total_params: u128,
     /// Forward FLOPs of the whole model per step's worth of `batch`/`seq`.
@@ -458,18 +457,37 @@ fn param_counts(
     c
 }
 
+/// The number of experts of the model's mixture-of-experts layers, if any.
+pub(crate) fn experts(g: &Graph) -> Option<u64> {
+    g.nodes().find_map(|(_, n)| match n.op {
+        Op::MoeDispatch { experts, .. } => Some(experts as u64),
+        _ => None,
+    })
+}
+
+/// The layer body the planner splits by, or why the model cannot be planned.
+pub(crate) fn layer_body(g: &Graph, an: &Analysis) -> Result<RegionId, PlanError> {
+    an.layer_body().ok_or_else(|| {
+        PlanError::Model(format!(
+            "model `{}` has no `repeat` of layers; the planner splits models by layer",
+            g.name
+        ))
+    })
+}
+
 impl ModelProfile {
-    pub fn new(g: &Graph, precision: Precision) -> Result<ModelProfile, PlanError> {
-        let an = Analysis::new(g);
-        let body = an.layer_body().ok_or_else(|| {
-            PlanError::Model(format!(
-                "model `{}` has no `repeat` of layers; the planner splits models by layer",
-                g.name
-            ))
-        })?;
+    /// The profile of `g` under the layouts of its layer body (`layer_sh`) and
+    /// of the root's embedding and head (`root_sh`).
+    pub fn new(
+        g: &Graph,
+        an: &Analysis,
+        precision: Precision,
+        layer_sh: &RegionSharding,
+        root_sh: &RegionSharding,
+    ) -> Result<ModelProfile, PlanError> {
+        let body = layer_body(g, &an)?;
         let seq_sym = g.sym_by_name("seq");
         let batch_sym = g.sym_by_name("batch");
-        let layer_sh = sharding::propagate(g, &an, body, true);
         let body_nodes = g.region(body).nodes.clone();
         let saved = an.activations(body).saved;
         let layer = region_profile(
@@ -478,7 +496,7 @@ impl ModelProfile {
             body,
             &body_nodes,
             &saved,
-            &layer_sh,
+            layer_sh,
             precision,
             seq_sym,
         );
@@ -492,14 +510,13 @@ impl ModelProfile {
             .position(|&n| matches!(g.node(n).op, Op::Repeat { .. }))
             .expect("a layer body implies a repeat in the root");
         let (pre_nodes, post_nodes) = (&root_nodes[..repeat_at], &root_nodes[repeat_at + 1..]);
-        let root_sh = sharding::propagate(g, &an, root, false);
         let root_saved = an.activations(root).saved;
         let pre_set: BTreeSet<NodeId> = pre_nodes.iter().copied().collect();
         let (pre_saved, post_saved): (Vec<_>, Vec<_>) = root_saved
             .into_iter()
             .partition(|s| pre_set.contains(&s.saved_by));
         let pre = region_profile(
-            g, &an, root, pre_nodes, &pre_saved, &root_sh, precision, seq_sym,
+            g, &an, root, pre_nodes, &pre_saved, root_sh, precision, seq_sym,
         );
         let post = region_profile(
             g,
@@ -507,7 +524,7 @@ impl ModelProfile {
             root,
             post_nodes,
             &post_saved,
-            &root_sh,
+            root_sh,
             precision,
             seq_sym,
         );
@@ -544,11 +561,11 @@ impl ModelProfile {
             }
         }
         let mut layer = layer;
-        layer.params = param_counts(g, &layer_params, &layer_sh, true);
+        layer.params = param_counts(g, &layer_params, layer_sh, true);
         let mut pre = pre;
-        pre.params = param_counts(g, &pre_params, &root_sh, false);
+        pre.params = param_counts(g, &pre_params, root_sh, false);
         let mut post = post;
-        post.params = param_counts(g, &post_params, &root_sh, false);
+        post.params = param_counts(g, &post_params, root_sh, false);
 
         let mut layer_input_bytes = Poly::zero();
         let reg = g.region(body);
@@ -562,10 +579,7 @@ impl ModelProfile {
                 layer_input_bytes.add_dim(&e, Ratio::int(b as i64));
             }
         }
-        let experts = g.nodes().find_map(|(_, n)| match n.op {
-            Op::MoeDispatch { experts, .. } => Some(experts as u64),
-            _ => None,
-        });
+        let experts = experts(g);
         let mut attention_core_flops = Poly::zero();
         for &n in &body_nodes {
             let node = g.node(n);
@@ -597,7 +611,6 @@ impl ModelProfile {
             precision,
             batch_sym,
             seq_sym,
-            max_tp: layer_sh.max_tp,
             experts,
             total_params: g.param_count(),
             forward_flops: an.forward_flops(),

@@ -470,6 +470,8 @@ pub(crate) fn build_plan(
             pinned,
         },
         alternatives,
+        programs: Vec::new(),
+        source: Default::default(),
     }
 }
 
@@ -643,6 +645,67 @@ pub fn summary(compiled: &Compiled) -> String {
             strategy_line(&a.strategy),
             a.reason
         );
+    }
+    s
+}
+
+/// What `dplc compile --verbose` adds: every e-graph the search ran and the
+/// chosen plan's per-rank programs with their collectives.
+pub fn layouts_summary(compiled: &Compiled) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "  layouts   {} e-graphs (one per region and distinct tp × ep{})",
+        compiled.layouts.len(),
+        if compiled.plan.strategy.sequence_parallel {
+            ", and the plan's under sequence parallelism"
+        } else {
+            ""
+        }
+    );
+    let _ = writeln!(
+        s,
+        "    region  tp  ep  sp   nodes  classes  iters  stop             time ms  collectives"
+    );
+    for l in &compiled.layouts {
+        let _ = writeln!(
+            s,
+            "    {:<6} {:>3} {:>3}  {:<3} {:>6}  {:>7}  {:>5}  {:<15} {:>8.2}  {:>11}",
+            l.region,
+            l.tp,
+            l.ep,
+            if l.sequence_parallel { "on" } else { "off" },
+            l.egraph_nodes,
+            l.egraph_classes,
+            l.iterations,
+            l.stop_reason,
+            l.time_ms,
+            l.collectives
+        );
+    }
+    for prog in &compiled.plan.programs {
+        let _ = writeln!(
+            s,
+            "  program   {} at tp {} ep {} sp {}: {} values",
+            prog.region,
+            prog.tp,
+            prog.ep,
+            if prog.sequence_parallel { "on" } else { "off" },
+            prog.values.len()
+        );
+        for v in prog.values.iter().filter(|v| v.collective.is_some()) {
+            let _ = writeln!(s, "    forward   {} = {} : {}", v.name, v.expr, v.shape);
+        }
+        for b in &prog.backward {
+            let _ = writeln!(
+                s,
+                "    backward  {} {} of {} ({} elements)",
+                b.kind.name(),
+                b.axis.name(),
+                b.of,
+                b.elements
+            );
+        }
     }
     s
 }

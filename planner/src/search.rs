@@ -6,6 +6,7 @@
 
 use crate::cluster::Cluster;
 use crate::cost::{step_total, AxisOrder, Config, CostModel};
+use crate::layouts::Layouts;
 use crate::profile::ModelProfile;
 use crate::{PlanError, StrategyConstraints};
 use dplc_ir::{MemoryBreakdown, PipelineSchedule, Recompute, TimeBreakdown};
@@ -48,6 +49,7 @@ fn allowed(pin: Option<u64>, v: u64) -> bool {
 /// Check the pinned choices against the model and cluster before searching.
 pub(crate) fn validate(
     pins: &StrategyConstraints,
+    layouts: &Layouts,
     profile: &ModelProfile,
     world: u64,
     global_batch: u64,
@@ -80,12 +82,11 @@ pub(crate) fn validate(
         ));
     }
     if let Some(tp) = pins.tp {
-        if tp > profile.max_tp || !profile.max_tp.is_multiple_of(tp) {
-            return bad(format!(
-                "tp={tp} does not divide the layer's split dimensions (heads, KV heads, hidden widths): \
-                 their greatest common divisor is {}, so tp must divide {}",
-                profile.max_tp, profile.max_tp
-            ));
+        if layouts.get((tp, 1)).is_none() {
+            let why = layouts
+                .why_not((tp, 1))
+                .unwrap_or("no layout was extracted");
+            return bad(format!("tp={tp} cannot split the layer: {why}"));
         }
     }
     if let Some(pp) = pins.pp {
@@ -163,6 +164,7 @@ pub(crate) fn validate(
 const MAX_MICRO_BATCH: u64 = 64;
 
 pub(crate) fn search(
+    layouts: &Layouts,
     profile: &ModelProfile,
     cluster: &Cluster,
     global_batch: u64,
@@ -173,7 +175,7 @@ pub(crate) fn search(
 ) -> Outcome {
     let world = cluster.world_size();
     let capacity = cluster.device.memory_bytes;
-    let mut cost = CostModel::new(profile, cluster, seq);
+    let mut costs: HashMap<(u64, u64), CostModel> = HashMap::new();
     let mut out = Outcome {
         best: Vec::new(),
         evaluated: 0,
@@ -187,7 +189,7 @@ pub(crate) fn search(
         .into_iter()
         .filter(|&t| {
             allowed(pins.tp, t)
-                && profile.max_tp.is_multiple_of(t)
+                && layouts.get((t, 1)).is_some()
                 && (t <= cluster.devices_per_node || pins.tp == Some(t))
         })
         .collect();
@@ -213,7 +215,9 @@ pub(crate) fn search(
                 let eps: Vec<u64> = match profile.experts {
                     Some(e) => divisors(dp)
                         .into_iter()
-                        .filter(|&x| e % x == 0 && allowed(pins.ep, x))
+                        .filter(|&x| {
+                            e % x == 0 && allowed(pins.ep, x) && layouts.get((tp, x)).is_some()
+                        })
                         .collect(),
                     None => vec![1],
                 };
@@ -224,6 +228,12 @@ pub(crate) fn search(
                 };
                 let per_replica = global_batch / dp;
                 for &ep in &eps {
+                    let Some(layout) = layouts.get((tp, ep)) else {
+                        continue;
+                    };
+                    let cost = costs
+                        .entry((tp, ep))
+                        .or_insert_with(|| CostModel::new(&layout.profile, cluster, seq));
                     for &order in orders {
                         for mb in divisors(per_replica) {
                             if !allowed(pins.micro_batch, mb)
@@ -254,7 +264,7 @@ pub(crate) fn search(
                                 base,
                                 profile,
                                 pins,
-                                &mut cost,
+                                cost,
                                 &mut partitions,
                                 &mut out,
                                 capacity,

@@ -189,9 +189,28 @@ fn impossible_strategies_are_refused_with_the_reason() {
             "{strategy}: `{needle}` missing from: {msg}"
         );
     }
-    // 24 heads: tensor parallelism of 16 would split a head.
-    let msg = error(GPT_1_7B, "4x8xA100", 512, "tp=16").to_string();
-    assert!(msg.contains("greatest common divisor is 24"), "{msg}");
+}
+
+/// 24 heads do not split over 16 ranks, but the MLP does: the e-graph finds
+/// the layout that keeps attention whole on every rank and splits the rest,
+/// rather than refusing the degree.
+#[test]
+fn a_degree_that_splits_no_head_replicates_attention() {
+    let c = plan(GPT_1_7B, "4x8xA100", 512, "tp=16", true);
+    let splits = |name: &str| {
+        c.plan
+            .param_sharding
+            .iter()
+            .find(|s| s.name == name)
+            .unwrap_or_else(|| panic!("{name} is listed"))
+            .splits
+            .clone()
+    };
+    use dplc_ir::MeshAxis::Tp;
+    assert_eq!(splits("layers.qkv.w"), vec![]);
+    assert_eq!(splits("layers.proj.w"), vec![]);
+    assert_eq!(splits("layers.fc1.w"), vec![(Tp, 1)]);
+    assert_eq!(splits("layers.fc2.w"), vec![(Tp, 0)]);
 }
 
 #[test]

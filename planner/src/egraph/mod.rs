@@ -172,6 +172,8 @@ pub struct ShardResult {
     pub sharding: RegionSharding,
     /// The extracted per-rank program, one value per line.
     pub program: String,
+    /// The same program as plan data (what `explain`, `viz` and the runtime read).
+    pub region_program: dplc_ir::RegionProgram,
     pub collectives: Vec<Collective>,
     pub stats: EgraphStats,
 }
@@ -313,9 +315,11 @@ pub fn shard_region(
         time: start.elapsed(),
         cost_s: program.cost,
     };
+    let region_program = region_program(g, eg, &program, &back, &names, opts, &stats);
     Ok(ShardResult {
         sharding,
         program: print_program(g, eg, &program, &names),
+        region_program,
         collectives,
         stats,
     })
@@ -487,6 +491,104 @@ fn node_str(eg: &ShardGraph, n: &ShardLang, child: &dyn Fn(Id) -> String) -> Str
     s
 }
 
+fn ir_axis(m: MeshAxis) -> dplc_ir::MeshAxis {
+    match m {
+        MeshAxis::Tp => dplc_ir::MeshAxis::Tp,
+        MeshAxis::Ep => dplc_ir::MeshAxis::Ep,
+        MeshAxis::Cp => dplc_ir::MeshAxis::Cp,
+    }
+}
+
+fn ir_collective(k: CollectiveKind) -> dplc_ir::CollectiveKind {
+    match k {
+        CollectiveKind::AllReduce | CollectiveKind::RowStats => dplc_ir::CollectiveKind::AllReduce,
+        CollectiveKind::AllGather => dplc_ir::CollectiveKind::AllGather,
+        CollectiveKind::ReduceScatter => dplc_ir::CollectiveKind::ReduceScatter,
+        CollectiveKind::AllToAll => dplc_ir::CollectiveKind::AllToAll,
+    }
+}
+
+/// The extracted program as plan data: one value per class, operands by name.
+fn region_program(
+    g: &Graph,
+    eg: &ShardGraph,
+    p: &Program,
+    back: &[backward::BackwardCollective],
+    names: &Names,
+    opts: &ShardOptions,
+    stats: &EgraphStats,
+) -> dplc_ir::RegionProgram {
+    let mut values = Vec::new();
+    for &c in &p.order {
+        let n = &p.choice[&c];
+        let stored = CostModel::stored_shard(eg, n);
+        let expr = if stored {
+            node_str(eg, n, &|x| inline(eg, x, 0))
+        } else {
+            node_str(eg, n, &|x| names.value[&eg.find(x)].clone())
+        };
+        let inputs = CostModel::inputs(eg, n)
+            .into_iter()
+            .map(|x| names.value[&eg.find(x)].clone())
+            .collect();
+        let data = &eg[c].data;
+        let layout = data
+            .layout()
+            .map(|l| {
+                MeshAxis::ALL
+                    .iter()
+                    .filter_map(|&m| match l.get(m) {
+                        Part::Replicated => None,
+                        Part::Sharded(a) => Some((ir_axis(m), dplc_ir::AxisPart::Shard(a))),
+                        Part::Partial => Some((ir_axis(m), dplc_ir::AxisPart::Partial)),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let collective = match n {
+            ShardLang::AllReduce(_) => Some(dplc_ir::CollectiveKind::AllReduce),
+            ShardLang::AllGather(_) => Some(dplc_ir::CollectiveKind::AllGather),
+            ShardLang::ReduceScatter(_) => Some(dplc_ir::CollectiveKind::ReduceScatter),
+            ShardLang::AllToAll(_) => Some(dplc_ir::CollectiveKind::AllToAll),
+            _ => None,
+        };
+        values.push(dplc_ir::ProgramValue {
+            name: names.value[&c].clone(),
+            expr,
+            shape: g.shape_str(&dplc_ir::Shape(data.shape().to_vec())),
+            layout,
+            tensor: names.tensor[&c].map(|t| t.index() as u32),
+            collective,
+            inputs,
+        });
+    }
+    let backward = back
+        .iter()
+        .map(|b| dplc_ir::BackwardCollective {
+            kind: ir_collective(b.kind),
+            axis: ir_axis(b.mesh),
+            of: names
+                .value
+                .get(&eg.find(b.class))
+                .cloned()
+                .unwrap_or_else(|| inline(eg, b.class, 0)),
+            elements: g.dim_str(&numel_of(&eg[b.class].data)),
+        })
+        .collect();
+    dplc_ir::RegionProgram {
+        region: String::new(),
+        tp: opts.tp.max(1),
+        ep: opts.ep.max(1),
+        sequence_parallel: eg.analysis.ctx.sequence_parallel,
+        values,
+        outputs: p.roots.iter().map(|r| names.value[r].clone()).collect(),
+        backward,
+        egraph_nodes: stats.nodes as u64,
+        egraph_iterations: stats.iterations as u64,
+        stop_reason: stats.stop_reason.clone(),
+    }
+}
+
 fn print_program(g: &Graph, eg: &ShardGraph, p: &Program, names: &Names) -> String {
     let mut s = String::new();
     for &c in &p.order {
@@ -518,6 +620,15 @@ fn param_behind(eg: &ShardGraph, id: Id, axis: usize) -> Option<(ParamId, usize)
         if let ShardLang::Param(tag) = n {
             if let Op::Param(p) = ctx.op(tag_of(eg, *tag)?).op {
                 return Some((p, axis));
+            }
+        }
+    }
+    // A weight split over two axes (experts over ep, then columns over tp) is
+    // a shard of a shard: the dims keep their places, so look through it.
+    for n in &eg[id].nodes {
+        if let ShardLang::Shard([_, _, inner]) = n {
+            if let Some(found) = param_behind(eg, *inner, axis) {
+                return Some(found);
             }
         }
     }

@@ -132,28 +132,26 @@ pub fn gpt(name: &str, cfg: Gpt) -> Graph {
     let ln1 = op(&mut g, Op::LayerNorm { eps: 1e-5 }, &[x, w1, b1]);
     let qkv = op(&mut g, Op::MatMul, &[ln1, wqkv]);
     let qkv = op(&mut g, Op::Binary(add), &[qkv, bqkv]);
-    let heads_shape = Shape(vec![
+    // Megatron's fused QKV: the projection's columns are grouped by head
+    // (`[heads, 3·hd]`), so the output is viewed per head first and q, k, v are
+    // slices of each head's row. A column split of the weight then hands each
+    // rank whole heads, which is why Megatron lays the weight out this way.
+    let fused_shape = Shape(vec![
         b.clone(),
         s.clone(),
         Dim::konst(heads),
-        Dim::konst(hd),
+        Dim::konst(3 * hd),
     ]);
+    let fused = op(&mut g, Op::Reshape { shape: fused_shape }, &[qkv]);
     let head = |g: &mut Graph, i: i64| {
         let part = op(
             g,
             Op::Slice {
-                axis: 2,
-                start: i * h,
-                len: h,
+                axis: 3,
+                start: i * hd,
+                len: hd,
             },
-            &[qkv],
-        );
-        let part = op(
-            g,
-            Op::Reshape {
-                shape: heads_shape.clone(),
-            },
-            &[part],
+            &[fused],
         );
         op(
             g,

@@ -1,0 +1,182 @@
+//! The layouts the cost model prices, from the sharding e-graph: one e-graph
+//! per distinct (region, tensor degree, expert degree), however many layers
+//! repeat the body, and the model profile under each.
+
+use crate::cluster::Cluster;
+use crate::egraph::{shard_region, Limits, LinkCost, ShardOptions, ShardResult};
+use crate::profile::{layer_body, ModelProfile};
+use crate::PlanError;
+use dplc_ir::{Analysis, Graph, LinkLevel, Precision};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// The tensor- and expert-parallel degrees a layout is extracted for.
+pub(crate) type Degrees = (u64, u64);
+
+/// One extracted layout and the profile the cost model reads under it.
+pub(crate) struct Layout {
+    pub profile: ModelProfile,
+    pub layer: ShardResult,
+    pub root: ShardResult,
+}
+
+/// How one region's e-graph went, for `dplc compile --verbose`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct LayoutStats {
+    /// `layer` or `model`.
+    pub region: String,
+    pub tp: u64,
+    pub ep: u64,
+    pub sequence_parallel: bool,
+    pub egraph_nodes: usize,
+    pub egraph_classes: usize,
+    pub iterations: usize,
+    pub stop_reason: String,
+    pub time_ms: f64,
+    /// The extracted program's per-rank time under the e-graph's own cost model.
+    pub cost_s: f64,
+    /// Collectives of one call of the region (forward and backward).
+    pub collectives: usize,
+}
+
+impl LayoutStats {
+    pub(crate) fn of(region: &str, r: &ShardResult) -> LayoutStats {
+        let p = &r.region_program;
+        LayoutStats {
+            region: region.to_string(),
+            tp: p.tp,
+            ep: p.ep,
+            sequence_parallel: p.sequence_parallel,
+            egraph_nodes: r.stats.nodes,
+            egraph_classes: r.stats.classes,
+            iterations: r.stats.iterations,
+            stop_reason: r.stats.stop_reason.clone(),
+            time_ms: r.stats.time.as_secs_f64() * 1e3,
+            cost_s: r.stats.cost_s,
+            collectives: r.collectives.len(),
+        }
+    }
+}
+
+/// The e-graph's options for `cluster`: the links the tensor- and
+/// expert-parallel groups would use, and the device's rates, at one sequence
+/// of `seq` tokens (the layout choice depends on ratios, not on the batch).
+pub(crate) fn shard_options(
+    cluster: &Cluster,
+    precision: Precision,
+    seq: u64,
+    (tp, ep): Degrees,
+    sequence_parallel: bool,
+) -> ShardOptions {
+    let link_for = |size: u64, stride: u64| {
+        let l = crate::cost::group_link(cluster, stride, size);
+        let link = if l.level == LinkLevel::InterNode {
+            &cluster.inter_node
+        } else {
+            &cluster.intra_node
+        };
+        LinkCost {
+            alpha_s: link.latency_s,
+            bytes_per_s: l.bandwidth.max(1.0),
+        }
+    };
+    let d = &cluster.device;
+    ShardOptions {
+        tp,
+        ep,
+        cp: 1,
+        sequence_parallel: sequence_parallel && tp > 1,
+        batch: 1,
+        seq,
+        element_bytes: precision.bytes(),
+        flops_per_s: d.peak_flops(precision) * d.matmul_efficiency,
+        memory_bytes_per_s: d.memory_bandwidth,
+        links: [link_for(tp, 1), link_for(ep, tp), link_for(1, 1)],
+        replicated_weight_s_per_byte: ShardOptions::default().replicated_weight_s_per_byte,
+        limits: Limits {
+            nodes: 20_000,
+            iterations: 60,
+            time: Duration::from_secs(2),
+        },
+    }
+}
+
+/// Extract the layouts of `g`'s layer body and root at `degrees`.
+pub(crate) fn extract(
+    g: &Graph,
+    an: &Analysis,
+    cluster: &Cluster,
+    precision: Precision,
+    seq: u64,
+    degrees: Degrees,
+    sequence_parallel: bool,
+) -> Result<(ShardResult, ShardResult), String> {
+    let body = layer_body(g, an).map_err(|e| e.to_string())?;
+    let opts = shard_options(cluster, precision, seq, degrees, sequence_parallel);
+    let mut layer = shard_region(g, an, body, &opts).map_err(|e| e.to_string())?;
+    let mut root = shard_region(g, an, g.root(), &opts).map_err(|e| e.to_string())?;
+    layer.region_program.region = "layer".into();
+    root.region_program.region = "model".into();
+    Ok((layer, root))
+}
+
+/// Every layout the search may price, by degrees; a degree with no layout
+/// keeps the reason.
+pub(crate) struct Layouts {
+    pub by_degrees: BTreeMap<Degrees, Result<Layout, String>>,
+}
+
+impl Layouts {
+    /// Extract a layout for each of `degrees`.
+    pub fn new(
+        g: &Graph,
+        precision: Precision,
+        cluster: &Cluster,
+        seq: u64,
+        degrees: impl IntoIterator<Item = Degrees>,
+    ) -> Result<Layouts, PlanError> {
+        let an = Analysis::new(g);
+        layer_body(g, &an)?;
+        let mut by_degrees = BTreeMap::new();
+        for d in degrees {
+            let layout = extract(g, &an, cluster, precision, seq, d, false).and_then(|(l, r)| {
+                let max_tp = l.sharding.max_tp;
+                if d.0 > 1 && max_tp <= 1 {
+                    return Err(format!(
+                        "no head or hidden dimension of the layer divides by {}",
+                        d.0
+                    ));
+                }
+                if d.0 > 1 && !max_tp.is_multiple_of(d.0) {
+                    return Err(format!(
+                        "the layer's split dimensions (heads, hidden widths) have greatest common \
+                         divisor {max_tp}, which tp={} does not divide",
+                        d.0
+                    ));
+                }
+                let profile = ModelProfile::new(g, &an, precision, &l.sharding, &r.sharding)
+                    .map_err(|e| e.to_string())?;
+                Ok(Layout {
+                    profile,
+                    layer: l,
+                    root: r,
+                })
+            });
+            by_degrees.insert(d, layout);
+        }
+        Ok(Layouts { by_degrees })
+    }
+
+    pub fn get(&self, d: Degrees) -> Option<&Layout> {
+        self.by_degrees.get(&d).and_then(|l| l.as_ref().ok())
+    }
+
+    /// Why `d` has no layout, if it has none.
+    pub fn why_not(&self, d: Degrees) -> Option<&str> {
+        match self.by_degrees.get(&d) {
+            Some(Err(why)) => Some(why),
+            _ => None,
+        }
+    }
+}
