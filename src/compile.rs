@@ -50,13 +50,6 @@ pub struct Args {
     verbose: bool,
 }
 
-/// A planned model, with what it was planned from.
-pub struct Planned {
-    pub compiled: Compiled,
-    pub lowered: dplc_frontend::Lowered,
-    pub cluster: Cluster,
-}
-
 /// A planner error as the command line shows it.
 pub fn plan_error(e: dplc_planner::PlanError) -> miette::Report {
     use dplc_planner::PlanError::*;
@@ -144,8 +137,9 @@ pub fn resolve_cluster(spec: &str, unit: &dplc_frontend::Unit, file: &Path) -> R
     })
 }
 
-/// Lower the model and search for its plan.
-pub fn plan(args: &PlanArgs, top_k: usize) -> Result<Planned> {
+/// Lower the model and search for its plan; the lowered model comes back too
+/// (`run` trains it).
+pub fn plan(args: &PlanArgs, top_k: usize) -> Result<(Compiled, dplc_frontend::Lowered)> {
     let unit = load::parse(&args.file)?;
     let name = load::choose_model(&unit, &args.file, args.model.as_deref())?;
     let lowered = unit.lower(&name)?;
@@ -164,11 +158,7 @@ pub fn plan(args: &PlanArgs, top_k: usize) -> Result<Planned> {
         model: name,
         text,
     };
-    Ok(Planned {
-        compiled,
-        lowered,
-        cluster,
-    })
+    Ok((compiled, lowered))
 }
 
 /// Write `plan` as RON, atomically: a reader never sees half a plan.
@@ -198,8 +188,8 @@ pub fn read_plan(path: &Path) -> Result<Plan> {
 }
 
 pub fn run(args: &Args) -> Result<()> {
-    let planned = plan(&args.plan, args.top)?;
-    let compiled = &planned.compiled;
+    let (compiled, _) = plan(&args.plan, args.top)?;
+    let compiled = &compiled;
     if let Some(path) = &args.output {
         write_plan(&compiled.plan, path)?;
     }

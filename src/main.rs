@@ -2,9 +2,11 @@
 //! with miette (source line, caret, hint) and exit non-zero on failure.
 
 mod compile;
+mod explain;
 mod inspect;
 mod load;
 mod units;
+mod viz;
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -29,6 +31,10 @@ enum Command {
     Inspect(inspect::Args),
     /// Plan a model on a cluster: the fastest split that fits, with its estimates.
     Compile(compile::Args),
+    /// Explain a plan: mesh on the hardware, memory, step time, collectives, alternatives, what-ifs.
+    Explain(explain::Args),
+    /// Draw a plan: Chrome trace, Graphviz of a layer's sharded program, or an HTML page.
+    Viz(viz::Args),
 }
 
 fn main() -> ExitCode {
@@ -38,6 +44,8 @@ fn main() -> ExitCode {
         Command::Check { file } => check(&file),
         Command::Inspect(args) => inspect::run(&args),
         Command::Compile(args) => compile::run(&args),
+        Command::Explain(args) => explain::run(&args),
+        Command::Viz(args) => viz::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -27,7 +27,7 @@ pub use plan::{
     Alternative, AxisMapping, AxisPart, BackwardCollective, ClusterSummary, Collective,
     CollectiveKind, Estimate, LinkLevel, MemoryBreakdown, Mesh, MeshAxis, ModelSource,
     ParamSharding, PipelineSchedule, Plan, ProgramValue, Recompute, RegionProgram, SearchStats,
-    StagePlan, StepPhase, Strategy, TimeBreakdown,
+    StagePlan, StepPhase, Strategy, TimeBreakdown, WhatIf,
 };
 
 pub use print::print_graph;

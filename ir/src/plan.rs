@@ -173,6 +173,13 @@ pub struct StagePlan {
     /// Micro-batches (of whole stages) whose activations are in flight at the peak.
     pub micro_batches_in_flight: f64,
     pub memory: MemoryBreakdown,
+    /// Seconds of one micro-batch's forward on this stage (all its chunks),
+    /// exposed tensor/context/expert communication included.
+    #[serde(default)]
+    pub forward_s: f64,
+    /// The same for the backward, recomputation included.
+    #[serde(default)]
+    pub backward_s: f64,
 }
 
 /// How one parameter (or group) is split.
@@ -303,6 +310,19 @@ pub struct Alternative {
     pub reason: String,
 }
 
+/// A neighbouring plan, one choice changed, and what it would do.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WhatIf {
+    /// The change, e.g. `tp 8 → 16` or `recompute selective → full`.
+    pub change: String,
+    /// `None` when the change is impossible (see `note`).
+    pub step_time_s: Option<f64>,
+    pub peak_memory_bytes: Option<u64>,
+    pub fits: bool,
+    /// Why it is impossible, or what else had to change with it.
+    pub note: String,
+}
+
 /// What one rank holds of a tensor along one mesh axis.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum AxisPart {
@@ -389,6 +409,9 @@ pub struct Plan {
     pub estimate: Estimate,
     pub search: SearchStats,
     pub alternatives: Vec<Alternative>,
+    /// Neighbouring plans (one choice changed) with their time and memory.
+    #[serde(default)]
+    pub what_if: Vec<WhatIf>,
     /// The per-rank programs of the layer and of the model's ends, from the
     /// sharding e-graph; empty when no axis splits a layer (tp = ep = 1).
     #[serde(default)]

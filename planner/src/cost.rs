@@ -543,38 +543,42 @@ impl<'a> CostModel<'a> {
     }
 
     /// Step time of `c` with stages holding `counts` layers.
-    pub fn step_time(&mut self, c: &Config, counts: &[u64]) -> TimeBreakdown {
+    /// The work of one micro-batch on stage `i` (all its chunks) holding `counts[i]` layers.
+    pub fn stage_pass(&mut self, c: &Config, counts: &[u64], i: usize) -> PassCost {
         let [layer, pre, post] = self.parts(c);
-        let (p, m, v) = (c.pp, c.num_micro_batches as f64, c.virtual_stages as f64);
-        let stage = |i: usize| {
-            let mut s = PassCost {
-                forward: counts[i] as f64 * layer.forward,
-                backward: counts[i] as f64 * layer.backward,
-                recompute: counts[i] as f64 * layer.recompute,
-                comm: counts[i] as f64 * layer.comm,
-                ..PassCost::default()
-            };
-            for (cond, e) in [(i == 0, pre), (i as u64 == p - 1, post)] {
-                if cond {
-                    s.forward += e.forward;
-                    s.backward += e.backward;
-                    s.comm += e.comm;
-                }
-            }
-            s
+        let mut s = PassCost {
+            forward: counts[i] as f64 * layer.forward,
+            backward: counts[i] as f64 * layer.backward,
+            recompute: counts[i] as f64 * layer.recompute,
+            comm: counts[i] as f64 * layer.comm,
+            ..PassCost::default()
         };
-        let stages: Vec<PassCost> = (0..p as usize).map(stage).collect();
+        for (cond, e) in [(i == 0, pre), (i as u64 == c.pp - 1, post)] {
+            if cond {
+                s.forward += e.forward;
+                s.backward += e.backward;
+                s.comm += e.comm;
+            }
+        }
+        s
+    }
+
+    pub fn step_time(&mut self, c: &Config, counts: &[u64]) -> TimeBreakdown {
+        let (p, m, v) = (c.pp, c.num_micro_batches as f64, c.virtual_stages as f64);
+        let stages: Vec<PassCost> = (0..p as usize)
+            .map(|i| self.stage_pass(c, counts, i))
+            .collect();
         let slowest = stages
             .iter()
             .copied()
             .max_by(|a, b| a.total().total_cmp(&b.total()))
             .expect("at least one stage");
-        let sum: f64 = stages.iter().map(PassCost::total).sum();
         let t_max = slowest.total();
-        // Fill and drain: the first micro-batch passes every stage once (in
-        // chunks of 1/v under interleaving); the rest follow at the slowest rate.
-        let pipeline = m * t_max + (sum - t_max) / v;
-        let bubble = (pipeline - m * t_max).max(0.0);
+        // Every stage runs at the slowest stage's pace, so fill and drain cost
+        // p − 1 slots of it (of 1/v of it under interleaving): the bubble
+        // (p − 1)/(v·m) of Narayanan et al. 2021, and exactly the makespan of
+        // the schedule `timeline` lays out.
+        let bubble = (p - 1) as f64 * t_max / v;
 
         let bind = self.bind(c);
         let rep_div = if c.sp { c.tp as f64 } else { 1.0 };

@@ -14,14 +14,16 @@ mod report;
 mod search;
 mod sharding;
 mod strategy;
+mod timeline;
 
 pub use cluster::{catalog, cluster_from_spec, device, parse_cluster, Cluster, Device, Link};
 pub use error::PlanError;
 pub use layouts::LayoutStats;
 pub use report::{layouts_summary, summary, to_json};
 pub use strategy::{parse_strategy, StrategyConstraints};
+pub use timeline::{timeline, Span, SpanKind, Timeline};
 
-use dplc_ir::{Graph, MemoryBreakdown, Plan, TrainSpec};
+use dplc_ir::{Graph, MemoryBreakdown, Plan, Recompute, TrainSpec};
 use std::time::Instant;
 
 /// What to plan: a lowered model, its training setup and the cluster.
@@ -67,8 +69,107 @@ pub struct Compiled {
     pub layouts: Vec<LayoutStats>,
 }
 
-/// Find the fastest plan that fits in memory.
+/// Find the fastest plan that fits in memory, and price its neighbours
+/// (one choice changed) for `explain`'s what-if lines.
 pub fn compile(req: &PlanRequest) -> Result<Compiled, PlanError> {
+    let mut compiled = compile_one(req)?;
+    compiled.plan.what_if = what_ifs(req, &compiled.plan);
+    Ok(compiled)
+}
+
+/// The plan's neighbours: tensor degree ×2 and ÷2, the other recompute
+/// policies, micro-batch ×2; every other choice stays as planned.
+fn what_ifs(req: &PlanRequest, plan: &Plan) -> Vec<dplc_ir::WhatIf> {
+    let s = &plan.strategy;
+    let m = &plan.mesh;
+    let base = StrategyConstraints {
+        tp: Some(m.tp),
+        pp: Some(m.pp),
+        dp: None,
+        cp: Some(m.cp),
+        ep: Some(m.ep),
+        micro_batch: Some(s.micro_batch),
+        num_micro_batches: None,
+        schedule: Some(s.schedule),
+        virtual_stages: Some(s.virtual_stages),
+        zero: Some(s.zero_stage),
+        recompute: Some(s.recompute),
+        sequence_parallel: Some(s.sequence_parallel),
+    };
+    let mut variants: Vec<(String, StrategyConstraints)> = Vec::new();
+    for tp in [m.tp * 2, m.tp / 2] {
+        if tp >= 1 && tp != m.tp {
+            variants.push((
+                format!("tp {} → {tp}", m.tp),
+                StrategyConstraints {
+                    tp: Some(tp),
+                    sequence_parallel: if tp == 1 {
+                        Some(false)
+                    } else {
+                        base.sequence_parallel
+                    },
+                    ep: None,
+                    ..base.clone()
+                },
+            ));
+        }
+    }
+    for r in [Recompute::None, Recompute::Selective, Recompute::Full] {
+        if r != s.recompute {
+            variants.push((
+                format!("recompute {} → {}", s.recompute.name(), r.name()),
+                StrategyConstraints {
+                    recompute: Some(r),
+                    ..base.clone()
+                },
+            ));
+        }
+    }
+    variants.push((
+        format!("micro-batch {} → {}", s.micro_batch, s.micro_batch * 2),
+        StrategyConstraints {
+            micro_batch: Some(s.micro_batch * 2),
+            ..base.clone()
+        },
+    ));
+    variants
+        .into_iter()
+        .map(|(change, pinned)| {
+            let alt = PlanRequest {
+                pinned,
+                top_k: 0,
+                ignore_memory: true,
+                ..req.clone()
+            };
+            match compile_one(&alt) {
+                Ok(c) => {
+                    let e = &c.plan.estimate;
+                    let dm = &c.plan.mesh;
+                    dplc_ir::WhatIf {
+                        change,
+                        step_time_s: Some(e.step_time_s),
+                        peak_memory_bytes: Some(e.peak_memory_bytes),
+                        fits: e.peak_memory_bytes <= req.cluster.device.memory_bytes,
+                        note: if dm.dp != m.dp {
+                            format!("dp {} → {}", m.dp, dm.dp)
+                        } else {
+                            String::new()
+                        },
+                    }
+                }
+                Err(e) => dplc_ir::WhatIf {
+                    change,
+                    step_time_s: None,
+                    peak_memory_bytes: None,
+                    fits: false,
+                    note: e.to_string(),
+                },
+            }
+        })
+        .collect()
+}
+
+fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
     let start = Instant::now();
     let global_batch = req.global_batch.unwrap_or(req.train.global_batch);
     let seq = req.seq.unwrap_or(req.train.seq);
@@ -94,7 +195,6 @@ pub fn compile(req: &PlanRequest) -> Result<Compiled, PlanError> {
     search::validate(&req.pinned, &layouts, profile, world, global_batch, seq)?;
     let out = search::search(
         &layouts,
-        profile,
         &req.cluster,
         global_batch,
         seq,

@@ -485,14 +485,14 @@ impl ModelProfile {
         layer_sh: &RegionSharding,
         root_sh: &RegionSharding,
     ) -> Result<ModelProfile, PlanError> {
-        let body = layer_body(g, &an)?;
+        let body = layer_body(g, an)?;
         let seq_sym = g.sym_by_name("seq");
         let batch_sym = g.sym_by_name("batch");
         let body_nodes = g.region(body).nodes.clone();
         let saved = an.activations(body).saved;
         let layer = region_profile(
             g,
-            &an,
+            an,
             body,
             &body_nodes,
             &saved,
@@ -516,11 +516,11 @@ impl ModelProfile {
             .into_iter()
             .partition(|s| pre_set.contains(&s.saved_by));
         let pre = region_profile(
-            g, &an, root, pre_nodes, &pre_saved, root_sh, precision, seq_sym,
+            g, an, root, pre_nodes, &pre_saved, root_sh, precision, seq_sym,
         );
         let post = region_profile(
             g,
-            &an,
+            an,
             root,
             post_nodes,
             &post_saved,
@@ -547,7 +547,7 @@ impl ModelProfile {
                 layer_params.push(p);
                 continue;
             }
-            let users = root_uses(g, &an, info.tensor, &consumers);
+            let users = root_uses(g, an, info.tensor, &consumers);
             let before = users.iter().any(|n| pre_set.contains(n));
             let after = users.iter().any(|n| !pre_set.contains(n));
             if before {

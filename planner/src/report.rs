@@ -386,7 +386,13 @@ pub(crate) fn build_plan(
     let stages: Vec<StagePlan> = (0..c.pp)
         .map(|i| {
             let layers = best.counts[i as usize];
+            let pass = cost.stage_pass(&c, &best.counts, i as usize);
+            // Exposed communication is charged to each pass in proportion to its compute.
+            let work = pass.forward + pass.backward + pass.recompute;
+            let comm_share = if work > 0.0 { pass.comm / work } else { 0.0 };
             let s = StagePlan {
+                forward_s: pass.forward * (1.0 + comm_share),
+                backward_s: (pass.backward + pass.recompute) * (1.0 + comm_share),
                 stage: i,
                 first_layer: first,
                 layers,
@@ -470,6 +476,7 @@ pub(crate) fn build_plan(
             pinned,
         },
         alternatives,
+        what_if: Vec::new(),
         programs: Vec::new(),
         source: Default::default(),
     }

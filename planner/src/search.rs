@@ -165,7 +165,6 @@ const MAX_MICRO_BATCH: u64 = 64;
 
 pub(crate) fn search(
     layouts: &Layouts,
-    profile: &ModelProfile,
     cluster: &Cluster,
     global_batch: u64,
     seq: u64,
@@ -173,6 +172,10 @@ pub(crate) fn search(
     top_k: usize,
     ignore_memory: bool,
 ) -> Outcome {
+    let profile = &layouts
+        .get((1, 1))
+        .expect("compile checks the single-rank layout first")
+        .profile;
     let world = cluster.world_size();
     let capacity = cluster.device.memory_bytes;
     let mut costs: HashMap<(u64, u64), CostModel> = HashMap::new();

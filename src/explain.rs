@@ -1,0 +1,298 @@
+//! `dplc explain`: why a plan looks the way it does — the mesh on the
+//! hardware, memory by kind per stage, where the step's time goes, every
+//! collective, the runners-up and what-if neighbours — from the plan file alone.
+
+use crate::compile::read_plan;
+use dplc_ir::{LinkLevel, MeshAxis, Plan};
+use miette::Result;
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// A plan written by `dplc compile -o`.
+    plan: PathBuf,
+    /// Print a JSON object instead of the tables.
+    #[arg(long)]
+    json: bool,
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+fn gib(b: u64) -> String {
+    format!("{:.2}", b as f64 / GIB)
+}
+
+fn link(l: LinkLevel) -> &'static str {
+    match l {
+        LinkLevel::IntraNode => "intra-node",
+        LinkLevel::InterNode => "inter-node",
+        LinkLevel::None => "-",
+    }
+}
+
+fn axis_size(plan: &Plan, axis: MeshAxis) -> u64 {
+    plan.mesh
+        .axes
+        .iter()
+        .find(|a| a.axis == axis)
+        .map_or(1, |a| a.size)
+}
+
+fn axis_link(plan: &Plan, axis: MeshAxis) -> LinkLevel {
+    plan.mesh
+        .axes
+        .iter()
+        .find(|a| a.axis == axis)
+        .map_or(LinkLevel::None, |a| a.link)
+}
+
+/// Seconds per step each axis's collectives take, summed over calls (before
+/// overlap: the step breakdown says what is exposed).
+fn comm_by_axis(plan: &Plan) -> BTreeMap<MeshAxis, (f64, u64)> {
+    let mut out: BTreeMap<MeshAxis, (f64, u64)> = BTreeMap::new();
+    for c in &plan.collectives {
+        let e = out.entry(c.axis).or_default();
+        e.0 += c.time_s * c.count_per_step as f64;
+        e.1 += c.bytes * c.count_per_step;
+    }
+    out
+}
+
+pub fn render(plan: &Plan) -> String {
+    let mut s = String::new();
+    let cl = &plan.cluster;
+    let _ = writeln!(
+        s,
+        "{} ({} parameters, {} layers) on {}: {} node{} × {} {}",
+        plan.model,
+        plan.params,
+        plan.layers,
+        cl.name,
+        cl.nodes,
+        if cl.nodes == 1 { "" } else { "s" },
+        cl.devices_per_node,
+        cl.device
+    );
+
+    let _ = writeln!(
+        s,
+        "\nmesh: how the axes map onto the hardware (innermost first)"
+    );
+    let _ = writeln!(
+        s,
+        "  axis   size  stride  ranks of a group            link         GB/s per device"
+    );
+    for a in plan.mesh.axes.iter().filter(|a| a.size > 1) {
+        let last = a.stride * (a.size - 1);
+        let _ = writeln!(
+            s,
+            "  {:<5} {:>5}  {:>6}  {:<27} {:<12} {:>8.1}",
+            a.axis.name(),
+            a.size,
+            a.stride,
+            format!("0, {}, …, {last}", a.stride),
+            link(a.link),
+            a.bandwidth_bytes_per_s / 1e9
+        );
+    }
+
+    let _ = writeln!(
+        s,
+        "\nmemory per rank by stage, GiB (capacity {})",
+        gib(cl.memory_bytes)
+    );
+    let _ = writeln!(
+        s,
+        "  stage  layers  weights   grads  optimizer  activations  emb+loss  buffers    total   use"
+    );
+    for st in &plan.stages {
+        let m = &st.memory;
+        let _ = writeln!(
+            s,
+            "  {:>5}  {:>6}  {:>7}  {:>6}  {:>9}  {:>11}  {:>8}  {:>7}  {:>7}  {:>3.0}%",
+            st.stage,
+            st.layers,
+            gib(m.weights),
+            gib(m.gradients),
+            gib(m.optimizer),
+            gib(m.activations),
+            gib(m.embedding_and_loss),
+            gib(m.buffers),
+            gib(m.total()),
+            100.0 * m.total() as f64 / cl.memory_bytes.max(1) as f64
+        );
+    }
+
+    let e = &plan.estimate;
+    let b = &e.breakdown;
+    let _ = writeln!(s, "\nstep time {:.3} s", e.step_time_s);
+    let share = |x: f64| 100.0 * x / e.step_time_s.max(1e-12);
+    for (what, t) in [
+        (
+            "compute (forward and backward)",
+            b.compute_s - b.recompute_s,
+        ),
+        ("recomputation", b.recompute_s),
+        ("exposed tp/cp/ep communication", b.exposed_comm_s),
+        ("pipeline send/recv", b.pipeline_p2p_s),
+        ("pipeline bubble", b.bubble_s),
+        ("exposed data-parallel communication", b.exposed_dp_comm_s),
+        ("optimizer step", b.optimizer_s),
+    ] {
+        let _ = writeln!(s, "  {what:<38} {t:>9.3} s  {:>5.1}%", share(t));
+    }
+    let _ = writeln!(
+        s,
+        "  {} tokens/s; model {:.1} TFLOP/s per GPU, hardware {:.1}; MFU {:.1}%",
+        e.tokens_per_s.round(),
+        e.model_tflops_per_gpu,
+        e.hardware_tflops_per_gpu,
+        e.mfu * 100.0
+    );
+    let by_axis = comm_by_axis(plan);
+    if !by_axis.is_empty() {
+        let _ = writeln!(s, "  communication per step by axis (before overlap):");
+        for (axis, (t, bytes)) in &by_axis {
+            let _ = writeln!(
+                s,
+                "    {:<3} over {:<11} {:>9.3} s  {:>10.2} GiB",
+                axis.name(),
+                link(axis_link(plan, *axis)),
+                t,
+                *bytes as f64 / GIB
+            );
+        }
+    }
+
+    let _ = writeln!(s, "\ncollectives per step");
+    let _ = writeln!(
+        s,
+        "  kind            axis  group  link         phase       calls     bytes each   time each  what"
+    );
+    for c in &plan.collectives {
+        let _ = writeln!(
+            s,
+            "  {:<15} {:<4} {:>6}  {:<11}  {:<10} {:>6}  {:>13}  {:>8.3} ms  {}",
+            c.kind.name(),
+            c.axis.name(),
+            axis_size(plan, c.axis),
+            link(axis_link(plan, c.axis)),
+            c.phase.name(),
+            c.count_per_step,
+            c.bytes,
+            c.time_s * 1e3,
+            c.what
+        );
+    }
+    if plan.collectives.is_empty() {
+        let _ = writeln!(s, "  none: one rank holds everything");
+    }
+
+    for p in &plan.programs {
+        let forward = p.values.iter().filter(|v| v.collective.is_some()).count();
+        let _ = writeln!(
+            s,
+            "\nlayout of the {} (sharding e-graph at tp {} ep {} sp {}: {} e-nodes, {} iterations, {}): {} values, {} forward and {} backward collectives",
+            p.region,
+            p.tp,
+            p.ep,
+            if p.sequence_parallel { "on" } else { "off" },
+            p.egraph_nodes,
+            p.egraph_iterations,
+            p.stop_reason,
+            p.values.len(),
+            forward,
+            p.backward.len()
+        );
+    }
+
+    if !plan.alternatives.is_empty() {
+        let _ = writeln!(s, "\nrunners-up and why they lost");
+        for a in &plan.alternatives {
+            let st = &a.strategy;
+            let _ = writeln!(
+                s,
+                "  #{:<2} {:>9.3} s {:>7} GiB  dp {} × tp {} × pp {} × cp {} (ep {}), mb {} × {}, {}{}, ZeRO-{}, recompute {}, sp {}: {}",
+                a.rank,
+                a.step_time_s,
+                gib(a.peak_memory_bytes),
+                a.mesh.dp,
+                a.mesh.tp,
+                a.mesh.pp,
+                a.mesh.cp,
+                a.mesh.ep,
+                st.micro_batch,
+                st.num_micro_batches,
+                st.schedule.name(),
+                if st.virtual_stages > 1 {
+                    format!(" v={}", st.virtual_stages)
+                } else {
+                    String::new()
+                },
+                st.zero_stage,
+                st.recompute.name(),
+                if st.sequence_parallel { "on" } else { "off" },
+                a.reason
+            );
+        }
+    }
+
+    if !plan.what_if.is_empty() {
+        let _ = writeln!(s, "\nwhat if (every other choice as planned)");
+        for w in &plan.what_if {
+            match (w.step_time_s, w.peak_memory_bytes) {
+                (Some(t), Some(mem)) => {
+                    let _ = writeln!(
+                        s,
+                        "  {:<28} {:>9.3} s ({:+.1}%)  peak {:>7} GiB{}{}",
+                        w.change,
+                        t,
+                        100.0 * (t / e.step_time_s - 1.0),
+                        gib(mem),
+                        if w.fits { "" } else { "  does not fit" },
+                        if w.note.is_empty() {
+                            String::new()
+                        } else {
+                            format!("  ({})", w.note)
+                        }
+                    );
+                }
+                _ => {
+                    let _ = writeln!(s, "  {:<28} impossible: {}", w.change, w.note);
+                }
+            }
+        }
+    }
+    s
+}
+
+pub fn run(args: &Args) -> Result<()> {
+    let plan = read_plan(&args.plan)?;
+    if args.json {
+        let by_axis: serde_json::Map<String, serde_json::Value> = comm_by_axis(&plan)
+            .into_iter()
+            .map(|(a, (t, bytes))| {
+                (
+                    a.name().to_string(),
+                    json!({"seconds_per_step": t, "bytes_per_step": bytes,
+                           "link": link(axis_link(&plan, a))}),
+                )
+            })
+            .collect();
+        let mut v = serde_json::to_value(&plan).expect("plans serialise");
+        if let Some(o) = v.as_object_mut() {
+            o.remove("source");
+            o.insert("communication_by_axis".into(), by_axis.into());
+        }
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&v).expect("JSON values serialise")
+        );
+        return Ok(());
+    }
+    print!("{}", render(&plan));
+    Ok(())
+}

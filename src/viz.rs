@@ -1,0 +1,411 @@
+//! `dplc viz`: a plan as a Chrome trace (Perfetto, chrome://tracing), as
+//! Graphviz of one layer's sharded program, or as one self-contained HTML page.
+
+use crate::compile::read_plan;
+use dplc_ir::{AxisPart, Plan, RegionProgram};
+use dplc_planner::{timeline, SpanKind};
+use miette::{miette, IntoDiagnostic, Result, WrapErr};
+use serde_json::json;
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// Chrome trace-event JSON: one track per pipeline stage of one replica.
+    Trace,
+    /// Graphviz of the layer's per-rank program, collectives highlighted.
+    Dot,
+    /// One self-contained page: summary, pipeline timeline, memory, sharding.
+    Html,
+}
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// A plan written by `dplc compile -o`.
+    plan: PathBuf,
+    #[arg(long, value_enum, default_value = "html")]
+    format: Format,
+    /// Write here instead of standard output.
+    #[arg(short, long)]
+    output: Option<PathBuf>,
+}
+
+pub fn run(args: &Args) -> Result<()> {
+    let plan = read_plan(&args.plan)?;
+    let text = match args.format {
+        Format::Trace => serde_json::to_string(&trace(&plan)).expect("JSON values serialise"),
+        Format::Dot => dot(&plan)?,
+        Format::Html => html(&plan),
+    };
+    match &args.output {
+        Some(path) => std::fs::write(path, text)
+            .into_diagnostic()
+            .wrap_err_with(|| format!("cannot write {}", path.display())),
+        None => {
+            println!("{text}");
+            Ok(())
+        }
+    }
+}
+
+/// The Chrome trace of the plan's simulated step (times in microseconds).
+pub fn trace(plan: &Plan) -> serde_json::Value {
+    let t = timeline(plan);
+    let mut events = Vec::new();
+    events.push(json!({
+        "name": "process_name", "ph": "M", "pid": 0, "tid": 0,
+        "args": {"name": format!("{} on {} (data-parallel replica 0 of {})",
+            plan.model, plan.cluster.name, plan.mesh.dp)},
+    }));
+    for st in 0..t.stages {
+        events.push(json!({
+            "name": "thread_name", "ph": "M", "pid": 0, "tid": st,
+            "args": {"name": format!("stage {st}")},
+        }));
+    }
+    for s in &t.spans {
+        let name = match s.kind {
+            SpanKind::Forward | SpanKind::Backward if plan.strategy.virtual_stages > 1 => {
+                format!("{} mb{} c{}", s.kind.name(), s.micro_batch, s.chunk)
+            }
+            SpanKind::Forward | SpanKind::Backward => {
+                format!("{} mb{}", s.kind.name(), s.micro_batch)
+            }
+            _ => s.kind.name().to_string(),
+        };
+        events.push(json!({
+            "name": name,
+            "cat": s.kind.name(),
+            "ph": "X",
+            "ts": s.start_s * 1e6,
+            "dur": s.duration_s * 1e6,
+            "pid": 0,
+            "tid": s.stage,
+            "args": {"micro_batch": s.micro_batch, "chunk": s.chunk, "send_us": s.send_s * 1e6},
+        }));
+    }
+    json!({
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "model": plan.model,
+            "cluster": plan.cluster.name,
+            "predicted_step_time_s": plan.estimate.step_time_s,
+            "makespan_s": t.makespan_s,
+            "note": format!(
+                "every pipeline stage of one data-parallel replica; the other {} replicas run the same schedule",
+                plan.mesh.dp.saturating_sub(1)
+            ),
+        },
+    })
+}
+
+fn layout_text(layout: &[(dplc_ir::MeshAxis, AxisPart)]) -> String {
+    if layout.is_empty() {
+        return "replicated".into();
+    }
+    layout
+        .iter()
+        .map(|(axis, part)| match part {
+            AxisPart::Shard(d) => format!("{}:shard({d})", axis.name()),
+            AxisPart::Partial => format!("{}:partial", axis.name()),
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn escape(s: &str) -> String {
+    s.replace('\\', "\\\\").replace('"', "\\\"")
+}
+
+/// Graphviz of the layer's per-rank program.
+pub fn dot(plan: &Plan) -> Result<String> {
+    let Some(prog) = plan.programs.iter().find(|p| p.region == "layer") else {
+        return Err(miette!(
+            help =
+                "pin a tensor-parallel degree, e.g. `dplc compile … --strategy tp=2 -o plan.ron`",
+            "the plan splits no layer (tp = ep = 1): it has no sharded program to draw"
+        ));
+    };
+    Ok(dot_program(plan, prog))
+}
+
+fn dot_program(plan: &Plan, prog: &RegionProgram) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "digraph layer {{");
+    let _ = writeln!(
+        s,
+        "  label=\"{} layer at tp {} ep {} sp {}\"; labelloc=t; rankdir=TB;",
+        escape(&plan.model),
+        prog.tp,
+        prog.ep,
+        if prog.sequence_parallel { "on" } else { "off" }
+    );
+    let _ = writeln!(s, "  node [shape=box, fontname=monospace, fontsize=10];");
+    for v in &prog.values {
+        let op = v.expr.trim_start_matches('(');
+        let op = op.split([' ', ')']).next().unwrap_or("");
+        let style = match (v.collective, v.layout.is_empty()) {
+            (Some(_), _) => "style=filled, fillcolor=\"#f4a261\", penwidth=2",
+            (None, false) => "style=filled, fillcolor=\"#a8dadc\"",
+            (None, true) => "style=filled, fillcolor=\"#f1faee\"",
+        };
+        let _ = writeln!(
+            s,
+            "  {} [label=\"{} = {}\\n{}\\n{}\", {style}];",
+            v.name,
+            v.name,
+            escape(op),
+            escape(&v.shape),
+            escape(&layout_text(&v.layout))
+        );
+        for i in &v.inputs {
+            let _ = writeln!(s, "  {i} -> {};", v.name);
+        }
+    }
+    for (i, b) in prog.backward.iter().enumerate() {
+        let _ = writeln!(
+            s,
+            "  bwd{i} [label=\"backward {} {}\\nof {}\", shape=note, style=filled, fillcolor=\"#e76f51\"];",
+            b.kind.name(),
+            b.axis.name(),
+            escape(&b.of)
+        );
+        let _ = writeln!(s, "  {} -> bwd{i} [style=dashed];", b.of);
+    }
+    let _ = writeln!(s, "}}");
+    s
+}
+
+fn html_escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// The pipeline timeline as SVG: one row per stage, forwards blue, backwards green.
+fn timeline_svg(plan: &Plan) -> String {
+    let t = timeline(plan);
+    let (w, row, left) = (1000.0, 22.0, 70.0);
+    let h = row * t.stages as f64 + 30.0;
+    let scale = (w - left - 10.0) / t.makespan_s.max(1e-12);
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" role=\"img\" aria-label=\"pipeline timeline\">"
+    );
+    // Thousands of micro-batches would make the page heavy: spans narrower
+    // than a pixel merge into their neighbours.
+    let mut last_end: Vec<(f64, SpanKind)> = vec![(-1.0, SpanKind::Forward); t.stages as usize];
+    for st in 0..t.stages {
+        let y = 10.0 + row * st as f64;
+        let _ = write!(
+            s,
+            "<text x=\"4\" y=\"{}\" font-size=\"12\" font-family=\"sans-serif\">stage {st}</text>",
+            y + 14.0
+        );
+    }
+    for span in &t.spans {
+        let x = left + span.start_s * scale;
+        let width = (span.duration_s * scale).max(0.5);
+        let slot = &mut last_end[span.stage as usize];
+        if x + width < slot.0 + 1.0 && slot.1 == span.kind {
+            continue;
+        }
+        *slot = (x + width, span.kind);
+        let color = match span.kind {
+            SpanKind::Forward => "#457b9d",
+            SpanKind::Backward => "#2a9d8f",
+            SpanKind::GradientSync => "#e76f51",
+            SpanKind::Optimizer => "#e9c46a",
+        };
+        let y = 10.0 + row * span.stage as f64;
+        let _ = write!(
+            s,
+            "<rect x=\"{x:.2}\" y=\"{y:.1}\" width=\"{width:.2}\" height=\"{:.1}\" fill=\"{color}\"><title>{} mb{} chunk {}: {:.3} ms</title></rect>",
+            row - 4.0,
+            span.kind.name(),
+            span.micro_batch,
+            span.chunk,
+            span.duration_s * 1e3
+        );
+    }
+    let _ = write!(
+        s,
+        "<text x=\"{left}\" y=\"{}\" font-size=\"11\" font-family=\"sans-serif\">0 s — {:.3} s (predicted step {:.3} s)</text></svg>",
+        h - 4.0,
+        t.makespan_s,
+        plan.estimate.step_time_s
+    );
+    s
+}
+
+/// Memory per stage against the device's capacity, as stacked SVG bars.
+fn memory_svg(plan: &Plan) -> String {
+    let cap = plan.cluster.memory_bytes as f64;
+    let max = plan
+        .stages
+        .iter()
+        .map(|s| s.memory.total() as f64)
+        .fold(cap, f64::max);
+    let (w, row, left) = (1000.0, 20.0, 70.0);
+    let h = row * plan.stages.len() as f64 + 40.0;
+    let scale = (w - left - 10.0) / max.max(1.0);
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" role=\"img\" aria-label=\"memory per stage\">"
+    );
+    let kinds = [
+        ("weights", "#457b9d"),
+        ("gradients", "#a8dadc"),
+        ("optimizer", "#1d3557"),
+        ("activations", "#2a9d8f"),
+        ("embedding and loss", "#e9c46a"),
+        ("buffers", "#f4a261"),
+    ];
+    for st in &plan.stages {
+        let m = &st.memory;
+        let y = 10.0 + row * st.stage as f64;
+        let _ = write!(
+            s,
+            "<text x=\"4\" y=\"{}\" font-size=\"12\" font-family=\"sans-serif\">stage {}</text>",
+            y + 13.0,
+            st.stage
+        );
+        let mut x = left;
+        for ((name, color), bytes) in kinds.iter().zip([
+            m.weights,
+            m.gradients,
+            m.optimizer,
+            m.activations,
+            m.embedding_and_loss,
+            m.buffers,
+        ]) {
+            let width = bytes as f64 * scale;
+            let _ = write!(
+                s,
+                "<rect x=\"{x:.2}\" y=\"{y:.1}\" width=\"{width:.2}\" height=\"{:.1}\" fill=\"{color}\"><title>{name}: {:.2} GiB</title></rect>",
+                row - 4.0,
+                bytes as f64 / GIB
+            );
+            x += width;
+        }
+    }
+    let cx = left + cap * scale;
+    let _ = write!(
+        s,
+        "<line x1=\"{cx:.1}\" y1=\"5\" x2=\"{cx:.1}\" y2=\"{:.1}\" stroke=\"#d62828\" stroke-width=\"2\"/><text x=\"{:.1}\" y=\"{:.1}\" font-size=\"11\" font-family=\"sans-serif\" fill=\"#d62828\">capacity {:.1} GiB</text></svg>",
+        h - 25.0,
+        (cx - 90.0).max(left),
+        h - 10.0,
+        cap / GIB
+    );
+    s
+}
+
+/// One self-contained page: no network, no scripts.
+pub fn html(plan: &Plan) -> String {
+    let e = &plan.estimate;
+    let st = &plan.strategy;
+    let mut s = String::new();
+    let _ = write!(
+        s,
+        "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>dplc plan: {model}</title>\
+         <style>body{{font-family:sans-serif;margin:24px;color:#1d3557}}table{{border-collapse:collapse;margin:8px 0}}\
+         td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}th{{background:#f1faee}}td.l,th.l{{text-align:left}}\
+         h2{{margin-top:28px}}</style></head><body>",
+        model = html_escape(&plan.model)
+    );
+    let _ = write!(
+        s,
+        "<h1>{} on {}</h1><p>dp {} × tp {} × pp {} × cp {} (ep {}); micro-batch {} × {} (global batch {}, seq {}); \
+         schedule {}{}; ZeRO-{}; recompute {}; sequence parallel {}</p>",
+        html_escape(&plan.model),
+        html_escape(&plan.cluster.name),
+        plan.mesh.dp,
+        plan.mesh.tp,
+        plan.mesh.pp,
+        plan.mesh.cp,
+        plan.mesh.ep,
+        st.micro_batch,
+        st.num_micro_batches,
+        st.global_batch,
+        st.seq,
+        st.schedule.name(),
+        if st.virtual_stages > 1 {
+            format!(" v={}", st.virtual_stages)
+        } else {
+            String::new()
+        },
+        st.zero_stage,
+        st.recompute.name(),
+        if st.sequence_parallel { "on" } else { "off" }
+    );
+    let b = &e.breakdown;
+    let _ = write!(
+        s,
+        "<h2>Step</h2><table><tr><th class=l>step time</th><td>{:.3} s</td></tr>\
+         <tr><th class=l>compute (recompute)</th><td>{:.3} s ({:.3} s)</td></tr>\
+         <tr><th class=l>exposed tp/cp/ep communication</th><td>{:.3} s</td></tr>\
+         <tr><th class=l>pipeline send/recv</th><td>{:.3} s</td></tr>\
+         <tr><th class=l>pipeline bubble</th><td>{:.3} s</td></tr>\
+         <tr><th class=l>exposed data-parallel communication</th><td>{:.3} s</td></tr>\
+         <tr><th class=l>optimizer</th><td>{:.3} s</td></tr>\
+         <tr><th class=l>tokens/s</th><td>{:.0}</td></tr>\
+         <tr><th class=l>model / hardware TFLOP/s per GPU</th><td>{:.1} / {:.1}</td></tr>\
+         <tr><th class=l>MFU</th><td>{:.1}%</td></tr></table>",
+        e.step_time_s,
+        b.compute_s,
+        b.recompute_s,
+        b.exposed_comm_s,
+        b.pipeline_p2p_s,
+        b.bubble_s,
+        b.exposed_dp_comm_s,
+        b.optimizer_s,
+        e.tokens_per_s,
+        e.model_tflops_per_gpu,
+        e.hardware_tflops_per_gpu,
+        e.mfu * 100.0
+    );
+    let _ = write!(
+        s,
+        "<h2>Pipeline timeline (one data-parallel replica)</h2>{}",
+        timeline_svg(plan)
+    );
+    let _ = write!(s, "<h2>Memory per rank by stage</h2>{}", memory_svg(plan));
+    s.push_str("<h2>Sharding</h2><table><tr><th class=l>parameter</th><th>elements</th><th class=l>split</th></tr>");
+    for p in &plan.param_sharding {
+        let split = if p.splits.is_empty() {
+            "replicated".to_string()
+        } else {
+            p.splits
+                .iter()
+                .map(|(a, d)| format!("{} on dim {d}", a.name()))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let _ = write!(
+            s,
+            "<tr><td class=l>{}</td><td>{}</td><td class=l>{}</td></tr>",
+            html_escape(&p.name),
+            p.elements,
+            html_escape(&split)
+        );
+    }
+    s.push_str("</table><h2>Collectives per step</h2><table><tr><th class=l>kind</th><th class=l>axis</th><th class=l>what</th><th>bytes</th><th class=l>phase</th><th>count</th><th>time each</th></tr>");
+    for c in &plan.collectives {
+        let _ = write!(
+            s,
+            "<tr><td class=l>{}</td><td class=l>{}</td><td class=l>{}</td><td>{}</td><td class=l>{}</td><td>{}</td><td>{:.3} ms</td></tr>",
+            c.kind.name(),
+            c.axis.name(),
+            html_escape(&c.what),
+            c.bytes,
+            c.phase.name(),
+            c.count_per_step,
+            c.time_s * 1e3
+        );
+    }
+    s.push_str("</table></body></html>\n");
+    s
+}
