@@ -109,6 +109,9 @@ fn what_ifs(req: &PlanRequest, plan: &Plan) -> Vec<dplc_ir::WhatIf> {
                         base.sequence_parallel
                     },
                     ep: None,
+                    // The data-parallel degree moves with tp; ZeRO stages
+                    // above 0 need dp > 1, so the search picks the stage again.
+                    zero: None,
                     ..base.clone()
                 },
             ));
@@ -150,10 +153,16 @@ fn what_ifs(req: &PlanRequest, plan: &Plan) -> Vec<dplc_ir::WhatIf> {
                         step_time_s: Some(e.step_time_s),
                         peak_memory_bytes: Some(e.peak_memory_bytes),
                         fits: e.peak_memory_bytes <= req.cluster.device.memory_bytes,
-                        note: if dm.dp != m.dp {
-                            format!("dp {} → {}", m.dp, dm.dp)
-                        } else {
-                            String::new()
+                        note: {
+                            let ds = &c.plan.strategy;
+                            let mut also = Vec::new();
+                            if dm.dp != m.dp {
+                                also.push(format!("dp {} → {}", m.dp, dm.dp));
+                            }
+                            if ds.zero_stage != s.zero_stage {
+                                also.push(format!("ZeRO-{} → {}", s.zero_stage, ds.zero_stage));
+                            }
+                            also.join(", ")
                         },
                     }
                 }
