@@ -138,13 +138,25 @@ fn what_ifs(req: &PlanRequest, plan: &Plan) -> Vec<dplc_ir::WhatIf> {
     variants
         .into_iter()
         .map(|(change, pinned)| {
-            let alt = PlanRequest {
-                pinned,
-                top_k: 0,
-                ignore_memory: true,
-                ..req.clone()
+            // The fastest neighbour that fits; if none fits, the same choices
+            // priced anyway (keeping the plan's ZeRO stage where it applies),
+            // so the line says by how much it misses.
+            let alt = |pinned: StrategyConstraints, ignore_memory: bool| {
+                compile_one(&PlanRequest {
+                    pinned,
+                    top_k: 0,
+                    ignore_memory,
+                    ..req.clone()
+                })
             };
-            match compile_one(&alt) {
+            let priced = alt(pinned.clone(), false).or_else(|_| {
+                let keep_zero = StrategyConstraints {
+                    zero: pinned.zero.or(Some(s.zero_stage)),
+                    ..pinned.clone()
+                };
+                alt(keep_zero, true).or_else(|_| alt(pinned, true))
+            });
+            match priced {
                 Ok(c) => {
                     let e = &c.plan.estimate;
                     let dm = &c.plan.mesh;
