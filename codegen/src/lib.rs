@@ -18,7 +18,7 @@ pub use adamw::{adamw_kernel, AdamwScalars};
 pub use backward::{
     backward, backward_plan, column_sum_kernel, Backward, BackwardStep, ColumnSum, GradBinding,
 };
-pub use cuda::{emit_cuda, CudaSource, LaunchShape, ROW_BLOCK};
+pub use cuda::{emit_cuda, kernel_name, CudaSource, LaunchShape, ROW_BLOCK};
 pub use error::CodegenError;
 pub use fuse::{fuse, fuse_graph, FusedKernel, FusionPlan, Operand, Step};
 pub use interp::{binary, erf, interpret, unary, unary_grad, Args, Data};
