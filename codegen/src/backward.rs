@@ -14,7 +14,9 @@
 //!   into an `f32` buffer the caller zeroes (summation order not fixed).
 
 use crate::fuse::{FusionPlan, Step};
-use crate::kernel::{Buffer, Builder, Cond, Elem, Expr, Idx, Kernel, RowReduce, Size, Space, Store, ValueId};
+use crate::kernel::{
+    Buffer, Builder, Cond, Elem, Expr, Idx, Kernel, RowReduce, Size, Space, Store, ValueId,
+};
 use dplc_ir::{BinaryOp, GradPlan, Graph, NodeId, UnaryOp};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -120,7 +122,11 @@ pub enum BackwardStep {
     /// The two gradient matmuls of forward step `step`, for cuBLAS.
     MatMul { step: usize },
     /// A forward step whose VJP the runtime runs itself, with the reason.
-    Extern { step: usize, node: Option<NodeId>, reason: String },
+    Extern {
+        step: usize,
+        node: Option<NodeId>,
+        reason: String,
+    },
 }
 
 /// The backward pass of a fused region: the forward steps in reverse, each
@@ -443,8 +449,15 @@ fn flat_index(axes: &[Size], has_inner: bool) -> Idx {
 
 /// How the gradient of one forward input is written.
 enum Write {
-    Direct { primary: ValueId, gathers: Vec<(ValueId, Idx)> },
-    Broadcast { load: ValueId, axes: Vec<Size>, split: usize },
+    Direct {
+        primary: ValueId,
+        gathers: Vec<(ValueId, Idx)>,
+    },
+    Broadcast {
+        load: ValueId,
+        axes: Vec<Size>,
+        split: usize,
+    },
     Accumulate,
 }
 
@@ -494,7 +507,10 @@ pub fn backward(fwd: &Kernel, needs_grad: &[bool]) -> Result<Backward, String> {
         bindings.push(GradBinding::OutputGrad(st.buf));
         let index = remap_idx(&st.index, &in_map);
         let gv = body.push(Expr::Load { buf: g, index });
-        contrib.entry(vals[st.value.0 as usize]).or_default().push(gv);
+        contrib
+            .entry(vals[st.value.0 as usize])
+            .or_default()
+            .push(gv);
     }
     // Reverse sweep over the recomputed forward values.
     let mut adj: BTreeMap<ValueId, ValueId> = BTreeMap::new();

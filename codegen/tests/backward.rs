@@ -34,7 +34,13 @@ fn loss(k: &Kernel, args: &Args, inputs: &[Data], grads: &HashMap<usize, Vec<f32
 }
 
 /// Check the backward of one fused kernel; returns false when it has none.
-fn check_kernel(g: &Graph, k: &FusedKernel, env: &HashMap<dplc_ir::TensorId, common::T>, args: &Args, rng: &mut Rng) -> bool {
+fn check_kernel(
+    g: &Graph,
+    k: &FusedKernel,
+    env: &HashMap<dplc_ir::TensorId, common::T>,
+    args: &Args,
+    rng: &mut Rng,
+) -> bool {
     let fwd = &k.kernel;
     let needs: Vec<bool> = fwd
         .buffers
@@ -52,7 +58,13 @@ fn check_kernel(g: &Graph, k: &FusedKernel, env: &HashMap<dplc_ir::TensorId, com
         .buffers
         .iter()
         .zip(&fwd.buffers)
-        .map(|(&t, b)| if b.output { Data::F32(vec![]) } else { data_of(g, t, &env[&t]) })
+        .map(|(&t, b)| {
+            if b.output {
+                Data::F32(vec![])
+            } else {
+                data_of(g, t, &env[&t])
+            }
+        })
         .collect();
     let fwd_out = run(fwd, args, inputs.clone());
     let out_grads: HashMap<usize, Vec<f32>> = fwd
@@ -79,8 +91,16 @@ fn check_kernel(g: &Graph, k: &FusedKernel, env: &HashMap<dplc_ir::TensorId, com
                 grads.insert(i, data.f32().to_vec());
             }
             GradBinding::Partial(i) => {
-                let cs = bwd.column_sums.iter().find(|c| c.input == i).expect("a column sum");
-                let cargs = Args { sizes: cs.sizes(&args.sizes), scalars: vec![], seed: 0 };
+                let cs = bwd
+                    .column_sums
+                    .iter()
+                    .find(|c| c.input == i)
+                    .expect("a column sum");
+                let cargs = Args {
+                    sizes: cs.sizes(&args.sizes),
+                    scalars: vec![],
+                    seed: 0,
+                };
                 let out = run(&cs.kernel, &cargs, vec![data.clone(), Data::F32(vec![])]);
                 grads.insert(i, out[1].f32().to_vec());
             }
@@ -88,7 +108,12 @@ fn check_kernel(g: &Graph, k: &FusedKernel, env: &HashMap<dplc_ir::TensorId, com
         }
     }
     for (i, grad) in &grads {
-        assert_eq!(grad.len(), inputs[*i].len(), "gradient length of b{i} of\n{}", fwd.text());
+        assert_eq!(
+            grad.len(),
+            inputs[*i].len(),
+            "gradient length of b{i} of\n{}",
+            fwd.text()
+        );
         for _ in 0..2 {
             let v: Vec<f32> = (0..grad.len()).map(|_| rng.normal_ish()).collect();
             let h = 1e-2f32;
@@ -102,8 +127,16 @@ fn check_kernel(g: &Graph, k: &FusedKernel, env: &HashMap<dplc_ir::TensorId, com
                 loss(fwd, args, &x, &out_grads)
             };
             let fd = (shifted(h) - shifted(-h)) / (2.0 * f64::from(h));
-            let an: f64 = grad.iter().zip(&v).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum();
-            let scale = grad.iter().map(|a| f64::from(*a).powi(2)).sum::<f64>().sqrt()
+            let an: f64 = grad
+                .iter()
+                .zip(&v)
+                .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                .sum();
+            let scale = grad
+                .iter()
+                .map(|a| f64::from(*a).powi(2))
+                .sum::<f64>()
+                .sqrt()
                 * v.iter().map(|a| f64::from(*a).powi(2)).sum::<f64>().sqrt();
             assert!(
                 (fd - an).abs() <= 1e-2 * scale + 1e-3,
@@ -126,10 +159,22 @@ fn check_model(model: &str, syms: &[(&str, i64)]) -> (usize, usize) {
         let env = evaluate(&g, r, &syms, 7 + r.index() as u64);
         for step in fuse(&g, r).steps {
             let Step::Kernel(k) = step else { continue };
-            let sizes = k.sizes.iter().map(|d| common::dim(d, &syms, &g) as i64).collect();
-            let args = Args { sizes, scalars: vec![], seed: 1 };
+            let sizes = k
+                .sizes
+                .iter()
+                .map(|d| common::dim(d, &syms, &g) as i64)
+                .collect();
+            let args = Args {
+                sizes,
+                scalars: vec![],
+                seed: 1,
+            };
             // Kernels of constants only (rotary tables) have nothing to differentiate.
-            if k.kernel.buffers.iter().all(|b| b.output || b.elem == dplc_codegen::Elem::I32) {
+            if k.kernel
+                .buffers
+                .iter()
+                .all(|b| b.output || b.elem == dplc_codegen::Elem::I32)
+            {
                 continue;
             }
             total += 1;
@@ -162,17 +207,25 @@ fn backward_cuda(model: &str, dtype: DType) -> String {
         out += &format!("==== region {r}\n");
         for step in backward_plan(&g, &plan) {
             match step {
-                BackwardStep::MatMul { step } => out += &format!("matmul backward of step {step}\n"),
+                BackwardStep::MatMul { step } => {
+                    out += &format!("matmul backward of step {step}\n")
+                }
                 BackwardStep::Extern { step, reason, .. } => {
                     out += &format!("extern backward of step {step}: {reason}\n")
                 }
                 BackwardStep::Kernel { step, backward } => {
                     let src = emit_cuda(&backward.kernel, dtype);
-                    out += &format!("kernel backward of step {step}: {} {:?}\n", src.name, backward.bindings);
+                    out += &format!(
+                        "kernel backward of step {step}: {} {:?}\n",
+                        src.name, backward.bindings
+                    );
                     out += &src.source;
                     for cs in &backward.column_sums {
                         let src = emit_cuda(&cs.kernel, dtype);
-                        out += &format!("column sum of b{} over {} leading axes: {}\n", cs.input, cs.split, src.name);
+                        out += &format!(
+                            "column sum of b{} over {} leading axes: {}\n",
+                            cs.input, cs.split, src.name
+                        );
                     }
                 }
             }

@@ -227,7 +227,10 @@ mod tests {
         let y = a.alloc(2000).unwrap();
         assert_eq!(a.stats().reserved, 2048);
         let e = a.alloc(4000).unwrap_err();
-        assert!(matches!(e, GpuError::OutOfMemory { bytes: 4000, .. }), "{e}");
+        assert!(
+            matches!(e, GpuError::OutOfMemory { bytes: 4000, .. }),
+            "{e}"
+        );
         a.free(y);
     }
 }

@@ -58,7 +58,8 @@ impl Blas {
                 "the cuBLAS library (libcublas.so.12) cannot be loaded".into(),
             ));
         }
-        let handle = CudaBlas::new(dev.stream().clone()).map_err(|e| blas("creating a handle", e))?;
+        let handle =
+            CudaBlas::new(dev.stream().clone()).map_err(|e| blas("creating a handle", e))?;
         Ok(Blas { handle })
     }
 
@@ -91,7 +92,13 @@ impl Blas {
         // Row-major C = A·B is column-major Cᵀ = Bᵀ·Aᵀ: swap the operands. A
         // row-major buffer read column-major is its transpose, so an operand
         // stored as itself needs no flag, and a transposed one needs `T`.
-        let op = |tr: bool| if tr { cublasOperation_t::CUBLAS_OP_T } else { cublasOperation_t::CUBLAS_OP_N };
+        let op = |tr: bool| {
+            if tr {
+                cublasOperation_t::CUBLAS_OP_T
+            } else {
+                cublasOperation_t::CUBLAS_OP_N
+            }
+        };
         let lda = if mm.b_transposed { mm.k } else { mm.n };
         let ldb = if mm.a_transposed { mm.m } else { mm.k };
         let stride = |on: bool, n: usize| if on { n as i64 } else { 0 };
@@ -141,8 +148,16 @@ pub fn matmul_cpu(mm: &MatMul, a: &[f32], b: &[f32]) -> Vec<f32> {
             for j in 0..mm.n {
                 let mut acc = 0.0f64;
                 for p in 0..mm.k {
-                    let x = if mm.a_transposed { a[ao + p * mm.m + i] } else { a[ao + i * mm.k + p] };
-                    let y = if mm.b_transposed { b[bo + j * mm.k + p] } else { b[bo + p * mm.n + j] };
+                    let x = if mm.a_transposed {
+                        a[ao + p * mm.m + i]
+                    } else {
+                        a[ao + i * mm.k + p]
+                    };
+                    let y = if mm.b_transposed {
+                        b[bo + j * mm.k + p]
+                    } else {
+                        b[bo + p * mm.n + j]
+                    };
                     acc += f64::from(x) * f64::from(y);
                 }
                 c[bi * mm.m * mm.n + i * mm.n + j] = acc as f32;

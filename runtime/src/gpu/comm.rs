@@ -20,9 +20,19 @@ pub trait DeviceCollectives {
     /// Sum `buf[..count]` over all ranks, in place.
     fn all_reduce(&mut self, buf: &mut DeviceBuffer, count: usize) -> GpuResult<()>;
     /// Sum `send[..count * world]` over all ranks; keep this rank's part in `recv[..count]`.
-    fn reduce_scatter(&mut self, send: &DeviceBuffer, recv: &mut DeviceBuffer, count: usize) -> GpuResult<()>;
+    fn reduce_scatter(
+        &mut self,
+        send: &DeviceBuffer,
+        recv: &mut DeviceBuffer,
+        count: usize,
+    ) -> GpuResult<()>;
     /// Every rank's `send[..count]`, in rank order, into `recv[..count * world]`.
-    fn all_gather(&mut self, send: &DeviceBuffer, recv: &mut DeviceBuffer, count: usize) -> GpuResult<()>;
+    fn all_gather(
+        &mut self,
+        send: &DeviceBuffer,
+        recv: &mut DeviceBuffer,
+        count: usize,
+    ) -> GpuResult<()>;
     /// `root`'s `buf[..count]` to every rank.
     fn broadcast(&mut self, root: usize, buf: &mut DeviceBuffer, count: usize) -> GpuResult<()>;
     fn send(&mut self, to: usize, buf: &DeviceBuffer, count: usize) -> GpuResult<()>;
@@ -62,7 +72,8 @@ impl NcclCommunicator {
     pub fn unique_id() -> GpuResult<[u8; ID_BYTES]> {
         if !nccl_present() {
             return Err(GpuError::NcclUnavailable(
-                "libnccl.so.2 cannot be loaded (pip install nvidia-nccl-cu12, or the system NCCL)".into(),
+                "libnccl.so.2 cannot be loaded (pip install nvidia-nccl-cu12, or the system NCCL)"
+                    .into(),
             ));
         }
         let id = nccl_result::get_uniqueid().map_err(|e| nccl("ncclGetUniqueId", e))?;
@@ -70,9 +81,16 @@ impl NcclCommunicator {
     }
 
     /// Join the communicator named by `id` as `rank` of `world`.
-    pub fn new(dev: Arc<GpuDevice>, rank: usize, world: usize, id: [u8; ID_BYTES]) -> GpuResult<Self> {
+    pub fn new(
+        dev: Arc<GpuDevice>,
+        rank: usize,
+        world: usize,
+        id: [u8; ID_BYTES],
+    ) -> GpuResult<Self> {
         if !nccl_present() {
-            return Err(GpuError::NcclUnavailable("libnccl.so.2 cannot be loaded".into()));
+            return Err(GpuError::NcclUnavailable(
+                "libnccl.so.2 cannot be loaded".into(),
+            ));
         }
         dev.context()
             .bind_to_thread()
@@ -85,15 +103,31 @@ impl NcclCommunicator {
         // on rank 0; the device's context is current on this thread.
         unsafe { nccl_result::comm_init_rank(&mut comm, world as i32, id, rank as i32) }
             .map_err(|e| nccl("ncclCommInitRank", e))?;
-        Ok(NcclCommunicator { comm, dev, rank, world })
+        Ok(NcclCommunicator {
+            comm,
+            dev,
+            rank,
+            world,
+        })
     }
 
     /// Bootstrap from the launcher's environment: the GPU `LOCAL_RANK`, the id
     /// from rank 0 over TCP at MASTER_ADDR:MASTER_PORT.
     pub fn from_env(env: &LaunchEnv, timeout: Duration) -> GpuResult<Self> {
         let dev = Arc::new(GpuDevice::new(env.local_rank)?);
-        let mine = if env.rank == 0 { Some(Self::unique_id()?) } else { None };
-        let id = share_id(env.rank, env.world_size, &env.master_addr, env.master_port, mine, timeout)?;
+        let mine = if env.rank == 0 {
+            Some(Self::unique_id()?)
+        } else {
+            None
+        };
+        let id = share_id(
+            env.rank,
+            env.world_size,
+            &env.master_addr,
+            env.master_port,
+            mine,
+            timeout,
+        )?;
         NcclCommunicator::new(dev, env.rank, env.world_size, id)
     }
 
@@ -135,7 +169,12 @@ impl DeviceCollectives for NcclCommunicator {
             .map_err(|e| nccl("ncclAllReduce", e))
     }
 
-    fn reduce_scatter(&mut self, send: &DeviceBuffer, recv: &mut DeviceBuffer, count: usize) -> GpuResult<()> {
+    fn reduce_scatter(
+        &mut self,
+        send: &DeviceBuffer,
+        recv: &mut DeviceBuffer,
+        count: usize,
+    ) -> GpuResult<()> {
         check(send, count * self.world, "reduce_scatter")?;
         check(recv, count, "reduce_scatter")?;
         unsafe {
@@ -153,7 +192,12 @@ impl DeviceCollectives for NcclCommunicator {
         .map_err(|e| nccl("ncclReduceScatter", e))
     }
 
-    fn all_gather(&mut self, send: &DeviceBuffer, recv: &mut DeviceBuffer, count: usize) -> GpuResult<()> {
+    fn all_gather(
+        &mut self,
+        send: &DeviceBuffer,
+        recv: &mut DeviceBuffer,
+        count: usize,
+    ) -> GpuResult<()> {
         check(send, count, "all_gather")?;
         check(recv, count * self.world, "all_gather")?;
         unsafe {
@@ -181,7 +225,14 @@ impl DeviceCollectives for NcclCommunicator {
     fn send(&mut self, to: usize, buf: &DeviceBuffer, count: usize) -> GpuResult<()> {
         check(buf, count, "send")?;
         unsafe {
-            nccl_result::send(buf.device_ptr() as *const c_void, count, F32, to as i32, self.comm, self.stream())
+            nccl_result::send(
+                buf.device_ptr() as *const c_void,
+                count,
+                F32,
+                to as i32,
+                self.comm,
+                self.stream(),
+            )
         }
         .map(drop)
         .map_err(|e| nccl("ncclSend", e))
@@ -190,7 +241,14 @@ impl DeviceCollectives for NcclCommunicator {
     fn recv(&mut self, from: usize, buf: &mut DeviceBuffer, count: usize) -> GpuResult<()> {
         check(buf, count, "recv")?;
         unsafe {
-            nccl_result::recv(buf.device_ptr() as *mut c_void, count, F32, from as i32, self.comm, self.stream())
+            nccl_result::recv(
+                buf.device_ptr() as *mut c_void,
+                count,
+                F32,
+                from as i32,
+                self.comm,
+                self.stream(),
+            )
         }
         .map(drop)
         .map_err(|e| nccl("ncclRecv", e))
@@ -241,15 +299,28 @@ impl DeviceCollectives for HostStagedCommunicator {
         self.up(buf, &x)
     }
 
-    fn reduce_scatter(&mut self, send: &DeviceBuffer, recv: &mut DeviceBuffer, count: usize) -> GpuResult<()> {
+    fn reduce_scatter(
+        &mut self,
+        send: &DeviceBuffer,
+        recv: &mut DeviceBuffer,
+        count: usize,
+    ) -> GpuResult<()> {
         let n = self.group.size();
         let x = self.down(send, count * n)?;
         let ranges: Vec<_> = (0..n).map(|i| i * count..(i + 1) * count).collect();
-        let mine = self.comm.reduce_scatter(&self.group, &x, &ranges).map_err(cpu)?;
+        let mine = self
+            .comm
+            .reduce_scatter(&self.group, &x, &ranges)
+            .map_err(cpu)?;
         self.up(recv, &mine)
     }
 
-    fn all_gather(&mut self, send: &DeviceBuffer, recv: &mut DeviceBuffer, count: usize) -> GpuResult<()> {
+    fn all_gather(
+        &mut self,
+        send: &DeviceBuffer,
+        recv: &mut DeviceBuffer,
+        count: usize,
+    ) -> GpuResult<()> {
         let x = self.down(send, count)?;
         let all = self.comm.all_gather(&self.group, &x).map_err(cpu)?;
         self.up(recv, &all.concat())
@@ -257,7 +328,9 @@ impl DeviceCollectives for HostStagedCommunicator {
 
     fn broadcast(&mut self, root: usize, buf: &mut DeviceBuffer, count: usize) -> GpuResult<()> {
         let mut x = self.down(buf, count)?;
-        self.comm.broadcast(&self.group, root, &mut x).map_err(cpu)?;
+        self.comm
+            .broadcast(&self.group, root, &mut x)
+            .map_err(cpu)?;
         self.up(buf, &x)
     }
 
@@ -282,7 +355,9 @@ impl DeviceCollectives for HostStagedCommunicator {
                 }
                 self.up(buf, &x)
             }
-            _ => Err(GpuError::Invalid("received something other than one tensor".into())),
+            _ => Err(GpuError::Invalid(
+                "received something other than one tensor".into(),
+            )),
         }
     }
 }

@@ -39,7 +39,12 @@ impl CompiledGraph {
 
 /// Generate and compile everything `graph` needs for `arch` with float
 /// tensors stored as `dtype`.
-pub fn compile_graph(graph: &Graph, dtype: DType, arch: Arch, nvrtc: &Nvrtc) -> GpuResult<CompiledGraph> {
+pub fn compile_graph(
+    graph: &Graph,
+    dtype: DType,
+    arch: Arch,
+    nvrtc: &Nvrtc,
+) -> GpuResult<CompiledGraph> {
     let mut kernels: BTreeMap<String, CompiledKernel> = BTreeMap::new();
     let mut add = |k: &Kernel| -> GpuResult<()> {
         let source = emit_cuda(k, dtype);

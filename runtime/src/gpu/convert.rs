@@ -77,7 +77,16 @@ mod tests {
 
     #[test]
     fn bf16_round_trips_and_rounds_to_even() {
-        for x in [0.0f32, -0.0, 1.0, -2.5, 3.140625, 2f32.powi(100), -(2f32.powi(-100)), f32::INFINITY] {
+        for x in [
+            0.0f32,
+            -0.0,
+            1.0,
+            -2.5,
+            3.140625,
+            2f32.powi(100),
+            -(2f32.powi(-100)),
+            f32::INFINITY,
+        ] {
             assert_eq!(bf16_to_f32(f32_to_bf16(x)), x, "{x}");
         }
         // 1 + 2^-8 is halfway between two bf16 values: rounds to the even one (1.0).
@@ -88,7 +97,15 @@ mod tests {
 
     #[test]
     fn f16_round_trips_rounds_and_saturates() {
-        for x in [0.0f32, 1.0, -2.5, 65504.0, 6.103_515_6e-5, 5.960_464_5e-8, -0.333_251_95] {
+        for x in [
+            0.0f32,
+            1.0,
+            -2.5,
+            65504.0,
+            6.103_515_6e-5,
+            5.960_464_5e-8,
+            -0.333_251_95,
+        ] {
             assert_eq!(f16_to_f32(f32_to_f16(x)), x, "{x}");
         }
         assert_eq!(f16_to_f32(f32_to_f16(1.0 + 1.0 / 2048.0)), 1.0);

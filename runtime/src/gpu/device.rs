@@ -105,7 +105,13 @@ pub struct GpuDevice {
 
 impl std::fmt::Debug for GpuDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "GpuDevice({} {}: {})", self.ordinal, self.arch.name(), self.name)
+        write!(
+            f,
+            "GpuDevice({} {}: {})",
+            self.ordinal,
+            self.arch.name(),
+            self.name
+        )
     }
 }
 
@@ -195,7 +201,9 @@ impl GpuDevice {
 
     /// Wait for all work queued on the device's stream.
     pub fn synchronize(&self) -> GpuResult<()> {
-        self.stream.synchronize().map_err(|e| driver("synchronize", e))
+        self.stream
+            .synchronize()
+            .map_err(|e| driver("synchronize", e))
     }
 
     /// The allocator's counts (peak bytes in use: compare with the planner's prediction).
@@ -232,6 +240,28 @@ impl GpuDevice {
             .memset_zeros(&mut view)
             .map_err(|e| driver("memset", e))?;
         Ok(b)
+    }
+
+    /// Queue a device-to-device copy of `bytes` bytes.
+    pub fn copy(&self, src: &DeviceBuffer, dst: &mut DeviceBuffer, bytes: usize) -> GpuResult<()> {
+        if src.bytes() < bytes || dst.bytes() < bytes {
+            return Err(GpuError::Invalid(format!(
+                "copying {bytes} bytes from {} into {}",
+                src.bytes(),
+                dst.bytes()
+            )));
+        }
+        // SAFETY: both buffers hold at least `bytes` bytes (checked) and are
+        // used on this device's stream only.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                dst.device_ptr(),
+                src.device_ptr(),
+                bytes,
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(|e| driver("copy on device", e))
     }
 
     /// Copy raw bytes to a new device buffer.
@@ -283,7 +313,13 @@ impl GpuDevice {
     }
 
     /// Load a compiled kernel into this device.
-    pub fn load(&self, kernel: &Kernel, src: &CudaSource, ptx: &Ptx, dtype: DType) -> GpuResult<GpuKernel> {
+    pub fn load(
+        &self,
+        kernel: &Kernel,
+        src: &CudaSource,
+        ptx: &Ptx,
+        dtype: DType,
+    ) -> GpuResult<GpuKernel> {
         if ptx.arch != self.arch {
             return Err(GpuError::Invalid(format!(
                 "{} was compiled for {}, the device is {}",
@@ -389,8 +425,14 @@ impl GpuDevice {
 pub fn encode(data: &[f32], dtype: DType) -> GpuResult<Vec<u8>> {
     Ok(match dtype {
         DType::F32 => data.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        DType::BF16 => data.iter().flat_map(|&x| f32_to_bf16(x).to_le_bytes()).collect(),
-        DType::F16 => data.iter().flat_map(|&x| f32_to_f16(x).to_le_bytes()).collect(),
+        DType::BF16 => data
+            .iter()
+            .flat_map(|&x| f32_to_bf16(x).to_le_bytes())
+            .collect(),
+        DType::F16 => data
+            .iter()
+            .flat_map(|&x| f32_to_f16(x).to_le_bytes())
+            .collect(),
         DType::I32 => return Err(GpuError::Invalid("i32 is not a float storage".into())),
     })
 }

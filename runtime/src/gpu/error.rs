@@ -31,7 +31,9 @@ pub enum GpuError {
     #[error("rendezvous at {addr}: {detail}")]
     Rendezvous { addr: String, detail: String },
     /// Device memory ran out even after the allocator emptied its cache.
-    #[error("out of device memory allocating {bytes} bytes ({in_use} in use, {reserved} reserved)")]
+    #[error(
+        "out of device memory allocating {bytes} bytes ({in_use} in use, {reserved} reserved)"
+    )]
     OutOfMemory {
         bytes: usize,
         in_use: usize,

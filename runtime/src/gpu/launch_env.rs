@@ -70,24 +70,26 @@ impl LaunchEnv {
         };
         let (launcher, rank, world, local) = if var("RANK").is_some() || var("WORLD_SIZE").is_some()
         {
-            let rank = num("RANK")?.ok_or_else(|| {
-                GpuError::LaunchEnv("WORLD_SIZE is set but RANK is not".into())
-            })?;
-            let world = num("WORLD_SIZE")?.ok_or_else(|| {
-                GpuError::LaunchEnv("RANK is set but WORLD_SIZE is not".into())
-            })?;
+            let rank = num("RANK")?
+                .ok_or_else(|| GpuError::LaunchEnv("WORLD_SIZE is set but RANK is not".into()))?;
+            let world = num("WORLD_SIZE")?
+                .ok_or_else(|| GpuError::LaunchEnv("RANK is set but WORLD_SIZE is not".into()))?;
             // Without LOCAL_RANK every rank is taken to be on its own node.
             let local = num("LOCAL_RANK")?.unwrap_or(0);
             (Launcher::Torchrun, rank, world, local)
         } else if let Some(rank) = num("SLURM_PROCID")? {
             let world = num("SLURM_NTASKS")?
                 .or(num("SLURM_NPROCS")?)
-                .ok_or_else(|| GpuError::LaunchEnv("SLURM_PROCID is set but SLURM_NTASKS is not".into()))?;
+                .ok_or_else(|| {
+                    GpuError::LaunchEnv("SLURM_PROCID is set but SLURM_NTASKS is not".into())
+                })?;
             let local = num("SLURM_LOCALID")?.unwrap_or(0);
             (Launcher::Slurm, rank, world, local)
         } else if let Some(rank) = num("OMPI_COMM_WORLD_RANK")? {
             let world = num("OMPI_COMM_WORLD_SIZE")?.ok_or_else(|| {
-                GpuError::LaunchEnv("OMPI_COMM_WORLD_RANK is set but OMPI_COMM_WORLD_SIZE is not".into())
+                GpuError::LaunchEnv(
+                    "OMPI_COMM_WORLD_RANK is set but OMPI_COMM_WORLD_SIZE is not".into(),
+                )
             })?;
             let local = num("OMPI_COMM_WORLD_LOCAL_RANK")?.unwrap_or(0);
             (Launcher::OpenMpi, rank, world, local)

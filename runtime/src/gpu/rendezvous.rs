@@ -48,7 +48,8 @@ pub fn share_id(
         while served.iter().any(|s| !s) {
             match listener.accept() {
                 Ok((mut s, _)) => {
-                    s.set_nonblocking(false).map_err(|e| err(&addr, e.to_string()))?;
+                    s.set_nonblocking(false)
+                        .map_err(|e| err(&addr, e.to_string()))?;
                     s.set_read_timeout(Some(timeout)).ok();
                     let mut hello = [0u8; 8];
                     if s.read_exact(&mut hello).is_err() || &hello[..4] != MAGIC {
@@ -56,15 +57,17 @@ pub fn share_id(
                     }
                     let peer = u32::from_le_bytes(hello[4..].try_into().expect("4 bytes")) as usize;
                     if peer == 0 || peer >= world_size {
-                        return Err(err(&addr, format!("a peer says it is rank {peer} of {world_size}")));
+                        return Err(err(
+                            &addr,
+                            format!("a peer says it is rank {peer} of {world_size}"),
+                        ));
                     }
                     s.write_all(&id).map_err(|e| err(&addr, e.to_string()))?;
                     served[peer] = true;
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     if Instant::now() > deadline {
-                        let missing: Vec<usize> =
-                            (0..world_size).filter(|&r| !served[r]).collect();
+                        let missing: Vec<usize> = (0..world_size).filter(|&r| !served[r]).collect();
                         return Err(err(&addr, format!("ranks {missing:?} never connected")));
                     }
                     std::thread::sleep(Duration::from_millis(10));
@@ -140,8 +143,15 @@ mod tests {
     #[test]
     fn a_missing_rank_times_out_with_its_number() {
         let port = free_port();
-        let e = share_id(0, 2, "127.0.0.1", port, Some([1; ID_BYTES]), Duration::from_millis(200))
-            .unwrap_err();
+        let e = share_id(
+            0,
+            2,
+            "127.0.0.1",
+            port,
+            Some([1; ID_BYTES]),
+            Duration::from_millis(200),
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("ranks [1] never connected"), "{e}");
     }
 }

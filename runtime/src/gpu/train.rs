@@ -50,13 +50,22 @@ pub fn storage_dtype(p: Precision) -> DType {
 
 /// Prepare a GPU training run of `graph`: open the devices and compile every
 /// kernel for their architecture (NVRTC, with the PTX cache).
-pub fn prepare(graph: &Graph, spec: &TrainSpec, cfg: &GpuRunConfig) -> GpuResult<(Vec<Arc<GpuDevice>>, CompiledGraph)> {
+pub fn prepare(
+    graph: &Graph,
+    spec: &TrainSpec,
+    cfg: &GpuRunConfig,
+) -> GpuResult<(Vec<Arc<GpuDevice>>, CompiledGraph)> {
     if cfg.ranks_per_gpu == 0 {
         return Err(GpuError::Invalid("ranks_per_gpu must be positive".into()));
     }
     let devices = open_devices(cfg.gpus)?;
     let nvrtc = Nvrtc::load()?;
-    let compiled = compile_graph(graph, storage_dtype(spec.precision), devices[0].arch(), &nvrtc)?;
+    let compiled = compile_graph(
+        graph,
+        storage_dtype(spec.precision),
+        devices[0].arch(),
+        &nvrtc,
+    )?;
     Ok((devices, compiled))
 }
 
