@@ -356,9 +356,7 @@ fn broadcast_split(index: &Idx, axes: &[Size], has_inner: bool, len: &[Size]) ->
             } else {
                 (&p[..], 0)
             };
-            let Some(got) = eval_idx(index, vars, j, &probe_size) else {
-                return None;
-            };
+            let got = eval_idx(index, vars, j, &probe_size)?;
             let want = p[k..]
                 .iter()
                 .zip(&ext[k..])

@@ -274,9 +274,7 @@ impl HostStagedCommunicator {
     }
 
     fn up(&self, b: &mut DeviceBuffer, data: &[f32]) -> GpuResult<()> {
-        let fresh = self.dev.upload_f32(data, dplc_ir::DType::F32)?;
-        *b = fresh;
-        Ok(())
+        self.dev.write_f32(b, data, dplc_ir::DType::F32)
     }
 }
 

@@ -274,6 +274,26 @@ impl GpuDevice {
         Ok(b)
     }
 
+    /// Overwrite the start of an existing buffer with `data`.
+    pub fn write_bytes(&self, b: &mut DeviceBuffer, data: &[u8]) -> GpuResult<()> {
+        if data.len() > b.bytes() {
+            return Err(GpuError::Invalid(format!(
+                "writing {} bytes into a {}-byte buffer",
+                data.len(),
+                b.bytes()
+            )));
+        }
+        let mut view = b.slice_mut().slice_mut(0..data.len());
+        self.stream
+            .memcpy_htod(data, &mut view)
+            .map_err(|e| driver("copy to device", e))
+    }
+
+    /// Overwrite the start of an existing buffer with floats stored as `dtype`.
+    pub fn write_f32(&self, b: &mut DeviceBuffer, data: &[f32], dtype: DType) -> GpuResult<()> {
+        self.write_bytes(b, &encode(data, dtype)?)
+    }
+
     /// Read back the first `len` bytes of a buffer (waits for the stream).
     pub fn download_bytes(&self, b: &DeviceBuffer, len: usize) -> GpuResult<Vec<u8>> {
         if len > b.bytes() {
