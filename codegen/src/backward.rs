@@ -27,7 +27,9 @@ pub enum GradBinding {
     Forward(usize),
     /// The gradient of forward output `k` (read).
     OutputGrad(usize),
-    /// The gradient of forward input `k`: every element written.
+    /// The gradient of forward input `k`: every element written. It is this
+    /// kernel's part only: when the tensor has other readers, the executor
+    /// adds their parts.
     InputGrad(usize),
     /// The gradient of forward input `k` in `f32`, added to atomically: the
     /// caller zeroes it first (or passes the gradient accumulated so far).

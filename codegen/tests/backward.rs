@@ -238,3 +238,37 @@ fn backward_cuda(model: &str, dtype: DType) -> String {
 fn gpt_tiny_backward_cuda_bf16() {
     insta::assert_snapshot!(backward_cuda("gpt_tiny", DType::BF16));
 }
+
+/// Every kernel of every zoo model has a fused backward: the only backward
+/// steps left to the runtime are those of steps it runs itself (`repeat`,
+/// top-k, MoE routing).
+#[test]
+fn every_zoo_kernel_has_a_fused_backward() {
+    let mut missing = Vec::new();
+    let mut kernels = 0;
+    for (name, lowered) in common::all_zoo() {
+        let g = &lowered.graph;
+        for (r, _) in g.regions() {
+            let plan = fuse(g, r);
+            for step in backward_plan(g, &plan) {
+                match step {
+                    BackwardStep::Kernel { .. } => kernels += 1,
+                    BackwardStep::Extern { step, reason, .. } => {
+                        if matches!(plan.steps[step], Step::Kernel(_)) {
+                            missing.push(format!("{name}: step {step}: {reason}"));
+                        }
+                    }
+                    BackwardStep::MatMul { .. } => {}
+                }
+            }
+        }
+    }
+    assert!(missing.is_empty(), "{}", missing.join("\n"));
+    assert!(kernels > 100, "{kernels} backward kernels");
+}
+
+#[test]
+fn moe_tiny_backward_kernels_match_derivatives() {
+    let (ok, total) = check_model("moe_tiny", &[("batch", 2), ("seq", 4)]);
+    assert_eq!(ok, total, "every moe_tiny kernel has a fused backward");
+}
