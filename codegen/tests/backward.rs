@@ -37,7 +37,7 @@ fn loss(k: &Kernel, args: &Args, inputs: &[Data], grads: &HashMap<usize, Vec<f32
 fn check_kernel(
     g: &Graph,
     k: &FusedKernel,
-    env: &HashMap<dplc_ir::TensorId, common::T>,
+    env: Option<&HashMap<dplc_ir::TensorId, common::T>>,
     args: &Args,
     rng: &mut Rng,
 ) -> bool {
@@ -54,18 +54,36 @@ fn check_kernel(
             return false;
         }
     };
-    let inputs: Vec<Data> = k
-        .buffers
-        .iter()
-        .zip(&fwd.buffers)
-        .map(|(&t, b)| {
-            if b.output {
-                Data::F32(vec![])
-            } else {
-                data_of(g, t, &env[&t])
-            }
-        })
-        .collect();
+    let inputs: Vec<Data> = match env {
+        Some(env) => k
+            .buffers
+            .iter()
+            .zip(&fwd.buffers)
+            .map(|(&t, b)| {
+                if b.output {
+                    Data::F32(vec![])
+                } else {
+                    data_of(g, t, &env[&t])
+                }
+            })
+            .collect(),
+        // Random inputs, indices among the first four rows.
+        None => fwd
+            .buffers
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                let n = args.buffer_len(fwd, i);
+                match (b.output, b.elem) {
+                    (true, _) => Data::F32(vec![]),
+                    (false, dplc_codegen::Elem::I32) => {
+                        Data::I32((0..n).map(|_| (rng.next() % 4) as i32).collect())
+                    }
+                    (false, _) => Data::F32((0..n).map(|_| rng.normal_ish()).collect()),
+                }
+            })
+            .collect(),
+    };
     let fwd_out = run(fwd, args, inputs.clone());
     let out_grads: HashMap<usize, Vec<f32>> = fwd
         .buffers
@@ -178,7 +196,7 @@ fn check_model(model: &str, syms: &[(&str, i64)]) -> (usize, usize) {
                 continue;
             }
             total += 1;
-            if check_kernel(&g, &k, &env, &args, &mut rng) {
+            if check_kernel(&g, &k, Some(&env), &args, &mut rng) {
                 ok += 1;
             }
         }
@@ -271,4 +289,55 @@ fn every_zoo_kernel_has_a_fused_backward() {
 fn moe_tiny_backward_kernels_match_derivatives() {
     let (ok, total) = check_model("moe_tiny", &[("batch", 2), ("seq", 4)]);
     assert_eq!(ok, total, "every moe_tiny kernel has a fused backward");
+}
+
+/// Dropout replays its mask in backward from the same counter-based random
+/// numbers: gpt_tiny with dropout 0.1, on random inputs (the unfused reference
+/// evaluator runs without dropout, so `evaluate` is not used here).
+#[test]
+fn dropout_backward_kernels_match_derivatives() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny.dpl");
+    let text = std::fs::read_to_string(path).expect("the zoo is in the repository")
+        + "\nmodel gpt_tiny_dropout = gpt_tiny(dropout = 0.1)\n";
+    let unit = dplc_frontend::parse("models/tiny.dpl", &text)
+        .unwrap_or_else(|d| panic!("{}", d.render_plain()));
+    let g = unit
+        .lower("gpt_tiny_dropout")
+        .unwrap_or_else(|d| panic!("{}", d.render_plain()))
+        .graph;
+    let syms: HashMap<String, i64> = [("batch".to_string(), 2), ("seq".to_string(), 5)].into();
+    let mut rng = Rng(17);
+    let mut with_dropout = 0;
+    for (r, _) in g.regions() {
+        for step in fuse(&g, r).steps {
+            let Step::Kernel(k) = step else { continue };
+            if k.kernel
+                .buffers
+                .iter()
+                .all(|b| b.output || b.elem == dplc_codegen::Elem::I32)
+            {
+                continue;
+            }
+            with_dropout += usize::from(k.kernel.uses_random());
+            let sizes = k
+                .sizes
+                .iter()
+                .map(|d| common::dim(d, &syms, &g) as i64)
+                .collect();
+            let args = Args {
+                sizes,
+                scalars: vec![],
+                seed: 3,
+            };
+            assert!(
+                check_kernel(&g, &k, None, &args, &mut rng),
+                "{}",
+                k.kernel.op
+            );
+        }
+    }
+    assert!(
+        with_dropout >= 3,
+        "{with_dropout} kernels draw random numbers"
+    );
 }
