@@ -1,5 +1,6 @@
 //! dplc's code generator: fuses elementwise and row-reduction chains into
-//! kernels, interprets them on the CPU, emits CUDA C and compiles it with NVRTC.
+//! kernels, differentiates each into a fused backward kernel, interprets them
+//! on the CPU, emits CUDA C and compiles it with NVRTC.
 //!
 //! Architecture invariant: codegen never touches a GPU. Everything here runs
 //! and is tested on a CPU; NVRTC (a compiler, not a driver) is optional and
