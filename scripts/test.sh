@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # The test suite, exactly as CI runs it: formatting, lints, then every test of
 # every crate. Needs a Rust toolchain (rustup's stable; rustfmt + clippy); the
-# scripts it calls install the rest (Debian's chromium).
+# scripts it calls install the rest: Debian's chromium (for the HTML rendering
+# test) and, on the first run, NVRTC from PyPI into .cache/nvrtc (python3 with
+# pip and network access), so codegen's zoo test compiles every kernel to PTX.
+# No GPU or CUDA driver is needed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Headless Chromium renders `dplc viz --format html` in tests/plan_cli.rs.
 scripts/install-chromium.sh >/dev/null
+DPLC_NVRTC_LIB="$(scripts/install-nvrtc.sh)"
+export DPLC_NVRTC_LIB
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings

@@ -117,16 +117,19 @@ pub fn adamw_kernel() -> Kernel {
                 buf: 0,
                 index: i.clone(),
                 value: p2v,
+                accumulate: false,
             },
             Store {
                 buf: 1,
                 index: i.clone(),
                 value: m2,
+                accumulate: false,
             },
             Store {
                 buf: 2,
                 index: i,
                 value: v2,
+                accumulate: false,
             },
         ],
     }

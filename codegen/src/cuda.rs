@@ -40,6 +40,8 @@ enum C {
     At(Box<C>, Box<C>),
     Cond(Box<C>, Box<C>, Box<C>),
     Cast(&'static str, Box<C>),
+    /// `&x`: the address of an element (atomic adds).
+    Ref(Box<C>),
 }
 
 fn id(s: impl Into<String>) -> C {
@@ -71,6 +73,7 @@ impl C {
             C::At(a, i) => format!("{}[{}]", a.render(), i.render()),
             C::Cond(c, a, b) => format!("({} ? {} : {})", c.render(), a.render(), b.render()),
             C::Cast(t, a) => format!("(({t}){})", a.render()),
+            C::Ref(a) => format!("(&{})", a.render()),
         }
     }
 }
@@ -243,6 +246,32 @@ __device__ float dplc_block_max(float v, float* red) {
     v = (lane < warps) ? red[lane] : __int_as_float(0xff800000);
     return dplc_warp_max(v);
 }
+#endif
+"#;
+
+// Derivatives of the unary ops, for backward kernels (`Expr::UnaryGrad`).
+const GRADS: &str = r#"#ifndef DPLC_GRADS
+#define DPLC_GRADS
+__device__ __forceinline__ float dplc_d_neg(float x) { return -1.0f; }
+__device__ __forceinline__ float dplc_d_exp(float x) { return expf(x); }
+__device__ __forceinline__ float dplc_d_log(float x) { return 1.0f / x; }
+__device__ __forceinline__ float dplc_d_sqrt(float x) { return 0.5f / sqrtf(x); }
+__device__ __forceinline__ float dplc_d_rsqrt(float x) { float r = rsqrtf(x); return -0.5f * r * r * r; }
+__device__ __forceinline__ float dplc_d_recip(float x) { return -1.0f / (x * x); }
+__device__ __forceinline__ float dplc_d_tanh(float x) { float t = tanhf(x); return 1.0f - t * t; }
+__device__ __forceinline__ float dplc_d_sigmoid(float x) { float s = 1.0f / (1.0f + expf(-x)); return s * (1.0f - s); }
+__device__ __forceinline__ float dplc_d_relu(float x) { return x > 0.0f ? 1.0f : 0.0f; }
+__device__ __forceinline__ float dplc_d_gelu(float x) {
+    return 0.5f * (1.0f + erff(x * 0.70710678118654752f)) + x * expf(-0.5f * x * x) * 0.3989422804014327f;
+}
+__device__ __forceinline__ float dplc_d_gelu_tanh(float x) {
+    const float c = 0.7978845608028654f;
+    float t = tanhf(c * (x + 0.044715f * x * x * x));
+    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * c * (1.0f + 3.0f * 0.044715f * x * x);
+}
+__device__ __forceinline__ float dplc_d_silu(float x) { float s = 1.0f / (1.0f + expf(-x)); return s * (1.0f + x * (1.0f - s)); }
+__device__ __forceinline__ float dplc_d_sin(float x) { return cosf(x); }
+__device__ __forceinline__ float dplc_d_cos(float x) { return -sinf(x); }
 #endif
 "#;
 
@@ -425,6 +454,7 @@ impl Emit<'_> {
                 "dplc_random",
                 vec![id("seed"), C::Lit(format!("{stream}u")), index(ix)],
             ),
+            Expr::UnaryGrad(op, a) => call(&format!("dplc_d_{}", op.name()), vec![v(*a)]),
             Expr::Reduce { .. } => unreachable!("reductions are emitted as block reductions"),
         }
     }
@@ -509,8 +539,16 @@ impl Emit<'_> {
                 Elem::F32 => v,
                 Elem::I32 => C::Cast("int", Box::new(v)),
             };
-            let vector = lanes.and_then(|l| self.vector_base(st.buf, &st.index, l).map(|b| (l, b)));
+            // Accumulating stores are atomic adds, one element at a time.
+            let vector = lanes
+                .filter(|_| !st.accumulate)
+                .and_then(|l| self.vector_base(st.buf, &st.index, l).map(|b| (l, b)));
             match vector {
+                None if st.accumulate => {
+                    let target = C::Ref(Box::new(at(id(format!("b{}", st.buf)), index(&st.index))));
+                    let add = call("atomicAdd", vec![target, vname(st.value)]);
+                    body.push(S::Line(format!("{};", add.render())));
+                }
                 Some((l, base)) => {
                     let vt = vector_type(storage_bytes(elem, self.dtype) * l.count);
                     pre.push(S::Line(format!(
@@ -611,6 +649,7 @@ fn operands(e: &Expr) -> Vec<usize> {
             v
         }
         Expr::Reduce { value, .. } => vec![value.0 as usize],
+        Expr::UnaryGrad(_, a) => vec![a.0 as usize],
         _ => vec![],
     }
 }
@@ -841,6 +880,13 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
     });
     if kernel.is_row_kernel() {
         w.out.push_str(REDUCE);
+    }
+    if kernel
+        .values
+        .iter()
+        .any(|e| matches!(e, Expr::UnaryGrad(..)))
+    {
+        w.out.push_str(GRADS);
     }
     w.line("");
     for l in kernel.text().lines() {

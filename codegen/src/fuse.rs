@@ -526,6 +526,7 @@ fn lower_root(
             buf: out,
             index: at,
             value,
+            accumulate: false,
         },
     );
     let nodes: Vec<NodeId> = l.nodes.iter().copied().collect();
@@ -668,6 +669,7 @@ impl Lower<'_, '_> {
                     buf,
                     index: at,
                     value: v,
+                    accumulate: false,
                 });
                 return Ok(v);
             }

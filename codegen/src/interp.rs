@@ -81,6 +81,53 @@ pub fn unary(op: UnaryOp, x: f32) -> f32 {
     }
 }
 
+/// `d op(x) / dx` in `f32` (the backward kernels' [`Expr::UnaryGrad`]).
+pub fn unary_grad(op: UnaryOp, x: f32) -> f32 {
+    match op {
+        UnaryOp::Neg => -1.0,
+        UnaryOp::Exp => x.exp(),
+        UnaryOp::Log => 1.0 / x,
+        UnaryOp::Sqrt => 0.5 / x.sqrt(),
+        UnaryOp::Rsqrt => {
+            let r = 1.0 / x.sqrt();
+            -0.5 * r * r * r
+        }
+        UnaryOp::Recip => -1.0 / (x * x),
+        UnaryOp::Tanh => {
+            let t = x.tanh();
+            1.0 - t * t
+        }
+        UnaryOp::Sigmoid => {
+            let s = 1.0 / (1.0 + (-x).exp());
+            s * (1.0 - s)
+        }
+        UnaryOp::Relu => {
+            if x > 0.0 {
+                1.0
+            } else {
+                0.0
+            }
+        }
+        UnaryOp::Gelu => {
+            let cdf = 0.5 * (1.0 + erf(x * std::f32::consts::FRAC_1_SQRT_2));
+            let pdf = (-0.5 * x * x).exp() * 0.398_942_3;
+            cdf + x * pdf
+        }
+        UnaryOp::GeluTanh => {
+            let c = 0.797_884_6;
+            let t = (c * (x + 0.044_715 * x * x * x)).tanh();
+            let dinner = c * (1.0 + 3.0 * 0.044_715 * x * x);
+            0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dinner
+        }
+        UnaryOp::Silu => {
+            let s = 1.0 / (1.0 + (-x).exp());
+            s * (1.0 + x * (1.0 - s))
+        }
+        UnaryOp::Sin => x.cos(),
+        UnaryOp::Cos => -x.sin(),
+    }
+}
+
 /// `f32` semantics of a binary op.
 pub fn binary(op: BinaryOp, a: f32, b: f32) -> f32 {
     match op {
@@ -192,6 +239,7 @@ impl Ctx<'_> {
             Expr::Scalar(k) => self.args.scalars[*k],
             Expr::FromIndex(i) => self.index(i, j)? as f32,
             Expr::Unary(op, a) => unary(*op, v(*a)),
+            Expr::UnaryGrad(op, a) => unary_grad(*op, v(*a)),
             Expr::Binary(op, a, b) => binary(*op, v(*a), v(*b)),
             Expr::Select {
                 cond,
@@ -244,7 +292,7 @@ pub fn interpret(kernel: &Kernel, args: &Args, buffers: &mut [Data]) -> Result<(
     let outer: Vec<i64> = kernel.space.outer.iter().map(|&s| args.size(s)).collect();
     let inner = kernel.space.inner.map(|s| args.size(s) as usize);
     let points: i64 = outer.iter().product();
-    let mut writes: Vec<(usize, i64, f32)> = Vec::new();
+    let mut writes: Vec<(usize, i64, f32, bool)> = Vec::new();
     for flat in 0..points {
         let mut vars = vec![0i64; outer.len()];
         let mut rem = flat;
@@ -295,12 +343,12 @@ pub fn interpret(kernel: &Kernel, args: &Args, buffers: &mut [Data]) -> Result<(
             };
             for j in 0..js {
                 let at = ctx.index(&st.index, j as i64)?;
-                writes.push((st.buf, at, vals[st.value.0 as usize].at(j)));
+                writes.push((st.buf, at, vals[st.value.0 as usize].at(j), st.accumulate));
             }
         }
         // Stores land after each point so a later point never reads them:
         // kernels never read what they write.
-        for (buf, at, x) in writes.drain(..) {
+        for (buf, at, x, accumulate) in writes.drain(..) {
             let len = buffers[buf].len();
             let slot = usize::try_from(at)
                 .ok()
@@ -310,6 +358,7 @@ pub fn interpret(kernel: &Kernel, args: &Args, buffers: &mut [Data]) -> Result<(
                     detail: format!("store to b{buf}[{at}] is outside its {len} elements"),
                 })?;
             match &mut buffers[buf] {
+                Data::F32(v) if accumulate => v[slot] += x,
                 Data::F32(v) => v[slot] = x,
                 Data::I32(v) => v[slot] = x as i32,
             }

@@ -296,6 +296,10 @@ pub enum Expr {
         stream: u32,
         index: Idx,
     },
+    /// The derivative of a unary op at a point: `d op(x) / dx`. Backward
+    /// kernels need it for ops (GELU's `erf`) whose derivative has no closed
+    /// form in the other expressions.
+    UnaryGrad(UnaryOp, ValueId),
 }
 
 /// A write of `value` to `buf[index]`.
@@ -304,6 +308,10 @@ pub struct Store {
     pub buf: usize,
     pub index: Idx,
     pub value: ValueId,
+    /// Add to the element instead of overwriting it (an atomic add on the
+    /// GPU, into an `f32` buffer the caller zeroes): the gradient of a read
+    /// that several points of the space make (gathers, permuted reads).
+    pub accumulate: bool,
 }
 
 /// The iteration space: one point per element of `outer` (row-major), and for
@@ -348,7 +356,7 @@ impl Kernel {
                     index.uses_inner()
                 }
                 Expr::Const(_) | Expr::Scalar(_) => false,
-                Expr::Unary(_, a) => elem[a.0 as usize],
+                Expr::Unary(_, a) | Expr::UnaryGrad(_, a) => elem[a.0 as usize],
                 Expr::Binary(_, a, b) => elem[a.0 as usize] || elem[b.0 as usize],
                 Expr::Select {
                     cond,
@@ -418,11 +426,13 @@ impl Kernel {
                     }
                 ),
                 Expr::Random { stream, index } => write!(s, "random {stream} @ {index}"),
+                Expr::UnaryGrad(op, a) => write!(s, "d_{} {a}", op.name()),
             };
             s.push('\n');
         }
         for st in &self.stores {
-            let _ = writeln!(s, "  store b{}[{}] = {}", st.buf, st.index, st.value);
+            let op = if st.accumulate { "+=" } else { "=" };
+            let _ = writeln!(s, "  store b{}[{}] {op} {}", st.buf, st.index, st.value);
         }
         s
     }

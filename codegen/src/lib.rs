@@ -1,11 +1,13 @@
 //! dplc's code generator: fuses elementwise and row-reduction chains into
-//! kernels, interprets them on the CPU, emits CUDA C and compiles it with NVRTC.
+//! kernels, differentiates each into a fused backward kernel, interprets them
+//! on the CPU, emits CUDA C and compiles it with NVRTC.
 //!
 //! Architecture invariant: codegen never touches a GPU. Everything here runs
 //! and is tested on a CPU; NVRTC (a compiler, not a driver) is optional and
 //! loaded at run time.
 
 mod adamw;
+mod backward;
 mod cuda;
 mod error;
 mod fuse;
@@ -14,10 +16,13 @@ mod kernel;
 mod nvrtc;
 
 pub use adamw::{adamw_kernel, AdamwScalars};
-pub use cuda::{emit_cuda, CudaSource, LaunchShape, ROW_BLOCK};
+pub use backward::{
+    backward, backward_plan, column_sum_kernel, Backward, BackwardStep, ColumnSum, GradBinding,
+};
+pub use cuda::{emit_cuda, kernel_name, CudaSource, LaunchShape, ROW_BLOCK};
 pub use error::CodegenError;
 pub use fuse::{fuse, fuse_graph, FusedKernel, FusionPlan, Operand, Step};
-pub use interp::{binary, erf, interpret, unary, Args, Data};
+pub use interp::{binary, erf, interpret, unary, unary_grad, Args, Data};
 pub use kernel::{
     fnv1a, random_uniform, Buffer, Builder, Cond, Elem, Expr, Idx, Kernel, RowReduce, Size, Space,
     Store, ValueId,

@@ -9,6 +9,7 @@ mod comm;
 mod data;
 mod error;
 mod exec;
+pub mod gpu;
 #[cfg(test)]
 mod gradcheck;
 mod interp;

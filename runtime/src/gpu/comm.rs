@@ -1,0 +1,361 @@
+//! Collectives on device buffers, with the operations of the CPU
+//! `Communicator`: on NCCL across processes (one per GPU, bootstrapped from
+//! the launcher's environment), or staged through the host over the CPU
+//! communicator for several in-process ranks sharing one GPU.
+
+use super::device::{DeviceBuffer, GpuDevice};
+use super::error::{nccl, GpuError, GpuResult};
+use super::launch_env::LaunchEnv;
+use super::rendezvous::{share_id, ID_BYTES};
+use crate::comm::{Communicator, Group};
+use cudarc::nccl::{result as nccl_result, sys as nccl_sys};
+use std::ffi::c_void;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The collectives a GPU rank uses, on `f32` device buffers (counts are elements).
+pub trait DeviceCollectives {
+    fn rank(&self) -> usize;
+    fn world_size(&self) -> usize;
+    /// Sum `buf[..count]` over all ranks, in place.
+    fn all_reduce(&mut self, buf: &mut DeviceBuffer, count: usize) -> GpuResult<()>;
+    /// Sum `send[..count * world]` over all ranks; keep this rank's part in `recv[..count]`.
+    fn reduce_scatter(
+        &mut self,
+        send: &DeviceBuffer,
+        recv: &mut DeviceBuffer,
+        count: usize,
+    ) -> GpuResult<()>;
+    /// Every rank's `send[..count]`, in rank order, into `recv[..count * world]`.
+    fn all_gather(
+        &mut self,
+        send: &DeviceBuffer,
+        recv: &mut DeviceBuffer,
+        count: usize,
+    ) -> GpuResult<()>;
+    /// `root`'s `buf[..count]` to every rank.
+    fn broadcast(&mut self, root: usize, buf: &mut DeviceBuffer, count: usize) -> GpuResult<()>;
+    fn send(&mut self, to: usize, buf: &DeviceBuffer, count: usize) -> GpuResult<()>;
+    fn recv(&mut self, from: usize, buf: &mut DeviceBuffer, count: usize) -> GpuResult<()>;
+}
+
+fn check(buf: &DeviceBuffer, count: usize, what: &str) -> GpuResult<()> {
+    if buf.bytes() < count * 4 {
+        return Err(GpuError::Invalid(format!(
+            "{what}: a {}-byte buffer for {count} f32 elements",
+            buf.bytes()
+        )));
+    }
+    Ok(())
+}
+
+/// Whether NCCL's library can be opened.
+pub fn nccl_present() -> bool {
+    // SAFETY: only tries to dlopen the library by its usual names.
+    unsafe { nccl_sys::is_culib_present() }
+}
+
+/// An NCCL communicator over all ranks of the run, on one device's stream.
+pub struct NcclCommunicator {
+    comm: nccl_sys::ncclComm_t,
+    dev: Arc<GpuDevice>,
+    rank: usize,
+    world: usize,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread as long as calls on
+// it do not overlap; every method takes `&mut self`, so they cannot.
+unsafe impl Send for NcclCommunicator {}
+
+impl NcclCommunicator {
+    /// A fresh unique id (on rank 0, to hand to the others).
+    pub fn unique_id() -> GpuResult<[u8; ID_BYTES]> {
+        if !nccl_present() {
+            return Err(GpuError::NcclUnavailable(
+                "libnccl.so.2 cannot be loaded (pip install nvidia-nccl-cu12, or the system NCCL)"
+                    .into(),
+            ));
+        }
+        let id = nccl_result::get_uniqueid().map_err(|e| nccl("ncclGetUniqueId", e))?;
+        Ok(id.internal.map(|c| c as u8))
+    }
+
+    /// Join the communicator named by `id` as `rank` of `world`.
+    pub fn new(
+        dev: Arc<GpuDevice>,
+        rank: usize,
+        world: usize,
+        id: [u8; ID_BYTES],
+    ) -> GpuResult<Self> {
+        if !nccl_present() {
+            return Err(GpuError::NcclUnavailable(
+                "libnccl.so.2 cannot be loaded".into(),
+            ));
+        }
+        dev.context()
+            .bind_to_thread()
+            .map_err(|e| super::error::driver("binding the context", e))?;
+        let id = nccl_sys::ncclUniqueId {
+            internal: id.map(|b| b as std::ffi::c_char),
+        };
+        let mut comm: nccl_sys::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: `comm` is a live out-pointer; the id came from ncclGetUniqueId
+        // on rank 0; the device's context is current on this thread.
+        unsafe { nccl_result::comm_init_rank(&mut comm, world as i32, id, rank as i32) }
+            .map_err(|e| nccl("ncclCommInitRank", e))?;
+        Ok(NcclCommunicator {
+            comm,
+            dev,
+            rank,
+            world,
+        })
+    }
+
+    /// Bootstrap from the launcher's environment: the GPU `LOCAL_RANK`, the id
+    /// from rank 0 over TCP at MASTER_ADDR:MASTER_PORT.
+    pub fn from_env(env: &LaunchEnv, timeout: Duration) -> GpuResult<Self> {
+        let dev = Arc::new(GpuDevice::new(env.local_rank)?);
+        let mine = if env.rank == 0 {
+            Some(Self::unique_id()?)
+        } else {
+            None
+        };
+        let id = share_id(
+            env.rank,
+            env.world_size,
+            &env.master_addr,
+            env.master_port,
+            mine,
+            timeout,
+        )?;
+        NcclCommunicator::new(dev, env.rank, env.world_size, id)
+    }
+
+    pub fn device(&self) -> &Arc<GpuDevice> {
+        &self.dev
+    }
+
+    fn stream(&self) -> nccl_sys::cudaStream_t {
+        self.dev.stream().cu_stream() as nccl_sys::cudaStream_t
+    }
+}
+
+impl Drop for NcclCommunicator {
+    fn drop(&mut self) {
+        // SAFETY: `comm` was initialised by ncclCommInitRank and is destroyed once.
+        let _ = unsafe { nccl_result::comm_destroy(self.comm) };
+    }
+}
+
+const F32: nccl_sys::ncclDataType_t = nccl_sys::ncclDataType_t::ncclFloat32;
+const SUM: nccl_sys::ncclRedOp_t = nccl_sys::ncclRedOp_t::ncclSum;
+
+impl DeviceCollectives for NcclCommunicator {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn all_reduce(&mut self, buf: &mut DeviceBuffer, count: usize) -> GpuResult<()> {
+        check(buf, count, "all_reduce")?;
+        let p = buf.device_ptr() as *mut c_void;
+        // SAFETY (this and the calls below): buffers hold at least the elements
+        // NCCL touches (checked), and are used on the communicator's stream.
+        unsafe { nccl_result::all_reduce(p, p, count, F32, SUM, self.comm, self.stream()) }
+            .map(drop)
+            .map_err(|e| nccl("ncclAllReduce", e))
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        send: &DeviceBuffer,
+        recv: &mut DeviceBuffer,
+        count: usize,
+    ) -> GpuResult<()> {
+        check(send, count * self.world, "reduce_scatter")?;
+        check(recv, count, "reduce_scatter")?;
+        unsafe {
+            nccl_result::reduce_scatter(
+                send.device_ptr() as *const c_void,
+                recv.device_ptr() as *mut c_void,
+                count,
+                F32,
+                SUM,
+                self.comm,
+                self.stream(),
+            )
+        }
+        .map(drop)
+        .map_err(|e| nccl("ncclReduceScatter", e))
+    }
+
+    fn all_gather(
+        &mut self,
+        send: &DeviceBuffer,
+        recv: &mut DeviceBuffer,
+        count: usize,
+    ) -> GpuResult<()> {
+        check(send, count, "all_gather")?;
+        check(recv, count * self.world, "all_gather")?;
+        unsafe {
+            nccl_result::all_gather(
+                send.device_ptr() as *const c_void,
+                recv.device_ptr() as *mut c_void,
+                count,
+                F32,
+                self.comm,
+                self.stream(),
+            )
+        }
+        .map(drop)
+        .map_err(|e| nccl("ncclAllGather", e))
+    }
+
+    fn broadcast(&mut self, root: usize, buf: &mut DeviceBuffer, count: usize) -> GpuResult<()> {
+        check(buf, count, "broadcast")?;
+        let p = buf.device_ptr() as *mut c_void;
+        unsafe { nccl_result::broadcast(p, p, count, F32, root as i32, self.comm, self.stream()) }
+            .map(drop)
+            .map_err(|e| nccl("ncclBroadcast", e))
+    }
+
+    fn send(&mut self, to: usize, buf: &DeviceBuffer, count: usize) -> GpuResult<()> {
+        check(buf, count, "send")?;
+        unsafe {
+            nccl_result::send(
+                buf.device_ptr() as *const c_void,
+                count,
+                F32,
+                to as i32,
+                self.comm,
+                self.stream(),
+            )
+        }
+        .map(drop)
+        .map_err(|e| nccl("ncclSend", e))
+    }
+
+    fn recv(&mut self, from: usize, buf: &mut DeviceBuffer, count: usize) -> GpuResult<()> {
+        check(buf, count, "recv")?;
+        unsafe {
+            nccl_result::recv(
+                buf.device_ptr() as *mut c_void,
+                count,
+                F32,
+                from as i32,
+                self.comm,
+                self.stream(),
+            )
+        }
+        .map(drop)
+        .map_err(|e| nccl("ncclRecv", e))
+    }
+}
+
+/// In-process ranks sharing one GPU (schedules tested without several GPUs):
+/// each collective copies to the host, runs the CPU communicator's collective
+/// over `group`, and copies back. Correct, not fast.
+pub struct HostStagedCommunicator {
+    dev: Arc<GpuDevice>,
+    comm: Communicator,
+    group: Group,
+}
+
+impl HostStagedCommunicator {
+    pub fn new(dev: Arc<GpuDevice>, comm: Communicator, group: Group) -> Self {
+        HostStagedCommunicator { dev, comm, group }
+    }
+
+    fn down(&self, b: &DeviceBuffer, count: usize) -> GpuResult<Vec<f32>> {
+        self.dev.download_f32(b, count, dplc_ir::DType::F32)
+    }
+
+    fn up(&self, b: &mut DeviceBuffer, data: &[f32]) -> GpuResult<()> {
+        self.dev.write_f32(b, data, dplc_ir::DType::F32)
+    }
+}
+
+fn cpu(e: crate::RuntimeError) -> GpuError {
+    GpuError::Invalid(format!("host-staged collective: {e}"))
+}
+
+impl DeviceCollectives for HostStagedCommunicator {
+    fn rank(&self) -> usize {
+        self.group.position(self.comm.rank()).unwrap_or(0)
+    }
+
+    fn world_size(&self) -> usize {
+        self.group.size()
+    }
+
+    fn all_reduce(&mut self, buf: &mut DeviceBuffer, count: usize) -> GpuResult<()> {
+        let mut x = self.down(buf, count)?;
+        self.comm.all_reduce(&self.group, &mut x).map_err(cpu)?;
+        self.up(buf, &x)
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        send: &DeviceBuffer,
+        recv: &mut DeviceBuffer,
+        count: usize,
+    ) -> GpuResult<()> {
+        let n = self.group.size();
+        let x = self.down(send, count * n)?;
+        let ranges: Vec<_> = (0..n).map(|i| i * count..(i + 1) * count).collect();
+        let mine = self
+            .comm
+            .reduce_scatter(&self.group, &x, &ranges)
+            .map_err(cpu)?;
+        self.up(recv, &mine)
+    }
+
+    fn all_gather(
+        &mut self,
+        send: &DeviceBuffer,
+        recv: &mut DeviceBuffer,
+        count: usize,
+    ) -> GpuResult<()> {
+        let x = self.down(send, count)?;
+        let all = self.comm.all_gather(&self.group, &x).map_err(cpu)?;
+        self.up(recv, &all.concat())
+    }
+
+    fn broadcast(&mut self, root: usize, buf: &mut DeviceBuffer, count: usize) -> GpuResult<()> {
+        let mut x = self.down(buf, count)?;
+        self.comm
+            .broadcast(&self.group, root, &mut x)
+            .map_err(cpu)?;
+        self.up(buf, &x)
+    }
+
+    fn send(&mut self, to: usize, buf: &DeviceBuffer, count: usize) -> GpuResult<()> {
+        let x = self.down(buf, count)?;
+        let to = self.group.ranks()[to];
+        let t = crate::Tensor::f32(vec![count], x);
+        self.comm.send(to, 0, vec![Some(t)]).map_err(cpu)
+    }
+
+    fn recv(&mut self, from: usize, buf: &mut DeviceBuffer, count: usize) -> GpuResult<()> {
+        let from = self.group.ranks()[from];
+        let mut msg = self.comm.recv(from, 0).map_err(cpu)?;
+        match msg.pop().flatten() {
+            Some(t) if msg.is_empty() => {
+                let x = t.into_f().map_err(cpu)?;
+                if x.len() != count {
+                    return Err(GpuError::Invalid(format!(
+                        "received {} elements, expected {count}",
+                        x.len()
+                    )));
+                }
+                self.up(buf, &x)
+            }
+            _ => Err(GpuError::Invalid(
+                "received something other than one tensor".into(),
+            )),
+        }
+    }
+}

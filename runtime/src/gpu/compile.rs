@@ -1,0 +1,91 @@
+//! Every kernel a graph needs on the GPU — each region's fused forward
+//! kernels, their fused backward kernels and column sums, and AdamW —
+//! generated, compiled to PTX with NVRTC (through its on-disk cache) for one
+//! architecture and storage type. Needs NVRTC, not a GPU.
+
+use super::error::GpuResult;
+use dplc_codegen::{
+    adamw_kernel, backward_plan, column_sum_kernel, emit_cuda, fuse, Arch, BackwardStep,
+    CudaSource, FusionPlan, Kernel, Nvrtc, Ptx, Step,
+};
+use dplc_ir::{DType, Graph, RegionId};
+use std::collections::BTreeMap;
+
+/// One compiled kernel.
+#[derive(Clone, Debug)]
+pub struct CompiledKernel {
+    pub kernel: Kernel,
+    pub source: CudaSource,
+    pub ptx: Ptx,
+}
+
+/// A graph's kernels for one device type.
+#[derive(Clone, Debug)]
+pub struct CompiledGraph {
+    pub arch: Arch,
+    pub dtype: DType,
+    /// Per region: its fusion plan and its backward steps.
+    pub regions: Vec<(RegionId, FusionPlan, Vec<BackwardStep>)>,
+    /// By kernel name (`{op}_{dtype}_{hash8}`); identical kernels compile once.
+    pub kernels: BTreeMap<String, CompiledKernel>,
+}
+
+impl CompiledGraph {
+    pub fn get(&self, kernel: &Kernel) -> Option<&CompiledKernel> {
+        self.kernels
+            .get(&dplc_codegen::kernel_name(kernel, self.dtype))
+    }
+}
+
+/// Generate and compile everything `graph` needs for `arch` with float
+/// tensors stored as `dtype`.
+pub fn compile_graph(
+    graph: &Graph,
+    dtype: DType,
+    arch: Arch,
+    nvrtc: &Nvrtc,
+) -> GpuResult<CompiledGraph> {
+    let mut kernels: BTreeMap<String, CompiledKernel> = BTreeMap::new();
+    let mut add = |k: &Kernel| -> GpuResult<()> {
+        let source = emit_cuda(k, dtype);
+        if !kernels.contains_key(&source.name) {
+            let ptx = nvrtc.compile(&source, arch)?;
+            kernels.insert(
+                source.name.clone(),
+                CompiledKernel {
+                    kernel: k.clone(),
+                    source,
+                    ptx,
+                },
+            );
+        }
+        Ok(())
+    };
+    add(&adamw_kernel())?;
+    add(&column_sum_kernel())?;
+    let mut regions = Vec::new();
+    for (r, _) in graph.regions() {
+        let plan = fuse(graph, r);
+        for step in &plan.steps {
+            if let Step::Kernel(k) = step {
+                add(&k.kernel)?;
+            }
+        }
+        let back = backward_plan(graph, &plan);
+        for step in &back {
+            if let BackwardStep::Kernel { backward, .. } = step {
+                add(&backward.kernel)?;
+                for cs in &backward.column_sums {
+                    add(&cs.kernel)?;
+                }
+            }
+        }
+        regions.push((r, plan, back));
+    }
+    Ok(CompiledGraph {
+        arch,
+        dtype,
+        regions,
+        kernels,
+    })
+}

@@ -1,0 +1,476 @@
+//! One CUDA device: the driver context and stream, device memory through the
+//! caching allocator, modules loaded from NVRTC's PTX, and kernel launches.
+//!
+//! [`GpuDevice::new`] is the seam: without a driver library (or a device) it
+//! returns [`GpuError::CudaUnavailable`] before any cudarc call that would panic.
+
+use super::alloc::{Allocation, CachingAllocator, MemoryStats, RawMemory};
+use super::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+use super::error::{driver, GpuError, GpuResult};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+};
+use dplc_codegen::{Arch, Args, CudaSource, Elem, Kernel, LaunchShape, Ptx};
+use dplc_ir::DType;
+use std::sync::{Arc, Mutex};
+
+/// Whether the CUDA driver library can be opened (`libcuda.so`, `nvcuda.dll`).
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the library by its usual names and closes it;
+    // loading the driver runs no user-visible initialisation before cuInit.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Device memory from the driver, in bytes, on the device's stream.
+pub struct DeviceMemory {
+    stream: Arc<CudaStream>,
+}
+
+impl RawMemory for DeviceMemory {
+    type Block = CudaSlice<u8>;
+
+    fn alloc(&mut self, bytes: usize) -> GpuResult<CudaSlice<u8>> {
+        // SAFETY: the memory is uninitialised; every user writes before it
+        // reads (kernels write each output element, gradients that are added
+        // to are zeroed by `GpuDevice::zeros`).
+        unsafe { self.stream.alloc::<u8>(bytes) }.map_err(|e| driver("cuMemAlloc", e))
+    }
+
+    fn release(&mut self, block: CudaSlice<u8>) {
+        drop(block);
+    }
+}
+
+type Pool = Arc<Mutex<CachingAllocator<DeviceMemory>>>;
+
+/// A device allocation; it goes back to the allocator's cache when dropped.
+pub struct DeviceBuffer {
+    alloc: Option<Allocation<CudaSlice<u8>>>,
+    pool: Pool,
+    stream: Arc<CudaStream>,
+}
+
+impl DeviceBuffer {
+    /// Bytes asked for (the block may be larger).
+    pub fn bytes(&self) -> usize {
+        self.alloc.as_ref().map_or(0, |a| a.bytes)
+    }
+
+    fn slice(&self) -> &CudaSlice<u8> {
+        &self.alloc.as_ref().expect("live until dropped").block
+    }
+
+    fn slice_mut(&mut self) -> &mut CudaSlice<u8> {
+        &mut self.alloc.as_mut().expect("live until dropped").block
+    }
+
+    /// The raw device address, for kernel arguments, cuBLAS and NCCL.
+    pub fn device_ptr(&self) -> u64 {
+        // Event tracking is off (one stream per device), so the guard is inert.
+        let (ptr, _guard) = self.slice().device_ptr(&self.stream);
+        ptr
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if let Some(a) = self.alloc.take() {
+            if let Ok(mut pool) = self.pool.lock() {
+                pool.free(a);
+            }
+        }
+    }
+}
+
+/// A kernel loaded into the device, with the IR it was generated from (for
+/// argument checks) and its launch shape.
+pub struct GpuKernel {
+    pub name: String,
+    pub kernel: Kernel,
+    pub launch: LaunchShape,
+    pub dtype: DType,
+    function: CudaFunction,
+}
+
+/// One GPU and its stream.
+pub struct GpuDevice {
+    ordinal: usize,
+    name: String,
+    arch: Arch,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    pool: Pool,
+    sm_count: u32,
+}
+
+impl std::fmt::Debug for GpuDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "GpuDevice({} {}: {})",
+            self.ordinal,
+            self.arch.name(),
+            self.name
+        )
+    }
+}
+
+fn bytes_of(elem: Elem, dtype: DType) -> usize {
+    match elem {
+        Elem::Float => dtype.size_bytes() as usize,
+        Elem::F32 | Elem::I32 => 4,
+    }
+}
+
+impl GpuDevice {
+    /// Open device `ordinal`, or say why there is no GPU to use.
+    pub fn new(ordinal: usize) -> GpuResult<GpuDevice> {
+        if !driver_present() {
+            return Err(GpuError::CudaUnavailable(
+                "the CUDA driver library (libcuda.so.1) cannot be loaded on this machine; \
+                 install an NVIDIA driver or run on CPU ranks (--cluster Nxcpu)"
+                    .into(),
+            ));
+        }
+        let count = CudaContext::device_count().map_err(|e| {
+            GpuError::CudaUnavailable(format!("the driver is present but cuInit failed: {e:?}"))
+        })?;
+        if ordinal >= count.max(0) as usize {
+            return Err(GpuError::CudaUnavailable(format!(
+                "device {ordinal} was asked for but the driver sees {count} device(s)"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| driver("creating the context", e))?;
+        // SAFETY: the backend issues all work of a device on its one stream, in
+        // order, so no allocation is used on another stream than its own and
+        // cross-stream event tracking has nothing to guard.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| driver("compute capability", e))?;
+        let arch = match major {
+            9.. => Arch::Sm90,
+            8 => Arch::Sm80,
+            _ => {
+                return Err(GpuError::Unsupported(format!(
+                    "compute capability {major}.{minor}: dplc's kernels target sm_80 and sm_90"
+                )))
+            }
+        };
+        let name = ctx.name().map_err(|e| driver("device name", e))?;
+        let sm_count = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(|e| driver("multiprocessor count", e))? as u32;
+        let stream = ctx.default_stream();
+        let pool = Arc::new(Mutex::new(CachingAllocator::new(DeviceMemory {
+            stream: stream.clone(),
+        })));
+        Ok(GpuDevice {
+            ordinal,
+            name,
+            arch,
+            ctx,
+            stream,
+            pool,
+            sm_count,
+        })
+    }
+
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The architecture kernels are compiled for.
+    pub fn arch(&self) -> Arch {
+        self.arch
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Wait for all work queued on the device's stream.
+    pub fn synchronize(&self) -> GpuResult<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| driver("synchronize", e))
+    }
+
+    /// The allocator's counts (peak bytes in use: compare with the planner's prediction).
+    pub fn memory_stats(&self) -> MemoryStats {
+        self.pool.lock().map(|p| p.stats()).unwrap_or_default()
+    }
+
+    pub fn reset_peak_memory(&self) {
+        if let Ok(mut p) = self.pool.lock() {
+            p.reset_peaks();
+        }
+    }
+
+    /// Uninitialised device memory of `bytes` bytes (at least 16-byte aligned:
+    /// the driver aligns every block to 256 bytes).
+    pub fn alloc(&self, bytes: usize) -> GpuResult<DeviceBuffer> {
+        let a = self
+            .pool
+            .lock()
+            .map_err(|_| GpuError::Invalid("the allocator lock is poisoned".into()))?
+            .alloc(bytes)?;
+        Ok(DeviceBuffer {
+            alloc: Some(a),
+            pool: self.pool.clone(),
+            stream: self.stream.clone(),
+        })
+    }
+
+    /// Zeroed device memory.
+    pub fn zeros(&self, bytes: usize) -> GpuResult<DeviceBuffer> {
+        let mut b = self.alloc(bytes)?;
+        let mut view = b.slice_mut().slice_mut(0..bytes);
+        self.stream
+            .memset_zeros(&mut view)
+            .map_err(|e| driver("memset", e))?;
+        Ok(b)
+    }
+
+    /// Queue a device-to-device copy of `bytes` bytes.
+    pub fn copy(&self, src: &DeviceBuffer, dst: &mut DeviceBuffer, bytes: usize) -> GpuResult<()> {
+        if src.bytes() < bytes || dst.bytes() < bytes {
+            return Err(GpuError::Invalid(format!(
+                "copying {bytes} bytes from {} into {}",
+                src.bytes(),
+                dst.bytes()
+            )));
+        }
+        // SAFETY: both buffers hold at least `bytes` bytes (checked) and are
+        // used on this device's stream only.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                dst.device_ptr(),
+                src.device_ptr(),
+                bytes,
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(|e| driver("copy on device", e))
+    }
+
+    /// Copy raw bytes to a new device buffer.
+    pub fn upload_bytes(&self, data: &[u8]) -> GpuResult<DeviceBuffer> {
+        let mut b = self.alloc(data.len())?;
+        let mut view = b.slice_mut().slice_mut(0..data.len());
+        self.stream
+            .memcpy_htod(data, &mut view)
+            .map_err(|e| driver("copy to device", e))?;
+        Ok(b)
+    }
+
+    /// Overwrite the start of an existing buffer with `data`.
+    pub fn write_bytes(&self, b: &mut DeviceBuffer, data: &[u8]) -> GpuResult<()> {
+        if data.len() > b.bytes() {
+            return Err(GpuError::Invalid(format!(
+                "writing {} bytes into a {}-byte buffer",
+                data.len(),
+                b.bytes()
+            )));
+        }
+        let mut view = b.slice_mut().slice_mut(0..data.len());
+        self.stream
+            .memcpy_htod(data, &mut view)
+            .map_err(|e| driver("copy to device", e))
+    }
+
+    /// Overwrite the start of an existing buffer with floats stored as `dtype`.
+    pub fn write_f32(&self, b: &mut DeviceBuffer, data: &[f32], dtype: DType) -> GpuResult<()> {
+        self.write_bytes(b, &encode(data, dtype)?)
+    }
+
+    /// Read back the first `len` bytes of a buffer (waits for the stream).
+    pub fn download_bytes(&self, b: &DeviceBuffer, len: usize) -> GpuResult<Vec<u8>> {
+        if len > b.bytes() {
+            return Err(GpuError::Invalid(format!(
+                "reading {len} bytes of a {}-byte buffer",
+                b.bytes()
+            )));
+        }
+        let mut out = vec![0u8; len];
+        let view = b.slice().slice(0..len);
+        self.stream
+            .memcpy_dtoh(&view, &mut out)
+            .map_err(|e| driver("copy to host", e))?;
+        self.synchronize()?;
+        Ok(out)
+    }
+
+    /// Upload floats stored as `dtype` (f32, bf16 or f16; rounded to nearest even).
+    pub fn upload_f32(&self, data: &[f32], dtype: DType) -> GpuResult<DeviceBuffer> {
+        self.upload_bytes(&encode(data, dtype)?)
+    }
+
+    /// Read back `len` floats stored as `dtype`.
+    pub fn download_f32(&self, b: &DeviceBuffer, len: usize, dtype: DType) -> GpuResult<Vec<f32>> {
+        let width = match dtype {
+            DType::F32 => 4,
+            DType::BF16 | DType::F16 => 2,
+            DType::I32 => return Err(GpuError::Invalid("i32 is not a float storage".into())),
+        };
+        let raw = self.download_bytes(b, len * width)?;
+        Ok(decode(&raw, dtype))
+    }
+
+    pub fn upload_i32(&self, data: &[i32]) -> GpuResult<DeviceBuffer> {
+        let raw: Vec<u8> = data.iter().flat_map(|x| x.to_le_bytes()).collect();
+        self.upload_bytes(&raw)
+    }
+
+    /// Load a compiled kernel into this device.
+    pub fn load(
+        &self,
+        kernel: &Kernel,
+        src: &CudaSource,
+        ptx: &Ptx,
+        dtype: DType,
+    ) -> GpuResult<GpuKernel> {
+        if ptx.arch != self.arch {
+            return Err(GpuError::Invalid(format!(
+                "{} was compiled for {}, the device is {}",
+                ptx.name,
+                ptx.arch.name(),
+                self.arch.name()
+            )));
+        }
+        let module = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx.text.clone()))
+            .map_err(|e| driver(&format!("loading the module of {}", src.name), e))?;
+        let function = module
+            .load_function(&src.name)
+            .map_err(|e| driver(&format!("finding {}", src.name), e))?;
+        Ok(GpuKernel {
+            name: src.name.clone(),
+            kernel: kernel.clone(),
+            launch: src.launch,
+            dtype,
+            function,
+        })
+    }
+
+    /// Launch `k` on the device's stream with one buffer per kernel buffer.
+    /// Buffer sizes are checked against the kernel's IR first, so a launch
+    /// never reads or writes past an allocation.
+    pub fn launch(&self, k: &GpuKernel, buffers: &[&DeviceBuffer], args: &Args) -> GpuResult<()> {
+        let kernel = &k.kernel;
+        if buffers.len() != kernel.buffers.len()
+            || args.sizes.len() != kernel.sizes
+            || args.scalars.len() != kernel.scalars
+        {
+            return Err(GpuError::Invalid(format!(
+                "{}: {} buffers, {} sizes, {} scalars given; it takes {}, {}, {}",
+                k.name,
+                buffers.len(),
+                args.sizes.len(),
+                args.scalars.len(),
+                kernel.buffers.len(),
+                kernel.sizes,
+                kernel.scalars
+            )));
+        }
+        if args.sizes.iter().any(|&s| s < 0) {
+            return Err(GpuError::Invalid(format!("{}: a negative size", k.name)));
+        }
+        for (i, (b, buf)) in buffers.iter().zip(&kernel.buffers).enumerate() {
+            let need = args.buffer_len(kernel, i) * bytes_of(buf.elem, k.dtype);
+            if b.bytes() < need {
+                return Err(GpuError::Invalid(format!(
+                    "{}: buffer b{i} ({}) holds {} bytes, the launch needs {need}",
+                    k.name,
+                    buf.label,
+                    b.bytes()
+                )));
+            }
+        }
+        let size = |s: dplc_codegen::Size| args.size(s).max(0) as u64;
+        let outer: u64 = kernel.space.outer.iter().map(|&s| size(s)).product();
+        let cap = u64::from(self.sm_count.max(1)) * 32;
+        let (grid, block) = match k.launch {
+            LaunchShape::Elementwise { vector } => {
+                let threads = outer.div_ceil(u64::from(vector.max(1)));
+                (threads.div_ceil(256).clamp(1, cap), 256)
+            }
+            LaunchShape::Rows { block } => (outer.clamp(1, cap.max(1 << 16)), block),
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (grid as u32, 1, 1),
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        if outer == 0 {
+            return Ok(());
+        }
+        let ptrs: Vec<u64> = buffers.iter().map(|b| b.device_ptr()).collect();
+        let seed = args.seed;
+        let mut launch = self.stream.launch_builder(&k.function);
+        for p in &ptrs {
+            launch.arg(p);
+        }
+        for s in &args.sizes {
+            launch.arg(s);
+        }
+        for s in &args.scalars {
+            launch.arg(s);
+        }
+        if kernel.uses_random() {
+            launch.arg(&seed);
+        }
+        // SAFETY: the arguments are pushed in the order `emit_cuda` declares the
+        // parameters (buffers as device pointers, `long long` sizes, `float`
+        // scalars, the `unsigned long long` seed when the kernel draws random
+        // numbers), their counts were checked above, and every buffer is at
+        // least as large as the kernel indexes it for these sizes.
+        unsafe { launch.launch(cfg) }.map_err(|e| driver(&format!("launching {}", k.name), e))?;
+        Ok(())
+    }
+}
+
+/// Host floats to the bytes of `dtype` storage.
+pub fn encode(data: &[f32], dtype: DType) -> GpuResult<Vec<u8>> {
+    Ok(match dtype {
+        DType::F32 => data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        DType::BF16 => data
+            .iter()
+            .flat_map(|&x| f32_to_bf16(x).to_le_bytes())
+            .collect(),
+        DType::F16 => data
+            .iter()
+            .flat_map(|&x| f32_to_f16(x).to_le_bytes())
+            .collect(),
+        DType::I32 => return Err(GpuError::Invalid("i32 is not a float storage".into())),
+    })
+}
+
+/// Bytes of `dtype` storage back to floats.
+pub fn decode(raw: &[u8], dtype: DType) -> Vec<f32> {
+    match dtype {
+        DType::F32 | DType::I32 => raw
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+            .collect(),
+        DType::BF16 => raw
+            .chunks_exact(2)
+            .map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+            .collect(),
+        DType::F16 => raw
+            .chunks_exact(2)
+            .map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+            .collect(),
+    }
+}

@@ -1,0 +1,26 @@
+//! The CUDA backend: devices, memory with a caching allocator, kernels loaded
+//! from NVRTC's PTX, cuBLAS matmuls, NCCL (and host-staged) collectives, and
+//! the launcher bootstrap. Builds everywhere; without a driver every entry
+//! point returns `GpuError::CudaUnavailable` ("no CUDA driver found").
+
+mod alloc;
+mod blas;
+mod comm;
+mod compile;
+mod convert;
+mod device;
+mod error;
+mod launch_env;
+mod rendezvous;
+mod train;
+
+pub use alloc::{size_class, Allocation, CachingAllocator, MemoryStats, RawMemory};
+pub use blas::{matmul_cpu, Blas, MatMul};
+pub use comm::{nccl_present, DeviceCollectives, HostStagedCommunicator, NcclCommunicator};
+pub use compile::{compile_graph, CompiledGraph, CompiledKernel};
+pub use convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+pub use device::{decode, driver_present, encode, DeviceBuffer, GpuDevice, GpuKernel};
+pub use error::{CodegenErrorText, GpuError, GpuResult};
+pub use launch_env::{first_slurm_host, LaunchEnv, Launcher, DEFAULT_MASTER_PORT};
+pub use rendezvous::{share_id, ID_BYTES};
+pub use train::{open_devices, prepare, storage_dtype, train_on_gpus, GpuRunConfig};

@@ -1,0 +1,510 @@
+//! The CUDA backend. On a machine without a driver the first test checks the
+//! seam's error and every other test prints why it is skipped; on a GPU each
+//! generated kernel (forward and backward, f32 and bf16) equals the CPU
+//! interpreter on random inputs, cuBLAS equals a CPU matmul, the allocator's
+//! peak is what was asked for, and the collectives sum.
+//!
+//! `scripts/gpu-check.sh` runs these plus the `#[ignore]`d bandwidth benchmark.
+
+mod common;
+
+use dplc_codegen::{adamw_kernel, interpret, Args, BackwardStep, Data, Elem, Kernel, Nvrtc, Step};
+use dplc_ir::{DType, Dim, Graph};
+use dplc_runtime::gpu::{
+    compile_graph, driver_present, matmul_cpu, nccl_present, open_devices, Blas, DeviceBuffer,
+    DeviceCollectives, GpuDevice, GpuError, HostStagedCommunicator, MatMul, NcclCommunicator,
+};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Say why a test is skipped, past the test harness's output capture, so a
+/// passing run on a machine without a GPU still shows it.
+fn skip(test: &str, why: impl std::fmt::Display) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
+}
+
+/// The device, or `None` after printing why this test is skipped.
+fn gpu_or_skip(test: &str) -> Option<Arc<GpuDevice>> {
+    match GpuDevice::new(0) {
+        Ok(d) => Some(Arc::new(d)),
+        Err(e) => {
+            skip(test, e);
+            None
+        }
+    }
+}
+
+fn nvrtc_or_skip(test: &str) -> Option<Nvrtc> {
+    match Nvrtc::load() {
+        Ok(n) => Some(n),
+        Err(e) => {
+            skip(test, e);
+            None
+        }
+    }
+}
+
+#[test]
+fn without_a_driver_the_seam_says_no_cuda_driver_found() {
+    if driver_present() {
+        skip(
+            "without_a_driver_the_seam_says_no_cuda_driver_found",
+            "this machine has a CUDA driver",
+        );
+        return;
+    }
+    let e = GpuDevice::new(0).unwrap_err();
+    assert!(matches!(e, GpuError::CudaUnavailable(_)), "{e:?}");
+    assert!(e.to_string().starts_with("no CUDA driver found"), "{e}");
+    let e = open_devices(8).unwrap_err();
+    assert!(e.to_string().contains("no CUDA driver found"), "{e}");
+    let g = common::Gpt::default().build();
+    let spec = dplc_ir::TrainSpec::default();
+    let e = dplc_runtime::gpu::train_on_gpus(&g, &spec, &Default::default()).unwrap_err();
+    assert!(e.to_string().contains("no CUDA driver found"), "{e}");
+    // Through the crate's error type, as the CLI sees it.
+    let r: dplc_runtime::RuntimeError = e.into();
+    assert!(r.to_string().contains("no CUDA driver found"), "{r}");
+}
+
+/// Every kernel of a GPT (forward, backward, column sums, AdamW) compiles to
+/// PTX for both architectures through `compile_graph`: NVRTC only, no GPU.
+#[test]
+fn a_gpt_compiles_for_sm80_and_sm90() {
+    let test = "a_gpt_compiles_for_sm80_and_sm90";
+    let Some(nvrtc) = nvrtc_or_skip(test) else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("dplc-gpu-ptx-{}", std::process::id()));
+    let nvrtc = nvrtc.with_cache(Some(dir.clone()));
+    let g = common::Gpt::default().build();
+    for arch in dplc_codegen::Arch::ALL {
+        let c = compile_graph(&g, DType::BF16, arch, &nvrtc).unwrap_or_else(|e| panic!("{e}"));
+        assert!(c.kernels.len() >= 20, "{} kernels", c.kernels.len());
+        assert!(c
+            .kernels
+            .values()
+            .all(|k| k.ptx.text.contains(&k.source.name)));
+        let backwards = c
+            .regions
+            .iter()
+            .flat_map(|(_, _, b)| b)
+            .filter(|s| matches!(s, BackwardStep::Kernel { .. }))
+            .count();
+        assert!(backwards >= 8, "{backwards} backward kernels");
+    }
+    std::fs::remove_dir_all(dir).ok();
+}
+
+fn dim(d: &Dim, syms: &HashMap<String, i64>, g: &Graph) -> i64 {
+    let mut v = d.coeff();
+    for s in d.syms() {
+        v = v
+            .checked_mul(dplc_ir::Ratio::int(syms[&g.sym_names()[s.index()]]))
+            .expect("small sizes");
+    }
+    v.as_int().expect("whole dimension")
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+    fn normal_ish(&mut self) -> f32 {
+        let u = |r: &mut Rng| (r.next() % 1_000_000) as f32 / 1_000_000.0;
+        (u(self) + u(self) + u(self) - 1.5) * 1.4
+    }
+}
+
+/// Round through the storage type, so the interpreter sees what the GPU reads.
+fn stored(x: f32, elem: Elem, dtype: DType) -> f32 {
+    let d = if elem == Elem::Float {
+        dtype
+    } else {
+        DType::F32
+    };
+    dplc_runtime::gpu::decode(&dplc_runtime::gpu::encode(&[x], d).unwrap(), d)[0]
+}
+
+/// Run `k` on the GPU and in the interpreter on the same random inputs;
+/// returns the worst norm-wise relative error over the outputs.
+fn compare(
+    dev: &GpuDevice,
+    compiled: &dplc_runtime::gpu::CompiledGraph,
+    k: &Kernel,
+    args: &Args,
+    rng: &mut Rng,
+) -> f64 {
+    let dtype = compiled.dtype;
+    let ck = compiled.get(k).expect("compiled");
+    let gk = dev
+        .load(&ck.kernel, &ck.source, &ck.ptx, dtype)
+        .expect("loads");
+    let mut host: Vec<Data> = Vec::new();
+    let mut bufs: Vec<DeviceBuffer> = Vec::new();
+    for (i, b) in k.buffers.iter().enumerate() {
+        let n = args.buffer_len(k, i);
+        let width = if b.elem == Elem::Float {
+            dtype.size_bytes() as usize
+        } else {
+            4
+        };
+        if b.output {
+            host.push(Data::F32(vec![]));
+            bufs.push(dev.zeros(n * width).expect("alloc"));
+        } else if b.elem == Elem::I32 {
+            let v: Vec<i32> = (0..n).map(|_| (rng.next() % 4) as i32).collect();
+            bufs.push(dev.upload_i32(&v).expect("upload"));
+            host.push(Data::I32(v));
+        } else {
+            let v: Vec<f32> = (0..n)
+                .map(|_| stored(rng.normal_ish(), b.elem, dtype))
+                .collect();
+            let d = if b.elem == Elem::Float {
+                dtype
+            } else {
+                DType::F32
+            };
+            bufs.push(dev.upload_f32(&v, d).expect("upload"));
+            host.push(Data::F32(v));
+        }
+    }
+    let refs: Vec<&DeviceBuffer> = bufs.iter().collect();
+    dev.launch(&gk, &refs, args)
+        .unwrap_or_else(|e| panic!("{}: {e}", gk.name));
+    interpret(k, args, &mut host).expect("interprets");
+    let mut worst = 0.0f64;
+    for (i, b) in k.buffers.iter().enumerate() {
+        if !b.output {
+            continue;
+        }
+        let want = host[i].f32();
+        let d = if b.elem == Elem::Float {
+            dtype
+        } else {
+            DType::F32
+        };
+        let got = dev.download_f32(&bufs[i], want.len(), d).expect("download");
+        let (mut num, mut den) = (0.0f64, 0.0f64);
+        for (x, y) in got.iter().zip(want) {
+            if y.is_infinite() && x == y {
+                continue;
+            }
+            num += (f64::from(*x) - f64::from(*y)).powi(2);
+            den += f64::from(*y).powi(2);
+        }
+        let rel = num.sqrt() / den.sqrt().max(1e-30);
+        assert!(rel.is_finite(), "{}: non-finite output", gk.name);
+        worst = worst.max(rel);
+    }
+    worst
+}
+
+fn kernels_match(dtype: DType, tol: f64, test: &str) {
+    let Some(dev) = gpu_or_skip(test) else { return };
+    let Some(nvrtc) = nvrtc_or_skip(test) else {
+        return;
+    };
+    let g = common::Gpt::default().build();
+    let compiled = compile_graph(&g, dtype, dev.arch(), &nvrtc).expect("compiles");
+    let syms: HashMap<String, i64> = [("batch".to_string(), 3), ("seq".to_string(), 8)].into();
+    let mut rng = Rng(5);
+    let mut checked = 0;
+    for (_, plan, back) in &compiled.regions {
+        for step in &plan.steps {
+            let Step::Kernel(fk) = step else { continue };
+            let sizes: Vec<i64> = fk.sizes.iter().map(|d| dim(d, &syms, &g)).collect();
+            let args = Args {
+                sizes: sizes.clone(),
+                scalars: vec![],
+                seed: 9,
+            };
+            let err = compare(&dev, &compiled, &fk.kernel, &args, &mut rng);
+            assert!(
+                err <= tol,
+                "{} ({dtype:?}): relative error {err:e} > {tol:e}",
+                fk.kernel.op
+            );
+            checked += 1;
+        }
+        for step in back {
+            let BackwardStep::Kernel { step, backward } = step else {
+                continue;
+            };
+            let Step::Kernel(fk) = &plan.steps[*step] else {
+                unreachable!("kernels have kernel backwards")
+            };
+            let sizes: Vec<i64> = fk.sizes.iter().map(|d| dim(d, &syms, &g)).collect();
+            let args = Args {
+                sizes: sizes.clone(),
+                scalars: vec![],
+                seed: 9,
+            };
+            let err = compare(&dev, &compiled, &backward.kernel, &args, &mut rng);
+            assert!(
+                err <= tol,
+                "{} ({dtype:?}): relative error {err:e} > {tol:e}",
+                backward.kernel.op
+            );
+            checked += 1;
+            for cs in &backward.column_sums {
+                let cargs = Args {
+                    sizes: cs.sizes(&sizes),
+                    scalars: vec![],
+                    seed: 0,
+                };
+                let err = compare(&dev, &compiled, &cs.kernel, &cargs, &mut rng);
+                assert!(err <= tol, "column_sum ({dtype:?}): {err:e}");
+            }
+        }
+    }
+    let adamw = adamw_kernel();
+    let args = dplc_codegen::AdamwScalars {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        step: 3,
+    }
+    .args(4099);
+    let err = compare(&dev, &compiled, &adamw, &args, &mut rng);
+    assert!(err <= tol, "adamw ({dtype:?}): {err:e}");
+    eprintln!(
+        "{checked} kernels + AdamW match the interpreter on {} ({dtype:?})",
+        dev.name()
+    );
+}
+
+#[test]
+fn every_kernel_matches_the_interpreter_f32() {
+    kernels_match(DType::F32, 1e-5, "every_kernel_matches_the_interpreter_f32");
+}
+
+#[test]
+fn every_kernel_matches_the_interpreter_bf16() {
+    kernels_match(
+        DType::BF16,
+        1e-2,
+        "every_kernel_matches_the_interpreter_bf16",
+    );
+}
+
+#[test]
+fn cublas_matmul_matches_cpu() {
+    let Some(dev) = gpu_or_skip("cublas_matmul_matches_cpu") else {
+        return;
+    };
+    let blas = Blas::new(&dev).expect("cuBLAS");
+    let mut rng = Rng(1);
+    for dtype in [DType::F32, DType::BF16] {
+        for (ta, tb, ab, bb) in [
+            (false, false, true, false),
+            (false, true, true, true),
+            (true, false, false, true),
+        ] {
+            let mm = MatMul {
+                m: 37,
+                n: 19,
+                k: 64,
+                batch: 3,
+                a_transposed: ta,
+                b_transposed: tb,
+                a_batched: ab,
+                b_batched: bb,
+                dtype,
+            };
+            let na = mm.m * mm.k * if ab { mm.batch } else { 1 };
+            let nb = mm.k * mm.n * if bb { mm.batch } else { 1 };
+            let a: Vec<f32> = (0..na)
+                .map(|_| stored(rng.normal_ish(), Elem::Float, dtype))
+                .collect();
+            let b: Vec<f32> = (0..nb)
+                .map(|_| stored(rng.normal_ish(), Elem::Float, dtype))
+                .collect();
+            let da = dev.upload_f32(&a, dtype).unwrap();
+            let db = dev.upload_f32(&b, dtype).unwrap();
+            let mut dc = dev
+                .alloc(mm.batch * mm.m * mm.n * dtype.size_bytes() as usize)
+                .unwrap();
+            blas.matmul(&mm, &da, &db, &mut dc).unwrap();
+            let got = dev
+                .download_f32(&dc, mm.batch * mm.m * mm.n, dtype)
+                .unwrap();
+            let want = matmul_cpu(&mm, &a, &b);
+            let tol = if dtype == DType::F32 { 1e-4 } else { 1e-2 };
+            for (x, y) in got.iter().zip(&want) {
+                assert!((x - y).abs() <= tol * (1.0 + y.abs()), "{mm:?}: {x} vs {y}");
+            }
+        }
+    }
+}
+
+#[test]
+fn allocator_reuses_blocks_and_measures_the_peak() {
+    let Some(dev) = gpu_or_skip("allocator_reuses_blocks_and_measures_the_peak") else {
+        return;
+    };
+    dev.reset_peak_memory();
+    let before = dev.memory_stats();
+    {
+        let _a = dev.alloc(3 << 20).unwrap();
+        let _b = dev.alloc(1000).unwrap();
+    }
+    let s = dev.memory_stats();
+    assert_eq!(s.peak_requested - before.requested, (3 << 20) + 1000);
+    let hits = s.cache_hits;
+    let _c = dev.alloc(3 << 20).unwrap();
+    assert_eq!(dev.memory_stats().cache_hits, hits + 1);
+}
+
+#[test]
+fn nccl_all_reduce_on_one_rank() {
+    let Some(dev) = gpu_or_skip("nccl_all_reduce_on_one_rank") else {
+        return;
+    };
+    if !nccl_present() {
+        skip(
+            "nccl_all_reduce_on_one_rank",
+            "libnccl.so.2 is not loadable",
+        );
+        return;
+    }
+    let id = NcclCommunicator::unique_id().unwrap();
+    let mut comm = NcclCommunicator::new(dev.clone(), 0, 1, id).unwrap();
+    let x: Vec<f32> = (0..1000).map(|i| i as f32).collect();
+    let mut b = dev.upload_f32(&x, DType::F32).unwrap();
+    comm.all_reduce(&mut b, x.len()).unwrap();
+    assert_eq!(dev.download_f32(&b, x.len(), DType::F32).unwrap(), x);
+}
+
+#[test]
+fn two_ranks_share_one_gpu_through_the_host() {
+    let Some(dev) = gpu_or_skip("two_ranks_share_one_gpu_through_the_host") else {
+        return;
+    };
+    let world = dplc_runtime::World::new(2, Duration::from_secs(30));
+    let group = dplc_runtime::Group::new(vec![0, 1]);
+    let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                let (dev, world, group) = (dev.clone(), world.clone(), group.clone());
+                s.spawn(move || {
+                    let mut c =
+                        HostStagedCommunicator::new(dev.clone(), world.communicator(r), group);
+                    let x: Vec<f32> = (0..64).map(|i| (i * (r + 1)) as f32).collect();
+                    let mut b = dev.upload_f32(&x, DType::F32).unwrap();
+                    c.all_reduce(&mut b, 64).unwrap();
+                    dev.download_f32(&b, 64, DType::F32).unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let want: Vec<f32> = (0..64).map(|i| (3 * i) as f32).collect();
+    assert_eq!(sums[0], want);
+    assert_eq!(sums[1], want);
+}
+
+/// Achieved bandwidth of each fused kernel of a GPT-2-small layer (batch 8,
+/// seq 1024, bf16) against a device-to-device copy. Prints one line per kernel.
+#[test]
+#[ignore = "a benchmark: scripts/gpu-check.sh runs it"]
+fn bench_kernel_bandwidth() {
+    let Some(dev) = gpu_or_skip("bench_kernel_bandwidth") else {
+        return;
+    };
+    let Some(nvrtc) = nvrtc_or_skip("bench_kernel_bandwidth") else {
+        return;
+    };
+    let gpt2 = common::Gpt {
+        vocab: 50257,
+        d: 768,
+        heads: 12,
+        layers: 1,
+        ctx: 1024,
+        dropout: 0.0,
+    };
+    let g = gpt2.build();
+    let dtype = DType::BF16;
+    let compiled = compile_graph(&g, dtype, dev.arch(), &nvrtc).expect("compiles");
+    let syms: HashMap<String, i64> = [("batch".to_string(), 8), ("seq".to_string(), 1024)].into();
+    let time = |f: &mut dyn FnMut()| -> f64 {
+        f();
+        dev.synchronize().unwrap();
+        let reps = 20;
+        let t = Instant::now();
+        for _ in 0..reps {
+            f();
+        }
+        dev.synchronize().unwrap();
+        t.elapsed().as_secs_f64() / reps as f64
+    };
+    // The copy: 256 MiB device to device.
+    let bytes = 256usize << 20;
+    let src = dev.zeros(bytes).unwrap();
+    let mut dst = dev.zeros(bytes).unwrap();
+    let copy_s = time(&mut || dev.copy(&src, &mut dst, bytes).unwrap());
+    let copy_bw = 2.0 * bytes as f64 / copy_s;
+    println!("device {} copy {:.0} GB/s", dev.name(), copy_bw / 1e9);
+    let mut kernels: Vec<(Kernel, Vec<i64>)> = Vec::new();
+    for (_, plan, back) in &compiled.regions {
+        for step in &plan.steps {
+            if let Step::Kernel(k) = step {
+                kernels.push((
+                    k.kernel.clone(),
+                    k.sizes.iter().map(|d| dim(d, &syms, &g)).collect(),
+                ));
+            }
+        }
+        for step in back {
+            if let BackwardStep::Kernel { step, backward } = step {
+                if let Step::Kernel(k) = &plan.steps[*step] {
+                    kernels.push((
+                        backward.kernel.clone(),
+                        k.sizes.iter().map(|d| dim(d, &syms, &g)).collect(),
+                    ));
+                }
+            }
+        }
+    }
+    for (k, sizes) in kernels {
+        let args = Args {
+            sizes,
+            scalars: vec![],
+            seed: 1,
+        };
+        let ck = compiled.get(&k).unwrap();
+        let gk = dev.load(&ck.kernel, &ck.source, &ck.ptx, dtype).unwrap();
+        let mut moved = 0usize;
+        let bufs: Vec<DeviceBuffer> = k
+            .buffers
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                let w = if b.elem == Elem::Float { 2 } else { 4 };
+                let n = args.buffer_len(&k, i) * w;
+                moved += n;
+                dev.zeros(n.max(16)).unwrap()
+            })
+            .collect();
+        let refs: Vec<&DeviceBuffer> = bufs.iter().collect();
+        let s = time(&mut || dev.launch(&gk, &refs, &args).unwrap());
+        let bw = moved as f64 / s;
+        println!(
+            "{:<50} {:>9.1} us {:>7.0} GB/s {:>5.1}% of copy",
+            gk.name,
+            s * 1e6,
+            bw / 1e9,
+            100.0 * bw / copy_bw
+        );
+    }
+}

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# The GPU check of the CUDA backend, for a machine with an NVIDIA GPU:
+#   1. builds the runtime's tests (release);
+#   2. runs the GPU tests: every generated kernel (forward, backward, column
+#      sums, AdamW) against the CPU interpreter on random inputs (f32 within
+#      1e-5, bf16 within 1e-2, norm-wise relative), cuBLAS against a CPU matmul,
+#      the allocator, NCCL on one rank, two in-process ranks on one GPU;
+#   3. benchmarks each fused kernel of a GPT-2-small layer (bf16, batch 8,
+#      seq 1024) against a measured device-to-device copy (target >= 85%);
+#   4. with --torch, times PyTorch eager and torch.compile on a GPT-2-small
+#      layer forward+backward (the baseline dplc's step is to be compared with);
+#   5. appends the results, with date, device and command, to bench/RESULTS.md
+#      and copies the raw logs to $OUT when that is set.
+#
+# NVRTC, cuBLAS and NCCL are found as installed (DPLC_NVRTC_LIB, the CUDA
+# toolkit, or the nvidia-* wheels PyTorch brings); the machine needs no network.
+#
+# Status: written without access to a GPU; it has not been run on one yet.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TORCH=0
+for a in "$@"; do
+    case "$a" in
+        --torch) TORCH=1 ;;
+        *) echo "usage: $0 [--torch]" >&2; exit 2 ;;
+    esac
+done
+
+LOG_DIR="${OUT:-target/gpu-check}"
+mkdir -p "$LOG_DIR"
+
+# Libraries the pip wheels of PyTorch carry (cudarc opens them by soname).
+if command -v python3 >/dev/null; then
+    WHEEL_LIBS="$(python3 - <<'PY' 2>/dev/null || true
+import importlib.util, os
+dirs = []
+for mod in ("nvidia.cuda_nvrtc", "nvidia.cublas", "nvidia.nccl", "nvidia.cuda_runtime"):
+    try:
+        spec = importlib.util.find_spec(mod)
+    except ModuleNotFoundError:
+        spec = None
+    if spec and spec.submodule_search_locations:
+        d = os.path.join(list(spec.submodule_search_locations)[0], "lib")
+        if os.path.isdir(d):
+            dirs.append(d)
+print(":".join(dirs))
+PY
+)"
+    if [[ -n "$WHEEL_LIBS" ]]; then
+        export LD_LIBRARY_PATH="${WHEEL_LIBS}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    fi
+fi
+if [[ -z "${DPLC_NVRTC_LIB:-}" ]]; then
+    for d in ${LD_LIBRARY_PATH//:/ } /usr/local/cuda/lib64 /usr/lib/x86_64-linux-gnu; do
+        if [[ -f "$d/libnvrtc.so.12" ]]; then
+            export DPLC_NVRTC_LIB="$d/libnvrtc.so.12"
+            break
+        fi
+    done
+fi
+if [[ -z "${DPLC_NVRTC_LIB:-}" ]]; then
+    DPLC_NVRTC_LIB="$(scripts/install-nvrtc.sh)"
+    export DPLC_NVRTC_LIB
+fi
+echo "NVRTC: $DPLC_NVRTC_LIB" >&2
+
+DEVICE="$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1 || echo unknown)"
+DATE="$(date -u +%Y-%m-%dT%H:%MZ)"
+COMMIT="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+
+cargo build --release -p dplc-runtime --tests
+
+echo "== GPU tests" >&2
+cargo test --release -p dplc-runtime --test gpu -- --test-threads=1 --nocapture 2>&1 | tee "$LOG_DIR/gpu-tests.log"
+
+echo "== kernel bandwidth" >&2
+cargo test --release -p dplc-runtime --test gpu bench_kernel_bandwidth -- --ignored --nocapture 2>&1 \
+    | tee "$LOG_DIR/bandwidth.log"
+
+TORCH_LINES=""
+if [[ "$TORCH" == 1 ]]; then
+    echo "== PyTorch baseline" >&2
+    python3 bench/torch_gpt2_layer.py 2>&1 | tee "$LOG_DIR/torch.log"
+    TORCH_LINES="$(grep -E '^(eager|compile)' "$LOG_DIR/torch.log" || true)"
+fi
+
+{
+    echo
+    echo "## GPU check ($DATE, $DEVICE, commit $COMMIT)"
+    echo
+    echo "\`scripts/gpu-check.sh $*\`"
+    echo
+    echo "Tests:"
+    echo '```'
+    grep -E '^(test |test result|SKIPPED)' "$LOG_DIR/gpu-tests.log" || true
+    echo '```'
+    echo "Fused kernels of a GPT-2-small layer (bf16, batch 8, seq 1024) against a device-to-device copy:"
+    echo '```'
+    grep -E 'GB/s' "$LOG_DIR/bandwidth.log" || true
+    echo '```'
+    if [[ -n "$TORCH_LINES" ]]; then
+        echo "PyTorch on the same GPU (GPT-2-small layer forward+backward, bf16, batch 8, seq 1024):"
+        echo '```'
+        echo "$TORCH_LINES"
+        echo '```'
+    fi
+} >> bench/RESULTS.md
+cp bench/RESULTS.md "$LOG_DIR/RESULTS.md"
+echo "results appended to bench/RESULTS.md" >&2
