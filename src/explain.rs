@@ -104,28 +104,8 @@ pub fn render(plan: &Plan) -> String {
         "\nmemory per rank by stage, GiB (capacity {})",
         gib(cl.memory_bytes)
     );
-    let _ = writeln!(
-        s,
-        "  stage  layers  weights   grads  optimizer  activations  emb+loss  buffers    total   use"
-    );
-    for st in &plan.stages {
-        let m = &st.memory;
-        let _ = writeln!(
-            s,
-            "  {:>5}  {:>6}  {:>7}  {:>6}  {:>9}  {:>11}  {:>8}  {:>7}  {:>7}  {:>3.0}%",
-            st.stage,
-            st.layers,
-            gib(m.weights),
-            gib(m.gradients),
-            gib(m.optimizer),
-            gib(m.activations),
-            gib(m.embedding_and_loss),
-            gib(m.buffers),
-            gib(m.total()),
-            100.0 * m.total() as f64 / cl.memory_bytes.max(1) as f64
-        );
-    }
-
+    let all: Vec<u64> = plan.stages.iter().map(|st| st.stage).collect();
+    s.push_str(&dplc_planner::memory_table(plan, &all, "  "));
     let e = &plan.estimate;
     let b = &e.breakdown;
     let _ = writeln!(s, "\nstep time {:.3} s", e.step_time_s);
@@ -212,29 +192,14 @@ pub fn render(plan: &Plan) -> String {
     if !plan.alternatives.is_empty() {
         let _ = writeln!(s, "\nrunners-up and why they lost");
         for a in &plan.alternatives {
-            let st = &a.strategy;
             let _ = writeln!(
                 s,
-                "  #{:<2} {:>9.3} s {:>7} GiB  dp {} × tp {} × pp {} × cp {} (ep {}), mb {} × {}, {}{}, ZeRO-{}, recompute {}, sp {}: {}",
+                "  #{:<2} {:>9.3} s {:>7} GiB  {}; {}: {}",
                 a.rank,
                 a.step_time_s,
                 gib(a.peak_memory_bytes),
-                a.mesh.dp,
-                a.mesh.tp,
-                a.mesh.pp,
-                a.mesh.cp,
-                a.mesh.ep,
-                st.micro_batch,
-                st.num_micro_batches,
-                st.schedule.name(),
-                if st.virtual_stages > 1 {
-                    format!(" v={}", st.virtual_stages)
-                } else {
-                    String::new()
-                },
-                st.zero_stage,
-                st.recompute.name(),
-                if st.sequence_parallel { "on" } else { "off" },
+                a.mesh,
+                a.strategy,
                 a.reason
             );
         }

@@ -318,28 +318,11 @@ pub fn html(plan: &Plan) -> String {
     );
     let _ = write!(
         s,
-        "<h1>{} on {}</h1><p>dp {} × tp {} × pp {} × cp {} (ep {}); micro-batch {} × {} (global batch {}, seq {}); \
-         schedule {}{}; ZeRO-{}; recompute {}; sequence parallel {}</p>",
+        "<h1>{} on {}</h1><p>{}; {}</p>",
         html_escape(&plan.model),
         html_escape(&plan.cluster.name),
-        plan.mesh.dp,
-        plan.mesh.tp,
-        plan.mesh.pp,
-        plan.mesh.cp,
-        plan.mesh.ep,
-        st.micro_batch,
-        st.num_micro_batches,
-        st.global_batch,
-        st.seq,
-        st.schedule.name(),
-        if st.virtual_stages > 1 {
-            format!(" v={}", st.virtual_stages)
-        } else {
-            String::new()
-        },
-        st.zero_stage,
-        st.recompute.name(),
-        if st.sequence_parallel { "on" } else { "off" }
+        plan.mesh,
+        st
     );
     let b = &e.breakdown;
     let _ = write!(

@@ -2,6 +2,7 @@
 //! The planner writes it (RON on disk, JSON on request); explain, viz and the runtime read it.
 
 use serde::{Deserialize, Serialize};
+use std::fmt;
 
 /// A parallelism axis of the device mesh.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -63,6 +64,17 @@ pub struct Mesh {
     pub ep: u64,
     /// Innermost (consecutive ranks) first.
     pub axes: Vec<AxisMapping>,
+}
+
+impl fmt::Display for Mesh {
+    /// `dp 8 × tp 4 × pp 2 × cp 1 (ep 1)`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "dp {} × tp {} × pp {} × cp {} (ep {})",
+            self.dp, self.tp, self.pp, self.cp, self.ep
+        )
+    }
 }
 
 /// The hardware a plan was made for.
@@ -132,6 +144,31 @@ pub struct Strategy {
     pub zero_stage: u8,
     pub recompute: Recompute,
     pub sequence_parallel: bool,
+}
+
+impl fmt::Display for Strategy {
+    /// `micro-batch 1 × 256 (global batch 512, seq 8192), schedule 1f1b, ZeRO-1, …`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "micro-batch {} × {} (global batch {}, seq {}), schedule {}",
+            self.micro_batch,
+            self.num_micro_batches,
+            self.global_batch,
+            self.seq,
+            self.schedule.name()
+        )?;
+        if self.virtual_stages > 1 {
+            write!(f, " v={}", self.virtual_stages)?;
+        }
+        write!(
+            f,
+            ", ZeRO-{}, recompute {}, sequence parallel {}",
+            self.zero_stage,
+            self.recompute.name(),
+            if self.sequence_parallel { "on" } else { "off" }
+        )
+    }
 }
 
 /// Bytes one rank holds, by kind.

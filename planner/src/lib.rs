@@ -19,7 +19,7 @@ mod timeline;
 pub use cluster::{catalog, cluster_from_spec, device, parse_cluster, Cluster, Device, Link};
 pub use error::PlanError;
 pub use layouts::LayoutStats;
-pub use report::{layouts_summary, summary, to_json};
+pub use report::{layouts_summary, memory_table, summary, to_json};
 pub use strategy::{parse_strategy, StrategyConstraints};
 pub use timeline::{timeline, Span, SpanKind, Timeline};
 

@@ -494,31 +494,6 @@ fn link_name(l: LinkLevel) -> &'static str {
     }
 }
 
-fn strategy_line(s: &Strategy) -> String {
-    let sched = if s.virtual_stages > 1 {
-        format!("{} v={}", s.schedule.name(), s.virtual_stages)
-    } else {
-        s.schedule.name().to_string()
-    };
-    format!(
-        "micro-batch {} × {} (global batch {}, seq {}), schedule {sched}, ZeRO-{}, recompute {}, sequence parallel {}",
-        s.micro_batch,
-        s.num_micro_batches,
-        s.global_batch,
-        s.seq,
-        s.zero_stage,
-        s.recompute.name(),
-        if s.sequence_parallel { "on" } else { "off" }
-    )
-}
-
-fn mesh_line(m: &Mesh) -> String {
-    format!(
-        "dp {} × tp {} × pp {} × cp {} (ep {})",
-        m.dp, m.tp, m.pp, m.cp, m.ep
-    )
-}
-
 fn time_line(t: &TimeBreakdown) -> String {
     format!(
         "compute {:.3} s (recompute {:.3} s), exposed comm {:.3} s, p2p {:.3} s, bubble {:.3} s, dp comm {:.3} s, optimizer {:.3} s",
@@ -530,6 +505,37 @@ fn time_line(t: &TimeBreakdown) -> String {
         t.exposed_dp_comm_s,
         t.optimizer_s
     )
+}
+
+/// Memory per rank of `stages` by kind, GiB, and the share of the capacity,
+/// each line starting with `indent`.
+pub fn memory_table(plan: &Plan, stages: &[u64], indent: &str) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "{indent}stage  layers  weights  grads  optimizer  activations  emb+loss  buffers    total   use"
+    );
+    for &i in stages {
+        let Some(st) = plan.stages.get(i as usize) else {
+            continue;
+        };
+        let m = &st.memory;
+        let _ = writeln!(
+            s,
+            "{indent}{:>5}  {:>6}  {:>7}  {:>5}  {:>9}  {:>11}  {:>8}  {:>7}  {:>7}  {:>3.0}%",
+            st.stage,
+            st.layers,
+            gib(m.weights),
+            gib(m.gradients),
+            gib(m.optimizer),
+            gib(m.activations),
+            gib(m.embedding_and_loss),
+            gib(m.buffers),
+            gib(m.total()),
+            100.0 * m.total() as f64 / plan.cluster.memory_bytes.max(1) as f64
+        );
+    }
+    s
 }
 
 /// The human summary `dplc compile` prints.
@@ -548,7 +554,7 @@ pub fn summary(compiled: &Compiled) -> String {
         cl.devices_per_node,
         cl.device
     );
-    let _ = writeln!(s, "  mesh      {}", mesh_line(&p.mesh));
+    let _ = writeln!(s, "  mesh      {}", p.mesh);
     for a in p.mesh.axes.iter().filter(|a| a.size > 1) {
         let _ = writeln!(
             s,
@@ -560,7 +566,7 @@ pub fn summary(compiled: &Compiled) -> String {
             a.bandwidth_bytes_per_s / 1e9
         );
     }
-    let _ = writeln!(s, "  strategy  {}", strategy_line(&p.strategy));
+    let _ = writeln!(s, "  strategy  {}", p.strategy);
     let last = p.stages.len() - 1;
     let layers: Vec<u64> = p.stages.iter().map(|st| st.layers).collect();
     let same = layers.iter().all(|&l| l == layers[0]);
@@ -585,10 +591,6 @@ pub fn summary(compiled: &Compiled) -> String {
         "  memory per rank, GiB (capacity {})",
         gib(cl.memory_bytes)
     );
-    let _ = writeln!(
-        s,
-        "    stage  layers  weights  grads  optimizer  activations  emb+loss  buffers    total"
-    );
     let peak_stage = p
         .stages
         .iter()
@@ -598,23 +600,7 @@ pub fn summary(compiled: &Compiled) -> String {
     shown.retain(|&i| (i as usize) <= last);
     shown.sort();
     shown.dedup();
-    for i in shown {
-        let st = &p.stages[i as usize];
-        let m = &st.memory;
-        let _ = writeln!(
-            s,
-            "    {:>5}  {:>6}  {:>7}  {:>5}  {:>9}  {:>11}  {:>8}  {:>7}  {:>7}",
-            st.stage,
-            st.layers,
-            gib(m.weights),
-            gib(m.gradients),
-            gib(m.optimizer),
-            gib(m.activations),
-            gib(m.embedding_and_loss),
-            gib(m.buffers),
-            gib(m.total())
-        );
-    }
+    s.push_str(&memory_table(p, &shown, "    "));
     let e = &p.estimate;
     let _ = writeln!(
         s,
@@ -646,11 +632,7 @@ pub fn summary(compiled: &Compiled) -> String {
         let _ = writeln!(
             s,
             "  #{:<2} {:.3} s  {}; {}: {}",
-            a.rank,
-            a.step_time_s,
-            mesh_line(&a.mesh),
-            strategy_line(&a.strategy),
-            a.reason
+            a.rank, a.step_time_s, a.mesh, a.strategy, a.reason
         );
     }
     s
@@ -790,7 +772,7 @@ pub fn to_json(compiled: &Compiled) -> serde_json::Value {
         "alternatives": p.alternatives.iter().map(|a| json!({
             "rank": a.rank,
             "mesh": {"dp": a.mesh.dp, "tp": a.mesh.tp, "pp": a.mesh.pp, "cp": a.mesh.cp, "ep": a.mesh.ep},
-            "strategy": strategy_line(&a.strategy),
+            "strategy": a.strategy.to_string(),
             "step_time_s": a.step_time_s,
             "peak_memory_bytes": a.peak_memory_bytes,
             "reason": a.reason,
