@@ -149,3 +149,4 @@ fn llama_tiny_strategies_match_serial() {
 fn moe_tiny_strategies_match_serial() {
     check_strategies("moe_tiny", true);
 }
+

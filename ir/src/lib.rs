@@ -8,6 +8,7 @@ mod dtype;
 mod error;
 mod graph;
 mod id;
+mod layout;
 mod op;
 mod plan;
 mod print;
@@ -20,6 +21,9 @@ pub use dtype::DType;
 pub use error::{IrError, Result};
 pub use graph::{
     broadcast, Graph, InputInfo, Node, ParamInfo, Region, Scope, ScopeKind, Tensor, TensorDef,
+};
+pub use layout::{
+    derive_layout, ModelLayout, NodeLayout, ParamSplit, RegionLayout, SplitAxis, TensorLayout,
 };
 pub use id::{InputId, NodeId, ParamId, RegionId, ScopeId, SymId, TensorId};
 pub use op::{BinaryOp, Init, Op, ReduceKind, UnaryOp};

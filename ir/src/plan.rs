@@ -318,4 +318,8 @@ pub struct Plan {
     pub estimate: Estimate,
     pub search: SearchStats,
     pub alternatives: Vec<Alternative>,
+    /// Per-tensor layouts under tensor, sequence and expert parallelism, for
+    /// the runtime. `None`: the runtime derives Megatron's layout itself.
+    #[serde(default)]
+    pub layout: Option<crate::layout::ModelLayout>,
 }

@@ -470,6 +470,7 @@ pub(crate) fn build_plan(
             pinned,
         },
         alternatives,
+        layout: None,
     }
 }
 

@@ -16,6 +16,7 @@ mod kernels;
 mod params;
 mod partition;
 mod rng;
+mod shard;
 mod tensor;
 mod vjp;
 
