@@ -375,10 +375,18 @@ impl Derive<'_> {
                     Split { axis } => {
                         let prefix = crate::Shape(from[..axis].to_vec()).numel();
                         let j = (0..to.len())
-                            .find(|&j| crate::Shape(to[..j].to_vec()).numel() == prefix)
-                            .filter(|&j| self.divides(&to[j]));
+                            .find(|&j| crate::Shape(to[..j].to_vec()).numel() == prefix);
                         match j {
-                            Some(j) => one(vec![c], Split { axis: j }),
+                            Some(j) if self.divides(&to[j]) => one(vec![c], Split { axis: j }),
+                            // Splitting a width into heads that do not divide.
+                            Some(j) => Err(self.unsupported(
+                                n,
+                                &format!(
+                                    "tp {} does not divide the {} heads (axis {j} of the reshape)",
+                                    self.tp,
+                                    self.g.dim_str(&to[j])
+                                ),
+                            )),
                             None => one(vec![Replicated], Replicated),
                         }
                     }
@@ -591,6 +599,15 @@ impl Derive<'_> {
                     let cb = self.split_param(b, p, SplitAxis::Tensor { axis: 1 });
                     return Ok((vec![Replicated, cb], vec![Split { axis: ro - 1 }]));
                 }
+                return Err(self.unsupported(
+                    n,
+                    &format!(
+                        "tp {} divides neither dimension of `{}` ({})",
+                        self.tp,
+                        self.g.param(p).name,
+                        self.g.shape_str(&self.g.param(p).shape)
+                    ),
+                ));
             }
         }
         // Both operands computed (or a weight already placed): batch, row and

@@ -26,6 +26,9 @@ pub struct Faults {
     pub panic_rank_at: Option<(usize, u64)>,
     /// Leave out the data-parallel gradient all-reduce: a wrong plan.
     pub skip_grad_sync: bool,
+    /// Take each tensor-parallel rank's summand for the whole (the all-reduce
+    /// after a row-parallel matmul left out): a wrong plan.
+    pub skip_tp_sum: bool,
 }
 
 /// How one training run is split over CPU ranks.
@@ -595,6 +598,7 @@ fn run_rank(
         MeshGroups {
             tp: tp_group,
             ep: ep_group,
+            skip_partial_sum: cfg.faults.skip_tp_sum,
         },
         sh.seed,
     )?;

@@ -153,6 +153,8 @@ impl Layouts {
 pub(crate) struct MeshGroups {
     pub tp: Group,
     pub ep: Group,
+    /// Fault injection: a summand passes for the whole.
+    pub skip_partial_sum: bool,
 }
 
 /// `parts` equal pieces of `t` along `axis`, each contiguous.
@@ -238,6 +240,9 @@ pub(crate) fn convert(
     }
     let (tp, ep) = (&groups.tp, &groups.ep);
     let tp_pos = tp.position(comm.rank()).unwrap_or(0);
+    if from == Partial && groups.skip_partial_sum {
+        return convert(comm, groups, v, Replicated, to);
+    }
     match (from, to) {
         (Partial, Replicated) => {
             let mut x = v.f()?.to_vec();
