@@ -3,7 +3,9 @@
 
 mod inspect;
 mod load;
+mod run;
 mod units;
+mod verify;
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -26,6 +28,10 @@ enum Command {
     },
     /// Show a model's parameters, layers, FLOPs and stored activations.
     Inspect(inspect::Args),
+    /// Train a model on CPU ranks (threads of this process).
+    Run(run::Args),
+    /// Check a plan on CPU ranks at reduced size against the serial run.
+    Verify(verify::Args),
 }
 
 fn main() -> ExitCode {
@@ -33,6 +39,8 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Check { file } => check(&file),
         Command::Inspect(args) => inspect::run(&args),
+        Command::Run(args) => run::run(&args),
+        Command::Verify(args) => verify::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -14,6 +14,7 @@ use crate::shard::{concat_along, Layouts, MeshGroups};
 use crate::tensor::Tensor;
 use dplc_ir::{GradPlan, Graph, ModelLayout, Op, RegionId, SplitAxis, TensorLayout, TrainSpec};
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -29,6 +30,25 @@ pub struct Faults {
     /// Take each tensor-parallel rank's summand for the whole (the all-reduce
     /// after a row-parallel matmul left out): a wrong plan.
     pub skip_tp_sum: bool,
+}
+
+/// Set from outside (Ctrl-C) to make every rank stop after the step it is in.
+#[derive(Clone, Debug, Default)]
+pub struct StopFlag(pub Arc<AtomicBool>);
+
+impl StopFlag {
+    pub fn stop(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+    pub fn is_set(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+impl PartialEq for StopFlag {
+    fn eq(&self, other: &StopFlag) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
 }
 
 /// How one training run is split over CPU ranks.
@@ -61,6 +81,7 @@ pub struct RunConfig {
     /// A rank waiting longer than this for a peer fails the run.
     pub timeout: Duration,
     pub faults: Faults,
+    pub stop: StopFlag,
 }
 
 impl Default for RunConfig {
@@ -80,6 +101,7 @@ impl Default for RunConfig {
             bucket_elems: 1 << 16,
             timeout: Duration::from_secs(60),
             faults: Faults::default(),
+            stop: StopFlag::default(),
         }
     }
 }
@@ -90,6 +112,48 @@ impl RunConfig {
     }
     pub fn global_batch(&self) -> usize {
         self.dp * self.micro_batch * self.num_micro_batches
+    }
+
+    /// The split a plan describes: its mesh, ZeRO stage, micro-batches,
+    /// pipeline schedule, recompute, sequence parallelism and layouts.
+    pub fn from_plan(plan: &dplc_ir::Plan) -> Result<RunConfig> {
+        let (m, s) = (&plan.mesh, &plan.strategy);
+        if m.cp > 1 {
+            return Err(RuntimeError::Unsupported(format!(
+                "context parallelism (cp {}) is not implemented by the CPU runtime",
+                m.cp
+            )));
+        }
+        let zero = match s.zero_stage {
+            0 => ZeroStage::None,
+            1 => ZeroStage::One,
+            2 => ZeroStage::Two,
+            3 => ZeroStage::Three,
+            z => return Err(RuntimeError::Config(format!("ZeRO stage {z} does not exist"))),
+        };
+        let schedule = match s.schedule {
+            dplc_ir::PipelineSchedule::GPipe => Schedule::GPipe,
+            dplc_ir::PipelineSchedule::OneFOneB => Schedule::OneFOneB,
+            dplc_ir::PipelineSchedule::Interleaved => Schedule::Interleaved {
+                chunks: s.virtual_stages.max(1) as usize,
+            },
+        };
+        Ok(RunConfig {
+            dp: m.dp as usize,
+            pp: m.pp as usize,
+            tp: m.tp as usize,
+            ep: m.ep as usize,
+            sequence_parallel: s.sequence_parallel,
+            layout: plan.layout.clone(),
+            micro_batch: s.micro_batch as usize,
+            num_micro_batches: s.num_micro_batches as usize,
+            zero,
+            schedule,
+            // Selective recompute is run as full recompute: the same values,
+            // recomputed over more of the layer.
+            recompute: s.recompute != dplc_ir::Recompute::None,
+            ..RunConfig::default()
+        })
     }
 }
 
@@ -141,6 +205,8 @@ impl Parameters {
 pub struct TrainReport {
     pub steps: Vec<StepStats>,
     pub params: Parameters,
+    /// The run was stopped through [`RunConfig::stop`] before its last step.
+    pub interrupted: bool,
 }
 
 /// Everything the ranks share, read-only.
@@ -418,6 +484,7 @@ pub fn train(
             .insert(k, (graph.param(k.param).name.clone(), whole));
     }
     Ok(TrainReport {
+        interrupted: (stats.len() as u64) < steps,
         steps: stats,
         params,
     })
@@ -614,9 +681,18 @@ fn run_rank(
         step: 0,
     };
     let work = schedule(cfg.schedule, stage, cfg.pp, cfg.num_micro_batches);
+    let world = Group::new((0..cfg.world_size()).collect());
     for step in 0..steps {
         let start = Instant::now();
         r.step = step;
+        // Every rank stops at the same step boundary, or none does.
+        let mut stop = vec![if cfg.stop.is_set() { 1.0 } else { 0.0 }];
+        if cfg.world_size() > 1 {
+            r.store.comm.all_reduce(&world, &mut stop)?;
+        }
+        if stop[0] > 0.0 {
+            break;
+        }
         if cfg.faults.fail_rank_at == Some((rank, step)) {
             return Err(RuntimeError::Kernel {
                 op: "rank",
