@@ -220,6 +220,8 @@ pub fn run(args: &Args) -> Result<()> {
         return Err(miette!("--steps must be positive"));
     }
     let data = corpus(args.data.as_deref(), &p.graph, args.seed)?;
+    data.check(p.train.seq as usize, Some(vocab_of(&p.graph)))
+        .map_err(|e| miette!("{e}"))?;
     let cfg = p.cfg.clone();
     install_interrupt(&cfg.stop);
     if !args.json {
