@@ -195,7 +195,7 @@ fn progress(st: &StepStats, steps: u64, started: Instant, tty: bool) {
         if done == steps {
             let _ = writeln!(err);
         }
-    } else if done == 1 || done == steps || done % 10 == 0 {
+    } else if done == 1 || done == steps || done.is_multiple_of(10) {
         let _ = writeln!(err, "{line}");
     }
 }
@@ -212,8 +212,7 @@ pub fn run(args: &Args) -> Result<()> {
     if let Some(path) = &args.save_plan {
         let text = ron::ser::to_string_pretty(&p.plan, ron::ser::PrettyConfig::default())
             .map_err(|e| miette!("cannot write the plan: {e}"))?;
-        std::fs::write(path, text)
-            .map_err(|e| miette!("cannot write {}: {e}", path.display()))?;
+        std::fs::write(path, text).map_err(|e| miette!("cannot write {}: {e}", path.display()))?;
     }
     let steps = args.steps.or(p.train.steps).unwrap_or(100);
     if steps == 0 {

@@ -75,5 +75,8 @@ fn a_tensor_parallel_degree_the_model_cannot_take_is_refused() {
         "{err}"
     );
     let err = dplc_ir::derive_layout(&g, 3, 1, false).unwrap_err();
-    assert!(err.to_string().contains("tp 3 divides neither dimension"), "{err}");
+    assert!(
+        err.to_string().contains("tp 3 divides neither dimension"),
+        "{err}"
+    );
 }

@@ -87,7 +87,14 @@ fn bad_input_gets_clear_errors() {
             "tp must divide 4",
         ),
         (
-            &["--cluster", "2xcpu", "--data", "Cargo.toml", "--seq", "60000"],
+            &[
+                "--cluster",
+                "2xcpu",
+                "--data",
+                "Cargo.toml",
+                "--seq",
+                "60000",
+            ],
             "one sample needs seq + 1",
         ),
         (
@@ -96,7 +103,14 @@ fn bad_input_gets_clear_errors() {
         ),
     ];
     for (extra, want) in cases {
-        let mut args = vec!["run", "models/tiny.dpl", "--model", "gpt_tiny", "--steps", "1"];
+        let mut args = vec![
+            "run",
+            "models/tiny.dpl",
+            "--model",
+            "gpt_tiny",
+            "--steps",
+            "1",
+        ];
         args.extend(extra);
         let out = dplc(&args);
         assert!(!out.status.success());
@@ -130,7 +144,10 @@ fn ctrl_c_stops_cleanly_and_says_where() {
     assert!(sent.elapsed() < Duration::from_secs(10), "stops promptly");
     assert!(!out.status.success());
     let err = stderr(&out);
-    assert!(err.contains("interrupted: stopped cleanly after step"), "{err}");
+    assert!(
+        err.contains("interrupted: stopped cleanly after step"),
+        "{err}"
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
     let summary: serde_json::Value =
         serde_json::from_str(stdout.lines().last().expect("a summary")).expect("JSON");
@@ -171,7 +188,11 @@ fn verify_passes_a_plan_and_catches_a_broken_one() {
         assert!(!out.status.success(), "{fault} must fail the check");
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(text.contains("FAIL"), "{text}");
-        assert!(stderr(&out).contains("largest deviation"), "{}", stderr(&out));
+        assert!(
+            stderr(&out).contains("largest deviation"),
+            "{}",
+            stderr(&out)
+        );
     }
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -150,7 +150,6 @@ fn moe_tiny_strategies_match_serial() {
     check_strategies("moe_tiny", true);
 }
 
-
 // Tensor, sequence and expert parallelism, alone and combined with data,
 // ZeRO, pipeline and recompute. Each strategy is checked twice against the
 // serial run over the same global batch, seed and data:
@@ -258,13 +257,28 @@ fn split_strategies(experts: bool) -> Vec<(&'static str, RunConfig)> {
         ),
     ];
     if experts {
-        out.push(("dp2 ep2", RunConfig { ep: 2, ..c(2, 1, 1, 2) }));
-        out.push(("dp4 ep2 zero2", RunConfig {
-            ep: 2,
-            zero: ZeroStage::Two,
-            ..c(4, 1, 1, 1)
-        }));
-        out.push(("dp2 ep2 tp2", RunConfig { ep: 2, ..c(2, 2, 1, 2) }));
+        out.push((
+            "dp2 ep2",
+            RunConfig {
+                ep: 2,
+                ..c(2, 1, 1, 2)
+            },
+        ));
+        out.push((
+            "dp4 ep2 zero2",
+            RunConfig {
+                ep: 2,
+                zero: ZeroStage::Two,
+                ..c(4, 1, 1, 1)
+            },
+        ));
+        out.push((
+            "dp2 ep2 tp2",
+            RunConfig {
+                ep: 2,
+                ..c(2, 2, 1, 2)
+            },
+        ));
         out.push((
             "dp2 ep2 pp2 1f1b recompute",
             RunConfig {

@@ -629,7 +629,9 @@ impl Derive<'_> {
             }
         };
         match (xa, xb) {
-            (Some(x), Some(y)) if x == y && x + 2 < ro => Ok((vec![la, lb], vec![Split { axis: x }])),
+            (Some(x), Some(y)) if x == y && x + 2 < ro => {
+                Ok((vec![la, lb], vec![Split { axis: x }]))
+            }
             (Some(x), None) if ok_a(x) && lb == Replicated => {
                 let cb = if x + 2 < ro {
                     reading(self, b, rb, x)

@@ -22,10 +22,10 @@ pub use error::{IrError, Result};
 pub use graph::{
     broadcast, Graph, InputInfo, Node, ParamInfo, Region, Scope, ScopeKind, Tensor, TensorDef,
 };
+pub use id::{InputId, NodeId, ParamId, RegionId, ScopeId, SymId, TensorId};
 pub use layout::{
     derive_layout, ModelLayout, NodeLayout, ParamSplit, RegionLayout, SplitAxis, TensorLayout,
 };
-pub use id::{InputId, NodeId, ParamId, RegionId, ScopeId, SymId, TensorId};
 pub use op::{BinaryOp, Init, Op, ReduceKind, UnaryOp};
 pub use plan::{
     Alternative, AxisMapping, ClusterSummary, Collective, CollectiveKind, Estimate, LinkLevel,

@@ -129,7 +129,11 @@ impl RunConfig {
             1 => ZeroStage::One,
             2 => ZeroStage::Two,
             3 => ZeroStage::Three,
-            z => return Err(RuntimeError::Config(format!("ZeRO stage {z} does not exist"))),
+            z => {
+                return Err(RuntimeError::Config(format!(
+                    "ZeRO stage {z} does not exist"
+                )))
+            }
         };
         let schedule = match s.schedule {
             dplc_ir::PipelineSchedule::GPipe => Schedule::GPipe,
@@ -292,13 +296,10 @@ pub fn train(
     let layouts = if cfg.tp > 1 || cfg.ep > 1 {
         let model = match &cfg.layout {
             Some(l) => l.clone(),
-            None => dplc_ir::derive_layout(
-                graph,
-                cfg.tp as u64,
-                cfg.ep as u64,
-                cfg.sequence_parallel,
-            )
-            .map_err(|e| RuntimeError::Unsupported(e.to_string()))?,
+            None => {
+                dplc_ir::derive_layout(graph, cfg.tp as u64, cfg.ep as u64, cfg.sequence_parallel)
+                    .map_err(|e| RuntimeError::Unsupported(e.to_string()))?
+            }
         };
         if model.tp != cfg.tp as u64 || model.ep != cfg.ep as u64 {
             return Err(RuntimeError::Config(format!(
@@ -1007,7 +1008,13 @@ impl<'a, 'b> Rank<'a, 'b> {
             let group = Group::new(
                 stages
                     .iter()
-                    .map(|&s| Coords { stage: s, ..self.at }.rank(cfg))
+                    .map(|&s| {
+                        Coords {
+                            stage: s,
+                            ..self.at
+                        }
+                        .rank(cfg)
+                    })
                     .collect(),
             );
             let slot = self
@@ -1028,7 +1035,13 @@ impl<'a, 'b> Rank<'a, 'b> {
         self.store.comm.all_reduce(&world, &mut sq)?;
         let dp_group = Group::new(
             (0..cfg.dp)
-                .map(|d| Coords { dp_index: d, ..self.at }.rank(cfg))
+                .map(|d| {
+                    Coords {
+                        dp_index: d,
+                        ..self.at
+                    }
+                    .rank(cfg)
+                })
                 .collect(),
         );
         let grad_norm = f64::from(sq[0]).sqrt();

@@ -234,15 +234,18 @@ impl<'g> Interp<'g> {
                 let ins = self.inputs_as_read(frame, n, access)?;
                 let ins: Vec<&Tensor> = ins.iter().map(|v| &**v).collect();
                 let shapes = self.out_shapes(n)?;
-                kernels::forward(op, &ins, &self.ctx_for(n, layer, &shapes)).map_err(|e| {
-                    match e {
+                kernels::forward(op, &ins, &self.ctx_for(n, layer, &shapes)).map_err(
+                    |e| match e {
                         RuntimeError::Kernel { op, detail } => RuntimeError::Kernel {
                             op,
-                            detail: format!("{detail} (at {n}, inputs {:?})", ins.iter().map(|t| &t.shape).collect::<Vec<_>>()),
+                            detail: format!(
+                                "{detail} (at {n}, inputs {:?})",
+                                ins.iter().map(|t| &t.shape).collect::<Vec<_>>()
+                            ),
                         },
                         e => e,
-                    }
-                })?
+                    },
+                )?
             }
         };
         for (t, v) in node.outputs.iter().zip(outs) {
@@ -454,9 +457,9 @@ impl<'g> Interp<'g> {
         g: Tensor,
     ) -> Result<()> {
         let t = self.graph.node(n).inputs[j];
-        let layout = self
-            .layouts
-            .map_or(TensorLayout::Replicated, |l| l.grad_contribution(self.graph, n, j));
+        let layout = self.layouts.map_or(TensorLayout::Replicated, |l| {
+            l.grad_contribution(self.graph, n, j)
+        });
         self.contribute(frame, grads, t, layout, g)
     }
 

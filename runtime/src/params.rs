@@ -158,7 +158,7 @@ impl ParamStore {
                 } else {
                     numel
                 };
-                let slot = Slot {
+                Slot {
                     full: (zero != ZeroStage::Three)
                         .then(|| Arc::new(Tensor::f32(shape.clone(), value.clone()))),
                     master: value[own.clone()].to_vec(),
@@ -174,8 +174,7 @@ impl ParamStore {
                     norm_owner,
                     group,
                     pos,
-                };
-                slot
+                }
             };
             slots.insert(key, slot);
         }
@@ -270,32 +269,37 @@ impl ParamStore {
         out
     }
 
-    fn all_reduce_buckets(&mut self, group: &[usize], keys: &[ParamKey], bucket: usize) -> Result<()> {
+    fn all_reduce_buckets(
+        &mut self,
+        group: &[usize],
+        keys: &[ParamKey],
+        bucket: usize,
+    ) -> Result<()> {
         let group = Group::new(group.to_vec());
         {
-                let mut start = 0;
-                while start < keys.len() {
-                    let mut end = start;
-                    let mut size = 0;
-                    while end < keys.len()
-                        && (end == start || size + self.slots[&keys[end]].numel <= bucket)
-                    {
-                        size += self.slots[&keys[end]].numel;
-                        end += 1;
-                    }
-                    let mut flat: Vec<f32> = Vec::with_capacity(size);
-                    for k in &keys[start..end] {
-                        flat.extend_from_slice(&self.slots[k].grad);
-                    }
-                    self.comm.all_reduce(&group, &mut flat)?;
-                    let mut at = 0;
-                    for k in &keys[start..end] {
-                        let slot = self.slots.get_mut(k).expect("key from the slots");
-                        slot.grad.copy_from_slice(&flat[at..at + slot.numel]);
-                        at += slot.numel;
-                    }
-                    start = end;
+            let mut start = 0;
+            while start < keys.len() {
+                let mut end = start;
+                let mut size = 0;
+                while end < keys.len()
+                    && (end == start || size + self.slots[&keys[end]].numel <= bucket)
+                {
+                    size += self.slots[&keys[end]].numel;
+                    end += 1;
                 }
+                let mut flat: Vec<f32> = Vec::with_capacity(size);
+                for k in &keys[start..end] {
+                    flat.extend_from_slice(&self.slots[k].grad);
+                }
+                self.comm.all_reduce(&group, &mut flat)?;
+                let mut at = 0;
+                for k in &keys[start..end] {
+                    let slot = self.slots.get_mut(k).expect("key from the slots");
+                    slot.grad.copy_from_slice(&flat[at..at + slot.numel]);
+                    at += slot.numel;
+                }
+                start = end;
+            }
         }
         Ok(())
     }

@@ -9,8 +9,8 @@
 use crate::comm::{Communicator, Group};
 use crate::error::{kernel_err, Result, RuntimeError};
 use crate::tensor::Tensor;
-use dplc_ir::{Graph, ModelLayout, NodeId, NodeLayout, Op, ParamId, RegionId, SplitAxis, TensorId};
 use dplc_ir::TensorLayout::{self, Experts, Partial, Replicated, Split};
+use dplc_ir::{Graph, ModelLayout, NodeId, NodeLayout, Op, ParamId, RegionId, SplitAxis, TensorId};
 use std::collections::HashMap;
 
 /// The layouts of one model, looked up by tensor and node.
@@ -105,11 +105,7 @@ impl Layouts {
         };
         let c = nl.inputs.get(i).copied().unwrap_or(Replicated);
         let split_op = !matches!(graph.node(n).op, Op::Repeat { .. })
-            && nl
-                .inputs
-                .iter()
-                .chain(&nl.outputs)
-                .any(|l| l.is_tp_split());
+            && nl.inputs.iter().chain(&nl.outputs).any(|l| l.is_tp_split());
         if split_op && c == Replicated {
             Partial
         } else {
@@ -124,7 +120,7 @@ impl Layouts {
                 let d = dims
                     .get_mut(axis)
                     .ok_or_else(|| kernel_err("layout", format!("no axis {axis} to split")))?;
-                if *d % self.tp != 0 {
+                if !d.is_multiple_of(self.tp) {
                     return Err(RuntimeError::Config(format!(
                         "a dimension of {d} does not split over tp {}",
                         self.tp
@@ -133,7 +129,7 @@ impl Layouts {
                 *d /= self.tp;
             }
             Experts => {
-                if dims.len() < 2 || dims[0] % self.ep != 0 {
+                if dims.len() < 2 || !dims[0].is_multiple_of(self.ep) {
                     return Err(RuntimeError::Config(format!(
                         "{:?} experts do not split over ep {}",
                         dims.first(),
@@ -164,7 +160,7 @@ pub(crate) fn split_along(t: &Tensor, axis: usize, parts: usize) -> Result<Vec<T
         .shape
         .get(axis)
         .ok_or_else(|| kernel_err("layout", format!("no axis {axis} to split")))?;
-    if parts == 0 || n % parts != 0 {
+    if parts == 0 || !n.is_multiple_of(parts) {
         return Err(kernel_err(
             "layout",
             format!("an axis of {n} does not split into {parts}"),
@@ -210,11 +206,7 @@ pub(crate) fn concat_along(parts: &[Tensor], axis: usize) -> Result<Tensor> {
     Ok(Tensor::f32(shape, out))
 }
 
-fn exchange(
-    comm: &mut Communicator,
-    group: &Group,
-    pieces: Vec<Tensor>,
-) -> Result<Vec<Tensor>> {
+fn exchange(comm: &mut Communicator, group: &Group, pieces: Vec<Tensor>) -> Result<Vec<Tensor>> {
     let shape = pieces[0].shape.clone();
     let flat = pieces
         .into_iter()
@@ -272,8 +264,12 @@ pub(crate) fn convert(
             convert(comm, groups, &whole, Replicated, to)
         }
         // Tokens to the ranks that own their experts, and back.
-        (Replicated, Experts) => concat_along(&exchange(comm, ep, split_along(v, 0, ep.size())?)?, 1),
-        (Experts, Replicated) => concat_along(&exchange(comm, ep, split_along(v, 1, ep.size())?)?, 0),
+        (Replicated, Experts) => {
+            concat_along(&exchange(comm, ep, split_along(v, 0, ep.size())?)?, 1)
+        }
+        (Experts, Replicated) => {
+            concat_along(&exchange(comm, ep, split_along(v, 1, ep.size())?)?, 0)
+        }
         _ => Err(RuntimeError::Unsupported(format!(
             "no conversion from {from:?} to {to:?}"
         ))),
@@ -289,7 +285,7 @@ mod tests {
         let t = Tensor::f32(vec![2, 4, 3], (0..24).map(|x| x as f32).collect());
         for axis in 0..3 {
             let n = t.shape[axis];
-            let parts = split_along(&t, axis, if n % 2 == 0 { 2 } else { 3 }).unwrap();
+            let parts = split_along(&t, axis, if n.is_multiple_of(2) { 2 } else { 3 }).unwrap();
             assert_eq!(concat_along(&parts, axis).unwrap(), t);
         }
         let parts = split_along(&t, 1, 2).unwrap();
