@@ -19,7 +19,9 @@ const TOL: f32 = 5e-5;
 
 fn lower(model: &str) -> (dplc_ir::Graph, dplc_ir::TrainSpec) {
     // A four-layer gpt_tiny lets interleaved pipelines give each chunk a layer.
-    let text = format!("{TINY}\nmodel gpt_tiny4 = gpt_tiny(layers = 4)\n");
+    let text = format!(
+        "{TINY}\nmodel gpt_tiny4 = gpt_tiny(layers = 4)\nmodel gpt_tiny8 = gpt_tiny(layers = 8)\n"
+    );
     let unit = dplc_frontend::parse("tiny.dpl", &text).expect("tiny.dpl parses");
     let lowered = unit.lower(model).expect("the model lowers");
     (lowered.graph, lowered.train)
@@ -338,5 +340,27 @@ fn a_dropped_tensor_parallel_all_reduce_is_caught() {
     assert!(
         f64::from(d) > 100.0 * SGD_TOL,
         "the check must see a missing all-reduce: {d:e} at {at}"
+    );
+}
+
+#[test]
+fn gpt_tiny_pp4_interleaved_pipeline_matches_serial() {
+    let cfg = RunConfig {
+        pp: 4,
+        micro_batch: 1,
+        num_micro_batches: 4,
+        schedule: Schedule::Interleaved { chunks: 2 },
+        ..RunConfig::default()
+    };
+    let name = "gpt_tiny8 pp4 interleaved v2";
+    assert_losses(
+        name,
+        &run("gpt_tiny8", serial(4)),
+        &run("gpt_tiny8", cfg.clone()),
+    );
+    assert_close(
+        name,
+        &run_sgd("gpt_tiny8", serial(4)),
+        &run_sgd("gpt_tiny8", cfg),
     );
 }
