@@ -122,9 +122,14 @@ pub fn run(args: &Args) -> Result<()> {
             ))
         }
     };
-    // The plan's layouts name the full model's tensors; the reduced model's
-    // are derived the same way (its layer body is the same graph).
-    split.layout = None;
+    // Fewer layers change only the repeat's count, not its body: the plan's
+    // own layouts (when it has them) name the same nodes and are checked as
+    // they are; otherwise the runtime derives Megatron's.
+    let layout_source = if split.layout.is_some() {
+        "the plan's"
+    } else {
+        "derived"
+    };
     let global = split.global_batch();
     let tp = split.tp as u64;
     let seq = (plan.strategy.seq.min(32) / tp).max(1) * tp;
@@ -175,11 +180,12 @@ pub fn run(args: &Args) -> Result<()> {
                 "sgd_loss_deviation": o.sgd_loss_dev,
                 "param_deviation": o.param_dev,
                 "param_deviation_at": o.param_at,
+                "layout": layout_source,
             })
         );
     } else {
         println!(
-            "verify {} on {} CPU ranks (dp {} × tp {} × pp {}, ep {}), reduced to {layers} layers, seq {seq}, global batch {global}, {} steps",
+            "verify {} on {} CPU ranks (dp {} × tp {} × pp {}, ep {}), reduced to {layers} layers, seq {seq}, global batch {global}, {} steps, {layout_source} layout",
             plan.model,
             split.world_size(),
             split.dp,

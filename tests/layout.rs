@@ -80,3 +80,25 @@ fn a_tensor_parallel_degree_the_model_cannot_take_is_refused() {
         "{err}"
     );
 }
+
+#[test]
+fn layouts_travel_in_plan_files() {
+    let unit = dplc_frontend::parse("tiny.dpl", TINY).expect("tiny.dpl parses");
+    let lowered = unit.lower("moe_tiny").expect("the model lowers");
+    let cluster = dplc_planner::parse_cluster("4xcpu").unwrap();
+    let mut req = dplc_planner::PlanRequest::new(&lowered.graph, lowered.train.clone(), cluster);
+    req.pinned = dplc_planner::parse_strategy("dp=2,tp=2,ep=2,sp=true").unwrap();
+    let mut plan = dplc_planner::compile(&req).unwrap().plan;
+    // A plan written before layouts existed still reads, with none.
+    let old = ron::to_string(&plan).unwrap().replace(",layout:None", "");
+    assert!(!old.contains("layout"));
+    let back: dplc_ir::Plan = ron::from_str(&old).unwrap();
+    assert_eq!(back.layout, None);
+    plan.layout = Some(dplc_ir::derive_layout(&lowered.graph, 2, 2, true).unwrap());
+    let back: dplc_ir::Plan = ron::from_str(&ron::to_string(&plan).unwrap()).unwrap();
+    assert_eq!(back, plan);
+    // The runtime takes the plan's layout as it is.
+    let cfg = dplc_runtime::RunConfig::from_plan(&back).unwrap();
+    assert_eq!((cfg.dp, cfg.tp, cfg.ep, cfg.pp), (2, 2, 2, 1));
+    assert!(cfg.sequence_parallel && cfg.layout.is_some());
+}

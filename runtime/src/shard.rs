@@ -40,9 +40,12 @@ impl Layouts {
             for (&a, &l) in reg.args.iter().zip(&r.args) {
                 produced.insert(a, l);
             }
-            for nl in &r.nodes {
+            for (nl, &n) in r.nodes.iter().zip(&reg.nodes) {
                 let node = graph.node(nl.node);
-                if nl.inputs.len() != node.inputs.len() && !matches!(node.op, Op::Param(_)) {
+                if nl.node != n
+                    || (nl.inputs.len() != node.inputs.len() && !matches!(node.op, Op::Param(_)))
+                    || nl.outputs.len() != node.outputs.len()
+                {
                     return Err(RuntimeError::Config(format!(
                         "the plan's layout of {} does not match the model",
                         nl.node
