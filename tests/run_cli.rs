@@ -196,3 +196,23 @@ fn verify_passes_a_plan_and_catches_a_broken_one() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn verify_checks_the_plans_own_layout() {
+    let text = std::fs::read_to_string("models/tiny.dpl").unwrap();
+    let unit = dplc_frontend::parse("models/tiny.dpl", &text).unwrap();
+    let lowered = unit.lower("llama_tiny").unwrap();
+    let cluster = dplc_planner::parse_cluster("4xcpu").unwrap();
+    let mut req = dplc_planner::PlanRequest::new(&lowered.graph, lowered.train.clone(), cluster);
+    req.pinned = dplc_planner::parse_strategy("dp=2,tp=2,sp=true,zero=2").unwrap();
+    let mut plan = dplc_planner::compile(&req).unwrap().plan;
+    plan.layout = Some(dplc_ir::derive_layout(&lowered.graph, 2, 1, true).unwrap());
+    let path = std::env::temp_dir().join(format!("dplc-layout-{}.ron", std::process::id()));
+    std::fs::write(&path, ron::to_string(&plan).unwrap()).unwrap();
+    let out = dplc(&["verify", path.to_str().unwrap(), "--json"]);
+    std::fs::remove_file(&path).ok();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["layout"], "the plan's", "{v}");
+    assert_eq!(v["pass"], true, "{v}");
+}
