@@ -238,16 +238,17 @@ pub fn run(args: &Args) -> Result<()> {
     let json = args.json;
     let report = dplc_runtime::train(&p.graph, &p.train, &cfg, &data, steps, args.seed, |st| {
         if json {
-            println!(
-                "{}",
-                json!({
-                    "step": st.step,
-                    "loss": st.loss,
-                    "lr": st.lr,
-                    "grad_norm": st.grad_norm,
-                    "tokens_per_s": st.tokens_per_s,
-                })
-            );
+            let line = json!({
+                "step": st.step,
+                "loss": st.loss,
+                "lr": st.lr,
+                "grad_norm": st.grad_norm,
+                "tokens_per_s": st.tokens_per_s,
+            });
+            // Nobody reads the stream any more (`| head`): stop as for Ctrl-C.
+            if writeln!(std::io::stdout(), "{line}").is_err() {
+                cfg.stop.stop();
+            }
         } else {
             progress(st, steps, started, tty);
         }
@@ -259,7 +260,8 @@ pub fn run(args: &Args) -> Result<()> {
     let last = report.steps.last().map_or(f64::NAN, |s| s.loss);
     let tokens = (done * p.train.global_batch * p.train.seq) as f64;
     if json {
-        println!(
+        let _ = writeln!(
+            std::io::stdout(),
             "{}",
             json!({
                 "summary": true,

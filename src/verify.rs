@@ -14,6 +14,14 @@ use dplc_runtime::{Corpus, Faults, RunConfig, TrainReport};
 use miette::{miette, IntoDiagnostic, Result};
 use std::path::{Path, PathBuf};
 
+/// Print a line; a closed stdout (`| head`) is not an error worth a panic.
+macro_rules! say {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($t)*);
+    }};
+}
+
 const LOSS_TOL: f64 = 1e-5;
 const SGD_TOL: f64 = 1e-6;
 
@@ -166,7 +174,7 @@ pub fn run(args: &Args) -> Result<()> {
     };
     let pass = o.loss_dev < LOSS_TOL && o.sgd_loss_dev < SGD_TOL && o.param_dev < SGD_TOL;
     if args.json {
-        println!(
+        say!(
             "{}",
             serde_json::json!({
                 "pass": pass,
@@ -184,7 +192,7 @@ pub fn run(args: &Args) -> Result<()> {
             })
         );
     } else {
-        println!(
+        say!(
             "verify {} on {} CPU ranks (dp {} × tp {} × pp {}, ep {}), reduced to {layers} layers, seq {seq}, global batch {global}, {} steps, {layout_source} layout",
             plan.model,
             split.world_size(),
@@ -194,19 +202,19 @@ pub fn run(args: &Args) -> Result<()> {
             split.ep,
             args.steps
         );
-        println!(
+        say!(
             "  loss, model's optimizer   max relative deviation {:.2e}  (tolerance {LOSS_TOL:.0e})",
             o.loss_dev
         );
-        println!(
+        say!(
             "  loss, SGD                 max relative deviation {:.2e}  (tolerance {SGD_TOL:.0e})",
             o.sgd_loss_dev
         );
-        println!(
+        say!(
             "  parameters, SGD           max relative deviation {:.2e}  (tolerance {SGD_TOL:.0e}) at {}",
             o.param_dev, o.param_at
         );
-        println!("{}", if pass { "pass" } else { "FAIL" });
+        say!("{}", if pass { "pass" } else { "FAIL" });
     }
     if pass {
         Ok(())
