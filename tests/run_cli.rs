@@ -216,3 +216,28 @@ fn verify_checks_the_plans_own_layout() {
     assert_eq!(v["layout"], "the plan's", "{v}");
     assert_eq!(v["pass"], true, "{v}");
 }
+
+#[test]
+fn run_trains_on_a_data_file() {
+    let mut args = vec!["run", "models/tiny.dpl", "--cluster", "2xcpu"];
+    args.extend(SMALL);
+    args.extend(["--steps", "2", "--data", "README.md"]);
+    let out = dplc(&args);
+    assert!(out.status.success(), "{}", stderr(&out));
+
+    // u16 token ids past the vocabulary of 256 are refused before training.
+    let path = std::env::temp_dir().join(format!("dplc-tokens-{}.u16", std::process::id()));
+    let tokens: Vec<u8> = (0..200u16).flat_map(|t| (t * 7).to_le_bytes()).collect();
+    std::fs::write(&path, tokens).unwrap();
+    let mut args = vec!["run", "models/tiny.dpl", "--cluster", "2xcpu"];
+    args.extend(SMALL);
+    args.extend(["--steps", "2", "--data", path.to_str().unwrap()]);
+    let out = dplc(&args);
+    std::fs::remove_file(&path).ok();
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("outside the model's vocabulary of 256"),
+        "{}",
+        stderr(&out)
+    );
+}
