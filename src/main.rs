@@ -5,7 +5,9 @@ mod compile;
 mod explain;
 mod inspect;
 mod load;
+mod run;
 mod units;
+mod verify;
 mod viz;
 
 use clap::{Parser, Subcommand};
@@ -35,6 +37,10 @@ enum Command {
     Explain(explain::Args),
     /// Draw a plan: Chrome trace, Graphviz of a layer's sharded program, or an HTML page.
     Viz(viz::Args),
+    /// Train a model on CPU ranks (threads of this process).
+    Run(run::Args),
+    /// Check a plan on CPU ranks at reduced size against the serial run.
+    Verify(verify::Args),
 }
 
 fn main() -> ExitCode {
@@ -46,6 +52,8 @@ fn main() -> ExitCode {
         Command::Compile(args) => compile::run(&args),
         Command::Explain(args) => explain::run(&args),
         Command::Viz(args) => viz::run(&args),
+        Command::Run(args) => run::run(&args),
+        Command::Verify(args) => verify::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -19,7 +19,9 @@ const TOL: f32 = 5e-5;
 
 fn lower(model: &str) -> (dplc_ir::Graph, dplc_ir::TrainSpec) {
     // A four-layer gpt_tiny lets interleaved pipelines give each chunk a layer.
-    let text = format!("{TINY}\nmodel gpt_tiny4 = gpt_tiny(layers = 4)\n");
+    let text = format!(
+        "{TINY}\nmodel gpt_tiny4 = gpt_tiny(layers = 4)\nmodel gpt_tiny8 = gpt_tiny(layers = 8)\n"
+    );
     let unit = dplc_frontend::parse("tiny.dpl", &text).expect("tiny.dpl parses");
     let lowered = unit.lower(model).expect("the model lowers");
     (lowered.graph, lowered.train)
@@ -148,4 +150,217 @@ fn llama_tiny_strategies_match_serial() {
 #[test]
 fn moe_tiny_strategies_match_serial() {
     check_strategies("moe_tiny", true);
+}
+
+// Tensor, sequence and expert parallelism, alone and combined with data,
+// ZeRO, pipeline and recompute. Each strategy is checked twice against the
+// serial run over the same global batch, seed and data:
+//
+// - with the model's AdamW, the loss at each of five steps within 1e-5;
+// - with SGD (momentum 0.9), the loss within 1e-6 and every parameter within
+//   1e-6 normwise relative. SGD's update is linear in the gradient, so a
+//   parameter difference is a gradient difference: reassociating the sums
+//   (partial matmuls all-reduced over tp, tokens regrouped by the all-to-all)
+//   moves a gradient by a few ulps, measured at most 4e-7 here, while a
+//   dropped or misplaced collective moves parameters by 1e-2 or more. AdamW
+//   divides each element by its own RMS, which turns the rounding of a
+//   gradient element that is nearly zero into a step of up to lr: measured up
+//   to 8e-5 for tp2, which is why the parameter check does not use it.
+
+const SGD_TOL: f64 = 1e-6;
+
+fn run_sgd(model: &str, cfg: RunConfig) -> TrainReport {
+    let (graph, mut spec) = lower(model);
+    spec.seq = 16;
+    spec.global_batch = cfg.global_batch() as u64;
+    spec.optimizer = dplc_ir::Optimizer::Sgd {
+        lr: 0.1,
+        momentum: 0.9,
+    };
+    let data = Corpus::synthetic(5, 256, 1 << 14);
+    train(&graph, &spec, &cfg, &data, 5, 11, |_| {}).unwrap_or_else(|e| panic!("{model}: {e}"))
+}
+
+fn assert_close(name: &str, a: &TrainReport, b: &TrainReport) {
+    assert_eq!(a.steps.len(), b.steps.len());
+    for (x, y) in a.steps.iter().zip(&b.steps) {
+        let rel = ((x.loss - y.loss) / x.loss.abs()).abs();
+        assert!(
+            rel < SGD_TOL,
+            "{name} (sgd): step {} loss {} vs {}",
+            x.step,
+            x.loss,
+            y.loss
+        );
+    }
+    let (d, at) = a.params.max_rel_diff(&b.params, 1e-3);
+    assert!(
+        f64::from(d) < SGD_TOL,
+        "{name} (sgd): parameters differ by {d:e} at {at}"
+    );
+}
+
+fn assert_losses(name: &str, a: &TrainReport, b: &TrainReport) {
+    for (x, y) in a.steps.iter().zip(&b.steps) {
+        let rel = ((x.loss - y.loss) / x.loss.abs()).abs();
+        assert!(
+            rel < LOSS_TOL,
+            "{name}: step {} loss {} vs {}",
+            x.step,
+            x.loss,
+            y.loss
+        );
+    }
+}
+
+/// `(name, config)` pairs for the split strategies; every one has a global
+/// batch of 4 samples.
+fn split_strategies(experts: bool) -> Vec<(&'static str, RunConfig)> {
+    let c = |dp, tp, pp, nmb| RunConfig {
+        dp,
+        tp,
+        pp,
+        micro_batch: 1,
+        num_micro_batches: nmb,
+        ..RunConfig::default()
+    };
+    let mut out = vec![
+        ("tp2", c(1, 2, 1, 4)),
+        (
+            "tp2 sp",
+            RunConfig {
+                sequence_parallel: true,
+                ..c(1, 2, 1, 4)
+            },
+        ),
+        (
+            "dp2 tp2 pp2 zero1 recompute",
+            RunConfig {
+                zero: ZeroStage::One,
+                recompute: true,
+                ..c(2, 2, 2, 2)
+            },
+        ),
+        (
+            "dp2 tp2 sp zero3",
+            RunConfig {
+                zero: ZeroStage::Three,
+                sequence_parallel: true,
+                ..c(2, 2, 1, 2)
+            },
+        ),
+        (
+            "tp2 sp pp2 gpipe",
+            RunConfig {
+                sequence_parallel: true,
+                schedule: Schedule::GPipe,
+                ..c(1, 2, 2, 4)
+            },
+        ),
+    ];
+    if experts {
+        out.push((
+            "dp2 ep2",
+            RunConfig {
+                ep: 2,
+                ..c(2, 1, 1, 2)
+            },
+        ));
+        out.push((
+            "dp4 ep2 zero2",
+            RunConfig {
+                ep: 2,
+                zero: ZeroStage::Two,
+                ..c(4, 1, 1, 1)
+            },
+        ));
+        out.push((
+            "dp2 ep2 tp2",
+            RunConfig {
+                ep: 2,
+                ..c(2, 2, 1, 2)
+            },
+        ));
+        out.push((
+            "dp2 ep2 pp2 1f1b recompute",
+            RunConfig {
+                ep: 2,
+                recompute: true,
+                ..c(2, 1, 2, 2)
+            },
+        ));
+    }
+    out
+}
+
+fn check_split_strategies(model: &str) {
+    let experts = model.starts_with("moe");
+    let base = run(model, serial(4));
+    let base_sgd = run_sgd(model, serial(4));
+    for (name, cfg) in split_strategies(experts) {
+        let name = format!("{model} {name}");
+        assert_losses(&name, &base, &run(model, cfg.clone()));
+        assert_close(&name, &base_sgd, &run_sgd(model, cfg));
+    }
+}
+
+#[test]
+fn gpt_tiny_tensor_and_sequence_parallel_match_serial() {
+    check_split_strategies("gpt_tiny");
+}
+
+#[test]
+fn llama_tiny_tensor_and_sequence_parallel_match_serial() {
+    check_split_strategies("llama_tiny");
+}
+
+#[test]
+fn moe_tiny_tensor_and_expert_parallel_match_serial() {
+    check_split_strategies("moe_tiny");
+}
+
+#[test]
+fn a_dropped_tensor_parallel_all_reduce_is_caught() {
+    let base = run_sgd("gpt_tiny", serial(4));
+    let faults = dplc_runtime::Faults {
+        skip_tp_sum: true,
+        ..Default::default()
+    };
+    let bad = run_sgd(
+        "gpt_tiny",
+        RunConfig {
+            tp: 2,
+            micro_batch: 1,
+            num_micro_batches: 4,
+            faults,
+            ..RunConfig::default()
+        },
+    );
+    let (d, at) = base.params.max_rel_diff(&bad.params, 1e-3);
+    assert!(
+        f64::from(d) > 100.0 * SGD_TOL,
+        "the check must see a missing all-reduce: {d:e} at {at}"
+    );
+}
+
+#[test]
+fn gpt_tiny_pp4_interleaved_pipeline_matches_serial() {
+    let cfg = RunConfig {
+        pp: 4,
+        micro_batch: 1,
+        num_micro_batches: 4,
+        schedule: Schedule::Interleaved { chunks: 2 },
+        ..RunConfig::default()
+    };
+    let name = "gpt_tiny8 pp4 interleaved v2";
+    assert_losses(
+        name,
+        &run("gpt_tiny8", serial(4)),
+        &run("gpt_tiny8", cfg.clone()),
+    );
+    assert_close(
+        name,
+        &run_sgd("gpt_tiny8", serial(4)),
+        &run_sgd("gpt_tiny8", cfg),
+    );
 }

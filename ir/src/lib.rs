@@ -8,6 +8,7 @@ mod dtype;
 mod error;
 mod graph;
 mod id;
+mod layout;
 mod op;
 mod plan;
 mod print;
@@ -22,6 +23,9 @@ pub use graph::{
     broadcast, Graph, InputInfo, Node, ParamInfo, Region, Scope, ScopeKind, Tensor, TensorDef,
 };
 pub use id::{InputId, NodeId, ParamId, RegionId, ScopeId, SymId, TensorId};
+pub use layout::{
+    derive_layout, ModelLayout, NodeLayout, ParamSplit, RegionLayout, SplitAxis, TensorLayout,
+};
 pub use op::{BinaryOp, Init, Op, ReduceKind, UnaryOp};
 pub use plan::{
     Alternative, AxisMapping, AxisPart, BackwardCollective, ClusterSummary, Collective,

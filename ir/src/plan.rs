@@ -456,4 +456,8 @@ pub struct Plan {
     /// The model's source; empty when the plan was made from a graph alone.
     #[serde(default)]
     pub source: ModelSource,
+    /// Per-tensor layouts under tensor, sequence and expert parallelism, for
+    /// the runtime. `None`: the runtime derives Megatron's layout itself.
+    #[serde(default)]
+    pub layout: Option<crate::layout::ModelLayout>,
 }

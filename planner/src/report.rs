@@ -479,6 +479,7 @@ pub(crate) fn build_plan(
         what_if: Vec::new(),
         programs: Vec::new(),
         source: Default::default(),
+        layout: None,
     }
 }
 

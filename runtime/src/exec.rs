@@ -1,5 +1,6 @@
-//! The training executors: ranks as threads over a dp × pp grid, each running
-//! its pipeline schedule of forward/backward work on micro-batches, then the
+//! The training executors: ranks as threads over a dp × pp × tp grid, each
+//! running its pipeline schedule of forward/backward work on micro-batches
+//! (split by the tensor-, sequence- and expert-parallel layouts), then the
 //! gradient synchronisation of its ZeRO stage, clipping and the optimizer step.
 
 use crate::comm::{Communicator, Group, Message, World};
@@ -7,11 +8,13 @@ use crate::data::Corpus;
 use crate::error::{Result, RuntimeError};
 use crate::interp::{add_grad, Frame, Grads, Interp, ParamKey, Value};
 use crate::kernels::DropoutKey;
-use crate::params::{ParamStore, Unit, ZeroStage};
+use crate::params::{HeldParam, ParamStore, Unit, ZeroStage};
 use crate::partition::{schedule, Partition, Schedule, Work};
+use crate::shard::{concat_along, Layouts, MeshGroups};
 use crate::tensor::Tensor;
-use dplc_ir::{GradPlan, Graph, Op, RegionId, TrainSpec};
+use dplc_ir::{GradPlan, Graph, ModelLayout, Op, RegionId, SplitAxis, TensorLayout, TrainSpec};
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -24,6 +27,28 @@ pub struct Faults {
     pub panic_rank_at: Option<(usize, u64)>,
     /// Leave out the data-parallel gradient all-reduce: a wrong plan.
     pub skip_grad_sync: bool,
+    /// Take each tensor-parallel rank's summand for the whole (the all-reduce
+    /// after a row-parallel matmul left out): a wrong plan.
+    pub skip_tp_sum: bool,
+}
+
+/// Set from outside (Ctrl-C) to make every rank stop after the step it is in.
+#[derive(Clone, Debug, Default)]
+pub struct StopFlag(pub Arc<AtomicBool>);
+
+impl StopFlag {
+    pub fn stop(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+    pub fn is_set(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+impl PartialEq for StopFlag {
+    fn eq(&self, other: &StopFlag) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
 }
 
 /// How one training run is split over CPU ranks.
@@ -31,8 +56,18 @@ pub struct Faults {
 pub struct RunConfig {
     /// Data-parallel replicas.
     pub dp: usize,
-    /// Pipeline stages (ranks per replica).
+    /// Pipeline stages.
     pub pp: usize,
+    /// Tensor-parallel ranks per stage.
+    pub tp: usize,
+    /// Expert-parallel ranks: experts split over groups of `ep` consecutive
+    /// data-parallel replicas (`ep` divides `dp`).
+    pub ep: usize,
+    /// Norms, dropout and residuals split along the sequence between the
+    /// tensor-parallel matmuls (Korthikanti et al. 2022).
+    pub sequence_parallel: bool,
+    /// The plan's per-tensor layouts; `None` derives Megatron's from the graph.
+    pub layout: Option<ModelLayout>,
     /// Samples per micro-batch on one rank.
     pub micro_batch: usize,
     /// Micro-batches per step on one replica (gradient accumulation).
@@ -46,6 +81,7 @@ pub struct RunConfig {
     /// A rank waiting longer than this for a peer fails the run.
     pub timeout: Duration,
     pub faults: Faults,
+    pub stop: StopFlag,
 }
 
 impl Default for RunConfig {
@@ -53,6 +89,10 @@ impl Default for RunConfig {
         RunConfig {
             dp: 1,
             pp: 1,
+            tp: 1,
+            ep: 1,
+            sequence_parallel: false,
+            layout: None,
             micro_batch: 1,
             num_micro_batches: 1,
             zero: ZeroStage::None,
@@ -61,16 +101,63 @@ impl Default for RunConfig {
             bucket_elems: 1 << 16,
             timeout: Duration::from_secs(60),
             faults: Faults::default(),
+            stop: StopFlag::default(),
         }
     }
 }
 
 impl RunConfig {
     pub fn world_size(&self) -> usize {
-        self.dp * self.pp
+        self.dp * self.pp * self.tp
     }
     pub fn global_batch(&self) -> usize {
         self.dp * self.micro_batch * self.num_micro_batches
+    }
+
+    /// The split a plan describes: its mesh, ZeRO stage, micro-batches,
+    /// pipeline schedule, recompute, sequence parallelism and layouts.
+    pub fn from_plan(plan: &dplc_ir::Plan) -> Result<RunConfig> {
+        let (m, s) = (&plan.mesh, &plan.strategy);
+        if m.cp > 1 {
+            return Err(RuntimeError::Unsupported(format!(
+                "context parallelism (cp {}) is not implemented by the CPU runtime",
+                m.cp
+            )));
+        }
+        let zero = match s.zero_stage {
+            0 => ZeroStage::None,
+            1 => ZeroStage::One,
+            2 => ZeroStage::Two,
+            3 => ZeroStage::Three,
+            z => {
+                return Err(RuntimeError::Config(format!(
+                    "ZeRO stage {z} does not exist"
+                )))
+            }
+        };
+        let schedule = match s.schedule {
+            dplc_ir::PipelineSchedule::GPipe => Schedule::GPipe,
+            dplc_ir::PipelineSchedule::OneFOneB => Schedule::OneFOneB,
+            dplc_ir::PipelineSchedule::Interleaved => Schedule::Interleaved {
+                chunks: s.virtual_stages.max(1) as usize,
+            },
+        };
+        Ok(RunConfig {
+            dp: m.dp as usize,
+            pp: m.pp as usize,
+            tp: m.tp as usize,
+            ep: m.ep as usize,
+            sequence_parallel: s.sequence_parallel,
+            layout: plan.layout.clone(),
+            micro_batch: s.micro_batch as usize,
+            num_micro_batches: s.num_micro_batches as usize,
+            zero,
+            schedule,
+            // Selective recompute is run as full recompute: the same values,
+            // recomputed over more of the layer.
+            recompute: s.recompute != dplc_ir::Recompute::None,
+            ..RunConfig::default()
+        })
     }
 }
 
@@ -122,6 +209,8 @@ impl Parameters {
 pub struct TrainReport {
     pub steps: Vec<StepStats>,
     pub params: Parameters,
+    /// The run was stopped through [`RunConfig::stop`] before its last step.
+    pub interrupted: bool,
 }
 
 /// Everything the ranks share, read-only.
@@ -137,6 +226,37 @@ struct Shared<'a> {
     seq: usize,
     /// Root parameters used on more than one stage (tied weights), by key.
     tied: BTreeMap<ParamKey, Vec<usize>>,
+    layouts: Option<Layouts>,
+}
+
+/// Where one rank sits in the grid: rank = (dp_index · pp + stage) · tp + tp_index.
+#[derive(Clone, Copy, Debug)]
+struct Coords {
+    dp_index: usize,
+    stage: usize,
+    tp_index: usize,
+}
+
+impl Coords {
+    fn of(rank: usize, cfg: &RunConfig) -> Coords {
+        Coords {
+            dp_index: rank / (cfg.pp * cfg.tp),
+            stage: (rank / cfg.tp) % cfg.pp,
+            tp_index: rank % cfg.tp,
+        }
+    }
+
+    fn rank(self, cfg: &RunConfig) -> usize {
+        (self.dp_index * cfg.pp + self.stage) * cfg.tp + self.tp_index
+    }
+}
+
+/// What a rank hands back at the end: its part of each parameter it holds.
+struct Exported {
+    key: ParamKey,
+    value: Tensor,
+    /// `(axis, index)` of a tensor- or expert-parallel part.
+    part: Option<(usize, usize)>,
 }
 
 /// Train `graph` for `steps` steps on `cfg.dp × cfg.pp` rank threads.
@@ -150,11 +270,48 @@ pub fn train(
     seed: u64,
     mut on_step: impl FnMut(&StepStats),
 ) -> Result<TrainReport> {
-    if cfg.dp == 0 || cfg.pp == 0 || cfg.micro_batch == 0 || cfg.num_micro_batches == 0 {
+    if cfg.dp == 0
+        || cfg.pp == 0
+        || cfg.tp == 0
+        || cfg.ep == 0
+        || cfg.micro_batch == 0
+        || cfg.num_micro_batches == 0
+    {
         return Err(RuntimeError::Config(
-            "dp, pp, micro_batch and num_micro_batches must be positive".into(),
+            "dp, pp, tp, ep, micro_batch and num_micro_batches must be positive".into(),
         ));
     }
+    if !cfg.dp.is_multiple_of(cfg.ep) {
+        return Err(RuntimeError::Config(format!(
+            "expert parallelism splits the data-parallel replicas: ep {} must divide dp {}",
+            cfg.ep, cfg.dp
+        )));
+    }
+    if cfg.sequence_parallel && !(spec.seq as usize).is_multiple_of(cfg.tp) {
+        return Err(RuntimeError::Config(format!(
+            "sequence parallelism splits the sequence: tp {} must divide seq {}",
+            cfg.tp, spec.seq
+        )));
+    }
+    let layouts = if cfg.tp > 1 || cfg.ep > 1 {
+        let model = match &cfg.layout {
+            Some(l) => l.clone(),
+            None => {
+                dplc_ir::derive_layout(graph, cfg.tp as u64, cfg.ep as u64, cfg.sequence_parallel)
+                    .map_err(|e| RuntimeError::Unsupported(e.to_string()))?
+            }
+        };
+        if model.tp != cfg.tp as u64 || model.ep != cfg.ep as u64 {
+            return Err(RuntimeError::Config(format!(
+                "the layout is for tp {} ep {}, the run has tp {} ep {}",
+                model.tp, model.ep, cfg.tp, cfg.ep
+            )));
+        }
+        check_layout_fits(graph, &model)?;
+        Some(Layouts::new(graph, &model)?)
+    } else {
+        None
+    };
     if cfg.global_batch() as u64 != spec.global_batch {
         return Err(RuntimeError::Config(format!(
             "dp {} × micro_batch {} × micro-batches {} = {} samples, but the global batch is {}",
@@ -241,11 +398,12 @@ pub fn train(
         syms,
         seq,
         tied,
+        layouts,
     };
     let world = World::new(cfg.world_size(), cfg.timeout);
     let (tx, rx) = mpsc::channel::<StepStats>();
     let mut stats = Vec::new();
-    let results: Vec<Result<Vec<(ParamKey, Tensor)>>> = std::thread::scope(|s| {
+    let results: Vec<Result<Vec<Exported>>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..cfg.world_size())
             .map(|rank| {
                 let comm = world.communicator(rank);
@@ -301,24 +459,100 @@ pub fn train(
     if let Some((rank, reason)) = world.failure() {
         return Err(RuntimeError::RankFailed { rank, reason });
     }
-    let mut params = Parameters::default();
+    // Reassemble split parameters from their parts, in part order.
+    let mut parts: BTreeMap<ParamKey, BTreeMap<usize, (usize, Tensor)>> = BTreeMap::new();
     for r in results {
-        for (k, t) in r? {
-            params
-                .values
-                .entry(k)
-                .or_insert_with(|| (graph.param(k.param).name.clone(), t));
+        for e in r? {
+            let (axis, index) = e.part.unwrap_or((0, 0));
+            parts
+                .entry(e.key)
+                .or_default()
+                .entry(index)
+                .or_insert((axis, e.value));
         }
     }
+    let mut params = Parameters::default();
+    for (k, ps) in parts {
+        let axis = ps.values().next().map_or(0, |p| p.0);
+        let pieces: Vec<Tensor> = ps.into_values().map(|p| p.1).collect();
+        let whole = if pieces.len() == 1 {
+            pieces.into_iter().next().expect("one piece")
+        } else {
+            concat_along(&pieces, axis)?
+        };
+        params
+            .values
+            .insert(k, (graph.param(k.param).name.clone(), whole));
+    }
     Ok(TrainReport {
+        interrupted: (stats.len() as u64) < steps,
         steps: stats,
         params,
     })
 }
 
-/// Which parameter tensors a pipeline rank holds, with their ZeRO-3 unit and
-/// whether it counts them in the gradient norm.
-fn rank_keys(sh: &Shared, stage: usize) -> Vec<(ParamKey, Unit, bool)> {
+/// Every split dimension must divide evenly (a strategy the model cannot take,
+/// such as tp not dividing the heads, is refused before any rank starts).
+fn check_layout_fits(graph: &Graph, model: &ModelLayout) -> Result<()> {
+    for s in &model.params {
+        let info = graph.param(s.param);
+        let (axis, parts, what) = match s.split {
+            SplitAxis::Tensor { axis } => (axis, model.tp, "tp"),
+            SplitAxis::Expert => (0, model.ep, "ep"),
+        };
+        let n = info.shape.dims().get(axis).and_then(|d| d.as_const());
+        if !n.is_some_and(|n| n > 0 && (n as u64).is_multiple_of(parts)) {
+            return Err(RuntimeError::Config(format!(
+                "parameter `{}` cannot split axis {axis} over {what} {parts}",
+                info.name
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The parameter tensors rank `at` holds: their ZeRO-3 unit, whether it counts
+/// them in the gradient norm, the data-parallel group they sync over, and the
+/// part it holds of a tensor- or expert-parallel split.
+fn rank_keys(sh: &Shared, at: Coords) -> Vec<HeldParam> {
+    let cfg = sh.cfg;
+    let stage = at.stage;
+    let dp_group = Group::new(
+        (0..cfg.dp)
+            .map(|d| Coords { dp_index: d, ..at }.rank(cfg))
+            .collect(),
+    );
+    let expert_group = Group::new(
+        (0..cfg.dp)
+            .filter(|d| d % cfg.ep == at.dp_index % cfg.ep)
+            .map(|d| Coords { dp_index: d, ..at }.rank(cfg))
+            .collect(),
+    );
+    let held = |(key, unit, owner): (ParamKey, Unit, bool)| {
+        let split = sh.layouts.as_ref().and_then(|l| l.param(key.param));
+        let (group, part, owner) = match split {
+            None => (dp_group.clone(), None, owner && at.tp_index == 0),
+            Some(SplitAxis::Tensor { axis }) => {
+                (dp_group.clone(), Some((axis, cfg.tp, at.tp_index)), owner)
+            }
+            Some(SplitAxis::Expert) => (
+                expert_group.clone(),
+                Some((0, cfg.ep, at.dp_index % cfg.ep)),
+                owner && at.tp_index == 0,
+            ),
+        };
+        HeldParam {
+            key,
+            unit,
+            norm_owner: owner,
+            group,
+            part,
+        }
+    };
+    rank_stage_keys(sh, stage).into_iter().map(held).collect()
+}
+
+fn rank_stage_keys(sh: &Shared, stage: usize) -> Vec<(ParamKey, Unit, bool)> {
     let g = sh.graph;
     let pp = sh.cfg.pp;
     let mut keys = Vec::new();
@@ -387,6 +621,7 @@ struct Live {
 
 struct Rank<'a, 'b> {
     sh: &'a Shared<'b>,
+    at: Coords,
     stage: usize,
     dp_index: usize,
     store: ParamStore,
@@ -405,22 +640,39 @@ fn run_rank(
     comm: Communicator,
     steps: u64,
     tx: &mpsc::Sender<StepStats>,
-) -> Result<Vec<(ParamKey, Tensor)>> {
+) -> Result<Vec<Exported>> {
     let cfg = sh.cfg;
     let rank = comm.rank();
-    let (dp_index, stage) = (rank / cfg.pp, rank % cfg.pp);
-    let dp_group = Group::new((0..cfg.dp).map(|d| d * cfg.pp + stage).collect());
-    let pp_group = Group::new((0..cfg.pp).map(|s| dp_index * cfg.pp + s).collect());
+    let at = Coords::of(rank, cfg);
+    let (dp_index, stage) = (at.dp_index, at.stage);
+    let group_of = |f: &dyn Fn(usize) -> Coords, n: usize| {
+        Group::new((0..n).map(|i| f(i).rank(cfg)).collect())
+    };
+    let pp_group = group_of(&|s| Coords { stage: s, ..at }, cfg.pp);
+    let tp_group = group_of(&|t| Coords { tp_index: t, ..at }, cfg.tp);
+    let first = at.dp_index - at.dp_index % cfg.ep;
+    let ep_group = group_of(
+        &|e| Coords {
+            dp_index: first + e,
+            ..at
+        },
+        cfg.ep,
+    );
     let store = ParamStore::new(
         sh.graph,
-        rank_keys(sh, stage),
+        rank_keys(sh, at),
         cfg.zero,
         comm,
-        dp_group,
+        MeshGroups {
+            tp: tp_group,
+            ep: ep_group,
+            skip_partial_sum: cfg.faults.skip_tp_sum,
+        },
         sh.seed,
-    );
+    )?;
     let mut r = Rank {
         sh,
+        at,
         stage,
         dp_index,
         store,
@@ -430,9 +682,18 @@ fn run_rank(
         step: 0,
     };
     let work = schedule(cfg.schedule, stage, cfg.pp, cfg.num_micro_batches);
+    let world = Group::new((0..cfg.world_size()).collect());
     for step in 0..steps {
         let start = Instant::now();
         r.step = step;
+        // Every rank stops at the same step boundary, or none does.
+        let mut stop = vec![if cfg.stop.is_set() { 1.0 } else { 0.0 }];
+        if cfg.world_size() > 1 {
+            r.store.comm.all_reduce(&world, &mut stop)?;
+        }
+        if stop[0] > 0.0 {
+            break;
+        }
         if cfg.faults.fail_rank_at == Some((rank, step)) {
             return Err(RuntimeError::Kernel {
                 op: "rank",
@@ -455,11 +716,21 @@ fn run_rank(
         }
     }
     let exported = r.store.export()?;
-    Ok(if r.dp_index == 0 {
-        exported
-    } else {
-        Vec::new()
-    })
+    // The first expert-parallel group holds every part once.
+    if r.dp_index >= cfg.ep {
+        return Ok(Vec::new());
+    }
+    Ok(exported
+        .into_iter()
+        .map(|(key, value)| {
+            let part = match sh.layouts.as_ref().and_then(|l| l.param(key.param)) {
+                None => None,
+                Some(SplitAxis::Tensor { axis }) => Some((axis, r.at.tp_index)),
+                Some(SplitAxis::Expert) => Some((0, r.dp_index % cfg.ep)),
+            };
+            Exported { key, value, part }
+        })
+        .collect())
 }
 
 impl<'a, 'b> Rank<'a, 'b> {
@@ -468,7 +739,11 @@ impl<'a, 'b> Rank<'a, 'b> {
     }
 
     fn peer(&self, chunk: usize) -> usize {
-        self.dp_index * self.sh.cfg.pp + chunk % self.sh.cfg.pp
+        Coords {
+            stage: chunk % self.sh.cfg.pp,
+            ..self.at
+        }
+        .rank(self.sh.cfg)
     }
 
     fn interp(&self, micro: usize) -> Interp<'a> {
@@ -489,6 +764,7 @@ impl<'a, 'b> Rank<'a, 'b> {
                 batch: cfg.micro_batch,
             },
             recompute: cfg.recompute,
+            layouts: sh.layouts.as_ref(),
         }
     }
 
@@ -533,7 +809,7 @@ impl<'a, 'b> Rank<'a, 'b> {
         let interp = self.interp(micro);
         let mut frame = Frame {
             values: self.inputs(micro),
-            tapes: HashMap::new(),
+            ..Frame::default()
         };
         let mut carried: Vec<Value> = Vec::new();
         if c > 0 {
@@ -574,10 +850,15 @@ impl<'a, 'b> Rank<'a, 'b> {
             if Some(n) == sh.part.repeat {
                 let node = g.node(n);
                 let init = if c == 0 {
-                    node.inputs[..n_carried]
-                        .iter()
-                        .map(|t| frame.values[t].clone())
-                        .collect()
+                    let mut init = Vec::with_capacity(n_carried);
+                    for (j, &t) in node.inputs[..n_carried].iter().enumerate() {
+                        let want = sh
+                            .layouts
+                            .as_ref()
+                            .map_or(TensorLayout::Replicated, |l| l.consumed(n, j));
+                        init.push(interp.read_as(&mut frame, t, want, &mut self.store)?);
+                    }
+                    init
                 } else {
                     std::mem::take(&mut carried)
                 };
@@ -666,7 +947,11 @@ impl<'a, 'b> Rank<'a, 'b> {
             if Some(n) == sh.part.repeat {
                 let node = g.node(n);
                 let gout = if last {
-                    node.outputs.iter().map(|t| grads.remove(t)).collect()
+                    let mut gout = Vec::new();
+                    for &t in &node.outputs {
+                        gout.push(interp.take_grad(&mut frame, &mut grads, t, &mut self.store)?);
+                    }
+                    gout
                 } else {
                     std::mem::take(&mut carried_grads)
                 };
@@ -684,7 +969,7 @@ impl<'a, 'b> Rank<'a, 'b> {
                     let need = sh.plan.input_grads(g, n);
                     for (j, gr) in gin.into_iter().enumerate() {
                         if let (Some(gr), true) = (gr, need[j]) {
-                            add_grad(&mut grads, node.inputs[j], gr)?;
+                            interp.contribute_input(&mut frame, &mut grads, n, j, gr)?;
                         }
                     }
                 } else {
@@ -694,11 +979,13 @@ impl<'a, 'b> Rank<'a, 'b> {
                 interp.backward_node(&mut frame, n, &mut grads, 0, &mut self.store)?;
             }
         }
-        interp.flush_param_grads(g.root(), &mut grads, 0, &mut self.store)?;
+        interp.flush_param_grads(g.root(), &mut frame, &mut grads, 0, &mut self.store)?;
         self.store.release(Unit::Root, true)?;
         if c > 0 {
             let mut msg: Message = carried_in;
-            msg.extend(sh.part.extras.iter().map(|t| grads.remove(t)));
+            for &t in &sh.part.extras {
+                msg.push(interp.take_grad(&mut frame, &mut grads, t, &mut self.store)?);
+            }
             self.store.comm.send(
                 self.peer(c - 1),
                 tag(micro, c - 1, self.chunks(), true),
@@ -718,7 +1005,18 @@ impl<'a, 'b> Rank<'a, 'b> {
             if !stages.contains(&self.stage) {
                 continue;
             }
-            let group = Group::new(stages.iter().map(|&s| self.dp_index * cfg.pp + s).collect());
+            let group = Group::new(
+                stages
+                    .iter()
+                    .map(|&s| {
+                        Coords {
+                            stage: s,
+                            ..self.at
+                        }
+                        .rank(cfg)
+                    })
+                    .collect(),
+            );
             let slot = self
                 .store
                 .slots
@@ -731,10 +1029,21 @@ impl<'a, 'b> Rank<'a, 'b> {
         if !cfg.faults.skip_grad_sync {
             self.store.reduce_grads(cfg.bucket_elems)?;
         }
+        // Every gradient element is counted by exactly one rank of the world.
         let mut sq = vec![self.store.local_sq_norm() as f32];
-        let dp_group = self.store.dp_group.clone();
-        self.store.comm.all_reduce(&dp_group, &mut sq)?;
-        self.store.comm.all_reduce(&self.pp_group, &mut sq)?;
+        let world = Group::new((0..cfg.world_size()).collect());
+        self.store.comm.all_reduce(&world, &mut sq)?;
+        let dp_group = Group::new(
+            (0..cfg.dp)
+                .map(|d| {
+                    Coords {
+                        dp_index: d,
+                        ..self.at
+                    }
+                    .rank(cfg)
+                })
+                .collect(),
+        );
         let grad_norm = f64::from(sq[0]).sqrt();
         let clip = match sh.spec.grad_clip {
             Some(max) if grad_norm > max => max / (grad_norm + 1e-6),

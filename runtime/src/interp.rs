@@ -5,9 +5,10 @@
 
 use crate::error::{kernel_err, Result, RuntimeError};
 use crate::kernels::{self, DropoutKey, OpCtx};
+use crate::shard::Layouts;
 use crate::tensor::Tensor;
 use crate::vjp;
-use dplc_ir::{GradPlan, Graph, NodeId, Op, ParamId, RegionId, Shape, TensorId};
+use dplc_ir::{GradPlan, Graph, NodeId, Op, ParamId, RegionId, Shape, TensorId, TensorLayout};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
@@ -29,6 +30,9 @@ pub(crate) trait ParamAccess {
     /// Called around the forward (`backward == false`) or backward of one
     /// iteration of the top-level repeat: before it with `enter`, after without.
     fn layer_hook(&mut self, layer: u64, backward: bool, enter: bool) -> Result<()>;
+    /// `v`, held in layout `from`, in layout `to` (a collective over the
+    /// tensor- or expert-parallel group).
+    fn convert(&mut self, v: &Tensor, from: TensorLayout, to: TensorLayout) -> Result<Tensor>;
 }
 
 /// The values of one run of a region, and the tapes of its repeats.
@@ -36,6 +40,12 @@ pub(crate) trait ParamAccess {
 pub(crate) struct Frame {
     pub values: HashMap<TensorId, Value>,
     pub tapes: HashMap<NodeId, Vec<Tape>>,
+    /// Values read in a layout other than their own, converted once.
+    pub converted: HashMap<(TensorId, TensorLayout), Value>,
+    /// Gradient contributions not yet in their tensor's gradient layout, summed
+    /// per layout (in arrival order, the same on every rank) and converted
+    /// once when the tensor's producer needs the gradient.
+    pub pending: HashMap<TensorId, Vec<(TensorLayout, Tensor)>>,
 }
 
 /// What one iteration of a repeat keeps for its backward.
@@ -72,6 +82,8 @@ pub(crate) struct Interp<'g> {
     /// Seed, step and samples of this micro-batch; node and layer are set per op.
     pub key: DropoutKey,
     pub recompute: bool,
+    /// Tensor- and expert-parallel layouts; `None` runs everything whole.
+    pub layouts: Option<&'g Layouts>,
 }
 
 impl<'g> Interp<'g> {
@@ -99,6 +111,92 @@ impl<'g> Interp<'g> {
             .values
             .get(&t)
             .ok_or_else(|| kernel_err("interpreter", format!("{t} is used before it is computed")))
+    }
+
+    fn produced(&self, t: TensorId) -> TensorLayout {
+        self.layouts
+            .map_or(TensorLayout::Replicated, |l| l.produced(t))
+    }
+
+    /// `t` as this rank holds it in layout `want`.
+    pub fn read_as(
+        &self,
+        frame: &mut Frame,
+        t: TensorId,
+        want: TensorLayout,
+        access: &mut dyn ParamAccess,
+    ) -> Result<Value> {
+        let have = self.produced(t);
+        let v = Self::value(frame, t)?.clone();
+        if have == want {
+            return Ok(v);
+        }
+        if let Some(c) = frame.converted.get(&(t, want)) {
+            return Ok(c.clone());
+        }
+        let c = Arc::new(access.convert(&v, have, want)?);
+        frame.converted.insert((t, want), c.clone());
+        Ok(c)
+    }
+
+    /// The local shapes of node `n`'s outputs.
+    fn out_shapes(&self, n: NodeId) -> Result<Vec<Vec<usize>>> {
+        let node = self.graph.node(n);
+        node.outputs
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| {
+                let dims = self.dims(&self.graph.tensor(t).shape);
+                match self.layouts {
+                    Some(l) => l.local_dims(dims, l.output(n, i)),
+                    None => Ok(dims),
+                }
+            })
+            .collect()
+    }
+
+    /// Add gradient `g`, in layout `layout`, to the gradient of `t`.
+    pub fn contribute(
+        &self,
+        frame: &mut Frame,
+        grads: &mut Grads,
+        t: TensorId,
+        layout: TensorLayout,
+        g: Tensor,
+    ) -> Result<()> {
+        if layout == self.produced(t).grad() {
+            return add_grad(grads, t, g);
+        }
+        let list = frame.pending.entry(t).or_default();
+        match list.iter_mut().find(|(l, _)| *l == layout) {
+            Some((_, acc)) => {
+                let mut tmp = Grads::new();
+                tmp.insert(t, std::mem::replace(acc, Tensor::zeros(&[])));
+                add_grad(&mut tmp, t, g)?;
+                *acc = tmp.remove(&t).expect("inserted above");
+            }
+            None => list.push((layout, g)),
+        }
+        Ok(())
+    }
+
+    /// The whole gradient of `t` in its gradient layout, once every consumer
+    /// has contributed; `None` when nothing reached it.
+    pub fn take_grad(
+        &self,
+        frame: &mut Frame,
+        grads: &mut Grads,
+        t: TensorId,
+        access: &mut dyn ParamAccess,
+    ) -> Result<Option<Tensor>> {
+        let target = self.produced(t).grad();
+        if let Some(list) = frame.pending.remove(&t) {
+            for (layout, g) in list {
+                let c = access.convert(&g, layout, target)?;
+                add_grad(grads, t, c)?;
+            }
+        }
+        Ok(grads.remove(&t))
     }
 
     /// Run one node that is not a repeat; its outputs land in `frame`.
@@ -133,23 +231,45 @@ impl<'g> Interp<'g> {
                 return Ok(());
             }
             op => {
-                let ins = node
-                    .inputs
-                    .iter()
-                    .map(|&t| Self::value(frame, t).map(|v| &**v))
-                    .collect::<Result<Vec<_>>>()?;
-                let shapes: Vec<Vec<usize>> = node
-                    .outputs
-                    .iter()
-                    .map(|&t| self.dims(&self.graph.tensor(t).shape))
-                    .collect();
-                kernels::forward(op, &ins, &self.ctx_for(n, layer, &shapes))?
+                let ins = self.inputs_as_read(frame, n, access)?;
+                let ins: Vec<&Tensor> = ins.iter().map(|v| &**v).collect();
+                let shapes = self.out_shapes(n)?;
+                kernels::forward(op, &ins, &self.ctx_for(n, layer, &shapes)).map_err(
+                    |e| match e {
+                        RuntimeError::Kernel { op, detail } => RuntimeError::Kernel {
+                            op,
+                            detail: format!(
+                                "{detail} (at {n}, inputs {:?})",
+                                ins.iter().map(|t| &t.shape).collect::<Vec<_>>()
+                            ),
+                        },
+                        e => e,
+                    },
+                )?
             }
         };
         for (t, v) in node.outputs.iter().zip(outs) {
             frame.values.insert(*t, Arc::new(v));
         }
         Ok(())
+    }
+
+    /// Node `n`'s inputs in the layouts it reads them in.
+    fn inputs_as_read(
+        &self,
+        frame: &mut Frame,
+        n: NodeId,
+        access: &mut dyn ParamAccess,
+    ) -> Result<Vec<Value>> {
+        let node = self.graph.node(n);
+        node.inputs
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| match self.layouts {
+                Some(l) => self.read_as(frame, t, l.consumed(n, i), access),
+                None => Self::value(frame, t).cloned(),
+            })
+            .collect()
     }
 
     fn repeat_carried(&self, node: &dplc_ir::Node) -> Result<usize> {
@@ -215,9 +335,16 @@ impl<'g> Interp<'g> {
             if top {
                 access.layer_hook(i, false, false)?;
             }
+            let mut body_frame = body_frame;
             carried = results
                 .iter()
-                .map(|&t| Self::value(&body_frame, t).cloned())
+                .enumerate()
+                .map(|(j, &t)| {
+                    let want = self
+                        .layouts
+                        .map_or(TensorLayout::Replicated, |l| l.result(body, j));
+                    self.read_as(&mut body_frame, t, want, access)
+                })
                 .collect::<Result<_>>()?;
             let tape = if self.recompute {
                 Tape::Recompute(args)
@@ -244,13 +371,14 @@ impl<'g> Interp<'g> {
         for n in order {
             self.backward_node(frame, n, grads, layer, access)?;
         }
-        self.flush_param_grads(region, grads, layer, access)
+        self.flush_param_grads(region, frame, grads, layer, access)
     }
 
     /// Send the gradients that reached parameter nodes of `region` to `access`.
     pub fn flush_param_grads(
         &self,
         region: RegionId,
+        frame: &mut Frame,
         grads: &mut Grads,
         layer: u64,
         access: &mut dyn ParamAccess,
@@ -258,7 +386,7 @@ impl<'g> Interp<'g> {
         for &n in &self.graph.region(region).nodes {
             let node = self.graph.node(n);
             if let Op::Param(p) = node.op {
-                if let Some(g) = grads.remove(&node.outputs[0]) {
+                if let Some(g) = self.take_grad(frame, grads, node.outputs[0], access)? {
                     access.add_grad(ParamKey { param: p, layer }, g)?;
                 }
             }
@@ -278,29 +406,30 @@ impl<'g> Interp<'g> {
         let node = self.graph.node(n);
         let need = self.plan.input_grads(self.graph, n);
         if let Op::Repeat { count, carried, .. } = node.op {
-            let gout = node.outputs.iter().map(|t| grads.remove(t)).collect();
+            let mut gout = Vec::new();
+            for &t in &node.outputs {
+                gout.push(self.take_grad(frame, grads, t, access)?);
+            }
             let gin =
                 self.backward_repeat(frame, n, 0..count, gout, grads, layer, false, access)?;
             for (j, g) in gin.into_iter().enumerate().take(carried) {
                 if let (Some(g), true) = (g, need[j]) {
-                    add_grad(grads, node.inputs[j], g)?;
+                    self.contribute_input(frame, grads, n, j, g)?;
                 }
             }
             return Ok(());
         }
-        let Some(gout) = grads.remove(&node.outputs[0]) else {
+        let Some(gout) = self.take_grad(frame, grads, node.outputs[0], access)? else {
             return Ok(());
         };
-        let ins = node
-            .inputs
-            .iter()
-            .map(|&t| Self::value(frame, t).map(|v| &**v))
-            .collect::<Result<Vec<_>>>()?;
+        let ins = self.inputs_as_read(frame, n, access)?;
+        let ins: Vec<&Tensor> = ins.iter().map(|v| &**v).collect();
         let outs = node
             .outputs
             .iter()
-            .map(|&t| Self::value(frame, t).map(|v| &**v))
+            .map(|&t| Self::value(frame, t).cloned())
             .collect::<Result<Vec<_>>>()?;
+        let outs: Vec<&Tensor> = outs.iter().map(|v| &**v).collect();
         let shapes: Vec<Vec<usize>> = outs.iter().map(|t| t.shape.clone()).collect();
         let gin = vjp::backward(
             &node.op,
@@ -310,12 +439,28 @@ impl<'g> Interp<'g> {
             &need,
             &self.ctx_for(n, layer, &shapes),
         )?;
-        for (&t, g) in node.inputs.iter().zip(gin) {
+        for (j, g) in gin.into_iter().enumerate() {
             if let Some(g) = g {
-                add_grad(grads, t, g)?;
+                self.contribute_input(frame, grads, n, j, g)?;
             }
         }
         Ok(())
+    }
+
+    /// Add the gradient node `n` gives its input `j`.
+    pub fn contribute_input(
+        &self,
+        frame: &mut Frame,
+        grads: &mut Grads,
+        n: NodeId,
+        j: usize,
+        g: Tensor,
+    ) -> Result<()> {
+        let t = self.graph.node(n).inputs[j];
+        let layout = self.layouts.map_or(TensorLayout::Replicated, |l| {
+            l.grad_contribution(self.graph, n, j)
+        });
+        self.contribute(frame, grads, t, layout, g)
     }
 
     /// Iterations `range` of repeat `n` back, last first, from the gradients of
@@ -366,19 +511,23 @@ impl<'g> Interp<'g> {
                 Tape::Recompute(args) => self.forward_region(body, args, layer, access)?,
             };
             let mut body_grads = Grads::new();
-            for (&r, g) in reg.results.iter().zip(carried.drain(..)) {
+            for (j, (&r, g)) in reg.results.iter().zip(carried.drain(..)).enumerate() {
                 if let Some(g) = g {
-                    add_grad(&mut body_grads, r, g)?;
+                    let layout = self
+                        .layouts
+                        .map_or(TensorLayout::Replicated, |l| l.result(body, j).grad());
+                    self.contribute(&mut body_frame, &mut body_grads, r, layout, g)?;
                 }
             }
             self.backward_region(body, &mut body_frame, &mut body_grads, layer, access)?;
-            carried = reg.args[..n_carried]
-                .iter()
-                .map(|a| body_grads.remove(a))
-                .collect();
+            carried = Vec::with_capacity(n_carried);
+            for &a in &reg.args[..n_carried] {
+                carried.push(self.take_grad(&mut body_frame, &mut body_grads, a, access)?);
+            }
             for (j, &a) in reg.args.iter().enumerate().skip(n_carried) {
-                if let (Some(g), true) = (body_grads.remove(&a), need[j]) {
-                    add_grad(grads, node.inputs[j], g)?;
+                let g = self.take_grad(&mut body_frame, &mut body_grads, a, access)?;
+                if let (Some(g), true) = (g, need[j]) {
+                    self.contribute_input(frame, grads, n, j, g)?;
                 }
             }
             if top {

@@ -1,9 +1,11 @@
 //! dplc's runtime: CPU reference kernels and their VJPs, an interpreter of the
 //! IR, in-process ranks with a deterministic communicator, and the training
-//! executors (data parallel, ZeRO-1/2/3, pipeline schedules, recompute).
+//! executors (data parallel, ZeRO-1/2/3, pipeline schedules, recompute,
+//! tensor/sequence/expert parallelism from per-tensor layouts).
 //!
 //! Architecture invariant: the runtime never needs the planner; a rank's work
-//! is a list of forward/backward units with collectives between them.
+//! is a list of forward/backward units with collectives between them, and how
+//! tensors are split arrives as data (`dplc_ir::ModelLayout`).
 
 mod comm;
 mod data;
@@ -17,13 +19,14 @@ mod kernels;
 mod params;
 mod partition;
 mod rng;
+mod shard;
 mod tensor;
 mod vjp;
 
 pub use comm::{Communicator, Group, Message, World};
 pub use data::{Corpus, TokenFormat};
 pub use error::{Result, RuntimeError};
-pub use exec::{train, Faults, Parameters, RunConfig, StepStats, TrainReport};
+pub use exec::{train, Faults, Parameters, RunConfig, StepStats, StopFlag, TrainReport};
 pub use interp::ParamKey;
 pub use kernels::{forward, DropoutKey, OpCtx};
 pub use params::ZeroStage;

@@ -6,8 +6,9 @@ use crate::comm::{Communicator, Group};
 use crate::error::{kernel_err, Result};
 use crate::interp::{ParamAccess, ParamKey, Value};
 use crate::rng;
+use crate::shard::{self, MeshGroups};
 use crate::tensor::Tensor;
-use dplc_ir::{Graph, Init, Optimizer};
+use dplc_ir::{Graph, Init, Optimizer, TensorLayout};
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::sync::Arc;
@@ -51,8 +52,24 @@ pub(crate) struct Slot {
     /// Matrices decay; biases and norm gains do not (the GPT-2 convention).
     pub decay: bool,
     pub unit: Unit,
-    /// Counted in the global gradient norm (a tied copy on a later stage is not).
+    /// Counted in the global gradient norm (a tied copy on a later stage is
+    /// not, nor a tensor-parallel replica other than the first).
     pub norm_owner: bool,
+    /// The data-parallel group that shares this tensor's gradient and shards
+    /// its state (for an expert, the replicas of the same experts).
+    pub group: Group,
+    /// This rank's position in `group`.
+    pub pos: usize,
+}
+
+/// One parameter tensor a rank holds, and how.
+pub(crate) struct HeldParam {
+    pub key: ParamKey,
+    pub unit: Unit,
+    pub norm_owner: bool,
+    pub group: Group,
+    /// Only part `index` of `parts` along `axis` lives here (tensor or expert parallel).
+    pub part: Option<(usize, usize, usize)>,
 }
 
 /// Split `n` elements over `parts` ranks in contiguous, nearly equal pieces.
@@ -82,7 +99,8 @@ pub(crate) struct ParamStore {
     pub slots: BTreeMap<ParamKey, Slot>,
     pub zero: ZeroStage,
     pub comm: Communicator,
-    pub dp_group: Group,
+    /// The tensor- and expert-parallel groups layouts convert over.
+    pub mesh: MeshGroups,
     /// ZeRO-3: full gradients of the current micro-batch, waiting for their
     /// layer's reduce-scatter.
     pending: HashMap<ParamKey, Vec<f32>>,
@@ -91,26 +109,42 @@ pub(crate) struct ParamStore {
 impl ParamStore {
     pub fn new(
         graph: &Graph,
-        keys: Vec<(ParamKey, Unit, bool)>,
+        keys: Vec<HeldParam>,
         zero: ZeroStage,
         comm: Communicator,
-        dp_group: Group,
+        mesh: MeshGroups,
         seed: u64,
-    ) -> ParamStore {
-        let dp = dp_group.size();
-        let pos = dp_group.position(comm.rank()).unwrap_or(0);
-        let slots = keys
-            .into_iter()
-            .map(|(key, unit, norm_owner)| {
+    ) -> Result<ParamStore> {
+        let mut slots = BTreeMap::new();
+        for held in keys {
+            let HeldParam {
+                key,
+                unit,
+                norm_owner,
+                group,
+                part,
+            } = held;
+            let dp = group.size();
+            let pos = group.position(comm.rank()).unwrap_or(0);
+            let slot = {
                 let info = graph.param(key.param);
-                let shape: Vec<usize> = info
+                let mut shape: Vec<usize> = info
                     .shape
                     .dims()
                     .iter()
                     .map(|d| d.as_const().unwrap_or(0).max(0) as usize)
                     .collect();
-                let numel = shape.iter().product();
-                let value = init_value(info.init, seed, key, numel);
+                let numel: usize = shape.iter().product();
+                // The whole tensor's initial value, then this rank's part of it,
+                // so that every split starts from the serial run's values.
+                let mut value = init_value(info.init, seed, key, numel);
+                if let Some((axis, parts, index)) = part {
+                    let whole = Tensor::f32(shape.clone(), value);
+                    let mine = shard::split_along(&whole, axis, parts)?.swap_remove(index);
+                    shape = mine.shape.clone();
+                    value = mine.into_f()?;
+                }
+                let numel: usize = shape.iter().product();
                 let shards = split(numel, dp);
                 let own = if zero == ZeroStage::None {
                     0..numel
@@ -124,7 +158,7 @@ impl ParamStore {
                 } else {
                     numel
                 };
-                let slot = Slot {
+                Slot {
                     full: (zero != ZeroStage::Three)
                         .then(|| Arc::new(Tensor::f32(shape.clone(), value.clone()))),
                     master: value[own.clone()].to_vec(),
@@ -138,17 +172,19 @@ impl ParamStore {
                     own,
                     unit,
                     norm_owner,
-                };
-                (key, slot)
-            })
-            .collect();
-        ParamStore {
+                    group,
+                    pos,
+                }
+            };
+            slots.insert(key, slot);
+        }
+        Ok(ParamStore {
             slots,
             zero,
             comm,
-            dp_group,
+            mesh,
             pending: HashMap::new(),
-        }
+        })
     }
 
     fn keys_of(&self, unit: Unit) -> Vec<ParamKey> {
@@ -166,7 +202,7 @@ impl ParamStore {
         }
         for key in self.keys_of(unit) {
             let slot = self.slots.get(&key).expect("key listed from the slots");
-            let parts = self.comm.all_gather(&self.dp_group, &slot.master)?;
+            let parts = self.comm.all_gather(&slot.group, &slot.master)?;
             let slot = self.slots.get_mut(&key).expect("key listed from the slots");
             let full: Vec<f32> = parts.concat();
             slot.full = Some(Arc::new(Tensor::f32(slot.shape.clone(), full)));
@@ -187,9 +223,7 @@ impl ParamStore {
                     .pending
                     .remove(&key)
                     .unwrap_or_else(|| vec![0.0; slot.numel]);
-                let part = self
-                    .comm
-                    .reduce_scatter(&self.dp_group, &full, &slot.shards)?;
+                let part = self.comm.reduce_scatter(&slot.group, &full, &slot.shards)?;
                 let slot = self.slots.get_mut(&key).expect("key listed from the slots");
                 slot.grad.iter_mut().zip(part).for_each(|(g, p)| *g += p);
             }
@@ -206,38 +240,17 @@ impl ParamStore {
     pub fn reduce_grads(&mut self, bucket: usize) -> Result<()> {
         match self.zero {
             ZeroStage::None | ZeroStage::One => {
-                let keys: Vec<ParamKey> = self.slots.keys().copied().collect();
-                let mut start = 0;
-                while start < keys.len() {
-                    let mut end = start;
-                    let mut size = 0;
-                    while end < keys.len()
-                        && (end == start || size + self.slots[&keys[end]].numel <= bucket)
-                    {
-                        size += self.slots[&keys[end]].numel;
-                        end += 1;
-                    }
-                    let mut flat: Vec<f32> = Vec::with_capacity(size);
-                    for k in &keys[start..end] {
-                        flat.extend_from_slice(&self.slots[k].grad);
-                    }
-                    self.comm.all_reduce(&self.dp_group, &mut flat)?;
-                    let mut at = 0;
-                    for k in &keys[start..end] {
-                        let slot = self.slots.get_mut(k).expect("key from the slots");
-                        slot.grad.copy_from_slice(&flat[at..at + slot.numel]);
-                        at += slot.numel;
-                    }
-                    start = end;
+                for (group, keys) in self.by_group() {
+                    self.all_reduce_buckets(&group, &keys, bucket)?;
                 }
             }
             ZeroStage::Two => {
                 // Gradients were accumulated full-length over the micro-batches;
                 // each rank keeps the sum of its own part.
                 for slot in self.slots.values_mut() {
-                    let part =
-                        self.comm
-                            .reduce_scatter(&self.dp_group, &slot.grad, &slot.shards)?;
+                    let part = self
+                        .comm
+                        .reduce_scatter(&slot.group, &slot.grad, &slot.shards)?;
                     slot.grad = part;
                 }
             }
@@ -246,15 +259,59 @@ impl ParamStore {
         Ok(())
     }
 
+    /// The held tensors by data-parallel group, groups in a fixed order so
+    /// that every rank runs their collectives in the same sequence.
+    fn by_group(&self) -> BTreeMap<Vec<usize>, Vec<ParamKey>> {
+        let mut out: BTreeMap<Vec<usize>, Vec<ParamKey>> = BTreeMap::new();
+        for (k, s) in &self.slots {
+            out.entry(s.group.ranks().to_vec()).or_default().push(*k);
+        }
+        out
+    }
+
+    fn all_reduce_buckets(
+        &mut self,
+        group: &[usize],
+        keys: &[ParamKey],
+        bucket: usize,
+    ) -> Result<()> {
+        let group = Group::new(group.to_vec());
+        {
+            let mut start = 0;
+            while start < keys.len() {
+                let mut end = start;
+                let mut size = 0;
+                while end < keys.len()
+                    && (end == start || size + self.slots[&keys[end]].numel <= bucket)
+                {
+                    size += self.slots[&keys[end]].numel;
+                    end += 1;
+                }
+                let mut flat: Vec<f32> = Vec::with_capacity(size);
+                for k in &keys[start..end] {
+                    flat.extend_from_slice(&self.slots[k].grad);
+                }
+                self.comm.all_reduce(&group, &mut flat)?;
+                let mut at = 0;
+                for k in &keys[start..end] {
+                    let slot = self.slots.get_mut(k).expect("key from the slots");
+                    slot.grad.copy_from_slice(&flat[at..at + slot.numel]);
+                    at += slot.numel;
+                }
+                start = end;
+            }
+        }
+        Ok(())
+    }
+
     /// Σ g² over the gradient elements this rank counts towards the global norm.
     pub fn local_sq_norm(&self) -> f64 {
-        let pos = self.dp_group.position(self.comm.rank()).unwrap_or(0);
         self.slots
             .values()
             .filter(|s| s.norm_owner)
             .map(|s| {
                 let part: &[f32] = if s.grad.len() == s.numel {
-                    &s.grad[s.shards[pos].clone()]
+                    &s.grad[s.shards[s.pos].clone()]
                 } else {
                     &s.grad
                 };
@@ -324,9 +381,8 @@ impl ParamStore {
             ZeroStage::One | ZeroStage::Two => {
                 let keys: Vec<ParamKey> = self.slots.keys().copied().collect();
                 for k in keys {
-                    let parts = self
-                        .comm
-                        .all_gather(&self.dp_group, &self.slots[&k].master)?;
+                    let slot = &self.slots[&k];
+                    let parts = self.comm.all_gather(&slot.group, &slot.master)?;
                     let slot = self.slots.get_mut(&k).expect("key from the slots");
                     slot.full = Some(Arc::new(Tensor::f32(slot.shape.clone(), parts.concat())));
                 }
@@ -345,7 +401,7 @@ impl ParamStore {
             let full = if self.zero == ZeroStage::None {
                 slot.master.clone()
             } else {
-                self.comm.all_gather(&self.dp_group, &slot.master)?.concat()
+                self.comm.all_gather(&slot.group, &slot.master)?.concat()
             };
             out.push((k, Tensor::f32(slot.shape.clone(), full)));
         }
@@ -388,5 +444,9 @@ impl ParamAccess for ParamStore {
         } else {
             self.release(Unit::Layer(layer), backward)
         }
+    }
+
+    fn convert(&mut self, v: &Tensor, from: TensorLayout, to: TensorLayout) -> Result<Tensor> {
+        shard::convert(&mut self.comm, &self.mesh, v, from, to)
     }
 }

@@ -186,20 +186,34 @@ fn a_failing_rank_stops_every_rank_and_is_named() {
         ..Gpt::default()
     }
     .build();
-    for faults in [
-        Faults {
-            fail_rank_at: Some((2, 1)),
-            ..Faults::default()
-        },
-        Faults {
-            panic_rank_at: Some((2, 1)),
-            ..Faults::default()
-        },
+    for (tp, faults) in [
+        (
+            1,
+            Faults {
+                fail_rank_at: Some((2, 1)),
+                ..Faults::default()
+            },
+        ),
+        (
+            1,
+            Faults {
+                panic_rank_at: Some((2, 1)),
+                ..Faults::default()
+            },
+        ),
+        (
+            2,
+            Faults {
+                panic_rank_at: Some((2, 1)),
+                ..Faults::default()
+            },
+        ),
     ] {
         let start = std::time::Instant::now();
         let cfg = RunConfig {
             dp: 2,
             pp: 2,
+            tp,
             micro_batch: 1,
             num_micro_batches: 2,
             faults,
@@ -237,4 +251,27 @@ fn configuration_errors_are_reported() {
         err.to_string(),
         "invalid run configuration: 2 layers cannot fill 4 pipeline stages"
     );
+}
+
+#[test]
+fn tensor_parallel_with_fused_qkv_and_dropout_matches_serial() {
+    // The fused QKV projection is sliced along its split axis and dropout
+    // masks are keyed by whole-tensor positions: the layout gathers both
+    // before use, so the split still computes the serial function.
+    let g = Gpt::default().build();
+    let base = run(&g, serial(2, 4)).unwrap();
+    for sequence_parallel in [false, true] {
+        let cfg = RunConfig {
+            tp: 2,
+            sequence_parallel,
+            micro_batch: 2,
+            num_micro_batches: 4,
+            ..RunConfig::default()
+        };
+        assert_same(
+            &format!("tp2 sp={sequence_parallel}"),
+            &base,
+            &run(&g, cfg).unwrap(),
+        );
+    }
 }

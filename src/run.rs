@@ -1,0 +1,294 @@
+//! `dplc run`: plan (or take the pinned strategy), then train on CPU ranks —
+//! threads of this process — with a progress line or one JSON object per step.
+
+use crate::load;
+use dplc_runtime::{Corpus, RunConfig, StepStats, StopFlag, TokenFormat};
+use miette::{miette, Result};
+use serde_json::json;
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// The .dpl file.
+    pub file: PathBuf,
+    /// The model to train (needed when the file defines several).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// CPU ranks, e.g. `4xcpu`.
+    #[arg(long)]
+    pub cluster: String,
+    /// Pin parts of the strategy, e.g. `dp=2,tp=2,pp=1,zero=1,sp=true`.
+    #[arg(long)]
+    pub strategy: Option<String>,
+    /// Samples per step (default: the model's train section).
+    #[arg(long)]
+    pub global_batch: Option<u64>,
+    /// Sequence length (default: the model's train section).
+    #[arg(long)]
+    pub seq: Option<u64>,
+    /// Optimizer steps (default: the train section's `steps`, else 100).
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Seed of the parameters, the synthetic corpus and dropout.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Train on this file instead of the synthetic corpus: raw bytes (one
+    /// token each), or little-endian u16 token ids when it ends in `.u16` or `.bin`.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// One JSON object per step and a final summary on stdout.
+    #[arg(long)]
+    pub json: bool,
+    /// Also write the plan it trains with (RON), e.g. for `dplc verify`.
+    #[arg(long)]
+    pub save_plan: Option<PathBuf>,
+}
+
+/// A model lowered, planned for CPU ranks and turned into a run.
+pub struct Prepared {
+    pub graph: dplc_ir::Graph,
+    pub train: dplc_ir::TrainSpec,
+    pub plan: dplc_ir::Plan,
+    pub cfg: RunConfig,
+}
+
+fn plan_error(e: dplc_planner::PlanError) -> miette::Report {
+    miette!("{e}")
+}
+
+/// Lower `model` from `file` and plan it on `cluster` under `strategy`.
+pub fn prepare(
+    file: &Path,
+    model: Option<&str>,
+    cluster: &str,
+    strategy: Option<&str>,
+    global_batch: Option<u64>,
+    seq: Option<u64>,
+) -> Result<Prepared> {
+    let unit = load::parse(file)?;
+    let name = load::choose_model(&unit, file, model)?;
+    let lowered = unit.lower(&name)?;
+    let cluster = dplc_planner::parse_cluster(cluster).map_err(plan_error)?;
+    let mut pinned = match strategy {
+        Some(s) => dplc_planner::parse_strategy(s).map_err(plan_error)?,
+        None => dplc_planner::StrategyConstraints::default(),
+    };
+    // The CPU runtime has no context parallelism: plan without it.
+    if pinned.cp.is_some_and(|cp| cp > 1) {
+        return Err(miette!(
+            help = "drop cp from --strategy",
+            "context parallelism (cp > 1) is not implemented by the CPU runtime"
+        ));
+    }
+    pinned.cp = Some(1);
+    let mut req = dplc_planner::PlanRequest::new(&lowered.graph, lowered.train.clone(), cluster);
+    req.global_batch = global_batch;
+    req.seq = seq;
+    req.pinned = pinned;
+    let plan = dplc_planner::compile(&req).map_err(plan_error)?.plan;
+    let mut train = lowered.train.clone();
+    train.global_batch = plan.strategy.global_batch;
+    train.seq = plan.strategy.seq;
+    let cfg = RunConfig::from_plan(&plan).map_err(|e| miette!("{e}"))?;
+    Ok(Prepared {
+        graph: lowered.graph,
+        train,
+        plan,
+        cfg,
+    })
+}
+
+/// The vocabulary the model's token embedding has, if it has one.
+pub fn vocab_of(graph: &dplc_ir::Graph) -> usize {
+    graph
+        .nodes()
+        .find_map(|(_, n)| match n.op {
+            dplc_ir::Op::Embedding => graph.tensor(n.inputs[0]).shape.dims()[0].as_const(),
+            _ => None,
+        })
+        .map_or(256, |v| v.max(1) as usize)
+}
+
+/// The training corpus: a file, or the synthetic corpus of `seed`.
+pub fn corpus(data: Option<&Path>, graph: &dplc_ir::Graph, seed: u64) -> Result<Corpus> {
+    match data {
+        None => Ok(Corpus::synthetic(seed, vocab_of(graph), 1 << 16)),
+        Some(path) => {
+            let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+            let format = if matches!(ext, "u16" | "bin") {
+                TokenFormat::U16
+            } else {
+                TokenFormat::Bytes
+            };
+            Corpus::from_file(path, format, seed).map_err(|e| miette!("{e}"))
+        }
+    }
+}
+
+/// Ctrl-C sets the flag once; a second Ctrl-C ends the process as usual.
+#[cfg(unix)]
+fn install_interrupt(flag: &StopFlag) {
+    use std::sync::OnceLock;
+    static FLAG: OnceLock<StopFlag> = OnceLock::new();
+    extern "C" fn on_sigint(_: libc::c_int) {
+        if let Some(f) = FLAG.get() {
+            f.stop();
+        }
+        // SAFETY: restoring the default disposition is async-signal-safe.
+        unsafe {
+            libc::signal(libc::SIGINT, libc::SIG_DFL);
+        }
+    }
+    if FLAG.set(flag.clone()).is_ok() {
+        // SAFETY: the handler only stores to an atomic and calls `signal`,
+        // both async-signal-safe.
+        unsafe {
+            libc::signal(libc::SIGINT, on_sigint as *const () as libc::sighandler_t);
+        }
+    }
+}
+
+#[cfg(not(unix))]
+fn install_interrupt(_flag: &StopFlag) {}
+
+fn describe(plan: &dplc_ir::Plan) -> String {
+    let (m, s) = (&plan.mesh, &plan.strategy);
+    let mut parts = vec![format!("dp {} × tp {} × pp {}", m.dp, m.tp, m.pp)];
+    if m.ep > 1 {
+        parts.push(format!("ep {}", m.ep));
+    }
+    if s.zero_stage > 0 {
+        parts.push(format!("ZeRO-{}", s.zero_stage));
+    }
+    if m.pp > 1 {
+        parts.push(s.schedule.name().to_string());
+    }
+    if s.sequence_parallel {
+        parts.push("sp".into());
+    }
+    if s.recompute != dplc_ir::Recompute::None {
+        parts.push(format!("recompute {}", s.recompute.name()));
+    }
+    parts.push(format!(
+        "micro-batch {} × {}",
+        s.micro_batch, s.num_micro_batches
+    ));
+    parts.join(", ")
+}
+
+fn progress(st: &StepStats, steps: u64, started: Instant, tty: bool) {
+    let done = st.step + 1;
+    let elapsed = started.elapsed().as_secs_f64();
+    let eta = elapsed / done as f64 * (steps - done) as f64;
+    let width = 24usize;
+    let filled = (width as u64 * done / steps.max(1)) as usize;
+    let bar = format!("{}{}", "=".repeat(filled), " ".repeat(width - filled));
+    let line = format!(
+        "step {done:>5}/{steps} [{bar}] loss {:.4}  lr {:.2e}  {:.0} tok/s  ETA {eta:.0}s",
+        st.loss, st.lr, st.tokens_per_s
+    );
+    let mut err = std::io::stderr();
+    if tty {
+        let _ = write!(err, "\r{line}");
+        if done == steps {
+            let _ = writeln!(err);
+        }
+    } else if done == 1 || done == steps || done.is_multiple_of(10) {
+        let _ = writeln!(err, "{line}");
+    }
+}
+
+pub fn run(args: &Args) -> Result<()> {
+    let p = prepare(
+        &args.file,
+        args.model.as_deref(),
+        &args.cluster,
+        args.strategy.as_deref(),
+        args.global_batch,
+        args.seq,
+    )?;
+    if let Some(path) = &args.save_plan {
+        let text = ron::ser::to_string_pretty(&p.plan, ron::ser::PrettyConfig::default())
+            .map_err(|e| miette!("cannot write the plan: {e}"))?;
+        std::fs::write(path, text).map_err(|e| miette!("cannot write {}: {e}", path.display()))?;
+    }
+    let steps = args.steps.or(p.train.steps).unwrap_or(100);
+    if steps == 0 {
+        return Err(miette!("--steps must be positive"));
+    }
+    let data = corpus(args.data.as_deref(), &p.graph, args.seed)?;
+    data.check(p.train.seq as usize, Some(vocab_of(&p.graph)))
+        .map_err(|e| miette!("{e}"))?;
+    let cfg = p.cfg.clone();
+    install_interrupt(&cfg.stop);
+    if !args.json {
+        eprintln!(
+            "training {} on {} CPU ranks: {}; seq {}, global batch {}, {steps} steps",
+            p.plan.model,
+            cfg.world_size(),
+            describe(&p.plan),
+            p.train.seq,
+            p.train.global_batch
+        );
+    }
+    let started = Instant::now();
+    let tty = std::io::stderr().is_terminal();
+    let json = args.json;
+    let report = dplc_runtime::train(&p.graph, &p.train, &cfg, &data, steps, args.seed, |st| {
+        if json {
+            let line = json!({
+                "step": st.step,
+                "loss": st.loss,
+                "lr": st.lr,
+                "grad_norm": st.grad_norm,
+                "tokens_per_s": st.tokens_per_s,
+            });
+            // Nobody reads the stream any more (`| head`): stop as for Ctrl-C.
+            if writeln!(std::io::stdout(), "{line}").is_err() {
+                cfg.stop.stop();
+            }
+        } else {
+            progress(st, steps, started, tty);
+        }
+    })
+    .map_err(|e| miette!("{e}"))?;
+    let elapsed = started.elapsed().as_secs_f64();
+    let done = report.steps.len() as u64;
+    let first = report.steps.first().map_or(f64::NAN, |s| s.loss);
+    let last = report.steps.last().map_or(f64::NAN, |s| s.loss);
+    let tokens = (done * p.train.global_batch * p.train.seq) as f64;
+    if json {
+        let _ = writeln!(
+            std::io::stdout(),
+            "{}",
+            json!({
+                "summary": true,
+                "model": p.plan.model,
+                "ranks": cfg.world_size(),
+                "steps": done,
+                "interrupted": report.interrupted,
+                "first_loss": first,
+                "final_loss": last,
+                "seconds": elapsed,
+                "tokens_per_s": tokens / elapsed.max(1e-9),
+            })
+        );
+    } else {
+        if tty && report.interrupted {
+            eprintln!();
+        }
+        eprintln!(
+            "{} steps in {elapsed:.1}s ({:.0} tok/s): loss {first:.4} → {last:.4}",
+            done,
+            tokens / elapsed.max(1e-9)
+        );
+    }
+    if report.interrupted {
+        return Err(miette!(
+            "interrupted: stopped cleanly after step {done} of {steps} (loss {last:.4})"
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,104 @@
+//! The Megatron layout `dplc_ir::derive_layout` gives the tiny zoo models:
+//! which parameters each split puts on which ranks, as text.
+
+const TINY: &str = include_str!("../models/tiny.dpl");
+
+fn check(model: &str, tp: u64, ep: u64, sp: bool) -> String {
+    let unit = dplc_frontend::parse("tiny.dpl", TINY).expect("tiny.dpl parses");
+    let g = unit.lower(model).expect("the model lowers").graph;
+    let layout = dplc_ir::derive_layout(&g, tp, ep, sp).expect("a layout");
+    let mut lines: Vec<String> = layout
+        .params
+        .iter()
+        .map(|s| {
+            let how = match s.split {
+                dplc_ir::SplitAxis::Tensor { axis } => format!("tp axis {axis}"),
+                dplc_ir::SplitAxis::Expert => "ep experts".to_string(),
+            };
+            format!("{} {how}", g.param(s.param).name)
+        })
+        .collect();
+    let body = &layout.regions[1];
+    let arg = body.args[0];
+    lines.push(format!("residual stream {arg:?}"));
+    lines.join("\n")
+}
+
+#[test]
+fn gpt_tiny_megatron_layout() {
+    assert_eq!(
+        check("gpt_tiny", 2, 1, false),
+        "layers.attention.q.w tp axis 1
+layers.attention.q.b tp axis 0
+layers.attention.k.w tp axis 1
+layers.attention.k.b tp axis 0
+layers.attention.v.w tp axis 1
+layers.attention.v.b tp axis 0
+layers.attention.o.w tp axis 0
+layers.mlp.fc.w tp axis 1
+layers.mlp.fc.b tp axis 0
+layers.mlp.proj.w tp axis 0
+residual stream Replicated"
+    );
+    assert!(check("gpt_tiny", 2, 1, true).ends_with("residual stream Split { axis: 1 }"));
+}
+
+#[test]
+fn llama_and_moe_tiny_layouts() {
+    assert_eq!(
+        check("llama_tiny", 2, 1, false),
+        "layers.attention.q.w tp axis 1
+layers.attention.k.w tp axis 1
+layers.attention.v.w tp axis 1
+layers.attention.o.w tp axis 0
+layers.swiglu.w1 tp axis 1
+layers.swiglu.w3 tp axis 1
+layers.swiglu.w2 tp axis 0
+residual stream Replicated"
+    );
+    assert_eq!(
+        check("moe_tiny", 1, 2, false),
+        "layers.moe.w1 ep experts
+layers.moe.w3 ep experts
+layers.moe.w2 ep experts
+residual stream Replicated"
+    );
+}
+
+#[test]
+fn a_tensor_parallel_degree_the_model_cannot_take_is_refused() {
+    let unit = dplc_frontend::parse("tiny.dpl", TINY).expect("tiny.dpl parses");
+    let g = unit.lower("gpt_tiny").expect("the model lowers").graph;
+    let err = dplc_ir::derive_layout(&g, 8, 1, false).unwrap_err();
+    assert!(
+        err.to_string().contains("tp 8 does not divide the 4 heads"),
+        "{err}"
+    );
+    let err = dplc_ir::derive_layout(&g, 3, 1, false).unwrap_err();
+    assert!(
+        err.to_string().contains("tp 3 divides neither dimension"),
+        "{err}"
+    );
+}
+
+#[test]
+fn layouts_travel_in_plan_files() {
+    let unit = dplc_frontend::parse("tiny.dpl", TINY).expect("tiny.dpl parses");
+    let lowered = unit.lower("moe_tiny").expect("the model lowers");
+    let cluster = dplc_planner::parse_cluster("4xcpu").unwrap();
+    let mut req = dplc_planner::PlanRequest::new(&lowered.graph, lowered.train.clone(), cluster);
+    req.pinned = dplc_planner::parse_strategy("dp=2,tp=2,ep=2,sp=true").unwrap();
+    let mut plan = dplc_planner::compile(&req).unwrap().plan;
+    // A plan written before layouts existed still reads, with none.
+    let old = ron::to_string(&plan).unwrap().replace(",layout:None", "");
+    assert!(!old.contains("layout"));
+    let back: dplc_ir::Plan = ron::from_str(&old).unwrap();
+    assert_eq!(back.layout, None);
+    plan.layout = Some(dplc_ir::derive_layout(&lowered.graph, 2, 2, true).unwrap());
+    let back: dplc_ir::Plan = ron::from_str(&ron::to_string(&plan).unwrap()).unwrap();
+    assert_eq!(back, plan);
+    // The runtime takes the plan's layout as it is.
+    let cfg = dplc_runtime::RunConfig::from_plan(&back).unwrap();
+    assert_eq!((cfg.dp, cfg.tp, cfg.ep, cfg.pp), (2, 2, 2, 1));
+    assert!(cfg.sequence_parallel && cfg.layout.is_some());
+}

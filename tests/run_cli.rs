@@ -1,0 +1,243 @@
+//! `dplc run` and `dplc verify` end to end: training on CPU ranks with a
+//! falling loss, the JSON stream, Ctrl-C, bad input, and a plan's check.
+
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn dplc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_dplc"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("the dplc binary runs")
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// A small run: gpt_tiny at seq 16, four samples a step.
+const SMALL: [&str; 8] = [
+    "--model",
+    "gpt_tiny",
+    "--seq",
+    "16",
+    "--global-batch",
+    "4",
+    "--seed",
+    "3",
+];
+
+#[test]
+fn run_json_streams_steps_and_the_loss_falls() {
+    let mut args = vec!["run", "models/tiny.dpl", "--cluster", "4xcpu"];
+    args.extend(SMALL);
+    args.extend(["--steps", "40", "--json"]);
+    let out = dplc(&args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect();
+    assert_eq!(lines.len(), 41, "40 steps and a summary");
+    for (i, l) in lines[..40].iter().enumerate() {
+        assert_eq!(l["step"], i as u64);
+        for key in ["loss", "lr", "grad_norm", "tokens_per_s"] {
+            assert!(l[key].as_f64().is_some(), "{key} in {l}");
+        }
+    }
+    let summary = &lines[40];
+    assert_eq!(summary["steps"], 40);
+    assert_eq!(summary["interrupted"], false);
+    let (first, last) = (
+        summary["first_loss"].as_f64().unwrap(),
+        summary["final_loss"].as_f64().unwrap(),
+    );
+    assert!(last < first - 0.3, "the loss falls: {first} → {last}");
+}
+
+#[test]
+fn run_with_a_pinned_split_strategy() {
+    let mut args = vec![
+        "run",
+        "models/tiny.dpl",
+        "--cluster",
+        "8xcpu",
+        "--strategy",
+        "dp=2,tp=2,pp=2,zero=1,sp=true,recompute=full",
+    ];
+    args.extend(SMALL);
+    args.extend(["--steps", "2"]);
+    let out = dplc(&args);
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("on 8 CPU ranks: dp 2 × tp 2 × pp 2, ZeRO-1"),
+        "{err}"
+    );
+    assert!(err.contains("2 steps in"), "{err}");
+}
+
+#[test]
+fn bad_input_gets_clear_errors() {
+    let cases: [(&[&str], &str); 3] = [
+        (
+            &["--cluster", "8xcpu", "--strategy", "tp=8"],
+            "tp must divide 4",
+        ),
+        (
+            &[
+                "--cluster",
+                "2xcpu",
+                "--data",
+                "Cargo.toml",
+                "--seq",
+                "60000",
+            ],
+            "one sample needs seq + 1",
+        ),
+        (
+            &["--cluster", "2xcpu", "--data", "no/such/file"],
+            "cannot read no/such/file",
+        ),
+    ];
+    for (extra, want) in cases {
+        let mut args = vec![
+            "run",
+            "models/tiny.dpl",
+            "--model",
+            "gpt_tiny",
+            "--steps",
+            "1",
+        ];
+        args.extend(extra);
+        let out = dplc(&args);
+        assert!(!out.status.success());
+        let err = stderr(&out);
+        assert!(err.contains(want), "{extra:?}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
+
+#[cfg(unix)]
+#[test]
+fn ctrl_c_stops_cleanly_and_says_where() {
+    let mut args = vec!["run", "models/tiny.dpl", "--cluster", "4xcpu"];
+    args.extend(SMALL);
+    args.extend(["--steps", "1000000", "--json"]);
+    let child = Command::new(env!("CARGO_BIN_EXE_dplc"))
+        .args(&args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("dplc starts");
+    // Let it train a few steps, then interrupt it as a terminal would.
+    std::thread::sleep(Duration::from_secs(3));
+    let pid = child.id() as libc::pid_t;
+    // SAFETY: sending SIGINT to the child we spawned.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGINT) }, 0);
+    let sent = Instant::now();
+    let out = child.wait_with_output().expect("dplc exits");
+    assert!(sent.elapsed() < Duration::from_secs(10), "stops promptly");
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains("interrupted: stopped cleanly after step"),
+        "{err}"
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let summary: serde_json::Value =
+        serde_json::from_str(stdout.lines().last().expect("a summary")).expect("JSON");
+    assert_eq!(summary["interrupted"], true);
+    assert!(summary["steps"].as_u64().unwrap() >= 1);
+}
+
+#[test]
+fn verify_passes_a_plan_and_catches_a_broken_one() {
+    let dir = std::env::temp_dir().join(format!("dplc-verify-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let plan = dir.join("plan.ron");
+    let plan_s = plan.to_str().unwrap();
+    let mut args = vec![
+        "run",
+        "models/tiny.dpl",
+        "--cluster",
+        "8xcpu",
+        "--strategy",
+        "dp=2,tp=2,pp=2,zero=1,sp=true",
+        "--save-plan",
+        plan_s,
+    ];
+    args.extend(SMALL);
+    args.extend(["--steps", "1"]);
+    let out = dplc(&args);
+    assert!(out.status.success(), "{}", stderr(&out));
+
+    let out = dplc(&["verify", plan_s, "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["pass"], true, "{v}");
+    assert_eq!(v["ranks"], 8);
+    assert!(v["param_deviation"].as_f64().unwrap() < 1e-6, "{v}");
+
+    for fault in ["tp-sum", "grad-sync"] {
+        let out = dplc(&["verify", plan_s, "--inject", fault]);
+        assert!(!out.status.success(), "{fault} must fail the check");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("FAIL"), "{text}");
+        assert!(
+            stderr(&out).contains("largest deviation"),
+            "{}",
+            stderr(&out)
+        );
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn verify_checks_the_plans_own_layout() {
+    let text = std::fs::read_to_string("models/tiny.dpl").unwrap();
+    let unit = dplc_frontend::parse("models/tiny.dpl", &text).unwrap();
+    let lowered = unit.lower("llama_tiny").unwrap();
+    let cluster = dplc_planner::parse_cluster("4xcpu").unwrap();
+    let mut req = dplc_planner::PlanRequest::new(&lowered.graph, lowered.train.clone(), cluster);
+    req.pinned = dplc_planner::parse_strategy("dp=2,tp=2,sp=true,zero=2").unwrap();
+    let mut plan = dplc_planner::compile(&req).unwrap().plan;
+    plan.layout = Some(dplc_ir::derive_layout(&lowered.graph, 2, 1, true).unwrap());
+    let path = std::env::temp_dir().join(format!("dplc-layout-{}.ron", std::process::id()));
+    std::fs::write(&path, ron::to_string(&plan).unwrap()).unwrap();
+    let out = dplc(&["verify", path.to_str().unwrap(), "--json"]);
+    std::fs::remove_file(&path).ok();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["layout"], "the plan's", "{v}");
+    assert_eq!(v["pass"], true, "{v}");
+}
+
+#[test]
+fn run_trains_on_a_data_file() {
+    let mut args = vec!["run", "models/tiny.dpl", "--cluster", "2xcpu"];
+    args.extend(SMALL);
+    args.extend(["--steps", "2", "--data", "README.md"]);
+    let out = dplc(&args);
+    assert!(out.status.success(), "{}", stderr(&out));
+
+    // u16 token ids past the vocabulary of 256 are refused before training.
+    let path = std::env::temp_dir().join(format!("dplc-tokens-{}.u16", std::process::id()));
+    let tokens: Vec<u8> = (0..200u16).flat_map(|t| (t * 7).to_le_bytes()).collect();
+    std::fs::write(&path, tokens).unwrap();
+    let mut args = vec!["run", "models/tiny.dpl", "--cluster", "2xcpu"];
+    args.extend(SMALL);
+    args.extend(["--steps", "2", "--data", path.to_str().unwrap()]);
+    let out = dplc(&args);
+    std::fs::remove_file(&path).ok();
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("outside the model's vocabulary of 256"),
+        "{}",
+        stderr(&out)
+    );
+}
