@@ -138,8 +138,13 @@ pub fn resolve_cluster(spec: &str, unit: &dplc_frontend::Unit, file: &Path) -> R
 }
 
 /// Lower the model and search for its plan; the lowered model comes back too
-/// (`run` trains it).
-pub fn plan(args: &PlanArgs, top_k: usize) -> Result<(Compiled, dplc_frontend::Lowered)> {
+/// (`run` trains it). `restrict` may tighten the pinned choices to what the
+/// caller can execute.
+pub fn plan(
+    args: &PlanArgs,
+    top_k: usize,
+    restrict: impl FnOnce(&mut dplc_planner::StrategyConstraints) -> Result<()>,
+) -> Result<(Compiled, dplc_frontend::Lowered)> {
     let unit = load::parse(&args.file)?;
     let name = load::choose_model(&unit, &args.file, args.model.as_deref())?;
     let lowered = unit.lower(&name)?;
@@ -148,6 +153,7 @@ pub fn plan(args: &PlanArgs, top_k: usize) -> Result<(Compiled, dplc_frontend::L
     req.global_batch = args.global_batch;
     req.seq = args.seq;
     req.pinned = dplc_planner::parse_strategy(&args.strategy).map_err(plan_error)?;
+    restrict(&mut req.pinned)?;
     req.top_k = top_k;
     let mut compiled = dplc_planner::compile(&req).map_err(plan_error)?;
     let text = std::fs::read_to_string(&args.file)
@@ -188,7 +194,7 @@ pub fn read_plan(path: &Path) -> Result<Plan> {
 }
 
 pub fn run(args: &Args) -> Result<()> {
-    let (compiled, _) = plan(&args.plan, args.top)?;
+    let (compiled, _) = plan(&args.plan, args.top, |_| Ok(()))?;
     let compiled = &compiled;
     if let Some(path) = &args.output {
         write_plan(&compiled.plan, path)?;

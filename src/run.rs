@@ -1,7 +1,7 @@
 //! `dplc run`: plan (or take the pinned strategy), then train on CPU ranks —
 //! threads of this process — with a progress line or one JSON object per step.
 
-use crate::load;
+use crate::compile::{self, PlanArgs};
 use dplc_runtime::{Corpus, RunConfig, StepStats, StopFlag, TokenFormat};
 use miette::{miette, Result};
 use serde_json::json;
@@ -11,23 +11,8 @@ use std::time::Instant;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// The .dpl file.
-    pub file: PathBuf,
-    /// The model to train (needed when the file defines several).
-    #[arg(long)]
-    pub model: Option<String>,
-    /// CPU ranks, e.g. `4xcpu`.
-    #[arg(long)]
-    pub cluster: String,
-    /// Pin parts of the strategy, e.g. `dp=2,tp=2,pp=1,zero=1,sp=true`.
-    #[arg(long)]
-    pub strategy: Option<String>,
-    /// Samples per step (default: the model's train section).
-    #[arg(long)]
-    pub global_batch: Option<u64>,
-    /// Sequence length (default: the model's train section).
-    #[arg(long)]
-    pub seq: Option<u64>,
+    #[command(flatten)]
+    pub plan: PlanArgs,
     /// Optimizer steps (default: the train section's `steps`, else 100).
     #[arg(long)]
     pub steps: Option<u64>,
@@ -54,40 +39,20 @@ pub struct Prepared {
     pub cfg: RunConfig,
 }
 
-fn plan_error(e: dplc_planner::PlanError) -> miette::Report {
-    miette!("{e}")
-}
-
-/// Lower `model` from `file` and plan it on `cluster` under `strategy`.
-pub fn prepare(
-    file: &Path,
-    model: Option<&str>,
-    cluster: &str,
-    strategy: Option<&str>,
-    global_batch: Option<u64>,
-    seq: Option<u64>,
-) -> Result<Prepared> {
-    let unit = load::parse(file)?;
-    let name = load::choose_model(&unit, file, model)?;
-    let lowered = unit.lower(&name)?;
-    let cluster = dplc_planner::parse_cluster(cluster).map_err(plan_error)?;
-    let mut pinned = match strategy {
-        Some(s) => dplc_planner::parse_strategy(s).map_err(plan_error)?,
-        None => dplc_planner::StrategyConstraints::default(),
-    };
-    // The CPU runtime has no context parallelism: plan without it.
-    if pinned.cp.is_some_and(|cp| cp > 1) {
-        return Err(miette!(
-            help = "drop cp from --strategy",
-            "context parallelism (cp > 1) is not implemented by the CPU runtime"
-        ));
-    }
-    pinned.cp = Some(1);
-    let mut req = dplc_planner::PlanRequest::new(&lowered.graph, lowered.train.clone(), cluster);
-    req.global_batch = global_batch;
-    req.seq = seq;
-    req.pinned = pinned;
-    let plan = dplc_planner::compile(&req).map_err(plan_error)?.plan;
+/// Lower the model and plan it for CPU ranks (without context parallelism,
+/// which the CPU runtime does not implement).
+pub fn prepare(args: &PlanArgs) -> Result<Prepared> {
+    let (compiled, lowered) = compile::plan(args, 0, |pinned| {
+        if pinned.cp.is_some_and(|cp| cp > 1) {
+            return Err(miette!(
+                help = "drop cp from --strategy",
+                "context parallelism (cp > 1) is not implemented by the CPU runtime"
+            ));
+        }
+        pinned.cp = Some(1);
+        Ok(())
+    })?;
+    let plan = compiled.plan;
     let mut train = lowered.train.clone();
     train.global_batch = plan.strategy.global_batch;
     train.seq = plan.strategy.seq;
@@ -201,18 +166,9 @@ fn progress(st: &StepStats, steps: u64, started: Instant, tty: bool) {
 }
 
 pub fn run(args: &Args) -> Result<()> {
-    let p = prepare(
-        &args.file,
-        args.model.as_deref(),
-        &args.cluster,
-        args.strategy.as_deref(),
-        args.global_batch,
-        args.seq,
-    )?;
+    let p = prepare(&args.plan)?;
     if let Some(path) = &args.save_plan {
-        let text = ron::ser::to_string_pretty(&p.plan, ron::ser::PrettyConfig::default())
-            .map_err(|e| miette!("cannot write the plan: {e}"))?;
-        std::fs::write(path, text).map_err(|e| miette!("cannot write {}: {e}", path.display()))?;
+        compile::write_plan(&p.plan, path)?;
     }
     let steps = args.steps.or(p.train.steps).unwrap_or(100);
     if steps == 0 {

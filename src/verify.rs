@@ -11,7 +11,7 @@
 use crate::load;
 use dplc_ir::Plan;
 use dplc_runtime::{Corpus, Faults, RunConfig, TrainReport};
-use miette::{miette, IntoDiagnostic, Result};
+use miette::{miette, Result};
 use std::path::{Path, PathBuf};
 
 /// Print a line; a closed stdout (`| head`) is not an error worth a panic.
@@ -29,8 +29,9 @@ const SGD_TOL: f64 = 1e-6;
 pub struct Args {
     /// The plan file (RON, as `dplc compile` writes it).
     pub plan: PathBuf,
-    /// The .dpl file defining the plan's model (default: the first file in
-    /// `models/` that defines it).
+    /// The .dpl file defining the plan's model (default: the copy of the
+    /// source the plan carries; for older plans, the first file in `models/`
+    /// that defines it).
     #[arg(long)]
     pub source: Option<PathBuf>,
     /// Steps of each run.
@@ -43,6 +44,10 @@ pub struct Args {
     /// Print a JSON object instead of text.
     #[arg(long)]
     pub json: bool,
+}
+
+fn read(path: &Path) -> Result<String> {
+    std::fs::read_to_string(path).map_err(|e| miette!("cannot read {}: {e}", path.display()))
 }
 
 fn find_source(model: &str) -> Result<PathBuf> {
@@ -66,19 +71,22 @@ fn find_source(model: &str) -> Result<PathBuf> {
     ))
 }
 
-/// The plan's model with just enough layers for its pipeline.
-fn reduced_model(source: &Path, model: &str, layers: u64) -> Result<dplc_frontend::Lowered> {
-    let text = std::fs::read_to_string(source)
-        .map_err(|e| miette!("cannot read {}: {e}", source.display()))?;
+/// The plan's model with just enough layers for its pipeline, from the .dpl
+/// `text` (shown as `name` in diagnostics).
+fn reduced_model(
+    name: &str,
+    text: &str,
+    model: &str,
+    layers: u64,
+) -> Result<dplc_frontend::Lowered> {
     let variant = format!("{text}\nmodel dplc_verify_reduced = {model}(layers = {layers})\n");
-    let name = source.display().to_string();
-    if let Ok(unit) = dplc_frontend::parse(&name, &variant) {
+    if let Ok(unit) = dplc_frontend::parse(name, &variant) {
         if let Ok(l) = unit.lower("dplc_verify_reduced") {
             return Ok(l);
         }
     }
     // A model without a `layers` argument runs at full depth.
-    Ok(load::parse(source)?.lower(model)?)
+    Ok(dplc_frontend::parse(name, text)?.lower(model)?)
 }
 
 struct Outcome {
@@ -97,19 +105,22 @@ fn max_loss_dev(a: &TrainReport, b: &TrainReport) -> f64 {
 }
 
 pub fn run(args: &Args) -> Result<()> {
-    let text = std::fs::read_to_string(&args.plan)
-        .map_err(|e| miette!("cannot read {}: {e}", args.plan.display()))?;
-    let plan: Plan = ron::from_str(&text)
-        .into_diagnostic()
-        .map_err(|e| miette!("{} is not a plan: {e}", args.plan.display()))?;
-    let source = match &args.source {
-        Some(s) => s.clone(),
-        None => find_source(&plan.model)?,
+    let plan: Plan = crate::compile::read_plan(&args.plan)?;
+    // The model's text: --source, else the copy the plan carries, else the zoo.
+    let (source_name, source_text) = match &args.source {
+        Some(s) => (s.display().to_string(), read(s)?),
+        None if !plan.source.text.is_empty() => {
+            (plan.source.file.clone(), plan.source.text.clone())
+        }
+        None => {
+            let s = find_source(&plan.model)?;
+            (s.display().to_string(), read(&s)?)
+        }
     };
     let mut split = RunConfig::from_plan(&plan).map_err(|e| miette!("{e}"))?;
     let v = split.schedule.chunks();
     let layers = (split.pp * v).max(2) as u64;
-    let lowered = reduced_model(&source, &plan.model, layers)?;
+    let lowered = reduced_model(&source_name, &source_text, &plan.model, layers)?;
     // One sample per micro-batch; enough micro-batches for the schedule.
     split.micro_batch = 1;
     split.num_micro_batches = if split.pp > 1 { split.pp } else { 2 };

@@ -83,8 +83,8 @@ fn run_with_a_pinned_split_strategy() {
 fn bad_input_gets_clear_errors() {
     let cases: [(&[&str], &str); 3] = [
         (
-            &["--cluster", "8xcpu", "--strategy", "tp=8"],
-            "tp must divide 4",
+            &["--cluster", "3xcpu", "--strategy", "tp=3"],
+            "tp=3 cannot split the layer",
         ),
         (
             &[

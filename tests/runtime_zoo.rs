@@ -364,3 +364,75 @@ fn gpt_tiny_pp4_interleaved_pipeline_matches_serial() {
         &run_sgd("gpt_tiny8", cfg),
     );
 }
+
+/// The planner's own layouts, from the sharding e-graph, run on CPU ranks and
+/// match the serial run: Megatron's split at tp 2 (with and without sequence
+/// parallelism, under a pipeline), llama_tiny's grouped KV heads, and layouts
+/// Megatron's rule cannot express — gpt_tiny at tp 8 keeps its 4 heads whole
+/// on every rank and splits the MLP, llama_tiny at tp 4 replicates its 2 KV
+/// heads.
+#[test]
+fn the_egraph_layouts_run_and_match_serial() {
+    let cases = [
+        ("gpt_tiny", 2, "tp=2,sp=off"),
+        ("gpt_tiny", 2, "tp=2,sp=on"),
+        ("gpt_tiny", 4, "tp=2,pp=2,sp=on,schedule=1f1b"),
+        ("gpt_tiny", 8, "tp=8,sp=off"),
+        ("llama_tiny", 2, "tp=2,sp=on"),
+        ("llama_tiny", 4, "tp=4,sp=off"),
+    ];
+    for (model, ranks, strategy) in cases {
+        let (graph, spec) = lower(model);
+        let mut req = dplc_planner::PlanRequest::new(
+            &graph,
+            spec,
+            dplc_planner::parse_cluster(&format!("{ranks}xcpu")).unwrap(),
+        );
+        let tp: u64 = strategy[3..4].parse().unwrap();
+        req.global_batch = Some(4 * (ranks / tp));
+        req.seq = Some(16);
+        req.pinned = dplc_planner::parse_strategy(&format!("{strategy},mb=1")).unwrap();
+        let plan = dplc_planner::compile(&req)
+            .unwrap_or_else(|e| panic!("{model} {strategy}: {e}"))
+            .plan;
+        let layout = plan
+            .layout
+            .as_ref()
+            .expect("a split plan carries its layout");
+        // What runs is what the planner priced: the same parameters split on
+        // the same dims.
+        let mut ran: Vec<(String, usize)> = layout
+            .params
+            .iter()
+            .map(|s| match s.split {
+                dplc_ir::SplitAxis::Tensor { axis } => (graph.param(s.param).name.clone(), axis),
+                dplc_ir::SplitAxis::Expert => panic!("no experts here"),
+            })
+            .collect();
+        let mut priced: Vec<(String, usize)> = plan
+            .param_sharding
+            .iter()
+            .filter(|p| !["wte", "embed", "output", "wpe"].contains(&p.name.as_str()))
+            .flat_map(|p| p.splits.iter().map(|&(_, d)| (p.name.clone(), d)))
+            .collect();
+        ran.sort();
+        priced.sort();
+        assert_eq!(ran, priced, "{model} {strategy}");
+        let beyond_megatron = tp == 8 || (model == "llama_tiny" && tp == 4);
+        if beyond_megatron {
+            assert!(
+                dplc_ir::derive_layout(&graph, plan.mesh.tp, 1, false).is_err(),
+                "{model} {strategy}: Megatron's rule has no such layout"
+            );
+        }
+        let cfg = RunConfig::from_plan(&plan).unwrap();
+        let name = format!("{model} {strategy} (e-graph layout)");
+        let serial_cfg = serial(cfg.global_batch());
+        assert_losses(
+            &name,
+            &run(model, serial_cfg.clone()),
+            &run(model, cfg.clone()),
+        );
+        assert_close(&name, &run_sgd(model, serial_cfg), &run_sgd(model, cfg));
+    }
+}

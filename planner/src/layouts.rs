@@ -3,7 +3,7 @@
 //! repeat the body, and the model profile under each.
 
 use crate::cluster::Cluster;
-use crate::egraph::{shard_region, Limits, LinkCost, ShardOptions, ShardResult};
+use crate::egraph::{shard_region, Limits, LinkCost, RuntimeLayout, ShardOptions, ShardResult};
 use crate::profile::{layer_body, ModelProfile};
 use crate::PlanError;
 use dplc_ir::{Analysis, Graph, LinkLevel, Precision};
@@ -171,12 +171,59 @@ impl Layouts {
     pub fn get(&self, d: Degrees) -> Option<&Layout> {
         self.by_degrees.get(&d).and_then(|l| l.as_ref().ok())
     }
+}
 
-    /// Why `d` has no layout, if it has none.
-    pub fn why_not(&self, d: Degrees) -> Option<&str> {
-        match self.by_degrees.get(&d) {
-            Some(Err(why)) => Some(why),
-            _ => None,
-        }
+/// The runtime's layout of the whole model from the layer body's: the root
+/// (embedding, head, loss) runs whole on every rank and hands the layers their
+/// input in the layout the body expects.
+pub(crate) fn model_layout(
+    g: &Graph,
+    body: RuntimeLayout,
+    tp: u64,
+    sequence_parallel: bool,
+) -> Option<dplc_ir::ModelLayout> {
+    use dplc_ir::{NodeLayout, Op, RegionLayout, TensorLayout};
+    let root = g.root();
+    let mut found = false;
+    let nodes = g
+        .region(root)
+        .nodes
+        .iter()
+        .map(|&n| {
+            let node = g.node(n);
+            match node.op {
+                Op::Repeat { body: b, .. } if b == body.region.region => {
+                    found = true;
+                    NodeLayout {
+                        node: n,
+                        inputs: body.region.args.clone(),
+                        outputs: body.region.results.clone(),
+                    }
+                }
+                _ => NodeLayout {
+                    node: n,
+                    inputs: vec![TensorLayout::Replicated; node.inputs.len()],
+                    outputs: vec![TensorLayout::Replicated; node.outputs.len()],
+                },
+            }
+        })
+        .collect();
+    if !found || body.region.args.len() != g.region(body.region.region).args.len() {
+        return None;
     }
+    Some(dplc_ir::ModelLayout {
+        tp,
+        ep: 1,
+        sequence_parallel: sequence_parallel && tp > 1,
+        regions: vec![
+            RegionLayout {
+                region: root,
+                args: Vec::new(),
+                nodes,
+                results: vec![TensorLayout::Replicated; g.region(root).results.len()],
+            },
+            body.region,
+        ],
+        params: body.params,
+    })
 }

@@ -206,7 +206,10 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
     let profile = match layouts.get((1, 1)) {
         Some(l) => &l.profile,
         None => {
-            let why = layouts.why_not((1, 1)).unwrap_or("no layout");
+            let why = match layouts.by_degrees.get(&(1, 1)) {
+                Some(Err(why)) => why.as_str(),
+                _ => "no layout",
+            };
             return Err(PlanError::Model(format!(
                 "`{}` has no single-rank layout: {why}",
                 req.graph.name
@@ -243,7 +246,7 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
         .collect();
     // The plan's programs at its own degrees; under sequence parallelism the
     // e-graph runs again with the residual stream split along the sequence.
-    let (layer, root) = if c.sp {
+    let (layer, root, runtime) = if c.sp {
         let an = dplc_ir::Analysis::new(req.graph);
         let (l, r) = layouts::extract(
             req.graph,
@@ -257,11 +260,12 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
         .map_err(PlanError::Model)?;
         stats.push(LayoutStats::of("layer", &l));
         stats.push(LayoutStats::of("model", &r));
-        (l.region_program, r.region_program)
+        (l.region_program, r.region_program, l.runtime_layout)
     } else {
         (
             layout.layer.region_program.clone(),
             layout.root.region_program.clone(),
+            layout.layer.runtime_layout.clone(),
         )
     };
     let mut plan = report::build_plan(
@@ -276,6 +280,13 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
     );
     if c.tp > 1 || c.ep > 1 {
         plan.programs = vec![layer, root];
+        // The runtime executes the e-graph's layer layout where its layouts
+        // can say it; expert parallelism still uses the runtime's Megatron
+        // derivation, and the embedding and head run whole on every rank.
+        plan.layout = runtime
+            .filter(|_| c.ep == 1 && c.cp == 1)
+            .and_then(|l| layouts::model_layout(req.graph, l, c.tp, c.sp))
+            .or_else(|| dplc_ir::derive_layout(req.graph, c.tp, c.ep, c.sp).ok());
     }
     Ok(Compiled {
         plan,

@@ -82,10 +82,11 @@ pub(crate) fn validate(
         ));
     }
     if let Some(tp) = pins.tp {
-        if layouts.get((tp, 1)).is_none() {
-            let why = layouts
-                .why_not((tp, 1))
-                .unwrap_or("no layout was extracted");
+        let at_tp = || layouts.by_degrees.iter().filter(|((t, _), _)| *t == tp);
+        if !at_tp().any(|(_, l)| l.is_ok()) {
+            let why = at_tp()
+                .find_map(|(_, l)| l.as_ref().err())
+                .map_or("no layout was extracted", String::as_str);
             return bad(format!("tp={tp} cannot split the layer: {why}"));
         }
     }
@@ -192,7 +193,10 @@ pub(crate) fn search(
         .into_iter()
         .filter(|&t| {
             allowed(pins.tp, t)
-                && layouts.get((t, 1)).is_some()
+                && layouts
+                    .by_degrees
+                    .iter()
+                    .any(|((x, _), l)| *x == t && l.is_ok())
                 && (t <= cluster.devices_per_node || pins.tp == Some(t))
         })
         .collect();

@@ -174,6 +174,9 @@ pub struct ShardResult {
     pub program: String,
     /// The same program as plan data (what `explain`, `viz` and the runtime read).
     pub region_program: dplc_ir::RegionProgram,
+    /// The program as the runtime's per-node layouts, when the runtime can
+    /// express it (tensor and sequence parallelism, no expert or context axis).
+    pub runtime_layout: Option<RuntimeLayout>,
     pub collectives: Vec<Collective>,
     pub stats: EgraphStats,
 }
@@ -316,10 +319,12 @@ pub fn shard_region(
         cost_s: program.cost,
     };
     let region_program = region_program(g, eg, &program, &back, &names, opts, &stats);
+    let runtime_layout = runtime_layout(g, region, eg, &program);
     Ok(ShardResult {
         sharding,
         program: print_program(g, eg, &program, &names),
         region_program,
+        runtime_layout,
         collectives,
         stats,
     })
@@ -489,6 +494,154 @@ fn node_str(eg: &ShardGraph, n: &ShardLang, child: &dyn Fn(Id) -> String) -> Str
     }
     s.push(')');
     s
+}
+
+/// A region's layout in the runtime's terms, and the parameters stored split.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RuntimeLayout {
+    pub region: dplc_ir::RegionLayout,
+    pub params: Vec<dplc_ir::ParamSplit>,
+}
+
+/// What one rank holds of a class, as the runtime says it; `None` where the
+/// runtime has no word for it (expert or context splits).
+fn runtime_part(data: &Data) -> Option<dplc_ir::TensorLayout> {
+    use dplc_ir::TensorLayout as L;
+    let l = data.layout()?;
+    if l.get(MeshAxis::Ep) != Part::Replicated || l.get(MeshAxis::Cp) != Part::Replicated {
+        return None;
+    }
+    Some(match l.get(MeshAxis::Tp) {
+        Part::Replicated => L::Replicated,
+        Part::Sharded(axis) => L::Split { axis },
+        Part::Partial => L::Partial,
+    })
+}
+
+/// Translate the extracted program into per-node layouts: every IR node the
+/// program computes reads its operands in the layouts of the operand values
+/// and yields its value's layout; the runtime converts wherever a value is
+/// read in another layout than it was made in, so nodes the program does not
+/// mention run whole. `None` when the program needs what the runtime cannot
+/// express: an expert or context split, a node computed in two layouts, a
+/// nested `repeat`.
+fn runtime_layout(
+    g: &Graph,
+    region: RegionId,
+    eg: &ShardGraph,
+    p: &Program,
+) -> Option<RuntimeLayout> {
+    use dplc_ir::{NodeLayout, ParamSplit, SplitAxis, TensorLayout as L};
+    let ctx = &eg.analysis.ctx;
+    let reg = g.region(region);
+    let mut nodes: BTreeMap<dplc_ir::NodeId, (Vec<L>, Vec<Option<L>>)> = BTreeMap::new();
+    let mut params: BTreeMap<ParamId, usize> = BTreeMap::new();
+    for &c in &p.order {
+        let n = &p.choice[&c];
+        if let ShardLang::Shard([m, a, x]) = n {
+            if CostModel::stored_shard(eg, n) && eg[*x].data.flags().weight {
+                let (Some(MeshAxis::Tp), Some(a)) = (mesh_of(eg, *m), num_of(eg, *a)) else {
+                    return None;
+                };
+                // Only a parameter stored split as it is (no view between).
+                let direct = eg[*x].nodes.iter().find_map(|xn| match xn {
+                    ShardLang::Param(tag) => match ctx.op(tag_of(eg, *tag)?).op {
+                        Op::Param(p) => Some(p),
+                        _ => None,
+                    },
+                    _ => None,
+                });
+                let p = direct?;
+                if params
+                    .insert(p, a as usize)
+                    .is_some_and(|old| old != a as usize)
+                {
+                    return None;
+                }
+            }
+            continue;
+        }
+        let Some((tag, operands)) = n.tagged() else {
+            continue;
+        };
+        let tag = tag_of(eg, tag)?;
+        let info = ctx.op(tag);
+        if matches!(info.op, Op::Repeat { .. }) {
+            return None;
+        }
+        let inputs: Vec<L> = operands
+            .iter()
+            .map(|&o| runtime_part(&eg[o].data))
+            .collect::<Option<_>>()?;
+        let out = runtime_part(&eg[c].data)?;
+        let node = g.node(tag.node);
+        let entry = nodes
+            .entry(tag.node)
+            .or_insert_with(|| (inputs.clone(), vec![None; node.outputs.len()]));
+        if matches!(info.op, Op::Param(_)) {
+            continue;
+        }
+        if entry.0 != inputs || entry.0.len() != node.inputs.len() {
+            return None;
+        }
+        match entry.1.get_mut(tag.output as usize) {
+            Some(slot @ None) => *slot = Some(out),
+            Some(Some(prev)) if *prev == out => {}
+            _ => return None,
+        }
+    }
+    let rep = |k: usize| vec![L::Replicated; k];
+    let node_layouts = reg
+        .nodes
+        .iter()
+        .map(|&n| {
+            let node = g.node(n);
+            match (&node.op, nodes.get(&n)) {
+                (Op::Param(p), _) => NodeLayout {
+                    node: n,
+                    inputs: Vec::new(),
+                    outputs: vec![params
+                        .get(p)
+                        .map_or(L::Replicated, |&axis| L::Split { axis })],
+                },
+                (_, Some((inputs, outs))) => NodeLayout {
+                    node: n,
+                    inputs: inputs.clone(),
+                    outputs: outs.iter().map(|o| o.unwrap_or(L::Replicated)).collect(),
+                },
+                (_, None) => NodeLayout {
+                    node: n,
+                    inputs: rep(node.inputs.len()),
+                    outputs: rep(node.outputs.len()),
+                },
+            }
+        })
+        .collect();
+    let args: Vec<L> = ctx
+        .local_args
+        .iter()
+        .map(|s| s.map_or(L::Replicated, |axis| L::Split { axis }))
+        .collect();
+    let results = p
+        .roots
+        .iter()
+        .map(|&r| runtime_part(&eg[r].data))
+        .collect::<Option<Vec<L>>>()?;
+    Some(RuntimeLayout {
+        region: dplc_ir::RegionLayout {
+            region,
+            args,
+            nodes: node_layouts,
+            results,
+        },
+        params: params
+            .into_iter()
+            .map(|(param, axis)| ParamSplit {
+                param,
+                split: SplitAxis::Tensor { axis },
+            })
+            .collect(),
+    })
 }
 
 fn ir_axis(m: MeshAxis) -> dplc_ir::MeshAxis {
