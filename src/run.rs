@@ -29,6 +29,10 @@ pub struct Args {
     /// Also write the plan it trains with (RON), e.g. for `dplc verify`.
     #[arg(long)]
     pub save_plan: Option<PathBuf>,
+    /// Write the measured timeline (Chrome trace-event JSON: every rank's
+    /// forward, backward and step spans), to compare with `dplc viz --format trace`.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
 }
 
 /// A model lowered, planned for CPU ranks and turned into a run.
@@ -177,7 +181,10 @@ pub fn run(args: &Args) -> Result<()> {
     let data = corpus(args.data.as_deref(), &p.graph, args.seed)?;
     data.check(p.train.seq as usize, Some(vocab_of(&p.graph)))
         .map_err(|e| miette!("{e}"))?;
-    let cfg = p.cfg.clone();
+    let mut cfg = p.cfg.clone();
+    if args.trace.is_some() {
+        cfg.trace = dplc_runtime::TraceSink::recording();
+    }
     install_interrupt(&cfg.stop);
     if !args.json {
         eprintln!(
@@ -211,6 +218,11 @@ pub fn run(args: &Args) -> Result<()> {
     })
     .map_err(|e| miette!("{e}"))?;
     let elapsed = started.elapsed().as_secs_f64();
+    if let Some(path) = &args.trace {
+        let trace = crate::viz::measured_trace(&p.plan, &cfg.trace.spans());
+        std::fs::write(path, trace.to_string())
+            .map_err(|e| miette!("cannot write the trace {}: {e}", path.display()))?;
+    }
     let done = report.steps.len() as u64;
     let first = report.steps.first().map_or(f64::NAN, |s| s.loss);
     let last = report.steps.last().map_or(f64::NAN, |s| s.loss);

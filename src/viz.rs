@@ -100,6 +100,54 @@ pub fn trace(plan: &Plan) -> serde_json::Value {
     })
 }
 
+/// The Chrome trace of a real run (`dplc run --trace`): one track per rank,
+/// in the same format as the plan's simulated trace, so the two open side by
+/// side in Perfetto.
+pub fn measured_trace(plan: &Plan, spans: &[dplc_runtime::TraceSpan]) -> serde_json::Value {
+    let mut events = vec![json!({
+        "name": "process_name", "ph": "M", "pid": 1, "tid": 0,
+        "args": {"name": format!("{} on {} (measured)", plan.model, plan.cluster.name)},
+    })];
+    let mut ranks: Vec<&dplc_runtime::TraceSpan> = spans.iter().collect();
+    ranks.sort_by_key(|s| s.rank);
+    ranks.dedup_by_key(|s| s.rank);
+    for s in ranks {
+        events.push(json!({
+            "name": "thread_name", "ph": "M", "pid": 1, "tid": s.rank,
+            "args": {"name": format!("rank {} (stage {}, dp {}, tp {})",
+                s.rank, s.stage, s.dp_index, s.tp_index)},
+        }));
+    }
+    for s in spans {
+        let name = match s.kind {
+            "step" => format!("step {} sync + optimizer", s.step),
+            kind if plan.strategy.virtual_stages > 1 => {
+                format!("{kind} mb{} c{}", s.micro_batch, s.chunk)
+            }
+            kind => format!("{kind} mb{}", s.micro_batch),
+        };
+        events.push(json!({
+            "name": name,
+            "cat": s.kind,
+            "ph": "X",
+            "ts": s.start_us,
+            "dur": s.duration_us,
+            "pid": 1,
+            "tid": s.rank,
+            "args": {"step": s.step, "micro_batch": s.micro_batch, "chunk": s.chunk},
+        }));
+    }
+    json!({
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "model": plan.model,
+            "cluster": plan.cluster.name,
+            "predicted_step_time_s": plan.estimate.step_time_s,
+        },
+    })
+}
+
 fn layout_text(layout: &[(dplc_ir::MeshAxis, AxisPart)]) -> String {
     if layout.is_empty() {
         return "replicated".into();

@@ -241,3 +241,49 @@ fn run_trains_on_a_data_file() {
         stderr(&out)
     );
 }
+
+/// `dplc run --trace` writes the measured timeline in the trace-event format
+/// `dplc viz --format trace` uses: every rank's forwards and backwards per
+/// micro-batch, then its step's synchronisation and optimizer.
+#[test]
+fn run_trace_records_every_rank_in_the_trace_event_format() {
+    let trace = std::env::temp_dir().join(format!("dplc-run-trace-{}.json", std::process::id()));
+    let mut args = vec![
+        "run",
+        "models/tiny.dpl",
+        "--cluster",
+        "4xcpu",
+        "--strategy",
+        "dp=1,tp=2,pp=2,schedule=1f1b,mb=1",
+        "--trace",
+        trace.to_str().unwrap(),
+    ];
+    args.extend(SMALL);
+    args.extend(["--steps", "2"]);
+    let out = dplc(&args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).expect("trace written")).unwrap();
+    let events = v["traceEvents"].as_array().expect("traceEvents");
+    let spans: Vec<&serde_json::Value> = events.iter().filter(|e| e["ph"] == "X").collect();
+    for e in &spans {
+        assert!(e["ts"].as_f64().unwrap() >= 0.0 && e["dur"].as_f64().unwrap() >= 0.0);
+        assert!(e["pid"].is_u64() && e["tid"].is_u64() && e["name"].is_string());
+    }
+    let global_batch: usize = SMALL[SMALL.iter().position(|a| *a == "--global-batch").unwrap() + 1]
+        .parse()
+        .unwrap();
+    for rank in 0..4u64 {
+        let of = |cat: &str| {
+            spans
+                .iter()
+                .filter(|e| e["tid"] == rank && e["cat"] == cat)
+                .count()
+        };
+        // Two steps of `global_batch` one-sample micro-batches on one replica.
+        assert_eq!(of("forward"), 2 * global_batch, "rank {rank}");
+        assert_eq!(of("backward"), 2 * global_batch, "rank {rank}");
+        assert_eq!(of("step"), 2, "rank {rank}");
+    }
+    assert!(v["otherData"]["predicted_step_time_s"].as_f64().unwrap() > 0.0);
+}

@@ -51,6 +51,72 @@ impl PartialEq for StopFlag {
     }
 }
 
+/// What one rank spent a span of wall time on, for `dplc run --trace`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TraceSpan {
+    pub rank: usize,
+    pub stage: usize,
+    pub dp_index: usize,
+    pub tp_index: usize,
+    pub step: u64,
+    /// `forward`, `backward` or `step` (gradient sync, clipping, optimizer).
+    pub kind: &'static str,
+    pub micro_batch: usize,
+    pub chunk: usize,
+    /// Microseconds since the run started.
+    pub start_us: f64,
+    pub duration_us: f64,
+}
+
+/// Where ranks record their spans when a trace is asked for; the default
+/// records nothing (and costs one branch per span).
+#[derive(Clone, Debug, Default)]
+pub struct TraceSink(Option<Arc<std::sync::Mutex<Vec<TraceSpan>>>>);
+
+impl TraceSink {
+    pub fn recording() -> TraceSink {
+        TraceSink(Some(Arc::default()))
+    }
+
+    fn push(&self, span: TraceSpan) {
+        if let Some(spans) = &self.0 {
+            // A rank that panicked mid-push poisons the lock; the spans
+            // already there are still whole.
+            spans
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .push(span);
+        }
+    }
+
+    fn is_on(&self) -> bool {
+        self.0.is_some()
+    }
+
+    /// Everything recorded so far, in start order.
+    pub fn spans(&self) -> Vec<TraceSpan> {
+        let mut v = match &self.0 {
+            Some(spans) => spans
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .clone(),
+            None => Vec::new(),
+        };
+        v.sort_by(|a, b| a.start_us.total_cmp(&b.start_us).then(a.rank.cmp(&b.rank)));
+        v
+    }
+}
+
+impl PartialEq for TraceSink {
+    fn eq(&self, other: &TraceSink) -> bool {
+        match (&self.0, &other.0) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            (None, None) => true,
+            _ => false,
+        }
+    }
+}
+
 /// How one training run is split over CPU ranks.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RunConfig {
@@ -82,6 +148,8 @@ pub struct RunConfig {
     pub timeout: Duration,
     pub faults: Faults,
     pub stop: StopFlag,
+    /// Records each rank's forward, backward and step spans when on.
+    pub trace: TraceSink,
 }
 
 impl Default for RunConfig {
@@ -102,6 +170,7 @@ impl Default for RunConfig {
             timeout: Duration::from_secs(60),
             faults: Faults::default(),
             stop: StopFlag::default(),
+            trace: TraceSink::default(),
         }
     }
 }
@@ -227,6 +296,8 @@ struct Shared<'a> {
     /// Root parameters used on more than one stage (tied weights), by key.
     tied: BTreeMap<ParamKey, Vec<usize>>,
     layouts: Option<Layouts>,
+    /// When the run started: trace spans count from here.
+    started: Instant,
 }
 
 /// Where one rank sits in the grid: rank = (dp_index · pp + stage) · tp + tp_index.
@@ -399,6 +470,7 @@ pub fn train(
         seq,
         tied,
         layouts,
+        started: Instant::now(),
     };
     let world = World::new(cfg.world_size(), cfg.timeout);
     let (tx, rx) = mpsc::channel::<StepStats>();
@@ -703,13 +775,40 @@ fn run_rank(
         if cfg.faults.panic_rank_at == Some((rank, step)) {
             panic!("injected panic at step {step}");
         }
+        let span = |kind, micro, chunk, from: Instant| TraceSpan {
+            rank,
+            stage,
+            dp_index,
+            tp_index: at.tp_index,
+            step,
+            kind,
+            micro_batch: micro,
+            chunk,
+            start_us: from.duration_since(sh.started).as_secs_f64() * 1e6,
+            duration_us: from.elapsed().as_secs_f64() * 1e6,
+        };
         for &w in &work {
+            let from = Instant::now();
             match w {
-                Work::Forward { micro, chunk } => r.forward(micro, chunk)?,
-                Work::Backward { micro, chunk } => r.backward(micro, chunk)?,
+                Work::Forward { micro, chunk } => {
+                    r.forward(micro, chunk)?;
+                    if cfg.trace.is_on() {
+                        cfg.trace.push(span("forward", micro, chunk, from));
+                    }
+                }
+                Work::Backward { micro, chunk } => {
+                    r.backward(micro, chunk)?;
+                    if cfg.trace.is_on() {
+                        cfg.trace.push(span("backward", micro, chunk, from));
+                    }
+                }
             }
         }
+        let from = Instant::now();
         let stats = r.finish_step(start)?;
+        if cfg.trace.is_on() {
+            cfg.trace.push(span("step", 0, 0, from));
+        }
         if rank == 0 {
             // The receiver only goes away when the run is over; nothing to do then.
             let _ = tx.send(stats);

@@ -26,7 +26,9 @@ mod vjp;
 pub use comm::{Communicator, Group, Message, World};
 pub use data::{Corpus, TokenFormat};
 pub use error::{Result, RuntimeError};
-pub use exec::{train, Faults, Parameters, RunConfig, StepStats, StopFlag, TrainReport};
+pub use exec::{
+    train, Faults, Parameters, RunConfig, StepStats, StopFlag, TraceSink, TraceSpan, TrainReport,
+};
 pub use interp::ParamKey;
 pub use kernels::{forward, DropoutKey, OpCtx};
 pub use params::ZeroStage;
