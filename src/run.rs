@@ -29,6 +29,10 @@ pub struct Args {
     /// Also write the plan it trains with (RON), e.g. for `dplc verify`.
     #[arg(long)]
     pub save_plan: Option<PathBuf>,
+    /// Seconds a rank waits for a peer before declaring it lost and stopping
+    /// the run with an error that names it and the step.
+    #[arg(long, default_value_t = 60.0)]
+    pub timeout: f64,
     /// Write the measured timeline (Chrome trace-event JSON: every rank's
     /// forward, backward and step spans), to compare with `dplc viz --format trace`.
     #[arg(long)]
@@ -94,6 +98,34 @@ pub fn corpus(data: Option<&Path>, graph: &dplc_ir::Graph, seed: u64) -> Result<
             Corpus::from_file(path, format, seed).map_err(|e| miette!("{e}"))
         }
     }
+}
+
+/// The fault `DPLC_FAULT` asks for: `kill:RANK:STEP` (the rank dies with an
+/// error), `panic:RANK:STEP` or `stall:RANK:STEP` (it stops answering). For
+/// testing that a run stops, names the rank and never hangs.
+fn fault_from_env(spec: &str) -> Result<dplc_runtime::Faults> {
+    let bad = || {
+        miette!(
+            help = "write kill:RANK:STEP, panic:RANK:STEP or stall:RANK:STEP, e.g. DPLC_FAULT=stall:1:3",
+            "cannot read DPLC_FAULT=`{spec}`"
+        )
+    };
+    let parts: Vec<&str> = spec.split(':').collect();
+    let [kind, rank, step] = parts.as_slice() else {
+        return Err(bad());
+    };
+    let at = Some((
+        rank.parse::<usize>().map_err(|_| bad())?,
+        step.parse::<u64>().map_err(|_| bad())?,
+    ));
+    let mut f = dplc_runtime::Faults::default();
+    match *kind {
+        "kill" => f.fail_rank_at = at,
+        "panic" => f.panic_rank_at = at,
+        "stall" => f.stall_rank_at = at,
+        _ => return Err(bad()),
+    }
+    Ok(f)
 }
 
 /// Ctrl-C sets the flag once; a second Ctrl-C ends the process as usual.
@@ -182,6 +214,13 @@ pub fn run(args: &Args) -> Result<()> {
     data.check(p.train.seq as usize, Some(vocab_of(&p.graph)))
         .map_err(|e| miette!("{e}"))?;
     let mut cfg = p.cfg.clone();
+    if !(args.timeout.is_finite() && args.timeout > 0.0) {
+        return Err(miette!("--timeout must be a positive number of seconds"));
+    }
+    cfg.timeout = std::time::Duration::from_secs_f64(args.timeout);
+    if let Ok(spec) = std::env::var("DPLC_FAULT") {
+        cfg.faults = fault_from_env(&spec)?;
+    }
     if args.trace.is_some() {
         cfg.trace = dplc_runtime::TraceSink::recording();
     }

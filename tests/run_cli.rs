@@ -287,3 +287,43 @@ fn run_trace_records_every_rank_in_the_trace_event_format() {
     }
     assert!(v["otherData"]["predicted_step_time_s"].as_f64().unwrap() > 0.0);
 }
+
+/// The fault switch: a rank that dies or stops answering at a chosen step
+/// ends the run within the timeout, non-zero, naming the rank and the step.
+#[test]
+fn injected_faults_stop_the_run_and_name_the_rank_and_step() {
+    let cases = [
+        ("stall:1:2", "rank 1 stopped answering at step 2"),
+        ("kill:2:1", "injected failure at step 1"),
+        ("panic:3:0", "injected panic at step 0"),
+        ("stall:one:2", "cannot read DPLC_FAULT"),
+    ];
+    for (fault, want) in cases {
+        let mut args = vec![
+            "run",
+            "models/tiny.dpl",
+            "--cluster",
+            "4xcpu",
+            "--timeout",
+            "2",
+        ];
+        args.extend(SMALL);
+        args.extend(["--steps", "5"]);
+        let start = std::time::Instant::now();
+        let out = Command::new(env!("CARGO_BIN_EXE_dplc"))
+            .args(&args)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .env("NO_COLOR", "1")
+            .env("DPLC_FAULT", fault)
+            .output()
+            .expect("the dplc binary runs");
+        assert_eq!(out.status.code(), Some(1), "{fault}: {}", stderr(&out));
+        let err = stderr(&out);
+        assert!(err.contains(want), "{fault}: {err}");
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(20),
+            "{fault} took {:?}",
+            start.elapsed()
+        );
+    }
+}

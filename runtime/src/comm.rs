@@ -106,7 +106,13 @@ impl World {
             world: Arc::clone(self),
             rank,
             seqs: HashMap::new(),
+            step: 0,
         }
+    }
+
+    /// How long a rank waits for a peer before it declares the peer lost.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
     }
 }
 
@@ -115,6 +121,8 @@ pub struct Communicator {
     world: Arc<World>,
     rank: usize,
     seqs: HashMap<Vec<usize>, u64>,
+    /// The training step this rank is in, for naming where a peer was lost.
+    step: u64,
 }
 
 impl Communicator {
@@ -126,8 +134,21 @@ impl Communicator {
         &self.world
     }
 
-    /// Wait on the world until `ready` yields, a rank fails or the deadline passes.
-    fn wait<T>(&self, what: &str, mut ready: impl FnMut(&mut State) -> Option<T>) -> Result<T> {
+    /// Say which training step this rank is in (timeouts name it).
+    pub fn set_step(&mut self, step: u64) {
+        self.step = step;
+    }
+
+    /// Wait on the world until `ready` yields, a rank fails or the deadline
+    /// passes. `missing` says which peers have not arrived: on a timeout the
+    /// first of them is reported as the failed rank, since a rank that
+    /// stopped answering is the fault, not the rank left waiting for it.
+    fn wait<T>(
+        &self,
+        what: &str,
+        missing: impl Fn(&State) -> Vec<usize>,
+        mut ready: impl FnMut(&mut State) -> Option<T>,
+    ) -> Result<T> {
         let start = Instant::now();
         let mut s = self.world.lock();
         loop {
@@ -144,13 +165,19 @@ impl Communicator {
             }
             if start.elapsed() > self.world.timeout {
                 let seconds = start.elapsed().as_secs_f64();
+                let silent = missing(&s);
                 drop(s);
                 let err = RuntimeError::Timeout {
                     rank: self.rank,
                     what: what.to_string(),
                     seconds,
+                    step: self.step,
+                    silent: silent.clone(),
                 };
-                self.world.poison(self.rank, err.to_string());
+                self.world.poison(
+                    silent.first().copied().unwrap_or(self.rank),
+                    err.to_string(),
+                );
                 return Err(err);
             }
             s = self
@@ -188,7 +215,17 @@ impl Communicator {
             slot.deposits[pos] = Some(Arc::new(mine));
         }
         self.world.changed.notify_all();
-        self.wait(what, |s| {
+        let absent = |s: &State| match s.slots.get(&key) {
+            Some(slot) => group
+                .ranks
+                .iter()
+                .zip(&slot.deposits)
+                .filter(|(_, d)| d.is_none())
+                .map(|(&r, _)| r)
+                .collect(),
+            None => Vec::new(),
+        };
+        self.wait(what, absent, |s| {
             let slot = s.slots.get_mut(&key)?;
             if slot.deposits.iter().any(Option::is_none) {
                 return None;
@@ -285,9 +322,11 @@ impl Communicator {
     /// The next message from `from` under `tag`, waiting for it.
     pub fn recv(&mut self, from: usize, tag: u64) -> Result<Message> {
         let key = (from, self.rank, tag);
-        self.wait(&format!("recv from rank {from}"), |s| {
-            s.mail.get_mut(&key).and_then(VecDeque::pop_front)
-        })
+        self.wait(
+            &format!("recv from rank {from}"),
+            |_| vec![from],
+            |s| s.mail.get_mut(&key).and_then(VecDeque::pop_front),
+        )
     }
 }
 

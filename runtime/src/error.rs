@@ -21,12 +21,33 @@ pub enum RuntimeError {
     #[error("rank {rank} failed: {reason}")]
     RankFailed { rank: usize, reason: String },
     /// A collective or receive waited past the deadline: a rank is missing.
-    #[error("rank {rank} timed out after {seconds:.1}s waiting in {what}")]
+    #[error(
+        "{} stopped answering at step {step}: rank {rank} waited {seconds:.1}s for it in {what}",
+        silent_ranks(silent)
+    )]
     Timeout {
+        /// The rank that waited.
         rank: usize,
         what: String,
         seconds: f64,
+        step: u64,
+        /// The ranks it waited for.
+        silent: Vec<usize>,
     },
+}
+
+fn silent_ranks(silent: &[usize]) -> String {
+    match silent {
+        [] => "a peer".to_string(),
+        [one] => format!("rank {one}"),
+        many => format!(
+            "ranks {}",
+            many.iter()
+                .map(|r| r.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
 }
 
 pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;

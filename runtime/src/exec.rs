@@ -25,6 +25,9 @@ pub struct Faults {
     pub fail_rank_at: Option<(usize, u64)>,
     /// This rank panics at the start of this step.
     pub panic_rank_at: Option<(usize, u64)>,
+    /// This rank stops answering at the start of this step (a hung process):
+    /// the others must notice within the timeout and name it.
+    pub stall_rank_at: Option<(usize, u64)>,
     /// Leave out the data-parallel gradient all-reduce: a wrong plan.
     pub skip_grad_sync: bool,
     /// Take each tensor-parallel rank's summand for the whole (the all-reduce
@@ -758,6 +761,7 @@ fn run_rank(
     for step in 0..steps {
         let start = Instant::now();
         r.step = step;
+        r.store.comm.set_step(step);
         // Every rank stops at the same step boundary, or none does.
         let mut stop = vec![if cfg.stop.is_set() { 1.0 } else { 0.0 }];
         if cfg.world_size() > 1 {
@@ -774,6 +778,19 @@ fn run_rank(
         }
         if cfg.faults.panic_rank_at == Some((rank, step)) {
             panic!("injected panic at step {step}");
+        }
+        if cfg.faults.stall_rank_at == Some((rank, step)) {
+            // Hang until a peer gives up on this rank, then leave quietly:
+            // the peer's timeout is the error the run reports.
+            let world = r.store.comm.world().clone();
+            while world.failure().is_none() {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let (failed, reason) = world.failure().expect("just seen");
+            return Err(RuntimeError::RankFailed {
+                rank: failed,
+                reason,
+            });
         }
         let span = |kind, micro, chunk, from: Instant| TraceSpan {
             rank,

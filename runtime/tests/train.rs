@@ -230,6 +230,40 @@ fn a_failing_rank_stops_every_rank_and_is_named() {
     }
 }
 
+/// A rank that hangs (a stuck process, not a crash) is noticed by the ranks
+/// waiting for it once the timeout passes, and named with the step; nothing hangs.
+#[test]
+fn a_stalled_rank_is_named_with_its_step_within_the_timeout() {
+    let g = Gpt {
+        layers: 2,
+        ..Gpt::default()
+    }
+    .build();
+    let timeout = std::time::Duration::from_secs(2);
+    let start = std::time::Instant::now();
+    let cfg = RunConfig {
+        dp: 2,
+        pp: 2,
+        micro_batch: 1,
+        num_micro_batches: 2,
+        faults: Faults {
+            stall_rank_at: Some((3, 2)),
+            ..Faults::default()
+        },
+        timeout,
+        ..RunConfig::default()
+    };
+    let err = run(&g, cfg).unwrap_err();
+    assert!(
+        matches!(err, RuntimeError::RankFailed { rank: 3, .. }),
+        "{err}"
+    );
+    let msg = err.to_string();
+    assert!(msg.contains("rank 3 stopped answering at step 2"), "{msg}");
+    let took = start.elapsed();
+    assert!(took >= timeout && took < timeout * 4, "{took:?}");
+}
+
 #[test]
 fn configuration_errors_are_reported() {
     let g = Gpt {
