@@ -1,6 +1,7 @@
 //! The `dplc` command line: parse arguments, run one command, render errors
 //! with miette (source line, caret, hint) and exit non-zero on failure.
 
+mod build;
 mod compile;
 mod explain;
 mod inspect;
@@ -41,6 +42,10 @@ enum Command {
     Run(run::Args),
     /// Check a plan on CPU ranks at reduced size against the serial run.
     Verify(verify::Args),
+    /// Write a runnable artifact: the executable, the plan, the kernels, RUN.md.
+    Build(build::BuildArgs),
+    /// Run one rank of a built artifact (what RUN.md's launch lines start).
+    Launch(build::LaunchArgs),
 }
 
 fn main() -> ExitCode {
@@ -54,6 +59,8 @@ fn main() -> ExitCode {
         Command::Viz(args) => viz::run(&args),
         Command::Run(args) => run::run(&args),
         Command::Verify(args) => verify::run(&args),
+        Command::Build(args) => build::build(&args),
+        Command::Launch(args) => build::launch(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

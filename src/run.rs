@@ -13,6 +13,16 @@ use std::time::Instant;
 pub struct Args {
     #[command(flatten)]
     pub plan: PlanArgs,
+    #[command(flatten)]
+    pub train: TrainOpts,
+    /// Also write the plan it trains with (RON), e.g. for `dplc verify`.
+    #[arg(long)]
+    pub save_plan: Option<PathBuf>,
+}
+
+/// How to train a planned model: what `run` and `launch` share.
+#[derive(clap::Args, Clone, Debug)]
+pub struct TrainOpts {
     /// Optimizer steps (default: the train section's `steps`, else 100).
     #[arg(long)]
     pub steps: Option<u64>,
@@ -26,9 +36,6 @@ pub struct Args {
     /// One JSON object per step and a final summary on stdout.
     #[arg(long)]
     pub json: bool,
-    /// Also write the plan it trains with (RON), e.g. for `dplc verify`.
-    #[arg(long)]
-    pub save_plan: Option<PathBuf>,
     /// Seconds a rank waits for a peer before declaring it lost and stopping
     /// the run with an error that names it and the step.
     #[arg(long, default_value_t = 60.0)]
@@ -71,6 +78,30 @@ pub fn prepare(args: &PlanArgs) -> Result<Prepared> {
         plan,
         cfg,
     })
+}
+
+impl Prepared {
+    /// A plan file's model, lowered from the source the plan carries.
+    pub fn from_plan(plan: dplc_ir::Plan) -> Result<Prepared> {
+        if plan.source.text.is_empty() {
+            return Err(miette!(
+                help = "compile the plan again with `dplc compile … -o plan.ron`",
+                "the plan carries no model source (it predates dplc compile -o)"
+            ));
+        }
+        let unit = dplc_frontend::parse(&plan.source.file, &plan.source.text)?;
+        let lowered = unit.lower(&plan.source.model)?;
+        let mut train = lowered.train.clone();
+        train.global_batch = plan.strategy.global_batch;
+        train.seq = plan.strategy.seq;
+        let cfg = RunConfig::from_plan(&plan).map_err(|e| miette!("{e}"))?;
+        Ok(Prepared {
+            graph: lowered.graph,
+            train,
+            plan,
+            cfg,
+        })
+    }
 }
 
 /// The vocabulary the model's token embedding has, if it has one.
@@ -203,9 +234,25 @@ fn progress(st: &StepStats, steps: u64, started: Instant, tty: bool) {
 
 pub fn run(args: &Args) -> Result<()> {
     let p = prepare(&args.plan)?;
+    if p.plan.cluster.device != "cpu" {
+        // GPUs: the CUDA backend (cudarc, cuBLAS, NCCL); without a driver this
+        // is where the run stops, with "no CUDA driver found".
+        let gpus = (p.plan.cluster.nodes * p.plan.cluster.devices_per_node) as usize;
+        let cfg = dplc_runtime::gpu::GpuRunConfig {
+            gpus,
+            ranks_per_gpu: 1,
+        };
+        return dplc_runtime::gpu::train_on_gpus(&p.graph, &p.train, &cfg)
+            .map_err(|e| miette!("{e}"));
+    }
     if let Some(path) = &args.save_plan {
         compile::write_plan(&p.plan, path)?;
     }
+    train_prepared(&p, &args.train)
+}
+
+/// Train a prepared model on CPU ranks, reporting as `opts` says.
+pub fn train_prepared(p: &Prepared, args: &TrainOpts) -> Result<()> {
     let steps = args.steps.or(p.train.steps).unwrap_or(100);
     if steps == 0 {
         return Err(miette!("--steps must be positive"));

@@ -1,0 +1,285 @@
+//! `dplc build` writes what a user takes to the cluster: the executable, the
+//! plan, the PTX of the generated kernels, a manifest of their hashes and a
+//! RUN.md with the launch lines. `dplc launch DIR` is what every rank runs:
+//! it checks the hashes, finds its role from the launcher's environment and
+//! refuses a world that does not match the plan.
+
+use crate::compile::{self, read_plan, PlanArgs};
+use crate::run::{self, Prepared, TrainOpts};
+use dplc_codegen::{fnv1a, Arch, Nvrtc};
+use dplc_ir::Plan;
+use dplc_runtime::gpu::{compile_graph, storage_dtype, LaunchEnv};
+use miette::{miette, IntoDiagnostic, Result, WrapErr};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+#[derive(clap::Args)]
+pub struct BuildArgs {
+    #[command(flatten)]
+    pub plan: PlanArgs,
+    /// The directory to write (created; files in it are replaced).
+    #[arg(short, long)]
+    pub output: PathBuf,
+}
+
+#[derive(clap::Args)]
+pub struct LaunchArgs {
+    /// A directory written by `dplc build`.
+    pub dir: PathBuf,
+    #[command(flatten)]
+    pub train: TrainOpts,
+}
+
+/// One file of the artifact and its FNV-1a 64 hash (a corrupted or swapped
+/// file is caught before anything runs; not a defence against tampering).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct FileEntry {
+    path: String,
+    bytes: u64,
+    fnv1a64: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct Manifest {
+    format: u32,
+    model: String,
+    cluster: String,
+    /// Ranks the plan needs.
+    world_size: u64,
+    /// `cpu`: every rank is a thread of one process; `gpu`: one process per GPU.
+    backend: String,
+    files: Vec<FileEntry>,
+}
+
+const MANIFEST: &str = "manifest.json";
+
+fn write(dir: &Path, rel: &str, bytes: &[u8], files: &mut Vec<FileEntry>) -> Result<()> {
+    let path = dir.join(rel);
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)
+            .into_diagnostic()
+            .wrap_err_with(|| format!("cannot create {}", parent.display()))?;
+    }
+    std::fs::write(&path, bytes)
+        .into_diagnostic()
+        .wrap_err_with(|| format!("cannot write {}", path.display()))?;
+    files.push(FileEntry {
+        path: rel.to_string(),
+        bytes: bytes.len() as u64,
+        fnv1a64: format!("{:016x}", fnv1a(bytes)),
+    });
+    Ok(())
+}
+
+fn is_cpu(plan: &Plan) -> bool {
+    plan.cluster.device == "cpu"
+}
+
+fn arch_of(device: &str) -> Result<Arch> {
+    match device {
+        d if d.starts_with("A100") => Ok(Arch::Sm80),
+        d if d.starts_with("H100") || d.starts_with("H200") => Ok(Arch::Sm90),
+        d => Err(miette!(
+            "dplc generates kernels for sm_80 (A100) and sm_90 (H100, H200), not for {d}"
+        )),
+    }
+}
+
+fn world_size(plan: &Plan) -> u64 {
+    plan.cluster.nodes * plan.cluster.devices_per_node
+}
+
+pub fn build(args: &BuildArgs) -> Result<()> {
+    let (compiled, lowered) = compile::plan(&args.plan, 0, |_| Ok(()))?;
+    let plan = compiled.plan;
+    let dir = &args.output;
+    std::fs::create_dir_all(dir)
+        .into_diagnostic()
+        .wrap_err_with(|| format!("cannot create {}", dir.display()))?;
+    let mut files = Vec::new();
+    let exe = std::env::current_exe()
+        .and_then(std::fs::read)
+        .into_diagnostic()
+        .wrap_err("cannot read the dplc executable to copy it")?;
+    write(dir, "dplc", &exe, &mut files)?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir.join("dplc"), std::fs::Permissions::from_mode(0o755))
+            .into_diagnostic()?;
+    }
+    let text =
+        ron::ser::to_string_pretty(&plan, ron::ser::PrettyConfig::default()).into_diagnostic()?;
+    write(dir, "plan.ron", text.as_bytes(), &mut files)?;
+    let mut kernels = 0;
+    if !is_cpu(&plan) {
+        let arch = arch_of(&plan.cluster.device)?;
+        let nvrtc = Nvrtc::load().map_err(|e| {
+            miette!(
+                help = "install it with scripts/install-nvrtc.sh and export DPLC_NVRTC_LIB=<the path it prints>",
+                "a GPU plan needs NVRTC to generate its kernels: {e}"
+            )
+        })?;
+        let precision = lowered.train.precision;
+        let graph = compile_graph(&lowered.graph, storage_dtype(precision), arch, &nvrtc)
+            .map_err(|e| miette!("{e}"))?;
+        for (name, k) in &graph.kernels {
+            write(
+                dir,
+                &format!("kernels/{name}.ptx"),
+                k.ptx.text.as_bytes(),
+                &mut files,
+            )?;
+            kernels += 1;
+        }
+    }
+    let world = world_size(&plan);
+    let manifest = Manifest {
+        format: 1,
+        model: plan.model.clone(),
+        cluster: plan.cluster.name.clone(),
+        world_size: world,
+        backend: if is_cpu(&plan) { "cpu" } else { "gpu" }.into(),
+        files,
+    };
+    let run_md = run_md(&plan, &manifest, dir);
+    // RUN.md is documentation, not checked; the manifest goes last so that a
+    // directory with a manifest is a complete artifact.
+    std::fs::write(dir.join("RUN.md"), run_md)
+        .into_diagnostic()
+        .wrap_err("cannot write RUN.md")?;
+    let json = serde_json::to_string_pretty(&manifest).expect("the manifest serialises");
+    std::fs::write(dir.join(MANIFEST), json + "\n")
+        .into_diagnostic()
+        .wrap_err("cannot write the manifest")?;
+    println!(
+        "built {} for {} in {}: the executable, plan.ron{}, {MANIFEST}, RUN.md",
+        plan.model,
+        plan.cluster.name,
+        dir.display(),
+        if kernels > 0 {
+            format!(", {kernels} kernels (PTX)")
+        } else {
+            String::new()
+        }
+    );
+    Ok(())
+}
+
+fn run_md(plan: &Plan, m: &Manifest, dir: &Path) -> String {
+    let d = dir.display();
+    let mut s = format!(
+        "# {} on {}\n\nBuilt by `dplc build`: `dplc` (this executable), `plan.ron`, `{MANIFEST}` \
+         (the hash of every file, checked before anything runs){}.\n\n\
+         Mesh: dp {} × tp {} × pp {} × cp {} (ep {}); {} ranks.\n\n## Launch\n\n",
+        plan.model,
+        plan.cluster.name,
+        if m.backend == "gpu" {
+            " and `kernels/*.ptx`"
+        } else {
+            ""
+        },
+        plan.mesh.dp,
+        plan.mesh.tp,
+        plan.mesh.pp,
+        plan.mesh.cp,
+        plan.mesh.ep,
+        m.world_size
+    );
+    if m.backend == "cpu" {
+        s.push_str(&format!(
+            "The CPU backend runs every rank as a thread of one process:\n\n    {d}/dplc launch {d} --steps 100\n\n\
+             Multi-process CPU ranks are not implemented yet: a launcher that starts more than one \
+             process is refused.\n"
+        ));
+    } else {
+        let (nodes, per) = (plan.cluster.nodes, plan.cluster.devices_per_node);
+        s.push_str(&format!(
+            "One process per GPU; every rank runs the same command and finds its role in the \
+             launcher's environment (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT, Slurm's \
+             SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, or Open MPI's).\n\n\
+             torchrun (on each node):\n\n    torchrun --no-python --nnodes={nodes} --nproc-per-node={per} \
+             --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT {d}/dplc launch {d}\n\n\
+             Slurm:\n\n    srun --nodes={nodes} --ntasks-per-node={per} --gpus-per-node={per} {d}/dplc launch {d}\n\n\
+             Open MPI:\n\n    mpirun -np {} --map-by ppr:{per}:node {d}/dplc launch {d}\n\n\
+             A world of another size than {} is refused.\n",
+            m.world_size, m.world_size
+        ));
+    }
+    s
+}
+
+/// Read the manifest and check every file's size and hash; name the first
+/// that does not match.
+fn check(dir: &Path) -> Result<Manifest> {
+    let path = dir.join(MANIFEST);
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        miette!(
+            help = "a directory written by `dplc build -o DIR` has one",
+            "cannot read {}: {e}",
+            path.display()
+        )
+    })?;
+    let m: Manifest = serde_json::from_str(&text)
+        .map_err(|e| miette!("{} is not a dplc build manifest: {e}", path.display()))?;
+    for f in &m.files {
+        let p = dir.join(&f.path);
+        let bytes = std::fs::read(&p).map_err(|e| {
+            miette!(
+                help = "rebuild the artifact with `dplc build`",
+                "{} is missing: {e}",
+                p.display()
+            )
+        })?;
+        let hash = format!("{:016x}", fnv1a(&bytes));
+        if bytes.len() as u64 != f.bytes || hash != f.fnv1a64 {
+            return Err(miette!(
+                help = "the file changed since `dplc build`; rebuild the artifact",
+                "{} is corrupted: {} bytes with hash {hash}, the manifest says {} bytes with hash {}",
+                p.display(),
+                bytes.len(),
+                f.bytes,
+                f.fnv1a64
+            ));
+        }
+    }
+    Ok(m)
+}
+
+pub fn launch(args: &LaunchArgs) -> Result<()> {
+    let m = check(&args.dir)?;
+    let plan = read_plan(&args.dir.join("plan.ron"))?;
+    let env = LaunchEnv::from_env().map_err(|e| miette!("{e}"))?;
+    let processes = env.world_size as u64;
+    if m.backend == "cpu" {
+        if processes != 1 {
+            return Err(miette!(
+                help = format!(
+                    "start one process: `{}/dplc launch {}`; its {} ranks run as threads",
+                    args.dir.display(),
+                    args.dir.display(),
+                    m.world_size
+                ),
+                "the launcher started {processes} processes, but this CPU plan runs its {} ranks \
+                 as threads of one process (multi-process CPU ranks are not implemented yet)",
+                m.world_size
+            ));
+        }
+        let p = Prepared::from_plan(plan)?;
+        return run::train_prepared(&p, &args.train);
+    }
+    if processes != m.world_size {
+        return Err(miette!(
+            help = "launch one process per GPU of the plan's cluster; RUN.md has the lines",
+            "the plan needs {} ranks ({}), but the launcher started {processes}",
+            m.world_size,
+            m.cluster
+        ));
+    }
+    let p = Prepared::from_plan(plan)?;
+    let cfg = dplc_runtime::gpu::GpuRunConfig {
+        gpus: 1,
+        ranks_per_gpu: 1,
+    };
+    dplc_runtime::gpu::train_on_gpus(&p.graph, &p.train, &cfg).map_err(|e| miette!("{e}"))
+}
