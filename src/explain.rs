@@ -87,13 +87,18 @@ pub fn render(plan: &Plan) -> String {
     );
     for a in plan.mesh.axes.iter().filter(|a| a.size > 1) {
         let last = a.stride * (a.size - 1);
+        let members = match a.size {
+            2 => format!("0, {last}"),
+            3 => format!("0, {}, {last}", a.stride),
+            _ => format!("0, {}, …, {last}", a.stride),
+        };
         let _ = writeln!(
             s,
             "  {:<5} {:>5}  {:>6}  {:<27} {:<12} {:>8.1}",
             a.axis.name(),
             a.size,
             a.stride,
-            format!("0, {}, …, {last}", a.stride),
+            members,
             link(a.link),
             a.bandwidth_bytes_per_s / 1e9
         );
