@@ -172,6 +172,63 @@ fn resume_is_bitwise_under_tp2_pp2() {
 }
 
 #[test]
+fn resume_is_bitwise_under_dp2_zero3() {
+    check_resume_is_bitwise(
+        "dp2-zero3",
+        RunConfig {
+            zero: ZeroStage::Three,
+            ..dp2_zero1()
+        },
+    );
+}
+
+#[test]
+fn an_expert_parallel_checkpoint_resumes_and_reshards() {
+    let dir = Scratch::new("experts");
+    let ep2 = RunConfig {
+        dp: 2,
+        ep: 2,
+        micro_batch: 1,
+        num_micro_batches: 2,
+        zero: ZeroStage::One,
+        ..RunConfig::default()
+    };
+    let go = |cfg: &RunConfig, steps| {
+        try_run("moe_tiny", cfg, steps, Opt::AdamW).unwrap_or_else(|e| panic!("{e}"))
+    };
+    let whole = go(&ep2, 4);
+    let first = go(&saving(&ep2, &dir.0, 2), 2);
+    let second = go(&resuming(&ep2, &dir.0), 4);
+    assert_bitwise("moe_tiny dp2 ep2", &whole, &first, &second);
+    // The experts split over ep come back whole for a serial run.
+    let loaded = go(&resuming(&serial(), &dir.0.join("step-000002")), 2);
+    assert_eq!(loaded.params, first.params, "serial loads dp2 ep2's parameters");
+}
+
+#[test]
+fn a_stopped_run_saves_where_it_stopped() {
+    let dir = Scratch::new("stopped");
+    let cfg = saving(&dp2_zero1(), &dir.0, 0);
+    let unit = dplc_frontend::parse("tiny.dpl", TINY).expect("parses");
+    let lowered = unit.lower("gpt_tiny").expect("lowers");
+    let mut spec = lowered.train;
+    spec.seq = 16;
+    spec.global_batch = 4;
+    let data = Corpus::synthetic(5, 256, 1 << 14);
+    let stop = cfg.stop.clone();
+    let report = train(&lowered.graph, &spec, &cfg, &data, 50, SEED, |st| {
+        if st.step == 1 {
+            stop.stop();
+        }
+    })
+    .expect("a stopped run is not an error");
+    assert!(report.interrupted);
+    let done = report.steps.len() as u64;
+    assert_eq!(report.checkpoints, vec![dir.0.join(format!("step-{done:06}"))]);
+    assert_eq!(Checkpoint::open(&dir.0).expect("opens").step(), done);
+}
+
+#[test]
 fn a_checkpoint_reshards_on_load() {
     let dir = Scratch::new("reshard");
     for opt in [Opt::AdamW, Opt::Sgd] {
