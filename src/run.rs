@@ -177,7 +177,7 @@ fn progress(st: &StepStats, steps: u64, from: u64, started: Instant, tty: bool) 
         if done == steps {
             let _ = writeln!(err);
         }
-    } else if done == 1 || done == steps || done.is_multiple_of(10) {
+    } else if done == from + 1 || done == steps || done.is_multiple_of(10) {
         let _ = writeln!(err, "{line}");
     }
 }
@@ -196,11 +196,13 @@ pub fn run(args: &Args) -> Result<()> {
         Some(dir) => {
             let dir = match (dir, &args.checkpoint_dir) {
                 (Some(d), _) | (None, Some(d)) => d.clone(),
-                (None, None) => return Err(miette!(
+                (None, None) => {
+                    return Err(miette!(
                     help =
                         "pass --resume DIR, or --checkpoint-dir DIR to resume from and save into",
                     "--resume needs a directory"
-                )),
+                ))
+                }
             };
             let ck = dplc_runtime::Checkpoint::open(&dir).map_err(|e| {
                 miette!(

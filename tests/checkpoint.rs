@@ -202,7 +202,10 @@ fn an_expert_parallel_checkpoint_resumes_and_reshards() {
     assert_bitwise("moe_tiny dp2 ep2", &whole, &first, &second);
     // The experts split over ep come back whole for a serial run.
     let loaded = go(&resuming(&serial(), &dir.0.join("step-000002")), 2);
-    assert_eq!(loaded.params, first.params, "serial loads dp2 ep2's parameters");
+    assert_eq!(
+        loaded.params, first.params,
+        "serial loads dp2 ep2's parameters"
+    );
 }
 
 #[test]
@@ -224,7 +227,10 @@ fn a_stopped_run_saves_where_it_stopped() {
     .expect("a stopped run is not an error");
     assert!(report.interrupted);
     let done = report.steps.len() as u64;
-    assert_eq!(report.checkpoints, vec![dir.0.join(format!("step-{done:06}"))]);
+    assert_eq!(
+        report.checkpoints,
+        vec![dir.0.join(format!("step-{done:06}"))]
+    );
     assert_eq!(Checkpoint::open(&dir.0).expect("opens").step(), done);
 }
 
