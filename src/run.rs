@@ -231,7 +231,16 @@ pub fn run(args: &Args) -> Result<()> {
             every: args.checkpoint_every.unwrap_or(0),
         });
     }
+    if args.checkpoint_every == Some(0) {
+        return Err(miette!("--checkpoint-every must be positive"));
+    }
     let from = resume.as_ref().map_or(0, |ck| ck.step());
+    if from >= steps {
+        return Err(miette!(
+            help = "--steps counts from the start of training: raise it past the checkpoint's step",
+            "the checkpoint is at step {from} and --steps is {steps}: nothing left to train"
+        ));
+    }
     if let Some(ck) = &resume {
         cfg.resume_from = Some(ck.dir().to_path_buf());
         if !args.json {

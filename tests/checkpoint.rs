@@ -323,7 +323,7 @@ fn corrupted_checkpoints_are_refused_by_name() {
     let good = dir.0.join("step-000002");
     let shard = |d: &Path| d.join("rank-00001.safetensors");
     type Damage = fn(&Path);
-    let cases: [(&str, Damage, &str); 5] = [
+    let cases: [(&str, Damage, &str); 6] = [
         (
             "flip",
             |p| {
@@ -364,6 +364,18 @@ fn corrupted_checkpoints_are_refused_by_name() {
                 std::fs::write(&m, t.replace("rank-00001", "../rank-00001")).expect("write");
             },
             "which is not a file name",
+        ),
+        (
+            "manifest-dropped-file",
+            |p| {
+                let m = p.with_file_name("manifest.json");
+                let t = std::fs::read_to_string(&m).expect("read");
+                let mut v: serde_json::Value = serde_json::from_str(&t).expect("JSON");
+                let files = v["files"].as_array_mut().expect("files");
+                files.retain(|f| f["rank"] != 1);
+                std::fs::write(&m, v.to_string()).expect("write");
+            },
+            "are in no file",
         ),
     ];
     for (name, damage, says) in cases {
@@ -534,6 +546,12 @@ fn dplc_run_saves_and_resumes() {
     assert!(!out.status.success());
     let err = flat(&out);
     assert!(err.contains("--resume needs a directory"), "{err}");
+    let out = with(&["--cluster", "2xcpu", "--steps", "2", "--resume", &ck]);
+    let err = flat(&out);
+    assert!(
+        !out.status.success() && err.contains("nothing left to train"),
+        "{err}"
+    );
     let missing = dir.0.join("missing").display().to_string();
     let out = with(&["--cluster", "2xcpu", "--steps", "4", "--resume", &missing]);
     let err = flat(&out);
