@@ -33,7 +33,10 @@
 //! assumes (like every multi-rank checkpointer) a directory all ranks see.
 //! Loading reads and checks everything (sizes, checksums, dtypes, shapes,
 //! full coverage of every tensor) before any rank is built: a bad file is an
-//! error naming it, and nothing is partially loaded.
+//! error naming it, and nothing is partially loaded. The logical state is
+//! held once in the process (the CPU runtime's ranks are threads); a
+//! multi-process launch can have each rank read only the files whose
+//! `dplc.shards` ranges overlap its slices, which this format allows.
 
 use crate::error::{Result, RuntimeError};
 use crate::interp::ParamKey;
