@@ -26,9 +26,10 @@ pub struct TrainOpts {
     /// Optimizer steps (default: the train section's `steps`, else 100).
     #[arg(long)]
     pub steps: Option<u64>,
-    /// Seed of the parameters, the synthetic corpus and dropout.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    /// Seed of the parameters, the synthetic corpus and dropout (default 0,
+    /// or the checkpoint's with --resume).
+    #[arg(long)]
+    pub seed: Option<u64>,
     /// Train on this file instead of the synthetic corpus: raw bytes (one
     /// token each), or little-endian u16 token ids when it ends in `.u16` or `.bin`.
     #[arg(long)]
@@ -44,6 +45,18 @@ pub struct TrainOpts {
     /// forward, backward and step spans), to compare with `dplc viz --format trace`.
     #[arg(long)]
     pub trace: Option<PathBuf>,
+    /// Save checkpoints into DIR (one `step-N` directory each): when the run
+    /// ends or is stopped, and every --checkpoint-every steps.
+    #[arg(long, value_name = "DIR")]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Also save a checkpoint every N steps.
+    #[arg(long, value_name = "N", requires = "checkpoint_dir")]
+    pub checkpoint_every: Option<u64>,
+    /// Continue from a checkpoint: DIR's latest complete step (DIR defaults
+    /// to --checkpoint-dir), or one `step-N` directory; any split can load
+    /// it. --steps counts from the start of training.
+    #[arg(long, value_name = "DIR", num_args = 0..=1)]
+    pub resume: Option<Option<PathBuf>>,
 }
 
 /// A model lowered, planned for CPU ranks and turned into a run.
@@ -210,10 +223,10 @@ fn describe(plan: &dplc_ir::Plan) -> String {
     parts.join(", ")
 }
 
-fn progress(st: &StepStats, steps: u64, started: Instant, tty: bool) {
+fn progress(st: &StepStats, steps: u64, from: u64, started: Instant, tty: bool) {
     let done = st.step + 1;
     let elapsed = started.elapsed().as_secs_f64();
-    let eta = elapsed / done as f64 * (steps - done) as f64;
+    let eta = elapsed / (done - from).max(1) as f64 * (steps - done) as f64;
     let width = 24usize;
     let filled = (width as u64 * done / steps.max(1)) as usize;
     let bar = format!("{}{}", "=".repeat(filled), " ".repeat(width - filled));
@@ -227,7 +240,7 @@ fn progress(st: &StepStats, steps: u64, started: Instant, tty: bool) {
         if done == steps {
             let _ = writeln!(err);
         }
-    } else if done == 1 || done == steps || done.is_multiple_of(10) {
+    } else if done == from + 1 || done == steps || done.is_multiple_of(10) {
         let _ = writeln!(err, "{line}");
     }
 }
@@ -257,7 +270,34 @@ pub fn train_prepared(p: &Prepared, args: &TrainOpts) -> Result<()> {
     if steps == 0 {
         return Err(miette!("--steps must be positive"));
     }
-    let data = corpus(args.data.as_deref(), &p.graph, args.seed)?;
+    let resume = match &args.resume {
+        None => None,
+        Some(dir) => {
+            let dir = match (dir, &args.checkpoint_dir) {
+                (Some(d), _) | (None, Some(d)) => d.clone(),
+                (None, None) => {
+                    return Err(miette!(
+                    help =
+                        "pass --resume DIR, or --checkpoint-dir DIR to resume from and save into",
+                    "--resume needs a directory"
+                ))
+                }
+            };
+            let ck = dplc_runtime::Checkpoint::open(&dir).map_err(|e| {
+                miette!(
+                    help = "a checkpoint directory is what `dplc run --checkpoint-dir` wrote",
+                    "{e}"
+                )
+            })?;
+            Some(ck)
+        }
+    };
+    let seed = match (&resume, args.seed) {
+        (_, Some(seed)) => seed,
+        (Some(ck), None) => ck.seed(),
+        (None, None) => 0,
+    };
+    let data = corpus(args.data.as_deref(), &p.graph, seed)?;
     data.check(p.train.seq as usize, Some(vocab_of(&p.graph)))
         .map_err(|e| miette!("{e}"))?;
     let mut cfg = p.cfg.clone();
@@ -270,6 +310,34 @@ pub fn train_prepared(p: &Prepared, args: &TrainOpts) -> Result<()> {
     }
     if args.trace.is_some() {
         cfg.trace = dplc_runtime::TraceSink::recording();
+    }
+    if let Some(dir) = &args.checkpoint_dir {
+        cfg.checkpoint = Some(dplc_runtime::CheckpointConfig {
+            dir: dir.clone(),
+            every: args.checkpoint_every.unwrap_or(0),
+        });
+    }
+    if args.checkpoint_every == Some(0) {
+        return Err(miette!("--checkpoint-every must be positive"));
+    }
+    let from = resume.as_ref().map_or(0, |ck| ck.step());
+    if from >= steps {
+        return Err(miette!(
+            help = "--steps counts from the start of training: raise it past the checkpoint's step",
+            "the checkpoint is at step {from} and --steps is {steps}: nothing left to train"
+        ));
+    }
+    if let Some(ck) = &resume {
+        cfg.resume_from = Some(ck.dir().to_path_buf());
+        if !args.json {
+            eprintln!(
+                "resuming from {} at step {} (saved under {}, seed {})",
+                ck.dir().display(),
+                ck.step(),
+                ck.split(),
+                ck.seed()
+            );
+        }
     }
     install_interrupt(&cfg.stop);
     if !args.json {
@@ -285,7 +353,7 @@ pub fn train_prepared(p: &Prepared, args: &TrainOpts) -> Result<()> {
     let started = Instant::now();
     let tty = std::io::stderr().is_terminal();
     let json = args.json;
-    let report = dplc_runtime::train(&p.graph, &p.train, &cfg, &data, steps, args.seed, |st| {
+    let report = dplc_runtime::train(&p.graph, &p.train, &cfg, &data, steps, seed, |st| {
         if json {
             let line = json!({
                 "step": st.step,
@@ -299,7 +367,7 @@ pub fn train_prepared(p: &Prepared, args: &TrainOpts) -> Result<()> {
                 cfg.stop.stop();
             }
         } else {
-            progress(st, steps, started, tty);
+            progress(st, steps, from, started, tty);
         }
     })
     .map_err(|e| miette!("{e}"))?;
@@ -322,7 +390,9 @@ pub fn train_prepared(p: &Prepared, args: &TrainOpts) -> Result<()> {
                 "model": p.plan.model,
                 "ranks": cfg.world_size(),
                 "steps": done,
+                "start_step": from,
                 "interrupted": report.interrupted,
+                "checkpoints": report.checkpoints,
                 "first_loss": first,
                 "final_loss": last,
                 "seconds": elapsed,
@@ -338,10 +408,14 @@ pub fn train_prepared(p: &Prepared, args: &TrainOpts) -> Result<()> {
             done,
             tokens / elapsed.max(1e-9)
         );
+        if let Some(last) = report.checkpoints.last() {
+            eprintln!("checkpoint saved: {}", last.display());
+        }
     }
     if report.interrupted {
         return Err(miette!(
-            "interrupted: stopped cleanly after step {done} of {steps} (loss {last:.4})"
+            "interrupted: stopped cleanly after step {} of {steps} (loss {last:.4})",
+            from + done
         ));
     }
     Ok(())

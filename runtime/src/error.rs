@@ -20,6 +20,12 @@ pub enum RuntimeError {
     /// Another rank failed first; this rank stopped because of it.
     #[error("rank {rank} failed: {reason}")]
     RankFailed { rank: usize, reason: String },
+    /// A checkpoint cannot be written, or cannot be loaded as it is on disk.
+    #[error("checkpoint {}: {detail}", path.display())]
+    Checkpoint {
+        path: std::path::PathBuf,
+        detail: String,
+    },
     /// A collective or receive waited past the deadline: a rank is missing.
     #[error(
         "{} stopped answering at step {step}: rank {rank} waited {seconds:.1}s for it in {what}",

@@ -3,6 +3,7 @@
 //! (split by the tensor-, sequence- and expert-parallel layouts), then the
 //! gradient synchronisation of its ZeRO stage, clipping and the optimizer step.
 
+use crate::checkpoint::{self, CheckpointConfig, CheckpointKill, Resume};
 use crate::comm::{Communicator, Group, Message, World};
 use crate::data::Corpus;
 use crate::error::{Result, RuntimeError};
@@ -13,7 +14,8 @@ use crate::partition::{schedule, Partition, Schedule, Work};
 use crate::shard::{concat_along, Layouts, MeshGroups};
 use crate::tensor::Tensor;
 use dplc_ir::{GradPlan, Graph, ModelLayout, Op, RegionId, SplitAxis, TensorLayout, TrainSpec};
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
@@ -33,6 +35,8 @@ pub struct Faults {
     /// Take each tensor-parallel rank's summand for the whole (the all-reduce
     /// after a row-parallel matmul left out): a wrong plan.
     pub skip_tp_sum: bool,
+    /// A rank dies while writing a checkpoint.
+    pub kill_in_checkpoint: Option<CheckpointKill>,
 }
 
 /// Set from outside (Ctrl-C) to make every rank stop after the step it is in.
@@ -153,6 +157,12 @@ pub struct RunConfig {
     pub stop: StopFlag,
     /// Records each rank's forward, backward and step spans when on.
     pub trace: TraceSink,
+    /// Save checkpoints while training.
+    pub checkpoint: Option<CheckpointConfig>,
+    /// Start from this checkpoint (a step directory, or a checkpoint
+    /// directory's latest complete step), resharded to this split; the run
+    /// goes on from its step up to `steps`.
+    pub resume_from: Option<PathBuf>,
 }
 
 impl Default for RunConfig {
@@ -174,6 +184,8 @@ impl Default for RunConfig {
             faults: Faults::default(),
             stop: StopFlag::default(),
             trace: TraceSink::default(),
+            checkpoint: None,
+            resume_from: None,
         }
     }
 }
@@ -283,6 +295,8 @@ pub struct TrainReport {
     pub params: Parameters,
     /// The run was stopped through [`RunConfig::stop`] before its last step.
     pub interrupted: bool,
+    /// The step directories of the checkpoints it saved, in order.
+    pub checkpoints: Vec<PathBuf>,
 }
 
 /// Everything the ranks share, read-only.
@@ -301,6 +315,16 @@ struct Shared<'a> {
     layouts: Option<Layouts>,
     /// When the run started: trace spans count from here.
     started: Instant,
+    /// The checkpoint the run starts from, verified and unsharded.
+    resume: Option<Resume>,
+    /// Completed steps before this run (the checkpoint's step, else 0).
+    start_step: u64,
+    /// The global index of the first sample of step `start_step`.
+    sample_base: u64,
+    /// The model's parameters, as checkpoints record them.
+    signature: Vec<checkpoint::SavedParam>,
+    /// Step directories rank 0 completed.
+    saved: std::sync::Mutex<Vec<PathBuf>>,
 }
 
 /// Where one rank sits in the grid: rank = (dp_index · pp + stage) · tp + tp_index.
@@ -461,7 +485,7 @@ pub fn train(
         }
     }
     tied.retain(|_, s| s.len() > 1);
-    let shared = Shared {
+    let mut shared = Shared {
         graph,
         plan: GradPlan::new(graph),
         part,
@@ -474,7 +498,47 @@ pub fn train(
         tied,
         layouts,
         started: Instant::now(),
+        resume: None,
+        start_step: 0,
+        sample_base: 0,
+        signature: Vec::new(),
+        saved: std::sync::Mutex::default(),
     };
+    // Every (parameter, layer) some rank holds: what a checkpoint must cover.
+    let all_keys: BTreeSet<ParamKey> = (0..cfg.pp)
+        .flat_map(|stage| rank_stage_keys(&shared, stage))
+        .map(|(k, _, _)| k)
+        .collect();
+    if cfg.checkpoint.is_some() || cfg.resume_from.is_some() {
+        let mut names = HashSet::new();
+        if let Some(k) = all_keys
+            .iter()
+            .find(|k| k.layer == 0 && !names.insert(&graph.param(k.param).name))
+        {
+            return Err(RuntimeError::Unsupported(format!(
+                "two parameters are named `{}`: checkpoints key parameters by name",
+                graph.param(k.param).name
+            )));
+        }
+        shared.signature = checkpoint::signature(graph, &all_keys);
+    }
+    if let Some(path) = &cfg.resume_from {
+        // Everything is read and checked before any rank starts: a bad
+        // checkpoint stops the run here, with nothing half loaded.
+        let ck = checkpoint::Checkpoint::open(path)?;
+        let resume = checkpoint::load(&ck, graph, &spec.optimizer, seed, &all_keys)?;
+        if resume.step > steps {
+            return Err(RuntimeError::Config(format!(
+                "the checkpoint {} is at step {}, past the {steps} steps asked for",
+                ck.dir().display(),
+                resume.step
+            )));
+        }
+        shared.start_step = resume.step;
+        shared.sample_base = resume.next_sample;
+        shared.resume = Some(resume);
+    }
+    let shared = shared;
     let world = World::new(cfg.world_size(), cfg.timeout);
     let (tx, rx) = mpsc::channel::<StepStats>();
     let mut stats = Vec::new();
@@ -534,6 +598,12 @@ pub fn train(
     if let Some((rank, reason)) = world.failure() {
         return Err(RuntimeError::RankFailed { rank, reason });
     }
+    let checkpoints = std::mem::take(
+        &mut *shared
+            .saved
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()),
+    );
     // Reassemble split parameters from their parts, in part order.
     let mut parts: BTreeMap<ParamKey, BTreeMap<usize, (usize, Tensor)>> = BTreeMap::new();
     for r in results {
@@ -560,9 +630,10 @@ pub fn train(
             .insert(k, (graph.param(k.param).name.clone(), whole));
     }
     Ok(TrainReport {
-        interrupted: (stats.len() as u64) < steps,
+        interrupted: (stats.len() as u64) < steps - shared.start_step,
         steps: stats,
         params,
+        checkpoints,
     })
 }
 
@@ -744,6 +815,7 @@ fn run_rank(
             skip_partial_sum: cfg.faults.skip_tp_sum,
         },
         sh.seed,
+        sh.resume.as_ref().map(|r| &r.params),
     )?;
     let mut r = Rank {
         sh,
@@ -754,11 +826,13 @@ fn run_rank(
         pp_group,
         live: HashMap::new(),
         losses: Vec::new(),
-        step: 0,
+        step: sh.start_step,
     };
     let work = schedule(cfg.schedule, stage, cfg.pp, cfg.num_micro_batches);
     let world = Group::new((0..cfg.world_size()).collect());
-    for step in 0..steps {
+    let mut done = sh.start_step;
+    let mut saved = None;
+    for step in sh.start_step..steps {
         let start = Instant::now();
         r.step = step;
         r.store.comm.set_step(step);
@@ -830,6 +904,17 @@ fn run_rank(
             // The receiver only goes away when the run is over; nothing to do then.
             let _ = tx.send(stats);
         }
+        done = step + 1;
+        if let Some(ck) = &cfg.checkpoint {
+            if ck.every > 0 && done.is_multiple_of(ck.every) {
+                r.save(done)?;
+                saved = Some(done);
+            }
+        }
+    }
+    // The end of a run, finished or stopped, is saved too.
+    if cfg.checkpoint.is_some() && done > sh.start_step && saved != Some(done) {
+        r.save(done)?;
     }
     let exported = r.store.export()?;
     // The first expert-parallel group holds every part once.
@@ -862,11 +947,87 @@ impl<'a, 'b> Rank<'a, 'b> {
         .rank(self.sh.cfg)
     }
 
+    /// The global index of this rank's first sample of micro-batch `micro`
+    /// in the current step: the data position carries over a checkpoint.
+    fn first_sample(&self, micro: usize) -> u64 {
+        let sh = self.sh;
+        let cfg = sh.cfg;
+        sh.sample_base
+            + (self.step - sh.start_step) * cfg.global_batch() as u64
+            + ((micro * cfg.dp + self.dp_index) * cfg.micro_batch) as u64
+    }
+
+    /// Save the checkpoint after `done` steps: rank 0 readies the step
+    /// directory, every rank writes its shards, and once all are in place
+    /// rank 0 writes the manifest.
+    fn save(&mut self, done: u64) -> Result<()> {
+        let sh = self.sh;
+        let cfg = sh.cfg;
+        let Some(ck) = &cfg.checkpoint else {
+            return Ok(());
+        };
+        let rank = self.store.comm.rank();
+        let dir = checkpoint::step_dir(&ck.dir, done);
+        let kill = cfg
+            .faults
+            .kill_in_checkpoint
+            .filter(|k| k.rank == rank && k.step == done)
+            .map(|k| k.at);
+        let world = Group::new((0..cfg.world_size()).collect());
+        let barrier = |store: &mut ParamStore| -> Result<()> {
+            if cfg.world_size() > 1 {
+                store.comm.all_reduce(&world, &mut [0.0])?;
+            }
+            Ok(())
+        };
+        if rank == 0 {
+            checkpoint::prepare_step_dir(&dir)?;
+        }
+        barrier(&mut self.store)?;
+        checkpoint::write_shards(&dir, rank, sh.graph, &self.store, kill)?;
+        barrier(&mut self.store)?;
+        if rank == 0 {
+            let gb = cfg.global_batch() as u64;
+            let info = checkpoint::ManifestInfo {
+                step: done,
+                seed: sh.seed,
+                data: checkpoint::DataPosition {
+                    next_sample: sh.sample_base + (done - sh.start_step) * gb,
+                    global_batch: gb,
+                    seq: sh.seq as u64,
+                },
+                optimizer: &sh.spec.optimizer,
+                split: checkpoint::SavedSplit {
+                    dp: cfg.dp,
+                    tp: cfg.tp,
+                    pp: cfg.pp,
+                    ep: cfg.ep,
+                    zero: match cfg.zero {
+                        ZeroStage::None => 0,
+                        ZeroStage::One => 1,
+                        ZeroStage::Two => 2,
+                        ZeroStage::Three => 3,
+                    },
+                    micro_batch: cfg.micro_batch,
+                    num_micro_batches: cfg.num_micro_batches,
+                    sequence_parallel: cfg.sequence_parallel,
+                },
+                model: &sh.signature,
+                world: cfg.world_size(),
+            };
+            let dir = checkpoint::write_manifest(&dir, info, kill)?;
+            sh.saved
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .push(dir);
+        }
+        Ok(())
+    }
+
     fn interp(&self, micro: usize) -> Interp<'a> {
         let sh: &'a Shared<'b> = self.sh;
         let cfg = sh.cfg;
-        let first = self.step * cfg.global_batch() as u64
-            + ((micro * cfg.dp + self.dp_index) * cfg.micro_batch) as u64;
+        let first = self.first_sample(micro);
         Interp {
             graph: sh.graph,
             plan: &sh.plan,
@@ -886,8 +1047,7 @@ impl<'a, 'b> Rank<'a, 'b> {
 
     fn inputs(&self, micro: usize) -> HashMap<dplc_ir::TensorId, Value> {
         let cfg = self.sh.cfg;
-        let first = self.step * cfg.global_batch() as u64
-            + ((micro * cfg.dp + self.dp_index) * cfg.micro_batch) as u64;
+        let first = self.first_sample(micro);
         let (mut xs, mut ys) = (Vec::new(), Vec::new());
         for i in 0..cfg.micro_batch as u64 {
             let (x, y) = self.sh.data.sample(first + i, self.sh.seq);

@@ -7,6 +7,7 @@
 //! is a list of forward/backward units with collectives between them, and how
 //! tensors are split arrives as data (`dplc_ir::ModelLayout`).
 
+mod checkpoint;
 mod comm;
 mod data;
 mod error;
@@ -23,6 +24,7 @@ mod shard;
 mod tensor;
 mod vjp;
 
+pub use checkpoint::{Checkpoint, CheckpointConfig, CheckpointKill, KillPoint};
 pub use comm::{Communicator, Group, Message, World};
 pub use data::{Corpus, TokenFormat};
 pub use error::{Result, RuntimeError};

@@ -2,6 +2,7 @@
 //! moments and gradients, laid out per ZeRO stage; and the layer hooks through
 //! which ZeRO-3 all-gathers weights and reduce-scatters gradients per layer.
 
+use crate::checkpoint::LogicalParam;
 use crate::comm::{Communicator, Group};
 use crate::error::{kernel_err, Result};
 use crate::interp::{ParamAccess, ParamKey, Value};
@@ -60,6 +61,8 @@ pub(crate) struct Slot {
     pub group: Group,
     /// This rank's position in `group`.
     pub pos: usize,
+    /// `(axis, parts, index)` of a tensor- or expert-parallel part.
+    pub part: Option<(usize, usize, usize)>,
 }
 
 /// One parameter tensor a rank holds, and how.
@@ -114,6 +117,7 @@ impl ParamStore {
         comm: Communicator,
         mesh: MeshGroups,
         seed: u64,
+        resume: Option<&BTreeMap<ParamKey, LogicalParam>>,
     ) -> Result<ParamStore> {
         let mut slots = BTreeMap::new();
         for held in keys {
@@ -135,14 +139,30 @@ impl ParamStore {
                     .map(|d| d.as_const().unwrap_or(0).max(0) as usize)
                     .collect();
                 let numel: usize = shape.iter().product();
-                // The whole tensor's initial value, then this rank's part of it,
-                // so that every split starts from the serial run's values.
-                let mut value = init_value(info.init, seed, key, numel);
+                // The whole tensor's initial value (or its checkpointed
+                // state), then this rank's part of it, so that every split
+                // starts from the serial run's values.
+                let whole_shape = shape.clone();
+                let (mut value, mut m, mut v) = match resume {
+                    None => (init_value(info.init, seed, key, numel), None, None),
+                    Some(state) => {
+                        let s = state.get(&key).ok_or_else(|| {
+                            kernel_err("checkpoint", format!("{key:?} is not in the checkpoint"))
+                        })?;
+                        (s.value.clone(), Some(s.m.clone()), Some(s.v.clone()))
+                    }
+                };
                 if let Some((axis, parts, index)) = part {
-                    let whole = Tensor::f32(shape.clone(), value);
-                    let mine = shard::split_along(&whole, axis, parts)?.swap_remove(index);
-                    shape = mine.shape.clone();
-                    value = mine.into_f()?;
+                    let mine = |x: Vec<f32>| -> Result<Vec<f32>> {
+                        let whole = Tensor::f32(whole_shape.clone(), x);
+                        shard::split_along(&whole, axis, parts)?
+                            .swap_remove(index)
+                            .into_f()
+                    };
+                    value = mine(value)?;
+                    m = m.map(mine).transpose()?;
+                    v = v.map(mine).transpose()?;
+                    shape[axis] /= parts;
                 }
                 let numel: usize = shape.iter().product();
                 let shards = split(numel, dp);
@@ -162,8 +182,8 @@ impl ParamStore {
                     full: (zero != ZeroStage::Three)
                         .then(|| Arc::new(Tensor::f32(shape.clone(), value.clone()))),
                     master: value[own.clone()].to_vec(),
-                    m: vec![0.0; own.len()],
-                    v: vec![0.0; own.len()],
+                    m: m.map_or_else(|| vec![0.0; own.len()], |m| m[own.clone()].to_vec()),
+                    v: v.map_or_else(|| vec![0.0; own.len()], |v| v[own.clone()].to_vec()),
                     grad: vec![0.0; grad_len],
                     decay: shape.len() >= 2,
                     shape,
@@ -174,6 +194,7 @@ impl ParamStore {
                     norm_owner,
                     group,
                     pos,
+                    part,
                 }
             };
             slots.insert(key, slot);

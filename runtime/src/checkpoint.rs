@@ -1,0 +1,865 @@
+//! Sharded checkpoints: each rank writes the parameter and optimizer-state
+//! shards it owns to its own safetensors file, rank 0 writes a JSON manifest
+//! last; loading verifies every file, reassembles the logical (unsharded)
+//! tensors, and each rank of any plan slices what its layout and ZeRO stage hold.
+//!
+//! On disk, `DIR/step-000006/` holds `rank-00000.safetensors` … one per rank
+//! and `manifest.json`. One file per rank, not one per tensor: a rank's
+//! shards are many small flat slices (a ZeRO shard is a range of the
+//! flattened tensor, not a block), and one file per rank is one create, one
+//! fsync and one rename per rank per checkpoint, written in parallel by the
+//! ranks without coordination. Each file stores, for every tensor part the
+//! rank owns, three 1-D f32 tensors `NAME[LAYER].value|m|v` (master weights,
+//! AdamW's first and second moments or SGD's momentum in `m`), and in its
+//! safetensors metadata where each slice lies in the logical tensor (`dplc.shards`:
+//! parameter name, layer, tensor-/expert-parallel part, flat range in the part).
+//! A rank owns an element when it counts it in the global gradient norm
+//! (`Slot::norm_owner`: one tensor-parallel replica, the first stage of a tied
+//! weight) and it lies in its data-parallel shard, so every element is
+//! written exactly once whatever the plan.
+//!
+//! The rest of the training state is small and lives in the manifest: the
+//! step, the RNG (counter-based, see `rng.rs`: its whole state is the seed
+//! and the step), the data position (the next global sample index), the
+//! optimizer kind, the split it was saved under, the model's parameter
+//! signature, and each file's size and SHA-256 (a well-kept hash: a flipped
+//! byte anywhere is refused, not just a truncation).
+//!
+//! Writes are atomic: `name.tmp`, fsync, rename, fsync the directory; the
+//! manifest goes last, after every rank's file is in place, so a directory
+//! without `manifest.json` is an incomplete checkpoint that `latest`
+//! resolution skips, and a crash mid-write leaves the previous step's
+//! directory intact. Rank 0 checksums the files by reading them back, which
+//! assumes (like every multi-rank checkpointer) a directory all ranks see.
+//! Loading reads and checks everything (sizes, checksums, dtypes, shapes,
+//! full coverage of every tensor) before any rank is built: a bad file is an
+//! error naming it, and nothing is partially loaded. The logical state is
+//! held once in the process (the CPU runtime's ranks are threads); a
+//! multi-process launch can have each rank read only the files whose
+//! `dplc.shards` ranges overlap its slices, which this format allows.
+
+use crate::error::{Result, RuntimeError};
+use crate::interp::ParamKey;
+use crate::params::ParamStore;
+use crate::shard::concat_along;
+use crate::tensor::Tensor;
+use dplc_ir::{Graph, Optimizer, ParamId};
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::io::Write;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+const FORMAT: &str = "dplc-checkpoint";
+const VERSION: u32 = 1;
+const MANIFEST: &str = "manifest.json";
+const SHARDS_KEY: &str = "dplc.shards";
+
+/// Where and how often a run saves checkpoints.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CheckpointConfig {
+    /// Each checkpoint is a `step-NNNNNN` directory in here.
+    pub dir: PathBuf,
+    /// Save after every `every` steps; 0 saves only when the run ends (it
+    /// also saves then when `every` is set, and when a run is stopped).
+    pub every: u64,
+}
+
+/// Where a test kills a rank while it writes a checkpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KillPoint {
+    /// Half of the rank's shard file is in its temporary file.
+    MidShard,
+    /// The rank's shard file is in place; the manifest is not written.
+    AfterShard,
+    /// (rank 0) Every shard is in place and half the manifest is in its
+    /// temporary file.
+    MidManifest,
+}
+
+/// A checkpoint fault: `rank` dies at `at` while saving after step `step`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CheckpointKill {
+    pub rank: usize,
+    /// The number of completed steps the checkpoint is for.
+    pub step: u64,
+    pub at: KillPoint,
+}
+
+/// The split a checkpoint was saved under (for messages; loading reshards).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct SavedSplit {
+    pub dp: usize,
+    pub tp: usize,
+    pub pp: usize,
+    pub ep: usize,
+    pub zero: u8,
+    pub micro_batch: usize,
+    pub num_micro_batches: usize,
+    pub sequence_parallel: bool,
+}
+
+/// The counter-based RNG's whole state.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct RngState {
+    seed: u64,
+    /// The next step's counter: dropout keys are (seed, step, …).
+    step: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct DataPosition {
+    /// The global index of the next sample to train on.
+    pub next_sample: u64,
+    pub global_batch: u64,
+    pub seq: u64,
+}
+
+/// One parameter of the model: the checkpoint's model signature.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct SavedParam {
+    pub name: String,
+    pub shape: Vec<usize>,
+    /// Layer instances (1 outside a `repeat`).
+    pub layers: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct FileEntry {
+    file: String,
+    rank: usize,
+    bytes: u64,
+    sha256: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct Manifest {
+    format: String,
+    version: u32,
+    /// Completed optimizer steps.
+    step: u64,
+    rng: RngState,
+    data: DataPosition,
+    /// `adamw` or `sgd`: what `m` and `v` mean.
+    optimizer: String,
+    split: SavedSplit,
+    model: Vec<SavedParam>,
+    files: Vec<FileEntry>,
+}
+
+/// A tensor- or expert-parallel part: `index` of `parts` along `axis`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct PartSpec {
+    axis: usize,
+    parts: usize,
+    index: usize,
+}
+
+/// Where one stored slice lies in its logical tensor.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct ShardEntry {
+    param: String,
+    layer: u64,
+    part: Option<PartSpec>,
+    /// Flat element range within the part (the whole tensor without a part).
+    start: usize,
+    end: usize,
+}
+
+fn err(path: &Path, detail: impl Into<String>) -> RuntimeError {
+    RuntimeError::Checkpoint {
+        path: path.to_path_buf(),
+        detail: detail.into(),
+    }
+}
+
+fn io_err(path: &Path, what: &str, e: std::io::Error) -> RuntimeError {
+    err(path, format!("cannot {what}: {e}"))
+}
+
+/// The directory of the checkpoint taken after `step` completed steps.
+pub(crate) fn step_dir(root: &Path, step: u64) -> PathBuf {
+    root.join(format!("step-{step:06}"))
+}
+
+fn rank_file(rank: usize) -> String {
+    format!("rank-{rank:05}.safetensors")
+}
+
+fn optimizer_kind(opt: &Optimizer) -> &'static str {
+    match opt {
+        Optimizer::AdamW { .. } => "adamw",
+        Optimizer::Sgd { .. } => "sgd",
+    }
+}
+
+/// A complete checkpoint on disk whose manifest has been read (its files
+/// are checked when a run loads it).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Checkpoint {
+    dir: PathBuf,
+    manifest: Manifest,
+}
+
+impl Checkpoint {
+    /// Open `path`: a step directory with a `manifest.json`, or a checkpoint
+    /// directory, whose latest complete step directory is taken (one
+    /// without a manifest was cut short while being written, and is skipped).
+    pub fn open(path: &Path) -> Result<Checkpoint> {
+        if !path.is_dir() {
+            return Err(err(
+                path,
+                "no such directory; pass the --checkpoint-dir of an earlier run, or one of its step-N directories",
+            ));
+        }
+        let dir = if path.join(MANIFEST).is_file() {
+            path.to_path_buf()
+        } else {
+            latest_step_dir(path)?.ok_or_else(|| {
+                err(
+                    path,
+                    "holds no complete checkpoint (a step-N directory with a manifest.json); \
+                     save one with `dplc run --checkpoint-dir`",
+                )
+            })?
+        };
+        let manifest_path = dir.join(MANIFEST);
+        let text = std::fs::read_to_string(&manifest_path)
+            .map_err(|e| io_err(&manifest_path, "read the manifest", e))?;
+        let manifest: Manifest = serde_json::from_str(&text).map_err(|e| {
+            err(
+                &manifest_path,
+                format!("is not a valid checkpoint manifest ({e}); resume from another step-N directory"),
+            )
+        })?;
+        if manifest.format != FORMAT || manifest.version != VERSION {
+            return Err(err(
+                &manifest_path,
+                format!(
+                    "is format `{}` version {}; this dplc reads `{FORMAT}` version {VERSION}",
+                    manifest.format, manifest.version
+                ),
+            ));
+        }
+        Ok(Checkpoint { dir, manifest })
+    }
+
+    /// The step directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Completed optimizer steps.
+    pub fn step(&self) -> u64 {
+        self.manifest.step
+    }
+
+    /// The seed of the run (parameters, data order, dropout).
+    pub fn seed(&self) -> u64 {
+        self.manifest.rng.seed
+    }
+
+    /// The split it was saved under, e.g. `dp 1 × tp 2 × pp 2, ZeRO-1`.
+    pub fn split(&self) -> String {
+        let s = &self.manifest.split;
+        let mut out = format!("dp {} × tp {} × pp {}", s.dp, s.tp, s.pp);
+        if s.ep > 1 {
+            out.push_str(&format!(", ep {}", s.ep));
+        }
+        if s.zero > 0 {
+            out.push_str(&format!(", ZeRO-{}", s.zero));
+        }
+        out
+    }
+
+    fn manifest_path(&self) -> PathBuf {
+        self.dir.join(MANIFEST)
+    }
+}
+
+/// The highest `step-N` directory under `root` that has a manifest.
+fn latest_step_dir(root: &Path) -> Result<Option<PathBuf>> {
+    let entries = std::fs::read_dir(root).map_err(|e| io_err(root, "list the directory", e))?;
+    let mut best: Option<(u64, PathBuf)> = None;
+    for entry in entries {
+        let entry = entry.map_err(|e| io_err(root, "list the directory", e))?;
+        let name = entry.file_name();
+        let Some(step) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("step-"))
+            .and_then(|n| n.parse::<u64>().ok())
+        else {
+            continue;
+        };
+        let path = entry.path();
+        if path.join(MANIFEST).is_file() && best.as_ref().is_none_or(|(b, _)| step > *b) {
+            best = Some((step, path));
+        }
+    }
+    Ok(best.map(|(_, p)| p))
+}
+
+/// fsync a directory so that a rename in it survives a crash (a no-op where
+/// directories cannot be opened as files).
+fn sync_dir(dir: &Path) -> Result<()> {
+    #[cfg(unix)]
+    {
+        std::fs::File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(|e| io_err(dir, "fsync the directory", e))?;
+    }
+    #[cfg(not(unix))]
+    let _ = dir;
+    Ok(())
+}
+
+/// Write `bytes` to `path` atomically: `path.tmp`, fsync, rename, fsync the
+/// directory. `cut_short` (fault injection) leaves half the bytes in the
+/// temporary file and fails, as a killed process would.
+fn write_atomic(path: &Path, bytes: &[u8], cut_short: bool) -> Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    let len = if cut_short {
+        bytes.len() / 2
+    } else {
+        bytes.len()
+    };
+    let mut f = std::fs::File::create(&tmp).map_err(|e| io_err(&tmp, "create", e))?;
+    f.write_all(&bytes[..len])
+        .and_then(|()| f.sync_all())
+        .map_err(|e| io_err(&tmp, "write", e))?;
+    drop(f);
+    if cut_short {
+        return Err(killed(&tmp));
+    }
+    std::fs::rename(&tmp, path).map_err(|e| io_err(path, "rename the temporary file into", e))?;
+    sync_dir(path.parent().unwrap_or(Path::new(".")))
+}
+
+fn killed(path: &Path) -> RuntimeError {
+    err(path, "injected kill while writing the checkpoint")
+}
+
+/// Rank 0, before any rank writes: make the step directory and drop a stale
+/// manifest of the same step (a checkpoint being replaced is incomplete from
+/// now until its new manifest is in place).
+pub(crate) fn prepare_step_dir(dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| io_err(dir, "create the checkpoint directory", e))?;
+    let manifest = dir.join(MANIFEST);
+    if manifest.exists() {
+        std::fs::remove_file(&manifest)
+            .map_err(|e| io_err(&manifest, "replace the old manifest", e))?;
+        sync_dir(dir)?;
+    }
+    if let Some(parent) = dir.parent() {
+        sync_dir(parent)?;
+    }
+    Ok(())
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn tensor_name(param: &str, layer: u64, kind: &str) -> String {
+    format!("{param}[{layer}].{kind}")
+}
+
+/// Write this rank's shard file: every element it owns of every parameter's
+/// master value and optimizer moments.
+pub(crate) fn write_shards(
+    dir: &Path,
+    rank: usize,
+    graph: &Graph,
+    store: &ParamStore,
+    kill: Option<KillPoint>,
+) -> Result<()> {
+    let mut entries = Vec::new();
+    let mut buffers: Vec<(String, Vec<u8>)> = Vec::new();
+    for (key, slot) in &store.slots {
+        if !slot.norm_owner {
+            continue;
+        }
+        let range = slot.shards[slot.pos].clone();
+        if range.is_empty() {
+            continue;
+        }
+        // Below ZeRO-1 a replica holds every element; above, its own range.
+        let local = |v: &[f32]| -> Vec<f32> {
+            if v.len() == slot.numel {
+                v[range.clone()].to_vec()
+            } else {
+                v.to_vec()
+            }
+        };
+        let name = &graph.param(key.param).name;
+        for (kind, values) in [
+            ("value", local(&slot.master)),
+            ("m", local(&slot.m)),
+            ("v", local(&slot.v)),
+        ] {
+            buffers.push((tensor_name(name, key.layer, kind), f32_bytes(&values)));
+        }
+        entries.push(ShardEntry {
+            param: name.clone(),
+            layer: key.layer,
+            part: slot
+                .part
+                .map(|(axis, parts, index)| PartSpec { axis, parts, index }),
+            start: range.start,
+            end: range.end,
+        });
+    }
+    let path = dir.join(rank_file(rank));
+    let views = buffers
+        .iter()
+        .map(|(name, bytes)| {
+            TensorView::new(Dtype::F32, vec![bytes.len() / 4], bytes)
+                .map(|v| (name.clone(), v))
+                .map_err(|e| err(&path, format!("cannot lay out the shard: {e}")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut meta = HashMap::new();
+    meta.insert("dplc.format".to_string(), format!("{FORMAT}/{VERSION}"));
+    meta.insert("dplc.rank".to_string(), rank.to_string());
+    meta.insert(
+        SHARDS_KEY.to_string(),
+        serde_json::to_string(&entries).map_err(|e| err(&path, e.to_string()))?,
+    );
+    let bytes = safetensors::serialize(views, Some(meta))
+        .map_err(|e| err(&path, format!("cannot serialise the shard: {e}")))?;
+    write_atomic(&path, &bytes, kill == Some(KillPoint::MidShard))?;
+    if kill == Some(KillPoint::AfterShard) {
+        return Err(killed(&path));
+    }
+    Ok(())
+}
+
+/// What the manifest records besides the files.
+pub(crate) struct ManifestInfo<'a> {
+    pub step: u64,
+    pub seed: u64,
+    pub data: DataPosition,
+    pub optimizer: &'a Optimizer,
+    pub split: SavedSplit,
+    pub model: &'a [SavedParam],
+    pub world: usize,
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Rank 0, after every rank's file is in place: checksum them and write the
+/// manifest, which makes the checkpoint complete.
+pub(crate) fn write_manifest(
+    dir: &Path,
+    info: ManifestInfo<'_>,
+    kill: Option<KillPoint>,
+) -> Result<PathBuf> {
+    let mut files = Vec::with_capacity(info.world);
+    for rank in 0..info.world {
+        let file = rank_file(rank);
+        let path = dir.join(&file);
+        let bytes = std::fs::read(&path).map_err(|e| io_err(&path, "read back the shard", e))?;
+        files.push(FileEntry {
+            file,
+            rank,
+            bytes: bytes.len() as u64,
+            sha256: sha256_hex(&bytes),
+        });
+    }
+    let manifest = Manifest {
+        format: FORMAT.into(),
+        version: VERSION,
+        step: info.step,
+        rng: RngState {
+            seed: info.seed,
+            step: info.step,
+        },
+        data: info.data,
+        optimizer: optimizer_kind(info.optimizer).into(),
+        split: info.split,
+        model: info.model.to_vec(),
+        files,
+    };
+    let path = dir.join(MANIFEST);
+    let text = serde_json::to_string_pretty(&manifest).map_err(|e| err(&path, e.to_string()))?;
+    write_atomic(&path, text.as_bytes(), kill == Some(KillPoint::MidManifest))?;
+    Ok(dir.to_path_buf())
+}
+
+/// A parameter's logical (unsharded) training state.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct LogicalParam {
+    pub value: Vec<f32>,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+/// A verified checkpoint, ready for any split to slice.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Resume {
+    pub step: u64,
+    pub next_sample: u64,
+    pub params: BTreeMap<ParamKey, LogicalParam>,
+}
+
+/// The model signature of `graph` over the keys a run holds.
+pub(crate) fn signature(graph: &Graph, keys: &BTreeSet<ParamKey>) -> Vec<SavedParam> {
+    let mut layers: BTreeMap<ParamId, u64> = BTreeMap::new();
+    for k in keys {
+        *layers.entry(k.param).or_default() += 1;
+    }
+    layers
+        .into_iter()
+        .map(|(p, layers)| {
+            let info = graph.param(p);
+            SavedParam {
+                name: info.name.clone(),
+                shape: const_shape(graph, p),
+                layers,
+            }
+        })
+        .collect()
+}
+
+fn const_shape(graph: &Graph, p: ParamId) -> Vec<usize> {
+    graph
+        .param(p)
+        .shape
+        .dims()
+        .iter()
+        .map(|d| d.as_const().unwrap_or(0).max(0) as usize)
+        .collect()
+}
+
+/// Per key being reassembled: its part split and, per part, the three
+/// buffers and the ranges filled so far.
+struct Assembly {
+    split: Option<(usize, usize)>,
+    part_shape: Vec<usize>,
+    parts: Vec<[Vec<f32>; 3]>,
+    filled: Vec<Vec<(Range<usize>, PathBuf)>>,
+}
+
+/// Read and verify every file of `ck`, then reassemble the logical state of
+/// every key in `keys`. Nothing of a run is touched: an error here means the
+/// run does not start.
+pub(crate) fn load(
+    ck: &Checkpoint,
+    graph: &Graph,
+    optimizer: &Optimizer,
+    seed: u64,
+    keys: &BTreeSet<ParamKey>,
+) -> Result<Resume> {
+    let m = &ck.manifest;
+    let manifest_path = ck.manifest_path();
+    if m.optimizer != optimizer_kind(optimizer) {
+        return Err(err(
+            &manifest_path,
+            format!(
+                "was saved with the {} optimizer, the run uses {}; its moments cannot carry over",
+                m.optimizer,
+                optimizer_kind(optimizer)
+            ),
+        ));
+    }
+    if m.rng.seed != seed {
+        return Err(err(
+            &manifest_path,
+            format!(
+                "was trained with seed {}, the run has seed {seed}: pass --seed {} (or leave --seed out) so the data order and dropout continue",
+                m.rng.seed, m.rng.seed
+            ),
+        ));
+    }
+    let want = signature(graph, keys);
+    if want != m.model {
+        let saved: BTreeMap<&str, &SavedParam> =
+            m.model.iter().map(|p| (p.name.as_str(), p)).collect();
+        let detail = want
+            .iter()
+            .find_map(|p| match saved.get(p.name.as_str()) {
+                None => Some(format!("it has no parameter `{}`", p.name)),
+                Some(s) if s != &p => Some(format!(
+                    "parameter `{}` is {:?} × {} layers there, {:?} × {} here",
+                    p.name, s.shape, s.layers, p.shape, p.layers
+                )),
+                _ => None,
+            })
+            .unwrap_or_else(|| "it has parameters this model lacks".into());
+        return Err(err(
+            &manifest_path,
+            format!("was saved from another model: {detail}"),
+        ));
+    }
+    let by_name: HashMap<&str, ParamId> = graph
+        .params()
+        .map(|(p, info)| (info.name.as_str(), p))
+        .collect();
+    let mut asm: BTreeMap<ParamKey, Assembly> = BTreeMap::new();
+    for entry in &m.files {
+        if entry.file.contains(['/', '\\']) || entry.file.starts_with('.') {
+            return Err(err(
+                &manifest_path,
+                format!("lists `{}`, which is not a file name", entry.file),
+            ));
+        }
+        let path = ck.dir.join(&entry.file);
+        let bytes = std::fs::read(&path).map_err(|e| {
+            err(
+                &path,
+                format!("cannot read this checkpoint file ({e}); the checkpoint is incomplete, resume from another step-N directory"),
+            )
+        })?;
+        if bytes.len() as u64 != entry.bytes {
+            return Err(err(
+                &path,
+                format!(
+                    "is truncated or overwritten: {} bytes, the manifest says {}; resume from another step-N directory",
+                    bytes.len(),
+                    entry.bytes
+                ),
+            ));
+        }
+        if sha256_hex(&bytes) != entry.sha256 {
+            return Err(err(
+                &path,
+                "is corrupted: its SHA-256 does not match the manifest; resume from another step-N directory",
+            ));
+        }
+        read_shards(&path, &bytes, graph, &by_name, keys, &mut asm)?;
+    }
+    let mut params = BTreeMap::new();
+    for key in keys {
+        let name = &graph.param(key.param).name;
+        let a = asm.remove(key).ok_or_else(|| {
+            err(
+                &manifest_path,
+                format!("no file holds `{name}` layer {}", key.layer),
+            )
+        })?;
+        let part_numel: usize = a.part_shape.iter().product();
+        for (i, filled) in a.filled.iter().enumerate() {
+            let mut ranges: Vec<_> = filled.iter().collect();
+            ranges.sort_by_key(|(r, _)| r.start);
+            let mut at = 0;
+            for (r, file) in ranges {
+                if r.start != at {
+                    let what = if r.start > at {
+                        "missing"
+                    } else {
+                        "stored twice"
+                    };
+                    return Err(err(
+                        file,
+                        format!(
+                            "elements {}..{} of `{name}` layer {} (part {i}) are {what}",
+                            at.min(r.start),
+                            at.max(r.start),
+                            key.layer
+                        ),
+                    ));
+                }
+                at = r.end;
+            }
+            if at != part_numel {
+                return Err(err(
+                    &manifest_path,
+                    format!(
+                        "elements {at}..{part_numel} of `{name}` layer {} (part {i}) are in no file",
+                        key.layer
+                    ),
+                ));
+            }
+        }
+        let whole = |k: usize| -> Result<Vec<f32>> {
+            let pieces: Vec<Tensor> = a
+                .parts
+                .iter()
+                .map(|p| Tensor::f32(a.part_shape.clone(), p[k].clone()))
+                .collect();
+            match a.split {
+                None => Ok(pieces[0].f()?.to_vec()),
+                Some((axis, _)) => concat_along(&pieces, axis)?.into_f(),
+            }
+        };
+        params.insert(
+            *key,
+            LogicalParam {
+                value: whole(0)?,
+                m: whole(1)?,
+                v: whole(2)?,
+            },
+        );
+    }
+    Ok(Resume {
+        step: m.step,
+        next_sample: m.data.next_sample,
+        params,
+    })
+}
+
+/// Check one shard file's tensors against the model and copy them into place.
+fn read_shards(
+    path: &Path,
+    bytes: &[u8],
+    graph: &Graph,
+    by_name: &HashMap<&str, ParamId>,
+    keys: &BTreeSet<ParamKey>,
+    asm: &mut BTreeMap<ParamKey, Assembly>,
+) -> Result<()> {
+    let bad = |detail: String| {
+        err(
+            path,
+            format!("{detail}; resume from another step-N directory"),
+        )
+    };
+    let (_, meta) = SafeTensors::read_metadata(bytes)
+        .map_err(|e| bad(format!("is not a safetensors file ({e:?})")))?;
+    let tensors = SafeTensors::deserialize(bytes)
+        .map_err(|e| bad(format!("is not a safetensors file ({e:?})")))?;
+    let entries: Vec<ShardEntry> = meta
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get(SHARDS_KEY))
+        .ok_or_else(|| bad(format!("has no `{SHARDS_KEY}` metadata: not a dplc shard")))
+        .and_then(|s| {
+            serde_json::from_str(s).map_err(|e| bad(format!("has unreadable `{SHARDS_KEY}` ({e})")))
+        })?;
+    for e in entries {
+        let param = *by_name
+            .get(e.param.as_str())
+            .ok_or_else(|| bad(format!("holds `{}`, which the model lacks", e.param)))?;
+        let key = ParamKey {
+            param,
+            layer: e.layer,
+        };
+        if !keys.contains(&key) {
+            return Err(bad(format!(
+                "holds `{}` layer {}, which the model lacks",
+                e.param, e.layer
+            )));
+        }
+        let shape = const_shape(graph, param);
+        let (split, part_shape, index) = match e.part {
+            None => (None, shape.clone(), 0),
+            Some(PartSpec { axis, parts, index }) => {
+                let ok = shape
+                    .get(axis)
+                    .is_some_and(|&n| parts > 0 && index < parts && n % parts == 0);
+                if !ok {
+                    return Err(bad(format!(
+                        "splits `{}` {shape:?} into part {index} of {parts} along axis {axis}, which does not fit",
+                        e.param
+                    )));
+                }
+                let mut s = shape.clone();
+                s[axis] /= parts;
+                (Some((axis, parts)), s, index)
+            }
+        };
+        let part_numel: usize = part_shape.iter().product();
+        if e.start > e.end || e.end > part_numel {
+            return Err(bad(format!(
+                "holds elements {}..{} of `{}` layer {}, which has {part_numel}",
+                e.start, e.end, e.param, e.layer
+            )));
+        }
+        let parts = split.map_or(1, |(_, p)| p);
+        let a = asm.entry(key).or_insert_with(|| Assembly {
+            split,
+            part_shape: part_shape.clone(),
+            parts: vec![
+                [
+                    vec![0.0; part_numel],
+                    vec![0.0; part_numel],
+                    vec![0.0; part_numel]
+                ];
+                parts
+            ],
+            filled: vec![Vec::new(); parts],
+        });
+        if a.split != split {
+            return Err(bad(format!(
+                "splits `{}` layer {} differently from another file of this checkpoint",
+                e.param, e.layer
+            )));
+        }
+        for (k, kind) in ["value", "m", "v"].into_iter().enumerate() {
+            let name = tensor_name(&e.param, e.layer, kind);
+            let view = tensors
+                .tensor(&name)
+                .map_err(|_| bad(format!("lacks the tensor `{name}`")))?;
+            if view.dtype() != Dtype::F32 || view.shape() != [e.end - e.start] {
+                return Err(bad(format!(
+                    "`{name}` is {:?} {:?}, expected F32 [{}]",
+                    view.dtype(),
+                    view.shape(),
+                    e.end - e.start
+                )));
+            }
+            let dst = &mut a.parts[index][k][e.start..e.end];
+            for (d, c) in dst.iter_mut().zip(view.data().chunks_exact(4)) {
+                *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        a.filled[index].push((e.start..e.end, path.to_path_buf()));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("dplc-ckpt-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        dir
+    }
+
+    #[test]
+    fn an_atomic_write_cut_short_leaves_only_a_temporary_file() {
+        let dir = scratch("atomic");
+        let path = dir.join("a.bin");
+        write_atomic(&path, b"first", false).expect("writes");
+        assert!(write_atomic(&path, b"second version", true).is_err());
+        assert_eq!(std::fs::read(&path).expect("still there"), b"first");
+        assert_eq!(
+            std::fs::read(dir.join("a.bin.tmp")).expect("tmp"),
+            b"second "
+        );
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn latest_skips_step_directories_without_a_manifest() {
+        let dir = scratch("latest");
+        for (step, complete) in [(3, true), (6, true), (9, false), (10, false)] {
+            let d = step_dir(&dir, step);
+            std::fs::create_dir_all(&d).expect("dir");
+            if complete {
+                std::fs::write(d.join(MANIFEST), "{}").expect("manifest");
+            }
+        }
+        std::fs::create_dir_all(dir.join("other")).expect("dir");
+        assert_eq!(
+            latest_step_dir(&dir).expect("lists"),
+            Some(step_dir(&dir, 6))
+        );
+        let e = Checkpoint::open(&step_dir(&dir, 9)).expect_err("incomplete");
+        assert!(e.to_string().contains("no complete checkpoint"), "{e}");
+        let e = Checkpoint::open(&dir).expect_err("the manifest is not valid");
+        assert!(e.to_string().contains("step-000006/manifest.json"), "{e}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
