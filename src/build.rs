@@ -189,8 +189,10 @@ fn run_md(plan: &Plan, m: &Manifest, dir: &Path) -> String {
     if m.backend == "cpu" {
         s.push_str(&format!(
             "The CPU backend runs every rank as a thread of one process:\n\n    {d}/dplc launch {d} --steps 100\n\n\
-             Multi-process CPU ranks are not implemented yet: a launcher that starts more than one \
-             process is refused.\n"
+             or each rank in a process of its own, joined by MPI (a dplc built with the `mpi` \
+             feature):\n\n    mpirun -np {} {d}/dplc launch {d} --steps 100\n\n\
+             Both train bit for bit alike.\n",
+            m.world_size
         ));
     } else {
         let (nodes, per) = (plan.cluster.nodes, plan.cluster.devices_per_node);
@@ -278,7 +280,7 @@ pub fn launch(args: &LaunchArgs) -> Result<()> {
                 m.cluster
             ));
         }
-        return launch_cpu_processes(plan, &args.train, env.rank);
+        return launch_cpu_processes(plan, &args.train, env.rank, processes);
     }
     if processes != m.world_size {
         return Err(miette!(
@@ -299,13 +301,26 @@ pub fn launch(args: &LaunchArgs) -> Result<()> {
 /// One CPU rank per process, the processes joined by MPI: every process
 /// trains its rank and rank 0 prints. A rank that fails ends the whole job
 /// (MPI_Abort) after printing its error, so no process is left waiting.
-fn launch_cpu_processes(plan: Plan, train: &run::TrainOpts, env_rank: usize) -> Result<()> {
+fn launch_cpu_processes(
+    plan: Plan,
+    train: &run::TrainOpts,
+    env_rank: usize,
+    processes: u64,
+) -> Result<()> {
     let process = dplc_runtime::MpiProcess::init().map_err(|e| {
         miette!(
             help = "launch one process, whose ranks run as threads",
             "{e}"
         )
     })?;
+    if process.size() as u64 != processes {
+        return Err(miette!(
+            help = "start the processes with mpirun (RUN.md has the line)",
+            "the launcher started {processes} processes, but MPI sees {}: CPU ranks in \
+             separate processes meet through MPI",
+            process.size()
+        ));
+    }
     if process.rank() != env_rank {
         return Err(miette!(
             "MPI says this is rank {}, but the launcher's environment says {env_rank}",

@@ -179,7 +179,7 @@ mod with_mpi {
         /// reading its last message); one that does not is leaked rather than
         /// freed under MPI, since its peer is gone or the job is ending.
         fn drop(&mut self) {
-            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
             while !self.pending.is_empty() && std::time::Instant::now() < deadline {
                 self.reap();
                 std::thread::sleep(std::time::Duration::from_micros(100));
