@@ -46,14 +46,6 @@ fn launch(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
     cmd.output().expect("dplc runs")
 }
 
-fn losses(stdout: &[u8]) -> Vec<f64> {
-    String::from_utf8_lossy(stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter_map(|v| v["loss"].as_f64())
-        .collect()
-}
-
 #[cfg(not(feature = "mpi"))]
 #[test]
 fn without_mpi_a_launch_of_several_processes_says_so() {
@@ -69,6 +61,14 @@ fn without_mpi_a_launch_of_several_processes_says_so() {
 mod with_mpi {
     use super::*;
     use std::time::{Duration, Instant};
+
+    fn losses(stdout: &[u8]) -> Vec<f64> {
+        String::from_utf8_lossy(stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter_map(|v| v["loss"].as_f64())
+            .collect()
+    }
 
     /// Whether mpirun can be used; CI must have it (scripts/install-mpi.sh).
     fn mpirun_present() -> bool {
@@ -87,13 +87,20 @@ mod with_mpi {
     /// whatever happens, so a hang fails the test instead of stalling CI.
     fn mpirun(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
         let mut cmd = Command::new("timeout");
-        cmd.args(["-k", "5", "120", "mpirun", "--allow-run-as-root", "--oversubscribe"])
-            .args(["-np", "4"])
-            .arg(dir.join("dplc"))
-            .arg("launch")
-            .arg(dir)
-            .args(args)
-            .env("NO_COLOR", "1");
+        cmd.args([
+            "-k",
+            "5",
+            "120",
+            "mpirun",
+            "--allow-run-as-root",
+            "--oversubscribe",
+        ])
+        .args(["-np", "4"])
+        .arg(dir.join("dplc"))
+        .arg("launch")
+        .arg(dir)
+        .args(args)
+        .env("NO_COLOR", "1");
         for var in ["RANK", "WORLD_SIZE", "SLURM_PROCID"] {
             cmd.env_remove(var);
         }

@@ -5,11 +5,11 @@
 
 use crate::checkpoint::{self, CheckpointConfig, CheckpointKill, Resume};
 use crate::comm::{Communicator, Group, Message, World};
-use crate::mpi_world::MpiProcess;
 use crate::data::Corpus;
 use crate::error::{Result, RuntimeError};
 use crate::interp::{add_grad, Frame, Grads, Interp, ParamKey, Value};
 use crate::kernels::DropoutKey;
+use crate::mpi_world::MpiProcess;
 use crate::params::{HeldParam, ParamStore, Unit, ZeroStage};
 use crate::partition::{schedule, Partition, Schedule, Work};
 use crate::shard::{concat_along, Layouts, MeshGroups};
@@ -589,7 +589,10 @@ fn train_on(
     }
     let shared = shared;
     let (world, here) = match process {
-        None => (World::new(cfg.world_size(), cfg.timeout), 0..cfg.world_size()),
+        None => (
+            World::new(cfg.world_size(), cfg.timeout),
+            0..cfg.world_size(),
+        ),
         Some(p) => (
             World::remote(cfg.world_size(), p.rank(), cfg.timeout, p.transport()),
             p.rank()..p.rank() + 1,

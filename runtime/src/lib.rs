@@ -32,11 +32,12 @@ pub use comm::{Communicator, Group, Message, World};
 pub use data::{Corpus, TokenFormat};
 pub use error::{Result, RuntimeError};
 pub use exec::{
-    train, train_process, Faults, Parameters, RunConfig, StepStats, StopFlag, TraceSink, TraceSpan, TrainReport,
+    train, train_process, Faults, Parameters, RunConfig, StepStats, StopFlag, TraceSink, TraceSpan,
+    TrainReport,
 };
 pub use interp::ParamKey;
-pub use mpi_world::MpiProcess;
 pub use kernels::{forward, DropoutKey, OpCtx};
+pub use mpi_world::MpiProcess;
 pub use params::ZeroStage;
 pub use partition::Schedule;
 pub use tensor::{Data, Tensor};

@@ -19,7 +19,11 @@ pub struct MpiProcess {
 
 impl std::fmt::Debug for MpiProcess {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "MpiProcess {{ rank: {}, size: {} }}", self.rank, self.size)
+        write!(
+            f,
+            "MpiProcess {{ rank: {}, size: {} }}",
+            self.rank, self.size
+        )
     }
 }
 
@@ -230,8 +234,12 @@ pub(crate) fn encode(e: &Envelope) -> Vec<u8> {
                         u64s(&mut w, t.shape.len() as u64);
                         t.shape.iter().for_each(|&d| u64s(&mut w, d as u64));
                         match &t.data {
-                            Data::F32(v) => v.iter().for_each(|x| w.extend_from_slice(&x.to_le_bytes())),
-                            Data::I32(v) => v.iter().for_each(|x| w.extend_from_slice(&x.to_le_bytes())),
+                            Data::F32(v) => {
+                                v.iter().for_each(|x| w.extend_from_slice(&x.to_le_bytes()))
+                            }
+                            Data::I32(v) => {
+                                v.iter().for_each(|x| w.extend_from_slice(&x.to_le_bytes()))
+                            }
                         }
                     }
                 }
