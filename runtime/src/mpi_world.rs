@@ -350,6 +350,111 @@ pub(crate) fn decode(bytes: &[u8]) -> Option<Envelope> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comm::{Group, Transport, World};
+    use std::sync::mpsc::{channel, Receiver, Sender};
+    use std::time::{Duration, Instant};
+
+    /// Processes stood in for by threads, each with a world of its own: the
+    /// envelopes go through the wire format and channels as they would
+    /// through MPI, so the remote path is tested without Open MPI.
+    struct Channels {
+        to: Vec<Sender<Vec<u8>>>,
+        inbox: Receiver<Vec<u8>>,
+    }
+
+    impl Transport for Channels {
+        fn post(&mut self, to: usize, envelope: &Envelope) -> Result<()> {
+            // A peer that already left does not read its mail; nor would MPI's.
+            let _ = self.to[to].send(encode(envelope));
+            Ok(())
+        }
+        fn poll(&mut self) -> Result<Vec<Envelope>> {
+            Ok(self
+                .inbox
+                .try_iter()
+                .map(|b| decode(&b).expect("well formed"))
+                .collect())
+        }
+    }
+
+    fn worlds(n: usize, timeout: Duration) -> Vec<std::sync::Arc<World>> {
+        let (to, inboxes): (Vec<_>, Vec<_>) = (0..n).map(|_| channel()).unzip();
+        inboxes
+            .into_iter()
+            .enumerate()
+            .map(|(rank, inbox)| {
+                let t = Channels {
+                    to: to.clone(),
+                    inbox,
+                };
+                World::remote(n, rank, timeout, Box::new(t))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn ranks_in_separate_worlds_reduce_in_group_order() {
+        let ws = worlds(3, Duration::from_secs(10));
+        let out: Vec<Result<(Vec<f32>, Vec<f32>, Vec<Vec<f32>>, f32)>> =
+            std::thread::scope(|s| {
+                let hs: Vec<_> = ws
+                    .iter()
+                    .enumerate()
+                    .map(|(r, w)| {
+                        let mut c = w.communicator(r);
+                        s.spawn(move || {
+                            let g = Group::new(vec![0, 1, 2]);
+                            // Values whose float sum depends on the order.
+                            let mut x = vec![[1e8f32, 1.0, -1e8][r], r as f32];
+                            c.all_reduce(&g, &mut x)?;
+                            let rs = c.reduce_scatter(&g, &[r as f32; 3], &[0..1, 1..2, 2..3])?;
+                            let a2a = c.all_to_all(&g, (0..3).map(|j| vec![(r * 3 + j) as f32]).collect())?;
+                            let next = (r + 1) % 3;
+                            c.send(next, 5, vec![Some(Tensor::f32(vec![1], vec![r as f32]))])?;
+                            let got = c.recv((r + 2) % 3, 5)?;
+                            Ok((x, rs, a2a, got[0].as_ref().expect("sent").f()?[0]))
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().expect("rank")).collect()
+            });
+        for (r, o) in out.into_iter().enumerate() {
+            let (x, rs, a2a, got) = o.expect("no failure");
+            assert_eq!(x, vec![(1e8f32 + 1.0) + -1e8, 3.0]);
+            assert_eq!(rs, vec![3.0]);
+            assert_eq!(a2a, (0..3).map(|s| vec![(s * 3 + r) as f32]).collect::<Vec<_>>());
+            assert_eq!(got, ((r + 2) % 3) as f32);
+        }
+    }
+
+    #[test]
+    fn a_silent_rank_in_another_process_is_named_and_the_news_spreads() {
+        let ws = worlds(3, Duration::from_millis(300));
+        let start = Instant::now();
+        let errs: Vec<String> = std::thread::scope(|s| {
+            let hs: Vec<_> = [0, 2]
+                .into_iter()
+                .map(|r| {
+                    let mut c = ws[r].communicator(r);
+                    c.set_step(4);
+                    s.spawn(move || {
+                        let mut x = vec![1.0];
+                        let e = c.all_reduce(&Group::new(vec![0, 1, 2]), &mut x);
+                        e.expect_err("rank 1 never comes").to_string()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("rank")).collect()
+        });
+        assert!(start.elapsed() < Duration::from_secs(5));
+        for e in &errs {
+            assert!(e.contains("rank 1 stopped answering at step 4"), "{e}");
+        }
+        // Rank 1's own process hears of it.
+        let (rank, reason) = ws[1].failure().expect("poisoned over the wire");
+        assert_eq!(rank, 1);
+        assert!(reason.contains("step 4"), "{reason}");
+    }
 
     #[test]
     fn envelopes_survive_the_wire_bit_for_bit() {
