@@ -395,34 +395,37 @@ mod tests {
     #[test]
     fn ranks_in_separate_worlds_reduce_in_group_order() {
         let ws = worlds(3, Duration::from_secs(10));
-        let out: Vec<Result<(Vec<f32>, Vec<f32>, Vec<Vec<f32>>, f32)>> =
-            std::thread::scope(|s| {
-                let hs: Vec<_> = ws
-                    .iter()
-                    .enumerate()
-                    .map(|(r, w)| {
-                        let mut c = w.communicator(r);
-                        s.spawn(move || {
-                            let g = Group::new(vec![0, 1, 2]);
-                            // Values whose float sum depends on the order.
-                            let mut x = vec![[1e8f32, 1.0, -1e8][r], r as f32];
-                            c.all_reduce(&g, &mut x)?;
-                            let rs = c.reduce_scatter(&g, &[r as f32; 3], &[0..1, 1..2, 2..3])?;
-                            let a2a = c.all_to_all(&g, (0..3).map(|j| vec![(r * 3 + j) as f32]).collect())?;
-                            let next = (r + 1) % 3;
-                            c.send(next, 5, vec![Some(Tensor::f32(vec![1], vec![r as f32]))])?;
-                            let got = c.recv((r + 2) % 3, 5)?;
-                            Ok((x, rs, a2a, got[0].as_ref().expect("sent").f()?[0]))
-                        })
+        let out: Vec<Result<(Vec<f32>, Vec<f32>, Vec<Vec<f32>>, f32)>> = std::thread::scope(|s| {
+            let hs: Vec<_> = ws
+                .iter()
+                .enumerate()
+                .map(|(r, w)| {
+                    let mut c = w.communicator(r);
+                    s.spawn(move || {
+                        let g = Group::new(vec![0, 1, 2]);
+                        // Values whose float sum depends on the order.
+                        let mut x = vec![[1e8f32, 1.0, -1e8][r], r as f32];
+                        c.all_reduce(&g, &mut x)?;
+                        let rs = c.reduce_scatter(&g, &[r as f32; 3], &[0..1, 1..2, 2..3])?;
+                        let a2a =
+                            c.all_to_all(&g, (0..3).map(|j| vec![(r * 3 + j) as f32]).collect())?;
+                        let next = (r + 1) % 3;
+                        c.send(next, 5, vec![Some(Tensor::f32(vec![1], vec![r as f32]))])?;
+                        let got = c.recv((r + 2) % 3, 5)?;
+                        Ok((x, rs, a2a, got[0].as_ref().expect("sent").f()?[0]))
                     })
-                    .collect();
-                hs.into_iter().map(|h| h.join().expect("rank")).collect()
-            });
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("rank")).collect()
+        });
         for (r, o) in out.into_iter().enumerate() {
             let (x, rs, a2a, got) = o.expect("no failure");
             assert_eq!(x, vec![(1e8f32 + 1.0) + -1e8, 3.0]);
             assert_eq!(rs, vec![3.0]);
-            assert_eq!(a2a, (0..3).map(|s| vec![(s * 3 + r) as f32]).collect::<Vec<_>>());
+            assert_eq!(
+                a2a,
+                (0..3).map(|s| vec![(s * 3 + r) as f32]).collect::<Vec<_>>()
+            );
             assert_eq!(got, ((r + 2) % 3) as f32);
         }
     }
