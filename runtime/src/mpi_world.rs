@@ -392,10 +392,13 @@ mod tests {
             .collect()
     }
 
+    /// An all-reduce, a reduce-scatter, an all-to-all and a received value.
+    type Outcome = (Vec<f32>, Vec<f32>, Vec<Vec<f32>>, f32);
+
     #[test]
     fn ranks_in_separate_worlds_reduce_in_group_order() {
         let ws = worlds(3, Duration::from_secs(10));
-        let out: Vec<Result<(Vec<f32>, Vec<f32>, Vec<Vec<f32>>, f32)>> = std::thread::scope(|s| {
+        let out: Vec<Result<Outcome>> = std::thread::scope(|s| {
             let hs: Vec<_> = ws
                 .iter()
                 .enumerate()
