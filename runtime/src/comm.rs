@@ -13,7 +13,7 @@
 
 use crate::error::{Result, RuntimeError};
 use crate::tensor::Tensor;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -90,6 +90,8 @@ struct State {
     failure: Option<(usize, String)>,
     slots: HashMap<(Vec<usize>, u64), Slot>,
     mail: HashMap<(usize, usize, u64), VecDeque<Message>>,
+    /// This process's ranks that are blocked in a wait right now.
+    waiting: HashSet<usize>,
     /// The other processes' ranks, when this process holds only `World::local`.
     transport: Option<Box<dyn Transport>>,
 }
@@ -275,7 +277,10 @@ impl Communicator {
     /// Wait on the world until `ready` yields, a rank fails or the deadline
     /// passes. `missing` says which peers have not arrived: on a timeout the
     /// first of them is reported as the failed rank, since a rank that
-    /// stopped answering is the fault, not the rank left waiting for it.
+    /// stopped answering is the fault, not the rank left waiting for it. A
+    /// missing peer of this process that is itself waiting is blocked on
+    /// someone else, so it is not blamed: its own wait names the culprit
+    /// (until twice the timeout, which ends even a cycle of waits).
     fn wait<T>(
         &self,
         what: &str,
@@ -284,35 +289,41 @@ impl Communicator {
     ) -> Result<T> {
         let start = Instant::now();
         let mut s = self.world.lock();
+        s.waiting.insert(self.rank);
         loop {
             s.pump(self.rank);
             if let Some((rank, reason)) = &s.failure {
-                return Err(RuntimeError::RankFailed {
+                let err = RuntimeError::RankFailed {
                     rank: *rank,
                     reason: reason.clone(),
-                });
+                };
+                s.waiting.remove(&self.rank);
+                return Err(err);
             }
             if let Some(v) = ready(&mut s) {
+                s.waiting.remove(&self.rank);
                 drop(s);
                 self.world.changed.notify_all();
                 return Ok(v);
             }
-            if start.elapsed() > self.world.timeout {
-                let seconds = start.elapsed().as_secs_f64();
+            let waited = start.elapsed();
+            if waited > self.world.timeout {
                 let silent = missing(&s);
-                drop(s);
-                let err = RuntimeError::Timeout {
-                    rank: self.rank,
-                    what: what.to_string(),
-                    seconds,
-                    step: self.step,
-                    silent: silent.clone(),
-                };
-                self.world.poison(
-                    silent.first().copied().unwrap_or(self.rank),
-                    err.to_string(),
-                );
-                return Err(err);
+                let culprit = silent.iter().copied().find(|r| !s.waiting.contains(r));
+                if culprit.is_some() || waited > self.world.timeout * 2 {
+                    s.waiting.remove(&self.rank);
+                    drop(s);
+                    let err = RuntimeError::Timeout {
+                        rank: self.rank,
+                        what: what.to_string(),
+                        seconds: waited.as_secs_f64(),
+                        step: self.step,
+                        silent: silent.clone(),
+                    };
+                    let blamed = culprit.or(silent.first().copied()).unwrap_or(self.rank);
+                    self.world.poison(blamed, err.to_string());
+                    return Err(err);
+                }
             }
             s = self
                 .world
