@@ -189,8 +189,10 @@ fn run_md(plan: &Plan, m: &Manifest, dir: &Path) -> String {
     if m.backend == "cpu" {
         s.push_str(&format!(
             "The CPU backend runs every rank as a thread of one process:\n\n    {d}/dplc launch {d} --steps 100\n\n\
-             Multi-process CPU ranks are not implemented yet: a launcher that starts more than one \
-             process is refused.\n"
+             or each rank in a process of its own, joined by MPI (a dplc built with the `mpi` \
+             feature):\n\n    mpirun -np {} {d}/dplc launch {d} --steps 100\n\n\
+             Both train bit for bit alike.\n",
+            m.world_size
         ));
     } else {
         let (nodes, per) = (plan.cluster.nodes, plan.cluster.devices_per_node);
@@ -249,24 +251,36 @@ fn check(dir: &Path) -> Result<Manifest> {
 pub fn launch(args: &LaunchArgs) -> Result<()> {
     let m = check(&args.dir)?;
     let plan = read_plan(&args.dir.join("plan.ron"))?;
-    let env = LaunchEnv::from_env().map_err(|e| miette!("{e}"))?;
+    let env = if m.backend == "cpu" {
+        // CPU ranks meet through MPI, not through a rendezvous at MASTER_ADDR.
+        LaunchEnv::from_vars(|k| {
+            std::env::var(k)
+                .ok()
+                .filter(|v| !v.is_empty())
+                .or_else(|| (k == "MASTER_ADDR").then(|| "127.0.0.1".to_string()))
+        })
+    } else {
+        LaunchEnv::from_env()
+    }
+    .map_err(|e| miette!("{e}"))?;
     let processes = env.world_size as u64;
     if m.backend == "cpu" {
-        if processes != 1 {
+        if processes == 1 {
+            let p = Prepared::from_plan(plan)?;
+            return run::train_prepared(&p, &args.train);
+        }
+        if processes != m.world_size {
             return Err(miette!(
                 help = format!(
-                    "start one process: `{}/dplc launch {}`; its {} ranks run as threads",
-                    args.dir.display(),
-                    args.dir.display(),
+                    "start one process (its ranks run as threads) or {} under mpirun",
                     m.world_size
                 ),
-                "the launcher started {processes} processes, but this CPU plan runs its {} ranks \
-                 as threads of one process (multi-process CPU ranks are not implemented yet)",
-                m.world_size
+                "the plan needs {} CPU ranks ({}), but the launcher started {processes} processes",
+                m.world_size,
+                m.cluster
             ));
         }
-        let p = Prepared::from_plan(plan)?;
-        return run::train_prepared(&p, &args.train);
+        return launch_cpu_processes(plan, &args.train, env.rank, processes);
     }
     if processes != m.world_size {
         return Err(miette!(
@@ -282,4 +296,42 @@ pub fn launch(args: &LaunchArgs) -> Result<()> {
         ranks_per_gpu: 1,
     };
     dplc_runtime::gpu::train_on_gpus(&p.graph, &p.train, &cfg).map_err(|e| miette!("{e}"))
+}
+
+/// One CPU rank per process, the processes joined by MPI: every process
+/// trains its rank and rank 0 prints. A rank that fails ends the whole job
+/// (MPI_Abort) after printing its error, so no process is left waiting.
+fn launch_cpu_processes(
+    plan: Plan,
+    train: &run::TrainOpts,
+    env_rank: usize,
+    processes: u64,
+) -> Result<()> {
+    let process = dplc_runtime::MpiProcess::init().map_err(|e| {
+        miette!(
+            help = "launch one process, whose ranks run as threads",
+            "{e}"
+        )
+    })?;
+    if process.size() as u64 != processes {
+        return Err(miette!(
+            help = "start the processes with mpirun (RUN.md has the line)",
+            "the launcher started {processes} processes, but MPI sees {}: CPU ranks in \
+             separate processes meet through MPI",
+            process.size()
+        ));
+    }
+    if process.rank() != env_rank {
+        return Err(miette!(
+            "MPI says this is rank {}, but the launcher's environment says {env_rank}",
+            process.rank()
+        ));
+    }
+    let result =
+        Prepared::from_plan(plan).and_then(|p| run::train_prepared_on(&p, train, Some(&process)));
+    if let Err(report) = result {
+        eprintln!("{report:?}");
+        process.abort(1);
+    }
+    Ok(())
 }

@@ -147,7 +147,7 @@ pub fn corpus(data: Option<&Path>, graph: &dplc_ir::Graph, seed: u64) -> Result<
 /// The fault `DPLC_FAULT` asks for: `kill:RANK:STEP` (the rank dies with an
 /// error), `panic:RANK:STEP` or `stall:RANK:STEP` (it stops answering). For
 /// testing that a run stops, names the rank and never hangs.
-fn fault_from_env(spec: &str) -> Result<dplc_runtime::Faults> {
+fn fault_from_env(spec: &str, processes: bool) -> Result<dplc_runtime::Faults> {
     let bad = || {
         miette!(
             help = "write kill:RANK:STEP, panic:RANK:STEP or stall:RANK:STEP, e.g. DPLC_FAULT=stall:1:3",
@@ -164,6 +164,8 @@ fn fault_from_env(spec: &str) -> Result<dplc_runtime::Faults> {
     ));
     let mut f = dplc_runtime::Faults::default();
     match *kind {
+        // A rank with a process of its own dies with it; a rank thread fails.
+        "kill" if processes => f.exit_rank_at = at,
         "kill" => f.fail_rank_at = at,
         "panic" => f.panic_rank_at = at,
         "stall" => f.stall_rank_at = at,
@@ -266,6 +268,23 @@ pub fn run(args: &Args) -> Result<()> {
 
 /// Train a prepared model on CPU ranks, reporting as `opts` says.
 pub fn train_prepared(p: &Prepared, args: &TrainOpts) -> Result<()> {
+    train_prepared_on(p, args, None)
+}
+
+/// Train as `dplc run` does; with `process`, as that one rank of a world of
+/// processes, where only rank 0 prints.
+pub fn train_prepared_on(
+    p: &Prepared,
+    args: &TrainOpts,
+    process: Option<&dplc_runtime::MpiProcess>,
+) -> Result<()> {
+    if process.is_some() && args.trace.is_some() {
+        return Err(miette!(
+            "--trace records the ranks of one process; it is not implemented for ranks in separate processes"
+        ));
+    }
+    // Only rank 0 speaks for a world of processes.
+    let quiet = process.is_some_and(|p| p.rank() != 0);
     let steps = args.steps.or(p.train.steps).unwrap_or(100);
     if steps == 0 {
         return Err(miette!("--steps must be positive"));
@@ -306,7 +325,7 @@ pub fn train_prepared(p: &Prepared, args: &TrainOpts) -> Result<()> {
     }
     cfg.timeout = std::time::Duration::from_secs_f64(args.timeout);
     if let Ok(spec) = std::env::var("DPLC_FAULT") {
-        cfg.faults = fault_from_env(&spec)?;
+        cfg.faults = fault_from_env(&spec, process.is_some())?;
     }
     if args.trace.is_some() {
         cfg.trace = dplc_runtime::TraceSink::recording();
@@ -340,7 +359,7 @@ pub fn train_prepared(p: &Prepared, args: &TrainOpts) -> Result<()> {
         }
     }
     install_interrupt(&cfg.stop);
-    if !args.json {
+    if !args.json && !quiet {
         eprintln!(
             "training {} on {} CPU ranks: {}; seq {}, global batch {}, {steps} steps",
             p.plan.model,
@@ -353,7 +372,7 @@ pub fn train_prepared(p: &Prepared, args: &TrainOpts) -> Result<()> {
     let started = Instant::now();
     let tty = std::io::stderr().is_terminal();
     let json = args.json;
-    let report = dplc_runtime::train(&p.graph, &p.train, &cfg, &data, steps, seed, |st| {
+    let on_step = |st: &StepStats| {
         if json {
             let line = json!({
                 "step": st.step,
@@ -369,8 +388,17 @@ pub fn train_prepared(p: &Prepared, args: &TrainOpts) -> Result<()> {
         } else {
             progress(st, steps, from, started, tty);
         }
-    })
+    };
+    let report = match process {
+        None => dplc_runtime::train(&p.graph, &p.train, &cfg, &data, steps, seed, on_step),
+        Some(process) => dplc_runtime::train_process(
+            &p.graph, &p.train, &cfg, &data, steps, seed, process, on_step,
+        ),
+    }
     .map_err(|e| miette!("{e}"))?;
+    if quiet {
+        return Ok(());
+    }
     let elapsed = started.elapsed().as_secs_f64();
     if let Some(path) = &args.trace {
         let trace = crate::viz::measured_trace(&p.plan, &cfg.trace.spans());

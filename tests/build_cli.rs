@@ -102,7 +102,7 @@ fn a_built_cpu_artifact_trains_exactly_as_dplc_run() {
 fn corrupted_or_missing_files_and_other_worlds_are_refused() {
     let dir = build_cpu("refuse");
     let d = dir.to_str().unwrap();
-    // Another world than the plan's: the CPU plan's ranks are threads of one process.
+    // Another world than the plan's: one process (threads) or one per rank.
     let out = dplc(&["launch", d, "--steps", "1"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let out = dplc_at(
@@ -110,13 +110,13 @@ fn corrupted_or_missing_files_and_other_worlds_are_refused() {
         &["launch", d, "--steps", "1"],
         &[
             ("RANK", "0"),
-            ("WORLD_SIZE", "4"),
+            ("WORLD_SIZE", "3"),
             ("MASTER_ADDR", "127.0.0.1"),
         ],
     );
     assert_eq!(out.status.code(), Some(1));
     assert!(
-        stderr(&out).contains("the launcher started 4 processes"),
+        stderr(&out).contains("the launcher started 3 processes"),
         "{}",
         stderr(&out)
     );

@@ -5,10 +5,15 @@
 //! Every collective is an exchange of contributions followed by local
 //! arithmetic in group order, so each member computes the same bits and a run
 //! is reproducible: the sum of an all-reduce is always `x_0 + x_1 + … + x_{n-1}`.
+//!
+//! A world may also hold one rank of several processes (`World::remote`): the
+//! contributions of the ranks elsewhere then arrive through a `Transport` (MPI,
+//! `crate::mpi_world`) into the same slots, and the same local sums run on
+//! them, so a multi-process run equals the threaded one bit for bit.
 
 use crate::error::{Result, RuntimeError};
 use crate::tensor::Tensor;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -50,17 +55,99 @@ struct Slot {
 /// A point-to-point message: a list of tensors, `None` where a value has no gradient.
 pub type Message = Vec<Option<Tensor>>;
 
+/// What one process sends another: a rank's contribution to a collective, a
+/// point-to-point message, or the news that a rank failed.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Envelope {
+    Deposit {
+        group: Vec<usize>,
+        seq: u64,
+        from: usize,
+        pieces: Vec<Vec<f32>>,
+    },
+    Mail {
+        from: usize,
+        to: usize,
+        tag: u64,
+        msg: Message,
+    },
+    Poison {
+        rank: usize,
+        reason: String,
+    },
+}
+
+/// How envelopes reach the ranks of other processes. `post` never blocks
+/// (buffers are kept until sent); `poll` returns whatever has arrived, also
+/// without blocking, so every wait keeps its deadline.
+pub(crate) trait Transport: Send {
+    fn post(&mut self, to: usize, envelope: &Envelope) -> Result<()>;
+    fn poll(&mut self) -> Result<Vec<Envelope>>;
+}
+
 #[derive(Default)]
 struct State {
     failure: Option<(usize, String)>,
     slots: HashMap<(Vec<usize>, u64), Slot>,
     mail: HashMap<(usize, usize, u64), VecDeque<Message>>,
+    /// This process's ranks that are blocked in a wait right now.
+    waiting: HashSet<usize>,
+    /// The other processes' ranks, when this process holds only `World::local`.
+    transport: Option<Box<dyn Transport>>,
+}
+
+impl State {
+    /// Take in what other processes sent; a broken transport is a failure.
+    fn pump(&mut self, me: usize) {
+        let Some(t) = self.transport.as_mut() else {
+            return;
+        };
+        let arrived = match t.poll() {
+            Ok(a) => a,
+            Err(e) => {
+                if self.failure.is_none() {
+                    self.failure = Some((me, e.to_string()));
+                }
+                return;
+            }
+        };
+        for e in arrived {
+            match e {
+                Envelope::Deposit {
+                    group,
+                    seq,
+                    from,
+                    pieces,
+                } => {
+                    let n = group.len();
+                    let pos = group.iter().position(|&r| r == from);
+                    let slot = self.slots.entry((group, seq)).or_insert_with(|| Slot {
+                        deposits: vec![None; n],
+                        taken: 0,
+                    });
+                    if let Some(pos) = pos {
+                        slot.deposits[pos] = Some(Arc::new(pieces));
+                    }
+                }
+                Envelope::Mail { from, to, tag, msg } => {
+                    self.mail.entry((from, to, tag)).or_default().push_back(msg)
+                }
+                Envelope::Poison { rank, reason } => {
+                    if self.failure.is_none() {
+                        self.failure = Some((rank, reason));
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// The shared memory of one process's ranks.
 pub struct World {
     size: usize,
     timeout: Duration,
+    /// The one rank this process holds when the others live in other processes.
+    local: Option<usize>,
     state: Mutex<State>,
     changed: Condvar,
 }
@@ -71,9 +158,48 @@ impl World {
         Arc::new(World {
             size,
             timeout,
+            local: None,
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
         })
+    }
+
+    /// A world of `size` ranks of which this process holds only `local`; the
+    /// others are reached through `transport`.
+    pub(crate) fn remote(
+        size: usize,
+        local: usize,
+        timeout: Duration,
+        transport: Box<dyn Transport>,
+    ) -> Arc<World> {
+        Arc::new(World {
+            size,
+            timeout,
+            local: Some(local),
+            state: Mutex::new(State {
+                transport: Some(transport),
+                ..State::default()
+            }),
+            changed: Condvar::new(),
+        })
+    }
+
+    /// How many of `group`'s ranks this process holds.
+    fn local_members(&self, group: &Group) -> usize {
+        match self.local {
+            Some(_) => 1,
+            None => group.size(),
+        }
+    }
+
+    /// How long a waiting rank sleeps before it looks again: a condition
+    /// variable wakes local ranks at once, but messages from other processes
+    /// are only seen by polling, so poll those often.
+    fn poll_interval(&self) -> Duration {
+        match self.local {
+            Some(_) => Duration::from_micros(50),
+            None => POLL,
+        }
     }
 
     pub fn size(&self) -> usize {
@@ -90,7 +216,14 @@ impl World {
     pub fn poison(&self, rank: usize, reason: String) {
         let mut s = self.lock();
         if s.failure.is_none() {
-            s.failure = Some((rank, reason));
+            s.failure = Some((rank, reason.clone()));
+            // Tell the other processes; one that cannot be reached is gone anyway.
+            if let (Some(me), Some(t)) = (self.local, s.transport.as_mut()) {
+                let news = Envelope::Poison { rank, reason };
+                for to in (0..self.size).filter(|&r| r != me) {
+                    let _ = t.post(to, &news);
+                }
+            }
         }
         drop(s);
         self.changed.notify_all();
@@ -98,7 +231,9 @@ impl World {
 
     /// The first failure, if any rank failed.
     pub fn failure(&self) -> Option<(usize, String)> {
-        self.lock().failure.clone()
+        let mut s = self.lock();
+        s.pump(self.local.unwrap_or(0));
+        s.failure.clone()
     }
 
     pub fn communicator(self: &Arc<World>, rank: usize) -> Communicator {
@@ -142,7 +277,10 @@ impl Communicator {
     /// Wait on the world until `ready` yields, a rank fails or the deadline
     /// passes. `missing` says which peers have not arrived: on a timeout the
     /// first of them is reported as the failed rank, since a rank that
-    /// stopped answering is the fault, not the rank left waiting for it.
+    /// stopped answering is the fault, not the rank left waiting for it. A
+    /// missing peer of this process that is itself waiting is blocked on
+    /// someone else, so it is not blamed: its own wait names the culprit
+    /// (until twice the timeout, which ends even a cycle of waits).
     fn wait<T>(
         &self,
         what: &str,
@@ -151,39 +289,46 @@ impl Communicator {
     ) -> Result<T> {
         let start = Instant::now();
         let mut s = self.world.lock();
+        s.waiting.insert(self.rank);
         loop {
+            s.pump(self.rank);
             if let Some((rank, reason)) = &s.failure {
-                return Err(RuntimeError::RankFailed {
+                let err = RuntimeError::RankFailed {
                     rank: *rank,
                     reason: reason.clone(),
-                });
+                };
+                s.waiting.remove(&self.rank);
+                return Err(err);
             }
             if let Some(v) = ready(&mut s) {
+                s.waiting.remove(&self.rank);
                 drop(s);
                 self.world.changed.notify_all();
                 return Ok(v);
             }
-            if start.elapsed() > self.world.timeout {
-                let seconds = start.elapsed().as_secs_f64();
+            let waited = start.elapsed();
+            if waited > self.world.timeout {
                 let silent = missing(&s);
-                drop(s);
-                let err = RuntimeError::Timeout {
-                    rank: self.rank,
-                    what: what.to_string(),
-                    seconds,
-                    step: self.step,
-                    silent: silent.clone(),
-                };
-                self.world.poison(
-                    silent.first().copied().unwrap_or(self.rank),
-                    err.to_string(),
-                );
-                return Err(err);
+                let culprit = silent.iter().copied().find(|r| !s.waiting.contains(r));
+                if culprit.is_some() || waited > self.world.timeout * 2 {
+                    s.waiting.remove(&self.rank);
+                    drop(s);
+                    let err = RuntimeError::Timeout {
+                        rank: self.rank,
+                        what: what.to_string(),
+                        seconds: waited.as_secs_f64(),
+                        step: self.step,
+                        silent: silent.clone(),
+                    };
+                    let blamed = culprit.or(silent.first().copied()).unwrap_or(self.rank);
+                    self.world.poison(blamed, err.to_string());
+                    return Err(err);
+                }
             }
             s = self
                 .world
                 .changed
-                .wait_timeout(s, POLL)
+                .wait_timeout(s, self.world.poll_interval())
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
@@ -206,8 +351,20 @@ impl Communicator {
         let key = (group.ranks.clone(), *seq);
         *seq += 1;
         let n = group.size();
+        let takers = self.world.local_members(group);
         {
             let mut s = self.world.lock();
+            if let Some(t) = s.transport.as_mut() {
+                let deposit = Envelope::Deposit {
+                    group: group.ranks.clone(),
+                    seq: key.1,
+                    from: self.rank,
+                    pieces: mine.clone(),
+                };
+                for &to in group.ranks.iter().filter(|&&r| r != self.rank) {
+                    t.post(to, &deposit)?;
+                }
+            }
             let slot = s.slots.entry(key.clone()).or_insert_with(|| Slot {
                 deposits: vec![None; n],
                 taken: 0,
@@ -232,7 +389,7 @@ impl Communicator {
             }
             let all: Vec<Contribution> = slot.deposits.iter().flatten().cloned().collect();
             slot.taken += 1;
-            if slot.taken == n {
+            if slot.taken == takers {
                 s.slots.remove(&key);
             }
             Some(all)
@@ -310,6 +467,17 @@ impl Communicator {
             )));
         }
         let mut s = self.world.lock();
+        if let (Some(me), Some(t)) = (self.world.local, s.transport.as_mut()) {
+            if to != me {
+                let mail = Envelope::Mail {
+                    from: self.rank,
+                    to,
+                    tag,
+                    msg,
+                };
+                return t.post(to, &mail);
+            }
+        }
         s.mail
             .entry((self.rank, to, tag))
             .or_default()

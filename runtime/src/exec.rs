@@ -9,6 +9,7 @@ use crate::data::Corpus;
 use crate::error::{Result, RuntimeError};
 use crate::interp::{add_grad, Frame, Grads, Interp, ParamKey, Value};
 use crate::kernels::DropoutKey;
+use crate::mpi_world::MpiProcess;
 use crate::params::{HeldParam, ParamStore, Unit, ZeroStage};
 use crate::partition::{schedule, Partition, Schedule, Work};
 use crate::shard::{concat_along, Layouts, MeshGroups};
@@ -27,6 +28,9 @@ pub struct Faults {
     pub fail_rank_at: Option<(usize, u64)>,
     /// This rank panics at the start of this step.
     pub panic_rank_at: Option<(usize, u64)>,
+    /// This rank's process exits at the start of this step, as a killed
+    /// process would (for ranks in separate processes).
+    pub exit_rank_at: Option<(usize, u64)>,
     /// This rank stops answering at the start of this step (a hung process):
     /// the others must notice within the timeout and name it.
     pub stall_rank_at: Option<(usize, u64)>,
@@ -366,6 +370,51 @@ pub fn train(
     data: &Corpus,
     steps: u64,
     seed: u64,
+    on_step: impl FnMut(&StepStats),
+) -> Result<TrainReport> {
+    train_on(graph, spec, cfg, data, steps, seed, None, on_step)
+}
+
+/// Train as the one rank `process.rank()` of a world of processes (mpirun),
+/// the other ranks reached over MPI. The collectives sum the same
+/// contributions in the same group order as the threaded run, so the losses
+/// equal `train`'s bit for bit. `on_step` sees every step on rank 0 only; the
+/// report's parameters are the parts this rank holds.
+#[allow(clippy::too_many_arguments)]
+pub fn train_process(
+    graph: &Graph,
+    spec: &TrainSpec,
+    cfg: &RunConfig,
+    data: &Corpus,
+    steps: u64,
+    seed: u64,
+    process: &MpiProcess,
+    on_step: impl FnMut(&StepStats),
+) -> Result<TrainReport> {
+    if process.size() != cfg.world_size() {
+        return Err(RuntimeError::Config(format!(
+            "the split needs {} ranks, but {} processes were started",
+            cfg.world_size(),
+            process.size()
+        )));
+    }
+    if cfg.checkpoint.is_some() || cfg.resume_from.is_some() {
+        return Err(RuntimeError::Unsupported(
+            "checkpoints of ranks in separate processes are not implemented yet".into(),
+        ));
+    }
+    train_on(graph, spec, cfg, data, steps, seed, Some(process), on_step)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn train_on(
+    graph: &Graph,
+    spec: &TrainSpec,
+    cfg: &RunConfig,
+    data: &Corpus,
+    steps: u64,
+    seed: u64,
+    process: Option<&MpiProcess>,
     mut on_step: impl FnMut(&StepStats),
 ) -> Result<TrainReport> {
     if cfg.dp == 0
@@ -539,11 +588,20 @@ pub fn train(
         shared.resume = Some(resume);
     }
     let shared = shared;
-    let world = World::new(cfg.world_size(), cfg.timeout);
+    let (world, here) = match process {
+        None => (
+            World::new(cfg.world_size(), cfg.timeout),
+            0..cfg.world_size(),
+        ),
+        Some(p) => (
+            World::remote(cfg.world_size(), p.rank(), cfg.timeout, p.transport()),
+            p.rank()..p.rank() + 1,
+        ),
+    };
     let (tx, rx) = mpsc::channel::<StepStats>();
     let mut stats = Vec::new();
     let results: Vec<Result<Vec<Exported>>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..cfg.world_size())
+        let handles: Vec<_> = here
             .map(|rank| {
                 let comm = world.communicator(rank);
                 let tx = tx.clone();
@@ -849,6 +907,10 @@ fn run_rank(
                 op: "rank",
                 detail: format!("injected failure at step {step}"),
             });
+        }
+        if cfg.faults.exit_rank_at == Some((rank, step)) {
+            eprintln!("rank {rank} failed at step {step}: its process exits (DPLC_FAULT)");
+            std::process::exit(1);
         }
         if cfg.faults.panic_rank_at == Some((rank, step)) {
             panic!("injected panic at step {step}");

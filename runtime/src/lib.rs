@@ -17,6 +17,9 @@ pub mod gpu;
 mod gradcheck;
 mod interp;
 mod kernels;
+// Without the `mpi` feature only the tests use the wire format.
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+mod mpi_world;
 mod params;
 mod partition;
 mod rng;
@@ -29,10 +32,12 @@ pub use comm::{Communicator, Group, Message, World};
 pub use data::{Corpus, TokenFormat};
 pub use error::{Result, RuntimeError};
 pub use exec::{
-    train, Faults, Parameters, RunConfig, StepStats, StopFlag, TraceSink, TraceSpan, TrainReport,
+    train, train_process, Faults, Parameters, RunConfig, StepStats, StopFlag, TraceSink, TraceSpan,
+    TrainReport,
 };
 pub use interp::ParamKey;
 pub use kernels::{forward, DropoutKey, OpCtx};
+pub use mpi_world::MpiProcess;
 pub use params::ZeroStage;
 pub use partition::Schedule;
 pub use tensor::{Data, Tensor};

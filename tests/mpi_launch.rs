@@ -1,0 +1,152 @@
+//! CPU ranks in separate processes: a built artifact launched under mpirun as
+//! one process per rank trains bit for bit as the same artifact's threads, and
+//! a rank whose process dies or hangs ends the job, named with its step,
+//! within the timeout. Without the `mpi` feature, a launch says so.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("dplc-mpi-launch-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir.join(name)
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// A 4-rank gpt_tiny artifact for `strategy`.
+fn build(name: &str, strategy: &str) -> PathBuf {
+    let dir = tmp(name);
+    let out = Command::new(env!("CARGO_BIN_EXE_dplc"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["build", "models/tiny.dpl", "--model", "gpt_tiny"])
+        .args(["--cluster", "4xcpu", "--strategy", strategy])
+        .args(["--seq", "16", "--global-batch", "4", "-o"])
+        .arg(&dir)
+        .output()
+        .expect("dplc runs");
+    assert!(out.status.success(), "{}", text(&out));
+    dir
+}
+
+/// `DIR/dplc launch DIR ARGS`, without any launcher's variables.
+fn launch(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(dir.join("dplc"));
+    cmd.arg("launch").arg(dir).args(args).env("NO_COLOR", "1");
+    for var in ["RANK", "WORLD_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"] {
+        cmd.env_remove(var);
+    }
+    cmd.envs(env.iter().copied());
+    cmd.output().expect("dplc runs")
+}
+
+#[cfg(not(feature = "mpi"))]
+#[test]
+fn without_mpi_a_launch_of_several_processes_says_so() {
+    let dir = build("no-mpi", "dp=2,pp=2,mb=1");
+    let env = [("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "4")];
+    let out = launch(&dir, &["--steps", "1"], &env);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("built without MPI"), "{}", text(&out));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[cfg(feature = "mpi")]
+mod with_mpi {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    fn losses(stdout: &[u8]) -> Vec<f64> {
+        String::from_utf8_lossy(stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter_map(|v| v["loss"].as_f64())
+            .collect()
+    }
+
+    /// Whether mpirun can be used; CI must have it (scripts/install-mpi.sh).
+    fn mpirun_present() -> bool {
+        let found = Command::new("mpirun").arg("--version").output().is_ok();
+        if !found {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "mpirun is missing; scripts/install-mpi.sh installs it"
+            );
+            eprintln!("SKIPPED: mpirun is not installed (scripts/install-mpi.sh) and CI is unset");
+        }
+        found
+    }
+
+    /// `mpirun -np 4 DIR/dplc launch DIR ARGS`, killed after two minutes
+    /// whatever happens, so a hang fails the test instead of stalling CI.
+    fn mpirun(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+        let mut cmd = Command::new("timeout");
+        cmd.args([
+            "-k",
+            "5",
+            "120",
+            "mpirun",
+            "--allow-run-as-root",
+            "--oversubscribe",
+        ])
+        .args(["-np", "4"])
+        .arg(dir.join("dplc"))
+        .arg("launch")
+        .arg(dir)
+        .args(args)
+        .env("NO_COLOR", "1");
+        for var in ["RANK", "WORLD_SIZE", "SLURM_PROCID"] {
+            cmd.env_remove(var);
+        }
+        cmd.envs(env.iter().copied());
+        cmd.output().expect("timeout and mpirun run")
+    }
+
+    #[test]
+    fn four_processes_train_bit_for_bit_as_four_threads() {
+        if !mpirun_present() {
+            return;
+        }
+        for (name, strategy) in [("dp2pp2", "dp=2,pp=2,mb=1"), ("tp2pp2", "tp=2,pp=2,mb=1")] {
+            let dir = build(name, strategy);
+            let args = ["--steps", "4", "--seed", "3", "--json"];
+            let threads = launch(&dir, &args, &[]);
+            assert!(threads.status.success(), "{}", text(&threads));
+            let processes = mpirun(&dir, &args, &[]);
+            assert!(processes.status.success(), "{}", text(&processes));
+            let (a, b) = (losses(&threads.stdout), losses(&processes.stdout));
+            assert_eq!(a.len(), 4, "{strategy}: {}", text(&threads));
+            // Tolerance zero: the same contributions are summed in the same order.
+            assert_eq!(a, b, "{strategy}: processes train as threads, bit for bit");
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    }
+
+    #[test]
+    fn a_dead_or_hung_rank_ends_the_job_within_the_timeout() {
+        if !mpirun_present() {
+            return;
+        }
+        let dir = build("faults", "dp=2,pp=2,mb=1");
+        for (fault, says) in [
+            ("kill:1:2", "rank 1 failed at step 2"),
+            ("stall:1:2", "rank 1 stopped answering at step 2"),
+        ] {
+            let start = Instant::now();
+            let args = ["--steps", "6", "--timeout", "5", "--json"];
+            let out = mpirun(&dir, &args, &[("DPLC_FAULT", fault)]);
+            let took = start.elapsed();
+            assert_ne!(out.status.code(), Some(0), "{fault}: {}", text(&out));
+            assert_ne!(out.status.code(), Some(124), "{fault} hung: {}", text(&out));
+            assert!(text(&out).contains(says), "{fault}: {}", text(&out));
+            assert!(took < Duration::from_secs(60), "{fault} took {took:?}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
