@@ -150,7 +150,8 @@ pub fn corpus(data: Option<&Path>, graph: &dplc_ir::Graph, seed: u64) -> Result<
 fn fault_from_env(spec: &str, processes: bool) -> Result<dplc_runtime::Faults> {
     let bad = || {
         miette!(
-            help = "write kill:RANK:STEP, panic:RANK:STEP or stall:RANK:STEP, e.g. DPLC_FAULT=stall:1:3",
+            help = "write kill:RANK:STEP, panic:RANK:STEP, stall:RANK:STEP or \
+                    checkpoint-kill:RANK:STEP, e.g. DPLC_FAULT=stall:1:3",
             "cannot read DPLC_FAULT=`{spec}`"
         )
     };
@@ -169,6 +170,16 @@ fn fault_from_env(spec: &str, processes: bool) -> Result<dplc_runtime::Faults> {
         "kill" => f.fail_rank_at = at,
         "panic" => f.panic_rank_at = at,
         "stall" => f.stall_rank_at = at,
+        // Dies after writing its shard of step STEP's checkpoint, before the
+        // manifest: the previous checkpoint must stay the latest.
+        "checkpoint-kill" => {
+            let (rank, step) = at.expect("parsed above");
+            f.kill_in_checkpoint = Some(dplc_runtime::CheckpointKill {
+                rank,
+                step,
+                at: dplc_runtime::KillPoint::AfterShard,
+            });
+        }
         _ => return Err(bad()),
     }
     Ok(f)

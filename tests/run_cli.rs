@@ -327,3 +327,56 @@ fn injected_faults_stop_the_run_and_name_the_rank_and_step() {
         );
     }
 }
+
+/// The fault switch during a checkpoint write: rank 1 dies after writing its
+/// shard of step 4, before the manifest. Step 2 stays the latest complete
+/// checkpoint, and resuming from it gives the uninterrupted run's losses.
+#[test]
+fn a_kill_during_a_checkpoint_write_then_resume() {
+    let dir = std::env::temp_dir().join(format!("dplc-ckpt-kill-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_str().unwrap();
+    let run = |extra: &[&str], fault: Option<&str>| {
+        let mut args = vec!["run", "models/tiny.dpl", "--cluster", "4xcpu"];
+        args.extend(SMALL);
+        args.extend(["--steps", "6", "--json"]);
+        args.extend(extra);
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_dplc"));
+        cmd.args(&args)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .env("NO_COLOR", "1");
+        if let Some(f) = fault {
+            cmd.env("DPLC_FAULT", f);
+        }
+        cmd.output().expect("the dplc binary runs")
+    };
+    let by_step = |out: &Output| -> std::collections::BTreeMap<u64, f64> {
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter_map(|v| Some((v["step"].as_u64()?, v["loss"].as_f64()?)))
+            .collect()
+    };
+    let straight = run(&[], None);
+    assert!(straight.status.success(), "{}", stderr(&straight));
+    let killed = run(
+        &["--checkpoint-dir", d, "--checkpoint-every", "2"],
+        Some("checkpoint-kill:1:4"),
+    );
+    assert_eq!(killed.status.code(), Some(1));
+    assert!(
+        stderr(&killed).contains("injected kill while writing the checkpoint"),
+        "{}",
+        stderr(&killed)
+    );
+    assert!(dir.join("step-000002/manifest.json").is_file());
+    assert!(!dir.join("step-000004/manifest.json").exists());
+    let resumed = run(&["--checkpoint-dir", d, "--resume"], None);
+    assert!(resumed.status.success(), "{}", stderr(&resumed));
+    let (all, after) = (by_step(&straight), by_step(&resumed));
+    assert_eq!(after.keys().copied().collect::<Vec<_>>(), vec![2, 3, 4, 5]);
+    for (step, loss) in &after {
+        assert_eq!(all[step], *loss, "step {step}: bit for bit");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
