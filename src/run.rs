@@ -159,10 +159,11 @@ fn fault_from_env(spec: &str, processes: bool) -> Result<dplc_runtime::Faults> {
     let [kind, rank, step] = parts.as_slice() else {
         return Err(bad());
     };
-    let at = Some((
+    let (rank, step) = (
         rank.parse::<usize>().map_err(|_| bad())?,
         step.parse::<u64>().map_err(|_| bad())?,
-    ));
+    );
+    let at = Some((rank, step));
     let mut f = dplc_runtime::Faults::default();
     match *kind {
         // A rank with a process of its own dies with it; a rank thread fails.
@@ -173,7 +174,6 @@ fn fault_from_env(spec: &str, processes: bool) -> Result<dplc_runtime::Faults> {
         // Dies after writing its shard of step STEP's checkpoint, before the
         // manifest: the previous checkpoint must stay the latest.
         "checkpoint-kill" => {
-            let (rank, step) = at.expect("parsed above");
             f.kill_in_checkpoint = Some(dplc_runtime::CheckpointKill {
                 rank,
                 step,
