@@ -168,6 +168,20 @@ impl Layouts {
         Ok(Layouts { by_degrees })
     }
 
+    /// Whether some expert degree has a layout at tensor degree `tp`; if none
+    /// has, why the first one failed.
+    pub fn at_tp(&self, tp: u64) -> Result<(), &str> {
+        let mut why = "no layout was extracted";
+        for ((t, _), l) in &self.by_degrees {
+            match l {
+                _ if *t != tp => {}
+                Ok(_) => return Ok(()),
+                Err(e) => why = e,
+            }
+        }
+        Err(why)
+    }
+
     pub fn get(&self, d: Degrees) -> Option<&Layout> {
         self.by_degrees.get(&d).and_then(|l| l.as_ref().ok())
     }

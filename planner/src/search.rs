@@ -82,11 +82,7 @@ pub(crate) fn validate(
         ));
     }
     if let Some(tp) = pins.tp {
-        let at_tp = || layouts.by_degrees.iter().filter(|((t, _), _)| *t == tp);
-        if !at_tp().any(|(_, l)| l.is_ok()) {
-            let why = at_tp()
-                .find_map(|(_, l)| l.as_ref().err())
-                .map_or("no layout was extracted", String::as_str);
+        if let Err(why) = layouts.at_tp(tp) {
             return bad(format!("tp={tp} cannot split the layer: {why}"));
         }
     }
@@ -193,10 +189,7 @@ pub(crate) fn search(
         .into_iter()
         .filter(|&t| {
             allowed(pins.tp, t)
-                && layouts
-                    .by_degrees
-                    .iter()
-                    .any(|((x, _), l)| *x == t && l.is_ok())
+                && layouts.at_tp(t).is_ok()
                 && (t <= cluster.devices_per_node || pins.tp == Some(t))
         })
         .collect();
