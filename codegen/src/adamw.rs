@@ -1,11 +1,12 @@
-//! The AdamW update over a flat parameter shard, as a kernel: decoupled
-//! weight decay and bias-corrected moments (Loshchilov & Hutter; PyTorch's AdamW).
+//! The optimizer updates over a flat parameter shard, as kernels: AdamW with
+//! decoupled weight decay and bias-corrected moments (Loshchilov & Hutter;
+//! PyTorch's AdamW), and SGD with momentum.
 
 use crate::interp::Args;
 use crate::kernel::{Buffer, Builder, Elem, Expr, Idx, Kernel, Size, Space, Store};
 use dplc_ir::{BinaryOp, UnaryOp};
 
-/// The scalar arguments of [`adamw_kernel`], in argument order `s0..s5`.
+/// The scalar arguments of [`adamw_kernel`], in argument order `s0..s6`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamwScalars {
     pub lr: f32,
@@ -15,6 +16,9 @@ pub struct AdamwScalars {
     pub weight_decay: f32,
     /// The step being taken, from 1.
     pub step: u64,
+    /// Multiplies the gradient before it enters the moments: gradient
+    /// clipping's `max_norm / norm`, or 1.
+    pub grad_scale: f32,
 }
 
 impl AdamwScalars {
@@ -29,6 +33,7 @@ impl AdamwScalars {
                 self.eps,
                 self.weight_decay,
                 self.step as f32,
+                self.grad_scale,
             ],
             seed: 0,
         }
@@ -66,7 +71,7 @@ pub fn adamw_kernel() -> Kernel {
         })
     };
     let p = load(&mut b, 3);
-    let g = load(&mut b, 4);
+    let g_raw = load(&mut b, 4);
     let m = load(&mut b, 5);
     let v = load(&mut b, 6);
     let lr = b.push(Expr::Scalar(0));
@@ -75,8 +80,10 @@ pub fn adamw_kernel() -> Kernel {
     let eps = b.push(Expr::Scalar(3));
     let wd = b.push(Expr::Scalar(4));
     let step = b.push(Expr::Scalar(5));
+    let scale = b.push(Expr::Scalar(6));
     let one = b.konst(1.0);
     use BinaryOp::{Add, Div, Mul, Pow, Sub};
+    let g = b.binary(Mul, g_raw, scale);
     // m' = b1 m + (1 - b1) g ;  v' = b2 v + (1 - b2) g²
     let c1 = b.binary(Sub, one, b1);
     let bm = b.binary(Mul, b1, m);
@@ -105,7 +112,7 @@ pub fn adamw_kernel() -> Kernel {
     Kernel {
         op: "adamw".to_string(),
         sizes: 1,
-        scalars: 6,
+        scalars: 7,
         buffers,
         space: Space {
             outer: n.clone(),
@@ -129,6 +136,89 @@ pub fn adamw_kernel() -> Kernel {
                 buf: 2,
                 index: i,
                 value: v2,
+                accumulate: false,
+            },
+        ],
+    }
+}
+
+/// The scalar arguments of [`sgd_kernel`], in argument order `s0..s2`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SgdScalars {
+    pub lr: f32,
+    pub momentum: f32,
+    /// Multiplies the gradient (clipping's `max_norm / norm`, or 1).
+    pub grad_scale: f32,
+}
+
+impl SgdScalars {
+    /// Launch arguments for a shard of `len` elements.
+    pub fn args(&self, len: i64) -> Args {
+        Args {
+            sizes: vec![len],
+            scalars: vec![self.lr, self.momentum, self.grad_scale],
+            seed: 0,
+        }
+    }
+}
+
+/// One SGD-with-momentum step over `n0` elements (PyTorch's form:
+/// `m' = μ m + g`, `p' = p − lr m'`). Buffers: `b0, b1` the new parameter and
+/// momentum (f32); `b2..b4` the parameter, gradient (storage type) and
+/// momentum. In place as [`adamw_kernel`] is.
+pub fn sgd_kernel() -> Kernel {
+    let n = vec![Size::Param(0)];
+    let buf = |label: &str, elem, output| Buffer {
+        label: label.to_string(),
+        elem,
+        output,
+        len: n.clone(),
+    };
+    let mut b = Builder::default();
+    let load = |b: &mut Builder, buf| {
+        b.push(Expr::Load {
+            buf,
+            index: Idx::Var(0),
+        })
+    };
+    let p = load(&mut b, 2);
+    let g_raw = load(&mut b, 3);
+    let m = load(&mut b, 4);
+    let lr = b.push(Expr::Scalar(0));
+    let mu = b.push(Expr::Scalar(1));
+    let scale = b.push(Expr::Scalar(2));
+    let g = b.binary(BinaryOp::Mul, g_raw, scale);
+    let mm = b.binary(BinaryOp::Mul, mu, m);
+    let m2 = b.binary(BinaryOp::Add, mm, g);
+    let step = b.binary(BinaryOp::Mul, lr, m2);
+    let p2 = b.binary(BinaryOp::Sub, p, step);
+    Kernel {
+        op: "sgd".to_string(),
+        sizes: 1,
+        scalars: 3,
+        buffers: vec![
+            buf("p_out", Elem::F32, true),
+            buf("m_out", Elem::F32, true),
+            buf("p", Elem::F32, false),
+            buf("g", Elem::Float, false),
+            buf("m", Elem::F32, false),
+        ],
+        space: Space {
+            outer: n,
+            inner: None,
+        },
+        values: b.values,
+        stores: vec![
+            Store {
+                buf: 0,
+                index: Idx::Var(0),
+                value: p2,
+                accumulate: false,
+            },
+            Store {
+                buf: 1,
+                index: Idx::Var(0),
+                value: m2,
                 accumulate: false,
             },
         ],

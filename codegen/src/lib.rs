@@ -10,17 +10,19 @@ mod adamw;
 mod backward;
 mod cuda;
 mod error;
+mod flat;
 mod fuse;
 mod interp;
 mod kernel;
 mod nvrtc;
 
-pub use adamw::{adamw_kernel, AdamwScalars};
+pub use adamw::{adamw_kernel, sgd_kernel, AdamwScalars, SgdScalars};
 pub use backward::{
     backward, backward_plan, column_sum_kernel, Backward, BackwardStep, ColumnSum, GradBinding,
 };
 pub use cuda::{emit_cuda, kernel_name, CudaSource, LaunchShape, ROW_BLOCK};
 pub use error::CodegenError;
+pub use flat::{add_kernel, convert_kernel, sum_squares_kernel, SUM_SQUARES_COLS};
 pub use fuse::{fuse, fuse_graph, FusedKernel, FusionPlan, Operand, Step};
 pub use interp::{binary, erf, interpret, unary, unary_grad, Args, Data};
 pub use kernel::{

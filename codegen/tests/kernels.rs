@@ -22,6 +22,7 @@ fn adamw_matches_scalar_reference() {
         eps: 1e-8,
         weight_decay: 0.1,
         step: 7,
+        grad_scale: 0.25,
     };
     let k = adamw_kernel();
     let mut bufs = vec![
@@ -37,7 +38,8 @@ fn adamw_matches_scalar_reference() {
     for i in 0..n {
         // PyTorch's AdamW: decay first, then the bias-corrected Adam step.
         let (b1, b2) = (s.beta1 as f64, s.beta2 as f64);
-        let gi = g[i] as f64;
+        // Clipping scales the gradient before it enters the moments.
+        let gi = g[i] as f64 * s.grad_scale as f64;
         let mi = b1 * m[i] as f64 + (1.0 - b1) * gi;
         let vi = b2 * v[i] as f64 + (1.0 - b2) * gi * gi;
         let mhat = mi / (1.0 - b1.powi(s.step as i32));

@@ -12,6 +12,7 @@ mod comm;
 mod data;
 mod error;
 mod exec;
+pub mod fused;
 pub mod gpu;
 #[cfg(test)]
 mod gradcheck;

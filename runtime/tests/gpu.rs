@@ -274,6 +274,7 @@ fn kernels_match(dtype: DType, tol: f64, test: &str) {
         eps: 1e-8,
         weight_decay: 0.1,
         step: 3,
+        grad_scale: 1.0,
     }
     .args(4099);
     let err = compare(&dev, &compiled, &adamw, &args, &mut rng);
@@ -332,10 +333,10 @@ fn cublas_matmul_matches_cpu() {
                 .collect();
             let da = dev.upload_f32(&a, dtype).unwrap();
             let db = dev.upload_f32(&b, dtype).unwrap();
-            let mut dc = dev
+            let dc = dev
                 .alloc(mm.batch * mm.m * mm.n * dtype.size_bytes() as usize)
                 .unwrap();
-            blas.matmul(&mm, &da, &db, &mut dc).unwrap();
+            blas.matmul(&mm, &da, &db, &dc).unwrap();
             let got = dev
                 .download_f32(&dc, mm.batch * mm.m * mm.n, dtype)
                 .unwrap();

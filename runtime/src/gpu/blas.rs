@@ -4,33 +4,11 @@
 
 use super::device::{DeviceBuffer, GpuDevice};
 use super::error::{blas, GpuError, GpuResult};
+pub use crate::fused::{matmul_cpu, MatMul};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::CudaBlas;
 use dplc_ir::DType;
 use std::ffi::c_void;
-
-/// One (batched) matmul: `C[b] (m×n) = op(A[b]) (m×k) · op(B[b]) (k×n)`, row-major.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MatMul {
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
-    pub batch: usize,
-    /// A is stored `k×m` (its transpose is the operand).
-    pub a_transposed: bool,
-    pub b_transposed: bool,
-    /// Whether each batch has its own A (else one A for all: a weight).
-    pub a_batched: bool,
-    pub b_batched: bool,
-    pub dtype: DType,
-}
-
-impl MatMul {
-    /// FLOPs of the call (2·m·n·k per batch).
-    pub fn flops(&self) -> f64 {
-        2.0 * (self.m * self.n * self.k * self.batch) as f64
-    }
-}
 
 /// A cuBLAS handle bound to the device's stream.
 pub struct Blas {
@@ -69,7 +47,7 @@ impl Blas {
         mm: &MatMul,
         a: &DeviceBuffer,
         b: &DeviceBuffer,
-        c: &mut DeviceBuffer,
+        c: &DeviceBuffer,
     ) -> GpuResult<()> {
         let width = mm.dtype.size_bytes() as usize;
         let (na, nb, nc) = (mm.m * mm.k, mm.k * mm.n, mm.m * mm.n);
@@ -77,7 +55,7 @@ impl Blas {
         for (buf, elems, name) in [
             (a, na * batches(mm.a_batched), "A"),
             (b, nb * batches(mm.b_batched), "B"),
-            (&*c, nc * mm.batch, "C"),
+            (c, nc * mm.batch, "C"),
         ] {
             if buf.bytes() < elems * width {
                 return Err(GpuError::Invalid(format!(
@@ -136,33 +114,4 @@ impl Blas {
         }
         .map_err(|e| blas("gemm", e))
     }
-}
-
-/// The reference the GPU tests compare with: the same row-major matmul on the CPU.
-pub fn matmul_cpu(mm: &MatMul, a: &[f32], b: &[f32]) -> Vec<f32> {
-    let mut c = vec![0.0f32; mm.batch * mm.m * mm.n];
-    for bi in 0..mm.batch {
-        let ao = if mm.a_batched { bi * mm.m * mm.k } else { 0 };
-        let bo = if mm.b_batched { bi * mm.k * mm.n } else { 0 };
-        for i in 0..mm.m {
-            for j in 0..mm.n {
-                let mut acc = 0.0f64;
-                for p in 0..mm.k {
-                    let x = if mm.a_transposed {
-                        a[ao + p * mm.m + i]
-                    } else {
-                        a[ao + i * mm.k + p]
-                    };
-                    let y = if mm.b_transposed {
-                        b[bo + j * mm.k + p]
-                    } else {
-                        b[bo + p * mm.n + j]
-                    };
-                    acc += f64::from(x) * f64::from(y);
-                }
-                c[bi * mm.m * mm.n + i * mm.n + j] = acc as f32;
-            }
-        }
-    }
-    c
 }

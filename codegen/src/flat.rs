@@ -1,0 +1,180 @@
+//! Kernels over flat buffers that a training step needs besides the model's
+//! own: adding gradients, converting between storage and `f32`, and the
+//! per-row sums of squares behind the global gradient norm.
+//!
+//! They are ordinary kernel IR, so the CPU interpreter runs them and
+//! `emit_cuda` generates them like every fused kernel: one executor drives
+//! both.
+
+use crate::kernel::{
+    Buffer, Builder, Cond, Elem, Expr, Idx, Kernel, RowReduce, Size, Space, Store,
+};
+use dplc_ir::BinaryOp;
+
+fn flat(label: &str, elem: Elem, output: bool, len: Vec<Size>) -> Buffer {
+    Buffer {
+        label: label.to_string(),
+        elem,
+        output,
+        len,
+    }
+}
+
+fn elem_tag(e: Elem) -> &'static str {
+    match e {
+        Elem::Float => "x",
+        Elem::F32 => "f32",
+        Elem::I32 => "i32",
+    }
+}
+
+/// `b0[i] = b1[i] + b2[i]` over `n0` elements. Each element is read before the
+/// same thread writes it, so `b0` may be `b1` (an in-place add).
+pub fn add_kernel(out: Elem, a: Elem, b: Elem) -> Kernel {
+    let n = vec![Size::Param(0)];
+    let mut k = Builder::default();
+    let x = k.push(Expr::Load {
+        buf: 1,
+        index: Idx::Var(0),
+    });
+    let y = k.push(Expr::Load {
+        buf: 2,
+        index: Idx::Var(0),
+    });
+    let s = k.binary(BinaryOp::Add, x, y);
+    Kernel {
+        op: format!("add_{}_{}_{}", elem_tag(out), elem_tag(a), elem_tag(b)),
+        sizes: 1,
+        scalars: 0,
+        buffers: vec![
+            flat("out", out, true, n.clone()),
+            flat("a", a, false, n.clone()),
+            flat("b", b, false, n.clone()),
+        ],
+        space: Space {
+            outer: n,
+            inner: None,
+        },
+        values: k.values,
+        stores: vec![Store {
+            buf: 0,
+            index: Idx::Var(0),
+            value: s,
+            accumulate: false,
+        }],
+    }
+}
+
+/// `b0[i] = b1[i]` over `n0` elements, converting between element types
+/// (an `f32` master weight to its storage copy, a gradient to `f32`).
+pub fn convert_kernel(to: Elem, from: Elem) -> Kernel {
+    let n = vec![Size::Param(0)];
+    let mut k = Builder::default();
+    let x = k.push(Expr::Load {
+        buf: 1,
+        index: Idx::Var(0),
+    });
+    Kernel {
+        op: format!("convert_{}_{}", elem_tag(to), elem_tag(from)),
+        sizes: 1,
+        scalars: 0,
+        buffers: vec![
+            flat("out", to, true, n.clone()),
+            flat("in", from, false, n.clone()),
+        ],
+        space: Space {
+            outer: n,
+            inner: None,
+        },
+        values: k.values,
+        stores: vec![Store {
+            buf: 0,
+            index: Idx::Var(0),
+            value: x,
+            accumulate: false,
+        }],
+    }
+}
+
+/// Row sums of squares of a flat buffer of `n2` elements read as `n0` rows of
+/// `n1` (the last row padded with zeros): `b0[r] = Σ_c b1[r·n1 + c]²` in `f32`.
+/// The caller adds the `n0` partial sums in `f64`.
+pub fn sum_squares_kernel(elem: Elem) -> Kernel {
+    let (rows, cols, len) = (Size::Param(0), Size::Param(1), Size::Param(2));
+    let mut k = Builder::default();
+    let at = Idx::add(Idx::mul(Idx::Var(0), Idx::Size(cols)), Idx::Inner);
+    // Clamp the read into the buffer; the select zeroes the padding.
+    let last = Idx::sub(Idx::Size(len), Idx::Const(1));
+    let x = k.push(Expr::Load {
+        buf: 1,
+        index: Idx::min(at.clone(), last),
+    });
+    let xx = k.binary(BinaryOp::Mul, x, x);
+    let zero = k.konst(0.0);
+    let v = k.push(Expr::Select {
+        cond: Cond::IdxLt(at, Idx::Size(len)),
+        then: xx,
+        otherwise: zero,
+    });
+    let s = k.reduce(RowReduce::Sum, v);
+    Kernel {
+        op: format!("sum_squares_{}", elem_tag(elem)),
+        sizes: 3,
+        scalars: 0,
+        buffers: vec![
+            flat("partial", Elem::F32, true, vec![rows]),
+            flat("x", elem, false, vec![len]),
+        ],
+        space: Space {
+            outer: vec![rows],
+            inner: Some(cols),
+        },
+        values: k.values,
+        stores: vec![Store {
+            buf: 0,
+            index: Idx::Var(0),
+            value: s,
+            accumulate: false,
+        }],
+    }
+}
+
+/// Columns per row of [`sum_squares_kernel`].
+pub const SUM_SQUARES_COLS: i64 = 4096;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::interp::{interpret, Args, Data};
+
+    #[test]
+    fn add_convert_and_sum_squares_interpret() {
+        let a: Vec<f32> = (0..10).map(|i| i as f32).collect();
+        let b: Vec<f32> = (0..10).map(|i| 0.5 * i as f32).collect();
+        let args = Args {
+            sizes: vec![10],
+            ..Args::default()
+        };
+        let mut bufs = vec![Data::F32(vec![]), Data::F32(a.clone()), Data::F32(b)];
+        interpret(
+            &add_kernel(Elem::F32, Elem::F32, Elem::Float),
+            &args,
+            &mut bufs,
+        )
+        .unwrap();
+        assert_eq!(bufs[0].f32()[4], 6.0);
+
+        let mut bufs = vec![Data::F32(vec![]), Data::F32(a.clone())];
+        interpret(&convert_kernel(Elem::Float, Elem::F32), &args, &mut bufs).unwrap();
+        assert_eq!(bufs[0].f32(), &a[..]);
+
+        // 10 elements as 3 rows of 4: the last row has two padding zeros.
+        let args = Args {
+            sizes: vec![3, 4, 10],
+            ..Args::default()
+        };
+        let mut bufs = vec![Data::F32(vec![]), Data::F32(a)];
+        interpret(&sum_squares_kernel(Elem::Float), &args, &mut bufs).unwrap();
+        assert_eq!(bufs[0].f32(), &[14.0, 126.0, 145.0]);
+    }
+}

@@ -1,0 +1,13 @@
+//! The fused executor: a rank's training step as codegen planned it — fused
+//! kernels, library matmuls and the AdamW kernel — over a [`Backend`]. On a
+//! GPU the backend is `gpu::CudaBackend` (NVRTC's PTX, cuBLAS); everywhere,
+//! [`HostBackend`] runs the same step through the kernel interpreter, which
+//! is how the executor is tested against the CPU reference without a GPU.
+
+mod backend;
+mod program;
+mod train;
+
+pub use backend::{matmul_cpu, Backend, HostBackend, HostBuf, MatMul};
+pub use program::{flat_args, Executor, FusedGraph, ParamBufs, RegionRun, Val};
+pub use train::{step_kernels, train_fused, Alone, FusedReport, FusedRun, GradSync, HostStaged};

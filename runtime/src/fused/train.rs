@@ -1,0 +1,432 @@
+//! Data-parallel training on the fused executor: parameters, `f32` master
+//! weights, gradients and AdamW moments live on the backend; each step runs
+//! its micro-batches forward and backward, sums gradients over the replicas,
+//! takes the global norm with a kernel, clips inside the AdamW kernel, and
+//! writes the storage copy of each weight back from its master.
+//!
+//! The numbers match the CPU executor's serial run (same initial values, data
+//! order, loss scaling, learning-rate schedule and clipping rule): the
+//! equivalence tests check it on [`HostBackend`](super::HostBackend).
+
+use super::backend::Backend;
+use super::program::{flat_args, Executor, FusedGraph, ParamBufs, Val};
+use crate::comm::{Communicator, Group};
+use crate::data::Corpus;
+use crate::error::{kernel_err, Result, RuntimeError};
+use crate::exec::{Parameters, StepStats};
+use crate::interp::ParamKey;
+use crate::params::init_value;
+use crate::tensor::Tensor;
+use dplc_codegen::{
+    adamw_kernel, add_kernel, column_sum_kernel, convert_kernel, sgd_kernel, sum_squares_kernel,
+    AdamwScalars, Elem, Kernel, SgdScalars, SUM_SQUARES_COLS,
+};
+use dplc_ir::{DType, Graph, Op, Optimizer, TrainSpec};
+use std::collections::{BTreeMap, HashMap};
+use std::time::Instant;
+
+/// The kernels of a training step besides the model's own.
+pub fn step_kernels() -> Vec<Kernel> {
+    vec![
+        adamw_kernel(),
+        sgd_kernel(),
+        column_sum_kernel(),
+        add_kernel(Elem::F32, Elem::F32, Elem::Float),
+        add_kernel(Elem::F32, Elem::F32, Elem::F32),
+        add_kernel(Elem::Float, Elem::Float, Elem::Float),
+        add_kernel(Elem::Float, Elem::Float, Elem::F32),
+        convert_kernel(Elem::Float, Elem::F32),
+        convert_kernel(Elem::F32, Elem::Float),
+        sum_squares_kernel(Elem::F32),
+    ]
+}
+
+/// How gradients and the loss are summed over data-parallel replicas.
+pub trait GradSync<B: Backend> {
+    /// `v` (f32) summed over the replicas; may reuse `v`'s buffer.
+    fn all_reduce(&mut self, be: &mut B, v: Val<B>) -> Result<Val<B>>;
+    /// Host values summed over the replicas.
+    fn all_reduce_host(&mut self, v: &mut [f32]) -> Result<()>;
+}
+
+/// One replica: nothing to sum.
+pub struct Alone;
+
+impl<B: Backend> GradSync<B> for Alone {
+    fn all_reduce(&mut self, _be: &mut B, v: Val<B>) -> Result<Val<B>> {
+        Ok(v)
+    }
+    fn all_reduce_host(&mut self, _v: &mut [f32]) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Replicas as in-process ranks: values go through the host and the CPU
+/// communicator (its deterministic in-order sum).
+pub struct HostStaged {
+    pub comm: Communicator,
+    pub group: Group,
+}
+
+impl<B: Backend> GradSync<B> for HostStaged {
+    fn all_reduce(&mut self, be: &mut B, v: Val<B>) -> Result<Val<B>> {
+        let mut host = be.download(&v.buf, v.elem, v.len)?;
+        self.comm.all_reduce(&self.group, &mut host)?;
+        Ok(Val {
+            buf: be.upload(v.elem, &host)?,
+            elem: v.elem,
+            len: v.len,
+        })
+    }
+    fn all_reduce_host(&mut self, v: &mut [f32]) -> Result<()> {
+        self.comm.all_reduce(&self.group, v)
+    }
+}
+
+/// One replica's share of a run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FusedRun {
+    /// Samples per micro-batch.
+    pub micro_batch: usize,
+    /// Micro-batches per step on this replica.
+    pub num_micro_batches: usize,
+    /// Data-parallel replicas and this one's index.
+    pub dp: usize,
+    pub dp_index: usize,
+    pub steps: u64,
+    pub seed: u64,
+}
+
+/// What a fused run did.
+#[derive(Debug)]
+pub struct FusedReport {
+    pub steps: Vec<StepStats>,
+    /// Final parameter values (the `f32` masters).
+    pub params: Parameters,
+    /// The backend's peak of live buffer bytes, when it tracks it.
+    pub peak_bytes: Option<usize>,
+}
+
+/// Every (parameter, layer) of the graph with its shape.
+fn param_keys(graph: &Graph) -> Result<Vec<(ParamKey, Vec<usize>)>> {
+    let root = graph.root();
+    let mut layers: HashMap<dplc_ir::RegionId, u64> = HashMap::new();
+    layers.insert(root, 1);
+    for &n in &graph.region(root).nodes {
+        if let Op::Repeat { count, body, .. } = graph.node(n).op {
+            if graph
+                .region(body)
+                .nodes
+                .iter()
+                .any(|&m| matches!(graph.node(m).op, Op::Repeat { .. }))
+            {
+                return Err(RuntimeError::Unsupported(
+                    "the fused executor runs one level of `repeat`".into(),
+                ));
+            }
+            layers.insert(body, count);
+        }
+    }
+    let mut keys = Vec::new();
+    for (p, info) in graph.params() {
+        let region = graph.tensor_region(info.tensor);
+        let count = *layers.get(&region).ok_or_else(|| {
+            RuntimeError::Unsupported(format!("parameter {} sits in a nested region", info.name))
+        })?;
+        let shape = info
+            .shape
+            .dims()
+            .iter()
+            .map(|d| {
+                d.as_const().map(|v| v as usize).ok_or_else(|| {
+                    RuntimeError::Unsupported(format!(
+                        "parameter {} has a symbolic shape",
+                        info.name
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        for layer in 0..count {
+            keys.push((ParamKey { param: p, layer }, shape.clone()));
+        }
+    }
+    Ok(keys)
+}
+
+/// A parameter on the device: the copy kernels read, its `f32` master, moments.
+struct Held<B: Backend> {
+    shape: Vec<usize>,
+    value: Val<B>,
+    master: Val<B>,
+    m: Val<B>,
+    v: Val<B>,
+    decay: bool,
+}
+
+/// Train `graph` for `run.steps` steps on `be`, one data-parallel replica of
+/// `run.dp`, summing over the others through `sync`.
+#[allow(clippy::too_many_arguments)]
+pub fn train_fused<B: Backend>(
+    be: &mut B,
+    graph: &Graph,
+    spec: &TrainSpec,
+    data: &Corpus,
+    run: &FusedRun,
+    sync: &mut dyn GradSync<B>,
+    mut on_step: impl FnMut(&StepStats),
+) -> Result<FusedReport> {
+    if run.micro_batch == 0 || run.num_micro_batches == 0 || run.dp == 0 {
+        return Err(RuntimeError::Config(
+            "micro_batch, num_micro_batches and dp must be positive".into(),
+        ));
+    }
+    let seq = spec.seq as usize;
+    let mut syms = Vec::new();
+    for name in graph.sym_names() {
+        syms.push(match name.as_str() {
+            "batch" => run.micro_batch as i64,
+            "seq" => seq as i64,
+            other => {
+                return Err(RuntimeError::Unsupported(format!(
+                    "the symbolic dimension `{other}` has no value"
+                )))
+            }
+        });
+    }
+    let loss_t = *graph
+        .outputs()
+        .first()
+        .ok_or_else(|| RuntimeError::Config("the model returns nothing".into()))?;
+    let fused = FusedGraph::new(graph)?;
+
+    // Parameters: the CPU executor's initial values, uploaded.
+    let mut held: BTreeMap<ParamKey, Held<B>> = BTreeMap::new();
+    let mut pbufs = ParamBufs {
+        values: BTreeMap::new(),
+        grads: BTreeMap::new(),
+    };
+    let float_is_f32 = be.dtype() == DType::F32;
+    for (key, shape) in param_keys(graph)? {
+        let n: usize = shape.iter().product();
+        let init = init_value(graph.param(key.param).init, run.seed, key, n);
+        let master = Val {
+            buf: be.upload(Elem::F32, &init)?,
+            elem: Elem::F32,
+            len: n,
+        };
+        let value = if float_is_f32 {
+            master.clone()
+        } else {
+            Val {
+                buf: be.upload(Elem::Float, &init)?,
+                elem: Elem::Float,
+                len: n,
+            }
+        };
+        let zeros = |be: &mut B| -> Result<Val<B>> {
+            Ok(Val {
+                buf: be.zeros(Elem::F32, n)?,
+                elem: Elem::F32,
+                len: n,
+            })
+        };
+        let (m, v, g) = (zeros(be)?, zeros(be)?, zeros(be)?);
+        pbufs.values.insert(key, value.clone());
+        pbufs.grads.insert(key, g);
+        held.insert(
+            key,
+            Held {
+                decay: shape.len() >= 2,
+                shape,
+                value,
+                master,
+                m,
+                v,
+            },
+        );
+    }
+
+    let global_batch = run.dp * run.micro_batch * run.num_micro_batches;
+    let scale = 1.0 / (run.dp * run.num_micro_batches) as f32;
+    let mut stats = Vec::new();
+    for step in 0..run.steps {
+        let started = Instant::now();
+        let mut loss_sum = 0.0f64;
+        for micro in 0..run.num_micro_batches {
+            let first = step * global_batch as u64
+                + ((micro * run.dp + run.dp_index) * run.micro_batch) as u64;
+            let (mut xs, mut ys) = (Vec::new(), Vec::new());
+            for i in 0..run.micro_batch as u64 {
+                let (x, y) = data.sample(first + i, seq);
+                xs.extend(x);
+                ys.extend(y);
+            }
+            let mut inputs = HashMap::new();
+            for (_, input) in graph.inputs() {
+                let v = match input.name.as_str() {
+                    "tokens" => &xs,
+                    "targets" => &ys,
+                    other => {
+                        return Err(RuntimeError::Unsupported(format!(
+                            "input `{other}`: the data loader feeds `tokens` and `targets` only"
+                        )))
+                    }
+                };
+                let buf = be.upload_i32(v)?;
+                inputs.insert(
+                    input.tensor,
+                    Val {
+                        buf,
+                        elem: Elem::I32,
+                        len: v.len(),
+                    },
+                );
+            }
+            let exec = Executor {
+                graph,
+                fused: &fused,
+                syms: syms.clone(),
+                seed: crate::rng::hash(&[run.seed, step, first]),
+            };
+            let root = graph.root();
+            let fwd = exec.forward(be, root, Vec::new(), &inputs, 0, &pbufs)?;
+            let loss = exec.read(be, &fwd, loss_t)?;
+            loss_sum += f64::from(*loss.first().ok_or_else(|| kernel_err("fused", "no loss"))?);
+            let seed = Val {
+                buf: be.upload(Elem::Float, &[scale])?,
+                elem: Elem::Float,
+                len: 1,
+            };
+            let mut grads = HashMap::from([(loss_t, seed)]);
+            exec.backward(be, root, &fwd, &mut grads, 0, &mut pbufs)?;
+        }
+
+        // Sum over replicas, then the global norm from per-row partial sums.
+        let mut sq = 0.0f64;
+        for g in pbufs.grads.values_mut() {
+            *g = sync.all_reduce(be, g.clone())?;
+            let rows = (g.len.div_ceil(SUM_SQUARES_COLS as usize)).max(1) as i64;
+            let partial = be.alloc(Elem::F32, rows as usize)?;
+            be.launch(
+                &sum_squares_kernel(Elem::F32),
+                &dplc_codegen::Args {
+                    sizes: vec![rows, SUM_SQUARES_COLS, g.len as i64],
+                    ..Default::default()
+                },
+                &[partial.clone(), g.buf.clone()],
+            )?;
+            let parts = be.download(&partial, Elem::F32, rows as usize)?;
+            sq += parts.iter().map(|&x| f64::from(x)).sum::<f64>();
+        }
+        let grad_norm = sq.sqrt();
+        let clip = match spec.grad_clip {
+            Some(max) if grad_norm > max => max / (grad_norm + 1e-6),
+            _ => 1.0,
+        };
+        let lr = spec.optimizer.lr() * spec.schedule.factor(step);
+        for (key, h) in held.iter_mut() {
+            let g = pbufs
+                .grads
+                .get(key)
+                .cloned()
+                .ok_or_else(|| kernel_err("fused", "a parameter without a gradient buffer"))?;
+            let (kernel, args, bufs) = match spec.optimizer {
+                Optimizer::AdamW {
+                    beta1,
+                    beta2,
+                    eps,
+                    weight_decay,
+                    ..
+                } => {
+                    let scalars = AdamwScalars {
+                        lr: lr as f32,
+                        beta1: beta1 as f32,
+                        beta2: beta2 as f32,
+                        eps: eps as f32,
+                        weight_decay: if h.decay { weight_decay as f32 } else { 0.0 },
+                        step: step + 1,
+                        grad_scale: clip as f32,
+                    };
+                    (
+                        adamw_kernel(),
+                        scalars.args(h.master.len as i64),
+                        vec![
+                            h.master.buf.clone(),
+                            h.m.buf.clone(),
+                            h.v.buf.clone(),
+                            h.master.buf.clone(),
+                            g.buf.clone(),
+                            h.m.buf.clone(),
+                            h.v.buf.clone(),
+                        ],
+                    )
+                }
+                Optimizer::Sgd { momentum, .. } => {
+                    let scalars = SgdScalars {
+                        lr: lr as f32,
+                        momentum: momentum as f32,
+                        grad_scale: clip as f32,
+                    };
+                    (
+                        sgd_kernel(),
+                        scalars.args(h.master.len as i64),
+                        vec![
+                            h.master.buf.clone(),
+                            h.m.buf.clone(),
+                            h.master.buf.clone(),
+                            g.buf.clone(),
+                            h.m.buf.clone(),
+                        ],
+                    )
+                }
+            };
+            be.launch(&kernel, &args, &bufs)?;
+            if !float_is_f32 {
+                be.launch(
+                    &convert_kernel(Elem::Float, Elem::F32),
+                    &flat_args(h.master.len),
+                    &[h.value.buf.clone(), h.master.buf.clone()],
+                )?;
+            }
+            // Zero the gradient for the next step.
+            let zero = be.zeros(Elem::F32, g.len)?;
+            pbufs.grads.insert(
+                *key,
+                Val {
+                    buf: zero,
+                    elem: Elem::F32,
+                    len: g.len,
+                },
+            );
+        }
+        let mut loss = [loss_sum as f32];
+        sync.all_reduce_host(&mut loss)?;
+        be.synchronize()?;
+        let s = StepStats {
+            step,
+            loss: f64::from(loss[0]) / (run.dp * run.num_micro_batches) as f64,
+            lr,
+            grad_norm,
+            tokens_per_s: (global_batch * seq) as f64 / started.elapsed().as_secs_f64().max(1e-9),
+        };
+        on_step(&s);
+        stats.push(s);
+    }
+
+    let mut params = Parameters::default();
+    for (key, h) in &held {
+        let values = be.download(&h.master.buf, Elem::F32, h.master.len)?;
+        params.values.insert(
+            *key,
+            (
+                graph.param(key.param).name.clone(),
+                Tensor::f32(h.shape.clone(), values),
+            ),
+        );
+    }
+    Ok(FusedReport {
+        steps: stats,
+        params,
+        peak_bytes: be.peak_bytes(),
+    })
+}
