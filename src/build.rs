@@ -291,11 +291,55 @@ pub fn launch(args: &LaunchArgs) -> Result<()> {
         ));
     }
     let p = Prepared::from_plan(plan)?;
-    let cfg = dplc_runtime::gpu::GpuRunConfig {
-        gpus: 1,
-        ranks_per_gpu: 1,
-    };
-    dplc_runtime::gpu::train_on_gpus(&p.graph, &p.train, &cfg).map_err(|e| miette!("{e}"))
+    if processes == 1 {
+        return run::train_on_gpus(&p, &args.train);
+    }
+    // One process per GPU: gradients over NCCL, bootstrapped from the launcher.
+    let c = &p.cfg;
+    if c.tp > 1 || c.pp > 1 || c.ep > 1 || c.dp as u64 != processes {
+        return Err(miette!(
+            help = "build the artifact from a data-parallel plan: --strategy tp=1,pp=1,ep=1",
+            "the GPU executor runs data parallelism only; the plan splits dp {} × tp {} × pp {} × ep {}",
+            c.dp,
+            c.tp,
+            c.pp,
+            c.ep
+        ));
+    }
+    let steps = args.train.steps.or(p.train.steps).unwrap_or(100);
+    let seed = args.train.seed.unwrap_or(0);
+    let data = run::corpus(args.train.data.as_deref(), &p.graph, seed)?;
+    let rank = env.rank;
+    let r = dplc_runtime::gpu::train_gpu_process(
+        &p.graph,
+        &p.train,
+        &env,
+        c.micro_batch,
+        c.num_micro_batches,
+        &data,
+        steps,
+        seed,
+        std::time::Duration::from_secs_f64(args.train.timeout.max(1.0)),
+        |st| {
+            eprintln!(
+                "step {} loss {:.4} ({:.0} tok/s)",
+                st.step + 1,
+                st.loss,
+                st.tokens_per_s
+            )
+        },
+    )
+    .map_err(|e| miette!("{e}"))?;
+    if rank == 0 {
+        eprintln!(
+            "{} steps on {} processes ({}); peak device memory {:.2} GiB",
+            r.report.steps.len(),
+            processes,
+            r.device,
+            r.peak_bytes as f64 / (1u64 << 30) as f64
+        );
+    }
+    Ok(())
 }
 
 /// One CPU rank per process, the processes joined by MPI: every process

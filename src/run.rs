@@ -263,18 +263,133 @@ pub fn run(args: &Args) -> Result<()> {
     if p.plan.cluster.device != "cpu" {
         // GPUs: the CUDA backend (cudarc, cuBLAS, NCCL); without a driver this
         // is where the run stops, with "no CUDA driver found".
-        let gpus = (p.plan.cluster.nodes * p.plan.cluster.devices_per_node) as usize;
-        let cfg = dplc_runtime::gpu::GpuRunConfig {
-            gpus,
-            ranks_per_gpu: 1,
-        };
-        return dplc_runtime::gpu::train_on_gpus(&p.graph, &p.train, &cfg)
-            .map_err(|e| miette!("{e}"));
+        return train_on_gpus(&p, &args.train);
     }
     if let Some(path) = &args.save_plan {
         compile::write_plan(&p.plan, path)?;
     }
     train_prepared(&p, &args.train)
+}
+
+/// Train a prepared model on GPUs with the fused executor: data-parallel
+/// replicas only (one per GPU); other splits are refused with what to pin.
+pub fn train_on_gpus(p: &Prepared, args: &TrainOpts) -> Result<()> {
+    let cfg = &p.cfg;
+    if cfg.tp > 1 || cfg.pp > 1 || cfg.ep > 1 {
+        return Err(miette!(
+            help = "pin a data-parallel plan: --strategy tp=1,pp=1,ep=1, or train this split on CPU ranks",
+            "the GPU executor runs data parallelism only; the plan splits tp {} × pp {} × ep {}",
+            cfg.tp,
+            cfg.pp,
+            cfg.ep
+        ));
+    }
+    let refused = [
+        (args.trace.is_some(), "--trace"),
+        (args.checkpoint_dir.is_some(), "--checkpoint-dir"),
+        (args.resume.is_some(), "--resume"),
+    ];
+    if let Some((_, flag)) = refused.iter().find(|(on, _)| *on) {
+        return Err(miette!(
+            "{flag} is implemented for CPU ranks; the GPU executor does not support it yet"
+        ));
+    }
+    let steps = args.steps.or(p.train.steps).unwrap_or(100);
+    if steps == 0 {
+        return Err(miette!("--steps must be positive"));
+    }
+    let seed = args.seed.unwrap_or(0);
+    let data = corpus(args.data.as_deref(), &p.graph, seed)?;
+    data.check(p.train.seq as usize, Some(vocab_of(&p.graph)))
+        .map_err(|e| miette!("{e}"))?;
+    // Say "no CUDA driver found" (or which GPU is missing) before anything else.
+    dplc_runtime::gpu::open_devices(cfg.dp).map_err(|e| miette!("{e}"))?;
+    let gpu_cfg = dplc_runtime::gpu::GpuRunConfig {
+        gpus: cfg.dp,
+        ranks_per_gpu: 1,
+        micro_batch: cfg.micro_batch,
+        num_micro_batches: cfg.num_micro_batches,
+        timeout: std::time::Duration::from_secs_f64(args.timeout.max(1.0)),
+    };
+    if !args.json {
+        eprintln!(
+            "training {} on {} GPU(s): {}; seq {}, global batch {}, {steps} steps",
+            p.plan.model,
+            cfg.dp,
+            describe(&p.plan),
+            p.train.seq,
+            p.train.global_batch
+        );
+        if cfg.recompute || cfg.zero != dplc_runtime::ZeroStage::None {
+            eprintln!(
+                "note: the GPU executor keeps every activation and replicates the optimizer \
+                 state; the plan's recompute and ZeRO sharding apply on CPU ranks"
+            );
+        }
+    }
+    let started = Instant::now();
+    let tty = std::io::stderr().is_terminal();
+    let json = args.json;
+    let on_step = |st: &StepStats| {
+        if json {
+            let line = json!({
+                "step": st.step,
+                "loss": st.loss,
+                "lr": st.lr,
+                "grad_norm": st.grad_norm,
+                "tokens_per_s": st.tokens_per_s,
+            });
+            let _ = writeln!(std::io::stdout(), "{line}");
+        } else {
+            progress(st, steps, 0, started, tty);
+        }
+    };
+    let r =
+        dplc_runtime::gpu::train_on_gpus(&p.graph, &p.train, &gpu_cfg, &data, steps, seed, on_step)
+            .map_err(|e| miette!("{e}"))?;
+    let elapsed = started.elapsed().as_secs_f64();
+    let done = r.report.steps.len() as u64;
+    let first = r.report.steps.first().map_or(f64::NAN, |s| s.loss);
+    let last = r.report.steps.last().map_or(f64::NAN, |s| s.loss);
+    let tokens = (done * p.train.global_batch * p.train.seq) as f64;
+    let predicted = p.plan.estimate.peak_memory_bytes as f64;
+    let gib = |b: f64| b / (1u64 << 30) as f64;
+    if json {
+        let _ = writeln!(
+            std::io::stdout(),
+            "{}",
+            json!({
+                "summary": true,
+                "model": p.plan.model,
+                "device": r.device,
+                "ranks": cfg.dp,
+                "steps": done,
+                "first_loss": first,
+                "final_loss": last,
+                "seconds": elapsed,
+                "tokens_per_s": tokens / elapsed.max(1e-9),
+                "kernels": r.kernels,
+                "peak_memory_bytes": r.peak_bytes,
+                "predicted_peak_memory_bytes": p.plan.estimate.peak_memory_bytes,
+            })
+        );
+    } else {
+        if tty {
+            eprintln!();
+        }
+        eprintln!(
+            "{done} steps in {elapsed:.1}s ({:.0} tok/s) on {}: loss {first:.4} → {last:.4}",
+            tokens / elapsed.max(1e-9),
+            r.device
+        );
+        eprintln!(
+            "peak device memory {:.2} GiB (the plan predicted {:.2} GiB); {} kernels",
+            gib(r.peak_bytes as f64),
+            gib(predicted),
+            r.kernels
+        );
+    }
+    Ok(())
 }
 
 /// Train a prepared model on CPU ranks, reporting as `opts` says.

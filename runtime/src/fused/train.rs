@@ -303,8 +303,14 @@ pub fn train_fused<B: Backend>(
 
         // Sum over replicas, then the global norm from per-row partial sums.
         let mut sq = 0.0f64;
-        for g in pbufs.grads.values_mut() {
-            *g = sync.all_reduce(be, g.clone())?;
+        let keys: Vec<ParamKey> = pbufs.grads.keys().copied().collect();
+        for key in keys {
+            // Handed over by value: an in-place device sum needs the only handle.
+            let g = pbufs
+                .grads
+                .remove(&key)
+                .ok_or_else(|| kernel_err("fused", "a lost gradient"))?;
+            let g = sync.all_reduce(be, g)?;
             let rows = (g.len.div_ceil(SUM_SQUARES_COLS as usize)).max(1) as i64;
             let partial = be.alloc(Elem::F32, rows as usize)?;
             be.launch(
@@ -317,6 +323,7 @@ pub fn train_fused<B: Backend>(
             )?;
             let parts = be.download(&partial, Elem::F32, rows as usize)?;
             sq += parts.iter().map(|&x| f64::from(x)).sum::<f64>();
+            pbufs.grads.insert(key, g);
         }
         let grad_norm = sq.sqrt();
         let clip = match spec.grad_clip {

@@ -4,6 +4,7 @@
 //! point returns `GpuError::CudaUnavailable` ("no CUDA driver found").
 
 mod alloc;
+mod backend;
 mod blas;
 mod comm;
 mod compile;
@@ -15,6 +16,7 @@ mod rendezvous;
 mod train;
 
 pub use alloc::{size_class, Allocation, CachingAllocator, MemoryStats, RawMemory};
+pub use backend::{CudaBackend, DeviceSync};
 pub use blas::{matmul_cpu, Blas, MatMul};
 pub use comm::{nccl_present, DeviceCollectives, HostStagedCommunicator, NcclCommunicator};
 pub use compile::{compile_graph, CompiledGraph, CompiledKernel};
@@ -23,4 +25,6 @@ pub use device::{decode, driver_present, encode, DeviceBuffer, GpuDevice, GpuKer
 pub use error::{CodegenErrorText, GpuError, GpuResult};
 pub use launch_env::{first_slurm_host, LaunchEnv, Launcher, DEFAULT_MASTER_PORT};
 pub use rendezvous::{share_id, ID_BYTES};
-pub use train::{open_devices, prepare, storage_dtype, train_on_gpus, GpuRunConfig};
+pub use train::{
+    open_devices, prepare, storage_dtype, train_gpu_process, train_on_gpus, GpuReport, GpuRunConfig,
+};

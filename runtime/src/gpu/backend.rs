@@ -1,0 +1,165 @@
+//! The fused executor's backend on a GPU: buffers from the caching
+//! allocator, kernels compiled by NVRTC (through its on-disk cache) on first
+//! use and loaded once, matmuls on cuBLAS. Gradient sums go over any
+//! [`DeviceCollectives`] (NCCL, or host-staged for ranks sharing a GPU).
+
+use super::blas::Blas;
+use super::comm::DeviceCollectives;
+use super::device::{DeviceBuffer, GpuDevice, GpuKernel};
+use super::error::{GpuError, GpuResult};
+use crate::error::Result;
+use crate::fused::{Backend, GradSync, MatMul, Val};
+use dplc_codegen::{emit_cuda, kernel_name, Args, Elem, Kernel, Nvrtc};
+use dplc_ir::DType;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// One rank's view of a GPU.
+pub struct CudaBackend {
+    dev: Arc<GpuDevice>,
+    blas: Blas,
+    nvrtc: Nvrtc,
+    dtype: DType,
+    kernels: HashMap<String, GpuKernel>,
+}
+
+impl CudaBackend {
+    /// A backend on `dev` with float tensors stored as `dtype`.
+    pub fn new(dev: Arc<GpuDevice>, dtype: DType) -> GpuResult<CudaBackend> {
+        dev.context()
+            .bind_to_thread()
+            .map_err(|e| super::error::driver("binding the context", e))?;
+        let blas = Blas::new(&dev)?;
+        let nvrtc = Nvrtc::load()?;
+        Ok(CudaBackend {
+            dev,
+            blas,
+            nvrtc,
+            dtype,
+            kernels: HashMap::new(),
+        })
+    }
+
+    pub fn device(&self) -> &Arc<GpuDevice> {
+        &self.dev
+    }
+
+    /// Compile and load `kernels` now (so a bad kernel fails before step 1);
+    /// returns how many distinct kernels are loaded.
+    pub fn preload(&mut self, kernels: &[Kernel]) -> GpuResult<usize> {
+        for k in kernels {
+            self.kernel(k)?;
+        }
+        Ok(self.kernels.len())
+    }
+
+    fn kernel(&mut self, k: &Kernel) -> GpuResult<&GpuKernel> {
+        let name = kernel_name(k, self.dtype);
+        if !self.kernels.contains_key(&name) {
+            let src = emit_cuda(k, self.dtype);
+            let ptx = self.nvrtc.compile(&src, self.dev.arch())?;
+            let loaded = self.dev.load(k, &src, &ptx, self.dtype)?;
+            self.kernels.insert(name.clone(), loaded);
+        }
+        Ok(&self.kernels[&name])
+    }
+
+    fn storage(&self, elem: Elem) -> DType {
+        match elem {
+            Elem::Float => self.dtype,
+            Elem::F32 => DType::F32,
+            Elem::I32 => DType::I32,
+        }
+    }
+
+    fn bytes(&self, elem: Elem, len: usize) -> usize {
+        // Never a zero-byte allocation: a scalar view may be read as one element.
+        len.max(1) * self.storage(elem).size_bytes() as usize
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buf = Arc<DeviceBuffer>;
+
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    fn zeros(&mut self, elem: Elem, len: usize) -> Result<Self::Buf> {
+        Ok(Arc::new(self.dev.zeros(self.bytes(elem, len))?))
+    }
+
+    fn alloc(&mut self, elem: Elem, len: usize) -> Result<Self::Buf> {
+        Ok(Arc::new(self.dev.alloc(self.bytes(elem, len))?))
+    }
+
+    fn upload(&mut self, elem: Elem, data: &[f32]) -> Result<Self::Buf> {
+        if elem == Elem::I32 {
+            return Err(GpuError::Invalid("upload of floats as i32".into()).into());
+        }
+        Ok(Arc::new(self.dev.upload_f32(data, self.storage(elem))?))
+    }
+
+    fn upload_i32(&mut self, data: &[i32]) -> Result<Self::Buf> {
+        Ok(Arc::new(self.dev.upload_i32(data)?))
+    }
+
+    fn download(&mut self, buf: &Self::Buf, elem: Elem, len: usize) -> Result<Vec<f32>> {
+        Ok(self.dev.download_f32(buf, len, self.storage(elem))?)
+    }
+
+    fn launch(&mut self, kernel: &Kernel, args: &Args, bufs: &[Self::Buf]) -> Result<()> {
+        let dev = self.dev.clone();
+        let k = self.kernel(kernel)?;
+        let refs: Vec<&DeviceBuffer> = bufs.iter().map(|b| &**b).collect();
+        Ok(dev.launch(k, &refs, args)?)
+    }
+
+    fn matmul(&mut self, mm: &MatMul, a: &Self::Buf, b: &Self::Buf, c: &Self::Buf) -> Result<()> {
+        Ok(self.blas.matmul(mm, a, b, c)?)
+    }
+
+    fn synchronize(&mut self) -> Result<()> {
+        Ok(self.dev.synchronize()?)
+    }
+
+    fn peak_bytes(&self) -> Option<usize> {
+        Some(self.dev.memory_stats().peak_requested)
+    }
+}
+
+/// Gradient sums of the fused executor over device collectives.
+pub struct DeviceSync<C: DeviceCollectives> {
+    pub collectives: C,
+    pub dev: Arc<GpuDevice>,
+}
+
+impl<C: DeviceCollectives> GradSync<CudaBackend> for DeviceSync<C> {
+    fn all_reduce(
+        &mut self,
+        _be: &mut CudaBackend,
+        v: Val<CudaBackend>,
+    ) -> Result<Val<CudaBackend>> {
+        if v.elem != Elem::F32 {
+            return Err(GpuError::Invalid("gradient sums run on f32 buffers".into()).into());
+        }
+        let mut buf = v.buf;
+        let inner = Arc::get_mut(&mut buf).ok_or_else(|| {
+            GpuError::Invalid("a gradient buffer is shared while it is summed".into())
+        })?;
+        self.collectives.all_reduce(inner, v.len)?;
+        Ok(Val {
+            buf,
+            elem: v.elem,
+            len: v.len,
+        })
+    }
+
+    fn all_reduce_host(&mut self, v: &mut [f32]) -> Result<()> {
+        let mut buf = self.dev.upload_f32(v, DType::F32)?;
+        self.collectives.all_reduce(&mut buf, v.len())?;
+        let out = self.dev.download_f32(&buf, v.len(), DType::F32)?;
+        v.copy_from_slice(&out);
+        Ok(())
+    }
+}
