@@ -7,15 +7,20 @@
 #      the allocator, NCCL on one rank, two in-process ranks on one GPU;
 #   3. benchmarks each fused kernel of a GPT-2-small layer (bf16, batch 8,
 #      seq 1024) against a measured device-to-device copy (target >= 85%);
-#   4. with --torch, times PyTorch eager and torch.compile on a GPT-2-small
+#   4. trains gpt_tiny (20 steps) and gpt2 (5 steps) on GPU 0 with
+#      `dplc run --cluster 1xH100 --json`: tokens/s, the loss, and the
+#      allocator's measured peak against the plan's predicted peak memory;
+#   5. with --torch, times PyTorch eager and torch.compile on a GPT-2-small
 #      layer forward+backward (the baseline dplc's step is to be compared with);
-#   5. appends the results, with date, device and command, to bench/RESULTS.md
+#   6. appends the results, with date, device and command, to bench/RESULTS.md
 #      and copies the raw logs to $OUT when that is set.
 #
 # NVRTC, cuBLAS and NCCL are found as installed (DPLC_NVRTC_LIB, the CUDA
 # toolkit, or the nvidia-* wheels PyTorch brings); the machine needs no network.
 #
 # Status: written without access to a GPU; it has not been run on one yet.
+# The training step (4) is the fused executor, tested on the CPU through its
+# host backend (tests/fused_zoo.rs), never yet on a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -78,6 +83,32 @@ echo "== kernel bandwidth" >&2
 cargo test --release -p dplc-runtime --test gpu bench_kernel_bandwidth -- --ignored --nocapture 2>&1 \
     | tee "$LOG_DIR/bandwidth.log"
 
+echo "== training steps" >&2
+cargo build --release
+TRAIN_LINES=""
+for spec in "models/tiny.dpl --model gpt_tiny --steps 20" "models/gpt2.dpl --steps 5"; do
+    name="$(echo "$spec" | tr ' /.' '___')"
+    # shellcheck disable=SC2086
+    if ./target/release/dplc run $spec --cluster 1xH100 --json > "$LOG_DIR/$name.jsonl" 2> "$LOG_DIR/$name.err"; then
+        TRAIN_LINES+="$(python3 - "$LOG_DIR/$name.jsonl" "$spec" <<'PY'
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+s = [l for l in lines if l.get("summary")][-1]
+steps = [l for l in lines if "step" in l and not l.get("summary")]
+steady = steps[1:] or steps
+tps = sum(l["tokens_per_s"] for l in steady) / len(steady)
+gib = 1 << 30
+print(f"{sys.argv[2]}: {s['steps']} steps, loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}, "
+      f"{tps:.0f} tokens/s after the first step, peak {s['peak_memory_bytes']/gib:.2f} GiB measured "
+      f"vs {s['predicted_peak_memory_bytes']/gib:.2f} GiB predicted, {s['kernels']} kernels")
+PY
+)"$'\n'
+    else
+        TRAIN_LINES+="$spec: failed: $(tail -3 "$LOG_DIR/$name.err" | tr '\n' ' ')"$'\n'
+    fi
+done
+echo "$TRAIN_LINES" >&2
+
 TORCH_LINES=""
 if [[ "$TORCH" == 1 ]]; then
     echo "== PyTorch baseline" >&2
@@ -98,6 +129,10 @@ fi
     echo "Fused kernels of a GPT-2-small layer (bf16, batch 8, seq 1024) against a device-to-device copy:"
     echo '```'
     grep -E 'GB/s' "$LOG_DIR/bandwidth.log" || true
+    echo '```'
+    echo "Training on GPU 0 (\`dplc run … --cluster 1xH100 --json\`):"
+    echo '```'
+    echo -n "$TRAIN_LINES"
     echo '```'
     if [[ -n "$TORCH_LINES" ]]; then
         echo "PyTorch on the same GPU (GPT-2-small layer forward+backward, bf16, batch 8, seq 1024):"
