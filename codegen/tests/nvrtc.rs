@@ -1,14 +1,16 @@
 //! Every kernel of every zoo model, forward and fused backward (with the
 //! column sums), compiles with NVRTC for sm_80 and sm_90, in the model's
-//! training precision (the tiny models, AdamW and the column sum in all three). NVRTC needs no GPU; when its library is
+//! training precision (the tiny models and the training step's kernels — AdamW,
+//! SGD, column sum, add, convert, sum of squares — in all three). NVRTC needs no GPU; when its library is
 //! absent (DPLC_NVRTC_LIB unset and none on the library path) the test says
 //! so and passes. CI installs it first: `export DPLC_NVRTC_LIB=$(scripts/install-nvrtc.sh)`.
 
 mod common;
 
 use dplc_codegen::{
-    adamw_kernel, backward_plan, column_sum_kernel, emit_cuda, fuse, Arch, BackwardStep,
-    CodegenError, CudaSource, Nvrtc, Step,
+    adamw_kernel, add_kernel, backward_plan, column_sum_kernel, convert_kernel, emit_cuda, fuse,
+    sgd_kernel, sum_squares_kernel, Arch, BackwardStep, CodegenError, CudaSource, Elem, Nvrtc,
+    Step,
 };
 use dplc_ir::DType;
 use std::collections::BTreeMap;
@@ -22,6 +24,20 @@ fn all_sources() -> BTreeMap<String, CudaSource> {
     for dtype in [DType::F32, DType::BF16, DType::F16] {
         add(emit_cuda(&adamw_kernel(), dtype));
         add(emit_cuda(&column_sum_kernel(), dtype));
+        // The training step's flat kernels (the fused executor's).
+        add(emit_cuda(&sgd_kernel(), dtype));
+        add(emit_cuda(&sum_squares_kernel(Elem::F32), dtype));
+        for (to, from) in [(Elem::Float, Elem::F32), (Elem::F32, Elem::Float)] {
+            add(emit_cuda(&convert_kernel(to, from), dtype));
+        }
+        for (out, a, b) in [
+            (Elem::F32, Elem::F32, Elem::Float),
+            (Elem::F32, Elem::F32, Elem::F32),
+            (Elem::Float, Elem::Float, Elem::Float),
+            (Elem::Float, Elem::Float, Elem::F32),
+        ] {
+            add(emit_cuda(&add_kernel(out, a, b), dtype));
+        }
     }
     for (name, lowered) in common::all_zoo() {
         let g = &lowered.graph;
