@@ -236,6 +236,17 @@ fn describe(plan: &dplc_ir::Plan) -> String {
     parts.join(", ")
 }
 
+/// One step as the JSON line `--json` prints, on CPU ranks and GPUs alike.
+fn step_json(st: &StepStats) -> serde_json::Value {
+    json!({
+        "step": st.step,
+        "loss": st.loss,
+        "lr": st.lr,
+        "grad_norm": st.grad_norm,
+        "tokens_per_s": st.tokens_per_s,
+    })
+}
+
 fn progress(st: &StepStats, steps: u64, from: u64, started: Instant, tty: bool) {
     let done = st.step + 1;
     let elapsed = started.elapsed().as_secs_f64();
@@ -332,13 +343,7 @@ pub fn train_on_gpus(p: &Prepared, args: &TrainOpts) -> Result<()> {
     let json = args.json;
     let on_step = |st: &StepStats| {
         if json {
-            let line = json!({
-                "step": st.step,
-                "loss": st.loss,
-                "lr": st.lr,
-                "grad_norm": st.grad_norm,
-                "tokens_per_s": st.tokens_per_s,
-            });
+            let line = step_json(st);
             let _ = writeln!(std::io::stdout(), "{line}");
         } else {
             progress(st, steps, 0, started, tty);
@@ -500,13 +505,7 @@ pub fn train_prepared_on(
     let json = args.json;
     let on_step = |st: &StepStats| {
         if json {
-            let line = json!({
-                "step": st.step,
-                "loss": st.loss,
-                "lr": st.lr,
-                "grad_norm": st.grad_norm,
-                "tokens_per_s": st.tokens_per_s,
-            });
+            let line = step_json(st);
             // Nobody reads the stream any more (`| head`): stop as for Ctrl-C.
             if writeln!(std::io::stdout(), "{line}").is_err() {
                 cfg.stop.stop();

@@ -246,6 +246,10 @@ pub fn train_fused<B: Backend>(
         );
     }
 
+    // The step's own kernels, built once rather than per parameter and step.
+    let (adamw, sgd) = (adamw_kernel(), sgd_kernel());
+    let sum_squares = sum_squares_kernel(Elem::F32);
+    let to_storage = convert_kernel(Elem::Float, Elem::F32);
     let global_batch = run.dp * run.micro_batch * run.num_micro_batches;
     let scale = 1.0 / (run.dp * run.num_micro_batches) as f32;
     let mut stats = Vec::new();
@@ -314,7 +318,7 @@ pub fn train_fused<B: Backend>(
             let rows = (g.len.div_ceil(SUM_SQUARES_COLS as usize)).max(1) as i64;
             let partial = be.alloc(Elem::F32, rows as usize)?;
             be.launch(
-                &sum_squares_kernel(Elem::F32),
+                &sum_squares,
                 &dplc_codegen::Args {
                     sizes: vec![rows, SUM_SQUARES_COLS, g.len as i64],
                     ..Default::default()
@@ -355,7 +359,7 @@ pub fn train_fused<B: Backend>(
                         grad_scale: clip as f32,
                     };
                     (
-                        adamw_kernel(),
+                        &adamw,
                         scalars.args(h.master.len as i64),
                         vec![
                             h.master.buf.clone(),
@@ -375,7 +379,7 @@ pub fn train_fused<B: Backend>(
                         grad_scale: clip as f32,
                     };
                     (
-                        sgd_kernel(),
+                        &sgd,
                         scalars.args(h.master.len as i64),
                         vec![
                             h.master.buf.clone(),
@@ -387,10 +391,10 @@ pub fn train_fused<B: Backend>(
                     )
                 }
             };
-            be.launch(&kernel, &args, &bufs)?;
+            be.launch(kernel, &args, &bufs)?;
             if !float_is_f32 {
                 be.launch(
-                    &convert_kernel(Elem::Float, Elem::F32),
+                    &to_storage,
                     &flat_args(h.master.len),
                     &[h.value.buf.clone(), h.master.buf.clone()],
                 )?;
