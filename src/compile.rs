@@ -21,7 +21,8 @@ pub struct PlanArgs {
     #[arg(long)]
     pub cluster: String,
     /// Pin choices, e.g. `tp=8,pp=8,dp=24,mb=1,zero=1,schedule=1f1b,recompute=selective,sp=on`;
-    /// the search fills in the rest. Keys: tp pp dp cp ep mb m schedule v zero recompute sp.
+    /// the search fills in the rest. Keys: tp pp dp cp ep mb m schedule v zero recompute sp
+    /// overlap (`overlap=off`: the data-parallel gradient reduction waits for backward).
     #[arg(long, default_value = "")]
     pub strategy: String,
     /// Samples per step (default: the model's train section).

@@ -144,6 +144,20 @@ pub struct Strategy {
     pub zero_stage: u8,
     pub recompute: Recompute,
     pub sequence_parallel: bool,
+    /// Data-parallel gradient reduction starts bucket by bucket while the last
+    /// micro-batch's backward runs (`true`), or only once backward is done:
+    /// Megatron without `--overlap-grad-reduce`, as its 2021 local DDP ran.
+    /// Plans written before this field existed overlapped.
+    #[serde(default = "overlapped", skip_serializing_if = "is_overlapped")]
+    pub overlap_grad_reduce: bool,
+}
+
+fn overlapped() -> bool {
+    true
+}
+
+fn is_overlapped(overlap: &bool) -> bool {
+    *overlap
 }
 
 impl fmt::Display for Strategy {
@@ -167,7 +181,11 @@ impl fmt::Display for Strategy {
             self.zero_stage,
             self.recompute.name(),
             if self.sequence_parallel { "on" } else { "off" }
-        )
+        )?;
+        if !self.overlap_grad_reduce {
+            f.write_str(", gradient reduction after backward")?;
+        }
+        Ok(())
     }
 }
 

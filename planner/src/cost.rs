@@ -87,6 +87,8 @@ pub(crate) struct Config {
     pub zero: u8,
     pub recompute: Recompute,
     pub sp: bool,
+    /// Data-parallel gradient reduction overlapped with the last backward.
+    pub overlap: bool,
     pub order: AxisOrder,
 }
 
@@ -585,21 +587,30 @@ impl<'a> CostModel<'a> {
         let boundary = bind.eval(&self.profile.layer_input_bytes) / rep_div;
         let pp_link = self.link(c, MeshAxis::Pp);
         // Megatron's scatter/gather optimisation sends 1/tp of the boundary
-        // tensor per rank when it is not already sequence-sharded.
-        let per_rank = if c.sp {
-            boundary
+        // tensor per rank when it is not already sequence-sharded, and the
+        // receiver all-gathers the pieces over the tensor-parallel group
+        // before the stage can start (`gather_split_1d_tensor`).
+        let hop = if c.sp || c.tp == 1 {
+            collective_time(CollectiveKind::SendRecv, boundary, &pp_link)
         } else {
-            boundary / c.tp as f64
+            collective_time(CollectiveKind::SendRecv, boundary / c.tp as f64, &pp_link)
+                + collective_time(
+                    CollectiveKind::AllGather,
+                    boundary,
+                    &self.link(c, MeshAxis::Tp),
+                )
         };
+        // 1F1B blocks on two hops per micro-batch (activation forward,
+        // gradient back), plus the p − 1 of the fill.
         let p2p = if p > 1 {
-            2.0 * collective_time(CollectiveKind::SendRecv, per_rank, &pp_link)
-                * (m * v + p as f64 - 1.0)
+            2.0 * hop * (m * v + p as f64 - 1.0)
         } else {
             0.0
         };
 
         // Data-parallel gradient reduction, started bucket by bucket as the last
-        // micro-batch's backward produces gradients; the last bucket is exposed.
+        // micro-batch's backward produces gradients (the last bucket is
+        // exposed), or wholly after backward when not overlapped.
         let (params, expert) = self.stage_params(c, 0, counts[0]);
         let dense = params - expert;
         let dp_link = self.link(c, MeshAxis::Dp);
@@ -621,13 +632,17 @@ impl<'a> CostModel<'a> {
         };
         let dp_reduce =
             reduce(dense * grad_bytes, &dp_link) + reduce(expert * grad_bytes, &edp_link);
-        let last_backward = stages[0].backward + stages[0].recompute;
         let layers0 = counts[0].max(1) as f64;
+        let hidden = if c.overlap {
+            (stages[0].backward + stages[0].recompute) * (1.0 - 1.0 / layers0)
+        } else {
+            0.0
+        };
         let mut exposed_dp = if c.zero >= 2 {
             // ZeRO-2 reduce-scatters every micro-batch's gradients during its backward.
-            m * (dp_reduce - last_backward * (1.0 - 1.0 / layers0)).max(0.0)
+            m * (dp_reduce - hidden).max(0.0)
         } else {
-            (dp_reduce - last_backward * (1.0 - 1.0 / layers0)).max(0.0)
+            (dp_reduce - hidden).max(0.0)
         };
         if c.zero >= 1 {
             // The updated shards are all-gathered, overlapped with the next forward.

@@ -62,6 +62,7 @@ pub(crate) fn strategy(c: &Config, global_batch: u64, seq: u64) -> Strategy {
         zero_stage: c.zero,
         recompute: c.recompute,
         sequence_parallel: c.sp,
+        overlap_grad_reduce: c.overlap,
     }
 }
 
@@ -736,6 +737,7 @@ pub fn to_json(compiled: &Compiled) -> serde_json::Value {
             "zero_stage": s.zero_stage,
             "recompute": s.recompute.name(),
             "sequence_parallel": s.sequence_parallel,
+            "overlap_grad_reduce": s.overlap_grad_reduce,
         },
         "estimate": {
             "step_time_s": e.step_time_s,

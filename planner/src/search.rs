@@ -258,6 +258,7 @@ pub(crate) fn search(
                                 zero: 0,
                                 recompute: Recompute::None,
                                 sp: false,
+                                overlap: pins.overlap_grad_reduce.unwrap_or(true),
                                 order,
                             };
                             explore(

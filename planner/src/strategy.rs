@@ -20,10 +20,13 @@ pub struct StrategyConstraints {
     pub zero: Option<u8>,
     pub recompute: Option<Recompute>,
     pub sequence_parallel: Option<bool>,
+    /// `overlap=off` pins the data-parallel gradient reduction after backward;
+    /// the search itself always overlaps (it is never slower).
+    pub overlap_grad_reduce: Option<bool>,
 }
 
 /// Read `key=value` pairs separated by commas. Keys: `tp pp dp cp ep mb m
-/// schedule v zero recompute sp`.
+/// schedule v zero recompute sp overlap`.
 pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
     let err = |detail: String| PlanError::StrategySyntax {
         spec: spec.to_string(),
@@ -41,6 +44,11 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
                     "{key} needs a positive whole number, got `{value}`"
                 ))
             })
+        };
+        let on_off = || match value.to_ascii_lowercase().as_str() {
+            "on" | "true" | "1" | "yes" => Ok(true),
+            "off" | "false" | "0" | "no" => Ok(false),
+            _ => Err(err(format!("{key} is on or off, got `{value}`"))),
         };
         match key.as_str() {
             "tp" => c.tp = Some(int()?),
@@ -86,16 +94,11 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
                     }
                 })
             }
-            "sp" | "sequence_parallel" => {
-                c.sequence_parallel = Some(match value.to_ascii_lowercase().as_str() {
-                    "on" | "true" | "1" | "yes" => true,
-                    "off" | "false" | "0" | "no" => false,
-                    _ => return Err(err(format!("sp is on or off, got `{value}`"))),
-                })
-            }
+            "sp" | "sequence_parallel" => c.sequence_parallel = Some(on_off()?),
+            "overlap" | "overlap_grad_reduce" => c.overlap_grad_reduce = Some(on_off()?),
             _ => {
                 return Err(err(format!(
-                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp"
+                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap"
                 )))
             }
         }
@@ -141,8 +144,12 @@ impl fmt::Display for StrategyConstraints {
         if let Some(r) = self.recompute {
             parts.push(format!("recompute={}", r.name()));
         }
+        let on_off = |b: bool| if b { "on" } else { "off" };
         if let Some(sp) = self.sequence_parallel {
-            parts.push(format!("sp={}", if sp { "on" } else { "off" }));
+            parts.push(format!("sp={}", on_off(sp)));
+        }
+        if let Some(o) = self.overlap_grad_reduce {
+            parts.push(format!("overlap={}", on_off(o)));
         }
         f.write_str(&parts.join(","))
     }
@@ -154,12 +161,13 @@ mod tests {
 
     #[test]
     fn reads_every_key_and_prints_it_back() {
-        let s = "tp=8,pp=8,dp=24,cp=1,ep=1,mb=1,zero=1,schedule=interleaved,v=2,recompute=selective,sp=on";
+        let s = "tp=8,pp=8,dp=24,cp=1,ep=1,mb=1,zero=1,schedule=interleaved,v=2,recompute=selective,sp=on,overlap=off";
         let c = parse_strategy(s).unwrap();
         assert_eq!(c.tp, Some(8));
         assert_eq!(c.schedule, Some(PipelineSchedule::Interleaved));
         assert_eq!(c.recompute, Some(Recompute::Selective));
         assert_eq!(c.sequence_parallel, Some(true));
+        assert_eq!(c.overlap_grad_reduce, Some(false));
         assert_eq!(parse_strategy(&c.to_string()).unwrap(), c);
     }
 
@@ -171,6 +179,7 @@ mod tests {
             .contains("unknown key"));
         assert!(parse_strategy("tp=0").is_err());
         assert!(parse_strategy("zero=4").is_err());
+        assert!(parse_strategy("overlap=maybe").is_err());
         assert!(parse_strategy("schedule=1f1b,v=2").is_err());
     }
 }

@@ -132,6 +132,7 @@ fn the_same_request_gives_a_byte_identical_plan_that_round_trips() {
         "zero_stage",
         "recompute",
         "sequence_parallel",
+        "overlap_grad_reduce",
     ] {
         assert!(!json["strategy"][key].is_null(), "strategy.{key}");
     }
@@ -149,6 +150,49 @@ fn the_same_request_gives_a_byte_identical_plan_that_round_trips() {
     for key in ["configs_evaluated", "feasible", "time_ms"] {
         assert!(json["search"][key].is_number(), "search.{key}");
     }
+}
+
+#[test]
+fn gradient_reduction_after_backward_is_wholly_exposed_and_kept_in_the_plan() {
+    let base = "tp=8,pp=8,dp=24,mb=2,v=2,zero=0,recompute=full,sp=off";
+    let on = plan(GPT_145_6B, "192x8xA100", 2304, base, false);
+    let off = plan(
+        GPT_145_6B,
+        "192x8xA100",
+        2304,
+        &format!("{base},overlap=off"),
+        false,
+    );
+    let (t_on, t_off) = (&on.plan.estimate.breakdown, &off.plan.estimate.breakdown);
+    // Everything but the data-parallel term is the same plan.
+    assert_eq!(t_on.compute_s, t_off.compute_s);
+    assert_eq!(t_on.bubble_s, t_off.bubble_s);
+    assert!(
+        t_off.exposed_dp_comm_s > t_on.exposed_dp_comm_s,
+        "{} vs {}",
+        t_off.exposed_dp_comm_s,
+        t_on.exposed_dp_comm_s
+    );
+    // Not overlapped, the whole all-reduce of the fp32 gradients is exposed:
+    // 2·(n−1)/n of them over one NIC per rank (the dp group spans nodes).
+    let stage0 = &off.plan.stages[0].memory;
+    let ring = 2.0 * 23.0 / 24.0 * stage0.gradients as f64 / (25e9 * 0.8);
+    within(t_off.exposed_dp_comm_s, ring, 0.01, "exposed all-reduce, s");
+
+    assert!(on.plan.strategy.overlap_grad_reduce);
+    assert!(!off.plan.strategy.overlap_grad_reduce);
+    assert!(off
+        .plan
+        .strategy
+        .to_string()
+        .contains("gradient reduction after backward"));
+    // The field is written only when it is off, so older plans read as overlapped.
+    let ron_on = ron::ser::to_string(&on.plan).unwrap();
+    let ron_off = ron::ser::to_string(&off.plan).unwrap();
+    assert!(!ron_on.contains("overlap_grad_reduce"));
+    assert!(ron_off.contains("overlap_grad_reduce:false"));
+    let back: dplc_ir::Plan = ron::from_str(&ron_off).unwrap();
+    assert_eq!(back, off.plan);
 }
 
 #[test]
