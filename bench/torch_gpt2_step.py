@@ -54,6 +54,12 @@ class Gpt2(nn.Module):
         self.wpe = nn.Embedding(ctx, d)
         self.blocks = nn.ModuleList(Block(d, heads, dropout) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)
+        # GPT-2's initialisation: N(0, 0.02) weights, zero biases.
+        for mod in self.modules():
+            if isinstance(mod, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(mod.weight, std=0.02)
+            if isinstance(mod, nn.Linear):
+                nn.init.zeros_(mod.bias)
 
     def forward(self, tokens, targets):
         pos = torch.arange(tokens.shape[1], device=tokens.device)

@@ -11,7 +11,9 @@
 #      `dplc run --cluster 1xH100 --json`: tokens/s, the loss, and the
 #      allocator's measured peak against the plan's predicted peak memory;
 #   5. with --torch, times PyTorch eager and torch.compile on a GPT-2-small
-#      layer forward+backward (the baseline dplc's step is to be compared with);
+#      layer forward+backward, and on the whole gpt2 training step of (4) with
+#      the same micro-batch, micro-batch count and sequence
+#      (bench/torch_gpt2_step.py), and states dplc's tokens/s against both;
 #   6. appends the results, with date, device and command, to bench/RESULTS.md
 #      and copies the raw logs to $OUT when that is set.
 #
@@ -110,10 +112,37 @@ done
 echo "$TRAIN_LINES" >&2
 
 TORCH_LINES=""
+STEP_LINES=""
 if [[ "$TORCH" == 1 ]]; then
     echo "== PyTorch baseline" >&2
     python3 bench/torch_gpt2_layer.py 2>&1 | tee "$LOG_DIR/torch.log"
     TORCH_LINES="$(grep -E '^(eager|compile)' "$LOG_DIR/torch.log" || true)"
+    GPT2_RUN="$LOG_DIR/models_gpt2_dpl_--steps_5.jsonl"
+    if [[ -s "$GPT2_RUN" ]]; then
+        # The same step dplc took: its micro-batch, count and sequence.
+        read -r MB M SEQ DPLC_TPS < <(python3 - "$GPT2_RUN" <<'PY'
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+s = [l for l in lines if l.get("summary")][-1]
+steps = [l for l in lines if "step" in l and not l.get("summary")]
+steady = steps[1:] or steps
+tps = sum(l["tokens_per_s"] for l in steady) / len(steady)
+print(s["micro_batch"], s["num_micro_batches"], s["seq"], round(tps))
+PY
+)
+        python3 bench/torch_gpt2_step.py --micro-batch "$MB" --micro-batches "$M" --seq "$SEQ" 2>&1 \
+            | tee "$LOG_DIR/torch-step.log"
+        STEP_LINES="$(grep -E '^(device|eager_step|compile_step)' "$LOG_DIR/torch-step.log" || true)"
+        STEP_LINES+=$'\n'"dplc_step ${DPLC_TPS} tokens/s (gpt2, ${M} x ${MB} sequences of ${SEQ}, from step 4)"
+        for mode in eager compile; do
+            theirs="$(awk -v m="${mode}_step" '$1 == m { print $2 }' "$LOG_DIR/torch-step.log")"
+            if [[ -n "$theirs" ]]; then
+                STEP_LINES+=$'\n'"dplc / torch ${mode}: $(python3 -c "print(f'{${DPLC_TPS} / ${theirs}:.2f}')")x"
+            fi
+        done
+    else
+        STEP_LINES="the gpt2 run of step 4 failed; no step comparison"
+    fi
 fi
 
 {
@@ -138,6 +167,12 @@ fi
         echo "PyTorch on the same GPU (GPT-2-small layer forward+backward, bf16, batch 8, seq 1024):"
         echo '```'
         echo "$TORCH_LINES"
+        echo '```'
+    fi
+    if [[ -n "$STEP_LINES" ]]; then
+        echo "A whole gpt2 training step, PyTorch (bf16 autocast, fp32 master weights, AdamW, clipping) against dplc:"
+        echo '```'
+        echo "$STEP_LINES"
         echo '```'
     fi
 } >> bench/RESULTS.md
