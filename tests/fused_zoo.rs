@@ -200,3 +200,61 @@ fn fused_refuses_moe_routing_with_a_reason() {
     .to_string();
     assert!(err.contains("CPU ranks"), "{err}");
 }
+
+/// The executor frees what backward does not read, during forward and layer
+/// by layer in backward; so its activation memory (peak less the parameter
+/// state) stays near the planner's estimate for the same micro-batch.
+/// Measured on this 8-layer gpt_tiny at micro-batch 16 × seq 64 (f32): 1.44×
+/// the plan's activations + embedding/loss (1.73× before values were freed).
+/// The executor's excess here is its backward transients and the attention
+/// probabilities it saves; on gpt2 at seq 64 it keeps half the plan's figure.
+#[test]
+fn the_executors_activation_memory_stays_near_the_plan() {
+    let text = format!("{TINY}\nmodel tiny8 = gpt_tiny(layers = 8)\n");
+    let unit = dplc_frontend::parse("tiny.dpl", &text).expect("parses");
+    let lowered = unit.lower("tiny8").expect("lowers");
+    let (graph, mut spec) = (lowered.graph, lowered.train);
+    let (mb, seq) = (16usize, 64u64);
+    spec.seq = seq;
+    spec.global_batch = mb as u64;
+    spec.precision = dplc_ir::Precision::Fp32;
+
+    let mut req = dplc_planner::PlanRequest::new(
+        &graph,
+        spec.clone(),
+        dplc_planner::parse_cluster("1xH100").unwrap(),
+    );
+    req.pinned = dplc_planner::parse_strategy(&format!("mb={mb},recompute=none")).unwrap();
+    let plan = dplc_planner::compile(&req).unwrap().plan;
+    let m = &plan.stages[0].memory;
+    let planned = (m.activations + m.embedding_and_loss) as f64;
+    // f32 throughout: value (the master itself), gradient and two moments.
+    let state = 4.0 * m.weights as f64;
+
+    let run = FusedRun {
+        micro_batch: mb,
+        num_micro_batches: 1,
+        dp: 1,
+        dp_index: 0,
+        steps: 1,
+        seed: SEED,
+    };
+    let report = train_fused(
+        &mut HostBackend::new(),
+        &graph,
+        &spec,
+        &data(),
+        &run,
+        &mut Alone,
+        |_| {},
+    )
+    .unwrap();
+    let held = report.peak_bytes.expect("the host backend measures") as f64 - state;
+    let ratio = held / planned;
+    assert!(
+        ratio < 1.5,
+        "the executor holds {:.1} MiB of activations, {ratio:.2}× the plan's {:.1} MiB",
+        held / (1u64 << 20) as f64,
+        planned / (1u64 << 20) as f64
+    );
+}

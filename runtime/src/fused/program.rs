@@ -1,10 +1,15 @@
 //! Forward and backward of a graph as codegen planned them: each region's
-//! fused kernels and matmuls in order, `repeat` bodies once per layer with
-//! their activations kept, then the fused backward kernels (with their column
+//! fused kernels and matmuls in order, `repeat` bodies once per layer, then the fused backward kernels (with their column
 //! sums) and the two gradient matmuls per forward matmul, in reverse.
 //!
 //! Every tensor is keyed by its *base*: the in-memory tensor a reshape view
 //! reads, which is also what fused kernels and matmul operands name.
+//!
+//! A region's forward keeps only what its backward reads (and its results):
+//! every other value is freed after the last step that reads it, and a layer's
+//! activations are freed once its backward has run. So peak memory is the
+//! saved activations plus one region's transients, which is what the planner's
+//! memory model counts.
 
 use super::backend::{Backend, MatMul};
 use crate::error::{kernel_err, Result, RuntimeError};
@@ -14,7 +19,7 @@ use dplc_codegen::{
     FusedKernel, FusionPlan, GradBinding, Operand, Step,
 };
 use dplc_ir::{DType, GradPlan, Graph, NodeId, Op, RegionId, TensorId};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// A value on the device: its buffer, element type and element count.
 pub struct Val<B: Backend> {
@@ -36,7 +41,92 @@ impl<B: Backend> Clone for Val<B> {
 /// Every region's fusion plan and backward steps, made once per graph.
 pub struct FusedGraph {
     regions: HashMap<RegionId, (FusionPlan, Vec<BackwardStep>)>,
+    lifetimes: HashMap<RegionId, Lifetimes>,
     grad: GradPlan,
+}
+
+/// When a region's forward may free its values.
+struct Lifetimes {
+    /// Per forward step, the bases no later step and no backward step reads.
+    free_after: Vec<Vec<TensorId>>,
+}
+
+/// The in-memory tensor behind `t` (through reshapes).
+fn base_of(graph: &Graph, mut t: TensorId) -> TensorId {
+    while let Some(n) = graph.producer(t) {
+        match n.op {
+            Op::Reshape { .. } => t = n.inputs[0],
+            _ => break,
+        }
+    }
+    t
+}
+
+impl Lifetimes {
+    fn new(
+        graph: &Graph,
+        r: RegionId,
+        plan: &FusionPlan,
+        back: &[BackwardStep],
+        grad: &GradPlan,
+    ) -> Lifetimes {
+        let base = |t: TensorId| base_of(graph, t);
+        // What the backward reads, what the caller reads, and the loss.
+        let region = graph.region(r);
+        let mut keep: HashSet<TensorId> = region.results.iter().map(|&t| base(t)).collect();
+        if r == graph.root() {
+            keep.extend(graph.outputs().iter().map(|&t| base(t)));
+        }
+        for b in back {
+            match b {
+                BackwardStep::Kernel { step, backward } => {
+                    if let Step::Kernel(k) = &plan.steps[*step] {
+                        for bind in &backward.bindings {
+                            if let GradBinding::Forward(j) = *bind {
+                                keep.insert(base(k.buffers[j]));
+                            }
+                        }
+                    }
+                }
+                BackwardStep::MatMul { step } => {
+                    if let Step::MatMul { node, a, b } = &plan.steps[*step] {
+                        let n = graph.node(*node);
+                        if grad.needs_grad(n.inputs[0]) {
+                            keep.insert(base(b.tensor));
+                        }
+                        if grad.needs_grad(n.inputs[1]) {
+                            keep.insert(base(a.tensor));
+                        }
+                    }
+                }
+                BackwardStep::Extern { .. } => {}
+            }
+        }
+        // The last forward step that writes or reads each base.
+        let mut last: HashMap<TensorId, usize> = HashMap::new();
+        for (i, step) in plan.steps.iter().enumerate() {
+            let touched: Vec<TensorId> = match step {
+                Step::Kernel(k) => k.buffers.clone(),
+                Step::MatMul { node, a, b } => {
+                    vec![a.tensor, b.tensor, graph.node(*node).outputs[0]]
+                }
+                Step::Extern { node, .. } => {
+                    let n = graph.node(*node);
+                    n.inputs.iter().chain(&n.outputs).copied().collect()
+                }
+            };
+            for t in touched {
+                last.insert(base(t), i);
+            }
+        }
+        let mut free_after = vec![Vec::new(); plan.steps.len()];
+        for (t, i) in last {
+            if !keep.contains(&t) {
+                free_after[i].push(t);
+            }
+        }
+        Lifetimes { free_after }
+    }
 }
 
 impl FusedGraph {
@@ -59,9 +149,15 @@ impl FusedGraph {
             let back = backward_plan(graph, &plan);
             regions.insert(r, (plan, back));
         }
+        let grad = GradPlan::new(graph);
+        let lifetimes = regions
+            .iter()
+            .map(|(&r, (plan, back))| (r, Lifetimes::new(graph, r, plan, back, &grad)))
+            .collect();
         Ok(FusedGraph {
             regions,
-            grad: GradPlan::new(graph),
+            lifetimes,
+            grad,
         })
     }
 
@@ -130,15 +226,8 @@ impl<'a> Executor<'a> {
         self.dims(t).iter().product()
     }
 
-    /// The in-memory tensor behind `t` (through reshapes).
-    fn base(&self, mut t: TensorId) -> TensorId {
-        while let Some(n) = self.graph.producer(t) {
-            match n.op {
-                Op::Reshape { .. } => t = n.inputs[0],
-                _ => break,
-            }
-        }
-        t
+    fn base(&self, t: TensorId) -> TensorId {
+        base_of(self.graph, t)
     }
 
     fn get<B: Backend>(&self, run: &RegionRun<B>, t: TensorId) -> Result<Val<B>> {
@@ -251,7 +340,13 @@ impl<'a> Executor<'a> {
                 _ => {}
             }
         }
-        for step in &plan.steps {
+        let free_after = &self
+            .fused
+            .lifetimes
+            .get(&r)
+            .ok_or_else(|| kernel_err("fused", format!("region {r} has no plan")))?
+            .free_after;
+        for (step, dead) in plan.steps.iter().zip(free_after) {
             match step {
                 Step::Kernel(k) => {
                     let node = *k.nodes.last().unwrap_or(&NodeId::new(0));
@@ -288,6 +383,9 @@ impl<'a> Executor<'a> {
                     run.values.insert(self.graph.node(*node).outputs[0], c);
                 }
                 Step::Extern { node, .. } => self.forward_repeat(be, &mut run, *node, params)?,
+            }
+            for t in dead {
+                run.values.remove(t);
             }
         }
         Ok(run)
@@ -412,7 +510,7 @@ impl<'a> Executor<'a> {
         &self,
         be: &mut B,
         r: RegionId,
-        run: &RegionRun<B>,
+        run: &mut RegionRun<B>,
         grads: &mut HashMap<TensorId, Val<B>>,
         layer: u64,
         params: &mut ParamBufs<B>,
@@ -561,10 +659,10 @@ impl<'a> Executor<'a> {
         };
         let dc = self.as_elem(be, &dc, Elem::Float)?;
         let mm = self.matmul_of(node, a, b, be.dtype())?;
-        let (x, y) = (self.get(run, a.tensor)?, self.get(run, b.tensor)?);
-        let x = self.as_elem(be, &x, Elem::Float)?;
-        let y = self.as_elem(be, &y, Elem::Float)?;
+        // Each gradient reads the other operand only; the forward kept just that.
         if self.fused.grad.needs_grad(n.inputs[0]) {
+            let y = self.get(run, b.tensor)?;
+            let y = self.as_elem(be, &y, Elem::Float)?;
             // dA = dC·op(B)ᵀ, stored as A is: transposed, dAᵀ = op(B)·dCᵀ.
             let g = if mm.a_transposed {
                 MatMul {
@@ -598,6 +696,8 @@ impl<'a> Executor<'a> {
             self.add_grad(be, grads, a.tensor, d)?;
         }
         if self.fused.grad.needs_grad(n.inputs[1]) {
+            let x = self.get(run, a.tensor)?;
+            let x = self.as_elem(be, &x, Elem::Float)?;
             // dB = op(A)ᵀ·dC; stored transposed, dBᵀ = dCᵀ·op(A).
             let g = if mm.b_transposed {
                 MatMul {
@@ -682,16 +782,17 @@ impl<'a> Executor<'a> {
     fn backward_repeat<B: Backend>(
         &self,
         be: &mut B,
-        run: &RegionRun<B>,
+        run: &mut RegionRun<B>,
         grads: &mut HashMap<TensorId, Val<B>>,
         n: NodeId,
         params: &mut ParamBufs<B>,
     ) -> Result<()> {
         let (_, body, n_carried) = self.repeat_parts(n)?;
         let node = self.graph.node(n);
-        let runs = run
+        // Taken out of the run: each layer's activations are freed after its backward.
+        let mut runs = run
             .repeats
-            .get(&n)
+            .remove(&n)
             .ok_or_else(|| kernel_err("fused backward", "a repeat without its forward"))?;
         let mut carried: Vec<Option<Val<B>>> = node
             .outputs
@@ -699,14 +800,22 @@ impl<'a> Executor<'a> {
             .map(|&t| grads.remove(&self.base(t)))
             .collect();
         let region = self.graph.region(body);
-        for (layer, body_run) in runs.iter().enumerate().rev() {
+        while let Some(mut body_run) = runs.pop() {
+            let layer = runs.len();
             let mut body_grads: HashMap<TensorId, Val<B>> = HashMap::new();
             for (&t, g) in region.results.iter().zip(carried.iter_mut()) {
                 if let Some(g) = g.take() {
                     self.add_grad(be, &mut body_grads, t, g)?;
                 }
             }
-            self.backward(be, body, body_run, &mut body_grads, layer as u64, params)?;
+            self.backward(
+                be,
+                body,
+                &mut body_run,
+                &mut body_grads,
+                layer as u64,
+                params,
+            )?;
             for (j, &a) in region.args.iter().enumerate() {
                 let g = body_grads.remove(&a);
                 if j < n_carried {

@@ -293,7 +293,7 @@ pub fn train_fused<B: Backend>(
                 seed: crate::rng::hash(&[run.seed, step, first]),
             };
             let root = graph.root();
-            let fwd = exec.forward(be, root, Vec::new(), &inputs, 0, &pbufs)?;
+            let mut fwd = exec.forward(be, root, Vec::new(), &inputs, 0, &pbufs)?;
             let loss = exec.read(be, &fwd, loss_t)?;
             loss_sum += f64::from(*loss.first().ok_or_else(|| kernel_err("fused", "no loss"))?);
             let seed = Val {
@@ -302,7 +302,7 @@ pub fn train_fused<B: Backend>(
                 len: 1,
             };
             let mut grads = HashMap::from([(loss_t, seed)]);
-            exec.backward(be, root, &fwd, &mut grads, 0, &mut pbufs)?;
+            exec.backward(be, root, &mut fwd, &mut grads, 0, &mut pbufs)?;
         }
 
         // Sum over replicas, then the global norm from per-row partial sums.
