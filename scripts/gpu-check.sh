@@ -88,7 +88,7 @@ cargo test --release -p dplc-runtime --test gpu bench_kernel_bandwidth -- --igno
 echo "== training steps" >&2
 cargo build --release
 TRAIN_LINES=""
-for spec in "models/tiny.dpl --model gpt_tiny --steps 20" "models/gpt2.dpl --steps 5"; do
+for spec in "models/tiny.dpl --model gpt_tiny --steps 20" "models/gpt2.dpl --model gpt2 --steps 5"; do
     name="$(echo "$spec" | tr ' /.' '___')"
     # shellcheck disable=SC2086
     if ./target/release/dplc run $spec --cluster 1xH100 --json > "$LOG_DIR/$name.jsonl" 2> "$LOG_DIR/$name.err"; then
@@ -100,9 +100,13 @@ steps = [l for l in lines if "step" in l and not l.get("summary")]
 steady = steps[1:] or steps
 tps = sum(l["tokens_per_s"] for l in steady) / len(steady)
 gib = 1 << 30
+m = s.get("predicted_memory") or {}
+tensors = s["predicted_peak_memory_bytes"] - m.get("buffers", 0)
 print(f"{sys.argv[2]}: {s['steps']} steps, loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}, "
       f"{tps:.0f} tokens/s after the first step, peak {s['peak_memory_bytes']/gib:.2f} GiB measured "
-      f"vs {s['predicted_peak_memory_bytes']/gib:.2f} GiB predicted, {s['kernels']} kernels")
+      f"vs {s['predicted_peak_memory_bytes']/gib:.2f} GiB predicted ({tensors/gib:.2f} GiB without "
+      f"the buffers and runtime reserve the allocator does not see; activations "
+      f"{m.get('activations', 0)/gib:.2f}), {s['kernels']} kernels")
 PY
 )"$'\n'
     else
@@ -117,7 +121,7 @@ if [[ "$TORCH" == 1 ]]; then
     echo "== PyTorch baseline" >&2
     python3 bench/torch_gpt2_layer.py 2>&1 | tee "$LOG_DIR/torch.log"
     TORCH_LINES="$(grep -E '^(eager|compile)' "$LOG_DIR/torch.log" || true)"
-    GPT2_RUN="$LOG_DIR/models_gpt2_dpl_--steps_5.jsonl"
+    GPT2_RUN="$LOG_DIR/models_gpt2_dpl_--model_gpt2_--steps_5.jsonl"
     if [[ -s "$GPT2_RUN" ]]; then
         # The same step dplc took: its micro-batch, count and sequence.
         read -r MB M SEQ DPLC_TPS < <(python3 - "$GPT2_RUN" <<'PY'

@@ -380,6 +380,9 @@ pub fn train_on_gpus(p: &Prepared, args: &TrainOpts) -> Result<()> {
                 "kernels": r.kernels,
                 "peak_memory_bytes": r.peak_bytes,
                 "predicted_peak_memory_bytes": p.plan.estimate.peak_memory_bytes,
+                // By kind: `buffers` holds the CUDA context and library
+                // workspaces, which the allocator's peak does not count.
+                "predicted_memory": p.plan.stages.first().map(|s| &s.memory),
             })
         );
     } else {
