@@ -116,6 +116,31 @@ fn fused(
     reports.into_iter().next().unwrap()
 }
 
+/// One step of `micro_batch` sequences on a single host-backend rank.
+fn one_step(
+    graph: &dplc_ir::Graph,
+    spec: &dplc_ir::TrainSpec,
+    micro_batch: usize,
+) -> dplc_runtime::Result<FusedReport> {
+    let run = FusedRun {
+        micro_batch,
+        num_micro_batches: 1,
+        dp: 1,
+        dp_index: 0,
+        steps: 1,
+        seed: SEED,
+    };
+    train_fused(
+        &mut HostBackend::new(),
+        graph,
+        spec,
+        &data(),
+        &run,
+        &mut Alone,
+        |_| {},
+    )
+}
+
 /// Run `model` both ways with each optimizer and compare.
 fn check(name: &str, model: &str, dp: usize, micro_batch: usize, num_micro_batches: usize) {
     for opt in [Opt::AdamW, Opt::Sgd] {
@@ -179,25 +204,7 @@ fn fused_training_reports_peak_memory() {
 #[test]
 fn fused_refuses_moe_routing_with_a_reason() {
     let (graph, spec) = lower("moe_tiny", Opt::AdamW);
-    let run = FusedRun {
-        micro_batch: 1,
-        num_micro_batches: 1,
-        dp: 1,
-        dp_index: 0,
-        steps: 1,
-        seed: 1,
-    };
-    let err = train_fused(
-        &mut HostBackend::new(),
-        &graph,
-        &spec,
-        &data(),
-        &run,
-        &mut Alone,
-        |_| {},
-    )
-    .unwrap_err()
-    .to_string();
+    let err = one_step(&graph, &spec, 1).unwrap_err().to_string();
     assert!(err.contains("CPU ranks"), "{err}");
 }
 
@@ -231,24 +238,7 @@ fn the_executors_activation_memory_stays_near_the_plan() {
     // f32 throughout: value (the master itself), gradient and two moments.
     let state = 4.0 * m.weights as f64;
 
-    let run = FusedRun {
-        micro_batch: mb,
-        num_micro_batches: 1,
-        dp: 1,
-        dp_index: 0,
-        steps: 1,
-        seed: SEED,
-    };
-    let report = train_fused(
-        &mut HostBackend::new(),
-        &graph,
-        &spec,
-        &data(),
-        &run,
-        &mut Alone,
-        |_| {},
-    )
-    .unwrap();
+    let report = one_step(&graph, &spec, mb).unwrap();
     let held = report.peak_bytes.expect("the host backend measures") as f64 - state;
     let ratio = held / planned;
     assert!(
