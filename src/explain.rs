@@ -76,6 +76,7 @@ pub fn render(plan: &Plan) -> String {
         cl.devices_per_node,
         cl.device
     );
+    let _ = writeln!(s, "strategy: {}", plan.strategy);
 
     let _ = writeln!(
         s,

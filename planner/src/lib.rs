@@ -130,6 +130,16 @@ fn what_ifs(req: &PlanRequest, plan: &Plan) -> Vec<dplc_ir::WhatIf> {
             ));
         }
     }
+    if !s.overlap_grad_reduce {
+        // What `--overlap-grad-reduce` would buy a Megatron-style plan.
+        variants.push((
+            "overlap off → on".to_string(),
+            StrategyConstraints {
+                overlap_grad_reduce: None,
+                ..base.clone()
+            },
+        ));
+    }
     variants.push((
         format!("micro-batch {} → {}", s.micro_batch, s.micro_batch * 2),
         StrategyConstraints {

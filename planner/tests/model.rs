@@ -179,6 +179,21 @@ fn gradient_reduction_after_backward_is_wholly_exposed_and_kept_in_the_plan() {
     let ring = 2.0 * 23.0 / 24.0 * stage0.gradients as f64 / (25e9 * 0.8);
     within(t_off.exposed_dp_comm_s, ring, 0.01, "exposed all-reduce, s");
 
+    // `explain` prices turning the overlap on.
+    let w = off
+        .plan
+        .what_if
+        .iter()
+        .find(|w| w.change == "overlap off → on")
+        .expect("a what-if for the overlap");
+    let faster = w.step_time_s.expect("priced");
+    assert!((faster - on.plan.estimate.step_time_s).abs() < 1e-9 * faster);
+    assert!(!on
+        .plan
+        .what_if
+        .iter()
+        .any(|w| w.change.starts_with("overlap")));
+
     assert!(on.plan.strategy.overlap_grad_reduce);
     assert!(!off.plan.strategy.overlap_grad_reduce);
     assert!(off
