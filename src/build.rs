@@ -316,6 +316,7 @@ pub fn launch(args: &LaunchArgs) -> Result<()> {
         &env,
         c.micro_batch,
         c.num_micro_batches,
+        c.recompute,
         &data,
         steps,
         seed,

@@ -321,6 +321,7 @@ pub fn train_on_gpus(p: &Prepared, args: &TrainOpts) -> Result<()> {
         micro_batch: cfg.micro_batch,
         num_micro_batches: cfg.num_micro_batches,
         timeout: std::time::Duration::from_secs_f64(args.timeout.max(1.0)),
+        recompute: cfg.recompute,
     };
     if !args.json {
         eprintln!(
@@ -331,10 +332,10 @@ pub fn train_on_gpus(p: &Prepared, args: &TrainOpts) -> Result<()> {
             p.train.seq,
             p.train.global_batch
         );
-        if cfg.recompute || cfg.zero != dplc_runtime::ZeroStage::None {
+        if cfg.zero != dplc_runtime::ZeroStage::None {
             eprintln!(
-                "note: the GPU executor keeps every activation and replicates the optimizer \
-                 state; the plan's recompute and ZeRO sharding apply on CPU ranks"
+                "note: the GPU executor replicates the optimizer state; the plan's ZeRO \
+                 sharding applies on CPU ranks"
             );
         }
     }

@@ -549,6 +549,7 @@ fn host_losses(g: &Graph, spec: &dplc_ir::TrainSpec, mb: usize, n: usize) -> Vec
         dp_index: 0,
         steps: 4,
         seed: 3,
+        recompute: false,
     };
     train_fused(
         &mut HostBackend::new(),
@@ -573,13 +574,25 @@ fn gpu_losses(
     mb: usize,
     n: usize,
 ) -> (Vec<f64>, usize) {
+    gpu_run(g, spec, ranks_per_gpu, mb, n, false)
+}
+
+fn gpu_run(
+    g: &Graph,
+    spec: &dplc_ir::TrainSpec,
+    ranks_per_gpu: usize,
+    mb: usize,
+    n: usize,
+    recompute: bool,
+) -> (Vec<f64>, usize) {
     let data = dplc_runtime::Corpus::synthetic(5, 32, 1 << 12);
     let cfg = dplc_runtime::gpu::GpuRunConfig {
         gpus: 1,
         ranks_per_gpu,
         micro_batch: mb,
         num_micro_batches: n,
-        timeout: Duration::from_secs(60),
+        recompute,
+        ..Default::default()
     };
     let r = dplc_runtime::gpu::train_on_gpus(g, spec, &cfg, &data, 4, 3, |_| {}).unwrap();
     (
@@ -623,6 +636,25 @@ fn the_fused_step_on_the_gpu_trains_in_bf16() {
     let (gpu, _) = gpu_losses(&g, &spec, 1, 4, 1);
     // bf16 storage keeps 8 bits of mantissa: the losses agree to a few percent.
     assert_close("bf16 GPU vs f32 host", &host, &gpu, 3e-2);
+}
+
+#[test]
+fn full_recomputation_on_the_gpu_is_the_same_run_in_less_memory() {
+    let test = "full_recomputation_on_the_gpu_is_the_same_run_in_less_memory";
+    if gpu_or_skip(test).is_none() || nvrtc_or_skip(test).is_none() {
+        return;
+    }
+    let (g, spec) = tiny_gpt(dplc_ir::Precision::Fp32);
+    let (kept, k) = gpu_run(&g, &spec, 1, 4, 1, false);
+    let (again, r) = gpu_run(&g, &spec, 1, 4, 1, true);
+    // The same kernels on the same inputs; bit for bit on the host, here up to
+    // the order of atomic accumulations in the backward kernels.
+    assert_close("recomputed vs kept", &kept, &again, 1e-5);
+    assert!(
+        r <= k,
+        "recomputation peaked at {r} bytes, keeping every layer {k}"
+    );
+    eprintln!("peak {k} bytes keeping every layer, {r} recomputing");
 }
 
 #[test]

@@ -7,7 +7,8 @@
 //!
 //! A region's forward keeps only what its backward reads (and its results):
 //! every other value is freed after the last step that reads it, and a layer's
-//! activations are freed once its backward has run. So peak memory is the
+//! activations are freed once its backward has run. Under full recomputation
+//! a layer keeps only its arguments and runs forward again before backward. So peak memory is the
 //! saved activations plus one region's transients, which is what the planner's
 //! memory model counts.
 
@@ -182,7 +183,7 @@ impl FusedGraph {
 pub struct RegionRun<B: Backend> {
     values: HashMap<TensorId, Val<B>>,
     /// Per repeat node, the runs of its body, first layer first.
-    repeats: HashMap<NodeId, Vec<RegionRun<B>>>,
+    repeats: HashMap<NodeId, Vec<LayerRun<B>>>,
 }
 
 impl<B: Backend> RegionRun<B> {
@@ -194,6 +195,13 @@ impl<B: Backend> RegionRun<B> {
     }
 }
 
+/// One layer of a `repeat`: its activations, or under full recomputation only
+/// its arguments, from which backward runs the layer's forward again.
+enum LayerRun<B: Backend> {
+    Kept(RegionRun<B>),
+    Checkpoint(Vec<Val<B>>),
+}
+
 /// Runs one micro-batch forward and backward on a backend.
 pub struct Executor<'a> {
     pub graph: &'a Graph,
@@ -202,6 +210,10 @@ pub struct Executor<'a> {
     pub syms: Vec<i64>,
     /// Seed of this micro-batch's dropout masks.
     pub seed: u64,
+    /// Full recomputation: keep each layer's arguments only and run its
+    /// forward again just before its backward (the same masks: a kernel's
+    /// seed depends on the micro-batch, layer and node, not on when it runs).
+    pub recompute: bool,
 }
 
 /// Parameters the forward reads and where the backward leaves their gradients.
@@ -424,12 +436,16 @@ impl<'a> Executor<'a> {
         let mut runs = Vec::with_capacity(count as usize);
         for layer in 0..count {
             let args: Vec<Val<B>> = carried.iter().chain(captured).cloned().collect();
-            let body_run = self.forward(be, body, args, &HashMap::new(), layer, params)?;
+            let body_run = self.forward(be, body, args.clone(), &HashMap::new(), layer, params)?;
             carried = results
                 .iter()
                 .map(|&t| self.get(&body_run, t))
                 .collect::<Result<_>>()?;
-            runs.push(body_run);
+            runs.push(if self.recompute {
+                LayerRun::Checkpoint(args)
+            } else {
+                LayerRun::Kept(body_run)
+            });
         }
         for (&t, v) in node.outputs.iter().zip(carried) {
             run.values.insert(t, v);
@@ -800,8 +816,14 @@ impl<'a> Executor<'a> {
             .map(|&t| grads.remove(&self.base(t)))
             .collect();
         let region = self.graph.region(body);
-        while let Some(mut body_run) = runs.pop() {
+        while let Some(layer_run) = runs.pop() {
             let layer = runs.len();
+            let mut body_run = match layer_run {
+                LayerRun::Kept(r) => r,
+                LayerRun::Checkpoint(args) => {
+                    self.forward(be, body, args, &HashMap::new(), layer as u64, params)?
+                }
+            };
             let mut body_grads: HashMap<TensorId, Val<B>> = HashMap::new();
             for (&t, g) in region.results.iter().zip(carried.iter_mut()) {
                 if let Some(g) = g.take() {

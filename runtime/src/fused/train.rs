@@ -95,6 +95,8 @@ pub struct FusedRun {
     pub dp_index: usize,
     pub steps: u64,
     pub seed: u64,
+    /// Full recomputation of each `repeat` layer (see [`Executor::recompute`]).
+    pub recompute: bool,
 }
 
 /// What a fused run did.
@@ -291,6 +293,7 @@ pub fn train_fused<B: Backend>(
                 fused: &fused,
                 syms: syms.clone(),
                 seed: crate::rng::hash(&[run.seed, step, first]),
+                recompute: run.recompute,
             };
             let root = graph.root();
             let mut fwd = exec.forward(be, root, Vec::new(), &inputs, 0, &pbufs)?;

@@ -35,6 +35,8 @@ pub struct GpuRunConfig {
     pub num_micro_batches: usize,
     /// Seconds a rank waits for the others in a host-staged sum.
     pub timeout: Duration,
+    /// Full recomputation of every layer in backward.
+    pub recompute: bool,
 }
 
 impl Default for GpuRunConfig {
@@ -45,6 +47,7 @@ impl Default for GpuRunConfig {
             micro_batch: 1,
             num_micro_batches: 1,
             timeout: Duration::from_secs(60),
+            recompute: false,
         }
     }
 }
@@ -149,6 +152,7 @@ pub fn train_on_gpus(
                         dp_index: rank,
                         steps,
                         seed,
+                        recompute: cfg.recompute,
                     };
                     let mut sync: Box<dyn GradSync<CudaBackend>> = if world == 1 {
                         Box::new(Alone)
@@ -218,6 +222,7 @@ pub fn train_gpu_process(
     env: &super::LaunchEnv,
     micro_batch: usize,
     num_micro_batches: usize,
+    recompute: bool,
     data: &Corpus,
     steps: u64,
     seed: u64,
@@ -236,6 +241,7 @@ pub fn train_gpu_process(
         dp_index: env.rank,
         steps,
         seed,
+        recompute,
     };
     let mut sync = DeviceSync {
         collectives: nccl,
