@@ -2,8 +2,9 @@
 //! decoupled weight decay and bias-corrected moments (Loshchilov & Hutter;
 //! PyTorch's AdamW), and SGD with momentum.
 
+use crate::flat::{elementwise, load};
 use crate::interp::Args;
-use crate::kernel::{Buffer, Builder, Elem, Expr, Idx, Kernel, Size, Space, Store};
+use crate::kernel::{Builder, Elem, Expr, Kernel};
 use dplc_ir::{BinaryOp, UnaryOp};
 
 /// The scalar arguments of [`adamw_kernel`], in argument order `s0..s6`.
@@ -46,30 +47,7 @@ impl AdamwScalars {
 /// by the same thread, so a caller may pass `b0 = b3`, `b1 = b5`, `b2 = b6`
 /// to update in place.
 pub fn adamw_kernel() -> Kernel {
-    let n = vec![Size::Param(0)];
-    let buf = |label: &str, elem, output| Buffer {
-        label: label.to_string(),
-        elem,
-        output,
-        len: n.clone(),
-    };
-    let buffers = vec![
-        buf("p_out", Elem::F32, true),
-        buf("m_out", Elem::F32, true),
-        buf("v_out", Elem::F32, true),
-        buf("p", Elem::F32, false),
-        buf("g", Elem::Float, false),
-        buf("m", Elem::F32, false),
-        buf("v", Elem::F32, false),
-    ];
-    let i = Idx::Var(0);
     let mut b = Builder::default();
-    let load = |b: &mut Builder, buf| {
-        b.push(Expr::Load {
-            buf,
-            index: Idx::Var(0),
-        })
-    };
     let p = load(&mut b, 3);
     let g_raw = load(&mut b, 4);
     let m = load(&mut b, 5);
@@ -109,37 +87,21 @@ pub fn adamw_kernel() -> Kernel {
     let total = b.binary(Add, upd, decay);
     let delta = b.binary(Mul, lr, total);
     let p2v = b.binary(Sub, p, delta);
-    Kernel {
-        op: "adamw".to_string(),
-        sizes: 1,
-        scalars: 7,
-        buffers,
-        space: Space {
-            outer: n.clone(),
-            inner: None,
-        },
-        values: b.values,
-        stores: vec![
-            Store {
-                buf: 0,
-                index: i.clone(),
-                value: p2v,
-                accumulate: false,
-            },
-            Store {
-                buf: 1,
-                index: i.clone(),
-                value: m2,
-                accumulate: false,
-            },
-            Store {
-                buf: 2,
-                index: i,
-                value: v2,
-                accumulate: false,
-            },
+    elementwise(
+        "adamw".to_string(),
+        7,
+        &[
+            ("p_out", Elem::F32, true),
+            ("m_out", Elem::F32, true),
+            ("v_out", Elem::F32, true),
+            ("p", Elem::F32, false),
+            ("g", Elem::Float, false),
+            ("m", Elem::F32, false),
+            ("v", Elem::F32, false),
         ],
-    }
+        b,
+        &[(0, p2v), (1, m2), (2, v2)],
+    )
 }
 
 /// The scalar arguments of [`sgd_kernel`], in argument order `s0..s2`.
@@ -167,20 +129,7 @@ impl SgdScalars {
 /// momentum (f32); `b2..b4` the parameter, gradient (storage type) and
 /// momentum. In place as [`adamw_kernel`] is.
 pub fn sgd_kernel() -> Kernel {
-    let n = vec![Size::Param(0)];
-    let buf = |label: &str, elem, output| Buffer {
-        label: label.to_string(),
-        elem,
-        output,
-        len: n.clone(),
-    };
     let mut b = Builder::default();
-    let load = |b: &mut Builder, buf| {
-        b.push(Expr::Load {
-            buf,
-            index: Idx::Var(0),
-        })
-    };
     let p = load(&mut b, 2);
     let g_raw = load(&mut b, 3);
     let m = load(&mut b, 4);
@@ -192,35 +141,17 @@ pub fn sgd_kernel() -> Kernel {
     let m2 = b.binary(BinaryOp::Add, mm, g);
     let step = b.binary(BinaryOp::Mul, lr, m2);
     let p2 = b.binary(BinaryOp::Sub, p, step);
-    Kernel {
-        op: "sgd".to_string(),
-        sizes: 1,
-        scalars: 3,
-        buffers: vec![
-            buf("p_out", Elem::F32, true),
-            buf("m_out", Elem::F32, true),
-            buf("p", Elem::F32, false),
-            buf("g", Elem::Float, false),
-            buf("m", Elem::F32, false),
+    elementwise(
+        "sgd".to_string(),
+        3,
+        &[
+            ("p_out", Elem::F32, true),
+            ("m_out", Elem::F32, true),
+            ("p", Elem::F32, false),
+            ("g", Elem::Float, false),
+            ("m", Elem::F32, false),
         ],
-        space: Space {
-            outer: n,
-            inner: None,
-        },
-        values: b.values,
-        stores: vec![
-            Store {
-                buf: 0,
-                index: Idx::Var(0),
-                value: p2,
-                accumulate: false,
-            },
-            Store {
-                buf: 1,
-                index: Idx::Var(0),
-                value: m2,
-                accumulate: false,
-            },
-        ],
-    }
+        b,
+        &[(0, p2), (1, m2)],
+    )
 }

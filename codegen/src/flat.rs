@@ -7,7 +7,7 @@
 //! both.
 
 use crate::kernel::{
-    Buffer, Builder, Cond, Elem, Expr, Idx, Kernel, RowReduce, Size, Space, Store,
+    Buffer, Builder, Cond, Elem, Expr, Idx, Kernel, RowReduce, Size, Space, Store, ValueId,
 };
 use dplc_ir::BinaryOp;
 
@@ -28,72 +28,78 @@ fn elem_tag(e: Elem) -> &'static str {
     }
 }
 
-/// `b0[i] = b1[i] + b2[i]` over `n0` elements. Each element is read before the
-/// same thread writes it, so `b0` may be `b1` (an in-place add).
-pub fn add_kernel(out: Elem, a: Elem, b: Elem) -> Kernel {
+/// The element `i` of flat buffer `buf`.
+pub(crate) fn load(k: &mut Builder, buf: usize) -> ValueId {
+    k.push(Expr::Load {
+        buf,
+        index: Idx::Var(0),
+    })
+}
+
+/// A kernel over `n0` elements of flat buffers: `buffers` are (label, element
+/// type, output) in argument order, `values` computes each element from
+/// [`load`]s and scalars, and `stores` writes (buffer, value) at index `i`.
+pub(crate) fn elementwise(
+    op: String,
+    scalars: usize,
+    buffers: &[(&str, Elem, bool)],
+    values: Builder,
+    stores: &[(usize, ValueId)],
+) -> Kernel {
     let n = vec![Size::Param(0)];
-    let mut k = Builder::default();
-    let x = k.push(Expr::Load {
-        buf: 1,
-        index: Idx::Var(0),
-    });
-    let y = k.push(Expr::Load {
-        buf: 2,
-        index: Idx::Var(0),
-    });
-    let s = k.binary(BinaryOp::Add, x, y);
     Kernel {
-        op: format!("add_{}_{}_{}", elem_tag(out), elem_tag(a), elem_tag(b)),
+        op,
         sizes: 1,
-        scalars: 0,
-        buffers: vec![
-            flat("out", out, true, n.clone()),
-            flat("a", a, false, n.clone()),
-            flat("b", b, false, n.clone()),
-        ],
+        scalars,
+        buffers: buffers
+            .iter()
+            .map(|&(label, elem, output)| flat(label, elem, output, n.clone()))
+            .collect(),
         space: Space {
             outer: n,
             inner: None,
         },
-        values: k.values,
-        stores: vec![Store {
-            buf: 0,
-            index: Idx::Var(0),
-            value: s,
-            accumulate: false,
-        }],
+        values: values.values,
+        stores: stores
+            .iter()
+            .map(|&(buf, value)| Store {
+                buf,
+                index: Idx::Var(0),
+                value,
+                accumulate: false,
+            })
+            .collect(),
     }
+}
+
+/// `b0[i] = b1[i] + b2[i]` over `n0` elements. Each element is read before the
+/// same thread writes it, so `b0` may be `b1` (an in-place add).
+pub fn add_kernel(out: Elem, a: Elem, b: Elem) -> Kernel {
+    let mut k = Builder::default();
+    let x = load(&mut k, 1);
+    let y = load(&mut k, 2);
+    let s = k.binary(BinaryOp::Add, x, y);
+    elementwise(
+        format!("add_{}_{}_{}", elem_tag(out), elem_tag(a), elem_tag(b)),
+        0,
+        &[("out", out, true), ("a", a, false), ("b", b, false)],
+        k,
+        &[(0, s)],
+    )
 }
 
 /// `b0[i] = b1[i]` over `n0` elements, converting between element types
 /// (an `f32` master weight to its storage copy, a gradient to `f32`).
 pub fn convert_kernel(to: Elem, from: Elem) -> Kernel {
-    let n = vec![Size::Param(0)];
     let mut k = Builder::default();
-    let x = k.push(Expr::Load {
-        buf: 1,
-        index: Idx::Var(0),
-    });
-    Kernel {
-        op: format!("convert_{}_{}", elem_tag(to), elem_tag(from)),
-        sizes: 1,
-        scalars: 0,
-        buffers: vec![
-            flat("out", to, true, n.clone()),
-            flat("in", from, false, n.clone()),
-        ],
-        space: Space {
-            outer: n,
-            inner: None,
-        },
-        values: k.values,
-        stores: vec![Store {
-            buf: 0,
-            index: Idx::Var(0),
-            value: x,
-            accumulate: false,
-        }],
-    }
+    let x = load(&mut k, 1);
+    elementwise(
+        format!("convert_{}_{}", elem_tag(to), elem_tag(from)),
+        0,
+        &[("out", to, true), ("in", from, false)],
+        k,
+        &[(0, x)],
+    )
 }
 
 /// Row sums of squares of a flat buffer of `n2` elements read as `n0` rows of
