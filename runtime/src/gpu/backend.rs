@@ -20,7 +20,53 @@ pub struct CudaBackend {
     blas: Blas,
     nvrtc: Nvrtc,
     dtype: DType,
-    kernels: HashMap<String, GpuKernel>,
+    kernels: KernelCache<GpuKernel>,
+}
+
+/// Loaded kernels by name, found without naming them on every launch.
+///
+/// A kernel's name renders and hashes its whole text (about 5 µs for a GPT
+/// layer's kernels), too slow for every launch. So the cache remembers which
+/// name the kernel at each address had, with a copy of that kernel: comparing
+/// the copy (about 0.1 µs) proves the kernel there is still the same one, and
+/// only a new or changed kernel is named again.
+pub(crate) struct KernelCache<T> {
+    by_name: HashMap<String, T>,
+    by_address: HashMap<usize, (Kernel, String)>,
+}
+
+impl<T> KernelCache<T> {
+    pub(crate) fn new() -> Self {
+        KernelCache {
+            by_name: HashMap::new(),
+            by_address: HashMap::new(),
+        }
+    }
+
+    /// The entry for `k`, made by `load(k, name)` the first time its name is seen.
+    pub(crate) fn get_or_load<E>(
+        &mut self,
+        k: &Kernel,
+        dtype: DType,
+        load: impl FnOnce(&Kernel) -> Result<T, E>,
+    ) -> Result<&T, E> {
+        let address = k as *const Kernel as usize;
+        let known = matches!(self.by_address.get(&address), Some((seen, _)) if seen == k);
+        if !known {
+            let name = kernel_name(k, dtype);
+            if !self.by_name.contains_key(&name) {
+                let loaded = load(k)?;
+                self.by_name.insert(name.clone(), loaded);
+            }
+            self.by_address.insert(address, (k.clone(), name));
+        }
+        let name = &self.by_address[&address].1;
+        Ok(&self.by_name[name])
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.by_name.len()
+    }
 }
 
 impl CudaBackend {
@@ -36,7 +82,7 @@ impl CudaBackend {
             blas,
             nvrtc,
             dtype,
-            kernels: HashMap::new(),
+            kernels: KernelCache::new(),
         })
     }
 
@@ -54,14 +100,12 @@ impl CudaBackend {
     }
 
     fn kernel(&mut self, k: &Kernel) -> GpuResult<&GpuKernel> {
-        let name = kernel_name(k, self.dtype);
-        if !self.kernels.contains_key(&name) {
-            let src = emit_cuda(k, self.dtype);
-            let ptx = self.nvrtc.compile(&src, self.dev.arch())?;
-            let loaded = self.dev.load(k, &src, &ptx, self.dtype)?;
-            self.kernels.insert(name.clone(), loaded);
-        }
-        Ok(&self.kernels[&name])
+        let (dev, nvrtc, dtype) = (&self.dev, &self.nvrtc, self.dtype);
+        self.kernels.get_or_load(k, dtype, |k| {
+            let src = emit_cuda(k, dtype);
+            let ptx = nvrtc.compile(&src, dev.arch())?;
+            dev.load(k, &src, &ptx, dtype)
+        })
     }
 
     fn storage(&self, elem: Elem) -> DType {
@@ -161,5 +205,38 @@ impl<C: DeviceCollectives> GradSync<CudaBackend> for DeviceSync<C> {
         let out = self.dev.download_f32(&buf, v.len(), DType::F32)?;
         v.copy_from_slice(&out);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::KernelCache;
+    use dplc_codegen::{add_kernel, convert_kernel, Elem};
+    use dplc_ir::DType;
+
+    #[test]
+    fn the_cache_loads_each_kernel_once_and_notices_a_changed_one() {
+        let mut cache: KernelCache<String> = KernelCache::new();
+        let mut loads = 0;
+        let mut get = |cache: &mut KernelCache<String>, k: &dplc_codegen::Kernel| {
+            cache
+                .get_or_load(k, DType::BF16, |k| {
+                    loads += 1;
+                    Ok::<_, ()>(k.op.clone())
+                })
+                .unwrap()
+                .clone()
+        };
+        let mut k = add_kernel(Elem::F32, Elem::F32, Elem::F32);
+        let twin = k.clone();
+        assert_eq!(get(&mut cache, &k), "add_f32_f32_f32");
+        assert_eq!(get(&mut cache, &k), "add_f32_f32_f32");
+        // The same kernel at another address: named again, not loaded again.
+        assert_eq!(get(&mut cache, &twin), "add_f32_f32_f32");
+        // Another kernel at the same address is not taken for the old one.
+        k = convert_kernel(Elem::Float, Elem::F32);
+        assert_eq!(get(&mut cache, &k), "convert_x_f32");
+        assert_eq!(cache.len(), 2);
+        assert_eq!(loads, 2);
     }
 }
