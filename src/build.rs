@@ -317,6 +317,7 @@ pub fn launch(args: &LaunchArgs) -> Result<()> {
         c.micro_batch,
         c.num_micro_batches,
         c.recompute,
+        c.zero != dplc_runtime::ZeroStage::None,
         &data,
         steps,
         seed,

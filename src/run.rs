@@ -322,6 +322,7 @@ pub fn train_on_gpus(p: &Prepared, args: &TrainOpts) -> Result<()> {
         num_micro_batches: cfg.num_micro_batches,
         timeout: std::time::Duration::from_secs_f64(args.timeout.max(1.0)),
         recompute: cfg.recompute,
+        shard_optimizer: cfg.zero != dplc_runtime::ZeroStage::None,
     };
     if !args.json {
         eprintln!(
@@ -332,10 +333,14 @@ pub fn train_on_gpus(p: &Prepared, args: &TrainOpts) -> Result<()> {
             p.train.seq,
             p.train.global_batch
         );
-        if cfg.zero != dplc_runtime::ZeroStage::None {
+        if !matches!(
+            cfg.zero,
+            dplc_runtime::ZeroStage::None | dplc_runtime::ZeroStage::One
+        ) {
             eprintln!(
-                "note: the GPU executor replicates the optimizer state; the plan's ZeRO \
-                 sharding applies on CPU ranks"
+                "note: the GPU executor shards the optimizer state (ZeRO-1) but keeps whole \
+                 gradients and weights; the plan's ZeRO-{} applies in full on CPU ranks",
+                cfg.zero as u8
             );
         }
     }

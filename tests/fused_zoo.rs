@@ -76,6 +76,7 @@ fn fused(
     dp: usize,
     micro_batch: usize,
     num_micro_batches: usize,
+    shard_optimizer: bool,
 ) -> FusedReport {
     let (graph, mut spec) = lower(model, opt);
     spec.global_batch = (dp * micro_batch * num_micro_batches) as u64;
@@ -94,6 +95,7 @@ fn fused(
                         steps: STEPS,
                         seed: SEED,
                         recompute: false,
+                        shard_optimizer,
                     };
                     let mut be = HostBackend::new();
                     let mut staged;
@@ -141,6 +143,7 @@ fn steps_on_host(
         steps,
         seed: SEED,
         recompute,
+        shard_optimizer: false,
     };
     train_fused(
         &mut HostBackend::new(),
@@ -154,10 +157,17 @@ fn steps_on_host(
 }
 
 /// Run `model` both ways with each optimizer and compare.
-fn check(name: &str, model: &str, dp: usize, micro_batch: usize, num_micro_batches: usize) {
+fn check(
+    name: &str,
+    model: &str,
+    dp: usize,
+    micro_batch: usize,
+    num_micro_batches: usize,
+    shard: bool,
+) {
     for opt in [Opt::AdamW, Opt::Sgd] {
         let a = reference(model, opt, dp * micro_batch, num_micro_batches);
-        let b = fused(model, opt, dp, micro_batch, num_micro_batches);
+        let b = fused(model, opt, dp, micro_batch, num_micro_batches, shard);
         assert_eq!(a.steps.len(), b.steps.len());
         for (x, y) in a.steps.iter().zip(&b.steps) {
             let rel = ((x.loss - y.loss) / x.loss.abs()).abs();
@@ -186,23 +196,25 @@ fn check(name: &str, model: &str, dp: usize, micro_batch: usize, num_micro_batch
 
 #[test]
 fn gpt_tiny_fused_matches_the_cpu_reference() {
-    check("gpt_tiny", "gpt_tiny", 1, 2, 1);
+    check("gpt_tiny", "gpt_tiny", 1, 2, 1, false);
 }
 
 #[test]
 fn llama_tiny_fused_matches_the_cpu_reference() {
-    check("llama_tiny", "llama_tiny", 1, 2, 1);
+    check("llama_tiny", "llama_tiny", 1, 2, 1, false);
 }
 
 #[test]
 fn fused_data_parallel_and_accumulation_match_serial() {
-    check("fused accumulation", "gpt_tiny", 1, 1, 4);
-    check("fused dp2", "gpt_tiny", 2, 1, 2);
+    check("fused accumulation", "gpt_tiny", 1, 1, 4, false);
+    check("fused dp2", "gpt_tiny", 2, 1, 2, false);
+    // ZeRO-1 over three replicas, so parameters split unevenly into parts.
+    check("fused dp3 ZeRO-1", "gpt_tiny", 3, 1, 2, true);
 }
 
 #[test]
 fn fused_training_reports_peak_memory() {
-    let r = fused("gpt_tiny", Opt::AdamW, 1, 2, 1);
+    let r = fused("gpt_tiny", Opt::AdamW, 1, 2, 1, false);
     let peak = r.peak_bytes.expect("the host backend tracks live bytes");
     // At least the parameters, masters' moments and gradients (4 copies of
     // ~0.1M f32 parameters) are live at once.
@@ -297,5 +309,23 @@ fn full_recomputation_is_the_same_run_in_less_memory() {
     assert!(
         (r as f64) < 0.5 * k as f64,
         "recomputation holds {r} bytes of activations at peak, keeping every layer {k}"
+    );
+}
+
+/// ZeRO-1 keeps the f32 master and both moments of a third of every
+/// parameter on each of three replicas. In f32 the whole value can no longer
+/// share the master's buffer, so 12·2/3 − 4 = 4 of 16 bytes per parameter
+/// are saved (with bf16 storage: 8 of 18).
+#[test]
+fn zero1_holds_a_share_of_the_optimizer_state() {
+    let whole = fused("gpt_tiny", Opt::AdamW, 3, 1, 1, false);
+    let parts = fused("gpt_tiny", Opt::AdamW, 3, 1, 1, true);
+    let params: usize = whole.params.values.values().map(|(_, t)| t.numel()).sum();
+    let (w, p) = (whole.peak_bytes.unwrap(), parts.peak_bytes.unwrap());
+    let saved = w as f64 - p as f64;
+    let expected = (12.0 * 2.0 / 3.0 - 4.0) * params as f64;
+    assert!(
+        saved > 0.9 * expected,
+        "ZeRO-1 peaks at {p} bytes, replicated at {w}: saves {saved}, expected about {expected}"
     );
 }

@@ -550,6 +550,7 @@ fn host_losses(g: &Graph, spec: &dplc_ir::TrainSpec, mb: usize, n: usize) -> Vec
         steps: 4,
         seed: 3,
         recompute: false,
+        shard_optimizer: false,
     };
     train_fused(
         &mut HostBackend::new(),
@@ -574,7 +575,7 @@ fn gpu_losses(
     mb: usize,
     n: usize,
 ) -> (Vec<f64>, usize) {
-    gpu_run(g, spec, ranks_per_gpu, mb, n, false)
+    gpu_run(g, spec, ranks_per_gpu, mb, n, false, false)
 }
 
 fn gpu_run(
@@ -584,6 +585,7 @@ fn gpu_run(
     mb: usize,
     n: usize,
     recompute: bool,
+    shard_optimizer: bool,
 ) -> (Vec<f64>, usize) {
     let data = dplc_runtime::Corpus::synthetic(5, 32, 1 << 12);
     let cfg = dplc_runtime::gpu::GpuRunConfig {
@@ -592,6 +594,7 @@ fn gpu_run(
         micro_batch: mb,
         num_micro_batches: n,
         recompute,
+        shard_optimizer,
         ..Default::default()
     };
     let r = dplc_runtime::gpu::train_on_gpus(g, spec, &cfg, &data, 4, 3, |_| {}).unwrap();
@@ -645,8 +648,8 @@ fn full_recomputation_on_the_gpu_is_the_same_run_in_less_memory() {
         return;
     }
     let (g, spec) = tiny_gpt(dplc_ir::Precision::Fp32);
-    let (kept, k) = gpu_run(&g, &spec, 1, 4, 1, false);
-    let (again, r) = gpu_run(&g, &spec, 1, 4, 1, true);
+    let (kept, k) = gpu_run(&g, &spec, 1, 4, 1, false, false);
+    let (again, r) = gpu_run(&g, &spec, 1, 4, 1, true, false);
     // The same kernels on the same inputs; bit for bit on the host, here up to
     // the order of atomic accumulations in the backward kernels.
     assert_close("recomputed vs kept", &kept, &again, 1e-5);
@@ -655,6 +658,18 @@ fn full_recomputation_on_the_gpu_is_the_same_run_in_less_memory() {
         "recomputation peaked at {r} bytes, keeping every layer {k}"
     );
     eprintln!("peak {k} bytes keeping every layer, {r} recomputing");
+}
+
+#[test]
+fn zero1_over_ranks_on_one_gpu_matches_replicated_state() {
+    let test = "zero1_over_ranks_on_one_gpu_matches_replicated_state";
+    if gpu_or_skip(test).is_none() || nvrtc_or_skip(test).is_none() {
+        return;
+    }
+    let (g, spec) = tiny_gpt(dplc_ir::Precision::Fp32);
+    let (whole, _) = gpu_run(&g, &spec, 3, 1, 1, false, false);
+    let (parts, _) = gpu_run(&g, &spec, 3, 1, 1, false, true);
+    assert_close("ZeRO-1 vs replicated", &whole, &parts, 1e-5);
 }
 
 #[test]

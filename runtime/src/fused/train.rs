@@ -45,6 +45,12 @@ pub fn step_kernels() -> Vec<Kernel> {
 pub trait GradSync<B: Backend> {
     /// `v` (f32) summed over the replicas; may reuse `v`'s buffer.
     fn all_reduce(&mut self, be: &mut B, v: Val<B>) -> Result<Val<B>>;
+    /// `v` (f32, its buffer `shard × replicas` elements, zero-padded) summed
+    /// over the replicas; this replica keeps its `shard` elements, in replica
+    /// order (ZeRO: each replica updates its part of every parameter).
+    fn reduce_scatter(&mut self, be: &mut B, v: &Val<B>, shard: usize) -> Result<Val<B>>;
+    /// Every replica's f32 `shard`, in replica order.
+    fn all_gather(&mut self, be: &mut B, shard: &Val<B>) -> Result<Val<B>>;
     /// Host values summed over the replicas.
     fn all_reduce_host(&mut self, v: &mut [f32]) -> Result<()>;
 }
@@ -55,6 +61,15 @@ pub struct Alone;
 impl<B: Backend> GradSync<B> for Alone {
     fn all_reduce(&mut self, _be: &mut B, v: Val<B>) -> Result<Val<B>> {
         Ok(v)
+    }
+    fn reduce_scatter(&mut self, _be: &mut B, v: &Val<B>, shard: usize) -> Result<Val<B>> {
+        Ok(Val {
+            len: shard,
+            ..v.clone()
+        })
+    }
+    fn all_gather(&mut self, _be: &mut B, shard: &Val<B>) -> Result<Val<B>> {
+        Ok(shard.clone())
     }
     fn all_reduce_host(&mut self, _v: &mut [f32]) -> Result<()> {
         Ok(())
@@ -78,6 +93,26 @@ impl<B: Backend> GradSync<B> for HostStaged {
             len: v.len,
         })
     }
+    fn reduce_scatter(&mut self, be: &mut B, v: &Val<B>, shard: usize) -> Result<Val<B>> {
+        let n = self.group.size();
+        let host = be.download(&v.buf, v.elem, shard * n)?;
+        let ranges: Vec<_> = (0..n).map(|i| i * shard..(i + 1) * shard).collect();
+        let mine = self.comm.reduce_scatter(&self.group, &host, &ranges)?;
+        Ok(Val {
+            buf: be.upload(Elem::F32, &mine)?,
+            elem: Elem::F32,
+            len: shard,
+        })
+    }
+    fn all_gather(&mut self, be: &mut B, shard: &Val<B>) -> Result<Val<B>> {
+        let host = be.download(&shard.buf, shard.elem, shard.len)?;
+        let all: Vec<f32> = self.comm.all_gather(&self.group, &host)?.concat();
+        Ok(Val {
+            buf: be.upload(Elem::F32, &all)?,
+            elem: Elem::F32,
+            len: all.len(),
+        })
+    }
     fn all_reduce_host(&mut self, v: &mut [f32]) -> Result<()> {
         self.comm.all_reduce(&self.group, v)
     }
@@ -97,6 +132,10 @@ pub struct FusedRun {
     pub seed: u64,
     /// Full recomputation of each `repeat` layer (see [`Executor::recompute`]).
     pub recompute: bool,
+    /// ZeRO-1: each replica keeps the f32 master and moments of its
+    /// `1/dp` part of every parameter; gradients are reduce-scattered, the
+    /// parts updated, and the new values all-gathered.
+    pub shard_optimizer: bool,
 }
 
 /// What a fused run did.
@@ -155,7 +194,8 @@ fn param_keys(graph: &Graph) -> Result<Vec<(ParamKey, Vec<usize>)>> {
     Ok(keys)
 }
 
-/// A parameter on the device: the copy kernels read, its `f32` master, moments.
+/// A parameter on the device: the copy kernels read, its `f32` master and
+/// moments (this replica's `shard` elements of them under ZeRO-1).
 struct Held<B: Backend> {
     shape: Vec<usize>,
     value: Val<B>,
@@ -163,6 +203,9 @@ struct Held<B: Backend> {
     m: Val<B>,
     v: Val<B>,
     decay: bool,
+    /// Elements of the master and moments held here: all of them, or under
+    /// ZeRO-1 `ceil(n / dp)` (the last replica's part zero-padded).
+    shard: usize,
 }
 
 /// Train `graph` for `run.steps` steps on `be`, one data-parallel replica of
@@ -208,15 +251,28 @@ pub fn train_fused<B: Backend>(
         grads: BTreeMap::new(),
     };
     let float_is_f32 = be.dtype() == DType::F32;
+    let sharded = run.shard_optimizer && run.dp > 1;
     for (key, shape) in param_keys(graph)? {
         let n: usize = shape.iter().product();
         let init = init_value(graph.param(key.param).init, run.seed, key, n);
-        let master = Val {
-            buf: be.upload(Elem::F32, &init)?,
-            elem: Elem::F32,
-            len: n,
+        let shard = if sharded { n.div_ceil(run.dp) } else { n };
+        let master = if sharded {
+            let start = (run.dp_index * shard).min(n);
+            let mut part = init[start..(start + shard).min(n)].to_vec();
+            part.resize(shard, 0.0);
+            Val {
+                buf: be.upload(Elem::F32, &part)?,
+                elem: Elem::F32,
+                len: shard,
+            }
+        } else {
+            Val {
+                buf: be.upload(Elem::F32, &init)?,
+                elem: Elem::F32,
+                len: n,
+            }
         };
-        let value = if float_is_f32 {
+        let value = if float_is_f32 && !sharded {
             master.clone()
         } else {
             Val {
@@ -225,14 +281,19 @@ pub fn train_fused<B: Backend>(
                 len: n,
             }
         };
-        let zeros = |be: &mut B| -> Result<Val<B>> {
+        let zeros = |be: &mut B, len: usize| -> Result<Val<B>> {
             Ok(Val {
-                buf: be.zeros(Elem::F32, n)?,
+                buf: be.zeros(Elem::F32, len)?,
                 elem: Elem::F32,
-                len: n,
+                len,
             })
         };
-        let (m, v, g) = (zeros(be)?, zeros(be)?, zeros(be)?);
+        let (m, v) = (zeros(be, shard)?, zeros(be, shard)?);
+        // The gradient buffer is padded to whole parts for the reduce-scatter.
+        let g = Val {
+            len: n,
+            ..zeros(be, shard * if sharded { run.dp } else { 1 })?
+        };
         pbufs.values.insert(key, value.clone());
         pbufs.grads.insert(key, g);
         held.insert(
@@ -244,6 +305,7 @@ pub fn train_fused<B: Backend>(
                 master,
                 m,
                 v,
+                shard,
             },
         );
     }
@@ -308,8 +370,10 @@ pub fn train_fused<B: Backend>(
             exec.backward(be, root, &mut fwd, &mut grads, 0, &mut pbufs)?;
         }
 
-        // Sum over replicas, then the global norm from per-row partial sums.
+        // Sum over replicas (or reduce-scatter the parts under ZeRO-1), then
+        // the global norm from per-row partial sums.
         let mut sq = 0.0f64;
+        let mut parts_of: BTreeMap<ParamKey, Val<B>> = BTreeMap::new();
         let keys: Vec<ParamKey> = pbufs.grads.keys().copied().collect();
         for key in keys {
             // Handed over by value: an in-place device sum needs the only handle.
@@ -317,20 +381,34 @@ pub fn train_fused<B: Backend>(
                 .grads
                 .remove(&key)
                 .ok_or_else(|| kernel_err("fused", "a lost gradient"))?;
-            let g = sync.all_reduce(be, g)?;
-            let rows = (g.len.div_ceil(SUM_SQUARES_COLS as usize)).max(1) as i64;
+            let (g, summed) = if sharded {
+                let shard = held.get(&key).map_or(g.len, |h| h.shard);
+                let part = sync.reduce_scatter(be, &g, shard)?;
+                (g, part)
+            } else {
+                let g = sync.all_reduce(be, g)?;
+                (g.clone(), g)
+            };
+            let rows = (summed.len.div_ceil(SUM_SQUARES_COLS as usize)).max(1) as i64;
             let partial = be.alloc(Elem::F32, rows as usize)?;
             be.launch(
                 &sum_squares,
                 &dplc_codegen::Args {
-                    sizes: vec![rows, SUM_SQUARES_COLS, g.len as i64],
+                    sizes: vec![rows, SUM_SQUARES_COLS, summed.len as i64],
                     ..Default::default()
                 },
-                &[partial.clone(), g.buf.clone()],
+                &[partial.clone(), summed.buf.clone()],
             )?;
             let parts = be.download(&partial, Elem::F32, rows as usize)?;
             sq += parts.iter().map(|&x| f64::from(x)).sum::<f64>();
             pbufs.grads.insert(key, g);
+            parts_of.insert(key, summed);
+        }
+        if sharded {
+            // Each replica summed the squares of its parts only.
+            let mut total = [sq as f32];
+            sync.all_reduce_host(&mut total)?;
+            sq = f64::from(total[0]);
         }
         let grad_norm = sq.sqrt();
         let clip = match spec.grad_clip {
@@ -339,10 +417,8 @@ pub fn train_fused<B: Backend>(
         };
         let lr = spec.optimizer.lr() * spec.schedule.factor(step);
         for (key, h) in held.iter_mut() {
-            let g = pbufs
-                .grads
-                .get(key)
-                .cloned()
+            let g = parts_of
+                .remove(key)
                 .ok_or_else(|| kernel_err("fused", "a parameter without a gradient buffer"))?;
             let (kernel, args, bufs) = match spec.optimizer {
                 Optimizer::AdamW {
@@ -395,7 +471,15 @@ pub fn train_fused<B: Backend>(
                 }
             };
             be.launch(kernel, &args, &bufs)?;
-            if !float_is_f32 {
+            if sharded {
+                // Every replica's updated part, then the storage copy of the whole.
+                let whole = sync.all_gather(be, &h.master)?;
+                be.launch(
+                    &to_storage,
+                    &flat_args(h.value.len),
+                    &[h.value.buf.clone(), whole.buf],
+                )?;
+            } else if !float_is_f32 {
                 be.launch(
                     &to_storage,
                     &flat_args(h.master.len),
@@ -403,13 +487,19 @@ pub fn train_fused<B: Backend>(
                 )?;
             }
             // Zero the gradient for the next step.
-            let zero = be.zeros(Elem::F32, g.len)?;
+            let old = pbufs
+                .grads
+                .get(key)
+                .ok_or_else(|| kernel_err("fused", "a parameter without a gradient buffer"))?;
+            let padded = h.shard * if sharded { run.dp } else { 1 };
+            let zero = be.zeros(Elem::F32, padded)?;
+            let len = old.len;
             pbufs.grads.insert(
                 *key,
                 Val {
                     buf: zero,
                     elem: Elem::F32,
-                    len: g.len,
+                    len,
                 },
             );
         }
@@ -429,7 +519,13 @@ pub fn train_fused<B: Backend>(
 
     let mut params = Parameters::default();
     for (key, h) in &held {
-        let values = be.download(&h.master.buf, Elem::F32, h.master.len)?;
+        let n: usize = h.shape.iter().product();
+        let master = if sharded {
+            sync.all_gather(be, &h.master)?
+        } else {
+            h.master.clone()
+        };
+        let values = be.download(&master.buf, Elem::F32, n)?;
         params.values.insert(
             *key,
             (

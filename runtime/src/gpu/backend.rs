@@ -199,6 +199,43 @@ impl<C: DeviceCollectives> GradSync<CudaBackend> for DeviceSync<C> {
         })
     }
 
+    fn reduce_scatter(
+        &mut self,
+        be: &mut CudaBackend,
+        v: &Val<CudaBackend>,
+        shard: usize,
+    ) -> Result<Val<CudaBackend>> {
+        if v.elem != Elem::F32 {
+            return Err(GpuError::Invalid("gradient sums run on f32 buffers".into()).into());
+        }
+        let mut out = be.alloc(Elem::F32, shard)?;
+        let recv = Arc::get_mut(&mut out)
+            .ok_or_else(|| GpuError::Invalid("a fresh buffer is shared".into()))?;
+        self.collectives.reduce_scatter(&v.buf, recv, shard)?;
+        Ok(Val {
+            buf: out,
+            elem: Elem::F32,
+            len: shard,
+        })
+    }
+
+    fn all_gather(
+        &mut self,
+        be: &mut CudaBackend,
+        shard: &Val<CudaBackend>,
+    ) -> Result<Val<CudaBackend>> {
+        let len = shard.len * self.collectives.world_size();
+        let mut out = be.alloc(Elem::F32, len)?;
+        let recv = Arc::get_mut(&mut out)
+            .ok_or_else(|| GpuError::Invalid("a fresh buffer is shared".into()))?;
+        self.collectives.all_gather(&shard.buf, recv, shard.len)?;
+        Ok(Val {
+            buf: out,
+            elem: Elem::F32,
+            len,
+        })
+    }
+
     fn all_reduce_host(&mut self, v: &mut [f32]) -> Result<()> {
         let mut buf = self.dev.upload_f32(v, DType::F32)?;
         self.collectives.all_reduce(&mut buf, v.len())?;

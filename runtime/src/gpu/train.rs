@@ -37,6 +37,8 @@ pub struct GpuRunConfig {
     pub timeout: Duration,
     /// Full recomputation of every layer in backward.
     pub recompute: bool,
+    /// ZeRO-1 over the replicas (see [`FusedRun::shard_optimizer`]).
+    pub shard_optimizer: bool,
 }
 
 impl Default for GpuRunConfig {
@@ -48,6 +50,7 @@ impl Default for GpuRunConfig {
             num_micro_batches: 1,
             timeout: Duration::from_secs(60),
             recompute: false,
+            shard_optimizer: false,
         }
     }
 }
@@ -153,6 +156,7 @@ pub fn train_on_gpus(
                         steps,
                         seed,
                         recompute: cfg.recompute,
+                        shard_optimizer: cfg.shard_optimizer,
                     };
                     let mut sync: Box<dyn GradSync<CudaBackend>> = if world == 1 {
                         Box::new(Alone)
@@ -223,6 +227,7 @@ pub fn train_gpu_process(
     micro_batch: usize,
     num_micro_batches: usize,
     recompute: bool,
+    shard_optimizer: bool,
     data: &Corpus,
     steps: u64,
     seed: u64,
@@ -242,6 +247,7 @@ pub fn train_gpu_process(
         steps,
         seed,
         recompute,
+        shard_optimizer,
     };
     let mut sync = DeviceSync {
         collectives: nccl,
