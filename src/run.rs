@@ -80,20 +80,24 @@ pub fn prepare(args: &PlanArgs) -> Result<Prepared> {
         pinned.cp = Some(1);
         Ok(())
     })?;
-    let plan = compiled.plan;
-    let mut train = lowered.train.clone();
-    train.global_batch = plan.strategy.global_batch;
-    train.seq = plan.strategy.seq;
-    let cfg = RunConfig::from_plan(&plan).map_err(|e| miette!("{e}"))?;
-    Ok(Prepared {
-        graph: lowered.graph,
-        train,
-        plan,
-        cfg,
-    })
+    Prepared::new(lowered, compiled.plan)
 }
 
 impl Prepared {
+    /// The run of `plan` on the lowered model: its batch and sequence, its split.
+    fn new(lowered: dplc_frontend::Lowered, plan: dplc_ir::Plan) -> Result<Prepared> {
+        let mut train = lowered.train;
+        train.global_batch = plan.strategy.global_batch;
+        train.seq = plan.strategy.seq;
+        let cfg = RunConfig::from_plan(&plan).map_err(|e| miette!("{e}"))?;
+        Ok(Prepared {
+            graph: lowered.graph,
+            train,
+            plan,
+            cfg,
+        })
+    }
+
     /// A plan file's model, lowered from the source the plan carries.
     pub fn from_plan(plan: dplc_ir::Plan) -> Result<Prepared> {
         if plan.source.text.is_empty() {
@@ -104,16 +108,7 @@ impl Prepared {
         }
         let unit = dplc_frontend::parse(&plan.source.file, &plan.source.text)?;
         let lowered = unit.lower(&plan.source.model)?;
-        let mut train = lowered.train.clone();
-        train.global_batch = plan.strategy.global_batch;
-        train.seq = plan.strategy.seq;
-        let cfg = RunConfig::from_plan(&plan).map_err(|e| miette!("{e}"))?;
-        Ok(Prepared {
-            graph: lowered.graph,
-            train,
-            plan,
-            cfg,
-        })
+        Prepared::new(lowered, plan)
     }
 }
 

@@ -19,9 +19,10 @@ use dplc_runtime::{
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-const TINY: &str = include_str!("../models/tiny.dpl");
+mod common;
+use common::{Opt, LOSS_TOL, TINY};
+
 const SEED: u64 = 11;
-const LOSS_TOL: f64 = 1e-5;
 const SGD_TOL: f64 = 1e-6;
 
 /// A scratch directory removed when the test ends.
@@ -42,12 +43,6 @@ impl Drop for Scratch {
     }
 }
 
-#[derive(Clone, Copy)]
-enum Opt {
-    AdamW,
-    Sgd,
-}
-
 fn try_run(
     model: &str,
     cfg: &RunConfig,
@@ -59,19 +54,7 @@ fn try_run(
     let mut spec = lowered.train;
     spec.seq = 16;
     spec.global_batch = cfg.global_batch() as u64;
-    spec.optimizer = match opt {
-        Opt::AdamW => dplc_ir::Optimizer::AdamW {
-            lr: 1e-2,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.01,
-        },
-        Opt::Sgd => dplc_ir::Optimizer::Sgd {
-            lr: 0.1,
-            momentum: 0.9,
-        },
-    };
+    spec.optimizer = opt.optimizer();
     let data = Corpus::synthetic(5, 256, 1 << 14);
     train(&lowered.graph, &spec, cfg, &data, steps, SEED, |_| {})
 }
@@ -388,13 +371,7 @@ fn corrupted_checkpoints_are_refused_by_name() {
         let mut spec = lowered.train;
         spec.seq = 16;
         spec.global_batch = 4;
-        spec.optimizer = dplc_ir::Optimizer::AdamW {
-            lr: 1e-2,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.01,
-        };
+        spec.optimizer = Opt::AdamW.optimizer();
         let data = Corpus::synthetic(5, 256, 1 << 14);
         let e = train(
             &lowered.graph,

@@ -13,8 +13,9 @@
 
 use dplc_runtime::{train, Corpus, RunConfig, Schedule, TrainReport, ZeroStage};
 
-const TINY: &str = include_str!("../models/tiny.dpl");
-const LOSS_TOL: f64 = 1e-5;
+mod common;
+use common::{assert_losses, Opt, TINY};
+
 const TOL: f32 = 5e-5;
 
 fn lower(model: &str) -> (dplc_ir::Graph, dplc_ir::TrainSpec) {
@@ -31,29 +32,14 @@ fn run(model: &str, cfg: RunConfig) -> TrainReport {
     let (graph, mut spec) = lower(model);
     spec.seq = 16;
     spec.global_batch = cfg.global_batch() as u64;
-    spec.optimizer = dplc_ir::Optimizer::AdamW {
-        lr: 1e-2,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.01,
-    };
+    spec.optimizer = Opt::AdamW.optimizer();
     let data = Corpus::synthetic(5, 256, 1 << 14);
     train(&graph, &spec, &cfg, &data, 5, 11, |_| {}).unwrap_or_else(|e| panic!("{model}: {e}"))
 }
 
 fn assert_same(name: &str, a: &TrainReport, b: &TrainReport) {
     assert_eq!(a.steps.len(), b.steps.len());
-    for (x, y) in a.steps.iter().zip(&b.steps) {
-        let rel = ((x.loss - y.loss) / x.loss.abs()).abs();
-        assert!(
-            rel < LOSS_TOL,
-            "{name}: step {} loss {} vs {}",
-            x.step,
-            x.loss,
-            y.loss
-        );
-    }
+    assert_losses(name, &a.steps, &b.steps);
     let keep = |p: &dplc_runtime::Parameters| {
         let mut p = p.clone();
         p.values
@@ -173,10 +159,7 @@ fn run_sgd(model: &str, cfg: RunConfig) -> TrainReport {
     let (graph, mut spec) = lower(model);
     spec.seq = 16;
     spec.global_batch = cfg.global_batch() as u64;
-    spec.optimizer = dplc_ir::Optimizer::Sgd {
-        lr: 0.1,
-        momentum: 0.9,
-    };
+    spec.optimizer = Opt::Sgd.optimizer();
     let data = Corpus::synthetic(5, 256, 1 << 14);
     train(&graph, &spec, &cfg, &data, 5, 11, |_| {}).unwrap_or_else(|e| panic!("{model}: {e}"))
 }
@@ -198,19 +181,6 @@ fn assert_close(name: &str, a: &TrainReport, b: &TrainReport) {
         f64::from(d) < SGD_TOL,
         "{name} (sgd): parameters differ by {d:e} at {at}"
     );
-}
-
-fn assert_losses(name: &str, a: &TrainReport, b: &TrainReport) {
-    for (x, y) in a.steps.iter().zip(&b.steps) {
-        let rel = ((x.loss - y.loss) / x.loss.abs()).abs();
-        assert!(
-            rel < LOSS_TOL,
-            "{name}: step {} loss {} vs {}",
-            x.step,
-            x.loss,
-            y.loss
-        );
-    }
 }
 
 /// `(name, config)` pairs for the split strategies; every one has a global
@@ -299,7 +269,7 @@ fn check_split_strategies(model: &str) {
     let base_sgd = run_sgd(model, serial(4));
     for (name, cfg) in split_strategies(experts) {
         let name = format!("{model} {name}");
-        assert_losses(&name, &base, &run(model, cfg.clone()));
+        assert_losses(&name, &base.steps, &run(model, cfg.clone()).steps);
         assert_close(&name, &base_sgd, &run_sgd(model, cfg));
     }
 }
@@ -355,8 +325,8 @@ fn gpt_tiny_pp4_interleaved_pipeline_matches_serial() {
     let name = "gpt_tiny8 pp4 interleaved v2";
     assert_losses(
         name,
-        &run("gpt_tiny8", serial(4)),
-        &run("gpt_tiny8", cfg.clone()),
+        &run("gpt_tiny8", serial(4)).steps,
+        &run("gpt_tiny8", cfg.clone()).steps,
     );
     assert_close(
         name,
@@ -430,8 +400,8 @@ fn the_egraph_layouts_run_and_match_serial() {
         let serial_cfg = serial(cfg.global_batch());
         assert_losses(
             &name,
-            &run(model, serial_cfg.clone()),
-            &run(model, cfg.clone()),
+            &run(model, serial_cfg.clone()).steps,
+            &run(model, cfg.clone()).steps,
         );
         assert_close(&name, &run_sgd(model, serial_cfg), &run_sgd(model, cfg));
     }

@@ -208,6 +208,15 @@ struct Held<B: Backend> {
     shard: usize,
 }
 
+/// A zeroed f32 gradient of `n` elements in a buffer of `padded >= n`.
+fn zero_grad<B: Backend>(be: &mut B, n: usize, padded: usize) -> Result<Val<B>> {
+    Ok(Val {
+        buf: be.zeros(Elem::F32, padded)?,
+        elem: Elem::F32,
+        len: n,
+    })
+}
+
 /// Train `graph` for `run.steps` steps on `be`, one data-parallel replica of
 /// `run.dp`, summing over the others through `sync`.
 #[allow(clippy::too_many_arguments)]
@@ -252,6 +261,8 @@ pub fn train_fused<B: Backend>(
     };
     let float_is_f32 = be.dtype() == DType::F32;
     let sharded = run.shard_optimizer && run.dp > 1;
+    // Gradients are padded to whole parts for the reduce-scatter.
+    let parts = if sharded { run.dp } else { 1 };
     for (key, shape) in param_keys(graph)? {
         let n: usize = shape.iter().product();
         let init = init_value(graph.param(key.param).init, run.seed, key, n);
@@ -289,11 +300,7 @@ pub fn train_fused<B: Backend>(
             })
         };
         let (m, v) = (zeros(be, shard)?, zeros(be, shard)?);
-        // The gradient buffer is padded to whole parts for the reduce-scatter.
-        let g = Val {
-            len: n,
-            ..zeros(be, shard * if sharded { run.dp } else { 1 })?
-        };
+        let g = zero_grad(be, n, shard * parts)?;
         pbufs.values.insert(key, value.clone());
         pbufs.grads.insert(key, g);
         held.insert(
@@ -487,21 +494,8 @@ pub fn train_fused<B: Backend>(
                 )?;
             }
             // Zero the gradient for the next step.
-            let old = pbufs
-                .grads
-                .get(key)
-                .ok_or_else(|| kernel_err("fused", "a parameter without a gradient buffer"))?;
-            let padded = h.shard * if sharded { run.dp } else { 1 };
-            let zero = be.zeros(Elem::F32, padded)?;
-            let len = old.len;
-            pbufs.grads.insert(
-                *key,
-                Val {
-                    buf: zero,
-                    elem: Elem::F32,
-                    len,
-                },
-            );
+            let n = h.shape.iter().product();
+            pbufs.grads.insert(*key, zero_grad(be, n, h.shard * parts)?);
         }
         let mut loss = [loss_sum as f32];
         sync.all_reduce_host(&mut loss)?;

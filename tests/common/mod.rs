@@ -1,0 +1,53 @@
+//! What the root's training tests share: the tiny zoo, the optimizers their
+//! short runs use, and the per-step loss comparison.
+
+#![allow(dead_code)]
+
+use dplc_ir::Optimizer;
+use dplc_runtime::StepStats;
+
+pub const TINY: &str = include_str!("../../models/tiny.dpl");
+/// Two runs of the same function agree on each step's loss to this relative
+/// tolerance (f32 sums in another association move it by a few ulps).
+pub const LOSS_TOL: f64 = 1e-5;
+
+/// The optimizer of a short tiny-model run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Opt {
+    AdamW,
+    Sgd,
+}
+
+impl Opt {
+    /// AdamW at lr 1e-2 (betas 0.9/0.95, weight decay 0.01), or SGD at lr 0.1
+    /// with momentum 0.9: large steps, so five steps move every parameter.
+    pub fn optimizer(self) -> Optimizer {
+        match self {
+            Opt::AdamW => Optimizer::AdamW {
+                lr: 1e-2,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.01,
+            },
+            Opt::Sgd => Optimizer::Sgd {
+                lr: 0.1,
+                momentum: 0.9,
+            },
+        }
+    }
+}
+
+/// Each step's loss of `b` within [`LOSS_TOL`] of `a`'s, step by step.
+pub fn assert_losses(name: &str, a: &[StepStats], b: &[StepStats]) {
+    for (x, y) in a.iter().zip(b) {
+        let rel = ((x.loss - y.loss) / x.loss.abs()).abs();
+        assert!(
+            rel < LOSS_TOL,
+            "{name}: step {} loss {} vs {}",
+            x.step,
+            x.loss,
+            y.loss
+        );
+    }
+}
