@@ -85,7 +85,14 @@ pub fn prepare(args: &PlanArgs) -> Result<Prepared> {
 
 impl Prepared {
     /// The run of `plan` on the lowered model: its batch and sequence, its split.
-    fn new(lowered: dplc_frontend::Lowered, plan: dplc_ir::Plan) -> Result<Prepared> {
+    fn new(lowered: dplc_frontend::Lowered, mut plan: dplc_ir::Plan) -> Result<Prepared> {
+        complete_layout(&mut plan, &lowered.graph);
+        plan.check_against(&lowered.graph).map_err(|e| {
+            miette!(
+                help = "compile the plan again from this model with `dplc compile … -o plan.ron`",
+                "{e}"
+            )
+        })?;
         let mut train = lowered.train;
         train.global_batch = plan.strategy.global_batch;
         train.seq = plan.strategy.seq;
@@ -109,6 +116,16 @@ impl Prepared {
         let unit = dplc_frontend::parse(&plan.source.file, &plan.source.text)?;
         let lowered = unit.lower(&plan.source.model)?;
         Prepared::new(lowered, plan)
+    }
+}
+
+/// A plan written before plans carried layouts gets the one the planner
+/// would write now: the runtime never derives a layout itself.
+pub fn complete_layout(plan: &mut dplc_ir::Plan, graph: &dplc_ir::Graph) {
+    let m = &plan.mesh;
+    if plan.layout.is_none() && (m.tp > 1 || m.ep > 1) {
+        plan.layout =
+            dplc_planner::derive_layout(graph, m.tp, m.ep, plan.strategy.sequence_parallel).ok();
     }
 }
 

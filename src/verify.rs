@@ -105,7 +105,7 @@ fn max_loss_dev(a: &TrainReport, b: &TrainReport) -> f64 {
 }
 
 pub fn run(args: &Args) -> Result<()> {
-    let plan: Plan = crate::compile::read_plan(&args.plan)?;
+    let mut plan: Plan = crate::compile::read_plan(&args.plan)?;
     // The model's text: --source, else the copy the plan carries, else the zoo.
     let (source_name, source_text) = match &args.source {
         Some(s) => (s.display().to_string(), read(s)?),
@@ -117,10 +117,37 @@ pub fn run(args: &Args) -> Result<()> {
             (s.display().to_string(), read(&s)?)
         }
     };
-    let mut split = RunConfig::from_plan(&plan).map_err(|e| miette!("{e}"))?;
-    let v = split.schedule.chunks();
-    let layers = (split.pp * v).max(2) as u64;
+    // Fewer layers change only the repeat's count, not its body: the plan's
+    // layouts name the same nodes and are checked as they are.
+    let layout_source = if plan.layout.is_some() {
+        "the plan's"
+    } else {
+        "the planner's"
+    };
+    let full = dplc_frontend::parse(&source_name, &source_text)?.lower(&plan.model)?;
+    crate::run::complete_layout(&mut plan, &full.graph);
+    plan.check_against(&full.graph).map_err(|e| {
+        miette!(
+            help = "compile the plan again from this model with `dplc compile … -o plan.ron`",
+            "{e}"
+        )
+    })?;
+    // The plan's partition at reduced depth: every stage gives up as many
+    // layers as leaves the lightest with one per chunk, so an uneven plan
+    // runs uneven, as it was balanced.
+    let v = plan.chunks();
+    let planned = plan.stage_layers();
+    let spare = planned.iter().min().map_or(0, |&l| l.saturating_sub(v));
+    let reduced: Vec<u64> = planned.iter().map(|&l| l.saturating_sub(spare)).collect();
+    let layers = reduced.iter().sum::<u64>().max(2);
     let lowered = reduced_model(&source_name, &source_text, &plan.model, layers)?;
+    let mut split = RunConfig::from_plan(&plan).map_err(|e| miette!("{e}"))?;
+    // A model without a `layers` argument runs at full depth, as planned.
+    let depth = dplc_ir::Analysis::new(&lowered.graph).layers();
+    if split.pp > 1 {
+        split.stage_layers = Some(if depth == layers { reduced } else { planned });
+    }
+    let layers = depth;
     // One sample per micro-batch; enough micro-batches for the schedule.
     split.micro_batch = 1;
     split.num_micro_batches = if split.pp > 1 { split.pp } else { 2 };
@@ -140,14 +167,6 @@ pub fn run(args: &Args) -> Result<()> {
                 "unknown fault `{other}`"
             ))
         }
-    };
-    // Fewer layers change only the repeat's count, not its body: the plan's
-    // own layouts (when it has them) name the same nodes and are checked as
-    // they are; otherwise the runtime derives Megatron's.
-    let layout_source = if split.layout.is_some() {
-        "the plan's"
-    } else {
-        "derived"
     };
     let global = split.global_batch();
     let tp = split.tp as u64;

@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 mod common;
-use common::{Opt, LOSS_TOL, TINY};
+use common::{with_layout, Opt, LOSS_TOL, TINY};
 
 const SEED: u64 = 11;
 const SGD_TOL: f64 = 1e-6;
@@ -56,7 +56,8 @@ fn try_run(
     spec.global_batch = cfg.global_batch() as u64;
     spec.optimizer = opt.optimizer();
     let data = Corpus::synthetic(5, 256, 1 << 14);
-    train(&lowered.graph, &spec, cfg, &data, steps, SEED, |_| {})
+    let cfg = with_layout(&lowered.graph, cfg);
+    train(&lowered.graph, &spec, &cfg, &data, steps, SEED, |_| {})
 }
 
 fn run(cfg: &RunConfig, steps: u64, opt: Opt) -> TrainReport {

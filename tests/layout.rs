@@ -1,4 +1,4 @@
-//! The Megatron layout `dplc_ir::derive_layout` gives the tiny zoo models:
+//! The Megatron layout `dplc_planner::derive_layout` gives the tiny zoo models:
 //! which parameters each split puts on which ranks, as text.
 
 const TINY: &str = include_str!("../models/tiny.dpl");
@@ -6,7 +6,7 @@ const TINY: &str = include_str!("../models/tiny.dpl");
 fn check(model: &str, tp: u64, ep: u64, sp: bool) -> String {
     let unit = dplc_frontend::parse("tiny.dpl", TINY).expect("tiny.dpl parses");
     let g = unit.lower(model).expect("the model lowers").graph;
-    let layout = dplc_ir::derive_layout(&g, tp, ep, sp).expect("a layout");
+    let layout = dplc_planner::derive_layout(&g, tp, ep, sp).expect("a layout");
     let mut lines: Vec<String> = layout
         .params
         .iter()
@@ -69,12 +69,12 @@ residual stream Replicated"
 fn a_tensor_parallel_degree_the_model_cannot_take_is_refused() {
     let unit = dplc_frontend::parse("tiny.dpl", TINY).expect("tiny.dpl parses");
     let g = unit.lower("gpt_tiny").expect("the model lowers").graph;
-    let err = dplc_ir::derive_layout(&g, 8, 1, false).unwrap_err();
+    let err = dplc_planner::derive_layout(&g, 8, 1, false).unwrap_err();
     assert!(
         err.to_string().contains("tp 8 does not divide the 4 heads"),
         "{err}"
     );
-    let err = dplc_ir::derive_layout(&g, 3, 1, false).unwrap_err();
+    let err = dplc_planner::derive_layout(&g, 3, 1, false).unwrap_err();
     assert!(
         err.to_string().contains("tp 3 divides neither dimension"),
         "{err}"
@@ -92,7 +92,7 @@ fn layouts_travel_in_plan_files() {
     // Expert parallelism runs on the runtime's own (Megatron) derivation.
     assert_eq!(
         plan.layout,
-        Some(dplc_ir::derive_layout(&lowered.graph, 2, 2, true).unwrap())
+        Some(dplc_planner::derive_layout(&lowered.graph, 2, 2, true).unwrap())
     );
     // A plan written before layouts existed still reads, with none.
     let older = dplc_ir::Plan {
@@ -103,7 +103,7 @@ fn layouts_travel_in_plan_files() {
     assert!(!old.contains("layout:None"));
     let back: dplc_ir::Plan = ron::from_str(&old).unwrap();
     assert_eq!(back.layout, None);
-    plan.layout = Some(dplc_ir::derive_layout(&lowered.graph, 2, 2, true).unwrap());
+    plan.layout = Some(dplc_planner::derive_layout(&lowered.graph, 2, 2, true).unwrap());
     let back: dplc_ir::Plan = ron::from_str(&ron::to_string(&plan).unwrap()).unwrap();
     assert_eq!(back, plan);
     // The runtime takes the plan's layout as it is.

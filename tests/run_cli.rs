@@ -206,7 +206,7 @@ fn verify_checks_the_plans_own_layout() {
     let mut req = dplc_planner::PlanRequest::new(&lowered.graph, lowered.train.clone(), cluster);
     req.pinned = dplc_planner::parse_strategy("dp=2,tp=2,sp=true,zero=2").unwrap();
     let mut plan = dplc_planner::compile(&req).unwrap().plan;
-    plan.layout = Some(dplc_ir::derive_layout(&lowered.graph, 2, 1, true).unwrap());
+    plan.layout = Some(dplc_planner::derive_layout(&lowered.graph, 2, 1, true).unwrap());
     let path = std::env::temp_dir().join(format!("dplc-layout-{}.ron", std::process::id()));
     std::fs::write(&path, ron::to_string(&plan).unwrap()).unwrap();
     let out = dplc(&["verify", path.to_str().unwrap(), "--json"]);
@@ -215,6 +215,51 @@ fn verify_checks_the_plans_own_layout() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["layout"], "the plan's", "{v}");
     assert_eq!(v["pass"], true, "{v}");
+}
+
+/// A plan file is checked against its model before any rank starts: a
+/// layout naming a region the model lacks, a layout whose node list is not
+/// the model's, a stage without layers and a stage list shorter than the
+/// pipeline are each refused with what does not fit — never a panic.
+#[test]
+fn verify_refuses_a_plan_that_does_not_fit_its_model() {
+    let text = std::fs::read_to_string("models/tiny.dpl").unwrap();
+    let unit = dplc_frontend::parse("models/tiny.dpl", &text).unwrap();
+    let lowered = unit.lower("gpt_tiny").unwrap();
+    let cluster = dplc_planner::parse_cluster("4xcpu").unwrap();
+    let mut req = dplc_planner::PlanRequest::new(&lowered.graph, lowered.train.clone(), cluster);
+    req.pinned = dplc_planner::parse_strategy("tp=2,pp=2").unwrap();
+    let plan = dplc_planner::compile(&req).unwrap().plan;
+    let mut far_region = plan.clone();
+    far_region.layout.as_mut().unwrap().regions[1].region = dplc_ir::RegionId::new(99);
+    let mut short_nodes = plan.clone();
+    short_nodes.layout.as_mut().unwrap().regions[1].nodes.pop();
+    let mut empty_stage = plan.clone();
+    empty_stage.stages[1].layers = 0;
+    let mut one_stage = plan.clone();
+    one_stage.stages.pop();
+    let cases = [
+        (
+            far_region,
+            "the plan does not fit the model: the layout names region r99",
+        ),
+        (
+            short_nodes,
+            "the plan does not fit the model: the layout of region",
+        ),
+        (empty_stage, "the stages hold 1 layers, the model has 2"),
+        (one_stage, "1 stages for a pipeline of 2"),
+    ];
+    for (i, (broken, want)) in cases.into_iter().enumerate() {
+        let path = std::env::temp_dir().join(format!("dplc-broken-{}-{i}.ron", std::process::id()));
+        std::fs::write(&path, ron::to_string(&broken).unwrap()).unwrap();
+        let out = dplc(&["verify", path.to_str().unwrap()]);
+        std::fs::remove_file(&path).ok();
+        let err = stderr(&out);
+        assert!(!out.status.success(), "case {i}: {err}");
+        assert!(err.contains(want), "case {i}: {err}");
+        assert!(!err.contains("panicked"), "case {i}: {err}");
+    }
 }
 
 #[test]

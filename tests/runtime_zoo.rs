@@ -14,7 +14,7 @@
 use dplc_runtime::{train, Corpus, RunConfig, Schedule, TrainReport, ZeroStage};
 
 mod common;
-use common::{assert_losses, Opt, TINY};
+use common::{assert_losses, with_layout, Opt, TINY};
 
 const TOL: f32 = 5e-5;
 
@@ -34,7 +34,16 @@ fn run(model: &str, cfg: RunConfig) -> TrainReport {
     spec.global_batch = cfg.global_batch() as u64;
     spec.optimizer = Opt::AdamW.optimizer();
     let data = Corpus::synthetic(5, 256, 1 << 14);
-    train(&graph, &spec, &cfg, &data, 5, 11, |_| {}).unwrap_or_else(|e| panic!("{model}: {e}"))
+    train(
+        &graph,
+        &spec,
+        &with_layout(&graph, &cfg),
+        &data,
+        5,
+        11,
+        |_| {},
+    )
+    .unwrap_or_else(|e| panic!("{model}: {e}"))
 }
 
 fn assert_same(name: &str, a: &TrainReport, b: &TrainReport) {
@@ -161,7 +170,16 @@ fn run_sgd(model: &str, cfg: RunConfig) -> TrainReport {
     spec.global_batch = cfg.global_batch() as u64;
     spec.optimizer = Opt::Sgd.optimizer();
     let data = Corpus::synthetic(5, 256, 1 << 14);
-    train(&graph, &spec, &cfg, &data, 5, 11, |_| {}).unwrap_or_else(|e| panic!("{model}: {e}"))
+    train(
+        &graph,
+        &spec,
+        &with_layout(&graph, &cfg),
+        &data,
+        5,
+        11,
+        |_| {},
+    )
+    .unwrap_or_else(|e| panic!("{model}: {e}"))
 }
 
 fn assert_close(name: &str, a: &TrainReport, b: &TrainReport) {
@@ -391,7 +409,7 @@ fn the_egraph_layouts_run_and_match_serial() {
         let beyond_megatron = tp == 8 || (model == "llama_tiny" && tp == 4);
         if beyond_megatron {
             assert!(
-                dplc_ir::derive_layout(&graph, plan.mesh.tp, 1, false).is_err(),
+                dplc_planner::derive_layout(&graph, plan.mesh.tp, 1, false).is_err(),
                 "{model} {strategy}: Megatron's rule has no such layout"
             );
         }
@@ -405,4 +423,55 @@ fn the_egraph_layouts_run_and_match_serial() {
         );
         assert_close(&name, &run_sgd(model, serial_cfg), &run_sgd(model, cfg));
     }
+}
+
+/// The plan's stage partition is what runs: gpt_tiny's four layers on three
+/// stages cannot split evenly, the planner balances them by time (the last
+/// stage also runs the head and loss), and the run reports the layers each
+/// stage ran forward — those of the plan — and matches the serial run. A plan
+/// edited to another partition runs that one; one whose stages do not add up
+/// to the model is refused before any rank starts.
+#[test]
+fn uneven_stages_run_as_planned() {
+    let (graph, spec) = lower("gpt_tiny4");
+    let mut req =
+        dplc_planner::PlanRequest::new(&graph, spec, dplc_planner::parse_cluster("3xcpu").unwrap());
+    req.global_batch = Some(3);
+    req.seq = Some(16);
+    req.pinned = dplc_planner::parse_strategy("pp=3,mb=1,schedule=1f1b").unwrap();
+    let plan = dplc_planner::compile(&req).unwrap().plan;
+    let planned = plan.stage_layers();
+    assert_eq!(planned.iter().sum::<u64>(), 4);
+    plan.check_against(&graph).unwrap();
+    let base = run("gpt_tiny4", serial(3));
+    let cfg = RunConfig::from_plan(&plan).unwrap();
+    let got = run("gpt_tiny4", cfg.clone());
+    assert_eq!(got.stage_layers, planned, "the run's stages are the plan's");
+    assert_same("gpt_tiny4 pp3 (the planner's stages)", &base, &got);
+
+    let mut edited = plan.clone();
+    for (s, layers) in edited.stages.iter_mut().zip([2, 1, 1]) {
+        s.layers = layers;
+    }
+    let mut cfg = RunConfig::from_plan(&edited).unwrap();
+    let got = run("gpt_tiny4", cfg.clone());
+    assert_eq!(got.stage_layers, vec![2, 1, 1]);
+    assert_same("gpt_tiny4 pp3 stages [2, 1, 1]", &base, &got);
+
+    edited.stages[0].layers = 1;
+    let err = edited.check_against(&graph).unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "the plan does not fit the model: the stages hold 3 layers, the model has 4"
+    );
+    cfg.stage_layers = Some(edited.stage_layers());
+    let (graph, mut spec) = lower("gpt_tiny4");
+    spec.seq = 16;
+    spec.global_batch = 3;
+    let data = Corpus::synthetic(5, 256, 1 << 14);
+    let err = train(&graph, &spec, &cfg, &data, 1, 11, |_| {}).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "invalid run configuration: the plan puts 3 layers on 3 stages ([1, 1, 1]); the run has 3 stages and the model 4 layers"
+    );
 }

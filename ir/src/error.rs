@@ -33,3 +33,9 @@ pub enum IrError {
 }
 
 pub type Result<T, E = IrError> = std::result::Result<T, E>;
+
+/// A plan (its mesh, stages or layouts) that does not describe the model it
+/// is run with: plans are files, checked when they are loaded.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("the plan does not fit the model: {0}")]
+pub struct PlanMismatch(pub String);

@@ -10,6 +10,7 @@ mod graph;
 mod id;
 mod layout;
 mod op;
+mod pipeline;
 mod plan;
 mod print;
 mod shape;
@@ -18,15 +19,14 @@ pub use analysis::{ActivationProfile, Analysis, SavedKind, SavedTensor};
 pub use autodiff::{differentiable_inputs, saved_for_backward, GradPlan, SavedForBackward};
 pub use config::{ClusterSpec, LinkSpec, LrSchedule, Optimizer, Precision, TrainSpec};
 pub use dtype::DType;
-pub use error::{IrError, Result};
+pub use error::{IrError, PlanMismatch, Result};
 pub use graph::{
     broadcast, Graph, InputInfo, Node, ParamInfo, Region, Scope, ScopeKind, Tensor, TensorDef,
 };
 pub use id::{InputId, NodeId, ParamId, RegionId, ScopeId, SymId, TensorId};
-pub use layout::{
-    derive_layout, ModelLayout, NodeLayout, ParamSplit, RegionLayout, SplitAxis, TensorLayout,
-};
+pub use layout::{ModelLayout, NodeLayout, ParamSplit, RegionLayout, SplitAxis, TensorLayout};
 pub use op::{BinaryOp, Init, Op, ReduceKind, UnaryOp};
+pub use pipeline::{even_split, pipeline_order, virtual_stage_layers, PipelineWork};
 pub use plan::{
     Alternative, AxisMapping, AxisPart, BackwardCollective, ClusterSummary, Collective,
     CollectiveKind, Estimate, LinkLevel, MemoryBreakdown, Mesh, MeshAxis, ModelSource,

@@ -479,3 +479,93 @@ pub struct Plan {
     #[serde(default)]
     pub layout: Option<crate::layout::ModelLayout>,
 }
+
+impl Plan {
+    /// Model chunks each pipeline stage runs: the virtual stages of the
+    /// interleaved schedule, else 1.
+    pub fn chunks(&self) -> u64 {
+        match self.strategy.schedule {
+            PipelineSchedule::Interleaved => self.strategy.virtual_stages.max(1),
+            _ => 1,
+        }
+    }
+
+    /// Layers each pipeline stage runs, all its chunks together, as planned.
+    pub fn stage_layers(&self) -> Vec<u64> {
+        self.stages.iter().map(|s| s.layers).collect()
+    }
+
+    /// Whether this plan describes `graph`: one stage per pipeline rank whose
+    /// layers add up to the model's and fill every chunk, and, when a layer
+    /// is split, a layout of the mesh's degrees that fits the graph. Plans
+    /// are files a person may have edited: everything is checked, nothing
+    /// panics.
+    pub fn check_against(&self, graph: &crate::Graph) -> Result<(), crate::PlanMismatch> {
+        let bad = |what: String| Err(crate::PlanMismatch(what));
+        let m = &self.mesh;
+        if [m.dp, m.tp, m.pp, m.cp, m.ep].contains(&0) {
+            return bad(format!("the mesh {m} has an empty axis"));
+        }
+        if self.stages.len() as u64 != m.pp {
+            return bad(format!(
+                "{} stages for a pipeline of {}",
+                self.stages.len(),
+                m.pp
+            ));
+        }
+        let repeats: Vec<u64> = graph
+            .region(graph.root())
+            .nodes
+            .iter()
+            .filter_map(|&n| match graph.node(n).op {
+                crate::Op::Repeat { count, .. } => Some(count),
+                _ => None,
+            })
+            .collect();
+        if m.pp > 1 {
+            let [layers] = repeats[..] else {
+                return bad(format!(
+                    "a pipeline cuts the model at its layers, which needs one top-level repeat; `{}` has {}",
+                    graph.name,
+                    repeats.len()
+                ));
+            };
+            let planned: u64 = self.stage_layers().iter().sum();
+            if planned != layers {
+                return bad(format!(
+                    "the stages hold {planned} layers, the model has {layers}"
+                ));
+            }
+            let v = self.chunks();
+            if let Some(s) = self.stages.iter().find(|s| s.layers < v) {
+                return bad(format!(
+                    "stage {} holds {} layers, fewer than its {v} chunks",
+                    s.stage, s.layers
+                ));
+            }
+        }
+        if m.tp > 1 || m.ep > 1 {
+            let Some(layout) = &self.layout else {
+                return bad(format!(
+                    "a plan with tp {} ep {} needs the layout of every tensor; this one has none",
+                    m.tp, m.ep
+                ));
+            };
+            if (layout.tp, layout.ep, layout.sequence_parallel)
+                != (m.tp, m.ep, self.strategy.sequence_parallel)
+            {
+                return bad(format!(
+                    "the layout is for tp {} ep {} sequence parallel {}, the plan runs tp {} ep {} sequence parallel {}",
+                    layout.tp,
+                    layout.ep,
+                    layout.sequence_parallel,
+                    m.tp,
+                    m.ep,
+                    self.strategy.sequence_parallel
+                ));
+            }
+            layout.check(graph)?;
+        }
+        Ok(())
+    }
+}

@@ -401,10 +401,10 @@ impl<'a> CostModel<'a> {
     pub fn partition(&mut self, c: &Config) -> Vec<u64> {
         let [layer, pre, post] = self.parts(c);
         let (l, p) = (self.profile.layers, c.pp);
+        let mut counts = dplc_ir::even_split(l, p);
         if c.schedule == PipelineSchedule::Interleaved || p == 1 {
-            return vec![l / p; p as usize];
+            return counts;
         }
-        let mut counts: Vec<u64> = (0..p).map(|i| l / p + u64::from(i < l % p)).collect();
         let extra = |i: usize| {
             (if i == 0 { pre.total() } else { 0.0 })
                 + (if i as u64 == p - 1 { post.total() } else { 0.0 })

@@ -9,6 +9,7 @@ mod cost;
 pub mod egraph;
 mod error;
 mod layouts;
+mod megatron;
 mod profile;
 mod report;
 mod search;
@@ -19,6 +20,7 @@ mod timeline;
 pub use cluster::{catalog, cluster_from_spec, device, parse_cluster, Cluster, Device, Link};
 pub use error::PlanError;
 pub use layouts::LayoutStats;
+pub use megatron::derive_layout;
 pub use report::{layouts_summary, memory_table, summary, to_json};
 pub use strategy::{parse_strategy, StrategyConstraints};
 pub use timeline::{timeline, Span, SpanKind, Timeline};
@@ -298,7 +300,7 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
         plan.layout = runtime
             .filter(|_| c.ep == 1 && c.cp == 1)
             .and_then(|l| layouts::model_layout(req.graph, l, c.tp, c.sp))
-            .or_else(|| dplc_ir::derive_layout(req.graph, c.tp, c.ep, c.sp).ok());
+            .or_else(|| derive_layout(req.graph, c.tp, c.ep, c.sp).ok());
     }
     Ok(Compiled {
         plan,

@@ -6,7 +6,7 @@
 //! assumption — so the makespan of this layout is the plan's predicted step
 //! time, which `viz` and its tests rely on.
 
-use dplc_ir::{PipelineSchedule, Plan};
+use dplc_ir::{pipeline_order, PipelineWork, Plan};
 
 /// What a span of a stage's time is spent on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,56 +52,12 @@ pub struct Timeline {
     pub makespan_s: f64,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Pass {
-    F,
-    B,
-}
-
-/// The order in which stage `s` of `p` runs its `m × v` forward and backward
-/// chunk-passes: `(pass, micro-batch, chunk)`.
-fn order(schedule: PipelineSchedule, p: u64, s: u64, m: u64, v: u64) -> Vec<(Pass, u64, u64)> {
-    let total = m * v;
-    // Megatron's interleaved mapping: groups of p micro-batches per chunk;
-    // backwards walk the chunks in reverse.
-    let fwd = |k: u64| {
-        let chunk = (k / p) % v;
-        let mb = (k / (p * v)) * p + k % p;
-        (Pass::F, mb, chunk)
-    };
-    let bwd = |k: u64| {
-        let chunk = v - 1 - (k / p) % v;
-        let mb = (k / (p * v)) * p + k % p;
-        (Pass::B, mb, chunk)
-    };
-    let warmup = match schedule {
-        PipelineSchedule::GPipe => total,
-        PipelineSchedule::OneFOneB => (p - s - 1).min(total),
-        PipelineSchedule::Interleaved => ((p - s - 1) * 2 + (v - 1) * p).min(total),
-    };
-    let mut out = Vec::with_capacity(2 * total as usize);
-    out.extend((0..warmup).map(fwd));
-    let (mut f, mut b) = (warmup, 0);
-    while f < total {
-        out.push(fwd(f));
-        f += 1;
-        out.push(bwd(b));
-        b += 1;
-    }
-    out.extend((b..total).map(bwd));
-    out
-}
-
 /// Lay out `plan`'s step.
 pub fn timeline(plan: &Plan) -> Timeline {
     let s = &plan.strategy;
     let e = &plan.estimate;
     let (p, m) = (plan.mesh.pp.max(1), s.num_micro_batches.max(1));
-    let v = if s.schedule == PipelineSchedule::Interleaved {
-        s.virtual_stages.max(1)
-    } else {
-        1
-    };
+    let v = plan.chunks();
     let slowest = plan
         .stages
         .iter()
@@ -123,34 +79,39 @@ pub fn timeline(plan: &Plan) -> Timeline {
     let nv = (p * v) as usize;
     let mut f_end = vec![vec![f64::NAN; m as usize]; nv];
     let mut b_end = vec![vec![f64::NAN; m as usize]; nv];
-    let orders: Vec<Vec<(Pass, u64, u64)>> =
-        (0..p).map(|st| order(s.schedule, p, st, m, v)).collect();
+    let orders: Vec<Vec<PipelineWork>> = (0..p)
+        .map(|st| pipeline_order(s.schedule, p, st, m, v))
+        .collect();
     let mut next = vec![0usize; p as usize];
     let mut free = vec![0.0f64; p as usize];
     let mut spans = Vec::with_capacity(2 * (m * v * p) as usize);
     loop {
         let mut progressed = false;
         for st in 0..p {
-            while let Some(&(pass, mb, chunk)) = orders[st as usize].get(next[st as usize]) {
+            while let Some(&work) = orders[st as usize].get(next[st as usize]) {
+                let (forward, mb, chunk) = (work.is_forward(), work.micro(), work.chunk());
                 let k = virt(st, chunk) as usize;
-                let ready = match pass {
-                    Pass::F if k == 0 => Some(0.0),
-                    Pass::F => Some(f_end[k - 1][mb as usize]).filter(|t| !t.is_nan()),
-                    Pass::B if k == nv - 1 => Some(f_end[k][mb as usize]).filter(|t| !t.is_nan()),
-                    Pass::B => Some(b_end[k + 1][mb as usize]).filter(|t| !t.is_nan()),
+                let ready = match (forward, k) {
+                    (true, 0) => Some(0.0),
+                    (true, _) => Some(f_end[k - 1][mb as usize]).filter(|t| !t.is_nan()),
+                    (false, _) if k == nv - 1 => {
+                        Some(f_end[k][mb as usize]).filter(|t| !t.is_nan())
+                    }
+                    (false, _) => Some(b_end[k + 1][mb as usize]).filter(|t| !t.is_nan()),
                 };
                 let Some(ready) = ready else { break };
                 let start = free[st as usize].max(ready);
-                let dur = if pass == Pass::F { slot_f } else { slot_b };
+                let dur = if forward { slot_f } else { slot_b };
                 let end = start + dur;
-                match pass {
-                    Pass::F => f_end[k][mb as usize] = end,
-                    Pass::B => b_end[k][mb as usize] = end,
+                if forward {
+                    f_end[k][mb as usize] = end;
+                } else {
+                    b_end[k][mb as usize] = end;
                 }
                 free[st as usize] = end;
                 spans.push(Span {
                     stage: st,
-                    kind: if pass == Pass::F {
+                    kind: if forward {
                         SpanKind::Forward
                     } else {
                         SpanKind::Backward

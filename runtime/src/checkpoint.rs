@@ -40,7 +40,7 @@
 
 use crate::error::{Result, RuntimeError};
 use crate::interp::ParamKey;
-use crate::params::ParamStore;
+use crate::params::{LogicalParam, OwnedShard};
 use crate::shard::concat_along;
 use crate::tensor::Tensor;
 use dplc_ir::{Graph, Optimizer, ParamId};
@@ -370,47 +370,28 @@ fn tensor_name(param: &str, layer: u64, kind: &str) -> String {
 
 /// Write this rank's shard file: every element it owns of every parameter's
 /// master value and optimizer moments.
-pub(crate) fn write_shards(
+pub(crate) fn write_shards<'a>(
     dir: &Path,
     rank: usize,
     graph: &Graph,
-    store: &ParamStore,
+    owned: impl Iterator<Item = OwnedShard<'a>>,
     kill: Option<KillPoint>,
 ) -> Result<()> {
     let mut entries = Vec::new();
     let mut buffers: Vec<(String, Vec<u8>)> = Vec::new();
-    for (key, slot) in &store.slots {
-        if !slot.norm_owner {
-            continue;
-        }
-        let range = slot.shards[slot.pos].clone();
-        if range.is_empty() {
-            continue;
-        }
-        // Below ZeRO-1 a replica holds every element; above, its own range.
-        let local = |v: &[f32]| -> Vec<f32> {
-            if v.len() == slot.numel {
-                v[range.clone()].to_vec()
-            } else {
-                v.to_vec()
-            }
-        };
-        let name = &graph.param(key.param).name;
-        for (kind, values) in [
-            ("value", local(&slot.master)),
-            ("m", local(&slot.m)),
-            ("v", local(&slot.v)),
-        ] {
-            buffers.push((tensor_name(name, key.layer, kind), f32_bytes(&values)));
+    for shard in owned {
+        let name = &graph.param(shard.key.param).name;
+        for (kind, values) in [("value", shard.value), ("m", shard.m), ("v", shard.v)] {
+            buffers.push((tensor_name(name, shard.key.layer, kind), f32_bytes(values)));
         }
         entries.push(ShardEntry {
             param: name.clone(),
-            layer: key.layer,
-            part: slot
+            layer: shard.key.layer,
+            part: shard
                 .part
                 .map(|(axis, parts, index)| PartSpec { axis, parts, index }),
-            start: range.start,
-            end: range.end,
+            start: shard.range.start,
+            end: shard.range.end,
         });
     }
     let path = dir.join(rank_file(rank));
@@ -493,14 +474,6 @@ pub(crate) fn write_manifest(
     let text = serde_json::to_string_pretty(&manifest).map_err(|e| err(&path, e.to_string()))?;
     write_atomic(&path, text.as_bytes(), kill == Some(KillPoint::MidManifest))?;
     Ok(dir.to_path_buf())
-}
-
-/// A parameter's logical (unsharded) training state.
-#[derive(Clone, Debug, PartialEq)]
-pub(crate) struct LogicalParam {
-    pub value: Vec<f32>,
-    pub m: Vec<f32>,
-    pub v: Vec<f32>,
 }
 
 /// A verified checkpoint, ready for any split to slice.

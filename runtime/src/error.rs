@@ -8,6 +8,9 @@ pub enum RuntimeError {
     /// The run configuration does not fit the graph or the training spec.
     #[error("invalid run configuration: {0}")]
     Config(String),
+    /// The plan (its stages or layouts) does not describe the model.
+    #[error(transparent)]
+    Plan(#[from] dplc_ir::PlanMismatch),
     /// The graph uses something the CPU reference cannot run.
     #[error("unsupported: {0}")]
     Unsupported(String),

@@ -143,8 +143,12 @@ pub struct RunConfig {
     /// Norms, dropout and residuals split along the sequence between the
     /// tensor-parallel matmuls (Korthikanti et al. 2022).
     pub sequence_parallel: bool,
-    /// The plan's per-tensor layouts; `None` derives Megatron's from the graph.
+    /// The plan's per-tensor layouts: needed whenever tp or ep is above 1
+    /// (the runtime never derives a layout of its own).
     pub layout: Option<ModelLayout>,
+    /// Layers each pipeline stage runs (all its chunks together), as the plan
+    /// balanced them; `None` (a run not made from a plan) splits evenly.
+    pub stage_layers: Option<Vec<u64>>,
     /// Samples per micro-batch on one rank.
     pub micro_batch: usize,
     /// Micro-batches per step on one replica (gradient accumulation).
@@ -178,6 +182,7 @@ impl Default for RunConfig {
             ep: 1,
             sequence_parallel: false,
             layout: None,
+            stage_layers: None,
             micro_batch: 1,
             num_micro_batches: 1,
             zero: ZeroStage::None,
@@ -237,6 +242,7 @@ impl RunConfig {
             ep: m.ep as usize,
             sequence_parallel: s.sequence_parallel,
             layout: plan.layout.clone(),
+            stage_layers: (m.pp > 1).then(|| plan.stage_layers()),
             micro_batch: s.micro_batch as usize,
             num_micro_batches: s.num_micro_batches as usize,
             zero,
@@ -301,6 +307,11 @@ pub struct TrainReport {
     pub interrupted: bool,
     /// The step directories of the checkpoints it saved, in order.
     pub checkpoints: Vec<PathBuf>,
+    /// Layers each pipeline stage ran forward for one micro-batch (all its
+    /// chunks together), counted as they ran in the first step: the plan's
+    /// partition, read back from the run. Zero for a stage whose ranks run
+    /// in another process, or when no step ran.
+    pub stage_layers: Vec<u64>,
 }
 
 /// Everything the ranks share, read-only.
@@ -353,7 +364,15 @@ impl Coords {
     }
 }
 
-/// What a rank hands back at the end: its part of each parameter it holds.
+/// What a rank hands back at the end.
+struct RankOut {
+    stage: usize,
+    /// Layers its forwards ran for micro-batch 0 of the first step.
+    layers_run: u64,
+    exported: Vec<Exported>,
+}
+
+/// A rank's part of one parameter it holds.
 struct Exported {
     key: ParamKey,
     value: Tensor,
@@ -441,21 +460,19 @@ fn train_on(
         )));
     }
     let layouts = if cfg.tp > 1 || cfg.ep > 1 {
-        let model = match &cfg.layout {
-            Some(l) => l.clone(),
-            None => {
-                dplc_ir::derive_layout(graph, cfg.tp as u64, cfg.ep as u64, cfg.sequence_parallel)
-                    .map_err(|e| RuntimeError::Unsupported(e.to_string()))?
-            }
-        };
+        let model = cfg.layout.as_ref().ok_or_else(|| {
+            RuntimeError::Config(format!(
+                "tp {} ep {} splits tensors, but the run carries no layout: the planner writes one into every split plan (compile it again)",
+                cfg.tp, cfg.ep
+            ))
+        })?;
         if model.tp != cfg.tp as u64 || model.ep != cfg.ep as u64 {
             return Err(RuntimeError::Config(format!(
                 "the layout is for tp {} ep {}, the run has tp {} ep {}",
                 model.tp, model.ep, cfg.tp, cfg.ep
             )));
         }
-        check_layout_fits(graph, &model)?;
-        Some(Layouts::new(graph, &model)?)
+        Some(Layouts::new(graph, model)?)
     } else {
         None
     };
@@ -521,7 +538,7 @@ fn train_on(
             )));
         }
     }
-    let part = Partition::new(graph, cfg.pp * v)?;
+    let part = Partition::new(graph, cfg.pp, v, cfg.stage_layers.as_deref())?;
     let mut tied: BTreeMap<ParamKey, Vec<usize>> = BTreeMap::new();
     for (c, chunk) in part.chunks.iter().enumerate() {
         for &n in &chunk.nodes {
@@ -600,7 +617,7 @@ fn train_on(
     };
     let (tx, rx) = mpsc::channel::<StepStats>();
     let mut stats = Vec::new();
-    let results: Vec<Result<Vec<Exported>>> = std::thread::scope(|s| {
+    let results: Vec<Result<RankOut>> = std::thread::scope(|s| {
         let handles: Vec<_> = here
             .map(|rank| {
                 let comm = world.communicator(rank);
@@ -664,8 +681,11 @@ fn train_on(
     );
     // Reassemble split parameters from their parts, in part order.
     let mut parts: BTreeMap<ParamKey, BTreeMap<usize, (usize, Tensor)>> = BTreeMap::new();
+    let mut stage_layers = vec![0; cfg.pp];
     for r in results {
-        for e in r? {
+        let out = r?;
+        stage_layers[out.stage] = out.layers_run;
+        for e in out.exported {
             let (axis, index) = e.part.unwrap_or((0, 0));
             parts
                 .entry(e.key)
@@ -692,27 +712,8 @@ fn train_on(
         steps: stats,
         params,
         checkpoints,
+        stage_layers,
     })
-}
-
-/// Every split dimension must divide evenly (a strategy the model cannot take,
-/// such as tp not dividing the heads, is refused before any rank starts).
-fn check_layout_fits(graph: &Graph, model: &ModelLayout) -> Result<()> {
-    for s in &model.params {
-        let info = graph.param(s.param);
-        let (axis, parts, what) = match s.split {
-            SplitAxis::Tensor { axis } => (axis, model.tp, "tp"),
-            SplitAxis::Expert => (0, model.ep, "ep"),
-        };
-        let n = info.shape.dims().get(axis).and_then(|d| d.as_const());
-        if !n.is_some_and(|n| n > 0 && (n as u64).is_multiple_of(parts)) {
-            return Err(RuntimeError::Config(format!(
-                "parameter `{}` cannot split axis {axis} over {what} {parts}",
-                info.name
-            )));
-        }
-    }
-    Ok(())
 }
 
 /// The parameter tensors rank `at` holds: their ZeRO-3 unit, whether it counts
@@ -833,6 +834,8 @@ struct Rank<'a, 'b> {
     live: HashMap<(usize, usize), Live>,
     losses: Vec<f64>,
     step: u64,
+    /// Layers the forwards of micro-batch 0 ran in the run's first step.
+    layers_run: u64,
 }
 
 fn tag(micro: usize, chunk: usize, chunks: usize, backward: bool) -> u64 {
@@ -844,7 +847,7 @@ fn run_rank(
     comm: Communicator,
     steps: u64,
     tx: &mpsc::Sender<StepStats>,
-) -> Result<Vec<Exported>> {
+) -> Result<RankOut> {
     let cfg = sh.cfg;
     let rank = comm.rank();
     let at = Coords::of(rank, cfg);
@@ -885,6 +888,7 @@ fn run_rank(
         live: HashMap::new(),
         losses: Vec::new(),
         step: sh.start_step,
+        layers_run: 0,
     };
     let work = schedule(cfg.schedule, stage, cfg.pp, cfg.num_micro_batches);
     let world = Group::new((0..cfg.world_size()).collect());
@@ -979,11 +983,16 @@ fn run_rank(
         r.save(done)?;
     }
     let exported = r.store.export()?;
+    let out = |exported| RankOut {
+        stage,
+        layers_run: r.layers_run,
+        exported,
+    };
     // The first expert-parallel group holds every part once.
     if r.dp_index >= cfg.ep {
-        return Ok(Vec::new());
+        return Ok(out(Vec::new()));
     }
-    Ok(exported
+    Ok(out(exported
         .into_iter()
         .map(|(key, value)| {
             let part = match sh.layouts.as_ref().and_then(|l| l.param(key.param)) {
@@ -993,7 +1002,7 @@ fn run_rank(
             };
             Exported { key, value, part }
         })
-        .collect())
+        .collect()))
 }
 
 impl<'a, 'b> Rank<'a, 'b> {
@@ -1046,7 +1055,7 @@ impl<'a, 'b> Rank<'a, 'b> {
             checkpoint::prepare_step_dir(&dir)?;
         }
         barrier(&mut self.store)?;
-        checkpoint::write_shards(&dir, rank, sh.graph, &self.store, kill)?;
+        checkpoint::write_shards(&dir, rank, sh.graph, self.store.owned_shards(), kill)?;
         barrier(&mut self.store)?;
         if rank == 0 {
             let gb = cfg.global_batch() as u64;
@@ -1200,6 +1209,9 @@ impl<'a, 'b> Rank<'a, 'b> {
                 } else {
                     std::mem::take(&mut carried)
                 };
+                if micro == 0 && self.step == sh.start_step {
+                    self.layers_run += chunk.layers.end - chunk.layers.start;
+                }
                 let out = interp.forward_repeat(
                     &mut frame,
                     n,

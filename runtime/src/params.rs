@@ -2,7 +2,6 @@
 //! moments and gradients, laid out per ZeRO stage; and the layer hooks through
 //! which ZeRO-3 all-gathers weights and reduce-scatters gradients per layer.
 
-use crate::checkpoint::LogicalParam;
 use crate::comm::{Communicator, Group};
 use crate::error::{kernel_err, Result};
 use crate::interp::{ParamAccess, ParamKey, Value};
@@ -25,6 +24,29 @@ pub enum ZeroStage {
     Two,
     /// Parameters sharded too (FSDP): gathered per layer, freed after use.
     Three,
+}
+
+/// A parameter's logical (unsharded) training state: what a checkpoint
+/// holds, and what any split slices its own part from.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct LogicalParam {
+    pub value: Vec<f32>,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+/// The elements of one parameter's training state that this rank owns:
+/// across the world every element is owned by exactly one rank, which is
+/// the one that writes it to a checkpoint.
+pub(crate) struct OwnedShard<'a> {
+    pub key: ParamKey,
+    /// `(axis, parts, index)` of the tensor- or expert-parallel part it lies in.
+    pub part: Option<(usize, usize, usize)>,
+    /// Where it lies in that part, flattened.
+    pub range: Range<usize>,
+    pub value: &'a [f32],
+    pub m: &'a [f32],
+    pub v: &'a [f32],
 }
 
 /// Which layer a parameter belongs to, for ZeRO-3's per-layer gathers.
@@ -110,6 +132,31 @@ pub(crate) struct ParamStore {
 }
 
 impl ParamStore {
+    /// Every element of training state this rank owns (see [`OwnedShard`]).
+    pub fn owned_shards(&self) -> impl Iterator<Item = OwnedShard<'_>> {
+        self.slots.iter().filter_map(|(&key, slot)| {
+            let range = slot.shards[slot.pos].clone();
+            if !slot.norm_owner || range.is_empty() {
+                return None;
+            }
+            // Below ZeRO-1 a replica holds every element; above, its own range.
+            let whole = slot.master.len() == slot.numel;
+            let at = if whole {
+                range.clone()
+            } else {
+                0..slot.master.len()
+            };
+            Some(OwnedShard {
+                key,
+                part: slot.part,
+                value: &slot.master[at.clone()],
+                m: &slot.m[at.clone()],
+                v: &slot.v[at],
+                range,
+            })
+        })
+    }
+
     pub fn new(
         graph: &Graph,
         keys: Vec<HeldParam>,

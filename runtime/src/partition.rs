@@ -3,7 +3,10 @@
 //! and the per-rank order of forward and backward work under each schedule.
 
 use crate::error::{Result, RuntimeError};
-use dplc_ir::{Graph, NodeId, Op, TensorId};
+use dplc_ir::{
+    even_split, pipeline_order, virtual_stage_layers, Graph, NodeId, Op, PipelineSchedule,
+    PipelineWork, TensorId,
+};
 use std::collections::HashSet;
 use std::ops::Range;
 
@@ -62,7 +65,17 @@ fn replicated(op: &Op) -> bool {
 }
 
 impl Partition {
-    pub fn new(graph: &Graph, stages: usize) -> Result<Partition> {
+    /// Cut `graph` into `pp × chunks` virtual stages, pipeline stage `s`
+    /// running `stage_layers[s]` layers over its chunks — the plan's
+    /// partition, uneven as it was balanced. A run not made from a plan
+    /// (`None`) splits the layers evenly.
+    pub fn new(
+        graph: &Graph,
+        pp: usize,
+        chunks: usize,
+        stage_layers: Option<&[u64]>,
+    ) -> Result<Partition> {
+        let stages = (pp * chunks).max(1);
         let root = graph.region(graph.root());
         let repeats: Vec<usize> = root
             .nodes
@@ -103,11 +116,27 @@ impl Partition {
                 "{count} layers cannot fill {stages} pipeline stages"
             )));
         }
-        let (base, extra) = (count / stages as u64, count % stages as u64);
+        let stage_layers = match stage_layers {
+            Some(l) => l.to_vec(),
+            None => even_split(count, pp as u64),
+        };
+        let planned: u64 = stage_layers.iter().sum();
+        if stage_layers.len() != pp || planned != count {
+            return Err(RuntimeError::Config(format!(
+                "the plan puts {planned} layers on {} stages ({stage_layers:?}); the run has {pp} stages and the model {count} layers",
+                stage_layers.len()
+            )));
+        }
+        let layers = virtual_stage_layers(&stage_layers, chunks as u64);
+        if layers.contains(&0) {
+            return Err(RuntimeError::Config(format!(
+                "stages of {stage_layers:?} layers leave a chunk empty: each of the {chunks} chunks per stage needs a layer"
+            )));
+        }
         let mut start = 0;
-        let ranges: Vec<Range<u64>> = (0..stages as u64)
-            .map(|c| {
-                let len = base + u64::from(c < extra);
+        let ranges: Vec<Range<u64>> = layers
+            .iter()
+            .map(|&len| {
                 start += len;
                 start - len..start
             })
@@ -171,101 +200,34 @@ impl Partition {
     }
 }
 
-/// The order of work on pipeline rank `stage` of `pp`, for `micro` micro-batches
-/// and `v` chunks per rank; chunk ids are virtual stages `local·pp + stage`.
+/// The order of work on pipeline rank `stage` of `pp`, for `micro`
+/// micro-batches: the plan's own order (`dplc_ir::pipeline_order`, which the
+/// planner's timeline prices), with chunks named by their virtual stage
+/// `local · pp + stage`.
 pub fn schedule(kind: Schedule, stage: usize, pp: usize, micro: usize) -> Vec<Work> {
-    let v = kind.chunks();
-    let f = |micro, chunk| Work::Forward { micro, chunk };
-    let b = |micro, chunk| Work::Backward { micro, chunk };
-    match kind {
-        Schedule::GPipe => (0..micro)
-            .map(|m| f(m, stage))
-            .chain((0..micro).map(|m| b(m, stage)))
-            .collect(),
-        Schedule::OneFOneB | Schedule::Interleaved { .. } => {
-            let total = micro * v;
-            // The k-th forward (backward) of this rank: micro-batches go in groups
-            // of pp through chunk 0, then the same group through chunk 1, …
-            let at = |k: usize, backward: bool| {
-                let group = k / (pp * v);
-                let within = k % (pp * v);
-                let local = if backward {
-                    v - 1 - within / pp
-                } else {
-                    within / pp
-                };
-                (group * pp + within % pp, local * pp + stage)
-            };
-            let warmup = if v == 1 {
-                (pp - stage - 1).min(total)
-            } else {
-                ((pp - stage - 1) * 2 + (v - 1) * pp).min(total)
-            };
-            let mut out = Vec::with_capacity(2 * total);
-            for k in 0..warmup {
-                let (m, c) = at(k, false);
-                out.push(f(m, c));
-            }
-            for k in 0..total - warmup {
-                let (m, c) = at(warmup + k, false);
-                out.push(f(m, c));
-                let (m, c) = at(k, true);
-                out.push(b(m, c));
-            }
-            for k in total - warmup..total {
-                let (m, c) = at(k, true);
-                out.push(b(m, c));
-            }
-            out
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn one_f_one_b_keeps_at_most_pp_micro_batches_alive() {
-        for stage in 0..4 {
-            let s = schedule(Schedule::OneFOneB, stage, 4, 8);
-            let (mut live, mut peak) = (0i32, 0i32);
-            for w in &s {
-                live += if matches!(w, Work::Forward { .. }) {
-                    1
-                } else {
-                    -1
-                };
-                peak = peak.max(live);
-            }
-            assert_eq!(peak as usize, 4 - stage);
-            assert_eq!(s.len(), 16);
-        }
-    }
-
-    #[test]
-    fn interleaved_runs_every_chunk_of_every_micro_batch() {
-        let s = schedule(Schedule::Interleaved { chunks: 2 }, 1, 2, 4);
-        let mut fwd: Vec<(usize, usize)> = s
-            .iter()
-            .filter_map(|w| match *w {
-                Work::Forward { micro, chunk } => Some((micro, chunk)),
-                _ => None,
-            })
-            .collect();
-        fwd.sort();
-        assert_eq!(
-            fwd,
-            vec![
-                (0, 1),
-                (0, 3),
-                (1, 1),
-                (1, 3),
-                (2, 1),
-                (2, 3),
-                (3, 1),
-                (3, 3)
-            ]
-        );
-    }
+    let ir_kind = match kind {
+        Schedule::GPipe => PipelineSchedule::GPipe,
+        Schedule::OneFOneB => PipelineSchedule::OneFOneB,
+        Schedule::Interleaved { .. } => PipelineSchedule::Interleaved,
+    };
+    let virt = |local: u64| local as usize * pp + stage;
+    pipeline_order(
+        ir_kind,
+        pp as u64,
+        stage as u64,
+        micro as u64,
+        kind.chunks() as u64,
+    )
+    .into_iter()
+    .map(|w| match w {
+        PipelineWork::Forward { micro, chunk } => Work::Forward {
+            micro: micro as usize,
+            chunk: virt(chunk),
+        },
+        PipelineWork::Backward { micro, chunk } => Work::Backward {
+            micro: micro as usize,
+            chunk: virt(chunk),
+        },
+    })
+    .collect()
 }

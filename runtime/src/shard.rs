@@ -25,33 +25,19 @@ pub(crate) struct Layouts {
 }
 
 impl Layouts {
+    /// Index `model`, which `ModelLayout::check` has found to fit `graph`.
     pub fn new(graph: &Graph, model: &ModelLayout) -> Result<Layouts> {
+        model.check(graph)?;
         let mut produced = HashMap::new();
         let mut nodes = HashMap::new();
         let mut results = HashMap::new();
         for r in &model.regions {
             let reg = graph.region(r.region);
-            if r.args.len() != reg.args.len() || r.nodes.len() != reg.nodes.len() {
-                return Err(RuntimeError::Config(format!(
-                    "the plan's layout of region {} does not match the model",
-                    r.region
-                )));
-            }
             for (&a, &l) in reg.args.iter().zip(&r.args) {
                 produced.insert(a, l);
             }
-            for (nl, &n) in r.nodes.iter().zip(&reg.nodes) {
-                let node = graph.node(nl.node);
-                if nl.node != n
-                    || (nl.inputs.len() != node.inputs.len() && !matches!(node.op, Op::Param(_)))
-                    || nl.outputs.len() != node.outputs.len()
-                {
-                    return Err(RuntimeError::Config(format!(
-                        "the plan's layout of {} does not match the model",
-                        nl.node
-                    )));
-                }
-                for (&t, &l) in node.outputs.iter().zip(&nl.outputs) {
+            for nl in &r.nodes {
+                for (&t, &l) in graph.node(nl.node).outputs.iter().zip(&nl.outputs) {
                     produced.insert(t, l);
                 }
                 nodes.insert(nl.node, nl.clone());

@@ -20,6 +20,14 @@ const TOL: f32 = 1e-5;
 fn run(g: &dplc_ir::Graph, cfg: RunConfig) -> Result<TrainReport> {
     let data = Corpus::synthetic(7, 32, 4096);
     let s = spec(8, cfg.global_batch() as u64);
+    let mut cfg = cfg;
+    if cfg.tp > 1 && cfg.layout.is_none() {
+        // The layout a plan of this split carries.
+        cfg.layout = Some(
+            dplc_planner::derive_layout(g, cfg.tp as u64, cfg.ep as u64, cfg.sequence_parallel)
+                .expect("a Megatron layout"),
+        );
+    }
     train(g, &s, &cfg, &data, STEPS, 42, |_| {})
 }
 

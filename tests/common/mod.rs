@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use dplc_ir::Optimizer;
-use dplc_runtime::StepStats;
+use dplc_runtime::{RunConfig, StepStats};
 
 pub const TINY: &str = include_str!("../../models/tiny.dpl");
 /// Two runs of the same function agree on each step's loss to this relative
@@ -50,4 +50,18 @@ pub fn assert_losses(name: &str, a: &[StepStats], b: &[StepStats]) {
             y.loss
         );
     }
+}
+
+/// `cfg` with the layout a plan of its split would carry (the planner's
+/// Megatron layout) when a tensor- or expert-parallel degree needs one: the
+/// runtime never derives a layout itself.
+pub fn with_layout(graph: &dplc_ir::Graph, cfg: &RunConfig) -> RunConfig {
+    let mut cfg = cfg.clone();
+    if cfg.layout.is_none() && (cfg.tp > 1 || cfg.ep > 1) {
+        cfg.layout = Some(
+            dplc_planner::derive_layout(graph, cfg.tp as u64, cfg.ep as u64, cfg.sequence_parallel)
+                .expect("the split has a Megatron layout"),
+        );
+    }
+    cfg
 }

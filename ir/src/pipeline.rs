@@ -1,0 +1,172 @@
+//! The pipeline as a plan decides it: which layers each (virtual) stage runs
+//! and the order of every stage's forward and backward passes. The planner's
+//! timeline and the runtime's executor both read these, so what runs is what
+//! was priced.
+
+use crate::PipelineSchedule;
+
+/// One pass of one micro-batch through one of a stage's model chunks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PipelineWork {
+    /// `chunk` is the stage's local chunk, `0..v` (always 0 unless interleaved).
+    Forward {
+        micro: u64,
+        chunk: u64,
+    },
+    Backward {
+        micro: u64,
+        chunk: u64,
+    },
+}
+
+impl PipelineWork {
+    pub fn micro(self) -> u64 {
+        match self {
+            PipelineWork::Forward { micro, .. } | PipelineWork::Backward { micro, .. } => micro,
+        }
+    }
+
+    pub fn chunk(self) -> u64 {
+        match self {
+            PipelineWork::Forward { chunk, .. } | PipelineWork::Backward { chunk, .. } => chunk,
+        }
+    }
+
+    pub fn is_forward(self) -> bool {
+        matches!(self, PipelineWork::Forward { .. })
+    }
+}
+
+/// The order in which pipeline stage `stage` of `pp` runs the forward and
+/// backward passes of `micro_batches` micro-batches through its `chunks`
+/// model chunks (virtual stage `chunk · pp + stage`).
+///
+/// GPipe runs every forward, then every backward. 1F1B warms up with
+/// `pp − stage − 1` forwards and then alternates, so at most `pp − stage`
+/// micro-batches are in flight. The interleaved schedule is Megatron's:
+/// micro-batches go through chunk 0 in groups of `pp`, then the same group
+/// through chunk 1, …; backwards walk the chunks in reverse; the warm-up is
+/// `2(pp − stage − 1) + (chunks − 1)·pp` forwards.
+pub fn pipeline_order(
+    schedule: PipelineSchedule,
+    pp: u64,
+    stage: u64,
+    micro_batches: u64,
+    chunks: u64,
+) -> Vec<PipelineWork> {
+    let (p, v) = (pp.max(1), chunks.max(1));
+    let total = micro_batches * v;
+    let at = |k: u64| {
+        let (group, within) = (k / (p * v), k % (p * v));
+        (group * p + within % p, within / p)
+    };
+    let fwd = |k: u64| {
+        let (micro, chunk) = at(k);
+        PipelineWork::Forward { micro, chunk }
+    };
+    let bwd = |k: u64| {
+        let (micro, chunk) = at(k);
+        PipelineWork::Backward {
+            micro,
+            chunk: v - 1 - chunk,
+        }
+    };
+    let behind = p - 1 - stage.min(p - 1);
+    let warmup = match schedule {
+        PipelineSchedule::GPipe => total,
+        PipelineSchedule::OneFOneB if v == 1 => behind.min(total),
+        PipelineSchedule::OneFOneB | PipelineSchedule::Interleaved => {
+            (2 * behind + (v - 1) * p).min(total)
+        }
+    };
+    let mut out = Vec::with_capacity(2 * total as usize);
+    out.extend((0..warmup).map(fwd));
+    for k in 0..total - warmup {
+        out.push(fwd(warmup + k));
+        out.push(bwd(k));
+    }
+    out.extend((total - warmup..total).map(bwd));
+    out
+}
+
+/// `total` split into `parts` counts as equal as they go, the larger first.
+pub fn even_split(total: u64, parts: u64) -> Vec<u64> {
+    let parts = parts.max(1);
+    (0..parts)
+        .map(|i| total / parts + u64::from(i < total % parts))
+        .collect()
+}
+
+/// Layers per virtual stage, in pipeline order (virtual stage `c · pp + s` is
+/// chunk `c` of stage `s`), given the layers of each pipeline stage: a stage's
+/// layers are cut into `chunks` consecutive runs as equal as they go.
+pub fn virtual_stage_layers(stage_layers: &[u64], chunks: u64) -> Vec<u64> {
+    let pp = stage_layers.len();
+    let per_stage: Vec<Vec<u64>> = stage_layers
+        .iter()
+        .map(|&l| even_split(l, chunks))
+        .collect();
+    (0..chunks.max(1) as usize * pp)
+        .map(|k| per_stage[k % pp][k / pp])
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn in_flight_peak(order: &[PipelineWork]) -> i64 {
+        let (mut live, mut peak) = (0i64, 0i64);
+        for w in order {
+            live += if w.is_forward() { 1 } else { -1 };
+            peak = peak.max(live);
+        }
+        peak
+    }
+
+    #[test]
+    fn one_f_one_b_keeps_at_most_pp_minus_stage_micro_batches_alive() {
+        for stage in 0..4 {
+            let o = pipeline_order(PipelineSchedule::OneFOneB, 4, stage, 8, 1);
+            assert_eq!(in_flight_peak(&o), 4 - stage as i64);
+            assert_eq!(o.len(), 16);
+        }
+    }
+
+    #[test]
+    fn gpipe_runs_every_forward_first() {
+        let o = pipeline_order(PipelineSchedule::GPipe, 2, 1, 3, 1);
+        assert_eq!(in_flight_peak(&o), 3);
+        assert!(o[..3].iter().all(|w| w.is_forward()));
+    }
+
+    #[test]
+    fn interleaved_runs_every_chunk_of_every_micro_batch_once_each_way() {
+        for stage in 0..2 {
+            let o = pipeline_order(PipelineSchedule::Interleaved, 2, stage, 4, 2);
+            let mut fwd: Vec<(u64, u64)> = o
+                .iter()
+                .filter(|w| w.is_forward())
+                .map(|w| (w.micro(), w.chunk()))
+                .collect();
+            let mut bwd: Vec<(u64, u64)> = o
+                .iter()
+                .filter(|w| !w.is_forward())
+                .map(|w| (w.micro(), w.chunk()))
+                .collect();
+            fwd.sort();
+            bwd.sort();
+            let all: Vec<(u64, u64)> = (0..4).flat_map(|m| [(m, 0), (m, 1)]).collect();
+            assert_eq!(fwd, all);
+            assert_eq!(bwd, all);
+        }
+    }
+
+    #[test]
+    fn stage_layers_cut_into_virtual_stages_in_pipeline_order() {
+        assert_eq!(even_split(10, 4), vec![3, 3, 2, 2]);
+        assert_eq!(virtual_stage_layers(&[3, 5], 1), vec![3, 5]);
+        // Stage 0 runs chunks [2, 1], stage 1 [3, 2]: virtual order s0c0 s1c0 s0c1 s1c1.
+        assert_eq!(virtual_stage_layers(&[3, 5], 2), vec![2, 3, 1, 2]);
+    }
+}
