@@ -316,7 +316,7 @@ pub fn launch(args: &LaunchArgs) -> Result<()> {
         &env,
         c.micro_batch,
         c.num_micro_batches,
-        c.recompute,
+        c.recompute != dplc_ir::Recompute::None,
         c.zero != dplc_runtime::ZeroStage::None,
         &data,
         steps,

@@ -333,7 +333,8 @@ pub fn train_on_gpus(p: &Prepared, args: &TrainOpts) -> Result<()> {
         micro_batch: cfg.micro_batch,
         num_micro_batches: cfg.num_micro_batches,
         timeout: std::time::Duration::from_secs_f64(args.timeout.max(1.0)),
-        recompute: cfg.recompute,
+        // The GPU path recomputes whole layers or nothing.
+        recompute: cfg.recompute != dplc_ir::Recompute::None,
         shard_optimizer: cfg.zero != dplc_runtime::ZeroStage::None,
     };
     if !args.json {

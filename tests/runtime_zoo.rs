@@ -21,7 +21,7 @@ const TOL: f32 = 5e-5;
 fn lower(model: &str) -> (dplc_ir::Graph, dplc_ir::TrainSpec) {
     // A four-layer gpt_tiny lets interleaved pipelines give each chunk a layer.
     let text = format!(
-        "{TINY}\nmodel gpt_tiny4 = gpt_tiny(layers = 4)\nmodel gpt_tiny8 = gpt_tiny(layers = 8)\n"
+        "{TINY}\nmodel gpt_tiny4 = gpt_tiny(layers = 4)\nmodel gpt_tiny8 = gpt_tiny(layers = 8)\nmodel gpt_tiny_dropout = gpt_tiny(dropout = 0.1)\n"
     );
     let unit = dplc_frontend::parse("tiny.dpl", &text).expect("tiny.dpl parses");
     let lowered = unit.lower(model).expect("the model lowers");
@@ -104,7 +104,7 @@ fn check_strategies(model: &str, pipeline: bool) {
             micro_batch: 1,
             num_micro_batches: 2,
             zero: ZeroStage::One,
-            recompute: true,
+            recompute: dplc_ir::Recompute::Full,
             ..RunConfig::default()
         };
         assert_same(
@@ -225,7 +225,7 @@ fn split_strategies(experts: bool) -> Vec<(&'static str, RunConfig)> {
             "dp2 tp2 pp2 zero1 recompute",
             RunConfig {
                 zero: ZeroStage::One,
-                recompute: true,
+                recompute: dplc_ir::Recompute::Full,
                 ..c(2, 2, 2, 2)
             },
         ),
@@ -273,7 +273,7 @@ fn split_strategies(experts: bool) -> Vec<(&'static str, RunConfig)> {
             "dp2 ep2 pp2 1f1b recompute",
             RunConfig {
                 ep: 2,
-                recompute: true,
+                recompute: dplc_ir::Recompute::Full,
                 ..c(2, 1, 2, 2)
             },
         ));
@@ -474,4 +474,53 @@ fn uneven_stages_run_as_planned() {
         err.to_string(),
         "invalid run configuration: the plan puts 3 layers on 3 stages ([1, 1, 1]); the run has 3 stages and the model 4 layers"
     );
+}
+
+/// Selective recomputation is selective: a layer keeps everything but its
+/// core-attention tensors (those growing with the square of the sequence:
+/// scores, softmax, its dropout), which are computed again before its
+/// backward — the same ops on the same inputs under the same dropout keys,
+/// so the run is bit for bit the run that keeps everything, serial and
+/// tensor-parallel, while the ranks hold fewer activation bytes; full
+/// recomputation holds fewer still.
+#[test]
+fn selective_recomputation_recomputes_only_the_attention_core() {
+    use dplc_ir::Recompute;
+    for (tp, sp) in [(1, false), (2, true)] {
+        let runs: Vec<TrainReport> = [Recompute::None, Recompute::Selective, Recompute::Full]
+            .into_iter()
+            .map(|recompute| {
+                run(
+                    "gpt_tiny_dropout",
+                    RunConfig {
+                        tp,
+                        sequence_parallel: sp,
+                        micro_batch: 2,
+                        num_micro_batches: 2,
+                        recompute,
+                        ..RunConfig::default()
+                    },
+                )
+            })
+            .collect();
+        let [none, selective, full] = &runs[..] else {
+            unreachable!("three runs")
+        };
+        let trace = |r: &TrainReport| -> Vec<(f64, f64)> {
+            r.steps.iter().map(|s| (s.loss, s.grad_norm)).collect()
+        };
+        assert_eq!(
+            trace(none),
+            trace(selective),
+            "tp{tp}: selective is the same run"
+        );
+        assert_eq!(none.params, selective.params, "tp{tp}");
+        assert_same(&format!("tp{tp} full recompute"), none, full);
+        let bytes = [none, selective, full].map(|r| r.peak_activation_bytes);
+        eprintln!("tp{tp}: peak activation bytes none/selective/full {bytes:?}");
+        assert!(
+            bytes[0] > bytes[1] && bytes[1] > bytes[2],
+            "tp{tp}: activation bytes none > selective > full: {bytes:?}"
+        );
+    }
 }

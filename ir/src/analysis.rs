@@ -7,6 +7,15 @@ use crate::{
 };
 use std::collections::HashSet;
 
+/// Whether a tensor of `elements` grows with the square of the sequence (or
+/// faster): the core-attention tensors — scores, their softmax and dropout —
+/// that selective recomputation recomputes instead of keeping (Korthikanti
+/// et al. 2022). The planner prices recomputation by this rule and the
+/// runtime drops and recomputes by it.
+pub fn attention_core(elements: &Dim, seq: Option<crate::SymId>) -> bool {
+    seq.is_some_and(|seq| elements.syms().iter().filter(|&&s| s == seq).count() >= 2)
+}
+
 /// What a stored tensor holds, which fixes its bytes per element.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum SavedKind {

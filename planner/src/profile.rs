@@ -164,10 +164,6 @@ fn scaled(d: &Dim, r: u64) -> Poly {
     p
 }
 
-fn seq_power(d: &Dim, seq: Option<SymId>) -> usize {
-    d.syms().iter().filter(|&&s| Some(s) == seq).count()
-}
-
 fn elt_bytes(dtype: DType, precision: Precision) -> u64 {
     if dtype.is_float() {
         precision.bytes()
@@ -243,7 +239,7 @@ impl RegionBuilder<'_> {
         let g = self.g;
         let node = g.node(n);
         let out = node.outputs.first().copied();
-        let quadratic = out.is_some_and(|o| seq_power(&self.numel(o), self.seq) >= 2);
+        let quadratic = out.is_some_and(|o| dplc_ir::attention_core(&self.numel(o), self.seq));
         match &node.op {
             Op::Input(_)
             | Op::Param(_)
@@ -376,7 +372,7 @@ fn region_profile(
         p.saved.push(Saved {
             bytes,
             sharded: b.sharded(s.tensor),
-            attention_core: seq_power(&s.elements, seq) >= 2,
+            attention_core: dplc_ir::attention_core(&s.elements, seq),
         });
     }
     for c in &sharding.collectives {

@@ -14,7 +14,9 @@ use crate::params::{HeldParam, ParamStore, Unit, ZeroStage};
 use crate::partition::{schedule, Partition, Schedule, Work};
 use crate::shard::{concat_along, Layouts, MeshGroups};
 use crate::tensor::Tensor;
-use dplc_ir::{GradPlan, Graph, ModelLayout, Op, RegionId, SplitAxis, TensorLayout, TrainSpec};
+use dplc_ir::{
+    GradPlan, Graph, ModelLayout, Op, Recompute, RegionId, SplitAxis, TensorLayout, TrainSpec,
+};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -155,8 +157,10 @@ pub struct RunConfig {
     pub num_micro_batches: usize,
     pub zero: ZeroStage,
     pub schedule: Schedule,
-    /// Keep only each layer's inputs and run its forward again in backward.
-    pub recompute: bool,
+    /// What each layer keeps for backward: everything (`None`), everything
+    /// but the core-attention tensors, recomputed before its backward
+    /// (`Selective`), or only its inputs, its forward run again (`Full`).
+    pub recompute: Recompute,
     /// Elements per all-reduce bucket of data-parallel gradient sync.
     pub bucket_elems: usize,
     /// A rank waiting longer than this for a peer fails the run.
@@ -187,7 +191,7 @@ impl Default for RunConfig {
             num_micro_batches: 1,
             zero: ZeroStage::None,
             schedule: Schedule::OneFOneB,
-            recompute: false,
+            recompute: Recompute::None,
             bucket_elems: 1 << 16,
             timeout: Duration::from_secs(60),
             faults: Faults::default(),
@@ -247,9 +251,7 @@ impl RunConfig {
             num_micro_batches: s.num_micro_batches as usize,
             zero,
             schedule,
-            // Selective recompute is run as full recompute: the same values,
-            // recomputed over more of the layer.
-            recompute: s.recompute != dplc_ir::Recompute::None,
+            recompute: s.recompute,
             ..RunConfig::default()
         })
     }
@@ -312,6 +314,10 @@ pub struct TrainReport {
     /// partition, read back from the run. Zero for a stage whose ranks run
     /// in another process, or when no step ran.
     pub stage_layers: Vec<u64>,
+    /// The most activation bytes any rank held at once (every live
+    /// micro-batch's kept values, measured after each forward): what
+    /// recomputation trades for compute.
+    pub peak_activation_bytes: u64,
 }
 
 /// Everything the ranks share, read-only.
@@ -367,6 +373,7 @@ impl Coords {
 /// What a rank hands back at the end.
 struct RankOut {
     stage: usize,
+    peak_activation_bytes: u64,
     /// Layers its forwards ran for micro-batch 0 of the first step.
     layers_run: u64,
     exported: Vec<Exported>,
@@ -682,9 +689,11 @@ fn train_on(
     // Reassemble split parameters from their parts, in part order.
     let mut parts: BTreeMap<ParamKey, BTreeMap<usize, (usize, Tensor)>> = BTreeMap::new();
     let mut stage_layers = vec![0; cfg.pp];
+    let mut peak_activation_bytes = 0;
     for r in results {
         let out = r?;
         stage_layers[out.stage] = out.layers_run;
+        peak_activation_bytes = peak_activation_bytes.max(out.peak_activation_bytes);
         for e in out.exported {
             let (axis, index) = e.part.unwrap_or((0, 0));
             parts
@@ -713,6 +722,7 @@ fn train_on(
         params,
         checkpoints,
         stage_layers,
+        peak_activation_bytes,
     })
 }
 
@@ -836,6 +846,7 @@ struct Rank<'a, 'b> {
     step: u64,
     /// Layers the forwards of micro-batch 0 ran in the run's first step.
     layers_run: u64,
+    peak_activation_bytes: u64,
 }
 
 fn tag(micro: usize, chunk: usize, chunks: usize, backward: bool) -> u64 {
@@ -889,6 +900,7 @@ fn run_rank(
         losses: Vec::new(),
         step: sh.start_step,
         layers_run: 0,
+        peak_activation_bytes: 0,
     };
     let work = schedule(cfg.schedule, stage, cfg.pp, cfg.num_micro_batches);
     let world = Group::new((0..cfg.world_size()).collect());
@@ -985,6 +997,7 @@ fn run_rank(
     let exported = r.store.export()?;
     let out = |exported| RankOut {
         stage,
+        peak_activation_bytes: r.peak_activation_bytes,
         layers_run: r.layers_run,
         exported,
     };
@@ -1251,6 +1264,13 @@ impl<'a, 'b> Rank<'a, 'b> {
             )?;
         }
         self.live.insert((micro, c), Live { frame });
+        let mut seen = HashSet::new();
+        let held: usize = self
+            .live
+            .values()
+            .map(|l| l.frame.activation_bytes(sh.graph, &mut seen))
+            .sum();
+        self.peak_activation_bytes = self.peak_activation_bytes.max(held as u64);
         Ok(())
     }
 

@@ -8,8 +8,10 @@ use crate::kernels::{self, DropoutKey, OpCtx};
 use crate::shard::Layouts;
 use crate::tensor::Tensor;
 use crate::vjp;
-use dplc_ir::{GradPlan, Graph, NodeId, Op, ParamId, RegionId, Shape, TensorId, TensorLayout};
-use std::collections::HashMap;
+use dplc_ir::{
+    GradPlan, Graph, NodeId, Op, ParamId, Recompute, RegionId, Shape, TensorId, TensorLayout,
+};
+use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -48,6 +50,44 @@ pub(crate) struct Frame {
     pub pending: HashMap<TensorId, Vec<(TensorLayout, Tensor)>>,
 }
 
+impl Frame {
+    /// Bytes of the activations this frame and its tapes hold: every value
+    /// but the parameters', a tensor shared by several frames counted once
+    /// (`seen`). What the activation memory of a rank is made of.
+    pub fn activation_bytes(&self, graph: &Graph, seen: &mut HashSet<*const Tensor>) -> usize {
+        let is_param = |t: TensorId| match graph.tensor(t).def {
+            dplc_ir::TensorDef::Node { node, .. } => matches!(graph.node(node).op, Op::Param(_)),
+            dplc_ir::TensorDef::Arg { .. } => false,
+        };
+        // Every element is 4 bytes (f32 values, i32 token ids).
+        let count = |v: &Value, seen: &mut HashSet<*const Tensor>| {
+            if seen.insert(Arc::as_ptr(v)) {
+                v.numel() * 4
+            } else {
+                0
+            }
+        };
+        let mut bytes = 0;
+        for (&t, v) in &self.values {
+            if !is_param(t) {
+                bytes += count(v, seen);
+            }
+        }
+        for ((t, _), v) in &self.converted {
+            if !is_param(*t) {
+                bytes += count(v, seen);
+            }
+        }
+        for tape in self.tapes.values().flatten() {
+            bytes += match tape {
+                Tape::Kept(f) => f.activation_bytes(graph, seen),
+                Tape::Recompute(args) => args.iter().map(|a| count(a, seen)).sum(),
+            };
+        }
+        bytes
+    }
+}
+
 /// What one iteration of a repeat keeps for its backward.
 pub(crate) enum Tape {
     Kept(Frame),
@@ -81,7 +121,9 @@ pub(crate) struct Interp<'g> {
     pub syms: Vec<i64>,
     /// Seed, step and samples of this micro-batch; node and layer are set per op.
     pub key: DropoutKey,
-    pub recompute: bool,
+    /// What a layer keeps for its backward: everything, everything but the
+    /// core-attention tensors (`dplc_ir::attention_core`), or its arguments.
+    pub recompute: Recompute,
     /// Tensor- and expert-parallel layouts; `None` runs everything whole.
     pub layouts: Option<&'g Layouts>,
 }
@@ -297,6 +339,57 @@ impl<'g> Interp<'g> {
         Ok(frame)
     }
 
+    /// Selective recomputation: forget the values of `region`'s nodes that
+    /// grow with the square of the sequence (and their converted copies);
+    /// [`Interp::recompute_dropped`] computes them again before the backward.
+    /// Nested repeats keep theirs: their tapes are already in the frame.
+    fn drop_attention_core(&self, region: RegionId, frame: &mut Frame) {
+        let g = self.graph;
+        let seq = g.sym_by_name("seq");
+        let mut dropped = HashSet::new();
+        for &n in &g.region(region).nodes {
+            let node = g.node(n);
+            if matches!(node.op, Op::Repeat { .. }) {
+                continue;
+            }
+            for &t in &node.outputs {
+                let core = g
+                    .tensor(t)
+                    .shape
+                    .numel()
+                    .is_some_and(|e| dplc_ir::attention_core(&e, seq));
+                if core && frame.values.remove(&t).is_some() {
+                    dropped.insert(t);
+                }
+            }
+        }
+        frame.converted.retain(|(t, _), _| !dropped.contains(t));
+    }
+
+    /// Compute again, in program order, every node of `region` whose value
+    /// the forward dropped: the same op on the same inputs under the same
+    /// dropout key, so the same values.
+    fn recompute_dropped(
+        &self,
+        region: RegionId,
+        frame: &mut Frame,
+        layer: u64,
+        access: &mut dyn ParamAccess,
+    ) -> Result<()> {
+        if self.recompute != Recompute::Selective {
+            return Ok(());
+        }
+        for &n in &self.graph.region(region).nodes {
+            let node = self.graph.node(n);
+            if !matches!(node.op, Op::Repeat { .. })
+                && node.outputs.iter().any(|t| !frame.values.contains_key(t))
+            {
+                self.eval_node(frame, n, layer, access)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Iterations `range` of repeat `n`, whose captured inputs are in `frame`,
     /// starting from carried values `carried`. The tapes are appended to
     /// `frame.tapes[n]`; returns the carried values after the last iteration.
@@ -346,10 +439,13 @@ impl<'g> Interp<'g> {
                     self.read_as(&mut body_frame, t, want, access)
                 })
                 .collect::<Result<_>>()?;
-            let tape = if self.recompute {
-                Tape::Recompute(args)
-            } else {
-                Tape::Kept(body_frame)
+            let tape = match self.recompute {
+                Recompute::Full => Tape::Recompute(args),
+                Recompute::Selective => {
+                    self.drop_attention_core(body, &mut body_frame);
+                    Tape::Kept(body_frame)
+                }
+                Recompute::None => Tape::Kept(body_frame),
             };
             frame.tapes.entry(n).or_default().push(tape);
         }
@@ -507,7 +603,10 @@ impl<'g> Interp<'g> {
             }
             let tape = tapes.pop().expect("one tape per iteration, counted above");
             let mut body_frame = match tape {
-                Tape::Kept(f) => f,
+                Tape::Kept(mut f) => {
+                    self.recompute_dropped(body, &mut f, layer, access)?;
+                    f
+                }
                 Tape::Recompute(args) => self.forward_region(body, args, layer, access)?,
             };
             let mut body_grads = Grads::new();

@@ -155,7 +155,7 @@ fn data_and_pipeline_parallel_with_zero_and_recompute_match_serial() {
         micro_batch: 2,
         num_micro_batches: 2,
         zero: ZeroStage::One,
-        recompute: true,
+        recompute: dplc_ir::Recompute::Full,
         ..RunConfig::default()
     };
     assert_same("dp2 pp2 zero1 recompute", &base, &run(&g, cfg).unwrap());
