@@ -24,7 +24,9 @@ pub use cuda::{emit_cuda, kernel_name, CudaSource, LaunchShape, ROW_BLOCK};
 pub use error::CodegenError;
 pub use flat::{add_kernel, convert_kernel, sum_squares_kernel, SUM_SQUARES_COLS};
 pub use fuse::{fuse, fuse_graph, FusedKernel, FusionPlan, Operand, Step};
-pub use interp::{binary, erf, interpret, unary, unary_grad, Args, Data};
+pub use interp::{
+    binary, erf, interpret, interpret_refs, unary, unary_grad, Args, BufferRef, Data,
+};
 pub use kernel::{
     fnv1a, random_uniform, Buffer, Builder, Cond, Elem, Expr, Idx, Kernel, RowReduce, Size, Space,
     Store, ValueId,
