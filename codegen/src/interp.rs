@@ -1,7 +1,7 @@
 //! A CPU interpreter of the kernel IR in `f32`: the reference every fused
 //! kernel is tested against without a GPU, and the semantics CUDA emission keeps.
 
-use crate::kernel::{random_uniform, Cond, Elem, Expr, Idx, Kernel, RowReduce, Size};
+use crate::kernel::{draw_state, dropout_draw, Cond, Elem, Expr, Idx, Kernel, RowReduce, Size};
 use crate::CodegenError;
 use dplc_ir::{BinaryOp, UnaryOp};
 
@@ -323,7 +323,17 @@ enum VOp {
     SelectIdx(u32, u32, u32, u32),
     SelectVal(u32, u32, u32, u32),
     Reduce(RowReduce, u32),
+    /// A dropout draw: its key in [`Program::draws`], then the index.
     Random(u32, u32),
+}
+
+/// A dropout key resolved for a launch: the state after seed, step, node and
+/// layer, the first sample and the elements per sample.
+#[derive(Clone, Copy, Debug)]
+struct Draw {
+    state: u64,
+    first_sample: i64,
+    per_sample: i64,
 }
 
 /// Where an instruction's result varies.
@@ -346,7 +356,7 @@ struct CStore {
 
 struct Program<'k> {
     kernel: &'k Kernel,
-    seed: u64,
+    draws: Vec<Draw>,
     outer: Vec<i64>,
     /// Row length of a row kernel.
     inner: Option<usize>,
@@ -471,6 +481,7 @@ impl<'k> Program<'k> {
             }
         };
         let mut vops: Vec<(VOp, Varies)> = Vec::with_capacity(kernel.values.len());
+        let mut draws: Vec<Draw> = Vec::new();
         for (k, e) in kernel.values.iter().enumerate() {
             let operand = |v: crate::kernel::ValueId| -> Result<(u32, Varies), CodegenError> {
                 vops.get(v.0 as usize)
@@ -534,9 +545,14 @@ impl<'k> Program<'k> {
                     let (a, w) = operand(*value)?;
                     (VOp::Reduce(*kind, a), w.min(Varies::PerGroup))
                 }
-                Expr::Random { stream, index } => {
+                Expr::Random { key, index } => {
                     let i = c.index(index);
-                    (VOp::Random(*stream, i), c.iops[i as usize].1)
+                    draws.push(Draw {
+                        state: draw_state(args.seed, key.node, args.size(key.layer)),
+                        first_sample: args.size(key.first_sample),
+                        per_sample: args.size(key.per_sample),
+                    });
+                    (VOp::Random(draws.len() as u32 - 1, i), c.iops[i as usize].1)
                 }
             };
             vops.push(op);
@@ -564,7 +580,7 @@ impl<'k> Program<'k> {
         }
         Ok(Program {
             kernel,
-            seed: args.seed,
+            draws,
             outer: kernel.space.outer.iter().map(|&s| args.size(s)).collect(),
             inner: kernel.space.inner.map(|s| args.size(s).max(0) as usize),
             iops: c.iops,
@@ -783,10 +799,14 @@ impl<'k> Program<'k> {
                         RowReduce::Max => xs.fold(f32::NEG_INFINITY, f32::max),
                     });
                 }
-                VOp::Random(stream, i) => {
+                VOp::Random(d, i) => {
+                    let d = self.draws[d as usize];
                     let i = &regs.idx[i as usize];
-                    out.data
-                        .extend(i.data.iter().map(|&x| random_uniform(self.seed, stream, x)));
+                    out.data.extend(
+                        i.data
+                            .iter()
+                            .map(|&x| dropout_draw(d.state, d.first_sample, d.per_sample, x)),
+                    );
                 }
             }
             regs.val[k] = out;
