@@ -57,6 +57,9 @@ pub enum KeySize {
 
 /// One step of a region, in execution order.
 #[derive(Clone, Debug, PartialEq)]
+// A plan holds a few dozen steps, built once per graph and read in place:
+// boxing the kernel would only add an indirection to every read.
+#[allow(clippy::large_enum_variant)]
 pub enum Step {
     /// A generated kernel.
     Kernel(FusedKernel),

@@ -39,6 +39,8 @@ pub struct Args {
     pub sizes: Vec<i64>,
     /// Values of the scalar arguments `s0..`.
     pub scalars: Vec<f32>,
+    /// The dropout key's state after the run's seed and the step
+    /// ([`crate::draw_seed`]); see [`crate::DrawKey`].
     pub seed: u64,
 }
 
