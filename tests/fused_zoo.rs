@@ -12,7 +12,9 @@
 //!
 //! Also: data parallelism over in-process replicas (gradients summed through
 //! the CPU communicator) and gradient accumulation give the same run, and the
-//! executor refuses what it cannot run with a reason.
+//! executor refuses what it cannot run with a reason. With dropout the fused
+//! kernels draw the reference's masks (keyed by step, node, layer, global
+//! sample and element), so the same comparisons hold at dropout 0.1.
 
 use dplc_runtime::fused::{
     train_fused, Alone, FusedReport, FusedRun, GradSync, HostBackend, HostStaged,
@@ -28,8 +30,31 @@ const SGD_TOL: f32 = 1e-6;
 const STEPS: u64 = 5;
 const SEED: u64 = 11;
 
+/// The tiny zoo with dropout 0.1 everywhere a layer allows it: gpt_tiny's
+/// own parameter, and llama_tiny with attention dropout and dropout on the
+/// embedding and the SwiGLU output (the zoo's llama has none).
+const DROPOUT_MODELS: &str = r#"
+model gpt_tiny_dropout = gpt_tiny(dropout = 0.1)
+
+model llama_tiny_dropout(vocab = 256, d = 64, heads = 4, kv_heads = 2, layers = 2, ffn = 128, dropout = 0.1) {
+    input tokens: i32[batch, seq]
+    input targets: i32[batch, seq]
+    param embed: [vocab, d]
+    h = dropout(embedding(embed, tokens), dropout)
+    repeat layers {
+        h = h + attention(rms_norm(h, d, name = "attention_norm"), d, heads, kv_heads = kv_heads,
+                          rotary = true, qkv_bias = false, out_bias = false, dropout = dropout)
+        h = h + dropout(swiglu(rms_norm(h, d, name = "ffn_norm"), d, ffn), dropout)
+    }
+    h = rms_norm(h, d, name = "norm")
+    param output: [d, vocab]
+    return cross_entropy(h @ output, targets)
+}
+"#;
+
 fn lower(model: &str, opt: Opt) -> (dplc_ir::Graph, dplc_ir::TrainSpec) {
-    let unit = dplc_frontend::parse("tiny.dpl", TINY).expect("tiny.dpl parses");
+    let text = format!("{TINY}\n{DROPOUT_MODELS}");
+    let unit = dplc_frontend::parse("tiny.dpl", &text).expect("tiny.dpl parses");
     let lowered = unit.lower(model).expect("the model lowers");
     let (graph, mut spec) = (lowered.graph, lowered.train);
     spec.seq = 16;
@@ -186,6 +211,52 @@ fn fused_data_parallel_and_accumulation_match_serial() {
     check("fused dp2", "gpt_tiny", 2, 1, 2, false);
     // ZeRO-1 over three replicas, so parameters split unevenly into parts.
     check("fused dp3 ZeRO-1", "gpt_tiny", 3, 1, 2, true);
+}
+
+/// Dropout 0.1: the fused kernels draw the reference's masks, so the runs
+/// agree as closely as at dropout 0 — serially, accumulating over four
+/// micro-batches, and over two replicas (one and two samples each).
+#[test]
+fn gpt_tiny_with_dropout_matches_the_cpu_reference() {
+    check("gpt_tiny dropout", "gpt_tiny_dropout", 1, 2, 1, false);
+    check(
+        "gpt_tiny dropout accumulation",
+        "gpt_tiny_dropout",
+        1,
+        1,
+        4,
+        false,
+    );
+    check("gpt_tiny dropout dp2", "gpt_tiny_dropout", 2, 1, 2, false);
+    check(
+        "gpt_tiny dropout dp2 mb2",
+        "gpt_tiny_dropout",
+        2,
+        2,
+        1,
+        false,
+    );
+}
+
+#[test]
+fn llama_tiny_with_dropout_matches_the_cpu_reference() {
+    check("llama_tiny dropout", "llama_tiny_dropout", 1, 2, 1, false);
+    check(
+        "llama_tiny dropout accumulation",
+        "llama_tiny_dropout",
+        1,
+        1,
+        4,
+        false,
+    );
+    check(
+        "llama_tiny dropout dp2",
+        "llama_tiny_dropout",
+        2,
+        1,
+        2,
+        false,
+    );
 }
 
 #[test]

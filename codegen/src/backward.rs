@@ -282,8 +282,8 @@ fn remap_expr(e: &Expr, vals: &[ValueId], bufs: &[Option<usize>]) -> Expr {
             kind: *kind,
             value: v(value),
         },
-        Expr::Random { stream, index } => Expr::Random {
-            stream: *stream,
+        Expr::Random { key, index } => Expr::Random {
+            key: *key,
             index: remap_idx(index, bufs),
         },
     }

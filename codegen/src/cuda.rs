@@ -206,13 +206,31 @@ __device__ __forceinline__ float dplc_gelu(float x) { return 0.5f * x * (1.0f + 
 __device__ __forceinline__ float dplc_gelu_tanh(float x) {
     return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
 }
-__device__ __forceinline__ float dplc_random(unsigned long long seed, unsigned int stream, long long index) {
-    unsigned long long x = seed ^ ((unsigned long long)stream * 0x9e3779b97f4a7c15ULL)
-        ^ ((unsigned long long)index * 0xbf58476d1ce4e5b9ULL);
-    x ^= x >> 30; x *= 0xbf58476d1ce4e5b9ULL;
-    x ^= x >> 27; x *= 0x94d049bb133111ebULL;
-    x ^= x >> 31;
-    return (float)(x >> 40) * (1.0f / 16777216.0f);
+// The CPU reference's dropout draw (runtime/src/rng.rs; codegen's
+// `dropout_draw`): SplitMix64's finaliser folded over the key words.
+__device__ __forceinline__ unsigned long long dplc_mix(unsigned long long z) {
+    z += 0x9e3779b97f4a7c15ULL;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+__device__ __forceinline__ unsigned long long dplc_absorb(unsigned long long h, unsigned long long w) {
+    return dplc_mix(h ^ dplc_mix(w));
+}
+// `seed` is the key after the run's seed and the step; element `index` is
+// position index % per of sample first + index / per (per 0: position index
+// of the shared sample ~0).
+__device__ __forceinline__ float dplc_random(unsigned long long seed, unsigned long long node,
+                                             long long layer, long long first, long long per,
+                                             long long index) {
+    unsigned long long sample = ~0ULL, pos = (unsigned long long)index;
+    if (per > 0) {
+        sample = (unsigned long long)(first + index / per);
+        pos = (unsigned long long)(index % per);
+    }
+    unsigned long long h = dplc_absorb(dplc_absorb(seed, node), (unsigned long long)layer);
+    h = dplc_absorb(dplc_absorb(h, sample), pos);
+    return (float)(h >> 40) * (1.0f / 16777216.0f);
 }
 #endif
 "#;
@@ -450,9 +468,16 @@ impl Emit<'_> {
                 };
                 C::Cond(Box::new(c), Box::new(v(*then)), Box::new(v(*otherwise)))
             }
-            Expr::Random { stream, index: ix } => call(
+            Expr::Random { key, index: ix } => call(
                 "dplc_random",
-                vec![id("seed"), C::Lit(format!("{stream}u")), index(ix)],
+                vec![
+                    id("seed"),
+                    C::Lit(format!("{}ULL", key.node)),
+                    size(key.layer),
+                    size(key.first_sample),
+                    size(key.per_sample),
+                    index(ix),
+                ],
             ),
             Expr::UnaryGrad(op, a) => call(&format!("dplc_d_{}", op.name()), vec![v(*a)]),
             Expr::Reduce { .. } => unreachable!("reductions are emitted as block reductions"),

@@ -7,7 +7,8 @@
 //! holds at most one row operation (softmax, norm, reduce): its *anchor*.
 
 use crate::kernel::{
-    Buffer, Builder, Cond, Elem, Expr, Idx, Kernel, RowReduce, Size, Space, Store, ValueId,
+    drop_threshold, Buffer, Builder, Cond, DrawKey, Elem, Expr, Idx, Kernel, RowReduce, Size,
+    Space, Store, ValueId,
 };
 use dplc_ir::{
     BinaryOp, DType, Dim, Graph, NodeId, Op, ReduceKind, RegionId, Shape, TensorId, UnaryOp,
@@ -29,14 +30,36 @@ pub struct FusedKernel {
     pub kernel: Kernel,
     /// The graph tensor behind each kernel buffer.
     pub buffers: Vec<TensorId>,
-    /// The symbolic dimension behind each size argument `n{k}`.
+    /// The symbolic dimension behind each size argument `n{k}`; for the
+    /// arguments in `key_sizes` a placeholder 0 (a launch may leave them 0:
+    /// the draws are then still a pure function of the key).
     pub sizes: Vec<Dim>,
+    /// The size arguments that carry the run-time words of a dropout key
+    /// ([`DrawKey`]), set by the executor at each launch.
+    pub key_sizes: Vec<(usize, KeySize)>,
     /// The graph nodes computed (or recomputed) inside the kernel.
     pub nodes: Vec<NodeId>,
 }
 
+/// A size argument that is a word of the dropout key rather than a dimension.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeySize {
+    /// The flat `repeat` iteration (0 outside a `repeat`).
+    Layer,
+    /// Global index of the micro-batch's first sample.
+    FirstSample,
+    /// Elements per sample of this tensor (a dropout's output) in the
+    /// micro-batch, as the CPU reference splits it: `numel / micro_batch`
+    /// when that divides and is below `numel` or the micro-batch is one
+    /// sample, else 0 (one key shared by every sample).
+    PerSample(TensorId),
+}
+
 /// One step of a region, in execution order.
 #[derive(Clone, Debug, PartialEq)]
+// A plan holds a few dozen steps, built once per graph and read in place:
+// boxing the kernel would only add an indirection to every read.
+#[allow(clippy::large_enum_variant)]
 pub enum Step {
     /// A generated kernel.
     Kernel(FusedKernel),
@@ -431,10 +454,10 @@ struct Lower<'a, 'g> {
     buffers: Vec<Buffer>,
     tensors: Vec<TensorId>,
     sizes: Vec<Dim>,
+    key_sizes: Vec<(usize, KeySize)>,
     nodes: BTreeSet<NodeId>,
     anchor: Option<Anchor>,
     stores: Vec<Store>,
-    streams: u32,
     memo: HashMap<(TensorId, Vec<Idx>), ValueId>,
     /// Flat indices that delinearised into these multi-indices over these dims.
     flat_of: HashMap<(Vec<Idx>, Vec<Dim>), Idx>,
@@ -459,10 +482,10 @@ fn lower_root(
         buffers: Vec::new(),
         tensors: Vec::new(),
         sizes: Vec::new(),
+        key_sizes: Vec::new(),
         nodes: BTreeSet::new(),
         anchor: None,
         stores: Vec::new(),
-        streams: 0,
         memo: HashMap::new(),
         flat_of: HashMap::new(),
         row_stats: HashMap::new(),
@@ -559,6 +582,7 @@ fn lower_root(
             kernel,
             buffers: l.tensors,
             sizes: l.sizes,
+            key_sizes: l.key_sizes,
             nodes,
         },
         l.absorbed,
@@ -582,6 +606,17 @@ impl Lower<'_, '_> {
             }
         };
         Size::Param(k)
+    }
+
+    /// The size argument carrying a word of the dropout key.
+    fn key_size(&mut self, k: KeySize) -> Size {
+        if let Some(&(i, _)) = self.key_sizes.iter().find(|(_, x)| *x == k) {
+            return Size::Param(i);
+        }
+        self.sizes.push(Dim::konst(0));
+        let i = self.sizes.len() - 1;
+        self.key_sizes.push((i, k));
+        Size::Param(i)
     }
 
     fn size_idx(&mut self, d: &Dim) -> Idx {
@@ -865,10 +900,14 @@ impl Lower<'_, '_> {
                     x
                 } else {
                     let at = self.linearize(index, out.dims());
-                    let stream = self.streams;
-                    self.streams += 1;
-                    let r = self.b.push(Expr::Random { stream, index: at });
-                    let pv = self.b.konst(*p);
+                    let key = DrawKey {
+                        node: n.index() as u64,
+                        layer: self.key_size(KeySize::Layer),
+                        first_sample: self.key_size(KeySize::FirstSample),
+                        per_sample: self.key_size(KeySize::PerSample(node.outputs[0])),
+                    };
+                    let r = self.b.push(Expr::Random { key, index: at });
+                    let pv = self.b.konst(drop_threshold(*p));
                     let zero = self.b.konst(0.0);
                     let scale = self.b.konst(1.0 / (1.0 - *p));
                     let kept = self.b.binary(BinaryOp::Mul, x, scale);

@@ -290,16 +290,38 @@ pub enum Expr {
         kind: RowReduce,
         value: ValueId,
     },
-    /// A uniform number in `[0, 1)`, a pure function of the kernel's `seed`
-    /// argument, `stream` and `index` (dropout masks replay in backward).
+    /// A uniform number in `[0, 1)`: the CPU reference's dropout draw for
+    /// element `index` of a dropout's output in this micro-batch (see
+    /// [`DrawKey`] and [`dropout_draw`]). A pure function of the key, so
+    /// backward replays the forward's mask.
     Random {
-        stream: u32,
+        key: DrawKey,
         index: Idx,
     },
     /// The derivative of a unary op at a point: `d op(x) / dx`. Backward
     /// kernels need it for ops (GELU's `erf`) whose derivative has no closed
     /// form in the other expressions.
     UnaryGrad(UnaryOp, ValueId),
+}
+
+/// The key of a dropout draw besides the element: the CPU reference hashes
+/// (seed, step, node, layer, sample, position) (`runtime/src/rng.rs`), and a
+/// kernel gets the state after seed and step as its `seed` argument, the
+/// node here and the rest as size arguments, so one kernel serves every
+/// layer and micro-batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DrawKey {
+    /// The dropout node's index in the graph.
+    pub node: u64,
+    /// The flat `repeat` iteration the kernel runs for.
+    pub layer: Size,
+    /// Global index of the micro-batch's first sample.
+    pub first_sample: Size,
+    /// Elements per sample of the dropout's output: element `i` is position
+    /// `i % per_sample` of sample `first_sample + i / per_sample`. 0 when the
+    /// output is not laid out sample after sample: then every element is
+    /// position `i` of the shared sample `u64::MAX`.
+    pub per_sample: Size,
 }
 
 /// A write of `value` to `buf[index]`.
@@ -425,7 +447,11 @@ impl Kernel {
                         RowReduce::Max => "max",
                     }
                 ),
-                Expr::Random { stream, index } => write!(s, "random {stream} @ {index}"),
+                Expr::Random { key, index } => write!(
+                    s,
+                    "random node {} layer {} samples {} + / {} @ {index}",
+                    key.node, key.layer, key.first_sample, key.per_sample
+                ),
                 Expr::UnaryGrad(op, a) => write!(s, "d_{} {a}", op.name()),
             };
             s.push('\n');
@@ -461,11 +487,10 @@ pub struct Builder {
 
 impl Builder {
     pub fn push(&mut self, e: Expr) -> ValueId {
-        // Reuse an identical earlier value (loads of the same element, shared constants).
-        if !matches!(e, Expr::Random { .. }) {
-            if let Some(i) = self.values.iter().position(|x| *x == e) {
-                return ValueId(i as u32);
-            }
+        // Reuse an identical earlier value (loads of the same element, shared
+        // constants, the same draw).
+        if let Some(i) = self.values.iter().position(|x| *x == e) {
+            return ValueId(i as u32);
         }
         self.values.push(e);
         ValueId(self.values.len() as u32 - 1)
@@ -488,17 +513,56 @@ impl Builder {
     }
 }
 
-/// The random number of [`Expr::Random`]: a counter-based hash, the same bits
-/// on the CPU and on the GPU.
-pub fn random_uniform(seed: u64, stream: u32, index: i64) -> f32 {
-    let mut x = seed
-        ^ (u64::from(stream).wrapping_mul(0x9e37_79b9_7f4a_7c15))
-        ^ (index as u64).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x ^= x >> 30;
-    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x ^= x >> 27;
-    x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^= x >> 31;
-    // The top 24 bits: exactly representable in f32, uniform in [0, 1).
-    (x >> 40) as f32 * (1.0 / 16_777_216.0)
+/// The dropout key's starting state (`runtime/src/rng.rs`: π's fraction).
+const KEY_START: u64 = 0x243F_6A88_85A3_08D3;
+
+/// SplitMix64's finaliser: the mixing function of the dropout key.
+fn key_mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The key state after one more word: the reference hashes a key of words
+/// as `fold(KEY_START, |h, w| mix(h ^ mix(w)))`.
+pub fn key_absorb(state: u64, word: u64) -> u64 {
+    key_mix(state ^ key_mix(word))
+}
+
+/// A kernel's `seed` argument for a run's `seed` at `step`: the key state
+/// after those two words.
+pub fn draw_seed(seed: u64, step: u64) -> u64 {
+    key_absorb(key_absorb(KEY_START, seed), step)
+}
+
+/// The key state after the node and the layer: the same for a whole launch.
+pub fn draw_state(seed: u64, node: u64, layer: i64) -> u64 {
+    key_absorb(key_absorb(seed, node), layer as u64)
+}
+
+/// The draw of [`Expr::Random`] for element `index`, from [`draw_state`]
+/// and the key's `first_sample` and `per_sample` (see [`DrawKey`]): the
+/// reference's `rng::uniform`, the top 24 bits of the hash as a float in
+/// `[0, 1)`, exactly representable in f32. CUDA's `dplc_random` is the same
+/// integer arithmetic (C's `/` and `%` truncate as Rust's do).
+pub fn dropout_draw(state: u64, first_sample: i64, per_sample: i64, index: i64) -> f32 {
+    let (sample, pos) = if per_sample > 0 {
+        (
+            (first_sample + index / per_sample) as u64,
+            (index % per_sample) as u64,
+        )
+    } else {
+        (u64::MAX, index as u64)
+    };
+    let h = key_absorb(key_absorb(state, sample), pos);
+    (h >> 40) as f32 * (1.0 / 16_777_216.0)
+}
+
+/// The `f32` threshold a draw is compared with to drop with probability `p`:
+/// the reference keeps an element when `f64::from(u) >= p`, and a draw is
+/// `k / 2^24`, so `u < ceil(p·2^24) / 2^24` (exact in f32) drops the same
+/// elements as `u < p` in f64 would.
+pub fn drop_threshold(p: f64) -> f64 {
+    (p * 16_777_216.0).ceil() / 16_777_216.0
 }

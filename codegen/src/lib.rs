@@ -23,10 +23,12 @@ pub use backward::{
 pub use cuda::{emit_cuda, kernel_name, CudaSource, LaunchShape, ROW_BLOCK};
 pub use error::CodegenError;
 pub use flat::{add_kernel, convert_kernel, sum_squares_kernel, SUM_SQUARES_COLS};
-pub use fuse::{fuse, fuse_graph, FusedKernel, FusionPlan, Operand, Step};
-pub use interp::{binary, erf, interpret, unary, unary_grad, Args, Data};
+pub use fuse::{fuse, fuse_graph, FusedKernel, FusionPlan, KeySize, Operand, Step};
+pub use interp::{
+    binary, erf, interpret, interpret_refs, unary, unary_grad, Args, BufferRef, Data,
+};
 pub use kernel::{
-    fnv1a, random_uniform, Buffer, Builder, Cond, Elem, Expr, Idx, Kernel, RowReduce, Size, Space,
-    Store, ValueId,
+    draw_seed, draw_state, drop_threshold, dropout_draw, fnv1a, key_absorb, Buffer, Builder, Cond,
+    DrawKey, Elem, Expr, Idx, Kernel, RowReduce, Size, Space, Store, ValueId,
 };
 pub use nvrtc::{Arch, Nvrtc, Ptx};

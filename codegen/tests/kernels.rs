@@ -1,5 +1,6 @@
 //! Kernels on their own: AdamW against a scalar Rust AdamW, and golden CUDA C
-//! for the kernels of a GPT layer (re-bless with `cargo insta review`).
+//! for the kernels of a GPT layer and for gpt2's dropout draws (re-bless with
+//! `cargo insta review`).
 
 mod common;
 
@@ -80,6 +81,38 @@ fn gpt_tiny_cuda_f32() {
 #[test]
 fn gpt_tiny_cuda_bf16() {
     insta::assert_snapshot!(cuda_of("gpt_tiny", DType::BF16));
+}
+
+/// gpt2's kernels that draw dropout masks: each one's IR, its key's size
+/// arguments, and the CUDA lines that draw (the prelude's `dplc_random` is in
+/// the gpt_tiny goldens).
+#[test]
+fn gpt2_dropout_draws() {
+    let g = zoo("gpt2.dpl", "gpt2").graph;
+    let mut out = String::new();
+    for (r, _) in g.regions() {
+        for step in fuse(&g, r).steps {
+            let Step::Kernel(k) = step else { continue };
+            if !k.kernel.uses_random() {
+                continue;
+            }
+            let src = emit_cuda(&k.kernel, DType::F32);
+            out += &format!(
+                "==== {} key sizes {:?}
+",
+                src.name, k.key_sizes
+            );
+            out += &k.kernel.text();
+            for line in src
+                .source
+                .lines()
+                .filter(|l| l.contains("dplc_random(seed"))
+            {
+                out += &format!("cuda: {}\n", line.trim());
+            }
+        }
+    }
+    insta::assert_snapshot!(out);
 }
 
 #[test]

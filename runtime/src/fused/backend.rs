@@ -5,7 +5,7 @@
 //! NVRTC's PTX and cuBLAS.
 
 use crate::error::{kernel_err, Result};
-use dplc_codegen::{interpret, Args, Data, Elem, Kernel};
+use dplc_codegen::{interpret_refs, Args, BufferRef, Data, Elem, Kernel};
 use dplc_ir::DType;
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -33,29 +33,53 @@ impl MatMul {
     }
 }
 
-/// The reference matmul: the same row-major product on the CPU, accumulated in f64.
+/// The reference matmul: the same row-major product on the CPU, accumulated in
+/// f64 over `k` in order. Each row of C accumulates in a row of f64 sums while
+/// B's rows stream past contiguously (B is transposed into that layout first),
+/// so the inner loop is a unit-stride axpy; each sum still adds its terms in
+/// the order `p = 0..k`, so the result is the plain triple loop's.
 pub fn matmul_cpu(mm: &MatMul, a: &[f32], b: &[f32]) -> Vec<f32> {
-    let mut c = vec![0.0f32; mm.batch * mm.m * mm.n];
+    let (m, n, k) = (mm.m, mm.n, mm.k);
+    let mut c = vec![0.0f32; mm.batch * m * n];
+    let mut bt = Vec::new();
+    let mut acc = vec![0.0f64; n];
     for bi in 0..mm.batch {
-        let ao = if mm.a_batched { bi * mm.m * mm.k } else { 0 };
-        let bo = if mm.b_batched { bi * mm.k * mm.n } else { 0 };
-        for i in 0..mm.m {
-            for j in 0..mm.n {
-                let mut acc = 0.0f64;
-                for p in 0..mm.k {
-                    let x = if mm.a_transposed {
-                        a[ao + p * mm.m + i]
-                    } else {
-                        a[ao + i * mm.k + p]
-                    };
-                    let y = if mm.b_transposed {
-                        b[bo + j * mm.k + p]
-                    } else {
-                        b[bo + p * mm.n + j]
-                    };
-                    acc += f64::from(x) * f64::from(y);
+        let ao = if mm.a_batched { bi * m * k } else { 0 };
+        let bo = if mm.b_batched { bi * k * n } else { 0 };
+        // B as k rows of n f64s, built once per distinct B.
+        if bi == 0 || mm.b_batched {
+            let b = &b[bo..bo + k * n];
+            bt.clear();
+            if mm.b_transposed {
+                bt.resize(k * n, 0.0f64);
+                for (j, col) in b.chunks_exact(k.max(1)).enumerate().take(n) {
+                    for (p, &y) in col.iter().enumerate() {
+                        bt[p * n + j] = f64::from(y);
+                    }
                 }
-                c[bi * mm.m * mm.n + i * mm.n + j] = acc as f32;
+            } else {
+                bt.extend(b.iter().map(|&y| f64::from(y)));
+            }
+        }
+        let a = &a[ao..ao + m * k];
+        for (i, row) in c[bi * m * n..(bi + 1) * m * n]
+            .chunks_exact_mut(n.max(1))
+            .enumerate()
+            .take(m)
+        {
+            acc.fill(0.0);
+            for p in 0..k {
+                let x = f64::from(if mm.a_transposed {
+                    a[p * m + i]
+                } else {
+                    a[i * k + p]
+                });
+                for (s, &y) in acc.iter_mut().zip(&bt[p * n..(p + 1) * n]) {
+                    *s += x * y;
+                }
+            }
+            for (o, &s) in row.iter_mut().zip(&acc) {
+                *o = s as f32;
             }
         }
     }
@@ -165,49 +189,109 @@ impl Backend for HostBackend {
     }
 
     fn launch(&mut self, kernel: &Kernel, args: &Args, bufs: &[Self::Buf]) -> Result<()> {
-        let mut data: Vec<Data> = bufs
-            .iter()
-            .zip(&kernel.buffers)
-            .map(|(b, kb)| {
-                if kb.output {
-                    Data::F32(Vec::new())
-                } else {
-                    b.data.borrow().clone()
-                }
-            })
-            .collect();
-        interpret(kernel, args, &mut data).map_err(|e| kernel_err("launch", e.to_string()))?;
-        for ((b, kb), d) in bufs.iter().zip(&kernel.buffers).zip(data) {
-            if kb.output {
-                let mut slot = b.data.borrow_mut();
-                // A kernel writes the first elements of a longer buffer (a
-                // gradient padded to whole ZeRO parts), as on the GPU.
-                match (&mut *slot, d) {
-                    (slot, d) if slot.len() == d.len() => *slot = d,
-                    (Data::F32(v), Data::F32(d)) if v.len() > d.len() => {
-                        v[..d.len()].copy_from_slice(&d)
-                    }
-                    (slot, d) => {
-                        return Err(kernel_err(
-                            "launch",
-                            format!(
-                                "{}: output {} has {} elements, the buffer {}",
-                                kernel.op,
-                                kb.label,
-                                d.len(),
-                                slot.len()
-                            ),
-                        ))
-                    }
-                }
-            }
+        if bufs.len() != kernel.buffers.len() {
+            return Err(kernel_err(
+                "launch",
+                format!(
+                    "{}: {} buffers given, the kernel takes {}",
+                    kernel.op,
+                    bufs.len(),
+                    kernel.buffers.len()
+                ),
+            ));
         }
-        Ok(())
+        let bound_as_output = |b: &Rc<HostBuf>, before: usize| {
+            bufs[..before]
+                .iter()
+                .zip(&kernel.buffers)
+                .any(|(o, kb)| kb.output && Rc::ptr_eq(o, b))
+        };
+        // Outputs are written in place, so each must be sized for its type
+        // and bound once; an input that is also an output (an in-place
+        // update) is read from a snapshot, as every point reads the old value.
+        let mut snapshots: Vec<Option<Data>> = Vec::with_capacity(bufs.len());
+        for (i, (b, kb)) in bufs.iter().zip(&kernel.buffers).enumerate() {
+            if !kb.output {
+                let aliased = bound_as_output(b, bufs.len());
+                snapshots.push(aliased.then(|| b.data.borrow().clone()));
+                continue;
+            }
+            if bound_as_output(b, i) {
+                return Err(kernel_err(
+                    "launch",
+                    format!("{}: output {} is bound twice", kernel.op, kb.label),
+                ));
+            }
+            let len = args.buffer_len(kernel, i);
+            let mut slot = b.data.borrow_mut();
+            let fits = match (&*slot, kb.elem) {
+                (Data::F32(v), Elem::F32 | Elem::Float) => v.len() >= len,
+                (Data::I32(v), Elem::I32) => v.len() >= len,
+                _ => false,
+            };
+            // A kernel writes the first elements of a longer buffer (a
+            // gradient padded to whole ZeRO parts), as on the GPU; a buffer of
+            // the exact length may change type.
+            if !fits {
+                if slot.len() != len {
+                    return Err(kernel_err(
+                        "launch",
+                        format!(
+                            "{}: output {} has {len} elements, the buffer {}",
+                            kernel.op,
+                            kb.label,
+                            slot.len()
+                        ),
+                    ));
+                }
+                *slot = match kb.elem {
+                    Elem::I32 => Data::I32(vec![0; len]),
+                    Elem::F32 | Elem::Float => Data::F32(vec![0.0; len]),
+                };
+            }
+            snapshots.push(None);
+        }
+        let mut reads = Vec::with_capacity(bufs.len());
+        let mut writes = Vec::with_capacity(bufs.len());
+        for ((b, kb), snap) in bufs.iter().zip(&kernel.buffers).zip(&snapshots) {
+            let (r, w) = match (kb.output, snap) {
+                (true, _) => (None, Some(b.data.borrow_mut())),
+                (false, Some(_)) => (None, None),
+                (false, None) => (Some(b.data.borrow()), None),
+            };
+            reads.push(r);
+            writes.push(w);
+        }
+        let mut refs: Vec<BufferRef> = Vec::with_capacity(bufs.len());
+        for ((r, w), snap) in reads.iter().zip(writes.iter_mut()).zip(&snapshots) {
+            refs.push(match (r, w, snap) {
+                (_, Some(w), _) => BufferRef::Output(w),
+                (Some(r), _, _) => BufferRef::Input(r),
+                (None, None, Some(s)) => BufferRef::Input(s),
+                (None, None, None) => {
+                    return Err(kernel_err("launch", "a buffer neither read nor written"))
+                }
+            });
+        }
+        interpret_refs(kernel, args, &mut refs).map_err(|e| kernel_err("launch", e.to_string()))
     }
 
     fn matmul(&mut self, mm: &MatMul, a: &Self::Buf, b: &Self::Buf, c: &Self::Buf) -> Result<()> {
         let out = {
             let (a, b) = (a.data.borrow(), b.data.borrow());
+            let batches = |batched: bool| if batched { mm.batch } else { 1 };
+            let need_a = batches(mm.a_batched) * mm.m * mm.k;
+            let need_b = batches(mm.b_batched) * mm.k * mm.n;
+            if a.f32().len() < need_a || b.f32().len() < need_b {
+                return Err(kernel_err(
+                    "matmul",
+                    format!(
+                        "{mm:?}: A has {} floats (needs {need_a}), B {} (needs {need_b})",
+                        a.f32().len(),
+                        b.f32().len()
+                    ),
+                ));
+            }
             matmul_cpu(mm, a.f32(), b.f32())
         };
         let mut slot = c.data.borrow_mut();
@@ -222,5 +306,70 @@ impl Backend for HostBackend {
 
     fn peak_bytes(&self) -> Option<usize> {
         Some(self.live.borrow().1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The plain triple loop `matmul_cpu` reorganises.
+    fn naive(mm: &MatMul, a: &[f32], b: &[f32]) -> Vec<f32> {
+        let mut c = vec![0.0f32; mm.batch * mm.m * mm.n];
+        for bi in 0..mm.batch {
+            let ao = if mm.a_batched { bi * mm.m * mm.k } else { 0 };
+            let bo = if mm.b_batched { bi * mm.k * mm.n } else { 0 };
+            for i in 0..mm.m {
+                for j in 0..mm.n {
+                    let mut acc = 0.0f64;
+                    for p in 0..mm.k {
+                        let x = if mm.a_transposed {
+                            a[ao + p * mm.m + i]
+                        } else {
+                            a[ao + i * mm.k + p]
+                        };
+                        let y = if mm.b_transposed {
+                            b[bo + j * mm.k + p]
+                        } else {
+                            b[bo + p * mm.n + j]
+                        };
+                        acc += f64::from(x) * f64::from(y);
+                    }
+                    c[bi * mm.m * mm.n + i * mm.n + j] = acc as f32;
+                }
+            }
+        }
+        c
+    }
+
+    #[test]
+    fn blocked_matmul_is_the_triple_loop_bit_for_bit() {
+        let (m, n, k, batch) = (5, 7, 3, 2);
+        let a: Vec<f32> = (0..batch * m * k)
+            .map(|i| (i as f32 * 0.37).sin())
+            .collect();
+        let b: Vec<f32> = (0..batch * k * n)
+            .map(|i| (i as f32 * 0.91).cos())
+            .collect();
+        for bits in 0..16u32 {
+            let mm = MatMul {
+                m,
+                n,
+                k,
+                batch,
+                a_transposed: bits & 1 != 0,
+                b_transposed: bits & 2 != 0,
+                a_batched: bits & 4 != 0,
+                b_batched: bits & 8 != 0,
+                dtype: DType::F32,
+            };
+            let (got, want) = (matmul_cpu(&mm, &a, &b), naive(&mm, &a, &b));
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{mm:?}"
+            );
+        }
     }
 }

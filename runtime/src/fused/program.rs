@@ -17,7 +17,7 @@ use crate::error::{kernel_err, Result, RuntimeError};
 use crate::interp::ParamKey;
 use dplc_codegen::{
     add_kernel, backward_plan, column_sum_kernel, convert_kernel, fuse, Args, BackwardStep, Elem,
-    FusedKernel, FusionPlan, GradBinding, Operand, Step,
+    FusedKernel, FusionPlan, GradBinding, KeySize, Operand, Step,
 };
 use dplc_ir::{DType, GradPlan, Graph, NodeId, Op, RegionId, TensorId};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -208,11 +208,16 @@ pub struct Executor<'a> {
     pub fused: &'a FusedGraph,
     /// Values of the symbolic dims, by `SymId`.
     pub syms: Vec<i64>,
-    /// Seed of this micro-batch's dropout masks.
+    /// The dropout key's state after the run's seed and the step: every
+    /// kernel's `seed` argument (see `dplc_codegen::DrawKey`).
     pub seed: u64,
+    /// Global index of this micro-batch's first sample, and its samples: the
+    /// rest of the key, with which the kernels draw the CPU reference's masks.
+    pub first_sample: u64,
+    pub micro_batch: usize,
     /// Full recomputation: keep each layer's arguments only and run its
-    /// forward again just before its backward (the same masks: a kernel's
-    /// seed depends on the micro-batch, layer and node, not on when it runs).
+    /// forward again just before its backward (the same masks: a draw depends
+    /// on the step, node, layer and sample, not on when it runs).
     pub recompute: bool,
 }
 
@@ -256,16 +261,24 @@ impl<'a> Executor<'a> {
             .ok_or_else(|| kernel_err("fused", format!("region {r} has no plan")))
     }
 
-    /// Launch arguments of a fused kernel; its backward takes the same.
-    fn args(&self, k: &FusedKernel, layer: u64, node: NodeId) -> Args {
+    /// Launch arguments of a fused kernel at `layer`; its backward takes the same.
+    fn args(&self, k: &FusedKernel, layer: u64) -> Args {
+        let mut sizes: Vec<i64> = k
+            .sizes
+            .iter()
+            .map(|d| d.eval(&|s| self.syms[s.index()]))
+            .collect();
+        for &(i, key) in &k.key_sizes {
+            sizes[i] = match key {
+                KeySize::Layer => layer as i64,
+                KeySize::FirstSample => self.first_sample as i64,
+                KeySize::PerSample(t) => per_sample(self.numel(t), self.micro_batch) as i64,
+            };
+        }
         Args {
-            sizes: k
-                .sizes
-                .iter()
-                .map(|d| d.eval(&|s| self.syms[s.index()]))
-                .collect(),
+            sizes,
             scalars: Vec::new(),
-            seed: crate::rng::hash(&[self.seed, layer, node.index() as u64]),
+            seed: self.seed,
         }
     }
 
@@ -361,8 +374,7 @@ impl<'a> Executor<'a> {
         for (step, dead) in plan.steps.iter().zip(free_after) {
             match step {
                 Step::Kernel(k) => {
-                    let node = *k.nodes.last().unwrap_or(&NodeId::new(0));
-                    let args = self.args(k, layer, node);
+                    let args = self.args(k, layer);
                     let mut bufs = Vec::with_capacity(k.buffers.len());
                     let mut outs = Vec::new();
                     for (i, (&t, kb)) in k.buffers.iter().zip(&k.kernel.buffers).enumerate() {
@@ -549,8 +561,7 @@ impl<'a> Executor<'a> {
                     if !has_grad {
                         continue;
                     }
-                    let node = *k.nodes.last().unwrap_or(&NodeId::new(0));
-                    let args = self.args(k, layer, node);
+                    let args = self.args(k, layer);
                     let mut bufs = Vec::new();
                     let mut made: Vec<(GradBinding, Val<B>)> = Vec::new();
                     for (i, (bind, kb)) in backward
@@ -872,5 +883,64 @@ pub fn flat_args(len: usize) -> Args {
     Args {
         sizes: vec![len as i64],
         ..Args::default()
+    }
+}
+
+/// Elements per sample of a dropout's output of `numel` elements in a
+/// micro-batch of `micro_batch` samples, as the CPU reference splits it
+/// (`kernels::DropoutKey::mask`), or 0 where the reference keys every element
+/// with the shared sample `u64::MAX` (see `dplc_codegen::DrawKey`).
+fn per_sample(numel: usize, micro_batch: usize) -> usize {
+    let per = if micro_batch > 0 && numel.is_multiple_of(micro_batch) {
+        numel / micro_batch
+    } else {
+        numel
+    };
+    if per == numel && micro_batch != 1 {
+        0
+    } else {
+        per
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::per_sample;
+    use crate::kernels::DropoutKey;
+    use dplc_codegen::{draw_seed, draw_state, drop_threshold, dropout_draw};
+
+    /// The fused kernels' draws, from the kernel `seed` and size arguments
+    /// the executor passes, drop exactly the CPU reference's elements:
+    /// several samples, one sample, and a tensor not split by sample.
+    #[test]
+    fn kernel_draws_are_the_reference_masks() {
+        let (seed, step, node, layer, first) = (11u64, 3u64, 41u64, 2u64, 6u64);
+        assert_eq!(draw_seed(seed, step), crate::rng::hash(&[seed, step]));
+        for (numel, batch) in [(24usize, 4usize), (10, 1), (10, 4), (7, 3)] {
+            for p in [0.1, 0.5, 0.3333] {
+                let key = DropoutKey {
+                    seed,
+                    step,
+                    node,
+                    layer,
+                    first_sample: first,
+                    batch,
+                };
+                let keep = key.mask(p, numel);
+                let state = draw_state(draw_seed(seed, step), node, layer as i64);
+                let per = per_sample(numel, batch) as i64;
+                let threshold = drop_threshold(p) as f32;
+                let fused: Vec<bool> = (0..numel as i64)
+                    .map(|i| dropout_draw(state, first as i64, per, i) >= threshold)
+                    .collect();
+                assert_eq!(fused, keep, "{numel} elements, {batch} samples, p {p}");
+            }
+        }
+        // The draws themselves are the reference's uniforms.
+        let state = draw_state(draw_seed(seed, step), node, layer as i64);
+        for i in 0..16i64 {
+            let want = crate::rng::uniform(&[seed, step, node, layer, first + 1, i as u64]);
+            assert_eq!(dropout_draw(state, first as i64, 16, 16 + i), want);
+        }
     }
 }

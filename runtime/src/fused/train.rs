@@ -361,7 +361,9 @@ pub fn train_fused<B: Backend>(
                 graph,
                 fused: &fused,
                 syms: syms.clone(),
-                seed: crate::rng::hash(&[run.seed, step, first]),
+                seed: crate::rng::hash(&[run.seed, step]),
+                first_sample: first,
+                micro_batch: run.micro_batch,
                 recompute: run.recompute,
             };
             let root = graph.root();
