@@ -362,8 +362,7 @@ impl Communicator {
                 // Read under the lock: a change after the check above bumps it.
                 let seen = self.world.version.load(Ordering::Acquire);
                 drop(s);
-                while self.world.version.load(Ordering::Acquire) == seen && start.elapsed() < SPIN
-                {
+                while self.world.version.load(Ordering::Acquire) == seen && start.elapsed() < SPIN {
                     for _ in 0..64 {
                         std::hint::spin_loop();
                     }

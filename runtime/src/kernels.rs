@@ -216,8 +216,7 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     let t = x * std::f32::consts::LOG2_E + SHIFTER;
     let n = t - SHIFTER;
     let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
-    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2)
-        * r
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
         + 1.666_666_5e-1)
         * r
         + 5.000_000_1e-1;
@@ -232,13 +231,12 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
 pub(crate) fn tanh_f32(x: f32) -> f32 {
     let a = x.abs();
     let z = x * x;
-    let small = ((((-5.704_988_7e-3 * z + 2.063_908_9e-2) * z - 5.373_971_6e-2) * z
-        + 1.333_144_2e-1)
-        * z
-        - 3.333_328_2e-1)
-        * z
-        * x
-        + x;
+    let small =
+        ((((-5.704_988_7e-3 * z + 2.063_908_9e-2) * z - 5.373_971_6e-2) * z + 1.333_144_2e-1) * z
+            - 3.333_328_2e-1)
+            * z
+            * x
+            + x;
     let large = (1.0 - 2.0 / (exp_f32(2.0 * a) + 1.0)).copysign(x);
     if a < 0.625 {
         small
@@ -477,7 +475,9 @@ fn softmax(x: &Tensor, axis: usize, log: bool) -> Result<Tensor> {
             let sum: f32 = o.iter().sum();
             if log {
                 let ln = sum.ln();
-                o.iter_mut().zip(row).for_each(|(o, &v)| *o = (v - max) - ln);
+                o.iter_mut()
+                    .zip(row)
+                    .for_each(|(o, &v)| *o = (v - max) - ln);
             } else {
                 o.iter_mut().for_each(|o| *o /= sum);
             }
@@ -574,7 +574,10 @@ pub fn forward(op: &Op, ins: &[&Tensor], ctx: &OpCtx) -> Result<Vec<Tensor>> {
             let n = ctx.out_shapes[0][0];
             one(Tensor::i32(vec![n], (0..n as i32).collect()))
         }
-        Op::Unary(u) => one(Tensor::f32(ins[0].shape.clone(), map_unary(*u, ins[0].f()?))),
+        Op::Unary(u) => one(Tensor::f32(
+            ins[0].shape.clone(),
+            map_unary(*u, ins[0].f()?),
+        )),
         Op::Binary(b) => one(binary(*b, ins[0], ins[1])?),
         Op::Cast(to) => one(match (&ins[0].data, *to) {
             (Data::F32(v), DType::I32) => {
@@ -689,6 +692,45 @@ pub fn forward(op: &Op, ins: &[&Tensor], ctx: &OpCtx) -> Result<Vec<Tensor>> {
                 }
             }
             one(Tensor::f32(vec![t, d], out))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The f32 GELU and its derivative against the f64 formulas they replace.
+    #[test]
+    fn f32_gelu_tanh_matches_f64() {
+        let c = 0.797_884_560_802_865_4f64;
+        let (mut worst_y, mut worst_d) = (0.0f64, 0.0f64);
+        for i in -20_000..=20_000 {
+            let x = i as f32 * 1e-3;
+            let xd = f64::from(x);
+            let t = (c * (xd + 0.044715 * xd * xd * xd)).tanh();
+            let y = 0.5 * xd * (1.0 + t);
+            let d =
+                0.5 * (1.0 + t) + 0.5 * xd * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * xd * xd);
+            worst_y = worst_y.max((f64::from(gelu_tanh(x)) - y).abs() / y.abs().max(1.0));
+            worst_d = worst_d.max((f64::from(gelu_tanh_grad(x)) - d).abs() / d.abs().max(1.0));
+        }
+        assert!(worst_y < 1e-6, "gelu_tanh off by {worst_y:e}");
+        assert!(worst_d < 1e-6, "gelu_tanh_grad off by {worst_d:e}");
+        assert!(gelu_tanh(f32::NAN).is_nan());
+        assert_eq!(gelu_tanh(f32::INFINITY), f32::INFINITY);
+        assert_eq!(gelu_tanh(-100.0), 0.0);
+    }
+
+    #[test]
+    fn f32_exp_is_close_to_libm() {
+        for i in -8_700..=8_800 {
+            let x = i as f32 * 1e-2;
+            let (got, want) = (exp_f32(x), x.exp());
+            assert!(
+                (got - want).abs() <= want * 4.0 * f32::EPSILON,
+                "exp({x}) = {got}, libm {want}"
+            );
         }
     }
 }

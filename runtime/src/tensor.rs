@@ -163,7 +163,12 @@ impl<const N: usize> Walk<N> {
 
 /// The elements of `src` read through `strides` (from `offset`) in the
 /// row-major order of `shape`.
-pub fn gather_strided<T: Copy>(src: &[T], shape: &[usize], strides: &[usize], offset: usize) -> Vec<T> {
+pub fn gather_strided<T: Copy>(
+    src: &[T],
+    shape: &[usize],
+    strides: &[usize],
+    offset: usize,
+) -> Vec<T> {
     let out_strides = self::strides(shape);
     let walk = Walk::new(shape, [&out_strides, strides]);
     let mut out = Vec::with_capacity(shape.iter().product());
@@ -228,7 +233,10 @@ pub fn reduce_to(grad: &[f32], from: &[usize], to: &[usize]) -> Vec<f32> {
     walk.for_each([0, 0], |[g, o]| {
         let g = &grad[g..g + len];
         match step {
-            1 => out[o..o + len].iter_mut().zip(g).for_each(|(o, &v)| *o += v),
+            1 => out[o..o + len]
+                .iter_mut()
+                .zip(g)
+                .for_each(|(o, &v)| *o += v),
             _ => {
                 let acc = &mut out[o];
                 g.iter().for_each(|&v| *acc += v);
