@@ -7,7 +7,9 @@
 #            the same model, step, AdamW and clipping (bench/torch_gpt2_step.py).
 #
 # Every figure is tokens per second of the median step after WARMUP steps;
-# the three runs alternate REPEATS times and the medians are printed. Run it
+# the three runs alternate REPEATS times. The ratios are the medians of the
+# ratios within each repeat (runs seconds apart see similar load), beside the
+# ratios of the medians. Run it
 # from anywhere in a clone: it builds the release binary and makes the torch
 # venv (bench/setup-torch.sh) itself. Other work on the machine skews both
 # ratios, so it prints the load average before it starts.
@@ -64,9 +66,15 @@ done
 
 "$PY" - "${one[*]}" "${two[*]}" "${torch[*]}" <<'EOF'
 import statistics, sys
-one, two, torch = (statistics.median(map(float, a.split())) for a in sys.argv[1:4])
-print(f"median: dplc 1 rank {one:.0f} tok/s, 2 ranks {two:.0f} tok/s, torch 1 thread {torch:.0f} tok/s")
-print(f"scaling 2 ranks / 1 rank: {two / one:.2f}x (target >= 1.6x)")
-print(f"dplc 1 rank / torch 1 thread: {one / torch:.2f}x (target >= 0.5x)")
+one, two, torch = ([float(v) for v in a.split()] for a in sys.argv[1:4])
+med = statistics.median
+print(f"median: dplc 1 rank {med(one):.0f} tok/s, 2 ranks {med(two):.0f} tok/s, "
+      f"torch 1 thread {med(torch):.0f} tok/s")
+scaling = med([b / a for a, b in zip(one, two)])
+vs_torch = med([a / t for a, t in zip(one, torch)])
+print(f"scaling 2 ranks / 1 rank: {scaling:.2f}x per repeat, {med(two) / med(one):.2f}x of medians "
+      "(target >= 1.6x)")
+print(f"dplc 1 rank / torch 1 thread: {vs_torch:.2f}x per repeat, {med(one) / med(torch):.2f}x of "
+      "medians (target >= 0.5x)")
 EOF
 echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"
