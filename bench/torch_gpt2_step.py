@@ -14,7 +14,10 @@ Each mode (eager, then torch.compile) runs `--warmup` steps untimed and
     eager_step   <tokens/s> tokens/s  <ms> ms/step  loss <first> -> <last>  peak <GiB> GiB
 
 `--device cpu` with a small `--layers/--d/--vocab/--seq` checks the script on
-a machine without a GPU (no timing worth reporting there)."""
+a machine without a GPU. For the CPU reference comparison (bench/cpu_ranks.sh)
+the flags match `gpt_tiny` in models/tiny.dpl instead: `--precision fp32`
+(no autocast), `--dropout 0`, `--lr 1e-3 --weight-decay 0.01`, and
+`--threads 1` (torch.set_num_threads) against one dplc rank."""
 import argparse
 import statistics
 import time
@@ -77,15 +80,19 @@ def synchronize(device):
 
 def run(mode, args, device):
     torch.manual_seed(0)
-    model = Gpt2(args.vocab, args.seq, args.d, args.heads, args.layers, 0.1).to(device).train()
+    model = Gpt2(args.vocab, args.seq, args.d, args.heads, args.layers, args.dropout)
+    model = model.to(device).train()
     # Matrices decay, biases and norm gains do not: dplc's convention (the
     # embeddings are matrices and decay too).
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     fused = device.type == "cuda"
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-        lr=6e-4,
+        [
+            {"params": decay, "weight_decay": args.weight_decay},
+            {"params": rest, "weight_decay": 0.0},
+        ],
+        lr=args.lr,
         betas=(0.9, 0.95),
         eps=1e-8,
         fused=fused,
@@ -103,7 +110,7 @@ def run(mode, args, device):
         total = 0.0
         for j in range(m):
             x, y = data[j, :, :-1], data[j, :, 1:]
-            with torch.autocast(device.type, dtype=torch.bfloat16):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
                 loss = step_fn(x, y) / m
             loss.backward()
             total += loss.detach()
@@ -145,12 +152,20 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--modes", default="eager,compile")
+    ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--dropout", type=float, default=0.1)
+    ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(
         f"device {name} torch {torch.__version__}: gpt2 d {args.d} × {args.layers} layers, "
-        f"{args.micro_batches} × {args.micro_batch} sequences of {args.seq}",
+        f"{args.micro_batches} × {args.micro_batch} sequences of {args.seq}, "
+        f"{args.precision}, {torch.get_num_threads()} threads",
         flush=True,
     )
     for mode in args.modes.split(","):

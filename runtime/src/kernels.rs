@@ -4,8 +4,8 @@
 use crate::error::{kernel_err, Result};
 use crate::rng;
 use crate::tensor::{
-    broadcast_data, broadcast_shape, broadcast_strides, gather, split_axis, strided_offsets,
-    strides, Data, Tensor,
+    broadcast_data, broadcast_shape, broadcast_strides, gather_strided, split_axis, strides, Data,
+    Tensor, Walk,
 };
 use dplc_ir::{BinaryOp, DType, Op, ReduceKind, UnaryOp};
 
@@ -124,11 +124,21 @@ pub(crate) fn batch_offsets(shape: &[usize], out_batch: &[usize]) -> Vec<usize> 
     let r = shape.len();
     let mat = shape[r - 2] * shape[r - 1];
     let batch = &shape[..r - 2];
-    let s = broadcast_strides(batch, out_batch);
-    strided_offsets(out_batch, &s, 0)
+    let s: Vec<usize> = broadcast_strides(batch, out_batch)
         .into_iter()
-        .map(|o| o * mat)
-        .collect()
+        .map(|st| st * mat)
+        .collect();
+    gather_offsets(out_batch, &s)
+}
+
+/// The offsets `Σ index_i·strides_i` of every index of `shape`, row-major.
+fn gather_offsets(shape: &[usize], strides: &[usize]) -> Vec<usize> {
+    let n: usize = shape.iter().product();
+    let mut out = Vec::with_capacity(n);
+    let walk = Walk::new(shape, [strides]);
+    let (len, [step]) = walk.run();
+    walk.for_each([0], |[o]| out.extend((0..len).map(|j| o + j * step)));
+    out
 }
 
 fn matmul(a: &Tensor, b: &Tensor, out_shape: &[usize]) -> Result<Tensor> {
@@ -191,7 +201,76 @@ pub(crate) fn erf(x: f64) -> f64 {
     }
 }
 
-const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+const GELU_C: f32 = 0.797_884_6;
+const GELU_A: f32 = 0.044_715;
+
+/// e^x in f32 to about 1 ulp (Cephes' expf: x = n·ln2 + r, a degree-6
+/// polynomial for e^r, 2^n put into the exponent), written without branches
+/// or calls so that a loop over it vectorises; libm's expf does not.
+#[inline(always)]
+pub(crate) fn exp_f32(x: f32) -> f32 {
+    // Past these bounds e^x is 0 or overflows; clamped, the exponent stays normal.
+    let x = x.clamp(-87.0, 88.0);
+    // Round x·log2(e) to the nearest integer by adding 1.5·2^23.
+    const SHIFTER: f32 = 12_582_912.0;
+    let t = x * std::f32::consts::LOG2_E + SHIFTER;
+    let n = t - SHIFTER;
+    let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
+        + 1.666_666_5e-1)
+        * r
+        + 0.5;
+    let er = p * r * r + r + 1.0;
+    let bits = ((t.to_bits() as i32 - SHIFTER.to_bits() as i32 + 127) as u32) << 23;
+    er * f32::from_bits(bits)
+}
+
+/// tanh in f32 to a few ulp (Cephes' tanhf: an odd polynomial below 0.625,
+/// 1 − 2/(e^{2|x|} + 1) above), branch-free so that loops over it vectorise.
+#[inline(always)]
+pub(crate) fn tanh_f32(x: f32) -> f32 {
+    let a = x.abs();
+    let z = x * x;
+    let small =
+        ((((-5.704_988_7e-3 * z + 2.063_909e-2) * z - 5.373_971_6e-2) * z + 1.333_144_2e-1) * z
+            - 3.333_328e-1)
+            * z
+            * x
+            + x;
+    let large = (1.0 - 2.0 / (exp_f32(2.0 * a) + 1.0)).copysign(x);
+    if a < 0.625 {
+        small
+    } else {
+        large
+    }
+}
+
+/// GPT-2's tanh GELU, `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`, in f32.
+#[inline(always)]
+pub(crate) fn gelu_tanh(x: f32) -> f32 {
+    0.5 * x * (1.0 + tanh_f32(GELU_C * (x + GELU_A * x * x * x)))
+}
+
+/// d gelu_tanh(x) / dx.
+#[inline(always)]
+pub(crate) fn gelu_tanh_grad(x: f32) -> f32 {
+    let t = tanh_f32(GELU_C * (x + GELU_A * x * x * x));
+    let dinner = GELU_C * (1.0 + 3.0 * GELU_A * x * x);
+    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dinner
+}
+
+/// `f` applied to every element, monomorphised per op so that the loop vectorises.
+fn map_unary(u: UnaryOp, xs: &[f32]) -> Vec<f32> {
+    fn each(xs: &[f32], f: impl Fn(f32) -> f32) -> Vec<f32> {
+        xs.iter().map(|&x| f(x)).collect()
+    }
+    match u {
+        UnaryOp::Neg => each(xs, |x| -x),
+        UnaryOp::Relu => each(xs, |x| x.max(0.0)),
+        UnaryOp::GeluTanh => each(xs, gelu_tanh),
+        u => each(xs, |x| unary(u, x)),
+    }
+}
 
 pub(crate) fn unary(u: UnaryOp, x: f32) -> f32 {
     let xd = f64::from(x);
@@ -206,9 +285,7 @@ pub(crate) fn unary(u: UnaryOp, x: f32) -> f32 {
         UnaryOp::Sigmoid => 1.0 / (1.0 + (-x).exp()),
         UnaryOp::Relu => x.max(0.0),
         UnaryOp::Gelu => (0.5 * xd * (1.0 + erf(xd / std::f64::consts::SQRT_2))) as f32,
-        UnaryOp::GeluTanh => {
-            (0.5 * xd * (1.0 + (SQRT_2_OVER_PI * (xd + 0.044715 * xd * xd * xd)).tanh())) as f32
-        }
+        UnaryOp::GeluTanh => gelu_tanh(x),
         UnaryOp::Silu => x / (1.0 + (-x).exp()),
         UnaryOp::Sin => x.sin(),
         UnaryOp::Cos => x.cos(),
@@ -227,18 +304,65 @@ pub(crate) fn binary_f(b: BinaryOp, x: f32, y: f32) -> f32 {
     }
 }
 
+/// `f(x, y)` over the broadcast of `x` and `y` to `shape`, one innermost run
+/// at a time (a bias add reads rows of the bias, a scalar is read once).
+pub(crate) fn zip_broadcast(
+    (xs, xshape): (&[f32], &[usize]),
+    (ys, yshape): (&[f32], &[usize]),
+    shape: &[usize],
+    f: impl Fn(f32, f32) -> f32,
+) -> Vec<f32> {
+    let mut out = vec![0.0f32; shape.iter().product()];
+    let walk = Walk::new(
+        shape,
+        [
+            &strides(shape),
+            &broadcast_strides(xshape, shape),
+            &broadcast_strides(yshape, shape),
+        ],
+    );
+    let (len, [_, sx, sy]) = walk.run();
+    walk.for_each([0, 0, 0], |[o, x, y]| {
+        let out = &mut out[o..o + len];
+        match (sx, sy) {
+            (1, 1) => out
+                .iter_mut()
+                .zip(xs[x..x + len].iter().zip(&ys[y..y + len]))
+                .for_each(|(o, (&p, &q))| *o = f(p, q)),
+            (1, 0) => {
+                let q = ys[y];
+                out.iter_mut()
+                    .zip(&xs[x..x + len])
+                    .for_each(|(o, &p)| *o = f(p, q));
+            }
+            (0, 1) => {
+                let p = xs[x];
+                out.iter_mut()
+                    .zip(&ys[y..y + len])
+                    .for_each(|(o, &q)| *o = f(p, q));
+            }
+            _ => out
+                .iter_mut()
+                .enumerate()
+                .for_each(|(j, o)| *o = f(xs[x + j * sx], ys[y + j * sy])),
+        }
+    });
+    out
+}
+
 fn binary(b: BinaryOp, x: &Tensor, y: &Tensor) -> Result<Tensor> {
     let shape = broadcast_shape(&x.shape, &y.shape)
         .ok_or_else(|| kernel_err("binary", "operands do not broadcast"))?;
     Ok(match (&x.data, &y.data) {
         (Data::F32(xs), Data::F32(ys)) => {
-            let xs = broadcast_data(xs, &x.shape, &shape);
-            let ys = broadcast_data(ys, &y.shape, &shape);
-            let v = xs
-                .iter()
-                .zip(&ys)
-                .map(|(&p, &q)| binary_f(b, p, q))
-                .collect();
+            let (xa, ya) = ((&xs[..], &x.shape[..]), (&ys[..], &y.shape[..]));
+            let v = match b {
+                BinaryOp::Add => zip_broadcast(xa, ya, &shape, |p, q| p + q),
+                BinaryOp::Sub => zip_broadcast(xa, ya, &shape, |p, q| p - q),
+                BinaryOp::Mul => zip_broadcast(xa, ya, &shape, |p, q| p * q),
+                BinaryOp::Div => zip_broadcast(xa, ya, &shape, |p, q| p / q),
+                b => zip_broadcast(xa, ya, &shape, |p, q| binary_f(b, p, q)),
+            };
             Tensor::f32(shape, v)
         }
         (Data::I32(xs), Data::I32(ys)) => {
@@ -265,10 +389,11 @@ fn binary(b: BinaryOp, x: &Tensor, y: &Tensor) -> Result<Tensor> {
 
 // ---- layout ---------------------------------------------------------------
 
-fn map_data(t: &Tensor, shape: Vec<usize>, offsets: &[usize]) -> Tensor {
+/// `t`'s elements read through `strides` from `offset`, as a tensor of `shape`.
+fn map_data(t: &Tensor, shape: Vec<usize>, strides: &[usize], offset: usize) -> Tensor {
     let data = match &t.data {
-        Data::F32(v) => Data::F32(gather(v, offsets)),
-        Data::I32(v) => Data::I32(gather(v, offsets)),
+        Data::F32(v) => Data::F32(gather_strided(v, &shape, strides, offset)),
+        Data::I32(v) => Data::I32(gather_strided(v, &shape, strides, offset)),
     };
     Tensor { shape, data }
 }
@@ -277,16 +402,14 @@ pub(crate) fn transpose(t: &Tensor, perm: &[usize]) -> Tensor {
     let s = strides(&t.shape);
     let shape: Vec<usize> = perm.iter().map(|&p| t.shape[p]).collect();
     let ps: Vec<usize> = perm.iter().map(|&p| s[p]).collect();
-    let offs = strided_offsets(&shape, &ps, 0);
-    map_data(t, shape, &offs)
+    map_data(t, shape, &ps, 0)
 }
 
 fn slice(t: &Tensor, axis: usize, start: usize, len: usize) -> Tensor {
     let s = strides(&t.shape);
     let mut shape = t.shape.clone();
     shape[axis] = len;
-    let offs = strided_offsets(&shape, &s, start * s[axis]);
-    map_data(t, shape, &offs)
+    map_data(t, shape, &s, start * s[axis])
 }
 
 fn concat(ins: &[&Tensor], axis: usize, out_shape: &[usize]) -> Result<Tensor> {
@@ -315,8 +438,7 @@ fn concat(ins: &[&Tensor], axis: usize, out_shape: &[usize]) -> Result<Tensor> {
 }
 
 fn expand(t: &Tensor, shape: &[usize]) -> Tensor {
-    let offs = strided_offsets(shape, &broadcast_strides(&t.shape, shape), 0);
-    map_data(t, shape.to_vec(), &offs)
+    map_data(t, shape.to_vec(), &broadcast_strides(&t.shape, shape), 0)
 }
 
 // ---- reductions and normalisations -----------------------------------------
@@ -342,6 +464,26 @@ fn softmax(x: &Tensor, axis: usize, log: bool) -> Result<Tensor> {
     let xs = x.f()?;
     let (outer, n, inner) = split_axis(&x.shape, axis);
     let mut out = vec![0.0f32; xs.len()];
+    if inner == 1 {
+        // The usual case, the last axis: rows are contiguous, and each
+        // exponential is computed once and kept.
+        for (row, o) in xs.chunks(n.max(1)).zip(out.chunks_mut(n.max(1))) {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            for (o, &v) in o.iter_mut().zip(row) {
+                *o = (v - max).exp();
+            }
+            let sum: f32 = o.iter().sum();
+            if log {
+                let ln = sum.ln();
+                o.iter_mut()
+                    .zip(row)
+                    .for_each(|(o, &v)| *o = (v - max) - ln);
+            } else {
+                o.iter_mut().for_each(|o| *o /= sum);
+            }
+        }
+        return Ok(Tensor::f32(x.shape.clone(), out));
+    }
     for o in 0..outer {
         for i in 0..inner {
             let idx = |j: usize| (o * n + j) * inner + i;
@@ -434,7 +576,7 @@ pub fn forward(op: &Op, ins: &[&Tensor], ctx: &OpCtx) -> Result<Vec<Tensor>> {
         }
         Op::Unary(u) => one(Tensor::f32(
             ins[0].shape.clone(),
-            ins[0].f()?.iter().map(|&x| unary(*u, x)).collect(),
+            map_unary(*u, ins[0].f()?),
         )),
         Op::Binary(b) => one(binary(*b, ins[0], ins[1])?),
         Op::Cast(to) => one(match (&ins[0].data, *to) {
@@ -476,10 +618,10 @@ pub fn forward(op: &Op, ins: &[&Tensor], ctx: &OpCtx) -> Result<Vec<Tensor>> {
             let r = ins[0].shape.len();
             let (q, k) = (ins[0].shape[r - 2], ins[0].shape[r - 1]);
             let mut v = ins[0].f()?.to_vec();
-            for (i, x) in v.iter_mut().enumerate() {
-                if i % k > (i / k) % q {
-                    *x = f32::NEG_INFINITY;
-                }
+            // Row i of every [q, k] matrix keeps its first i + 1 columns.
+            for (r, row) in v.chunks_mut(k.max(1)).enumerate() {
+                let keep = (r % q.max(1) + 1).min(row.len());
+                row[keep..].fill(f32::NEG_INFINITY);
             }
             one(Tensor::f32(ins[0].shape.clone(), v))
         }
@@ -550,6 +692,45 @@ pub fn forward(op: &Op, ins: &[&Tensor], ctx: &OpCtx) -> Result<Vec<Tensor>> {
                 }
             }
             one(Tensor::f32(vec![t, d], out))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The f32 GELU and its derivative against the f64 formulas they replace.
+    #[test]
+    fn f32_gelu_tanh_matches_f64() {
+        let c = 0.797_884_560_802_865_4f64;
+        let (mut worst_y, mut worst_d) = (0.0f64, 0.0f64);
+        for i in -20_000..=20_000 {
+            let x = i as f32 * 1e-3;
+            let xd = f64::from(x);
+            let t = (c * (xd + 0.044715 * xd * xd * xd)).tanh();
+            let y = 0.5 * xd * (1.0 + t);
+            let d =
+                0.5 * (1.0 + t) + 0.5 * xd * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * xd * xd);
+            worst_y = worst_y.max((f64::from(gelu_tanh(x)) - y).abs() / y.abs().max(1.0));
+            worst_d = worst_d.max((f64::from(gelu_tanh_grad(x)) - d).abs() / d.abs().max(1.0));
+        }
+        assert!(worst_y < 1e-6, "gelu_tanh off by {worst_y:e}");
+        assert!(worst_d < 1e-6, "gelu_tanh_grad off by {worst_d:e}");
+        assert!(gelu_tanh(f32::NAN).is_nan());
+        assert_eq!(gelu_tanh(f32::INFINITY), f32::INFINITY);
+        assert_eq!(gelu_tanh(-100.0), 0.0);
+    }
+
+    #[test]
+    fn f32_exp_is_close_to_libm() {
+        for i in -8_700..=8_800 {
+            let x = i as f32 * 1e-2;
+            let (got, want) = (exp_f32(x), x.exp());
+            assert!(
+                (got - want).abs() <= want * 4.0 * f32::EPSILON,
+                "exp({x}) = {got}, libm {want}"
+            );
         }
     }
 }

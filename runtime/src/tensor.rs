@@ -85,33 +85,100 @@ pub fn strides(shape: &[usize]) -> Vec<usize> {
     s
 }
 
-/// Offsets `offset + Σ index_i·strides_i` for every index of `shape`, row-major.
-pub fn strided_offsets(shape: &[usize], strides: &[usize], offset: usize) -> Vec<usize> {
-    let n: usize = shape.iter().product();
-    let mut out = Vec::with_capacity(n);
-    if n == 0 {
-        return out;
-    }
-    let rank = shape.len();
-    let mut idx = vec![0usize; rank];
-    let mut cur = offset;
-    for _ in 0..n {
-        out.push(cur);
-        for a in (0..rank).rev() {
-            idx[a] += 1;
-            cur += strides[a];
-            if idx[a] < shape[a] {
-                break;
-            }
-            cur -= strides[a] * shape[a];
-            idx[a] = 0;
-        }
-    }
-    out
+/// A row-major walk over `shape` that reads `N` operands, each through its
+/// own strides, one innermost run at a time. Neighbouring axes that every
+/// operand reads contiguously are merged first, so a bias add walks rows of
+/// `d`, an add of equal shapes one run of everything, and a transpose that
+/// keeps the last axis whole rows: the inner loops see plain slices and
+/// vectorise, and no per-element index list is ever built.
+pub struct Walk<const N: usize> {
+    /// The merged outer axes (the innermost axis is `len`), outermost first.
+    outer: Vec<(usize, [usize; N])>,
+    /// Elements in one innermost run, and each operand's stride within it.
+    len: usize,
+    step: [usize; N],
+    total: usize,
 }
 
-pub fn gather<T: Copy>(src: &[T], offsets: &[usize]) -> Vec<T> {
-    offsets.iter().map(|&o| src[o]).collect()
+impl<const N: usize> Walk<N> {
+    pub fn new(shape: &[usize], strides: [&[usize]; N]) -> Walk<N> {
+        let total = shape.iter().product();
+        // Innermost first; axes of one element do not move any operand.
+        let mut axes: Vec<(usize, [usize; N])> = Vec::with_capacity(shape.len());
+        for a in (0..shape.len()).rev() {
+            if shape[a] == 1 {
+                continue;
+            }
+            let st: [usize; N] = std::array::from_fn(|i| strides[i][a]);
+            match axes.last_mut() {
+                Some((n, inner)) if (0..N).all(|i| st[i] == inner[i] * *n) => *n *= shape[a],
+                _ => axes.push((shape[a], st)),
+            }
+        }
+        let (len, step) = axes.first().copied().unwrap_or((1, [0; N]));
+        let outer = axes.into_iter().skip(1).rev().collect();
+        Walk {
+            outer,
+            len,
+            step,
+            total,
+        }
+    }
+
+    /// Elements in one innermost run and the operands' strides within it.
+    pub fn run(&self) -> (usize, [usize; N]) {
+        (self.len, self.step)
+    }
+
+    /// Calls `f` with each operand's offset at the start of every innermost
+    /// run, in row-major order (so sums over a broadcast keep the order a
+    /// plain element-by-element walk would give).
+    pub fn for_each(&self, base: [usize; N], mut f: impl FnMut([usize; N])) {
+        if self.total == 0 {
+            return;
+        }
+        let rank = self.outer.len();
+        let mut idx = vec![0usize; rank];
+        let mut cur = base;
+        loop {
+            f(cur);
+            let mut a = rank;
+            loop {
+                if a == 0 {
+                    return;
+                }
+                a -= 1;
+                let (n, st) = self.outer[a];
+                idx[a] += 1;
+                if idx[a] < n {
+                    (0..N).for_each(|i| cur[i] += st[i]);
+                    break;
+                }
+                idx[a] = 0;
+                (0..N).for_each(|i| cur[i] -= st[i] * (n - 1));
+            }
+        }
+    }
+}
+
+/// The elements of `src` read through `strides` (from `offset`) in the
+/// row-major order of `shape`.
+pub fn gather_strided<T: Copy>(
+    src: &[T],
+    shape: &[usize],
+    strides: &[usize],
+    offset: usize,
+) -> Vec<T> {
+    let out_strides = self::strides(shape);
+    let walk = Walk::new(shape, [&out_strides, strides]);
+    let mut out = Vec::with_capacity(shape.iter().product());
+    let (len, [_, step]) = walk.run();
+    walk.for_each([0, offset], |[_, o]| match step {
+        1 => out.extend_from_slice(&src[o..o + len]),
+        0 => out.extend(std::iter::repeat_n(src[o], len)),
+        s => out.extend((0..len).map(|j| src[o + j * s])),
+    });
+    out
 }
 
 /// Strides of `from` read as a tensor of shape `to` (numpy broadcasting, right-aligned).
@@ -150,21 +217,32 @@ pub fn broadcast_data<T: Copy>(src: &[T], from: &[usize], to: &[usize]) -> Vec<T
     if from == to {
         return src.to_vec();
     }
-    gather(src, &strided_offsets(to, &broadcast_strides(from, to), 0))
+    gather_strided(src, to, &broadcast_strides(from, to), 0)
 }
 
 /// Sum `grad` (of shape `from`) down to `to`, the shape it was broadcast from.
+/// Each element of the result adds its contributions in `grad`'s row-major
+/// order, as an element-by-element walk would.
 pub fn reduce_to(grad: &[f32], from: &[usize], to: &[usize]) -> Vec<f32> {
     if from == to {
         return grad.to_vec();
     }
     let mut out = vec![0.0f32; to.iter().product()];
-    for (g, o) in grad
-        .iter()
-        .zip(strided_offsets(from, &broadcast_strides(to, from), 0))
-    {
-        out[o] += g;
-    }
+    let walk = Walk::new(from, [&strides(from), &broadcast_strides(to, from)]);
+    let (len, [_, step]) = walk.run();
+    walk.for_each([0, 0], |[g, o]| {
+        let g = &grad[g..g + len];
+        match step {
+            1 => out[o..o + len]
+                .iter_mut()
+                .zip(g)
+                .for_each(|(o, &v)| *o += v),
+            _ => {
+                let acc = &mut out[o];
+                g.iter().for_each(|&v| *acc += v);
+            }
+        }
+    });
     out
 }
 
@@ -173,4 +251,58 @@ pub fn split_axis(shape: &[usize], axis: usize) -> (usize, usize, usize) {
     let outer = shape[..axis].iter().product();
     let inner = shape[axis + 1..].iter().product();
     (outer, shape[axis], inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The offsets an element-by-element row-major walk visits.
+    fn naive(shape: &[usize], st: &[usize], offset: usize) -> Vec<usize> {
+        let n: usize = shape.iter().product();
+        (0..n)
+            .map(|mut flat| {
+                let mut o = offset;
+                for a in (0..shape.len()).rev() {
+                    o += (flat % shape[a]) * st[a];
+                    flat /= shape[a];
+                }
+                o
+            })
+            .collect()
+    }
+
+    #[test]
+    fn strided_gathers_match_an_element_walk() {
+        let src: Vec<usize> = (0..2 * 3 * 4 * 5).collect();
+        let cases: [(&[usize], &[usize], usize); 6] = [
+            (&[2, 3, 4, 5], &[60, 20, 5, 1], 0),
+            (&[2, 4, 3, 5], &[60, 5, 20, 1], 0),
+            (&[5, 4, 3, 2], &[1, 5, 20, 60], 0),
+            (&[2, 3, 1, 5], &[60, 20, 5, 1], 5),
+            (&[3, 4, 5], &[0, 5, 1], 0),
+            (&[2, 3, 4], &[60, 0, 1], 1),
+        ];
+        for (shape, st, off) in cases {
+            assert_eq!(
+                gather_strided(&src, shape, st, off),
+                naive(shape, st, off),
+                "{shape:?} {st:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn broadcast_sums_keep_the_element_order() {
+        let grad: Vec<f32> = (0..24).map(|i| 1.0 + i as f32 * 1e-3).collect();
+        for to in [&[4][..], &[3, 1], &[1, 3, 4], &[2, 1, 1], &[]] {
+            let from = [2, 3, 4];
+            let mut want = vec![0.0f32; to.iter().product()];
+            let offs = naive(&from, &broadcast_strides(to, &from), 0);
+            for (g, o) in grad.iter().zip(offs) {
+                want[o] += g;
+            }
+            assert_eq!(reduce_to(&grad, &from, to), want, "{to:?}");
+        }
+    }
 }

@@ -3,8 +3,10 @@
 //! gradient of each input that `dplc_ir::GradPlan` asks for.
 
 use crate::error::{kernel_err, Result};
-use crate::kernels::{self, batch_offsets, binary_f, gemm, moe_slots, norm_stats, Mat, OpCtx};
-use crate::tensor::{broadcast_data, reduce_to, split_axis, strided_offsets, strides, Tensor};
+use crate::kernels::{
+    self, batch_offsets, binary_f, gemm, moe_slots, norm_stats, zip_broadcast, Mat, OpCtx,
+};
+use crate::tensor::{reduce_to, split_axis, strides, Tensor, Walk};
 use dplc_ir::{BinaryOp, Op, ReduceKind, UnaryOp};
 
 /// d unary(x) / dx, from the input `x` and the output `y`.
@@ -31,13 +33,7 @@ fn unary_grad(u: UnaryOp, x: f32, y: f32) -> f32 {
             let pdf = (-0.5 * xd * xd).exp() / (2.0 * std::f64::consts::PI).sqrt();
             (cdf + xd * pdf) as f32
         }
-        UnaryOp::GeluTanh => {
-            let c = 0.797_884_560_802_865_4;
-            let inner = c * (xd + 0.044715 * xd * xd * xd);
-            let t = inner.tanh();
-            let dinner = c * (1.0 + 3.0 * 0.044715 * xd * xd);
-            (0.5 * (1.0 + t) + 0.5 * xd * (1.0 - t * t) * dinner) as f32
-        }
+        UnaryOp::GeluTanh => kernels::gelu_tanh_grad(x),
         UnaryOp::Silu => {
             let s = 1.0 / (1.0 + (-x).exp());
             s * (1.0 + x * (1.0 - s))
@@ -97,28 +93,47 @@ pub fn backward(
         Op::Input(_) | Op::Param(_) | Op::Constant(_) | Op::Iota { .. } | Op::Repeat { .. } => {}
         Op::Unary(u) => {
             let (xs, ys) = (x.f()?, outs[0].f()?);
-            let v = g
-                .iter()
-                .zip(xs.iter().zip(ys))
-                .map(|(&g, (&x, &y))| g * unary_grad(*u, x, y))
-                .collect();
+            // One loop per op, so that the common ones vectorise.
+            fn each(g: &[f32], xs: &[f32], ys: &[f32], d: impl Fn(f32, f32) -> f32) -> Vec<f32> {
+                g.iter()
+                    .zip(xs.iter().zip(ys))
+                    .map(|(&g, (&x, &y))| g * d(x, y))
+                    .collect()
+            }
+            let v = match u {
+                UnaryOp::GeluTanh => each(g, xs, ys, |x, _| kernels::gelu_tanh_grad(x)),
+                UnaryOp::Neg => each(g, xs, ys, |_, _| -1.0),
+                UnaryOp::Exp => each(g, xs, ys, |_, y| y),
+                u => each(g, xs, ys, |x, y| unary_grad(*u, x, y)),
+            };
             grads[0] = f(&x.shape, v);
         }
         Op::Binary(b) => {
             let shape = &gout.shape;
-            let xs = broadcast_data(x.f()?, &x.shape, shape);
-            let ys = broadcast_data(ins[1].f()?, &ins[1].shape, shape);
-            let (mut gx, mut gy) = (Vec::with_capacity(g.len()), Vec::with_capacity(g.len()));
-            for ((&g, &p), &q) in g.iter().zip(&xs).zip(&ys) {
-                let (dx, dy) = binary_grad(*b, p, q);
-                gx.push(g * dx);
-                gy.push(g * dy);
-            }
+            let (xa, ya) = ((x.f()?, &x.shape[..]), (ins[1].f()?, &ins[1].shape[..]));
+            // g · ∂(x ∘ y)/∂x (or ∂y) over the whole output, then summed down to
+            // the operand's shape; an add passes the gradient through as it is.
+            let part = |which: usize| -> Vec<f32> {
+                let gs = (g, &shape[..]);
+                let pick = move |(dx, dy): (f32, f32)| if which == 0 { dx } else { dy };
+                match b {
+                    BinaryOp::Add => g.to_vec(),
+                    BinaryOp::Sub if which == 0 => g.to_vec(),
+                    BinaryOp::Mul => {
+                        let other = if which == 0 { ya } else { xa };
+                        zip_broadcast(gs, other, shape, |g, o| g * o)
+                    }
+                    b => {
+                        let d = zip_broadcast(xa, ya, shape, |p, q| pick(binary_grad(*b, p, q)));
+                        d.iter().zip(g).map(|(&d, &g)| g * d).collect()
+                    }
+                }
+            };
             if need[0] {
-                grads[0] = f(&x.shape, reduce_to(&gx, shape, &x.shape));
+                grads[0] = f(&x.shape, reduce_to(&part(0), shape, &x.shape));
             }
             if need[1] {
-                grads[1] = f(&ins[1].shape, reduce_to(&gy, shape, &ins[1].shape));
+                grads[1] = f(&ins[1].shape, reduce_to(&part(1), shape, &ins[1].shape));
             }
         }
         Op::Cast(_) => grads[0] = x.is_float().then(|| gout.clone().reshaped(x.shape.clone())),
@@ -185,10 +200,11 @@ pub fn backward(
         Op::Slice { axis, start, .. } => {
             let mut dx = vec![0.0f32; x.numel()];
             let s = strides(&x.shape);
-            let offs = strided_offsets(&gout.shape, &s, *start as usize * s[*axis]);
-            for (&o, &v) in offs.iter().zip(g) {
-                dx[o] = v;
-            }
+            let walk = Walk::new(&gout.shape, [&strides(&gout.shape), &s]);
+            let (len, [_, step]) = walk.run();
+            walk.for_each([0, *start as usize * s[*axis]], |[o, d]| {
+                (0..len).for_each(|j| dx[d + j * step] = g[o + j]);
+            });
             grads[0] = f(&x.shape, dx);
         }
         Op::Concat { axis } => {
