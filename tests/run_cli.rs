@@ -126,7 +126,7 @@ fn ctrl_c_stops_cleanly_and_says_where() {
     let mut args = vec!["run", "models/tiny.dpl", "--cluster", "4xcpu"];
     args.extend(SMALL);
     args.extend(["--steps", "1000000", "--json"]);
-    let child = Command::new(env!("CARGO_BIN_EXE_dplc"))
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dplc"))
         .args(&args)
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .env("NO_COLOR", "1")
@@ -134,12 +134,25 @@ fn ctrl_c_stops_cleanly_and_says_where() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("dplc starts");
-    // Let it train a few steps, then interrupt it as a terminal would.
-    std::thread::sleep(Duration::from_secs(3));
+    // Interrupt it as a terminal would once it trains (its first step line
+    // is out, so its handler is in: a fixed sleep raced a loaded machine).
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(
+        child.stdout.take().expect("piped stdout"),
+    ));
+    let mut stdout = Vec::new();
+    for line in lines.by_ref() {
+        let line = line.expect("stdout is text");
+        let stepped = line.contains("\"step\"");
+        stdout.push(line);
+        if stepped {
+            break;
+        }
+    }
     let pid = child.id() as libc::pid_t;
     // SAFETY: sending SIGINT to the child we spawned.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGINT) }, 0);
     let sent = Instant::now();
+    stdout.extend(lines.map(|l| l.expect("stdout is text")));
     let out = child.wait_with_output().expect("dplc exits");
     assert!(sent.elapsed() < Duration::from_secs(10), "stops promptly");
     assert!(!out.status.success());
@@ -148,9 +161,8 @@ fn ctrl_c_stops_cleanly_and_says_where() {
         err.contains("interrupted: stopped cleanly after step"),
         "{err}"
     );
-    let stdout = String::from_utf8_lossy(&out.stdout);
     let summary: serde_json::Value =
-        serde_json::from_str(stdout.lines().last().expect("a summary")).expect("JSON");
+        serde_json::from_str(stdout.last().expect("a summary")).expect("JSON");
     assert_eq!(summary["interrupted"], true);
     assert!(summary["steps"].as_u64().unwrap() >= 1);
 }
