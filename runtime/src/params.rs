@@ -447,12 +447,30 @@ impl ParamStore {
                 }
             }
             ZeroStage::One | ZeroStage::Two => {
-                let keys: Vec<ParamKey> = self.slots.keys().copied().collect();
-                for k in keys {
-                    let slot = &self.slots[&k];
-                    let parts = self.comm.all_gather(&slot.group, &slot.master)?;
-                    let slot = self.slots.get_mut(&k).expect("key from the slots");
-                    slot.full = Some(Arc::new(Tensor::f32(slot.shape.clone(), parts.concat())));
+                // One all-gather per data-parallel group, not one per
+                // parameter: each member's updated parts, in key order. Every
+                // meeting costs the ranks a wait on each other.
+                for (ranks, keys) in self.by_group() {
+                    let group = Group::new(ranks);
+                    let mine: Vec<f32> = keys
+                        .iter()
+                        .flat_map(|k| self.slots[k].master.iter().copied())
+                        .collect();
+                    let parts = self.comm.all_gather(&group, &mine)?;
+                    let mut at = vec![0usize; parts.len()];
+                    for k in &keys {
+                        let slot = self.slots.get_mut(k).expect("key from the slots");
+                        let mut full = Vec::with_capacity(slot.numel);
+                        for (p, piece) in parts.iter().enumerate() {
+                            let n = slot.shards.get(p).map_or(0, |r| r.len());
+                            let part = piece.get(at[p]..at[p] + n).ok_or_else(|| {
+                                kernel_err("all_gather", "a member sent fewer parts than it owns")
+                            })?;
+                            full.extend_from_slice(part);
+                            at[p] += n;
+                        }
+                        slot.full = Some(Arc::new(Tensor::f32(slot.shape.clone(), full)));
+                    }
                 }
             }
             ZeroStage::Three => {}
