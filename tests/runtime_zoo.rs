@@ -29,21 +29,19 @@ fn lower(model: &str) -> (dplc_ir::Graph, dplc_ir::TrainSpec) {
 }
 
 fn run(model: &str, cfg: RunConfig) -> TrainReport {
+    run_with(model, cfg, Opt::AdamW)
+}
+
+/// Five steps of `model` at seq 16 under `cfg`, with the layout a plan of
+/// that split would carry.
+fn run_with(model: &str, cfg: RunConfig, opt: Opt) -> TrainReport {
     let (graph, mut spec) = lower(model);
     spec.seq = 16;
     spec.global_batch = cfg.global_batch() as u64;
-    spec.optimizer = Opt::AdamW.optimizer();
+    spec.optimizer = opt.optimizer();
     let data = Corpus::synthetic(5, 256, 1 << 14);
-    train(
-        &graph,
-        &spec,
-        &with_layout(&graph, &cfg),
-        &data,
-        5,
-        11,
-        |_| {},
-    )
-    .unwrap_or_else(|e| panic!("{model}: {e}"))
+    let cfg = with_layout(&graph, &cfg);
+    train(&graph, &spec, &cfg, &data, 5, 11, |_| {}).unwrap_or_else(|e| panic!("{model}: {e}"))
 }
 
 fn assert_same(name: &str, a: &TrainReport, b: &TrainReport) {
@@ -165,21 +163,7 @@ fn moe_tiny_strategies_match_serial() {
 const SGD_TOL: f64 = 1e-6;
 
 fn run_sgd(model: &str, cfg: RunConfig) -> TrainReport {
-    let (graph, mut spec) = lower(model);
-    spec.seq = 16;
-    spec.global_batch = cfg.global_batch() as u64;
-    spec.optimizer = Opt::Sgd.optimizer();
-    let data = Corpus::synthetic(5, 256, 1 << 14);
-    train(
-        &graph,
-        &spec,
-        &with_layout(&graph, &cfg),
-        &data,
-        5,
-        11,
-        |_| {},
-    )
-    .unwrap_or_else(|e| panic!("{model}: {e}"))
+    run_with(model, cfg, Opt::Sgd)
 }
 
 fn assert_close(name: &str, a: &TrainReport, b: &TrainReport) {

@@ -314,12 +314,32 @@ impl ParamStore {
             }
             ZeroStage::Two => {
                 // Gradients were accumulated full-length over the micro-batches;
-                // each rank keeps the sum of its own part.
-                for slot in self.slots.values_mut() {
-                    let part = self
+                // each rank keeps the sum of its own part. One reduce-scatter
+                // per data-parallel group: every member's part of every
+                // gradient, in key order, is one range of the flat buffer.
+                for (ranks, keys) in self.by_group() {
+                    let group = Group::new(ranks);
+                    let members = group.size();
+                    let mut flat = Vec::new();
+                    let mut ranges = Vec::with_capacity(members);
+                    for p in 0..members {
+                        let start = flat.len();
+                        for k in &keys {
+                            let slot = &self.slots[k];
+                            let r = slot.shards.get(p).cloned().unwrap_or(0..0);
+                            flat.extend_from_slice(&slot.grad[r]);
+                        }
+                        ranges.push(start..flat.len());
+                    }
+                    let mut mine = self
                         .comm
-                        .reduce_scatter(&slot.group, &slot.grad, &slot.shards)?;
-                    slot.grad = part;
+                        .reduce_scatter(&group, &flat, &ranges)?
+                        .into_iter();
+                    for k in &keys {
+                        let slot = self.slots.get_mut(k).expect("key from the slots");
+                        let n = slot.shards[slot.pos].len();
+                        slot.grad = mine.by_ref().take(n).collect();
+                    }
                 }
             }
             ZeroStage::Three => {}
