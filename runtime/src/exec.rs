@@ -315,8 +315,9 @@ pub struct TrainReport {
     /// in another process, or when no step ran.
     pub stage_layers: Vec<u64>,
     /// The most activation bytes any rank held at once (every live
-    /// micro-batch's kept values, measured after each forward): what
-    /// recomputation trades for compute.
+    /// micro-batch's kept values, measured after each forward of the run's
+    /// first step; later steps repeat it): what recomputation trades for
+    /// compute.
     pub peak_activation_bytes: u64,
 }
 
@@ -1264,13 +1265,18 @@ impl<'a, 'b> Rank<'a, 'b> {
             )?;
         }
         self.live.insert((micro, c), Live { frame });
-        let mut seen = HashSet::new();
-        let held: usize = self
-            .live
-            .values()
-            .map(|l| l.frame.activation_bytes(sh.graph, &mut seen))
-            .sum();
-        self.peak_activation_bytes = self.peak_activation_bytes.max(held as u64);
+        // Every step runs the same schedule on the same shapes, so the first
+        // step's peak is every step's: the walk over the live frames stays
+        // off the later steps' path.
+        if self.step == sh.start_step {
+            let mut seen = HashSet::new();
+            let held: usize = self
+                .live
+                .values()
+                .map(|l| l.frame.activation_bytes(sh.graph, &mut seen))
+                .sum();
+            self.peak_activation_bytes = self.peak_activation_bytes.max(held as u64);
+        }
         Ok(())
     }
 
