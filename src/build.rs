@@ -294,6 +294,7 @@ pub fn launch(args: &LaunchArgs) -> Result<()> {
     if processes == 1 {
         return run::train_on_gpus(&p, &args.train);
     }
+    run::refuse_reference_on_gpus(&args.train)?;
     // One process per GPU: gradients over NCCL, bootstrapped from the launcher.
     let c = &p.cfg;
     if c.tp > 1 || c.pp > 1 || c.ep > 1 || c.dp as u64 != processes {

@@ -57,6 +57,28 @@ pub struct TrainOpts {
     /// it. --steps counts from the start of training.
     #[arg(long, value_name = "DIR", num_args = 0..=1)]
     pub resume: Option<Option<PathBuf>>,
+    /// What computes each rank's stages on CPU ranks: the reference
+    /// interpreter, or the fused kernels a GPU runs (interpreted on the CPU),
+    /// to check on a laptop that they train the same. Default: reference on
+    /// CPU ranks; GPUs always run fused.
+    #[arg(long, value_enum)]
+    pub compute: Option<ComputeArg>,
+}
+
+/// `--compute`: which compute backend runs the stages.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ComputeArg {
+    Reference,
+    Fused,
+}
+
+impl From<ComputeArg> for dplc_runtime::Compute {
+    fn from(c: ComputeArg) -> Self {
+        match c {
+            ComputeArg::Reference => dplc_runtime::Compute::Reference,
+            ComputeArg::Fused => dplc_runtime::Compute::Fused,
+        }
+    }
 }
 
 /// A model lowered, planned for CPU ranks and turned into a run.
@@ -294,9 +316,21 @@ pub fn run(args: &Args) -> Result<()> {
     train_prepared(&p, &args.train)
 }
 
+/// GPUs always run the fused kernels: `--compute reference` there is a mistake.
+pub fn refuse_reference_on_gpus(args: &TrainOpts) -> Result<()> {
+    if args.compute == Some(ComputeArg::Reference) {
+        return Err(miette!(
+            help = "leave out --compute, or plan for CPU ranks (--cluster Nxcpu) to run the reference",
+            "a GPU cluster always runs the fused kernels; --compute reference is for CPU ranks"
+        ));
+    }
+    Ok(())
+}
+
 /// Train a prepared model on GPUs with the fused executor: data-parallel
 /// replicas only (one per GPU); other splits are refused with what to pin.
 pub fn train_on_gpus(p: &Prepared, args: &TrainOpts) -> Result<()> {
+    refuse_reference_on_gpus(args)?;
     let cfg = &p.cfg;
     if cfg.tp > 1 || cfg.pp > 1 || cfg.ep > 1 {
         return Err(miette!(
@@ -481,6 +515,7 @@ pub fn train_prepared_on(
         return Err(miette!("--timeout must be a positive number of seconds"));
     }
     cfg.timeout = std::time::Duration::from_secs_f64(args.timeout);
+    cfg.compute = args.compute.unwrap_or(ComputeArg::Reference).into();
     if let Ok(spec) = std::env::var("DPLC_FAULT") {
         cfg.faults = fault_from_env(&spec, process.is_some())?;
     }

@@ -44,6 +44,11 @@ pub struct Args {
     /// Print a JSON object instead of text.
     #[arg(long)]
     pub json: bool,
+    /// What computes the split run's stages: the reference interpreter, or
+    /// the fused kernels a GPU runs (interpreted on the CPU). The serial run
+    /// it is checked against is always the reference.
+    #[arg(long, value_enum, default_value_t = crate::run::ComputeArg::Reference)]
+    pub compute: crate::run::ComputeArg,
 }
 
 fn read(path: &Path) -> Result<String> {
@@ -149,6 +154,7 @@ pub fn run(args: &Args) -> Result<()> {
     }
     let layers = depth;
     // One sample per micro-batch; enough micro-batches for the schedule.
+    split.compute = args.compute.into();
     split.micro_batch = 1;
     split.num_micro_batches = if split.pp > 1 { split.pp } else { 2 };
     split.faults = match args.inject.as_deref() {
@@ -219,18 +225,20 @@ pub fn run(args: &Args) -> Result<()> {
                 "param_deviation": o.param_dev,
                 "param_deviation_at": o.param_at,
                 "layout": layout_source,
+                "compute": split.compute.name(),
             })
         );
     } else {
         say!(
-            "verify {} on {} CPU ranks (dp {} × tp {} × pp {}, ep {}), reduced to {layers} layers, seq {seq}, global batch {global}, {} steps, {layout_source} layout",
+            "verify {} on {} CPU ranks (dp {} × tp {} × pp {}, ep {}), reduced to {layers} layers, seq {seq}, global batch {global}, {} steps, {layout_source} layout, {} compute",
             plan.model,
             split.world_size(),
             split.dp,
             split.tp,
             split.pp,
             split.ep,
-            args.steps
+            args.steps,
+            split.compute.name()
         );
         say!(
             "  loss, model's optimizer   max relative deviation {:.2e}  (tolerance {LOSS_TOL:.0e})",

@@ -258,6 +258,13 @@ fn node_of(g: &Graph, t: TensorId) -> NodeId {
 
 /// Plan one region: which tensors are materialized, and the steps that make them.
 pub fn fuse(g: &Graph, region: RegionId) -> FusionPlan {
+    fuse_cut(g, region, &[])
+}
+
+/// [`fuse`], with the tensors of `cut` (through their reshapes) kept in
+/// memory too: values that cross a pipeline cut are sent from where they are
+/// computed, so no kernel on the far side may recompute them inline.
+pub fn fuse_cut(g: &Graph, region: RegionId, cut: &[TensorId]) -> FusionPlan {
     let reg = g.region(region);
     let mut a = Analysis {
         g,
@@ -280,6 +287,18 @@ pub fn fuse(g: &Graph, region: RegionId) -> FusionPlan {
     for &t in &reg.results {
         *uses.entry(t).or_default() += 1;
         if !a.in_memory(t) {
+            a.materialized.insert(t);
+        }
+    }
+    for &t in cut {
+        let mut t = t;
+        while let Some(n) = g.producer(t) {
+            match n.op {
+                Op::Reshape { .. } => t = n.inputs[0],
+                _ => break,
+            }
+        }
+        if g.tensor_region(t) == region && !a.in_memory(t) {
             a.materialized.insert(t);
         }
     }

@@ -23,7 +23,7 @@ pub use backward::{
 pub use cuda::{emit_cuda, kernel_name, CudaSource, LaunchShape, ROW_BLOCK};
 pub use error::CodegenError;
 pub use flat::{add_kernel, convert_kernel, sum_squares_kernel, SUM_SQUARES_COLS};
-pub use fuse::{fuse, fuse_graph, FusedKernel, FusionPlan, KeySize, Operand, Step};
+pub use fuse::{fuse, fuse_cut, fuse_graph, FusedKernel, FusionPlan, KeySize, Operand, Step};
 pub use interp::{
     binary, erf, interpret, interpret_refs, unary, unary_grad, Args, BufferRef, Data,
 };

@@ -16,6 +16,18 @@ pub fn attention_core(elements: &Dim, seq: Option<crate::SymId>) -> bool {
     seq.is_some_and(|seq| elements.syms().iter().filter(|&&s| s == seq).count() >= 2)
 }
 
+/// [`attention_core`] for tensor `t` of `graph`, the sequence being the
+/// symbolic dimension `seq`: what the runtime's backends drop under selective
+/// recomputation.
+pub fn attention_core_tensor(graph: &crate::Graph, t: crate::TensorId) -> bool {
+    let seq = graph.sym_by_name("seq");
+    graph
+        .tensor(t)
+        .shape
+        .numel()
+        .is_some_and(|e| attention_core(&e, seq))
+}
+
 /// What a stored tensor holds, which fixes its bytes per element.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum SavedKind {

@@ -15,7 +15,9 @@ mod plan;
 mod print;
 mod shape;
 
-pub use analysis::{attention_core, ActivationProfile, Analysis, SavedKind, SavedTensor};
+pub use analysis::{
+    attention_core, attention_core_tensor, ActivationProfile, Analysis, SavedKind, SavedTensor,
+};
 pub use autodiff::{differentiable_inputs, saved_for_backward, GradPlan, SavedForBackward};
 pub use config::{ClusterSpec, LinkSpec, LrSchedule, Optimizer, Precision, TrainSpec};
 pub use dtype::DType;

@@ -345,7 +345,6 @@ impl<'g> Interp<'g> {
     /// Nested repeats keep theirs: their tapes are already in the frame.
     fn drop_attention_core(&self, region: RegionId, frame: &mut Frame) {
         let g = self.graph;
-        let seq = g.sym_by_name("seq");
         let mut dropped = HashSet::new();
         for &n in &g.region(region).nodes {
             let node = g.node(n);
@@ -353,12 +352,7 @@ impl<'g> Interp<'g> {
                 continue;
             }
             for &t in &node.outputs {
-                let core = g
-                    .tensor(t)
-                    .shape
-                    .numel()
-                    .is_some_and(|e| dplc_ir::attention_core(&e, seq));
-                if core && frame.values.remove(&t).is_some() {
+                if dplc_ir::attention_core_tensor(g, t) && frame.values.remove(&t).is_some() {
                     dropped.insert(t);
                 }
             }

@@ -11,13 +11,13 @@ mod checkpoint;
 mod comm;
 mod data;
 mod error;
-mod exec;
 pub mod fused;
 pub mod gpu;
 #[cfg(test)]
 mod gradcheck;
 mod interp;
 mod kernels;
+mod schedule;
 // Without the `mpi` feature only the tests use the wire format.
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 mod mpi_world;
@@ -32,14 +32,14 @@ pub use checkpoint::{Checkpoint, CheckpointConfig, CheckpointKill, KillPoint};
 pub use comm::{Communicator, Group, Message, World};
 pub use data::{Corpus, TokenFormat};
 pub use error::{Result, RuntimeError};
-pub use exec::{
-    train, train_process, Faults, Parameters, RunConfig, StepStats, StopFlag, TraceSink, TraceSpan,
-    TrainReport,
-};
 pub use interp::ParamKey;
 pub use kernels::{forward, DropoutKey, OpCtx};
 pub use mpi_world::MpiProcess;
 pub use params::ZeroStage;
 pub use partition::Schedule;
+pub use schedule::{
+    train, train_process, Compute, Faults, Parameters, RunConfig, StepStats, StopFlag, TraceSink,
+    TraceSpan, TrainReport,
+};
 pub use tensor::{Data, Tensor};
 pub use vjp::backward;

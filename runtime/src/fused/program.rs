@@ -16,10 +16,10 @@ use super::backend::{Backend, MatMul};
 use crate::error::{kernel_err, Result, RuntimeError};
 use crate::interp::ParamKey;
 use dplc_codegen::{
-    add_kernel, backward_plan, column_sum_kernel, convert_kernel, fuse, Args, BackwardStep, Elem,
-    FusedKernel, FusionPlan, GradBinding, KeySize, Operand, Step,
+    add_kernel, backward_plan, column_sum_kernel, convert_kernel, fuse, fuse_cut, Args,
+    BackwardStep, Elem, FusedKernel, FusionPlan, GradBinding, KeySize, Operand, Step,
 };
-use dplc_ir::{DType, GradPlan, Graph, NodeId, Op, RegionId, TensorId};
+use dplc_ir::{DType, GradPlan, Graph, NodeId, Op, Recompute, RegionId, TensorId};
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// A value on the device: its buffer, element type and element count.
@@ -44,6 +44,18 @@ pub struct FusedGraph {
     regions: HashMap<RegionId, (FusionPlan, Vec<BackwardStep>)>,
     lifetimes: HashMap<RegionId, Lifetimes>,
     grad: GradPlan,
+    /// What a layer keeps for its backward. Recomputed values are the same
+    /// values: a dropout draw depends on the step, node, layer and sample,
+    /// not on when it runs.
+    recompute: Recompute,
+    /// Per region, the forward steps that write a core-attention tensor:
+    /// what selective recomputation drops after a layer's forward and runs
+    /// again before its backward.
+    core_steps: HashMap<RegionId, Vec<usize>>,
+    /// The root's step that runs the top-level `repeat`, and whether every
+    /// root kernel lies wholly before or wholly after it (so a pipeline may
+    /// cut the root there).
+    repeat_step: Option<(usize, bool)>,
 }
 
 /// When a region's forward may free its values.
@@ -70,6 +82,7 @@ impl Lifetimes {
         plan: &FusionPlan,
         back: &[BackwardStep],
         grad: &GradPlan,
+        rerun: &[usize],
     ) -> Lifetimes {
         let base = |t: TensorId| base_of(graph, t);
         // What the backward reads, what the caller reads, and the loss.
@@ -77,6 +90,10 @@ impl Lifetimes {
         let mut keep: HashSet<TensorId> = region.results.iter().map(|&t| base(t)).collect();
         if r == graph.root() {
             keep.extend(graph.outputs().iter().map(|&t| base(t)));
+        }
+        // Selective recomputation runs these steps again: what they read stays.
+        for &i in rerun {
+            keep.extend(step_tensors(graph, &plan.steps[i]).into_iter().map(base));
         }
         for b in back {
             match b {
@@ -106,17 +123,7 @@ impl Lifetimes {
         // The last forward step that writes or reads each base.
         let mut last: HashMap<TensorId, usize> = HashMap::new();
         for (i, step) in plan.steps.iter().enumerate() {
-            let touched: Vec<TensorId> = match step {
-                Step::Kernel(k) => k.buffers.clone(),
-                Step::MatMul { node, a, b } => {
-                    vec![a.tensor, b.tensor, graph.node(*node).outputs[0]]
-                }
-                Step::Extern { node, .. } => {
-                    let n = graph.node(*node);
-                    n.inputs.iter().chain(&n.outputs).copied().collect()
-                }
-            };
-            for t in touched {
+            for t in step_tensors(graph, step) {
                 last.insert(base(t), i);
             }
         }
@@ -130,18 +137,55 @@ impl Lifetimes {
     }
 }
 
+/// Every tensor a forward step reads or writes.
+fn step_tensors(graph: &Graph, step: &Step) -> Vec<TensorId> {
+    match step {
+        Step::Kernel(k) => k.buffers.clone(),
+        Step::MatMul { node, a, b } => vec![a.tensor, b.tensor, graph.node(*node).outputs[0]],
+        Step::Extern { node, .. } => {
+            let n = graph.node(*node);
+            n.inputs.iter().chain(&n.outputs).copied().collect()
+        }
+    }
+}
+
+/// The tensors a forward step writes.
+fn step_outputs(graph: &Graph, step: &Step) -> Vec<TensorId> {
+    match step {
+        Step::Kernel(k) => k
+            .buffers
+            .iter()
+            .zip(&k.kernel.buffers)
+            .filter(|(_, b)| b.output)
+            .map(|(&t, _)| t)
+            .collect(),
+        Step::MatMul { node, .. } | Step::Extern { node, .. } => graph.node(*node).outputs.clone(),
+    }
+}
+
 impl FusedGraph {
-    /// Plan `graph`; fails on a step the executor cannot run (MoE routing).
+    /// Plan `graph` for a run without recomputation or pipeline cuts.
     pub fn new(graph: &Graph) -> Result<FusedGraph> {
+        FusedGraph::for_run(graph, Recompute::None, &[])
+    }
+
+    /// Plan `graph` for a run that recomputes as `recompute` says, with the
+    /// root values of `cut` (those crossing pipeline stages) kept in memory;
+    /// fails on a step the executor cannot run (MoE routing).
+    pub fn for_run(graph: &Graph, recompute: Recompute, cut: &[TensorId]) -> Result<FusedGraph> {
         let mut regions = HashMap::new();
         for (r, _) in graph.regions() {
-            let plan = fuse(graph, r);
+            let plan = if r == graph.root() {
+                fuse_cut(graph, r, cut)
+            } else {
+                fuse(graph, r)
+            };
             for step in &plan.steps {
                 if let Step::Extern { node, reason } = step {
                     if !matches!(graph.node(*node).op, Op::Repeat { .. }) {
                         return Err(RuntimeError::Unsupported(format!(
-                            "the fused executor cannot run {} ({reason}); train this model on \
-                             CPU ranks (--cluster Nxcpu)",
+                            "the fused executor cannot run {} ({reason}); run this model with \
+                             --compute reference on CPU ranks (--cluster Nxcpu)",
                             graph.node(*node).op.name()
                         )));
                     }
@@ -151,14 +195,75 @@ impl FusedGraph {
             regions.insert(r, (plan, back));
         }
         let grad = GradPlan::new(graph);
+        let core_steps: HashMap<RegionId, Vec<usize>> = regions
+            .iter()
+            .map(
+                |(&r, (plan, _)): (&RegionId, &(FusionPlan, Vec<BackwardStep>))| {
+                    let steps = if recompute == Recompute::Selective && r != graph.root() {
+                        plan.steps
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, st)| {
+                                !matches!(st, Step::Extern { .. })
+                                    && step_outputs(graph, st)
+                                        .into_iter()
+                                        .any(|t| dplc_ir::attention_core_tensor(graph, t))
+                            })
+                            .map(|(i, _)| i)
+                            .collect()
+                    } else {
+                        Vec::new()
+                    };
+                    (r, steps)
+                },
+            )
+            .collect();
         let lifetimes = regions
             .iter()
-            .map(|(&r, (plan, back))| (r, Lifetimes::new(graph, r, plan, back, &grad)))
+            .map(|(&r, (plan, back))| {
+                (
+                    r,
+                    Lifetimes::new(graph, r, plan, back, &grad, &core_steps[&r]),
+                )
+            })
             .collect();
+        let root = graph.root();
+        let repeat_step = regions[&root].0.steps.iter().position(|st| {
+            matches!(st, Step::Extern { node, .. } if matches!(graph.node(*node).op, Op::Repeat { .. }))
+        });
+        let repeat_step = repeat_step.map(|at| {
+            let order: HashMap<NodeId, usize> = graph
+                .region(root)
+                .nodes
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| (n, i))
+                .collect();
+            let Step::Extern { node, .. } = &regions[&root].0.steps[at] else {
+                unreachable!("found as an extern step above")
+            };
+            let rep = order[node];
+            let whole_side = regions[&root]
+                .0
+                .steps
+                .iter()
+                .enumerate()
+                .all(|(i, st)| match st {
+                    Step::Kernel(k) => k
+                        .nodes
+                        .iter()
+                        .all(|n| order.get(n).is_some_and(|&p| (p < rep) == (i < at))),
+                    _ => true,
+                });
+            (at, whole_side)
+        });
         Ok(FusedGraph {
             regions,
             lifetimes,
             grad,
+            recompute,
+            core_steps,
+            repeat_step,
         })
     }
 
@@ -184,6 +289,9 @@ pub struct RegionRun<B: Backend> {
     values: HashMap<TensorId, Val<B>>,
     /// Per repeat node, the runs of its body, first layer first.
     repeats: HashMap<NodeId, Vec<LayerRun<B>>>,
+    /// Selective recomputation dropped the core-attention values: their
+    /// steps run again before the backward.
+    dropped: bool,
 }
 
 impl<B: Backend> RegionRun<B> {
@@ -191,7 +299,41 @@ impl<B: Backend> RegionRun<B> {
         RegionRun {
             values: HashMap::new(),
             repeats: HashMap::new(),
+            dropped: false,
         }
+    }
+
+    /// Bytes of the activations held (parameters and inputs not counted;
+    /// a buffer bound to several tensors counted once, by `seen`).
+    pub fn activation_bytes(
+        &self,
+        graph: &Graph,
+        float_bytes: usize,
+        seen: &mut HashSet<TensorId>,
+    ) -> usize {
+        let size = |v: &Val<B>| {
+            v.len
+                * match v.elem {
+                    Elem::Float => float_bytes,
+                    Elem::F32 | Elem::I32 => 4,
+                }
+        };
+        let mut bytes = 0;
+        for (&t, v) in &self.values {
+            let leaf = graph
+                .producer(t)
+                .is_some_and(|n| matches!(n.op, Op::Param(_) | Op::Input(_)));
+            if !leaf && seen.insert(t) {
+                bytes += size(v);
+            }
+        }
+        for layer in self.repeats.values().flatten() {
+            bytes += match layer {
+                LayerRun::Kept(r) => r.activation_bytes(graph, float_bytes, &mut HashSet::new()),
+                LayerRun::Checkpoint(args) => args.iter().map(size).sum(),
+            };
+        }
+        bytes
     }
 }
 
@@ -200,6 +342,16 @@ impl<B: Backend> RegionRun<B> {
 enum LayerRun<B: Backend> {
     Kept(RegionRun<B>),
     Checkpoint(Vec<Val<B>>),
+}
+
+/// The part of the root region one pipeline chunk runs: the steps before the
+/// top-level `repeat` (embedding), some of its layers, the steps after it
+/// (head and loss). A run without pipeline stages is one span of all three.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChunkSpan {
+    pub head: bool,
+    pub layers: std::ops::Range<u64>,
+    pub tail: bool,
 }
 
 /// Runs one micro-batch forward and backward on a backend.
@@ -215,10 +367,6 @@ pub struct Executor<'a> {
     /// rest of the key, with which the kernels draw the CPU reference's masks.
     pub first_sample: u64,
     pub micro_batch: usize,
-    /// Full recomputation: keep each layer's arguments only and run its
-    /// forward again just before its backward (the same masks: a draw depends
-    /// on the step, node, layer and sample, not on when it runs).
-    pub recompute: bool,
 }
 
 /// Parameters the forward reads and where the backward leaves their gradients.
@@ -338,6 +486,136 @@ impl<'a> Executor<'a> {
         params: &ParamBufs<B>,
     ) -> Result<RegionRun<B>> {
         let (plan, _) = self.plan(r)?;
+        let mut run = self.bind(r, args, inputs, layer, params)?;
+        let free_after = self.free_after(r)?;
+        for (step, dead) in plan.steps.iter().zip(free_after) {
+            match step {
+                Step::Extern { node, .. } => {
+                    let (count, _, _) = self.repeat_parts(*node)?;
+                    self.forward_repeat(be, &mut run, *node, 0..count, None, params)?;
+                }
+                _ => self.run_step(be, &mut run, step, layer)?,
+            }
+            for t in dead {
+                run.values.remove(t);
+            }
+        }
+        Ok(run)
+    }
+
+    /// One pipeline chunk of the root forward. `received` are the values the
+    /// previous chunk sent: the carried activations, then `extras` (root
+    /// values computed before the `repeat` that later chunks read). Returns
+    /// the run and, for a chunk without the tail, what it sends on in the
+    /// same order.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_chunk<B: Backend>(
+        &self,
+        be: &mut B,
+        span: &ChunkSpan,
+        received: Vec<Val<B>>,
+        extras: &[TensorId],
+        inputs: &HashMap<TensorId, Val<B>>,
+        params: &ParamBufs<B>,
+    ) -> Result<(RegionRun<B>, Option<Vec<Val<B>>>)> {
+        let r = self.graph.root();
+        let (plan, _) = self.plan(r)?;
+        let Some(at) = self.cut_at(span)? else {
+            return Ok((self.forward(be, r, Vec::new(), inputs, 0, params)?, None));
+        };
+        let mut run = self.bind(r, Vec::new(), inputs, 0, params)?;
+        let Step::Extern { node: rep, .. } = plan.steps[at] else {
+            return Err(kernel_err("fused", "the repeat step is not one"));
+        };
+        let n_carried = self.repeat_parts(rep)?.2;
+        let mut init = None;
+        if !span.head {
+            if received.len() != n_carried + extras.len() {
+                return Err(kernel_err(
+                    "recv",
+                    format!(
+                        "{} activations arrived, the chunk takes {}",
+                        received.len(),
+                        n_carried + extras.len()
+                    ),
+                ));
+            }
+            let mut it = received.into_iter();
+            init = Some(it.by_ref().take(n_carried).collect());
+            for (&t, v) in extras.iter().zip(it) {
+                run.values.insert(self.base(t), v);
+            }
+        }
+        let free_after = self.free_after(r)?;
+        for (i, (step, dead)) in plan.steps.iter().zip(free_after).enumerate() {
+            if (i < at && !span.head) || (i > at && !span.tail) {
+                continue;
+            }
+            if i == at {
+                self.forward_repeat(be, &mut run, rep, span.layers.clone(), init.take(), params)?;
+                if !span.tail {
+                    let mut out: Vec<Val<B>> = self
+                        .graph
+                        .node(rep)
+                        .outputs
+                        .iter()
+                        .map(|&t| self.get(&run, t))
+                        .collect::<Result<_>>()?;
+                    for &t in extras {
+                        out.push(self.get(&run, t)?);
+                    }
+                    return Ok((run, Some(out)));
+                }
+            } else {
+                self.run_step(be, &mut run, step, 0)?;
+            }
+            for t in dead {
+                run.values.remove(t);
+            }
+        }
+        Ok((run, None))
+    }
+
+    /// Where `span` cuts the root: `None` for the whole root, else the step
+    /// of the top-level `repeat`.
+    fn cut_at(&self, span: &ChunkSpan) -> Result<Option<usize>> {
+        match self.fused.repeat_step {
+            None if span.head && span.tail => Ok(None),
+            None => Err(RuntimeError::Unsupported(
+                "a pipeline cuts the model at its layers, and it has no top-level repeat".into(),
+            )),
+            Some((at, whole_side)) => {
+                if !whole_side && !(span.head && span.tail) {
+                    return Err(RuntimeError::Unsupported(
+                        "a fused kernel of this model's root spans both sides of its layers, \
+                         so the fused executor cannot cut it into pipeline stages"
+                            .into(),
+                    ));
+                }
+                Ok(Some(at))
+            }
+        }
+    }
+
+    fn free_after(&self, r: RegionId) -> Result<&'a [Vec<TensorId>]> {
+        Ok(&self
+            .fused
+            .lifetimes
+            .get(&r)
+            .ok_or_else(|| kernel_err("fused", format!("region {r} has no plan")))?
+            .free_after)
+    }
+
+    /// A run of region `r` with its arguments, parameters (those held) and
+    /// inputs bound.
+    fn bind<B: Backend>(
+        &self,
+        r: RegionId,
+        args: Vec<Val<B>>,
+        inputs: &HashMap<TensorId, Val<B>>,
+        layer: u64,
+        params: &ParamBufs<B>,
+    ) -> Result<RegionRun<B>> {
         let region = self.graph.region(r);
         let mut run = RegionRun::new();
         for (&a, v) in region.args.iter().zip(args) {
@@ -346,15 +624,12 @@ impl<'a> Executor<'a> {
         for &n in &region.nodes {
             let node = self.graph.node(n);
             match node.op {
+                // A pipeline stage holds the parameters of its own chunks:
+                // one it does not hold is an error where it is read.
                 Op::Param(p) => {
-                    let key = ParamKey { param: p, layer };
-                    let v = params.values.get(&key).ok_or_else(|| {
-                        kernel_err(
-                            "fused",
-                            format!("parameter {p} of layer {layer} is not held"),
-                        )
-                    })?;
-                    run.values.insert(node.outputs[0], v.clone());
+                    if let Some(v) = params.values.get(&ParamKey { param: p, layer }) {
+                        run.values.insert(node.outputs[0], v.clone());
+                    }
                 }
                 Op::Input(_) => {
                     let v = inputs.get(&node.outputs[0]).ok_or_else(|| {
@@ -365,54 +640,62 @@ impl<'a> Executor<'a> {
                 _ => {}
             }
         }
-        let free_after = &self
-            .fused
-            .lifetimes
-            .get(&r)
-            .ok_or_else(|| kernel_err("fused", format!("region {r} has no plan")))?
-            .free_after;
-        for (step, dead) in plan.steps.iter().zip(free_after) {
-            match step {
-                Step::Kernel(k) => {
-                    let args = self.args(k, layer);
-                    let mut bufs = Vec::with_capacity(k.buffers.len());
-                    let mut outs = Vec::new();
-                    for (i, (&t, kb)) in k.buffers.iter().zip(&k.kernel.buffers).enumerate() {
-                        if kb.output {
-                            let len = args.buffer_len(&k.kernel, i);
-                            let v: Val<B> = Val {
-                                buf: be.alloc(kb.elem, len)?,
-                                elem: kb.elem,
-                                len,
-                            };
-                            bufs.push(v.buf.clone());
-                            outs.push((t, v));
-                        } else {
-                            bufs.push(self.get(&run, t)?.buf);
-                        }
+        Ok(run)
+    }
+
+    /// One kernel or matmul step of a forward.
+    fn run_step<B: Backend>(
+        &self,
+        be: &mut B,
+        run: &mut RegionRun<B>,
+        step: &Step,
+        layer: u64,
+    ) -> Result<()> {
+        match step {
+            Step::Kernel(k) => {
+                let args = self.args(k, layer);
+                let mut bufs = Vec::with_capacity(k.buffers.len());
+                let mut outs = Vec::new();
+                for (i, (&t, kb)) in k.buffers.iter().zip(&k.kernel.buffers).enumerate() {
+                    if kb.output {
+                        let len = args.buffer_len(&k.kernel, i);
+                        let v: Val<B> = Val {
+                            buf: be.alloc(kb.elem, len)?,
+                            elem: kb.elem,
+                            len,
+                        };
+                        bufs.push(v.buf.clone());
+                        outs.push((t, v));
+                    } else {
+                        bufs.push(self.get(run, t)?.buf);
                     }
-                    be.launch(&k.kernel, &args, &bufs)?;
-                    run.values.extend(outs);
                 }
-                Step::MatMul { node, a, b } => {
-                    let mm = self.matmul_of(*node, a, b, be.dtype())?;
-                    let (x, y) = (self.get(&run, a.tensor)?, self.get(&run, b.tensor)?);
-                    let len = mm.batch * mm.m * mm.n;
-                    let c = Val {
-                        buf: be.alloc(Elem::Float, len)?,
-                        elem: Elem::Float,
-                        len,
-                    };
-                    be.matmul(&mm, &x.buf, &y.buf, &c.buf)?;
-                    run.values.insert(self.graph.node(*node).outputs[0], c);
-                }
-                Step::Extern { node, .. } => self.forward_repeat(be, &mut run, *node, params)?,
+                be.launch(&k.kernel, &args, &bufs)?;
+                run.values.extend(outs);
             }
-            for t in dead {
-                run.values.remove(t);
+            Step::MatMul { node, a, b } => {
+                let mm = self.matmul_of(*node, a, b, be.dtype())?;
+                let (x, y) = (self.get(run, a.tensor)?, self.get(run, b.tensor)?);
+                let len = mm.batch * mm.m * mm.n;
+                let c = Val {
+                    buf: be.alloc(Elem::Float, len)?,
+                    elem: Elem::Float,
+                    len,
+                };
+                be.matmul(&mm, &x.buf, &y.buf, &c.buf)?;
+                run.values.insert(self.graph.node(*node).outputs[0], c);
+            }
+            Step::Extern { node, .. } => {
+                return Err(kernel_err(
+                    "fused",
+                    format!(
+                        "{} runs nested in a layer",
+                        self.graph.node(*node).op.name()
+                    ),
+                ))
             }
         }
-        Ok(run)
+        Ok(())
     }
 
     fn repeat_parts(&self, n: NodeId) -> Result<(u64, RegionId, usize)> {
@@ -429,40 +712,80 @@ impl<'a> Executor<'a> {
         }
     }
 
+    /// Layers `layers` of repeat `n`, from `init` (else the node's carried
+    /// inputs in `run`); the repeat's outputs are left in `run`.
     fn forward_repeat<B: Backend>(
         &self,
         be: &mut B,
         run: &mut RegionRun<B>,
         n: NodeId,
+        layers: std::ops::Range<u64>,
+        init: Option<Vec<Val<B>>>,
         params: &ParamBufs<B>,
     ) -> Result<()> {
-        let (count, body, n_carried) = self.repeat_parts(n)?;
+        let (_, body, n_carried) = self.repeat_parts(n)?;
         let node = self.graph.node(n);
-        let inputs: Vec<Val<B>> = node
-            .inputs
+        let captured: Vec<Val<B>> = node.inputs[n_carried..]
             .iter()
             .map(|&t| self.get(run, t))
             .collect::<Result<_>>()?;
-        let (mut carried, captured) = (inputs[..n_carried].to_vec(), &inputs[n_carried..]);
+        let mut carried = match init {
+            Some(v) => v,
+            None => node.inputs[..n_carried]
+                .iter()
+                .map(|&t| self.get(run, t))
+                .collect::<Result<_>>()?,
+        };
         let results = self.graph.region(body).results.clone();
-        let mut runs = Vec::with_capacity(count as usize);
-        for layer in 0..count {
-            let args: Vec<Val<B>> = carried.iter().chain(captured).cloned().collect();
-            let body_run = self.forward(be, body, args.clone(), &HashMap::new(), layer, params)?;
+        let core = &self.fused.core_steps[&body];
+        let mut runs = Vec::with_capacity((layers.end - layers.start) as usize);
+        for layer in layers {
+            let args: Vec<Val<B>> = carried.iter().chain(&captured).cloned().collect();
+            let mut body_run =
+                self.forward(be, body, args.clone(), &HashMap::new(), layer, params)?;
             carried = results
                 .iter()
                 .map(|&t| self.get(&body_run, t))
                 .collect::<Result<_>>()?;
-            runs.push(if self.recompute {
-                LayerRun::Checkpoint(args)
-            } else {
-                LayerRun::Kept(body_run)
+            runs.push(match self.fused.recompute {
+                Recompute::Full => LayerRun::Checkpoint(args),
+                Recompute::Selective => {
+                    let (plan, _) = self.plan(body)?;
+                    for &i in core {
+                        for t in step_outputs(self.graph, &plan.steps[i]) {
+                            body_run.values.remove(&t);
+                        }
+                    }
+                    body_run.dropped = !core.is_empty();
+                    LayerRun::Kept(body_run)
+                }
+                Recompute::None => LayerRun::Kept(body_run),
             });
         }
         for (&t, v) in node.outputs.iter().zip(carried) {
             run.values.insert(t, v);
         }
         run.repeats.insert(n, runs);
+        Ok(())
+    }
+
+    /// Selective recomputation: run again, in order, the steps whose values
+    /// the layer's forward dropped.
+    fn recompute_dropped<B: Backend>(
+        &self,
+        be: &mut B,
+        body: RegionId,
+        run: &mut RegionRun<B>,
+        layer: u64,
+    ) -> Result<()> {
+        if !run.dropped {
+            return Ok(());
+        }
+        let (plan, _) = self.plan(body)?;
+        for &i in &self.fused.core_steps[&body] {
+            self.run_step(be, run, &plan.steps[i], layer)?;
+        }
+        run.dropped = false;
         Ok(())
     }
 
@@ -543,8 +866,107 @@ impl<'a> Executor<'a> {
         layer: u64,
         params: &mut ParamBufs<B>,
     ) -> Result<()> {
+        self.backward_steps(be, r, run, grads, layer, params, None)?;
+        Ok(())
+    }
+
+    /// One pipeline chunk of the root backward, after [`Executor::forward_chunk`].
+    /// `received` are the gradients the next chunk sent back (the carried
+    /// activations', then the extras'), or `None` on the last chunk, whose
+    /// loss is seeded with `loss_scale`. Returns what this chunk sends back,
+    /// in the same order (nothing on the first chunk).
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_chunk<B: Backend>(
+        &self,
+        be: &mut B,
+        span: &ChunkSpan,
+        run: &mut RegionRun<B>,
+        received: Option<Vec<Option<Val<B>>>>,
+        extras: &[TensorId],
+        loss_scale: f32,
+        params: &mut ParamBufs<B>,
+    ) -> Result<Vec<Option<Val<B>>>> {
+        let r = self.graph.root();
+        let mut grads: HashMap<TensorId, Val<B>> = HashMap::new();
+        let at = self.cut_at(span)?;
+        let rep = at.map(|at| match self.plan(r).map(|p| &p.0.steps[at]) {
+            Ok(Step::Extern { node, .. }) => *node,
+            _ => unreachable!("cut_at names the repeat's step"),
+        });
+        match received {
+            None => {
+                let loss_t = *self
+                    .graph
+                    .outputs()
+                    .first()
+                    .ok_or_else(|| kernel_err("fused", "the model returns nothing"))?;
+                let seed = Val {
+                    buf: be.upload(Elem::Float, &[loss_scale])?,
+                    elem: Elem::Float,
+                    len: 1,
+                };
+                grads.insert(self.base(loss_t), seed);
+            }
+            Some(msg) => {
+                let rep = rep.ok_or_else(|| kernel_err("fused", "a cut without a repeat"))?;
+                let outs = &self.graph.node(rep).outputs;
+                if msg.len() != outs.len() + extras.len() {
+                    return Err(kernel_err(
+                        "recv",
+                        format!(
+                            "{} gradients arrived for {}",
+                            msg.len(),
+                            outs.len() + extras.len()
+                        ),
+                    ));
+                }
+                for (&t, g) in outs.iter().chain(extras).zip(msg) {
+                    if let Some(g) = g {
+                        self.add_grad(be, &mut grads, t, g)?;
+                    }
+                }
+            }
+        }
+        let carried =
+            self.backward_steps(be, r, run, &mut grads, 0, params, at.map(|at| (at, span)))?;
+        if span.head {
+            return Ok(Vec::new());
+        }
+        let mut out = carried;
+        for &t in extras {
+            out.push(grads.remove(&self.base(t)));
+        }
+        Ok(out)
+    }
+
+    /// The backward of region `r`'s steps; on the root cut at step `cut.0`,
+    /// those of the chunk `cut.1` only, returning the gradients of the
+    /// repeat's carried inputs when the chunk has no head to take them.
+    #[allow(clippy::too_many_arguments)]
+    fn backward_steps<B: Backend>(
+        &self,
+        be: &mut B,
+        r: RegionId,
+        run: &mut RegionRun<B>,
+        grads: &mut HashMap<TensorId, Val<B>>,
+        layer: u64,
+        params: &mut ParamBufs<B>,
+        cut: Option<(usize, &ChunkSpan)>,
+    ) -> Result<Vec<Option<Val<B>>>> {
         let (plan, back) = self.plan(r)?;
+        self.recompute_dropped(be, r, run, layer)?;
+        let mut carried_out = Vec::new();
         for bstep in back {
+            let at = match bstep {
+                BackwardStep::Kernel { step, .. }
+                | BackwardStep::MatMul { step }
+                | BackwardStep::Extern { step, .. } => *step,
+            };
+            if let Some((cut, span)) = cut {
+                if (at < cut && !span.head) || (at > cut && !span.tail) {
+                    continue;
+                }
+            }
             match bstep {
                 BackwardStep::Kernel { step, backward } => {
                     let Step::Kernel(k) = &plan.steps[*step] else {
@@ -647,7 +1069,22 @@ impl<'a> Executor<'a> {
                             "an extern step that is not one",
                         ));
                     };
-                    self.backward_repeat(be, run, grads, *node, params)?;
+                    let (count, _, _) = self.repeat_parts(*node)?;
+                    let (layers, head) = match cut {
+                        Some((_, span)) => (span.layers.clone(), span.head),
+                        None => (0..count, true),
+                    };
+                    let carried = self.backward_repeat(be, run, grads, *node, layers, params)?;
+                    if head {
+                        let inputs = &self.graph.node(*node).inputs;
+                        for (&t, g) in inputs.iter().zip(carried) {
+                            if let Some(g) = g {
+                                self.add_grad(be, grads, t, g)?;
+                            }
+                        }
+                    } else {
+                        carried_out = carried;
+                    }
                 }
             }
         }
@@ -668,7 +1105,7 @@ impl<'a> Executor<'a> {
                 }
             }
         }
-        Ok(())
+        Ok(carried_out)
     }
 
     fn matmul_backward<B: Backend>(
@@ -806,14 +1243,18 @@ impl<'a> Executor<'a> {
         })
     }
 
+    /// The backward of layers `layers` of repeat `n` (as its forward ran
+    /// them), from the gradients of its outputs in `grads`; adds its captured
+    /// inputs' gradients to `grads` and returns its carried inputs'.
     fn backward_repeat<B: Backend>(
         &self,
         be: &mut B,
         run: &mut RegionRun<B>,
         grads: &mut HashMap<TensorId, Val<B>>,
         n: NodeId,
+        layers: std::ops::Range<u64>,
         params: &mut ParamBufs<B>,
-    ) -> Result<()> {
+    ) -> Result<Vec<Option<Val<B>>>> {
         let (_, body, n_carried) = self.repeat_parts(n)?;
         let node = self.graph.node(n);
         // Taken out of the run: each layer's activations are freed after its backward.
@@ -821,6 +1262,12 @@ impl<'a> Executor<'a> {
             .repeats
             .remove(&n)
             .ok_or_else(|| kernel_err("fused backward", "a repeat without its forward"))?;
+        if runs.len() as u64 != layers.end - layers.start {
+            return Err(kernel_err(
+                "fused backward",
+                format!("{} layers ran forward, {layers:?} go back", runs.len()),
+            ));
+        }
         let mut carried: Vec<Option<Val<B>>> = node
             .outputs
             .iter()
@@ -828,11 +1275,11 @@ impl<'a> Executor<'a> {
             .collect();
         let region = self.graph.region(body);
         while let Some(layer_run) = runs.pop() {
-            let layer = runs.len();
+            let layer = layers.start + runs.len() as u64;
             let mut body_run = match layer_run {
                 LayerRun::Kept(r) => r,
                 LayerRun::Checkpoint(args) => {
-                    self.forward(be, body, args, &HashMap::new(), layer as u64, params)?
+                    self.forward(be, body, args, &HashMap::new(), layer, params)?
                 }
             };
             let mut body_grads: HashMap<TensorId, Val<B>> = HashMap::new();
@@ -841,14 +1288,7 @@ impl<'a> Executor<'a> {
                     self.add_grad(be, &mut body_grads, t, g)?;
                 }
             }
-            self.backward(
-                be,
-                body,
-                &mut body_run,
-                &mut body_grads,
-                layer as u64,
-                params,
-            )?;
+            self.backward(be, body, &mut body_run, &mut body_grads, layer, params)?;
             for (j, &a) in region.args.iter().enumerate() {
                 let g = body_grads.remove(&a);
                 if j < n_carried {
@@ -858,12 +1298,8 @@ impl<'a> Executor<'a> {
                 }
             }
         }
-        for (j, g) in carried.into_iter().enumerate() {
-            if let Some(g) = g {
-                self.add_grad(be, grads, node.inputs[j], g)?;
-            }
-        }
-        Ok(())
+        carried.truncate(n_carried);
+        Ok(carried)
     }
 
     /// The `f32` value of a float tensor of a run (the loss, for a report).

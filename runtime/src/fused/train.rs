@@ -13,9 +13,9 @@ use super::program::{flat_args, Executor, FusedGraph, ParamBufs, Val};
 use crate::comm::{Communicator, Group};
 use crate::data::Corpus;
 use crate::error::{kernel_err, Result, RuntimeError};
-use crate::exec::{Parameters, StepStats};
 use crate::interp::ParamKey;
 use crate::params::init_value;
+use crate::schedule::{Parameters, StepStats};
 use crate::tensor::Tensor;
 use dplc_codegen::{
     adamw_kernel, add_kernel, column_sum_kernel, convert_kernel, sgd_kernel, sum_squares_kernel,
@@ -251,7 +251,12 @@ pub fn train_fused<B: Backend>(
         .outputs()
         .first()
         .ok_or_else(|| RuntimeError::Config("the model returns nothing".into()))?;
-    let fused = FusedGraph::new(graph)?;
+    let recompute = if run.recompute {
+        dplc_ir::Recompute::Full
+    } else {
+        dplc_ir::Recompute::None
+    };
+    let fused = FusedGraph::for_run(graph, recompute, &[])?;
 
     // Parameters: the CPU executor's initial values, uploaded.
     let mut held: BTreeMap<ParamKey, Held<B>> = BTreeMap::new();
@@ -364,7 +369,6 @@ pub fn train_fused<B: Backend>(
                 seed: crate::rng::hash(&[run.seed, step]),
                 first_sample: first,
                 micro_batch: run.micro_batch,
-                recompute: run.recompute,
             };
             let root = graph.root();
             let mut fwd = exec.forward(be, root, Vec::new(), &inputs, 0, &pbufs)?;

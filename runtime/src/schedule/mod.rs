@@ -1,22 +1,28 @@
-//! The training executors: ranks as threads over a dp × pp × tp grid, each
-//! running its pipeline schedule of forward/backward work on micro-batches
-//! (split by the tensor-, sequence- and expert-parallel layouts), then the
-//! gradient synchronisation of its ZeRO stage, clipping and the optimizer step.
+//! The schedule executor: ranks as threads (or processes) over a dp × pp ×
+//! tp grid, each running its pipeline order of forward and backward work on
+//! micro-batches, then the gradient synchronisation of its ZeRO stage,
+//! clipping and the optimizer step. What computes a chunk's forward or
+//! backward is a compute backend ([`compute::StageCompute`]): the reference
+//! interpreter or the fused kernels; everything else is decided here, once,
+//! for both.
+
+mod compute;
+mod fused;
 
 use crate::checkpoint::{self, CheckpointConfig, CheckpointKill, Resume};
-use crate::comm::{Communicator, Group, Message, World};
+use crate::comm::{Communicator, Group, World};
 use crate::data::Corpus;
 use crate::error::{Result, RuntimeError};
-use crate::interp::{add_grad, Frame, Grads, Interp, ParamKey, Value};
-use crate::kernels::DropoutKey;
+use crate::fused::HostBackend;
+use crate::interp::{ParamKey, Value};
 use crate::mpi_world::MpiProcess;
 use crate::params::{HeldParam, ParamStore, Unit, ZeroStage};
 use crate::partition::{schedule, Partition, Schedule, Work};
 use crate::shard::{concat_along, Layouts, MeshGroups};
 use crate::tensor::Tensor;
-use dplc_ir::{
-    GradPlan, Graph, ModelLayout, Op, Recompute, RegionId, SplitAxis, TensorLayout, TrainSpec,
-};
+pub use compute::Compute;
+use compute::{Forwarded, Pass, Reference, StageCompute};
+use dplc_ir::{GradPlan, Graph, ModelLayout, Op, Recompute, RegionId, SplitAxis, TrainSpec};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -161,6 +167,8 @@ pub struct RunConfig {
     /// but the core-attention tensors, recomputed before its backward
     /// (`Selective`), or only its inputs, its forward run again (`Full`).
     pub recompute: Recompute,
+    /// What computes each chunk: the reference interpreter or the fused kernels.
+    pub compute: Compute,
     /// Elements per all-reduce bucket of data-parallel gradient sync.
     pub bucket_elems: usize,
     /// A rank waiting longer than this for a peer fails the run.
@@ -192,6 +200,7 @@ impl Default for RunConfig {
             zero: ZeroStage::None,
             schedule: Schedule::OneFOneB,
             recompute: Recompute::None,
+            compute: Compute::Reference,
             bucket_elems: 1 << 16,
             timeout: Duration::from_secs(60),
             faults: Faults::default(),
@@ -347,6 +356,36 @@ struct Shared<'a> {
     signature: Vec<checkpoint::SavedParam>,
     /// Step directories rank 0 completed.
     saved: std::sync::Mutex<Vec<PathBuf>>,
+    /// The fused kernels' plan, made once for every rank (`Compute::Fused`).
+    fused: Option<crate::fused::FusedGraph>,
+}
+
+impl Shared<'_> {
+    /// Values the top-level repeat carries from layer to layer.
+    fn repeat_carried(&self) -> usize {
+        self.part.repeat.map_or(0, |n| match self.graph.node(n).op {
+            Op::Repeat { carried, .. } => carried,
+            _ => 0,
+        })
+    }
+
+    /// The dimensions of tensor `t` in this run (whole, not split).
+    fn dims(&self, t: dplc_ir::TensorId) -> Vec<usize> {
+        self.graph
+            .tensor(t)
+            .shape
+            .dims()
+            .iter()
+            .map(|d| d.eval(&|s| self.syms[s.index()]).max(0) as usize)
+            .collect()
+    }
+
+    /// The loss gradient each micro-batch starts its backward from: each
+    /// micro-batch's loss is a mean over its tokens, the step's loss the mean
+    /// over all micro-batches of all replicas.
+    fn loss_scale(&self) -> f32 {
+        1.0 / (self.cfg.dp * self.cfg.num_micro_batches) as f32
+    }
 }
 
 /// Where one rank sits in the grid: rank = (dp_index · pp + stage) · tp + tp_index.
@@ -577,7 +616,11 @@ fn train_on(
         sample_base: 0,
         signature: Vec::new(),
         saved: std::sync::Mutex::default(),
+        fused: None,
     };
+    if cfg.compute == Compute::Fused {
+        shared.fused = Some(fused::plan(&shared)?);
+    }
     // Every (parameter, layer) some rank holds: what a checkpoint must cover.
     let all_keys: BTreeSet<ParamKey> = (0..cfg.pp)
         .flat_map(|stage| rank_stage_keys(&shared, stage))
@@ -830,11 +873,6 @@ fn region_within(g: &Graph, mut r: RegionId, outer: RegionId) -> bool {
     }
 }
 
-/// A micro-batch's forward state, kept until its backward.
-struct Live {
-    frame: Frame,
-}
-
 struct Rank<'a, 'b> {
     sh: &'a Shared<'b>,
     at: Coords,
@@ -842,7 +880,7 @@ struct Rank<'a, 'b> {
     dp_index: usize,
     store: ParamStore,
     pp_group: Group,
-    live: HashMap<(usize, usize), Live>,
+    compute: Box<dyn StageCompute + 'a>,
     losses: Vec<f64>,
     step: u64,
     /// Layers the forwards of micro-batch 0 ran in the run's first step.
@@ -890,6 +928,15 @@ fn run_rank(
         sh.seed,
         sh.resume.as_ref().map(|r| &r.params),
     )?;
+    let compute: Box<dyn StageCompute> = match cfg.compute {
+        Compute::Reference => Box::new(Reference::new(sh)),
+        Compute::Fused => {
+            let plan = sh.fused.as_ref().ok_or_else(|| {
+                RuntimeError::Config("a fused run without its fused plan".into())
+            })?;
+            Box::new(fused::Fused::new(sh, plan, HostBackend::new()))
+        }
+    };
     let mut r = Rank {
         sh,
         at,
@@ -897,7 +944,7 @@ fn run_rank(
         dp_index,
         store,
         pp_group,
-        live: HashMap::new(),
+        compute,
         losses: Vec::new(),
         step: sh.start_step,
         layers_run: 0,
@@ -1109,27 +1156,16 @@ impl<'a, 'b> Rank<'a, 'b> {
         Ok(())
     }
 
-    fn interp(&self, micro: usize) -> Interp<'a> {
-        let sh: &'a Shared<'b> = self.sh;
-        let cfg = sh.cfg;
-        let first = self.first_sample(micro);
-        Interp {
-            graph: sh.graph,
-            plan: &sh.plan,
-            syms: sh.syms.clone(),
-            key: DropoutKey {
-                seed: sh.seed,
-                step: self.step,
-                node: 0,
-                layer: 0,
-                first_sample: first,
-                batch: cfg.micro_batch,
-            },
-            recompute: cfg.recompute,
-            layouts: sh.layouts.as_ref(),
+    fn pass(&self, micro: usize, chunk: usize) -> Pass {
+        Pass {
+            micro,
+            chunk,
+            step: self.step,
+            first_sample: self.first_sample(micro),
         }
     }
 
+    /// The data loader's `tokens` and `targets` of micro-batch `micro`.
     fn inputs(&self, micro: usize) -> HashMap<dplc_ir::TensorId, Value> {
         let cfg = self.sh.cfg;
         let first = self.first_sample(micro);
@@ -1142,6 +1178,7 @@ impl<'a, 'b> Rank<'a, 'b> {
         let shape = vec![cfg.micro_batch, self.sh.seq];
         let mut out = HashMap::new();
         for (_, input) in self.sh.graph.inputs() {
+            // `train_on` admits only these two names.
             let v = if input.name == "tokens" {
                 xs.clone()
             } else {
@@ -1152,216 +1189,60 @@ impl<'a, 'b> Rank<'a, 'b> {
         out
     }
 
-    fn repeat_carried(&self) -> usize {
-        self.sh
-            .part
-            .repeat
-            .map_or(0, |n| match self.sh.graph.node(n).op {
-                Op::Repeat { carried, .. } => carried,
-                _ => 0,
-            })
-    }
-
     fn forward(&mut self, micro: usize, c: usize) -> Result<()> {
         let sh = self.sh;
-        let g = sh.graph;
-        let last = c + 1 == self.chunks();
-        let n_carried = self.repeat_carried();
-        let interp = self.interp(micro);
-        let mut frame = Frame {
-            values: self.inputs(micro),
-            ..Frame::default()
-        };
-        let mut carried: Vec<Value> = Vec::new();
-        if c > 0 {
-            let msg = self
-                .store
+        let received = if c > 0 {
+            self.store
                 .comm
-                .recv(self.peer(c - 1), tag(micro, c, self.chunks(), false))?;
-            let mut vals = msg.into_iter().map(|t| {
-                t.map(Arc::new).ok_or_else(|| RuntimeError::Kernel {
-                    op: "recv",
-                    detail: "empty activation".into(),
-                })
-            });
-            for _ in 0..n_carried {
-                carried.push(
-                    vals.next()
-                        .transpose()?
-                        .ok_or_else(|| RuntimeError::Kernel {
-                            op: "recv",
-                            detail: "short message".into(),
-                        })?,
-                );
-            }
-            for &t in &sh.part.extras {
-                let v = vals
-                    .next()
-                    .transpose()?
-                    .ok_or_else(|| RuntimeError::Kernel {
-                        op: "recv",
-                        detail: "short message".into(),
-                    })?;
-                frame.values.insert(t, v);
-            }
-        }
-        self.store.gather(Unit::Root)?;
-        let chunk = &sh.part.chunks[c];
-        for &n in &chunk.nodes {
-            if Some(n) == sh.part.repeat {
-                let node = g.node(n);
-                let init = if c == 0 {
-                    let mut init = Vec::with_capacity(n_carried);
-                    for (j, &t) in node.inputs[..n_carried].iter().enumerate() {
-                        let want = sh
-                            .layouts
-                            .as_ref()
-                            .map_or(TensorLayout::Replicated, |l| l.consumed(n, j));
-                        init.push(interp.read_as(&mut frame, t, want, &mut self.store)?);
-                    }
-                    init
-                } else {
-                    std::mem::take(&mut carried)
-                };
-                if micro == 0 && self.step == sh.start_step {
-                    self.layers_run += chunk.layers.end - chunk.layers.start;
-                }
-                let out = interp.forward_repeat(
-                    &mut frame,
-                    n,
-                    chunk.layers.clone(),
-                    init,
-                    0,
-                    true,
-                    &mut self.store,
-                )?;
-                if last {
-                    for (t, v) in node.outputs.iter().zip(out) {
-                        frame.values.insert(*t, v);
-                    }
-                } else {
-                    carried = out;
-                }
-            } else {
-                interp.eval_node(&mut frame, n, 0, &mut self.store)?;
-            }
-        }
-        self.store.release(Unit::Root, false)?;
-        if last {
-            let loss = frame.values[&g.outputs()[0]].f()?[0];
-            self.losses.push(f64::from(loss));
+                .recv(self.peer(c - 1), tag(micro, c, self.chunks(), false))?
         } else {
-            let mut msg: Message = carried.iter().map(|v| Some((**v).clone())).collect();
-            msg.extend(
-                sh.part
-                    .extras
-                    .iter()
-                    .map(|t| Some((*frame.values[t]).clone())),
-            );
-            self.store.comm.send(
+            Vec::new()
+        };
+        if micro == 0 && self.step == sh.start_step {
+            let layers = &sh.part.chunks[c].layers;
+            self.layers_run += layers.end - layers.start;
+        }
+        let pass = self.pass(micro, c);
+        let inputs = self.inputs(micro);
+        self.store.gather(Unit::Root)?;
+        let out = self
+            .compute
+            .forward(&pass, &inputs, received, &mut self.store)?;
+        self.store.release(Unit::Root, false)?;
+        match out {
+            Forwarded::Loss(loss) => self.losses.push(loss),
+            Forwarded::Send(msg) => self.store.comm.send(
                 self.peer(c + 1),
                 tag(micro, c + 1, self.chunks(), false),
                 msg,
-            )?;
+            )?,
         }
-        self.live.insert((micro, c), Live { frame });
         // Every step runs the same schedule on the same shapes, so the first
-        // step's peak is every step's: the walk over the live frames stays
+        // step's peak is every step's: the walk over the live values stays
         // off the later steps' path.
         if self.step == sh.start_step {
-            let mut seen = HashSet::new();
-            let held: usize = self
-                .live
-                .values()
-                .map(|l| l.frame.activation_bytes(sh.graph, &mut seen))
-                .sum();
-            self.peak_activation_bytes = self.peak_activation_bytes.max(held as u64);
+            self.peak_activation_bytes = self
+                .peak_activation_bytes
+                .max(self.compute.activation_bytes());
         }
         Ok(())
     }
 
     fn backward(&mut self, micro: usize, c: usize) -> Result<()> {
-        let sh = self.sh;
-        let g = sh.graph;
-        let cfg = sh.cfg;
-        let last = c + 1 == self.chunks();
-        let n_carried = self.repeat_carried();
-        let interp = self.interp(micro);
-        let Live { mut frame } =
-            self.live
-                .remove(&(micro, c))
-                .ok_or_else(|| RuntimeError::Kernel {
-                    op: "schedule",
-                    detail: format!("backward of micro-batch {micro} before its forward"),
-                })?;
-        let mut grads = Grads::new();
-        let mut carried_grads: Vec<Option<Tensor>> = vec![None; n_carried];
-        if last {
-            // Each micro-batch's loss is a mean over its tokens; the step's loss
-            // is the mean over all micro-batches of all replicas.
-            let scale = 1.0 / (cfg.dp * cfg.num_micro_batches) as f32;
-            grads.insert(g.outputs()[0], Tensor::f32(vec![], vec![scale]));
+        let received = if c + 1 == self.chunks() {
+            None
         } else {
-            let msg = self
-                .store
-                .comm
-                .recv(self.peer(c + 1), tag(micro, c, self.chunks(), true))?;
-            let mut it = msg.into_iter();
-            for cg in carried_grads.iter_mut() {
-                *cg = it.next().flatten();
-            }
-            for &t in &sh.part.extras {
-                if let Some(gr) = it.next().flatten() {
-                    add_grad(&mut grads, t, gr)?;
-                }
-            }
-        }
+            Some(
+                self.store
+                    .comm
+                    .recv(self.peer(c + 1), tag(micro, c, self.chunks(), true))?,
+            )
+        };
+        let pass = self.pass(micro, c);
         self.store.gather(Unit::Root)?;
-        let chunk = &sh.part.chunks[c];
-        let mut carried_in: Vec<Option<Tensor>> = vec![None; n_carried];
-        for &n in chunk.nodes.iter().rev() {
-            if Some(n) == sh.part.repeat {
-                let node = g.node(n);
-                let gout = if last {
-                    let mut gout = Vec::new();
-                    for &t in &node.outputs {
-                        gout.push(interp.take_grad(&mut frame, &mut grads, t, &mut self.store)?);
-                    }
-                    gout
-                } else {
-                    std::mem::take(&mut carried_grads)
-                };
-                let gin = interp.backward_repeat(
-                    &mut frame,
-                    n,
-                    chunk.layers.clone(),
-                    gout,
-                    &mut grads,
-                    0,
-                    true,
-                    &mut self.store,
-                )?;
-                if c == 0 {
-                    let need = sh.plan.input_grads(g, n);
-                    for (j, gr) in gin.into_iter().enumerate() {
-                        if let (Some(gr), true) = (gr, need[j]) {
-                            interp.contribute_input(&mut frame, &mut grads, n, j, gr)?;
-                        }
-                    }
-                } else {
-                    carried_in = gin;
-                }
-            } else if sh.plan.input_grads(g, n).iter().any(|&x| x) {
-                interp.backward_node(&mut frame, n, &mut grads, 0, &mut self.store)?;
-            }
-        }
-        interp.flush_param_grads(g.root(), &mut frame, &mut grads, 0, &mut self.store)?;
+        let msg = self.compute.backward(&pass, received, &mut self.store)?;
         self.store.release(Unit::Root, true)?;
         if c > 0 {
-            let mut msg: Message = carried_in;
-            for &t in &sh.part.extras {
-                msg.push(interp.take_grad(&mut frame, &mut grads, t, &mut self.store)?);
-            }
             self.store.comm.send(
                 self.peer(c - 1),
                 tag(micro, c - 1, self.chunks(), true),

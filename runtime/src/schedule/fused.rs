@@ -1,0 +1,348 @@
+//! Codegen's fused kernels as a compute backend: each chunk's forward and
+//! backward run as `fused::Executor` planned them, on any [`Backend`]
+//! (`HostBackend` interprets the GPU's kernels on a CPU).
+//!
+//! The parameter state stays with the schedule executor's `ParamStore`, so
+//! every ZeRO stage, the gradient sync and the optimizer are the reference's:
+//! a chunk uploads the values it reads (once per step below ZeRO-3, at each
+//! use under ZeRO-3, where the store gathers them per layer), and hands its
+//! gradients back after its backward. What crosses a pipeline cut goes
+//! through the host as the reference's messages do.
+
+use super::compute::{Forwarded, Pass, StageCompute};
+use super::Shared;
+use crate::comm::Message;
+use crate::error::{kernel_err, Result, RuntimeError};
+use crate::fused::{Backend, ChunkSpan, Executor, FusedGraph, ParamBufs, RegionRun, Val};
+use crate::interp::{ParamAccess, ParamKey, Value};
+use crate::params::{ParamStore, Unit, ZeroStage};
+use crate::tensor::Tensor;
+use dplc_codegen::Elem;
+use dplc_ir::{DType, Op, TensorId};
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+pub(super) struct Fused<'a, 'b, B: Backend> {
+    sh: &'a Shared<'b>,
+    be: B,
+    graph: &'a FusedGraph,
+    /// Each pipeline chunk's part of the root.
+    spans: Vec<ChunkSpan>,
+    /// Each live (micro-batch, chunk)'s forward, kept for its backward.
+    live: HashMap<(usize, usize), RegionRun<B>>,
+    /// The parameter values uploaded in this step (below ZeRO-3: they change
+    /// only at the optimizer step).
+    uploaded: Option<(u64, BTreeMap<ParamKey, Val<B>>)>,
+}
+
+/// The fused executor of one pass: its plan, and the dropout key's words.
+fn executor<'x>(sh: &'x Shared, graph: &'x FusedGraph, pass: &Pass) -> Executor<'x> {
+    Executor {
+        graph: sh.graph,
+        fused: graph,
+        syms: sh.syms.clone(),
+        seed: crate::rng::hash(&[sh.seed, pass.step]),
+        first_sample: pass.first_sample,
+        micro_batch: sh.cfg.micro_batch,
+    }
+}
+
+/// Check that the fused kernels can run `sh`'s split, and plan them once
+/// for every rank: each region fused, with the pipeline's cut values kept.
+pub(super) fn plan(sh: &Shared) -> Result<FusedGraph> {
+    let cfg = sh.cfg;
+    if cfg.tp > 1 || cfg.ep > 1 {
+        return Err(RuntimeError::Unsupported(format!(
+            "the fused kernels run one rank's whole tensors: tensor and expert parallelism \
+             (tp {}, ep {}) need them at each rank's local shapes, which codegen does not \
+             fuse yet; run this split with --compute reference",
+            cfg.tp, cfg.ep
+        )));
+    }
+    let g = sh.graph;
+    for (r, region) in g.regions() {
+        if r != g.root()
+            && region
+                .nodes
+                .iter()
+                .any(|&n| matches!(g.node(n).op, Op::Repeat { .. }))
+        {
+            return Err(RuntimeError::Unsupported(
+                "the fused executor runs one level of `repeat`; run this model with \
+                 --compute reference"
+                    .into(),
+            ));
+        }
+    }
+    FusedGraph::for_run(g, cfg.recompute, &sh.part.extras)
+}
+
+impl<'a, 'b, B: Backend> Fused<'a, 'b, B> {
+    /// The fused compute of one rank, on its own backend `be`, running the
+    /// plan [`plan`] made.
+    pub fn new(sh: &'a Shared<'b>, graph: &'a FusedGraph, be: B) -> Self {
+        let last = sh.part.chunks.len() - 1;
+        let spans = sh
+            .part
+            .chunks
+            .iter()
+            .enumerate()
+            .map(|(c, chunk)| ChunkSpan {
+                head: c == 0,
+                layers: chunk.layers.clone(),
+                tail: c == last,
+            })
+            .collect();
+        Fused {
+            sh,
+            be,
+            graph,
+            spans,
+            live: HashMap::new(),
+            uploaded: None,
+        }
+    }
+
+    /// The parameters chunk `c` reads, on the backend: the root's this rank
+    /// holds and those of the chunk's layers.
+    fn params(&mut self, pass: &Pass, store: &mut ParamStore) -> Result<ParamBufs<B>> {
+        let layers = self.spans[pass.chunk].layers.clone();
+        let zero3 = store.zero == ZeroStage::Three;
+        if !zero3 && self.uploaded.as_ref().is_none_or(|(s, _)| *s != pass.step) {
+            self.uploaded = Some((pass.step, BTreeMap::new()));
+        }
+        let mut values = BTreeMap::new();
+        let mut upload = |be: &mut B,
+                          store: &mut ParamStore,
+                          cache: Option<&mut BTreeMap<ParamKey, Val<B>>>,
+                          key: ParamKey|
+         -> Result<()> {
+            if let Some(v) = cache.as_ref().and_then(|c| c.get(&key)) {
+                values.insert(key, v.clone());
+                return Ok(());
+            }
+            let t: Value = store.param(key)?;
+            let data = t.f()?;
+            let v = Val {
+                buf: be.upload(Elem::Float, data)?,
+                elem: Elem::Float,
+                len: data.len(),
+            };
+            if let Some(c) = cache {
+                c.insert(key, v.clone());
+            }
+            values.insert(key, v);
+            Ok(())
+        };
+        let keys: Vec<(ParamKey, Unit)> = store
+            .slots
+            .iter()
+            .filter(|(_, s)| match s.unit {
+                Unit::Root => true,
+                Unit::Layer(l) => layers.contains(&l),
+            })
+            .map(|(&k, s)| (k, s.unit))
+            .collect();
+        let mut units: Vec<Unit> = Vec::new();
+        for &(_, unit) in &keys {
+            if !units.contains(&unit) {
+                units.push(unit);
+            }
+        }
+        for unit in units {
+            // The root's parameters are gathered by the executor around the
+            // whole chunk; a layer's here, just for the upload.
+            let layer = matches!(unit, Unit::Layer(_));
+            if layer {
+                store.gather(unit)?;
+            }
+            for &(key, _) in keys.iter().filter(|(_, u)| *u == unit) {
+                let cache = self.uploaded.as_mut().map(|(_, c)| c).filter(|_| !zero3);
+                upload(&mut self.be, store, cache, key)?;
+            }
+            if layer {
+                store.release(unit, false)?;
+            }
+        }
+        Ok(ParamBufs {
+            values,
+            grads: BTreeMap::new(),
+        })
+    }
+
+    /// A host tensor of `t`'s shape from a backend value.
+    fn download(&mut self, t: TensorId, v: &Val<B>) -> Result<Tensor> {
+        let dims = self.sh.dims(t);
+        let data = self.be.download(&v.buf, v.elem, v.len)?;
+        if dims.iter().product::<usize>() != data.len() {
+            return Err(kernel_err(
+                "fused",
+                format!("{t} holds {} values for shape {dims:?}", data.len()),
+            ));
+        }
+        Ok(Tensor::f32(dims, data))
+    }
+
+    fn upload(&mut self, t: &Tensor) -> Result<Val<B>> {
+        let data = t.f()?;
+        Ok(Val {
+            buf: self.be.upload(Elem::Float, data)?,
+            elem: Elem::Float,
+            len: data.len(),
+        })
+    }
+
+    /// The tensors a pipeline message carries, in order: the repeat's
+    /// carried values, then the extras.
+    fn message_tensors(&self) -> Vec<TensorId> {
+        let g = self.sh.graph;
+        let mut out: Vec<TensorId> = self
+            .sh
+            .part
+            .repeat
+            .map(|n| g.node(n).outputs.clone())
+            .unwrap_or_default();
+        out.extend(&self.sh.part.extras);
+        out
+    }
+}
+
+impl<B: Backend> StageCompute for Fused<'_, '_, B> {
+    fn forward(
+        &mut self,
+        pass: &Pass,
+        inputs: &HashMap<TensorId, Value>,
+        received: Message,
+        store: &mut ParamStore,
+    ) -> Result<Forwarded> {
+        let params = self.params(pass, store)?;
+        let mut fed = HashMap::new();
+        for (&t, v) in inputs {
+            let ids = v.i()?;
+            fed.insert(
+                t,
+                Val {
+                    buf: self.be.upload_i32(ids)?,
+                    elem: Elem::I32,
+                    len: ids.len(),
+                },
+            );
+        }
+        let mut got = Vec::with_capacity(received.len());
+        for v in &received {
+            let v = v
+                .as_ref()
+                .ok_or_else(|| kernel_err("recv", "empty activation"))?;
+            got.push(self.upload(v)?);
+        }
+        let span = self.spans[pass.chunk].clone();
+        let extras = &self.sh.part.extras;
+        let exec = executor(self.sh, self.graph, pass);
+        let (run, sent) = exec.forward_chunk(&mut self.be, &span, got, extras, &fed, &params)?;
+        let out = match sent {
+            None => {
+                let loss_t = self.sh.graph.outputs()[0];
+                let loss = exec.read(&mut self.be, &run, loss_t)?;
+                Forwarded::Loss(f64::from(
+                    *loss.first().ok_or_else(|| kernel_err("fused", "no loss"))?,
+                ))
+            }
+            Some(vals) => {
+                let mut msg = Message::with_capacity(vals.len());
+                for (t, v) in self.message_tensors().into_iter().zip(&vals) {
+                    msg.push(Some(self.download(t, v)?));
+                }
+                Forwarded::Send(msg)
+            }
+        };
+        self.live.insert((pass.micro, pass.chunk), run);
+        Ok(out)
+    }
+
+    fn backward(
+        &mut self,
+        pass: &Pass,
+        received: Option<Message>,
+        store: &mut ParamStore,
+    ) -> Result<Message> {
+        let mut run =
+            self.live
+                .remove(&(pass.micro, pass.chunk))
+                .ok_or_else(|| RuntimeError::Kernel {
+                    op: "schedule",
+                    detail: format!("backward of micro-batch {} before its forward", pass.micro),
+                })?;
+        let mut params = self.params(pass, store)?;
+        for (&key, v) in &params.values {
+            let zeros = self.be.zeros(Elem::F32, v.len)?;
+            params.grads.insert(
+                key,
+                Val {
+                    buf: zeros,
+                    elem: Elem::F32,
+                    len: v.len,
+                },
+            );
+        }
+        let got = match received {
+            None => None,
+            Some(msg) => {
+                let mut got = Vec::with_capacity(msg.len());
+                for g in &msg {
+                    got.push(match g {
+                        Some(g) => Some(self.upload(g)?),
+                        None => None,
+                    });
+                }
+                Some(got)
+            }
+        };
+        let span = self.spans[pass.chunk].clone();
+        let exec = executor(self.sh, self.graph, pass);
+        let sent = exec.backward_chunk(
+            &mut self.be,
+            &span,
+            &mut run,
+            got,
+            &self.sh.part.extras,
+            self.sh.loss_scale(),
+            &mut params,
+        )?;
+        for (key, g) in std::mem::take(&mut params.grads) {
+            let shape = store
+                .slots
+                .get(&key)
+                .map(|s| s.shape.clone())
+                .ok_or_else(|| kernel_err("fused", format!("{key:?} is not held")))?;
+            let data = self.be.download(&g.buf, g.elem, g.len)?;
+            store.add_grad(key, Tensor::f32(shape, data))?;
+        }
+        // ZeRO-3: each layer's gradients are reduce-scattered once its
+        // backward is done, last layer first as the reference does.
+        for l in span.layers.clone().rev() {
+            store.release(Unit::Layer(l), true)?;
+        }
+        if span.head {
+            return Ok(Vec::new());
+        }
+        let mut msg = Message::with_capacity(sent.len());
+        for (t, g) in self.message_tensors().into_iter().zip(&sent) {
+            msg.push(match g {
+                Some(g) => Some(self.download(t, g)?),
+                None => None,
+            });
+        }
+        Ok(msg)
+    }
+
+    fn activation_bytes(&self) -> u64 {
+        let float_bytes = match self.be.dtype() {
+            DType::F32 => 4,
+            _ => 2,
+        };
+        let mut seen = HashSet::new();
+        self.live
+            .values()
+            .map(|r| r.activation_bytes(self.sh.graph, float_bytes, &mut seen) as u64)
+            .sum()
+    }
+}

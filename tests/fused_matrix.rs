@@ -1,0 +1,272 @@
+//! The equivalence matrix with `--compute fused`: one schedule executor runs
+//! every strategy, its stages computed by codegen's fused kernels (the GPU's
+//! kernels, interpreted on the CPU by `HostBackend`) instead of the reference
+//! interpreter, and each run reproduces the reference's serial run over the
+//! same global batch, seed and data.
+//!
+//! Tolerances are `runtime_zoo.rs`'s: with SGD (momentum 0.9) the loss at
+//! each of five steps within 1e-5 and every parameter within 1e-6 normwise
+//! relative; with AdamW the loss within 1e-5 and the gradient norm within
+//! 1e-4 (Adam turns the rounding of a near-zero gradient element into a step
+//! of up to lr, so its parameters are not compared). With dropout 0.1 the
+//! fused kernels draw the reference's masks, so the same tolerances hold.
+
+use dplc_runtime::{train, Compute, Corpus, RunConfig, Schedule, TrainReport, ZeroStage};
+
+mod common;
+use common::{assert_losses, Opt, TINY};
+
+const SGD_TOL: f32 = 1e-6;
+const NORM_TOL: f64 = 1e-4;
+
+/// Four-layer zoo models (so an interleaved pipeline of two stages gives
+/// each chunk a layer), with and without dropout 0.1.
+const MODELS: &str = r#"
+model gpt_tiny4 = gpt_tiny(layers = 4)
+model llama_tiny4 = llama_tiny(layers = 4)
+model gpt_tiny4_dropout = gpt_tiny(layers = 4, dropout = 0.1)
+"#;
+
+fn lower(model: &str) -> (dplc_ir::Graph, dplc_ir::TrainSpec) {
+    let text = format!("{TINY}\n{MODELS}");
+    let unit = dplc_frontend::parse("tiny.dpl", &text).expect("the models parse");
+    let lowered = unit.lower(model).expect("the model lowers");
+    (lowered.graph, lowered.train)
+}
+
+fn try_run(model: &str, cfg: &RunConfig, opt: Opt) -> dplc_runtime::Result<TrainReport> {
+    let (graph, mut spec) = lower(model);
+    spec.seq = 16;
+    spec.global_batch = cfg.global_batch() as u64;
+    spec.optimizer = opt.optimizer();
+    let data = Corpus::synthetic(5, 256, 1 << 14);
+    train(&graph, &spec, cfg, &data, 5, 11, |_| {})
+}
+
+fn run(model: &str, cfg: &RunConfig, opt: Opt) -> TrainReport {
+    try_run(model, cfg, opt).unwrap_or_else(|e| panic!("{model} {cfg:?}: {e}"))
+}
+
+fn fused(cfg: RunConfig) -> RunConfig {
+    RunConfig {
+        compute: Compute::Fused,
+        ..cfg
+    }
+}
+
+/// Every strategy the fused compute runs, over a global batch of four.
+fn strategies() -> Vec<(&'static str, RunConfig)> {
+    let base = RunConfig {
+        micro_batch: 1,
+        num_micro_batches: 4,
+        ..RunConfig::default()
+    };
+    let dp2 = RunConfig {
+        dp: 2,
+        num_micro_batches: 2,
+        ..base.clone()
+    };
+    let pp2 = RunConfig {
+        pp: 2,
+        ..base.clone()
+    };
+    vec![
+        ("serial, 4 micro-batches", base.clone()),
+        (
+            "micro-batch 2",
+            RunConfig {
+                micro_batch: 2,
+                num_micro_batches: 2,
+                ..base.clone()
+            },
+        ),
+        ("dp2", dp2.clone()),
+        (
+            "dp2 ZeRO-1",
+            RunConfig {
+                zero: ZeroStage::One,
+                ..dp2.clone()
+            },
+        ),
+        (
+            "dp2 ZeRO-2",
+            RunConfig {
+                zero: ZeroStage::Two,
+                ..dp2.clone()
+            },
+        ),
+        (
+            "dp4 ZeRO-3",
+            RunConfig {
+                dp: 4,
+                num_micro_batches: 1,
+                zero: ZeroStage::Three,
+                ..base.clone()
+            },
+        ),
+        (
+            "pp2 GPipe",
+            RunConfig {
+                schedule: Schedule::GPipe,
+                ..pp2.clone()
+            },
+        ),
+        ("pp2 1F1B", pp2.clone()),
+        (
+            "pp2 interleaved v2",
+            RunConfig {
+                schedule: Schedule::Interleaved { chunks: 2 },
+                ..pp2.clone()
+            },
+        ),
+        (
+            "pp2 uneven [3, 1]",
+            RunConfig {
+                stage_layers: Some(vec![3, 1]),
+                ..pp2.clone()
+            },
+        ),
+        (
+            "dp2 × pp2 ZeRO-1 full recompute",
+            RunConfig {
+                dp: 2,
+                pp: 2,
+                num_micro_batches: 2,
+                zero: ZeroStage::One,
+                recompute: dplc_ir::Recompute::Full,
+                ..base.clone()
+            },
+        ),
+        (
+            "selective recompute",
+            RunConfig {
+                recompute: dplc_ir::Recompute::Selective,
+                ..base
+            },
+        ),
+    ]
+}
+
+fn check_matrix(model: &str) {
+    let serial = RunConfig {
+        num_micro_batches: 4,
+        ..RunConfig::default()
+    };
+    let base_sgd = run(model, &serial, Opt::Sgd);
+    let base_adam = run(model, &serial, Opt::AdamW);
+    for (name, cfg) in strategies() {
+        let name = format!("{model} {name} (fused)");
+        let sgd = run(model, &fused(cfg.clone()), Opt::Sgd);
+        assert_losses(&name, &base_sgd.steps, &sgd.steps);
+        let (d, at) = base_sgd.params.max_rel_diff(&sgd.params, 1e-3);
+        assert!(d < SGD_TOL, "{name}: SGD parameters differ by {d:e} at {at}");
+        let adam = run(model, &fused(cfg), Opt::AdamW);
+        assert_losses(&name, &base_adam.steps, &adam.steps);
+        for (x, y) in base_adam.steps.iter().zip(&adam.steps) {
+            let rel = ((x.grad_norm - y.grad_norm) / x.grad_norm).abs();
+            assert!(
+                rel < NORM_TOL,
+                "{name}: step {} gradient norm {} vs {}",
+                x.step,
+                x.grad_norm,
+                y.grad_norm
+            );
+        }
+    }
+}
+
+#[test]
+fn gpt_tiny_fused_strategies_match_the_serial_reference() {
+    check_matrix("gpt_tiny4");
+}
+
+#[test]
+fn llama_tiny_fused_strategies_match_the_serial_reference() {
+    check_matrix("llama_tiny4");
+}
+
+#[test]
+fn gpt_tiny_with_dropout_fused_strategies_match_the_serial_reference() {
+    check_matrix("gpt_tiny4_dropout");
+}
+
+/// The plan's uneven stages run as planned on the fused compute too: the
+/// layers each stage ran come back from the run.
+#[test]
+fn fused_uneven_stages_run_as_planned() {
+    let cfg = fused(RunConfig {
+        pp: 2,
+        num_micro_batches: 4,
+        stage_layers: Some(vec![3, 1]),
+        ..RunConfig::default()
+    });
+    assert_eq!(run("gpt_tiny4", &cfg, Opt::Sgd).stage_layers, vec![3, 1]);
+}
+
+/// Recomputation on the fused compute: the same kernels on the same inputs
+/// with the same masks, so the same run bit for bit, holding less at peak —
+/// selective drops only the core-attention values, full all but each
+/// layer's inputs.
+#[test]
+fn fused_recomputation_is_the_same_run_in_less_memory() {
+    let at = |recompute| {
+        run(
+            "gpt_tiny4_dropout",
+            &fused(RunConfig {
+                num_micro_batches: 4,
+                recompute,
+                ..RunConfig::default()
+            }),
+            Opt::AdamW,
+        )
+    };
+    let kept = at(dplc_ir::Recompute::None);
+    let selective = at(dplc_ir::Recompute::Selective);
+    let full = at(dplc_ir::Recompute::Full);
+    for other in [&selective, &full] {
+        for (a, b) in kept.steps.iter().zip(&other.steps) {
+            assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "step {} loss", a.step);
+            assert_eq!(a.grad_norm.to_bits(), b.grad_norm.to_bits());
+        }
+        assert_eq!(kept.params, other.params);
+    }
+    let (k, s, f) = (
+        kept.peak_activation_bytes,
+        selective.peak_activation_bytes,
+        full.peak_activation_bytes,
+    );
+    assert!(f < s && s < k, "activation bytes: kept {k}, selective {s}, full {f}");
+}
+
+/// What the fused compute cannot run yet is refused before a rank starts,
+/// with the way out.
+#[test]
+fn fused_refuses_what_it_cannot_run_with_a_reason() {
+    let (graph, spec) = lower("gpt_tiny4");
+    let tp = common::with_layout(
+        &graph,
+        &fused(RunConfig {
+            tp: 2,
+            num_micro_batches: 4,
+            ..RunConfig::default()
+        }),
+    );
+    let _ = spec;
+    let err = try_run("gpt_tiny4", &tp, Opt::Sgd).unwrap_err().to_string();
+    assert!(err.contains("--compute reference"), "{err}");
+    let text = format!("{TINY}\n{MODELS}");
+    let unit = dplc_frontend::parse("tiny.dpl", &text).unwrap();
+    let moe = unit.lower("moe_tiny").unwrap();
+    let mut spec = moe.train;
+    spec.seq = 16;
+    spec.global_batch = 4;
+    let cfg = fused(RunConfig {
+        num_micro_batches: 4,
+        ..RunConfig::default()
+    });
+    let data = Corpus::synthetic(5, 256, 1 << 14);
+    let err = train(&moe.graph, &spec, &cfg, &data, 1, 11, |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("--compute reference"), "{err}");
+}
