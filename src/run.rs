@@ -320,7 +320,8 @@ pub fn run(args: &Args) -> Result<()> {
 pub fn refuse_reference_on_gpus(args: &TrainOpts) -> Result<()> {
     if args.compute == Some(ComputeArg::Reference) {
         return Err(miette!(
-            help = "leave out --compute, or plan for CPU ranks (--cluster Nxcpu) to run the reference",
+            help =
+                "leave out --compute, or plan for CPU ranks (--cluster Nxcpu) to run the reference",
             "a GPU cluster always runs the fused kernels; --compute reference is for CPU ranks"
         ));
     }

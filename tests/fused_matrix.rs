@@ -159,7 +159,10 @@ fn check_matrix(model: &str) {
         let sgd = run(model, &fused(cfg.clone()), Opt::Sgd);
         assert_losses(&name, &base_sgd.steps, &sgd.steps);
         let (d, at) = base_sgd.params.max_rel_diff(&sgd.params, 1e-3);
-        assert!(d < SGD_TOL, "{name}: SGD parameters differ by {d:e} at {at}");
+        assert!(
+            d < SGD_TOL,
+            "{name}: SGD parameters differ by {d:e} at {at}"
+        );
         let adam = run(model, &fused(cfg), Opt::AdamW);
         assert_losses(&name, &base_adam.steps, &adam.steps);
         for (x, y) in base_adam.steps.iter().zip(&adam.steps) {
@@ -235,14 +238,17 @@ fn fused_recomputation_is_the_same_run_in_less_memory() {
         selective.peak_activation_bytes,
         full.peak_activation_bytes,
     );
-    assert!(f < s && s < k, "activation bytes: kept {k}, selective {s}, full {f}");
+    assert!(
+        f < s && s < k,
+        "activation bytes: kept {k}, selective {s}, full {f}"
+    );
 }
 
 /// What the fused compute cannot run yet is refused before a rank starts,
 /// with the way out.
 #[test]
 fn fused_refuses_what_it_cannot_run_with_a_reason() {
-    let (graph, spec) = lower("gpt_tiny4");
+    let (graph, _) = lower("gpt_tiny4");
     let tp = common::with_layout(
         &graph,
         &fused(RunConfig {
@@ -251,7 +257,6 @@ fn fused_refuses_what_it_cannot_run_with_a_reason() {
             ..RunConfig::default()
         }),
     );
-    let _ = spec;
     let err = try_run("gpt_tiny4", &tp, Opt::Sgd).unwrap_err().to_string();
     assert!(err.contains("--compute reference"), "{err}");
     let text = format!("{TINY}\n{MODELS}");

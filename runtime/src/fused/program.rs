@@ -344,6 +344,10 @@ enum LayerRun<B: Backend> {
     Checkpoint(Vec<Val<B>>),
 }
 
+/// A chunk's forward: its run, kept for the backward, and what it sends on
+/// (nothing from the last chunk).
+pub type ChunkForward<B> = (RegionRun<B>, Option<Vec<Val<B>>>);
+
 /// The part of the root region one pipeline chunk runs: the steps before the
 /// top-level `repeat` (embedding), some of its layers, the steps after it
 /// (head and loss). A run without pipeline stages is one span of all three.
@@ -517,7 +521,7 @@ impl<'a> Executor<'a> {
         extras: &[TensorId],
         inputs: &HashMap<TensorId, Val<B>>,
         params: &ParamBufs<B>,
-    ) -> Result<(RegionRun<B>, Option<Vec<Val<B>>>)> {
+    ) -> Result<ChunkForward<B>> {
         let r = self.graph.root();
         let (plan, _) = self.plan(r)?;
         let Some(at) = self.cut_at(span)? else {
@@ -585,7 +589,8 @@ impl<'a> Executor<'a> {
                 "a pipeline cuts the model at its layers, and it has no top-level repeat".into(),
             )),
             Some((at, whole_side)) => {
-                if !whole_side && !(span.head && span.tail) {
+                let whole_root = span.head && span.tail;
+                if !whole_side && !whole_root {
                     return Err(RuntimeError::Unsupported(
                         "a fused kernel of this model's root spans both sides of its layers, \
                          so the fused executor cannot cut it into pipeline stages"

@@ -931,9 +931,10 @@ fn run_rank(
     let compute: Box<dyn StageCompute> = match cfg.compute {
         Compute::Reference => Box::new(Reference::new(sh)),
         Compute::Fused => {
-            let plan = sh.fused.as_ref().ok_or_else(|| {
-                RuntimeError::Config("a fused run without its fused plan".into())
-            })?;
+            let plan = sh
+                .fused
+                .as_ref()
+                .ok_or_else(|| RuntimeError::Config("a fused run without its fused plan".into()))?;
             Box::new(fused::Fused::new(sh, plan, HostBackend::new()))
         }
     };
