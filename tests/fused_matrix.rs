@@ -6,8 +6,8 @@
 //!
 //! Tolerances are `runtime_zoo.rs`'s: with SGD (momentum 0.9) the loss at
 //! each of five steps within 1e-5 and every parameter within 1e-6 normwise
-//! relative; with AdamW the loss within 1e-5 and the gradient norm within
-//! 1e-4 (Adam turns the rounding of a near-zero gradient element into a step
+//! relative; with AdamW (on the strategies that split its state) the loss
+//! within 1e-5 and the gradient norm within 1e-4 (Adam turns the rounding of a near-zero gradient element into a step
 //! of up to lr, so its parameters are not compared). With dropout 0.1 the
 //! fused kernels draw the reference's masks, so the same tolerances hold.
 
@@ -147,6 +147,13 @@ fn strategies() -> Vec<(&'static str, RunConfig)> {
     ]
 }
 
+/// The strategies also run with AdamW (loss and gradient norm compared).
+const ADAM_TOO: [&str; 3] = [
+    "serial, 4 micro-batches",
+    "dp2 ZeRO-2",
+    "dp2 × pp2 ZeRO-1 full recompute",
+];
+
 fn check_matrix(model: &str) {
     let serial = RunConfig {
         num_micro_batches: 4,
@@ -154,8 +161,8 @@ fn check_matrix(model: &str) {
     };
     let base_sgd = run(model, &serial, Opt::Sgd);
     let base_adam = run(model, &serial, Opt::AdamW);
-    for (name, cfg) in strategies() {
-        let name = format!("{model} {name} (fused)");
+    for (strategy, cfg) in strategies() {
+        let name = format!("{model} {strategy} (fused)");
         let sgd = run(model, &fused(cfg.clone()), Opt::Sgd);
         assert_losses(&name, &base_sgd.steps, &sgd.steps);
         let (d, at) = base_sgd.params.max_rel_diff(&sgd.params, 1e-3);
@@ -163,6 +170,11 @@ fn check_matrix(model: &str) {
             d < SGD_TOL,
             "{name}: SGD parameters differ by {d:e} at {at}"
         );
+        // The optimizer is the executor's whatever computes, so the model's
+        // AdamW runs where its state is split differently.
+        if !ADAM_TOO.contains(&strategy) {
+            continue;
+        }
         let adam = run(model, &fused(cfg), Opt::AdamW);
         assert_losses(&name, &base_adam.steps, &adam.steps);
         for (x, y) in base_adam.steps.iter().zip(&adam.steps) {

@@ -437,3 +437,66 @@ fn a_kill_during_a_checkpoint_write_then_resume() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--compute fused`: the planner's own plans of gpt_tiny and llama_tiny on
+/// 2, 4 and 8 CPU ranks verify with the fused kernels computing the split
+/// run; `dplc run --compute fused` trains with a falling loss; a split the
+/// fused kernels cannot run yet is refused with the way out, exit non-zero.
+#[test]
+fn the_fused_compute_verifies_the_planners_plans() {
+    let dir = std::env::temp_dir().join(format!("dplc-fused-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for model in ["gpt_tiny", "llama_tiny"] {
+        for ranks in [2, 4, 8] {
+            let plan = dir.join(format!("{model}-{ranks}.ron"));
+            let plan_s = plan.to_str().unwrap();
+            let cluster = format!("{ranks}xcpu");
+            let out = dplc(&[
+                "compile",
+                "models/tiny.dpl",
+                "--model",
+                model,
+                "--cluster",
+                &cluster,
+                "-o",
+                plan_s,
+            ]);
+            assert!(out.status.success(), "{}", stderr(&out));
+            let out = dplc(&["verify", plan_s, "--compute", "fused", "--json"]);
+            assert!(out.status.success(), "{model} {ranks}: {}", stderr(&out));
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            assert_eq!(v["pass"], true, "{v}");
+            assert_eq!(v["compute"], "fused", "{v}");
+        }
+    }
+    let mut args = vec!["run", "models/tiny.dpl", "--cluster", "2xcpu"];
+    args.extend(SMALL);
+    args.extend(["--steps", "8", "--json", "--compute", "fused"]);
+    let out = dplc(&args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let summary: serde_json::Value =
+        serde_json::from_str(text.lines().last().expect("a summary line")).unwrap();
+    assert!(
+        summary["final_loss"].as_f64().unwrap() < summary["first_loss"].as_f64().unwrap(),
+        "{summary}"
+    );
+    let mut args = vec![
+        "run",
+        "models/tiny.dpl",
+        "--cluster",
+        "2xcpu",
+        "--strategy",
+        "tp=2",
+    ];
+    args.extend(SMALL);
+    args.extend(["--steps", "1", "--compute", "fused"]);
+    let out = dplc(&args);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("--compute reference"),
+        "{}",
+        stderr(&out)
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
