@@ -1,7 +1,8 @@
 //! dplc's runtime: CPU reference kernels and their VJPs, an interpreter of the
-//! IR, in-process ranks with a deterministic communicator, and the training
-//! executors (data parallel, ZeRO-1/2/3, pipeline schedules, recompute,
-//! tensor/sequence/expert parallelism from per-tensor layouts).
+//! IR, in-process ranks with a deterministic communicator, and one schedule
+//! executor (data parallel, ZeRO-1/2/3, pipeline schedules, recompute,
+//! tensor/sequence/expert parallelism from per-tensor layouts) whose stages
+//! are computed by the interpreter or by codegen's fused kernels (`fused`).
 //!
 //! Architecture invariant: the runtime never needs the planner; a rank's work
 //! is a list of forward/backward units with collectives between them, and how
