@@ -380,15 +380,20 @@ pub struct ParamBufs<B: Backend> {
     pub grads: BTreeMap<ParamKey, Val<B>>,
 }
 
+/// The dimensions of tensor `t` with the symbolic dims bound to `syms` (by `SymId`).
+pub(crate) fn tensor_dims(graph: &Graph, syms: &[i64], t: TensorId) -> Vec<usize> {
+    graph
+        .tensor(t)
+        .shape
+        .dims()
+        .iter()
+        .map(|d| d.eval(&|s| syms[s.index()]).max(0) as usize)
+        .collect()
+}
+
 impl<'a> Executor<'a> {
     fn dims(&self, t: TensorId) -> Vec<usize> {
-        self.graph
-            .tensor(t)
-            .shape
-            .dims()
-            .iter()
-            .map(|d| d.eval(&|s| self.syms[s.index()]).max(0) as usize)
-            .collect()
+        tensor_dims(self.graph, &self.syms, t)
     }
 
     fn numel(&self, t: TensorId) -> usize {
@@ -894,10 +899,13 @@ impl<'a> Executor<'a> {
         let r = self.graph.root();
         let mut grads: HashMap<TensorId, Val<B>> = HashMap::new();
         let at = self.cut_at(span)?;
-        let rep = at.map(|at| match self.plan(r).map(|p| &p.0.steps[at]) {
-            Ok(Step::Extern { node, .. }) => *node,
-            _ => unreachable!("cut_at names the repeat's step"),
-        });
+        let rep = match at {
+            None => None,
+            Some(at) => match &self.plan(r)?.0.steps[at] {
+                Step::Extern { node, .. } => Some(*node),
+                _ => return Err(kernel_err("fused", "the repeat step is not one")),
+            },
+        };
         match received {
             None => {
                 let loss_t = *self

@@ -84,6 +84,15 @@ pub(super) trait StageCompute {
     fn activation_bytes(&self) -> u64;
 }
 
+/// The forward state a backend kept for `pass`'s backward.
+pub(super) fn take_live<T>(live: &mut HashMap<(usize, usize), T>, pass: &Pass) -> Result<T> {
+    live.remove(&(pass.micro, pass.chunk))
+        .ok_or_else(|| RuntimeError::Kernel {
+            op: "schedule",
+            detail: format!("backward of micro-batch {} before its forward", pass.micro),
+        })
+}
+
 fn short(what: &str) -> RuntimeError {
     RuntimeError::Kernel {
         op: "recv",
@@ -221,13 +230,7 @@ impl StageCompute for Reference<'_, '_> {
         let c = pass.chunk;
         let n_carried = sh.repeat_carried();
         let interp = self.interp(pass);
-        let mut frame = self
-            .live
-            .remove(&(pass.micro, c))
-            .ok_or_else(|| RuntimeError::Kernel {
-                op: "schedule",
-                detail: format!("backward of micro-batch {} before its forward", pass.micro),
-            })?;
+        let mut frame = take_live(&mut self.live, pass)?;
         let mut grads = Grads::new();
         let mut carried_grads: Vec<Option<Tensor>> = vec![None; n_carried];
         let last = match received {

@@ -9,16 +9,18 @@
 //! gradients back after its backward. What crosses a pipeline cut goes
 //! through the host as the reference's messages do.
 
-use super::compute::{Forwarded, Pass, StageCompute};
+use super::compute::{take_live, Forwarded, Pass, StageCompute};
 use super::Shared;
 use crate::comm::Message;
 use crate::error::{kernel_err, Result, RuntimeError};
-use crate::fused::{Backend, ChunkSpan, Executor, FusedGraph, ParamBufs, RegionRun, Val};
+use crate::fused::{
+    tensor_dims, Backend, ChunkSpan, Executor, FusedGraph, ParamBufs, RegionRun, Val,
+};
 use crate::interp::{ParamAccess, ParamKey, Value};
 use crate::params::{ParamStore, Unit, ZeroStage};
 use crate::tensor::Tensor;
 use dplc_codegen::Elem;
-use dplc_ir::{DType, Op, TensorId};
+use dplc_ir::{Op, TensorId};
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 pub(super) struct Fused<'a, 'b, B: Backend> {
@@ -105,59 +107,42 @@ impl<'a, 'b, B: Backend> Fused<'a, 'b, B> {
     /// The parameters chunk `c` reads, on the backend: the root's this rank
     /// holds and those of the chunk's layers.
     fn params(&mut self, pass: &Pass, store: &mut ParamStore) -> Result<ParamBufs<B>> {
-        let layers = self.spans[pass.chunk].layers.clone();
-        let zero3 = store.zero == ZeroStage::Three;
-        if !zero3 && self.uploaded.as_ref().is_none_or(|(s, _)| *s != pass.step) {
+        // Below ZeRO-3 a value changes only at the optimizer step.
+        let cache = store.zero != ZeroStage::Three;
+        if cache && self.uploaded.as_ref().is_none_or(|(s, _)| *s != pass.step) {
             self.uploaded = Some((pass.step, BTreeMap::new()));
         }
         let mut values = BTreeMap::new();
-        let mut upload = |be: &mut B,
-                          store: &mut ParamStore,
-                          cache: Option<&mut BTreeMap<ParamKey, Val<B>>>,
-                          key: ParamKey|
-         -> Result<()> {
-            if let Some(v) = cache.as_ref().and_then(|c| c.get(&key)) {
-                values.insert(key, v.clone());
-                return Ok(());
-            }
-            let t: Value = store.param(key)?;
-            let data = t.f()?;
-            let v = Val {
-                buf: be.upload(Elem::Float, data)?,
-                elem: Elem::Float,
-                len: data.len(),
-            };
-            if let Some(c) = cache {
-                c.insert(key, v.clone());
-            }
-            values.insert(key, v);
-            Ok(())
-        };
-        let keys: Vec<(ParamKey, Unit)> = store
-            .slots
-            .iter()
-            .filter(|(_, s)| match s.unit {
-                Unit::Root => true,
-                Unit::Layer(l) => layers.contains(&l),
-            })
-            .map(|(&k, s)| (k, s.unit))
-            .collect();
-        let mut units: Vec<Unit> = Vec::new();
-        for &(_, unit) in &keys {
-            if !units.contains(&unit) {
-                units.push(unit);
-            }
-        }
-        for unit in units {
+        let layers = self.spans[pass.chunk].layers.clone();
+        for unit in std::iter::once(Unit::Root).chain(layers.map(Unit::Layer)) {
             // The root's parameters are gathered by the executor around the
             // whole chunk; a layer's here, just for the upload.
-            let layer = matches!(unit, Unit::Layer(_));
+            let layer = unit != Unit::Root;
             if layer {
                 store.gather(unit)?;
             }
-            for &(key, _) in keys.iter().filter(|(_, u)| *u == unit) {
-                let cache = self.uploaded.as_mut().map(|(_, c)| c).filter(|_| !zero3);
-                upload(&mut self.be, store, cache, key)?;
+            let keys: Vec<ParamKey> = store
+                .slots
+                .iter()
+                .filter(|(_, s)| s.unit == unit)
+                .map(|(&k, _)| k)
+                .collect();
+            for key in keys {
+                let cached = match &self.uploaded {
+                    Some((_, c)) if cache => c.get(&key).cloned(),
+                    _ => None,
+                };
+                let v = match cached {
+                    Some(v) => v,
+                    None => {
+                        let v = self.upload(&*store.param(key)?)?;
+                        if let (true, Some((_, c))) = (cache, &mut self.uploaded) {
+                            c.insert(key, v.clone());
+                        }
+                        v
+                    }
+                };
+                values.insert(key, v);
             }
             if layer {
                 store.release(unit, false)?;
@@ -171,7 +156,7 @@ impl<'a, 'b, B: Backend> Fused<'a, 'b, B> {
 
     /// A host tensor of `t`'s shape from a backend value.
     fn download(&mut self, t: TensorId, v: &Val<B>) -> Result<Tensor> {
-        let dims = self.sh.dims(t);
+        let dims = tensor_dims(self.sh.graph, &self.sh.syms, t);
         let data = self.be.download(&v.buf, v.elem, v.len)?;
         if dims.iter().product::<usize>() != data.len() {
             return Err(kernel_err(
@@ -264,13 +249,7 @@ impl<B: Backend> StageCompute for Fused<'_, '_, B> {
         received: Option<Message>,
         store: &mut ParamStore,
     ) -> Result<Message> {
-        let mut run =
-            self.live
-                .remove(&(pass.micro, pass.chunk))
-                .ok_or_else(|| RuntimeError::Kernel {
-                    op: "schedule",
-                    detail: format!("backward of micro-batch {} before its forward", pass.micro),
-                })?;
+        let mut run = take_live(&mut self.live, pass)?;
         let mut params = self.params(pass, store)?;
         for (&key, v) in &params.values {
             let zeros = self.be.zeros(Elem::F32, v.len)?;
@@ -335,10 +314,7 @@ impl<B: Backend> StageCompute for Fused<'_, '_, B> {
     }
 
     fn activation_bytes(&self) -> u64 {
-        let float_bytes = match self.be.dtype() {
-            DType::F32 => 4,
-            _ => 2,
-        };
+        let float_bytes = self.be.dtype().size_bytes() as usize;
         let mut seen = HashSet::new();
         self.live
             .values()

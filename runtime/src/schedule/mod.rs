@@ -369,17 +369,6 @@ impl Shared<'_> {
         })
     }
 
-    /// The dimensions of tensor `t` in this run (whole, not split).
-    fn dims(&self, t: dplc_ir::TensorId) -> Vec<usize> {
-        self.graph
-            .tensor(t)
-            .shape
-            .dims()
-            .iter()
-            .map(|d| d.eval(&|s| self.syms[s.index()]).max(0) as usize)
-            .collect()
-    }
-
     /// The loss gradient each micro-batch starts its backward from: each
     /// micro-batch's loss is a mean over its tokens, the step's loss the mean
     /// over all micro-batches of all replicas.
