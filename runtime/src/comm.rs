@@ -248,6 +248,14 @@ impl World {
     /// Record that `rank` failed; the first failure is the one reported.
     pub fn poison(&self, rank: usize, reason: String) {
         let mut s = self.lock();
+        self.poison_locked(&mut s, rank, reason);
+        drop(s);
+        self.notify();
+    }
+
+    /// Record the first failure while the caller holds the state, so no
+    /// other rank sees the state between a change and its failure.
+    fn poison_locked(&self, s: &mut State, rank: usize, reason: String) {
         if s.failure.is_none() {
             s.failure = Some((rank, reason.clone()));
             // Tell the other processes; one that cannot be reached is gone anyway.
@@ -258,8 +266,6 @@ impl World {
                 }
             }
         }
-        drop(s);
-        self.notify();
     }
 
     /// The first failure, if any rank failed.
@@ -344,8 +350,6 @@ impl Communicator {
                 let silent = missing(&s);
                 let culprit = silent.iter().copied().find(|r| !s.waiting.contains(r));
                 if culprit.is_some() || waited > self.world.timeout * 2 {
-                    s.waiting.remove(&self.rank);
-                    drop(s);
                     let err = RuntimeError::Timeout {
                         rank: self.rank,
                         what: what.to_string(),
@@ -354,7 +358,13 @@ impl Communicator {
                         silent: silent.clone(),
                     };
                     let blamed = culprit.or(silent.first().copied()).unwrap_or(self.rank);
-                    self.world.poison(blamed, err.to_string());
+                    // Blame and leave `waiting` under one lock: a rank that
+                    // saw this one leave before the failure was recorded
+                    // would blame it instead of the culprit.
+                    self.world.poison_locked(&mut s, blamed, err.to_string());
+                    s.waiting.remove(&self.rank);
+                    drop(s);
+                    self.world.notify();
                     return Err(err);
                 }
             }
