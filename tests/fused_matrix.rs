@@ -25,6 +25,7 @@ const MODELS: &str = r#"
 model gpt_tiny4 = gpt_tiny(layers = 4)
 model llama_tiny4 = llama_tiny(layers = 4)
 model gpt_tiny4_dropout = gpt_tiny(layers = 4, dropout = 0.1)
+model moe_tiny4 = moe_tiny(layers = 4)
 "#;
 
 fn lower(model: &str) -> (dplc_ir::Graph, dplc_ir::TrainSpec) {
@@ -40,7 +41,8 @@ fn try_run(model: &str, cfg: &RunConfig, opt: Opt) -> dplc_runtime::Result<Train
     spec.global_batch = cfg.global_batch() as u64;
     spec.optimizer = opt.optimizer();
     let data = Corpus::synthetic(5, 256, 1 << 14);
-    train(&graph, &spec, cfg, &data, 5, 11, |_| {})
+    let cfg = common::with_layout(&graph, cfg);
+    train(&graph, &spec, &cfg, &data, 5, 11, |_| {})
 }
 
 fn run(model: &str, cfg: &RunConfig, opt: Opt) -> TrainReport {
@@ -54,8 +56,9 @@ fn fused(cfg: RunConfig) -> RunConfig {
     }
 }
 
-/// Every strategy the fused compute runs, over a global batch of four.
-fn strategies() -> Vec<(&'static str, RunConfig)> {
+/// Every strategy the fused compute runs, over a global batch of four;
+/// expert parallelism too where the model has `experts`.
+fn strategies(experts: bool) -> Vec<(&'static str, RunConfig)> {
     let base = RunConfig {
         micro_batch: 1,
         num_micro_batches: 4,
@@ -70,7 +73,7 @@ fn strategies() -> Vec<(&'static str, RunConfig)> {
         pp: 2,
         ..base.clone()
     };
-    vec![
+    let mut out = vec![
         ("serial, 4 micro-batches", base.clone()),
         (
             "micro-batch 2",
@@ -141,10 +144,69 @@ fn strategies() -> Vec<(&'static str, RunConfig)> {
             "selective recompute",
             RunConfig {
                 recompute: dplc_ir::Recompute::Selective,
-                ..base
+                ..base.clone()
             },
         ),
-    ]
+        (
+            "tp2",
+            RunConfig {
+                tp: 2,
+                ..base.clone()
+            },
+        ),
+        (
+            "tp2 + sequence parallel",
+            RunConfig {
+                tp: 2,
+                sequence_parallel: true,
+                ..base.clone()
+            },
+        ),
+        (
+            "dp2 × tp2 × pp2 ZeRO-1 sp",
+            RunConfig {
+                dp: 2,
+                tp: 2,
+                pp: 2,
+                num_micro_batches: 2,
+                zero: ZeroStage::One,
+                sequence_parallel: true,
+                ..base.clone()
+            },
+        ),
+    ];
+    if experts {
+        out.extend([
+            (
+                "dp2 ep2",
+                RunConfig {
+                    ep: 2,
+                    ..dp2.clone()
+                },
+            ),
+            (
+                "dp2 × ep2 × tp2",
+                RunConfig {
+                    ep: 2,
+                    tp: 2,
+                    ..dp2.clone()
+                },
+            ),
+            (
+                "dp2 × ep2 × pp2 ZeRO-2 full recompute",
+                RunConfig {
+                    dp: 2,
+                    ep: 2,
+                    pp: 2,
+                    num_micro_batches: 2,
+                    zero: ZeroStage::Two,
+                    recompute: dplc_ir::Recompute::Full,
+                    ..base
+                },
+            ),
+        ]);
+    }
+    out
 }
 
 /// The strategies also run with AdamW (loss and gradient norm compared).
@@ -155,13 +217,19 @@ const ADAM_TOO: [&str; 3] = [
 ];
 
 fn check_matrix(model: &str) {
-    let serial = RunConfig {
-        num_micro_batches: 4,
-        ..RunConfig::default()
-    };
-    let base_sgd = run(model, &serial, Opt::Sgd);
-    let base_adam = run(model, &serial, Opt::AdamW);
-    for (strategy, cfg) in strategies() {
+    // The serial reference over micro-batches of the strategy's size: an MoE
+    // layer's expert capacity counts the tokens of a micro-batch, so routing
+    // (which tokens overflow) is a function of that size.
+    let mut serial = std::collections::HashMap::new();
+    for (strategy, cfg) in strategies(model.starts_with("moe")) {
+        let (base_sgd, base_adam) = serial.entry(cfg.micro_batch).or_insert_with(|| {
+            let cfg = RunConfig {
+                micro_batch: cfg.micro_batch,
+                num_micro_batches: 4 / cfg.micro_batch,
+                ..RunConfig::default()
+            };
+            (run(model, &cfg, Opt::Sgd), run(model, &cfg, Opt::AdamW))
+        });
         let name = format!("{model} {strategy} (fused)");
         let sgd = run(model, &fused(cfg.clone()), Opt::Sgd);
         assert_losses(&name, &base_sgd.steps, &sgd.steps);
@@ -198,6 +266,11 @@ fn gpt_tiny_fused_strategies_match_the_serial_reference() {
 #[test]
 fn llama_tiny_fused_strategies_match_the_serial_reference() {
     check_matrix("llama_tiny4");
+}
+
+#[test]
+fn moe_tiny_fused_strategies_match_the_serial_reference() {
+    check_matrix("moe_tiny4");
 }
 
 #[test]
@@ -256,34 +329,39 @@ fn fused_recomputation_is_the_same_run_in_less_memory() {
     );
 }
 
-/// What the fused compute cannot run yet is refused before a rank starts,
-/// with the way out.
+/// What the fused compute cannot run yet (a `repeat` inside a layer) is
+/// refused before a rank starts, with the way out.
 #[test]
 fn fused_refuses_what_it_cannot_run_with_a_reason() {
-    let (graph, _) = lower("gpt_tiny4");
-    let tp = common::with_layout(
-        &graph,
-        &fused(RunConfig {
-            tp: 2,
-            num_micro_batches: 4,
-            ..RunConfig::default()
-        }),
-    );
-    let err = try_run("gpt_tiny4", &tp, Opt::Sgd).unwrap_err().to_string();
-    assert!(err.contains("--compute reference"), "{err}");
-    let text = format!("{TINY}\n{MODELS}");
-    let unit = dplc_frontend::parse("tiny.dpl", &text).unwrap();
-    let moe = unit.lower("moe_tiny").unwrap();
-    let mut spec = moe.train;
-    spec.seq = 16;
-    spec.global_batch = 4;
+    let text = r#"
+model nested(vocab = 256, d = 32) {
+    input tokens: i32[batch, seq]
+    input targets: i32[batch, seq]
+    param embed: [vocab, d]
+    h = embedding(embed, tokens)
+    repeat 2 {
+        repeat 2 {
+            h = h + mlp(layer_norm(h, d, name = "ln"), d, 2 * d)
+        }
+    }
+    return cross_entropy(h @ transpose(embed), targets)
+}
+"#;
+    let unit = dplc_frontend::parse("nested.dpl", text).expect("the model parses");
+    let lowered = unit.lower("nested").expect("the model lowers");
+    let spec = dplc_ir::TrainSpec {
+        seq: 16,
+        global_batch: 4,
+        ..lowered.train
+    };
     let cfg = fused(RunConfig {
         num_micro_batches: 4,
         ..RunConfig::default()
     });
     let data = Corpus::synthetic(5, 256, 1 << 14);
-    let err = train(&moe.graph, &spec, &cfg, &data, 1, 11, |_| {})
+    let err = train(&lowered.graph, &spec, &cfg, &data, 1, 11, |_| {})
         .unwrap_err()
         .to_string();
+    assert!(err.contains("one level of `repeat`"), "{err}");
     assert!(err.contains("--compute reference"), "{err}");
 }

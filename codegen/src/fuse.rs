@@ -114,7 +114,8 @@ fn role(op: &Op) -> Role {
         | Op::TopK { .. }
         | Op::MoeDispatch { .. }
         | Op::MoeCombine
-        | Op::Repeat { .. } => Role::Library,
+        | Op::Repeat { .. }
+        | Op::Relayout { .. } => Role::Library,
         Op::Constant(_)
         | Op::Iota { .. }
         | Op::Transpose { .. }

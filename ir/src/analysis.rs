@@ -292,6 +292,8 @@ impl<'g> Analysis<'g> {
         match &node.op {
             Op::Input(_) | Op::Param(_) | Op::Constant(_) | Op::Iota { .. } | Op::Repeat { .. } => {
             }
+            // A layout change's backward is another collective: nothing kept.
+            Op::Relayout { .. } => {}
             Op::Cast(_)
             | Op::Transpose { .. }
             | Op::Reshape { .. }

@@ -60,6 +60,7 @@ pub fn saved_for_backward(op: &Op, n: usize) -> SavedForBackward {
         Op::MoeCombine => (vec![0, 1, 2], vec![]),
         // A repeat keeps what its body's nodes keep, per iteration.
         Op::Repeat { .. } => (vec![], vec![]),
+        Op::Relayout { .. } => (vec![], vec![]),
     };
     SavedForBackward { inputs, outputs }
 }

@@ -462,6 +462,48 @@ impl Graph {
         Ok(outputs)
     }
 
+    // ---- rewriting a copy into a rank's local program (`localize`) -------
+
+    pub(crate) fn tensor_mut(&mut self, t: TensorId) -> &mut Tensor {
+        &mut self.tensors[t.index()]
+    }
+
+    pub(crate) fn node_mut(&mut self, n: NodeId) -> &mut Node {
+        &mut self.nodes[n.index()]
+    }
+
+    pub(crate) fn region_mut(&mut self, r: RegionId) -> &mut Region {
+        &mut self.regions[r.index()]
+    }
+
+    /// A node with outputs of the given types, not yet in its region's
+    /// order: the caller places it.
+    pub(crate) fn push_node_unplaced(
+        &mut self,
+        region: RegionId,
+        scope: ScopeId,
+        op: Op,
+        inputs: Vec<TensorId>,
+        outputs: Vec<(DType, Shape)>,
+    ) -> (NodeId, Vec<TensorId>) {
+        let node = NodeId::new(self.nodes.len());
+        let outputs: Vec<TensorId> = outputs
+            .into_iter()
+            .enumerate()
+            .map(|(output, (dtype, shape))| {
+                self.push_tensor(dtype, shape, TensorDef::Node { node, output })
+            })
+            .collect();
+        self.nodes.push(Node {
+            op,
+            inputs,
+            outputs: outputs.clone(),
+            region,
+            scope,
+        });
+        (node, outputs)
+    }
+
     fn push_tensor(&mut self, dtype: DType, shape: Shape, def: TensorDef) -> TensorId {
         self.tensors.push(Tensor { dtype, shape, def });
         TensorId::new(self.tensors.len() - 1)
@@ -873,6 +915,14 @@ impl Graph {
                     )));
                 }
                 vec![(t(0).dtype, Shape(vec![w[0].clone(), y[2].clone()]))]
+            }
+            // Its output shape is a rank's share, which only the layout
+            // knows: `localize` builds these nodes whole.
+            Op::Relayout { .. } => {
+                return Err(IrError::Invalid {
+                    op: name,
+                    detail: "a layout change exists only in a rank's local program".into(),
+                })
             }
             Op::Repeat {
                 count,

@@ -26,6 +26,17 @@ pub enum TensorLayout {
     Experts,
 }
 
+impl std::fmt::Display for TensorLayout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TensorLayout::Replicated => f.write_str("replicated"),
+            TensorLayout::Split { axis } => write!(f, "split({axis})"),
+            TensorLayout::Partial => f.write_str("partial"),
+            TensorLayout::Experts => f.write_str("experts"),
+        }
+    }
+}
+
 impl TensorLayout {
     /// The layout the gradient of a value in this layout lives in: a summand's
     /// gradient is the whole gradient on every rank.
@@ -49,6 +60,27 @@ pub struct NodeLayout {
     pub node: NodeId,
     pub inputs: Vec<TensorLayout>,
     pub outputs: Vec<TensorLayout>,
+}
+
+impl NodeLayout {
+    /// The layout of the gradient node `op` hands back for input `i`: a
+    /// whole input read by a computation split over the group gets only this
+    /// rank's share of its gradient (Megatron's `f`). A repeat hands back its
+    /// body's argument gradients, already whole.
+    pub fn grad_contribution(&self, op: &Op, i: usize) -> TensorLayout {
+        let c = self
+            .inputs
+            .get(i)
+            .copied()
+            .unwrap_or(TensorLayout::Replicated);
+        let split_op = !matches!(op, Op::Repeat { .. })
+            && self.inputs.iter().chain(&self.outputs).any(|l| l.is_tp_split());
+        if split_op && c == TensorLayout::Replicated {
+            TensorLayout::Partial
+        } else {
+            c.grad()
+        }
+    }
 }
 
 /// The layouts of one region (the root, or a `repeat` body).

@@ -9,6 +9,7 @@ mod error;
 mod graph;
 mod id;
 mod layout;
+mod localize;
 mod op;
 mod pipeline;
 mod plan;
@@ -27,6 +28,7 @@ pub use graph::{
 };
 pub use id::{InputId, NodeId, ParamId, RegionId, ScopeId, SymId, TensorId};
 pub use layout::{ModelLayout, NodeLayout, ParamSplit, RegionLayout, SplitAxis, TensorLayout};
+pub use localize::localize;
 pub use op::{BinaryOp, Init, Op, ReduceKind, UnaryOp};
 pub use pipeline::{even_split, pipeline_order, virtual_stage_layers, PipelineWork};
 pub use plan::{

@@ -1,7 +1,7 @@
 //! The closed set of primitive operations, matched exhaustively everywhere.
 //! Blocks (attention, mlp, norms, moe…) are written in .dpl over these.
 
-use crate::{DType, Dim, InputId, ParamId, RegionId, Shape};
+use crate::{DType, Dim, InputId, ParamId, RegionId, Shape, TensorLayout};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -213,6 +213,17 @@ pub enum Op {
         body: RegionId,
         carried: usize,
     },
+    /// Only in a rank's local program ([`crate::localize`]), never in a
+    /// model: the value held in layout `from` as this rank holds it in `to`,
+    /// a collective over the tensor- or expert-parallel group. Its backward
+    /// turns the gradient, which arrives in layout `grad`, into `from.grad()`
+    /// (`from == to` with a `Partial` gradient is Megatron's `f`: the
+    /// identity forward, an all-reduce backward).
+    Relayout {
+        from: TensorLayout,
+        to: TensorLayout,
+        grad: TensorLayout,
+    },
 }
 
 impl Op {
@@ -249,6 +260,7 @@ impl Op {
             Op::MoeDispatch { .. } => "moe_dispatch",
             Op::MoeCombine => "moe_combine",
             Op::Repeat { .. } => "repeat",
+            Op::Relayout { .. } => "relayout",
         }
     }
 

@@ -105,6 +105,7 @@ fn op_str(graph: &Graph, op: &Op) -> String {
             format!("{name}[experts={experts}, capacity_factor={capacity_factor}]")
         }
         Op::Repeat { count, carried, .. } => format!("{name}[count={count}, carried={carried}]"),
+        Op::Relayout { from, to, grad } => format!("{name}[{from} -> {to}, grad {grad}]"),
         Op::Unary(_)
         | Op::Binary(_)
         | Op::MatMul

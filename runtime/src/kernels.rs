@@ -565,7 +565,7 @@ pub fn forward(op: &Op, ins: &[&Tensor], ctx: &OpCtx) -> Result<Vec<Tensor>> {
     let out0 = || ctx.out_shapes[0].clone();
     let one = |t: Tensor| Ok(vec![t]);
     match op {
-        Op::Input(_) | Op::Param(_) | Op::Repeat { .. } => Err(kernel_err(
+        Op::Input(_) | Op::Param(_) | Op::Repeat { .. } | Op::Relayout { .. } => Err(kernel_err(
             "forward",
             format!("{} is not a kernel; the executor supplies it", op.name()),
         )),

@@ -10,7 +10,7 @@ use crate::comm::{Communicator, Group};
 use crate::error::{kernel_err, Result, RuntimeError};
 use crate::tensor::Tensor;
 use dplc_ir::TensorLayout::{self, Experts, Partial, Replicated, Split};
-use dplc_ir::{Graph, ModelLayout, NodeId, NodeLayout, Op, ParamId, RegionId, SplitAxis, TensorId};
+use dplc_ir::{Graph, ModelLayout, NodeId, NodeLayout, ParamId, RegionId, SplitAxis, TensorId};
 use std::collections::HashMap;
 
 /// The layouts of one model, looked up by tensor and node.
@@ -89,17 +89,9 @@ impl Layouts {
     /// rank's share of its gradient (Megatron's `f`). A repeat hands back its
     /// body's argument gradients, already whole.
     pub fn grad_contribution(&self, graph: &Graph, n: NodeId, i: usize) -> TensorLayout {
-        let Some(nl) = self.nodes.get(&n) else {
-            return Replicated;
-        };
-        let c = nl.inputs.get(i).copied().unwrap_or(Replicated);
-        let split_op = !matches!(graph.node(n).op, Op::Repeat { .. })
-            && nl.inputs.iter().chain(&nl.outputs).any(|l| l.is_tp_split());
-        if split_op && c == Replicated {
-            Partial
-        } else {
-            c.grad()
-        }
+        self.nodes
+            .get(&n)
+            .map_or(Replicated, |nl| nl.grad_contribution(&graph.node(n).op, i))
     }
 
     /// The shape this rank holds of a tensor of shape `dims` in layout `l`.

@@ -91,6 +91,13 @@ pub fn backward(
     let mut grads: Vec<Option<Tensor>> = vec![None; ins.len()];
     match op {
         Op::Input(_) | Op::Param(_) | Op::Constant(_) | Op::Iota { .. } | Op::Repeat { .. } => {}
+        // A collective over the rank's group: the executor runs it both ways.
+        Op::Relayout { .. } => {
+            return Err(kernel_err(
+                "backward",
+                "a layout change is not a kernel; the executor runs it over its group",
+            ))
+        }
         Op::Unary(u) => {
             let (xs, ys) = (x.f()?, outs[0].f()?);
             // One loop per op, so that the common ones vectorise.

@@ -199,7 +199,8 @@ pub fn evaluate(
             | Op::TopK { .. }
             | Op::MoeDispatch { .. }
             | Op::MoeCombine
-            | Op::Repeat { .. } => {
+            | Op::Repeat { .. }
+            | Op::Relayout { .. } => {
                 for &o in &node.outputs {
                     env.insert(o, random(o, &mut rng));
                 }

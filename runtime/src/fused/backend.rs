@@ -104,6 +104,8 @@ pub trait Backend {
     fn upload_i32(&mut self, data: &[i32]) -> Result<Self::Buf>;
     /// The first `len` elements of a float buffer, as `f32`.
     fn download(&mut self, buf: &Self::Buf, elem: Elem, len: usize) -> Result<Vec<f32>>;
+    /// The first `len` elements of an index buffer.
+    fn download_i32(&mut self, buf: &Self::Buf, len: usize) -> Result<Vec<i32>>;
     /// Run `kernel` with one buffer per kernel buffer.
     fn launch(&mut self, kernel: &Kernel, args: &Args, bufs: &[Self::Buf]) -> Result<()>;
     /// `c = op(a)·op(b)`; `c` is overwritten.
@@ -184,6 +186,16 @@ impl Backend for HostBackend {
             d => Err(kernel_err(
                 "download",
                 format!("{len} floats asked of a buffer of {} elements", d.len()),
+            )),
+        }
+    }
+
+    fn download_i32(&mut self, buf: &Self::Buf, len: usize) -> Result<Vec<i32>> {
+        match &*buf.data.borrow() {
+            Data::I32(v) if v.len() >= len => Ok(v[..len].to_vec()),
+            d => Err(kernel_err(
+                "download",
+                format!("{len} indices asked of a buffer of {} elements", d.len()),
             )),
         }
     }

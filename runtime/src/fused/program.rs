@@ -15,12 +15,40 @@
 use super::backend::{Backend, MatMul};
 use crate::error::{kernel_err, Result, RuntimeError};
 use crate::interp::ParamKey;
+use crate::tensor::{Data, Tensor};
 use dplc_codegen::{
     add_kernel, backward_plan, column_sum_kernel, convert_kernel, fuse, fuse_cut, Args,
     BackwardStep, Elem, FusedKernel, FusionPlan, GradBinding, KeySize, Operand, Step,
 };
 use dplc_ir::{DType, GradPlan, Graph, NodeId, Op, Recompute, RegionId, TensorId};
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
+
+/// The steps no kernel runs, done on the host by the executor's caller: a
+/// layout change over the tensor- or expert-parallel group (a collective),
+/// and MoE routing (top-k, dispatch, combine) by the reference kernels.
+/// Values cross as host tensors at the local program's shapes.
+pub trait HostSteps {
+    /// Node `node`'s outputs from its inputs.
+    fn forward(&mut self, node: NodeId, ins: Vec<Tensor>) -> Result<Vec<Tensor>>;
+    /// The gradients of node `node`'s inputs (`None` where none flows) from
+    /// its inputs, outputs and output gradients, as its forward left them.
+    fn backward(
+        &mut self,
+        node: NodeId,
+        ins: Vec<Tensor>,
+        outs: Vec<Tensor>,
+        gouts: Vec<Option<Tensor>>,
+    ) -> Result<Vec<Option<Tensor>>>;
+}
+
+/// Whether `op` runs as a host step (the others a library call or kernel).
+pub(crate) fn is_host_step(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Relayout { .. } | Op::TopK { .. } | Op::MoeDispatch { .. } | Op::MoeCombine
+    )
+}
 
 /// A value on the device: its buffer, element type and element count.
 pub struct Val<B: Backend> {
@@ -117,7 +145,16 @@ impl Lifetimes {
                         }
                     }
                 }
-                BackwardStep::Extern { .. } => {}
+                // A host step's backward reads its forward values (a layout
+                // change's reads none: it moves the gradient only).
+                BackwardStep::Extern { step, .. } => {
+                    if let Step::Extern { node, .. } = &plan.steps[*step] {
+                        let n = graph.node(*node);
+                        if is_host_step(&n.op) && !matches!(n.op, Op::Relayout { .. }) {
+                            keep.extend(n.inputs.iter().chain(&n.outputs).map(|&t| base(t)));
+                        }
+                    }
+                }
             }
         }
         // The last forward step that writes or reads each base.
@@ -182,7 +219,8 @@ impl FusedGraph {
             };
             for step in &plan.steps {
                 if let Step::Extern { node, reason } = step {
-                    if !matches!(graph.node(*node).op, Op::Repeat { .. }) {
+                    let op = &graph.node(*node).op;
+                    if !matches!(op, Op::Repeat { .. }) && !is_host_step(op) {
                         return Err(RuntimeError::Unsupported(format!(
                             "the fused executor cannot run {} ({reason}); run this model with \
                              --compute reference on CPU ranks (--cluster Nxcpu)",
@@ -371,6 +409,8 @@ pub struct Executor<'a> {
     /// rest of the key, with which the kernels draw the CPU reference's masks.
     pub first_sample: u64,
     pub micro_batch: usize,
+    /// Who runs the host steps; `None` where the graph has none.
+    pub host: Option<RefCell<&'a mut dyn HostSteps>>,
 }
 
 /// Parameters the forward reads and where the backward leaves their gradients.
@@ -499,7 +539,9 @@ impl<'a> Executor<'a> {
         let free_after = self.free_after(r)?;
         for (step, dead) in plan.steps.iter().zip(free_after) {
             match step {
-                Step::Extern { node, .. } => {
+                Step::Extern { node, .. }
+                    if matches!(self.graph.node(*node).op, Op::Repeat { .. }) =>
+                {
                     let (count, _, _) = self.repeat_parts(*node)?;
                     self.forward_repeat(be, &mut run, *node, 0..count, None, params)?;
                 }
@@ -696,13 +738,121 @@ impl<'a> Executor<'a> {
                 run.values.insert(self.graph.node(*node).outputs[0], c);
             }
             Step::Extern { node, .. } => {
-                return Err(kernel_err(
-                    "fused",
-                    format!(
-                        "{} runs nested in a layer",
-                        self.graph.node(*node).op.name()
-                    ),
-                ))
+                if !is_host_step(&self.graph.node(*node).op) {
+                    return Err(kernel_err(
+                        "fused",
+                        format!(
+                            "{} runs nested in a layer",
+                            self.graph.node(*node).op.name()
+                        ),
+                    ));
+                }
+                self.host_forward(be, run, *node)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn host(&self, node: NodeId) -> Result<std::cell::RefMut<'_, &'a mut dyn HostSteps>> {
+        self.host.as_ref().map(RefCell::borrow_mut).ok_or_else(|| {
+            RuntimeError::Unsupported(format!(
+                "`{}` runs on the host, which this fused run does not provide; run it on the \
+                 schedule executor (dplc run --compute fused) or with --compute reference",
+                self.graph.node(node).op.name()
+            ))
+        })
+    }
+
+    /// A backend value of tensor `t` as a host tensor of its local shape.
+    fn to_host<B: Backend>(&self, be: &mut B, t: TensorId, v: &Val<B>) -> Result<Tensor> {
+        let dims = self.dims(t);
+        if dims.iter().product::<usize>() != v.len {
+            return Err(kernel_err(
+                "fused",
+                format!("{t} holds {} values for shape {dims:?}", v.len),
+            ));
+        }
+        Ok(match v.elem {
+            Elem::I32 => Tensor::i32(dims, be.download_i32(&v.buf, v.len)?),
+            Elem::Float | Elem::F32 => Tensor::f32(dims, be.download(&v.buf, v.elem, v.len)?),
+        })
+    }
+
+    fn to_backend<B: Backend>(&self, be: &mut B, t: &Tensor) -> Result<Val<B>> {
+        Ok(match &t.data {
+            Data::F32(v) => Val {
+                buf: be.upload(Elem::Float, v)?,
+                elem: Elem::Float,
+                len: v.len(),
+            },
+            Data::I32(v) => Val {
+                buf: be.upload_i32(v)?,
+                elem: Elem::I32,
+                len: v.len(),
+            },
+        })
+    }
+
+    /// A host step forward: its inputs down, its outputs up.
+    fn host_forward<B: Backend>(
+        &self,
+        be: &mut B,
+        run: &mut RegionRun<B>,
+        node: NodeId,
+    ) -> Result<()> {
+        let n = self.graph.node(node);
+        let ins = n
+            .inputs
+            .iter()
+            .map(|&t| self.to_host(be, t, &self.get(run, t)?))
+            .collect::<Result<_>>()?;
+        let outs = self.host(node)?.forward(node, ins)?;
+        for (&t, v) in n.outputs.iter().zip(&outs) {
+            let v = self.to_backend(be, v)?;
+            run.values.insert(t, v);
+        }
+        Ok(())
+    }
+
+    /// A host step backward: the gradients of its outputs in `grads` become
+    /// those of its inputs.
+    fn host_backward<B: Backend>(
+        &self,
+        be: &mut B,
+        run: &RegionRun<B>,
+        grads: &mut HashMap<TensorId, Val<B>>,
+        node: NodeId,
+    ) -> Result<()> {
+        let n = self.graph.node(node);
+        let mut gouts = Vec::with_capacity(n.outputs.len());
+        for &t in &n.outputs {
+            gouts.push(match grads.remove(&self.base(t)) {
+                Some(g) => Some(self.to_host(be, t, &g)?),
+                None => None,
+            });
+        }
+        if gouts.iter().all(Option::is_none) {
+            return Ok(());
+        }
+        // A layout change moves the gradient only; the others read what
+        // their forward kept.
+        let (ins, outs) = if matches!(n.op, Op::Relayout { .. }) {
+            (Vec::new(), Vec::new())
+        } else {
+            let mut host = |ts: &[TensorId]| -> Result<Vec<Tensor>> {
+                ts.iter()
+                    .map(|&t| self.to_host(be, t, &self.get(run, t)?))
+                    .collect()
+            };
+            (host(&n.inputs)?, host(&n.outputs)?)
+        };
+        let gins = self.host(node)?.backward(node, ins, outs, gouts)?;
+        for (&t, g) in n.inputs.iter().zip(gins) {
+            if let Some(g) = g {
+                if self.fused.grad.needs_grad(t) {
+                    let g = self.to_backend(be, &g)?;
+                    self.add_grad(be, grads, t, g)?;
+                }
             }
         }
         Ok(())
@@ -1082,6 +1232,10 @@ impl<'a> Executor<'a> {
                             "an extern step that is not one",
                         ));
                     };
+                    if !matches!(self.graph.node(*node).op, Op::Repeat { .. }) {
+                        self.host_backward(be, run, grads, *node)?;
+                        continue;
+                    }
                     let (count, _, _) = self.repeat_parts(*node)?;
                     let (layers, head) = match cut {
                         Some((_, span)) => (span.layers.clone(), span.head),

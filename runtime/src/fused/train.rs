@@ -369,6 +369,7 @@ pub fn train_fused<B: Backend>(
                 seed: crate::rng::hash(&[run.seed, step]),
                 first_sample: first,
                 micro_batch: run.micro_batch,
+                host: None,
             };
             let root = graph.root();
             let mut fwd = exec.forward(be, root, Vec::new(), &inputs, 0, &pbufs)?;

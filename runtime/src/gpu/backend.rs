@@ -153,6 +153,10 @@ impl Backend for CudaBackend {
         Ok(self.dev.download_f32(buf, len, self.storage(elem))?)
     }
 
+    fn download_i32(&mut self, buf: &Self::Buf, len: usize) -> Result<Vec<i32>> {
+        Ok(self.dev.download_i32(buf, len)?)
+    }
+
     fn launch(&mut self, kernel: &Kernel, args: &Args, bufs: &[Self::Buf]) -> Result<()> {
         let dev = self.dev.clone();
         let k = self.kernel(kernel)?;

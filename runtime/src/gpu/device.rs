@@ -327,6 +327,14 @@ impl GpuDevice {
         Ok(decode(&raw, dtype))
     }
 
+    pub fn download_i32(&self, b: &DeviceBuffer, len: usize) -> GpuResult<Vec<i32>> {
+        let raw = self.download_bytes(b, len * 4)?;
+        Ok(raw
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+
     pub fn upload_i32(&self, data: &[i32]) -> GpuResult<DeviceBuffer> {
         let raw: Vec<u8> = data.iter().flat_map(|x| x.to_le_bytes()).collect();
         self.upload_bytes(&raw)

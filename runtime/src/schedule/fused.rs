@@ -8,25 +8,41 @@
 //! use under ZeRO-3, where the store gathers them per layer), and hands its
 //! gradients back after its backward. What crosses a pipeline cut goes
 //! through the host as the reference's messages do.
+//!
+//! Under tensor and expert parallelism each rank runs its local program
+//! (`dplc_ir::localize`): the model at the rank's shapes, with the plan's
+//! layout changes as explicit steps. Those, and MoE routing, run on the host
+//! ([`Host`]) with the reference's collectives and kernels.
 
 use super::compute::{take_live, Forwarded, Pass, StageCompute};
 use super::Shared;
 use crate::comm::Message;
 use crate::error::{kernel_err, Result, RuntimeError};
 use crate::fused::{
-    tensor_dims, Backend, ChunkSpan, Executor, FusedGraph, ParamBufs, RegionRun, Val,
+    tensor_dims, Backend, ChunkSpan, Executor, FusedGraph, HostSteps, ParamBufs, RegionRun, Val,
 };
 use crate::interp::{ParamAccess, ParamKey, Value};
+use crate::kernels::{self, DropoutKey, OpCtx};
 use crate::params::{ParamStore, Unit, ZeroStage};
 use crate::tensor::Tensor;
 use dplc_codegen::Elem;
-use dplc_ir::{Op, TensorId};
+use dplc_ir::{GradPlan, Graph, NodeId, Op, TensorId};
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
+
+/// What every rank of a fused run runs, made once: its local program (the
+/// model itself without tensor or expert parallelism) and that program's
+/// fused plan.
+pub(crate) struct FusedProgram {
+    graph: Graph,
+    fused: FusedGraph,
+    grad: GradPlan,
+}
 
 pub(super) struct Fused<'a, 'b, B: Backend> {
     sh: &'a Shared<'b>,
     be: B,
-    graph: &'a FusedGraph,
+    prog: &'a FusedProgram,
     /// Each pipeline chunk's part of the root.
     spans: Vec<ChunkSpan>,
     /// Each live (micro-batch, chunk)'s forward, kept for its backward.
@@ -36,30 +52,30 @@ pub(super) struct Fused<'a, 'b, B: Backend> {
     uploaded: Option<(u64, BTreeMap<ParamKey, Val<B>>)>,
 }
 
-/// The fused executor of one pass: its plan, and the dropout key's words.
-fn executor<'x>(sh: &'x Shared, graph: &'x FusedGraph, pass: &Pass) -> Executor<'x> {
+/// The fused executor of one pass: its plan, the dropout key's words, and
+/// the host that runs its layout changes and routing.
+fn executor<'x>(
+    sh: &'x Shared,
+    prog: &'x FusedProgram,
+    pass: &Pass,
+    host: &'x mut dyn HostSteps,
+) -> Executor<'x> {
     Executor {
-        graph: sh.graph,
-        fused: graph,
+        graph: &prog.graph,
+        fused: &prog.fused,
         syms: sh.syms.clone(),
         seed: crate::rng::hash(&[sh.seed, pass.step]),
         first_sample: pass.first_sample,
         micro_batch: sh.cfg.micro_batch,
+        host: Some(RefCell::new(host)),
     }
 }
 
 /// Check that the fused kernels can run `sh`'s split, and plan them once
-/// for every rank: each region fused, with the pipeline's cut values kept.
-pub(super) fn plan(sh: &Shared) -> Result<FusedGraph> {
+/// for every rank: the local program, each region fused, with the
+/// pipeline's cut values kept.
+pub(super) fn plan(sh: &Shared) -> Result<FusedProgram> {
     let cfg = sh.cfg;
-    if cfg.tp > 1 || cfg.ep > 1 {
-        return Err(RuntimeError::Unsupported(format!(
-            "the fused kernels run one rank's whole tensors: tensor and expert parallelism \
-             (tp {}, ep {}) need them at each rank's local shapes, which codegen does not \
-             fuse yet; run this split with --compute reference",
-            cfg.tp, cfg.ep
-        )));
-    }
     let g = sh.graph;
     for (r, region) in g.regions() {
         if r != g.root()
@@ -75,13 +91,109 @@ pub(super) fn plan(sh: &Shared) -> Result<FusedGraph> {
             ));
         }
     }
-    FusedGraph::for_run(g, cfg.recompute, &sh.part.extras)
+    let graph = match (&sh.layouts, &cfg.layout) {
+        (Some(layouts), Some(model)) => {
+            // The local shapes are exact: every split dimension divides.
+            for (_, node) in g.nodes() {
+                for &t in &node.outputs {
+                    let dims = tensor_dims(g, &sh.syms, t);
+                    layouts.local_dims(dims, layouts.produced(t))?;
+                }
+            }
+            dplc_ir::localize(g, model).map_err(|e| RuntimeError::Config(e.to_string()))?
+        }
+        _ => g.clone(),
+    };
+    let fused = FusedGraph::for_run(&graph, cfg.recompute, &sh.part.extras)?;
+    let grad = GradPlan::new(&graph);
+    Ok(FusedProgram { graph, fused, grad })
+}
+
+/// The host steps of one rank: layout changes over its groups through the
+/// parameter store's communicator, MoE routing by the reference kernels.
+struct Host<'s> {
+    prog: &'s FusedProgram,
+    syms: &'s [i64],
+    store: &'s mut ParamStore,
+}
+
+impl Host<'_> {
+    fn out_shapes(&self, node: NodeId) -> Vec<Vec<usize>> {
+        let g = &self.prog.graph;
+        g.node(node)
+            .outputs
+            .iter()
+            .map(|&t| tensor_dims(g, self.syms, t))
+            .collect()
+    }
+}
+
+/// Routing draws nothing: its kernels read no dropout key.
+const NO_DRAWS: DropoutKey = DropoutKey {
+    seed: 0,
+    step: 0,
+    node: 0,
+    layer: 0,
+    first_sample: 0,
+    batch: 0,
+};
+
+impl HostSteps for Host<'_> {
+    fn forward(&mut self, node: NodeId, ins: Vec<Tensor>) -> Result<Vec<Tensor>> {
+        match self.prog.graph.node(node).op {
+            Op::Relayout { from, to, .. } => {
+                let x = ins
+                    .first()
+                    .ok_or_else(|| kernel_err("relayout", "no input"))?;
+                Ok(vec![self.store.convert(x, from, to)?])
+            }
+            ref op => {
+                let shapes = self.out_shapes(node);
+                let refs: Vec<&Tensor> = ins.iter().collect();
+                let ctx = OpCtx {
+                    out_shapes: &shapes,
+                    dropout: NO_DRAWS,
+                };
+                kernels::forward(op, &refs, &ctx)
+            }
+        }
+    }
+
+    fn backward(
+        &mut self,
+        node: NodeId,
+        ins: Vec<Tensor>,
+        outs: Vec<Tensor>,
+        gouts: Vec<Option<Tensor>>,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let g = &self.prog.graph;
+        let n_in = g.node(node).inputs.len();
+        let Some(Some(gout)) = gouts.into_iter().next() else {
+            return Ok(vec![None; n_in]);
+        };
+        match g.node(node).op {
+            Op::Relayout { from, grad, .. } => {
+                Ok(vec![Some(self.store.convert(&gout, grad, from.grad())?)])
+            }
+            ref op => {
+                let need = self.prog.grad.input_grads(g, node);
+                let shapes = self.out_shapes(node);
+                let ins: Vec<&Tensor> = ins.iter().collect();
+                let outs: Vec<&Tensor> = outs.iter().collect();
+                let ctx = OpCtx {
+                    out_shapes: &shapes,
+                    dropout: NO_DRAWS,
+                };
+                crate::vjp::backward(op, &ins, &outs, &gout, &need, &ctx)
+            }
+        }
+    }
 }
 
 impl<'a, 'b, B: Backend> Fused<'a, 'b, B> {
     /// The fused compute of one rank, on its own backend `be`, running the
     /// plan [`plan`] made.
-    pub fn new(sh: &'a Shared<'b>, graph: &'a FusedGraph, be: B) -> Self {
+    pub fn new(sh: &'a Shared<'b>, prog: &'a FusedProgram, be: B) -> Self {
         let last = sh.part.chunks.len() - 1;
         let spans = sh
             .part
@@ -97,7 +209,7 @@ impl<'a, 'b, B: Backend> Fused<'a, 'b, B> {
         Fused {
             sh,
             be,
-            graph,
+            prog,
             spans,
             live: HashMap::new(),
             uploaded: None,
@@ -156,7 +268,7 @@ impl<'a, 'b, B: Backend> Fused<'a, 'b, B> {
 
     /// A host tensor of `t`'s shape from a backend value.
     fn download(&mut self, t: TensorId, v: &Val<B>) -> Result<Tensor> {
-        let dims = tensor_dims(self.sh.graph, &self.sh.syms, t);
+        let dims = tensor_dims(&self.prog.graph, &self.sh.syms, t);
         let data = self.be.download(&v.buf, v.elem, v.len)?;
         if dims.iter().product::<usize>() != data.len() {
             return Err(kernel_err(
@@ -179,7 +291,7 @@ impl<'a, 'b, B: Backend> Fused<'a, 'b, B> {
     /// The tensors a pipeline message carries, in order: the repeat's
     /// carried values, then the extras.
     fn message_tensors(&self) -> Vec<TensorId> {
-        let g = self.sh.graph;
+        let g = &self.prog.graph;
         let mut out: Vec<TensorId> = self
             .sh
             .part
@@ -221,11 +333,16 @@ impl<B: Backend> StageCompute for Fused<'_, '_, B> {
         }
         let span = self.spans[pass.chunk].clone();
         let extras = &self.sh.part.extras;
-        let exec = executor(self.sh, self.graph, pass);
+        let mut host = Host {
+            prog: self.prog,
+            syms: &self.sh.syms,
+            store,
+        };
+        let exec = executor(self.sh, self.prog, pass, &mut host);
         let (run, sent) = exec.forward_chunk(&mut self.be, &span, got, extras, &fed, &params)?;
         let out = match sent {
             None => {
-                let loss_t = self.sh.graph.outputs()[0];
+                let loss_t = self.prog.graph.outputs()[0];
                 let loss = exec.read(&mut self.be, &run, loss_t)?;
                 Forwarded::Loss(f64::from(
                     *loss.first().ok_or_else(|| kernel_err("fused", "no loss"))?,
@@ -276,16 +393,23 @@ impl<B: Backend> StageCompute for Fused<'_, '_, B> {
             }
         };
         let span = self.spans[pass.chunk].clone();
-        let exec = executor(self.sh, self.graph, pass);
-        let sent = exec.backward_chunk(
-            &mut self.be,
-            &span,
-            &mut run,
-            got,
-            &self.sh.part.extras,
-            self.sh.loss_scale(),
-            &mut params,
-        )?;
+        let sent = {
+            let mut host = Host {
+                prog: self.prog,
+                syms: &self.sh.syms,
+                store: &mut *store,
+            };
+            let exec = executor(self.sh, self.prog, pass, &mut host);
+            exec.backward_chunk(
+                &mut self.be,
+                &span,
+                &mut run,
+                got,
+                &self.sh.part.extras,
+                self.sh.loss_scale(),
+                &mut params,
+            )?
+        };
         for (key, g) in std::mem::take(&mut params.grads) {
             let shape = store
                 .slots
@@ -318,7 +442,7 @@ impl<B: Backend> StageCompute for Fused<'_, '_, B> {
         let mut seen = HashSet::new();
         self.live
             .values()
-            .map(|r| r.activation_bytes(self.sh.graph, float_bytes, &mut seen) as u64)
+            .map(|r| r.activation_bytes(&self.prog.graph, float_bytes, &mut seen) as u64)
             .sum()
     }
 }

@@ -357,7 +357,7 @@ struct Shared<'a> {
     /// Step directories rank 0 completed.
     saved: std::sync::Mutex<Vec<PathBuf>>,
     /// The fused kernels' plan, made once for every rank (`Compute::Fused`).
-    fused: Option<crate::fused::FusedGraph>,
+    fused: Option<fused::FusedProgram>,
 }
 
 impl Shared<'_> {
