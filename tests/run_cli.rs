@@ -446,7 +446,7 @@ fn a_kill_during_a_checkpoint_write_then_resume() {
 fn the_fused_compute_verifies_the_planners_plans() {
     let dir = std::env::temp_dir().join(format!("dplc-fused-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    for model in ["gpt_tiny", "llama_tiny"] {
+    for model in ["gpt_tiny", "llama_tiny", "moe_tiny"] {
         for ranks in [2, 4, 8] {
             let plan = dir.join(format!("{model}-{ranks}.ron"));
             let plan_s = plan.to_str().unwrap();
@@ -481,22 +481,25 @@ fn the_fused_compute_verifies_the_planners_plans() {
         summary["final_loss"].as_f64().unwrap() < summary["first_loss"].as_f64().unwrap(),
         "{summary}"
     );
-    let mut args = vec![
-        "run",
+    // Tensor and sequence parallelism pinned, on each rank's local program.
+    let plan = dir.join("tp.ron");
+    let plan_s = plan.to_str().unwrap();
+    let out = dplc(&[
+        "compile",
         "models/tiny.dpl",
+        "--model",
+        "moe_tiny",
         "--cluster",
-        "2xcpu",
+        "4xcpu",
         "--strategy",
-        "tp=2",
-    ];
-    args.extend(SMALL);
-    args.extend(["--steps", "1", "--compute", "fused"]);
-    let out = dplc(&args);
-    assert!(!out.status.success());
-    assert!(
-        stderr(&out).contains("--compute reference"),
-        "{}",
-        stderr(&out)
-    );
+        "tp=2,ep=2,sp=on",
+        "-o",
+        plan_s,
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = dplc(&["verify", plan_s, "--compute", "fused", "--json"]);
+    assert!(out.status.success(), "tp2 ep2 sp: {}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["pass"], true, "{v}");
     std::fs::remove_dir_all(&dir).ok();
 }
