@@ -31,3 +31,29 @@ fn llama_tiny() {
 fn moe_tiny() {
     insta::assert_snapshot!(ir_of("tiny.dpl", "moe_tiny"));
 }
+
+/// A rank's local program under tp 2 with sequence parallelism (Megatron's
+/// layout): the weights' halves, the sequence shards, and every layout
+/// change as a `relayout` node. A change here changes what each GPU rank
+/// fuses and which collectives it runs.
+#[test]
+fn golden_local_program_gpt_tiny_tp2_sp() {
+    let src = std::fs::read_to_string("models/tiny.dpl").expect("the zoo file");
+    let unit = dplc_frontend::parse("tiny.dpl", &src).expect("tiny.dpl parses");
+    let g = unit.lower("gpt_tiny").expect("the model lowers").graph;
+    let layout = dplc_planner::derive_layout(&g, 2, 1, true).expect("a layout");
+    let local = dplc_ir::localize(&g, &layout).expect("the layout fits the model");
+    insta::assert_snapshot!(dplc_ir::print_graph(&local));
+}
+
+/// A layout for another model is refused, not half applied.
+#[test]
+fn a_layout_of_another_model_is_not_localized() {
+    let src = std::fs::read_to_string("models/tiny.dpl").expect("the zoo file");
+    let unit = dplc_frontend::parse("tiny.dpl", &src).expect("tiny.dpl parses");
+    let gpt = unit.lower("gpt_tiny").expect("the model lowers").graph;
+    let llama = unit.lower("llama_tiny").expect("the model lowers").graph;
+    let layout = dplc_planner::derive_layout(&llama, 2, 1, false).expect("a layout");
+    let err = dplc_ir::localize(&gpt, &layout).unwrap_err().to_string();
+    assert!(err.contains("layout"), "{err}");
+}

@@ -74,7 +74,11 @@ impl NodeLayout {
             .copied()
             .unwrap_or(TensorLayout::Replicated);
         let split_op = !matches!(op, Op::Repeat { .. })
-            && self.inputs.iter().chain(&self.outputs).any(|l| l.is_tp_split());
+            && self
+                .inputs
+                .iter()
+                .chain(&self.outputs)
+                .any(|l| l.is_tp_split());
         if split_op && c == TensorLayout::Replicated {
             TensorLayout::Partial
         } else {

@@ -13,8 +13,8 @@
 //! node); the layout changes get new ids after them.
 
 use crate::{
-    Graph, IrError, ModelLayout, NodeLayout, Op, ParamId, Ratio, Result, Shape, SplitAxis,
-    TensorId, TensorLayout,
+    GradPlan, Graph, IrError, ModelLayout, NodeLayout, Op, ParamId, Ratio, Result, Shape,
+    SplitAxis, TensorId, TensorLayout,
 };
 use std::collections::HashMap;
 
@@ -38,6 +38,7 @@ pub fn localize(graph: &Graph, layout: &ModelLayout) -> Result<Graph> {
             produced.extend(outs.iter().copied().zip(nl.outputs.iter().copied()));
         }
     }
+    let grads = GradPlan::new(graph);
     let mut local = graph.clone();
     for (&t, &l) in &produced {
         let shape = match graph.producer(t).map(|n| &n.op) {
@@ -72,10 +73,16 @@ pub fn localize(graph: &Graph, layout: &ModelLayout) -> Result<Graph> {
             }
             if !matches!(node.op, Op::Param(_)) {
                 for (i, &t) in node.inputs.iter().enumerate() {
-                    let have = produced.get(&t).copied().unwrap_or(TensorLayout::Replicated);
+                    let have = produced
+                        .get(&t)
+                        .copied()
+                        .unwrap_or(TensorLayout::Replicated);
                     let want = nl.inputs[i];
                     let grad = NodeLayout::grad_contribution(nl, &node.op, i);
-                    if have == want && grad == have.grad() {
+                    // A gradient-only change (Megatron's `f`) of a value
+                    // without a gradient is no change.
+                    let moves_grad = grad != have.grad() && grads.needs_grad(t);
+                    if have == want && !moves_grad {
                         continue;
                     }
                     let key = (t, want, grad);
@@ -101,7 +108,8 @@ pub fn localize(graph: &Graph, layout: &ModelLayout) -> Result<Graph> {
                 .unwrap_or(TensorLayout::Replicated);
             let want = r.results[j];
             if have != want {
-                let (n, moved) = relayout(&mut local, graph, &parts, *res, have, want, want.grad())?;
+                let (n, moved) =
+                    relayout(&mut local, graph, &parts, *res, have, want, want.grad())?;
                 order.push(n);
                 *res = moved;
             }
