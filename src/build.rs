@@ -300,7 +300,7 @@ pub fn launch(args: &LaunchArgs) -> Result<()> {
     if c.tp > 1 || c.pp > 1 || c.ep > 1 || c.dp as u64 != processes {
         return Err(miette!(
             help = "build the artifact from a data-parallel plan: --strategy tp=1,pp=1,ep=1",
-            "the GPU executor runs data parallelism only; the plan splits dp {} × tp {} × pp {} × ep {}",
+            "a world of GPU processes (one per GPU, over NCCL) runs data parallelism only; the plan splits dp {} × tp {} × pp {} × ep {}; `dplc run` on one machine runs every split",
             c.dp,
             c.tp,
             c.pp,

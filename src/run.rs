@@ -328,134 +328,27 @@ pub fn refuse_reference_on_gpus(args: &TrainOpts) -> Result<()> {
     Ok(())
 }
 
-/// Train a prepared model on GPUs with the fused executor: data-parallel
-/// replicas only (one per GPU); other splits are refused with what to pin.
+/// Train a prepared model on GPUs: the same schedule executor as CPU ranks,
+/// its stages on the fused kernels of the CUDA backend, one rank per GPU of
+/// the plan's cluster (every strategy, checkpoints, `--trace`, faults).
 pub fn train_on_gpus(p: &Prepared, args: &TrainOpts) -> Result<()> {
     refuse_reference_on_gpus(args)?;
-    let cfg = &p.cfg;
-    if cfg.tp > 1 || cfg.pp > 1 || cfg.ep > 1 {
-        return Err(miette!(
-            help = "pin a data-parallel plan: --strategy tp=1,pp=1,ep=1, or train this split on CPU ranks",
-            "the GPU executor runs data parallelism only; the plan splits tp {} × pp {} × ep {}",
-            cfg.tp,
-            cfg.pp,
-            cfg.ep
-        ));
-    }
-    let refused = [
-        (args.trace.is_some(), "--trace"),
-        (args.checkpoint_dir.is_some(), "--checkpoint-dir"),
-        (args.resume.is_some(), "--resume"),
-    ];
-    if let Some((_, flag)) = refused.iter().find(|(on, _)| *on) {
-        return Err(miette!(
-            "{flag} is implemented for CPU ranks; the GPU executor does not support it yet"
-        ));
-    }
-    let steps = args.steps.or(p.train.steps).unwrap_or(100);
-    if steps == 0 {
-        return Err(miette!("--steps must be positive"));
-    }
-    let seed = args.seed.unwrap_or(0);
-    let data = corpus(args.data.as_deref(), &p.graph, seed)?;
-    data.check(p.train.seq as usize, Some(vocab_of(&p.graph)))
-        .map_err(|e| miette!("{e}"))?;
+    let gpus = (p.plan.cluster.nodes * p.plan.cluster.devices_per_node) as usize;
+    let gpus = gpus.min(p.cfg.world_size()).max(1);
     // Say "no CUDA driver found" (or which GPU is missing) before anything else.
-    dplc_runtime::gpu::open_devices(cfg.dp).map_err(|e| miette!("{e}"))?;
-    let gpu_cfg = dplc_runtime::gpu::GpuRunConfig {
-        gpus: cfg.dp,
-        ranks_per_gpu: 1,
-        micro_batch: cfg.micro_batch,
-        num_micro_batches: cfg.num_micro_batches,
-        timeout: std::time::Duration::from_secs_f64(args.timeout.max(1.0)),
-        // The GPU path recomputes whole layers or nothing.
-        recompute: cfg.recompute != dplc_ir::Recompute::None,
-        shard_optimizer: cfg.zero != dplc_runtime::ZeroStage::None,
+    dplc_runtime::gpu::open_devices(gpus).map_err(|e| miette!("{e}"))?;
+    let mut p = Prepared {
+        graph: p.graph.clone(),
+        train: p.train.clone(),
+        plan: p.plan.clone(),
+        cfg: p.cfg.clone(),
     };
-    if !args.json {
-        eprintln!(
-            "training {} on {} GPU(s): {}; seq {}, global batch {}, {steps} steps",
-            p.plan.model,
-            cfg.dp,
-            describe(&p.plan),
-            p.train.seq,
-            p.train.global_batch
-        );
-        if !matches!(
-            cfg.zero,
-            dplc_runtime::ZeroStage::None | dplc_runtime::ZeroStage::One
-        ) {
-            eprintln!(
-                "note: the GPU executor shards the optimizer state (ZeRO-1) but keeps whole \
-                 gradients and weights; the plan's ZeRO-{} applies in full on CPU ranks",
-                cfg.zero as u8
-            );
-        }
-    }
-    let started = Instant::now();
-    let tty = std::io::stderr().is_terminal();
-    let json = args.json;
-    let on_step = |st: &StepStats| {
-        if json {
-            let line = step_json(st);
-            let _ = writeln!(std::io::stdout(), "{line}");
-        } else {
-            progress(st, steps, 0, started, tty);
-        }
+    p.cfg.compute = dplc_runtime::Compute::Fused;
+    p.cfg.device = dplc_runtime::Device::Cuda {
+        gpus,
+        dtype: dplc_runtime::gpu::storage_dtype(p.train.precision),
     };
-    let r =
-        dplc_runtime::gpu::train_on_gpus(&p.graph, &p.train, &gpu_cfg, &data, steps, seed, on_step)
-            .map_err(|e| miette!("{e}"))?;
-    let elapsed = started.elapsed().as_secs_f64();
-    let done = r.report.steps.len() as u64;
-    let first = r.report.steps.first().map_or(f64::NAN, |s| s.loss);
-    let last = r.report.steps.last().map_or(f64::NAN, |s| s.loss);
-    let tokens = (done * p.train.global_batch * p.train.seq) as f64;
-    let predicted = p.plan.estimate.peak_memory_bytes as f64;
-    let gib = |b: f64| b / (1u64 << 30) as f64;
-    if json {
-        let _ = writeln!(
-            std::io::stdout(),
-            "{}",
-            json!({
-                "summary": true,
-                "model": p.plan.model,
-                "device": r.device,
-                "ranks": cfg.dp,
-                "seq": p.train.seq,
-                "global_batch": p.train.global_batch,
-                "micro_batch": cfg.micro_batch,
-                "num_micro_batches": cfg.num_micro_batches,
-                "steps": done,
-                "first_loss": first,
-                "final_loss": last,
-                "seconds": elapsed,
-                "tokens_per_s": tokens / elapsed.max(1e-9),
-                "kernels": r.kernels,
-                "peak_memory_bytes": r.peak_bytes,
-                "predicted_peak_memory_bytes": p.plan.estimate.peak_memory_bytes,
-                // By kind: `buffers` holds the CUDA context and library
-                // workspaces, which the allocator's peak does not count.
-                "predicted_memory": p.plan.stages.first().map(|s| &s.memory),
-            })
-        );
-    } else {
-        if tty {
-            eprintln!();
-        }
-        eprintln!(
-            "{done} steps in {elapsed:.1}s ({:.0} tok/s) on {}: loss {first:.4} → {last:.4}",
-            tokens / elapsed.max(1e-9),
-            r.device
-        );
-        eprintln!(
-            "peak device memory {:.2} GiB (the plan predicted {:.2} GiB); {} kernels",
-            gib(r.peak_bytes as f64),
-            gib(predicted),
-            r.kernels
-        );
-    }
-    Ok(())
+    train_prepared(&p, args)
 }
 
 /// Train a prepared model on CPU ranks, reporting as `opts` says.
@@ -516,7 +409,9 @@ pub fn train_prepared_on(
         return Err(miette!("--timeout must be a positive number of seconds"));
     }
     cfg.timeout = std::time::Duration::from_secs_f64(args.timeout);
-    cfg.compute = args.compute.unwrap_or(ComputeArg::Reference).into();
+    if cfg.device == dplc_runtime::Device::Host {
+        cfg.compute = args.compute.unwrap_or(ComputeArg::Reference).into();
+    }
     if let Ok(spec) = std::env::var("DPLC_FAULT") {
         cfg.faults = fault_from_env(&spec, process.is_some())?;
     }
@@ -552,11 +447,16 @@ pub fn train_prepared_on(
         }
     }
     install_interrupt(&cfg.stop);
+    let ranks = match cfg.device {
+        dplc_runtime::Device::Host => format!("{} CPU ranks", cfg.world_size()),
+        dplc_runtime::Device::Cuda { gpus, dtype } => {
+            format!("{} ranks on {gpus} GPU(s), {dtype}", cfg.world_size())
+        }
+    };
     if !args.json && !quiet {
         eprintln!(
-            "training {} on {} CPU ranks: {}; seq {}, global batch {}, {steps} steps",
+            "training {} on {ranks}: {}; seq {}, global batch {}, {steps} steps",
             p.plan.model,
-            cfg.world_size(),
             describe(&p.plan),
             p.train.seq,
             p.train.global_batch
@@ -597,13 +497,15 @@ pub fn train_prepared_on(
     let last = report.steps.last().map_or(f64::NAN, |s| s.loss);
     let tokens = (done * p.train.global_batch * p.train.seq) as f64;
     if json {
-        let _ = writeln!(
-            std::io::stdout(),
-            "{}",
-            json!({
+        let mut summary = json!({
                 "summary": true,
                 "model": p.plan.model,
                 "ranks": cfg.world_size(),
+                "compute": cfg.compute.name(),
+                "gpus": match cfg.device {
+                    dplc_runtime::Device::Host => 0,
+                    dplc_runtime::Device::Cuda { gpus, .. } => gpus,
+                },
                 "steps": done,
                 "start_step": from,
                 "interrupted": report.interrupted,
@@ -612,8 +514,17 @@ pub fn train_prepared_on(
                 "final_loss": last,
                 "seconds": elapsed,
                 "tokens_per_s": tokens / elapsed.max(1e-9),
-            })
-        );
+        });
+        if let Some(d) = &report.device {
+            summary["device"] = json!(d.name);
+            summary["kernels"] = json!(d.kernels);
+            summary["peak_memory_bytes"] = json!(d.peak_bytes);
+            summary["predicted_peak_memory_bytes"] = json!(p.plan.estimate.peak_memory_bytes);
+            // By kind: `buffers` holds the CUDA context and library
+            // workspaces, which the allocator's peak does not count.
+            summary["predicted_memory"] = json!(p.plan.stages.first().map(|s| &s.memory));
+        }
+        let _ = writeln!(std::io::stdout(), "{summary}");
     } else {
         if tty && report.interrupted {
             eprintln!();
@@ -623,6 +534,16 @@ pub fn train_prepared_on(
             done,
             tokens / elapsed.max(1e-9)
         );
+        if let Some(d) = &report.device {
+            let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+            eprintln!(
+                "on {}: peak device memory {:.2} GiB (the plan predicted {:.2} GiB); {} kernels",
+                d.name,
+                gib(d.peak_bytes),
+                gib(p.plan.estimate.peak_memory_bytes),
+                d.kernels
+            );
+        }
         if let Some(last) = report.checkpoints.last() {
             eprintln!("checkpoint saved: {}", last.display());
         }

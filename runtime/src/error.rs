@@ -29,6 +29,10 @@ pub enum RuntimeError {
         path: std::path::PathBuf,
         detail: String,
     },
+    /// The GPU backend failed (no driver, out of device memory, a CUDA,
+    /// cuBLAS, NCCL or NVRTC call), with its own cause.
+    #[error(transparent)]
+    Gpu(#[from] crate::gpu::GpuError),
     /// A collective or receive waited past the deadline: a rank is missing.
     #[error(
         "{} stopped answering at step {step}: rank {rank} waited {seconds:.1}s for it in {what}",

@@ -39,8 +39,8 @@ pub use mpi_world::MpiProcess;
 pub use params::ZeroStage;
 pub use partition::Schedule;
 pub use schedule::{
-    train, train_process, Compute, Faults, Parameters, RunConfig, StepStats, StopFlag, TraceSink,
-    TraceSpan, TrainReport,
+    train, train_process, Compute, Device, DeviceUse, Faults, Parameters, RunConfig, StepStats,
+    StopFlag, TraceSink, TraceSpan, TrainReport,
 };
 pub use tensor::{Data, Tensor};
 pub use vjp::backward;

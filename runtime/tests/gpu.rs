@@ -60,12 +60,6 @@ fn without_a_driver_the_seam_says_no_cuda_driver_found() {
     assert!(e.to_string().starts_with("no CUDA driver found"), "{e}");
     let e = open_devices(8).unwrap_err();
     assert!(e.to_string().contains("no CUDA driver found"), "{e}");
-    let g = common::Gpt::default().build();
-    let spec = dplc_ir::TrainSpec::default();
-    let data = dplc_runtime::Corpus::synthetic(1, 32, 1 << 10);
-    let e = dplc_runtime::gpu::train_on_gpus(&g, &spec, &Default::default(), &data, 1, 0, |_| {})
-        .unwrap_err();
-    assert!(e.to_string().contains("no CUDA driver found"), "{e}");
     // Through the crate's error type, as the CLI sees it.
     let r: dplc_runtime::RuntimeError = e.into();
     assert!(r.to_string().contains("no CUDA driver found"), "{r}");
@@ -538,34 +532,26 @@ fn tiny_gpt(precision: dplc_ir::Precision) -> (Graph, dplc_ir::TrainSpec) {
     (g, spec)
 }
 
-/// Losses of `steps` steps of the fused executor on the host backend.
+/// Losses of 4 steps of the fused compute on the host backend, over
+/// `mb`-sample micro-batches, `n` per step.
 fn host_losses(g: &Graph, spec: &dplc_ir::TrainSpec, mb: usize, n: usize) -> Vec<f64> {
-    use dplc_runtime::fused::{train_fused, Alone, FusedRun, HostBackend};
     let data = dplc_runtime::Corpus::synthetic(5, 32, 1 << 12);
-    let run = FusedRun {
+    let spec = &dplc_ir::TrainSpec {
+        global_batch: (mb * n) as u64,
+        ..spec.clone()
+    };
+    let cfg = dplc_runtime::RunConfig {
         micro_batch: mb,
         num_micro_batches: n,
-        dp: 1,
-        dp_index: 0,
-        steps: 4,
-        seed: 3,
-        recompute: false,
-        shard_optimizer: false,
+        compute: dplc_runtime::Compute::Fused,
+        ..Default::default()
     };
-    train_fused(
-        &mut HostBackend::new(),
-        g,
-        spec,
-        &data,
-        &run,
-        &mut Alone,
-        |_| {},
-    )
-    .unwrap()
-    .steps
-    .iter()
-    .map(|s| s.loss)
-    .collect()
+    dplc_runtime::train(g, spec, &cfg, &data, 4, 3, |_| {})
+        .unwrap()
+        .steps
+        .iter()
+        .map(|s| s.loss)
+        .collect()
 }
 
 fn gpu_losses(
@@ -578,30 +564,46 @@ fn gpu_losses(
     gpu_run(g, spec, ranks_per_gpu, mb, n, false, false)
 }
 
+/// 4 steps on GPU 0 through the schedule executor: `ranks` data-parallel
+/// ranks sharing it, optionally recomputing every layer or with ZeRO-1.
 fn gpu_run(
     g: &Graph,
     spec: &dplc_ir::TrainSpec,
-    ranks_per_gpu: usize,
+    ranks: usize,
     mb: usize,
     n: usize,
     recompute: bool,
     shard_optimizer: bool,
 ) -> (Vec<f64>, usize) {
     let data = dplc_runtime::Corpus::synthetic(5, 32, 1 << 12);
-    let cfg = dplc_runtime::gpu::GpuRunConfig {
-        gpus: 1,
-        ranks_per_gpu,
+    let spec = &dplc_ir::TrainSpec {
+        global_batch: (ranks * mb * n) as u64,
+        ..spec.clone()
+    };
+    let cfg = dplc_runtime::RunConfig {
+        dp: ranks,
         micro_batch: mb,
         num_micro_batches: n,
-        recompute,
-        shard_optimizer,
+        recompute: if recompute {
+            dplc_ir::Recompute::Full
+        } else {
+            dplc_ir::Recompute::None
+        },
+        zero: if shard_optimizer {
+            dplc_runtime::ZeroStage::One
+        } else {
+            dplc_runtime::ZeroStage::None
+        },
+        compute: dplc_runtime::Compute::Fused,
+        device: dplc_runtime::Device::Cuda {
+            gpus: 1,
+            dtype: dplc_runtime::gpu::storage_dtype(spec.precision),
+        },
         ..Default::default()
     };
-    let r = dplc_runtime::gpu::train_on_gpus(g, spec, &cfg, &data, 4, 3, |_| {}).unwrap();
-    (
-        r.report.steps.iter().map(|s| s.loss).collect(),
-        r.peak_bytes,
-    )
+    let r = dplc_runtime::train(g, spec, &cfg, &data, 4, 3, |_| {}).unwrap();
+    let peak = r.device.map_or(0, |d| d.peak_bytes as usize);
+    (r.steps.iter().map(|s| s.loss).collect(), peak)
 }
 
 fn assert_close(what: &str, a: &[f64], b: &[f64], tol: f64) {
@@ -691,4 +693,109 @@ fn the_host_backend_trains_the_test_gpt() {
     let losses = host_losses(&g, &spec, 4, 1);
     assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
     assert!(losses[3] < losses[0], "the loss falls: {losses:?}");
+}
+
+/// GPU runs go through the one schedule executor: several ranks sharing one
+/// GPU run data, tensor (with sequence) and pipeline parallelism and ZeRO-3,
+/// and each matches the same split computed by the same fused kernels on the
+/// host backend.
+#[test]
+fn every_split_on_one_gpu_matches_the_host_fused_compute() {
+    use dplc_runtime::{Compute, Device, RunConfig, ZeroStage};
+    let test = "every_split_on_one_gpu_matches_the_host_fused_compute";
+    if gpu_or_skip(test).is_none() || nvrtc_or_skip(test).is_none() {
+        return;
+    }
+    let (g, spec) = tiny_gpt(dplc_ir::Precision::Fp32);
+    let data = dplc_runtime::Corpus::synthetic(5, 32, 1 << 12);
+    let base = RunConfig {
+        micro_batch: 1,
+        num_micro_batches: 4,
+        compute: Compute::Fused,
+        ..RunConfig::default()
+    };
+    let splits = [
+        ("serial", base.clone()),
+        (
+            "dp2 ZeRO-3",
+            RunConfig {
+                dp: 2,
+                num_micro_batches: 2,
+                zero: ZeroStage::Three,
+                ..base.clone()
+            },
+        ),
+        (
+            "tp2 sp",
+            RunConfig {
+                tp: 2,
+                sequence_parallel: true,
+                ..base.clone()
+            },
+        ),
+        (
+            "pp2 1F1B",
+            RunConfig {
+                pp: 2,
+                ..base.clone()
+            },
+        ),
+    ];
+    for (name, mut cfg) in splits {
+        if cfg.tp > 1 {
+            cfg.layout = Some(dplc_planner::derive_layout(&g, 2, 1, true).unwrap());
+        }
+        let host = dplc_runtime::train(&g, &spec, &cfg, &data, 4, 3, |_| {}).unwrap();
+        let gpu_cfg = RunConfig {
+            device: Device::Cuda {
+                gpus: 1,
+                dtype: DType::F32,
+            },
+            ..cfg
+        };
+        let gpu = dplc_runtime::train(&g, &spec, &gpu_cfg, &data, 4, 3, |_| {}).unwrap();
+        let losses =
+            |r: &dplc_runtime::TrainReport| r.steps.iter().map(|s| s.loss).collect::<Vec<_>>();
+        assert_close(name, &losses(&host), &losses(&gpu), 1e-4);
+        let used = gpu.device.clone().expect("a GPU run reports its device");
+        assert!(used.peak_bytes > 0, "{name}: the allocator saw the run");
+        eprintln!(
+            "{name}: GPU losses {:?}, peak {} bytes on {}",
+            losses(&gpu),
+            used.peak_bytes,
+            used.name
+        );
+    }
+}
+
+/// Without a driver, a GPU run on the executor stops before any rank starts
+/// with the seam's own error, typed.
+#[test]
+fn a_gpu_run_without_a_driver_fails_typed() {
+    if driver_present() {
+        skip(
+            "a_gpu_run_without_a_driver_fails_typed",
+            "a driver is present",
+        );
+        return;
+    }
+    let (g, spec) = tiny_gpt(dplc_ir::Precision::Fp32);
+    let data = dplc_runtime::Corpus::synthetic(5, 32, 1 << 12);
+    let cfg = dplc_runtime::RunConfig {
+        num_micro_batches: 4,
+        compute: dplc_runtime::Compute::Fused,
+        device: dplc_runtime::Device::Cuda {
+            gpus: 1,
+            dtype: DType::F32,
+        },
+        ..Default::default()
+    };
+    let err = dplc_runtime::train(&g, &spec, &cfg, &data, 1, 3, |_| {}).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            dplc_runtime::RuntimeError::Gpu(GpuError::CudaUnavailable(_))
+        ),
+        "{err}"
+    );
 }

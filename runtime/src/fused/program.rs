@@ -305,6 +305,18 @@ impl FusedGraph {
         })
     }
 
+    /// The op of a step that runs on the host, if the graph has one.
+    pub fn host_step_op(&self, graph: &Graph) -> Option<&'static str> {
+        self.regions.values().find_map(|(plan, _)| {
+            plan.steps.iter().find_map(|st| match st {
+                Step::Extern { node, .. } if is_host_step(&graph.node(*node).op) => {
+                    Some(graph.node(*node).op.name())
+                }
+                _ => None,
+            })
+        })
+    }
+
     /// Every distinct kernel the executor may launch for this graph in
     /// storage type `dtype` (for compiling ahead of the first step).
     pub fn kernels(&self) -> Vec<dplc_codegen::Kernel> {

@@ -257,6 +257,12 @@ pub fn train_fused<B: Backend>(
         dplc_ir::Recompute::None
     };
     let fused = FusedGraph::for_run(graph, recompute, &[])?;
+    if let Some(op) = fused.host_step_op(graph) {
+        return Err(RuntimeError::Unsupported(format!(
+            "`{op}` runs on the host between kernels, which this data-parallel loop does not \
+             do; the schedule executor does (CPU ranks: --compute fused)"
+        )));
+    }
 
     // Parameters: the CPU executor's initial values, uploaded.
     let mut held: BTreeMap<ParamKey, Held<B>> = BTreeMap::new();

@@ -1,7 +1,6 @@
 //! The GPU backend's errors, with cudarc's driver, cuBLAS and NCCL errors
-//! wrapped here at the boundary; they convert into the crate's `RuntimeError`.
-
-use crate::error::RuntimeError;
+//! wrapped here at the boundary; `RuntimeError::Gpu` carries them whole, so
+//! an out-of-memory stays one across the executor.
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum GpuError {
@@ -77,15 +76,6 @@ pub(crate) fn nccl(what: &str, e: cudarc::nccl::result::NcclError) -> GpuError {
     GpuError::Nccl {
         what: what.to_string(),
         detail: format!("{e:?}"),
-    }
-}
-
-impl From<GpuError> for RuntimeError {
-    fn from(e: GpuError) -> RuntimeError {
-        match e {
-            GpuError::LaunchEnv(_) | GpuError::Invalid(_) => RuntimeError::Config(e.to_string()),
-            _ => RuntimeError::Unsupported(e.to_string()),
-        }
     }
 }
 

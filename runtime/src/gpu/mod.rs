@@ -25,6 +25,4 @@ pub use device::{decode, driver_present, encode, DeviceBuffer, GpuDevice, GpuKer
 pub use error::{CodegenErrorText, GpuError, GpuResult};
 pub use launch_env::{first_slurm_host, LaunchEnv, Launcher, DEFAULT_MASTER_PORT};
 pub use rendezvous::{share_id, ID_BYTES};
-pub use train::{
-    open_devices, prepare, storage_dtype, train_gpu_process, train_on_gpus, GpuReport, GpuRunConfig,
-};
+pub use train::{open_devices, storage_dtype, train_gpu_process, GpuReport};

@@ -82,6 +82,11 @@ pub(super) trait StageCompute {
 
     /// Bytes of activations the live micro-batches hold.
     fn activation_bytes(&self) -> u64;
+
+    /// The device allocator's peak so far, where the compute has a device.
+    fn device_peak_bytes(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// The forward state a backend kept for `pass`'s backward.

@@ -138,6 +138,13 @@ const NO_DRAWS: DropoutKey = DropoutKey {
     batch: 0,
 };
 
+impl FusedProgram {
+    /// Distinct kernels its forward and backward launch.
+    pub fn kernel_count(&self) -> usize {
+        self.fused.kernels().len()
+    }
+}
+
 impl HostSteps for Host<'_> {
     fn forward(&mut self, node: NodeId, ins: Vec<Tensor>) -> Result<Vec<Tensor>> {
         match self.prog.graph.node(node).op {
@@ -435,6 +442,10 @@ impl<B: Backend> StageCompute for Fused<'_, '_, B> {
             });
         }
         Ok(msg)
+    }
+
+    fn device_peak_bytes(&self) -> Option<u64> {
+        self.be.peak_bytes().map(|b| b as u64)
     }
 
     fn activation_bytes(&self) -> u64 {

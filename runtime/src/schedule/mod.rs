@@ -136,7 +136,20 @@ impl PartialEq for TraceSink {
     }
 }
 
-/// How one training run is split over CPU ranks.
+/// Where the fused kernels of a run's ranks execute.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum Device {
+    /// Interpreted on the host by `HostBackend` (CPU ranks).
+    #[default]
+    Host,
+    /// On GPUs `0..gpus`, floats stored as `dtype`: rank `r` on GPU
+    /// `r mod gpus`, so several ranks may share one (pipelines and tensor
+    /// parallelism on a machine with one GPU). Parameters, optimizer state
+    /// and collectives stay with the executor on the host.
+    Cuda { gpus: usize, dtype: dplc_ir::DType },
+}
+
+/// How one training run is split over ranks.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RunConfig {
     /// Data-parallel replicas.
@@ -169,6 +182,8 @@ pub struct RunConfig {
     pub recompute: Recompute,
     /// What computes each chunk: the reference interpreter or the fused kernels.
     pub compute: Compute,
+    /// Where the fused kernels run (GPUs need `Compute::Fused`).
+    pub device: Device,
     /// Elements per all-reduce bucket of data-parallel gradient sync.
     pub bucket_elems: usize,
     /// A rank waiting longer than this for a peer fails the run.
@@ -201,6 +216,7 @@ impl Default for RunConfig {
             schedule: Schedule::OneFOneB,
             recompute: Recompute::None,
             compute: Compute::Reference,
+            device: Device::Host,
             bucket_elems: 1 << 16,
             timeout: Duration::from_secs(60),
             faults: Faults::default(),
@@ -328,6 +344,19 @@ pub struct TrainReport {
     /// first step; later steps repeat it): what recomputation trades for
     /// compute.
     pub peak_activation_bytes: u64,
+    /// What a GPU run used of its devices (`None` on CPU ranks).
+    pub device: Option<DeviceUse>,
+}
+
+/// What a GPU run used of its devices.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeviceUse {
+    /// The first GPU's name, e.g. "NVIDIA H100 80GB HBM3".
+    pub name: String,
+    /// The most bytes any GPU's caching allocator handed out at once.
+    pub peak_bytes: u64,
+    /// Distinct fused kernels the program launches.
+    pub kernels: usize,
 }
 
 /// Everything the ranks share, read-only.
@@ -358,6 +387,8 @@ struct Shared<'a> {
     saved: std::sync::Mutex<Vec<PathBuf>>,
     /// The fused kernels' plan, made once for every rank (`Compute::Fused`).
     fused: Option<fused::FusedProgram>,
+    /// The GPUs of a `Device::Cuda` run, opened once.
+    gpus: Vec<Arc<crate::gpu::GpuDevice>>,
 }
 
 impl Shared<'_> {
@@ -403,6 +434,7 @@ impl Coords {
 struct RankOut {
     stage: usize,
     peak_activation_bytes: u64,
+    device_peak_bytes: Option<u64>,
     /// Layers its forwards ran for micro-batch 0 of the first step.
     layers_run: u64,
     exported: Vec<Exported>,
@@ -606,9 +638,19 @@ fn train_on(
         signature: Vec::new(),
         saved: std::sync::Mutex::default(),
         fused: None,
+        gpus: Vec::new(),
     };
     if cfg.compute == Compute::Fused {
         shared.fused = Some(fused::plan(&shared)?);
+    }
+    if let Device::Cuda { gpus, .. } = cfg.device {
+        if cfg.compute != Compute::Fused {
+            return Err(RuntimeError::Config(
+                "GPUs run the fused kernels: a GPU run needs Compute::Fused".into(),
+            ));
+        }
+        // "No CUDA driver found", or which GPU is missing, before any rank starts.
+        shared.gpus = crate::gpu::open_devices(gpus)?;
     }
     // Every (parameter, layer) some rank holds: what a checkpoint must cover.
     let all_keys: BTreeSet<ParamKey> = (0..cfg.pp)
@@ -723,10 +765,12 @@ fn train_on(
     let mut parts: BTreeMap<ParamKey, BTreeMap<usize, (usize, Tensor)>> = BTreeMap::new();
     let mut stage_layers = vec![0; cfg.pp];
     let mut peak_activation_bytes = 0;
+    let mut device_peak = None;
     for r in results {
         let out = r?;
         stage_layers[out.stage] = out.layers_run;
         peak_activation_bytes = peak_activation_bytes.max(out.peak_activation_bytes);
+        device_peak = device_peak.max(out.device_peak_bytes);
         for e in out.exported {
             let (axis, index) = e.part.unwrap_or((0, 0));
             parts
@@ -756,6 +800,11 @@ fn train_on(
         checkpoints,
         stage_layers,
         peak_activation_bytes,
+        device: shared.gpus.first().map(|g| DeviceUse {
+            name: g.name().to_string(),
+            peak_bytes: device_peak.unwrap_or(0),
+            kernels: shared.fused.as_ref().map_or(0, |f| f.kernel_count()),
+        }),
     })
 }
 
@@ -924,7 +973,14 @@ fn run_rank(
                 .fused
                 .as_ref()
                 .ok_or_else(|| RuntimeError::Config("a fused run without its fused plan".into()))?;
-            Box::new(fused::Fused::new(sh, plan, HostBackend::new()))
+            match cfg.device {
+                Device::Host => Box::new(fused::Fused::new(sh, plan, HostBackend::new())),
+                Device::Cuda { dtype, .. } => {
+                    let dev = sh.gpus[rank % sh.gpus.len()].clone();
+                    let be = crate::gpu::CudaBackend::new(dev, dtype)?;
+                    Box::new(fused::Fused::new(sh, plan, be))
+                }
+            }
         }
     };
     let mut r = Rank {
@@ -1036,6 +1092,7 @@ fn run_rank(
     let out = |exported| RankOut {
         stage,
         peak_activation_bytes: r.peak_activation_bytes,
+        device_peak_bytes: r.compute.device_peak_bytes(),
         layers_run: r.layers_run,
         exported,
     };
