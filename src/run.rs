@@ -100,6 +100,11 @@ pub fn prepare(args: &PlanArgs) -> Result<Prepared> {
             ));
         }
         pinned.cp = Some(1);
+        // dplc's own kernels run the attention core op by op (a fused
+        // attention kernel is not generated yet): price what runs.
+        if pinned.attention.is_none() {
+            pinned.attention = Some(dplc_ir::AttentionKind::Unfused);
+        }
         Ok(())
     })?;
     Prepared::new(lowered, compiled.plan)

@@ -4,7 +4,9 @@
 //! the search fills in what the papers do not state.
 //!
 //! The same cost-model constants serve every row (see planner/src/cost.rs);
-//! nothing is calibrated per row.
+//! nothing is calibrated per row. Megatron ran attention unfused in 2021–2022
+//! (no FlashAttention), so every row pins `attention=unfused` as part of its
+//! stack.
 
 use dplc_planner::{compile, parse_cluster, parse_strategy, Compiled, PlanRequest};
 
@@ -18,7 +20,7 @@ fn plan(model: &str, cluster: &str, batch: u64, strategy: &str, ignore_memory: b
     let mut req = PlanRequest::new(&l.graph, l.train.clone(), parse_cluster(cluster).unwrap());
     req.global_batch = Some(batch);
     req.seq = Some(2048);
-    req.pinned = parse_strategy(strategy).unwrap();
+    req.pinned = parse_strategy(&format!("{strategy},attention=unfused")).unwrap();
     req.ignore_memory = ignore_memory;
     let c = compile(&req).unwrap_or_else(|e| panic!("{model}: {e}"));
     eprintln!("{}", dplc_planner::summary(&c));

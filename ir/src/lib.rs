@@ -32,8 +32,8 @@ pub use localize::localize;
 pub use op::{BinaryOp, Init, Op, ReduceKind, UnaryOp};
 pub use pipeline::{even_split, pipeline_order, virtual_stage_layers, PipelineWork};
 pub use plan::{
-    Alternative, AxisMapping, AxisPart, BackwardCollective, ClusterSummary, Collective,
-    CollectiveKind, Estimate, LinkLevel, MemoryBreakdown, Mesh, MeshAxis, ModelSource,
+    Alternative, AttentionKind, AxisMapping, AxisPart, BackwardCollective, ClusterSummary,
+    Collective, CollectiveKind, Estimate, LinkLevel, MemoryBreakdown, Mesh, MeshAxis, ModelSource,
     ParamSharding, PipelineSchedule, Plan, ProgramValue, Recompute, RegionProgram, SearchStats,
     StagePlan, StepPhase, Strategy, TimeBreakdown, WhatIf,
 };

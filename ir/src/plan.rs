@@ -150,6 +150,36 @@ pub struct Strategy {
     /// Plans written before this field existed overlapped.
     #[serde(default = "overlapped", skip_serializing_if = "is_overlapped")]
     pub overlap_grad_reduce: bool,
+    /// How the attention core runs. Plans written before this field existed
+    /// priced it unfused.
+    #[serde(default = "unfused")]
+    pub attention: AttentionKind,
+}
+
+/// How attention's core (scores, mask, softmax, dropout, weighted sum) runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum AttentionKind {
+    /// One kernel over blocks of queries and keys (FlashAttention-2/3): no
+    /// `s × s` tensor is stored, only the output and the row log-sum-exp, and
+    /// the backward recomputes the scores inside its kernel; the causal
+    /// half of the blocks is skipped.
+    Fused,
+    /// The scores, softmax and dropout materialised op by op, as Megatron ran
+    /// in 2021–2022 (the published rows of that time).
+    Unfused,
+}
+
+impl AttentionKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionKind::Fused => "fused",
+            AttentionKind::Unfused => "unfused",
+        }
+    }
+}
+
+fn unfused() -> AttentionKind {
+    AttentionKind::Unfused
 }
 
 fn overlapped() -> bool {
@@ -185,7 +215,7 @@ impl fmt::Display for Strategy {
         if !self.overlap_grad_reduce {
             f.write_str(", gradient reduction after backward")?;
         }
-        Ok(())
+        write!(f, ", attention {}", self.attention.name())
     }
 }
 

@@ -8,8 +8,8 @@ use crate::cluster::{Cluster, Link};
 use crate::profile::{Bind, ModelProfile, RegionProfile, Work};
 use crate::sharding::{GemmSplit, Pass, TpCollectiveKind};
 use dplc_ir::{
-    CollectiveKind, LinkLevel, MemoryBreakdown, MeshAxis, PipelineSchedule, Precision, Recompute,
-    TimeBreakdown,
+    AttentionKind, CollectiveKind, LinkLevel, MemoryBreakdown, MeshAxis, PipelineSchedule,
+    Precision, Recompute, TimeBreakdown,
 };
 use std::collections::HashMap;
 
@@ -89,6 +89,7 @@ pub(crate) struct Config {
     pub sp: bool,
     /// Data-parallel gradient reduction overlapped with the last backward.
     pub overlap: bool,
+    pub attention: AttentionKind,
     pub order: AxisOrder,
 }
 
@@ -208,8 +209,8 @@ impl PassCost {
 }
 
 /// What the per-micro-batch costs of a layer depend on: tp, cp, ep,
-/// micro-batch, sequence parallelism and recomputation.
-type LayerKey = (u64, u64, u64, u64, bool, Recompute);
+/// micro-batch, sequence parallelism, recomputation and attention kind.
+type LayerKey = (u64, u64, u64, u64, bool, Recompute, AttentionKind);
 
 /// Evaluates configurations against one model and cluster, memoising layer costs.
 pub(crate) struct CostModel<'a> {
@@ -268,7 +269,15 @@ impl<'a> CostModel<'a> {
 
     /// Costs of the layer, the embedding part and the head part for `c`.
     pub fn parts(&mut self, c: &Config) -> [PassCost; 3] {
-        let key = (c.tp, c.cp, c.ep, c.micro_batch, c.sp, c.recompute);
+        let key = (
+            c.tp,
+            c.cp,
+            c.ep,
+            c.micro_batch,
+            c.sp,
+            c.recompute,
+            c.attention,
+        );
         if let Some(v) = self.layer_memo.get(&key) {
             return *v;
         }
@@ -297,7 +306,27 @@ impl<'a> CostModel<'a> {
         let elt = self.profile.precision.bytes() as f64;
         let mut pc = PassCost::default();
         let mut core_forward = 0.0;
+        let fused = c.attention == AttentionKind::Fused;
+        let (mut attention_flops, mut attention_bytes) = (0.0, 0.0);
         for op in &r.ops {
+            if fused && op.attention_core {
+                // One fused kernel does the core: its two matmuls' work, and
+                // traffic of Q, K, V and the output only; the scale, mask,
+                // softmax and dropout happen in registers.
+                if let Work::Gemm { m, n, k, split, .. } = &op.work {
+                    let div = if *split == GemmSplit::Replicated {
+                        1.0
+                    } else {
+                        tp
+                    };
+                    let (m, n, k) = (bind.eval(m), bind.eval(n), bind.eval(k));
+                    attention_flops += 2.0 * m * n * k / div;
+                    // Q·Kᵀ reads Q and K, P·V reads V and writes O: each of
+                    // them rows × head width, the smaller of the two sides.
+                    attention_bytes += 2.0 * m * n.min(k) * elt / div;
+                }
+                continue;
+            }
             let (fwd, bwd) = match &op.work {
                 Work::Gemm {
                     m,
@@ -341,9 +370,25 @@ impl<'a> CostModel<'a> {
                 core_forward += fwd;
             }
         }
+        // Selective recomputation redoes the unfused core; a fused kernel
+        // keeps no core tensor to drop, and recomputes inside its backward.
+        let mut selective = core_forward;
+        if attention_flops > 0.0 {
+            let dev = &self.cluster.device;
+            let causal = if r.causal { 0.5 } else { 1.0 };
+            let t = (causal * attention_flops / (self.peak_flops * dev.matmul_efficiency))
+                .max(attention_bytes / (dev.memory_bandwidth * MEMORY_EFFICIENCY))
+                + KERNEL_OVERHEAD_S;
+            pc.forward += t;
+            // The backward's block matmuls: Q·Kᵀ again, dV, dP, dQ and dK —
+            // five to the forward's two.
+            pc.backward += 2.5 * t;
+            core_forward = t;
+            selective = 0.0;
+        }
         let layer = matches!(part, Part::Layer);
         pc.recompute = match (c.recompute, layer) {
-            (Recompute::Selective, true) => core_forward,
+            (Recompute::Selective, true) => selective,
             (Recompute::Full, true) => pc.forward,
             _ => 0.0,
         };
@@ -383,13 +428,23 @@ impl<'a> CostModel<'a> {
             // Dispatch and combine in forward, their transposes in backward.
             pc.comm += 2.0 * collective_time(CollectiveKind::AllToAll, bytes, &ep_link);
         }
+        let mut largest_core = 0.0f64;
         for s in &r.saved {
             let b = bind.eval(&s.bytes) / if s.sharded { tp } else { rep_div };
+            if fused && s.attention_core {
+                largest_core = largest_core.max(b);
+                continue;
+            }
             pc.full_saved_bytes += b;
             if !(c.recompute == Recompute::Selective && s.attention_core) {
                 pc.saved_bytes += b;
             }
         }
+        // A fused kernel keeps the fp32 log-sum-exp of each score row: the
+        // scores' elements over the key length.
+        let lse = largest_core / self.seq.max(1) as f64 * (4.0 / elt);
+        pc.full_saved_bytes += lse;
+        pc.saved_bytes += lse;
         if layer && c.recompute == Recompute::Full {
             pc.saved_bytes = bind.eval(&self.profile.layer_input_bytes) / rep_div;
         }

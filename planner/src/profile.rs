@@ -126,6 +126,9 @@ pub(crate) struct RegionProfile {
     pub all_to_all_bytes: Poly,
     pub params: ParamCounts,
     pub forward_flops: Poly,
+    /// The region masks its attention causally: a fused kernel skips the
+    /// blocks above the diagonal.
+    pub causal: bool,
 }
 
 /// The model as the cost model sees it.
@@ -364,6 +367,9 @@ fn region_profile(
     let node_set: BTreeSet<NodeId> = nodes.iter().copied().collect();
     let mut p = RegionProfile {
         ops: nodes.iter().filter_map(|&n| b.op_cost(n)).collect(),
+        causal: nodes
+            .iter()
+            .any(|&n| matches!(g.node(n).op, Op::CausalMask)),
         ..RegionProfile::default()
     };
     for s in saved {

@@ -63,6 +63,7 @@ pub(crate) fn strategy(c: &Config, global_batch: u64, seq: u64) -> Strategy {
         recompute: c.recompute,
         sequence_parallel: c.sp,
         overlap_grad_reduce: c.overlap,
+        attention: c.attention,
     }
 }
 
@@ -85,7 +86,11 @@ pub(crate) fn step_flops(
     let layers = profile.layers as f64;
     let extra = match c.recompute {
         Recompute::None => 0.0,
-        Recompute::Selective => layers * bind.eval(&profile.attention_core_flops),
+        // A fused attention kernel has no core tensors to drop and redo.
+        Recompute::Selective if c.attention == dplc_ir::AttentionKind::Unfused => {
+            layers * bind.eval(&profile.attention_core_flops)
+        }
+        Recompute::Selective => 0.0,
         Recompute::Full => layers * bind.eval(&profile.layer.forward_flops),
     };
     (model, model + extra)

@@ -9,7 +9,7 @@ use crate::cost::{step_total, AxisOrder, Config, CostModel};
 use crate::layouts::Layouts;
 use crate::profile::ModelProfile;
 use crate::{PlanError, StrategyConstraints};
-use dplc_ir::{MemoryBreakdown, PipelineSchedule, Recompute, TimeBreakdown};
+use dplc_ir::{AttentionKind, MemoryBreakdown, PipelineSchedule, Recompute, TimeBreakdown};
 use std::collections::HashMap;
 
 /// One evaluated, feasible configuration.
@@ -259,6 +259,7 @@ pub(crate) fn search(
                                 recompute: Recompute::None,
                                 sp: false,
                                 overlap: pins.overlap_grad_reduce.unwrap_or(true),
+                                attention: pins.attention.unwrap_or(AttentionKind::Fused),
                                 order,
                             };
                             explore(
@@ -341,6 +342,14 @@ fn explore(
             if pins.recompute.is_some_and(|p| p != recompute) {
                 continue;
             }
+            // Under fused attention selective recomputation drops nothing: it
+            // is the plan without recomputation, unless pinned.
+            if recompute == Recompute::Selective
+                && base.attention == AttentionKind::Fused
+                && pins.recompute.is_none()
+            {
+                continue;
+            }
             for (schedule, v) in schedules(base.pp, base.num_micro_batches, profile.layers, pins) {
                 let zeros: &[u8] = if base.dp == 1 {
                     &[0]
@@ -415,17 +424,12 @@ fn time_bucket(step_time: f64) -> i64 {
 }
 
 /// How much machinery a configuration asks for: lower is simpler.
-pub(crate) fn complexity(c: &Config) -> (u8, Recompute, u64, PipelineSchedule, bool, AxisOrder) {
-    (
-        c.zero,
-        c.recompute,
-        c.virtual_stages,
-        c.schedule,
-        c.sp,
-        c.order,
-    )
+pub(crate) fn complexity(c: &Config) -> (u8, Recompute, u64) {
+    (c.zero, c.recompute, c.virtual_stages)
 }
 
+/// On a tie in step time: the simpler plan, then the one holding less
+/// memory (1F1B before GPipe, sequence parallelism on), then a fixed order.
 fn before(a: &Candidate, b: &Candidate) -> std::cmp::Ordering {
     time_bucket(a.step_time)
         .cmp(&time_bucket(b.step_time))

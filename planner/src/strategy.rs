@@ -2,7 +2,7 @@
 //! pins; the search fills in the rest.
 
 use crate::PlanError;
-use dplc_ir::{PipelineSchedule, Recompute};
+use dplc_ir::{AttentionKind, PipelineSchedule, Recompute};
 use std::fmt;
 
 /// Choices fixed before the search; `None` leaves a choice to the search.
@@ -23,10 +23,13 @@ pub struct StrategyConstraints {
     /// `overlap=off` pins the data-parallel gradient reduction after backward;
     /// the search itself always overlaps (it is never slower).
     pub overlap_grad_reduce: Option<bool>,
+    /// `attention=unfused` prices the attention core op by op, as the
+    /// 2021–2022 stacks ran it; the search uses fused attention otherwise.
+    pub attention: Option<AttentionKind>,
 }
 
 /// Read `key=value` pairs separated by commas. Keys: `tp pp dp cp ep mb m
-/// schedule v zero recompute sp overlap`.
+/// schedule v zero recompute sp overlap attention`.
 pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
     let err = |detail: String| PlanError::StrategySyntax {
         spec: spec.to_string(),
@@ -96,9 +99,20 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
             }
             "sp" | "sequence_parallel" => c.sequence_parallel = Some(on_off()?),
             "overlap" | "overlap_grad_reduce" => c.overlap_grad_reduce = Some(on_off()?),
+            "attention" => {
+                c.attention = Some(match value.to_ascii_lowercase().as_str() {
+                    "fused" | "flash" => AttentionKind::Fused,
+                    "unfused" => AttentionKind::Unfused,
+                    _ => {
+                        return Err(err(format!(
+                            "attention is fused or unfused, got `{value}`"
+                        )))
+                    }
+                })
+            }
             _ => {
                 return Err(err(format!(
-                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap"
+                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap, attention"
                 )))
             }
         }
@@ -151,6 +165,9 @@ impl fmt::Display for StrategyConstraints {
         if let Some(o) = self.overlap_grad_reduce {
             parts.push(format!("overlap={}", on_off(o)));
         }
+        if let Some(a) = self.attention {
+            parts.push(format!("attention={}", a.name()));
+        }
         f.write_str(&parts.join(","))
     }
 }
@@ -161,13 +178,14 @@ mod tests {
 
     #[test]
     fn reads_every_key_and_prints_it_back() {
-        let s = "tp=8,pp=8,dp=24,cp=1,ep=1,mb=1,zero=1,schedule=interleaved,v=2,recompute=selective,sp=on,overlap=off";
+        let s = "tp=8,pp=8,dp=24,cp=1,ep=1,mb=1,zero=1,schedule=interleaved,v=2,recompute=selective,sp=on,overlap=off,attention=unfused";
         let c = parse_strategy(s).unwrap();
         assert_eq!(c.tp, Some(8));
         assert_eq!(c.schedule, Some(PipelineSchedule::Interleaved));
         assert_eq!(c.recompute, Some(Recompute::Selective));
         assert_eq!(c.sequence_parallel, Some(true));
         assert_eq!(c.overlap_grad_reduce, Some(false));
+        assert_eq!(c.attention, Some(AttentionKind::Unfused));
         assert_eq!(parse_strategy(&c.to_string()).unwrap(), c);
     }
 
@@ -180,6 +198,7 @@ mod tests {
         assert!(parse_strategy("tp=0").is_err());
         assert!(parse_strategy("zero=4").is_err());
         assert!(parse_strategy("overlap=maybe").is_err());
+        assert!(parse_strategy("attention=sometimes").is_err());
         assert!(parse_strategy("schedule=1f1b,v=2").is_err());
     }
 }

@@ -10,10 +10,17 @@ use dplc_planner::{compile, parse_cluster, parse_strategy, Compiled, PlanError, 
 
 const GIB: f64 = (1u64 << 30) as f64;
 
+/// A plan with the 2021–2022 Megatron stack the published rows ran:
+/// attention unfused.
 fn plan(cfg: Gpt, cluster: &str, batch: u64, strategy: &str, ignore_memory: bool) -> Compiled {
     let g = gpt("gpt", cfg);
     let mut req = PlanRequest::new(&g, train(2048, batch), parse_cluster(cluster).unwrap());
-    req.pinned = parse_strategy(strategy).unwrap();
+    let strategy = if strategy.is_empty() {
+        "attention=unfused".to_string()
+    } else {
+        format!("{strategy},attention=unfused")
+    };
+    req.pinned = parse_strategy(&strategy).unwrap();
     req.ignore_memory = ignore_memory;
     compile(&req).unwrap()
 }
@@ -319,4 +326,82 @@ fn megatron_layout_comes_out_of_the_graph() {
             (AllReduce, Backward, sbh, 48),
         ]
     );
+}
+
+/// A plan on the stack as pinned (no `attention=unfused` added).
+fn plan_as_pinned(cfg: Gpt, cluster: &str, batch: u64, strategy: &str) -> Compiled {
+    let g = gpt("gpt", cfg);
+    let mut req = PlanRequest::new(&g, train(2048, batch), parse_cluster(cluster).unwrap());
+    req.pinned = parse_strategy(strategy).unwrap();
+    req.ignore_memory = true;
+    compile(&req).unwrap()
+}
+
+/// Fused attention keeps no `s × s` tensor: of Korthikanti's per-layer
+/// activations with sequence parallelism, `sbh(34 + 5as/h)/t`, the `5as/h`
+/// term (scores, softmax, dropout mask) goes, and only the fp32 log-sum-exp
+/// (`4as·b/t` bytes, `4a/h` in those units) comes in its place.
+#[test]
+fn fused_attention_stores_no_score_matrix() {
+    let base = "tp=8,pp=1,dp=1,mb=4,zero=0,recompute=none,sp=on";
+    let acts = |attention: &str| {
+        let c = plan_as_pinned(
+            GPT_22B,
+            "8xA100",
+            4,
+            &format!("{base},attention={attention}"),
+        );
+        c.plan.stages[0].memory.activations as f64
+    };
+    let (fused, unfused) = (acts("fused"), acts("unfused"));
+    let (a, s, h) = (GPT_22B.heads as f64, 2048.0, GPT_22B.hidden as f64);
+    let want = (34.0 + 4.0 * a / h) / (34.0 + 5.0 * a * s / h);
+    within(
+        fused / unfused,
+        want,
+        0.10,
+        "fused / unfused layer activations",
+    );
+}
+
+/// Under fused attention selective recomputation has nothing to drop: the
+/// same step time and memory as none, and the search never needs it.
+#[test]
+fn selective_recomputation_is_no_recomputation_under_fused_attention() {
+    let base = "tp=8,pp=1,dp=1,mb=4,zero=0,sp=on,attention=fused";
+    let none = plan_as_pinned(GPT_22B, "8xA100", 4, &format!("{base},recompute=none"));
+    let sel = plan_as_pinned(GPT_22B, "8xA100", 4, &format!("{base},recompute=selective"));
+    assert_eq!(none.plan.stages[0].memory, sel.plan.stages[0].memory);
+    assert_eq!(
+        none.plan.estimate.step_time_s,
+        sel.plan.estimate.step_time_s
+    );
+    assert_eq!(
+        none.plan.estimate.hardware_flops_per_step,
+        sel.plan.estimate.hardware_flops_per_step
+    );
+    // Unfused, selective trades the score tensors for their recomputation.
+    let base = "tp=8,pp=1,dp=1,mb=4,zero=0,sp=on,attention=unfused";
+    let none = plan_as_pinned(GPT_22B, "8xA100", 4, &format!("{base},recompute=none"));
+    let sel = plan_as_pinned(GPT_22B, "8xA100", 4, &format!("{base},recompute=selective"));
+    assert!(sel.plan.stages[0].memory.activations < none.plan.stages[0].memory.activations);
+    assert!(sel.plan.estimate.step_time_s > none.plan.estimate.step_time_s);
+}
+
+/// The search prices today's stack (fused attention) unless told otherwise,
+/// and a plan file written before the key existed reads back as unfused,
+/// which is how it was priced.
+#[test]
+fn attention_defaults_to_fused_and_old_plans_read_as_unfused() {
+    let c = plan_as_pinned(GPT_1_7B, "8xA100", 8, "tp=1,pp=1,dp=8");
+    assert_eq!(c.plan.strategy.attention, dplc_ir::AttentionKind::Fused);
+    let json = serde_json::to_value(&c.plan).unwrap();
+    let mut old = json.clone();
+    old["strategy"]
+        .as_object_mut()
+        .unwrap()
+        .remove("attention")
+        .expect("the field is written");
+    let back: dplc_ir::Plan = serde_json::from_value(old).unwrap();
+    assert_eq!(back.strategy.attention, dplc_ir::AttentionKind::Unfused);
 }
