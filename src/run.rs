@@ -105,6 +105,10 @@ pub fn prepare(args: &PlanArgs) -> Result<Prepared> {
         if pinned.attention.is_none() {
             pinned.attention = Some(dplc_ir::AttentionKind::Unfused);
         }
+        // Its ranks run each tensor-parallel collective between kernels.
+        if pinned.tp_overlap.is_none() {
+            pinned.tp_overlap = Some(dplc_ir::TpOverlap::None);
+        }
         Ok(())
     })?;
     Prepared::new(lowered, compiled.plan)

@@ -304,8 +304,10 @@ fn the_executors_activation_memory_stays_near_the_plan() {
         dplc_planner::parse_cluster("1xH100").unwrap(),
     );
     // dplc's kernels run the attention core op by op: price what runs.
-    req.pinned =
-        dplc_planner::parse_strategy(&format!("mb={mb},recompute=none,attention=unfused")).unwrap();
+    req.pinned = dplc_planner::parse_strategy(&format!(
+        "mb={mb},recompute=none,attention=unfused,tp_overlap=none"
+    ))
+    .unwrap();
     let plan = dplc_planner::compile(&req).unwrap().plan;
     let m = &plan.stages[0].memory;
     let planned = (m.activations + m.embedding_and_loss) as f64;

@@ -35,7 +35,7 @@ pub use plan::{
     Alternative, AttentionKind, AxisMapping, AxisPart, BackwardCollective, ClusterSummary,
     Collective, CollectiveKind, Estimate, LinkLevel, MemoryBreakdown, Mesh, MeshAxis, ModelSource,
     ParamSharding, PipelineSchedule, Plan, ProgramValue, Recompute, RegionProgram, SearchStats,
-    StagePlan, StepPhase, Strategy, TimeBreakdown, WhatIf,
+    StagePlan, StepPhase, Strategy, TimeBreakdown, TpOverlap, WhatIf,
 };
 
 pub use print::print_graph;

@@ -154,6 +154,40 @@ pub struct Strategy {
     /// priced it unfused.
     #[serde(default = "unfused")]
     pub attention: AttentionKind,
+    /// Which tensor-parallel collectives hide behind GEMMs. Plans written
+    /// before this field existed exposed them all.
+    #[serde(default = "no_tp_overlap")]
+    pub tp_overlap: TpOverlap,
+}
+
+/// How tensor-parallel communication overlaps with the GEMMs around it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum TpOverlap {
+    /// Every collective on the critical path (Megatron 2021).
+    None,
+    /// Megatron's asynchronous backward: a column-parallel layer's
+    /// input-gradient all-reduce runs beside its weight-gradient GEMM; with
+    /// sequence parallelism the all-gather of the saved input shard beside
+    /// the input-gradient GEMM and the reduce-scatter beside the weight one.
+    Async,
+    /// Megatron-Core's `--tp-comm-overlap` (and torchtitan's async TP) as
+    /// well: forward all-gathers and row-parallel reductions are cut into
+    /// `tp` chunks pipelined with their GEMM.
+    Ring,
+}
+
+impl TpOverlap {
+    pub fn name(self) -> &'static str {
+        match self {
+            TpOverlap::None => "none",
+            TpOverlap::Async => "async",
+            TpOverlap::Ring => "ring",
+        }
+    }
+}
+
+fn no_tp_overlap() -> TpOverlap {
+    TpOverlap::None
 }
 
 /// How attention's core (scores, mask, softmax, dropout, weighted sum) runs.
@@ -215,7 +249,11 @@ impl fmt::Display for Strategy {
         if !self.overlap_grad_reduce {
             f.write_str(", gradient reduction after backward")?;
         }
-        write!(f, ", attention {}", self.attention.name())
+        write!(f, ", attention {}", self.attention.name())?;
+        if self.tp_overlap != TpOverlap::None {
+            write!(f, ", tp overlap {}", self.tp_overlap.name())?;
+        }
+        Ok(())
     }
 }
 

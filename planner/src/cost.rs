@@ -9,7 +9,7 @@ use crate::profile::{Bind, ModelProfile, RegionProfile, Work};
 use crate::sharding::{GemmSplit, Pass, TpCollectiveKind};
 use dplc_ir::{
     AttentionKind, CollectiveKind, LinkLevel, MemoryBreakdown, MeshAxis, PipelineSchedule,
-    Precision, Recompute, TimeBreakdown,
+    Precision, Recompute, TimeBreakdown, TpOverlap,
 };
 use std::collections::HashMap;
 
@@ -90,6 +90,7 @@ pub(crate) struct Config {
     /// Data-parallel gradient reduction overlapped with the last backward.
     pub overlap: bool,
     pub attention: AttentionKind,
+    pub tp_overlap: TpOverlap,
     pub order: AxisOrder,
 }
 
@@ -184,6 +185,37 @@ pub(crate) fn collective_time(kind: CollectiveKind, bytes: f64, link: &GroupLink
     }
 }
 
+/// The part of a tensor-parallel collective taking `t` seconds that stays on
+/// the critical path beside GEMMs taking `beside` seconds (forward time of
+/// the GEMMs it overlaps; a weight- or input-gradient GEMM takes the same).
+///
+/// - A column-parallel input gradient (backward): Megatron launches the
+///   all-reduce once the input-gradient GEMM is done and computes the weight
+///   gradient meanwhile; with sequence parallelism it is an all-gather of the
+///   saved input shard beside the input-gradient GEMM, then a reduce-scatter
+///   beside the weight-gradient GEMM, half the time each.
+/// - With `Ring` the forward all-gathers and row-parallel reductions too: the
+///   GEMM is cut into `tp` chunks and each chunk's transfer runs beside the
+///   next chunk's compute, leaving the longer of the two plus one chunk.
+fn exposed_tp(c: &Config, kind: TpCollectiveKind, pass: Pass, t: f64, beside: f64) -> f64 {
+    if beside <= 0.0 || c.tp_overlap == TpOverlap::None || kind == TpCollectiveKind::RowStats {
+        return t;
+    }
+    match pass {
+        Pass::Backward if kind == TpCollectiveKind::AllReduce => {
+            if c.sp {
+                2.0 * (t / 2.0 - beside).max(0.0)
+            } else {
+                (t - beside).max(0.0)
+            }
+        }
+        Pass::Forward if c.tp_overlap == TpOverlap::Ring => {
+            (t - beside).max(0.0) + t.min(beside) / c.tp as f64
+        }
+        _ => t,
+    }
+}
+
 /// Per-micro-batch costs of one layer (or of the embedding / head) on one rank.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct PassCost {
@@ -210,7 +242,16 @@ impl PassCost {
 
 /// What the per-micro-batch costs of a layer depend on: tp, cp, ep,
 /// micro-batch, sequence parallelism, recomputation and attention kind.
-type LayerKey = (u64, u64, u64, u64, bool, Recompute, AttentionKind);
+type LayerKey = (
+    u64,
+    u64,
+    u64,
+    u64,
+    bool,
+    Recompute,
+    AttentionKind,
+    TpOverlap,
+);
 
 /// Evaluates configurations against one model and cluster, memoising layer costs.
 pub(crate) struct CostModel<'a> {
@@ -277,6 +318,7 @@ impl<'a> CostModel<'a> {
             c.sp,
             c.recompute,
             c.attention,
+            c.tp_overlap,
         );
         if let Some(v) = self.layer_memo.get(&key) {
             return *v;
@@ -308,6 +350,8 @@ impl<'a> CostModel<'a> {
         let mut core_forward = 0.0;
         let fused = c.attention == AttentionKind::Fused;
         let (mut attention_flops, mut attention_bytes) = (0.0, 0.0);
+        // Each GEMM's forward time: what tensor-parallel collectives hide behind.
+        let mut gemm_times: HashMap<dplc_ir::NodeId, f64> = HashMap::new();
         for op in &r.ops {
             if fused && op.attention_core {
                 // One fused kernel does the core: its two matmuls' work, and
@@ -351,6 +395,7 @@ impl<'a> CostModel<'a> {
                         GemmSplit::Row | GemmSplit::Replicated => (m, n),
                     };
                     let t = self.gemm_time(mt, nt, flops, bytes);
+                    gemm_times.insert(op.node, t);
                     (t, t * *backward_gemms as f64)
                 }
                 Work::Memory {
@@ -392,8 +437,9 @@ impl<'a> CostModel<'a> {
             (Recompute::Full, true) => pc.forward,
             _ => 0.0,
         };
-        // Tensor-parallel collectives are on the critical path (Megatron does
-        // not overlap them); recomputing the forward repeats the forward ones.
+        // Tensor-parallel collectives are on the critical path except where
+        // `c.tp_overlap` hides them behind GEMMs (see `exposed_tp`);
+        // recomputing the forward repeats the forward ones.
         let tp_link = self.link(c, MeshAxis::Tp);
         for col in &r.collectives {
             let bytes = bind.eval(&col.bytes);
@@ -403,7 +449,14 @@ impl<'a> CostModel<'a> {
                 }
                 TpCollectiveKind::AllGather => CollectiveKind::AllGather,
             };
-            let t = collective_time(kind, bytes, &tp_link);
+            let beside: f64 = col.beside.iter().filter_map(|n| gemm_times.get(n)).sum();
+            let t = exposed_tp(
+                c,
+                col.kind,
+                col.pass,
+                collective_time(kind, bytes, &tp_link),
+                beside,
+            );
             let repeats = if col.pass == Pass::Forward && layer && c.recompute == Recompute::Full {
                 2.0
             } else {

@@ -100,6 +100,7 @@ fn what_ifs(req: &PlanRequest, plan: &Plan) -> Vec<dplc_ir::WhatIf> {
         // The search overlaps unless told not to; pin only the exception.
         overlap_grad_reduce: (!s.overlap_grad_reduce).then_some(false),
         attention: Some(s.attention),
+        tp_overlap: Some(s.tp_overlap),
     };
     let mut variants: Vec<(String, StrategyConstraints)> = Vec::new();
     for tp in [m.tp * 2, m.tp / 2] {

@@ -67,6 +67,7 @@ pub(crate) enum Work {
 
 #[derive(Clone, Debug)]
 pub(crate) struct OpCost {
+    pub node: NodeId,
     pub work: Work,
     /// Part of the core attention: recomputed under selective recomputation.
     pub attention_core: bool,
@@ -87,6 +88,10 @@ pub(crate) struct CollectiveCost {
     pub bytes: Poly,
     /// Repeated when the forward is recomputed.
     pub what: String,
+    /// The GEMMs it can hide behind: for a column-parallel input gradient or
+    /// an all-gather, the tensor-parallel GEMMs that read the tensor; for a
+    /// row-parallel output, the GEMM that writes it.
+    pub beside: Vec<NodeId>,
 }
 
 /// Parameters of a region by how they are split.
@@ -275,6 +280,7 @@ impl RegionBuilder<'_> {
                     self.an.requires_grad(a) as u32 + self.an.requires_grad(b) as u32;
                 let both_activations = self.an.is_activation(a) && self.an.is_activation(b);
                 Some(OpCost {
+                    node: n,
                     work: Work::Gemm {
                         m: poly(&md),
                         n: poly(&nd),
@@ -314,6 +320,7 @@ impl RegionBuilder<'_> {
                     return None;
                 }
                 Some(OpCost {
+                    node: n,
                     work: Work::Memory {
                         sharded,
                         replicated,
@@ -396,11 +403,52 @@ fn region_profile(
             TpCollectiveKind::AllGather => "gather of a sharded tensor",
             TpCollectiveKind::RowStats => "softmax row statistics (vocab-parallel loss)",
         };
+        let split_gemm = |n: NodeId| {
+            matches!(g.node(n).op, Op::MatMul)
+                && sharding
+                    .gemms
+                    .get(&n)
+                    .is_some_and(|s| *s != GemmSplit::Replicated)
+        };
+        let beside = if c.kind == TpCollectiveKind::AllReduce && c.pass == Pass::Forward {
+            // The row-parallel GEMM writing the partial sums, through views.
+            let mut t = c.tensor;
+            loop {
+                let TensorDef::Node { node, .. } = g.tensor(t).def else {
+                    break Vec::new();
+                };
+                if g.node(node).op.is_view() {
+                    t = g.node(node).inputs[0];
+                } else {
+                    break if split_gemm(node) {
+                        vec![node]
+                    } else {
+                        Vec::new()
+                    };
+                }
+            }
+        } else {
+            // The split GEMMs reading the tensor, directly or through views.
+            let mut out = Vec::new();
+            let mut frontier = vec![c.tensor];
+            while let Some(t) = frontier.pop() {
+                for &n in b.consumers.get(&t).map(Vec::as_slice).unwrap_or(&[]) {
+                    let op = &g.node(n).op;
+                    if op.is_view() {
+                        frontier.push(g.node(n).outputs[0]);
+                    } else if split_gemm(n) && g.node(n).inputs[0] == t {
+                        out.push(n);
+                    }
+                }
+            }
+            out
+        };
         p.collectives.push(CollectiveCost {
             kind: c.kind,
             pass: c.pass,
             bytes: scaled(&c.elements, bytes),
             what: what.to_string(),
+            beside,
         });
     }
     for &n in nodes {

@@ -64,6 +64,7 @@ pub(crate) fn strategy(c: &Config, global_batch: u64, seq: u64) -> Strategy {
         sequence_parallel: c.sp,
         overlap_grad_reduce: c.overlap,
         attention: c.attention,
+        tp_overlap: c.tp_overlap,
     }
 }
 

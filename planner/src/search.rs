@@ -9,7 +9,9 @@ use crate::cost::{step_total, AxisOrder, Config, CostModel};
 use crate::layouts::Layouts;
 use crate::profile::ModelProfile;
 use crate::{PlanError, StrategyConstraints};
-use dplc_ir::{AttentionKind, MemoryBreakdown, PipelineSchedule, Recompute, TimeBreakdown};
+use dplc_ir::{
+    AttentionKind, MemoryBreakdown, PipelineSchedule, Recompute, TimeBreakdown, TpOverlap,
+};
 use std::collections::HashMap;
 
 /// One evaluated, feasible configuration.
@@ -260,6 +262,7 @@ pub(crate) fn search(
                                 sp: false,
                                 overlap: pins.overlap_grad_reduce.unwrap_or(true),
                                 attention: pins.attention.unwrap_or(AttentionKind::Fused),
+                                tp_overlap: pins.tp_overlap.unwrap_or(TpOverlap::Async),
                                 order,
                             };
                             explore(

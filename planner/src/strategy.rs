@@ -2,7 +2,7 @@
 //! pins; the search fills in the rest.
 
 use crate::PlanError;
-use dplc_ir::{AttentionKind, PipelineSchedule, Recompute};
+use dplc_ir::{AttentionKind, PipelineSchedule, Recompute, TpOverlap};
 use std::fmt;
 
 /// Choices fixed before the search; `None` leaves a choice to the search.
@@ -26,10 +26,13 @@ pub struct StrategyConstraints {
     /// `attention=unfused` prices the attention core op by op, as the
     /// 2021–2022 stacks ran it; the search uses fused attention otherwise.
     pub attention: Option<AttentionKind>,
+    /// `tp_overlap=none|async|ring`; the search uses Megatron's default,
+    /// `async`, otherwise.
+    pub tp_overlap: Option<TpOverlap>,
 }
 
 /// Read `key=value` pairs separated by commas. Keys: `tp pp dp cp ep mb m
-/// schedule v zero recompute sp overlap attention`.
+/// schedule v zero recompute sp overlap attention tp_overlap`.
 pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
     let err = |detail: String| PlanError::StrategySyntax {
         spec: spec.to_string(),
@@ -110,9 +113,21 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
                     }
                 })
             }
+            "tp_overlap" => {
+                c.tp_overlap = Some(match value.to_ascii_lowercase().as_str() {
+                    "none" | "off" => TpOverlap::None,
+                    "async" => TpOverlap::Async,
+                    "ring" | "pipe" => TpOverlap::Ring,
+                    _ => {
+                        return Err(err(format!(
+                            "tp_overlap is none, async or ring, got `{value}`"
+                        )))
+                    }
+                })
+            }
             _ => {
                 return Err(err(format!(
-                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap, attention"
+                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap, attention, tp_overlap"
                 )))
             }
         }
@@ -168,6 +183,9 @@ impl fmt::Display for StrategyConstraints {
         if let Some(a) = self.attention {
             parts.push(format!("attention={}", a.name()));
         }
+        if let Some(o) = self.tp_overlap {
+            parts.push(format!("tp_overlap={}", o.name()));
+        }
         f.write_str(&parts.join(","))
     }
 }
@@ -178,7 +196,7 @@ mod tests {
 
     #[test]
     fn reads_every_key_and_prints_it_back() {
-        let s = "tp=8,pp=8,dp=24,cp=1,ep=1,mb=1,zero=1,schedule=interleaved,v=2,recompute=selective,sp=on,overlap=off,attention=unfused";
+        let s = "tp=8,pp=8,dp=24,cp=1,ep=1,mb=1,zero=1,schedule=interleaved,v=2,recompute=selective,sp=on,overlap=off,attention=unfused,tp_overlap=ring";
         let c = parse_strategy(s).unwrap();
         assert_eq!(c.tp, Some(8));
         assert_eq!(c.schedule, Some(PipelineSchedule::Interleaved));
@@ -186,6 +204,7 @@ mod tests {
         assert_eq!(c.sequence_parallel, Some(true));
         assert_eq!(c.overlap_grad_reduce, Some(false));
         assert_eq!(c.attention, Some(AttentionKind::Unfused));
+        assert_eq!(c.tp_overlap, Some(TpOverlap::Ring));
         assert_eq!(parse_strategy(&c.to_string()).unwrap(), c);
     }
 
