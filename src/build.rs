@@ -374,8 +374,9 @@ fn launch_cpu_processes(
             process.rank()
         ));
     }
-    let result =
-        Prepared::from_plan(plan).and_then(|p| run::train_prepared_on(&p, train, Some(&process)));
+    let result = Prepared::from_plan(plan).and_then(|p| {
+        run::train_prepared_on(&p, train, Some(dplc_runtime::Process::Mpi(&process)))
+    });
     if let Err(report) = result {
         eprintln!("{report:?}");
         process.abort(1);

@@ -370,7 +370,7 @@ pub fn train_prepared(p: &Prepared, args: &TrainOpts) -> Result<()> {
 pub fn train_prepared_on(
     p: &Prepared,
     args: &TrainOpts,
-    process: Option<&dplc_runtime::MpiProcess>,
+    process: Option<dplc_runtime::Process<'_>>,
 ) -> Result<()> {
     if process.is_some() && args.trace.is_some() {
         return Err(miette!(

@@ -26,6 +26,7 @@ mod params;
 mod partition;
 mod rng;
 mod shard;
+mod tcp_world;
 mod tensor;
 mod vjp;
 
@@ -39,8 +40,9 @@ pub use mpi_world::MpiProcess;
 pub use params::ZeroStage;
 pub use partition::Schedule;
 pub use schedule::{
-    train, train_process, Compute, Device, DeviceUse, Faults, Parameters, RunConfig, StepStats,
-    StopFlag, TraceSink, TraceSpan, TrainReport,
+    train, train_process, Compute, Device, DeviceUse, Faults, Parameters, Process, RunConfig,
+    StepStats, StopFlag, TraceSink, TraceSpan, TrainReport,
 };
+pub use tcp_world::TcpProcess;
 pub use tensor::{Data, Tensor};
 pub use vjp::backward;

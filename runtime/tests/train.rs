@@ -317,3 +317,100 @@ fn tensor_parallel_with_fused_qkv_and_dropout_matches_serial() {
         );
     }
 }
+
+/// A free TCP port on this machine (taken, then released for the test).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a local port")
+        .port()
+}
+
+/// Train `cfg` as one process per rank meeting over TCP (here threads, each
+/// with its own world and connection, as separate processes would have).
+fn run_over_tcp(g: &dplc_ir::Graph, cfg: RunConfig) -> Vec<Result<TrainReport>> {
+    let data = Corpus::synthetic(7, 32, 4096);
+    let s = spec(8, cfg.global_batch() as u64);
+    let port = free_port();
+    let n = cfg.world_size();
+    std::thread::scope(|sc| {
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                let (cfg, data, s) = (&cfg, &data, &s);
+                sc.spawn(move || {
+                    let p = TcpProcess::join(
+                        rank,
+                        n,
+                        "127.0.0.1",
+                        port,
+                        std::time::Duration::from_secs(20),
+                    )?;
+                    train_process(g, s, cfg, data, STEPS, 42, Process::Tcp(&p), |_| {})
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a rank thread"))
+            .collect()
+    })
+}
+
+/// Ranks in separate processes without MPI, meeting over TCP (as a
+/// launcher's world does): the same training as the ranks of one process.
+#[test]
+fn ranks_meeting_over_tcp_match_the_in_process_run() {
+    let g = Gpt::default().build();
+    for cfg in [
+        RunConfig {
+            dp: 2,
+            micro_batch: 1,
+            num_micro_batches: 2,
+            zero: ZeroStage::One,
+            ..RunConfig::default()
+        },
+        RunConfig {
+            dp: 2,
+            pp: 2,
+            micro_batch: 1,
+            num_micro_batches: 2,
+            ..RunConfig::default()
+        },
+    ] {
+        let here = run(&g, cfg.clone()).unwrap();
+        let name = format!("dp {} pp {} over TCP", cfg.dp, cfg.pp);
+        let results = run_over_tcp(&g, cfg);
+        let rank0 = results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|e| panic!("{name}: {e}")))
+            .next()
+            .expect("rank 0");
+        for (x, y) in here.steps.iter().zip(&rank0.steps) {
+            assert_eq!(x.loss.to_bits(), y.loss.to_bits(), "{name}: step {}", x.step);
+        }
+    }
+}
+
+/// A rank that fails over TCP stops the others with its name, quickly.
+#[test]
+fn a_failing_rank_over_tcp_is_named_by_the_others() {
+    let g = Gpt::default().build();
+    let cfg = RunConfig {
+        dp: 2,
+        micro_batch: 1,
+        num_micro_batches: 2,
+        faults: Faults {
+            fail_rank_at: Some((1, 2)),
+            ..Faults::default()
+        },
+        timeout: std::time::Duration::from_secs(20),
+        ..RunConfig::default()
+    };
+    let start = std::time::Instant::now();
+    let results = run_over_tcp(&g, cfg);
+    for r in &results {
+        let err = r.as_ref().expect_err("every rank stops");
+        assert!(err.to_string().contains("injected failure at step 2"), "{err}");
+    }
+    assert!(start.elapsed() < std::time::Duration::from_secs(10));
+}

@@ -19,6 +19,7 @@ use crate::mpi_world::MpiProcess;
 use crate::params::{HeldParam, ParamStore, Unit, ZeroStage};
 use crate::partition::{schedule, Partition, Schedule, Work};
 use crate::shard::{concat_along, Layouts, MeshGroups};
+use crate::tcp_world::TcpProcess;
 use crate::tensor::Tensor;
 pub use compute::Compute;
 use compute::{Forwarded, Pass, Reference, StageCompute};
@@ -147,6 +148,37 @@ pub enum Device {
     /// parallelism on a machine with one GPU). Parameters, optimizer state
     /// and collectives stay with the executor on the host.
     Cuda { gpus: usize, dtype: dplc_ir::DType },
+}
+
+/// This process's place in a world of processes: started by mpirun, or by
+/// a launcher whose ranks meet over TCP (torchrun, srun, an artifact).
+#[derive(Clone, Copy, Debug)]
+pub enum Process<'a> {
+    Mpi(&'a MpiProcess),
+    Tcp(&'a TcpProcess),
+}
+
+impl Process<'_> {
+    pub fn rank(&self) -> usize {
+        match self {
+            Process::Mpi(p) => p.rank(),
+            Process::Tcp(p) => p.rank(),
+        }
+    }
+
+    pub fn size(&self) -> usize {
+        match self {
+            Process::Mpi(p) => p.size(),
+            Process::Tcp(p) => p.size(),
+        }
+    }
+
+    fn transport(&self) -> Result<Box<dyn crate::comm::Transport>> {
+        match self {
+            Process::Mpi(p) => Ok(p.transport()),
+            Process::Tcp(p) => p.transport(),
+        }
+    }
 }
 
 /// How one training run is split over ranks.
@@ -475,7 +507,7 @@ pub fn train_process(
     data: &Corpus,
     steps: u64,
     seed: u64,
-    process: &MpiProcess,
+    process: Process<'_>,
     on_step: impl FnMut(&StepStats),
 ) -> Result<TrainReport> {
     if process.size() != cfg.world_size() {
@@ -501,7 +533,7 @@ fn train_on(
     data: &Corpus,
     steps: u64,
     seed: u64,
-    process: Option<&MpiProcess>,
+    process: Option<Process<'_>>,
     mut on_step: impl FnMut(&StepStats),
 ) -> Result<TrainReport> {
     if cfg.dp == 0
@@ -693,7 +725,7 @@ fn train_on(
             0..cfg.world_size(),
         ),
         Some(p) => (
-            World::remote(cfg.world_size(), p.rank(), cfg.timeout, p.transport()),
+            World::remote(cfg.world_size(), p.rank(), cfg.timeout, p.transport()?),
             p.rank()..p.rank() + 1,
         ),
     };
