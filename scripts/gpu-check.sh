@@ -22,7 +22,7 @@
 #
 # Status: written without access to a GPU; it has not been run on one yet.
 # The training step (4) is the fused executor, tested on the CPU through its
-# host backend (tests/fused_zoo.rs), never yet on a GPU.
+# host backend (tests/fused_matrix.rs), never yet on a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -294,54 +294,33 @@ pub fn launch(args: &LaunchArgs) -> Result<()> {
     if processes == 1 {
         return run::train_on_gpus(&p, &args.train);
     }
-    run::refuse_reference_on_gpus(&args.train)?;
-    // One process per GPU: gradients over NCCL, bootstrapped from the launcher.
-    let c = &p.cfg;
-    if c.tp > 1 || c.pp > 1 || c.ep > 1 || c.dp as u64 != processes {
+    // One process per GPU, each rank of the plan on its node's GPU
+    // `local_rank`, meeting the others over TCP at the launcher's
+    // MASTER_ADDR:MASTER_PORT: the schedule executor, every split.
+    let per_node = p.plan.cluster.devices_per_node.max(1) as usize;
+    if env.rank % per_node != env.local_rank {
         return Err(miette!(
-            help = "build the artifact from a data-parallel plan: --strategy tp=1,pp=1,ep=1",
-            "a world of GPU processes (one per GPU, over NCCL) runs data parallelism only; the plan splits dp {} × tp {} × pp {} × ep {}; `dplc run` on one machine runs every split",
-            c.dp,
-            c.tp,
-            c.pp,
-            c.ep
+            help = "launch ranks node by node (torchrun and srun do): rank = node × GPUs per node + local rank",
+            "rank {} is local rank {} of a node with {per_node} GPUs",
+            env.rank,
+            env.local_rank
         ));
     }
-    let steps = args.train.steps.or(p.train.steps).unwrap_or(100);
-    let seed = args.train.seed.unwrap_or(0);
-    let data = run::corpus(args.train.data.as_deref(), &p.graph, seed)?;
-    let rank = env.rank;
-    let r = dplc_runtime::gpu::train_gpu_process(
-        &p.graph,
-        &p.train,
-        &env,
-        c.micro_batch,
-        c.num_micro_batches,
-        c.recompute != dplc_ir::Recompute::None,
-        c.zero != dplc_runtime::ZeroStage::None,
-        &data,
-        steps,
-        seed,
-        std::time::Duration::from_secs_f64(args.train.timeout.max(1.0)),
-        |st| {
-            eprintln!(
-                "step {} loss {:.4} ({:.0} tok/s)",
-                st.step + 1,
-                st.loss,
-                st.tokens_per_s
-            )
-        },
+    let timeout = std::time::Duration::from_secs_f64(args.train.timeout.max(1.0));
+    let process = dplc_runtime::TcpProcess::join(
+        env.rank,
+        env.world_size,
+        &env.master_addr,
+        env.master_port,
+        timeout,
     )
     .map_err(|e| miette!("{e}"))?;
-    if rank == 0 {
-        eprintln!(
-            "{} steps on {} processes ({}); peak device memory {:.2} GiB",
-            r.report.steps.len(),
-            processes,
-            r.device,
-            r.peak_bytes as f64 / (1u64 << 30) as f64
-        );
-    }
+    run::train_on_gpus_as(
+        &p,
+        &args.train,
+        per_node,
+        Some(dplc_runtime::Process::Tcp(&process)),
+    )?;
     Ok(())
 }
 

@@ -341,11 +341,23 @@ pub fn refuse_reference_on_gpus(args: &TrainOpts) -> Result<()> {
 /// its stages on the fused kernels of the CUDA backend, one rank per GPU of
 /// the plan's cluster (every strategy, checkpoints, `--trace`, faults).
 pub fn train_on_gpus(p: &Prepared, args: &TrainOpts) -> Result<()> {
-    refuse_reference_on_gpus(args)?;
     let gpus = (p.plan.cluster.nodes * p.plan.cluster.devices_per_node) as usize;
     let gpus = gpus.min(p.cfg.world_size()).max(1);
     // Say "no CUDA driver found" (or which GPU is missing) before anything else.
+    refuse_reference_on_gpus(args)?;
     dplc_runtime::gpu::open_devices(gpus).map_err(|e| miette!("{e}"))?;
+    train_on_gpus_as(p, args, gpus, None)
+}
+
+/// Train on GPUs as `process` (one rank of a launcher's world, on GPU
+/// `rank mod gpus`) or, without one, as every rank of the plan in threads.
+pub fn train_on_gpus_as(
+    p: &Prepared,
+    args: &TrainOpts,
+    gpus: usize,
+    process: Option<dplc_runtime::Process<'_>>,
+) -> Result<()> {
+    refuse_reference_on_gpus(args)?;
     let mut p = Prepared {
         graph: p.graph.clone(),
         train: p.train.clone(),
@@ -357,7 +369,7 @@ pub fn train_on_gpus(p: &Prepared, args: &TrainOpts) -> Result<()> {
         gpus,
         dtype: dplc_runtime::gpu::storage_dtype(p.train.precision),
     };
-    train_prepared(&p, args)
+    train_prepared_on(&p, args, process)
 }
 
 /// Train a prepared model on CPU ranks, reporting as `opts` says.

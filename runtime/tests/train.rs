@@ -386,7 +386,12 @@ fn ranks_meeting_over_tcp_match_the_in_process_run() {
             .next()
             .expect("rank 0");
         for (x, y) in here.steps.iter().zip(&rank0.steps) {
-            assert_eq!(x.loss.to_bits(), y.loss.to_bits(), "{name}: step {}", x.step);
+            assert_eq!(
+                x.loss.to_bits(),
+                y.loss.to_bits(),
+                "{name}: step {}",
+                x.step
+            );
         }
     }
 }
@@ -410,7 +415,10 @@ fn a_failing_rank_over_tcp_is_named_by_the_others() {
     let results = run_over_tcp(&g, cfg);
     for r in &results {
         let err = r.as_ref().expect_err("every rank stops");
-        assert!(err.to_string().contains("injected failure at step 2"), "{err}");
+        assert!(
+            err.to_string().contains("injected failure at step 2"),
+            "{err}"
+        );
     }
     assert!(start.elapsed() < std::time::Duration::from_secs(10));
 }

@@ -6,11 +6,9 @@
 
 mod backend;
 mod program;
-mod train;
 
 pub use backend::{matmul_cpu, Backend, HostBackend, HostBuf, MatMul};
 pub(crate) use program::tensor_dims;
 pub use program::{
     flat_args, ChunkSpan, Executor, FusedGraph, HostSteps, ParamBufs, RegionRun, Val,
 };
-pub use train::{step_kernels, train_fused, Alone, FusedReport, FusedRun, GradSync, HostStaged};

@@ -320,7 +320,16 @@ impl FusedGraph {
     /// Every distinct kernel the executor may launch for this graph in
     /// storage type `dtype` (for compiling ahead of the first step).
     pub fn kernels(&self) -> Vec<dplc_codegen::Kernel> {
-        let mut out = super::train::step_kernels();
+        // The executor's own: gradient sums and element-type conversions.
+        let mut out = vec![
+            column_sum_kernel(),
+            add_kernel(Elem::F32, Elem::F32, Elem::Float),
+            add_kernel(Elem::F32, Elem::F32, Elem::F32),
+            add_kernel(Elem::Float, Elem::Float, Elem::Float),
+            add_kernel(Elem::Float, Elem::Float, Elem::F32),
+            convert_kernel(Elem::Float, Elem::F32),
+            convert_kernel(Elem::F32, Elem::Float),
+        ];
         for (plan, back) in self.regions.values() {
             out.extend(plan.kernels().map(|k| k.kernel.clone()));
             for b in back {

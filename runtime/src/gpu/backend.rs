@@ -1,14 +1,12 @@
 //! The fused executor's backend on a GPU: buffers from the caching
 //! allocator, kernels compiled by NVRTC (through its on-disk cache) on first
-//! use and loaded once, matmuls on cuBLAS. Gradient sums go over any
-//! [`DeviceCollectives`] (NCCL, or host-staged for ranks sharing a GPU).
+//! use and loaded once, matmuls on cuBLAS.
 
 use super::blas::Blas;
-use super::comm::DeviceCollectives;
 use super::device::{DeviceBuffer, GpuDevice, GpuKernel};
 use super::error::{GpuError, GpuResult};
 use crate::error::Result;
-use crate::fused::{Backend, GradSync, MatMul, Val};
+use crate::fused::{Backend, MatMul};
 use dplc_codegen::{emit_cuda, kernel_name, Args, Elem, Kernel, Nvrtc};
 use dplc_ir::DType;
 use std::collections::HashMap;
@@ -174,79 +172,6 @@ impl Backend for CudaBackend {
 
     fn peak_bytes(&self) -> Option<usize> {
         Some(self.dev.memory_stats().peak_requested)
-    }
-}
-
-/// Gradient sums of the fused executor over device collectives.
-pub struct DeviceSync<C: DeviceCollectives> {
-    pub collectives: C,
-    pub dev: Arc<GpuDevice>,
-}
-
-impl<C: DeviceCollectives> GradSync<CudaBackend> for DeviceSync<C> {
-    fn all_reduce(
-        &mut self,
-        _be: &mut CudaBackend,
-        v: Val<CudaBackend>,
-    ) -> Result<Val<CudaBackend>> {
-        if v.elem != Elem::F32 {
-            return Err(GpuError::Invalid("gradient sums run on f32 buffers".into()).into());
-        }
-        let mut buf = v.buf;
-        let inner = Arc::get_mut(&mut buf).ok_or_else(|| {
-            GpuError::Invalid("a gradient buffer is shared while it is summed".into())
-        })?;
-        self.collectives.all_reduce(inner, v.len)?;
-        Ok(Val {
-            buf,
-            elem: v.elem,
-            len: v.len,
-        })
-    }
-
-    fn reduce_scatter(
-        &mut self,
-        be: &mut CudaBackend,
-        v: &Val<CudaBackend>,
-        shard: usize,
-    ) -> Result<Val<CudaBackend>> {
-        if v.elem != Elem::F32 {
-            return Err(GpuError::Invalid("gradient sums run on f32 buffers".into()).into());
-        }
-        let mut out = be.alloc(Elem::F32, shard)?;
-        let recv = Arc::get_mut(&mut out)
-            .ok_or_else(|| GpuError::Invalid("a fresh buffer is shared".into()))?;
-        self.collectives.reduce_scatter(&v.buf, recv, shard)?;
-        Ok(Val {
-            buf: out,
-            elem: Elem::F32,
-            len: shard,
-        })
-    }
-
-    fn all_gather(
-        &mut self,
-        be: &mut CudaBackend,
-        shard: &Val<CudaBackend>,
-    ) -> Result<Val<CudaBackend>> {
-        let len = shard.len * self.collectives.world_size();
-        let mut out = be.alloc(Elem::F32, len)?;
-        let recv = Arc::get_mut(&mut out)
-            .ok_or_else(|| GpuError::Invalid("a fresh buffer is shared".into()))?;
-        self.collectives.all_gather(&shard.buf, recv, shard.len)?;
-        Ok(Val {
-            buf: out,
-            elem: Elem::F32,
-            len,
-        })
-    }
-
-    fn all_reduce_host(&mut self, v: &mut [f32]) -> Result<()> {
-        let mut buf = self.dev.upload_f32(v, DType::F32)?;
-        self.collectives.all_reduce(&mut buf, v.len())?;
-        let out = self.dev.download_f32(&buf, v.len(), DType::F32)?;
-        v.copy_from_slice(&out);
-        Ok(())
     }
 }
 

@@ -16,7 +16,7 @@ mod rendezvous;
 mod train;
 
 pub use alloc::{size_class, Allocation, CachingAllocator, MemoryStats, RawMemory};
-pub use backend::{CudaBackend, DeviceSync};
+pub use backend::CudaBackend;
 pub use blas::{matmul_cpu, Blas, MatMul};
 pub use comm::{nccl_present, DeviceCollectives, HostStagedCommunicator, NcclCommunicator};
 pub use compile::{compile_graph, CompiledGraph, CompiledKernel};
@@ -25,4 +25,4 @@ pub use device::{decode, driver_present, encode, DeviceBuffer, GpuDevice, GpuKer
 pub use error::{CodegenErrorText, GpuError, GpuResult};
 pub use launch_env::{first_slurm_host, LaunchEnv, Launcher, DEFAULT_MASTER_PORT};
 pub use rendezvous::{share_id, ID_BYTES};
-pub use train::{open_devices, storage_dtype, train_gpu_process, GpuReport};
+pub use train::{open_devices, storage_dtype};

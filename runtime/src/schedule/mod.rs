@@ -419,8 +419,9 @@ struct Shared<'a> {
     saved: std::sync::Mutex<Vec<PathBuf>>,
     /// The fused kernels' plan, made once for every rank (`Compute::Fused`).
     fused: Option<fused::FusedProgram>,
-    /// The GPUs of a `Device::Cuda` run, opened once.
-    gpus: Vec<Arc<crate::gpu::GpuDevice>>,
+    /// The GPUs of a `Device::Cuda` run by ordinal, opened once: those of
+    /// this process's ranks only.
+    gpus: Vec<Option<Arc<crate::gpu::GpuDevice>>>,
 }
 
 impl Shared<'_> {
@@ -681,8 +682,20 @@ fn train_on(
                 "GPUs run the fused kernels: a GPU run needs Compute::Fused".into(),
             ));
         }
-        // "No CUDA driver found", or which GPU is missing, before any rank starts.
-        shared.gpus = crate::gpu::open_devices(gpus)?;
+        // "No CUDA driver found", or which GPU is missing, before any rank
+        // starts; a process opens only its own ranks' GPUs.
+        let gpus = gpus.max(1);
+        let ranks: Vec<usize> = match process {
+            Some(p) => vec![p.rank()],
+            None => (0..cfg.world_size()).collect(),
+        };
+        shared.gpus = vec![None; gpus];
+        for r in ranks {
+            let i = r % gpus;
+            if shared.gpus[i].is_none() {
+                shared.gpus[i] = Some(Arc::new(crate::gpu::GpuDevice::new(i)?));
+            }
+        }
     }
     // Every (parameter, layer) some rank holds: what a checkpoint must cover.
     let all_keys: BTreeSet<ParamKey> = (0..cfg.pp)
@@ -832,7 +845,7 @@ fn train_on(
         checkpoints,
         stage_layers,
         peak_activation_bytes,
-        device: shared.gpus.first().map(|g| DeviceUse {
+        device: shared.gpus.iter().flatten().next().map(|g| DeviceUse {
             name: g.name().to_string(),
             peak_bytes: device_peak.unwrap_or(0),
             kernels: shared.fused.as_ref().map_or(0, |f| f.kernel_count()),
@@ -1008,7 +1021,9 @@ fn run_rank(
             match cfg.device {
                 Device::Host => Box::new(fused::Fused::new(sh, plan, HostBackend::new())),
                 Device::Cuda { dtype, .. } => {
-                    let dev = sh.gpus[rank % sh.gpus.len()].clone();
+                    let dev = sh.gpus[rank % sh.gpus.len().max(1)]
+                        .clone()
+                        .ok_or_else(|| RuntimeError::Config(format!("rank {rank} has no GPU")))?;
                     let be = crate::gpu::CudaBackend::new(dev, dtype)?;
                     Box::new(fused::Fused::new(sh, plan, be))
                 }
