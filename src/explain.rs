@@ -130,6 +130,14 @@ pub fn render(plan: &Plan) -> String {
     ] {
         let _ = writeln!(s, "  {what:<38} {t:>9.3} s  {:>5.1}%", share(t));
     }
+    if b.overlapped_comm_s > 0.0 {
+        let _ = writeln!(
+            s,
+            "  (tp communication hidden behind GEMMs, tp overlap {}: {:.3} s, not in the step)",
+            plan.strategy.tp_overlap.name(),
+            b.overlapped_comm_s
+        );
+    }
     let _ = writeln!(
         s,
         "  {} tokens/s; model {:.1} TFLOP/s per GPU, hardware {:.1}; MFU {:.1}%",

@@ -393,6 +393,11 @@ pub struct TimeBreakdown {
     /// Gradient reduction and ZeRO gathers not hidden behind compute.
     pub exposed_dp_comm_s: f64,
     pub optimizer_s: f64,
+    /// Tensor-parallel communication hidden behind GEMMs by the plan's
+    /// `tp_overlap` (not part of the step time; plans written before this
+    /// field existed hid none).
+    #[serde(default)]
+    pub overlapped_comm_s: f64,
 }
 
 /// What the plan is expected to achieve.

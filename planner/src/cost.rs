@@ -227,6 +227,8 @@ pub(crate) struct PassCost {
     pub recompute: f64,
     /// Exposed tensor/context/expert-parallel communication, seconds, all passes.
     pub comm: f64,
+    /// Tensor-parallel communication hidden behind GEMMs, seconds.
+    pub hidden_comm: f64,
     /// Bytes kept for backward per micro-batch.
     pub saved_bytes: f64,
     /// Bytes of the whole activation set of one micro-batch (the transient
@@ -450,19 +452,15 @@ impl<'a> CostModel<'a> {
                 TpCollectiveKind::AllGather => CollectiveKind::AllGather,
             };
             let beside: f64 = col.beside.iter().filter_map(|n| gemm_times.get(n)).sum();
-            let t = exposed_tp(
-                c,
-                col.kind,
-                col.pass,
-                collective_time(kind, bytes, &tp_link),
-                beside,
-            );
+            let whole = collective_time(kind, bytes, &tp_link);
+            let t = exposed_tp(c, col.kind, col.pass, whole, beside);
             let repeats = if col.pass == Pass::Forward && layer && c.recompute == Recompute::Full {
                 2.0
             } else {
                 1.0
             };
             pc.comm += t * repeats;
+            pc.hidden_comm += (whole - t) * repeats;
         }
         // Context parallelism: K and V go round the ring in forward, their
         // gradients in backward; the ring overlaps with the attention blocks.
@@ -661,6 +659,7 @@ impl<'a> CostModel<'a> {
             backward: counts[i] as f64 * layer.backward,
             recompute: counts[i] as f64 * layer.recompute,
             comm: counts[i] as f64 * layer.comm,
+            hidden_comm: counts[i] as f64 * layer.hidden_comm,
             ..PassCost::default()
         };
         for (cond, e) in [(i == 0, pre), (i as u64 == c.pp - 1, post)] {
@@ -668,6 +667,7 @@ impl<'a> CostModel<'a> {
                 s.forward += e.forward;
                 s.backward += e.backward;
                 s.comm += e.comm;
+                s.hidden_comm += e.hidden_comm;
             }
         }
         s
@@ -775,6 +775,7 @@ impl<'a> CostModel<'a> {
             compute_s: m * (slowest.forward + slowest.backward + slowest.recompute),
             recompute_s: m * slowest.recompute,
             exposed_comm_s: m * slowest.comm,
+            overlapped_comm_s: m * slowest.hidden_comm,
             pipeline_p2p_s: p2p,
             bubble_s: bubble,
             exposed_dp_comm_s: exposed_dp,

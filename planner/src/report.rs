@@ -756,6 +756,7 @@ pub fn to_json(compiled: &Compiled) -> serde_json::Value {
                 "compute_s": e.breakdown.compute_s,
                 "recompute_s": e.breakdown.recompute_s,
                 "exposed_comm_s": e.breakdown.exposed_comm_s,
+                "overlapped_comm_s": e.breakdown.overlapped_comm_s,
                 "pipeline_p2p_s": e.breakdown.pipeline_p2p_s,
                 "bubble_s": e.breakdown.bubble_s,
                 "exposed_dp_comm_s": e.breakdown.exposed_dp_comm_s,

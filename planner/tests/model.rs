@@ -432,6 +432,16 @@ fn tensor_parallel_overlap_hides_communication_behind_gemms() {
             asynchronous.exposed_comm_s,
             ring.exposed_comm_s
         );
+        // What is hidden is accounted for: exposed plus hidden is the whole.
+        assert_eq!(none.overlapped_comm_s, 0.0);
+        for b in [&asynchronous, &ring] {
+            let whole = b.exposed_comm_s + b.overlapped_comm_s;
+            assert!(
+                (whole / none.exposed_comm_s - 1.0).abs() < 1e-9,
+                "sp {sp}: {whole} vs {}",
+                none.exposed_comm_s
+            );
+        }
         // Forward and backward move the same bytes per layer (the backward
         // collectives are the forward ones' transposes): async hides at most
         // the backward half.
