@@ -25,7 +25,7 @@ pub use error::CodegenError;
 pub use flat::{add_kernel, convert_kernel, sum_squares_kernel, SUM_SQUARES_COLS};
 pub use fuse::{fuse, fuse_cut, fuse_graph, FusedKernel, FusionPlan, KeySize, Operand, Step};
 pub use interp::{
-    binary, erf, interpret, interpret_refs, unary, unary_grad, Args, BufferRef, Data,
+    binary, erf, erf_f64, interpret, interpret_refs, unary, unary_grad, Args, BufferRef, Data,
 };
 pub use kernel::{
     draw_seed, draw_state, drop_threshold, dropout_draw, fnv1a, key_absorb, Buffer, Builder, Cond,

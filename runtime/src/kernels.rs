@@ -178,27 +178,10 @@ fn matmul(a: &Tensor, b: &Tensor, out_shape: &[usize]) -> Result<Tensor> {
 
 // ---- elementwise ----------------------------------------------------------
 
-/// erf to about 1e-7 (W. J. Cody's rational approximations via erfc), in f64.
+/// erf to about 1e-7, in f64: codegen's, so the reference and the fused
+/// kernels' interpreter share it.
 pub(crate) fn erf(x: f64) -> f64 {
-    // Numerical Recipes' erfc Chebyshev fit, fractional error below 1.2e-7.
-    let z = x.abs();
-    let t = 1.0 / (1.0 + 0.5 * z);
-    let r = t
-        * (-z * z - 1.265_512_23
-            + t * (1.000_023_68
-                + t * (0.374_091_96
-                    + t * (0.096_784_18
-                        + t * (-0.186_288_06
-                            + t * (0.278_868_07
-                                + t * (-1.135_203_98
-                                    + t * (1.488_515_87
-                                        + t * (-0.822_152_23 + t * 0.170_872_77)))))))))
-            .exp();
-    if x >= 0.0 {
-        1.0 - r
-    } else {
-        r - 1.0
-    }
+    dplc_codegen::erf_f64(x)
 }
 
 const GELU_C: f32 = 0.797_884_6;
