@@ -354,7 +354,12 @@ fn launch_cpu_processes(
         ));
     }
     let result = Prepared::from_plan(plan).and_then(|p| {
-        run::train_prepared_on(&p, train, Some(dplc_runtime::Process::Mpi(&process)))
+        run::train_prepared_on(
+            &p,
+            train,
+            Some(dplc_runtime::Process::Mpi(&process)),
+            dplc_runtime::Device::Host,
+        )
     });
     if let Err(report) = result {
         eprintln!("{report:?}");

@@ -358,23 +358,16 @@ pub fn train_on_gpus_as(
     process: Option<dplc_runtime::Process<'_>>,
 ) -> Result<()> {
     refuse_reference_on_gpus(args)?;
-    let mut p = Prepared {
-        graph: p.graph.clone(),
-        train: p.train.clone(),
-        plan: p.plan.clone(),
-        cfg: p.cfg.clone(),
-    };
-    p.cfg.compute = dplc_runtime::Compute::Fused;
-    p.cfg.device = dplc_runtime::Device::Cuda {
+    let device = dplc_runtime::Device::Cuda {
         gpus,
         dtype: dplc_runtime::gpu::storage_dtype(p.train.precision),
     };
-    train_prepared_on(&p, args, process)
+    train_prepared_on(p, args, process, device)
 }
 
 /// Train a prepared model on CPU ranks, reporting as `opts` says.
 pub fn train_prepared(p: &Prepared, args: &TrainOpts) -> Result<()> {
-    train_prepared_on(p, args, None)
+    train_prepared_on(p, args, None, dplc_runtime::Device::Host)
 }
 
 /// Train as `dplc run` does; with `process`, as that one rank of a world of
@@ -383,6 +376,7 @@ pub fn train_prepared_on(
     p: &Prepared,
     args: &TrainOpts,
     process: Option<dplc_runtime::Process<'_>>,
+    device: dplc_runtime::Device,
 ) -> Result<()> {
     if process.is_some() && args.trace.is_some() {
         return Err(miette!(
@@ -430,9 +424,12 @@ pub fn train_prepared_on(
         return Err(miette!("--timeout must be a positive number of seconds"));
     }
     cfg.timeout = std::time::Duration::from_secs_f64(args.timeout);
-    if cfg.device == dplc_runtime::Device::Host {
-        cfg.compute = args.compute.unwrap_or(ComputeArg::Reference).into();
-    }
+    // GPUs always run the fused kernels; CPU ranks what `--compute` says.
+    cfg.compute = match device {
+        dplc_runtime::Device::Host => args.compute.unwrap_or(ComputeArg::Reference).into(),
+        dplc_runtime::Device::Cuda { .. } => dplc_runtime::Compute::Fused,
+    };
+    cfg.device = device;
     if let Ok(spec) = std::env::var("DPLC_FAULT") {
         cfg.faults = fault_from_env(&spec, process.is_some())?;
     }

@@ -153,17 +153,19 @@ struct Parts {
 }
 
 impl Parts {
+    /// `d` scaled by `num / den`, which must stay a whole multiple of its symbols.
+    fn scale(d: &crate::Dim, num: u64, den: u64) -> Result<crate::Dim> {
+        Ratio::new(num as i128, den as i128)
+            .and_then(|r| d.checked_scale(r))
+            .ok_or_else(|| IrError::Invalid {
+                op: "localize",
+                detail: format!("a dimension cannot be scaled by {num}/{den}"),
+            })
+    }
+
     /// The share of a tensor of `shape` one rank holds in layout `l`.
     fn shape(&self, shape: &Shape, l: TensorLayout) -> Result<Shape> {
         let mut dims = shape.dims().to_vec();
-        let scale = |d: &crate::Dim, num: u64, den: u64| {
-            Ratio::new(num as i128, den as i128)
-                .and_then(|r| d.checked_scale(r))
-                .ok_or_else(|| IrError::Invalid {
-                    op: "localize",
-                    detail: format!("a dimension cannot be scaled by {num}/{den}"),
-                })
-        };
         let missing = |what: &str| IrError::Invalid {
             op: "localize",
             detail: format!("a tensor of rank {} has no {what}", dims.len()),
@@ -171,21 +173,22 @@ impl Parts {
         match l {
             TensorLayout::Split { axis } => {
                 let d = dims.get(axis).ok_or_else(|| missing("axis to split"))?;
-                dims[axis] = scale(d, 1, self.tp)?;
+                dims[axis] = Self::scale(d, 1, self.tp)?;
             }
             TensorLayout::Experts => {
                 if dims.len() < 2 {
                     return Err(missing("experts and capacity axes"));
                 }
-                dims[0] = scale(&dims[0], 1, self.ep)?;
-                dims[1] = scale(&dims[1], self.ep, 1)?;
+                dims[0] = Self::scale(&dims[0], 1, self.ep)?;
+                dims[1] = Self::scale(&dims[1], self.ep, 1)?;
             }
             TensorLayout::Replicated | TensorLayout::Partial => {}
         }
         Ok(Shape(dims))
     }
 
-    /// The shard of parameter `p` a rank stores.
+    /// The shard of parameter `p` a rank stores: a tensor-parallel split
+    /// like an activation's, an expert split its leading axis only.
     fn param(&self, graph: &Graph, layout: &ModelLayout, p: ParamId) -> Result<Shape> {
         let shape = &graph.param(p).shape;
         match layout.param_split(p) {
@@ -197,12 +200,7 @@ impl Parts {
                     op: "localize",
                     detail: format!("expert parameter `{}` has no axes", graph.param(p).name),
                 })?;
-                dims[0] = Ratio::new(1, self.ep as i128)
-                    .and_then(|r| d.checked_scale(r))
-                    .ok_or_else(|| IrError::Invalid {
-                        op: "localize",
-                        detail: format!("`{}` cannot split over ep", graph.param(p).name),
-                    })?;
+                dims[0] = Self::scale(d, 1, self.ep)?;
                 Ok(Shape(dims))
             }
         }

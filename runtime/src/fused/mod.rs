@@ -8,7 +8,7 @@ mod backend;
 mod program;
 
 pub use backend::{matmul_cpu, Backend, HostBackend, HostBuf, MatMul};
-pub(crate) use program::tensor_dims;
 pub use program::{
     flat_args, ChunkSpan, Executor, FusedGraph, HostSteps, ParamBufs, RegionRun, Val,
 };
+pub(crate) use program::{tensor_dims, to_backend, to_host};

@@ -441,6 +441,44 @@ pub struct ParamBufs<B: Backend> {
     pub grads: BTreeMap<ParamKey, Val<B>>,
 }
 
+/// A backend value of tensor `t` of `graph` as a host tensor of its shape
+/// (`syms` binds the symbolic dims).
+pub(crate) fn to_host<B: Backend>(
+    be: &mut B,
+    graph: &Graph,
+    syms: &[i64],
+    t: TensorId,
+    v: &Val<B>,
+) -> Result<Tensor> {
+    let dims = tensor_dims(graph, syms, t);
+    if dims.iter().product::<usize>() != v.len {
+        return Err(kernel_err(
+            "fused",
+            format!("{t} holds {} values for shape {dims:?}", v.len),
+        ));
+    }
+    Ok(match v.elem {
+        Elem::I32 => Tensor::i32(dims, be.download_i32(&v.buf, v.len)?),
+        Elem::Float | Elem::F32 => Tensor::f32(dims, be.download(&v.buf, v.elem, v.len)?),
+    })
+}
+
+/// A host tensor on the backend: floats in its storage type, indices as i32.
+pub(crate) fn to_backend<B: Backend>(be: &mut B, t: &Tensor) -> Result<Val<B>> {
+    Ok(match &t.data {
+        Data::F32(v) => Val {
+            buf: be.upload(Elem::Float, v)?,
+            elem: Elem::Float,
+            len: v.len(),
+        },
+        Data::I32(v) => Val {
+            buf: be.upload_i32(v)?,
+            elem: Elem::I32,
+            len: v.len(),
+        },
+    })
+}
+
 /// The dimensions of tensor `t` with the symbolic dims bound to `syms` (by `SymId`).
 pub(crate) fn tensor_dims(graph: &Graph, syms: &[i64], t: TensorId) -> Vec<usize> {
     graph
@@ -784,34 +822,8 @@ impl<'a> Executor<'a> {
         })
     }
 
-    /// A backend value of tensor `t` as a host tensor of its local shape.
     fn to_host<B: Backend>(&self, be: &mut B, t: TensorId, v: &Val<B>) -> Result<Tensor> {
-        let dims = self.dims(t);
-        if dims.iter().product::<usize>() != v.len {
-            return Err(kernel_err(
-                "fused",
-                format!("{t} holds {} values for shape {dims:?}", v.len),
-            ));
-        }
-        Ok(match v.elem {
-            Elem::I32 => Tensor::i32(dims, be.download_i32(&v.buf, v.len)?),
-            Elem::Float | Elem::F32 => Tensor::f32(dims, be.download(&v.buf, v.elem, v.len)?),
-        })
-    }
-
-    fn to_backend<B: Backend>(&self, be: &mut B, t: &Tensor) -> Result<Val<B>> {
-        Ok(match &t.data {
-            Data::F32(v) => Val {
-                buf: be.upload(Elem::Float, v)?,
-                elem: Elem::Float,
-                len: v.len(),
-            },
-            Data::I32(v) => Val {
-                buf: be.upload_i32(v)?,
-                elem: Elem::I32,
-                len: v.len(),
-            },
-        })
+        to_host(be, self.graph, &self.syms, t, v)
     }
 
     /// A host step forward: its inputs down, its outputs up.
@@ -829,7 +841,7 @@ impl<'a> Executor<'a> {
             .collect::<Result<_>>()?;
         let outs = self.host(node)?.forward(node, ins)?;
         for (&t, v) in n.outputs.iter().zip(&outs) {
-            let v = self.to_backend(be, v)?;
+            let v = to_backend(be, v)?;
             run.values.insert(t, v);
         }
         Ok(())
@@ -871,7 +883,7 @@ impl<'a> Executor<'a> {
         for (&t, g) in n.inputs.iter().zip(gins) {
             if let Some(g) = g {
                 if self.fused.grad.needs_grad(t) {
-                    let g = self.to_backend(be, &g)?;
+                    let g = to_backend(be, &g)?;
                     self.add_grad(be, grads, t, g)?;
                 }
             }

@@ -12,8 +12,8 @@ mod convert;
 mod device;
 mod error;
 mod launch_env;
+mod open;
 mod rendezvous;
-mod train;
 
 pub use alloc::{size_class, Allocation, CachingAllocator, MemoryStats, RawMemory};
 pub use backend::CudaBackend;
@@ -24,5 +24,5 @@ pub use convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 pub use device::{decode, driver_present, encode, DeviceBuffer, GpuDevice, GpuKernel};
 pub use error::{CodegenErrorText, GpuError, GpuResult};
 pub use launch_env::{first_slurm_host, LaunchEnv, Launcher, DEFAULT_MASTER_PORT};
+pub use open::{open_devices, storage_dtype};
 pub use rendezvous::{share_id, ID_BYTES};
-pub use train::{open_devices, storage_dtype};

@@ -19,7 +19,8 @@ use super::Shared;
 use crate::comm::Message;
 use crate::error::{kernel_err, Result, RuntimeError};
 use crate::fused::{
-    tensor_dims, Backend, ChunkSpan, Executor, FusedGraph, HostSteps, ParamBufs, RegionRun, Val,
+    tensor_dims, to_backend, to_host, Backend, ChunkSpan, Executor, FusedGraph, HostSteps,
+    ParamBufs, RegionRun, Val,
 };
 use crate::interp::{ParamAccess, ParamKey, Value};
 use crate::kernels::{self, DropoutKey, OpCtx};
@@ -273,26 +274,13 @@ impl<'a, 'b, B: Backend> Fused<'a, 'b, B> {
         })
     }
 
-    /// A host tensor of `t`'s shape from a backend value.
+    /// A host tensor of `t`'s local shape from a backend value.
     fn download(&mut self, t: TensorId, v: &Val<B>) -> Result<Tensor> {
-        let dims = tensor_dims(&self.prog.graph, &self.sh.syms, t);
-        let data = self.be.download(&v.buf, v.elem, v.len)?;
-        if dims.iter().product::<usize>() != data.len() {
-            return Err(kernel_err(
-                "fused",
-                format!("{t} holds {} values for shape {dims:?}", data.len()),
-            ));
-        }
-        Ok(Tensor::f32(dims, data))
+        to_host(&mut self.be, &self.prog.graph, &self.sh.syms, t, v)
     }
 
     fn upload(&mut self, t: &Tensor) -> Result<Val<B>> {
-        let data = t.f()?;
-        Ok(Val {
-            buf: self.be.upload(Elem::Float, data)?,
-            elem: Elem::Float,
-            len: data.len(),
-        })
+        to_backend(&mut self.be, t)
     }
 
     /// The tensors a pipeline message carries, in order: the repeat's

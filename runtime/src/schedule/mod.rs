@@ -495,8 +495,9 @@ pub fn train(
     train_on(graph, spec, cfg, data, steps, seed, None, on_step)
 }
 
-/// Train as the one rank `process.rank()` of a world of processes (mpirun),
-/// the other ranks reached over MPI. The collectives sum the same
+/// Train as the one rank `process.rank()` of a world of processes (mpirun,
+/// or a launcher whose ranks meet over TCP), the other ranks reached
+/// through its transport. The collectives sum the same
 /// contributions in the same group order as the threaded run, so the losses
 /// equal `train`'s bit for bit. `on_step` sees every step on rank 0 only; the
 /// report's parameters are the parts this rank holds.
