@@ -378,11 +378,6 @@ pub fn train_prepared_on(
     process: Option<dplc_runtime::Process<'_>>,
     device: dplc_runtime::Device,
 ) -> Result<()> {
-    if process.is_some() && args.trace.is_some() {
-        return Err(miette!(
-            "--trace records the ranks of one process; it is not implemented for ranks in separate processes"
-        ));
-    }
     // Only rank 0 speaks for a world of processes.
     let quiet = process.is_some_and(|p| p.rank() != 0);
     let steps = args.steps.or(p.train.steps).unwrap_or(100);

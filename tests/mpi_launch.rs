@@ -128,6 +128,53 @@ mod with_mpi {
         }
     }
 
+    /// Processes save checkpoints into one directory (each its shard, rank
+    /// 0 the manifest) that threads resume bit for bit, and `--trace`
+    /// gathers every process's spans into rank 0's file.
+    #[test]
+    fn processes_checkpoint_and_trace_as_threads_do() {
+        if !mpirun_present() {
+            return;
+        }
+        let dir = build("ckpt", "dp=2,pp=2,mb=1");
+        let (ckpt, trace) = (tmp("ckpt-dir"), tmp("trace.json"));
+        let (ckpt_s, trace_s) = (ckpt.to_str().unwrap(), trace.to_str().unwrap());
+        let whole = launch(&dir, &["--steps", "4", "--seed", "3", "--json"], &[]);
+        assert!(whole.status.success(), "{}", text(&whole));
+        let args = ["--steps", "2", "--seed", "3", "--json"];
+        let saved = mpirun(
+            &dir,
+            &[&args[..], &["--checkpoint-dir", ckpt_s, "--trace", trace_s]].concat(),
+            &[],
+        );
+        assert!(saved.status.success(), "{}", text(&saved));
+        let resumed = launch(&dir, &["--steps", "4", "--json", "--resume", ckpt_s], &[]);
+        assert!(resumed.status.success(), "{}", text(&resumed));
+        let (a, b) = (losses(&whole.stdout), losses(&resumed.stdout));
+        assert_eq!(a.len(), 4, "{}", text(&whole));
+        assert_eq!(a[2..], b[..], "resumed from the processes' checkpoint");
+        let events: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&trace).expect("the trace file"))
+                .expect("trace JSON");
+        let events = events
+            .get("traceEvents")
+            .unwrap_or(&events)
+            .as_array()
+            .expect("an array of events")
+            .clone();
+        let mut ranks: Vec<u64> = events
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["name"].as_str().is_some_and(|n| n.contains("forward")))
+            .filter_map(|e| e["tid"].as_u64())
+            .collect();
+        ranks.sort_unstable();
+        ranks.dedup();
+        assert_eq!(ranks, [0, 1, 2, 3], "every process's forwards in the trace");
+        for d in [&dir, &ckpt] {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+
     #[test]
     fn a_dead_or_hung_rank_ends_the_job_within_the_timeout() {
         if !mpirun_present() {

@@ -329,15 +329,27 @@ fn free_port() -> u16 {
 /// Train `cfg` as one process per rank meeting over TCP (here threads, each
 /// with its own world and connection, as separate processes would have).
 fn run_over_tcp(g: &dplc_ir::Graph, cfg: RunConfig) -> Vec<Result<TrainReport>> {
-    let data = Corpus::synthetic(7, 32, 4096);
-    let s = spec(8, cfg.global_batch() as u64);
-    let port = free_port();
     let n = cfg.world_size();
+    run_over_tcp_each(g, n, STEPS, |_| cfg.clone())
+}
+
+/// Train `steps` steps as `n` processes over TCP, rank `r` with
+/// `cfg_of(r)` (its own trace sink, as a process has).
+fn run_over_tcp_each(
+    g: &dplc_ir::Graph,
+    n: usize,
+    steps: u64,
+    cfg_of: impl Fn(usize) -> RunConfig + Sync,
+) -> Vec<Result<TrainReport>> {
+    let data = Corpus::synthetic(7, 32, 4096);
+    let port = free_port();
     std::thread::scope(|sc| {
         let handles: Vec<_> = (0..n)
             .map(|rank| {
-                let (cfg, data, s) = (&cfg, &data, &s);
+                let (cfg_of, data) = (&cfg_of, &data);
                 sc.spawn(move || {
+                    let cfg = cfg_of(rank);
+                    let s = spec(8, cfg.global_batch() as u64);
                     let p = TcpProcess::join(
                         rank,
                         n,
@@ -345,7 +357,7 @@ fn run_over_tcp(g: &dplc_ir::Graph, cfg: RunConfig) -> Vec<Result<TrainReport>> 
                         port,
                         std::time::Duration::from_secs(20),
                     )?;
-                    train_process(g, s, cfg, data, STEPS, 42, Process::Tcp(&p), |_| {})
+                    train_process(g, &s, &cfg, data, steps, 42, Process::Tcp(&p), |_| {})
                 })
             })
             .collect();
@@ -354,6 +366,78 @@ fn run_over_tcp(g: &dplc_ir::Graph, cfg: RunConfig) -> Vec<Result<TrainReport>> 
             .map(|h| h.join().expect("a rank thread"))
             .collect()
     })
+}
+
+/// Ranks in separate processes save checkpoints (each its shard, rank 0 the
+/// manifest) that resume bit for bit over TCP and in one process, and their
+/// trace spans reach rank 0.
+#[test]
+fn ranks_over_tcp_checkpoint_resume_and_trace() {
+    let g = Gpt::default().build();
+    let dir = std::env::temp_dir().join(format!("dplc-tcp-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let base = RunConfig {
+        dp: 2,
+        pp: 2,
+        micro_batch: 1,
+        num_micro_batches: 2,
+        zero: ZeroStage::One,
+        ..RunConfig::default()
+    };
+    let whole = run(&g, base.clone()).unwrap();
+    let n = base.world_size();
+    let saving = |_| RunConfig {
+        checkpoint: Some(CheckpointConfig {
+            dir: dir.clone(),
+            every: 2,
+        }),
+        trace: TraceSink::recording(),
+        ..base.clone()
+    };
+    let sinks: Vec<RunConfig> = (0..n).map(saving).collect();
+    let reports: Vec<TrainReport> = run_over_tcp_each(&g, n, STEPS, |r| sinks[r].clone())
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|e| panic!("saving over TCP: {e}")))
+        .collect();
+    assert_eq!(reports[0].checkpoints.len(), 3, "steps 2, 4 and the end");
+    let spans = sinks[0].trace.spans();
+    for rank in 0..n {
+        for kind in ["forward", "backward", "step"] {
+            let steps: std::collections::BTreeSet<u64> = spans
+                .iter()
+                .filter(|s| s.rank == rank && s.kind == kind)
+                .map(|s| s.step)
+                .collect();
+            assert_eq!(steps.len() as u64, STEPS, "rank {rank}'s {kind} spans");
+        }
+    }
+    assert!(spans
+        .iter()
+        .all(|s| s.start_us >= 0.0 && s.duration_us >= 0.0));
+    let from = reports[0].checkpoints[0].clone();
+    let bits = |r: &TrainReport| -> Vec<(u64, u64)> {
+        r.steps.iter().map(|s| (s.step, s.loss.to_bits())).collect()
+    };
+    let tail: Vec<(u64, u64)> = bits(&whole).split_off(2);
+    let resumed = run_over_tcp_each(&g, n, STEPS, |_| RunConfig {
+        resume_from: Some(from.clone()),
+        ..base.clone()
+    })
+    .into_iter()
+    .next()
+    .expect("rank 0")
+    .unwrap_or_else(|e| panic!("resuming over TCP: {e}"));
+    assert_eq!(bits(&resumed), tail, "resumed over TCP");
+    let here = run(
+        &g,
+        RunConfig {
+            resume_from: Some(from),
+            ..base.clone()
+        },
+    )
+    .unwrap();
+    assert_eq!(bits(&here), tail, "resumed in one process");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Ranks in separate processes without MPI, meeting over TCP (as a

@@ -407,6 +407,9 @@ struct Shared<'a> {
     layouts: Option<Layouts>,
     /// When the run started: trace spans count from here.
     started: Instant,
+    /// Whether the other ranks live in other processes (their trace spans
+    /// are gathered to rank 0 at the end).
+    remote: bool,
     /// The checkpoint the run starts from, verified and unsharded.
     resume: Option<Resume>,
     /// Completed steps before this run (the checkpoint's step, else 0).
@@ -500,7 +503,11 @@ pub fn train(
 /// through its transport. The collectives sum the same
 /// contributions in the same group order as the threaded run, so the losses
 /// equal `train`'s bit for bit. `on_step` sees every step on rank 0 only; the
-/// report's parameters are the parts this rank holds.
+/// report's parameters are the parts this rank holds. Checkpoints work as in
+/// one process — every rank writes its own shard file and rank 0 the
+/// manifest — so `cfg.checkpoint.dir` must be one directory every process
+/// sees (one machine, or a shared filesystem). A recording `cfg.trace` ends
+/// up holding every rank's spans in rank 0's process.
 #[allow(clippy::too_many_arguments)]
 pub fn train_process(
     graph: &Graph,
@@ -518,11 +525,6 @@ pub fn train_process(
             cfg.world_size(),
             process.size()
         )));
-    }
-    if cfg.checkpoint.is_some() || cfg.resume_from.is_some() {
-        return Err(RuntimeError::Unsupported(
-            "checkpoints of ranks in separate processes are not implemented yet".into(),
-        ));
     }
     train_on(graph, spec, cfg, data, steps, seed, Some(process), on_step)
 }
@@ -666,6 +668,7 @@ fn train_on(
         tied,
         layouts,
         started: Instant::now(),
+        remote: process.is_some(),
         resume: None,
         start_step: 0,
         sample_base: 0,
@@ -1046,6 +1049,14 @@ fn run_rank(
     };
     let work = schedule(cfg.schedule, stage, cfg.pp, cfg.num_micro_batches);
     let world = Group::new((0..cfg.world_size()).collect());
+    // Each process has its own clock: traced ranks in separate processes
+    // count from a barrier they leave together (to within one message).
+    let t0 = if sh.remote && cfg.trace.is_on() {
+        r.store.comm.all_reduce(&world, &mut [0.0])?;
+        Instant::now()
+    } else {
+        sh.started
+    };
     let mut done = sh.start_step;
     let mut saved = None;
     for step in sh.start_step..steps {
@@ -1095,7 +1106,7 @@ fn run_rank(
             kind,
             micro_batch: micro,
             chunk,
-            start_us: from.duration_since(sh.started).as_secs_f64() * 1e6,
+            start_us: from.duration_since(t0).as_secs_f64() * 1e6,
             duration_us: from.elapsed().as_secs_f64() * 1e6,
         };
         for &w in &work {
@@ -1136,6 +1147,9 @@ fn run_rank(
     if cfg.checkpoint.is_some() && done > sh.start_step && saved != Some(done) {
         r.save(done)?;
     }
+    if sh.remote && cfg.trace.is_on() {
+        gather_trace(&mut r.store.comm, cfg)?;
+    }
     let exported = r.store.export()?;
     let out = |exported| RankOut {
         stage,
@@ -1159,6 +1173,64 @@ fn run_rank(
             Exported { key, value, part }
         })
         .collect()))
+}
+
+/// The kinds of span a trace records, by their index on the wire.
+const SPAN_KINDS: [&str; 3] = ["forward", "backward", "step"];
+
+/// Send every rank's trace spans to rank 0 (each process's sink holds only
+/// its own rank's), which adds them to its sink. A span travels as eight
+/// f32s; its times as two each (the value and what `f32` rounding left), so
+/// microseconds survive hours of run.
+fn gather_trace(comm: &mut Communicator, cfg: &RunConfig) -> Result<()> {
+    let split = |x: f64| {
+        let hi = x as f32;
+        [hi, (x - f64::from(hi)) as f32]
+    };
+    let mine: Vec<f32> = cfg
+        .trace
+        .spans()
+        .iter()
+        .filter(|s| s.rank == comm.rank())
+        .flat_map(|s| {
+            let kind = SPAN_KINDS.iter().position(|k| *k == s.kind).unwrap_or(0);
+            let [s0, s1] = split(s.start_us);
+            let [d0, d1] = split(s.duration_us);
+            [
+                s.step as f32,
+                kind as f32,
+                s.micro_batch as f32,
+                s.chunk as f32,
+                s0,
+                s1,
+                d0,
+                d1,
+            ]
+        })
+        .collect();
+    let world = Group::new((0..cfg.world_size()).collect());
+    let all = comm.all_gather(&world, &mine)?;
+    if comm.rank() != 0 {
+        return Ok(());
+    }
+    for (rank, spans) in all.iter().enumerate().skip(1) {
+        let at = Coords::of(rank, cfg);
+        for s in spans.chunks_exact(8) {
+            cfg.trace.push(TraceSpan {
+                rank,
+                stage: at.stage,
+                dp_index: at.dp_index,
+                tp_index: at.tp_index,
+                step: s[0] as u64,
+                kind: SPAN_KINDS[(s[1] as usize).min(SPAN_KINDS.len() - 1)],
+                micro_batch: s[2] as usize,
+                chunk: s[3] as usize,
+                start_us: f64::from(s[4]) + f64::from(s[5]),
+                duration_us: f64::from(s[6]) + f64::from(s[7]),
+            });
+        }
+    }
+    Ok(())
 }
 
 impl<'a, 'b> Rank<'a, 'b> {
