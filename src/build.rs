@@ -60,14 +60,58 @@ fn write(dir: &Path, rel: &str, bytes: &[u8], files: &mut Vec<FileEntry>) -> Res
             .into_diagnostic()
             .wrap_err_with(|| format!("cannot create {}", parent.display()))?;
     }
-    std::fs::write(&path, bytes)
-        .into_diagnostic()
-        .wrap_err_with(|| format!("cannot write {}", path.display()))?;
+    crate::output::write(&path, bytes, &[])?;
     files.push(FileEntry {
         path: rel.to_string(),
         bytes: bytes.len() as u64,
         fnv1a64: format!("{:016x}", fnv1a(bytes)),
     });
+    Ok(())
+}
+
+/// `build -o DIR` writes into DIR only if it is new, empty, or an earlier
+/// artifact (it has a manifest): a directory of other files — `/`, a home,
+/// the models — is never written into.
+fn check_output_dir(dir: &Path, inputs: &[&Path]) -> Result<()> {
+    let meta = match std::fs::metadata(dir) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => {
+            return Err(e)
+                .into_diagnostic()
+                .wrap_err_with(|| format!("cannot use {} for the artifact", dir.display()))
+        }
+    };
+    if !meta.is_dir() {
+        return Err(miette!(
+            help = "name a new directory for the artifact",
+            "{} exists and is not a directory",
+            dir.display()
+        ));
+    }
+    let mut entries = std::fs::read_dir(dir)
+        .into_diagnostic()
+        .wrap_err_with(|| format!("cannot read {}", dir.display()))?;
+    if entries.next().is_some() && !dir.join(MANIFEST).is_file() {
+        return Err(miette!(
+            help = "name a new or empty directory, or an artifact `dplc build` wrote before",
+            "{} is not empty and is not a dplc artifact (it has no {MANIFEST}); dplc will not write into it",
+            dir.display()
+        ));
+    }
+    for input in inputs {
+        if input
+            .parent()
+            .is_some_and(|p| crate::output::same_file(p, dir))
+        {
+            return Err(miette!(
+                help = "name a new directory for the artifact",
+                "{} holds {}, an input of this build",
+                dir.display(),
+                input.display()
+            ));
+        }
+    }
     Ok(())
 }
 
@@ -93,9 +137,20 @@ pub fn build(args: &BuildArgs) -> Result<()> {
     let (compiled, lowered) = compile::plan(&args.plan, 0, |_| Ok(()))?;
     let plan = compiled.plan;
     let dir = &args.output;
+    check_output_dir(dir, &args.plan.inputs())?;
     std::fs::create_dir_all(dir)
         .into_diagnostic()
         .wrap_err_with(|| format!("cannot create {}", dir.display()))?;
+    // An earlier artifact stops being one while its files are replaced: the
+    // new manifest, written last, makes the directory whole again.
+    match std::fs::remove_file(dir.join(MANIFEST)) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(e)
+                .into_diagnostic()
+                .wrap_err_with(|| format!("cannot replace the artifact in {}", dir.display()))
+        }
+        _ => {}
+    }
     let mut files = Vec::new();
     let exe = std::env::current_exe()
         .and_then(std::fs::read)
@@ -145,14 +200,10 @@ pub fn build(args: &BuildArgs) -> Result<()> {
     let run_md = run_md(&plan, &manifest, dir);
     // RUN.md is documentation, not checked; the manifest goes last so that a
     // directory with a manifest is a complete artifact.
-    std::fs::write(dir.join("RUN.md"), run_md)
-        .into_diagnostic()
-        .wrap_err("cannot write RUN.md")?;
+    crate::output::write(&dir.join("RUN.md"), run_md.as_bytes(), &[])?;
     let json = serde_json::to_string_pretty(&manifest).expect("the manifest serialises");
-    std::fs::write(dir.join(MANIFEST), json + "\n")
-        .into_diagnostic()
-        .wrap_err("cannot write the manifest")?;
-    println!(
+    crate::output::write(&dir.join(MANIFEST), (json + "\n").as_bytes(), &[])?;
+    outln!(
         "built {} for {} in {}: the executable, plan.ron{}, {MANIFEST}, RUN.md",
         plan.model,
         plan.cluster.name,
@@ -248,9 +299,45 @@ fn check(dir: &Path) -> Result<Manifest> {
     Ok(m)
 }
 
+/// The manifest and the plan must describe the same run: hashes only say
+/// the files are as the manifest lists them, and a manifest rewritten over
+/// another plan would otherwise train another model or another world.
+fn agree(m: &Manifest, plan: &Plan, dir: &Path) -> Result<()> {
+    let backend = if is_cpu(plan) { "cpu" } else { "gpu" };
+    let mismatch = [
+        ("model", m.model.clone(), plan.model.clone()),
+        ("cluster", m.cluster.clone(), plan.cluster.name.clone()),
+        (
+            "world size",
+            m.world_size.to_string(),
+            world_size(plan).to_string(),
+        ),
+        ("backend", m.backend.clone(), backend.to_string()),
+    ]
+    .into_iter()
+    .find(|(_, a, b)| a != b);
+    if let Some((what, manifest, planned)) = mismatch {
+        return Err(miette!(
+            help = "rebuild the artifact with `dplc build`",
+            "{}: the manifest's {what} is {manifest}, but plan.ron's is {planned}",
+            dir.display()
+        ));
+    }
+    if m.format != 1 {
+        return Err(miette!(
+            help = "rebuild the artifact with this dplc",
+            "{}: manifest format {} (this dplc reads format 1)",
+            dir.display(),
+            m.format
+        ));
+    }
+    Ok(())
+}
+
 pub fn launch(args: &LaunchArgs) -> Result<()> {
     let m = check(&args.dir)?;
     let plan = read_plan(&args.dir.join("plan.ron"))?;
+    agree(&m, &plan, &args.dir)?;
     let env = if m.backend == "cpu" {
         // CPU ranks meet through MPI, not through a rendezvous at MASTER_ADDR.
         LaunchEnv::from_vars(|k| {
@@ -306,7 +393,7 @@ pub fn launch(args: &LaunchArgs) -> Result<()> {
             env.local_rank
         ));
     }
-    let timeout = std::time::Duration::from_secs_f64(args.train.timeout.max(1.0));
+    let timeout = args.train.timeout()?.max(std::time::Duration::from_secs(1));
     let process = dplc_runtime::TcpProcess::join(
         env.rank,
         env.world_size,
@@ -362,7 +449,7 @@ fn launch_cpu_processes(
         )
     });
     if let Err(report) = result {
-        eprintln!("{report:?}");
+        note!("{report:?}");
         process.abort(1);
     }
     Ok(())

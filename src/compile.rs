@@ -33,6 +33,13 @@ pub struct PlanArgs {
     pub seq: Option<u64>,
 }
 
+impl PlanArgs {
+    /// The files this command reads: outputs may not be written over them.
+    pub fn inputs(&self) -> Vec<&Path> {
+        vec![self.file.as_path(), Path::new(&self.cluster)]
+    }
+}
+
 #[derive(clap::Args)]
 pub struct Args {
     #[command(flatten)]
@@ -168,16 +175,13 @@ pub fn plan(
     Ok((compiled, lowered))
 }
 
-/// Write `plan` as RON, atomically: a reader never sees half a plan.
-pub fn write_plan(plan: &Plan, path: &Path) -> Result<()> {
+/// Write `plan` as RON under dplc's output rule (`output::write`: atomic,
+/// never over one of `inputs`).
+pub fn write_plan(plan: &Plan, path: &Path, inputs: &[&Path]) -> Result<()> {
     let text = ron::ser::to_string_pretty(plan, ron::ser::PrettyConfig::default())
         .into_diagnostic()
         .wrap_err("cannot serialise the plan")?;
-    let tmp = path.with_extension("ron.partial");
-    std::fs::write(&tmp, text + "\n")
-        .and_then(|()| std::fs::rename(&tmp, path))
-        .into_diagnostic()
-        .wrap_err_with(|| format!("cannot write {}", path.display()))
+    crate::output::write(path, (text + "\n").as_bytes(), inputs)
 }
 
 /// Read a plan file written by `dplc compile -o`.
@@ -198,26 +202,26 @@ pub fn run(args: &Args) -> Result<()> {
     let (compiled, _) = plan(&args.plan, args.top, |_| Ok(()))?;
     let compiled = &compiled;
     if let Some(path) = &args.output {
-        write_plan(&compiled.plan, path)?;
+        write_plan(&compiled.plan, path, &args.plan.inputs())?;
     }
     if args.json {
         let mut v = dplc_planner::to_json(compiled);
         if args.verbose {
             v["layouts"] = serde_json::to_value(&compiled.layouts).into_diagnostic()?;
         }
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&v).expect("JSON values serialise")
         );
         return Ok(());
     }
-    print!("{}", dplc_planner::summary(compiled));
+    out!("{}", dplc_planner::summary(compiled));
     if args.verbose {
-        print!("{}", dplc_planner::layouts_summary(compiled));
+        out!("{}", dplc_planner::layouts_summary(compiled));
     }
     match &args.output {
-        Some(path) => println!("  wrote     {}", path.display()),
-        None => println!("  (add -o plan.ron to write the plan for explain, viz and run)"),
+        Some(path) => outln!("  wrote     {}", path.display()),
+        None => outln!("  (add -o plan.ron to write the plan for explain, viz and run)"),
     }
     Ok(())
 }

@@ -1,6 +1,8 @@
 //! The `dplc` command line: parse arguments, run one command, render errors
 //! with miette (source line, caret, hint) and exit non-zero on failure.
 
+#[macro_use]
+mod output;
 mod build;
 mod compile;
 mod explain;
@@ -65,7 +67,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(report) => {
-            eprintln!("{report:?}");
+            note!("{report:?}");
             ExitCode::FAILURE
         }
     }
@@ -76,7 +78,7 @@ fn check(file: &std::path::Path) -> miette::Result<()> {
     unit.check()?;
     let models = unit.model_names();
     let clusters = unit.clusters()?;
-    println!(
+    outln!(
         "{}: ok ({} model{}, {} cluster{})",
         file.display(),
         models.len(),

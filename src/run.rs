@@ -3,7 +3,7 @@
 
 use crate::compile::{self, PlanArgs};
 use dplc_runtime::{Corpus, RunConfig, StepStats, StopFlag, TokenFormat};
-use miette::{miette, Result};
+use miette::{miette, Result, WrapErr};
 use serde_json::json;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -63,6 +63,25 @@ pub struct TrainOpts {
     /// CPU ranks; GPUs always run fused.
     #[arg(long, value_enum)]
     pub compute: Option<ComputeArg>,
+    /// Skip up to N steps whose loss or gradient norm is NaN or infinite
+    /// (their gradients dropped, as Megatron does); one more stops the run.
+    /// By default the first such step stops it, naming the step.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub skip_nonfinite: u64,
+}
+
+impl TrainOpts {
+    /// `--timeout` as a duration. A day is longer than any wait for a live
+    /// peer; past it the deadline arithmetic would overflow.
+    pub fn timeout(&self) -> Result<std::time::Duration> {
+        if !(self.timeout.is_finite() && self.timeout > 0.0 && self.timeout <= 86_400.0) {
+            return Err(miette!(
+                "--timeout must be a positive number of seconds, at most 86400 (a day); got {}",
+                self.timeout
+            ));
+        }
+        Ok(std::time::Duration::from_secs_f64(self.timeout))
+    }
 }
 
 /// `--compute`: which compute backend runs the stages.
@@ -193,7 +212,7 @@ pub fn corpus(data: Option<&Path>, graph: &dplc_ir::Graph, seed: u64) -> Result<
 fn fault_from_env(spec: &str, processes: bool) -> Result<dplc_runtime::Faults> {
     let bad = || {
         miette!(
-            help = "write kill:RANK:STEP, panic:RANK:STEP, stall:RANK:STEP or \
+            help = "write kill:RANK:STEP, panic:RANK:STEP, stall:RANK:STEP, nan:RANK:STEP or \
                     checkpoint-kill:RANK:STEP, e.g. DPLC_FAULT=stall:1:3",
             "cannot read DPLC_FAULT=`{spec}`"
         )
@@ -214,6 +233,7 @@ fn fault_from_env(spec: &str, processes: bool) -> Result<dplc_runtime::Faults> {
         "kill" => f.fail_rank_at = at,
         "panic" => f.panic_rank_at = at,
         "stall" => f.stall_rank_at = at,
+        "nan" => f.nan_grad_at = at,
         // Dies after writing its shard of step STEP's checkpoint, before the
         // manifest: the previous checkpoint must stay the latest.
         "checkpoint-kill" => {
@@ -228,25 +248,33 @@ fn fault_from_env(spec: &str, processes: bool) -> Result<dplc_runtime::Faults> {
     Ok(f)
 }
 
-/// Ctrl-C sets the flag once; a second Ctrl-C ends the process as usual.
+/// Ctrl-C, SIGTERM (a scheduler's stop, `kill`) and SIGHUP (a closed
+/// terminal) all stop every rank at the step boundary, which saves a
+/// checkpoint and says where; the same signal again ends the process as
+/// usual. A reader that goes away (`| head`) is an error on the next write,
+/// not SIGPIPE's silent death, so the run still stops and saves.
 #[cfg(unix)]
 fn install_interrupt(flag: &StopFlag) {
     use std::sync::OnceLock;
     static FLAG: OnceLock<StopFlag> = OnceLock::new();
-    extern "C" fn on_sigint(_: libc::c_int) {
+    const STOPS: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
+    extern "C" fn on_stop(sig: libc::c_int) {
         if let Some(f) = FLAG.get() {
             f.stop();
         }
         // SAFETY: restoring the default disposition is async-signal-safe.
         unsafe {
-            libc::signal(libc::SIGINT, libc::SIG_DFL);
+            libc::signal(sig, libc::SIG_DFL);
         }
     }
     if FLAG.set(flag.clone()).is_ok() {
         // SAFETY: the handler only stores to an atomic and calls `signal`,
-        // both async-signal-safe.
+        // both async-signal-safe; SIG_IGN is a valid disposition for SIGPIPE.
         unsafe {
-            libc::signal(libc::SIGINT, on_sigint as *const () as libc::sighandler_t);
+            for sig in STOPS {
+                libc::signal(sig, on_stop as *const () as libc::sighandler_t);
+            }
+            libc::signal(libc::SIGPIPE, libc::SIG_IGN);
         }
     }
 }
@@ -281,13 +309,17 @@ fn describe(plan: &dplc_ir::Plan) -> String {
 
 /// One step as the JSON line `--json` prints, on CPU ranks and GPUs alike.
 fn step_json(st: &StepStats) -> serde_json::Value {
-    json!({
+    let mut v = json!({
         "step": st.step,
         "loss": st.loss,
         "lr": st.lr,
         "grad_norm": st.grad_norm,
         "tokens_per_s": st.tokens_per_s,
-    })
+    });
+    if st.skipped {
+        v["skipped"] = json!(true);
+    }
+    v
 }
 
 fn progress(st: &StepStats, steps: u64, from: u64, started: Instant, tty: bool) {
@@ -320,7 +352,7 @@ pub fn run(args: &Args) -> Result<()> {
         return train_on_gpus(&p, &args.train);
     }
     if let Some(path) = &args.save_plan {
-        compile::write_plan(&p.plan, path)?;
+        compile::write_plan(&p.plan, path, &args.plan.inputs())?;
     }
     train_prepared(&p, &args.train)
 }
@@ -415,10 +447,8 @@ pub fn train_prepared_on(
     data.check(p.train.seq as usize, Some(vocab_of(&p.graph)))
         .map_err(|e| miette!("{e}"))?;
     let mut cfg = p.cfg.clone();
-    if !(args.timeout.is_finite() && args.timeout > 0.0) {
-        return Err(miette!("--timeout must be a positive number of seconds"));
-    }
-    cfg.timeout = std::time::Duration::from_secs_f64(args.timeout);
+    cfg.timeout = args.timeout()?;
+    cfg.skip_nonfinite = args.skip_nonfinite;
     // GPUs always run the fused kernels; CPU ranks what `--compute` says.
     cfg.compute = match device {
         dplc_runtime::Device::Host => args.compute.unwrap_or(ComputeArg::Reference).into(),
@@ -450,12 +480,15 @@ pub fn train_prepared_on(
     if let Some(ck) = &resume {
         cfg.resume_from = Some(ck.dir().to_path_buf());
         if !args.json {
-            eprintln!(
-                "resuming from {} at step {} (saved under {}, seed {})",
+            note!(
+                "resuming from {} at step {} (saved under {}, seed {}{})",
                 ck.dir().display(),
                 ck.step(),
                 ck.split(),
-                ck.seed()
+                ck.seed(),
+                ck.run_id()
+                    .map(|r| format!(", run {r}"))
+                    .unwrap_or_default()
             );
         }
     }
@@ -467,7 +500,7 @@ pub fn train_prepared_on(
         }
     };
     if !args.json && !quiet {
-        eprintln!(
+        note!(
             "training {} on {ranks}: {}; seq {}, global batch {}, {steps} steps",
             p.plan.model,
             describe(&p.plan),
@@ -486,6 +519,14 @@ pub fn train_prepared_on(
                 cfg.stop.stop();
             }
         } else {
+            if st.skipped {
+                note!(
+                    "\nstep {}: the loss is {} and the gradient norm {}: step skipped (--skip-nonfinite)",
+                    st.step,
+                    st.loss,
+                    st.grad_norm
+                );
+            }
             progress(st, steps, from, started, tty);
         }
     };
@@ -502,8 +543,10 @@ pub fn train_prepared_on(
     let elapsed = started.elapsed().as_secs_f64();
     if let Some(path) = &args.trace {
         let trace = crate::viz::measured_trace(&p.plan, &cfg.trace.spans());
-        std::fs::write(path, trace.to_string())
-            .map_err(|e| miette!("cannot write the trace {}: {e}", path.display()))?;
+        let mut inputs = vec![Path::new(&p.plan.source.file)];
+        inputs.extend(args.data.as_deref());
+        crate::output::write(path, trace.to_string().as_bytes(), &inputs)
+            .wrap_err("cannot write the trace")?;
     }
     let done = report.steps.len() as u64;
     let first = report.steps.first().map_or(f64::NAN, |s| s.loss);
@@ -537,19 +580,19 @@ pub fn train_prepared_on(
             // workspaces, which the allocator's peak does not count.
             summary["predicted_memory"] = json!(p.plan.stages.first().map(|s| &s.memory));
         }
-        let _ = writeln!(std::io::stdout(), "{summary}");
+        outln!("{summary}");
     } else {
         if tty && report.interrupted {
-            eprintln!();
+            note!("");
         }
-        eprintln!(
+        note!(
             "{} steps in {elapsed:.1}s ({:.0} tok/s): loss {first:.4} → {last:.4}",
             done,
             tokens / elapsed.max(1e-9)
         );
         if let Some(d) = &report.device {
             let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-            eprintln!(
+            note!(
                 "on {}: peak device memory {:.2} GiB (the plan predicted {:.2} GiB); {} kernels",
                 d.name,
                 gib(d.peak_bytes),
@@ -558,7 +601,7 @@ pub fn train_prepared_on(
             );
         }
         if let Some(last) = report.checkpoints.last() {
-            eprintln!("checkpoint saved: {}", last.display());
+            note!("checkpoint saved: {}", last.display());
         }
     }
     if report.interrupted {

@@ -299,6 +299,17 @@ fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
+/// A manifest as version 1 wrote it (no run, no checksum of its own): the
+/// checks behind the checksum still guard those.
+fn as_version_1(text: &str) -> String {
+    let mut v: serde_json::Value = serde_json::from_str(text).expect("JSON");
+    let m = v.as_object_mut().expect("an object");
+    m.remove("checksum");
+    m.remove("run");
+    m.insert("version".into(), serde_json::json!(1));
+    v.to_string()
+}
+
 #[test]
 fn corrupted_checkpoints_are_refused_by_name() {
     let dir = Scratch::new("corrupt");
@@ -307,7 +318,7 @@ fn corrupted_checkpoints_are_refused_by_name() {
     let good = dir.0.join("step-000002");
     let shard = |d: &Path| d.join("rank-00001.safetensors");
     type Damage = fn(&Path);
-    let cases: [(&str, Damage, &str); 6] = [
+    let cases: [(&str, Damage, &str); 7] = [
         (
             "flip",
             |p| {
@@ -345,7 +356,8 @@ fn corrupted_checkpoints_are_refused_by_name() {
             |p| {
                 let m = p.with_file_name("manifest.json");
                 let t = std::fs::read_to_string(&m).expect("read");
-                std::fs::write(&m, t.replace("rank-00001", "../rank-00001")).expect("write");
+                let t = as_version_1(&t.replace("rank-00001", "../rank-00001"));
+                std::fs::write(&m, t).expect("write");
             },
             "which is not a file name",
         ),
@@ -357,9 +369,20 @@ fn corrupted_checkpoints_are_refused_by_name() {
                 let mut v: serde_json::Value = serde_json::from_str(&t).expect("JSON");
                 let files = v["files"].as_array_mut().expect("files");
                 files.retain(|f| f["rank"] != 1);
-                std::fs::write(&m, v.to_string()).expect("write");
+                std::fs::write(&m, as_version_1(&v.to_string())).expect("write");
             },
             "are in no file",
+        ),
+        (
+            "manifest-edited",
+            |p| {
+                let m = p.with_file_name("manifest.json");
+                let t = std::fs::read_to_string(&m).expect("read");
+                let mut v: serde_json::Value = serde_json::from_str(&t).expect("JSON");
+                v["rng"]["seed"] = serde_json::json!(12345);
+                std::fs::write(&m, serde_json::to_string_pretty(&v).unwrap()).expect("write");
+            },
+            "was changed after it was written",
         ),
     ];
     for (name, damage, says) in cases {
@@ -557,4 +580,65 @@ fn dplc_run_saves_and_resumes() {
         !out.status.success() && err.contains("was trained with seed 3"),
         "{err}"
     );
+}
+
+/// A directory a run saves into is that run's until it ends: a second run
+/// is refused, naming the holder. The lock is the OS's, so it dies with a
+/// crashed run, and the directory is free again once the first run ends.
+#[test]
+fn a_second_run_on_a_checkpoint_directory_is_refused() {
+    let dir = Scratch::new("lock");
+    let cfg = saving(&dp2_zero1(), &dir.0, 0);
+    let (go, wait) = std::sync::mpsc::channel::<()>();
+    std::thread::scope(|s| {
+        let cfg = &cfg;
+        let first = s.spawn(move || {
+            let unit = dplc_frontend::parse("tiny.dpl", TINY).expect("parses");
+            let lowered = unit.lower("gpt_tiny").expect("lowers");
+            let mut spec = lowered.train;
+            spec.seq = 16;
+            spec.global_batch = cfg.global_batch() as u64;
+            spec.optimizer = Opt::AdamW.optimizer();
+            let data = Corpus::synthetic(5, 256, 1 << 14);
+            let cfg = with_layout(&lowered.graph, cfg);
+            // Hold the run (and its lock) at its first step until the
+            // second run has been turned away.
+            train(&lowered.graph, &spec, &cfg, &data, 2, SEED, |_| {
+                let _ = wait.recv();
+            })
+        });
+        // The first run holds the directory once its lock file names it.
+        let lock = dir.0.join(".dplc-lock");
+        while std::fs::read_to_string(&lock).map_or(true, |t| t.is_empty()) {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let e = try_run("gpt_tiny", cfg, 2, Opt::AdamW).expect_err("refused");
+        assert!(
+            e.to_string()
+                .contains("is being written by another run (run "),
+            "{e}"
+        );
+        drop(go);
+        first
+            .join()
+            .expect("joins")
+            .expect("the first run ends well");
+    });
+    run(&cfg, 2, Opt::AdamW);
+}
+
+/// A reused directory: `--resume DIR` continues the latest run that saved
+/// there, not an older run's later step, and says which run it is.
+#[test]
+fn resume_takes_the_latest_run_not_the_highest_step() {
+    let dir = Scratch::new("runs");
+    let cfg = dp2_zero1();
+    run(&saving(&cfg, &dir.0, 0), 4, Opt::AdamW);
+    // A new run from scratch in the same directory, stopped at step 2.
+    let second = run(&saving(&cfg, &dir.0, 0), 2, Opt::AdamW);
+    let ck = Checkpoint::open(&dir.0).expect("opens");
+    assert_eq!(ck.step(), 2, "the second run's checkpoint, not step 4");
+    assert_eq!(ck.dir(), second.checkpoints[0]);
+    let first = Checkpoint::open(&dir.0.join("step-000004")).expect("opens");
+    assert!(ck.run_id().is_some() && ck.run_id() != first.run_id());
 }

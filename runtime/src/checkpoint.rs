@@ -53,7 +53,12 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 const FORMAT: &str = "dplc-checkpoint";
-const VERSION: u32 = 1;
+/// Version 2 adds the run that wrote a checkpoint and the manifest's own
+/// checksum; version 1 checkpoints still load (unprotected, run unknown).
+const VERSION: u32 = 2;
+const OLDEST_VERSION: u32 = 1;
+/// The lock file a saving run holds in its checkpoint directory.
+const LOCK: &str = ".dplc-lock";
 const MANIFEST: &str = "manifest.json";
 const SHARDS_KEY: &str = "dplc.shards";
 
@@ -147,6 +152,104 @@ struct Manifest {
     split: SavedSplit,
     model: Vec<SavedParam>,
     files: Vec<FileEntry>,
+    /// The run that wrote it (absent before version 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    run: Option<RunTag>,
+    /// SHA-256 of this manifest written without this field (absent before
+    /// version 2): an edited step or seed is refused, not resumed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    checksum: Option<String>,
+}
+
+impl Manifest {
+    /// The text written to disk, and the checksum it is covered by.
+    fn sealed_checksum(&self) -> Result<String> {
+        let bare = Manifest {
+            checksum: None,
+            ..self.clone()
+        };
+        let text = serde_json::to_string_pretty(&bare)
+            .map_err(|e| RuntimeError::Config(format!("cannot write the manifest: {e}")))?;
+        Ok(sha256_hex(text.as_bytes()))
+    }
+}
+
+/// Which run wrote a checkpoint. `seq` orders the runs that saved into one
+/// directory (each takes one more than the highest it finds there), so
+/// `--resume DIR` continues the latest run, not an older run's later step.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct RunTag {
+    pub id: String,
+    pub seq: u64,
+}
+
+/// A checkpoint directory held by one saving run: the OS lock on its lock
+/// file lasts while this lives (and dies with the process, so a crashed run
+/// leaves nothing stale).
+#[derive(Debug)]
+pub(crate) struct DirLock {
+    _file: std::fs::File,
+    pub run: RunTag,
+}
+
+/// Take `root` for a run that saves into it: refuse it, naming the holder,
+/// while another run does; tag the new run after every run already there.
+pub(crate) fn lock_dir(root: &Path) -> Result<DirLock> {
+    std::fs::create_dir_all(root)
+        .map_err(|e| io_err(root, "create the checkpoint directory", e))?;
+    let path = root.join(LOCK);
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(|e| io_err(&path, "open the lock file", e))?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let holder = std::fs::read_to_string(&path).unwrap_or_default();
+            let holder = holder.trim();
+            return Err(err(
+                root,
+                format!(
+                    "is being written by another run ({}); wait for it to end, or save into another --checkpoint-dir",
+                    if holder.is_empty() { "its holder is not recorded" } else { holder }
+                ),
+            ));
+        }
+        Err(std::fs::TryLockError::Error(e)) => {
+            return Err(io_err(&path, "lock the checkpoint directory", e))
+        }
+    }
+    let seq = step_manifests(root)?
+        .iter()
+        .filter_map(|(_, _, m)| m.run.as_ref().map(|r| r.seq))
+        .max()
+        .unwrap_or(0)
+        + 1;
+    let started = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let id = sha256_hex(format!("{}-{}-{seq}", std::process::id(), started.as_nanos()).as_bytes())
+        [..12]
+        .to_string();
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "this machine".into());
+    let note = format!(
+        "run {id}, process {} on {host}, started {} s after the epoch\n",
+        std::process::id(),
+        started.as_secs()
+    );
+    file.set_len(0)
+        .and_then(|()| file.write_all(note.as_bytes()))
+        .and_then(|()| file.sync_all())
+        .map_err(|e| io_err(&path, "write the lock file", e))?;
+    Ok(DirLock {
+        _file: file,
+        run: RunTag { id, seq },
+    })
 }
 
 /// A tensor- or expert-parallel part: `index` of `parts` along `axis`.
@@ -234,15 +337,7 @@ impl Checkpoint {
                 format!("is not a valid checkpoint manifest ({e}); resume from another step-N directory"),
             )
         })?;
-        if manifest.format != FORMAT || manifest.version != VERSION {
-            return Err(err(
-                &manifest_path,
-                format!(
-                    "is format `{}` version {}; this dplc reads `{FORMAT}` version {VERSION}",
-                    manifest.format, manifest.version
-                ),
-            ));
-        }
+        check_manifest(&manifest_path, &manifest)?;
         Ok(Checkpoint { dir, manifest })
     }
 
@@ -274,15 +369,49 @@ impl Checkpoint {
         out
     }
 
+    /// The id of the run that saved it (checkpoints before version 2: none).
+    pub fn run_id(&self) -> Option<&str> {
+        self.manifest.run.as_ref().map(|r| r.id.as_str())
+    }
+
     fn manifest_path(&self) -> PathBuf {
         self.dir.join(MANIFEST)
     }
 }
 
-/// The highest `step-N` directory under `root` that has a manifest.
-fn latest_step_dir(root: &Path) -> Result<Option<PathBuf>> {
+/// A manifest this dplc reads, whole as it was written.
+fn check_manifest(path: &Path, manifest: &Manifest) -> Result<()> {
+    if manifest.format != FORMAT || !(OLDEST_VERSION..=VERSION).contains(&manifest.version) {
+        return Err(err(
+            path,
+            format!(
+                "is format `{}` version {}; this dplc reads `{FORMAT}` versions {OLDEST_VERSION} to {VERSION}",
+                manifest.format, manifest.version
+            ),
+        ));
+    }
+    if manifest.version >= 2 {
+        let Some(sum) = &manifest.checksum else {
+            return Err(err(
+                path,
+                "has no checksum: it was not written by dplc; resume from another step-N directory",
+            ));
+        };
+        if *sum != manifest.sealed_checksum()? {
+            return Err(err(
+                path,
+                "was changed after it was written (its checksum does not match): \
+                 an edited step, seed or split would resume a different run; resume from another step-N directory",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Every `step-N` directory under `root` with a manifest, read.
+fn step_manifests(root: &Path) -> Result<Vec<(u64, PathBuf, Manifest)>> {
     let entries = std::fs::read_dir(root).map_err(|e| io_err(root, "list the directory", e))?;
-    let mut best: Option<(u64, PathBuf)> = None;
+    let mut out = Vec::new();
     for entry in entries {
         let entry = entry.map_err(|e| io_err(root, "list the directory", e))?;
         let name = entry.file_name();
@@ -294,11 +423,32 @@ fn latest_step_dir(root: &Path) -> Result<Option<PathBuf>> {
             continue;
         };
         let path = entry.path();
-        if path.join(MANIFEST).is_file() && best.as_ref().is_none_or(|(b, _)| step > *b) {
-            best = Some((step, path));
+        let manifest_path = path.join(MANIFEST);
+        if !manifest_path.is_file() {
+            continue;
         }
+        // Manifests are written atomically: one that does not parse was
+        // damaged, and guessing past it could resume the wrong state.
+        let text = std::fs::read_to_string(&manifest_path)
+            .map_err(|e| io_err(&manifest_path, "read the manifest", e))?;
+        let manifest: Manifest = serde_json::from_str(&text).map_err(|e| {
+            err(
+                &manifest_path,
+                format!("is not a valid checkpoint manifest ({e}); resume from another step-N directory"),
+            )
+        })?;
+        out.push((step, path, manifest));
     }
-    Ok(best.map(|(_, p)| p))
+    Ok(out)
+}
+
+/// The checkpoint `--resume DIR` continues: the latest run's (runs ordered
+/// by their tag; untagged version-1 checkpoints come first) highest step.
+fn latest_step_dir(root: &Path) -> Result<Option<PathBuf>> {
+    Ok(step_manifests(root)?
+        .into_iter()
+        .max_by_key(|(step, _, m)| (m.run.as_ref().map_or(0, |r| r.seq), *step))
+        .map(|(_, p, _)| p))
 }
 
 /// fsync a directory so that a rename in it survives a crash (a no-op where
@@ -428,6 +578,7 @@ pub(crate) struct ManifestInfo<'a> {
     pub split: SavedSplit,
     pub model: &'a [SavedParam],
     pub world: usize,
+    pub run: &'a RunTag,
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
@@ -469,6 +620,12 @@ pub(crate) fn write_manifest(
         split: info.split,
         model: info.model.to_vec(),
         files,
+        run: Some(info.run.clone()),
+        checksum: None,
+    };
+    let manifest = Manifest {
+        checksum: Some(manifest.sealed_checksum()?),
+        ..manifest
     };
     let path = dir.join(MANIFEST);
     let text = serde_json::to_string_pretty(&manifest).map_err(|e| err(&path, e.to_string()))?;

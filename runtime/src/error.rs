@@ -33,6 +33,18 @@ pub enum RuntimeError {
     /// cuBLAS, NCCL or NVRTC call), with its own cause.
     #[error(transparent)]
     Gpu(#[from] crate::gpu::GpuError),
+    /// The loss or the gradient norm stopped being a finite number.
+    #[error(
+        "step {step}: the loss is {loss} and the gradient norm {grad_norm}; training stopped before the optimizer step{}",
+        if *skipped > 0 { format!(" ({skipped} such steps were skipped before)") } else { String::new() }
+    )]
+    NonFinite {
+        step: u64,
+        loss: f64,
+        grad_norm: f64,
+        /// Non-finite steps skipped earlier in the run.
+        skipped: u64,
+    },
     /// A collective or receive waited past the deadline: a rank is missing.
     #[error(
         "{} stopped answering at step {step}: rank {rank} waited {seconds:.1}s for it in {what}",

@@ -410,6 +410,20 @@ impl ParamStore {
             .sum()
     }
 
+    /// Forget this step's gradients: the next step accumulates from zero
+    /// (after an optimizer step, or instead of one for a skipped step).
+    pub fn discard_grads(&mut self) {
+        for slot in self.slots.values_mut() {
+            if self.zero == ZeroStage::Two {
+                // Reduce-scatter left only this rank's part; accumulation
+                // needs the whole tensor again.
+                slot.grad = vec![0.0; slot.numel];
+            } else {
+                slot.grad.iter_mut().for_each(|g| *g = 0.0);
+            }
+        }
+    }
+
     /// One optimizer step on this rank's part of every parameter, with the
     /// gradient multiplied by `clip`, then the parameters made whole again.
     pub fn step(&mut self, opt: &Optimizer, lr: f64, clip: f64, t: u64) -> Result<()> {
@@ -451,12 +465,8 @@ impl ParamStore {
                     }
                 }
             }
-            if self.zero == ZeroStage::Two {
-                slot.grad = vec![0.0; slot.numel];
-            } else {
-                slot.grad.iter_mut().for_each(|g| *g = 0.0);
-            }
         }
+        self.discard_grads();
         match self.zero {
             ZeroStage::None => {
                 for slot in self.slots.values_mut() {

@@ -506,3 +506,87 @@ fn a_failing_rank_over_tcp_is_named_by_the_others() {
     }
     assert!(start.elapsed() < std::time::Duration::from_secs(10));
 }
+
+/// A non-finite gradient stops the run at that step, before the optimizer
+/// can poison the state, on every rank alike; with an allowance the step is
+/// skipped (nothing updated) and training goes on.
+#[test]
+fn a_non_finite_step_stops_the_run_or_is_skipped() {
+    let g = Gpt::default().build();
+    let cfg = RunConfig {
+        dp: 2,
+        micro_batch: 1,
+        num_micro_batches: 2,
+        faults: Faults {
+            nan_grad_at: Some((1, 2)),
+            ..Faults::default()
+        },
+        ..RunConfig::default()
+    };
+    let e = run(&g, cfg.clone()).expect_err("stops");
+    assert!(matches!(e, RuntimeError::NonFinite { step: 2, .. }), "{e}");
+    assert!(e.to_string().contains("step 2: the loss is"), "{e}");
+    let skipping = run(
+        &g,
+        RunConfig {
+            skip_nonfinite: 1,
+            ..cfg.clone()
+        },
+    )
+    .expect("skips one step");
+    let skipped: Vec<u64> = skipping
+        .steps
+        .iter()
+        .filter(|s| s.skipped)
+        .map(|s| s.step)
+        .collect();
+    assert_eq!(skipped, [2]);
+    assert!(skipping.steps[3..].iter().all(|s| s.loss.is_finite()));
+    // The allowance counts skips: one at step 1, then ordinary steps.
+    let e = run(
+        &g,
+        RunConfig {
+            faults: Faults {
+                nan_grad_at: Some((0, 1)),
+                ..Faults::default()
+            },
+            skip_nonfinite: 1,
+            ..cfg.clone()
+        },
+    )
+    .expect("one skip allowed");
+    assert!(e.steps[1].skipped && !e.steps[2].skipped);
+}
+
+/// A fault that could never fire is refused, so a fault test cannot pass
+/// vacuously.
+#[test]
+fn faults_outside_the_run_are_refused() {
+    let g = Gpt::default().build();
+    for (faults, says) in [
+        (
+            Faults {
+                fail_rank_at: Some((2, 1)),
+                ..Faults::default()
+            },
+            "names rank 2, but the run has ranks 0 to 1",
+        ),
+        (
+            Faults {
+                stall_rank_at: Some((0, STEPS)),
+                ..Faults::default()
+            },
+            "the stall fault is at step 5, but the run has steps 0 to 4",
+        ),
+    ] {
+        let cfg = RunConfig {
+            dp: 2,
+            micro_batch: 1,
+            num_micro_batches: 2,
+            faults,
+            ..RunConfig::default()
+        };
+        let e = run(&g, cfg).expect_err("refused");
+        assert!(e.to_string().contains(says), "{e}");
+    }
+}

@@ -50,6 +50,49 @@ pub struct Faults {
     pub skip_tp_sum: bool,
     /// A rank dies while writing a checkpoint.
     pub kill_in_checkpoint: Option<CheckpointKill>,
+    /// This rank's gradient becomes NaN in this step (as an overflow
+    /// would): the run must stop there, or skip the step.
+    pub nan_grad_at: Option<(usize, u64)>,
+}
+
+impl Faults {
+    /// Refuse a fault that could never fire: a rank outside the world or a
+    /// step outside `start..steps` would make a fault test pass vacuously.
+    fn check(&self, world: usize, start: u64, steps: u64) -> Result<()> {
+        let at = [
+            ("fail", self.fail_rank_at),
+            ("panic", self.panic_rank_at),
+            ("exit", self.exit_rank_at),
+            ("stall", self.stall_rank_at),
+            ("nan", self.nan_grad_at),
+            (
+                "checkpoint-kill",
+                self.kill_in_checkpoint.map(|k| (k.rank, k.step)),
+            ),
+        ];
+        for (kind, at) in at {
+            let Some((rank, step)) = at else { continue };
+            if rank >= world {
+                return Err(RuntimeError::Config(format!(
+                    "the {kind} fault names rank {rank}, but the run has ranks 0 to {}",
+                    world - 1
+                )));
+            }
+            // A checkpoint is saved after its step: `steps` itself is one.
+            let (first, end) = if kind == "checkpoint-kill" {
+                (start + 1, steps + 1)
+            } else {
+                (start, steps)
+            };
+            if !(first..end).contains(&step) {
+                return Err(RuntimeError::Config(format!(
+                    "the {kind} fault is at step {step}, but the run has steps {first} to {}",
+                    end.saturating_sub(1)
+                )));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Set from outside (Ctrl-C) to make every rank stop after the step it is in.
@@ -220,6 +263,9 @@ pub struct RunConfig {
     pub bucket_elems: usize,
     /// A rank waiting longer than this for a peer fails the run.
     pub timeout: Duration,
+    /// Steps whose loss or gradient norm is not finite that may be skipped
+    /// (Megatron's skip-and-continue); one more stops the run. Default 0.
+    pub skip_nonfinite: u64,
     pub faults: Faults,
     pub stop: StopFlag,
     /// Records each rank's forward, backward and step spans when on.
@@ -251,6 +297,7 @@ impl Default for RunConfig {
             device: Device::Host,
             bucket_elems: 1 << 16,
             timeout: Duration::from_secs(60),
+            skip_nonfinite: 0,
             faults: Faults::default(),
             stop: StopFlag::default(),
             trace: TraceSink::default(),
@@ -324,6 +371,9 @@ pub struct StepStats {
     /// Global gradient L2 norm before clipping.
     pub grad_norm: f64,
     pub tokens_per_s: f64,
+    /// The loss or the gradient norm was not finite and the optimizer step
+    /// was skipped (`RunConfig::skip_nonfinite`).
+    pub skipped: bool,
 }
 
 /// Parameter values by (parameter, layer), with names for reports.
@@ -420,6 +470,9 @@ struct Shared<'a> {
     signature: Vec<checkpoint::SavedParam>,
     /// Step directories rank 0 completed.
     saved: std::sync::Mutex<Vec<PathBuf>>,
+    /// The checkpoint directory, held while this run saves into it (by the
+    /// process of rank 0, which writes the manifests).
+    lock: Option<checkpoint::DirLock>,
     /// The fused kernels' plan, made once for every rank (`Compute::Fused`).
     fused: Option<fused::FusedProgram>,
     /// The GPUs of a `Device::Cuda` run by ordinal, opened once: those of
@@ -674,6 +727,7 @@ fn train_on(
         sample_base: 0,
         signature: Vec::new(),
         saved: std::sync::Mutex::default(),
+        lock: None,
         fused: None,
         gpus: Vec::new(),
     };
@@ -735,6 +789,13 @@ fn train_on(
         shared.sample_base = resume.next_sample;
         shared.resume = Some(resume);
     }
+    cfg.faults
+        .check(cfg.world_size(), shared.start_step, steps)?;
+    if let Some(ck) = &cfg.checkpoint {
+        if process.is_none_or(|p| p.rank() == 0) {
+            shared.lock = Some(checkpoint::lock_dir(&ck.dir)?);
+        }
+    }
     let shared = shared;
     let (world, here) = match process {
         None => (
@@ -775,7 +836,11 @@ fn train_on(
                             }
                         };
                         if let Err(e) = &result {
-                            if !matches!(e, RuntimeError::RankFailed { .. }) {
+                            // Every rank stops at a non-finite step by itself.
+                            if !matches!(
+                                e,
+                                RuntimeError::RankFailed { .. } | RuntimeError::NonFinite { .. }
+                            ) {
                                 world.poison(rank, e.to_string());
                             }
                         }
@@ -973,6 +1038,8 @@ struct Rank<'a, 'b> {
     /// Layers the forwards of micro-batch 0 ran in the run's first step.
     layers_run: u64,
     peak_activation_bytes: u64,
+    /// Steps skipped so far for a non-finite loss or gradient norm.
+    skipped_nonfinite: u64,
 }
 
 fn tag(micro: usize, chunk: usize, chunks: usize, backward: bool) -> u64 {
@@ -1046,6 +1113,7 @@ fn run_rank(
         step: sh.start_step,
         layers_run: 0,
         peak_activation_bytes: 0,
+        skipped_nonfinite: 0,
     };
     let work = schedule(cfg.schedule, stage, cfg.pp, cfg.num_micro_batches);
     let world = Group::new((0..cfg.world_size()).collect());
@@ -1313,6 +1381,13 @@ impl<'a, 'b> Rank<'a, 'b> {
                 },
                 model: &sh.signature,
                 world: cfg.world_size(),
+                run: &sh
+                    .lock
+                    .as_ref()
+                    .ok_or_else(|| {
+                        RuntimeError::Config("rank 0 saves without holding the directory".into())
+                    })?
+                    .run,
             };
             let dir = checkpoint::write_manifest(&dir, info, kill)?;
             sh.saved
@@ -1455,6 +1530,9 @@ impl<'a, 'b> Rank<'a, 'b> {
         }
         // Every gradient element is counted by exactly one rank of the world.
         let mut sq = vec![self.store.local_sq_norm() as f32];
+        if cfg.faults.nan_grad_at == Some((self.store.comm.rank(), self.step)) {
+            sq[0] = f32::NAN;
+        }
         let world = Group::new((0..cfg.world_size()).collect());
         self.store.comm.all_reduce(&world, &mut sq)?;
         let dp_group = Group::new(
@@ -1473,9 +1551,6 @@ impl<'a, 'b> Rank<'a, 'b> {
             Some(max) if grad_norm > max => max / (grad_norm + 1e-6),
             _ => 1.0,
         };
-        let lr = sh.spec.optimizer.lr() * sh.spec.schedule.factor(self.step);
-        self.store
-            .step(&sh.spec.optimizer, lr, clip, self.step + 1)?;
         // The loss lives on the last stage: sum it over replicas, then hand it to every stage.
         let mut loss = vec![self.losses.drain(..).sum::<f64>() as f32];
         self.store.comm.all_reduce(&dp_group, &mut loss)?;
@@ -1484,6 +1559,27 @@ impl<'a, 'b> Rank<'a, 'b> {
             .comm
             .broadcast(&self.pp_group, cfg.pp - 1, &mut loss_v)?;
         let loss = f64::from(loss_v[0]) / (cfg.dp * cfg.num_micro_batches) as f64;
+        let lr = sh.spec.optimizer.lr() * sh.spec.schedule.factor(self.step);
+        // Every rank sees the same loss and norm, so all decide alike: a
+        // non-finite step is skipped (its gradients dropped, the parameters
+        // and moments untouched) while the allowance lasts, else the run
+        // stops here, before the step can poison the state.
+        let skipped = !(loss.is_finite() && grad_norm.is_finite());
+        if skipped {
+            if self.skipped_nonfinite >= cfg.skip_nonfinite {
+                return Err(RuntimeError::NonFinite {
+                    step: self.step,
+                    loss,
+                    grad_norm,
+                    skipped: self.skipped_nonfinite,
+                });
+            }
+            self.skipped_nonfinite += 1;
+            self.store.discard_grads();
+        } else {
+            self.store
+                .step(&sh.spec.optimizer, lr, clip, self.step + 1)?;
+        }
         let tokens = (cfg.global_batch() * sh.seq) as f64;
         Ok(StepStats {
             step: self.step,
@@ -1491,6 +1587,7 @@ impl<'a, 'b> Rank<'a, 'b> {
             lr,
             grad_norm,
             tokens_per_s: tokens / start.elapsed().as_secs_f64().max(1e-9),
+            skipped,
         })
     }
 }

@@ -1,0 +1,284 @@
+//! Bad input from a careful user or a script: dplc never destroys a file,
+//! hangs, panics or passes for success. Output paths follow one rule
+//! (`src/output.rs`), runs stop on non-finite numbers and on SIGTERM/SIGHUP
+//! as on Ctrl-C, and a standard output that cannot be written is an error.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+fn dplc() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_dplc"));
+    c.current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("NO_COLOR", "1");
+    c
+}
+
+/// Both streams, with miette's wrapped lines joined again.
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+    .replace("\n  | ", " ")
+}
+
+/// A scratch directory removed when the test ends.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!("dplc-abuse-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("a scratch directory");
+        Scratch(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+const TINY: [&str; 9] = [
+    "--model",
+    "gpt_tiny",
+    "--cluster",
+    "2xcpu",
+    "--seq",
+    "16",
+    "--global-batch",
+    "4",
+    "--strategy=dp=2",
+];
+
+fn compile_to(model: &Path, out: &Path) -> Output {
+    dplc()
+        .arg("compile")
+        .arg(model)
+        .args(TINY)
+        .arg("-o")
+        .arg(out)
+        .output()
+        .expect("dplc runs")
+}
+
+#[test]
+fn an_output_never_replaces_an_input_a_device_or_a_link() {
+    let d = Scratch::new("outputs");
+    let model = d.0.join("tiny.dpl");
+    std::fs::copy("models/tiny.dpl", &model).expect("copy");
+    let before = std::fs::read(&model).unwrap();
+    // -o the input itself, and under another name.
+    for out in [model.clone(), d.0.join(".").join("tiny.dpl")] {
+        let o = compile_to(&model, &out);
+        assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+        assert!(
+            text(&o).contains("is an input of this command"),
+            "{}",
+            text(&o)
+        );
+    }
+    assert_eq!(
+        std::fs::read(&model).unwrap(),
+        before,
+        "the model is intact"
+    );
+    #[cfg(unix)]
+    {
+        // A link is followed; a link to the input is the input.
+        let link = d.0.join("plan-link.ron");
+        std::os::unix::fs::symlink(&model, &link).unwrap();
+        let o = compile_to(&model, &link);
+        assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+        assert_eq!(std::fs::read(&model).unwrap(), before);
+        let real = d.0.join("real.ron");
+        let link = d.0.join("to-real.ron");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        let o = compile_to(&model, &link);
+        assert!(o.status.success(), "{}", text(&o));
+        assert!(std::fs::symlink_metadata(&link)
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        assert!(std::fs::read_to_string(&real).unwrap().contains("mesh"));
+        // A device is written in place, never turned into a file.
+        let o = compile_to(&model, Path::new("/dev/null"));
+        assert!(o.status.success(), "{}", text(&o));
+        assert!(!std::fs::metadata("/dev/null").unwrap().is_file());
+    }
+    // A directory is refused.
+    let o = compile_to(&model, &d.0);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("is a directory"), "{}", text(&o));
+}
+
+#[test]
+fn build_writes_only_into_a_new_empty_or_artifact_directory() {
+    let d = Scratch::new("build");
+    let busy = d.0.join("busy");
+    std::fs::create_dir_all(&busy).unwrap();
+    std::fs::write(busy.join("notes.txt"), "mine").unwrap();
+    let build = |out: &Path| {
+        dplc()
+            .args(["build", "models/tiny.dpl"])
+            .args(TINY)
+            .arg("-o")
+            .arg(out)
+            .output()
+            .expect("dplc runs")
+    };
+    for out in [busy.as_path(), Path::new("/"), Path::new("models")] {
+        let o = build(out);
+        assert_eq!(o.status.code(), Some(1), "{}: {}", out.display(), text(&o));
+        assert!(text(&o).contains("is not a dplc artifact"), "{}", text(&o));
+    }
+    assert_eq!(std::fs::read_dir(&busy).unwrap().count(), 1);
+    let art = d.0.join("art");
+    let o = build(&art);
+    assert!(o.status.success(), "{}", text(&o));
+    // An artifact is rebuilt in place.
+    let o = build(&art);
+    assert!(o.status.success(), "{}", text(&o));
+    // A rewritten manifest that lists another world is refused by launch.
+    let m = art.join("manifest.json");
+    let t = std::fs::read_to_string(&m).unwrap();
+    std::fs::write(&m, t.replace("\"world_size\": 2", "\"world_size\": 4")).unwrap();
+    let o = Command::new(art.join("dplc"))
+        .arg("launch")
+        .arg(&art)
+        .args(["--steps", "1"])
+        .output()
+        .expect("runs");
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("the manifest's world size is 4, but plan.ron's is 2"),
+        "{}",
+        text(&o)
+    );
+}
+
+fn run_tiny(extra: &[&str], env: &[(&str, &str)]) -> Output {
+    dplc()
+        .args(["run", "models/tiny.dpl"])
+        .args(TINY)
+        .args(extra)
+        .envs(env.iter().copied())
+        .output()
+        .expect("dplc runs")
+}
+
+#[test]
+fn numbers_and_faults_a_run_cannot_use_are_refused() {
+    for (extra, env, says) in [
+        (
+            &["--timeout", "1e30"][..],
+            &[][..],
+            "--timeout must be a positive number of seconds, at most 86400",
+        ),
+        (&["--timeout", "nan"], &[], "--timeout must be a positive"),
+        (
+            &["--steps", "3"],
+            &[("DPLC_FAULT", "kill:7:1")],
+            "fault names rank 7, but the run has ranks 0 to 1",
+        ),
+        (
+            &["--steps", "3"],
+            &[("DPLC_FAULT", "stall:1:9")],
+            "at step 9, but the run has steps 0 to 2",
+        ),
+    ] {
+        let o = run_tiny(extra, env);
+        assert_eq!(o.status.code(), Some(1), "{extra:?}: {}", text(&o));
+        assert!(text(&o).contains(says), "{extra:?}: {}", text(&o));
+    }
+}
+
+#[test]
+fn a_non_finite_loss_ends_the_run_with_an_error_naming_the_step() {
+    let o = run_tiny(&["--steps", "4"], &[("DPLC_FAULT", "nan:0:2")]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("step 2: the loss is"), "{}", text(&o));
+    let o = run_tiny(
+        &["--steps", "4", "--json", "--skip-nonfinite", "1"],
+        &[("DPLC_FAULT", "nan:0:2")],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("\"skipped\":true"), "{}", text(&o));
+}
+
+#[cfg(unix)]
+#[test]
+fn sigterm_and_sighup_stop_at_a_step_boundary_and_save() {
+    for sig in ["TERM", "HUP"] {
+        let d = Scratch::new(&format!("sig{sig}"));
+        let mut child = dplc()
+            .args(["run", "models/tiny.dpl"])
+            .args(TINY)
+            .args(["--steps", "100000", "--json", "--checkpoint-dir"])
+            .arg(&d.0)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("dplc runs");
+        // Wait for the first step line, then signal.
+        let mut out = child.stdout.take().expect("stdout");
+        let mut first = [0u8; 1];
+        std::io::Read::read_exact(&mut out, &mut first).expect("a first step");
+        let killed = Command::new("kill")
+            .args([&format!("-{sig}"), &child.id().to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(killed.success());
+        let mut rest = Vec::new();
+        std::io::Read::read_to_end(&mut out, &mut rest).expect("the rest");
+        let o = child.wait_with_output().expect("ends");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "SIG{sig}: {err}");
+        assert!(
+            err.contains("interrupted: stopped cleanly"),
+            "SIG{sig}: {err}"
+        );
+        let saved = std::fs::read_dir(&d.0)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .any(|e| e.path().join("manifest.json").is_file());
+        assert!(saved, "SIG{sig}: a checkpoint was saved");
+        let tmp = walk(&d.0)
+            .into_iter()
+            .any(|p| p.to_string_lossy().ends_with(".tmp"));
+        assert!(!tmp, "SIG{sig}: no temporary files are left");
+    }
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        }
+        out.push(p);
+    }
+    out
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_full_standard_output_is_an_error_not_a_panic() {
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .expect("/dev/full");
+    let o = dplc()
+        .args(["compile", "models/tiny.dpl"])
+        .args(TINY)
+        .stdout(full)
+        .output()
+        .expect("dplc runs");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("cannot write to standard output"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
