@@ -642,3 +642,79 @@ fn resume_takes_the_latest_run_not_the_highest_step() {
     let first = Checkpoint::open(&dir.0.join("step-000004")).expect("opens");
     assert!(ck.run_id().is_some() && ck.run_id() != first.run_id());
 }
+
+/// Random edits of a manifest never panic and never pass unchecked: a
+/// sealed (version 2) manifest refuses every edit; an unsealed version-1
+/// one either is refused or resumes a run whose losses are numbers.
+#[test]
+fn mutated_manifests_never_panic_nor_pass_unchecked() {
+    let dir = Scratch::new("mutate");
+    let cfg = dp2_zero1();
+    run(&saving(&cfg, &dir.0, 0), 2, Opt::AdamW);
+    let good = dir.0.join("step-000002");
+    let text = std::fs::read_to_string(good.join("manifest.json")).expect("manifest");
+    let original: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move |n: usize| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng % n as u64) as usize
+    };
+    let replacements = [
+        serde_json::json!(0),
+        serde_json::json!(-1),
+        serde_json::json!(u64::MAX),
+        serde_json::json!(1e300),
+        serde_json::json!("x"),
+        serde_json::Value::Null,
+        serde_json::json!([]),
+        serde_json::json!({}),
+    ];
+    for case in 0..48 {
+        let sealed = case % 2 == 0;
+        let mut v = original.clone();
+        if !sealed {
+            v = serde_json::from_str(&as_version_1(&v.to_string())).expect("JSON");
+        }
+        // Pick a leaf (or a field) along a random path and change it.
+        let mut at = &mut v;
+        loop {
+            let keys: Vec<String> = match at {
+                serde_json::Value::Object(m) => m.keys().cloned().collect(),
+                serde_json::Value::Array(a) => (0..a.len()).map(|i| i.to_string()).collect(),
+                _ => break,
+            };
+            if keys.is_empty() || next(4) == 0 {
+                break;
+            }
+            let k = &keys[next(keys.len())];
+            at = match at {
+                serde_json::Value::Object(m) => m.get_mut(k).expect("a key"),
+                serde_json::Value::Array(a) => &mut a[k.parse::<usize>().expect("an index")],
+                _ => unreachable!("only containers are entered"),
+            };
+        }
+        let new = replacements[next(replacements.len())].clone();
+        if *at == new {
+            continue;
+        }
+        *at = new;
+        let copy = dir.0.join(format!("case-{case}"));
+        copy_dir(&good, &copy);
+        std::fs::write(copy.join("manifest.json"), v.to_string()).expect("write");
+        let resumed =
+            std::panic::catch_unwind(|| try_run("gpt_tiny", &resuming(&cfg, &copy), 3, Opt::AdamW))
+                .unwrap_or_else(|_| panic!("case {case} panicked: {v}"));
+        match resumed {
+            Err(_) => {}
+            Ok(r) => {
+                assert!(
+                    !sealed,
+                    "case {case}: an edited sealed manifest resumed: {v}"
+                );
+                assert!(r.steps.iter().all(|s| s.loss.is_finite()), "case {case}");
+            }
+        }
+    }
+}

@@ -974,11 +974,44 @@ mod tests {
     #[test]
     fn latest_skips_step_directories_without_a_manifest() {
         let dir = scratch("latest");
+        // A manifest of run `seq` at `step` (no files: enough to order by).
+        let manifest = |step: u64, seq: u64| {
+            let m = Manifest {
+                format: FORMAT.into(),
+                version: VERSION,
+                step,
+                rng: RngState { seed: 0, step },
+                data: DataPosition {
+                    next_sample: 0,
+                    global_batch: 1,
+                    seq: 1,
+                },
+                optimizer: "sgd".into(),
+                split: SavedSplit {
+                    dp: 1,
+                    tp: 1,
+                    pp: 1,
+                    ep: 1,
+                    zero: 0,
+                    micro_batch: 1,
+                    num_micro_batches: 1,
+                    sequence_parallel: false,
+                },
+                model: Vec::new(),
+                files: Vec::new(),
+                run: Some(RunTag {
+                    id: format!("run{seq}"),
+                    seq,
+                }),
+                checksum: None,
+            };
+            serde_json::to_string(&m).expect("serialises")
+        };
         for (step, complete) in [(3, true), (6, true), (9, false), (10, false)] {
             let d = step_dir(&dir, step);
             std::fs::create_dir_all(&d).expect("dir");
             if complete {
-                std::fs::write(d.join(MANIFEST), "{}").expect("manifest");
+                std::fs::write(d.join(MANIFEST), manifest(step, 1)).expect("manifest");
             }
         }
         std::fs::create_dir_all(dir.join("other")).expect("dir");
@@ -986,8 +1019,16 @@ mod tests {
             latest_step_dir(&dir).expect("lists"),
             Some(step_dir(&dir, 6))
         );
+        // A later run's lower step wins over an earlier run's higher one.
+        std::fs::write(step_dir(&dir, 3).join(MANIFEST), manifest(3, 2)).expect("manifest");
+        assert_eq!(
+            latest_step_dir(&dir).expect("lists"),
+            Some(step_dir(&dir, 3))
+        );
         let e = Checkpoint::open(&step_dir(&dir, 9)).expect_err("incomplete");
         assert!(e.to_string().contains("no complete checkpoint"), "{e}");
+        // A damaged manifest is refused by name, not skipped for an older one.
+        std::fs::write(step_dir(&dir, 6).join(MANIFEST), "{}").expect("manifest");
         let e = Checkpoint::open(&dir).expect_err("the manifest is not valid");
         assert!(e.to_string().contains("step-000006/manifest.json"), "{e}");
         std::fs::remove_dir_all(&dir).ok();
