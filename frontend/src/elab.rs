@@ -117,7 +117,7 @@ impl Program {
                     "dpl::variant-depth",
                     at,
                     format!(
-                        "variant chain deeper than {MAX_VARIANT_DEPTH}: `{name}` → `{}` → … → `{current}` and on",
+                        "variant chain deeper than {MAX_VARIANT_DEPTH}: `{name}` → `{}` → … → `{current}` → …",
                         chain[1].name.name
                     ),
                 )
