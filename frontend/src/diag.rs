@@ -265,6 +265,27 @@ impl miette::Diagnostic for Diagnostics {
     }
 }
 
+/// `line:column` of byte `offset` in `text`, both from 1, counted as the
+/// header of a rendered diagnostic counts them (columns in bytes, `\r\n` or a
+/// lone `\r` ends a line), so that a message and its header agree.
+pub fn line_col(text: &str, offset: usize) -> String {
+    let bytes = &text.as_bytes()[..offset.min(text.len())];
+    let (mut line, mut start) = (1, 0);
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'\r' if bytes.get(i + 1) == Some(&b'\n') => {}
+            b'\n' | b'\r' => {
+                line += 1;
+                start = i + 1;
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    format!("{line}:{}", bytes.len() - start + 1)
+}
+
 /// Up to three known names closest to `name`, for "did you mean" hints.
 pub fn suggest<'a>(name: &str, known: impl IntoIterator<Item = &'a str>) -> Vec<String> {
     let mut scored: Vec<(f64, &str)> = known

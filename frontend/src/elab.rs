@@ -20,6 +20,10 @@ const MAX_REPEAT: i64 = 1_000_000;
 const MAX_PARAM_ELEMENTS: u128 = 1 << 50;
 /// `repeat` nested deeper than this is refused.
 const MAX_REPEAT_NESTING: usize = 16;
+/// Variants based on variants more than this deep are refused. Cycles are
+/// found by name whatever the depth; this bounds the work of a file with very
+/// many variants, which `Unit::check` resolves one by one.
+const MAX_VARIANT_DEPTH: usize = 256;
 
 /// Everything parsed: std and user files, indexed by name.
 pub struct Program {
@@ -46,6 +50,15 @@ impl Program {
             .unwrap_or("")
     }
 
+    /// `line:column` of the start of `span`, as a diagnostic's header shows it.
+    pub fn line_col(&self, span: Span) -> String {
+        let text = self
+            .sources
+            .get(span.file.0 as usize)
+            .map_or("", |s| s.text.as_str());
+        crate::diag::line_col(text, span.start)
+    }
+
     /// Model and variant names in source order.
     pub fn model_names(&self) -> Vec<String> {
         let mut named: Vec<(usize, String)> = self
@@ -63,34 +76,60 @@ impl Program {
     }
 
     /// The model definition behind `name` and the variant arguments on the way,
-    /// outermost variant last (later arguments win).
+    /// innermost variant first (later arguments win).
     pub fn resolve_model<'p>(&'p self, name: &str, at: Span) -> Res<(&'p FnDef, Vec<&'p Arg>)> {
-        let mut overrides: Vec<&Arg> = Vec::new();
-        let mut current = name.to_string();
-        let mut at = at;
-        for _ in 0..32 {
+        let (model, chain) = self.variant_chain(name, at)?;
+        let overrides = chain.iter().rev().flat_map(|v| &v.args).collect();
+        Ok((model, overrides))
+    }
+
+    /// The variants from `name` down to the model they are based on,
+    /// outermost first: the one walk that variant lookups share.
+    fn variant_chain<'p>(&'p self, name: &str, at: Span) -> Res<(&'p FnDef, Vec<&'p Variant>)> {
+        let mut chain: Vec<&Variant> = Vec::new();
+        let (mut current, mut at) = (name, at);
+        loop {
             if let Some(m) = self.models.iter().find(|m| m.name.name == current) {
-                overrides.reverse();
-                return Ok((m, overrides));
+                return Ok((m, chain));
             }
-            match self.variants.iter().find(|v| v.name.name == current) {
-                Some(v) => {
-                    // Collected innermost-last; reversed above so the outermost wins.
-                    for a in v.args.iter().rev() {
-                        overrides.push(a);
-                    }
-                    current = v.base.name.clone();
-                    at = v.base.span;
-                }
-                None => return Err(self.unknown_model(&current, at)),
+            let Some(v) = self.variants.iter().find(|v| v.name.name == current) else {
+                return Err(self.unknown_model(current, at));
+            };
+            if let Some(first) = chain.iter().position(|c| c.name.name == current) {
+                let cycle: Vec<String> = chain[first..]
+                    .iter()
+                    .map(|c| format!("`{}`", c.name.name))
+                    .chain([format!("`{current}`")])
+                    .collect();
+                return Err(Diag::new(
+                    "dpl::variant-cycle",
+                    at,
+                    format!(
+                        "model `{current}` is a variant of itself: {}",
+                        cycle.join(" → ")
+                    ),
+                )
+                .label(format!("back to `{current}`: this chain of variants loops"))
+                .help("base the first variant of the loop on a model defined with a body"));
             }
+            if chain.len() == MAX_VARIANT_DEPTH {
+                return Err(Diag::new(
+                    "dpl::variant-depth",
+                    at,
+                    format!(
+                        "variant chain deeper than {MAX_VARIANT_DEPTH}: `{name}` → `{}` → … → `{current}` → …",
+                        chain[1].name.name
+                    ),
+                )
+                .label(format!("variant {} of the chain", MAX_VARIANT_DEPTH + 1))
+                .help(format!(
+                    "base a variant directly on the model: at most {MAX_VARIANT_DEPTH} variants may stand between a name and its model"
+                )));
+            }
+            chain.push(v);
+            current = &v.base.name;
+            at = v.base.span;
         }
-        Err(Diag::new(
-            "dpl::variant-cycle",
-            at,
-            format!("model `{name}` is a variant of itself"),
-        )
-        .label("this chain of variants loops"))
     }
 
     pub fn unknown_model(&self, name: &str, at: Span) -> Box<Diag> {
@@ -109,22 +148,21 @@ impl Program {
         d
     }
 
-    /// The `train` section for `model`, looked up through its variant chain.
+    /// The `train` section for `model`, looked up through its variant chain:
+    /// its own, else the nearest base's.
     pub fn train_for(&self, model: &str) -> Option<&Section> {
-        let mut current = model.to_string();
-        for _ in 0..32 {
-            if let Some(t) = self.trains.iter().find(|t| t.name.name == current) {
-                return Some(t);
-            }
-            current = self
-                .variants
-                .iter()
-                .find(|v| v.name.name == current)?
-                .base
-                .name
-                .clone();
-        }
-        None
+        let anywhere = Span {
+            file: FileId(self.std_files),
+            start: 0,
+            end: 0,
+        };
+        let bases = match self.variant_chain(model, anywhere) {
+            Ok((_, chain)) => chain.iter().map(|v| v.base.name.as_str()).collect(),
+            Err(_) => Vec::new(),
+        };
+        std::iter::once(model)
+            .chain(bases)
+            .find_map(|n| self.trains.iter().find(|t| t.name.name == n))
     }
 }
 
@@ -166,6 +204,11 @@ pub struct Elab<'p> {
     calls: Vec<String>,
     /// In `train` and `cluster` sections unknown names are names and calls are records.
     section_mode: bool,
+    /// Where each scope name under a parent scope came from: a `name = "…"`
+    /// argument, or the call or `repeat` that was named after its block.
+    scope_origins: HashMap<(ScopeId, String), Span>,
+    /// Where each parameter of a scope was declared, to name the first of two.
+    param_origins: HashMap<(ScopeId, String), Span>,
 }
 
 /// Names every file can use: the element types.
@@ -189,6 +232,8 @@ impl<'p> Elab<'p> {
             scope,
             calls: Vec::new(),
             section_mode: false,
+            scope_origins: HashMap::new(),
+            param_origins: HashMap::new(),
         }
     }
 
@@ -468,6 +513,22 @@ impl<'p> Elab<'p> {
             None => Init::Normal { std: 0.02 },
             Some(e) => self.init(e)?,
         };
+        let key = (self.scope, name.name.clone());
+        if let Some(first) = self.param_origins.get(&key) {
+            return Err(Diag::new(
+                "dpl::duplicate-param",
+                name.span,
+                format!(
+                    "parameter `{}` is already declared in this scope at {}",
+                    name.name,
+                    self.prog.line_col(*first)
+                ),
+            )
+            .label("declared again here")
+            .note(*first, format!("`{}` first declared here", name.name))
+            .help("give each parameter of a block its own name"));
+        }
+        self.param_origins.insert(key, name.span);
         self.check_budget(span)?;
         let region = self.region();
         let t = self
@@ -593,6 +654,8 @@ impl<'p> Elab<'p> {
                 carried.push((n, v));
             }
         }
+        let outer_scope = self.scope;
+        let body_scope = self.open_scope(&scope_name, ScopeKind::Repeat { count }, span, false)?;
         let parent_region = self.region();
         let body_region = self.g.add_region(parent_region);
         self.levels.push(Level {
@@ -615,10 +678,7 @@ impl<'p> Elab<'p> {
         if let Some(f) = self.frames.last_mut() {
             f.scopes.push(scope_vars);
         }
-        let outer_scope = self.scope;
-        self.scope = self
-            .g
-            .add_scope(outer_scope, &scope_name, ScopeKind::Repeat { count });
+        self.scope = body_scope;
         let flow = self.exec(body);
         self.scope = outer_scope;
         let finals = self
@@ -1173,13 +1233,17 @@ impl<'p> Elab<'p> {
         }
         // `name = "q"` names the block instance's scope (and so its parameters).
         let mut scope_name = name.clone();
+        let mut named_at = None;
         if let Some(i) = args
             .iter()
             .position(|(n, _, _)| n.as_ref().is_some_and(|n| n.name == "name"))
         {
-            let (_, v, at) = args.remove(i);
+            let (key, v, at) = args.remove(i);
             match v {
-                Value::Str(s) if is_scope_name(&s) => scope_name = s,
+                Value::Str(s) if is_scope_name(&s) => {
+                    scope_name = s;
+                    named_at = Some(key.map_or(at, |k| k.span.to(at)));
+                }
                 other => {
                     return Err(self.expected(
                         &other,
@@ -1192,20 +1256,22 @@ impl<'p> Elab<'p> {
         let formals: Vec<&str> = def.formals.iter().map(|f| f.name.name.as_str()).collect();
         let sig = self.signature(def);
         let bound = self.bind_args(&formals, &sig, args, callee, span)?;
+        let outer_scope = self.scope;
+        let block_scope = self.open_scope(
+            &scope_name,
+            ScopeKind::Block {
+                block: name.clone(),
+            },
+            named_at.unwrap_or(span),
+            named_at.is_some(),
+        )?;
         self.calls.push(name.clone());
         self.frames.push(Frame {
             scopes: vec![HashMap::new()],
             level_base: self.levels.len(),
             file: def.name.span.file,
         });
-        let outer_scope = self.scope;
-        self.scope = self.g.add_scope(
-            outer_scope,
-            &scope_name,
-            ScopeKind::Block {
-                block: name.clone(),
-            },
-        );
+        self.scope = block_scope;
         let result = self.run_block(def, bound, span, &sig);
         self.scope = outer_scope;
         self.frames.pop();
@@ -1217,6 +1283,52 @@ impl<'p> Elab<'p> {
             }
             d
         })
+    }
+
+    /// A new scope under the current one, named `base` or, when a sibling has
+    /// that name already, numbered by the graph (`linear_1`). A name given
+    /// with `name = "…"` is never numbered: reusing one is an error, as is a
+    /// numbered name that a `name =` took before (both would be one path).
+    fn open_scope(
+        &mut self,
+        base: &str,
+        kind: ScopeKind,
+        origin: Span,
+        explicit: bool,
+    ) -> Res<ScopeId> {
+        let parent = self.scope;
+        let taken = |e: &Self, name: &str, message: String| -> Option<Box<Diag>> {
+            let first = *e.scope_origins.get(&(parent, name.to_string()))?;
+            Some(
+                Diag::new(
+                    "dpl::duplicate-name",
+                    origin,
+                    format!(
+                        "{message} is already used in this scope at {}",
+                        e.prog.line_col(first)
+                    ),
+                )
+                .label("used again here")
+                .note(first, format!("`{name}` first named here"))
+                .help("give each block call in a scope its own `name = \"…\"`"),
+            )
+        };
+        if explicit {
+            if let Some(d) = taken(self, base, format!("the name `{base}`")) {
+                return Err(d);
+            }
+        }
+        let id = self.g.add_scope(parent, base, kind);
+        let unique = self.g.scope(id).name.clone();
+        if let Some(d) = taken(
+            self,
+            &unique,
+            format!("this `{base}` would be named `{unique}`, which"),
+        ) {
+            return Err(d);
+        }
+        self.scope_origins.insert((parent, unique), origin);
+        Ok(id)
     }
 
     fn run_block(

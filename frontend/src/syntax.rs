@@ -2,7 +2,7 @@
 //! operator precedence, unit literals, and guards against pathological nesting.
 
 use crate::ast::*;
-use crate::diag::{Diag, DiagExt, Res};
+use crate::diag::{line_col, Diag, DiagExt, Res};
 use pest::iterators::{Pair, Pairs};
 use pest::pratt_parser::{Assoc, Op, PrattParser};
 use pest::Parser;
@@ -22,7 +22,7 @@ const MAX_EXPR_DEPTH: usize = 200;
 
 /// Parse one file into its items.
 pub fn parse_file(file: FileId, text: &str) -> Res<Vec<Item>> {
-    check_nesting(file, text)?;
+    scan(file, text)?;
     let mut pairs = DplParser::parse(Rule::file, text).map_err(|e| syntax_error(file, text, e))?;
     let file_pair = pairs.next().ok_or_else(|| {
         Diag::new(
@@ -31,7 +31,7 @@ pub fn parse_file(file: FileId, text: &str) -> Res<Vec<Item>> {
             "the file could not be read",
         )
     })?;
-    let b = Builder { file };
+    let b = Builder { file, text };
     let mut items = Vec::new();
     for p in file_pair.into_inner() {
         match p.as_rule() {
@@ -50,8 +50,39 @@ fn span_at(file: FileId, start: usize, end: usize) -> Span {
     Span { file, start, end }
 }
 
-/// Refuse input nested more than `MAX_NESTING` deep, skipping comments and strings.
-fn check_nesting(file: FileId, text: &str) -> Res<()> {
+/// The byte-order mark, accepted (and skipped by the grammar) only as the
+/// first character of a file: editors on Windows write one.
+const BOM: char = '\u{feff}';
+
+/// What pest would only call "expected something else": characters that are
+/// never text, comments and strings left open, and brackets nested so deep
+/// that pest's recursive descent would overflow the stack. One pass over the
+/// text before pest runs, skipping comments and strings as the grammar does.
+fn scan(file: FileId, text: &str) -> Res<()> {
+    for (i, c) in text.char_indices() {
+        let at = || line_col(text, i);
+        let message = match c {
+            BOM if i > 0 => format!(
+                "a byte-order mark (U+FEFF) at {}: only the start of a file may have one",
+                at()
+            ),
+            '\0' => format!("a NUL byte at {}: .dpl files are UTF-8 text", at()),
+            '\t' | '\n' | '\r' => continue,
+            c if c.is_control() => format!(
+                "a control character (U+{:04X}) at {}: .dpl files are UTF-8 text",
+                c as u32,
+                at()
+            ),
+            _ => continue,
+        };
+        return Err(Diag::new(
+            "dpl::bad-char",
+            span_at(file, i, i + c.len_utf8()),
+            message,
+        )
+        .label("not text")
+        .help("remove it; a file full of these was probably saved as UTF-16 or is not a .dpl file"));
+    }
     let bytes = text.as_bytes();
     let mut depth = 0usize;
     let mut i = 0;
@@ -63,16 +94,48 @@ fn check_nesting(file: FileId, text: &str) -> Res<()> {
                 }
             }
             b'/' if bytes.get(i + 1) == Some(&b'*') => {
+                let open = i;
                 i += 2;
                 while i < bytes.len() && !(bytes[i] == b'*' && bytes.get(i + 1) == Some(&b'/')) {
                     i += 1;
                 }
+                if i >= bytes.len() {
+                    return Err(Diag::new(
+                        "dpl::unclosed-comment",
+                        span_at(file, open, open + 2),
+                        format!(
+                            "the comment opened at {} is never closed",
+                            line_col(text, open)
+                        ),
+                    )
+                    .label("this `/*` has no `*/`")
+                    .help("close it with `*/` (block comments do not nest)"));
+                }
                 i += 1;
             }
             b'"' => {
+                let open = i;
                 i += 1;
                 while i < bytes.len() && bytes[i] != b'"' && bytes[i] != b'\n' {
                     i += 1;
+                }
+                if i >= bytes.len() || bytes[i] == b'\n' {
+                    // Up to the line break, without a `\r` before it.
+                    let end = if i > open + 1 && bytes[i - 1] == b'\r' {
+                        i - 1
+                    } else {
+                        i
+                    };
+                    return Err(Diag::new(
+                        "dpl::unclosed-string",
+                        span_at(file, open, end),
+                        format!(
+                            "the string opened at {} is never closed",
+                            line_col(text, open)
+                        ),
+                    )
+                    .label("this string has no closing `\"`")
+                    .help("a string ends with `\"` on the line where it starts"));
                 }
             }
             b'(' | b'[' | b'{' => {
@@ -268,11 +331,13 @@ fn internal(span: Span, what: &str) -> Box<Diag> {
     )
 }
 
-struct Builder {
+struct Builder<'t> {
     file: FileId,
+    /// The file's text, to say where a literal is in its message.
+    text: &'t str,
 }
 
-impl Builder {
+impl Builder<'_> {
     fn span(&self, p: &Pair<'_, Rule>) -> Span {
         let s = p.as_span();
         span_at(self.file, s.start(), s.end())
@@ -532,6 +597,7 @@ impl Builder {
         let kind = match p.as_rule() {
             Rule::number => self.number(&p)?,
             Rule::quantity => {
+                let written = p.as_str();
                 let mut it = p.into_inner();
                 let num = self.next(&mut it, span)?;
                 let value = match self.number(&num)? {
@@ -562,6 +628,19 @@ impl Builder {
                 } else {
                     value * factor
                 };
+                if !si.is_finite() {
+                    return Err(Diag::new(
+                        "dpl::overflow",
+                        span,
+                        format!(
+                            "the quantity `{}` at {} overflows a 64-bit float",
+                            written,
+                            line_col(self.text, span.start)
+                        ),
+                    )
+                    .label("overflows")
+                    .help("floats range up to about 1.8e308 in SI base units"));
+                }
                 ExprKind::Quantity {
                     value: si,
                     unit,
@@ -607,21 +686,29 @@ impl Builder {
 
     fn number(&self, p: &Pair<'_, Rule>) -> Res<ExprKind> {
         let span = self.span(p);
-        let text: String = p.as_str().chars().filter(|c| *c != '_').collect();
+        let written = p.as_str();
+        let text: String = written.chars().filter(|c| *c != '_').collect();
+        let at = line_col(self.text, span.start);
         if text.contains(['.', 'e', 'E']) {
             match text.parse::<f64>() {
                 Ok(x) if x.is_finite() => Ok(ExprKind::Float(x)),
-                _ => Err(Diag::new("dpl::overflow", span, "this number is too large")
-                    .label("not a finite float")),
+                _ => Err(Diag::new(
+                    "dpl::overflow",
+                    span,
+                    format!("the number `{written}` at {at} overflows a 64-bit float"),
+                )
+                .label("overflows")
+                .help("floats range up to about 1.8e308")),
             }
         } else {
+            // The grammar admits only digits here, so overflow is the one failure.
             text.parse::<i64>().map(ExprKind::Int).map_err(|_| {
                 Diag::new(
                     "dpl::overflow",
                     span,
-                    "this integer does not fit in 64 bits",
+                    format!("the integer `{written}` at {at} overflows 64 bits"),
                 )
-                .label("too large")
+                .label("overflows")
                 .help("integers range up to 9223372036854775807")
             })
         }

@@ -10,6 +10,15 @@ fn check(src: &str) -> String {
     }
 }
 
+/// `n` variants, each based on the one before, down to a model `m0`.
+fn variant_chain(n: usize) -> String {
+    let mut src = String::from("model m0(d = 4) { param w: [d]  return w }\n");
+    for i in 1..=n {
+        src += &format!("model m{i} = m{}(d = {})\n", i - 1, i + 4);
+    }
+    src
+}
+
 macro_rules! cases {
     ($($name:ident: $src:expr;)*) => {
         $(
@@ -63,5 +72,22 @@ cases! {
     positional_variant_argument: "model gpt(d = 4) { param w: [d]  return w }\nmodel big = gpt(8)\n";
     axis_out_of_range: "model m() {\n    input x: f32[b, 4]\n    return softmax(x, 2)\n}\n";
     return_in_repeat: "model m() {\n    input x: f32[b, 4]\n    repeat 2 {\n        return x\n    }\n    return x\n}\n";
+    byte_order_mark_is_skipped: "\u{feff}model m(d = 10) {\n    param w: [d - 10, 2]\n    return w\n}\n";
+    byte_order_mark_inside_the_file: "model m() {\n    param w: [4]\u{feff}\n    return w\n}\n";
+    nul_byte: "model m() {\n    param w\0: [4]\n    return w\n}\n";
+    control_character: "model m() {\n    param w: [4]\n  \u{7}  return w\n}\n";
+    unclosed_block_comment: "model m() {\n    param w: [4]\n    /* return w\n}\n";
+    unclosed_string: "model m() {\n    input x: f32[b, 4]\n    return linear(x, 4, 4, name = \"q)\n}\n";
+    unclosed_string_at_end_of_file: "model m() {\n    input x: f32[b, 4]\n    return linear(x, 4, 4, name = \"q";
+    float_literal_overflow: "model m() {\n    param w: [4]\n    return w * 1e400\n}\n";
+    integer_literal_overflow: "model m() {\n    param w: [99_999_999_999_999_999_999_999]\n    return w\n}\n";
+    quantity_overflow: "cluster c {\n    devices_per_node = 8\n    device = A100\n    intra_node = nvswitch(bandwidth = 1e300 TB/s, latency = 2 us)\n}\n";
+    variant_cycle: "model gpt(d = 4) { param w: [d]  return w }\nmodel a = b(d = 8)\nmodel b = a(d = 16)\n";
+    variant_of_itself: "model a = a(d = 8)\n";
+    variant_chain_into_a_cycle: "model c = b(d = 4)\nmodel b = a(d = 8)\nmodel a = b(d = 16)\n";
+    variant_chain_too_deep: &variant_chain(257);
+    duplicate_scope_name: "model m() {\n    input x: f32[b, 4]\n    y = linear(x, 4, 4, name = \"q\")\n    z = linear(y, 4, 4, name = \"q\")\n    return z\n}\n";
+    scope_name_of_an_unnamed_call: "model m() {\n    input x: f32[b, 4]\n    y = linear(x, 4, 4)\n    z = linear(y, 4, 4, name = \"linear\")\n    return z\n}\n";
+    scope_name_taken_from_numbering: "model m() {\n    input x: f32[b, 4]\n    x = linear(x, 4, 4, name = \"linear_1\")\n    x = linear(x, 4, 4)\n    x = linear(x, 4, 4)\n    return x\n}\n";
     valid_program: "model m(d = 4) {\n    input x: f32[b, 4]\n    param w: [4, d]\n    return x @ w\n}\n";
 }
