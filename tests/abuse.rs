@@ -282,3 +282,17 @@ fn a_full_standard_output_is_an_error_not_a_panic() {
     assert!(err.contains("cannot write to standard output"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
+
+#[test]
+fn a_file_that_is_not_utf8_is_named_with_the_byte() {
+    let d = Scratch::new("utf8");
+    let f = d.0.join("bad.dpl");
+    std::fs::write(&f, b"model a() {}\n  \xff\n").unwrap();
+    let o = dplc().arg("check").arg(&f).output().expect("dplc runs");
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("bad.dpl:2:3: byte 0xff is not UTF-8 text"),
+        "{}",
+        text(&o)
+    );
+}
