@@ -5,10 +5,10 @@
 //! is how the executor is tested against the CPU reference without a GPU.
 
 mod backend;
-mod program;
+mod executor;
+mod plan;
 
 pub use backend::{matmul_cpu, Backend, HostBackend, HostBuf, MatMul};
-pub use program::{
-    flat_args, ChunkSpan, Executor, FusedGraph, HostSteps, ParamBufs, RegionRun, Val,
-};
-pub(crate) use program::{tensor_dims, to_backend, to_host};
+pub use executor::{flat_args, ChunkSpan, Executor, HostSteps, ParamBufs, RegionRun, Val};
+pub(crate) use executor::{tensor_dims, to_backend, to_host};
+pub use plan::FusedGraph;

@@ -1,0 +1,298 @@
+//! The fused plan of a rank's program: codegen's fusion of each region,
+//! its backward plan, and when each tensor can be freed — made once and shared
+//! by every rank that runs the program ([`super::executor`] runs it).
+//!
+//! Every tensor is keyed by its *base*: the in-memory tensor a reshape view
+//! reads, which is also what fused kernels and matmul operands name.
+
+use crate::error::{Result, RuntimeError};
+use dplc_codegen::{
+    add_kernel, backward_plan, column_sum_kernel, convert_kernel, fuse, fuse_cut, BackwardStep,
+    Elem, FusionPlan, GradBinding, Step,
+};
+use dplc_ir::{GradPlan, Graph, NodeId, Op, Recompute, RegionId, TensorId};
+use std::collections::{HashMap, HashSet};
+
+/// Whether `op` runs as a host step (the others a library call or kernel).
+pub(crate) fn is_host_step(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Relayout { .. } | Op::TopK { .. } | Op::MoeDispatch { .. } | Op::MoeCombine
+    )
+}
+
+/// Every region's fusion plan and backward steps, made once per graph.
+pub struct FusedGraph {
+    pub(super) regions: HashMap<RegionId, (FusionPlan, Vec<BackwardStep>)>,
+    pub(super) lifetimes: HashMap<RegionId, Lifetimes>,
+    pub(super) grad: GradPlan,
+    /// What a layer keeps for its backward. Recomputed values are the same
+    /// values: a dropout draw depends on the step, node, layer and sample,
+    /// not on when it runs.
+    pub(super) recompute: Recompute,
+    /// Per region, the forward steps that write a core-attention tensor:
+    /// what selective recomputation drops after a layer's forward and runs
+    /// again before its backward.
+    pub(super) core_steps: HashMap<RegionId, Vec<usize>>,
+    /// The root's step that runs the top-level `repeat`, and whether every
+    /// root kernel lies wholly before or wholly after it (so a pipeline may
+    /// cut the root there).
+    pub(super) repeat_step: Option<(usize, bool)>,
+}
+
+/// When a region's forward may free its values.
+pub(super) struct Lifetimes {
+    /// Per forward step, the bases no later step and no backward step reads.
+    pub(super) free_after: Vec<Vec<TensorId>>,
+}
+
+/// The in-memory tensor behind `t` (through reshapes).
+pub(super) fn base_of(graph: &Graph, mut t: TensorId) -> TensorId {
+    while let Some(n) = graph.producer(t) {
+        match n.op {
+            Op::Reshape { .. } => t = n.inputs[0],
+            _ => break,
+        }
+    }
+    t
+}
+
+impl Lifetimes {
+    fn new(
+        graph: &Graph,
+        r: RegionId,
+        plan: &FusionPlan,
+        back: &[BackwardStep],
+        grad: &GradPlan,
+        rerun: &[usize],
+    ) -> Lifetimes {
+        let base = |t: TensorId| base_of(graph, t);
+        // What the backward reads, what the caller reads, and the loss.
+        let region = graph.region(r);
+        let mut keep: HashSet<TensorId> = region.results.iter().map(|&t| base(t)).collect();
+        if r == graph.root() {
+            keep.extend(graph.outputs().iter().map(|&t| base(t)));
+        }
+        // Selective recomputation runs these steps again: what they read stays.
+        for &i in rerun {
+            keep.extend(step_tensors(graph, &plan.steps[i]).into_iter().map(base));
+        }
+        for b in back {
+            match b {
+                BackwardStep::Kernel { step, backward } => {
+                    if let Step::Kernel(k) = &plan.steps[*step] {
+                        for bind in &backward.bindings {
+                            if let GradBinding::Forward(j) = *bind {
+                                keep.insert(base(k.buffers[j]));
+                            }
+                        }
+                    }
+                }
+                BackwardStep::MatMul { step } => {
+                    if let Step::MatMul { node, a, b } = &plan.steps[*step] {
+                        let n = graph.node(*node);
+                        if grad.needs_grad(n.inputs[0]) {
+                            keep.insert(base(b.tensor));
+                        }
+                        if grad.needs_grad(n.inputs[1]) {
+                            keep.insert(base(a.tensor));
+                        }
+                    }
+                }
+                // A host step's backward reads its forward values (a layout
+                // change's reads none: it moves the gradient only).
+                BackwardStep::Extern { step, .. } => {
+                    if let Step::Extern { node, .. } = &plan.steps[*step] {
+                        let n = graph.node(*node);
+                        if is_host_step(&n.op) && !matches!(n.op, Op::Relayout { .. }) {
+                            keep.extend(n.inputs.iter().chain(&n.outputs).map(|&t| base(t)));
+                        }
+                    }
+                }
+            }
+        }
+        // The last forward step that writes or reads each base.
+        let mut last: HashMap<TensorId, usize> = HashMap::new();
+        for (i, step) in plan.steps.iter().enumerate() {
+            for t in step_tensors(graph, step) {
+                last.insert(base(t), i);
+            }
+        }
+        let mut free_after = vec![Vec::new(); plan.steps.len()];
+        for (t, i) in last {
+            if !keep.contains(&t) {
+                free_after[i].push(t);
+            }
+        }
+        Lifetimes { free_after }
+    }
+}
+
+/// Every tensor a forward step reads or writes.
+pub(super) fn step_tensors(graph: &Graph, step: &Step) -> Vec<TensorId> {
+    match step {
+        Step::Kernel(k) => k.buffers.clone(),
+        Step::MatMul { node, a, b } => vec![a.tensor, b.tensor, graph.node(*node).outputs[0]],
+        Step::Extern { node, .. } => {
+            let n = graph.node(*node);
+            n.inputs.iter().chain(&n.outputs).copied().collect()
+        }
+    }
+}
+
+/// The tensors a forward step writes.
+pub(super) fn step_outputs(graph: &Graph, step: &Step) -> Vec<TensorId> {
+    match step {
+        Step::Kernel(k) => k
+            .buffers
+            .iter()
+            .zip(&k.kernel.buffers)
+            .filter(|(_, b)| b.output)
+            .map(|(&t, _)| t)
+            .collect(),
+        Step::MatMul { node, .. } | Step::Extern { node, .. } => graph.node(*node).outputs.clone(),
+    }
+}
+
+impl FusedGraph {
+    /// Plan `graph` for a run without recomputation or pipeline cuts.
+    pub fn new(graph: &Graph) -> Result<FusedGraph> {
+        FusedGraph::for_run(graph, Recompute::None, &[])
+    }
+
+    /// Plan `graph` for a run that recomputes as `recompute` says, with the
+    /// root values of `cut` (those crossing pipeline stages) kept in memory;
+    /// fails on a step the executor cannot run (MoE routing).
+    pub fn for_run(graph: &Graph, recompute: Recompute, cut: &[TensorId]) -> Result<FusedGraph> {
+        let mut regions = HashMap::new();
+        for (r, _) in graph.regions() {
+            let plan = if r == graph.root() {
+                fuse_cut(graph, r, cut)
+            } else {
+                fuse(graph, r)
+            };
+            for step in &plan.steps {
+                if let Step::Extern { node, reason } = step {
+                    let op = &graph.node(*node).op;
+                    if !matches!(op, Op::Repeat { .. }) && !is_host_step(op) {
+                        return Err(RuntimeError::Unsupported(format!(
+                            "the fused executor cannot run {} ({reason}); run this model with \
+                             --compute reference on CPU ranks (--cluster Nxcpu)",
+                            graph.node(*node).op.name()
+                        )));
+                    }
+                }
+            }
+            let back = backward_plan(graph, &plan);
+            regions.insert(r, (plan, back));
+        }
+        let grad = GradPlan::new(graph);
+        let core_steps: HashMap<RegionId, Vec<usize>> = regions
+            .iter()
+            .map(
+                |(&r, (plan, _)): (&RegionId, &(FusionPlan, Vec<BackwardStep>))| {
+                    let steps = if recompute == Recompute::Selective && r != graph.root() {
+                        plan.steps
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, st)| {
+                                !matches!(st, Step::Extern { .. })
+                                    && step_outputs(graph, st)
+                                        .into_iter()
+                                        .any(|t| dplc_ir::attention_core_tensor(graph, t))
+                            })
+                            .map(|(i, _)| i)
+                            .collect()
+                    } else {
+                        Vec::new()
+                    };
+                    (r, steps)
+                },
+            )
+            .collect();
+        let lifetimes = regions
+            .iter()
+            .map(|(&r, (plan, back))| {
+                (
+                    r,
+                    Lifetimes::new(graph, r, plan, back, &grad, &core_steps[&r]),
+                )
+            })
+            .collect();
+        let root = graph.root();
+        let repeat_step = regions[&root].0.steps.iter().position(|st| {
+            matches!(st, Step::Extern { node, .. } if matches!(graph.node(*node).op, Op::Repeat { .. }))
+        });
+        let repeat_step = repeat_step.map(|at| {
+            let order: HashMap<NodeId, usize> = graph
+                .region(root)
+                .nodes
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| (n, i))
+                .collect();
+            let Step::Extern { node, .. } = &regions[&root].0.steps[at] else {
+                unreachable!("found as an extern step above")
+            };
+            let rep = order[node];
+            let whole_side = regions[&root]
+                .0
+                .steps
+                .iter()
+                .enumerate()
+                .all(|(i, st)| match st {
+                    Step::Kernel(k) => k
+                        .nodes
+                        .iter()
+                        .all(|n| order.get(n).is_some_and(|&p| (p < rep) == (i < at))),
+                    _ => true,
+                });
+            (at, whole_side)
+        });
+        Ok(FusedGraph {
+            regions,
+            lifetimes,
+            grad,
+            recompute,
+            core_steps,
+            repeat_step,
+        })
+    }
+
+    /// The op of a step that runs on the host, if the graph has one.
+    pub fn host_step_op(&self, graph: &Graph) -> Option<&'static str> {
+        self.regions.values().find_map(|(plan, _)| {
+            plan.steps.iter().find_map(|st| match st {
+                Step::Extern { node, .. } if is_host_step(&graph.node(*node).op) => {
+                    Some(graph.node(*node).op.name())
+                }
+                _ => None,
+            })
+        })
+    }
+
+    /// Every distinct kernel the executor may launch for this graph in
+    /// storage type `dtype` (for compiling ahead of the first step).
+    pub fn kernels(&self) -> Vec<dplc_codegen::Kernel> {
+        // The executor's own: gradient sums and element-type conversions.
+        let mut out = vec![
+            column_sum_kernel(),
+            add_kernel(Elem::F32, Elem::F32, Elem::Float),
+            add_kernel(Elem::F32, Elem::F32, Elem::F32),
+            add_kernel(Elem::Float, Elem::Float, Elem::Float),
+            add_kernel(Elem::Float, Elem::Float, Elem::F32),
+            convert_kernel(Elem::Float, Elem::F32),
+            convert_kernel(Elem::F32, Elem::Float),
+        ];
+        for (plan, back) in self.regions.values() {
+            out.extend(plan.kernels().map(|k| k.kernel.clone()));
+            for b in back {
+                if let BackwardStep::Kernel { backward, .. } = b {
+                    out.push(backward.kernel.clone());
+                    out.extend(backward.column_sums.iter().map(|c| c.kernel.clone()));
+                }
+            }
+        }
+        out
+    }
+}
