@@ -254,8 +254,20 @@ pub fn check_plan(plan: &Plan) -> std::result::Result<(), String> {
             plan.model, lowered.graph.name
         ));
     }
+    // A plan without layouts gets the planner's (as `run` completes it),
+    // and the reason when there is none.
     let mut with_layout = plan.clone();
-    crate::run::complete_layout(&mut with_layout, &lowered.graph);
+    let m = &plan.mesh;
+    if plan.layout.is_none() && (m.tp > 1 || m.ep > 1) {
+        let sp = plan.strategy.sequence_parallel;
+        let layout = dplc_planner::derive_layout(&lowered.graph, m.tp, m.ep, sp).map_err(|e| {
+            format!(
+                "layout: the plan has none, and tp {} ep {} cannot split `{}`: {e}",
+                m.tp, m.ep, plan.model
+            )
+        })?;
+        with_layout.layout = Some(layout);
+    }
     with_layout
         .check_against(&lowered.graph)
         .map_err(|e| e.to_string())
