@@ -733,7 +733,7 @@ fn mutated_plans_never_panic_and_never_pass_unvalidated() {
                 assert!(!why.is_empty(), "mutant {i}: an empty error");
             }
         }
-        if i % 20 == 0 {
+        if i % 25 == 0 {
             to_cli.push(text);
         }
     }

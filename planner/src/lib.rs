@@ -77,6 +77,12 @@ pub struct Compiled {
 pub fn compile(req: &PlanRequest) -> Result<Compiled, PlanError> {
     let mut compiled = compile_one(req)?;
     compiled.plan.what_if = what_ifs(req, &compiled.plan);
+    // Architecture invariant: the planner writes only plans that load.
+    compiled.plan.validate().map_err(|e| {
+        PlanError::Model(format!(
+            "the planner made a plan it would refuse to load ({e}); this is a bug in dplc"
+        ))
+    })?;
     Ok(compiled)
 }
 
