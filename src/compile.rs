@@ -64,6 +64,7 @@ pub fn plan_error(e: dplc_planner::PlanError) -> miette::Report {
     let code = match &e {
         Cluster { .. } | UnknownDevice { .. } => "dplc::cluster",
         StrategySyntax { .. } | Strategy(_) => "dplc::strategy",
+        Request(_) => "dplc::input",
         Model(_) => "dplc::model",
         Infeasible(_) => "dplc::does-not-fit",
     };
@@ -113,10 +114,11 @@ pub fn resolve_cluster(spec: &str, unit: &dplc_frontend::Unit, file: &Path) -> R
             }
         }
     }
-    let shorthand = spec
-        .split(['x', 'X', '*'])
-        .next()
-        .is_some_and(|n| n.trim().parse::<u64>().is_ok());
+    // A count too large for a u64 is still a shorthand: parse_cluster names the overflow.
+    let shorthand = spec.split(['x', 'X', '*']).next().is_some_and(|n| {
+        let n = n.trim();
+        !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())
+    });
     if !shorthand {
         return Err(miette!(
             help = "write COUNTxDEVICE or NODESxCOUNTxDEVICE (e.g. 8xA100, 4x8xH100, 16xcpu), \
@@ -153,6 +155,7 @@ pub fn plan(
     top_k: usize,
     restrict: impl FnOnce(&mut dplc_planner::StrategyConstraints) -> Result<()>,
 ) -> Result<(Compiled, dplc_frontend::Lowered)> {
+    check_sizes(args)?;
     let unit = load::parse(&args.file)?;
     let name = load::choose_model(&unit, &args.file, args.model.as_deref())?;
     let lowered = unit.lower(&name)?;
@@ -175,6 +178,30 @@ pub fn plan(
     Ok((compiled, lowered))
 }
 
+/// `--seq` and `--global-batch` within what dplc plans for, named as given.
+fn check_sizes(args: &PlanArgs) -> Result<()> {
+    use dplc_ir::validate as rules;
+    for (flag, value, rule) in [
+        (
+            "--seq",
+            args.seq,
+            rules::seq as fn(u64) -> Result<(), String>,
+        ),
+        ("--global-batch", args.global_batch, rules::global_batch),
+    ] {
+        if let Some(v) = value {
+            rule(v).map_err(|why| {
+                miette!(
+                    code = "dplc::input",
+                    help = "pass a positive value within the limit, or leave the flag out to use the model's train section",
+                    "{flag} {v}: {why}"
+                )
+            })?;
+        }
+    }
+    Ok(())
+}
+
 /// Write `plan` as RON under dplc's output rule (`output::write`: atomic,
 /// never over one of `inputs`).
 pub fn write_plan(plan: &Plan, path: &Path, inputs: &[&Path]) -> Result<()> {
@@ -184,18 +211,70 @@ pub fn write_plan(plan: &Plan, path: &Path, inputs: &[&Path]) -> Result<()> {
     crate::output::write(path, (text + "\n").as_bytes(), inputs)
 }
 
-/// Read a plan file written by `dplc compile -o`.
+/// Read a plan file written by `dplc compile -o`, and refuse it unless it is
+/// one dplc can run: [`Plan::validate`], and, when the plan carries its
+/// model's source, [`Plan::check_against`] that model. Every command that
+/// reads a plan comes through here, so none explains, draws or verifies an
+/// impossible one.
 pub fn read_plan(path: &Path) -> Result<Plan> {
     let text = std::fs::read_to_string(path)
         .into_diagnostic()
         .wrap_err_with(|| format!("cannot read {}", path.display()))?;
-    ron::from_str(&text).map_err(|e| {
+    let plan: Plan = ron::from_str(&text).map_err(|e| {
         miette!(
+            code = "dplc::plan",
             help = "a plan file is what `dplc compile -o plan.ron` writes; compile it again",
             "{} is not a dplc plan: {e}",
             path.display()
         )
-    })
+    })?;
+    check_plan(&plan).map_err(|e| {
+        miette!(
+            code = "dplc::invalid-plan",
+            help = "the file was edited or damaged; compile the plan again with `dplc compile … -o plan.ron`",
+            "{} is not a plan dplc can use: {e}",
+            path.display()
+        )
+    })?;
+    Ok(plan)
+}
+
+/// Why `plan` cannot be used, as one line: its own consistency, then its
+/// fit to the model it carries.
+pub fn check_plan(plan: &Plan) -> std::result::Result<(), String> {
+    plan.validate().map_err(|e| e.to_string())?;
+    if plan.source.text.is_empty() {
+        return Ok(());
+    }
+    let name = &plan.source.file;
+    let unit = dplc_frontend::parse(name, &plan.source.text)
+        .map_err(|e| format!("source: the model source it carries does not parse: {e}"))?;
+    let lowered = unit
+        .lower(&plan.source.model)
+        .map_err(|e| format!("source: cannot lower `{}`: {e}", plan.source.model))?;
+    if lowered.graph.name != plan.model {
+        return Err(format!(
+            "model: the plan is for `{}`, but its source lowers `{}`",
+            plan.model, lowered.graph.name
+        ));
+    }
+    // A plan without layouts gets the planner's (as `run` completes it),
+    // and the reason when there is none.
+    let mut with_layout = plan.clone();
+    let m = &plan.mesh;
+    if plan.layout.is_none() && (m.tp > 1 || m.ep > 1) {
+        let sp = plan.strategy.sequence_parallel;
+        let layout = dplc_planner::derive_layout(&lowered.graph, m.tp, m.ep, sp).map_err(|e| {
+            format!(
+                "layout: the plan has none, and tp {} ep {} cannot split `{}`: {e}",
+                m.tp, m.ep, plan.model
+            )
+        })?;
+        with_layout.layout = Some(layout);
+    }
+    with_layout
+        .check_against(&lowered.graph)
+        .map_err(|e| e.to_string())
 }
 
 pub fn run(args: &Args) -> Result<()> {

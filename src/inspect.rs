@@ -71,6 +71,20 @@ pub fn run(args: &Args) -> Result<()> {
     let lowered = unit.lower(&name)?;
     let train = &lowered.train;
     let seq = args.seq.unwrap_or(train.seq);
+    let flag = if args.seq.is_some() {
+        "--seq"
+    } else {
+        "the train section's seq"
+    };
+    dplc_ir::validate::seq(seq)
+        .and_then(|()| dplc_ir::validate::fits_context(seq, &lowered.graph))
+        .map_err(|why| {
+            miette::miette!(
+                code = "dplc::input",
+                help = "pass a positive --seq the model can read",
+                "{flag} {seq}: {why}"
+            )
+        })?;
     let r = report(&lowered.graph, seq, train.precision);
     if args.json {
         let by_block: serde_json::Map<String, serde_json::Value> = r

@@ -15,6 +15,7 @@ mod pipeline;
 mod plan;
 mod print;
 mod shape;
+pub mod validate;
 
 pub use analysis::{
     attention_core, attention_core_tensor, ActivationProfile, Analysis, SavedKind, SavedTensor,
@@ -40,3 +41,4 @@ pub use plan::{
 
 pub use print::print_graph;
 pub use shape::{Dim, Poly, Ratio, Shape};
+pub use validate::PlanInvalid;

@@ -1,6 +1,7 @@
 //! The `Plan`: what the planner decided and what it expects, as plain data.
 //! The planner writes it (RON on disk, JSON on request); explain, viz and the runtime read it.
 
+use crate::validate::{self as rules, PlanInvalid};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -274,13 +275,23 @@ pub struct MemoryBreakdown {
 }
 
 impl MemoryBreakdown {
+    /// The sum, `u64::MAX` where it would overflow: a total never wraps
+    /// round to look small.
     pub fn total(&self) -> u64 {
-        self.weights
-            + self.gradients
-            + self.optimizer
-            + self.activations
-            + self.embedding_and_loss
-            + self.buffers
+        self.checked_total().unwrap_or(u64::MAX)
+    }
+
+    /// The sum, `None` where it overflows a `u64`.
+    pub fn checked_total(&self) -> Option<u64> {
+        [
+            self.gradients,
+            self.optimizer,
+            self.activations,
+            self.embedding_and_loss,
+            self.buffers,
+        ]
+        .iter()
+        .try_fold(self.weights, |acc, &b| acc.checked_add(b))
     }
 }
 
@@ -568,6 +579,230 @@ impl Plan {
         self.stages.iter().map(|s| s.layers).collect()
     }
 
+    /// Whether the plan is one dplc can run, draw and explain, whatever model
+    /// it is for: the mesh fills the cluster, every degree divides what it
+    /// splits, the batch splits into whole micro-batches, the stages cover
+    /// the layers in order, and every size and time is a finite number ≥ 0.
+    /// The rules are the planner's own ([`crate::validate`]); a plan file may
+    /// have been edited by hand, so every field is checked and nothing panics.
+    /// [`Plan::check_against`] adds what needs the model.
+    pub fn validate(&self) -> Result<(), PlanInvalid> {
+        let c = &self.cluster;
+        let world = rules::world(c.nodes, c.devices_per_node)
+            .map_err(|e| PlanInvalid::new("cluster", e))?;
+        if c.memory_bytes == 0 {
+            return Err(PlanInvalid::new(
+                "cluster.memory_bytes",
+                "0 bytes; a device holds some memory",
+            ));
+        }
+        positive("cluster.peak_flops", c.peak_flops)?;
+        if self.layers == 0 {
+            return Err(PlanInvalid::new("layers", "0; a plan splits layers"));
+        }
+        if self.params == 0 {
+            return Err(PlanInvalid::new("params", "0; a model has parameters"));
+        }
+
+        let m = &self.mesh;
+        let mesh = |e: String| PlanInvalid::new("mesh", e);
+        rules::degrees_positive(&[
+            ("dp", m.dp),
+            ("tp", m.tp),
+            ("pp", m.pp),
+            ("cp", m.cp),
+            ("ep", m.ep),
+        ])
+        .map_err(mesh)?;
+        rules::mesh_fills(m.dp, m.tp, m.pp, m.cp, world).map_err(mesh)?;
+        rules::expert_groups(m.ep, m.dp).map_err(mesh)?;
+        rules::pipeline_depth(m.pp, self.layers).map_err(mesh)?;
+        for (i, a) in m.axes.iter().enumerate() {
+            let degree = match a.axis {
+                MeshAxis::Dp => m.dp,
+                MeshAxis::Tp => m.tp,
+                MeshAxis::Pp => m.pp,
+                MeshAxis::Cp => m.cp,
+                MeshAxis::Ep => m.ep,
+            };
+            let field = format!("mesh.axes[{i}]");
+            if a.size != degree {
+                return Err(PlanInvalid::new(
+                    field,
+                    format!(
+                        "the {} axis has size {}, but the mesh has {} {degree}",
+                        a.axis.name(),
+                        a.size,
+                        a.axis.name()
+                    ),
+                ));
+            }
+            if a.stride == 0 {
+                return Err(PlanInvalid::new(
+                    field,
+                    "stride 0; ranks are at least 1 apart",
+                ));
+            }
+            non_negative(
+                &format!("{field}.bandwidth_bytes_per_s"),
+                a.bandwidth_bytes_per_s,
+            )?;
+        }
+
+        let s = &self.strategy;
+        rules::global_batch(s.global_batch)
+            .map_err(|e| PlanInvalid::new("strategy.global_batch", e))?;
+        rules::seq(s.seq).map_err(|e| PlanInvalid::new("strategy.seq", e))?;
+        rules::batch_split(s.global_batch, m.dp, s.micro_batch, s.num_micro_batches)
+            .map_err(|e| PlanInvalid::new("strategy.micro_batch", e))?;
+        rules::zero_stage(s.zero_stage).map_err(|e| PlanInvalid::new("strategy.zero_stage", e))?;
+        rules::context(m.cp, s.seq).map_err(mesh)?;
+        rules::sequence_parallel(s.sequence_parallel, m.tp)
+            .map_err(|e| PlanInvalid::new("strategy.sequence_parallel", e))?;
+        let v = s.virtual_stages;
+        match s.schedule {
+            PipelineSchedule::Interleaved if v < 2 => {
+                return Err(PlanInvalid::new(
+                    "strategy.virtual_stages",
+                    format!("{v}; the interleaved schedule runs at least 2 chunks per stage"),
+                ))
+            }
+            PipelineSchedule::GPipe | PipelineSchedule::OneFOneB if v != 1 => {
+                return Err(PlanInvalid::new(
+                    "strategy.virtual_stages",
+                    format!(
+                        "{v} needs the interleaved schedule, not {}",
+                        s.schedule.name()
+                    ),
+                ))
+            }
+            _ => {}
+        }
+        rules::interleaving(self.layers, m.pp, v, s.num_micro_batches)
+            .map_err(|e| PlanInvalid::new("strategy.virtual_stages", e))?;
+        rules::pipeline_passes(s.num_micro_batches, v, m.pp)
+            .map_err(|e| PlanInvalid::new("strategy.num_micro_batches", e))?;
+
+        self.validate_stages()?;
+
+        let e = &self.estimate;
+        positive("estimate.step_time_s", e.step_time_s)?;
+        let b = &e.breakdown;
+        for (name, x) in [
+            ("tokens_per_s", e.tokens_per_s),
+            ("model_flops_per_step", e.model_flops_per_step),
+            ("hardware_flops_per_step", e.hardware_flops_per_step),
+            ("model_tflops_per_gpu", e.model_tflops_per_gpu),
+            ("hardware_tflops_per_gpu", e.hardware_tflops_per_gpu),
+            ("mfu", e.mfu),
+            ("breakdown.compute_s", b.compute_s),
+            ("breakdown.recompute_s", b.recompute_s),
+            ("breakdown.exposed_comm_s", b.exposed_comm_s),
+            ("breakdown.pipeline_p2p_s", b.pipeline_p2p_s),
+            ("breakdown.bubble_s", b.bubble_s),
+            ("breakdown.exposed_dp_comm_s", b.exposed_dp_comm_s),
+            ("breakdown.optimizer_s", b.optimizer_s),
+            ("breakdown.overlapped_comm_s", b.overlapped_comm_s),
+        ] {
+            non_negative(&format!("estimate.{name}"), x)?;
+        }
+        for (i, c) in self.collectives.iter().enumerate() {
+            non_negative(&format!("collectives[{i}].time_s"), c.time_s)?;
+        }
+        for (i, a) in self.alternatives.iter().enumerate() {
+            non_negative(&format!("alternatives[{i}].step_time_s"), a.step_time_s)?;
+        }
+        for (i, w) in self.what_if.iter().enumerate() {
+            if let Some(t) = w.step_time_s {
+                non_negative(&format!("what_if[{i}].step_time_s"), t)?;
+            }
+        }
+        if let Some(layout) = &self.layout {
+            if (layout.tp, layout.ep, layout.sequence_parallel) != (m.tp, m.ep, s.sequence_parallel)
+            {
+                return Err(PlanInvalid::new(
+                    "layout",
+                    format!(
+                        "for tp {} ep {} sequence parallel {}, but the plan runs tp {} ep {} sequence parallel {}",
+                        layout.tp, layout.ep, layout.sequence_parallel, m.tp, m.ep, s.sequence_parallel
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// One stage per pipeline rank, numbered in order, each holding the
+    /// next run of layers (at least one per chunk), together all of them.
+    fn validate_stages(&self) -> Result<(), PlanInvalid> {
+        let pp = self.mesh.pp;
+        if self.stages.len() as u64 != pp {
+            return Err(PlanInvalid::new(
+                "stages",
+                format!(
+                    "{} stages for a pipeline of pp {pp}; there is one per pipeline stage",
+                    self.stages.len()
+                ),
+            ));
+        }
+        let v = self.chunks();
+        let mut next_layer = 0u64;
+        for (i, st) in self.stages.iter().enumerate() {
+            let field = format!("stages[{i}]");
+            let bad = |detail: String| Err(PlanInvalid::new(&field, detail));
+            if st.stage != i as u64 {
+                return bad(format!("numbered {}, but it is stage {i}", st.stage));
+            }
+            if st.layers < v {
+                return bad(format!(
+                    "{} layers, fewer than its {v} chunk{}; every stage runs at least one layer per chunk",
+                    st.layers,
+                    if v == 1 { "" } else { "s" }
+                ));
+            }
+            if st.first_layer != next_layer {
+                return bad(format!(
+                    "starts at layer {}, but the stages before it end at layer {next_layer}; stages hold consecutive layers in order",
+                    st.first_layer
+                ));
+            }
+            next_layer = match next_layer.checked_add(st.layers) {
+                Some(n) if n <= self.layers => n,
+                _ => {
+                    return bad(format!(
+                        "layers {}..{}+{} run past the model's {} layers",
+                        st.first_layer, st.first_layer, st.layers, self.layers
+                    ))
+                }
+            };
+            if st.embedding != (i == 0) || st.head != (i as u64 == pp - 1) {
+                return bad(
+                    "the embedding is on the first stage and the head on the last, and only there"
+                        .into(),
+                );
+            }
+            if st.memory.checked_total().is_none() {
+                return bad("its memory adds up to more than 2^64 bytes".into());
+            }
+            non_negative(
+                &format!("{field}.micro_batches_in_flight"),
+                st.micro_batches_in_flight,
+            )?;
+            non_negative(&format!("{field}.forward_s"), st.forward_s)?;
+            non_negative(&format!("{field}.backward_s"), st.backward_s)?;
+        }
+        if next_layer != self.layers {
+            return Err(PlanInvalid::new(
+                "stages",
+                format!(
+                    "the stages hold {next_layer} layers, the model has {}",
+                    self.layers
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Whether this plan describes `graph`: one stage per pipeline rank whose
     /// layers add up to the model's and fill every chunk, and, when a layer
     /// is split, a layout of the mesh's degrees that fits the graph. Plans
@@ -595,6 +830,15 @@ impl Plan {
                 _ => None,
             })
             .collect();
+        let layers: u64 = repeats.iter().sum();
+        if self.layers != layers {
+            return bad(format!(
+                "the plan is for {} layers, `{}` has {layers}",
+                self.layers, graph.name
+            ));
+        }
+        rules::expert_count(m.ep, rules::model_experts(graph)).map_err(crate::PlanMismatch)?;
+        rules::fits_context(self.strategy.seq, graph).map_err(crate::PlanMismatch)?;
         if m.pp > 1 {
             let [layers] = repeats[..] else {
                 return bad(format!(
@@ -640,5 +884,27 @@ impl Plan {
             layout.check(graph)?;
         }
         Ok(())
+    }
+}
+
+fn non_negative(field: &str, x: f64) -> Result<(), PlanInvalid> {
+    if x.is_finite() && x >= 0.0 {
+        Ok(())
+    } else {
+        Err(PlanInvalid::new(
+            field,
+            format!("{x}; it is a finite number ≥ 0"),
+        ))
+    }
+}
+
+fn positive(field: &str, x: f64) -> Result<(), PlanInvalid> {
+    if x.is_finite() && x > 0.0 {
+        Ok(())
+    } else {
+        Err(PlanInvalid::new(
+            field,
+            format!("{x}; it is a finite number > 0"),
+        ))
     }
 }

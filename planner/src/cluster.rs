@@ -2,6 +2,7 @@
 //! (inside a node, between nodes) and the `8xA100` / `4x8xH100` shorthands.
 
 use crate::PlanError;
+use dplc_ir::validate as rules;
 use dplc_ir::{ClusterSpec, Precision};
 
 const GIB: u64 = 1 << 30;
@@ -178,8 +179,10 @@ pub struct Cluster {
 }
 
 impl Cluster {
+    /// Devices in all; `u64::MAX` past it (the planner refuses more than
+    /// [`dplc_ir::validate::MAX_DEVICES`] before it searches).
     pub fn world_size(&self) -> u64 {
-        self.nodes * self.devices_per_node
+        self.nodes.saturating_mul(self.devices_per_node)
     }
 
     /// A cluster of `nodes × devices_per_node` devices with the device's default links.
@@ -218,9 +221,20 @@ pub fn parse_cluster(spec: &str) -> Result<Cluster, PlanError> {
     let device = device(name)?;
     let nums = counts
         .iter()
-        .map(|c| c.trim().parse::<u64>().ok().filter(|&n| n > 0))
-        .collect::<Option<Vec<u64>>>()
-        .ok_or_else(|| err("counts must be positive whole numbers, e.g. 4x8xH100"))?;
+        .map(|c| {
+            let c = c.trim();
+            match c.parse::<u64>() {
+                Ok(n) if n > 0 => Ok(n),
+                _ if !c.is_empty() && c.bytes().all(|b| b.is_ascii_digit()) && c.trim_start_matches('0') != "" => {
+                    Err(err(&format!(
+                        "the count {c} overflows a 64-bit number; dplc plans for at most {} devices",
+                        rules::MAX_DEVICES
+                    )))
+                }
+                _ => Err(err("counts must be positive whole numbers, e.g. 4x8xH100")),
+            }
+        })
+        .collect::<Result<Vec<u64>, PlanError>>()?;
     let (nodes, per_node) = match nums.as_slice() {
         [] => (1, 1),
         [n] if *n <= device.devices_per_node => (1, *n),
@@ -236,17 +250,16 @@ pub fn parse_cluster(spec: &str) -> Result<Cluster, PlanError> {
         [nodes, per] => (*nodes, *per),
         _ => return Err(err("at most two counts: NODESxPER_NODExDEVICE")),
     };
+    rules::world(nodes, per_node).map_err(|e| err(&e))?;
     Ok(Cluster::new(nodes, per_node, device))
 }
 
 /// The cluster a `.dpl` `cluster` section describes; its links override the device's.
 pub fn cluster_from_spec(spec: &ClusterSpec) -> Result<Cluster, PlanError> {
-    if spec.nodes == 0 || spec.devices_per_node == 0 {
-        return Err(PlanError::Cluster {
-            spec: spec.name.clone(),
-            detail: "nodes and devices_per_node must be at least 1".into(),
-        });
-    }
+    rules::world(spec.nodes, spec.devices_per_node).map_err(|detail| PlanError::Cluster {
+        spec: spec.name.clone(),
+        detail,
+    })?;
     let mut c = Cluster::new(spec.nodes, spec.devices_per_node, device(&spec.device)?);
     c.name = spec.name.clone();
     for (ours, theirs) in [
@@ -281,5 +294,25 @@ mod tests {
         ));
         assert!(parse_cluster("0xA100").is_err());
         assert!(parse_cluster("12xA100").is_err());
+    }
+
+    #[test]
+    fn overflowing_and_huge_counts_are_named() {
+        let e = parse_cluster("99999999999999999999xH100")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("the count 99999999999999999999 overflows a 64-bit number"),
+            "{e}"
+        );
+        let e = parse_cluster("65536x65536xH100").unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "cannot read cluster `65536x65536xH100`: 65536 nodes × 65536 devices = 4294967296 is too large: dplc plans for at most 1048576 (2^20 devices)"
+        );
+        let e = parse_cluster("4294967296x4294967296xH100")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("overflows a 64-bit count"), "{e}");
     }
 }

@@ -13,6 +13,10 @@ pub enum PlanError {
     UnknownDevice { name: String, known: String },
     #[error("cannot read strategy `{spec}`: {detail}")]
     StrategySyntax { spec: String, detail: String },
+    /// A size dplc refuses before searching: zero, or past a limit of
+    /// [`dplc_ir::validate`].
+    #[error("cannot plan: {0}")]
+    Request(String),
     #[error("impossible strategy: {0}")]
     Strategy(String),
     #[error("the model cannot be planned: {0}")]

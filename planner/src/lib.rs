@@ -25,6 +25,7 @@ pub use report::{layouts_summary, memory_table, summary, to_json};
 pub use strategy::{parse_strategy, StrategyConstraints};
 pub use timeline::{timeline, Span, SpanKind, Timeline};
 
+use dplc_ir::validate as rules;
 use dplc_ir::{Graph, MemoryBreakdown, Plan, Recompute, TrainSpec};
 use std::time::Instant;
 
@@ -76,6 +77,12 @@ pub struct Compiled {
 pub fn compile(req: &PlanRequest) -> Result<Compiled, PlanError> {
     let mut compiled = compile_one(req)?;
     compiled.plan.what_if = what_ifs(req, &compiled.plan);
+    // Architecture invariant: the planner writes only plans that load.
+    compiled.plan.validate().map_err(|e| {
+        PlanError::Model(format!(
+            "the planner made a plan it would refuse to load ({e}); this is a bug in dplc"
+        ))
+    })?;
     Ok(compiled)
 }
 
@@ -210,12 +217,11 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
     let start = Instant::now();
     let global_batch = req.global_batch.unwrap_or(req.train.global_batch);
     let seq = req.seq.unwrap_or(req.train.seq);
-    if global_batch == 0 || seq == 0 {
-        return Err(PlanError::Strategy(
-            "the global batch and the sequence length must be positive".into(),
-        ));
-    }
-    let world = req.cluster.world_size();
+    let request = PlanError::Request;
+    rules::global_batch(global_batch).map_err(request)?;
+    rules::seq(seq).map_err(request)?;
+    rules::fits_context(seq, req.graph).map_err(request)?;
+    let world = rules::world(req.cluster.nodes, req.cluster.devices_per_node).map_err(request)?;
     let precision = req.train.precision;
     let layouts =
         layouts::Layouts::new(req.graph, precision, &req.cluster, seq, degrees(req, world))?;
@@ -314,7 +320,7 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
 /// The tensor- and expert-parallel degrees the search may try: divisors of the
 /// world, inside a node unless pinned, and the expert counts' divisors.
 fn degrees(req: &PlanRequest, world: u64) -> Vec<(u64, u64)> {
-    let divisors = |n: u64| (1..=n).filter(move |d| n.is_multiple_of(*d));
+    let divisors = |n: u64| rules::divisors(n).into_iter();
     let pins = &req.pinned;
     let tps: Vec<u64> = divisors(world)
         .filter(|&t| match pins.tp {
@@ -322,7 +328,7 @@ fn degrees(req: &PlanRequest, world: u64) -> Vec<(u64, u64)> {
             None => t <= req.cluster.devices_per_node,
         })
         .collect();
-    let eps: Vec<u64> = match profile::experts(req.graph) {
+    let eps: Vec<u64> = match rules::model_experts(req.graph) {
         Some(e) => divisors(world)
             .filter(|&x| e.is_multiple_of(x) && pins.ep.is_none_or(|p| p == x))
             .collect(),

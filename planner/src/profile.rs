@@ -507,14 +507,6 @@ fn param_counts(
     c
 }
 
-/// The number of experts of the model's mixture-of-experts layers, if any.
-pub(crate) fn experts(g: &Graph) -> Option<u64> {
-    g.nodes().find_map(|(_, n)| match n.op {
-        Op::MoeDispatch { experts, .. } => Some(experts as u64),
-        _ => None,
-    })
-}
-
 /// The layer body the planner splits by, or why the model cannot be planned.
 pub(crate) fn layer_body(g: &Graph, an: &Analysis) -> Result<RegionId, PlanError> {
     an.layer_body().ok_or_else(|| {
@@ -629,7 +621,7 @@ impl ModelProfile {
                 layer_input_bytes.add_dim(&e, Ratio::int(b as i64));
             }
         }
-        let experts = experts(g);
+        let experts = dplc_ir::validate::model_experts(g);
         let mut attention_core_flops = Poly::zero();
         for &n in &body_nodes {
             let node = g.node(n);

@@ -9,6 +9,7 @@ use crate::cost::{step_total, AxisOrder, Config, CostModel};
 use crate::layouts::Layouts;
 use crate::profile::ModelProfile;
 use crate::{PlanError, StrategyConstraints};
+use dplc_ir::validate::{self as rules, divisors};
 use dplc_ir::{
     AttentionKind, MemoryBreakdown, PipelineSchedule, Recompute, TimeBreakdown, TpOverlap,
 };
@@ -38,10 +39,6 @@ pub(crate) struct Outcome {
     pub evaluated: u64,
     pub feasible: u64,
     pub smallest: Option<Smallest>,
-}
-
-fn divisors(n: u64) -> Vec<u64> {
-    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
 }
 
 fn allowed(pin: Option<u64>, v: u64) -> bool {
@@ -78,60 +75,44 @@ pub(crate) fn validate(
             "{pins}: the pinned degrees multiply to {product}, which does not divide the {world} devices"
         ));
     }
-    if degrees.iter().all(|(_, d)| d.is_some()) && product != world {
-        return bad(format!(
-            "{pins}: dp × tp × pp × cp = {product} but the cluster has {world} devices"
-        ));
+    if let (Some(tp), Some(pp), Some(dp), Some(cp)) = (pins.tp, pins.pp, pins.dp, pins.cp) {
+        rules::mesh_fills(dp, tp, pp, cp, world)
+            .map_err(|why| PlanError::Strategy(format!("{pins}: {why}")))?;
     }
     if let Some(tp) = pins.tp {
         if let Err(why) = layouts.at_tp(tp) {
             return bad(format!("tp={tp} cannot split the layer: {why}"));
         }
     }
+    let pin = |key: &str, rule: Result<(), String>| {
+        rule.map_err(|why| PlanError::Strategy(format!("{key}: {why}")))
+    };
     if let Some(pp) = pins.pp {
-        if pp > profile.layers {
-            return bad(format!(
-                "pp={pp} is more stages than the model's {} layers",
-                profile.layers
-            ));
-        }
+        pin("pp", rules::pipeline_depth(pp, profile.layers))?;
     }
     if let Some(v) = pins.virtual_stages {
         let pp = pins.pp.unwrap_or(1);
-        if v > 1 && !profile.layers.is_multiple_of(pp * v) {
+        if v > 1 && !profile.layers.is_multiple_of(pp.saturating_mul(v)) {
             return bad(format!(
-                "v={v} with pp={pp}: the {} layers do not split into {} equal chunks",
+                "v={v} with pp={pp}: the {} layers do not split into {pp} × {v} equal chunks",
                 profile.layers,
-                pp * v
             ));
         }
     }
     if let Some(cp) = pins.cp {
-        if !seq.is_multiple_of(cp) {
-            return bad(format!("cp={cp} does not divide the sequence length {seq}"));
-        }
+        pin("cp", rules::context(cp, seq))?;
     }
     if let Some(ep) = pins.ep {
-        match profile.experts {
-            None if ep > 1 => return bad(format!("ep={ep}, but the model has no experts")),
-            Some(e) if e % ep != 0 => {
-                return bad(format!("ep={ep} does not divide the {e} experts"))
-            }
-            _ => {}
-        }
+        pin("ep", rules::expert_count(ep, profile.experts))?;
         if let Some(dp) = pins.dp {
-            if dp % ep != 0 {
-                return bad(format!(
-                    "ep={ep} must divide dp={dp}: expert groups are carved from the data-parallel group"
-                ));
-            }
+            pin("ep", rules::expert_groups(ep, dp))?;
         }
     }
-    if pins.sequence_parallel == Some(true) && pins.tp == Some(1) {
-        return bad(
-            "sp=on needs tp > 1: sequence parallelism splits along the tensor-parallel group"
-                .into(),
-        );
+    if let Some(tp) = pins.tp {
+        pin(
+            "sp",
+            rules::sequence_parallel(pins.sequence_parallel == Some(true), tp),
+        )?;
     }
     if let Some(dp) = pins.dp {
         if !global_batch.is_multiple_of(dp) {
@@ -149,12 +130,7 @@ pub(crate) fn validate(
         }
     }
     if let (Some(dp), Some(mb), Some(m)) = (pins.dp, pins.micro_batch, pins.num_micro_batches) {
-        if dp * mb * m != global_batch {
-            return bad(format!(
-                "dp × mb × m = {} but the global batch is {global_batch}",
-                dp * mb * m
-            ));
-        }
+        pin("m", rules::batch_split(global_batch, dp, mb, m))?;
     }
     Ok(())
 }
@@ -244,7 +220,9 @@ pub(crate) fn search(
                                 continue;
                             }
                             let m = per_replica / mb;
-                            if !allowed(pins.num_micro_batches, m) {
+                            if !allowed(pins.num_micro_batches, m)
+                                || rules::pipeline_passes(m, 1, pp).is_err()
+                            {
                                 continue;
                             }
                             let base = Config {
@@ -300,11 +278,11 @@ fn schedules(
         v.push((PipelineSchedule::GPipe, 1));
         // Megatron needs the micro-batches to be a multiple of the stages and
         // the layers to split into pp × v equal chunks.
-        if m.is_multiple_of(pp) {
-            for chunks in 2..=(layers / pp) {
-                if layers.is_multiple_of(pp * chunks) {
-                    v.push((PipelineSchedule::Interleaved, chunks));
-                }
+        for chunks in 2..=(layers / pp) {
+            if rules::interleaving(layers, pp, chunks, m).is_ok()
+                && rules::pipeline_passes(m, chunks, pp).is_ok()
+            {
+                v.push((PipelineSchedule::Interleaved, chunks));
             }
         }
     }

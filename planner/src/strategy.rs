@@ -39,11 +39,21 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
         detail,
     };
     let mut c = StrategyConstraints::default();
+    // Each choice once, under whichever of its names: the item that set it.
+    let mut given: Vec<(&'static str, &str)> = Vec::new();
     for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let (key, value) = item
             .split_once('=')
             .ok_or_else(|| err(format!("`{item}` is not key=value")))?;
         let (key, value) = (key.trim().to_ascii_lowercase(), value.trim());
+        if let Some(choice) = choice_of(&key) {
+            if let Some((_, first)) = given.iter().find(|(c, _)| *c == choice) {
+                return Err(err(format!(
+                    "{choice} is given twice (`{first}` and `{item}`); give each key once"
+                )));
+            }
+            given.push((choice, item));
+        }
         let int = || {
             value.parse::<u64>().ok().filter(|&n| n > 0).ok_or_else(|| {
                 err(format!(
@@ -148,6 +158,28 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
     Ok(c)
 }
 
+/// The choice a key (or its alias) pins, by its short name.
+fn choice_of(key: &str) -> Option<&'static str> {
+    Some(match key {
+        "tp" => "tp",
+        "pp" => "pp",
+        "dp" => "dp",
+        "cp" => "cp",
+        "ep" => "ep",
+        "mb" | "micro_batch" => "mb",
+        "m" | "micro_batches" | "num_micro_batches" => "m",
+        "v" | "virtual_stages" => "v",
+        "zero" => "zero",
+        "schedule" => "schedule",
+        "recompute" => "recompute",
+        "sp" | "sequence_parallel" => "sp",
+        "overlap" | "overlap_grad_reduce" => "overlap",
+        "attention" => "attention",
+        "tp_overlap" => "tp_overlap",
+        _ => return None,
+    })
+}
+
 impl fmt::Display for StrategyConstraints {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut parts = Vec::new();
@@ -219,5 +251,21 @@ mod tests {
         assert!(parse_strategy("overlap=maybe").is_err());
         assert!(parse_strategy("attention=sometimes").is_err());
         assert!(parse_strategy("schedule=1f1b,v=2").is_err());
+    }
+
+    #[test]
+    fn a_repeated_key_is_an_error_naming_it() {
+        let e = parse_strategy("tp=2,tp=4").unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "cannot read strategy `tp=2,tp=4`: tp is given twice (`tp=2` and `tp=4`); give each key once"
+        );
+        let e = parse_strategy("mb=1,pp=2,micro_batch=2")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("mb is given twice (`mb=1` and `micro_batch=2`)"),
+            "{e}"
+        );
     }
 }

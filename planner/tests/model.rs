@@ -241,7 +241,10 @@ fn a_model_that_fits_nowhere_says_how_close_it_came_and_what_would_fit() {
 fn impossible_strategies_are_refused_with_the_reason() {
     let cases = [
         ("tp=3", "does not divide the 64 devices"),
-        ("tp=8,pp=2,dp=2,cp=1", "cluster has 64 devices"),
+        (
+            "tp=8,pp=2,dp=2,cp=1",
+            "= 32 devices, but the cluster has 64",
+        ),
         ("tp=128", "does not divide the 64 devices"),
         ("pp=64", "more stages than the model's 48 layers"),
         ("ep=2", "no experts"),
