@@ -266,12 +266,12 @@ pub fn run(args: &Args) -> Result<()> {
             o.remove("source");
             o.insert("communication_by_axis".into(), by_axis.into());
         }
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&v).expect("JSON values serialise")
         );
         return Ok(());
     }
-    print!("{}", render(&plan));
+    out!("{}", render(&plan));
     Ok(())
 }

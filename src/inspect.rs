@@ -106,7 +106,7 @@ pub fn run(args: &Args) -> Result<()> {
             "activation_bytes_per_layer": r.activation_bytes_per_layer_per_token,
             "activation_bytes_per_layer_formula": r.activation_formula,
         });
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&obj).expect("JSON values serialise")
         );
@@ -117,22 +117,22 @@ pub fn run(args: &Args) -> Result<()> {
         .iter()
         .map(|(k, v)| format!("{k}={v}"))
         .collect();
-    println!("model {name}  ({})", args.file.display());
-    println!("  arguments        {}", args_line.join(" "));
-    println!(
+    outln!("model {name}  ({})", args.file.display());
+    outln!("  arguments        {}", args_line.join(" "));
+    outln!(
         "  parameters       {} ({})",
         units::thousands(r.params),
         units::si(r.params as f64).trim()
     );
-    println!("  layers           {}", r.layers);
-    println!(
+    outln!("  layers           {}", r.layers);
+    outln!(
         "  training         seq {}, global batch {}, {}",
         train.seq,
         train.global_batch,
         train.precision.name()
     );
-    println!();
-    println!("  parameters by block");
+    outln!();
+    outln!("  parameters by block");
     let width = r
         .params_by_block
         .iter()
@@ -141,30 +141,30 @@ pub fn run(args: &Args) -> Result<()> {
         .unwrap_or(0);
     for (block, n) in &r.params_by_block {
         let share = 100.0 * *n as f64 / r.params.max(1) as f64;
-        println!(
+        outln!(
             "    {block:<width$}  {:>18}  {share:5.1}%",
             units::thousands(*n)
         );
     }
-    println!();
-    println!("  per token, at seq {}", r.seq);
-    println!(
+    outln!();
+    outln!("  per token, at seq {}", r.seq);
+    outln!(
         "    forward FLOPs                 {}FLOP  (attention {}FLOP)",
         units::si(r.flops_per_token),
         units::si(r.attention_flops_per_token)
     );
-    println!(
+    outln!(
         "    activations stored per layer  {}  ({})",
         units::bytes(r.activation_bytes_per_layer_per_token),
         train.precision.name()
     );
-    println!(
+    outln!(
         "    per layer, batch × seq        {} bytes",
         r.activation_formula
     );
     if args.ir {
-        println!();
-        print!("{}", dplc_ir::print_graph(&lowered.graph));
+        outln!();
+        out!("{}", dplc_ir::print_graph(&lowered.graph));
     }
     Ok(())
 }

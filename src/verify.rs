@@ -14,14 +14,6 @@ use dplc_runtime::{Corpus, Faults, RunConfig, TrainReport};
 use miette::{miette, Result};
 use std::path::{Path, PathBuf};
 
-/// Print a line; a closed stdout (`| head`) is not an error worth a panic.
-macro_rules! say {
-    ($($t:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!(std::io::stdout(), $($t)*);
-    }};
-}
-
 const LOSS_TOL: f64 = 1e-5;
 const SGD_TOL: f64 = 1e-6;
 
@@ -92,6 +84,41 @@ fn reduced_model(
     }
     // A model without a `layers` argument runs at full depth.
     Ok(dplc_frontend::parse(name, text)?.lower(model)?)
+}
+
+/// Refuse a reduced run this machine cannot hold, before it starts: every
+/// rank thread keeps its parameters, gradients and two optimizer moments in
+/// fp32 (16 bytes a parameter; less under ZeRO, so this bounds from above),
+/// and the reduced model keeps the plan's width. Without this a wide model
+/// verified on a large mesh runs for minutes and is then killed for memory.
+fn check_memory(graph: &dplc_ir::Graph, ranks: usize) -> Result<()> {
+    let Some(available) = available_memory() else {
+        return Ok(());
+    };
+    let params = graph.param_count() as f64;
+    let need = params * 16.0 * ranks.max(1) as f64 * 1.25;
+    if need > 0.8 * available as f64 {
+        let gib = |b: f64| b / (1u64 << 30) as f64;
+        return Err(miette!(
+            help = "verify needs a rank thread per device of the plan: verify the plan of a smaller cluster \
+                    (the same strategy on fewer data-parallel replicas), or run on a machine with more memory",
+            "verify would hold about {:.1} GiB ({} ranks × {:.0}M parameters at reduced depth, 16 bytes each), \
+             but this machine has {:.1} GiB available",
+            gib(need),
+            ranks,
+            params / 1e6,
+            gib(available as f64)
+        ));
+    }
+    Ok(())
+}
+
+/// `MemAvailable` from /proc/meminfo, in bytes (None where there is none).
+fn available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 struct Outcome {
@@ -188,19 +215,30 @@ pub fn run(args: &Args) -> Result<()> {
     let vocab = crate::run::vocab_of(&lowered.graph);
     let data = Corpus::synthetic(1, vocab, 1 << 14);
     let graph = &lowered.graph;
-    let go = |cfg: &RunConfig, spec: &dplc_ir::TrainSpec| {
+    check_memory(graph, split.world_size())?;
+    let started = std::time::Instant::now();
+    let go = |what: &str, cfg: &RunConfig, spec: &dplc_ir::TrainSpec| {
+        // Four runs of a reduced but real model: say what is running.
+        if !args.json {
+            note!(
+                "verify: {what} on {} rank(s), {} steps ({:.1}s so far)",
+                cfg.world_size(),
+                args.steps,
+                started.elapsed().as_secs_f64()
+            );
+        }
         dplc_runtime::train(graph, spec, cfg, &data, args.steps, 7, |_| {})
             .map_err(|e| miette!("{e}"))
     };
-    let base = go(&serial, &spec)?;
-    let got = go(&split, &spec)?;
+    let base = go("the serial run, the model's optimizer", &serial, &spec)?;
+    let got = go("the plan's split, the model's optimizer", &split, &spec)?;
     let mut sgd = spec.clone();
     sgd.optimizer = dplc_ir::Optimizer::Sgd {
         lr: 0.1,
         momentum: 0.9,
     };
-    let base_sgd = go(&serial, &sgd)?;
-    let got_sgd = go(&split, &sgd)?;
+    let base_sgd = go("the serial run, SGD", &serial, &sgd)?;
+    let got_sgd = go("the plan's split, SGD", &split, &sgd)?;
     let (param_dev, param_at) = base_sgd.params.max_rel_diff(&got_sgd.params, 1e-3);
     let o = Outcome {
         loss_dev: max_loss_dev(&base, &got),
@@ -210,7 +248,7 @@ pub fn run(args: &Args) -> Result<()> {
     };
     let pass = o.loss_dev < LOSS_TOL && o.sgd_loss_dev < SGD_TOL && o.param_dev < SGD_TOL;
     if args.json {
-        say!(
+        outln!(
             "{}",
             serde_json::json!({
                 "pass": pass,
@@ -229,7 +267,7 @@ pub fn run(args: &Args) -> Result<()> {
             })
         );
     } else {
-        say!(
+        outln!(
             "verify {} on {} CPU ranks (dp {} × tp {} × pp {}, ep {}), reduced to {layers} layers, seq {seq}, global batch {global}, {} steps, {layout_source} layout, {} compute",
             plan.model,
             split.world_size(),
@@ -240,19 +278,19 @@ pub fn run(args: &Args) -> Result<()> {
             args.steps,
             split.compute.name()
         );
-        say!(
+        outln!(
             "  loss, model's optimizer   max relative deviation {:.2e}  (tolerance {LOSS_TOL:.0e})",
             o.loss_dev
         );
-        say!(
+        outln!(
             "  loss, SGD                 max relative deviation {:.2e}  (tolerance {SGD_TOL:.0e})",
             o.sgd_loss_dev
         );
-        say!(
+        outln!(
             "  parameters, SGD           max relative deviation {:.2e}  (tolerance {SGD_TOL:.0e}) at {}",
             o.param_dev, o.param_at
         );
-        say!("{}", if pass { "pass" } else { "FAIL" });
+        outln!("{}", if pass { "pass" } else { "FAIL" });
     }
     if pass {
         Ok(())

@@ -4,7 +4,7 @@
 use crate::compile::read_plan;
 use dplc_ir::{AxisPart, Plan, RegionProgram};
 use dplc_planner::{timeline, SpanKind};
-use miette::{miette, IntoDiagnostic, Result, WrapErr};
+use miette::{miette, Result};
 use serde_json::json;
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -38,11 +38,9 @@ pub fn run(args: &Args) -> Result<()> {
         Format::Html => html(&plan),
     };
     match &args.output {
-        Some(path) => std::fs::write(path, text)
-            .into_diagnostic()
-            .wrap_err_with(|| format!("cannot write {}", path.display())),
+        Some(path) => crate::output::write(path, text.as_bytes(), &[&args.plan]),
         None => {
-            println!("{text}");
+            outln!("{text}");
             Ok(())
         }
     }

@@ -267,20 +267,39 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
 #[cfg(target_os = "linux")]
 #[test]
 fn a_full_standard_output_is_an_error_not_a_panic() {
-    let full = std::fs::OpenOptions::new()
-        .write(true)
-        .open("/dev/full")
-        .expect("/dev/full");
-    let o = dplc()
-        .args(["compile", "models/tiny.dpl"])
-        .args(TINY)
-        .stdout(full)
-        .output()
-        .expect("dplc runs");
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(err.contains("cannot write to standard output"), "{err}");
-    assert!(!err.contains("panicked"), "{err}");
+    let d = Scratch::new("full");
+    let plan = d.0.join("plan.ron");
+    let o = compile_to(Path::new("models/tiny.dpl"), &plan);
+    assert!(o.status.success(), "{}", text(&o));
+    let plan = plan.to_str().expect("a UTF-8 path");
+    let commands: [&[&str]; 5] = [
+        &[
+            "compile",
+            "models/tiny.dpl",
+            "--model",
+            "gpt_tiny",
+            "--cluster",
+            "2xcpu",
+        ],
+        &["inspect", "models/tiny.dpl", "--model", "gpt_tiny"],
+        &["explain", plan],
+        &["viz", plan, "--format", "trace"],
+        &["check", "models/tiny.dpl"],
+    ];
+    for args in commands {
+        let full = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .expect("/dev/full");
+        let o = dplc().args(args).stdout(full).output().expect("dplc runs");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains("cannot write to standard output"),
+            "{args:?}: {err}"
+        );
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
 }
 
 #[test]
@@ -295,4 +314,24 @@ fn a_file_that_is_not_utf8_is_named_with_the_byte() {
         "{}",
         text(&o)
     );
+}
+
+/// `verify` of a wide model on a large mesh would hold a copy per rank
+/// thread: it is refused up front with the size, not killed after minutes.
+#[test]
+fn verify_refuses_a_reduced_run_this_machine_cannot_hold() {
+    let d = Scratch::new("verify-mem");
+    let plan = d.0.join("gpt2.ron");
+    let o = dplc()
+        .args(["compile", "models/gpt2.dpl", "--model", "gpt2"])
+        .args(["--cluster", "64x8xA100", "-o"])
+        .arg(&plan)
+        .output()
+        .expect("dplc runs");
+    assert!(o.status.success(), "{}", text(&o));
+    let started = std::time::Instant::now();
+    let o = dplc().arg("verify").arg(&plan).output().expect("dplc runs");
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("verify would hold about"), "{}", text(&o));
+    assert!(started.elapsed() < std::time::Duration::from_secs(20));
 }
