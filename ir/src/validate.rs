@@ -142,7 +142,7 @@ pub fn interleaving(layers: u64, pp: u64, v: u64, micro_batches: u64) -> Result<
             "v {v} needs a pipeline: one stage has nothing to interleave"
         ));
     }
-    let chunks = pp.checked_mul(v).unwrap_or(u64::MAX);
+    let chunks = pp.saturating_mul(v);
     if !layers.is_multiple_of(chunks) {
         return Err(format!(
             "v {v} with pp {pp}: the {layers} layers do not split into {pp} × {v} equal chunks"
