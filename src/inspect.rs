@@ -85,6 +85,13 @@ pub fn run(args: &Args) -> Result<()> {
                 "{flag} {seq}: {why}"
             )
         })?;
+    if let Some(dim) = lowered.graph.unbound_dims().first() {
+        return Err(miette::miette!(
+            code = "dplc::model",
+            "{}",
+            dplc_planner::unbound_dim_message(dim)
+        ));
+    }
     let r = report(&lowered.graph, seq, train.precision);
     if args.json {
         let by_block: serde_json::Map<String, serde_json::Value> = r

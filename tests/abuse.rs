@@ -335,3 +335,30 @@ fn verify_refuses_a_reduced_run_this_machine_cannot_hold() {
     assert!(text(&o).contains("verify would hold about"), "{}", text(&o));
     assert!(started.elapsed() < std::time::Duration::from_secs(20));
 }
+
+/// A dimension nothing gives a value (a T5's `src`) is an error naming it,
+/// never silently 1.
+#[test]
+fn an_unbound_dimension_is_named_not_taken_as_one() {
+    let d = Scratch::new("dims");
+    let f = d.0.join("t5ish.dpl");
+    std::fs::write(
+        &f,
+        "model t5ish(vocab = 64, d = 16) {\n  input tokens: i32[batch, src]\n  input targets: i32[batch, src]\n  param emb: [vocab, d]\n  x = embedding(emb, tokens)\n  return mean(x)\n}\n",
+    )
+    .unwrap();
+    for cmd in [&["inspect"][..], &["compile", "--cluster", "2xcpu"]] {
+        let o = dplc()
+            .arg(cmd[0])
+            .arg(&f)
+            .args(&cmd[1..])
+            .output()
+            .expect("dplc runs");
+        assert_eq!(o.status.code(), Some(1), "{cmd:?}: {}", text(&o));
+        assert!(
+            text(&o).contains("the dimension `src` has no value"),
+            "{cmd:?}: {}",
+            text(&o)
+        );
+    }
+}

@@ -667,7 +667,8 @@ fn consistent(plan: &Plan, graph: &Graph) -> Result<(), String> {
         (
             s.virtual_stages == plan.chunks()
                 && (plan.chunks() == 1
-                    || (layers % (m.pp * plan.chunks()) == 0 && s.num_micro_batches % m.pp == 0)),
+                    || (layers.is_multiple_of(m.pp * plan.chunks())
+                        && s.num_micro_batches.is_multiple_of(m.pp))),
             "virtual stages",
         ),
         (!s.sequence_parallel || m.tp > 1, "sp needs tp"),

@@ -105,6 +105,10 @@ pub struct Graph {
     scope_names: HashMap<(ScopeId, String), u32>,
 }
 
+/// The symbolic dimensions dplc gives values: the micro-batch and the
+/// sequence length.
+pub const BOUND_DIMS: [&str; 2] = ["batch", "seq"];
+
 impl Graph {
     /// An empty graph with a root region and a model scope called `name`.
     pub fn new(name: &str) -> Graph {
@@ -203,6 +207,17 @@ impl Graph {
     /// Names of the symbolic dimensions, indexed by `SymId`.
     pub fn sym_names(&self) -> &[String] {
         &self.syms
+    }
+
+    /// Symbolic dimensions nothing gives a value: dplc binds `batch` (the
+    /// micro-batch) and `seq` (the sequence length) and nothing else, so any
+    /// other free name (a T5's `src`, `tgt`) must be refused, never guessed.
+    pub fn unbound_dims(&self) -> Vec<&str> {
+        self.syms
+            .iter()
+            .map(String::as_str)
+            .filter(|s| !BOUND_DIMS.contains(s))
+            .collect()
     }
 
     pub fn sym_by_name(&self, name: &str) -> Option<SymId> {

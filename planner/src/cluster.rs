@@ -225,7 +225,7 @@ pub fn parse_cluster(spec: &str) -> Result<Cluster, PlanError> {
             let c = c.trim();
             match c.parse::<u64>() {
                 Ok(n) if n > 0 => Ok(n),
-                _ if !c.is_empty() && c.bytes().all(|b| b.is_ascii_digit()) && c.trim_start_matches('0') != "" => {
+                _ if !c.is_empty() && c.bytes().all(|b| b.is_ascii_digit()) && !c.trim_start_matches('0').is_empty() => {
                     Err(err(&format!(
                         "the count {c} overflows a 64-bit number; dplc plans for at most {} devices",
                         rules::MAX_DEVICES

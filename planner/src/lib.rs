@@ -213,6 +213,14 @@ fn what_ifs(req: &PlanRequest, plan: &Plan) -> Vec<dplc_ir::WhatIf> {
         .collect()
 }
 
+/// Why a model with the free dimension `dim` cannot be planned, and what to do.
+pub fn unbound_dim_message(dim: &str) -> String {
+    format!(
+        "the dimension `{dim}` has no value: dplc gives values to `batch` (the micro-batch) and `seq` (--seq or the train section) only; \
+         make `{dim}` a model argument (e.g. `model m({dim} = 512)`) or use `seq`"
+    )
+}
+
 fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
     let start = Instant::now();
     let global_batch = req.global_batch.unwrap_or(req.train.global_batch);
@@ -221,6 +229,9 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
     rules::global_batch(global_batch).map_err(request)?;
     rules::seq(seq).map_err(request)?;
     rules::fits_context(seq, req.graph).map_err(request)?;
+    if let Some(dim) = req.graph.unbound_dims().first() {
+        return Err(PlanError::Model(unbound_dim_message(dim)));
+    }
     let world = rules::world(req.cluster.nodes, req.cluster.devices_per_node).map_err(request)?;
     let precision = req.train.precision;
     let layouts =
