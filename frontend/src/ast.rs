@@ -170,6 +170,8 @@ pub enum UnitKind {
     Time,
     /// Bytes.
     Bytes,
+    /// Floating-point operations per second.
+    FlopRate,
 }
 
 impl UnitKind {
@@ -178,6 +180,7 @@ impl UnitKind {
             UnitKind::Bandwidth => "a bandwidth",
             UnitKind::Time => "a time",
             UnitKind::Bytes => "a size in bytes",
+            UnitKind::FlopRate => "a compute rate",
         }
     }
 }

@@ -5,7 +5,7 @@ use crate::ast::{Section, Span, UnitKind};
 use crate::diag::{did_you_mean, Diag, DiagExt, Res};
 use crate::elab::{Elab, Program};
 use crate::value::Value;
-use dplc_ir::{ClusterSpec, LinkSpec, LrSchedule, Optimizer, Precision, TrainSpec};
+use dplc_ir::{ClusterSpec, DeviceSpec, LinkSpec, LrSchedule, Optimizer, Precision, TrainSpec};
 
 const TRAIN_KEYS: &[&str] = &[
     "seq",
@@ -159,6 +159,46 @@ impl<'a> Fields<'a> {
     fn number(&self, key: &str, default: Option<f64>) -> Res<f64> {
         match (self.get(key), default) {
             (Some((v, s)), _) => number(v, s),
+            (None, Some(d)) => Ok(d),
+            (None, None) => Err(Diag::new(
+                "dpl::missing-key",
+                self.span,
+                format!("`{}` needs `{key}`", self.kind),
+            )
+            .label(format!("`{key}` is missing"))),
+        }
+    }
+
+    /// Field `key` as a quantity of `unit` (in SI base units), e.g. `300 GB/s`;
+    /// `per device` is allowed on bandwidths only.
+    fn quantity(&self, key: &str, unit: UnitKind, example: &str, default: Option<f64>) -> Res<f64> {
+        match (self.get(key), default) {
+            (
+                Some((
+                    Value::Quantity {
+                        value,
+                        unit: u,
+                        per_device,
+                    },
+                    s,
+                )),
+                _,
+            ) if *u == unit => {
+                if *per_device && unit != UnitKind::Bandwidth {
+                    return Err(Diag::new(
+                        "dpl::bad-unit",
+                        s,
+                        "`per device` only applies to bandwidths",
+                    )
+                    .label("here"));
+                }
+                Ok(*value)
+            }
+            (Some((other, s)), _) => Err(expected(
+                other,
+                s,
+                &format!("{} such as `{example}`", unit.name()),
+            )),
             (None, Some(d)) => Ok(d),
             (None, None) => Err(Diag::new(
                 "dpl::missing-key",
@@ -365,42 +405,89 @@ fn link(v: &Value, span: Span) -> Res<LinkSpec> {
         &["bandwidth", "latency"],
         &format!("{kind}(bandwidth = 300 GB/s, latency = 2 us)"),
     )?;
-    let quantity = |key: &str, unit: UnitKind, example: &str| -> Res<f64> {
-        match f.get(key) {
-            Some((
-                Value::Quantity {
-                    value,
-                    unit: u,
-                    per_device,
-                },
-                s,
-            )) if *u == unit => {
-                if *per_device && unit != UnitKind::Bandwidth {
-                    return Err(Diag::new(
-                        "dpl::bad-unit",
-                        s,
-                        "`per device` only applies to bandwidths",
-                    )
-                    .label("here"));
-                }
-                Ok(*value)
-            }
-            Some((other, s)) => Err(expected(
-                other,
-                s,
-                &format!("{} such as `{example}`", unit.name()),
-            )),
-            None => Err(
-                Diag::new("dpl::missing-key", span, format!("`{kind}` needs `{key}`"))
-                    .label(format!("`{key}` is missing")),
-            ),
-        }
-    };
     Ok(LinkSpec {
         kind: kind.to_string(),
-        bandwidth_bytes_per_s: quantity("bandwidth", UnitKind::Bandwidth, "300 GB/s")?,
-        latency_s: quantity("latency", UnitKind::Time, "2 us")?,
+        bandwidth_bytes_per_s: f.quantity("bandwidth", UnitKind::Bandwidth, "300 GB/s", None)?,
+        latency_s: f.quantity("latency", UnitKind::Time, "2 us", None)?,
     })
+}
+
+/// `accelerator(name = "X", bf16 = 989 TFLOP/s, memory = 80 GB,
+/// memory_bandwidth = 3.35 TB/s, …)`: a device the catalog does not know.
+/// fp16 defaults to the bf16 rate and fp32 to a sixteenth of it (the
+/// tensor-core ratio of A100 and H100); efficiency to the planner's default.
+fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
+    const SIGNATURE: &str = "accelerator(name = \"X\", bf16 = 989 TFLOP/s, fp16 = …, fp32 = …, \
+                             memory = 80 GB, memory_bandwidth = 3.35 TB/s, matmul_efficiency = 0.8, \
+                             multiprocessors = 132)";
+    let f = Fields::new(
+        v,
+        span,
+        &[
+            "name",
+            "bf16",
+            "fp16",
+            "fp32",
+            "memory",
+            "memory_bandwidth",
+            "matmul_efficiency",
+            "multiprocessors",
+        ],
+        SIGNATURE,
+    )?;
+    let name = match f.get("name") {
+        Some((Value::Str(n), _)) if !n.trim().is_empty() => n.clone(),
+        Some((other, s)) => return Err(expected(other, s, "a name such as \"MI355X\"")),
+        None => {
+            return Err(
+                Diag::new("dpl::missing-key", span, "`accelerator` needs `name`")
+                    .label("`name` is missing"),
+            )
+        }
+    };
+    let rate = |key: &str, default: Option<f64>| {
+        f.quantity(key, UnitKind::FlopRate, "989 TFLOP/s", default)
+    };
+    let bf16 = rate("bf16", None)?;
+    let memory = f.quantity("memory", UnitKind::Bytes, "80 GB", None)?;
+    let matmul_efficiency = match f.get("matmul_efficiency") {
+        None => None,
+        Some((v, s)) => {
+            let e = number(v, s)?;
+            if !(e > 0.0 && e <= 1.0) {
+                return Err(expected(v, s, "a fraction of peak in (0, 1], e.g. 0.8"));
+            }
+            Some(e)
+        }
+    };
+    let spec = DeviceSpec {
+        name,
+        peak_bf16: bf16,
+        peak_fp16: rate("fp16", Some(bf16))?,
+        peak_fp32: rate("fp32", Some(bf16 / 16.0))?,
+        memory_bytes: memory as u64,
+        memory_bandwidth: f.quantity("memory_bandwidth", UnitKind::Bandwidth, "3.35 TB/s", None)?,
+        matmul_efficiency,
+        multiprocessors: f.count("multiprocessors", Some(0))?,
+    };
+    for (key, x) in [
+        ("bf16", spec.peak_bf16),
+        ("fp16", spec.peak_fp16),
+        ("fp32", spec.peak_fp32),
+        ("memory", memory),
+        ("memory_bandwidth", spec.memory_bandwidth),
+    ] {
+        if !(x.is_finite() && x > 0.0) {
+            let at = f.get(key).map_or(span, |(_, s)| s);
+            return Err(Diag::new(
+                "dpl::bad-value",
+                at,
+                format!("`{key}` must be a positive, finite quantity"),
+            )
+            .label("here"));
+        }
+    }
+    Ok(spec)
 }
 
 /// Validate a `cluster` section.
@@ -410,6 +497,7 @@ pub fn cluster_spec(prog: &Program, s: &Section) -> Res<ClusterSpec> {
         nodes: 1,
         devices_per_node: 0,
         device: String::new(),
+        custom_device: None,
         intra_node: None,
         inter_node: None,
     };
@@ -417,11 +505,24 @@ pub fn cluster_spec(prog: &Program, s: &Section) -> Res<ClusterSpec> {
         match key.as_str() {
             "nodes" => spec.nodes = positive(&v, span)?,
             "devices_per_node" => spec.devices_per_node = positive(&v, span)?,
-            "device" => {
-                spec.device = name_of(&v)
-                    .ok_or_else(|| expected(&v, span, "a device name such as A100_80GB"))?
-                    .to_string()
-            }
+            "device" => match &v {
+                Value::Record { kind, .. } if kind == "accelerator" => {
+                    let d = accelerator(&v, span)?;
+                    spec.device = d.name.clone();
+                    spec.custom_device = Some(d);
+                }
+                _ => {
+                    spec.device = name_of(&v)
+                        .ok_or_else(|| {
+                            expected(
+                                &v,
+                                span,
+                                "a device name such as A100_80GB, or accelerator(name = …, bf16 = …, memory = …, memory_bandwidth = …)",
+                            )
+                        })?
+                        .to_string()
+                }
+            },
             "intra_node" => spec.intra_node = Some(link(&v, span)?),
             "inter_node" => spec.inter_node = Some(link(&v, span)?),
             _ => {}

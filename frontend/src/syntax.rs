@@ -726,7 +726,7 @@ fn depth(e: &Expr) -> usize {
     }
 }
 
-/// Units and their factor to SI base units (bytes/s, seconds, bytes).
+/// Units and their factor to SI base units (bytes/s, seconds, bytes, FLOP/s).
 pub const UNITS: &[(&str, UnitKind, f64)] = &[
     ("B/s", UnitKind::Bandwidth, 1.0),
     ("KB/s", UnitKind::Bandwidth, 1e3),
@@ -755,6 +755,9 @@ pub const UNITS: &[(&str, UnitKind, f64)] = &[
     ("MiB", UnitKind::Bytes, 1048576.0),
     ("GiB", UnitKind::Bytes, 1073741824.0),
     ("TiB", UnitKind::Bytes, 1099511627776.0),
+    ("GFLOP/s", UnitKind::FlopRate, 1e9),
+    ("TFLOP/s", UnitKind::FlopRate, 1e12),
+    ("PFLOP/s", UnitKind::FlopRate, 1e15),
 ];
 
 fn unit_factor(name: &str) -> Option<(UnitKind, f64)> {

@@ -141,14 +141,37 @@ pub struct LinkSpec {
     pub latency_s: f64,
 }
 
+/// An accelerator described in a cluster section instead of named from the
+/// catalog (`device = accelerator(name = "MI355X", bf16 = 2300 TFLOP/s, …)`):
+/// hardware as data, for devices the catalog does not know.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DeviceSpec {
+    pub name: String,
+    /// Dense peak FLOP/s for matmuls, by precision.
+    pub peak_bf16: f64,
+    pub peak_fp16: f64,
+    pub peak_fp32: f64,
+    pub memory_bytes: u64,
+    /// Device memory bandwidth, bytes/s.
+    pub memory_bandwidth: f64,
+    /// The fraction of peak large matmuls reach; `None` takes the planner's default.
+    pub matmul_efficiency: Option<f64>,
+    /// Streaming multiprocessors (compute units) for wave quantization; 0: none.
+    pub multiprocessors: u64,
+}
+
 /// A `cluster` section: nodes of identical devices joined by two kinds of link.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ClusterSpec {
     pub name: String,
     pub nodes: u64,
     pub devices_per_node: u64,
-    /// A device name for the planner's catalog, e.g. `A100_80GB`.
+    /// A device name for the planner's catalog, e.g. `A100_80GB` (with
+    /// `custom_device`, that device's own name).
     pub device: String,
+    /// The device described in the section rather than named.
+    #[serde(default)]
+    pub custom_device: Option<DeviceSpec>,
     /// Links inside a node; `None` takes the device's default.
     pub intra_node: Option<LinkSpec>,
     /// Links between nodes; `None` takes the device's default.

@@ -21,7 +21,7 @@ pub use analysis::{
     attention_core, attention_core_tensor, ActivationProfile, Analysis, SavedKind, SavedTensor,
 };
 pub use autodiff::{differentiable_inputs, saved_for_backward, GradPlan, SavedForBackward};
-pub use config::{ClusterSpec, LinkSpec, LrSchedule, Optimizer, Precision, TrainSpec};
+pub use config::{ClusterSpec, DeviceSpec, LinkSpec, LrSchedule, Optimizer, Precision, TrainSpec};
 pub use dtype::DType;
 pub use error::{IrError, PlanMismatch, Result};
 pub use graph::{

@@ -12,8 +12,8 @@ const GB: f64 = 1e9;
 /// One accelerator model: its peak rates, memory and default links.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Device {
-    /// Catalog name, e.g. `A100-80GB`.
-    pub name: &'static str,
+    /// Catalog name, e.g. `A100-80GB`, or a cluster section's own device.
+    pub name: String,
     /// Dense tensor-core peak, FLOP/s, by precision.
     pub peak_bf16: f64,
     pub peak_fp16: f64,
@@ -82,9 +82,21 @@ const IB_LATENCY_S: f64 = 5e-6;
 /// rate, 15.7), 900 GB/s, NVLink 2 300 GB/s = 150 per direction; DGX-1V: 4×
 /// EDR 100 Gb/s for 8 GPUs = 6.25 GB/s per GPU. `cpu` is one rank of a CPU run:
 /// a few AVX2 cores (~100 GFLOP/s fp32), 20 GB/s of DRAM, shared-memory links.
+/// GH200 (NVIDIA Grace Hopper Superchip datasheet): the H100 die at its
+/// rates with 96 GB HBM3 at 4 TB/s or 144 GB HBM3e at 4.9 TB/s, NVLink 4 (450
+/// GB/s per direction), one 400 Gb/s adapter each. B200 (NVIDIA DGX/HGX B200
+/// datasheets, 2024): 72 PFLOP/s FP8 for 8 GPUs with sparsity = 2.25 PFLOP/s
+/// dense bf16 each, 600 TFLOP/s FP32 for 8 = 75 each, 1,440 GB HBM3e for 8 =
+/// 180 each at 62 TB/s for 8 ≈ 7.7 each, NVLink 5 1.8 TB/s = 900 per
+/// direction, 8× ConnectX-7 400 Gb/s = 50 GB/s each; 148 SMs. MI300X (AMD
+/// Instinct MI300X datasheet): 1,307.4 TFLOP/s dense bf16/fp16, 163.4 fp32
+/// matrix, 192 GB HBM3 at 5.3 TB/s, 7 Infinity Fabric links × 64 GB/s = 448
+/// per direction, 304 CUs; one 400 Gb/s adapter per GPU. No large-GEMM
+/// efficiency measurement at hand for B200 and MI300X: the default 80%
+/// (a cluster section's `accelerator(…, matmul_efficiency = …)` sets it).
 pub fn catalog() -> Vec<Device> {
-    let a100 = |name, memory_gib: u64, bw| Device {
-        name,
+    let a100 = |name: &str, memory_gib: u64, bw| Device {
+        name: name.into(),
         peak_bf16: 312.0 * TERA,
         peak_fp16: 312.0 * TERA,
         peak_fp32: 19.5 * TERA,
@@ -96,8 +108,8 @@ pub fn catalog() -> Vec<Device> {
         devices_per_node: 8,
         multiprocessors: 108,
     };
-    let h100 = |name, memory_bytes, bw| Device {
-        name,
+    let h100 = |name: &str, memory_bytes, bw| Device {
+        name: name.into(),
         peak_bf16: 989.4 * TERA,
         peak_fp16: 989.4 * TERA,
         peak_fp32: 66.9 * TERA,
@@ -114,8 +126,36 @@ pub fn catalog() -> Vec<Device> {
         a100("A100-80GB", 80, 2039.0 * GB),
         h100("H100-SXM-80GB", 80 * GIB, 3350.0 * GB),
         h100("H200", 141_000_000_000, 4800.0 * GB),
+        h100("GH200", 96 * GIB, 4000.0 * GB),
+        h100("GH200-144GB", 144 * GIB, 4900.0 * GB),
         Device {
-            name: "V100-32GB",
+            name: "B200".into(),
+            peak_bf16: 2250.0 * TERA,
+            peak_fp16: 2250.0 * TERA,
+            peak_fp32: 75.0 * TERA,
+            memory_bytes: 180 * GIB,
+            memory_bandwidth: 7700.0 * GB,
+            matmul_efficiency: DEFAULT_MAMF,
+            intra_node: link("nvswitch", 900.0 * GB, NVLINK_LATENCY_S),
+            inter_node: link("infiniband", 50.0 * GB, IB_LATENCY_S),
+            devices_per_node: 8,
+            multiprocessors: 148,
+        },
+        Device {
+            name: "MI300X".into(),
+            peak_bf16: 1307.4 * TERA,
+            peak_fp16: 1307.4 * TERA,
+            peak_fp32: 163.4 * TERA,
+            memory_bytes: 192 * GIB,
+            memory_bandwidth: 5300.0 * GB,
+            matmul_efficiency: DEFAULT_MAMF,
+            intra_node: link("infinity-fabric", 448.0 * GB, NVLINK_LATENCY_S),
+            inter_node: link("infiniband", 50.0 * GB, IB_LATENCY_S),
+            devices_per_node: 8,
+            multiprocessors: 304,
+        },
+        Device {
+            name: "V100-32GB".into(),
             peak_bf16: 15.7 * TERA,
             peak_fp16: 125.0 * TERA,
             peak_fp32: 15.7 * TERA,
@@ -128,7 +168,7 @@ pub fn catalog() -> Vec<Device> {
             multiprocessors: 80,
         },
         Device {
-            name: "cpu",
+            name: "cpu".into(),
             peak_bf16: 0.1 * TERA,
             peak_fp16: 0.1 * TERA,
             peak_fp32: 0.1 * TERA,
@@ -154,6 +194,10 @@ pub fn device(name: &str) -> Result<Device, PlanError> {
         "h100" | "h100-sxm" | "h100-80gb" | "h100-sxm-80gb" | "h100-sxm5-80gb" => "H100-SXM-80GB",
         "h200" | "h200-sxm" | "h200-141gb" => "H200",
         "v100" | "v100-32gb" | "v100-sxm2-32gb" => "V100-32GB",
+        "gh200" | "gh200-96gb" => "GH200",
+        "gh200-144gb" => "GH200-144GB",
+        "b200" | "b200-sxm" | "b200-180gb" => "B200",
+        "mi300x" | "mi300" => "MI300X",
         "cpu" => "cpu",
         _ => "",
     };
@@ -163,7 +207,11 @@ pub fn device(name: &str) -> Result<Device, PlanError> {
         .cloned()
         .ok_or_else(|| PlanError::UnknownDevice {
             name: name.to_string(),
-            known: all.iter().map(|d| d.name).collect::<Vec<_>>().join(", "),
+            known: all
+                .iter()
+                .map(|d| d.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
         })
 }
 
@@ -210,9 +258,19 @@ pub fn parse_cluster(spec: &str) -> Result<Cluster, PlanError> {
         spec: spec.to_string(),
         detail: detail.to_string(),
     };
-    let parts: Vec<&str> = spec.trim().split(['x', 'X', '*']).collect();
-    let (counts, name) = parts.split_at(parts.len() - 1);
-    let name = name[0];
+    // Leading counts, each followed by `x`; the rest names the device
+    // (which may itself hold an `x`: MI300X).
+    let mut counts = Vec::new();
+    let mut name = spec.trim();
+    while let Some(at) = name.find(['x', 'X', '*']) {
+        let count = name[..at].trim();
+        if count.is_empty() || !count.bytes().all(|b| b.is_ascii_digit()) {
+            break;
+        }
+        counts.push(count);
+        name = &name[at + 1..];
+    }
+    let name = name.trim();
     if name.is_empty() {
         return Err(err(
             "expected COUNTxDEVICE or NODESxCOUNTxDEVICE, e.g. 8xA100 or 4x8xH100",
@@ -221,18 +279,18 @@ pub fn parse_cluster(spec: &str) -> Result<Cluster, PlanError> {
     let device = device(name)?;
     let nums = counts
         .iter()
-        .map(|c| {
-            let c = c.trim();
-            match c.parse::<u64>() {
-                Ok(n) if n > 0 => Ok(n),
-                _ if !c.is_empty() && c.bytes().all(|b| b.is_ascii_digit()) && !c.trim_start_matches('0').is_empty() => {
-                    Err(err(&format!(
-                        "the count {c} overflows a 64-bit number; dplc plans for at most {} devices",
-                        rules::MAX_DEVICES
-                    )))
-                }
-                _ => Err(err("counts must be positive whole numbers, e.g. 4x8xH100")),
+        .map(|&c| match c.parse::<u64>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ if !c.is_empty()
+                && c.bytes().all(|b| b.is_ascii_digit())
+                && !c.trim_start_matches('0').is_empty() =>
+            {
+                Err(err(&format!(
+                    "the count {c} overflows a 64-bit number; dplc plans for at most {} devices",
+                    rules::MAX_DEVICES
+                )))
             }
+            _ => Err(err("counts must be positive whole numbers, e.g. 4x8xH100")),
         })
         .collect::<Result<Vec<u64>, PlanError>>()?;
     let (nodes, per_node) = match nums.as_slice() {
@@ -255,12 +313,53 @@ pub fn parse_cluster(spec: &str) -> Result<Cluster, PlanError> {
 }
 
 /// The cluster a `.dpl` `cluster` section describes; its links override the device's.
+/// A device described in the cluster section. It has no default links: the
+/// section must give the links its devices use.
+fn custom_device(d: &dplc_ir::DeviceSpec, spec: &ClusterSpec) -> Result<Device, PlanError> {
+    let missing = if spec.intra_node.is_none() && spec.devices_per_node > 1 {
+        Some("intra_node")
+    } else if spec.inter_node.is_none() && spec.nodes > 1 {
+        Some("inter_node")
+    } else {
+        None
+    };
+    if let Some(key) = missing {
+        return Err(PlanError::Cluster {
+            spec: spec.name.clone(),
+            detail: format!(
+                "its device `{}` is described, not from the catalog, so the section must give `{key}` \
+                 (e.g. `{key} = nvswitch(bandwidth = 450 GB/s, latency = 2 us)`)",
+                d.name
+            ),
+        });
+    }
+    // A link nobody uses (one device a node, one node) is never priced.
+    let unused = || link("none", 1.0, 0.0);
+    Ok(Device {
+        name: d.name.clone(),
+        peak_bf16: d.peak_bf16,
+        peak_fp16: d.peak_fp16,
+        peak_fp32: d.peak_fp32,
+        memory_bytes: d.memory_bytes,
+        memory_bandwidth: d.memory_bandwidth,
+        matmul_efficiency: d.matmul_efficiency.unwrap_or(DEFAULT_MAMF),
+        intra_node: unused(),
+        inter_node: unused(),
+        devices_per_node: spec.devices_per_node,
+        multiprocessors: d.multiprocessors,
+    })
+}
+
 pub fn cluster_from_spec(spec: &ClusterSpec) -> Result<Cluster, PlanError> {
     rules::world(spec.nodes, spec.devices_per_node).map_err(|detail| PlanError::Cluster {
         spec: spec.name.clone(),
         detail,
     })?;
-    let mut c = Cluster::new(spec.nodes, spec.devices_per_node, device(&spec.device)?);
+    let dev = match &spec.custom_device {
+        Some(d) => custom_device(d, spec)?,
+        None => device(&spec.device)?,
+    };
+    let mut c = Cluster::new(spec.nodes, spec.devices_per_node, dev);
     c.name = spec.name.clone();
     for (ours, theirs) in [
         (&mut c.intra_node, &spec.intra_node),

@@ -401,7 +401,7 @@ fn infeasible(req: &PlanRequest, out: &search::Outcome, world: u64) -> PlanError
     if req.pinned != StrategyConstraints::default() {
         fixes.push(format!("fewer pinned choices than `{}`", req.pinned));
     }
-    let bigger: Vec<&str> = catalog()
+    let bigger: Vec<String> = catalog()
         .into_iter()
         .filter(|d| d.memory_bytes > cap && d.name != "cpu")
         .map(|d| d.name)
