@@ -35,9 +35,9 @@ pub use op::{BinaryOp, Init, Op, ReduceKind, UnaryOp};
 pub use pipeline::{even_split, pipeline_order, virtual_stage_layers, PipelineWork};
 pub use plan::{
     Alternative, AttentionKind, AxisMapping, AxisPart, BackwardCollective, ClusterSummary,
-    Collective, CollectiveKind, Estimate, LinkLevel, MemoryBreakdown, Mesh, MeshAxis, ModelSource,
-    ParamSharding, PipelineSchedule, Plan, ProgramValue, Recompute, RegionProgram, SearchStats,
-    StagePlan, StepPhase, Strategy, TimeBreakdown, TpOverlap, WhatIf,
+    Collective, CollectiveKind, Estimate, GradAccum, LinkLevel, MemoryBreakdown, Mesh, MeshAxis,
+    ModelSource, ParamSharding, PipelineSchedule, Plan, ProgramValue, Recompute, RegionProgram,
+    SearchStats, StagePlan, StepPhase, Strategy, TimeBreakdown, TpOverlap, WhatIf,
 };
 
 pub use print::print_graph;

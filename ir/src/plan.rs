@@ -159,6 +159,40 @@ pub struct Strategy {
     /// before this field existed exposed them all.
     #[serde(default = "no_tp_overlap")]
     pub tp_overlap: TpOverlap,
+    /// How each micro-batch's weight gradients reach the fp32 main
+    /// gradient. Plans written before this field existed fused it (and are
+    /// written without it while they do).
+    #[serde(default, skip_serializing_if = "GradAccum::is_fused")]
+    pub grad_accum: GradAccum,
+}
+
+/// How weight gradients accumulate over a step's micro-batches.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+pub enum GradAccum {
+    /// The weight-gradient GEMM accumulates into the fp32 main gradient
+    /// itself (Megatron's `--gradient-accumulation-fusion`, its default).
+    #[default]
+    Fused,
+    /// The GEMM writes a gradient in the training precision, and a separate
+    /// pass adds it into the main gradient (eager PyTorch `.grad += …`, or
+    /// Megatron with `--no-gradient-accumulation-fusion`): per micro-batch
+    /// and parameter, read the new gradient and read and write the fp32 main one.
+    Separate,
+}
+
+impl GradAccum {
+    pub fn name(self) -> &'static str {
+        match self {
+            GradAccum::Fused => "fused",
+            GradAccum::Separate => "separate",
+        }
+    }
+
+    fn is_fused(&self) -> bool {
+        *self == GradAccum::Fused
+    }
 }
 
 /// How tensor-parallel communication overlaps with the GEMMs around it.
@@ -251,6 +285,9 @@ impl fmt::Display for Strategy {
             f.write_str(", gradient reduction after backward")?;
         }
         write!(f, ", attention {}", self.attention.name())?;
+        if self.grad_accum != GradAccum::Fused {
+            write!(f, ", grad accumulation {}", self.grad_accum.name())?;
+        }
         if self.tp_overlap != TpOverlap::None {
             write!(f, ", tp overlap {}", self.tp_overlap.name())?;
         }

@@ -8,8 +8,8 @@ use crate::cluster::{Cluster, Link};
 use crate::profile::{Bind, ModelProfile, RegionProfile, Work};
 use crate::sharding::{GemmSplit, Pass, TpCollectiveKind};
 use dplc_ir::{
-    AttentionKind, CollectiveKind, LinkLevel, MemoryBreakdown, MeshAxis, PipelineSchedule,
-    Precision, Recompute, TimeBreakdown, TpOverlap,
+    AttentionKind, CollectiveKind, GradAccum, LinkLevel, MemoryBreakdown, MeshAxis,
+    PipelineSchedule, Precision, Recompute, TimeBreakdown, TpOverlap,
 };
 use std::collections::HashMap;
 
@@ -39,6 +39,12 @@ const OPTIMIZER_BYTES_FP32: f64 = 8.0;
 /// (2); the global gradient norm reads the gradients again (4) and zeroing them
 /// for the next step writes them (4).
 const OPTIMIZER_STEP_BYTES: f64 = 38.0;
+/// Accumulating a micro-batch's weight gradient outside its GEMM
+/// (`GradAccum::Separate`), per parameter: read the new gradient in the
+/// training precision, read and write the fp32 main gradient (4 + 4).
+fn separate_accum_bytes(precision: Precision) -> f64 {
+    precision.bytes() as f64 + 8.0
+}
 
 /// Output tiles cuBLAS uses for large bf16/fp16 GEMMs on sm80/sm90; it picks
 /// the one that wastes least (NVIDIA, "Matrix Multiplication Background User's
@@ -91,6 +97,7 @@ pub(crate) struct Config {
     pub overlap: bool,
     pub attention: AttentionKind,
     pub tp_overlap: TpOverlap,
+    pub grad_accum: GradAccum,
     pub order: AxisOrder,
 }
 
@@ -669,6 +676,13 @@ impl<'a> CostModel<'a> {
                 s.comm += e.comm;
                 s.hidden_comm += e.hidden_comm;
             }
+        }
+        if c.grad_accum == GradAccum::Separate {
+            // A memory-bound pass over the stage's weight gradients after
+            // each micro-batch's backward.
+            let (params, _) = self.stage_params(c, i as u64, counts[i]);
+            s.backward += params * separate_accum_bytes(self.profile.precision)
+                / (self.cluster.device.memory_bandwidth * MEMORY_EFFICIENCY);
         }
         s
     }

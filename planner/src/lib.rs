@@ -108,6 +108,7 @@ fn what_ifs(req: &PlanRequest, plan: &Plan) -> Vec<dplc_ir::WhatIf> {
         overlap_grad_reduce: (!s.overlap_grad_reduce).then_some(false),
         attention: Some(s.attention),
         tp_overlap: Some(s.tp_overlap),
+        grad_accum: Some(s.grad_accum),
     };
     let mut variants: Vec<(String, StrategyConstraints)> = Vec::new();
     for tp in [m.tp * 2, m.tp / 2] {

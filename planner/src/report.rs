@@ -65,6 +65,7 @@ pub(crate) fn strategy(c: &Config, global_batch: u64, seq: u64) -> Strategy {
         overlap_grad_reduce: c.overlap,
         attention: c.attention,
         tp_overlap: c.tp_overlap,
+        grad_accum: c.grad_accum,
     }
 }
 

@@ -241,6 +241,7 @@ pub(crate) fn search(
                                 overlap: pins.overlap_grad_reduce.unwrap_or(true),
                                 attention: pins.attention.unwrap_or(AttentionKind::Fused),
                                 tp_overlap: pins.tp_overlap.unwrap_or(TpOverlap::Async),
+                                grad_accum: pins.grad_accum.unwrap_or_default(),
                                 order,
                             };
                             explore(

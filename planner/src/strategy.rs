@@ -2,7 +2,7 @@
 //! pins; the search fills in the rest.
 
 use crate::PlanError;
-use dplc_ir::{AttentionKind, PipelineSchedule, Recompute, TpOverlap};
+use dplc_ir::{AttentionKind, GradAccum, PipelineSchedule, Recompute, TpOverlap};
 use std::fmt;
 
 /// Choices fixed before the search; `None` leaves a choice to the search.
@@ -29,6 +29,8 @@ pub struct StrategyConstraints {
     /// `tp_overlap=none|async|ring`; the search uses Megatron's default,
     /// `async`, otherwise.
     pub tp_overlap: Option<TpOverlap>,
+    /// `grad_accum=fused|separate`; the search uses Megatron's default, fused.
+    pub grad_accum: Option<GradAccum>,
 }
 
 /// Read `key=value` pairs separated by commas. Keys: `tp pp dp cp ep mb m
@@ -135,9 +137,20 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
                     }
                 })
             }
+            "grad_accum" => {
+                c.grad_accum = Some(match value.to_ascii_lowercase().as_str() {
+                    "fused" | "on" => GradAccum::Fused,
+                    "separate" | "off" => GradAccum::Separate,
+                    _ => {
+                        return Err(err(format!(
+                            "grad_accum is fused or separate, got `{value}`"
+                        )))
+                    }
+                })
+            }
             _ => {
                 return Err(err(format!(
-                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap, attention, tp_overlap"
+                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap, attention, tp_overlap, grad_accum"
                 )))
             }
         }
@@ -176,6 +189,7 @@ fn choice_of(key: &str) -> Option<&'static str> {
         "overlap" | "overlap_grad_reduce" => "overlap",
         "attention" => "attention",
         "tp_overlap" => "tp_overlap",
+        "grad_accum" => "grad_accum",
         _ => return None,
     })
 }
@@ -217,6 +231,9 @@ impl fmt::Display for StrategyConstraints {
         }
         if let Some(o) = self.tp_overlap {
             parts.push(format!("tp_overlap={}", o.name()));
+        }
+        if let Some(g) = self.grad_accum {
+            parts.push(format!("grad_accum={}", g.name()));
         }
         f.write_str(&parts.join(","))
     }

@@ -456,3 +456,50 @@ fn tensor_parallel_overlap_hides_communication_behind_gemms() {
         );
     }
 }
+
+/// Accumulating gradients outside the GEMM costs, per micro-batch, one
+/// memory-bound pass over the rank's weight gradients: read the new one
+/// (2 bytes in bf16), read and write the fp32 main one (8). Only compute
+/// changes, by exactly that; the default is Megatron's fused accumulation,
+/// and plans written before the key read as fused.
+#[test]
+fn separate_gradient_accumulation_adds_one_pass_per_micro_batch() {
+    let base = "tp=1,pp=1,dp=8,mb=1,zero=1,recompute=none,attention=fused";
+    let fused = plan_as_pinned(GPT_1_7B, "8xA100", 32, &format!("{base},grad_accum=fused"));
+    let separate = plan_as_pinned(
+        GPT_1_7B,
+        "8xA100",
+        32,
+        &format!("{base},grad_accum=separate"),
+    );
+    assert_eq!(
+        plan_as_pinned(GPT_1_7B, "8xA100", 32, base)
+            .plan
+            .strategy
+            .grad_accum,
+        dplc_ir::GradAccum::Fused
+    );
+    let (f, s) = (
+        &fused.plan.estimate.breakdown,
+        &separate.plan.estimate.breakdown,
+    );
+    let m = separate.plan.strategy.num_micro_batches as f64;
+    assert_eq!(m, 4.0);
+    let params = separate.plan.params as f64;
+    let bw = 2039e9 * 0.8;
+    let want = m * params * 10.0 / bw;
+    within(
+        s.compute_s - f.compute_s,
+        want,
+        0.02,
+        "the accumulation passes",
+    );
+    assert_eq!(f.exposed_comm_s, s.exposed_comm_s);
+    let json = serde_json::to_value(&fused.plan).unwrap();
+    assert!(
+        json["strategy"].get("grad_accum").is_none(),
+        "fused is not written"
+    );
+    let sep = serde_json::to_value(&separate.plan).unwrap();
+    assert_eq!(sep["strategy"]["grad_accum"], "Separate");
+}
