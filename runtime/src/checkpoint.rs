@@ -329,14 +329,7 @@ impl Checkpoint {
             })?
         };
         let manifest_path = dir.join(MANIFEST);
-        let text = std::fs::read_to_string(&manifest_path)
-            .map_err(|e| io_err(&manifest_path, "read the manifest", e))?;
-        let manifest: Manifest = serde_json::from_str(&text).map_err(|e| {
-            err(
-                &manifest_path,
-                format!("is not a valid checkpoint manifest ({e}); resume from another step-N directory"),
-            )
-        })?;
+        let manifest = read_manifest(&manifest_path)?;
         check_manifest(&manifest_path, &manifest)?;
         Ok(Checkpoint { dir, manifest })
     }
@@ -377,6 +370,19 @@ impl Checkpoint {
     fn manifest_path(&self) -> PathBuf {
         self.dir.join(MANIFEST)
     }
+}
+
+/// Read and parse `path`, a manifest (checked by [`check_manifest`]).
+fn read_manifest(path: &Path) -> Result<Manifest> {
+    let text = std::fs::read_to_string(path).map_err(|e| io_err(path, "read the manifest", e))?;
+    serde_json::from_str(&text).map_err(|e| {
+        err(
+            path,
+            format!(
+                "is not a valid checkpoint manifest ({e}); resume from another step-N directory"
+            ),
+        )
+    })
 }
 
 /// A manifest this dplc reads, whole as it was written.
@@ -429,14 +435,7 @@ fn step_manifests(root: &Path) -> Result<Vec<(u64, PathBuf, Manifest)>> {
         }
         // Manifests are written atomically: one that does not parse was
         // damaged, and guessing past it could resume the wrong state.
-        let text = std::fs::read_to_string(&manifest_path)
-            .map_err(|e| io_err(&manifest_path, "read the manifest", e))?;
-        let manifest: Manifest = serde_json::from_str(&text).map_err(|e| {
-            err(
-                &manifest_path,
-                format!("is not a valid checkpoint manifest ({e}); resume from another step-N directory"),
-            )
-        })?;
+        let manifest = read_manifest(&manifest_path)?;
         out.push((step, path, manifest));
     }
     Ok(out)
