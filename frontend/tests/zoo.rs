@@ -137,3 +137,44 @@ fn clusters_convert_units_to_si() {
         assert_eq!(c.len(), 1);
     }
 }
+
+/// `cross_entropy` takes logits of any leading shape: a classifier's
+/// `[batch, classes]` with `[batch]` labels lowers to a scalar loss, as do
+/// 3 and 4 leading axes; five are refused by name.
+#[test]
+fn cross_entropy_takes_any_leading_shape() {
+    let model = |input: &str, labels: &str| {
+        format!(
+            "model m(d = 4, classes = 3) {{\n  input x: f32[{input}, d]\n  input labels: i32[{labels}]\n  param w: [d, classes]\n  return cross_entropy(x @ w, labels)\n}}\n"
+        )
+    };
+    for (input, labels) in [
+        ("batch", "batch"),
+        ("batch, seq", "batch, seq"),
+        ("batch, 2, seq", "batch, 2, seq"),
+        ("batch, 2, 3, seq", "batch, 2, 3, seq"),
+    ] {
+        let unit = dplc_frontend::parse("m.dpl", &model(input, labels))
+            .unwrap_or_else(|d| panic!("{}", d.render_plain()));
+        let lowered = unit
+            .lower("m")
+            .unwrap_or_else(|d| panic!("{labels}: {}", d.render_plain()));
+        let loss = lowered.graph.outputs()[0];
+        assert!(
+            lowered.graph.tensor(loss).shape.dims().is_empty(),
+            "{labels}: a scalar loss"
+        );
+    }
+    let unit = dplc_frontend::parse(
+        "m.dpl",
+        &model("batch, 2, 3, 4, seq", "batch, 2, 3, 4, seq"),
+    )
+    .expect("parses");
+    let e = unit.lower("m").expect_err("five axes are refused");
+    assert!(
+        e.render_plain()
+            .contains("cross_entropy takes targets of 1 to 4 axes"),
+        "{}",
+        e.render_plain()
+    );
+}
