@@ -67,7 +67,9 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(report) => {
-            note!("{report:?}");
+            if report.downcast_ref::<output::StdoutClosed>().is_none() {
+                note!("{report:?}");
+            }
             ExitCode::FAILURE
         }
     }

@@ -37,12 +37,30 @@ macro_rules! note {
     }};
 }
 
+/// Standard output's reader went away (`dplc … | head`): the command stops
+/// with a non-zero exit and nothing more to say, as Unix filters do.
+#[derive(Debug)]
+pub struct StdoutClosed;
+
+impl std::fmt::Display for StdoutClosed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("standard output was closed by its reader")
+    }
+}
+
+impl std::error::Error for StdoutClosed {}
+
+impl miette::Diagnostic for StdoutClosed {}
+
 /// Write to standard output, or say why not.
 pub fn stdout(args: Arguments<'_>) -> Result<()> {
     let mut out = std::io::stdout().lock();
     out.write_fmt(args)
         .and_then(|()| out.flush())
-        .map_err(|e| miette!("cannot write to standard output: {e}"))
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::BrokenPipe => StdoutClosed.into(),
+            _ => miette!("cannot write to standard output: {e}"),
+        })
 }
 
 /// Write `bytes` to `path` under the rule above; `inputs` are the paths the

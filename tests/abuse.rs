@@ -362,3 +362,29 @@ fn an_unbound_dimension_is_named_not_taken_as_one() {
         );
     }
 }
+
+/// A reader that goes away (`dplc run --json | head -1`) stops the run at
+/// the next step boundary, quietly, with a non-zero exit.
+#[cfg(unix)]
+#[test]
+fn a_closed_pipe_stops_a_run_quietly() {
+    let mut child = dplc()
+        .args(["run", "models/tiny.dpl"])
+        .args(TINY)
+        .args(["--steps", "100000", "--json"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("dplc runs");
+    let mut out = child.stdout.take().expect("stdout");
+    let mut first = [0u8; 1];
+    std::io::Read::read_exact(&mut out, &mut first).expect("a first step");
+    drop(out);
+    let o = child.wait_with_output().expect("ends");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        !err.contains("panicked") && !err.contains("standard output"),
+        "{err}"
+    );
+}
