@@ -140,8 +140,11 @@ pub fn render(plan: &Plan) -> String {
     }
     let _ = writeln!(
         s,
-        "  {} tokens/s; model {:.1} TFLOP/s per GPU, hardware {:.1}; MFU {:.1}%",
-        e.tokens_per_s.round(),
+        "  {}; model {:.1} TFLOP/s per GPU, hardware {:.1}; MFU {:.1}%",
+        match e.samples_per_s {
+            Some(samples) => format!("{} samples/s", samples.round()),
+            None => format!("{} tokens/s", e.tokens_per_s.round()),
+        },
         e.model_tflops_per_gpu,
         e.hardware_tflops_per_gpu,
         e.mfu * 100.0

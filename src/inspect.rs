@@ -43,7 +43,8 @@ fn per_token(graph: &Graph, poly: &Poly, seq: u64) -> f64 {
     let seq_sym = graph.sym_by_name("seq");
     let bind = |s: SymId| if Some(s) == seq_sym { seq as f64 } else { 1.0 };
     let tokens = if seq_sym.is_some() { seq as f64 } else { 1.0 };
-    poly.eval(&bind) / tokens
+    // `+ 0.0` turns a −0 (no attention at all) into 0.
+    poly.eval(&bind) / tokens + 0.0
 }
 
 fn report(graph: &Graph, seq: u64, precision: dplc_ir::Precision) -> Report {
@@ -154,7 +155,12 @@ pub fn run(args: &Args) -> Result<()> {
         );
     }
     outln!();
-    outln!("  per token, at seq {}", r.seq);
+    // A model without a sequence (an image classifier) counts per sample.
+    if lowered.graph.sym_by_name("seq").is_some() {
+        outln!("  per token, at seq {}", r.seq);
+    } else {
+        outln!("  per sample");
+    }
     outln!(
         "    forward FLOPs                 {}FLOP  (attention {}FLOP)",
         units::si(r.flops_per_token),

@@ -449,3 +449,39 @@ fn html_is_self_contained_and_renders_in_chromium() {
     let png = std::fs::read(&shot).expect("a screenshot");
     assert!(png_distinct_bytes(&png) > 32, "the screenshot is blank");
 }
+
+/// A model without a sequence (a classifier) is counted in samples: the
+/// plan's summary, `explain` and the JSON say samples/s, `inspect` "per sample".
+#[test]
+fn a_model_without_a_sequence_counts_samples() {
+    let dir = std::env::temp_dir().join(format!("dplc-samples-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("classifier.dpl");
+    std::fs::write(
+        &model,
+        "model classifier(d = 16, classes = 10, layers = 2) {\n  input x: f32[batch, d]\n  input labels: i32[batch]\n  param w_in: [d, d]\n  h = x @ w_in\n  repeat layers {\n    param w: [d, d]\n    h = relu(h @ w)\n  }\n  param head: [d, classes]\n  return cross_entropy(h @ head, labels)\n}\n",
+    )
+    .unwrap();
+    let plan = dir.join("plan.ron");
+    let (m, p) = (model.to_str().unwrap(), plan.to_str().unwrap());
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_dplc"))
+            .args(args)
+            .env("NO_COLOR", "1")
+            .output()
+            .expect("dplc runs");
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    assert!(run(&["compile", m, "--cluster", "2xcpu", "-o", p]).contains("samples/s"));
+    assert!(run(&["explain", p]).contains("samples/s"));
+    let json: serde_json::Value =
+        serde_json::from_str(&run(&["compile", m, "--cluster", "2xcpu", "--json"])).unwrap();
+    assert!(json["estimate"]["samples_per_s"].as_f64().unwrap() > 0.0);
+    assert!(run(&["inspect", m]).contains("per sample"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -454,6 +454,10 @@ pub struct Estimate {
     pub step_time_s: f64,
     pub breakdown: TimeBreakdown,
     pub tokens_per_s: f64,
+    /// Samples per second, for a model without a `seq` dimension (an image
+    /// classifier), whose throughput is counted in samples; absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub samples_per_s: Option<f64>,
     /// `3 × forward FLOPs` per step (no recomputation).
     pub model_flops_per_step: f64,
     /// Model FLOPs plus the recomputed forward.

@@ -21,7 +21,7 @@ pub use cluster::{catalog, cluster_from_spec, device, parse_cluster, Cluster, De
 pub use error::PlanError;
 pub use layouts::LayoutStats;
 pub use megatron::derive_layout;
-pub use report::{layouts_summary, memory_table, summary, to_json};
+pub use report::{layouts_summary, memory_table, summary, throughput, to_json};
 pub use strategy::{parse_strategy, StrategyConstraints};
 pub use timeline::{timeline, Span, SpanKind, Timeline};
 
@@ -108,7 +108,8 @@ fn what_ifs(req: &PlanRequest, plan: &Plan) -> Vec<dplc_ir::WhatIf> {
         overlap_grad_reduce: (!s.overlap_grad_reduce).then_some(false),
         attention: Some(s.attention),
         tp_overlap: Some(s.tp_overlap),
-        grad_accum: Some(s.grad_accum),
+        // Fused is the search's own choice; pin only the exception.
+        grad_accum: (s.grad_accum != dplc_ir::GradAccum::Fused).then_some(s.grad_accum),
     };
     let mut variants: Vec<(String, StrategyConstraints)> = Vec::new();
     for tp in [m.tp * 2, m.tp / 2] {

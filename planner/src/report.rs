@@ -441,6 +441,10 @@ pub(crate) fn build_plan(
         step_time_s: step,
         breakdown: best.time.clone(),
         tokens_per_s: (global_batch * seq) as f64 / step,
+        samples_per_s: profile
+            .seq_sym
+            .is_none()
+            .then(|| global_batch as f64 / step),
         model_flops_per_step: model_flops,
         hardware_flops_per_step: hw_flops,
         model_tflops_per_gpu: model_flops / step / world / 1e12,
@@ -619,8 +623,8 @@ pub fn summary(compiled: &Compiled) -> String {
     );
     let _ = writeln!(
         s,
-        "  speed     {} tokens/s; model {:.1} TFLOP/s/GPU, hardware {:.1} TFLOP/s/GPU, MFU {:.1}%",
-        si(e.tokens_per_s),
+        "  speed     {}; model {:.1} TFLOP/s/GPU, hardware {:.1} TFLOP/s/GPU, MFU {:.1}%",
+        throughput(e),
         e.model_tflops_per_gpu,
         e.hardware_tflops_per_gpu,
         e.mfu * 100.0
@@ -709,6 +713,14 @@ pub fn layouts_summary(compiled: &Compiled) -> String {
 }
 
 /// A number with an SI prefix, e.g. `1.3 G`.
+/// `12.3k tokens/s`, or samples/s for a model without a sequence.
+pub fn throughput(e: &dplc_ir::Estimate) -> String {
+    match e.samples_per_s {
+        Some(samples) => format!("{} samples/s", si(samples)),
+        None => format!("{} tokens/s", si(e.tokens_per_s)),
+    }
+}
+
 pub(crate) fn si(x: f64) -> String {
     let units = [(1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")];
     for (scale, u) in units {
@@ -749,6 +761,7 @@ pub fn to_json(compiled: &Compiled) -> serde_json::Value {
         "estimate": {
             "step_time_s": e.step_time_s,
             "tokens_per_s": e.tokens_per_s,
+            "samples_per_s": e.samples_per_s,
             "model_tflops_per_gpu": e.model_tflops_per_gpu,
             "hardware_tflops_per_gpu": e.hardware_tflops_per_gpu,
             "mfu": e.mfu,
