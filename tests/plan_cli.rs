@@ -485,3 +485,43 @@ fn a_model_without_a_sequence_counts_samples() {
     assert!(run(&["inspect", m]).contains("per sample"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `dplc run` prices what its runtime runs: the embedding, head and loss
+/// whole on every tensor-parallel rank (`root=replicated` in the plan it
+/// saves); asking it for the vocabulary split is refused.
+#[test]
+fn run_plans_the_root_it_runs() {
+    let dir = std::env::temp_dir().join(format!("dplc-root-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let plan = dir.join("p.ron");
+    let base = [
+        "run",
+        "models/tiny.dpl",
+        "--model",
+        "gpt_tiny",
+        "--cluster",
+        "2xcpu",
+        "--steps",
+        "1",
+        "--seq",
+        "16",
+        "--global-batch",
+        "4",
+    ];
+    let mut args: Vec<&str> = base.to_vec();
+    args.extend(["--strategy", "tp=2", "--save-plan", plan.to_str().unwrap()]);
+    let out = dplc(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(&plan).unwrap();
+    assert!(text.contains("root: Replicated"), "{text}");
+    let mut args: Vec<&str> = base.to_vec();
+    args.extend(["--strategy", "tp=2,root=vocab"]);
+    let out = dplc(&args);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("root=replicated"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -37,7 +37,7 @@ pub use plan::{
     Alternative, AttentionKind, AxisMapping, AxisPart, BackwardCollective, ClusterSummary,
     Collective, CollectiveKind, Estimate, GradAccum, LinkLevel, MemoryBreakdown, Mesh, MeshAxis,
     ModelSource, ParamSharding, PipelineSchedule, Plan, ProgramValue, Recompute, RegionProgram,
-    SearchStats, StagePlan, StepPhase, Strategy, TimeBreakdown, TpOverlap, WhatIf,
+    RootSplit, SearchStats, StagePlan, StepPhase, Strategy, TimeBreakdown, TpOverlap, WhatIf,
 };
 
 pub use print::print_graph;

@@ -164,6 +164,36 @@ pub struct Strategy {
     /// written without it while they do).
     #[serde(default, skip_serializing_if = "GradAccum::is_fused")]
     pub grad_accum: GradAccum,
+    /// How the model's ends (embedding, head, loss) split under tensor
+    /// parallelism. Plans written before this field existed were vocabulary-parallel.
+    #[serde(default, skip_serializing_if = "RootSplit::is_vocab")]
+    pub root: RootSplit,
+}
+
+/// How the embedding, head and loss run under tensor parallelism.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+pub enum RootSplit {
+    /// Split along the vocabulary, as the sharding e-graph finds (Megatron's
+    /// vocabulary-parallel embedding and cross-entropy).
+    #[default]
+    Vocab,
+    /// Whole on every tensor-parallel rank: what dplc's own runtime runs.
+    Replicated,
+}
+
+impl RootSplit {
+    pub fn name(self) -> &'static str {
+        match self {
+            RootSplit::Vocab => "vocab",
+            RootSplit::Replicated => "replicated",
+        }
+    }
+
+    fn is_vocab(&self) -> bool {
+        *self == RootSplit::Vocab
+    }
 }
 
 /// How weight gradients accumulate over a step's micro-batches.
@@ -285,6 +315,9 @@ impl fmt::Display for Strategy {
             f.write_str(", gradient reduction after backward")?;
         }
         write!(f, ", attention {}", self.attention.name())?;
+        if self.root != RootSplit::Vocab {
+            write!(f, ", root {}", self.root.name())?;
+        }
         if self.grad_accum != GradAccum::Fused {
             write!(f, ", grad accumulation {}", self.grad_accum.name())?;
         }

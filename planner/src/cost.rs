@@ -98,6 +98,7 @@ pub(crate) struct Config {
     pub attention: AttentionKind,
     pub tp_overlap: TpOverlap,
     pub grad_accum: GradAccum,
+    pub root: dplc_ir::RootSplit,
     pub order: AxisOrder,
 }
 

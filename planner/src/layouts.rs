@@ -16,9 +16,22 @@ pub(crate) type Degrees = (u64, u64);
 
 /// One extracted layout and the profile the cost model reads under it.
 pub(crate) struct Layout {
+    /// The model priced with the e-graph's root (vocabulary-parallel).
     pub profile: ModelProfile,
+    /// The same layers with the root whole on every rank (`root=replicated`).
+    pub replicated_root: ModelProfile,
     pub layer: ShardResult,
     pub root: ShardResult,
+}
+
+impl Layout {
+    /// The profile the search prices for `root`.
+    pub fn profile_for(&self, root: dplc_ir::RootSplit) -> &ModelProfile {
+        match root {
+            dplc_ir::RootSplit::Vocab => &self.profile,
+            dplc_ir::RootSplit::Replicated => &self.replicated_root,
+        }
+    }
 }
 
 /// How one region's e-graph went, for `dplc compile --verbose`.
@@ -157,8 +170,17 @@ impl Layouts {
                 }
                 let profile = ModelProfile::new(g, &an, precision, &l.sharding, &r.sharding)
                     .map_err(|e| e.to_string())?;
+                let replicated_root = ModelProfile::new(
+                    g,
+                    &an,
+                    precision,
+                    &l.sharding,
+                    &crate::sharding::RegionSharding::default(),
+                )
+                .map_err(|e| e.to_string())?;
                 Ok(Layout {
                     profile,
+                    replicated_root,
                     layer: l,
                     root: r,
                 })

@@ -110,6 +110,7 @@ fn what_ifs(req: &PlanRequest, plan: &Plan) -> Vec<dplc_ir::WhatIf> {
         tp_overlap: Some(s.tp_overlap),
         // Fused is the search's own choice; pin only the exception.
         grad_accum: (s.grad_accum != dplc_ir::GradAccum::Fused).then_some(s.grad_accum),
+        root: (s.root != dplc_ir::RootSplit::Vocab).then_some(s.root),
     };
     let mut variants: Vec<(String, StrategyConstraints)> = Vec::new();
     for tp in [m.tp * 2, m.tp / 2] {
@@ -304,7 +305,7 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
         )
     };
     let mut plan = report::build_plan(
-        &layout.profile,
+        layout.profile_for(c.root),
         &req.cluster,
         global_batch,
         seq,
@@ -313,6 +314,11 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
         out.feasible,
         req.pinned.to_string(),
     );
+    // A replicated root runs the single-rank program of the model's ends.
+    let root = match (c.root, layouts.get((1, c.ep))) {
+        (dplc_ir::RootSplit::Replicated, Some(whole)) => whole.root.region_program.clone(),
+        _ => root,
+    };
     if c.tp > 1 || c.ep > 1 {
         plan.programs = vec![layer, root];
         // The runtime executes the e-graph's layer layout where its layouts

@@ -66,6 +66,7 @@ pub(crate) fn strategy(c: &Config, global_batch: u64, seq: u64) -> Strategy {
         attention: c.attention,
         tp_overlap: c.tp_overlap,
         grad_accum: c.grad_accum,
+        root: c.root,
     }
 }
 

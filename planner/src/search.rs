@@ -153,6 +153,7 @@ pub(crate) fn search(
         .profile;
     let world = cluster.world_size();
     let capacity = cluster.device.memory_bytes;
+    let root = pins.root.unwrap_or_default();
     let mut costs: HashMap<(u64, u64), CostModel> = HashMap::new();
     let mut out = Outcome {
         best: Vec::new(),
@@ -211,7 +212,7 @@ pub(crate) fn search(
                     };
                     let cost = costs
                         .entry((tp, ep))
-                        .or_insert_with(|| CostModel::new(&layout.profile, cluster, seq));
+                        .or_insert_with(|| CostModel::new(layout.profile_for(root), cluster, seq));
                     for &order in orders {
                         for mb in divisors(per_replica) {
                             if !allowed(pins.micro_batch, mb)
@@ -242,6 +243,7 @@ pub(crate) fn search(
                                 attention: pins.attention.unwrap_or(AttentionKind::Fused),
                                 tp_overlap: pins.tp_overlap.unwrap_or(TpOverlap::Async),
                                 grad_accum: pins.grad_accum.unwrap_or_default(),
+                                root,
                                 order,
                             };
                             explore(

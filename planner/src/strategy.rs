@@ -2,7 +2,7 @@
 //! pins; the search fills in the rest.
 
 use crate::PlanError;
-use dplc_ir::{AttentionKind, GradAccum, PipelineSchedule, Recompute, TpOverlap};
+use dplc_ir::{AttentionKind, GradAccum, PipelineSchedule, Recompute, RootSplit, TpOverlap};
 use std::fmt;
 
 /// Choices fixed before the search; `None` leaves a choice to the search.
@@ -31,6 +31,8 @@ pub struct StrategyConstraints {
     pub tp_overlap: Option<TpOverlap>,
     /// `grad_accum=fused|separate`; the search uses Megatron's default, fused.
     pub grad_accum: Option<GradAccum>,
+    /// `root=vocab|replicated`; the search uses the e-graph's vocabulary split.
+    pub root: Option<RootSplit>,
 }
 
 /// Read `key=value` pairs separated by commas. Keys: `tp pp dp cp ep mb m
@@ -137,6 +139,17 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
                     }
                 })
             }
+            "root" => {
+                c.root = Some(match value.to_ascii_lowercase().as_str() {
+                    "vocab" | "vocab_parallel" => RootSplit::Vocab,
+                    "replicated" => RootSplit::Replicated,
+                    _ => {
+                        return Err(err(format!(
+                            "root is vocab or replicated, got `{value}`"
+                        )))
+                    }
+                })
+            }
             "grad_accum" => {
                 c.grad_accum = Some(match value.to_ascii_lowercase().as_str() {
                     "fused" | "on" => GradAccum::Fused,
@@ -150,7 +163,7 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
             }
             _ => {
                 return Err(err(format!(
-                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap, attention, tp_overlap, grad_accum"
+                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap, attention, tp_overlap, grad_accum, root"
                 )))
             }
         }
@@ -190,6 +203,7 @@ fn choice_of(key: &str) -> Option<&'static str> {
         "attention" => "attention",
         "tp_overlap" => "tp_overlap",
         "grad_accum" => "grad_accum",
+        "root" => "root",
         _ => return None,
     })
 }
@@ -234,6 +248,9 @@ impl fmt::Display for StrategyConstraints {
         }
         if let Some(g) = self.grad_accum {
             parts.push(format!("grad_accum={}", g.name()));
+        }
+        if let Some(r) = self.root {
+            parts.push(format!("root={}", r.name()));
         }
         f.write_str(&parts.join(","))
     }

@@ -503,3 +503,37 @@ fn separate_gradient_accumulation_adds_one_pass_per_micro_batch() {
     let sep = serde_json::to_value(&separate.plan).unwrap();
     assert_eq!(sep["strategy"]["grad_accum"], "Separate");
 }
+
+/// `root=replicated` prices the embedding, head and loss whole on every
+/// tensor-parallel rank (what dplc's runtime runs): at tp 8 the head's GEMM
+/// and the vocabulary tables cost 8× per rank, so the step is slower and the
+/// optimizer holds more; at tp 1 the two are the same plan. Plans written
+/// before the key read as vocabulary-parallel.
+#[test]
+fn a_replicated_root_is_priced_whole_on_every_rank() {
+    let at = |strategy: &str| plan_as_pinned(GPT_1_7B, "8xA100", 8, strategy).plan;
+    let base = "pp=1,dp=1,mb=1,zero=0,recompute=none,sp=off,attention=fused";
+    let vocab = at(&format!("tp=8,{base},root=vocab"));
+    let whole = at(&format!("tp=8,{base},root=replicated"));
+    assert_eq!(whole.strategy.root, dplc_ir::RootSplit::Replicated);
+    assert!(
+        whole.estimate.breakdown.compute_s > vocab.estimate.breakdown.compute_s,
+        "replicated {} vs vocab {}",
+        whole.estimate.breakdown.compute_s,
+        vocab.estimate.breakdown.compute_s
+    );
+    assert!(whole.stages[0].memory.weights > vocab.stages[0].memory.weights);
+    let one = |root: &str| {
+        at(&format!(
+            "tp=1,pp=1,dp=8,mb=1,zero=0,recompute=none,root={root}"
+        ))
+        .estimate
+        .step_time_s
+    };
+    assert_eq!(one("vocab"), one("replicated"));
+    let json = serde_json::to_value(&vocab).unwrap();
+    assert!(
+        json["strategy"].get("root").is_none(),
+        "vocab is not written"
+    );
+}
