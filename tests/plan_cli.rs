@@ -525,3 +525,37 @@ fn run_plans_the_root_it_runs() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("root=replicated"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The micro-batch cap counts GEMM rows, not samples: at seq 128 the search
+/// tries (and here picks) micro-batch 128, faster than the 64 a cap in
+/// samples allowed, while long sequences keep their large GEMMs below it.
+#[test]
+fn short_sequences_may_use_large_micro_batches() {
+    let plan = |strategy: &str| {
+        let mut args = vec![
+            "compile",
+            "models/gpt2.dpl",
+            "--model",
+            "gpt2",
+            "--cluster",
+            "8xA100",
+            "--seq",
+            "128",
+            "--global-batch",
+            "1024",
+            "--json",
+        ];
+        if !strategy.is_empty() {
+            args.extend(["--strategy", strategy]);
+        }
+        let v: serde_json::Value = serde_json::from_str(&ok(&args)).unwrap();
+        (
+            v["strategy"]["micro_batch"].as_u64().unwrap(),
+            v["estimate"]["step_time_s"].as_f64().unwrap(),
+        )
+    };
+    let (mb, best) = plan("");
+    let (_, capped) = plan("mb=64");
+    assert_eq!(mb, 128);
+    assert!(best < capped, "{best} vs {capped}");
+}

@@ -135,8 +135,12 @@ pub(crate) fn validate(
     Ok(())
 }
 
-/// The largest micro-batch the search tries: beyond it GEMMs are already large.
-const MAX_MICRO_BATCH: u64 = 64;
+/// The most rows (micro-batch × sequence) a micro-batch's GEMMs get that
+/// the search still tries to grow: past 64 samples of 2,048 tokens the GEMMs
+/// are large already. Counted in rows, not samples, so short-sequence and
+/// sequence-less models (a ViT's 197 patches, a classifier) may use the
+/// larger micro-batches their GEMMs need.
+const MAX_MICRO_BATCH_ROWS: u64 = 64 * 2048;
 
 pub(crate) fn search(
     layouts: &Layouts,
@@ -154,6 +158,8 @@ pub(crate) fn search(
     let world = cluster.world_size();
     let capacity = cluster.device.memory_bytes;
     let root = pins.root.unwrap_or_default();
+    // Rows one sample puts into a GEMM: its tokens, or 1 without a sequence.
+    let rows_per_sample = if profile.seq_sym.is_some() { seq } else { 1 };
     let mut costs: HashMap<(u64, u64), CostModel> = HashMap::new();
     let mut out = Outcome {
         best: Vec::new(),
@@ -216,7 +222,9 @@ pub(crate) fn search(
                     for &order in orders {
                         for mb in divisors(per_replica) {
                             if !allowed(pins.micro_batch, mb)
-                                || (mb > MAX_MICRO_BATCH && pins.micro_batch != Some(mb))
+                                || (mb.saturating_mul(rows_per_sample) > MAX_MICRO_BATCH_ROWS
+                                    && mb > 1
+                                    && pins.micro_batch != Some(mb))
                             {
                                 continue;
                             }
