@@ -63,6 +63,22 @@ pub fn stdout(args: Arguments<'_>) -> Result<()> {
         })
 }
 
+/// Refuse now what [`write`] would refuse later (an input, a directory, a
+/// loop of links): a command that writes at its end (a run's `--trace`)
+/// checks first, so it does not train for an hour and then fail.
+pub fn check(path: &Path, inputs: &[&Path]) -> Result<()> {
+    let target = resolve(path)?;
+    refuse_inputs(path, &target, inputs)?;
+    if target.is_dir() {
+        return Err(miette!(
+            help = "name a file to write, not a directory",
+            "{} is a directory",
+            path.display()
+        ));
+    }
+    Ok(())
+}
+
 /// Write `bytes` to `path` under the rule above; `inputs` are the paths the
 /// command reads (they may not exist, e.g. a cluster given by name).
 pub fn write(path: &Path, bytes: &[u8], inputs: &[&Path]) -> Result<()> {

@@ -467,7 +467,10 @@ pub fn train_prepared_on(
     if let Ok(spec) = std::env::var("DPLC_FAULT") {
         cfg.faults = fault_from_env(&spec, process.is_some())?;
     }
-    if args.trace.is_some() {
+    if let Some(path) = &args.trace {
+        let mut inputs = vec![Path::new(&p.plan.source.file)];
+        inputs.extend(args.data.as_deref());
+        crate::output::check(path, &inputs).wrap_err("cannot write the trace")?;
         cfg.trace = dplc_runtime::TraceSink::recording();
     }
     if let Some(dir) = &args.checkpoint_dir {

@@ -388,3 +388,13 @@ fn a_closed_pipe_stops_a_run_quietly() {
         "{err}"
     );
 }
+
+/// An output a run writes at its end is checked before it trains.
+#[test]
+fn a_run_refuses_its_trace_path_before_training() {
+    let d = Scratch::new("trace-dir");
+    let o = run_tiny(&["--steps", "3", "--trace", d.0.to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("is a directory"), "{}", text(&o));
+    assert!(!text(&o).contains("steps in"), "no step ran: {}", text(&o));
+}
