@@ -34,11 +34,20 @@ const GRAD_BYTES: f64 = 4.0;
 const OPTIMIZER_BYTES_MIXED: f64 = 12.0;
 /// fp32 training keeps no master copy: two moments.
 const OPTIMIZER_BYTES_FP32: f64 = 8.0;
-/// Optimizer step traffic per parameter: AdamW reads the fp32 gradient (4),
-/// reads and writes master weight, m and v (3 × 8) and writes the working copy
-/// (2); the global gradient norm reads the gradients again (4) and zeroing them
-/// for the next step writes them (4).
-const OPTIMIZER_STEP_BYTES: f64 = 38.0;
+/// Optimizer step traffic per parameter, as the stack runs it: AdamW reads
+/// the fp32 gradient (4) and reads and writes master weight, m and v (3 × 8);
+/// the global gradient norm reads the gradients again (4) and zeroing them
+/// for the next step writes them (4) — 36 bytes in fp32, where the master is
+/// the weight. Mixed precision also writes the working copy (2); fp16's loss
+/// scaling first unscales the gradients and checks them for inf/NaN (one
+/// more read and write, 8).
+fn optimizer_step_bytes(precision: Precision) -> f64 {
+    match precision {
+        Precision::Fp32 => 36.0,
+        Precision::Bf16 => 38.0,
+        Precision::Fp16 => 46.0,
+    }
+}
 /// Accumulating a micro-batch's weight gradient outside its GEMM
 /// (`GradAccum::Separate`), per parameter: read the new gradient in the
 /// training precision, read and write the fp32 main gradient (4 + 4).
@@ -783,7 +792,7 @@ impl<'a> CostModel<'a> {
         } else {
             params
         };
-        let optimizer = opt_params * OPTIMIZER_STEP_BYTES
+        let optimizer = opt_params * optimizer_step_bytes(self.profile.precision)
             / (self.cluster.device.memory_bandwidth * MEMORY_EFFICIENCY);
 
         TimeBreakdown {

@@ -537,3 +537,26 @@ fn a_replicated_root_is_priced_whole_on_every_rank() {
         "vocab is not written"
     );
 }
+
+/// The optimizer step's memory traffic follows the precision: 36 bytes a
+/// parameter in fp32 (the master is the weight), 38 in bf16 (plus the
+/// working copy), 46 in fp16 (plus loss scaling's unscale and inf check).
+#[test]
+fn the_optimizer_step_moves_the_bytes_its_precision_needs() {
+    let g = gpt("gpt", GPT_1_7B);
+    let step = |precision: dplc_ir::Precision| {
+        let mut spec = train(2048, 8);
+        spec.precision = precision;
+        let mut req = PlanRequest::new(&g, spec, parse_cluster("8xA100").unwrap());
+        req.pinned = parse_strategy("tp=1,pp=1,dp=8,mb=1,zero=0,recompute=none").unwrap();
+        req.ignore_memory = true;
+        compile(&req).unwrap().plan.estimate.breakdown.optimizer_s
+    };
+    let (fp32, bf16, fp16) = (
+        step(dplc_ir::Precision::Fp32),
+        step(dplc_ir::Precision::Bf16),
+        step(dplc_ir::Precision::Fp16),
+    );
+    within(bf16 / fp32, 38.0 / 36.0, 1e-9, "bf16 over fp32");
+    within(fp16 / fp32, 46.0 / 36.0, 1e-9, "fp16 over fp32");
+}
