@@ -398,3 +398,21 @@ fn a_run_refuses_its_trace_path_before_training() {
     assert!(text(&o).contains("is a directory"), "{}", text(&o));
     assert!(!text(&o).contains("steps in"), "no step ran: {}", text(&o));
 }
+
+/// A pinned mesh that leaves one free degree an impossible share of the
+/// devices names that degree, not the global batch.
+#[test]
+fn an_impossible_mesh_is_blamed_on_the_mesh() {
+    let o = dplc()
+        .args(["compile", "models/tiny.dpl", "--model", "gpt_tiny"])
+        .args(["--cluster", "8xcpu", "--strategy", "dp=1,tp=1,pp=1"])
+        .output()
+        .expect("dplc runs");
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("dp 1 × tp 1 × pp 1 leave cp=8 to fill the cluster"),
+        "{}",
+        text(&o)
+    );
+    assert!(!text(&o).contains("global batch"), "{}", text(&o));
+}

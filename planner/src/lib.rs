@@ -385,13 +385,49 @@ fn breakdown(m: &MemoryBreakdown) -> String {
     )
 }
 
+/// Why nothing satisfies the pins, as precisely as the pins allow: pinned
+/// mesh degrees that leave devices over for one free degree say which, and
+/// only otherwise is the batch the likely cause.
+fn no_configuration(pins: &StrategyConstraints, world: u64) -> String {
+    let degrees = [
+        ("dp", pins.dp),
+        ("tp", pins.tp),
+        ("pp", pins.pp),
+        ("cp", pins.cp),
+    ];
+    let pinned: Vec<(&str, u64)> = degrees
+        .iter()
+        .filter_map(|(n, d)| d.map(|d| (*n, d)))
+        .collect();
+    let free: Vec<&str> = degrees
+        .iter()
+        .filter(|(_, d)| d.is_none())
+        .map(|(n, _)| *n)
+        .collect();
+    let product: u64 = pinned.iter().map(|(_, d)| d).product();
+    if let [only] = free.as_slice() {
+        if product < world {
+            let mesh = pinned
+                .iter()
+                .map(|(n, d)| format!("{n} {d}"))
+                .collect::<Vec<_>>()
+                .join(" × ");
+            return format!(
+                "no configuration satisfies `{pins}` on {world} devices: {mesh} leave {only}={} to fill the cluster, and {only}={} is not possible for this model and batch; pin {only} or change the others",
+                world / product.max(1),
+                world / product.max(1)
+            );
+        }
+    }
+    format!(
+        "no configuration satisfies `{pins}` on {world} devices (check that the global batch splits over dp × mb)"
+    )
+}
+
 fn infeasible(req: &PlanRequest, out: &search::Outcome, world: u64) -> PlanError {
     let cap = req.cluster.device.memory_bytes;
     let Some(s) = &out.smallest else {
-        return PlanError::Strategy(format!(
-            "no configuration satisfies `{}` on {} devices (check that the global batch splits over dp × mb)",
-            req.pinned, world
-        ));
+        return PlanError::Strategy(no_configuration(&req.pinned, world));
     };
     let total = s.memory.total();
     let c = &s.config;
