@@ -405,8 +405,10 @@ fn no_configuration(pins: &StrategyConstraints, world: u64) -> String {
         .map(|(n, _)| *n)
         .collect();
     let product: u64 = pinned.iter().map(|(_, d)| d).product();
+    // A free dp is bound by the batch (dp × mb must divide it); a free tp,
+    // pp or cp by the model (heads, layers, sequence).
     if let [only] = free.as_slice() {
-        if product < world {
+        if product < world && *only != "dp" {
             let mesh = pinned
                 .iter()
                 .map(|(n, d)| format!("{n} {d}"))
