@@ -112,17 +112,24 @@ fn every_zoo_kernel_compiles() {
         .iter()
         .flat_map(|s| Arch::ALL.map(|a| (s, a)))
         .collect();
+    // Each thread takes the next job when it is free (the batches differ in
+    // size, so fixed halves leave one core idle at the end).
+    let next = std::sync::atomic::AtomicUsize::new(0);
     let failures: Vec<String> = std::thread::scope(|scope| {
-        let handles: Vec<_> = jobs
-            .chunks(jobs.len().div_ceil(2).max(1))
-            .map(|chunk| {
-                let nvrtc = &nvrtc;
+        let handles: Vec<_> = (0..2)
+            .map(|_| {
+                let (nvrtc, jobs, next) = (&nvrtc, &jobs, &next);
                 scope.spawn(move || {
-                    chunk
-                        .iter()
-                        .filter_map(|(s, a)| nvrtc.compile_uncached(s, *a).err())
-                        .map(|e| e.to_string())
-                        .collect::<Vec<_>>()
+                    let mut failed = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some((s, a)) = jobs.get(i) else {
+                            break failed;
+                        };
+                        if let Err(e) = nvrtc.compile_uncached(s, *a) {
+                            failed.push(e.to_string());
+                        }
+                    }
                 })
             })
             .collect();
