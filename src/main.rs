@@ -6,6 +6,7 @@ mod output;
 mod build;
 mod compile;
 mod explain;
+mod export;
 mod inspect;
 mod load;
 mod run;
@@ -48,6 +49,8 @@ enum Command {
     Build(build::BuildArgs),
     /// Run one rank of a built artifact (what RUN.md's launch lines start).
     Launch(build::LaunchArgs),
+    /// Hand a plan to another engine: Megatron-LM arguments, a torchtitan TOML or a DeepSpeed config.
+    Export(export::Args),
 }
 
 fn main() -> ExitCode {
@@ -63,6 +66,7 @@ fn main() -> ExitCode {
         Command::Verify(args) => verify::run(&args),
         Command::Build(args) => build::build(&args),
         Command::Launch(args) => build::launch(&args),
+        Command::Export(args) => export::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -6,7 +6,8 @@ use crate::builtins::{self, MAX_DIM};
 use crate::diag::{did_you_mean, Diag, DiagExt, Res, Source};
 use crate::value::{arith, Value};
 use dplc_ir::{
-    DType, Dim, Graph, Init, IrError, Op, RegionId, ScopeId, ScopeKind, Shape, TensorId,
+    DType, Dim, Graph, Init, IrError, Op, RegionId, ScalarArg, ScopeId, ScopeKind, Shape,
+    TensorId,
 };
 use std::collections::HashMap;
 
@@ -1344,6 +1345,16 @@ impl<'p> Elab<'p> {
                 (None, Some(d)) => self.eval(d)?,
                 (None, None) => return Err(self.missing_arg(&f.name.name, sig, span)),
             };
+            let scalar = match &v {
+                Value::Int(i) => Some(ScalarArg::Int(*i)),
+                Value::Float(x) => Some(ScalarArg::Float(*x)),
+                Value::Bool(b) => Some(ScalarArg::Bool(*b)),
+                Value::Str(s) => Some(ScalarArg::Str(s.clone())),
+                _ => None,
+            };
+            if let Some(scalar) = scalar {
+                self.g.add_scope_arg(self.scope, &f.name.name, scalar);
+            }
             if let Some(frame) = self.frames.last_mut() {
                 if let Some(s) = frame.scopes.first_mut() {
                     s.insert(f.name.name.clone(), v);

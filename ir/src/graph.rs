@@ -64,11 +64,33 @@ pub enum ScopeKind {
 }
 
 /// A node of the tree of provenance that tags every node and parameter.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Scope {
     pub name: String,
     pub parent: Option<ScopeId>,
     pub kind: ScopeKind,
+    /// A block instance's scalar arguments as the call resolved them
+    /// (defaults included), in the block's order: what `dplc export` reads
+    /// to name a model's shape (heads, activation, biases) in another
+    /// engine's terms, where the lowered ops alone would leave it guessing.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<(String, ScalarArg)>,
+}
+
+/// A scalar argument of a block call (tensors and lists are not recorded).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum ScalarArg {
+    Int(i64),
+    Float(f64),
+    Bool(bool),
+    Str(String),
+}
+
+impl Scope {
+    /// The argument called `name`, if the call had a scalar one.
+    pub fn arg(&self, name: &str) -> Option<&ScalarArg> {
+        self.args.iter().find(|(n, _)| n == name).map(|(_, v)| v)
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -128,6 +150,7 @@ impl Graph {
                 name: name.to_string(),
                 parent: None,
                 kind: ScopeKind::Model,
+                args: Vec::new(),
             }],
             params: Vec::new(),
             inputs: Vec::new(),
@@ -332,8 +355,14 @@ impl Graph {
             name: unique,
             parent: Some(parent),
             kind,
+            args: Vec::new(),
         });
         ScopeId::new(self.scopes.len() - 1)
+    }
+
+    /// Record a scalar argument of the block call that opened `scope`.
+    pub fn add_scope_arg(&mut self, scope: ScopeId, name: &str, value: ScalarArg) {
+        self.scopes[scope.index()].args.push((name.to_string(), value));
     }
 
     /// A new region nested in `parent`, to become the body of a `repeat`.

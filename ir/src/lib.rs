@@ -25,7 +25,8 @@ pub use config::{ClusterSpec, DeviceSpec, LinkSpec, LrSchedule, Optimizer, Preci
 pub use dtype::DType;
 pub use error::{IrError, PlanMismatch, Result};
 pub use graph::{
-    broadcast, Graph, InputInfo, Node, ParamInfo, Region, Scope, ScopeKind, Tensor, TensorDef,
+    broadcast, Graph, InputInfo, Node, ParamInfo, Region, ScalarArg, Scope, ScopeKind, Tensor,
+    TensorDef,
     BOUND_DIMS,
 };
 pub use id::{InputId, NodeId, ParamId, RegionId, ScopeId, SymId, TensorId};

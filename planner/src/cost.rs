@@ -78,14 +78,7 @@ pub(crate) fn wave_efficiency(m: f64, n: f64, multiprocessors: u64) -> f64 {
         .fold(0.0, f64::max)
 }
 
-/// Mesh axes from the innermost (consecutive ranks) outwards.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub(crate) enum AxisOrder {
-    /// Megatron's order: tp, cp, dp (with ep inside), pp.
-    DataInner,
-    /// tp, cp, pp, dp: pipeline neighbours share a node, replicas span nodes.
-    PipelineInner,
-}
+pub use crate::strategy::AxisOrder;
 
 /// One point of the search space.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -109,6 +102,9 @@ pub(crate) struct Config {
     pub grad_accum: GradAccum,
     pub root: dplc_ir::RootSplit,
     pub order: AxisOrder,
+    /// Layers split evenly over the stages (`stages=even`, what Megatron's
+    /// and DeepSpeed's pipelines take) instead of balanced by time.
+    pub even_stages: bool,
 }
 
 impl Config {
@@ -525,7 +521,7 @@ impl<'a> CostModel<'a> {
         let [layer, pre, post] = self.parts(c);
         let (l, p) = (self.profile.layers, c.pp);
         let mut counts = dplc_ir::even_split(l, p);
-        if c.schedule == PipelineSchedule::Interleaved || p == 1 {
+        if c.schedule == PipelineSchedule::Interleaved || p == 1 || c.even_stages {
             return counts;
         }
         let extra = |i: usize| {

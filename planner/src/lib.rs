@@ -22,7 +22,7 @@ pub use error::PlanError;
 pub use layouts::LayoutStats;
 pub use megatron::derive_layout;
 pub use report::{layouts_summary, memory_table, summary, throughput, to_json};
-pub use strategy::{parse_strategy, StrategyConstraints};
+pub use strategy::{parse_strategy, AxisOrder, StrategyConstraints};
 pub use timeline::{timeline, Span, SpanKind, Timeline};
 
 use dplc_ir::validate as rules;
@@ -92,25 +92,11 @@ fn what_ifs(req: &PlanRequest, plan: &Plan) -> Vec<dplc_ir::WhatIf> {
     let s = &plan.strategy;
     let m = &plan.mesh;
     let base = StrategyConstraints {
-        tp: Some(m.tp),
-        pp: Some(m.pp),
         dp: None,
-        cp: Some(m.cp),
-        ep: Some(m.ep),
-        micro_batch: Some(s.micro_batch),
         num_micro_batches: None,
-        schedule: Some(s.schedule),
-        virtual_stages: Some(s.virtual_stages),
-        zero: Some(s.zero_stage),
-        recompute: Some(s.recompute),
-        sequence_parallel: Some(s.sequence_parallel),
-        // The search overlaps unless told not to; pin only the exception.
-        overlap_grad_reduce: (!s.overlap_grad_reduce).then_some(false),
-        attention: Some(s.attention),
-        tp_overlap: Some(s.tp_overlap),
-        // Fused is the search's own choice; pin only the exception.
-        grad_accum: (s.grad_accum != dplc_ir::GradAccum::Fused).then_some(s.grad_accum),
-        root: (s.root != dplc_ir::RootSplit::Vocab).then_some(s.root),
+        order: None,
+        even_stages: None,
+        ..StrategyConstraints::of_plan(plan)
     };
     let mut variants: Vec<(String, StrategyConstraints)> = Vec::new();
     for tp in [m.tp * 2, m.tp / 2] {

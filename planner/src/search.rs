@@ -206,10 +206,12 @@ pub(crate) fn search(
                         .collect(),
                     None => vec![1],
                 };
-                let orders: &[AxisOrder] = if dp > 1 && pp > 1 {
-                    &[AxisOrder::DataInner, AxisOrder::PipelineInner]
-                } else {
-                    &[AxisOrder::DataInner]
+                let orders: &[AxisOrder] = match pins.order {
+                    Some(AxisOrder::PipelineInner) if dp > 1 && pp > 1 => {
+                        &[AxisOrder::PipelineInner]
+                    }
+                    None if dp > 1 && pp > 1 => &[AxisOrder::DataInner, AxisOrder::PipelineInner],
+                    _ => &[AxisOrder::DataInner],
                 };
                 let per_replica = global_batch / dp;
                 for &ep in &eps {
@@ -253,6 +255,7 @@ pub(crate) fn search(
                                 grad_accum: pins.grad_accum.unwrap_or_default(),
                                 root,
                                 order,
+                                even_stages: pins.even_stages.unwrap_or(false),
                             };
                             explore(
                                 base,

@@ -33,6 +33,79 @@ pub struct StrategyConstraints {
     pub grad_accum: Option<GradAccum>,
     /// `root=vocab|replicated`; the search uses the e-graph's vocabulary split.
     pub root: Option<RootSplit>,
+    /// `order=tp-cp-dp-pp|tp-cp-pp-dp`: the rank order of the mesh; the
+    /// search tries both where dp and pp are both split.
+    pub order: Option<AxisOrder>,
+    /// `stages=even` splits the layers evenly over the pipeline stages, as
+    /// Megatron-LM and DeepSpeed do by default; `stages=balanced` (the
+    /// search's choice) balances them by time, the ends carrying the
+    /// embedding and the loss.
+    pub even_stages: Option<bool>,
+}
+
+impl StrategyConstraints {
+    /// Every choice `plan` made, pinned: planning again with these gives
+    /// the plan back, and changing one prices a neighbour. Choices that are
+    /// the search's own default (overlapped reduction, fused accumulation,
+    /// the vocabulary-split root) stay unpinned, as a person would write them.
+    pub fn of_plan(plan: &dplc_ir::Plan) -> StrategyConstraints {
+        let s = &plan.strategy;
+        let m = &plan.mesh;
+        StrategyConstraints {
+            tp: Some(m.tp),
+            pp: Some(m.pp),
+            dp: Some(m.dp),
+            cp: Some(m.cp),
+            ep: Some(m.ep),
+            micro_batch: Some(s.micro_batch),
+            num_micro_batches: Some(s.num_micro_batches),
+            schedule: Some(s.schedule),
+            virtual_stages: Some(s.virtual_stages),
+            zero: Some(s.zero_stage),
+            recompute: Some(s.recompute),
+            sequence_parallel: Some(s.sequence_parallel),
+            overlap_grad_reduce: (!s.overlap_grad_reduce).then_some(false),
+            attention: Some(s.attention),
+            tp_overlap: Some(s.tp_overlap),
+            grad_accum: (s.grad_accum != GradAccum::Fused).then_some(s.grad_accum),
+            root: (s.root != RootSplit::Vocab).then_some(s.root),
+            order: Some(AxisOrder::of(m)),
+            // Stages follow the model's balance unless they are the even split.
+            even_stages: (plan.stage_layers()
+                == dplc_ir::even_split(plan.layers, m.pp.max(1)))
+            .then_some(true),
+        }
+    }
+}
+
+/// Mesh axes from the innermost (consecutive ranks) outwards.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum AxisOrder {
+    /// Megatron's default order: tp, cp, dp (with ep inside), pp.
+    DataInner,
+    /// tp, cp, pp, dp (Megatron's `--use-tp-pp-dp-mapping`): pipeline
+    /// neighbours share a node, replicas span nodes.
+    PipelineInner,
+}
+
+impl AxisOrder {
+    /// The order as the `order=` key writes it, innermost axis first.
+    pub fn name(self) -> &'static str {
+        match self {
+            AxisOrder::DataInner => "tp-cp-dp-pp",
+            AxisOrder::PipelineInner => "tp-cp-pp-dp",
+        }
+    }
+
+    /// The order of a plan's mesh: where its pipeline axis sits.
+    pub fn of(mesh: &dplc_ir::Mesh) -> AxisOrder {
+        let stride = |a| mesh.axes.iter().find(|m| m.axis == a).map_or(1, |m| m.stride);
+        if mesh.pp > 1 && mesh.dp > 1 && stride(dplc_ir::MeshAxis::Pp) < stride(dplc_ir::MeshAxis::Dp) {
+            AxisOrder::PipelineInner
+        } else {
+            AxisOrder::DataInner
+        }
+    }
 }
 
 /// Read `key=value` pairs separated by commas. Keys: `tp pp dp cp ep mb m
@@ -161,9 +234,31 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
                     }
                 })
             }
+            "order" => {
+                c.order = Some(match value.to_ascii_lowercase().as_str() {
+                    "tp-cp-dp-pp" => AxisOrder::DataInner,
+                    "tp-cp-pp-dp" => AxisOrder::PipelineInner,
+                    _ => {
+                        return Err(err(format!(
+                            "order is tp-cp-dp-pp or tp-cp-pp-dp (innermost axis first), got `{value}`"
+                        )))
+                    }
+                })
+            }
+            "stages" => {
+                c.even_stages = Some(match value.to_ascii_lowercase().as_str() {
+                    "even" => true,
+                    "balanced" => false,
+                    _ => {
+                        return Err(err(format!(
+                            "stages is even or balanced, got `{value}`"
+                        )))
+                    }
+                })
+            }
             _ => {
                 return Err(err(format!(
-                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap, attention, tp_overlap, grad_accum, root"
+                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap, attention, tp_overlap, grad_accum, root, order, stages"
                 )))
             }
         }
@@ -204,6 +299,8 @@ fn choice_of(key: &str) -> Option<&'static str> {
         "tp_overlap" => "tp_overlap",
         "grad_accum" => "grad_accum",
         "root" => "root",
+        "order" => "order",
+        "stages" => "stages",
         _ => return None,
     })
 }
@@ -251,6 +348,12 @@ impl fmt::Display for StrategyConstraints {
         }
         if let Some(r) = self.root {
             parts.push(format!("root={}", r.name()));
+        }
+        if let Some(o) = self.order {
+            parts.push(format!("order={}", o.name()));
+        }
+        if let Some(even) = self.even_stages {
+            parts.push(format!("stages={}", if even { "even" } else { "balanced" }));
         }
         f.write_str(&parts.join(","))
     }

@@ -1,0 +1,355 @@
+//! The plan as a torchtitan job TOML (torchtitan v0.2.0's `JobConfig`,
+//! `torchtitan/config/job_config.py`): the llama3 model (a named flavour,
+//! or the `TransformerModelArgs` to register for another shape), FSDP2 /
+//! DDP, tensor, context and pipeline degrees, the pipeline's model parts.
+
+use super::arch::{Ffn, Norm, Positions, Transformer};
+use super::megatron::number;
+use super::{Gap, Job};
+use dplc_ir::{
+    AttentionKind, GradAccum, LrSchedule, Optimizer, PipelineSchedule, Plan, Precision, Recompute,
+    RootSplit, TpOverlap,
+};
+use dplc_planner::AxisOrder;
+use std::fmt::Write;
+
+/// Why torchtitan's llama3 cannot build the model.
+pub fn model_fits(t: &Transformer) -> Result<(), String> {
+    let why = if t.norm != Norm::RmsNorm {
+        "its norms are LayerNorm; torchtitan's llama3 uses RMSNorm"
+    } else if !matches!(t.positions, Positions::Rotary { .. }) {
+        "it has no rotary positions; torchtitan's llama3 uses RoPE"
+    } else if matches!(t.ffn, Ffn::Moe { .. }) {
+        "it is a mixture of experts; torchtitan's llama3 is dense (its MoE models route differently)"
+    } else if t.ffn != Ffn::SwiGlu {
+        "its FFN is not SwiGLU; torchtitan's llama3 uses SwiGLU"
+    } else if t.bias.qkv || t.bias.out {
+        "its attention has biases; torchtitan's llama3 has none"
+    } else if t.tied {
+        "its output layer is tied to the embedding; torchtitan's llama3 has its own"
+    } else if t.attention_dropout != 0.0 {
+        "it uses dropout; torchtitan's llama3 has none"
+    } else {
+        return Ok(());
+    };
+    Err(why.into())
+}
+
+/// The plan's choices torchtitan cannot express.
+pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
+    let s = &plan.strategy;
+    let m = &plan.mesh;
+    let mut gaps = Vec::new();
+    if m.dp > 1 && s.zero_stage == 1 {
+        gaps.push(Gap::new(
+            "ZeRO-1 (torchtitan shards with FSDP2: gradients and optimizer state together, ZeRO-2 or -3)",
+            |p| p.zero = Some(2),
+        ));
+    }
+    if m.dp > 1 && !s.overlap_grad_reduce {
+        gaps.push(Gap::new(
+            "the gradient reduction after backward (FSDP2 and DDP overlap it)",
+            |p| p.overlap_grad_reduce = None,
+        ));
+    }
+    if s.num_micro_batches > 1 && s.grad_accum == GradAccum::Fused {
+        gaps.push(Gap::new(
+            "gradient accumulation fused into the GEMM (torchtitan accumulates separately)",
+            |p| p.grad_accum = Some(GradAccum::Separate),
+        ));
+    }
+    if s.attention == AttentionKind::Unfused {
+        gaps.push(Gap::new(
+            "unfused attention (torchtitan runs SDPA's fused kernels)",
+            |p| p.attention = Some(AttentionKind::Fused),
+        ));
+    }
+    if m.tp > 1 {
+        if !s.sequence_parallel {
+            gaps.push(Gap::new(
+                "tensor parallelism without sequence parallelism (torchtitan shards the norms over the sequence)",
+                |p| p.sequence_parallel = Some(true),
+            ));
+        }
+        if s.tp_overlap == TpOverlap::Async {
+            gaps.push(Gap::new(
+                "Megatron's overlap of the input-gradient all-reduce (torchtitan exposes it, or \
+                 pipelines every collective with async TP)",
+                |p| p.tp_overlap = Some(TpOverlap::None),
+            ));
+        }
+    }
+    if AxisOrder::of(m) == AxisOrder::PipelineInner {
+        gaps.push(Gap::new(
+            "pipeline stages inside a data-parallel replica's nodes (torchtitan's mesh is pp, dp, cp, tp, outermost first)",
+            |p| p.order = Some(AxisOrder::DataInner),
+        ));
+    }
+    gaps
+}
+
+/// llama3's flavours in torchtitan v0.2.0 (`torchtitan/models/llama3/__init__.py`):
+/// name, dim, layers, heads, kv heads, ffn multiplier, multiple of, rope theta.
+const FLAVOURS: &[(&str, u64, u64, u64, u64, f64, u64, f64)] = &[
+    ("8B", 4096, 32, 32, 8, 1.3, 1024, 500000.0),
+    ("70B", 8192, 80, 64, 8, 1.3, 4096, 500000.0),
+    ("405B", 16384, 126, 128, 8, 1.2, 4096, 500000.0),
+];
+
+/// llama3's SwiGLU width from its arguments (`FeedForward.__init__`).
+fn ffn_width(dim: u64, multiplier: f64, multiple_of: u64) -> u64 {
+    let hidden = (2 * 4 * dim) / 3;
+    let hidden = (multiplier * hidden as f64) as u64;
+    multiple_of * hidden.div_ceil(multiple_of)
+}
+
+fn flavour(t: &Transformer) -> Option<&'static str> {
+    let Positions::Rotary { theta } = t.positions else {
+        return None;
+    };
+    FLAVOURS
+        .iter()
+        .find(|&&(_, dim, layers, heads, kv, mult, of, rope)| {
+            (dim, layers, heads, kv) == (t.d, t.layers, t.heads, t.kv_heads)
+                && ffn_width(dim, mult, of) == t.ffn_hidden
+                && rope == theta
+                && t.vocab == 128256
+                && t.norm_eps == 1e-5
+        })
+        .map(|f| f.0)
+}
+
+/// `TransformerModelArgs(...)` for a shape no flavour has: a multiplier
+/// that lands `ffn_width` exactly on the model's hidden width.
+fn model_args(t: &Transformer) -> String {
+    let base = (2 * 4 * t.d) / 3;
+    let multiplier = (t.ffn_hidden as f64 + 0.5) / base as f64;
+    let theta = match t.positions {
+        Positions::Rotary { theta } => theta,
+        _ => 10000.0,
+    };
+    format!(
+        "TransformerModelArgs(dim={}, n_layers={}, n_heads={}, n_kv_heads={}, vocab_size={}, \
+         multiple_of=1, ffn_dim_multiplier={multiplier:?}, norm_eps={}, rope_theta={})",
+        t.d,
+        t.layers,
+        t.heads,
+        t.kv_heads,
+        t.vocab,
+        number(t.norm_eps),
+        number(theta)
+    )
+}
+
+/// The modules of each model part: the embedding with the first, the
+/// final norm and output with the last, the layers as the plan splits them
+/// (chunk `c` of stage `s` is part `c·pp + s`, as torchtitan loops them).
+fn model_parts(plan: &Plan) -> Vec<Vec<String>> {
+    let (pp, v) = (plan.mesh.pp, plan.chunks());
+    let counts: Vec<u64> = if v > 1 {
+        dplc_ir::even_split(plan.layers, pp * v)
+    } else {
+        plan.stage_layers()
+    };
+    let mut parts = Vec::new();
+    let mut next = 0;
+    for (i, n) in counts.iter().enumerate() {
+        let mut part = Vec::new();
+        if i == 0 {
+            part.push("tok_embeddings".to_string());
+        }
+        part.extend((next..next + n).map(|l| format!("layers.{l}")));
+        next += n;
+        if i + 1 == counts.len() {
+            part.push("norm".to_string());
+            part.push("output".to_string());
+        }
+        parts.push(part);
+    }
+    parts
+}
+
+fn toml_str(s: &str) -> String {
+    format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "\\\""))
+}
+
+pub fn render(job: &Job) -> String {
+    let (plan, t, train) = (job.plan, job.model, job.train);
+    let s = &plan.strategy;
+    let m = &plan.mesh;
+    let mut o = String::new();
+    let w = &mut o;
+    let flavour_name = flavour(t);
+    let _ = writeln!(
+        w,
+        "# {} on {}: a torchtitan (v0.2.0) job of the plan dplc chose.\n\
+         # dplc predicts {:.3} s per step, {:.1} GiB peak per device.\n\
+         # Run: NGPU={} CONFIG_FILE=this.toml ./run_train.sh (on each of {} node(s) with torchrun's rendezvous).",
+        plan.model,
+        plan.cluster.name,
+        plan.estimate.step_time_s,
+        plan.estimate.peak_memory_bytes as f64 / (1u64 << 30) as f64,
+        plan.cluster.devices_per_node,
+        plan.cluster.nodes,
+    );
+    if flavour_name.is_none() {
+        let _ = writeln!(
+            w,
+            "# No llama3 flavour has this shape: add it to llama3_configs in\n\
+             # torchtitan/models/llama3/__init__.py as\n#   \"{}\": {},",
+            plan.model,
+            model_args(t)
+        );
+    }
+    let _ = writeln!(
+        w,
+        "\n[job]\ndescription = {}\n",
+        toml_str(&format!("{} planned by dplc", plan.model))
+    );
+    let _ = writeln!(
+        w,
+        "[model]\nname = \"llama3\"\nflavor = {}\n",
+        toml_str(flavour_name.unwrap_or(&plan.model))
+    );
+    // Each data-parallel rank's batch per optimizer step is local × (1, or
+    // the pipeline's micro-batches); without a pipeline, torchtitan
+    // accumulates gradients over global / (local · dp) steps.
+    let local = if m.pp > 1 {
+        s.micro_batch * s.num_micro_batches
+    } else {
+        s.micro_batch
+    };
+    let _ = writeln!(
+        w,
+        "[training]\nlocal_batch_size = {local}\nglobal_batch_size = {}\nseq_len = {}\n\
+         max_norm = {}\nsteps = {}\nmixed_precision_param = {}\n\
+         dataset = \"c4_test\"  # synthetic-scale test data; point at your dataset\n",
+        s.global_batch,
+        s.seq,
+        // No clipping: a bound no norm reaches (0 would zero the gradients).
+        train.grad_clip.map_or("1e30".to_string(), number),
+        job.steps(),
+        match train.precision {
+            Precision::Fp32 => "\"float32\"",
+            _ => "\"bfloat16\"",
+        }
+    );
+    let (replicate, shard) = if s.zero_stage >= 2 { (1, m.dp) } else { (m.dp, 1) };
+    let _ = writeln!(
+        w,
+        "[parallelism]\ndata_parallel_replicate_degree = {replicate}\n\
+         data_parallel_shard_degree = {shard}\ntensor_parallel_degree = {}\n\
+         context_parallel_degree = {}\npipeline_parallel_degree = {}",
+        m.tp, m.cp, m.pp
+    );
+    if shard > 1 {
+        let _ = writeln!(
+            w,
+            "fsdp_reshard_after_forward = {}",
+            if s.zero_stage >= 3 {
+                "\"always\""
+            } else {
+                "\"never\""
+            }
+        );
+    }
+    if m.tp > 1 {
+        let _ = writeln!(
+            w,
+            "enable_async_tensor_parallel = {}\ndisable_loss_parallel = {}",
+            s.tp_overlap == TpOverlap::Ring,
+            s.root == RootSplit::Replicated
+        );
+    }
+    if m.pp > 1 {
+        let schedule = match s.schedule {
+            PipelineSchedule::GPipe => "GPipe",
+            PipelineSchedule::OneFOneB => "1F1B",
+            PipelineSchedule::Interleaved => "Interleaved1F1B",
+        };
+        let parts: Vec<String> = model_parts(plan)
+            .iter()
+            .map(|p| {
+                let names: Vec<String> = p.iter().map(|n| toml_str(n)).collect();
+                format!("  [{}]", names.join(", "))
+            })
+            .collect();
+        let _ = writeln!(
+            w,
+            "pipeline_parallel_schedule = \"{schedule}\"\npipeline_parallel_microbatch_size = {}\n\
+             module_fqns_per_model_part = [\n{},\n]",
+            s.micro_batch,
+            parts.join(",\n")
+        );
+    }
+    let _ = writeln!(
+        w,
+        "\n[activation_checkpoint]\nmode = {}",
+        match s.recompute {
+            Recompute::None => "\"none\"",
+            Recompute::Selective => "\"selective\"",
+            Recompute::Full => "\"full\"",
+        }
+    );
+    if s.recompute == Recompute::Selective {
+        let _ = writeln!(
+            w,
+            "selective_ac_option = \"op\"  # torchtitan's op-level choice, not Megatron's attention-core rule"
+        );
+    }
+    if m.tp > 1 && s.tp_overlap == TpOverlap::Ring {
+        let _ = writeln!(
+            w,
+            "\n[compile]\nenable = true  # async tensor parallelism needs torch.compile"
+        );
+    }
+    match train.optimizer {
+        Optimizer::AdamW {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } => {
+            let _ = writeln!(
+                w,
+                "\n[optimizer]\nname = \"AdamW\"\nlr = {}\nbeta1 = {}\nbeta2 = {}\neps = {}\nweight_decay = {}",
+                number(lr),
+                number(beta1),
+                number(beta2),
+                number(eps),
+                number(weight_decay)
+            );
+        }
+        Optimizer::Sgd { .. } => {}
+    }
+    match train.schedule {
+        LrSchedule::WarmupCosine {
+            warmup, min_ratio, ..
+        } => {
+            let _ = writeln!(
+                w,
+                "\n[lr_scheduler]\nwarmup_steps = {warmup}\ndecay_type = \"cosine\"\nmin_lr_factor = {}",
+                number(min_ratio)
+            );
+        }
+        LrSchedule::Constant => {
+            let _ = writeln!(
+                w,
+                "\n[lr_scheduler]\nwarmup_steps = 0\ndecay_ratio = 0.0"
+            );
+        }
+    }
+    o
+}
+
+/// Why torchtitan cannot train with the train section as written.
+pub fn train_fits(train: &dplc_ir::TrainSpec) -> Result<(), String> {
+    if train.precision == Precision::Fp16 {
+        return Err("its precision is fp16; torchtitan trains in bf16 or fp32".into());
+    }
+    if matches!(train.optimizer, Optimizer::Sgd { .. }) {
+        return Err("its optimizer is SGD; torchtitan's are Adam and AdamW".into());
+    }
+    Ok(())
+}
