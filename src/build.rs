@@ -20,6 +20,9 @@ pub struct BuildArgs {
     /// The directory to write (created; files in it are replaced).
     #[arg(short, long)]
     pub output: PathBuf,
+    /// Report errors as a JSON object on stdout (for scripts).
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(clap::Args)]
@@ -28,6 +31,9 @@ pub struct LaunchArgs {
     pub dir: PathBuf,
     #[command(flatten)]
     pub train: TrainOpts,
+    /// Report errors as a JSON object on stdout (for scripts).
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// One file of the artifact and its FNV-1a 64 hash (a corrupted or swapped

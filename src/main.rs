@@ -32,6 +32,9 @@ enum Command {
     Check {
         /// The .dpl file.
         file: PathBuf,
+        /// Print a JSON object (and errors as JSON) instead of text.
+        #[arg(long)]
+        json: bool,
     },
     /// Show a model's parameters, layers, FLOPs and stored activations.
     Inspect(inspect::Args),
@@ -55,9 +58,27 @@ enum Command {
 
 fn main() -> ExitCode {
     restore_sigpipe();
-    let cli = Cli::parse();
+    // Every subcommand takes `--json`; under it errors are a JSON object on
+    // stdout, the argument parser's included, so scripts read one format.
+    let json = std::env::args_os()
+        .skip(1)
+        .take_while(|a| a != "--")
+        .any(|a| a == "--json");
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if json && e.use_stderr() => {
+            let rendered = e.render().to_string();
+            let mut lines = rendered.lines().map(str::trim).filter(|l| !l.is_empty());
+            let first = lines.next().unwrap_or_default();
+            let message = first.strip_prefix("error: ").unwrap_or(first);
+            let help = lines.collect::<Vec<_>>().join("\n");
+            print_json_error("dplc::usage", message, None, Some(&help));
+            return ExitCode::from(2);
+        }
+        Err(e) => e.exit(),
+    };
     let result = match cli.command {
-        Command::Check { file } => check(&file),
+        Command::Check { file, json } => check(&file, json),
         Command::Inspect(args) => inspect::run(&args),
         Command::Compile(args) => compile::run(&args),
         Command::Explain(args) => explain::run(&args),
@@ -71,7 +92,10 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(report) => {
-            if report.downcast_ref::<output::StdoutClosed>().is_none() {
+            if report.downcast_ref::<output::StdoutClosed>().is_some() {
+            } else if json {
+                json_error(&report);
+            } else {
                 note!("{report:?}");
             }
             ExitCode::FAILURE
@@ -79,11 +103,70 @@ fn main() -> ExitCode {
     }
 }
 
-fn check(file: &std::path::Path) -> miette::Result<()> {
+/// `{"error": {"code", "message", "file", "line", "column", "help"}}` on
+/// stdout: the report's code (`dplc::error` when it has none), its message
+/// with its causes, and where its first label points (1-based), if it has one.
+fn json_error(report: &miette::Report) {
+    let code = report
+        .code()
+        .map_or("dplc::error".to_string(), |c| c.to_string());
+    let message = report
+        .chain()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(": ");
+    let at = report.source_code().and_then(|src| {
+        let label = report.labels()?.next()?;
+        let span = src.read_span(label.inner(), 0, 0).ok()?;
+        Some((
+            span.name().map(str::to_string),
+            span.line() as u64 + 1,
+            span.column() as u64 + 1,
+        ))
+    });
+    let help = report.help().map(|h| h.to_string());
+    print_json_error(&code, &message, at, help.as_deref());
+}
+
+fn print_json_error(
+    code: &str,
+    message: &str,
+    at: Option<(Option<String>, u64, u64)>,
+    help: Option<&str>,
+) {
+    let (file, line, column) = match at {
+        Some((file, line, column)) => (file, Some(line), Some(column)),
+        None => (None, None, None),
+    };
+    let v = serde_json::json!({
+        "error": {
+            "code": code,
+            "message": message,
+            "file": file,
+            "line": line,
+            "column": column,
+            "help": help,
+        }
+    });
+    // A closed stdout has nowhere to take the error either.
+    let _ = output::stdout(format_args!("{v}\n"));
+}
+
+fn check(file: &std::path::Path, json: bool) -> miette::Result<()> {
     let unit = load::parse(file)?;
     unit.check()?;
     let models = unit.model_names();
     let clusters = unit.clusters()?;
+    if json {
+        let names: Vec<&str> = clusters.iter().map(|c| c.name.as_str()).collect();
+        let v = serde_json::json!({
+            "file": file.display().to_string(),
+            "models": models,
+            "clusters": names,
+        });
+        outln!("{v}");
+        return Ok(());
+    }
     outln!(
         "{}: ok ({} model{}, {} cluster{})",
         file.display(),

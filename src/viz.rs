@@ -28,6 +28,9 @@ pub struct Args {
     /// Write here instead of standard output.
     #[arg(short, long)]
     output: Option<PathBuf>,
+    /// Report errors as a JSON object on stdout (for scripts).
+    #[arg(long)]
+    json: bool,
 }
 
 pub fn run(args: &Args) -> Result<()> {

@@ -35,8 +35,12 @@ pub struct Transformer {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Positions {
     /// A learned `[ctx, d]` table added to the token embedding.
-    Learned { ctx: u64 },
-    Rotary { theta: f64 },
+    Learned {
+        ctx: u64,
+    },
+    Rotary {
+        theta: f64,
+    },
     None,
 }
 
@@ -49,7 +53,9 @@ pub enum Norm {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Ffn {
     /// Two linears around an activation: `gelu`, `gelu_tanh`, `relu`, `silu`.
-    Mlp { act: &'static str },
+    Mlp {
+        act: &'static str,
+    },
     SwiGlu,
     /// SwiGLU experts behind a top-k router (softmax over the chosen logits).
     Moe {
@@ -259,7 +265,10 @@ pub fn recognise(g: &Graph) -> Result<Transformer, String> {
             return Err("an embedding table has a symbolic size".into());
         };
         if cols as u64 != d {
-            return Err(format!("embedding `{}` is not d = {d} wide", g.param(p).name));
+            return Err(format!(
+                "embedding `{}` is not d = {d} wide",
+                g.param(p).name
+            ));
         }
         let from_positions = g
             .producer(n.inputs[1])
@@ -293,14 +302,14 @@ pub fn recognise(g: &Graph) -> Result<Transformer, String> {
             ))
         }
     }
-    let tied = !g
-        .params()
-        .any(|(p, info)| p != embed_param && !under(info.scope, stack) && {
+    let tied = !g.params().any(|(p, info)| {
+        p != embed_param && !under(info.scope, stack) && {
             let dims = info.shape.dims();
             dims.len() == 2
                 && dims[0].as_const() == Some(d as i64)
                 && dims[1].as_const() == Some(vocab as i64)
-        });
+        }
+    });
 
     let attention_dropout = float(attn, "dropout")?;
     if ffn_dropout != attention_dropout && matches!(ffn, Ffn::Mlp { .. }) {

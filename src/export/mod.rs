@@ -32,6 +32,9 @@ pub struct Args {
     /// plan it can run instead of stopping.
     #[arg(long)]
     closest: bool,
+    /// Report errors as a JSON object on stdout (for scripts).
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -246,9 +249,9 @@ fn closest(
             miette!(
                 code = "dplc::export-gap",
                 help = "dplc's own runtime runs the plan as planned: `dplc run` or `dplc build`",
-                "{} cannot run this plan as planned, and no plan it can run fits ({pins}): {:?}",
-                engine.name(),
-                compile::plan_error(e)
+                "{} cannot run this plan as planned, and the nearest plan it could run \
+                 ({pins}) is not one: {e}",
+                engine.name()
             )
         })?;
         let more = engine.gaps(&found.plan, model);

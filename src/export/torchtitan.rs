@@ -41,9 +41,13 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
     let m = &plan.mesh;
     let mut gaps = Vec::new();
     if m.dp > 1 && s.zero_stage == 1 {
+        // With a pipeline dplc prices no ZeRO beyond 1, so the nearest plan
+        // it can price replicates (DDP); without one, FSDP2 without
+        // resharding after forward is ZeRO-2.
+        let zero = if m.pp > 1 { 0 } else { 2 };
         gaps.push(Gap::new(
-            "ZeRO-1 (torchtitan shards with FSDP2: gradients and optimizer state together, ZeRO-2 or -3)",
-            |p| p.zero = Some(2),
+            "ZeRO-1 (torchtitan shards with FSDP2: gradients and optimizer state together)",
+            move |p| p.zero = Some(zero),
         ));
     }
     if m.dp > 1 && !s.overlap_grad_reduce {
@@ -234,7 +238,11 @@ pub fn render(job: &Job) -> String {
             _ => "\"bfloat16\"",
         }
     );
-    let (replicate, shard) = if s.zero_stage >= 2 { (1, m.dp) } else { (m.dp, 1) };
+    let (replicate, shard) = if s.zero_stage >= 2 {
+        (1, m.dp)
+    } else {
+        (m.dp, 1)
+    };
     let _ = writeln!(
         w,
         "[parallelism]\ndata_parallel_replicate_degree = {replicate}\n\
@@ -334,10 +342,7 @@ pub fn render(job: &Job) -> String {
             );
         }
         LrSchedule::Constant => {
-            let _ = writeln!(
-                w,
-                "\n[lr_scheduler]\nwarmup_steps = 0\ndecay_ratio = 0.0"
-            );
+            let _ = writeln!(w, "\n[lr_scheduler]\nwarmup_steps = 0\ndecay_ratio = 0.0");
         }
     }
     o
