@@ -31,9 +31,6 @@ pub struct LaunchArgs {
     pub dir: PathBuf,
     #[command(flatten)]
     pub train: TrainOpts,
-    /// Report errors as a JSON object on stdout (for scripts).
-    #[arg(long)]
-    pub json: bool,
 }
 
 /// One file of the artifact and its FNV-1a 64 hash (a corrupted or swapped

@@ -188,3 +188,14 @@ fn restore_sigpipe() {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// clap checks its own definition only when a subcommand is parsed;
+    /// this checks every one (a clash of two `--json` flags panicked once).
+    #[test]
+    fn the_command_line_definition_is_consistent() {
+        use clap::CommandFactory;
+        super::Cli::command().debug_assert();
+    }
+}

@@ -6,8 +6,7 @@ use crate::builtins::{self, MAX_DIM};
 use crate::diag::{did_you_mean, Diag, DiagExt, Res, Source};
 use crate::value::{arith, Value};
 use dplc_ir::{
-    DType, Dim, Graph, Init, IrError, Op, RegionId, ScalarArg, ScopeId, ScopeKind, Shape,
-    TensorId,
+    DType, Dim, Graph, Init, IrError, Op, RegionId, ScalarArg, ScopeId, ScopeKind, Shape, TensorId,
 };
 use std::collections::HashMap;
 

@@ -362,7 +362,9 @@ impl Graph {
 
     /// Record a scalar argument of the block call that opened `scope`.
     pub fn add_scope_arg(&mut self, scope: ScopeId, name: &str, value: ScalarArg) {
-        self.scopes[scope.index()].args.push((name.to_string(), value));
+        self.scopes[scope.index()]
+            .args
+            .push((name.to_string(), value));
     }
 
     /// A new region nested in `parent`, to become the body of a `repeat`.

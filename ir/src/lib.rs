@@ -26,8 +26,7 @@ pub use dtype::DType;
 pub use error::{IrError, PlanMismatch, Result};
 pub use graph::{
     broadcast, Graph, InputInfo, Node, ParamInfo, Region, ScalarArg, Scope, ScopeKind, Tensor,
-    TensorDef,
-    BOUND_DIMS,
+    TensorDef, BOUND_DIMS,
 };
 pub use id::{InputId, NodeId, ParamId, RegionId, ScopeId, SymId, TensorId};
 pub use layout::{ModelLayout, NodeLayout, ParamSplit, RegionLayout, SplitAxis, TensorLayout};

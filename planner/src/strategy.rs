@@ -71,9 +71,8 @@ impl StrategyConstraints {
             root: (s.root != RootSplit::Vocab).then_some(s.root),
             order: Some(AxisOrder::of(m)),
             // Stages follow the model's balance unless they are the even split.
-            even_stages: (plan.stage_layers()
-                == dplc_ir::even_split(plan.layers, m.pp.max(1)))
-            .then_some(true),
+            even_stages: (plan.stage_layers() == dplc_ir::even_split(plan.layers, m.pp.max(1)))
+                .then_some(true),
         }
     }
 }
@@ -99,8 +98,16 @@ impl AxisOrder {
 
     /// The order of a plan's mesh: where its pipeline axis sits.
     pub fn of(mesh: &dplc_ir::Mesh) -> AxisOrder {
-        let stride = |a| mesh.axes.iter().find(|m| m.axis == a).map_or(1, |m| m.stride);
-        if mesh.pp > 1 && mesh.dp > 1 && stride(dplc_ir::MeshAxis::Pp) < stride(dplc_ir::MeshAxis::Dp) {
+        let stride = |a| {
+            mesh.axes
+                .iter()
+                .find(|m| m.axis == a)
+                .map_or(1, |m| m.stride)
+        };
+        if mesh.pp > 1
+            && mesh.dp > 1
+            && stride(dplc_ir::MeshAxis::Pp) < stride(dplc_ir::MeshAxis::Dp)
+        {
             AxisOrder::PipelineInner
         } else {
             AxisOrder::DataInner

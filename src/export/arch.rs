@@ -260,9 +260,11 @@ pub fn recognise(g: &Graph) -> Result<Transformer, String> {
             continue;
         };
         let p = *p;
-        let dims = table.shape.dims();
-        let (Some(rows), Some(cols)) = (dims[0].as_const(), dims[1].as_const()) else {
-            return Err("an embedding table has a symbolic size".into());
+        let (Some(rows), Some(cols)) = (match table.shape.dims() {
+            [rows, cols] => (rows.as_const(), cols.as_const()),
+            _ => (None, None),
+        }) else {
+            return Err("an embedding table is not a [rows, d] matrix of known size".into());
         };
         if cols as u64 != d {
             return Err(format!(

@@ -61,6 +61,16 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
             ));
         }
     }
+    if s.zero_stage >= 2 && s.grad_accum == dplc_ir::GradAccum::Fused {
+        gaps.push(Gap::new(
+            format!(
+                "ZeRO-{} with gradient accumulation fused into the GEMM (DeepSpeed accumulates \
+                 into its partitioned gradients itself)",
+                s.zero_stage
+            ),
+            |p| p.grad_accum = Some(dplc_ir::GradAccum::Separate),
+        ));
+    }
     if m.cp > 1 {
         gaps.push(Gap::new(
             "context parallelism (DeepSpeed splits sequences with Ulysses all-to-alls, not ring attention)",

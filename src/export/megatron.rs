@@ -20,6 +20,13 @@ pub fn model_fits(t: &Transformer) -> Result<(), String> {
             ));
         }
     }
+    if let Positions::Rotary { theta } = t.positions {
+        if theta.fract() != 0.0 || !(1.0..=u64::MAX as f64).contains(&theta) {
+            return Err(format!(
+                "its rotary base {theta} is not a whole number; Megatron's --rotary-base is an integer"
+            ));
+        }
+    }
     let b = t.bias;
     let mlp_bias = matches!(t.ffn, Ffn::Mlp { .. }) && b.mlp;
     let uniform = b.qkv == b.out && (b.out == mlp_bias || !matches!(t.ffn, Ffn::Mlp { .. }));
@@ -162,7 +169,8 @@ pub fn model_flags(job: &Job) -> Vec<Flag> {
         Positions::Rotary { theta } => {
             f.push(arg("--max-position-embeddings", job.plan.strategy.seq));
             f.push(arg("--position-embedding-type", "rope"));
-            f.push(arg("--rotary-base", number(theta)));
+            // Megatron reads the base as an integer (model_fits checked it is one).
+            f.push(arg("--rotary-base", theta as u64));
         }
         Positions::None => {
             f.push(arg("--max-position-embeddings", job.plan.strategy.seq));

@@ -1,0 +1,544 @@
+//! `dplc export` end to end: golden exports of the zoo's golden plans to
+//! Megatron-LM, torchtitan and DeepSpeed; each format read back by a real
+//! parser and checked against the engine's own argument names (pinned
+//! releases, recorded under tests/data with their source); the gaps an
+//! engine cannot express and the closest plan it can; models the engines
+//! cannot build; and `--json` errors on every subcommand.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn dplc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_dplc"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("the dplc binary runs")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8(bytes.to_vec()).expect("UTF-8 output")
+}
+
+fn ok(args: &[&str]) -> Output {
+    let out = dplc(args);
+    assert!(
+        out.status.success(),
+        "dplc {}: {}",
+        args.join(" "),
+        text(&out.stderr)
+    );
+    out
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("dplc-export-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir.join(name)
+}
+
+/// Compile to a plan file and return its path.
+fn compile(file: &str, model: &str, cluster: &str, extra: &[&str], name: &str) -> PathBuf {
+    let out = tmp(name);
+    let mut args = vec![
+        "compile",
+        file,
+        "--model",
+        model,
+        "--cluster",
+        cluster,
+        "-o",
+        out.to_str().expect("UTF-8 temp path"),
+    ];
+    args.extend_from_slice(extra);
+    ok(&args);
+    out
+}
+
+fn export(plan: &Path, engine: &str, extra: &[&str]) -> Output {
+    let mut args = vec![
+        "export",
+        plan.to_str().expect("UTF-8 temp path"),
+        "--to",
+        engine,
+    ];
+    args.extend_from_slice(extra);
+    dplc(&args)
+}
+
+/// The zoo's golden plans (tests/planner_zoo.rs), as plan files.
+fn golden_plans() -> Vec<(&'static str, PathBuf)> {
+    vec![
+        (
+            "gpt2_on_8xa100",
+            compile("models/gpt2.dpl", "gpt2", "8xA100", &[], "gpt2.ron"),
+        ),
+        (
+            "llama3_70b_on_8x8xh100",
+            compile(
+                "models/llama3.dpl",
+                "llama3_70b",
+                "8x8xH100",
+                &[],
+                "llama3_70b.ron",
+            ),
+        ),
+        (
+            "gpt_1t_on_384x8xa100",
+            compile(
+                "models/megatron_gpt.dpl",
+                "gpt_1t",
+                "384x8xA100",
+                &["--global-batch", "3072"],
+                "gpt_1t.ron",
+            ),
+        ),
+        (
+            "mixtral_8x7b_on_2x8xh100",
+            compile(
+                "models/mixtral.dpl",
+                "mixtral_8x7b",
+                "2x8xH100",
+                &[],
+                "mixtral.ron",
+            ),
+        ),
+    ]
+}
+
+const ENGINES: [&str; 3] = ["megatron", "torchtitan", "deepspeed"];
+
+/// One argument of Megatron-Core core_v0.12.0's parser.
+struct MegatronArg {
+    /// `flag` (no value), or the value's type: `int`, `float`, `str`.
+    ty: String,
+    choices: Vec<String>,
+}
+
+fn megatron_arguments() -> BTreeMap<String, MegatronArg> {
+    include_str!("data/megatron-core_v0.12.0-arguments.tsv")
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| {
+            let f: Vec<&str> = l.split('\t').collect();
+            let choices = f[3]
+                .split(',')
+                .filter(|c| !c.is_empty())
+                .map(str::to_string)
+                .collect();
+            (
+                f[0].to_string(),
+                MegatronArg {
+                    ty: f[1].to_string(),
+                    choices,
+                },
+            )
+        })
+        .collect()
+}
+
+/// The flags after `pretrain_gpt.py` in a Megatron export, with values.
+fn megatron_flags(script: &str) -> Vec<(String, Option<String>)> {
+    let tail = script
+        .split("pretrain_gpt.py")
+        .nth(1)
+        .expect("the torchrun line runs pretrain_gpt.py");
+    let words: Vec<&str> = tail.split_whitespace().filter(|w| *w != "\\").collect();
+    let mut flags = Vec::new();
+    let mut i = 0;
+    while i < words.len() {
+        let name = words[i];
+        assert!(
+            name.starts_with("--"),
+            "`{name}` is not a flag in:\n{script}"
+        );
+        let value = words.get(i + 1).filter(|w| !w.starts_with("--"));
+        flags.push((name.to_string(), value.map(|v| v.to_string())));
+        i += 1 + value.is_some() as usize;
+    }
+    flags
+}
+
+fn check_megatron(script: &str) {
+    let known = megatron_arguments();
+    let flags = megatron_flags(script);
+    let mut seen = BTreeSet::new();
+    for (name, value) in &flags {
+        assert!(seen.insert(name), "{name} is given twice");
+        let arg = known
+            .get(name)
+            .unwrap_or_else(|| panic!("{name} is not a Megatron-LM core_v0.12.0 argument"));
+        match (arg.ty.as_str(), value) {
+            ("flag", None) => {}
+            // Python's int() and float() on the value, as argparse applies them.
+            ("int", Some(v)) => assert!(v.parse::<i64>().is_ok(), "{name} {v}: not an int"),
+            ("float", Some(v)) => assert!(v.parse::<f64>().is_ok(), "{name} {v}: not a float"),
+            ("str", Some(v)) => assert!(
+                arg.choices.is_empty() || arg.choices.contains(v),
+                "{name} {v}: not one of {:?}",
+                arg.choices
+            ),
+            (ty, v) => panic!("{name} {v:?}: the parser takes {ty}"),
+        }
+    }
+    // The launch line covers the whole cluster.
+    let nodes: u64 = after(script, "--nnodes");
+    let gpus: u64 = after(script, "--nproc-per-node");
+    let degree = |f: &str| -> u64 {
+        flags
+            .iter()
+            .find(|(n, _)| n == f)
+            .and_then(|(_, v)| v.as_ref()?.parse().ok())
+            .unwrap_or(1)
+    };
+    let model = degree("--tensor-model-parallel-size")
+        * degree("--pipeline-model-parallel-size")
+        * degree("--context-parallel-size");
+    assert_eq!((nodes * gpus) % model, 0, "{script}");
+    let dp = nodes * gpus / model;
+    assert_eq!(
+        degree("--global-batch-size") % (degree("--micro-batch-size") * dp),
+        0,
+        "the global batch splits into whole micro-batches per replica"
+    );
+}
+
+fn after<T: std::str::FromStr>(text: &str, key: &str) -> T {
+    text.split_whitespace()
+        .skip_while(|w| *w != key)
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{key} has no value in\n{text}"))
+}
+
+/// torchtitan v0.2.0's JobConfig: `section.field` → its type annotation.
+fn torchtitan_fields() -> BTreeMap<String, String> {
+    include_str!("data/torchtitan-v0.2.0-job-config.tsv")
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| {
+            let (k, v) = l.split_once('\t').expect("field\ttype");
+            (k.to_string(), v.to_string())
+        })
+        .collect()
+}
+
+fn check_torchtitan(toml_text: &str, world: u64) {
+    let doc: toml::Table = toml_text.parse().expect("the export is TOML");
+    let fields = torchtitan_fields();
+    for (section, table) in &doc {
+        let table = table.as_table().expect("top level holds sections");
+        for (key, value) in table {
+            let path = format!("{section}.{key}");
+            let ty = fields
+                .get(&path)
+                .unwrap_or_else(|| panic!("{path} is not a torchtitan v0.2.0 field"));
+            let fits = match value {
+                toml::Value::Integer(_) => ty.starts_with("int") || ty.contains("float | int"),
+                toml::Value::Float(_) => ty.starts_with("float"),
+                toml::Value::Boolean(_) => ty == "bool",
+                toml::Value::String(s) => {
+                    if let Some(lit) = ty.strip_prefix("Literal[") {
+                        lit.contains(&format!("'{s}'"))
+                    } else {
+                        ty.starts_with("str")
+                    }
+                }
+                toml::Value::Array(_) => ty.starts_with("list"),
+                _ => false,
+            };
+            assert!(fits, "{path} = {value} does not fit {ty}");
+        }
+    }
+    let p = &doc["parallelism"];
+    let int = |k: &str| p.get(k).and_then(toml::Value::as_integer).unwrap_or(1) as u64;
+    assert_eq!(
+        int("data_parallel_replicate_degree")
+            * int("data_parallel_shard_degree")
+            * int("tensor_parallel_degree")
+            * int("context_parallel_degree")
+            * int("pipeline_parallel_degree"),
+        world,
+        "the degrees fill the cluster"
+    );
+}
+
+/// DeepSpeed v0.16.9's keys: path → JSON type.
+fn deepspeed_keys() -> BTreeMap<String, String> {
+    include_str!("data/deepspeed-v0.16.9-config.tsv")
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| {
+            let (k, v) = l.split_once('\t').expect("key\ttype");
+            (k.to_string(), v.to_string())
+        })
+        .collect()
+}
+
+fn check_deepspeed(json: &str, world: u64, tp: u64, pp: u64) {
+    let v: serde_json::Value = serde_json::from_str(json).expect("the export is JSON");
+    let keys = deepspeed_keys();
+    fn walk(
+        v: &serde_json::Value,
+        path: &str,
+        keys: &BTreeMap<String, String>,
+        found: &mut Vec<String>,
+    ) {
+        if let Some(ty) = keys.get(path) {
+            let fits = match ty.as_str() {
+                "integer" => v.is_u64(),
+                "number" => v.is_number(),
+                "boolean" => v.is_boolean(),
+                "string" => v.is_string(),
+                _ => v.is_object(),
+            };
+            assert!(fits, "{path} = {v} is not a {ty}");
+            found.push(path.to_string());
+            return;
+        }
+        let obj = v
+            .as_object()
+            .unwrap_or_else(|| panic!("{path} is not a DeepSpeed v0.16.9 key"));
+        for (k, child) in obj {
+            let p = if path.is_empty() {
+                k.clone()
+            } else {
+                format!("{path}.{k}")
+            };
+            walk(child, &p, keys, found);
+        }
+    }
+    let mut found = Vec::new();
+    walk(&v, "", &keys, &mut found);
+    let n = |k: &str| v[k].as_u64().expect("an integer");
+    assert_eq!(
+        n("train_batch_size"),
+        n("train_micro_batch_size_per_gpu") * n("gradient_accumulation_steps") * world / (tp * pp),
+        "DeepSpeed's batch rule: micro-batch × accumulation × data-parallel ranks"
+    );
+}
+
+fn world_of(plan: &Path) -> (u64, u64, u64) {
+    let text = std::fs::read_to_string(plan).expect("plan");
+    let v = |k: &str| -> u64 { after(&text.replace([',', ':'], " "), k) };
+    (v("nodes") * v("devices_per_node"), v("tp"), v("pp"))
+}
+
+#[test]
+fn golden_exports_of_the_zoo_plans_parse_as_the_engines_read_them() {
+    for (name, plan) in golden_plans() {
+        let (world, tp, pp) = world_of(&plan);
+        for engine in ENGINES {
+            let out = export(&plan, engine, &["--closest"]);
+            let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+            if out.status.success() {
+                match engine {
+                    "megatron" => check_megatron(&stdout),
+                    "torchtitan" => check_torchtitan(&stdout, world),
+                    _ => check_deepspeed(&stdout, world, tp, pp),
+                }
+            } else {
+                // A model the engine cannot build is refused, with why.
+                assert!(
+                    stderr.contains("cannot build"),
+                    "{name} → {engine}: {stderr}"
+                );
+            }
+            insta::assert_snapshot!(
+                format!("{name}_to_{engine}"),
+                format!(
+                    "exit {}\n--- stdout\n{stdout}--- stderr\n{stderr}",
+                    out.status.code().unwrap_or(-1)
+                )
+            );
+        }
+    }
+}
+
+#[test]
+fn a_plan_an_engine_cannot_run_names_the_closest_and_its_price() {
+    // A time-balanced pipeline over 12 layers: its ends carry the embedding
+    // and loss, so the stages are uneven.
+    let plan = compile(
+        "models/gpt2.dpl",
+        "gpt2",
+        "8xA100",
+        &["--strategy", "pp=4,dp=2"],
+        "gpt2_pp4.ron",
+    );
+    let text_of = std::fs::read_to_string(&plan).unwrap();
+    assert!(text_of.contains("layers: 1,") || text_of.contains("layers: 2,"));
+
+    // Megatron says an uneven first and last stage in its own flags.
+    let out = export(&plan, "megatron", &[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let script = text(&out.stdout);
+    check_megatron(&script);
+    assert!(script.contains("--decoder-first-pipeline-num-layers"));
+
+    // DeepSpeed's uniform partition cannot: it stops, naming the closest plan.
+    let out = export(&plan, "deepspeed", &[]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(err.contains("stage split"), "{err}");
+    assert!(err.contains("stages=even"), "{err}");
+    assert!(err.contains("s per step ("), "{err}");
+    assert!(err.contains("--closest"), "{err}");
+    assert!(out.stdout.is_empty(), "nothing is exported on a refusal");
+
+    // With --closest it exports that plan and says so.
+    let out = export(&plan, "deepspeed", &["--closest"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    check_deepspeed(&text(&out.stdout), 8, 1, 4);
+    assert!(text(&out.stderr).contains("exporting the closest plan"));
+
+    // Under --json the refusal is a JSON error with its code.
+    let out = export(&plan, "deepspeed", &["--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON error");
+    assert_eq!(v["error"]["code"], "dplc::export-gap");
+}
+
+#[test]
+fn a_gpipe_plan_goes_to_megatron_as_1f1b() {
+    let plan = compile(
+        "models/tiny.dpl",
+        "llama_tiny",
+        "8xH100",
+        &["--strategy", "tp=2,pp=2,dp=2,mb=1,schedule=gpipe"],
+        "gpipe.ron",
+    );
+    let out = export(&plan, "megatron", &[]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("GPipe"));
+    let out = export(&plan, "megatron", &["--closest"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("schedule=1f1b"));
+    check_megatron(&text(&out.stdout));
+    // torchtitan runs GPipe as planned.
+    let out = export(&plan, "torchtitan", &["--closest"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let toml_text = text(&out.stdout);
+    check_torchtitan(&toml_text, 8);
+    assert!(toml_text.contains("pipeline_parallel_schedule = \"GPipe\""));
+    assert!(toml_text.contains("\"layers.1\", \"norm\", \"output\""));
+}
+
+#[test]
+fn models_the_engines_cannot_build_are_refused_with_why() {
+    let gpt2 = compile("models/gpt2.dpl", "gpt2", "8xA100", &[], "gpt2_refuse.ron");
+    let out = export(&gpt2, "torchtitan", &["--json"]);
+    assert_eq!(out.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON error");
+    assert_eq!(v["error"]["code"], "dplc::export-model");
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("LayerNorm"));
+
+    // BERT: post-norm, bidirectional, token types.
+    let bert = compile(
+        "models/bert.dpl",
+        "bert_base",
+        "8xA100",
+        &["--seq", "128", "--global-batch", "64"],
+        "bert.ron",
+    );
+    for engine in ENGINES {
+        let out = export(&bert, engine, &[]);
+        assert_eq!(out.status.code(), Some(1), "{engine}");
+        assert!(text(&out.stderr).contains("is not a model"), "{engine}");
+    }
+
+    // Two stacks of layers.
+    let src = tmp("two_stacks.dpl");
+    std::fs::write(
+        &src,
+        "model two(vocab = 256, d = 64, heads = 4) {\n\
+         input tokens: i32[batch, seq]\n input targets: i32[batch, seq]\n\
+         param embed: [vocab, d]\n h = embedding(embed, tokens)\n\
+         repeat 2 { h = h + attention(rms_norm(h, d, name = \"n1\"), d, heads, rotary = true) }\n\
+         repeat 2 { h = h + swiglu(rms_norm(h, d, name = \"n2\"), d, 128) }\n\
+         param output: [d, vocab]\n return cross_entropy(h @ output, targets)\n}\n\
+         train two {\n seq = 64\n global_batch = 8\n precision = fp32\n}\n",
+    )
+    .unwrap();
+    let plan = compile(src.to_str().unwrap(), "two", "8xA100", &[], "two.ron");
+    let out = export(&plan, "megatron", &["--json"]);
+    assert_eq!(out.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON error");
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("2 `repeat` stacks"));
+}
+
+#[test]
+fn the_export_never_writes_over_its_plan() {
+    let plan = compile("models/gpt2.dpl", "gpt2", "8xA100", &[], "gpt2_keep.ron");
+    let before = std::fs::read(&plan).unwrap();
+    let p = plan.to_str().unwrap();
+    let out = dplc(&["export", p, "--to", "megatron", "-o", p]);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(std::fs::read(&plan).unwrap(), before);
+    // Written elsewhere, the file is what stdout would have been.
+    let dest = tmp("gpt2.sh");
+    ok(&[
+        "export",
+        p,
+        "--to",
+        "megatron",
+        "-o",
+        dest.to_str().unwrap(),
+    ]);
+    let stdout = ok(&["export", p, "--to", "megatron"]).stdout;
+    assert_eq!(std::fs::read(&dest).unwrap(), stdout);
+}
+
+#[test]
+fn every_subcommand_reports_errors_as_json_under_json() {
+    let missing = tmp("missing.ron");
+    let m = missing.to_str().unwrap();
+    let bad = tmp("bad.dpl");
+    std::fs::write(&bad, "model m() {\n  x = foo(1)\n}\n").unwrap();
+    let b = bad.to_str().unwrap();
+    let cases: Vec<Vec<&str>> = vec![
+        vec!["check", b],
+        vec!["inspect", b],
+        vec!["compile", b, "--cluster", "8xA100"],
+        vec!["explain", m],
+        vec!["viz", m],
+        vec!["run", b],
+        vec!["verify", m],
+        vec!["build", b, "--cluster", "8xcpu", "-o", m],
+        vec!["launch", m],
+        vec!["export", m, "--to", "megatron"],
+        vec!["compile", "models/gpt2.dpl", "--no-such-flag"],
+    ];
+    for mut args in cases {
+        args.push("--json");
+        let out = dplc(&args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!("{args:?}: stdout is not JSON ({e}): {}", text(&out.stdout))
+        });
+        let e = &v["error"];
+        for key in ["code", "message", "file", "line", "column", "help"] {
+            assert!(e.get(key).is_some(), "{args:?}: no `{key}` in {v}");
+        }
+        assert!(e["message"].as_str().is_some_and(|s| !s.is_empty()));
+    }
+    // A .dpl error points at its place.
+    let out = dplc(&["check", b, "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["error"]["code"], "dpl::unknown-block");
+    assert_eq!(v["error"]["line"], 2);
+    assert_eq!(v["error"]["column"], 7);
+    assert!(v["error"]["file"].as_str().unwrap().ends_with("bad.dpl"));
+    // Usage errors exit 2, as the argument parser's always have.
+    let out = dplc(&["export", m, "--to", "nope", "--json"]);
+    assert_eq!(out.status.code(), Some(2));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["error"]["code"], "dplc::usage");
+}
