@@ -140,3 +140,50 @@ fn tensor_parallelism_beyond_the_kv_heads_replicates_them() {
     let err = compile(&req).unwrap_err().to_string();
     assert!(err.contains("tp=3") && err.contains("divide"), "{err}");
 }
+
+#[test]
+fn a_plan_pinned_as_it_chose_plans_the_same() {
+    // What `dplc export` relies on to price the closest plan an engine can
+    // run: every choice pinned gives the plan back, order and stages included.
+    for (file, model, cluster, strategy) in [
+        ("gpt2.dpl", "gpt2", "8xA100", "pp=4,dp=2"),
+        ("llama3.dpl", "llama3_70b", "8x8xH100", ""),
+        ("mixtral.dpl", "mixtral_8x7b", "2x8xH100", ""),
+    ] {
+        let first = plan(file, model, cluster, strategy, 0).plan;
+        let pins = dplc_planner::StrategyConstraints::of_plan(&first);
+        let again = plan(file, model, cluster, &pins.to_string(), 0).plan;
+        assert_eq!(first.strategy, again.strategy, "{model}: {pins}");
+        assert_eq!(first.mesh, again.mesh, "{model}: {pins}");
+        assert_eq!(first.stage_layers(), again.stage_layers(), "{model}");
+        assert_eq!(
+            first.estimate.step_time_s, again.estimate.step_time_s,
+            "{model}: {pins}"
+        );
+    }
+}
+
+#[test]
+fn even_stages_and_the_rank_order_can_be_pinned() {
+    let balanced = plan("gpt2.dpl", "gpt2", "8xA100", "pp=4,dp=2", 0).plan;
+    assert_ne!(balanced.stage_layers(), vec![3, 3, 3, 3]);
+    let even = plan("gpt2.dpl", "gpt2", "8xA100", "pp=4,dp=2,stages=even", 0).plan;
+    assert_eq!(even.stage_layers(), vec![3, 3, 3, 3]);
+    assert!(even.estimate.step_time_s >= balanced.estimate.step_time_s);
+    for order in [
+        dplc_planner::AxisOrder::DataInner,
+        dplc_planner::AxisOrder::PipelineInner,
+    ] {
+        let p = plan(
+            "gpt2.dpl",
+            "gpt2",
+            "2x8xA100",
+            &format!("pp=2,dp=8,order={}", order.name()),
+            0,
+        )
+        .plan;
+        assert_eq!(dplc_planner::AxisOrder::of(&p.mesh), order);
+    }
+    assert!(parse_strategy("order=dp-first").is_err());
+    assert!(parse_strategy("stages=uneven").is_err());
+}

@@ -256,16 +256,17 @@ impl PassCost {
 }
 
 /// What the per-micro-batch costs of a layer depend on: tp, cp, ep,
-/// micro-batch, sequence parallelism, recomputation and attention kind.
+/// micro-batch, sequence parallelism, recomputation, attention kind and
+/// tensor-parallel overlap — and the expert group's stride, which the rank
+/// order and the pipeline degree move (the links of the groups follow).
 type LayerKey = (
-    u64,
-    u64,
-    u64,
+    (u64, u64, u64),
     u64,
     bool,
     Recompute,
     AttentionKind,
     TpOverlap,
+    u64,
 );
 
 /// Evaluates configurations against one model and cluster, memoising layer costs.
@@ -326,14 +327,20 @@ impl<'a> CostModel<'a> {
     /// Costs of the layer, the embedding part and the head part for `c`.
     pub fn parts(&mut self, c: &Config) -> [PassCost; 3] {
         let key = (
-            c.tp,
-            c.cp,
-            c.ep,
+            (c.tp, c.cp, c.ep),
             c.micro_batch,
             c.sp,
             c.recompute,
             c.attention,
             c.tp_overlap,
+            // The tp and cp groups are the innermost axes (their links follow
+            // from tp and cp); the expert group is the innermost part of dp,
+            // which sits beyond pp when the pipeline is inner.
+            if c.ep > 1 {
+                c.stride_size(MeshAxis::Ep).0
+            } else {
+                0
+            },
         );
         if let Some(v) = self.layer_memo.get(&key) {
             return *v;

@@ -97,6 +97,13 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
                 |p| p.tp_overlap = Some(TpOverlap::Async),
             ));
         }
+        // ModelParallelConfig.__post_init__ raises without it.
+        if m.ep > 1 && !s.sequence_parallel {
+            gaps.push(Gap::new(
+                "expert and tensor parallelism without sequence parallelism (Megatron requires it)",
+                |p| p.sequence_parallel = Some(true),
+            ));
+        }
         if s.tp_overlap == TpOverlap::Ring && !s.sequence_parallel {
             gaps.push(Gap::new(
                 "ring tensor-parallel overlap without sequence parallelism (--tp-comm-overlap needs --sequence-parallel)",
