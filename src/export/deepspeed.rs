@@ -74,7 +74,10 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
     if m.cp > 1 {
         gaps.push(Gap::new(
             "context parallelism (DeepSpeed splits sequences with Ulysses all-to-alls, not ring attention)",
-            |p| p.cp = Some(1),
+            |p| {
+                p.cp = Some(1);
+                p.dp = None;
+            },
         ));
     }
     if m.tp > 1 && s.root == RootSplit::Replicated {

@@ -219,10 +219,11 @@ pub fn run(args: &Args) -> Result<()> {
     Ok(())
 }
 
-/// The plan the engine can run nearest to `plan`: every choice pinned as
-/// planned except those the gaps move, priced by the planner. A move can
-/// open another gap (ZeRO-1 for a pipeline opens none, but a new schedule
-/// may change stages), so it repeats until the engine has nothing to say.
+/// The plan the engine can run nearest to `plan`, priced by the planner:
+/// first every choice pinned as planned except those the gaps move; if that
+/// does not fit, the mesh kept and the rest searched; then everything
+/// searched. A move can open another gap (a new schedule may change the
+/// stages), so each try repeats until the engine has nothing to say.
 fn closest(
     engine: Engine,
     plan: &Plan,
@@ -233,38 +234,50 @@ fn closest(
 ) -> Result<Plan> {
     let source = std::path::Path::new(&plan.source.file);
     let cluster = compile::resolve_cluster(&plan.cluster.name, unit, source)?;
-    let mut pins = StrategyConstraints::of_plan(plan);
-    let apply = |gaps: &[Gap], pins: &mut StrategyConstraints| {
-        for g in gaps {
-            (g.pin)(pins);
-        }
+    let all = StrategyConstraints::of_plan(plan);
+    let mesh = StrategyConstraints {
+        tp: all.tp,
+        pp: all.pp,
+        dp: all.dp,
+        cp: all.cp,
+        ep: all.ep,
+        ..StrategyConstraints::default()
     };
-    apply(gaps, &mut pins);
-    for _ in 0..4 {
-        let mut req = PlanRequest::new(&lowered.graph, lowered.train.clone(), cluster.clone());
-        req.global_batch = Some(plan.strategy.global_batch);
-        req.seq = Some(plan.strategy.seq);
-        req.pinned = pins.clone();
-        let found = dplc_planner::compile(&req).map_err(|e| {
-            miette!(
-                code = "dplc::export-gap",
-                help = "dplc's own runtime runs the plan as planned: `dplc run` or `dplc build`",
-                "{} cannot run this plan as planned, and the nearest plan it could run \
-                 ({pins}) is not one: {e}",
-                engine.name()
-            )
-        })?;
-        let more = engine.gaps(&found.plan, model);
-        if more.is_empty() {
-            let mut p = found.plan;
-            p.source = plan.source.clone();
-            return Ok(p);
+    let mut why = String::new();
+    for base in [all, mesh, StrategyConstraints::default()] {
+        let mut pins = base;
+        for g in gaps {
+            (g.pin)(&mut pins);
         }
-        apply(&more, &mut pins);
+        for _ in 0..4 {
+            let mut req = PlanRequest::new(&lowered.graph, lowered.train.clone(), cluster.clone());
+            req.global_batch = Some(plan.strategy.global_batch);
+            req.seq = Some(plan.strategy.seq);
+            req.pinned = pins.clone();
+            let found = match dplc_planner::compile(&req) {
+                Ok(found) => found,
+                Err(e) => {
+                    why = format!("{pins}: {e}");
+                    break;
+                }
+            };
+            let more = engine.gaps(&found.plan, model);
+            if more.is_empty() {
+                let mut p = found.plan;
+                p.source = plan.source.clone();
+                return Ok(p);
+            }
+            for g in &more {
+                (g.pin)(&mut pins);
+            }
+            why = format!("{pins} still has choices {} cannot express", engine.name());
+        }
     }
     Err(miette!(
         code = "dplc::export-gap",
-        "{} cannot run this plan, and moving the choices it cannot express did not settle on one it can",
+        help = "dplc's own runtime runs the plan as planned: `dplc run` or `dplc build`",
+        "{} cannot run this plan as planned, and no plan it can run fits this model and \
+         cluster (the last try, {why})",
         engine.name()
     ))
 }

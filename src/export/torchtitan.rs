@@ -92,7 +92,7 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
     gaps
 }
 
-/// llama3's flavours in torchtitan v0.2.0 (`torchtitan/models/llama3/__init__.py`):
+/// llama3's flavours in torchtitan v0.2.0 (`llama3_args` in `torchtitan/models/llama3/__init__.py`):
 /// name, dim, layers, heads, kv heads, ffn multiplier, multiple of, rope theta.
 const FLAVOURS: &[(&str, u64, u64, u64, u64, f64, u64, f64)] = &[
     ("8B", 4096, 32, 32, 8, 1.3, 1024, 500000.0),
@@ -199,7 +199,7 @@ pub fn render(job: &Job) -> String {
     if flavour_name.is_none() {
         let _ = writeln!(
             w,
-            "# No llama3 flavour has this shape: add it to llama3_configs in\n\
+            "# No llama3 flavour has this shape: add it to llama3_args in\n\
              # torchtitan/models/llama3/__init__.py as\n#   \"{}\": {},",
             plan.model,
             model_args(t)
