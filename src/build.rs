@@ -137,7 +137,15 @@ fn world_size(plan: &Plan) -> u64 {
 }
 
 pub fn build(args: &BuildArgs) -> Result<()> {
-    let (compiled, lowered) = compile::plan(&args.plan, 0, |_| Ok(()))?;
+    let (compiled, lowered) = compile::plan(&args.plan, 0, |pinned| {
+        if pinned.fp8 == Some(true) {
+            return Err(miette::miette!(
+                help = "drop fp8 from --strategy, or `dplc export` the plan to Megatron-LM or torchtitan",
+                "dplc's runtime does not run FP8 GEMMs, so an artifact cannot"
+            ));
+        }
+        Ok(())
+    })?;
     let plan = compiled.plan;
     let dir = &args.output;
     check_output_dir(dir, &args.plan.inputs())?;

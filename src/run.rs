@@ -119,6 +119,14 @@ pub fn prepare(args: &PlanArgs) -> Result<Prepared> {
             ));
         }
         pinned.cp = Some(1);
+        // Its kernels compute in the training precision; FP8 GEMMs are
+        // priced (`dplc compile`, `dplc export`), not generated.
+        if pinned.fp8 == Some(true) {
+            return Err(miette!(
+                help = "drop fp8 from --strategy to train here; `dplc compile` prices it and `dplc export` hands it to Megatron-LM or torchtitan",
+                "dplc's runtime does not run FP8 GEMMs"
+            ));
+        }
         // dplc's own kernels run the attention core op by op (a fused
         // attention kernel is not generated yet): price what runs.
         if pinned.attention.is_none() {

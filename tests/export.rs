@@ -228,10 +228,13 @@ fn torchtitan_fields() -> BTreeMap<String, String> {
 fn check_torchtitan(toml_text: &str, world: u64) {
     let doc: toml::Table = toml_text.parse().expect("the export is TOML");
     let fields = torchtitan_fields();
-    for (section, table) in &doc {
-        let table = table.as_table().expect("top level holds sections");
+    fn walk(table: &toml::Table, prefix: &str, fields: &BTreeMap<String, String>) {
         for (key, value) in table {
-            let path = format!("{section}.{key}");
+            let path = format!("{prefix}{key}");
+            if let toml::Value::Table(inner) = value {
+                walk(inner, &format!("{path}."), fields);
+                continue;
+            }
             let ty = fields
                 .get(&path)
                 .unwrap_or_else(|| panic!("{path} is not a torchtitan v0.2.0 field"));
@@ -252,6 +255,7 @@ fn check_torchtitan(toml_text: &str, world: u64) {
             assert!(fits, "{path} = {value} does not fit {ty}");
         }
     }
+    walk(&doc, "", &fields);
     let p = &doc["parallelism"];
     let int = |k: &str| p.get(k).and_then(toml::Value::as_integer).unwrap_or(1) as u64;
     assert_eq!(
@@ -541,4 +545,29 @@ fn every_subcommand_reports_errors_as_json_under_json() {
     assert_eq!(out.status.code(), Some(2));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["error"]["code"], "dplc::usage");
+}
+
+#[test]
+fn fp8_plans_go_to_megatron_and_torchtitan_as_their_fp8_recipes() {
+    let plan = compile(
+        "models/llama3.dpl",
+        "llama3_8b",
+        "8xH100",
+        &["--seq", "4096", "--strategy", "tp=2,dp=4,fp8=on"],
+        "fp8.ron",
+    );
+    let out = export(&plan, "megatron", &[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let script = text(&out.stdout);
+    check_megatron(&script);
+    assert!(script.contains("--fp8-format hybrid"));
+    let out = export(&plan, "torchtitan", &["--closest"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let toml_text = text(&out.stdout);
+    check_torchtitan(&toml_text, 8);
+    assert!(toml_text.contains("converters = [\"quantize.linear.float8\"]"));
+    // DeepSpeed's config has no FP8: the closest plan turns it off.
+    let out = export(&plan, "deepspeed", &[]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("FP8"));
 }

@@ -98,3 +98,51 @@ fn the_catalog_names_todays_devices() {
         assert!(t > 0.0 && t <= h100 * 1.0001, "{name}: {t} vs H100 {h100}");
     }
 }
+
+/// A described device's FP8 rate is what `fp8=on` plans with; without one,
+/// `fp8=on` is refused.
+#[test]
+fn a_described_device_runs_fp8_at_its_own_rate() {
+    let dir = std::env::temp_dir().join(format!("dplc-hw-fp8-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let section = |fp8: &str| {
+        format!(
+            "cluster x {{\n    devices_per_node = 8\n    device = accelerator(name = \"X\", \
+             bf16 = 1000 TFLOP/s,{fp8} memory = 80 GB, memory_bandwidth = 3 TB/s)\n    \
+             intra_node = nvswitch(bandwidth = 450 GB/s, latency = 2 us)\n}}\n"
+        )
+    };
+    let compile = |name: &str, fp8: &str| {
+        let file = dir.join(name);
+        std::fs::write(&file, section(fp8)).unwrap();
+        dplc(&[
+            "compile",
+            "models/llama3.dpl",
+            "--model",
+            "llama3_8b",
+            "--seq",
+            "4096",
+            "--cluster",
+            file.to_str().unwrap(),
+            "--strategy",
+            "tp=2,dp=4,fp8=on",
+            "--json",
+        ])
+    };
+    let step = |out: &Output| {
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["estimate"]["step_time_s"].as_f64().unwrap()
+    };
+    let slow = step(&compile("fp8_1000.dpl", " fp8 = 1000 TFLOP/s,"));
+    let fast = step(&compile("fp8_2000.dpl", " fp8 = 2000 TFLOP/s,"));
+    assert!(fast < 0.8 * slow, "{fast} vs {slow}");
+    let none = compile("no_fp8.dpl", "");
+    assert!(!none.status.success());
+    assert!(String::from_utf8_lossy(&none.stdout).contains("FP8 tensor cores"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

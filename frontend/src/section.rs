@@ -415,9 +415,10 @@ fn link(v: &Value, span: Span) -> Res<LinkSpec> {
 /// `accelerator(name = "X", bf16 = 989 TFLOP/s, memory = 80 GB,
 /// memory_bandwidth = 3.35 TB/s, …)`: a device the catalog does not know.
 /// fp16 defaults to the bf16 rate and fp32 to a sixteenth of it (the
-/// tensor-core ratio of A100 and H100); efficiency to the planner's default.
+/// tensor-core ratio of A100 and H100), fp8 to none (`fp8=on` is then
+/// refused); efficiency to the planner's default.
 fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
-    const SIGNATURE: &str = "accelerator(name = \"X\", bf16 = 989 TFLOP/s, fp16 = …, fp32 = …, \
+    const SIGNATURE: &str = "accelerator(name = \"X\", bf16 = 989 TFLOP/s, fp16 = …, fp32 = …, fp8 = …, \
                              memory = 80 GB, memory_bandwidth = 3.35 TB/s, matmul_efficiency = 0.8, \
                              multiprocessors = 132)";
     let f = Fields::new(
@@ -428,6 +429,7 @@ fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
             "bf16",
             "fp16",
             "fp32",
+            "fp8",
             "memory",
             "memory_bandwidth",
             "matmul_efficiency",
@@ -465,6 +467,8 @@ fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
         peak_bf16: bf16,
         peak_fp16: rate("fp16", Some(bf16))?,
         peak_fp32: rate("fp32", Some(bf16 / 16.0))?,
+        // No FP8 tensor cores unless the section says so.
+        peak_fp8: rate("fp8", Some(0.0))?,
         memory_bytes: memory as u64,
         memory_bandwidth: f.quantity("memory_bandwidth", UnitKind::Bandwidth, "3.35 TB/s", None)?,
         matmul_efficiency,

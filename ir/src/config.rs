@@ -151,6 +151,9 @@ pub struct DeviceSpec {
     pub peak_bf16: f64,
     pub peak_fp16: f64,
     pub peak_fp32: f64,
+    /// Dense FP8 peak for matmuls; 0: no FP8 tensor cores.
+    #[serde(default)]
+    pub peak_fp8: f64,
     pub memory_bytes: u64,
     /// Device memory bandwidth, bytes/s.
     pub memory_bandwidth: f64,

@@ -168,6 +168,15 @@ pub struct Strategy {
     /// parallelism. Plans written before this field existed were vocabulary-parallel.
     #[serde(default, skip_serializing_if = "RootSplit::is_vocab")]
     pub root: RootSplit,
+    /// The layers' linear GEMMs in FP8 (Transformer Engine's recipe: E4M3
+    /// forward, E5M2 gradients, scales from amax), everything else in the
+    /// training precision. Plans written before this field existed had none.
+    #[serde(default, skip_serializing_if = "is_off")]
+    pub fp8: bool,
+}
+
+fn is_off(on: &bool) -> bool {
+    !*on
 }
 
 /// How the embedding, head and loss run under tensor parallelism.
@@ -323,6 +332,9 @@ impl fmt::Display for Strategy {
         }
         if self.tp_overlap != TpOverlap::None {
             write!(f, ", tp overlap {}", self.tp_overlap.name())?;
+        }
+        if self.fp8 {
+            f.write_str(", fp8 GEMMs")?;
         }
         Ok(())
     }

@@ -18,6 +18,8 @@ pub struct Device {
     pub peak_bf16: f64,
     pub peak_fp16: f64,
     pub peak_fp32: f64,
+    /// Dense FP8 tensor-core peak (Transformer Engine's GEMMs); 0: none.
+    pub peak_fp8: f64,
     pub memory_bytes: u64,
     /// HBM (or DRAM) bandwidth, bytes/s.
     pub memory_bandwidth: f64,
@@ -94,12 +96,16 @@ const IB_LATENCY_S: f64 = 5e-6;
 /// per direction, 304 CUs; one 400 Gb/s adapter per GPU. No large-GEMM
 /// efficiency measurement at hand for B200 and MI300X: the default 80%
 /// (a cluster section's `accelerator(…, matmul_efficiency = …)` sets it).
+/// Dense FP8 (the datasheets' sparse figures halved): H100 SXM, H200 and
+/// GH200 1,978.9 TFLOP/s; B200 72 PFLOP/s sparse for 8 = 4.5 PFLOP/s dense
+/// each; MI300X 2,614.9. A100 and V100 have no FP8 tensor cores.
 pub fn catalog() -> Vec<Device> {
     let a100 = |name: &str, memory_gib: u64, bw| Device {
         name: name.into(),
         peak_bf16: 312.0 * TERA,
         peak_fp16: 312.0 * TERA,
         peak_fp32: 19.5 * TERA,
+        peak_fp8: 0.0,
         memory_bytes: memory_gib * GIB,
         memory_bandwidth: bw,
         matmul_efficiency: A100_MAMF,
@@ -113,6 +119,7 @@ pub fn catalog() -> Vec<Device> {
         peak_bf16: 989.4 * TERA,
         peak_fp16: 989.4 * TERA,
         peak_fp32: 66.9 * TERA,
+        peak_fp8: 1978.9 * TERA,
         memory_bytes,
         memory_bandwidth: bw,
         matmul_efficiency: H100_MAMF,
@@ -133,6 +140,7 @@ pub fn catalog() -> Vec<Device> {
             peak_bf16: 2250.0 * TERA,
             peak_fp16: 2250.0 * TERA,
             peak_fp32: 75.0 * TERA,
+            peak_fp8: 4500.0 * TERA,
             memory_bytes: 180 * GIB,
             memory_bandwidth: 7700.0 * GB,
             matmul_efficiency: DEFAULT_MAMF,
@@ -146,6 +154,7 @@ pub fn catalog() -> Vec<Device> {
             peak_bf16: 1307.4 * TERA,
             peak_fp16: 1307.4 * TERA,
             peak_fp32: 163.4 * TERA,
+            peak_fp8: 2614.9 * TERA,
             memory_bytes: 192 * GIB,
             memory_bandwidth: 5300.0 * GB,
             matmul_efficiency: DEFAULT_MAMF,
@@ -159,6 +168,7 @@ pub fn catalog() -> Vec<Device> {
             peak_bf16: 15.7 * TERA,
             peak_fp16: 125.0 * TERA,
             peak_fp32: 15.7 * TERA,
+            peak_fp8: 0.0,
             memory_bytes: 32 * GIB,
             memory_bandwidth: 900.0 * GB,
             matmul_efficiency: DEFAULT_MAMF,
@@ -172,6 +182,7 @@ pub fn catalog() -> Vec<Device> {
             peak_bf16: 0.1 * TERA,
             peak_fp16: 0.1 * TERA,
             peak_fp32: 0.1 * TERA,
+            peak_fp8: 0.0,
             memory_bytes: 16 * GIB,
             memory_bandwidth: 20.0 * GB,
             matmul_efficiency: DEFAULT_MAMF,
@@ -340,6 +351,7 @@ fn custom_device(d: &dplc_ir::DeviceSpec, spec: &ClusterSpec) -> Result<Device, 
         peak_bf16: d.peak_bf16,
         peak_fp16: d.peak_fp16,
         peak_fp32: d.peak_fp32,
+        peak_fp8: d.peak_fp8,
         memory_bytes: d.memory_bytes,
         memory_bandwidth: d.memory_bandwidth,
         matmul_efficiency: d.matmul_efficiency.unwrap_or(DEFAULT_MAMF),

@@ -105,6 +105,8 @@ pub(crate) struct Config {
     /// Layers split evenly over the stages (`stages=even`, what Megatron's
     /// and DeepSpeed's pipelines take) instead of balanced by time.
     pub even_stages: bool,
+    /// The layers' linear GEMMs in FP8 (`fp8=on`).
+    pub fp8: bool,
 }
 
 impl Config {
@@ -256,8 +258,8 @@ impl PassCost {
 }
 
 /// What the per-micro-batch costs of a layer depend on: tp, cp, ep,
-/// micro-batch, sequence parallelism, recomputation, attention kind and
-/// tensor-parallel overlap — and the expert group's stride, which the rank
+/// micro-batch, sequence parallelism, recomputation, attention kind,
+/// tensor-parallel overlap and FP8 — and the expert group's stride, which the rank
 /// order and the pipeline degree move (the links of the groups follow).
 type LayerKey = (
     (u64, u64, u64),
@@ -265,7 +267,7 @@ type LayerKey = (
     bool,
     Recompute,
     AttentionKind,
-    TpOverlap,
+    (TpOverlap, bool),
     u64,
 );
 
@@ -313,9 +315,15 @@ impl<'a> CostModel<'a> {
     }
 
     fn gemm_time(&self, m: f64, n: f64, flops: f64, bytes: f64) -> f64 {
+        self.gemm_time_at(self.peak_flops, m, n, flops, bytes)
+    }
+
+    /// A GEMM's time at the tensor-core rate `peak` (the training
+    /// precision's, or FP8's).
+    fn gemm_time_at(&self, peak: f64, m: f64, n: f64, flops: f64, bytes: f64) -> f64 {
         let dev = &self.cluster.device;
         let waves = wave_efficiency(m, n, dev.multiprocessors);
-        let compute = flops / (self.peak_flops * dev.matmul_efficiency * waves);
+        let compute = flops / (peak * dev.matmul_efficiency * waves);
         let memory = bytes / (dev.memory_bandwidth * MEMORY_EFFICIENCY);
         compute.max(memory) + KERNEL_OVERHEAD_S
     }
@@ -332,7 +340,7 @@ impl<'a> CostModel<'a> {
             c.sp,
             c.recompute,
             c.attention,
-            c.tp_overlap,
+            (c.tp_overlap, c.fp8),
             // The tp and cp groups are the innermost axes (their links follow
             // from tp and cp); the expert group is the innermost part of dp,
             // which sits beyond pp when the pipeline is inner.
@@ -371,6 +379,11 @@ impl<'a> CostModel<'a> {
         let mut pc = PassCost::default();
         let mut core_forward = 0.0;
         let fused = c.attention == AttentionKind::Fused;
+        // FP8 covers the layers' linear GEMMs only: the embedding, the output
+        // layer and the attention core stay in the training precision, as
+        // Transformer Engine's layers run them.
+        let fp8 = c.fp8 && matches!(part, Part::Layer);
+        let fp8_peak = self.cluster.device.peak_fp8;
         let (mut attention_flops, mut attention_bytes) = (0.0, 0.0);
         // Each GEMM's forward time: what tensor-parallel collectives hide behind.
         let mut gemm_times: HashMap<dplc_ir::NodeId, f64> = HashMap::new();
@@ -408,7 +421,6 @@ impl<'a> CostModel<'a> {
                     };
                     let (m, n, k) = (bind.eval(m), bind.eval(n), bind.eval(k));
                     let flops = 2.0 * m * n * k / div;
-                    let bytes = (m * k + k * n + m * n) * elt / div;
                     // The output tile grid each rank computes: column and batch
                     // splits narrow `n` or the batch (in `m`); a row split narrows `k`.
                     let (mt, nt) = match split {
@@ -416,9 +428,25 @@ impl<'a> CostModel<'a> {
                         GemmSplit::Batch => (m / tp, n),
                         GemmSplit::Row | GemmSplit::Replicated => (m, n),
                     };
-                    let t = self.gemm_time(mt, nt, flops, bytes);
-                    gemm_times.insert(op.node, t);
-                    (t, t * *backward_gemms as f64)
+                    if fp8 && !op.attention_core {
+                        // Transformer Engine: the operands cast to FP8 (one
+                        // byte), the GEMMs at the FP8 rate, forward and both
+                        // backward ones. Each cast reads the bf16 tensor and
+                        // writes the FP8 one, its amax taken on the way: the
+                        // input in forward; in backward the output gradient,
+                        // once more transposed for the weight gradient.
+                        let bytes = (m * k + k * n) / div + m * n * elt / div;
+                        let t = self.gemm_time_at(fp8_peak, mt, nt, flops, bytes);
+                        let cast_in = self.memory_time(m * k * (elt + 1.0) / div);
+                        let cast_grad = self.memory_time(m * n * (elt + 2.0) / div);
+                        gemm_times.insert(op.node, t);
+                        (t + cast_in, t * *backward_gemms as f64 + cast_grad)
+                    } else {
+                        let bytes = (m * k + k * n + m * n) * elt / div;
+                        let t = self.gemm_time(mt, nt, flops, bytes);
+                        gemm_times.insert(op.node, t);
+                        (t, t * *backward_gemms as f64)
+                    }
                 }
                 Work::Memory {
                     sharded,
@@ -506,6 +534,8 @@ impl<'a> CostModel<'a> {
                 largest_core = largest_core.max(b);
                 continue;
             }
+            // A linear layer's input is kept as the FP8 copy its GEMM read.
+            let b = if fp8 && s.gemm_input { b / elt } else { b };
             pc.full_saved_bytes += b;
             if !(c.recompute == Recompute::Selective && s.attention_core) {
                 pc.saved_bytes += b;
@@ -637,8 +667,14 @@ impl<'a> CostModel<'a> {
             // The gathered weights of the layer running and the next one prefetched.
             buffers += 2.0 * self.profile.layer.params.per_rank(c.tp as f64, c.ep as f64) * w_bytes;
         }
+        // FP8 keeps each layer weight's cast and its transpose, a byte each.
+        let fp8_weights = if c.fp8 {
+            2.0 * layers as f64 * self.profile.layer.params.per_rank(c.tp as f64, c.ep as f64)
+        } else {
+            0.0
+        };
         MemoryBreakdown {
-            weights: (shard(3) * w_bytes) as u64,
+            weights: (shard(3) * w_bytes + fp8_weights) as u64,
             gradients: (shard(2) * grad_bytes) as u64,
             optimizer: (shard(1) * opt_bytes) as u64,
             activations: (layer.saved_bytes * layers as f64 * flight) as u64,
@@ -795,8 +831,17 @@ impl<'a> CostModel<'a> {
         } else {
             params
         };
-        let optimizer = opt_params * optimizer_step_bytes(self.profile.precision)
+        let mut optimizer = opt_params * optimizer_step_bytes(self.profile.precision)
             / (self.cluster.device.memory_bandwidth * MEMORY_EFFICIENCY);
+        if c.fp8 {
+            // The updated weights cast to FP8 once a step (Transformer Engine
+            // keeps the cast for every micro-batch): read, write it and its
+            // transpose, the amax on the way.
+            let layer_params =
+                counts[0] as f64 * self.profile.layer.params.per_rank(c.tp as f64, c.ep as f64);
+            optimizer += layer_params * (w_bytes + 2.0)
+                / (self.cluster.device.memory_bandwidth * MEMORY_EFFICIENCY);
+        }
 
         TimeBreakdown {
             compute_s: m * (slowest.forward + slowest.backward + slowest.recompute),

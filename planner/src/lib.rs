@@ -222,6 +222,14 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
         return Err(PlanError::Model(unbound_dim_message(dim)));
     }
     let world = rules::world(req.cluster.nodes, req.cluster.devices_per_node).map_err(request)?;
+    if req.pinned.fp8 == Some(true) && req.cluster.device.peak_fp8 <= 0.0 {
+        return Err(PlanError::Strategy(format!(
+            "fp8=on needs FP8 tensor cores, and {} has none (H100, H200, GH200, B200 and \
+             MI300X have them; a cluster section's accelerator(…, fp8 = … TFLOP/s) gives a \
+             device its FP8 rate)",
+            req.cluster.device.name
+        )));
+    }
     let precision = req.train.precision;
     let layouts =
         layouts::Layouts::new(req.graph, precision, &req.cluster, seq, degrees(req, world))?;

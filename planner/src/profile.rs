@@ -79,6 +79,9 @@ pub(crate) struct Saved {
     pub bytes: Poly,
     pub sharded: bool,
     pub attention_core: bool,
+    /// Read only by linear layers' GEMMs (through views): under FP8 the
+    /// one-byte copy those GEMMs read is what backward keeps.
+    pub gemm_input: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -234,6 +237,33 @@ impl RegionBuilder<'_> {
         }
     }
 
+    /// Whether every reader of `t` in the region, through reshapes and
+    /// transposes, is a GEMM against a weight (a linear layer), and one is.
+    fn weight_gemm_input(&self, t: TensorId) -> bool {
+        let mut stack = vec![t];
+        let mut gemms = 0;
+        while let Some(t) = stack.pop() {
+            for &n in self.consumers.get(&t).map_or(&[][..], Vec::as_slice) {
+                let node = self.g.node(n);
+                match node.op {
+                    Op::Reshape { .. } | Op::Transpose { .. } => {
+                        stack.extend(node.outputs.iter().copied())
+                    }
+                    Op::MatMul
+                        if node
+                            .inputs
+                            .iter()
+                            .any(|&i| i != t && !self.an.is_activation(i)) =>
+                    {
+                        gemms += 1
+                    }
+                    _ => return false,
+                }
+            }
+        }
+        gemms > 0
+    }
+
     fn add_traffic(&self, t: TensorId, extra: u64, sharded: &mut Poly, replicated: &mut Poly) {
         if !self.an.is_activation(t) {
             return;
@@ -386,6 +416,7 @@ fn region_profile(
             bytes,
             sharded: b.sharded(s.tensor),
             attention_core: dplc_ir::attention_core(&s.elements, seq),
+            gemm_input: b.weight_gemm_input(s.tensor),
         });
     }
     for c in &sharding.collectives {

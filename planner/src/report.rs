@@ -67,6 +67,7 @@ pub(crate) fn strategy(c: &Config, global_batch: u64, seq: u64) -> Strategy {
         tp_overlap: c.tp_overlap,
         grad_accum: c.grad_accum,
         root: c.root,
+        fp8: c.fp8,
     }
 }
 

@@ -256,6 +256,7 @@ pub(crate) fn search(
                                 root,
                                 order,
                                 even_stages: pins.even_stages.unwrap_or(false),
+                                fp8: pins.fp8.unwrap_or(false),
                             };
                             explore(
                                 base,

@@ -41,6 +41,9 @@ pub struct StrategyConstraints {
     /// search's choice) balances them by time, the ends carrying the
     /// embedding and the loss.
     pub even_stages: Option<bool>,
+    /// `fp8=on` runs the layers' linear GEMMs in FP8 (Transformer Engine);
+    /// the search never turns it on itself, as it changes the numerics.
+    pub fp8: Option<bool>,
 }
 
 impl StrategyConstraints {
@@ -70,6 +73,7 @@ impl StrategyConstraints {
             grad_accum: (s.grad_accum != GradAccum::Fused).then_some(s.grad_accum),
             root: (s.root != RootSplit::Vocab).then_some(s.root),
             order: Some(AxisOrder::of(m)),
+            fp8: s.fp8.then_some(true),
             // Stages follow the model's balance unless they are the even split.
             even_stages: (plan.stage_layers() == dplc_ir::even_split(plan.layers, m.pp.max(1)))
                 .then_some(true),
@@ -252,6 +256,7 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
                     }
                 })
             }
+            "fp8" => c.fp8 = Some(on_off()?),
             "stages" => {
                 c.even_stages = Some(match value.to_ascii_lowercase().as_str() {
                     "even" => true,
@@ -265,7 +270,7 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
             }
             _ => {
                 return Err(err(format!(
-                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap, attention, tp_overlap, grad_accum, root, order, stages"
+                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap, attention, tp_overlap, grad_accum, root, order, stages, fp8"
                 )))
             }
         }
@@ -308,6 +313,7 @@ fn choice_of(key: &str) -> Option<&'static str> {
         "root" => "root",
         "order" => "order",
         "stages" => "stages",
+        "fp8" => "fp8",
         _ => return None,
     })
 }
@@ -358,6 +364,9 @@ impl fmt::Display for StrategyConstraints {
         }
         if let Some(o) = self.order {
             parts.push(format!("order={}", o.name()));
+        }
+        if let Some(fp8) = self.fp8 {
+            parts.push(format!("fp8={}", if fp8 { "on" } else { "off" }));
         }
         if let Some(even) = self.even_stages {
             parts.push(format!("stages={}", if even { "even" } else { "balanced" }));

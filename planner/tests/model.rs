@@ -560,3 +560,59 @@ fn the_optimizer_step_moves_the_bytes_its_precision_needs() {
     within(bf16 / fp32, 38.0 / 36.0, 1e-9, "bf16 over fp32");
     within(fp16 / fp32, 46.0 / 36.0, 1e-9, "fp16 over fp32");
 }
+
+/// The same pinned plan with the layers' linear GEMMs in FP8 and without.
+fn fp8_pair(cluster: &str, strategy: &str) -> (dplc_ir::Plan, dplc_ir::Plan) {
+    let g = gpt("gpt", GPT_22B);
+    let at = |fp8: &str| {
+        let mut req = PlanRequest::new(&g, train(2048, 64), parse_cluster(cluster).unwrap());
+        req.pinned = parse_strategy(&format!("{strategy},fp8={fp8}")).unwrap();
+        compile(&req).unwrap().plan
+    };
+    (at("off"), at("on"))
+}
+
+#[test]
+fn fp8_runs_the_layers_linear_gemms_at_the_fp8_rate_and_keeps_their_casts() {
+    let strategy = "tp=8,pp=1,dp=1,mb=1,zero=0,recompute=none,sp=on";
+    let (bf16, fp8) = fp8_pair("8xH100", strategy);
+    assert!(!bf16.strategy.fp8 && fp8.strategy.fp8);
+    let (b, f) = (&bf16.estimate.breakdown, &fp8.estimate.breakdown);
+    // The linear GEMMs are most of a 22B layer's compute at seq 2048: FP8's
+    // doubled rate less its casts lands between 1.3× and 2× faster; nothing
+    // but compute and the per-step weight cast moves.
+    let speedup = b.compute_s / f.compute_s;
+    assert!(
+        (1.3..2.0).contains(&speedup),
+        "compute {speedup:.2}× faster"
+    );
+    let comm = |t: &dplc_ir::TimeBreakdown| t.exposed_comm_s + t.overlapped_comm_s;
+    assert!(
+        (comm(b) / comm(f) - 1.0).abs() < 1e-9,
+        "the same collectives"
+    );
+    assert!(
+        f.optimizer_s > b.optimizer_s,
+        "the weights are cast once a step"
+    );
+    // Memory: a byte each for a layer weight's cast and its transpose; the
+    // linear layers' inputs kept as their one-byte copies.
+    let (mb, mf) = (&bf16.stages[0].memory, &fp8.stages[0].memory);
+    let layer_params = 48.0 * 12.0 * 6144.0 * 6144.0 / 8.0;
+    let extra = (mf.weights - mb.weights) as f64;
+    assert!(
+        (extra / (2.0 * layer_params) - 1.0).abs() < 0.01,
+        "{extra} B of casts"
+    );
+    assert!(mf.activations < mb.activations);
+    assert!(mf.activations as f64 > 0.5 * mb.activations as f64);
+}
+
+#[test]
+fn fp8_is_refused_where_no_tensor_core_runs_it_and_never_chosen_unasked() {
+    let e = error(GPT_1_7B, "8xA100", 64, "fp8=on");
+    assert!(e.to_string().contains("FP8 tensor cores"), "{e}");
+    let g = gpt("gpt", GPT_1_7B);
+    let req = PlanRequest::new(&g, train(2048, 64), parse_cluster("8xH100").unwrap());
+    assert!(!compile(&req).unwrap().plan.strategy.fp8);
+}

@@ -71,6 +71,12 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
             |p| p.grad_accum = Some(dplc_ir::GradAccum::Separate),
         ));
     }
+    if s.fp8 {
+        gaps.push(Gap::new(
+            "FP8 GEMMs (a ds_config has no FP8; Transformer Engine runs them in Megatron-LM)",
+            |p| p.fp8 = None,
+        ));
+    }
     if m.cp > 1 {
         gaps.push(Gap::new(
             "context parallelism (DeepSpeed splits sequences with Ulysses all-to-alls, not ring attention)",

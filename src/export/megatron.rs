@@ -29,8 +29,11 @@ pub fn model_fits(t: &Transformer) -> Result<(), String> {
     }
     let b = t.bias;
     let mlp_bias = matches!(t.ffn, Ffn::Mlp { .. }) && b.mlp;
-    let uniform = b.qkv == b.out && (b.out == mlp_bias || !matches!(t.ffn, Ffn::Mlp { .. }));
-    if !uniform && !(b.qkv && !b.out && !mlp_bias) {
+    // `--disable-bias-linear` drops every linear's bias (a gated FFN has
+    // none in dplc, so it needs it too); `--add-qkv-bias` brings back QKV's.
+    let all_or_none = b.qkv == b.out && b.out == mlp_bias;
+    let qkv_only = b.qkv && !b.out && !mlp_bias;
+    if !(all_or_none || qkv_only) {
         return Err(format!(
             "its linears carry biases as qkv {} / output {} / MLP {}; Megatron has all, none, or \
              only the QKV bias (--add-qkv-bias)",
@@ -310,6 +313,10 @@ pub fn training_flags(job: &Job) -> Vec<Flag> {
         Precision::Bf16 => f.push(flag("--bf16")),
         Precision::Fp16 => f.push(flag("--fp16")),
         Precision::Fp32 => {}
+    }
+    if job.plan.strategy.fp8 {
+        // Transformer Engine's hybrid recipe: E4M3 forward, E5M2 gradients.
+        f.push(arg("--fp8-format", "hybrid"));
     }
     let lr = match t.optimizer {
         Optimizer::AdamW {

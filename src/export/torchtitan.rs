@@ -92,12 +92,50 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
     gaps
 }
 
-/// llama3's flavours in torchtitan v0.2.0 (`llama3_args` in `torchtitan/models/llama3/__init__.py`):
-/// name, dim, layers, heads, kv heads, ffn multiplier, multiple of, rope theta.
-const FLAVOURS: &[(&str, u64, u64, u64, u64, f64, u64, f64)] = &[
-    ("8B", 4096, 32, 32, 8, 1.3, 1024, 500000.0),
-    ("70B", 8192, 80, 64, 8, 1.3, 4096, 500000.0),
-    ("405B", 16384, 126, 128, 8, 1.2, 4096, 500000.0),
+/// A llama3 flavour of torchtitan v0.2.0 (`llama3_args` in
+/// `torchtitan/models/llama3/__init__.py`).
+struct Flavour {
+    name: &'static str,
+    dim: u64,
+    layers: u64,
+    heads: u64,
+    kv_heads: u64,
+    ffn_multiplier: f64,
+    multiple_of: u64,
+    rope_theta: f64,
+}
+
+const FLAVOURS: &[Flavour] = &[
+    Flavour {
+        name: "8B",
+        dim: 4096,
+        layers: 32,
+        heads: 32,
+        kv_heads: 8,
+        ffn_multiplier: 1.3,
+        multiple_of: 1024,
+        rope_theta: 500000.0,
+    },
+    Flavour {
+        name: "70B",
+        dim: 8192,
+        layers: 80,
+        heads: 64,
+        kv_heads: 8,
+        ffn_multiplier: 1.3,
+        multiple_of: 4096,
+        rope_theta: 500000.0,
+    },
+    Flavour {
+        name: "405B",
+        dim: 16384,
+        layers: 126,
+        heads: 128,
+        kv_heads: 8,
+        ffn_multiplier: 1.2,
+        multiple_of: 4096,
+        rope_theta: 500000.0,
+    },
 ];
 
 /// llama3's SwiGLU width from its arguments (`FeedForward.__init__`).
@@ -113,14 +151,14 @@ fn flavour(t: &Transformer) -> Option<&'static str> {
     };
     FLAVOURS
         .iter()
-        .find(|&&(_, dim, layers, heads, kv, mult, of, rope)| {
-            (dim, layers, heads, kv) == (t.d, t.layers, t.heads, t.kv_heads)
-                && ffn_width(dim, mult, of) == t.ffn_hidden
-                && rope == theta
+        .find(|f| {
+            (f.dim, f.layers, f.heads, f.kv_heads) == (t.d, t.layers, t.heads, t.kv_heads)
+                && ffn_width(f.dim, f.ffn_multiplier, f.multiple_of) == t.ffn_hidden
+                && f.rope_theta == theta
                 && t.vocab == 128256
                 && t.norm_eps == 1e-5
         })
-        .map(|f| f.0)
+        .map(|f| f.name)
 }
 
 /// `TransformerModelArgs(...)` for a shape no flavour has: a multiplier
@@ -212,9 +250,15 @@ pub fn render(job: &Job) -> String {
     );
     let _ = writeln!(
         w,
-        "[model]\nname = \"llama3\"\nflavor = {}\n",
+        "[model]\nname = \"llama3\"\nflavor = {}",
         toml_str(flavour_name.unwrap_or(&plan.model))
     );
+    if s.fp8 {
+        // torchao's Float8Linear on the layers' linears, the output layer
+        // kept in the training precision.
+        let _ = writeln!(w, "converters = [\"quantize.linear.float8\"]");
+    }
+    w.push('\n');
     // Each data-parallel rank's batch per optimizer step is local × (1, or
     // the pipeline's micro-batches); without a pipeline, torchtitan
     // accumulates gradients over global / (local · dp) steps.
@@ -288,6 +332,12 @@ pub fn render(job: &Job) -> String {
              module_fqns_per_model_part = [\n{},\n]",
             s.micro_batch,
             parts.join(",\n")
+        );
+    }
+    if s.fp8 {
+        let _ = writeln!(
+            w,
+            "\n[quantize.linear.float8]\nrecipe_name = \"tensorwise\"\nfilter_fqns = [\"output\"]"
         );
     }
     let _ = writeln!(
