@@ -92,10 +92,12 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(report) => {
-            if report.downcast_ref::<output::StdoutClosed>().is_some() {
-            } else if json {
-                json_error(&report);
-            } else {
+            if report.downcast_ref::<output::StdoutClosed>().is_none() {
+                // Scripts read the JSON on stdout; a person watching still
+                // sees the report on stderr.
+                if json {
+                    json_error(&report);
+                }
                 note!("{report:?}");
             }
             ExitCode::FAILURE

@@ -240,6 +240,16 @@ fn sigterm_and_sighup_stop_at_a_step_boundary_and_save() {
             err.contains("interrupted: stopped cleanly"),
             "SIG{sig}: {err}"
         );
+        // Under --json the error closes standard output as a JSON object.
+        let last = String::from_utf8_lossy(&rest)
+            .lines()
+            .last()
+            .unwrap_or_default()
+            .to_string();
+        let v: serde_json::Value = serde_json::from_str(&last).expect("a JSON error line");
+        assert!(v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("interrupted: stopped cleanly")));
         let saved = std::fs::read_dir(&d.0)
             .unwrap()
             .filter_map(|e| e.ok())
