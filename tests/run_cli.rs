@@ -158,10 +158,19 @@ fn ctrl_c_stops_cleanly_and_says_where() {
         err.contains("interrupted: stopped cleanly after step"),
         "{err}"
     );
-    let summary: serde_json::Value =
-        serde_json::from_str(stdout.last().expect("a summary")).expect("JSON");
+    // The summary, then (under --json) the error as a JSON object.
+    let json: Vec<serde_json::Value> = stdout
+        .iter()
+        .map(|l| serde_json::from_str(l).expect("JSON lines"))
+        .collect();
+    let [.., summary, error] = json.as_slice() else {
+        panic!("a summary and an error line: {stdout:?}")
+    };
     assert_eq!(summary["interrupted"], true);
     assert!(summary["steps"].as_u64().unwrap() >= 1);
+    assert!(error["error"]["message"]
+        .as_str()
+        .is_some_and(|m| m.contains("interrupted")));
 }
 
 #[test]
