@@ -519,6 +519,11 @@ pub struct Estimate {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SearchStats {
     pub configs_evaluated: u64,
+    /// Configurations the knobs span: the evaluated ones times the choices
+    /// of every knob the search settles analytically instead of enumerating
+    /// (each has a choice that is never worse). 0 in plans written before.
+    #[serde(default)]
+    pub space: u64,
     pub feasible: u64,
     /// The keys fixed by `--strategy`, as given.
     pub pinned: String,

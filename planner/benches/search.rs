@@ -194,10 +194,10 @@ fn main() {
         let p = &c.plan;
         println!(
             "{name:<9} on {cluster:<11} batch {batch:>4}: search median {:.1} ms (min {:.1}, max {:.1}) over 5 runs; \
-             {} configs, {} fit; graph build {build_ms:.1} ms; chose dp {} tp {} pp {} mb {} {} v={} zero {} recompute {} sp {}; \
+             {} configs evaluated of {} the knobs span, {} fit; graph build {build_ms:.1} ms; chose dp {} tp {} pp {} mb {} {} v={} zero {} recompute {} sp {}; \
              {:.1} TFLOP/s/GPU hardware",
             times[2], times[0], times[4],
-            p.search.configs_evaluated, p.search.feasible,
+            p.search.configs_evaluated, p.search.space, p.search.feasible,
             p.mesh.dp, p.mesh.tp, p.mesh.pp, p.strategy.micro_batch, p.strategy.schedule.name(),
             p.strategy.virtual_stages, p.strategy.zero_stage, p.strategy.recompute.name(),
             p.strategy.sequence_parallel, p.estimate.hardware_tflops_per_gpu,

@@ -305,6 +305,7 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
         seq,
         &out.best,
         out.evaluated,
+        out.evaluated * analytic_choices(&req.pinned, &req.cluster),
         out.feasible,
         req.pinned.to_string(),
     );
@@ -328,6 +329,26 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
         search_time_ms: start.elapsed().as_secs_f64() * 1e3,
         layouts: stats,
     })
+}
+
+/// How many configurations each evaluated one stands for: the choices of
+/// the knobs the search settles per mesh without enumerating them, because
+/// one choice is never worse in the cost model — fused attention, Megatron's
+/// async tensor-parallel overlap (of none, async, ring: ring needs sequence
+/// parallelism and TE's userbuffers, so it is pinned, not searched), fused
+/// gradient accumulation, the overlapped gradient reduction, the
+/// vocabulary-split root, time-balanced stages — or that changes the
+/// numerics and is never chosen unasked (FP8, where the device has it).
+/// A pinned knob has one choice.
+fn analytic_choices(pins: &StrategyConstraints, cluster: &Cluster) -> u64 {
+    let knob = |pinned: bool, choices: u64| if pinned { 1 } else { choices };
+    knob(pins.attention.is_some(), 2)
+        * knob(pins.tp_overlap.is_some(), 3)
+        * knob(pins.grad_accum.is_some(), 2)
+        * knob(pins.overlap_grad_reduce.is_some(), 2)
+        * knob(pins.root.is_some(), 2)
+        * knob(pins.even_stages.is_some(), 2)
+        * knob(pins.fp8.is_some() || cluster.device.peak_fp8 <= 0.0, 2)
 }
 
 /// The tensor- and expert-parallel degrees the search may try: divisors of the

@@ -386,6 +386,7 @@ pub(crate) fn build_plan(
     seq: u64,
     ranked: &[Candidate],
     evaluated: u64,
+    space: u64,
     feasible: u64,
     pinned: String,
 ) -> Plan {
@@ -486,6 +487,7 @@ pub(crate) fn build_plan(
         estimate,
         search: SearchStats {
             configs_evaluated: evaluated,
+            space,
             feasible,
             pinned,
         },
@@ -633,8 +635,9 @@ pub fn summary(compiled: &Compiled) -> String {
     );
     let _ = writeln!(
         s,
-        "  search    {} configurations, {} fit, {:.0} ms{}",
+        "  search    {} configurations of {} the knobs span (the rest settled analytically), {} fit, {:.0} ms{}",
         p.search.configs_evaluated,
+        p.search.space.max(p.search.configs_evaluated),
         p.search.feasible,
         compiled.search_time_ms,
         if p.search.pinned.is_empty() {
@@ -792,6 +795,7 @@ pub fn to_json(compiled: &Compiled) -> serde_json::Value {
         },
         "search": {
             "configs_evaluated": p.search.configs_evaluated,
+            "space": p.search.space,
             "feasible": p.search.feasible,
             "time_ms": compiled.search_time_ms,
         },
