@@ -7,6 +7,7 @@ mod build;
 mod compile;
 mod explain;
 mod export;
+mod import;
 mod inspect;
 mod load;
 mod run;
@@ -54,6 +55,8 @@ enum Command {
     Launch(build::LaunchArgs),
     /// Hand a plan to another engine: Megatron-LM arguments, a torchtitan TOML or a DeepSpeed config.
     Export(export::Args),
+    /// Bring a model in from another format: `dplc import hf config.json`.
+    Import(import::Args),
 }
 
 fn main() -> ExitCode {
@@ -88,6 +91,7 @@ fn main() -> ExitCode {
         Command::Build(args) => build::build(&args),
         Command::Launch(args) => build::launch(&args),
         Command::Export(args) => export::run(&args),
+        Command::Import(args) => import::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

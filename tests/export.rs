@@ -518,6 +518,7 @@ fn every_subcommand_reports_errors_as_json_under_json() {
         vec!["build", b, "--cluster", "8xcpu", "-o", m],
         vec!["launch", m],
         vec!["export", m, "--to", "megatron"],
+        vec!["import", "hf", m],
         vec!["compile", "models/gpt2.dpl", "--no-such-flag"],
     ];
     for mut args in cases {

@@ -1,0 +1,616 @@
+//! `dplc import hf CONFIG.json`: a Hugging Face `config.json` as a `.dpl`
+//! model and train section, for the Llama, Mistral, Qwen2, Mixtral, Gemma
+//! and GPT-2 families. Every field that shapes the model is read and
+//! checked; one whose value would change the model into something the
+//! generated file does not say is an error naming it, never ignored. Where a
+//! family differs from the standard blocks (Gemma's head width, norm and
+//! gated GeLU) the file writes its own blocks from the language's builtins.
+
+use miette::{miette, Result};
+use serde_json::{Map, Value};
+use std::fmt::Write;
+use std::path::{Path, PathBuf};
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    from: Source,
+}
+
+#[derive(clap::Subcommand)]
+enum Source {
+    /// A Hugging Face config.json (model_type llama, mistral, qwen2, mixtral, gemma or gpt2).
+    Hf {
+        /// The config.json file.
+        config: PathBuf,
+        /// The model's name in the .dpl (default: from `_name_or_path` or the file).
+        #[arg(long)]
+        name: Option<String>,
+        /// Write the .dpl here instead of standard output.
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+        /// Report errors as a JSON object on stdout (for scripts).
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+const FAMILIES: &str = "llama, mistral, qwen2, mixtral, gemma, gpt2";
+
+pub fn run(args: &Args) -> Result<()> {
+    let Source::Hf {
+        config,
+        name,
+        output,
+        ..
+    } = &args.from;
+    let text = std::fs::read_to_string(config).map_err(|e| {
+        miette!(
+            code = "dplc::io",
+            help = "check the path",
+            "cannot read {}: {e}",
+            config.display()
+        )
+    })?;
+    let v: Value = serde_json::from_str(&text).map_err(|e| {
+        miette!(
+            code = "dplc::import",
+            help = "a Hugging Face config.json is one JSON object",
+            "{}:{}:{}: not JSON: {e}",
+            config.display(),
+            e.line(),
+            e.column()
+        )
+    })?;
+    let obj = v.as_object().ok_or_else(|| {
+        miette!(
+            code = "dplc::import",
+            "{}: a config.json is a JSON object, not {}",
+            config.display(),
+            kind(&v)
+        )
+    })?;
+    let name = model_name(name.as_deref(), obj, config)?;
+    let c = Config { obj, file: config };
+    let dpl = match c.str("model_type")? {
+        "llama" | "mistral" | "qwen2" | "mixtral" => llama_like(&c, &name)?,
+        "gemma" => gemma(&c, &name)?,
+        "gpt2" => gpt2(&c, &name)?,
+        other => {
+            return Err(miette!(
+                code = "dplc::import",
+                help = format!(
+                    "dplc imports {FAMILIES}; write other models in .dpl (docs/language.md)"
+                ),
+                "{}: model_type `{other}` is not one dplc imports",
+                config.display()
+            ))
+        }
+    };
+    match output {
+        Some(path) => {
+            crate::output::write(path, dpl.as_bytes(), &[config.as_path()])?;
+            note!("wrote {} (model {name})", path.display());
+        }
+        None => out!("{dpl}"),
+    }
+    Ok(())
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// `--name`, else the last part of `_name_or_path`, else the file's
+/// directory or stem, as a .dpl name.
+fn model_name(given: Option<&str>, obj: &Map<String, Value>, file: &Path) -> Result<String> {
+    if let Some(n) = given {
+        let ok = n
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !ok {
+            return Err(miette!(
+                code = "dplc::input",
+                help = "a .dpl name is letters, digits and _, not starting with a digit",
+                "--name `{n}` is not a .dpl name"
+            ));
+        }
+        return Ok(n.to_string());
+    }
+    let from_path = obj
+        .get("_name_or_path")
+        .and_then(Value::as_str)
+        .and_then(|p| p.rsplit('/').find(|s| !s.is_empty()))
+        .map(str::to_string);
+    let from_file = || {
+        let stem = file.file_stem()?.to_str()?;
+        if stem == "config" {
+            file.canonicalize()
+                .ok()?
+                .parent()?
+                .file_name()?
+                .to_str()
+                .map(str::to_string)
+        } else {
+            Some(stem.to_string())
+        }
+    };
+    let raw = from_path
+        .or_else(from_file)
+        .unwrap_or_else(|| "model".into());
+    let mut s: String = raw
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if !s.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_') {
+        s.insert(0, 'm');
+    }
+    Ok(s)
+}
+
+/// Typed reads of a config's fields, each error naming the field.
+struct Config<'a> {
+    obj: &'a Map<String, Value>,
+    file: &'a Path,
+}
+
+impl Config<'_> {
+    fn err(&self, key: &str, what: String) -> miette::Report {
+        miette!(
+            code = "dplc::import",
+            help = "fix the field, or write the model in .dpl (docs/language.md)",
+            "{}: `{key}` {what}",
+            self.file.display()
+        )
+    }
+
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.obj.get(key).filter(|v| !v.is_null())
+    }
+
+    fn str(&self, key: &str) -> Result<&str> {
+        match self.get(key) {
+            Some(Value::String(s)) => Ok(s),
+            Some(v) => Err(self.err(key, format!("is {}, not a string", kind(v)))),
+            None => Err(self.err(key, "is missing".into())),
+        }
+    }
+
+    fn size(&self, key: &str) -> Result<u64> {
+        self.size_or(key, None)
+    }
+
+    /// A positive integer, or `default` when the field is absent.
+    fn size_or(&self, key: &str, default: Option<u64>) -> Result<u64> {
+        match self.get(key) {
+            Some(v) => match v.as_u64() {
+                Some(n) if n > 0 && n < 1 << 40 => Ok(n),
+                _ => Err(self.err(key, format!("is {v}, not a positive whole number"))),
+            },
+            None => default.ok_or_else(|| self.err(key, "is missing".into())),
+        }
+    }
+
+    fn number_or(&self, key: &str, default: f64) -> Result<f64> {
+        match self.get(key) {
+            Some(v) => match v.as_f64() {
+                Some(x) if x.is_finite() && x >= 0.0 => Ok(x),
+                _ => Err(self.err(key, format!("is {v}, not a non-negative number"))),
+            },
+            None => Ok(default),
+        }
+    }
+
+    fn flag_or(&self, key: &str, default: bool) -> Result<bool> {
+        match self.get(key) {
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(v) => Err(self.err(key, format!("is {v}, not true or false"))),
+            None => Ok(default),
+        }
+    }
+
+    /// The activation, which must be one of `allowed` (HF's names).
+    fn act(&self, key: &str, default: &str, allowed: &[&str]) -> Result<String> {
+        let a = match self.get(key) {
+            Some(Value::String(s)) => s.clone(),
+            Some(v) => return Err(self.err(key, format!("is {}, not a string", kind(v)))),
+            None => default.to_string(),
+        };
+        if allowed.contains(&a.as_str()) {
+            Ok(a)
+        } else {
+            Err(self.err(
+                key,
+                format!(
+                    "is `{a}`; this family's blocks are written for {}",
+                    allowed.join(" or ")
+                ),
+            ))
+        }
+    }
+
+    /// A field dplc does not model must be absent or at its neutral value.
+    fn neutral(&self, key: &str, ok: impl Fn(&Value) -> bool, why: &str) -> Result<()> {
+        match self.get(key) {
+            Some(v) if !ok(v) => Err(self.err(key, format!("is {v}: {why}"))),
+            _ => Ok(()),
+        }
+    }
+
+    /// The precision of the train section, from `torch_dtype`.
+    fn precision(&self) -> Result<&'static str> {
+        match self.get("torch_dtype").or_else(|| self.get("dtype")) {
+            None => Ok("bf16"),
+            Some(Value::String(s)) => match s.as_str() {
+                "bfloat16" => Ok("bf16"),
+                "float16" => Ok("fp16"),
+                "float32" => Ok("fp32"),
+                other => Err(self.err(
+                    "torch_dtype",
+                    format!("is `{other}`, not bfloat16, float16 or float32"),
+                )),
+            },
+            Some(v) => Err(self.err("torch_dtype", format!("is {}, not a string", kind(v)))),
+        }
+    }
+}
+
+/// The sequence the train section trains at: the context, or the sliding
+/// window where a model has a narrower one — within it, windowed attention
+/// is causal attention, which is what the standard block computes.
+fn train_seq(c: &Config, context: u64) -> Result<(u64, Option<u64>)> {
+    let sliding = match c.get("use_sliding_window") {
+        Some(Value::Bool(false)) => None,
+        _ => match c.get("sliding_window") {
+            None => None,
+            Some(v) => Some(v.as_u64().filter(|&w| w > 0).ok_or_else(|| {
+                c.err(
+                    "sliding_window",
+                    format!("is {v}, not a positive whole number"),
+                )
+            })?),
+        },
+    };
+    let seq = match sliding {
+        Some(w) if w < context => w,
+        _ => context,
+    }
+    .min(8192);
+    Ok((seq, sliding.filter(|&w| w < context)))
+}
+
+fn number(x: f64) -> String {
+    let s = format!("{x:?}");
+    if s.contains(['.', 'e']) {
+        s
+    } else {
+        format!("{s}.0")
+    }
+}
+
+fn train_section(c: &Config, name: &str, seq: u64) -> Result<String> {
+    let precision = c.precision()?;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "// The config says nothing of training: the batch, optimizer and schedule\n\
+         // below are Llama 2's recipe, to edit.\ntrain {name} {{\n    seq = {seq}\n    \
+         global_batch = 1024\n    precision = {precision}\n    \
+         optimizer = adamw(lr = 3e-4, betas = (0.9, 0.95), eps = 1e-5, weight_decay = 0.1)\n    \
+         schedule = warmup_cosine(warmup = 2000, total = 500000, min_ratio = 0.1)\n    \
+         grad_clip = 1.0\n}}"
+    );
+    Ok(s)
+}
+
+/// Llama, Mistral, Qwen2 and Mixtral: RMSNorm, rotary attention with grouped
+/// KV heads, SwiGLU (or SwiGLU experts), untied or tied output.
+fn llama_like(c: &Config, name: &str) -> Result<String> {
+    let family = c.str("model_type")?.to_string();
+    let vocab = c.size("vocab_size")?;
+    let d = c.size("hidden_size")?;
+    let layers = c.size("num_hidden_layers")?;
+    let heads = c.size("num_attention_heads")?;
+    let kv_heads = c.size_or("num_key_value_heads", Some(heads))?;
+    let ffn = c.size("intermediate_size")?;
+    let eps = c.number_or("rms_norm_eps", 1e-6)?;
+    let theta = c.number_or("rope_theta", 10000.0)?;
+    let context = c.size_or("max_position_embeddings", Some(4096))?;
+    c.act("hidden_act", "silu", &["silu"])?;
+    if d % heads != 0 {
+        return Err(c.err(
+            "num_attention_heads",
+            format!("{heads} does not divide hidden_size {d}"),
+        ));
+    }
+    if heads % kv_heads != 0 {
+        return Err(c.err(
+            "num_key_value_heads",
+            format!("{kv_heads} does not divide num_attention_heads {heads}"),
+        ));
+    }
+    let head_dim = c.size_or("head_dim", Some(d / heads))?;
+    if head_dim != d / heads {
+        return Err(c.err(
+            "head_dim",
+            format!("is {head_dim}, not hidden_size / num_attention_heads = {}; the standard attention block uses that width", d / heads),
+        ));
+    }
+    let bias_default = family == "qwen2";
+    let qkv_bias = c.flag_or("attention_bias", bias_default)?;
+    // Qwen2's attention carries q/k/v biases and an unbiased output.
+    let out_bias = if family == "qwen2" { false } else { qkv_bias };
+    c.neutral(
+        "mlp_bias",
+        |v| v == &Value::Bool(false),
+        "dplc's SwiGLU has no biases",
+    )?;
+    c.neutral(
+        "attention_dropout",
+        |v| v.as_f64() == Some(0.0),
+        "dropout in attention is not imported",
+    )?;
+    let tied = c.flag_or("tie_word_embeddings", false)?;
+    let rope_note = match c.get("rope_scaling") {
+        None => String::new(),
+        Some(Value::Object(o)) => format!(
+            "\n// rope_scaling ({}) stretches positions past the original context; it\n\
+             // changes no parameter and is not modelled: train within the context below.",
+            o.get("rope_type")
+                .or_else(|| o.get("type"))
+                .and_then(Value::as_str)
+                .unwrap_or("?")
+        ),
+        Some(v) => return Err(c.err("rope_scaling", format!("is {}, not an object", kind(v)))),
+    };
+    let (seq, window) = train_seq(c, context)?;
+    let window_note = match window {
+        Some(w) => format!(
+            "\n// sliding_window = {w}: training at seq {w}, where the window covers the\n\
+             // whole sequence, so plain causal attention computes the same function."
+        ),
+        None => String::new(),
+    };
+    let ffn_call = if family == "mixtral" {
+        let experts = c.size("num_local_experts")?;
+        let top_k = c.size("num_experts_per_tok")?;
+        if top_k > experts {
+            return Err(c.err(
+                "num_experts_per_tok",
+                format!("{top_k} exceeds num_local_experts {experts}"),
+            ));
+        }
+        format!("moe(rms_norm(h, d, norm_eps, name = \"ffn_norm\"), d, ffn, {experts}, {top_k})")
+    } else {
+        for key in ["num_local_experts", "num_experts"] {
+            c.neutral(
+                key,
+                |v| v.as_u64().is_some_and(|n| n <= 1),
+                "a mixture of experts is imported as model_type mixtral",
+            )?;
+        }
+        "swiglu(rms_norm(h, d, norm_eps, name = \"ffn_norm\"), d, ffn)".to_string()
+    };
+    let head = if tied {
+        "h @ transpose(embed)".to_string()
+    } else {
+        "h @ output".to_string()
+    };
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "// {name}: imported from a Hugging Face config.json (model_type {family}) by\n\
+         // `dplc import hf`.{rope_note}{window_note}\n\n\
+         model {name}(vocab = {vocab}, d = {d}, heads = {heads}, kv_heads = {kv_heads}, layers = {layers},\n\
+         {pad}ffn = {ffn}, rope_theta = {theta}, norm_eps = {eps}) {{\n\
+         \x20   input tokens: i32[batch, seq]\n\
+         \x20   input targets: i32[batch, seq]\n\
+         \x20   param embed: [vocab, d]\n\
+         \x20   h = embedding(embed, tokens)\n\
+         \x20   repeat layers {{\n\
+         \x20       h = h + attention(rms_norm(h, d, norm_eps, name = \"attention_norm\"), d, heads,\n\
+         \x20                         kv_heads = kv_heads, rotary = true, rope_theta = rope_theta,\n\
+         \x20                         qkv_bias = {qkv_bias}, out_bias = {out_bias})\n\
+         \x20       h = h + {ffn_call}\n\
+         \x20   }}\n\
+         \x20   h = rms_norm(h, d, norm_eps, name = \"norm\")\n{output}\
+         \x20   return cross_entropy({head}, targets)\n}}\n",
+        pad = " ".repeat(7 + name.len()),
+        theta = number(theta),
+        eps = number(eps),
+        output = if tied { "" } else { "    param output: [d, vocab]\n" },
+    );
+    s.push_str(&train_section(c, name, seq)?);
+    Ok(s)
+}
+
+/// Gemma: head width from `head_dim`, multi-query or grouped attention,
+/// RMSNorm scaled by `1 + w`, the embedding scaled by √d, a GeLU-gated FFN
+/// and the output tied to the embedding — written as the file's own blocks.
+fn gemma(c: &Config, name: &str) -> Result<String> {
+    let vocab = c.size("vocab_size")?;
+    let d = c.size("hidden_size")?;
+    let layers = c.size("num_hidden_layers")?;
+    let heads = c.size("num_attention_heads")?;
+    let kv_heads = c.size_or("num_key_value_heads", Some(heads))?;
+    let head_dim = c.size_or("head_dim", Some(d / heads))?;
+    let ffn = c.size("intermediate_size")?;
+    let eps = c.number_or("rms_norm_eps", 1e-6)?;
+    let theta = c.number_or("rope_theta", 10000.0)?;
+    let context = c.size_or("max_position_embeddings", Some(8192))?;
+    // transformers runs Gemma's FFN with `hidden_activation`, the tanh GeLU
+    // when it is absent; the older `hidden_act` ("gelu" in the released
+    // configs) is ignored, as transformers ignores it.
+    let act = c.act(
+        "hidden_activation",
+        "gelu_pytorch_tanh",
+        &["gelu_pytorch_tanh", "gelu"],
+    )?;
+    let gelu = if act == "gelu" { "gelu" } else { "gelu_tanh" };
+    if heads % kv_heads != 0 {
+        return Err(c.err(
+            "num_key_value_heads",
+            format!("{kv_heads} does not divide num_attention_heads {heads}"),
+        ));
+    }
+    if head_dim % 2 != 0 {
+        return Err(c.err(
+            "head_dim",
+            format!("{head_dim} is odd; rotary positions pair the head's features"),
+        ));
+    }
+    c.neutral(
+        "attention_bias",
+        |v| v == &Value::Bool(false),
+        "Gemma's attention has no biases",
+    )?;
+    c.neutral(
+        "tie_word_embeddings",
+        |v| v == &Value::Bool(true),
+        "Gemma's output is its embedding",
+    )?;
+    let (seq, _) = train_seq(c, context)?;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "// {name}: imported from a Hugging Face config.json (model_type gemma) by\n\
+         // `dplc import hf`. Gemma's own blocks: attention whose heads are head_dim\n\
+         // wide, RMSNorm scaled by 1 + w, a GeLU-gated FFN.\n\n\
+         block gemma_norm(x, d, eps) {{\n\
+         \x20   param w: [d] = zeros\n\
+         \x20   return rmsnorm(x, w + 1.0, eps)\n}}\n\n\
+         block gemma_attention(x, d, heads, kv_heads, head_dim, rope_theta) {{\n\
+         \x20   b = dim(x, 0)\n\
+         \x20   s = dim(x, 1)\n\
+         \x20   param wq: [d, heads * head_dim]\n\
+         \x20   param wk: [d, kv_heads * head_dim]\n\
+         \x20   param wv: [d, kv_heads * head_dim]\n\
+         \x20   param wo: [heads * head_dim, d]\n\
+         \x20   q = rotary(reshape(x @ wq, [b, s, heads, head_dim]), rope_theta)\n\
+         \x20   k = rotary(reshape(x @ wk, [b, s, kv_heads, head_dim]), rope_theta)\n\
+         \x20   v = reshape(x @ wv, [b, s, kv_heads, head_dim])\n\
+         \x20   if kv_heads < heads {{\n\
+         \x20       rep = heads / kv_heads\n\
+         \x20       k = reshape(expand(reshape(k, [b, s, kv_heads, 1, head_dim]), [b, s, kv_heads, rep, head_dim]), [b, s, heads, head_dim])\n\
+         \x20       v = reshape(expand(reshape(v, [b, s, kv_heads, 1, head_dim]), [b, s, kv_heads, rep, head_dim]), [b, s, heads, head_dim])\n\
+         \x20   }}\n\
+         \x20   q = transpose(q, 1, 2)\n\
+         \x20   k = transpose(k, 1, 2)\n\
+         \x20   v = transpose(v, 1, 2)\n\
+         \x20   scores = causal_mask((q @ transpose(k, 2, 3)) * (1.0 / sqrt(head_dim)))\n\
+         \x20   o = reshape(transpose(softmax(scores, -1) @ v, 1, 2), [b, s, heads * head_dim])\n\
+         \x20   return o @ wo\n}}\n\n\
+         block gemma_mlp(x, d, hidden) {{\n\
+         \x20   param gate: [d, hidden]\n\
+         \x20   param up: [d, hidden]\n\
+         \x20   param down: [hidden, d]\n\
+         \x20   return ({gelu}(x @ gate) * (x @ up)) @ down\n}}\n\n\
+         model {name}(vocab = {vocab}, d = {d}, heads = {heads}, kv_heads = {kv_heads},\n\
+         {pad}head_dim = {head_dim}, layers = {layers}, ffn = {ffn}, rope_theta = {theta},\n\
+         {pad}norm_eps = {eps}) {{\n\
+         \x20   input tokens: i32[batch, seq]\n\
+         \x20   input targets: i32[batch, seq]\n\
+         \x20   param embed: [vocab, d]\n\
+         \x20   h = embedding(embed, tokens) * sqrt(d)\n\
+         \x20   repeat layers {{\n\
+         \x20       h = h + gemma_attention(gemma_norm(h, d, norm_eps, name = \"input_norm\"), d, heads,\n\
+         \x20                               kv_heads, head_dim, rope_theta)\n\
+         \x20       h = h + gemma_mlp(gemma_norm(h, d, norm_eps, name = \"post_attention_norm\"), d, ffn)\n\
+         \x20   }}\n\
+         \x20   h = gemma_norm(h, d, norm_eps, name = \"norm\")\n\
+         \x20   return cross_entropy(h @ transpose(embed), targets)\n}}\n",
+        pad = " ".repeat(7 + name.len()),
+        theta = number(theta),
+        eps = number(eps),
+    );
+    s.push_str(&train_section(c, name, seq)?);
+    Ok(s)
+}
+
+/// GPT-2: learned positions, pre-LN with biases, tanh GeLU, tied output.
+fn gpt2(c: &Config, name: &str) -> Result<String> {
+    let vocab = c.size("vocab_size")?;
+    let d = c.size("n_embd")?;
+    let layers = c.size("n_layer")?;
+    let heads = c.size("n_head")?;
+    let ctx = c.size("n_positions")?;
+    let inner = c.size_or("n_inner", Some(4 * d))?;
+    let eps = c.number_or("layer_norm_epsilon", 1e-5)?;
+    let act = c.act(
+        "activation_function",
+        "gelu_new",
+        &["gelu_new", "gelu_pytorch_tanh", "gelu", "relu"],
+    )?;
+    let act = match act.as_str() {
+        "gelu_new" | "gelu_pytorch_tanh" => "gelu_tanh",
+        other => other,
+    };
+    if d % heads != 0 {
+        return Err(c.err("n_head", format!("{heads} does not divide n_embd {d}")));
+    }
+    let dropout = c.number_or("resid_pdrop", 0.1)?;
+    for key in ["attn_pdrop", "embd_pdrop"] {
+        let p = c.number_or(key, dropout)?;
+        if p != dropout {
+            return Err(c.err(
+                key,
+                format!("is {p}, not resid_pdrop {dropout}: dplc's blocks take one dropout"),
+            ));
+        }
+    }
+    c.neutral(
+        "scale_attn_by_inverse_layer_idx",
+        |v| v == &Value::Bool(false),
+        "not modelled",
+    )?;
+    c.neutral(
+        "reorder_and_upcast_attn",
+        |v| v == &Value::Bool(false),
+        "not modelled",
+    )?;
+    c.neutral(
+        "tie_word_embeddings",
+        |v| v == &Value::Bool(true),
+        "GPT-2's output is its embedding",
+    )?;
+    let seq = ctx.min(8192);
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "// {name}: imported from a Hugging Face config.json (model_type gpt2) by\n\
+         // `dplc import hf`.\n\n\
+         model {name}(vocab = {vocab}, ctx = {ctx}, d = {d}, heads = {heads}, layers = {layers},\n\
+         {pad}inner = {inner}, eps = {eps}, dropout = {dropout}) {{\n\
+         \x20   input tokens: i32[batch, seq]\n\
+         \x20   input targets: i32[batch, seq]\n\
+         \x20   param wte: [vocab, d]\n\
+         \x20   param wpe: [ctx, d]\n\
+         \x20   h = dropout(embedding(wte, tokens) + embedding(wpe, positions(seq)), dropout)\n\
+         \x20   repeat layers {{\n\
+         \x20       h = h + attention(layer_norm(h, d, eps, name = \"ln_1\"), d, heads, causal = true, dropout = dropout)\n\
+         \x20       h = h + mlp(layer_norm(h, d, eps, name = \"ln_2\"), d, inner, act = \"{act}\", dropout = dropout)\n\
+         \x20   }}\n\
+         \x20   h = layer_norm(h, d, eps, name = \"ln_f\")\n\
+         \x20   return cross_entropy(h @ transpose(wte), targets)\n}}\n",
+        pad = " ".repeat(7 + name.len()),
+        eps = number(eps),
+        dropout = number(dropout),
+    );
+    s.push_str(&train_section(c, name, seq)?);
+    Ok(s)
+}

@@ -1,0 +1,209 @@
+//! `dplc import hf`: the published config.json of each supported family
+//! (tests/data/hf, from the model cards) becomes a .dpl model with the
+//! model's exact parameter count; the zoo's hand-written Llama 3, Mixtral
+//! and GPT-2 round-trip to the same count; what cannot be imported is
+//! refused naming the field.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn dplc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_dplc"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("dplc runs")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("dplc-import-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir.join(name)
+}
+
+/// Import `config` to a temp .dpl and return its path.
+fn import(config: &str) -> PathBuf {
+    let out = tmp(&format!("{config}.dpl"));
+    let o = dplc(&[
+        "import",
+        "hf",
+        &format!("tests/data/hf/{config}.json"),
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{config}: {}", stderr(&o));
+    out
+}
+
+/// The parameters `dplc inspect` counts for the file's (only) model.
+fn params(file: &str, model: Option<&str>) -> u64 {
+    let mut args = vec!["inspect", file, "--json"];
+    if let Some(m) = model {
+        args.extend(["--model", m]);
+    }
+    let o = dplc(&args);
+    assert!(o.status.success(), "{file}: {}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON");
+    v["params"].as_u64().expect("a parameter count")
+}
+
+#[test]
+fn every_family_imports_with_its_published_parameter_count() {
+    // (config, published parameters, where the number comes from)
+    let cases: [(&str, u64); 11] = [
+        // Meta's model card: 8.03B (embedding and untied output 2 × 128256 × 4096).
+        ("llama3_8b", 8_030_261_248),
+        // The 3.1 config adds rope_scaling, which changes no parameter.
+        ("llama3_1_8b", 8_030_261_248),
+        // Touvron et al. 2023 / the model card: 6.74B.
+        ("llama2_7b", 6_738_415_616),
+        // Jiang et al. 2023: 7.24B.
+        ("mistral_7b_v0_1", 7_241_732_096),
+        // Jiang et al. 2024: 46.7B total.
+        ("mixtral_8x7b", 46_702_792_704),
+        // Qwen2 technical report: 7.62B (q/k/v biases, untied output).
+        ("qwen2_7b", 7_615_616_512),
+        // 0.49B, output tied to the embedding.
+        ("qwen2_0_5b", 494_032_768),
+        // Gemma report: 2.51B with the 256K embedding (head_dim 256, one KV head).
+        ("gemma_2b", 2_506_172_416),
+        // 8.54B (16 heads of 256 on a 3072-wide model).
+        ("gemma_7b", 8_537_680_896),
+        // Radford et al. 2019 as released: 124M and 355M.
+        ("gpt2", 124_439_808),
+        ("gpt2_medium", 354_823_168),
+    ];
+    for (config, published) in cases {
+        let file = import(config);
+        let f = file.to_str().unwrap();
+        assert_eq!(params(f, None), published, "{config}");
+        let o = dplc(&["check", f]);
+        assert!(o.status.success(), "{config}: {}", stderr(&o));
+    }
+}
+
+#[test]
+fn the_zoo_configs_round_trip_to_the_hand_written_models() {
+    for (config, zoo, model) in [
+        ("llama3_8b", "models/llama3.dpl", "llama3_8b"),
+        ("mixtral_8x7b", "models/mixtral.dpl", "mixtral_8x7b"),
+        ("gpt2", "models/gpt2.dpl", "gpt2"),
+    ] {
+        let file = import(config);
+        assert_eq!(
+            params(file.to_str().unwrap(), None),
+            params(zoo, Some(model)),
+            "{config} against {zoo}"
+        );
+    }
+}
+
+#[test]
+fn an_imported_model_plans_and_trains_like_a_written_one() {
+    let file = import("gpt2");
+    let f = file.to_str().unwrap();
+    let o = dplc(&["compile", f, "--cluster", "8xA100", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // Gemma's own blocks (head width, 1 + w norm, gated GeLU) plan too,
+    // tensor parallelism included (Gemma 7B: 16 KV heads; Gemma 2B's single
+    // KV head under tp is issue #16's e-graph work).
+    let gemma = import("gemma_7b");
+    let o = dplc(&[
+        "compile",
+        gemma.to_str().unwrap(),
+        "--cluster",
+        "8xH100",
+        "--strategy",
+        "tp=2",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = dplc(&[
+        "compile",
+        import("gemma_2b").to_str().unwrap(),
+        "--cluster",
+        "8xH100",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // The sliding window: trained within it, said in the file.
+    let mistral = std::fs::read_to_string(import("mistral_7b_v0_1")).unwrap();
+    assert!(mistral.contains("seq = 4096"), "{mistral}");
+    assert!(mistral.contains("sliding_window = 4096"));
+}
+
+#[test]
+fn what_cannot_be_imported_is_refused_naming_the_field() {
+    let write = |name: &str, text: &str| {
+        let p = tmp(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let base = std::fs::read_to_string("tests/data/hf/llama3_8b.json").unwrap();
+    let cases = [
+        (
+            "bert.json",
+            r#"{"model_type": "bert", "hidden_size": 768}"#.to_string(),
+            "model_type `bert`",
+        ),
+        ("broken.json", "{\"model_type\": ".to_string(), "not JSON"),
+        ("list.json", "[1, 2]".to_string(), "JSON object"),
+        (
+            "nolayers.json",
+            base.replace("\"num_hidden_layers\": 32,", ""),
+            "`num_hidden_layers` is missing",
+        ),
+        (
+            "relu.json",
+            base.replace("\"silu\"", "\"relu\""),
+            "`hidden_act` is `relu`",
+        ),
+        (
+            "kv.json",
+            base.replace("\"num_key_value_heads\": 8", "\"num_key_value_heads\": 5"),
+            "`num_key_value_heads`",
+        ),
+        (
+            "neg.json",
+            base.replace("\"hidden_size\": 4096", "\"hidden_size\": -4096"),
+            "`hidden_size` is -4096",
+        ),
+        (
+            "mlpbias.json",
+            base.replace(
+                "\"attention_bias\": false",
+                "\"attention_bias\": false, \"mlp_bias\": true",
+            ),
+            "`mlp_bias`",
+        ),
+    ];
+    for (name, text, want) in cases {
+        let p = write(name, &text);
+        let o = dplc(&["import", "hf", p.to_str().unwrap()]);
+        assert_eq!(o.status.code(), Some(1), "{name}");
+        assert!(stderr(&o).contains(want), "{name}: {}", stderr(&o));
+        assert!(
+            o.stdout.is_empty(),
+            "{name}: nothing is written on a refusal"
+        );
+    }
+    // Under --json the error is JSON.
+    let p = write("bert2.json", r#"{"model_type": "bert"}"#);
+    let o = dplc(&["import", "hf", p.to_str().unwrap(), "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("a JSON error");
+    assert_eq!(v["error"]["code"], "dplc::import");
+    // The config is an input: -o onto it is refused and it is left whole.
+    let keep = write("keep.json", &base);
+    let k = keep.to_str().unwrap();
+    let o = dplc(&["import", "hf", k, "-o", k]);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(std::fs::read_to_string(&keep).unwrap(), base);
+    // A name that is not a .dpl name.
+    let o = dplc(&["import", "hf", k, "--name", "3-bad"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("--name"));
+}
