@@ -144,6 +144,13 @@ pub fn build(args: &BuildArgs) -> Result<()> {
                 "dplc's runtime does not run FP8 GEMMs, so an artifact cannot"
             ));
         }
+        if pinned.offload.is_some_and(|o| !o.is_none()) {
+            return Err(miette::miette!(
+                help = "drop offload from --strategy, or `dplc export` the plan to DeepSpeed",
+                "dplc's runtime does not offload to host memory, so an artifact cannot"
+            ));
+        }
+        pinned.offload = Some(dplc_ir::Offload::NONE);
         Ok(())
     })?;
     let plan = compiled.plan;

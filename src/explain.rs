@@ -127,7 +127,11 @@ pub fn render(plan: &Plan) -> String {
         ("pipeline bubble", b.bubble_s),
         ("exposed data-parallel communication", b.exposed_dp_comm_s),
         ("optimizer step", b.optimizer_s),
+        ("exposed host-link traffic (offload)", b.offload_s),
     ] {
+        if t == 0.0 && what.contains("offload") {
+            continue;
+        }
         let _ = writeln!(s, "  {what:<38} {t:>9.3} s  {:>5.1}%", share(t));
     }
     if b.overlapped_comm_s > 0.0 {

@@ -119,6 +119,16 @@ pub fn prepare(args: &PlanArgs) -> Result<Prepared> {
             ));
         }
         pinned.cp = Some(1);
+        // Its ranks keep every state in their own memory.
+        match pinned.offload {
+            Some(o) if !o.is_none() => {
+                return Err(miette!(
+                    help = "drop offload from --strategy to train here; `dplc compile` prices it and `dplc export` hands it to DeepSpeed, Megatron-LM or torchtitan",
+                    "dplc's runtime does not offload to host memory"
+                ))
+            }
+            _ => pinned.offload = Some(dplc_ir::Offload::NONE),
+        }
         // Its kernels compute in the training precision; FP8 GEMMs are
         // priced (`dplc compile`, `dplc export`), not generated.
         if pinned.fp8 == Some(true) {

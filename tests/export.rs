@@ -572,3 +572,33 @@ fn fp8_plans_go_to_megatron_and_torchtitan_as_their_fp8_recipes() {
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("FP8"));
 }
+
+#[test]
+fn an_offloaded_plan_goes_to_deepspeed_megatron_and_torchtitan_offloaded() {
+    // Llama 3 8B on one H100 fits only with its optimizer on the host.
+    let plan = compile(
+        "models/llama3.dpl",
+        "llama3_8b",
+        "1xH100",
+        &["--seq", "2048", "--global-batch", "8"],
+        "offload.ron",
+    );
+    let out = export(&plan, "deepspeed", &[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let json = text(&out.stdout);
+    check_deepspeed(&json, 1, 1, 1);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["zero_optimization"]["offload_optimizer"]["device"], "cpu");
+    let out = export(&plan, "megatron", &[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let script = text(&out.stdout);
+    check_megatron(&script);
+    assert!(script.contains("--optimizer-cpu-offload"));
+    // torchtitan offloads FSDP2's whole state or nothing: the closest plan.
+    let out = export(&plan, "torchtitan", &["--closest"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let toml_text = text(&out.stdout);
+    check_torchtitan(&toml_text, 1);
+    assert!(toml_text.contains("enable_cpu_offload = true"));
+    assert!(text(&out.stderr).contains("offload=optimizer+params"));
+}

@@ -419,7 +419,8 @@ fn link(v: &Value, span: Span) -> Res<LinkSpec> {
 /// refused); efficiency to the planner's default.
 fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
     const SIGNATURE: &str = "accelerator(name = \"X\", bf16 = 989 TFLOP/s, fp16 = …, fp32 = …, fp8 = …, \
-                             memory = 80 GB, memory_bandwidth = 3.35 TB/s, matmul_efficiency = 0.8, \
+                             memory = 80 GB, memory_bandwidth = 3.35 TB/s, host_memory = 256 GB, \
+                             host_link = 64 GB/s, host_memory_bandwidth = 77 GB/s, matmul_efficiency = 0.8, \
                              multiprocessors = 132)";
     let f = Fields::new(
         v,
@@ -432,6 +433,9 @@ fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
             "fp8",
             "memory",
             "memory_bandwidth",
+            "host_memory",
+            "host_link",
+            "host_memory_bandwidth",
             "matmul_efficiency",
             "multiprocessors",
         ],
@@ -469,6 +473,15 @@ fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
         peak_fp32: rate("fp32", Some(bf16 / 16.0))?,
         // No FP8 tensor cores unless the section says so.
         peak_fp8: rate("fp8", Some(0.0))?,
+        // No host to offload to unless the section says so.
+        host_memory_bytes: f.quantity("host_memory", UnitKind::Bytes, "256 GB", Some(0.0))? as u64,
+        host_link_bandwidth: f.quantity("host_link", UnitKind::Bandwidth, "64 GB/s", Some(0.0))?,
+        host_memory_bandwidth: f.quantity(
+            "host_memory_bandwidth",
+            UnitKind::Bandwidth,
+            "77 GB/s",
+            Some(0.0),
+        )?,
         memory_bytes: memory as u64,
         memory_bandwidth: f.quantity("memory_bandwidth", UnitKind::Bandwidth, "3.35 TB/s", None)?,
         matmul_efficiency,

@@ -154,6 +154,16 @@ pub struct DeviceSpec {
     /// Dense FP8 peak for matmuls; 0: no FP8 tensor cores.
     #[serde(default)]
     pub peak_fp8: f64,
+    /// Host memory per device (its share of the node's), bytes; 0: none to offload to.
+    #[serde(default)]
+    pub host_memory_bytes: u64,
+    /// The device–host link per direction, bytes/s (PCIe, NVLink-C2C).
+    #[serde(default)]
+    pub host_link_bandwidth: f64,
+    /// Host memory bandwidth per device (its share), bytes/s: what an
+    /// offloaded optimizer step on the CPU runs at.
+    #[serde(default)]
+    pub host_memory_bandwidth: f64,
     pub memory_bytes: u64,
     /// Device memory bandwidth, bytes/s.
     pub memory_bandwidth: f64,

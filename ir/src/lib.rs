@@ -36,8 +36,9 @@ pub use pipeline::{even_split, pipeline_order, virtual_stage_layers, PipelineWor
 pub use plan::{
     Alternative, AttentionKind, AxisMapping, AxisPart, BackwardCollective, ClusterSummary,
     Collective, CollectiveKind, Estimate, GradAccum, LinkLevel, MemoryBreakdown, Mesh, MeshAxis,
-    ModelSource, ParamSharding, PipelineSchedule, Plan, ProgramValue, Recompute, RegionProgram,
-    RootSplit, SearchStats, StagePlan, StepPhase, Strategy, TimeBreakdown, TpOverlap, WhatIf,
+    ModelSource, Offload, ParamSharding, PipelineSchedule, Plan, ProgramValue, Recompute,
+    RegionProgram, RootSplit, SearchStats, StagePlan, StepPhase, Strategy, TimeBreakdown,
+    TpOverlap, WhatIf,
 };
 
 pub use print::print_graph;

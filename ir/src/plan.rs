@@ -173,6 +173,71 @@ pub struct Strategy {
     /// training precision. Plans written before this field existed had none.
     #[serde(default, skip_serializing_if = "is_off")]
     pub fp8: bool,
+    /// State kept in host memory and moved over the host link (ZeRO-Offload
+    /// and ZeRO-Infinity). Plans written before this field existed offloaded nothing.
+    #[serde(default, skip_serializing_if = "Offload::is_none")]
+    pub offload: Offload,
+}
+
+/// What lives in host memory instead of the device's: the optimizer state
+/// (and its step, on the CPU), the weights (fetched per layer, under
+/// ZeRO-3), the activations kept for backward (sent out in forward, back in
+/// backward).
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+pub struct Offload {
+    pub optimizer: bool,
+    pub params: bool,
+    pub activations: bool,
+}
+
+impl Offload {
+    pub const NONE: Offload = Offload {
+        optimizer: false,
+        params: false,
+        activations: false,
+    };
+
+    pub fn is_none(&self) -> bool {
+        *self == Offload::NONE
+    }
+
+    /// `none`, or the parts joined by `+` (`optimizer+activations`), as the
+    /// `offload=` key writes them.
+    pub fn name(&self) -> String {
+        let parts: Vec<&str> = [
+            (self.optimizer, "optimizer"),
+            (self.params, "params"),
+            (self.activations, "activations"),
+        ]
+        .iter()
+        .filter(|(on, _)| *on)
+        .map(|(_, n)| *n)
+        .collect();
+        if parts.is_empty() {
+            "none".into()
+        } else {
+            parts.join("+")
+        }
+    }
+
+    /// The inverse of [`Offload::name`].
+    pub fn parse(s: &str) -> Option<Offload> {
+        let mut o = Offload::NONE;
+        if s == "none" {
+            return Some(o);
+        }
+        for part in s.split('+') {
+            match part {
+                "optimizer" => o.optimizer = true,
+                "params" => o.params = true,
+                "activations" => o.activations = true,
+                _ => return None,
+            }
+        }
+        Some(o)
+    }
 }
 
 fn is_off(on: &bool) -> bool {
@@ -336,6 +401,9 @@ impl fmt::Display for Strategy {
         if self.fp8 {
             f.write_str(", fp8 GEMMs")?;
         }
+        if !self.offload.is_none() {
+            write!(f, ", offload {}", self.offload.name())?;
+        }
         Ok(())
     }
 }
@@ -354,6 +422,14 @@ pub struct MemoryBreakdown {
     /// activations of the layer being recomputed, and the runtime's own share
     /// (CUDA context, library workspaces, NCCL buffers).
     pub buffers: u64,
+    /// Host memory this rank's offloaded state takes (not in the device's
+    /// total): optimizer state, weights or activations under `offload`.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub host: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl MemoryBreakdown {
@@ -491,6 +567,16 @@ pub struct TimeBreakdown {
     /// field existed hid none).
     #[serde(default)]
     pub overlapped_comm_s: f64,
+    /// Offloaded state crossing the host link where compute does not hide
+    /// it: gradients down and weights up around the CPU's optimizer step,
+    /// weight shards fetched and activations sent out and back per
+    /// micro-batch. Plans written before this field existed offloaded nothing.
+    #[serde(default, skip_serializing_if = "is_zero_s")]
+    pub offload_s: f64,
+}
+
+fn is_zero_s(t: &f64) -> bool {
+    *t == 0.0
 }
 
 /// What the plan is expected to achieve.
@@ -794,6 +880,7 @@ impl Plan {
             ("breakdown.exposed_dp_comm_s", b.exposed_dp_comm_s),
             ("breakdown.optimizer_s", b.optimizer_s),
             ("breakdown.overlapped_comm_s", b.overlapped_comm_s),
+            ("breakdown.offload_s", b.offload_s),
         ] {
             non_negative(&format!("estimate.{name}"), x)?;
         }

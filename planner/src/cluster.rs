@@ -20,6 +20,12 @@ pub struct Device {
     pub peak_fp32: f64,
     /// Dense FP8 tensor-core peak (Transformer Engine's GEMMs); 0: none.
     pub peak_fp8: f64,
+    /// The host's memory per device (its share of the node's), bytes; 0: none.
+    pub host_memory_bytes: u64,
+    /// The device–host link per direction, bytes/s.
+    pub host_link_bandwidth: f64,
+    /// The host's memory bandwidth per device (its share), bytes/s.
+    pub host_memory_bandwidth: f64,
     pub memory_bytes: u64,
     /// HBM (or DRAM) bandwidth, bytes/s.
     pub memory_bandwidth: f64,
@@ -99,6 +105,15 @@ const IB_LATENCY_S: f64 = 5e-6;
 /// Dense FP8 (the datasheets' sparse figures halved): H100 SXM, H200 and
 /// GH200 1,978.9 TFLOP/s; B200 72 PFLOP/s sparse for 8 = 4.5 PFLOP/s dense
 /// each; MI300X 2,614.9. A100 and V100 have no FP8 tensor cores.
+/// The host, per GPU (a node's share, for offloading): DGX A100 1 TB of
+/// DDR4-3200 on 2 EPYC 7742 (2 × 204.8 GB/s), PCIe 4.0 x16 (31.5 GB/s a
+/// direction); DGX H100/H200 2 TB of DDR5-4800 on 2 Xeon 8480C (2 × 307.2
+/// GB/s), PCIe 5.0 x16 (63 GB/s); GH200 480 GB LPDDR5X at 512 GB/s behind
+/// NVLink-C2C (900 GB/s = 450 a direction); DGX B200 2 TB of DDR5-5600 on 2
+/// Xeon 8570 (2 × 358.4 GB/s), PCIe 5.0; MI300X platforms 2 TB of DDR5-4800
+/// on 2 EPYC 9654 (2 × 460.8 GB/s), PCIe 5.0; DGX-1V 512 GB of DDR4-2400 on 2
+/// Xeon E5-2698 v4 (2 × 76.8 GB/s), PCIe 3.0 x16 (15.75 GB/s). `cpu` ranks
+/// have no separate host.
 pub fn catalog() -> Vec<Device> {
     let a100 = |name: &str, memory_gib: u64, bw| Device {
         name: name.into(),
@@ -106,6 +121,9 @@ pub fn catalog() -> Vec<Device> {
         peak_fp16: 312.0 * TERA,
         peak_fp32: 19.5 * TERA,
         peak_fp8: 0.0,
+        host_memory_bytes: 128 * GIB,
+        host_link_bandwidth: 31.5 * GB,
+        host_memory_bandwidth: 51.2 * GB,
         memory_bytes: memory_gib * GIB,
         memory_bandwidth: bw,
         matmul_efficiency: A100_MAMF,
@@ -114,33 +132,46 @@ pub fn catalog() -> Vec<Device> {
         devices_per_node: 8,
         multiprocessors: 108,
     };
-    let h100 = |name: &str, memory_bytes, bw| Device {
-        name: name.into(),
-        peak_bf16: 989.4 * TERA,
-        peak_fp16: 989.4 * TERA,
-        peak_fp32: 66.9 * TERA,
-        peak_fp8: 1978.9 * TERA,
-        memory_bytes,
-        memory_bandwidth: bw,
-        matmul_efficiency: H100_MAMF,
-        intra_node: link("nvswitch", 450.0 * GB, NVLINK_LATENCY_S),
-        inter_node: link("infiniband", 50.0 * GB, IB_LATENCY_S),
-        devices_per_node: 8,
-        multiprocessors: 132,
-    };
+    let h100 =
+        |name: &str,
+         memory_bytes,
+         bw,
+         (host_memory_bytes, host_link_bandwidth, host_memory_bandwidth)| Device {
+            name: name.into(),
+            peak_bf16: 989.4 * TERA,
+            peak_fp16: 989.4 * TERA,
+            peak_fp32: 66.9 * TERA,
+            peak_fp8: 1978.9 * TERA,
+            host_memory_bytes,
+            host_link_bandwidth,
+            host_memory_bandwidth,
+            memory_bytes,
+            memory_bandwidth: bw,
+            matmul_efficiency: H100_MAMF,
+            intra_node: link("nvswitch", 450.0 * GB, NVLINK_LATENCY_S),
+            inter_node: link("infiniband", 50.0 * GB, IB_LATENCY_S),
+            devices_per_node: 8,
+            multiprocessors: 132,
+        };
+    // (host memory, host link, host memory bandwidth) per GPU.
+    let dgx_h100 = (256 * GIB, 63.0 * GB, 76.8 * GB);
+    let grace = (480 * GIB, 450.0 * GB, 512.0 * GB);
     vec![
         a100("A100-40GB", 40, 1555.0 * GB),
         a100("A100-80GB", 80, 2039.0 * GB),
-        h100("H100-SXM-80GB", 80 * GIB, 3350.0 * GB),
-        h100("H200", 141_000_000_000, 4800.0 * GB),
-        h100("GH200", 96 * GIB, 4000.0 * GB),
-        h100("GH200-144GB", 144 * GIB, 4900.0 * GB),
+        h100("H100-SXM-80GB", 80 * GIB, 3350.0 * GB, dgx_h100),
+        h100("H200", 141_000_000_000, 4800.0 * GB, dgx_h100),
+        h100("GH200", 96 * GIB, 4000.0 * GB, grace),
+        h100("GH200-144GB", 144 * GIB, 4900.0 * GB, grace),
         Device {
             name: "B200".into(),
             peak_bf16: 2250.0 * TERA,
             peak_fp16: 2250.0 * TERA,
             peak_fp32: 75.0 * TERA,
             peak_fp8: 4500.0 * TERA,
+            host_memory_bytes: 256 * GIB,
+            host_link_bandwidth: 63.0 * GB,
+            host_memory_bandwidth: 89.6 * GB,
             memory_bytes: 180 * GIB,
             memory_bandwidth: 7700.0 * GB,
             matmul_efficiency: DEFAULT_MAMF,
@@ -155,6 +186,9 @@ pub fn catalog() -> Vec<Device> {
             peak_fp16: 1307.4 * TERA,
             peak_fp32: 163.4 * TERA,
             peak_fp8: 2614.9 * TERA,
+            host_memory_bytes: 256 * GIB,
+            host_link_bandwidth: 63.0 * GB,
+            host_memory_bandwidth: 115.2 * GB,
             memory_bytes: 192 * GIB,
             memory_bandwidth: 5300.0 * GB,
             matmul_efficiency: DEFAULT_MAMF,
@@ -169,6 +203,9 @@ pub fn catalog() -> Vec<Device> {
             peak_fp16: 125.0 * TERA,
             peak_fp32: 15.7 * TERA,
             peak_fp8: 0.0,
+            host_memory_bytes: 64 * GIB,
+            host_link_bandwidth: 15.75 * GB,
+            host_memory_bandwidth: 19.2 * GB,
             memory_bytes: 32 * GIB,
             memory_bandwidth: 900.0 * GB,
             matmul_efficiency: DEFAULT_MAMF,
@@ -183,6 +220,9 @@ pub fn catalog() -> Vec<Device> {
             peak_fp16: 0.1 * TERA,
             peak_fp32: 0.1 * TERA,
             peak_fp8: 0.0,
+            host_memory_bytes: 0,
+            host_link_bandwidth: 0.0,
+            host_memory_bandwidth: 0.0,
             memory_bytes: 16 * GIB,
             memory_bandwidth: 20.0 * GB,
             matmul_efficiency: DEFAULT_MAMF,
@@ -352,6 +392,9 @@ fn custom_device(d: &dplc_ir::DeviceSpec, spec: &ClusterSpec) -> Result<Device, 
         peak_fp16: d.peak_fp16,
         peak_fp32: d.peak_fp32,
         peak_fp8: d.peak_fp8,
+        host_memory_bytes: d.host_memory_bytes,
+        host_link_bandwidth: d.host_link_bandwidth,
+        host_memory_bandwidth: d.host_memory_bandwidth,
         memory_bytes: d.memory_bytes,
         memory_bandwidth: d.memory_bandwidth,
         matmul_efficiency: d.matmul_efficiency.unwrap_or(DEFAULT_MAMF),

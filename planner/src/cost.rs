@@ -8,7 +8,7 @@ use crate::cluster::{Cluster, Link};
 use crate::profile::{Bind, ModelProfile, RegionProfile, Work};
 use crate::sharding::{GemmSplit, Pass, TpCollectiveKind};
 use dplc_ir::{
-    AttentionKind, CollectiveKind, GradAccum, LinkLevel, MemoryBreakdown, MeshAxis,
+    AttentionKind, CollectiveKind, GradAccum, LinkLevel, MemoryBreakdown, MeshAxis, Offload,
     PipelineSchedule, Precision, Recompute, TimeBreakdown, TpOverlap,
 };
 use std::collections::HashMap;
@@ -107,6 +107,8 @@ pub(crate) struct Config {
     pub even_stages: bool,
     /// The layers' linear GEMMs in FP8 (`fp8=on`).
     pub fp8: bool,
+    /// State kept in host memory (`offload=`).
+    pub offload: Offload,
 }
 
 impl Config {
@@ -673,14 +675,36 @@ impl<'a> CostModel<'a> {
         } else {
             0.0
         };
-        MemoryBreakdown {
+        let mut m = MemoryBreakdown {
             weights: (shard(3) * w_bytes + fp8_weights) as u64,
             gradients: (shard(2) * grad_bytes) as u64,
             optimizer: (shard(1) * opt_bytes) as u64,
             activations: (layer.saved_bytes * layers as f64 * flight) as u64,
             embedding_and_loss: embedding_and_loss as u64,
             buffers: buffers as u64,
+            host: 0,
+        };
+        let o = c.offload;
+        if o.optimizer {
+            // ZeRO-Offload: the fp32 master weights and moments live on the
+            // host beside an fp32 copy of the gradients the CPU step reads.
+            m.host += m.optimizer + (shard(1) * 4.0) as u64;
+            m.optimizer = 0;
         }
+        if o.params {
+            // ZeRO-Infinity: the weight shards too; the device keeps only the
+            // gathered layers (in `buffers`).
+            m.host += m.weights - fp8_weights as u64;
+            m.weights = fp8_weights as u64;
+        }
+        if o.activations {
+            // Each layer's saved tensors go out in forward and come back in
+            // backward: the device holds the layer at work and the next.
+            let on_device = layer.saved_bytes * (layers.min(2) as f64) * flight;
+            m.host += m.activations.saturating_sub(on_device as u64);
+            m.activations = on_device as u64;
+        }
+        m
     }
 
     /// The largest per-rank memory over the stages, and the stage it is on.
@@ -831,8 +855,43 @@ impl<'a> CostModel<'a> {
         } else {
             params
         };
-        let mut optimizer = opt_params * optimizer_step_bytes(self.profile.precision)
-            / (self.cluster.device.memory_bandwidth * MEMORY_EFFICIENCY);
+        let dev = &self.cluster.device;
+        let mut offload = 0.0;
+        let mut optimizer = if c.offload.optimizer {
+            // The gradient shard goes down as its backward finishes (hidden
+            // behind it but for the last bucket), the CPU steps at the host's
+            // memory bandwidth (reading the fp32 gradients too), the updated
+            // weights come back up.
+            let link = dev.host_link_bandwidth * MEMORY_EFFICIENCY;
+            let down = opt_params * w_bytes / link;
+            let up = opt_params * w_bytes / link;
+            offload += (down - stages[0].backward * (1.0 - 1.0 / layers0)).max(down / layers0) + up;
+            opt_params * (optimizer_step_bytes(self.profile.precision) + 4.0)
+                / (dev.host_memory_bandwidth * MEMORY_EFFICIENCY)
+        } else {
+            opt_params * optimizer_step_bytes(self.profile.precision)
+                / (dev.memory_bandwidth * MEMORY_EFFICIENCY)
+        };
+        if c.offload.params || c.offload.activations {
+            // Per micro-batch, the stage's weight shards come up for forward
+            // and again for backward, and its saved activations go down in
+            // forward and up in backward, each behind that pass's compute.
+            let link = dev.host_link_bandwidth * MEMORY_EFFICIENCY;
+            let (fwd, bwd) = (slowest.forward, slowest.backward + slowest.recompute);
+            let weights = if c.offload.params {
+                let (params, _) = self.stage_params(c, 0, counts[0]);
+                params / c.dp as f64 * w_bytes / link
+            } else {
+                0.0
+            };
+            let acts = if c.offload.activations {
+                let [layer, ..] = self.parts(c);
+                layer.saved_bytes * counts[0] as f64 / link
+            } else {
+                0.0
+            };
+            offload += m * ((weights + acts - fwd).max(0.0) + (weights + acts - bwd).max(0.0));
+        }
         if c.fp8 {
             // The updated weights cast to FP8 once a step (Transformer Engine
             // keeps the cast for every micro-batch): read, write it and its
@@ -852,6 +911,7 @@ impl<'a> CostModel<'a> {
             bubble_s: bubble,
             exposed_dp_comm_s: exposed_dp,
             optimizer_s: optimizer,
+            offload_s: offload,
         }
     }
 }
@@ -863,4 +923,5 @@ pub(crate) fn step_total(t: &TimeBreakdown) -> f64 {
         + t.bubble_s
         + t.exposed_dp_comm_s
         + t.optimizer_s
+        + t.offload_s
 }

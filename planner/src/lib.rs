@@ -96,6 +96,8 @@ fn what_ifs(req: &PlanRequest, plan: &Plan) -> Vec<dplc_ir::WhatIf> {
         num_micro_batches: None,
         order: None,
         even_stages: None,
+        // A neighbour that does not fit says so; it does not offload instead.
+        offload: Some(s.offload),
         ..StrategyConstraints::of_plan(plan)
     };
     let mut variants: Vec<(String, StrategyConstraints)> = Vec::new();
@@ -222,6 +224,24 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
         return Err(PlanError::Model(unbound_dim_message(dim)));
     }
     let world = rules::world(req.cluster.nodes, req.cluster.devices_per_node).map_err(request)?;
+    if let Some(o) = req.pinned.offload.filter(|o| !o.is_none()) {
+        if req.cluster.device.host_memory_bytes == 0
+            || req.cluster.device.host_link_bandwidth <= 0.0
+        {
+            return Err(PlanError::Strategy(format!(
+                "offload={} needs a host to offload to, and {} has none in the catalog \
+                 (a cluster section's accelerator(…, host_memory = …, host_link = …, \
+                 host_memory_bandwidth = …) describes one)",
+                o.name(),
+                req.cluster.device.name
+            )));
+        }
+        if o.params && req.pinned.zero.is_some_and(|z| z != 3) {
+            return Err(PlanError::Strategy(
+                "offload=params offloads ZeRO-3's weight shards: it needs zero=3".into(),
+            ));
+        }
+    }
     if req.pinned.fp8 == Some(true) && req.cluster.device.peak_fp8 <= 0.0 {
         return Err(PlanError::Strategy(format!(
             "fp8=on needs FP8 tensor cores, and {} has none (H100, H200, GH200, B200 and \
@@ -247,15 +267,39 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
         }
     };
     search::validate(&req.pinned, &layouts, profile, world, global_batch, seq)?;
-    let out = search::search(
-        &layouts,
-        &req.cluster,
-        global_batch,
-        seq,
-        &req.pinned,
-        req.top_k,
-        req.ignore_memory,
-    );
+    let search = |offloads: &[dplc_ir::Offload]| {
+        search::search(
+            &layouts,
+            &req.cluster,
+            (global_batch, seq),
+            &req.pinned,
+            offloads,
+            req.top_k,
+            req.ignore_memory,
+        )
+    };
+    let mut out = search(&[req.pinned.offload.unwrap_or_default()]);
+    // Offloading trades step time for memory: tried only when nothing fits
+    // on the devices alone, and only where there is a host to offload to.
+    if out.best.is_empty()
+        && req.pinned.offload.is_none()
+        && req.cluster.device.host_memory_bytes > 0
+    {
+        let o = |params, activations| dplc_ir::Offload {
+            optimizer: true,
+            params,
+            activations,
+        };
+        let offloaded = search(&[
+            o(false, false),
+            o(false, true),
+            o(true, false),
+            o(true, true),
+        ]);
+        if !offloaded.best.is_empty() {
+            out = offloaded;
+        }
+    }
     let Some(best) = out.best.first() else {
         return Err(infeasible(req, &out, world));
     };

@@ -68,6 +68,7 @@ pub(crate) fn strategy(c: &Config, global_batch: u64, seq: u64) -> Strategy {
         grad_accum: c.grad_accum,
         root: c.root,
         fp8: c.fp8,
+        offload: c.offload,
     }
 }
 
@@ -133,6 +134,7 @@ fn reason(best: &Candidate, alt: &Candidate) -> String {
             a.exposed_dp_comm_s - b.exposed_dp_comm_s,
         ),
         ("optimizer step", a.optimizer_s - b.optimizer_s),
+        ("host-link traffic", a.offload_s - b.offload_s),
     ];
     let (name, delta) = terms
         .iter()
@@ -521,7 +523,11 @@ fn time_line(t: &TimeBreakdown) -> String {
         t.bubble_s,
         t.exposed_dp_comm_s,
         t.optimizer_s
-    )
+    ) + &if t.offload_s > 0.0 {
+        format!(", offload {:.3} s", t.offload_s)
+    } else {
+        String::new()
+    }
 }
 
 /// Memory per rank of `stages` by kind, GiB, and the share of the capacity,
@@ -550,6 +556,20 @@ pub fn memory_table(plan: &Plan, stages: &[u64], indent: &str) -> String {
             gib(m.buffers),
             gib(m.total()),
             100.0 * m.total() as f64 / plan.cluster.memory_bytes.max(1) as f64
+        );
+    }
+    let host = stages
+        .iter()
+        .filter_map(|&i| plan.stages.get(i as usize))
+        .map(|st| st.memory.host)
+        .max()
+        .unwrap_or(0);
+    if host > 0 {
+        let _ = writeln!(
+            s,
+            "{indent}offloaded {} GiB per rank to host memory ({}), not in the totals",
+            gib(host),
+            plan.strategy.offload.name()
         );
     }
     s
@@ -780,6 +800,7 @@ pub fn to_json(compiled: &Compiled) -> serde_json::Value {
                 "bubble_s": e.breakdown.bubble_s,
                 "exposed_dp_comm_s": e.breakdown.exposed_dp_comm_s,
                 "optimizer_s": e.breakdown.optimizer_s,
+                "offload_s": e.breakdown.offload_s,
             },
             "memory_by_stage": p.stages.iter().map(|st| json!({
                 "stage": st.stage,

@@ -11,7 +11,7 @@ use crate::profile::ModelProfile;
 use crate::{PlanError, StrategyConstraints};
 use dplc_ir::validate::{self as rules, divisors};
 use dplc_ir::{
-    AttentionKind, MemoryBreakdown, PipelineSchedule, Recompute, TimeBreakdown, TpOverlap,
+    AttentionKind, MemoryBreakdown, Offload, PipelineSchedule, Recompute, TimeBreakdown, TpOverlap,
 };
 use std::collections::HashMap;
 
@@ -142,12 +142,14 @@ pub(crate) fn validate(
 /// larger micro-batches their GEMMs need.
 const MAX_MICRO_BATCH_ROWS: u64 = 64 * 2048;
 
+/// The best `top_k + 1` configurations of `global_batch` sequences of `seq`
+/// tokens on `cluster` that keep `pins`, each offloading one of `offloads`.
 pub(crate) fn search(
     layouts: &Layouts,
     cluster: &Cluster,
-    global_batch: u64,
-    seq: u64,
+    (global_batch, seq): (u64, u64),
     pins: &StrategyConstraints,
+    offloads: &[Offload],
     top_k: usize,
     ignore_memory: bool,
 ) -> Outcome {
@@ -257,18 +259,21 @@ pub(crate) fn search(
                                 order,
                                 even_stages: pins.even_stages.unwrap_or(false),
                                 fp8: pins.fp8.unwrap_or(false),
+                                offload: Offload::NONE,
                             };
-                            explore(
-                                base,
-                                profile,
-                                pins,
-                                cost,
-                                &mut partitions,
-                                &mut out,
-                                capacity,
-                                keep,
-                                ignore_memory,
-                            );
+                            for &offload in offloads {
+                                explore(
+                                    Config { offload, ..base },
+                                    profile,
+                                    pins,
+                                    cost,
+                                    &mut partitions,
+                                    &mut out,
+                                    (capacity, cluster.device.host_memory_bytes),
+                                    keep,
+                                    ignore_memory,
+                                );
+                            }
                         }
                     }
                 }
@@ -321,7 +326,7 @@ fn explore(
     cost: &mut CostModel,
     partitions: &mut HashMap<(Config, bool), Vec<u64>>,
     out: &mut Outcome,
-    capacity: u64,
+    (capacity, host_capacity): (u64, u64),
     keep: usize,
     ignore_memory: bool,
 ) {
@@ -347,7 +352,11 @@ fn explore(
                 continue;
             }
             for (schedule, v) in schedules(base.pp, base.num_micro_batches, profile.layers, pins) {
-                let zeros: &[u8] = if base.dp == 1 {
+                // Offloaded weights are ZeRO-3's shards (ZeRO-Infinity), one
+                // rank's included.
+                let zeros: &[u8] = if base.offload.params {
+                    &[3]
+                } else if base.dp == 1 {
                     &[0]
                 } else if base.pp > 1 {
                     &[0, 1]
@@ -396,6 +405,15 @@ fn explore(
                     }
                     if peak > capacity && !ignore_memory {
                         continue;
+                    }
+                    if !c.offload.is_none() && !ignore_memory {
+                        let host = (0..c.pp)
+                            .map(|i| cost.stage_memory(&c, i, counts[i as usize]).host)
+                            .max()
+                            .unwrap_or(0);
+                        if host > host_capacity {
+                            continue;
+                        }
                     }
                     out.feasible += 1;
                     let time = cost.step_time(&c, &counts);

@@ -44,6 +44,10 @@ pub struct StrategyConstraints {
     /// `fp8=on` runs the layers' linear GEMMs in FP8 (Transformer Engine);
     /// the search never turns it on itself, as it changes the numerics.
     pub fp8: Option<bool>,
+    /// `offload=none|optimizer|params|activations`, parts joined by `+`:
+    /// state kept in host memory. The search offloads only when nothing
+    /// fits without it.
+    pub offload: Option<dplc_ir::Offload>,
 }
 
 impl StrategyConstraints {
@@ -74,6 +78,7 @@ impl StrategyConstraints {
             root: (s.root != RootSplit::Vocab).then_some(s.root),
             order: Some(AxisOrder::of(m)),
             fp8: s.fp8.then_some(true),
+            offload: (!s.offload.is_none()).then_some(s.offload),
             // Stages follow the model's balance unless they are the even split.
             even_stages: (plan.stage_layers() == dplc_ir::even_split(plan.layers, m.pp.max(1)))
                 .then_some(true),
@@ -257,6 +262,16 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
                 })
             }
             "fp8" => c.fp8 = Some(on_off()?),
+            "offload" => {
+                c.offload = Some(
+                    dplc_ir::Offload::parse(&value.to_ascii_lowercase()).ok_or_else(|| {
+                        err(format!(
+                            "offload is none or optimizer, params, activations joined by + \
+                             (offload=optimizer+activations), got `{value}`"
+                        ))
+                    })?,
+                )
+            }
             "stages" => {
                 c.even_stages = Some(match value.to_ascii_lowercase().as_str() {
                     "even" => true,
@@ -270,7 +285,7 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
             }
             _ => {
                 return Err(err(format!(
-                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap, attention, tp_overlap, grad_accum, root, order, stages, fp8"
+                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap, attention, tp_overlap, grad_accum, root, order, stages, fp8, offload"
                 )))
             }
         }
@@ -314,6 +329,7 @@ fn choice_of(key: &str) -> Option<&'static str> {
         "order" => "order",
         "stages" => "stages",
         "fp8" => "fp8",
+        "offload" => "offload",
         _ => return None,
     })
 }
@@ -364,6 +380,9 @@ impl fmt::Display for StrategyConstraints {
         }
         if let Some(o) = self.order {
             parts.push(format!("order={}", o.name()));
+        }
+        if let Some(o) = self.offload {
+            parts.push(format!("offload={}", o.name()));
         }
         if let Some(fp8) = self.fp8 {
             parts.push(format!("fp8={}", if fp8 { "on" } else { "off" }));

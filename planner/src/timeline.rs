@@ -138,7 +138,10 @@ pub fn timeline(plan: &Plan) -> Timeline {
     let mut end = pipeline_end;
     for (kind, dur) in [
         (SpanKind::GradientSync, e.breakdown.exposed_dp_comm_s),
-        (SpanKind::Optimizer, e.breakdown.optimizer_s),
+        (
+            SpanKind::Optimizer,
+            e.breakdown.optimizer_s + e.breakdown.offload_s,
+        ),
     ] {
         if dur > 0.0 {
             for st in 0..p {

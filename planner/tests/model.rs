@@ -616,3 +616,63 @@ fn fp8_is_refused_where_no_tensor_core_runs_it_and_never_chosen_unasked() {
     let req = PlanRequest::new(&g, train(2048, 64), parse_cluster("8xH100").unwrap());
     assert!(!compile(&req).unwrap().plan.strategy.fp8);
 }
+
+/// A 6.7B GPT (GPT-3 6.7B's shape): 120 GB of weights, gradients and Adam
+/// state, more than one 80 GB device holds, less than its host's share.
+const GPT_6_7B: Gpt = Gpt {
+    hidden: 4096,
+    heads: 32,
+    layers: 32,
+    vocab: 51200,
+    ctx: 2048,
+};
+
+fn one_device(cfg: Gpt, cluster: &str, strategy: &str) -> Result<dplc_ir::Plan, PlanError> {
+    let g = gpt("gpt", cfg);
+    let mut req = PlanRequest::new(&g, train(2048, 8), parse_cluster(cluster).unwrap());
+    req.pinned = parse_strategy(strategy).unwrap();
+    compile(&req).map(|c| c.plan)
+}
+
+#[test]
+fn a_model_too_big_for_its_device_offloads_its_optimizer_to_the_host() {
+    // Without offload nothing fits one A100: the search offloads by itself.
+    let e = one_device(GPT_6_7B, "1xA100", "offload=none").unwrap_err();
+    assert!(e.to_string().contains("does not fit"), "{e}");
+    let p = one_device(GPT_6_7B, "1xA100", "").unwrap();
+    let o = p.strategy.offload;
+    assert!(o.optimizer, "{}", p.strategy);
+    let m = &p.stages[0].memory;
+    assert_eq!(m.optimizer, 0);
+    assert!(m.total() <= p.cluster.memory_bytes);
+    // Host: Adam's 12 bytes a parameter plus fp32 gradients for the CPU step.
+    let params = p.params as f64;
+    assert!(
+        m.host as f64 >= 16.0 * params * 0.99,
+        "{} GiB",
+        m.host as f64 / GIB
+    );
+    // The step pays the CPU's Adam at the host's memory bandwidth and the
+    // gradients and weights across PCIe: slower than the device's own step.
+    let b = &p.estimate.breakdown;
+    assert!(b.offload_s > 0.0);
+    let host_adam = params * (16.0 + 4.0) / (51.2e9 * 0.8);
+    assert!(b.optimizer_s >= 0.9 * host_adam, "{} s", b.optimizer_s);
+    // A model that fits never offloads.
+    let small = one_device(GPT_1_7B, "1xA100", "").unwrap();
+    assert!(small.strategy.offload.is_none());
+}
+
+#[test]
+fn offload_needs_a_host_and_params_need_zero_3() {
+    let e = one_device(GPT_1_7B, "4xcpu", "offload=optimizer").unwrap_err();
+    assert!(e.to_string().contains("needs a host"), "{e}");
+    let e = one_device(GPT_1_7B, "8xA100", "offload=optimizer+params,zero=1").unwrap_err();
+    assert!(e.to_string().contains("zero=3"), "{e}");
+    // Pinned, weights and activations go to the host too, and cost link time.
+    let p = one_device(GPT_6_7B, "1xA100", "offload=optimizer+params+activations").unwrap();
+    let m = &p.stages[0].memory;
+    assert_eq!((p.strategy.zero_stage, m.weights), (3, 0));
+    assert!(p.estimate.breakdown.offload_s > 0.0);
+    assert!(parse_strategy("offload=disk").is_err());
+}

@@ -71,6 +71,17 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
             |p| p.grad_accum = Some(dplc_ir::GradAccum::Separate),
         ));
     }
+    if s.offload.activations {
+        gaps.push(Gap::new(
+            "activations offloaded without recomputation (DeepSpeed offloads only checkpointed activations)",
+            |p| {
+                p.offload = p.offload.map(|o| dplc_ir::Offload {
+                    activations: false,
+                    ..o
+                })
+            },
+        ));
+    }
     if s.fp8 {
         gaps.push(Gap::new(
             "FP8 GEMMs (a ds_config has no FP8; Transformer Engine runs them in Megatron-LM)",
@@ -112,6 +123,14 @@ pub fn render(job: &Job) -> String {
         },
         "wall_clock_breakdown": false,
     });
+    if s.offload.optimizer {
+        config["zero_optimization"]["offload_optimizer"] =
+            json!({ "device": "cpu", "pin_memory": true });
+    }
+    if s.offload.params {
+        config["zero_optimization"]["offload_param"] =
+            json!({ "device": "cpu", "pin_memory": true });
+    }
     if let Some(clip) = train.grad_clip {
         config["gradient_clipping"] = json!(clip);
     }

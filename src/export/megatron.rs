@@ -87,6 +87,28 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
             |p| p.grad_accum = Some(GradAccum::Separate),
         ));
     }
+    if s.offload.params || s.offload.activations {
+        gaps.push(Gap::new(
+            format!(
+                "offload={} (Megatron offloads the optimizer only, with --optimizer-cpu-offload)",
+                s.offload.name()
+            ),
+            |p| {
+                p.offload = p.offload.map(|o| dplc_ir::Offload {
+                    params: false,
+                    activations: false,
+                    ..o
+                });
+                p.zero = None;
+            },
+        ));
+    }
+    if s.offload.optimizer && s.zero_stage == 0 && m.dp > 1 {
+        gaps.push(Gap::new(
+            "optimizer offload without the distributed optimizer (Megatron's needs it)",
+            |p| p.zero = Some(1),
+        ));
+    }
     if m.tp > 1 {
         if s.root == RootSplit::Replicated {
             gaps.push(Gap::new(
@@ -279,6 +301,15 @@ pub fn parallel_flags(plan: &Plan) -> Vec<Flag> {
         if s.zero_stage >= 1 {
             f.push(flag("--overlap-param-gather"));
         }
+    }
+    if s.offload.optimizer {
+        if s.zero_stage == 0 {
+            // Megatron's CPU offload lives in its distributed optimizer.
+            f.push(flag("--use-distributed-optimizer"));
+        }
+        f.push(flag("--optimizer-cpu-offload"));
+        // Its hybrid CPU optimizer runs on the precision-aware code path.
+        f.push(flag("--use-precision-aware-optimizer"));
     }
     if s.grad_accum == GradAccum::Separate {
         f.push(flag("--no-gradient-accumulation-fusion"));

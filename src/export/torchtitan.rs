@@ -40,6 +40,24 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
     let s = &plan.strategy;
     let m = &plan.mesh;
     let mut gaps = Vec::new();
+    let o = s.offload;
+    if !o.is_none() && !(o.optimizer && o.params && !o.activations && s.zero_stage == 3) {
+        gaps.push(Gap::new(
+            format!(
+                "offload={} (torchtitan's CPU offload moves FSDP2's parameters, gradients and \
+                 optimizer state together: offload=optimizer+params with ZeRO-3)",
+                o.name()
+            ),
+            |p| {
+                p.offload = Some(dplc_ir::Offload {
+                    optimizer: true,
+                    params: true,
+                    activations: false,
+                });
+                p.zero = Some(3);
+            },
+        ));
+    }
     if m.dp > 1 && s.zero_stage == 1 {
         // With a pipeline dplc prices no ZeRO beyond 1, so the nearest plan
         // it can price replicates (DDP); without one, FSDP2 without
@@ -270,7 +288,7 @@ pub fn render(job: &Job) -> String {
     let _ = writeln!(
         w,
         "[training]\nlocal_batch_size = {local}\nglobal_batch_size = {}\nseq_len = {}\n\
-         max_norm = {}\nsteps = {}\nmixed_precision_param = {}\n\
+         max_norm = {}\nsteps = {}\nmixed_precision_param = {}\nenable_cpu_offload = {}\n\
          dataset = \"c4_test\"  # synthetic-scale test data; point at your dataset\n",
         s.global_batch,
         s.seq,
@@ -280,7 +298,8 @@ pub fn render(job: &Job) -> String {
         match train.precision {
             Precision::Fp32 => "\"float32\"",
             _ => "\"bfloat16\"",
-        }
+        },
+        !s.offload.is_none()
     );
     let (replicate, shard) = if s.zero_stage >= 2 {
         (1, m.dp)
