@@ -41,7 +41,9 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
     let m = &plan.mesh;
     let mut gaps = Vec::new();
     let o = s.offload;
-    if !o.is_none() && !(o.optimizer && o.params && !o.activations && s.zero_stage == 3) {
+    // FSDP2's CPU offload: all of a ZeRO-3 rank's state, or nothing.
+    let fsdp_offload = o.optimizer && o.params && !o.activations && s.zero_stage == 3;
+    if !(o.is_none() || fsdp_offload) {
         gaps.push(Gap::new(
             format!(
                 "offload={} (torchtitan's CPU offload moves FSDP2's parameters, gradients and \
