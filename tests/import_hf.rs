@@ -110,26 +110,20 @@ fn an_imported_model_plans_and_trains_like_a_written_one() {
     let o = dplc(&["compile", f, "--cluster", "8xA100", "--json"]);
     assert!(o.status.success(), "{}", stderr(&o));
     // Gemma's own blocks (head width, 1 + w norm, gated GeLU) plan too,
-    // tensor parallelism included (Gemma 7B: 16 KV heads; Gemma 2B's single
-    // KV head under tp is issue #16's e-graph work).
-    let gemma = import("gemma_7b");
-    let o = dplc(&[
-        "compile",
-        gemma.to_str().unwrap(),
-        "--cluster",
-        "8xH100",
-        "--strategy",
-        "tp=2",
-        "--json",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let o = dplc(&[
-        "compile",
-        import("gemma_2b").to_str().unwrap(),
-        "--cluster",
-        "8xH100",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    // tensor parallelism included: 16 KV heads (7B) and one (2B).
+    for config in ["gemma_7b", "gemma_2b"] {
+        let gemma = import(config);
+        let o = dplc(&[
+            "compile",
+            gemma.to_str().unwrap(),
+            "--cluster",
+            "8xH100",
+            "--strategy",
+            "tp=2",
+            "--json",
+        ]);
+        assert!(o.status.success(), "{config}: {}", stderr(&o));
+    }
     // The sliding window: trained within it, said in the file.
     let mistral = std::fs::read_to_string(import("mistral_7b_v0_1")).unwrap();
     assert!(mistral.contains("seq = 4096"), "{mistral}");

@@ -509,3 +509,59 @@ fn the_fused_compute_verifies_the_planners_plans() {
     assert_eq!(v["pass"], true, "{v}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Multi-query attention (one KV head, as Gemma 2B, Falcon and PaLM have)
+/// splits under tensor parallelism: the query heads split, K and V stay
+/// whole on every rank, and the split trains as the serial run does on both
+/// computes (it stopped the planner with an unsound e-graph merge before).
+#[test]
+fn multi_query_attention_splits_under_tensor_parallelism() {
+    let dir = std::env::temp_dir().join(format!("dplc-mqa-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("mqa.dpl");
+    let tiny = std::fs::read_to_string("models/tiny.dpl").unwrap();
+    std::fs::write(
+        &src,
+        format!("{tiny}\nmodel mqa_tiny = llama_tiny(kv_heads = 1)\n"),
+    )
+    .unwrap();
+    let plan = dir.join("mqa.ron");
+    let out = dplc(&[
+        "compile",
+        src.to_str().unwrap(),
+        "--model",
+        "mqa_tiny",
+        "--cluster",
+        "4xcpu",
+        "--strategy",
+        "tp=2,dp=2",
+        "-o",
+        plan.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = std::fs::read_to_string(&plan).unwrap();
+    let ron: dplc_ir::Plan = ron::from_str(&text).unwrap();
+    let splits = |name: &str| {
+        ron.param_sharding
+            .iter()
+            .find(|s| s.name == name)
+            .unwrap_or_else(|| panic!("{name}"))
+            .splits
+            .len()
+    };
+    assert_eq!(splits("layers.attention.q.w"), 1);
+    assert_eq!(splits("layers.attention.k.w"), 0);
+    for compute in ["reference", "fused"] {
+        let out = dplc(&[
+            "verify",
+            plan.to_str().unwrap(),
+            "--compute",
+            compute,
+            "--json",
+        ]);
+        assert!(out.status.success(), "{compute}: {}", stderr(&out));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["pass"], true, "{compute}: {v}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -448,11 +448,20 @@ pub fn operand_options(ctx: &Context, tag: OpTag, out: Part) -> Vec<Vec<Part>> {
             }
         }
         (Op::Transpose { perm }, Sharded(a)) => opts.push(vec![Sharded(perm[a])]),
+        // A split of an axis the input has: the same split of the input. A
+        // split of a broadcast axis has no operand part that makes *this*
+        // e-node sharded: from a replicated input the analysis reads the
+        // output as replicated, so offering it would merge a sharded class
+        // with a replicated one (multi-query attention's one KV head
+        // broadcast to the heads did). The program takes a slice of the
+        // replicated expansion instead.
         (Op::Expand { .. }, Sharded(a)) => {
             let off = r - rank_in(0);
-            match a.checked_sub(off) {
-                Some(ai) if !info.in_shapes[0][ai].is_one() => opts.push(vec![Sharded(ai)]),
-                _ => opts.push(vec![Replicated]),
+            if let Some(ai) = a
+                .checked_sub(off)
+                .filter(|&ai| !info.in_shapes[0][ai].is_one())
+            {
+                opts.push(vec![Sharded(ai)]);
             }
         }
         (Op::Slice { axis, .. }, Sharded(a)) if a != *axis => opts.push(vec![Sharded(a)]),
