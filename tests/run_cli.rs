@@ -565,3 +565,29 @@ fn multi_query_attention_splits_under_tensor_parallelism() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A rotary key shared by all heads (DeepSeek's latent attention) splits
+/// under tensor parallelism the same way: the shared key whole on every
+/// rank, the per-head parts split, the run equal to the serial one.
+#[test]
+fn a_rope_key_shared_across_heads_splits_under_tensor_parallelism() {
+    let dir = std::env::temp_dir().join(format!("dplc-mla-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let plan = dir.join("mla.ron");
+    let out = dplc(&[
+        "compile",
+        "tests/data/mla_tiny.dpl",
+        "--cluster",
+        "4xcpu",
+        "--strategy",
+        "tp=2,dp=2",
+        "-o",
+        plan.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = dplc(&["verify", plan.to_str().unwrap(), "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["pass"], true, "{v}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
