@@ -146,15 +146,8 @@ pub fn prepare(args: &PlanArgs) -> Result<Prepared> {
         if pinned.tp_overlap.is_none() {
             pinned.tp_overlap = Some(dplc_ir::TpOverlap::None);
         }
-        // The runtime runs the embedding, head and loss whole on every
-        // tensor-parallel rank: price that, not the vocabulary split.
-        if pinned.root == Some(dplc_ir::RootSplit::Vocab) {
-            return Err(miette!(
-                help = "drop root from --strategy",
-                "the runtime runs the embedding, head and loss whole on every tensor-parallel rank (root=replicated)"
-            ));
-        }
-        pinned.root = Some(dplc_ir::RootSplit::Replicated);
+        // The root (embedding, head, loss) runs as the plan splits it:
+        // over the vocabulary (the default) or whole (`root=replicated`).
         Ok(())
     })?;
     Prepared::new(lowered, compiled.plan)

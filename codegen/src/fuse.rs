@@ -115,7 +115,8 @@ fn role(op: &Op) -> Role {
         | Op::MoeDispatch { .. }
         | Op::MoeCombine
         | Op::Repeat { .. }
-        | Op::Relayout { .. } => Role::Library,
+        | Op::Relayout { .. }
+        | Op::VocabParallel(_) => Role::Library,
         Op::Constant(_)
         | Op::Iota { .. }
         | Op::Transpose { .. }
@@ -855,6 +856,13 @@ impl Lower<'_, '_> {
 
     fn compute_inner(&mut self, t: TensorId, index: &[Idx]) -> Res<ValueId> {
         let g = self.a.g;
+        // Integer arithmetic (positions, shifted ids) stored for a reader
+        // that is not a kernel (a vocabulary-parallel lookup): its index
+        // expression, written as a value.
+        if g.tensor(t).dtype == DType::I32 {
+            let i = self.index(t, index)?;
+            return Ok(self.b.push(Expr::FromIndex(i)));
+        }
         let n = node_of(g, t);
         let node = g.node(n);
         self.nodes.insert(n);

@@ -363,6 +363,13 @@ impl<'g> Analysis<'g> {
                 save(rg(0), ins[1], Float);
                 save(rg(0) || rg(1), ins[2], Index);
             }
+            // What the whole op keeps, at the rank's share.
+            Op::VocabParallel(v) => match v {
+                crate::VocabOp::Embedding | crate::VocabOp::TakeAlong => save(rg(0), ins[1], Index),
+                crate::VocabOp::Softmax { .. } | crate::VocabOp::LogSoftmax { .. } => {
+                    save(rg(0), out.expect("softmax has one output"), Float)
+                }
+            },
         }
         saved
     }

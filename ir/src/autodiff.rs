@@ -61,6 +61,7 @@ pub fn saved_for_backward(op: &Op, n: usize) -> SavedForBackward {
         // A repeat keeps what its body's nodes keep, per iteration.
         Op::Repeat { .. } => (vec![], vec![]),
         Op::Relayout { .. } => (vec![], vec![]),
+        Op::VocabParallel(v) => return saved_for_backward(&v.whole(), n),
     };
     SavedForBackward { inputs, outputs }
 }

@@ -964,10 +964,10 @@ impl Graph {
             }
             // Its output shape is a rank's share, which only the layout
             // knows: `localize` builds these nodes whole.
-            Op::Relayout { .. } => {
+            Op::Relayout { .. } | Op::VocabParallel(_) => {
                 return Err(IrError::Invalid {
                     op: name,
-                    detail: "a layout change exists only in a rank's local program".into(),
+                    detail: "a layout change or a vocabulary-parallel op exists only in a rank's local program".into(),
                 })
             }
             Op::Repeat {

@@ -7,7 +7,7 @@
 //! only reads the layout: a conversion runs wherever a value is consumed in a
 //! layout other than the one it was produced in.
 
-use crate::{Graph, NodeId, Op, ParamId, PlanMismatch, RegionId};
+use crate::{Graph, NodeId, Op, ParamId, PlanMismatch, RegionId, VocabOp};
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
 
@@ -83,6 +83,31 @@ impl NodeLayout {
             TensorLayout::Partial
         } else {
             c.grad()
+        }
+    }
+
+    /// The vocabulary-parallel op node `op` is under this layout, if it reads
+    /// the axis it indexes or normalises split over the group: an embedding
+    /// of a table split by rows, a pick along a split last axis (each a
+    /// summand), a softmax over its split axis. Both executors ask this one
+    /// question, so they split the same nodes.
+    pub fn vocab_op(&self, op: &Op) -> Option<VocabOp> {
+        let first = self.inputs.first().copied()?;
+        let out = self.outputs.first().copied()?;
+        match (op, first, out) {
+            (Op::Embedding, TensorLayout::Split { axis: 0 }, TensorLayout::Partial) => {
+                Some(VocabOp::Embedding)
+            }
+            (Op::TakeAlong, TensorLayout::Split { .. }, TensorLayout::Partial) => {
+                Some(VocabOp::TakeAlong)
+            }
+            (Op::Softmax { axis }, TensorLayout::Split { axis: a }, _) if a == *axis => {
+                Some(VocabOp::Softmax { axis: *axis })
+            }
+            (Op::LogSoftmax { axis }, TensorLayout::Split { axis: a }, _) if a == *axis => {
+                Some(VocabOp::LogSoftmax { axis: *axis })
+            }
+            _ => None,
         }
     }
 }

@@ -31,7 +31,7 @@ pub use graph::{
 pub use id::{InputId, NodeId, ParamId, RegionId, ScopeId, SymId, TensorId};
 pub use layout::{ModelLayout, NodeLayout, ParamSplit, RegionLayout, SplitAxis, TensorLayout};
 pub use localize::localize;
-pub use op::{BinaryOp, Init, Op, ReduceKind, UnaryOp};
+pub use op::{BinaryOp, Init, Op, ReduceKind, UnaryOp, VocabOp};
 pub use pipeline::{even_split, pipeline_order, virtual_stage_layers, PipelineWork};
 pub use plan::{
     Alternative, AttentionKind, AxisMapping, AxisPart, BackwardCollective, ClusterSummary,

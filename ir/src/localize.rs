@@ -10,7 +10,9 @@
 //! they compute the same function.
 //!
 //! The model's node and tensor ids are kept (dropout masks are keyed by
-//! node); the layout changes get new ids after them.
+//! node); the layout changes get new ids after them. A node that reads the
+//! axis it indexes or normalises split over the group becomes an
+//! [`Op::VocabParallel`], which, like a layout change, runs over the group.
 
 use crate::{
     GradPlan, Graph, IrError, ModelLayout, NodeLayout, Op, ParamId, Ratio, Result, Shape,
@@ -70,6 +72,11 @@ pub fn localize(graph: &Graph, layout: &ModelLayout) -> Result<Graph> {
                     local.node_mut(n).op = Op::Expand { shape };
                 }
                 _ => {}
+            }
+            // An op over a split vocabulary needs its group, as a layout
+            // change does: it says so in its op.
+            if let Some(v) = nl.vocab_op(&node.op) {
+                local.node_mut(n).op = Op::VocabParallel(v);
             }
             if !matches!(node.op, Op::Param(_)) {
                 for (i, &t) in node.inputs.iter().enumerate() {

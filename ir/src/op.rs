@@ -224,6 +224,39 @@ pub enum Op {
         to: TensorLayout,
         grad: TensorLayout,
     },
+    /// Only in a rank's local program ([`crate::localize`]): `op` on a
+    /// tensor split over the tensor-parallel group along the axis it indexes
+    /// or normalises (the vocabulary), its picks or row statistics exchanged
+    /// over the group (Megatron's vocabulary-parallel embedding and
+    /// cross-entropy). [`crate::NodeLayout::vocab_op`] says which nodes.
+    VocabParallel(VocabOp),
+}
+
+/// An op whose indexed or normalised axis is split over the tensor-parallel
+/// group, so no rank can compute its part alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum VocabOp {
+    /// `Embedding` of a table split by rows: this rank's rows picked, zeros
+    /// for the ids other ranks hold (a summand over the group).
+    Embedding,
+    /// `TakeAlong` of a tensor split along its last axis: a summand.
+    TakeAlong,
+    /// `Softmax` over a split axis: normalised by every rank's row statistics.
+    Softmax { axis: usize },
+    /// `LogSoftmax` over a split axis, likewise.
+    LogSoftmax { axis: usize },
+}
+
+impl VocabOp {
+    /// The same op over the whole tensor.
+    pub fn whole(self) -> Op {
+        match self {
+            VocabOp::Embedding => Op::Embedding,
+            VocabOp::TakeAlong => Op::TakeAlong,
+            VocabOp::Softmax { axis } => Op::Softmax { axis },
+            VocabOp::LogSoftmax { axis } => Op::LogSoftmax { axis },
+        }
+    }
 }
 
 impl Op {
@@ -261,6 +294,7 @@ impl Op {
             Op::MoeCombine => "moe_combine",
             Op::Repeat { .. } => "repeat",
             Op::Relayout { .. } => "relayout",
+            Op::VocabParallel(_) => "vocab_parallel",
         }
     }
 

@@ -106,6 +106,7 @@ fn op_str(graph: &Graph, op: &Op) -> String {
         }
         Op::Repeat { count, carried, .. } => format!("{name}[count={count}, carried={carried}]"),
         Op::Relayout { from, to, grad } => format!("{name}[{from} -> {to}, grad {grad}]"),
+        Op::VocabParallel(v) => format!("{name}[{}]", op_str(graph, &v.whole())),
         Op::Unary(_)
         | Op::Binary(_)
         | Op::MatMul

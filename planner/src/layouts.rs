@@ -263,3 +263,39 @@ pub(crate) fn model_layout(
         params: body.params,
     })
 }
+
+/// `model` with its root laid out as the root's e-graph split it
+/// (`root=vocab`: the embedding, head and loss over the vocabulary): every
+/// root node but the layer stacks, whose layouts `model` keeps, and the
+/// root's split parameters. `None` where the two split one parameter
+/// differently, so the plan cannot run the root it would price.
+pub(crate) fn with_root(
+    g: &Graph,
+    mut model: dplc_ir::ModelLayout,
+    root: &RuntimeLayout,
+) -> Option<dplc_ir::ModelLayout> {
+    let region = model
+        .regions
+        .iter_mut()
+        .find(|r| r.region == root.region.region)?;
+    if region.nodes.len() != root.region.nodes.len() {
+        return None;
+    }
+    for (mine, split) in region.nodes.iter_mut().zip(&root.region.nodes) {
+        if mine.node != split.node {
+            return None;
+        }
+        if !matches!(g.node(mine.node).op, dplc_ir::Op::Repeat { .. }) {
+            *mine = split.clone();
+        }
+    }
+    for p in &root.params {
+        match model.param_split(p.param) {
+            Some(s) if s != p.split => return None,
+            Some(_) => {}
+            None => model.params.push(p.clone()),
+        }
+    }
+    model.params.sort_by_key(|p| p.param);
+    Some(model)
+}

@@ -320,7 +320,7 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
         .collect();
     // The plan's programs at its own degrees; under sequence parallelism the
     // e-graph runs again with the residual stream split along the sequence.
-    let (layer, root, runtime) = if c.sp {
+    let (layer, root, runtime, root_runtime) = if c.sp {
         let an = dplc_ir::Analysis::new(req.graph);
         let (l, r) = layouts::extract(
             req.graph,
@@ -334,12 +334,18 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
         .map_err(PlanError::Model)?;
         stats.push(LayoutStats::of("layer", &l));
         stats.push(LayoutStats::of("model", &r));
-        (l.region_program, r.region_program, l.runtime_layout)
+        (
+            l.region_program,
+            r.region_program,
+            l.runtime_layout,
+            r.runtime_layout,
+        )
     } else {
         (
             layout.layer.region_program.clone(),
             layout.root.region_program.clone(),
             layout.layer.runtime_layout.clone(),
+            layout.root.runtime_layout.clone(),
         )
     };
     let mut plan = report::build_plan(
@@ -361,12 +367,19 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
     if c.tp > 1 || c.ep > 1 {
         plan.programs = vec![layer, root];
         // The runtime executes the e-graph's layer layout where its layouts
-        // can say it; expert parallelism still uses the runtime's Megatron
-        // derivation, and the embedding and head run whole on every rank.
-        plan.layout = runtime
+        // can say it; expert parallelism still uses the Megatron derivation.
+        let model = runtime
             .filter(|_| c.ep == 1 && c.cp == 1)
             .and_then(|l| layouts::model_layout(req.graph, l, c.tp, c.sp))
             .or_else(|| derive_layout(req.graph, c.tp, c.ep, c.sp).ok());
+        // The root runs as priced: split over the vocabulary as the root's
+        // e-graph split it, or whole on every rank.
+        plan.layout = match (c.root, model, root_runtime) {
+            (dplc_ir::RootSplit::Vocab, Some(m), Some(r)) if c.tp > 1 => {
+                layouts::with_root(req.graph, m.clone(), &r).or(Some(m))
+            }
+            (_, m, _) => m,
+        };
     }
     Ok(Compiled {
         plan,

@@ -252,7 +252,9 @@ impl Derive<'_> {
             }
             // A nested repeat runs replicated.
             Op::Repeat { .. } => Ok((all(Replicated, ins.len()), all(Replicated, n_out))),
-            Op::Relayout { .. } => Err(self.unsupported(n, "a local program is laid out again")),
+            Op::Relayout { .. } | Op::VocabParallel(_) => {
+                Err(self.unsupported(n, "a local program is laid out again"))
+            }
             Op::Cast(_) | Op::Unary(_) | Op::CausalMask | Op::Dropout { .. } => {
                 let mut c = self.resolve(ins[0]);
                 let r = self.rank(ins[0]);

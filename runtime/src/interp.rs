@@ -10,6 +10,7 @@ use crate::tensor::Tensor;
 use crate::vjp;
 use dplc_ir::{
     GradPlan, Graph, NodeId, Op, ParamId, Recompute, RegionId, Shape, TensorId, TensorLayout,
+    VocabOp,
 };
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
@@ -35,6 +36,17 @@ pub(crate) trait ParamAccess {
     /// `v`, held in layout `from`, in layout `to` (a collective over the
     /// tensor- or expert-parallel group).
     fn convert(&mut self, v: &Tensor, from: TensorLayout, to: TensorLayout) -> Result<Tensor>;
+    /// `op` over a vocabulary split over the tensor-parallel group
+    /// ([`crate::vocab::forward`]).
+    fn vocab_forward(&mut self, op: VocabOp, ins: &[&Tensor]) -> Result<Vec<Tensor>>;
+    /// Its input gradients ([`crate::vocab::backward`]).
+    fn vocab_backward(
+        &mut self,
+        op: VocabOp,
+        saved: (&[&Tensor], &[&Tensor]),
+        gout: &Tensor,
+        need: &[bool],
+    ) -> Result<Vec<Option<Tensor>>>;
 }
 
 /// The values of one run of a region, and the tapes of its repeats.
@@ -153,6 +165,12 @@ impl<'g> Interp<'g> {
             .values
             .get(&t)
             .ok_or_else(|| kernel_err("interpreter", format!("{t} is used before it is computed")))
+    }
+
+    /// The vocabulary-parallel op node `n` runs as, if its layout splits
+    /// the axis it indexes or normalises.
+    fn vocab_op(&self, n: NodeId) -> Option<VocabOp> {
+        self.layouts?.vocab_op(self.graph, n)
     }
 
     fn produced(&self, t: TensorId) -> TensorLayout {
@@ -275,6 +293,13 @@ impl<'g> Interp<'g> {
             op => {
                 let ins = self.inputs_as_read(frame, n, access)?;
                 let ins: Vec<&Tensor> = ins.iter().map(|v| &**v).collect();
+                if let Some(v) = self.vocab_op(n) {
+                    let outs = access.vocab_forward(v, &ins)?;
+                    for (t, v) in node.outputs.iter().zip(outs) {
+                        frame.values.insert(*t, Arc::new(v));
+                    }
+                    return Ok(());
+                }
                 let shapes = self.out_shapes(n)?;
                 kernels::forward(op, &ins, &self.ctx_for(n, layer, &shapes)).map_err(
                     |e| match e {
@@ -521,14 +546,18 @@ impl<'g> Interp<'g> {
             .collect::<Result<Vec<_>>>()?;
         let outs: Vec<&Tensor> = outs.iter().map(|v| &**v).collect();
         let shapes: Vec<Vec<usize>> = outs.iter().map(|t| t.shape.clone()).collect();
-        let gin = vjp::backward(
-            &node.op,
-            &ins,
-            &outs,
-            &gout,
-            &need,
-            &self.ctx_for(n, layer, &shapes),
-        )?;
+        let gin = if let Some(v) = self.vocab_op(n) {
+            access.vocab_backward(v, (&ins, &outs), &gout, &need)?
+        } else {
+            vjp::backward(
+                &node.op,
+                &ins,
+                &outs,
+                &gout,
+                &need,
+                &self.ctx_for(n, layer, &shapes),
+            )?
+        };
         for (j, g) in gin.into_iter().enumerate() {
             if let Some(g) = g {
                 self.contribute_input(frame, grads, n, j, g)?;

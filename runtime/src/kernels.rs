@@ -548,7 +548,11 @@ pub fn forward(op: &Op, ins: &[&Tensor], ctx: &OpCtx) -> Result<Vec<Tensor>> {
     let out0 = || ctx.out_shapes[0].clone();
     let one = |t: Tensor| Ok(vec![t]);
     match op {
-        Op::Input(_) | Op::Param(_) | Op::Repeat { .. } | Op::Relayout { .. } => Err(kernel_err(
+        Op::Input(_)
+        | Op::Param(_)
+        | Op::Repeat { .. }
+        | Op::Relayout { .. }
+        | Op::VocabParallel(_) => Err(kernel_err(
             "forward",
             format!("{} is not a kernel; the executor supplies it", op.name()),
         )),

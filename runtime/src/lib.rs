@@ -29,6 +29,7 @@ mod shard;
 mod tcp_world;
 mod tensor;
 mod vjp;
+mod vocab;
 
 pub use checkpoint::{Checkpoint, CheckpointConfig, CheckpointKill, KillPoint};
 pub use comm::{Communicator, Group, Message, World};

@@ -8,7 +8,7 @@ use crate::interp::{ParamAccess, ParamKey, Value};
 use crate::rng;
 use crate::shard::{self, MeshGroups};
 use crate::tensor::Tensor;
-use dplc_ir::{Graph, Init, Optimizer, TensorLayout};
+use dplc_ir::{Graph, Init, Optimizer, TensorLayout, VocabOp};
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::sync::Arc;
@@ -564,5 +564,19 @@ impl ParamAccess for ParamStore {
 
     fn convert(&mut self, v: &Tensor, from: TensorLayout, to: TensorLayout) -> Result<Tensor> {
         shard::convert(&mut self.comm, &self.mesh, v, from, to)
+    }
+
+    fn vocab_forward(&mut self, op: VocabOp, ins: &[&Tensor]) -> Result<Vec<Tensor>> {
+        crate::vocab::forward(&mut self.comm, &self.mesh, op, ins)
+    }
+
+    fn vocab_backward(
+        &mut self,
+        op: VocabOp,
+        saved: (&[&Tensor], &[&Tensor]),
+        gout: &Tensor,
+        need: &[bool],
+    ) -> Result<Vec<Option<Tensor>>> {
+        crate::vocab::backward(&mut self.comm, &self.mesh, op, saved, gout, need)
     }
 }

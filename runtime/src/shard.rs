@@ -80,6 +80,11 @@ impl Layouts {
             .unwrap_or(Replicated)
     }
 
+    /// The vocabulary-parallel op node `n` runs as ([`NodeLayout::vocab_op`]).
+    pub fn vocab_op(&self, graph: &Graph, n: NodeId) -> Option<dplc_ir::VocabOp> {
+        self.nodes.get(&n)?.vocab_op(&graph.node(n).op)
+    }
+
     pub fn param(&self, p: ParamId) -> Option<SplitAxis> {
         self.params.get(&p).copied()
     }

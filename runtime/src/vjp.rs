@@ -92,7 +92,7 @@ pub fn backward(
     match op {
         Op::Input(_) | Op::Param(_) | Op::Constant(_) | Op::Iota { .. } | Op::Repeat { .. } => {}
         // A collective over the rank's group: the executor runs it both ways.
-        Op::Relayout { .. } => {
+        Op::Relayout { .. } | Op::VocabParallel(_) => {
             return Err(kernel_err(
                 "backward",
                 "a layout change is not a kernel; the executor runs it over its group",

@@ -200,7 +200,8 @@ pub fn evaluate(
             | Op::MoeDispatch { .. }
             | Op::MoeCombine
             | Op::Repeat { .. }
-            | Op::Relayout { .. } => {
+            | Op::Relayout { .. }
+            | Op::VocabParallel(_) => {
                 for &o in &node.outputs {
                     env.insert(o, random(o, &mut rng));
                 }

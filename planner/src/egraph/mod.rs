@@ -176,6 +176,8 @@ pub struct ShardResult {
     pub region_program: dplc_ir::RegionProgram,
     /// The program as the runtime's per-node layouts, when the runtime can
     /// express it (tensor and sequence parallelism, no expert or context axis).
+    /// The root's leaves its layer stacks replicated: the bodies' layouts say
+    /// how they run.
     pub runtime_layout: Option<RuntimeLayout>,
     pub collectives: Vec<Collective>,
     pub stats: EgraphStats,
@@ -566,7 +568,12 @@ fn runtime_layout(
         };
         let tag = tag_of(eg, tag)?;
         let info = ctx.op(tag);
+        // The root's layer stack: the body's layout says how it runs
+        // (`layouts::model_layout`); a nested repeat the runtime cannot split.
         if matches!(info.op, Op::Repeat { .. }) {
+            if region == g.root() {
+                continue;
+            }
             return None;
         }
         let inputs: Vec<L> = operands

@@ -17,7 +17,11 @@ use std::collections::{HashMap, HashSet};
 pub(crate) fn is_host_step(op: &Op) -> bool {
     matches!(
         op,
-        Op::Relayout { .. } | Op::TopK { .. } | Op::MoeDispatch { .. } | Op::MoeCombine
+        Op::Relayout { .. }
+            | Op::VocabParallel(_)
+            | Op::TopK { .. }
+            | Op::MoeDispatch { .. }
+            | Op::MoeCombine
     )
 }
 

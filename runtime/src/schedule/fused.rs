@@ -155,6 +155,10 @@ impl HostSteps for Host<'_> {
                     .ok_or_else(|| kernel_err("relayout", "no input"))?;
                 Ok(vec![self.store.convert(x, from, to)?])
             }
+            Op::VocabParallel(v) => {
+                let refs: Vec<&Tensor> = ins.iter().collect();
+                self.store.vocab_forward(v, &refs)
+            }
             ref op => {
                 let shapes = self.out_shapes(node);
                 let refs: Vec<&Tensor> = ins.iter().collect();
@@ -182,6 +186,12 @@ impl HostSteps for Host<'_> {
         match g.node(node).op {
             Op::Relayout { from, grad, .. } => {
                 Ok(vec![Some(self.store.convert(&gout, grad, from.grad())?)])
+            }
+            Op::VocabParallel(v) => {
+                let need = self.prog.grad.input_grads(g, node);
+                let ins: Vec<&Tensor> = ins.iter().collect();
+                let outs: Vec<&Tensor> = outs.iter().collect();
+                self.store.vocab_backward(v, (&ins, &outs), &gout, &need)
             }
             ref op => {
                 let need = self.prog.grad.input_grads(g, node);
