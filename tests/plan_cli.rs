@@ -486,11 +486,12 @@ fn a_model_without_a_sequence_counts_samples() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// `dplc run` prices what its runtime runs: the embedding, head and loss
-/// whole on every tensor-parallel rank (`root=replicated` in the plan it
-/// saves); asking it for the vocabulary split is refused.
+/// `dplc run` runs the root as its plan prices it: split over the
+/// vocabulary by default (the plan it saves carries the root's split
+/// parameters), whole on every rank with `root=replicated`; both train the
+/// serial run's losses.
 #[test]
-fn run_plans_the_root_it_runs() {
+fn run_runs_the_root_its_plan_prices() {
     let dir = std::env::temp_dir().join(format!("dplc-root-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let plan = dir.join("p.ron");
@@ -499,30 +500,68 @@ fn run_plans_the_root_it_runs() {
         "models/tiny.dpl",
         "--model",
         "gpt_tiny",
-        "--cluster",
-        "2xcpu",
         "--steps",
-        "1",
+        "2",
         "--seq",
         "16",
         "--global-batch",
         "4",
+        "--json",
     ];
-    let mut args: Vec<&str> = base.to_vec();
-    args.extend(["--strategy", "tp=2", "--save-plan", plan.to_str().unwrap()]);
-    let out = dplc(&args);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let losses = |extra: &[&str]| -> Vec<f64> {
+        let mut args: Vec<&str> = base.to_vec();
+        args.extend(extra);
+        let out = dplc(&args);
+        assert!(
+            out.status.success(),
+            "{extra:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter_map(|v| v["loss"].as_f64())
+            .collect()
+    };
+    let serial = losses(&["--cluster", "1xcpu"]);
+    let vocab = losses(&[
+        "--cluster",
+        "2xcpu",
+        "--strategy",
+        "tp=2",
+        "--save-plan",
+        plan.to_str().unwrap(),
+    ]);
     let text = std::fs::read_to_string(&plan).unwrap();
-    assert!(text.contains("root: Replicated"), "{text}");
-    let mut args: Vec<&str> = base.to_vec();
-    args.extend(["--strategy", "tp=2,root=vocab"]);
-    let out = dplc(&args);
-    assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("root=replicated"));
+    assert!(!text.contains("root: Replicated"), "{text}");
+    let saved: dplc_ir::Plan = ron::from_str(&text).unwrap();
+    let layout = saved.layout.expect("a tp plan carries its layout");
+    let root = layout
+        .regions
+        .iter()
+        .find(|r| r.region.index() == 0)
+        .unwrap();
+    assert!(
+        root.nodes
+            .iter()
+            .any(|n| n.outputs.contains(&dplc_ir::TensorLayout::Partial)),
+        "the root's lookups are summands over the vocabulary"
+    );
+    let replicated = losses(&["--cluster", "2xcpu", "--strategy", "tp=2,root=replicated"]);
+    let fused = losses(&[
+        "--cluster",
+        "2xcpu",
+        "--strategy",
+        "tp=2",
+        "--compute",
+        "fused",
+    ]);
+    assert_eq!(serial.len(), 2);
+    for run in [&vocab, &replicated, &fused] {
+        for (a, b) in serial.iter().zip(run) {
+            assert!((a - b).abs() < 1e-5, "{serial:?} vs {run:?}");
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -235,6 +235,54 @@ fn verify_checks_the_plans_own_layout() {
     assert_eq!(v["pass"], true, "{v}");
 }
 
+/// The planner's own tensor-parallel plans of the tiny zoo, their roots
+/// split over the vocabulary as priced, verify on both computes: the split
+/// run (its embedding, head and loss exchanging picks and row statistics
+/// over the group) trains the serial run's function.
+#[test]
+fn verify_runs_the_vocabulary_split_root_on_both_computes() {
+    let text = std::fs::read_to_string("models/tiny.dpl").unwrap();
+    let unit = dplc_frontend::parse("models/tiny.dpl", &text).unwrap();
+    for (model, strategy) in [
+        ("gpt_tiny", "tp=2,pp=2"),
+        ("llama_tiny", "dp=2,tp=2,sp=true,zero=3"),
+        ("moe_tiny", "dp=2,tp=2,ep=2"),
+    ] {
+        let lowered = unit.lower(model).unwrap();
+        let cluster = dplc_planner::parse_cluster("4xcpu").unwrap();
+        let mut req =
+            dplc_planner::PlanRequest::new(&lowered.graph, lowered.train.clone(), cluster);
+        req.pinned = dplc_planner::parse_strategy(strategy).unwrap();
+        let plan = dplc_planner::compile(&req).unwrap().plan;
+        assert_eq!(plan.strategy.root, dplc_ir::RootSplit::Vocab);
+        let layout = plan.layout.as_ref().expect("a tp plan carries its layout");
+        let embedding = lowered.graph.params().next().unwrap().0;
+        assert!(
+            layout.param_split(embedding).is_some(),
+            "{model}: the embedding table is split over the vocabulary"
+        );
+        let path =
+            std::env::temp_dir().join(format!("dplc-vocab-{model}-{}.ron", std::process::id()));
+        std::fs::write(&path, ron::to_string(&plan).unwrap()).unwrap();
+        for compute in ["reference", "fused"] {
+            let out = dplc(&[
+                "verify",
+                path.to_str().unwrap(),
+                "--json",
+                "--compute",
+                compute,
+                "--steps",
+                "3",
+            ]);
+            assert!(out.status.success(), "{model} {compute}: {}", stderr(&out));
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            assert_eq!(v["pass"], true, "{model} {compute}: {v}");
+            assert_eq!(v["layout"], "the plan's", "{v}");
+        }
+        std::fs::remove_file(&path).ok();
+    }
+}
+
 /// A plan file is checked against its model before any rank starts: a
 /// layout naming a region the model lacks, a layout whose node list is not
 /// the model's, a stage without layers and a stage list shorter than the
