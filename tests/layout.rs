@@ -89,11 +89,19 @@ fn layouts_travel_in_plan_files() {
     let mut req = dplc_planner::PlanRequest::new(&lowered.graph, lowered.train.clone(), cluster);
     req.pinned = dplc_planner::parse_strategy("dp=2,tp=2,ep=2,sp=true").unwrap();
     let mut plan = dplc_planner::compile(&req).unwrap().plan;
-    // Expert parallelism runs on the runtime's own (Megatron) derivation.
-    assert_eq!(
-        plan.layout,
-        Some(dplc_planner::derive_layout(&lowered.graph, 2, 2, true).unwrap())
-    );
+    // Expert parallelism runs its layers on Megatron's derivation, and the
+    // root split over the vocabulary as the plan prices it.
+    let derived = dplc_planner::derive_layout(&lowered.graph, 2, 2, true).unwrap();
+    let layout = plan
+        .layout
+        .clone()
+        .expect("a split plan carries its layout");
+    assert_eq!(layout.regions[1], derived.regions[1]);
+    assert!(derived.params.iter().all(|p| layout.params.contains(p)));
+    assert!(layout.regions[0]
+        .nodes
+        .iter()
+        .any(|n| n.outputs == [dplc_ir::TensorLayout::Partial]));
     // A plan written before layouts existed still reads, with none.
     let older = dplc_ir::Plan {
         layout: None,
