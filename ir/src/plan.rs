@@ -573,6 +573,31 @@ pub struct TimeBreakdown {
     /// micro-batch. Plans written before this field existed offloaded nothing.
     #[serde(default, skip_serializing_if = "is_zero_s")]
     pub offload_s: f64,
+    /// Bytes that cross the host link per step for the offloaded state
+    /// (`offload_s` is the part of their time compute does not hide).
+    #[serde(default, skip_serializing_if = "is_zero_bytes")]
+    pub offload_bytes: u64,
+    /// Each mesh axis's communication per step: what stays on the critical
+    /// path and what overlap hides. Plans written before this field existed
+    /// have none (`dplc explain` then prints the totals before overlap).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub comm_by_axis: Vec<AxisComm>,
+}
+
+fn is_zero_bytes(b: &u64) -> bool {
+    *b == 0
+}
+
+/// One mesh axis's communication per step, on the slowest stage.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AxisComm {
+    pub axis: MeshAxis,
+    /// Seconds on the critical path (part of the step time).
+    pub exposed_s: f64,
+    /// Seconds hidden behind compute: tensor-parallel collectives beside
+    /// GEMMs, the context-parallel ring beside attention, data-parallel
+    /// reduction and ZeRO gathers beside backward and forward.
+    pub hidden_s: f64,
 }
 
 fn is_zero_s(t: &f64) -> bool {
