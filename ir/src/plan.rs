@@ -307,11 +307,15 @@ pub enum TpOverlap {
     /// Megatron's asynchronous backward: a column-parallel layer's
     /// input-gradient all-reduce runs beside its weight-gradient GEMM; with
     /// sequence parallelism the all-gather of the saved input shard beside
-    /// the input-gradient GEMM and the reduce-scatter beside the weight one.
+    /// the input-gradient GEMM and the reduce-scatter beside the weight one
+    /// (the row-parallel backward's output-gradient all-gather stays exposed).
     Async,
     /// Megatron-Core's `--tp-comm-overlap` (and torchtitan's async TP) as
     /// well: forward all-gathers and row-parallel reductions are cut into
-    /// `tp` chunks pipelined with their GEMM.
+    /// `tp` chunks pipelined with their GEMM. `tp_overlap=pipe` reads as this
+    /// too: Transformer Engine's chunked `pipeline` and `ring_exchange`
+    /// methods differ in how they cut the GEMM, not in what the cost model
+    /// prices (one chunk's transfer exposed).
     Ring,
 }
 
