@@ -75,7 +75,7 @@ fn comm_by_axis(plan: &Plan) -> BTreeMap<MeshAxis, AxisTotals> {
 fn attention_note(kind: AttentionKind) -> &'static str {
     match kind {
         AttentionKind::Fused => {
-            "one kernel for the core (FlashAttention-2/3), no score matrix stored"
+            "one kernel for the core, FlashAttention-2/3: no score matrix stored"
         }
         AttentionKind::Unfused => "scores, mask, softmax and dropout op by op, scores stored",
     }
