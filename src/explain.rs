@@ -3,7 +3,7 @@
 //! collective, the runners-up and what-if neighbours — from the plan file alone.
 
 use crate::compile::read_plan;
-use dplc_ir::{LinkLevel, MeshAxis, Plan};
+use dplc_ir::{AttentionKind, LinkLevel, MeshAxis, Plan};
 use miette::Result;
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -49,16 +49,36 @@ fn axis_link(plan: &Plan, axis: MeshAxis) -> LinkLevel {
         .map_or(LinkLevel::None, |a| a.link)
 }
 
-/// Seconds per step each axis's collectives take, summed over calls (before
-/// overlap: the step breakdown says what is exposed).
-fn comm_by_axis(plan: &Plan) -> BTreeMap<MeshAxis, (f64, u64)> {
-    let mut out: BTreeMap<MeshAxis, (f64, u64)> = BTreeMap::new();
+/// One axis's communication per step: seconds before overlap and bytes,
+/// summed over the collectives' calls, and the exposed and hidden seconds
+/// the planner priced (absent in plans written before it recorded them).
+#[derive(Default)]
+struct AxisTotals {
+    seconds: f64,
+    bytes: u64,
+    exposed_hidden: Option<(f64, f64)>,
+}
+
+fn comm_by_axis(plan: &Plan) -> BTreeMap<MeshAxis, AxisTotals> {
+    let mut out: BTreeMap<MeshAxis, AxisTotals> = BTreeMap::new();
     for c in &plan.collectives {
         let e = out.entry(c.axis).or_default();
-        e.0 += c.time_s * c.count_per_step as f64;
-        e.1 += c.bytes * c.count_per_step;
+        e.seconds += c.time_s * c.count_per_step as f64;
+        e.bytes += c.bytes * c.count_per_step;
+    }
+    for a in &plan.estimate.breakdown.comm_by_axis {
+        out.entry(a.axis).or_default().exposed_hidden = Some((a.exposed_s, a.hidden_s));
     }
     out
+}
+
+fn attention_note(kind: AttentionKind) -> &'static str {
+    match kind {
+        AttentionKind::Fused => {
+            "one kernel for the core, FlashAttention-2/3: no score matrix stored"
+        }
+        AttentionKind::Unfused => "scores, mask, softmax and dropout op by op, scores stored",
+    }
 }
 
 pub fn render(plan: &Plan) -> String {
@@ -77,6 +97,29 @@ pub fn render(plan: &Plan) -> String {
         cl.device
     );
     let _ = writeln!(s, "strategy: {}", plan.strategy);
+    let _ = writeln!(
+        s,
+        "attention: {} ({})",
+        plan.strategy.attention.name(),
+        attention_note(plan.strategy.attention)
+    );
+    if !plan.strategy.offload.is_none() {
+        let host = plan
+            .stages
+            .iter()
+            .map(|st| st.memory.host)
+            .max()
+            .unwrap_or(0);
+        let b = &plan.estimate.breakdown;
+        let _ = writeln!(
+            s,
+            "offload: {}: {} GiB per rank in host memory; host-link traffic {} GiB per step, {:.3} s of it exposed",
+            plan.strategy.offload.name(),
+            gib(host),
+            gib(b.offload_bytes),
+            b.offload_s
+        );
+    }
 
     let _ = writeln!(
         s,
@@ -154,16 +197,38 @@ pub fn render(plan: &Plan) -> String {
         e.mfu * 100.0
     );
     let by_axis = comm_by_axis(plan);
-    if !by_axis.is_empty() {
+    let priced = by_axis.values().any(|a| a.exposed_hidden.is_some());
+    if priced {
+        let _ = writeln!(
+            s,
+            "  communication per step by axis (exposed: in the step; hidden: behind compute):"
+        );
+        let _ = writeln!(
+            s,
+            "    axis over          exposed s   hidden s   per step GiB"
+        );
+        for (axis, a) in &by_axis {
+            let (exposed, hidden) = a.exposed_hidden.unwrap_or((0.0, 0.0));
+            let _ = writeln!(
+                s,
+                "    {:<4} {:<11} {:>10.3} {:>10.3} {:>14.2}",
+                axis.name(),
+                link(axis_link(plan, *axis)),
+                exposed,
+                hidden,
+                a.bytes as f64 / GIB
+            );
+        }
+    } else if !by_axis.is_empty() {
         let _ = writeln!(s, "  communication per step by axis (before overlap):");
-        for (axis, (t, bytes)) in &by_axis {
+        for (axis, a) in &by_axis {
             let _ = writeln!(
                 s,
                 "    {:<3} over {:<11} {:>9.3} s  {:>10.2} GiB",
                 axis.name(),
                 link(axis_link(plan, *axis)),
-                t,
-                *bytes as f64 / GIB
+                a.seconds,
+                a.bytes as f64 / GIB
             );
         }
     }
@@ -260,12 +325,14 @@ pub fn run(args: &Args) -> Result<()> {
     if args.json {
         let by_axis: serde_json::Map<String, serde_json::Value> = comm_by_axis(&plan)
             .into_iter()
-            .map(|(a, (t, bytes))| {
-                (
-                    a.name().to_string(),
-                    json!({"seconds_per_step": t, "bytes_per_step": bytes,
-                           "link": link(axis_link(&plan, a))}),
-                )
+            .map(|(a, t)| {
+                let mut v = json!({"seconds_per_step": t.seconds, "bytes_per_step": t.bytes,
+                                   "link": link(axis_link(&plan, a))});
+                if let Some((exposed, hidden)) = t.exposed_hidden {
+                    v["exposed_s"] = exposed.into();
+                    v["hidden_s"] = hidden.into();
+                }
+                (a.name().to_string(), v)
             })
             .collect();
         let mut v = serde_json::to_value(&plan).expect("plans serialise");

@@ -56,15 +56,19 @@ fn korthikanti_fig1_gpt_22b() {
         4,
         &format!("{base},recompute=none,sp=off"),
     );
+    // The states rows keep their tolerance: they read +1.6% (IR-built,
+    // tied output layer) to +3.0% (the zoo's untied one), above the 3% the
+    // activation rows now meet; the gap is in the parameters counted, which
+    // no communication or activation mechanism touches.
     within(states, 45.56, 0.05, "22B weights+grads+optimizer");
-    within(none, 59.25, 0.05, "22B activations, no recompute");
+    within(none, 59.25, 0.03, "22B activations, no recompute");
     let (_, sel) = memory_row(
         "gpt_22b",
         "8xA100",
         4,
         &format!("{base},recompute=selective,sp=on"),
     );
-    within(sel, 9.56, 0.05, "22B activations, sp + selective");
+    within(sel, 9.56, 0.03, "22B activations, sp + selective");
 }
 
 #[test]
@@ -78,15 +82,16 @@ fn korthikanti_fig1_gpt_175b_first_stage() {
         64,
         &format!("{base},recompute=none,sp=off"),
     );
+    // +3.1%, as the 22B states row: the tolerance stays.
     within(states, 45.56, 0.10, "175B weights+grads+optimizer");
-    within(none, 66.84, 0.10, "175B activations, no recompute");
+    within(none, 66.84, 0.03, "175B activations, no recompute");
     let (_, sel) = memory_row(
         "gpt_175b",
         "8x8xA100",
         64,
         &format!("{base},recompute=selective,sp=on"),
     );
-    within(sel, 12.35, 0.10, "175B activations, sp + selective");
+    within(sel, 12.35, 0.03, "175B activations, sp + selective");
 }
 
 fn step_time(model: &str, cluster: &str, batch: u64, strategy: &str) -> f64 {
@@ -105,14 +110,14 @@ fn korthikanti_table5_gpt_22b() {
         4,
         &format!("{base},recompute=full,sp=off"),
     );
-    within(full, 1.42, 0.10, "22B full recompute");
+    within(full, 1.42, 0.05, "22B full recompute");
     let sel = step_time(
         "gpt_22b",
         "8xA100",
         4,
         &format!("{base},recompute=selective,sp=on"),
     );
-    within(sel, 1.10, 0.10, "22B sp + selective");
+    within(sel, 1.10, 0.05, "22B sp + selective");
 }
 
 #[test]
@@ -124,14 +129,14 @@ fn korthikanti_table5_gpt_175b() {
         64,
         &format!("{base},recompute=full,sp=off"),
     );
-    within(full, 18.13, 0.10, "175B full recompute");
+    within(full, 18.13, 0.05, "175B full recompute");
     let sel = step_time(
         "gpt_175b",
         "8x8xA100",
         64,
         &format!("{base},recompute=selective,sp=on"),
     );
-    within(sel, 13.75, 0.10, "175B sp + selective");
+    within(sel, 13.75, 0.05, "175B sp + selective");
 }
 
 fn hw_tflops(model: &str, cluster: &str, batch: u64, strategy: &str) -> f64 {

@@ -307,11 +307,15 @@ pub enum TpOverlap {
     /// Megatron's asynchronous backward: a column-parallel layer's
     /// input-gradient all-reduce runs beside its weight-gradient GEMM; with
     /// sequence parallelism the all-gather of the saved input shard beside
-    /// the input-gradient GEMM and the reduce-scatter beside the weight one.
+    /// the input-gradient GEMM and the reduce-scatter beside the weight one
+    /// (the row-parallel backward's output-gradient all-gather stays exposed).
     Async,
     /// Megatron-Core's `--tp-comm-overlap` (and torchtitan's async TP) as
     /// well: forward all-gathers and row-parallel reductions are cut into
-    /// `tp` chunks pipelined with their GEMM.
+    /// `tp` chunks pipelined with their GEMM. `tp_overlap=pipe` reads as this
+    /// too: Transformer Engine's chunked `pipeline` and `ring_exchange`
+    /// methods differ in how they cut the GEMM, not in what the cost model
+    /// prices (one chunk's transfer exposed).
     Ring,
 }
 
@@ -573,6 +577,31 @@ pub struct TimeBreakdown {
     /// micro-batch. Plans written before this field existed offloaded nothing.
     #[serde(default, skip_serializing_if = "is_zero_s")]
     pub offload_s: f64,
+    /// Bytes that cross the host link per step for the offloaded state
+    /// (`offload_s` is the part of their time compute does not hide).
+    #[serde(default, skip_serializing_if = "is_zero_bytes")]
+    pub offload_bytes: u64,
+    /// Each mesh axis's communication per step: what stays on the critical
+    /// path and what overlap hides. Plans written before this field existed
+    /// have none (`dplc explain` then prints the totals before overlap).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub comm_by_axis: Vec<AxisComm>,
+}
+
+fn is_zero_bytes(b: &u64) -> bool {
+    *b == 0
+}
+
+/// One mesh axis's communication per step, on the slowest stage.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AxisComm {
+    pub axis: MeshAxis,
+    /// Seconds on the critical path (part of the step time).
+    pub exposed_s: f64,
+    /// Seconds hidden behind compute: tensor-parallel collectives beside
+    /// GEMMs, the context-parallel ring beside attention, data-parallel
+    /// reduction and ZeRO gathers beside backward and forward.
+    pub hidden_s: f64,
 }
 
 fn is_zero_s(t: &f64) -> bool {

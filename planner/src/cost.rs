@@ -8,8 +8,8 @@ use crate::cluster::{Cluster, Link};
 use crate::profile::{Bind, ModelProfile, RegionProfile, Work};
 use crate::sharding::{GemmSplit, Pass, TpCollectiveKind};
 use dplc_ir::{
-    AttentionKind, CollectiveKind, GradAccum, LinkLevel, MemoryBreakdown, MeshAxis, Offload,
-    PipelineSchedule, Precision, Recompute, TimeBreakdown, TpOverlap,
+    AttentionKind, AxisComm, CollectiveKind, GradAccum, LinkLevel, MemoryBreakdown, MeshAxis,
+    Offload, PipelineSchedule, Precision, Recompute, TimeBreakdown, TpOverlap,
 };
 use std::collections::HashMap;
 
@@ -208,22 +208,37 @@ pub(crate) fn collective_time(kind: CollectiveKind, bytes: f64, link: &GroupLink
 ///
 /// - A column-parallel input gradient (backward): Megatron launches the
 ///   all-reduce once the input-gradient GEMM is done and computes the weight
-///   gradient meanwhile; with sequence parallelism it is an all-gather of the
-///   saved input shard beside the input-gradient GEMM, then a reduce-scatter
-///   beside the weight-gradient GEMM, half the time each.
+///   gradient meanwhile. With sequence parallelism the all-reduce is a
+///   reduce-scatter of the input gradient, beside the weight-gradient GEMM,
+///   and the all-gather of the output gradient that the row-parallel layer's
+///   backward starts with (`_ReduceScatterToSequenceParallelRegion.backward`),
+///   half the time each; `async` runs that all-gather synchronously, the
+///   userbuffers overlap of `ring` exchanges it beside the row-parallel
+///   input-gradient GEMM (priced as one of the GEMMs beside it).
+/// - The sequence-parallel re-gather of a column-parallel input (backward,
+///   `regather`): launched before the input-gradient GEMM and awaited after
+///   it, under `async` and `ring` alike.
 /// - With `Ring` the forward all-gathers and row-parallel reductions too: the
 ///   GEMM is cut into `tp` chunks and each chunk's transfer runs beside the
 ///   next chunk's compute, leaving the longer of the two plus one chunk.
-fn exposed_tp(c: &Config, kind: TpCollectiveKind, pass: Pass, t: f64, beside: f64) -> f64 {
+fn exposed_tp(c: &Config, col: TpExposure, t: f64, beside: f64) -> f64 {
+    let TpExposure {
+        kind,
+        pass,
+        regather,
+    } = col;
     if beside <= 0.0 || c.tp_overlap == TpOverlap::None || kind == TpCollectiveKind::RowStats {
         return t;
     }
     match pass {
+        Pass::Backward if regather => (t - beside).max(0.0),
         Pass::Backward if kind == TpCollectiveKind::AllReduce => {
-            if c.sp {
+            if !c.sp {
+                (t - beside).max(0.0)
+            } else if c.tp_overlap == TpOverlap::Ring {
                 2.0 * (t / 2.0 - beside).max(0.0)
             } else {
-                (t - beside).max(0.0)
+                (t / 2.0 - beside).max(0.0) + t / 2.0
             }
         }
         Pass::Forward if c.tp_overlap == TpOverlap::Ring => {
@@ -231,6 +246,15 @@ fn exposed_tp(c: &Config, kind: TpCollectiveKind, pass: Pass, t: f64, beside: f6
         }
         _ => t,
     }
+}
+
+/// What decides how much of a tensor-parallel collective overlap can hide.
+#[derive(Clone, Copy, Debug)]
+struct TpExposure {
+    kind: TpCollectiveKind,
+    pass: Pass,
+    /// The sequence-parallel re-gather of a saved input shard.
+    regather: bool,
 }
 
 /// Per-micro-batch costs of one layer (or of the embedding / head) on one rank.
@@ -244,13 +268,22 @@ pub(crate) struct PassCost {
     pub recompute: f64,
     /// Exposed tensor/context/expert-parallel communication, seconds, all passes.
     pub comm: f64,
+    /// The part of `comm` on the context- and expert-parallel axes (the rest
+    /// is tensor-parallel).
+    pub cp_comm: f64,
+    pub ep_comm: f64,
     /// Tensor-parallel communication hidden behind GEMMs, seconds.
     pub hidden_comm: f64,
+    /// The context-parallel ring hidden behind the attention blocks, seconds.
+    pub cp_hidden_comm: f64,
     /// Bytes kept for backward per micro-batch.
     pub saved_bytes: f64,
     /// Bytes of the whole activation set of one micro-batch (the transient
     /// working set while a fully recomputed layer runs its backward).
     pub full_saved_bytes: f64,
+    /// The largest tensor a sequence-parallel all-gather assembles whole
+    /// (Megatron's reused global "mpu" buffer, forward and backward).
+    pub gather_buffer_bytes: f64,
 }
 
 impl PassCost {
@@ -494,7 +527,13 @@ impl<'a> CostModel<'a> {
         // recomputing the forward repeats the forward ones.
         let tp_link = self.link(c, MeshAxis::Tp);
         for col in &r.collectives {
+            if col.sequence_parallel_only && !c.sp {
+                continue;
+            }
             let bytes = bind.eval(&col.bytes);
+            if c.sp && c.tp > 1 && col.sequence_parallel_only {
+                pc.gather_buffer_bytes = pc.gather_buffer_bytes.max(bytes);
+            }
             let kind = match col.kind {
                 TpCollectiveKind::AllReduce | TpCollectiveKind::RowStats => {
                     CollectiveKind::AllReduce
@@ -503,7 +542,12 @@ impl<'a> CostModel<'a> {
             };
             let beside: f64 = col.beside.iter().filter_map(|n| gemm_times.get(n)).sum();
             let whole = collective_time(kind, bytes, &tp_link);
-            let t = exposed_tp(c, col.kind, col.pass, whole, beside);
+            let exposure = TpExposure {
+                kind: col.kind,
+                pass: col.pass,
+                regather: col.sequence_parallel_only,
+            };
+            let t = exposed_tp(c, exposure, whole, beside);
             let repeats = if col.pass == Pass::Forward && layer && c.recompute == Recompute::Full {
                 2.0
             } else {
@@ -518,16 +562,19 @@ impl<'a> CostModel<'a> {
             let cp_link = self.link(c, MeshAxis::Cp);
             let kv = bind.eval(&r.kv_bytes) / tp * c.cp as f64;
             let t = collective_time(CollectiveKind::AllGather, kv, &cp_link);
-            pc.comm += (t - core_forward).max(0.0)
-                + (collective_time(CollectiveKind::ReduceScatter, kv, &cp_link)
-                    - 2.0 * core_forward)
-                    .max(0.0);
+            let back = collective_time(CollectiveKind::ReduceScatter, kv, &cp_link);
+            let exposed = (t - core_forward).max(0.0) + (back - 2.0 * core_forward).max(0.0);
+            pc.comm += exposed;
+            pc.cp_comm += exposed;
+            pc.cp_hidden_comm += t + back - exposed;
         }
         if c.ep > 1 {
             let ep_link = self.link(c, MeshAxis::Ep);
             let bytes = bind.eval(&r.all_to_all_bytes) / rep_div;
             // Dispatch and combine in forward, their transposes in backward.
-            pc.comm += 2.0 * collective_time(CollectiveKind::AllToAll, bytes, &ep_link);
+            let t = 2.0 * collective_time(CollectiveKind::AllToAll, bytes, &ep_link);
+            pc.comm += t;
+            pc.ep_comm += t;
         }
         let mut largest_core = 0.0f64;
         for s in &r.saved {
@@ -665,6 +712,12 @@ impl<'a> CostModel<'a> {
         if c.recompute == Recompute::Full {
             buffers += layer.full_saved_bytes;
         }
+        // Sequence parallelism keeps the shards; the all-gathers assemble
+        // whole tensors in one reused buffer of the largest.
+        buffers += layer
+            .gather_buffer_bytes
+            .max(pre.gather_buffer_bytes)
+            .max(post.gather_buffer_bytes);
         if c.zero >= 3 {
             // The gathered weights of the layer running and the next one prefetched.
             buffers += 2.0 * self.profile.layer.params.per_rank(c.tp as f64, c.ep as f64) * w_bytes;
@@ -739,7 +792,10 @@ impl<'a> CostModel<'a> {
             backward: counts[i] as f64 * layer.backward,
             recompute: counts[i] as f64 * layer.recompute,
             comm: counts[i] as f64 * layer.comm,
+            cp_comm: counts[i] as f64 * layer.cp_comm,
+            ep_comm: counts[i] as f64 * layer.ep_comm,
             hidden_comm: counts[i] as f64 * layer.hidden_comm,
+            cp_hidden_comm: counts[i] as f64 * layer.cp_hidden_comm,
             ..PassCost::default()
         };
         for (cond, e) in [(i == 0, pre), (i as u64 == c.pp - 1, post)] {
@@ -747,7 +803,10 @@ impl<'a> CostModel<'a> {
                 s.forward += e.forward;
                 s.backward += e.backward;
                 s.comm += e.comm;
+                s.cp_comm += e.cp_comm;
+                s.ep_comm += e.ep_comm;
                 s.hidden_comm += e.hidden_comm;
+                s.cp_hidden_comm += e.cp_hidden_comm;
             }
         }
         if c.grad_accum == GradAccum::Separate {
@@ -833,22 +892,24 @@ impl<'a> CostModel<'a> {
         } else {
             0.0
         };
-        let mut exposed_dp = if c.zero >= 2 {
+        let (mut exposed_dp, mut whole_dp) = if c.zero >= 2 {
             // ZeRO-2 reduce-scatters every micro-batch's gradients during its backward.
-            m * (dp_reduce - hidden).max(0.0)
+            (m * (dp_reduce - hidden).max(0.0), m * dp_reduce)
         } else {
-            (dp_reduce - hidden).max(0.0)
+            ((dp_reduce - hidden).max(0.0), dp_reduce)
         };
         if c.zero >= 1 {
             // The updated shards are all-gathered, overlapped with the next forward.
             let gather = collective_time(CollectiveKind::AllGather, dense * w_bytes, &dp_link)
                 + collective_time(CollectiveKind::AllGather, expert * w_bytes, &edp_link);
             exposed_dp += (gather - stages[0].forward).max(0.0);
+            whole_dp += gather;
         }
         if c.zero >= 3 {
             // Weights gathered again for each micro-batch's forward and backward.
             let gather = collective_time(CollectiveKind::AllGather, dense * w_bytes, &dp_link);
             exposed_dp += m * (2.0 * gather - (stages[0].forward + stages[0].backward)).max(0.0);
+            whole_dp += m * 2.0 * gather;
         }
         let opt_params = if c.zero >= 1 {
             dense / c.dp as f64 + expert / edp as f64
@@ -857,6 +918,7 @@ impl<'a> CostModel<'a> {
         };
         let dev = &self.cluster.device;
         let mut offload = 0.0;
+        let mut offload_bytes = 0.0;
         let mut optimizer = if c.offload.optimizer {
             // The gradient shard goes down as its backward finishes (hidden
             // behind it but for the last bucket), the CPU steps at the host's
@@ -865,6 +927,7 @@ impl<'a> CostModel<'a> {
             let link = dev.host_link_bandwidth * MEMORY_EFFICIENCY;
             let down = opt_params * w_bytes / link;
             let up = opt_params * w_bytes / link;
+            offload_bytes += 2.0 * opt_params * w_bytes;
             offload += (down - stages[0].backward * (1.0 - 1.0 / layers0)).max(down / layers0) + up;
             opt_params * (optimizer_step_bytes(self.profile.precision) + 4.0)
                 / (dev.host_memory_bandwidth * MEMORY_EFFICIENCY)
@@ -880,16 +943,18 @@ impl<'a> CostModel<'a> {
             let (fwd, bwd) = (slowest.forward, slowest.backward + slowest.recompute);
             let weights = if c.offload.params {
                 let (params, _) = self.stage_params(c, 0, counts[0]);
-                params / c.dp as f64 * w_bytes / link
+                params / c.dp as f64 * w_bytes
             } else {
                 0.0
             };
             let acts = if c.offload.activations {
                 let [layer, ..] = self.parts(c);
-                layer.saved_bytes * counts[0] as f64 / link
+                layer.saved_bytes * counts[0] as f64
             } else {
                 0.0
             };
+            offload_bytes += m * 2.0 * (weights + acts);
+            let (weights, acts) = (weights / link, acts / link);
             offload += m * ((weights + acts - fwd).max(0.0) + (weights + acts - bwd).max(0.0));
         }
         if c.fp8 {
@@ -902,6 +967,33 @@ impl<'a> CostModel<'a> {
                 / (self.cluster.device.memory_bandwidth * MEMORY_EFFICIENCY);
         }
 
+        let tp_comm = slowest.comm - slowest.cp_comm - slowest.ep_comm;
+        let comm_by_axis = [
+            (MeshAxis::Tp, c.tp, m * tp_comm, m * slowest.hidden_comm),
+            (
+                MeshAxis::Cp,
+                c.cp,
+                m * slowest.cp_comm,
+                m * slowest.cp_hidden_comm,
+            ),
+            (MeshAxis::Ep, c.ep, m * slowest.ep_comm, 0.0),
+            (MeshAxis::Pp, c.pp, p2p, 0.0),
+            (
+                MeshAxis::Dp,
+                c.dp,
+                exposed_dp,
+                (whole_dp - exposed_dp).max(0.0),
+            ),
+        ]
+        .into_iter()
+        .filter(|&(_, size, exposed, hidden)| size > 1 && exposed + hidden > 0.0)
+        .map(|(axis, _, exposed_s, hidden_s)| AxisComm {
+            axis,
+            exposed_s,
+            hidden_s,
+        })
+        .collect();
+
         TimeBreakdown {
             compute_s: m * (slowest.forward + slowest.backward + slowest.recompute),
             recompute_s: m * slowest.recompute,
@@ -912,6 +1004,8 @@ impl<'a> CostModel<'a> {
             exposed_dp_comm_s: exposed_dp,
             optimizer_s: optimizer,
             offload_s: offload,
+            offload_bytes: offload_bytes as u64,
+            comm_by_axis,
         }
     }
 }

@@ -95,6 +95,9 @@ pub(crate) struct CollectiveCost {
     /// an all-gather, the tensor-parallel GEMMs that read the tensor; for a
     /// row-parallel output, the GEMM that writes it.
     pub beside: Vec<NodeId>,
+    /// Exists only under sequence parallelism: the backward all-gather of a
+    /// column-parallel GEMM's saved input shard for its weight gradient.
+    pub sequence_parallel_only: bool,
 }
 
 /// Parameters of a region by how they are split.
@@ -474,12 +477,29 @@ fn region_profile(
             }
             out
         };
+        // Under sequence parallelism a column-parallel GEMM keeps only the
+        // sequence shard of its input (the forward all-gathered it), so its
+        // backward all-gathers the shard again for the weight-gradient GEMM
+        // (Megatron's `LinearWithGradAccumulationAndAsyncCommunication.backward`).
+        // Its input gradient's all-reduce names exactly those GEMMs: the twin
+        // moves the same tensor beside the same GEMMs' input-gradient halves.
+        if c.kind == TpCollectiveKind::AllReduce && c.pass == Pass::Backward && !beside.is_empty() {
+            p.collectives.push(CollectiveCost {
+                kind: TpCollectiveKind::AllGather,
+                pass: Pass::Backward,
+                bytes: scaled(&c.elements, bytes),
+                what: "sequence-parallel input re-gather (weight gradient)".to_string(),
+                beside: beside.clone(),
+                sequence_parallel_only: true,
+            });
+        }
         p.collectives.push(CollectiveCost {
             kind: c.kind,
             pass: c.pass,
             bytes: scaled(&c.elements, bytes),
             what: what.to_string(),
             beside,
+            sequence_parallel_only: false,
         });
     }
     for &n in nodes {

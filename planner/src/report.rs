@@ -169,6 +169,9 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
             (&profile.post, u64::from(c.pp == 1), "head"),
         ] {
             for col in &region.collectives {
+                if col.sequence_parallel_only && !c.sp {
+                    continue;
+                }
                 let bytes = bind.eval(&col.bytes);
                 let phase = match col.pass {
                     Pass::Forward => StepPhase::Forward,

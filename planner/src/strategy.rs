@@ -26,7 +26,7 @@ pub struct StrategyConstraints {
     /// `attention=unfused` prices the attention core op by op, as the
     /// 2021–2022 stacks ran it; the search uses fused attention otherwise.
     pub attention: Option<AttentionKind>,
-    /// `tp_overlap=none|async|ring`; the search uses Megatron's default,
+    /// `tp_overlap=none|async|ring|pipe` (`pipe` reads as `ring`); the search uses Megatron's default,
     /// `async`, otherwise.
     pub tp_overlap: Option<TpOverlap>,
     /// `grad_accum=fused|separate`; the search uses Megatron's default, fused.
@@ -220,10 +220,18 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
                 c.tp_overlap = Some(match value.to_ascii_lowercase().as_str() {
                     "none" | "off" => TpOverlap::None,
                     "async" => TpOverlap::Async,
+                    // Megatron-Core's `--tp-comm-overlap` runs Transformer
+                    // Engine's userbuffers overlap: the all-gathers beside
+                    // their GEMMs by ring exchange (`ring_exchange`), the
+                    // reduce-scatters after a GEMM cut into chunks
+                    // (`pipeline`), the backward ones in bulk. Both cut the
+                    // GEMM into chunks with one chunk's transfer left
+                    // exposed, which is all the cost model prices, so `pipe`
+                    // names the same mechanism as `ring`.
                     "ring" | "pipe" => TpOverlap::Ring,
                     _ => {
                         return Err(err(format!(
-                            "tp_overlap is none, async or ring, got `{value}`"
+                            "tp_overlap is none, async, ring or pipe, got `{value}`"
                         )))
                     }
                 })
@@ -410,6 +418,18 @@ mod tests {
         assert_eq!(c.attention, Some(AttentionKind::Unfused));
         assert_eq!(c.tp_overlap, Some(TpOverlap::Ring));
         assert_eq!(parse_strategy(&c.to_string()).unwrap(), c);
+    }
+
+    #[test]
+    fn tp_overlap_takes_megatron_cores_names() {
+        let overlap = |v: &str| parse_strategy(&format!("tp_overlap={v}")).map(|c| c.tp_overlap);
+        assert_eq!(overlap("none").unwrap(), Some(TpOverlap::None));
+        assert_eq!(overlap("async").unwrap(), Some(TpOverlap::Async));
+        assert_eq!(overlap("ring").unwrap(), Some(TpOverlap::Ring));
+        assert_eq!(overlap("pipe").unwrap(), Some(TpOverlap::Ring));
+        assert_eq!(overlap("PIPE").unwrap(), Some(TpOverlap::Ring));
+        let e = overlap("bulk").unwrap_err().to_string();
+        assert!(e.contains("none, async, ring or pipe"), "{e}");
     }
 
     #[test]

@@ -63,15 +63,19 @@ fn korthikanti_fig1_gpt_22b() {
         4,
         &format!("{base},recompute=none,sp=off"),
     );
+    // The states rows keep their tolerance: they read +1.6% (IR-built,
+    // tied output layer) to +3.0% (the zoo's untied one), above the 3% the
+    // activation rows now meet; the gap is in the parameters counted, which
+    // no communication or activation mechanism touches.
     within(states, 45.56, 0.05, "22B weights+grads+optimizer");
-    within(none, 59.25, 0.05, "22B activations, no recompute");
+    within(none, 59.25, 0.03, "22B activations, no recompute");
     let (_, sel) = memory_row(
         GPT_22B,
         "8xA100",
         4,
         &format!("{base},recompute=selective,sp=on"),
     );
-    within(sel, 9.56, 0.05, "22B activations, sp + selective");
+    within(sel, 9.56, 0.03, "22B activations, sp + selective");
 }
 
 #[test]
@@ -84,15 +88,16 @@ fn korthikanti_fig1_gpt_175b_first_stage() {
         64,
         &format!("{base},recompute=none,sp=off"),
     );
+    // +3.1%, as the 22B states row: the tolerance stays.
     within(states, 45.56, 0.10, "175B weights+grads+optimizer");
-    within(none, 66.84, 0.10, "175B activations, no recompute");
+    within(none, 66.84, 0.03, "175B activations, no recompute");
     let (_, sel) = memory_row(
         GPT_175B,
         "8x8xA100",
         64,
         &format!("{base},recompute=selective,sp=on"),
     );
-    within(sel, 12.35, 0.10, "175B activations, sp + selective");
+    within(sel, 12.35, 0.03, "175B activations, sp + selective");
 }
 
 #[test]
@@ -445,9 +450,9 @@ fn tensor_parallel_overlap_hides_communication_behind_gemms() {
                 none.exposed_comm_s
             );
         }
-        // Forward and backward move the same bytes per layer (the backward
-        // collectives are the forward ones' transposes): async hides at most
-        // the backward half.
+        // The backward collectives are the forward ones' transposes (plus,
+        // under sequence parallelism, the input re-gathers): async hides
+        // none of the forward ones, at least half of the whole.
         assert!(
             asynchronous.exposed_comm_s >= none.exposed_comm_s / 2.0 - 1e-9,
             "sp {sp}: async exposes {} of {}",
@@ -455,6 +460,81 @@ fn tensor_parallel_overlap_hides_communication_behind_gemms() {
             none.exposed_comm_s
         );
     }
+}
+
+/// Sequence parallelism keeps only the sequence shard of a column-parallel
+/// GEMM's input, so its backward all-gathers the shard again for the weight
+/// gradient (Megatron's `LinearWithGradAccumulationAndAsyncCommunication`).
+/// Under `tp_overlap=none` that re-gather is the whole difference sequence
+/// parallelism makes to the exposed communication (its reduce-scatter and
+/// all-gather pairs cost what the all-reduces did); under `async` it hides
+/// behind the input-gradient GEMM, while the all-gather of the output
+/// gradient that opens the row-parallel backward stays exposed. Memory
+/// gains one full-size gather buffer, nothing else.
+#[test]
+fn sequence_parallelism_gathers_the_saved_input_again_in_backward() {
+    let base = "tp=8,pp=1,dp=1,mb=4,zero=0,recompute=none,attention=fused";
+    let plan = |sp: &str, o: &str| {
+        plan_as_pinned(
+            GPT_22B,
+            "8xA100",
+            4,
+            &format!("{base},sp={sp},tp_overlap={o}"),
+        )
+        .plan
+    };
+    let per_step = |p: &dplc_ir::Plan, what: &str, kind: dplc_ir::CollectiveKind| -> f64 {
+        p.collectives
+            .iter()
+            .filter(|c| c.what.ends_with(what) && c.kind == kind)
+            .map(|c| c.time_s * c.count_per_step as f64)
+            .sum()
+    };
+    let regather = "sequence-parallel input re-gather (weight gradient)";
+    let (on, off) = (plan("on", "none"), plan("off", "none"));
+    let gathers = per_step(&on, regather, dplc_ir::CollectiveKind::AllGather);
+    assert!(gathers > 0.0, "no re-gather under sp");
+    assert_eq!(
+        per_step(&off, regather, dplc_ir::CollectiveKind::AllGather),
+        0.0
+    );
+    let extra = on.estimate.breakdown.exposed_comm_s - off.estimate.breakdown.exposed_comm_s;
+    assert!(
+        (extra / gathers - 1.0).abs() < 1e-9,
+        "sp adds {extra} s of exposed tp communication, the re-gathers take {gathers}"
+    );
+
+    // async: the re-gathers hide; the output-gradient all-gathers (the
+    // all-gather half of each input-gradient all-reduce) do not.
+    let (on, off) = (plan("on", "async"), plan("off", "async"));
+    let grad_gathers = per_step(
+        &on,
+        "column-parallel input gradient",
+        dplc_ir::CollectiveKind::AllGather,
+    );
+    let extra = on.estimate.breakdown.exposed_comm_s - off.estimate.breakdown.exposed_comm_s;
+    assert!(
+        (extra / grad_gathers - 1.0).abs() < 1e-9,
+        "async: sp adds {extra} s exposed, the output-gradient gathers take {grad_gathers}"
+    );
+    let tp = |p: &dplc_ir::Plan| {
+        p.estimate
+            .breakdown
+            .comm_by_axis
+            .iter()
+            .find(|a| a.axis == dplc_ir::MeshAxis::Tp)
+            .cloned()
+            .expect("tp communication")
+    };
+    assert!(tp(&on).hidden_s >= gathers, "{:?}", tp(&on));
+    assert!((tp(&on).exposed_s / on.estimate.breakdown.exposed_comm_s - 1.0).abs() < 1e-12);
+
+    // Memory: the saved activations are the shards already; the gathers
+    // assemble one micro-batch's hidden states (s·b·h in bf16) in one buffer.
+    let (s, b, h) = (2048i64, 4i64, GPT_22B.hidden);
+    let buffers = |p: &dplc_ir::Plan| p.stages[0].memory.buffers as i64;
+    let grown = buffers(&on) - buffers(&off);
+    assert!((grown - s * b * h * 2).abs() <= 1, "{grown}");
 }
 
 /// Accumulating gradients outside the GEMM costs, per micro-batch, one
