@@ -133,9 +133,13 @@ pub fn run(args: &Args) -> Result<()> {
         units::si(r.params as f64).trim()
     );
     outln!("  layers           {}", r.layers);
+    // A model without a sequence (an image classifier) has no `seq` to train at.
+    let seq = match lowered.graph.sym_by_name("seq") {
+        Some(_) => format!("seq {}, ", train.seq),
+        None => String::new(),
+    };
     outln!(
-        "  training         seq {}, global batch {}, {}",
-        train.seq,
+        "  training         {seq}global batch {}, {}",
         train.global_batch,
         train.precision.name()
     );

@@ -30,10 +30,13 @@ pub struct TrainOpts {
     /// or the checkpoint's with --resume).
     #[arg(long)]
     pub seed: Option<u64>,
-    /// Train on this file instead of the synthetic corpus: raw bytes (one
-    /// token each), or little-endian u16 token ids when it ends in `.u16` or `.bin`.
+    /// Train on data instead of synthetic samples (repeatable): a token file
+    /// for `tokens`/`targets` (raw bytes, one token each, or little-endian
+    /// u16 ids when it ends in `.u16` or `.bin`); `NAME=FILE.npy`, a NumPy
+    /// array for input NAME; or `FILE.safetensors`, whose tensors feed the
+    /// inputs they are named after. Axis 0 of an array indexes the samples.
     #[arg(long)]
-    pub data: Option<PathBuf>,
+    pub data: Vec<PathBuf>,
     /// One JSON object per step and a final summary on stdout.
     #[arg(long)]
     pub json: bool,
@@ -210,20 +213,80 @@ pub fn vocab_of(graph: &dplc_ir::Graph) -> usize {
         .map_or(256, |v| v.max(1) as usize)
 }
 
-/// The training corpus: a file, or the synthetic corpus of `seed`.
-pub fn corpus(data: Option<&Path>, graph: &dplc_ir::Graph, seed: u64) -> Result<Corpus> {
-    match data {
-        None => Ok(Corpus::synthetic(seed, vocab_of(graph), 1 << 16)),
-        Some(path) => {
+/// One `--data` argument: a token file, `NAME=FILE.npy`, or `FILE.safetensors`.
+enum DataArg<'a> {
+    Tokens(&'a Path),
+    Array(&'a str, &'a Path),
+    Tensors(&'a Path),
+}
+
+impl<'a> DataArg<'a> {
+    fn of(arg: &'a Path) -> DataArg<'a> {
+        let text = arg.to_str().unwrap_or("");
+        if let Some((name, file)) = text.split_once('=') {
+            let ident =
+                !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if ident && !arg.exists() {
+                return DataArg::Array(name, Path::new(file));
+            }
+        }
+        match arg.extension().and_then(|e| e.to_str()) {
+            Some("safetensors") => DataArg::Tensors(arg),
+            _ => DataArg::Tokens(arg),
+        }
+    }
+
+    fn path(&self) -> &'a Path {
+        match *self {
+            DataArg::Tokens(p) | DataArg::Array(_, p) | DataArg::Tensors(p) => p,
+        }
+    }
+}
+
+/// The files `--data` names (inputs of the command: never written over).
+pub fn data_paths(data: &[PathBuf]) -> Vec<&Path> {
+    data.iter().map(|d| DataArg::of(d).path()).collect()
+}
+
+/// The training data: the token stream of a file or the synthetic corpus of
+/// `seed`, with the arrays `--data` names for other inputs.
+pub fn corpus(data: &[PathBuf], graph: &dplc_ir::Graph, seed: u64) -> Result<Corpus> {
+    let args: Vec<DataArg> = data.iter().map(|d| DataArg::of(d)).collect();
+    let tokens: Vec<&Path> = args
+        .iter()
+        .filter_map(|a| match *a {
+            DataArg::Tokens(p) => Some(p),
+            _ => None,
+        })
+        .collect();
+    let mut c = match tokens[..] {
+        [] => Corpus::synthetic(seed, vocab_of(graph), 1 << 16),
+        [path] => {
             let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
             let format = if matches!(ext, "u16" | "bin") {
                 TokenFormat::U16
             } else {
                 TokenFormat::Bytes
             };
-            Corpus::from_file(path, format, seed).map_err(|e| miette!("{e}"))
+            Corpus::from_file(path, format, seed).map_err(|e| miette!("{e}"))?
         }
+        _ => {
+            return Err(miette!(
+                help = "give one token file, and arrays as NAME=FILE.npy or FILE.safetensors",
+                "--data names {} token files",
+                tokens.len()
+            ))
+        }
+    };
+    for a in &args {
+        let added = match *a {
+            DataArg::Array(name, path) => c.add_npy(name, path),
+            DataArg::Tensors(path) => c.add_safetensors(path),
+            DataArg::Tokens(_) => Ok(()),
+        };
+        added.map_err(|e| miette!("{e}"))?;
     }
+    Ok(c)
 }
 
 /// The fault `DPLC_FAULT` asks for: `kill:RANK:STEP` (the rank dies with an
@@ -334,8 +397,11 @@ fn step_json(st: &StepStats) -> serde_json::Value {
         "loss": st.loss,
         "lr": st.lr,
         "grad_norm": st.grad_norm,
-        "tokens_per_s": st.tokens_per_s,
+        "samples_per_s": st.samples_per_s,
     });
+    if let Some(t) = st.tokens_per_s {
+        v["tokens_per_s"] = json!(t);
+    }
     if st.skipped {
         v["skipped"] = json!(true);
     }
@@ -349,9 +415,13 @@ fn progress(st: &StepStats, steps: u64, from: u64, started: Instant, tty: bool) 
     let width = 24usize;
     let filled = (width as u64 * done / steps.max(1)) as usize;
     let bar = format!("{}{}", "=".repeat(filled), " ".repeat(width - filled));
+    let speed = match st.tokens_per_s {
+        Some(t) => format!("{t:.0} tok/s"),
+        None => format!("{:.1} samples/s", st.samples_per_s),
+    };
     let line = format!(
-        "step {done:>5}/{steps} [{bar}] loss {:.4}  lr {:.2e}  {:.0} tok/s  ETA {eta:.0}s",
-        st.loss, st.lr, st.tokens_per_s
+        "step {done:>5}/{steps} [{bar}] loss {:.4}  lr {:.2e}  {speed}  ETA {eta:.0}s",
+        st.loss, st.lr
     );
     let mut err = std::io::stderr();
     if tty {
@@ -463,9 +533,8 @@ pub fn train_prepared_on(
         (Some(ck), None) => ck.seed(),
         (None, None) => 0,
     };
-    let data = corpus(args.data.as_deref(), &p.graph, seed)?;
-    data.check(p.train.seq as usize, Some(vocab_of(&p.graph)))
-        .map_err(|e| miette!("{e}"))?;
+    // Each input is checked against its data when the ranks start.
+    let data = corpus(&args.data, &p.graph, seed)?;
     let mut cfg = p.cfg.clone();
     cfg.timeout = args.timeout()?;
     cfg.skip_nonfinite = args.skip_nonfinite;
@@ -480,7 +549,7 @@ pub fn train_prepared_on(
     }
     if let Some(path) = &args.trace {
         let mut inputs = vec![Path::new(&p.plan.source.file)];
-        inputs.extend(args.data.as_deref());
+        inputs.extend(data_paths(&args.data));
         crate::output::check(path, &inputs).wrap_err("cannot write the trace")?;
         cfg.trace = dplc_runtime::TraceSink::recording();
     }
@@ -522,12 +591,17 @@ pub fn train_prepared_on(
             format!("{} ranks on {gpus} GPU(s), {dtype}", cfg.world_size())
         }
     };
+    let has_seq = p.graph.sym_by_name("seq").is_some();
     if !args.json && !quiet {
+        let seq = if has_seq {
+            format!("seq {}, ", p.train.seq)
+        } else {
+            String::new()
+        };
         note!(
-            "training {} on {ranks}: {}; seq {}, global batch {}, {steps} steps",
+            "training {} on {ranks}: {}; {seq}global batch {}, {steps} steps",
             p.plan.model,
             describe(&p.plan),
-            p.train.seq,
             p.train.global_batch
         );
     }
@@ -567,14 +641,14 @@ pub fn train_prepared_on(
     if let Some(path) = &args.trace {
         let trace = crate::viz::measured_trace(&p.plan, &cfg.trace.spans());
         let mut inputs = vec![Path::new(&p.plan.source.file)];
-        inputs.extend(args.data.as_deref());
+        inputs.extend(data_paths(&args.data));
         crate::output::write(path, trace.to_string().as_bytes(), &inputs)
             .wrap_err("cannot write the trace")?;
     }
     let done = report.steps.len() as u64;
     let first = report.steps.first().map_or(f64::NAN, |s| s.loss);
     let last = report.steps.last().map_or(f64::NAN, |s| s.loss);
-    let tokens = (done * p.train.global_batch * p.train.seq) as f64;
+    let samples = (done * p.train.global_batch) as f64;
     if json {
         let mut summary = json!({
                 "summary": true,
@@ -592,8 +666,11 @@ pub fn train_prepared_on(
                 "first_loss": first,
                 "final_loss": last,
                 "seconds": elapsed,
-                "tokens_per_s": tokens / elapsed.max(1e-9),
+                "samples_per_s": samples / elapsed.max(1e-9),
         });
+        if has_seq {
+            summary["tokens_per_s"] = json!(samples * p.train.seq as f64 / elapsed.max(1e-9));
+        }
         if let Some(d) = &report.device {
             summary["device"] = json!(d.name);
             summary["kernels"] = json!(d.kernels);
@@ -608,11 +685,13 @@ pub fn train_prepared_on(
         if tty && report.interrupted {
             note!("");
         }
-        note!(
-            "{} steps in {elapsed:.1}s ({:.0} tok/s): loss {first:.4} → {last:.4}",
-            done,
-            tokens / elapsed.max(1e-9)
-        );
+        let rate = samples / elapsed.max(1e-9);
+        let speed = if has_seq {
+            format!("{:.0} tok/s", rate * p.train.seq as f64)
+        } else {
+            format!("{rate:.1} samples/s")
+        };
+        note!("{done} steps in {elapsed:.1}s ({speed}): loss {first:.4} → {last:.4}");
         if let Some(d) = &report.device {
             let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
             note!(

@@ -42,6 +42,14 @@ fn bert_parameter_counts() {
     assert_eq!(params("bert.dpl", "bert_large"), 335_141_888);
 }
 
+/// Dosovitskiy et al. 2021 Table 1 with timm's 1,000-class ImageNet head:
+/// vit_base_patch16_224 and vit_large_patch16_224.
+#[test]
+fn vit_parameter_counts() {
+    assert_eq!(params("vit.dpl", "vit_b16"), 86_567_656);
+    assert_eq!(params("vit.dpl", "vit_l16"), 304_326_632);
+}
+
 #[test]
 fn every_zoo_file_checks() {
     for file in [
@@ -50,6 +58,7 @@ fn every_zoo_file_checks() {
         "llama3.dpl",
         "mixtral.dpl",
         "bert.dpl",
+        "vit.dpl",
         "megatron_gpt.dpl",
         "tiny.dpl",
     ] {

@@ -180,6 +180,50 @@ impl Graph {
         &self.regions[r.index()]
     }
 
+    /// The ids integer tensor `t` may hold: the smallest axis it indexes
+    /// (an embedding table's rows, a pick's last axis), followed through
+    /// views, casts and into `repeat` bodies.
+    /// `None` when nothing indexes with it.
+    pub fn index_bound(&self, t: TensorId) -> Option<u64> {
+        let mut bound: Option<u64> = None;
+        let mut stack = vec![t];
+        let mut seen = std::collections::HashSet::new();
+        while let Some(t) = stack.pop() {
+            if !seen.insert(t) {
+                continue;
+            }
+            for (_, node) in self.nodes() {
+                for (i, _) in node.inputs.iter().enumerate().filter(|(_, &x)| x == t) {
+                    let axis = match (&node.op, i) {
+                        (Op::Embedding, 1) => self.tensor(node.inputs[0]).shape.dims().first(),
+                        (Op::TakeAlong, 1) => self.tensor(node.inputs[0]).shape.dims().last(),
+                        (
+                            Op::Reshape { .. }
+                            | Op::Expand { .. }
+                            | Op::Transpose { .. }
+                            | Op::Slice { .. }
+                            | Op::Cast(DType::I32),
+                            _,
+                        ) => {
+                            stack.extend(node.outputs.iter().copied());
+                            None
+                        }
+                        (Op::Repeat { body, .. }, i) => {
+                            stack.extend(self.region(*body).args.get(i).copied());
+                            None
+                        }
+                        _ => None,
+                    };
+                    if let Some(n) = axis.and_then(|d| d.as_const()) {
+                        let n = n.max(0) as u64;
+                        bound = Some(bound.map_or(n, |b| b.min(n)));
+                    }
+                }
+            }
+        }
+        bound
+    }
+
     pub fn scope(&self, s: ScopeId) -> &Scope {
         &self.scopes[s.index()]
     }

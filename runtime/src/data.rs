@@ -1,16 +1,29 @@
 //! Training data: a token stream (synthetic from the seed, raw bytes, or a flat
-//! u16 token file) cut into samples of `seq + 1` tokens, each a pure function of
-//! its global sample index so that any split of the batch sees the same data.
+//! u16 token file) cut into samples of `seq + 1` tokens, and per-input arrays
+//! (NumPy `.npy` or safetensors, axis 0 indexing the samples) or synthetic
+//! values for every other input. Each sample is a pure function of its global
+//! sample index, so that any split of the batch sees the same data.
 
 use crate::error::{Result, RuntimeError};
 use crate::rng;
+use crate::tensor::Data;
+use std::collections::BTreeMap;
 use std::path::Path;
 
-/// A stream of token ids.
+/// A stream of token ids, and the samples of inputs read from arrays.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Corpus {
     tokens: Vec<i32>,
     seed: u64,
+    arrays: BTreeMap<String, Samples>,
+}
+
+/// One input's samples from a file: `count` samples of `shape` each.
+#[derive(Clone, Debug, PartialEq)]
+struct Samples {
+    shape: Vec<usize>,
+    count: usize,
+    data: Data,
 }
 
 /// How a data file stores its tokens.
@@ -44,11 +57,15 @@ impl Corpus {
             };
             cur = next(cur, j);
         }
-        Corpus { tokens, seed }
+        Corpus::from_tokens(tokens, seed)
     }
 
     pub fn from_tokens(tokens: Vec<i32>, seed: u64) -> Corpus {
-        Corpus { tokens, seed }
+        Corpus {
+            tokens,
+            seed,
+            arrays: BTreeMap::new(),
+        }
     }
 
     /// Read a token file.
@@ -71,7 +88,7 @@ impl Corpus {
                     .collect()
             }
         };
-        Ok(Corpus { tokens, seed })
+        Ok(Corpus::from_tokens(tokens, seed))
     }
 
     pub fn len(&self) -> usize {
@@ -101,6 +118,141 @@ impl Corpus {
         Ok(())
     }
 
+    /// Feed input `name` from a NumPy `.npy` file: its axis 0 indexes the
+    /// samples, the rest is one sample's shape. Floats (`f4`, `f8`) and
+    /// integers (`i1`…`i8`, `u1`, `u2`) in little-endian C order.
+    pub fn add_npy(&mut self, name: &str, path: &Path) -> Result<()> {
+        let bytes = read(path)?;
+        let (shape, data) = npy(&bytes).map_err(|e| data_err(path, e))?;
+        self.add(name, shape, data).map_err(|e| data_err(path, e))
+    }
+
+    /// Feed every input named like a tensor of a safetensors file from it
+    /// (axis 0 indexes the samples).
+    pub fn add_safetensors(&mut self, path: &Path) -> Result<()> {
+        let bytes = read(path)?;
+        let file = safetensors::SafeTensors::deserialize(&bytes)
+            .map_err(|e| data_err(path, format!("not a safetensors file: {e}")))?;
+        for (name, view) in file.tensors() {
+            let data = from_le(&dtype_name(view.dtype()), view.data())
+                .map_err(|e| data_err(path, format!("tensor `{name}`: {e}")))?;
+            self.add(&name, view.shape().to_vec(), data)
+                .map_err(|e| data_err(path, format!("tensor `{name}`: {e}")))?;
+        }
+        Ok(())
+    }
+
+    fn add(
+        &mut self,
+        name: &str,
+        shape: Vec<usize>,
+        data: Data,
+    ) -> std::result::Result<(), String> {
+        let Some((&count, rest)) = shape.split_first() else {
+            return Err("a scalar holds no samples: axis 0 must index them".into());
+        };
+        if count == 0 {
+            return Err("no samples (axis 0 is empty)".into());
+        }
+        self.arrays.insert(
+            name.to_string(),
+            Samples {
+                shape: rest.to_vec(),
+                count,
+                data,
+            },
+        );
+        Ok(())
+    }
+
+    /// Whether input `name` is read from an array.
+    pub fn has_array(&self, name: &str) -> bool {
+        self.arrays.contains_key(name)
+    }
+
+    /// Check that input `name` can be fed samples of `shape`: from its array
+    /// (the same per-sample shape, integers for an integer input, every id
+    /// below `bound`), or drawn (an integer input needs a `bound`).
+    pub fn check_input(
+        &self,
+        name: &str,
+        int: bool,
+        shape: &[usize],
+        bound: Option<u64>,
+    ) -> Result<()> {
+        let Some(a) = self.arrays.get(name) else {
+            if int && bound.is_none() {
+                return Err(RuntimeError::Data(format!(
+                    "integer input `{name}`: nothing in the model indexes with it, so its values cannot be drawn; give its data with --data {name}=FILE.npy"
+                )));
+            }
+            return Ok(());
+        };
+        if a.shape != shape {
+            return Err(RuntimeError::Data(format!(
+                "input `{name}`: the model takes samples of shape {shape:?}, its data has {:?}",
+                a.shape
+            )));
+        }
+        match (&a.data, int) {
+            (Data::I32(v), true) => {
+                let bad = v
+                    .iter()
+                    .find(|&&i| i < 0 || bound.is_some_and(|b| i as u64 >= b));
+                if let Some(i) = bad {
+                    return Err(RuntimeError::Data(format!(
+                        "input `{name}`: id {i} is outside [0, {})",
+                        bound.map_or("2^31".to_string(), |b| b.to_string())
+                    )));
+                }
+                Ok(())
+            }
+            (Data::F32(_), false) => Ok(()),
+            (Data::I32(_), false) => Ok(()),
+            (Data::F32(_), true) => Err(RuntimeError::Data(format!(
+                "input `{name}` takes integer ids; its data holds floats"
+            ))),
+        }
+    }
+
+    /// Global sample `index` of input `name` (checked by [`Corpus::check_input`]):
+    /// sample `index mod count` of its array, or a draw keyed by the seed,
+    /// the input and the index — normal floats, ids uniform below `bound`.
+    pub fn input_sample(
+        &self,
+        name: &str,
+        int: bool,
+        numel: usize,
+        bound: Option<u64>,
+        index: u64,
+    ) -> Data {
+        if let Some(a) = self.arrays.get(name) {
+            let at = (index % a.count as u64) as usize * numel;
+            return match (&a.data, int) {
+                (Data::I32(v), true) => Data::I32(v[at..at + numel].to_vec()),
+                (Data::I32(v), false) => {
+                    Data::F32(v[at..at + numel].iter().map(|&x| x as f32).collect())
+                }
+                (Data::F32(v), _) => Data::F32(v[at..at + numel].to_vec()),
+            };
+        }
+        let key = rng::hash(&[self.seed, 0x1A7A, name_key(name)]);
+        if int {
+            let b = bound.unwrap_or(1).max(1);
+            Data::I32(
+                (0..numel as u64)
+                    .map(|j| (rng::hash(&[key, index, j]) % b) as i32)
+                    .collect(),
+            )
+        } else {
+            Data::F32(
+                (0..numel as u64)
+                    .map(|j| rng::normal(&[key, index, j]) as f32)
+                    .collect(),
+            )
+        }
+    }
+
     /// Inputs and next-token targets of global sample `index`: a window at a
     /// position hashed from the seed and the index.
     pub fn sample(&self, index: u64, seq: usize) -> (Vec<i32>, Vec<i32>) {
@@ -109,6 +261,156 @@ impl Corpus {
         let window = &self.tokens[at..at + seq + 1];
         (window[..seq].to_vec(), window[1..].to_vec())
     }
+}
+
+fn read(path: &Path) -> Result<Vec<u8>> {
+    std::fs::read(path)
+        .map_err(|e| RuntimeError::Data(format!("cannot read {}: {e}", path.display())))
+}
+
+fn data_err(path: &Path, e: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Data(format!("{}: {e}", path.display()))
+}
+
+/// A stable key of an input's name (FNV-1a), so draws do not depend on
+/// the order inputs are declared in.
+fn name_key(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// NumPy's spelling of a safetensors element type.
+fn dtype_name(d: safetensors::Dtype) -> String {
+    use safetensors::Dtype::*;
+    match d {
+        F32 => "f4",
+        F64 => "f8",
+        I8 => "i1",
+        I16 => "i2",
+        I32 => "i4",
+        I64 => "i8",
+        U8 => "u1",
+        U16 => "u2",
+        other => return format!("{other:?}"),
+    }
+    .to_string()
+}
+
+/// Little-endian elements of NumPy type `descr` (`f4`, `i8`, …) as f32 or i32.
+fn from_le(descr: &str, b: &[u8]) -> std::result::Result<Data, String> {
+    fn ints(b: &[u8], w: usize, f: impl Fn(&[u8]) -> i64) -> std::result::Result<Data, String> {
+        b.chunks_exact(w)
+            .map(|c| i32::try_from(f(c)).map_err(|_| format!("integer {} does not fit i32", f(c))))
+            .collect::<std::result::Result<_, _>>()
+            .map(Data::I32)
+    }
+    let w = match descr {
+        "f4" | "i4" => 4,
+        "f8" | "i8" => 8,
+        "i2" | "u2" => 2,
+        "i1" | "u1" | "b1" => 1,
+        other => {
+            return Err(format!(
+                "element type `{other}` is not read (f4, f8, i1–i8, u1, u2 are)"
+            ))
+        }
+    };
+    if b.len() % w != 0 {
+        return Err(format!("{} bytes are not whole {w}-byte elements", b.len()));
+    }
+    let arr = |c: &[u8]| -> [u8; 8] {
+        let mut a = [0u8; 8];
+        a[..c.len()].copy_from_slice(c);
+        a
+    };
+    match descr {
+        "f4" => Ok(Data::F32(
+            b.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        )),
+        "f8" => Ok(Data::F32(
+            b.chunks_exact(8)
+                .map(|c| f64::from_le_bytes(arr(c)) as f32)
+                .collect(),
+        )),
+        "i8" => ints(b, 8, |c| i64::from_le_bytes(arr(c))),
+        "i4" => ints(b, 4, |c| {
+            i64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        }),
+        "i2" => ints(b, 2, |c| i64::from(i16::from_le_bytes([c[0], c[1]]))),
+        "u2" => ints(b, 2, |c| i64::from(u16::from_le_bytes([c[0], c[1]]))),
+        "i1" => ints(b, 1, |c| i64::from(c[0] as i8)),
+        _ => ints(b, 1, |c| i64::from(c[0])),
+    }
+}
+
+/// The shape and elements of a `.npy` file (format versions 1–3).
+fn npy(bytes: &[u8]) -> std::result::Result<(Vec<usize>, Data), String> {
+    const MAGIC: &[u8] = b"\x93NUMPY";
+    if bytes.len() < 10 || &bytes[..6] != MAGIC {
+        return Err("not a NumPy .npy file (no \\x93NUMPY magic)".into());
+    }
+    let (len, at) = match bytes[6] {
+        1 => (usize::from(u16::from_le_bytes([bytes[8], bytes[9]])), 10),
+        2 | 3 if bytes.len() >= 12 => (
+            u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize,
+            12,
+        ),
+        v => return Err(format!("NumPy format version {v} is not read")),
+    };
+    let header = bytes
+        .get(at..at + len)
+        .and_then(|h| std::str::from_utf8(h).ok())
+        .ok_or("the header is cut short or not text")?;
+    let field = |key: &str| -> std::result::Result<&str, String> {
+        let k = header
+            .find(&format!("'{key}'"))
+            .ok_or(format!("the header has no '{key}'"))?;
+        let rest = header[k + key.len() + 2..].trim_start();
+        Ok(rest.strip_prefix(':').unwrap_or(rest).trim_start())
+    };
+    let descr = field("descr")?;
+    let descr = descr
+        .strip_prefix('\'')
+        .and_then(|d| d.split('\'').next())
+        .ok_or("'descr' is not a string")?;
+    let (order, ty) = descr.split_at(1.min(descr.len()));
+    if order == ">" {
+        return Err(format!(
+            "big-endian `{descr}` is not read; save little-endian"
+        ));
+    }
+    if field("fortran_order")?.starts_with("True") {
+        return Err("a Fortran-ordered array is not read; save it in C order".into());
+    }
+    let shape = field("shape")?;
+    let shape = shape
+        .strip_prefix('(')
+        .and_then(|s| s.split(')').next())
+        .ok_or("'shape' is not a tuple")?;
+    let shape: Vec<usize> = shape
+        .split(',')
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .map(|d| {
+            d.parse()
+                .map_err(|_| format!("shape entry `{d}` is not a size"))
+        })
+        .collect::<std::result::Result<_, _>>()?;
+    let data = from_le(ty, &bytes[at + len..])?;
+    let n: usize = shape.iter().product();
+    let got = match &data {
+        Data::F32(v) => v.len(),
+        Data::I32(v) => v.len(),
+    };
+    if got != n {
+        return Err(format!(
+            "the shape {shape:?} needs {n} elements, the file holds {got}"
+        ));
+    }
+    Ok((shape, data))
 }
 
 #[cfg(test)]

@@ -319,15 +319,7 @@ impl<B: Backend> StageCompute for Fused<'_, '_, B> {
         let params = self.params(pass, store)?;
         let mut fed = HashMap::new();
         for (&t, v) in inputs {
-            let ids = v.i()?;
-            fed.insert(
-                t,
-                Val {
-                    buf: self.be.upload_i32(ids)?,
-                    elem: Elem::I32,
-                    len: ids.len(),
-                },
-            );
+            fed.insert(t, self.upload(v)?);
         }
         let mut got = Vec::with_capacity(received.len());
         for v in &received {

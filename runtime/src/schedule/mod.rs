@@ -370,7 +370,9 @@ pub struct StepStats {
     pub lr: f64,
     /// Global gradient L2 norm before clipping.
     pub grad_norm: f64,
-    pub tokens_per_s: f64,
+    pub samples_per_s: f64,
+    /// Samples/s × `seq`, for a model with a sequence.
+    pub tokens_per_s: Option<f64>,
     /// The loss or the gradient norm was not finite and the optimizer step
     /// was skipped (`RunConfig::skip_nonfinite`).
     pub skipped: bool,
@@ -442,6 +444,73 @@ pub struct DeviceUse {
 }
 
 /// Everything the ranks share, read-only.
+/// What feeds one model input.
+#[derive(Debug)]
+enum Feed {
+    /// `tokens`: `seq`-token windows of the corpus's stream.
+    Tokens,
+    /// `targets`: the same windows shifted by one token.
+    Targets,
+    /// Per-sample values of `shape` (after the batch axis): the input's array
+    /// in the corpus, else drawn from the seed (ids below `bound`).
+    Samples {
+        name: String,
+        int: bool,
+        shape: Vec<usize>,
+        bound: Option<u64>,
+    },
+}
+
+impl Feed {
+    fn is_stream(&self) -> bool {
+        matches!(self, Feed::Tokens | Feed::Targets)
+    }
+}
+
+/// How each input of `graph` is fed, checked against `data`: `tokens` and
+/// `targets` of shape `[batch, seq]` from the stream unless an array names
+/// them, every other input per sample. An input's first axis must be `batch`.
+fn feeds(graph: &Graph, data: &Corpus, syms: &[i64]) -> Result<Vec<(dplc_ir::TensorId, Feed)>> {
+    let batch = graph.sym_by_name("batch");
+    let seq = graph.sym_by_name("seq");
+    let mut out = Vec::new();
+    for (_, input) in graph.inputs() {
+        let dims = input.shape.dims();
+        let is = |d: &dplc_ir::Dim, s: Option<dplc_ir::SymId>| {
+            s.is_some_and(|s| *d == dplc_ir::Dim::sym(s))
+        };
+        if dims.first().is_none_or(|d| !is(d, batch)) {
+            return Err(RuntimeError::Unsupported(format!(
+                "input `{}`: the data loader batches along the first axis, which must be `batch` (it is {})",
+                input.name,
+                graph.dim_str(&input.shape.dims()[..].first().cloned().unwrap_or(dplc_ir::Dim::konst(1)))
+            )));
+        }
+        let int = !input.dtype.is_float();
+        let lm = int && dims.len() == 2 && is(&dims[1], seq) && !data.has_array(&input.name);
+        let feed = match input.name.as_str() {
+            "tokens" if lm => Feed::Tokens,
+            "targets" if lm => Feed::Targets,
+            name => {
+                let shape: Vec<usize> = dims[1..]
+                    .iter()
+                    .map(|d| d.eval(&|s| syms[s.index()]).max(0) as usize)
+                    .collect();
+                let bound = graph.index_bound(input.tensor);
+                data.check_input(name, int, &shape, bound)?;
+                Feed::Samples {
+                    name: name.to_string(),
+                    int,
+                    shape,
+                    bound,
+                }
+            }
+        };
+        out.push((input.tensor, feed));
+    }
+    Ok(out)
+}
+
 struct Shared<'a> {
     graph: &'a Graph,
     plan: GradPlan,
@@ -449,6 +518,8 @@ struct Shared<'a> {
     spec: &'a TrainSpec,
     cfg: &'a RunConfig,
     data: &'a Corpus,
+    /// What feeds each model input.
+    feeds: Vec<(dplc_ir::TensorId, Feed)>,
     seed: u64,
     syms: Vec<i64>,
     seq: usize,
@@ -672,28 +743,18 @@ fn train_on(
             "the model's first result must be a scalar float loss".into(),
         ));
     }
-    let vocab = graph.nodes().find_map(|(_, n)| {
-        let input_is_tokens = |t| {
-            graph
-                .inputs()
-                .any(|(_, i)| i.tensor == t && i.name == "tokens")
-        };
-        (matches!(n.op, Op::Embedding) && input_is_tokens(n.inputs[1]))
-            .then(|| {
-                graph.tensor(n.inputs[0]).shape.dims()[0]
-                    .as_const()
-                    .map(|v| v as usize)
-            })
-            .flatten()
-    });
-    data.check(seq, vocab)?;
-    for (_, input) in graph.inputs() {
-        if input.name != "tokens" && input.name != "targets" {
-            return Err(RuntimeError::Unsupported(format!(
-                "input `{}`: the data loader feeds `tokens` and `targets` only",
-                input.name
-            )));
-        }
+    let feeds = feeds(graph, data, &syms)?;
+    if feeds
+        .iter()
+        .any(|(_, f)| matches!(f, Feed::Tokens | Feed::Targets))
+    {
+        // The stream's ids index whatever the tokens and targets index.
+        let vocab = feeds
+            .iter()
+            .filter(|(_, f)| matches!(f, Feed::Tokens | Feed::Targets))
+            .filter_map(|&(t, _)| graph.index_bound(t))
+            .min();
+        data.check(seq, vocab.map(|v| v as usize))?;
     }
     let part = Partition::new(graph, cfg.pp, v, cfg.stage_layers.as_deref())?;
     let mut tied: BTreeMap<ParamKey, Vec<usize>> = BTreeMap::new();
@@ -715,6 +776,7 @@ fn train_on(
         spec,
         cfg,
         data,
+        feeds,
         seed,
         syms,
         seq,
@@ -1407,26 +1469,62 @@ impl<'a, 'b> Rank<'a, 'b> {
         }
     }
 
-    /// The data loader's `tokens` and `targets` of micro-batch `micro`.
+    /// Every input of micro-batch `micro`, as [`feeds`] says: `seq`-token
+    /// windows of the stream for `tokens` and `targets`, the samples of
+    /// each other input.
     fn inputs(&self, micro: usize) -> HashMap<dplc_ir::TensorId, Value> {
-        let cfg = self.sh.cfg;
+        let sh = self.sh;
         let first = self.first_sample(micro);
-        let (mut xs, mut ys) = (Vec::new(), Vec::new());
-        for i in 0..cfg.micro_batch as u64 {
-            let (x, y) = self.sh.data.sample(first + i, self.sh.seq);
-            xs.extend(x);
-            ys.extend(y);
-        }
-        let shape = vec![cfg.micro_batch, self.sh.seq];
+        let samples = first..first + sh.cfg.micro_batch as u64;
+        let windows: Vec<(Vec<i32>, Vec<i32>)> = if sh.feeds.iter().any(|(_, f)| f.is_stream()) {
+            samples.clone().map(|i| sh.data.sample(i, sh.seq)).collect()
+        } else {
+            Vec::new()
+        };
         let mut out = HashMap::new();
-        for (_, input) in self.sh.graph.inputs() {
-            // `train_on` admits only these two names.
-            let v = if input.name == "tokens" {
-                xs.clone()
-            } else {
-                ys.clone()
+        for (t, feed) in sh.feeds.iter() {
+            let shape = |per: &[usize]| {
+                let mut s = vec![sh.cfg.micro_batch];
+                s.extend(per);
+                s
             };
-            out.insert(input.tensor, Arc::new(Tensor::i32(shape.clone(), v)));
+            let v = match feed {
+                Feed::Tokens => Tensor::i32(
+                    shape(&[sh.seq]),
+                    windows.iter().flat_map(|w| w.0.clone()).collect(),
+                ),
+                Feed::Targets => Tensor::i32(
+                    shape(&[sh.seq]),
+                    windows.iter().flat_map(|w| w.1.clone()).collect(),
+                ),
+                &Feed::Samples {
+                    ref name,
+                    int,
+                    shape: ref per,
+                    bound,
+                } => {
+                    let numel = per.iter().product();
+                    let draws = samples
+                        .clone()
+                        .map(|i| sh.data.input_sample(name, int, numel, bound, i));
+                    let mut data = match int {
+                        true => crate::Data::I32(Vec::new()),
+                        false => crate::Data::F32(Vec::new()),
+                    };
+                    for d in draws {
+                        match (&mut data, d) {
+                            (crate::Data::I32(a), crate::Data::I32(b)) => a.extend(b),
+                            (crate::Data::F32(a), crate::Data::F32(b)) => a.extend(b),
+                            _ => unreachable!("input_sample returns the input's kind"),
+                        }
+                    }
+                    Tensor {
+                        shape: shape(per),
+                        data,
+                    }
+                }
+            };
+            out.insert(*t, Arc::new(v));
         }
         out
     }
@@ -1580,13 +1678,18 @@ impl<'a, 'b> Rank<'a, 'b> {
             self.store
                 .step(&sh.spec.optimizer, lr, clip, self.step + 1)?;
         }
-        let tokens = (cfg.global_batch() * sh.seq) as f64;
+        let seconds = start.elapsed().as_secs_f64().max(1e-9);
+        let samples_per_s = cfg.global_batch() as f64 / seconds;
         Ok(StepStats {
             step: self.step,
             loss,
             lr,
             grad_norm,
-            tokens_per_s: tokens / start.elapsed().as_secs_f64().max(1e-9),
+            samples_per_s,
+            tokens_per_s: sh
+                .graph
+                .sym_by_name("seq")
+                .map(|_| samples_per_s * sh.seq as f64),
             skipped,
         })
     }
