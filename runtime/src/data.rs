@@ -316,7 +316,7 @@ fn from_le(descr: &str, b: &[u8]) -> std::result::Result<Data, String> {
             ))
         }
     };
-    if b.len() % w != 0 {
+    if !b.len().is_multiple_of(w) {
         return Err(format!("{} bytes are not whole {w}-byte elements", b.len()));
     }
     let arr = |c: &[u8]| -> [u8; 8] {
