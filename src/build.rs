@@ -137,7 +137,7 @@ fn world_size(plan: &Plan) -> u64 {
 }
 
 pub fn build(args: &BuildArgs) -> Result<()> {
-    let (compiled, lowered) = compile::plan(&args.plan, 0, |pinned| {
+    let (compiled, lowered) = compile::plan(&args.plan, 0, |pinned, _| {
         if pinned.fp8 == Some(true) {
             return Err(miette::miette!(
                 help = "drop fp8 from --strategy, or `dplc export` the plan to Megatron-LM or torchtitan",

@@ -153,7 +153,7 @@ pub fn resolve_cluster(spec: &str, unit: &dplc_frontend::Unit, file: &Path) -> R
 pub fn plan(
     args: &PlanArgs,
     top_k: usize,
-    restrict: impl FnOnce(&mut dplc_planner::StrategyConstraints) -> Result<()>,
+    restrict: impl FnOnce(&mut dplc_planner::StrategyConstraints, &dplc_ir::Graph) -> Result<()>,
 ) -> Result<(Compiled, dplc_frontend::Lowered)> {
     check_sizes(args)?;
     let unit = load::parse(&args.file)?;
@@ -164,7 +164,7 @@ pub fn plan(
     req.global_batch = args.global_batch;
     req.seq = args.seq;
     req.pinned = dplc_planner::parse_strategy(&args.strategy).map_err(plan_error)?;
-    restrict(&mut req.pinned)?;
+    restrict(&mut req.pinned, &lowered.graph)?;
     req.top_k = top_k;
     let mut compiled = dplc_planner::compile(&req).map_err(plan_error)?;
     let text = std::fs::read_to_string(&args.file)
@@ -278,7 +278,7 @@ pub fn check_plan(plan: &Plan) -> std::result::Result<(), String> {
 }
 
 pub fn run(args: &Args) -> Result<()> {
-    let (compiled, _) = plan(&args.plan, args.top, |_| Ok(()))?;
+    let (compiled, _) = plan(&args.plan, args.top, |_, _| Ok(()))?;
     let compiled = &compiled;
     if let Some(path) = &args.output {
         write_plan(&compiled.plan, path, &args.plan.inputs())?;

@@ -26,6 +26,28 @@ model gpt_tiny4 = gpt_tiny(layers = 4)
 model llama_tiny4 = llama_tiny(layers = 4)
 model gpt_tiny4_dropout = gpt_tiny(layers = 4, dropout = 0.1)
 model moe_tiny4 = moe_tiny(layers = 4)
+
+// Two layer stacks of different widths, dense layers before MoE layers (as
+// DeepSeek's first layers are dense): the layers number one after the other.
+model stacks_tiny(vocab = 256, ctx = 64, d = 64, heads = 4, dense = 2, sparse = 2) {
+    input tokens: i32[batch, seq]
+    input targets: i32[batch, seq]
+    param embed: [vocab, d]
+    h = embedding(embed, tokens)
+    repeat dense {
+        h = h + attention(rms_norm(h, d, name = "attention_norm"), d, heads, rotary = true,
+                          qkv_bias = false, out_bias = false)
+        h = h + swiglu(rms_norm(h, d, name = "ffn_norm"), d, 128)
+    }
+    repeat sparse {
+        h = h + attention(rms_norm(h, d, name = "attention_norm"), d, heads, rotary = true,
+                          qkv_bias = false, out_bias = false)
+        h = h + moe(rms_norm(h, d, name = "ffn_norm"), d, 64, 4, 2)
+    }
+    h = rms_norm(h, d, name = "norm")
+    param output: [d, vocab]
+    return cross_entropy(h @ output, targets)
+}
 "#;
 
 fn lower(model: &str) -> (dplc_ir::Graph, dplc_ir::TrainSpec) {
@@ -406,4 +428,82 @@ fn the_fused_computes_activations_stay_near_the_plan() {
         planned / (1u64 << 20) as f64
     );
     assert!((0.5..1.5).contains(&ratio), "ratio {ratio:.2}");
+}
+
+/// Several layer stacks train whole on every rank (no pipeline cuts between
+/// them yet): data, ZeRO-3, tensor (+ sequence) and expert parallelism and
+/// recomputation reproduce the serial run on both computes, parameters of
+/// both stacks included.
+#[test]
+fn two_layer_stacks_match_the_serial_reference() {
+    let base = RunConfig {
+        micro_batch: 1,
+        num_micro_batches: 4,
+        ..RunConfig::default()
+    };
+    let dp2 = RunConfig {
+        dp: 2,
+        num_micro_batches: 2,
+        ..base.clone()
+    };
+    let serial = run("stacks_tiny", &base, Opt::Sgd);
+    let names: Vec<&str> = serial
+        .params
+        .values
+        .values()
+        .map(|(n, _)| n.as_str())
+        .collect();
+    assert!(
+        names.iter().any(|n| n.contains("swiglu")) && names.iter().any(|n| n.contains("moe")),
+        "both stacks' parameters are trained: {names:?}"
+    );
+    for (name, cfg) in [
+        (
+            "dp2 ZeRO-3",
+            RunConfig {
+                zero: ZeroStage::Three,
+                ..dp2.clone()
+            },
+        ),
+        (
+            "dp2 × tp2 sp",
+            RunConfig {
+                tp: 2,
+                sequence_parallel: true,
+                ..dp2.clone()
+            },
+        ),
+        (
+            "dp2 × ep2",
+            RunConfig {
+                ep: 2,
+                ..dp2.clone()
+            },
+        ),
+        (
+            "full recompute",
+            RunConfig {
+                recompute: dplc_ir::Recompute::Full,
+                ..base.clone()
+            },
+        ),
+    ] {
+        for compute in [Compute::Reference, Compute::Fused] {
+            let name = format!("stacks_tiny {name} ({})", compute.name());
+            let got = run(
+                "stacks_tiny",
+                &RunConfig {
+                    compute,
+                    ..cfg.clone()
+                },
+                Opt::Sgd,
+            );
+            assert_losses(&name, &serial.steps, &got.steps);
+            let (d, at) = serial.params.max_rel_diff(&got.params, 1e-3);
+            assert!(
+                d < SGD_TOL,
+                "{name}: SGD parameters differ by {d:e} at {at}"
+            );
+        }
+    }
 }

@@ -284,7 +284,7 @@ impl<'g> Interp<'g> {
                     .iter()
                     .map(|&t| Self::value(frame, t).cloned())
                     .collect::<Result<_>>()?;
-                let out = self.forward_repeat(frame, n, 0..*count, init, layer, false, access)?;
+                let out = self.forward_repeat(frame, n, 0..*count, init, layer, None, access)?;
                 for (t, v) in node.outputs.iter().zip(out) {
                     frame.values.insert(*t, v);
                 }
@@ -412,6 +412,8 @@ impl<'g> Interp<'g> {
     /// Iterations `range` of repeat `n`, whose captured inputs are in `frame`,
     /// starting from carried values `carried`. The tapes are appended to
     /// `frame.tapes[n]`; returns the carried values after the last iteration.
+    /// A top-level layer stack (`top`: the model's number of its first
+    /// layer) calls the access's layer hooks with each layer's number.
     #[allow(clippy::too_many_arguments)]
     pub fn forward_repeat(
         &self,
@@ -420,7 +422,7 @@ impl<'g> Interp<'g> {
         range: Range<u64>,
         mut carried: Vec<Value>,
         outer_layer: u64,
-        top: bool,
+        top: Option<u64>,
         access: &mut dyn ParamAccess,
     ) -> Result<Vec<Value>> {
         let node = self.graph.node(n);
@@ -440,12 +442,12 @@ impl<'g> Interp<'g> {
         for i in range {
             let layer = outer_layer * count + i;
             let args: Vec<Value> = carried.iter().chain(&captured).cloned().collect();
-            if top {
-                access.layer_hook(i, false, true)?;
+            if let Some(first) = top {
+                access.layer_hook(first + i, false, true)?;
             }
             let body_frame = self.forward_region(body, args.clone(), layer, access)?;
-            if top {
-                access.layer_hook(i, false, false)?;
+            if let Some(first) = top {
+                access.layer_hook(first + i, false, false)?;
             }
             let mut body_frame = body_frame;
             carried = results
@@ -525,8 +527,7 @@ impl<'g> Interp<'g> {
             for &t in &node.outputs {
                 gout.push(self.take_grad(frame, grads, t, access)?);
             }
-            let gin =
-                self.backward_repeat(frame, n, 0..count, gout, grads, layer, false, access)?;
+            let gin = self.backward_repeat(frame, n, 0..count, gout, grads, layer, None, access)?;
             for (j, g) in gin.into_iter().enumerate().take(carried) {
                 if let (Some(g), true) = (g, need[j]) {
                     self.contribute_input(frame, grads, n, j, g)?;
@@ -594,7 +595,7 @@ impl<'g> Interp<'g> {
         mut carried: Vec<Option<Tensor>>,
         grads: &mut Grads,
         outer_layer: u64,
-        top: bool,
+        top: Option<u64>,
         access: &mut dyn ParamAccess,
     ) -> Result<Vec<Option<Tensor>>> {
         let node = self.graph.node(n);
@@ -621,8 +622,8 @@ impl<'g> Interp<'g> {
         let reg = self.graph.region(body);
         for i in range.rev() {
             let layer = outer_layer * count + i;
-            if top {
-                access.layer_hook(i, true, true)?;
+            if let Some(first) = top {
+                access.layer_hook(first + i, true, true)?;
             }
             let tape = tapes.pop().expect("one tape per iteration, counted above");
             let mut body_frame = match tape {
@@ -652,8 +653,8 @@ impl<'g> Interp<'g> {
                     self.contribute_input(frame, grads, n, j, g)?;
                 }
             }
-            if top {
-                access.layer_hook(i, true, false)?;
+            if let Some(first) = top {
+                access.layer_hook(first + i, true, false)?;
             }
         }
         Ok(carried)

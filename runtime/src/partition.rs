@@ -42,16 +42,27 @@ pub enum Work {
 pub struct Chunk {
     /// Root nodes in program order (the repeat included when it has layers here).
     pub nodes: Vec<NodeId>,
-    /// Iterations of the top-level repeat.
+    /// The model's layers it runs, numbered across its stacks.
     pub layers: Range<u64>,
+}
+
+/// One top-level `repeat`: a layer stack, and the model's number of its
+/// first layer (stacks number their layers one after the other).
+#[derive(Clone, Copy, Debug)]
+pub struct Stack {
+    pub node: NodeId,
+    pub first: u64,
+    pub count: u64,
 }
 
 /// The root region cut into `chunks.len()` virtual stages.
 #[derive(Clone, Debug)]
 pub struct Partition {
     pub chunks: Vec<Chunk>,
-    /// The top-level repeat, if the model has one.
+    /// The top-level repeat a pipeline cuts: the model's one layer stack.
     pub repeat: Option<NodeId>,
+    /// Every layer stack, in program order.
+    pub stacks: Vec<Stack>,
     /// Values computed before the repeat that later stages read: they travel
     /// with the carried activations from stage to stage.
     pub extras: Vec<TensorId>,
@@ -65,6 +76,11 @@ fn replicated(op: &Op) -> bool {
 }
 
 impl Partition {
+    /// The layer stack repeat node `n` is, if it is one.
+    pub fn stack(&self, n: NodeId) -> Option<&Stack> {
+        self.stacks.iter().find(|s| s.node == n)
+    }
+
     /// Cut `graph` into `pp × chunks` virtual stages, pipeline stage `s`
     /// running `stage_layers[s]` layers over its chunks — the plan's
     /// partition, uneven as it was balanced. A run not made from a plan
@@ -84,25 +100,35 @@ impl Partition {
             .filter(|(_, &n)| matches!(graph.node(n).op, Op::Repeat { .. }))
             .map(|(i, _)| i)
             .collect();
-        if stages == 1 {
-            let count = repeats
-                .first()
-                .map_or(0, |&i| match graph.node(root.nodes[i]).op {
-                    Op::Repeat { count, .. } => count,
-                    _ => 0,
+        let mut stacks = Vec::with_capacity(repeats.len());
+        let mut total = 0;
+        for &i in &repeats {
+            if let Op::Repeat { count, .. } = graph.node(root.nodes[i]).op {
+                stacks.push(Stack {
+                    node: root.nodes[i],
+                    first: total,
+                    count,
                 });
+                total += count;
+            }
+        }
+        if stages == 1 {
             return Ok(Partition {
                 chunks: vec![Chunk {
                     nodes: root.nodes.clone(),
-                    layers: 0..count,
+                    layers: 0..total,
                 }],
-                repeat: repeats.first().map(|&i| root.nodes[i]),
+                repeat: match stacks[..] {
+                    [one] => Some(one.node),
+                    _ => None,
+                },
+                stacks,
                 extras: Vec::new(),
             });
         }
         let [at] = repeats[..] else {
-            return Err(RuntimeError::Config(format!(
-                "pipeline parallelism cuts the model at its layers: it needs exactly one top-level repeat, found {}",
+            return Err(RuntimeError::Unsupported(format!(
+                "pipeline parallelism cuts a model's one layer stack; this model has {} (`repeat`s at its top level): train it without pp for now",
                 repeats.len()
             )));
         };
@@ -195,6 +221,7 @@ impl Partition {
         Ok(Partition {
             chunks,
             repeat: Some(rep),
+            stacks,
             extras,
         })
     }

@@ -406,14 +406,16 @@ impl<'a> Executor<'a> {
     /// Where `span` cuts the root: `None` for the whole root, else the step
     /// of the top-level `repeat`.
     fn cut_at(&self, span: &ChunkSpan) -> Result<Option<usize>> {
+        // The whole root runs every layer stack whole (however many it has).
+        if span.head && span.tail {
+            return Ok(None);
+        }
         match self.fused.repeat_step {
-            None if span.head && span.tail => Ok(None),
             None => Err(RuntimeError::Unsupported(
                 "a pipeline cuts the model at its layers, and it has no top-level repeat".into(),
             )),
             Some((at, whole_side)) => {
-                let whole_root = span.head && span.tail;
-                if !whole_side && !whole_root {
+                if !whole_side {
                     return Err(RuntimeError::Unsupported(
                         "a fused kernel of this model's root spans both sides of its layers, \
                          so the fused executor cannot cut it into pipeline stages"

@@ -194,7 +194,7 @@ impl StageCompute for Reference<'_, '_> {
                     chunk.layers.clone(),
                     init,
                     0,
-                    true,
+                    Some(0),
                     store,
                 )?;
                 if last {
@@ -203,6 +203,33 @@ impl StageCompute for Reference<'_, '_> {
                     }
                 } else {
                     carried = out;
+                }
+            } else if let Some(stack) = sh.part.stack(n) {
+                // One of several stacks: the whole of it (no pipeline cuts it).
+                let node = g.node(n);
+                let carried = match node.op {
+                    dplc_ir::Op::Repeat { carried, .. } => carried,
+                    _ => 0,
+                };
+                let mut init = Vec::with_capacity(carried);
+                for (j, &t) in node.inputs[..carried].iter().enumerate() {
+                    let want = sh
+                        .layouts
+                        .as_ref()
+                        .map_or(TensorLayout::Replicated, |l| l.consumed(n, j));
+                    init.push(interp.read_as(&mut frame, t, want, store)?);
+                }
+                let out = interp.forward_repeat(
+                    &mut frame,
+                    n,
+                    0..stack.count,
+                    init,
+                    0,
+                    Some(stack.first),
+                    store,
+                )?;
+                for (t, v) in node.outputs.iter().zip(out) {
+                    frame.values.insert(*t, v);
                 }
             } else {
                 interp.eval_node(&mut frame, n, 0, store)?;
@@ -277,7 +304,7 @@ impl StageCompute for Reference<'_, '_> {
                     gout,
                     &mut grads,
                     0,
-                    true,
+                    Some(0),
                     store,
                 )?;
                 if c == 0 {
@@ -289,6 +316,28 @@ impl StageCompute for Reference<'_, '_> {
                     }
                 } else {
                     carried_in = gin;
+                }
+            } else if let Some(stack) = sh.part.stack(n) {
+                let node = g.node(n);
+                let mut gout = Vec::new();
+                for &t in &node.outputs {
+                    gout.push(interp.take_grad(&mut frame, &mut grads, t, store)?);
+                }
+                let gin = interp.backward_repeat(
+                    &mut frame,
+                    n,
+                    0..stack.count,
+                    gout,
+                    &mut grads,
+                    0,
+                    Some(stack.first),
+                    store,
+                )?;
+                let need = sh.plan.input_grads(g, n);
+                for (j, gr) in gin.into_iter().enumerate() {
+                    if let (Some(gr), true) = (gr, need[j]) {
+                        interp.contribute_input(&mut frame, &mut grads, n, j, gr)?;
+                    }
                 }
             } else if sh.plan.input_grads(g, n).iter().any(|&x| x) {
                 interp.backward_node(&mut frame, n, &mut grads, 0, store)?;

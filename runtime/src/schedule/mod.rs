@@ -1047,24 +1047,29 @@ fn rank_stage_keys(sh: &Shared, stage: usize) -> Vec<(ParamKey, Unit, bool)> {
                 }
             }
         }
-        if let Some(rep) = sh.part.repeat {
-            let Op::Repeat { count, body, .. } = g.node(rep).op else {
+        // Each stack's layers this chunk runs: a parameter is keyed by its
+        // stack's iteration, held with the model's number of the layer.
+        for stack in &sh.part.stacks {
+            let Op::Repeat { count, body, .. } = g.node(stack.node).op else {
                 continue;
             };
+            let from = chunk.layers.start.max(stack.first);
+            let to = chunk.layers.end.min(stack.first + count);
             for (p, info) in g.params() {
                 let region = g.tensor_region(info.tensor);
                 if !region_within(g, region, body) {
                     continue;
                 }
                 let inner = g.trip_count(region) / count.max(1);
-                for i in chunk.layers.clone() {
+                for global in from..to {
+                    let i = global - stack.first;
                     for j in 0..inner {
                         keys.push((
                             ParamKey {
                                 param: p,
                                 layer: i * inner + j,
                             },
-                            Unit::Layer(i),
+                            Unit::Layer(global),
                             true,
                         ));
                     }
