@@ -114,7 +114,7 @@ pub struct Prepared {
 /// Lower the model and plan it for CPU ranks (without context parallelism,
 /// which the CPU runtime does not implement).
 pub fn prepare(args: &PlanArgs) -> Result<Prepared> {
-    let (compiled, lowered) = compile::plan(args, 0, |pinned, graph| {
+    let (compiled, lowered) = compile::plan(args, 0, |pinned, _| {
         if pinned.cp.is_some_and(|cp| cp > 1) {
             return Err(miette!(
                 help = "drop cp from --strategy",
@@ -122,23 +122,6 @@ pub fn prepare(args: &PlanArgs) -> Result<Prepared> {
             ));
         }
         pinned.cp = Some(1);
-        // Its pipelines cut a model's one layer stack; several stacks train
-        // whole on every pipeline rank (any dp, ZeRO, tp, sp, ep).
-        let root = graph.region(graph.root());
-        let stacks = root
-            .nodes
-            .iter()
-            .filter(|&&n| matches!(graph.node(n).op, dplc_ir::Op::Repeat { .. }))
-            .count();
-        if stacks > 1 {
-            if pinned.pp.is_some_and(|pp| pp > 1) {
-                return Err(miette!(
-                    help = "drop pp from --strategy",
-                    "the runtime's pipelines cut a model's one layer stack; this model has {stacks}"
-                ));
-            }
-            pinned.pp = Some(1);
-        }
         // Its ranks keep every state in their own memory.
         match pinned.offload {
             Some(o) if !o.is_none() => {

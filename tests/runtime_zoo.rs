@@ -21,12 +21,39 @@ const TOL: f32 = 5e-5;
 fn lower(model: &str) -> (dplc_ir::Graph, dplc_ir::TrainSpec) {
     // A four-layer gpt_tiny lets interleaved pipelines give each chunk a layer.
     let text = format!(
-        "{TINY}\nmodel gpt_tiny4 = gpt_tiny(layers = 4)\nmodel gpt_tiny8 = gpt_tiny(layers = 8)\nmodel gpt_tiny_dropout = gpt_tiny(dropout = 0.1)\n"
+        "{TINY}\nmodel gpt_tiny4 = gpt_tiny(layers = 4)\nmodel gpt_tiny8 = gpt_tiny(layers = 8)\nmodel gpt_tiny_dropout = gpt_tiny(dropout = 0.1)\n{STACKS}"
     );
     let unit = dplc_frontend::parse("tiny.dpl", &text).expect("tiny.dpl parses");
     let lowered = unit.lower(model).expect("the model lowers");
     (lowered.graph, lowered.train)
 }
+
+/// Models of two layer stacks: an encoder whose output every decoder layer
+/// reads (so a value made between the stacks crosses pipeline cuts inside
+/// the second), and dense layers before MoE layers.
+const STACKS: &str = r#"
+model encdec_tiny(vocab = 256, d = 64, heads = 4, enc = 3, dec = 3) {
+    input tokens: i32[batch, seq]
+    input targets: i32[batch, seq]
+    param embed: [vocab, d]
+    h = embedding(embed, tokens)
+    repeat enc {
+        h = h + attention(rms_norm(h, d, name = "n1"), d, heads, causal = false, rotary = true,
+                          qkv_bias = false, out_bias = false)
+        h = h + swiglu(rms_norm(h, d, name = "n2"), d, 128)
+    }
+    e = rms_norm(h, d, name = "enc_norm")
+    x = embedding(embed, tokens)
+    repeat dec {
+        x = x + attention(rms_norm(x, d, name = "n3"), d, heads, rotary = true,
+                          qkv_bias = false, out_bias = false)
+        x = x + e * 0.5
+        x = x + swiglu(rms_norm(x, d, name = "n4"), d, 128)
+    }
+    x = rms_norm(x, d, name = "norm")
+    return cross_entropy(x @ transpose(embed), targets)
+}
+"#;
 
 fn run(model: &str, cfg: RunConfig) -> TrainReport {
     run_with(model, cfg, Opt::AdamW)
@@ -505,5 +532,91 @@ fn selective_recomputation_recomputes_only_the_attention_core() {
             bytes[0] > bytes[1] && bytes[1] > bytes[2],
             "tp{tp}: activation bytes none > selective > full: {bytes:?}"
         );
+    }
+}
+
+/// Pipelines cut a model of several layer stacks anywhere: at the boundary
+/// between them, inside either (the encoder's output, made between the
+/// stacks, travels with the decoder's carried values), unevenly and
+/// interleaved, with data and tensor parallelism — each the serial run
+/// under SGD, parameters within 1e-6.
+#[test]
+fn pipelines_cut_layer_stacks_anywhere() {
+    let base = run_with("encdec_tiny", serial(4), Opt::Sgd);
+    let pp2 = RunConfig {
+        pp: 2,
+        micro_batch: 1,
+        num_micro_batches: 4,
+        ..RunConfig::default()
+    };
+    for (name, cfg) in [
+        ("pp2 at the boundary", pp2.clone()),
+        (
+            "pp2 [1, 5] inside the encoder",
+            RunConfig {
+                stage_layers: Some(vec![1, 5]),
+                ..pp2.clone()
+            },
+        ),
+        (
+            "pp2 [4, 2] inside the decoder",
+            RunConfig {
+                stage_layers: Some(vec![4, 2]),
+                ..pp2.clone()
+            },
+        ),
+        (
+            "pp3",
+            RunConfig {
+                pp: 3,
+                num_micro_batches: 3,
+                ..serial(1)
+            },
+        ),
+        (
+            "pp2 interleaved v3",
+            RunConfig {
+                schedule: Schedule::Interleaved { chunks: 3 },
+                ..pp2.clone()
+            },
+        ),
+        (
+            "pp2 GPipe",
+            RunConfig {
+                schedule: Schedule::GPipe,
+                ..pp2.clone()
+            },
+        ),
+        (
+            "dp2 × pp2 ZeRO-1",
+            RunConfig {
+                dp: 2,
+                num_micro_batches: 2,
+                zero: ZeroStage::One,
+                ..pp2.clone()
+            },
+        ),
+        (
+            "tp2 × pp2 sp",
+            RunConfig {
+                tp: 2,
+                sequence_parallel: true,
+                ..pp2.clone()
+            },
+        ),
+    ] {
+        let base = if cfg.num_micro_batches * cfg.dp == 4 {
+            base.clone()
+        } else {
+            run_with(
+                "encdec_tiny",
+                serial(cfg.num_micro_batches * cfg.dp),
+                Opt::Sgd,
+            )
+        };
+        let got = run_with("encdec_tiny", cfg, Opt::Sgd);
+        assert_losses(name, &base.steps, &got.steps);
+        let (d, at) = base.params.max_rel_diff(&got.params, 1e-3);
+        assert!(d < 1e-6, "{name}: parameters differ by {d:e} at {at}");
     }
 }

@@ -1047,13 +1047,13 @@ impl Plan {
         rules::expert_count(m.ep, rules::model_experts(graph)).map_err(crate::PlanMismatch)?;
         rules::fits_context(self.strategy.seq, graph).map_err(crate::PlanMismatch)?;
         if m.pp > 1 {
-            let [layers] = repeats[..] else {
+            // Several stacks number their layers one after the other.
+            if repeats.is_empty() {
                 return bad(format!(
-                    "a pipeline cuts the model at its layers, which needs one top-level repeat; `{}` has {}",
-                    graph.name,
-                    repeats.len()
+                    "a pipeline cuts the model at its layers, and `{}` has no `repeat`",
+                    graph.name
                 ));
-            };
+            }
             let planned: u64 = self.stage_layers().iter().sum();
             if planned != layers {
                 return bad(format!(

@@ -7,7 +7,7 @@ use dplc_ir::{
     even_split, pipeline_order, virtual_stage_layers, Graph, NodeId, Op, PipelineSchedule,
     PipelineWork, TensorId,
 };
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 
 /// How micro-batches flow through the pipeline.
@@ -59,12 +59,11 @@ pub struct Stack {
 #[derive(Clone, Debug)]
 pub struct Partition {
     pub chunks: Vec<Chunk>,
-    /// The top-level repeat a pipeline cuts: the model's one layer stack.
-    pub repeat: Option<NodeId>,
     /// Every layer stack, in program order.
     pub stacks: Vec<Stack>,
-    /// Values computed before the repeat that later stages read: they travel
-    /// with the carried activations from stage to stage.
+    /// Values a chunk reads that an earlier chunk made and no stack's
+    /// carried values deliver: they travel with those from stage to stage
+    /// (empty where not yet made).
     pub extras: Vec<TensorId>,
 }
 
@@ -75,16 +74,52 @@ fn replicated(op: &Op) -> bool {
     )
 }
 
+/// What crosses the cut after a chunk: the carried values of `stack` after
+/// the chunk's last layer, which the next chunk continues (`continues`) or,
+/// when that was the stack's last layer, reads as the stack's outputs.
+#[derive(Clone, Copy, Debug)]
+pub struct Cut {
+    pub stack: Stack,
+    pub continues: bool,
+}
+
 impl Partition {
     /// The layer stack repeat node `n` is, if it is one.
     pub fn stack(&self, n: NodeId) -> Option<&Stack> {
         self.stacks.iter().find(|s| s.node == n)
     }
 
+    /// The iterations of `stack` chunk `c` runs.
+    pub fn stack_layers(&self, c: usize, stack: &Stack) -> Range<u64> {
+        let layers = &self.chunks[c].layers;
+        let from = layers.start.max(stack.first);
+        let to = layers.end.min(stack.first + stack.count).max(from);
+        from - stack.first..to - stack.first
+    }
+
+    /// What crosses the cut after chunk `c` (`None` after the last).
+    pub fn cut(&self, c: usize) -> Option<Cut> {
+        if c + 1 >= self.chunks.len() {
+            return None;
+        }
+        let last = self.chunks[c].layers.end.checked_sub(1)?;
+        let stack = *self
+            .stacks
+            .iter()
+            .find(|s| (s.first..s.first + s.count).contains(&last))?;
+        Some(Cut {
+            stack,
+            continues: last + 1 < stack.first + stack.count,
+        })
+    }
+
     /// Cut `graph` into `pp × chunks` virtual stages, pipeline stage `s`
     /// running `stage_layers[s]` layers over its chunks — the plan's
     /// partition, uneven as it was balanced. A run not made from a plan
-    /// (`None`) splits the layers evenly.
+    /// (`None`) splits the layers evenly. The layers of several stacks are
+    /// numbered one after the other, and a cut may fall anywhere among
+    /// them: the root's other nodes run on the chunk that runs the next
+    /// stack's first layer (after the last stack: the last chunk).
     pub fn new(
         graph: &Graph,
         pp: usize,
@@ -93,19 +128,12 @@ impl Partition {
     ) -> Result<Partition> {
         let stages = (pp * chunks).max(1);
         let root = graph.region(graph.root());
-        let repeats: Vec<usize> = root
-            .nodes
-            .iter()
-            .enumerate()
-            .filter(|(_, &n)| matches!(graph.node(n).op, Op::Repeat { .. }))
-            .map(|(i, _)| i)
-            .collect();
-        let mut stacks = Vec::with_capacity(repeats.len());
+        let mut stacks = Vec::new();
         let mut total = 0;
-        for &i in &repeats {
-            if let Op::Repeat { count, .. } = graph.node(root.nodes[i]).op {
+        for &n in &root.nodes {
+            if let Op::Repeat { count, .. } = graph.node(n).op {
                 stacks.push(Stack {
-                    node: root.nodes[i],
+                    node: n,
                     first: total,
                     count,
                 });
@@ -118,38 +146,28 @@ impl Partition {
                     nodes: root.nodes.clone(),
                     layers: 0..total,
                 }],
-                repeat: match stacks[..] {
-                    [one] => Some(one.node),
-                    _ => None,
-                },
                 stacks,
                 extras: Vec::new(),
             });
         }
-        let [at] = repeats[..] else {
-            return Err(RuntimeError::Unsupported(format!(
-                "pipeline parallelism cuts a model's one layer stack; this model has {} (`repeat`s at its top level): train it without pp for now",
-                repeats.len()
-            )));
-        };
-        let rep = root.nodes[at];
-        let (count, carried) = match graph.node(rep).op {
-            Op::Repeat { count, carried, .. } => (count, carried),
-            _ => unreachable!("filtered to repeats above"),
-        };
-        if (count as usize) < stages {
+        if stacks.is_empty() {
+            return Err(RuntimeError::Config(
+                "pipeline parallelism cuts the model at its layers, and it has no `repeat`".into(),
+            ));
+        }
+        if (total as usize) < stages {
             return Err(RuntimeError::Config(format!(
-                "{count} layers cannot fill {stages} pipeline stages"
+                "{total} layers cannot fill {stages} pipeline stages"
             )));
         }
         let stage_layers = match stage_layers {
             Some(l) => l.to_vec(),
-            None => even_split(count, pp as u64),
+            None => even_split(total, pp as u64),
         };
         let planned: u64 = stage_layers.iter().sum();
-        if stage_layers.len() != pp || planned != count {
+        if stage_layers.len() != pp || planned != total {
             return Err(RuntimeError::Config(format!(
-                "the plan puts {planned} layers on {} stages ({stage_layers:?}); the run has {pp} stages and the model {count} layers",
+                "the plan puts {planned} layers on {} stages ({stage_layers:?}); the run has {pp} stages and the model {total} layers",
                 stage_layers.len()
             )));
         }
@@ -167,44 +185,94 @@ impl Partition {
                 start - len..start
             })
             .collect();
-        let pre: Vec<NodeId> = root.nodes[..at].to_vec();
-        let post: Vec<NodeId> = root.nodes[at + 1..].to_vec();
+        let chunk_of = |layer: u64| {
+            ranges
+                .iter()
+                .position(|r| r.contains(&layer))
+                .unwrap_or(stages - 1)
+        };
         let is_rep = |n: NodeId| replicated(&graph.node(n).op);
-        let produced_pre: HashSet<TensorId> = pre
-            .iter()
-            .filter(|&&n| !is_rep(n))
-            .flat_map(|&n| graph.node(n).outputs.iter().copied())
-            .collect();
-        // Pre values read by the repeat's captured inputs or by the head travel along.
+        // Which chunks run each root node: a stack every chunk that runs
+        // one of its layers; any other node the chunk of the next stack's
+        // first layer; a replicated leaf wherever it is read.
+        let mut owners: HashMap<NodeId, Vec<usize>> = HashMap::new();
+        let mut next = 0;
+        for &n in &root.nodes {
+            if is_rep(n) {
+                continue;
+            }
+            let own = match stacks.get(next) {
+                Some(st) if st.node == n => {
+                    next += 1;
+                    (chunk_of(st.first)..=chunk_of(st.first + st.count - 1)).collect()
+                }
+                Some(st) => vec![chunk_of(st.first)],
+                None => vec![stages - 1],
+            };
+            owners.insert(n, own);
+        }
+        // The chunk that finally produces each root value, and the chunks
+        // that read it.
+        let mut producer: HashMap<TensorId, usize> = HashMap::new();
+        for (&n, own) in &owners {
+            for &t in &graph.node(n).outputs {
+                producer.insert(t, *own.iter().max().expect("a node runs somewhere"));
+            }
+        }
+        // What crosses a cut besides a stack's carried values: a value read
+        // on a chunk after the one that made it, unless the stack's carried
+        // values at the cut right after it deliver it.
         let mut extras: Vec<TensorId> = Vec::new();
-        let reads = graph.node(rep).inputs[carried..]
-            .iter()
-            .chain(post.iter().flat_map(|&n| graph.node(n).inputs.iter()))
-            .chain(root.results.iter());
-        for &t in reads {
-            if produced_pre.contains(&t) && !extras.contains(&t) {
+        let read = |t: TensorId, reader: usize, extras: &mut Vec<TensorId>| {
+            let Some(&p) = producer.get(&t) else { return };
+            if reader <= p || extras.contains(&t) {
+                return;
+            }
+            let delivered = reader == p + 1
+                && stacks.iter().any(|st| {
+                    graph.node(st.node).outputs.contains(&t) && ranges[p].end == st.first + st.count
+                });
+            if !delivered {
                 extras.push(t);
             }
+        };
+        for &n in &root.nodes {
+            let Some(own) = owners.get(&n) else { continue };
+            let node = graph.node(n);
+            let carried = match node.op {
+                Op::Repeat { carried, .. } => carried,
+                _ => 0,
+            };
+            for (j, &t) in node.inputs.iter().enumerate() {
+                // A stack's carried inputs start its first layer only.
+                let readers: Vec<usize> = if j < carried {
+                    vec![own[0]]
+                } else {
+                    own.clone()
+                };
+                for r in readers {
+                    read(t, r, &mut extras);
+                }
+            }
+        }
+        for &t in &root.results {
+            read(t, stages - 1, &mut extras);
         }
         let chunks = ranges
             .into_iter()
             .enumerate()
             .map(|(c, layers)| {
-                let mut own: Vec<NodeId> = Vec::new();
-                if c == 0 {
-                    own.extend(pre.iter().filter(|&&n| !is_rep(n)));
-                }
-                own.push(rep);
-                if c == stages - 1 {
-                    own.extend(post.iter().filter(|&&n| !is_rep(n)));
-                }
+                let own: Vec<NodeId> = root
+                    .nodes
+                    .iter()
+                    .copied()
+                    .filter(|n| owners.get(n).is_some_and(|o| o.contains(&c)))
+                    .collect();
                 // Replicated leaves that this chunk's nodes read are computed here too.
-                let mut needed: HashSet<TensorId> = HashSet::new();
-                for &n in &own {
-                    let node = graph.node(n);
-                    let skip = if n == rep && c > 0 { carried } else { 0 };
-                    needed.extend(node.inputs.iter().skip(skip));
-                }
+                let needed: HashSet<TensorId> = own
+                    .iter()
+                    .flat_map(|&n| graph.node(n).inputs.iter().copied())
+                    .collect();
                 let nodes = root
                     .nodes
                     .iter()
@@ -220,7 +288,6 @@ impl Partition {
             .collect();
         Ok(Partition {
             chunks,
-            repeat: Some(rep),
             stacks,
             extras,
         })

@@ -9,7 +9,7 @@
 
 use super::Shared;
 use crate::comm::Message;
-use crate::error::{Result, RuntimeError};
+use crate::error::{kernel_err, Result, RuntimeError};
 use crate::interp::{add_grad, Frame, Grads, Interp, Value};
 use crate::kernels::DropoutKey;
 use crate::params::ParamStore;
@@ -98,6 +98,14 @@ pub(super) fn take_live<T>(live: &mut HashMap<(usize, usize), T>, pass: &Pass) -
         })
 }
 
+/// The values repeat node `n` carries from layer to layer.
+pub(super) fn carried_of(g: &dplc_ir::Graph, n: dplc_ir::NodeId) -> usize {
+    match g.node(n).op {
+        dplc_ir::Op::Repeat { carried, .. } => carried,
+        _ => 0,
+    }
+}
+
 fn short(what: &str) -> RuntimeError {
     RuntimeError::Kernel {
         op: "recv",
@@ -152,32 +160,46 @@ impl StageCompute for Reference<'_, '_> {
         let g = sh.graph;
         let c = pass.chunk;
         let last = c + 1 == sh.part.chunks.len();
-        let n_carried = sh.repeat_carried();
         let interp = self.interp(pass);
         let mut frame = Frame {
             values: inputs.clone(),
             ..Frame::default()
         };
-        let mut carried: Vec<Value> = Vec::new();
-        if c > 0 {
+        // The previous chunk's stack: its carried values go on here, or
+        // are its outputs when its last layer was the previous chunk's.
+        let cut_in = c.checked_sub(1).and_then(|p| sh.part.cut(p));
+        let mut state: Vec<Value> = Vec::new();
+        if let Some(cut) = cut_in {
             let mut vals = received.into_iter();
-            for _ in 0..n_carried {
-                carried.push(Arc::new(
+            for _ in 0..carried_of(g, cut.stack.node) {
+                state.push(Arc::new(
                     vals.next().flatten().ok_or_else(|| short("activation"))?,
                 ));
             }
             for &t in &sh.part.extras {
-                let v = vals.next().flatten().ok_or_else(|| short("extra"))?;
-                frame.values.insert(t, Arc::new(v));
+                if let Some(v) = vals.next().flatten() {
+                    frame.values.insert(t, Arc::new(v));
+                }
+            }
+            if !cut.continues {
+                for (&t, v) in g.node(cut.stack.node).outputs.iter().zip(state.drain(..)) {
+                    frame.values.insert(t, v);
+                }
             }
         }
         let chunk = &sh.part.chunks[c];
         for &n in &chunk.nodes {
-            if Some(n) == sh.part.repeat {
-                let node = g.node(n);
-                let init = if c == 0 {
-                    let mut init = Vec::with_capacity(n_carried);
-                    for (j, &t) in node.inputs[..n_carried].iter().enumerate() {
+            let Some(stack) = sh.part.stack(n) else {
+                interp.eval_node(&mut frame, n, 0, store)?;
+                continue;
+            };
+            let node = g.node(n);
+            let init = match cut_in {
+                Some(cut) if cut.continues && cut.stack.node == n => std::mem::take(&mut state),
+                _ => {
+                    let carried = carried_of(g, n);
+                    let mut init = Vec::with_capacity(carried);
+                    for (j, &t) in node.inputs[..carried].iter().enumerate() {
                         let want = sh
                             .layouts
                             .as_ref()
@@ -185,66 +207,43 @@ impl StageCompute for Reference<'_, '_> {
                         init.push(interp.read_as(&mut frame, t, want, store)?);
                     }
                     init
-                } else {
-                    std::mem::take(&mut carried)
-                };
-                let out = interp.forward_repeat(
-                    &mut frame,
-                    n,
-                    chunk.layers.clone(),
-                    init,
-                    0,
-                    Some(0),
-                    store,
-                )?;
-                if last {
-                    for (t, v) in node.outputs.iter().zip(out) {
-                        frame.values.insert(*t, v);
-                    }
-                } else {
-                    carried = out;
                 }
-            } else if let Some(stack) = sh.part.stack(n) {
-                // One of several stacks: the whole of it (no pipeline cuts it).
-                let node = g.node(n);
-                let carried = match node.op {
-                    dplc_ir::Op::Repeat { carried, .. } => carried,
-                    _ => 0,
-                };
-                let mut init = Vec::with_capacity(carried);
-                for (j, &t) in node.inputs[..carried].iter().enumerate() {
-                    let want = sh
-                        .layouts
-                        .as_ref()
-                        .map_or(TensorLayout::Replicated, |l| l.consumed(n, j));
-                    init.push(interp.read_as(&mut frame, t, want, store)?);
-                }
-                let out = interp.forward_repeat(
-                    &mut frame,
-                    n,
-                    0..stack.count,
-                    init,
-                    0,
-                    Some(stack.first),
-                    store,
-                )?;
-                for (t, v) in node.outputs.iter().zip(out) {
-                    frame.values.insert(*t, v);
-                }
-            } else {
-                interp.eval_node(&mut frame, n, 0, store)?;
+            };
+            // A chunk that ends inside the stack leaves its carried values
+            // as the stack's outputs: what it sends.
+            let out = interp.forward_repeat(
+                &mut frame,
+                n,
+                sh.part.stack_layers(c, stack),
+                init,
+                0,
+                Some(stack.first),
+                store,
+            )?;
+            for (t, v) in node.outputs.iter().zip(out) {
+                frame.values.insert(*t, v);
             }
         }
         let out = if last {
             Forwarded::Loss(f64::from(frame.values[&g.outputs()[0]].f()?[0]))
         } else {
-            let mut msg: Message = carried.iter().map(|v| Some((**v).clone())).collect();
-            msg.extend(
-                sh.part
-                    .extras
-                    .iter()
-                    .map(|t| Some((*frame.values[t]).clone())),
-            );
+            let cut = sh
+                .part
+                .cut(c)
+                .ok_or_else(|| kernel_err("pipeline", "a chunk before the last cuts no stack"))?;
+            let sent = &g.node(cut.stack.node).outputs;
+            let mut msg: Message = Vec::with_capacity(sent.len() + sh.part.extras.len());
+            for t in sent {
+                let v = frame
+                    .values
+                    .get(t)
+                    .ok_or_else(|| kernel_err("pipeline", format!("{t} is not computed")))?;
+                msg.push(Some((**v).clone()));
+            }
+            msg.extend(sh.part.extras.iter().map(|t| match sent.contains(t) {
+                true => None,
+                false => frame.values.get(t).map(|v| (**v).clone()),
+            }));
             Forwarded::Send(msg)
         };
         self.live.insert((pass.micro, c), frame);
@@ -260,96 +259,93 @@ impl StageCompute for Reference<'_, '_> {
         let sh = self.sh;
         let g = sh.graph;
         let c = pass.chunk;
-        let n_carried = sh.repeat_carried();
         let interp = self.interp(pass);
         let mut frame = take_live(&mut self.live, pass)?;
         let mut grads = Grads::new();
-        let mut carried_grads: Vec<Option<Tensor>> = vec![None; n_carried];
-        let last = match received {
+        match received {
             None => {
                 grads.insert(g.outputs()[0], Tensor::f32(vec![], vec![sh.loss_scale()]));
-                true
             }
             Some(msg) => {
+                // The gradients of what this chunk sent: its stack's
+                // outputs as it left them, then the extras.
+                let cut = sh
+                    .part
+                    .cut(c)
+                    .ok_or_else(|| kernel_err("pipeline", "gradients reached the last chunk"))?;
                 let mut it = msg.into_iter();
-                for cg in carried_grads.iter_mut() {
-                    *cg = it.next().flatten();
+                for &t in &g.node(cut.stack.node).outputs {
+                    if let Some(gr) = it.next().flatten() {
+                        add_grad(&mut grads, t, gr)?;
+                    }
                 }
                 for &t in &sh.part.extras {
                     if let Some(gr) = it.next().flatten() {
                         add_grad(&mut grads, t, gr)?;
                     }
                 }
-                false
             }
-        };
+        }
+        let cut_in = c.checked_sub(1).and_then(|p| sh.part.cut(p));
         let chunk = &sh.part.chunks[c];
-        let mut carried_in: Vec<Option<Tensor>> = vec![None; n_carried];
+        let mut state_grads: Vec<Option<Tensor>> = Vec::new();
         for &n in chunk.nodes.iter().rev() {
-            if Some(n) == sh.part.repeat {
-                let node = g.node(n);
-                let gout = if last {
-                    let mut gout = Vec::new();
-                    for &t in &node.outputs {
-                        gout.push(interp.take_grad(&mut frame, &mut grads, t, store)?);
+            let Some(stack) = sh.part.stack(n) else {
+                if sh.plan.input_grads(g, n).iter().any(|&x| x) {
+                    interp.backward_node(&mut frame, n, &mut grads, 0, store)?;
+                }
+                continue;
+            };
+            let node = g.node(n);
+            let mut gout = Vec::new();
+            for &t in &node.outputs {
+                gout.push(interp.take_grad(&mut frame, &mut grads, t, store)?);
+            }
+            let gin = interp.backward_repeat(
+                &mut frame,
+                n,
+                sh.part.stack_layers(c, stack),
+                gout,
+                &mut grads,
+                0,
+                Some(stack.first),
+                store,
+            )?;
+            let need = sh.plan.input_grads(g, n);
+            let carried = carried_of(g, n);
+            for (j, gr) in gin.into_iter().enumerate() {
+                match cut_in {
+                    // The carried values came from the previous chunk.
+                    Some(cut) if cut.continues && cut.stack.node == n && j < carried => {
+                        state_grads.push(gr);
                     }
-                    gout
-                } else {
-                    std::mem::take(&mut carried_grads)
-                };
-                let gin = interp.backward_repeat(
-                    &mut frame,
-                    n,
-                    chunk.layers.clone(),
-                    gout,
-                    &mut grads,
-                    0,
-                    Some(0),
-                    store,
-                )?;
-                if c == 0 {
-                    let need = sh.plan.input_grads(g, n);
-                    for (j, gr) in gin.into_iter().enumerate() {
+                    _ => {
                         if let (Some(gr), true) = (gr, need[j]) {
                             interp.contribute_input(&mut frame, &mut grads, n, j, gr)?;
                         }
                     }
-                } else {
-                    carried_in = gin;
                 }
-            } else if let Some(stack) = sh.part.stack(n) {
-                let node = g.node(n);
-                let mut gout = Vec::new();
-                for &t in &node.outputs {
-                    gout.push(interp.take_grad(&mut frame, &mut grads, t, store)?);
-                }
-                let gin = interp.backward_repeat(
-                    &mut frame,
-                    n,
-                    0..stack.count,
-                    gout,
-                    &mut grads,
-                    0,
-                    Some(stack.first),
-                    store,
-                )?;
-                let need = sh.plan.input_grads(g, n);
-                for (j, gr) in gin.into_iter().enumerate() {
-                    if let (Some(gr), true) = (gr, need[j]) {
-                        interp.contribute_input(&mut frame, &mut grads, n, j, gr)?;
-                    }
-                }
-            } else if sh.plan.input_grads(g, n).iter().any(|&x| x) {
-                interp.backward_node(&mut frame, n, &mut grads, 0, store)?;
             }
         }
         interp.flush_param_grads(g.root(), &mut frame, &mut grads, 0, store)?;
-        if c == 0 {
+        let Some(cut) = cut_in else {
             return Ok(Vec::new());
-        }
-        let mut msg: Message = carried_in;
+        };
+        let sent = &g.node(cut.stack.node).outputs;
+        let mut msg: Message = if cut.continues {
+            state_grads
+        } else {
+            let mut m = Vec::with_capacity(sent.len());
+            for &t in sent {
+                m.push(interp.take_grad(&mut frame, &mut grads, t, store)?);
+            }
+            m
+        };
         for &t in &sh.part.extras {
-            msg.push(interp.take_grad(&mut frame, &mut grads, t, store)?);
+            msg.push(match sent.contains(&t) {
+                true => None,
+                false => interp.take_grad(&mut frame, &mut grads, t, store)?,
+            });
         }
         Ok(msg)
     }

@@ -92,6 +92,13 @@ pub(super) fn plan(sh: &Shared) -> Result<FusedProgram> {
             ));
         }
     }
+    if sh.part.stacks.len() > 1 && sh.part.chunks.len() > 1 {
+        return Err(RuntimeError::Unsupported(
+            "the fused compute cuts one layer stack into pipeline stages, and this model has \
+             several: run this split with --compute reference"
+                .into(),
+        ));
+    }
     let graph = match (&sh.layouts, &cfg.layout) {
         (Some(layouts), Some(model)) => {
             // The local shapes are exact: every split dimension divides.
@@ -293,15 +300,15 @@ impl<'a, 'b, B: Backend> Fused<'a, 'b, B> {
         to_backend(&mut self.be, t)
     }
 
-    /// The tensors a pipeline message carries, in order: the repeat's
-    /// carried values, then the extras.
-    fn message_tensors(&self) -> Vec<TensorId> {
+    /// The tensors a message across the cut after chunk `c` carries, in
+    /// order: the stack's carried values, then the extras.
+    fn message_tensors(&self, c: usize) -> Vec<TensorId> {
         let g = &self.prog.graph;
         let mut out: Vec<TensorId> = self
             .sh
             .part
-            .repeat
-            .map(|n| g.node(n).outputs.clone())
+            .cut(c)
+            .map(|cut| g.node(cut.stack.node).outputs.clone())
             .unwrap_or_default();
         out.extend(&self.sh.part.extras);
         out
@@ -347,7 +354,7 @@ impl<B: Backend> StageCompute for Fused<'_, '_, B> {
             }
             Some(vals) => {
                 let mut msg = Message::with_capacity(vals.len());
-                for (t, v) in self.message_tensors().into_iter().zip(&vals) {
+                for (t, v) in self.message_tensors(pass.chunk).into_iter().zip(&vals) {
                     msg.push(Some(self.download(t, v)?));
                 }
                 Forwarded::Send(msg)
@@ -425,7 +432,11 @@ impl<B: Backend> StageCompute for Fused<'_, '_, B> {
             return Ok(Vec::new());
         }
         let mut msg = Message::with_capacity(sent.len());
-        for (t, g) in self.message_tensors().into_iter().zip(&sent) {
+        for (t, g) in self
+            .message_tensors(pass.chunk.saturating_sub(1))
+            .into_iter()
+            .zip(&sent)
+        {
             msg.push(match g {
                 Some(g) => Some(self.download(t, g)?),
                 None => None,

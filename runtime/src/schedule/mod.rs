@@ -552,14 +552,6 @@ struct Shared<'a> {
 }
 
 impl Shared<'_> {
-    /// Values the top-level repeat carries from layer to layer.
-    fn repeat_carried(&self) -> usize {
-        self.part.repeat.map_or(0, |n| match self.graph.node(n).op {
-            Op::Repeat { carried, .. } => carried,
-            _ => 0,
-        })
-    }
-
     /// The loss gradient each micro-batch starts its backward from: each
     /// micro-batch's loss is a mean over its tokens, the step's loss the mean
     /// over all micro-batches of all replicas.
