@@ -23,7 +23,10 @@ use std::collections::{BTreeMap, BTreeSet};
 /// What a buffer of a backward kernel is, in terms of the forward kernel's buffers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GradBinding {
-    /// Forward input `k`, read again to recompute forward values.
+    /// Forward buffer `k`, read again: an input, to recompute forward values
+    /// from, or an output the backward reads instead of recomputing it (a
+    /// stored softmax: its backward needs only its output, as the activation
+    /// rule `dplc_ir::saved_values` says).
     Forward(usize),
     /// The gradient of forward output `k` (read).
     OutputGrad(usize),
@@ -490,6 +493,25 @@ pub fn backward(fwd: &Kernel, needs_grad: &[bool]) -> Result<Backward, String> {
         let e = remap_expr(e, &vals, &in_map);
         vals.push(body.push(e));
     }
+    // A softmax whose output the forward stores: its backward reads the
+    // stored rows, not the scores (the scores need not be kept).
+    let mut softmax_out: BTreeMap<usize, (ValueId, ValueId)> = BTreeMap::new();
+    for st in &fwd.stores {
+        let out = &fwd.buffers[st.buf];
+        let i = st.value.0 as usize;
+        if out.elem == Elem::I32 || !row_kernel || softmax_out.contains_key(&i) {
+            continue;
+        }
+        if let Some(x) = softmax_input(fwd, st.value) {
+            let at = buffers.len();
+            buffers.push(out.clone());
+            buffers[at].output = false;
+            bindings.push(GradBinding::Forward(st.buf));
+            let index = remap_idx(&st.index, &in_map);
+            let y = body.push(Expr::Load { buf: at, index });
+            softmax_out.insert(i, (vals[x.0 as usize], y));
+        }
+    }
     // Seed the adjoints from the output gradients.
     let mut contrib: BTreeMap<ValueId, Vec<ValueId>> = BTreeMap::new();
     for st in &fwd.stores {
@@ -534,6 +556,18 @@ pub fn backward(fwd: &Kernel, needs_grad: &[bool]) -> Result<Backward, String> {
             body.sum(&cs).expect("non-empty")
         };
         adj.insert(v, a);
+        if let Some(&(x, y)) = softmax_out.get(&i) {
+            // dx = y ⊙ (dy − Σ_row dy ⊙ y)
+            let ay = body.bin(BinaryOp::Mul, a, y);
+            let r = body.push(Expr::Reduce {
+                kind: RowReduce::Sum,
+                value: ay,
+            });
+            let d = body.bin(BinaryOp::Sub, a, r);
+            let dx = body.bin(BinaryOp::Mul, y, d);
+            give(x, dx, &mut contrib);
+            continue;
+        }
         match body.b.values[v.0 as usize].clone() {
             Expr::Load { .. }
             | Expr::Const(_)
@@ -907,6 +941,39 @@ fn compact(k: Kernel) -> (Kernel, Vec<usize>) {
         },
         kept,
     )
+}
+
+/// The scores `x` when forward value `v` is `softmax(x)` as fusion lowers it:
+/// `exp(x − m) / Σ exp(x − m)` with `m` the row maximum.
+fn softmax_input(fwd: &Kernel, v: ValueId) -> Option<ValueId> {
+    let at = |v: ValueId| &fwd.values[v.0 as usize];
+    let Expr::Binary(BinaryOp::Div, e, s) = at(v) else {
+        return None;
+    };
+    let Expr::Unary(UnaryOp::Exp, d) = at(*e) else {
+        return None;
+    };
+    let Expr::Binary(BinaryOp::Sub, x, m) = at(*d) else {
+        return None;
+    };
+    let Expr::Reduce {
+        kind: RowReduce::Max,
+        ..
+    } = at(*m)
+    else {
+        return None;
+    };
+    let Expr::Reduce {
+        kind: RowReduce::Sum,
+        value: e2,
+    } = at(*s)
+    else {
+        return None;
+    };
+    let Expr::Unary(UnaryOp::Exp, d2) = at(*e2) else {
+        return None;
+    };
+    matches!(at(*d2), Expr::Binary(BinaryOp::Sub, _, m2) if m2 == m).then_some(*x)
 }
 
 fn give(to: ValueId, c: ValueId, contrib: &mut BTreeMap<ValueId, Vec<ValueId>>) {

@@ -96,6 +96,7 @@ fn check_kernel(
         .bindings
         .iter()
         .map(|b| match *b {
+            GradBinding::Forward(i) if fwd.buffers[i].output => fwd_out[i].clone(),
             GradBinding::Forward(i) => inputs[i].clone(),
             GradBinding::OutputGrad(i) => Data::F32(out_grads[&i].clone()),
             _ => Data::F32(vec![]),

@@ -1,9 +1,10 @@
 //! Analyses derived from the graph, never from per-model formulas: parameters
 //! by block, forward FLOPs, and the activations each layer stores for backward.
 
+use crate::autodiff::{input_grads, saved_values, SavedAt, SavedKind};
 use crate::{
-    BinaryOp, Dim, Graph, NodeId, Op, Poly, Precision, Ratio, ReduceKind, RegionId, ScopeId,
-    ScopeKind, TensorDef, TensorId, UnaryOp,
+    Dim, Graph, NodeId, Op, Poly, Precision, Ratio, RegionId, ScopeId, ScopeKind, TensorDef,
+    TensorId,
 };
 use std::collections::HashSet;
 
@@ -26,29 +27,6 @@ pub fn attention_core_tensor(graph: &crate::Graph, t: crate::TensorId) -> bool {
         .shape
         .numel()
         .is_some_and(|e| attention_core(&e, seq))
-}
-
-/// What a stored tensor holds, which fixes its bytes per element.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum SavedKind {
-    /// An activation in the training precision.
-    Float,
-    /// A dropout mask, one byte per element.
-    Mask,
-    /// Integer indices (token ids, top-k choices), four bytes per element.
-    Index,
-    /// Per-row statistics of a norm (mean and/or rstd), fp32.
-    Stats,
-}
-
-impl SavedKind {
-    pub fn bytes(self, precision: Precision) -> u64 {
-        match self {
-            SavedKind::Float => precision.bytes(),
-            SavedKind::Mask => 1,
-            SavedKind::Index | SavedKind::Stats => 4,
-        }
-    }
 }
 
 /// One tensor kept from the forward pass for the backward pass.
@@ -209,13 +187,19 @@ impl<'g> Analysis<'g> {
         total
     }
 
-    /// What one iteration of `region` stores for backward. Nested repeats are
-    /// not included: analyse their bodies separately.
+    /// What one iteration of `region` stores for backward: the values
+    /// [`saved_values`] names for each node.
     ///
     /// A tensor counts when the backward of some node needs it, it depends on
     /// the data (parameters are counted elsewhere), and its storage belongs to
     /// this iteration (the region's nodes or its carried arguments). Views are
     /// traced to the tensor they alias and each storage counts once.
+    ///
+    /// Fusion: a value computed by a unary elementwise op from a kept value,
+    /// and read by nothing but one elementwise op, is never written to memory
+    /// — the fused kernel of its reader recomputes it, forward and backward,
+    /// from the kept value (SwiGLU's `silu(gate)`) — so it is not kept either.
+    /// A matmul operand is always in memory, so it stays (GPT's GeLU output).
     pub fn activations(&self, region: RegionId) -> ActivationProfile {
         let g = self.graph;
         let reg = g.region(region);
@@ -235,24 +219,8 @@ impl<'g> Analysis<'g> {
                 if !self.is_activation(root) || !local(root) || !seen.insert((root, kind)) {
                     continue;
                 }
-                let shape = &g.tensor(root).shape;
-                let elements = match kind {
-                    SavedKind::Stats => {
-                        let per_row = if matches!(g.node(n).op, Op::LayerNorm { .. }) {
-                            2
-                        } else {
-                            1
-                        };
-                        let rows = shape.numel().and_then(|e| e.checked_div(shape.last()?));
-                        match rows.and_then(|r| r.checked_scale(Ratio::int(per_row))) {
-                            Some(r) => r,
-                            None => continue,
-                        }
-                    }
-                    _ => match shape.numel() {
-                        Some(e) => e,
-                        None => continue,
-                    },
+                let Some(elements) = g.tensor(root).shape.numel() else {
+                    continue;
                 };
                 profile.saved.push(SavedTensor {
                     tensor: root,
@@ -262,7 +230,56 @@ impl<'g> Analysis<'g> {
                 });
             }
         }
+        let floats: HashSet<TensorId> = profile
+            .saved
+            .iter()
+            .filter(|s| s.kind == SavedKind::Float)
+            .map(|s| s.tensor)
+            .collect();
+        profile.saved.retain(|s| {
+            s.kind != SavedKind::Float || !self.recomputed_in_kernel(region, s.tensor, &floats)
+        });
         profile
+    }
+
+    /// Whether fusion recomputes `t` from a kept value instead of keeping it
+    /// (see [`Self::activations`]).
+    fn recomputed_in_kernel(
+        &self,
+        region: RegionId,
+        t: TensorId,
+        kept: &HashSet<TensorId>,
+    ) -> bool {
+        let g = self.graph;
+        let Some(node) = g.producer(t) else {
+            return false;
+        };
+        if node.region != region || !matches!(node.op, Op::Unary(_)) {
+            return false;
+        }
+        if !kept.contains(&self.storage_root(node.inputs[0])) {
+            return false;
+        }
+        let reg = g.region(region);
+        if reg.results.contains(&t) {
+            return false;
+        }
+        let mut readers = reg.nodes.iter().filter(|&&n| g.node(n).inputs.contains(&t));
+        matches!(
+            (readers.next(), readers.next()),
+            (Some(&r), None) if matches!(g.node(r).op, Op::Unary(_) | Op::Binary(_))
+        )
+    }
+
+    /// For each input of node `n`, whether its backward produces a gradient
+    /// for it: the input depends on a parameter through float values, a
+    /// gradient can flow through that position, and some output needs one
+    /// (as [`crate::GradPlan::input_grads`]).
+    pub fn input_grads(&self, n: NodeId) -> Vec<bool> {
+        let g = self.graph;
+        input_grads(g, n, &|t| {
+            g.tensor(t).dtype.is_float() && self.requires_grad(t)
+        })
     }
 
     /// The tensor whose storage `t` aliases.
@@ -276,102 +293,19 @@ impl<'g> Analysis<'g> {
         t
     }
 
-    /// The tensors node `n`'s backward reads, given which inputs need gradients.
+    /// The tensors node `n`'s backward reads ([`saved_values`]).
     fn saved_by(&self, n: NodeId) -> Vec<(TensorId, SavedKind)> {
-        use SavedKind::*;
         let node = self.graph.node(n);
-        let ins = &node.inputs;
-        let rg = |i: usize| self.requires_grad(ins[i]);
-        let out = node.outputs.first().copied();
-        let mut saved = Vec::new();
-        let mut save = |cond: bool, t: TensorId, kind: SavedKind| {
-            if cond {
-                saved.push((t, kind));
-            }
-        };
-        match &node.op {
-            Op::Input(_) | Op::Param(_) | Op::Constant(_) | Op::Iota { .. } | Op::Repeat { .. } => {
-            }
-            // A layout change's backward is another collective: nothing kept.
-            Op::Relayout { .. } => {}
-            Op::Cast(_)
-            | Op::Transpose { .. }
-            | Op::Reshape { .. }
-            | Op::Expand { .. }
-            | Op::Slice { .. }
-            | Op::Concat { .. }
-            | Op::CausalMask => {}
-            Op::Unary(u) => {
-                let out = out.expect("unary ops have one output");
-                match u {
-                    UnaryOp::Neg => {}
-                    UnaryOp::Exp
-                    | UnaryOp::Sqrt
-                    | UnaryOp::Rsqrt
-                    | UnaryOp::Recip
-                    | UnaryOp::Tanh
-                    | UnaryOp::Sigmoid
-                    | UnaryOp::Relu => save(rg(0), out, Float),
-                    UnaryOp::Log
-                    | UnaryOp::Gelu
-                    | UnaryOp::GeluTanh
-                    | UnaryOp::Silu
-                    | UnaryOp::Sin
-                    | UnaryOp::Cos => save(rg(0), ins[0], Float),
-                }
-            }
-            Op::Binary(b) => match b {
-                BinaryOp::Add | BinaryOp::Sub => {}
-                BinaryOp::Mul => {
-                    save(rg(0), ins[1], Float);
-                    save(rg(1), ins[0], Float);
-                }
-                BinaryOp::Div => {
-                    save(rg(0) || rg(1), ins[1], Float);
-                    save(rg(1), ins[0], Float);
-                }
-                BinaryOp::Max | BinaryOp::Min | BinaryOp::Pow => {
-                    save(rg(0) || rg(1), ins[0], Float);
-                    save(rg(0) || rg(1), ins[1], Float);
-                }
-            },
-            Op::MatMul => {
-                save(rg(1), ins[0], Float);
-                save(rg(0), ins[1], Float);
-            }
-            Op::Reduce { kind, .. } => {
-                if *kind == ReduceKind::Max {
-                    save(rg(0), ins[0], Float);
-                    save(rg(0), out.expect("reductions have one output"), Float);
-                }
-            }
-            Op::Softmax { .. } | Op::LogSoftmax { .. } => {
-                save(rg(0), out.expect("softmax has one output"), Float)
-            }
-            Op::LayerNorm { .. } | Op::RmsNorm { .. } => {
-                let any = ins.iter().enumerate().any(|(i, _)| rg(i));
-                save(any, ins[0], Float);
-                save(any, ins[0], Stats);
-            }
-            Op::Dropout { .. } => save(rg(0), ins[0], Mask),
-            Op::Embedding => save(rg(0), ins[1], Index),
-            Op::TakeAlong => save(rg(0), ins[1], Index),
-            Op::TopK { .. } => save(rg(0), node.outputs[1], Index),
-            Op::MoeDispatch { .. } => save(rg(0), ins[1], Index),
-            Op::MoeCombine => {
-                save(rg(1), ins[0], Float);
-                save(rg(0), ins[1], Float);
-                save(rg(0) || rg(1), ins[2], Index);
-            }
-            // What the whole op keeps, at the rank's share.
-            Op::VocabParallel(v) => match v {
-                crate::VocabOp::Embedding | crate::VocabOp::TakeAlong => save(rg(0), ins[1], Index),
-                crate::VocabOp::Softmax { .. } | crate::VocabOp::LogSoftmax { .. } => {
-                    save(rg(0), out.expect("softmax has one output"), Float)
-                }
-            },
-        }
-        saved
+        saved_values(&node.op, &self.input_grads(n))
+            .into_iter()
+            .map(|s| {
+                let t = match s.at {
+                    SavedAt::Input(i) => node.inputs[i],
+                    SavedAt::Output(i) => node.outputs[i],
+                };
+                (t, s.kind)
+            })
+            .collect()
     }
 
     /// Parameters grouped by the outermost block they were declared in (a

@@ -1,69 +1,146 @@
 //! Reverse-mode autodiff over the IR: which values need a gradient, the order
-//! the backward pass visits nodes in, and what each op's VJP reads from forward.
+//! the backward pass visits nodes in, and the activation rule — what each
+//! op's backward reads from its forward ([`saved_values`]).
 //!
 //! The vector-Jacobian products themselves are computed by each backend, keyed
 //! by the forward `Op`: several of them (scatter-add for `Embedding`, the
 //! fused softmax and norm backwards, MoE routing) have no forward primitive to
 //! be written in, and adding backward-only variants to the closed `Op` enum is
 //! a change of the IR's contract. This module is the backend-independent half:
-//! every backend walks the same [`GradPlan`] and keeps what [`saved_for_backward`]
-//! names, so the activation analysis and the executors agree on what is stored.
+//! every backend walks the same [`GradPlan`], and [`saved_values`] is the one
+//! definition of what is kept — the activation analysis (and so the planner)
+//! counts it, and the fused executor keeps it.
 
-use crate::{Analysis, DType, Graph, NodeId, Op, RegionId, TensorId};
+use crate::{Analysis, BinaryOp, DType, Graph, NodeId, Op, Precision, ReduceKind, RegionId};
+use crate::{TensorId, UnaryOp, VocabOp};
 
-/// Which forward values of a node its VJP reads.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct SavedForBackward {
-    /// Positions among the node's inputs.
-    pub inputs: Vec<usize>,
-    /// Positions among the node's outputs.
-    pub outputs: Vec<usize>,
+/// What a kept value holds, which fixes its bytes per element.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SavedKind {
+    /// An activation in the training precision.
+    Float,
+    /// A dropout mask, one byte per element (Megatron's accounting, which
+    /// the published memory rows assume; dplc's fused kernels draw the mask
+    /// again from the counter-based key instead of keeping it).
+    Mask,
+    /// Integer indices (token ids, top-k choices), four bytes per element.
+    Index,
 }
 
-/// What the backward pass of `op` needs from its forward pass (for `n` inputs).
-/// Dropout regenerates its mask from the counter-based RNG, so it keeps nothing.
-pub fn saved_for_backward(op: &Op, n: usize) -> SavedForBackward {
-    let (inputs, outputs): (Vec<usize>, Vec<usize>) = match op {
-        Op::Input(_) | Op::Param(_) | Op::Constant(_) | Op::Iota { .. } => (vec![], vec![]),
-        Op::Unary(u) => {
-            use crate::UnaryOp::*;
-            match u {
-                Neg => (vec![], vec![]),
-                Exp | Sqrt | Rsqrt | Recip | Tanh | Sigmoid => (vec![], vec![0]),
-                Log | Relu | Gelu | GeluTanh | Silu | Sin | Cos => (vec![0], vec![]),
-            }
+impl SavedKind {
+    pub fn bytes(self, precision: Precision) -> u64 {
+        match self {
+            SavedKind::Float => precision.bytes(),
+            SavedKind::Mask => 1,
+            SavedKind::Index => 4,
         }
-        Op::Binary(b) => {
-            use crate::BinaryOp::*;
-            match b {
-                Add | Sub => (vec![], vec![]),
-                Mul | Div | Max | Min => (vec![0, 1], vec![]),
-                Pow => (vec![0, 1], vec![0]),
-            }
+    }
+}
+
+/// Where a kept value sits on its node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SavedAt {
+    Input(usize),
+    Output(usize),
+}
+
+/// One value a node's backward reads from its forward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SavedValue {
+    /// The value kept (for a mask: the value whose shape it has).
+    pub at: SavedAt,
+    pub kind: SavedKind,
+}
+
+/// The activation rule: the values the backward of `op` reads, given which
+/// of its inputs need a gradient (`grads`, as [`GradPlan::input_grads`]
+/// gives it). A matmul keeps the operand whose partner needs a gradient,
+/// softmax its output, a norm its input (its row statistics are recomputed
+/// in the backward kernel, one pass over a row it reads anyway), dropout a
+/// one-byte mask, gathers and routing their indices; sums, views, layout
+/// changes and casts keep nothing. What a fused kernel recomputes from a
+/// kept value is not kept again: see [`Analysis::activations`].
+pub fn saved_values(op: &Op, grads: &[bool]) -> Vec<SavedValue> {
+    use SavedAt::{Input, Output};
+    use SavedKind::{Float, Index, Mask};
+    let g = |i: usize| grads.get(i).copied().unwrap_or(false);
+    let any = grads.iter().any(|&x| x);
+    let mut saved = Vec::new();
+    let mut save = |cond: bool, at: SavedAt, kind: SavedKind| {
+        if cond {
+            saved.push(SavedValue { at, kind });
         }
-        Op::Cast(_) | Op::Transpose { .. } | Op::Reshape { .. } | Op::Expand { .. } => {
-            (vec![], vec![])
-        }
-        Op::Slice { .. } | Op::Concat { .. } | Op::CausalMask | Op::Dropout { .. } => {
-            (vec![], vec![])
-        }
-        Op::MatMul => (vec![0, 1], vec![]),
-        Op::Reduce { kind, .. } => match kind {
-            crate::ReduceKind::Max => (vec![0], vec![0]),
-            _ => (vec![], vec![]),
-        },
-        Op::Softmax { .. } | Op::LogSoftmax { .. } => (vec![], vec![0]),
-        Op::LayerNorm { .. } | Op::RmsNorm { .. } => ((0..n).collect(), vec![]),
-        Op::Embedding | Op::TakeAlong => (vec![0, 1], vec![]),
-        Op::TopK { .. } => (vec![0], vec![1]),
-        Op::MoeDispatch { .. } => (vec![1], vec![]),
-        Op::MoeCombine => (vec![0, 1, 2], vec![]),
-        // A repeat keeps what its body's nodes keep, per iteration.
-        Op::Repeat { .. } => (vec![], vec![]),
-        Op::Relayout { .. } => (vec![], vec![]),
-        Op::VocabParallel(v) => return saved_for_backward(&v.whole(), n),
     };
-    SavedForBackward { inputs, outputs }
+    match op {
+        Op::Input(_) | Op::Param(_) | Op::Constant(_) | Op::Iota { .. } | Op::Repeat { .. } => {}
+        // A layout change's backward is another collective: nothing kept.
+        Op::Relayout { .. } => {}
+        Op::Cast(_)
+        | Op::Transpose { .. }
+        | Op::Reshape { .. }
+        | Op::Expand { .. }
+        | Op::Slice { .. }
+        | Op::Concat { .. }
+        | Op::CausalMask => {}
+        Op::Unary(u) => match u {
+            UnaryOp::Neg => {}
+            UnaryOp::Exp
+            | UnaryOp::Sqrt
+            | UnaryOp::Rsqrt
+            | UnaryOp::Recip
+            | UnaryOp::Tanh
+            | UnaryOp::Sigmoid
+            | UnaryOp::Relu => save(g(0), Output(0), Float),
+            UnaryOp::Log
+            | UnaryOp::Gelu
+            | UnaryOp::GeluTanh
+            | UnaryOp::Silu
+            | UnaryOp::Sin
+            | UnaryOp::Cos => save(g(0), Input(0), Float),
+        },
+        Op::Binary(b) => match b {
+            BinaryOp::Add | BinaryOp::Sub => {}
+            BinaryOp::Mul => {
+                save(g(0), Input(1), Float);
+                save(g(1), Input(0), Float);
+            }
+            BinaryOp::Div => {
+                save(any, Input(1), Float);
+                save(g(1), Input(0), Float);
+            }
+            BinaryOp::Max | BinaryOp::Min | BinaryOp::Pow => {
+                save(any, Input(0), Float);
+                save(any, Input(1), Float);
+            }
+        },
+        Op::MatMul => {
+            save(g(1), Input(0), Float);
+            save(g(0), Input(1), Float);
+        }
+        Op::Reduce { kind, .. } => {
+            if *kind == ReduceKind::Max {
+                save(g(0), Input(0), Float);
+                save(g(0), Output(0), Float);
+            }
+        }
+        Op::Softmax { .. } | Op::LogSoftmax { .. } => save(g(0), Output(0), Float),
+        Op::LayerNorm { .. } | Op::RmsNorm { .. } => save(any, Input(0), Float),
+        Op::Dropout { .. } => save(g(0), Input(0), Mask),
+        Op::Embedding | Op::TakeAlong => save(g(0), Input(1), Index),
+        Op::TopK { .. } => save(g(0), Output(1), Index),
+        Op::MoeDispatch { .. } => save(g(0), Input(1), Index),
+        Op::MoeCombine => {
+            save(g(1), Input(0), Float);
+            save(g(0), Input(1), Float);
+            save(g(0) || g(1), Input(2), Index);
+        }
+        // What the whole op keeps, at the rank's share.
+        Op::VocabParallel(v) => match v {
+            VocabOp::Embedding | VocabOp::TakeAlong => save(g(0), Input(1), Index),
+            VocabOp::Softmax { .. } | VocabOp::LogSoftmax { .. } => save(g(0), Output(0), Float),
+        },
+    }
+    saved
 }
 
 /// Input positions of `op` through which a gradient can flow: index inputs
@@ -76,6 +153,23 @@ pub fn differentiable_inputs(op: &Op, n: usize) -> Vec<bool> {
         Op::Cast(to) => vec![*to != DType::I32],
         _ => vec![true; n],
     }
+}
+
+/// For each input of `node`, whether a gradient flows to it: through a
+/// differentiable position, from an output that needs one, to an input that
+/// needs one (`needs`: depends on a parameter through float values).
+pub(crate) fn input_grads(
+    graph: &Graph,
+    node: NodeId,
+    needs: &dyn Fn(TensorId) -> bool,
+) -> Vec<bool> {
+    let n = graph.node(node);
+    let output_needs = n.outputs.iter().any(|&t| needs(t));
+    differentiable_inputs(&n.op, n.inputs.len())
+        .into_iter()
+        .zip(&n.inputs)
+        .map(|(d, &t)| d && output_needs && needs(t))
+        .collect()
 }
 
 /// The backward pass of a graph: which tensors get a gradient and which nodes
@@ -110,13 +204,12 @@ impl GradPlan {
 
     /// For each input of `node`, whether its VJP must produce a gradient.
     pub fn input_grads(&self, graph: &Graph, node: NodeId) -> Vec<bool> {
-        let n = graph.node(node);
-        let output_needs = n.outputs.iter().any(|&t| self.needs_grad(t));
-        differentiable_inputs(&n.op, n.inputs.len())
-            .into_iter()
-            .zip(&n.inputs)
-            .map(|(d, &t)| d && output_needs && self.needs_grad(t))
-            .collect()
+        input_grads(graph, node, &|t| self.needs_grad(t))
+    }
+
+    /// What `node`'s backward reads from its forward ([`saved_values`]).
+    pub fn saved(&self, graph: &Graph, node: NodeId) -> Vec<SavedValue> {
+        saved_values(&graph.node(node).op, &self.input_grads(graph, node))
     }
 
     /// The nodes of `region` whose VJP runs, last first.

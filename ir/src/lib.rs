@@ -18,9 +18,9 @@ mod shape;
 pub mod validate;
 
 pub use analysis::{
-    attention_core, attention_core_tensor, ActivationProfile, Analysis, SavedKind, SavedTensor,
+    attention_core, attention_core_tensor, ActivationProfile, Analysis, SavedTensor,
 };
-pub use autodiff::{differentiable_inputs, saved_for_backward, GradPlan, SavedForBackward};
+pub use autodiff::{differentiable_inputs, saved_values, GradPlan, SavedAt, SavedKind, SavedValue};
 pub use config::{ClusterSpec, DeviceSpec, LinkSpec, LrSchedule, Optimizer, Precision, TrainSpec};
 pub use dtype::DType;
 pub use error::{IrError, PlanMismatch, Result};

@@ -587,13 +587,31 @@ impl<'a> Executor<'a> {
             return Ok(());
         }
         // A layout change moves the gradient only; the others read what
-        // their forward kept.
+        // their forward kept (the activation rule's values). Where the VJP
+        // reads only a value's shape (top-k's input), it gets zeros.
         let (ins, outs) = if matches!(n.op, Op::Relayout { .. }) {
             (Vec::new(), Vec::new())
         } else {
+            let saved = &self
+                .fused
+                .lifetimes
+                .get(&n.region)
+                .ok_or_else(|| kernel_err("fused", format!("region {} has no plan", n.region)))?
+                .saved;
             let mut host = |ts: &[TensorId]| -> Result<Vec<Tensor>> {
                 ts.iter()
-                    .map(|&t| self.to_host(be, t, &self.get(run, t)?))
+                    .map(|&t| {
+                        if saved.contains(&self.base(t)) {
+                            return self.to_host(be, t, &self.get(run, t)?);
+                        }
+                        let dims = self.dims(t);
+                        Ok(if self.graph.tensor(t).dtype.is_float() {
+                            Tensor::zeros(&dims)
+                        } else {
+                            let len = dims.iter().product();
+                            Tensor::i32(dims, vec![0; len])
+                        })
+                    })
                     .collect()
             };
             (host(&n.inputs)?, host(&n.outputs)?)
@@ -659,6 +677,13 @@ impl<'a> Executor<'a> {
                 .iter()
                 .map(|&t| self.get(&body_run, t))
                 .collect::<Result<_>>()?;
+            // The next layer holds what it reads; this one keeps only what
+            // its own backward reads.
+            if let Some(l) = self.fused.lifetimes.get(&body) {
+                for t in &l.handed_on {
+                    body_run.values.remove(t);
+                }
+            }
             runs.push(match self.fused.recompute {
                 Recompute::Full => LayerRun::Checkpoint(args),
                 Recompute::Selective => {

@@ -10,7 +10,7 @@ use dplc_codegen::{
     add_kernel, backward_plan, column_sum_kernel, convert_kernel, fuse, fuse_cut, BackwardStep,
     Elem, FusionPlan, GradBinding, Step,
 };
-use dplc_ir::{GradPlan, Graph, NodeId, Op, Recompute, RegionId, TensorId};
+use dplc_ir::{GradPlan, Graph, NodeId, Op, Recompute, RegionId, SavedAt, TensorId};
 use std::collections::{HashMap, HashSet};
 
 /// Whether `op` runs as a host step (the others a library call or kernel).
@@ -48,6 +48,11 @@ pub struct FusedGraph {
 pub(super) struct Lifetimes {
     /// Per forward step, the bases no later step and no backward step reads.
     pub(super) free_after: Vec<Vec<TensorId>>,
+    /// A layer's results its own backward does not read: handed on to the
+    /// next layer (or the root) after the forward, not kept by this one.
+    pub(super) handed_on: Vec<TensorId>,
+    /// Every base the backward reads.
+    pub(super) saved: HashSet<TensorId>,
 }
 
 /// The in-memory tensor behind `t` (through reshapes).
@@ -71,50 +76,76 @@ impl Lifetimes {
         rerun: &[usize],
     ) -> Lifetimes {
         let base = |t: TensorId| base_of(graph, t);
-        // What the backward reads, what the caller reads, and the loss.
         let region = graph.region(r);
-        let mut keep: HashSet<TensorId> = region.results.iter().map(|&t| base(t)).collect();
-        if r == graph.root() {
-            keep.extend(graph.outputs().iter().map(|&t| base(t)));
-        }
-        // Selective recomputation runs these steps again: what they read stays.
-        for &i in rerun {
-            keep.extend(step_tensors(graph, &plan.steps[i]).into_iter().map(base));
-        }
+        // What the backward reads: the activation rule's values
+        // (`dplc_ir::saved_values`) for matmuls and host steps, and for a
+        // fused kernel the buffers its backward binds — the rule's values, or
+        // the kernel inputs it recomputes them from.
+        let mut saved: HashSet<TensorId> = HashSet::new();
+        let rule = |node: NodeId, ins: &[TensorId], outs: &[TensorId]| -> Vec<TensorId> {
+            grad.saved(graph, node)
+                .into_iter()
+                .map(|s| match s.at {
+                    SavedAt::Input(i) => ins[i],
+                    SavedAt::Output(i) => outs[i],
+                })
+                .collect()
+        };
         for b in back {
             match b {
                 BackwardStep::Kernel { step, backward } => {
                     if let Step::Kernel(k) = &plan.steps[*step] {
                         for bind in &backward.bindings {
                             if let GradBinding::Forward(j) = *bind {
-                                keep.insert(base(k.buffers[j]));
+                                saved.insert(base(k.buffers[j]));
                             }
                         }
                     }
                 }
                 BackwardStep::MatMul { step } => {
                     if let Step::MatMul { node, a, b } = &plan.steps[*step] {
-                        let n = graph.node(*node);
-                        if grad.needs_grad(n.inputs[0]) {
-                            keep.insert(base(b.tensor));
-                        }
-                        if grad.needs_grad(n.inputs[1]) {
-                            keep.insert(base(a.tensor));
-                        }
+                        let outs = &graph.node(*node).outputs;
+                        saved.extend(
+                            rule(*node, &[a.tensor, b.tensor], outs)
+                                .into_iter()
+                                .map(base),
+                        );
                     }
                 }
-                // A host step's backward reads its forward values (a layout
-                // change's reads none: it moves the gradient only).
                 BackwardStep::Extern { step, .. } => {
                     if let Step::Extern { node, .. } = &plan.steps[*step] {
                         let n = graph.node(*node);
-                        if is_host_step(&n.op) && !matches!(n.op, Op::Relayout { .. }) {
-                            keep.extend(n.inputs.iter().chain(&n.outputs).map(|&t| base(t)));
+                        if is_host_step(&n.op) {
+                            saved.extend(rule(*node, &n.inputs, &n.outputs).into_iter().map(base));
                         }
                     }
                 }
             }
         }
+        // What the caller reads after the forward: a layer's results (the
+        // next layer's arguments, kept there if its backward reads them),
+        // the root's outputs (the loss).
+        let mut keep = saved.clone();
+        keep.extend(region.results.iter().map(|&t| base(t)));
+        if r == graph.root() {
+            keep.extend(graph.outputs().iter().map(|&t| base(t)));
+        }
+        // Selective recomputation runs these steps again: what they read stays.
+        for &i in rerun {
+            let read = step_tensors(graph, &plan.steps[i]).into_iter().map(base);
+            saved.extend(read.clone());
+            keep.extend(read);
+        }
+        let handed_on = if r == graph.root() {
+            Vec::new()
+        } else {
+            region
+                .results
+                .iter()
+                .map(|&t| base(t))
+                .filter(|t| !saved.contains(t))
+                .collect()
+        };
         // The last forward step that writes or reads each base.
         let mut last: HashMap<TensorId, usize> = HashMap::new();
         for (i, step) in plan.steps.iter().enumerate() {
@@ -128,7 +159,11 @@ impl Lifetimes {
                 free_after[i].push(t);
             }
         }
-        Lifetimes { free_after }
+        Lifetimes {
+            free_after,
+            handed_on,
+            saved,
+        }
     }
 }
 
@@ -261,6 +296,19 @@ impl FusedGraph {
             core_steps,
             repeat_step,
         })
+    }
+
+    /// What one run of region `r` keeps for its backward, by base: the
+    /// activation rule's values, through fusion (parameters and inputs
+    /// included where the backward reads them).
+    pub fn saved(&self, r: RegionId) -> Vec<TensorId> {
+        let mut v: Vec<TensorId> = self
+            .lifetimes
+            .get(&r)
+            .map(|l| l.saved.iter().copied().collect())
+            .unwrap_or_default();
+        v.sort();
+        v
     }
 
     /// The op of a step that runs on the host, if the graph has one.
