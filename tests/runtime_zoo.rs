@@ -11,7 +11,7 @@
 //! shared by all keys, so its true gradient is exactly zero and Adam turns the
 //! rounding noise of that zero into ±lr steps; comparing it compares noise.
 
-use dplc_runtime::{train, Corpus, RunConfig, Schedule, TrainReport, ZeroStage};
+use dplc_runtime::{train, Compute, Corpus, RunConfig, Schedule, TrainReport, ZeroStage};
 
 mod common;
 use common::{assert_losses, with_layout, Opt, TINY};
@@ -539,7 +539,7 @@ fn selective_recomputation_recomputes_only_the_attention_core() {
 /// between them, inside either (the encoder's output, made between the
 /// stacks, travels with the decoder's carried values), unevenly and
 /// interleaved, with data and tensor parallelism — each the serial run
-/// under SGD, parameters within 1e-6.
+/// under SGD on both computes, parameters within 1e-6.
 #[test]
 fn pipelines_cut_layer_stacks_anywhere() {
     let base = run_with("encdec_tiny", serial(4), Opt::Sgd);
@@ -614,9 +614,19 @@ fn pipelines_cut_layer_stacks_anywhere() {
                 Opt::Sgd,
             )
         };
-        let got = run_with("encdec_tiny", cfg, Opt::Sgd);
-        assert_losses(name, &base.steps, &got.steps);
-        let (d, at) = base.params.max_rel_diff(&got.params, 1e-3);
-        assert!(d < 1e-6, "{name}: parameters differ by {d:e} at {at}");
+        for compute in [Compute::Reference, Compute::Fused] {
+            let name = format!("{name} ({})", compute.name());
+            let got = run_with(
+                "encdec_tiny",
+                RunConfig {
+                    compute,
+                    ..cfg.clone()
+                },
+                Opt::Sgd,
+            );
+            assert_losses(&name, &base.steps, &got.steps);
+            let (d, at) = base.params.max_rel_diff(&got.params, 1e-3);
+            assert!(d < 1e-6, "{name}: parameters differ by {d:e} at {at}");
+        }
     }
 }

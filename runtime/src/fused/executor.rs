@@ -121,19 +121,26 @@ enum LayerRun<B: Backend> {
 }
 
 /// A chunk's forward: its run, kept for the backward, and what it sends on
-/// (nothing from the last chunk).
-pub type ChunkForward<B> = (RegionRun<B>, Option<Vec<Val<B>>>);
+/// (nothing from the last chunk; an extra not made yet is `None`).
+pub type ChunkForward<B> = (RegionRun<B>, Option<Vec<Option<Val<B>>>>);
 
-/// The part of the root region one pipeline chunk runs: the steps before the
-/// top-level `repeat` (embedding), some of its layers, the steps after it
-/// (head and loss). A run without pipeline stages is one span of all three.
+/// The part of the root region one pipeline chunk runs: its root nodes, the
+/// iterations of each layer stack it runs, and what crosses the cuts on its
+/// sides. A run without pipeline stages is one span of the whole root.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChunkSpan {
-    pub head: bool,
+    /// The root nodes it runs (`None`: every one).
+    pub nodes: Option<HashSet<NodeId>>,
+    /// The iterations it runs of each layer stack (repeat node) it runs.
+    pub stacks: BTreeMap<NodeId, std::ops::Range<u64>>,
+    /// The model's layers it runs, numbered across the stacks.
     pub layers: std::ops::Range<u64>,
-    pub tail: bool,
+    /// The stack whose carried values arrive from the previous chunk, and
+    /// whether this chunk continues it (else they are its outputs).
+    pub receives: Option<(NodeId, bool)>,
+    /// The stack whose outputs, as this chunk leaves them, go to the next.
+    pub sends: Option<NodeId>,
 }
-
 /// Runs one micro-batch forward and backward on a backend.
 pub struct Executor<'a> {
     pub graph: &'a Graph,
@@ -330,101 +337,137 @@ impl<'a> Executor<'a> {
         Ok(run)
     }
 
+    /// Whether chunk `span` runs root step `step`: a layer stack's when it
+    /// runs some of its layers, another step when its nodes are the chunk's.
+    /// A kernel whose nodes two chunks own cannot be cut.
+    fn runs_step(&self, span: &ChunkSpan, step: &Step) -> Result<bool> {
+        let Some(own) = &span.nodes else {
+            return Ok(true);
+        };
+        let nodes: Vec<NodeId> = match step {
+            Step::Extern { node, .. } if matches!(self.graph.node(*node).op, Op::Repeat { .. }) => {
+                return Ok(span.stacks.contains_key(node));
+            }
+            Step::Kernel(k) => k.nodes.to_vec(),
+            Step::MatMul { node, .. } | Step::Extern { node, .. } => vec![*node],
+        };
+        // Leaves (parameters, constants, positions) are computed wherever
+        // they are read, so a step of leaves alone runs on every chunk.
+        let placed: Vec<bool> = nodes
+            .iter()
+            .filter(|&&n| {
+                !matches!(
+                    self.graph.node(n).op,
+                    Op::Param(_) | Op::Constant(_) | Op::Iota { .. } | Op::Input(_)
+                )
+            })
+            .map(|n| own.contains(n))
+            .collect();
+        let mine = placed.iter().filter(|&&x| x).count();
+        if mine > 0 && mine < placed.len() {
+            return Err(RuntimeError::Unsupported(
+                "a fused kernel of this model's root spans two pipeline chunks, so the fused \
+                 executor cannot cut it there"
+                    .into(),
+            ));
+        }
+        Ok(placed.is_empty() || mine > 0)
+    }
+
     /// One pipeline chunk of the root forward. `received` are the values the
-    /// previous chunk sent: the carried activations, then `extras` (root
-    /// values computed before the `repeat` that later chunks read). Returns
-    /// the run and, for a chunk without the tail, what it sends on in the
-    /// same order.
+    /// previous chunk sent: its stack's carried values, then `extras` (root
+    /// values a later chunk reads; `None` where not made yet). Returns the
+    /// run and, for a chunk before the last, what it sends on in the same
+    /// order.
     #[allow(clippy::too_many_arguments)]
     pub fn forward_chunk<B: Backend>(
         &self,
         be: &mut B,
         span: &ChunkSpan,
-        received: Vec<Val<B>>,
+        received: Vec<Option<Val<B>>>,
         extras: &[TensorId],
         inputs: &HashMap<TensorId, Val<B>>,
         params: &ParamBufs<B>,
     ) -> Result<ChunkForward<B>> {
         let r = self.graph.root();
         let (plan, _) = self.plan(r)?;
-        let Some(at) = self.cut_at(span)? else {
-            return Ok((self.forward(be, r, Vec::new(), inputs, 0, params)?, None));
-        };
         let mut run = self.bind(r, Vec::new(), inputs, 0, params)?;
-        let Step::Extern { node: rep, .. } = plan.steps[at] else {
-            return Err(kernel_err("fused", "the repeat step is not one"));
-        };
-        let n_carried = self.repeat_parts(rep)?.2;
-        let mut init = None;
-        if !span.head {
-            if received.len() != n_carried + extras.len() {
+        let mut state: Option<(NodeId, Vec<Val<B>>)> = None;
+        if let Some((rep, continues)) = span.receives {
+            let outs = &self.graph.node(rep).outputs;
+            if received.len() != outs.len() + extras.len() {
                 return Err(kernel_err(
                     "recv",
                     format!(
                         "{} activations arrived, the chunk takes {}",
                         received.len(),
-                        n_carried + extras.len()
+                        outs.len() + extras.len()
                     ),
                 ));
             }
             let mut it = received.into_iter();
-            init = Some(it.by_ref().take(n_carried).collect());
+            let carried = it
+                .by_ref()
+                .take(outs.len())
+                .map(|v| v.ok_or_else(|| kernel_err("recv", "an empty activation")))
+                .collect::<Result<Vec<_>>>()?;
             for (&t, v) in extras.iter().zip(it) {
-                run.values.insert(self.base(t), v);
+                if let Some(v) = v {
+                    run.values.insert(self.base(t), v);
+                }
+            }
+            if continues {
+                state = Some((rep, carried));
+            } else {
+                for (&t, v) in outs.iter().zip(carried) {
+                    run.values.insert(self.base(t), v);
+                }
             }
         }
         let free_after = self.free_after(r)?;
-        for (i, (step, dead)) in plan.steps.iter().zip(free_after).enumerate() {
-            if (i < at && !span.head) || (i > at && !span.tail) {
+        for (step, dead) in plan.steps.iter().zip(free_after) {
+            if !self.runs_step(span, step)? {
                 continue;
             }
-            if i == at {
-                self.forward_repeat(be, &mut run, rep, span.layers.clone(), init.take(), params)?;
-                if !span.tail {
-                    let mut out: Vec<Val<B>> = self
-                        .graph
-                        .node(rep)
-                        .outputs
-                        .iter()
-                        .map(|&t| self.get(&run, t))
-                        .collect::<Result<_>>()?;
-                    for &t in extras {
-                        out.push(self.get(&run, t)?);
-                    }
-                    return Ok((run, Some(out)));
+            match step {
+                Step::Extern { node, .. }
+                    if matches!(self.graph.node(*node).op, Op::Repeat { .. }) =>
+                {
+                    let layers = match &span.nodes {
+                        None => 0..self.repeat_parts(*node)?.0,
+                        Some(_) => span.stacks[node].clone(),
+                    };
+                    let init = match state.take() {
+                        Some((rep, v)) if rep == *node => Some(v),
+                        other => {
+                            state = other;
+                            None
+                        }
+                    };
+                    self.forward_repeat(be, &mut run, *node, layers, init, params)?;
                 }
-            } else {
-                self.run_step(be, &mut run, step, 0)?;
+                _ => self.run_step(be, &mut run, step, 0)?,
             }
-            for t in dead {
+            // What later chunks read travels on, whoever reads it last here.
+            for t in dead.iter().filter(|t| !extras.contains(t)) {
                 run.values.remove(t);
             }
         }
-        Ok((run, None))
-    }
-
-    /// Where `span` cuts the root: `None` for the whole root, else the step
-    /// of the top-level `repeat`.
-    fn cut_at(&self, span: &ChunkSpan) -> Result<Option<usize>> {
-        // The whole root runs every layer stack whole (however many it has).
-        if span.head && span.tail {
-            return Ok(None);
+        let Some(rep) = span.sends else {
+            return Ok((run, None));
+        };
+        let outs = &self.graph.node(rep).outputs;
+        let mut sent: Vec<Option<Val<B>>> = Vec::with_capacity(outs.len() + extras.len());
+        for &t in outs {
+            sent.push(Some(self.get(&run, t)?));
         }
-        match self.fused.repeat_step {
-            None => Err(RuntimeError::Unsupported(
-                "a pipeline cuts the model at its layers, and it has no top-level repeat".into(),
-            )),
-            Some((at, whole_side)) => {
-                if !whole_side {
-                    return Err(RuntimeError::Unsupported(
-                        "a fused kernel of this model's root spans both sides of its layers, \
-                         so the fused executor cannot cut it into pipeline stages"
-                            .into(),
-                    ));
-                }
-                Ok(Some(at))
-            }
+        for t in extras {
+            sent.push(match outs.contains(t) {
+                true => None,
+                false => run.values.get(&self.base(*t)).cloned(),
+            });
         }
+        Ok((run, Some(sent)))
     }
 
     fn free_after(&self, r: RegionId) -> Result<&'a [Vec<TensorId>]> {
@@ -808,10 +851,10 @@ impl<'a> Executor<'a> {
     }
 
     /// One pipeline chunk of the root backward, after [`Executor::forward_chunk`].
-    /// `received` are the gradients the next chunk sent back (the carried
-    /// activations', then the extras'), or `None` on the last chunk, whose
-    /// loss is seeded with `loss_scale`. Returns what this chunk sends back,
-    /// in the same order (nothing on the first chunk).
+    /// `received` are the gradients the next chunk sent back (those of what
+    /// this chunk sent, in its order), or `None` on the last chunk, whose
+    /// loss is seeded with `loss_scale`. Returns what this chunk sends back
+    /// for what it received (nothing on the first chunk).
     #[allow(clippy::too_many_arguments)]
     pub fn backward_chunk<B: Backend>(
         &self,
@@ -825,14 +868,6 @@ impl<'a> Executor<'a> {
     ) -> Result<Vec<Option<Val<B>>>> {
         let r = self.graph.root();
         let mut grads: HashMap<TensorId, Val<B>> = HashMap::new();
-        let at = self.cut_at(span)?;
-        let rep = match at {
-            None => None,
-            Some(at) => match &self.plan(r)?.0.steps[at] {
-                Step::Extern { node, .. } => Some(*node),
-                _ => return Err(kernel_err("fused", "the repeat step is not one")),
-            },
-        };
         match received {
             None => {
                 let loss_t = *self
@@ -848,7 +883,9 @@ impl<'a> Executor<'a> {
                 grads.insert(self.base(loss_t), seed);
             }
             Some(msg) => {
-                let rep = rep.ok_or_else(|| kernel_err("fused", "a cut without a repeat"))?;
+                let rep = span
+                    .sends
+                    .ok_or_else(|| kernel_err("fused", "gradients reached the last chunk"))?;
                 let outs = &self.graph.node(rep).outputs;
                 if msg.len() != outs.len() + extras.len() {
                     return Err(kernel_err(
@@ -867,21 +904,28 @@ impl<'a> Executor<'a> {
                 }
             }
         }
-        let carried =
-            self.backward_steps(be, r, run, &mut grads, 0, params, at.map(|at| (at, span)))?;
-        if span.head {
+        let carried = self.backward_steps(be, r, run, &mut grads, 0, params, Some(span))?;
+        let Some((rep, continues)) = span.receives else {
             return Ok(Vec::new());
-        }
-        let mut out = carried;
-        for &t in extras {
-            out.push(grads.remove(&self.base(t)));
+        };
+        let outs = &self.graph.node(rep).outputs;
+        let mut out = if continues {
+            carried
+        } else {
+            outs.iter().map(|&t| grads.remove(&self.base(t))).collect()
+        };
+        for t in extras {
+            out.push(match outs.contains(t) {
+                true => None,
+                false => grads.remove(&self.base(*t)),
+            });
         }
         Ok(out)
     }
 
-    /// The backward of region `r`'s steps; on the root cut at step `cut.0`,
-    /// those of the chunk `cut.1` only, returning the gradients of the
-    /// repeat's carried inputs when the chunk has no head to take them.
+    /// The backward of region `r`'s steps; on the root of a pipeline chunk
+    /// (`span`), those it runs only, returning the gradients of the carried
+    /// values of the stack it continues from the previous chunk.
     #[allow(clippy::too_many_arguments)]
     fn backward_steps<B: Backend>(
         &self,
@@ -891,7 +935,7 @@ impl<'a> Executor<'a> {
         grads: &mut HashMap<TensorId, Val<B>>,
         layer: u64,
         params: &mut ParamBufs<B>,
-        cut: Option<(usize, &ChunkSpan)>,
+        span: Option<&ChunkSpan>,
     ) -> Result<Vec<Option<Val<B>>>> {
         let (plan, back) = self.plan(r)?;
         self.recompute_dropped(be, r, run, layer)?;
@@ -902,8 +946,8 @@ impl<'a> Executor<'a> {
                 | BackwardStep::MatMul { step }
                 | BackwardStep::Extern { step, .. } => *step,
             };
-            if let Some((cut, span)) = cut {
-                if (at < cut && !span.head) || (at > cut && !span.tail) {
+            if let Some(span) = span {
+                if !self.runs_step(span, &plan.steps[at])? {
                     continue;
                 }
             }
@@ -1014,12 +1058,15 @@ impl<'a> Executor<'a> {
                         continue;
                     }
                     let (count, _, _) = self.repeat_parts(*node)?;
-                    let (layers, head) = match cut {
-                        Some((_, span)) => (span.layers.clone(), span.head),
-                        None => (0..count, true),
+                    let (layers, continued) = match span {
+                        Some(span) if span.nodes.is_some() => (
+                            span.stacks[node].clone(),
+                            span.receives == Some((*node, true)),
+                        ),
+                        _ => (0..count, false),
                     };
                     let carried = self.backward_repeat(be, run, grads, *node, layers, params)?;
-                    if head {
+                    if !continued {
                         let inputs = &self.graph.node(*node).inputs;
                         for (&t, g) in inputs.iter().zip(carried) {
                             if let Some(g) = g {

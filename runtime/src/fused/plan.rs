@@ -38,10 +38,6 @@ pub struct FusedGraph {
     /// what selective recomputation drops after a layer's forward and runs
     /// again before its backward.
     pub(super) core_steps: HashMap<RegionId, Vec<usize>>,
-    /// The root's step that runs the top-level `repeat`, and whether every
-    /// root kernel lies wholly before or wholly after it (so a pipeline may
-    /// cut the root there).
-    pub(super) repeat_step: Option<(usize, bool)>,
 }
 
 /// When a region's forward may free its values.
@@ -258,43 +254,12 @@ impl FusedGraph {
                 )
             })
             .collect();
-        let root = graph.root();
-        let repeat_step = regions[&root].0.steps.iter().position(|st| {
-            matches!(st, Step::Extern { node, .. } if matches!(graph.node(*node).op, Op::Repeat { .. }))
-        });
-        let repeat_step = repeat_step.map(|at| {
-            let order: HashMap<NodeId, usize> = graph
-                .region(root)
-                .nodes
-                .iter()
-                .enumerate()
-                .map(|(i, &n)| (n, i))
-                .collect();
-            let Step::Extern { node, .. } = &regions[&root].0.steps[at] else {
-                unreachable!("found as an extern step above")
-            };
-            let rep = order[node];
-            let whole_side = regions[&root]
-                .0
-                .steps
-                .iter()
-                .enumerate()
-                .all(|(i, st)| match st {
-                    Step::Kernel(k) => k
-                        .nodes
-                        .iter()
-                        .all(|n| order.get(n).is_some_and(|&p| (p < rep) == (i < at))),
-                    _ => true,
-                });
-            (at, whole_side)
-        });
         Ok(FusedGraph {
             regions,
             lifetimes,
             grad,
             recompute,
             core_steps,
-            repeat_step,
         })
     }
 

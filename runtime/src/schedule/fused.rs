@@ -92,13 +92,6 @@ pub(super) fn plan(sh: &Shared) -> Result<FusedProgram> {
             ));
         }
     }
-    if sh.part.stacks.len() > 1 && sh.part.chunks.len() > 1 {
-        return Err(RuntimeError::Unsupported(
-            "the fused compute cuts one layer stack into pipeline stages, and this model has \
-             several: run this split with --compute reference"
-                .into(),
-        ));
-    }
     let graph = match (&sh.layouts, &cfg.layout) {
         (Some(layouts), Some(model)) => {
             // The local shapes are exact: every split dimension divides.
@@ -215,20 +208,66 @@ impl HostSteps for Host<'_> {
     }
 }
 
+/// The root nodes of the local program `g` that pipeline chunk `c` runs:
+/// the model's nodes the partition gave it, and each layout change one of
+/// them reads, which runs where its reader does — on every chunk of a layer
+/// stack that reads it, but only on the stack's first for its carried input.
+fn local_nodes(g: &Graph, sh: &Shared, c: usize) -> HashSet<NodeId> {
+    let part = &sh.part;
+    let mut own: HashSet<NodeId> = part.chunks[c].nodes.iter().copied().collect();
+    let root = g.region(g.root());
+    let last = c + 1 == part.chunks.len();
+    for &n in &root.nodes {
+        if !matches!(g.node(n).op, Op::Relayout { .. }) {
+            continue;
+        }
+        let out = g.node(n).outputs[0];
+        let read_here = root.nodes.iter().any(|&m| {
+            let node = g.node(m);
+            let Some(i) = node.inputs.iter().position(|&t| t == out) else {
+                return false;
+            };
+            if !own.contains(&m) {
+                return false;
+            }
+            match (part.stack(m), node.op.clone()) {
+                (Some(st), Op::Repeat { carried, .. }) if i < carried => {
+                    part.stack_layers(c, st).start == 0
+                }
+                _ => true,
+            }
+        }) || (last && root.results.contains(&out));
+        if read_here {
+            own.insert(n);
+        }
+    }
+    own
+}
+
 impl<'a, 'b, B: Backend> Fused<'a, 'b, B> {
     /// The fused compute of one rank, on its own backend `be`, running the
     /// plan [`plan`] made.
     pub fn new(sh: &'a Shared<'b>, prog: &'a FusedProgram, be: B) -> Self {
-        let last = sh.part.chunks.len() - 1;
-        let spans = sh
-            .part
+        let part = &sh.part;
+        let whole = part.chunks.len() == 1;
+        let spans = part
             .chunks
             .iter()
             .enumerate()
             .map(|(c, chunk)| ChunkSpan {
-                head: c == 0,
+                nodes: (!whole).then(|| local_nodes(&prog.graph, sh, c)),
+                stacks: part
+                    .stacks
+                    .iter()
+                    .map(|st| (st.node, part.stack_layers(c, st)))
+                    .filter(|(_, l)| !l.is_empty())
+                    .collect(),
                 layers: chunk.layers.clone(),
-                tail: c == last,
+                receives: c
+                    .checked_sub(1)
+                    .and_then(|p| part.cut(p))
+                    .map(|cut| (cut.stack.node, cut.continues)),
+                sends: part.cut(c).map(|cut| cut.stack.node),
             })
             .collect();
         Fused {
@@ -330,10 +369,10 @@ impl<B: Backend> StageCompute for Fused<'_, '_, B> {
         }
         let mut got = Vec::with_capacity(received.len());
         for v in &received {
-            let v = v
-                .as_ref()
-                .ok_or_else(|| kernel_err("recv", "empty activation"))?;
-            got.push(self.upload(v)?);
+            got.push(match v {
+                Some(v) => Some(self.upload(v)?),
+                None => None,
+            });
         }
         let span = self.spans[pass.chunk].clone();
         let extras = &self.sh.part.extras;
@@ -355,7 +394,10 @@ impl<B: Backend> StageCompute for Fused<'_, '_, B> {
             Some(vals) => {
                 let mut msg = Message::with_capacity(vals.len());
                 for (t, v) in self.message_tensors(pass.chunk).into_iter().zip(&vals) {
-                    msg.push(Some(self.download(t, v)?));
+                    msg.push(match v {
+                        Some(v) => Some(self.download(t, v)?),
+                        None => None,
+                    });
                 }
                 Forwarded::Send(msg)
             }
@@ -428,7 +470,7 @@ impl<B: Backend> StageCompute for Fused<'_, '_, B> {
         for l in span.layers.clone().rev() {
             store.release(Unit::Layer(l), true)?;
         }
-        if span.head {
+        if span.receives.is_none() {
             return Ok(Vec::new());
         }
         let mut msg = Message::with_capacity(sent.len());
