@@ -639,3 +639,51 @@ fn a_rope_key_shared_across_heads_splits_under_tensor_parallelism() {
     assert_eq!(v["pass"], true, "{v}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The zoo's multi-query model (Gemma's shape: one KV head, 256-wide heads
+/// in the full model, a tied and √d-scaled embedding) verifies under tensor,
+/// data and pipeline splits on both computes, as its planner priced them.
+#[test]
+fn the_gemma_zoo_model_verifies_under_its_splits() {
+    let dir = std::env::temp_dir().join(format!("dplc-gemma-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for strategy in ["tp=2,dp=2", "dp=2,pp=2", "tp=2,pp=2,sp=true"] {
+        let plan = dir.join(format!("{strategy}.ron"));
+        let out = dplc(&[
+            "compile",
+            "models/gemma.dpl",
+            "--model",
+            "gemma_tiny",
+            "--cluster",
+            "4xcpu",
+            "--strategy",
+            strategy,
+            "--seq",
+            "16",
+            "--global-batch",
+            "8",
+            "-o",
+            plan.to_str().unwrap(),
+        ]);
+        assert!(out.status.success(), "{strategy}: {}", stderr(&out));
+        for compute in ["reference", "fused"] {
+            let out = dplc(&[
+                "verify",
+                plan.to_str().unwrap(),
+                "--json",
+                "--steps",
+                "3",
+                "--compute",
+                compute,
+            ]);
+            assert!(
+                out.status.success(),
+                "{strategy} {compute}: {}",
+                stderr(&out)
+            );
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            assert_eq!(v["pass"], true, "{strategy} {compute}: {v}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

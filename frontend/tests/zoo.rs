@@ -42,6 +42,14 @@ fn bert_parameter_counts() {
     assert_eq!(params("bert.dpl", "bert_large"), 335_141_888);
 }
 
+/// Gemma Team 2024 Table 1 (the counts transformers gives for the published
+/// configs, embeddings included).
+#[test]
+fn gemma_parameter_counts() {
+    assert_eq!(params("gemma.dpl", "gemma_2b"), 2_506_172_416);
+    assert_eq!(params("gemma.dpl", "gemma_7b"), 8_537_680_896);
+}
+
 /// Dosovitskiy et al. 2021 Table 1 with timm's 1,000-class ImageNet head:
 /// vit_base_patch16_224 and vit_large_patch16_224.
 #[test]
@@ -59,6 +67,7 @@ fn every_zoo_file_checks() {
         "mixtral.dpl",
         "bert.dpl",
         "vit.dpl",
+        "gemma.dpl",
         "megatron_gpt.dpl",
         "tiny.dpl",
     ] {
