@@ -119,3 +119,35 @@ fn layouts_travel_in_plan_files() {
     assert_eq!((cfg.dp, cfg.tp, cfg.ep, cfg.pp), (2, 2, 2, 1));
     assert!(cfg.sequence_parallel && cfg.layout.is_some());
 }
+
+/// A model of several layer stacks gets a layout that splits every stack
+/// (the planner prices each layer split), not the first alone.
+#[test]
+fn every_layer_stack_is_laid_out() {
+    let text = format!(
+        "{TINY}\nmodel two(vocab = 256, d = 64, heads = 4) {{\n    input tokens: i32[batch, seq]\n    \
+         input targets: i32[batch, seq]\n    param embed: [vocab, d]\n    h = embedding(embed, tokens)\n    \
+         repeat 2 {{\n        h = h + attention(rms_norm(h, d, name = \"a\"), d, heads, rotary = true)\n    }}\n    \
+         repeat 2 {{\n        h = h + swiglu(rms_norm(h, d, name = \"b\"), d, 128)\n    }}\n    \
+         return cross_entropy(rms_norm(h, d, name = \"n\") @ transpose(embed), targets)\n}}\n"
+    );
+    let unit = dplc_frontend::parse("two.dpl", &text).expect("parses");
+    let lowered = unit.lower("two").expect("lowers");
+    let cluster = dplc_planner::parse_cluster("2xcpu").unwrap();
+    let mut req = dplc_planner::PlanRequest::new(&lowered.graph, lowered.train.clone(), cluster);
+    req.pinned = dplc_planner::parse_strategy("tp=2").unwrap();
+    let plan = dplc_planner::compile(&req).unwrap().plan;
+    let layout = plan.layout.expect("a tp plan carries its layout");
+    let bodies = lowered.graph.regions().count();
+    assert_eq!(
+        layout.regions.len(),
+        bodies,
+        "{:?}",
+        layout.regions.iter().map(|r| r.region).collect::<Vec<_>>()
+    );
+    assert!(
+        layout.params.len() > 4,
+        "both stacks' weights split: {:?}",
+        layout.params
+    );
+}

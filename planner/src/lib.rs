@@ -367,9 +367,18 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
     if c.tp > 1 || c.ep > 1 {
         plan.programs = vec![layer, root];
         // The runtime executes the e-graph's layer layout where its layouts
-        // can say it; expert parallelism still uses the Megatron derivation.
+        // can say it; expert parallelism, and a model of several layer
+        // stacks (the e-graph lays out the first body only), use the
+        // Megatron derivation, which splits every stack.
+        let stacks = req
+            .graph
+            .region(req.graph.root())
+            .nodes
+            .iter()
+            .filter(|&&n| matches!(req.graph.node(n).op, dplc_ir::Op::Repeat { .. }))
+            .count();
         let model = runtime
-            .filter(|_| c.ep == 1 && c.cp == 1)
+            .filter(|_| c.ep == 1 && c.cp == 1 && stacks <= 1)
             .and_then(|l| layouts::model_layout(req.graph, l, c.tp, c.sp))
             .or_else(|| derive_layout(req.graph, c.tp, c.ep, c.sp).ok());
         // The root runs as priced: split over the vocabulary as the root's
