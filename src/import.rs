@@ -270,9 +270,9 @@ impl Config<'_> {
     }
 }
 
-/// The sequence the train section trains at: the context, or the sliding
-/// window where a model has a narrower one — within it, windowed attention
-/// is causal attention, which is what the standard block computes.
+/// The sequence the train section trains at (the context, at most 8192),
+/// and the sliding window where a model has one narrower than the context
+/// (the standard attention's `window`).
 fn train_seq(c: &Config, context: u64) -> Result<(u64, Option<u64>)> {
     let sliding = match c.get("use_sliding_window") {
         Some(Value::Bool(false)) => None,
@@ -286,12 +286,7 @@ fn train_seq(c: &Config, context: u64) -> Result<(u64, Option<u64>)> {
             })?),
         },
     };
-    let seq = match sliding {
-        Some(w) if w < context => w,
-        _ => context,
-    }
-    .min(8192);
-    Ok((seq, sliding.filter(|&w| w < context)))
+    Ok((context.min(8192), sliding.filter(|&w| w < context)))
 }
 
 fn number(x: f64) -> String {
@@ -379,12 +374,12 @@ fn llama_like(c: &Config, name: &str) -> Result<String> {
         Some(v) => return Err(c.err("rope_scaling", format!("is {}, not an object", kind(v)))),
     };
     let (seq, window) = train_seq(c, context)?;
-    let window_note = match window {
-        Some(w) => format!(
-            "\n// sliding_window = {w}: training at seq {w}, where the window covers the\n\
-             // whole sequence, so plain causal attention computes the same function."
+    let (window_note, window_arg) = match window {
+        Some(w) => (
+            format!("\n// sliding_window = {w}: each query attends to the {w} keys before it."),
+            format!(", window = {w}"),
         ),
-        None => String::new(),
+        None => (String::new(), String::new()),
     };
     let ffn_call = if family == "mixtral" {
         let experts = c.size("num_local_experts")?;
@@ -425,7 +420,7 @@ fn llama_like(c: &Config, name: &str) -> Result<String> {
          \x20   repeat layers {{\n\
          \x20       h = h + attention(rms_norm(h, d, norm_eps, name = \"attention_norm\"), d, heads,\n\
          \x20                         kv_heads = kv_heads, rotary = true, rope_theta = rope_theta,\n\
-         \x20                         qkv_bias = {qkv_bias}, out_bias = {out_bias})\n\
+         \x20                         qkv_bias = {qkv_bias}, out_bias = {out_bias}{window_arg})\n\
          \x20       h = h + {ffn_call}\n\
          \x20   }}\n\
          \x20   h = rms_norm(h, d, norm_eps, name = \"norm\")\n{output}\

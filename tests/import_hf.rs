@@ -124,10 +124,11 @@ fn an_imported_model_plans_and_trains_like_a_written_one() {
         ]);
         assert!(o.status.success(), "{config}: {}", stderr(&o));
     }
-    // The sliding window: trained within it, said in the file.
+    // The sliding window: the attention's `window`, said in the file.
     let mistral = std::fs::read_to_string(import("mistral_7b_v0_1")).unwrap();
-    assert!(mistral.contains("seq = 4096"), "{mistral}");
+    assert!(mistral.contains("seq = 8192"), "{mistral}");
     assert!(mistral.contains("sliding_window = 4096"));
+    assert!(mistral.contains("window = 4096)"), "{mistral}");
 }
 
 #[test]

@@ -636,6 +636,13 @@ pub fn backward(fwd: &Kernel, needs_grad: &[bool]) -> Result<Backward, String> {
                     give(x, cx, &mut contrib);
                     give(y, cy, &mut contrib);
                 }
+                // A comparison is flat: nothing flows back.
+                BinaryOp::Lt
+                | BinaryOp::Le
+                | BinaryOp::Gt
+                | BinaryOp::Ge
+                | BinaryOp::Eq
+                | BinaryOp::Ne => {}
             },
             Expr::Select {
                 cond,

@@ -290,6 +290,8 @@ __device__ __forceinline__ float dplc_d_gelu_tanh(float x) {
 __device__ __forceinline__ float dplc_d_silu(float x) { float s = 1.0f / (1.0f + expf(-x)); return s * (1.0f + x * (1.0f - s)); }
 __device__ __forceinline__ float dplc_d_sin(float x) { return cosf(x); }
 __device__ __forceinline__ float dplc_d_cos(float x) { return -sinf(x); }
+__device__ __forceinline__ float dplc_d_abs(float x) { return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f); }
+__device__ __forceinline__ float dplc_d_floor(float x) { return 0.0f; }
 #endif
 "#;
 
@@ -445,6 +447,8 @@ impl Emit<'_> {
                     UnaryOp::Silu => "dplc_silu",
                     UnaryOp::Sin => "sinf",
                     UnaryOp::Cos => "cosf",
+                    UnaryOp::Abs => "fabsf",
+                    UnaryOp::Floor => "floorf",
                 };
                 call(f, vec![v(*a)])
             }
@@ -456,6 +460,21 @@ impl Emit<'_> {
                 BinaryOp::Max => call("fmaxf", vec![v(*a), v(*b)]),
                 BinaryOp::Min => call("fminf", vec![v(*a), v(*b)]),
                 BinaryOp::Pow => call("powf", vec![v(*a), v(*b)]),
+                cmp => {
+                    let sym = match cmp {
+                        BinaryOp::Lt => "<",
+                        BinaryOp::Le => "<=",
+                        BinaryOp::Gt => ">",
+                        BinaryOp::Ge => ">=",
+                        BinaryOp::Eq => "==",
+                        _ => "!=",
+                    };
+                    C::Cond(
+                        Box::new(bin(sym, v(*a), v(*b))),
+                        Box::new(C::Lit("1.0f".into())),
+                        Box::new(C::Lit("0.0f".into())),
+                    )
+                }
             },
             Expr::Select {
                 cond,

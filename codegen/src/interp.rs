@@ -80,6 +80,8 @@ pub fn unary(op: UnaryOp, x: f32) -> f32 {
         UnaryOp::Silu => x / (1.0 + (-x).exp()),
         UnaryOp::Sin => x.sin(),
         UnaryOp::Cos => x.cos(),
+        UnaryOp::Abs => x.abs(),
+        UnaryOp::Floor => x.floor(),
     }
 }
 
@@ -127,6 +129,16 @@ pub fn unary_grad(op: UnaryOp, x: f32) -> f32 {
         }
         UnaryOp::Sin => x.cos(),
         UnaryOp::Cos => -x.sin(),
+        UnaryOp::Abs => {
+            if x > 0.0 {
+                1.0
+            } else if x < 0.0 {
+                -1.0
+            } else {
+                0.0
+            }
+        }
+        UnaryOp::Floor => 0.0,
     }
 }
 
@@ -140,6 +152,9 @@ pub fn binary(op: BinaryOp, a: f32, b: f32) -> f32 {
         BinaryOp::Max => a.max(b),
         BinaryOp::Min => a.min(b),
         BinaryOp::Pow => a.powf(b),
+        cmp => cmp
+            .compare(f64::from(a), f64::from(b))
+            .map_or(f32::NAN, |v| v as f32),
     }
 }
 

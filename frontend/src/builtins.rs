@@ -121,6 +121,46 @@ pub const BUILTINS: &[Builtin] = &[
         doc: "−x",
     },
     Builtin {
+        name: "abs",
+        params: X,
+        doc: "|x| (numbers too)",
+    },
+    Builtin {
+        name: "floor",
+        params: X,
+        doc: "largest integer ≤ x, as a float (numbers too); no gradient",
+    },
+    Builtin {
+        name: "lt",
+        params: AB,
+        doc: "a < b elementwise: 1 where it holds, else 0; no gradient",
+    },
+    Builtin {
+        name: "le",
+        params: AB,
+        doc: "a ≤ b elementwise (1 or 0)",
+    },
+    Builtin {
+        name: "gt",
+        params: AB,
+        doc: "a > b elementwise (1 or 0)",
+    },
+    Builtin {
+        name: "ge",
+        params: AB,
+        doc: "a ≥ b elementwise (1 or 0)",
+    },
+    Builtin {
+        name: "eq",
+        params: AB,
+        doc: "a = b elementwise (1 or 0)",
+    },
+    Builtin {
+        name: "ne",
+        params: AB,
+        doc: "a ≠ b elementwise (1 or 0)",
+    },
+    Builtin {
         name: "cast",
         params: &[("x", R), ("dtype", R)],
         doc: "convert to f32, bf16, f16 or i32; a number becomes a scalar tensor",
@@ -317,6 +357,8 @@ pub fn call(e: &mut Elab<'_>, b: &Builtin, args: Vec<(Value, Span)>, span: Span)
                 UnaryOp::Sin => Some(x.sin()),
                 UnaryOp::Cos => Some(x.cos()),
                 UnaryOp::Neg => Some(-x),
+                UnaryOp::Abs => Some(x.abs()),
+                UnaryOp::Floor => Some(x.floor()),
                 UnaryOp::Log | UnaryOp::Sqrt => {
                     return Err(Diag::new(
                         "dpl::domain",
@@ -365,6 +407,20 @@ pub fn call(e: &mut Elab<'_>, b: &Builtin, args: Vec<(Value, Span)>, span: Span)
                     _ => x.powf(y),
                 };
                 return Ok(Value::Float(r));
+            }
+            let (a, c) = (
+                e.tensor_or_const(arg(0), at(0))?,
+                e.tensor_or_const(arg(1), at(1))?,
+            );
+            e.node1(Op::Binary(op), &[a, c], span).map(Value::Tensor)
+        }
+        "lt" | "le" | "gt" | "ge" | "eq" | "ne" => {
+            let op = BinaryOp::ALL
+                .into_iter()
+                .find(|b| b.name() == name)
+                .expect("every comparison is a binary op");
+            if let (Some(x), Some(y)) = (arg(0).as_f64(), arg(1).as_f64()) {
+                return Ok(Value::Float(op.compare(x, y).expect("a comparison")));
             }
             let (a, c) = (
                 e.tensor_or_const(arg(0), at(0))?,

@@ -50,6 +50,12 @@ fn gemma_parameter_counts() {
     assert_eq!(params("gemma.dpl", "gemma_7b"), 8_537_680_896);
 }
 
+/// Jiang et al. 2023 Table 1 (transformers' count for the published config).
+#[test]
+fn mistral_parameter_count() {
+    assert_eq!(params("mistral.dpl", "mistral_7b"), 7_241_732_096);
+}
+
 /// Dosovitskiy et al. 2021 Table 1 with timm's 1,000-class ImageNet head:
 /// vit_base_patch16_224 and vit_large_patch16_224.
 #[test]
@@ -68,6 +74,7 @@ fn every_zoo_file_checks() {
         "bert.dpl",
         "vit.dpl",
         "gemma.dpl",
+        "mistral.dpl",
         "megatron_gpt.dpl",
         "tiny.dpl",
     ] {

@@ -96,7 +96,9 @@ pub fn saved_values(op: &Op, grads: &[bool]) -> Vec<SavedValue> {
             | UnaryOp::GeluTanh
             | UnaryOp::Silu
             | UnaryOp::Sin
-            | UnaryOp::Cos => save(g(0), Input(0), Float),
+            | UnaryOp::Cos
+            | UnaryOp::Abs => save(g(0), Input(0), Float),
+            UnaryOp::Floor => {}
         },
         Op::Binary(b) => match b {
             BinaryOp::Add | BinaryOp::Sub => {}
@@ -112,6 +114,12 @@ pub fn saved_values(op: &Op, grads: &[bool]) -> Vec<SavedValue> {
                 save(any, Input(0), Float);
                 save(any, Input(1), Float);
             }
+            BinaryOp::Lt
+            | BinaryOp::Le
+            | BinaryOp::Gt
+            | BinaryOp::Ge
+            | BinaryOp::Eq
+            | BinaryOp::Ne => {}
         },
         Op::MatMul => {
             save(g(1), Input(0), Float);
@@ -151,6 +159,9 @@ pub fn differentiable_inputs(op: &Op, n: usize) -> Vec<bool> {
         Op::TakeAlong | Op::MoeDispatch { .. } => vec![true, false],
         Op::MoeCombine => vec![true, true, false],
         Op::Cast(to) => vec![*to != DType::I32],
+        // A comparison's value is flat wherever it is defined; floor's too.
+        Op::Binary(b) if b.is_comparison() => vec![false, false],
+        Op::Unary(crate::UnaryOp::Floor) => vec![false],
         _ => vec![true; n],
     }
 }

@@ -24,10 +24,14 @@ pub enum UnaryOp {
     Silu,
     Sin,
     Cos,
+    /// `|x|`; its derivative is the sign (0 at 0).
+    Abs,
+    /// The largest integer not above `x`; its derivative is 0.
+    Floor,
 }
 
 impl UnaryOp {
-    pub const ALL: [UnaryOp; 14] = [
+    pub const ALL: [UnaryOp; 16] = [
         UnaryOp::Neg,
         UnaryOp::Exp,
         UnaryOp::Log,
@@ -42,6 +46,8 @@ impl UnaryOp {
         UnaryOp::Silu,
         UnaryOp::Sin,
         UnaryOp::Cos,
+        UnaryOp::Abs,
+        UnaryOp::Floor,
     ];
 
     pub fn name(self) -> &'static str {
@@ -60,6 +66,8 @@ impl UnaryOp {
             UnaryOp::Silu => "silu",
             UnaryOp::Sin => "sin",
             UnaryOp::Cos => "cos",
+            UnaryOp::Abs => "abs",
+            UnaryOp::Floor => "floor",
         }
     }
 }
@@ -74,10 +82,18 @@ pub enum BinaryOp {
     Max,
     Min,
     Pow,
+    /// Comparisons: 1 where it holds, else 0, in the operands' float type.
+    /// No gradient flows through them.
+    Lt,
+    Le,
+    Gt,
+    Ge,
+    Eq,
+    Ne,
 }
 
 impl BinaryOp {
-    pub const ALL: [BinaryOp; 7] = [
+    pub const ALL: [BinaryOp; 13] = [
         BinaryOp::Add,
         BinaryOp::Sub,
         BinaryOp::Mul,
@@ -85,7 +101,35 @@ impl BinaryOp {
         BinaryOp::Max,
         BinaryOp::Min,
         BinaryOp::Pow,
+        BinaryOp::Lt,
+        BinaryOp::Le,
+        BinaryOp::Gt,
+        BinaryOp::Ge,
+        BinaryOp::Eq,
+        BinaryOp::Ne,
     ];
+
+    /// Whether it compares (a 0/1 result, no gradient).
+    pub fn is_comparison(self) -> bool {
+        matches!(
+            self,
+            BinaryOp::Lt | BinaryOp::Le | BinaryOp::Gt | BinaryOp::Ge | BinaryOp::Eq | BinaryOp::Ne
+        )
+    }
+
+    /// The comparison's value on two numbers (1 or 0); `None` for an arithmetic op.
+    pub fn compare(self, a: f64, b: f64) -> Option<f64> {
+        let holds = match self {
+            BinaryOp::Lt => a < b,
+            BinaryOp::Le => a <= b,
+            BinaryOp::Gt => a > b,
+            BinaryOp::Ge => a >= b,
+            BinaryOp::Eq => a == b,
+            BinaryOp::Ne => a != b,
+            _ => return None,
+        };
+        Some(if holds { 1.0 } else { 0.0 })
+    }
 
     pub fn name(self) -> &'static str {
         match self {
@@ -96,6 +140,12 @@ impl BinaryOp {
             BinaryOp::Max => "max",
             BinaryOp::Min => "min",
             BinaryOp::Pow => "pow",
+            BinaryOp::Lt => "lt",
+            BinaryOp::Le => "le",
+            BinaryOp::Gt => "gt",
+            BinaryOp::Ge => "ge",
+            BinaryOp::Eq => "eq",
+            BinaryOp::Ne => "ne",
         }
     }
 }

@@ -272,6 +272,8 @@ pub(crate) fn unary(u: UnaryOp, x: f32) -> f32 {
         UnaryOp::Silu => x / (1.0 + (-x).exp()),
         UnaryOp::Sin => x.sin(),
         UnaryOp::Cos => x.cos(),
+        UnaryOp::Abs => x.abs(),
+        UnaryOp::Floor => x.floor(),
     }
 }
 
@@ -284,6 +286,9 @@ pub(crate) fn binary_f(b: BinaryOp, x: f32, y: f32) -> f32 {
         BinaryOp::Max => x.max(y),
         BinaryOp::Min => x.min(y),
         BinaryOp::Pow => x.powf(y),
+        cmp => cmp
+            .compare(f64::from(x), f64::from(y))
+            .map_or(f32::NAN, |v| v as f32),
     }
 }
 

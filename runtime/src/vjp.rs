@@ -40,6 +40,16 @@ fn unary_grad(u: UnaryOp, x: f32, y: f32) -> f32 {
         }
         UnaryOp::Sin => x.cos(),
         UnaryOp::Cos => -x.sin(),
+        UnaryOp::Abs => {
+            if x > 0.0 {
+                1.0
+            } else if x < 0.0 {
+                -1.0
+            } else {
+                0.0
+            }
+        }
+        UnaryOp::Floor => 0.0,
     }
 }
 
@@ -69,6 +79,9 @@ fn binary_grad(b: BinaryOp, x: f32, y: f32) -> (f32, f32) {
             let p = binary_f(b, x, y);
             let dy = if x > 0.0 { p * x.ln() } else { 0.0 };
             (y * x.powf(y - 1.0), dy)
+        }
+        BinaryOp::Lt | BinaryOp::Le | BinaryOp::Gt | BinaryOp::Ge | BinaryOp::Eq | BinaryOp::Ne => {
+            (0.0, 0.0)
         }
     }
 }
