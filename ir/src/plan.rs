@@ -177,6 +177,10 @@ pub struct Strategy {
     /// and ZeRO-Infinity). Plans written before this field existed offloaded nothing.
     #[serde(default, skip_serializing_if = "Offload::is_none")]
     pub offload: Offload,
+    /// How the elementwise ops run. Plans written before this field existed
+    /// fused them.
+    #[serde(default, skip_serializing_if = "Elementwise::is_fused")]
+    pub elementwise: Elementwise,
 }
 
 /// What lives in host memory instead of the device's: the optimizer state
@@ -299,6 +303,35 @@ impl GradAccum {
     }
 }
 
+/// How the elementwise ops between the GEMMs run.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+pub enum Elementwise {
+    /// Chains of elementwise ops fused into one kernel that reads the
+    /// chain's inputs and writes what leaves it (dplc's codegen,
+    /// torch.compile, Megatron's fused kernels).
+    #[default]
+    Fused,
+    /// Every elementwise op its own kernel (eager PyTorch: torchtitan
+    /// without `compile`): each reads its inputs from memory and writes its
+    /// outputs back.
+    Eager,
+}
+
+impl Elementwise {
+    pub fn name(self) -> &'static str {
+        match self {
+            Elementwise::Fused => "fused",
+            Elementwise::Eager => "eager",
+        }
+    }
+
+    fn is_fused(&self) -> bool {
+        *self == Elementwise::Fused
+    }
+}
+
 /// How tensor-parallel communication overlaps with the GEMMs around it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum TpOverlap {
@@ -407,6 +440,9 @@ impl fmt::Display for Strategy {
         }
         if !self.offload.is_none() {
             write!(f, ", offload {}", self.offload.name())?;
+        }
+        if self.elementwise != Elementwise::Fused {
+            write!(f, ", elementwise {}", self.elementwise.name())?;
         }
         Ok(())
     }

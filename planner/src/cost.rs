@@ -8,7 +8,7 @@ use crate::cluster::{Cluster, Link};
 use crate::profile::{Bind, ModelProfile, RegionProfile, Work};
 use crate::sharding::{GemmSplit, Pass, TpCollectiveKind};
 use dplc_ir::{
-    AttentionKind, AxisComm, CollectiveKind, GradAccum, LinkLevel, MemoryBreakdown, MeshAxis,
+    AttentionKind, AxisComm, CollectiveKind, Elementwise, GradAccum, LinkLevel, MemoryBreakdown, MeshAxis,
     Offload, PipelineSchedule, Precision, Recompute, TimeBreakdown, TpOverlap,
 };
 use std::collections::HashMap;
@@ -109,6 +109,8 @@ pub(crate) struct Config {
     pub fp8: bool,
     /// State kept in host memory (`offload=`).
     pub offload: Offload,
+    /// Elementwise ops fused into chains, or one kernel each (`elementwise=eager`).
+    pub elementwise: Elementwise,
 }
 
 impl Config {
@@ -294,7 +296,7 @@ impl PassCost {
 
 /// What the per-micro-batch costs of a layer depend on: tp, cp, ep,
 /// micro-batch, sequence parallelism, recomputation, attention kind,
-/// tensor-parallel overlap and FP8 — and the expert group's stride, which the rank
+/// tensor-parallel overlap, FP8 and the elementwise kernels — and the expert group's stride, which the rank
 /// order and the pipeline degree move (the links of the groups follow).
 type LayerKey = (
     (u64, u64, u64),
@@ -302,7 +304,7 @@ type LayerKey = (
     bool,
     Recompute,
     AttentionKind,
-    (TpOverlap, bool),
+    (TpOverlap, bool, Elementwise),
     u64,
 );
 
@@ -375,7 +377,7 @@ impl<'a> CostModel<'a> {
             c.sp,
             c.recompute,
             c.attention,
-            (c.tp_overlap, c.fp8),
+            (c.tp_overlap, c.fp8, c.elementwise),
             // The tp and cp groups are the innermost axes (their links follow
             // from tp and cp); the expert group is the innermost part of dp,
             // which sits beyond pp when the pipeline is inner.
@@ -486,7 +488,18 @@ impl<'a> CostModel<'a> {
                 Work::Memory {
                     sharded,
                     replicated,
+                    eager,
                 } => {
+                    // Fused, a chain moves only what enters and leaves it;
+                    // eager, every op is a kernel moving all its operands
+                    // (an op inside a fused chain moves nothing of its own).
+                    let (sharded, replicated) = match c.elementwise {
+                        Elementwise::Fused => (sharded, replicated),
+                        Elementwise::Eager => (&eager.sharded, &eager.replicated),
+                    };
+                    if sharded.is_zero() && replicated.is_zero() {
+                        continue;
+                    }
                     let bytes = bind.eval(sharded) / tp + bind.eval(replicated) / rep_div;
                     // Backward reads the output gradient and the saved inputs and
                     // writes the input gradient: about twice the forward traffic.

@@ -61,8 +61,22 @@ pub(crate) enum Work {
         backward_gemms: u32,
     },
     /// A memory-bound kernel: bytes read and written, split by whether the
-    /// tensors are sharded over tensor parallelism.
-    Memory { sharded: Poly, replicated: Poly },
+    /// tensors are sharded over tensor parallelism. `sharded`/`replicated`
+    /// count what a fused chain moves (a tensor that one elementwise op
+    /// hands to the next stays in registers); `eager` counts every input
+    /// and output of the op, as its own kernel moves them.
+    Memory {
+        sharded: Poly,
+        replicated: Poly,
+        eager: Traffic,
+    },
+}
+
+/// Bytes an op's kernel reads and writes when nothing around it is fused.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Traffic {
+    pub sharded: Poly,
+    pub replicated: Poly,
 }
 
 #[derive(Clone, Debug)]
@@ -326,6 +340,7 @@ impl RegionBuilder<'_> {
             }
             _ => {
                 let (mut sharded, mut replicated) = (Poly::zero(), Poly::zero());
+                let mut eager = Traffic::default();
                 for &t in &node.inputs {
                     let fused = g.producer(t).is_some_and(|p| fusible(&p.op))
                         && fusible(&node.op)
@@ -333,23 +348,26 @@ impl RegionBuilder<'_> {
                     if !fused {
                         self.add_traffic(t, 0, &mut sharded, &mut replicated);
                     }
+                    self.add_traffic(t, 0, &mut eager.sharded, &mut eager.replicated);
                 }
                 for &o in &node.outputs {
                     if !fusible(&node.op) || self.materialized(o) {
                         self.add_traffic(o, 0, &mut sharded, &mut replicated);
                     }
+                    self.add_traffic(o, 0, &mut eager.sharded, &mut eager.replicated);
                 }
                 if matches!(node.op, Op::Dropout { .. }) {
                     // The mask is written too, one byte per element.
                     let o = node.outputs[0];
-                    let target = if self.sharded(o) {
-                        &mut sharded
-                    } else {
-                        &mut replicated
-                    };
-                    target.add_dim(&self.numel(o), Ratio::ONE);
+                    for (sharded, replicated) in [
+                        (&mut sharded, &mut replicated),
+                        (&mut eager.sharded, &mut eager.replicated),
+                    ] {
+                        let target = if self.sharded(o) { sharded } else { replicated };
+                        target.add_dim(&self.numel(o), Ratio::ONE);
+                    }
                 }
-                if sharded.is_zero() && replicated.is_zero() {
+                if eager.sharded.is_zero() && eager.replicated.is_zero() {
                     return None;
                 }
                 Some(OpCost {
@@ -357,6 +375,7 @@ impl RegionBuilder<'_> {
                     work: Work::Memory {
                         sharded,
                         replicated,
+                        eager,
                     },
                     attention_core: quadratic,
                 })

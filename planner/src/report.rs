@@ -69,6 +69,7 @@ pub(crate) fn strategy(c: &Config, global_batch: u64, seq: u64) -> Strategy {
         root: c.root,
         fp8: c.fp8,
         offload: c.offload,
+        elementwise: c.elementwise,
     }
 }
 

@@ -260,6 +260,7 @@ pub(crate) fn search(
                                 even_stages: pins.even_stages.unwrap_or(false),
                                 fp8: pins.fp8.unwrap_or(false),
                                 offload: Offload::NONE,
+                                elementwise: pins.elementwise.unwrap_or_default(),
                             };
                             for &offload in offloads {
                                 explore(
