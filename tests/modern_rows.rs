@@ -66,7 +66,6 @@ const TT_H200: &str = "pytorch/torchtitan benchmarks/llama3-8b_h200_202506_train
 const NEMO_2407: &str = "NVIDIA/NeMo docs/source/performance/performance_summary.md @ 070a0bb168d405d653b9734c0017cf5078e77c0d (NeMo 24.07, DGX-H100, FP8)";
 const MBRIDGE: &str = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md @ df0289c180dd20ff26933455c7a0a11084f6a36f (DGX-H100, FP8)";
 
-const NO_OP_SAC: &str = "torchtitan's op-level selective checkpointing (save matmul outputs, recompute every second mm and the elementwise rest) is not a dplc recompute policy; pinned as the nearest one";
 const NO_LAYER_SAC: &str = "torchtitan's layer-level selective checkpointing (every second layer, full) is not a dplc recompute policy; pinned as full";
 const GRAND_TETON: &str = "500 W HBM2e H100 whose peak the source does not know; priced at the SXM peak, an upper bound";
 const A100_GAP: &str = "dplc reads torchtitan's eager A100 runs 20-55% fast; the elementwise kernels account for ~2 pt of it, see bench/RESULTS.md";
@@ -107,7 +106,7 @@ fn rows() -> Vec<Row> {
         r("TT A100 Llama3 8B, selective layer AC", TT_PERF_A100, (L3, "llama3_8b"), "8x8xA100", (8192, 64),
           "tp=1,pp=1,cp=1,dp=64,mb=1,recompute=full", TORCHTITAN_EAGER, 2904.0, 1.200, NotAsserted(NO_LAYER_SAC), false),
         r("TT A100 Llama3 8B, selective op AC", TT_PERF_A100, (L3, "llama3_8b"), "8x8xA100", (8192, 64),
-          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute=none", TORCHTITAN_EAGER, 2973.0, 1.531, NotAsserted(NO_OP_SAC), true),
+          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute=op", TORCHTITAN_EAGER, 2973.0, 1.370, NotAsserted(A100_GAP), false),
         r("TT A100 Llama3 70B, full AC", TT_PERF_A100, (L3, "llama3_70b"), "8x8xA100", (8192, 64),
           "tp=1,pp=1,cp=1,dp=64,mb=1,recompute=full", TORCHTITAN_EAGER, 331.0, 1.266, NotAsserted(A100_GAP), false),
         r("TT A100 Llama2 13B, no AC", TT_PERF_A100_L2, (L2, "llama2_13b"), "8x8xA100", (4096, 128),
@@ -115,24 +114,24 @@ fn rows() -> Vec<Row> {
         r("TT A100 Llama2 13B, selective layer AC", TT_PERF_A100_L2, (L2, "llama2_13b"), "8x8xA100", (4096, 128),
           "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=full", TORCHTITAN_EAGER, 1914.0, 1.160, NotAsserted(NO_LAYER_SAC), false),
         r("TT A100 Llama2 13B, selective op AC", TT_PERF_A100_L2, (L2, "llama2_13b"), "8x8xA100", (4096, 128),
-          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=none", TORCHTITAN_EAGER, 1904.0, 1.514, NotAsserted(NO_OP_SAC), false),
+          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=op", TORCHTITAN_EAGER, 1904.0, 1.329, NotAsserted(A100_GAP), false),
         r("TT A100 Llama2 70B, selective op AC, local batch 1", TT_PERF_A100_L2, (L2, "llama2_70b"), "8x8xA100", (4096, 64),
-          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute=none", TORCHTITAN_EAGER, 355.0, 1.298, NotAsserted(NO_OP_SAC), true),
+          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute=op", TORCHTITAN_EAGER, 355.0, 1.442, NotAsserted(A100_GAP), false),
         r("TT A100 Llama2 70B, full AC, local batch 2", TT_PERF_A100_L2, (L2, "llama2_70b"), "8x8xA100", (4096, 128),
           "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=full", TORCHTITAN_EAGER, 353.0, 1.251, NotAsserted(A100_GAP), false),
         // ---- torchtitan, Grand Teton H100 (Dec 2024), Table 1 (1 host) and Table 3 (16 hosts).
         r("TT H100 Llama3.1 8B, FSDP 8, eager", TT_H100_202412, (L3, "llama3_8b"), "1 x grand_teton_h100", (8192, 16),
-          "tp=1,pp=1,cp=1,dp=8,mb=2,recompute=none", TORCHTITAN_EAGER, 5762.0, 1.0, NotAsserted(GRAND_TETON), true),
+          "tp=1,pp=1,cp=1,dp=8,mb=2,recompute=op", TORCHTITAN_EAGER, 5762.0, 1.0, NotAsserted(GRAND_TETON), false),
         r("TT H100 Llama3.1 8B, FSDP 8, compile", TT_H100_202412, (L3, "llama3_8b"), "1 x grand_teton_h100", (8192, 16),
-          "tp=1,pp=1,cp=1,dp=8,mb=2,recompute=none", TORCHTITAN_COMPILED, 6667.0, 1.0, NotAsserted(GRAND_TETON), true),
+          "tp=1,pp=1,cp=1,dp=8,mb=2,recompute=op", TORCHTITAN_COMPILED, 6667.0, 1.0, NotAsserted(GRAND_TETON), false),
         r("TT H100 Llama3.1 8B, FSDP 8, compile + float8", TT_H100_202412, (L3, "llama3_8b"), "1 x grand_teton_h100", (8192, 16),
-          "tp=1,pp=1,cp=1,dp=8,mb=2,recompute=none,fp8=on", TORCHTITAN_COMPILED, 8532.0, 1.0, NotAsserted(GRAND_TETON), true),
+          "tp=1,pp=1,cp=1,dp=8,mb=2,recompute=op,fp8=on", TORCHTITAN_COMPILED, 8532.0, 1.0, NotAsserted(GRAND_TETON), false),
         r("TT H100 Llama3.1 8B, FSDP 128, eager", TT_H100_202412, (L3, "llama3_8b"), "16 x grand_teton_h100", (8192, 256),
-          "tp=1,pp=1,cp=1,dp=128,mb=2,recompute=none", TORCHTITAN_EAGER, 5605.0, 1.0, NotAsserted(GRAND_TETON), true),
+          "tp=1,pp=1,cp=1,dp=128,mb=2,recompute=op", TORCHTITAN_EAGER, 5605.0, 1.0, NotAsserted(GRAND_TETON), false),
         r("TT H100 Llama3.1 8B, FSDP 128, compile", TT_H100_202412, (L3, "llama3_8b"), "16 x grand_teton_h100", (8192, 256),
-          "tp=1,pp=1,cp=1,dp=128,mb=2,recompute=none", TORCHTITAN_COMPILED, 6514.0, 1.0, NotAsserted(GRAND_TETON), true),
+          "tp=1,pp=1,cp=1,dp=128,mb=2,recompute=op", TORCHTITAN_COMPILED, 6514.0, 1.0, NotAsserted(GRAND_TETON), false),
         r("TT H100 Llama3.1 8B, FSDP 128, compile + float8", TT_H100_202412, (L3, "llama3_8b"), "16 x grand_teton_h100", (8192, 256),
-          "tp=1,pp=1,cp=1,dp=128,mb=2,recompute=none,fp8=on", TORCHTITAN_COMPILED, 8380.0, 1.0, NotAsserted(GRAND_TETON), true),
+          "tp=1,pp=1,cp=1,dp=128,mb=2,recompute=op,fp8=on", TORCHTITAN_COMPILED, 8380.0, 1.0, NotAsserted(GRAND_TETON), false),
         // Table 2: FSDP + CP, compile + float8, full AC, local batch 1.
         r("TT H100 Llama3.1 8B, FSDP 8 CP 1, seq 32768", TT_H100_202412, (L3, "llama3_8b"), "1 x grand_teton_h100", (32768, 8),
           "tp=1,pp=1,cp=1,dp=8,mb=1,recompute=full,fp8=on", TORCHTITAN_COMPILED, 3890.0, 1.0, NotAsserted(GRAND_TETON), false),
@@ -160,13 +159,13 @@ fn rows() -> Vec<Row> {
         r("TT H100 Llama3 70B, async TP 8 float8 tensorwise", TT_ASYNC_TP, (L3, "llama3_70b"), "32 x grand_teton_h100", (8192, 512),
           "tp=8,pp=1,cp=1,dp=32,mb=16,recompute=full,sp=on,tp_overlap=ring,fp8=on", TORCHTITAN_COMPILED, 942.4, 1.0, NotAsserted(GRAND_TETON), false),
         r("TT H100 Llama3 8B, TP 8 bf16", TT_ASYNC_TP, (L3, "llama3_8b"), "8 x grand_teton_h100", (8192, 96),
-          "tp=8,pp=1,cp=1,dp=8,mb=12,recompute=none,sp=on,tp_overlap=none", TORCHTITAN_COMPILED, 4378.0, 1.0, NotAsserted(GRAND_TETON), true),
+          "tp=8,pp=1,cp=1,dp=8,mb=12,recompute=op,sp=on,tp_overlap=none", TORCHTITAN_COMPILED, 4378.0, 1.0, NotAsserted(GRAND_TETON), false),
         r("TT H100 Llama3 8B, async TP 8 bf16", TT_ASYNC_TP, (L3, "llama3_8b"), "8 x grand_teton_h100", (8192, 96),
-          "tp=8,pp=1,cp=1,dp=8,mb=12,recompute=none,sp=on,tp_overlap=ring", TORCHTITAN_COMPILED, 4809.4, 1.0, NotAsserted(GRAND_TETON), true),
+          "tp=8,pp=1,cp=1,dp=8,mb=12,recompute=op,sp=on,tp_overlap=ring", TORCHTITAN_COMPILED, 4809.4, 1.0, NotAsserted(GRAND_TETON), false),
         r("TT H100 Llama3 8B, TP 8 float8 tensorwise", TT_ASYNC_TP, (L3, "llama3_8b"), "8 x grand_teton_h100", (8192, 96),
-          "tp=8,pp=1,cp=1,dp=8,mb=12,recompute=none,sp=on,tp_overlap=none,fp8=on", TORCHTITAN_COMPILED, 5078.1, 1.0, NotAsserted(GRAND_TETON), true),
+          "tp=8,pp=1,cp=1,dp=8,mb=12,recompute=op,sp=on,tp_overlap=none,fp8=on", TORCHTITAN_COMPILED, 5078.1, 1.0, NotAsserted(GRAND_TETON), false),
         r("TT H100 Llama3 8B, async TP 8 float8 tensorwise", TT_ASYNC_TP, (L3, "llama3_8b"), "8 x grand_teton_h100", (8192, 96),
-          "tp=8,pp=1,cp=1,dp=8,mb=12,recompute=none,sp=on,tp_overlap=ring,fp8=on", TORCHTITAN_COMPILED, 5570.1, 1.0, NotAsserted(GRAND_TETON), true),
+          "tp=8,pp=1,cp=1,dp=8,mb=12,recompute=op,sp=on,tp_overlap=ring,fp8=on", TORCHTITAN_COMPILED, 5570.1, 1.0, NotAsserted(GRAND_TETON), false),
         // Aug 2024: 405B on 128 H100 (94/95 GB; the same unknown peak), FSDP 16 x TP 8, compile n/s per row (cfg on).
         r("TT H100 Llama3.1 405B, FSDP 16 TP 8", TT_405B, (L3, "llama3_405b"), "16 x grand_teton_h100", (8192, 32),
           "tp=8,pp=1,cp=1,dp=16,mb=2,recompute=full,sp=on,tp_overlap=none", TORCHTITAN_COMPILED, 109.0, 1.0, NotAsserted(GRAND_TETON), false),
@@ -176,9 +175,9 @@ fn rows() -> Vec<Row> {
           "tp=8,pp=1,cp=1,dp=16,mb=2,recompute=full,sp=on,tp_overlap=ring,fp8=on", TORCHTITAN_COMPILED, 185.0, 1.0, NotAsserted(GRAND_TETON), false),
         // ---- torchtitan on H200 (catalog H200; power and memory size n/s), compile + float8 (FSDP float8 all-gather), op SAC.
         r("TT H200 Llama3 8B, FSDP 32", TT_H200, (L3, "llama3_8b"), "4x8xH200", (8192, 64),
-          "tp=1,pp=1,cp=1,dp=32,mb=2,recompute=none,fp8=on", TORCHTITAN_COMPILED, 10938.0, 1.765, NotAsserted(FP8_GAP), false),
+          "tp=1,pp=1,cp=1,dp=32,mb=2,recompute=op,fp8=on", TORCHTITAN_COMPILED, 10938.0, 1.765, NotAsserted(FP8_GAP), false),
         r("TT H200 Llama3 8B, FSDP 64", TT_H200, (L3, "llama3_8b"), "8x8xH200", (8192, 128),
-          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=none,fp8=on", TORCHTITAN_COMPILED, 10753.0, 1.798, NotAsserted(FP8_GAP), false),
+          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=op,fp8=on", TORCHTITAN_COMPILED, 10753.0, 1.798, NotAsserted(FP8_GAP), false),
         // ---- NVIDIA NeMo 24.07 on DGX-H100, FP8; distributed optimizer (zero=1) and recompute n/s: the search picks recompute.
         r("NeMo Llama2 7B, 8 GPUs", NEMO_2407, (L2, "llama2_7b"), "8xH100", (4096, 128),
           "tp=1,pp=1,cp=1,dp=8,mb=1,zero=1,fp8=on", "offload=none", 16847.0, 1.242, NotAsserted(FP8_GAP), false),

@@ -118,6 +118,11 @@ pub enum Recompute {
     Selective,
     /// Keep only each layer's input and rerun its forward in backward.
     Full,
+    /// torchtitan's op-level selective checkpointing (`selective_ac_option
+    /// = "op"`): keep the outputs of the attention kernel and of every
+    /// other weight GEMM (the 1st, 3rd, … in the layer's order), recompute
+    /// the GEMMs between them and every other op from the layer's input.
+    Op,
 }
 
 impl Recompute {
@@ -126,6 +131,7 @@ impl Recompute {
             Recompute::None => "none",
             Recompute::Selective => "selective",
             Recompute::Full => "full",
+            Recompute::Op => "op",
         }
     }
 }

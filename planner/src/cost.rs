@@ -351,6 +351,28 @@ impl<'a> CostModel<'a> {
         group_link(self.cluster, stride, size)
     }
 
+    /// The ranks holding the same dense weights: the data-parallel replicas
+    /// and, within each, the context-parallel ranks (each holds the whole
+    /// layer and sees a part of the sequence). Their gradients are reduced,
+    /// and ZeRO shards the states, over all `dp × cp` of them (Megatron's
+    /// `data_parallel_group_with_cp`, torchtitan's `dp_shard_cp` mesh).
+    pub fn replica_link(&self, c: &Config) -> GroupLink {
+        if c.cp == 1 {
+            return self.link(c, MeshAxis::Dp);
+        }
+        match c.order {
+            // tp, cp, dp: the cp and dp ranks are one strided group.
+            AxisOrder::DataInner => group_link(self.cluster, c.tp, c.cp * c.dp),
+            // tp, cp, pp, dp: the replicas lie beyond the pipeline; the
+            // group runs at the pace of its outer (dp) hops.
+            AxisOrder::PipelineInner if c.dp > 1 => GroupLink {
+                size: c.cp * c.dp,
+                ..self.link(c, MeshAxis::Dp)
+            },
+            AxisOrder::PipelineInner => self.link(c, MeshAxis::Cp),
+        }
+    }
+
     fn gemm_time(&self, m: f64, n: f64, flops: f64, bytes: f64) -> f64 {
         self.gemm_time_at(self.peak_flops, m, n, flops, bytes)
     }
@@ -424,6 +446,9 @@ impl<'a> CostModel<'a> {
         let (mut attention_flops, mut attention_bytes) = (0.0, 0.0);
         // Each GEMM's forward time: what tensor-parallel collectives hide behind.
         let mut gemm_times: HashMap<dplc_ir::NodeId, f64> = HashMap::new();
+        // Op-level checkpointing (torchtitan's `op`): the forward it redoes,
+        // the GEMM outputs and the attention output it keeps instead.
+        let (mut weight_gemms, mut op_recompute, mut op_saved) = (0u32, 0.0, 0.0);
         for op in &r.ops {
             if fused && op.attention_core {
                 // One fused kernel does the core: its two matmuls' work, and
@@ -435,13 +460,38 @@ impl<'a> CostModel<'a> {
                     } else {
                         tp
                     };
-                    let (m, n, k) = (bind.eval(m), bind.eval(n), bind.eval(k));
+                    let (m, n, k) = bind.eval_gemm(m, n, k);
                     attention_flops += 2.0 * m * n * k / div;
                     // Q·Kᵀ reads Q and K, P·V reads V and writes O: each of
                     // them rows × head width, the smaller of the two sides.
                     attention_bytes += 2.0 * m * n.min(k) * elt / div;
+                    if n <= k {
+                        // P·V: its output is the kernel's, which op-level
+                        // checkpointing keeps.
+                        op_saved += m * n * elt / div;
+                    }
                 }
                 continue;
+            }
+            // Op-level checkpointing keeps the output of every other weight
+            // GEMM (the 1st, 3rd, …: torchtitan counts `mm`s and saves all
+            // but every second one) and recomputes everything else.
+            let mut kept_by_op = false;
+            if let Work::Gemm { m, n, split, .. } = &op.work {
+                if !op.attention_core {
+                    weight_gemms += 1;
+                    if weight_gemms % 2 == 1 {
+                        kept_by_op = true;
+                        // The output as the GEMM writes it: a column (or
+                        // batch) split writes its shard, a row split the
+                        // whole partial sum.
+                        let out_div = match split {
+                            GemmSplit::Column | GemmSplit::Batch => tp,
+                            GemmSplit::Row | GemmSplit::Replicated => 1.0,
+                        };
+                        op_saved += bind.eval(m) * bind.eval(n) * elt / out_div;
+                    }
+                }
             }
             let (fwd, bwd) = match &op.work {
                 Work::Gemm {
@@ -456,7 +506,7 @@ impl<'a> CostModel<'a> {
                     } else {
                         tp
                     };
-                    let (m, n, k) = (bind.eval(m), bind.eval(n), bind.eval(k));
+                    let (m, n, k) = bind.eval_gemm(m, n, k);
                     let flops = 2.0 * m * n * k / div;
                     // The output tile grid each rank computes: column and batch
                     // splits narrow `n` or the batch (in `m`); a row split narrows `k`.
@@ -512,6 +562,9 @@ impl<'a> CostModel<'a> {
             if op.attention_core {
                 core_forward += fwd;
             }
+            if !kept_by_op {
+                op_recompute += fwd;
+            }
         }
         // Selective recomputation redoes the unfused core; a fused kernel
         // keeps no core tensor to drop, and recomputes inside its backward.
@@ -533,6 +586,7 @@ impl<'a> CostModel<'a> {
         pc.recompute = match (c.recompute, layer) {
             (Recompute::Selective, true) => selective,
             (Recompute::Full, true) => pc.forward,
+            (Recompute::Op, true) => op_recompute,
             _ => 0.0,
         };
         // Tensor-parallel collectives are on the critical path except where
@@ -561,7 +615,15 @@ impl<'a> CostModel<'a> {
                 regather: col.sequence_parallel_only,
             };
             let t = exposed_tp(c, exposure, whole, beside);
-            let repeats = if col.pass == Pass::Forward && layer && c.recompute == Recompute::Full {
+            // Op-level checkpointing keeps the row-parallel reductions'
+            // outputs (torchtitan saves `reduce_scatter`) and redoes the
+            // gathers feeding the GEMMs it recomputes.
+            let recomputed = match c.recompute {
+                Recompute::Full => true,
+                Recompute::Op => col.kind == TpCollectiveKind::AllGather,
+                Recompute::None | Recompute::Selective => false,
+            };
+            let repeats = if col.pass == Pass::Forward && layer && recomputed {
                 2.0
             } else {
                 1.0
@@ -610,6 +672,9 @@ impl<'a> CostModel<'a> {
         pc.saved_bytes += lse;
         if layer && c.recompute == Recompute::Full {
             pc.saved_bytes = bind.eval(&self.profile.layer_input_bytes) / rep_div;
+        }
+        if layer && c.recompute == Recompute::Op {
+            pc.saved_bytes = bind.eval(&self.profile.layer_input_bytes) / rep_div + op_saved + lse;
         }
         pc
     }
@@ -690,7 +755,7 @@ impl<'a> CostModel<'a> {
         let [layer, pre, post] = self.parts(c);
         let (params, expert) = self.stage_params(c, i, layers);
         let dense = params - expert;
-        let dp = c.dp as f64;
+        let dp = (c.dp * c.cp) as f64;
         let edp = (c.dp / c.ep).max(1) as f64;
         let shard = |stage: u8| {
             if c.zero >= stage {
@@ -722,7 +787,8 @@ impl<'a> CostModel<'a> {
         if self.cluster.device.multiprocessors > 0 {
             buffers += RUNTIME_RESERVE_BYTES;
         }
-        if c.recompute == Recompute::Full {
+        if matches!(c.recompute, Recompute::Full | Recompute::Op) {
+            // The layer being recomputed holds its whole working set.
             buffers += layer.full_saved_bytes;
         }
         // Sequence parallelism keeps the shards; the all-gathers assemble
@@ -735,11 +801,14 @@ impl<'a> CostModel<'a> {
             // The gathered weights of the layer running and the next one prefetched.
             buffers += 2.0 * self.profile.layer.params.per_rank(c.tp as f64, c.ep as f64) * w_bytes;
         }
-        // FP8 keeps each layer weight's cast and its transpose, a byte each.
-        let fp8_weights = if c.fp8 {
-            2.0 * layers as f64 * self.profile.layer.params.per_rank(c.tp as f64, c.ep as f64)
-        } else {
-            0.0
+        // FP8 keeps each layer weight's cast and its transpose, a byte each;
+        // under ZeRO-3 a rank casts only what it holds: its shard, and the
+        // gathered layers in flight (two, as the bf16 ones in `buffers`).
+        let layer_weights = self.profile.layer.params.per_rank(c.tp as f64, c.ep as f64);
+        let fp8_weights = match (c.fp8, c.zero >= 3) {
+            (false, _) => 0.0,
+            (true, false) => 2.0 * layers as f64 * layer_weights,
+            (true, true) => 2.0 * (layers as f64 * layer_weights / dp + 2.0 * layer_weights),
         };
         let mut m = MemoryBreakdown {
             weights: (shard(3) * w_bytes + fp8_weights) as u64,
@@ -880,7 +949,8 @@ impl<'a> CostModel<'a> {
         // exposed), or wholly after backward when not overlapped.
         let (params, expert) = self.stage_params(c, 0, counts[0]);
         let dense = params - expert;
-        let dp_link = self.link(c, MeshAxis::Dp);
+        let dp_link = self.replica_link(c);
+        let replicas = (c.dp * c.cp) as f64;
         let edp = (c.dp / c.ep).max(1);
         let (edp_stride, _) = c.stride_size(MeshAxis::Dp);
         let edp_link = group_link(self.cluster, edp_stride * c.ep, edp);
@@ -925,7 +995,7 @@ impl<'a> CostModel<'a> {
             whole_dp += m * 2.0 * gather;
         }
         let opt_params = if c.zero >= 1 {
-            dense / c.dp as f64 + expert / edp as f64
+            dense / replicas + expert / edp as f64
         } else {
             params
         };
@@ -956,7 +1026,7 @@ impl<'a> CostModel<'a> {
             let (fwd, bwd) = (slowest.forward, slowest.backward + slowest.recompute);
             let weights = if c.offload.params {
                 let (params, _) = self.stage_params(c, 0, counts[0]);
-                params / c.dp as f64 * w_bytes
+                params / replicas * w_bytes
             } else {
                 0.0
             };
@@ -993,7 +1063,7 @@ impl<'a> CostModel<'a> {
             (MeshAxis::Pp, c.pp, p2p, 0.0),
             (
                 MeshAxis::Dp,
-                c.dp,
+                c.dp * c.cp,
                 exposed_dp,
                 (whole_dp - exposed_dp).max(0.0),
             ),

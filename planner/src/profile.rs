@@ -46,6 +46,18 @@ impl Bind {
             })
             .sum()
     }
+
+    /// A GEMM's `m`, `n` and `k` on one context-parallel rank. Its rows
+    /// (`m`) hold the rank's queries; once they do, a sequence in `n` or `k`
+    /// is the keys', which every rank attends to whole (Q·Kᵀ's `n`, P·V's `k`).
+    pub fn eval_gemm(&self, m: &Poly, n: &Poly, k: &Poly) -> (f64, f64, f64) {
+        let rows_hold_seq = self
+            .seq_sym
+            .is_some_and(|s| m.terms().any(|(syms, _)| syms.contains(&s)));
+        let keys = Bind { cp: 1.0, ..*self };
+        let other = if rows_hold_seq { &keys } else { self };
+        (self.eval(m), other.eval(n), other.eval(k))
+    }
 }
 
 /// The work of one node, per iteration of its region.
@@ -178,6 +190,9 @@ pub(crate) struct ModelProfile {
     pub forward_flops: Poly,
     /// Forward FLOPs of the core attention of one layer.
     pub attention_core_flops: Poly,
+    /// Forward FLOPs of one layer's weight GEMMs that op-level
+    /// checkpointing recomputes (the 2nd, 4th, … in the layer's order).
+    pub op_recompute_flops: Poly,
     /// Per parameter: name, elements (all iterations), splits.
     pub param_layout: Vec<(String, u128, Option<usize>, bool)>,
 }
@@ -693,8 +708,29 @@ impl ModelProfile {
         }
         let experts = dplc_ir::validate::model_experts(g);
         let mut attention_core_flops = Poly::zero();
+        let mut op_recompute_flops = Poly::zero();
+        let mut weight_gemms = 0;
         for &n in &body_nodes {
             let node = g.node(n);
+            if matches!(node.op, Op::MatMul) && !node.inputs.iter().all(|&t| an.is_activation(t)) {
+                weight_gemms += 1;
+                if weight_gemms % 2 == 0 {
+                    let k = g
+                        .tensor(node.inputs[0])
+                        .shape
+                        .last()
+                        .cloned()
+                        .unwrap_or(Dim::konst(1));
+                    if let Some(macs) = g
+                        .tensor(node.outputs[0])
+                        .shape
+                        .numel()
+                        .and_then(|e| e.checked_mul(&k))
+                    {
+                        op_recompute_flops.add_dim(&macs, Ratio::int(2));
+                    }
+                }
+            }
             if matches!(node.op, Op::MatMul) && node.inputs.iter().all(|&t| an.is_activation(t)) {
                 let k = g
                     .tensor(node.inputs[0])
@@ -727,6 +763,7 @@ impl ModelProfile {
             total_params: g.param_count(),
             forward_flops: an.forward_flops(),
             attention_core_flops,
+            op_recompute_flops,
             param_layout,
         })
     }

@@ -340,8 +340,17 @@ fn explore(
         if pins.sequence_parallel.is_some_and(|p| p != sp) {
             continue;
         }
-        for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
+        for recompute in [
+            Recompute::None,
+            Recompute::Selective,
+            Recompute::Full,
+            Recompute::Op,
+        ] {
             if pins.recompute.is_some_and(|p| p != recompute) {
+                continue;
+            }
+            // torchtitan's op-level policy is an engine's, priced when pinned.
+            if recompute == Recompute::Op && pins.recompute.is_none() {
                 continue;
             }
             // Under fused attention selective recomputation drops nothing: it
@@ -357,7 +366,7 @@ fn explore(
                 // rank's included.
                 let zeros: &[u8] = if base.offload.params {
                     &[3]
-                } else if base.dp == 1 {
+                } else if base.dp * base.cp == 1 {
                     &[0]
                 } else if base.pp > 1 {
                     &[0, 1]

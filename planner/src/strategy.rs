@@ -200,9 +200,10 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
                     "none" | "off" => Recompute::None,
                     "selective" => Recompute::Selective,
                     "full" => Recompute::Full,
+                    "op" => Recompute::Op,
                     _ => {
                         return Err(err(format!(
-                            "recompute is none, selective or full, got `{value}`"
+                            "recompute is none, selective, full or op, got `{value}`"
                         )))
                     }
                 })

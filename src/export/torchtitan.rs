@@ -366,11 +366,11 @@ pub fn render(job: &Job) -> String {
         "\n[activation_checkpoint]\nmode = {}",
         match s.recompute {
             Recompute::None => "\"none\"",
-            Recompute::Selective => "\"selective\"",
+            Recompute::Selective | Recompute::Op => "\"selective\"",
             Recompute::Full => "\"full\"",
         }
     );
-    if s.recompute == Recompute::Selective {
+    if matches!(s.recompute, Recompute::Selective | Recompute::Op) {
         let _ = writeln!(
             w,
             "selective_ac_option = \"op\"  # torchtitan's op-level choice, not Megatron's attention-core rule"
