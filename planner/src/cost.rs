@@ -8,8 +8,8 @@ use crate::cluster::{Cluster, Link};
 use crate::profile::{Bind, ModelProfile, RegionProfile, Work};
 use crate::sharding::{GemmSplit, Pass, TpCollectiveKind};
 use dplc_ir::{
-    AttentionKind, AxisComm, CollectiveKind, Elementwise, GradAccum, LinkLevel, MemoryBreakdown, MeshAxis,
-    Offload, PipelineSchedule, Precision, Recompute, TimeBreakdown, TpOverlap,
+    AttentionKind, AxisComm, CollectiveKind, Elementwise, GradAccum, LinkLevel, MemoryBreakdown,
+    MeshAxis, Offload, PipelineSchedule, Precision, Recompute, TimeBreakdown, TpOverlap,
 };
 use std::collections::HashMap;
 

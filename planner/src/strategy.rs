@@ -2,7 +2,9 @@
 //! pins; the search fills in the rest.
 
 use crate::PlanError;
-use dplc_ir::{AttentionKind, Elementwise, GradAccum, PipelineSchedule, Recompute, RootSplit, TpOverlap};
+use dplc_ir::{
+    AttentionKind, Elementwise, GradAccum, PipelineSchedule, Recompute, RootSplit, TpOverlap,
+};
 use std::fmt;
 
 /// Choices fixed before the search; `None` leaves a choice to the search.
