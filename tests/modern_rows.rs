@@ -21,12 +21,13 @@ use dplc_planner::{
 };
 
 /// The stack torchtitan runs without torch.compile (its default in April
-/// 2024): FSDP2 is ZeRO-3 with the reduction overlapped, SDPA is a fused
-/// (flash) attention kernel, every elementwise op runs as its own kernel.
-const TORCHTITAN_EAGER: &str = "zero=3,attention=fused,elementwise=eager,offload=none";
+/// 2024): FSDP2 is ZeRO-3 with the reduction overlapped, SDPA runs
+/// FlashAttention-2 (PyTorch's flash backend; the sources do not name the
+/// backend), every elementwise op runs as its own kernel.
+const TORCHTITAN_EAGER: &str = "zero=3,attention=flash2,elementwise=eager,offload=none";
 /// torchtitan with torch.compile: Inductor fuses the elementwise chains, as
-/// dplc prices by default.
-const TORCHTITAN_COMPILED: &str = "zero=3,attention=fused,elementwise=fused,offload=none";
+/// dplc prices by default; SDPA is still FlashAttention-2.
+const TORCHTITAN_COMPILED: &str = "zero=3,attention=flash2,elementwise=fused,offload=none";
 
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Verdict {

@@ -378,8 +378,16 @@ pub enum AttentionKind {
     /// One kernel over blocks of queries and keys (FlashAttention-2/3): no
     /// `s × s` tensor is stored, only the output and the row log-sum-exp, and
     /// the backward recomputes the scores inside its kernel; the causal
-    /// half of the blocks is skipped.
+    /// half of the blocks is skipped. Its block matmuls run at the device's
+    /// large-GEMM rate (FlashAttention-3 and cuDNN's fused attention on
+    /// Hopper, FlashAttention-2 on Ampere).
     Fused,
+    /// The same kernel as FlashAttention-2 runs it (PyTorch SDPA's flash
+    /// backend): its block matmuls at the fraction of peak FlashAttention-2
+    /// reaches on the device (`Device::flash2_efficiency`), which on Hopper
+    /// is well below the GEMM rate (it uses none of Hopper's asynchronous
+    /// tensor-core and copy instructions).
+    Flash2,
     /// The scores, softmax and dropout materialised op by op, as Megatron ran
     /// in 2021–2022 (the published rows of that time).
     Unfused,
@@ -389,8 +397,14 @@ impl AttentionKind {
     pub fn name(self) -> &'static str {
         match self {
             AttentionKind::Fused => "fused",
+            AttentionKind::Flash2 => "flash2",
             AttentionKind::Unfused => "unfused",
         }
+    }
+
+    /// One kernel for the core (no score matrix stored), at whatever rate.
+    pub fn is_fused(self) -> bool {
+        matches!(self, AttentionKind::Fused | AttentionKind::Flash2)
     }
 }
 

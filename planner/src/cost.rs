@@ -437,7 +437,7 @@ impl<'a> CostModel<'a> {
         let elt = self.profile.precision.bytes() as f64;
         let mut pc = PassCost::default();
         let mut core_forward = 0.0;
-        let fused = c.attention == AttentionKind::Fused;
+        let fused = c.attention.is_fused();
         // FP8 covers the layers' linear GEMMs only: the embedding, the output
         // layer and the attention core stay in the training precision, as
         // Transformer Engine's layers run them.
@@ -572,7 +572,11 @@ impl<'a> CostModel<'a> {
         if attention_flops > 0.0 {
             let dev = &self.cluster.device;
             let causal = if r.causal { 0.5 } else { 1.0 };
-            let t = (causal * attention_flops / (self.peak_flops * dev.matmul_efficiency))
+            let efficiency = match c.attention {
+                AttentionKind::Flash2 => dev.flash2_efficiency,
+                AttentionKind::Fused | AttentionKind::Unfused => dev.matmul_efficiency,
+            };
+            let t = (causal * attention_flops / (self.peak_flops * efficiency))
                 .max(attention_bytes / (dev.memory_bandwidth * MEMORY_EFFICIENCY))
                 + KERNEL_OVERHEAD_S;
             pc.forward += t;
@@ -967,32 +971,56 @@ impl<'a> CostModel<'a> {
                 collective_time(CollectiveKind::AllReduce, bytes, link)
             }
         };
-        let dp_reduce =
-            reduce(dense * grad_bytes, &dp_link) + reduce(expert * grad_bytes, &edp_link);
+        let dense_reduce = reduce(dense * grad_bytes, &dp_link);
+        let expert_reduce = reduce(expert * grad_bytes, &edp_link);
+        let dp_reduce = dense_reduce + expert_reduce;
         let layers0 = counts[0].max(1) as f64;
         let hidden = if c.overlap {
             (stages[0].backward + stages[0].recompute) * (1.0 - 1.0 / layers0)
         } else {
             0.0
         };
-        let (mut exposed_dp, mut whole_dp) = if c.zero >= 2 {
+        let (mut exposed_dp, mut whole_dp) = if c.zero >= 3 {
+            // ZeRO-3 (FSDP) works layer by layer, every micro-batch: the
+            // forward gathers a layer's weights while the layer before it
+            // computes (the first gather waits), the backward gathers them
+            // again and reduce-scatters the gradients, one after the other
+            // on the same link, beside the layer's backward (the last
+            // reduce-scatter waits; without overlap all of them do). The
+            // expert gradients reduce as under ZeRO-2.
+            let l = layers0;
+            let gather = collective_time(CollectiveKind::AllGather, dense * w_bytes, &dp_link);
+            let (g, r) = (gather / l, dense_reduce / l);
+            let f = stages[0].forward / l;
+            let b = (stages[0].backward + stages[0].recompute) / l;
+            let forward = g + (l - 1.0) * (g - f).max(0.0);
+            let backward = if c.overlap {
+                (l - 1.0) * (g + r - b).max(0.0) + r
+            } else {
+                (l - 1.0) * (g - b).max(0.0) + l * r
+            };
+            (
+                m * (forward + backward + (expert_reduce - hidden).max(0.0)),
+                m * (2.0 * gather + dp_reduce),
+            )
+        } else if c.zero >= 2 {
             // ZeRO-2 reduce-scatters every micro-batch's gradients during its backward.
             (m * (dp_reduce - hidden).max(0.0), m * dp_reduce)
         } else {
             ((dp_reduce - hidden).max(0.0), dp_reduce)
         };
         if c.zero >= 1 {
-            // The updated shards are all-gathered, overlapped with the next forward.
-            let gather = collective_time(CollectiveKind::AllGather, dense * w_bytes, &dp_link)
+            // The updated shards are all-gathered, overlapped with the next
+            // forward (ZeRO-3 gathers its dense weights per layer instead).
+            let dense_gather = if c.zero >= 3 {
+                0.0
+            } else {
+                collective_time(CollectiveKind::AllGather, dense * w_bytes, &dp_link)
+            };
+            let gather = dense_gather
                 + collective_time(CollectiveKind::AllGather, expert * w_bytes, &edp_link);
             exposed_dp += (gather - stages[0].forward).max(0.0);
             whole_dp += gather;
-        }
-        if c.zero >= 3 {
-            // Weights gathered again for each micro-batch's forward and backward.
-            let gather = collective_time(CollectiveKind::AllGather, dense * w_bytes, &dp_link);
-            exposed_dp += m * (2.0 * gather - (stages[0].forward + stages[0].backward)).max(0.0);
-            whole_dp += m * 2.0 * gather;
         }
         let opt_params = if c.zero >= 1 {
             dense / replicas + expert / edp as f64

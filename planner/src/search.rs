@@ -356,7 +356,7 @@ fn explore(
             // Under fused attention selective recomputation drops nothing: it
             // is the plan without recomputation, unless pinned.
             if recompute == Recompute::Selective
-                && base.attention == AttentionKind::Fused
+                && base.attention.is_fused()
                 && pins.recompute.is_none()
             {
                 continue;

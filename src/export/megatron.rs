@@ -337,7 +337,7 @@ pub fn parallel_flags(plan: &Plan) -> Vec<Flag> {
     f.push(arg(
         "--attention-backend",
         match s.attention {
-            AttentionKind::Fused => "flash",
+            AttentionKind::Fused | AttentionKind::Flash2 => "flash",
             AttentionKind::Unfused => "unfused",
         },
     ));
