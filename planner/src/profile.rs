@@ -215,6 +215,16 @@ fn elt_bytes(dtype: DType, precision: Precision) -> u64 {
     }
 }
 
+/// Bytes per element eager PyTorch moves for RMSNorm, which it runs as its
+/// composed ops (the Llama reference code, torchtitan's and Hugging Face's
+/// `RMSNorm`): `x.float()` reads `e` and writes 4, `pow(2)` reads and writes
+/// 4, `mean(-1)` reads 4, `x * rsqrt(…)` reads and writes 4, `type_as(x)`
+/// reads 4 and writes `e`, `* weight` reads and writes `e` (`e`: the
+/// training precision's bytes; the row statistics are negligible).
+fn eager_rms_norm_bytes(e: u64) -> u64 {
+    (e + 4) + (4 + 4) + 4 + (4 + 4) + (4 + e) + (e + e)
+}
+
 fn fusible(op: &Op) -> bool {
     matches!(
         op,
@@ -380,6 +390,20 @@ impl RegionBuilder<'_> {
                     ] {
                         let target = if self.sharded(o) { sharded } else { replicated };
                         target.add_dim(&self.numel(o), Ratio::ONE);
+                    }
+                }
+                if let (Op::RmsNorm { .. }, Some(&x), Some(o)) =
+                    (&node.op, node.inputs.first(), out)
+                {
+                    if self.an.is_activation(x) {
+                        let bytes = eager_rms_norm_bytes(self.precision.bytes());
+                        eager = Traffic::default();
+                        let target = if self.sharded(o) {
+                            &mut eager.sharded
+                        } else {
+                            &mut eager.replicated
+                        };
+                        target.add_dim(&self.numel(x), Ratio::int(bytes as i64));
                     }
                 }
                 if eager.sharded.is_zero() && eager.replicated.is_zero() {
