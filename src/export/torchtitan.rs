@@ -381,6 +381,11 @@ pub fn render(job: &Job) -> String {
             w,
             "\n[compile]\nenable = true  # async tensor parallelism needs torch.compile"
         );
+    } else if s.elementwise == dplc_ir::Elementwise::Fused {
+        let _ = writeln!(
+            w,
+            "\n[compile]\nenable = true  # the plan prices elementwise chains fused, as torch.compile runs them"
+        );
     }
     match train.optimizer {
         Optimizer::AdamW {
