@@ -56,9 +56,6 @@ struct Row {
     /// dplc cannot plan the row).
     measured: f64,
     verdict: Verdict,
-    /// The plan needs a memory mechanism dplc lacks (torchtitan's op-level
-    /// selective checkpointing): compare the time, not whether it fits.
-    ignore_memory: bool,
 }
 
 const TT_PERF_A100: &str = "pytorch/torchtitan docs/performance.md @ 157a12c562288b3bccb077003a97f18a4ca657aa (2024-04-24), 64 A100 80GB, FSDP 64";
@@ -89,8 +86,7 @@ fn rows() -> Vec<Row> {
              stack,
              published,
              measured,
-             verdict,
-             ignore_memory| Row {
+             verdict| Row {
         name,
         source,
         file,
@@ -103,7 +99,6 @@ fn rows() -> Vec<Row> {
         published,
         measured,
         verdict,
-        ignore_memory,
     };
     use Verdict::*;
     const L3: &str = "llama3.dpl";
@@ -112,102 +107,102 @@ fn rows() -> Vec<Row> {
     vec![
         // ---- torchtitan, 64 A100 80GB (host size n/s: DGX A100 assumed), eager, seq 8192 / 4096 (cfg).
         r("TT A100 Llama3 8B, selective layer AC", TT_PERF_A100, (L3, "llama3_8b"), "8x8xA100", (8192, 64),
-          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute=full", TORCHTITAN_EAGER, 2904.0, 1.092, NotAsserted(NO_LAYER_SAC), false),
+          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute=full", TORCHTITAN_EAGER, 2904.0, 1.092, NotAsserted(NO_LAYER_SAC)),
         r("TT A100 Llama3 8B, selective op AC", TT_PERF_A100, (L3, "llama3_8b"), "8x8xA100", (8192, 64),
-          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute=op", TORCHTITAN_EAGER, 2973.0, 1.234, NotAsserted(A100_GAP), false),
+          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute=op", TORCHTITAN_EAGER, 2973.0, 1.234, NotAsserted(A100_GAP)),
         r("TT A100 Llama3 70B, full AC", TT_PERF_A100, (L3, "llama3_70b"), "8x8xA100", (8192, 64),
-          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute=full", TORCHTITAN_EAGER, 331.0, 1.196, NotAsserted(A100_GAP), false),
+          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute=full", TORCHTITAN_EAGER, 331.0, 1.196, NotAsserted(A100_GAP)),
         r("TT A100 Llama2 13B, no AC", TT_PERF_A100_L2, (L2, "llama2_13b"), "8x8xA100", (4096, 128),
-          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=none", TORCHTITAN_EAGER, 2162.0, 1.228, NotAsserted(A100_GAP), false),
+          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=none", TORCHTITAN_EAGER, 2162.0, 1.228, NotAsserted(A100_GAP)),
         r("TT A100 Llama2 13B, selective layer AC", TT_PERF_A100_L2, (L2, "llama2_13b"), "8x8xA100", (4096, 128),
-          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=full", TORCHTITAN_EAGER, 1914.0, 1.047, NotAsserted(NO_LAYER_SAC), false),
+          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=full", TORCHTITAN_EAGER, 1914.0, 1.047, NotAsserted(NO_LAYER_SAC)),
         r("TT A100 Llama2 13B, selective op AC", TT_PERF_A100_L2, (L2, "llama2_13b"), "8x8xA100", (4096, 128),
-          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=op", TORCHTITAN_EAGER, 1904.0, 1.213, NotAsserted(A100_GAP), false),
+          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=op", TORCHTITAN_EAGER, 1904.0, 1.213, NotAsserted(A100_GAP)),
         r("TT A100 Llama2 70B, selective op AC, local batch 1", TT_PERF_A100_L2, (L2, "llama2_70b"), "8x8xA100", (4096, 64),
-          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute=op", TORCHTITAN_EAGER, 355.0, 1.357, NotAsserted(A100_GAP), false),
+          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute=op", TORCHTITAN_EAGER, 355.0, 1.357, NotAsserted(A100_GAP)),
         r("TT A100 Llama2 70B, full AC, local batch 2", TT_PERF_A100_L2, (L2, "llama2_70b"), "8x8xA100", (4096, 128),
-          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=full", TORCHTITAN_EAGER, 353.0, 1.180, NotAsserted(A100_GAP), false),
+          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=full", TORCHTITAN_EAGER, 353.0, 1.180, NotAsserted(A100_GAP)),
         // ---- torchtitan, Grand Teton H100 (Dec 2024), Table 1 (1 host) and Table 3 (16 hosts).
         r("TT H100 Llama3.1 8B, FSDP 8, eager", TT_H100_202412, (L3, "llama3_8b"), "1 x grand_teton_h100", (8192, 16),
-          "tp=1,pp=1,cp=1,dp=8,mb=2,recompute=op", TORCHTITAN_EAGER, 5762.0, 1.347, NotAsserted(GRAND_TETON), false),
+          "tp=1,pp=1,cp=1,dp=8,mb=2,recompute=op", TORCHTITAN_EAGER, 5762.0, 1.347, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3.1 8B, FSDP 8, compile", TT_H100_202412, (L3, "llama3_8b"), "1 x grand_teton_h100", (8192, 16),
-          "tp=1,pp=1,cp=1,dp=8,mb=2,recompute=op", TORCHTITAN_COMPILED, 6667.0, 1.383, NotAsserted(GRAND_TETON), false),
+          "tp=1,pp=1,cp=1,dp=8,mb=2,recompute=op", TORCHTITAN_COMPILED, 6667.0, 1.383, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3.1 8B, FSDP 8, compile + float8", TT_H100_202412, (L3, "llama3_8b"), "1 x grand_teton_h100", (8192, 16),
-          "tp=1,pp=1,cp=1,dp=8,mb=2,recompute=op,fp8=on", TORCHTITAN_COMPILED, 8532.0, 1.383, NotAsserted(GRAND_TETON), false),
+          "tp=1,pp=1,cp=1,dp=8,mb=2,recompute=op,fp8=on", TORCHTITAN_COMPILED, 8532.0, 1.383, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3.1 8B, FSDP 128, eager", TT_H100_202412, (L3, "llama3_8b"), "16 x grand_teton_h100", (8192, 256),
-          "tp=1,pp=1,cp=1,dp=128,mb=2,recompute=op", TORCHTITAN_EAGER, 5605.0, 1.396, NotAsserted(GRAND_TETON), false),
+          "tp=1,pp=1,cp=1,dp=128,mb=2,recompute=op", TORCHTITAN_EAGER, 5605.0, 1.396, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3.1 8B, FSDP 128, compile", TT_H100_202412, (L3, "llama3_8b"), "16 x grand_teton_h100", (8192, 256),
-          "tp=1,pp=1,cp=1,dp=128,mb=2,recompute=op", TORCHTITAN_COMPILED, 6514.0, 1.430, NotAsserted(GRAND_TETON), false),
+          "tp=1,pp=1,cp=1,dp=128,mb=2,recompute=op", TORCHTITAN_COMPILED, 6514.0, 1.430, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3.1 8B, FSDP 128, compile + float8", TT_H100_202412, (L3, "llama3_8b"), "16 x grand_teton_h100", (8192, 256),
-          "tp=1,pp=1,cp=1,dp=128,mb=2,recompute=op,fp8=on", TORCHTITAN_COMPILED, 8380.0, 1.426, NotAsserted(GRAND_TETON), false),
+          "tp=1,pp=1,cp=1,dp=128,mb=2,recompute=op,fp8=on", TORCHTITAN_COMPILED, 8380.0, 1.426, NotAsserted(GRAND_TETON)),
         // Table 2: FSDP + CP, compile + float8, full AC, local batch 1.
         r("TT H100 Llama3.1 8B, FSDP 8 CP 1, seq 32768", TT_H100_202412, (L3, "llama3_8b"), "1 x grand_teton_h100", (32768, 8),
-          "tp=1,pp=1,cp=1,dp=8,mb=1,recompute=full,fp8=on", TORCHTITAN_COMPILED, 3890.0, 1.429, NotAsserted(GRAND_TETON), false),
+          "tp=1,pp=1,cp=1,dp=8,mb=1,recompute=full,fp8=on", TORCHTITAN_COMPILED, 3890.0, 1.429, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3.1 8B, FSDP 4 CP 2, seq 65536", TT_H100_202412, (L3, "llama3_8b"), "1 x grand_teton_h100", (65536, 4),
-          "tp=1,pp=1,cp=2,dp=4,mb=1,recompute=full,fp8=on", TORCHTITAN_COMPILED, 2540.0, 1.350, NotAsserted(GRAND_TETON), false),
+          "tp=1,pp=1,cp=2,dp=4,mb=1,recompute=full,fp8=on", TORCHTITAN_COMPILED, 2540.0, 1.350, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3.1 8B, FSDP 2 CP 4, seq 131072", TT_H100_202412, (L3, "llama3_8b"), "1 x grand_teton_h100", (131072, 2),
-          "tp=1,pp=1,cp=4,dp=2,mb=1,recompute=full,fp8=on", TORCHTITAN_COMPILED, 1071.0, 1.814, NotAsserted(GRAND_TETON), false),
+          "tp=1,pp=1,cp=4,dp=2,mb=1,recompute=full,fp8=on", TORCHTITAN_COMPILED, 1071.0, 1.814, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3.1 8B, FSDP 1 CP 8, seq 262144", TT_H100_202412, (L3, "llama3_8b"), "1 x grand_teton_h100", (262144, 1),
-          "tp=1,pp=1,cp=8,dp=1,mb=1,recompute=full,fp8=on", TORCHTITAN_COMPILED, 548.0, 1.898, NotAsserted(GRAND_TETON), false),
+          "tp=1,pp=1,cp=8,dp=1,mb=1,recompute=full,fp8=on", TORCHTITAN_COMPILED, 548.0, 1.898, NotAsserted(GRAND_TETON)),
         // Table 4: 2D, Llama 3.1 70B on 256 GPUs, FSDP 32 x TP 8, local batch 16, full AC, compile + float8.
         r("TT H100 Llama3.1 70B, FSDP 32 TP 8", TT_H100_202412, (L3, "llama3_70b"), "32 x grand_teton_h100", (8192, 512),
-          "tp=8,pp=1,cp=1,dp=32,mb=16,recompute=full,sp=on,tp_overlap=none,fp8=on", TORCHTITAN_COMPILED, 829.0, 1.222, NotAsserted(GRAND_TETON), false),
+          "tp=8,pp=1,cp=1,dp=32,mb=16,recompute=full,sp=on,tp_overlap=none,fp8=on", TORCHTITAN_COMPILED, 829.0, 1.222, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3.1 70B, FSDP 32 TP 8, async TP", TT_H100_202412, (L3, "llama3_70b"), "32 x grand_teton_h100", (8192, 512),
-          "tp=8,pp=1,cp=1,dp=32,mb=16,recompute=full,sp=on,tp_overlap=ring,fp8=on", TORCHTITAN_COMPILED, 876.0, 1.376, NotAsserted(GRAND_TETON), false),
+          "tp=8,pp=1,cp=1,dp=32,mb=16,recompute=full,sp=on,tp_overlap=ring,fp8=on", TORCHTITAN_COMPILED, 876.0, 1.376, NotAsserted(GRAND_TETON)),
         // Table 5: 3D, Llama 3.1 405B on 512 GPUs, FSDP 8 x TP 8 x PP 8, local batch 32, 1F1B, 8 micro-batches (code default).
         r("TT H100 Llama3.1 405B, FSDP 8 TP 8 PP 8, 1F1B", TT_H100_202412, (L3, "llama3_405b"), "64 x grand_teton_h100", (8192, 256),
-          "tp=8,pp=8,cp=1,dp=8,mb=4,m=8,schedule=1f1b,recompute=full,sp=on,tp_overlap=ring,fp8=on", TORCHTITAN_COMPILED, 100.0, 0.0, NotAsserted(FSDP_PP), false),
+          "tp=8,pp=8,cp=1,dp=8,mb=4,m=8,schedule=1f1b,recompute=full,sp=on,tp_overlap=ring,fp8=on", TORCHTITAN_COMPILED, 100.0, 0.0, NotAsserted(FSDP_PP)),
         // asyncTP benchmark (June 2025): 70B on 256, FSDP 32 x TP 8, local batch 16, full AC; 8B on 64, FSDP 8 x TP 8, local batch 12, op SAC.
         r("TT H100 Llama3 70B, TP 8 bf16", TT_ASYNC_TP, (L3, "llama3_70b"), "32 x grand_teton_h100", (8192, 512),
-          "tp=8,pp=1,cp=1,dp=32,mb=16,recompute=full,sp=on,tp_overlap=none", TORCHTITAN_COMPILED, 597.3, 1.289, NotAsserted(GRAND_TETON), false),
+          "tp=8,pp=1,cp=1,dp=32,mb=16,recompute=full,sp=on,tp_overlap=none", TORCHTITAN_COMPILED, 597.3, 1.289, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3 70B, async TP 8 bf16", TT_ASYNC_TP, (L3, "llama3_70b"), "32 x grand_teton_h100", (8192, 512),
-          "tp=8,pp=1,cp=1,dp=32,mb=16,recompute=full,sp=on,tp_overlap=ring", TORCHTITAN_COMPILED, 652.4, 1.442, NotAsserted(GRAND_TETON), false),
+          "tp=8,pp=1,cp=1,dp=32,mb=16,recompute=full,sp=on,tp_overlap=ring", TORCHTITAN_COMPILED, 652.4, 1.442, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3 70B, TP 8 float8 tensorwise", TT_ASYNC_TP, (L3, "llama3_70b"), "32 x grand_teton_h100", (8192, 512),
-          "tp=8,pp=1,cp=1,dp=32,mb=16,recompute=full,sp=on,tp_overlap=none,fp8=on", TORCHTITAN_COMPILED, 809.8, 1.251, NotAsserted(GRAND_TETON), false),
+          "tp=8,pp=1,cp=1,dp=32,mb=16,recompute=full,sp=on,tp_overlap=none,fp8=on", TORCHTITAN_COMPILED, 809.8, 1.251, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3 70B, async TP 8 float8 tensorwise", TT_ASYNC_TP, (L3, "llama3_70b"), "32 x grand_teton_h100", (8192, 512),
-          "tp=8,pp=1,cp=1,dp=32,mb=16,recompute=full,sp=on,tp_overlap=ring,fp8=on", TORCHTITAN_COMPILED, 942.4, 1.279, NotAsserted(GRAND_TETON), false),
+          "tp=8,pp=1,cp=1,dp=32,mb=16,recompute=full,sp=on,tp_overlap=ring,fp8=on", TORCHTITAN_COMPILED, 942.4, 1.279, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3 8B, TP 8 bf16", TT_ASYNC_TP, (L3, "llama3_8b"), "8 x grand_teton_h100", (8192, 96),
-          "tp=8,pp=1,cp=1,dp=8,mb=12,recompute=op,sp=on,tp_overlap=none", TORCHTITAN_COMPILED, 4378.0, 1.432, NotAsserted(GRAND_TETON), false),
+          "tp=8,pp=1,cp=1,dp=8,mb=12,recompute=op,sp=on,tp_overlap=none", TORCHTITAN_COMPILED, 4378.0, 1.432, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3 8B, async TP 8 bf16", TT_ASYNC_TP, (L3, "llama3_8b"), "8 x grand_teton_h100", (8192, 96),
-          "tp=8,pp=1,cp=1,dp=8,mb=12,recompute=op,sp=on,tp_overlap=ring", TORCHTITAN_COMPILED, 4809.4, 1.577, NotAsserted(GRAND_TETON), false),
+          "tp=8,pp=1,cp=1,dp=8,mb=12,recompute=op,sp=on,tp_overlap=ring", TORCHTITAN_COMPILED, 4809.4, 1.577, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3 8B, TP 8 float8 tensorwise", TT_ASYNC_TP, (L3, "llama3_8b"), "8 x grand_teton_h100", (8192, 96),
-          "tp=8,pp=1,cp=1,dp=8,mb=12,recompute=op,sp=on,tp_overlap=none,fp8=on", TORCHTITAN_COMPILED, 5078.1, 1.455, NotAsserted(GRAND_TETON), false),
+          "tp=8,pp=1,cp=1,dp=8,mb=12,recompute=op,sp=on,tp_overlap=none,fp8=on", TORCHTITAN_COMPILED, 5078.1, 1.455, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3 8B, async TP 8 float8 tensorwise", TT_ASYNC_TP, (L3, "llama3_8b"), "8 x grand_teton_h100", (8192, 96),
-          "tp=8,pp=1,cp=1,dp=8,mb=12,recompute=op,sp=on,tp_overlap=ring,fp8=on", TORCHTITAN_COMPILED, 5570.1, 1.567, NotAsserted(GRAND_TETON), false),
+          "tp=8,pp=1,cp=1,dp=8,mb=12,recompute=op,sp=on,tp_overlap=ring,fp8=on", TORCHTITAN_COMPILED, 5570.1, 1.567, NotAsserted(GRAND_TETON)),
         // Aug 2024: 405B on 128 H100 (94/95 GB; the same unknown peak), FSDP 16 x TP 8, compile n/s per row (cfg on).
         r("TT H100 Llama3.1 405B, FSDP 16 TP 8", TT_405B, (L3, "llama3_405b"), "16 x grand_teton_h100", (8192, 32),
-          "tp=8,pp=1,cp=1,dp=16,mb=2,recompute=full,sp=on,tp_overlap=none", TORCHTITAN_COMPILED, 109.0, 1.513, NotAsserted(GRAND_TETON), false),
+          "tp=8,pp=1,cp=1,dp=16,mb=2,recompute=full,sp=on,tp_overlap=none", TORCHTITAN_COMPILED, 109.0, 1.513, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3.1 405B, FSDP 16 TP 8, float8", TT_405B, (L3, "llama3_405b"), "16 x grand_teton_h100", (8192, 32),
-          "tp=8,pp=1,cp=1,dp=16,mb=2,recompute=full,sp=on,tp_overlap=none,fp8=on", TORCHTITAN_COMPILED, 177.0, 0.961, NotAsserted(GRAND_TETON), false),
+          "tp=8,pp=1,cp=1,dp=16,mb=2,recompute=full,sp=on,tp_overlap=none,fp8=on", TORCHTITAN_COMPILED, 177.0, 0.961, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3.1 405B, FSDP 16 TP 8, float8 + async TP", TT_405B, (L3, "llama3_405b"), "16 x grand_teton_h100", (8192, 32),
-          "tp=8,pp=1,cp=1,dp=16,mb=2,recompute=full,sp=on,tp_overlap=ring,fp8=on", TORCHTITAN_COMPILED, 185.0, 1.047, NotAsserted(GRAND_TETON), false),
+          "tp=8,pp=1,cp=1,dp=16,mb=2,recompute=full,sp=on,tp_overlap=ring,fp8=on", TORCHTITAN_COMPILED, 185.0, 1.047, NotAsserted(GRAND_TETON)),
         // ---- torchtitan on H200 (catalog H200; power and memory size n/s), compile + float8 (FSDP float8 all-gather), op SAC.
         r("TT H200 Llama3 8B, FSDP 32", TT_H200, (L3, "llama3_8b"), "4x8xH200", (8192, 64),
-          "tp=1,pp=1,cp=1,dp=32,mb=2,recompute=op,fp8=on", TORCHTITAN_COMPILED, 10938.0, 1.298, NotAsserted(H200_GAP), false),
+          "tp=1,pp=1,cp=1,dp=32,mb=2,recompute=op,fp8=on", TORCHTITAN_COMPILED, 10938.0, 1.298, NotAsserted(H200_GAP)),
         r("TT H200 Llama3 8B, FSDP 64", TT_H200, (L3, "llama3_8b"), "8x8xH200", (8192, 128),
-          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=op,fp8=on", TORCHTITAN_COMPILED, 10753.0, 1.322, NotAsserted(TE_FP8), false),
+          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=op,fp8=on", TORCHTITAN_COMPILED, 10753.0, 1.322, NotAsserted(TE_FP8)),
         // ---- NVIDIA NeMo 24.07 on DGX-H100, FP8; distributed optimizer (zero=1) and recompute n/s: the search picks recompute.
         r("NeMo Llama2 7B, 8 GPUs", NEMO_2407, (L2, "llama2_7b"), "8xH100", (4096, 128),
-          "tp=1,pp=1,cp=1,dp=8,mb=1,zero=1,fp8=on", "offload=none", 16847.0, 1.242, NotAsserted(H200_GAP), false),
+          "tp=1,pp=1,cp=1,dp=8,mb=1,zero=1,fp8=on", "offload=none", 16847.0, 1.242, NotAsserted(H200_GAP)),
         r("NeMo Llama2 13B, 16 GPUs, PP 4 VP 10", NEMO_2407, (L2, "llama2_13b"), "2x8xH100", (4096, 128),
-          "tp=1,pp=4,cp=1,dp=4,mb=1,schedule=interleaved,v=10,zero=1,fp8=on", "offload=none", 8646.0, 1.220, NotAsserted(TE_FP8), false),
+          "tp=1,pp=4,cp=1,dp=4,mb=1,schedule=interleaved,v=10,zero=1,fp8=on", "offload=none", 8646.0, 1.220, NotAsserted(TE_FP8)),
         r("NeMo Llama2 70B, 64 GPUs, TP 4 PP 4 VP 20", NEMO_2407, (L2, "llama2_70b"), "8x8xH100", (4096, 128),
-          "tp=4,pp=4,cp=1,dp=4,mb=1,schedule=interleaved,v=20,zero=1,sp=on,fp8=on", "offload=none", 1707.0, 1.054, Asserted, false),
+          "tp=4,pp=4,cp=1,dp=4,mb=1,schedule=interleaved,v=20,zero=1,sp=on,fp8=on", "offload=none", 1707.0, 1.054, Asserted),
         r("NeMo Llama3 8B, 8 GPUs, CP 2", NEMO_2407, (L3, "llama3_8b"), "8xH100", (8192, 128),
-          "tp=1,pp=1,cp=2,dp=4,mb=1,zero=1,fp8=on", "offload=none", 12036.0, 1.096, Asserted, false),
+          "tp=1,pp=1,cp=2,dp=4,mb=1,zero=1,fp8=on", "offload=none", 12036.0, 1.096, Asserted),
         r("NeMo Llama3 70B, 64 GPUs, TP 4 PP 4 CP 2 VP 5", NEMO_2407, (L3, "llama3_70b"), "8x8xH100", (8192, 128),
-          "tp=4,pp=4,cp=2,dp=2,mb=1,schedule=interleaved,v=5,zero=1,sp=on,fp8=on", "offload=none", 1533.0, 1.183, NotAsserted(TE_FP8), false),
+          "tp=4,pp=4,cp=2,dp=2,mb=1,schedule=interleaved,v=5,zero=1,sp=on,fp8=on", "offload=none", 1533.0, 1.183, NotAsserted(TE_FP8)),
         r("NeMo GPT3 175B, 128 GPUs, TP 4 PP 8 VP 6", NEMO_2407, (GPT, "gpt_175b"), "16x8xH100", (2048, 256),
-          "tp=4,pp=8,cp=1,dp=4,mb=1,schedule=interleaved,v=6,zero=1,sp=on,fp8=on", "offload=none", 726.0, 1.143, NotAsserted(TE_FP8), false),
+          "tp=4,pp=8,cp=1,dp=4,mb=1,schedule=interleaved,v=6,zero=1,sp=on,fp8=on", "offload=none", 726.0, 1.143, NotAsserted(TE_FP8)),
         r("NeMo GPT3 175B, 512 GPUs, TP 4 PP 8 VP 6", NEMO_2407, (GPT, "gpt_175b"), "64x8xH100", (2048, 2048),
-          "tp=4,pp=8,cp=1,dp=16,mb=2,schedule=interleaved,v=6,zero=1,sp=on,fp8=on", "offload=none", 782.0, 0.849, NotAsserted(RECOMPUTE_NS), false),
+          "tp=4,pp=8,cp=1,dp=16,mb=2,schedule=interleaved,v=6,zero=1,sp=on,fp8=on", "offload=none", 782.0, 0.849, NotAsserted(RECOMPUTE_NS)),
         // ---- NVIDIA Megatron-Bridge on DGX-H100, FP8 current scaling.
         r("Megatron-Bridge 25.11 Llama3 8B, 8 GPUs, FSDP", MBRIDGE, (L3, "llama3_8b"), "8xH100", (8192, 128),
-          "tp=1,pp=1,cp=1,dp=8,mb=1,zero=3,fp8=on", "offload=none", 14451.0, 1.213, NotAsserted(TE_FP8), false),
+          "tp=1,pp=1,cp=1,dp=8,mb=1,zero=3,fp8=on", "offload=none", 14451.0, 1.213, NotAsserted(TE_FP8)),
         r("Megatron-Bridge 25.11 Llama3 70B, 64 GPUs, TP 4 PP 8 VP 5", MBRIDGE, (L3, "llama3_70b"), "8x8xH100", (8192, 128),
-          "tp=4,pp=8,cp=1,dp=2,mb=1,schedule=interleaved,v=5,zero=1,sp=on,fp8=on", "offload=none", 1602.0, 0.830, NotAsserted(RECOMPUTE_NS), false),
+          "tp=4,pp=8,cp=1,dp=2,mb=1,schedule=interleaved,v=5,zero=1,sp=on,fp8=on", "offload=none", 1602.0, 0.830, NotAsserted(RECOMPUTE_NS)),
         r("Megatron-Bridge 26.02 Llama3 70B, 64 GPUs, TP 4 PP 8 VP 5", MBRIDGE, (L3, "llama3_70b"), "8x8xH100", (8192, 256),
-          "tp=4,pp=8,cp=1,dp=2,mb=1,schedule=interleaved,v=5,zero=1,sp=on,fp8=on", "offload=none", 1621.0, 0.832, NotAsserted(RECOMPUTE_NS), false),
+          "tp=4,pp=8,cp=1,dp=2,mb=1,schedule=interleaved,v=5,zero=1,sp=on,fp8=on", "offload=none", 1621.0, 0.832, NotAsserted(RECOMPUTE_NS)),
     ]
 }
 
@@ -243,7 +238,6 @@ fn predict(row: &Row) -> Result<f64, String> {
     req.seq = Some(row.seq);
     req.pinned =
         parse_strategy(&format!("{},{}", row.strategy, row.stack)).map_err(|e| e.to_string())?;
-    req.ignore_memory = row.ignore_memory;
     let c = compile(&req).map_err(|e| e.to_string())?;
     Ok(c.plan.estimate.tokens_per_s / world)
 }
