@@ -144,6 +144,18 @@ pub fn build(args: &BuildArgs) -> Result<()> {
                 "dplc's runtime does not run FP8 GEMMs, so an artifact cannot"
             ));
         }
+        if pinned.recompute == Some(dplc_ir::Recompute::Op) {
+            return Err(miette::miette!(
+                help = "pin recompute=none, selective or full, or `dplc export` the plan to torchtitan",
+                "dplc's runtime does not run torchtitan's op-level checkpointing, so an artifact cannot"
+            ));
+        }
+        if pinned.elementwise == Some(dplc_ir::Elementwise::Eager) {
+            return Err(miette::miette!(
+                help = "drop elementwise from --strategy, or `dplc export` the plan to torchtitan",
+                "dplc's kernels fuse elementwise ops, so an artifact cannot run them eagerly"
+            ));
+        }
         if pinned.offload.is_some_and(|o| !o.is_none()) {
             return Err(miette::miette!(
                 help = "drop offload from --strategy, or `dplc export` the plan to DeepSpeed",

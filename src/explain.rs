@@ -77,6 +77,9 @@ fn attention_note(kind: AttentionKind) -> &'static str {
         AttentionKind::Fused => {
             "one kernel for the core, FlashAttention-2/3: no score matrix stored"
         }
+        AttentionKind::Flash2 => {
+            "one kernel for the core at FlashAttention-2's rate: no score matrix stored"
+        }
         AttentionKind::Unfused => "scores, mask, softmax and dropout op by op, scores stored",
     }
 }

@@ -140,6 +140,20 @@ pub fn prepare(args: &PlanArgs) -> Result<Prepared> {
                 "dplc's runtime does not run FP8 GEMMs"
             ));
         }
+        // Its kernels fuse elementwise chains (the reference interpreter's
+        // op-by-op pricing is not what a GPU rank runs).
+        if pinned.recompute == Some(dplc_ir::Recompute::Op) {
+            return Err(miette!(
+                help = "pin recompute=none, selective or full to train here; `dplc compile` prices op-level checkpointing and `dplc export` hands it to torchtitan",
+                "dplc's runtime does not run torchtitan's op-level checkpointing"
+            ));
+        }
+        if pinned.elementwise == Some(dplc_ir::Elementwise::Eager) {
+            return Err(miette!(
+                help = "drop elementwise from --strategy to train here; `dplc compile` prices an eager engine's stack",
+                "dplc's runtime fuses elementwise ops; elementwise=eager prices another engine"
+            ));
+        }
         // dplc's own kernels run the attention core op by op (a fused
         // attention kernel is not generated yet): price what runs.
         if pinned.attention.is_none() {

@@ -128,3 +128,41 @@ fn every_command_has_help() {
         assert!(String::from_utf8_lossy(&out.stdout).contains("Usage"));
     }
 }
+
+/// An engine's stack keys (`recompute=op`, `elementwise=eager`) are priced
+/// by `compile` and refused by `run`, whose own kernels do neither.
+#[test]
+fn engine_stack_keys_are_priced_not_run() {
+    for pin in ["dp=2,recompute=op", "dp=2,elementwise=eager"] {
+        let compiled = dplc(&[
+            "compile",
+            "models/tiny.dpl",
+            "--model",
+            "gpt_tiny",
+            "--cluster",
+            "2xcpu",
+            "--strategy",
+            pin,
+        ]);
+        assert!(
+            compiled.status.success(),
+            "{pin}: {}",
+            String::from_utf8_lossy(&compiled.stderr)
+        );
+        let run = dplc(&[
+            "run",
+            "models/tiny.dpl",
+            "--model",
+            "gpt_tiny",
+            "--cluster",
+            "2xcpu",
+            "--strategy",
+            pin,
+            "--steps",
+            "1",
+        ]);
+        let err = String::from_utf8_lossy(&run.stderr).replace("\n  | ", " ");
+        assert!(!run.status.success(), "{pin} ran");
+        assert!(err.contains("dplc's runtime"), "{pin}: {err}");
+    }
+}

@@ -421,7 +421,7 @@ fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
     const SIGNATURE: &str = "accelerator(name = \"X\", bf16 = 989 TFLOP/s, fp16 = …, fp32 = …, fp8 = …, \
                              memory = 80 GB, memory_bandwidth = 3.35 TB/s, host_memory = 256 GB, \
                              host_link = 64 GB/s, host_memory_bandwidth = 77 GB/s, matmul_efficiency = 0.8, \
-                             multiprocessors = 132)";
+                             flash2_efficiency = 0.35, multiprocessors = 132)";
     let f = Fields::new(
         v,
         span,
@@ -437,6 +437,7 @@ fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
             "host_link",
             "host_memory_bandwidth",
             "matmul_efficiency",
+            "flash2_efficiency",
             "multiprocessors",
         ],
         SIGNATURE,
@@ -456,16 +457,18 @@ fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
     };
     let bf16 = rate("bf16", None)?;
     let memory = f.quantity("memory", UnitKind::Bytes, "80 GB", None)?;
-    let matmul_efficiency = match f.get("matmul_efficiency") {
-        None => None,
+    let fraction = |key: &str| match f.get(key) {
+        None => Ok(None),
         Some((v, s)) => {
             let e = number(v, s)?;
             if !(e > 0.0 && e <= 1.0) {
                 return Err(expected(v, s, "a fraction of peak in (0, 1], e.g. 0.8"));
             }
-            Some(e)
+            Ok(Some(e))
         }
     };
+    let matmul_efficiency = fraction("matmul_efficiency")?;
+    let flash2_efficiency = fraction("flash2_efficiency")?;
     let spec = DeviceSpec {
         name,
         peak_bf16: bf16,
@@ -485,6 +488,7 @@ fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
         memory_bytes: memory as u64,
         memory_bandwidth: f.quantity("memory_bandwidth", UnitKind::Bandwidth, "3.35 TB/s", None)?,
         matmul_efficiency,
+        flash2_efficiency,
         multiprocessors: f.count("multiprocessors", Some(0))?,
     };
     for (key, x) in [

@@ -25,6 +25,7 @@ fn gpt2_parameter_counts() {
 #[test]
 fn llama_parameter_counts() {
     assert_eq!(params("llama2.dpl", "llama2_7b"), 6_738_415_616);
+    assert_eq!(params("llama2.dpl", "llama2_13b"), 13_015_864_320);
     assert_eq!(params("llama2.dpl", "llama2_70b"), 68_976_648_192);
     assert_eq!(params("llama3.dpl", "llama3_8b"), 8_030_261_248);
     assert_eq!(params("llama3.dpl", "llama3_70b"), 70_553_706_496);

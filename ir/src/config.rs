@@ -169,6 +169,10 @@ pub struct DeviceSpec {
     pub memory_bandwidth: f64,
     /// The fraction of peak large matmuls reach; `None` takes the planner's default.
     pub matmul_efficiency: Option<f64>,
+    /// The fraction of peak FlashAttention-2 reaches (`attention=flash2`);
+    /// `None` takes the matmul efficiency.
+    #[serde(default)]
+    pub flash2_efficiency: Option<f64>,
     /// Streaming multiprocessors (compute units) for wave quantization; 0: none.
     pub multiprocessors: u64,
 }

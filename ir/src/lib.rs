@@ -35,9 +35,9 @@ pub use op::{BinaryOp, Init, Op, ReduceKind, UnaryOp, VocabOp};
 pub use pipeline::{even_split, pipeline_order, virtual_stage_layers, PipelineWork};
 pub use plan::{
     Alternative, AttentionKind, AxisComm, AxisMapping, AxisPart, BackwardCollective,
-    ClusterSummary, Collective, CollectiveKind, Estimate, GradAccum, LinkLevel, MemoryBreakdown,
-    Mesh, MeshAxis, ModelSource, Offload, ParamSharding, PipelineSchedule, Plan, ProgramValue,
-    Recompute, RegionProgram, RootSplit, SearchStats, StagePlan, StepPhase, Strategy,
+    ClusterSummary, Collective, CollectiveKind, Elementwise, Estimate, GradAccum, LinkLevel,
+    MemoryBreakdown, Mesh, MeshAxis, ModelSource, Offload, ParamSharding, PipelineSchedule, Plan,
+    ProgramValue, Recompute, RegionProgram, RootSplit, SearchStats, StagePlan, StepPhase, Strategy,
     TimeBreakdown, TpOverlap, WhatIf,
 };
 

@@ -118,6 +118,11 @@ pub enum Recompute {
     Selective,
     /// Keep only each layer's input and rerun its forward in backward.
     Full,
+    /// torchtitan's op-level selective checkpointing (`selective_ac_option
+    /// = "op"`): keep the outputs of the attention kernel and of every
+    /// other weight GEMM (the 1st, 3rd, … in the layer's order), recompute
+    /// the GEMMs between them and every other op from the layer's input.
+    Op,
 }
 
 impl Recompute {
@@ -126,6 +131,7 @@ impl Recompute {
             Recompute::None => "none",
             Recompute::Selective => "selective",
             Recompute::Full => "full",
+            Recompute::Op => "op",
         }
     }
 }
@@ -177,6 +183,10 @@ pub struct Strategy {
     /// and ZeRO-Infinity). Plans written before this field existed offloaded nothing.
     #[serde(default, skip_serializing_if = "Offload::is_none")]
     pub offload: Offload,
+    /// How the elementwise ops run. Plans written before this field existed
+    /// fused them.
+    #[serde(default, skip_serializing_if = "Elementwise::is_fused")]
+    pub elementwise: Elementwise,
 }
 
 /// What lives in host memory instead of the device's: the optimizer state
@@ -299,6 +309,35 @@ impl GradAccum {
     }
 }
 
+/// How the elementwise ops between the GEMMs run.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+pub enum Elementwise {
+    /// Chains of elementwise ops fused into one kernel that reads the
+    /// chain's inputs and writes what leaves it (dplc's codegen,
+    /// torch.compile, Megatron's fused kernels).
+    #[default]
+    Fused,
+    /// Every elementwise op its own kernel (eager PyTorch: torchtitan
+    /// without `compile`): each reads its inputs from memory and writes its
+    /// outputs back.
+    Eager,
+}
+
+impl Elementwise {
+    pub fn name(self) -> &'static str {
+        match self {
+            Elementwise::Fused => "fused",
+            Elementwise::Eager => "eager",
+        }
+    }
+
+    fn is_fused(&self) -> bool {
+        *self == Elementwise::Fused
+    }
+}
+
 /// How tensor-parallel communication overlaps with the GEMMs around it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum TpOverlap {
@@ -339,8 +378,16 @@ pub enum AttentionKind {
     /// One kernel over blocks of queries and keys (FlashAttention-2/3): no
     /// `s × s` tensor is stored, only the output and the row log-sum-exp, and
     /// the backward recomputes the scores inside its kernel; the causal
-    /// half of the blocks is skipped.
+    /// half of the blocks is skipped. Its block matmuls run at the device's
+    /// large-GEMM rate (FlashAttention-3 and cuDNN's fused attention on
+    /// Hopper, FlashAttention-2 on Ampere).
     Fused,
+    /// The same kernel as FlashAttention-2 runs it (PyTorch SDPA's flash
+    /// backend): its block matmuls at the fraction of peak FlashAttention-2
+    /// reaches on the device (`Device::flash2_efficiency`), which on Hopper
+    /// is well below the GEMM rate (it uses none of Hopper's asynchronous
+    /// tensor-core and copy instructions).
+    Flash2,
     /// The scores, softmax and dropout materialised op by op, as Megatron ran
     /// in 2021–2022 (the published rows of that time).
     Unfused,
@@ -350,8 +397,14 @@ impl AttentionKind {
     pub fn name(self) -> &'static str {
         match self {
             AttentionKind::Fused => "fused",
+            AttentionKind::Flash2 => "flash2",
             AttentionKind::Unfused => "unfused",
         }
+    }
+
+    /// One kernel for the core (no score matrix stored), at whatever rate.
+    pub fn is_fused(self) -> bool {
+        matches!(self, AttentionKind::Fused | AttentionKind::Flash2)
     }
 }
 
@@ -407,6 +460,9 @@ impl fmt::Display for Strategy {
         }
         if !self.offload.is_none() {
             write!(f, ", offload {}", self.offload.name())?;
+        }
+        if self.elementwise != Elementwise::Fused {
+            write!(f, ", elementwise {}", self.elementwise.name())?;
         }
         Ok(())
     }

@@ -32,6 +32,9 @@ pub struct Device {
     /// The fraction of peak that large matmuls reach in practice (the
     /// "maximum achievable matmul FLOPS" of a tuned cuBLAS GEMM).
     pub matmul_efficiency: f64,
+    /// The fraction of peak FlashAttention-2's fused attention reaches
+    /// (`attention=flash2`, PyTorch SDPA's flash backend).
+    pub flash2_efficiency: f64,
     pub intra_node: Link,
     pub inter_node: Link,
     /// Devices in the usual node (DGX/HGX have 8).
@@ -74,6 +77,14 @@ const A100_MAMF: f64 = 267.9 / 312.0;
 const H100_MAMF: f64 = 792.1 / 989.4;
 /// V100 and CPUs: no measurement at hand; the usual 80% of peak for tuned BLAS.
 const DEFAULT_MAMF: f64 = 0.8;
+/// FlashAttention-2's fraction of peak: "reaching 50-73% of the theoretical
+/// maximum FLOPs/s on A100" (Dao 2023, arXiv:2307.08691; the upper end, its
+/// best case), and "FlashAttention-2 achieving only 35% utilization on the
+/// H100 GPU" (Shah et al. 2024, FlashAttention-3, arXiv:2407.08608), which
+/// serves the parts built on the H100 die (H200, GH200). Elsewhere no figure
+/// is at hand: the device's large-GEMM efficiency.
+const A100_FLASH2: f64 = 0.73;
+const H100_FLASH2: f64 = 0.35;
 
 /// NVLink/NVSwitch and NCCL-over-InfiniBand latencies per hop: a few microseconds
 /// (NCCL's own tuning model uses ~1–2 µs per NVLink step and ~5 µs over the network).
@@ -127,6 +138,7 @@ pub fn catalog() -> Vec<Device> {
         memory_bytes: memory_gib * GIB,
         memory_bandwidth: bw,
         matmul_efficiency: A100_MAMF,
+        flash2_efficiency: A100_FLASH2,
         intra_node: link("nvswitch", 300.0 * GB, NVLINK_LATENCY_S),
         inter_node: link("infiniband", 25.0 * GB, IB_LATENCY_S),
         devices_per_node: 8,
@@ -148,6 +160,7 @@ pub fn catalog() -> Vec<Device> {
             memory_bytes,
             memory_bandwidth: bw,
             matmul_efficiency: H100_MAMF,
+            flash2_efficiency: H100_FLASH2,
             intra_node: link("nvswitch", 450.0 * GB, NVLINK_LATENCY_S),
             inter_node: link("infiniband", 50.0 * GB, IB_LATENCY_S),
             devices_per_node: 8,
@@ -175,6 +188,7 @@ pub fn catalog() -> Vec<Device> {
             memory_bytes: 180 * GIB,
             memory_bandwidth: 7700.0 * GB,
             matmul_efficiency: DEFAULT_MAMF,
+            flash2_efficiency: DEFAULT_MAMF,
             intra_node: link("nvswitch", 900.0 * GB, NVLINK_LATENCY_S),
             inter_node: link("infiniband", 50.0 * GB, IB_LATENCY_S),
             devices_per_node: 8,
@@ -192,6 +206,7 @@ pub fn catalog() -> Vec<Device> {
             memory_bytes: 192 * GIB,
             memory_bandwidth: 5300.0 * GB,
             matmul_efficiency: DEFAULT_MAMF,
+            flash2_efficiency: DEFAULT_MAMF,
             intra_node: link("infinity-fabric", 448.0 * GB, NVLINK_LATENCY_S),
             inter_node: link("infiniband", 50.0 * GB, IB_LATENCY_S),
             devices_per_node: 8,
@@ -209,6 +224,7 @@ pub fn catalog() -> Vec<Device> {
             memory_bytes: 32 * GIB,
             memory_bandwidth: 900.0 * GB,
             matmul_efficiency: DEFAULT_MAMF,
+            flash2_efficiency: DEFAULT_MAMF,
             intra_node: link("nvlink", 150.0 * GB, NVLINK_LATENCY_S),
             inter_node: link("infiniband", 6.25 * GB, IB_LATENCY_S),
             devices_per_node: 8,
@@ -226,6 +242,7 @@ pub fn catalog() -> Vec<Device> {
             memory_bytes: 16 * GIB,
             memory_bandwidth: 20.0 * GB,
             matmul_efficiency: DEFAULT_MAMF,
+            flash2_efficiency: DEFAULT_MAMF,
             intra_node: link("shm", 10.0 * GB, 1e-6),
             inter_node: link("ethernet", 1.25 * GB, 20e-6),
             devices_per_node: 1024,
@@ -398,6 +415,10 @@ fn custom_device(d: &dplc_ir::DeviceSpec, spec: &ClusterSpec) -> Result<Device, 
         memory_bytes: d.memory_bytes,
         memory_bandwidth: d.memory_bandwidth,
         matmul_efficiency: d.matmul_efficiency.unwrap_or(DEFAULT_MAMF),
+        flash2_efficiency: d
+            .flash2_efficiency
+            .or(d.matmul_efficiency)
+            .unwrap_or(DEFAULT_MAMF),
         intra_node: unused(),
         inter_node: unused(),
         devices_per_node: spec.devices_per_node,

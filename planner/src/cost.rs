@@ -8,8 +8,8 @@ use crate::cluster::{Cluster, Link};
 use crate::profile::{Bind, ModelProfile, RegionProfile, Work};
 use crate::sharding::{GemmSplit, Pass, TpCollectiveKind};
 use dplc_ir::{
-    AttentionKind, AxisComm, CollectiveKind, GradAccum, LinkLevel, MemoryBreakdown, MeshAxis,
-    Offload, PipelineSchedule, Precision, Recompute, TimeBreakdown, TpOverlap,
+    AttentionKind, AxisComm, CollectiveKind, Elementwise, GradAccum, LinkLevel, MemoryBreakdown,
+    MeshAxis, Offload, PipelineSchedule, Precision, Recompute, TimeBreakdown, TpOverlap,
 };
 use std::collections::HashMap;
 
@@ -109,6 +109,8 @@ pub(crate) struct Config {
     pub fp8: bool,
     /// State kept in host memory (`offload=`).
     pub offload: Offload,
+    /// Elementwise ops fused into chains, or one kernel each (`elementwise=eager`).
+    pub elementwise: Elementwise,
 }
 
 impl Config {
@@ -294,7 +296,7 @@ impl PassCost {
 
 /// What the per-micro-batch costs of a layer depend on: tp, cp, ep,
 /// micro-batch, sequence parallelism, recomputation, attention kind,
-/// tensor-parallel overlap and FP8 — and the expert group's stride, which the rank
+/// tensor-parallel overlap, FP8 and the elementwise kernels — and the expert group's stride, which the rank
 /// order and the pipeline degree move (the links of the groups follow).
 type LayerKey = (
     (u64, u64, u64),
@@ -302,7 +304,7 @@ type LayerKey = (
     bool,
     Recompute,
     AttentionKind,
-    (TpOverlap, bool),
+    (TpOverlap, bool, Elementwise),
     u64,
 );
 
@@ -349,6 +351,28 @@ impl<'a> CostModel<'a> {
         group_link(self.cluster, stride, size)
     }
 
+    /// The ranks holding the same dense weights: the data-parallel replicas
+    /// and, within each, the context-parallel ranks (each holds the whole
+    /// layer and sees a part of the sequence). Their gradients are reduced,
+    /// and ZeRO shards the states, over all `dp × cp` of them (Megatron's
+    /// `data_parallel_group_with_cp`, torchtitan's `dp_shard_cp` mesh).
+    pub fn replica_link(&self, c: &Config) -> GroupLink {
+        if c.cp == 1 {
+            return self.link(c, MeshAxis::Dp);
+        }
+        match c.order {
+            // tp, cp, dp: the cp and dp ranks are one strided group.
+            AxisOrder::DataInner => group_link(self.cluster, c.tp, c.cp * c.dp),
+            // tp, cp, pp, dp: the replicas lie beyond the pipeline; the
+            // group runs at the pace of its outer (dp) hops.
+            AxisOrder::PipelineInner if c.dp > 1 => GroupLink {
+                size: c.cp * c.dp,
+                ..self.link(c, MeshAxis::Dp)
+            },
+            AxisOrder::PipelineInner => self.link(c, MeshAxis::Cp),
+        }
+    }
+
     fn gemm_time(&self, m: f64, n: f64, flops: f64, bytes: f64) -> f64 {
         self.gemm_time_at(self.peak_flops, m, n, flops, bytes)
     }
@@ -375,7 +399,7 @@ impl<'a> CostModel<'a> {
             c.sp,
             c.recompute,
             c.attention,
-            (c.tp_overlap, c.fp8),
+            (c.tp_overlap, c.fp8, c.elementwise),
             // The tp and cp groups are the innermost axes (their links follow
             // from tp and cp); the expert group is the innermost part of dp,
             // which sits beyond pp when the pipeline is inner.
@@ -413,7 +437,7 @@ impl<'a> CostModel<'a> {
         let elt = self.profile.precision.bytes() as f64;
         let mut pc = PassCost::default();
         let mut core_forward = 0.0;
-        let fused = c.attention == AttentionKind::Fused;
+        let fused = c.attention.is_fused();
         // FP8 covers the layers' linear GEMMs only: the embedding, the output
         // layer and the attention core stay in the training precision, as
         // Transformer Engine's layers run them.
@@ -422,6 +446,9 @@ impl<'a> CostModel<'a> {
         let (mut attention_flops, mut attention_bytes) = (0.0, 0.0);
         // Each GEMM's forward time: what tensor-parallel collectives hide behind.
         let mut gemm_times: HashMap<dplc_ir::NodeId, f64> = HashMap::new();
+        // Op-level checkpointing (torchtitan's `op`): the forward it redoes,
+        // the GEMM outputs and the attention output it keeps instead.
+        let (mut weight_gemms, mut op_recompute, mut op_saved) = (0u32, 0.0, 0.0);
         for op in &r.ops {
             if fused && op.attention_core {
                 // One fused kernel does the core: its two matmuls' work, and
@@ -433,13 +460,38 @@ impl<'a> CostModel<'a> {
                     } else {
                         tp
                     };
-                    let (m, n, k) = (bind.eval(m), bind.eval(n), bind.eval(k));
+                    let (m, n, k) = bind.eval_gemm(m, n, k);
                     attention_flops += 2.0 * m * n * k / div;
                     // Q·Kᵀ reads Q and K, P·V reads V and writes O: each of
                     // them rows × head width, the smaller of the two sides.
                     attention_bytes += 2.0 * m * n.min(k) * elt / div;
+                    if n <= k {
+                        // P·V: its output is the kernel's, which op-level
+                        // checkpointing keeps.
+                        op_saved += m * n * elt / div;
+                    }
                 }
                 continue;
+            }
+            // Op-level checkpointing keeps the output of every other weight
+            // GEMM (the 1st, 3rd, …: torchtitan counts `mm`s and saves all
+            // but every second one) and recomputes everything else.
+            let mut kept_by_op = false;
+            if let Work::Gemm { m, n, split, .. } = &op.work {
+                if !op.attention_core {
+                    weight_gemms += 1;
+                    if weight_gemms % 2 == 1 {
+                        kept_by_op = true;
+                        // The output as the GEMM writes it: a column (or
+                        // batch) split writes its shard, a row split the
+                        // whole partial sum.
+                        let out_div = match split {
+                            GemmSplit::Column | GemmSplit::Batch => tp,
+                            GemmSplit::Row | GemmSplit::Replicated => 1.0,
+                        };
+                        op_saved += bind.eval(m) * bind.eval(n) * elt / out_div;
+                    }
+                }
             }
             let (fwd, bwd) = match &op.work {
                 Work::Gemm {
@@ -454,7 +506,7 @@ impl<'a> CostModel<'a> {
                     } else {
                         tp
                     };
-                    let (m, n, k) = (bind.eval(m), bind.eval(n), bind.eval(k));
+                    let (m, n, k) = bind.eval_gemm(m, n, k);
                     let flops = 2.0 * m * n * k / div;
                     // The output tile grid each rank computes: column and batch
                     // splits narrow `n` or the batch (in `m`); a row split narrows `k`.
@@ -486,7 +538,18 @@ impl<'a> CostModel<'a> {
                 Work::Memory {
                     sharded,
                     replicated,
+                    eager,
                 } => {
+                    // Fused, a chain moves only what enters and leaves it;
+                    // eager, every op is a kernel moving all its operands
+                    // (an op inside a fused chain moves nothing of its own).
+                    let (sharded, replicated) = match c.elementwise {
+                        Elementwise::Fused => (sharded, replicated),
+                        Elementwise::Eager => (&eager.sharded, &eager.replicated),
+                    };
+                    if sharded.is_zero() && replicated.is_zero() {
+                        continue;
+                    }
                     let bytes = bind.eval(sharded) / tp + bind.eval(replicated) / rep_div;
                     // Backward reads the output gradient and the saved inputs and
                     // writes the input gradient: about twice the forward traffic.
@@ -499,6 +562,9 @@ impl<'a> CostModel<'a> {
             if op.attention_core {
                 core_forward += fwd;
             }
+            if !kept_by_op {
+                op_recompute += fwd;
+            }
         }
         // Selective recomputation redoes the unfused core; a fused kernel
         // keeps no core tensor to drop, and recomputes inside its backward.
@@ -506,7 +572,11 @@ impl<'a> CostModel<'a> {
         if attention_flops > 0.0 {
             let dev = &self.cluster.device;
             let causal = if r.causal { 0.5 } else { 1.0 };
-            let t = (causal * attention_flops / (self.peak_flops * dev.matmul_efficiency))
+            let efficiency = match c.attention {
+                AttentionKind::Flash2 => dev.flash2_efficiency,
+                AttentionKind::Fused | AttentionKind::Unfused => dev.matmul_efficiency,
+            };
+            let t = (causal * attention_flops / (self.peak_flops * efficiency))
                 .max(attention_bytes / (dev.memory_bandwidth * MEMORY_EFFICIENCY))
                 + KERNEL_OVERHEAD_S;
             pc.forward += t;
@@ -520,6 +590,7 @@ impl<'a> CostModel<'a> {
         pc.recompute = match (c.recompute, layer) {
             (Recompute::Selective, true) => selective,
             (Recompute::Full, true) => pc.forward,
+            (Recompute::Op, true) => op_recompute,
             _ => 0.0,
         };
         // Tensor-parallel collectives are on the critical path except where
@@ -548,7 +619,15 @@ impl<'a> CostModel<'a> {
                 regather: col.sequence_parallel_only,
             };
             let t = exposed_tp(c, exposure, whole, beside);
-            let repeats = if col.pass == Pass::Forward && layer && c.recompute == Recompute::Full {
+            // Op-level checkpointing keeps the row-parallel reductions'
+            // outputs (torchtitan saves `reduce_scatter`) and redoes the
+            // gathers feeding the GEMMs it recomputes.
+            let recomputed = match c.recompute {
+                Recompute::Full => true,
+                Recompute::Op => col.kind == TpCollectiveKind::AllGather,
+                Recompute::None | Recompute::Selective => false,
+            };
+            let repeats = if col.pass == Pass::Forward && layer && recomputed {
                 2.0
             } else {
                 1.0
@@ -597,6 +676,9 @@ impl<'a> CostModel<'a> {
         pc.saved_bytes += lse;
         if layer && c.recompute == Recompute::Full {
             pc.saved_bytes = bind.eval(&self.profile.layer_input_bytes) / rep_div;
+        }
+        if layer && c.recompute == Recompute::Op {
+            pc.saved_bytes = bind.eval(&self.profile.layer_input_bytes) / rep_div + op_saved + lse;
         }
         pc
     }
@@ -677,7 +759,7 @@ impl<'a> CostModel<'a> {
         let [layer, pre, post] = self.parts(c);
         let (params, expert) = self.stage_params(c, i, layers);
         let dense = params - expert;
-        let dp = c.dp as f64;
+        let dp = (c.dp * c.cp) as f64;
         let edp = (c.dp / c.ep).max(1) as f64;
         let shard = |stage: u8| {
             if c.zero >= stage {
@@ -709,7 +791,8 @@ impl<'a> CostModel<'a> {
         if self.cluster.device.multiprocessors > 0 {
             buffers += RUNTIME_RESERVE_BYTES;
         }
-        if c.recompute == Recompute::Full {
+        if matches!(c.recompute, Recompute::Full | Recompute::Op) {
+            // The layer being recomputed holds its whole working set.
             buffers += layer.full_saved_bytes;
         }
         // Sequence parallelism keeps the shards; the all-gathers assemble
@@ -722,11 +805,14 @@ impl<'a> CostModel<'a> {
             // The gathered weights of the layer running and the next one prefetched.
             buffers += 2.0 * self.profile.layer.params.per_rank(c.tp as f64, c.ep as f64) * w_bytes;
         }
-        // FP8 keeps each layer weight's cast and its transpose, a byte each.
-        let fp8_weights = if c.fp8 {
-            2.0 * layers as f64 * self.profile.layer.params.per_rank(c.tp as f64, c.ep as f64)
-        } else {
-            0.0
+        // FP8 keeps each layer weight's cast and its transpose, a byte each;
+        // under ZeRO-3 a rank casts only what it holds: its shard, and the
+        // gathered layers in flight (two, as the bf16 ones in `buffers`).
+        let layer_weights = self.profile.layer.params.per_rank(c.tp as f64, c.ep as f64);
+        let fp8_weights = match (c.fp8, c.zero >= 3) {
+            (false, _) => 0.0,
+            (true, false) => 2.0 * layers as f64 * layer_weights,
+            (true, true) => 2.0 * (layers as f64 * layer_weights / dp + 2.0 * layer_weights),
         };
         let mut m = MemoryBreakdown {
             weights: (shard(3) * w_bytes + fp8_weights) as u64,
@@ -867,7 +953,8 @@ impl<'a> CostModel<'a> {
         // exposed), or wholly after backward when not overlapped.
         let (params, expert) = self.stage_params(c, 0, counts[0]);
         let dense = params - expert;
-        let dp_link = self.link(c, MeshAxis::Dp);
+        let dp_link = self.replica_link(c);
+        let replicas = (c.dp * c.cp) as f64;
         let edp = (c.dp / c.ep).max(1);
         let (edp_stride, _) = c.stride_size(MeshAxis::Dp);
         let edp_link = group_link(self.cluster, edp_stride * c.ep, edp);
@@ -884,35 +971,59 @@ impl<'a> CostModel<'a> {
                 collective_time(CollectiveKind::AllReduce, bytes, link)
             }
         };
-        let dp_reduce =
-            reduce(dense * grad_bytes, &dp_link) + reduce(expert * grad_bytes, &edp_link);
+        let dense_reduce = reduce(dense * grad_bytes, &dp_link);
+        let expert_reduce = reduce(expert * grad_bytes, &edp_link);
+        let dp_reduce = dense_reduce + expert_reduce;
         let layers0 = counts[0].max(1) as f64;
         let hidden = if c.overlap {
             (stages[0].backward + stages[0].recompute) * (1.0 - 1.0 / layers0)
         } else {
             0.0
         };
-        let (mut exposed_dp, mut whole_dp) = if c.zero >= 2 {
+        let (mut exposed_dp, mut whole_dp) = if c.zero >= 3 {
+            // ZeRO-3 (FSDP) works layer by layer, every micro-batch: the
+            // forward gathers a layer's weights while the layer before it
+            // computes (the first gather waits), the backward gathers them
+            // again and reduce-scatters the gradients, one after the other
+            // on the same link, beside the layer's backward (the last
+            // reduce-scatter waits; without overlap all of them do). The
+            // expert gradients reduce as under ZeRO-2.
+            let l = layers0;
+            let gather = collective_time(CollectiveKind::AllGather, dense * w_bytes, &dp_link);
+            let (g, r) = (gather / l, dense_reduce / l);
+            let f = stages[0].forward / l;
+            let b = (stages[0].backward + stages[0].recompute) / l;
+            let forward = g + (l - 1.0) * (g - f).max(0.0);
+            let backward = if c.overlap {
+                (l - 1.0) * (g + r - b).max(0.0) + r
+            } else {
+                (l - 1.0) * (g - b).max(0.0) + l * r
+            };
+            (
+                m * (forward + backward + (expert_reduce - hidden).max(0.0)),
+                m * (2.0 * gather + dp_reduce),
+            )
+        } else if c.zero >= 2 {
             // ZeRO-2 reduce-scatters every micro-batch's gradients during its backward.
             (m * (dp_reduce - hidden).max(0.0), m * dp_reduce)
         } else {
             ((dp_reduce - hidden).max(0.0), dp_reduce)
         };
         if c.zero >= 1 {
-            // The updated shards are all-gathered, overlapped with the next forward.
-            let gather = collective_time(CollectiveKind::AllGather, dense * w_bytes, &dp_link)
+            // The updated shards are all-gathered, overlapped with the next
+            // forward (ZeRO-3 gathers its dense weights per layer instead).
+            let dense_gather = if c.zero >= 3 {
+                0.0
+            } else {
+                collective_time(CollectiveKind::AllGather, dense * w_bytes, &dp_link)
+            };
+            let gather = dense_gather
                 + collective_time(CollectiveKind::AllGather, expert * w_bytes, &edp_link);
             exposed_dp += (gather - stages[0].forward).max(0.0);
             whole_dp += gather;
         }
-        if c.zero >= 3 {
-            // Weights gathered again for each micro-batch's forward and backward.
-            let gather = collective_time(CollectiveKind::AllGather, dense * w_bytes, &dp_link);
-            exposed_dp += m * (2.0 * gather - (stages[0].forward + stages[0].backward)).max(0.0);
-            whole_dp += m * 2.0 * gather;
-        }
         let opt_params = if c.zero >= 1 {
-            dense / c.dp as f64 + expert / edp as f64
+            dense / replicas + expert / edp as f64
         } else {
             params
         };
@@ -943,7 +1054,7 @@ impl<'a> CostModel<'a> {
             let (fwd, bwd) = (slowest.forward, slowest.backward + slowest.recompute);
             let weights = if c.offload.params {
                 let (params, _) = self.stage_params(c, 0, counts[0]);
-                params / c.dp as f64 * w_bytes
+                params / replicas * w_bytes
             } else {
                 0.0
             };
@@ -980,7 +1091,7 @@ impl<'a> CostModel<'a> {
             (MeshAxis::Pp, c.pp, p2p, 0.0),
             (
                 MeshAxis::Dp,
-                c.dp,
+                c.dp * c.cp,
                 exposed_dp,
                 (whole_dp - exposed_dp).max(0.0),
             ),

@@ -46,6 +46,18 @@ impl Bind {
             })
             .sum()
     }
+
+    /// A GEMM's `m`, `n` and `k` on one context-parallel rank. Its rows
+    /// (`m`) hold the rank's queries; once they do, a sequence in `n` or `k`
+    /// is the keys', which every rank attends to whole (Q·Kᵀ's `n`, P·V's `k`).
+    pub fn eval_gemm(&self, m: &Poly, n: &Poly, k: &Poly) -> (f64, f64, f64) {
+        let rows_hold_seq = self
+            .seq_sym
+            .is_some_and(|s| m.terms().any(|(syms, _)| syms.contains(&s)));
+        let keys = Bind { cp: 1.0, ..*self };
+        let other = if rows_hold_seq { &keys } else { self };
+        (self.eval(m), other.eval(n), other.eval(k))
+    }
 }
 
 /// The work of one node, per iteration of its region.
@@ -61,8 +73,22 @@ pub(crate) enum Work {
         backward_gemms: u32,
     },
     /// A memory-bound kernel: bytes read and written, split by whether the
-    /// tensors are sharded over tensor parallelism.
-    Memory { sharded: Poly, replicated: Poly },
+    /// tensors are sharded over tensor parallelism. `sharded`/`replicated`
+    /// count what a fused chain moves (a tensor that one elementwise op
+    /// hands to the next stays in registers); `eager` counts every input
+    /// and output of the op, as its own kernel moves them.
+    Memory {
+        sharded: Poly,
+        replicated: Poly,
+        eager: Traffic,
+    },
+}
+
+/// Bytes an op's kernel reads and writes when nothing around it is fused.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Traffic {
+    pub sharded: Poly,
+    pub replicated: Poly,
 }
 
 #[derive(Clone, Debug)]
@@ -164,6 +190,9 @@ pub(crate) struct ModelProfile {
     pub forward_flops: Poly,
     /// Forward FLOPs of the core attention of one layer.
     pub attention_core_flops: Poly,
+    /// Forward FLOPs of one layer's weight GEMMs that op-level
+    /// checkpointing recomputes (the 2nd, 4th, … in the layer's order).
+    pub op_recompute_flops: Poly,
     /// Per parameter: name, elements (all iterations), splits.
     pub param_layout: Vec<(String, u128, Option<usize>, bool)>,
 }
@@ -184,6 +213,16 @@ fn elt_bytes(dtype: DType, precision: Precision) -> u64 {
     } else {
         4
     }
+}
+
+/// Bytes per element eager PyTorch moves for RMSNorm, which it runs as its
+/// composed ops (the Llama reference code, torchtitan's and Hugging Face's
+/// `RMSNorm`): `x.float()` reads `e` and writes 4, `pow(2)` reads and writes
+/// 4, `mean(-1)` reads 4, `x * rsqrt(…)` reads and writes 4, `type_as(x)`
+/// reads 4 and writes `e`, `* weight` reads and writes `e` (`e`: the
+/// training precision's bytes; the row statistics are negligible).
+fn eager_rms_norm_bytes(e: u64) -> u64 {
+    (e + 4) + (4 + 4) + 4 + (4 + 4) + (4 + e) + (e + e)
 }
 
 fn fusible(op: &Op) -> bool {
@@ -326,6 +365,7 @@ impl RegionBuilder<'_> {
             }
             _ => {
                 let (mut sharded, mut replicated) = (Poly::zero(), Poly::zero());
+                let mut eager = Traffic::default();
                 for &t in &node.inputs {
                     let fused = g.producer(t).is_some_and(|p| fusible(&p.op))
                         && fusible(&node.op)
@@ -333,23 +373,40 @@ impl RegionBuilder<'_> {
                     if !fused {
                         self.add_traffic(t, 0, &mut sharded, &mut replicated);
                     }
+                    self.add_traffic(t, 0, &mut eager.sharded, &mut eager.replicated);
                 }
                 for &o in &node.outputs {
                     if !fusible(&node.op) || self.materialized(o) {
                         self.add_traffic(o, 0, &mut sharded, &mut replicated);
                     }
+                    self.add_traffic(o, 0, &mut eager.sharded, &mut eager.replicated);
                 }
                 if matches!(node.op, Op::Dropout { .. }) {
                     // The mask is written too, one byte per element.
                     let o = node.outputs[0];
-                    let target = if self.sharded(o) {
-                        &mut sharded
-                    } else {
-                        &mut replicated
-                    };
-                    target.add_dim(&self.numel(o), Ratio::ONE);
+                    for (sharded, replicated) in [
+                        (&mut sharded, &mut replicated),
+                        (&mut eager.sharded, &mut eager.replicated),
+                    ] {
+                        let target = if self.sharded(o) { sharded } else { replicated };
+                        target.add_dim(&self.numel(o), Ratio::ONE);
+                    }
                 }
-                if sharded.is_zero() && replicated.is_zero() {
+                if let (Op::RmsNorm { .. }, Some(&x), Some(o)) =
+                    (&node.op, node.inputs.first(), out)
+                {
+                    if self.an.is_activation(x) {
+                        let bytes = eager_rms_norm_bytes(self.precision.bytes());
+                        eager = Traffic::default();
+                        let target = if self.sharded(o) {
+                            &mut eager.sharded
+                        } else {
+                            &mut eager.replicated
+                        };
+                        target.add_dim(&self.numel(x), Ratio::int(bytes as i64));
+                    }
+                }
+                if eager.sharded.is_zero() && eager.replicated.is_zero() {
                     return None;
                 }
                 Some(OpCost {
@@ -357,6 +414,7 @@ impl RegionBuilder<'_> {
                     work: Work::Memory {
                         sharded,
                         replicated,
+                        eager,
                     },
                     attention_core: quadratic,
                 })
@@ -674,8 +732,29 @@ impl ModelProfile {
         }
         let experts = dplc_ir::validate::model_experts(g);
         let mut attention_core_flops = Poly::zero();
+        let mut op_recompute_flops = Poly::zero();
+        let mut weight_gemms = 0;
         for &n in &body_nodes {
             let node = g.node(n);
+            if matches!(node.op, Op::MatMul) && !node.inputs.iter().all(|&t| an.is_activation(t)) {
+                weight_gemms += 1;
+                if weight_gemms % 2 == 0 {
+                    let k = g
+                        .tensor(node.inputs[0])
+                        .shape
+                        .last()
+                        .cloned()
+                        .unwrap_or(Dim::konst(1));
+                    if let Some(macs) = g
+                        .tensor(node.outputs[0])
+                        .shape
+                        .numel()
+                        .and_then(|e| e.checked_mul(&k))
+                    {
+                        op_recompute_flops.add_dim(&macs, Ratio::int(2));
+                    }
+                }
+            }
             if matches!(node.op, Op::MatMul) && node.inputs.iter().all(|&t| an.is_activation(t)) {
                 let k = g
                     .tensor(node.inputs[0])
@@ -708,6 +787,7 @@ impl ModelProfile {
             total_params: g.param_count(),
             forward_flops: an.forward_flops(),
             attention_core_flops,
+            op_recompute_flops,
             param_layout,
         })
     }

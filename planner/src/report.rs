@@ -69,6 +69,7 @@ pub(crate) fn strategy(c: &Config, global_batch: u64, seq: u64) -> Strategy {
         root: c.root,
         fp8: c.fp8,
         offload: c.offload,
+        elementwise: c.elementwise,
     }
 }
 
@@ -97,6 +98,7 @@ pub(crate) fn step_flops(
         }
         Recompute::Selective => 0.0,
         Recompute::Full => layers * bind.eval(&profile.layer.forward_flops),
+        Recompute::Op => layers * bind.eval(&profile.op_recompute_flops),
     };
     (model, model + extra)
 }
@@ -290,8 +292,10 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
             &link,
         );
     }
-    if c.dp > 1 {
-        let link = cost.link(c, MeshAxis::Dp);
+    // The gradient reduction runs over the replicas, context-parallel
+    // ranks included (`CostModel::replica_link`).
+    if c.dp * c.cp > 1 {
+        let link = cost.replica_link(c);
         let mem = cost.stage_memory(c, 0, layers0);
         let _ = mem;
         let params = grads_per_rank(cost, c, layers0);

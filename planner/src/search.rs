@@ -260,6 +260,7 @@ pub(crate) fn search(
                                 even_stages: pins.even_stages.unwrap_or(false),
                                 fp8: pins.fp8.unwrap_or(false),
                                 offload: Offload::NONE,
+                                elementwise: pins.elementwise.unwrap_or_default(),
                             };
                             for &offload in offloads {
                                 explore(
@@ -339,14 +340,23 @@ fn explore(
         if pins.sequence_parallel.is_some_and(|p| p != sp) {
             continue;
         }
-        for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
+        for recompute in [
+            Recompute::None,
+            Recompute::Selective,
+            Recompute::Full,
+            Recompute::Op,
+        ] {
             if pins.recompute.is_some_and(|p| p != recompute) {
+                continue;
+            }
+            // torchtitan's op-level policy is an engine's, priced when pinned.
+            if recompute == Recompute::Op && pins.recompute.is_none() {
                 continue;
             }
             // Under fused attention selective recomputation drops nothing: it
             // is the plan without recomputation, unless pinned.
             if recompute == Recompute::Selective
-                && base.attention == AttentionKind::Fused
+                && base.attention.is_fused()
                 && pins.recompute.is_none()
             {
                 continue;
@@ -356,7 +366,7 @@ fn explore(
                 // rank's included.
                 let zeros: &[u8] = if base.offload.params {
                     &[3]
-                } else if base.dp == 1 {
+                } else if base.dp * base.cp == 1 {
                     &[0]
                 } else if base.pp > 1 {
                     &[0, 1]

@@ -2,7 +2,9 @@
 //! pins; the search fills in the rest.
 
 use crate::PlanError;
-use dplc_ir::{AttentionKind, GradAccum, PipelineSchedule, Recompute, RootSplit, TpOverlap};
+use dplc_ir::{
+    AttentionKind, Elementwise, GradAccum, PipelineSchedule, Recompute, RootSplit, TpOverlap,
+};
 use std::fmt;
 
 /// Choices fixed before the search; `None` leaves a choice to the search.
@@ -48,6 +50,9 @@ pub struct StrategyConstraints {
     /// state kept in host memory. The search offloads only when nothing
     /// fits without it.
     pub offload: Option<dplc_ir::Offload>,
+    /// `elementwise=fused|eager`: eager runs every elementwise op as its own
+    /// kernel (PyTorch without torch.compile); the search fuses them.
+    pub elementwise: Option<Elementwise>,
 }
 
 impl StrategyConstraints {
@@ -79,6 +84,7 @@ impl StrategyConstraints {
             order: Some(AxisOrder::of(m)),
             fp8: s.fp8.then_some(true),
             offload: (!s.offload.is_none()).then_some(s.offload),
+            elementwise: (s.elementwise != Elementwise::Fused).then_some(s.elementwise),
             // Stages follow the model's balance unless they are the even split.
             even_stages: (plan.stage_layers() == dplc_ir::even_split(plan.layers, m.pp.max(1)))
                 .then_some(true),
@@ -196,9 +202,10 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
                     "none" | "off" => Recompute::None,
                     "selective" => Recompute::Selective,
                     "full" => Recompute::Full,
+                    "op" => Recompute::Op,
                     _ => {
                         return Err(err(format!(
-                            "recompute is none, selective or full, got `{value}`"
+                            "recompute is none, selective, full or op, got `{value}`"
                         )))
                     }
                 })
@@ -208,10 +215,11 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
             "attention" => {
                 c.attention = Some(match value.to_ascii_lowercase().as_str() {
                     "fused" | "flash" => AttentionKind::Fused,
+                    "flash2" => AttentionKind::Flash2,
                     "unfused" => AttentionKind::Unfused,
                     _ => {
                         return Err(err(format!(
-                            "attention is fused or unfused, got `{value}`"
+                            "attention is fused, flash2 or unfused, got `{value}`"
                         )))
                     }
                 })
@@ -270,6 +278,17 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
                 })
             }
             "fp8" => c.fp8 = Some(on_off()?),
+            "elementwise" => {
+                c.elementwise = Some(match value.to_ascii_lowercase().as_str() {
+                    "fused" => Elementwise::Fused,
+                    "eager" => Elementwise::Eager,
+                    _ => {
+                        return Err(err(format!(
+                            "elementwise is fused or eager, got `{value}`"
+                        )))
+                    }
+                })
+            }
             "offload" => {
                 c.offload = Some(
                     dplc_ir::Offload::parse(&value.to_ascii_lowercase()).ok_or_else(|| {
@@ -293,7 +312,7 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
             }
             _ => {
                 return Err(err(format!(
-                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap, attention, tp_overlap, grad_accum, root, order, stages, fp8, offload"
+                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap, attention, tp_overlap, grad_accum, root, order, stages, fp8, offload, elementwise"
                 )))
             }
         }
@@ -338,6 +357,7 @@ fn choice_of(key: &str) -> Option<&'static str> {
         "stages" => "stages",
         "fp8" => "fp8",
         "offload" => "offload",
+        "elementwise" => "elementwise",
         _ => return None,
     })
 }
@@ -395,6 +415,9 @@ impl fmt::Display for StrategyConstraints {
         if let Some(fp8) = self.fp8 {
             parts.push(format!("fp8={}", if fp8 { "on" } else { "off" }));
         }
+        if let Some(e) = self.elementwise {
+            parts.push(format!("elementwise={}", e.name()));
+        }
         if let Some(even) = self.even_stages {
             parts.push(format!("stages={}", if even { "even" } else { "balanced" }));
         }
@@ -408,7 +431,7 @@ mod tests {
 
     #[test]
     fn reads_every_key_and_prints_it_back() {
-        let s = "tp=8,pp=8,dp=24,cp=1,ep=1,mb=1,zero=1,schedule=interleaved,v=2,recompute=selective,sp=on,overlap=off,attention=unfused,tp_overlap=ring";
+        let s = "tp=8,pp=8,dp=24,cp=1,ep=1,mb=1,zero=1,schedule=interleaved,v=2,recompute=selective,sp=on,overlap=off,attention=unfused,tp_overlap=ring,elementwise=eager";
         let c = parse_strategy(s).unwrap();
         assert_eq!(c.tp, Some(8));
         assert_eq!(c.schedule, Some(PipelineSchedule::Interleaved));
@@ -417,6 +440,7 @@ mod tests {
         assert_eq!(c.overlap_grad_reduce, Some(false));
         assert_eq!(c.attention, Some(AttentionKind::Unfused));
         assert_eq!(c.tp_overlap, Some(TpOverlap::Ring));
+        assert_eq!(c.elementwise, Some(Elementwise::Eager));
         assert_eq!(parse_strategy(&c.to_string()).unwrap(), c);
     }
 
@@ -442,6 +466,7 @@ mod tests {
         assert!(parse_strategy("zero=4").is_err());
         assert!(parse_strategy("overlap=maybe").is_err());
         assert!(parse_strategy("attention=sometimes").is_err());
+        assert!(parse_strategy("elementwise=lazy").is_err());
         assert!(parse_strategy("schedule=1f1b,v=2").is_err());
     }
 

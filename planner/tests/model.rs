@@ -756,3 +756,127 @@ fn offload_needs_a_host_and_params_need_zero_3() {
     assert!(p.estimate.breakdown.offload_s > 0.0);
     assert!(parse_strategy("offload=disk").is_err());
 }
+
+/// `elementwise=eager` (PyTorch without torch.compile) moves every
+/// operand of every elementwise op: more memory time, the same FLOPs and
+/// communication; fused is the default and is not written into the plan.
+#[test]
+fn eager_elementwise_ops_only_add_memory_time() {
+    let base = "tp=1,pp=1,dp=8,mb=1,zero=1,recompute=none,attention=fused";
+    let fused = plan_as_pinned(GPT_1_7B, "8xA100", 32, base);
+    let eager = plan_as_pinned(GPT_1_7B, "8xA100", 32, &format!("{base},elementwise=eager"));
+    let (f, e) = (&fused.plan.estimate, &eager.plan.estimate);
+    assert!(
+        e.breakdown.compute_s > f.breakdown.compute_s * 1.01,
+        "{e:?} vs {f:?}"
+    );
+    assert_eq!(e.model_flops_per_step, f.model_flops_per_step);
+    assert_eq!(e.breakdown.exposed_comm_s, f.breakdown.exposed_comm_s);
+    let json = serde_json::to_value(&fused.plan).unwrap();
+    assert!(json["strategy"].get("elementwise").is_none());
+    let json = serde_json::to_value(&eager.plan).unwrap();
+    assert_eq!(json["strategy"]["elementwise"], "Eager");
+}
+
+/// torchtitan's op-level checkpointing keeps more than a layer's input and
+/// less than everything, and recomputes less than the whole forward.
+#[test]
+fn op_level_checkpointing_sits_between_none_and_full() {
+    let base = "tp=1,pp=1,dp=8,mb=2,zero=1,attention=fused";
+    let run =
+        |r: &str| plan_as_pinned(GPT_1_7B, "8xA100", 32, &format!("{base},recompute={r}")).plan;
+    let (none, op, full) = (run("none"), run("op"), run("full"));
+    let acts = |p: &dplc_ir::Plan| p.stages[0].memory.activations;
+    assert!(acts(&none) > acts(&op) && acts(&op) > acts(&full));
+    let recompute = |p: &dplc_ir::Plan| p.estimate.breakdown.recompute_s;
+    assert_eq!(recompute(&none), 0.0);
+    assert!(recompute(&op) > 0.0 && recompute(&op) < recompute(&full));
+    let hw = |p: &dplc_ir::Plan| p.estimate.hardware_flops_per_step;
+    assert!(hw(&none) < hw(&op) && hw(&op) < hw(&full));
+    // Never chosen unasked.
+    assert_ne!(
+        plan_as_pinned(GPT_1_7B, "8xA100", 32, "dp=8")
+            .plan
+            .strategy
+            .recompute,
+        dplc_ir::Recompute::Op
+    );
+}
+
+/// `attention=flash2` runs the same kernel at FlashAttention-2's fraction
+/// of peak: slower than the GEMM rate on an H100 (35%), the same memory.
+#[test]
+fn flash2_prices_attention_at_its_measured_fraction_of_peak() {
+    let base = "tp=1,pp=1,dp=8,mb=1,zero=1,recompute=none";
+    let fused = plan_as_pinned(GPT_1_7B, "8xH100", 32, &format!("{base},attention=fused")).plan;
+    let flash2 = plan_as_pinned(GPT_1_7B, "8xH100", 32, &format!("{base},attention=flash2")).plan;
+    assert!(flash2.estimate.step_time_s > fused.estimate.step_time_s * 1.02);
+    assert_eq!(flash2.stages[0].memory, fused.stages[0].memory);
+    assert_eq!(
+        flash2.estimate.model_flops_per_step,
+        fused.estimate.model_flops_per_step
+    );
+}
+
+/// Context-parallel ranks hold the same weights: ZeRO shards their states
+/// over dp × cp, so dp 2 × cp 2 keeps the optimizer state of dp 4.
+#[test]
+fn zero_shards_over_the_context_parallel_ranks_too() {
+    let run = |s: &str| plan_as_pinned(GPT_1_7B, "4xA100", 8, s).plan;
+    let dp4 = run("tp=1,pp=1,dp=4,cp=1,mb=1,zero=1,recompute=none");
+    let cp2 = run("tp=1,pp=1,dp=2,cp=2,mb=1,zero=1,recompute=none");
+    let opt = |p: &dplc_ir::Plan| p.stages[0].memory.optimizer as f64;
+    within(
+        opt(&cp2),
+        opt(&dp4),
+        1e-9,
+        "optimizer bytes, dp 2 × cp 2 against dp 4",
+    );
+}
+
+/// A context-parallel rank attends its queries to every key: twice the
+/// sequence over twice the ranks keeps the GEMMs per rank and doubles the
+/// attention, so the step grows.
+#[test]
+fn context_parallel_attention_sees_the_whole_key_length() {
+    let g = gpt("gpt", GPT_1_7B);
+    let step = |seq: u64, cp: u64| {
+        let mut req = PlanRequest::new(&g, train(seq, 8 / cp), parse_cluster("8xA100").unwrap());
+        req.pinned = parse_strategy(&format!(
+            "tp=1,pp=1,dp={},cp={cp},mb=1,zero=1,recompute=none,attention=fused",
+            8 / cp
+        ))
+        .unwrap();
+        req.ignore_memory = true;
+        compile(&req).unwrap().plan.estimate.breakdown.compute_s
+    };
+    assert!(step(2048, 2) > step(1024, 1) * 1.02);
+}
+
+/// ZeRO-3 hides its gathers and reduce-scatters behind compute, never more
+/// traffic than there is compute to hide it behind.
+#[test]
+fn zero_3_hides_no_more_traffic_than_there_is_compute() {
+    let p = plan_as_pinned(
+        GPT_1_7B,
+        "4x8xA100",
+        64,
+        "tp=1,pp=1,dp=32,mb=1,zero=3,recompute=none",
+    )
+    .plan;
+    let b = &p.estimate.breakdown;
+    let dp = b
+        .comm_by_axis
+        .iter()
+        .find(|a| a.axis == dplc_ir::MeshAxis::Dp)
+        .expect("dp traffic");
+    assert!(
+        dp.hidden_s <= b.compute_s,
+        "{dp:?} hidden behind {} s",
+        b.compute_s
+    );
+    assert!(
+        b.exposed_dp_comm_s > 0.0,
+        "the first gather and the last reduce-scatter wait"
+    );
+}

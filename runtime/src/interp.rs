@@ -461,7 +461,9 @@ impl<'g> Interp<'g> {
                 })
                 .collect::<Result<_>>()?;
             let tape = match self.recompute {
-                Recompute::Full => Tape::Recompute(args),
+                // Op-level checkpointing is refused before a run (see
+                // `dplc run`); a layer checkpoint computes the same values.
+                Recompute::Full | Recompute::Op => Tape::Recompute(args),
                 Recompute::Selective => {
                     self.drop_attention_core(body, &mut body_frame);
                     Tape::Kept(body_frame)

@@ -23,6 +23,12 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
     let s = &plan.strategy;
     let m = &plan.mesh;
     let mut gaps = Vec::new();
+    if s.recompute == dplc_ir::Recompute::Op {
+        gaps.push(Gap::new(
+            "op-level selective checkpointing (torchtitan's; Megatron-DeepSpeed recomputes the attention core or whole layers)",
+            |p| p.recompute = Some(dplc_ir::Recompute::Selective),
+        ));
+    }
     if m.pp > 1 {
         if s.zero_stage >= 2 {
             gaps.push(Gap::new(
@@ -206,7 +212,9 @@ pub fn launch(job: &Job, config: &str) -> String {
     flags.push(format!("--global-batch-size {}", s.global_batch));
     match s.recompute {
         Recompute::None => {}
-        Recompute::Selective => flags.push("--recompute-granularity selective".into()),
+        Recompute::Selective | Recompute::Op => {
+            flags.push("--recompute-granularity selective".into())
+        }
         Recompute::Full => flags.push("--recompute-granularity full".into()),
     }
     flags.push("--deepspeed".into());

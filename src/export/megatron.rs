@@ -87,6 +87,12 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
             |p| p.grad_accum = Some(GradAccum::Separate),
         ));
     }
+    if s.recompute == Recompute::Op {
+        gaps.push(Gap::new(
+            "op-level selective checkpointing (torchtitan's; Megatron recomputes the attention core or whole layers)",
+            |p| p.recompute = Some(Recompute::Selective),
+        ));
+    }
     if s.offload.params || s.offload.activations {
         gaps.push(Gap::new(
             format!(
@@ -320,6 +326,8 @@ pub fn parallel_flags(plan: &Plan) -> Vec<Flag> {
     match s.recompute {
         Recompute::None => {}
         Recompute::Selective => f.push(arg("--recompute-granularity", "selective")),
+        // Named as a gap; the closest plan recomputes selectively.
+        Recompute::Op => f.push(arg("--recompute-granularity", "selective")),
         Recompute::Full => {
             f.push(arg("--recompute-granularity", "full"));
             f.push(arg("--recompute-method", "uniform"));
@@ -329,7 +337,7 @@ pub fn parallel_flags(plan: &Plan) -> Vec<Flag> {
     f.push(arg(
         "--attention-backend",
         match s.attention {
-            AttentionKind::Fused => "flash",
+            AttentionKind::Fused | AttentionKind::Flash2 => "flash",
             AttentionKind::Unfused => "unfused",
         },
     ));

@@ -366,11 +366,11 @@ pub fn render(job: &Job) -> String {
         "\n[activation_checkpoint]\nmode = {}",
         match s.recompute {
             Recompute::None => "\"none\"",
-            Recompute::Selective => "\"selective\"",
+            Recompute::Selective | Recompute::Op => "\"selective\"",
             Recompute::Full => "\"full\"",
         }
     );
-    if s.recompute == Recompute::Selective {
+    if matches!(s.recompute, Recompute::Selective | Recompute::Op) {
         let _ = writeln!(
             w,
             "selective_ac_option = \"op\"  # torchtitan's op-level choice, not Megatron's attention-core rule"
@@ -380,6 +380,11 @@ pub fn render(job: &Job) -> String {
         let _ = writeln!(
             w,
             "\n[compile]\nenable = true  # async tensor parallelism needs torch.compile"
+        );
+    } else if s.elementwise == dplc_ir::Elementwise::Fused {
+        let _ = writeln!(
+            w,
+            "\n[compile]\nenable = true  # the plan prices elementwise chains fused, as torch.compile runs them"
         );
     }
     match train.optimizer {

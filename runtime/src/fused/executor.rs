@@ -728,7 +728,10 @@ impl<'a> Executor<'a> {
                 }
             }
             runs.push(match self.fused.recompute {
-                Recompute::Full => LayerRun::Checkpoint(args),
+                // `dplc run` and `build` refuse op-level checkpointing (an
+                // engine's policy dplc prices, not runs); a layer checkpoint
+                // computes the same values.
+                Recompute::Full | Recompute::Op => LayerRun::Checkpoint(args),
                 Recompute::Selective => {
                     let (plan, _) = self.plan(body)?;
                     for &i in core {
