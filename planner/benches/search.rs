@@ -147,7 +147,10 @@ fn published() {
             common::train(2048, batch),
             parse_cluster(cluster).unwrap(),
         );
-        req.pinned = parse_strategy(strategy).unwrap();
+        // The 2021–2022 stack the rows ran, as the tests pin it: attention
+        // unfused, tensor-parallel collectives exposed.
+        req.pinned =
+            parse_strategy(&format!("{strategy},attention=unfused,tp_overlap=none")).unwrap();
         req.ignore_memory = what == "states" || what == "acts";
         let p = compile(&req).expect("the row plans").plan;
         let m = &p.stages[0].memory;
