@@ -768,3 +768,60 @@ fn the_sliding_window_model_masks_and_verifies() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `where` and the comparisons inside a layer (a leaky gate on the MLP's
+/// output) train as the serial run does under tensor, data and pipeline
+/// splits on both computes.
+#[test]
+fn where_and_comparisons_train_under_every_split() {
+    let dir = std::env::temp_dir().join(format!("dplc-where-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("where.dpl");
+    std::fs::write(
+        &src,
+        "model wh(vocab = 256, d = 64, heads = 4, layers = 2) {\n    input tokens: i32[batch, seq]\n    \
+         input targets: i32[batch, seq]\n    param embed: [vocab, d]\n    h = embedding(embed, tokens)\n    \
+         repeat layers {\n        h = h + attention(rms_norm(h, d, name = \"an\"), d, heads, rotary = true)\n        \
+         m = swiglu(rms_norm(h, d, name = \"fn\"), d, 128)\n        \
+         h = h + where(gt(m, 0.0), m, m * 0.1) + abs(floor(m)) * 0.0\n    }\n    \
+         param output: [d, vocab]\n    return cross_entropy(rms_norm(h, d, name = \"n\") @ output, targets)\n}\n",
+    )
+    .unwrap();
+    for strategy in ["tp=2,dp=2", "dp=2,pp=2"] {
+        let plan = dir.join(format!("{strategy}.ron"));
+        let out = dplc(&[
+            "compile",
+            src.to_str().unwrap(),
+            "--cluster",
+            "4xcpu",
+            "--strategy",
+            strategy,
+            "--seq",
+            "16",
+            "--global-batch",
+            "8",
+            "-o",
+            plan.to_str().unwrap(),
+        ]);
+        assert!(out.status.success(), "{strategy}: {}", stderr(&out));
+        for compute in ["reference", "fused"] {
+            let out = dplc(&[
+                "verify",
+                plan.to_str().unwrap(),
+                "--json",
+                "--steps",
+                "3",
+                "--compute",
+                compute,
+            ]);
+            assert!(
+                out.status.success(),
+                "{strategy} {compute}: {}",
+                stderr(&out)
+            );
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            assert_eq!(v["pass"], true, "{strategy} {compute}: {v}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -129,6 +129,7 @@ fn role(op: &Op) -> Role {
         | Op::Concat { .. }
         | Op::Dropout { .. }
         | Op::CausalMask
+        | Op::Select
         | Op::Embedding
         | Op::TakeAlong => Role::Fusible,
         Op::Reduce { .. }
@@ -358,7 +359,7 @@ pub fn fuse_cut(g: &Graph, region: RegionId, cut: &[TensorId]) -> FusionPlan {
                     Op::Unary(_) | Op::Dropout { .. } => true,
                     Op::CausalMask => along_row,
                     Op::Cast(to) => to.is_float(),
-                    Op::Binary(_) => {
+                    Op::Binary(_) | Op::Select => {
                         same_shape
                             && g.tensor(out).dtype.is_float()
                             && cn
@@ -911,6 +912,22 @@ impl Lower<'_, '_> {
                     });
                 }
                 acc
+            }
+            Op::Select => {
+                let ix =
+                    |i: usize, me: &mut Self| me.broadcast(index, &g.tensor(input(i)).shape, &out);
+                let (ic, ia, ib) = (ix(0, self), ix(1, self), ix(2, self));
+                let c = self.value(input(0), &ic)?;
+                let then = self.value(input(1), &ia)?;
+                let otherwise = self.value(input(2), &ib)?;
+                // Non-zero: 0 < |c|.
+                let zero = self.b.konst(0.0);
+                let mag = self.b.unary(UnaryOp::Abs, c);
+                self.b.push(Expr::Select {
+                    cond: Cond::ValLt(zero, mag),
+                    then,
+                    otherwise,
+                })
             }
             Op::CausalMask => {
                 let x = self.value(input(0), index)?;

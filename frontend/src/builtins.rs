@@ -131,6 +131,11 @@ pub const BUILTINS: &[Builtin] = &[
         doc: "largest integer ≤ x, as a float (numbers too); no gradient",
     },
     Builtin {
+        name: "where",
+        params: &[("cond", R), ("a", R), ("b", R)],
+        doc: "`a` where `cond` is non-zero, else `b`, broadcasting; no gradient to `cond`",
+    },
+    Builtin {
         name: "lt",
         params: AB,
         doc: "a < b elementwise: 1 where it holds, else 0; no gradient",
@@ -413,6 +418,22 @@ pub fn call(e: &mut Elab<'_>, b: &Builtin, args: Vec<(Value, Span)>, span: Span)
                 e.tensor_or_const(arg(1), at(1))?,
             );
             e.node1(Op::Binary(op), &[a, c], span).map(Value::Tensor)
+        }
+        "where" => {
+            // A number for a condition picks one side outright.
+            if let Some(c) = arg(0).as_f64() {
+                return Ok(if c != 0.0 {
+                    arg(1).clone()
+                } else {
+                    arg(2).clone()
+                });
+            }
+            let c = e.tensor_arg(arg(0), at(0), name)?;
+            let (a, b) = (
+                e.tensor_or_const(arg(1), at(1))?,
+                e.tensor_or_const(arg(2), at(2))?,
+            );
+            e.node1(Op::Select, &[c, a, b], span).map(Value::Tensor)
         }
         "lt" | "le" | "gt" | "ge" | "eq" | "ne" => {
             let op = BinaryOp::ALL

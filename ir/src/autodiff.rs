@@ -82,6 +82,8 @@ pub fn saved_values(op: &Op, grads: &[bool]) -> Vec<SavedValue> {
         | Op::Slice { .. }
         | Op::Concat { .. }
         | Op::CausalMask => {}
+        // Which operand each element came from.
+        Op::Select => save(g(1) || g(2), Input(0), Float),
         Op::Unary(u) => match u {
             UnaryOp::Neg => {}
             UnaryOp::Exp
@@ -162,6 +164,7 @@ pub fn differentiable_inputs(op: &Op, n: usize) -> Vec<bool> {
         // A comparison's value is flat wherever it is defined; floor's too.
         Op::Binary(b) if b.is_comparison() => vec![false, false],
         Op::Unary(crate::UnaryOp::Floor) => vec![false],
+        Op::Select => vec![false, true, true],
         _ => vec![true; n],
     }
 }

@@ -906,6 +906,17 @@ impl Graph {
                 }
                 vec![(t(0).dtype, t(0).shape.clone())]
             }
+            Op::Select => {
+                arity("3", inputs.len() == 3)?;
+                float(0)?;
+                same_dtype(1, 2)?;
+                let shape = broadcast(&t(0).shape, &t(1).shape)
+                    .and_then(|s| broadcast(&s, &t(2).shape))
+                    .ok_or_else(|| {
+                        shape_err(format!("{}, {} and {} do not broadcast", s(0), s(1), s(2)))
+                    })?;
+                vec![(t(1).dtype, shape)]
+            }
             Op::CausalMask => {
                 arity("1", inputs.len() == 1)?;
                 float(0)?;

@@ -239,6 +239,9 @@ pub enum Op {
     },
     /// Set entries above the diagonal of the last two axes to −∞.
     CausalMask,
+    /// `(cond, a, b)`, broadcasting: `a` where `cond` is non-zero, else `b`.
+    /// No gradient flows to `cond`.
+    Select,
     /// Rows of `table [n, d]` picked by integer `indices […]`: `[…, d]`.
     Embedding,
     /// `x […, n]` at integer `indices […]` along the last axis: `[…]`.
@@ -337,6 +340,7 @@ impl Op {
             Op::RmsNorm { .. } => "rmsnorm",
             Op::Dropout { .. } => "dropout",
             Op::CausalMask => "causal_mask",
+            Op::Select => "where",
             Op::Embedding => "embedding",
             Op::TakeAlong => "take_along",
             Op::TopK { .. } => "topk",

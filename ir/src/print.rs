@@ -113,6 +113,7 @@ fn op_str(graph: &Graph, op: &Op) -> String {
         | Op::Reshape { .. }
         | Op::Expand { .. }
         | Op::CausalMask
+        | Op::Select
         | Op::Embedding
         | Op::TakeAlong
         | Op::MoeCombine => name.to_string(),

@@ -250,8 +250,10 @@ impl Derive<'_> {
             Op::Input(_) | Op::Param(_) | Op::Constant(_) | Op::Iota { .. } => {
                 Ok((Vec::new(), all(Replicated, n_out)))
             }
-            // A nested repeat runs replicated.
-            Op::Repeat { .. } => Ok((all(Replicated, ins.len()), all(Replicated, n_out))),
+            // A nested repeat runs replicated, and so does a select.
+            Op::Repeat { .. } | Op::Select => {
+                Ok((all(Replicated, ins.len()), all(Replicated, n_out)))
+            }
             Op::Relayout { .. } | Op::VocabParallel(_) => {
                 Err(self.unsupported(n, "a local program is laid out again"))
             }

@@ -228,7 +228,12 @@ fn eager_rms_norm_bytes(e: u64) -> u64 {
 fn fusible(op: &Op) -> bool {
     matches!(
         op,
-        Op::Unary(_) | Op::Binary(_) | Op::Cast(_) | Op::Dropout { .. } | Op::CausalMask
+        Op::Unary(_)
+            | Op::Binary(_)
+            | Op::Cast(_)
+            | Op::Dropout { .. }
+            | Op::CausalMask
+            | Op::Select
     )
 }
 

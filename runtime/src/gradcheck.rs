@@ -242,6 +242,14 @@ fn masking_and_dropout() {
         vec![rand(&[2, 3, 3], 15, false)],
         vec![vec![2, 3, 3]],
     );
+    // A 0/1 condition broadcast over the rows, both sides broadcasting too.
+    let cond = Tensor::f32(vec![1, 4], vec![1.0, 0.0, 0.0, 1.0]);
+    check(
+        "where",
+        Op::Select,
+        vec![cond, rand(&[3, 4], 18, false), rand(&[3, 1], 19, false)],
+        vec![vec![3, 4]],
+    );
 }
 
 #[test]

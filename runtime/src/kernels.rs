@@ -292,6 +292,23 @@ pub(crate) fn binary_f(b: BinaryOp, x: f32, y: f32) -> f32 {
     }
 }
 
+/// The shape `where(c, a, b)` broadcasts its three operands to.
+pub(crate) fn select_shape(ins: &[&Tensor]) -> Result<Vec<usize>> {
+    broadcast_shape(&ins[0].shape, &ins[1].shape)
+        .and_then(|s| broadcast_shape(&s, &ins[2].shape))
+        .ok_or_else(|| kernel_err("where", "operands do not broadcast"))
+}
+
+/// `t`'s elements broadcast to `shape`.
+pub(crate) fn expand_to(t: &Tensor, shape: &[usize]) -> Result<Vec<f32>> {
+    Ok(zip_broadcast(
+        (t.f()?, &t.shape),
+        (&[0.0], &[]),
+        shape,
+        |p, _| p,
+    ))
+}
+
 /// `f(x, y)` over the broadcast of `x` and `y` to `shape`, one innermost run
 /// at a time (a bias add reads rows of the bias, a scalar is read once).
 pub(crate) fn zip_broadcast(
@@ -605,6 +622,20 @@ pub fn forward(op: &Op, ins: &[&Tensor], ctx: &OpCtx) -> Result<Vec<Tensor>> {
                     .map(|(&x, k)| if k { x * scale } else { 0.0 })
                     .collect(),
             ))
+        }
+        Op::Select => {
+            let shape = select_shape(ins)?;
+            let (c, a, b) = (
+                expand_to(ins[0], &shape)?,
+                expand_to(ins[1], &shape)?,
+                expand_to(ins[2], &shape)?,
+            );
+            let v = c
+                .iter()
+                .zip(a.iter().zip(&b))
+                .map(|(&c, (&a, &b))| if c != 0.0 { a } else { b })
+                .collect();
+            one(Tensor::f32(shape, v))
         }
         Op::CausalMask => {
             let r = ins[0].shape.len();

@@ -328,6 +328,20 @@ pub fn backward(
                 grads[0] = f(&x.shape, v);
             }
         }
+        Op::Select => {
+            let shape = &gout.shape;
+            let c = kernels::expand_to(ins[0], shape)?;
+            for (i, taken) in [(1, true), (2, false)] {
+                if need[i] {
+                    let v: Vec<f32> = c
+                        .iter()
+                        .zip(g)
+                        .map(|(&c, &g)| if (c != 0.0) == taken { g } else { 0.0 })
+                        .collect();
+                    grads[i] = f(&ins[i].shape, reduce_to(&v, shape, &ins[i].shape));
+                }
+            }
+        }
         Op::CausalMask => {
             let r = x.shape.len();
             let (q, k) = (x.shape[r - 2], x.shape[r - 1]);

@@ -78,7 +78,8 @@ pub fn lower(
                 Op::TopK { .. } => ShardLang::TopK([ch[0], ch[1]]),
                 Op::MoeDispatch { .. } => ShardLang::MoeDispatch([ch[0], ch[1], ch[2]]),
                 Op::MoeCombine => ShardLang::MoeCombine([ch[0], ch[1], ch[2], ch[3]]),
-                Op::Repeat { .. } | Op::Relayout { .. } | Op::VocabParallel(_) => {
+                // A select runs whole on every rank (its operands gathered).
+                Op::Select | Op::Repeat { .. } | Op::Relayout { .. } | Op::VocabParallel(_) => {
                     ShardLang::Opaque(arr(&ch).into())
                 }
             };
