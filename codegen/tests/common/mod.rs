@@ -224,6 +224,16 @@ pub fn evaluate(
                 let (a, c) = (x(0), x(1));
                 elementwise(&|i| dplc_codegen::binary(*b, bcast_at(&a, i), bcast_at(&c, i)))
             }
+            Op::Select => {
+                let (c, a, b) = (x(0), x(1), x(2));
+                elementwise(&|i| {
+                    if bcast_at(&c, i) != 0.0 {
+                        bcast_at(&a, i)
+                    } else {
+                        bcast_at(&b, i)
+                    }
+                })
+            }
             Op::Cast(_) => x(0),
             Op::MatMul => {
                 let (a, b) = (x(0), x(1));
