@@ -263,6 +263,77 @@ impl Corpus {
     }
 }
 
+/// What feeds one model input.
+#[derive(Debug)]
+pub(crate) enum Feed {
+    /// `tokens`: `seq`-token windows of the corpus's stream.
+    Tokens,
+    /// `targets`: the same windows shifted by one token.
+    Targets,
+    /// Per-sample values of `shape` (after the batch axis): the input's array
+    /// in the corpus, else drawn from the seed (ids below `bound`).
+    Samples {
+        name: String,
+        int: bool,
+        shape: Vec<usize>,
+        bound: Option<u64>,
+    },
+}
+
+impl Feed {
+    pub(crate) fn is_stream(&self) -> bool {
+        matches!(self, Feed::Tokens | Feed::Targets)
+    }
+}
+
+/// How each input of `graph` is fed, checked against `data`: `tokens` and
+/// `targets` of shape `[batch, seq]` from the stream unless an array names
+/// them, every other input per sample. An input's first axis must be `batch`.
+pub(crate) fn feeds(
+    graph: &dplc_ir::Graph,
+    data: &Corpus,
+    syms: &[i64],
+) -> Result<Vec<(dplc_ir::TensorId, Feed)>> {
+    let batch = graph.sym_by_name("batch");
+    let seq = graph.sym_by_name("seq");
+    let mut out = Vec::new();
+    for (_, input) in graph.inputs() {
+        let dims = input.shape.dims();
+        let is = |d: &dplc_ir::Dim, s: Option<dplc_ir::SymId>| {
+            s.is_some_and(|s| *d == dplc_ir::Dim::sym(s))
+        };
+        if dims.first().is_none_or(|d| !is(d, batch)) {
+            return Err(RuntimeError::Unsupported(format!(
+                "input `{}`: the data loader batches along the first axis, which must be `batch` (it is {})",
+                input.name,
+                graph.dim_str(&input.shape.dims()[..].first().cloned().unwrap_or(dplc_ir::Dim::konst(1)))
+            )));
+        }
+        let int = !input.dtype.is_float();
+        let lm = int && dims.len() == 2 && is(&dims[1], seq) && !data.has_array(&input.name);
+        let feed = match input.name.as_str() {
+            "tokens" if lm => Feed::Tokens,
+            "targets" if lm => Feed::Targets,
+            name => {
+                let shape: Vec<usize> = dims[1..]
+                    .iter()
+                    .map(|d| d.eval(&|s| syms[s.index()]).max(0) as usize)
+                    .collect();
+                let bound = graph.index_bound(input.tensor);
+                data.check_input(name, int, &shape, bound)?;
+                Feed::Samples {
+                    name: name.to_string(),
+                    int,
+                    shape,
+                    bound,
+                }
+            }
+        };
+        out.push((input.tensor, feed));
+    }
+    Ok(out)
+}
+
 fn read(path: &Path) -> Result<Vec<u8>> {
     std::fs::read(path)
         .map_err(|e| RuntimeError::Data(format!("cannot read {}: {e}", path.display())))
