@@ -645,47 +645,12 @@ fn a_rope_key_shared_across_heads_splits_under_tensor_parallelism() {
 /// data and pipeline splits on both computes, as its planner priced them.
 #[test]
 fn the_gemma_zoo_model_verifies_under_its_splits() {
-    let dir = std::env::temp_dir().join(format!("dplc-gemma-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    for strategy in ["tp=2,dp=2", "dp=2,pp=2", "tp=2,pp=2,sp=true"] {
-        let plan = dir.join(format!("{strategy}.ron"));
-        let out = dplc(&[
-            "compile",
-            "models/gemma.dpl",
-            "--model",
-            "gemma_tiny",
-            "--cluster",
-            "4xcpu",
-            "--strategy",
-            strategy,
-            "--seq",
-            "16",
-            "--global-batch",
-            "8",
-            "-o",
-            plan.to_str().unwrap(),
-        ]);
-        assert!(out.status.success(), "{strategy}: {}", stderr(&out));
-        for compute in ["reference", "fused"] {
-            let out = dplc(&[
-                "verify",
-                plan.to_str().unwrap(),
-                "--json",
-                "--steps",
-                "3",
-                "--compute",
-                compute,
-            ]);
-            assert!(
-                out.status.success(),
-                "{strategy} {compute}: {}",
-                stderr(&out)
-            );
-            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-            assert_eq!(v["pass"], true, "{strategy} {compute}: {v}");
-        }
-    }
-    std::fs::remove_dir_all(&dir).ok();
+    verify_splits(
+        "models/gemma.dpl",
+        Some("gemma_tiny"),
+        &["tp=2,dp=2", "dp=2,pp=2", "tp=2,pp=2,sp=true"],
+        &["--seq", "16", "--global-batch", "8"],
+    );
 }
 
 /// The zoo's sliding-window model (Mistral's shape): a window as long as the
@@ -732,40 +697,12 @@ fn the_sliding_window_model_masks_and_verifies() {
         (whole[2] - windowed[2]).abs() > 1e-5,
         "{whole:?} vs {windowed:?}"
     );
-    for strategy in ["tp=2,dp=2", "dp=2,pp=2"] {
-        let plan = dir.join(format!("{strategy}.ron"));
-        let out = dplc(&[
-            "compile",
-            "models/mistral.dpl",
-            "--model",
-            "mistral_tiny",
-            "--cluster",
-            "4xcpu",
-            "--strategy",
-            strategy,
-            "-o",
-            plan.to_str().unwrap(),
-        ]);
-        assert!(out.status.success(), "{strategy}: {}", stderr(&out));
-        for compute in ["reference", "fused"] {
-            let out = dplc(&[
-                "verify",
-                plan.to_str().unwrap(),
-                "--json",
-                "--steps",
-                "3",
-                "--compute",
-                compute,
-            ]);
-            assert!(
-                out.status.success(),
-                "{strategy} {compute}: {}",
-                stderr(&out)
-            );
-            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-            assert_eq!(v["pass"], true, "{strategy} {compute}: {v}");
-        }
-    }
+    verify_splits(
+        "models/mistral.dpl",
+        Some("mistral_tiny"),
+        &["tp=2,dp=2", "dp=2,pp=2"],
+        &[],
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -787,22 +724,34 @@ fn where_and_comparisons_train_under_every_split() {
          param output: [d, vocab]\n    return cross_entropy(rms_norm(h, d, name = \"n\") @ output, targets)\n}\n",
     )
     .unwrap();
-    for strategy in ["tp=2,dp=2", "dp=2,pp=2"] {
+    verify_splits(
+        src.to_str().unwrap(),
+        None,
+        &["tp=2,dp=2", "dp=2,pp=2"],
+        &["--seq", "16", "--global-batch", "8"],
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Compile `model` of `src` on 4 CPU ranks under each of `strategies` (with
+/// `extra` compile flags) and check that `dplc verify` passes the plan on
+/// both computes.
+fn verify_splits(src: &str, model: Option<&str>, strategies: &[&str], extra: &[&str]) {
+    let dir = std::env::temp_dir().join(format!(
+        "dplc-splits-{}-{}",
+        model.unwrap_or("model"),
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    for strategy in strategies {
         let plan = dir.join(format!("{strategy}.ron"));
-        let out = dplc(&[
-            "compile",
-            src.to_str().unwrap(),
-            "--cluster",
-            "4xcpu",
-            "--strategy",
-            strategy,
-            "--seq",
-            "16",
-            "--global-batch",
-            "8",
-            "-o",
-            plan.to_str().unwrap(),
-        ]);
+        let mut args = vec!["compile", src, "--cluster", "4xcpu", "--strategy", strategy];
+        if let Some(m) = model {
+            args.extend(["--model", m]);
+        }
+        args.extend(extra);
+        args.extend(["-o", plan.to_str().unwrap()]);
+        let out = dplc(&args);
         assert!(out.status.success(), "{strategy}: {}", stderr(&out));
         for compute in ["reference", "fused"] {
             let out = dplc(&[

@@ -741,39 +741,31 @@ impl ModelProfile {
         let mut weight_gemms = 0;
         for &n in &body_nodes {
             let node = g.node(n);
-            if matches!(node.op, Op::MatMul) && !node.inputs.iter().all(|&t| an.is_activation(t)) {
+            if !matches!(node.op, Op::MatMul) {
+                continue;
+            }
+            // Multiply-accumulates of the matmul: output elements × k.
+            let k = g
+                .tensor(node.inputs[0])
+                .shape
+                .last()
+                .cloned()
+                .unwrap_or(Dim::konst(1));
+            let macs = g
+                .tensor(node.outputs[0])
+                .shape
+                .numel()
+                .and_then(|e| e.checked_mul(&k));
+            if node.inputs.iter().all(|&t| an.is_activation(t)) {
+                if let Some(macs) = macs {
+                    attention_core_flops.add_dim(&macs, Ratio::int(2));
+                }
+            } else {
                 weight_gemms += 1;
                 if weight_gemms % 2 == 0 {
-                    let k = g
-                        .tensor(node.inputs[0])
-                        .shape
-                        .last()
-                        .cloned()
-                        .unwrap_or(Dim::konst(1));
-                    if let Some(macs) = g
-                        .tensor(node.outputs[0])
-                        .shape
-                        .numel()
-                        .and_then(|e| e.checked_mul(&k))
-                    {
+                    if let Some(macs) = macs {
                         op_recompute_flops.add_dim(&macs, Ratio::int(2));
                     }
-                }
-            }
-            if matches!(node.op, Op::MatMul) && node.inputs.iter().all(|&t| an.is_activation(t)) {
-                let k = g
-                    .tensor(node.inputs[0])
-                    .shape
-                    .last()
-                    .cloned()
-                    .unwrap_or(Dim::konst(1));
-                if let Some(macs) = g
-                    .tensor(node.outputs[0])
-                    .shape
-                    .numel()
-                    .and_then(|e| e.checked_mul(&k))
-                {
-                    attention_core_flops.add_dim(&macs, Ratio::int(2));
                 }
             }
         }

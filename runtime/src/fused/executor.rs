@@ -462,9 +462,10 @@ impl<'a> Executor<'a> {
             sent.push(Some(self.get(&run, t)?));
         }
         for t in extras {
-            sent.push(match outs.contains(t) {
-                true => None,
-                false => run.values.get(&self.base(*t)).cloned(),
+            sent.push(if outs.contains(t) {
+                None
+            } else {
+                run.values.get(&self.base(*t)).cloned()
             });
         }
         Ok((run, Some(sent)))
@@ -918,9 +919,10 @@ impl<'a> Executor<'a> {
             outs.iter().map(|&t| grads.remove(&self.base(t))).collect()
         };
         for t in extras {
-            out.push(match outs.contains(t) {
-                true => None,
-                false => grads.remove(&self.base(*t)),
+            out.push(if outs.contains(t) {
+                None
+            } else {
+                grads.remove(&self.base(*t))
             });
         }
         Ok(out)

@@ -240,9 +240,12 @@ impl StageCompute for Reference<'_, '_> {
                     .ok_or_else(|| kernel_err("pipeline", format!("{t} is not computed")))?;
                 msg.push(Some((**v).clone()));
             }
-            msg.extend(sh.part.extras.iter().map(|t| match sent.contains(t) {
-                true => None,
-                false => frame.values.get(t).map(|v| (**v).clone()),
+            msg.extend(sh.part.extras.iter().map(|t| {
+                if sent.contains(t) {
+                    None
+                } else {
+                    frame.values.get(t).map(|v| (**v).clone())
+                }
             }));
             Forwarded::Send(msg)
         };
@@ -342,9 +345,10 @@ impl StageCompute for Reference<'_, '_> {
             m
         };
         for &t in &sh.part.extras {
-            msg.push(match sent.contains(&t) {
-                true => None,
-                false => interp.take_grad(&mut frame, &mut grads, t, store)?,
+            msg.push(if sent.contains(&t) {
+                None
+            } else {
+                interp.take_grad(&mut frame, &mut grads, t, store)?
             });
         }
         Ok(msg)

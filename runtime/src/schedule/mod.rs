@@ -1026,9 +1026,10 @@ impl<'a, 'b> Rank<'a, 'b> {
                     let draws = samples
                         .clone()
                         .map(|i| sh.data.input_sample(name, int, numel, bound, i));
-                    let mut data = match int {
-                        true => crate::Data::I32(Vec::new()),
-                        false => crate::Data::F32(Vec::new()),
+                    let mut data = if int {
+                        crate::Data::I32(Vec::new())
+                    } else {
+                        crate::Data::F32(Vec::new())
                     };
                     for d in draws {
                         match (&mut data, d) {
