@@ -187,6 +187,148 @@ pub struct Strategy {
     /// fused them.
     #[serde(default, skip_serializing_if = "Elementwise::is_fused")]
     pub elementwise: Elementwise,
+    /// How data-parallel replicas combine their gradients: all-reduce, a
+    /// parameter server, or an asynchronous one with bounded staleness.
+    /// Plans written before this field existed all-reduced.
+    #[serde(default, skip_serializing_if = "GradSync::is_all_reduce")]
+    pub sync: GradSync,
+    /// How the data-parallel gradient reduction compresses what it sends.
+    /// Plans written before this field existed sent fp32 gradients.
+    #[serde(default, skip_serializing_if = "Compression::is_none")]
+    pub compress: Compression,
+}
+
+/// How data-parallel replicas combine their gradients (`sync=`). Every mode
+/// but `AllReduce` changes the training dynamics or the network's shape, so
+/// the search takes one only when the user allows it (`--allow sync`).
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+pub enum GradSync {
+    /// A ring all-reduce (NCCL, Megatron, DeepSpeed).
+    #[default]
+    AllReduce,
+    /// Parameters sharded over `shards` server roles co-located with the
+    /// first `shards` data-parallel workers (BytePS): workers push gradient
+    /// shards to their server, which sums them in a fixed order, steps the
+    /// optimizer and sends the weights back.
+    Ps { shards: u64 },
+    /// A parameter server without a barrier: a worker computes on weights
+    /// up to `staleness` versions old (bounded staleness, SSP).
+    Async { shards: u64, staleness: u64 },
+}
+
+impl GradSync {
+    pub fn name(self) -> &'static str {
+        match self {
+            GradSync::AllReduce => "allreduce",
+            GradSync::Ps { .. } => "ps",
+            GradSync::Async { .. } => "async",
+        }
+    }
+
+    /// Server shards of a parameter-server mode.
+    pub fn ps_shards(self) -> Option<u64> {
+        match self {
+            GradSync::AllReduce => None,
+            GradSync::Ps { shards } | GradSync::Async { shards, .. } => Some(shards),
+        }
+    }
+
+    /// Versions a worker's weights may lag behind the newest (0 unless async).
+    pub fn staleness(self) -> u64 {
+        match self {
+            GradSync::Async { staleness, .. } => staleness,
+            GradSync::AllReduce | GradSync::Ps { .. } => 0,
+        }
+    }
+
+    /// The mode as `--strategy` keys write it.
+    pub fn keys(self) -> String {
+        match self {
+            GradSync::AllReduce => "sync=allreduce".into(),
+            GradSync::Ps { shards } => format!("sync=ps,ps_shards={shards}"),
+            GradSync::Async { shards, staleness } => {
+                format!("sync=async,ps_shards={shards},staleness={staleness}")
+            }
+        }
+    }
+
+    pub fn is_all_reduce(&self) -> bool {
+        *self == GradSync::AllReduce
+    }
+}
+
+/// How the data-parallel gradient reduction compresses what it sends
+/// (`compress=`). Lossy, so the search takes one only when the user
+/// allows it (`--allow compress`).
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+pub enum Compression {
+    /// fp32 gradients.
+    #[default]
+    None,
+    /// Gradients rounded to bfloat16 before they are sent.
+    Bf16,
+    /// Gradients rounded to IEEE half before they are sent.
+    Fp16,
+    /// PowerSGD (Vogels et al. 2019): each matrix gradient sent as two
+    /// rank-`rank` factors, with error feedback; vectors go uncompressed.
+    PowerSgd { rank: u64 },
+    /// Top-k with error feedback: each rank sends the `per_million`/10⁶
+    /// largest-magnitude elements of each gradient as (index, value) pairs.
+    TopK { per_million: u64 },
+}
+
+impl Compression {
+    /// The value as `compress=` writes it.
+    pub fn name(self) -> String {
+        match self {
+            Compression::None => "none".into(),
+            Compression::Bf16 => "bf16".into(),
+            Compression::Fp16 => "fp16".into(),
+            Compression::PowerSgd { rank } => format!("powersgd:{rank}"),
+            Compression::TopK { per_million } => {
+                format!("topk:{}", per_million as f64 / 1e6)
+            }
+        }
+    }
+
+    /// The inverse of [`Compression::name`]; `None` for anything else.
+    pub fn parse(s: &str) -> Option<Compression> {
+        let s = s.trim().to_ascii_lowercase();
+        Some(match s.split_once(':') {
+            None => match s.as_str() {
+                "none" | "off" => Compression::None,
+                "bf16" => Compression::Bf16,
+                "fp16" => Compression::Fp16,
+                _ => return None,
+            },
+            Some(("powersgd", r)) => {
+                let rank = r.parse::<u64>().ok().filter(|&r| r > 0)?;
+                Compression::PowerSgd { rank }
+            }
+            Some(("topk", f)) => {
+                let f = f.parse::<f64>().ok().filter(|f| *f > 0.0 && *f <= 1.0)?;
+                let per_million = (f * 1e6).round() as u64;
+                (per_million > 0).then_some(Compression::TopK { per_million })?
+            }
+            Some(_) => return None,
+        })
+    }
+
+    /// The fraction of elements top-k keeps.
+    pub fn topk_fraction(self) -> Option<f64> {
+        match self {
+            Compression::TopK { per_million } => Some(per_million as f64 / 1e6),
+            _ => None,
+        }
+    }
+
+    pub fn is_none(&self) -> bool {
+        *self == Compression::None
+    }
 }
 
 /// What lives in host memory instead of the device's: the optimizer state

@@ -8,7 +8,7 @@ use crate::cluster::{Cluster, Link};
 use crate::profile::{Bind, ModelProfile, RegionProfile, Work};
 use crate::sharding::{GemmSplit, Pass, TpCollectiveKind};
 use dplc_ir::{
-    AttentionKind, AxisComm, CollectiveKind, Elementwise, GradAccum, LinkLevel, MemoryBreakdown,
+    AttentionKind, AxisComm, CollectiveKind, Compression, Elementwise, GradAccum, GradSync, LinkLevel, MemoryBreakdown,
     MeshAxis, Offload, PipelineSchedule, Precision, Recompute, TimeBreakdown, TpOverlap,
 };
 use std::collections::HashMap;
@@ -111,6 +111,10 @@ pub(crate) struct Config {
     pub offload: Offload,
     /// Elementwise ops fused into chains, or one kernel each (`elementwise=eager`).
     pub elementwise: Elementwise,
+    /// How replicas combine gradients (`sync=`); priced by [`CostModel::dp_reduction`].
+    pub sync: GradSync,
+    /// What the data-parallel reduction sends (`compress=`).
+    pub compress: Compression,
 }
 
 impl Config {
@@ -141,6 +145,22 @@ impl Config {
         }
         (stride, 1)
     }
+}
+
+/// PowerSGD's GEMMs are skinny (`rows × cols` by `cols × R`, R a few):
+/// memory-bound, so they reach a small part of the tensor cores' peak.
+/// 10% is what a bf16 GEMV-like GEMM of rank ≤ 8 reaches on A100/H100.
+pub(crate) const GEMM_EFFICIENCY_SKINNY: f64 = 0.1;
+
+/// What one data-parallel gradient reduction costs ([`CostModel::dp_reduction`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct DpReduction {
+    /// Seconds on the wire.
+    pub wire_s: f64,
+    /// Seconds of compression kernels.
+    pub compute_s: f64,
+    /// Bytes the busiest rank's link carries in one direction.
+    pub link_bytes: f64,
 }
 
 /// The bandwidth and latency a group of `size` ranks spaced `stride` apart sees.
@@ -905,6 +925,99 @@ impl<'a> CostModel<'a> {
         s
     }
 
+    /// The one place a data-parallel gradient reduction is priced: `params`
+    /// gradients of `grad_bytes` each over `link`, as `c.sync` combines
+    /// them and `c.compress` shrinks them.
+    ///
+    /// - all-reduce: the ring (or tree), `2(n−1)/n` of the bytes on each
+    ///   rank's link; ZeRO ≥ 1 reduce-scatters, `(n−1)/n`;
+    /// - bf16/fp16: the same collective on 2-byte elements, plus a cast
+    ///   pass each way (read 4 write 2, read 2 write 4 bytes per element);
+    /// - PowerSGD rank R: two all-reduces of the factors, `R·(rows + cols)`
+    ///   per matrix instead of `rows·cols` (vectors uncompressed), plus its
+    ///   GEMMs (`M·Q` and `Mᵀ·P`, 4·R flops per element) and four passes
+    ///   over the fp32 gradient and error (add, two GEMM reads, error write);
+    /// - top-k fraction F: an all-gather of every rank's `F·params`
+    ///   (index, value) pairs, 8 bytes each — each link carries `(n−1)·k·8`
+    ///   — plus four memory passes (error add, selection, error write,
+    ///   scatter-add of the `n·k` received pairs);
+    /// - parameter server with N shards on the first N workers: each server
+    ///   receives `(n−1)/N` of every worker's gradient and sends as many
+    ///   weights back, on top of its own worker's push, so its link carries
+    ///   `max(1, (n+N−2)/N)` × the gradient bytes each way: N = n is the
+    ///   ring's `2(n−1)/n` (BytePS), N = 1 is `n−1` (the bottleneck at the
+    ///   server). Async costs the same bytes; `step_time` hides them behind
+    ///   the next step instead of waiting at a barrier.
+    pub(crate) fn dp_reduction(
+        &self,
+        c: &Config,
+        params: f64,
+        grad_bytes: f64,
+        link: &GroupLink,
+    ) -> DpReduction {
+        let n = link.size as f64;
+        if link.size <= 1 || params <= 0.0 {
+            return DpReduction::default();
+        }
+        let bytes = params * grad_bytes;
+        let mem = |b: f64| b / (self.cluster.device.memory_bandwidth * MEMORY_EFFICIENCY);
+        if let Some(shards) = c.sync.ps_shards() {
+            let shards = (shards as f64).clamp(1.0, n);
+            let link_bytes = bytes * ((n + shards - 2.0) / shards).max(1.0);
+            return DpReduction {
+                wire_s: link_bytes / link.bandwidth + 2.0 * link.latency,
+                compute_s: 0.0,
+                link_bytes,
+            };
+        }
+        if c.zero >= 1 {
+            return DpReduction {
+                wire_s: collective_time(CollectiveKind::ReduceScatter, bytes, link),
+                compute_s: 0.0,
+                link_bytes: (n - 1.0) / n * bytes,
+            };
+        }
+        let all_reduce = |b: f64, compute_s: f64| DpReduction {
+            wire_s: collective_time(CollectiveKind::AllReduce, b, link),
+            compute_s,
+            link_bytes: 2.0 * (n - 1.0) / n * b,
+        };
+        match c.compress {
+            Compression::None => all_reduce(bytes, 0.0),
+            Compression::Bf16 | Compression::Fp16 => {
+                all_reduce(params * 2.0, mem(params * 12.0) + 2.0 * KERNEL_OVERHEAD_S)
+            }
+            Compression::PowerSgd { rank } => {
+                let p = self.profile;
+                let r = rank as f64;
+                let matrix_frac = if p.total_params > 0 {
+                    (p.matrix_elems / p.total_params as f64).min(1.0)
+                } else {
+                    0.0
+                };
+                let factor_ratio = if p.matrix_elems > 0.0 {
+                    (r * p.factor_elems / p.matrix_elems).min(1.0)
+                } else {
+                    1.0
+                };
+                let sent = params * ((1.0 - matrix_frac) + matrix_frac * factor_ratio);
+                let flops = 4.0 * r * params * matrix_frac;
+                let gemm = flops / (self.cluster.device.peak_flops(self.profile.precision)
+                    * GEMM_EFFICIENCY_SKINNY);
+                all_reduce(sent * 4.0, gemm + mem(params * 16.0) + 4.0 * KERNEL_OVERHEAD_S)
+            }
+            Compression::TopK { per_million } => {
+                let k = params * per_million as f64 / 1e6;
+                let gathered = n * k * 8.0;
+                DpReduction {
+                    wire_s: collective_time(CollectiveKind::AllGather, gathered, link),
+                    compute_s: mem(params * 16.0 + n * k * 12.0) + 4.0 * KERNEL_OVERHEAD_S,
+                    link_bytes: (n - 1.0) * k * 8.0,
+                }
+            }
+        }
+    }
+
     pub fn step_time(&mut self, c: &Config, counts: &[u64]) -> TimeBreakdown {
         let (p, m, v) = (c.pp, c.num_micro_batches as f64, c.virtual_stages as f64);
         let stages: Vec<PassCost> = (0..p as usize)
@@ -964,18 +1077,21 @@ impl<'a> CostModel<'a> {
             GRAD_BYTES
         };
         let w_bytes = self.profile.precision.bytes() as f64;
-        let reduce = |bytes: f64, link: &GroupLink| {
-            if c.zero >= 1 {
-                collective_time(CollectiveKind::ReduceScatter, bytes, link)
-            } else {
-                collective_time(CollectiveKind::AllReduce, bytes, link)
-            }
-        };
-        let dense_reduce = reduce(dense * grad_bytes, &dp_link);
-        let expert_reduce = reduce(expert * grad_bytes, &edp_link);
+        let dense_cut = self.dp_reduction(c, dense, grad_bytes, &dp_link);
+        let expert_cut = self.dp_reduction(c, expert, grad_bytes, &edp_link);
+        let dense_reduce = dense_cut.wire_s;
+        let expert_reduce = expert_cut.wire_s;
         let dp_reduce = dense_reduce + expert_reduce;
+        // Compression's own kernels (casts, factor GEMMs, top-k selection)
+        // run once the gradients are whole, on the critical path.
+        let compress_s = dense_cut.compute_s + expert_cut.compute_s;
         let layers0 = counts[0].max(1) as f64;
-        let hidden = if c.overlap {
+        let hidden = if c.sync.staleness() > 0 {
+            // No barrier: the push and pull of step t run while the worker
+            // computes step t + 1 on weights one version old, so the whole
+            // step's compute hides them.
+            m * (stages[0].forward + stages[0].backward + stages[0].recompute)
+        } else if c.overlap {
             (stages[0].backward + stages[0].recompute) * (1.0 - 1.0 / layers0)
         } else {
             0.0
@@ -1009,6 +1125,8 @@ impl<'a> CostModel<'a> {
         } else {
             ((dp_reduce - hidden).max(0.0), dp_reduce)
         };
+        exposed_dp += compress_s;
+        whole_dp += compress_s;
         if c.zero >= 1 {
             // The updated shards are all-gathered, overlapped with the next
             // forward (ZeRO-3 gathers its dense weights per layer instead).

@@ -76,7 +76,10 @@ pub struct Compiled {
 /// (one choice changed) for `explain`'s what-if lines.
 pub fn compile(req: &PlanRequest) -> Result<Compiled, PlanError> {
     let mut compiled = compile_one(req)?;
+    // compile_one priced the gradient synchronisations on the plan itself.
+    let dp_alternatives = std::mem::take(&mut compiled.plan.what_if);
     compiled.plan.what_if = what_ifs(req, &compiled.plan);
+    compiled.plan.what_if.extend(dp_alternatives);
     // Architecture invariant: the planner writes only plans that load.
     compiled.plan.validate().map_err(|e| {
         PlanError::Model(format!(
@@ -199,6 +202,102 @@ fn what_ifs(req: &PlanRequest, plan: &Plan) -> Vec<dplc_ir::WhatIf> {
                     fits: false,
                     note: e.to_string(),
                 },
+            }
+        })
+        .collect()
+}
+
+/// The other ways to synchronise and compress the plan's data-parallel
+/// gradients, priced on the plan's own configuration (ZeRO-0 where the
+/// plan shards, as these run over replicated state): what `explain` shows
+/// for every plan with dp > 1, whether or not `--allow` let the search
+/// choose them. Each note says what moves on the busiest link.
+fn dp_what_ifs(
+    profile: &profile::ModelProfile,
+    cluster: &Cluster,
+    seq: u64,
+    best: &search::Candidate,
+    capacity: u64,
+) -> Vec<dplc_ir::WhatIf> {
+    use dplc_ir::{Compression, GradSync};
+    let c = best.config;
+    let n = c.dp * c.cp;
+    if n <= 1 {
+        return Vec::new();
+    }
+    let mut cost = cost::CostModel::new(profile, cluster, seq);
+    let link = cost.replica_link(&c);
+    // Bytes on the busiest link per fp32 gradient byte.
+    let ratio = |cost: &cost::CostModel, alt: &cost::Config| {
+        cost.dp_reduction(alt, 1.0, 4.0, &link).link_bytes / 4.0
+    };
+    let mut variants: Vec<(String, cost::Config)> = Vec::new();
+    let mut push = |change: String, alt: cost::Config| {
+        if alt.sync != c.sync || alt.compress != c.compress {
+            variants.push((change, alt));
+        }
+    };
+    let base = cost::Config {
+        zero: 0,
+        sync: GradSync::AllReduce,
+        compress: Compression::None,
+        ..c
+    };
+    push("sync=allreduce".into(), cost::Config { compress: c.compress, ..base });
+    push(format!("sync=ps,ps_shards={n}"), cost::Config { sync: GradSync::Ps { shards: n }, ..base });
+    push("sync=ps,ps_shards=1".into(), cost::Config { sync: GradSync::Ps { shards: 1 }, ..base });
+    push(
+        "sync=async,staleness=1".into(),
+        cost::Config {
+            sync: GradSync::Async { shards: n, staleness: 1 },
+            ..base
+        },
+    );
+    for compress in [
+        Compression::None,
+        Compression::Bf16,
+        Compression::PowerSgd { rank: 4 },
+        Compression::TopK { per_million: 10_000 },
+    ] {
+        push(format!("compress={}", compress.name()), cost::Config { compress, sync: c.sync, ..base });
+    }
+    let plain = ratio(&cost, &base);
+    variants
+        .into_iter()
+        .map(|(change, alt)| {
+            let time = cost.step_time(&alt, &best.counts);
+            let (peak, _) = cost.peak_memory(&alt, &best.counts);
+            let bytes = ratio(&cost, &alt);
+            let mut note = match alt.sync {
+                GradSync::Ps { shards } | GradSync::Async { shards, .. } => format!(
+                    "server link carries {:.2}× the gradient bytes, all-reduce {:.2}×{}",
+                    bytes,
+                    plain,
+                    if shards == n { " (BytePS: a shard per worker)" } else { "" }
+                ),
+                GradSync::AllReduce => format!(
+                    "each link carries {:.3}× the fp32 gradient bytes, {:.2}× uncompressed",
+                    bytes, plain
+                ),
+            };
+            if alt.sync.staleness() > 0 {
+                note.push_str(&format!(
+                    "; no barrier, weights up to {} step stale",
+                    alt.sync.staleness()
+                ));
+            }
+            if alt.zero != c.zero {
+                note.push_str(&format!("; ZeRO-{} → 0", c.zero));
+            }
+            if alt.sync != GradSync::AllReduce || alt.compress != Compression::None {
+                note.push_str("; changes training: --allow sync,compress lets the search pick it");
+            }
+            dplc_ir::WhatIf {
+                change,
+                step_time_s: Some(cost::step_total(&time)),
+                peak_memory_bytes: Some(peak),
+                fits: peak <= capacity,
+                note,
             }
         })
         .collect()
@@ -358,6 +457,13 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
         out.evaluated * analytic_choices(&req.pinned, &req.cluster),
         out.feasible,
         req.pinned.to_string(),
+    );
+    plan.what_if = dp_what_ifs(
+        layout.profile_for(c.root),
+        &req.cluster,
+        seq,
+        best,
+        req.cluster.device.memory_bytes,
     );
     // A replicated root runs the single-rank program of the model's ends.
     let root = match (c.root, layouts.get((1, c.ep))) {

@@ -195,6 +195,12 @@ pub(crate) struct ModelProfile {
     pub op_recompute_flops: Poly,
     /// Per parameter: name, elements (all iterations), splits.
     pub param_layout: Vec<(String, u128, Option<usize>, bool)>,
+    /// PowerSGD's view of the weights: the elements of every matrix
+    /// parameter (rows = the first dimension, columns the rest, as the
+    /// runtime reshapes them), and Σ (rows + columns) over those matrices,
+    /// the elements of a rank-1 factor pair. Everything else goes uncompressed.
+    pub matrix_elems: f64,
+    pub factor_elems: f64,
 }
 
 fn poly(d: &Dim) -> Poly {
@@ -690,6 +696,7 @@ impl ModelProfile {
         let consumers = region_consumers(g, root_nodes);
         let mut tied = 0.0;
         let mut param_layout = Vec::new();
+        let (mut matrix_elems, mut factor_elems) = (0.0, 0.0);
         for (p, info) in g.params() {
             let region = g.tensor_region(info.tensor);
             let split = layer_sh
@@ -699,6 +706,20 @@ impl ModelProfile {
                 .copied();
             let expert = layer_sh.expert_params.contains(&p);
             param_layout.push((info.name.clone(), g.param_elements(p), split, expert));
+            let dims: Vec<f64> = info
+                .shape
+                .dims()
+                .iter()
+                .map(|d| d.as_const().unwrap_or(0).max(0) as f64)
+                .collect();
+            if let [rows, rest @ ..] = dims.as_slice() {
+                let cols: f64 = rest.iter().product();
+                if !rest.is_empty() && rows * cols > 0.0 {
+                    let elems = g.param_elements(p) as f64;
+                    matrix_elems += elems;
+                    factor_elems += elems / (rows * cols) * (rows + cols);
+                }
+            }
             if region != root {
                 layer_params.push(p);
                 continue;
@@ -786,6 +807,8 @@ impl ModelProfile {
             attention_core_flops,
             op_recompute_flops,
             param_layout,
+            matrix_elems,
+            factor_elems,
         })
     }
 }

@@ -11,7 +11,7 @@ use crate::profile::ModelProfile;
 use crate::{PlanError, StrategyConstraints};
 use dplc_ir::validate::{self as rules, divisors};
 use dplc_ir::{
-    AttentionKind, MemoryBreakdown, Offload, PipelineSchedule, Recompute, TimeBreakdown, TpOverlap,
+    AttentionKind, Compression, GradSync, MemoryBreakdown, Offload, PipelineSchedule, Recompute, TimeBreakdown, TpOverlap,
 };
 use std::collections::HashMap;
 
@@ -261,6 +261,8 @@ pub(crate) fn search(
                                 fp8: pins.fp8.unwrap_or(false),
                                 offload: Offload::NONE,
                                 elementwise: pins.elementwise.unwrap_or_default(),
+                                sync: GradSync::AllReduce,
+                                compress: Compression::None,
                             };
                             for &offload in offloads {
                                 explore(
@@ -282,6 +284,44 @@ pub(crate) fn search(
         }
     }
     out
+}
+
+/// The gradient synchronisations and compressions to try for `dp`
+/// replicas: the pinned ones, else the all-reduce of fp32 gradients, and
+/// more only where `--allow` names them (they change the training
+/// dynamics, so they are the user's call). A parameter server has as many
+/// shards as workers unless pinned; compression runs over the all-reduce.
+pub(crate) fn dp_reductions(pins: &StrategyConstraints, dp: u64) -> Vec<(GradSync, Compression)> {
+    let Ok(pinned_sync) = pins.grad_sync(dp) else {
+        return Vec::new();
+    };
+    let syncs: Vec<GradSync> = match pinned_sync {
+        Some(s) => vec![s],
+        None if pins.allow.sync && dp > 1 => vec![
+            GradSync::AllReduce,
+            GradSync::Ps { shards: dp },
+            GradSync::Async {
+                shards: dp,
+                staleness: 1,
+            },
+        ],
+        None => vec![GradSync::AllReduce],
+    };
+    let compressions: Vec<Compression> = match pins.compress {
+        Some(c) => vec![c],
+        None if pins.allow.compress && dp > 1 => vec![
+            Compression::None,
+            Compression::Bf16,
+            Compression::PowerSgd { rank: 4 },
+            Compression::TopK { per_million: 10_000 },
+        ],
+        None => vec![Compression::None],
+    };
+    syncs
+        .iter()
+        .flat_map(|&s| compressions.iter().map(move |&c| (s, c)))
+        .filter(|&(s, c)| s == GradSync::AllReduce || c == Compression::None)
+        .collect()
 }
 
 /// Schedules worth trying for `pp` stages and `m` micro-batches.
@@ -373,8 +413,17 @@ fn explore(
                 } else {
                     &[0, 1, 2, 3]
                 };
-                for &zero in zeros {
+                let reductions = dp_reductions(pins, base.dp * base.cp);
+                for (&zero, &(sync, compress)) in zeros
+                    .iter()
+                    .flat_map(|z| reductions.iter().map(move |r| (z, r)))
+                {
                     if pins.zero.is_some_and(|z| z != zero) {
+                        continue;
+                    }
+                    // The runtime runs a parameter server and compression
+                    // over replicated state only (ZeRO-0).
+                    if zero > 0 && (sync != GradSync::AllReduce || compress != Compression::None) {
                         continue;
                     }
                     let c = Config {
@@ -383,6 +432,8 @@ fn explore(
                         schedule,
                         virtual_stages: v,
                         zero,
+                        sync,
+                        compress,
                         ..base
                     };
                     out.evaluated += 1;
@@ -448,8 +499,11 @@ fn time_bucket(step_time: f64) -> i64 {
 }
 
 /// How much machinery a configuration asks for: lower is simpler.
-pub(crate) fn complexity(c: &Config) -> (u8, Recompute, u64) {
-    (c.zero, c.recompute, c.virtual_stages)
+pub(crate) fn complexity(c: &Config) -> (u8, u8, Recompute, u64) {
+    // A change to the training dynamics first: on a tie the all-reduce of
+    // fp32 gradients wins.
+    let dynamics = u8::from(c.sync != GradSync::AllReduce) + u8::from(c.compress != Compression::None);
+    (dynamics, c.zero, c.recompute, c.virtual_stages)
 }
 
 /// On a tie in step time: the simpler plan, then the one holding less

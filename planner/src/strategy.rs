@@ -3,7 +3,7 @@
 
 use crate::PlanError;
 use dplc_ir::{
-    AttentionKind, Elementwise, GradAccum, PipelineSchedule, Recompute, RootSplit, TpOverlap,
+    AttentionKind, Compression, Elementwise, GradSync, GradAccum, PipelineSchedule, Recompute, RootSplit, TpOverlap,
 };
 use std::fmt;
 
@@ -53,6 +53,101 @@ pub struct StrategyConstraints {
     /// `elementwise=fused|eager`: eager runs every elementwise op as its own
     /// kernel (PyTorch without torch.compile); the search fuses them.
     pub elementwise: Option<Elementwise>,
+    /// `sync=allreduce|ps|async`; the search all-reduces unless the user
+    /// allows it to choose (`--allow sync`), as the others change the
+    /// training dynamics.
+    pub sync: Option<SyncMode>,
+    /// `ps_shards=N`: parameter-server shards (sync=ps or async); the
+    /// data-parallel degree when not given.
+    pub ps_shards: Option<u64>,
+    /// `staleness=K`: versions an async worker's weights may lag (sync=async; 1 when not given).
+    pub staleness: Option<u64>,
+    /// `compress=none|bf16|fp16|powersgd:R|topk:F`; the search sends fp32
+    /// gradients unless the user allows it to choose (`--allow compress`).
+    pub compress: Option<Compression>,
+    /// The choices the search may make although they change the training
+    /// dynamics (`--allow sync,compress`).
+    pub allow: Allow,
+}
+
+/// `sync=` as written, before the shards and staleness are known.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SyncMode {
+    AllReduce,
+    Ps,
+    Async,
+}
+
+impl SyncMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            SyncMode::AllReduce => "allreduce",
+            SyncMode::Ps => "ps",
+            SyncMode::Async => "async",
+        }
+    }
+
+    pub fn of(s: GradSync) -> SyncMode {
+        match s {
+            GradSync::AllReduce => SyncMode::AllReduce,
+            GradSync::Ps { .. } => SyncMode::Ps,
+            GradSync::Async { .. } => SyncMode::Async,
+        }
+    }
+}
+
+/// Choices that change what training computes, which the search makes only
+/// when the user names them (`--allow sync,compress`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Allow {
+    pub sync: bool,
+    pub compress: bool,
+}
+
+impl Allow {
+    /// Read `sync,compress` (either, both, or `none`).
+    pub fn parse(spec: &str) -> Result<Allow, PlanError> {
+        let mut a = Allow::default();
+        for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            match item.to_ascii_lowercase().as_str() {
+                "sync" => a.sync = true,
+                "compress" => a.compress = true,
+                "none" => {}
+                _ => {
+                    return Err(PlanError::StrategySyntax {
+                        spec: spec.to_string(),
+                        detail: format!(
+                            "--allow names sync and/or compress (comma-separated), got `{item}`"
+                        ),
+                    })
+                }
+            }
+        }
+        Ok(a)
+    }
+}
+
+impl StrategyConstraints {
+    /// The gradient synchronisation pinned for `dp` replicas, `None` when
+    /// the search chooses it. Errors name the key to change.
+    pub fn grad_sync(&self, dp: u64) -> Result<Option<GradSync>, PlanError> {
+        let shards = self.ps_shards.unwrap_or(dp).max(1);
+        if shards > dp.max(1) {
+            return Err(PlanError::Strategy(format!(
+                "ps_shards={shards} is more than the {dp} data-parallel workers the servers live on; \
+                 give ps_shards at most dp"
+            )));
+        }
+        Ok(match self.sync {
+            None => None,
+            Some(SyncMode::AllReduce) => Some(GradSync::AllReduce),
+            Some(SyncMode::Ps) => Some(GradSync::Ps { shards }),
+            Some(SyncMode::Async) => Some(GradSync::Async {
+                shards,
+                staleness: self.staleness.unwrap_or(1),
+            }),
+        })
+    }
 }
 
 impl StrategyConstraints {
@@ -85,6 +180,14 @@ impl StrategyConstraints {
             fp8: s.fp8.then_some(true),
             offload: (!s.offload.is_none()).then_some(s.offload),
             elementwise: (s.elementwise != Elementwise::Fused).then_some(s.elementwise),
+            sync: (!s.sync.is_all_reduce()).then_some(SyncMode::of(s.sync)),
+            ps_shards: s.sync.ps_shards(),
+            staleness: match s.sync {
+                GradSync::Async { staleness, .. } => Some(staleness),
+                GradSync::AllReduce | GradSync::Ps { .. } => None,
+            },
+            compress: (!s.compress.is_none()).then_some(s.compress),
+            allow: Allow::default(),
             // Stages follow the model's balance unless they are the even split.
             even_stages: (plan.stage_layers() == dplc_ir::even_split(plan.layers, m.pp.max(1)))
                 .then_some(true),
@@ -299,6 +402,34 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
                     })?,
                 )
             }
+            "sync" => {
+                c.sync = Some(match value.to_ascii_lowercase().as_str() {
+                    "allreduce" | "all_reduce" | "all-reduce" => SyncMode::AllReduce,
+                    "ps" => SyncMode::Ps,
+                    "async" => SyncMode::Async,
+                    _ => {
+                        return Err(err(format!(
+                            "sync is allreduce, ps or async, got `{value}`"
+                        )))
+                    }
+                })
+            }
+            "ps_shards" => c.ps_shards = Some(int()?),
+            "staleness" => {
+                c.staleness = Some(value.parse::<u64>().map_err(|_| {
+                    err(format!(
+                        "staleness needs a whole number of steps (0 or more), got `{value}`"
+                    ))
+                })?)
+            }
+            "compress" => {
+                c.compress = Some(Compression::parse(value).ok_or_else(|| {
+                    err(format!(
+                        "compress is none, bf16, fp16, powersgd:R (R a positive rank) or \
+                         topk:F (F a fraction in (0, 1]), got `{value}`"
+                    ))
+                })?)
+            }
             "stages" => {
                 c.even_stages = Some(match value.to_ascii_lowercase().as_str() {
                     "even" => true,
@@ -312,10 +443,20 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
             }
             _ => {
                 return Err(err(format!(
-                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap, attention, tp_overlap, grad_accum, root, order, stages, fp8, offload, elementwise"
+                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap, attention, tp_overlap, grad_accum, root, order, stages, fp8, offload, elementwise, sync, ps_shards, staleness, compress"
                 )))
             }
         }
+    }
+    if c.ps_shards.is_some() && !matches!(c.sync, Some(SyncMode::Ps | SyncMode::Async)) {
+        return Err(err(
+            "ps_shards shards a parameter server: give it with sync=ps or sync=async".into(),
+        ));
+    }
+    if c.staleness.is_some() && c.sync != Some(SyncMode::Async) {
+        return Err(err(
+            "staleness bounds asynchronous updates: give it with sync=async".into(),
+        ));
     }
     if c.virtual_stages.is_some_and(|v| v > 1) {
         match c.schedule {
@@ -358,6 +499,10 @@ fn choice_of(key: &str) -> Option<&'static str> {
         "fp8" => "fp8",
         "offload" => "offload",
         "elementwise" => "elementwise",
+        "sync" => "sync",
+        "ps_shards" => "ps_shards",
+        "staleness" => "staleness",
+        "compress" => "compress",
         _ => return None,
     })
 }
@@ -417,6 +562,18 @@ impl fmt::Display for StrategyConstraints {
         }
         if let Some(e) = self.elementwise {
             parts.push(format!("elementwise={}", e.name()));
+        }
+        if let Some(s) = self.sync {
+            parts.push(format!("sync={}", s.name()));
+        }
+        if let Some(n) = self.ps_shards {
+            parts.push(format!("ps_shards={n}"));
+        }
+        if let Some(k) = self.staleness {
+            parts.push(format!("staleness={k}"));
+        }
+        if let Some(c) = self.compress {
+            parts.push(format!("compress={}", c.name()));
         }
         if let Some(even) = self.even_stages {
             parts.push(format!("stages={}", if even { "even" } else { "balanced" }));

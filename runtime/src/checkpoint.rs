@@ -568,6 +568,86 @@ pub(crate) fn write_shards<'a>(
     Ok(())
 }
 
+fn feedback_file(rank: usize) -> String {
+    format!("feedback-rank{rank:05}.safetensors")
+}
+
+/// Write this rank's error-feedback state (top-k and PowerSGD): what its
+/// compression left out so far and PowerSGD's right factor, per tensor it
+/// holds. The state is the rank's own, not a shard of a logical tensor, so
+/// a resumed run needs the same data-parallel split and compression.
+pub(crate) fn write_feedback(
+    dir: &Path,
+    rank: usize,
+    graph: &Graph,
+    feedback: &BTreeMap<ParamKey, crate::gradsync::Feedback>,
+) -> Result<()> {
+    if feedback.is_empty() {
+        return Ok(());
+    }
+    let path = dir.join(feedback_file(rank));
+    let mut buffers: Vec<(String, Vec<u8>)> = Vec::new();
+    for (key, f) in feedback {
+        let name = &graph.param(key.param).name;
+        buffers.push((tensor_name(name, key.layer, "error"), f32_bytes(&f.error)));
+        buffers.push((tensor_name(name, key.layer, "q"), f32_bytes(&f.q)));
+    }
+    let views = buffers
+        .iter()
+        .map(|(name, bytes)| {
+            TensorView::new(Dtype::F32, vec![bytes.len() / 4], bytes)
+                .map(|v| (name.clone(), v))
+                .map_err(|e| err(&path, format!("cannot lay out the feedback state: {e}")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let bytes = safetensors::serialize(views, None)
+        .map_err(|e| err(&path, format!("cannot serialise the feedback state: {e}")))?;
+    write_atomic(&path, &bytes, false)
+}
+
+/// Read rank `rank`'s error-feedback state for the tensors `keys`.
+pub(crate) fn read_feedback(
+    dir: &Path,
+    rank: usize,
+    graph: &Graph,
+    keys: impl Iterator<Item = ParamKey>,
+) -> Result<BTreeMap<ParamKey, crate::gradsync::Feedback>> {
+    let path = dir.join(feedback_file(rank));
+    let bytes = std::fs::read(&path).map_err(|e| {
+        err(
+            &path,
+            format!(
+                "holds no error-feedback state for rank {rank} ({e}): the checkpoint was saved \
+                 without top-k or PowerSGD, or with fewer ranks; resume with the compression \
+                 and split it was saved with"
+            ),
+        )
+    })?;
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| err(&path, format!("is not a safetensors file: {e}")))?;
+    let floats = |name: &str| -> Result<Vec<f32>> {
+        let t = st
+            .tensor(name)
+            .map_err(|_| err(&path, format!("has no tensor `{name}`")))?;
+        Ok(t.data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
+    };
+    let mut out = BTreeMap::new();
+    for key in keys {
+        let name = &graph.param(key.param).name;
+        out.insert(
+            key,
+            crate::gradsync::Feedback {
+                error: floats(&tensor_name(name, key.layer, "error"))?,
+                q: floats(&tensor_name(name, key.layer, "q"))?,
+            },
+        );
+    }
+    Ok(out)
+}
+
 /// What the manifest records besides the files.
 pub(crate) struct ManifestInfo<'a> {
     pub step: u64,
@@ -635,6 +715,8 @@ pub(crate) fn write_manifest(
 /// A verified checkpoint, ready for any split to slice.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Resume {
+    /// The step directory it was read from.
+    pub dir: PathBuf,
     pub step: u64,
     pub next_sample: u64,
     pub params: BTreeMap<ParamKey, LogicalParam>,
@@ -830,6 +912,7 @@ pub(crate) fn load(
         );
     }
     Ok(Resume {
+        dir: ck.dir().to_path_buf(),
         step: m.step,
         next_sample: m.data.next_sample,
         params,

@@ -16,6 +16,7 @@ pub mod fused;
 pub mod gpu;
 #[cfg(test)]
 mod gradcheck;
+mod gradsync;
 mod interp;
 mod kernels;
 mod schedule;
@@ -35,6 +36,7 @@ pub use checkpoint::{Checkpoint, CheckpointConfig, CheckpointKill, KillPoint};
 pub use comm::{Communicator, Group, Message, World};
 pub use data::{Corpus, TokenFormat};
 pub use error::{Result, RuntimeError};
+pub use gradsync::Traffic;
 pub use interp::ParamKey;
 pub use kernels::{forward, DropoutKey, OpCtx};
 pub use mpi_world::MpiProcess;

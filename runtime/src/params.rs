@@ -4,12 +4,13 @@
 
 use crate::comm::{Communicator, Group};
 use crate::error::{kernel_err, Result};
+use crate::gradsync::{self, Feedback, Traffic};
 use crate::interp::{ParamAccess, ParamKey, Value};
 use crate::rng;
 use crate::shard::{self, MeshGroups};
 use crate::tensor::Tensor;
-use dplc_ir::{Graph, Init, Optimizer, TensorLayout, VocabOp};
-use std::collections::{BTreeMap, HashMap};
+use dplc_ir::{Compression, Graph, GradSync, Init, Optimizer, TensorLayout, VocabOp};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -129,6 +130,25 @@ pub(crate) struct ParamStore {
     /// ZeRO-3: full gradients of the current micro-batch, waiting for their
     /// layer's reduce-scatter.
     pending: HashMap<ParamKey, Vec<f32>>,
+    /// How the data-parallel group combines gradients. A parameter server
+    /// keeps ZeRO-1's layout (each server updates its own shard of every
+    /// tensor; `shards` has empty ranges for the workers that serve none).
+    pub sync: GradSync,
+    pub compress: Compression,
+    /// Error-feedback state of top-k and PowerSGD, per held tensor.
+    pub feedback: BTreeMap<ParamKey, Feedback>,
+    /// Bytes the data-parallel reduction and the weights' return moved.
+    pub traffic: Traffic,
+    /// Async: the weights of the last `staleness + 1` versions, newest first.
+    versions: VecDeque<BTreeMap<ParamKey, Value>>,
+}
+
+/// How a store's data-parallel group combines gradients, and the
+/// error-feedback state a checkpoint carried, if any.
+pub(crate) struct DpSync<'a> {
+    pub sync: GradSync,
+    pub compress: Compression,
+    pub feedback: Option<&'a BTreeMap<ParamKey, Feedback>>,
 }
 
 impl ParamStore {
@@ -165,8 +185,17 @@ impl ParamStore {
         mesh: MeshGroups,
         seed: u64,
         resume: Option<&BTreeMap<ParamKey, LogicalParam>>,
+        dp_sync: DpSync,
     ) -> Result<ParamStore> {
         let mut slots = BTreeMap::new();
+        let mut feedback = BTreeMap::new();
+        // A parameter server lays its state out as ZeRO-1 does over its servers.
+        let ps_shards = dp_sync.sync.ps_shards().map(|n| n.max(1) as usize);
+        let zero = if ps_shards.is_some() {
+            ZeroStage::One
+        } else {
+            zero
+        };
         for held in keys {
             let HeldParam {
                 key,
@@ -212,7 +241,54 @@ impl ParamStore {
                     shape[axis] /= parts;
                 }
                 let numel: usize = shape.iter().product();
-                let shards = split(numel, dp);
+                let shards = match ps_shards {
+                    // Servers are the group's first members; the rest serve nothing.
+                    Some(servers) => {
+                        let mut s = split(numel, servers.min(dp));
+                        s.resize(dp, numel..numel);
+                        s
+                    }
+                    None => split(numel, dp),
+                };
+                match dp_sync.compress {
+                    Compression::TopK { .. } | Compression::PowerSgd { .. } => {
+                        let q = match dp_sync.compress {
+                            Compression::PowerSgd { rank } => {
+                                gradsync::powersgd_dims(&shape, rank as usize)
+                                    .map(|(_, cols, r)| {
+                                        gradsync::initial_q(
+                                            seed,
+                                            (key.param.index() as u64, key.layer),
+                                            cols,
+                                            r,
+                                        )
+                                    })
+                                    .unwrap_or_default()
+                            }
+                            _ => Vec::new(),
+                        };
+                        let state = match dp_sync.feedback.and_then(|f| f.get(&key)) {
+                            Some(saved) => {
+                                if saved.error.len() != numel || saved.q.len() != q.len() {
+                                    return Err(kernel_err(
+                                        "checkpoint",
+                                        format!(
+                                            "the error-feedback state of {key:?} has another shape; \
+                                             resume with the compression and split it was saved with"
+                                        ),
+                                    ));
+                                }
+                                saved.clone()
+                            }
+                            None => Feedback {
+                                error: vec![0.0; numel],
+                                q,
+                            },
+                        };
+                        feedback.insert(key, state);
+                    }
+                    Compression::None | Compression::Bf16 | Compression::Fp16 => {}
+                }
                 let own = if zero == ZeroStage::None {
                     0..numel
                 } else {
@@ -246,12 +322,25 @@ impl ParamStore {
             };
             slots.insert(key, slot);
         }
+        let versions = if dp_sync.sync.staleness() > 0 {
+            VecDeque::from([slots
+                .iter()
+                .filter_map(|(k, s): (&ParamKey, &Slot)| s.full.clone().map(|f| (*k, f)))
+                .collect()])
+        } else {
+            VecDeque::new()
+        };
         Ok(ParamStore {
             slots,
             zero,
             comm,
             mesh,
             pending: HashMap::new(),
+            sync: dp_sync.sync,
+            compress: dp_sync.compress,
+            feedback,
+            traffic: Traffic::default(),
+            versions,
         })
     }
 
@@ -306,6 +395,12 @@ impl ParamStore {
     /// Sum every gradient over the data-parallel group: all-reduce in buckets
     /// of about `bucket` elements (ZeRO 0/1) or reduce-scatter (ZeRO-2).
     pub fn reduce_grads(&mut self, bucket: usize) -> Result<()> {
+        if self.sync.ps_shards().is_some() {
+            return self.push_to_servers();
+        }
+        if self.compress != Compression::None {
+            return self.compressed_reduce();
+        }
         match self.zero {
             ZeroStage::None | ZeroStage::One => {
                 for (group, keys) in self.by_group() {
@@ -347,6 +442,157 @@ impl ParamStore {
         Ok(())
     }
 
+    /// Parameter server, push: every worker reduces each server's shard of
+    /// every gradient (the group's tensors in key order, one message per
+    /// server) to that server, which sums them in group order — the order
+    /// the all-reduce sums in, so the sums are the same bits.
+    fn push_to_servers(&mut self) -> Result<()> {
+        for (ranks, keys) in self.by_group() {
+            let group = Group::new(ranks);
+            let n = group.size();
+            let servers = self.servers(&keys);
+            let me = group.position(self.comm.rank());
+            for server in 0..servers {
+                let mut flat = Vec::new();
+                for k in &keys {
+                    let slot = &self.slots[k];
+                    flat.extend_from_slice(&slot.grad[slot.shards[server].clone()]);
+                }
+                self.comm.reduce(&group, server, &mut flat)?;
+                self.traffic
+                    .star(n, me == Some(server), flat.len() * 4, true);
+                if me == Some(server) {
+                    let mut at = 0;
+                    for k in &keys {
+                        let slot = self.slots.get_mut(k).expect("key from the slots");
+                        let r = slot.shards[server].clone();
+                        let len = r.len();
+                        slot.grad[r].copy_from_slice(&flat[at..at + len]);
+                        at += len;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// How many of the group's members serve a shard (the same for every tensor).
+    fn servers(&self, keys: &[ParamKey]) -> usize {
+        let shards = self.sync.ps_shards().unwrap_or(1) as usize;
+        keys.first()
+            .map_or(0, |k| shards.min(self.slots[k].shards.len()))
+    }
+
+    /// Parameter server, pull: each server sends its updated shard of every
+    /// tensor to every worker, which puts the whole weights together.
+    fn pull_from_servers(&mut self) -> Result<()> {
+        for (ranks, keys) in self.by_group() {
+            let group = Group::new(ranks);
+            let n = group.size();
+            let servers = self.servers(&keys);
+            let me = group.position(self.comm.rank());
+            let mut fulls: Vec<Vec<f32>> = keys
+                .iter()
+                .map(|k| Vec::with_capacity(self.slots[k].numel))
+                .collect();
+            for server in 0..servers {
+                let mut flat: Vec<f32> = if me == Some(server) {
+                    keys.iter()
+                        .flat_map(|k| self.slots[k].master.iter().copied())
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                self.comm.broadcast(&group, server, &mut flat)?;
+                self.traffic
+                    .star(n, me == Some(server), flat.len() * 4, false);
+                let mut at = 0;
+                for (k, full) in keys.iter().zip(fulls.iter_mut()) {
+                    let len = self.slots[k].shards[server].len();
+                    let piece = flat.get(at..at + len).ok_or_else(|| {
+                        kernel_err("broadcast", "a server sent fewer weights than it owns")
+                    })?;
+                    full.extend_from_slice(piece);
+                    at += len;
+                }
+            }
+            for (k, full) in keys.iter().zip(fulls) {
+                let slot = self.slots.get_mut(k).expect("key from the slots");
+                slot.full = Some(Arc::new(Tensor::f32(slot.shape.clone(), full)));
+            }
+        }
+        Ok(())
+    }
+
+    /// Compressed all-reduce of every gradient (ZeRO-0), with error feedback.
+    fn compressed_reduce(&mut self) -> Result<()> {
+        for (ranks, keys) in self.by_group() {
+            let group = Group::new(ranks);
+            let mut empty: BTreeMap<ParamKey, Feedback> = BTreeMap::new();
+            let feedback = if self.feedback.is_empty() {
+                // bf16/fp16 keep no state.
+                for k in &keys {
+                    empty.insert(
+                        *k,
+                        Feedback {
+                            error: Vec::new(),
+                            q: Vec::new(),
+                        },
+                    );
+                }
+                &mut empty
+            } else {
+                &mut self.feedback
+            };
+            let mut tensors: Vec<gradsync::Tensor> = Vec::with_capacity(keys.len());
+            let mut slots: Vec<&mut Slot> = self
+                .slots
+                .iter_mut()
+                .filter(|(k, _)| keys.contains(k))
+                .map(|(_, s)| s)
+                .collect();
+            let mut fb: Vec<&mut Feedback> = feedback
+                .iter_mut()
+                .filter(|(k, _)| keys.contains(k))
+                .map(|(_, f)| f)
+                .collect();
+            if fb.len() != slots.len() {
+                return Err(kernel_err(
+                    "compress",
+                    "a gradient without its error-feedback state",
+                ));
+            }
+            for (slot, f) in slots.iter_mut().zip(fb.iter_mut()) {
+                tensors.push(gradsync::Tensor {
+                    grad: &mut slot.grad,
+                    shape: &slot.shape,
+                    feedback: f,
+                });
+            }
+            gradsync::compressed_all_reduce(
+                &mut self.comm,
+                &group,
+                self.compress,
+                &mut tensors,
+                &mut self.traffic,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Async: compute the coming step on the weights `lag` versions old
+    /// (the oldest kept where fewer exist).
+    pub fn use_version(&mut self, lag: usize) {
+        let Some(version) = self.versions.get(lag).or(self.versions.back()) else {
+            return;
+        };
+        for (k, v) in version {
+            if let Some(slot) = self.slots.get_mut(k) {
+                slot.full = Some(v.clone());
+            }
+        }
+    }
+
     /// The held tensors by data-parallel group, groups in a fixed order so
     /// that every rank runs their collectives in the same sequence.
     fn by_group(&self) -> BTreeMap<Vec<usize>, Vec<ParamKey>> {
@@ -380,6 +626,7 @@ impl ParamStore {
                     flat.extend_from_slice(&self.slots[k].grad);
                 }
                 self.comm.all_reduce(&group, &mut flat)?;
+                self.traffic.all_reduce(group.size(), flat.len() * 4);
                 let mut at = 0;
                 for k in &keys[start..end] {
                     let slot = self.slots.get_mut(k).expect("key from the slots");
@@ -476,6 +723,7 @@ impl ParamStore {
                     )));
                 }
             }
+            ZeroStage::One if self.sync.ps_shards().is_some() => self.pull_from_servers()?,
             ZeroStage::One | ZeroStage::Two => {
                 // One all-gather per data-parallel group, not one per
                 // parameter: each member's updated parts, in key order. Every
@@ -504,6 +752,16 @@ impl ParamStore {
                 }
             }
             ZeroStage::Three => {}
+        }
+        let keep = self.sync.staleness() as usize + 1;
+        if keep > 1 {
+            let newest = self
+                .slots
+                .iter()
+                .filter_map(|(k, s)| s.full.clone().map(|f| (*k, f)))
+                .collect();
+            self.versions.push_front(newest);
+            self.versions.truncate(keep);
         }
         Ok(())
     }

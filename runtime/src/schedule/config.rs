@@ -234,6 +234,11 @@ pub struct RunConfig {
     /// Micro-batches per step on one replica (gradient accumulation).
     pub num_micro_batches: usize,
     pub zero: ZeroStage,
+    /// How replicas combine their gradients: all-reduce, a parameter
+    /// server, or asynchronous updates with bounded staleness.
+    pub sync: dplc_ir::GradSync,
+    /// What the all-reduce sends: fp32, bf16/fp16, PowerSGD or top-k factors.
+    pub compress: dplc_ir::Compression,
     pub schedule: Schedule,
     /// What each layer keeps for backward: everything (`None`), everything
     /// but the core-attention tensors, recomputed before its backward
@@ -275,6 +280,8 @@ impl Default for RunConfig {
             micro_batch: 1,
             num_micro_batches: 1,
             zero: ZeroStage::None,
+            sync: dplc_ir::GradSync::AllReduce,
+            compress: dplc_ir::Compression::None,
             schedule: Schedule::OneFOneB,
             recompute: Recompute::None,
             compute: Compute::Reference,
@@ -338,6 +345,8 @@ impl RunConfig {
             micro_batch: s.micro_batch as usize,
             num_micro_batches: s.num_micro_batches as usize,
             zero,
+            sync: s.sync,
+            compress: s.compress,
             schedule,
             recompute: s.recompute,
             ..RunConfig::default()

@@ -20,7 +20,8 @@ use crate::data::{feeds, Corpus, Feed};
 use crate::error::{Result, RuntimeError};
 use crate::fused::HostBackend;
 use crate::interp::{ParamKey, Value};
-use crate::params::{HeldParam, ParamStore, Unit, ZeroStage};
+use crate::gradsync::Traffic;
+use crate::params::{DpSync, HeldParam, ParamStore, Unit, ZeroStage};
 use crate::partition::{schedule, Partition, Work};
 use crate::shard::{concat_along, Layouts, MeshGroups};
 use crate::tensor::Tensor;
@@ -112,6 +113,8 @@ struct RankOut {
     /// Layers its forwards ran for micro-batch 0 of the first step.
     layers_run: u64,
     exported: Vec<Exported>,
+    rank: usize,
+    traffic: Traffic,
 }
 
 /// A rank's part of one parameter it holds.
@@ -228,6 +231,7 @@ fn train_on(
             spec.global_batch
         )));
     }
+    check_dp_sync(cfg)?;
     let v = cfg.schedule.chunks();
     if v > 1 && !cfg.num_micro_batches.is_multiple_of(cfg.pp) {
         return Err(RuntimeError::Config(format!(
@@ -456,8 +460,10 @@ fn train_on(
     let mut stage_layers = vec![0; cfg.pp];
     let mut peak_activation_bytes = 0;
     let mut device_peak = None;
+    let mut dp_traffic = vec![Traffic::default(); cfg.world_size()];
     for r in results {
         let out = r?;
+        dp_traffic[out.rank] = out.traffic;
         stage_layers[out.stage] = out.layers_run;
         peak_activation_bytes = peak_activation_bytes.max(out.peak_activation_bytes);
         device_peak = device_peak.max(out.device_peak_bytes);
@@ -490,12 +496,52 @@ fn train_on(
         checkpoints,
         stage_layers,
         peak_activation_bytes,
+        dp_traffic,
         device: shared.gpus.iter().flatten().next().map(|g| DeviceUse {
             name: g.name().to_string(),
             peak_bytes: device_peak.unwrap_or(0),
             kernels: shared.fused.as_ref().map_or(0, |f| f.kernel_count()),
         }),
     })
+}
+
+/// What this runtime runs of the gradient synchronisations and
+/// compressions: a parameter server or a compressed all-reduce over
+/// replicated state (ZeRO-0), compression over the all-reduce only.
+fn check_dp_sync(cfg: &RunConfig) -> Result<()> {
+    use dplc_ir::{Compression, GradSync};
+    let changed = cfg.sync != GradSync::AllReduce || cfg.compress != Compression::None;
+    if changed && cfg.zero != ZeroStage::None {
+        return Err(RuntimeError::Config(format!(
+            "{} with compress={} runs over replicated optimizer state: use zero=0 with it \
+             (a parameter server shards the state over its servers itself)",
+            cfg.sync.keys(),
+            cfg.compress.name()
+        )));
+    }
+    if cfg.sync != GradSync::AllReduce && cfg.compress != Compression::None {
+        return Err(RuntimeError::Config(format!(
+            "compress={} compresses the all-reduce; a parameter server pushes fp32 gradients: \
+             drop compress or use sync=allreduce",
+            cfg.compress.name()
+        )));
+    }
+    if let Some(shards) = cfg.sync.ps_shards() {
+        if shards == 0 || shards as usize > cfg.dp {
+            return Err(RuntimeError::Config(format!(
+                "ps_shards={shards}: the servers live on the {} data-parallel workers; give 1 to {}",
+                cfg.dp, cfg.dp
+            )));
+        }
+    }
+    if cfg.sync.staleness() > 0 && cfg.resume_from.is_some() {
+        return Err(RuntimeError::Unsupported(
+            "resuming an async run: checkpoints do not hold the older weight versions a \
+             stale worker reads; resume with staleness=0 or sync=ps"
+                .into(),
+        ));
+    }
+    Ok(())
 }
 
 /// The parameter tensors rank `at` holds: their ZeRO-3 unit, whether it counts
@@ -650,9 +696,23 @@ fn run_rank(
         },
         cfg.ep,
     );
+    let held = rank_keys(sh, at);
+    // Top-k and PowerSGD carry their error feedback over a checkpoint.
+    let feedback = match (&sh.resume, cfg.compress) {
+        (
+            Some(resume),
+            dplc_ir::Compression::TopK { .. } | dplc_ir::Compression::PowerSgd { .. },
+        ) => Some(checkpoint::read_feedback(
+            &resume.dir,
+            rank,
+            sh.graph,
+            held.iter().map(|h| h.key),
+        )?),
+        _ => None,
+    };
     let store = ParamStore::new(
         sh.graph,
-        rank_keys(sh, at),
+        held,
         cfg.zero,
         comm,
         MeshGroups {
@@ -662,6 +722,11 @@ fn run_rank(
         },
         sh.seed,
         sh.resume.as_ref().map(|r| &r.params),
+        DpSync {
+            sync: cfg.sync,
+            compress: cfg.compress,
+            feedback: feedback.as_ref(),
+        },
     )?;
     let compute: Box<dyn StageCompute> = match cfg.compute {
         Compute::Reference => Box::new(Reference::new(sh)),
@@ -758,6 +823,13 @@ fn run_rank(
             start_us: from.duration_since(t0).as_secs_f64() * 1e6,
             duration_us: from.elapsed().as_secs_f64() * 1e6,
         };
+        // Async with staleness K: replica d computes on the weights
+        // d mod (K+1) versions old, so the replicas spread over every lag
+        // the bound allows, the same way every run.
+        let staleness = cfg.sync.staleness() as usize;
+        if staleness > 0 {
+            r.store.use_version(dp_index % (staleness + 1));
+        }
         for &w in &work {
             let from = Instant::now();
             match w {
@@ -800,7 +872,10 @@ fn run_rank(
         gather_trace(&mut r.store.comm, cfg)?;
     }
     let exported = r.store.export()?;
+    let traffic = r.store.traffic;
     let out = |exported| RankOut {
+        rank,
+        traffic,
         stage,
         peak_activation_bytes: r.peak_activation_bytes,
         device_peak_bytes: r.compute.device_peak_bytes(),
@@ -933,6 +1008,7 @@ impl<'a, 'b> Rank<'a, 'b> {
         }
         barrier(&mut self.store)?;
         checkpoint::write_shards(&dir, rank, sh.graph, self.store.owned_shards(), kill)?;
+        checkpoint::write_feedback(&dir, rank, sh.graph, &self.store.feedback)?;
         barrier(&mut self.store)?;
         if rank == 0 {
             let gb = cfg.global_batch() as u64;

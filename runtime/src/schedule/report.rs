@@ -73,6 +73,10 @@ pub struct TrainReport {
     /// first step; later steps repeat it): what recomputation trades for
     /// compute.
     pub peak_activation_bytes: u64,
+    /// Bytes each rank moved for the data-parallel gradient reduction and
+    /// the weights' return over the whole run, by rank (see
+    /// [`crate::Traffic`]); zero for ranks in other processes.
+    pub dp_traffic: Vec<crate::Traffic>,
     /// What a GPU run used of its devices (`None` on CPU ranks).
     pub device: Option<DeviceUse>,
 }

@@ -1,0 +1,403 @@
+//! The data-parallel gradient reduction besides the plain all-reduce: a
+//! parameter server's push and pull, and compressed all-reduces (bf16/fp16,
+//! PowerSGD and top-k with error feedback), with the bytes each moves.
+//!
+//! Every exchange goes through the [`Communicator`]'s collectives, so it runs
+//! on threads, processes (MPI, TCP) and host-staged GPU buffers alike, and
+//! sums in group order: each rank ends with the same bits.
+
+use crate::comm::{Communicator, Group};
+use crate::error::{kernel_err, Result};
+use crate::rng;
+use dplc_ir::Compression;
+
+/// Bytes this rank put on its link and took off it for the data-parallel
+/// gradient reduction and the weights' return, counted at each collective
+/// call as the textbook algorithm carries them: a ring all-reduce sends
+/// `2(n−1)/n` of the buffer, a reduce sends the buffer to its root (which
+/// takes `n−1` of them in), a broadcast's root sends `n−1` copies, an
+/// all-gather sends this rank's piece to `n−1` peers. Top-k pairs count 8
+/// bytes (a 4-byte index and an f32), as a real sparse all-gather sends them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Traffic {
+    pub sent: u64,
+    pub received: u64,
+}
+
+impl Traffic {
+    pub(crate) fn all_reduce(&mut self, n: usize, bytes: usize) {
+        if n > 1 {
+            let b = (2 * (n - 1) * bytes / n) as u64;
+            self.sent += b;
+            self.received += b;
+        }
+    }
+
+    /// A reduce (`to_root`) or a broadcast (`!to_root`) of `bytes` with the root at `root`.
+    pub(crate) fn star(&mut self, n: usize, root: bool, bytes: usize, to_root: bool) {
+        if n <= 1 {
+            return;
+        }
+        let (one, many) = (bytes as u64, ((n - 1) * bytes) as u64);
+        match (root, to_root) {
+            (true, true) => self.received += many,
+            (false, true) => self.sent += one,
+            (true, false) => self.sent += many,
+            (false, false) => self.received += one,
+        }
+    }
+}
+
+/// Round to the nearest bfloat16 (ties to even), kept in an f32.
+pub(crate) fn round_bf16(x: f32) -> f32 {
+    if !x.is_finite() {
+        return x;
+    }
+    let bits = x.to_bits();
+    let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) & 0xffff_0000;
+    f32::from_bits(rounded)
+}
+
+/// Round to the nearest IEEE half (ties to even, overflow to ±inf,
+/// subnormals kept), kept in an f32.
+pub(crate) fn round_fp16(x: f32) -> f32 {
+    if !x.is_finite() || x == 0.0 {
+        return x;
+    }
+    let a = x.abs();
+    if a >= 65520.0 {
+        return f32::INFINITY.copysign(x);
+    }
+    // Half has 10 fraction bits; below 2^-14 the spacing is fixed at 2^-24.
+    let exp = a.log2().floor().max(-14.0);
+    let ulp = (exp - 10.0).exp2();
+    let q = a / ulp;
+    let r = q.round_ties_even();
+    (r * ulp).copysign(x)
+}
+
+/// A rank's error-feedback state for one gradient tensor: what compression
+/// left out so far, and PowerSGD's warm-started right factor.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Feedback {
+    pub error: Vec<f32>,
+    /// PowerSGD's `cols × rank` factor (empty for top-k and uncompressed tensors).
+    pub q: Vec<f32>,
+}
+
+/// How PowerSGD treats a tensor of `shape`: `(rows, cols, rank)` when it
+/// compresses it (a matrix whose rank-R factors are smaller than it), else
+/// `None` (vectors and tiny matrices are all-reduced whole, as in Vogels et al.).
+pub(crate) fn powersgd_dims(shape: &[usize], rank: usize) -> Option<(usize, usize, usize)> {
+    let (&rows, rest) = shape.split_first()?;
+    if rest.is_empty() {
+        return None;
+    }
+    let cols: usize = rest.iter().product();
+    let r = rank.min(rows).min(cols);
+    ((rows + cols) * r < rows * cols).then_some((rows, cols, r))
+}
+
+/// PowerSGD's first right factor: the same on every rank (seeded by the key).
+pub(crate) fn initial_q(seed: u64, key: (u64, u64), cols: usize, rank: usize) -> Vec<f32> {
+    (0..cols * rank)
+        .map(|j| rng::normal(&[seed, 0x9051, key.0, key.1, j as u64]) as f32)
+        .collect()
+}
+
+/// `a (r×k) · b (k×c)`, row-major.
+fn matmul(a: &[f32], b: &[f32], r: usize, k: usize, c: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; r * c];
+    for i in 0..r {
+        for p in 0..k {
+            let x = a[i * k + p];
+            if x == 0.0 {
+                continue;
+            }
+            let row = &b[p * c..(p + 1) * c];
+            out[i * c..(i + 1) * c]
+                .iter_mut()
+                .zip(row)
+                .for_each(|(o, &y)| *o += x * y);
+        }
+    }
+    out
+}
+
+/// `aᵀ (k×r)ᵀ · b (k×c)` → `r×c`.
+fn matmul_tn(a: &[f32], b: &[f32], k: usize, r: usize, c: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; r * c];
+    for p in 0..k {
+        for i in 0..r {
+            let x = a[p * r + i];
+            if x == 0.0 {
+                continue;
+            }
+            let row = &b[p * c..(p + 1) * c];
+            out[i * c..(i + 1) * c]
+                .iter_mut()
+                .zip(row)
+                .for_each(|(o, &y)| *o += x * y);
+        }
+    }
+    out
+}
+
+/// Orthonormalise the columns of `p` (`rows × r`) in place, by modified
+/// Gram–Schmidt: deterministic, so every rank gets the same basis.
+fn orthonormalize(p: &mut [f32], rows: usize, r: usize) {
+    for j in 0..r {
+        for i in 0..j {
+            let dot: f64 = (0..rows)
+                .map(|x| f64::from(p[x * r + i]) * f64::from(p[x * r + j]))
+                .sum();
+            for x in 0..rows {
+                p[x * r + j] -= (dot as f32) * p[x * r + i];
+            }
+        }
+        let norm = (0..rows)
+            .map(|x| f64::from(p[x * r + j]).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        let inv = if norm > 1e-12 { (1.0 / norm) as f32 } else { 0.0 };
+        for x in 0..rows {
+            p[x * r + j] *= inv;
+        }
+    }
+}
+
+/// One gradient tensor of a compressed reduction.
+pub(crate) struct Tensor<'a> {
+    pub grad: &'a mut Vec<f32>,
+    pub shape: &'a [usize],
+    pub feedback: &'a mut Feedback,
+}
+
+/// Sum the group's gradients of `tensors` (this rank's contribution in
+/// `grad`, the sum there afterwards) as `compress` sends them.
+pub(crate) fn compressed_all_reduce(
+    comm: &mut Communicator,
+    group: &Group,
+    compress: Compression,
+    tensors: &mut [Tensor],
+    traffic: &mut Traffic,
+) -> Result<()> {
+    let n = group.size();
+    match compress {
+        Compression::None => {
+            let mut flat: Vec<f32> = tensors.iter().flat_map(|t| t.grad.iter().copied()).collect();
+            comm.all_reduce(group, &mut flat)?;
+            traffic.all_reduce(n, flat.len() * 4);
+            scatter_back(tensors, &flat);
+        }
+        Compression::Bf16 | Compression::Fp16 => {
+            let round = if compress == Compression::Bf16 {
+                round_bf16
+            } else {
+                round_fp16
+            };
+            // Each rank's contribution is what a 16-bit buffer holds; the
+            // sum is taken in f32 (NCCL's bf16 all-reduce sums in bf16, so
+            // this is the gentler of the two: it isolates the rounding of
+            // what is sent).
+            let mut flat: Vec<f32> = tensors
+                .iter()
+                .flat_map(|t| t.grad.iter().map(|&g| round(g)))
+                .collect();
+            comm.all_reduce(group, &mut flat)?;
+            traffic.all_reduce(n, flat.len() * 2);
+            scatter_back(tensors, &flat);
+        }
+        Compression::TopK { per_million } => {
+            // (offset into the concatenated tensors, value), each offset as
+            // two f32s of 20 bits (exact; a real implementation sends an int32).
+            let mut pairs: Vec<f32> = Vec::new();
+            let mut offset = 0usize;
+            for t in tensors.iter_mut() {
+                let len = t.grad.len();
+                let v: Vec<f32> = t
+                    .grad
+                    .iter()
+                    .zip(&t.feedback.error)
+                    .map(|(g, e)| g + e)
+                    .collect();
+                let k = ((len as f64 * per_million as f64 / 1e6).ceil() as usize).clamp(1, len.max(1));
+                let mut order: Vec<usize> = (0..len).collect();
+                // Largest magnitude first; ties by position: the same choice on every machine.
+                order.sort_unstable_by(|&a, &b| {
+                    v[b].abs().total_cmp(&v[a].abs()).then(a.cmp(&b))
+                });
+                let mut error = v.clone();
+                for &i in order.iter().take(k.min(len)) {
+                    let at = offset + i;
+                    if at >= 1 << 40 {
+                        return Err(kernel_err("topk", "more than 2^40 gradient elements"));
+                    }
+                    pairs.push((at >> 20) as f32);
+                    pairs.push((at & 0xf_ffff) as f32);
+                    pairs.push(v[i]);
+                    error[i] = 0.0;
+                }
+                t.feedback.error = error;
+                offset += len;
+            }
+            let all = comm.all_gather(group, &pairs)?;
+            let mine = pairs.len() / 3 * 8;
+            traffic.sent += ((n - 1) * mine) as u64;
+            traffic.received += all
+                .iter()
+                .enumerate()
+                .filter(|(p, _)| group.ranks().get(*p) != Some(&comm.rank()))
+                .map(|(_, piece)| (piece.len() / 3 * 8) as u64)
+                .sum::<u64>();
+            let mut sum = vec![0.0f32; offset];
+            for piece in &all {
+                for pair in piece.chunks_exact(3) {
+                    let at = ((pair[0] as usize) << 20) | pair[1] as usize;
+                    if let Some(s) = sum.get_mut(at) {
+                        *s += pair[2];
+                    }
+                }
+            }
+            scatter_back(tensors, &sum);
+        }
+        Compression::PowerSgd { rank } => powersgd(comm, group, rank as usize, tensors, traffic)?,
+    }
+    Ok(())
+}
+
+/// Copy a flat buffer back into the tensors' gradients, in order.
+fn scatter_back(tensors: &mut [Tensor], flat: &[f32]) {
+    let mut at = 0;
+    for t in tensors.iter_mut() {
+        let len = t.grad.len();
+        t.grad.copy_from_slice(&flat[at..at + len]);
+        at += len;
+    }
+}
+
+/// PowerSGD (Vogels et al. 2019, PyTorch's `powerSGD_hook`): with
+/// `M = g + e` per rank, `P = Σ M·Q` (all-reduced), orthonormalised,
+/// `Q = Σ Mᵀ·P` (all-reduced), and the sum taken as `P·Qᵀ`; each rank's new
+/// error is `M − P·Qᵀ/n` (its share of the approximated mean), and `Q` warm
+/// starts the next step. Vectors and small matrices go uncompressed in a
+/// third all-reduce.
+fn powersgd(
+    comm: &mut Communicator,
+    group: &Group,
+    rank: usize,
+    tensors: &mut [Tensor],
+    traffic: &mut Traffic,
+) -> Result<()> {
+    let n = group.size();
+    let dims: Vec<Option<(usize, usize, usize)>> =
+        tensors.iter().map(|t| powersgd_dims(t.shape, rank)).collect();
+    let mut plain: Vec<f32> = Vec::new();
+    let mut ms: Vec<Vec<f32>> = Vec::with_capacity(tensors.len());
+    let mut ps: Vec<f32> = Vec::new();
+    for (t, d) in tensors.iter().zip(&dims) {
+        match d {
+            None => {
+                plain.extend_from_slice(t.grad);
+                ms.push(Vec::new());
+            }
+            Some((rows, cols, r)) => {
+                let m: Vec<f32> = t
+                    .grad
+                    .iter()
+                    .zip(&t.feedback.error)
+                    .map(|(g, e)| g + e)
+                    .collect();
+                ps.extend(matmul(&m, &t.feedback.q, *rows, *cols, *r));
+                ms.push(m);
+            }
+        }
+    }
+    comm.all_reduce(group, &mut ps)?;
+    traffic.all_reduce(n, ps.len() * 4);
+    let mut qs: Vec<f32> = Vec::new();
+    let mut at = 0;
+    for (m, d) in ms.iter().zip(&dims) {
+        if let Some((rows, cols, r)) = *d {
+            let p = &mut ps[at..at + rows * r];
+            orthonormalize(p, rows, r);
+            qs.extend(matmul_tn(m, p, rows, cols, r));
+            at += rows * r;
+        }
+    }
+    // Mᵀ·P is cols×r row-major: the layout Q keeps.
+    comm.all_reduce(group, &mut qs)?;
+    traffic.all_reduce(n, qs.len() * 4);
+    comm.all_reduce(group, &mut plain)?;
+    traffic.all_reduce(n, plain.len() * 4);
+    let (mut at_p, mut at_q, mut at_plain) = (0, 0, 0);
+    let scale = 1.0 / n as f32;
+    for ((t, m), d) in tensors.iter_mut().zip(ms).zip(&dims) {
+        match *d {
+            None => {
+                let len = t.grad.len();
+                t.grad.copy_from_slice(&plain[at_plain..at_plain + len]);
+                at_plain += len;
+            }
+            Some((rows, cols, r)) => {
+                let p = &ps[at_p..at_p + rows * r];
+                let q = &qs[at_q..at_q + cols * r];
+                // P·Qᵀ: rows×cols.
+                let mut approx = vec![0.0f32; rows * cols];
+                for i in 0..rows {
+                    for j in 0..cols {
+                        let mut s = 0.0f32;
+                        for k in 0..r {
+                            s += p[i * r + k] * q[j * r + k];
+                        }
+                        approx[i * cols + j] = s;
+                    }
+                }
+                t.feedback.error = m
+                    .iter()
+                    .zip(&approx)
+                    .map(|(x, a)| x - a * scale)
+                    .collect();
+                t.feedback.q = q.to_vec();
+                t.grad.copy_from_slice(&approx);
+                at_p += rows * r;
+                at_q += cols * r;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_and_fp16_round_to_their_grids() {
+        assert_eq!(round_bf16(1.0), 1.0);
+        // 1 + 2^-8 is halfway between bf16 neighbours 1 and 1 + 2^-7: ties to even.
+        assert_eq!(round_bf16(1.0 + 2f32.powi(-8)), 1.0);
+        assert_eq!(round_bf16(1.0 + 3.0 * 2f32.powi(-8)), 1.0 + 2f32.powi(-6));
+        assert_eq!(round_fp16(1.0 + 2f32.powi(-11)), 1.0);
+        assert_eq!(round_fp16(1.0 + 2f32.powi(-10)), 1.0 + 2f32.powi(-10));
+        assert_eq!(round_fp16(70000.0), f32::INFINITY);
+        assert_eq!(round_fp16(2f32.powi(-24)), 2f32.powi(-24));
+    }
+
+    #[test]
+    fn orthonormal_columns() {
+        let mut p = vec![1.0, 2.0, 3.0, 4.0, 5.0, 7.0];
+        orthonormalize(&mut p, 3, 2);
+        let dot = |i: usize, j: usize| (0..3).map(|x| p[x * 2 + i] * p[x * 2 + j]).sum::<f32>();
+        assert!((dot(0, 0) - 1.0).abs() < 1e-6);
+        assert!((dot(1, 1) - 1.0).abs() < 1e-6);
+        assert!(dot(0, 1).abs() < 1e-6);
+    }
+
+    #[test]
+    fn powersgd_compresses_matrices_only() {
+        assert_eq!(powersgd_dims(&[64], 4), None);
+        assert_eq!(powersgd_dims(&[64, 256], 4), Some((64, 256, 4)));
+        assert_eq!(powersgd_dims(&[4, 4], 4), None);
+    }
+}
