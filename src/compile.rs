@@ -25,6 +25,13 @@ pub struct PlanArgs {
     /// overlap (`overlap=off`: the data-parallel gradient reduction waits for backward).
     #[arg(long, default_value = "")]
     pub strategy: String,
+    /// Let the search choose what changes the training dynamics: `sync`
+    /// (a parameter server or async updates instead of the all-reduce),
+    /// `compress` (bf16, PowerSGD or top-k gradients), or `sync,compress`.
+    /// Without it the search all-reduces fp32 gradients; `--strategy`
+    /// pins either whatever this says.
+    #[arg(long, default_value = "")]
+    pub allow: String,
     /// Samples per step (default: the model's train section).
     #[arg(long)]
     pub global_batch: Option<u64>,
@@ -164,6 +171,7 @@ pub fn plan(
     req.global_batch = args.global_batch;
     req.seq = args.seq;
     req.pinned = dplc_planner::parse_strategy(&args.strategy).map_err(plan_error)?;
+    req.pinned.allow = dplc_planner::Allow::parse(&args.allow).map_err(plan_error)?;
     restrict(&mut req.pinned, &lowered.graph)?;
     req.top_k = top_k;
     let mut compiled = dplc_planner::compile(&req).map_err(plan_error)?;

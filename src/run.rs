@@ -685,6 +685,20 @@ pub fn train_prepared_on(
         if has_seq {
             summary["tokens_per_s"] = json!(samples * p.train.seq as f64 / elapsed.max(1e-9));
         }
+        // The data-parallel reduction as it ran and as the plan priced it:
+        // the busiest rank's bytes sent per step, and the whole loss curve,
+        // for `dplc viz --runs` to draw beside other runs.
+        let s = &p.plan.strategy;
+        summary["sync"] = json!(s.sync.keys());
+        summary["compress"] = json!(s.compress.name());
+        let per_step = |b: u64| b as f64 / done.max(1) as f64;
+        summary["dp_bytes_sent_per_step"] = json!(report
+            .dp_traffic
+            .iter()
+            .map(|t| per_step(t.sent))
+            .fold(0.0, f64::max));
+        summary["predicted_dp_bytes_per_step"] = json!(p.plan.estimate.breakdown.dp_link_bytes);
+        summary["losses"] = json!(report.steps.iter().map(|s| s.loss).collect::<Vec<_>>());
         if let Some(d) = &report.device {
             summary["device"] = json!(d.name);
             summary["kernels"] = json!(d.kernels);

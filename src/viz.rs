@@ -1,5 +1,6 @@
 //! `dplc viz`: a plan as a Chrome trace (Perfetto, chrome://tracing), as
-//! Graphviz of one layer's sharded program, or as one self-contained HTML page.
+//! Graphviz of one layer's sharded program, or as one self-contained HTML page;
+//! or the loss curves of `dplc run --json` outputs side by side (`--runs`).
 
 use crate::compile::read_plan;
 use dplc_ir::{AxisPart, Plan, RegionProgram};
@@ -22,7 +23,13 @@ pub enum Format {
 #[derive(clap::Args)]
 pub struct Args {
     /// A plan written by `dplc compile -o`.
-    plan: PathBuf,
+    #[arg(required_unless_present = "runs")]
+    plan: Option<PathBuf>,
+    /// Instead of a plan: the outputs of `dplc run --json` (one file per
+    /// run), drawn as loss curves side by side on one HTML page, with each
+    /// run's synchronisation, compression and final loss.
+    #[arg(long, num_args = 1.., conflicts_with = "plan")]
+    runs: Vec<PathBuf>,
     #[arg(long, value_enum, default_value = "html")]
     format: Format,
     /// Write here instead of standard output.
@@ -34,14 +41,30 @@ pub struct Args {
 }
 
 pub fn run(args: &Args) -> Result<()> {
-    let plan = read_plan(&args.plan)?;
+    let Some(plan_path) = &args.plan else {
+        let runs = args
+            .runs
+            .iter()
+            .map(|p| read_run(p))
+            .collect::<Result<Vec<_>>>()?;
+        let text = loss_curves(&runs);
+        let inputs: Vec<&std::path::Path> = args.runs.iter().map(|p| p.as_path()).collect();
+        return match &args.output {
+            Some(path) => crate::output::write(path, text.as_bytes(), &inputs),
+            None => {
+                outln!("{text}");
+                Ok(())
+            }
+        };
+    };
+    let plan = read_plan(plan_path)?;
     let text = match args.format {
         Format::Trace => serde_json::to_string(&trace(&plan)).expect("JSON values serialise"),
         Format::Dot => dot(&plan)?,
         Format::Html => html(&plan),
     };
     match &args.output {
-        Some(path) => crate::output::write(path, text.as_bytes(), &[&args.plan]),
+        Some(path) => crate::output::write(path, text.as_bytes(), &[plan_path.as_path()]),
         None => {
             outln!("{text}");
             Ok(())
@@ -223,6 +246,115 @@ fn dot_program(plan: &Plan, prog: &RegionProgram) -> String {
         let _ = writeln!(s, "  {} -> bwd{i} [style=dashed];", b.of);
     }
     let _ = writeln!(s, "}}");
+    s
+}
+
+/// One run's curve, read from what `dplc run --json` printed.
+pub struct RunCurve {
+    pub label: String,
+    pub losses: Vec<f64>,
+}
+
+/// Read a `dplc run --json` output: its summary line carries the losses.
+fn read_run(path: &std::path::Path) -> Result<RunCurve> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| miette!("cannot read {}: {e}", path.display()))?;
+    let summary = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|v| v["summary"] == json!(true) && v["losses"].is_array())
+        .ok_or_else(|| {
+            miette!(
+                code = "dplc::input",
+                help = "save what `dplc run … --json > run.json` prints, one file per run",
+                "{} holds no `dplc run --json` summary with losses",
+                path.display()
+            )
+        })?;
+    let losses: Vec<f64> = summary["losses"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|x| x.as_f64()).collect())
+        .unwrap_or_default();
+    let name = path
+        .file_stem()
+        .map_or_else(String::new, |s| s.to_string_lossy().into_owned());
+    let label = format!(
+        "{name}: {} compress={}",
+        summary["sync"].as_str().unwrap_or("sync=allreduce"),
+        summary["compress"].as_str().unwrap_or("none")
+    );
+    Ok(RunCurve { label, losses })
+}
+
+/// Loss curves side by side: one SVG polyline per run over the same axes,
+/// and a table of each run's final loss beside the first run's.
+pub fn loss_curves(runs: &[RunCurve]) -> String {
+    const COLOURS: [&str; 8] = [
+        "#1d3557", "#e63946", "#2a9d8f", "#f4a261", "#6a4c93", "#8ab17d", "#264653", "#b5838d",
+    ];
+    let (w, h, left, bottom) = (900.0, 420.0, 60.0, 30.0);
+    let finite = runs.iter().flat_map(|r| r.losses.iter().copied()).filter(|x| x.is_finite());
+    let (lo, hi) = finite.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| (a.min(x), b.max(x)));
+    let (lo, hi) = if lo.is_finite() && hi > lo { (lo, hi) } else { (0.0, 1.0) };
+    let steps = runs.iter().map(|r| r.losses.len()).max().unwrap_or(1).max(2);
+    let x = |i: usize| left + (w - left - 10.0) * i as f64 / (steps - 1) as f64;
+    let y = |l: f64| 10.0 + (h - bottom - 10.0) * (hi - l) / (hi - lo);
+    let mut s = String::from(
+        "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>dplc runs: loss</title>\
+         <style>body{font-family:sans-serif;margin:24px;color:#1d3557}table{border-collapse:collapse}\
+         td,th{border:1px solid #ccd;padding:3px 8px;text-align:right}</style></head><body>\
+         <h1>Loss by step</h1>",
+    );
+    let _ = write!(
+        s,
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" role=\"img\" aria-label=\"loss curves\">\
+         <line x1=\"{left}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"#888\"/>\
+         <line x1=\"{left}\" y1=\"10\" x2=\"{left}\" y2=\"{}\" stroke=\"#888\"/>\
+         <text x=\"4\" y=\"16\" font-size=\"11\">{hi:.3}</text>\
+         <text x=\"4\" y=\"{}\" font-size=\"11\">{lo:.3}</text>\
+         <text x=\"{}\" y=\"{}\" font-size=\"11\">step {}</text>",
+        h - bottom,
+        w - 10.0,
+        h - bottom,
+        h - bottom,
+        h - bottom,
+        w - 80.0,
+        h - 8.0,
+        steps - 1
+    );
+    for (i, r) in runs.iter().enumerate() {
+        let points: Vec<String> = r
+            .losses
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.is_finite())
+            .map(|(j, &l)| format!("{:.1},{:.1}", x(j), y(l)))
+            .collect();
+        let _ = write!(
+            s,
+            "<polyline fill=\"none\" stroke=\"{}\" stroke-width=\"1.5\" points=\"{}\"><title>{}</title></polyline>",
+            COLOURS[i % COLOURS.len()],
+            points.join(" "),
+            html_escape(&r.label)
+        );
+    }
+    s.push_str("</svg><table><tr><th>run</th><th>steps</th><th>final loss</th><th>vs first run</th></tr>");
+    let base = runs.first().and_then(|r| r.losses.last().copied());
+    for (i, r) in runs.iter().enumerate() {
+        let last = r.losses.last().copied().unwrap_or(f64::NAN);
+        let vs = match base {
+            Some(b) if b.abs() > 0.0 => format!("{:+.2}%", 100.0 * (last / b - 1.0)),
+            _ => String::new(),
+        };
+        let _ = write!(
+            s,
+            "<tr><td style=\"text-align:left;color:{}\">{}</td><td>{}</td><td>{last:.4}</td><td>{vs}</td></tr>",
+            COLOURS[i % COLOURS.len()],
+            html_escape(&r.label),
+            r.losses.len()
+        );
+    }
+    s.push_str("</table></body></html>");
     s
 }
 

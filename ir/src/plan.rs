@@ -779,6 +779,11 @@ pub struct TimeBreakdown {
     /// (`offload_s` is the part of their time compute does not hide).
     #[serde(default, skip_serializing_if = "is_zero_bytes")]
     pub offload_bytes: u64,
+    /// Bytes the busiest rank's link carries (one direction) per step for the
+    /// data-parallel gradient reduction and, under a parameter server, the
+    /// weights' return. Plans written before this field existed left it out.
+    #[serde(default, skip_serializing_if = "is_zero_bytes")]
+    pub dp_link_bytes: u64,
     /// Each mesh axis's communication per step: what stays on the critical
     /// path and what overlap hides. Plans written before this field existed
     /// have none (`dplc explain` then prints the totals before overlap).

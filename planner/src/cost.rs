@@ -1234,6 +1234,8 @@ impl<'a> CostModel<'a> {
             optimizer_s: optimizer,
             offload_s: offload,
             offload_bytes: offload_bytes as u64,
+            dp_link_bytes: ((dense_cut.link_bytes + expert_cut.link_bytes)
+                * if c.zero >= 2 { m } else { 1.0 }) as u64,
             comm_by_axis,
         }
     }

@@ -22,7 +22,7 @@ pub use error::PlanError;
 pub use layouts::LayoutStats;
 pub use megatron::derive_layout;
 pub use report::{layouts_summary, memory_table, summary, throughput, to_json};
-pub use strategy::{parse_strategy, AxisOrder, StrategyConstraints};
+pub use strategy::{parse_strategy, Allow, AxisOrder, StrategyConstraints, SyncMode};
 pub use timeline::{timeline, Span, SpanKind, Timeline};
 
 use dplc_ir::validate as rules;
@@ -232,16 +232,21 @@ fn dp_what_ifs(
         cost.dp_reduction(alt, 1.0, 4.0, &link).link_bytes / 4.0
     };
     let mut variants: Vec<(String, cost::Config)> = Vec::new();
-    let mut push = |change: String, alt: cost::Config| {
-        if alt.sync != c.sync || alt.compress != c.compress {
-            variants.push((change, alt));
-        }
-    };
     let base = cost::Config {
         zero: 0,
         sync: GradSync::AllReduce,
         compress: Compression::None,
         ..c
+    };
+    if c.zero != 0 {
+        // The lines below run over replicated state: this one says what
+        // dropping the ZeRO stage alone costs.
+        variants.push((format!("zero {} → 0", c.zero), base));
+    }
+    let mut push = |change: String, alt: cost::Config| {
+        if alt.sync != c.sync || alt.compress != c.compress {
+            variants.push((change, alt));
+        }
     };
     push("sync=allreduce".into(), cost::Config { compress: c.compress, ..base });
     push(format!("sync=ps,ps_shards={n}"), cost::Config { sync: GradSync::Ps { shards: n }, ..base });
@@ -289,8 +294,10 @@ fn dp_what_ifs(
             if alt.zero != c.zero {
                 note.push_str(&format!("; ZeRO-{} → 0", c.zero));
             }
-            if alt.sync != GradSync::AllReduce || alt.compress != Compression::None {
-                note.push_str("; changes training: --allow sync,compress lets the search pick it");
+            match (alt.sync != GradSync::AllReduce, alt.compress != Compression::None) {
+                (true, _) => note.push_str("; the search takes it with --allow sync"),
+                (false, true) => note.push_str("; the search takes it with --allow compress"),
+                (false, false) => {}
             }
             dplc_ir::WhatIf {
                 change,
