@@ -293,10 +293,24 @@ pub fn loss_curves(runs: &[RunCurve]) -> String {
         "#1d3557", "#e63946", "#2a9d8f", "#f4a261", "#6a4c93", "#8ab17d", "#264653", "#b5838d",
     ];
     let (w, h, left, bottom) = (900.0, 420.0, 60.0, 30.0);
-    let finite = runs.iter().flat_map(|r| r.losses.iter().copied()).filter(|x| x.is_finite());
-    let (lo, hi) = finite.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| (a.min(x), b.max(x)));
-    let (lo, hi) = if lo.is_finite() && hi > lo { (lo, hi) } else { (0.0, 1.0) };
-    let steps = runs.iter().map(|r| r.losses.len()).max().unwrap_or(1).max(2);
+    let finite = runs
+        .iter()
+        .flat_map(|r| r.losses.iter().copied())
+        .filter(|x| x.is_finite());
+    let (lo, hi) = finite.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| {
+        (a.min(x), b.max(x))
+    });
+    let (lo, hi) = if lo.is_finite() && hi > lo {
+        (lo, hi)
+    } else {
+        (0.0, 1.0)
+    };
+    let steps = runs
+        .iter()
+        .map(|r| r.losses.len())
+        .max()
+        .unwrap_or(1)
+        .max(2);
     let x = |i: usize| left + (w - left - 10.0) * i as f64 / (steps - 1) as f64;
     let y = |l: f64| 10.0 + (h - bottom - 10.0) * (hi - l) / (hi - lo);
     let mut s = String::from(
@@ -338,7 +352,9 @@ pub fn loss_curves(runs: &[RunCurve]) -> String {
             html_escape(&r.label)
         );
     }
-    s.push_str("</svg><table><tr><th>run</th><th>steps</th><th>final loss</th><th>vs first run</th></tr>");
+    s.push_str(
+        "</svg><table><tr><th>run</th><th>steps</th><th>final loss</th><th>vs first run</th></tr>",
+    );
     let base = runs.first().and_then(|r| r.losses.last().copied());
     for (i, r) in runs.iter().enumerate() {
         let last = r.losses.last().copied().unwrap_or(f64::NAN);

@@ -35,10 +35,10 @@ pub use op::{BinaryOp, Init, Op, ReduceKind, UnaryOp, VocabOp};
 pub use pipeline::{even_split, pipeline_order, virtual_stage_layers, PipelineWork};
 pub use plan::{
     Alternative, AttentionKind, AxisComm, AxisMapping, AxisPart, BackwardCollective,
-    ClusterSummary, Collective, CollectiveKind, Compression, Elementwise, GradSync, Estimate, GradAccum, LinkLevel,
-    MemoryBreakdown, Mesh, MeshAxis, ModelSource, Offload, ParamSharding, PipelineSchedule, Plan,
-    ProgramValue, Recompute, RegionProgram, RootSplit, SearchStats, StagePlan, StepPhase, Strategy,
-    TimeBreakdown, TpOverlap, WhatIf,
+    ClusterSummary, Collective, CollectiveKind, Compression, Elementwise, Estimate, GradAccum,
+    GradSync, LinkLevel, MemoryBreakdown, Mesh, MeshAxis, ModelSource, Offload, ParamSharding,
+    PipelineSchedule, Plan, ProgramValue, Recompute, RegionProgram, RootSplit, SearchStats,
+    StagePlan, StepPhase, Strategy, TimeBreakdown, TpOverlap, WhatIf,
 };
 
 pub use print::print_graph;

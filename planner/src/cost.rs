@@ -8,8 +8,9 @@ use crate::cluster::{Cluster, Link};
 use crate::profile::{Bind, ModelProfile, RegionProfile, Work};
 use crate::sharding::{GemmSplit, Pass, TpCollectiveKind};
 use dplc_ir::{
-    AttentionKind, AxisComm, CollectiveKind, Compression, Elementwise, GradAccum, GradSync, LinkLevel, MemoryBreakdown,
-    MeshAxis, Offload, PipelineSchedule, Precision, Recompute, TimeBreakdown, TpOverlap,
+    AttentionKind, AxisComm, CollectiveKind, Compression, Elementwise, GradAccum, GradSync,
+    LinkLevel, MemoryBreakdown, MeshAxis, Offload, PipelineSchedule, Precision, Recompute,
+    TimeBreakdown, TpOverlap,
 };
 use std::collections::HashMap;
 
@@ -1002,9 +1003,13 @@ impl<'a> CostModel<'a> {
                 };
                 let sent = params * ((1.0 - matrix_frac) + matrix_frac * factor_ratio);
                 let flops = 4.0 * r * params * matrix_frac;
-                let gemm = flops / (self.cluster.device.peak_flops(self.profile.precision)
-                    * GEMM_EFFICIENCY_SKINNY);
-                all_reduce(sent * 4.0, gemm + mem(params * 16.0) + 4.0 * KERNEL_OVERHEAD_S)
+                let gemm = flops
+                    / (self.cluster.device.peak_flops(self.profile.precision)
+                        * GEMM_EFFICIENCY_SKINNY);
+                all_reduce(
+                    sent * 4.0,
+                    gemm + mem(params * 16.0) + 4.0 * KERNEL_OVERHEAD_S,
+                )
             }
             Compression::TopK { per_million } => {
                 let k = params * per_million as f64 / 1e6;

@@ -248,13 +248,34 @@ fn dp_what_ifs(
             variants.push((change, alt));
         }
     };
-    push("sync=allreduce".into(), cost::Config { compress: c.compress, ..base });
-    push(format!("sync=ps,ps_shards={n}"), cost::Config { sync: GradSync::Ps { shards: n }, ..base });
-    push("sync=ps,ps_shards=1".into(), cost::Config { sync: GradSync::Ps { shards: 1 }, ..base });
+    push(
+        "sync=allreduce".into(),
+        cost::Config {
+            compress: c.compress,
+            ..base
+        },
+    );
+    push(
+        format!("sync=ps,ps_shards={n}"),
+        cost::Config {
+            sync: GradSync::Ps { shards: n },
+            ..base
+        },
+    );
+    push(
+        "sync=ps,ps_shards=1".into(),
+        cost::Config {
+            sync: GradSync::Ps { shards: 1 },
+            ..base
+        },
+    );
     push(
         "sync=async,staleness=1".into(),
         cost::Config {
-            sync: GradSync::Async { shards: n, staleness: 1 },
+            sync: GradSync::Async {
+                shards: n,
+                staleness: 1,
+            },
             ..base
         },
     );
@@ -262,9 +283,18 @@ fn dp_what_ifs(
         Compression::None,
         Compression::Bf16,
         Compression::PowerSgd { rank: 4 },
-        Compression::TopK { per_million: 10_000 },
+        Compression::TopK {
+            per_million: 10_000,
+        },
     ] {
-        push(format!("compress={}", compress.name()), cost::Config { compress, sync: c.sync, ..base });
+        push(
+            format!("compress={}", compress.name()),
+            cost::Config {
+                compress,
+                sync: c.sync,
+                ..base
+            },
+        );
     }
     let plain = ratio(&cost, &base);
     variants
@@ -278,7 +308,11 @@ fn dp_what_ifs(
                     "server link carries {:.2}× the gradient bytes, all-reduce {:.2}×{}",
                     bytes,
                     plain,
-                    if shards == n { " (BytePS: a shard per worker)" } else { "" }
+                    if shards == n {
+                        " (BytePS: a shard per worker)"
+                    } else {
+                        ""
+                    }
                 ),
                 GradSync::AllReduce => format!(
                     "each link carries {:.3}× the fp32 gradient bytes, {:.2}× uncompressed",
@@ -294,7 +328,10 @@ fn dp_what_ifs(
             if alt.zero != c.zero {
                 note.push_str(&format!("; ZeRO-{} → 0", c.zero));
             }
-            match (alt.sync != GradSync::AllReduce, alt.compress != Compression::None) {
+            match (
+                alt.sync != GradSync::AllReduce,
+                alt.compress != Compression::None,
+            ) {
                 (true, _) => note.push_str("; the search takes it with --allow sync"),
                 (false, true) => note.push_str("; the search takes it with --allow compress"),
                 (false, false) => {}

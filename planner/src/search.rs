@@ -11,7 +11,8 @@ use crate::profile::ModelProfile;
 use crate::{PlanError, StrategyConstraints};
 use dplc_ir::validate::{self as rules, divisors};
 use dplc_ir::{
-    AttentionKind, Compression, GradSync, MemoryBreakdown, Offload, PipelineSchedule, Recompute, TimeBreakdown, TpOverlap,
+    AttentionKind, Compression, GradSync, MemoryBreakdown, Offload, PipelineSchedule, Recompute,
+    TimeBreakdown, TpOverlap,
 };
 use std::collections::HashMap;
 
@@ -313,7 +314,9 @@ pub(crate) fn dp_reductions(pins: &StrategyConstraints, dp: u64) -> Vec<(GradSyn
             Compression::None,
             Compression::Bf16,
             Compression::PowerSgd { rank: 4 },
-            Compression::TopK { per_million: 10_000 },
+            Compression::TopK {
+                per_million: 10_000,
+            },
         ],
         None => vec![Compression::None],
     };
@@ -502,7 +505,8 @@ fn time_bucket(step_time: f64) -> i64 {
 pub(crate) fn complexity(c: &Config) -> (u8, u8, Recompute, u64) {
     // A change to the training dynamics first: on a tie the all-reduce of
     // fp32 gradients wins.
-    let dynamics = u8::from(c.sync != GradSync::AllReduce) + u8::from(c.compress != Compression::None);
+    let dynamics =
+        u8::from(c.sync != GradSync::AllReduce) + u8::from(c.compress != Compression::None);
     (dynamics, c.zero, c.recompute, c.virtual_stages)
 }
 

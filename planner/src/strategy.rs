@@ -3,7 +3,8 @@
 
 use crate::PlanError;
 use dplc_ir::{
-    AttentionKind, Compression, Elementwise, GradSync, GradAccum, PipelineSchedule, Recompute, RootSplit, TpOverlap,
+    AttentionKind, Compression, Elementwise, GradAccum, GradSync, PipelineSchedule, Recompute,
+    RootSplit, TpOverlap,
 };
 use std::fmt;
 

@@ -159,7 +159,11 @@ fn orthonormalize(p: &mut [f32], rows: usize, r: usize) {
             .map(|x| f64::from(p[x * r + j]).powi(2))
             .sum::<f64>()
             .sqrt();
-        let inv = if norm > 1e-12 { (1.0 / norm) as f32 } else { 0.0 };
+        let inv = if norm > 1e-12 {
+            (1.0 / norm) as f32
+        } else {
+            0.0
+        };
         for x in 0..rows {
             p[x * r + j] *= inv;
         }
@@ -185,7 +189,10 @@ pub(crate) fn compressed_all_reduce(
     let n = group.size();
     match compress {
         Compression::None => {
-            let mut flat: Vec<f32> = tensors.iter().flat_map(|t| t.grad.iter().copied()).collect();
+            let mut flat: Vec<f32> = tensors
+                .iter()
+                .flat_map(|t| t.grad.iter().copied())
+                .collect();
             comm.all_reduce(group, &mut flat)?;
             traffic.all_reduce(n, flat.len() * 4);
             scatter_back(tensors, &flat);
@@ -221,14 +228,22 @@ pub(crate) fn compressed_all_reduce(
                     .zip(&t.feedback.error)
                     .map(|(g, e)| g + e)
                     .collect();
-                let k = ((len as f64 * per_million as f64 / 1e6).ceil() as usize).clamp(1, len.max(1));
+                let k =
+                    ((len as f64 * per_million as f64 / 1e6).ceil() as usize).clamp(1, len.max(1));
                 let mut order: Vec<usize> = (0..len).collect();
-                // Largest magnitude first; ties by position: the same choice on every machine.
-                order.sort_unstable_by(|&a, &b| {
-                    v[b].abs().total_cmp(&v[a].abs()).then(a.cmp(&b))
-                });
+                // The k largest magnitudes, ties by position (a total order:
+                // the same set on every machine), by selection, not a sort;
+                // then in position order, so the message is the same too.
+                let by_size =
+                    |a: &usize, b: &usize| v[*b].abs().total_cmp(&v[*a].abs()).then(a.cmp(b));
+                let k = k.min(len);
+                if k < len {
+                    order.select_nth_unstable_by(k, by_size);
+                }
+                order.truncate(k);
+                order.sort_unstable();
                 let mut error = v.clone();
-                for &i in order.iter().take(k.min(len)) {
+                for &i in &order {
                     let at = offset + i;
                     if at >= 1 << 40 {
                         return Err(kernel_err("topk", "more than 2^40 gradient elements"));
@@ -290,8 +305,10 @@ fn powersgd(
     traffic: &mut Traffic,
 ) -> Result<()> {
     let n = group.size();
-    let dims: Vec<Option<(usize, usize, usize)>> =
-        tensors.iter().map(|t| powersgd_dims(t.shape, rank)).collect();
+    let dims: Vec<Option<(usize, usize, usize)>> = tensors
+        .iter()
+        .map(|t| powersgd_dims(t.shape, rank))
+        .collect();
     let mut plain: Vec<f32> = Vec::new();
     let mut ms: Vec<Vec<f32>> = Vec::with_capacity(tensors.len());
     let mut ps: Vec<f32> = Vec::new();
@@ -353,11 +370,7 @@ fn powersgd(
                         approx[i * cols + j] = s;
                     }
                 }
-                t.feedback.error = m
-                    .iter()
-                    .zip(&approx)
-                    .map(|(x, a)| x - a * scale)
-                    .collect();
+                t.feedback.error = m.iter().zip(&approx).map(|(x, a)| x - a * scale).collect();
                 t.feedback.q = q.to_vec();
                 t.grad.copy_from_slice(&approx);
                 at_p += rows * r;

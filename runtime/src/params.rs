@@ -9,7 +9,7 @@ use crate::interp::{ParamAccess, ParamKey, Value};
 use crate::rng;
 use crate::shard::{self, MeshGroups};
 use crate::tensor::Tensor;
-use dplc_ir::{Compression, Graph, GradSync, Init, Optimizer, TensorLayout, VocabOp};
+use dplc_ir::{Compression, GradSync, Graph, Init, Optimizer, TensorLayout, VocabOp};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ops::Range;
 use std::sync::Arc;
