@@ -698,6 +698,7 @@ pub fn train_prepared_on(
             .map(|t| per_step(t.sent))
             .fold(0.0, f64::max));
         summary["predicted_dp_bytes_per_step"] = json!(p.plan.estimate.breakdown.dp_link_bytes);
+        summary["predicted_step_time_s"] = json!(p.plan.estimate.step_time_s);
         summary["losses"] = json!(report.steps.iter().map(|s| s.loss).collect::<Vec<_>>());
         if let Some(d) = &report.device {
             summary["device"] = json!(d.name);

@@ -774,3 +774,54 @@ fn verify_splits(src: &str, model: Option<&str>, strategies: &[&str], extra: &[&
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `dplc run --json` of two synchronisations, their loss curves drawn side
+/// by side by `dplc viz --runs`; measured bytes equal the plan's prediction
+/// for the parameter server; a file that is not a run's output is refused.
+#[test]
+fn run_json_reports_the_dp_bytes_and_viz_draws_the_runs_side_by_side() {
+    let dir = std::env::temp_dir().join(format!("dplc-viz-runs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a scratch directory");
+    let mut files = Vec::new();
+    for (name, strategy) in [("ring", "dp=4,zero=0"), ("ps1", "dp=4,sync=ps,ps_shards=1")] {
+        let mut args = vec!["run", "models/tiny.dpl", "--cluster", "4xcpu"];
+        args.extend(SMALL);
+        args.extend(["--steps", "3", "--json", "--strategy", strategy]);
+        let out = dplc(&args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let summary: serde_json::Value =
+            serde_json::from_str(text.lines().last().expect("a summary")).expect("JSON");
+        assert_eq!(summary["losses"].as_array().map(Vec::len), Some(3));
+        assert_eq!(
+            summary["dp_bytes_sent_per_step"].as_f64(),
+            summary["predicted_dp_bytes_per_step"].as_f64(),
+            "{strategy}: {summary}"
+        );
+        let path = dir.join(format!("{name}.json"));
+        std::fs::write(&path, text).expect("written");
+        files.push(path);
+    }
+    let html = dir.join("loss.html");
+    let out = dplc(&[
+        "viz",
+        "--runs",
+        files[0].to_str().unwrap(),
+        files[1].to_str().unwrap(),
+        "-o",
+        html.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let page = std::fs::read_to_string(&html).expect("the page");
+    assert_eq!(page.matches("<polyline").count(), 2);
+    assert!(page.contains("ps1: sync=ps,ps_shards=1 compress=none"), "{page}");
+    let out = dplc(&["viz", "--runs", "models/tiny.dpl"]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("holds no `dplc run --json` summary with losses"),
+        "{}",
+        stderr(&out)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

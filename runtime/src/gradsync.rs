@@ -407,6 +407,61 @@ mod tests {
         assert!(dot(0, 1).abs() < 1e-6);
     }
 
+    /// One rank, a rank-1 gradient `u·vᵀ`: one power step recovers it
+    /// exactly (P ∝ u, Q = v·|u|), so nothing is left for the error; and
+    /// top-k keeps the largest element and feeds the rest back.
+    #[test]
+    fn powersgd_recovers_a_rank_one_gradient_and_topk_feeds_back_the_rest() {
+        let world = crate::comm::World::new(1, std::time::Duration::from_secs(5));
+        let mut comm = world.communicator(0);
+        let group = Group::new(vec![0]);
+        let (u, v) = ([1.0f32, -2.0, 0.5], [0.25f32, 1.0, -1.0, 2.0]);
+        let g: Vec<f32> = u.iter().flat_map(|a| v.iter().map(move |b| a * b)).collect();
+        let shape = [3usize, 4];
+        let mut grad = g.clone();
+        let mut fb = Feedback {
+            error: vec![0.0; 12],
+            q: initial_q(7, (0, 0), 4, 1),
+        };
+        let mut traffic = Traffic::default();
+        compressed_all_reduce(
+            &mut comm,
+            &group,
+            Compression::PowerSgd { rank: 1 },
+            &mut [Tensor {
+                grad: &mut grad,
+                shape: &shape,
+                feedback: &mut fb,
+            }],
+            &mut traffic,
+        )
+        .unwrap();
+        for (a, b) in grad.iter().zip(&g) {
+            assert!((a - b).abs() < 1e-5, "{grad:?} vs {g:?}");
+        }
+        assert!(fb.error.iter().all(|e| e.abs() < 1e-5), "{:?}", fb.error);
+
+        let mut grad = vec![0.1f32, -3.0, 0.2, 1.0];
+        let mut fb = Feedback {
+            error: vec![0.0, 0.0, 0.0, 0.5],
+            q: Vec::new(),
+        };
+        compressed_all_reduce(
+            &mut comm,
+            &group,
+            Compression::TopK { per_million: 250_000 },
+            &mut [Tensor {
+                grad: &mut grad,
+                shape: &[4],
+                feedback: &mut fb,
+            }],
+            &mut traffic,
+        )
+        .unwrap();
+        assert_eq!(grad, vec![0.0, -3.0, 0.0, 0.0]);
+        assert_eq!(fb.error, vec![0.1, 0.0, 0.2, 1.5]);
+    }
+
     #[test]
     fn powersgd_compresses_matrices_only() {
         assert_eq!(powersgd_dims(&[64], 4), None);
