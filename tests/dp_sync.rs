@@ -238,6 +238,38 @@ fn error_feedback_survives_a_checkpoint() {
 }
 
 #[test]
+fn a_parameter_server_resumes_from_its_shards() {
+    let cfg = dp4(GradSync::Ps { shards: 1 }, Compression::None);
+    let whole = run(&cfg, 4);
+    let dir = Scratch::new("ps");
+    let first = run(
+        &RunConfig {
+            checkpoint: Some(CheckpointConfig {
+                dir: dir.0.clone(),
+                every: 2,
+            }),
+            ..cfg.clone()
+        },
+        2,
+    );
+    let rest = run(
+        &RunConfig {
+            resume_from: first.checkpoints.last().cloned(),
+            ..cfg.clone()
+        },
+        4,
+    );
+    let resumed: Vec<f64> = first
+        .steps
+        .iter()
+        .chain(&rest.steps)
+        .map(|s| s.loss)
+        .collect();
+    assert_eq!(losses(&whole), resumed);
+    assert_eq!(whole.params.max_rel_diff(&rest.params, 1e-6).0, 0.0);
+}
+
+#[test]
 fn what_the_runtime_does_not_run_is_refused() {
     let err = |cfg: RunConfig| {
         try_run(&cfg, 1, 16, Some(Opt::AdamW))

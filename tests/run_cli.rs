@@ -815,7 +815,10 @@ fn run_json_reports_the_dp_bytes_and_viz_draws_the_runs_side_by_side() {
     assert!(out.status.success(), "{}", stderr(&out));
     let page = std::fs::read_to_string(&html).expect("the page");
     assert_eq!(page.matches("<polyline").count(), 2);
-    assert!(page.contains("ps1: sync=ps,ps_shards=1 compress=none"), "{page}");
+    assert!(
+        page.contains("ps1: sync=ps,ps_shards=1 compress=none"),
+        "{page}"
+    );
     let out = dplc(&["viz", "--runs", "models/tiny.dpl"]);
     assert!(!out.status.success());
     assert!(

@@ -18,6 +18,9 @@ use dplc_ir::Compression;
 /// takes `n−1` of them in), a broadcast's root sends `n−1` copies, an
 /// all-gather sends this rank's piece to `n−1` peers. Top-k pairs count 8
 /// bytes (a 4-byte index and an f32), as a real sparse all-gather sends them.
+/// ZeRO's all-gathers of updated weights are not counted (nor does the
+/// planner's `dp_link_bytes` count them); a parameter server's return of
+/// the weights is.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Traffic {
     pub sent: u64,
@@ -28,6 +31,15 @@ impl Traffic {
     pub(crate) fn all_reduce(&mut self, n: usize, bytes: usize) {
         if n > 1 {
             let b = (2 * (n - 1) * bytes / n) as u64;
+            self.sent += b;
+            self.received += b;
+        }
+    }
+
+    /// A reduce-scatter (ZeRO-2 and 3): `(n−1)/n` of the buffer each way.
+    pub(crate) fn reduce_scatter(&mut self, n: usize, bytes: usize) {
+        if n > 1 {
+            let b = ((n - 1) * bytes / n) as u64;
             self.sent += b;
             self.received += b;
         }
@@ -416,7 +428,10 @@ mod tests {
         let mut comm = world.communicator(0);
         let group = Group::new(vec![0]);
         let (u, v) = ([1.0f32, -2.0, 0.5], [0.25f32, 1.0, -1.0, 2.0]);
-        let g: Vec<f32> = u.iter().flat_map(|a| v.iter().map(move |b| a * b)).collect();
+        let g: Vec<f32> = u
+            .iter()
+            .flat_map(|a| v.iter().map(move |b| a * b))
+            .collect();
         let shape = [3usize, 4];
         let mut grad = g.clone();
         let mut fb = Feedback {
@@ -449,7 +464,9 @@ mod tests {
         compressed_all_reduce(
             &mut comm,
             &group,
-            Compression::TopK { per_million: 250_000 },
+            Compression::TopK {
+                per_million: 250_000,
+            },
             &mut [Tensor {
                 grad: &mut grad,
                 shape: &[4],

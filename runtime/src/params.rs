@@ -143,9 +143,10 @@ pub(crate) struct ParamStore {
     versions: VecDeque<BTreeMap<ParamKey, Value>>,
 }
 
-/// How a store's data-parallel group combines gradients, and the
-/// error-feedback state a checkpoint carried, if any.
-pub(crate) struct DpSync<'a> {
+/// How a store's data-parallel group holds its state (the ZeRO stage) and
+/// combines gradients, and the error-feedback state a checkpoint carried.
+pub(crate) struct DpState<'a> {
+    pub zero: ZeroStage,
     pub sync: GradSync,
     pub compress: Compression,
     pub feedback: Option<&'a BTreeMap<ParamKey, Feedback>>,
@@ -180,12 +181,11 @@ impl ParamStore {
     pub fn new(
         graph: &Graph,
         keys: Vec<HeldParam>,
-        zero: ZeroStage,
         comm: Communicator,
         mesh: MeshGroups,
         seed: u64,
         resume: Option<&BTreeMap<ParamKey, LogicalParam>>,
-        dp_sync: DpSync,
+        dp_sync: DpState,
     ) -> Result<ParamStore> {
         let mut slots = BTreeMap::new();
         let mut feedback = BTreeMap::new();
@@ -194,7 +194,7 @@ impl ParamStore {
         let zero = if ps_shards.is_some() {
             ZeroStage::One
         } else {
-            zero
+            dp_sync.zero
         };
         for held in keys {
             let HeldParam {
@@ -381,6 +381,8 @@ impl ParamStore {
                     .remove(&key)
                     .unwrap_or_else(|| vec![0.0; slot.numel]);
                 let part = self.comm.reduce_scatter(&slot.group, &full, &slot.shards)?;
+                self.traffic
+                    .reduce_scatter(slot.group.size(), full.len() * 4);
                 let slot = self.slots.get_mut(&key).expect("key listed from the slots");
                 slot.grad.iter_mut().zip(part).for_each(|(g, p)| *g += p);
             }
@@ -430,6 +432,7 @@ impl ParamStore {
                         .comm
                         .reduce_scatter(&group, &flat, &ranges)?
                         .into_iter();
+                    self.traffic.reduce_scatter(members, flat.len() * 4);
                     for k in &keys {
                         let slot = self.slots.get_mut(k).expect("key from the slots");
                         let n = slot.shards[slot.pos].len();

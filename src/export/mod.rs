@@ -64,11 +64,35 @@ impl Engine {
 
     /// The plan's choices the engine cannot express.
     fn gaps(self, plan: &Plan, t: &Transformer) -> Vec<Gap> {
-        match self {
+        let mut gaps = match self {
             Engine::Megatron => megatron::gaps(plan, t),
             Engine::Torchtitan => torchtitan::gaps(plan, t),
             Engine::Deepspeed => deepspeed::gaps(plan, t),
+        };
+        // None of the three runs a parameter server or dplc's compressed
+        // all-reduces (DeepSpeed's 1-bit Adam compresses the optimizer's
+        // momentum, another algorithm).
+        let s = &plan.strategy;
+        if !s.sync.is_all_reduce() {
+            gaps.push(Gap::new(
+                format!("{}: the engine all-reduces gradients", s.sync.keys()),
+                |c| {
+                    c.sync = Some(dplc_planner::SyncMode::AllReduce);
+                    c.ps_shards = None;
+                    c.staleness = None;
+                },
+            ));
         }
+        if !s.compress.is_none() {
+            gaps.push(Gap::new(
+                format!(
+                    "compress={}: the engine reduces uncompressed gradients",
+                    s.compress.name()
+                ),
+                |c| c.compress = Some(dplc_ir::Compression::None),
+            ));
+        }
+        gaps
     }
 }
 

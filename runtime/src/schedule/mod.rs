@@ -21,7 +21,7 @@ use crate::error::{Result, RuntimeError};
 use crate::fused::HostBackend;
 use crate::gradsync::Traffic;
 use crate::interp::{ParamKey, Value};
-use crate::params::{DpSync, HeldParam, ParamStore, Unit, ZeroStage};
+use crate::params::{DpState, HeldParam, ParamStore, Unit, ZeroStage};
 use crate::partition::{schedule, Partition, Work};
 use crate::shard::{concat_along, Layouts, MeshGroups};
 use crate::tensor::Tensor;
@@ -713,7 +713,6 @@ fn run_rank(
     let store = ParamStore::new(
         sh.graph,
         held,
-        cfg.zero,
         comm,
         MeshGroups {
             tp: tp_group,
@@ -722,7 +721,8 @@ fn run_rank(
         },
         sh.seed,
         sh.resume.as_ref().map(|r| &r.params),
-        DpSync {
+        DpState {
+            zero: cfg.zero,
             sync: cfg.sync,
             compress: cfg.compress,
             feedback: feedback.as_ref(),
