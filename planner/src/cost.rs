@@ -844,6 +844,20 @@ impl<'a> CostModel<'a> {
             buffers: buffers as u64,
             host: 0,
         };
+        // What the gradient synchronisation keeps, as the runtime keeps it:
+        // a server holds the optimizer state of its 1/N of the parameters
+        // (the busiest rank is a server), async keeps K older weight
+        // versions, top-k and PowerSGD an fp32 error per gradient element.
+        if let Some(servers) = c.sync.ps_shards() {
+            m.optimizer = (params / (servers as f64).clamp(1.0, dp) * opt_bytes) as u64;
+        }
+        m.weights += (c.sync.staleness() as f64 * params * w_bytes) as u64;
+        if matches!(
+            c.compress,
+            Compression::TopK { .. } | Compression::PowerSgd { .. }
+        ) {
+            m.gradients += (params * 4.0) as u64;
+        }
         let o = c.offload;
         if o.optimizer {
             // ZeRO-Offload: the fp32 master weights and moments live on the
