@@ -467,4 +467,21 @@ fn strategy_keys_are_checked_where_they_are_read() {
     let c = parse_strategy("sync=async,ps_shards=2,staleness=3,compress=none").unwrap();
     assert_eq!(parse_strategy(&c.to_string()).unwrap(), c);
     assert!(Allow::parse("sync,fast").is_err());
+    // Pins no plan can satisfy say what to change.
+    let refused = |strategy: &str| {
+        let path = format!("{}/models/gpt2.dpl", env!("CARGO_MANIFEST_DIR"));
+        let text = std::fs::read_to_string(&path).expect("zoo file exists");
+        let unit = dplc_frontend::parse("gpt2.dpl", &text).expect("zoo file parses");
+        let l = unit.lower("gpt2").expect("gpt2 lowers");
+        let mut req = PlanRequest::new(
+            &l.graph,
+            l.train.clone(),
+            parse_cluster("4x8xA100").unwrap(),
+        );
+        req.pinned = parse_strategy(strategy).unwrap();
+        compile(&req).expect_err(strategy).to_string()
+    };
+    assert!(refused("sync=ps,zero=1").contains("pin zero=0"));
+    assert!(refused("sync=ps,compress=bf16").contains("drop compress or pin sync=allreduce"));
+    assert!(refused("dp=8,sync=ps,ps_shards=16").contains("give ps_shards at most dp"));
 }

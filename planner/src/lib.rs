@@ -347,6 +347,31 @@ fn dp_what_ifs(
         .collect()
 }
 
+/// Pins of the gradient synchronisation that no configuration can satisfy,
+/// said as what to change (the runtime runs a parameter server and the
+/// compressions over replicated state, and compression over the all-reduce).
+fn check_dp_sync_pins(pins: &StrategyConstraints, world: u64) -> Result<(), PlanError> {
+    let changed = pins.sync.is_some_and(|s| s != SyncMode::AllReduce)
+        || pins.compress.is_some_and(|c| !c.is_none());
+    if changed && pins.zero.is_some_and(|z| z > 0) {
+        return Err(PlanError::Strategy(
+            "sync=ps|async and compress= run over replicated state (a parameter server shards \
+             the optimizer state over its servers itself): pin zero=0 or leave zero out"
+                .into(),
+        ));
+    }
+    if pins.sync.is_some_and(|s| s != SyncMode::AllReduce)
+        && pins.compress.is_some_and(|c| !c.is_none())
+    {
+        return Err(PlanError::Strategy(
+            "compress= compresses the all-reduce; a parameter server pushes fp32 gradients: \
+             drop compress or pin sync=allreduce"
+                .into(),
+        ));
+    }
+    pins.grad_sync(pins.dp.unwrap_or(world)).map(|_| ())
+}
+
 /// Why a model with the free dimension `dim` cannot be planned, and what to do.
 pub fn unbound_dim_message(dim: &str) -> String {
     format!(
@@ -385,6 +410,7 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
             ));
         }
     }
+    check_dp_sync_pins(&req.pinned, world)?;
     if req.pinned.fp8 == Some(true) && req.cluster.device.peak_fp8 <= 0.0 {
         return Err(PlanError::Strategy(format!(
             "fp8=on needs FP8 tensor cores, and {} has none (H100, H200, GH200, B200 and \
