@@ -606,6 +606,17 @@ impl fmt::Display for Strategy {
         if self.elementwise != Elementwise::Fused {
             write!(f, ", elementwise {}", self.elementwise.name())?;
         }
+        match self.sync {
+            GradSync::AllReduce => {}
+            GradSync::Ps { shards } => write!(f, ", parameter server ({shards} shards)")?,
+            GradSync::Async { shards, staleness } => write!(
+                f,
+                ", async parameter server ({shards} shards, staleness {staleness})"
+            )?,
+        }
+        if !self.compress.is_none() {
+            write!(f, ", gradients compressed {}", self.compress.name())?;
+        }
         Ok(())
     }
 }
