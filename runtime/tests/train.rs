@@ -590,3 +590,58 @@ fn faults_outside_the_run_are_refused() {
         assert!(e.to_string().contains(says), "{e}");
     }
 }
+
+/// A parameter server, async updates and the compressions move their
+/// gradients through the collectives, so ranks in separate processes
+/// (TCP) reproduce the threaded run bit for bit.
+#[test]
+fn dp_synchronisations_over_tcp_equal_the_threaded_run() {
+    let g = Gpt::default().build();
+    for (sync, compress) in [
+        (
+            dplc_ir::GradSync::Ps { shards: 1 },
+            dplc_ir::Compression::None,
+        ),
+        (
+            dplc_ir::GradSync::Async {
+                shards: 2,
+                staleness: 1,
+            },
+            dplc_ir::Compression::None,
+        ),
+        (
+            dplc_ir::GradSync::AllReduce,
+            dplc_ir::Compression::TopK {
+                per_million: 100_000,
+            },
+        ),
+        (
+            dplc_ir::GradSync::AllReduce,
+            dplc_ir::Compression::PowerSgd { rank: 2 },
+        ),
+    ] {
+        let cfg = RunConfig {
+            dp: 2,
+            pp: 2,
+            micro_batch: 1,
+            num_micro_batches: 2,
+            sync,
+            compress,
+            ..RunConfig::default()
+        };
+        let here = run(&g, cfg.clone()).unwrap();
+        let there = run_over_tcp(&g, cfg)
+            .into_iter()
+            .next()
+            .expect("rank 0")
+            .unwrap_or_else(|e| panic!("{}/{}: {e}", sync.keys(), compress.name()));
+        let losses = |r: &TrainReport| r.steps.iter().map(|s| s.loss.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            losses(&here),
+            losses(&there),
+            "{} {}",
+            sync.keys(),
+            compress.name()
+        );
+    }
+}
