@@ -404,6 +404,41 @@ fn a_plan_an_engine_cannot_run_names_the_closest_and_its_price() {
     assert_eq!(v["error"]["code"], "dplc::export-gap");
 }
 
+/// No engine runs a parameter server or dplc's compressed all-reduces: the
+/// export names them and offers the all-reduce of fp32 gradients.
+#[test]
+fn a_parameter_server_or_compression_is_named_as_a_gap() {
+    for (strategy, name, what) in [
+        (
+            "sync=ps",
+            "gpt2_ps.ron",
+            "sync=ps,ps_shards=8: the engine all-reduces gradients",
+        ),
+        (
+            "compress=powersgd:4",
+            "gpt2_psgd.ron",
+            "compress=powersgd:4: the engine reduces uncompressed gradients",
+        ),
+    ] {
+        let plan = compile(
+            "models/gpt2.dpl",
+            "gpt2",
+            "8xA100",
+            &["--strategy", strategy],
+            name,
+        );
+        // torchtitan builds no LayerNorm model; the gap is shared code.
+        for engine in ["megatron", "deepspeed"] {
+            let out = export(&plan, engine, &[]);
+            assert_eq!(out.status.code(), Some(1), "{engine}");
+            let err = text(&out.stderr);
+            assert!(err.contains(what), "{engine}: {err}");
+            let out = export(&plan, engine, &["--closest"]);
+            assert!(out.status.success(), "{engine}: {}", text(&out.stderr));
+        }
+    }
+}
+
 #[test]
 fn a_gpipe_plan_goes_to_megatron_as_1f1b() {
     let plan = compile(
