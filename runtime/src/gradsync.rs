@@ -186,7 +186,15 @@ fn orthonormalize(p: &mut [f32], rows: usize, r: usize) {
 pub(crate) struct Tensor<'a> {
     pub grad: &'a mut Vec<f32>,
     pub shape: &'a [usize],
-    pub feedback: &'a mut Feedback,
+    /// Top-k's and PowerSGD's state (`None` for bf16/fp16, which keep none).
+    pub feedback: Option<&'a mut Feedback>,
+}
+
+/// A tensor's error-feedback state, which top-k and PowerSGD need.
+fn state<'a>(feedback: &'a mut Option<&mut Feedback>) -> Result<&'a mut Feedback> {
+    feedback
+        .as_deref_mut()
+        .ok_or_else(|| kernel_err("compress", "a gradient without its error-feedback state"))
 }
 
 /// Sum the group's gradients of `tensors` (this rank's contribution in
@@ -234,12 +242,8 @@ pub(crate) fn compressed_all_reduce(
             let mut offset = 0usize;
             for t in tensors.iter_mut() {
                 let len = t.grad.len();
-                let v: Vec<f32> = t
-                    .grad
-                    .iter()
-                    .zip(&t.feedback.error)
-                    .map(|(g, e)| g + e)
-                    .collect();
+                let error = &state(&mut t.feedback)?.error;
+                let v: Vec<f32> = t.grad.iter().zip(error).map(|(g, e)| g + e).collect();
                 let k =
                     ((len as f64 * per_million as f64 / 1e6).ceil() as usize).clamp(1, len.max(1));
                 let mut order: Vec<usize> = (0..len).collect();
@@ -265,7 +269,7 @@ pub(crate) fn compressed_all_reduce(
                     pairs.push(v[i]);
                     error[i] = 0.0;
                 }
-                t.feedback.error = error;
+                state(&mut t.feedback)?.error = error;
                 offset += len;
             }
             let all = comm.all_gather(group, &pairs)?;
@@ -324,20 +328,17 @@ fn powersgd(
     let mut plain: Vec<f32> = Vec::new();
     let mut ms: Vec<Vec<f32>> = Vec::with_capacity(tensors.len());
     let mut ps: Vec<f32> = Vec::new();
-    for (t, d) in tensors.iter().zip(&dims) {
+    for (t, d) in tensors.iter_mut().zip(&dims) {
         match d {
             None => {
                 plain.extend_from_slice(t.grad);
                 ms.push(Vec::new());
             }
             Some((rows, cols, r)) => {
-                let m: Vec<f32> = t
-                    .grad
-                    .iter()
-                    .zip(&t.feedback.error)
-                    .map(|(g, e)| g + e)
-                    .collect();
-                ps.extend(matmul(&m, &t.feedback.q, *rows, *cols, *r));
+                let grad: &[f32] = t.grad;
+                let fb = state(&mut t.feedback)?;
+                let m: Vec<f32> = grad.iter().zip(&fb.error).map(|(g, e)| g + e).collect();
+                ps.extend(matmul(&m, &fb.q, *rows, *cols, *r));
                 ms.push(m);
             }
         }
@@ -382,8 +383,9 @@ fn powersgd(
                         approx[i * cols + j] = s;
                     }
                 }
-                t.feedback.error = m.iter().zip(&approx).map(|(x, a)| x - a * scale).collect();
-                t.feedback.q = q.to_vec();
+                let fb = state(&mut t.feedback)?;
+                fb.error = m.iter().zip(&approx).map(|(x, a)| x - a * scale).collect();
+                fb.q = q.to_vec();
                 t.grad.copy_from_slice(&approx);
                 at_p += rows * r;
                 at_q += cols * r;
@@ -446,7 +448,7 @@ mod tests {
             &mut [Tensor {
                 grad: &mut grad,
                 shape: &shape,
-                feedback: &mut fb,
+                feedback: Some(&mut fb),
             }],
             &mut traffic,
         )
@@ -470,7 +472,7 @@ mod tests {
             &mut [Tensor {
                 grad: &mut grad,
                 shape: &[4],
-                feedback: &mut fb,
+                feedback: Some(&mut fb),
             }],
             &mut traffic,
         )

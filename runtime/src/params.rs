@@ -531,45 +531,22 @@ impl ParamStore {
     fn compressed_reduce(&mut self) -> Result<()> {
         for (ranks, keys) in self.by_group() {
             let group = Group::new(ranks);
-            let mut empty: BTreeMap<ParamKey, Feedback> = BTreeMap::new();
-            let feedback = if self.feedback.is_empty() {
-                // bf16/fp16 keep no state.
-                for k in &keys {
-                    empty.insert(
-                        *k,
-                        Feedback {
-                            error: Vec::new(),
-                            q: Vec::new(),
-                        },
-                    );
-                }
-                &mut empty
-            } else {
-                &mut self.feedback
-            };
+            // Both maps iterate in key order; bf16/fp16 keep no state.
+            let mut feedback = self
+                .feedback
+                .iter_mut()
+                .filter(|(k, _)| keys.contains(k))
+                .peekable();
             let mut tensors: Vec<gradsync::Tensor> = Vec::with_capacity(keys.len());
-            let mut slots: Vec<&mut Slot> = self
-                .slots
-                .iter_mut()
-                .filter(|(k, _)| keys.contains(k))
-                .map(|(_, s)| s)
-                .collect();
-            let mut fb: Vec<&mut Feedback> = feedback
-                .iter_mut()
-                .filter(|(k, _)| keys.contains(k))
-                .map(|(_, f)| f)
-                .collect();
-            if fb.len() != slots.len() {
-                return Err(kernel_err(
-                    "compress",
-                    "a gradient without its error-feedback state",
-                ));
-            }
-            for (slot, f) in slots.iter_mut().zip(fb.iter_mut()) {
+            for (k, slot) in self.slots.iter_mut().filter(|(k, _)| keys.contains(k)) {
+                let state = match feedback.peek() {
+                    Some((fk, _)) if *fk == k => feedback.next().map(|(_, f)| f),
+                    _ => None,
+                };
                 tensors.push(gradsync::Tensor {
                     grad: &mut slot.grad,
                     shape: &slot.shape,
-                    feedback: f,
+                    feedback: state,
                 });
             }
             gradsync::compressed_all_reduce(
