@@ -463,6 +463,7 @@ fn strategy_keys_are_checked_where_they_are_read() {
     assert!(e("staleness=2").contains("give it with sync=async"));
     assert!(e("ps_shards=2").contains("give it with sync=ps or sync=async"));
     assert!(e("compress=topk:2").contains("topk:F (F a fraction in (0, 1])"));
+    assert!(e("compress=powersgd:0").contains("powersgd:R (R a positive rank)"));
     assert!(e("sync=gossip").contains("sync is allreduce, ps or async"));
     let c = parse_strategy("sync=async,ps_shards=2,staleness=3,compress=none").unwrap();
     assert_eq!(parse_strategy(&c.to_string()).unwrap(), c);
