@@ -187,3 +187,29 @@ fn even_stages_and_the_rank_order_can_be_pinned() {
     assert!(parse_strategy("order=dp-first").is_err());
     assert!(parse_strategy("stages=uneven").is_err());
 }
+
+/// Every zoo model compiles on a cluster of its size with tensor
+/// parallelism in the plan (each pinned at a degree its layers split by),
+/// and its layers laid out by the sharding e-graph.
+#[test]
+fn every_zoo_model_plans_with_tensor_parallelism() {
+    for (file, model, cluster, tp) in [
+        ("gpt2.dpl", "gpt2", "8xA100", 2),
+        ("bert.dpl", "bert_large", "8xA100", 4),
+        ("vit.dpl", "vit_l16", "8xA100", 2),
+        ("llama2.dpl", "llama2_13b", "2x8xA100", 8),
+        ("llama3.dpl", "llama3_8b", "8xH100", 8),
+        ("mistral.dpl", "mistral_7b", "8xH100", 8),
+        ("gemma.dpl", "gemma_2b", "8xH100", 4),
+        ("mixtral.dpl", "mixtral_8x7b", "2x8xH100", 4),
+        ("deepseek.dpl", "deepseek_v2_lite", "4x8xH100", 4),
+        ("megatron_gpt.dpl", "gpt_22b", "8x8xA100", 8),
+    ] {
+        let c = plan(file, model, cluster, &format!("tp={tp}"), 1);
+        assert_eq!(c.plan.mesh.tp, tp, "{model}");
+        assert!(
+            c.plan.layout.is_some() && !c.plan.programs.is_empty(),
+            "{model}: a tensor-parallel plan carries its layouts"
+        );
+    }
+}

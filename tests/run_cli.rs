@@ -653,6 +653,20 @@ fn the_gemma_zoo_model_verifies_under_its_splits() {
     );
 }
 
+/// The zoo's dense-then-MoE model (DeepSeek-V2-Lite's shape: a dense layer
+/// stack, then a stack of routed plus shared experts, latent attention with
+/// one rotary key shared by every head) verifies under tensor, data,
+/// pipeline and expert splits on both computes, as its planner priced them.
+#[test]
+fn the_deepseek_zoo_model_verifies_under_its_splits() {
+    verify_splits(
+        "models/deepseek.dpl",
+        Some("deepseek_tiny"),
+        &["tp=2,dp=2", "dp=2,pp=2", "tp=2,ep=2,dp=2"],
+        &[],
+    );
+}
+
 /// The zoo's sliding-window model (Mistral's shape): a window as long as the
 /// sequence is plain causal attention, a shorter one changes what is
 /// learned, and the windowed model verifies under tensor, data and pipeline

@@ -410,7 +410,7 @@ fn explore(
                         out.smallest = Some(Smallest {
                             config: c,
                             stage,
-                            memory: cost.stage_memory(&c, stage, counts[stage as usize]),
+                            memory: cost.stage_memory(&c, &counts, stage),
                         });
                     }
                     if peak > capacity && !ignore_memory {
@@ -418,7 +418,7 @@ fn explore(
                     }
                     if !c.offload.is_none() && !ignore_memory {
                         let host = (0..c.pp)
-                            .map(|i| cost.stage_memory(&c, i, counts[i as usize]).host)
+                            .map(|i| cost.stage_memory(&c, &counts, i).host)
                             .max()
                             .unwrap_or(0);
                         if host > host_capacity {
