@@ -37,8 +37,8 @@ pub use plan::{
     Alternative, AttentionKind, AxisComm, AxisMapping, AxisPart, BackwardCollective,
     ClusterSummary, Collective, CollectiveKind, Elementwise, Estimate, GradAccum, LinkLevel,
     MemoryBreakdown, Mesh, MeshAxis, ModelSource, Offload, ParamSharding, PipelineSchedule, Plan,
-    ProgramValue, Recompute, RegionProgram, RootSplit, SearchStats, StagePlan, StepPhase, Strategy,
-    TimeBreakdown, TpOverlap, WhatIf,
+    ProgramValue, Recompute, RegionProgram, RootSplit, SearchStats, SkippedDegree, StagePlan,
+    StepPhase, Strategy, TimeBreakdown, TpOverlap, WhatIf,
 };
 
 pub use print::print_graph;

@@ -698,6 +698,18 @@ pub struct SearchStats {
     pub feasible: u64,
     /// The keys fixed by `--strategy`, as given.
     pub pinned: String,
+    /// Tensor/expert degrees the cluster allows but the model's layers
+    /// cannot split by, each with why: the search leaves them out.
+    #[serde(default)]
+    pub skipped: Vec<SkippedDegree>,
+}
+
+/// A tensor/expert degree the search left out, and why.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SkippedDegree {
+    pub tp: u64,
+    pub ep: u64,
+    pub reason: String,
 }
 
 /// A runner-up and why it lost to the chosen plan.

@@ -358,6 +358,17 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
         out.feasible,
         req.pinned.to_string(),
     );
+    plan.search.skipped = layouts
+        .by_degrees
+        .iter()
+        .filter_map(|(&(tp, ep), l)| {
+            l.as_ref().err().map(|why| dplc_ir::SkippedDegree {
+                tp,
+                ep,
+                reason: why.clone(),
+            })
+        })
+        .collect();
     // A replicated root runs the single-rank program of the model's ends.
     let root = match (c.root, layouts.get((1, c.ep))) {
         (dplc_ir::RootSplit::Replicated, Some(whole)) => whole.root.region_program.clone(),

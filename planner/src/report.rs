@@ -524,6 +524,7 @@ pub(crate) fn build_plan(
             space,
             feasible,
             pinned,
+            skipped: Vec::new(),
         },
         alternatives,
         what_if: Vec::new(),
@@ -740,6 +741,13 @@ pub fn layouts_summary(compiled: &Compiled) -> String {
             l.stop_reason,
             l.time_ms,
             l.collectives
+        );
+    }
+    for d in &compiled.plan.search.skipped {
+        let _ = writeln!(
+            s,
+            "    skipped tp {} ep {}: {} (not searched)",
+            d.tp, d.ep, d.reason
         );
     }
     for prog in &compiled.plan.programs {
