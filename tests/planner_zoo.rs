@@ -213,3 +213,16 @@ fn every_zoo_model_plans_with_tensor_parallelism() {
         );
     }
 }
+
+/// Under a pipeline the search keeps to ZeRO-1 unasked, and plans ZeRO-3
+/// (FSDP + PP) when it is pinned.
+#[test]
+fn fsdp_under_a_pipeline_plans_when_pinned() {
+    let searched = plan("llama3.dpl", "llama3_8b", "2x8xH100", "pp=2", 1);
+    assert!(searched.plan.strategy.zero_stage <= 1);
+    let pinned = plan("llama3.dpl", "llama3_8b", "2x8xH100", "pp=2,zero=3", 1);
+    assert_eq!(
+        (pinned.plan.mesh.pp, pinned.plan.strategy.zero_stage),
+        (2, 3)
+    );
+}

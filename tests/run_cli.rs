@@ -653,6 +653,18 @@ fn the_gemma_zoo_model_verifies_under_its_splits() {
     );
 }
 
+/// Sharded gradients and weights under a pipeline (torchtitan's FSDP + PP),
+/// pinned, run as priced and equal to the serial run on both computes.
+#[test]
+fn zero_2_and_3_under_a_pipeline_verify_when_pinned() {
+    verify_splits(
+        "models/tiny.dpl",
+        Some("gpt_tiny"),
+        &["dp=2,pp=2,zero=2", "dp=2,pp=2,zero=3"],
+        &[],
+    );
+}
+
 /// The zoo's dense-then-MoE model (DeepSeek-V2-Lite's shape: a dense layer
 /// stack, then a stack of routed plus shared experts, latent attention with
 /// one rotary key shared by every head) verifies under tensor, data,

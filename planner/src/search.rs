@@ -368,7 +368,12 @@ fn explore(
                     &[3]
                 } else if base.dp * base.cp == 1 {
                     &[0]
-                } else if base.pp > 1 {
+                } else if base.pp > 1 && pins.zero.is_none() {
+                    // Sharded gradients and weights under a pipeline
+                    // (torchtitan's FSDP + PP) run and are priced when
+                    // pinned; unasked the search keeps to what Megatron's
+                    // and DeepSpeed's pipelines run (ZeRO-1 at most), the
+                    // engines a plan is most often handed to.
                     &[0, 1]
                 } else {
                     &[0, 1, 2, 3]
