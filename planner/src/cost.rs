@@ -1094,12 +1094,25 @@ impl<'a> CostModel<'a> {
             .copied()
             .max_by(|a, b| a.total().total_cmp(&b.total()))
             .expect("at least one stage");
-        let t_max = slowest.total();
         // Every stage runs at the slowest stage's pace, so fill and drain cost
         // p − 1 slots of it (of 1/v of it under interleaving): the bubble
         // (p − 1)/(v·m) of Narayanan et al. 2021, and exactly the makespan of
         // the schedule `timeline` lays out.
-        let bubble = (p - 1) as f64 * t_max / v;
+        // Under interleaving a slot is a chunk's time: a stage whose layers
+        // do not split evenly over its chunks is paced by its largest chunk.
+        let bubble = (p - 1) as f64
+            * stages
+                .iter()
+                .zip(counts)
+                .map(|(s, &n)| {
+                    let chunks = c.virtual_stages.max(1);
+                    if n.is_multiple_of(chunks) {
+                        s.total() / v
+                    } else {
+                        s.total() * n.div_ceil(chunks) as f64 / n as f64
+                    }
+                })
+                .fold(0.0, f64::max);
 
         let boundary = self.boundary_bytes(c);
         let pp_link = self.link(c, MeshAxis::Pp);

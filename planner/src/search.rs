@@ -92,9 +92,9 @@ pub(crate) fn validate(
     }
     if let Some(v) = pins.virtual_stages {
         let pp = pins.pp.unwrap_or(1);
-        if v > 1 && !profile.layers.is_multiple_of(pp.saturating_mul(v)) {
+        if v > 1 && profile.layers < pp.saturating_mul(v) {
             return bad(format!(
-                "v={v} with pp={pp}: the {} layers do not split into {pp} × {v} equal chunks",
+                "v={v} with pp={pp}: the {} layers cannot give each of the {pp} × {v} chunks a layer",
                 profile.layers,
             ));
         }
@@ -297,10 +297,14 @@ fn schedules(
     } else {
         v.push((PipelineSchedule::OneFOneB, 1));
         v.push((PipelineSchedule::GPipe, 1));
-        // Megatron needs the micro-batches to be a multiple of the stages and
-        // the layers to split into pp × v equal chunks.
+        // Megatron needs the micro-batches to be a multiple of the stages.
+        // Chunks that differ by a layer run and are priced when `v` is
+        // pinned; unasked the search keeps to equal chunks, which Megatron
+        // can express.
         for chunks in 2..=(layers / pp) {
-            if rules::interleaving(layers, pp, chunks, m).is_ok()
+            let equal = layers.is_multiple_of(pp * chunks) || pins.virtual_stages == Some(chunks);
+            if equal
+                && rules::interleaving(layers, pp, chunks, m).is_ok()
                 && rules::pipeline_passes(m, chunks, pp).is_ok()
             {
                 v.push((PipelineSchedule::Interleaved, chunks));
