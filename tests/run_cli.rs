@@ -733,6 +733,20 @@ fn where_and_comparisons_train_under_every_split() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// The zoo's encoder-decoder (T5's shape: two stacks, a relative position
+/// bias made once per stack, cross-attention to the encoder's output,
+/// decoder inputs shifted right, one embedding read in three places)
+/// verifies under data and tensor splits on both computes.
+#[test]
+fn the_t5_zoo_model_verifies_under_its_splits() {
+    verify_splits(
+        "models/t5.dpl",
+        Some("t5_tiny"),
+        &["dp=4", "tp=2,dp=2"],
+        &["--seq", "16", "--global-batch", "8"],
+    );
+}
+
 /// Compile `model` of `src` on 4 CPU ranks under each of `strategies` (with
 /// `extra` compile flags) and check that `dplc verify` passes the plan on
 /// both computes.

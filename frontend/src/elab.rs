@@ -209,6 +209,9 @@ pub struct Elab<'p> {
     scope_origins: HashMap<(ScopeId, String), Span>,
     /// Where each parameter of a scope was declared, to name the first of two.
     param_origins: HashMap<(ScopeId, String), Span>,
+    /// Inside a call with `share = "path"`: the call's scope, the path whose
+    /// parameters it uses instead of declaring its own, and where it was said.
+    sharing: Option<(ScopeId, String, Span)>,
 }
 
 /// Names every file can use: the element types.
@@ -234,6 +237,7 @@ impl<'p> Elab<'p> {
             section_mode: false,
             scope_origins: HashMap::new(),
             param_origins: HashMap::new(),
+            sharing: None,
         }
     }
 
@@ -514,6 +518,12 @@ impl<'p> Elab<'p> {
             Some(e) => self.init(e)?,
         };
         let key = (self.scope, name.name.clone());
+        if self.sharing.is_some() && !self.param_origins.contains_key(&key) {
+            self.param_origins.insert(key, name.span);
+            let t = self.shared_param(name, &shape)?;
+            self.bind(&name.name, Value::Tensor(t));
+            return Ok(());
+        }
         if let Some(first) = self.param_origins.get(&key) {
             return Err(Diag::new(
                 "dpl::duplicate-param",
@@ -544,6 +554,64 @@ impl<'p> Elab<'p> {
             .map_err(|err| self.ir_error(err, name.span))?;
         self.bind(&name.name, Value::Tensor(t));
         Ok(())
+    }
+
+    /// The parameter a `share = "path"` call uses for its `param name`: the
+    /// one at the same place under `path`, with the same shape, brought into
+    /// the current region (one parameter read twice: its gradients add up
+    /// and it is counted once).
+    fn shared_param(&mut self, name: &Ident, shape: &[Dim]) -> Res<TensorId> {
+        let (call_scope, prefix, said) = self.sharing.clone().expect("called while sharing");
+        let here = self.g.scope_path(self.scope);
+        let base = self.g.scope_path(call_scope);
+        let rel = here.strip_prefix(base.as_str()).unwrap_or("");
+        let target = format!("{prefix}{rel}.{}", name.name);
+        let Some(p) = self.g.params().find(|(_, p)| p.name == target).map(|(_, p)| p.clone()) else {
+            let near = self
+                .g
+                .params()
+                .filter(|(_, p)| p.name.starts_with(&format!("{prefix}.")))
+                .map(|(_, p)| p.name.clone())
+                .collect::<Vec<_>>();
+            return Err(Diag::new(
+                "dpl::unknown-share",
+                name.span,
+                format!("`share = \"{prefix}\"` has no parameter `{target}` for `{}`", name.name),
+            )
+            .label("declared here, to be shared")
+            .note(said, "shared from here")
+            .help(if near.is_empty() {
+                format!("no parameter is declared under `{prefix}` before this call: call the block once without `share` first (parameter paths look like `layers.attention.q.w`)")
+            } else {
+                format!("parameters under `{prefix}`: {}", near.join(", "))
+            }));
+        };
+        if p.shape.dims() != shape {
+            return Err(Diag::new(
+                "dpl::shape",
+                name.span,
+                format!(
+                    "`{}` is {} here but the shared `{target}` is {}",
+                    name.name,
+                    self.g.shape_str(&Shape(shape.to_vec())),
+                    self.g.shape_str(&p.shape)
+                ),
+            )
+            .label("shape differs")
+            .note(said, "shared from here")
+            .help("a shared block must be called with the sizes of the call it shares"));
+        }
+        let region = self.g.tensor_region(p.tensor);
+        if !self.levels.iter().any(|l| l.region == region) {
+            return Err(Diag::new(
+                "dpl::unknown-share",
+                said,
+                format!("`{target}` belongs to a `repeat` body this call is not in"),
+            )
+            .label("cannot share from here")
+            .help("share parameters declared outside any `repeat`, or inside the same body"));
+        }
+        Ok(self.localize(p.tensor))
     }
 
     fn init(&mut self, e: &Expr) -> Res<Init> {
@@ -1253,6 +1321,28 @@ impl<'p> Elab<'p> {
                 }
             }
         }
+        // `share = "enc.embed"`: the parameters of an earlier call, not new ones.
+        let mut share = None;
+        if let Some(i) = args
+            .iter()
+            .position(|(n, _, _)| n.as_ref().is_some_and(|n| n.name == "share"))
+        {
+            let (key, v, at) = args.remove(i);
+            match v {
+                Value::Str(s)
+                    if !s.is_empty() && s.split('.').all(is_scope_name) =>
+                {
+                    share = Some((s, key.map_or(at, |k| k.span.to(at))));
+                }
+                other => {
+                    return Err(self.expected(
+                        &other,
+                        at,
+                        "a parameter path string such as \"enc.embed\" (names joined by .)",
+                    ))
+                }
+            }
+        }
         let formals: Vec<&str> = def.formals.iter().map(|f| f.name.name.as_str()).collect();
         let sig = self.signature(def);
         let bound = self.bind_args(&formals, &sig, args, callee, span)?;
@@ -1272,7 +1362,12 @@ impl<'p> Elab<'p> {
             file: def.name.span.file,
         });
         self.scope = block_scope;
+        let outer_sharing = match share {
+            Some((path, at)) => self.sharing.replace((block_scope, path, at)),
+            None => self.sharing.clone(),
+        };
         let result = self.run_block(def, bound, span, &sig);
+        self.sharing = outer_sharing;
         self.scope = outer_scope;
         self.frames.pop();
         self.calls.pop();

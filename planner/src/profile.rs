@@ -234,6 +234,7 @@ fn fusible(op: &Op) -> bool {
             | Op::Dropout { .. }
             | Op::CausalMask
             | Op::Select
+            | Op::Pad { .. }
     )
 }
 

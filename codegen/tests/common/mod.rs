@@ -197,6 +197,7 @@ pub fn evaluate(
             Op::Input(_)
             | Op::Param(_)
             | Op::TopK { .. }
+            | Op::CumSum { .. }
             | Op::MoeDispatch { .. }
             | Op::MoeCombine
             | Op::Repeat { .. }
@@ -279,6 +280,24 @@ pub fn evaluate(
                         at += (i[k] + if k == *axis { *start as usize } else { 0 }) * st[k];
                     }
                     a.data[at]
+                })
+            }
+            Op::Pad {
+                axis,
+                before,
+                value,
+                ..
+            } => {
+                let a = x(0);
+                let st = strides(&a.shape);
+                elementwise(&|i| {
+                    let from = i[*axis] as i64 - before;
+                    if from < 0 || from >= a.shape[*axis] as i64 {
+                        return *value as f32;
+                    }
+                    let mut j = i.to_vec();
+                    j[*axis] = from as usize;
+                    a.data[j.iter().zip(&st).map(|(a, b)| a * b).sum::<usize>()]
                 })
             }
             Op::Concat { axis } => {
