@@ -736,13 +736,14 @@ fn where_and_comparisons_train_under_every_split() {
 /// The zoo's encoder-decoder (T5's shape: two stacks, a relative position
 /// bias made once per stack, cross-attention to the encoder's output,
 /// decoder inputs shifted right, one embedding read in three places)
-/// verifies under data and tensor splits on both computes.
+/// verifies under data, tensor, pipeline (cut between the two stacks) and
+/// sequence-parallel splits on both computes.
 #[test]
 fn the_t5_zoo_model_verifies_under_its_splits() {
     verify_splits(
         "models/t5.dpl",
         Some("t5_tiny"),
-        &["dp=4", "tp=2,dp=2"],
+        &["dp=4", "tp=2,dp=2", "dp=2,pp=2", "tp=2,pp=2,sp=true"],
         &["--seq", "16", "--global-batch", "8"],
     );
 }
