@@ -286,8 +286,21 @@ fn t5_tiny_trains_on_targets_from_an_array() {
     let mut runs = Vec::new();
     for compute in ["reference", "fused"] {
         let out = dplc(&[
-            "run", "models/t5.dpl", "--model", "t5_tiny", "--cluster", "1xcpu", "--seq", "16",
-            "--steps", "30", "--json", "--compute", compute, "--data", &data,
+            "run",
+            "models/t5.dpl",
+            "--model",
+            "t5_tiny",
+            "--cluster",
+            "1xcpu",
+            "--seq",
+            "16",
+            "--steps",
+            "30",
+            "--json",
+            "--compute",
+            compute,
+            "--data",
+            &data,
         ]);
         assert!(out.status.success(), "{compute}: {}", stderr(&out));
         let losses: Vec<f64> = String::from_utf8_lossy(&out.stdout)
@@ -299,8 +312,14 @@ fn t5_tiny_trains_on_targets_from_an_array() {
         // 64 ids: the loss starts near ln 64 and falls at every step (the
         // head reads the decoder's output scaled by 1/sqrt(d), so slowly:
         // 4.16 to 3.72 in 30 steps).
-        assert!((losses[0] - 64f64.ln()).abs() < 0.3, "{compute}: {losses:?}");
-        assert!(losses.windows(2).all(|w| w[1] < w[0]), "{compute}: {losses:?}");
+        assert!(
+            (losses[0] - 64f64.ln()).abs() < 0.3,
+            "{compute}: {losses:?}"
+        );
+        assert!(
+            losses.windows(2).all(|w| w[1] < w[0]),
+            "{compute}: {losses:?}"
+        );
         assert!(losses[29] < losses[0] - 0.3, "{compute}: {losses:?}");
         runs.push(losses);
     }

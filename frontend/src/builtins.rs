@@ -242,7 +242,13 @@ pub const BUILTINS: &[Builtin] = &[
     },
     Builtin {
         name: "pad",
-        params: &[("x", R), ("axis", R), ("before", R), ("after", R), ("value", F(0.0))],
+        params: &[
+            ("x", R),
+            ("axis", R),
+            ("before", R),
+            ("after", R),
+            ("value", F(0.0)),
+        ],
         doc: "`before`/`after` elements of `value` at the two ends of an axis \
               (negative: drop that many); a symbolic axis only keeps its length",
     },
@@ -583,7 +589,11 @@ pub fn call(e: &mut Elab<'_>, b: &Builtin, args: Vec<(Value, Span)>, span: Span)
                 (b, a, e.number_arg(arg(4), at(4))?)
             } else {
                 let by = e.int_arg(arg(2), at(2))?;
-                (by, by.checked_neg().unwrap_or(i64::MAX), e.number_arg(arg(3), at(3))?)
+                (
+                    by,
+                    by.checked_neg().unwrap_or(i64::MAX),
+                    e.number_arg(arg(3), at(3))?,
+                )
             };
             e.node1(
                 Op::Pad {

@@ -566,7 +566,12 @@ impl<'p> Elab<'p> {
         let base = self.g.scope_path(call_scope);
         let rel = here.strip_prefix(base.as_str()).unwrap_or("");
         let target = format!("{prefix}{rel}.{}", name.name);
-        let Some(p) = self.g.params().find(|(_, p)| p.name == target).map(|(_, p)| p.clone()) else {
+        let Some(p) = self
+            .g
+            .params()
+            .find(|(_, p)| p.name == target)
+            .map(|(_, p)| p.clone())
+        else {
             let near = self
                 .g
                 .params()
@@ -1329,9 +1334,7 @@ impl<'p> Elab<'p> {
         {
             let (key, v, at) = args.remove(i);
             match v {
-                Value::Str(s)
-                    if !s.is_empty() && s.split('.').all(is_scope_name) =>
-                {
+                Value::Str(s) if !s.is_empty() && s.split('.').all(is_scope_name) => {
                     share = Some((s, key.map_or(at, |k| k.span.to(at))));
                 }
                 other => {

@@ -3,8 +3,11 @@
 //! as the IR shows them and as errors say what is wrong.
 
 fn lower(src: &str) -> dplc_ir::Graph {
-    let unit = dplc_frontend::parse("test.dpl", src).unwrap_or_else(|d| panic!("{}", d.render_plain()));
-    unit.lower("m").unwrap_or_else(|d| panic!("{}", d.render_plain())).graph
+    let unit =
+        dplc_frontend::parse("test.dpl", src).unwrap_or_else(|d| panic!("{}", d.render_plain()));
+    unit.lower("m")
+        .unwrap_or_else(|d| panic!("{}", d.render_plain()))
+        .graph
 }
 
 /// The first diagnostic's code and message, or "ok".
@@ -53,14 +56,18 @@ fn shift_pad_and_cumsum_lower_with_symbolic_lengths() {
 fn a_pad_that_changes_a_symbolic_length_is_refused() {
     let e = error("model m() {\n  input x: f32[batch, seq]\n  return pad(x, 1, 1, 0)\n}\n");
     assert!(e.starts_with("dpl::shape"), "{e}");
-    assert!(e.contains("only a shift (before = -after) keeps a symbolic length"), "{e}");
+    assert!(
+        e.contains("only a shift (before = -after) keeps a symbolic length"),
+        "{e}"
+    );
     let e = error("model m() {\n  input x: f32[batch, 3]\n  return shift(x, 1, 3)\n}\n");
     assert!(e.contains("a shift by 3 leaves nothing of axis 1"), "{e}");
     let e = error("model m() {\n  input x: i32[batch, 3]\n  return cumsum(x, 1)\n}\n");
     assert!(e.starts_with("dpl::dtype"), "{e}");
 }
 
-const ATTN: &str = "model m(d = 8) {\n  input x: f32[batch, seq, d]\n  input e: f32[batch, 5, d]\n  \
+const ATTN: &str =
+    "model m(d = 8) {\n  input x: f32[batch, seq, d]\n  input e: f32[batch, 5, d]\n  \
                     input bias: f32[2, seq, seq]\n";
 
 #[test]
@@ -70,7 +77,10 @@ fn attention_head_dim_bias_and_cross_attention() {
          z = attention(y, d, 2, causal = false, kv = e, name = \"cross\")\n  return mean(z)\n}}\n"
     ));
     let shape = |name: &str| {
-        let p = g.params().find(|(_, p)| p.name == name).unwrap_or_else(|| panic!("{name}"));
+        let p = g
+            .params()
+            .find(|(_, p)| p.name == name)
+            .unwrap_or_else(|| panic!("{name}"));
         g.shape_str(&p.1.shape)
     };
     // q/k/v project to heads * head_dim = 6, o back to d.
@@ -86,8 +96,13 @@ fn attention_head_dim_bias_and_cross_attention() {
     assert!(has("= matmul(", ": f32[batch, 2, seq, 5]"), "{ir}");
     assert!(has("= mul(", ": f32[batch, 2, seq, 5]"), "{ir}");
     assert!(!ir.contains("causal_mask"), "{ir}");
-    let e = error(&format!("{ATTN}  return mean(attention(x, d, 2, kv = e))\n}}\n"));
-    assert!(e.contains("cross-attention (kv = …) has no causal mask"), "{e}");
+    let e = error(&format!(
+        "{ATTN}  return mean(attention(x, d, 2, kv = e))\n}}\n"
+    ));
+    assert!(
+        e.contains("cross-attention (kv = …) has no causal mask"),
+        "{e}"
+    );
 }
 
 #[test]

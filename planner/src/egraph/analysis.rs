@@ -464,10 +464,11 @@ pub fn operand_options(ctx: &Context, tag: OpTag, out: Part) -> Vec<Vec<Part>> {
                 opts.push(vec![Sharded(ai)]);
             }
         }
-        (
-            Op::Slice { axis, .. } | Op::Pad { axis, .. } | Op::CumSum { axis, .. },
-            Sharded(a),
-        ) if a != *axis => opts.push(vec![Sharded(a)]),
+        (Op::Slice { axis, .. } | Op::Pad { axis, .. } | Op::CumSum { axis, .. }, Sharded(a))
+            if a != *axis =>
+        {
+            opts.push(vec![Sharded(a)])
+        }
         (Op::Concat { axis }, Sharded(a)) if a != *axis => opts.push(all(n, Sharded(a))),
         (
             Op::Reshape { .. }
