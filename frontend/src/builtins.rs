@@ -3,9 +3,9 @@
 
 use crate::ast::Span;
 use crate::diag::{Diag, DiagExt, Res};
-use crate::elab::Elab;
+use crate::lowering::Lowering;
 use crate::value::{ratio_of, Value};
-use dplc_ir::{BinaryOp, DType, Dim, Op, ReduceKind, UnaryOp};
+use dplc_ir::{BinaryOp, DType, Op, ReduceKind, UnaryOp};
 
 /// A default value of a builtin's parameter.
 #[derive(Clone, Copy, Debug)]
@@ -375,7 +375,7 @@ fn unary_op(name: &str) -> Option<UnaryOp> {
 }
 
 /// Call builtin `b` with its bound arguments (defaults filled in).
-pub fn call(e: &mut Elab<'_>, b: &Builtin, args: Vec<(Value, Span)>, span: Span) -> Res<Value> {
+pub fn call(e: &mut dyn Lowering, b: &Builtin, args: Vec<(Value, Span)>, span: Span) -> Res<Value> {
     let arg = |i: usize| &args[i].0;
     let at = |i: usize| args[i].1;
     let name = b.name;
@@ -746,22 +746,6 @@ pub fn call(e: &mut Elab<'_>, b: &Builtin, args: Vec<(Value, Span)>, span: Span)
             format!("internal error: builtin `{name}` has no lowering"),
         )),
     }
-}
-
-/// Dimensions above this are refused: they are typos, and products of a few
-/// of them would overflow the analyses' integers.
-pub const MAX_DIM: i64 = 1 << 40;
-
-/// A shape from a list of values, with `-1` allowed once when `infer` holds.
-pub fn dims_of(e: &Elab<'_>, items: &[Value], span: Span) -> Res<Vec<Option<Dim>>> {
-    let mut out = Vec::new();
-    for v in items {
-        out.push(match v {
-            Value::Int(-1) => None,
-            v => Some(e.dim_arg(v, span)?),
-        });
-    }
-    Ok(out)
 }
 
 pub fn dtype_names() -> impl Iterator<Item = &'static str> {
