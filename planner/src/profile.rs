@@ -185,6 +185,8 @@ pub(crate) struct ModelProfile {
     pub batch_sym: Option<SymId>,
     pub seq_sym: Option<SymId>,
     pub experts: Option<u64>,
+    /// An op that reads the sequence whole (no context parallelism), named.
+    pub whole_sequence: Option<String>,
     pub total_params: u128,
     /// Forward FLOPs of the whole model per step's worth of `batch`/`seq`.
     pub forward_flops: Poly,
@@ -737,6 +739,7 @@ impl ModelProfile {
             }
         }
         let experts = dplc_ir::validate::model_experts(g);
+        let whole_sequence = dplc_ir::validate::whole_sequence_op(g);
         let mut attention_core_flops = Poly::zero();
         let mut op_recompute_flops = Poly::zero();
         let mut weight_gemms = 0;
@@ -782,6 +785,7 @@ impl ModelProfile {
             batch_sym,
             seq_sym,
             experts,
+            whole_sequence,
             total_params: g.param_count(),
             forward_flops: an.forward_flops(),
             attention_core_flops,
