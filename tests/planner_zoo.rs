@@ -92,7 +92,11 @@ fn golden_mixtral_8x7b_on_2x8xh100() {
 fn t5_small_plans_on_one_node() {
     for strategy in ["", "tp=2,pp=2", "tp=4", "pp=4"] {
         let c = plan("t5.dpl", "t5_small", "8xA100", strategy, 1);
-        assert_eq!(c.plan.mesh.dp * c.plan.mesh.tp * c.plan.mesh.pp, 8, "{strategy}");
+        assert_eq!(
+            c.plan.mesh.dp * c.plan.mesh.tp * c.plan.mesh.pp,
+            8,
+            "{strategy}"
+        );
         assert!(c.plan.estimate.step_time_s > 0.0, "{strategy}");
     }
 }
