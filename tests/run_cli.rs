@@ -762,6 +762,39 @@ fn shifts_and_running_sums_train_under_every_split() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// One MLP's parameters read before the layers and in every layer (`share =
+/// "first"`): counted once, their gradients summed from every reader, the
+/// run as the serial one under data, tensor and pipeline splits on both
+/// computes.
+#[test]
+fn a_shared_block_trains_under_every_split() {
+    let dir = std::env::temp_dir().join(format!("dplc-share-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("share.dpl");
+    std::fs::write(
+        &src,
+        "model sh(vocab = 256, d = 64, heads = 4, layers = 2) {\n    input tokens: i32[batch, seq]\n    \
+         input targets: i32[batch, seq]\n    param embed: [vocab, d]\n    h = embedding(embed, tokens)\n    \
+         h = h + mlp(rms_norm(h, d, name = \"n0\"), d, 128, name = \"first\")\n    repeat layers {\n        \
+         h = h + attention(rms_norm(h, d, name = \"an\"), d, heads, rotary = true)\n        \
+         h = h + mlp(rms_norm(h, d, name = \"fn\"), d, 128, share = \"first\")\n    }\n    \
+         return cross_entropy(rms_norm(h, d, name = \"n\") @ transpose(embed), targets)\n}\n",
+    )
+    .unwrap();
+    let out = dplc(&["inspect", src.to_str().unwrap(), "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // embed 16,384 + six norms 384 + the MLP once 16,576 + two attentions 33,280.
+    assert_eq!(v["params"], 66_624);
+    verify_splits(
+        src.to_str().unwrap(),
+        None,
+        &["dp=4", "tp=2,dp=2", "dp=2,pp=2"],
+        &["--seq", "16", "--global-batch", "8"],
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// The zoo's encoder-decoder (T5's shape: two stacks, a relative position
 /// bias made once per stack, cross-attention to the encoder's output,
 /// decoder inputs shifted right, one embedding read in three places)
