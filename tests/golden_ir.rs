@@ -32,6 +32,13 @@ fn moe_tiny() {
     insta::assert_snapshot!(ir_of("tiny.dpl", "moe_tiny"));
 }
 
+/// An encoder-decoder: two stacks, the relative position buckets, the
+/// decoder's ids shifted right (`pad[axis=1, 1, -1, value=0]`), cross-attention.
+#[test]
+fn t5_tiny() {
+    insta::assert_snapshot!(ir_of("t5.dpl", "t5_tiny"));
+}
+
 /// A rank's local program under tp 2 with sequence parallelism (Megatron's
 /// layout): the weights' halves, the sequence shards, and every layout
 /// change as a `relayout` node. A change here changes what each GPU rank

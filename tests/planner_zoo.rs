@@ -85,6 +85,22 @@ fn golden_mixtral_8x7b_on_2x8xh100() {
     )));
 }
 
+/// The encoder-decoder plans on one node, searched and with tensor and
+/// pipeline splits pinned (each stack split by the Megatron rule; the
+/// stages cut across the two stacks).
+#[test]
+fn t5_small_plans_on_one_node() {
+    for strategy in ["", "tp=2,pp=2", "tp=4", "pp=4"] {
+        let c = plan("t5.dpl", "t5_small", "8xA100", strategy, 1);
+        assert_eq!(
+            c.plan.mesh.dp * c.plan.mesh.tp * c.plan.mesh.pp,
+            8,
+            "{strategy}"
+        );
+        assert!(c.plan.estimate.step_time_s > 0.0, "{strategy}");
+    }
+}
+
 #[test]
 fn pinned_keys_are_kept_and_the_rest_searched() {
     let c = plan(
@@ -203,6 +219,7 @@ fn every_zoo_model_plans_with_tensor_parallelism() {
         ("gemma.dpl", "gemma_2b", "8xH100", 4),
         ("mixtral.dpl", "mixtral_8x7b", "2x8xH100", 4),
         ("deepseek.dpl", "deepseek_v2_lite", "4x8xH100", 4),
+        ("t5.dpl", "t5_large", "8xA100", 4),
         ("megatron_gpt.dpl", "gpt_22b", "8x8xA100", 8),
     ] {
         let c = plan(file, model, cluster, &format!("tp={tp}"), 1);

@@ -76,6 +76,18 @@ fn deepseek_v2_lite_parameter_count() {
     assert_eq!(params("deepseek.dpl", "deepseek_v2_lite"), 15_706_484_224);
 }
 
+/// t5-small as KerasNLP's preset lists it (keras_nlp/models/t5/t5_presets.py,
+/// `"params": 60506624`, the original T5 with the embedding tied); the
+/// same sum over the Hugging Face config.json of t5-small/base/large
+/// (d_model, d_ff, d_kv 64, heads, layers, vocab 32128, 32 buckets) gives
+/// 60,506,624 / 222,903,552 / 737,668,096, the counts transformers reports.
+#[test]
+fn t5_parameter_counts() {
+    assert_eq!(params("t5.dpl", "t5_small"), 60_506_624);
+    assert_eq!(params("t5.dpl", "t5_base"), 222_903_552);
+    assert_eq!(params("t5.dpl", "t5_large"), 737_668_096);
+}
+
 #[test]
 fn every_zoo_file_checks() {
     for file in [
@@ -88,6 +100,7 @@ fn every_zoo_file_checks() {
         "gemma.dpl",
         "mistral.dpl",
         "deepseek.dpl",
+        "t5.dpl",
         "megatron_gpt.dpl",
         "tiny.dpl",
     ] {

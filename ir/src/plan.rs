@@ -930,7 +930,9 @@ impl Plan {
         rules::batch_split(s.global_batch, m.dp, s.micro_batch, s.num_micro_batches)
             .map_err(|e| PlanInvalid::new("strategy.micro_batch", e))?;
         rules::zero_stage(s.zero_stage).map_err(|e| PlanInvalid::new("strategy.zero_stage", e))?;
-        rules::context(m.cp, s.seq).map_err(mesh)?;
+        // The plan alone: which ops read the sequence whole is the model's
+        // to say (the planner refused cp for them).
+        rules::context(m.cp, s.seq, None).map_err(mesh)?;
         rules::sequence_parallel(s.sequence_parallel, m.tp)
             .map_err(|e| PlanInvalid::new("strategy.sequence_parallel", e))?;
         let v = s.virtual_stages;

@@ -4,7 +4,7 @@
 //! Each rule returns what is wrong in words; the caller says where (a plan
 //! field, a `--strategy` key), so the same rule reads right in both.
 
-use crate::{Graph, Op};
+use crate::{Dim, Graph, Op};
 use std::fmt;
 
 /// The most devices dplc plans for: 2^20, ten times today's largest
@@ -229,12 +229,34 @@ pub fn fits_context(seq: u64, graph: &Graph) -> Result<(), String> {
     }
 }
 
-/// Context parallelism splits the sequence evenly.
-pub fn context(cp: u64, seq: u64) -> Result<(), String> {
+/// Context parallelism splits the sequence evenly, and only a model with
+/// no op that reads it whole (`whole_sequence`, see [`whole_sequence_op`]).
+pub fn context(cp: u64, seq: u64, whole_sequence: Option<&str>) -> Result<(), String> {
     if !seq.is_multiple_of(cp) {
         return Err(format!("cp {cp} does not divide the sequence length {seq}"));
     }
-    Ok(())
+    match whole_sequence {
+        Some(op) if cp > 1 => Err(format!(
+            "cp {cp} splits the sequence, which {op} reads whole (a shift or running sum \
+             needs its neighbours' elements): use cp 1"
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The first op that moves or sums elements along the `seq` axis (a `pad`,
+/// `shift` or `cumsum`), as `` `pad[…]` in scope `path` ``: no rank can
+/// compute its share of the sequence alone.
+pub fn whole_sequence_op(graph: &Graph) -> Option<String> {
+    let seq = Dim::sym(graph.sym_by_name("seq")?);
+    graph.nodes().find_map(|(_, n)| {
+        let axis = match n.op {
+            Op::Pad { axis, .. } | Op::CumSum { axis, .. } => axis,
+            _ => return None,
+        };
+        let along = graph.tensor(*n.inputs.first()?).shape.dims().get(axis)? == &seq;
+        along.then(|| format!("`{}` in `{}`", n.op.name(), graph.scope_path(n.scope)))
+    })
 }
 
 /// Expert parallelism splits the model's experts.

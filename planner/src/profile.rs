@@ -211,6 +211,8 @@ pub(crate) struct ModelProfile {
     pub batch_sym: Option<SymId>,
     pub seq_sym: Option<SymId>,
     pub experts: Option<u64>,
+    /// An op that reads the sequence whole (no context parallelism), named.
+    pub whole_sequence: Option<String>,
     pub total_params: u128,
     /// Forward FLOPs of the whole model per step's worth of `batch`/`seq`.
     pub forward_flops: Poly,
@@ -278,6 +280,7 @@ fn fusible(op: &Op) -> bool {
             | Op::Dropout { .. }
             | Op::CausalMask
             | Op::Select
+            | Op::Pad { .. }
     )
 }
 
@@ -833,6 +836,7 @@ impl ModelProfile {
             batch_sym,
             seq_sym,
             experts: dplc_ir::validate::model_experts(g),
+            whole_sequence: dplc_ir::validate::whole_sequence_op(g),
             total_params: g.param_count(),
             forward_flops: an.forward_flops(),
             param_layout,
