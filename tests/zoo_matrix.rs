@@ -91,3 +91,8 @@ fn every_tiny_model_verifies_under_dp_and_pp() {
 fn every_tiny_model_verifies_under_tp_and_dp() {
     verify_all("tp=2,dp=2");
 }
+
+#[test]
+fn every_tiny_model_verifies_under_tp_without_sequence_parallelism() {
+    verify_all("tp=2,dp=2,sp=off");
+}
