@@ -111,17 +111,15 @@ pub struct Prepared {
     pub cfg: RunConfig,
 }
 
-/// Lower the model and plan it for CPU ranks (without context parallelism,
-/// which the CPU runtime does not implement).
+/// Lower the model and plan it for CPU ranks. Context parallelism runs
+/// when `--strategy` pins it (with dp and pp; the runtime refuses it with tp
+/// or ep); left free, the CPU plan keeps cp 1, as the tokens of a CPU run
+/// are few.
 pub fn prepare(args: &PlanArgs) -> Result<Prepared> {
     let (compiled, lowered) = compile::plan(args, 0, |pinned, _| {
-        if pinned.cp.is_some_and(|cp| cp > 1) {
-            return Err(miette!(
-                help = "drop cp from --strategy",
-                "context parallelism (cp > 1) is not implemented by the CPU runtime"
-            ));
+        if pinned.cp.is_none() {
+            pinned.cp = Some(1);
         }
-        pinned.cp = Some(1);
         // Its ranks keep every state in their own memory.
         match pinned.offload {
             Some(o) if !o.is_none() => {

@@ -4,6 +4,7 @@
 mod analysis;
 mod autodiff;
 mod config;
+mod context;
 mod dtype;
 mod error;
 mod graph;
@@ -21,6 +22,7 @@ pub use analysis::{
     attention_core, attention_core_tensor, ActivationProfile, Analysis, SavedTensor,
 };
 pub use autodiff::{differentiable_inputs, saved_values, GradPlan, SavedAt, SavedKind, SavedValue};
+pub use context::{context_chunks, split_context};
 pub use config::{ClusterSpec, DeviceSpec, LinkSpec, LrSchedule, Optimizer, Precision, TrainSpec};
 pub use dtype::DType;
 pub use error::{IrError, PlanMismatch, Result};
