@@ -380,6 +380,9 @@ fn install_interrupt(_flag: &StopFlag) {}
 fn describe(plan: &dplc_ir::Plan) -> String {
     let (m, s) = (&plan.mesh, &plan.strategy);
     let mut parts = vec![format!("dp {} × tp {} × pp {}", m.dp, m.tp, m.pp)];
+    if m.cp > 1 {
+        parts.push(format!("cp {} (load-balanced sequence chunks)", m.cp));
+    }
     if m.ep > 1 {
         parts.push(format!("ep {}", m.ep));
     }

@@ -78,6 +78,15 @@ fn splits(compute: Compute) -> Vec<(&'static str, RunConfig)> {
                 ..serial()
             },
         ),
+        (
+            "cp2 pp2 1f1b",
+            RunConfig {
+                cp: 2,
+                pp: 2,
+                compute,
+                ..serial()
+            },
+        ),
     ]
 }
 
@@ -157,6 +166,17 @@ fn context_parallelism_refuses_what_it_cannot_split() {
         },
     );
     assert!(e.contains("no `seq` dimension"), "{e}");
+    // Dropout masks would be drawn at local positions.
+    let dropout = format!("{TINY}\nmodel gpt_tiny_dropout = gpt_tiny(dropout = 0.1)\n");
+    let e = err(
+        &dropout,
+        "gpt_tiny_dropout",
+        RunConfig {
+            cp: 2,
+            ..serial()
+        },
+    );
+    assert!(e.contains("dropout = 0"), "{e}");
     // Tensor parallelism with it is not run here.
     let e = err(
         TINY,

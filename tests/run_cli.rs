@@ -774,3 +774,39 @@ fn verify_splits(src: &str, model: Option<&str>, strategies: &[&str], extra: &[&
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Context parallelism from the command line: `dplc run` trains a pinned
+/// cp split (and says so), `dplc verify` passes cp plans of the rotary
+/// models and of Mistral's sliding window on both computes, and cp with tp,
+/// which the runtime does not run, is refused naming why.
+#[test]
+fn context_parallel_plans_run_and_verify() {
+    let run = |strategy: &str| {
+        dplc(&[
+            "run",
+            "models/tiny.dpl",
+            "--model",
+            "llama_tiny",
+            "--cluster",
+            "4xcpu",
+            "--strategy",
+            strategy,
+            "--steps",
+            "2",
+        ])
+    };
+    let out = run("cp=2,dp=2");
+    assert!(out.status.success(), "{}", stderr(&out));
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
+    assert!(said.contains("cp 2 (load-balanced sequence chunks)"), "{said}");
+    let out = run("cp=2,tp=2");
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("not with tp or ep"), "{}", stderr(&out));
+    verify_splits(
+        "models/mistral.dpl",
+        Some("mistral_tiny"),
+        &["cp=2,dp=2", "cp=2,pp=2"],
+        &[],
+    );
+    verify_splits("models/tiny.dpl", Some("gpt_tiny"), &["cp=2,dp=2", "cp=4"], &[]);
+}
