@@ -189,3 +189,4 @@ fn context_parallelism_refuses_what_it_cannot_split() {
     );
     assert!(e.contains("not with tp or ep"), "{e}");
 }
+

@@ -33,7 +33,7 @@ use crate::{
     Dim, Graph, IrError, NodeId, Op, Ratio, RegionId, Result, Shape, SymId, TensorDef, TensorId,
     TensorLayout,
 };
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 /// `graph` as one rank of a context-parallel group of `cp` runs it: tensors
 /// along the sequence hold this rank's positions, the rank-dependent
@@ -62,6 +62,119 @@ pub fn split_context(graph: &Graph, cp: u64) -> Result<Graph> {
         }
     }
     Ok(pass.local)
+}
+
+/// What a rank's program under context parallelism runs beyond its share
+/// of the per-token work, as the planner prices it: the same rewrite
+/// ([`split_context`]) decides both.
+#[derive(Clone, Debug, Default)]
+pub struct ContextTraffic {
+    /// Every all-gather along the sequence, per run of its region.
+    pub gathers: Vec<ContextGather>,
+    /// Nodes of the model every cp rank runs on the whole sequence: what a
+    /// gather feeds that is not split again (MoE routing, the loss's mean).
+    pub whole: HashSet<NodeId>,
+}
+
+/// One all-gather of [`ContextTraffic`].
+#[derive(Clone, Debug)]
+pub struct ContextGather {
+    /// The node of the model that reads the gathered value.
+    pub reader: NodeId,
+    /// Elements of the whole (gathered) tensor.
+    pub elements: Dim,
+    /// Whether its gradient is reduce-scattered back (a value with a gradient).
+    pub grad: bool,
+}
+
+/// The gathers and whole-sequence nodes of `graph` under context
+/// parallelism; `None` when it has no sequence to split or cannot split it.
+pub fn context_traffic(graph: &Graph) -> Option<ContextTraffic> {
+    let seq = graph.sym_by_name("seq")?;
+    let mut pass = Split {
+        graph,
+        local: graph.clone(),
+        cp: 2,
+        seq,
+        axis: HashMap::new(),
+    };
+    pass.region(graph.root(), &[]).ok()?;
+    let local = &pass.local;
+    let grads = crate::GradPlan::new(local);
+    let model_nodes = graph.nodes().len();
+    let mut out = ContextTraffic::default();
+    let has_seq = |t: TensorId| {
+        local
+            .tensor(t)
+            .shape
+            .dims()
+            .iter()
+            .any(|d| d.syms().contains(&seq))
+    };
+    // Nodes rewritten away (a causal mask become a `select`) run no more.
+    let placed: HashSet<NodeId> = local
+        .regions()
+        .flat_map(|(_, r)| r.nodes.iter().copied())
+        .collect();
+    for (n, node) in local.nodes() {
+        if !placed.contains(&n) {
+            continue;
+        }
+        if let Op::Relayout {
+            from: TensorLayout::Context { axis },
+            to: TensorLayout::Replicated,
+            ..
+        } = node.op
+        {
+            let t = node.inputs[0];
+            let out_t = node.outputs[0];
+            // The model's node that reads it (the gather sits just before it).
+            let Some(reader) = local
+                .nodes()
+                .take(model_nodes)
+                .find(|(_, m)| m.inputs.contains(&out_t))
+                .map(|(m, _)| m)
+                .or_else(|| {
+                    local
+                        .region(node.region)
+                        .results
+                        .contains(&out_t)
+                        .then(|| local.region(node.region).repeat)
+                        .flatten()
+                })
+            else {
+                continue;
+            };
+            let Ok(whole) = pass.whole_shape(t, axis) else {
+                continue;
+            };
+            let elements = whole
+                .dims()
+                .iter()
+                .try_fold(Dim::konst(1), |acc, d| acc.checked_mul(d));
+            if let Some(elements) = elements {
+                out.gathers.push(ContextGather {
+                    reader,
+                    elements,
+                    grad: grads.needs_grad(t),
+                });
+            }
+            continue;
+        }
+        if n.index() >= model_nodes || matches!(node.op, Op::Repeat { .. }) {
+            continue;
+        }
+        let split_out = node.outputs.iter().any(|t| pass.axis.contains_key(t));
+        let whole_seq = node
+            .outputs
+            .iter()
+            .chain(&node.inputs)
+            .any(|&t| !pass.axis.contains_key(&t) && has_seq(t));
+        if !split_out && whole_seq {
+            out.whole.insert(n);
+        }
+    }
+    Some(out)
 }
 
 /// The positions cp rank `rank` of `cp` holds of a sequence of `len`

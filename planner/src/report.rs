@@ -218,28 +218,65 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
         }
     }
     if c.cp > 1 {
+        // What the rank's program gathers along the sequence
+        // (`dplc_ir::context_traffic`), and the reduce-scatters of the
+        // gradients of those with one.
         let link = cost.link(c, MeshAxis::Cp);
-        let kv = bind.eval(&profile.layer.kv_bytes) / c.tp as f64 * c.cp as f64;
-        push(
-            &mut out,
-            CollectiveKind::AllGather,
-            MeshAxis::Cp,
-            "layer: attention keys and values",
-            kv,
-            StepPhase::Forward,
-            layers0 * m,
-            &link,
-        );
-        push(
-            &mut out,
-            CollectiveKind::ReduceScatter,
-            MeshAxis::Cp,
-            "layer: key and value gradients",
-            kv,
-            StepPhase::Backward,
-            layers0 * m,
-            &link,
-        );
+        for (region, per_mb, gathered, scattered) in [
+            (
+                &profile.layer,
+                layers0,
+                "layer: keys and values (every operand read along the whole sequence)",
+                "layer: key and value gradients",
+            ),
+            (
+                &profile.pre,
+                1,
+                "embedding: operands read along the whole sequence",
+                "embedding: their gradients",
+            ),
+            (
+                &profile.post,
+                u64::from(c.pp == 1),
+                "head: per-token losses before their mean",
+                "head: their gradients",
+            ),
+        ] {
+            let share = c.cp as f64 / c.tp as f64;
+            let forward = bind.eval(&region.cp_gather_bytes) * share;
+            push(
+                &mut out,
+                CollectiveKind::AllGather,
+                MeshAxis::Cp,
+                gathered,
+                forward,
+                StepPhase::Forward,
+                per_mb * m,
+                &link,
+            );
+            if gathered.starts_with("layer") && c.recompute == Recompute::Full {
+                push(
+                    &mut out,
+                    CollectiveKind::AllGather,
+                    MeshAxis::Cp,
+                    gathered,
+                    forward,
+                    StepPhase::Recompute,
+                    per_mb * m,
+                    &link,
+                );
+            }
+            push(
+                &mut out,
+                CollectiveKind::ReduceScatter,
+                MeshAxis::Cp,
+                scattered,
+                bind.eval(&region.cp_reduce_scatter_bytes) * share,
+                StepPhase::Backward,
+                per_mb * m,
+                &link,
+            );
+        }
     }
     if c.ep > 1 {
         let link = cost.link(c, MeshAxis::Ep);
