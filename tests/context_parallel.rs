@@ -29,12 +29,7 @@ const ZOO: &[(&str, &str)] = &[
     (include_str!("../models/gemma.dpl"), "gemma_tiny"),
 ];
 
-fn try_run(
-    src: &str,
-    model: &str,
-    cfg: &RunConfig,
-    opt: Opt,
-) -> dplc_runtime::Result<TrainReport> {
+fn try_run(src: &str, model: &str, cfg: &RunConfig, opt: Opt) -> dplc_runtime::Result<TrainReport> {
     let unit = dplc_frontend::parse("zoo.dpl", src).expect("the zoo parses");
     let lowered = unit.lower(model).expect("the model lowers");
     let mut spec = lowered.train;
@@ -146,35 +141,18 @@ fn context_parallelism_refuses_what_it_cannot_split() {
             .to_string()
     };
     // The sequence is cut into 2·cp chunks.
-    let e = err(
-        TINY,
-        "gpt_tiny",
-        RunConfig {
-            cp: 3,
-            ..serial()
-        },
-    );
+    let e = err(TINY, "gpt_tiny", RunConfig { cp: 3, ..serial() });
     assert!(e.contains("2·cp = 6") && e.contains("seq 16"), "{e}");
     // A model without a sequence.
     let vit = include_str!("../models/vit.dpl");
-    let e = err(
-        vit,
-        "vit_tiny",
-        RunConfig {
-            cp: 2,
-            ..serial()
-        },
-    );
+    let e = err(vit, "vit_tiny", RunConfig { cp: 2, ..serial() });
     assert!(e.contains("no `seq` dimension"), "{e}");
     // Dropout masks would be drawn at local positions.
     let dropout = format!("{TINY}\nmodel gpt_tiny_dropout = gpt_tiny(dropout = 0.1)\n");
     let e = err(
         &dropout,
         "gpt_tiny_dropout",
-        RunConfig {
-            cp: 2,
-            ..serial()
-        },
+        RunConfig { cp: 2, ..serial() },
     );
     assert!(e.contains("dropout = 0"), "{e}");
     // Tensor parallelism with it is not run here.
@@ -189,4 +167,3 @@ fn context_parallelism_refuses_what_it_cannot_split() {
     );
     assert!(e.contains("not with tp or ep"), "{e}");
 }
-

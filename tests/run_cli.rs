@@ -798,15 +798,27 @@ fn context_parallel_plans_run_and_verify() {
     let out = run("cp=2,dp=2");
     assert!(out.status.success(), "{}", stderr(&out));
     let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
-    assert!(said.contains("cp 2 (load-balanced sequence chunks)"), "{said}");
+    assert!(
+        said.contains("cp 2 (load-balanced sequence chunks)"),
+        "{said}"
+    );
     let out = run("cp=2,tp=2");
     assert!(!out.status.success());
-    assert!(stderr(&out).contains("not with tp or ep"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("not with tp or ep"),
+        "{}",
+        stderr(&out)
+    );
     verify_splits(
         "models/mistral.dpl",
         Some("mistral_tiny"),
         &["cp=2,dp=2", "cp=2,pp=2"],
         &[],
     );
-    verify_splits("models/tiny.dpl", Some("gpt_tiny"), &["cp=2,dp=2", "cp=4"], &[]);
+    verify_splits(
+        "models/tiny.dpl",
+        Some("gpt_tiny"),
+        &["cp=2,dp=2", "cp=4"],
+        &[],
+    );
 }

@@ -222,7 +222,7 @@ impl Split<'_> {
         *d == Dim::sym(self.seq)
     }
 
-    fn la(&self, t: TensorId) -> Option<usize> {
+    fn split_axis(&self, t: TensorId) -> Option<usize> {
         self.axis.get(&t).copied()
     }
 
@@ -243,21 +243,23 @@ impl Split<'_> {
     /// The whole shape of `t`, split along `axis` here.
     fn whole_shape(&self, t: TensorId, axis: usize) -> Result<Shape> {
         let mut dims = self.local.tensor(t).shape.dims().to_vec();
+        let d = dims
+            .get(axis)
+            .ok_or_else(|| invalid(format!("{t} has no axis {axis}")))?;
         dims[axis] = Ratio::new(self.cp as i128, 1)
-            .and_then(|r| dims[axis].checked_scale(r))
+            .and_then(|r| d.checked_scale(r))
             .ok_or_else(|| invalid(format!("axis {axis} of {t} overflows")))?;
         Ok(Shape(dims))
     }
 
-    /// A layout change of `t` placed in `order`; returns its output.
+    /// A layout change `(from, to)` of `t` placed in `order`; returns its output.
     fn relayout(
         &mut self,
         order: &mut Vec<NodeId>,
         region: RegionId,
         at: NodeId,
         t: TensorId,
-        from: TensorLayout,
-        to: TensorLayout,
+        (from, to): (TensorLayout, TensorLayout),
         shape: Shape,
     ) -> TensorId {
         // A whole value's gradient is each rank's summand (`Partial`); a
@@ -286,7 +288,7 @@ impl Split<'_> {
         at: NodeId,
         t: TensorId,
     ) -> Result<TensorId> {
-        let Some(axis) = self.la(t) else {
+        let Some(axis) = self.split_axis(t) else {
             return Ok(t);
         };
         let shape = self.whole_shape(t, axis)?;
@@ -295,8 +297,7 @@ impl Split<'_> {
             region,
             at,
             t,
-            TensorLayout::Context { axis },
-            TensorLayout::Replicated,
+            (TensorLayout::Context { axis }, TensorLayout::Replicated),
             shape,
         ))
     }
@@ -315,8 +316,7 @@ impl Split<'_> {
             region,
             at,
             t,
-            TensorLayout::Replicated,
-            TensorLayout::Context { axis },
+            (TensorLayout::Replicated, TensorLayout::Context { axis }),
             shape,
         );
         self.set_split(out, axis)?;
@@ -359,11 +359,12 @@ impl Split<'_> {
                 .map(|t| subst.get(t).copied().unwrap_or(*t))
                 .collect();
             if let Op::Repeat { body, carried, .. } = node.op {
-                let las: Vec<Option<usize>> = inputs.iter().map(|&t| self.la(t)).collect();
+                let splits: Vec<Option<usize>> =
+                    inputs.iter().map(|&t| self.split_axis(t)).collect();
                 self.local.node_mut(n).inputs = inputs.clone();
-                self.region(body, &las)?;
-                self.carried_results(body, &las[..carried])?;
-                for (&o, l) in node.outputs.iter().zip(&las[..carried]) {
+                self.region(body, &splits)?;
+                self.carried_results(body, &splits[..carried])?;
+                for (&o, l) in node.outputs.iter().zip(&splits[..carried]) {
                     if let Some(axis) = *l {
                         self.set_split(o, axis)?;
                     }
@@ -374,7 +375,7 @@ impl Split<'_> {
             if node.op == Op::CausalMask {
                 let x = inputs[0];
                 let r = self.local.tensor(x).shape.rank();
-                if r >= 2 && self.la(x) == Some(r - 2) {
+                if r >= 2 && self.split_axis(x) == Some(r - 2) {
                     let masked = self.causal_mask(&mut order, region, n, x)?;
                     subst.insert(node.outputs[0], masked);
                     continue;
@@ -434,7 +435,7 @@ impl Split<'_> {
         let mut new = results.clone();
         for (j, &w) in want.iter().enumerate() {
             let t = results[j];
-            let have = self.la(t);
+            let have = self.split_axis(t);
             new[j] = match (have, w) {
                 (None, None) => t,
                 (Some(h), Some(w)) if h == w => t,
@@ -501,13 +502,13 @@ impl Split<'_> {
 
     /// How node `op` runs on inputs split as they are.
     fn decide(&self, op: &Op, inputs: &[TensorId], outputs: &[TensorId]) -> Result<Decision> {
-        let las: Vec<Option<usize>> = inputs.iter().map(|&t| self.la(t)).collect();
+        let splits: Vec<Option<usize>> = inputs.iter().map(|&t| self.split_axis(t)).collect();
         let rank = |t: TensorId| self.local.tensor(t).shape.rank();
         let mut d = Decision {
             out: vec![None; outputs.len()],
             ..Decision::default()
         };
-        let first = las.first().copied().flatten();
+        let first = splits.first().copied().flatten();
         match op {
             Op::Input(_) => {
                 d.out[0] = self
@@ -523,25 +524,25 @@ impl Split<'_> {
             Op::Binary(_) | Op::Select | Op::Concat { .. } => {
                 let r_out = rank(outputs[0]);
                 if let Op::Concat { axis } = op {
-                    for (i, l) in las.iter().enumerate() {
+                    for (i, l) in splits.iter().enumerate() {
                         if *l == Some(*axis) {
                             d.gather.push(i);
                         }
                     }
                 }
-                self.broadcast(inputs, &las, r_out, outputs[0], &mut d)?;
+                self.broadcast(inputs, &splits, r_out, outputs[0], &mut d)?;
             }
             Op::MatMul => {
                 let (ra, rb) = (rank(inputs[0]), rank(inputs[1]));
                 let r_out = rank(outputs[0]);
                 let mut out = None;
-                match las[0] {
+                match splits[0] {
                     // The contraction runs over every position.
                     Some(a) if a + 1 == ra => d.gather.push(0),
                     Some(a) => out = Some(a + r_out - ra),
                     None => {}
                 }
-                if let Some(b) = las[1] {
+                if let Some(b) = splits[1] {
                     // The keys (along `n`, meeting the queries along `m`) or
                     // the values (along the contraction): every position.
                     let at_out = if b + 2 == rb {
@@ -605,7 +606,7 @@ impl Split<'_> {
                     Some(a) if a + 1 == rank(inputs[0]) => d.gather.push(0),
                     l => d.out[0] = l,
                 }
-                for (i, l) in las.iter().enumerate().skip(1) {
+                for (i, l) in splits.iter().enumerate().skip(1) {
                     if l.is_some() {
                         d.gather.push(i);
                     }
@@ -616,14 +617,14 @@ impl Split<'_> {
                 l => d.out[0] = l,
             },
             Op::Embedding => {
-                if las[0].is_some() {
+                if splits[0].is_some() {
                     d.gather.push(0);
                 }
-                d.out[0] = las[1];
+                d.out[0] = splits[1];
             }
             Op::TakeAlong => {
                 let r = rank(inputs[0]);
-                match (las[0], las[1]) {
+                match (splits[0], splits[1]) {
                     (Some(a), _) if a + 1 == r => {
                         d.gather.push(0);
                         d.gather.push(1);
@@ -641,7 +642,7 @@ impl Split<'_> {
             },
             // Routing fills capacity in token order: it sees every token.
             Op::MoeDispatch { .. } | Op::MoeCombine => {
-                for (i, l) in las.iter().enumerate() {
+                for (i, l) in splits.iter().enumerate() {
                     if l.is_some() {
                         d.gather.push(i);
                     }
@@ -663,14 +664,14 @@ impl Split<'_> {
     fn broadcast(
         &self,
         inputs: &[TensorId],
-        las: &[Option<usize>],
+        splits: &[Option<usize>],
         r_out: usize,
         out: TensorId,
         d: &mut Decision,
     ) -> Result<()> {
         let rank = |i: usize| self.local.tensor(inputs[i]).shape.rank();
         let mut target = None;
-        for (i, l) in las.iter().enumerate() {
+        for (i, l) in splits.iter().enumerate() {
             if d.gather.contains(&i) {
                 continue;
             }
@@ -687,7 +688,7 @@ impl Split<'_> {
             return Ok(());
         };
         let out_len = &self.graph.tensor(out).shape.dims()[target];
-        for (i, l) in las.iter().enumerate() {
+        for (i, l) in splits.iter().enumerate() {
             let r = rank(i);
             let split_here = l.is_some() && !d.gather.contains(&i);
             if split_here || target + r < r_out {
@@ -723,9 +724,8 @@ impl Split<'_> {
                 .try_fold(Dim::konst(1), |acc, d| acc.checked_mul(d))
         };
         let want = prefix(&in_dims, a)?;
-        (0..out_dims.len()).find(|&b| {
-            out_dims[b] == in_dims[a] && prefix(out_dims, b).is_some_and(|p| p == want)
-        })
+        (0..out_dims.len())
+            .find(|&b| out_dims[b] == in_dims[a] && prefix(out_dims, b).is_some_and(|p| p == want))
     }
 
     /// The whole dims of `x`, split along `a`.

@@ -213,7 +213,11 @@ impl ModelLayout {
                 .args
                 .iter()
                 .chain(&r.results)
-                .chain(r.nodes.iter().flat_map(|nl| nl.inputs.iter().chain(&nl.outputs)))
+                .chain(
+                    r.nodes
+                        .iter()
+                        .flat_map(|nl| nl.inputs.iter().chain(&nl.outputs)),
+                )
                 .any(|l| matches!(l, TensorLayout::Context { .. }));
             if context {
                 return bad(format!(

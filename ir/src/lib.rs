@@ -22,10 +22,8 @@ pub use analysis::{
     attention_core, attention_core_tensor, ActivationProfile, Analysis, SavedTensor,
 };
 pub use autodiff::{differentiable_inputs, saved_values, GradPlan, SavedAt, SavedKind, SavedValue};
-pub use context::{
-    context_chunks, context_traffic, split_context, ContextGather, ContextTraffic,
-};
 pub use config::{ClusterSpec, DeviceSpec, LinkSpec, LrSchedule, Optimizer, Precision, TrainSpec};
+pub use context::{context_chunks, context_traffic, split_context, ContextGather, ContextTraffic};
 pub use dtype::DType;
 pub use error::{IrError, PlanMismatch, Result};
 pub use graph::{

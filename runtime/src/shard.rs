@@ -191,7 +191,13 @@ pub(crate) fn take_chunks(t: &Tensor, axis: usize, cp: usize, pos: usize) -> Res
     })?;
     let outer: usize = t.shape[..axis].iter().product();
     let inner: usize = t.shape[axis + 1..].iter().product();
-    fn pick<T: Copy>(x: &[T], outer: usize, n: usize, inner: usize, r: &[std::ops::Range<usize>]) -> Vec<T> {
+    fn pick<T: Copy>(
+        x: &[T],
+        outer: usize,
+        n: usize,
+        inner: usize,
+        r: &[std::ops::Range<usize>],
+    ) -> Vec<T> {
         let mut v = Vec::with_capacity(outer * inner * r.iter().map(|r| r.len()).sum::<usize>());
         for o in 0..outer {
             for r in r {

@@ -1273,7 +1273,9 @@ fn context_checks(graph: &Graph, spec: &TrainSpec, cfg: &RunConfig) -> Result<()
         return refuse("is run here with data and pipeline parallelism only, not with tp or ep: drop tp/ep from the strategy");
     }
     if cfg.checkpoint.is_some() || cfg.resume_from.is_some() {
-        return refuse("does not save or resume checkpoints yet: run without --checkpoint/--resume");
+        return refuse(
+            "does not save or resume checkpoints yet: run without --checkpoint/--resume",
+        );
     }
     // Masks are drawn per element of a rank's tensor: at its local
     // positions they would not be the serial run's.
@@ -1281,7 +1283,9 @@ fn context_checks(graph: &Graph, spec: &TrainSpec, cfg: &RunConfig) -> Result<()
         .nodes()
         .any(|(_, n)| matches!(n.op, Op::Dropout { p } if p > 0.0))
     {
-        return refuse("does not draw dropout masks at global positions yet: train with dropout = 0");
+        return refuse(
+            "does not draw dropout masks at global positions yet: train with dropout = 0",
+        );
     }
     if !(spec.seq as usize).is_multiple_of(2 * cfg.cp) {
         return refuse(&format!(
