@@ -131,6 +131,25 @@ fn context_parallel_replicas_share_zero_state() {
     }
 }
 
+/// The comparison sees the K/V gradients' reduce-scatter: with each rank
+/// keeping its own summand of its chunks' gradient (the sum left out), the
+/// parameters leave the serial run's far beyond the tolerance.
+#[test]
+fn a_dropped_kv_gradient_sum_is_caught() {
+    let base = run(TINY, "llama_tiny", &serial(), Opt::Sgd);
+    let cfg = RunConfig {
+        cp: 2,
+        faults: dplc_runtime::Faults {
+            skip_tp_sum: true,
+            ..Default::default()
+        },
+        ..serial()
+    };
+    let got = run(TINY, "llama_tiny", &cfg, Opt::Sgd);
+    let (d, at) = base.params.max_rel_diff(&got.params, 1e-3);
+    assert!(d > 100.0 * PARAM_TOL, "only {d:e} at {at}");
+}
+
 /// What context parallelism does not run says so before any rank starts.
 #[test]
 fn context_parallelism_refuses_what_it_cannot_split() {

@@ -29,8 +29,9 @@ pub struct Faults {
     pub stall_rank_at: Option<(usize, u64)>,
     /// Leave out the data-parallel gradient all-reduce: a wrong plan.
     pub skip_grad_sync: bool,
-    /// Take each tensor-parallel rank's summand for the whole (the all-reduce
-    /// after a row-parallel matmul left out): a wrong plan.
+    /// Take each rank's summand for the whole (the all-reduce after a
+    /// row-parallel matmul, or the sum of a context-parallel reduce-scatter
+    /// of K/V gradients, left out): a wrong plan.
     pub skip_tp_sum: bool,
     /// A rank dies while writing a checkpoint.
     pub kill_in_checkpoint: Option<CheckpointKill>,
