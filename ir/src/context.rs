@@ -46,14 +46,7 @@ pub fn split_context(graph: &Graph, cp: u64) -> Result<Graph> {
     if cp < 2 {
         return Err(invalid(format!("cp {cp} splits nothing")));
     }
-    let mut pass = Split {
-        graph,
-        local: graph.clone(),
-        cp,
-        seq,
-        axis: HashMap::new(),
-    };
-    pass.region(graph.root(), &[])?;
+    let pass = Split::run(graph, cp, seq)?;
     for &t in graph.outputs() {
         if pass.axis.contains_key(&t) {
             return Err(invalid(format!(
@@ -91,14 +84,7 @@ pub struct ContextGather {
 /// parallelism; `None` when it has no sequence to split or cannot split it.
 pub fn context_traffic(graph: &Graph) -> Option<ContextTraffic> {
     let seq = graph.sym_by_name("seq")?;
-    let mut pass = Split {
-        graph,
-        local: graph.clone(),
-        cp: 2,
-        seq,
-        axis: HashMap::new(),
-    };
-    pass.region(graph.root(), &[]).ok()?;
+    let pass = Split::run(graph, 2, seq).ok()?;
     let local = &pass.local;
     let grads = crate::GradPlan::new(local);
     let model_nodes = graph.nodes().len();
@@ -215,9 +201,78 @@ struct Split<'g> {
     seq: SymId,
     /// The axis of each tensor (of `local`) that holds this rank's positions.
     axis: HashMap<TensorId, usize>,
+    /// Values of the model gathered where their one reader reads them: the
+    /// start of a chain of views (reshape, expand, transpose) that ends in
+    /// an operand read whole, so that a grouped-query attention's K and V
+    /// are gathered at `kv_heads`, before their heads are repeated.
+    early: HashSet<TensorId>,
 }
 
-impl Split<'_> {
+impl<'g> Split<'g> {
+    /// The rewrite of `graph`: once to find what is read whole, and again
+    /// with those gathers moved up their chains of views.
+    fn run(graph: &'g Graph, cp: u64, seq: SymId) -> Result<Split<'g>> {
+        let new = |early| Split {
+            graph,
+            local: graph.clone(),
+            cp,
+            seq,
+            axis: HashMap::new(),
+            early,
+        };
+        let mut first = new(HashSet::new());
+        first.region(graph.root(), &[])?;
+        let mut readers: HashMap<TensorId, usize> = HashMap::new();
+        for (_, node) in graph.nodes() {
+            for &t in &node.inputs {
+                *readers.entry(t).or_default() += 1;
+            }
+        }
+        for (_, r) in graph.regions() {
+            for &t in &r.results {
+                *readers.entry(t).or_default() += 1;
+            }
+        }
+        for &t in graph.outputs() {
+            *readers.entry(t).or_default() += 1;
+        }
+        let mut early = HashSet::new();
+        let model_tensors: HashSet<TensorId> = graph
+            .nodes()
+            .flat_map(|(_, n)| n.outputs.iter().copied())
+            .chain(graph.regions().flat_map(|(_, r)| r.args.iter().copied()))
+            .collect();
+        for (_, node) in first.local.nodes() {
+            let Op::Relayout {
+                from: TensorLayout::Context { .. },
+                to: TensorLayout::Replicated,
+                ..
+            } = node.op
+            else {
+                continue;
+            };
+            let mut t = node.inputs[0];
+            if !model_tensors.contains(&t) || readers.get(&t) != Some(&1) {
+                continue;
+            }
+            while let Some(p) = graph.producer(t) {
+                let view = matches!(
+                    p.op,
+                    Op::Reshape { .. } | Op::Expand { .. } | Op::Transpose { .. }
+                );
+                let x = p.inputs[0];
+                if !view || readers.get(&x) != Some(&1) || !first.axis.contains_key(&x) {
+                    break;
+                }
+                t = x;
+            }
+            early.insert(t);
+        }
+        let mut pass = new(early);
+        pass.region(graph.root(), &[])?;
+        Ok(pass)
+    }
+
     fn is_seq(&self, d: &Dim) -> bool {
         *d == Dim::sym(self.seq)
     }
@@ -371,6 +426,11 @@ impl Split<'_> {
                 }
                 order.push(n);
                 continue;
+            }
+            for (i, t) in node.inputs.iter().enumerate() {
+                if self.early.contains(t) {
+                    inputs[i] = self.gather(&mut order, region, n, inputs[i])?;
+                }
             }
             if node.op == Op::CausalMask {
                 let x = inputs[0];
