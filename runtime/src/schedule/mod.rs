@@ -970,6 +970,7 @@ impl<'a, 'b> Rank<'a, 'b> {
                 optimizer: &sh.spec.optimizer,
                 split: checkpoint::SavedSplit {
                     dp: cfg.dp,
+                    cp: cfg.cp,
                     tp: cfg.tp,
                     pp: cfg.pp,
                     ep: cfg.ep,
@@ -1271,11 +1272,6 @@ fn context_checks(graph: &Graph, spec: &TrainSpec, cfg: &RunConfig) -> Result<()
     };
     if cfg.tp > 1 || cfg.ep > 1 {
         return refuse("is run here with data and pipeline parallelism only, not with tp or ep: drop tp/ep from the strategy");
-    }
-    if cfg.checkpoint.is_some() || cfg.resume_from.is_some() {
-        return refuse(
-            "does not save or resume checkpoints yet: run without --checkpoint/--resume",
-        );
     }
     // Masks are drawn per element of a rank's tensor: at its local
     // positions they would not be the serial run's.
