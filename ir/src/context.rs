@@ -30,8 +30,8 @@
 //! group with context parallelism.
 
 use crate::{
-    Dim, Graph, IrError, NodeId, Op, Ratio, RegionId, Result, Shape, SymId, TensorDef, TensorId,
-    TensorLayout,
+    Dim, Graph, IrError, ModelLayout, NodeId, NodeLayout, Op, Ratio, RegionId, Result, Shape,
+    SymId, TensorDef, TensorId, TensorLayout,
 };
 use std::collections::{HashMap, HashSet};
 
@@ -161,6 +161,64 @@ pub fn context_traffic(graph: &Graph) -> Option<ContextTraffic> {
         }
     }
     Some(out)
+}
+
+/// `layout`, a tensor-parallel layout of the model, for its context-parallel
+/// program `program` ([`split_context`]): the model's nodes keep theirs, a
+/// node the rewrite added reads its inputs as they are produced, a layout
+/// change along the sequence and a causal mask's `where` hand on their
+/// (split) value's layout, and the positions and masks built from `iota`
+/// are whole. Sequence parallelism, which splits the same axis over tp, is
+/// not composed with it.
+pub fn context_layout(program: &Graph, layout: &ModelLayout) -> Result<ModelLayout> {
+    if layout.sequence_parallel {
+        return Err(invalid(
+            "sequence parallelism splits the sequence over tp too: run cp without sp".into(),
+        ));
+    }
+    let by_node: HashMap<NodeId, NodeLayout> = layout
+        .regions
+        .iter()
+        .flat_map(|r| r.nodes.iter().map(|nl| (nl.node, nl.clone())))
+        .collect();
+    let mut out = layout.clone();
+    for r in &mut out.regions {
+        let reg = program.region(r.region);
+        let mut produced: HashMap<TensorId, TensorLayout> = reg
+            .args
+            .iter()
+            .copied()
+            .zip(r.args.iter().copied())
+            .collect();
+        let mut nodes = Vec::with_capacity(reg.nodes.len());
+        for &n in &reg.nodes {
+            let node = program.node(n);
+            let nl = match by_node.get(&n) {
+                Some(nl) => nl.clone(),
+                None => {
+                    let inputs: Vec<TensorLayout> = node
+                        .inputs
+                        .iter()
+                        .map(|t| produced.get(t).copied().unwrap_or(TensorLayout::Replicated))
+                        .collect();
+                    let out = match node.op {
+                        Op::Relayout { .. } => inputs[0],
+                        Op::Select => inputs[2],
+                        _ => TensorLayout::Replicated,
+                    };
+                    NodeLayout {
+                        node: n,
+                        inputs,
+                        outputs: vec![out; node.outputs.len()],
+                    }
+                }
+            };
+            produced.extend(node.outputs.iter().copied().zip(nl.outputs.iter().copied()));
+            nodes.push(nl);
+        }
+        r.nodes = nodes;
+    }
+    Ok(out)
 }
 
 /// The positions cp rank `rank` of `cp` holds of a sequence of `len`

@@ -194,14 +194,23 @@ fn train_on(
     }
     // Context parallelism runs each rank's program: the model at its
     // sequence positions, with the K/V all-gathers made explicit.
-    let cp_graph;
-    let graph = if cfg.cp > 1 {
+    let (cp_graph, cp_cfg);
+    let (graph, cfg) = if cfg.cp > 1 {
         context_checks(graph, spec, cfg)?;
-        cp_graph = dplc_ir::split_context(graph, cfg.cp as u64)
-            .map_err(|e| RuntimeError::Config(e.to_string()))?;
-        &cp_graph
+        let config = |e: dplc_ir::IrError| RuntimeError::Config(e.to_string());
+        cp_graph = dplc_ir::split_context(graph, cfg.cp as u64).map_err(config)?;
+        // The plan's tensor-parallel layout, with the program's new nodes.
+        let layout = match &cfg.layout {
+            Some(l) => Some(dplc_ir::context_layout(&cp_graph, l).map_err(config)?),
+            None => None,
+        };
+        cp_cfg = RunConfig {
+            layout,
+            ..cfg.clone()
+        };
+        (&cp_graph, &cp_cfg)
     } else {
-        graph
+        (graph, cfg)
     };
     if !cfg.dp.is_multiple_of(cfg.ep) {
         return Err(RuntimeError::Config(format!(
@@ -1270,8 +1279,8 @@ fn context_checks(graph: &Graph, spec: &TrainSpec, cfg: &RunConfig) -> Result<()
             cfg.cp
         )))
     };
-    if cfg.tp > 1 || cfg.ep > 1 {
-        return refuse("is run here with data and pipeline parallelism only, not with tp or ep: drop tp/ep from the strategy");
+    if cfg.ep > 1 || cfg.sequence_parallel {
+        return refuse("is run here with data, pipeline and tensor parallelism, not with ep or sequence parallelism: drop ep/sp from the strategy");
     }
     // Masks are drawn per element of a rank's tensor: at its local
     // positions they would not be the serial run's.
