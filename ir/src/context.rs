@@ -183,6 +183,13 @@ pub fn context_layout(program: &Graph, layout: &ModelLayout) -> Result<ModelLayo
         .collect();
     let mut out = layout.clone();
     for r in &mut out.regions {
+        // A plan file is read from disk: its regions are checked here too.
+        if r.region.index() >= program.regions().len() {
+            return Err(invalid(format!(
+                "the layout names region {}, which the model does not have",
+                r.region
+            )));
+        }
         let reg = program.region(r.region);
         let mut produced: HashMap<TensorId, TensorLayout> = reg
             .args
