@@ -53,6 +53,21 @@ fn golden_local_program_gpt_tiny_tp2_sp() {
     insta::assert_snapshot!(dplc_ir::print_graph(&local));
 }
 
+/// A rank's program under context parallelism 2 (`dplc_ir::split_context`),
+/// for Mistral's sliding window: the sequence axes at `seq/2`, the K and V
+/// operands (and the window's key positions) all-gathered as
+/// `relayout[context(a) -> replicated]`, the rank's positions sliced from
+/// the whole `iota`, the causal mask a `select` of global positions, and
+/// the per-token loss gathered before its mean over the sequence.
+#[test]
+fn golden_context_program_mistral_tiny_cp2() {
+    let src = std::fs::read_to_string("models/mistral.dpl").expect("the zoo file");
+    let unit = dplc_frontend::parse("mistral.dpl", &src).expect("mistral.dpl parses");
+    let g = unit.lower("mistral_tiny").expect("the model lowers").graph;
+    let local = dplc_ir::split_context(&g, 2).expect("the model splits its sequence");
+    insta::assert_snapshot!(dplc_ir::print_graph(&local));
+}
+
 /// A layout for another model is refused, not half applied.
 #[test]
 fn a_layout_of_another_model_is_not_localized() {

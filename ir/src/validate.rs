@@ -229,33 +229,51 @@ pub fn fits_context(seq: u64, graph: &Graph) -> Result<(), String> {
     }
 }
 
-/// Context parallelism splits the sequence evenly, and only a model with
-/// no op that reads it whole (`whole_sequence`, see [`whole_sequence_op`]).
-pub fn context(cp: u64, seq: u64, whole_sequence: Option<&str>) -> Result<(), String> {
+/// Context parallelism splits the sequence evenly, and only a model it can
+/// run (`refusal`, see [`context_refusal`]).
+pub fn context(cp: u64, seq: u64, refusal: Option<&str>) -> Result<(), String> {
     if !seq.is_multiple_of(cp) {
         return Err(format!("cp {cp} does not divide the sequence length {seq}"));
     }
-    match whole_sequence {
-        Some(op) if cp > 1 => Err(format!(
-            "cp {cp} splits the sequence, which {op} reads whole (a shift or running sum \
-             needs its neighbours' elements): use cp 1"
-        )),
+    match refusal {
+        Some(why) if cp > 1 => Err(format!("cp {cp} {why}: use cp 1")),
         _ => Ok(()),
     }
 }
 
-/// The first op that moves or sums elements along the `seq` axis (a `pad`,
-/// `shift` or `cumsum`), as `` `pad[…]` in scope `path` ``: no rank can
-/// compute its share of the sequence alone.
-pub fn whole_sequence_op(graph: &Graph) -> Option<String> {
-    let seq = Dim::sym(graph.sym_by_name("seq")?);
+/// Why context parallelism cannot run `graph`, if it cannot: the model has
+/// no `seq` axis; it draws dropout masks (drawn per element of a rank's
+/// share they would not be the serial run's); or an op moves or sums
+/// elements along `seq` (a `pad`, `shift` or `cumsum`: no rank can compute
+/// its share of the sequence alone). The planner and the runtime both ask.
+pub fn context_refusal(graph: &Graph) -> Option<String> {
+    let Some(seq) = graph.sym_by_name("seq") else {
+        return Some("splits the sequence, and the model has no `seq` dimension".into());
+    };
+    if graph
+        .nodes()
+        .any(|(_, n)| matches!(n.op, Op::Dropout { p } if p > 0.0))
+    {
+        return Some(
+            "does not draw dropout masks at global positions yet (a model with dropout = 0 runs)"
+                .into(),
+        );
+    }
+    let seq = Dim::sym(seq);
     graph.nodes().find_map(|(_, n)| {
         let axis = match n.op {
             Op::Pad { axis, .. } | Op::CumSum { axis, .. } => axis,
             _ => return None,
         };
         let along = graph.tensor(*n.inputs.first()?).shape.dims().get(axis)? == &seq;
-        along.then(|| format!("`{}` in `{}`", n.op.name(), graph.scope_path(n.scope)))
+        along.then(|| {
+            format!(
+                "splits the sequence, which `{}` in `{}` reads whole (a shift or running sum \
+                 needs its neighbours' elements)",
+                n.op.name(),
+                graph.scope_path(n.scope)
+            )
+        })
     })
 }
 

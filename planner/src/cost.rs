@@ -500,7 +500,10 @@ impl<'a> CostModel<'a> {
         // Op-level checkpointing (torchtitan's `op`): the forward it redoes,
         // the GEMM outputs and the attention output it keeps instead.
         let (mut weight_gemms, mut op_recompute, mut op_saved) = (0u32, 0.0, 0.0);
+        let whole_bind = Bind { cp: 1.0, ..bind };
         for op in &r.ops {
+            // What every cp rank runs on the whole sequence costs it whole.
+            let bind = if op.whole_sequence { whole_bind } else { bind };
             if fused && op.attention_core {
                 // One fused kernel does the core: its two matmuls' work, and
                 // traffic of Q, K, V and the output only; the scale, mask,
@@ -686,13 +689,22 @@ impl<'a> CostModel<'a> {
             pc.comm += t * repeats;
             pc.hidden_comm += (whole - t) * repeats;
         }
-        // Context parallelism: K and V go round the ring in forward, their
-        // gradients in backward; the ring overlaps with the attention blocks.
+        // Context parallelism: what the rank's program all-gathers along the
+        // sequence in forward (K and V, above all), the gradients of those
+        // with one reduce-scattered in backward; priced as overlapping the
+        // attention blocks, as a ring implementation runs them.
         if c.cp > 1 {
             let cp_link = self.link(c, MeshAxis::Cp);
-            let kv = bind.eval(&r.kv_bytes) / tp * c.cp as f64;
-            let t = collective_time(CollectiveKind::AllGather, kv, &cp_link);
-            let back = collective_time(CollectiveKind::ReduceScatter, kv, &cp_link);
+            let gathered = bind.eval(&r.cp_gather_bytes) / tp * c.cp as f64;
+            let scattered = bind.eval(&r.cp_reduce_scatter_bytes) / tp * c.cp as f64;
+            // A layer run again under full recomputation gathers again.
+            let again = if layer && c.recompute == Recompute::Full {
+                2.0
+            } else {
+                1.0
+            };
+            let t = again * collective_time(CollectiveKind::AllGather, gathered, &cp_link);
+            let back = collective_time(CollectiveKind::ReduceScatter, scattered, &cp_link);
             let exposed = (t - core_forward).max(0.0) + (back - 2.0 * core_forward).max(0.0);
             pc.comm += exposed;
             pc.cp_comm += exposed;

@@ -97,6 +97,9 @@ pub(crate) struct OpCost {
     pub work: Work,
     /// Part of the core attention: recomputed under selective recomputation.
     pub attention_core: bool,
+    /// Run on the whole sequence by every context-parallel rank
+    /// (`dplc_ir::context_traffic`): MoE routing, the loss's mean.
+    pub whole_sequence: bool,
 }
 
 /// One tensor kept for backward.
@@ -158,8 +161,14 @@ pub(crate) struct RegionProfile {
     pub ops: Vec<OpCost>,
     pub saved: Vec<Saved>,
     pub collectives: Vec<CollectiveCost>,
-    /// Bytes of K and V entering attention matmuls (all-gathered under context parallelism).
-    pub kv_bytes: Poly,
+    /// Bytes all-gathered along the sequence under context parallelism,
+    /// per rank's share (`dplc_ir::context_traffic`): the operands of
+    /// attention's two matmuls that carry the keys (K and V), a window
+    /// mask's key positions, the per-token losses before their mean, an MoE
+    /// layer's tokens before routing.
+    pub cp_gather_bytes: Poly,
+    /// Of those, the ones whose gradients are reduce-scattered back.
+    pub cp_reduce_scatter_bytes: Poly,
     pub all_to_all_bytes: Poly,
     pub params: ParamCounts,
     pub forward_flops: Poly,
@@ -211,8 +220,8 @@ pub(crate) struct ModelProfile {
     pub batch_sym: Option<SymId>,
     pub seq_sym: Option<SymId>,
     pub experts: Option<u64>,
-    /// An op that reads the sequence whole (no context parallelism), named.
-    pub whole_sequence: Option<String>,
+    /// Why context parallelism cannot run the model, if it cannot.
+    pub context_refusal: Option<String>,
     pub total_params: u128,
     /// Forward FLOPs of the whole model per step's worth of `batch`/`seq`.
     pub forward_flops: Poly,
@@ -413,6 +422,7 @@ impl RegionBuilder<'_> {
                         backward_gemms,
                     },
                     attention_core: both_activations,
+                    whole_sequence: false,
                 })
             }
             _ => {
@@ -469,6 +479,7 @@ impl RegionBuilder<'_> {
                         eager,
                     },
                     attention_core: quadratic,
+                    whole_sequence: false,
                 })
             }
         }
@@ -496,6 +507,7 @@ fn region_profile(
     sharding: &RegionSharding,
     precision: Precision,
     seq: Option<SymId>,
+    context: Option<&dplc_ir::ContextTraffic>,
 ) -> RegionProfile {
     let reg = g.region(region);
     let mut escapes: BTreeSet<TensorId> = reg.results.iter().copied().collect();
@@ -616,19 +628,29 @@ fn region_profile(
         let node = g.node(n);
         match node.op {
             Op::MatMul => {
-                let (a, bt) = (node.inputs[0], node.inputs[1]);
+                let a = node.inputs[0];
                 let o = node.outputs[0];
                 let k = g.tensor(a).shape.last().cloned().unwrap_or(Dim::konst(1));
                 if let Some(macs) = b.numel(o).checked_mul(&k) {
                     p.forward_flops.add_dim(&macs, Ratio::int(2));
                 }
-                if an.is_activation(a) && an.is_activation(bt) {
-                    p.kv_bytes
-                        .add_dim(&b.numel(bt), Ratio::int(precision.bytes() as i64));
-                }
             }
             Op::MoeDispatch { .. } | Op::MoeCombine => {}
             _ => {}
+        }
+    }
+    if let Some(ctx) = context {
+        // The whole tensor's elements: `Bind::eval` takes one rank's share
+        // (its `seq / cp` positions), as every rank sends its own.
+        for gather in ctx.gathers.iter().filter(|g| node_set.contains(&g.reader)) {
+            let bytes = Ratio::int(precision.bytes() as i64);
+            p.cp_gather_bytes.add_dim(&gather.elements, bytes);
+            if gather.grad {
+                p.cp_reduce_scatter_bytes.add_dim(&gather.elements, bytes);
+            }
+        }
+        for op in &mut p.ops {
+            op.whole_sequence = ctx.whole.contains(&op.node);
         }
     }
     for e in &sharding.all_to_all {
@@ -694,6 +716,8 @@ impl ModelProfile {
         assert_eq!(bodies.len(), stack_sh.len(), "one layout per layer stack");
         let seq_sym = g.sym_by_name("seq");
         let batch_sym = g.sym_by_name("batch");
+        let context = dplc_ir::context_traffic(g);
+        let context = context.as_ref();
 
         // The root: nodes before the first repeat feed the first stage,
         // nodes between two repeats run with the later stack's first layer,
@@ -723,7 +747,9 @@ impl ModelProfile {
             }
         }
         let root_profile = |nodes: &[NodeId], saved: &[dplc_ir::SavedTensor]| {
-            region_profile(g, an, root, nodes, saved, root_sh, precision, seq_sym)
+            region_profile(
+                g, an, root, nodes, saved, root_sh, precision, seq_sym, context,
+            )
         };
         let pre = root_profile(segments[0], &seg_saved[0]);
         let post = root_profile(post_nodes, &post_saved);
@@ -787,6 +813,7 @@ impl ModelProfile {
                 stack_sh[i],
                 precision,
                 seq_sym,
+                context,
             );
             layer.params = param_counts(g, &stack_params[i], stack_sh[i], true);
             let lead_in = if i == 0 {
@@ -836,7 +863,7 @@ impl ModelProfile {
             batch_sym,
             seq_sym,
             experts: dplc_ir::validate::model_experts(g),
-            whole_sequence: dplc_ir::validate::whole_sequence_op(g),
+            context_refusal: dplc_ir::validate::context_refusal(g),
             total_params: g.param_count(),
             forward_flops: an.forward_flops(),
             param_layout,

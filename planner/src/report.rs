@@ -232,36 +232,92 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
             }
         }
     }
-    for sh in &shares0 {
-        let (layer, name, n) = (&profile.stacks[sh.stack].layer, &names[sh.stack], sh.layers);
-        if c.cp > 1 {
-            let link = cost.link(c, MeshAxis::Cp);
-            let kv = bind.eval(&layer.kv_bytes) / c.tp as f64 * c.cp as f64;
+    if c.cp > 1 {
+        // What the rank's program gathers along the sequence
+        // (`dplc_ir::context_traffic`), and the reduce-scatters of the
+        // gradients of those with one.
+        let link = cost.link(c, MeshAxis::Cp);
+        let share = c.cp as f64 / c.tp as f64;
+        // Each region, how often a micro-batch runs it, what its gathers and
+        // reduce-scatters move, and whether it is a layer (gathering again
+        // when fully recomputed).
+        let mut regions: Vec<(&RegionProfile, u64, String, String, bool)> = Vec::new();
+        for sh in &shares0 {
+            let st = &profile.stacks[sh.stack];
+            let name = &names[sh.stack];
+            regions.push((
+                &st.layer,
+                sh.layers,
+                format!("{name}: keys and values (every operand read along the whole sequence)"),
+                format!("{name}: key and value gradients"),
+                true,
+            ));
+            if sh.first && sh.stack > 0 {
+                regions.push((
+                    &st.lead_in,
+                    1,
+                    "between stacks: operands read along the whole sequence".into(),
+                    "between stacks: their gradients".into(),
+                    false,
+                ));
+            }
+        }
+        regions.push((
+            &profile.pre,
+            1,
+            "embedding: operands read along the whole sequence".into(),
+            "embedding: their gradients".into(),
+            false,
+        ));
+        regions.push((
+            &profile.post,
+            u64::from(c.pp == 1),
+            "head: per-token losses before their mean".into(),
+            "head: their gradients".into(),
+            false,
+        ));
+        for (region, per_mb, gathered, scattered, is_layer) in regions {
+            let forward = bind.eval(&region.cp_gather_bytes) * share;
             push(
                 &mut out,
                 CollectiveKind::AllGather,
                 MeshAxis::Cp,
-                &format!("{name}: attention keys and values"),
-                kv,
+                &gathered,
+                forward,
                 StepPhase::Forward,
-                n * m,
+                per_mb * m,
                 &link,
             );
+            if is_layer && c.recompute == Recompute::Full {
+                push(
+                    &mut out,
+                    CollectiveKind::AllGather,
+                    MeshAxis::Cp,
+                    &gathered,
+                    forward,
+                    StepPhase::Recompute,
+                    per_mb * m,
+                    &link,
+                );
+            }
             push(
                 &mut out,
                 CollectiveKind::ReduceScatter,
                 MeshAxis::Cp,
-                &format!("{name}: key and value gradients"),
-                kv,
+                &scattered,
+                bind.eval(&region.cp_reduce_scatter_bytes) * share,
                 StepPhase::Backward,
-                n * m,
+                per_mb * m,
                 &link,
             );
         }
-        if c.ep > 1 {
-            let link = cost.link(c, MeshAxis::Ep);
-            let div = if c.sp { c.tp as f64 } else { 1.0 };
-            let bytes = bind.eval(&layer.all_to_all_bytes) / div;
+    }
+    if c.ep > 1 {
+        let link = cost.link(c, MeshAxis::Ep);
+        let div = if c.sp { c.tp as f64 } else { 1.0 };
+        for sh in &shares0 {
+            let name = &names[sh.stack];
+            let bytes = bind.eval(&profile.stacks[sh.stack].layer.all_to_all_bytes) / div;
             push(
                 &mut out,
                 CollectiveKind::AllToAll,
@@ -269,7 +325,7 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
                 &format!("{name}: token dispatch and combine"),
                 bytes / 2.0,
                 StepPhase::Forward,
-                2 * n * m,
+                2 * sh.layers * m,
                 &link,
             );
             push(
@@ -279,7 +335,7 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
                 &format!("{name}: token dispatch and combine gradients"),
                 bytes / 2.0,
                 StepPhase::Backward,
-                2 * n * m,
+                2 * sh.layers * m,
                 &link,
             );
         }

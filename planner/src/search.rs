@@ -102,7 +102,7 @@ pub(crate) fn validate(
     if let Some(cp) = pins.cp {
         pin(
             "cp",
-            rules::context(cp, seq, profile.whole_sequence.as_deref()),
+            rules::context(cp, seq, profile.context_refusal.as_deref()),
         )?;
     }
     if let Some(ep) = pins.ep {
@@ -189,7 +189,7 @@ pub(crate) fn search(
             // menu up to 8 ranks when pinned or when seq ≥ 8192.
             let cp_useful = cp == 1 || (seq >= 8192 && cp <= 8);
             if !allowed(pins.cp, cp)
-                || rules::context(cp, seq, profile.whole_sequence.as_deref()).is_err()
+                || rules::context(cp, seq, profile.context_refusal.as_deref()).is_err()
                 || !(cp_useful || pins.cp == Some(cp))
             {
                 continue;
