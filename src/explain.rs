@@ -100,6 +100,9 @@ pub fn render(plan: &Plan) -> String {
         cl.device
     );
     let _ = writeln!(s, "strategy: {}", plan.strategy);
+    for d in &plan.search.skipped {
+        let _ = writeln!(s, "not searched: tp {} × ep {}: {}", d.tp, d.ep, d.reason);
+    }
     let _ = writeln!(
         s,
         "attention: {} ({})",

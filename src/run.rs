@@ -111,17 +111,20 @@ pub struct Prepared {
     pub cfg: RunConfig,
 }
 
-/// Lower the model and plan it for CPU ranks (without context parallelism,
-/// which the CPU runtime does not implement).
+/// Lower the model and plan it for CPU ranks. Context parallelism runs
+/// when `--strategy` pins it (with dp, pp and tp, without sequence
+/// parallelism; the runtime refuses it with ep); left free, the CPU plan
+/// keeps cp 1, as the tokens of a CPU run are few.
 pub fn prepare(args: &PlanArgs) -> Result<Prepared> {
     let (compiled, lowered) = compile::plan(args, 0, |pinned, _| {
-        if pinned.cp.is_some_and(|cp| cp > 1) {
-            return Err(miette!(
-                help = "drop cp from --strategy",
-                "context parallelism (cp > 1) is not implemented by the CPU runtime"
-            ));
+        if pinned.cp.is_none() {
+            pinned.cp = Some(1);
         }
-        pinned.cp = Some(1);
+        // The runtime does not compose cp with sequence parallelism (both
+        // split the sequence); a pinned `sp=on` is refused by the run.
+        if pinned.cp.is_some_and(|cp| cp > 1) && pinned.sequence_parallel.is_none() {
+            pinned.sequence_parallel = Some(false);
+        }
         // Its ranks keep every state in their own memory.
         match pinned.offload {
             Some(o) if !o.is_none() => {
@@ -382,6 +385,9 @@ fn install_interrupt(_flag: &StopFlag) {}
 fn describe(plan: &dplc_ir::Plan) -> String {
     let (m, s) = (&plan.mesh, &plan.strategy);
     let mut parts = vec![format!("dp {} × tp {} × pp {}", m.dp, m.tp, m.pp)];
+    if m.cp > 1 {
+        parts.push(format!("cp {} (load-balanced sequence chunks)", m.cp));
+    }
     if m.ep > 1 {
         parts.push(format!("ep {}", m.ep));
     }

@@ -202,8 +202,10 @@ pub fn run(args: &Args) -> Result<()> {
         }
     };
     let global = split.global_batch();
-    let tp = split.tp as u64;
-    let seq = (plan.strategy.seq.min(32) / tp).max(1) * tp;
+    // The sequence splits over tp (sequence parallel) and into 2·cp
+    // load-balanced chunks.
+    let unit = split.tp as u64 * if split.cp > 1 { 2 * split.cp as u64 } else { 1 };
+    let seq = (plan.strategy.seq.min(32) / unit).max(1) * unit;
     let serial = RunConfig {
         micro_batch: 1,
         num_micro_batches: global,
@@ -268,12 +270,13 @@ pub fn run(args: &Args) -> Result<()> {
         );
     } else {
         outln!(
-            "verify {} on {} CPU ranks (dp {} × tp {} × pp {}, ep {}), reduced to {layers} layers, seq {seq}, global batch {global}, {} steps, {layout_source} layout, {} compute",
+            "verify {} on {} CPU ranks (dp {} × tp {} × pp {} × cp {}, ep {}), reduced to {layers} layers, seq {seq}, global batch {global}, {} steps, {layout_source} layout, {} compute",
             plan.model,
             split.world_size(),
             split.dp,
             split.tp,
             split.pp,
+            split.cp,
             split.ep,
             args.steps,
             split.compute.name()

@@ -155,6 +155,26 @@ fn resume_is_bitwise_under_tp2_pp2() {
     check_resume_is_bitwise("tp2-pp2", tp2_pp2());
 }
 
+/// Context-parallel ranks are replicas: ZeRO-1 shards over dp × cp, and
+/// each element is saved once by its owner, so a cp run resumes bit for
+/// bit and a serial run loads its parameters exactly.
+#[test]
+fn resume_is_bitwise_under_cp2_dp2_zero1() {
+    let cfg = RunConfig {
+        cp: 2,
+        ..dp2_zero1()
+    };
+    check_resume_is_bitwise("cp2-dp2-zero1", cfg.clone());
+    let dir = Scratch::new("cp2-reload");
+    let first = run(&saving(&cfg, &dir.0, 2), 2, Opt::AdamW);
+    let loaded = run(&resuming(&serial(), &dir.0), 2, Opt::AdamW);
+    assert!(loaded.steps.is_empty());
+    assert_eq!(
+        loaded.params, first.params,
+        "serial loads cp2×dp2's parameters"
+    );
+}
+
 #[test]
 fn resume_is_bitwise_under_dp2_zero3() {
     check_resume_is_bitwise(

@@ -43,6 +43,20 @@ fn inspect_json_reports_published_parameter_counts() {
     ]);
     assert_eq!(v["params"], 405_853_388_800u64);
     assert_eq!(v["layers"], 126);
+
+    // Two stacks (encoder and decoder), the embedding counted once though
+    // three places read it (frontend/tests/zoo.rs cites the count).
+    let v = json(&["inspect", "models/t5.dpl", "--model", "t5_small", "--json"]);
+    assert_eq!(v["params"], 60_506_624u64);
+    let v = json(&["inspect", "models/t5.dpl", "--model", "t5_tiny", "--json"]);
+    assert_eq!(
+        v["params"],
+        64 * 32
+            + 2 * (4 * 32 * 32 + 2 * 32 * 64 + 2 * 32)
+            + 2 * 8 * 4
+            + 2 * 32
+            + 2 * (8 * 32 * 32 + 2 * 32 * 64 + 3 * 32)
+    );
 }
 
 #[test]

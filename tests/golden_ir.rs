@@ -32,6 +32,13 @@ fn moe_tiny() {
     insta::assert_snapshot!(ir_of("tiny.dpl", "moe_tiny"));
 }
 
+/// An encoder-decoder: two stacks, the relative position buckets, the
+/// decoder's ids shifted right (`pad[axis=1, 1, -1, value=0]`), cross-attention.
+#[test]
+fn t5_tiny() {
+    insta::assert_snapshot!(ir_of("t5.dpl", "t5_tiny"));
+}
+
 /// A rank's local program under tp 2 with sequence parallelism (Megatron's
 /// layout): the weights' halves, the sequence shards, and every layout
 /// change as a `relayout` node. A change here changes what each GPU rank
@@ -43,6 +50,21 @@ fn golden_local_program_gpt_tiny_tp2_sp() {
     let g = unit.lower("gpt_tiny").expect("the model lowers").graph;
     let layout = dplc_planner::derive_layout(&g, 2, 1, true).expect("a layout");
     let local = dplc_ir::localize(&g, &layout).expect("the layout fits the model");
+    insta::assert_snapshot!(dplc_ir::print_graph(&local));
+}
+
+/// A rank's program under context parallelism 2 (`dplc_ir::split_context`),
+/// for Mistral's sliding window: the sequence axes at `seq/2`, the K and V
+/// operands (and the window's key positions) all-gathered as
+/// `relayout[context(a) -> replicated]`, the rank's positions sliced from
+/// the whole `iota`, the causal mask a `select` of global positions, and
+/// the per-token loss gathered before its mean over the sequence.
+#[test]
+fn golden_context_program_mistral_tiny_cp2() {
+    let src = std::fs::read_to_string("models/mistral.dpl").expect("the zoo file");
+    let unit = dplc_frontend::parse("mistral.dpl", &src).expect("mistral.dpl parses");
+    let g = unit.lower("mistral_tiny").expect("the model lowers").graph;
+    let local = dplc_ir::split_context(&g, 2).expect("the model splits its sequence");
     insta::assert_snapshot!(dplc_ir::print_graph(&local));
 }
 

@@ -120,6 +120,40 @@ fn layouts_travel_in_plan_files() {
     assert!(cfg.sequence_parallel && cfg.layout.is_some());
 }
 
+/// A tensor degree the cluster allows but no layer dimension divides is left
+/// out of the search with the reason in the plan, which `compile --verbose`
+/// and `explain` print — never an internal error, never silently.
+#[test]
+fn a_degree_the_layers_cannot_split_is_skipped_with_why() {
+    let text = TINY.replace(
+        "d = 64, heads = 4, layers = 2, dropout = 0.0",
+        "d = 6, heads = 3, layers = 2, dropout = 0.0",
+    );
+    let unit = dplc_frontend::parse("tiny.dpl", &text).expect("parses");
+    let lowered = unit.lower("gpt_tiny").expect("lowers");
+    let cluster = dplc_planner::parse_cluster("16xcpu").unwrap();
+    let req = dplc_planner::PlanRequest::new(&lowered.graph, lowered.train.clone(), cluster);
+    let compiled = dplc_planner::compile(&req).unwrap();
+    let skipped = &compiled.plan.search.skipped;
+    assert_eq!(skipped.len(), 1, "{skipped:?}");
+    assert_eq!((skipped[0].tp, skipped[0].ep), (16, 1));
+    assert_eq!(
+        skipped[0].reason,
+        "no head or hidden dimension of the layer divides by 16"
+    );
+    assert!(dplc_planner::layouts_summary(&compiled).contains(
+        "skipped tp 16 ep 1: no head or hidden dimension of the layer divides by 16 (not searched)"
+    ));
+    let mut req = dplc_planner::PlanRequest::new(
+        &lowered.graph,
+        lowered.train.clone(),
+        dplc_planner::parse_cluster("16xcpu").unwrap(),
+    );
+    req.pinned = dplc_planner::parse_strategy("tp=16").unwrap();
+    let err = dplc_planner::compile(&req).unwrap_err().to_string();
+    assert!(err.contains("divides by 16"), "{err}");
+}
+
 /// A model of several layer stacks gets a layout that splits every stack
 /// (the planner prices each layer split), not the first alone.
 #[test]

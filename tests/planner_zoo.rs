@@ -85,6 +85,22 @@ fn golden_mixtral_8x7b_on_2x8xh100() {
     )));
 }
 
+/// The encoder-decoder plans on one node, searched and with tensor and
+/// pipeline splits pinned (each stack split by the Megatron rule; the
+/// stages cut across the two stacks).
+#[test]
+fn t5_small_plans_on_one_node() {
+    for strategy in ["", "tp=2,pp=2", "tp=4", "pp=4"] {
+        let c = plan("t5.dpl", "t5_small", "8xA100", strategy, 1);
+        assert_eq!(
+            c.plan.mesh.dp * c.plan.mesh.tp * c.plan.mesh.pp,
+            8,
+            "{strategy}"
+        );
+        assert!(c.plan.estimate.step_time_s > 0.0, "{strategy}");
+    }
+}
+
 #[test]
 fn pinned_keys_are_kept_and_the_rest_searched() {
     let c = plan(
@@ -186,4 +202,44 @@ fn even_stages_and_the_rank_order_can_be_pinned() {
     }
     assert!(parse_strategy("order=dp-first").is_err());
     assert!(parse_strategy("stages=uneven").is_err());
+}
+
+/// Every zoo model compiles on a cluster of its size with tensor
+/// parallelism in the plan (each pinned at a degree its layers split by),
+/// and its layers laid out by the sharding e-graph.
+#[test]
+fn every_zoo_model_plans_with_tensor_parallelism() {
+    for (file, model, cluster, tp) in [
+        ("gpt2.dpl", "gpt2", "8xA100", 2),
+        ("bert.dpl", "bert_large", "8xA100", 4),
+        ("vit.dpl", "vit_l16", "8xA100", 2),
+        ("llama2.dpl", "llama2_13b", "2x8xA100", 8),
+        ("llama3.dpl", "llama3_8b", "8xH100", 8),
+        ("mistral.dpl", "mistral_7b", "8xH100", 8),
+        ("gemma.dpl", "gemma_2b", "8xH100", 4),
+        ("mixtral.dpl", "mixtral_8x7b", "2x8xH100", 4),
+        ("deepseek.dpl", "deepseek_v2_lite", "4x8xH100", 4),
+        ("t5.dpl", "t5_large", "8xA100", 4),
+        ("megatron_gpt.dpl", "gpt_22b", "8x8xA100", 8),
+    ] {
+        let c = plan(file, model, cluster, &format!("tp={tp}"), 1);
+        assert_eq!(c.plan.mesh.tp, tp, "{model}");
+        assert!(
+            c.plan.layout.is_some() && !c.plan.programs.is_empty(),
+            "{model}: a tensor-parallel plan carries its layouts"
+        );
+    }
+}
+
+/// Under a pipeline the search keeps to ZeRO-1 unasked, and plans ZeRO-3
+/// (FSDP + PP) when it is pinned.
+#[test]
+fn fsdp_under_a_pipeline_plans_when_pinned() {
+    let searched = plan("llama3.dpl", "llama3_8b", "2x8xH100", "pp=2", 1);
+    assert!(searched.plan.strategy.zero_stage <= 1);
+    let pinned = plan("llama3.dpl", "llama3_8b", "2x8xH100", "pp=2,zero=3", 1);
+    assert_eq!(
+        (pinned.plan.mesh.pp, pinned.plan.strategy.zero_stage),
+        (2, 3)
+    );
 }

@@ -653,6 +653,32 @@ fn the_gemma_zoo_model_verifies_under_its_splits() {
     );
 }
 
+/// Sharded gradients and weights under a pipeline (torchtitan's FSDP + PP),
+/// pinned, run as priced and equal to the serial run on both computes.
+#[test]
+fn zero_2_and_3_under_a_pipeline_verify_when_pinned() {
+    verify_splits(
+        "models/tiny.dpl",
+        Some("gpt_tiny"),
+        &["dp=2,pp=2,zero=2", "dp=2,pp=2,zero=3"],
+        &[],
+    );
+}
+
+/// The zoo's dense-then-MoE model (DeepSeek-V2-Lite's shape: a dense layer
+/// stack, then a stack of routed plus shared experts, latent attention with
+/// one rotary key shared by every head) verifies under tensor, data,
+/// pipeline and expert splits on both computes, as its planner priced them.
+#[test]
+fn the_deepseek_zoo_model_verifies_under_its_splits() {
+    verify_splits(
+        "models/deepseek.dpl",
+        Some("deepseek_tiny"),
+        &["tp=2,dp=2", "dp=2,pp=2", "tp=2,ep=2,dp=2"],
+        &[],
+    );
+}
+
 /// The zoo's sliding-window model (Mistral's shape): a window as long as the
 /// sequence is plain causal attention, a shorter one changes what is
 /// learned, and the windowed model verifies under tensor, data and pipeline
@@ -731,6 +757,83 @@ fn where_and_comparisons_train_under_every_split() {
         &["--seq", "16", "--global-batch", "8"],
     );
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A causal convolution of width 3 written with `shift` along the sequence
+/// and a running sum (`cumsum`) inside a layer train as the serial run does
+/// under tensor, data, pipeline and sequence-parallel splits on both
+/// computes (under sequence parallelism they run on the whole sequence).
+#[test]
+fn shifts_and_running_sums_train_under_every_split() {
+    let dir = std::env::temp_dir().join(format!("dplc-shift-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("conv.dpl");
+    std::fs::write(
+        &src,
+        "model conv(vocab = 256, d = 64, heads = 4, layers = 2) {\n    input tokens: i32[batch, seq]\n    \
+         input targets: i32[batch, seq]\n    param embed: [vocab, d]\n    h = embedding(embed, tokens)\n    \
+         repeat layers {\n        h = h + attention(rms_norm(h, d, name = \"an\"), d, heads, rotary = true)\n        \
+         x = rms_norm(h, d, name = \"cn\")\n        param w0: [d] = ones\n        param w1: [d] = zeros\n        \
+         param w2: [d] = zeros\n        h = h + x * w0 + shift(x, 1, 1) * w1 + shift(x, 1, 2) * w2\n        \
+         h = h + cumsum(x, 1) * 0.01\n        h = h + swiglu(rms_norm(h, d, name = \"fn\"), d, 128)\n    }\n    \
+         param output: [d, vocab]\n    return cross_entropy(rms_norm(h, d, name = \"n\") @ output, targets)\n}\n",
+    )
+    .unwrap();
+    verify_splits(
+        src.to_str().unwrap(),
+        None,
+        &["tp=2,dp=2", "dp=2,pp=2", "tp=2,sp=true,dp=2"],
+        &["--seq", "16", "--global-batch", "8"],
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// One MLP's parameters read before the layers and in every layer (`share =
+/// "first"`): counted once, their gradients summed from every reader, the
+/// run as the serial one under tensor × data and data × pipeline splits on
+/// both computes.
+#[test]
+fn a_shared_block_trains_under_every_split() {
+    let dir = std::env::temp_dir().join(format!("dplc-share-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("share.dpl");
+    std::fs::write(
+        &src,
+        "model sh(vocab = 256, d = 64, heads = 4, layers = 2) {\n    input tokens: i32[batch, seq]\n    \
+         input targets: i32[batch, seq]\n    param embed: [vocab, d]\n    h = embedding(embed, tokens)\n    \
+         h = h + mlp(rms_norm(h, d, name = \"n0\"), d, 128, name = \"first\")\n    repeat layers {\n        \
+         h = h + attention(rms_norm(h, d, name = \"an\"), d, heads, rotary = true)\n        \
+         h = h + mlp(rms_norm(h, d, name = \"fn\"), d, 128, share = \"first\")\n    }\n    \
+         return cross_entropy(rms_norm(h, d, name = \"n\") @ transpose(embed), targets)\n}\n",
+    )
+    .unwrap();
+    let out = dplc(&["inspect", src.to_str().unwrap(), "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // embed 16,384 + six norms 384 + the MLP once 16,576 + two attentions 33,280.
+    assert_eq!(v["params"], 66_624);
+    verify_splits(
+        src.to_str().unwrap(),
+        None,
+        &["tp=2,dp=2", "dp=2,pp=2"],
+        &["--seq", "16", "--global-batch", "8"],
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The zoo's encoder-decoder (T5's shape: two stacks, a relative position
+/// bias made once per stack, cross-attention to the encoder's output,
+/// decoder inputs shifted right, one embedding read in three places)
+/// verifies under tensor × data, data × pipeline (cut between the two
+/// stacks) and tensor × pipeline with sequence parallelism on both computes.
+#[test]
+fn the_t5_zoo_model_verifies_under_its_splits() {
+    verify_splits(
+        "models/t5.dpl",
+        Some("t5_tiny"),
+        &["tp=2,dp=2", "dp=2,pp=2", "tp=2,pp=2,sp=true"],
+        &["--seq", "16", "--global-batch", "8"],
+    );
 }
 
 /// Compile `model` of `src` on 4 CPU ranks under each of `strategies` (with
@@ -827,4 +930,56 @@ fn run_json_reports_the_dp_bytes_and_viz_draws_the_runs_side_by_side() {
         stderr(&out)
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Context parallelism from the command line: `dplc run` trains a pinned
+/// cp split (and says so), `dplc verify` passes cp plans (with dp, pp and
+/// tp, the plan's own e-graph layout) of gpt_tiny and of Mistral's sliding
+/// window on both computes, and cp with sequence parallelism, which the
+/// runtime does not compose, is refused naming why.
+#[test]
+fn context_parallel_plans_run_and_verify() {
+    let run = |strategy: &str| {
+        dplc(&[
+            "run",
+            "models/tiny.dpl",
+            "--model",
+            "llama_tiny",
+            "--cluster",
+            "4xcpu",
+            "--strategy",
+            strategy,
+            "--steps",
+            "2",
+        ])
+    };
+    let out = run("cp=2,dp=2");
+    assert!(out.status.success(), "{}", stderr(&out));
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
+    assert!(
+        said.contains("cp 2 (load-balanced sequence chunks)"),
+        "{said}"
+    );
+    // Left free, sequence parallelism stays off beside cp; pinned, refused.
+    let out = run("cp=2,tp=2");
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = run("cp=2,tp=2,sp=on");
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("not with ep or sequence parallelism"),
+        "{}",
+        stderr(&out)
+    );
+    verify_splits(
+        "models/mistral.dpl",
+        Some("mistral_tiny"),
+        &["cp=2,dp=2", "cp=2,pp=2", "cp=2,tp=2,sp=off"],
+        &[],
+    );
+    verify_splits(
+        "models/tiny.dpl",
+        Some("gpt_tiny"),
+        &["cp=2,dp=2", "cp=4", "cp=2,tp=2,sp=off"],
+        &[],
+    );
 }

@@ -581,6 +581,13 @@ fn pipelines_cut_layer_stacks_anywhere() {
             },
         ),
         (
+            "pp2 interleaved v2 (chunks of 2 and 1 layers)",
+            RunConfig {
+                schedule: Schedule::Interleaved { chunks: 2 },
+                ..pp2.clone()
+            },
+        ),
+        (
             "pp2 GPipe",
             RunConfig {
                 schedule: Schedule::GPipe,

@@ -116,7 +116,11 @@ fn role(op: &Op) -> Role {
         | Op::MoeCombine
         | Op::Repeat { .. }
         | Op::Relayout { .. }
-        | Op::VocabParallel(_) => Role::Library,
+        | Op::VocabParallel(_)
+        // A scan: each element reads its whole prefix, which no point-wise
+        // kernel (nor a row kernel's one fold per row) expresses; it runs on
+        // the host as top-k does.
+        | Op::CumSum { .. } => Role::Library,
         Op::Constant(_)
         | Op::Iota { .. }
         | Op::Transpose { .. }
@@ -127,6 +131,7 @@ fn role(op: &Op) -> Role {
         | Op::Binary(_)
         | Op::Cast(_)
         | Op::Concat { .. }
+        | Op::Pad { .. }
         | Op::Dropout { .. }
         | Op::CausalMask
         | Op::Select
@@ -812,8 +817,41 @@ impl Lower<'_, '_> {
                 let inner = self.view_index(node_of(g, t), index);
                 self.index(node.inputs[0], &inner)?
             }
+            Op::Pad { value, .. } => {
+                let (ix, (from, len)) = self.pad_source(node_of(g, t), index);
+                let x = self.index(node.inputs[0], &ix)?;
+                // No select on indices: `inside` is 1 or 0 by clamping,
+                // `[0 <= from] * [from < len]`, and the id is mixed by it.
+                let one = || Idx::Const(1);
+                let clamp01 = |i: Idx| Idx::min(Idx::max(i, Idx::Const(0)), one());
+                let lo = clamp01(Idx::add(from.clone(), one()));
+                let hi = clamp01(Idx::sub(len, from));
+                let inside = Idx::mul(lo, hi);
+                let fill = Idx::mul(Idx::sub(one(), inside.clone()), Idx::Const(*value as i64));
+                Idx::add(Idx::mul(inside, x), fill)
+            }
             op => return Err(format!("`{}` on indices inside a kernel", op.name())),
         })
+    }
+
+    /// For a pad node at output `index`: the input index it reads (its
+    /// padded axis clamped into the input), and that axis's unclamped source
+    /// position with the input's length, to test whether it is inside.
+    fn pad_source(&mut self, n: NodeId, index: &[Idx]) -> (Vec<Idx>, (Idx, Idx)) {
+        let g = self.a.g;
+        let node = g.node(n);
+        let Op::Pad { axis, before, .. } = node.op else {
+            unreachable!("only pads")
+        };
+        let len = g.tensor(node.inputs[0]).shape.dims()[axis].clone();
+        let len = self.size_idx(&len);
+        let from = Idx::sub(index[axis].clone(), Idx::Const(before));
+        let mut ix = index.to_vec();
+        ix[axis] = Idx::min(
+            Idx::max(from.clone(), Idx::Const(0)),
+            Idx::sub(len.clone(), Idx::Const(1)),
+        );
+        (ix, (from, len))
     }
 
     /// The input index of a view node at output `index`.
@@ -912,6 +950,34 @@ impl Lower<'_, '_> {
                     });
                 }
                 acc
+            }
+            Op::Pad {
+                before,
+                after,
+                value,
+                ..
+            } => {
+                let (ix, inside) = self.pad_source(n, index);
+                let x = self.value(input(0), &ix)?;
+                let fill = self.b.konst(*value);
+                let (from, len) = inside;
+                // Only the ends that grew need a test: a cropped end reads inside.
+                let mut v = x;
+                if *after > 0 {
+                    v = self.b.push(Expr::Select {
+                        cond: Cond::IdxLt(from.clone(), len),
+                        then: v,
+                        otherwise: fill,
+                    });
+                }
+                if *before > 0 {
+                    v = self.b.push(Expr::Select {
+                        cond: Cond::IdxLt(from, Idx::Const(0)),
+                        then: fill,
+                        otherwise: v,
+                    });
+                }
+                v
             }
             Op::Select => {
                 let ix =

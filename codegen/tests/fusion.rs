@@ -97,3 +97,19 @@ fn llama_tiny_kernels_match_reference() {
     let n = check_against_reference(&g, &syms(&[("batch", 2), ("seq", 6)]));
     assert!(n >= 8, "{n} kernels");
 }
+
+/// Shifts and pads fused into the kernels that read them.
+#[test]
+fn shift_and_pad_kernels_match_reference() {
+    let g = common::lower_m(common::SHIFTS);
+    let n = check_against_reference(&g, &syms(&[("batch", 2), ("seq", 5)]));
+    assert!(n >= 1, "{n} kernels");
+}
+
+/// The zoo's T5: relative position buckets, the shifted decoder ids, cross-attention.
+#[test]
+fn t5_tiny_kernels_match_reference() {
+    let g = common::t5_tiny_without_dropout();
+    let n = check_against_reference(&g, &syms(&[("batch", 2), ("seq", 5)]));
+    assert!(n >= 8, "{n} kernels");
+}

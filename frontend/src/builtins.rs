@@ -3,9 +3,9 @@
 
 use crate::ast::Span;
 use crate::diag::{Diag, DiagExt, Res};
-use crate::elab::Elab;
+use crate::lowering::Lowering;
 use crate::value::{ratio_of, Value};
-use dplc_ir::{BinaryOp, DType, Dim, Op, ReduceKind, UnaryOp};
+use dplc_ir::{BinaryOp, DType, Op, ReduceKind, UnaryOp};
 
 /// A default value of a builtin's parameter.
 #[derive(Clone, Copy, Debug)]
@@ -241,6 +241,28 @@ pub const BUILTINS: &[Builtin] = &[
         doc: "len elements from start along a fixed-size axis",
     },
     Builtin {
+        name: "pad",
+        params: &[
+            ("x", R),
+            ("axis", R),
+            ("before", R),
+            ("after", R),
+            ("value", F(0.0)),
+        ],
+        doc: "`before`/`after` elements of `value` at the two ends of an axis \
+              (negative: drop that many); a symbolic axis only keeps its length",
+    },
+    Builtin {
+        name: "shift",
+        params: &[("x", R), ("axis", R), ("by", R), ("fill", F(0.0))],
+        doc: "move elements `by` places along an axis (symbolic too), `fill` in the gap",
+    },
+    Builtin {
+        name: "cumsum",
+        params: &[("x", R), ("axis", I(-1)), ("reverse", B(false))],
+        doc: "running sum along an axis (from the end when reverse)",
+    },
+    Builtin {
         name: "concat",
         params: &[("xs", R), ("axis", I(-1))],
         doc: "join a list of tensors along axis",
@@ -279,6 +301,11 @@ pub const BUILTINS: &[Builtin] = &[
         name: "positions",
         params: &[("n", R)],
         doc: "i32 [0, 1, …, n-1]",
+    },
+    Builtin {
+        name: "is_tensor",
+        params: &[("v", R)],
+        doc: "whether a value is a tensor: for optional tensor arguments (`bias = false`)",
     },
     Builtin {
         name: "dim",
@@ -348,7 +375,7 @@ fn unary_op(name: &str) -> Option<UnaryOp> {
 }
 
 /// Call builtin `b` with its bound arguments (defaults filled in).
-pub fn call(e: &mut Elab<'_>, b: &Builtin, args: Vec<(Value, Span)>, span: Span) -> Res<Value> {
+pub fn call(e: &mut dyn Lowering, b: &Builtin, args: Vec<(Value, Span)>, span: Span) -> Res<Value> {
     let arg = |i: usize| &args[i].0;
     let at = |i: usize| args[i].1;
     let name = b.name;
@@ -554,6 +581,39 @@ pub fn call(e: &mut Elab<'_>, b: &Builtin, args: Vec<(Value, Span)>, span: Span)
             e.node1(Op::Slice { axis, start, len }, &[x], span)
                 .map(Value::Tensor)
         }
+        "pad" | "shift" => {
+            let x = e.tensor_arg(arg(0), at(0), name)?;
+            let axis = e.axis_arg(x, arg(1), at(1))?;
+            let (before, after, value) = if name == "pad" {
+                let (b, a) = (e.int_arg(arg(2), at(2))?, e.int_arg(arg(3), at(3))?);
+                (b, a, e.number_arg(arg(4), at(4))?)
+            } else {
+                let by = e.int_arg(arg(2), at(2))?;
+                (
+                    by,
+                    by.checked_neg().unwrap_or(i64::MAX),
+                    e.number_arg(arg(3), at(3))?,
+                )
+            };
+            e.node1(
+                Op::Pad {
+                    axis,
+                    before,
+                    after,
+                    value,
+                },
+                &[x],
+                span,
+            )
+            .map(Value::Tensor)
+        }
+        "cumsum" => {
+            let x = e.tensor_arg(arg(0), at(0), name)?;
+            let axis = e.axis_arg(x, arg(1), at(1))?;
+            let reverse = e.bool_arg(arg(2), at(2))?;
+            e.node1(Op::CumSum { axis, reverse }, &[x], span)
+                .map(Value::Tensor)
+        }
         "concat" => {
             let items = e.list_arg(arg(0), at(0))?;
             let mut ts = Vec::new();
@@ -625,6 +685,7 @@ pub fn call(e: &mut Elab<'_>, b: &Builtin, args: Vec<(Value, Span)>, span: Span)
             let len = e.dim_arg(arg(0), at(0))?;
             e.node1(Op::Iota { len }, &[], span).map(Value::Tensor)
         }
+        "is_tensor" => Ok(Value::Bool(matches!(arg(0), Value::Tensor(_)))),
         "dim" => {
             let x = e.tensor_arg(arg(0), at(0), name)?;
             let axis = e.axis_arg(x, arg(1), at(1))?;
@@ -685,22 +746,6 @@ pub fn call(e: &mut Elab<'_>, b: &Builtin, args: Vec<(Value, Span)>, span: Span)
             format!("internal error: builtin `{name}` has no lowering"),
         )),
     }
-}
-
-/// Dimensions above this are refused: they are typos, and products of a few
-/// of them would overflow the analyses' integers.
-pub const MAX_DIM: i64 = 1 << 40;
-
-/// A shape from a list of values, with `-1` allowed once when `infer` holds.
-pub fn dims_of(e: &Elab<'_>, items: &[Value], span: Span) -> Res<Vec<Option<Dim>>> {
-    let mut out = Vec::new();
-    for v in items {
-        out.push(match v {
-            Value::Int(-1) => None,
-            v => Some(e.dim_arg(v, span)?),
-        });
-    }
-    Ok(out)
 }
 
 pub fn dtype_names() -> impl Iterator<Item = &'static str> {

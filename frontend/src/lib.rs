@@ -10,6 +10,7 @@ mod ast;
 mod builtins;
 mod diag;
 mod elab;
+mod lowering;
 mod section;
 mod syntax;
 mod value;

@@ -31,6 +31,10 @@ macro_rules! cases {
 }
 
 cases! {
+    share_of_a_missing_path: "model m() {\n    input x: f32[b, 4]\n    y = linear(x, 4, 4, name = \"a\")\n    return linear(y, 4, 4, share = \"b\")\n}\n";
+    share_of_another_shape: "model m() {\n    input x: f32[b, 4]\n    y = linear(x, 4, 4, name = \"a\")\n    return linear(y, 4, 2, share = \"a\")\n}\n";
+    pad_of_a_symbolic_axis: "model m() {\n    input x: f32[b, s]\n    return pad(x, 1, 1, 0)\n}\n";
+    cross_attention_with_a_causal_mask: "model m() {\n    input x: f32[b, s, 8]\n    input e: f32[b, 5, 8]\n    return attention(x, 8, 2, kv = e)\n}\n";
     syntax_error: "model m() {\n    x = 1 +\n}\n";
     unknown_name_with_suggestion: "model m(width = 4) {\n    input x: f32[b, 4]\n    return x * widht\n}\n";
     unknown_block: "model m() {\n    input x: f32[b, 4]\n    return lienar(x, 4, 4)\n}\n";

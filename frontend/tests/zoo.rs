@@ -65,6 +65,29 @@ fn vit_parameter_counts() {
     assert_eq!(params("vit.dpl", "vit_l16"), 304_326_632);
 }
 
+/// DeepSeek-AI 2024 (DeepSeek-V2-Lite: "15.7B total parameters"): the sum
+/// over the published config's tensors (deepseek-ai/DeepSeek-V2-Lite
+/// config.json: 27 layers of width 2048, the first dense with an FFN of
+/// 10944, the others 64 routed experts of 1408 and 2 shared; latent
+/// attention with kv_lora_rank 512, no query compression, heads of 128 + 64
+/// rotary channels, values of 128; vocabulary 102400, untied output).
+#[test]
+fn deepseek_v2_lite_parameter_count() {
+    assert_eq!(params("deepseek.dpl", "deepseek_v2_lite"), 15_706_484_224);
+}
+
+/// t5-small as KerasNLP's preset lists it (keras_nlp/models/t5/t5_presets.py,
+/// `"params": 60506624`, the original T5 with the embedding tied); the
+/// same sum over the Hugging Face config.json of t5-small/base/large
+/// (d_model, d_ff, d_kv 64, heads, layers, vocab 32128, 32 buckets) gives
+/// 60,506,624 / 222,903,552 / 737,668,096, the counts transformers reports.
+#[test]
+fn t5_parameter_counts() {
+    assert_eq!(params("t5.dpl", "t5_small"), 60_506_624);
+    assert_eq!(params("t5.dpl", "t5_base"), 222_903_552);
+    assert_eq!(params("t5.dpl", "t5_large"), 737_668_096);
+}
+
 #[test]
 fn every_zoo_file_checks() {
     for file in [
@@ -76,6 +99,8 @@ fn every_zoo_file_checks() {
         "vit.dpl",
         "gemma.dpl",
         "mistral.dpl",
+        "deepseek.dpl",
+        "t5.dpl",
         "megatron_gpt.dpl",
         "tiny.dpl",
     ] {

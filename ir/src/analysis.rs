@@ -353,6 +353,20 @@ impl<'g> Analysis<'g> {
             .sum()
     }
 
+    /// The model's layer stacks, its top-level `repeat`s in program order:
+    /// each repeat node, its body and its number of layers.
+    pub fn stacks(&self) -> Vec<(NodeId, RegionId, u64)> {
+        let g = self.graph;
+        g.region(g.root())
+            .nodes
+            .iter()
+            .filter_map(|&n| match g.node(n).op {
+                Op::Repeat { body, count, .. } => Some((n, body, count)),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// The body of the first top-level `repeat`: the model's layer.
     pub fn layer_body(&self) -> Option<RegionId> {
         let g = self.graph;

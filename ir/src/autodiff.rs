@@ -81,6 +81,8 @@ pub fn saved_values(op: &Op, grads: &[bool]) -> Vec<SavedValue> {
         | Op::Expand { .. }
         | Op::Slice { .. }
         | Op::Concat { .. }
+        | Op::Pad { .. }
+        | Op::CumSum { .. }
         | Op::CausalMask => {}
         // Which operand each element came from.
         Op::Select => save(g(1) || g(2), Input(0), Float),

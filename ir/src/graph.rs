@@ -202,6 +202,7 @@ impl Graph {
                             | Op::Expand { .. }
                             | Op::Transpose { .. }
                             | Op::Slice { .. }
+                            | Op::Pad { .. }
                             | Op::Cast(DType::I32),
                             _,
                         ) => {
@@ -832,6 +833,63 @@ impl Graph {
                 let mut out = first.0.clone();
                 out[*axis] = total;
                 vec![(t(0).dtype, Shape(out))]
+            }
+            Op::Pad {
+                axis,
+                before,
+                after,
+                ..
+            } => {
+                arity("1", inputs.len() == 1)?;
+                let dims = t(0).shape.dims();
+                let d = dims.get(*axis).ok_or(IrError::Axis {
+                    op: name,
+                    axis: *axis as i64,
+                    rank: dims.len(),
+                })?;
+                // A shift keeps the length, symbolic or not; any other pad
+                // needs a number, since `seq + 2` is not a dimension.
+                let len = if before.saturating_add(*after) == 0 {
+                    let size = d.as_const().unwrap_or(i64::MAX);
+                    if before.saturating_abs() >= size {
+                        return Err(shape_err(format!(
+                            "a shift by {before} leaves nothing of axis {axis} of {}",
+                            s(0)
+                        )));
+                    }
+                    d.clone()
+                } else {
+                    let n = d.as_const().ok_or_else(|| {
+                        shape_err(format!(
+                            "axis {axis} of {} is symbolic: only a shift (before = -after) \
+                             keeps a symbolic length",
+                            s(0)
+                        ))
+                    })?;
+                    let len = n.saturating_add(*before).saturating_add(*after);
+                    if len <= 0 || before.saturating_neg() >= n || after.saturating_neg() >= n {
+                        return Err(shape_err(format!(
+                            "padding axis {axis} of {} by {before} and {after} leaves nothing",
+                            s(0)
+                        )));
+                    }
+                    Dim::konst(len)
+                };
+                let mut out = dims.to_vec();
+                out[*axis] = len;
+                vec![(t(0).dtype, Shape(out))]
+            }
+            Op::CumSum { axis, .. } => {
+                arity("1", inputs.len() == 1)?;
+                float(0)?;
+                if *axis >= t(0).shape.rank() {
+                    return Err(IrError::Axis {
+                        op: name,
+                        axis: *axis as i64,
+                        rank: t(0).shape.rank(),
+                    });
+                }
+                vec![(t(0).dtype, t(0).shape.clone())]
             }
             Op::Reduce { axis, keep_dim, .. } => {
                 arity("1", inputs.len() == 1)?;

@@ -24,6 +24,12 @@ pub enum TensorLayout {
     /// rank's `experts / ep` experts, with the capacity slots of every rank of
     /// the expert-parallel group one after the other (`[experts/ep, ep·capacity, …]`).
     Experts,
+    /// Context parallelism: this rank's positions along the sequence axis
+    /// `axis`, cut into `2·cp` equal chunks of which cp rank `r` holds
+    /// chunks `r` and `2·cp−1−r`, in that order (the causal load balancing
+    /// of Megatron-LM and torchtitan). Only in a rank's program
+    /// ([`crate::split_context`]), never in a plan's layout.
+    Context { axis: usize },
 }
 
 impl std::fmt::Display for TensorLayout {
@@ -33,6 +39,7 @@ impl std::fmt::Display for TensorLayout {
             TensorLayout::Split { axis } => write!(f, "split({axis})"),
             TensorLayout::Partial => f.write_str("partial"),
             TensorLayout::Experts => f.write_str("experts"),
+            TensorLayout::Context { axis } => write!(f, "context({axis})"),
         }
     }
 }
@@ -44,6 +51,17 @@ impl TensorLayout {
         match self {
             TensorLayout::Partial => TensorLayout::Replicated,
             l => l,
+        }
+    }
+
+    /// The layout the gradient of a layout change `from -> to` is handed
+    /// back in. Each rank's gradient of a whole value sliced to its context
+    /// positions is its own summand (zero at the other ranks' positions);
+    /// every other change hands back the gradient of `from`.
+    pub fn relayout_grad_target(from: TensorLayout, to: TensorLayout) -> TensorLayout {
+        match (from, to) {
+            (TensorLayout::Replicated, TensorLayout::Context { .. }) => TensorLayout::Partial,
+            _ => from.grad(),
         }
     }
 
@@ -189,6 +207,22 @@ impl ModelLayout {
                     reg.args.len(),
                     reg.nodes.len(),
                     reg.results.len()
+                ));
+            }
+            let context = r
+                .args
+                .iter()
+                .chain(&r.results)
+                .chain(
+                    r.nodes
+                        .iter()
+                        .flat_map(|nl| nl.inputs.iter().chain(&nl.outputs)),
+                )
+                .any(|l| matches!(l, TensorLayout::Context { .. }));
+            if context {
+                return bad(format!(
+                    "the layout of region {} names a context-parallel layout, which only a rank's program holds",
+                    r.region
                 ));
             }
             for (nl, &n) in r.nodes.iter().zip(&reg.nodes) {

@@ -4,6 +4,7 @@
 mod analysis;
 mod autodiff;
 mod config;
+mod context;
 mod dtype;
 mod error;
 mod graph;
@@ -22,6 +23,9 @@ pub use analysis::{
 };
 pub use autodiff::{differentiable_inputs, saved_values, GradPlan, SavedAt, SavedKind, SavedValue};
 pub use config::{ClusterSpec, DeviceSpec, LinkSpec, LrSchedule, Optimizer, Precision, TrainSpec};
+pub use context::{
+    context_chunks, context_layout, context_traffic, split_context, ContextGather, ContextTraffic,
+};
 pub use dtype::DType;
 pub use error::{IrError, PlanMismatch, Result};
 pub use graph::{
@@ -38,7 +42,7 @@ pub use plan::{
     ClusterSummary, Collective, CollectiveKind, Compression, Elementwise, Estimate, GradAccum,
     GradSync, LinkLevel, MemoryBreakdown, Mesh, MeshAxis, ModelSource, Offload, ParamSharding,
     PipelineSchedule, Plan, ProgramValue, Recompute, RegionProgram, RootSplit, SearchStats,
-    StagePlan, StepPhase, Strategy, TimeBreakdown, TpOverlap, WhatIf,
+    SkippedDegree, StagePlan, StepPhase, Strategy, TimeBreakdown, TpOverlap, WhatIf,
 };
 
 pub use print::print_graph;

@@ -190,6 +190,12 @@ impl Parts {
                 dims[1] = Self::scale(&dims[1], self.ep, 1)?;
             }
             TensorLayout::Replicated | TensorLayout::Partial => {}
+            TensorLayout::Context { .. } => {
+                return Err(IrError::Invalid {
+                    op: "localize",
+                    detail: "a context-parallel layout is not a plan's".into(),
+                })
+            }
         }
         Ok(Shape(dims))
     }

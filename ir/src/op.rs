@@ -214,6 +214,23 @@ pub enum Op {
     Concat {
         axis: usize,
     },
+    /// `before` elements of `value` in front of the input along `axis` and
+    /// `after` behind it; a negative count drops that many elements from
+    /// that end instead. `before = k, after = -k` is a shift by `k` (the
+    /// length kept, so a symbolic axis such as `seq` may be shifted: a T5
+    /// decoder's shift-right); the length must otherwise be a number.
+    Pad {
+        axis: usize,
+        before: i64,
+        after: i64,
+        value: f64,
+    },
+    /// Running sum along `axis` (from the last element back when `reverse`:
+    /// the backward of the forward sum).
+    CumSum {
+        axis: usize,
+        reverse: bool,
+    },
     Reduce {
         kind: ReduceKind,
         axis: usize,
@@ -329,6 +346,8 @@ impl Op {
             Op::Expand { .. } => "expand",
             Op::Slice { .. } => "slice",
             Op::Concat { .. } => "concat",
+            Op::Pad { .. } => "pad",
+            Op::CumSum { .. } => "cumsum",
             Op::Reduce { kind, .. } => match kind {
                 ReduceKind::Sum => "reduce_sum",
                 ReduceKind::Mean => "reduce_mean",

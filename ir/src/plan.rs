@@ -856,6 +856,18 @@ pub struct SearchStats {
     pub feasible: u64,
     /// The keys fixed by `--strategy`, as given.
     pub pinned: String,
+    /// Tensor/expert degrees the cluster allows but the model's layers
+    /// cannot split by, each with why: the search leaves them out.
+    #[serde(default)]
+    pub skipped: Vec<SkippedDegree>,
+}
+
+/// A tensor/expert degree the search left out, and why.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SkippedDegree {
+    pub tp: u64,
+    pub ep: u64,
+    pub reason: String,
 }
 
 /// A runner-up and why it lost to the chosen plan.
@@ -1076,7 +1088,9 @@ impl Plan {
         rules::batch_split(s.global_batch, m.dp, s.micro_batch, s.num_micro_batches)
             .map_err(|e| PlanInvalid::new("strategy.micro_batch", e))?;
         rules::zero_stage(s.zero_stage).map_err(|e| PlanInvalid::new("strategy.zero_stage", e))?;
-        rules::context(m.cp, s.seq).map_err(mesh)?;
+        // The plan alone: which ops read the sequence whole is the model's
+        // to say (the planner refused cp for them).
+        rules::context(m.cp, s.seq, None).map_err(mesh)?;
         rules::sequence_parallel(s.sequence_parallel, m.tp)
             .map_err(|e| PlanInvalid::new("strategy.sequence_parallel", e))?;
         let v = s.virtual_stages;

@@ -86,6 +86,16 @@ fn op_str(graph: &Graph, op: &Op) -> String {
             "slice[axis={axis}, {start}..{}]",
             start.saturating_add(*len)
         ),
+        Op::Pad {
+            axis,
+            before,
+            after,
+            value,
+        } => format!("{name}[axis={axis}, {before}, {after}, value={value}]"),
+        Op::CumSum { axis, reverse } => format!(
+            "{name}[axis={axis}{}]",
+            if *reverse { ", reverse" } else { "" }
+        ),
         Op::Concat { axis } | Op::Softmax { axis } | Op::LogSoftmax { axis } => {
             format!("{name}[axis={axis}]")
         }

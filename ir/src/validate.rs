@@ -4,7 +4,7 @@
 //! Each rule returns what is wrong in words; the caller says where (a plan
 //! field, a `--strategy` key), so the same rule reads right in both.
 
-use crate::{Graph, Op};
+use crate::{Dim, Graph, Op};
 use std::fmt;
 
 /// The most devices dplc plans for: 2^20, ten times today's largest
@@ -142,10 +142,12 @@ pub fn interleaving(layers: u64, pp: u64, v: u64, micro_batches: u64) -> Result<
             "v {v} needs a pipeline: one stage has nothing to interleave"
         ));
     }
+    // Chunks may differ by a layer (each stage's layers split evenly over
+    // its chunks, as `virtual_stage_layers` cuts them), but none is empty.
     let chunks = pp.saturating_mul(v);
-    if !layers.is_multiple_of(chunks) {
+    if layers < chunks {
         return Err(format!(
-            "v {v} with pp {pp}: the {layers} layers do not split into {pp} × {v} equal chunks"
+            "v {v} with pp {pp}: the {layers} layers cannot give each of the {pp} × {v} chunks a layer"
         ));
     }
     if !micro_batches.is_multiple_of(pp) {
@@ -227,12 +229,52 @@ pub fn fits_context(seq: u64, graph: &Graph) -> Result<(), String> {
     }
 }
 
-/// Context parallelism splits the sequence evenly.
-pub fn context(cp: u64, seq: u64) -> Result<(), String> {
+/// Context parallelism splits the sequence evenly, and only a model it can
+/// run (`refusal`, see [`context_refusal`]).
+pub fn context(cp: u64, seq: u64, refusal: Option<&str>) -> Result<(), String> {
     if !seq.is_multiple_of(cp) {
         return Err(format!("cp {cp} does not divide the sequence length {seq}"));
     }
-    Ok(())
+    match refusal {
+        Some(why) if cp > 1 => Err(format!("cp {cp} {why}: use cp 1")),
+        _ => Ok(()),
+    }
+}
+
+/// Why context parallelism cannot run `graph`, if it cannot: the model has
+/// no `seq` axis; it draws dropout masks (drawn per element of a rank's
+/// share they would not be the serial run's); or an op moves or sums
+/// elements along `seq` (a `pad`, `shift` or `cumsum`: no rank can compute
+/// its share of the sequence alone). The planner and the runtime both ask.
+pub fn context_refusal(graph: &Graph) -> Option<String> {
+    let Some(seq) = graph.sym_by_name("seq") else {
+        return Some("splits the sequence, and the model has no `seq` dimension".into());
+    };
+    if graph
+        .nodes()
+        .any(|(_, n)| matches!(n.op, Op::Dropout { p } if p > 0.0))
+    {
+        return Some(
+            "does not draw dropout masks at global positions yet (a model with dropout = 0 runs)"
+                .into(),
+        );
+    }
+    let seq = Dim::sym(seq);
+    graph.nodes().find_map(|(_, n)| {
+        let axis = match n.op {
+            Op::Pad { axis, .. } | Op::CumSum { axis, .. } => axis,
+            _ => return None,
+        };
+        let along = graph.tensor(*n.inputs.first()?).shape.dims().get(axis)? == &seq;
+        along.then(|| {
+            format!(
+                "splits the sequence, which `{}` in `{}` reads whole (a shift or running sum \
+                 needs its neighbours' elements)",
+                n.op.name(),
+                graph.scope_path(n.scope)
+            )
+        })
+    })
 }
 
 /// Expert parallelism splits the model's experts.
@@ -377,6 +419,12 @@ mod tests {
             .unwrap_err()
             .contains("overflowing"));
         assert!(interleaving(12, 2, 3, 3).unwrap_err().contains("multiple"));
-        assert!(interleaving(12, 2, 4, 4).unwrap_err().contains("equal"));
+        assert!(
+            interleaving(12, 2, 4, 4).is_ok(),
+            "chunks of 2 and 1 layers"
+        );
+        assert!(interleaving(6, 2, 4, 4)
+            .unwrap_err()
+            .contains("chunks a layer"));
     }
 }

@@ -5,7 +5,7 @@
 //! every model and cluster (no per-row calibration).
 
 use crate::cluster::{Cluster, Link};
-use crate::profile::{Bind, ModelProfile, RegionProfile, Work};
+use crate::profile::{Bind, ModelProfile, RegionProfile, StackShare, Work};
 use crate::sharding::{GemmSplit, Pass, TpCollectiveKind};
 use dplc_ir::{
     AttentionKind, AxisComm, CollectiveKind, Compression, Elementwise, GradAccum, GradSync,
@@ -13,6 +13,8 @@ use dplc_ir::{
     TimeBreakdown, TpOverlap,
 };
 use std::collections::HashMap;
+use std::ops::Range;
+use std::rc::Rc;
 
 /// NCCL reaches about 80% of the link's line rate: "with the protocol overhead
 /// (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s" of 450
@@ -313,6 +315,18 @@ impl PassCost {
     pub fn total(&self) -> f64 {
         self.forward + self.backward + self.recompute + self.comm
     }
+
+    /// Add `n` times `o`'s time terms (its memory terms are per part).
+    fn add(&mut self, o: &PassCost, n: f64) {
+        self.forward += n * o.forward;
+        self.backward += n * o.backward;
+        self.recompute += n * o.recompute;
+        self.comm += n * o.comm;
+        self.cp_comm += n * o.cp_comm;
+        self.ep_comm += n * o.ep_comm;
+        self.hidden_comm += n * o.hidden_comm;
+        self.cp_hidden_comm += n * o.cp_hidden_comm;
+    }
 }
 
 /// What the per-micro-batch costs of a layer depend on: tp, cp, ep,
@@ -335,15 +349,43 @@ pub(crate) struct CostModel<'a> {
     pub cluster: &'a Cluster,
     pub seq: u64,
     pub peak_flops: f64,
-    layer_memo: HashMap<LayerKey, [PassCost; 3]>,
+    layer_memo: HashMap<LayerKey, Rc<Parts>>,
 }
 
 /// Which part of the model a cost is for.
 #[derive(Clone, Copy)]
 enum Part {
-    Layer,
+    /// One layer of a stack.
+    Layer(usize),
+    /// The root's nodes before a stack (after the one before it).
+    LeadIn(usize),
     Pre,
     Post,
+}
+
+/// Per-micro-batch costs of the model's parts under one configuration.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Parts {
+    /// Per stack: one of its layers, and its lead-in.
+    pub stacks: Vec<(PassCost, PassCost)>,
+    pub pre: PassCost,
+    pub post: PassCost,
+}
+
+impl Parts {
+    /// The cost of `shares` of the layers: their layers, and the lead-in
+    /// of each stack whose first layer they hold.
+    fn of(&self, shares: &[StackShare]) -> PassCost {
+        let mut s = PassCost::default();
+        for sh in shares {
+            let (layer, lead_in) = &self.stacks[sh.stack];
+            s.add(layer, sh.layers as f64);
+            if sh.first {
+                s.add(lead_in, 1.0);
+            }
+        }
+        s
+    }
 }
 
 impl<'a> CostModel<'a> {
@@ -412,8 +454,9 @@ impl<'a> CostModel<'a> {
         bytes / (self.cluster.device.memory_bandwidth * MEMORY_EFFICIENCY) + KERNEL_OVERHEAD_S
     }
 
-    /// Costs of the layer, the embedding part and the head part for `c`.
-    pub fn parts(&mut self, c: &Config) -> [PassCost; 3] {
+    /// Costs of each stack's layer and lead-in, the embedding part and the
+    /// head part for `c`.
+    pub fn parts(&mut self, c: &Config) -> Rc<Parts> {
         let key = (
             (c.tp, c.cp, c.ep),
             c.micro_batch,
@@ -431,20 +474,28 @@ impl<'a> CostModel<'a> {
             },
         );
         if let Some(v) = self.layer_memo.get(&key) {
-            return *v;
+            return v.clone();
         }
-        let v = [
-            self.region_cost(c, Part::Layer),
-            self.region_cost(c, Part::Pre),
-            self.region_cost(c, Part::Post),
-        ];
-        self.layer_memo.insert(key, v);
+        let v = Rc::new(Parts {
+            stacks: (0..self.profile.stacks.len())
+                .map(|i| {
+                    (
+                        self.region_cost(c, Part::Layer(i)),
+                        self.region_cost(c, Part::LeadIn(i)),
+                    )
+                })
+                .collect(),
+            pre: self.region_cost(c, Part::Pre),
+            post: self.region_cost(c, Part::Post),
+        });
+        self.layer_memo.insert(key, v.clone());
         v
     }
 
     fn region(&self, part: Part) -> &RegionProfile {
         match part {
-            Part::Layer => &self.profile.layer,
+            Part::Layer(i) => &self.profile.stacks[i].layer,
+            Part::LeadIn(i) => &self.profile.stacks[i].lead_in,
             Part::Pre => &self.profile.pre,
             Part::Post => &self.profile.post,
         }
@@ -462,7 +513,7 @@ impl<'a> CostModel<'a> {
         // FP8 covers the layers' linear GEMMs only: the embedding, the output
         // layer and the attention core stay in the training precision, as
         // Transformer Engine's layers run them.
-        let fp8 = c.fp8 && matches!(part, Part::Layer);
+        let fp8 = c.fp8 && matches!(part, Part::Layer(_));
         let fp8_peak = self.cluster.device.peak_fp8;
         let (mut attention_flops, mut attention_bytes) = (0.0, 0.0);
         // Each GEMM's forward time: what tensor-parallel collectives hide behind.
@@ -470,7 +521,10 @@ impl<'a> CostModel<'a> {
         // Op-level checkpointing (torchtitan's `op`): the forward it redoes,
         // the GEMM outputs and the attention output it keeps instead.
         let (mut weight_gemms, mut op_recompute, mut op_saved) = (0u32, 0.0, 0.0);
+        let whole_bind = Bind { cp: 1.0, ..bind };
         for op in &r.ops {
+            // What every cp rank runs on the whole sequence costs it whole.
+            let bind = if op.whole_sequence { whole_bind } else { bind };
             if fused && op.attention_core {
                 // One fused kernel does the core: its two matmuls' work, and
                 // traffic of Q, K, V and the output only; the scale, mask,
@@ -607,7 +661,7 @@ impl<'a> CostModel<'a> {
             core_forward = t;
             selective = 0.0;
         }
-        let layer = matches!(part, Part::Layer);
+        let layer = matches!(part, Part::Layer(_));
         pc.recompute = match (c.recompute, layer) {
             (Recompute::Selective, true) => selective,
             (Recompute::Full, true) => pc.forward,
@@ -656,13 +710,22 @@ impl<'a> CostModel<'a> {
             pc.comm += t * repeats;
             pc.hidden_comm += (whole - t) * repeats;
         }
-        // Context parallelism: K and V go round the ring in forward, their
-        // gradients in backward; the ring overlaps with the attention blocks.
+        // Context parallelism: what the rank's program all-gathers along the
+        // sequence in forward (K and V, above all), the gradients of those
+        // with one reduce-scattered in backward; priced as overlapping the
+        // attention blocks, as a ring implementation runs them.
         if c.cp > 1 {
             let cp_link = self.link(c, MeshAxis::Cp);
-            let kv = bind.eval(&r.kv_bytes) / tp * c.cp as f64;
-            let t = collective_time(CollectiveKind::AllGather, kv, &cp_link);
-            let back = collective_time(CollectiveKind::ReduceScatter, kv, &cp_link);
+            let gathered = bind.eval(&r.cp_gather_bytes) / tp * c.cp as f64;
+            let scattered = bind.eval(&r.cp_reduce_scatter_bytes) / tp * c.cp as f64;
+            // A layer run again under full recomputation gathers again.
+            let again = if layer && c.recompute == Recompute::Full {
+                2.0
+            } else {
+                1.0
+            };
+            let t = again * collective_time(CollectiveKind::AllGather, gathered, &cp_link);
+            let back = collective_time(CollectiveKind::ReduceScatter, scattered, &cp_link);
             let exposed = (t - core_forward).max(0.0) + (back - 2.0 * core_forward).max(0.0);
             pc.comm += exposed;
             pc.cp_comm += exposed;
@@ -695,29 +758,42 @@ impl<'a> CostModel<'a> {
         let lse = largest_core / self.seq.max(1) as f64 * (4.0 / elt);
         pc.full_saved_bytes += lse;
         pc.saved_bytes += lse;
-        if layer && c.recompute == Recompute::Full {
-            pc.saved_bytes = bind.eval(&self.profile.layer_input_bytes) / rep_div;
-        }
-        if layer && c.recompute == Recompute::Op {
-            pc.saved_bytes = bind.eval(&self.profile.layer_input_bytes) / rep_div + op_saved + lse;
+        if let Part::Layer(i) = part {
+            let input = bind.eval(&self.profile.stacks[i].carried_bytes) / rep_div;
+            match c.recompute {
+                Recompute::Full => pc.saved_bytes = input,
+                Recompute::Op => pc.saved_bytes = input + op_saved + lse,
+                Recompute::None | Recompute::Selective => {}
+            }
         }
         pc
     }
 
     /// Layers per pipeline stage, balanced by time: the first stage also runs
-    /// the embedding and the last the head and loss.
+    /// the embedding and the last the head and loss; a layer costs what a
+    /// layer of its stack costs, and a stack's first layer brings its lead-in.
     pub fn partition(&mut self, c: &Config) -> Vec<u64> {
-        let [layer, pre, post] = self.parts(c);
+        let parts = self.parts(c);
         let (l, p) = (self.profile.layers, c.pp);
         let mut counts = dplc_ir::even_split(l, p);
         if c.schedule == PipelineSchedule::Interleaved || p == 1 || c.even_stages {
             return counts;
         }
         let extra = |i: usize| {
-            (if i == 0 { pre.total() } else { 0.0 })
-                + (if i as u64 == p - 1 { post.total() } else { 0.0 })
+            (if i == 0 { parts.pre.total() } else { 0.0 })
+                + (if i as u64 == p - 1 {
+                    parts.post.total()
+                } else {
+                    0.0
+                })
         };
-        let time = |counts: &[u64], i: usize| counts[i] as f64 * layer.total() + extra(i);
+        if self.profile.stacks.len() > 1 {
+            return self.balance_stacks(&parts, p, extra);
+        }
+        // One stack: every layer costs the same, and moving a layer from the
+        // slowest stage to the fastest is exact.
+        let layer = parts.stacks[0].0.total();
+        let time = |counts: &[u64], i: usize| counts[i] as f64 * layer + extra(i);
         for _ in 0..l {
             let (mut hi, mut lo) = (0, 0);
             for i in 0..p as usize {
@@ -743,6 +819,99 @@ impl<'a> CostModel<'a> {
         counts
     }
 
+    /// Layers per stage for layers of different costs (several stacks):
+    /// the contiguous split whose slowest stage is fastest, found by
+    /// bisecting on that stage's time, each stage from the last taking as
+    /// many layers as fit — so the early stages, which hold the most
+    /// micro-batches in flight under 1F1B, hold the fewest layers.
+    fn balance_stacks(&self, parts: &Parts, p: u64, extra: impl Fn(usize) -> f64) -> Vec<u64> {
+        let prof = self.profile;
+        // Time of the layers before each layer, a stack's lead-in with its first.
+        let mut before = vec![0.0];
+        for (st, (layer, lead_in)) in prof.stacks.iter().zip(&parts.stacks) {
+            for j in 0..st.layers {
+                let lead = if j == 0 { lead_in.total() } else { 0.0 };
+                before.push(before[before.len() - 1] + lead + layer.total());
+            }
+        }
+        let (l, p) = (prof.layers as usize, p as usize);
+        // The stages filled from the last, each with as many layers as keep
+        // it within `limit` while leaving one for each earlier stage.
+        let fill = |limit: f64| -> Option<Vec<u64>> {
+            let mut counts = vec![0u64; p];
+            let mut end = l;
+            for i in (0..p).rev() {
+                let min_start = if i == 0 { 0 } else { i };
+                let mut start = end.checked_sub(1)?;
+                if before[end] - before[start] + extra(i) > limit {
+                    return None;
+                }
+                while start > min_start && before[end] - before[start - 1] + extra(i) <= limit {
+                    start -= 1;
+                }
+                if i == 0 && start > 0 {
+                    return None;
+                }
+                counts[i] = (end - start) as u64;
+                end = start;
+            }
+            Some(counts)
+        };
+        let mut hi = before[l] + extra(0) + extra(p - 1);
+        let mut lo = 0.0;
+        for _ in 0..64 {
+            let mid = 0.5 * (lo + hi);
+            if fill(mid).is_some() {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+        }
+        fill(hi).unwrap_or_else(|| dplc_ir::even_split(l as u64, p as u64))
+    }
+
+    /// The layers stage `i` runs, by stack (under interleaving, those of
+    /// all its chunks) when the stages hold `counts` layers.
+    pub fn stage_shares(&self, c: &Config, counts: &[u64], i: usize) -> Vec<StackShare> {
+        let prof = self.profile;
+        if prof.stacks.len() == 1 {
+            return vec![StackShare {
+                stack: 0,
+                layers: counts[i],
+                first: i == 0,
+            }];
+        }
+        let chunks = if c.schedule == PipelineSchedule::Interleaved {
+            c.virtual_stages.max(1)
+        } else {
+            1
+        };
+        let mut ranges: Vec<Range<u64>> = Vec::new();
+        let mut start = 0;
+        for (k, n) in dplc_ir::virtual_stage_layers(counts, chunks)
+            .into_iter()
+            .enumerate()
+        {
+            if k % counts.len() == i {
+                ranges.push(start..start + n);
+            }
+            start += n;
+        }
+        let mut out: Vec<StackShare> = Vec::new();
+        for r in ranges {
+            for sh in prof.shares(r) {
+                match out.iter_mut().find(|o| o.stack == sh.stack) {
+                    Some(o) => {
+                        o.layers += sh.layers;
+                        o.first |= sh.first;
+                    }
+                    None => out.push(sh),
+                }
+            }
+        }
+        out
+    }
+
     /// Micro-batches (of whole stages) whose activations stage `i` holds at its peak.
     pub fn in_flight(c: &Config, i: u64) -> f64 {
         let (p, m, v) = (c.pp, c.num_micro_batches, c.virtual_stages);
@@ -757,12 +926,17 @@ impl<'a> CostModel<'a> {
         }
     }
 
-    /// Parameters on one rank of stage `i`: `(all, expert)` elements.
-    fn stage_params(&self, c: &Config, i: u64, layers: u64) -> (f64, f64) {
+    /// Parameters on one rank of stage `i` running `shares` of the layers:
+    /// `(all, expert)` elements.
+    fn stage_params(&self, c: &Config, i: u64, shares: &[StackShare]) -> (f64, f64) {
         let prof = self.profile;
         let (tp, ep) = (c.tp as f64, c.ep as f64);
-        let mut all = layers as f64 * prof.layer.params.per_rank(tp, ep);
-        let expert = layers as f64 * prof.layer.params.expert_per_rank(tp, ep);
+        let (mut all, mut expert) = (0.0, 0.0);
+        for sh in shares {
+            let params = &prof.stacks[sh.stack].layer.params;
+            all += sh.layers as f64 * params.per_rank(tp, ep);
+            expert += sh.layers as f64 * params.expert_per_rank(tp, ep);
+        }
         if i == 0 {
             all += prof.pre.params.per_rank(tp, ep);
         }
@@ -775,10 +949,18 @@ impl<'a> CostModel<'a> {
         (all, expert)
     }
 
-    /// Memory of one rank of stage `i` holding `layers` layers.
-    pub fn stage_memory(&mut self, c: &Config, i: u64, layers: u64) -> MemoryBreakdown {
-        let [layer, pre, post] = self.parts(c);
-        let (params, expert) = self.stage_params(c, i, layers);
+    /// The largest of `f` over the stacks `shares` run layers of.
+    fn largest(shares: &[StackShare], f: impl Fn(usize) -> f64) -> f64 {
+        shares.iter().map(|sh| f(sh.stack)).fold(0.0, f64::max)
+    }
+
+    /// Memory of one rank of stage `i` when the stages hold `counts` layers.
+    pub fn stage_memory(&mut self, c: &Config, counts: &[u64], i: u64) -> MemoryBreakdown {
+        let parts = self.parts(c);
+        let (pre, post) = (&parts.pre, &parts.post);
+        let shares = self.stage_shares(c, counts, i as usize);
+        let layers: u64 = shares.iter().map(|sh| sh.layers).sum();
+        let (params, expert) = self.stage_params(c, i, &shares);
         let dense = params - expert;
         let dp = (c.dp * c.cp) as f64;
         let edp = (c.dp / c.ep).max(1) as f64;
@@ -805,41 +987,48 @@ impl<'a> CostModel<'a> {
         if i == c.pp - 1 {
             embedding_and_loss += post.saved_bytes * flight;
         }
-        let rep_div = if c.sp { c.tp as f64 } else { 1.0 };
-        let bind = self.bind(c);
-        let boundary = bind.eval(&self.profile.layer_input_bytes) / rep_div;
+        let (tp, ep) = (c.tp as f64, c.ep as f64);
+        let layer_weights = |k: usize| self.profile.stacks[k].layer.params.per_rank(tp, ep);
+        let boundary = self.boundary_bytes(c);
         let mut buffers = 2.0 * boundary * f64::from(c.pp > 1);
         if self.cluster.device.multiprocessors > 0 {
             buffers += RUNTIME_RESERVE_BYTES;
         }
         if matches!(c.recompute, Recompute::Full | Recompute::Op) {
             // The layer being recomputed holds its whole working set.
-            buffers += layer.full_saved_bytes;
+            buffers += Self::largest(&shares, |k| parts.stacks[k].0.full_saved_bytes);
         }
         // Sequence parallelism keeps the shards; the all-gathers assemble
         // whole tensors in one reused buffer of the largest.
-        buffers += layer
-            .gather_buffer_bytes
+        buffers += Self::largest(&shares, |k| parts.stacks[k].0.gather_buffer_bytes)
             .max(pre.gather_buffer_bytes)
             .max(post.gather_buffer_bytes);
+        let largest_layer = Self::largest(&shares, layer_weights);
         if c.zero >= 3 {
             // The gathered weights of the layer running and the next one prefetched.
-            buffers += 2.0 * self.profile.layer.params.per_rank(c.tp as f64, c.ep as f64) * w_bytes;
+            buffers += 2.0 * largest_layer * w_bytes;
         }
         // FP8 keeps each layer weight's cast and its transpose, a byte each;
         // under ZeRO-3 a rank casts only what it holds: its shard, and the
         // gathered layers in flight (two, as the bf16 ones in `buffers`).
-        let layer_weights = self.profile.layer.params.per_rank(c.tp as f64, c.ep as f64);
+        let stage_weights: f64 = shares
+            .iter()
+            .map(|sh| sh.layers as f64 * layer_weights(sh.stack))
+            .sum();
         let fp8_weights = match (c.fp8, c.zero >= 3) {
             (false, _) => 0.0,
-            (true, false) => 2.0 * layers as f64 * layer_weights,
-            (true, true) => 2.0 * (layers as f64 * layer_weights / dp + 2.0 * layer_weights),
+            (true, false) => 2.0 * stage_weights,
+            (true, true) => 2.0 * (stage_weights / dp + 2.0 * largest_layer),
         };
+        let saved: f64 = shares
+            .iter()
+            .map(|sh| sh.layers as f64 * parts.stacks[sh.stack].0.saved_bytes)
+            .sum();
         let mut m = MemoryBreakdown {
             weights: (shard(3) * w_bytes + fp8_weights) as u64,
             gradients: (shard(2) * grad_bytes) as u64,
             optimizer: (shard(1) * opt_bytes) as u64,
-            activations: (layer.saved_bytes * layers as f64 * flight) as u64,
+            activations: (saved * flight) as u64,
             embedding_and_loss: embedding_and_loss as u64,
             buffers: buffers as u64,
             host: 0,
@@ -874,7 +1063,9 @@ impl<'a> CostModel<'a> {
         if o.activations {
             // Each layer's saved tensors go out in forward and come back in
             // backward: the device holds the layer at work and the next.
-            let on_device = layer.saved_bytes * (layers.min(2) as f64) * flight;
+            let on_device = Self::largest(&shares, |k| parts.stacks[k].0.saved_bytes)
+                * (layers.min(2) as f64)
+                * flight;
             m.host += m.activations.saturating_sub(on_device as u64);
             m.activations = on_device as u64;
         }
@@ -896,7 +1087,7 @@ impl<'a> CostModel<'a> {
             idx.push(heaviest);
         }
         for i in idx {
-            let m = self.stage_memory(c, i, counts[i as usize]).total();
+            let m = self.stage_memory(c, counts, i).total();
             if m > best.0 {
                 best = (m, i);
             }
@@ -907,33 +1098,19 @@ impl<'a> CostModel<'a> {
     /// Step time of `c` with stages holding `counts` layers.
     /// The work of one micro-batch on stage `i` (all its chunks) holding `counts[i]` layers.
     pub fn stage_pass(&mut self, c: &Config, counts: &[u64], i: usize) -> PassCost {
-        let [layer, pre, post] = self.parts(c);
-        let mut s = PassCost {
-            forward: counts[i] as f64 * layer.forward,
-            backward: counts[i] as f64 * layer.backward,
-            recompute: counts[i] as f64 * layer.recompute,
-            comm: counts[i] as f64 * layer.comm,
-            cp_comm: counts[i] as f64 * layer.cp_comm,
-            ep_comm: counts[i] as f64 * layer.ep_comm,
-            hidden_comm: counts[i] as f64 * layer.hidden_comm,
-            cp_hidden_comm: counts[i] as f64 * layer.cp_hidden_comm,
-            ..PassCost::default()
-        };
-        for (cond, e) in [(i == 0, pre), (i as u64 == c.pp - 1, post)] {
-            if cond {
-                s.forward += e.forward;
-                s.backward += e.backward;
-                s.comm += e.comm;
-                s.cp_comm += e.cp_comm;
-                s.ep_comm += e.ep_comm;
-                s.hidden_comm += e.hidden_comm;
-                s.cp_hidden_comm += e.cp_hidden_comm;
-            }
+        let parts = self.parts(c);
+        let shares = self.stage_shares(c, counts, i);
+        let mut s = parts.of(&shares);
+        if i == 0 {
+            s.add(&parts.pre, 1.0);
+        }
+        if i as u64 == c.pp - 1 {
+            s.add(&parts.post, 1.0);
         }
         if c.grad_accum == GradAccum::Separate {
             // A memory-bound pass over the stage's weight gradients after
             // each micro-batch's backward.
-            let (params, _) = self.stage_params(c, i as u64, counts[i]);
+            let (params, _) = self.stage_params(c, i as u64, &shares);
             s.backward += params * separate_accum_bytes(self.profile.precision)
                 / (self.cluster.device.memory_bandwidth * MEMORY_EFFICIENCY);
         }
@@ -1037,6 +1214,20 @@ impl<'a> CostModel<'a> {
         }
     }
 
+    /// Bytes one rank sends across a pipeline cut per micro-batch: what
+    /// crosses a cut inside the stack that moves the most (sequence-sharded
+    /// under sequence parallelism).
+    fn boundary_bytes(&self, c: &Config) -> f64 {
+        let bind = self.bind(c);
+        let rep_div = if c.sp { c.tp as f64 } else { 1.0 };
+        self.profile
+            .stacks
+            .iter()
+            .map(|st| bind.eval(&st.input_bytes))
+            .fold(0.0, f64::max)
+            / rep_div
+    }
+
     pub fn step_time(&mut self, c: &Config, counts: &[u64]) -> TimeBreakdown {
         let (p, m, v) = (c.pp, c.num_micro_batches as f64, c.virtual_stages as f64);
         let stages: Vec<PassCost> = (0..p as usize)
@@ -1047,16 +1238,27 @@ impl<'a> CostModel<'a> {
             .copied()
             .max_by(|a, b| a.total().total_cmp(&b.total()))
             .expect("at least one stage");
-        let t_max = slowest.total();
         // Every stage runs at the slowest stage's pace, so fill and drain cost
         // p − 1 slots of it (of 1/v of it under interleaving): the bubble
         // (p − 1)/(v·m) of Narayanan et al. 2021, and exactly the makespan of
         // the schedule `timeline` lays out.
-        let bubble = (p - 1) as f64 * t_max / v;
+        // Under interleaving a slot is a chunk's time: a stage whose layers
+        // do not split evenly over its chunks is paced by its largest chunk.
+        let bubble = (p - 1) as f64
+            * stages
+                .iter()
+                .zip(counts)
+                .map(|(s, &n)| {
+                    let chunks = c.virtual_stages.max(1);
+                    if n.is_multiple_of(chunks) {
+                        s.total() / v
+                    } else {
+                        s.total() * n.div_ceil(chunks) as f64 / n as f64
+                    }
+                })
+                .fold(0.0, f64::max);
 
-        let bind = self.bind(c);
-        let rep_div = if c.sp { c.tp as f64 } else { 1.0 };
-        let boundary = bind.eval(&self.profile.layer_input_bytes) / rep_div;
+        let boundary = self.boundary_bytes(c);
         let pp_link = self.link(c, MeshAxis::Pp);
         // Megatron's scatter/gather optimisation sends 1/tp of the boundary
         // tensor per rank when it is not already sequence-sharded, and the
@@ -1083,7 +1285,8 @@ impl<'a> CostModel<'a> {
         // Data-parallel gradient reduction, started bucket by bucket as the last
         // micro-batch's backward produces gradients (the last bucket is
         // exposed), or wholly after backward when not overlapped.
-        let (params, expert) = self.stage_params(c, 0, counts[0]);
+        let shares0 = self.stage_shares(c, counts, 0);
+        let (params, expert) = self.stage_params(c, 0, &shares0);
         let dense = params - expert;
         let dp_link = self.replica_link(c);
         let replicas = (c.dp * c.cp) as f64;
@@ -1190,14 +1393,16 @@ impl<'a> CostModel<'a> {
             let link = dev.host_link_bandwidth * MEMORY_EFFICIENCY;
             let (fwd, bwd) = (slowest.forward, slowest.backward + slowest.recompute);
             let weights = if c.offload.params {
-                let (params, _) = self.stage_params(c, 0, counts[0]);
                 params / replicas * w_bytes
             } else {
                 0.0
             };
             let acts = if c.offload.activations {
-                let [layer, ..] = self.parts(c);
-                layer.saved_bytes * counts[0] as f64
+                let parts = self.parts(c);
+                shares0
+                    .iter()
+                    .map(|sh| sh.layers as f64 * parts.stacks[sh.stack].0.saved_bytes)
+                    .sum()
             } else {
                 0.0
             };
@@ -1209,8 +1414,16 @@ impl<'a> CostModel<'a> {
             // The updated weights cast to FP8 once a step (Transformer Engine
             // keeps the cast for every micro-batch): read, write it and its
             // transpose, the amax on the way.
-            let layer_params =
-                counts[0] as f64 * self.profile.layer.params.per_rank(c.tp as f64, c.ep as f64);
+            let layer_params: f64 = shares0
+                .iter()
+                .map(|sh| {
+                    sh.layers as f64
+                        * self.profile.stacks[sh.stack]
+                            .layer
+                            .params
+                            .per_rank(c.tp as f64, c.ep as f64)
+                })
+                .sum();
             optimizer += layer_params * (w_bytes + 2.0)
                 / (self.cluster.device.memory_bandwidth * MEMORY_EFFICIENCY);
         }

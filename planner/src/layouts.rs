@@ -20,7 +20,8 @@ pub(crate) struct Layout {
     pub profile: ModelProfile,
     /// The same layers with the root whole on every rank (`root=replicated`).
     pub replicated_root: ModelProfile,
-    pub layer: ShardResult,
+    /// Each layer stack's body, in program order.
+    pub stacks: Vec<ShardResult>,
     pub root: ShardResult,
 }
 
@@ -115,7 +116,17 @@ pub(crate) fn shard_options(
     }
 }
 
-/// Extract the layouts of `g`'s layer body and root at `degrees`.
+/// The name of layer stack `i` of `n` in plans and reports: `layer` when
+/// the model has one.
+pub(crate) fn stack_name(i: usize, n: usize) -> String {
+    if n == 1 {
+        "layer".to_string()
+    } else {
+        format!("stack{i}")
+    }
+}
+
+/// Extract the layouts of `g`'s layer stacks' bodies and root at `degrees`.
 pub(crate) fn extract(
     g: &Graph,
     an: &Analysis,
@@ -124,14 +135,47 @@ pub(crate) fn extract(
     seq: u64,
     degrees: Degrees,
     sequence_parallel: bool,
-) -> Result<(ShardResult, ShardResult), String> {
-    let body = layer_body(g, an).map_err(|e| e.to_string())?;
+) -> Result<(Vec<ShardResult>, ShardResult), String> {
+    layer_body(g, an).map_err(|e| e.to_string())?;
     let opts = shard_options(cluster, precision, seq, degrees, sequence_parallel);
-    let mut layer = shard_region(g, an, body, &opts).map_err(|e| e.to_string())?;
+    let bodies = an.stacks();
+    let mut stacks = Vec::with_capacity(bodies.len());
+    for (i, &(_, body, _)) in bodies.iter().enumerate() {
+        let mut layer = shard_region(g, an, body, &opts).map_err(|e| e.to_string())?;
+        layer.region_program.region = stack_name(i, bodies.len());
+        stacks.push(layer);
+    }
     let mut root = shard_region(g, an, g.root(), &opts).map_err(|e| e.to_string())?;
-    layer.region_program.region = "layer".into();
     root.region_program.region = "model".into();
-    Ok((layer, root))
+    Ok((stacks, root))
+}
+
+/// Why tensor degree `tp` cannot split the layers of `stacks`, if it cannot.
+fn tp_refusal(stacks: &[ShardResult], tp: u64) -> Option<String> {
+    if tp <= 1 {
+        return None;
+    }
+    let n = stacks.len();
+    stacks.iter().enumerate().find_map(|(i, l)| {
+        let max_tp = l.sharding.max_tp;
+        let which = if n == 1 {
+            "the layer".to_string()
+        } else {
+            format!("layer stack {i}")
+        };
+        if max_tp <= 1 {
+            Some(format!(
+                "no head or hidden dimension of {which} divides by {tp}"
+            ))
+        } else if !max_tp.is_multiple_of(tp) {
+            Some(format!(
+                "the split dimensions (heads, hidden widths) of {which} have greatest common \
+                 divisor {max_tp}, which tp={tp} does not divide"
+            ))
+        } else {
+            None
+        }
+    })
 }
 
 /// Every layout the search may price, by degrees; a degree with no layout
@@ -154,34 +198,24 @@ impl Layouts {
         let mut by_degrees = BTreeMap::new();
         for d in degrees {
             let layout = extract(g, &an, cluster, precision, seq, d, false).and_then(|(l, r)| {
-                let max_tp = l.sharding.max_tp;
-                if d.0 > 1 && max_tp <= 1 {
-                    return Err(format!(
-                        "no head or hidden dimension of the layer divides by {}",
-                        d.0
-                    ));
+                if let Some(why) = tp_refusal(&l, d.0) {
+                    return Err(why);
                 }
-                if d.0 > 1 && !max_tp.is_multiple_of(d.0) {
-                    return Err(format!(
-                        "the layer's split dimensions (heads, hidden widths) have greatest common \
-                         divisor {max_tp}, which tp={} does not divide",
-                        d.0
-                    ));
-                }
-                let profile = ModelProfile::new(g, &an, precision, &l.sharding, &r.sharding)
+                let stack_sh: Vec<_> = l.iter().map(|s| &s.sharding).collect();
+                let profile = ModelProfile::new(g, &an, precision, &stack_sh, &r.sharding)
                     .map_err(|e| e.to_string())?;
                 let replicated_root = ModelProfile::new(
                     g,
                     &an,
                     precision,
-                    &l.sharding,
+                    &stack_sh,
                     &crate::sharding::RegionSharding::default(),
                 )
                 .map_err(|e| e.to_string())?;
                 Ok(Layout {
                     profile,
                     replicated_root,
-                    layer: l,
+                    stacks: l,
                     root: r,
                 })
             });
@@ -209,34 +243,38 @@ impl Layouts {
     }
 }
 
-/// The runtime's layout of the whole model from the layer body's: the root
-/// (embedding, head, loss) runs whole on every rank and hands the layers their
-/// input in the layout the body expects.
+/// The runtime's layout of the whole model from its layer stacks' bodies
+/// (in program order): the root (embedding, head, loss) runs whole on every
+/// rank and hands each stack its input in the layout its body expects.
 pub(crate) fn model_layout(
     g: &Graph,
-    body: RuntimeLayout,
+    bodies: Vec<RuntimeLayout>,
     tp: u64,
     sequence_parallel: bool,
 ) -> Option<dplc_ir::ModelLayout> {
     use dplc_ir::{NodeLayout, Op, RegionLayout, TensorLayout};
     let root = g.root();
-    let mut found = false;
+    let mut found = 0;
     let nodes = g
         .region(root)
         .nodes
         .iter()
         .map(|&n| {
             let node = g.node(n);
-            match node.op {
-                Op::Repeat { body: b, .. } if b == body.region.region => {
-                    found = true;
+            let body = match node.op {
+                Op::Repeat { body: b, .. } => bodies.iter().find(|l| l.region.region == b),
+                _ => None,
+            };
+            match body {
+                Some(body) => {
+                    found += 1;
                     NodeLayout {
                         node: n,
                         inputs: body.region.args.clone(),
                         outputs: body.region.results.clone(),
                     }
                 }
-                _ => NodeLayout {
+                None => NodeLayout {
                     node: n,
                     inputs: vec![TensorLayout::Replicated; node.inputs.len()],
                     outputs: vec![TensorLayout::Replicated; node.outputs.len()],
@@ -244,23 +282,48 @@ pub(crate) fn model_layout(
             }
         })
         .collect();
-    if !found || body.region.args.len() != g.region(body.region.region).args.len() {
+    // Every stack's captured values (beyond the carried ones, which the
+    // localizer hands over in the layout the body asks) must arrive whole,
+    // as the root makes them: a body that splits one (a position bias by
+    // heads) is laid out by the Megatron rule instead. With several stacks,
+    // a body that captures anything at all is too: T5's e-graph layouts
+    // (an encoder output and a position bias captured by the decoder) run
+    // a different function under tp without sequence parallelism, a
+    // mismatch not yet found, so they are not handed to the runtime.
+    let several = bodies.len() > 1;
+    let complete = bodies.iter().all(|b| {
+        let region = g.region(b.region.region);
+        let carried = region.repeat.map_or(0, |n| match g.node(n).op {
+            Op::Repeat { carried, .. } => carried,
+            _ => 0,
+        });
+        b.region.args.len() == region.args.len()
+            && !(several && region.args.len() > carried)
+            && b.region.args[carried..]
+                .iter()
+                .all(|l| *l == TensorLayout::Replicated)
+    });
+    if found != bodies.len() || !complete {
         return None;
     }
+    let mut regions = vec![RegionLayout {
+        region: root,
+        args: Vec::new(),
+        nodes,
+        results: vec![TensorLayout::Replicated; g.region(root).results.len()],
+    }];
+    let mut params = Vec::new();
+    for b in bodies {
+        regions.push(b.region);
+        params.extend(b.params);
+    }
+    params.sort_by_key(|p| p.param);
     Some(dplc_ir::ModelLayout {
         tp,
         ep: 1,
         sequence_parallel: sequence_parallel && tp > 1,
-        regions: vec![
-            RegionLayout {
-                region: root,
-                args: Vec::new(),
-                nodes,
-                results: vec![TensorLayout::Replicated; g.region(root).results.len()],
-            },
-            body.region,
-        ],
-        params: body.params,
+        regions,
+        params,
     })
 }
 

@@ -481,15 +481,17 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
         .values()
         .filter_map(|l| l.as_ref().ok())
         .flat_map(|l| {
-            [
-                LayoutStats::of("layer", &l.layer),
-                LayoutStats::of("model", &l.root),
-            ]
+            let n = l.stacks.len();
+            l.stacks
+                .iter()
+                .enumerate()
+                .map(move |(i, s)| LayoutStats::of(&layouts::stack_name(i, n), s))
+                .chain([LayoutStats::of("model", &l.root)])
         })
         .collect();
     // The plan's programs at its own degrees; under sequence parallelism the
     // e-graph runs again with the residual stream split along the sequence.
-    let (layer, root, runtime, root_runtime) = if c.sp {
+    let (stacks, root) = if c.sp {
         let an = dplc_ir::Analysis::new(req.graph);
         let (l, r) = layouts::extract(
             req.graph,
@@ -501,22 +503,19 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
             true,
         )
         .map_err(PlanError::Model)?;
-        stats.push(LayoutStats::of("layer", &l));
+        let n = l.len();
+        for (i, s) in l.iter().enumerate() {
+            stats.push(LayoutStats::of(&layouts::stack_name(i, n), s));
+        }
         stats.push(LayoutStats::of("model", &r));
-        (
-            l.region_program,
-            r.region_program,
-            l.runtime_layout,
-            r.runtime_layout,
-        )
+        (l, r)
     } else {
-        (
-            layout.layer.region_program.clone(),
-            layout.root.region_program.clone(),
-            layout.layer.runtime_layout.clone(),
-            layout.root.runtime_layout.clone(),
-        )
+        (layout.stacks.clone(), layout.root.clone())
     };
+    let programs: Vec<dplc_ir::RegionProgram> =
+        stacks.iter().map(|s| s.region_program.clone()).collect();
+    let runtime: Option<Vec<_>> = stacks.into_iter().map(|s| s.runtime_layout).collect();
+    let (root, root_runtime) = (root.region_program, root.runtime_layout);
     let mut plan = report::build_plan(
         layout.profile_for(c.root),
         &req.cluster,
@@ -535,26 +534,30 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
         best,
         req.cluster.device.memory_bytes,
     );
+    plan.search.skipped = layouts
+        .by_degrees
+        .iter()
+        .filter_map(|(&(tp, ep), l)| {
+            l.as_ref().err().map(|why| dplc_ir::SkippedDegree {
+                tp,
+                ep,
+                reason: why.clone(),
+            })
+        })
+        .collect();
     // A replicated root runs the single-rank program of the model's ends.
     let root = match (c.root, layouts.get((1, c.ep))) {
         (dplc_ir::RootSplit::Replicated, Some(whole)) => whole.root.region_program.clone(),
         _ => root,
     };
     if c.tp > 1 || c.ep > 1 {
-        plan.programs = vec![layer, root];
-        // The runtime executes the e-graph's layer layout where its layouts
-        // can say it; expert parallelism, and a model of several layer
-        // stacks (the e-graph lays out the first body only), use the
-        // Megatron derivation, which splits every stack.
-        let stacks = req
-            .graph
-            .region(req.graph.root())
-            .nodes
-            .iter()
-            .filter(|&&n| matches!(req.graph.node(n).op, dplc_ir::Op::Repeat { .. }))
-            .count();
+        plan.programs = programs;
+        plan.programs.push(root);
+        // The runtime executes the e-graph's layouts of the layer stacks
+        // where its layouts can say them; expert parallelism uses the
+        // Megatron derivation.
         let model = runtime
-            .filter(|_| c.ep == 1 && c.cp == 1 && stacks <= 1)
+            .filter(|_| c.ep == 1 && c.cp == 1)
             .and_then(|l| layouts::model_layout(req.graph, l, c.tp, c.sp))
             .or_else(|| derive_layout(req.graph, c.tp, c.ep, c.sp).ok());
         // The root runs as priced: split over the vocabulary as the root's

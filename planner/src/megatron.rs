@@ -324,9 +324,15 @@ impl Derive<'_> {
                 };
                 one(vec![c], o)
             }
-            Op::Slice { axis, .. } => {
+            // A pad or running sum along a split axis (the sequence under
+            // sequence parallelism) needs the whole axis: it runs replicated.
+            Op::Slice { axis, .. } | Op::Pad { axis, .. } | Op::CumSum { axis, .. } => {
                 let c = match self.resolve(ins[0]) {
                     Split { axis: a } if a == *axis => Replicated,
+                    // Summands would each add a pad's non-zero value.
+                    Partial if matches!(node.op, Op::Pad { value, .. } if value != 0.0) => {
+                        Replicated
+                    }
                     Experts if *axis < 2 => {
                         return Err(self.unsupported(n, "an expert tensor is sliced"))
                     }

@@ -97,6 +97,9 @@ pub(crate) struct OpCost {
     pub work: Work,
     /// Part of the core attention: recomputed under selective recomputation.
     pub attention_core: bool,
+    /// Run on the whole sequence by every context-parallel rank
+    /// (`dplc_ir::context_traffic`): MoE routing, the loss's mean.
+    pub whole_sequence: bool,
 }
 
 /// One tensor kept for backward.
@@ -158,8 +161,14 @@ pub(crate) struct RegionProfile {
     pub ops: Vec<OpCost>,
     pub saved: Vec<Saved>,
     pub collectives: Vec<CollectiveCost>,
-    /// Bytes of K and V entering attention matmuls (all-gathered under context parallelism).
-    pub kv_bytes: Poly,
+    /// Bytes all-gathered along the sequence under context parallelism,
+    /// per rank's share (`dplc_ir::context_traffic`): the operands of
+    /// attention's two matmuls that carry the keys (K and V), a window
+    /// mask's key positions, the per-token losses before their mean, an MoE
+    /// layer's tokens before routing.
+    pub cp_gather_bytes: Poly,
+    /// Of those, the ones whose gradients are reduce-scattered back.
+    pub cp_reduce_scatter_bytes: Poly,
     pub all_to_all_bytes: Poly,
     pub params: ParamCounts,
     pub forward_flops: Poly,
@@ -168,31 +177,54 @@ pub(crate) struct RegionProfile {
     pub causal: bool,
 }
 
-/// The model as the cost model sees it.
+/// One layer stack (a top-level `repeat`) as the cost model sees it.
 #[derive(Clone, Debug)]
-pub(crate) struct ModelProfile {
-    pub name: String,
+pub(crate) struct StackProfile {
+    /// The model's number of the stack's first layer: stacks number their
+    /// layers one after the other, and a pipeline stage may cut anywhere.
+    pub first: u64,
     pub layers: u64,
+    /// One layer of the stack, under the stack's own layout.
     pub layer: RegionProfile,
-    pub pre: RegionProfile,
-    pub post: RegionProfile,
-    /// Parameters used both before and after the layers (tied embeddings).
-    pub tied_params: f64,
-    /// Bytes of the value carried from layer to layer (the full-recompute checkpoint
-    /// and the pipeline send), per micro-batch.
-    pub layer_input_bytes: Poly,
-    pub precision: Precision,
-    pub batch_sym: Option<SymId>,
-    pub seq_sym: Option<SymId>,
-    pub experts: Option<u64>,
-    pub total_params: u128,
-    /// Forward FLOPs of the whole model per step's worth of `batch`/`seq`.
-    pub forward_flops: Poly,
+    /// The root's nodes between the previous stack and this one (a
+    /// decoder's embedding, an encoder's final norm); they run on the stage
+    /// that runs this stack's first layer. The first stack's are `pre`.
+    pub lead_in: RegionProfile,
+    /// Bytes that cross a pipeline cut inside the stack, per micro-batch:
+    /// the values carried from layer to layer (also the full-recompute
+    /// checkpoint) and what every layer reads besides them (an encoder's
+    /// output that a decoder's cross-attention reads).
+    pub input_bytes: Poly,
+    /// Bytes carried from layer to layer: what full recomputation keeps.
+    pub carried_bytes: Poly,
     /// Forward FLOPs of the core attention of one layer.
     pub attention_core_flops: Poly,
     /// Forward FLOPs of one layer's weight GEMMs that op-level
     /// checkpointing recomputes (the 2nd, 4th, … in the layer's order).
     pub op_recompute_flops: Poly,
+}
+
+/// The model as the cost model sees it.
+#[derive(Clone, Debug)]
+pub(crate) struct ModelProfile {
+    pub name: String,
+    /// Layers of every stack.
+    pub layers: u64,
+    /// The layer stacks in program order (at least one).
+    pub stacks: Vec<StackProfile>,
+    pub pre: RegionProfile,
+    pub post: RegionProfile,
+    /// Parameters used both before and after the layers (tied embeddings).
+    pub tied_params: f64,
+    pub precision: Precision,
+    pub batch_sym: Option<SymId>,
+    pub seq_sym: Option<SymId>,
+    pub experts: Option<u64>,
+    /// Why context parallelism cannot run the model, if it cannot.
+    pub context_refusal: Option<String>,
+    pub total_params: u128,
+    /// Forward FLOPs of the whole model per step's worth of `batch`/`seq`.
+    pub forward_flops: Poly,
     /// Per parameter: name, elements (all iterations), splits.
     pub param_layout: Vec<(String, u128, Option<usize>, bool)>,
     /// PowerSGD's view of the weights: the elements of every matrix
@@ -201,6 +233,29 @@ pub(crate) struct ModelProfile {
     /// the elements of a rank-1 factor pair. Everything else goes uncompressed.
     pub matrix_elems: f64,
     pub factor_elems: f64,
+}
+
+/// Layers of one stack that a pipeline stage runs.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StackShare {
+    pub stack: usize,
+    pub layers: u64,
+    /// The stage runs the stack's first layer, and so its lead-in.
+    pub first: bool,
+}
+
+impl ModelProfile {
+    /// The stacks' shares of the model's layers `range` (a stage's), in order.
+    pub fn shares(&self, range: std::ops::Range<u64>) -> impl Iterator<Item = StackShare> + '_ {
+        self.stacks.iter().enumerate().filter_map(move |(i, s)| {
+            let (from, to) = (range.start.max(s.first), range.end.min(s.first + s.layers));
+            (from < to).then(|| StackShare {
+                stack: i,
+                layers: to - from,
+                first: from == s.first,
+            })
+        })
+    }
 }
 
 fn poly(d: &Dim) -> Poly {
@@ -240,6 +295,7 @@ fn fusible(op: &Op) -> bool {
             | Op::Dropout { .. }
             | Op::CausalMask
             | Op::Select
+            | Op::Pad { .. }
     )
 }
 
@@ -372,6 +428,7 @@ impl RegionBuilder<'_> {
                         backward_gemms,
                     },
                     attention_core: both_activations,
+                    whole_sequence: false,
                 })
             }
             _ => {
@@ -428,6 +485,7 @@ impl RegionBuilder<'_> {
                         eager,
                     },
                     attention_core: quadratic,
+                    whole_sequence: false,
                 })
             }
         }
@@ -455,6 +513,7 @@ fn region_profile(
     sharding: &RegionSharding,
     precision: Precision,
     seq: Option<SymId>,
+    context: Option<&dplc_ir::ContextTraffic>,
 ) -> RegionProfile {
     let reg = g.region(region);
     let mut escapes: BTreeSet<TensorId> = reg.results.iter().copied().collect();
@@ -575,19 +634,29 @@ fn region_profile(
         let node = g.node(n);
         match node.op {
             Op::MatMul => {
-                let (a, bt) = (node.inputs[0], node.inputs[1]);
+                let a = node.inputs[0];
                 let o = node.outputs[0];
                 let k = g.tensor(a).shape.last().cloned().unwrap_or(Dim::konst(1));
                 if let Some(macs) = b.numel(o).checked_mul(&k) {
                     p.forward_flops.add_dim(&macs, Ratio::int(2));
                 }
-                if an.is_activation(a) && an.is_activation(bt) {
-                    p.kv_bytes
-                        .add_dim(&b.numel(bt), Ratio::int(precision.bytes() as i64));
-                }
             }
             Op::MoeDispatch { .. } | Op::MoeCombine => {}
             _ => {}
+        }
+    }
+    if let Some(ctx) = context {
+        // The whole tensor's elements: `Bind::eval` takes one rank's share
+        // (its `seq / cp` positions), as every rank sends its own.
+        for gather in ctx.gathers.iter().filter(|g| node_set.contains(&g.reader)) {
+            let bytes = Ratio::int(precision.bytes() as i64);
+            p.cp_gather_bytes.add_dim(&gather.elements, bytes);
+            if gather.grad {
+                p.cp_reduce_scatter_bytes.add_dim(&gather.elements, bytes);
+            }
+        }
+        for op in &mut p.ops {
+            op.whole_sequence = ctx.whole.contains(&op.node);
         }
     }
     for e in &sharding.all_to_all {
@@ -638,73 +707,81 @@ pub(crate) fn layer_body(g: &Graph, an: &Analysis) -> Result<RegionId, PlanError
 }
 
 impl ModelProfile {
-    /// The profile of `g` under the layouts of its layer body (`layer_sh`) and
-    /// of the root's embedding and head (`root_sh`).
+    /// The profile of `g` under the layouts of its layer stacks' bodies
+    /// (`stack_sh`, one per stack in program order) and of the root's
+    /// embedding and head (`root_sh`).
     pub fn new(
         g: &Graph,
         an: &Analysis,
         precision: Precision,
-        layer_sh: &RegionSharding,
+        stack_sh: &[&RegionSharding],
         root_sh: &RegionSharding,
     ) -> Result<ModelProfile, PlanError> {
-        let body = layer_body(g, an)?;
+        layer_body(g, an)?;
+        let bodies = an.stacks();
+        assert_eq!(bodies.len(), stack_sh.len(), "one layout per layer stack");
         let seq_sym = g.sym_by_name("seq");
         let batch_sym = g.sym_by_name("batch");
-        let body_nodes = g.region(body).nodes.clone();
-        let saved = an.activations(body).saved;
-        let layer = region_profile(
-            g,
-            an,
-            body,
-            &body_nodes,
-            &saved,
-            layer_sh,
-            precision,
-            seq_sym,
-        );
+        let context = dplc_ir::context_traffic(g);
+        let context = context.as_ref();
 
         // The root: nodes before the first repeat feed the first stage,
-        // nodes after it belong to the last stage.
+        // nodes between two repeats run with the later stack's first layer,
+        // nodes after the last belong to the last stage.
         let root = g.root();
         let root_nodes = &g.region(root).nodes;
-        let repeat_at = root_nodes
+        let mut segments: Vec<&[NodeId]> = Vec::new();
+        let mut from = 0;
+        for (i, &n) in root_nodes.iter().enumerate() {
+            if matches!(g.node(n).op, Op::Repeat { .. }) {
+                segments.push(&root_nodes[from..i]);
+                from = i + 1;
+            }
+        }
+        let post_nodes = &root_nodes[from..];
+        let segment_of: BTreeMap<NodeId, usize> = segments
             .iter()
-            .position(|&n| matches!(g.node(n).op, Op::Repeat { .. }))
-            .expect("a layer body implies a repeat in the root");
-        let (pre_nodes, post_nodes) = (&root_nodes[..repeat_at], &root_nodes[repeat_at + 1..]);
-        let root_saved = an.activations(root).saved;
-        let pre_set: BTreeSet<NodeId> = pre_nodes.iter().copied().collect();
-        let (pre_saved, post_saved): (Vec<_>, Vec<_>) = root_saved
-            .into_iter()
-            .partition(|s| pre_set.contains(&s.saved_by));
-        let pre = region_profile(
-            g, an, root, pre_nodes, &pre_saved, root_sh, precision, seq_sym,
-        );
-        let post = region_profile(
-            g,
-            an,
-            root,
-            post_nodes,
-            &post_saved,
-            root_sh,
-            precision,
-            seq_sym,
-        );
+            .enumerate()
+            .flat_map(|(i, seg)| seg.iter().map(move |&n| (n, i)))
+            .collect();
+        let mut seg_saved: Vec<Vec<dplc_ir::SavedTensor>> = vec![Vec::new(); segments.len()];
+        let mut post_saved = Vec::new();
+        for s in an.activations(root).saved {
+            match segment_of.get(&s.saved_by) {
+                Some(&i) => seg_saved[i].push(s),
+                None => post_saved.push(s),
+            }
+        }
+        let root_profile = |nodes: &[NodeId], saved: &[dplc_ir::SavedTensor]| {
+            region_profile(
+                g, an, root, nodes, saved, root_sh, precision, seq_sym, context,
+            )
+        };
+        let pre = root_profile(segments[0], &seg_saved[0]);
+        let post = root_profile(post_nodes, &post_saved);
 
-        let mut layer_params = Vec::new();
+        // Parameters: a stack's are declared in its body (counted per
+        // iteration); the root's belong to the part that uses them.
+        let body_index: BTreeMap<RegionId, usize> = bodies
+            .iter()
+            .enumerate()
+            .map(|(i, &(_, body, _))| (body, i))
+            .collect();
+        let mut stack_params: Vec<Vec<ParamId>> = vec![Vec::new(); bodies.len()];
         let (mut pre_params, mut post_params) = (Vec::new(), Vec::new());
+        let pre_set: BTreeSet<NodeId> = segments[0].iter().copied().collect();
         let consumers = region_consumers(g, root_nodes);
         let mut tied = 0.0;
         let mut param_layout = Vec::new();
         let (mut matrix_elems, mut factor_elems) = (0.0, 0.0);
         for (p, info) in g.params() {
             let region = g.tensor_region(info.tensor);
-            let split = layer_sh
-                .split_params
-                .get(&p)
+            let split = stack_sh
+                .iter()
+                .find_map(|sh| sh.split_params.get(&p))
                 .or_else(|| root_sh.split_params.get(&p))
                 .copied();
-            let expert = layer_sh.expert_params.contains(&p);
+            let expert = stack_sh.iter().any(|sh| sh.expert_params.contains(&p));
             param_layout.push((info.name.clone(), g.param_elements(p), split, expert));
             let dims: Vec<f64> = info
                 .shape
@@ -721,7 +798,9 @@ impl ModelProfile {
                 }
             }
             if region != root {
-                layer_params.push(p);
+                // A parameter of a region nested in a body counts with the
+                // first stack (nested repeats are not layer stacks).
+                stack_params[body_index.get(&region).copied().unwrap_or(0)].push(p);
                 continue;
             }
             let users = root_uses(g, an, info.tensor, &consumers);
@@ -737,80 +816,121 @@ impl ModelProfile {
                 tied += g.param_elements(p) as f64;
             }
         }
-        let mut layer = layer;
-        layer.params = param_counts(g, &layer_params, layer_sh, true);
         let mut pre = pre;
         pre.params = param_counts(g, &pre_params, root_sh, false);
         let mut post = post;
         post.params = param_counts(g, &post_params, root_sh, false);
 
-        let mut layer_input_bytes = Poly::zero();
-        let reg = g.region(body);
-        let carried = match g.node(reg.repeat.expect("a body has its repeat")).op {
-            Op::Repeat { carried, .. } => carried,
-            _ => 0,
-        };
-        for &a in reg.args.iter().take(carried) {
-            if let Some(e) = g.tensor(a).shape.numel() {
-                let b = elt_bytes(g.tensor(a).dtype, precision);
-                layer_input_bytes.add_dim(&e, Ratio::int(b as i64));
-            }
-        }
-        let experts = dplc_ir::validate::model_experts(g);
-        let mut attention_core_flops = Poly::zero();
-        let mut op_recompute_flops = Poly::zero();
-        let mut weight_gemms = 0;
-        for &n in &body_nodes {
-            let node = g.node(n);
-            if !matches!(node.op, Op::MatMul) {
-                continue;
-            }
-            // Multiply-accumulates of the matmul: output elements × k.
-            let k = g
-                .tensor(node.inputs[0])
-                .shape
-                .last()
-                .cloned()
-                .unwrap_or(Dim::konst(1));
-            let macs = g
-                .tensor(node.outputs[0])
-                .shape
-                .numel()
-                .and_then(|e| e.checked_mul(&k));
-            if node.inputs.iter().all(|&t| an.is_activation(t)) {
-                if let Some(macs) = macs {
-                    attention_core_flops.add_dim(&macs, Ratio::int(2));
-                }
+        let mut stacks = Vec::with_capacity(bodies.len());
+        let mut first = 0;
+        for (i, &(repeat, body, count)) in bodies.iter().enumerate() {
+            let body_nodes = &g.region(body).nodes;
+            let mut layer = region_profile(
+                g,
+                an,
+                body,
+                body_nodes,
+                &an.activations(body).saved,
+                stack_sh[i],
+                precision,
+                seq_sym,
+                context,
+            );
+            layer.params = param_counts(g, &stack_params[i], stack_sh[i], true);
+            let lead_in = if i == 0 {
+                RegionProfile::default()
             } else {
-                weight_gemms += 1;
-                if weight_gemms % 2 == 0 {
-                    if let Some(macs) = macs {
-                        op_recompute_flops.add_dim(&macs, Ratio::int(2));
-                    }
+                root_profile(segments[i], &seg_saved[i])
+            };
+            let carried = match g.node(repeat).op {
+                Op::Repeat { carried, .. } => carried,
+                _ => 0,
+            };
+            let (mut carried_bytes, mut input_bytes) = (Poly::zero(), Poly::zero());
+            for (j, &a) in g.region(body).args.iter().enumerate() {
+                let t = g.tensor(a);
+                let Some(e) = t.shape.numel() else { continue };
+                let outer = g.node(repeat).inputs.get(j).copied();
+                if j >= carried && !outer.is_some_and(|t| an.is_activation(t)) {
+                    continue;
+                }
+                let b = Ratio::int(elt_bytes(t.dtype, precision) as i64);
+                input_bytes.add_dim(&e, b);
+                if j < carried {
+                    carried_bytes.add_dim(&e, b);
                 }
             }
+            let (attention_core_flops, op_recompute_flops) = layer_flops(g, an, body_nodes);
+            stacks.push(StackProfile {
+                first,
+                layers: count,
+                layer,
+                lead_in,
+                input_bytes,
+                carried_bytes,
+                attention_core_flops,
+                op_recompute_flops,
+            });
+            first += count;
         }
         Ok(ModelProfile {
             name: g.name.clone(),
-            layers: an.layers(),
-            layer,
+            layers: first,
+            stacks,
             pre,
             post,
             tied_params: tied,
-            layer_input_bytes,
             precision,
             batch_sym,
             seq_sym,
-            experts,
+            experts: dplc_ir::validate::model_experts(g),
+            context_refusal: dplc_ir::validate::context_refusal(g),
             total_params: g.param_count(),
             forward_flops: an.forward_flops(),
-            attention_core_flops,
-            op_recompute_flops,
             param_layout,
             matrix_elems,
             factor_elems,
         })
     }
+}
+
+/// One layer's forward FLOPs of its core attention and of the weight GEMMs
+/// op-level checkpointing recomputes (the 2nd, 4th, … in the layer's order).
+fn layer_flops(g: &Graph, an: &Analysis, body_nodes: &[NodeId]) -> (Poly, Poly) {
+    let mut attention_core_flops = Poly::zero();
+    let mut op_recompute_flops = Poly::zero();
+    let mut weight_gemms = 0;
+    for &n in body_nodes {
+        let node = g.node(n);
+        if !matches!(node.op, Op::MatMul) {
+            continue;
+        }
+        // Multiply-accumulates of the matmul: output elements × k.
+        let k = g
+            .tensor(node.inputs[0])
+            .shape
+            .last()
+            .cloned()
+            .unwrap_or(Dim::konst(1));
+        let macs = g
+            .tensor(node.outputs[0])
+            .shape
+            .numel()
+            .and_then(|e| e.checked_mul(&k));
+        if node.inputs.iter().all(|&t| an.is_activation(t)) {
+            if let Some(macs) = macs {
+                attention_core_flops.add_dim(&macs, Ratio::int(2));
+            }
+        } else {
+            weight_gemms += 1;
+            if weight_gemms % 2 == 0 {
+                if let Some(macs) = macs {
+                    op_recompute_flops.add_dim(&macs, Ratio::int(2));
+                }
+            }
+        }
+    }
+    (attention_core_flops, op_recompute_flops)
 }
 
 /// The root nodes that use parameter tensor `t`, looking through views and casts.

@@ -3,7 +3,7 @@
 
 use crate::cluster::Cluster;
 use crate::cost::{collective_time, group_link, Config, CostModel, GroupLink};
-use crate::profile::{Bind, ModelProfile};
+use crate::profile::{Bind, ModelProfile, RegionProfile, StackShare};
 use crate::search::{complexity, Candidate};
 use crate::sharding::{Pass, TpCollectiveKind};
 use crate::Compiled;
@@ -91,17 +91,23 @@ pub(crate) fn step_flops(
         cp: 1.0,
     };
     let model = 3.0 * bind.eval(&profile.forward_flops);
-    let layers = profile.layers as f64;
-    let extra = match c.recompute {
-        Recompute::None => 0.0,
-        // A fused attention kernel has no core tensors to drop and redo.
-        Recompute::Selective if c.attention == dplc_ir::AttentionKind::Unfused => {
-            layers * bind.eval(&profile.attention_core_flops)
-        }
-        Recompute::Selective => 0.0,
-        Recompute::Full => layers * bind.eval(&profile.layer.forward_flops),
-        Recompute::Op => layers * bind.eval(&profile.op_recompute_flops),
-    };
+    let extra: f64 = profile
+        .stacks
+        .iter()
+        .map(|st| {
+            let layers = st.layers as f64;
+            match c.recompute {
+                Recompute::None => 0.0,
+                // A fused attention kernel has no core tensors to drop and redo.
+                Recompute::Selective if c.attention == dplc_ir::AttentionKind::Unfused => {
+                    layers * bind.eval(&st.attention_core_flops)
+                }
+                Recompute::Selective => 0.0,
+                Recompute::Full => layers * bind.eval(&st.layer.forward_flops),
+                Recompute::Op => layers * bind.eval(&st.op_recompute_flops),
+            }
+        })
+        .sum();
     (model, model + extra)
 }
 
@@ -163,15 +169,27 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
         cp: c.cp as f64,
     };
     let m = c.num_micro_batches;
-    let layers0 = cand.counts[0];
+    // The first stage's: its layers of each stack.
+    let shares0 = cost.stage_shares(c, &cand.counts, 0);
+    let names: Vec<String> = (0..profile.stacks.len())
+        .map(|i| crate::layouts::stack_name(i, profile.stacks.len()))
+        .collect();
     let mut out = Vec::new();
     let tp_link = cost.link(c, MeshAxis::Tp);
     if c.tp > 1 {
-        for (region, per_mb, name) in [
-            (&profile.layer, layers0, "layer"),
-            (&profile.pre, 1, "embedding"),
-            (&profile.post, u64::from(c.pp == 1), "head"),
-        ] {
+        // Each region, how often a micro-batch runs it, its name, and
+        // whether it is a layer (which full recomputation runs twice).
+        let mut regions: Vec<(&RegionProfile, u64, &str, bool)> = Vec::new();
+        for sh in &shares0 {
+            let st = &profile.stacks[sh.stack];
+            regions.push((&st.layer, sh.layers, &names[sh.stack], true));
+            if sh.first && sh.stack > 0 {
+                regions.push((&st.lead_in, 1, "between stacks", false));
+            }
+        }
+        regions.push((&profile.pre, 1, "embedding", false));
+        regions.push((&profile.post, u64::from(c.pp == 1), "head", false));
+        for (region, per_mb, name, is_layer) in regions {
             for col in &region.collectives {
                 if col.sequence_parallel_only && !c.sp {
                     continue;
@@ -200,10 +218,7 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
                         per_mb * m,
                         &tp_link,
                     );
-                    if phase == StepPhase::Forward
-                        && c.recompute == Recompute::Full
-                        && name == "layer"
-                    {
+                    if phase == StepPhase::Forward && c.recompute == Recompute::Full && is_layer {
                         push(
                             &mut out,
                             kind,
@@ -220,58 +235,122 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
         }
     }
     if c.cp > 1 {
+        // What the rank's program gathers along the sequence
+        // (`dplc_ir::context_traffic`), and the reduce-scatters of the
+        // gradients of those with one.
         let link = cost.link(c, MeshAxis::Cp);
-        let kv = bind.eval(&profile.layer.kv_bytes) / c.tp as f64 * c.cp as f64;
-        push(
-            &mut out,
-            CollectiveKind::AllGather,
-            MeshAxis::Cp,
-            "layer: attention keys and values",
-            kv,
-            StepPhase::Forward,
-            layers0 * m,
-            &link,
-        );
-        push(
-            &mut out,
-            CollectiveKind::ReduceScatter,
-            MeshAxis::Cp,
-            "layer: key and value gradients",
-            kv,
-            StepPhase::Backward,
-            layers0 * m,
-            &link,
-        );
+        let share = c.cp as f64 / c.tp as f64;
+        // Each region, how often a micro-batch runs it, what its gathers and
+        // reduce-scatters move, and whether it is a layer (gathering again
+        // when fully recomputed).
+        let mut regions: Vec<(&RegionProfile, u64, String, String, bool)> = Vec::new();
+        for sh in &shares0 {
+            let st = &profile.stacks[sh.stack];
+            let name = &names[sh.stack];
+            regions.push((
+                &st.layer,
+                sh.layers,
+                format!("{name}: keys and values (every operand read along the whole sequence)"),
+                format!("{name}: key and value gradients"),
+                true,
+            ));
+            if sh.first && sh.stack > 0 {
+                regions.push((
+                    &st.lead_in,
+                    1,
+                    "between stacks: operands read along the whole sequence".into(),
+                    "between stacks: their gradients".into(),
+                    false,
+                ));
+            }
+        }
+        regions.push((
+            &profile.pre,
+            1,
+            "embedding: operands read along the whole sequence".into(),
+            "embedding: their gradients".into(),
+            false,
+        ));
+        regions.push((
+            &profile.post,
+            u64::from(c.pp == 1),
+            "head: per-token losses before their mean".into(),
+            "head: their gradients".into(),
+            false,
+        ));
+        for (region, per_mb, gathered, scattered, is_layer) in regions {
+            let forward = bind.eval(&region.cp_gather_bytes) * share;
+            push(
+                &mut out,
+                CollectiveKind::AllGather,
+                MeshAxis::Cp,
+                &gathered,
+                forward,
+                StepPhase::Forward,
+                per_mb * m,
+                &link,
+            );
+            if is_layer && c.recompute == Recompute::Full {
+                push(
+                    &mut out,
+                    CollectiveKind::AllGather,
+                    MeshAxis::Cp,
+                    &gathered,
+                    forward,
+                    StepPhase::Recompute,
+                    per_mb * m,
+                    &link,
+                );
+            }
+            push(
+                &mut out,
+                CollectiveKind::ReduceScatter,
+                MeshAxis::Cp,
+                &scattered,
+                bind.eval(&region.cp_reduce_scatter_bytes) * share,
+                StepPhase::Backward,
+                per_mb * m,
+                &link,
+            );
+        }
     }
     if c.ep > 1 {
         let link = cost.link(c, MeshAxis::Ep);
         let div = if c.sp { c.tp as f64 } else { 1.0 };
-        let bytes = bind.eval(&profile.layer.all_to_all_bytes) / div;
-        push(
-            &mut out,
-            CollectiveKind::AllToAll,
-            MeshAxis::Ep,
-            "layer: token dispatch and combine",
-            bytes / 2.0,
-            StepPhase::Forward,
-            2 * layers0 * m,
-            &link,
-        );
-        push(
-            &mut out,
-            CollectiveKind::AllToAll,
-            MeshAxis::Ep,
-            "layer: token dispatch and combine gradients",
-            bytes / 2.0,
-            StepPhase::Backward,
-            2 * layers0 * m,
-            &link,
-        );
+        for sh in &shares0 {
+            let name = &names[sh.stack];
+            let bytes = bind.eval(&profile.stacks[sh.stack].layer.all_to_all_bytes) / div;
+            push(
+                &mut out,
+                CollectiveKind::AllToAll,
+                MeshAxis::Ep,
+                &format!("{name}: token dispatch and combine"),
+                bytes / 2.0,
+                StepPhase::Forward,
+                2 * sh.layers * m,
+                &link,
+            );
+            push(
+                &mut out,
+                CollectiveKind::AllToAll,
+                MeshAxis::Ep,
+                &format!("{name}: token dispatch and combine gradients"),
+                bytes / 2.0,
+                StepPhase::Backward,
+                2 * sh.layers * m,
+                &link,
+            );
+        }
     }
     if c.pp > 1 {
         let link = cost.link(c, MeshAxis::Pp);
         let div = c.tp as f64;
-        let bytes = bind.eval(&profile.layer_input_bytes) / div;
+        let bytes = profile
+            .stacks
+            .iter()
+            .map(|st| bind.eval(&st.input_bytes))
+            .fold(0.0, f64::max)
+            / div;
         let n = m * c.virtual_stages;
         push(
             &mut out,
@@ -298,9 +377,7 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
     // ranks included (`CostModel::replica_link`).
     if c.dp * c.cp > 1 {
         let link = cost.replica_link(c);
-        let mem = cost.stage_memory(c, 0, layers0);
-        let _ = mem;
-        let params = grads_per_rank(cost, c, layers0);
+        let params = grads_per_rank(cost, c, &shares0);
         // fp32 main gradients with mixed precision, fp32 gradients without.
         let grad_bytes = 4.0;
         let kind = if c.zero >= 1 {
@@ -383,10 +460,14 @@ fn push(
     });
 }
 
-fn grads_per_rank(cost: &CostModel, c: &Config, layers0: u64) -> f64 {
+fn grads_per_rank(cost: &CostModel, c: &Config, shares0: &[StackShare]) -> f64 {
     let p = cost.profile;
     let (tp, ep) = (c.tp as f64, c.ep as f64);
-    layers0 as f64 * p.layer.params.per_rank(tp, ep) + p.pre.params.per_rank(tp, ep)
+    shares0
+        .iter()
+        .map(|sh| sh.layers as f64 * p.stacks[sh.stack].layer.params.per_rank(tp, ep))
+        .sum::<f64>()
+        + p.pre.params.per_rank(tp, ep)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -421,7 +502,7 @@ pub(crate) fn build_plan(
                 embedding: i == 0,
                 head: i == c.pp - 1,
                 micro_batches_in_flight: CostModel::in_flight(&c, i),
-                memory: cost.stage_memory(&c, i, layers),
+                memory: cost.stage_memory(&c, &best.counts, i),
             };
             first += layers;
             s
@@ -501,6 +582,7 @@ pub(crate) fn build_plan(
             space,
             feasible,
             pinned,
+            skipped: Vec::new(),
         },
         alternatives,
         what_if: Vec::new(),
@@ -717,6 +799,13 @@ pub fn layouts_summary(compiled: &Compiled) -> String {
             l.stop_reason,
             l.time_ms,
             l.collectives
+        );
+    }
+    for d in &compiled.plan.search.skipped {
+        let _ = writeln!(
+            s,
+            "    skipped tp {} ep {}: {} (not searched)",
+            d.tp, d.ep, d.reason
         );
     }
     for prog in &compiled.plan.programs {

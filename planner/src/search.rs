@@ -93,15 +93,18 @@ pub(crate) fn validate(
     }
     if let Some(v) = pins.virtual_stages {
         let pp = pins.pp.unwrap_or(1);
-        if v > 1 && !profile.layers.is_multiple_of(pp.saturating_mul(v)) {
+        if v > 1 && profile.layers < pp.saturating_mul(v) {
             return bad(format!(
-                "v={v} with pp={pp}: the {} layers do not split into {pp} × {v} equal chunks",
+                "v={v} with pp={pp}: the {} layers cannot give each of the {pp} × {v} chunks a layer",
                 profile.layers,
             ));
         }
     }
     if let Some(cp) = pins.cp {
-        pin("cp", rules::context(cp, seq))?;
+        pin(
+            "cp",
+            rules::context(cp, seq, profile.context_refusal.as_deref()),
+        )?;
     }
     if let Some(ep) = pins.ep {
         pin("ep", rules::expert_count(ep, profile.experts))?;
@@ -187,7 +190,7 @@ pub(crate) fn search(
             // menu up to 8 ranks when pinned or when seq ≥ 8192.
             let cp_useful = cp == 1 || (seq >= 8192 && cp <= 8);
             if !allowed(pins.cp, cp)
-                || !seq.is_multiple_of(cp)
+                || rules::context(cp, seq, profile.context_refusal.as_deref()).is_err()
                 || !(cp_useful || pins.cp == Some(cp))
             {
                 continue;
@@ -340,10 +343,14 @@ fn schedules(
     } else {
         v.push((PipelineSchedule::OneFOneB, 1));
         v.push((PipelineSchedule::GPipe, 1));
-        // Megatron needs the micro-batches to be a multiple of the stages and
-        // the layers to split into pp × v equal chunks.
+        // Megatron needs the micro-batches to be a multiple of the stages.
+        // Chunks that differ by a layer run and are priced when `v` is
+        // pinned; unasked the search keeps to equal chunks, which Megatron
+        // can express.
         for chunks in 2..=(layers / pp) {
-            if rules::interleaving(layers, pp, chunks, m).is_ok()
+            let equal = layers.is_multiple_of(pp * chunks) || pins.virtual_stages == Some(chunks);
+            if equal
+                && rules::interleaving(layers, pp, chunks, m).is_ok()
                 && rules::pipeline_passes(m, chunks, pp).is_ok()
             {
                 v.push((PipelineSchedule::Interleaved, chunks));
@@ -411,7 +418,12 @@ fn explore(
                     &[3]
                 } else if base.dp * base.cp == 1 {
                     &[0]
-                } else if base.pp > 1 {
+                } else if base.pp > 1 && pins.zero.is_none() {
+                    // Sharded gradients and weights under a pipeline
+                    // (torchtitan's FSDP + PP) run and are priced when
+                    // pinned; unasked the search keeps to what Megatron's
+                    // and DeepSpeed's pipelines run (ZeRO-1 at most), the
+                    // engines a plan is most often handed to.
                     &[0, 1]
                 } else {
                     &[0, 1, 2, 3]
@@ -464,7 +476,7 @@ fn explore(
                         out.smallest = Some(Smallest {
                             config: c,
                             stage,
-                            memory: cost.stage_memory(&c, stage, counts[stage as usize]),
+                            memory: cost.stage_memory(&c, &counts, stage),
                         });
                     }
                     if peak > capacity && !ignore_memory {
@@ -472,7 +484,7 @@ fn explore(
                     }
                     if !c.offload.is_none() && !ignore_memory {
                         let host = (0..c.pp)
-                            .map(|i| cost.stage_memory(&c, i, counts[i as usize]).host)
+                            .map(|i| cost.stage_memory(&c, &counts, i).host)
                             .max()
                             .unwrap_or(0);
                         if host > host_capacity {

@@ -69,8 +69,16 @@ pub fn timeline(plan: &Plan) -> Timeline {
     } else {
         0.0
     };
-    let slot_f = slowest.forward_s / v as f64 + send;
-    let slot_b = slowest.backward_s / v as f64 + send;
+    // A chunk's share of its stage's time: its layers' (chunks may differ
+    // by a layer), paced by the slowest stage.
+    let chunk_layers = dplc_ir::even_split(slowest.layers.max(v), v);
+    let part = |t: f64, chunk: u64| {
+        if slowest.layers.is_multiple_of(v) {
+            t / v as f64
+        } else {
+            t * chunk_layers[chunk as usize] as f64 / slowest.layers as f64
+        }
+    };
 
     // Discrete-event simulation: a chunk-pass starts when its stage is free
     // and its input has arrived (the previous virtual stage's forward, or the
@@ -101,7 +109,12 @@ pub fn timeline(plan: &Plan) -> Timeline {
                 };
                 let Some(ready) = ready else { break };
                 let start = free[st as usize].max(ready);
-                let dur = if forward { slot_f } else { slot_b };
+                let pass = if forward {
+                    slowest.forward_s
+                } else {
+                    slowest.backward_s
+                };
+                let dur = part(pass, chunk) + send;
                 let end = start + dur;
                 if forward {
                     f_end[k][mb as usize] = end;

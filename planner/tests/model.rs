@@ -880,3 +880,56 @@ fn zero_3_hides_no_more_traffic_than_there_is_compute() {
         "the first gather and the last reduce-scatter wait"
     );
 }
+
+/// A four-layer model whose layers add `extra` (an expression of `x`).
+fn axis_op_model(extra: &str) -> dplc_ir::Graph {
+    let src = format!(
+        "model m(d = 1024, layers = 4) {{\n  input tokens: i32[batch, seq]\n  \
+         input targets: i32[batch, seq]\n  param embed: [32000, d]\n  h = embedding(embed, tokens)\n  \
+         repeat layers {{\n    x = rms_norm(h, d)\n    h = h + swiglu(x, d, 4 * d){extra}\n  }}\n  \
+         return cross_entropy(h @ transpose(embed), targets)\n}}\n"
+    );
+    let unit = dplc_frontend::parse("m.dpl", &src).unwrap_or_else(|d| panic!("{d}"));
+    unit.lower("m").unwrap_or_else(|d| panic!("{d}")).graph
+}
+
+/// The ops along an axis are priced as the memory they move: a running sum
+/// (a step of its own, reading and writing the activation) adds step time,
+/// and so does a shift, less (fused into the kernel that adds it).
+#[test]
+fn shifts_and_running_sums_are_priced_as_memory_traffic() {
+    let step = |extra: &str| {
+        let g = axis_op_model(extra);
+        let mut req = PlanRequest::new(&g, train(2048, 8), parse_cluster("1xA100").unwrap());
+        req.pinned = parse_strategy("dp=1,mb=8,recompute=none").unwrap();
+        compile(&req).unwrap().plan.estimate.step_time_s
+    };
+    let (plain, shifted, summed) = (step(""), step(" + shift(x, 1, 1)"), step(" + cumsum(x, 1)"));
+    assert!(shifted > plain, "{shifted} vs {plain}");
+    assert!(summed > shifted, "{summed} vs {shifted}");
+}
+
+/// Context parallelism would split the sequence a shift reads whole: a
+/// pinned cp is refused with the op named, and the search (at a sequence
+/// long enough to try cp) leaves it at 1; a shift along the features does
+/// not stand in its way.
+#[test]
+fn a_shift_along_the_sequence_keeps_context_parallelism_off() {
+    let g = axis_op_model(" + shift(x, 1, 1)");
+    let mut req = PlanRequest::new(&g, train(16384, 64), parse_cluster("8xH100").unwrap());
+    req.pinned = parse_strategy("cp=2").unwrap();
+    let err = compile(&req).unwrap_err().to_string();
+    assert!(
+        err.contains("cp 2 splits the sequence, which `pad` in `layers` reads whole"),
+        "{err}"
+    );
+    req.pinned = Default::default();
+    req.ignore_memory = true;
+    let plan = compile(&req).unwrap().plan;
+    assert_eq!(plan.mesh.cp, 1);
+    let g = axis_op_model(" + shift(x, 2, 1)");
+    let mut req = PlanRequest::new(&g, train(16384, 64), parse_cluster("8xH100").unwrap());
+    req.pinned = parse_strategy("cp=2").unwrap();
+    req.ignore_memory = true;
+    compile(&req).unwrap();
+}

@@ -97,6 +97,10 @@ pub struct CheckpointKill {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct SavedSplit {
     pub dp: usize,
+    /// Context-parallel ranks per replica (absent before context
+    /// parallelism ran: 1).
+    #[serde(default = "one")]
+    pub cp: usize,
     pub tp: usize,
     pub pp: usize,
     pub ep: usize,
@@ -104,6 +108,10 @@ pub(crate) struct SavedSplit {
     pub micro_batch: usize,
     pub num_micro_batches: usize,
     pub sequence_parallel: bool,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// The counter-based RNG's whole state.
@@ -353,6 +361,9 @@ impl Checkpoint {
     pub fn split(&self) -> String {
         let s = &self.manifest.split;
         let mut out = format!("dp {} × tp {} × pp {}", s.dp, s.tp, s.pp);
+        if s.cp > 1 {
+            out.push_str(&format!(", cp {}", s.cp));
+        }
         if s.ep > 1 {
             out.push_str(&format!(", ep {}", s.ep));
         }
@@ -1071,6 +1082,7 @@ mod tests {
                 optimizer: "sgd".into(),
                 split: SavedSplit {
                     dp: 1,
+                    cp: 1,
                     tp: 1,
                     pp: 1,
                     ep: 1,

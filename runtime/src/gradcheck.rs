@@ -184,6 +184,29 @@ fn layout_ops() {
         vec![x(), rand(&[2, 2, 4], 10, false)],
         vec![vec![2, 5, 4]],
     );
+    // A shift right by one (T5's decoder input), one left, and a pad that
+    // grows one end and crops the other.
+    for (before, after, shape) in [(1, -1, [2, 3, 4]), (-2, 2, [2, 3, 4]), (2, -1, [2, 4, 4])] {
+        check(
+            "pad",
+            Op::Pad {
+                axis: 1,
+                before,
+                after,
+                value: 0.5,
+            },
+            vec![x()],
+            vec![shape.to_vec()],
+        );
+    }
+    for (axis, reverse) in [(1, false), (2, true)] {
+        check(
+            "cumsum",
+            Op::CumSum { axis, reverse },
+            vec![x()],
+            vec![vec![2, 3, 4]],
+        );
+    }
 }
 
 #[test]

@@ -293,6 +293,16 @@ impl<'g> Interp<'g> {
             op => {
                 let ins = self.inputs_as_read(frame, n, access)?;
                 let ins: Vec<&Tensor> = ins.iter().map(|v| &**v).collect();
+                // A layout change in a rank's program (context parallelism
+                // rewrites the graph itself): a collective over its group.
+                if let Op::Relayout { from, to, .. } = *op {
+                    let x = ins
+                        .first()
+                        .ok_or_else(|| kernel_err("relayout", "no input"))?;
+                    let out = access.convert(x, from, to)?;
+                    frame.values.insert(node.outputs[0], Arc::new(out));
+                    return Ok(());
+                }
                 if let Some(v) = self.vocab_op(n) {
                     let outs = access.vocab_forward(v, &ins)?;
                     for (t, v) in node.outputs.iter().zip(outs) {
@@ -549,7 +559,14 @@ impl<'g> Interp<'g> {
             .collect::<Result<Vec<_>>>()?;
         let outs: Vec<&Tensor> = outs.iter().map(|v| &**v).collect();
         let shapes: Vec<Vec<usize>> = outs.iter().map(|t| t.shape.clone()).collect();
-        let gin = if let Some(v) = self.vocab_op(n) {
+        let gin = if let Op::Relayout { from, to, grad } = node.op {
+            let target = TensorLayout::relayout_grad_target(from, to);
+            vec![need
+                .first()
+                .is_some_and(|&x| x)
+                .then(|| access.convert(&gout, grad, target))
+                .transpose()?]
+        } else if let Some(v) = self.vocab_op(n) {
             access.vocab_backward(v, (&ins, &outs), &gout, &need)?
         } else {
             vjp::backward(

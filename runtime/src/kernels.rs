@@ -442,6 +442,64 @@ fn concat(ins: &[&Tensor], axis: usize, out_shape: &[usize]) -> Result<Tensor> {
     })
 }
 
+/// `t` with `before` elements of `value` in front along `axis` and `after`
+/// behind (a negative count drops elements from that end): `Op::Pad`, and its
+/// own backward with the counts negated.
+pub(crate) fn pad(t: &Tensor, axis: usize, before: i64, after: i64, value: f64) -> Result<Tensor> {
+    let (outer, n, inner) = split_axis(&t.shape, axis);
+    let len = n as i64 + before + after;
+    if len <= 0 {
+        return Err(kernel_err("pad", "the padded axis would be empty"));
+    }
+    let len = len as usize;
+    let mut shape = t.shape.clone();
+    shape[axis] = len;
+    macro_rules! fill {
+        ($variant:ident, $get:ident, $fill:expr) => {{
+            let src = t.$get()?;
+            let mut out = vec![$fill; outer * len * inner];
+            for o in 0..outer {
+                for j in 0..len {
+                    // The source element this output position holds, if any.
+                    let from = j as i64 - before;
+                    if (0..n as i64).contains(&from) {
+                        let (d, s) = ((o * len + j) * inner, (o * n + from as usize) * inner);
+                        out[d..d + inner].copy_from_slice(&src[s..s + inner]);
+                    }
+                }
+            }
+            Tensor {
+                shape,
+                data: Data::$variant(out),
+            }
+        }};
+    }
+    Ok(if t.is_float() {
+        fill!(F32, f, value as f32)
+    } else {
+        fill!(I32, i, value as i32)
+    })
+}
+
+/// The running sum of `t` along `axis`, from the back when `reverse`.
+pub(crate) fn cumsum(t: &Tensor, axis: usize, reverse: bool) -> Result<Tensor> {
+    let (outer, n, inner) = split_axis(&t.shape, axis);
+    let src = t.f()?;
+    let mut out = vec![0.0f32; src.len()];
+    for o in 0..outer {
+        for i in 0..inner {
+            let mut acc = 0.0f32;
+            for k in 0..n {
+                let j = if reverse { n - 1 - k } else { k };
+                let at = (o * n + j) * inner + i;
+                acc += src[at];
+                out[at] = acc;
+            }
+        }
+    }
+    Ok(Tensor::f32(t.shape.clone(), out))
+}
+
 fn expand(t: &Tensor, shape: &[usize]) -> Tensor {
     map_data(t, shape.to_vec(), &broadcast_strides(&t.shape, shape), 0)
 }
@@ -603,6 +661,13 @@ pub fn forward(op: &Op, ins: &[&Tensor], ctx: &OpCtx) -> Result<Vec<Tensor>> {
         Op::Expand { .. } => one(expand(ins[0], &ctx.out_shapes[0])),
         Op::Slice { axis, start, len } => one(slice(ins[0], *axis, *start as usize, *len as usize)),
         Op::Concat { axis } => one(concat(ins, *axis, &ctx.out_shapes[0])?),
+        Op::Pad {
+            axis,
+            before,
+            after,
+            value,
+        } => one(pad(ins[0], *axis, *before, *after, *value)?),
+        Op::CumSum { axis, reverse } => one(cumsum(ins[0], *axis, *reverse)?),
         Op::Reduce { kind, axis, .. } => one(reduce(*kind, ins[0], *axis, &ctx.out_shapes[0])?),
         Op::Softmax { axis } => one(softmax(ins[0], *axis, false)?),
         Op::LogSoftmax { axis } => one(softmax(ins[0], *axis, true)?),

@@ -9,7 +9,7 @@
 use crate::comm::{Communicator, Group};
 use crate::error::{kernel_err, Result, RuntimeError};
 use crate::tensor::Tensor;
-use dplc_ir::TensorLayout::{self, Experts, Partial, Replicated, Split};
+use dplc_ir::TensorLayout::{self, Context, Experts, Partial, Replicated, Split};
 use dplc_ir::{Graph, ModelLayout, NodeId, NodeLayout, ParamId, RegionId, SplitAxis, TensorId};
 use std::collections::HashMap;
 
@@ -126,6 +126,11 @@ impl Layouts {
                 dims[1] *= self.ep;
             }
             Replicated | Partial => {}
+            Context { .. } => {
+                return Err(RuntimeError::Config(
+                    "a plan's layout names a context-parallel layout, which only a rank's program holds".into(),
+                ))
+            }
         }
         Ok(dims)
     }
@@ -135,6 +140,8 @@ impl Layouts {
 pub(crate) struct MeshGroups {
     pub tp: Group,
     pub ep: Group,
+    /// The context-parallel group, in cp-rank order.
+    pub cp: Group,
     /// Fault injection: a summand passes for the whole.
     pub skip_partial_sum: bool,
 }
@@ -167,6 +174,45 @@ pub(crate) fn split_along(t: &Tensor, axis: usize, parts: usize) -> Result<Vec<T
             Tensor::f32(shape.clone(), v)
         })
         .collect())
+}
+
+/// The positions cp rank `pos` of `cp` holds of `t` along `axis` (any
+/// element type): [`dplc_ir::context_chunks`].
+pub(crate) fn take_chunks(t: &Tensor, axis: usize, cp: usize, pos: usize) -> Result<Tensor> {
+    let n = *t
+        .shape
+        .get(axis)
+        .ok_or_else(|| kernel_err("context", format!("no axis {axis} to split")))?;
+    let ranges = dplc_ir::context_chunks(n, cp, pos).ok_or_else(|| {
+        RuntimeError::Config(format!(
+            "context parallelism cuts the sequence into 2·cp = {} chunks: it must divide {n}",
+            2 * cp
+        ))
+    })?;
+    let outer: usize = t.shape[..axis].iter().product();
+    let inner: usize = t.shape[axis + 1..].iter().product();
+    fn pick<T: Copy>(
+        x: &[T],
+        outer: usize,
+        n: usize,
+        inner: usize,
+        r: &[std::ops::Range<usize>],
+    ) -> Vec<T> {
+        let mut v = Vec::with_capacity(outer * inner * r.iter().map(|r| r.len()).sum::<usize>());
+        for o in 0..outer {
+            for r in r {
+                v.extend_from_slice(&x[(o * n + r.start) * inner..(o * n + r.end) * inner]);
+            }
+        }
+        v
+    }
+    let mut shape = t.shape.clone();
+    shape[axis] = ranges.iter().map(|r| r.len()).sum();
+    let data = match &t.data {
+        crate::Data::F32(x) => crate::Data::F32(pick(x, outer, n, inner, &ranges)),
+        crate::Data::I32(x) => crate::Data::I32(pick(x, outer, n, inner, &ranges)),
+    };
+    Ok(Tensor { shape, data })
 }
 
 /// Join `parts` (equal shapes) along `axis`.
@@ -216,8 +262,9 @@ pub(crate) fn convert(
     if from == to {
         return Ok(v.clone());
     }
-    let (tp, ep) = (&groups.tp, &groups.ep);
+    let (tp, ep, cp) = (&groups.tp, &groups.ep, &groups.cp);
     let tp_pos = tp.position(comm.rank()).unwrap_or(0);
+    let cp_pos = cp.position(comm.rank()).unwrap_or(0);
     if from == Partial && groups.skip_partial_sum {
         return convert(comm, groups, v, Replicated, to);
     }
@@ -250,6 +297,42 @@ pub(crate) fn convert(
             convert(comm, groups, &whole, Replicated, to)
         }
         // Tokens to the ranks that own their experts, and back.
+        // Context parallelism: the sequence in load-balanced chunks over cp.
+        (Context { axis }, Replicated) => {
+            let n = cp.size();
+            let mut chunks: Vec<Option<Tensor>> = vec![None; 2 * n];
+            for (q, x) in comm.all_gather(cp, v.f()?)?.into_iter().enumerate() {
+                let mut halves = split_along(&Tensor::f32(v.shape.clone(), x), axis, 2)?;
+                chunks[2 * n - 1 - q] = halves.pop();
+                chunks[q] = halves.pop();
+            }
+            let chunks: Vec<Tensor> = chunks.into_iter().flatten().collect();
+            concat_along(&chunks, axis)
+        }
+        (Replicated, Context { axis }) => take_chunks(v, axis, cp.size(), cp_pos),
+        (Partial, Context { axis }) => {
+            // A reduce-scatter: each rank's summand of every rank's chunks,
+            // summed in group order everywhere.
+            let pieces = (0..cp.size())
+                .map(|q| take_chunks(v, axis, cp.size(), q))
+                .collect::<Result<Vec<_>>>()?;
+            let got = exchange(comm, cp, pieces)?;
+            let mut out = vec![0.0f32; got[0].numel()];
+            for g in &got {
+                out.iter_mut().zip(g.f()?).for_each(|(o, &x)| *o += x);
+            }
+            Ok(Tensor::f32(got[0].shape.clone(), out))
+        }
+        (Context { axis }, Partial) => {
+            // This rank's summand of a whole gradient: zero elsewhere.
+            let n = cp.size();
+            let mut halves = split_along(v, axis, 2)?;
+            let zero = Tensor::zeros(&halves[0].shape);
+            let mut chunks = vec![zero; 2 * n];
+            chunks[2 * n - 1 - cp_pos] = halves.pop().expect("two halves");
+            chunks[cp_pos] = halves.pop().expect("two halves");
+            concat_along(&chunks, axis)
+        }
         (Replicated, Experts) => {
             concat_along(&exchange(comm, ep, split_along(v, 0, ep.size())?)?, 1)
         }

@@ -242,6 +242,16 @@ pub fn backward(
                 at += len;
             }
         }
+        // What was padded is dropped and what was dropped gets zeros: the
+        // opposite pad (a shift's gradient shifts back).
+        Op::Pad {
+            axis,
+            before,
+            after,
+            ..
+        } => grads[0] = Some(kernels::pad(gout, *axis, -before, -after, 0.0)?),
+        // Each input adds to every running sum from its place on.
+        Op::CumSum { axis, reverse } => grads[0] = Some(kernels::cumsum(gout, *axis, !reverse)?),
         Op::Reduce { kind, axis, .. } => {
             let (outer, n, inner) = split_axis(&x.shape, *axis);
             let mut dx = vec![0.0f32; x.numel()];

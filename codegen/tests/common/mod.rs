@@ -18,6 +18,28 @@ pub fn zoo(file: &str, model: &str) -> dplc_frontend::Lowered {
         .unwrap_or_else(|d| panic!("{}", d.render_plain()))
 }
 
+/// Shifts and pads of a float activation along its symbolic sequence axis and
+/// its fixed feature axis, read by the kernels that fuse them.
+pub const SHIFTS: &str = "model m() {\n  input x: f32[batch, seq, 4]\n  param w: [4, 4]\n  \
+    h = x @ w\n  y = shift(h, 1, 1) + shift(h, 1, -2, fill = 0.5) + pad(pad(h, 2, 2, -1), 2, -1, 0)\n  \
+    return mean(mean(mean(y * y, -1), -1), -1)\n}\n";
+
+/// Model `m` of `src`.
+pub fn lower_m(src: &str) -> Graph {
+    let unit =
+        dplc_frontend::parse("test.dpl", src).unwrap_or_else(|d| panic!("{}", d.render_plain()));
+    unit.lower("m")
+        .unwrap_or_else(|d| panic!("{}", d.render_plain()))
+        .graph
+}
+
+/// The zoo's t5_tiny without dropout (which the reference evaluator leaves out).
+pub fn t5_tiny_without_dropout() -> Graph {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/t5.dpl");
+    let text = std::fs::read_to_string(&path).expect("zoo files are in the repository");
+    lower_m(&format!("{text}\nmodel m = t5_tiny(dropout = 0.0)\n"))
+}
+
 /// Every model of every zoo file.
 pub fn all_zoo() -> Vec<(String, dplc_frontend::Lowered)> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models");
@@ -197,6 +219,7 @@ pub fn evaluate(
             Op::Input(_)
             | Op::Param(_)
             | Op::TopK { .. }
+            | Op::CumSum { .. }
             | Op::MoeDispatch { .. }
             | Op::MoeCombine
             | Op::Repeat { .. }
@@ -279,6 +302,24 @@ pub fn evaluate(
                         at += (i[k] + if k == *axis { *start as usize } else { 0 }) * st[k];
                     }
                     a.data[at]
+                })
+            }
+            Op::Pad {
+                axis,
+                before,
+                value,
+                ..
+            } => {
+                let a = x(0);
+                let st = strides(&a.shape);
+                elementwise(&|i| {
+                    let from = i[*axis] as i64 - before;
+                    if from < 0 || from >= a.shape[*axis] as i64 {
+                        return *value as f32;
+                    }
+                    let mut j = i.to_vec();
+                    j[*axis] = from as usize;
+                    a.data[j.iter().zip(&st).map(|(a, b)| a * b).sum::<usize>()]
                 })
             }
             Op::Concat { axis } => {

@@ -464,12 +464,23 @@ pub fn operand_options(ctx: &Context, tag: OpTag, out: Part) -> Vec<Vec<Part>> {
                 opts.push(vec![Sharded(ai)]);
             }
         }
-        (Op::Slice { axis, .. }, Sharded(a)) if a != *axis => opts.push(vec![Sharded(a)]),
+        (Op::Slice { axis, .. } | Op::Pad { axis, .. } | Op::CumSum { axis, .. }, Sharded(a))
+            if a != *axis =>
+        {
+            opts.push(vec![Sharded(a)])
+        }
         (Op::Concat { axis }, Sharded(a)) if a != *axis => opts.push(all(n, Sharded(a))),
         (
-            Op::Reshape { .. } | Op::Transpose { .. } | Op::Expand { .. } | Op::Slice { .. },
+            Op::Reshape { .. }
+            | Op::Transpose { .. }
+            | Op::Expand { .. }
+            | Op::Slice { .. }
+            | Op::CumSum { .. },
             Partial,
         ) => opts.push(vec![Partial]),
+        // Padding with zeros is linear; with another value the summands would
+        // each add it.
+        (Op::Pad { value, .. }, Partial) if *value == 0.0 => opts.push(vec![Partial]),
         (Op::Concat { .. }, Partial) => opts.push(all(n, Partial)),
         (Op::Embedding, Sharded(a)) if a + 1 == r => opts.push(vec![Sharded(1), Replicated]),
         (Op::Embedding, Sharded(a)) => opts.push(vec![Replicated, Sharded(a)]),

@@ -70,7 +70,11 @@ pub fn lower(
                 Op::Reshape { .. } => ShardLang::Reshape([ch[0], ch[1]]),
                 Op::Transpose { .. } => ShardLang::Transpose([ch[0], ch[1]]),
                 Op::Expand { .. } => ShardLang::Expand([ch[0], ch[1]]),
-                Op::Slice { .. } => ShardLang::Slice([ch[0], ch[1]]),
+                // A pad or a running sum along an axis is pushed through as a
+                // slice is: any split but of its own axis.
+                Op::Slice { .. } | Op::Pad { .. } | Op::CumSum { .. } => {
+                    ShardLang::Slice([ch[0], ch[1]])
+                }
                 Op::Concat { .. } => ShardLang::Concat(arr(&ch).into()),
                 Op::Reduce { .. } => ShardLang::Reduce([ch[0], ch[1]]),
                 Op::Embedding => ShardLang::Embedding([ch[0], ch[1], ch[2]]),

@@ -22,6 +22,7 @@ pub(crate) fn is_host_step(op: &Op) -> bool {
             | Op::TopK { .. }
             | Op::MoeDispatch { .. }
             | Op::MoeCombine
+            | Op::CumSum { .. }
     )
 }
 

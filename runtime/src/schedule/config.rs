@@ -29,8 +29,9 @@ pub struct Faults {
     pub stall_rank_at: Option<(usize, u64)>,
     /// Leave out the data-parallel gradient all-reduce: a wrong plan.
     pub skip_grad_sync: bool,
-    /// Take each tensor-parallel rank's summand for the whole (the all-reduce
-    /// after a row-parallel matmul left out): a wrong plan.
+    /// Take each rank's summand for the whole (the all-reduce after a
+    /// row-parallel matmul, or the sum of a context-parallel reduce-scatter
+    /// of K/V gradients, left out): a wrong plan.
     pub skip_tp_sum: bool,
     /// A rank dies while writing a checkpoint.
     pub kill_in_checkpoint: Option<CheckpointKill>,
@@ -215,6 +216,10 @@ pub struct RunConfig {
     pub dp: usize,
     /// Pipeline stages.
     pub pp: usize,
+    /// Context-parallel ranks per data-parallel replica: each holds its
+    /// load-balanced chunks of every sample's sequence (`dplc_ir::split_context`);
+    /// they are weight replicas, their gradients reduced over `dp × cp`.
+    pub cp: usize,
     /// Tensor-parallel ranks per stage.
     pub tp: usize,
     /// Expert-parallel ranks: experts split over groups of `ep` consecutive
@@ -272,6 +277,7 @@ impl Default for RunConfig {
         RunConfig {
             dp: 1,
             pp: 1,
+            cp: 1,
             tp: 1,
             ep: 1,
             sequence_parallel: false,
@@ -300,7 +306,12 @@ impl Default for RunConfig {
 
 impl RunConfig {
     pub fn world_size(&self) -> usize {
-        self.dp * self.pp * self.tp
+        self.replicas() * self.pp * self.tp
+    }
+    /// Weight replicas: every data- and context-parallel rank of a stage,
+    /// over which gradients are reduced and ZeRO shards the states.
+    pub fn replicas(&self) -> usize {
+        self.dp * self.cp
     }
     pub fn global_batch(&self) -> usize {
         self.dp * self.micro_batch * self.num_micro_batches
@@ -310,12 +321,6 @@ impl RunConfig {
     /// pipeline schedule, recompute, sequence parallelism and layouts.
     pub fn from_plan(plan: &dplc_ir::Plan) -> Result<RunConfig> {
         let (m, s) = (&plan.mesh, &plan.strategy);
-        if m.cp > 1 {
-            return Err(RuntimeError::Unsupported(format!(
-                "context parallelism (cp {}) is not implemented by the CPU runtime",
-                m.cp
-            )));
-        }
         let zero = match s.zero_stage {
             0 => ZeroStage::None,
             1 => ZeroStage::One,
@@ -337,6 +342,7 @@ impl RunConfig {
         Ok(RunConfig {
             dp: m.dp as usize,
             pp: m.pp as usize,
+            cp: m.cp as usize,
             tp: m.tp as usize,
             ep: m.ep as usize,
             sequence_parallel: s.sequence_parallel,

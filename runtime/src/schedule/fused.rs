@@ -184,8 +184,9 @@ impl HostSteps for Host<'_> {
             return Ok(vec![None; n_in]);
         };
         match g.node(node).op {
-            Op::Relayout { from, grad, .. } => {
-                Ok(vec![Some(self.store.convert(&gout, grad, from.grad())?)])
+            Op::Relayout { from, to, grad } => {
+                let target = dplc_ir::TensorLayout::relayout_grad_target(from, to);
+                Ok(vec![Some(self.store.convert(&gout, grad, target)?)])
             }
             Op::VocabParallel(v) => {
                 let need = self.prog.grad.input_grads(g, node);

@@ -79,11 +79,13 @@ impl Shared<'_> {
     /// micro-batch's loss is a mean over its tokens, the step's loss the mean
     /// over all micro-batches of all replicas.
     fn loss_scale(&self) -> f32 {
-        1.0 / (self.cfg.dp * self.cfg.num_micro_batches) as f32
+        1.0 / (self.cfg.replicas() * self.cfg.num_micro_batches) as f32
     }
 }
 
-/// Where one rank sits in the grid: rank = (dp_index · pp + stage) · tp + tp_index.
+/// Where one rank sits in the grid: rank = (dp_index · pp + stage) · tp + tp_index,
+/// `dp_index` counting weight replicas (`cp` consecutive ones share a sample:
+/// a context-parallel group).
 #[derive(Clone, Copy, Debug)]
 struct Coords {
     dp_index: usize,
@@ -182,6 +184,7 @@ fn train_on(
     mut on_step: impl FnMut(&StepStats),
 ) -> Result<TrainReport> {
     if cfg.dp == 0
+        || cfg.cp == 0
         || cfg.pp == 0
         || cfg.tp == 0
         || cfg.ep == 0
@@ -189,9 +192,29 @@ fn train_on(
         || cfg.num_micro_batches == 0
     {
         return Err(RuntimeError::Config(
-            "dp, pp, tp, ep, micro_batch and num_micro_batches must be positive".into(),
+            "dp, cp, pp, tp, ep, micro_batch and num_micro_batches must be positive".into(),
         ));
     }
+    // Context parallelism runs each rank's program: the model at its
+    // sequence positions, with the K/V all-gathers made explicit.
+    let (cp_graph, cp_cfg);
+    let (graph, cfg) = if cfg.cp > 1 {
+        context_checks(graph, spec, cfg)?;
+        let config = |e: dplc_ir::IrError| RuntimeError::Config(e.to_string());
+        cp_graph = dplc_ir::split_context(graph, cfg.cp as u64).map_err(config)?;
+        // The plan's tensor-parallel layout, with the program's new nodes.
+        let layout = match &cfg.layout {
+            Some(l) => Some(dplc_ir::context_layout(&cp_graph, l).map_err(config)?),
+            None => None,
+        };
+        cp_cfg = RunConfig {
+            layout,
+            ..cfg.clone()
+        };
+        (&cp_graph, &cp_cfg)
+    } else {
+        (graph, cfg)
+    };
     if !cfg.dp.is_multiple_of(cfg.ep) {
         return Err(RuntimeError::Config(format!(
             "expert parallelism splits the data-parallel replicas: ep {} must divide dp {}",
@@ -551,12 +574,12 @@ fn rank_keys(sh: &Shared, at: Coords) -> Vec<HeldParam> {
     let cfg = sh.cfg;
     let stage = at.stage;
     let dp_group = Group::new(
-        (0..cfg.dp)
+        (0..cfg.replicas())
             .map(|d| Coords { dp_index: d, ..at }.rank(cfg))
             .collect(),
     );
     let expert_group = Group::new(
-        (0..cfg.dp)
+        (0..cfg.replicas())
             .filter(|d| d % cfg.ep == at.dp_index % cfg.ep)
             .map(|d| Coords { dp_index: d, ..at }.rank(cfg))
             .collect(),
@@ -710,6 +733,14 @@ fn run_rank(
         )?),
         _ => None,
     };
+    let first_cp = at.dp_index - at.dp_index % cfg.cp;
+    let cp_group = group_of(
+        &|c| Coords {
+            dp_index: first_cp + c,
+            ..at
+        },
+        cfg.cp,
+    );
     let store = ParamStore::new(
         sh.graph,
         held,
@@ -717,6 +748,7 @@ fn run_rank(
         MeshGroups {
             tp: tp_group,
             ep: ep_group,
+            cp: cp_group,
             skip_partial_sum: cfg.faults.skip_tp_sum,
         },
         sh.seed,
@@ -977,7 +1009,7 @@ impl<'a, 'b> Rank<'a, 'b> {
         let cfg = sh.cfg;
         sh.sample_base
             + (self.step - sh.start_step) * cfg.global_batch() as u64
-            + ((micro * cfg.dp + self.dp_index) * cfg.micro_batch) as u64
+            + ((micro * cfg.dp + self.dp_index / cfg.cp) * cfg.micro_batch) as u64
     }
 
     /// Save the checkpoint after `done` steps: rank 0 readies the step
@@ -1023,6 +1055,7 @@ impl<'a, 'b> Rank<'a, 'b> {
                 optimizer: &sh.spec.optimizer,
                 split: checkpoint::SavedSplit {
                     dp: cfg.dp,
+                    cp: cfg.cp,
                     tp: cfg.tp,
                     pp: cfg.pp,
                     ep: cfg.ep,
@@ -1125,6 +1158,28 @@ impl<'a, 'b> Rank<'a, 'b> {
         out
     }
 
+    /// [`Rank::inputs`] at this rank's sequence positions under context
+    /// parallelism (`dplc_ir::context_chunks`): every input along `seq`.
+    fn local_inputs(&self, micro: usize) -> Result<HashMap<dplc_ir::TensorId, Value>> {
+        let sh = self.sh;
+        let mut out = self.inputs(micro);
+        let seq = sh.graph.sym_by_name("seq");
+        if sh.cfg.cp > 1 {
+            let pos = self.dp_index % sh.cfg.cp;
+            for (_, input) in sh.graph.inputs() {
+                let along = input
+                    .shape
+                    .dims()
+                    .iter()
+                    .position(|d| seq.is_some_and(|s| *d == dplc_ir::Dim::sym(s)));
+                if let (Some(axis), Some(v)) = (along, out.get_mut(&input.tensor)) {
+                    *v = Arc::new(crate::shard::take_chunks(v, axis, sh.cfg.cp, pos)?);
+                }
+            }
+        }
+        Ok(out)
+    }
+
     fn forward(&mut self, micro: usize, c: usize) -> Result<()> {
         let sh = self.sh;
         let received = if c > 0 {
@@ -1139,7 +1194,7 @@ impl<'a, 'b> Rank<'a, 'b> {
             self.layers_run += layers.end - layers.start;
         }
         let pass = self.pass(micro, c);
-        let inputs = self.inputs(micro);
+        let inputs = self.local_inputs(micro)?;
         self.store.gather(Unit::Root)?;
         let out = self
             .compute
@@ -1230,7 +1285,7 @@ impl<'a, 'b> Rank<'a, 'b> {
         let world = Group::new((0..cfg.world_size()).collect());
         self.store.comm.all_reduce(&world, &mut sq)?;
         let dp_group = Group::new(
-            (0..cfg.dp)
+            (0..cfg.replicas())
                 .map(|d| {
                     Coords {
                         dp_index: d,
@@ -1252,7 +1307,7 @@ impl<'a, 'b> Rank<'a, 'b> {
         self.store
             .comm
             .broadcast(&self.pp_group, cfg.pp - 1, &mut loss_v)?;
-        let loss = f64::from(loss_v[0]) / (cfg.dp * cfg.num_micro_batches) as f64;
+        let loss = f64::from(loss_v[0]) / (cfg.replicas() * cfg.num_micro_batches) as f64;
         let lr = sh.spec.optimizer.lr() * sh.spec.schedule.factor(self.step);
         // Every rank sees the same loss and norm, so all decide alike: a
         // non-finite step is skipped (its gradients dropped, the parameters
@@ -1289,4 +1344,29 @@ impl<'a, 'b> Rank<'a, 'b> {
             skipped,
         })
     }
+}
+
+/// What context parallelism runs here, refused before any rank starts:
+/// every rank of a cp group reads its positions of the same sample.
+fn context_checks(graph: &Graph, spec: &TrainSpec, cfg: &RunConfig) -> Result<()> {
+    let refuse = |what: &str| {
+        Err(RuntimeError::Unsupported(format!(
+            "context parallelism (cp {}) {what}",
+            cfg.cp
+        )))
+    };
+    if cfg.ep > 1 || cfg.sequence_parallel {
+        return refuse("is run here with data, pipeline and tensor parallelism, not with ep or sequence parallelism: drop ep/sp from the strategy");
+    }
+    if let Some(why) = dplc_ir::validate::context_refusal(graph) {
+        return refuse(&format!("{why}: run without cp"));
+    }
+    if !(spec.seq as usize).is_multiple_of(2 * cfg.cp) {
+        return refuse(&format!(
+            "cuts the sequence into 2·cp = {} load-balanced chunks: it must divide seq {}",
+            2 * cfg.cp,
+            spec.seq
+        ));
+    }
+    Ok(())
 }

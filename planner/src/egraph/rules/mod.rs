@@ -198,7 +198,10 @@ pub(crate) fn axis(eg: &ShardGraph, subst: &Subst) -> Option<usize> {
 pub(crate) fn op_axis(op: &Op) -> Option<usize> {
     match op {
         Op::Softmax { axis } | Op::LogSoftmax { axis } | Op::Concat { axis } => Some(*axis),
-        Op::Reduce { axis, .. } | Op::Slice { axis, .. } => Some(*axis),
+        Op::Reduce { axis, .. }
+        | Op::Slice { axis, .. }
+        | Op::Pad { axis, .. }
+        | Op::CumSum { axis, .. } => Some(*axis),
         _ => None,
     }
 }
