@@ -822,7 +822,13 @@ fn flash2_prices_attention_at_its_measured_fraction_of_peak() {
 /// over dp × cp, so dp 2 × cp 2 keeps the optimizer state of dp 4.
 #[test]
 fn zero_shards_over_the_context_parallel_ranks_too() {
-    let run = |s: &str| plan_as_pinned(GPT_1_7B, "4xA100", 8, s).plan;
+    let g = gpt_with_dropout("gpt", GPT_1_7B, 0.0);
+    let run = |s: &str| {
+        let mut req = PlanRequest::new(&g, train(2048, 8), parse_cluster("4xA100").unwrap());
+        req.pinned = parse_strategy(s).unwrap();
+        req.ignore_memory = true;
+        compile(&req).unwrap().plan
+    };
     let dp4 = run("tp=1,pp=1,dp=4,cp=1,mb=1,zero=1,recompute=none");
     let cp2 = run("tp=1,pp=1,dp=2,cp=2,mb=1,zero=1,recompute=none");
     let opt = |p: &dplc_ir::Plan| p.stages[0].memory.optimizer as f64;
@@ -839,7 +845,7 @@ fn zero_shards_over_the_context_parallel_ranks_too() {
 /// attention, so the step grows.
 #[test]
 fn context_parallel_attention_sees_the_whole_key_length() {
-    let g = gpt("gpt", GPT_1_7B);
+    let g = gpt_with_dropout("gpt", GPT_1_7B, 0.0);
     let step = |seq: u64, cp: u64| {
         let mut req = PlanRequest::new(&g, train(seq, 8 / cp), parse_cluster("8xA100").unwrap());
         req.pinned = parse_strategy(&format!(

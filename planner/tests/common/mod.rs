@@ -61,6 +61,12 @@ pub fn train(seq: u64, global_batch: u64) -> TrainSpec {
 }
 
 pub fn gpt(name: &str, cfg: Gpt) -> Graph {
+    gpt_with_dropout(name, cfg, 0.1)
+}
+
+/// The same GPT with dropout `p` (0: a model context parallelism can run).
+pub fn gpt_with_dropout(name: &str, cfg: Gpt, p: f64) -> Graph {
+    let dropout = p;
     let Gpt {
         hidden: h,
         heads,
@@ -103,7 +109,7 @@ pub fn gpt(name: &str, cfg: Gpt) -> Graph {
         .add_node1(root, top, Op::Binary(BinaryOp::Add), &[tok, pos])
         .unwrap();
     let x0 = g
-        .add_node1(root, top, Op::Dropout { p: 0.1 }, &[x])
+        .add_node1(root, top, Op::Dropout { p: dropout }, &[x])
         .unwrap();
 
     let body = g.add_region(root);
@@ -174,7 +180,7 @@ pub fn gpt(name: &str, cfg: Gpt) -> Graph {
     let scores = op(&mut g, Op::Binary(BinaryOp::Mul), &[scores, scale]);
     let scores = op(&mut g, Op::CausalMask, &[scores]);
     let probs = op(&mut g, Op::Softmax { axis: 3 }, &[scores]);
-    let probs = op(&mut g, Op::Dropout { p: 0.1 }, &[probs]);
+    let probs = op(&mut g, Op::Dropout { p: dropout }, &[probs]);
     let ctxv = op(&mut g, Op::MatMul, &[probs, v]);
     let ctxv = op(
         &mut g,
@@ -192,7 +198,7 @@ pub fn gpt(name: &str, cfg: Gpt) -> Graph {
     );
     let attn = op(&mut g, Op::MatMul, &[ctxv, wo]);
     let attn = op(&mut g, Op::Binary(add), &[attn, bo]);
-    let attn = op(&mut g, Op::Dropout { p: 0.1 }, &[attn]);
+    let attn = op(&mut g, Op::Dropout { p: dropout }, &[attn]);
     let x1 = op(&mut g, Op::Binary(add), &[x, attn]);
     let ln2 = op(&mut g, Op::LayerNorm { eps: 1e-5 }, &[x1, w2, b2]);
     let fc = op(&mut g, Op::MatMul, &[ln2, wfc]);
@@ -200,7 +206,7 @@ pub fn gpt(name: &str, cfg: Gpt) -> Graph {
     let act = op(&mut g, Op::Unary(UnaryOp::GeluTanh), &[fc]);
     let pr = op(&mut g, Op::MatMul, &[act, wpr]);
     let pr = op(&mut g, Op::Binary(add), &[pr, bpr]);
-    let pr = op(&mut g, Op::Dropout { p: 0.1 }, &[pr]);
+    let pr = op(&mut g, Op::Dropout { p: dropout }, &[pr]);
     let x2 = op(&mut g, Op::Binary(add), &[x1, pr]);
     g.set_region_results(body, vec![x2]).unwrap();
     let out = g
