@@ -260,7 +260,7 @@ pub fn context_refusal(graph: &Graph) -> Option<String> {
         );
     }
     let seq = Dim::sym(seq);
-    graph.nodes().find_map(|(_, n)| {
+    let along_seq = graph.nodes().find_map(|(_, n)| {
         let axis = match n.op {
             Op::Pad { axis, .. } | Op::CumSum { axis, .. } => axis,
             _ => return None,
@@ -274,6 +274,14 @@ pub fn context_refusal(graph: &Graph) -> Option<String> {
                 graph.scope_path(n.scope)
             )
         })
+    });
+    // Whatever else the rank's program cannot be written for (a value with
+    // two sequence axes read whole, such as T5's position bias), as the
+    // rewrite the runtime runs says it.
+    along_seq.or_else(|| {
+        crate::split_context(graph, 2)
+            .err()
+            .map(|e| format!("cannot split this model's sequence ({e})"))
     })
 }
 
