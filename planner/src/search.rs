@@ -207,7 +207,10 @@ pub(crate) fn search(
                     Some(e) => divisors(dp)
                         .into_iter()
                         .filter(|&x| {
-                            e % x == 0 && allowed(pins.ep, x) && layouts.get((tp, x)).is_some()
+                            e % x == 0
+                                && allowed(pins.ep, x)
+                                && layouts.get((tp, x)).is_some()
+                                && (x == 1 || cp == 1 || pins.ep == Some(x))
                         })
                         .collect(),
                     None => vec![1],
@@ -381,7 +384,11 @@ fn explore(
     keep: usize,
     ignore_memory: bool,
 ) {
-    let sps: &[bool] = if base.tp > 1 {
+    // Sequence parallelism needs a tensor group. Beside cp, which dplc's
+    // runtime runs without sp or ep (`ir::context_layout`), the search
+    // offers neither unasked; pinned, they are priced (Megatron runs them)
+    // and `dplc run` refuses them by name.
+    let sps: &[bool] = if base.tp > 1 && (base.cp == 1 || pins.sequence_parallel == Some(true)) {
         &[false, true]
     } else {
         &[false]
