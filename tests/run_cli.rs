@@ -887,7 +887,13 @@ fn run_json_reports_the_dp_bytes_and_viz_draws_the_runs_side_by_side() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("a scratch directory");
     let mut files = Vec::new();
-    for (name, strategy) in [("ring", "dp=4,zero=0"), ("ps1", "dp=4,sync=ps,ps_shards=1")] {
+    // ZeRO-1 reduce-scatters the gradients (the step reads each rank's
+    // part) and all-gathers the updated weights: the bytes the planner prices.
+    for (name, strategy) in [
+        ("ring", "dp=4,zero=0"),
+        ("ps1", "dp=4,sync=ps,ps_shards=1"),
+        ("zero1", "dp=4,zero=1"),
+    ] {
         let mut args = vec!["run", "models/tiny.dpl", "--cluster", "4xcpu"];
         args.extend(SMALL);
         args.extend(["--steps", "3", "--json", "--strategy", strategy]);

@@ -395,7 +395,9 @@ impl ParamStore {
     }
 
     /// Sum every gradient over the data-parallel group: all-reduce in buckets
-    /// of about `bucket` elements (ZeRO 0/1) or reduce-scatter (ZeRO-2).
+    /// of about `bucket` elements (ZeRO-0), or reduce-scatter each rank's
+    /// part to it (ZeRO-1 and 2, as Megatron's distributed optimizer and
+    /// the planner's price do: the optimizer step reads only that part).
     pub fn reduce_grads(&mut self, bucket: usize) -> Result<()> {
         if self.sync.ps_shards().is_some() {
             return self.push_to_servers();
@@ -404,12 +406,12 @@ impl ParamStore {
             return self.compressed_reduce();
         }
         match self.zero {
-            ZeroStage::None | ZeroStage::One => {
+            ZeroStage::None => {
                 for (group, keys) in self.by_group() {
                     self.all_reduce_buckets(&group, &keys, bucket)?;
                 }
             }
-            ZeroStage::Two => {
+            ZeroStage::One | ZeroStage::Two => {
                 // Gradients were accumulated full-length over the micro-batches;
                 // each rank keeps the sum of its own part. One reduce-scatter
                 // per data-parallel group: every member's part of every
@@ -641,7 +643,7 @@ impl ParamStore {
     /// (after an optimizer step, or instead of one for a skipped step).
     pub fn discard_grads(&mut self) {
         for slot in self.slots.values_mut() {
-            if self.zero == ZeroStage::Two {
+            if matches!(self.zero, ZeroStage::One | ZeroStage::Two) {
                 // Reduce-scatter left only this rank's part; accumulation
                 // needs the whole tensor again.
                 slot.grad = vec![0.0; slot.numel];
