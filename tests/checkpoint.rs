@@ -17,10 +17,10 @@ use dplc_runtime::{
     Schedule, TrainReport, ZeroStage,
 };
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 mod common;
-use common::{with_layout, Opt, LOSS_TOL, TINY};
+use common::{dplc, with_layout, Opt, LOSS_TOL, TINY};
 
 const SEED: u64 = 11;
 const SGD_TOL: f64 = 1e-6;
@@ -456,15 +456,6 @@ fn corrupted_checkpoints_are_refused_by_name() {
     )
     .expect_err("refused");
     assert!(e.to_string().contains("no such directory"), "{e}");
-}
-
-fn dplc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_dplc"))
-        .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .env("NO_COLOR", "1")
-        .output()
-        .expect("the dplc binary runs")
 }
 
 /// Stderr with miette's line wrapping undone.

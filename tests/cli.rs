@@ -1,16 +1,8 @@
 //! The `dplc` binary end to end: exit codes, JSON fields, and errors that
 //! point at the source.
 
-use std::process::{Command, Output};
-
-fn dplc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_dplc"))
-        .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .env("NO_COLOR", "1")
-        .output()
-        .expect("the dplc binary runs")
-}
+mod common;
+use common::dplc;
 
 fn json(args: &[&str]) -> serde_json::Value {
     let out = dplc(args);

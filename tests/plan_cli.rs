@@ -3,16 +3,10 @@
 //! Graphviz program, and the HTML page rendered in headless Chromium.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
-fn dplc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_dplc"))
-        .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .env("NO_COLOR", "1")
-        .output()
-        .expect("the dplc binary runs")
-}
+mod common;
+use common::dplc;
 
 fn ok(args: &[&str]) -> String {
     let out = dplc(args);

@@ -2,16 +2,10 @@
 //! falling loss, the JSON stream, Ctrl-C, bad input, and a plan's check.
 
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
 
-fn dplc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_dplc"))
-        .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .env("NO_COLOR", "1")
-        .output()
-        .expect("the dplc binary runs")
-}
+mod common;
+use common::dplc;
+use std::time::{Duration, Instant};
 
 fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()

@@ -3,16 +3,8 @@
 //! `dplc verify` on both computes (losses within 1e-5, SGD parameters
 //! within 1e-6): the plan runs as it was priced, for every model the zoo has.
 
-use std::process::{Command, Output};
-
-fn dplc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_dplc"))
-        .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .env("NO_COLOR", "1")
-        .output()
-        .expect("the dplc binary runs")
-}
+mod common;
+use common::dplc;
 
 /// The tiny variants: file, model, and the arguments that keep a run small.
 const TINY: &[(&str, &str, &[&str])] = &[

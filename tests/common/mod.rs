@@ -1,10 +1,11 @@
-//! What the root's training tests share: the tiny zoo, the optimizers their
-//! short runs use, and the per-step loss comparison.
+//! What the root's tests share: the tiny zoo, the optimizers their short
+//! runs use, the per-step loss comparison, and running the `dplc` binary.
 
 #![allow(dead_code)]
 
 use dplc_ir::Optimizer;
 use dplc_runtime::{RunConfig, StepStats};
+use std::process::{Command, Output};
 
 pub const TINY: &str = include_str!("../../models/tiny.dpl");
 /// Two runs of the same function agree on each step's loss to this relative
@@ -64,4 +65,14 @@ pub fn with_layout(graph: &dplc_ir::Graph, cfg: &RunConfig) -> RunConfig {
         );
     }
     cfg
+}
+
+/// Run the built `dplc` binary from the repository root, colours off.
+pub fn dplc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_dplc"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("the dplc binary runs")
 }
