@@ -8,6 +8,7 @@
 
 use crate::comm::{Communicator, Group};
 use crate::error::{kernel_err, Result};
+use crate::kernels::{gemm, Mat};
 use crate::rng;
 use dplc_ir::Compression;
 
@@ -117,41 +118,35 @@ pub(crate) fn initial_q(seed: u64, key: (u64, u64), cols: usize, rank: usize) ->
         .collect()
 }
 
-/// `a (r×k) · b (k×c)`, row-major.
-fn matmul(a: &[f32], b: &[f32], r: usize, k: usize, c: usize) -> Vec<f32> {
-    let mut out = vec![0.0f32; r * c];
-    for i in 0..r {
-        for p in 0..k {
-            let x = a[i * k + p];
-            if x == 0.0 {
-                continue;
-            }
-            let row = &b[p * c..(p + 1) * c];
-            out[i * c..(i + 1) * c]
-                .iter_mut()
-                .zip(row)
-                .for_each(|(o, &y)| *o += x * y);
+/// `a · b` for row-major `a` (`r×k`, or `k×r` read transposed when `a_t`)
+/// and `b` (`k×c`, or `c×k` read transposed when `b_t`): the runtime's
+/// GEMM over strided views.
+#[allow(clippy::too_many_arguments)]
+fn matmul(a: &[f32], a_t: bool, b: &[f32], b_t: bool, r: usize, k: usize, c: usize) -> Vec<f32> {
+    let view = |data, rows_stride, transposed| {
+        let (rs, cs) = if transposed {
+            (1, rows_stride)
+        } else {
+            (rows_stride, 1)
+        };
+        Mat {
+            data,
+            offset: 0,
+            rs,
+            cs,
         }
-    }
-    out
-}
-
-/// `aᵀ (k×r)ᵀ · b (k×c)` → `r×c`.
-fn matmul_tn(a: &[f32], b: &[f32], k: usize, r: usize, c: usize) -> Vec<f32> {
+    };
     let mut out = vec![0.0f32; r * c];
-    for p in 0..k {
-        for i in 0..r {
-            let x = a[p * r + i];
-            if x == 0.0 {
-                continue;
-            }
-            let row = &b[p * c..(p + 1) * c];
-            out[i * c..(i + 1) * c]
-                .iter_mut()
-                .zip(row)
-                .for_each(|(o, &y)| *o += x * y);
-        }
-    }
+    gemm(
+        r,
+        k,
+        c,
+        view(a, if a_t { r } else { k }, a_t),
+        view(b, if b_t { k } else { c }, b_t),
+        &mut out,
+        0,
+        0.0,
+    );
     out
 }
 
@@ -338,7 +333,7 @@ fn powersgd(
                 let grad: &[f32] = t.grad;
                 let fb = state(&mut t.feedback)?;
                 let m: Vec<f32> = grad.iter().zip(&fb.error).map(|(g, e)| g + e).collect();
-                ps.extend(matmul(&m, &fb.q, *rows, *cols, *r));
+                ps.extend(matmul(&m, false, &fb.q, false, *rows, *cols, *r));
                 ms.push(m);
             }
         }
@@ -351,7 +346,7 @@ fn powersgd(
         if let Some((rows, cols, r)) = *d {
             let p = &mut ps[at..at + rows * r];
             orthonormalize(p, rows, r);
-            qs.extend(matmul_tn(m, p, rows, cols, r));
+            qs.extend(matmul(m, true, p, false, cols, rows, r));
             at += rows * r;
         }
     }
@@ -373,16 +368,7 @@ fn powersgd(
                 let p = &ps[at_p..at_p + rows * r];
                 let q = &qs[at_q..at_q + cols * r];
                 // P·Qᵀ: rows×cols.
-                let mut approx = vec![0.0f32; rows * cols];
-                for i in 0..rows {
-                    for j in 0..cols {
-                        let mut s = 0.0f32;
-                        for k in 0..r {
-                            s += p[i * r + k] * q[j * r + k];
-                        }
-                        approx[i * cols + j] = s;
-                    }
-                }
+                let approx = matmul(p, false, q, true, rows, r, cols);
                 let fb = state(&mut t.feedback)?;
                 fb.error = m.iter().zip(&approx).map(|(x, a)| x - a * scale).collect();
                 fb.q = q.to_vec();
