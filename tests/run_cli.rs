@@ -1,6 +1,7 @@
 //! `dplc run` and `dplc verify` end to end: training on CPU ranks with a
 //! falling loss, the JSON stream, Ctrl-C, bad input, and a plan's check.
 
+use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 
 mod common;
@@ -731,19 +732,14 @@ fn the_sliding_window_model_masks_and_verifies() {
 /// splits on both computes.
 #[test]
 fn where_and_comparisons_train_under_every_split() {
-    let dir = std::env::temp_dir().join(format!("dplc-where-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let src = dir.join("where.dpl");
-    std::fs::write(
-        &src,
+    let (dir, src) = scratch_model("where", "where.dpl",
         "model wh(vocab = 256, d = 64, heads = 4, layers = 2) {\n    input tokens: i32[batch, seq]\n    \
          input targets: i32[batch, seq]\n    param embed: [vocab, d]\n    h = embedding(embed, tokens)\n    \
          repeat layers {\n        h = h + attention(rms_norm(h, d, name = \"an\"), d, heads, rotary = true)\n        \
          m = swiglu(rms_norm(h, d, name = \"fn\"), d, 128)\n        \
          h = h + where(gt(m, 0.0), m, m * 0.1) + abs(floor(m)) * 0.0\n    }\n    \
          param output: [d, vocab]\n    return cross_entropy(rms_norm(h, d, name = \"n\") @ output, targets)\n}\n",
-    )
-    .unwrap();
+    );
     verify_splits(
         src.to_str().unwrap(),
         None,
@@ -759,11 +755,7 @@ fn where_and_comparisons_train_under_every_split() {
 /// computes (under sequence parallelism they run on the whole sequence).
 #[test]
 fn shifts_and_running_sums_train_under_every_split() {
-    let dir = std::env::temp_dir().join(format!("dplc-shift-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let src = dir.join("conv.dpl");
-    std::fs::write(
-        &src,
+    let (dir, src) = scratch_model("shift", "conv.dpl",
         "model conv(vocab = 256, d = 64, heads = 4, layers = 2) {\n    input tokens: i32[batch, seq]\n    \
          input targets: i32[batch, seq]\n    param embed: [vocab, d]\n    h = embedding(embed, tokens)\n    \
          repeat layers {\n        h = h + attention(rms_norm(h, d, name = \"an\"), d, heads, rotary = true)\n        \
@@ -771,8 +763,7 @@ fn shifts_and_running_sums_train_under_every_split() {
          param w2: [d] = zeros\n        h = h + x * w0 + shift(x, 1, 1) * w1 + shift(x, 1, 2) * w2\n        \
          h = h + cumsum(x, 1) * 0.01\n        h = h + swiglu(rms_norm(h, d, name = \"fn\"), d, 128)\n    }\n    \
          param output: [d, vocab]\n    return cross_entropy(rms_norm(h, d, name = \"n\") @ output, targets)\n}\n",
-    )
-    .unwrap();
+    );
     verify_splits(
         src.to_str().unwrap(),
         None,
@@ -788,19 +779,14 @@ fn shifts_and_running_sums_train_under_every_split() {
 /// both computes.
 #[test]
 fn a_shared_block_trains_under_every_split() {
-    let dir = std::env::temp_dir().join(format!("dplc-share-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let src = dir.join("share.dpl");
-    std::fs::write(
-        &src,
+    let (dir, src) = scratch_model("share", "share.dpl",
         "model sh(vocab = 256, d = 64, heads = 4, layers = 2) {\n    input tokens: i32[batch, seq]\n    \
          input targets: i32[batch, seq]\n    param embed: [vocab, d]\n    h = embedding(embed, tokens)\n    \
          h = h + mlp(rms_norm(h, d, name = \"n0\"), d, 128, name = \"first\")\n    repeat layers {\n        \
          h = h + attention(rms_norm(h, d, name = \"an\"), d, heads, rotary = true)\n        \
          h = h + mlp(rms_norm(h, d, name = \"fn\"), d, 128, share = \"first\")\n    }\n    \
          return cross_entropy(rms_norm(h, d, name = \"n\") @ transpose(embed), targets)\n}\n",
-    )
-    .unwrap();
+    );
     let out = dplc(&["inspect", src.to_str().unwrap(), "--json"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -833,9 +819,24 @@ fn the_t5_zoo_model_verifies_under_its_splits() {
 /// Compile `model` of `src` on 4 CPU ranks under each of `strategies` (with
 /// `extra` compile flags) and check that `dplc verify` passes the plan on
 /// both computes.
+/// A model written to `file` in a scratch directory of its own (the
+/// directory, to remove, and the file).
+fn scratch_model(tag: &str, file: &str, text: &str) -> (PathBuf, PathBuf) {
+    let dir = std::env::temp_dir().join(format!("dplc-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a scratch directory");
+    let src = dir.join(file);
+    std::fs::write(&src, text).expect("the model is written");
+    (dir, src)
+}
+
 fn verify_splits(src: &str, model: Option<&str>, strategies: &[&str], extra: &[&str]) {
+    // One directory per source and model: tests run in parallel, and each
+    // removes its own when done.
+    let stem = std::path::Path::new(src)
+        .file_stem()
+        .map_or("model".into(), |s| s.to_string_lossy().into_owned());
     let dir = std::env::temp_dir().join(format!(
-        "dplc-splits-{}-{}",
+        "dplc-splits-{stem}-{}-{}",
         model.unwrap_or("model"),
         std::process::id()
     ));

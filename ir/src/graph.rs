@@ -879,18 +879,6 @@ impl Graph {
                 out[*axis] = len;
                 vec![(t(0).dtype, Shape(out))]
             }
-            Op::CumSum { axis, .. } => {
-                arity("1", inputs.len() == 1)?;
-                float(0)?;
-                if *axis >= t(0).shape.rank() {
-                    return Err(IrError::Axis {
-                        op: name,
-                        axis: *axis as i64,
-                        rank: t(0).shape.rank(),
-                    });
-                }
-                vec![(t(0).dtype, t(0).shape.clone())]
-            }
             Op::Reduce { axis, keep_dim, .. } => {
                 arity("1", inputs.len() == 1)?;
                 float(0)?;
@@ -909,7 +897,8 @@ impl Graph {
                 }
                 vec![(t(0).dtype, Shape(dims))]
             }
-            Op::Softmax { axis } | Op::LogSoftmax { axis } => {
+            // A float of the same shape, along one of its axes.
+            Op::Softmax { axis } | Op::LogSoftmax { axis } | Op::CumSum { axis, .. } => {
                 arity("1", inputs.len() == 1)?;
                 float(0)?;
                 if *axis >= t(0).shape.rank() {
