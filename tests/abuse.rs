@@ -4,6 +4,9 @@
 //! as on Ctrl-C, and a standard output that cannot be written is an error.
 
 use std::path::{Path, PathBuf};
+
+mod common;
+use common::Scratch;
 use std::process::{Command, Output, Stdio};
 
 fn dplc() -> Command {
@@ -21,24 +24,6 @@ fn text(out: &Output) -> String {
         String::from_utf8_lossy(&out.stderr)
     )
     .replace("\n  | ", " ")
-}
-
-/// A scratch directory removed when the test ends.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Scratch {
-        let dir = std::env::temp_dir().join(format!("dplc-abuse-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("a scratch directory");
-        Scratch(dir)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 const TINY: [&str; 9] = [
@@ -66,7 +51,7 @@ fn compile_to(model: &Path, out: &Path) -> Output {
 
 #[test]
 fn an_output_never_replaces_an_input_a_device_or_a_link() {
-    let d = Scratch::new("outputs");
+    let d = Scratch::new("abuse", "outputs");
     let model = d.0.join("tiny.dpl");
     std::fs::copy("models/tiny.dpl", &model).expect("copy");
     let before = std::fs::read(&model).unwrap();
@@ -116,7 +101,7 @@ fn an_output_never_replaces_an_input_a_device_or_a_link() {
 
 #[test]
 fn build_writes_only_into_a_new_empty_or_artifact_directory() {
-    let d = Scratch::new("build");
+    let d = Scratch::new("abuse", "build");
     let busy = d.0.join("busy");
     std::fs::create_dir_all(&busy).unwrap();
     std::fs::write(busy.join("notes.txt"), "mine").unwrap();
@@ -212,7 +197,7 @@ fn a_non_finite_loss_ends_the_run_with_an_error_naming_the_step() {
 #[test]
 fn sigterm_and_sighup_stop_at_a_step_boundary_and_save() {
     for sig in ["TERM", "HUP"] {
-        let d = Scratch::new(&format!("sig{sig}"));
+        let d = Scratch::new("abuse", &format!("sig{sig}"));
         let mut child = dplc()
             .args(["run", "models/tiny.dpl"])
             .args(TINY)
@@ -277,7 +262,7 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
 #[cfg(target_os = "linux")]
 #[test]
 fn a_full_standard_output_is_an_error_not_a_panic() {
-    let d = Scratch::new("full");
+    let d = Scratch::new("abuse", "full");
     let plan = d.0.join("plan.ron");
     let o = compile_to(Path::new("models/tiny.dpl"), &plan);
     assert!(o.status.success(), "{}", text(&o));
@@ -314,7 +299,7 @@ fn a_full_standard_output_is_an_error_not_a_panic() {
 
 #[test]
 fn a_file_that_is_not_utf8_is_named_with_the_byte() {
-    let d = Scratch::new("utf8");
+    let d = Scratch::new("abuse", "utf8");
     let f = d.0.join("bad.dpl");
     std::fs::write(&f, b"model a() {}\n  \xff\n").unwrap();
     let o = dplc().arg("check").arg(&f).output().expect("dplc runs");
@@ -330,7 +315,7 @@ fn a_file_that_is_not_utf8_is_named_with_the_byte() {
 /// thread: it is refused up front with the size, not killed after minutes.
 #[test]
 fn verify_refuses_a_reduced_run_this_machine_cannot_hold() {
-    let d = Scratch::new("verify-mem");
+    let d = Scratch::new("abuse", "verify-mem");
     let plan = d.0.join("gpt2.ron");
     let o = dplc()
         .args(["compile", "models/gpt2.dpl", "--model", "gpt2"])
@@ -350,7 +335,7 @@ fn verify_refuses_a_reduced_run_this_machine_cannot_hold() {
 /// never silently 1.
 #[test]
 fn an_unbound_dimension_is_named_not_taken_as_one() {
-    let d = Scratch::new("dims");
+    let d = Scratch::new("abuse", "dims");
     let f = d.0.join("t5ish.dpl");
     std::fs::write(
         &f,
@@ -402,7 +387,7 @@ fn a_closed_pipe_stops_a_run_quietly() {
 /// An output a run writes at its end is checked before it trains.
 #[test]
 fn a_run_refuses_its_trace_path_before_training() {
-    let d = Scratch::new("trace-dir");
+    let d = Scratch::new("abuse", "trace-dir");
     let o = run_tiny(&["--steps", "3", "--trace", d.0.to_str().unwrap()], &[]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains("is a directory"), "{}", text(&o));

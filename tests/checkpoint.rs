@@ -16,32 +16,14 @@ use dplc_runtime::{
     train, Checkpoint, CheckpointConfig, CheckpointKill, Corpus, Faults, KillPoint, RunConfig,
     Schedule, TrainReport, ZeroStage,
 };
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Output;
 
 mod common;
-use common::{dplc, with_layout, Opt, LOSS_TOL, TINY};
+use common::{dplc, with_layout, Opt, Scratch, LOSS_TOL, TINY};
 
 const SEED: u64 = 11;
 const SGD_TOL: f64 = 1e-6;
-
-/// A scratch directory removed when the test ends.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Scratch {
-        let dir = std::env::temp_dir().join(format!("dplc-ckpt-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("a scratch directory");
-        Scratch(dir)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn try_run(
     model: &str,
@@ -136,7 +118,7 @@ fn assert_bitwise(name: &str, whole: &TrainReport, first: &TrainReport, second: 
 }
 
 fn check_resume_is_bitwise(name: &str, cfg: RunConfig) {
-    let dir = Scratch::new(name);
+    let dir = Scratch::new("ckpt", name);
     let whole = run(&cfg, 6, Opt::AdamW);
     let first = run(&saving(&cfg, &dir.0, 3), 3, Opt::AdamW);
     assert_eq!(first.checkpoints, vec![dir.0.join("step-000003")]);
@@ -165,7 +147,7 @@ fn resume_is_bitwise_under_cp2_dp2_zero1() {
         ..dp2_zero1()
     };
     check_resume_is_bitwise("cp2-dp2-zero1", cfg.clone());
-    let dir = Scratch::new("cp2-reload");
+    let dir = Scratch::new("ckpt", "cp2-reload");
     let first = run(&saving(&cfg, &dir.0, 2), 2, Opt::AdamW);
     let loaded = run(&resuming(&serial(), &dir.0), 2, Opt::AdamW);
     assert!(loaded.steps.is_empty());
@@ -188,7 +170,7 @@ fn resume_is_bitwise_under_dp2_zero3() {
 
 #[test]
 fn an_expert_parallel_checkpoint_resumes_and_reshards() {
-    let dir = Scratch::new("experts");
+    let dir = Scratch::new("ckpt", "experts");
     let ep2 = RunConfig {
         dp: 2,
         ep: 2,
@@ -214,7 +196,7 @@ fn an_expert_parallel_checkpoint_resumes_and_reshards() {
 
 #[test]
 fn a_stopped_run_saves_where_it_stopped() {
-    let dir = Scratch::new("stopped");
+    let dir = Scratch::new("ckpt", "stopped");
     let cfg = saving(&dp2_zero1(), &dir.0, 0);
     let unit = dplc_frontend::parse("tiny.dpl", TINY).expect("parses");
     let lowered = unit.lower("gpt_tiny").expect("lowers");
@@ -240,7 +222,7 @@ fn a_stopped_run_saves_where_it_stopped() {
 
 #[test]
 fn a_checkpoint_reshards_on_load() {
-    let dir = Scratch::new("reshard");
+    let dir = Scratch::new("ckpt", "reshard");
     for opt in [Opt::AdamW, Opt::Sgd] {
         let _ = std::fs::remove_dir_all(&dir.0);
         let whole = run(&tp2_pp2(), 6, opt);
@@ -291,7 +273,7 @@ fn a_kill_while_writing_leaves_the_previous_checkpoint() {
         (1, KillPoint::AfterShard),
         (0, KillPoint::MidManifest),
     ] {
-        let dir = Scratch::new("kill");
+        let dir = Scratch::new("ckpt", "kill");
         let mut dying = saving(&cfg, &dir.0, 2);
         dying.faults = Faults {
             kill_in_checkpoint: Some(CheckpointKill { rank, step: 4, at }),
@@ -332,7 +314,7 @@ fn as_version_1(text: &str) -> String {
 
 #[test]
 fn corrupted_checkpoints_are_refused_by_name() {
-    let dir = Scratch::new("corrupt");
+    let dir = Scratch::new("ckpt", "corrupt");
     let cfg = dp2_zero1();
     run(&saving(&cfg, &dir.0, 2), 2, Opt::AdamW);
     let good = dir.0.join("step-000002");
@@ -488,7 +470,7 @@ fn json_losses(out: &Output) -> Vec<(u64, f64)> {
 
 #[test]
 fn dplc_run_saves_and_resumes() {
-    let dir = Scratch::new("cli");
+    let dir = Scratch::new("ckpt", "cli");
     let ck = dir.0.display().to_string();
     let small = [
         "run",
@@ -598,7 +580,7 @@ fn dplc_run_saves_and_resumes() {
 /// crashed run, and the directory is free again once the first run ends.
 #[test]
 fn a_second_run_on_a_checkpoint_directory_is_refused() {
-    let dir = Scratch::new("lock");
+    let dir = Scratch::new("ckpt", "lock");
     let cfg = saving(&dp2_zero1(), &dir.0, 0);
     let (go, wait) = std::sync::mpsc::channel::<()>();
     std::thread::scope(|s| {
@@ -642,7 +624,7 @@ fn a_second_run_on_a_checkpoint_directory_is_refused() {
 /// there, not an older run's later step, and says which run it is.
 #[test]
 fn resume_takes_the_latest_run_not_the_highest_step() {
-    let dir = Scratch::new("runs");
+    let dir = Scratch::new("ckpt", "runs");
     let cfg = dp2_zero1();
     run(&saving(&cfg, &dir.0, 0), 4, Opt::AdamW);
     // A new run from scratch in the same directory, stopped at step 2.
@@ -659,7 +641,7 @@ fn resume_takes_the_latest_run_not_the_highest_step() {
 /// one either is refused or resumes a run whose losses are numbers.
 #[test]
 fn mutated_manifests_never_panic_nor_pass_unchecked() {
-    let dir = Scratch::new("mutate");
+    let dir = Scratch::new("ckpt", "mutate");
     let cfg = dp2_zero1();
     run(&saving(&cfg, &dir.0, 0), 2, Opt::AdamW);
     let good = dir.0.join("step-000002");

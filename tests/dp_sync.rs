@@ -17,7 +17,7 @@ use dplc_runtime::{train, CheckpointConfig, Corpus, RunConfig, TrainReport, Zero
 use std::path::PathBuf;
 
 mod common;
-use common::{assert_losses, Opt, TINY};
+use common::{assert_losses, Opt, Scratch, TINY};
 
 const SEED: u64 = 11;
 
@@ -145,24 +145,6 @@ fn each_rank_moves_the_bytes_its_algorithm_sends() {
     }
 }
 
-/// A scratch directory removed when the test ends.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Scratch {
-        let dir = std::env::temp_dir().join(format!("dplc-dpsync-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("a scratch directory");
-        Scratch(dir)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 #[test]
 fn error_feedback_survives_a_checkpoint() {
     for (name, c) in [
@@ -180,7 +162,7 @@ fn error_feedback_survives_a_checkpoint() {
             ..RunConfig::default()
         };
         let whole = run(&cfg, 6);
-        let dir = Scratch::new(name);
+        let dir = Scratch::new("dpsync", name);
         let first = run(
             &RunConfig {
                 checkpoint: Some(CheckpointConfig {
@@ -241,7 +223,7 @@ fn error_feedback_survives_a_checkpoint() {
 fn a_parameter_server_resumes_from_its_shards() {
     let cfg = dp4(GradSync::Ps { shards: 1 }, Compression::None);
     let whole = run(&cfg, 4);
-    let dir = Scratch::new("ps");
+    let dir = Scratch::new("dpsync", "ps");
     let first = run(
         &RunConfig {
             checkpoint: Some(CheckpointConfig {

@@ -5,6 +5,7 @@
 
 use dplc_ir::Optimizer;
 use dplc_runtime::{RunConfig, StepStats};
+use std::path::PathBuf;
 use std::process::{Command, Output};
 
 pub const TINY: &str = include_str!("../../models/tiny.dpl");
@@ -75,4 +76,23 @@ pub fn dplc(args: &[&str]) -> Output {
         .env("NO_COLOR", "1")
         .output()
         .expect("the dplc binary runs")
+}
+
+/// A scratch directory, `dplc-{prefix}-{name}-{pid}` under the system's
+/// temporary directory: emptied when made, removed when the test ends.
+pub struct Scratch(pub PathBuf);
+
+impl Scratch {
+    pub fn new(prefix: &str, name: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!("dplc-{prefix}-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("a scratch directory");
+        Scratch(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
