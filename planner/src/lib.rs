@@ -14,6 +14,7 @@ mod profile;
 mod report;
 mod search;
 mod sharding;
+mod stages;
 mod strategy;
 mod timeline;
 
