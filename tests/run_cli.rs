@@ -883,14 +883,18 @@ fn run_json_reports_the_dp_bytes_and_viz_draws_the_runs_side_by_side() {
     std::fs::create_dir_all(&dir).expect("a scratch directory");
     let mut files = Vec::new();
     // ZeRO-1 reduce-scatters the gradients (the step reads each rank's
-    // part) and all-gathers the updated weights: the bytes the planner prices.
+    // part) and all-gathers the updated weights; ZeRO-2 reduce-scatters
+    // every micro-batch's gradients and keeps only its part: the bytes the
+    // planner prices.
     for (name, strategy) in [
         ("ring", "dp=4,zero=0"),
         ("ps1", "dp=4,sync=ps,ps_shards=1"),
-        ("zero1", "dp=4,zero=1"),
+        ("zero1", "dp=4,zero=1,mb=1"),
+        ("zero2", "dp=4,zero=2,mb=1"),
     ] {
+        // SMALL at a global batch of 8: two micro-batches per rank.
         let mut args = vec!["run", "models/tiny.dpl", "--cluster", "4xcpu"];
-        args.extend(SMALL);
+        args.extend(["--model", "gpt_tiny", "--seq", "16", "--global-batch", "8"]);
         args.extend(["--steps", "3", "--json", "--strategy", strategy]);
         let out = dplc(&args);
         assert!(out.status.success(), "{}", stderr(&out));

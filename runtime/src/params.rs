@@ -27,6 +27,14 @@ pub enum ZeroStage {
     Three,
 }
 
+impl ZeroStage {
+    /// Whether each rank keeps only its part of every gradient, reduced
+    /// after each unit's backward of every micro-batch (ZeRO-2 and 3).
+    fn shards_grads(self) -> bool {
+        self >= ZeroStage::Two
+    }
+}
+
 /// A parameter's logical (unsharded) training state: what a checkpoint
 /// holds, and what any split slices its own part from.
 #[derive(Clone, Debug, PartialEq)]
@@ -294,9 +302,13 @@ impl ParamStore {
                 } else {
                     shards[pos].clone()
                 };
-                // ZeRO-2 accumulates whole gradients over the micro-batches and
-                // reduce-scatters once per step; ZeRO-3 scatters per layer.
-                let grad_len = if zero == ZeroStage::Three {
+                // ZeRO-1 accumulates whole gradients over the micro-batches and
+                // reduce-scatters once per step; ZeRO-2 and 3 reduce-scatter
+                // each unit's gradients after its backward of every
+                // micro-batch and keep only their part (what the planner
+                // prices: a reduce-scatter per micro-batch, sharded
+                // gradient memory).
+                let grad_len = if zero.shards_grads() {
                     own.len()
                 } else {
                     numel
@@ -367,10 +379,10 @@ impl ParamStore {
         Ok(())
     }
 
-    /// ZeRO-3: reduce-scatter the gradients `unit` got in this micro-batch
-    /// (when `reduce`), then free its gathered parameters.
+    /// ZeRO-2 and 3: reduce-scatter the gradients `unit` got in this
+    /// micro-batch (when `reduce`); ZeRO-3 then frees its gathered parameters.
     pub fn release(&mut self, unit: Unit, reduce: bool) -> Result<()> {
-        if self.zero != ZeroStage::Three {
+        if !self.zero.shards_grads() {
             return Ok(());
         }
         for key in self.keys_of(unit) {
@@ -386,18 +398,21 @@ impl ParamStore {
                 let slot = self.slots.get_mut(&key).expect("key listed from the slots");
                 slot.grad.iter_mut().zip(part).for_each(|(g, p)| *g += p);
             }
-            self.slots
-                .get_mut(&key)
-                .expect("key listed from the slots")
-                .full = None;
+            if self.zero == ZeroStage::Three {
+                self.slots
+                    .get_mut(&key)
+                    .expect("key listed from the slots")
+                    .full = None;
+            }
         }
         Ok(())
     }
 
     /// Sum every gradient over the data-parallel group: all-reduce in buckets
     /// of about `bucket` elements (ZeRO-0), or reduce-scatter each rank's
-    /// part to it (ZeRO-1 and 2, as Megatron's distributed optimizer and
-    /// the planner's price do: the optimizer step reads only that part).
+    /// part to it (ZeRO-1, as Megatron's distributed optimizer and the
+    /// planner's price do: the optimizer step reads only that part). ZeRO-2
+    /// and 3 reduced each micro-batch's gradients in [`Self::release`].
     pub fn reduce_grads(&mut self, bucket: usize) -> Result<()> {
         if self.sync.ps_shards().is_some() {
             return self.push_to_servers();
@@ -411,7 +426,7 @@ impl ParamStore {
                     self.all_reduce_buckets(&group, &keys, bucket)?;
                 }
             }
-            ZeroStage::One | ZeroStage::Two => {
+            ZeroStage::One => {
                 // Gradients were accumulated full-length over the micro-batches;
                 // each rank keeps the sum of its own part. One reduce-scatter
                 // per data-parallel group: every member's part of every
@@ -442,7 +457,7 @@ impl ParamStore {
                     }
                 }
             }
-            ZeroStage::Three => {}
+            ZeroStage::Two | ZeroStage::Three => {}
         }
         Ok(())
     }
@@ -643,7 +658,7 @@ impl ParamStore {
     /// (after an optimizer step, or instead of one for a skipped step).
     pub fn discard_grads(&mut self) {
         for slot in self.slots.values_mut() {
-            if matches!(self.zero, ZeroStage::One | ZeroStage::Two) {
+            if self.zero == ZeroStage::One {
                 // Reduce-scatter left only this rank's part; accumulation
                 // needs the whole tensor again.
                 slot.grad = vec![0.0; slot.numel];
@@ -778,7 +793,7 @@ impl ParamAccess for ParamStore {
 
     fn add_grad(&mut self, key: ParamKey, grad: Tensor) -> Result<()> {
         let g = grad.into_f()?;
-        if self.zero == ZeroStage::Three {
+        if self.zero.shards_grads() {
             let acc = self
                 .pending
                 .entry(key)

@@ -466,7 +466,7 @@ impl<B: Backend> StageCompute for Fused<'_, '_, B> {
             let data = self.be.download(&g.buf, g.elem, g.len)?;
             store.add_grad(key, Tensor::f32(shape, data))?;
         }
-        // ZeRO-3: each layer's gradients are reduce-scattered once its
+        // ZeRO-2 and 3: each layer's gradients are reduce-scattered once its
         // backward is done, last layer first as the reference does.
         for l in span.layers.clone().rev() {
             store.release(Unit::Layer(l), true)?;
