@@ -180,6 +180,7 @@ fn expr_along(e: &Expr, along: &[bool]) -> bool {
             index.uses_inner()
         }
         Expr::Const(_) | Expr::Scalar(_) | Expr::Reduce { .. } => false,
+        Expr::Scan { .. } => true,
         Expr::Unary(_, x) | Expr::UnaryGrad(_, x) => a(x),
         Expr::Binary(_, x, y) => a(x) || a(y),
         Expr::Select {
@@ -284,6 +285,10 @@ fn remap_expr(e: &Expr, vals: &[ValueId], bufs: &[Option<usize>]) -> Expr {
         Expr::Reduce { kind, value } => Expr::Reduce {
             kind: *kind,
             value: v(value),
+        },
+        Expr::Scan { value, reverse } => Expr::Scan {
+            value: v(value),
+            reverse: *reverse,
         },
         Expr::Random { key, index } => Expr::Random {
             key: *key,
@@ -662,6 +667,15 @@ pub fn backward(fwd: &Kernel, needs_grad: &[bool]) -> Result<Backward, String> {
                 };
                 give(value, c, &mut contrib);
             }
+            // Each element of a running sum reaches every later one: its
+            // gradient is the running sum the other way.
+            Expr::Scan { value, reverse } => {
+                let c = body.push(Expr::Scan {
+                    value: a,
+                    reverse: !reverse,
+                });
+                give(value, c, &mut contrib);
+            }
         }
     }
     // Input gradients, from the adjoints of the loads.
@@ -834,6 +848,9 @@ pub fn backward(fwd: &Kernel, needs_grad: &[bool]) -> Result<Backward, String> {
         stores,
     };
     let (kernel, kept) = compact(kernel);
+    // A forward running sum that the gradient needs again beside the
+    // gradient's own reverse sum: no one walk along the row computes both.
+    kernel.scan_direction()?;
     let bindings = kept.into_iter().map(|k| bindings[k]).collect();
     Ok(Backward {
         kernel,
@@ -907,7 +924,7 @@ fn compact(k: Kernel) -> (Kernel, Vec<usize>) {
                     }
                 }
             }
-            Expr::Reduce { value, .. } => mark(value),
+            Expr::Reduce { value, .. } | Expr::Scan { value, .. } => mark(value),
         }
     }
     let kept: Vec<usize> = (0..k.buffers.len())

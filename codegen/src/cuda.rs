@@ -267,6 +267,32 @@ __device__ float dplc_block_max(float v, float* red) {
 #endif
 "#;
 
+// Running sums (`Expr::Scan`), for the kernels that have one.
+const SCAN: &str = r#"#ifndef DPLC_SCAN
+#define DPLC_SCAN
+// Inclusive running sum over the block's threads in order, plus `*carry`
+// (the earlier tiles' total), which then grows by this tile's total.
+__device__ float dplc_block_scan(float v, float* red, float* carry) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int o = 1; o < 32; o <<= 1) {
+        const float up = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += up;
+    }
+    __syncthreads();
+    if (lane == 31) red[warp] = v;
+    __syncthreads();
+    float before = 0.0f, total = 0.0f;
+    for (int w = 0; w < warps; ++w) {
+        if (w < warp) before += red[w];
+        total += red[w];
+    }
+    const float out = *carry + before + v;
+    *carry += total;
+    return out;
+}
+#endif
+"#;
+
 // Derivatives of the unary ops, for backward kernels (`Expr::UnaryGrad`).
 const GRADS: &str = r#"#ifndef DPLC_GRADS
 #define DPLC_GRADS
@@ -500,6 +526,19 @@ impl Emit<'_> {
             ),
             Expr::UnaryGrad(op, a) => call(&format!("dplc_d_{}", op.name()), vec![v(*a)]),
             Expr::Reduce { .. } => unreachable!("reductions are emitted as block reductions"),
+            // A thread past the row's end (the last tile's) adds nothing.
+            Expr::Scan { value, .. } => call(
+                "dplc_block_scan",
+                vec![
+                    C::Cond(
+                        Box::new(id("in_row")),
+                        Box::new(v(*value)),
+                        Box::new(C::Lit("0.0f".into())),
+                    ),
+                    id("red"),
+                    C::Ref(Box::new(id(format!("carry{i}")))),
+                ],
+            ),
         }
     }
 
@@ -569,6 +608,7 @@ impl Emit<'_> {
         for &i in values {
             body.push(decl("float", format!("v{i}"), self.value(i, &loaded)));
         }
+        let computed = body.len();
         if let Some((kind, v)) = fold {
             let next = match kind {
                 RowReduce::Sum => bin("+", id("acc"), id(format!("v{v}"))),
@@ -615,6 +655,15 @@ impl Emit<'_> {
                     conv(vname(st.value)),
                 )),
             }
+        }
+        // In a running sum's tile loop every thread computes (its scan needs
+        // the whole block), but only those on the row fold and store.
+        if values
+            .iter()
+            .any(|&i| matches!(self.k.values[i], Expr::Scan { .. }))
+        {
+            let tail = body.split_off(computed);
+            body.push(S::If(id("in_row"), tail));
         }
         match lanes {
             Some(l) => {
@@ -669,6 +718,53 @@ impl Emit<'_> {
     }
 }
 
+/// The row walked in tiles of one element a thread, every thread of the
+/// block in every tile (the scan is a block-wide exchange): tile `jb`'s
+/// thread `t` is at `j = jb + t` (from the row's end when `reverse`), its
+/// scans add the running `carry{i}` of the earlier tiles, and a thread past
+/// the end computes at `j = 0` but adds nothing and stores nothing.
+fn scan_tiles(scans: &[usize], reverse: bool, len: Size, section: Vec<S>) -> S {
+    let mut block: Vec<S> = scans
+        .iter()
+        .map(|i| var("float", format!("carry{i}"), Some(C::Lit("0.0f".into()))))
+        .collect();
+    let at = if reverse {
+        bin("-", bin("-", size(len), C::Lit("1LL".into())), id("jt"))
+    } else {
+        id("jt")
+    };
+    let mut body = vec![
+        decl(
+            "long long",
+            "jt",
+            bin(
+                "+",
+                id("jb"),
+                C::Cast("long long", Box::new(id("threadIdx.x"))),
+            ),
+        ),
+        decl("bool", "in_row", bin("<", id("jt"), size(len))),
+        decl(
+            "long long",
+            "j",
+            C::Cond(
+                Box::new(id("in_row")),
+                Box::new(at),
+                Box::new(C::Lit("0LL".into())),
+            ),
+        ),
+    ];
+    body.extend(section);
+    block.push(S::For {
+        var: "jb".into(),
+        from: C::Lit("0LL".into()),
+        to: size(len),
+        step: C::Cast("long long", Box::new(id("blockDim.x"))),
+        body,
+    });
+    S::Block(block)
+}
+
 fn lanes_var_name(l: &Lanes) -> String {
     match l.var {
         Idx::Inner => "j".into(),
@@ -692,7 +788,7 @@ fn operands(e: &Expr) -> Vec<usize> {
             }
             v
         }
-        Expr::Reduce { value, .. } => vec![value.0 as usize],
+        Expr::Reduce { value, .. } | Expr::Scan { value, .. } => vec![value.0 as usize],
         Expr::UnaryGrad(_, a) => vec![a.0 as usize],
         _ => vec![],
     }
@@ -758,6 +854,11 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
     if kernel.uses_random() {
         params.push("unsigned long long seed".into());
     }
+    // Fusion and backward write running sums of one direction only
+    // (`backward` refuses a kernel that would need both).
+    let scan = kernel
+        .scan_direction()
+        .expect("generated kernels scan in one direction");
     let mut body = Vec::new();
     let launch;
     match kernel.space.inner {
@@ -813,7 +914,11 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
         }
         Some(inner_size) => {
             launch = LaunchShape::Rows { block: ROW_BLOCK };
-            let lanes = e.lane_count(Some(inner_size));
+            // A running sum walks the row in tiles of one element a thread.
+            let lanes = match scan {
+                Some(_) => 1,
+                None => e.lane_count(Some(inner_size)),
+            };
             let l = Lanes {
                 var: Idx::Inner,
                 count: lanes,
@@ -831,7 +936,15 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
             body.push(decl("long long", "rows", rows));
             let mut row = decompose("row", outer, None);
             let mut done = vec![false; kernel.values.len()];
-            let j_loop = |section: Vec<S>| {
+            let j_loop = |deps: &[usize], section: Vec<S>| {
+                let scans: Vec<usize> = deps
+                    .iter()
+                    .copied()
+                    .filter(|&i| matches!(kernel.values[i], Expr::Scan { .. }))
+                    .collect();
+                if let (false, Some(reverse)) = (scans.is_empty(), scan) {
+                    return scan_tiles(&scans, reverse, inner_size, section);
+                }
                 let (to, step) = match (lanes, inner_size) {
                     (1, s) => (size(s), C::Cast("long long", Box::new(id("blockDim.x")))),
                     (n, Size::Const(c)) => (
@@ -868,12 +981,10 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
                     RowReduce::Max => float_lit(f64::NEG_INFINITY),
                 };
                 let mut block = vec![var("float", "acc", Some(init))];
-                block.push(j_loop(e.section(
+                block.push(j_loop(
                     &deps,
-                    &[],
-                    Some((*kind, value.0 as usize)),
-                    lanes_ref,
-                )));
+                    e.section(&deps, &[], Some((*kind, value.0 as usize)), lanes_ref),
+                ));
                 let f = match kind {
                     RowReduce::Sum => "dplc_block_sum",
                     RowReduce::Max => "dplc_block_max",
@@ -894,7 +1005,10 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
             if !elem_stores.is_empty() {
                 let roots: Vec<usize> = elem_stores.iter().map(|s| s.value.0 as usize).collect();
                 let deps = e.along_deps(&roots, &along);
-                row.push(j_loop(e.section(&deps, &elem_stores, None, lanes_ref)));
+                row.push(j_loop(
+                    &deps,
+                    e.section(&deps, &elem_stores, None, lanes_ref),
+                ));
             }
             if !row_stores.is_empty() {
                 let stores = e.section(&[], &row_stores, None, None);
@@ -924,6 +1038,9 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
     });
     if kernel.is_row_kernel() {
         w.out.push_str(REDUCE);
+    }
+    if scan.is_some() {
+        w.out.push_str(SCAN);
     }
     if kernel
         .values

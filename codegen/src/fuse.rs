@@ -116,11 +116,7 @@ fn role(op: &Op) -> Role {
         | Op::MoeCombine
         | Op::Repeat { .. }
         | Op::Relayout { .. }
-        | Op::VocabParallel(_)
-        // A scan: each element reads its whole prefix, which no point-wise
-        // kernel (nor a row kernel's one fold per row) expresses; it runs on
-        // the host as top-k does.
-        | Op::CumSum { .. } => Role::Library,
+        | Op::VocabParallel(_) => Role::Library,
         Op::Constant(_)
         | Op::Iota { .. }
         | Op::Transpose { .. }
@@ -141,7 +137,10 @@ fn role(op: &Op) -> Role {
         | Op::Softmax { .. }
         | Op::LogSoftmax { .. }
         | Op::LayerNorm { .. }
-        | Op::RmsNorm { .. } => Role::Row,
+        | Op::RmsNorm { .. }
+        // A running sum: each element reads its row's prefix, a scan along
+        // the row (`Expr::Scan`).
+        | Op::CumSum { .. } => Role::Row,
     }
 }
 
@@ -149,7 +148,10 @@ fn role(op: &Op) -> Role {
 fn row_axis(g: &Graph, node: NodeId) -> usize {
     let n = g.node(node);
     match n.op {
-        Op::Reduce { axis, .. } | Op::Softmax { axis } | Op::LogSoftmax { axis } => axis,
+        Op::Reduce { axis, .. }
+        | Op::Softmax { axis }
+        | Op::LogSoftmax { axis }
+        | Op::CumSum { axis, .. } => axis,
         _ => g.tensor(n.inputs[0]).shape.rank() - 1,
     }
 }
@@ -348,6 +350,15 @@ pub fn fuse_cut(g: &Graph, region: RegionId, cut: &[TensorId]) -> FusionPlan {
         let axis_last = row_axis(g, n) + 1 == g.tensor(node.inputs[0]).shape.rank();
         let mut cur = node.outputs[0];
         let mut along_row = !matches!(node.op, Op::Reduce { .. });
+        // A running sum's kernel ends with it: a consumer that needed its
+        // value again in the backward would need the sum in both directions
+        // in one kernel (the forward's and the gradient's).
+        if matches!(node.op, Op::CumSum { .. }) {
+            if !a.in_memory(cur) {
+                a.materialized.insert(cur);
+            }
+            continue;
+        }
         loop {
             if a.in_memory(cur) {
                 break;
@@ -1044,7 +1055,8 @@ impl Lower<'_, '_> {
             | Op::Softmax { .. }
             | Op::LogSoftmax { .. }
             | Op::LayerNorm { .. }
-            | Op::RmsNorm { .. } => self.row_op(n, index)?,
+            | Op::RmsNorm { .. }
+            | Op::CumSum { .. } => self.row_op(n, index)?,
             op => return Err(format!("`{}` inside a kernel", op.name())),
         })
     }
@@ -1085,6 +1097,14 @@ impl Lower<'_, '_> {
             i
         };
         let x = node.inputs[0];
+        if let Op::CumSum { reverse, .. } = node.op {
+            // The scan gives element `j` of the row: read at the point's own `j`.
+            if col != Some(Idx::Inner) {
+                return Err("a running sum read at another position of its row".into());
+            }
+            let xj = self.value(x, &at(Idx::Inner))?;
+            return Ok(self.b.scan(xj, reverse));
+        }
         let stats = match self.row_stats.get(&n) {
             Some(s) => s.clone(),
             None => {

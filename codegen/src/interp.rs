@@ -353,6 +353,8 @@ enum VOp {
     SelectIdx(u32, u32, u32, u32),
     SelectVal(u32, u32, u32, u32),
     Reduce(RowReduce, u32),
+    /// A running sum along the row (`true`: from its end).
+    Scan(bool, u32),
     /// A dropout draw: its key in [`Program::draws`], then the index.
     Random(u32, u32),
 }
@@ -574,6 +576,13 @@ impl<'k> Program<'k> {
                     }
                     let (a, w) = operand(*value)?;
                     (VOp::Reduce(*kind, a), w.min(Varies::PerGroup))
+                }
+                Expr::Scan { value, reverse } => {
+                    if !row {
+                        return Err(err("a running sum outside a row kernel".into()));
+                    }
+                    let (a, _) = operand(*value)?;
+                    (VOp::Scan(*reverse, a), Varies::PerLane)
                 }
                 Expr::Random { key, index } => {
                     let i = c.index(index);
@@ -828,6 +837,21 @@ impl<'k> Program<'k> {
                         RowReduce::Sum => xs.fold(0.0f32, |acc, x| acc + x),
                         RowReduce::Max => xs.fold(f32::NEG_INFINITY, f32::max),
                     });
+                }
+                VOp::Scan(reverse, a) => {
+                    // In f32, in order along the row, as the reference sums.
+                    let a = v(a);
+                    out.data.resize(n, 0.0);
+                    let mut acc = 0.0f32;
+                    let mut add = |j: usize| {
+                        acc += a.at(j);
+                        out.data[j] = acc;
+                    };
+                    if reverse {
+                        (0..n).rev().for_each(&mut add);
+                    } else {
+                        (0..n).for_each(&mut add);
+                    }
                 }
                 VOp::Random(d, i) => {
                     let d = self.draws[d as usize];

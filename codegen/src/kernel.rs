@@ -302,6 +302,14 @@ pub enum Expr {
     /// kernels need it for ops (GELU's `erf`) whose derivative has no closed
     /// form in the other expressions.
     UnaryGrad(UnaryOp, ValueId),
+    /// The running sum of `value` along the row (row kernels only): at `j`,
+    /// the sum over `k <= j` (over `k >= j` when `reverse`). A value along
+    /// the row, as every `j` reads its own prefix. A kernel holds scans of
+    /// one direction only (the GPU walks the row once, carrying the sum).
+    Scan {
+        value: ValueId,
+        reverse: bool,
+    },
 }
 
 /// The key of a dropout draw besides the element: the CPU reference hashes
@@ -364,6 +372,22 @@ impl Kernel {
         self.space.inner.is_some()
     }
 
+    /// The direction of the kernel's running sums (`Some(reverse)`), if it
+    /// has any; `Err` when it has both, which no walk along the row computes.
+    pub fn scan_direction(&self) -> Result<Option<bool>, String> {
+        let mut dirs = self.values.iter().filter_map(|e| match e {
+            Expr::Scan { reverse, .. } => Some(*reverse),
+            _ => None,
+        });
+        let first = dirs.next();
+        match first {
+            Some(d) if dirs.any(|o| o != d) => {
+                Err("running sums in both directions in one kernel".into())
+            }
+            _ => Ok(first),
+        }
+    }
+
     /// Whether the kernel draws random numbers (and so takes a `seed`).
     pub fn uses_random(&self) -> bool {
         self.values.iter().any(|e| matches!(e, Expr::Random { .. }))
@@ -392,6 +416,7 @@ impl Kernel {
                     c || elem[then.0 as usize] || elem[otherwise.0 as usize]
                 }
                 Expr::Reduce { .. } => false,
+                Expr::Scan { .. } => true,
             };
             elem.push(v);
         }
@@ -453,6 +478,11 @@ impl Kernel {
                     key.node, key.layer, key.first_sample, key.per_sample
                 ),
                 Expr::UnaryGrad(op, a) => write!(s, "d_{} {a}", op.name()),
+                Expr::Scan { value, reverse } => write!(
+                    s,
+                    "row_{} {value}",
+                    if *reverse { "cumsum_rev" } else { "cumsum" }
+                ),
             };
             s.push('\n');
         }
@@ -510,6 +540,10 @@ impl Builder {
 
     pub fn reduce(&mut self, kind: RowReduce, value: ValueId) -> ValueId {
         self.push(Expr::Reduce { kind, value })
+    }
+
+    pub fn scan(&mut self, value: ValueId, reverse: bool) -> ValueId {
+        self.push(Expr::Scan { value, reverse })
     }
 }
 

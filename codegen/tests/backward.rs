@@ -347,6 +347,15 @@ fn dropout_backward_kernels_match_derivatives() {
     );
 }
 
+/// Running sums' backward kernels (the reverse scan of the gradient) match
+/// their derivatives.
+#[test]
+fn scan_backward_kernels_match_derivatives() {
+    let g = common::lower_m(common::SCANS);
+    let (ok, total) = check_graph(&g, &[("batch", 2), ("seq", 5)]);
+    assert!(total >= 4 && ok == total, "{ok} of {total}");
+}
+
 /// Shifts and pads (a select on the position in the forward kernel) have
 /// fused backward kernels that match their derivatives. (T5's kernels are
 /// not checked here: its position buckets take `min` of random inputs in

@@ -106,6 +106,33 @@ fn shift_and_pad_kernels_match_reference() {
     assert!(n >= 1, "{n} kernels");
 }
 
+/// Running sums as scan kernels (forward and reverse, along the last and a
+/// middle axis), none left to the host.
+#[test]
+fn running_sums_are_scan_kernels_that_match_reference() {
+    let g = common::lower_m(common::SCANS);
+    let plan = fuse(&g, g.root());
+    let scans = plan
+        .steps
+        .iter()
+        .filter(|s| match s {
+            Step::Kernel(k) => k.kernel.scan_direction().ok().flatten().is_some(),
+            _ => false,
+        })
+        .count();
+    assert_eq!(scans, 4, "{}", plan_text(&g, &plan));
+    assert!(
+        !plan.steps.iter().any(|s| matches!(s, Step::Extern { .. })),
+        "{}",
+        plan_text(&g, &plan)
+    );
+    // Rows longer than one tile of the GPU's block, too.
+    for seq in [5, 300] {
+        let n = check_against_reference(&g, &syms(&[("batch", 2), ("seq", seq)]));
+        assert!(n >= 4, "{n} kernels");
+    }
+}
+
 /// The zoo's T5: relative position buckets, the shifted decoder ids, cross-attention.
 #[test]
 fn t5_tiny_kernels_match_reference() {

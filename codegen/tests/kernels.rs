@@ -73,6 +73,33 @@ fn cuda_of(model: &str, dtype: DType) -> String {
     out
 }
 
+/// A running sum's forward kernel (an elementwise chain into the scan) and
+/// its backward (the reverse scan): rows walked in tiles of the block, a
+/// carry between tiles.
+#[test]
+fn scan_cuda_f32() {
+    let g = common::lower_m(common::SCANS);
+    let plan = fuse(&g, g.root());
+    let mut out = String::new();
+    let mut emit = |k: &dplc_codegen::Kernel| {
+        if k.op.starts_with("mul_sub_cumsum") {
+            let src = emit_cuda(k, DType::F32);
+            out += &format!("==== {} ({:?})\n{}\n", src.name, src.launch, src.source);
+        }
+    };
+    for step in &plan.steps {
+        if let Step::Kernel(k) = step {
+            emit(&k.kernel);
+        }
+    }
+    for step in dplc_codegen::backward_plan(&g, &plan) {
+        if let dplc_codegen::BackwardStep::Kernel { backward, .. } = step {
+            emit(&backward.kernel);
+        }
+    }
+    insta::assert_snapshot!(out);
+}
+
 #[test]
 fn gpt_tiny_cuda_f32() {
     insta::assert_snapshot!(cuda_of("gpt_tiny", DType::F32));

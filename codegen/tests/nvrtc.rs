@@ -39,9 +39,15 @@ fn all_sources() -> BTreeMap<String, CudaSource> {
             add(emit_cuda(&add_kernel(out, a, b), dtype));
         }
     }
+    // Beside the zoo (which has no running sum), the scan kernels.
+    let scans = common::lower_m(common::SCANS);
+    let mut graphs: Vec<(String, dplc_ir::Graph, dplc_ir::Precision)> =
+        vec![("scans_tiny".into(), scans, dplc_ir::Precision::Fp32)];
     for (name, lowered) in common::all_zoo() {
-        let g = &lowered.graph;
-        let dtypes = match (name.ends_with("_tiny"), lowered.train.precision) {
+        graphs.push((name, lowered.graph, lowered.train.precision));
+    }
+    for (name, g, precision) in &graphs {
+        let dtypes = match (name.ends_with("_tiny"), *precision) {
             (true, _) => vec![DType::F32, DType::BF16, DType::F16],
             (false, dplc_ir::Precision::Fp32) => vec![DType::F32],
             (false, dplc_ir::Precision::Bf16) => vec![DType::BF16],

@@ -24,6 +24,13 @@ pub const SHIFTS: &str = "model m() {\n  input x: f32[batch, seq, 4]\n  param w:
     h = x @ w\n  y = shift(h, 1, 1) + shift(h, 1, -2, fill = 0.5) + pad(pad(h, 2, 2, -1), 2, -1, 0)\n  \
     return mean(mean(mean(y * y, -1), -1), -1)\n}\n";
 
+/// Running sums: along the last axis of an elementwise chain, from the end,
+/// along a middle axis (strided rows), and one read again by an op after it.
+pub const SCANS: &str = "model m() {\n  input x: f32[batch, seq, 4]\n  param w: [4, 4]\n  \
+    h = x @ w\n  a = cumsum(h * 2.0 - 1.0)\n  b = cumsum(h, axis = -1, reverse = true)\n  \
+    c = cumsum(h, axis = 1)\n  y = a * b + tanh(c) + exp(cumsum(h, axis = 1, reverse = true) * 0.1)\n  \
+    return mean(mean(mean(y * y, -1), -1), -1)\n}\n";
+
 /// Model `m` of `src`.
 pub fn lower_m(src: &str) -> Graph {
     let unit =
@@ -219,7 +226,6 @@ pub fn evaluate(
             Op::Input(_)
             | Op::Param(_)
             | Op::TopK { .. }
-            | Op::CumSum { .. }
             | Op::MoeDispatch { .. }
             | Op::MoeCombine
             | Op::Repeat { .. }
@@ -376,6 +382,25 @@ pub fn evaluate(
                     } else {
                         (v - m).exp() / s
                     }
+                })
+            }
+            Op::CumSum { axis, reverse } => {
+                let a = x(0);
+                let st = strides(&a.shape);
+                let len = a.shape[*axis];
+                elementwise(&|i| {
+                    let mut base = i.to_vec();
+                    base[*axis] = 0;
+                    let at0: usize = base.iter().zip(&st).map(|(a, b)| a * b).sum();
+                    let at = |c: usize| a.data[at0 + c * st[*axis]];
+                    let k = i[*axis];
+                    let mut acc = 0.0f32;
+                    if *reverse {
+                        (k..len).rev().for_each(|c| acc += at(c));
+                    } else {
+                        (0..=k).for_each(|c| acc += at(c));
+                    }
+                    acc
                 })
             }
             Op::LayerNorm { eps } | Op::RmsNorm { eps } => {

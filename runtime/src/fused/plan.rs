@@ -14,6 +14,8 @@ use dplc_ir::{GradPlan, Graph, NodeId, Op, Recompute, RegionId, SavedAt, TensorI
 use std::collections::{HashMap, HashSet};
 
 /// Whether `op` runs as a host step (the others a library call or kernel).
+/// A running sum is a scan kernel; it runs here only where fusion could not
+/// write one (read at another position of its row).
 pub(crate) fn is_host_step(op: &Op) -> bool {
     matches!(
         op,
