@@ -171,11 +171,6 @@ pub fn context_traffic(graph: &Graph) -> Option<ContextTraffic> {
 /// are whole. Sequence parallelism, which splits the same axis over tp, is
 /// not composed with it.
 pub fn context_layout(program: &Graph, layout: &ModelLayout) -> Result<ModelLayout> {
-    if layout.sequence_parallel {
-        return Err(invalid(
-            "sequence parallelism splits the sequence over tp too: run cp without sp".into(),
-        ));
-    }
     let by_node: HashMap<NodeId, NodeLayout> = layout
         .regions
         .iter()
@@ -203,11 +198,28 @@ pub fn context_layout(program: &Graph, layout: &ModelLayout) -> Result<ModelLayo
             let nl = match by_node.get(&n) {
                 Some(nl) => nl.clone(),
                 None => {
-                    let inputs: Vec<TensorLayout> = node
+                    let mut inputs: Vec<TensorLayout> = node
                         .inputs
                         .iter()
                         .map(|t| produced.get(t).copied().unwrap_or(TensorLayout::Replicated))
                         .collect();
+                    // A value split along the sequence over tp too
+                    // (sequence parallelism) is made whole over tp before
+                    // its cp chunks are gathered or cut: the chunks are of
+                    // the rank's positions, not of a tp share of them.
+                    if let Op::Relayout {
+                        from: TensorLayout::Context { axis },
+                        ..
+                    }
+                    | Op::Relayout {
+                        to: TensorLayout::Context { axis },
+                        ..
+                    } = node.op
+                    {
+                        if inputs[0] == (TensorLayout::Split { axis }) {
+                            inputs[0] = TensorLayout::Replicated;
+                        }
+                    }
                     let out = match node.op {
                         Op::Relayout { .. } => inputs[0],
                         Op::Select => inputs[2],

@@ -1355,9 +1355,6 @@ fn context_checks(graph: &Graph, spec: &TrainSpec, cfg: &RunConfig) -> Result<()
             cfg.cp
         )))
     };
-    if cfg.ep > 1 || cfg.sequence_parallel {
-        return refuse("is run here with data, pipeline and tensor parallelism, not with ep or sequence parallelism: drop ep/sp from the strategy");
-    }
     if let Some(why) = dplc_ir::validate::context_refusal(graph) {
         return refuse(&format!("{why}: run without cp"));
     }
