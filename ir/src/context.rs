@@ -253,6 +253,15 @@ pub fn context_chunks(len: usize, cp: usize, rank: usize) -> Option<[std::ops::R
     Some([rank * c..(rank + 1) * c, late * c..(late + 1) * c])
 }
 
+/// The global position of position `i` of the `len = seq / cp` that cp
+/// rank `rank` of `cp` holds ([`context_chunks`]): chunk `rank` then chunk
+/// `2·cp−1−rank`, each `len / 2` long. Codegen's dropout draws write the
+/// same arithmetic as a kernel index.
+pub fn context_position(len: usize, cp: usize, rank: usize, i: usize) -> usize {
+    let chunk = (len / 2).max(1);
+    i + rank * chunk + (i / chunk) * (cp - 1 - rank) * len
+}
+
 fn invalid(detail: String) -> IrError {
     IrError::Invalid {
         op: "context parallelism",
@@ -531,7 +540,8 @@ impl<'g> Split<'g> {
                     self.set_split(o, axis)?;
                 }
             }
-            // The reshapes and broadcasts name the shape they make.
+            // The reshapes and broadcasts name the shape they make; a
+            // dropout of this rank's positions draws at the global ones.
             match node.op {
                 Op::Reshape { .. } => {
                     let shape = self.local.tensor(node.outputs[0]).shape.clone();
@@ -540,6 +550,12 @@ impl<'g> Split<'g> {
                 Op::Expand { .. } => {
                     let shape = self.local.tensor(node.outputs[0]).shape.clone();
                     self.local.node_mut(n).op = Op::Expand { shape };
+                }
+                Op::Dropout { p, .. } => {
+                    self.local.node_mut(n).op = Op::Dropout {
+                        p,
+                        context: d.out[0],
+                    };
                 }
                 _ => {}
             }

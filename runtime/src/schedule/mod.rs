@@ -1094,6 +1094,7 @@ impl<'a, 'b> Rank<'a, 'b> {
             chunk,
             step: self.step,
             first_sample: self.first_sample(micro),
+            cp_rank: self.dp_index % self.sh.cfg.cp,
         }
     }
 
