@@ -27,6 +27,8 @@ const ZOO: &[(&str, &str)] = &[
     (TINY, "moe_tiny"),
     (include_str!("../models/mistral.dpl"), "mistral_tiny"),
     (include_str!("../models/gemma.dpl"), "gemma_tiny"),
+    (include_str!("../models/deepseek.dpl"), "deepseek_tiny"),
+    (include_str!("../models/t5.dpl"), "t5_tiny"),
 ];
 
 fn try_run(src: &str, model: &str, cfg: &RunConfig, opt: Opt) -> dplc_runtime::Result<TrainReport> {
@@ -36,7 +38,14 @@ fn try_run(src: &str, model: &str, cfg: &RunConfig, opt: Opt) -> dplc_runtime::R
     spec.seq = 16;
     spec.global_batch = cfg.global_batch() as u64;
     spec.optimizer = opt.optimizer();
-    let data = Corpus::synthetic(5, 256, 1 << 14);
+    // Token ids every input's table holds (T5's vocabulary is 64).
+    let g = &lowered.graph;
+    let vocab = g
+        .inputs()
+        .filter_map(|(_, i)| g.index_bound(i.tensor))
+        .min()
+        .unwrap_or(256);
+    let data = Corpus::synthetic(5, vocab as usize, 1 << 14);
     // The tensor-parallel layout a plan of the split carries (of the model).
     let cfg = common::with_layout(&lowered.graph, cfg);
     train(&lowered.graph, &spec, &cfg, &data, 5, 11, |_| {})
@@ -130,7 +139,7 @@ fn check(compute: Compute) {
             if cfg.tp > 1 && model == "gemma_tiny" {
                 continue;
             }
-            if cfg.ep > 1 && model != "moe_tiny" {
+            if cfg.ep > 1 && !matches!(model, "moe_tiny" | "deepseek_tiny") {
                 continue;
             }
             let name = format!("{model} {name} ({})", compute.name());

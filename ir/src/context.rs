@@ -11,14 +11,21 @@
 //! kernels run the same program:
 //!
 //! - an operand whose sequence axis meets another sequence axis (the keys of
-//!   the score matmul, the values of the P·V matmul, the key side of a
-//!   window mask) is all-gathered over the group into position order
-//!   ([`Op::Relayout`] `context(a) -> replicated`; its gradient, a summand
-//!   on each rank, is reduce-scattered back);
-//! - `positions(seq)` becomes the rank's global positions (a slice of the
-//!   whole `iota`), so rotary angles and window masks are the serial ones;
+//!   the score matmul, the values of the P·V matmul, a cross-attention's
+//!   keys and values from the split sequence) is all-gathered over the
+//!   group into position order ([`Op::Relayout`] `context(a) -> replicated`;
+//!   its gradient, a summand on each rank, is reduce-scattered back);
+//! - `positions(seq)` stays whole: what is built from positions alone
+//!   (rotary angles, a window mask, T5's relative position bias
+//!   `[heads, q, k]`) is computed whole on every rank, as the serial run
+//!   does, and sliced to the rank's positions where it meets a split value
+//!   — a bias along its query axis, its key axis whole as the gathered
+//!   keys are;
 //! - `causal_mask` becomes a mask of the rank's global query positions
 //!   against the global key positions;
+//! - a dropout of the rank's positions draws each element at its global
+//!   position (`Op::Dropout::context`, [`context_position`]), so the masks
+//!   are the serial run's;
 //! - a reduction or normalisation over the sequence axis, and a reshape that
 //!   merges it with another axis (MoE token routing), reads the whole axis
 //!   (all-gathered); a whole value meeting a split one is sliced to the
@@ -168,8 +175,9 @@ pub fn context_traffic(graph: &Graph) -> Option<ContextTraffic> {
 /// node the rewrite added reads its inputs as they are produced, a layout
 /// change along the sequence and a causal mask's `where` hand on their
 /// (split) value's layout, and the positions and masks built from `iota`
-/// are whole. Sequence parallelism, which splits the same axis over tp, is
-/// not composed with it.
+/// are whole. Under sequence parallelism, which splits the rank's
+/// positions over tp as well, a layout change along the sequence reads its
+/// value whole over tp first.
 pub fn context_layout(program: &Graph, layout: &ModelLayout) -> Result<ModelLayout> {
     let by_node: HashMap<NodeId, NodeLayout> = layout
         .regions
@@ -560,13 +568,6 @@ impl<'g> Split<'g> {
                 _ => {}
             }
             order.push(n);
-            // `positions(seq)`: the whole iota, then this rank's positions.
-            if let Op::Iota { len } = &node.op {
-                if self.is_seq(len) {
-                    let pos = self.slice(&mut order, region, n, node.outputs[0], 0)?;
-                    subst.insert(node.outputs[0], pos);
-                }
-            }
         }
         // A carried value leaves a layer as it came in: `carried_results`.
         self.local.region_mut(region).results = reg
@@ -698,10 +699,12 @@ impl<'g> Split<'g> {
                 if let Some(b) = splits[1] {
                     // The keys (along `n`, meeting the queries along `m`) or
                     // the values (along the contraction): every position.
-                    let at_out = if b + 2 == rb {
+                    // Keys are gathered even against whole queries (a
+                    // cross-attention from another sequence): the scores
+                    // split along the keys would be gathered for the
+                    // softmax anyway, and they outweigh the keys.
+                    let at_out = if b + 2 >= rb {
                         None
-                    } else if b + 1 == rb {
-                        out.is_none().then_some(r_out - 1)
                     } else {
                         Some(b + r_out - rb)
                     };
@@ -857,14 +860,14 @@ impl<'g> Split<'g> {
             if len.is_one() {
                 continue;
             }
-            if l.is_some() || len != out_len {
-                // Gathered, yet long along the split axis too: a value
-                // with two sequence axes read at this rank's positions.
+            if len != out_len {
                 return Err(invalid(format!(
-                    "{} reads {} whole along two sequence axes",
+                    "{} broadcasts {} of another length along the sequence",
                     out, inputs[i]
                 )));
             }
+            // A whole value, or one gathered here along its other sequence
+            // axis, read at this rank's positions along this one.
             d.slice.push((i, j));
         }
         d.out[0] = Some(target);

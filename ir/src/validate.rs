@@ -266,8 +266,7 @@ pub fn context_refusal(graph: &Graph) -> Option<String> {
             )
         })
     });
-    // Whatever else the rank's program cannot be written for (a value with
-    // two sequence axes read whole, such as T5's position bias), as the
+    // Whatever else the rank's program cannot be written for, as the
     // rewrite the runtime runs says it.
     along_seq.or_else(|| {
         crate::split_context(graph, 2)
