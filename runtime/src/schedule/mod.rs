@@ -221,10 +221,17 @@ fn train_on(
             cfg.ep, cfg.dp
         )));
     }
-    if cfg.sequence_parallel && !(spec.seq as usize).is_multiple_of(cfg.tp) {
+    // Under cp each rank splits its own `seq / cp` positions over tp.
+    if cfg.sequence_parallel && !(spec.seq as usize / cfg.cp).is_multiple_of(cfg.tp) {
         return Err(RuntimeError::Config(format!(
-            "sequence parallelism splits the sequence: tp {} must divide seq {}",
-            cfg.tp, spec.seq
+            "sequence parallelism splits the sequence: tp {} must divide seq {}{}",
+            cfg.tp,
+            spec.seq,
+            if cfg.cp > 1 {
+                format!(" / cp {}", cfg.cp)
+            } else {
+                String::new()
+            }
         )));
     }
     let layouts = if cfg.tp > 1 || cfg.ep > 1 {
