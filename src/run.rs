@@ -112,18 +112,12 @@ pub struct Prepared {
 }
 
 /// Lower the model and plan it for CPU ranks. Context parallelism runs
-/// when `--strategy` pins it (with dp, pp and tp, without sequence
-/// parallelism; the runtime refuses it with ep); left free, the CPU plan
-/// keeps cp 1, as the tokens of a CPU run are few.
+/// when `--strategy` pins it (with every other split); left free, the CPU
+/// plan keeps cp 1, as the tokens of a CPU run are few.
 pub fn prepare(args: &PlanArgs) -> Result<Prepared> {
     let (compiled, lowered) = compile::plan(args, 0, |pinned, _| {
         if pinned.cp.is_none() {
             pinned.cp = Some(1);
-        }
-        // The runtime does not compose cp with sequence parallelism (both
-        // split the sequence); a pinned `sp=on` is refused by the run.
-        if pinned.cp.is_some_and(|cp| cp > 1) && pinned.sequence_parallel.is_none() {
-            pinned.sequence_parallel = Some(false);
         }
         // Its ranks keep every state in their own memory.
         match pinned.offload {

@@ -68,6 +68,22 @@ fn golden_context_program_mistral_tiny_cp2() {
     insta::assert_snapshot!(dplc_ir::print_graph(&local));
 }
 
+/// T5's rank program under cp 2: the encoder's relative position bias
+/// `[heads, q, k]` is built whole from the whole positions on every rank
+/// and sliced to the rank's queries where it meets the scores (its keys
+/// whole, as the gathered keys are); each dropout draws at its global
+/// positions (`dropout[.., context=a]`); the decoder (its length `tgt`, not
+/// `seq`) runs whole, its cross-attention reading the encoder's keys and
+/// values all-gathered.
+#[test]
+fn golden_context_program_t5_tiny_cp2() {
+    let src = std::fs::read_to_string("models/t5.dpl").expect("the zoo file");
+    let unit = dplc_frontend::parse("t5.dpl", &src).expect("t5.dpl parses");
+    let g = unit.lower("t5_tiny").expect("the model lowers").graph;
+    let local = dplc_ir::split_context(&g, 2).expect("the model splits its sequence");
+    insta::assert_snapshot!(dplc_ir::print_graph(&local));
+}
+
 /// A layout for another model is refused, not half applied.
 #[test]
 fn a_layout_of_another_model_is_not_localized() {

@@ -93,33 +93,53 @@ fn every_tiny_model_verifies_under_tp_without_sequence_parallelism() {
     verify_all("tp=2,dp=2,sp=off");
 }
 
+/// The tiny variants with a sequence to split (all but vit_tiny).
+fn with_a_sequence() -> Vec<(&'static str, &'static str, &'static [&'static str])> {
+    TINY.iter()
+        .copied()
+        .filter(|(_, m, _)| *m != "vit_tiny")
+        .collect()
+}
+
 /// Context parallelism splits the sequence: every tiny model that has one
-/// and no dropout verifies under cp2 × dp2; the others are refused by the
-/// planner with the reason (vit_tiny has no `seq`; t5_tiny draws dropout
-/// masks and reads a position bias along two sequence axes).
+/// verifies under cp2 × dp2, T5 with its dropout and its relative position
+/// bias over queries and keys included; vit_tiny, which has none, is
+/// refused by the planner with the reason.
 #[test]
 fn every_tiny_model_with_a_sequence_verifies_under_cp_and_dp() {
-    let runnable: Vec<_> = TINY
+    verify(&with_a_sequence(), "cp=2,dp=2");
+    let out = dplc(&[
+        "compile",
+        "models/vit.dpl",
+        "--model",
+        "vit_tiny",
+        "--cluster",
+        "4xcpu",
+        "--strategy",
+        "cp=2,dp=2",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("`seq` dimension"),
+        "vit_tiny: {err}"
+    );
+}
+
+/// cp2 × tp2 with sequence parallelism on: every cp rank splits its own
+/// positions over tp as well.
+#[test]
+fn every_tiny_model_with_a_sequence_verifies_under_cp_and_tp() {
+    verify(&with_a_sequence(), "cp=2,tp=2,sp=on");
+}
+
+/// cp2 with expert parallelism over the data-parallel replicas: the MoE
+/// models route the gathered sequence to experts on other ranks.
+#[test]
+fn the_moe_models_verify_under_cp_and_ep() {
+    let moe: Vec<_> = TINY
         .iter()
         .copied()
-        .filter(|(_, m, _)| !matches!(*m, "vit_tiny" | "t5_tiny"))
+        .filter(|(_, m, _)| matches!(*m, "moe_tiny" | "deepseek_tiny"))
         .collect();
-    verify(&runnable, "cp=2,dp=2");
-    for (file, model, why) in [
-        ("models/vit.dpl", "vit_tiny", "`seq` dimension"),
-        ("models/t5.dpl", "t5_tiny", "dropout"),
-    ] {
-        let out = dplc(&[
-            "compile",
-            file,
-            "--model",
-            model,
-            "--cluster",
-            "4xcpu",
-            "--strategy",
-            "cp=2,dp=2",
-        ]);
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success() && err.contains(why), "{model}: {err}");
-    }
+    verify(&moe, "cp=2,dp=2,ep=2");
 }

@@ -53,6 +53,14 @@ pub enum KeySize {
     /// when that divides and is below `numel` or the micro-batch is one
     /// sample, else 0 (one key shared by every sample).
     PerSample(TensorId),
+    /// [`KeySize::PerSample`] of the whole tensor of which this tensor (a
+    /// dropout's output under context parallelism) holds the rank's
+    /// sequence chunks: that of `cp` times its elements.
+    ContextPerSample(TensorId),
+    /// The rank's place in its context-parallel group (0 without one).
+    ContextRank,
+    /// The size of the context-parallel group (1 without one).
+    ContextRanks,
 }
 
 /// One step of a region, in execution order.
@@ -696,6 +704,36 @@ impl Lower<'_, '_> {
         acc
     }
 
+    /// The flat index in the whole tensor of element `index` of a tensor of
+    /// `dims` holding this rank's sequence chunks along `axis`: the
+    /// position along it is the global one (`dplc_ir::context_position`,
+    /// `i + rank·len/2 + (i / (len/2))·(cp−1−rank)·len`) of a whole axis
+    /// `cp` times as long.
+    fn context_index(&mut self, index: &[Idx], dims: &[Dim], axis: usize) -> Idx {
+        let rank = Idx::Size(self.key_size(KeySize::ContextRank));
+        let cp = Idx::Size(self.key_size(KeySize::ContextRanks));
+        let mut acc = Idx::Const(0);
+        for (k, (i, d)) in index.iter().zip(dims).enumerate() {
+            let len = self.size_idx(d);
+            let (i, len) = if k == axis {
+                let chunk = Idx::div(len.clone(), Idx::Const(2));
+                let later = Idx::mul(
+                    Idx::sub(Idx::sub(cp.clone(), Idx::Const(1)), rank.clone()),
+                    len.clone(),
+                );
+                let at = Idx::add(
+                    Idx::add(i.clone(), Idx::mul(rank.clone(), chunk.clone())),
+                    Idx::mul(Idx::div(i.clone(), chunk), later),
+                );
+                (at, Idx::mul(len, cp.clone()))
+            } else {
+                (i.clone(), len)
+            };
+            acc = Idx::add(Idx::mul(acc, len), i);
+        }
+        acc
+    }
+
     fn delinearize(&mut self, flat: Idx, dims: &[Dim]) -> Vec<Idx> {
         let mut out = vec![Idx::Const(0); dims.len()];
         let mut stride = Idx::Const(1);
@@ -1016,17 +1054,24 @@ impl Lower<'_, '_> {
                     otherwise: x,
                 })
             }
-            Op::Dropout { p } => {
+            Op::Dropout { p, context } => {
                 let x = self.value(input(0), index)?;
                 if *p == 0.0 {
                     x
                 } else {
-                    let at = self.linearize(index, out.dims());
+                    let t = node.outputs[0];
+                    let (at, per_sample) = match *context {
+                        None => (self.linearize(index, out.dims()), KeySize::PerSample(t)),
+                        Some(axis) => (
+                            self.context_index(index, out.dims(), axis),
+                            KeySize::ContextPerSample(t),
+                        ),
+                    };
                     let key = DrawKey {
                         node: n.index() as u64,
                         layer: self.key_size(KeySize::Layer),
                         first_sample: self.key_size(KeySize::FirstSample),
-                        per_sample: self.key_size(KeySize::PerSample(node.outputs[0])),
+                        per_sample: self.key_size(per_sample),
                     };
                     let r = self.b.push(Expr::Random { key, index: at });
                     let pv = self.b.konst(drop_threshold(*p));

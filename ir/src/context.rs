@@ -11,14 +11,21 @@
 //! kernels run the same program:
 //!
 //! - an operand whose sequence axis meets another sequence axis (the keys of
-//!   the score matmul, the values of the P·V matmul, the key side of a
-//!   window mask) is all-gathered over the group into position order
-//!   ([`Op::Relayout`] `context(a) -> replicated`; its gradient, a summand
-//!   on each rank, is reduce-scattered back);
-//! - `positions(seq)` becomes the rank's global positions (a slice of the
-//!   whole `iota`), so rotary angles and window masks are the serial ones;
+//!   the score matmul, the values of the P·V matmul, a cross-attention's
+//!   keys and values from the split sequence) is all-gathered over the
+//!   group into position order ([`Op::Relayout`] `context(a) -> replicated`;
+//!   its gradient, a summand on each rank, is reduce-scattered back);
+//! - `positions(seq)` stays whole: what is built from positions alone
+//!   (rotary angles, a window mask, T5's relative position bias
+//!   `[heads, q, k]`) is computed whole on every rank, as the serial run
+//!   does, and sliced to the rank's positions where it meets a split value
+//!   — a bias along its query axis, its key axis whole as the gathered
+//!   keys are;
 //! - `causal_mask` becomes a mask of the rank's global query positions
 //!   against the global key positions;
+//! - a dropout of the rank's positions draws each element at its global
+//!   position (`Op::Dropout::context`, [`context_position`]), so the masks
+//!   are the serial run's;
 //! - a reduction or normalisation over the sequence axis, and a reshape that
 //!   merges it with another axis (MoE token routing), reads the whole axis
 //!   (all-gathered); a whole value meeting a split one is sliced to the
@@ -168,14 +175,10 @@ pub fn context_traffic(graph: &Graph) -> Option<ContextTraffic> {
 /// node the rewrite added reads its inputs as they are produced, a layout
 /// change along the sequence and a causal mask's `where` hand on their
 /// (split) value's layout, and the positions and masks built from `iota`
-/// are whole. Sequence parallelism, which splits the same axis over tp, is
-/// not composed with it.
+/// are whole. Under sequence parallelism, which splits the rank's
+/// positions over tp as well, a layout change along the sequence reads its
+/// value whole over tp first.
 pub fn context_layout(program: &Graph, layout: &ModelLayout) -> Result<ModelLayout> {
-    if layout.sequence_parallel {
-        return Err(invalid(
-            "sequence parallelism splits the sequence over tp too: run cp without sp".into(),
-        ));
-    }
     let by_node: HashMap<NodeId, NodeLayout> = layout
         .regions
         .iter()
@@ -203,11 +206,28 @@ pub fn context_layout(program: &Graph, layout: &ModelLayout) -> Result<ModelLayo
             let nl = match by_node.get(&n) {
                 Some(nl) => nl.clone(),
                 None => {
-                    let inputs: Vec<TensorLayout> = node
+                    let mut inputs: Vec<TensorLayout> = node
                         .inputs
                         .iter()
                         .map(|t| produced.get(t).copied().unwrap_or(TensorLayout::Replicated))
                         .collect();
+                    // A value split along the sequence over tp too
+                    // (sequence parallelism) is made whole over tp before
+                    // its cp chunks are gathered or cut: the chunks are of
+                    // the rank's positions, not of a tp share of them.
+                    if let Op::Relayout {
+                        from: TensorLayout::Context { axis },
+                        ..
+                    }
+                    | Op::Relayout {
+                        to: TensorLayout::Context { axis },
+                        ..
+                    } = node.op
+                    {
+                        if inputs[0] == (TensorLayout::Split { axis }) {
+                            inputs[0] = TensorLayout::Replicated;
+                        }
+                    }
                     let out = match node.op {
                         Op::Relayout { .. } => inputs[0],
                         Op::Select => inputs[2],
@@ -239,6 +259,15 @@ pub fn context_chunks(len: usize, cp: usize, rank: usize) -> Option<[std::ops::R
     let c = len / parts;
     let late = parts - 1 - rank;
     Some([rank * c..(rank + 1) * c, late * c..(late + 1) * c])
+}
+
+/// The global position of position `i` of the `len = seq / cp` that cp
+/// rank `rank` of `cp` holds ([`context_chunks`]): chunk `rank` then chunk
+/// `2·cp−1−rank`, each `len / 2` long. Codegen's dropout draws write the
+/// same arithmetic as a kernel index.
+pub fn context_position(len: usize, cp: usize, rank: usize, i: usize) -> usize {
+    let chunk = (len / 2).max(1);
+    i + rank * chunk + (i / chunk) * (cp - 1 - rank) * len
 }
 
 fn invalid(detail: String) -> IrError {
@@ -519,7 +548,8 @@ impl<'g> Split<'g> {
                     self.set_split(o, axis)?;
                 }
             }
-            // The reshapes and broadcasts name the shape they make.
+            // The reshapes and broadcasts name the shape they make; a
+            // dropout of this rank's positions draws at the global ones.
             match node.op {
                 Op::Reshape { .. } => {
                     let shape = self.local.tensor(node.outputs[0]).shape.clone();
@@ -529,16 +559,15 @@ impl<'g> Split<'g> {
                     let shape = self.local.tensor(node.outputs[0]).shape.clone();
                     self.local.node_mut(n).op = Op::Expand { shape };
                 }
+                Op::Dropout { p, .. } => {
+                    self.local.node_mut(n).op = Op::Dropout {
+                        p,
+                        context: d.out[0],
+                    };
+                }
                 _ => {}
             }
             order.push(n);
-            // `positions(seq)`: the whole iota, then this rank's positions.
-            if let Op::Iota { len } = &node.op {
-                if self.is_seq(len) {
-                    let pos = self.slice(&mut order, region, n, node.outputs[0], 0)?;
-                    subst.insert(node.outputs[0], pos);
-                }
-            }
         }
         // A carried value leaves a layer as it came in: `carried_results`.
         self.local.region_mut(region).results = reg
@@ -670,10 +699,12 @@ impl<'g> Split<'g> {
                 if let Some(b) = splits[1] {
                     // The keys (along `n`, meeting the queries along `m`) or
                     // the values (along the contraction): every position.
-                    let at_out = if b + 2 == rb {
+                    // Keys are gathered even against whole queries (a
+                    // cross-attention from another sequence): the scores
+                    // split along the keys would be gathered for the
+                    // softmax anyway, and they outweigh the keys.
+                    let at_out = if b + 2 >= rb {
                         None
-                    } else if b + 1 == rb {
-                        out.is_none().then_some(r_out - 1)
                     } else {
                         Some(b + r_out - rb)
                     };
@@ -829,14 +860,14 @@ impl<'g> Split<'g> {
             if len.is_one() {
                 continue;
             }
-            if l.is_some() || len != out_len {
-                // Gathered, yet long along the split axis too: a value
-                // with two sequence axes read at this rank's positions.
+            if len != out_len {
                 return Err(invalid(format!(
-                    "{} reads {} whole along two sequence axes",
+                    "{} broadcasts {} of another length along the sequence",
                     out, inputs[i]
                 )));
             }
+            // A whole value, or one gathered here along its other sequence
+            // axis, read at this rank's positions along this one.
             d.slice.push((i, j));
         }
         d.out[0] = Some(target);

@@ -942,7 +942,7 @@ impl Graph {
                 }
                 vec![(t(0).dtype, t(0).shape.clone())]
             }
-            Op::Dropout { p } => {
+            Op::Dropout { p, .. } => {
                 arity("1", inputs.len() == 1)?;
                 float(0)?;
                 if !(0.0..1.0).contains(p) {

@@ -24,7 +24,8 @@ pub use analysis::{
 pub use autodiff::{differentiable_inputs, saved_values, GradPlan, SavedAt, SavedKind, SavedValue};
 pub use config::{ClusterSpec, DeviceSpec, LinkSpec, LrSchedule, Optimizer, Precision, TrainSpec};
 pub use context::{
-    context_chunks, context_layout, context_traffic, split_context, ContextGather, ContextTraffic,
+    context_chunks, context_layout, context_position, context_traffic, split_context,
+    ContextGather, ContextTraffic,
 };
 pub use dtype::DType;
 pub use error::{IrError, PlanMismatch, Result};

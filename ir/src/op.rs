@@ -251,8 +251,17 @@ pub enum Op {
         eps: f64,
     },
     /// Zero elements with probability `p` and scale the rest by `1/(1-p)`.
+    /// Each element's draw is keyed by its position in the whole tensor.
     Dropout {
         p: f64,
+        /// In a rank's program under context parallelism
+        /// ([`crate::split_context`]): the axis along which the input holds
+        /// this rank's sequence positions ([`TensorLayout::Context`]), so
+        /// each element is drawn at its global position
+        /// ([`crate::context_position`]) and the masks are the serial run's.
+        /// `None` in a model.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        context: Option<usize>,
     },
     /// Set entries above the diagonal of the last two axes to −∞.
     CausalMask,

@@ -106,7 +106,11 @@ fn op_str(graph: &Graph, op: &Op) -> String {
             )
         }
         Op::LayerNorm { eps } | Op::RmsNorm { eps } => format!("{name}[eps={eps:e}]"),
-        Op::Dropout { p } => format!("{name}[p={p}]"),
+        Op::Dropout { p, context: None } => format!("{name}[p={p}]"),
+        Op::Dropout {
+            p,
+            context: Some(axis),
+        } => format!("{name}[p={p}, context={axis}]"),
         Op::TopK { k } => format!("{name}[k={k}]"),
         Op::MoeDispatch {
             experts,

@@ -242,23 +242,14 @@ pub fn context(cp: u64, seq: u64, refusal: Option<&str>) -> Result<(), String> {
 }
 
 /// Why context parallelism cannot run `graph`, if it cannot: the model has
-/// no `seq` axis; it draws dropout masks (drawn per element of a rank's
-/// share they would not be the serial run's); or an op moves or sums
-/// elements along `seq` (a `pad`, `shift` or `cumsum`: no rank can compute
-/// its share of the sequence alone). The planner and the runtime both ask.
+/// no `seq` axis; an op moves or sums elements along `seq` (a `pad`,
+/// `shift` or `cumsum`: no rank can compute its share of the sequence
+/// alone); or the rank's program cannot be written ([`crate::split_context`]
+/// says why). The planner and the runtime both ask.
 pub fn context_refusal(graph: &Graph) -> Option<String> {
     let Some(seq) = graph.sym_by_name("seq") else {
         return Some("splits the sequence, and the model has no `seq` dimension".into());
     };
-    if graph
-        .nodes()
-        .any(|(_, n)| matches!(n.op, Op::Dropout { p } if p > 0.0))
-    {
-        return Some(
-            "does not draw dropout masks at global positions yet (a model with dropout = 0 runs)"
-                .into(),
-        );
-    }
     let seq = Dim::sym(seq);
     let along_seq = graph.nodes().find_map(|(_, n)| {
         let axis = match n.op {
@@ -275,8 +266,7 @@ pub fn context_refusal(graph: &Graph) -> Option<String> {
             )
         })
     });
-    // Whatever else the rank's program cannot be written for (a value with
-    // two sequence axes read whole, such as T5's position bias), as the
+    // Whatever else the rank's program cannot be written for, as the
     // rewrite the runtime runs says it.
     along_seq.or_else(|| {
         crate::split_context(graph, 2)

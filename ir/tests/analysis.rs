@@ -93,7 +93,14 @@ fn gpt_layer(h: i64, heads: i64, layers: u64) -> Layer {
     let scores = op(&mut g, Op::Binary(BinaryOp::Mul), &[scores, scale]);
     let scores = op(&mut g, Op::CausalMask, &[scores]);
     let probs = op(&mut g, Op::Softmax { axis: 3 }, &[scores]);
-    let probs = op(&mut g, Op::Dropout { p: 0.1 }, &[probs]);
+    let probs = op(
+        &mut g,
+        Op::Dropout {
+            p: 0.1,
+            context: None,
+        },
+        &[probs],
+    );
     let ctx = op(&mut g, Op::MatMul, &[probs, v]);
     let ctx = op(
         &mut g,
@@ -105,13 +112,27 @@ fn gpt_layer(h: i64, heads: i64, layers: u64) -> Layer {
     let x_shape = g.tensor(x).shape.clone();
     let ctx = op(&mut g, Op::Reshape { shape: x_shape }, &[ctx]);
     let attn = op(&mut g, Op::MatMul, &[ctx, wo]);
-    let attn = op(&mut g, Op::Dropout { p: 0.1 }, &[attn]);
+    let attn = op(
+        &mut g,
+        Op::Dropout {
+            p: 0.1,
+            context: None,
+        },
+        &[attn],
+    );
     let x1 = op(&mut g, Op::Binary(BinaryOp::Add), &[x, attn]);
     let ln2 = op(&mut g, Op::LayerNorm { eps: 1e-5 }, &[x1, w2, b2]);
     let fc = op(&mut g, Op::MatMul, &[ln2, wfc]);
     let act = op(&mut g, Op::Unary(UnaryOp::GeluTanh), &[fc]);
     let pr = op(&mut g, Op::MatMul, &[act, wpr]);
-    let pr = op(&mut g, Op::Dropout { p: 0.1 }, &[pr]);
+    let pr = op(
+        &mut g,
+        Op::Dropout {
+            p: 0.1,
+            context: None,
+        },
+        &[pr],
+    );
     let x2 = op(&mut g, Op::Binary(BinaryOp::Add), &[x1, pr]);
     g.set_region_results(body, vec![x2]).unwrap();
     let out = g

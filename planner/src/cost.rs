@@ -298,8 +298,6 @@ pub(crate) struct PassCost {
     pub ep_comm: f64,
     /// Tensor-parallel communication hidden behind GEMMs, seconds.
     pub hidden_comm: f64,
-    /// The context-parallel ring hidden behind the attention blocks, seconds.
-    pub cp_hidden_comm: f64,
     /// Bytes kept for backward per micro-batch.
     pub saved_bytes: f64,
     /// Bytes of the whole activation set of one micro-batch (the transient
@@ -324,7 +322,6 @@ impl PassCost {
         self.cp_comm += n * o.cp_comm;
         self.ep_comm += n * o.ep_comm;
         self.hidden_comm += n * o.hidden_comm;
-        self.cp_hidden_comm += n * o.cp_hidden_comm;
     }
 }
 
@@ -657,7 +654,6 @@ impl<'a> CostModel<'a> {
             // The backward's block matmuls: Q·Kᵀ again, dV, dP, dQ and dK —
             // five to the forward's two.
             pc.backward += 2.5 * t;
-            core_forward = t;
             selective = 0.0;
         }
         let layer = matches!(part, Part::Layer(_));
@@ -711,8 +707,11 @@ impl<'a> CostModel<'a> {
         }
         // Context parallelism: what the rank's program all-gathers along the
         // sequence in forward (K and V, above all), the gradients of those
-        // with one reduce-scattered in backward; priced as overlapping the
-        // attention blocks, as a ring implementation runs them.
+        // with one reduce-scattered in backward, all exposed: the runtime
+        // gathers K and V before the score matmul and waits, and the
+        // attention that follows needs every key (a ring that overlaps
+        // blocks of keys with the attention over the previous ones is not
+        // what it runs).
         if c.cp > 1 {
             let cp_link = self.link(c, MeshAxis::Cp);
             let gathered = bind.eval(&r.cp_gather_bytes) / tp * c.cp as f64;
@@ -723,12 +722,10 @@ impl<'a> CostModel<'a> {
             } else {
                 1.0
             };
-            let t = again * collective_time(CollectiveKind::AllGather, gathered, &cp_link);
-            let back = collective_time(CollectiveKind::ReduceScatter, scattered, &cp_link);
-            let exposed = (t - core_forward).max(0.0) + (back - 2.0 * core_forward).max(0.0);
-            pc.comm += exposed;
-            pc.cp_comm += exposed;
-            pc.cp_hidden_comm += t + back - exposed;
+            let t = again * collective_time(CollectiveKind::AllGather, gathered, &cp_link)
+                + collective_time(CollectiveKind::ReduceScatter, scattered, &cp_link);
+            pc.comm += t;
+            pc.cp_comm += t;
         }
         if c.ep > 1 {
             let ep_link = self.link(c, MeshAxis::Ep);
@@ -1273,12 +1270,7 @@ impl<'a> CostModel<'a> {
         let tp_comm = slowest.comm - slowest.cp_comm - slowest.ep_comm;
         let comm_by_axis = [
             (MeshAxis::Tp, c.tp, m * tp_comm, m * slowest.hidden_comm),
-            (
-                MeshAxis::Cp,
-                c.cp,
-                m * slowest.cp_comm,
-                m * slowest.cp_hidden_comm,
-            ),
+            (MeshAxis::Cp, c.cp, m * slowest.cp_comm, 0.0),
             (MeshAxis::Ep, c.ep, m * slowest.ep_comm, 0.0),
             (MeshAxis::Pp, c.pp, p2p, 0.0),
             (

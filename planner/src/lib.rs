@@ -558,7 +558,7 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
         // where its layouts can say them; expert parallelism uses the
         // Megatron derivation.
         let model = runtime
-            .filter(|_| c.ep == 1 && c.cp == 1)
+            .filter(|_| c.ep == 1)
             .and_then(|l| layouts::model_layout(req.graph, l, c.tp, c.sp))
             .or_else(|| derive_layout(req.graph, c.tp, c.ep, c.sp).ok());
         // The root runs as priced: split over the vocabulary as the root's

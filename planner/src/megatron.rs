@@ -264,7 +264,7 @@ impl Derive<'_> {
                     // The mask compares positions along the last two axes.
                     (Op::CausalMask, Split { axis }) if axis + 2 >= r => c = Replicated,
                     // Dropout masks are keyed by the whole tensor's positions.
-                    (Op::Dropout { p }, l) if *p > 0.0 && l != Replicated => c = Replicated,
+                    (Op::Dropout { p, .. }, l) if *p > 0.0 && l != Replicated => c = Replicated,
                     _ => {}
                 }
                 one(vec![c], c)

@@ -207,10 +207,7 @@ pub(crate) fn search(
                     Some(e) => divisors(dp)
                         .into_iter()
                         .filter(|&x| {
-                            e % x == 0
-                                && allowed(pins.ep, x)
-                                && layouts.get((tp, x)).is_some()
-                                && (x == 1 || cp == 1 || pins.ep == Some(x))
+                            e % x == 0 && allowed(pins.ep, x) && layouts.get((tp, x)).is_some()
                         })
                         .collect(),
                     None => vec![1],
@@ -384,11 +381,8 @@ fn explore(
     keep: usize,
     ignore_memory: bool,
 ) {
-    // Sequence parallelism needs a tensor group. Beside cp, which dplc's
-    // runtime runs without sp or ep (`ir::context_layout`), the search
-    // offers neither unasked; pinned, they are priced (Megatron runs them)
-    // and `dplc run` refuses them by name.
-    let sps: &[bool] = if base.tp > 1 && (base.cp == 1 || pins.sequence_parallel == Some(true)) {
+    // Sequence parallelism needs a tensor group.
+    let sps: &[bool] = if base.tp > 1 {
         &[false, true]
     } else {
         &[false]

@@ -33,6 +33,8 @@ const KEY: DropoutKey = DropoutKey {
     layer: 0,
     first_sample: 0,
     batch: 2,
+    cp_rank: 0,
+    cp: 1,
 };
 
 /// Σ r·y over finite outputs, in f64 (masked −∞ entries are constants).
@@ -255,7 +257,10 @@ fn reductions_softmax_and_norms() {
 fn masking_and_dropout() {
     check(
         "dropout",
-        Op::Dropout { p: 0.3 },
+        Op::Dropout {
+            p: 0.3,
+            context: None,
+        },
         vec![rand(&[2, 3, 4], 14, false)],
         vec![vec![2, 3, 4]],
     );

@@ -10,7 +10,8 @@ use crate::tensor::{
 use dplc_ir::{BinaryOp, DType, Op, ReduceKind, UnaryOp};
 
 /// Where a dropout mask comes from: the element's key is this plus its sample
-/// and position, so the mask is the same however the batch is split.
+/// and position, so the mask is the same however the batch or the sequence
+/// is split.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DropoutKey {
     pub seed: u64,
@@ -22,21 +23,49 @@ pub struct DropoutKey {
     pub first_sample: u64,
     /// Samples in this micro-batch.
     pub batch: usize,
+    /// This rank's place in its context-parallel group and the group's
+    /// size (0 of 1 without context parallelism): where the positions a
+    /// dropout of the rank's chunks holds lie in the whole sequence.
+    pub cp_rank: usize,
+    pub cp: usize,
 }
 
 impl DropoutKey {
-    /// Keep (true) or drop each of `n` elements. Elements are laid out sample
-    /// after sample when `n` divides by the batch (the batch axis is outermost);
-    /// otherwise the tensor does not depend on the sample and all share one key.
-    pub fn mask(&self, p: f64, n: usize) -> Vec<bool> {
-        let per_sample = if self.batch > 0 && n.is_multiple_of(self.batch) {
-            n / self.batch
+    /// Keep (true) or drop each element of a tensor of `shape`, keyed by
+    /// its flat index in the whole tensor: under context parallelism
+    /// (`context`, the axis of the rank's sequence positions, see
+    /// `Op::Dropout`) the serial run's index of the same element. Elements
+    /// are laid out sample after sample when the whole tensor's size divides
+    /// by the batch (the batch axis is outermost); otherwise the tensor does
+    /// not depend on the sample and all share one key.
+    pub fn mask(&self, p: f64, shape: &[usize], context: Option<usize>) -> Vec<bool> {
+        let n: usize = shape.iter().product();
+        // The local tensor is `[hi, len, inner]` around the split axis; the
+        // whole one `[hi, cp·len, inner]`.
+        let split = context.filter(|_| self.cp > 1).and_then(|axis| {
+            Some((
+                *shape.get(axis)?,
+                shape[axis + 1..].iter().product::<usize>(),
+            ))
+        });
+        let whole_index = |i: usize| match split {
+            Some((len, inner)) if len > 0 && inner > 0 => {
+                let (hi, lp, lo) = (i / (len * inner), (i / inner) % len, i % inner);
+                let at = dplc_ir::context_position(len, self.cp, self.cp_rank, lp);
+                (hi * len * self.cp + at) * inner + lo
+            }
+            _ => i,
+        };
+        let whole = if split.is_some() { n * self.cp } else { n };
+        let per_sample = if self.batch > 0 && whole.is_multiple_of(self.batch) {
+            whole / self.batch
         } else {
-            n
+            whole
         };
         (0..n)
             .map(|i| {
-                let (sample, pos) = if per_sample == n && self.batch != 1 {
+                let i = whole_index(i);
+                let (sample, pos) = if per_sample == whole && self.batch != 1 {
                     (u64::MAX, i as u64)
                 } else {
                     (
@@ -673,12 +702,12 @@ pub fn forward(op: &Op, ins: &[&Tensor], ctx: &OpCtx) -> Result<Vec<Tensor>> {
         Op::LogSoftmax { axis } => one(softmax(ins[0], *axis, true)?),
         Op::LayerNorm { eps } => one(norm(ins[0], ins[1], Some(ins[2]), *eps)?),
         Op::RmsNorm { eps } => one(norm(ins[0], ins[1], None, *eps)?),
-        Op::Dropout { p } => {
+        Op::Dropout { p, context } => {
             let xs = ins[0].f()?;
             if *p == 0.0 {
                 return one(ins[0].clone());
             }
-            let keep = ctx.dropout.mask(*p, xs.len());
+            let keep = ctx.dropout.mask(*p, &ins[0].shape, *context);
             let scale = (1.0 / (1.0 - p)) as f32;
             one(Tensor::f32(
                 ins[0].shape.clone(),

@@ -109,7 +109,15 @@ pub fn gpt_with_dropout(name: &str, cfg: Gpt, p: f64) -> Graph {
         .add_node1(root, top, Op::Binary(BinaryOp::Add), &[tok, pos])
         .unwrap();
     let x0 = g
-        .add_node1(root, top, Op::Dropout { p: dropout }, &[x])
+        .add_node1(
+            root,
+            top,
+            Op::Dropout {
+                p: dropout,
+                context: None,
+            },
+            &[x],
+        )
         .unwrap();
 
     let body = g.add_region(root);
@@ -180,7 +188,14 @@ pub fn gpt_with_dropout(name: &str, cfg: Gpt, p: f64) -> Graph {
     let scores = op(&mut g, Op::Binary(BinaryOp::Mul), &[scores, scale]);
     let scores = op(&mut g, Op::CausalMask, &[scores]);
     let probs = op(&mut g, Op::Softmax { axis: 3 }, &[scores]);
-    let probs = op(&mut g, Op::Dropout { p: dropout }, &[probs]);
+    let probs = op(
+        &mut g,
+        Op::Dropout {
+            p: dropout,
+            context: None,
+        },
+        &[probs],
+    );
     let ctxv = op(&mut g, Op::MatMul, &[probs, v]);
     let ctxv = op(
         &mut g,
@@ -198,7 +213,14 @@ pub fn gpt_with_dropout(name: &str, cfg: Gpt, p: f64) -> Graph {
     );
     let attn = op(&mut g, Op::MatMul, &[ctxv, wo]);
     let attn = op(&mut g, Op::Binary(add), &[attn, bo]);
-    let attn = op(&mut g, Op::Dropout { p: dropout }, &[attn]);
+    let attn = op(
+        &mut g,
+        Op::Dropout {
+            p: dropout,
+            context: None,
+        },
+        &[attn],
+    );
     let x1 = op(&mut g, Op::Binary(add), &[x, attn]);
     let ln2 = op(&mut g, Op::LayerNorm { eps: 1e-5 }, &[x1, w2, b2]);
     let fc = op(&mut g, Op::MatMul, &[ln2, wfc]);
@@ -206,7 +228,14 @@ pub fn gpt_with_dropout(name: &str, cfg: Gpt, p: f64) -> Graph {
     let act = op(&mut g, Op::Unary(UnaryOp::GeluTanh), &[fc]);
     let pr = op(&mut g, Op::MatMul, &[act, wpr]);
     let pr = op(&mut g, Op::Binary(add), &[pr, bpr]);
-    let pr = op(&mut g, Op::Dropout { p: dropout }, &[pr]);
+    let pr = op(
+        &mut g,
+        Op::Dropout {
+            p: dropout,
+            context: None,
+        },
+        &[pr],
+    );
     let x2 = op(&mut g, Op::Binary(add), &[x1, pr]);
     g.set_region_results(body, vec![x2]).unwrap();
     let out = g

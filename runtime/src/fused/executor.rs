@@ -154,6 +154,10 @@ pub struct Executor<'a> {
     /// rest of the key, with which the kernels draw the CPU reference's masks.
     pub first_sample: u64,
     pub micro_batch: usize,
+    /// This rank's place in its context-parallel group and the group's
+    /// size: the positions a dropout of the rank's chunks draws at.
+    pub cp_rank: usize,
+    pub cp: usize,
     /// Who runs the host steps; `None` where the graph has none.
     pub host: Option<RefCell<&'a mut dyn HostSteps>>,
 }
@@ -253,6 +257,11 @@ impl<'a> Executor<'a> {
                 KeySize::Layer => layer as i64,
                 KeySize::FirstSample => self.first_sample as i64,
                 KeySize::PerSample(t) => per_sample(self.numel(t), self.micro_batch) as i64,
+                KeySize::ContextPerSample(t) => {
+                    per_sample(self.numel(t) * self.cp, self.micro_batch) as i64
+                }
+                KeySize::ContextRank => self.cp_rank as i64,
+                KeySize::ContextRanks => self.cp as i64,
             };
         }
         Args {
@@ -1357,8 +1366,10 @@ mod tests {
                     layer,
                     first_sample: first,
                     batch,
+                    cp_rank: 0,
+                    cp: 1,
                 };
-                let keep = key.mask(p, numel);
+                let keep = key.mask(p, &[numel], None);
                 let state = draw_state(draw_seed(seed, step), node, layer as i64);
                 let per = per_sample(numel, batch) as i64;
                 let threshold = drop_threshold(p) as f32;

@@ -38,14 +38,16 @@ impl Compute {
     }
 }
 
-/// Where one unit of work sits: its micro-batch and chunk, the step, and the
-/// global index of its first sample (the dropout key's words).
+/// Where one unit of work sits: its micro-batch and chunk, the step, the
+/// global index of its first sample and the rank's place in its
+/// context-parallel group (the dropout key's words).
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Pass {
     pub micro: usize,
     pub chunk: usize,
     pub step: u64,
     pub first_sample: u64,
+    pub cp_rank: usize,
 }
 
 /// What a chunk's forward hands on.
@@ -141,6 +143,8 @@ impl<'a, 'b> Reference<'a, 'b> {
                 layer: 0,
                 first_sample: pass.first_sample,
                 batch: sh.cfg.micro_batch,
+                cp_rank: pass.cp_rank,
+                cp: sh.cfg.cp,
             },
             recompute: sh.cfg.recompute,
             layouts: sh.layouts.as_ref(),

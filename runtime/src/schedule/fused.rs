@@ -68,6 +68,8 @@ fn executor<'x>(
         seed: crate::rng::hash(&[sh.seed, pass.step]),
         first_sample: pass.first_sample,
         micro_batch: sh.cfg.micro_batch,
+        cp_rank: pass.cp_rank,
+        cp: sh.cfg.cp,
         host: Some(RefCell::new(host)),
     }
 }
@@ -137,6 +139,8 @@ const NO_DRAWS: DropoutKey = DropoutKey {
     layer: 0,
     first_sample: 0,
     batch: 0,
+    cp_rank: 0,
+    cp: 1,
 };
 
 impl FusedProgram {

@@ -221,10 +221,17 @@ fn train_on(
             cfg.ep, cfg.dp
         )));
     }
-    if cfg.sequence_parallel && !(spec.seq as usize).is_multiple_of(cfg.tp) {
+    // Under cp each rank splits its own `seq / cp` positions over tp.
+    if cfg.sequence_parallel && !(spec.seq as usize / cfg.cp).is_multiple_of(cfg.tp) {
         return Err(RuntimeError::Config(format!(
-            "sequence parallelism splits the sequence: tp {} must divide seq {}",
-            cfg.tp, spec.seq
+            "sequence parallelism splits the sequence: tp {} must divide seq {}{}",
+            cfg.tp,
+            spec.seq,
+            if cfg.cp > 1 {
+                format!(" / cp {}", cfg.cp)
+            } else {
+                String::new()
+            }
         )));
     }
     let layouts = if cfg.tp > 1 || cfg.ep > 1 {
@@ -1094,6 +1101,7 @@ impl<'a, 'b> Rank<'a, 'b> {
             chunk,
             step: self.step,
             first_sample: self.first_sample(micro),
+            cp_rank: self.dp_index % self.sh.cfg.cp,
         }
     }
 
@@ -1355,9 +1363,6 @@ fn context_checks(graph: &Graph, spec: &TrainSpec, cfg: &RunConfig) -> Result<()
             cfg.cp
         )))
     };
-    if cfg.ep > 1 || cfg.sequence_parallel {
-        return refuse("is run here with data, pipeline and tensor parallelism, not with ep or sequence parallelism: drop ep/sp from the strategy");
-    }
     if let Some(why) = dplc_ir::validate::context_refusal(graph) {
         return refuse(&format!("{why}: run without cp"));
     }

@@ -73,7 +73,15 @@ impl Gpt {
         let pos = op(&mut g, root, Op::Iota { len: s.clone() }, &[]);
         let pe = op(&mut g, root, Op::Embedding, &[wpe, pos]);
         let h0 = op(&mut g, root, Op::Binary(BinaryOp::Add), &[te, pe]);
-        let h0 = op(&mut g, root, Op::Dropout { p: dropout }, &[h0]);
+        let h0 = op(
+            &mut g,
+            root,
+            Op::Dropout {
+                p: dropout,
+                context: None,
+            },
+            &[h0],
+        );
 
         let body = g.add_region(root);
         let scope = g.add_scope(top, "layers", ScopeKind::Repeat { count: layers });
@@ -147,7 +155,14 @@ impl Gpt {
         let sc = bo(&mut g, Op::Binary(BinaryOp::Mul), &[sc, scale]);
         let sc = bo(&mut g, Op::CausalMask, &[sc]);
         let p = bo(&mut g, Op::Softmax { axis: 3 }, &[sc]);
-        let p = bo(&mut g, Op::Dropout { p: dropout }, &[p]);
+        let p = bo(
+            &mut g,
+            Op::Dropout {
+                p: dropout,
+                context: None,
+            },
+            &[p],
+        );
         let c = bo(&mut g, Op::MatMul, &[p, v]);
         let c = bo(
             &mut g,
@@ -163,7 +178,14 @@ impl Gpt {
         let fc = bo(&mut g, Op::MatMul, &[ln2, wfc]);
         let act = bo(&mut g, Op::Unary(UnaryOp::GeluTanh), &[fc]);
         let pr = bo(&mut g, Op::MatMul, &[act, wpr]);
-        let pr = bo(&mut g, Op::Dropout { p: dropout }, &[pr]);
+        let pr = bo(
+            &mut g,
+            Op::Dropout {
+                p: dropout,
+                context: None,
+            },
+            &[pr],
+        );
         let x2 = bo(&mut g, Op::Binary(BinaryOp::Add), &[x1, pr]);
         g.set_region_results(body, vec![x2]).unwrap();
         let h = g
