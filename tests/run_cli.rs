@@ -803,17 +803,46 @@ fn a_shared_block_trains_under_every_split() {
 
 /// The zoo's encoder-decoder (T5's shape: two stacks, a relative position
 /// bias made once per stack, cross-attention to the encoder's output,
-/// decoder inputs shifted right, one embedding read in three places)
-/// verifies under tensor × data, data × pipeline (cut between the two
-/// stacks) and tensor × pipeline with sequence parallelism on both computes.
+/// decoder inputs shifted right, one embedding read in three places,
+/// dropout 0.1) verifies under tensor × data with and without sequence
+/// parallelism (the e-graph's layout for both stacks, dropout on split
+/// values), data × pipeline (cut between the two stacks) and tensor ×
+/// pipeline with sequence parallelism on both computes.
 #[test]
 fn the_t5_zoo_model_verifies_under_its_splits() {
     verify_splits(
         "models/t5.dpl",
         Some("t5_tiny"),
-        &["tp=2,dp=2", "dp=2,pp=2", "tp=2,pp=2,sp=true"],
+        &[
+            "tp=2,dp=2",
+            "tp=2,dp=2,sp=false",
+            "dp=2,pp=2",
+            "tp=2,pp=2,sp=true",
+        ],
         &["--seq", "16", "--global-batch", "8"],
     );
+}
+
+/// Dropout on values split over the tensor-parallel group (attention
+/// probabilities by heads, the MLP's hidden units, the sequence under sp)
+/// draws each element at its place in the whole tensor, so gpt_tiny with
+/// dropout verifies under the planner's own tensor-parallel layouts on
+/// both computes (it drew by the rank's local index and failed by 0.16).
+#[test]
+fn dropout_on_split_values_draws_the_serial_masks() {
+    let text = std::fs::read_to_string("models/tiny.dpl").expect("the zoo file");
+    let (dir, src) = scratch_model(
+        "dropout-tp",
+        "tiny.dpl",
+        &format!("{text}\nmodel gpt_dropout = gpt_tiny(dropout = 0.1)\n"),
+    );
+    verify_splits(
+        src.to_str().unwrap(),
+        Some("gpt_dropout"),
+        &["tp=2,dp=2,sp=true", "tp=4,sp=false"],
+        &["--seq", "16", "--global-batch", "8"],
+    );
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// Compile `model` of `src` on 4 CPU ranks under each of `strategies` (with

@@ -54,13 +54,23 @@ pub enum KeySize {
     /// sample, else 0 (one key shared by every sample).
     PerSample(TensorId),
     /// [`KeySize::PerSample`] of the whole tensor of which this tensor (a
-    /// dropout's output under context parallelism) holds the rank's
-    /// sequence chunks: that of `cp` times its elements.
-    ContextPerSample(TensorId),
+    /// dropout's output in a rank's program) is the rank's part: its
+    /// elements times `tp` when it is split over the tensor-parallel group
+    /// (`split`), times `cp` when it holds the rank's sequence chunks
+    /// (`context`).
+    WholePerSample {
+        tensor: TensorId,
+        split: bool,
+        context: bool,
+    },
     /// The rank's place in its context-parallel group (0 without one).
     ContextRank,
     /// The size of the context-parallel group (1 without one).
     ContextRanks,
+    /// The rank's place in its tensor-parallel group (0 without one).
+    SplitPart,
+    /// The size of the tensor-parallel group (1 without one).
+    SplitParts,
 }
 
 /// One step of a region, in execution order.
@@ -705,30 +715,42 @@ impl Lower<'_, '_> {
     }
 
     /// The flat index in the whole tensor of element `index` of a tensor of
-    /// `dims` holding this rank's sequence chunks along `axis`: the
-    /// position along it is the global one (`dplc_ir::context_position`,
-    /// `i + rank·len/2 + (i / (len/2))·(cp−1−rank)·len`) of a whole axis
-    /// `cp` times as long.
-    fn context_index(&mut self, index: &[Idx], dims: &[Dim], axis: usize) -> Idx {
-        let rank = Idx::Size(self.key_size(KeySize::ContextRank));
-        let cp = Idx::Size(self.key_size(KeySize::ContextRanks));
+    /// `dims` that is this rank's part, as `dplc_ir::Placement` computes it:
+    /// along `split`, the rank's `1/tp` piece (`i + part·len` of an axis
+    /// `tp` times as long); then along `context`, its sequence chunks (the
+    /// global position `i + rank·len/2 + (i / (len/2))·(cp−1−rank)·len` of
+    /// an axis `cp` times as long).
+    fn whole_index(
+        &mut self,
+        index: &[Idx],
+        dims: &[Dim],
+        split: Option<usize>,
+        context: Option<usize>,
+    ) -> Idx {
         let mut acc = Idx::Const(0);
         for (k, (i, d)) in index.iter().zip(dims).enumerate() {
-            let len = self.size_idx(d);
-            let (i, len) = if k == axis {
+            let mut i = i.clone();
+            let mut len = self.size_idx(d);
+            if split == Some(k) {
+                let part = Idx::Size(self.key_size(KeySize::SplitPart));
+                let parts = Idx::Size(self.key_size(KeySize::SplitParts));
+                i = Idx::add(i, Idx::mul(part, len.clone()));
+                len = Idx::mul(len, parts);
+            }
+            if context == Some(k) {
+                let rank = Idx::Size(self.key_size(KeySize::ContextRank));
+                let cp = Idx::Size(self.key_size(KeySize::ContextRanks));
                 let chunk = Idx::div(len.clone(), Idx::Const(2));
                 let later = Idx::mul(
                     Idx::sub(Idx::sub(cp.clone(), Idx::Const(1)), rank.clone()),
                     len.clone(),
                 );
-                let at = Idx::add(
-                    Idx::add(i.clone(), Idx::mul(rank.clone(), chunk.clone())),
-                    Idx::mul(Idx::div(i.clone(), chunk), later),
+                i = Idx::add(
+                    Idx::add(i.clone(), Idx::mul(rank, chunk.clone())),
+                    Idx::mul(Idx::div(i, chunk), later),
                 );
-                (at, Idx::mul(len, cp.clone()))
-            } else {
-                (i.clone(), len)
-            };
+                len = Idx::mul(len, cp);
+            }
             acc = Idx::add(Idx::mul(acc, len), i);
         }
         acc
@@ -1054,17 +1076,21 @@ impl Lower<'_, '_> {
                     otherwise: x,
                 })
             }
-            Op::Dropout { p, context } => {
+            Op::Dropout { p, context, split } => {
                 let x = self.value(input(0), index)?;
                 if *p == 0.0 {
                     x
                 } else {
                     let t = node.outputs[0];
-                    let (at, per_sample) = match *context {
-                        None => (self.linearize(index, out.dims()), KeySize::PerSample(t)),
-                        Some(axis) => (
-                            self.context_index(index, out.dims(), axis),
-                            KeySize::ContextPerSample(t),
+                    let (at, per_sample) = match (*split, *context) {
+                        (None, None) => (self.linearize(index, out.dims()), KeySize::PerSample(t)),
+                        (split, context) => (
+                            self.whole_index(index, out.dims(), split, context),
+                            KeySize::WholePerSample {
+                                tensor: t,
+                                split: split.is_some(),
+                                context: context.is_some(),
+                            },
                         ),
                     };
                     let key = DrawKey {

@@ -534,8 +534,16 @@ pub fn call(e: &mut dyn Lowering, b: &Builtin, args: Vec<(Value, Span)>, span: S
             if p == 0.0 {
                 return Ok(Value::Tensor(x));
             }
-            e.node1(Op::Dropout { p, context: None }, &[x], span)
-                .map(Value::Tensor)
+            e.node1(
+                Op::Dropout {
+                    p,
+                    context: None,
+                    split: None,
+                },
+                &[x],
+                span,
+            )
+            .map(Value::Tensor)
         }
         "causal_mask" => {
             let x = e.tensor_arg(arg(0), at(0), name)?;

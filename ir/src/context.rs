@@ -559,10 +559,11 @@ impl<'g> Split<'g> {
                     let shape = self.local.tensor(node.outputs[0]).shape.clone();
                     self.local.node_mut(n).op = Op::Expand { shape };
                 }
-                Op::Dropout { p, .. } => {
+                Op::Dropout { p, split, .. } => {
                     self.local.node_mut(n).op = Op::Dropout {
                         p,
                         context: d.out[0],
+                        split,
                     };
                 }
                 _ => {}

@@ -262,3 +262,123 @@ impl ModelLayout {
         Ok(())
     }
 }
+
+/// Where a rank's part of a tensor sits in the whole tensor of the serial
+/// run: what keys a per-element draw (dropout) so that every split draws
+/// the serial run's mask. Tensor (or sequence) parallelism takes a
+/// contiguous `1/parts` along one axis of the tensor the rank's context
+/// chunks make; context parallelism holds two chunks of the sequence axis
+/// ([`crate::context_position`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Placement {
+    /// `(axis, part, parts)`: piece `part` of `parts` along `axis`.
+    pub split: Option<(usize, usize, usize)>,
+    /// `(axis, rank, cp)`: cp rank `rank`'s chunks along `axis`.
+    pub context: Option<(usize, usize, usize)>,
+}
+
+impl Placement {
+    /// The whole tensor's shape, of which `shape` is this part.
+    pub fn whole_shape(&self, shape: &[usize]) -> Vec<usize> {
+        let mut whole = shape.to_vec();
+        if let Some((axis, _, parts)) = self.split {
+            if let Some(d) = whole.get_mut(axis) {
+                *d *= parts;
+            }
+        }
+        if let Some((axis, _, cp)) = self.context {
+            if let Some(d) = whole.get_mut(axis) {
+                *d *= cp;
+            }
+        }
+        whole
+    }
+
+    /// The flat index in the whole tensor of element `i` (row-major) of
+    /// this part of `shape`.
+    pub fn whole_index(&self, shape: &[usize], i: usize) -> usize {
+        if self.split.is_none() && self.context.is_none() {
+            return i;
+        }
+        let mut at = vec![0usize; shape.len()];
+        let mut rest = i;
+        for (k, &d) in shape.iter().enumerate().rev() {
+            let d = d.max(1);
+            at[k] = rest % d;
+            rest /= d;
+        }
+        let mut dims = shape.to_vec();
+        if let Some((axis, part, parts)) = self.split {
+            if axis < at.len() {
+                at[axis] += part * dims[axis];
+                dims[axis] *= parts;
+            }
+        }
+        if let Some((axis, rank, cp)) = self.context {
+            if axis < at.len() {
+                at[axis] = crate::context_position(dims[axis], cp, rank, at[axis]);
+                dims[axis] *= cp;
+            }
+        }
+        at.iter().zip(&dims).fold(0, |acc, (&a, &d)| acc * d + a)
+    }
+}
+
+impl TensorLayout {
+    /// The axis along which a value in this layout holds the rank's `1/tp`
+    /// part, if it does.
+    pub fn split_axis(self) -> Option<usize> {
+        match self {
+            TensorLayout::Split { axis } => Some(axis),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Placement;
+
+    /// Each rank's part of a whole `[2, 8, 6]` tensor — its context chunks
+    /// along axis 1 (`context_chunks`), then its `1/tp` of those along
+    /// axis 1 or 2 — maps every local element to the whole tensor's index
+    /// of the same element, and the parts together cover it once.
+    #[test]
+    fn whole_index_finds_each_ranks_elements_in_the_whole_tensor() {
+        let whole = [2usize, 8, 6];
+        let flat = |a: [usize; 3]| (a[0] * whole[1] + a[1]) * whole[2] + a[2];
+        for (cp, tp, split_axis) in [(1, 2, 2), (2, 1, 1), (2, 2, 1), (2, 2, 2), (2, 3, 2)] {
+            let mut seen = vec![0; whole.iter().product()];
+            for cp_rank in 0..cp {
+                // The cp rank's sequence positions, in the order it holds them.
+                let positions: Vec<usize> = match crate::context_chunks(whole[1], cp, cp_rank) {
+                    Some([a, b]) if cp > 1 => a.chain(b).collect(),
+                    _ => (0..whole[1]).collect(),
+                };
+                for part in 0..tp {
+                    let mut local = [whole[0], positions.len(), whole[2]];
+                    local[split_axis] /= tp;
+                    let at = Placement {
+                        split: (tp > 1).then_some((split_axis, part, tp)),
+                        context: (cp > 1).then_some((1, cp_rank, cp)),
+                    };
+                    assert_eq!(at.whole_shape(&local), whole.to_vec());
+                    let mut i = 0;
+                    for a in 0..local[0] {
+                        for b in 0..local[1] {
+                            for c in 0..local[2] {
+                                let mut g = [a, b, c];
+                                g[split_axis] += part * local[split_axis];
+                                g[1] = positions[g[1]];
+                                assert_eq!(at.whole_index(&local, i), flat(g));
+                                seen[flat(g)] += 1;
+                                i += 1;
+                            }
+                        }
+                    }
+                }
+            }
+            assert!(seen.iter().all(|&n| n == 1), "cp {cp} tp {tp}: {seen:?}");
+        }
+    }
+}

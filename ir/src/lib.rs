@@ -34,7 +34,9 @@ pub use graph::{
     TensorDef, BOUND_DIMS,
 };
 pub use id::{InputId, NodeId, ParamId, RegionId, ScopeId, SymId, TensorId};
-pub use layout::{ModelLayout, NodeLayout, ParamSplit, RegionLayout, SplitAxis, TensorLayout};
+pub use layout::{
+    ModelLayout, NodeLayout, ParamSplit, Placement, RegionLayout, SplitAxis, TensorLayout,
+};
 pub use localize::localize;
 pub use op::{BinaryOp, Init, Op, ReduceKind, UnaryOp, VocabOp};
 pub use pipeline::{even_split, pipeline_order, virtual_stage_layers, PipelineWork};

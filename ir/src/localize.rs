@@ -71,6 +71,15 @@ pub fn localize(graph: &Graph, layout: &ModelLayout) -> Result<Graph> {
                     let shape = local.tensor(node.outputs[0]).shape.clone();
                     local.node_mut(n).op = Op::Expand { shape };
                 }
+                // A dropout of this rank's part draws at the whole tensor's
+                // places, so the masks are the serial run's.
+                Op::Dropout { p, context, .. } => {
+                    local.node_mut(n).op = Op::Dropout {
+                        p,
+                        context,
+                        split: nl.outputs[0].split_axis(),
+                    };
+                }
                 _ => {}
             }
             // An op over a split vocabulary needs its group, as a layout

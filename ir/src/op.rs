@@ -262,6 +262,14 @@ pub enum Op {
         /// `None` in a model.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         context: Option<usize>,
+        /// In a rank's local program under tensor or sequence parallelism
+        /// ([`crate::localize`]): the axis along which the input holds this
+        /// rank's `1/tp` part ([`TensorLayout::Split`]), so each element is
+        /// drawn at its place in the whole tensor ([`crate::Placement`]).
+        /// `None` in a model; the reference compute, which runs the model's
+        /// graph over layouts, reads the same axis from the node's layout.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        split: Option<usize>,
     },
     /// Set entries above the diagonal of the last two axes to −∞.
     CausalMask,

@@ -106,11 +106,16 @@ fn op_str(graph: &Graph, op: &Op) -> String {
             )
         }
         Op::LayerNorm { eps } | Op::RmsNorm { eps } => format!("{name}[eps={eps:e}]"),
-        Op::Dropout { p, context: None } => format!("{name}[p={p}]"),
-        Op::Dropout {
-            p,
-            context: Some(axis),
-        } => format!("{name}[p={p}, context={axis}]"),
+        Op::Dropout { p, context, split } => {
+            let mut s = format!("{name}[p={p}");
+            if let Some(axis) = context {
+                s += &format!(", context={axis}");
+            }
+            if let Some(axis) = split {
+                s += &format!(", split={axis}");
+            }
+            s + "]"
+        }
         Op::TopK { k } => format!("{name}[k={k}]"),
         Op::MoeDispatch {
             experts,

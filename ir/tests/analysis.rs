@@ -98,6 +98,7 @@ fn gpt_layer(h: i64, heads: i64, layers: u64) -> Layer {
         Op::Dropout {
             p: 0.1,
             context: None,
+            split: None,
         },
         &[probs],
     );
@@ -117,6 +118,7 @@ fn gpt_layer(h: i64, heads: i64, layers: u64) -> Layer {
         Op::Dropout {
             p: 0.1,
             context: None,
+            split: None,
         },
         &[attn],
     );
@@ -130,6 +132,7 @@ fn gpt_layer(h: i64, heads: i64, layers: u64) -> Layer {
         Op::Dropout {
             p: 0.1,
             context: None,
+            split: None,
         },
         &[pr],
     );

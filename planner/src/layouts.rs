@@ -285,12 +285,7 @@ pub(crate) fn model_layout(
     // Every stack's captured values (beyond the carried ones, which the
     // localizer hands over in the layout the body asks) must arrive whole,
     // as the root makes them: a body that splits one (a position bias by
-    // heads) is laid out by the Megatron rule instead. With several stacks,
-    // a body that captures anything at all is too: T5's e-graph layouts
-    // (an encoder output and a position bias captured by the decoder) run
-    // a different function under tp without sequence parallelism, a
-    // mismatch not yet found, so they are not handed to the runtime.
-    let several = bodies.len() > 1;
+    // heads) is laid out by the Megatron rule instead.
     let complete = bodies.iter().all(|b| {
         let region = g.region(b.region.region);
         let carried = region.repeat.map_or(0, |n| match g.node(n).op {
@@ -298,7 +293,6 @@ pub(crate) fn model_layout(
             _ => 0,
         });
         b.region.args.len() == region.args.len()
-            && !(several && region.args.len() > carried)
             && b.region.args[carried..]
                 .iter()
                 .all(|l| *l == TensorLayout::Replicated)

@@ -263,8 +263,11 @@ impl Derive<'_> {
                 match (&node.op, c) {
                     // The mask compares positions along the last two axes.
                     (Op::CausalMask, Split { axis }) if axis + 2 >= r => c = Replicated,
-                    // Dropout masks are keyed by the whole tensor's positions.
-                    (Op::Dropout { p, .. }, l) if *p > 0.0 && l != Replicated => c = Replicated,
+                    // Dropout draws each element at its place in the whole
+                    // tensor (`dplc_ir::Placement`): a split or partial
+                    // value keeps its layout, but an expert tensor's slots
+                    // (per source rank) have no place in the serial run's.
+                    (Op::Dropout { p, .. }, Experts) if *p > 0.0 => c = Replicated,
                     _ => {}
                 }
                 one(vec![c], c)

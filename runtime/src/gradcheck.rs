@@ -35,6 +35,8 @@ const KEY: DropoutKey = DropoutKey {
     batch: 2,
     cp_rank: 0,
     cp: 1,
+    tp_rank: 0,
+    tp: 1,
 };
 
 /// Σ r·y over finite outputs, in f64 (masked −∞ entries are constants).
@@ -43,6 +45,7 @@ fn objective(op: &Op, ins: &[Tensor], out_shapes: &[Vec<usize>], r: &[f32]) -> f
     let ctx = OpCtx {
         out_shapes,
         dropout: KEY,
+        split: None,
     };
     let y = forward(op, &refs, &ctx).expect("forward runs");
     y[0].f()
@@ -60,6 +63,7 @@ fn check(name: &str, op: Op, ins: Vec<Tensor>, out_shapes: Vec<Vec<usize>>) {
     let ctx = OpCtx {
         out_shapes: &out_shapes,
         dropout: KEY,
+        split: None,
     };
     let outs = forward(&op, &refs, &ctx).expect("forward runs");
     assert_eq!(outs[0].shape, out_shapes[0], "{name}: output shape");
@@ -260,6 +264,7 @@ fn masking_and_dropout() {
         Op::Dropout {
             p: 0.3,
             context: None,
+            split: None,
         },
         vec![rand(&[2, 3, 4], 14, false)],
         vec![vec![2, 3, 4]],

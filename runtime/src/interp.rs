@@ -157,6 +157,9 @@ impl<'g> Interp<'g> {
                 layer,
                 ..self.key
             },
+            split: self
+                .layouts
+                .and_then(|l| l.produced(self.graph.node(node).outputs[0]).split_axis()),
         }
     }
 

@@ -28,35 +28,39 @@ pub struct DropoutKey {
     /// dropout of the rank's chunks holds lie in the whole sequence.
     pub cp_rank: usize,
     pub cp: usize,
+    /// This rank's place in its tensor-parallel group and the group's size
+    /// (0 of 1 without): where a dropout of the rank's part of a split
+    /// value (tensor or sequence parallelism) lies in the whole value.
+    pub tp_rank: usize,
+    pub tp: usize,
 }
 
 impl DropoutKey {
     /// Keep (true) or drop each element of a tensor of `shape`, keyed by
-    /// its flat index in the whole tensor: under context parallelism
-    /// (`context`, the axis of the rank's sequence positions, see
-    /// `Op::Dropout`) the serial run's index of the same element. Elements
-    /// are laid out sample after sample when the whole tensor's size divides
-    /// by the batch (the batch axis is outermost); otherwise the tensor does
-    /// not depend on the sample and all share one key.
-    pub fn mask(&self, p: f64, shape: &[usize], context: Option<usize>) -> Vec<bool> {
+    /// its flat index in the whole tensor, the serial run's index of the
+    /// same element: under context parallelism `context` is the axis of the
+    /// rank's sequence chunks, under tensor or sequence parallelism `split`
+    /// the axis of its part (see `Op::Dropout`). Elements are laid out
+    /// sample after sample when the whole tensor's size divides by the batch
+    /// (the batch axis is outermost); otherwise the tensor does not depend
+    /// on the sample and all share one key.
+    pub fn mask(
+        &self,
+        p: f64,
+        shape: &[usize],
+        context: Option<usize>,
+        split: Option<usize>,
+    ) -> Vec<bool> {
         let n: usize = shape.iter().product();
-        // The local tensor is `[hi, len, inner]` around the split axis; the
-        // whole one `[hi, cp·len, inner]`.
-        let split = context.filter(|_| self.cp > 1).and_then(|axis| {
-            Some((
-                *shape.get(axis)?,
-                shape[axis + 1..].iter().product::<usize>(),
-            ))
-        });
-        let whole_index = |i: usize| match split {
-            Some((len, inner)) if len > 0 && inner > 0 => {
-                let (hi, lp, lo) = (i / (len * inner), (i / inner) % len, i % inner);
-                let at = dplc_ir::context_position(len, self.cp, self.cp_rank, lp);
-                (hi * len * self.cp + at) * inner + lo
-            }
-            _ => i,
+        let at = dplc_ir::Placement {
+            split: split
+                .filter(|_| self.tp > 1)
+                .map(|axis| (axis, self.tp_rank, self.tp)),
+            context: context
+                .filter(|_| self.cp > 1)
+                .map(|axis| (axis, self.cp_rank, self.cp)),
         };
-        let whole = if split.is_some() { n * self.cp } else { n };
+        let whole: usize = at.whole_shape(shape).iter().product();
         let per_sample = if self.batch > 0 && whole.is_multiple_of(self.batch) {
             whole / self.batch
         } else {
@@ -64,7 +68,7 @@ impl DropoutKey {
         };
         (0..n)
             .map(|i| {
-                let i = whole_index(i);
+                let i = at.whole_index(shape, i);
                 let (sample, pos) = if per_sample == whole && self.batch != 1 {
                     (u64::MAX, i as u64)
                 } else {
@@ -85,6 +89,10 @@ pub struct OpCtx<'a> {
     /// The output shapes, with symbolic dims bound.
     pub out_shapes: &'a [Vec<usize>],
     pub dropout: DropoutKey,
+    /// The axis along which the output holds this rank's tensor-parallel
+    /// part, where the graph run is the model's over layouts (the reference
+    /// compute; a rank's local program says it in its op instead).
+    pub split: Option<usize>,
 }
 
 // ---- matmul ---------------------------------------------------------------
@@ -702,12 +710,14 @@ pub fn forward(op: &Op, ins: &[&Tensor], ctx: &OpCtx) -> Result<Vec<Tensor>> {
         Op::LogSoftmax { axis } => one(softmax(ins[0], *axis, true)?),
         Op::LayerNorm { eps } => one(norm(ins[0], ins[1], Some(ins[2]), *eps)?),
         Op::RmsNorm { eps } => one(norm(ins[0], ins[1], None, *eps)?),
-        Op::Dropout { p, context } => {
+        Op::Dropout { p, context, split } => {
             let xs = ins[0].f()?;
             if *p == 0.0 {
                 return one(ins[0].clone());
             }
-            let keep = ctx.dropout.mask(*p, &ins[0].shape, *context);
+            let keep = ctx
+                .dropout
+                .mask(*p, &ins[0].shape, *context, split.or(ctx.split));
             let scale = (1.0 / (1.0 - p)) as f32;
             one(Tensor::f32(
                 ins[0].shape.clone(),

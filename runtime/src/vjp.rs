@@ -324,11 +324,13 @@ pub fn backward(
                 grads[2] = f(&ins[2].shape, db);
             }
         }
-        Op::Dropout { p, context } => {
+        Op::Dropout { p, context, split } => {
             if *p == 0.0 {
                 grads[0] = Some(gout.clone());
             } else {
-                let keep = ctx.dropout.mask(*p, &gout.shape, *context);
+                let keep = ctx
+                    .dropout
+                    .mask(*p, &gout.shape, *context, split.or(ctx.split));
                 let scale = (1.0 / (1.0 - p)) as f32;
                 let v = g
                     .iter()

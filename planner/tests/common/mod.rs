@@ -115,6 +115,7 @@ pub fn gpt_with_dropout(name: &str, cfg: Gpt, p: f64) -> Graph {
             Op::Dropout {
                 p: dropout,
                 context: None,
+                split: None,
             },
             &[x],
         )
@@ -193,6 +194,7 @@ pub fn gpt_with_dropout(name: &str, cfg: Gpt, p: f64) -> Graph {
         Op::Dropout {
             p: dropout,
             context: None,
+            split: None,
         },
         &[probs],
     );
@@ -218,6 +220,7 @@ pub fn gpt_with_dropout(name: &str, cfg: Gpt, p: f64) -> Graph {
         Op::Dropout {
             p: dropout,
             context: None,
+            split: None,
         },
         &[attn],
     );
@@ -233,6 +236,7 @@ pub fn gpt_with_dropout(name: &str, cfg: Gpt, p: f64) -> Graph {
         Op::Dropout {
             p: dropout,
             context: None,
+            split: None,
         },
         &[pr],
     );

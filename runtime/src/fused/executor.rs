@@ -158,6 +158,10 @@ pub struct Executor<'a> {
     /// size: the positions a dropout of the rank's chunks draws at.
     pub cp_rank: usize,
     pub cp: usize,
+    /// Its place in its tensor-parallel group and the group's size: where
+    /// a dropout of the rank's part of a split value draws.
+    pub tp_rank: usize,
+    pub tp: usize,
     /// Who runs the host steps; `None` where the graph has none.
     pub host: Option<RefCell<&'a mut dyn HostSteps>>,
 }
@@ -257,11 +261,19 @@ impl<'a> Executor<'a> {
                 KeySize::Layer => layer as i64,
                 KeySize::FirstSample => self.first_sample as i64,
                 KeySize::PerSample(t) => per_sample(self.numel(t), self.micro_batch) as i64,
-                KeySize::ContextPerSample(t) => {
-                    per_sample(self.numel(t) * self.cp, self.micro_batch) as i64
+                KeySize::WholePerSample {
+                    tensor,
+                    split,
+                    context,
+                } => {
+                    let tp = if split { self.tp } else { 1 };
+                    let cp = if context { self.cp } else { 1 };
+                    per_sample(self.numel(tensor) * tp * cp, self.micro_batch) as i64
                 }
                 KeySize::ContextRank => self.cp_rank as i64,
                 KeySize::ContextRanks => self.cp as i64,
+                KeySize::SplitPart => self.tp_rank as i64,
+                KeySize::SplitParts => self.tp as i64,
             };
         }
         Args {
@@ -1368,8 +1380,10 @@ mod tests {
                     batch,
                     cp_rank: 0,
                     cp: 1,
+                    tp_rank: 0,
+                    tp: 1,
                 };
-                let keep = key.mask(p, &[numel], None);
+                let keep = key.mask(p, &[numel], None, None);
                 let state = draw_state(draw_seed(seed, step), node, layer as i64);
                 let per = per_sample(numel, batch) as i64;
                 let threshold = drop_threshold(p) as f32;

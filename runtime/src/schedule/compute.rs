@@ -48,6 +48,8 @@ pub(super) struct Pass {
     pub step: u64,
     pub first_sample: u64,
     pub cp_rank: usize,
+    /// The rank's place in its tensor-parallel group.
+    pub tp_rank: usize,
 }
 
 /// What a chunk's forward hands on.
@@ -145,6 +147,8 @@ impl<'a, 'b> Reference<'a, 'b> {
                 batch: sh.cfg.micro_batch,
                 cp_rank: pass.cp_rank,
                 cp: sh.cfg.cp,
+                tp_rank: pass.tp_rank,
+                tp: sh.cfg.tp,
             },
             recompute: sh.cfg.recompute,
             layouts: sh.layouts.as_ref(),

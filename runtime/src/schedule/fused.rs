@@ -70,6 +70,8 @@ fn executor<'x>(
         micro_batch: sh.cfg.micro_batch,
         cp_rank: pass.cp_rank,
         cp: sh.cfg.cp,
+        tp_rank: pass.tp_rank,
+        tp: sh.cfg.tp,
         host: Some(RefCell::new(host)),
     }
 }
@@ -141,6 +143,8 @@ const NO_DRAWS: DropoutKey = DropoutKey {
     batch: 0,
     cp_rank: 0,
     cp: 1,
+    tp_rank: 0,
+    tp: 1,
 };
 
 impl FusedProgram {
@@ -169,6 +173,7 @@ impl HostSteps for Host<'_> {
                 let ctx = OpCtx {
                     out_shapes: &shapes,
                     dropout: NO_DRAWS,
+                    split: None,
                 };
                 kernels::forward(op, &refs, &ctx)
             }
@@ -206,6 +211,7 @@ impl HostSteps for Host<'_> {
                 let ctx = OpCtx {
                     out_shapes: &shapes,
                     dropout: NO_DRAWS,
+                    split: None,
                 };
                 crate::vjp::backward(op, &ins, &outs, &gout, &need, &ctx)
             }

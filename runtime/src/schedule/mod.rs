@@ -1102,6 +1102,7 @@ impl<'a, 'b> Rank<'a, 'b> {
             step: self.step,
             first_sample: self.first_sample(micro),
             cp_rank: self.dp_index % self.sh.cfg.cp,
+            tp_rank: self.at.tp_index,
         }
     }
 

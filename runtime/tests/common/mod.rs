@@ -79,6 +79,7 @@ impl Gpt {
             Op::Dropout {
                 p: dropout,
                 context: None,
+                split: None,
             },
             &[h0],
         );
@@ -160,6 +161,7 @@ impl Gpt {
             Op::Dropout {
                 p: dropout,
                 context: None,
+                split: None,
             },
             &[p],
         );
@@ -183,6 +185,7 @@ impl Gpt {
             Op::Dropout {
                 p: dropout,
                 context: None,
+                split: None,
             },
             &[pr],
         );
