@@ -780,6 +780,12 @@ pub struct TimeBreakdown {
     /// field existed hid none).
     #[serde(default)]
     pub overlapped_comm_s: f64,
+    /// What compute loses to the communication overlapped with it (the
+    /// collectives' kernels take SMs and memory bandwidth from the kernels
+    /// beside them): part of the step time. Plans written before this field
+    /// existed priced overlapped communication as free.
+    #[serde(default, skip_serializing_if = "is_zero_s")]
+    pub overlap_slowdown_s: f64,
     /// Offloaded state crossing the host link where compute does not hide
     /// it: gradients down and weights up around the CPU's optimizer step,
     /// weight shards fetched and activations sent out and back per
@@ -1137,6 +1143,7 @@ impl Plan {
             ("breakdown.exposed_dp_comm_s", b.exposed_dp_comm_s),
             ("breakdown.optimizer_s", b.optimizer_s),
             ("breakdown.overlapped_comm_s", b.overlapped_comm_s),
+            ("breakdown.overlap_slowdown_s", b.overlap_slowdown_s),
             ("breakdown.offload_s", b.offload_s),
         ] {
             non_negative(&format!("estimate.{name}"), x)?;
