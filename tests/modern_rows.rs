@@ -24,10 +24,12 @@ use dplc_planner::{
 /// 2024): FSDP2 is ZeRO-3 with the reduction overlapped, SDPA runs
 /// FlashAttention-2 (PyTorch's flash backend; the sources do not name the
 /// backend), every elementwise op runs as its own kernel.
-const TORCHTITAN_EAGER: &str = "zero=3,attention=flash2,elementwise=eager,offload=none";
+const TORCHTITAN_EAGER: &str =
+    "zero=3,shards=per_param,attention=flash2,elementwise=eager,offload=none";
 /// torchtitan with torch.compile: Inductor fuses the elementwise chains, as
 /// dplc prices by default; SDPA is still FlashAttention-2.
-const TORCHTITAN_COMPILED: &str = "zero=3,attention=flash2,elementwise=fused,offload=none";
+const TORCHTITAN_COMPILED: &str =
+    "zero=3,shards=per_param,attention=flash2,elementwise=fused,offload=none";
 
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Verdict {

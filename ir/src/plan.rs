@@ -187,6 +187,10 @@ pub struct Strategy {
     /// fused them.
     #[serde(default, skip_serializing_if = "Elementwise::is_fused")]
     pub elementwise: Elementwise,
+    /// Where ZeRO-3 keeps what it gathers and reduces. Plans written before
+    /// this field existed kept flat buffers.
+    #[serde(default, skip_serializing_if = "ShardLayout::is_flat")]
+    pub shards: ShardLayout,
     /// How data-parallel replicas combine their gradients: all-reduce, a
     /// parameter server, or an asynchronous one with bounded staleness.
     /// Plans written before this field existed all-reduced.
@@ -480,6 +484,37 @@ impl Elementwise {
     }
 }
 
+/// Where ZeRO-3 puts the weights it gathers and the gradients it reduces.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+pub enum ShardLayout {
+    /// In flat buffers the parameters and gradients are views of, which the
+    /// collectives read and write in place (Megatron's and DeepSpeed's
+    /// buffers, FSDP1's flat parameters, dplc's runtime).
+    #[default]
+    Flat,
+    /// Per parameter (FSDP2's DTensor parameters, torchtitan): each
+    /// all-gather lands in one buffer that is then copied out into every
+    /// parameter, and the gradients are copied into one buffer, cast to the
+    /// reduction's precision, before each reduce-scatter. Both copies run on
+    /// the compute stream.
+    PerParam,
+}
+
+impl ShardLayout {
+    pub fn name(self) -> &'static str {
+        match self {
+            ShardLayout::Flat => "flat",
+            ShardLayout::PerParam => "per_param",
+        }
+    }
+
+    fn is_flat(&self) -> bool {
+        *self == ShardLayout::Flat
+    }
+}
+
 /// How tensor-parallel communication overlaps with the GEMMs around it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum TpOverlap {
@@ -605,6 +640,9 @@ impl fmt::Display for Strategy {
         }
         if self.elementwise != Elementwise::Fused {
             write!(f, ", elementwise {}", self.elementwise.name())?;
+        }
+        if self.shards != ShardLayout::Flat {
+            write!(f, ", shards {}", self.shards.name())?;
         }
         match self.sync {
             GradSync::AllReduce => {}

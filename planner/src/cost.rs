@@ -10,7 +10,7 @@ use crate::sharding::{GemmSplit, Pass, TpCollectiveKind};
 use dplc_ir::{
     AttentionKind, AxisComm, CollectiveKind, Compression, Elementwise, GradAccum, GradSync,
     LinkLevel, MemoryBreakdown, MeshAxis, Offload, PipelineSchedule, Precision, Recompute,
-    TimeBreakdown, TpOverlap,
+    ShardLayout, TimeBreakdown, TpOverlap,
 };
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -129,6 +129,8 @@ pub(crate) struct Config {
     pub offload: Offload,
     /// Elementwise ops fused into chains, or one kernel each (`elementwise=eager`).
     pub elementwise: Elementwise,
+    /// Where ZeRO-3 keeps what it gathers and reduces (`shards=per_param`: FSDP2's copies).
+    pub shards: ShardLayout,
     /// How replicas combine gradients (`sync=`); priced by [`CostModel::dp_reduction`].
     pub sync: GradSync,
     /// What the data-parallel reduction sends (`compress=`).
@@ -971,12 +973,31 @@ impl<'a> CostModel<'a> {
         if i as u64 == c.pp - 1 {
             s.add(&parts.post, 1.0);
         }
+        let bandwidth = self.cluster.device.memory_bandwidth * MEMORY_EFFICIENCY;
         if c.grad_accum == GradAccum::Separate {
             // A memory-bound pass over the stage's weight gradients after
             // each micro-batch's backward.
             let (params, _) = self.stage_params(c, i as u64, &shares);
-            s.backward += params * separate_accum_bytes(self.profile.precision)
-                / (self.cluster.device.memory_bandwidth * MEMORY_EFFICIENCY);
+            s.backward += params * separate_accum_bytes(self.profile.precision) / bandwidth;
+        }
+        if c.zero >= 3 && c.shards == ShardLayout::PerParam {
+            // FSDP2 (pytorch/pytorch torch/distributed/fsdp/_fully_shard/
+            // _fsdp_collectives.py @ 010ae4a89516fa3be548ab16dff711414ec12d0b):
+            // on the compute stream, `foreach_all_gather_copy_out` copies
+            // each all-gather's output into the parameters
+            // (`split_with_sizes_copy`: read and write the gathered weights),
+            // in forward and again in backward, and `foreach_reduce` copies
+            // the gradients into the reduce-scatter's input cast to the
+            // reduction's precision (`_chunk_cat`: read the gradient, write
+            // it as the fp32 one the reduce-scatter sends).
+            let (params, expert) = self.stage_params(c, i as u64, &shares);
+            let dense = params - expert;
+            let (w, grad) = match self.profile.precision {
+                Precision::Fp32 => (4.0, 4.0),
+                p => (p.bytes() as f64, GRAD_BYTES),
+            };
+            s.forward += dense * 2.0 * w / bandwidth;
+            s.backward += dense * (2.0 * w + w + grad) / bandwidth;
         }
         s
     }

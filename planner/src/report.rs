@@ -70,6 +70,7 @@ pub(crate) fn strategy(c: &Config, global_batch: u64, seq: u64) -> Strategy {
         fp8: c.fp8,
         offload: c.offload,
         elementwise: c.elementwise,
+        shards: c.shards,
         sync: c.sync,
         compress: c.compress,
     }
