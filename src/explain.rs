@@ -185,9 +185,18 @@ pub fn render(plan: &Plan) -> String {
         let _ = writeln!(s, "  {what:<38} {t:>9.3} s  {:>5.1}%", share(t));
     }
     if b.overlapped_comm_s > 0.0 {
+        // Plans written before the slowdown was priced hid it for free.
+        let slows = if b.overlap_slowdown_s > 0.0 {
+            format!(
+                "in the step only as the {:.3} s it slows compute",
+                dplc_planner::overlap_slowdown(b.overlapped_comm_s)
+            )
+        } else {
+            "not in the step".to_string()
+        };
         let _ = writeln!(
             s,
-            "  (tp communication hidden behind GEMMs, tp overlap {}: {:.3} s, not in the step)",
+            "  (tp communication hidden behind GEMMs, tp overlap {}: {:.3} s, {slows})",
             plan.strategy.tp_overlap.name(),
             b.overlapped_comm_s
         );
