@@ -108,8 +108,9 @@ const DEFAULT_MAMF: f64 = 0.8;
 /// attention with head dimension 128 (the Llama shape), causal FLOPs counted
 /// as computed. A100: Dao 2023 (arXiv:2307.08691) Figs. 5 and 6, A100 80GB
 /// SXM4, causal, head dimension 128, 16K tokens: 197 TFLOP/s forward, 186
-/// backward (63.1% and 59.6% of 312; the abstract's "50-73%" spans the
-/// settings, 73% being the forward without the causal mask). H100 die:
+/// backward, as read off the bar charts (63.1% and 59.6% of 312; the text
+/// states only the range, "50-73%", 73% being the forward without the
+/// causal mask). H100 die:
 /// Dao-AILab/flash-attention pull request #1791 (2025-07-31),
 /// `hopper/benchmark_attn.py` on an H100, head dimension 128, causal,
 /// sequence 8192: "Fav2 fwd: 1.935ms, 284.1 TFLOPS", "Fav2 bwd: 4.788ms,
