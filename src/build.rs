@@ -156,6 +156,12 @@ pub fn build(args: &BuildArgs) -> Result<()> {
                 "dplc's kernels fuse elementwise ops, so an artifact cannot run them eagerly"
             ));
         }
+        if pinned.shards == Some(dplc_ir::ShardLayout::PerParam) {
+            return Err(miette::miette!(
+                help = "drop shards from --strategy, or `dplc export` the plan to torchtitan",
+                "dplc's runtime gathers ZeRO-3's weights into flat buffers, so an artifact cannot copy them per parameter"
+            ));
+        }
         if pinned.offload.is_some_and(|o| !o.is_none()) {
             return Err(miette::miette!(
                 help = "drop offload from --strategy, or `dplc export` the plan to DeepSpeed",

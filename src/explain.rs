@@ -176,17 +176,27 @@ pub fn render(plan: &Plan) -> String {
         ("pipeline bubble", b.bubble_s),
         ("exposed data-parallel communication", b.exposed_dp_comm_s),
         ("optimizer step", b.optimizer_s),
+        ("compute slowed by overlapped comm", b.overlap_slowdown_s),
         ("exposed host-link traffic (offload)", b.offload_s),
     ] {
-        if t == 0.0 && what.contains("offload") {
+        if t == 0.0 && (what.contains("offload") || what.contains("slowed")) {
             continue;
         }
         let _ = writeln!(s, "  {what:<38} {t:>9.3} s  {:>5.1}%", share(t));
     }
     if b.overlapped_comm_s > 0.0 {
+        // Plans written before the slowdown was priced hid it for free.
+        let slows = if b.overlap_slowdown_s > 0.0 {
+            format!(
+                "in the step only as the {:.3} s it slows compute",
+                dplc_planner::overlap_slowdown(b.overlapped_comm_s)
+            )
+        } else {
+            "not in the step".to_string()
+        };
         let _ = writeln!(
             s,
-            "  (tp communication hidden behind GEMMs, tp overlap {}: {:.3} s, not in the step)",
+            "  (tp communication hidden behind GEMMs, tp overlap {}: {:.3} s, {slows})",
             plan.strategy.tp_overlap.name(),
             b.overlapped_comm_s
         );
@@ -207,21 +217,28 @@ pub fn render(plan: &Plan) -> String {
     if priced {
         let _ = writeln!(
             s,
-            "  communication per step by axis (exposed: in the step; hidden: behind compute):"
+            "  communication per step by axis (exposed: in the step; hidden: behind compute,\n  \
+             which it slows: its kernels take SMs and memory bandwidth from the kernels beside them):"
         );
         let _ = writeln!(
             s,
-            "    axis over          exposed s   hidden s   per step GiB"
+            "    axis over          exposed s   hidden s  slows compute s   per step GiB"
         );
         for (axis, a) in &by_axis {
             let (exposed, hidden) = a.exposed_hidden.unwrap_or((0.0, 0.0));
             let _ = writeln!(
                 s,
-                "    {:<4} {:<11} {:>10.3} {:>10.3} {:>14.2}",
+                "    {:<4} {:<11} {:>10.3} {:>10.3} {:>16.3} {:>14.2}",
                 axis.name(),
                 link(axis_link(plan, *axis)),
                 exposed,
                 hidden,
+                // Plans written before the slowdown was priced have none.
+                if b.overlap_slowdown_s > 0.0 {
+                    dplc_planner::overlap_slowdown(hidden)
+                } else {
+                    0.0
+                },
                 a.bytes as f64 / GIB
             );
         }

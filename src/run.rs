@@ -151,6 +151,12 @@ pub fn prepare(args: &PlanArgs) -> Result<Prepared> {
                 "dplc's runtime fuses elementwise ops; elementwise=eager prices another engine"
             ));
         }
+        if pinned.shards == Some(dplc_ir::ShardLayout::PerParam) {
+            return Err(miette!(
+                help = "drop shards from --strategy to train here; `dplc compile` prices FSDP2's copies and `dplc export` hands them to torchtitan",
+                "dplc's runtime gathers ZeRO-3's weights into flat buffers; shards=per_param prices FSDP2"
+            ));
+        }
         // dplc's own kernels run the attention core op by op (a fused
         // attention kernel is not generated yet): price what runs.
         if pinned.attention.is_none() {

@@ -135,11 +135,16 @@ fn every_command_has_help() {
     }
 }
 
-/// An engine's stack keys (`recompute=op`, `elementwise=eager`) are priced
-/// by `compile` and refused by `run`, whose own kernels do neither.
+/// An engine's stack keys (`recompute=op`, `elementwise=eager`,
+/// `shards=per_param`) are priced by `compile` and refused by `run`, whose
+/// own kernels and buffers do none of them.
 #[test]
 fn engine_stack_keys_are_priced_not_run() {
-    for pin in ["dp=2,recompute=op", "dp=2,elementwise=eager"] {
+    for pin in [
+        "dp=2,recompute=op",
+        "dp=2,elementwise=eager",
+        "dp=2,zero=3,shards=per_param",
+    ] {
         let compiled = dplc(&[
             "compile",
             "models/tiny.dpl",

@@ -421,7 +421,8 @@ fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
     const SIGNATURE: &str = "accelerator(name = \"X\", bf16 = 989 TFLOP/s, fp16 = …, fp32 = …, fp8 = …, \
                              memory = 80 GB, memory_bandwidth = 3.35 TB/s, host_memory = 256 GB, \
                              host_link = 64 GB/s, host_memory_bandwidth = 77 GB/s, matmul_efficiency = 0.8, \
-                             flash2_efficiency = 0.35, multiprocessors = 132)";
+                             fp8_matmul_efficiency = 0.65, flash2_efficiency = 0.29, \
+                             flash2_backward_efficiency = 0.29, multiprocessors = 132)";
     let f = Fields::new(
         v,
         span,
@@ -437,7 +438,9 @@ fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
             "host_link",
             "host_memory_bandwidth",
             "matmul_efficiency",
+            "fp8_matmul_efficiency",
             "flash2_efficiency",
+            "flash2_backward_efficiency",
             "multiprocessors",
         ],
         SIGNATURE,
@@ -468,7 +471,9 @@ fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
         }
     };
     let matmul_efficiency = fraction("matmul_efficiency")?;
+    let fp8_matmul_efficiency = fraction("fp8_matmul_efficiency")?;
     let flash2_efficiency = fraction("flash2_efficiency")?;
+    let flash2_backward_efficiency = fraction("flash2_backward_efficiency")?;
     let spec = DeviceSpec {
         name,
         peak_bf16: bf16,
@@ -488,7 +493,9 @@ fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
         memory_bytes: memory as u64,
         memory_bandwidth: f.quantity("memory_bandwidth", UnitKind::Bandwidth, "3.35 TB/s", None)?,
         matmul_efficiency,
+        fp8_matmul_efficiency,
         flash2_efficiency,
+        flash2_backward_efficiency,
         multiprocessors: f.count("multiprocessors", Some(0))?,
     };
     for (key, x) in [

@@ -167,12 +167,19 @@ pub struct DeviceSpec {
     pub memory_bytes: u64,
     /// Device memory bandwidth, bytes/s.
     pub memory_bandwidth: f64,
-    /// The fraction of peak large matmuls reach; `None` takes the planner's default.
+    /// The fraction of peak large matmuls sustain; `None` takes the planner's default.
     pub matmul_efficiency: Option<f64>,
-    /// The fraction of peak FlashAttention-2 reaches (`attention=flash2`);
-    /// `None` takes the matmul efficiency.
+    /// The fraction of the FP8 peak FP8 matmuls sustain (`fp8=on`); `None`
+    /// takes the matmul efficiency.
+    #[serde(default)]
+    pub fp8_matmul_efficiency: Option<f64>,
+    /// The fraction of peak FlashAttention-2's forward reaches
+    /// (`attention=flash2`); `None` takes the matmul efficiency.
     #[serde(default)]
     pub flash2_efficiency: Option<f64>,
+    /// The same for its backward; `None` takes the forward's.
+    #[serde(default)]
+    pub flash2_backward_efficiency: Option<f64>,
     /// Streaming multiprocessors (compute units) for wave quantization; 0: none.
     pub multiprocessors: u64,
 }

@@ -187,6 +187,10 @@ pub struct Strategy {
     /// fused them.
     #[serde(default, skip_serializing_if = "Elementwise::is_fused")]
     pub elementwise: Elementwise,
+    /// Where ZeRO-3 keeps what it gathers and reduces. Plans written before
+    /// this field existed kept flat buffers.
+    #[serde(default, skip_serializing_if = "ShardLayout::is_flat")]
+    pub shards: ShardLayout,
     /// How data-parallel replicas combine their gradients: all-reduce, a
     /// parameter server, or an asynchronous one with bounded staleness.
     /// Plans written before this field existed all-reduced.
@@ -480,6 +484,37 @@ impl Elementwise {
     }
 }
 
+/// Where ZeRO-3 puts the weights it gathers and the gradients it reduces.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+pub enum ShardLayout {
+    /// In flat buffers the parameters and gradients are views of, which the
+    /// collectives read and write in place (Megatron's and DeepSpeed's
+    /// buffers, FSDP1's flat parameters, dplc's runtime).
+    #[default]
+    Flat,
+    /// Per parameter (FSDP2's DTensor parameters, torchtitan): each
+    /// all-gather lands in one buffer that is then copied out into every
+    /// parameter, and the gradients are copied into one buffer, cast to the
+    /// reduction's precision, before each reduce-scatter. Both copies run on
+    /// the compute stream.
+    PerParam,
+}
+
+impl ShardLayout {
+    pub fn name(self) -> &'static str {
+        match self {
+            ShardLayout::Flat => "flat",
+            ShardLayout::PerParam => "per_param",
+        }
+    }
+
+    fn is_flat(&self) -> bool {
+        *self == ShardLayout::Flat
+    }
+}
+
 /// How tensor-parallel communication overlaps with the GEMMs around it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum TpOverlap {
@@ -605,6 +640,9 @@ impl fmt::Display for Strategy {
         }
         if self.elementwise != Elementwise::Fused {
             write!(f, ", elementwise {}", self.elementwise.name())?;
+        }
+        if self.shards != ShardLayout::Flat {
+            write!(f, ", shards {}", self.shards.name())?;
         }
         match self.sync {
             GradSync::AllReduce => {}
@@ -780,6 +818,12 @@ pub struct TimeBreakdown {
     /// field existed hid none).
     #[serde(default)]
     pub overlapped_comm_s: f64,
+    /// What compute loses to the communication overlapped with it (the
+    /// collectives' kernels take SMs and memory bandwidth from the kernels
+    /// beside them): part of the step time. Plans written before this field
+    /// existed priced overlapped communication as free.
+    #[serde(default, skip_serializing_if = "is_zero_s")]
+    pub overlap_slowdown_s: f64,
     /// Offloaded state crossing the host link where compute does not hide
     /// it: gradients down and weights up around the CPU's optimizer step,
     /// weight shards fetched and activations sent out and back per
@@ -1137,6 +1181,7 @@ impl Plan {
             ("breakdown.exposed_dp_comm_s", b.exposed_dp_comm_s),
             ("breakdown.optimizer_s", b.optimizer_s),
             ("breakdown.overlapped_comm_s", b.overlapped_comm_s),
+            ("breakdown.overlap_slowdown_s", b.overlap_slowdown_s),
             ("breakdown.offload_s", b.offload_s),
         ] {
             non_negative(&format!("estimate.{name}"), x)?;

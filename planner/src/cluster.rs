@@ -29,12 +29,19 @@ pub struct Device {
     pub memory_bytes: u64,
     /// HBM (or DRAM) bandwidth, bytes/s.
     pub memory_bandwidth: f64,
-    /// The fraction of peak that large matmuls reach in practice (the
-    /// "maximum achievable matmul FLOPS" of a tuned cuBLAS GEMM).
+    /// The fraction of peak that large matmuls sustain in training: the
+    /// power-saturated rate where one was measured ("maximum sustainable
+    /// matmul FLOPS"), else the best burst of a tuned cuBLAS GEMM ("maximum
+    /// achievable"). See the catalog's sources.
     pub matmul_efficiency: f64,
-    /// The fraction of peak FlashAttention-2's fused attention reaches
-    /// (`attention=flash2`, PyTorch SDPA's flash backend).
+    /// The same for FP8 GEMMs (`fp8=on`), as a fraction of the FP8 peak.
+    pub fp8_matmul_efficiency: f64,
+    /// The fraction of peak FlashAttention-2's fused attention reaches in
+    /// its forward pass (`attention=flash2`, PyTorch SDPA's flash backend),
+    /// causal FLOPs counted as computed.
     pub flash2_efficiency: f64,
+    /// The same for its backward pass (five block matmuls to the forward's two).
+    pub flash2_backward_efficiency: f64,
     pub intra_node: Link,
     pub inter_node: Link,
     /// Devices in the usual node (DGX/HGX have 8).
@@ -70,21 +77,48 @@ fn link(kind: &str, bandwidth: f64, latency_s: f64) -> Link {
     }
 }
 
-/// Large-GEMM efficiency on A100 and H100 from Stas Bekman's "Maximum
-/// Achievable Matmul FLOPS" measurements (ml-engineering, compute/accelerator):
-/// A100-SXM bf16 267.9 of 312 TFLOP/s (85.9%), H100-SXM 792.1 of 989 (80.1%).
+/// Large-GEMM efficiency from Stas Bekman's matmul measurements
+/// (stas00/ml-engineering, compute/accelerator/README.md). The A100 has its
+/// "maximum achievable matmul FLOPS" (MAMF, the best burst over a sweep of
+/// shapes): bf16 267.9 of 312 TFLOP/s (85.9%). A GPU at its power limit
+/// cannot hold the boost clock a burst runs at: a dense training step keeps
+/// every SM busy and "lives at the settled clock, not the boost clock".
+/// Where that sustained rate was measured ("maximum sustainable matmul
+/// FLOPS", MSMF: the GPU soaked at its TDP, branch `fast-mamf` @
+/// 082816f9be8aeb6b65b074c33cb354a7ca1e7087, 2026-08-10) it is what the
+/// device runs at: H200 SXM (700 W) bf16 708.5 of 989 TFLOP/s at 1465 MHz
+/// (71.6%; its MAMF is 841.9 at the 1980 MHz boost), FP8 1288.7 of 1979
+/// (65.1%), which serve the H100 SXM, the same die at the same 700 W; B200
+/// (1000 W) bf16 1456.3 of 2250 (64.7%), FP8 2795.7 of 4500 (62.1%). The
+/// GH200 (a 900 W module) keeps the H100's burst figure of the same table's
+/// earlier version, 792.1 of 989 (80.1%), and its FP8 MAMF, 1535.0 of 1979
+/// (77.6%; HEAD 744d01e18b79512572f64a6bbd8b5f4a725203a7): no sustained
+/// figure is at hand for it, nor for the A100.
 const A100_MAMF: f64 = 267.9 / 312.0;
 const H100_MAMF: f64 = 792.1 / 989.4;
-/// V100 and CPUs: no measurement at hand; the usual 80% of peak for tuned BLAS.
+const H100_MSMF: f64 = 708.5 / 989.4;
+const H100_FP8_MSMF: f64 = 1288.7 / 1978.9;
+const GH200_FP8_MAMF: f64 = 1535.0 / 1978.9;
+const B200_MSMF: f64 = 1456.3 / 2250.0;
+const B200_FP8_MSMF: f64 = 2795.7 / 4500.0;
+/// V100, MI300X and CPUs: no measurement taken here; the usual 80% of peak
+/// for tuned BLAS.
 const DEFAULT_MAMF: f64 = 0.8;
-/// FlashAttention-2's fraction of peak: "reaching 50-73% of the theoretical
-/// maximum FLOPs/s on A100" (Dao 2023, arXiv:2307.08691; the upper end, its
-/// best case), and "FlashAttention-2 achieving only 35% utilization on the
-/// H100 GPU" (Shah et al. 2024, FlashAttention-3, arXiv:2407.08608), which
-/// serves the parts built on the H100 die (H200, GH200). Elsewhere no figure
-/// is at hand: the device's large-GEMM efficiency.
-const A100_FLASH2: f64 = 0.73;
-const H100_FLASH2: f64 = 0.35;
+/// FlashAttention-2's fraction of peak, forward and backward, for causal
+/// attention with head dimension 128 (the Llama shape), causal FLOPs counted
+/// as computed. A100: Dao 2023 (arXiv:2307.08691) Figs. 5 and 6, A100 80GB
+/// SXM4, causal, head dimension 128, 16K tokens: 197 TFLOP/s forward, 186
+/// backward, as read off the bar charts (63.1% and 59.6% of 312; the text
+/// states only the range, "50-73%", 73% being the forward without the
+/// causal mask). H100 die:
+/// Dao-AILab/flash-attention pull request #1791 (2025-07-31),
+/// `hopper/benchmark_attn.py` on an H100, head dimension 128, causal,
+/// sequence 8192: "Fav2 fwd: 1.935ms, 284.1 TFLOPS", "Fav2 bwd: 4.788ms,
+/// 287.1 TFLOPS" (28.7% and 29.0% of 989.4; FlashAttention-3's paper puts
+/// FlashAttention-2 at "only 35%" of the H100, its best setting). Elsewhere
+/// no figure is at hand: the device's large-GEMM efficiency.
+const A100_FLASH2: (f64, f64) = (197.0 / 312.0, 186.0 / 312.0);
+const H100_FLASH2: (f64, f64) = (284.1 / 989.4, 287.1 / 989.4);
 
 /// NVLink/NVSwitch and NCCL-over-InfiniBand latencies per hop: a few microseconds
 /// (NCCL's own tuning model uses ~1–2 µs per NVLink step and ~5 µs over the network).
@@ -111,8 +145,8 @@ const IB_LATENCY_S: f64 = 5e-6;
 /// Instinct MI300X datasheet): 1,307.4 TFLOP/s dense bf16/fp16, 163.4 fp32
 /// matrix, 192 GB HBM3 at 5.3 TB/s, 7 Infinity Fabric links × 64 GB/s = 448
 /// per direction, 304 CUs; one 400 Gb/s adapter per GPU. No large-GEMM
-/// efficiency measurement at hand for B200 and MI300X: the default 80%
-/// (a cluster section's `accelerator(…, matmul_efficiency = …)` sets it).
+/// efficiency measurement is taken for MI300X: the default 80% (a cluster
+/// section's `accelerator(…, matmul_efficiency = …)` sets it).
 /// Dense FP8 (the datasheets' sparse figures halved): H100 SXM, H200 and
 /// GH200 1,978.9 TFLOP/s; B200 72 PFLOP/s sparse for 8 = 4.5 PFLOP/s dense
 /// each; MI300X 2,614.9. A100 and V100 have no FP8 tensor cores.
@@ -138,44 +172,53 @@ pub fn catalog() -> Vec<Device> {
         memory_bytes: memory_gib * GIB,
         memory_bandwidth: bw,
         matmul_efficiency: A100_MAMF,
-        flash2_efficiency: A100_FLASH2,
+        // No FP8 tensor cores: `fp8=on` is refused before this is read.
+        fp8_matmul_efficiency: A100_MAMF,
+        flash2_efficiency: A100_FLASH2.0,
+        flash2_backward_efficiency: A100_FLASH2.1,
         intra_node: link("nvswitch", 300.0 * GB, NVLINK_LATENCY_S),
         inter_node: link("infiniband", 25.0 * GB, IB_LATENCY_S),
         devices_per_node: 8,
         multiprocessors: 108,
     };
-    let h100 =
-        |name: &str,
-         memory_bytes,
-         bw,
-         (host_memory_bytes, host_link_bandwidth, host_memory_bandwidth)| Device {
-            name: name.into(),
-            peak_bf16: 989.4 * TERA,
-            peak_fp16: 989.4 * TERA,
-            peak_fp32: 66.9 * TERA,
-            peak_fp8: 1978.9 * TERA,
-            host_memory_bytes,
-            host_link_bandwidth,
-            host_memory_bandwidth,
-            memory_bytes,
-            memory_bandwidth: bw,
-            matmul_efficiency: H100_MAMF,
-            flash2_efficiency: H100_FLASH2,
-            intra_node: link("nvswitch", 450.0 * GB, NVLINK_LATENCY_S),
-            inter_node: link("infiniband", 50.0 * GB, IB_LATENCY_S),
-            devices_per_node: 8,
-            multiprocessors: 132,
-        };
+    let h100 = |name: &str,
+                memory_bytes,
+                bw,
+                (host_memory_bytes, host_link_bandwidth, host_memory_bandwidth),
+                (matmul_efficiency, fp8_matmul_efficiency)| Device {
+        name: name.into(),
+        peak_bf16: 989.4 * TERA,
+        peak_fp16: 989.4 * TERA,
+        peak_fp32: 66.9 * TERA,
+        peak_fp8: 1978.9 * TERA,
+        host_memory_bytes,
+        host_link_bandwidth,
+        host_memory_bandwidth,
+        memory_bytes,
+        memory_bandwidth: bw,
+        matmul_efficiency,
+        fp8_matmul_efficiency,
+        flash2_efficiency: H100_FLASH2.0,
+        flash2_backward_efficiency: H100_FLASH2.1,
+        intra_node: link("nvswitch", 450.0 * GB, NVLINK_LATENCY_S),
+        inter_node: link("infiniband", 50.0 * GB, IB_LATENCY_S),
+        devices_per_node: 8,
+        multiprocessors: 132,
+    };
     // (host memory, host link, host memory bandwidth) per GPU.
     let dgx_h100 = (256 * GIB, 63.0 * GB, 76.8 * GB);
     let grace = (480 * GIB, 450.0 * GB, 512.0 * GB);
+    // (large-GEMM efficiency, FP8 large-GEMM efficiency): sustained at 700 W,
+    // or the GH200's bursts.
+    let at_700_w = (H100_MSMF, H100_FP8_MSMF);
+    let gh200 = (H100_MAMF, GH200_FP8_MAMF);
     vec![
         a100("A100-40GB", 40, 1555.0 * GB),
         a100("A100-80GB", 80, 2039.0 * GB),
-        h100("H100-SXM-80GB", 80 * GIB, 3350.0 * GB, dgx_h100),
-        h100("H200", 141_000_000_000, 4800.0 * GB, dgx_h100),
-        h100("GH200", 96 * GIB, 4000.0 * GB, grace),
-        h100("GH200-144GB", 144 * GIB, 4900.0 * GB, grace),
+        h100("H100-SXM-80GB", 80 * GIB, 3350.0 * GB, dgx_h100, at_700_w),
+        h100("H200", 141_000_000_000, 4800.0 * GB, dgx_h100, at_700_w),
+        h100("GH200", 96 * GIB, 4000.0 * GB, grace, gh200),
+        h100("GH200-144GB", 144 * GIB, 4900.0 * GB, grace, gh200),
         Device {
             name: "B200".into(),
             peak_bf16: 2250.0 * TERA,
@@ -187,8 +230,10 @@ pub fn catalog() -> Vec<Device> {
             host_memory_bandwidth: 89.6 * GB,
             memory_bytes: 180 * GIB,
             memory_bandwidth: 7700.0 * GB,
-            matmul_efficiency: DEFAULT_MAMF,
-            flash2_efficiency: DEFAULT_MAMF,
+            matmul_efficiency: B200_MSMF,
+            fp8_matmul_efficiency: B200_FP8_MSMF,
+            flash2_efficiency: B200_MSMF,
+            flash2_backward_efficiency: B200_MSMF,
             intra_node: link("nvswitch", 900.0 * GB, NVLINK_LATENCY_S),
             inter_node: link("infiniband", 50.0 * GB, IB_LATENCY_S),
             devices_per_node: 8,
@@ -206,7 +251,9 @@ pub fn catalog() -> Vec<Device> {
             memory_bytes: 192 * GIB,
             memory_bandwidth: 5300.0 * GB,
             matmul_efficiency: DEFAULT_MAMF,
+            fp8_matmul_efficiency: DEFAULT_MAMF,
             flash2_efficiency: DEFAULT_MAMF,
+            flash2_backward_efficiency: DEFAULT_MAMF,
             intra_node: link("infinity-fabric", 448.0 * GB, NVLINK_LATENCY_S),
             inter_node: link("infiniband", 50.0 * GB, IB_LATENCY_S),
             devices_per_node: 8,
@@ -224,7 +271,9 @@ pub fn catalog() -> Vec<Device> {
             memory_bytes: 32 * GIB,
             memory_bandwidth: 900.0 * GB,
             matmul_efficiency: DEFAULT_MAMF,
+            fp8_matmul_efficiency: DEFAULT_MAMF,
             flash2_efficiency: DEFAULT_MAMF,
+            flash2_backward_efficiency: DEFAULT_MAMF,
             intra_node: link("nvlink", 150.0 * GB, NVLINK_LATENCY_S),
             inter_node: link("infiniband", 6.25 * GB, IB_LATENCY_S),
             devices_per_node: 8,
@@ -242,7 +291,9 @@ pub fn catalog() -> Vec<Device> {
             memory_bytes: 16 * GIB,
             memory_bandwidth: 20.0 * GB,
             matmul_efficiency: DEFAULT_MAMF,
+            fp8_matmul_efficiency: DEFAULT_MAMF,
             flash2_efficiency: DEFAULT_MAMF,
+            flash2_backward_efficiency: DEFAULT_MAMF,
             intra_node: link("shm", 10.0 * GB, 1e-6),
             inter_node: link("ethernet", 1.25 * GB, 20e-6),
             devices_per_node: 1024,
@@ -415,8 +466,17 @@ fn custom_device(d: &dplc_ir::DeviceSpec, spec: &ClusterSpec) -> Result<Device, 
         memory_bytes: d.memory_bytes,
         memory_bandwidth: d.memory_bandwidth,
         matmul_efficiency: d.matmul_efficiency.unwrap_or(DEFAULT_MAMF),
+        fp8_matmul_efficiency: d
+            .fp8_matmul_efficiency
+            .or(d.matmul_efficiency)
+            .unwrap_or(DEFAULT_MAMF),
         flash2_efficiency: d
             .flash2_efficiency
+            .or(d.matmul_efficiency)
+            .unwrap_or(DEFAULT_MAMF),
+        flash2_backward_efficiency: d
+            .flash2_backward_efficiency
+            .or(d.flash2_efficiency)
             .or(d.matmul_efficiency)
             .unwrap_or(DEFAULT_MAMF),
         intra_node: unused(),

@@ -10,7 +10,7 @@ use crate::sharding::{GemmSplit, Pass, TpCollectiveKind};
 use dplc_ir::{
     AttentionKind, AxisComm, CollectiveKind, Compression, Elementwise, GradAccum, GradSync,
     LinkLevel, MemoryBreakdown, MeshAxis, Offload, PipelineSchedule, Precision, Recompute,
-    TimeBreakdown, TpOverlap,
+    ShardLayout, TimeBreakdown, TpOverlap,
 };
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -22,6 +22,22 @@ pub(crate) const NCCL_EFFICIENCY: f64 = 0.8;
 /// Streaming kernels reach about 80% of HBM bandwidth (BabelStream-class
 /// measurements on A100/H100 land at 80–90% of the datasheet figure).
 pub(crate) const MEMORY_EFFICIENCY: f64 = 0.8;
+/// Compute runs slower while collectives run beside it: their kernels take
+/// SMs and memory bandwidth from the kernels they overlap. Lee et al. 2025
+/// ("Characterizing Compute-Communication Overlap in GPU-Accelerated
+/// Distributed Deep Learning: Performance and Power Implications",
+/// arXiv:2507.03114), training GPT and Llama models on A100, H100, MI250
+/// and MI210: "overlapping computation and communication can result in an
+/// average computational slowdown of 18.9%, with a maximum of 40.0%",
+/// against the same compute with no communication beside it.
+const OVERLAP_COMPUTE_SLOWDOWN: f64 = 0.189;
+
+/// What `hidden_s` seconds of communication overlapped with compute add to
+/// the step: while they run compute advances at 1/(1 + s) of its pace, so
+/// over them it does `hidden_s/(1 + s)` seconds of work and the rest waits.
+pub fn overlap_slowdown(hidden_s: f64) -> f64 {
+    hidden_s * OVERLAP_COMPUTE_SLOWDOWN / (1.0 + OVERLAP_COMPUTE_SLOWDOWN)
+}
 /// CUDA kernel launch and framework dispatch, per kernel (a few microseconds).
 pub(crate) const KERNEL_OVERHEAD_S: f64 = 4e-6;
 /// What a GPU process holds besides the plan's tensors: the CUDA context
@@ -113,6 +129,8 @@ pub(crate) struct Config {
     pub offload: Offload,
     /// Elementwise ops fused into chains, or one kernel each (`elementwise=eager`).
     pub elementwise: Elementwise,
+    /// Where ZeRO-3 keeps what it gathers and reduces (`shards=per_param`: FSDP2's copies).
+    pub shards: ShardLayout,
     /// How replicas combine gradients (`sync=`); priced by [`CostModel::dp_reduction`].
     pub sync: GradSync,
     /// What the data-parallel reduction sends (`compress=`).
@@ -433,15 +451,16 @@ impl<'a> CostModel<'a> {
     }
 
     fn gemm_time(&self, m: f64, n: f64, flops: f64, bytes: f64) -> f64 {
-        self.gemm_time_at(self.peak_flops, m, n, flops, bytes)
+        let rate = self.peak_flops * self.cluster.device.matmul_efficiency;
+        self.gemm_time_at(rate, m, n, flops, bytes)
     }
 
-    /// A GEMM's time at the tensor-core rate `peak` (the training
+    /// A GEMM's time at the sustained tensor-core rate `rate` (the training
     /// precision's, or FP8's).
-    fn gemm_time_at(&self, peak: f64, m: f64, n: f64, flops: f64, bytes: f64) -> f64 {
+    fn gemm_time_at(&self, rate: f64, m: f64, n: f64, flops: f64, bytes: f64) -> f64 {
         let dev = &self.cluster.device;
         let waves = wave_efficiency(m, n, dev.multiprocessors);
-        let compute = flops / (peak * dev.matmul_efficiency * waves);
+        let compute = flops / (rate * waves);
         let memory = bytes / (dev.memory_bandwidth * MEMORY_EFFICIENCY);
         compute.max(memory) + KERNEL_OVERHEAD_S
     }
@@ -510,7 +529,7 @@ impl<'a> CostModel<'a> {
         // layer and the attention core stay in the training precision, as
         // Transformer Engine's layers run them.
         let fp8 = c.fp8 && matches!(part, Part::Layer(_));
-        let fp8_peak = self.cluster.device.peak_fp8;
+        let fp8_rate = self.cluster.device.peak_fp8 * self.cluster.device.fp8_matmul_efficiency;
         let (mut attention_flops, mut attention_bytes) = (0.0, 0.0);
         // Each GEMM's forward time: what tensor-parallel collectives hide behind.
         let mut gemm_times: HashMap<dplc_ir::NodeId, f64> = HashMap::new();
@@ -594,7 +613,7 @@ impl<'a> CostModel<'a> {
                         // input in forward; in backward the output gradient,
                         // once more transposed for the weight gradient.
                         let bytes = (m * k + k * n) / div + m * n * elt / div;
-                        let t = self.gemm_time_at(fp8_peak, mt, nt, flops, bytes);
+                        let t = self.gemm_time_at(fp8_rate, mt, nt, flops, bytes);
                         let cast_in = self.memory_time(m * k * (elt + 1.0) / div);
                         let cast_grad = self.memory_time(m * n * (elt + 2.0) / div);
                         gemm_times.insert(op.node, t);
@@ -643,17 +662,22 @@ impl<'a> CostModel<'a> {
         if attention_flops > 0.0 {
             let dev = &self.cluster.device;
             let causal = if r.causal { 0.5 } else { 1.0 };
-            let efficiency = match c.attention {
-                AttentionKind::Flash2 => dev.flash2_efficiency,
-                AttentionKind::Fused | AttentionKind::Unfused => dev.matmul_efficiency,
+            let (forward, backward) = match c.attention {
+                AttentionKind::Flash2 => (dev.flash2_efficiency, dev.flash2_backward_efficiency),
+                AttentionKind::Fused | AttentionKind::Unfused => {
+                    (dev.matmul_efficiency, dev.matmul_efficiency)
+                }
             };
-            let t = (causal * attention_flops / (self.peak_flops * efficiency))
-                .max(attention_bytes / (dev.memory_bandwidth * MEMORY_EFFICIENCY))
-                + KERNEL_OVERHEAD_S;
+            let pass = |efficiency: f64| {
+                (causal * attention_flops / (self.peak_flops * efficiency))
+                    .max(attention_bytes / (dev.memory_bandwidth * MEMORY_EFFICIENCY))
+                    + KERNEL_OVERHEAD_S
+            };
+            let t = pass(forward);
             pc.forward += t;
             // The backward's block matmuls: Q·Kᵀ again, dV, dP, dQ and dK —
-            // five to the forward's two.
-            pc.backward += 2.5 * t;
+            // five to the forward's two, at the backward kernel's own rate.
+            pc.backward += 2.5 * pass(backward);
             selective = 0.0;
         }
         let layer = matches!(part, Part::Layer(_));
@@ -946,12 +970,31 @@ impl<'a> CostModel<'a> {
         if i as u64 == c.pp - 1 {
             s.add(&parts.post, 1.0);
         }
+        let bandwidth = self.cluster.device.memory_bandwidth * MEMORY_EFFICIENCY;
         if c.grad_accum == GradAccum::Separate {
             // A memory-bound pass over the stage's weight gradients after
             // each micro-batch's backward.
             let (params, _) = self.stage_params(c, i as u64, &shares);
-            s.backward += params * separate_accum_bytes(self.profile.precision)
-                / (self.cluster.device.memory_bandwidth * MEMORY_EFFICIENCY);
+            s.backward += params * separate_accum_bytes(self.profile.precision) / bandwidth;
+        }
+        if c.zero >= 3 && c.shards == ShardLayout::PerParam {
+            // FSDP2 (pytorch/pytorch torch/distributed/fsdp/_fully_shard/
+            // _fsdp_collectives.py @ 010ae4a89516fa3be548ab16dff711414ec12d0b):
+            // on the compute stream, `foreach_all_gather_copy_out` copies
+            // each all-gather's output into the parameters
+            // (`split_with_sizes_copy`: read and write the gathered weights),
+            // in forward and again in backward, and `foreach_reduce` copies
+            // the gradients into the reduce-scatter's input cast to the
+            // reduction's precision (`_chunk_cat`: read the gradient, write
+            // it as the fp32 one the reduce-scatter sends).
+            let (params, expert) = self.stage_params(c, i as u64, &shares);
+            let dense = params - expert;
+            let (w, grad) = match self.profile.precision {
+                Precision::Fp32 => (4.0, 4.0),
+                p => (p.bytes() as f64, GRAD_BYTES),
+            };
+            s.forward += dense * 2.0 * w / bandwidth;
+            s.backward += dense * (2.0 * w + w + grad) / bandwidth;
         }
         s
     }
@@ -1077,26 +1120,6 @@ impl<'a> CostModel<'a> {
             .copied()
             .max_by(|a, b| a.total().total_cmp(&b.total()))
             .expect("at least one stage");
-        // Every stage runs at the slowest stage's pace, so fill and drain cost
-        // p − 1 slots of it (of 1/v of it under interleaving): the bubble
-        // (p − 1)/(v·m) of Narayanan et al. 2021, and exactly the makespan of
-        // the schedule `timeline` lays out.
-        // Under interleaving a slot is a chunk's time: a stage whose layers
-        // do not split evenly over its chunks is paced by its largest chunk.
-        let bubble = (p - 1) as f64
-            * stages
-                .iter()
-                .zip(counts)
-                .map(|(s, &n)| {
-                    let chunks = c.virtual_stages.max(1);
-                    if n.is_multiple_of(chunks) {
-                        s.total() / v
-                    } else {
-                        s.total() * n.div_ceil(chunks) as f64 / n as f64
-                    }
-                })
-                .fold(0.0, f64::max);
-
         let boundary = self.boundary_bytes(c);
         let pp_link = self.link(c, MeshAxis::Pp);
         // Megatron's scatter/gather optimisation sends 1/tp of the boundary
@@ -1287,7 +1310,30 @@ impl<'a> CostModel<'a> {
             exposed_s,
             hidden_s,
         })
-        .collect();
+        .collect::<Vec<_>>();
+        let overlap_slowdown = overlap_slowdown(comm_by_axis.iter().map(|a| a.hidden_s).sum());
+        // Every stage runs at the slowest stage's pace, so fill and drain cost
+        // p − 1 slots of it (of 1/v of it under interleaving): the bubble
+        // (p − 1)/(v·m) of Narayanan et al. 2021, and exactly the makespan of
+        // the schedule `timeline` lays out. A slot is a micro-batch's pass
+        // with its share of the overlap slowdown.
+        // Under interleaving a slot is a chunk's time: a stage whose layers
+        // do not split evenly over its chunks is paced by its largest chunk.
+        let stretch = overlap_slowdown / m;
+        let bubble = (p - 1) as f64
+            * stages
+                .iter()
+                .zip(counts)
+                .map(|(s, &n)| {
+                    let chunks = c.virtual_stages.max(1);
+                    let slot = s.total() + stretch;
+                    if n.is_multiple_of(chunks) {
+                        slot / v
+                    } else {
+                        slot * n.div_ceil(chunks) as f64 / n as f64
+                    }
+                })
+                .fold(0.0, f64::max);
 
         TimeBreakdown {
             compute_s: m * (slowest.forward + slowest.backward + slowest.recompute),
@@ -1298,6 +1344,7 @@ impl<'a> CostModel<'a> {
             bubble_s: bubble,
             exposed_dp_comm_s: exposed_dp,
             optimizer_s: optimizer,
+            overlap_slowdown_s: overlap_slowdown,
             offload_s: offload,
             offload_bytes: offload_bytes as u64,
             dp_link_bytes: ((dense_cut.link_bytes + expert_cut.link_bytes)
@@ -1314,5 +1361,6 @@ pub(crate) fn step_total(t: &TimeBreakdown) -> f64 {
         + t.bubble_s
         + t.exposed_dp_comm_s
         + t.optimizer_s
+        + t.overlap_slowdown_s
         + t.offload_s
 }

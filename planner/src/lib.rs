@@ -19,6 +19,7 @@ mod strategy;
 mod timeline;
 
 pub use cluster::{catalog, cluster_from_spec, device, parse_cluster, Cluster, Device, Link};
+pub use cost::overlap_slowdown;
 pub use error::PlanError;
 pub use layouts::LayoutStats;
 pub use megatron::derive_layout;

@@ -70,6 +70,7 @@ pub(crate) fn strategy(c: &Config, global_batch: u64, seq: u64) -> Strategy {
         fp8: c.fp8,
         offload: c.offload,
         elementwise: c.elementwise,
+        shards: c.shards,
         sync: c.sync,
         compress: c.compress,
     }
@@ -144,6 +145,10 @@ fn reason(best: &Candidate, alt: &Candidate) -> String {
             a.exposed_dp_comm_s - b.exposed_dp_comm_s,
         ),
         ("optimizer step", a.optimizer_s - b.optimizer_s),
+        (
+            "compute slowed by overlapped communication",
+            a.overlap_slowdown_s - b.overlap_slowdown_s,
+        ),
         ("host-link traffic", a.offload_s - b.offload_s),
     ];
     let (name, delta) = terms
@@ -486,16 +491,23 @@ pub(crate) fn build_plan(
     let c = best.config;
     let mut cost = CostModel::new(profile, cluster, seq);
     let mut first = 0;
+    // A micro-batch's share of what overlapped communication costs compute.
+    let stretch = best.time.overlap_slowdown_s / c.num_micro_batches.max(1) as f64;
     let stages: Vec<StagePlan> = (0..c.pp)
         .map(|i| {
             let layers = best.counts[i as usize];
             let pass = cost.stage_pass(&c, &best.counts, i as usize);
-            // Exposed communication is charged to each pass in proportion to its compute.
+            // Exposed communication and the overlap slowdown are charged to
+            // each pass in proportion to its compute.
             let work = pass.forward + pass.backward + pass.recompute;
-            let comm_share = if work > 0.0 { pass.comm / work } else { 0.0 };
+            let share = if work > 0.0 {
+                (pass.comm + stretch) / work
+            } else {
+                0.0
+            };
             let s = StagePlan {
-                forward_s: pass.forward * (1.0 + comm_share),
-                backward_s: (pass.backward + pass.recompute) * (1.0 + comm_share),
+                forward_s: pass.forward * (1.0 + share),
+                backward_s: (pass.backward + pass.recompute) * (1.0 + share),
                 stage: i,
                 first_layer: first,
                 layers,
@@ -614,7 +626,11 @@ fn time_line(t: &TimeBreakdown) -> String {
         t.bubble_s,
         t.exposed_dp_comm_s,
         t.optimizer_s
-    ) + &if t.offload_s > 0.0 {
+    ) + &if t.overlap_slowdown_s > 0.0 {
+        format!(", overlap slowdown {:.3} s", t.overlap_slowdown_s)
+    } else {
+        String::new()
+    } + &if t.offload_s > 0.0 {
         format!(", offload {:.3} s", t.offload_s)
     } else {
         String::new()
@@ -898,6 +914,7 @@ pub fn to_json(compiled: &Compiled) -> serde_json::Value {
                 "bubble_s": e.breakdown.bubble_s,
                 "exposed_dp_comm_s": e.breakdown.exposed_dp_comm_s,
                 "optimizer_s": e.breakdown.optimizer_s,
+                "overlap_slowdown_s": e.breakdown.overlap_slowdown_s,
                 "offload_s": e.breakdown.offload_s,
             },
             "memory_by_stage": p.stages.iter().map(|st| json!({

@@ -265,6 +265,7 @@ pub(crate) fn search(
                                 fp8: pins.fp8.unwrap_or(false),
                                 offload: Offload::NONE,
                                 elementwise: pins.elementwise.unwrap_or_default(),
+                                shards: pins.shards.unwrap_or_default(),
                                 sync: GradSync::AllReduce,
                                 compress: Compression::None,
                             };

@@ -4,7 +4,7 @@
 use crate::PlanError;
 use dplc_ir::{
     AttentionKind, Compression, Elementwise, GradAccum, GradSync, PipelineSchedule, Recompute,
-    RootSplit, TpOverlap,
+    RootSplit, ShardLayout, TpOverlap,
 };
 use std::fmt;
 
@@ -54,6 +54,10 @@ pub struct StrategyConstraints {
     /// `elementwise=fused|eager`: eager runs every elementwise op as its own
     /// kernel (PyTorch without torch.compile); the search fuses them.
     pub elementwise: Option<Elementwise>,
+    /// `shards=flat|per_param`: where ZeRO-3 keeps what it gathers and
+    /// reduces (`per_param`: FSDP2's copies in and out); the search keeps
+    /// flat buffers, as dplc's runtime does.
+    pub shards: Option<ShardLayout>,
     /// `sync=allreduce|ps|async`; the search all-reduces unless the user
     /// allows it to choose (`--allow sync`), as the others change the
     /// training dynamics.
@@ -181,6 +185,7 @@ impl StrategyConstraints {
             fp8: s.fp8.then_some(true),
             offload: (!s.offload.is_none()).then_some(s.offload),
             elementwise: (s.elementwise != Elementwise::Fused).then_some(s.elementwise),
+            shards: (s.shards != ShardLayout::Flat).then_some(s.shards),
             sync: (!s.sync.is_all_reduce()).then_some(SyncMode::of(s.sync)),
             ps_shards: s.sync.ps_shards(),
             staleness: match s.sync {
@@ -393,6 +398,17 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
                     }
                 })
             }
+            "shards" => {
+                c.shards = Some(match value.to_ascii_lowercase().as_str() {
+                    "flat" => ShardLayout::Flat,
+                    "per_param" | "per-param" => ShardLayout::PerParam,
+                    _ => {
+                        return Err(err(format!(
+                            "shards is flat or per_param, got `{value}`"
+                        )))
+                    }
+                })
+            }
             "offload" => {
                 c.offload = Some(
                     dplc_ir::Offload::parse(&value.to_ascii_lowercase()).ok_or_else(|| {
@@ -444,7 +460,7 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
             }
             _ => {
                 return Err(err(format!(
-                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap, attention, tp_overlap, grad_accum, root, order, stages, fp8, offload, elementwise, sync, ps_shards, staleness, compress"
+                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap, attention, tp_overlap, grad_accum, root, order, stages, fp8, offload, elementwise, shards, sync, ps_shards, staleness, compress"
                 )))
             }
         }
@@ -500,6 +516,7 @@ fn choice_of(key: &str) -> Option<&'static str> {
         "fp8" => "fp8",
         "offload" => "offload",
         "elementwise" => "elementwise",
+        "shards" => "shards",
         "sync" => "sync",
         "ps_shards" => "ps_shards",
         "staleness" => "staleness",
@@ -564,6 +581,9 @@ impl fmt::Display for StrategyConstraints {
         if let Some(e) = self.elementwise {
             parts.push(format!("elementwise={}", e.name()));
         }
+        if let Some(s) = self.shards {
+            parts.push(format!("shards={}", s.name()));
+        }
         if let Some(s) = self.sync {
             parts.push(format!("sync={}", s.name()));
         }
@@ -589,7 +609,7 @@ mod tests {
 
     #[test]
     fn reads_every_key_and_prints_it_back() {
-        let s = "tp=8,pp=8,dp=24,cp=1,ep=1,mb=1,zero=1,schedule=interleaved,v=2,recompute=selective,sp=on,overlap=off,attention=unfused,tp_overlap=ring,elementwise=eager";
+        let s = "tp=8,pp=8,dp=24,cp=1,ep=1,mb=1,zero=1,schedule=interleaved,v=2,recompute=selective,sp=on,overlap=off,attention=unfused,tp_overlap=ring,elementwise=eager,shards=per_param";
         let c = parse_strategy(s).unwrap();
         assert_eq!(c.tp, Some(8));
         assert_eq!(c.schedule, Some(PipelineSchedule::Interleaved));
@@ -599,6 +619,7 @@ mod tests {
         assert_eq!(c.attention, Some(AttentionKind::Unfused));
         assert_eq!(c.tp_overlap, Some(TpOverlap::Ring));
         assert_eq!(c.elementwise, Some(Elementwise::Eager));
+        assert_eq!(c.shards, Some(ShardLayout::PerParam));
         assert_eq!(parse_strategy(&c.to_string()).unwrap(), c);
     }
 
@@ -625,6 +646,7 @@ mod tests {
         assert!(parse_strategy("overlap=maybe").is_err());
         assert!(parse_strategy("attention=sometimes").is_err());
         assert!(parse_strategy("elementwise=lazy").is_err());
+        assert!(parse_strategy("shards=bucketed").is_err());
         assert!(parse_strategy("schedule=1f1b,v=2").is_err());
     }
 

@@ -176,9 +176,19 @@ fn gradient_reduction_after_backward_is_wholly_exposed_and_kept_in_the_plan() {
         false,
     );
     let (t_on, t_off) = (&on.plan.estimate.breakdown, &off.plan.estimate.breakdown);
-    // Everything but the data-parallel term is the same plan.
+    // Everything but the data-parallel term is the same plan, and what
+    // the reduction hidden behind backward costs the compute beside it: the
+    // slowdown, and its share of each fill and drain slot of the bubble
+    // ((p − 1)/(v·m) of it, p 8, v 2, m 48).
     assert_eq!(t_on.compute_s, t_off.compute_s);
-    assert_eq!(t_on.bubble_s, t_off.bubble_s);
+    let slower = t_on.overlap_slowdown_s - t_off.overlap_slowdown_s;
+    assert!(slower > 0.0, "{slower}");
+    within(
+        t_on.bubble_s - t_off.bubble_s,
+        slower * 7.0 / (2.0 * 48.0),
+        1e-9,
+        "the bubble's share of the slowdown, s",
+    );
     assert!(
         t_off.exposed_dp_comm_s > t_on.exposed_dp_comm_s,
         "{} vs {}",
@@ -582,6 +592,87 @@ fn separate_gradient_accumulation_adds_one_pass_per_micro_batch() {
     );
     let sep = serde_json::to_value(&separate.plan).unwrap();
     assert_eq!(sep["strategy"]["grad_accum"], "Separate");
+}
+
+/// FSDP2's per-parameter shards (`shards=per_param`) cost, per micro-batch,
+/// the copies it makes on the compute stream: each all-gather's output
+/// copied out into the parameters, in forward and again in backward (read
+/// and write 2 bytes each in bf16), and the gradients copied into the
+/// reduce-scatter's fp32 input (read 2, write 4): 14 bytes a gathered
+/// parameter. Only compute moves, by exactly that; below ZeRO-3 nothing is
+/// gathered and the key changes nothing; plans written before it read as flat.
+#[test]
+fn per_parameter_shards_add_fsdp2_copies_per_micro_batch() {
+    let base = "tp=1,pp=1,dp=8,mb=1,recompute=none,attention=fused";
+    let at = |zero: u8, shards: &str| {
+        plan_as_pinned(
+            GPT_1_7B,
+            "8xA100",
+            32,
+            &format!("{base},zero={zero},shards={shards}"),
+        )
+    };
+    let (flat, per_param) = (at(3, "flat"), at(3, "per_param"));
+    let (f, p) = (
+        &flat.plan.estimate.breakdown,
+        &per_param.plan.estimate.breakdown,
+    );
+    let m = per_param.plan.strategy.num_micro_batches as f64;
+    assert_eq!(m, 4.0);
+    let want = m * per_param.plan.params as f64 * 14.0 / (2039e9 * 0.8);
+    within(p.compute_s - f.compute_s, want, 0.01, "FSDP2's copies, s");
+    assert_eq!(f.exposed_comm_s, p.exposed_comm_s);
+    assert_eq!(
+        at(1, "flat").plan.estimate.step_time_s,
+        at(1, "per_param").plan.estimate.step_time_s
+    );
+    let json = serde_json::to_value(&flat.plan).unwrap();
+    assert!(
+        json["strategy"].get("shards").is_none(),
+        "flat is not written"
+    );
+    let json = serde_json::to_value(&per_param.plan).unwrap();
+    assert_eq!(json["strategy"]["shards"], "PerParam");
+}
+
+/// Communication hidden behind compute slows the compute beside it by
+/// 18.9% (Lee et al. 2025, the average they measured): the step grows by
+/// 0.189/1.189 of the hidden seconds, which `overlap_slowdown` prices and
+/// the breakdown keeps; with nothing hidden (replicated state reduced after
+/// backward, no tensor-parallel overlap) nothing is added.
+#[test]
+fn hidden_communication_slows_the_compute_beside_it() {
+    let base = "tp=2,pp=1,dp=4,mb=1,recompute=none,attention=fused";
+    let hidden = |p: &dplc_ir::Plan| -> f64 {
+        p.estimate
+            .breakdown
+            .comm_by_axis
+            .iter()
+            .map(|a| a.hidden_s)
+            .sum()
+    };
+    let overlapped = plan_as_pinned(
+        GPT_1_7B,
+        "8xA100",
+        32,
+        &format!("{base},zero=1,tp_overlap=async"),
+    );
+    let b = &overlapped.plan.estimate.breakdown;
+    assert!(hidden(&overlapped.plan) > 0.0);
+    within(
+        b.overlap_slowdown_s,
+        hidden(&overlapped.plan) * 0.189 / 1.189,
+        1e-9,
+        "the slowdown, s",
+    );
+    let exposed = plan_as_pinned(
+        GPT_1_7B,
+        "8xA100",
+        32,
+        &format!("{base},zero=0,tp_overlap=none,overlap=off"),
+    );
+    assert_eq!(hidden(&exposed.plan), 0.0);
+    assert_eq!(exposed.plan.estimate.breakdown.overlap_slowdown_s, 0.0);
 }
 
 /// `root=replicated` prices the embedding, head and loss whole on every

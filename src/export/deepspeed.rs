@@ -88,6 +88,12 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
             },
         ));
     }
+    if s.shards == dplc_ir::ShardLayout::PerParam {
+        gaps.push(Gap::new(
+            "ZeRO-3 per parameter (FSDP2's copies; DeepSpeed gathers into flat buffers)",
+            |p| p.shards = None,
+        ));
+    }
     if s.fp8 {
         gaps.push(Gap::new(
             "FP8 GEMMs (a ds_config has no FP8; Transformer Engine runs them in Megatron-LM)",

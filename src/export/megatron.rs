@@ -87,6 +87,12 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
             |p| p.grad_accum = Some(GradAccum::Separate),
         ));
     }
+    if s.shards == dplc_ir::ShardLayout::PerParam {
+        gaps.push(Gap::new(
+            "ZeRO-3 per parameter (FSDP2's copies; Megatron's FSDP gathers into flat buffers)",
+            |p| p.shards = None,
+        ));
+    }
     if s.recompute == Recompute::Op {
         gaps.push(Gap::new(
             "op-level selective checkpointing (torchtitan's; Megatron recomputes the attention core or whole layers)",

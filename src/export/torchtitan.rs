@@ -70,6 +70,13 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
             move |p| p.zero = Some(zero),
         ));
     }
+    if s.zero_stage == 3 && s.shards == dplc_ir::ShardLayout::Flat {
+        gaps.push(Gap::new(
+            "ZeRO-3 in flat buffers (FSDP2 shards each parameter: it copies every all-gather out \
+             into the parameters and the gradients into each reduce-scatter)",
+            |p| p.shards = Some(dplc_ir::ShardLayout::PerParam),
+        ));
+    }
     if m.dp > 1 && !s.overlap_grad_reduce {
         gaps.push(Gap::new(
             "the gradient reduction after backward (FSDP2 and DDP overlap it)",
