@@ -72,7 +72,9 @@ pub struct ContextTraffic {
     /// Every all-gather along the sequence, per run of its region.
     pub gathers: Vec<ContextGather>,
     /// Nodes of the model every cp rank runs on the whole sequence: what a
-    /// gather feeds that is not split again (MoE routing, the loss's mean).
+    /// gather feeds that is not split again (MoE routing, the loss's mean),
+    /// and what is built from positions alone (rotary tables, masks, a
+    /// relative position bias).
     pub whole: HashSet<NodeId>,
 }
 

@@ -98,7 +98,8 @@ pub(crate) struct OpCost {
     /// Part of the core attention: recomputed under selective recomputation.
     pub attention_core: bool,
     /// Run on the whole sequence by every context-parallel rank
-    /// (`dplc_ir::context_traffic`): MoE routing, the loss's mean.
+    /// (`dplc_ir::context_traffic`): MoE routing, the loss's mean, the
+    /// tables built from positions.
     pub whole_sequence: bool,
 }
 
@@ -163,9 +164,8 @@ pub(crate) struct RegionProfile {
     pub collectives: Vec<CollectiveCost>,
     /// Bytes all-gathered along the sequence under context parallelism,
     /// per rank's share (`dplc_ir::context_traffic`): the operands of
-    /// attention's two matmuls that carry the keys (K and V), a window
-    /// mask's key positions, the per-token losses before their mean, an MoE
-    /// layer's tokens before routing.
+    /// attention's two matmuls that carry the keys (K and V), the per-token
+    /// losses before their mean, an MoE layer's tokens before routing.
     pub cp_gather_bytes: Poly,
     /// Of those, the ones whose gradients are reduce-scattered back.
     pub cp_reduce_scatter_bytes: Poly,
