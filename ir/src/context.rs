@@ -269,7 +269,7 @@ pub fn context_chunks(len: usize, cp: usize, rank: usize) -> Option<[std::ops::R
 /// same arithmetic as a kernel index.
 pub fn context_position(len: usize, cp: usize, rank: usize, i: usize) -> usize {
     let chunk = (len / 2).max(1);
-    i + rank * chunk + (i / chunk) * (cp - 1 - rank) * len
+    i + rank * chunk + (i / chunk) * cp.saturating_sub(rank + 1) * len
 }
 
 fn invalid(detail: String) -> IrError {
@@ -894,5 +894,30 @@ impl<'g> Split<'g> {
     /// The whole dims of `x`, split along `a`.
     fn whole_dims(&self, x: TensorId, a: usize) -> Option<Vec<Dim>> {
         self.whole_shape(x, a).ok().map(|s| s.dims().to_vec())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{context_chunks, context_position};
+
+    /// A rank's positions, mapped one by one, are its two chunks in order.
+    #[test]
+    fn positions_are_the_ranks_chunks() {
+        for cp in 1..=4 {
+            let seq = 2 * cp * 3;
+            for rank in 0..cp {
+                let want: Vec<usize> = context_chunks(seq, cp, rank)
+                    .expect("2·cp divides seq")
+                    .into_iter()
+                    .flatten()
+                    .collect();
+                let len = seq / cp;
+                let got: Vec<usize> = (0..len)
+                    .map(|i| context_position(len, cp, rank, i))
+                    .collect();
+                assert_eq!(got, want, "cp {cp} rank {rank}");
+            }
+        }
     }
 }
