@@ -83,6 +83,9 @@ pub struct ContextTraffic {
 pub struct ContextGather {
     /// The node of the model that reads the gathered value.
     pub reader: NodeId,
+    /// The model's value gathered (`None` for one the rewrite made): a
+    /// layout that splits it over tp gathers each tp rank's share.
+    pub value: Option<TensorId>,
     /// Elements of the whole (gathered) tensor.
     pub elements: Dim,
     /// Whether its gradient is reduce-scattered back (a value with a gradient).
@@ -97,6 +100,11 @@ pub fn context_traffic(graph: &Graph) -> Option<ContextTraffic> {
     let local = &pass.local;
     let grads = crate::GradPlan::new(local);
     let model_nodes = graph.nodes().len();
+    let model_tensors: HashSet<TensorId> = graph
+        .nodes()
+        .flat_map(|(_, n)| n.outputs.iter().copied())
+        .chain(graph.regions().flat_map(|(_, r)| r.args.iter().copied()))
+        .collect();
     let mut out = ContextTraffic::default();
     let has_seq = |t: TensorId| {
         local
@@ -150,6 +158,7 @@ pub fn context_traffic(graph: &Graph) -> Option<ContextTraffic> {
             if let Some(elements) = elements {
                 out.gathers.push(ContextGather {
                     reader,
+                    value: model_tensors.contains(&t).then_some(t),
                     elements,
                     grad: grads.needs_grad(t),
                 });
