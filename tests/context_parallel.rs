@@ -1,8 +1,11 @@
-//! Context parallelism on CPU ranks: every zoo model's tiny variant under
-//! cp2 and cp2 × dp2, on the reference interpreter and the fused kernels,
-//! reproduces the reference's serial run over the same global batch, seed
-//! and data: the loss at each of five steps within 1e-5 (relative) and,
-//! with SGD, every parameter within 1e-5 normwise relative.
+//! Context parallelism on CPU ranks: every zoo model's tiny variant with a
+//! sequence under cp2, cp2 × dp2, cp2 × tp2 (with and without sequence
+//! parallelism), cp2 × dp2 × ep2 (the MoE models) and cp2 × pp2, on the
+//! reference interpreter and the fused kernels, reproduces the reference's
+//! serial run over the same global batch, seed and data — dropout masks
+//! included (t5_tiny's, a gpt_tiny with dropout): the loss at each of five
+//! steps within 1e-5 (relative) and, with SGD, every parameter within 1e-5
+//! normwise relative.
 //!
 //! Each cp rank holds chunks `r` and `2·cp−1−r` of every sample (the causal
 //! load balancing of Megatron-LM and torchtitan), so at seq 16 under cp2
@@ -197,6 +200,43 @@ fn dropout_under_context_parallelism_draws_the_serial_masks() {
         {
             let name = format!("{model} {name} ({})", compute.name());
             let got = run(&src, model, &cfg, Opt::Sgd);
+            assert_losses(&name, &base.steps, &got.steps);
+            let (d, at) = base.params.max_rel_diff(&got.params, 1e-3);
+            assert!(d < PARAM_TOL, "{name}: parameters differ by {d:e} at {at}");
+        }
+    }
+}
+
+/// A value with two sequence axes read at the rank's positions along both:
+/// scores made symmetric (`s + sᵀ`) hold the rank's queries along one axis
+/// and, transposed, along the other; the transposed one is gathered and
+/// sliced to the rank's positions along its other axis, its gradient
+/// reduce-scattered back. Both computes reproduce the serial run.
+#[test]
+fn a_value_read_along_two_sequence_axes_is_gathered_then_sliced() {
+    let src = "model sym(vocab = 256, d = 64, layers = 2) {\n\
+               input tokens: i32[batch, seq]\n\
+               input targets: i32[batch, seq]\n\
+               param embed: [vocab, d]\n\
+               h = embedding(embed, tokens)\n\
+               repeat layers {\n\
+                   x = rms_norm(h, d, name = \"n1\")\n\
+                   param wq: [d, d]\n\
+                   param wk: [d, d]\n\
+                   s = (x @ wq) @ transpose(x @ wk, 1, 2) * 0.125\n\
+                   h = h + softmax(s + transpose(s, 1, 2), -1) @ x\n\
+               }\n\
+               param output: [d, vocab]\n\
+               return cross_entropy(rms_norm(h, d, name = \"n\") @ output, targets)\n\
+               }\n";
+    let base = run(src, "sym", &serial(), Opt::Sgd);
+    for compute in [Compute::Reference, Compute::Fused] {
+        for (name, cfg) in splits(compute)
+            .into_iter()
+            .filter(|(n, _)| matches!(*n, "cp2" | "cp2 dp2"))
+        {
+            let name = format!("sym {name} ({})", compute.name());
+            let got = run(src, "sym", &cfg, Opt::Sgd);
             assert_losses(&name, &base.steps, &got.steps);
             let (d, at) = base.params.max_rel_diff(&got.params, 1e-3);
             assert!(d < PARAM_TOL, "{name}: parameters differ by {d:e} at {at}");

@@ -55,10 +55,11 @@ fn golden_local_program_gpt_tiny_tp2_sp() {
 
 /// A rank's program under context parallelism 2 (`dplc_ir::split_context`),
 /// for Mistral's sliding window: the sequence axes at `seq/2`, the K and V
-/// operands (and the window's key positions) all-gathered as
-/// `relayout[context(a) -> replicated]`, the rank's positions sliced from
-/// the whole `iota`, the causal mask a `select` of global positions, and
-/// the per-token loss gathered before its mean over the sequence.
+/// operands all-gathered as `relayout[context(a) -> replicated]`, the
+/// rotary tables and the window mask built whole from the whole `iota` and
+/// sliced to the rank's positions where they meet its values, the causal
+/// mask a `select` of global positions, and the per-token loss gathered
+/// before its mean over the sequence.
 #[test]
 fn golden_context_program_mistral_tiny_cp2() {
     let src = std::fs::read_to_string("models/mistral.dpl").expect("the zoo file");

@@ -1005,6 +1005,23 @@ fn context_parallel_plans_run_and_verify() {
         &["cp=2,dp=2", "cp=2,pp=2", "cp=2,tp=2,sp=off"],
         &[],
     );
+    // The plan `cp=2,tp=2` verifies below is the planner's choice, with sp.
+    let out = dplc(&[
+        "compile",
+        "models/tiny.dpl",
+        "--model",
+        "gpt_tiny",
+        "--cluster",
+        "4xcpu",
+        "--strategy",
+        "cp=2,tp=2",
+    ]);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && said.contains("sequence parallel on"),
+        "{said}{}",
+        stderr(&out)
+    );
     verify_splits(
         "models/tiny.dpl",
         Some("gpt_tiny"),

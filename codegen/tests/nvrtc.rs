@@ -1,7 +1,9 @@
 //! Every kernel of every zoo model, forward and fused backward (with the
 //! column sums), compiles with NVRTC for sm_80 and sm_90, in the model's
 //! training precision (the tiny models and the training step's kernels — AdamW,
-//! SGD, column sum, add, convert, sum of squares — in all three). NVRTC needs no GPU; when its library is
+//! SGD, column sum, add, convert, sum of squares — in all three; t5_tiny's
+//! rank program under cp 2, whose dropouts draw at global positions, too).
+//! NVRTC needs no GPU; when its library is
 //! absent (DPLC_NVRTC_LIB unset and none on the library path) the test says
 //! so and passes. CI installs it first: `export DPLC_NVRTC_LIB=$(scripts/install-nvrtc.sh)`.
 
@@ -41,37 +43,52 @@ fn all_sources() -> BTreeMap<String, CudaSource> {
     }
     // Beside the zoo (which has no running sum), the scan kernels.
     let scans = common::lower_m(common::SCANS);
-    let mut graphs: Vec<(String, dplc_ir::Graph, dplc_ir::Precision)> =
-        vec![("scans_tiny".into(), scans, dplc_ir::Precision::Fp32)];
+    add_graph(&scans, &[DType::F32, DType::BF16, DType::F16], &mut add);
     for (name, lowered) in common::all_zoo() {
-        graphs.push((name, lowered.graph, lowered.train.precision));
-    }
-    for (name, g, precision) in &graphs {
-        let dtypes = match (name.ends_with("_tiny"), *precision) {
+        let dtypes = match (name.ends_with("_tiny"), lowered.train.precision) {
             (true, _) => vec![DType::F32, DType::BF16, DType::F16],
             (false, dplc_ir::Precision::Fp32) => vec![DType::F32],
             (false, dplc_ir::Precision::Bf16) => vec![DType::BF16],
             (false, dplc_ir::Precision::Fp16) => vec![DType::F16],
         };
-        for (r, _) in g.regions() {
-            let plan = fuse(g, r);
-            for step in &plan.steps {
-                if let Step::Kernel(k) = step {
-                    for &dtype in &dtypes {
-                        add(emit_cuda(&k.kernel, dtype));
-                    }
+        // A tiny model with dropout under cp 2 too: its rank program's
+        // dropouts draw at global positions (the draw's index maps the
+        // rank's chunks). The other cp programs add the same ops' kernels at
+        // other sizes, left out for the test's time.
+        let mut graphs = vec![lowered.graph.clone()];
+        let dropout = lowered
+            .graph
+            .nodes()
+            .any(|(_, n)| matches!(n.op, dplc_ir::Op::Dropout { p, .. } if p > 0.0));
+        if name.ends_with("_tiny") && dropout {
+            graphs.extend(dplc_ir::split_context(&lowered.graph, 2).ok());
+        }
+        for g in &graphs {
+            add_graph(g, &dtypes, &mut add);
+        }
+    }
+    out
+}
+
+/// Every forward and backward kernel of `g`'s regions, in `dtypes`.
+fn add_graph(g: &dplc_ir::Graph, dtypes: &[DType], add: &mut impl FnMut(CudaSource)) {
+    for (r, _) in g.regions() {
+        let plan = fuse(g, r);
+        for step in &plan.steps {
+            if let Step::Kernel(k) = step {
+                for &dtype in dtypes {
+                    add(emit_cuda(&k.kernel, dtype));
                 }
             }
-            for step in backward_plan(g, &plan) {
-                if let BackwardStep::Kernel { backward, .. } = step {
-                    for &dtype in &dtypes {
-                        add(emit_cuda(&backward.kernel, dtype));
-                    }
+        }
+        for step in backward_plan(g, &plan) {
+            if let BackwardStep::Kernel { backward, .. } = step {
+                for &dtype in dtypes {
+                    add(emit_cuda(&backward.kernel, dtype));
                 }
             }
         }
     }
-    out
 }
 
 #[test]

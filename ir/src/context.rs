@@ -72,7 +72,9 @@ pub struct ContextTraffic {
     /// Every all-gather along the sequence, per run of its region.
     pub gathers: Vec<ContextGather>,
     /// Nodes of the model every cp rank runs on the whole sequence: what a
-    /// gather feeds that is not split again (MoE routing, the loss's mean).
+    /// gather feeds that is not split again (MoE routing, the loss's mean),
+    /// and what is built from positions alone (rotary tables, masks, a
+    /// relative position bias).
     pub whole: HashSet<NodeId>,
 }
 
@@ -81,6 +83,9 @@ pub struct ContextTraffic {
 pub struct ContextGather {
     /// The node of the model that reads the gathered value.
     pub reader: NodeId,
+    /// The model's value gathered (`None` for one the rewrite made): a
+    /// layout that splits it over tp gathers each tp rank's share.
+    pub value: Option<TensorId>,
     /// Elements of the whole (gathered) tensor.
     pub elements: Dim,
     /// Whether its gradient is reduce-scattered back (a value with a gradient).
@@ -95,6 +100,11 @@ pub fn context_traffic(graph: &Graph) -> Option<ContextTraffic> {
     let local = &pass.local;
     let grads = crate::GradPlan::new(local);
     let model_nodes = graph.nodes().len();
+    let model_tensors: HashSet<TensorId> = graph
+        .nodes()
+        .flat_map(|(_, n)| n.outputs.iter().copied())
+        .chain(graph.regions().flat_map(|(_, r)| r.args.iter().copied()))
+        .collect();
     let mut out = ContextTraffic::default();
     let has_seq = |t: TensorId| {
         local
@@ -148,6 +158,7 @@ pub fn context_traffic(graph: &Graph) -> Option<ContextTraffic> {
             if let Some(elements) = elements {
                 out.gathers.push(ContextGather {
                     reader,
+                    value: model_tensors.contains(&t).then_some(t),
                     elements,
                     grad: grads.needs_grad(t),
                 });
@@ -267,7 +278,7 @@ pub fn context_chunks(len: usize, cp: usize, rank: usize) -> Option<[std::ops::R
 /// same arithmetic as a kernel index.
 pub fn context_position(len: usize, cp: usize, rank: usize, i: usize) -> usize {
     let chunk = (len / 2).max(1);
-    i + rank * chunk + (i / chunk) * (cp - 1 - rank) * len
+    i + rank * chunk + (i / chunk) * cp.saturating_sub(rank + 1) * len
 }
 
 fn invalid(detail: String) -> IrError {
@@ -893,5 +904,30 @@ impl<'g> Split<'g> {
     /// The whole dims of `x`, split along `a`.
     fn whole_dims(&self, x: TensorId, a: usize) -> Option<Vec<Dim>> {
         self.whole_shape(x, a).ok().map(|s| s.dims().to_vec())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{context_chunks, context_position};
+
+    /// A rank's positions, mapped one by one, are its two chunks in order.
+    #[test]
+    fn positions_are_the_ranks_chunks() {
+        for cp in 1..=4 {
+            let seq = 2 * cp * 3;
+            for rank in 0..cp {
+                let want: Vec<usize> = context_chunks(seq, cp, rank)
+                    .expect("2·cp divides seq")
+                    .into_iter()
+                    .flatten()
+                    .collect();
+                let len = seq / cp;
+                let got: Vec<usize> = (0..len)
+                    .map(|i| context_position(len, cp, rank, i))
+                    .collect();
+                assert_eq!(got, want, "cp {cp} rank {rank}");
+            }
+        }
     }
 }

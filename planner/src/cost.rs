@@ -738,8 +738,7 @@ impl<'a> CostModel<'a> {
         // what it runs).
         if c.cp > 1 {
             let cp_link = self.link(c, MeshAxis::Cp);
-            let gathered = bind.eval(&r.cp_gather_bytes) / tp * c.cp as f64;
-            let scattered = bind.eval(&r.cp_reduce_scatter_bytes) / tp * c.cp as f64;
+            let (gathered, scattered) = r.cp_traffic(&bind, tp);
             // A layer run again under full recomputation gathers again.
             let again = if layer && c.recompute == Recompute::Full {
                 2.0

@@ -98,7 +98,8 @@ pub(crate) struct OpCost {
     /// Part of the core attention: recomputed under selective recomputation.
     pub attention_core: bool,
     /// Run on the whole sequence by every context-parallel rank
-    /// (`dplc_ir::context_traffic`): MoE routing, the loss's mean.
+    /// (`dplc_ir::context_traffic`): MoE routing, the loss's mean, the
+    /// tables built from positions.
     pub whole_sequence: bool,
 }
 
@@ -162,19 +163,40 @@ pub(crate) struct RegionProfile {
     pub saved: Vec<Saved>,
     pub collectives: Vec<CollectiveCost>,
     /// Bytes all-gathered along the sequence under context parallelism,
-    /// per rank's share (`dplc_ir::context_traffic`): the operands of
-    /// attention's two matmuls that carry the keys (K and V), a window
-    /// mask's key positions, the per-token losses before their mean, an MoE
-    /// layer's tokens before routing.
+    /// per rank's share (`dplc_ir::context_traffic`), of values the layout
+    /// splits over tp (each tp rank gathers its share): the operands of
+    /// attention's two matmuls that carry the keys (K and V, by heads).
     pub cp_gather_bytes: Poly,
     /// Of those, the ones whose gradients are reduce-scattered back.
     pub cp_reduce_scatter_bytes: Poly,
+    /// The same of values every tp rank holds whole: the per-token losses
+    /// before their mean, an MoE layer's tokens before routing.
+    pub cp_gather_whole_bytes: Poly,
+    pub cp_reduce_scatter_whole_bytes: Poly,
     pub all_to_all_bytes: Poly,
     pub params: ParamCounts,
     pub forward_flops: Poly,
     /// The region masks its attention causally: a fused kernel skips the
     /// blocks above the diagonal.
     pub causal: bool,
+}
+
+impl RegionProfile {
+    /// Bytes one rank all-gathers along the sequence in a run of the
+    /// region under `bind.cp` (each all-gather's whole tensor, as the
+    /// collectives are priced), and reduce-scatters back in backward, with
+    /// `tp` ranks per cp rank.
+    pub fn cp_traffic(&self, bind: &Bind, tp: f64) -> (f64, f64) {
+        let bytes =
+            |split: &Poly, whole: &Poly| (bind.eval(split) / tp + bind.eval(whole)) * bind.cp;
+        (
+            bytes(&self.cp_gather_bytes, &self.cp_gather_whole_bytes),
+            bytes(
+                &self.cp_reduce_scatter_bytes,
+                &self.cp_reduce_scatter_whole_bytes,
+            ),
+        )
+    }
 }
 
 /// One layer stack (a top-level `repeat`) as the cost model sees it.
@@ -650,9 +672,17 @@ fn region_profile(
         // (its `seq / cp` positions), as every rank sends its own.
         for gather in ctx.gathers.iter().filter(|g| node_set.contains(&g.reader)) {
             let bytes = Ratio::int(precision.bytes() as i64);
-            p.cp_gather_bytes.add_dim(&gather.elements, bytes);
+            let (forward, backward) = if gather.value.is_some_and(|t| b.sharded(t)) {
+                (&mut p.cp_gather_bytes, &mut p.cp_reduce_scatter_bytes)
+            } else {
+                (
+                    &mut p.cp_gather_whole_bytes,
+                    &mut p.cp_reduce_scatter_whole_bytes,
+                )
+            };
+            forward.add_dim(&gather.elements, bytes);
             if gather.grad {
-                p.cp_reduce_scatter_bytes.add_dim(&gather.elements, bytes);
+                backward.add_dim(&gather.elements, bytes);
             }
         }
         for op in &mut p.ops {

@@ -244,7 +244,6 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
         // (`dplc_ir::context_traffic`), and the reduce-scatters of the
         // gradients of those with one.
         let link = cost.link(c, MeshAxis::Cp);
-        let share = c.cp as f64 / c.tp as f64;
         // Each region, how often a micro-batch runs it, what its gathers and
         // reduce-scatters move, and whether it is a layer (gathering again
         // when fully recomputed).
@@ -284,7 +283,7 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
             false,
         ));
         for (region, per_mb, gathered, scattered, is_layer) in regions {
-            let forward = bind.eval(&region.cp_gather_bytes) * share;
+            let (forward, backward) = region.cp_traffic(&bind, c.tp as f64);
             push(
                 &mut out,
                 CollectiveKind::AllGather,
@@ -312,7 +311,7 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
                 CollectiveKind::ReduceScatter,
                 MeshAxis::Cp,
                 &scattered,
-                bind.eval(&region.cp_reduce_scatter_bytes) * share,
+                backward,
                 StepPhase::Backward,
                 per_mb * m,
                 &link,
