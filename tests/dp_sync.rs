@@ -130,9 +130,13 @@ fn each_rank_moves_the_bytes_its_algorithm_sends() {
     assert_eq!(bf16.dp_traffic[0].sent, plain.dp_traffic[0].sent / 2);
     // PowerSGD and top-k send less than the fp32 ring.
     for c in [
-        Compression::PowerSgd { rank: 2 },
+        Compression::PowerSgd {
+            rank: 2,
+            warmup: Some(0),
+        },
         Compression::TopK {
             per_million: 100_000,
+            warmup: Some(0),
         },
     ] {
         let r = run(&dp4(GradSync::AllReduce, c), steps);
@@ -152,9 +156,16 @@ fn error_feedback_survives_a_checkpoint() {
             "topk",
             Compression::TopK {
                 per_million: 100_000,
+                warmup: Some(0),
             },
         ),
-        ("powersgd", Compression::PowerSgd { rank: 2 }),
+        (
+            "powersgd",
+            Compression::PowerSgd {
+                rank: 2,
+                warmup: Some(0),
+            },
+        ),
     ] {
         let cfg = RunConfig {
             dp: 2,
@@ -309,7 +320,13 @@ fn async_and_compressed_runs_train_close_to_the_all_reduce() {
         ("fp16", dp4(GradSync::AllReduce, Compression::Fp16), 0.001),
         (
             "powersgd:4",
-            dp4(GradSync::AllReduce, Compression::PowerSgd { rank: 4 }),
+            dp4(
+                GradSync::AllReduce,
+                Compression::PowerSgd {
+                    rank: 4,
+                    warmup: None,
+                },
+            ),
             0.25,
         ),
         (
@@ -318,6 +335,7 @@ fn async_and_compressed_runs_train_close_to_the_all_reduce() {
                 GradSync::AllReduce,
                 Compression::TopK {
                     per_million: 100_000,
+                    warmup: None,
                 },
             ),
             0.06,

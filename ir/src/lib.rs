@@ -37,6 +37,7 @@ pub use layout::{ModelLayout, NodeLayout, ParamSplit, RegionLayout, SplitAxis, T
 pub use localize::localize;
 pub use op::{BinaryOp, Init, Op, ReduceKind, UnaryOp, VocabOp};
 pub use pipeline::{even_split, pipeline_order, virtual_stage_layers, PipelineWork};
+pub use plan::{powersgd_factors, topk_sparsifies, POWERSGD_MIN_COMPRESSION_RATE};
 pub use plan::{
     Alternative, AttentionKind, AxisComm, AxisMapping, AxisPart, BackwardCollective,
     ClusterSummary, Collective, CollectiveKind, Compression, Elementwise, Estimate, GradAccum,

@@ -883,10 +883,7 @@ impl<'a> CostModel<'a> {
             m.optimizer = (params / (servers as f64).clamp(1.0, dp) * opt_bytes) as u64;
         }
         m.weights += (c.sync.staleness() as f64 * params * w_bytes) as u64;
-        if matches!(
-            c.compress,
-            Compression::TopK { .. } | Compression::PowerSgd { .. }
-        ) {
+        if c.compress.has_feedback() {
             m.gradients += (params * 4.0) as u64;
         }
         let o = c.offload;
@@ -968,13 +965,19 @@ impl<'a> CostModel<'a> {
     /// - bf16/fp16: the same collective on 2-byte elements, plus a cast
     ///   pass each way (read 4 write 2, read 2 write 4 bytes per element);
     /// - PowerSGD rank R: two all-reduces of the factors, `R·(rows + cols)`
-    ///   per matrix instead of `rows·cols` (vectors uncompressed), plus its
-    ///   GEMMs (`M·Q` and `Mᵀ·P`, 4·R flops per element) and four passes
-    ///   over the fp32 gradient and error (add, two GEMM reads, error write);
-    /// - top-k fraction F: an all-gather of every rank's `F·params`
+    ///   per compressed matrix instead of `rows·cols` (vectors, and
+    ///   matrices the factors would not halve, uncompressed:
+    ///   `dplc_ir::powersgd_factors`), plus its GEMMs (`M·Q` and `Mᵀ·P`,
+    ///   4·R flops per element) and four passes over the fp32 gradient and
+    ///   error (add, two GEMM reads, error write);
+    /// - top-k fraction F: an all-gather of every rank's `F·matrix params`
     ///   (index, value) pairs, 8 bytes each — each link carries `(n−1)·k·8`
-    ///   — plus four memory passes (error add, selection, error write,
-    ///   scatter-add of the `n·k` received pairs);
+    ///   — plus a ring all-reduce of the vectors, and four memory passes
+    ///   (error add, selection, error write, scatter-add of the `n·k`
+    ///   received pairs);
+    ///
+    /// A compression's warm-up steps (plain or denser) are not priced: the
+    /// estimate is the steady state.
     /// - parameter server with N shards on the first N workers: each server
     ///   receives `(n−1)/N` of every worker's gradient and sends as many
     ///   weights back, on top of its own worker's push, so its link carries
@@ -1021,21 +1024,10 @@ impl<'a> CostModel<'a> {
             Compression::Bf16 | Compression::Fp16 => {
                 all_reduce(params * 2.0, mem(params * 12.0) + 2.0 * KERNEL_OVERHEAD_S)
             }
-            Compression::PowerSgd { rank } => {
-                let p = self.profile;
-                let r = rank as f64;
-                let matrix_frac = if p.total_params > 0 {
-                    (p.matrix_elems / p.total_params as f64).min(1.0)
-                } else {
-                    0.0
-                };
-                let factor_ratio = if p.matrix_elems > 0.0 {
-                    (r * p.factor_elems / p.matrix_elems).min(1.0)
-                } else {
-                    1.0
-                };
-                let sent = params * ((1.0 - matrix_frac) + matrix_frac * factor_ratio);
-                let flops = 4.0 * r * params * matrix_frac;
+            Compression::PowerSgd { rank, .. } => {
+                let (compressed, factors) = self.profile.powersgd_shares(rank);
+                let sent = params * ((1.0 - compressed) + compressed * factors);
+                let flops = 4.0 * rank as f64 * params * compressed;
                 let gemm = flops
                     / (self.cluster.device.peak_flops(self.profile.precision)
                         * GEMM_EFFICIENCY_SKINNY);
@@ -1044,13 +1036,16 @@ impl<'a> CostModel<'a> {
                     gemm + mem(params * 16.0) + 4.0 * KERNEL_OVERHEAD_S,
                 )
             }
-            Compression::TopK { per_million } => {
-                let k = params * per_million as f64 / 1e6;
+            Compression::TopK { per_million, .. } => {
+                let sparse = params * self.profile.matrix_share();
+                let k = sparse * per_million as f64 / 1e6;
                 let gathered = n * k * 8.0;
+                let vectors = all_reduce((params - sparse) * 4.0, 0.0);
                 DpReduction {
-                    wire_s: collective_time(CollectiveKind::AllGather, gathered, link),
-                    compute_s: mem(params * 16.0 + n * k * 12.0) + 4.0 * KERNEL_OVERHEAD_S,
-                    link_bytes: (n - 1.0) * k * 8.0,
+                    wire_s: collective_time(CollectiveKind::AllGather, gathered, link)
+                        + vectors.wire_s,
+                    compute_s: mem(sparse * 16.0 + n * k * 12.0) + 4.0 * KERNEL_OVERHEAD_S,
+                    link_bytes: (n - 1.0) * k * 8.0 + vectors.link_bytes,
                 }
             }
         }

@@ -280,14 +280,7 @@ fn dp_what_ifs(
             ..base
         },
     );
-    for compress in [
-        Compression::None,
-        Compression::Bf16,
-        Compression::PowerSgd { rank: 4 },
-        Compression::TopK {
-            per_million: 10_000,
-        },
-    ] {
+    for compress in search::COMPRESSIONS {
         push(
             format!("compress={}", compress.name()),
             cost::Config {

@@ -146,6 +146,22 @@ pub(crate) fn validate(
 /// larger micro-batches their GEMMs need.
 const MAX_MICRO_BATCH_ROWS: u64 = 64 * 2048;
 
+/// The compressions `--allow compress` lets the search try, and `explain`
+/// prices as what-ifs: one setting of each, the ones the papers lead with
+/// (PowerSGD at rank 4, top-k at 1%), warm-ups as the schedule's.
+pub(crate) const COMPRESSIONS: [Compression; 4] = [
+    Compression::None,
+    Compression::Bf16,
+    Compression::PowerSgd {
+        rank: 4,
+        warmup: None,
+    },
+    Compression::TopK {
+        per_million: 10_000,
+        warmup: None,
+    },
+];
+
 /// The best `top_k + 1` configurations of `global_batch` sequences of `seq`
 /// tokens on `cluster` that keep `pins`, each offloading one of `offloads`.
 pub(crate) fn search(
@@ -316,14 +332,7 @@ pub(crate) fn dp_reductions(pins: &StrategyConstraints, dp: u64) -> Vec<(GradSyn
     };
     let compressions: Vec<Compression> = match pins.compress {
         Some(c) => vec![c],
-        None if pins.allow.compress && dp > 1 => vec![
-            Compression::None,
-            Compression::Bf16,
-            Compression::PowerSgd { rank: 4 },
-            Compression::TopK {
-                per_million: 10_000,
-            },
-        ],
+        None if pins.allow.compress && dp > 1 => COMPRESSIONS.to_vec(),
         None => vec![Compression::None],
     };
     syncs

@@ -63,7 +63,8 @@ pub struct StrategyConstraints {
     pub ps_shards: Option<u64>,
     /// `staleness=K`: versions an async worker's weights may lag (sync=async; 1 when not given).
     pub staleness: Option<u64>,
-    /// `compress=none|bf16|fp16|powersgd:R|topk:F`; the search sends fp32
+    /// `compress=none|bf16|fp16|powersgd:R[:W]|topk:F[:W]` (W: warm-up
+    /// steps, the schedule's by default); the search sends fp32
     /// gradients unless the user allows it to choose (`--allow compress`).
     pub compress: Option<Compression>,
     /// The choices the search may make although they change the training
@@ -427,7 +428,8 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
                 c.compress = Some(Compression::parse(value).ok_or_else(|| {
                     err(format!(
                         "compress is none, bf16, fp16, powersgd:R (R a positive rank) or \
-                         topk:F (F a fraction in (0, 1]), got `{value}`"
+                         topk:F (F a fraction in (0, 1]), either with :W warm-up steps \
+                         (powersgd:4:100), got `{value}`"
                     ))
                 })?)
             }

@@ -135,6 +135,8 @@ pub(crate) struct ParamStore {
     /// tensor; `shards` has empty ranges for the workers that serve none).
     pub sync: GradSync,
     pub compress: Compression,
+    /// Steps the compression warms up over ([`Compression::warmup_steps`]).
+    pub compress_warmup: u64,
     /// Error-feedback state of top-k and PowerSGD, per held tensor.
     pub feedback: BTreeMap<ParamKey, Feedback>,
     /// Bytes the data-parallel reduction and the weights' return moved.
@@ -149,6 +151,7 @@ pub(crate) struct DpState<'a> {
     pub zero: ZeroStage,
     pub sync: GradSync,
     pub compress: Compression,
+    pub compress_warmup: u64,
     pub feedback: Option<&'a BTreeMap<ParamKey, Feedback>>,
 }
 
@@ -253,7 +256,7 @@ impl ParamStore {
                 match dp_sync.compress {
                     Compression::TopK { .. } | Compression::PowerSgd { .. } => {
                         let q = match dp_sync.compress {
-                            Compression::PowerSgd { rank } => {
+                            Compression::PowerSgd { rank, .. } => {
                                 gradsync::powersgd_dims(&shape, rank as usize)
                                     .map(|(_, cols, r)| {
                                         gradsync::initial_q(
@@ -338,6 +341,7 @@ impl ParamStore {
             pending: HashMap::new(),
             sync: dp_sync.sync,
             compress: dp_sync.compress,
+            compress_warmup: dp_sync.compress_warmup,
             feedback,
             traffic: Traffic::default(),
             versions,
@@ -398,12 +402,17 @@ impl ParamStore {
     /// of about `bucket` elements (ZeRO-0), or reduce-scatter each rank's
     /// part to it (ZeRO-1 and 2, as Megatron's distributed optimizer and
     /// the planner's price do: the optimizer step reads only that part).
-    pub fn reduce_grads(&mut self, bucket: usize) -> Result<()> {
+    /// `step` (0-based) places a compression in its warm-up.
+    pub fn reduce_grads(&mut self, bucket: usize, step: u64) -> Result<()> {
+        let steady = !self.compressed_step(step).warming_up();
+        if steady {
+            self.traffic.steps += 1;
+        }
         if self.sync.ps_shards().is_some() {
             return self.push_to_servers();
         }
         if self.compress != Compression::None {
-            return self.compressed_reduce();
+            return self.compressed_reduce(step);
         }
         match self.zero {
             ZeroStage::None => {
@@ -529,8 +538,20 @@ impl ParamStore {
         Ok(())
     }
 
-    /// Compressed all-reduce of every gradient (ZeRO-0), with error feedback.
-    fn compressed_reduce(&mut self) -> Result<()> {
+    fn compressed_step(&self, step: u64) -> gradsync::CompressedStep {
+        gradsync::CompressedStep {
+            compress: self.compress,
+            step,
+            warmup: self.compress_warmup,
+        }
+    }
+
+    /// Compressed all-reduce of every gradient (ZeRO-0), with error
+    /// feedback. A warm-up step's bytes are not the steady state's: they
+    /// are left out of `traffic`.
+    fn compressed_reduce(&mut self, step: u64) -> Result<()> {
+        let at = self.compressed_step(step);
+        let mut warmup_traffic = Traffic::default();
         for (ranks, keys) in self.by_group() {
             let group = Group::new(ranks);
             // Both maps iterate in key order; bf16/fp16 keep no state.
@@ -551,13 +572,12 @@ impl ParamStore {
                     feedback: state,
                 });
             }
-            gradsync::compressed_all_reduce(
-                &mut self.comm,
-                &group,
-                self.compress,
-                &mut tensors,
-                &mut self.traffic,
-            )?;
+            let traffic = if at.warming_up() {
+                &mut warmup_traffic
+            } else {
+                &mut self.traffic
+            };
+            gradsync::compressed_all_reduce(&mut self.comm, &group, at, &mut tensors, traffic)?;
         }
         Ok(())
     }

@@ -613,11 +613,15 @@ fn dp_synchronisations_over_tcp_equal_the_threaded_run() {
             dplc_ir::GradSync::AllReduce,
             dplc_ir::Compression::TopK {
                 per_million: 100_000,
+                warmup: Some(0),
             },
         ),
         (
             dplc_ir::GradSync::AllReduce,
-            dplc_ir::Compression::PowerSgd { rank: 2 },
+            dplc_ir::Compression::PowerSgd {
+                rank: 2,
+                warmup: Some(0),
+            },
         ),
     ] {
         let cfg = RunConfig {

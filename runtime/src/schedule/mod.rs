@@ -721,11 +721,8 @@ fn run_rank(
     );
     let held = rank_keys(sh, at);
     // Top-k and PowerSGD carry their error feedback over a checkpoint.
-    let feedback = match (&sh.resume, cfg.compress) {
-        (
-            Some(resume),
-            dplc_ir::Compression::TopK { .. } | dplc_ir::Compression::PowerSgd { .. },
-        ) => Some(checkpoint::read_feedback(
+    let feedback = match &sh.resume {
+        Some(resume) if cfg.compress.has_feedback() => Some(checkpoint::read_feedback(
             &resume.dir,
             rank,
             sh.graph,
@@ -757,6 +754,7 @@ fn run_rank(
             zero: cfg.zero,
             sync: cfg.sync,
             compress: cfg.compress,
+            compress_warmup: cfg.compress.warmup_steps(&sh.spec.schedule),
             feedback: feedback.as_ref(),
         },
     )?;
@@ -1275,7 +1273,7 @@ impl<'a, 'b> Rank<'a, 'b> {
             self.store.slots.get_mut(key).expect("held").grad = g;
         }
         if !cfg.faults.skip_grad_sync {
-            self.store.reduce_grads(cfg.bucket_elems)?;
+            self.store.reduce_grads(cfg.bucket_elems, self.step)?;
         }
         // Every gradient element is counted by exactly one rank of the world.
         let mut sq = vec![self.store.local_sq_norm() as f32];
