@@ -294,8 +294,11 @@ fn what_the_runtime_does_not_run_is_refused() {
 /// 200 steps of gpt_tiny at sequence 32 (global batch 4 on dp 4: a quarter
 /// of the train section's tokens, to keep the test short), with its own
 /// AdamW and warmup-cosine schedule: each run's mean loss over the last 20
-/// steps against the all-reduce's. The bounds are README.md's, measured
-/// there with the command the README gives.
+/// steps against the all-reduce's, within the bounds README.md states (the
+/// measured gap rounded up by a fraction of a point). PowerSGD reaches a
+/// few percent at rank 16, where only the three 256-wide matrices per
+/// layer and the tied embedding are compressed; rank 4 is held to its
+/// measured gap, and README.md says why it stays there.
 #[test]
 fn async_and_compressed_runs_train_close_to_the_all_reduce() {
     let last20 = |r: &TrainReport| {
@@ -304,7 +307,8 @@ fn async_and_compressed_runs_train_close_to_the_all_reduce() {
     };
     let go = |c: RunConfig| try_run(&c, 200, 32, None).unwrap_or_else(|e| panic!("{e}"));
     let base = last20(&go(dp4(GradSync::AllReduce, Compression::None)));
-    let cases: [(&str, RunConfig, f64); 5] = [
+    let compressed = |c: &str| dp4(GradSync::AllReduce, Compression::parse(c).expect(c));
+    let cases: [(&str, RunConfig, f64); 6] = [
         (
             "async staleness 2",
             dp4(
@@ -314,32 +318,13 @@ fn async_and_compressed_runs_train_close_to_the_all_reduce() {
                 },
                 Compression::None,
             ),
-            0.03,
+            0.02,
         ),
-        ("bf16", dp4(GradSync::AllReduce, Compression::Bf16), 0.001),
-        ("fp16", dp4(GradSync::AllReduce, Compression::Fp16), 0.001),
-        (
-            "powersgd:4",
-            dp4(
-                GradSync::AllReduce,
-                Compression::PowerSgd {
-                    rank: 4,
-                    warmup: None,
-                },
-            ),
-            0.25,
-        ),
-        (
-            "topk:0.1",
-            dp4(
-                GradSync::AllReduce,
-                Compression::TopK {
-                    per_million: 100_000,
-                    warmup: None,
-                },
-            ),
-            0.06,
-        ),
+        ("bf16", compressed("bf16"), 0.001),
+        ("fp16", compressed("fp16"), 0.001),
+        ("topk:0.1", compressed("topk:0.1"), 0.025),
+        ("powersgd:16", compressed("powersgd:16"), 0.05),
+        ("powersgd:4", compressed("powersgd:4"), 0.17),
     ];
     for (name, cfg, bound) in cases {
         let loss = last20(&go(cfg));
@@ -350,7 +335,7 @@ fn async_and_compressed_runs_train_close_to_the_all_reduce() {
         );
         assert!(
             rel < bound,
-            "{name}: {loss} vs {base} (+{:.1}% > {:.0}%)",
+            "{name}: {loss} vs {base} (+{:.2}% > {:.1}%)",
             100.0 * rel,
             100.0 * bound
         );
