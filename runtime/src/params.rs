@@ -153,6 +153,8 @@ pub(crate) struct DpState<'a> {
     pub compress: Compression,
     pub compress_warmup: u64,
     pub feedback: Option<&'a BTreeMap<ParamKey, Feedback>>,
+    /// Async: the older weight versions a checkpoint carried, newest first.
+    pub versions: Option<Vec<BTreeMap<ParamKey, Vec<f32>>>>,
 }
 
 impl ParamStore {
@@ -325,14 +327,35 @@ impl ParamStore {
             };
             slots.insert(key, slot);
         }
-        let versions = if dp_sync.sync.staleness() > 0 {
-            VecDeque::from([slots
-                .iter()
-                .filter_map(|(k, s): (&ParamKey, &Slot)| s.full.clone().map(|f| (*k, f)))
-                .collect()])
-        } else {
-            VecDeque::new()
-        };
+        let staleness = dp_sync.sync.staleness() as usize;
+        let mut versions = VecDeque::new();
+        if staleness > 0 {
+            versions.push_back(
+                slots
+                    .iter()
+                    .filter_map(|(k, s): (&ParamKey, &Slot)| s.full.clone().map(|f| (*k, f)))
+                    .collect(),
+            );
+            for older in dp_sync.versions.into_iter().flatten().take(staleness) {
+                let mut version = BTreeMap::new();
+                for (key, values) in older {
+                    let slot = slots.get(&key).ok_or_else(|| {
+                        kernel_err("checkpoint", format!("{key:?} is not held by this rank"))
+                    })?;
+                    if values.len() != slot.numel {
+                        return Err(kernel_err(
+                            "checkpoint",
+                            format!(
+                                "the weight versions of {key:?} have another shape; resume \
+                                 with the split they were saved with"
+                            ),
+                        ));
+                    }
+                    version.insert(key, Arc::new(Tensor::f32(slot.shape.clone(), values)));
+                }
+                versions.push_back(version);
+            }
+        }
         Ok(ParamStore {
             slots,
             zero,
@@ -580,6 +603,21 @@ impl ParamStore {
             gradsync::compressed_all_reduce(&mut self.comm, &group, at, &mut tensors, traffic)?;
         }
         Ok(())
+    }
+
+    /// Async: the weight versions older than the current weights, newest
+    /// first, as a checkpoint keeps them.
+    pub fn older_versions(&self) -> Result<Vec<BTreeMap<ParamKey, Vec<f32>>>> {
+        self.versions
+            .iter()
+            .skip(1)
+            .map(|version| {
+                version
+                    .iter()
+                    .map(|(k, v)| Ok((*k, v.f()?.to_vec())))
+                    .collect()
+            })
+            .collect()
     }
 
     /// Async: compute the coming step on the weights `lag` versions old

@@ -557,13 +557,6 @@ fn check_dp_sync(cfg: &RunConfig) -> Result<()> {
             )));
         }
     }
-    if cfg.sync.staleness() > 0 && cfg.resume_from.is_some() {
-        return Err(RuntimeError::Unsupported(
-            "resuming an async run: checkpoints do not hold the older weight versions a \
-             stale worker reads; resume with staleness=0 or sync=ps"
-                .into(),
-        ));
-    }
     Ok(())
 }
 
@@ -730,6 +723,19 @@ fn run_rank(
         )?),
         _ => None,
     };
+    // Async carries the older weight versions its stale workers read.
+    let versions = match &sh.resume {
+        Some(resume) if cfg.sync.staleness() > 0 => {
+            let keys: Vec<_> = held.iter().map(|h| h.key).collect();
+            Some(checkpoint::read_versions(
+                &resume.dir,
+                rank,
+                sh.graph,
+                &keys,
+            )?)
+        }
+        _ => None,
+    };
     let first_cp = at.dp_index - at.dp_index % cfg.cp;
     let cp_group = group_of(
         &|c| Coords {
@@ -756,6 +762,7 @@ fn run_rank(
             compress: cfg.compress,
             compress_warmup: cfg.compress.warmup_steps(&sh.spec.schedule),
             feedback: feedback.as_ref(),
+            versions,
         },
     )?;
     let compute: Box<dyn StageCompute> = match cfg.compute {
@@ -1039,6 +1046,10 @@ impl<'a, 'b> Rank<'a, 'b> {
         barrier(&mut self.store)?;
         checkpoint::write_shards(&dir, rank, sh.graph, self.store.owned_shards(), kill)?;
         checkpoint::write_feedback(&dir, rank, sh.graph, &self.store.feedback)?;
+        if cfg.sync.staleness() > 0 {
+            let older = self.store.older_versions()?;
+            checkpoint::write_versions(&dir, rank, sh.graph, &older)?;
+        }
         barrier(&mut self.store)?;
         if rank == 0 {
             let gb = cfg.global_batch() as u64;
