@@ -43,7 +43,7 @@ pub use plan::{
     ClusterSummary, Collective, CollectiveKind, Compression, Elementwise, Estimate, GradAccum,
     GradSync, LinkLevel, MemoryBreakdown, Mesh, MeshAxis, ModelSource, Offload, ParamSharding,
     PipelineSchedule, Plan, ProgramValue, Recompute, RegionProgram, RootSplit, SearchStats,
-    SkippedDegree, StagePlan, StepPhase, Strategy, TimeBreakdown, TpOverlap, WhatIf,
+    ServerRanks, SkippedDegree, StagePlan, StepPhase, Strategy, TimeBreakdown, TpOverlap, WhatIf,
 };
 
 pub use print::print_graph;

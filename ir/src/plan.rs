@@ -208,17 +208,94 @@ pub enum GradSync {
     /// A ring all-reduce (NCCL, Megatron, DeepSpeed).
     #[default]
     AllReduce,
-    /// Parameters sharded over `shards` server roles co-located with the
-    /// first `shards` data-parallel workers (BytePS): workers push gradient
+    /// Parameters sharded over `shards` server roles: workers push gradient
     /// shards to their server, which sums them in a fixed order, steps the
-    /// optimizer and sends the weights back.
-    Ps { shards: u64 },
+    /// optimizer and sends the weights back. The servers live on the first
+    /// `shards` data-parallel workers (BytePS's co-located servers) or on
+    /// ranks of their own (`servers`).
+    Ps {
+        shards: u64,
+        /// Plans written before this field existed co-located them.
+        #[serde(default)]
+        servers: ServerRanks,
+    },
     /// A parameter server without a barrier: a worker computes on weights
     /// up to `staleness` versions old (bounded staleness, SSP).
-    Async { shards: u64, staleness: u64 },
+    Async {
+        shards: u64,
+        staleness: u64,
+        #[serde(default)]
+        servers: ServerRanks,
+    },
+}
+
+/// Where a parameter server's shards live (`ps_ranks=`).
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+pub enum ServerRanks {
+    /// On the first `shards` data-parallel workers, beside their compute
+    /// (BytePS's co-located servers): no devices beyond the workers'.
+    #[default]
+    CoLocated,
+    /// On `shards` ranks of their own beyond the workers — extra devices
+    /// (BytePS's server machines) that hold the shards and the optimizer
+    /// state and run no model compute; each server replica is laid out over
+    /// the pipeline stages and tensor-parallel parts as a worker replica is,
+    /// so the world grows by `shards · pp · tp` ranks.
+    Dedicated,
+}
+
+impl ServerRanks {
+    pub fn name(self) -> &'static str {
+        match self {
+            ServerRanks::CoLocated => "colocated",
+            ServerRanks::Dedicated => "dedicated",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<ServerRanks> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "colocated" | "co-located" => Some(ServerRanks::CoLocated),
+            "dedicated" => Some(ServerRanks::Dedicated),
+            _ => None,
+        }
+    }
 }
 
 impl GradSync {
+    /// A synchronous parameter server with `shards` co-located servers.
+    pub fn ps(shards: u64) -> GradSync {
+        GradSync::Ps {
+            shards,
+            servers: ServerRanks::CoLocated,
+        }
+    }
+
+    /// An asynchronous parameter server with `shards` co-located servers.
+    pub fn async_ps(shards: u64, staleness: u64) -> GradSync {
+        GradSync::Async {
+            shards,
+            staleness,
+            servers: ServerRanks::CoLocated,
+        }
+    }
+
+    /// The same mode with its servers on `servers` (the all-reduce has none).
+    pub fn with_servers(self, servers: ServerRanks) -> GradSync {
+        match self {
+            GradSync::AllReduce => GradSync::AllReduce,
+            GradSync::Ps { shards, .. } => GradSync::Ps { shards, servers },
+            GradSync::Async {
+                shards, staleness, ..
+            } => GradSync::Async {
+                shards,
+                staleness,
+                servers,
+            },
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             GradSync::AllReduce => "allreduce",
@@ -231,7 +308,23 @@ impl GradSync {
     pub fn ps_shards(self) -> Option<u64> {
         match self {
             GradSync::AllReduce => None,
-            GradSync::Ps { shards } | GradSync::Async { shards, .. } => Some(shards),
+            GradSync::Ps { shards, .. } | GradSync::Async { shards, .. } => Some(shards),
+        }
+    }
+
+    /// Where a parameter server's shards live.
+    pub fn servers(self) -> Option<ServerRanks> {
+        match self {
+            GradSync::AllReduce => None,
+            GradSync::Ps { servers, .. } | GradSync::Async { servers, .. } => Some(servers),
+        }
+    }
+
+    /// Server replicas beyond the workers: `shards` on dedicated ranks, else 0.
+    pub fn dedicated_servers(self) -> u64 {
+        match (self.servers(), self.ps_shards()) {
+            (Some(ServerRanks::Dedicated), Some(shards)) => shards,
+            _ => 0,
         }
     }
 
@@ -245,11 +338,17 @@ impl GradSync {
 
     /// The mode as `--strategy` keys write it.
     pub fn keys(self) -> String {
+        let ranks = match self.servers() {
+            Some(ServerRanks::Dedicated) => ",ps_ranks=dedicated",
+            _ => "",
+        };
         match self {
             GradSync::AllReduce => "sync=allreduce".into(),
-            GradSync::Ps { shards } => format!("sync=ps,ps_shards={shards}"),
-            GradSync::Async { shards, staleness } => {
-                format!("sync=async,ps_shards={shards},staleness={staleness}")
+            GradSync::Ps { shards, .. } => format!("sync=ps,ps_shards={shards}{ranks}"),
+            GradSync::Async {
+                shards, staleness, ..
+            } => {
+                format!("sync=async,ps_shards={shards},staleness={staleness}{ranks}")
             }
         }
     }
@@ -713,12 +812,21 @@ impl fmt::Display for Strategy {
         if self.elementwise != Elementwise::Fused {
             write!(f, ", elementwise {}", self.elementwise.name())?;
         }
+        let where_ = match self.sync.servers() {
+            Some(ServerRanks::Dedicated) => " on dedicated ranks",
+            _ => "",
+        };
         match self.sync {
             GradSync::AllReduce => {}
-            GradSync::Ps { shards } => write!(f, ", parameter server ({shards} shards)")?,
-            GradSync::Async { shards, staleness } => write!(
+            GradSync::Ps { shards, .. } => {
+                write!(f, ", parameter server ({shards} shards{})", where_)?
+            }
+            GradSync::Async {
+                shards, staleness, ..
+            } => write!(
                 f,
-                ", async parameter server ({shards} shards, staleness {staleness})"
+                ", async parameter server ({shards} shards{}, staleness {staleness})",
+                where_
             )?,
         }
         if !self.compress.is_none() {

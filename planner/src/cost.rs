@@ -877,10 +877,16 @@ impl<'a> CostModel<'a> {
         };
         // What the gradient synchronisation keeps, as the runtime keeps it:
         // a server holds the optimizer state of its 1/N of the parameters
-        // (the busiest rank is a server), async keeps K older weight
+        // (the busiest rank is a server; dedicated servers are not workers,
+        // whose memory this is), async keeps K older weight
         // versions, top-k and PowerSGD an fp32 error per gradient element.
         if let Some(servers) = c.sync.ps_shards() {
-            m.optimizer = (params / (servers as f64).clamp(1.0, dp) * opt_bytes) as u64;
+            m.optimizer = if c.sync.dedicated_servers() > 0 {
+                // The servers hold it, on their own devices: a worker none.
+                0
+            } else {
+                (params / (servers as f64).clamp(1.0, dp) * opt_bytes) as u64
+            };
         }
         m.weights += (c.sync.staleness() as f64 * params * w_bytes) as u64;
         if c.compress.has_feedback() {
@@ -983,8 +989,12 @@ impl<'a> CostModel<'a> {
     ///   weights back, on top of its own worker's push, so its link carries
     ///   `max(1, (n+N−2)/N)` × the gradient bytes each way: N = n is the
     ///   ring's `2(n−1)/n` (BytePS), N = 1 is `n−1` (the bottleneck at the
-    ///   server). Async costs the same bytes; `step_time` hides them behind
-    ///   the next step instead of waiting at a barrier.
+    ///   server). On N dedicated server ranks (`ps_ranks=dedicated`, each
+    ///   with a link of the data-parallel group's kind) a server carries
+    ///   `n/N` × the gradient each way and a worker 1×: `max(1, n/N)`, half
+    ///   the ring's bytes at N = n — what BytePS's extra machines buy.
+    ///   Async costs the same bytes; `step_time` hides them behind the next
+    ///   step instead of waiting at a barrier.
     pub(crate) fn dp_reduction(
         &self,
         c: &Config,
@@ -999,8 +1009,15 @@ impl<'a> CostModel<'a> {
         let bytes = params * grad_bytes;
         let mem = |b: f64| b / (self.cluster.device.memory_bandwidth * MEMORY_EFFICIENCY);
         if let Some(shards) = c.sync.ps_shards() {
-            let shards = (shards as f64).clamp(1.0, n);
-            let link_bytes = bytes * ((n + shards - 2.0) / shards).max(1.0);
+            let link_bytes = if c.sync.dedicated_servers() > 0 {
+                // A server takes 1/N of each of the n workers' gradients in
+                // and sends as many weights out; a worker pushes its whole
+                // gradient and pulls the whole weights: the busier of the two.
+                bytes * (n / (shards as f64).max(1.0)).max(1.0)
+            } else {
+                let shards = (shards as f64).clamp(1.0, n);
+                bytes * ((n + shards - 2.0) / shards).max(1.0)
+            };
             return DpReduction {
                 wire_s: link_bytes / link.bandwidth + 2.0 * link.latency,
                 compute_s: 0.0,

@@ -155,6 +155,9 @@ pub(crate) struct DpState<'a> {
     pub feedback: Option<&'a BTreeMap<ParamKey, Feedback>>,
     /// Async: the older weight versions a checkpoint carried, newest first.
     pub versions: Option<Vec<BTreeMap<ParamKey, Vec<f32>>>>,
+    /// A dedicated parameter server: it computes nothing, so it keeps no
+    /// weight versions (and takes no weights back).
+    pub server: bool,
 }
 
 impl ParamStore {
@@ -246,8 +249,16 @@ impl ParamStore {
                     shape[axis] /= parts;
                 }
                 let numel: usize = shape.iter().product();
+                let dedicated = dp_sync.sync.dedicated_servers() as usize;
                 let shards = match ps_shards {
-                    // Servers are the group's first members; the rest serve nothing.
+                    // Dedicated servers are the group's last members, after
+                    // the workers, which serve nothing.
+                    Some(servers) if dedicated > 0 => {
+                        let mut s = vec![numel..numel; dp.saturating_sub(servers)];
+                        s.extend(split(numel, servers));
+                        s
+                    }
+                    // Co-located servers are the group's first members; the rest serve nothing.
                     Some(servers) => {
                         let mut s = split(numel, servers.min(dp));
                         s.resize(dp, numel..numel);
@@ -329,7 +340,7 @@ impl ParamStore {
         }
         let staleness = dp_sync.sync.staleness() as usize;
         let mut versions = VecDeque::new();
-        if staleness > 0 {
+        if staleness > 0 && !dp_sync.server {
             versions.push_back(
                 slots
                     .iter()
@@ -482,30 +493,36 @@ impl ParamStore {
     /// Parameter server, push: every worker reduces each server's shard of
     /// every gradient (the group's tensors in key order, one message per
     /// server) to that server, which sums them in group order — the order
-    /// the all-reduce sums in, so the sums are the same bits.
+    /// the all-reduce sums in, so the sums are the same bits. A dedicated
+    /// server collects without adding anything of its own.
     fn push_to_servers(&mut self) -> Result<()> {
         for (ranks, keys) in self.by_group() {
             let group = Group::new(ranks);
-            let n = group.size();
-            let servers = self.servers(&keys);
-            let me = group.position(self.comm.rank());
-            for server in 0..servers {
+            for server in 0..self.servers(&keys) {
+                let (with, root, at) = self.server_group(&group, server);
+                let Some(me) = with.position(self.comm.rank()) else {
+                    continue;
+                };
                 let mut flat = Vec::new();
                 for k in &keys {
                     let slot = &self.slots[k];
-                    flat.extend_from_slice(&slot.grad[slot.shards[server].clone()]);
+                    flat.extend_from_slice(&slot.grad[slot.shards[at].clone()]);
                 }
-                self.comm.reduce(&group, server, &mut flat)?;
+                if self.dedicated_servers() > 0 {
+                    self.comm.reduce_to_collector(&with, root, &mut flat)?;
+                } else {
+                    self.comm.reduce(&with, root, &mut flat)?;
+                }
                 self.traffic
-                    .star(n, me == Some(server), flat.len() * 4, true);
-                if me == Some(server) {
-                    let mut at = 0;
+                    .star(with.size(), me == root, flat.len() * 4, true);
+                if me == root {
+                    let mut pos = 0;
                     for k in &keys {
                         let slot = self.slots.get_mut(k).expect("key from the slots");
-                        let r = slot.shards[server].clone();
+                        let r = slot.shards[at].clone();
                         let len = r.len();
-                        slot.grad[r].copy_from_slice(&flat[at..at + len]);
-                        at += len;
+                        slot.grad[r].copy_from_slice(&flat[pos..pos + len]);
+                        pos += len;
                     }
                 }
             }
@@ -513,11 +530,35 @@ impl ParamStore {
         Ok(())
     }
 
-    /// How many of the group's members serve a shard (the same for every tensor).
+    /// How many servers hold the group's shards (the same for every tensor).
     fn servers(&self, keys: &[ParamKey]) -> usize {
         let shards = self.sync.ps_shards().unwrap_or(1) as usize;
+        if self.dedicated_servers() > 0 {
+            return shards;
+        }
         keys.first()
             .map_or(0, |k| shards.min(self.slots[k].shards.len()))
+    }
+
+    /// Dedicated server replicas at the end of each data-parallel group.
+    fn dedicated_servers(&self) -> usize {
+        self.sync.dedicated_servers() as usize
+    }
+
+    /// Server `server`'s exchanges: the group it pushes and pulls over, its
+    /// position there, and its position in `group` (which indexes
+    /// `Slot::shards`). Co-located, the whole group, the server one of its
+    /// workers; dedicated, the workers and that server alone, last —
+    /// servers exchange nothing with each other.
+    fn server_group(&self, group: &Group, server: usize) -> (Group, usize, usize) {
+        let dedicated = self.dedicated_servers();
+        if dedicated == 0 {
+            return (group.clone(), server, server);
+        }
+        let workers = group.size() - dedicated;
+        let mut ranks = group.ranks()[..workers].to_vec();
+        ranks.push(group.ranks()[workers + server]);
+        (Group::new(ranks), workers, workers + server)
     }
 
     /// Parameter server, pull: each server sends its updated shard of every
@@ -525,33 +566,40 @@ impl ParamStore {
     fn pull_from_servers(&mut self) -> Result<()> {
         for (ranks, keys) in self.by_group() {
             let group = Group::new(ranks);
-            let n = group.size();
-            let servers = self.servers(&keys);
-            let me = group.position(self.comm.rank());
             let mut fulls: Vec<Vec<f32>> = keys
                 .iter()
                 .map(|k| Vec::with_capacity(self.slots[k].numel))
                 .collect();
-            for server in 0..servers {
-                let mut flat: Vec<f32> = if me == Some(server) {
+            // A dedicated server takes no weights back: it computes nothing.
+            let mut whole = true;
+            for server in 0..self.servers(&keys) {
+                let (with, root, at) = self.server_group(&group, server);
+                let Some(me) = with.position(self.comm.rank()) else {
+                    whole = false;
+                    continue;
+                };
+                let mut flat: Vec<f32> = if me == root {
                     keys.iter()
                         .flat_map(|k| self.slots[k].master.iter().copied())
                         .collect()
                 } else {
                     Vec::new()
                 };
-                self.comm.broadcast(&group, server, &mut flat)?;
+                self.comm.broadcast(&with, root, &mut flat)?;
                 self.traffic
-                    .star(n, me == Some(server), flat.len() * 4, false);
-                let mut at = 0;
+                    .star(with.size(), me == root, flat.len() * 4, false);
+                let mut pos = 0;
                 for (k, full) in keys.iter().zip(fulls.iter_mut()) {
-                    let len = self.slots[k].shards[server].len();
-                    let piece = flat.get(at..at + len).ok_or_else(|| {
+                    let len = self.slots[k].shards[at].len();
+                    let piece = flat.get(pos..pos + len).ok_or_else(|| {
                         kernel_err("broadcast", "a server sent fewer weights than it owns")
                     })?;
                     full.extend_from_slice(piece);
-                    at += len;
+                    pos += len;
                 }
+            }
+            if !whole {
+                continue;
             }
             for (k, full) in keys.iter().zip(fulls) {
                 let slot = self.slots.get_mut(k).expect("key from the slots");
@@ -794,7 +842,8 @@ impl ParamStore {
             ZeroStage::Three => {}
         }
         let keep = self.sync.staleness() as usize + 1;
-        if keep > 1 {
+        // A dedicated server keeps none (it computes nothing).
+        if keep > 1 && !self.versions.is_empty() {
             let newest = self
                 .slots
                 .iter()
