@@ -605,10 +605,17 @@ pub fn train_prepared_on(
         }
     }
     install_interrupt(&cfg.stop);
+    let servers = match cfg.ranks() - cfg.world_size() {
+        0 => String::new(),
+        n => format!(" and {n} dedicated parameter-server ranks"),
+    };
     let ranks = match cfg.device {
-        dplc_runtime::Device::Host => format!("{} CPU ranks", cfg.world_size()),
+        dplc_runtime::Device::Host => format!("{} CPU ranks{servers}", cfg.world_size()),
         dplc_runtime::Device::Cuda { gpus, dtype } => {
-            format!("{} ranks on {gpus} GPU(s), {dtype}", cfg.world_size())
+            format!(
+                "{} ranks on {gpus} GPU(s){servers}, {dtype}",
+                cfg.world_size()
+            )
         }
     };
     let has_seq = p.graph.sym_by_name("seq").is_some();
@@ -673,7 +680,8 @@ pub fn train_prepared_on(
         let mut summary = json!({
                 "summary": true,
                 "model": p.plan.model,
-                "ranks": cfg.world_size(),
+                "ranks": cfg.ranks(),
+                "server_ranks": cfg.ranks() - cfg.world_size(),
                 "compute": cfg.compute.name(),
                 "gpus": match cfg.device {
                     dplc_runtime::Device::Host => 0,
