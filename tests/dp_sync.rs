@@ -511,7 +511,7 @@ fn the_planner_prices_servers_and_compression_in_the_order_of_their_bytes() {
         ps1.note
     );
     assert_eq!(line("compress=powersgd:4").step_time_s, Some(t_psgd));
-    let dedicated = line("sync=ps,ps_shards=32,ps_ranks=dedicated");
+    let dedicated = line("sync=ps,ps_ranks=dedicated");
     assert_eq!(dedicated.step_time_s, Some(t_psd));
     assert!(
         dedicated

@@ -272,8 +272,9 @@ fn dp_what_ifs(
     );
     if c.cp == 1 && c.ep == 1 {
         // What the runtime runs dedicated servers with.
+        // ps_shards defaults to dp: the label fits explain's column.
         push(
-            format!("sync=ps,ps_shards={n},ps_ranks=dedicated"),
+            "sync=ps,ps_ranks=dedicated".into(),
             cost::Config {
                 sync: GradSync::ps(n).with_servers(ServerRanks::Dedicated),
                 ..base
