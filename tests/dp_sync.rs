@@ -339,13 +339,25 @@ fn what_the_runtime_does_not_run_is_refused() {
 
 /// Async with staleness 2 saves the two older weight versions its stale
 /// replicas read (one file per rank, beside the error feedback): resumed
-/// at step 3, it equals the uninterrupted run bit for bit; without the
-/// file the resume is refused, naming the rank.
+/// at step 3, it equals the uninterrupted run bit for bit, with co-located
+/// servers and with dedicated ones (which compute nothing and keep no
+/// versions); without a worker's file the resume is refused, naming the rank.
 #[test]
 fn an_async_run_resumes_with_its_older_weight_versions() {
-    let cfg = dp4(GradSync::async_ps(2, 2), Compression::None);
+    for (name, sync) in [
+        ("async", GradSync::async_ps(2, 2)),
+        (
+            "async-dedicated",
+            GradSync::async_ps(2, 2).with_servers(ServerRanks::Dedicated),
+        ),
+    ] {
+        async_resumes(name, dp4(sync, Compression::None));
+    }
+}
+
+fn async_resumes(name: &str, cfg: RunConfig) {
     let whole = run(&cfg, 6);
-    let dir = Scratch::new("dpsync", "async");
+    let dir = Scratch::new("dpsync", name);
     let first = run(
         &RunConfig {
             checkpoint: Some(CheckpointConfig {
@@ -370,8 +382,12 @@ fn an_async_run_resumes_with_its_older_weight_versions() {
         .chain(&rest.steps)
         .map(|s| s.loss)
         .collect();
-    assert_eq!(losses(&whole), resumed);
-    assert_eq!(whole.params.max_rel_diff(&rest.params, 1e-6).0, 0.0);
+    assert_eq!(losses(&whole), resumed, "{name}");
+    assert_eq!(
+        whole.params.max_rel_diff(&rest.params, 1e-6).0,
+        0.0,
+        "{name}"
+    );
     std::fs::remove_file(last.join("versions-rank00002.safetensors")).expect("rank 2's versions");
     let e = try_run(
         &RunConfig {
