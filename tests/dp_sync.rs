@@ -1,14 +1,15 @@
 //! The data-parallel gradient synchronisations and compressions on CPU
-//! ranks: a parameter server with a shard per worker sums as the all-reduce
-//! does (same losses and parameters, bit for bit), with fewer shards to
-//! within the equivalence tolerance; async with staleness 0 is the
-//! synchronous run; the bytes each rank moved are what the algorithms send;
-//! error feedback survives a checkpoint (a resumed run equals an
-//! uninterrupted one); and 200 steps of async (staleness 2) and of each
+//! ranks: a parameter server with a shard per worker, co-located or on
+//! dedicated ranks, sums as the all-reduce does (same losses and
+//! parameters, bit for bit), with fewer shards to within the equivalence
+//! tolerance; async with staleness 0 is the synchronous run; the bytes each
+//! rank moved are what the algorithms send; error feedback and an async
+//! run's older weight versions survive a checkpoint (a resumed run equals
+//! an uninterrupted one); and 200 steps of async (staleness 2) and of each
 //! compression end within the bounds README.md states of the all-reduce's loss.
 //!
-//! And the planner's side: the prices of a parameter server and of each
-//! compression on a 4x8xA100 GPT-2 plan, in the order their bytes say; the
+//! And the planner's side: the prices of a parameter server (co-located
+//! and dedicated) and of each compression on a 4x8xA100 GPT-2 plan, in the order their bytes say; the
 //! search takes them only when `--allow` names them.
 
 use dplc_ir::{Compression, GradSync, ServerRanks};
