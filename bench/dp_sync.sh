@@ -7,7 +7,8 @@
 # plan predicts for the same `4xcpu` cluster, and the mean loss of the last
 # 20 steps against the all-reduce's. Writes each run's `--json` output to
 # $OUT (default bench/dp_sync_runs) and draws the loss curves side by side
-# with `dplc viz --runs` into $OUT/loss.html.
+# with `dplc viz --runs` into $OUT/loss.html. The dedicated-server modes
+# start 4 workers and N server rank threads beside them.
 #
 #   STEPS=200 WARMUP=10 bench/dp_sync.sh
 set -euo pipefail
@@ -20,7 +21,7 @@ DPLC=${DPLC:-target/release/dplc}
 mkdir -p "$OUT"
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs)"
 echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
-MODES="sync=allreduce sync=ps sync=ps,ps_shards=1 sync=async,staleness=0 sync=async,staleness=2 compress=bf16 compress=fp16 compress=powersgd:4 compress=topk:0.1"
+MODES="sync=allreduce sync=ps sync=ps,ps_shards=1 sync=ps,ps_ranks=dedicated sync=ps,ps_shards=1,ps_ranks=dedicated sync=async,staleness=0 sync=async,staleness=2 compress=bf16 compress=fp16 compress=powersgd:4 compress=powersgd:16 compress=topk:0.1"
 files=()
 for mode in $MODES; do
     name=$(echo "$mode" | tr ',=:' '_-_')

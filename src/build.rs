@@ -144,6 +144,13 @@ pub fn build(args: &BuildArgs) -> Result<()> {
                 "dplc's runtime does not run FP8 GEMMs, so an artifact cannot"
             ));
         }
+        if pinned.ps_ranks == Some(dplc_ir::ServerRanks::Dedicated) {
+            return Err(miette::miette!(
+                help = "pin ps_ranks=colocated, or train it with `dplc run` on CPU ranks",
+                "an artifact runs one process per device of the cluster; dedicated parameter \
+                 servers are ranks beyond them"
+            ));
+        }
         if pinned.recompute == Some(dplc_ir::Recompute::Op) {
             return Err(miette::miette!(
                 help = "pin recompute=none, selective or full, or `dplc export` the plan to torchtitan",

@@ -23,7 +23,8 @@ pub struct PlanArgs {
     /// Pin choices, e.g. `tp=8,pp=8,dp=24,mb=1,zero=1,schedule=1f1b,recompute=selective,sp=on`;
     /// the search fills in the rest. Keys: tp pp dp cp ep mb m schedule v zero recompute sp
     /// overlap (`overlap=off`: the data-parallel gradient reduction waits for backward),
-    /// sync (allreduce|ps|async) ps_shards staleness compress (none|bf16|fp16|powersgd:R|topk:F);
+    /// sync (allreduce|ps|async) ps_shards ps_ranks (colocated|dedicated) staleness compress
+    /// (none|bf16|fp16|powersgd:R[:W]|topk:F[:W], W warm-up steps: the schedule's by default);
     /// an engine's stack: attention tp_overlap grad_accum root order stages fp8 offload
     /// elementwise shards (flat|per_param: FSDP2's per-parameter copies under ZeRO-3).
     #[arg(long, default_value = "")]

@@ -605,10 +605,17 @@ pub fn train_prepared_on(
         }
     }
     install_interrupt(&cfg.stop);
+    let servers = match cfg.ranks() - cfg.world_size() {
+        0 => String::new(),
+        n => format!(" and {n} dedicated parameter-server ranks"),
+    };
     let ranks = match cfg.device {
-        dplc_runtime::Device::Host => format!("{} CPU ranks", cfg.world_size()),
+        dplc_runtime::Device::Host => format!("{} CPU ranks{servers}", cfg.world_size()),
         dplc_runtime::Device::Cuda { gpus, dtype } => {
-            format!("{} ranks on {gpus} GPU(s), {dtype}", cfg.world_size())
+            format!(
+                "{} ranks on {gpus} GPU(s){servers}, {dtype}",
+                cfg.world_size()
+            )
         }
     };
     let has_seq = p.graph.sym_by_name("seq").is_some();
@@ -673,7 +680,8 @@ pub fn train_prepared_on(
         let mut summary = json!({
                 "summary": true,
                 "model": p.plan.model,
-                "ranks": cfg.world_size(),
+                "ranks": cfg.ranks(),
+                "server_ranks": cfg.ranks() - cfg.world_size(),
                 "compute": cfg.compute.name(),
                 "gpus": match cfg.device {
                     dplc_runtime::Device::Host => 0,
@@ -697,12 +705,14 @@ pub fn train_prepared_on(
         let s = &p.plan.strategy;
         summary["sync"] = json!(s.sync.keys());
         summary["compress"] = json!(s.compress.name());
-        let per_step = |b: u64| b as f64 / done.max(1) as f64;
+        // Per step of the steady state: a compression's warm-up steps are
+        // not counted (`Traffic::steps`), as the plan does not price them.
         summary["dp_bytes_sent_per_step"] = json!(report
             .dp_traffic
             .iter()
-            .map(|t| per_step(t.sent))
+            .map(|t| t.sent as f64 / t.steps.max(1) as f64)
             .fold(0.0, f64::max));
+        summary["compress_warmup_steps"] = json!(s.compress.warmup_steps(&p.train.schedule));
         summary["predicted_dp_bytes_per_step"] = json!(p.plan.estimate.breakdown.dp_link_bytes);
         summary["predicted_step_time_s"] = json!(p.plan.estimate.step_time_s);
         summary["losses"] = json!(report.steps.iter().map(|s| s.loss).collect::<Vec<_>>());

@@ -1,20 +1,20 @@
 //! The data-parallel gradient synchronisations and compressions on CPU
-//! ranks: a parameter server with a shard per worker sums as the all-reduce
-//! does (same losses and parameters, bit for bit), with fewer shards to
-//! within the equivalence tolerance; async with staleness 0 is the
-//! synchronous run; the bytes each rank moved are what the algorithms send;
-//! error feedback survives a checkpoint (a resumed run equals an
-//! uninterrupted one); and 200 steps of async (staleness 2) and of each
+//! ranks: a parameter server with a shard per worker, co-located or on
+//! dedicated ranks, sums as the all-reduce does (same losses and
+//! parameters, bit for bit), with fewer shards to within the equivalence
+//! tolerance; async with staleness 0 is the synchronous run; the bytes each
+//! rank moved are what the algorithms send; error feedback and an async
+//! run's older weight versions survive a checkpoint (a resumed run equals
+//! an uninterrupted one); and 200 steps of async (staleness 2) and of each
 //! compression end within the bounds README.md states of the all-reduce's loss.
 //!
-//! And the planner's side: the prices of a parameter server and of each
-//! compression on a 4x8xA100 GPT-2 plan, in the order their bytes say; the
+//! And the planner's side: the prices of a parameter server (co-located
+//! and dedicated) and of each compression on a 4x8xA100 GPT-2 plan, in the order their bytes say; the
 //! search takes them only when `--allow` names them.
 
-use dplc_ir::{Compression, GradSync};
+use dplc_ir::{Compression, GradSync, ServerRanks};
 use dplc_planner::{compile, parse_cluster, parse_strategy, Allow, Compiled, PlanRequest};
 use dplc_runtime::{train, CheckpointConfig, Corpus, RunConfig, TrainReport, ZeroStage};
-use std::path::PathBuf;
 
 mod common;
 use common::{assert_losses, Opt, Scratch, TINY};
@@ -63,43 +63,25 @@ fn a_parameter_server_sums_as_the_all_reduce_does() {
     let reduce = run(&dp4(GradSync::AllReduce, Compression::None), 5);
     // A shard per worker: each server sums its shard in group order, as the
     // all-reduce does, and the norm is counted over the same ranges.
-    let ps = run(&dp4(GradSync::Ps { shards: 4 }, Compression::None), 5);
+    let ps = run(&dp4(GradSync::ps(4), Compression::None), 5);
     assert_eq!(losses(&reduce), losses(&ps));
     assert_eq!(reduce.params.max_rel_diff(&ps.params, 1e-6).0, 0.0);
     // Fewer servers: the same sums; only the norm's partial sums regroup.
     for shards in [1, 2] {
-        let fewer = run(&dp4(GradSync::Ps { shards }, Compression::None), 5);
+        let fewer = run(&dp4(GradSync::ps(shards), Compression::None), 5);
         assert_losses(&format!("ps_shards={shards}"), &reduce.steps, &fewer.steps);
     }
 }
 
 #[test]
 fn async_with_staleness_zero_is_the_synchronous_run() {
-    let sync = run(&dp4(GradSync::Ps { shards: 4 }, Compression::None), 5);
-    let async0 = run(
-        &dp4(
-            GradSync::Async {
-                shards: 4,
-                staleness: 0,
-            },
-            Compression::None,
-        ),
-        5,
-    );
+    let sync = run(&dp4(GradSync::ps(4), Compression::None), 5);
+    let async0 = run(&dp4(GradSync::async_ps(4, 0), Compression::None), 5);
     assert_eq!(losses(&sync), losses(&async0));
     assert_eq!(sync.params.max_rel_diff(&async0.params, 1e-6).0, 0.0);
     // Staleness 1: replicas 1 and 3 compute on the weights one step old,
     // so the second step already differs.
-    let async1 = run(
-        &dp4(
-            GradSync::Async {
-                shards: 4,
-                staleness: 1,
-            },
-            Compression::None,
-        ),
-        5,
-    );
+    let async1 = run(&dp4(GradSync::async_ps(4, 1), Compression::None), 5);
     assert_eq!(sync.steps[0].loss, async1.steps[0].loss);
     assert_ne!(losses(&sync), losses(&async1));
 }
@@ -121,7 +103,7 @@ fn each_rank_moves_the_bytes_its_algorithm_sends() {
     }
     // One server: it takes in n−1 gradients and sends n−1 copies back; a
     // worker sends its gradient and takes the weights in.
-    let one = run(&dp4(GradSync::Ps { shards: 1 }, Compression::None), steps);
+    let one = run(&dp4(GradSync::ps(1), Compression::None), steps);
     assert_eq!(one.dp_traffic[0].sent, steps * (n - 1) * grad_bytes);
     assert_eq!(one.dp_traffic[0].received, steps * (n - 1) * grad_bytes);
     assert_eq!(one.dp_traffic[1].sent, steps * grad_bytes);
@@ -130,9 +112,13 @@ fn each_rank_moves_the_bytes_its_algorithm_sends() {
     assert_eq!(bf16.dp_traffic[0].sent, plain.dp_traffic[0].sent / 2);
     // PowerSGD and top-k send less than the fp32 ring.
     for c in [
-        Compression::PowerSgd { rank: 2 },
+        Compression::PowerSgd {
+            rank: 2,
+            warmup: Some(0),
+        },
         Compression::TopK {
             per_million: 100_000,
+            warmup: Some(0),
         },
     ] {
         let r = run(&dp4(GradSync::AllReduce, c), steps);
@@ -152,9 +138,16 @@ fn error_feedback_survives_a_checkpoint() {
             "topk",
             Compression::TopK {
                 per_million: 100_000,
+                warmup: Some(0),
             },
         ),
-        ("powersgd", Compression::PowerSgd { rank: 2 }),
+        (
+            "powersgd",
+            Compression::PowerSgd {
+                rank: 2,
+                warmup: Some(0),
+            },
+        ),
     ] {
         let cfg = RunConfig {
             dp: 2,
@@ -219,11 +212,74 @@ fn error_feedback_survives_a_checkpoint() {
     }
 }
 
+/// Servers on ranks of their own (`ps_ranks=dedicated`): four workers and
+/// N more ranks that hold the shards and the optimizer state and run no
+/// model compute. With a server per worker each sums its shard in the
+/// workers' order, as the all-reduce does, and counts the same ranges in
+/// the norm: the same losses and parameters, bit for bit; with fewer only
+/// the norm's partial sums regroup. A worker pushes its whole gradient and
+/// pulls the whole weights; a server takes its 1/N of every worker's
+/// gradient in and sends as many weights back: `n/N` of the gradient.
+#[test]
+fn dedicated_servers_sum_as_the_all_reduce_does() {
+    let dedicated =
+        |sync: GradSync| dp4(sync.with_servers(ServerRanks::Dedicated), Compression::None);
+    let reduce = run(&dp4(GradSync::AllReduce, Compression::None), 5);
+    let four = run(&dedicated(GradSync::ps(4)), 5);
+    assert_eq!(losses(&reduce), losses(&four));
+    assert_eq!(reduce.params.max_rel_diff(&four.params, 1e-6).0, 0.0);
+    assert_eq!(four.dp_traffic.len(), 8, "4 workers and 4 servers");
+    let grad_bytes: u64 = reduce
+        .params
+        .values
+        .values()
+        .map(|(_, t)| t.numel() as u64 * 4)
+        .sum();
+    let steps = 5;
+    for shards in [1u64, 2] {
+        let fewer = run(&dedicated(GradSync::ps(shards)), 5);
+        assert_losses(
+            &format!("dedicated ps_shards={shards}"),
+            &reduce.steps,
+            &fewer.steps,
+        );
+        let server = fewer.dp_traffic[4];
+        assert_eq!(
+            server.sent,
+            steps * 4 * grad_bytes / shards,
+            "ps_shards={shards}"
+        );
+        assert_eq!(server.received, server.sent);
+    }
+    for worker in &four.dp_traffic[..4] {
+        assert_eq!(
+            (worker.sent, worker.received),
+            (steps * grad_bytes, steps * grad_bytes)
+        );
+    }
+    // Async on dedicated servers is async on co-located ones: the same
+    // lags, the same sums.
+    let colocated = run(&dp4(GradSync::async_ps(4, 1), Compression::None), 5);
+    let async_dedicated = run(&dedicated(GradSync::async_ps(4, 1)), 5);
+    assert_eq!(losses(&colocated), losses(&async_dedicated));
+}
+
 #[test]
 fn a_parameter_server_resumes_from_its_shards() {
-    let cfg = dp4(GradSync::Ps { shards: 1 }, Compression::None);
+    for (name, sync) in [
+        ("ps", GradSync::ps(1)),
+        (
+            "ps-dedicated",
+            GradSync::ps(2).with_servers(ServerRanks::Dedicated),
+        ),
+    ] {
+        resumes_from_its_shards(name, dp4(sync, Compression::None));
+    }
+}
+
+fn resumes_from_its_shards(name: &str, cfg: RunConfig) {
     let whole = run(&cfg, 4);
-    let dir = Scratch::new("dpsync", "ps");
+    let dir = Scratch::new("dpsync", name);
     let first = run(
         &RunConfig {
             checkpoint: Some(CheckpointConfig {
@@ -247,8 +303,12 @@ fn a_parameter_server_resumes_from_its_shards() {
         .chain(&rest.steps)
         .map(|s| s.loss)
         .collect();
-    assert_eq!(losses(&whole), resumed);
-    assert_eq!(whole.params.max_rel_diff(&rest.params, 1e-6).0, 0.0);
+    assert_eq!(losses(&whole), resumed, "{name}");
+    assert_eq!(
+        whole.params.max_rel_diff(&rest.params, 1e-6).0,
+        0.0,
+        "{name}"
+    );
 }
 
 #[test]
@@ -260,31 +320,98 @@ fn what_the_runtime_does_not_run_is_refused() {
     };
     let e = err(RunConfig {
         zero: ZeroStage::One,
-        ..dp4(GradSync::Ps { shards: 2 }, Compression::None)
+        ..dp4(GradSync::ps(2), Compression::None)
     });
     assert!(e.contains("use zero=0"), "{e}");
-    let e = err(dp4(GradSync::Ps { shards: 2 }, Compression::Bf16));
+    let e = err(dp4(GradSync::ps(2), Compression::Bf16));
     assert!(e.contains("drop compress or use sync=allreduce"), "{e}");
-    let e = err(dp4(GradSync::Ps { shards: 5 }, Compression::None));
+    let e = err(dp4(GradSync::ps(5), Compression::None));
     assert!(e.contains("give 1 to 4"), "{e}");
     let e = err(RunConfig {
-        resume_from: Some(PathBuf::from("nowhere")),
+        dp: 2,
+        cp: 2,
         ..dp4(
-            GradSync::Async {
-                shards: 4,
-                staleness: 2,
-            },
+            GradSync::ps(2).with_servers(ServerRanks::Dedicated),
             Compression::None,
         )
     });
-    assert!(e.contains("resuming an async run"), "{e}");
+    assert!(e.contains("ps_ranks=dedicated runs beside data"), "{e}");
+}
+
+/// Async with staleness 2 saves the two older weight versions its stale
+/// replicas read (one file per rank, beside the error feedback): resumed
+/// at step 3, it equals the uninterrupted run bit for bit, with co-located
+/// servers and with dedicated ones (which compute nothing and keep no
+/// versions); without a worker's file the resume is refused, naming the rank.
+#[test]
+fn an_async_run_resumes_with_its_older_weight_versions() {
+    for (name, sync) in [
+        ("async", GradSync::async_ps(2, 2)),
+        (
+            "async-dedicated",
+            GradSync::async_ps(2, 2).with_servers(ServerRanks::Dedicated),
+        ),
+    ] {
+        async_resumes(name, dp4(sync, Compression::None));
+    }
+}
+
+fn async_resumes(name: &str, cfg: RunConfig) {
+    let whole = run(&cfg, 6);
+    let dir = Scratch::new("dpsync", name);
+    let first = run(
+        &RunConfig {
+            checkpoint: Some(CheckpointConfig {
+                dir: dir.0.clone(),
+                every: 3,
+            }),
+            ..cfg.clone()
+        },
+        3,
+    );
+    let last = first.checkpoints.last().expect("a checkpoint").clone();
+    let rest = run(
+        &RunConfig {
+            resume_from: Some(last.clone()),
+            ..cfg.clone()
+        },
+        6,
+    );
+    let resumed: Vec<f64> = first
+        .steps
+        .iter()
+        .chain(&rest.steps)
+        .map(|s| s.loss)
+        .collect();
+    assert_eq!(losses(&whole), resumed, "{name}");
+    assert_eq!(
+        whole.params.max_rel_diff(&rest.params, 1e-6).0,
+        0.0,
+        "{name}"
+    );
+    std::fs::remove_file(last.join("versions-rank00002.safetensors")).expect("rank 2's versions");
+    let e = try_run(
+        &RunConfig {
+            resume_from: Some(last),
+            ..cfg.clone()
+        },
+        6,
+        16,
+        Some(Opt::AdamW),
+    )
+    .expect_err("no weight versions")
+    .to_string();
+    assert!(e.contains("no older weight versions for rank 2"), "{e}");
 }
 
 /// 200 steps of gpt_tiny at sequence 32 (global batch 4 on dp 4: a quarter
 /// of the train section's tokens, to keep the test short), with its own
 /// AdamW and warmup-cosine schedule: each run's mean loss over the last 20
-/// steps against the all-reduce's. The bounds are README.md's, measured
-/// there with the command the README gives.
+/// steps against the all-reduce's, within the bounds README.md states (the
+/// measured gap rounded up by a fraction of a point). PowerSGD reaches a
+/// few percent at rank 16, where only the three 256-wide matrices per
+/// layer and the tied embedding are compressed; rank 4 is held to its
+/// measured gap, and README.md says why it stays there.
 #[test]
 fn async_and_compressed_runs_train_close_to_the_all_reduce() {
     let last20 = |r: &TrainReport| {
@@ -293,35 +420,18 @@ fn async_and_compressed_runs_train_close_to_the_all_reduce() {
     };
     let go = |c: RunConfig| try_run(&c, 200, 32, None).unwrap_or_else(|e| panic!("{e}"));
     let base = last20(&go(dp4(GradSync::AllReduce, Compression::None)));
-    let cases: [(&str, RunConfig, f64); 5] = [
+    let compressed = |c: &str| dp4(GradSync::AllReduce, Compression::parse(c).expect(c));
+    let cases: [(&str, RunConfig, f64); 6] = [
         (
             "async staleness 2",
-            dp4(
-                GradSync::Async {
-                    shards: 4,
-                    staleness: 2,
-                },
-                Compression::None,
-            ),
-            0.03,
+            dp4(GradSync::async_ps(4, 2), Compression::None),
+            0.02,
         ),
-        ("bf16", dp4(GradSync::AllReduce, Compression::Bf16), 0.001),
-        ("fp16", dp4(GradSync::AllReduce, Compression::Fp16), 0.001),
-        (
-            "powersgd:4",
-            dp4(GradSync::AllReduce, Compression::PowerSgd { rank: 4 }),
-            0.25,
-        ),
-        (
-            "topk:0.1",
-            dp4(
-                GradSync::AllReduce,
-                Compression::TopK {
-                    per_million: 100_000,
-                },
-            ),
-            0.06,
-        ),
+        ("bf16", compressed("bf16"), 0.001),
+        ("fp16", compressed("fp16"), 0.001),
+        ("topk:0.1", compressed("topk:0.1"), 0.025),
+        ("powersgd:16", compressed("powersgd:16"), 0.05),
+        ("powersgd:4", compressed("powersgd:4"), 0.17),
     ];
     for (name, cfg, bound) in cases {
         let loss = last20(&go(cfg));
@@ -332,7 +442,7 @@ fn async_and_compressed_runs_train_close_to_the_all_reduce() {
         );
         assert!(
             rel < bound,
-            "{name}: {loss} vs {base} (+{:.1}% > {:.0}%)",
+            "{name}: {loss} vs {base} (+{:.2}% > {:.1}%)",
             100.0 * rel,
             100.0 * bound
         );
@@ -372,11 +482,22 @@ fn the_planner_prices_servers_and_compression_in_the_order_of_their_bytes() {
     let (t_bf16, b_bf16) = priced("compress=bf16");
     let (t_topk, b_topk) = priced("compress=topk:0.01");
     let (t_psgd, b_psgd) = priced("compress=powersgd:4");
+    let (t_psd, b_psd) = priced("sync=ps,ps_ranks=dedicated");
+    let (_, b_psd1) = priced("sync=ps,ps_shards=1,ps_ranks=dedicated");
     // A shard per worker carries the ring's bytes (BytePS); one server
     // carries n − 1 gradients each way: 31/1.94 = 16× the ring's.
     assert!((b_ps32 / b_ring - 1.0).abs() < 1e-3, "{b_ps32} vs {b_ring}");
     assert!((b_ps1 / b_ring - 16.0).abs() < 0.1, "{b_ps1} vs {b_ring}");
     assert_eq!(b_async, b_ps32);
+    // 32 dedicated servers: a worker pushes and pulls the gradient once,
+    // a server 32/32 of it — half the ring's 2·31/32; one dedicated server
+    // takes all 32 workers' gradients: 32×.
+    assert!(
+        (b_psd / b_ring - 16.0 / 31.0).abs() < 1e-3,
+        "{b_psd} vs {b_ring}"
+    );
+    assert!((b_psd1 / b_psd - 32.0).abs() < 1e-3);
+    assert!(t_psd < t_ring, "{t_psd} vs {t_ring}");
     // bf16 halves the ring; top-k 1% sends (n−1)·k pairs of 8 bytes, 0.62×
     // the fp32 gradient at n = 32; PowerSGD rank 4 a few percent of it.
     assert!((b_bf16 / b_ring - 0.5).abs() < 1e-3);
@@ -407,6 +528,15 @@ fn the_planner_prices_servers_and_compression_in_the_order_of_their_bytes() {
         ps1.note
     );
     assert_eq!(line("compress=powersgd:4").step_time_s, Some(t_psgd));
+    let dedicated = line("sync=ps,ps_ranks=dedicated");
+    assert_eq!(dedicated.step_time_s, Some(t_psd));
+    assert!(
+        dedicated
+            .note
+            .contains("32 server ranks beyond the cluster's 32 devices"),
+        "{}",
+        dedicated.note
+    );
 }
 
 #[test]
@@ -447,6 +577,10 @@ fn strategy_keys_are_checked_where_they_are_read() {
     assert!(e("compress=topk:2").contains("topk:F (F a fraction in (0, 1])"));
     assert!(e("compress=powersgd:0").contains("powersgd:R (R a positive rank)"));
     assert!(e("sync=gossip").contains("sync is allreduce, ps or async"));
+    assert!(e("ps_ranks=dedicated").contains("give it with sync=ps or sync=async"));
+    assert!(e("sync=ps,ps_ranks=remote").contains("ps_ranks is colocated"));
+    let d = parse_strategy("sync=ps,ps_shards=2,ps_ranks=dedicated").unwrap();
+    assert_eq!(parse_strategy(&d.to_string()).unwrap(), d);
     let c = parse_strategy("sync=async,ps_shards=2,staleness=3,compress=none").unwrap();
     assert_eq!(parse_strategy(&c.to_string()).unwrap(), c);
     assert!(Allow::parse("sync,fast").is_err());
@@ -467,4 +601,5 @@ fn strategy_keys_are_checked_where_they_are_read() {
     assert!(refused("sync=ps,zero=1").contains("pin zero=0"));
     assert!(refused("sync=ps,compress=bf16").contains("drop compress or pin sync=allreduce"));
     assert!(refused("dp=8,sync=ps,ps_shards=16").contains("give ps_shards at most dp"));
+    assert!(refused("cp=2,sync=ps,ps_ranks=dedicated").contains("drop cp and ep"));
 }

@@ -904,7 +904,8 @@ fn verify_splits(src: &str, model: Option<&str>, strategies: &[&str], extra: &[&
 
 /// `dplc run --json` of two synchronisations, their loss curves drawn side
 /// by side by `dplc viz --runs`; measured bytes equal the plan's prediction
-/// for the parameter server; a file that is not a run's output is refused.
+/// for the parameter server, co-located or on dedicated ranks; a file that
+/// is not a run's output is refused.
 #[test]
 fn run_json_reports_the_dp_bytes_and_viz_draws_the_runs_side_by_side() {
     let dir = std::env::temp_dir().join(format!("dplc-viz-runs-{}", std::process::id()));
@@ -920,6 +921,9 @@ fn run_json_reports_the_dp_bytes_and_viz_draws_the_runs_side_by_side() {
         ("ps1", "dp=4,sync=ps,ps_shards=1"),
         ("zero1", "dp=4,zero=1,mb=1"),
         ("zero2", "dp=4,zero=2,mb=1"),
+        // Four workers and one or four server ranks of their own.
+        ("dedicated1", "dp=4,sync=ps,ps_shards=1,ps_ranks=dedicated"),
+        ("dedicated4", "dp=4,sync=ps,ps_ranks=dedicated"),
     ] {
         // SMALL at a global batch of 8: two micro-batches per rank.
         let mut args = vec!["run", "models/tiny.dpl", "--cluster", "4xcpu"];

@@ -40,12 +40,14 @@ pub use layout::{
 pub use localize::localize;
 pub use op::{BinaryOp, Init, Op, ReduceKind, UnaryOp, VocabOp};
 pub use pipeline::{even_split, pipeline_order, virtual_stage_layers, PipelineWork};
+pub use plan::{powersgd_factors, topk_sparsifies, POWERSGD_MIN_COMPRESSION_RATE};
 pub use plan::{
     Alternative, AttentionKind, AxisComm, AxisMapping, AxisPart, BackwardCollective,
     ClusterSummary, Collective, CollectiveKind, Compression, Elementwise, Estimate, GradAccum,
     GradSync, LinkLevel, MemoryBreakdown, Mesh, MeshAxis, ModelSource, Offload, ParamSharding,
     PipelineSchedule, Plan, ProgramValue, Recompute, RegionProgram, RootSplit, SearchStats,
-    ShardLayout, SkippedDegree, StagePlan, StepPhase, Strategy, TimeBreakdown, TpOverlap, WhatIf,
+    ServerRanks, ShardLayout, SkippedDegree, StagePlan, StepPhase, Strategy, TimeBreakdown,
+    TpOverlap, WhatIf,
 };
 
 pub use print::print_graph;

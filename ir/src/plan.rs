@@ -212,17 +212,94 @@ pub enum GradSync {
     /// A ring all-reduce (NCCL, Megatron, DeepSpeed).
     #[default]
     AllReduce,
-    /// Parameters sharded over `shards` server roles co-located with the
-    /// first `shards` data-parallel workers (BytePS): workers push gradient
+    /// Parameters sharded over `shards` server roles: workers push gradient
     /// shards to their server, which sums them in a fixed order, steps the
-    /// optimizer and sends the weights back.
-    Ps { shards: u64 },
+    /// optimizer and sends the weights back. The servers live on the first
+    /// `shards` data-parallel workers (BytePS's co-located servers) or on
+    /// ranks of their own (`servers`).
+    Ps {
+        shards: u64,
+        /// Plans written before this field existed co-located them.
+        #[serde(default)]
+        servers: ServerRanks,
+    },
     /// A parameter server without a barrier: a worker computes on weights
     /// up to `staleness` versions old (bounded staleness, SSP).
-    Async { shards: u64, staleness: u64 },
+    Async {
+        shards: u64,
+        staleness: u64,
+        #[serde(default)]
+        servers: ServerRanks,
+    },
+}
+
+/// Where a parameter server's shards live (`ps_ranks=`).
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+pub enum ServerRanks {
+    /// On the first `shards` data-parallel workers, beside their compute
+    /// (BytePS's co-located servers): no devices beyond the workers'.
+    #[default]
+    CoLocated,
+    /// On `shards` ranks of their own beyond the workers — extra devices
+    /// (BytePS's server machines) that hold the shards and the optimizer
+    /// state and run no model compute; each server replica is laid out over
+    /// the pipeline stages and tensor-parallel parts as a worker replica is,
+    /// so the world grows by `shards · pp · tp` ranks.
+    Dedicated,
+}
+
+impl ServerRanks {
+    pub fn name(self) -> &'static str {
+        match self {
+            ServerRanks::CoLocated => "colocated",
+            ServerRanks::Dedicated => "dedicated",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<ServerRanks> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "colocated" | "co-located" => Some(ServerRanks::CoLocated),
+            "dedicated" => Some(ServerRanks::Dedicated),
+            _ => None,
+        }
+    }
 }
 
 impl GradSync {
+    /// A synchronous parameter server with `shards` co-located servers.
+    pub fn ps(shards: u64) -> GradSync {
+        GradSync::Ps {
+            shards,
+            servers: ServerRanks::CoLocated,
+        }
+    }
+
+    /// An asynchronous parameter server with `shards` co-located servers.
+    pub fn async_ps(shards: u64, staleness: u64) -> GradSync {
+        GradSync::Async {
+            shards,
+            staleness,
+            servers: ServerRanks::CoLocated,
+        }
+    }
+
+    /// The same mode with its servers on `servers` (the all-reduce has none).
+    pub fn with_servers(self, servers: ServerRanks) -> GradSync {
+        match self {
+            GradSync::AllReduce => GradSync::AllReduce,
+            GradSync::Ps { shards, .. } => GradSync::Ps { shards, servers },
+            GradSync::Async {
+                shards, staleness, ..
+            } => GradSync::Async {
+                shards,
+                staleness,
+                servers,
+            },
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             GradSync::AllReduce => "allreduce",
@@ -235,7 +312,23 @@ impl GradSync {
     pub fn ps_shards(self) -> Option<u64> {
         match self {
             GradSync::AllReduce => None,
-            GradSync::Ps { shards } | GradSync::Async { shards, .. } => Some(shards),
+            GradSync::Ps { shards, .. } | GradSync::Async { shards, .. } => Some(shards),
+        }
+    }
+
+    /// Where a parameter server's shards live.
+    pub fn servers(self) -> Option<ServerRanks> {
+        match self {
+            GradSync::AllReduce => None,
+            GradSync::Ps { servers, .. } | GradSync::Async { servers, .. } => Some(servers),
+        }
+    }
+
+    /// Server replicas beyond the workers: `shards` on dedicated ranks, else 0.
+    pub fn dedicated_servers(self) -> u64 {
+        match (self.servers(), self.ps_shards()) {
+            (Some(ServerRanks::Dedicated), Some(shards)) => shards,
+            _ => 0,
         }
     }
 
@@ -249,11 +342,17 @@ impl GradSync {
 
     /// The mode as `--strategy` keys write it.
     pub fn keys(self) -> String {
+        let ranks = match self.servers() {
+            Some(ServerRanks::Dedicated) => ",ps_ranks=dedicated",
+            _ => "",
+        };
         match self {
             GradSync::AllReduce => "sync=allreduce".into(),
-            GradSync::Ps { shards } => format!("sync=ps,ps_shards={shards}"),
-            GradSync::Async { shards, staleness } => {
-                format!("sync=async,ps_shards={shards},staleness={staleness}")
+            GradSync::Ps { shards, .. } => format!("sync=ps,ps_shards={shards}{ranks}"),
+            GradSync::Async {
+                shards, staleness, ..
+            } => {
+                format!("sync=async,ps_shards={shards},staleness={staleness}{ranks}")
             }
         }
     }
@@ -266,6 +365,15 @@ impl GradSync {
 /// How the data-parallel gradient reduction compresses what it sends
 /// (`compress=`). Lossy, so the search takes one only when the user
 /// allows it (`--allow compress`).
+///
+/// PowerSGD and top-k compress matrices only (a parameter with two or more
+/// axes, rows = the first): vectors — biases and norm gains, a sliver of
+/// the bytes — are all-reduced whole, as PyTorch's `powerSGD_hook` and
+/// Deep Gradient Compression's reference code do. Both start after a
+/// warm-up (`warmup`, else the learning-rate schedule's warm-up steps):
+/// PowerSGD all-reduces plain fp32 gradients until then (PyTorch's
+/// `start_powerSGD_iter`), top-k raises its sparsity exponentially to `F`
+/// over it (DGC's warm-up training).
 #[derive(
     Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
 )]
@@ -278,23 +386,68 @@ pub enum Compression {
     /// Gradients rounded to IEEE half before they are sent.
     Fp16,
     /// PowerSGD (Vogels et al. 2019): each matrix gradient sent as two
-    /// rank-`rank` factors, with error feedback; vectors go uncompressed.
-    PowerSgd { rank: u64 },
+    /// rank-`rank` factors, with error feedback; vectors and matrices it
+    /// would not shrink twofold go uncompressed ([`powersgd_factors`]).
+    PowerSgd {
+        rank: u64,
+        /// Steps of plain all-reduce first (`powersgd:R:W`); `None`: the
+        /// learning-rate schedule's warm-up. Plans written before this
+        /// field existed had none.
+        #[serde(default)]
+        warmup: Option<u64>,
+    },
     /// Top-k with error feedback: each rank sends the `per_million`/10⁶
-    /// largest-magnitude elements of each gradient as (index, value) pairs.
-    TopK { per_million: u64 },
+    /// largest-magnitude elements of each matrix gradient as (index,
+    /// value) pairs.
+    TopK {
+        per_million: u64,
+        /// Steps over which the kept fraction falls to its value
+        /// (`topk:F:W`); `None`: the learning-rate schedule's warm-up.
+        #[serde(default)]
+        warmup: Option<u64>,
+    },
+}
+
+/// PowerSGD's smallest saving: a matrix is compressed only when its
+/// factors are at most half its size (PyTorch's and the authors'
+/// `min_compression_rate` default): below that the two extra all-reduces
+/// and GEMMs buy too little.
+pub const POWERSGD_MIN_COMPRESSION_RATE: u64 = 2;
+
+/// How PowerSGD treats a gradient of `shape`: `(rows, cols, rank)` when it
+/// compresses it (rows = the first axis, columns the rest; rank capped by
+/// both), else `None`: vectors, and matrices that the rank-`rank` factors
+/// would not shrink [`POWERSGD_MIN_COMPRESSION_RATE`]-fold, go whole. The
+/// one rule the runtime runs and the planner prices.
+pub fn powersgd_factors(shape: &[u64], rank: u64) -> Option<(u64, u64, u64)> {
+    let (&rows, rest) = shape.split_first()?;
+    if rest.is_empty() {
+        return None;
+    }
+    let cols: u64 = rest.iter().product();
+    let r = rank.min(rows).min(cols);
+    ((rows + cols) * r * POWERSGD_MIN_COMPRESSION_RATE < rows * cols).then_some((rows, cols, r))
+}
+
+/// Whether top-k sparsifies a gradient of `shape`: matrices only.
+pub fn topk_sparsifies(shape: &[u64]) -> bool {
+    shape.len() >= 2
 }
 
 impl Compression {
     /// The value as `compress=` writes it.
     pub fn name(self) -> String {
+        let warmup = |w: Option<u64>| w.map(|w| format!(":{w}")).unwrap_or_default();
         match self {
             Compression::None => "none".into(),
             Compression::Bf16 => "bf16".into(),
             Compression::Fp16 => "fp16".into(),
-            Compression::PowerSgd { rank } => format!("powersgd:{rank}"),
-            Compression::TopK { per_million } => {
-                format!("topk:{}", per_million as f64 / 1e6)
+            Compression::PowerSgd { rank, warmup: w } => format!("powersgd:{rank}{}", warmup(w)),
+            Compression::TopK {
+                per_million,
+                warmup: w,
+            } => {
+                format!("topk:{}{}", per_million as f64 / 1e6, warmup(w))
             }
         }
     }
@@ -302,32 +455,85 @@ impl Compression {
     /// The inverse of [`Compression::name`]; `None` for anything else.
     pub fn parse(s: &str) -> Option<Compression> {
         let s = s.trim().to_ascii_lowercase();
-        Some(match s.split_once(':') {
-            None => match s.as_str() {
-                "none" | "off" => Compression::None,
-                "bf16" => Compression::Bf16,
-                "fp16" => Compression::Fp16,
-                _ => return None,
-            },
-            Some(("powersgd", r)) => {
+        let mut parts = s.split(':');
+        let kind = parts.next()?;
+        let value = parts.next();
+        let warmup = match parts.next() {
+            None => None,
+            Some(w) => Some(w.parse::<u64>().ok()?),
+        };
+        if parts.next().is_some() {
+            return None;
+        }
+        Some(match (kind, value) {
+            ("none" | "off", None) => Compression::None,
+            ("bf16", None) => Compression::Bf16,
+            ("fp16", None) => Compression::Fp16,
+            ("powersgd", Some(r)) => {
                 let rank = r.parse::<u64>().ok().filter(|&r| r > 0)?;
-                Compression::PowerSgd { rank }
+                Compression::PowerSgd { rank, warmup }
             }
-            Some(("topk", f)) => {
+            ("topk", Some(f)) => {
                 let f = f.parse::<f64>().ok().filter(|f| *f > 0.0 && *f <= 1.0)?;
                 let per_million = (f * 1e6).round() as u64;
-                (per_million > 0).then_some(Compression::TopK { per_million })?
+                (per_million > 0).then_some(Compression::TopK {
+                    per_million,
+                    warmup,
+                })?
             }
-            Some(_) => return None,
+            _ => return None,
         })
     }
 
-    /// The fraction of elements top-k keeps.
+    /// The fraction of elements top-k keeps once warmed up.
     pub fn topk_fraction(self) -> Option<f64> {
         match self {
-            Compression::TopK { per_million } => Some(per_million as f64 / 1e6),
+            Compression::TopK { per_million, .. } => Some(per_million as f64 / 1e6),
             _ => None,
         }
+    }
+
+    /// PowerSGD's rank.
+    pub fn powersgd_rank(self) -> Option<u64> {
+        match self {
+            Compression::PowerSgd { rank, .. } => Some(rank),
+            _ => None,
+        }
+    }
+
+    /// Whether each rank keeps an error-feedback state (top-k, PowerSGD).
+    pub fn has_feedback(self) -> bool {
+        matches!(
+            self,
+            Compression::PowerSgd { .. } | Compression::TopK { .. }
+        )
+    }
+
+    /// Steps before the compression reaches its steady state: the explicit
+    /// warm-up, else the learning-rate schedule's (the early steps, which
+    /// both PyTorch's PowerSGD hook and DGC spare the compression, are the
+    /// ones the schedule already treats as fragile). 0 for bf16/fp16.
+    pub fn warmup_steps(self, schedule: &crate::LrSchedule) -> u64 {
+        match self {
+            Compression::PowerSgd { warmup, .. } | Compression::TopK { warmup, .. } => warmup
+                .unwrap_or(match *schedule {
+                    crate::LrSchedule::Constant => 0,
+                    crate::LrSchedule::WarmupCosine { warmup, .. } => warmup,
+                }),
+            Compression::None | Compression::Bf16 | Compression::Fp16 => 0,
+        }
+    }
+
+    /// Top-k's kept fraction at `step` of a run whose warm-up lasts
+    /// `warmup` steps: `F^((step+1)/(warmup+1))` during it — DGC's
+    /// exponential warm-up, from nearly dense to `F` — then `F`.
+    pub fn topk_fraction_at(self, step: u64, warmup: u64) -> Option<f64> {
+        let f = self.topk_fraction()?;
+        Some(if step < warmup {
+            f.powf((step + 1) as f64 / (warmup + 1) as f64)
+        } else {
+            f
+        })
     }
 
     pub fn is_none(&self) -> bool {
@@ -644,12 +850,21 @@ impl fmt::Display for Strategy {
         if self.shards != ShardLayout::Flat {
             write!(f, ", shards {}", self.shards.name())?;
         }
+        let where_ = match self.sync.servers() {
+            Some(ServerRanks::Dedicated) => " on dedicated ranks",
+            _ => "",
+        };
         match self.sync {
             GradSync::AllReduce => {}
-            GradSync::Ps { shards } => write!(f, ", parameter server ({shards} shards)")?,
-            GradSync::Async { shards, staleness } => write!(
+            GradSync::Ps { shards, .. } => {
+                write!(f, ", parameter server ({shards} shards{})", where_)?
+            }
+            GradSync::Async {
+                shards, staleness, ..
+            } => write!(
                 f,
-                ", async parameter server ({shards} shards, staleness {staleness})"
+                ", async parameter server ({shards} shards{}, staleness {staleness})",
+                where_
             )?,
         }
         if !self.compress.is_none() {

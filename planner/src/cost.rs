@@ -897,16 +897,19 @@ impl<'a> CostModel<'a> {
         };
         // What the gradient synchronisation keeps, as the runtime keeps it:
         // a server holds the optimizer state of its 1/N of the parameters
-        // (the busiest rank is a server), async keeps K older weight
+        // (the busiest rank is a server; dedicated servers are not workers,
+        // whose memory this is), async keeps K older weight
         // versions, top-k and PowerSGD an fp32 error per gradient element.
         if let Some(servers) = c.sync.ps_shards() {
-            m.optimizer = (params / (servers as f64).clamp(1.0, dp) * opt_bytes) as u64;
+            m.optimizer = if c.sync.dedicated_servers() > 0 {
+                // The servers hold it, on their own devices: a worker none.
+                0
+            } else {
+                (params / (servers as f64).clamp(1.0, dp) * opt_bytes) as u64
+            };
         }
         m.weights += (c.sync.staleness() as f64 * params * w_bytes) as u64;
-        if matches!(
-            c.compress,
-            Compression::TopK { .. } | Compression::PowerSgd { .. }
-        ) {
+        if c.compress.has_feedback() {
             m.gradients += (params * 4.0) as u64;
         }
         let o = c.offload;
@@ -1007,20 +1010,30 @@ impl<'a> CostModel<'a> {
     /// - bf16/fp16: the same collective on 2-byte elements, plus a cast
     ///   pass each way (read 4 write 2, read 2 write 4 bytes per element);
     /// - PowerSGD rank R: two all-reduces of the factors, `R·(rows + cols)`
-    ///   per matrix instead of `rows·cols` (vectors uncompressed), plus its
-    ///   GEMMs (`M·Q` and `Mᵀ·P`, 4·R flops per element) and four passes
-    ///   over the fp32 gradient and error (add, two GEMM reads, error write);
-    /// - top-k fraction F: an all-gather of every rank's `F·params`
+    ///   per compressed matrix instead of `rows·cols` (vectors, and
+    ///   matrices the factors would not halve, uncompressed:
+    ///   `dplc_ir::powersgd_factors`), plus its GEMMs (`M·Q` and `Mᵀ·P`,
+    ///   4·R flops per element) and four passes over the fp32 gradient and
+    ///   error (add, two GEMM reads, error write);
+    /// - top-k fraction F: an all-gather of every rank's `F·matrix params`
     ///   (index, value) pairs, 8 bytes each — each link carries `(n−1)·k·8`
-    ///   — plus four memory passes (error add, selection, error write,
-    ///   scatter-add of the `n·k` received pairs);
+    ///   — plus a ring all-reduce of the vectors, and four memory passes
+    ///   (error add, selection, error write, scatter-add of the `n·k`
+    ///   received pairs);
+    ///
+    /// A compression's warm-up steps (plain or denser) are not priced: the
+    /// estimate is the steady state.
     /// - parameter server with N shards on the first N workers: each server
     ///   receives `(n−1)/N` of every worker's gradient and sends as many
     ///   weights back, on top of its own worker's push, so its link carries
     ///   `max(1, (n+N−2)/N)` × the gradient bytes each way: N = n is the
     ///   ring's `2(n−1)/n` (BytePS), N = 1 is `n−1` (the bottleneck at the
-    ///   server). Async costs the same bytes; `step_time` hides them behind
-    ///   the next step instead of waiting at a barrier.
+    ///   server). On N dedicated server ranks (`ps_ranks=dedicated`, each
+    ///   with a link of the data-parallel group's kind) a server carries
+    ///   `n/N` × the gradient each way and a worker 1×: `max(1, n/N)`, half
+    ///   the ring's bytes at N = n — what BytePS's extra machines buy.
+    ///   Async costs the same bytes; `step_time` hides them behind the next
+    ///   step instead of waiting at a barrier.
     pub(crate) fn dp_reduction(
         &self,
         c: &Config,
@@ -1035,8 +1048,15 @@ impl<'a> CostModel<'a> {
         let bytes = params * grad_bytes;
         let mem = |b: f64| b / (self.cluster.device.memory_bandwidth * MEMORY_EFFICIENCY);
         if let Some(shards) = c.sync.ps_shards() {
-            let shards = (shards as f64).clamp(1.0, n);
-            let link_bytes = bytes * ((n + shards - 2.0) / shards).max(1.0);
+            let link_bytes = if c.sync.dedicated_servers() > 0 {
+                // A server takes 1/N of each of the n workers' gradients in
+                // and sends as many weights out; a worker pushes its whole
+                // gradient and pulls the whole weights: the busier of the two.
+                bytes * (n / (shards as f64).max(1.0)).max(1.0)
+            } else {
+                let shards = (shards as f64).clamp(1.0, n);
+                bytes * ((n + shards - 2.0) / shards).max(1.0)
+            };
             return DpReduction {
                 wire_s: link_bytes / link.bandwidth + 2.0 * link.latency,
                 compute_s: 0.0,
@@ -1060,21 +1080,10 @@ impl<'a> CostModel<'a> {
             Compression::Bf16 | Compression::Fp16 => {
                 all_reduce(params * 2.0, mem(params * 12.0) + 2.0 * KERNEL_OVERHEAD_S)
             }
-            Compression::PowerSgd { rank } => {
-                let p = self.profile;
-                let r = rank as f64;
-                let matrix_frac = if p.total_params > 0 {
-                    (p.matrix_elems / p.total_params as f64).min(1.0)
-                } else {
-                    0.0
-                };
-                let factor_ratio = if p.matrix_elems > 0.0 {
-                    (r * p.factor_elems / p.matrix_elems).min(1.0)
-                } else {
-                    1.0
-                };
-                let sent = params * ((1.0 - matrix_frac) + matrix_frac * factor_ratio);
-                let flops = 4.0 * r * params * matrix_frac;
+            Compression::PowerSgd { rank, .. } => {
+                let (compressed, factors) = self.profile.powersgd_shares(rank);
+                let sent = params * ((1.0 - compressed) + compressed * factors);
+                let flops = 4.0 * rank as f64 * params * compressed;
                 let gemm = flops
                     / (self.cluster.device.peak_flops(self.profile.precision)
                         * GEMM_EFFICIENCY_SKINNY);
@@ -1083,13 +1092,16 @@ impl<'a> CostModel<'a> {
                     gemm + mem(params * 16.0) + 4.0 * KERNEL_OVERHEAD_S,
                 )
             }
-            Compression::TopK { per_million } => {
-                let k = params * per_million as f64 / 1e6;
+            Compression::TopK { per_million, .. } => {
+                let sparse = params * self.profile.matrix_share();
+                let k = sparse * per_million as f64 / 1e6;
                 let gathered = n * k * 8.0;
+                let vectors = all_reduce((params - sparse) * 4.0, 0.0);
                 DpReduction {
-                    wire_s: collective_time(CollectiveKind::AllGather, gathered, link),
-                    compute_s: mem(params * 16.0 + n * k * 12.0) + 4.0 * KERNEL_OVERHEAD_S,
-                    link_bytes: (n - 1.0) * k * 8.0,
+                    wire_s: collective_time(CollectiveKind::AllGather, gathered, link)
+                        + vectors.wire_s,
+                    compute_s: mem(sparse * 16.0 + n * k * 12.0) + 4.0 * KERNEL_OVERHEAD_S,
+                    link_bytes: (n - 1.0) * k * 8.0 + vectors.link_bytes,
                 }
             }
         }

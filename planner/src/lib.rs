@@ -221,7 +221,7 @@ fn dp_what_ifs(
     best: &search::Candidate,
     capacity: u64,
 ) -> Vec<dplc_ir::WhatIf> {
-    use dplc_ir::{Compression, GradSync};
+    use dplc_ir::{Compression, GradSync, ServerRanks};
     let c = best.config;
     let n = c.dp * c.cp;
     if n <= 1 {
@@ -260,35 +260,36 @@ fn dp_what_ifs(
     push(
         format!("sync=ps,ps_shards={n}"),
         cost::Config {
-            sync: GradSync::Ps { shards: n },
+            sync: GradSync::ps(n),
             ..base
         },
     );
     push(
         "sync=ps,ps_shards=1".into(),
         cost::Config {
-            sync: GradSync::Ps { shards: 1 },
+            sync: GradSync::ps(1),
             ..base
         },
     );
+    if c.cp == 1 && c.ep == 1 {
+        // What the runtime runs dedicated servers with.
+        // ps_shards defaults to dp: the label fits explain's column.
+        push(
+            "sync=ps,ps_ranks=dedicated".into(),
+            cost::Config {
+                sync: GradSync::ps(n).with_servers(ServerRanks::Dedicated),
+                ..base
+            },
+        );
+    }
     push(
         "sync=async,staleness=1".into(),
         cost::Config {
-            sync: GradSync::Async {
-                shards: n,
-                staleness: 1,
-            },
+            sync: GradSync::async_ps(n, 1),
             ..base
         },
     );
-    for compress in [
-        Compression::None,
-        Compression::Bf16,
-        Compression::PowerSgd { rank: 4 },
-        Compression::TopK {
-            per_million: 10_000,
-        },
-    ] {
+    for compress in search::COMPRESSIONS {
         push(
             format!("compress={}", compress.name()),
             cost::Config {
@@ -306,16 +307,28 @@ fn dp_what_ifs(
             let (peak, _) = cost.peak_memory(&alt, &best.counts);
             let bytes = ratio(&cost, &alt);
             let mut note = match alt.sync {
-                GradSync::Ps { shards } | GradSync::Async { shards, .. } => format!(
-                    "server link carries {:.2}× the gradient bytes, all-reduce {:.2}×{}",
-                    bytes,
-                    plain,
-                    if shards == n {
-                        " (BytePS: a shard per worker)"
-                    } else {
-                        ""
-                    }
-                ),
+                GradSync::Ps { shards, servers }
+                | GradSync::Async {
+                    shards, servers, ..
+                } => {
+                    format!(
+                        "server link carries {:.2}× the gradient bytes, all-reduce {:.2}×{}",
+                        bytes,
+                        plain,
+                        match servers {
+                            ServerRanks::Dedicated => format!(
+                                " ({} server ranks beyond the cluster's {} devices: they hold \
+                                 the shards and the optimizer state, no compute)",
+                                shards * c.pp * c.tp,
+                                c.dp * c.cp * c.pp * c.tp
+                            ),
+                            ServerRanks::CoLocated if shards == n => {
+                                " (BytePS: a shard per worker)".into()
+                            }
+                            ServerRanks::CoLocated => String::new(),
+                        }
+                    )
+                }
                 GradSync::AllReduce => format!(
                     "each link carries {:.3}× the fp32 gradient bytes, {:.2}× uncompressed",
                     bytes, plain
@@ -334,6 +347,9 @@ fn dp_what_ifs(
                 alt.sync != GradSync::AllReduce,
                 alt.compress != Compression::None,
             ) {
+                (true, _) if alt.sync.dedicated_servers() > 0 => {
+                    note.push_str("; pin it: the search adds no devices")
+                }
                 (true, _) => note.push_str("; the search takes it with --allow sync"),
                 (false, true) => note.push_str("; the search takes it with --allow compress"),
                 (false, false) => {}
@@ -368,6 +384,15 @@ fn check_dp_sync_pins(pins: &StrategyConstraints, world: u64) -> Result<(), Plan
         return Err(PlanError::Strategy(
             "compress= compresses the all-reduce; a parameter server pushes fp32 gradients: \
              drop compress or pin sync=allreduce"
+                .into(),
+        ));
+    }
+    if pins.ps_ranks == Some(dplc_ir::ServerRanks::Dedicated)
+        && (pins.cp.is_some_and(|x| x > 1) || pins.ep.is_some_and(|x| x > 1))
+    {
+        return Err(PlanError::Strategy(
+            "ps_ranks=dedicated runs beside data, pipeline and tensor parallelism: drop cp and \
+             ep, or ps_ranks"
                 .into(),
         ));
     }

@@ -249,12 +249,50 @@ pub(crate) struct ModelProfile {
     pub forward_flops: Poly,
     /// Per parameter: name, elements (all iterations), splits.
     pub param_layout: Vec<(String, u128, Option<usize>, bool)>,
-    /// PowerSGD's view of the weights: the elements of every matrix
-    /// parameter (rows = the first dimension, columns the rest, as the
-    /// runtime reshapes them), and Σ (rows + columns) over those matrices,
-    /// the elements of a rank-1 factor pair. Everything else goes uncompressed.
-    pub matrix_elems: f64,
-    pub factor_elems: f64,
+    /// The matrix parameters as PowerSGD and top-k see them (rows = the
+    /// first dimension, columns the rest, as the runtime reshapes them):
+    /// `(shape, copies)`, copies over the layers of a stack. Everything
+    /// else goes uncompressed.
+    pub matrices: Vec<(Vec<u64>, f64)>,
+}
+
+impl ModelProfile {
+    /// The share of the parameters in matrices (what top-k sparsifies).
+    pub fn matrix_share(&self) -> f64 {
+        let elems: f64 = self
+            .matrices
+            .iter()
+            .map(|(shape, copies)| shape.iter().product::<u64>() as f64 * copies)
+            .sum();
+        share(elems, self.total_params)
+    }
+
+    /// PowerSGD rank `rank`'s view: the share of the parameters it
+    /// compresses ([`dplc_ir::powersgd_factors`]), and what its factors
+    /// send of those elements.
+    pub fn powersgd_shares(&self, rank: u64) -> (f64, f64) {
+        let (mut compressed, mut factors) = (0.0, 0.0);
+        for (shape, copies) in &self.matrices {
+            if let Some((rows, cols, r)) = dplc_ir::powersgd_factors(shape, rank) {
+                compressed += (rows * cols) as f64 * copies;
+                factors += ((rows + cols) * r) as f64 * copies;
+            }
+        }
+        let sent = if compressed > 0.0 {
+            factors / compressed
+        } else {
+            1.0
+        };
+        (share(compressed, self.total_params), sent)
+    }
+}
+
+fn share(elems: f64, total: u128) -> f64 {
+    if total > 0 {
+        (elems / total as f64).min(1.0)
+    } else {
+        0.0
+    }
 }
 
 /// Layers of one stack that a pipeline stage runs.
@@ -803,7 +841,7 @@ impl ModelProfile {
         let consumers = region_consumers(g, root_nodes);
         let mut tied = 0.0;
         let mut param_layout = Vec::new();
-        let (mut matrix_elems, mut factor_elems) = (0.0, 0.0);
+        let mut matrices = Vec::new();
         for (p, info) in g.params() {
             let region = g.tensor_region(info.tensor);
             let split = stack_sh
@@ -813,19 +851,15 @@ impl ModelProfile {
                 .copied();
             let expert = stack_sh.iter().any(|sh| sh.expert_params.contains(&p));
             param_layout.push((info.name.clone(), g.param_elements(p), split, expert));
-            let dims: Vec<f64> = info
+            let dims: Vec<u64> = info
                 .shape
                 .dims()
                 .iter()
-                .map(|d| d.as_const().unwrap_or(0).max(0) as f64)
+                .map(|d| d.as_const().unwrap_or(0).max(0) as u64)
                 .collect();
-            if let [rows, rest @ ..] = dims.as_slice() {
-                let cols: f64 = rest.iter().product();
-                if !rest.is_empty() && rows * cols > 0.0 {
-                    let elems = g.param_elements(p) as f64;
-                    matrix_elems += elems;
-                    factor_elems += elems / (rows * cols) * (rows + cols);
-                }
+            let numel: u64 = dims.iter().product();
+            if dplc_ir::topk_sparsifies(&dims) && numel > 0 {
+                matrices.push((dims, g.param_elements(p) as f64 / numel as f64));
             }
             if region != root {
                 // A parameter of a region nested in a body counts with the
@@ -918,8 +952,7 @@ impl ModelProfile {
             total_params: g.param_count(),
             forward_flops: an.forward_flops(),
             param_layout,
-            matrix_elems,
-            factor_elems,
+            matrices,
         })
     }
 }

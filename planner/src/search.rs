@@ -146,6 +146,22 @@ pub(crate) fn validate(
 /// larger micro-batches their GEMMs need.
 const MAX_MICRO_BATCH_ROWS: u64 = 64 * 2048;
 
+/// The compressions `--allow compress` lets the search try, and `explain`
+/// prices as what-ifs: one setting of each, the ones the papers lead with
+/// (PowerSGD at rank 4, top-k at 1%), warm-ups as the schedule's.
+pub(crate) const COMPRESSIONS: [Compression; 4] = [
+    Compression::None,
+    Compression::Bf16,
+    Compression::PowerSgd {
+        rank: 4,
+        warmup: None,
+    },
+    Compression::TopK {
+        per_million: 10_000,
+        warmup: None,
+    },
+];
+
 /// The best `top_k + 1` configurations of `global_batch` sequences of `seq`
 /// tokens on `cluster` that keep `pins`, each offloading one of `offloads`.
 pub(crate) fn search(
@@ -296,32 +312,31 @@ pub(crate) fn search(
 /// more only where `--allow` names them (they change the training
 /// dynamics, so they are the user's call). A parameter server has as many
 /// shards as workers unless pinned; compression runs over the all-reduce.
-pub(crate) fn dp_reductions(pins: &StrategyConstraints, dp: u64) -> Vec<(GradSync, Compression)> {
+///
+/// Dedicated server ranks are devices the cluster does not list: the search
+/// prices them only when pinned, and only where the runtime runs them
+/// (`dedicated_ok`: no context or expert parallelism).
+pub(crate) fn dp_reductions(
+    pins: &StrategyConstraints,
+    dp: u64,
+    dedicated_ok: bool,
+) -> Vec<(GradSync, Compression)> {
     let Ok(pinned_sync) = pins.grad_sync(dp) else {
         return Vec::new();
     };
     let syncs: Vec<GradSync> = match pinned_sync {
+        Some(s) if s.dedicated_servers() > 0 && !dedicated_ok => Vec::new(),
         Some(s) => vec![s],
         None if pins.allow.sync && dp > 1 => vec![
             GradSync::AllReduce,
-            GradSync::Ps { shards: dp },
-            GradSync::Async {
-                shards: dp,
-                staleness: 1,
-            },
+            GradSync::ps(dp),
+            GradSync::async_ps(dp, 1),
         ],
         None => vec![GradSync::AllReduce],
     };
     let compressions: Vec<Compression> = match pins.compress {
         Some(c) => vec![c],
-        None if pins.allow.compress && dp > 1 => vec![
-            Compression::None,
-            Compression::Bf16,
-            Compression::PowerSgd { rank: 4 },
-            Compression::TopK {
-                per_million: 10_000,
-            },
-        ],
+        None if pins.allow.compress && dp > 1 => COMPRESSIONS.to_vec(),
         None => vec![Compression::None],
     };
     syncs
@@ -430,7 +445,8 @@ fn explore(
                 } else {
                     &[0, 1, 2, 3]
                 };
-                let reductions = dp_reductions(pins, base.dp * base.cp);
+                let reductions =
+                    dp_reductions(pins, base.dp * base.cp, base.cp == 1 && base.ep == 1);
                 for (&zero, &(sync, compress)) in zeros
                     .iter()
                     .flat_map(|z| reductions.iter().map(move |r| (z, r)))

@@ -4,7 +4,7 @@
 use crate::PlanError;
 use dplc_ir::{
     AttentionKind, Compression, Elementwise, GradAccum, GradSync, PipelineSchedule, Recompute,
-    RootSplit, ShardLayout, TpOverlap,
+    RootSplit, ServerRanks, ShardLayout, TpOverlap,
 };
 use std::fmt;
 
@@ -67,7 +67,11 @@ pub struct StrategyConstraints {
     pub ps_shards: Option<u64>,
     /// `staleness=K`: versions an async worker's weights may lag (sync=async; 1 when not given).
     pub staleness: Option<u64>,
-    /// `compress=none|bf16|fp16|powersgd:R|topk:F`; the search sends fp32
+    /// `ps_ranks=colocated|dedicated`: the servers on the first workers
+    /// (the default) or on ranks of their own beyond the cluster's devices.
+    pub ps_ranks: Option<ServerRanks>,
+    /// `compress=none|bf16|fp16|powersgd:R[:W]|topk:F[:W]` (W: warm-up
+    /// steps, the schedule's by default); the search sends fp32
     /// gradients unless the user allows it to choose (`--allow compress`).
     pub compress: Option<Compression>,
     /// The choices the search may make although they change the training
@@ -137,7 +141,9 @@ impl StrategyConstraints {
     /// the search chooses it. Errors name the key to change.
     pub fn grad_sync(&self, dp: u64) -> Result<Option<GradSync>, PlanError> {
         let shards = self.ps_shards.unwrap_or(dp).max(1);
-        if shards > dp.max(1) {
+        let servers = self.ps_ranks.unwrap_or_default();
+        // Dedicated servers are ranks of their own: any number of them.
+        if servers == ServerRanks::CoLocated && shards > dp.max(1) {
             return Err(PlanError::Strategy(format!(
                 "ps_shards={shards} is more than the {dp} data-parallel workers the servers live on; \
                  give ps_shards at most dp"
@@ -146,10 +152,11 @@ impl StrategyConstraints {
         Ok(match self.sync {
             None => None,
             Some(SyncMode::AllReduce) => Some(GradSync::AllReduce),
-            Some(SyncMode::Ps) => Some(GradSync::Ps { shards }),
+            Some(SyncMode::Ps) => Some(GradSync::Ps { shards, servers }),
             Some(SyncMode::Async) => Some(GradSync::Async {
                 shards,
                 staleness: self.staleness.unwrap_or(1),
+                servers,
             }),
         })
     }
@@ -188,6 +195,7 @@ impl StrategyConstraints {
             shards: (s.shards != ShardLayout::Flat).then_some(s.shards),
             sync: (!s.sync.is_all_reduce()).then_some(SyncMode::of(s.sync)),
             ps_shards: s.sync.ps_shards(),
+            ps_ranks: s.sync.servers().filter(|&r| r == ServerRanks::Dedicated),
             staleness: match s.sync {
                 GradSync::Async { staleness, .. } => Some(staleness),
                 GradSync::AllReduce | GradSync::Ps { .. } => None,
@@ -432,6 +440,14 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
                 })
             }
             "ps_shards" => c.ps_shards = Some(int()?),
+            "ps_ranks" => {
+                c.ps_ranks = Some(ServerRanks::parse(value).ok_or_else(|| {
+                    err(format!(
+                        "ps_ranks is colocated (the servers on the first workers) or dedicated \
+                         (ranks of their own), got `{value}`"
+                    ))
+                })?)
+            }
             "staleness" => {
                 c.staleness = Some(value.parse::<u64>().map_err(|_| {
                     err(format!(
@@ -443,7 +459,8 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
                 c.compress = Some(Compression::parse(value).ok_or_else(|| {
                     err(format!(
                         "compress is none, bf16, fp16, powersgd:R (R a positive rank) or \
-                         topk:F (F a fraction in (0, 1]), got `{value}`"
+                         topk:F (F a fraction in (0, 1]), either with :W warm-up steps \
+                         (powersgd:4:100), got `{value}`"
                     ))
                 })?)
             }
@@ -460,7 +477,7 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
             }
             _ => {
                 return Err(err(format!(
-                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap, attention, tp_overlap, grad_accum, root, order, stages, fp8, offload, elementwise, shards, sync, ps_shards, staleness, compress"
+                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap, attention, tp_overlap, grad_accum, root, order, stages, fp8, offload, elementwise, shards, sync, ps_shards, ps_ranks, staleness, compress"
                 )))
             }
         }
@@ -468,6 +485,11 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
     if c.ps_shards.is_some() && !matches!(c.sync, Some(SyncMode::Ps | SyncMode::Async)) {
         return Err(err(
             "ps_shards shards a parameter server: give it with sync=ps or sync=async".into(),
+        ));
+    }
+    if c.ps_ranks.is_some() && !matches!(c.sync, Some(SyncMode::Ps | SyncMode::Async)) {
+        return Err(err(
+            "ps_ranks places a parameter server: give it with sync=ps or sync=async".into(),
         ));
     }
     if c.staleness.is_some() && c.sync != Some(SyncMode::Async) {
@@ -519,6 +541,7 @@ fn choice_of(key: &str) -> Option<&'static str> {
         "shards" => "shards",
         "sync" => "sync",
         "ps_shards" => "ps_shards",
+        "ps_ranks" => "ps_ranks",
         "staleness" => "staleness",
         "compress" => "compress",
         _ => return None,
@@ -589,6 +612,9 @@ impl fmt::Display for StrategyConstraints {
         }
         if let Some(n) = self.ps_shards {
             parts.push(format!("ps_shards={n}"));
+        }
+        if let Some(r) = self.ps_ranks {
+            parts.push(format!("ps_ranks={}", r.name()));
         }
         if let Some(k) = self.staleness {
             parts.push(format!("staleness={k}"));

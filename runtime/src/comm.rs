@@ -467,6 +467,26 @@ impl Communicator {
         Ok(())
     }
 
+    /// Sum over the group at the member at position `root`, as
+    /// [`reduce`](Self::reduce) does, except that the root adds nothing of
+    /// its own, only collects: a dedicated parameter server summing the
+    /// workers' pushes. The sum is the workers' in group order, the same
+    /// bits as an all-reduce over them alone.
+    pub fn reduce_to_collector(
+        &mut self,
+        group: &Group,
+        root: usize,
+        data: &mut [f32],
+    ) -> Result<()> {
+        let collects = group.position(self.rank) == Some(root);
+        let mine = if collects { Vec::new() } else { data.to_vec() };
+        let all = self.exchange(group, "reduce", vec![mine])?;
+        if collects {
+            sum_into(data, all.iter().map(|c| &c[0][..]));
+        }
+        Ok(())
+    }
+
     /// Every member's `data`, in group order.
     pub fn all_gather(&mut self, group: &Group, data: &[f32]) -> Result<Vec<Vec<f32>>> {
         let all = self.exchange(group, "all_gather", vec![data.to_vec()])?;

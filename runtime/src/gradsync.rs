@@ -21,11 +21,15 @@ use dplc_ir::Compression;
 /// bytes (a 4-byte index and an f32), as a real sparse all-gather sends them.
 /// ZeRO's all-gathers of updated weights are not counted (nor does the
 /// planner's `dp_link_bytes` count them); a parameter server's return of
-/// the weights is.
+/// the weights is. A compression's warm-up steps (plain or denser
+/// all-reduces) are left out: the counts are of the steady state, which
+/// is what the planner prices.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Traffic {
     pub sent: u64,
     pub received: u64,
+    /// The steps whose bytes `sent` and `received` hold.
+    pub steps: u64,
 }
 
 impl Traffic {
@@ -98,17 +102,18 @@ pub(crate) struct Feedback {
     pub q: Vec<f32>,
 }
 
-/// How PowerSGD treats a tensor of `shape`: `(rows, cols, rank)` when it
-/// compresses it (a matrix whose rank-R factors are smaller than it), else
-/// `None` (vectors and tiny matrices are all-reduced whole, as in Vogels et al.).
+/// PowerSGD's `(rows, cols, rank)` for a gradient of `shape`, or `None`
+/// where it goes uncompressed (the rule lives in ir, beside the planner's
+/// price of it).
 pub(crate) fn powersgd_dims(shape: &[usize], rank: usize) -> Option<(usize, usize, usize)> {
-    let (&rows, rest) = shape.split_first()?;
-    if rest.is_empty() {
-        return None;
-    }
-    let cols: usize = rest.iter().product();
-    let r = rank.min(rows).min(cols);
-    ((rows + cols) * r < rows * cols).then_some((rows, cols, r))
+    let shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+    dplc_ir::powersgd_factors(&shape, rank as u64)
+        .map(|(r, c, k)| (r as usize, c as usize, k as usize))
+}
+
+fn sparsified(shape: &[usize]) -> bool {
+    let shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+    dplc_ir::topk_sparsifies(&shape)
 }
 
 /// PowerSGD's first right factor: the same on every rank (seeded by the key).
@@ -192,16 +197,38 @@ fn state<'a>(feedback: &'a mut Option<&mut Feedback>) -> Result<&'a mut Feedback
         .ok_or_else(|| kernel_err("compress", "a gradient without its error-feedback state"))
 }
 
+/// The compression one step runs: `compress` at `step` (0-based) of a run
+/// whose compression warms up over `warmup` steps.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CompressedStep {
+    pub compress: Compression,
+    pub step: u64,
+    pub warmup: u64,
+}
+
+impl CompressedStep {
+    /// Still in the warm-up, whose bytes are not the steady state's.
+    pub fn warming_up(&self) -> bool {
+        self.step < self.warmup && self.compress.has_feedback()
+    }
+}
+
 /// Sum the group's gradients of `tensors` (this rank's contribution in
-/// `grad`, the sum there afterwards) as `compress` sends them.
+/// `grad`, the sum there afterwards) as `at.compress` sends them at `at.step`.
 pub(crate) fn compressed_all_reduce(
     comm: &mut Communicator,
     group: &Group,
-    compress: Compression,
+    at: CompressedStep,
     tensors: &mut [Tensor],
     traffic: &mut Traffic,
 ) -> Result<()> {
     let n = group.size();
+    // PowerSGD's warm-up all-reduces plain gradients (PyTorch's
+    // `start_powerSGD_iter`); the error stays zero and Q its seed.
+    let compress = match at.compress {
+        Compression::PowerSgd { .. } if at.warming_up() => Compression::None,
+        c => c,
+    };
     match compress {
         Compression::None => {
             let mut flat: Vec<f32> = tensors
@@ -230,64 +257,102 @@ pub(crate) fn compressed_all_reduce(
             traffic.all_reduce(n, flat.len() * 2);
             scatter_back(tensors, &flat);
         }
-        Compression::TopK { per_million } => {
-            // (offset into the concatenated tensors, value), each offset as
-            // two f32s of 20 bits (exact; a real implementation sends an int32).
-            let mut pairs: Vec<f32> = Vec::new();
-            let mut offset = 0usize;
-            for t in tensors.iter_mut() {
-                let len = t.grad.len();
-                let error = &state(&mut t.feedback)?.error;
-                let v: Vec<f32> = t.grad.iter().zip(error).map(|(g, e)| g + e).collect();
-                let k =
-                    ((len as f64 * per_million as f64 / 1e6).ceil() as usize).clamp(1, len.max(1));
-                let mut order: Vec<usize> = (0..len).collect();
-                // The k largest magnitudes, ties by position (a total order:
-                // the same set on every machine), by selection, not a sort;
-                // then in position order, so the message is the same too.
-                let by_size =
-                    |a: &usize, b: &usize| v[*b].abs().total_cmp(&v[*a].abs()).then(a.cmp(b));
-                let k = k.min(len);
-                if k < len {
-                    order.select_nth_unstable_by(k, by_size);
-                }
-                order.truncate(k);
-                order.sort_unstable();
-                let mut error = v.clone();
-                for &i in &order {
-                    let at = offset + i;
-                    if at >= 1 << 40 {
-                        return Err(kernel_err("topk", "more than 2^40 gradient elements"));
-                    }
-                    pairs.push((at >> 20) as f32);
-                    pairs.push((at & 0xf_ffff) as f32);
-                    pairs.push(v[i]);
-                    error[i] = 0.0;
-                }
-                state(&mut t.feedback)?.error = error;
-                offset += len;
-            }
-            let all = comm.all_gather(group, &pairs)?;
-            let mine = pairs.len() / 3 * 8;
-            traffic.sent += ((n - 1) * mine) as u64;
-            traffic.received += all
-                .iter()
-                .enumerate()
-                .filter(|(p, _)| group.ranks().get(*p) != Some(&comm.rank()))
-                .map(|(_, piece)| (piece.len() / 3 * 8) as u64)
-                .sum::<u64>();
-            let mut sum = vec![0.0f32; offset];
-            for piece in &all {
-                for pair in piece.chunks_exact(3) {
-                    let at = ((pair[0] as usize) << 20) | pair[1] as usize;
-                    if let Some(s) = sum.get_mut(at) {
-                        *s += pair[2];
-                    }
-                }
-            }
-            scatter_back(tensors, &sum);
+        Compression::TopK { .. } => {
+            let fraction = compress
+                .topk_fraction_at(at.step, at.warmup)
+                .expect("a top-k compression");
+            topk(comm, group, fraction, tensors, traffic)?
         }
-        Compression::PowerSgd { rank } => powersgd(comm, group, rank as usize, tensors, traffic)?,
+        Compression::PowerSgd { rank, .. } => {
+            powersgd(comm, group, rank as usize, tensors, traffic)?
+        }
+    }
+    Ok(())
+}
+
+/// Top-k with error feedback (Stich et al. 2018; Lin et al. 2018's
+/// local accumulation): each rank adds its error to each matrix gradient,
+/// keeps the `⌈fraction·numel⌉` largest magnitudes (ties by position),
+/// all-gathers (index, value) pairs and sums them in rank order; the rest
+/// becomes its error. Vectors go whole in one all-reduce, as DGC's
+/// reference code leaves them (`param.dim() > 1` only).
+fn topk(
+    comm: &mut Communicator,
+    group: &Group,
+    fraction: f64,
+    tensors: &mut [Tensor],
+    traffic: &mut Traffic,
+) -> Result<()> {
+    let n = group.size();
+    // (offset into the concatenated sparsified tensors, value), each
+    // offset as two f32s of 20 bits (exact; a real implementation sends an int32).
+    let mut pairs: Vec<f32> = Vec::new();
+    let mut dense: Vec<f32> = Vec::new();
+    let mut offset = 0usize;
+    for t in tensors.iter_mut() {
+        if !sparsified(t.shape) {
+            dense.extend_from_slice(t.grad);
+            continue;
+        }
+        let len = t.grad.len();
+        let error = &state(&mut t.feedback)?.error;
+        let v: Vec<f32> = t.grad.iter().zip(error).map(|(g, e)| g + e).collect();
+        let k = ((len as f64 * fraction).ceil() as usize).clamp(1, len.max(1));
+        let mut order: Vec<usize> = (0..len).collect();
+        // The k largest magnitudes, ties by position (a total order: the
+        // same set on every machine), by selection, not a sort; then in
+        // position order, so the message is the same too.
+        let by_size = |a: &usize, b: &usize| v[*b].abs().total_cmp(&v[*a].abs()).then(a.cmp(b));
+        let k = k.min(len);
+        if k < len {
+            order.select_nth_unstable_by(k, by_size);
+        }
+        order.truncate(k);
+        order.sort_unstable();
+        let mut error = v.clone();
+        for &i in &order {
+            let at = offset + i;
+            if at >= 1 << 40 {
+                return Err(kernel_err("topk", "more than 2^40 gradient elements"));
+            }
+            pairs.push((at >> 20) as f32);
+            pairs.push((at & 0xf_ffff) as f32);
+            pairs.push(v[i]);
+            error[i] = 0.0;
+        }
+        state(&mut t.feedback)?.error = error;
+        offset += len;
+    }
+    let all = comm.all_gather(group, &pairs)?;
+    let mine = pairs.len() / 3 * 8;
+    traffic.sent += ((n - 1) * mine) as u64;
+    traffic.received += all
+        .iter()
+        .enumerate()
+        .filter(|(p, _)| group.ranks().get(*p) != Some(&comm.rank()))
+        .map(|(_, piece)| (piece.len() / 3 * 8) as u64)
+        .sum::<u64>();
+    let mut sum = vec![0.0f32; offset];
+    for piece in &all {
+        for pair in piece.chunks_exact(3) {
+            let at = ((pair[0] as usize) << 20) | pair[1] as usize;
+            if let Some(s) = sum.get_mut(at) {
+                *s += pair[2];
+            }
+        }
+    }
+    comm.all_reduce(group, &mut dense)?;
+    traffic.all_reduce(n, dense.len() * 4);
+    let (mut at_sparse, mut at_dense) = (0, 0);
+    for t in tensors.iter_mut() {
+        let len = t.grad.len();
+        if sparsified(t.shape) {
+            t.grad.copy_from_slice(&sum[at_sparse..at_sparse + len]);
+            at_sparse += len;
+        } else {
+            t.grad.copy_from_slice(&dense[at_dense..at_dense + len]);
+            at_dense += len;
+        }
     }
     Ok(())
 }
@@ -303,11 +368,15 @@ fn scatter_back(tensors: &mut [Tensor], flat: &[f32]) {
 }
 
 /// PowerSGD (Vogels et al. 2019, PyTorch's `powerSGD_hook`): with
-/// `M = g + e` per rank, `P = Σ M·Q` (all-reduced), orthonormalised,
-/// `Q = Σ Mᵀ·P` (all-reduced), and the sum taken as `P·Qᵀ`; each rank's new
-/// error is `M − P·Qᵀ/n` (its share of the approximated mean), and `Q` warm
-/// starts the next step. Vectors and small matrices go uncompressed in a
-/// third all-reduce.
+/// `M = g + e` per rank, the warm-started `Q` orthonormalised, `P = Σ M·Q`
+/// (all-reduced), orthonormalised, `Q = Σ Mᵀ·P` (all-reduced), and the sum
+/// taken as `P·Qᵀ`; `Q` warm starts the next step. A rank's gradient
+/// already holds its `1/n` share of the mean (the loss is scaled by
+/// `1/(replicas·micro-batches)`), so the all-reduced sum is the mean
+/// gradient, `P·Qᵀ` approximates `Σ M`, and each rank's new error is
+/// `M − P·Qᵀ/n` — PyTorch's `M − mean` on gradients it averages after the
+/// sum. Vectors and matrices it would not shrink twofold go uncompressed
+/// in a third all-reduce.
 fn powersgd(
     comm: &mut Communicator,
     group: &Group,
@@ -333,6 +402,10 @@ fn powersgd(
                 let grad: &[f32] = t.grad;
                 let fb = state(&mut t.feedback)?;
                 let m: Vec<f32> = grad.iter().zip(&fb.error).map(|(g, e)| g + e).collect();
+                // The last step's Q spans the right subspace but not with
+                // orthonormal columns; PyTorch's hook and the authors' code
+                // orthonormalise it before the power step, as here.
+                orthonormalize(&mut fb.q, *cols, *r);
                 ps.extend(matmul(&m, false, &fb.q, false, *rows, *cols, *r));
                 ms.push(m);
             }
@@ -415,22 +488,33 @@ mod tests {
         let world = crate::comm::World::new(1, std::time::Duration::from_secs(5));
         let mut comm = world.communicator(0);
         let group = Group::new(vec![0]);
-        let (u, v) = ([1.0f32, -2.0, 0.5], [0.25f32, 1.0, -1.0, 2.0]);
+        let (u, v) = (
+            [1.0f32, -2.0, 0.5, 3.0, 0.0, -1.0],
+            [0.25f32, 1.0, -1.0, 2.0, 0.5, -0.5, 1.5, 0.0],
+        );
         let g: Vec<f32> = u
             .iter()
             .flat_map(|a| v.iter().map(move |b| a * b))
             .collect();
-        let shape = [3usize, 4];
+        let shape = [6usize, 8];
         let mut grad = g.clone();
         let mut fb = Feedback {
-            error: vec![0.0; 12],
-            q: initial_q(7, (0, 0), 4, 1),
+            error: vec![0.0; 48],
+            q: initial_q(7, (0, 0), 8, 1),
         };
         let mut traffic = Traffic::default();
+        let step = |compress| CompressedStep {
+            compress,
+            step: 0,
+            warmup: 0,
+        };
         compressed_all_reduce(
             &mut comm,
             &group,
-            Compression::PowerSgd { rank: 1 },
+            step(Compression::PowerSgd {
+                rank: 1,
+                warmup: None,
+            }),
             &mut [Tensor {
                 grad: &mut grad,
                 shape: &shape,
@@ -444,7 +528,9 @@ mod tests {
         }
         assert!(fb.error.iter().all(|e| e.abs() < 1e-5), "{:?}", fb.error);
 
+        // A 2×2 matrix is sparsified; a vector beside it goes whole.
         let mut grad = vec![0.1f32, -3.0, 0.2, 1.0];
+        let mut bias = vec![0.01f32, -0.02];
         let mut fb = Feedback {
             error: vec![0.0, 0.0, 0.0, 0.5],
             q: Vec::new(),
@@ -452,19 +538,64 @@ mod tests {
         compressed_all_reduce(
             &mut comm,
             &group,
-            Compression::TopK {
+            step(Compression::TopK {
                 per_million: 250_000,
-            },
-            &mut [Tensor {
-                grad: &mut grad,
-                shape: &[4],
-                feedback: Some(&mut fb),
-            }],
+                warmup: None,
+            }),
+            &mut [
+                Tensor {
+                    grad: &mut grad,
+                    shape: &[2, 2],
+                    feedback: Some(&mut fb),
+                },
+                Tensor {
+                    grad: &mut bias,
+                    shape: &[2],
+                    feedback: None,
+                },
+            ],
             &mut traffic,
         )
         .unwrap();
         assert_eq!(grad, vec![0.0, -3.0, 0.0, 0.0]);
         assert_eq!(fb.error, vec![0.1, 0.0, 0.2, 1.5]);
+        assert_eq!(bias, vec![0.01, -0.02]);
+    }
+
+    /// DGC's warm-up: the kept fraction falls from nearly dense to F over
+    /// the warm-up steps; PowerSGD sends plain gradients until it ends.
+    #[test]
+    fn compression_warms_up() {
+        let topk = Compression::TopK {
+            per_million: 1_000,
+            warmup: Some(2),
+        };
+        let at = |s| topk.topk_fraction_at(s, 2).unwrap();
+        assert!((at(0) - 0.1).abs() < 1e-12 && (at(1) - 0.01).abs() < 1e-12);
+        assert_eq!(at(2), 0.001);
+        let psgd = Compression::PowerSgd {
+            rank: 4,
+            warmup: None,
+        };
+        let schedule = dplc_ir::LrSchedule::WarmupCosine {
+            warmup: 10,
+            total: 100,
+            min_ratio: 0.1,
+        };
+        assert_eq!(psgd.warmup_steps(&schedule), 10);
+        assert_eq!(topk.warmup_steps(&schedule), 2);
+        assert_eq!(psgd.warmup_steps(&dplc_ir::LrSchedule::Constant), 0);
+        let warming = CompressedStep {
+            compress: psgd,
+            step: 9,
+            warmup: 10,
+        };
+        assert!(warming.warming_up());
+        assert!(!CompressedStep {
+            step: 10,
+            ..warming
+        }
+        .warming_up());
     }
 
     #[test]
@@ -472,5 +603,8 @@ mod tests {
         assert_eq!(powersgd_dims(&[64], 4), None);
         assert_eq!(powersgd_dims(&[64, 256], 4), Some((64, 256, 4)));
         assert_eq!(powersgd_dims(&[4, 4], 4), None);
+        // Factors must be at most half the matrix: 64×64 at rank 16 is not.
+        assert_eq!(powersgd_dims(&[64, 64], 15), Some((64, 64, 15)));
+        assert_eq!(powersgd_dims(&[64, 64], 16), None);
     }
 }

@@ -143,6 +143,8 @@ pub(crate) struct ParamStore {
     /// tensor; `shards` has empty ranges for the workers that serve none).
     pub sync: GradSync,
     pub compress: Compression,
+    /// Steps the compression warms up over ([`Compression::warmup_steps`]).
+    pub compress_warmup: u64,
     /// Error-feedback state of top-k and PowerSGD, per held tensor.
     pub feedback: BTreeMap<ParamKey, Feedback>,
     /// Bytes the data-parallel reduction and the weights' return moved.
@@ -157,7 +159,13 @@ pub(crate) struct DpState<'a> {
     pub zero: ZeroStage,
     pub sync: GradSync,
     pub compress: Compression,
+    pub compress_warmup: u64,
     pub feedback: Option<&'a BTreeMap<ParamKey, Feedback>>,
+    /// Async: the older weight versions a checkpoint carried, newest first.
+    pub versions: Option<Vec<BTreeMap<ParamKey, Vec<f32>>>>,
+    /// A dedicated parameter server: it computes nothing, so it keeps no
+    /// weight versions (and takes no weights back).
+    pub server: bool,
 }
 
 impl ParamStore {
@@ -249,8 +257,16 @@ impl ParamStore {
                     shape[axis] /= parts;
                 }
                 let numel: usize = shape.iter().product();
+                let dedicated = dp_sync.sync.dedicated_servers() as usize;
                 let shards = match ps_shards {
-                    // Servers are the group's first members; the rest serve nothing.
+                    // Dedicated servers are the group's last members, after
+                    // the workers, which serve nothing.
+                    Some(servers) if dedicated > 0 => {
+                        let mut s = vec![numel..numel; dp.saturating_sub(servers)];
+                        s.extend(split(numel, servers));
+                        s
+                    }
+                    // Co-located servers are the group's first members; the rest serve nothing.
                     Some(servers) => {
                         let mut s = split(numel, servers.min(dp));
                         s.resize(dp, numel..numel);
@@ -261,7 +277,7 @@ impl ParamStore {
                 match dp_sync.compress {
                     Compression::TopK { .. } | Compression::PowerSgd { .. } => {
                         let q = match dp_sync.compress {
-                            Compression::PowerSgd { rank } => {
+                            Compression::PowerSgd { rank, .. } => {
                                 gradsync::powersgd_dims(&shape, rank as usize)
                                     .map(|(_, cols, r)| {
                                         gradsync::initial_q(
@@ -334,14 +350,35 @@ impl ParamStore {
             };
             slots.insert(key, slot);
         }
-        let versions = if dp_sync.sync.staleness() > 0 {
-            VecDeque::from([slots
-                .iter()
-                .filter_map(|(k, s): (&ParamKey, &Slot)| s.full.clone().map(|f| (*k, f)))
-                .collect()])
-        } else {
-            VecDeque::new()
-        };
+        let staleness = dp_sync.sync.staleness() as usize;
+        let mut versions = VecDeque::new();
+        if staleness > 0 && !dp_sync.server {
+            versions.push_back(
+                slots
+                    .iter()
+                    .filter_map(|(k, s): (&ParamKey, &Slot)| s.full.clone().map(|f| (*k, f)))
+                    .collect(),
+            );
+            for older in dp_sync.versions.into_iter().flatten().take(staleness) {
+                let mut version = BTreeMap::new();
+                for (key, values) in older {
+                    let slot = slots.get(&key).ok_or_else(|| {
+                        kernel_err("checkpoint", format!("{key:?} is not held by this rank"))
+                    })?;
+                    if values.len() != slot.numel {
+                        return Err(kernel_err(
+                            "checkpoint",
+                            format!(
+                                "the weight versions of {key:?} have another shape; resume \
+                                 with the split they were saved with"
+                            ),
+                        ));
+                    }
+                    version.insert(key, Arc::new(Tensor::f32(slot.shape.clone(), values)));
+                }
+                versions.push_back(version);
+            }
+        }
         Ok(ParamStore {
             slots,
             zero,
@@ -350,6 +387,7 @@ impl ParamStore {
             pending: HashMap::new(),
             sync: dp_sync.sync,
             compress: dp_sync.compress,
+            compress_warmup: dp_sync.compress_warmup,
             feedback,
             traffic: Traffic::default(),
             versions,
@@ -413,12 +451,17 @@ impl ParamStore {
     /// part to it (ZeRO-1, as Megatron's distributed optimizer and the
     /// planner's price do: the optimizer step reads only that part). ZeRO-2
     /// and 3 reduced each micro-batch's gradients in [`Self::release`].
-    pub fn reduce_grads(&mut self, bucket: usize) -> Result<()> {
+    /// `step` (0-based) places a compression in its warm-up.
+    pub fn reduce_grads(&mut self, bucket: usize, step: u64) -> Result<()> {
+        let steady = !self.compressed_step(step).warming_up();
+        if steady {
+            self.traffic.steps += 1;
+        }
         if self.sync.ps_shards().is_some() {
             return self.push_to_servers();
         }
         if self.compress != Compression::None {
-            return self.compressed_reduce();
+            return self.compressed_reduce(step);
         }
         match self.zero {
             ZeroStage::None => {
@@ -465,30 +508,36 @@ impl ParamStore {
     /// Parameter server, push: every worker reduces each server's shard of
     /// every gradient (the group's tensors in key order, one message per
     /// server) to that server, which sums them in group order — the order
-    /// the all-reduce sums in, so the sums are the same bits.
+    /// the all-reduce sums in, so the sums are the same bits. A dedicated
+    /// server collects without adding anything of its own.
     fn push_to_servers(&mut self) -> Result<()> {
         for (ranks, keys) in self.by_group() {
             let group = Group::new(ranks);
-            let n = group.size();
-            let servers = self.servers(&keys);
-            let me = group.position(self.comm.rank());
-            for server in 0..servers {
+            for server in 0..self.servers(&keys) {
+                let (with, root, at) = self.server_group(&group, server);
+                let Some(me) = with.position(self.comm.rank()) else {
+                    continue;
+                };
                 let mut flat = Vec::new();
                 for k in &keys {
                     let slot = &self.slots[k];
-                    flat.extend_from_slice(&slot.grad[slot.shards[server].clone()]);
+                    flat.extend_from_slice(&slot.grad[slot.shards[at].clone()]);
                 }
-                self.comm.reduce(&group, server, &mut flat)?;
+                if self.dedicated_servers() > 0 {
+                    self.comm.reduce_to_collector(&with, root, &mut flat)?;
+                } else {
+                    self.comm.reduce(&with, root, &mut flat)?;
+                }
                 self.traffic
-                    .star(n, me == Some(server), flat.len() * 4, true);
-                if me == Some(server) {
-                    let mut at = 0;
+                    .star(with.size(), me == root, flat.len() * 4, true);
+                if me == root {
+                    let mut pos = 0;
                     for k in &keys {
                         let slot = self.slots.get_mut(k).expect("key from the slots");
-                        let r = slot.shards[server].clone();
+                        let r = slot.shards[at].clone();
                         let len = r.len();
-                        slot.grad[r].copy_from_slice(&flat[at..at + len]);
-                        at += len;
+                        slot.grad[r].copy_from_slice(&flat[pos..pos + len]);
+                        pos += len;
                     }
                 }
             }
@@ -496,11 +545,35 @@ impl ParamStore {
         Ok(())
     }
 
-    /// How many of the group's members serve a shard (the same for every tensor).
+    /// How many servers hold the group's shards (the same for every tensor).
     fn servers(&self, keys: &[ParamKey]) -> usize {
         let shards = self.sync.ps_shards().unwrap_or(1) as usize;
+        if self.dedicated_servers() > 0 {
+            return shards;
+        }
         keys.first()
             .map_or(0, |k| shards.min(self.slots[k].shards.len()))
+    }
+
+    /// Dedicated server replicas at the end of each data-parallel group.
+    fn dedicated_servers(&self) -> usize {
+        self.sync.dedicated_servers() as usize
+    }
+
+    /// Server `server`'s exchanges: the group it pushes and pulls over, its
+    /// position there, and its position in `group` (which indexes
+    /// `Slot::shards`). Co-located, the whole group, the server one of its
+    /// workers; dedicated, the workers and that server alone, last —
+    /// servers exchange nothing with each other.
+    fn server_group(&self, group: &Group, server: usize) -> (Group, usize, usize) {
+        let dedicated = self.dedicated_servers();
+        if dedicated == 0 {
+            return (group.clone(), server, server);
+        }
+        let workers = group.size() - dedicated;
+        let mut ranks = group.ranks()[..workers].to_vec();
+        ranks.push(group.ranks()[workers + server]);
+        (Group::new(ranks), workers, workers + server)
     }
 
     /// Parameter server, pull: each server sends its updated shard of every
@@ -508,33 +581,40 @@ impl ParamStore {
     fn pull_from_servers(&mut self) -> Result<()> {
         for (ranks, keys) in self.by_group() {
             let group = Group::new(ranks);
-            let n = group.size();
-            let servers = self.servers(&keys);
-            let me = group.position(self.comm.rank());
             let mut fulls: Vec<Vec<f32>> = keys
                 .iter()
                 .map(|k| Vec::with_capacity(self.slots[k].numel))
                 .collect();
-            for server in 0..servers {
-                let mut flat: Vec<f32> = if me == Some(server) {
+            // A dedicated server takes no weights back: it computes nothing.
+            let mut whole = true;
+            for server in 0..self.servers(&keys) {
+                let (with, root, at) = self.server_group(&group, server);
+                let Some(me) = with.position(self.comm.rank()) else {
+                    whole = false;
+                    continue;
+                };
+                let mut flat: Vec<f32> = if me == root {
                     keys.iter()
                         .flat_map(|k| self.slots[k].master.iter().copied())
                         .collect()
                 } else {
                     Vec::new()
                 };
-                self.comm.broadcast(&group, server, &mut flat)?;
+                self.comm.broadcast(&with, root, &mut flat)?;
                 self.traffic
-                    .star(n, me == Some(server), flat.len() * 4, false);
-                let mut at = 0;
+                    .star(with.size(), me == root, flat.len() * 4, false);
+                let mut pos = 0;
                 for (k, full) in keys.iter().zip(fulls.iter_mut()) {
-                    let len = self.slots[k].shards[server].len();
-                    let piece = flat.get(at..at + len).ok_or_else(|| {
+                    let len = self.slots[k].shards[at].len();
+                    let piece = flat.get(pos..pos + len).ok_or_else(|| {
                         kernel_err("broadcast", "a server sent fewer weights than it owns")
                     })?;
                     full.extend_from_slice(piece);
-                    at += len;
+                    pos += len;
                 }
+            }
+            if !whole {
+                continue;
             }
             for (k, full) in keys.iter().zip(fulls) {
                 let slot = self.slots.get_mut(k).expect("key from the slots");
@@ -544,8 +624,20 @@ impl ParamStore {
         Ok(())
     }
 
-    /// Compressed all-reduce of every gradient (ZeRO-0), with error feedback.
-    fn compressed_reduce(&mut self) -> Result<()> {
+    fn compressed_step(&self, step: u64) -> gradsync::CompressedStep {
+        gradsync::CompressedStep {
+            compress: self.compress,
+            step,
+            warmup: self.compress_warmup,
+        }
+    }
+
+    /// Compressed all-reduce of every gradient (ZeRO-0), with error
+    /// feedback. A warm-up step's bytes are not the steady state's: they
+    /// are left out of `traffic`.
+    fn compressed_reduce(&mut self, step: u64) -> Result<()> {
+        let at = self.compressed_step(step);
+        let mut warmup_traffic = Traffic::default();
         for (ranks, keys) in self.by_group() {
             let group = Group::new(ranks);
             // Both maps iterate in key order; bf16/fp16 keep no state.
@@ -566,15 +658,29 @@ impl ParamStore {
                     feedback: state,
                 });
             }
-            gradsync::compressed_all_reduce(
-                &mut self.comm,
-                &group,
-                self.compress,
-                &mut tensors,
-                &mut self.traffic,
-            )?;
+            let traffic = if at.warming_up() {
+                &mut warmup_traffic
+            } else {
+                &mut self.traffic
+            };
+            gradsync::compressed_all_reduce(&mut self.comm, &group, at, &mut tensors, traffic)?;
         }
         Ok(())
+    }
+
+    /// Async: the weight versions older than the current weights, newest
+    /// first, as a checkpoint keeps them.
+    pub fn older_versions(&self) -> Result<Vec<BTreeMap<ParamKey, Vec<f32>>>> {
+        self.versions
+            .iter()
+            .skip(1)
+            .map(|version| {
+                version
+                    .iter()
+                    .map(|(k, v)| Ok((*k, v.f()?.to_vec())))
+                    .collect()
+            })
+            .collect()
     }
 
     /// Async: compute the coming step on the weights `lag` versions old
@@ -751,7 +857,8 @@ impl ParamStore {
             ZeroStage::Three => {}
         }
         let keep = self.sync.staleness() as usize + 1;
-        if keep > 1 {
+        // A dedicated server keeps none (it computes nothing).
+        if keep > 1 && !self.versions.is_empty() {
             let newest = self
                 .slots
                 .iter()

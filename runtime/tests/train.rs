@@ -598,26 +598,24 @@ fn faults_outside_the_run_are_refused() {
 fn dp_synchronisations_over_tcp_equal_the_threaded_run() {
     let g = Gpt::default().build();
     for (sync, compress) in [
+        (dplc_ir::GradSync::ps(1), dplc_ir::Compression::None),
         (
-            dplc_ir::GradSync::Ps { shards: 1 },
-            dplc_ir::Compression::None,
-        ),
-        (
-            dplc_ir::GradSync::Async {
-                shards: 2,
-                staleness: 1,
-            },
+            dplc_ir::GradSync::async_ps(2, 1),
             dplc_ir::Compression::None,
         ),
         (
             dplc_ir::GradSync::AllReduce,
             dplc_ir::Compression::TopK {
                 per_million: 100_000,
+                warmup: Some(0),
             },
         ),
         (
             dplc_ir::GradSync::AllReduce,
-            dplc_ir::Compression::PowerSgd { rank: 2 },
+            dplc_ir::Compression::PowerSgd {
+                rank: 2,
+                warmup: Some(0),
+            },
         ),
     ] {
         let cfg = RunConfig {

@@ -305,8 +305,22 @@ impl Default for RunConfig {
 }
 
 impl RunConfig {
+    /// The workers: ranks that run the model.
     pub fn world_size(&self) -> usize {
         self.replicas() * self.pp * self.tp
+    }
+    /// Every rank: the workers, then the dedicated parameter servers
+    /// (`ps_ranks=dedicated`), which hold shards and the optimizer state
+    /// and run no model compute. A server replica is laid out as a worker
+    /// replica is — a rank per pipeline stage and tensor-parallel part, at
+    /// data-parallel index `replicas() + s` — so rank numbering and a
+    /// stage's data-parallel group extend past the workers unchanged.
+    pub fn ranks(&self) -> usize {
+        (self.replicas() + self.server_replicas()) * self.pp * self.tp
+    }
+    /// Dedicated server replicas (0 unless `ps_ranks=dedicated`).
+    pub fn server_replicas(&self) -> usize {
+        self.sync.dedicated_servers() as usize
     }
     /// Weight replicas: every data- and context-parallel rank of a stage,
     /// over which gradients are reduced and ZeRO shards the states.

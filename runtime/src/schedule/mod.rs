@@ -162,10 +162,10 @@ pub fn train_process(
     process: Process<'_>,
     on_step: impl FnMut(&StepStats),
 ) -> Result<TrainReport> {
-    if process.size() != cfg.world_size() {
+    if process.size() != cfg.ranks() {
         return Err(RuntimeError::Config(format!(
             "the split needs {} ranks, but {} processes were started",
-            cfg.world_size(),
+            cfg.ranks(),
             process.size()
         )));
     }
@@ -399,8 +399,7 @@ fn train_on(
         shared.sample_base = resume.next_sample;
         shared.resume = Some(resume);
     }
-    cfg.faults
-        .check(cfg.world_size(), shared.start_step, steps)?;
+    cfg.faults.check(cfg.ranks(), shared.start_step, steps)?;
     if let Some(ck) = &cfg.checkpoint {
         if process.is_none_or(|p| p.rank() == 0) {
             shared.lock = Some(checkpoint::lock_dir(&ck.dir)?);
@@ -408,12 +407,9 @@ fn train_on(
     }
     let shared = shared;
     let (world, here) = match process {
-        None => (
-            World::new(cfg.world_size(), cfg.timeout),
-            0..cfg.world_size(),
-        ),
+        None => (World::new(cfg.ranks(), cfg.timeout), 0..cfg.ranks()),
         Some(p) => (
-            World::remote(cfg.world_size(), p.rank(), cfg.timeout, p.transport()?),
+            World::remote(cfg.ranks(), p.rank(), cfg.timeout, p.transport()?),
             p.rank()..p.rank() + 1,
         ),
     };
@@ -490,11 +486,13 @@ fn train_on(
     let mut stage_layers = vec![0; cfg.pp];
     let mut peak_activation_bytes = 0;
     let mut device_peak = None;
-    let mut dp_traffic = vec![Traffic::default(); cfg.world_size()];
+    let mut dp_traffic = vec![Traffic::default(); cfg.ranks()];
     for r in results {
         let out = r?;
         dp_traffic[out.rank] = out.traffic;
-        stage_layers[out.stage] = out.layers_run;
+        if out.rank < cfg.world_size() {
+            stage_layers[out.stage] = out.layers_run;
+        }
         peak_activation_bytes = peak_activation_bytes.max(out.peak_activation_bytes);
         device_peak = device_peak.max(out.device_peak_bytes);
         for e in out.exported {
@@ -557,19 +555,25 @@ fn check_dp_sync(cfg: &RunConfig) -> Result<()> {
         )));
     }
     if let Some(shards) = cfg.sync.ps_shards() {
-        if shards == 0 || shards as usize > cfg.dp {
+        if shards == 0 {
+            return Err(RuntimeError::Config(
+                "ps_shards=0: a parameter server needs at least one shard".into(),
+            ));
+        }
+        if cfg.server_replicas() == 0 && shards as usize > cfg.dp {
             return Err(RuntimeError::Config(format!(
-                "ps_shards={shards}: the servers live on the {} data-parallel workers; give 1 to {}",
+                "ps_shards={shards}: the servers live on the {} data-parallel workers; give 1 to {} \
+                 (or ps_ranks=dedicated)",
                 cfg.dp, cfg.dp
             )));
         }
     }
-    if cfg.sync.staleness() > 0 && cfg.resume_from.is_some() {
-        return Err(RuntimeError::Unsupported(
-            "resuming an async run: checkpoints do not hold the older weight versions a \
-             stale worker reads; resume with staleness=0 or sync=ps"
-                .into(),
-        ));
+    if cfg.server_replicas() > 0 && (cfg.cp > 1 || cfg.ep > 1) {
+        return Err(RuntimeError::Config(format!(
+            "ps_ranks=dedicated runs beside data, pipeline and tensor parallelism, not cp {} or \
+             ep {}: drop cp and ep, or ps_ranks",
+            cfg.cp, cfg.ep
+        )));
     }
     Ok(())
 }
@@ -580,8 +584,9 @@ fn check_dp_sync(cfg: &RunConfig) -> Result<()> {
 fn rank_keys(sh: &Shared, at: Coords) -> Vec<HeldParam> {
     let cfg = sh.cfg;
     let stage = at.stage;
+    // Dedicated servers of the stage and part follow its workers.
     let dp_group = Group::new(
-        (0..cfg.replicas())
+        (0..cfg.replicas() + cfg.server_replicas())
             .map(|d| Coords { dp_index: d, ..at }.rank(cfg))
             .collect(),
     );
@@ -713,6 +718,10 @@ fn run_rank(
     let rank = comm.rank();
     let at = Coords::of(rank, cfg);
     let (dp_index, stage) = (at.dp_index, at.stage);
+    // A dedicated parameter server: it joins the step's collectives (the
+    // pushes it sums, the norm, the loss, the pulls it sends) and runs no
+    // model compute.
+    let server = dp_index >= cfg.replicas();
     let group_of = |f: &dyn Fn(usize) -> Coords, n: usize| {
         Group::new((0..n).map(|i| f(i).rank(cfg)).collect())
     };
@@ -728,16 +737,26 @@ fn run_rank(
     );
     let held = rank_keys(sh, at);
     // Top-k and PowerSGD carry their error feedback over a checkpoint.
-    let feedback = match (&sh.resume, cfg.compress) {
-        (
-            Some(resume),
-            dplc_ir::Compression::TopK { .. } | dplc_ir::Compression::PowerSgd { .. },
-        ) => Some(checkpoint::read_feedback(
+    let feedback = match &sh.resume {
+        Some(resume) if cfg.compress.has_feedback() => Some(checkpoint::read_feedback(
             &resume.dir,
             rank,
             sh.graph,
             held.iter().map(|h| h.key),
         )?),
+        _ => None,
+    };
+    // Async carries the older weight versions its stale workers read.
+    let versions = match &sh.resume {
+        Some(resume) if cfg.sync.staleness() > 0 && !server => {
+            let keys: Vec<_> = held.iter().map(|h| h.key).collect();
+            Some(checkpoint::read_versions(
+                &resume.dir,
+                rank,
+                sh.graph,
+                &keys,
+            )?)
+        }
         _ => None,
     };
     let first_cp = at.dp_index - at.dp_index % cfg.cp;
@@ -764,10 +783,14 @@ fn run_rank(
             zero: cfg.zero,
             sync: cfg.sync,
             compress: cfg.compress,
+            compress_warmup: cfg.compress.warmup_steps(&sh.spec.schedule),
             feedback: feedback.as_ref(),
+            versions,
+            server,
         },
     )?;
     let compute: Box<dyn StageCompute> = match cfg.compute {
+        _ if server => Box::new(Reference::new(sh)),
         Compute::Reference => Box::new(Reference::new(sh)),
         Compute::Fused => {
             let plan = sh
@@ -800,8 +823,12 @@ fn run_rank(
         peak_activation_bytes: 0,
         skipped_nonfinite: 0,
     };
-    let work = schedule(cfg.schedule, stage, cfg.pp, cfg.num_micro_batches);
-    let world = Group::new((0..cfg.world_size()).collect());
+    let work = if server {
+        Vec::new()
+    } else {
+        schedule(cfg.schedule, stage, cfg.pp, cfg.num_micro_batches)
+    };
+    let world = Group::new((0..cfg.ranks()).collect());
     // Each process has its own clock: traced ranks in separate processes
     // count from a barrier they leave together (to within one message).
     let t0 = if sh.remote && cfg.trace.is_on() {
@@ -818,7 +845,7 @@ fn run_rank(
         r.store.comm.set_step(step);
         // Every rank stops at the same step boundary, or none does.
         let mut stop = vec![if cfg.stop.is_set() { 1.0 } else { 0.0 }];
-        if cfg.world_size() > 1 {
+        if cfg.ranks() > 1 {
             r.store.comm.all_reduce(&world, &mut stop)?;
         }
         if stop[0] > 0.0 {
@@ -866,7 +893,7 @@ fn run_rank(
         // d mod (K+1) versions old, so the replicas spread over every lag
         // the bound allows, the same way every run.
         let staleness = cfg.sync.staleness() as usize;
-        if staleness > 0 {
+        if staleness > 0 && !server {
             r.store.use_version(dp_index % (staleness + 1));
         }
         for &w in &work {
@@ -971,7 +998,7 @@ fn gather_trace(comm: &mut Communicator, cfg: &RunConfig) -> Result<()> {
             ]
         })
         .collect();
-    let world = Group::new((0..cfg.world_size()).collect());
+    let world = Group::new((0..cfg.ranks()).collect());
     let all = comm.all_gather(&world, &mine)?;
     if comm.rank() != 0 {
         return Ok(());
@@ -1035,9 +1062,9 @@ impl<'a, 'b> Rank<'a, 'b> {
             .kill_in_checkpoint
             .filter(|k| k.rank == rank && k.step == done)
             .map(|k| k.at);
-        let world = Group::new((0..cfg.world_size()).collect());
+        let world = Group::new((0..cfg.ranks()).collect());
         let barrier = |store: &mut ParamStore| -> Result<()> {
-            if cfg.world_size() > 1 {
+            if cfg.ranks() > 1 {
                 store.comm.all_reduce(&world, &mut [0.0])?;
             }
             Ok(())
@@ -1048,6 +1075,10 @@ impl<'a, 'b> Rank<'a, 'b> {
         barrier(&mut self.store)?;
         checkpoint::write_shards(&dir, rank, sh.graph, self.store.owned_shards(), kill)?;
         checkpoint::write_feedback(&dir, rank, sh.graph, &self.store.feedback)?;
+        if cfg.sync.staleness() > 0 && self.dp_index < cfg.replicas() {
+            let older = self.store.older_versions()?;
+            checkpoint::write_versions(&dir, rank, sh.graph, &older)?;
+        }
         barrier(&mut self.store)?;
         if rank == 0 {
             let gb = cfg.global_batch() as u64;
@@ -1077,7 +1108,7 @@ impl<'a, 'b> Rank<'a, 'b> {
                     sequence_parallel: cfg.sequence_parallel,
                 },
                 model: &sh.signature,
-                world: cfg.world_size(),
+                world: cfg.ranks(),
                 run: &sh
                     .lock
                     .as_ref()
@@ -1284,17 +1315,19 @@ impl<'a, 'b> Rank<'a, 'b> {
             self.store.slots.get_mut(key).expect("held").grad = g;
         }
         if !cfg.faults.skip_grad_sync {
-            self.store.reduce_grads(cfg.bucket_elems)?;
+            self.store.reduce_grads(cfg.bucket_elems, self.step)?;
         }
         // Every gradient element is counted by exactly one rank of the world.
         let mut sq = vec![self.store.local_sq_norm() as f32];
         if cfg.faults.nan_grad_at == Some((self.store.comm.rank(), self.step)) {
             sq[0] = f32::NAN;
         }
-        let world = Group::new((0..cfg.world_size()).collect());
+        let world = Group::new((0..cfg.ranks()).collect());
         self.store.comm.all_reduce(&world, &mut sq)?;
+        // The loss reaches the dedicated servers too (they add nothing to
+        // it): every rank takes the same skip decision.
         let dp_group = Group::new(
-            (0..cfg.replicas())
+            (0..cfg.replicas() + cfg.server_replicas())
                 .map(|d| {
                     Coords {
                         dp_index: d,
