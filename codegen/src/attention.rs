@@ -19,8 +19,8 @@ pub const BLOCK_Q: i64 = 64;
 pub const BLOCK_K: i64 = 64;
 
 /// Where element `(batch, head, position, feature)` of an operand sits in its
-/// buffer: `offset + batch·strides[0] + head·strides[1] + position·strides[2]
-/// + feature·strides[3]`. For K and V, `head` is the key head (the query head
+/// buffer: `offset + batch·strides[0] + head·strides[1] +
+/// position·strides[2] + feature·strides[3]`. For K and V, `head` is the key head (the query head
 /// divided by the kernel's `group`); for the bias `feature` is the key
 /// position and a broadcast axis has stride 0.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]

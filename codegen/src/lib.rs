@@ -8,6 +8,7 @@
 
 mod adamw;
 mod attention;
+mod attention_interp;
 mod attention_match;
 mod backward;
 mod cuda;
@@ -23,6 +24,7 @@ pub use attention::{
     AttentionBuffer, AttentionDropout, AttentionKernel, AttentionOperand, AttentionPass, Strided,
     BLOCK_K, BLOCK_Q,
 };
+pub use attention_interp::interpret_attention;
 pub use backward::{
     backward, backward_plan, column_sum_kernel, Backward, BackwardStep, ColumnSum, GradBinding,
 };
