@@ -126,6 +126,8 @@ pub enum BackwardStep {
     Kernel { step: usize, backward: Backward },
     /// The two gradient matmuls of forward step `step`, for cuBLAS.
     MatMul { step: usize },
+    /// The backward passes of the fused attention of forward step `step`.
+    Attention { step: usize },
     /// A forward step whose VJP the runtime runs itself, with the reason.
     Extern {
         step: usize,
@@ -142,6 +144,11 @@ pub fn backward_plan(g: &Graph, plan: &FusionPlan) -> Vec<BackwardStep> {
     for (i, step) in plan.steps.iter().enumerate().rev() {
         match step {
             Step::MatMul { .. } => out.push(BackwardStep::MatMul { step: i }),
+            Step::Attention(at) => {
+                if at.inputs().into_iter().any(|t| grads.needs_grad(t)) {
+                    out.push(BackwardStep::Attention { step: i });
+                }
+            }
             Step::Extern { node, .. } => out.push(BackwardStep::Extern {
                 step: i,
                 node: Some(*node),

@@ -6,12 +6,17 @@
 //! tensor that needs it, views included (they become index arithmetic). A kernel
 //! holds at most one row operation (softmax, norm, reduce): its *anchor*.
 
+use crate::attention::{
+    AttentionBuffer, AttentionDropout, AttentionKernel, AttentionOperand, Strided,
+};
+use crate::attention_match::{match_attention, AttentionMatch, Region as MatchRegion, View};
 use crate::kernel::{
     drop_threshold, Buffer, Builder, Cond, DrawKey, Elem, Expr, Idx, Kernel, RowReduce, Size,
     Space, Store, ValueId,
 };
 use dplc_ir::{
-    BinaryOp, DType, Dim, Graph, NodeId, Op, ReduceKind, RegionId, Shape, TensorId, UnaryOp,
+    AttentionKind, BinaryOp, DType, Dim, Graph, NodeId, Op, ReduceKind, RegionId, Shape, TensorId,
+    UnaryOp,
 };
 use std::collections::{BTreeSet, HashMap, HashSet};
 
@@ -73,6 +78,50 @@ pub enum KeySize {
     SplitParts,
 }
 
+/// One fused attention and how to bind it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FusedAttention {
+    pub kernel: AttentionKernel,
+    /// The graph tensors whose buffers the operands read (the output's is
+    /// written): each a tensor in memory, read through the views the
+    /// kernel's strides spell out.
+    pub q: TensorId,
+    pub k: TensorId,
+    pub v: TensorId,
+    pub bias: Option<TensorId>,
+    pub out: TensorId,
+    /// The symbolic dimension behind each size argument `n{k}` (as
+    /// [`FusedKernel::sizes`], the dropout key's words in `key_sizes`).
+    pub sizes: Vec<Dim>,
+    pub key_sizes: Vec<(usize, KeySize)>,
+    /// The graph nodes the kernel computes: the score matmul … the `P·V`
+    /// matmul and the views of its product it writes.
+    pub nodes: Vec<NodeId>,
+}
+
+impl FusedAttention {
+    /// The graph tensor a buffer role stands for (its gradient, for a
+    /// gradient's role); `None` for the log-sum-exp, which the graph lacks.
+    pub fn tensor(&self, role: AttentionBuffer) -> Option<TensorId> {
+        use AttentionBuffer::*;
+        match role {
+            Q | QGrad => Some(self.q),
+            K | KGrad => Some(self.k),
+            V | VGrad => Some(self.v),
+            Bias | BiasGrad => self.bias,
+            Out | OutGrad => Some(self.out),
+            LogSumExp => None,
+        }
+    }
+
+    /// The tensors it reads.
+    pub fn inputs(&self) -> Vec<TensorId> {
+        let mut v = vec![self.q, self.k, self.v];
+        v.extend(self.bias);
+        v
+    }
+}
+
 /// One step of a region, in execution order.
 #[derive(Clone, Debug, PartialEq)]
 // A plan holds a few dozen steps, built once per graph and read in place:
@@ -87,6 +136,8 @@ pub enum Step {
         a: Operand,
         b: Operand,
     },
+    /// One attention's core, `Q·Kᵀ` to `P·V`, as one kernel (FlashAttention-2 style).
+    Attention(FusedAttention),
     /// A node the runtime executes itself (top-k, MoE routing, `repeat`), or
     /// one codegen cannot lower yet, with the reason.
     Extern { node: NodeId, reason: String },
@@ -97,6 +148,30 @@ pub enum Step {
 pub struct FusionPlan {
     pub region: RegionId,
     pub steps: Vec<Step>,
+    /// Each attention left to the unfused path (its score matmul) and why
+    /// the fused kernel cannot take it.
+    pub unfused_attention: Vec<(NodeId, String)>,
+}
+
+/// What fusion does beyond its fixed rules.
+#[derive(Clone, Copy, Debug)]
+pub struct FuseConfig<'a> {
+    /// Root values kept in memory: they cross a pipeline cut, so they are
+    /// sent from where they are computed and no kernel on the far side may
+    /// recompute them inline.
+    pub cut: &'a [TensorId],
+    /// How attention runs: each one the fused kernel takes as one
+    /// [`Step::Attention`] (`Fused`, `Flash2`), or op by op (`Unfused`).
+    pub attention: AttentionKind,
+}
+
+impl Default for FuseConfig<'_> {
+    fn default() -> Self {
+        FuseConfig {
+            cut: &[],
+            attention: AttentionKind::Fused,
+        }
+    }
 }
 
 impl FusionPlan {
@@ -186,6 +261,8 @@ struct Analysis<'g> {
     pos: HashMap<NodeId, usize>,
     consumers: HashMap<TensorId, Vec<NodeId>>,
     materialized: HashSet<TensorId>,
+    /// Outputs of fused attention steps.
+    attention_out: HashSet<TensorId>,
 }
 
 impl<'g> Analysis<'g> {
@@ -199,6 +276,7 @@ impl<'g> Analysis<'g> {
     fn in_memory(&self, t: TensorId) -> bool {
         matches!(self.producer_role(t), Role::Source | Role::Library)
             || self.materialized.contains(&t)
+            || self.attention_out.contains(&t)
     }
 
     /// Mark what a library operand reads: through reshapes, and one swap of the last two axes.
@@ -286,13 +364,26 @@ fn node_of(g: &Graph, t: TensorId) -> NodeId {
 
 /// Plan one region: which tensors are materialized, and the steps that make them.
 pub fn fuse(g: &Graph, region: RegionId) -> FusionPlan {
-    fuse_cut(g, region, &[])
+    fuse_with(g, region, &FuseConfig::default())
 }
 
 /// [`fuse`], with the tensors of `cut` (through their reshapes) kept in
 /// memory too: values that cross a pipeline cut are sent from where they are
 /// computed, so no kernel on the far side may recompute them inline.
 pub fn fuse_cut(g: &Graph, region: RegionId, cut: &[TensorId]) -> FusionPlan {
+    fuse_with(
+        g,
+        region,
+        &FuseConfig {
+            cut,
+            ..FuseConfig::default()
+        },
+    )
+}
+
+/// [`fuse`] as `config` says.
+pub fn fuse_with(g: &Graph, region: RegionId, config: &FuseConfig) -> FusionPlan {
+    let cut = config.cut;
     let reg = g.region(region);
     let mut a = Analysis {
         g,
@@ -300,6 +391,7 @@ pub fn fuse_cut(g: &Graph, region: RegionId, cut: &[TensorId]) -> FusionPlan {
         pos: reg.nodes.iter().enumerate().map(|(i, &n)| (n, i)).collect(),
         consumers: HashMap::new(),
         materialized: HashSet::new(),
+        attention_out: HashSet::new(),
     };
     for &n in &reg.nodes {
         let node = g.node(n);
@@ -307,6 +399,27 @@ pub fn fuse_cut(g: &Graph, region: RegionId, cut: &[TensorId]) -> FusionPlan {
         for &t in &node.inputs {
             if seen.insert(t) {
                 a.consumers.entry(t).or_default().push(n);
+            }
+        }
+    }
+    let (attentions, unfused_attention) = if config.attention.is_fused() {
+        find_attention(&a, cut)
+    } else {
+        (Vec::new(), Vec::new())
+    };
+    // What the attention kernels compute runs nowhere else; their outputs
+    // are in memory, their operands must be.
+    let in_attention: HashSet<NodeId> = attentions
+        .iter()
+        .flat_map(|m| m.nodes.iter().copied())
+        .collect();
+    for m in &attentions {
+        a.attention_out.insert(m.out.tensor);
+    }
+    for m in &attentions {
+        for view in [&m.q, &m.k, &m.v].into_iter().chain(&m.bias) {
+            if !a.in_memory(view.tensor) {
+                a.materialized.insert(view.tensor);
             }
         }
     }
@@ -333,6 +446,9 @@ pub fn fuse_cut(g: &Graph, region: RegionId, cut: &[TensorId]) -> FusionPlan {
     // Library operands, and whatever more than one consumer reads.
     let mut matmuls = HashMap::new();
     for &n in &reg.nodes {
+        if in_attention.contains(&n) {
+            continue;
+        }
         let node = g.node(n);
         match node.op {
             Op::MatMul => {
@@ -362,7 +478,7 @@ pub fn fuse_cut(g: &Graph, region: RegionId, cut: &[TensorId]) -> FusionPlan {
     // ops; the chain ends (is materialized) where it cannot go further.
     for &n in &reg.nodes {
         let node = g.node(n);
-        if role(&node.op) != Role::Row {
+        if role(&node.op) != Role::Row || in_attention.contains(&n) {
             continue;
         }
         let axis_last = row_axis(g, n) + 1 == g.tensor(node.inputs[0]).shape.rank();
@@ -469,8 +585,17 @@ pub fn fuse_cut(g: &Graph, region: RegionId, cut: &[TensorId]) -> FusionPlan {
     }
 
     let mut steps = Vec::new();
+    let mut attentions: HashMap<NodeId, AttentionMatch> =
+        attentions.into_iter().map(|m| (m.pv, m)).collect();
     for &n in &reg.nodes {
         let node = g.node(n);
+        if let Some(m) = attentions.remove(&n) {
+            steps.push(Step::Attention(lower_attention(g, &m)));
+            continue;
+        }
+        if in_attention.contains(&n) {
+            continue;
+        }
         if let Some((x, y)) = matmuls.remove(&n) {
             steps.push(Step::MatMul {
                 node: n,
@@ -494,7 +619,145 @@ pub fn fuse_cut(g: &Graph, region: RegionId, cut: &[TensorId]) -> FusionPlan {
             }
         }
     }
-    FusionPlan { region, steps }
+    FusionPlan {
+        region,
+        steps,
+        unfused_attention,
+    }
+}
+
+/// Every attention of the region the fused kernel takes, and each one it
+/// does not (its score matmul) with the reason.
+fn find_attention(
+    a: &Analysis<'_>,
+    cut: &[TensorId],
+) -> (Vec<AttentionMatch>, Vec<(NodeId, String)>) {
+    let g = a.g;
+    let reg = g.region(a.region);
+    let mut pinned: HashSet<TensorId> = reg.results.iter().copied().collect();
+    for &t in cut {
+        let mut t = t;
+        pinned.insert(t);
+        while let Some(n) = g.producer(t) {
+            match n.op {
+                Op::Reshape { .. } => t = n.inputs[0],
+                _ => break,
+            }
+            pinned.insert(t);
+        }
+    }
+    let pinned = |t: TensorId| pinned.contains(&t);
+    let region = MatchRegion {
+        consumers: &a.consumers,
+        pinned: &pinned,
+    };
+    let (mut found, mut refused) = (Vec::new(), Vec::new());
+    let mut taken: HashSet<NodeId> = HashSet::new();
+    for &n in &reg.nodes {
+        if taken.contains(&n) {
+            continue;
+        }
+        match match_attention(g, &region, n) {
+            None => {}
+            Some(Ok(m)) if m.nodes.iter().all(|x| !taken.contains(x)) => {
+                taken.extend(m.nodes.iter().copied());
+                found.push(m);
+            }
+            Some(Ok(_)) => refused.push((n, "its nodes overlap another attention".into())),
+            Some(Err(reason)) => refused.push((n, reason)),
+        }
+    }
+    (found, refused)
+}
+
+/// The step of one matched attention: its description in size arguments.
+fn lower_attention(g: &Graph, m: &AttentionMatch) -> FusedAttention {
+    let mut sizes: Vec<Dim> = Vec::new();
+    let mut key_sizes: Vec<(usize, KeySize)> = Vec::new();
+    let mut size = |d: &Dim| -> Size {
+        if let Some(c) = d.as_const() {
+            return Size::Const(c);
+        }
+        let k = sizes.iter().position(|x| x == d).unwrap_or_else(|| {
+            sizes.push(d.clone());
+            sizes.len() - 1
+        });
+        Size::Param(k)
+    };
+    // The shape's sizes first: they print as `n0..` in a readable order.
+    let (batch, heads, kv_heads, q_len, k_len) = (
+        size(&m.batch),
+        size(&m.heads),
+        size(&m.kv_heads),
+        size(&m.q_len),
+        size(&m.k_len),
+    );
+    let mut operand = |v: &View| -> AttentionOperand {
+        let strides = [0, 1, 2, 3].map(|a| size(&v.axes[a].stride));
+        AttentionOperand {
+            label: v.tensor.to_string(),
+            len: g
+                .tensor(v.tensor)
+                .shape
+                .dims()
+                .iter()
+                .map(&mut size)
+                .collect(),
+            at: Strided {
+                offset: size(&v.offset),
+                strides,
+            },
+        }
+    };
+    let (q, k, v, out) = (operand(&m.q), operand(&m.k), operand(&m.v), operand(&m.out));
+    let bias = m.bias.as_ref().map(&mut operand);
+    let dropout = m.dropout.map(|(node, p, t)| {
+        let mut key_size = |k: KeySize| -> Size {
+            sizes.push(Dim::konst(0));
+            key_sizes.push((sizes.len() - 1, k));
+            Size::Param(sizes.len() - 1)
+        };
+        AttentionDropout {
+            p,
+            key: DrawKey {
+                node: node.index() as u64,
+                layer: key_size(KeySize::Layer),
+                first_sample: key_size(KeySize::FirstSample),
+                per_sample: key_size(KeySize::PerSample(t)),
+            },
+        }
+    });
+    let kernel = AttentionKernel {
+        sizes: sizes.len(),
+        batch,
+        heads,
+        kv_heads,
+        group: m.group,
+        q_len,
+        k_len,
+        head_dim: m.head_dim,
+        value_dim: m.value_dim,
+        scale: m.scale,
+        causal: m.causal,
+        window: m.window,
+        q,
+        k,
+        v,
+        bias,
+        out,
+        dropout,
+    };
+    FusedAttention {
+        kernel,
+        q: m.q.tensor,
+        k: m.k.tensor,
+        v: m.v.tensor,
+        bias: m.bias.as_ref().map(|b| b.tensor),
+        out: m.out.tensor,
+        sizes,
+        key_sizes,
+        nodes: m.nodes.clone(),
+    }
 }
 
 /// Where a row kernel is: its anchor, the axis it reduces, the anchor's input shape.

@@ -7,6 +7,9 @@
 //! loaded at run time.
 
 mod adamw;
+mod attention;
+mod attention_interp;
+mod attention_match;
 mod backward;
 mod cuda;
 mod error;
@@ -17,13 +20,21 @@ mod kernel;
 mod nvrtc;
 
 pub use adamw::{adamw_kernel, sgd_kernel, AdamwScalars, SgdScalars};
+pub use attention::{
+    AttentionBuffer, AttentionDropout, AttentionKernel, AttentionOperand, AttentionPass, Strided,
+    BLOCK_K, BLOCK_Q,
+};
+pub use attention_interp::interpret_attention;
 pub use backward::{
     backward, backward_plan, column_sum_kernel, Backward, BackwardStep, ColumnSum, GradBinding,
 };
 pub use cuda::{emit_cuda, kernel_name, CudaSource, LaunchShape, ROW_BLOCK};
 pub use error::CodegenError;
 pub use flat::{add_kernel, convert_kernel, sum_squares_kernel, SUM_SQUARES_COLS};
-pub use fuse::{fuse, fuse_cut, fuse_graph, FusedKernel, FusionPlan, KeySize, Operand, Step};
+pub use fuse::{
+    fuse, fuse_cut, fuse_graph, fuse_with, FuseConfig, FusedAttention, FusedKernel, FusionPlan,
+    KeySize, Operand, Step,
+};
 pub use interp::{
     binary, erf, erf_f64, interpret, interpret_refs, unary, unary_grad, Args, BufferRef, Data,
 };

@@ -233,6 +233,9 @@ fn backward_cuda(model: &str, dtype: DType) -> String {
                 BackwardStep::MatMul { step } => {
                     out += &format!("matmul backward of step {step}\n")
                 }
+                BackwardStep::Attention { step } => {
+                    out += &format!("attention backward of step {step}\n")
+                }
                 BackwardStep::Extern { step, reason, .. } => {
                     out += &format!("extern backward of step {step}: {reason}\n")
                 }
@@ -281,7 +284,7 @@ fn every_zoo_kernel_has_a_fused_backward() {
                             missing.push(format!("{name}: step {step}: {reason}"));
                         }
                     }
-                    BackwardStep::MatMul { .. } => {}
+                    BackwardStep::MatMul { .. } | BackwardStep::Attention { .. } => {}
                 }
             }
         }

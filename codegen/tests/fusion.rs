@@ -140,3 +140,59 @@ fn t5_tiny_kernels_match_reference() {
     let n = check_against_reference(&g, &syms(&[("batch", 2), ("seq", 5)]));
     assert!(n >= 8, "{n} kernels");
 }
+
+/// Every attention of every zoo model is one fused step: causal, windowed
+/// (Mistral), with a position bias and cross-attention (T5), grouped- and
+/// multi-query (Llama 3, Gemma), latent (DeepSeek); none is left to the
+/// unfused path.
+#[test]
+fn every_zoo_attention_is_one_fused_step() {
+    for (model, lowered) in common::all_zoo() {
+        let g = &lowered.graph;
+        let mut fused = 0;
+        for (r, _) in g.regions() {
+            let plan = fuse(g, r);
+            assert!(
+                plan.unfused_attention.is_empty(),
+                "{model}: {:?}",
+                plan.unfused_attention
+            );
+            fused += plan
+                .steps
+                .iter()
+                .filter(|s| matches!(s, Step::Attention(_)))
+                .count();
+        }
+        assert!(fused >= 1, "{model}: no fused attention");
+    }
+}
+
+/// An attention the kernel cannot take (a soft-capped score, a probability
+/// read twice) stays on the unfused path, and the plan says why.
+#[test]
+fn attention_the_kernel_cannot_take_stays_unfused_with_its_reason() {
+    let g = common::lower_m(
+        "model m() {\n  input q: f32[batch, 2, seq, 4]\n  input k: f32[batch, 2, seq, 4]\n  \
+         input v: f32[batch, 2, seq, 4]\n  a = softmax(tanh(q @ transpose(k, 2, 3)), -1) @ v\n  \
+         p = softmax(q @ transpose(v, 2, 3), -1)\n  b = p @ k + p @ v\n  \
+         return mean(mean(mean(mean(a + b, -1), -1), -1), -1)\n}\n",
+    );
+    let plan = fuse(&g, g.root());
+    let text = plan_text(&g, &plan);
+    assert!(
+        !plan.steps.iter().any(|s| matches!(s, Step::Attention(_))),
+        "{text}"
+    );
+    let reasons: Vec<&str> = plan
+        .unfused_attention
+        .iter()
+        .map(|(_, r)| r.as_str())
+        .collect();
+    assert_eq!(reasons.len(), 2, "{text}");
+    assert!(reasons[0].contains("`tanh`"), "{text}");
+    assert!(reasons[1].contains("several readers"), "{text}");
+    assert!(
+        text.contains("runs unfused: the scores feed `tanh`"),
+        "{text}"
+    );
+}

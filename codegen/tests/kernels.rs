@@ -110,8 +110,8 @@ fn gpt_tiny_cuda_bf16() {
     insta::assert_snapshot!(cuda_of("gpt_tiny", DType::BF16));
 }
 
-/// gpt2's kernels that draw dropout masks: each one's IR, its key's size
-/// arguments, and the CUDA lines that draw (the prelude's `dplc_random` is in
+/// gpt2's kernels that draw dropout masks (the fused attention's too): each
+/// one's IR, its key's size arguments, and the CUDA lines that draw (the prelude's `dplc_random` is in
 /// the gpt_tiny goldens).
 #[test]
 fn gpt2_dropout_draws() {
@@ -119,6 +119,13 @@ fn gpt2_dropout_draws() {
     let mut out = String::new();
     for (r, _) in g.regions() {
         for step in fuse(&g, r).steps {
+            if let Step::Attention(at) = &step {
+                if at.kernel.dropout.is_some() {
+                    out += &format!("==== attention key sizes {:?}\n", at.key_sizes);
+                    out += &at.kernel.text();
+                }
+                continue;
+            }
             let Step::Kernel(k) = step else { continue };
             if !k.kernel.uses_random() {
                 continue;

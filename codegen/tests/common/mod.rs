@@ -75,6 +75,12 @@ pub fn all_zoo() -> Vec<(String, dplc_frontend::Lowered)> {
 /// The plan of one region as text: one line per step, kernels with their IR.
 pub fn plan_text(g: &Graph, plan: &FusionPlan) -> String {
     let mut s = format!("region {}\n", plan.region);
+    for (n, reason) in &plan.unfused_attention {
+        s += &format!(
+            "  attention at {} runs unfused: {reason}\n",
+            g.node(*n).outputs[0]
+        );
+    }
     for step in &plan.steps {
         match step {
             Step::MatMul { node, a, b } => {
@@ -90,6 +96,18 @@ pub fn plan_text(g: &Graph, plan: &FusionPlan) -> String {
             }
             Step::Extern { node, reason } => {
                 s += &format!("  extern {} ({reason})\n", g.node(*node).op.name());
+            }
+            Step::Attention(at) => {
+                let sizes: Vec<String> = at.sizes.iter().map(|d| g.dim_str(d)).collect();
+                s += &format!(
+                    "  attention {} -> {}  sizes [{}]\n",
+                    g.node(at.nodes[0]).outputs[0],
+                    at.out,
+                    sizes.join(", ")
+                );
+                for line in at.kernel.text().lines() {
+                    s += &format!("    {line}\n");
+                }
             }
             Step::Kernel(k) => {
                 let outs: Vec<String> = k

@@ -370,6 +370,7 @@ impl<'a> Executor<'a> {
                 return Ok(span.stacks.contains_key(node));
             }
             Step::Kernel(k) => k.nodes.to_vec(),
+            Step::Attention(at) => at.nodes.to_vec(),
             Step::MatMul { node, .. } | Step::Extern { node, .. } => vec![*node],
         };
         // Leaves (parameters, constants, positions) are computed wherever
@@ -579,6 +580,11 @@ impl<'a> Executor<'a> {
                 };
                 be.matmul(&mm, &x.buf, &y.buf, &c.buf)?;
                 run.values.insert(self.graph.node(*node).outputs[0], c);
+            }
+            Step::Attention(_) => {
+                return Err(RuntimeError::Unsupported(
+                    "the fused executor does not run a fused attention step yet".into(),
+                ))
             }
             Step::Extern { node, .. } => {
                 if !is_host_step(&self.graph.node(*node).op) {
@@ -970,6 +976,7 @@ impl<'a> Executor<'a> {
             let at = match bstep {
                 BackwardStep::Kernel { step, .. }
                 | BackwardStep::MatMul { step }
+                | BackwardStep::Attention { step }
                 | BackwardStep::Extern { step, .. } => *step,
             };
             if let Some(span) = span {
@@ -1062,6 +1069,11 @@ impl<'a> Executor<'a> {
                             GradBinding::Forward(_) | GradBinding::OutputGrad(_) => {}
                         }
                     }
+                }
+                BackwardStep::Attention { .. } => {
+                    return Err(RuntimeError::Unsupported(
+                        "the fused executor does not run a fused attention step yet".into(),
+                    ))
                 }
                 BackwardStep::MatMul { step } => {
                     let Step::MatMul { node, a, b } = &plan.steps[*step] else {

@@ -7,8 +7,8 @@
 
 use crate::error::{Result, RuntimeError};
 use dplc_codegen::{
-    add_kernel, backward_plan, column_sum_kernel, convert_kernel, fuse, fuse_cut, BackwardStep,
-    Elem, FusionPlan, GradBinding, Step,
+    add_kernel, backward_plan, column_sum_kernel, convert_kernel, fuse_with, BackwardStep, Elem,
+    FuseConfig, FusionPlan, GradBinding, Step,
 };
 use dplc_ir::{GradPlan, Graph, NodeId, Op, Recompute, RegionId, SavedAt, TensorId};
 use std::collections::{HashMap, HashSet};
@@ -111,6 +111,14 @@ impl Lifetimes {
                         );
                     }
                 }
+                BackwardStep::Attention { step } => {
+                    // Q, K, V, the bias and the output (the log-sum-exp is
+                    // the step's own, outside the graph).
+                    if let Step::Attention(at) = &plan.steps[*step] {
+                        saved.extend(at.inputs().into_iter().map(base));
+                        saved.insert(base(at.out));
+                    }
+                }
                 BackwardStep::Extern { step, .. } => {
                     if let Step::Extern { node, .. } = &plan.steps[*step] {
                         let n = graph.node(*node);
@@ -171,6 +179,11 @@ pub(super) fn step_tensors(graph: &Graph, step: &Step) -> Vec<TensorId> {
     match step {
         Step::Kernel(k) => k.buffers.clone(),
         Step::MatMul { node, a, b } => vec![a.tensor, b.tensor, graph.node(*node).outputs[0]],
+        Step::Attention(at) => {
+            let mut v = at.inputs();
+            v.push(at.out);
+            v
+        }
         Step::Extern { node, .. } => {
             let n = graph.node(*node);
             n.inputs.iter().chain(&n.outputs).copied().collect()
@@ -189,6 +202,7 @@ pub(super) fn step_outputs(graph: &Graph, step: &Step) -> Vec<TensorId> {
             .map(|(&t, _)| t)
             .collect(),
         Step::MatMul { node, .. } | Step::Extern { node, .. } => graph.node(*node).outputs.clone(),
+        Step::Attention(at) => vec![at.out],
     }
 }
 
@@ -204,11 +218,12 @@ impl FusedGraph {
     pub fn for_run(graph: &Graph, recompute: Recompute, cut: &[TensorId]) -> Result<FusedGraph> {
         let mut regions = HashMap::new();
         for (r, _) in graph.regions() {
-            let plan = if r == graph.root() {
-                fuse_cut(graph, r, cut)
-            } else {
-                fuse(graph, r)
+            let config = FuseConfig {
+                cut: if r == graph.root() { cut } else { &[] },
+                // The executor does not run the fused attention step yet.
+                attention: dplc_ir::AttentionKind::Unfused,
             };
+            let plan = fuse_with(graph, r, &config);
             for step in &plan.steps {
                 if let Step::Extern { node, reason } = step {
                     let op = &graph.node(*node).op;

@@ -5,8 +5,8 @@
 
 use super::error::GpuResult;
 use dplc_codegen::{
-    adamw_kernel, backward_plan, column_sum_kernel, emit_cuda, fuse, Arch, BackwardStep,
-    CudaSource, FusionPlan, Kernel, Nvrtc, Ptx, Step,
+    adamw_kernel, backward_plan, column_sum_kernel, emit_cuda, fuse_with, Arch, BackwardStep,
+    CudaSource, FuseConfig, FusionPlan, Kernel, Nvrtc, Ptx, Step,
 };
 use dplc_ir::{DType, Graph, RegionId};
 use std::collections::BTreeMap;
@@ -65,7 +65,12 @@ pub fn compile_graph(
     add(&column_sum_kernel())?;
     let mut regions = Vec::new();
     for (r, _) in graph.regions() {
-        let plan = fuse(graph, r);
+        // As the fused executor plans it (no fused attention step yet).
+        let config = FuseConfig {
+            attention: dplc_ir::AttentionKind::Unfused,
+            ..FuseConfig::default()
+        };
+        let plan = fuse_with(graph, r, &config);
         for step in &plan.steps {
             if let Step::Kernel(k) = step {
                 add(&k.kernel)?;

@@ -1,0 +1,269 @@
+//! The fused attention kernel's description: one closed record of what a
+//! FlashAttention-2 style kernel computes (shapes, strided operands, scale,
+//! masks, bias, dropout key), its forward and backward passes and the buffers each binds.
+//!
+//! Forward: `O = dropout(softmax(scale·Q·Kᵀ + bias + masks)) · V` per batch and
+//! query head, in tiles of [`BLOCK_Q`] queries against [`BLOCK_K`] keys with
+//! the online softmax, saving `O` and the `f32` log-sum-exp of each score row.
+//! Backward recomputes the scores tile by tile from `Q`, `K` and the
+//! log-sum-exp: one pass per query tile for `dQ`, one per key tile for `dK`
+//! and `dV` (summed over the query heads sharing a key head), and one over
+//! the bias's elements for its gradient; each writes every element once.
+
+use crate::kernel::{Buffer, DrawKey, Elem, Size};
+use std::fmt::{self, Write as _};
+
+/// Queries per tile: a CUDA block's rows, and the host reference's tile.
+pub const BLOCK_Q: i64 = 64;
+/// Keys per tile, staged through shared memory on the GPU.
+pub const BLOCK_K: i64 = 64;
+
+/// Where element `(batch, head, position, feature)` of an operand sits in its
+/// buffer: `offset + batch·strides[0] + head·strides[1] +
+/// position·strides[2] + feature·strides[3]`. For K and V, `head` is the key head (the query head
+/// divided by the kernel's `group`); for the bias `feature` is the key
+/// position and a broadcast axis has stride 0.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Strided {
+    pub offset: Size,
+    pub strides: [Size; 4],
+}
+
+/// One operand of the kernel: a buffer (a graph tensor in memory, read
+/// through views) and where each element sits in it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct AttentionOperand {
+    /// What the buffer is in the graph (`%15`): for people, not hashed.
+    pub label: String,
+    /// Elements of the buffer, as a product of sizes.
+    pub len: Vec<Size>,
+    pub at: Strided,
+}
+
+/// The dropout of the probabilities: the draw of element `(b, h, i, j)` is
+/// that of index `((b·heads + h)·q_len + i)·k_len + j` of the dropout's
+/// output, as the unfused kernel draws it, so both drop the same elements.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionDropout {
+    pub p: f64,
+    pub key: DrawKey,
+}
+
+/// One fused attention: what it computes, for any batch of its shape.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttentionKernel {
+    /// Run-time size arguments `n0..`.
+    pub sizes: usize,
+    pub batch: Size,
+    /// Query heads.
+    pub heads: Size,
+    /// Key/value heads: `heads / group`.
+    pub kv_heads: Size,
+    /// Query heads per key/value head (1: multi-head; `heads`: multi-query).
+    pub group: i64,
+    pub q_len: Size,
+    pub k_len: Size,
+    /// Features of a query and a key.
+    pub head_dim: i64,
+    /// Features of a value (and of the output).
+    pub value_dim: i64,
+    /// The factor of `Q·Kᵀ` (1 when the model scales nothing).
+    pub scale: f64,
+    /// Keys after the query (`j > i`) weigh nothing.
+    pub causal: bool,
+    /// Keys `window` or more positions behind the query (`i − j >= window`) weigh nothing.
+    pub window: Option<i64>,
+    pub q: AttentionOperand,
+    pub k: AttentionOperand,
+    pub v: AttentionOperand,
+    /// Added to the scaled scores, `(batch, head, query, key)`.
+    pub bias: Option<AttentionOperand>,
+    pub out: AttentionOperand,
+    pub dropout: Option<AttentionDropout>,
+}
+
+/// One of the kernel's launches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AttentionPass {
+    /// `O` and the log-sum-exp.
+    Forward,
+    /// `dQ`, one query tile per block.
+    QueryGrad,
+    /// `dK` and `dV`, one key tile of one key head per block.
+    KeyValueGrad,
+    /// The bias's gradient, summed over the axes it broadcasts along.
+    BiasGrad,
+}
+
+impl AttentionPass {
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionPass::Forward => "attention_fwd",
+            AttentionPass::QueryGrad => "attention_bwd_dq",
+            AttentionPass::KeyValueGrad => "attention_bwd_dkdv",
+            AttentionPass::BiasGrad => "attention_bwd_dbias",
+        }
+    }
+}
+
+/// What a buffer of a pass holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AttentionBuffer {
+    Q,
+    K,
+    V,
+    Bias,
+    Out,
+    /// `f32 [batch, heads, q_len]`: the log-sum-exp of each score row.
+    LogSumExp,
+    /// The gradient of the output (read).
+    OutGrad,
+    /// Gradients written, each element once, laid out as their operand's
+    /// buffer; elements no view reads stay as the caller zeroed them.
+    QGrad,
+    KGrad,
+    VGrad,
+    BiasGrad,
+}
+
+impl AttentionKernel {
+    /// The buffers `pass` binds, in launch order.
+    pub fn roles(&self, pass: AttentionPass) -> Vec<AttentionBuffer> {
+        use AttentionBuffer::*;
+        let mut r = vec![Q, K, V];
+        if self.bias.is_some() {
+            r.push(Bias);
+        }
+        r.push(Out);
+        r.push(LogSumExp);
+        match pass {
+            AttentionPass::Forward => {}
+            AttentionPass::QueryGrad => r.extend([OutGrad, QGrad]),
+            AttentionPass::KeyValueGrad => r.extend([OutGrad, KGrad, VGrad]),
+            AttentionPass::BiasGrad => r.extend([OutGrad, BiasGrad]),
+        }
+        r
+    }
+
+    /// The operand a buffer is laid out as (`None` for the log-sum-exp).
+    pub fn operand(&self, role: AttentionBuffer) -> Option<&AttentionOperand> {
+        use AttentionBuffer::*;
+        match role {
+            Q | QGrad => Some(&self.q),
+            K | KGrad => Some(&self.k),
+            V | VGrad => Some(&self.v),
+            Bias | BiasGrad => self.bias.as_ref(),
+            Out | OutGrad => Some(&self.out),
+            LogSumExp => None,
+        }
+    }
+
+    /// The buffers of `pass` as kernel arguments, in [`Self::roles`] order.
+    pub fn buffers(&self, pass: AttentionPass) -> Vec<Buffer> {
+        self.roles(pass)
+            .into_iter()
+            .map(|role| self.buffer(pass, role))
+            .collect()
+    }
+
+    fn buffer(&self, pass: AttentionPass, role: AttentionBuffer) -> Buffer {
+        use AttentionBuffer::*;
+        let output = match role {
+            Out | LogSumExp => pass == AttentionPass::Forward,
+            QGrad | KGrad | VGrad | BiasGrad => true,
+            Q | K | V | Bias | OutGrad => false,
+        };
+        match self.operand(role) {
+            Some(op) => Buffer {
+                label: match role {
+                    OutGrad | QGrad | KGrad | VGrad | BiasGrad => format!("d{}", op.label),
+                    _ => op.label.clone(),
+                },
+                elem: Elem::Float,
+                output,
+                len: op.len.clone(),
+            },
+            None => Buffer {
+                label: "lse".into(),
+                elem: Elem::F32,
+                output,
+                len: vec![self.batch, self.heads, self.q_len],
+            },
+        }
+    }
+
+    /// Whether `pass` runs at all for gradients wanted of `wants`
+    /// (whether Q, K, V and the bias need one).
+    pub fn runs(&self, pass: AttentionPass, wants: [bool; 4]) -> bool {
+        match pass {
+            AttentionPass::Forward => true,
+            AttentionPass::QueryGrad => wants[0],
+            AttentionPass::KeyValueGrad => wants[1] || wants[2],
+            AttentionPass::BiasGrad => self.bias.is_some() && wants[3],
+        }
+    }
+
+    /// A pass's kernel name's first part and hash: `{op}_{dtype}_{hash8}`
+    /// covers the whole description, so every pass of one attention shares it.
+    pub fn hash64(&self) -> u64 {
+        crate::kernel::fnv1a(self.text().as_bytes())
+    }
+
+    /// The stable textual form: hashed for names, shown in goldens.
+    pub fn text(&self) -> String {
+        let mut s = String::new();
+        let _ = write!(
+            s,
+            "attention batch {} heads {} (kv {}, group {}) q {} k {} dim {} value {} sizes={} scale {:?}",
+            self.batch,
+            self.heads,
+            self.kv_heads,
+            self.group,
+            self.q_len,
+            self.k_len,
+            self.head_dim,
+            self.value_dim,
+            self.sizes,
+            self.scale
+        );
+        if self.causal {
+            s.push_str(" causal");
+        }
+        if let Some(w) = self.window {
+            let _ = write!(s, " window {w}");
+        }
+        s.push('\n');
+        let mut operand = |name: &str, op: &AttentionOperand| {
+            let len: Vec<String> = op.len.iter().map(|d| d.to_string()).collect();
+            let _ = writeln!(
+                s,
+                "  {name}: float[{}] at {}  // {}",
+                len.join("*"),
+                op.at,
+                op.label
+            );
+        };
+        operand("q", &self.q);
+        operand("k", &self.k);
+        operand("v", &self.v);
+        if let Some(b) = &self.bias {
+            operand("bias", b);
+        }
+        operand("out", &self.out);
+        if let Some(d) = &self.dropout {
+            let _ = writeln!(
+                s,
+                "  dropout p {:?} node {} layer {} samples {} + / {}",
+                d.p, d.key.node, d.key.layer, d.key.first_sample, d.key.per_sample
+            );
+        }
+        s
+    }
+}
+
+impl fmt::Display for Strided {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let [b, h, i, d] = &self.strides;
+        write!(f, "{} + b*{b} + h*{h} + i*{i} + d*{d}", self.offset)
+    }
+}
