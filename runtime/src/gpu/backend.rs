@@ -7,7 +7,9 @@ use super::device::{DeviceBuffer, GpuDevice, GpuKernel};
 use super::error::{GpuError, GpuResult};
 use crate::error::Result;
 use crate::fused::{Backend, MatMul};
-use dplc_codegen::{emit_cuda, kernel_name, Args, Elem, Kernel, Nvrtc};
+use dplc_codegen::{
+    emit_cuda, kernel_name, Args, AttentionKernel, AttentionPass, Elem, Kernel, Nvrtc,
+};
 use dplc_ir::DType;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -160,6 +162,20 @@ impl Backend for CudaBackend {
         let k = self.kernel(kernel)?;
         let refs: Vec<&DeviceBuffer> = bufs.iter().map(|b| &**b).collect();
         Ok(dev.launch(k, &refs, args)?)
+    }
+
+    fn attention(
+        &mut self,
+        _kernel: &AttentionKernel,
+        pass: AttentionPass,
+        _args: &Args,
+        _bufs: &[Self::Buf],
+    ) -> Result<()> {
+        Err(GpuError::Unsupported(format!(
+            "{}: the fused attention's CUDA kernels are not generated yet",
+            pass.name()
+        ))
+        .into())
     }
 
     fn matmul(&mut self, mm: &MatMul, a: &Self::Buf, b: &Self::Buf, c: &Self::Buf) -> Result<()> {
