@@ -8,7 +8,8 @@ use super::error::{GpuError, GpuResult};
 use crate::error::Result;
 use crate::fused::{Backend, MatMul};
 use dplc_codegen::{
-    emit_cuda, kernel_name, Args, AttentionKernel, AttentionPass, Elem, Kernel, Nvrtc,
+    attention_name, emit_attention, emit_cuda, kernel_name, Args, AttentionKernel, AttentionPass,
+    Elem, Kernel, Nvrtc,
 };
 use dplc_ir::DType;
 use std::collections::HashMap;
@@ -21,6 +22,8 @@ pub struct CudaBackend {
     nvrtc: Nvrtc,
     dtype: DType,
     kernels: KernelCache<GpuKernel>,
+    /// Fused attention passes, by name (`{pass}_{dtype}_{hash8}`).
+    attention: HashMap<String, GpuKernel>,
 }
 
 /// Loaded kernels by name, found without naming them on every launch.
@@ -84,6 +87,7 @@ impl CudaBackend {
             nvrtc,
             dtype,
             kernels: KernelCache::new(),
+            attention: HashMap::new(),
         })
     }
 
@@ -166,16 +170,25 @@ impl Backend for CudaBackend {
 
     fn attention(
         &mut self,
-        _kernel: &AttentionKernel,
+        kernel: &AttentionKernel,
         pass: AttentionPass,
-        _args: &Args,
-        _bufs: &[Self::Buf],
+        args: &Args,
+        bufs: &[Self::Buf],
     ) -> Result<()> {
-        Err(GpuError::Unsupported(format!(
-            "{}: the fused attention's CUDA kernels are not generated yet",
-            pass.name()
-        ))
-        .into())
+        let name = attention_name(kernel, pass, self.dtype);
+        if !self.attention.contains_key(&name) {
+            let src = emit_attention(kernel, pass, self.dtype);
+            let ptx = self
+                .nvrtc
+                .compile(&src, self.dev.arch())
+                .map_err(GpuError::from)?;
+            let loaded = self
+                .dev
+                .load_attention(kernel, pass, &src, &ptx, self.dtype)?;
+            self.attention.insert(name.clone(), loaded);
+        }
+        let refs: Vec<&DeviceBuffer> = bufs.iter().map(|b| &**b).collect();
+        Ok(self.dev.launch(&self.attention[&name], &refs, args)?)
     }
 
     fn matmul(&mut self, mm: &MatMul, a: &Self::Buf, b: &Self::Buf, c: &Self::Buf) -> Result<()> {

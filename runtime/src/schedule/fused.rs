@@ -105,13 +105,7 @@ pub(super) fn plan(sh: &Shared) -> Result<FusedProgram> {
         }
         _ => g.clone(),
     };
-    // The fused attention's CUDA kernels are not generated yet: GPUs run it
-    // op by op.
-    let attention = match cfg.device {
-        crate::Device::Cuda { .. } => dplc_ir::AttentionKind::Unfused,
-        crate::Device::Host => cfg.attention,
-    };
-    let fused = FusedGraph::for_run(&graph, cfg.recompute, attention, &sh.part.extras)?;
+    let fused = FusedGraph::for_run(&graph, cfg.recompute, cfg.attention, &sh.part.extras)?;
     let grad = GradPlan::new(&graph);
     Ok(FusedProgram { graph, fused, grad })
 }
