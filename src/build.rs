@@ -219,13 +219,24 @@ pub fn build(args: &BuildArgs) -> Result<()> {
             )
         })?;
         let precision = lowered.train.precision;
-        let graph = compile_graph(&lowered.graph, storage_dtype(precision), arch, &nvrtc)
-            .map_err(|e| miette!("{e}"))?;
-        for (name, k) in &graph.kernels {
+        let graph = compile_graph(
+            &lowered.graph,
+            storage_dtype(precision),
+            arch,
+            plan.strategy.attention,
+            &nvrtc,
+        )
+        .map_err(|e| miette!("{e}"))?;
+        let ptx = graph
+            .kernels
+            .iter()
+            .map(|(name, k)| (name, &k.ptx))
+            .chain(graph.attention.iter().map(|(name, a)| (name, &a.ptx)));
+        for (name, ptx) in ptx {
             write(
                 dir,
                 &format!("kernels/{name}.ptx"),
-                k.ptx.text.as_bytes(),
+                ptx.text.as_bytes(),
                 &mut files,
             )?;
             kernels += 1;

@@ -157,11 +157,9 @@ pub fn prepare(args: &PlanArgs) -> Result<Prepared> {
                 "dplc's runtime gathers ZeRO-3's weights into flat buffers; shards=per_param prices FSDP2"
             ));
         }
-        // dplc's own kernels run the attention core op by op (a fused
-        // attention kernel is not generated yet): price what runs.
-        if pinned.attention.is_none() {
-            pinned.attention = Some(dplc_ir::AttentionKind::Unfused);
-        }
+        // Attention runs as the plan prices it: one fused kernel per
+        // attention codegen takes (the default, `attention=fused`), or op
+        // by op when `attention=unfused` is pinned (RunConfig::attention).
         // Its ranks run each tensor-parallel collective between kernels.
         if pinned.tp_overlap.is_none() {
             pinned.tp_overlap = Some(dplc_ir::TpOverlap::None);

@@ -315,39 +315,54 @@ fn fused_uneven_stages_run_as_planned() {
 
 /// Recomputation on the fused compute: the same kernels on the same inputs
 /// with the same masks, so the same run bit for bit, holding less at peak —
-/// selective drops only the core-attention values, full all but each
-/// layer's inputs.
+/// full keeps only each layer's inputs; selective drops the core-attention
+/// values of unfused attention, and fused attention has none to drop.
 #[test]
 fn fused_recomputation_is_the_same_run_in_less_memory() {
-    let at = |recompute| {
+    let at = |recompute, attention| {
         run(
             "gpt_tiny4_dropout",
             &fused(RunConfig {
                 num_micro_batches: 4,
                 recompute,
+                attention,
                 ..RunConfig::default()
             }),
             Opt::AdamW,
         )
     };
-    let kept = at(dplc_ir::Recompute::None);
-    let selective = at(dplc_ir::Recompute::Selective);
-    let full = at(dplc_ir::Recompute::Full);
-    for other in [&selective, &full] {
-        for (a, b) in kept.steps.iter().zip(&other.steps) {
-            assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "step {} loss", a.step);
-            assert_eq!(a.grad_norm.to_bits(), b.grad_norm.to_bits());
+    let same = |a: &TrainReport, b: &TrainReport| {
+        for (x, y) in a.steps.iter().zip(&b.steps) {
+            assert_eq!(x.loss.to_bits(), y.loss.to_bits(), "step {} loss", x.step);
+            assert_eq!(x.grad_norm.to_bits(), y.grad_norm.to_bits());
         }
-        assert_eq!(kept.params, other.params);
-    }
+        assert_eq!(a.params, b.params);
+    };
+    use dplc_ir::{AttentionKind, Recompute};
+    // Fused attention keeps no score matrix: selective recomputation has
+    // nothing to drop, full drops all but each layer's inputs.
+    let kept = at(Recompute::None, AttentionKind::Fused);
+    let selective = at(Recompute::Selective, AttentionKind::Fused);
+    let full = at(Recompute::Full, AttentionKind::Fused);
+    same(&kept, &selective);
+    same(&kept, &full);
     let (k, s, f) = (
         kept.peak_activation_bytes,
         selective.peak_activation_bytes,
         full.peak_activation_bytes,
     );
     assert!(
-        f < s && s < k,
-        "activation bytes: kept {k}, selective {s}, full {f}"
+        f < s && s == k,
+        "fused attention, activation bytes: kept {k}, selective {s}, full {f}"
+    );
+    // Op by op, selective drops the core-attention values.
+    let kept = at(Recompute::None, AttentionKind::Unfused);
+    let selective = at(Recompute::Selective, AttentionKind::Unfused);
+    same(&kept, &selective);
+    let (k, s) = (kept.peak_activation_bytes, selective.peak_activation_bytes);
+    assert!(
+        s < k,
+        "unfused attention, activation bytes: kept {k}, selective {s}"
     );
 }
 
@@ -392,8 +407,9 @@ model nested(vocab = 256, d = 32) {
 /// peak (every live value, measured after each forward) are what the
 /// planner prices for the same configuration — one rule,
 /// `dplc_ir::saved_values`, read by both — on gpt_tiny, llama_tiny and
-/// moe_tiny (4 layers, seq 64, f32) at micro-batches 1, 4 and 16, with the
-/// attention dplc's kernels run (unfused) and no recomputation.
+/// moe_tiny (4 layers, seq 64, f32) at micro-batches 1, 4 and 16, with
+/// fused attention (no score matrix kept: the output and the log-sum-exp)
+/// and no recomputation.
 #[test]
 fn the_fused_computes_activations_are_the_plans() {
     let text = format!(
@@ -415,7 +431,7 @@ fn the_fused_computes_activations_are_the_plans() {
                 dplc_planner::parse_cluster("1xH100").unwrap(),
             );
             req.pinned = dplc_planner::parse_strategy(&format!(
-                "mb={mb},recompute=none,attention=unfused,tp_overlap=none"
+                "mb={mb},recompute=none,attention=fused,tp_overlap=none"
             ))
             .unwrap();
             let plan = dplc_planner::compile(&req).unwrap().plan;

@@ -203,14 +203,41 @@ impl AttentionKernel {
         }
     }
 
-    /// A pass's kernel name's first part and hash: `{op}_{dtype}_{hash8}`
-    /// covers the whole description, so every pass of one attention shares it.
-    pub fn hash64(&self) -> u64 {
-        crate::kernel::fnv1a(self.text().as_bytes())
+    /// The work items a launch of `pass` strides over: query tiles of every
+    /// head, key tiles of every key head, or the bias's elements.
+    pub fn items(&self, pass: AttentionPass, sizes: &dyn Fn(Size) -> i64) -> i64 {
+        let tiles = |len: Size, block: i64| (sizes(len) + block - 1) / block;
+        match pass {
+            AttentionPass::Forward | AttentionPass::QueryGrad => {
+                tiles(self.q_len, BLOCK_Q) * sizes(self.batch) * sizes(self.heads)
+            }
+            AttentionPass::KeyValueGrad => {
+                tiles(self.k_len, BLOCK_K) * sizes(self.batch) * sizes(self.kv_heads)
+            }
+            AttentionPass::BiasGrad => match &self.bias {
+                None => 0,
+                Some(b) => [self.batch, self.heads, self.q_len, self.k_len]
+                    .into_iter()
+                    .zip(b.at.strides)
+                    .filter(|(_, s)| *s != Size::Const(0))
+                    .map(|(e, _)| sizes(e))
+                    .product(),
+            },
+        }
     }
 
-    /// The stable textual form: hashed for names, shown in goldens.
+    /// The stable textual form, shown in goldens.
     pub fn text(&self) -> String {
+        self.render(true)
+    }
+
+    /// What a kernel name's hash covers: the text without the operands'
+    /// graph labels, so attentions alike but for their tensors share a kernel.
+    pub fn signature(&self) -> String {
+        self.render(false)
+    }
+
+    fn render(&self, labels: bool) -> String {
         let mut s = String::new();
         let _ = write!(
             s,
@@ -235,13 +262,11 @@ impl AttentionKernel {
         s.push('\n');
         let mut operand = |name: &str, op: &AttentionOperand| {
             let len: Vec<String> = op.len.iter().map(|d| d.to_string()).collect();
-            let _ = writeln!(
-                s,
-                "  {name}: float[{}] at {}  // {}",
-                len.join("*"),
-                op.at,
-                op.label
-            );
+            let _ = write!(s, "  {name}: float[{}] at {}", len.join("*"), op.at);
+            if labels {
+                let _ = write!(s, "  // {}", op.label);
+            }
+            s.push('\n');
         };
         operand("q", &self.q);
         operand("k", &self.k);

@@ -674,15 +674,17 @@ fn find_attention(
 fn lower_attention(g: &Graph, m: &AttentionMatch) -> FusedAttention {
     let mut sizes: Vec<Dim> = Vec::new();
     let mut key_sizes: Vec<(usize, KeySize)> = Vec::new();
+    // Only what shapes the code is fixed in it: the widths (register tiles),
+    // zero strides (broadcasts) and unit strides (contiguous features).
+    // Every other size is an argument of its own, in a fixed order, so
+    // attentions that differ in head count, lengths or layout share one
+    // kernel whatever sizes happen to coincide.
     let mut size = |d: &Dim| -> Size {
-        if let Some(c) = d.as_const() {
+        if let Some(c @ (0 | 1)) = d.as_const() {
             return Size::Const(c);
         }
-        let k = sizes.iter().position(|x| x == d).unwrap_or_else(|| {
-            sizes.push(d.clone());
-            sizes.len() - 1
-        });
-        Size::Param(k)
+        sizes.push(d.clone());
+        Size::Param(sizes.len() - 1)
     };
     // The shape's sizes first: they print as `n0..` in a readable order.
     let (batch, heads, kv_heads, q_len, k_len) = (

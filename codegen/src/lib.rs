@@ -8,6 +8,7 @@
 
 mod adamw;
 mod attention;
+mod attention_cuda;
 mod attention_interp;
 mod attention_match;
 mod backward;
@@ -24,6 +25,7 @@ pub use attention::{
     AttentionBuffer, AttentionDropout, AttentionKernel, AttentionOperand, AttentionPass, Strided,
     BLOCK_K, BLOCK_Q,
 };
+pub use attention_cuda::{attention_name, emit_attention};
 pub use attention_interp::interpret_attention;
 pub use backward::{
     backward, backward_plan, column_sum_kernel, Backward, BackwardStep, ColumnSum, GradBinding,

@@ -5,7 +5,10 @@
 mod common;
 
 use common::zoo;
-use dplc_codegen::{adamw_kernel, emit_cuda, fuse, interpret, AdamwScalars, Data, Step};
+use dplc_codegen::{
+    adamw_kernel, emit_attention, emit_cuda, fuse, interpret, AdamwScalars, AttentionPass, Data,
+    Step,
+};
 use dplc_ir::DType;
 
 #[test]
@@ -123,6 +126,14 @@ fn gpt2_dropout_draws() {
                 if at.kernel.dropout.is_some() {
                     out += &format!("==== attention key sizes {:?}\n", at.key_sizes);
                     out += &at.kernel.text();
+                    let src = emit_attention(&at.kernel, AttentionPass::Forward, DType::F32);
+                    for line in src
+                        .source
+                        .lines()
+                        .filter(|l| l.contains("dplc_random(seed"))
+                    {
+                        out += &format!("cuda: {}\n", line.trim());
+                    }
                 }
                 continue;
             }
@@ -143,6 +154,33 @@ fn gpt2_dropout_draws() {
                 .filter(|l| l.contains("dplc_random(seed"))
             {
                 out += &format!("cuda: {}\n", line.trim());
+            }
+        }
+    }
+    insta::assert_snapshot!(out);
+}
+
+/// gpt_tiny's fused attention in bf16: the forward on tensor cores
+/// (`mma.sync.m16n8k16`), the backward passes' scalar tiles.
+#[test]
+fn gpt_tiny_attention_cuda_bf16() {
+    let g = zoo("tiny.dpl", "gpt_tiny").graph;
+    let mut out = String::new();
+    for (r, _) in g.regions() {
+        for step in fuse(&g, r).steps {
+            let Step::Attention(at) = step else { continue };
+            for pass in [
+                AttentionPass::Forward,
+                AttentionPass::QueryGrad,
+                AttentionPass::KeyValueGrad,
+            ] {
+                let src = emit_attention(&at.kernel, pass, DType::BF16);
+                out += &format!("==== {} ({:?})\n", src.name, src.launch);
+                let body = src
+                    .source
+                    .find("\n// attention_")
+                    .expect("past the helpers");
+                out += &src.source[body..];
             }
         }
     }

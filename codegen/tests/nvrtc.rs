@@ -1,5 +1,5 @@
 //! Every kernel of every zoo model, forward and fused backward (with the
-//! column sums), compiles with NVRTC for sm_80 and sm_90, in the model's
+//! column sums; each fused attention's forward and backward passes), compiles with NVRTC for sm_80 and sm_90, in the model's
 //! training precision (the tiny models and the training step's kernels — AdamW,
 //! SGD, column sum, add, convert, sum of squares — in all three; t5_tiny's
 //! rank program under cp 2, whose dropouts draw at global positions, too).
@@ -10,9 +10,9 @@
 mod common;
 
 use dplc_codegen::{
-    adamw_kernel, add_kernel, backward_plan, column_sum_kernel, convert_kernel, emit_cuda, fuse,
-    sgd_kernel, sum_squares_kernel, Arch, BackwardStep, CodegenError, CudaSource, Elem, Nvrtc,
-    Step,
+    adamw_kernel, add_kernel, backward_plan, column_sum_kernel, convert_kernel, emit_attention,
+    emit_cuda, fuse, sgd_kernel, sum_squares_kernel, Arch, AttentionPass, BackwardStep,
+    CodegenError, CudaSource, Elem, Nvrtc, Step,
 };
 use dplc_ir::DType;
 use std::collections::BTreeMap;
@@ -75,10 +75,28 @@ fn add_graph(g: &dplc_ir::Graph, dtypes: &[DType], add: &mut impl FnMut(CudaSour
     for (r, _) in g.regions() {
         let plan = fuse(g, r);
         for step in &plan.steps {
-            if let Step::Kernel(k) = step {
-                for &dtype in dtypes {
-                    add(emit_cuda(&k.kernel, dtype));
+            match step {
+                Step::Kernel(k) => {
+                    for &dtype in dtypes {
+                        add(emit_cuda(&k.kernel, dtype));
+                    }
                 }
+                Step::Attention(at) => {
+                    for pass in [
+                        AttentionPass::Forward,
+                        AttentionPass::QueryGrad,
+                        AttentionPass::KeyValueGrad,
+                        AttentionPass::BiasGrad,
+                    ] {
+                        if !at.kernel.runs(pass, [true; 4]) {
+                            continue;
+                        }
+                        for &dtype in dtypes {
+                            add(emit_attention(&at.kernel, pass, dtype));
+                        }
+                    }
+                }
+                Step::MatMul { .. } | Step::Extern { .. } => {}
             }
         }
         for step in backward_plan(g, &plan) {

@@ -5,7 +5,10 @@
 //! NVRTC's PTX and cuBLAS.
 
 use crate::error::{kernel_err, Result};
-use dplc_codegen::{interpret_refs, Args, BufferRef, Data, Elem, Kernel};
+use dplc_codegen::{
+    interpret_attention, interpret_refs, Args, AttentionKernel, AttentionPass, Buffer, BufferRef,
+    CodegenError, Data, Elem, Kernel,
+};
 use dplc_ir::DType;
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -108,6 +111,15 @@ pub trait Backend {
     fn download_i32(&mut self, buf: &Self::Buf, len: usize) -> Result<Vec<i32>>;
     /// Run `kernel` with one buffer per kernel buffer.
     fn launch(&mut self, kernel: &Kernel, args: &Args, bufs: &[Self::Buf]) -> Result<()>;
+    /// Run one pass of a fused attention, with one buffer per
+    /// [`AttentionKernel::roles`] entry of the pass.
+    fn attention(
+        &mut self,
+        kernel: &AttentionKernel,
+        pass: AttentionPass,
+        args: &Args,
+        bufs: &[Self::Buf],
+    ) -> Result<()>;
     /// `c = op(a)·op(b)`; `c` is overwritten.
     fn matmul(&mut self, mm: &MatMul, a: &Self::Buf, b: &Self::Buf, c: &Self::Buf) -> Result<()>;
     /// Wait for queued work (a no-op where calls are synchronous).
@@ -201,91 +213,21 @@ impl Backend for HostBackend {
     }
 
     fn launch(&mut self, kernel: &Kernel, args: &Args, bufs: &[Self::Buf]) -> Result<()> {
-        if bufs.len() != kernel.buffers.len() {
-            return Err(kernel_err(
-                "launch",
-                format!(
-                    "{}: {} buffers given, the kernel takes {}",
-                    kernel.op,
-                    bufs.len(),
-                    kernel.buffers.len()
-                ),
-            ));
-        }
-        let bound_as_output = |b: &Rc<HostBuf>, before: usize| {
-            bufs[..before]
-                .iter()
-                .zip(&kernel.buffers)
-                .any(|(o, kb)| kb.output && Rc::ptr_eq(o, b))
-        };
-        // Outputs are written in place, so each must be sized for its type
-        // and bound once; an input that is also an output (an in-place
-        // update) is read from a snapshot, as every point reads the old value.
-        let mut snapshots: Vec<Option<Data>> = Vec::with_capacity(bufs.len());
-        for (i, (b, kb)) in bufs.iter().zip(&kernel.buffers).enumerate() {
-            if !kb.output {
-                let aliased = bound_as_output(b, bufs.len());
-                snapshots.push(aliased.then(|| b.data.borrow().clone()));
-                continue;
-            }
-            if bound_as_output(b, i) {
-                return Err(kernel_err(
-                    "launch",
-                    format!("{}: output {} is bound twice", kernel.op, kb.label),
-                ));
-            }
-            let len = args.buffer_len(kernel, i);
-            let mut slot = b.data.borrow_mut();
-            let fits = match (&*slot, kb.elem) {
-                (Data::F32(v), Elem::F32 | Elem::Float) => v.len() >= len,
-                (Data::I32(v), Elem::I32) => v.len() >= len,
-                _ => false,
-            };
-            // A kernel writes the first elements of a longer buffer (a
-            // gradient padded to whole ZeRO parts), as on the GPU; a buffer of
-            // the exact length may change type.
-            if !fits {
-                if slot.len() != len {
-                    return Err(kernel_err(
-                        "launch",
-                        format!(
-                            "{}: output {} has {len} elements, the buffer {}",
-                            kernel.op,
-                            kb.label,
-                            slot.len()
-                        ),
-                    ));
-                }
-                *slot = match kb.elem {
-                    Elem::I32 => Data::I32(vec![0; len]),
-                    Elem::F32 | Elem::Float => Data::F32(vec![0.0; len]),
-                };
-            }
-            snapshots.push(None);
-        }
-        let mut reads = Vec::with_capacity(bufs.len());
-        let mut writes = Vec::with_capacity(bufs.len());
-        for ((b, kb), snap) in bufs.iter().zip(&kernel.buffers).zip(&snapshots) {
-            let (r, w) = match (kb.output, snap) {
-                (true, _) => (None, Some(b.data.borrow_mut())),
-                (false, Some(_)) => (None, None),
-                (false, None) => (Some(b.data.borrow()), None),
-            };
-            reads.push(r);
-            writes.push(w);
-        }
-        let mut refs: Vec<BufferRef> = Vec::with_capacity(bufs.len());
-        for ((r, w), snap) in reads.iter().zip(writes.iter_mut()).zip(&snapshots) {
-            refs.push(match (r, w, snap) {
-                (_, Some(w), _) => BufferRef::Output(w),
-                (Some(r), _, _) => BufferRef::Input(r),
-                (None, None, Some(s)) => BufferRef::Input(s),
-                (None, None, None) => {
-                    return Err(kernel_err("launch", "a buffer neither read nor written"))
-                }
-            });
-        }
-        interpret_refs(kernel, args, &mut refs).map_err(|e| kernel_err("launch", e.to_string()))
+        run_on_host(&kernel.op, &kernel.buffers, args, bufs, |refs| {
+            interpret_refs(kernel, args, refs)
+        })
+    }
+
+    fn attention(
+        &mut self,
+        kernel: &AttentionKernel,
+        pass: AttentionPass,
+        args: &Args,
+        bufs: &[Self::Buf],
+    ) -> Result<()> {
+        run_on_host(pass.name(), &kernel.buffers(pass), args, bufs, |refs| {
+            interpret_attention(kernel, pass, args, refs)
+        })
     }
 
     fn matmul(&mut self, mm: &MatMul, a: &Self::Buf, b: &Self::Buf, c: &Self::Buf) -> Result<()> {
@@ -319,6 +261,108 @@ impl Backend for HostBackend {
     fn peak_bytes(&self) -> Option<usize> {
         Some(self.live.borrow().1)
     }
+}
+
+/// Bind `bufs` as the kernel buffers `specs` say (outputs sized for their
+/// type, an input also bound as an output read from a snapshot) and run
+/// `interpret` over them.
+fn run_on_host(
+    op: &str,
+    specs: &[Buffer],
+    args: &Args,
+    bufs: &[Rc<HostBuf>],
+    interpret: impl FnOnce(&mut [BufferRef]) -> std::result::Result<(), CodegenError>,
+) -> Result<()> {
+    if bufs.len() != specs.len() {
+        return Err(kernel_err(
+            "launch",
+            format!(
+                "{}: {} buffers given, the kernel takes {}",
+                op,
+                bufs.len(),
+                specs.len()
+            ),
+        ));
+    }
+    let bound_as_output = |b: &Rc<HostBuf>, before: usize| {
+        bufs[..before]
+            .iter()
+            .zip(specs)
+            .any(|(o, kb)| kb.output && Rc::ptr_eq(o, b))
+    };
+    // Outputs are written in place, so each must be sized for its type
+    // and bound once; an input that is also an output (an in-place
+    // update) is read from a snapshot, as every point reads the old value.
+    let mut snapshots: Vec<Option<Data>> = Vec::with_capacity(bufs.len());
+    for (i, (b, kb)) in bufs.iter().zip(specs).enumerate() {
+        if !kb.output {
+            let aliased = bound_as_output(b, bufs.len());
+            snapshots.push(aliased.then(|| b.data.borrow().clone()));
+            continue;
+        }
+        if bound_as_output(b, i) {
+            return Err(kernel_err(
+                "launch",
+                format!("{}: output {} is bound twice", op, kb.label),
+            ));
+        }
+        let len = specs[i]
+            .len
+            .iter()
+            .map(|&s| args.size(s))
+            .product::<i64>()
+            .max(0) as usize;
+        let mut slot = b.data.borrow_mut();
+        let fits = match (&*slot, kb.elem) {
+            (Data::F32(v), Elem::F32 | Elem::Float) => v.len() >= len,
+            (Data::I32(v), Elem::I32) => v.len() >= len,
+            _ => false,
+        };
+        // A kernel writes the first elements of a longer buffer (a
+        // gradient padded to whole ZeRO parts), as on the GPU; a buffer of
+        // the exact length may change type.
+        if !fits {
+            if slot.len() != len {
+                return Err(kernel_err(
+                    "launch",
+                    format!(
+                        "{}: output {} has {len} elements, the buffer {}",
+                        op,
+                        kb.label,
+                        slot.len()
+                    ),
+                ));
+            }
+            *slot = match kb.elem {
+                Elem::I32 => Data::I32(vec![0; len]),
+                Elem::F32 | Elem::Float => Data::F32(vec![0.0; len]),
+            };
+        }
+        snapshots.push(None);
+    }
+    let mut reads = Vec::with_capacity(bufs.len());
+    let mut writes = Vec::with_capacity(bufs.len());
+    for ((b, kb), snap) in bufs.iter().zip(specs).zip(&snapshots) {
+        let (r, w) = match (kb.output, snap) {
+            (true, _) => (None, Some(b.data.borrow_mut())),
+            (false, Some(_)) => (None, None),
+            (false, None) => (Some(b.data.borrow()), None),
+        };
+        reads.push(r);
+        writes.push(w);
+    }
+    let mut refs: Vec<BufferRef> = Vec::with_capacity(bufs.len());
+    for ((r, w), snap) in reads.iter().zip(writes.iter_mut()).zip(&snapshots) {
+        refs.push(match (r, w, snap) {
+            (_, Some(w), _) => BufferRef::Output(w),
+            (Some(r), _, _) => BufferRef::Input(r),
+            (None, None, Some(s)) => BufferRef::Input(s),
+            (None, None, None) => {
+                return Err(kernel_err("launch", "a buffer neither read nor written"))
+            }
+        });
+    }
+    interpret(&mut refs).map_err(|e| kernel_err("launch", e.to_string()))
 }
 
 #[cfg(test)]

@@ -18,8 +18,9 @@ use crate::error::{kernel_err, Result, RuntimeError};
 use crate::interp::ParamKey;
 use crate::tensor::{Data, Tensor};
 use dplc_codegen::{
-    add_kernel, column_sum_kernel, convert_kernel, Args, BackwardStep, Elem, FusedKernel,
-    FusionPlan, GradBinding, KeySize, Operand, Step,
+    add_kernel, column_sum_kernel, convert_kernel, Args, AttentionBuffer, AttentionPass,
+    BackwardStep, Elem, FusedAttention, FusedKernel, FusionPlan, GradBinding, KeySize, Operand,
+    Step,
 };
 use dplc_ir::{DType, Graph, NodeId, Op, Recompute, RegionId, TensorId};
 use std::cell::RefCell;
@@ -63,6 +64,9 @@ impl<B: Backend> Clone for Val<B> {
 /// What one run of a region keeps for its backward.
 pub struct RegionRun<B: Backend> {
     values: HashMap<TensorId, Val<B>>,
+    /// Each fused attention's log-sum-exp (`f32` per score row), by its
+    /// output: kept for its backward, a value the graph does not have.
+    lse: HashMap<TensorId, Val<B>>,
     /// Per repeat node, the runs of its body, first layer first.
     repeats: HashMap<NodeId, Vec<LayerRun<B>>>,
     /// Selective recomputation dropped the core-attention values: their
@@ -74,6 +78,7 @@ impl<B: Backend> RegionRun<B> {
     fn new() -> Self {
         RegionRun {
             values: HashMap::new(),
+            lse: HashMap::new(),
             repeats: HashMap::new(),
             dropped: false,
         }
@@ -103,6 +108,7 @@ impl<B: Backend> RegionRun<B> {
                 bytes += size(v);
             }
         }
+        bytes += self.lse.values().map(size).sum::<usize>();
         for layer in self.repeats.values().flatten() {
             bytes += match layer {
                 LayerRun::Kept(r) => r.activation_bytes(graph, float_bytes, &mut HashSet::new()),
@@ -251,12 +257,22 @@ impl<'a> Executor<'a> {
 
     /// Launch arguments of a fused kernel at `layer`; its backward takes the same.
     fn args(&self, k: &FusedKernel, layer: u64) -> Args {
-        let mut sizes: Vec<i64> = k
-            .sizes
+        self.sized_args(&k.sizes, &k.key_sizes, layer)
+    }
+
+    /// Launch arguments of size arguments `sizes`, those of `key_sizes`
+    /// the dropout key's words at `layer`.
+    fn sized_args(
+        &self,
+        sizes: &[dplc_ir::Dim],
+        key_sizes: &[(usize, KeySize)],
+        layer: u64,
+    ) -> Args {
+        let mut sizes: Vec<i64> = sizes
             .iter()
             .map(|d| d.eval(&|s| self.syms[s.index()]))
             .collect();
-        for &(i, key) in &k.key_sizes {
+        for &(i, key) in key_sizes {
             sizes[i] = match key {
                 KeySize::Layer => layer as i64,
                 KeySize::FirstSample => self.first_sample as i64,
@@ -581,11 +597,7 @@ impl<'a> Executor<'a> {
                 be.matmul(&mm, &x.buf, &y.buf, &c.buf)?;
                 run.values.insert(self.graph.node(*node).outputs[0], c);
             }
-            Step::Attention(_) => {
-                return Err(RuntimeError::Unsupported(
-                    "the fused executor does not run a fused attention step yet".into(),
-                ))
-            }
+            Step::Attention(at) => self.attention_forward(be, run, at, layer)?,
             Step::Extern { node, .. } => {
                 if !is_host_step(&self.graph.node(*node).op) {
                     return Err(kernel_err(
@@ -597,6 +609,137 @@ impl<'a> Executor<'a> {
                     ));
                 }
                 self.host_forward(be, run, *node)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A fused attention forward: its output (the graph's tensor) and its
+    /// log-sum-exp, kept where a backward will read it.
+    fn attention_forward<B: Backend>(
+        &self,
+        be: &mut B,
+        run: &mut RegionRun<B>,
+        at: &FusedAttention,
+        layer: u64,
+    ) -> Result<()> {
+        let k = &at.kernel;
+        let args = self.sized_args(&at.sizes, &at.key_sizes, layer);
+        let pass = AttentionPass::Forward;
+        let mut bufs = Vec::new();
+        let (mut out, mut lse) = (None, None);
+        for (role, spec) in k.roles(pass).into_iter().zip(k.buffers(pass)) {
+            let len = spec
+                .len
+                .iter()
+                .map(|&s| args.size(s))
+                .product::<i64>()
+                .max(0) as usize;
+            let v = match role {
+                AttentionBuffer::Out | AttentionBuffer::LogSumExp => {
+                    let v: Val<B> = Val {
+                        buf: be.alloc(spec.elem, len)?,
+                        elem: spec.elem,
+                        len,
+                    };
+                    if role == AttentionBuffer::Out {
+                        out = Some(v.clone());
+                    } else {
+                        lse = Some(v.clone());
+                    }
+                    v
+                }
+                _ => {
+                    let t = at.tensor(role).expect("an operand's role");
+                    self.as_elem(be, &self.get(run, t)?, Elem::Float)?
+                }
+            };
+            bufs.push(v.buf);
+        }
+        be.attention(k, pass, &args, &bufs)?;
+        run.values
+            .insert(at.out, out.expect("the forward writes the output"));
+        if at
+            .inputs()
+            .into_iter()
+            .any(|t| self.fused.grad.needs_grad(t))
+        {
+            run.lse
+                .insert(at.out, lse.expect("the forward writes the log-sum-exp"));
+        }
+        Ok(())
+    }
+
+    /// A fused attention backward: the passes whose gradients are wanted,
+    /// each writing its gradients whole into zeroed buffers of its operands'.
+    fn attention_backward<B: Backend>(
+        &self,
+        be: &mut B,
+        run: &RegionRun<B>,
+        grads: &mut HashMap<TensorId, Val<B>>,
+        at: &FusedAttention,
+        layer: u64,
+    ) -> Result<()> {
+        let Some(dout) = grads.get(&self.base(at.out)).cloned() else {
+            return Ok(());
+        };
+        let k = &at.kernel;
+        let args = self.sized_args(&at.sizes, &at.key_sizes, layer);
+        let wants = [
+            AttentionBuffer::Q,
+            AttentionBuffer::K,
+            AttentionBuffer::V,
+            AttentionBuffer::Bias,
+        ]
+        .map(|r| at.tensor(r).is_some_and(|t| self.fused.grad.needs_grad(t)));
+        let lse =
+            run.lse.get(&at.out).cloned().ok_or_else(|| {
+                kernel_err("fused backward", "an attention without its log-sum-exp")
+            })?;
+        for pass in [
+            AttentionPass::QueryGrad,
+            AttentionPass::KeyValueGrad,
+            AttentionPass::BiasGrad,
+        ] {
+            if !k.runs(pass, wants) {
+                continue;
+            }
+            let mut bufs = Vec::new();
+            let mut made = Vec::new();
+            for (role, spec) in k.roles(pass).into_iter().zip(k.buffers(pass)) {
+                let len = spec
+                    .len
+                    .iter()
+                    .map(|&s| args.size(s))
+                    .product::<i64>()
+                    .max(0) as usize;
+                let v = match role {
+                    AttentionBuffer::LogSumExp => lse.clone(),
+                    AttentionBuffer::OutGrad => self.as_elem(be, &dout, Elem::Float)?,
+                    AttentionBuffer::QGrad
+                    | AttentionBuffer::KGrad
+                    | AttentionBuffer::VGrad
+                    | AttentionBuffer::BiasGrad => {
+                        let v: Val<B> = Val {
+                            buf: be.zeros(spec.elem, len)?,
+                            elem: spec.elem,
+                            len,
+                        };
+                        made.push((at.tensor(role).expect("an operand's gradient"), v.clone()));
+                        v
+                    }
+                    _ => {
+                        let t = at.tensor(role).expect("an operand's role");
+                        self.as_elem(be, &self.get(run, t)?, Elem::Float)?
+                    }
+                };
+                bufs.push(v.buf);
+            }
+            be.attention(k, pass, &args, &bufs)?;
+            for (t, g) in made {
+                if self.fused.grad.needs_grad(t) {
+                    self.add_grad(be, grads, t, g)?;
+                }
             }
         }
         Ok(())
@@ -1070,10 +1213,14 @@ impl<'a> Executor<'a> {
                         }
                     }
                 }
-                BackwardStep::Attention { .. } => {
-                    return Err(RuntimeError::Unsupported(
-                        "the fused executor does not run a fused attention step yet".into(),
-                    ))
+                BackwardStep::Attention { step } => {
+                    let Step::Attention(at) = &plan.steps[*step] else {
+                        return Err(kernel_err(
+                            "fused backward",
+                            "an attention step that is not one",
+                        ));
+                    };
+                    self.attention_backward(be, run, grads, at, layer)?;
                 }
                 BackwardStep::MatMul { step } => {
                     let Step::MatMul { node, a, b } = &plan.steps[*step] else {

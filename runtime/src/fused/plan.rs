@@ -10,7 +10,7 @@ use dplc_codegen::{
     add_kernel, backward_plan, column_sum_kernel, convert_kernel, fuse_with, BackwardStep, Elem,
     FuseConfig, FusionPlan, GradBinding, Step,
 };
-use dplc_ir::{GradPlan, Graph, NodeId, Op, Recompute, RegionId, SavedAt, TensorId};
+use dplc_ir::{AttentionKind, GradPlan, Graph, NodeId, Op, Recompute, RegionId, SavedAt, TensorId};
 use std::collections::{HashMap, HashSet};
 
 /// Whether `op` runs as a host step (the others a library call or kernel).
@@ -207,21 +207,27 @@ pub(super) fn step_outputs(graph: &Graph, step: &Step) -> Vec<TensorId> {
 }
 
 impl FusedGraph {
-    /// Plan `graph` for a run without recomputation or pipeline cuts.
+    /// Plan `graph` for a run without recomputation or pipeline cuts, each
+    /// attention the fused kernel takes as one step.
     pub fn new(graph: &Graph) -> Result<FusedGraph> {
-        FusedGraph::for_run(graph, Recompute::None, &[])
+        FusedGraph::for_run(graph, Recompute::None, AttentionKind::Fused, &[])
     }
 
-    /// Plan `graph` for a run that recomputes as `recompute` says, with the
-    /// root values of `cut` (those crossing pipeline stages) kept in memory;
-    /// fails on a step the executor cannot run (MoE routing).
-    pub fn for_run(graph: &Graph, recompute: Recompute, cut: &[TensorId]) -> Result<FusedGraph> {
+    /// Plan `graph` for a run that recomputes as `recompute` says and runs
+    /// attention as `attention` says, with the root values of `cut` (those
+    /// crossing pipeline stages) kept in memory; fails on a step the
+    /// executor cannot run (MoE routing).
+    pub fn for_run(
+        graph: &Graph,
+        recompute: Recompute,
+        attention: AttentionKind,
+        cut: &[TensorId],
+    ) -> Result<FusedGraph> {
         let mut regions = HashMap::new();
         for (r, _) in graph.regions() {
             let config = FuseConfig {
                 cut: if r == graph.root() { cut } else { &[] },
-                // The executor does not run the fused attention step yet.
-                attention: dplc_ir::AttentionKind::Unfused,
+                attention,
             };
             let plan = fuse_with(graph, r, &config);
             for step in &plan.steps {

@@ -7,7 +7,10 @@ use super::device::{DeviceBuffer, GpuDevice, GpuKernel};
 use super::error::{GpuError, GpuResult};
 use crate::error::Result;
 use crate::fused::{Backend, MatMul};
-use dplc_codegen::{emit_cuda, kernel_name, Args, Elem, Kernel, Nvrtc};
+use dplc_codegen::{
+    attention_name, emit_attention, emit_cuda, kernel_name, Args, AttentionKernel, AttentionPass,
+    Elem, Kernel, Nvrtc,
+};
 use dplc_ir::DType;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -19,6 +22,8 @@ pub struct CudaBackend {
     nvrtc: Nvrtc,
     dtype: DType,
     kernels: KernelCache<GpuKernel>,
+    /// Fused attention passes, by name (`{pass}_{dtype}_{hash8}`).
+    attention: HashMap<String, GpuKernel>,
 }
 
 /// Loaded kernels by name, found without naming them on every launch.
@@ -82,6 +87,7 @@ impl CudaBackend {
             nvrtc,
             dtype,
             kernels: KernelCache::new(),
+            attention: HashMap::new(),
         })
     }
 
@@ -160,6 +166,29 @@ impl Backend for CudaBackend {
         let k = self.kernel(kernel)?;
         let refs: Vec<&DeviceBuffer> = bufs.iter().map(|b| &**b).collect();
         Ok(dev.launch(k, &refs, args)?)
+    }
+
+    fn attention(
+        &mut self,
+        kernel: &AttentionKernel,
+        pass: AttentionPass,
+        args: &Args,
+        bufs: &[Self::Buf],
+    ) -> Result<()> {
+        let name = attention_name(kernel, pass, self.dtype);
+        if !self.attention.contains_key(&name) {
+            let src = emit_attention(kernel, pass, self.dtype);
+            let ptx = self
+                .nvrtc
+                .compile(&src, self.dev.arch())
+                .map_err(GpuError::from)?;
+            let loaded = self
+                .dev
+                .load_attention(kernel, pass, &src, &ptx, self.dtype)?;
+            self.attention.insert(name.clone(), loaded);
+        }
+        let refs: Vec<&DeviceBuffer> = bufs.iter().map(|b| &**b).collect();
+        Ok(self.dev.launch(&self.attention[&name], &refs, args)?)
     }
 
     fn matmul(&mut self, mm: &MatMul, a: &Self::Buf, b: &Self::Buf, c: &Self::Buf) -> Result<()> {

@@ -1,20 +1,31 @@
 //! Every kernel a graph needs on the GPU — each region's fused forward
-//! kernels, their fused backward kernels and column sums, and AdamW —
+//! kernels, their fused backward kernels and column sums, each fused
+//! attention's forward and backward passes, and AdamW —
 //! generated, compiled to PTX with NVRTC (through its on-disk cache) for one
 //! architecture and storage type. Needs NVRTC, not a GPU.
 
 use super::error::GpuResult;
 use dplc_codegen::{
-    adamw_kernel, backward_plan, column_sum_kernel, emit_cuda, fuse_with, Arch, BackwardStep,
-    CudaSource, FuseConfig, FusionPlan, Kernel, Nvrtc, Ptx, Step,
+    adamw_kernel, backward_plan, column_sum_kernel, emit_attention, emit_cuda, fuse_with, Arch,
+    AttentionKernel, AttentionPass, BackwardStep, CudaSource, FuseConfig, FusionPlan, Kernel,
+    Nvrtc, Ptx, Step,
 };
-use dplc_ir::{DType, Graph, RegionId};
+use dplc_ir::{AttentionKind, DType, Graph, RegionId};
 use std::collections::BTreeMap;
 
 /// One compiled kernel.
 #[derive(Clone, Debug)]
 pub struct CompiledKernel {
     pub kernel: Kernel,
+    pub source: CudaSource,
+    pub ptx: Ptx,
+}
+
+/// One compiled pass of a fused attention.
+#[derive(Clone, Debug)]
+pub struct CompiledAttention {
+    pub kernel: AttentionKernel,
+    pub pass: AttentionPass,
     pub source: CudaSource,
     pub ptx: Ptx,
 }
@@ -28,6 +39,8 @@ pub struct CompiledGraph {
     pub regions: Vec<(RegionId, FusionPlan, Vec<BackwardStep>)>,
     /// By kernel name (`{op}_{dtype}_{hash8}`); identical kernels compile once.
     pub kernels: BTreeMap<String, CompiledKernel>,
+    /// The fused attentions' passes, by name (`{pass}_{dtype}_{hash8}`).
+    pub attention: BTreeMap<String, CompiledAttention>,
 }
 
 impl CompiledGraph {
@@ -38,11 +51,13 @@ impl CompiledGraph {
 }
 
 /// Generate and compile everything `graph` needs for `arch` with float
-/// tensors stored as `dtype`.
+/// tensors stored as `dtype`, attention run as `attention` says (as the
+/// fused executor plans it).
 pub fn compile_graph(
     graph: &Graph,
     dtype: DType,
     arch: Arch,
+    attention: AttentionKind,
     nvrtc: &Nvrtc,
 ) -> GpuResult<CompiledGraph> {
     let mut kernels: BTreeMap<String, CompiledKernel> = BTreeMap::new();
@@ -61,19 +76,45 @@ pub fn compile_graph(
         }
         Ok(())
     };
+    let mut attention_passes: BTreeMap<String, CompiledAttention> = BTreeMap::new();
     add(&adamw_kernel())?;
     add(&column_sum_kernel())?;
     let mut regions = Vec::new();
     for (r, _) in graph.regions() {
-        // As the fused executor plans it (no fused attention step yet).
         let config = FuseConfig {
-            attention: dplc_ir::AttentionKind::Unfused,
+            attention,
             ..FuseConfig::default()
         };
         let plan = fuse_with(graph, r, &config);
         for step in &plan.steps {
-            if let Step::Kernel(k) = step {
-                add(&k.kernel)?;
+            match step {
+                Step::Kernel(k) => add(&k.kernel)?,
+                Step::Attention(at) => {
+                    for pass in [
+                        AttentionPass::Forward,
+                        AttentionPass::QueryGrad,
+                        AttentionPass::KeyValueGrad,
+                        AttentionPass::BiasGrad,
+                    ] {
+                        if !at.kernel.runs(pass, [true; 4]) {
+                            continue;
+                        }
+                        let source = emit_attention(&at.kernel, pass, dtype);
+                        if !attention_passes.contains_key(&source.name) {
+                            let ptx = nvrtc.compile(&source, arch)?;
+                            attention_passes.insert(
+                                source.name.clone(),
+                                CompiledAttention {
+                                    kernel: at.kernel.clone(),
+                                    pass,
+                                    source,
+                                    ptx,
+                                },
+                            );
+                        }
+                    }
+                }
+                Step::MatMul { .. } | Step::Extern { .. } => {}
             }
         }
         let back = backward_plan(graph, &plan);
@@ -92,5 +133,6 @@ pub fn compile_graph(
         dtype,
         regions,
         kernels,
+        attention: attention_passes,
     })
 }

@@ -10,7 +10,9 @@ use super::error::{driver, GpuError, GpuResult};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
-use dplc_codegen::{Arch, Args, CudaSource, Elem, Kernel, LaunchShape, Ptx};
+use dplc_codegen::{
+    Arch, Args, AttentionKernel, AttentionPass, Buffer, CudaSource, Elem, Kernel, LaunchShape, Ptx,
+};
 use dplc_ir::DType;
 use std::sync::{Arc, Mutex};
 
@@ -82,11 +84,62 @@ impl Drop for DeviceBuffer {
     }
 }
 
-/// A kernel loaded into the device, with the IR it was generated from (for
+/// What a loaded kernel was generated from: its arguments are checked
+/// against it, and it says how many points or items a launch covers.
+#[derive(Clone, Debug)]
+pub enum Program {
+    Kernel(Kernel),
+    /// One pass of a fused attention.
+    Attention {
+        kernel: Box<AttentionKernel>,
+        pass: AttentionPass,
+    },
+}
+
+impl Program {
+    fn buffers(&self) -> Vec<Buffer> {
+        match self {
+            Program::Kernel(k) => k.buffers.clone(),
+            Program::Attention { kernel, pass } => kernel.buffers(*pass),
+        }
+    }
+
+    fn sizes(&self) -> usize {
+        match self {
+            Program::Kernel(k) => k.sizes,
+            Program::Attention { kernel, .. } => kernel.sizes,
+        }
+    }
+
+    fn scalars(&self) -> usize {
+        match self {
+            Program::Kernel(k) => k.scalars,
+            Program::Attention { .. } => 0,
+        }
+    }
+
+    fn draws(&self) -> bool {
+        match self {
+            Program::Kernel(k) => k.uses_random(),
+            Program::Attention { kernel, .. } => kernel.dropout.is_some(),
+        }
+    }
+
+    /// Points of the iteration space, or the attention pass's work items.
+    fn extent(&self, args: &Args) -> u64 {
+        let size = |s: dplc_codegen::Size| args.size(s).max(0);
+        match self {
+            Program::Kernel(k) => k.space.outer.iter().map(|&s| size(s) as u64).product(),
+            Program::Attention { kernel, pass } => kernel.items(*pass, &size).max(0) as u64,
+        }
+    }
+}
+
+/// A kernel loaded into the device, with what it was generated from (for
 /// argument checks) and its launch shape.
 pub struct GpuKernel {
     pub name: String,
-    pub kernel: Kernel,
+    pub program: Program,
     pub launch: LaunchShape,
     pub dtype: DType,
     function: CudaFunction,
@@ -348,6 +401,32 @@ impl GpuDevice {
         ptx: &Ptx,
         dtype: DType,
     ) -> GpuResult<GpuKernel> {
+        self.load_program(Program::Kernel(kernel.clone()), src, ptx, dtype)
+    }
+
+    /// Load a compiled pass of a fused attention into this device.
+    pub fn load_attention(
+        &self,
+        kernel: &AttentionKernel,
+        pass: AttentionPass,
+        src: &CudaSource,
+        ptx: &Ptx,
+        dtype: DType,
+    ) -> GpuResult<GpuKernel> {
+        let program = Program::Attention {
+            kernel: Box::new(kernel.clone()),
+            pass,
+        };
+        self.load_program(program, src, ptx, dtype)
+    }
+
+    fn load_program(
+        &self,
+        program: Program,
+        src: &CudaSource,
+        ptx: &Ptx,
+        dtype: DType,
+    ) -> GpuResult<GpuKernel> {
         if ptx.arch != self.arch {
             return Err(GpuError::Invalid(format!(
                 "{} was compiled for {}, the device is {}",
@@ -365,7 +444,7 @@ impl GpuDevice {
             .map_err(|e| driver(&format!("finding {}", src.name), e))?;
         Ok(GpuKernel {
             name: src.name.clone(),
-            kernel: kernel.clone(),
+            program,
             launch: src.launch,
             dtype,
             function,
@@ -376,10 +455,11 @@ impl GpuDevice {
     /// Buffer sizes are checked against the kernel's IR first, so a launch
     /// never reads or writes past an allocation.
     pub fn launch(&self, k: &GpuKernel, buffers: &[&DeviceBuffer], args: &Args) -> GpuResult<()> {
-        let kernel = &k.kernel;
-        if buffers.len() != kernel.buffers.len()
-            || args.sizes.len() != kernel.sizes
-            || args.scalars.len() != kernel.scalars
+        let program = &k.program;
+        let specs = program.buffers();
+        if buffers.len() != specs.len()
+            || args.sizes.len() != program.sizes()
+            || args.scalars.len() != program.scalars()
         {
             return Err(GpuError::Invalid(format!(
                 "{}: {} buffers, {} sizes, {} scalars given; it takes {}, {}, {}",
@@ -387,16 +467,17 @@ impl GpuDevice {
                 buffers.len(),
                 args.sizes.len(),
                 args.scalars.len(),
-                kernel.buffers.len(),
-                kernel.sizes,
-                kernel.scalars
+                specs.len(),
+                program.sizes(),
+                program.scalars()
             )));
         }
         if args.sizes.iter().any(|&s| s < 0) {
             return Err(GpuError::Invalid(format!("{}: a negative size", k.name)));
         }
-        for (i, (b, buf)) in buffers.iter().zip(&kernel.buffers).enumerate() {
-            let need = args.buffer_len(kernel, i) * bytes_of(buf.elem, k.dtype);
+        for (i, (b, buf)) in buffers.iter().zip(&specs).enumerate() {
+            let len: i64 = buf.len.iter().map(|&s| args.size(s)).product();
+            let need = len.max(0) as usize * bytes_of(buf.elem, k.dtype);
             if b.bytes() < need {
                 return Err(GpuError::Invalid(format!(
                     "{}: buffer b{i} ({}) holds {} bytes, the launch needs {need}",
@@ -406,8 +487,7 @@ impl GpuDevice {
                 )));
             }
         }
-        let size = |s: dplc_codegen::Size| args.size(s).max(0) as u64;
-        let outer: u64 = kernel.space.outer.iter().map(|&s| size(s)).product();
+        let outer = program.extent(args);
         let cap = u64::from(self.sm_count.max(1)) * 32;
         let (grid, block) = match k.launch {
             LaunchShape::Elementwise { vector } => {
@@ -436,11 +516,11 @@ impl GpuDevice {
         for s in &args.scalars {
             launch.arg(s);
         }
-        if kernel.uses_random() {
+        if program.draws() {
             launch.arg(&seed);
         }
-        // SAFETY: the arguments are pushed in the order `emit_cuda` declares the
-        // parameters (buffers as device pointers, `long long` sizes, `float`
+        // SAFETY: the arguments are pushed in the order `emit_cuda` (and
+        // `emit_attention`, with no scalars) declares the parameters (buffers as device pointers, `long long` sizes, `float`
         // scalars, the `unsigned long long` seed when the kernel draws random
         // numbers), their counts were checked above, and every buffer is at
         // least as large as the kernel indexes it for these sizes.

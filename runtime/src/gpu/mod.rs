@@ -19,9 +19,9 @@ pub use alloc::{size_class, Allocation, CachingAllocator, MemoryStats, RawMemory
 pub use backend::CudaBackend;
 pub use blas::{matmul_cpu, Blas, MatMul};
 pub use comm::{nccl_present, DeviceCollectives, HostStagedCommunicator, NcclCommunicator};
-pub use compile::{compile_graph, CompiledGraph, CompiledKernel};
+pub use compile::{compile_graph, CompiledAttention, CompiledGraph, CompiledKernel};
 pub use convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
-pub use device::{decode, driver_present, encode, DeviceBuffer, GpuDevice, GpuKernel};
+pub use device::{decode, driver_present, encode, DeviceBuffer, GpuDevice, GpuKernel, Program};
 pub use error::{CodegenErrorText, GpuError, GpuResult};
 pub use launch_env::{first_slurm_host, LaunchEnv, Launcher, DEFAULT_MASTER_PORT};
 pub use open::{open_devices, storage_dtype};

@@ -249,6 +249,11 @@ pub struct RunConfig {
     /// but the core-attention tensors, recomputed before its backward
     /// (`Selective`), or only its inputs, its forward run again (`Full`).
     pub recompute: Recompute,
+    /// How the fused compute runs each attention's core: one fused kernel
+    /// (`Fused`, `Flash2`: the same kernels; the two differ in the planner's
+    /// rate only) where codegen takes it, or op by op (`Unfused`), as the
+    /// plan priced it.
+    pub attention: dplc_ir::AttentionKind,
     /// What computes each chunk: the reference interpreter or the fused kernels.
     pub compute: Compute,
     /// Where the fused kernels run (GPUs need `Compute::Fused`).
@@ -290,6 +295,7 @@ impl Default for RunConfig {
             compress: dplc_ir::Compression::None,
             schedule: Schedule::OneFOneB,
             recompute: Recompute::None,
+            attention: dplc_ir::AttentionKind::Fused,
             compute: Compute::Reference,
             device: Device::Host,
             bucket_elems: 1 << 16,
@@ -369,6 +375,7 @@ impl RunConfig {
             compress: s.compress,
             schedule,
             recompute: s.recompute,
+            attention: s.attention,
             ..RunConfig::default()
         })
     }
