@@ -63,12 +63,7 @@ fn all_sources() -> BTreeMap<String, CudaSource> {
                         }
                     }
                     Step::Attention(at) => {
-                        for pass in [
-                            AttentionPass::Forward,
-                            AttentionPass::QueryGrad,
-                            AttentionPass::KeyValueGrad,
-                            AttentionPass::BiasGrad,
-                        ] {
+                        for pass in AttentionPass::ALL {
                             if !at.kernel.runs(pass, [true; 4]) {
                                 continue;
                             }
