@@ -96,6 +96,13 @@ pub enum AttentionPass {
 }
 
 impl AttentionPass {
+    pub const ALL: [AttentionPass; 4] = [
+        AttentionPass::Forward,
+        AttentionPass::QueryGrad,
+        AttentionPass::KeyValueGrad,
+        AttentionPass::BiasGrad,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             AttentionPass::Forward => "attention_fwd",

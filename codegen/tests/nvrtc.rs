@@ -82,12 +82,7 @@ fn add_graph(g: &dplc_ir::Graph, dtypes: &[DType], add: &mut impl FnMut(CudaSour
                     }
                 }
                 Step::Attention(at) => {
-                    for pass in [
-                        AttentionPass::Forward,
-                        AttentionPass::QueryGrad,
-                        AttentionPass::KeyValueGrad,
-                        AttentionPass::BiasGrad,
-                    ] {
+                    for pass in AttentionPass::ALL {
                         if !at.kernel.runs(pass, [true; 4]) {
                             continue;
                         }

@@ -7,8 +7,8 @@
 
 use crate::error::{Result, RuntimeError};
 use dplc_codegen::{
-    add_kernel, backward_plan, column_sum_kernel, convert_kernel, fuse_with, BackwardStep, Elem,
-    FuseConfig, FusionPlan, GradBinding, Step,
+    add_kernel, backward_plan, column_sum_kernel, convert_kernel, fuse_with, AttentionPass,
+    BackwardStep, Elem, FuseConfig, FusionPlan, GradBinding, Step,
 };
 use dplc_ir::{AttentionKind, GradPlan, Graph, NodeId, Op, Recompute, RegionId, SavedAt, TensorId};
 use std::collections::{HashMap, HashSet};
@@ -310,6 +310,23 @@ impl FusedGraph {
                 _ => None,
             })
         })
+    }
+
+    /// Every pass of every fused attention the executor may launch.
+    pub fn attention_passes(&self) -> Vec<(dplc_codegen::AttentionKernel, AttentionPass)> {
+        let mut out = Vec::new();
+        for (plan, _) in self.regions.values() {
+            for step in &plan.steps {
+                if let Step::Attention(at) = step {
+                    for pass in AttentionPass::ALL {
+                        if at.kernel.runs(pass, [true; 4]) {
+                            out.push((at.kernel.clone(), pass));
+                        }
+                    }
+                }
+            }
+        }
+        out
     }
 
     /// Every distinct kernel the executor may launch for this graph in

@@ -90,12 +90,7 @@ pub fn compile_graph(
             match step {
                 Step::Kernel(k) => add(&k.kernel)?,
                 Step::Attention(at) => {
-                    for pass in [
-                        AttentionPass::Forward,
-                        AttentionPass::QueryGrad,
-                        AttentionPass::KeyValueGrad,
-                        AttentionPass::BiasGrad,
-                    ] {
+                    for pass in AttentionPass::ALL {
                         if !at.kernel.runs(pass, [true; 4]) {
                             continue;
                         }

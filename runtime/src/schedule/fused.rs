@@ -148,9 +148,9 @@ const NO_DRAWS: DropoutKey = DropoutKey {
 };
 
 impl FusedProgram {
-    /// Distinct kernels its forward and backward launch.
+    /// Kernels its forward and backward launch (the fused attentions' passes included).
     pub fn kernel_count(&self) -> usize {
-        self.fused.kernels().len()
+        self.fused.kernels().len() + self.fused.attention_passes().len()
     }
 }
 
