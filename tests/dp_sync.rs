@@ -154,61 +154,12 @@ fn error_feedback_survives_a_checkpoint() {
             compress: c,
             ..RunConfig::default()
         };
-        let whole = run(&cfg, 6);
-        let dir = Scratch::new("dpsync", name);
-        let first = run(
-            &RunConfig {
-                checkpoint: Some(CheckpointConfig {
-                    dir: dir.0.clone(),
-                    every: 3,
-                }),
-                ..cfg.clone()
-            },
-            3,
+        resumes_bit_for_bit(
+            name,
+            &cfg,
+            "feedback-rank00001",
+            "no error-feedback state for rank 1",
         );
-        let last = first.checkpoints.last().expect("a checkpoint").clone();
-        let rest = run(
-            &RunConfig {
-                resume_from: Some(last.clone()),
-                ..cfg.clone()
-            },
-            6,
-        );
-        let resumed: Vec<f64> = first
-            .steps
-            .iter()
-            .chain(&rest.steps)
-            .map(|s| s.loss)
-            .collect();
-        assert_eq!(losses(&whole), resumed, "{name}");
-        assert_eq!(
-            whole.params.max_rel_diff(&rest.params, 1e-6).0,
-            0.0,
-            "{name}"
-        );
-        // Without its feedback state the resume is refused, by file.
-        let file = std::fs::read_dir(&last)
-            .expect("the step directory")
-            .flatten()
-            .find(|e| {
-                e.file_name()
-                    .to_string_lossy()
-                    .starts_with("feedback-rank00001")
-            })
-            .expect("rank 1's feedback file");
-        std::fs::remove_file(file.path()).expect("removed");
-        let e = try_run(
-            &RunConfig {
-                resume_from: Some(last),
-                ..cfg.clone()
-            },
-            6,
-            16,
-            Some(Opt::AdamW),
-        )
-        .expect_err("no feedback state")
-        .to_string();
-        assert!(e.contains("no error-feedback state for rank 1"), "{e}");
     }
 }
 
@@ -357,7 +308,19 @@ fn an_async_run_resumes_with_its_older_weight_versions() {
 }
 
 fn async_resumes(name: &str, cfg: RunConfig) {
-    let whole = run(&cfg, 6);
+    resumes_bit_for_bit(
+        name,
+        &cfg,
+        "versions-rank00002",
+        "no older weight versions for rank 2",
+    );
+}
+
+/// Six steps straight equal three, a checkpoint and three more, losses and
+/// parameters bit for bit; with the checkpoint's file starting `file`
+/// removed the resume is refused with `error`.
+fn resumes_bit_for_bit(name: &str, cfg: &RunConfig, file: &str, error: &str) {
+    let whole = run(cfg, 6);
     let dir = Scratch::new("dpsync", name);
     let first = run(
         &RunConfig {
@@ -389,7 +352,12 @@ fn async_resumes(name: &str, cfg: RunConfig) {
         0.0,
         "{name}"
     );
-    std::fs::remove_file(last.join("versions-rank00002.safetensors")).expect("rank 2's versions");
+    let found = std::fs::read_dir(&last)
+        .expect("the step directory")
+        .flatten()
+        .find(|e| e.file_name().to_string_lossy().starts_with(file))
+        .unwrap_or_else(|| panic!("{name}: a {file} file"));
+    std::fs::remove_file(found.path()).expect("removed");
     let e = try_run(
         &RunConfig {
             resume_from: Some(last),
@@ -399,9 +367,9 @@ fn async_resumes(name: &str, cfg: RunConfig) {
         16,
         Some(Opt::AdamW),
     )
-    .expect_err("no weight versions")
+    .expect_err("the state is missing")
     .to_string();
-    assert!(e.contains("no older weight versions for rank 2"), "{e}");
+    assert!(e.contains(error), "{name}: {e}");
 }
 
 /// 200 steps of gpt_tiny at sequence 32 (global batch 4 on dp 4: a quarter

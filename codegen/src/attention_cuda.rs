@@ -9,10 +9,7 @@
 //! grid is correct.
 
 use crate::attention::{AttentionBuffer, AttentionKernel, AttentionPass};
-use crate::cuda::{
-    at, bin, call, decl, float_lit, id, size, var, Writer, C, PRELUDE, S, STORAGE_BF16,
-    STORAGE_F16, STORAGE_F32,
-};
+use crate::cuda::{at, bin, call, decl, float_lit, id, size, var, Writer, C, S};
 use crate::cuda::{CudaSource, LaunchShape};
 use crate::kernel::{drop_threshold, Elem, Size};
 use dplc_ir::DType;
@@ -1569,16 +1566,7 @@ pub fn emit_attention(kernel: &AttentionKernel, pass: AttentionPass, dtype: DTyp
         AttentionPass::KeyValueGrad => key_value_grad(&c),
         AttentionPass::BiasGrad => bias_grad(&c),
     };
-    let mut w = Writer {
-        out: String::new(),
-        depth: 0,
-    };
-    w.out.push_str(PRELUDE);
-    w.out.push_str(match dtype {
-        DType::BF16 => STORAGE_BF16,
-        DType::F16 => STORAGE_F16,
-        DType::F32 | DType::I32 => STORAGE_F32,
-    });
+    let mut w = Writer::with_prelude(dtype);
     if mma {
         w.out.push_str(if dtype == DType::BF16 {
             MMA_BF16

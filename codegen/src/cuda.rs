@@ -135,6 +135,22 @@ pub(crate) struct Writer {
 }
 
 impl Writer {
+    /// A translation unit's start: the fixed helpers and the storage type's
+    /// load/store helpers for `dtype`, shared by every generated kernel.
+    pub(crate) fn with_prelude(dtype: DType) -> Writer {
+        let mut w = Writer {
+            out: String::new(),
+            depth: 0,
+        };
+        w.out.push_str(PRELUDE);
+        w.out.push_str(match dtype {
+            DType::BF16 => STORAGE_BF16,
+            DType::F16 => STORAGE_F16,
+            DType::F32 | DType::I32 => STORAGE_F32,
+        });
+        w
+    }
+
     pub(crate) fn line(&mut self, s: &str) {
         for _ in 0..self.depth {
             self.out.push_str("    ");
@@ -1052,16 +1068,7 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
             });
         }
     }
-    let mut w = Writer {
-        out: String::new(),
-        depth: 0,
-    };
-    w.out.push_str(PRELUDE);
-    w.out.push_str(match dtype {
-        DType::BF16 => STORAGE_BF16,
-        DType::F16 => STORAGE_F16,
-        DType::F32 | DType::I32 => STORAGE_F32,
-    });
+    let mut w = Writer::with_prelude(dtype);
     if kernel.is_row_kernel() {
         w.out.push_str(REDUCE);
     }

@@ -295,32 +295,29 @@ impl Placement {
     }
 
     /// The flat index in the whole tensor of element `i` (row-major) of
-    /// this part of `shape`.
+    /// this part of `shape`. Digit by digit from the last axis, without
+    /// allocating: a dropout mask asks it once per element.
     pub fn whole_index(&self, shape: &[usize], i: usize) -> usize {
         if self.split.is_none() && self.context.is_none() {
             return i;
         }
-        let mut at = vec![0usize; shape.len()];
-        let mut rest = i;
+        let (mut rest, mut whole, mut stride) = (i, 0, 1);
         for (k, &d) in shape.iter().enumerate().rev() {
             let d = d.max(1);
-            at[k] = rest % d;
+            let (mut at, mut len) = (rest % d, d);
             rest /= d;
-        }
-        let mut dims = shape.to_vec();
-        if let Some((axis, part, parts)) = self.split {
-            if axis < at.len() {
-                at[axis] += part * dims[axis];
-                dims[axis] *= parts;
+            if let Some((_, part, parts)) = self.split.filter(|s| s.0 == k) {
+                at += part * len;
+                len *= parts;
             }
-        }
-        if let Some((axis, rank, cp)) = self.context {
-            if axis < at.len() {
-                at[axis] = crate::context_position(dims[axis], cp, rank, at[axis]);
-                dims[axis] *= cp;
+            if let Some((_, rank, cp)) = self.context.filter(|c| c.0 == k) {
+                at = crate::context_position(len, cp, rank, at);
+                len *= cp;
             }
+            whole += at * stride;
+            stride *= len;
         }
-        at.iter().zip(&dims).fold(0, |acc, (&a, &d)| acc * d + a)
+        whole
     }
 }
 
