@@ -362,6 +362,35 @@ impl Ctx<'_> {
         ]
     }
 
+    /// Stage the key and value tile of `rows` keys from `j0` (key head
+    /// `kh`) into `kt` and `vt`, between barriers: the block's threads share
+    /// both, and the previous tile's readers must be done with them.
+    fn stage_key_values(&self, rows: i64, width: i64, value_width: i64) -> Vec<S> {
+        let k_len = self.k.k_len;
+        vec![
+            sync(),
+            self.stage(Tile {
+                name: "kt",
+                role: AttentionBuffer::K,
+                head: id("kh"),
+                first: id("j0"),
+                rows,
+                width,
+                len: k_len,
+            }),
+            self.stage(Tile {
+                name: "vt",
+                role: AttentionBuffer::V,
+                head: id("kh"),
+                first: id("j0"),
+                rows,
+                width: value_width,
+                len: k_len,
+            }),
+            sync(),
+        ]
+    }
+
     /// Stage a tile of an operand into shared memory as `f32`.
     fn stage(&self, tile: Tile) -> S {
         let Tile {
@@ -454,28 +483,7 @@ fn forward_scalar(c: &Ctx) -> (Vec<S>, u32) {
     body.push(var("float", "m", Some(neg_inf())));
     body.push(var("float", "l", Some(zero())));
     body.extend(c.key_range(t));
-    let mut tile = vec![
-        sync(),
-        c.stage(Tile {
-            name: "kt",
-            role: K,
-            head: id("kh"),
-            first: id("j0"),
-            rows: t,
-            width: hd,
-            len: k.k_len,
-        }),
-        c.stage(Tile {
-            name: "vt",
-            role: V,
-            head: id("kh"),
-            first: id("j0"),
-            rows: t,
-            width: vd,
-            len: k.k_len,
-        }),
-        sync(),
-    ];
+    let mut tile = c.stage_key_values(t, hd, vd);
     // Scores of the tile, their maximum.
     let mut score = vec![var("float", "dot", Some(zero()))];
     score.push(unrolled(
@@ -718,32 +726,11 @@ fn query_grad(c: &Ctx) -> (Vec<S>, u32) {
         decl("long long", "j", bin("+", id("j0"), id("jj"))),
         S::If(c.visible(&i, &j), inner),
     ];
-    let tile = vec![
-        sync(),
-        c.stage(Tile {
-            name: "kt",
-            role: K,
-            head: id("kh"),
-            first: id("j0"),
-            rows: t,
-            width: hd,
-            len: k.k_len,
-        }),
-        c.stage(Tile {
-            name: "vt",
-            role: V,
-            head: id("kh"),
-            first: id("j0"),
-            rows: t,
-            width: vd,
-            len: k.k_len,
-        }),
-        sync(),
-        S::If(
-            bin("&&", id("live"), bin("!=", id("lse"), neg_inf())),
-            vec![loop_over("jj", ll(0), ll(t), ll(1), per_key)],
-        ),
-    ];
+    let mut tile = c.stage_key_values(t, hd, vd);
+    tile.push(S::If(
+        bin("&&", id("live"), bin("!=", id("lse"), neg_inf())),
+        vec![loop_over("jj", ll(0), ll(t), ll(1), per_key)],
+    ));
     body.push(loop_over("j0", id("jbegin"), id("jend"), ll(t), tile));
     body.push(S::If(
         id("live"),
