@@ -411,3 +411,21 @@ fn an_impossible_mesh_is_blamed_on_the_mesh() {
     );
     assert!(!text(&o).contains("global batch"), "{}", text(&o));
 }
+
+/// A pinned ZeRO stage whose split leaves no data-parallel ranks to shard
+/// over says so, not that the global batch may be at fault.
+#[test]
+fn zero_without_data_parallel_ranks_is_named() {
+    let o = dplc()
+        .args(["compile", "models/tiny.dpl", "--model", "gpt_tiny"])
+        .args(["--cluster", "4xcpu", "--strategy", "tp=2,pp=2,zero=1"])
+        .output()
+        .expect("dplc runs");
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("zero=1 shards state over the data-parallel ranks"),
+        "{}",
+        text(&o)
+    );
+    assert!(!text(&o).contains("global batch"), "{}", text(&o));
+}

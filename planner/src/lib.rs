@@ -692,6 +692,17 @@ fn no_configuration(pins: &StrategyConstraints, world: u64) -> String {
         .map(|(n, _)| *n)
         .collect();
     let product: u64 = pinned.iter().map(|(_, d)| d).product();
+    // ZeRO shards over the data- and context-parallel ranks; pinned tp and
+    // pp that fill the cluster leave it one (so does a pinned dp=1 cp=1).
+    let sharding = world / (pins.tp.unwrap_or(1) * pins.pp.unwrap_or(1)).max(1);
+    let single = sharding <= 1 || (pins.dp == Some(1) && pins.cp == Some(1));
+    if let (Some(zero @ 1..), true) = (pins.zero, single) {
+        return format!(
+            "no configuration satisfies `{pins}` on {world} devices: zero={zero} shards state \
+             over the data-parallel ranks and this split leaves one; pin zero=0, or leave \
+             devices to dp (smaller tp or pp)"
+        );
+    }
     // A free dp is bound by the batch (dp × mb must divide it); a free tp,
     // pp or cp by the model (heads, layers, sequence).
     if let [only] = free.as_slice() {
