@@ -192,6 +192,9 @@ fn an_expert_parallel_checkpoint_resumes_and_reshards() {
         loaded.params, first.params,
         "serial loads dp2 ep2's parameters"
     );
+    // The step as a person types it names the same directory.
+    let typed = go(&resuming(&serial(), &dir.0.join("step-2")), 2);
+    assert_eq!(typed.params, loaded.params, "step-2 is step-000002");
 }
 
 #[test]

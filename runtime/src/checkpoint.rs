@@ -319,6 +319,17 @@ impl Checkpoint {
     /// directory, whose latest complete step directory is taken (one
     /// without a manifest was cut short while being written, and is skipped).
     pub fn open(path: &Path) -> Result<Checkpoint> {
+        // `DIR/step-3` names `DIR/step-000003`: the step as a person types it.
+        let padded = path
+            .file_name()
+            .and_then(|n| n.to_str()?.strip_prefix("step-")?.parse::<u64>().ok())
+            .zip(path.parent())
+            .map(|(step, root)| step_dir(root, step));
+        let path = match padded {
+            Some(p) if !path.is_dir() && p.is_dir() => p,
+            _ => path.to_path_buf(),
+        };
+        let path = path.as_path();
         if !path.is_dir() {
             return Err(err(
                 path,
