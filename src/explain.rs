@@ -41,6 +41,17 @@ fn axis_size(plan: &Plan, axis: MeshAxis) -> u64 {
         .map_or(1, |a| a.size)
 }
 
+/// The link an axis's communication crosses: the one its collectives
+/// record (the gradient reduction spans the context-parallel ranks too),
+/// else the mesh axis's own.
+fn comm_link(plan: &Plan, axis: MeshAxis) -> LinkLevel {
+    plan.collectives
+        .iter()
+        .filter(|c| c.axis == axis)
+        .find_map(|c| c.group.map(|(_, level)| level))
+        .unwrap_or_else(|| axis_link(plan, axis))
+}
+
 fn axis_link(plan: &Plan, axis: MeshAxis) -> LinkLevel {
     plan.mesh
         .axes
@@ -230,7 +241,7 @@ pub fn render(plan: &Plan) -> String {
                 s,
                 "    {:<4} {:<11} {:>10.3} {:>10.3} {:>16.3} {:>14.2}",
                 axis.name(),
-                link(axis_link(plan, *axis)),
+                link(comm_link(plan, *axis)),
                 exposed,
                 hidden,
                 // Plans written before the slowdown was priced have none.
@@ -249,7 +260,7 @@ pub fn render(plan: &Plan) -> String {
                 s,
                 "    {:<3} over {:<11} {:>9.3} s  {:>10.2} GiB",
                 axis.name(),
-                link(axis_link(plan, *axis)),
+                link(comm_link(plan, *axis)),
                 a.seconds,
                 a.bytes as f64 / GIB
             );
@@ -267,8 +278,8 @@ pub fn render(plan: &Plan) -> String {
             "  {:<15} {:<4} {:>6}  {:<11}  {:<10} {:>6}  {:>13}  {:>8.3} ms  {}",
             c.kind.name(),
             c.axis.name(),
-            axis_size(plan, c.axis),
-            link(axis_link(plan, c.axis)),
+            c.group.map_or(axis_size(plan, c.axis), |(size, _)| size),
+            link(c.group.map_or(axis_link(plan, c.axis), |(_, l)| l)),
             c.phase.name(),
             c.count_per_step,
             c.bytes,

@@ -592,3 +592,28 @@ fn short_sequences_may_use_large_micro_batches() {
     assert_eq!(mb, 128);
     assert!(best < capped, "{best} vs {capped}");
 }
+
+/// The gradient reduction spans the context-parallel ranks as well as the
+/// replicas: with dp 1 × cp 4, `explain` lists it over a group of 4 on the
+/// cp ranks' link, not over the size-1 dp axis (as its time is priced).
+#[test]
+fn explain_shows_the_group_a_collective_spans() {
+    let plan = compile(
+        "models/llama3.dpl",
+        "llama3_70b",
+        "8x8xH100",
+        &["--strategy", "dp=1,tp=2,pp=8,cp=4"],
+        "l70-cp4.ron",
+    );
+    let text = ok(&["explain", plan.to_str().unwrap()]);
+    let line = text
+        .lines()
+        .find(|l| l.contains("gradients (fp32)"))
+        .unwrap_or_else(|| panic!("no gradient reduction listed:\n{text}"));
+    let cols: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(
+        &cols[..4],
+        ["reduce-scatter", "dp", "4", "intra-node"],
+        "{line}"
+    );
+}

@@ -1010,6 +1010,12 @@ pub struct Collective {
     pub count_per_step: u64,
     /// Estimated seconds of one call.
     pub time_s: f64,
+    /// The ranks of one call and the link they meet over: the axis's own,
+    /// except where a collective spans more than its axis (the gradient
+    /// reduction over the data- and context-parallel ranks). `None` in
+    /// plans written before it was recorded: the axis's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<(u64, LinkLevel)>,
 }
 
 /// Where the time of a step goes (seconds, on the critical path).

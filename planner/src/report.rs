@@ -461,6 +461,7 @@ fn push(
         phase,
         count_per_step: count,
         time_s: collective_time(kind, bytes, link),
+        group: Some((link.size, link.level)),
     });
 }
 
