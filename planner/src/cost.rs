@@ -96,6 +96,64 @@ pub(crate) fn wave_efficiency(m: f64, n: f64, multiprocessors: u64) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// The query × key tile a fused attention kernel computes at once, for
+/// head dimension 128 (the Llama and Mistral shape): FlashAttention-2 on
+/// sm80 runs 128 × 64 (Dao-AILab/flash-attention
+/// `csrc/flash_attn/src/flash_fwd_launch_template.h`, `run_mha_fwd_hdim128`),
+/// FlashAttention-3 on sm90 128 × 128 when causal or windowed
+/// (`hopper/tile_size.h`, `tile_size_fwd_sm90`).
+fn fused_tile(kind: AttentionKind) -> (u64, u64) {
+    match kind {
+        AttentionKind::Flash2 => (128, 64),
+        AttentionKind::Fused | AttentionKind::Unfused => (128, 128),
+    }
+}
+
+/// Key positions, summed over a sequence of `seq` queries, that a fused
+/// kernel with `(queries, keys)` tiles computes: each block of queries
+/// visits the key tiles from the first its window reaches (from 0 without
+/// one) to the one holding its last query (the last key without a causal
+/// mask), every visited tile whole.
+fn visited_pairs(seq: u64, causal: bool, window: Option<u64>, tile: (u64, u64)) -> f64 {
+    let (tq, tk) = (tile.0.max(1), tile.1.max(1));
+    let mut pairs = 0.0;
+    let mut q0 = 0;
+    while q0 < seq {
+        let q1 = (q0 + tq).min(seq);
+        let begin = window.map_or(0, |w| (q0 + 1).saturating_sub(w) / tk * tk);
+        let end = if causal {
+            ((q1).div_ceil(tk) * tk).min(seq)
+        } else {
+            seq
+        };
+        pairs += (q1 - q0) as f64 * end.saturating_sub(begin) as f64;
+        q0 = q1;
+    }
+    pairs
+}
+
+/// The share of the `seq × seq` scores a fused attention kernel's time
+/// follows: 1 unmasked, ½ causal (its block matmuls' rates are measured
+/// with the causal half counted, FlashAttention's benchmark convention, so
+/// the diagonal tiles' waste is inside the rate), and under a sliding
+/// window the causal share scaled by the tiles the kernel visits with the
+/// window against without it: it skips the key tiles wholly behind the
+/// window as it skips those above the diagonal (FlashAttention's local
+/// attention, dplc's own kernel: `key_range` in codegen).
+pub(crate) fn attended_share(seq: u64, causal: bool, window: Option<u64>, tile: (u64, u64)) -> f64 {
+    let base = if causal { 0.5 } else { 1.0 };
+    match window {
+        Some(w) if w < seq => {
+            let all = visited_pairs(seq, causal, None, tile);
+            if all <= 0.0 {
+                return base;
+            }
+            base * visited_pairs(seq, causal, Some(w), tile) / all
+        }
+        _ => base,
+    }
+}
+
 pub use crate::strategy::AxisOrder;
 
 /// One point of the search space.
@@ -661,7 +719,7 @@ impl<'a> CostModel<'a> {
         let mut selective = core_forward;
         if attention_flops > 0.0 {
             let dev = &self.cluster.device;
-            let causal = if r.causal { 0.5 } else { 1.0 };
+            let causal = attended_share(self.seq, r.causal, r.window, fused_tile(c.attention));
             let (forward, backward) = match c.attention {
                 AttentionKind::Flash2 => (dev.flash2_efficiency, dev.flash2_backward_efficiency),
                 AttentionKind::Fused | AttentionKind::Unfused => {
@@ -1374,4 +1432,38 @@ pub(crate) fn step_total(t: &TimeBreakdown) -> f64 {
         + t.optimizer_s
         + t.overlap_slowdown_s
         + t.offload_s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::attended_share;
+
+    /// `(seq, causal, window, tile) => share of seq² the kernel's time follows`.
+    #[test]
+    fn attended_share_counts_visited_tiles() {
+        let cases: [(u64, bool, Option<u64>, (u64, u64), f64); 7] = [
+            (8192, false, None, (128, 128), 1.0),
+            (8192, true, None, (128, 64), 0.5),
+            // A window as long as the sequence masks nothing more.
+            (8192, true, Some(8192), (128, 128), 0.5),
+            // Pair by pair: 1 + 2 + 2 + 2 of the causal 1 + 2 + 3 + 4 keys.
+            (4, true, Some(2), (1, 1), 0.5 * 7.0 / 10.0),
+            // Whole tiles: the second block of queries reaches back into the
+            // first key tile, so nothing is skipped.
+            (4, true, Some(2), (2, 2), 0.5),
+            // Mistral at seq 8192 under FlashAttention-3's tiles: 0.75 of the
+            // causal pairs, 33 of a block's 128-key tiles once the window
+            // trails it (1584 of the causal 2080 tiles).
+            (8192, true, Some(4096), (128, 128), 0.5 * 1584.0 / 2080.0),
+            // Without the causal mask a query sees every key ahead too.
+            (8192, false, Some(4096), (128, 128), 0.87890625),
+        ];
+        for (seq, causal, window, tile, want) in cases {
+            let got = attended_share(seq, causal, window, tile);
+            assert!(
+                (got - want).abs() < 1e-6,
+                "seq {seq} causal {causal} window {window:?} tile {tile:?}: {got} != {want}"
+            );
+        }
+    }
 }
