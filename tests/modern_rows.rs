@@ -185,14 +185,14 @@ fn rows() -> Vec<Row> {
         r("TT H100 Llama3.1 405B, FSDP 16 TP 8", TT_405B, (L3, "llama3_405b"), "16 x grand_teton_h100", (8192, 32),
           "tp=8,pp=1,cp=1,dp=16,mb=2,recompute=full,sp=on,tp_overlap=none", TORCHTITAN_COMPILED, 109.0, 1.223, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3.1 405B, FSDP 16 TP 8, float8", TT_405B, (L3, "llama3_405b"), "16 x grand_teton_h100", (8192, 32),
-          "tp=8,pp=1,cp=1,dp=16,mb=2,recompute=full,sp=on,tp_overlap=none,fp8=on", TORCHTITAN_COMPILED, 177.0, 0.875, NotAsserted(FP8_GATHER)),
+          "tp=8,pp=1,cp=1,dp=16,mb=2,recompute=full,sp=on,tp_overlap=none,fp8=on,fp8_gather=on", TORCHTITAN_COMPILED, 177.0, 0.875, NotAsserted(FP8_GATHER)),
         r("TT H100 Llama3.1 405B, FSDP 16 TP 8, float8 + async TP", TT_405B, (L3, "llama3_405b"), "16 x grand_teton_h100", (8192, 32),
-          "tp=8,pp=1,cp=1,dp=16,mb=2,recompute=full,sp=on,tp_overlap=ring,fp8=on", TORCHTITAN_COMPILED, 185.0, 0.936, NotAsserted(FP8_GATHER)),
+          "tp=8,pp=1,cp=1,dp=16,mb=2,recompute=full,sp=on,tp_overlap=ring,fp8=on,fp8_gather=on", TORCHTITAN_COMPILED, 185.0, 0.936, NotAsserted(FP8_GATHER)),
         // ---- torchtitan on H200 (catalog H200; power and memory size n/s), compile + float8 (FSDP float8 all-gather), op SAC.
         r("TT H200 Llama3 8B, FSDP 32", TT_H200, (L3, "llama3_8b"), "4x8xH200", (8192, 64),
-          "tp=1,pp=1,cp=1,dp=32,mb=2,recompute=op,fp8=on", TORCHTITAN_COMPILED, 10938.0, 1.087, Asserted),
+          "tp=1,pp=1,cp=1,dp=32,mb=2,recompute=op,fp8=on,fp8_gather=on", TORCHTITAN_COMPILED, 10938.0, 1.087, Asserted),
         r("TT H200 Llama3 8B, FSDP 64", TT_H200, (L3, "llama3_8b"), "8x8xH200", (8192, 128),
-          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=op,fp8=on", TORCHTITAN_COMPILED, 10753.0, 1.107, NotAsserted(H200_SCALE)),
+          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=op,fp8=on,fp8_gather=on", TORCHTITAN_COMPILED, 10753.0, 1.107, NotAsserted(H200_SCALE)),
         // ---- NVIDIA NeMo 24.07 on DGX-H100, FP8; distributed optimizer (zero=1) and recompute n/s: the search picks recompute.
         r("NeMo Llama2 7B, 8 GPUs", NEMO_2407, (L2, "llama2_7b"), "8xH100", (4096, 128),
           "tp=1,pp=1,cp=1,dp=8,mb=1,zero=1,fp8=on", "offload=none", 16847.0, 1.123, NotAsserted(TE_7B)),
