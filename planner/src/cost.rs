@@ -1514,10 +1514,12 @@ pub(crate) fn step_total(t: &TimeBreakdown) -> f64 {
 mod tests {
     use super::attended_share;
 
-    /// `(seq, causal, window, tile) => share of seq² the kernel's time follows`.
+    /// `(seq, causal, window, tile, share of seq² the kernel's time follows)`.
+    type Case = (u64, bool, Option<u64>, (u64, u64), f64);
+
     #[test]
     fn attended_share_counts_visited_tiles() {
-        let cases: [(u64, bool, Option<u64>, (u64, u64), f64); 7] = [
+        let cases: [Case; 7] = [
             (8192, false, None, (128, 128), 1.0),
             (8192, true, None, (128, 64), 0.5),
             // A window as long as the sequence masks nothing more.
