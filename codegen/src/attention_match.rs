@@ -313,14 +313,6 @@ impl View {
     }
 }
 
-/// A constant scalar's value.
-fn constant(g: &Graph, t: TensorId) -> Option<f64> {
-    match g.producer(t).map(|n| &n.op) {
-        Some(Op::Constant(c)) => Some(*c),
-        _ => None,
-    }
-}
-
 /// Whether a softmax is reachable from `t` through elementwise ops: the
 /// chain is an attention's, so a reason is worth giving when it is refused.
 fn reaches_softmax(g: &Graph, r: &Region, t: TensorId) -> bool {
@@ -345,58 +337,6 @@ fn reaches_softmax(g: &Graph, r: &Region, t: TensorId) -> bool {
         }
     }
     false
-}
-
-/// Whether `d` is `i − j` over `[s, 1]` and `[1, s]` positions (`reshape(t,
-/// [s, 1]) − reshape(t, [1, s])` with `t` the positions, as floats).
-fn is_distance(g: &Graph, d: TensorId) -> bool {
-    let Some(n) = g.producer(d) else { return false };
-    if n.op != Op::Binary(BinaryOp::Sub) {
-        return false;
-    }
-    let positions = |t: TensorId, col: bool| -> bool {
-        let Some(r) = g.producer(t) else { return false };
-        if !matches!(r.op, Op::Reshape { .. }) {
-            return false;
-        }
-        let dims = g.tensor(t).shape.dims();
-        if dims.len() != 2 || !dims[if col { 1 } else { 0 }].is_one() {
-            return false;
-        }
-        let mut x = r.inputs[0];
-        if let Some(Op::Cast(_)) = g.producer(x).map(|p| &p.op) {
-            x = g.producer(x).expect("a cast's producer").inputs[0];
-        }
-        matches!(g.producer(x).map(|p| &p.op), Some(Op::Iota { .. }))
-    };
-    positions(n.inputs[0], true) && positions(n.inputs[1], false)
-}
-
-/// `ge(i − j, window) · big` with `big` large enough that the masked
-/// scores weigh exactly nothing: the window, with the nodes that make the term.
-fn window_term(g: &Graph, t: TensorId) -> Option<(i64, Vec<NodeId>)> {
-    let m = g.producer(t)?;
-    if m.op != Op::Binary(BinaryOp::Mul) {
-        return None;
-    }
-    let (ge, big) = match (constant(g, m.inputs[0]), constant(g, m.inputs[1])) {
-        (None, Some(c)) => (m.inputs[0], c),
-        (Some(c), None) => (m.inputs[1], c),
-        _ => return None,
-    };
-    if big < 1e30 {
-        return None;
-    }
-    let gn = g.producer(ge)?;
-    if gn.op != Op::Binary(BinaryOp::Ge) || !is_distance(g, gn.inputs[0]) {
-        return None;
-    }
-    let w = constant(g, gn.inputs[1])?;
-    if w.fract() != 0.0 || w < 1.0 {
-        return None;
-    }
-    let d = producer_id(g, gn.inputs[0])?;
-    Some((w as i64, vec![d, producer_id(g, ge)?, producer_id(g, t)?]))
 }
 
 /// The attention whose score matmul is `qk`: `None` when its product is not
@@ -466,16 +406,19 @@ fn attention_at(g: &Graph, r: &Region, qk: NodeId) -> Res<AttentionMatch> {
             }
         };
         match &n.op {
-            Op::Binary(BinaryOp::Mul) if cur == scores => match constant(g, other(n)) {
-                Some(c) => scale = Some(c),
-                None => return Err("the scores times a tensor".into()),
-            },
+            Op::Binary(BinaryOp::Mul) if cur == scores => {
+                match dplc_ir::scalar_constant(g, other(n)) {
+                    Some(c) => scale = Some(c),
+                    None => return Err("the scores times a tensor".into()),
+                }
+            }
             Op::Binary(BinaryOp::Add) if bias.is_none() && n.inputs[0] != n.inputs[1] => {
                 bias = Some(other(n));
             }
             Op::Binary(BinaryOp::Sub) if window.is_none() && n.inputs[0] == cur => {
-                let (w, made) = window_term(g, n.inputs[1])
+                let mask = dplc_ir::window_mask(g, n.inputs[1])
                     .ok_or("the scores minus a term that is not a window mask")?;
+                let (w, made) = (mask.window as i64, mask.nodes.to_vec());
                 window = Some(w);
                 nodes.extend(made);
             }

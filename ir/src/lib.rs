@@ -11,6 +11,7 @@ mod graph;
 mod id;
 mod layout;
 mod localize;
+mod mask;
 mod op;
 mod pipeline;
 mod plan;
@@ -38,6 +39,7 @@ pub use layout::{
     ModelLayout, NodeLayout, ParamSplit, Placement, RegionLayout, SplitAxis, TensorLayout,
 };
 pub use localize::localize;
+pub use mask::{scalar_constant, window_mask, WindowMask};
 pub use op::{BinaryOp, Init, Op, ReduceKind, UnaryOp, VocabOp};
 pub use pipeline::{even_split, pipeline_order, virtual_stage_layers, PipelineWork};
 pub use plan::{powersgd_factors, topk_sparsifies, POWERSGD_MIN_COMPRESSION_RATE};

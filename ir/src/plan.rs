@@ -179,6 +179,13 @@ pub struct Strategy {
     /// training precision. Plans written before this field existed had none.
     #[serde(default, skip_serializing_if = "is_off")]
     pub fp8: bool,
+    /// The data-parallel weight all-gathers move the layers' FP8 weights,
+    /// one byte each, cast from the shard before the gather (torchao's
+    /// `enable_fsdp_float8_all_gather` under FSDP2, Megatron's
+    /// `--fp8-param-gather`). Needs `fp8` and a sharded ZeRO stage. Plans
+    /// written before this field existed gathered in the training precision.
+    #[serde(default, skip_serializing_if = "is_off")]
+    pub fp8_gather: bool,
     /// State kept in host memory and moved over the host link (ZeRO-Offload
     /// and ZeRO-Infinity). Plans written before this field existed offloaded nothing.
     #[serde(default, skip_serializing_if = "Offload::is_none")]
@@ -840,6 +847,9 @@ impl fmt::Display for Strategy {
         }
         if self.fp8 {
             f.write_str(", fp8 GEMMs")?;
+        }
+        if self.fp8_gather {
+            f.write_str(", fp8 weight gathers")?;
         }
         if !self.offload.is_none() {
             write!(f, ", offload {}", self.offload.name())?;

@@ -96,6 +96,64 @@ pub(crate) fn wave_efficiency(m: f64, n: f64, multiprocessors: u64) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// The query × key tile a fused attention kernel computes at once, for
+/// head dimension 128 (the Llama and Mistral shape): FlashAttention-2 on
+/// sm80 runs 128 × 64 (Dao-AILab/flash-attention
+/// `csrc/flash_attn/src/flash_fwd_launch_template.h`, `run_mha_fwd_hdim128`),
+/// FlashAttention-3 on sm90 128 × 128 when causal or windowed
+/// (`hopper/tile_size.h`, `tile_size_fwd_sm90`).
+fn fused_tile(kind: AttentionKind) -> (u64, u64) {
+    match kind {
+        AttentionKind::Flash2 => (128, 64),
+        AttentionKind::Fused | AttentionKind::Unfused => (128, 128),
+    }
+}
+
+/// Key positions, summed over a sequence of `seq` queries, that a fused
+/// kernel with `(queries, keys)` tiles computes: each block of queries
+/// visits the key tiles from the first its window reaches (from 0 without
+/// one) to the one holding its last query (the last key without a causal
+/// mask), every visited tile whole.
+fn visited_pairs(seq: u64, causal: bool, window: Option<u64>, tile: (u64, u64)) -> f64 {
+    let (tq, tk) = (tile.0.max(1), tile.1.max(1));
+    let mut pairs = 0.0;
+    let mut q0 = 0;
+    while q0 < seq {
+        let q1 = (q0 + tq).min(seq);
+        let begin = window.map_or(0, |w| (q0 + 1).saturating_sub(w) / tk * tk);
+        let end = if causal {
+            ((q1).div_ceil(tk) * tk).min(seq)
+        } else {
+            seq
+        };
+        pairs += (q1 - q0) as f64 * end.saturating_sub(begin) as f64;
+        q0 = q1;
+    }
+    pairs
+}
+
+/// The share of the `seq × seq` scores a fused attention kernel's time
+/// follows: 1 unmasked, ½ causal (its block matmuls' rates are measured
+/// with the causal half counted, FlashAttention's benchmark convention, so
+/// the diagonal tiles' waste is inside the rate), and under a sliding
+/// window the causal share scaled by the tiles the kernel visits with the
+/// window against without it: it skips the key tiles wholly behind the
+/// window as it skips those above the diagonal (FlashAttention's local
+/// attention, dplc's own kernel: `key_range` in codegen).
+pub(crate) fn attended_share(seq: u64, causal: bool, window: Option<u64>, tile: (u64, u64)) -> f64 {
+    let base = if causal { 0.5 } else { 1.0 };
+    match window {
+        Some(w) if w < seq => {
+            let all = visited_pairs(seq, causal, None, tile);
+            if all <= 0.0 {
+                return base;
+            }
+            base * visited_pairs(seq, causal, Some(w), tile) / all
+        }
+        _ => base,
+    }
+}
+
 pub use crate::strategy::AxisOrder;
 
 /// One point of the search space.
@@ -125,6 +183,8 @@ pub(crate) struct Config {
     pub even_stages: bool,
     /// The layers' linear GEMMs in FP8 (`fp8=on`).
     pub fp8: bool,
+    /// ZeRO's weight all-gathers move the FP8 casts (`fp8_gather=on`).
+    pub fp8_gather: bool,
     /// State kept in host memory (`offload=`).
     pub offload: Offload,
     /// Elementwise ops fused into chains, or one kernel each (`elementwise=eager`).
@@ -138,6 +198,12 @@ pub(crate) struct Config {
 }
 
 impl Config {
+    /// Whether ZeRO's weight all-gathers move FP8 casts: pinned, with FP8
+    /// GEMMs to read them and a sharded stage to gather.
+    pub fn gathers_fp8(&self) -> bool {
+        self.fp8_gather && self.fp8 && self.zero >= 1
+    }
+
     pub fn axes(&self) -> Vec<(MeshAxis, u64)> {
         let mut v = vec![(MeshAxis::Tp, self.tp), (MeshAxis::Cp, self.cp)];
         match self.order {
@@ -661,7 +727,7 @@ impl<'a> CostModel<'a> {
         let mut selective = core_forward;
         if attention_flops > 0.0 {
             let dev = &self.cluster.device;
-            let causal = if r.causal { 0.5 } else { 1.0 };
+            let causal = attended_share(self.seq, r.causal, r.window, fused_tile(c.attention));
             let (forward, backward) = match c.attention {
                 AttentionKind::Flash2 => (dev.flash2_efficiency, dev.flash2_backward_efficiency),
                 AttentionKind::Fused | AttentionKind::Unfused => {
@@ -811,6 +877,34 @@ impl<'a> CostModel<'a> {
         (all, expert)
     }
 
+    /// The layers' dense (non-expert) parameters on one rank running
+    /// `shares`: the weights FP8 GEMMs read (norm gains among them, a
+    /// negligible share).
+    fn layer_dense_params(&self, c: &Config, shares: &[StackShare]) -> f64 {
+        let (tp, ep) = (c.tp as f64, c.ep as f64);
+        shares
+            .iter()
+            .map(|sh| {
+                let p = &self.profile.stacks[sh.stack].layer.params;
+                sh.layers as f64 * (p.per_rank(tp, ep) - p.expert_per_rank(tp, ep))
+            })
+            .sum()
+    }
+
+    /// Bytes of `dense` gathered weights of which `layer` are the layers':
+    /// those one byte each when the gathers move FP8 casts
+    /// ([`Config::gathers_fp8`]; the embedding and the output layer stay in
+    /// the training precision, as their GEMMs do), all in the training
+    /// precision otherwise.
+    fn gathered_weight_bytes(&self, c: &Config, dense: f64, layer: f64) -> f64 {
+        let w = self.profile.precision.bytes() as f64;
+        if c.gathers_fp8() {
+            (dense - layer) * w + layer
+        } else {
+            dense * w
+        }
+    }
+
     /// The largest of `f` over the stacks `shares` run layers of.
     fn largest(shares: &[StackShare], f: impl Fn(usize) -> f64) -> f64 {
         shares.iter().map(|sh| f(sh.stack)).fold(0.0, f64::max)
@@ -867,8 +961,10 @@ impl<'a> CostModel<'a> {
             .max(post.gather_buffer_bytes);
         let largest_layer = Self::largest(&shares, layer_weights);
         if c.zero >= 3 {
-            // The gathered weights of the layer running and the next one prefetched.
-            buffers += 2.0 * largest_layer * w_bytes;
+            // The gathered weights of the layer running and the next one
+            // prefetched (their FP8 casts when those are what is gathered).
+            let gathered = if c.gathers_fp8() { 1.0 } else { w_bytes };
+            buffers += 2.0 * largest_layer * gathered;
         }
         // FP8 keeps each layer weight's cast and its transpose, a byte each;
         // under ZeRO-3 a rank casts only what it holds: its shard, and the
@@ -879,15 +975,29 @@ impl<'a> CostModel<'a> {
             .sum();
         let fp8_weights = match (c.fp8, c.zero >= 3) {
             (false, _) => 0.0,
+            // Gathering the casts, a rank keeps no cast of its own: the FP8
+            // weights are the gathered ones (ZeRO-3, counted in `buffers`)
+            // or the compute weights themselves (ZeRO-1/2, Megatron's
+            // `--fp8-param-gather`, counted below); only the transposes the
+            // backward reads are extra.
+            _ if c.gathers_fp8() && c.zero >= 3 => 2.0 * largest_layer,
+            _ if c.gathers_fp8() => stage_weights,
             (true, false) => 2.0 * stage_weights,
             (true, true) => 2.0 * (stage_weights / dp + 2.0 * largest_layer),
+        };
+        // ZeRO-1/2 gathering FP8 keeps the layers' compute weights in FP8
+        // only (one byte instead of the training precision's).
+        let fp8_compute_saving = if c.gathers_fp8() && c.zero < 3 {
+            stage_weights * (w_bytes - 1.0)
+        } else {
+            0.0
         };
         let saved: f64 = shares
             .iter()
             .map(|sh| sh.layers as f64 * parts.stacks[sh.stack].0.saved_bytes)
             .sum();
         let mut m = MemoryBreakdown {
-            weights: (shard(3) * w_bytes + fp8_weights) as u64,
+            weights: (shard(3) * w_bytes + fp8_weights - fp8_compute_saving) as u64,
             gradients: (shard(2) * grad_bytes) as u64,
             optimizer: (shard(1) * opt_bytes) as u64,
             activations: (saved * flight) as u64,
@@ -995,8 +1105,20 @@ impl<'a> CostModel<'a> {
                 Precision::Fp32 => (4.0, 4.0),
                 p => (p.bytes() as f64, GRAD_BYTES),
             };
-            s.forward += dense * 2.0 * w / bandwidth;
-            s.backward += dense * (2.0 * w + w + grad) / bandwidth;
+            let layer = self.layer_dense_params(c, &shares);
+            let gathered = self.gathered_weight_bytes(c, dense, layer);
+            s.forward += 2.0 * gathered / bandwidth;
+            s.backward += (2.0 * gathered + dense * (w + grad)) / bandwidth;
+        }
+        if c.zero >= 3 && c.gathers_fp8() {
+            // torchao's `WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`
+            // (pytorch/ao torchao/float8/fsdp_utils.py): before each gather,
+            // forward and backward, the rank casts its fp32 shard of each
+            // layer weight to FP8 with the scale computed once a step (read
+            // 4 bytes, write 1).
+            let shard = self.layer_dense_params(c, &shares) / (c.dp * c.cp) as f64;
+            s.forward += shard * 5.0 / bandwidth;
+            s.backward += shard * 5.0 / bandwidth;
         }
         s
     }
@@ -1173,6 +1295,8 @@ impl<'a> CostModel<'a> {
         };
         let w_bytes = self.profile.precision.bytes() as f64;
         let dense_cut = self.dp_reduction(c, dense, grad_bytes, &dp_link);
+        let layer_dense = self.layer_dense_params(c, &shares0);
+        let gathered_bytes = self.gathered_weight_bytes(c, dense, layer_dense);
         let expert_cut = self.dp_reduction(c, expert, grad_bytes, &edp_link);
         let dense_reduce = dense_cut.wire_s;
         let expert_reduce = expert_cut.wire_s;
@@ -1200,7 +1324,7 @@ impl<'a> CostModel<'a> {
             // reduce-scatter waits; without overlap all of them do). The
             // expert gradients reduce as under ZeRO-2.
             let l = layers0;
-            let gather = collective_time(CollectiveKind::AllGather, dense * w_bytes, &dp_link);
+            let gather = collective_time(CollectiveKind::AllGather, gathered_bytes, &dp_link);
             let (g, r) = (gather / l, dense_reduce / l);
             let f = stages[0].forward / l;
             let b = (stages[0].backward + stages[0].recompute) / l;
@@ -1228,7 +1352,7 @@ impl<'a> CostModel<'a> {
             let dense_gather = if c.zero >= 3 {
                 0.0
             } else {
-                collective_time(CollectiveKind::AllGather, dense * w_bytes, &dp_link)
+                collective_time(CollectiveKind::AllGather, gathered_bytes, &dp_link)
             };
             let gather = dense_gather
                 + collective_time(CollectiveKind::AllGather, expert * w_bytes, &edp_link);
@@ -1283,7 +1407,17 @@ impl<'a> CostModel<'a> {
             let (weights, acts) = (weights / link, acts / link);
             offload += m * ((weights + acts - fwd).max(0.0) + (weights + acts - bwd).max(0.0));
         }
-        if c.fp8 {
+        if c.gathers_fp8() {
+            // The scales once a step from the updated shards' amax (torchao's
+            // `precompute_float8_dynamic_scale_for_fsdp`: a `_foreach_norm`
+            // over the fp32 shards and one all-reduce of the amaxes); ZeRO-1
+            // and -2 cast the shard once, for the one gather (ZeRO-3 casts
+            // before every gather: `stage_pass`).
+            let shard = layer_dense / replicas;
+            let cast = if c.zero >= 3 { 0.0 } else { 5.0 };
+            optimizer +=
+                shard * (4.0 + cast) / (self.cluster.device.memory_bandwidth * MEMORY_EFFICIENCY);
+        } else if c.fp8 {
             // The updated weights cast to FP8 once a step (Transformer Engine
             // keeps the cast for every micro-batch): read, write it and its
             // transpose, the amax on the way.
@@ -1374,4 +1508,40 @@ pub(crate) fn step_total(t: &TimeBreakdown) -> f64 {
         + t.optimizer_s
         + t.overlap_slowdown_s
         + t.offload_s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::attended_share;
+
+    /// `(seq, causal, window, tile, share of seq² the kernel's time follows)`.
+    type Case = (u64, bool, Option<u64>, (u64, u64), f64);
+
+    #[test]
+    fn attended_share_counts_visited_tiles() {
+        let cases: [Case; 7] = [
+            (8192, false, None, (128, 128), 1.0),
+            (8192, true, None, (128, 64), 0.5),
+            // A window as long as the sequence masks nothing more.
+            (8192, true, Some(8192), (128, 128), 0.5),
+            // Pair by pair: 1 + 2 + 2 + 2 of the causal 1 + 2 + 3 + 4 keys.
+            (4, true, Some(2), (1, 1), 0.5 * 7.0 / 10.0),
+            // Whole tiles: the second block of queries reaches back into the
+            // first key tile, so nothing is skipped.
+            (4, true, Some(2), (2, 2), 0.5),
+            // Mistral at seq 8192 under FlashAttention-3's tiles: 0.75 of the
+            // causal pairs, 33 of a block's 128-key tiles once the window
+            // trails it (1584 of the causal 2080 tiles).
+            (8192, true, Some(4096), (128, 128), 0.5 * 1584.0 / 2080.0),
+            // Without the causal mask a query sees every key ahead too.
+            (8192, false, Some(4096), (128, 128), 0.87890625),
+        ];
+        for (seq, causal, window, tile, want) in cases {
+            let got = attended_share(seq, causal, window, tile);
+            assert!(
+                (got - want).abs() < 1e-6,
+                "seq {seq} causal {causal} window {window:?} tile {tile:?}: {got} != {want}"
+            );
+        }
+    }
 }

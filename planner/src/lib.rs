@@ -446,6 +446,19 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
             req.cluster.device.name
         )));
     }
+    if req.pinned.fp8_gather == Some(true) {
+        if req.pinned.fp8 != Some(true) {
+            return Err(PlanError::Strategy(
+                "fp8_gather=on gathers the weights' FP8 casts: it needs fp8=on".into(),
+            ));
+        }
+        if req.pinned.zero == Some(0) {
+            return Err(PlanError::Strategy(
+                "fp8_gather=on changes what ZeRO's weight all-gathers move: it needs zero ≥ 1"
+                    .into(),
+            ));
+        }
+    }
     let precision = req.train.precision;
     let layouts =
         layouts::Layouts::new(req.graph, precision, &req.cluster, seq, degrees(req, world))?;

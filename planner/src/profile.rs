@@ -179,6 +179,9 @@ pub(crate) struct RegionProfile {
     /// The region masks its attention causally: a fused kernel skips the
     /// blocks above the diagonal.
     pub causal: bool,
+    /// Keys a query sees under a sliding-window mask (`dplc_ir::window_mask`):
+    /// a fused kernel skips the key tiles behind the window too.
+    pub window: Option<u64>,
 }
 
 impl RegionProfile {
@@ -598,6 +601,11 @@ fn region_profile(
         causal: nodes
             .iter()
             .any(|&n| matches!(g.node(n).op, Op::CausalMask)),
+        window: nodes
+            .iter()
+            .filter_map(|&n| g.node(n).outputs.first())
+            .find_map(|&t| dplc_ir::window_mask(g, t))
+            .map(|m| m.window),
         ..RegionProfile::default()
     };
     for s in saved {

@@ -68,6 +68,7 @@ pub(crate) fn strategy(c: &Config, global_batch: u64, seq: u64) -> Strategy {
         grad_accum: c.grad_accum,
         root: c.root,
         fp8: c.fp8,
+        fp8_gather: c.gathers_fp8(),
         offload: c.offload,
         elementwise: c.elementwise,
         shards: c.shards,

@@ -279,6 +279,7 @@ pub(crate) fn search(
                                 order,
                                 even_stages: pins.even_stages.unwrap_or(false),
                                 fp8: pins.fp8.unwrap_or(false),
+                                fp8_gather: pins.fp8_gather.unwrap_or(false),
                                 offload: Offload::NONE,
                                 elementwise: pins.elementwise.unwrap_or_default(),
                                 shards: pins.shards.unwrap_or_default(),

@@ -47,6 +47,10 @@ pub struct StrategyConstraints {
     /// `fp8=on` runs the layers' linear GEMMs in FP8 (Transformer Engine);
     /// the search never turns it on itself, as it changes the numerics.
     pub fp8: Option<bool>,
+    /// `fp8_gather=on` all-gathers ZeRO's weight shards as their FP8 casts
+    /// (torchao's FSDP float8 all-gather, Megatron's `--fp8-param-gather`);
+    /// needs `fp8=on` and zero ≥ 1. The search keeps what is pinned (off).
+    pub fp8_gather: Option<bool>,
     /// `offload=none|optimizer|params|activations`, parts joined by `+`:
     /// state kept in host memory. The search offloads only when nothing
     /// fits without it.
@@ -190,6 +194,7 @@ impl StrategyConstraints {
             root: (s.root != RootSplit::Vocab).then_some(s.root),
             order: Some(AxisOrder::of(m)),
             fp8: s.fp8.then_some(true),
+            fp8_gather: s.fp8_gather.then_some(true),
             offload: (!s.offload.is_none()).then_some(s.offload),
             elementwise: (s.elementwise != Elementwise::Fused).then_some(s.elementwise),
             shards: (s.shards != ShardLayout::Flat).then_some(s.shards),
@@ -395,6 +400,7 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
                 })
             }
             "fp8" => c.fp8 = Some(on_off()?),
+            "fp8_gather" => c.fp8_gather = Some(on_off()?),
             "elementwise" => {
                 c.elementwise = Some(match value.to_ascii_lowercase().as_str() {
                     "fused" => Elementwise::Fused,
@@ -477,7 +483,7 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
             }
             _ => {
                 return Err(err(format!(
-                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap, attention, tp_overlap, grad_accum, root, order, stages, fp8, offload, elementwise, shards, sync, ps_shards, ps_ranks, staleness, compress"
+                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap, attention, tp_overlap, grad_accum, root, order, stages, fp8, fp8_gather, offload, elementwise, shards, sync, ps_shards, ps_ranks, staleness, compress"
                 )))
             }
         }
@@ -536,6 +542,7 @@ fn choice_of(key: &str) -> Option<&'static str> {
         "order" => "order",
         "stages" => "stages",
         "fp8" => "fp8",
+        "fp8_gather" => "fp8_gather",
         "offload" => "offload",
         "elementwise" => "elementwise",
         "shards" => "shards",
@@ -600,6 +607,9 @@ impl fmt::Display for StrategyConstraints {
         }
         if let Some(fp8) = self.fp8 {
             parts.push(format!("fp8={}", if fp8 { "on" } else { "off" }));
+        }
+        if let Some(on) = self.fp8_gather {
+            parts.push(format!("fp8_gather={}", if on { "on" } else { "off" }));
         }
         if let Some(e) = self.elementwise {
             parts.push(format!("elementwise={}", e.name()));

@@ -1030,3 +1030,51 @@ fn a_shift_along_the_sequence_keeps_context_parallelism_off() {
     req.ignore_memory = true;
     compile(&req).unwrap();
 }
+
+/// FSDP's float8 all-gather (`fp8_gather=on`: torchao's
+/// `enable_fsdp_float8_all_gather`, Megatron's `--fp8-param-gather`): under
+/// ZeRO-3 the layers' weights cross the wire as one byte instead of two, so
+/// the data-parallel traffic shrinks (the embedding and output layer still
+/// gather in bf16) and the gathered layers take half the room; below fp8 or
+/// at ZeRO-0 it is refused, and a plan without it does not write the key.
+#[test]
+fn fp8_gather_halves_the_layers_fsdp_gathers() {
+    let g = gpt("gpt", GPT_22B);
+    let at = |gather: &str| {
+        let mut req = PlanRequest::new(&g, train(2048, 64), parse_cluster("2x8xH100").unwrap());
+        req.pinned = parse_strategy(&format!(
+            "tp=1,pp=1,dp=16,mb=1,zero=3,recompute=full,fp8=on,fp8_gather={gather}"
+        ))
+        .unwrap();
+        req.ignore_memory = true;
+        compile(&req).unwrap().plan
+    };
+    let (bf16, fp8) = (at("off"), at("on"));
+    assert!(fp8.strategy.fp8_gather && !bf16.strategy.fp8_gather);
+    let dp = |p: &dplc_ir::Plan| {
+        let a = p
+            .estimate
+            .breakdown
+            .comm_by_axis
+            .iter()
+            .find(|a| a.axis == dplc_ir::MeshAxis::Dp)
+            .expect("a data-parallel axis");
+        a.exposed_s + a.hidden_s
+    };
+    // Per micro-batch: two gathers of the weights and one fp32 reduce-scatter
+    // of the gradients, 2 + 2 + 4 bytes a weight in bf16, 1 + 1 + 4 in FP8.
+    let ratio = dp(&fp8) / dp(&bf16);
+    assert!(
+        (0.74..0.78).contains(&ratio),
+        "data-parallel seconds {ratio:.3} of bf16's (6/8 with the ends in bf16)"
+    );
+    assert!(fp8.stages[0].memory.buffers < bf16.stages[0].memory.buffers);
+    assert!(fp8.estimate.step_time_s < bf16.estimate.step_time_s);
+    assert!(serde_json::to_value(&bf16).unwrap()["strategy"]
+        .get("fp8_gather")
+        .is_none());
+    let e = error(GPT_1_7B, "8xH100", 64, "zero=3,fp8_gather=on");
+    assert!(e.to_string().contains("needs fp8=on"), "{e}");
+    let e = error(GPT_1_7B, "8xH100", 64, "zero=0,fp8=on,fp8_gather=on");
+    assert!(e.to_string().contains("zero ≥ 1"), "{e}");
+}

@@ -97,7 +97,10 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
     if s.fp8 {
         gaps.push(Gap::new(
             "FP8 GEMMs (a ds_config has no FP8; Transformer Engine runs them in Megatron-LM)",
-            |p| p.fp8 = None,
+            |p| {
+                p.fp8 = None;
+                p.fp8_gather = None;
+            },
         ));
     }
     if m.cp > 1 {

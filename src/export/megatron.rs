@@ -362,6 +362,10 @@ pub fn training_flags(job: &Job) -> Vec<Flag> {
     if job.plan.strategy.fp8 {
         // Transformer Engine's hybrid recipe: E4M3 forward, E5M2 gradients.
         f.push(arg("--fp8-format", "hybrid"));
+        if job.plan.strategy.fp8_gather {
+            // The distributed optimizer (or FSDP) gathers the FP8 params.
+            f.push(flag("--fp8-param-gather"));
+        }
     }
     let lr = match t.optimizer {
         Optimizer::AdamW {

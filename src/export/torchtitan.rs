@@ -367,6 +367,14 @@ pub fn render(job: &Job) -> String {
             w,
             "\n[quantize.linear.float8]\nrecipe_name = \"tensorwise\"\nfilter_fqns = [\"output\"]"
         );
+        if s.fp8_gather {
+            // FSDP2 gathers the float8 casts, their scales from one amax
+            // all-reduce after the optimizer step.
+            let _ = writeln!(
+                w,
+                "enable_fsdp_float8_all_gather = true\nprecompute_float8_dynamic_scale_for_fsdp = true"
+            );
+        }
     }
     let _ = writeln!(
         w,
