@@ -714,6 +714,12 @@ pub fn train_prepared_on(
         summary["predicted_dp_bytes_per_step"] = json!(p.plan.estimate.breakdown.dp_link_bytes);
         summary["predicted_step_time_s"] = json!(p.plan.estimate.step_time_s);
         summary["losses"] = json!(report.steps.iter().map(|s| s.loss).collect::<Vec<_>>());
+        // What the fused compute ran fused, so a run shows its attention
+        // kernels were the fused ones (and why not, where not).
+        if let Some(a) = &report.attention {
+            summary["fused_attentions"] = json!(a.fused);
+            summary["unfused_attentions"] = json!(a.unfused);
+        }
         if let Some(d) = &report.device {
             summary["device"] = json!(d.name);
             summary["kernels"] = json!(d.kernels);

@@ -845,6 +845,86 @@ fn dropout_on_split_values_draws_the_serial_masks() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// The fused attention with dropout on its probabilities under tensor
+/// parallelism (heads split, sequence parallelism on) and context
+/// parallelism (a rank's query chunks against every key): each rank draws
+/// each element at its place in the whole tensor, so `--compute fused`
+/// trains as the serial reference run does, and the run summary shows the
+/// attention ran as the fused kernel (once per layer body) with none left
+/// op by op.
+#[test]
+fn fused_attention_with_dropout_on_split_values_draws_the_serial_masks() {
+    let text = std::fs::read_to_string("models/tiny.dpl").expect("the zoo file");
+    let (dir, src) = scratch_model(
+        "attention-dropout",
+        "tiny.dpl",
+        &format!(
+            "{text}\nmodel gpt_dropout = gpt_tiny(dropout = 0.1)\n\
+             model llama_dropout(vocab = 256, d = 64, heads = 4, kv_heads = 2, layers = 2) {{\n\
+             input tokens: i32[batch, seq]\n    input targets: i32[batch, seq]\n    \
+             param embed: [vocab, d]\n    h = embedding(embed, tokens)\n    repeat layers {{\n        \
+             h = h + attention(rms_norm(h, d, name = \"an\"), d, heads, kv_heads = kv_heads, \
+             rotary = true, qkv_bias = false, out_bias = false, dropout = 0.1)\n        \
+             h = h + swiglu(rms_norm(h, d, name = \"fn\"), d, 128)\n    }}\n    \
+             param output: [d, vocab]\n    \
+             return cross_entropy(rms_norm(h, d, name = \"norm\") @ output, targets)\n}}\n"
+        ),
+    );
+    let src = src.to_str().unwrap();
+    let run = |model: &str, cluster: &str, strategy: &str, compute: &str| -> serde_json::Value {
+        let mut args = vec![
+            "run",
+            src,
+            "--model",
+            model,
+            "--cluster",
+            cluster,
+            "--seq",
+            "16",
+            "--global-batch",
+            "4",
+            "--steps",
+            "3",
+            "--json",
+            "--compute",
+            compute,
+        ];
+        if !strategy.is_empty() {
+            args.extend(["--strategy", strategy]);
+        }
+        let out = dplc(&args);
+        assert!(out.status.success(), "{model} {strategy}: {}", stderr(&out));
+        let text = String::from_utf8(out.stdout).unwrap();
+        serde_json::from_str(text.lines().last().expect("a summary")).unwrap()
+    };
+    for model in ["gpt_dropout", "llama_dropout"] {
+        let serial = run(model, "1xcpu", "", "reference");
+        for strategy in ["tp=2,sp=true", "cp=2"] {
+            let got = run(model, "2xcpu", strategy, "fused");
+            let name = format!("{model} {strategy}");
+            assert_eq!(got["fused_attentions"], 1, "{name}: {got}");
+            assert_eq!(
+                got["unfused_attentions"],
+                serde_json::json!([]),
+                "{name}: {got}"
+            );
+            let (a, b) = (
+                serial["losses"].as_array().unwrap(),
+                got["losses"].as_array().unwrap(),
+            );
+            assert_eq!(a.len(), b.len(), "{name}");
+            for (x, y) in a.iter().zip(b) {
+                let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
+                assert!(
+                    (x - y).abs() <= 1e-5 * x.abs(),
+                    "{name}: serial {a:?}, fused {b:?}"
+                );
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// Compile `model` of `src` on 4 CPU ranks under each of `strategies` (with
 /// `extra` compile flags) and check that `dplc verify` passes the plan on
 /// both computes.

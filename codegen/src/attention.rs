@@ -10,7 +10,7 @@
 //! and `dV` (summed over the query heads sharing a key head), and one over
 //! the bias's elements for its gradient; each writes every element once.
 
-use crate::kernel::{Buffer, DrawKey, Elem, Size};
+use crate::kernel::{Buffer, DrawKey, Elem, Idx, Size};
 use std::fmt::{self, Write as _};
 
 /// Queries per tile: a CUDA block's rows, and the host reference's tile.
@@ -41,12 +41,18 @@ pub struct AttentionOperand {
 }
 
 /// The dropout of the probabilities: the draw of element `(b, h, i, j)` is
-/// that of index `((b·heads + h)·q_len + i)·k_len + j` of the dropout's
-/// output, as the unfused kernel draws it, so both drop the same elements.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// that of the dropout's output at `index`, as the unfused kernel draws it,
+/// so both drop the same elements.
+#[derive(Clone, Debug, PartialEq)]
 pub struct AttentionDropout {
     pub p: f64,
     pub key: DrawKey,
+    /// The element's flat index in the whole tensor of the serial run, over
+    /// `Idx::Var(0..4)` = `(b, h, i, j)`: `((b·heads + h)·q_len + i)·k_len +
+    /// j`, or in a rank's part (heads over tp, a cp rank's queries) its place
+    /// in the whole, as codegen's one `whole_index` writes it for every
+    /// fused kernel.
+    pub index: Idx,
 }
 
 /// One fused attention: what it computes, for any batch of its shape.
@@ -73,6 +79,11 @@ pub struct AttentionKernel {
     pub causal: bool,
     /// Keys `window` or more positions behind the query (`i − j >= window`) weigh nothing.
     pub window: Option<i64>,
+    /// The place in the whole sequence of query `i` (`Idx::Var(2)`), which
+    /// the causal and window masks compare with key `j`'s: `i` itself, or a
+    /// cp rank's chunk positions (its keys are every position). Increasing
+    /// in `i`, so a tile's first and last queries bound its masked keys.
+    pub query_position: Idx,
     pub q: AttentionOperand,
     pub k: AttentionOperand,
     pub v: AttentionOperand,
@@ -233,6 +244,16 @@ impl AttentionKernel {
         }
     }
 
+    /// The row-major index of element `(b, h, i, j)` (`Idx::Var(0..4)`) of
+    /// the kernel's own probabilities: the dropout's draw index where they
+    /// are the whole tensor.
+    pub fn local_index(&self) -> Idx {
+        let lens = [self.batch, self.heads, self.q_len, self.k_len].map(Idx::size);
+        (0..4).zip(lens).fold(Idx::Const(0), |acc, (a, len)| {
+            Idx::add(Idx::mul(acc, len), Idx::Var(a))
+        })
+    }
+
     /// The stable textual form, shown in goldens.
     pub fn text(&self) -> String {
         self.render(true)
@@ -266,6 +287,9 @@ impl AttentionKernel {
         if let Some(w) = self.window {
             let _ = write!(s, " window {w}");
         }
+        if self.query_position != Idx::Var(2) {
+            let _ = write!(s, " queries at {}", self.query_position);
+        }
         s.push('\n');
         let mut operand = |name: &str, op: &AttentionOperand| {
             let len: Vec<String> = op.len.iter().map(|d| d.to_string()).collect();
@@ -283,11 +307,15 @@ impl AttentionKernel {
         }
         operand("out", &self.out);
         if let Some(d) = &self.dropout {
-            let _ = writeln!(
+            let _ = write!(
                 s,
                 "  dropout p {:?} node {} layer {} samples {} + / {}",
                 d.p, d.key.node, d.key.layer, d.key.first_sample, d.key.per_sample
             );
+            if d.index != self.local_index() {
+                let _ = write!(s, " at {}", d.index);
+            }
+            s.push('\n');
         }
         s
     }

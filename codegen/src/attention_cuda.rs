@@ -9,9 +9,9 @@
 //! grid is correct.
 
 use crate::attention::{AttentionBuffer, AttentionKernel, AttentionPass};
-use crate::cuda::{at, bin, call, decl, float_lit, id, size, var, Writer, C, S};
+use crate::cuda::{at, bin, call, decl, float_lit, id, index_with, size, var, Writer, C, S};
 use crate::cuda::{CudaSource, LaunchShape};
-use crate::kernel::{drop_threshold, Elem, Size};
+use crate::kernel::{drop_threshold, Elem, Idx, Size};
 use dplc_ir::DType;
 
 /// Rows of a block's own tile (queries, or keys for `dK`/`dV`): one a thread
@@ -227,8 +227,21 @@ impl Ctx<'_> {
         )
     }
 
+    /// Query `i`'s place in the whole sequence, which the masks compare
+    /// with a key's ([`AttentionKernel::query_position`]).
+    fn query_position(&self, i: &C) -> C {
+        index_with(&self.k.query_position, &|a| match a {
+            2 => i.clone(),
+            _ => unreachable!("a query's place reads only its own index"),
+        })
+    }
+
     /// Whether query `i` may not see key `j` (`None`: every key is seen).
     fn masked(&self, i: &C, j: &C) -> Option<C> {
+        if !self.k.causal && self.k.window.is_none() {
+            return None;
+        }
+        let i = self.query_position(i);
         let causal = self.k.causal.then(|| bin(">", j.clone(), i.clone()));
         let window = self
             .k
@@ -274,25 +287,9 @@ impl Ctx<'_> {
 
     /// The dropout's factor of element `(b, h, i, j)` (`None` without dropout).
     fn keep(&self, b: &C, h: &C, i: &C, j: &C) -> Option<C> {
-        let d = self.k.dropout?;
-        let k = self.k;
-        let index = bin(
-            "+",
-            bin(
-                "*",
-                bin(
-                    "+",
-                    bin(
-                        "*",
-                        bin("+", bin("*", b.clone(), size(k.heads)), h.clone()),
-                        size(k.q_len),
-                    ),
-                    i.clone(),
-                ),
-                size(k.k_len),
-            ),
-            j.clone(),
-        );
+        let d = self.k.dropout.as_ref()?;
+        let bhij = [b, h, i, j];
+        let index = index_with(&d.index, &|a| bhij[a].clone());
         let draw = call(
             "dplc_random",
             vec![
@@ -315,23 +312,37 @@ impl Ctx<'_> {
     /// `(begin, end)`, causal and window tiles past either end skipped.
     fn key_range(&self, t: i64) -> Vec<S> {
         let k = self.k;
+        let placed = k.query_position != Idx::Var(2);
         let begin = match k.window {
             Some(w) => bin(
                 "*",
                 bin(
                     "/",
-                    call("dplc_imax", vec![bin("-", id("i0"), ll(w - 1)), ll(0)]),
+                    call(
+                        "dplc_imax",
+                        vec![bin("-", self.query_position(&id("i0")), ll(w - 1)), ll(0)],
+                    ),
                     ll(t),
                 ),
                 ll(t),
             ),
             None => ll(0),
         };
-        let end = if k.causal {
-            call(
+        // The block's last query sees keys up to its place.
+        let last_seen = if placed {
+            let last = call(
                 "dplc_imin",
-                vec![size(k.k_len), bin("+", id("i0"), ll(ROWS))],
-            )
+                vec![
+                    bin("+", id("i0"), ll(ROWS - 1)),
+                    bin("-", size(k.q_len), ll(1)),
+                ],
+            );
+            bin("+", self.query_position(&last), ll(1))
+        } else {
+            bin("+", id("i0"), ll(ROWS))
+        };
+        let end = if k.causal {
+            call("dplc_imin", vec![size(k.k_len), last_seen])
         } else {
             size(k.k_len)
         };
@@ -344,17 +355,20 @@ impl Ctx<'_> {
     /// The query tiles of width `t` a block of keys `[j0, j0 + 64)` visits.
     fn query_range(&self, t: i64) -> Vec<S> {
         let k = self.k;
-        let begin = if k.causal {
+        // Placed queries (a cp rank's chunks) are not a run of positions:
+        // every query tile is visited, the masks drop what is not seen.
+        let placed = k.query_position != Idx::Var(2);
+        let begin = if k.causal && !placed {
             bin("*", bin("/", id("j0"), ll(t)), ll(t))
         } else {
             ll(0)
         };
         let end = match k.window {
-            Some(w) => call(
+            Some(w) if !placed => call(
                 "dplc_imin",
                 vec![size(k.q_len), bin("+", id("j0"), ll(ROWS - 1 + w))],
             ),
-            None => size(k.q_len),
+            _ => size(k.q_len),
         };
         vec![
             decl("long long", "ibegin", begin),

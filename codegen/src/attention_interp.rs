@@ -7,7 +7,7 @@ use crate::attention::{
     AttentionBuffer, AttentionKernel, AttentionOperand, AttentionPass, BLOCK_K, BLOCK_Q,
 };
 use crate::interp::{Args, BufferRef, Data};
-use crate::kernel::{draw_state, drop_threshold, dropout_draw};
+use crate::kernel::{draw_state, drop_threshold, dropout_draw, Idx};
 use crate::CodegenError;
 
 /// An operand's element addresses at a launch's sizes.
@@ -34,6 +34,7 @@ impl At {
 /// Everything a pass reads, at a launch's sizes.
 struct Problem<'a> {
     k: &'a AttentionKernel,
+    args: &'a Args,
     batch: i64,
     heads: i64,
     kv_heads: i64,
@@ -44,18 +45,40 @@ struct Problem<'a> {
     v_at: At,
     bias_at: Option<At>,
     out_at: At,
-    /// Dropout: the key state for this launch, the threshold, the kept scale.
-    drop: Option<(u64, i64, i64, f32, f32)>,
+    drop: Option<Draws<'a>>,
+    /// Query positions are the rank's places in the whole sequence.
+    placed_queries: bool,
 }
 
 impl Problem<'_> {
+    /// Value `at` (over `(b, h, i, j)`) of the kernel's index expressions.
+    fn eval(&self, at: &Idx, bhij: [i64; 4]) -> i64 {
+        at.eval(&bhij, &|s| self.args.size(s))
+            .expect("the attention's places read only its axes and sizes")
+    }
+
+    /// Query `i`'s place in the whole sequence, which the masks read.
+    fn query_position(&self, i: i64) -> i64 {
+        if self.placed_queries {
+            self.eval(&self.k.query_position, [0, 0, i, 0])
+        } else {
+            i
+        }
+    }
+
     fn masked(&self, i: i64, j: i64) -> bool {
+        if !self.k.causal && self.k.window.is_none() {
+            return false;
+        }
+        let i = self.query_position(i);
         (self.k.causal && j > i) || self.k.window.is_some_and(|w| i - j >= w)
     }
 
-    /// Whether every pair of query rows `[i0, i1)` and keys `[j0, j1)` is masked.
+    /// Whether every pair of query rows `[i0, i1)` and keys `[j0, j1)` is
+    /// masked (query places increase with `i`).
     fn tile_masked(&self, i0: i64, i1: i64, j0: i64, j1: i64) -> bool {
-        (self.k.causal && j0 > i1 - 1) || self.k.window.is_some_and(|w| i0 - (j1 - 1) >= w)
+        let (first, last) = (self.query_position(i0), self.query_position(i1 - 1));
+        (self.k.causal && j0 > last) || self.k.window.is_some_and(|w| first - (j1 - 1) >= w)
     }
 
     /// The scaled, biased score of query `i` against key `j` (not masked).
@@ -74,22 +97,29 @@ impl Problem<'_> {
 
     /// The dropout's factor for element `(b, h, i, j)`: 0 if dropped, else `1/(1-p)`.
     fn keep(&self, b: i64, h: i64, i: i64, j: i64) -> f32 {
-        match self.drop {
-            None => 1.0,
-            Some((state, first, per, threshold, kept)) => {
-                let index = ((b * self.heads + h) * self.q_len + i) * self.k_len + j;
-                if dropout_draw(state, first, per, index) < threshold {
-                    0.0
-                } else {
-                    kept
-                }
-            }
+        let Some(d) = &self.drop else { return 1.0 };
+        let index = self.eval(d.index, [b, h, i, j]);
+        if dropout_draw(d.state, d.first_sample, d.per_sample, index) < d.threshold {
+            0.0
+        } else {
+            d.kept
         }
     }
 
     fn lse_at(&self, b: i64, h: i64, i: i64) -> usize {
         ((b * self.heads + h) * self.q_len + i) as usize
     }
+}
+
+/// The dropout at a launch: the key's state and words, where each element
+/// draws, the threshold and the kept elements' scale.
+struct Draws<'a> {
+    state: u64,
+    first_sample: i64,
+    per_sample: i64,
+    index: &'a Idx,
+    threshold: f32,
+    kept: f32,
 }
 
 /// The buffers a pass reads.
@@ -143,6 +173,8 @@ pub fn interpret_attention(
     };
     let p = Problem {
         k: kernel,
+        args,
+        placed_queries: kernel.query_position != Idx::Var(2),
         batch: args.size(kernel.batch),
         heads: args.size(kernel.heads),
         kv_heads: args.size(kernel.kv_heads),
@@ -153,15 +185,13 @@ pub fn interpret_attention(
         v_at: At::new(&kernel.v, args),
         bias_at: kernel.bias.as_ref().map(|b| At::new(b, args)),
         out_at: At::new(&kernel.out, args),
-        drop: kernel.dropout.map(|d| {
-            let state = draw_state(args.seed, d.key.node, args.size(d.key.layer));
-            (
-                state,
-                args.size(d.key.first_sample),
-                args.size(d.key.per_sample),
-                drop_threshold(d.p) as f32,
-                (1.0 / (1.0 - d.p)) as f32,
-            )
+        drop: kernel.dropout.as_ref().map(|d| Draws {
+            state: draw_state(args.seed, d.key.node, args.size(d.key.layer)),
+            first_sample: args.size(d.key.first_sample),
+            per_sample: args.size(d.key.per_sample),
+            index: &d.index,
+            threshold: drop_threshold(d.p) as f32,
+            kept: (1.0 / (1.0 - d.p)) as f32,
         }),
     };
     // Split the buffers into what is read and what is written.

@@ -4,7 +4,7 @@
 //! views of tensors in memory. Fusion turns each match into one
 //! [`crate::Step::Attention`]; a chain it cannot take gets its reason.
 
-use dplc_ir::{BinaryOp, Dim, Graph, NodeId, Op, Ratio, TensorDef, TensorId};
+use dplc_ir::{BinaryOp, Dim, Graph, NodeId, Op, Ratio, TensorDef, TensorId, TensorLayout};
 use std::collections::{HashMap, VecDeque};
 
 /// One axis of a strided view: element `i` sits at `(i / group)·stride`.
@@ -52,8 +52,25 @@ pub(crate) struct AttentionMatch {
     /// The output's buffer: the `P·V` product or the transpose of it that
     /// its reader takes (written in that layout, so no copy follows).
     pub out: View,
-    /// The dropout node, its probability and its output (whose elements key the draws).
-    pub dropout: Option<(NodeId, f64, TensorId)>,
+    /// Queries are the rank's sequence chunks under context parallelism
+    /// (`dplc_ir::split_context`) and keys every position: the causal mask
+    /// compares a key's position with the query's place in the whole sequence.
+    pub query_context: bool,
+    pub dropout: Option<MatchDropout>,
+}
+
+/// The dropout of the probabilities, as its node says it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct MatchDropout {
+    pub node: NodeId,
+    pub p: f64,
+    /// Its output, whose elements key the draws.
+    pub out: TensorId,
+    /// In a rank's program, the axes along which the probabilities are the
+    /// rank's part of the whole (`Op::Dropout`): each element draws at its
+    /// place in the whole tensor, as the unfused kernels and the reference do.
+    pub split: Option<usize>,
+    pub context: Option<usize>,
 }
 
 /// What the matcher needs of the region besides the graph.
@@ -339,6 +356,54 @@ fn reaches_softmax(g: &Graph, r: &Region, t: TensorId) -> bool {
     false
 }
 
+/// Positions as a `[q, 1]` column (`col`) or a `[1, k]` row: `reshape`
+/// of (a cast of) `iota`, or of the cp rank's part of it (a relayout from
+/// replicated to its context chunks). `Some(true)` for the rank's part.
+fn positions(g: &Graph, t: TensorId, col: bool) -> Option<bool> {
+    let r = g.producer(t)?;
+    let dims = g.tensor(t).shape.dims();
+    if !matches!(r.op, Op::Reshape { .. }) || dims.len() != 2 || !dims[usize::from(col)].is_one() {
+        return None;
+    }
+    let mut x = r.inputs[0];
+    if let Some(Op::Cast(_)) = g.producer(x).map(|p| &p.op) {
+        x = g.producer(x)?.inputs[0];
+    }
+    let mut chunks = false;
+    if let Some(Op::Relayout {
+        from: TensorLayout::Replicated,
+        to: TensorLayout::Context { axis: 0 },
+        ..
+    }) = g.producer(x).map(|p| &p.op)
+    {
+        chunks = true;
+        x = g.producer(x)?.inputs[0];
+    }
+    matches!(g.producer(x).map(|p| &p.op), Some(Op::Iota { .. })).then_some(chunks)
+}
+
+/// The causal mask of a cp rank's program (`dplc_ir::split_context`):
+/// `select(key positions > the rank's query positions, −∞, scores)`, its
+/// queries the rank's chunks and its keys every position. The node that
+/// makes the condition (the comparison; the positions may have other readers).
+fn context_causal_mask(g: &Graph, r: &Region, select: &dplc_ir::Node) -> Option<Vec<NodeId>> {
+    let cond = select.inputs[0];
+    if dplc_ir::scalar_constant(g, select.inputs[1]) != Some(f64::NEG_INFINITY)
+        || r.consumers.get(&cond).map(Vec::len) != Some(1)
+        || (r.pinned)(cond)
+    {
+        return None;
+    }
+    let gt = g.producer(select.inputs[0])?;
+    if gt.op != Op::Binary(BinaryOp::Gt)
+        || positions(g, gt.inputs[0], false) != Some(false)
+        || positions(g, gt.inputs[1], true) != Some(true)
+    {
+        return None;
+    }
+    Some(vec![producer_id(g, select.inputs[0])?])
+}
+
 /// The attention whose score matmul is `qk`: `None` when its product is not
 /// an attention's scores, else the match or why the kernel cannot take it.
 pub(crate) fn match_attention(
@@ -394,6 +459,7 @@ fn attention_at(g: &Graph, r: &Region, qk: NodeId) -> Res<AttentionMatch> {
     }
     let mut nodes = vec![qk];
     let (mut scale, mut bias, mut window, mut causal) = (None, None, None, false);
+    let mut query_context = false;
     let mut cur = scores;
     let softmax = loop {
         let c = only_reader(cur)?;
@@ -423,6 +489,13 @@ fn attention_at(g: &Graph, r: &Region, qk: NodeId) -> Res<AttentionMatch> {
                 nodes.extend(made);
             }
             Op::CausalMask if !causal => causal = true,
+            Op::Select if !causal && n.inputs[2] == cur => {
+                let made = context_causal_mask(g, r, n)
+                    .ok_or("the scores selected by a condition that is not a causal mask")?;
+                causal = true;
+                query_context = true;
+                nodes.extend(made);
+            }
             Op::Softmax { axis } if *axis == 3 => break c,
             op => {
                 return Err(format!(
@@ -439,15 +512,15 @@ fn attention_at(g: &Graph, r: &Region, qk: NodeId) -> Res<AttentionMatch> {
     let mut dropout = None;
     let mut pv = only_reader(probs)?;
     if let Op::Dropout { p, context, split } = g.node(pv).op {
-        // The kernel draws at the local probabilities' own index; a rank's
-        // part of a split value (heads over tp, a cp rank's queries) draws
-        // at its place in the whole tensor, which the unfused path does.
-        if p > 0.0 && (context.is_some() || split.is_some()) {
-            return Err("the dropout of a split value draws at the whole tensor's places".into());
-        }
         let out = g.node(pv).outputs[0];
         if p > 0.0 {
-            dropout = Some((pv, p, out));
+            dropout = Some(MatchDropout {
+                node: pv,
+                p,
+                out,
+                split,
+                context,
+            });
         }
         nodes.push(pv);
         probs = out;
@@ -601,6 +674,7 @@ fn attention_at(g: &Graph, r: &Region, qk: NodeId) -> Res<AttentionMatch> {
         v,
         bias,
         out,
+        query_context,
         dropout,
     })
 }

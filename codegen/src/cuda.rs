@@ -449,19 +449,26 @@ pub(crate) fn size(s: Size) -> C {
 }
 
 fn index(i: &Idx) -> C {
+    index_with(i, &|a| id(format!("i{a}")))
+}
+
+/// `i` as C, outer index `Var(a)` written as `var(a)`: the fused
+/// attention's whole-tensor places name their axes `b`, `hh`, `i`, `j`.
+pub(crate) fn index_with(i: &Idx, var: &dyn Fn(usize) -> C) -> C {
+    let ix = |x: &Idx| index_with(x, var);
     match i {
-        Idx::Var(a) => id(format!("i{a}")),
+        Idx::Var(a) => var(*a),
         Idx::Inner => id("j"),
         Idx::Const(c) => C::Lit(format!("{c}LL")),
         Idx::Size(s) => size(*s),
-        Idx::Add(a, b) => bin("+", index(a), index(b)),
-        Idx::Sub(a, b) => bin("-", index(a), index(b)),
-        Idx::Mul(a, b) => bin("*", index(a), index(b)),
-        Idx::Div(a, b) => bin("/", index(a), index(b)),
-        Idx::Rem(a, b) => bin("%", index(a), index(b)),
-        Idx::Min(a, b) => call("dplc_imin", vec![index(a), index(b)]),
-        Idx::Max(a, b) => call("dplc_imax", vec![index(a), index(b)]),
-        Idx::Load(buf, i) => C::Cast("long long", Box::new(at(id(format!("b{buf}")), index(i)))),
+        Idx::Add(a, b) => bin("+", ix(a), ix(b)),
+        Idx::Sub(a, b) => bin("-", ix(a), ix(b)),
+        Idx::Mul(a, b) => bin("*", ix(a), ix(b)),
+        Idx::Div(a, b) => bin("/", ix(a), ix(b)),
+        Idx::Rem(a, b) => bin("%", ix(a), ix(b)),
+        Idx::Min(a, b) => call("dplc_imin", vec![ix(a), ix(b)]),
+        Idx::Max(a, b) => call("dplc_imax", vec![ix(a), ix(b)]),
+        Idx::Load(buf, i) => C::Cast("long long", Box::new(at(id(format!("b{buf}")), ix(i)))),
     }
 }
 

@@ -713,19 +713,35 @@ fn lower_attention(g: &Graph, m: &AttentionMatch) -> FusedAttention {
     };
     let (q, k, v, out) = (operand(&m.q), operand(&m.k), operand(&m.v), operand(&m.out));
     let bias = m.bias.as_ref().map(&mut operand);
-    let dropout = m.dropout.map(|(node, p, t)| {
-        let mut key_size = |k: KeySize| -> Size {
-            sizes.push(Dim::konst(0));
-            key_sizes.push((sizes.len() - 1, k));
-            Size::Param(sizes.len() - 1)
-        };
+    // The words of the rank's place and of the dropout key, each one
+    // argument however often it is read.
+    let mut key_size = |k: KeySize| -> Size {
+        if let Some(&(i, _)) = key_sizes.iter().find(|(_, x)| *x == k) {
+            return Size::Param(i);
+        }
+        sizes.push(Dim::konst(0));
+        key_sizes.push((sizes.len() - 1, k));
+        Size::Param(sizes.len() - 1)
+    };
+    let query_position = whole_position(
+        Idx::Var(2),
+        Idx::size(q_len),
+        false,
+        m.query_context,
+        &mut key_size,
+    )
+    .0;
+    let dropout = m.dropout.map(|d| {
+        let axes = [0, 1, 2, 3].map(Idx::Var);
+        let lens = [batch, heads, q_len, k_len].map(Idx::size);
         AttentionDropout {
-            p,
+            p: d.p,
+            index: whole_index(&axes, &lens, d.split, d.context, &mut key_size),
             key: DrawKey {
-                node: node.index() as u64,
+                node: d.node.index() as u64,
                 layer: key_size(KeySize::Layer),
                 first_sample: key_size(KeySize::FirstSample),
-                per_sample: key_size(KeySize::PerSample(t)),
+                per_sample: key_size(draw_per_sample(d.out, d.split, d.context)),
             },
         }
     });
@@ -742,6 +758,7 @@ fn lower_attention(g: &Graph, m: &AttentionMatch) -> FusedAttention {
         scale: m.scale,
         causal: m.causal,
         window: m.window,
+        query_position,
         q,
         k,
         v,
@@ -759,6 +776,83 @@ fn lower_attention(g: &Graph, m: &AttentionMatch) -> FusedAttention {
         sizes,
         key_sizes,
         nodes: m.nodes.clone(),
+    }
+}
+
+/// The flat index in the whole tensor of element `index` of a tensor of
+/// local lengths `lens` that is this rank's part, as `dplc_ir::Placement`
+/// computes it on the host: a dropout's draw, in a fused kernel or the
+/// fused attention, is keyed by it so every split draws the serial run's
+/// mask. `key` gives the size argument of a word of the rank's place.
+pub(crate) fn whole_index(
+    index: &[Idx],
+    lens: &[Idx],
+    split: Option<usize>,
+    context: Option<usize>,
+    key: &mut dyn FnMut(KeySize) -> Size,
+) -> Idx {
+    let mut acc = Idx::Const(0);
+    for (k, (i, len)) in index.iter().zip(lens).enumerate() {
+        let (i, len) = whole_position(
+            i.clone(),
+            len.clone(),
+            split == Some(k),
+            context == Some(k),
+            key,
+        );
+        acc = Idx::add(Idx::mul(acc, len), i);
+    }
+    acc
+}
+
+/// Position `i` of an axis of local length `len` in the whole axis, and the
+/// whole axis's length: along a `split` axis the rank's `1/tp` piece (`i +
+/// part·len` of an axis `tp` times as long); then along a `context` axis its
+/// sequence chunks (`dplc_ir::context_position`: `i + rank·len/2 + (i /
+/// (len/2))·(cp−1−rank)·len` of an axis `cp` times as long). The fused
+/// attention's causal and window masks read a query's place here too.
+pub(crate) fn whole_position(
+    i: Idx,
+    len: Idx,
+    split: bool,
+    context: bool,
+    key: &mut dyn FnMut(KeySize) -> Size,
+) -> (Idx, Idx) {
+    let (mut i, mut len) = (i, len);
+    if split {
+        let part = Idx::Size(key(KeySize::SplitPart));
+        let parts = Idx::Size(key(KeySize::SplitParts));
+        i = Idx::add(i, Idx::mul(part, len.clone()));
+        len = Idx::mul(len, parts);
+    }
+    if context {
+        let rank = Idx::Size(key(KeySize::ContextRank));
+        let cp = Idx::Size(key(KeySize::ContextRanks));
+        let chunk = Idx::div(len.clone(), Idx::Const(2));
+        let later = Idx::mul(
+            Idx::sub(Idx::sub(cp.clone(), Idx::Const(1)), rank.clone()),
+            len.clone(),
+        );
+        i = Idx::add(
+            Idx::add(i.clone(), Idx::mul(rank, chunk.clone())),
+            Idx::mul(Idx::div(i, chunk), later),
+        );
+        len = Idx::mul(len, cp);
+    }
+    (i, len)
+}
+
+/// How many elements of a dropout's output `t` a sample holds, as its key
+/// reads it: of `t` itself, or of the whole tensor whose part along
+/// `split` (tp) or `context` (cp) it is.
+fn draw_per_sample(t: TensorId, split: Option<usize>, context: Option<usize>) -> KeySize {
+    match (split, context) {
+        (None, None) => KeySize::PerSample(t),
+        (split, context) => KeySize::WholePerSample {
+            tensor: t,
+            split: split.is_some(),
+            context: context.is_some(),
+        },
     }
 }
 
@@ -980,11 +1074,8 @@ impl Lower<'_, '_> {
     }
 
     /// The flat index in the whole tensor of element `index` of a tensor of
-    /// `dims` that is this rank's part, as `dplc_ir::Placement` computes it:
-    /// along `split`, the rank's `1/tp` piece (`i + part·len` of an axis
-    /// `tp` times as long); then along `context`, its sequence chunks (the
-    /// global position `i + rank·len/2 + (i / (len/2))·(cp−1−rank)·len` of
-    /// an axis `cp` times as long).
+    /// `dims` that is this rank's part: [`whole_index`] over this kernel's
+    /// size arguments.
     fn whole_index(
         &mut self,
         index: &[Idx],
@@ -992,33 +1083,8 @@ impl Lower<'_, '_> {
         split: Option<usize>,
         context: Option<usize>,
     ) -> Idx {
-        let mut acc = Idx::Const(0);
-        for (k, (i, d)) in index.iter().zip(dims).enumerate() {
-            let mut i = i.clone();
-            let mut len = self.size_idx(d);
-            if split == Some(k) {
-                let part = Idx::Size(self.key_size(KeySize::SplitPart));
-                let parts = Idx::Size(self.key_size(KeySize::SplitParts));
-                i = Idx::add(i, Idx::mul(part, len.clone()));
-                len = Idx::mul(len, parts);
-            }
-            if context == Some(k) {
-                let rank = Idx::Size(self.key_size(KeySize::ContextRank));
-                let cp = Idx::Size(self.key_size(KeySize::ContextRanks));
-                let chunk = Idx::div(len.clone(), Idx::Const(2));
-                let later = Idx::mul(
-                    Idx::sub(Idx::sub(cp.clone(), Idx::Const(1)), rank.clone()),
-                    len.clone(),
-                );
-                i = Idx::add(
-                    Idx::add(i.clone(), Idx::mul(rank, chunk.clone())),
-                    Idx::mul(Idx::div(i, chunk), later),
-                );
-                len = Idx::mul(len, cp);
-            }
-            acc = Idx::add(Idx::mul(acc, len), i);
-        }
-        acc
+        let lens: Vec<Idx> = dims.iter().map(|d| self.size_idx(d)).collect();
+        whole_index(index, &lens, split, context, &mut |k| self.key_size(k))
     }
 
     fn delinearize(&mut self, flat: Idx, dims: &[Dim]) -> Vec<Idx> {
@@ -1347,17 +1413,11 @@ impl Lower<'_, '_> {
                     x
                 } else {
                     let t = node.outputs[0];
-                    let (at, per_sample) = match (*split, *context) {
-                        (None, None) => (self.linearize(index, out.dims()), KeySize::PerSample(t)),
-                        (split, context) => (
-                            self.whole_index(index, out.dims(), split, context),
-                            KeySize::WholePerSample {
-                                tensor: t,
-                                split: split.is_some(),
-                                context: context.is_some(),
-                            },
-                        ),
+                    let at = match (*split, *context) {
+                        (None, None) => self.linearize(index, out.dims()),
+                        (split, context) => self.whole_index(index, out.dims(), split, context),
                     };
+                    let per_sample = draw_per_sample(t, *split, *context);
                     let key = DrawKey {
                         node: n.index() as u64,
                         layer: self.key_size(KeySize::Layer),

@@ -72,6 +72,14 @@ pub enum Idx {
 
 #[allow(clippy::should_implement_trait)]
 impl Idx {
+    /// A size argument as an index, a constant one folded.
+    pub fn size(s: Size) -> Idx {
+        match s {
+            Size::Const(c) => Idx::Const(c),
+            s => Idx::Size(s),
+        }
+    }
+
     pub fn add(a: Idx, b: Idx) -> Idx {
         match (a, b) {
             (Idx::Const(0), x) | (x, Idx::Const(0)) => x,
@@ -189,6 +197,27 @@ impl Idx {
             Idx::Var(a) => self.uses_var(*a),
             _ => true,
         }
+    }
+
+    /// The value at outer indices `vars` and size arguments `size`: the
+    /// fused attention's host reference evaluates its whole-tensor places
+    /// with it. `None` for what needs more than these (a row's `Inner`, a
+    /// buffer read).
+    pub fn eval(&self, vars: &[i64], size: &dyn Fn(Size) -> i64) -> Option<i64> {
+        let two = |a: &Idx, b: &Idx| Some((a.eval(vars, size)?, b.eval(vars, size)?));
+        Some(match self {
+            Idx::Var(a) => *vars.get(*a)?,
+            Idx::Inner | Idx::Load(..) => return None,
+            Idx::Const(c) => *c,
+            Idx::Size(s) => size(*s),
+            Idx::Add(a, b) => two(a, b).map(|(x, y)| x + y)?,
+            Idx::Sub(a, b) => two(a, b).map(|(x, y)| x - y)?,
+            Idx::Mul(a, b) => two(a, b).map(|(x, y)| x * y)?,
+            Idx::Div(a, b) => two(a, b).and_then(|(x, y)| x.checked_div(y))?,
+            Idx::Rem(a, b) => two(a, b).and_then(|(x, y)| x.checked_rem(y))?,
+            Idx::Min(a, b) => two(a, b).map(|(x, y)| x.min(y))?,
+            Idx::Max(a, b) => two(a, b).map(|(x, y)| x.max(y))?,
+        })
     }
 
     /// Whether the value is certainly a multiple of `m` (for aligned vector access).

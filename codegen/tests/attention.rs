@@ -452,3 +452,227 @@ fn latent_attention_backward() {
         2
     );
 }
+
+const SEQ: usize = 16;
+const BATCH: usize = 2;
+const HEADS: usize = 4;
+
+/// One rank's place: piece `part` of `tp` of the heads, cp rank `rank` of `cp`'s queries.
+#[derive(Clone, Copy, Debug)]
+struct Place {
+    part: usize,
+    tp: usize,
+    rank: usize,
+    cp: usize,
+}
+
+impl Place {
+    /// The rank's query positions in the whole sequence, in the order it holds them.
+    fn positions(&self) -> Vec<usize> {
+        match dplc_ir::context_chunks(SEQ, self.cp, self.rank) {
+            Some([a, b]) if self.cp > 1 => a.chain(b).collect(),
+            _ => (0..SEQ).collect(),
+        }
+    }
+}
+
+/// The rank's program, as the runtime makes it.
+fn placed_program(at: Place) -> Graph {
+    common::placed_attention(at.tp as u64, at.cp as u64)
+}
+
+/// Launch arguments at the rank's place: its sizes, the key's words as the
+/// executor sets them (per-sample counts of the whole tensor for a part).
+fn placed_args(
+    g: &Graph,
+    sizes: &[dplc_ir::Dim],
+    key_sizes: &[(usize, dplc_codegen::KeySize)],
+    syms: &HashMap<String, i64>,
+    at: Place,
+) -> Args {
+    use dplc_codegen::KeySize;
+    let numel = |t: dplc_ir::TensorId| -> usize {
+        g.tensor(t)
+            .shape
+            .dims()
+            .iter()
+            .map(|d| dim(d, syms, g))
+            .product()
+    };
+    let mut sizes: Vec<i64> = sizes.iter().map(|d| dim(d, syms, g) as i64).collect();
+    for &(i, key) in key_sizes {
+        sizes[i] = match key {
+            KeySize::Layer => 3,
+            KeySize::FirstSample => 5,
+            KeySize::PerSample(t) => (numel(t) / BATCH) as i64,
+            KeySize::WholePerSample {
+                tensor,
+                split,
+                context,
+            } => {
+                let tp = if split { at.tp } else { 1 };
+                let cp = if context { at.cp } else { 1 };
+                (numel(tensor) * tp * cp / BATCH) as i64
+            }
+            KeySize::ContextRank => at.rank as i64,
+            KeySize::ContextRanks => at.cp as i64,
+            KeySize::SplitPart => at.part as i64,
+            KeySize::SplitParts => at.tp as i64,
+        };
+    }
+    Args {
+        sizes,
+        scalars: vec![],
+        seed: 0x5eed,
+    }
+}
+
+/// The dropped probabilities `[batch, heads, queries, keys]` of the rank's
+/// part, row-major, from its fused attention (zero scores, one-hot values).
+fn fused_mask(at: Place) -> Vec<f32> {
+    let g = placed_program(at);
+    let syms = syms(&[("batch", BATCH as i64), ("seq", SEQ as i64)]);
+    let plan = fuse(&g, g.root());
+    assert!(
+        plan.unfused_attention.is_empty(),
+        "{at:?}: {:?}",
+        plan.unfused_attention
+    );
+    let fa = plan
+        .steps
+        .iter()
+        .find_map(|s| match s {
+            Step::Attention(a) => Some(a),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("{at:?}: no fused attention"));
+    let k = &fa.kernel;
+    assert!(k.causal, "{at:?}: {}", k.text());
+    let args = placed_args(&g, &fa.sizes, &fa.key_sizes, &syms, at);
+    let fwd = AttentionPass::Forward;
+    let mut x: HashMap<AttentionBuffer, Vec<f32>> = [AttentionBuffer::Q, AttentionBuffer::K]
+        .into_iter()
+        .map(|r| (r, vec![0.0; len(k, fwd, r, &args)]))
+        .collect();
+    let mut v = vec![0.0; len(k, fwd, AttentionBuffer::V, &args)];
+    let s = k.v.at.strides.map(|s| args.size(s));
+    let kv_heads = args.size(k.kv_heads);
+    for b in 0..BATCH as i64 {
+        for h in 0..kv_heads {
+            for j in 0..SEQ as i64 {
+                v[(args.size(k.v.at.offset) + b * s[0] + h * s[1] + j * s[2] + j * s[3])
+                    as usize] = 1.0;
+            }
+        }
+    }
+    x.insert(AttentionBuffer::V, v);
+    let out = &run(k, fwd, &args, &x)[&AttentionBuffer::Out];
+    let (heads, queries) = (args.size(k.heads), args.size(k.q_len));
+    let o = k.out.at.strides.map(|s| args.size(s));
+    let mut mask = Vec::new();
+    for b in 0..BATCH as i64 {
+        for h in 0..heads {
+            for i in 0..queries {
+                for d in 0..SEQ as i64 {
+                    mask.push(
+                        out[(args.size(k.out.at.offset) + b * o[0] + h * o[1] + i * o[2] + d * o[3])
+                            as usize],
+                    );
+                }
+            }
+        }
+    }
+    mask
+}
+
+/// The same from the unfused path: the fused kernel that computes the
+/// dropout's output from zero scores (and the rank's query positions).
+fn unfused_mask(at: Place) -> Vec<f32> {
+    let g = placed_program(at);
+    let syms = syms(&[("batch", BATCH as i64), ("seq", SEQ as i64)]);
+    let config = dplc_codegen::FuseConfig {
+        cut: &[],
+        attention: dplc_ir::AttentionKind::Unfused,
+    };
+    let plan = dplc_codegen::fuse_with(&g, g.root(), &config);
+    let (drop_out, fk) = plan
+        .steps
+        .iter()
+        .find_map(|s| match s {
+            Step::Kernel(k) => k.nodes.iter().find_map(|&n| match g.node(n).op {
+                Op::Dropout { .. } => Some((g.node(n).outputs[0], k)),
+                _ => None,
+            }),
+            _ => None,
+        })
+        .expect("a kernel draws the dropout");
+    let args = placed_args(&g, &fk.sizes, &fk.key_sizes, &syms, at);
+    let positions: Vec<i32> = at.positions().iter().map(|&p| p as i32).collect();
+    let mut bufs: Vec<Data> = fk
+        .buffers
+        .iter()
+        .zip(&fk.kernel.buffers)
+        .map(|(&t, b)| {
+            let n: usize = g
+                .tensor(t)
+                .shape
+                .dims()
+                .iter()
+                .map(|d| dim(d, &syms, &g))
+                .product();
+            let ints = |v: Vec<i32>| match b.elem {
+                dplc_codegen::Elem::I32 => Data::I32(v),
+                _ => Data::F32(v.iter().map(|&p| p as f32).collect()),
+            };
+            match (b.output, &g.producer(t).map(|p| &p.op)) {
+                (true, _) => Data::F32(vec![]),
+                // The sequence's positions, and the rank's part of them.
+                (false, Some(Op::Iota { .. })) => ints((0..n as i32).collect()),
+                (false, Some(Op::Relayout { .. })) => ints(positions.clone()),
+                (false, _) => Data::F32(vec![0.0; n]),
+            }
+        })
+        .collect();
+    dplc_codegen::interpret(&fk.kernel, &args, &mut bufs).unwrap();
+    let i = fk.buffers.iter().position(|&t| t == drop_out).unwrap();
+    bufs[i].f32().to_vec()
+}
+
+/// A rank's part of the probabilities — its heads under tp, its query
+/// chunks under cp, both — is dropped as the serial run drops those
+/// elements: the fused attention's mask at each place equals the whole
+/// attention's at the same element, and equals the unfused kernels' mask
+/// of the same program.
+#[test]
+fn split_dropout_draws_the_whole_attentions_masks() {
+    let whole = fused_mask(Place {
+        part: 0,
+        tp: 1,
+        rank: 0,
+        cp: 1,
+    });
+    let kept = whole.iter().filter(|&&x| x > 0.0).count();
+    let seen = BATCH * HEADS * SEQ * (SEQ + 1) / 2;
+    assert!(kept < seen && kept > seen * 3 / 4, "{kept} of {seen} kept");
+    for (tp, cp) in [(2, 1), (1, 2), (2, 2)] {
+        for part in 0..tp {
+            for rank in 0..cp {
+                let at = Place { part, tp, rank, cp };
+                let positions = at.positions();
+                let heads = HEADS / tp;
+                let mut want = Vec::new();
+                for b in 0..BATCH {
+                    for h in part * heads..(part + 1) * heads {
+                        for &i in &positions {
+                            let row = ((b * HEADS + h) * SEQ + i) * SEQ;
+                            want.extend_from_slice(&whole[row..row + SEQ]);
+                        }
+                    }
+                }
+                let want: Vec<f64> = want.iter().map(|&x| f64::from(x)).collect();
+                close(&format!("fused {at:?}"), &fused_mask(at), &want, 1e-6);
+                close(&format!("unfused {at:?}"), &unfused_mask(at), &want, 1e-6);
+            }
+        }
+    }
+}

@@ -61,6 +61,14 @@ fn all_sources(full_size: bool) -> BTreeMap<String, CudaSource> {
             add(emit_cuda(&add_kernel(out, a, b), dtype));
         }
     }
+    // A bare attention with dropout as a rank of tp 2 and cp 2 runs it:
+    // its draws at the whole tensor's places (heads over tp, query chunks
+    // over cp) and its causal mask at the queries' places in the sequence.
+    add_graph(
+        &common::placed_attention(2, 2),
+        &[DType::F32, DType::BF16, DType::F16],
+        &mut add,
+    );
     // Beside the zoo (which has no running sum), the scan kernels.
     let scans = common::lower_m(common::SCANS);
     add_graph(&scans, &[DType::F32, DType::BF16, DType::F16], &mut add);

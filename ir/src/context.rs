@@ -365,8 +365,11 @@ impl<'g> Split<'g> {
                     p.op,
                     Op::Reshape { .. } | Op::Expand { .. } | Op::Transpose { .. }
                 );
-                let x = p.inputs[0];
-                if !view || readers.get(&x) != Some(&1) || !first.axis.contains_key(&x) {
+                // (A model input, read as the keys themselves, has no input.)
+                let Some(&x) = p.inputs.first().filter(|_| view) else {
+                    break;
+                };
+                if readers.get(&x) != Some(&1) || !first.axis.contains_key(&x) {
                     break;
                 }
                 t = x;

@@ -497,3 +497,75 @@ pub fn data_of(g: &Graph, t: TensorId, v: &T) -> Data {
         Data::F32(v.data.clone())
     }
 }
+
+/// A bare causal attention with dropout 0.1 on its probabilities, its
+/// values 16 wide (the sequence's length here): with zero scores and each
+/// value one-hot at its own position, the output is the dropped
+/// probabilities `P ∘ mask` themselves.
+pub const PLACED: &str = "model m(heads = 4) {\n  input q: f32[batch, heads, seq, 8]\n  \
+    input k: f32[batch, heads, seq, 8]\n  input v: f32[batch, heads, seq, 16]\n  \
+    a = dropout(softmax(causal_mask(q @ transpose(k, 2, 3) * 0.35), -1), 0.1) @ v\n  \
+    return mean(mean(mean(mean(a, -1), -1), -1), -1)\n}\n";
+
+/// Megatron's layout of the bare attention over `tp`: the inputs whole,
+/// sliced to the rank's heads where the score matmul reads them, every
+/// `[batch, heads, ·, ·]` value split along its heads, gathered again for
+/// the loss.
+pub fn heads_layout(g: &Graph, tp: u64) -> dplc_ir::ModelLayout {
+    use dplc_ir::TensorLayout::{Replicated, Split};
+    let root = g.root();
+    let reg = g.region(root);
+    let split = |n: &dplc_ir::Node| {
+        !matches!(n.op, Op::Input(_)) && g.tensor(n.outputs[0]).shape.rank() == 4
+    };
+    let nodes = reg
+        .nodes
+        .iter()
+        .map(|&id| {
+            let n = g.node(id);
+            let layout = |t: dplc_ir::TensorId| {
+                if split(n) && g.tensor(t).shape.rank() == 4 {
+                    Split { axis: 1 }
+                } else {
+                    Replicated
+                }
+            };
+            dplc_ir::NodeLayout {
+                node: id,
+                inputs: n.inputs.iter().map(|&t| layout(t)).collect(),
+                outputs: n.outputs.iter().map(|&t| layout(t)).collect(),
+            }
+        })
+        .collect();
+    dplc_ir::ModelLayout {
+        tp,
+        ep: 1,
+        sequence_parallel: false,
+        regions: vec![dplc_ir::RegionLayout {
+            region: root,
+            args: vec![Replicated; reg.args.len()],
+            nodes,
+            results: vec![Replicated; reg.results.len()],
+        }],
+        params: vec![],
+    }
+}
+
+/// A rank's program of [`PLACED`], as the runtime makes it: the model split
+/// over a context group of `cp` (`split_context`), then localized to its
+/// heads over `tp`.
+pub fn placed_attention(tp: u64, cp: u64) -> Graph {
+    let whole = lower_m(PLACED);
+    let mut g = whole.clone();
+    if cp > 1 {
+        g = dplc_ir::split_context(&whole, cp).unwrap();
+    }
+    if tp > 1 {
+        let mut layout = heads_layout(&whole, tp);
+        if cp > 1 {
+            layout = dplc_ir::context_layout(&g, &layout).unwrap();
+        }
+        g = dplc_ir::localize(&g, &layout).unwrap();
+    }
+    g
+}

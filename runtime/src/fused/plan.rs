@@ -312,6 +312,27 @@ impl FusedGraph {
         })
     }
 
+    /// The graph's attentions as fusion took them: how many run as one
+    /// fused kernel, and why each other one runs op by op.
+    pub fn attentions(&self, graph: &Graph) -> crate::AttentionUse {
+        let mut usage = crate::AttentionUse::default();
+        let mut regions: Vec<_> = self.regions.iter().collect();
+        regions.sort_by_key(|(r, _)| **r);
+        for (_, (plan, _)) in regions {
+            usage.fused += plan
+                .steps
+                .iter()
+                .filter(|s| matches!(s, Step::Attention(_)))
+                .count();
+            usage
+                .unfused
+                .extend(plan.unfused_attention.iter().map(|(n, reason)| {
+                    format!("the attention at {}: {reason}", graph.node(*n).outputs[0])
+                }));
+        }
+        usage
+    }
+
     /// Every pass of every fused attention the executor may launch.
     pub fn attention_passes(&self) -> Vec<(dplc_codegen::AttentionKernel, AttentionPass)> {
         let mut out = Vec::new();

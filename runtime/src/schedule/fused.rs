@@ -152,6 +152,11 @@ impl FusedProgram {
     pub fn kernel_count(&self) -> usize {
         self.fused.kernels().len() + self.fused.attention_passes().len()
     }
+
+    /// How fusion took the program's attentions.
+    pub fn attentions(&self) -> crate::AttentionUse {
+        self.fused.attentions(&self.graph)
+    }
 }
 
 impl HostSteps for Host<'_> {

@@ -12,7 +12,7 @@ mod fused;
 mod report;
 
 pub use config::{Device, Faults, Process, RunConfig, StopFlag, TraceSink, TraceSpan};
-pub use report::{DeviceUse, Parameters, StepStats, TrainReport};
+pub use report::{AttentionUse, DeviceUse, Parameters, StepStats, TrainReport};
 
 use crate::checkpoint::{self, Resume};
 use crate::comm::{Communicator, Group, World};
@@ -530,6 +530,7 @@ fn train_on(
             peak_bytes: device_peak.unwrap_or(0),
             kernels: shared.fused.as_ref().map_or(0, |f| f.kernel_count()),
         }),
+        attention: shared.fused.as_ref().map(|f| f.attentions()),
     })
 }
 

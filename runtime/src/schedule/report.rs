@@ -79,6 +79,18 @@ pub struct TrainReport {
     pub dp_traffic: Vec<crate::Traffic>,
     /// What a GPU run used of its devices (`None` on CPU ranks).
     pub device: Option<DeviceUse>,
+    /// How the fused compute ran the model's attentions (`None` on the
+    /// reference compute).
+    pub attention: Option<AttentionUse>,
+}
+
+/// How the fused compute ran the attentions of a rank's program.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct AttentionUse {
+    /// Attentions run as one fused kernel (a `repeat` body's counts once).
+    pub fused: usize,
+    /// Why each other attention runs op by op.
+    pub unfused: Vec<String>,
 }
 
 /// What a GPU run used of its devices.
