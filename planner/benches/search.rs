@@ -169,13 +169,25 @@ fn published() {
 }
 
 fn main() {
-    published();
+    // `cargo bench -p dplc-planner --bench search -- gpt_1t` times only the
+    // cases whose name holds an argument (for a profiler); without one,
+    // the published rows and every case.
+    let only: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    if only.is_empty() {
+        published();
+    }
     let cases = [
         ("gpt_1t", common::GPT_1T, "384x8xA100", 3072u64),
         ("gpt_175b", common::GPT_175B, "128x8xA100", 1536),
         ("gpt_1_7b", common::GPT_1_7B, "4x8xA100", 512),
     ];
     for (name, cfg, cluster, batch) in cases {
+        if !only.is_empty() && !only.iter().any(|o| name.contains(o.as_str())) {
+            continue;
+        }
         let build = Instant::now();
         let g = common::gpt(name, cfg);
         let build_ms = build.elapsed().as_secs_f64() * 1e3;

@@ -8,7 +8,9 @@ use crate::profile::{layer_body, ModelProfile};
 use crate::PlanError;
 use dplc_ir::{Analysis, Graph, LinkLevel, Precision};
 use serde::Serialize;
+use std::cell::RefCell;
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The tensor- and expert-parallel degrees a layout is extracted for.
@@ -181,46 +183,76 @@ fn tp_refusal(stacks: &[ShardResult], tp: u64) -> Option<String> {
 /// Every layout the search may price, by degrees; a degree with no layout
 /// keeps the reason.
 pub(crate) struct Layouts {
-    pub by_degrees: BTreeMap<Degrees, Result<Layout, String>>,
+    pub by_degrees: BTreeMap<Degrees, Arc<Result<Layout, String>>>,
+}
+
+/// The layouts one `compile` has extracted, by degrees: the search and each
+/// what-if ask for some of the same ones (the same graph, cluster,
+/// precision and sequence), and an e-graph is most of a search's time.
+#[derive(Default)]
+pub(crate) struct LayoutCache {
+    done: RefCell<BTreeMap<Degrees, Arc<Result<Layout, String>>>>,
 }
 
 impl Layouts {
-    /// Extract a layout for each of `degrees`.
+    /// Extract a layout for each of `degrees`, those not in `cache` on as
+    /// many threads as the machine has cores (each is its own e-graph).
     pub fn new(
         g: &Graph,
         precision: Precision,
         cluster: &Cluster,
         seq: u64,
         degrees: impl IntoIterator<Item = Degrees>,
+        cache: &LayoutCache,
     ) -> Result<Layouts, PlanError> {
         let an = Analysis::new(g);
         layer_body(g, &an)?;
-        let mut by_degrees = BTreeMap::new();
-        for d in degrees {
-            let layout = extract(g, &an, cluster, precision, seq, d, false).and_then(|(l, r)| {
-                if let Some(why) = tp_refusal(&l, d.0) {
-                    return Err(why);
-                }
-                let stack_sh: Vec<_> = l.iter().map(|s| &s.sharding).collect();
-                let profile = ModelProfile::new(g, &an, precision, &stack_sh, &r.sharding)
-                    .map_err(|e| e.to_string())?;
-                let replicated_root = ModelProfile::new(
-                    g,
-                    &an,
-                    precision,
-                    &stack_sh,
-                    &crate::sharding::RegionSharding::default(),
-                )
-                .map_err(|e| e.to_string())?;
-                Ok(Layout {
-                    profile,
-                    replicated_root,
-                    stacks: l,
-                    root: r,
-                })
-            });
-            by_degrees.insert(d, layout);
+        let degrees: Vec<Degrees> = degrees.into_iter().collect();
+        let missing: Vec<Degrees> = {
+            let done = cache.done.borrow();
+            degrees
+                .iter()
+                .copied()
+                .filter(|d| !done.contains_key(d))
+                .collect()
+        };
+        let one = |d: Degrees| layout_at(g, &an, precision, cluster, seq, d);
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(missing.len());
+        let extracted: Vec<(Degrees, Result<Layout, String>)> = if threads <= 1 {
+            missing.iter().map(|&d| (d, one(d))).collect()
+        } else {
+            // Degrees dealt round-robin: neighbouring degrees cost alike.
+            std::thread::scope(|scope| {
+                let one = &one;
+                let missing = &missing;
+                let workers: Vec<_> = (0..threads)
+                    .map(|w| {
+                        scope.spawn(move || {
+                            missing
+                                .iter()
+                                .skip(w)
+                                .step_by(threads)
+                                .map(|&d| (d, one(d)))
+                                .collect::<Vec<_>>()
+                        })
+                    })
+                    .collect();
+                workers
+                    .into_iter()
+                    .flat_map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                    .collect()
+            })
+        };
+        let mut done = cache.done.borrow_mut();
+        for (d, layout) in extracted {
+            done.insert(d, Arc::new(layout));
         }
+        let by_degrees = degrees
+            .into_iter()
+            .filter_map(|d| done.get(&d).map(|l| (d, l.clone())))
+            .collect();
         Ok(Layouts { by_degrees })
     }
 
@@ -229,7 +261,7 @@ impl Layouts {
     pub fn at_tp(&self, tp: u64) -> Result<(), &str> {
         let mut why = "no layout was extracted";
         for ((t, _), l) in &self.by_degrees {
-            match l {
+            match &**l {
                 _ if *t != tp => {}
                 Ok(_) => return Ok(()),
                 Err(e) => why = e,
@@ -239,8 +271,41 @@ impl Layouts {
     }
 
     pub fn get(&self, d: Degrees) -> Option<&Layout> {
-        self.by_degrees.get(&d).and_then(|l| l.as_ref().ok())
+        self.by_degrees.get(&d).and_then(|l| (**l).as_ref().ok())
     }
+}
+
+/// The layout at degrees `d`: the layer stacks' and the root's e-graphs,
+/// and the model priced under them (with the root as extracted, and whole).
+fn layout_at(
+    g: &Graph,
+    an: &Analysis,
+    precision: Precision,
+    cluster: &Cluster,
+    seq: u64,
+    d: Degrees,
+) -> Result<Layout, String> {
+    let (l, r) = extract(g, an, cluster, precision, seq, d, false)?;
+    if let Some(why) = tp_refusal(&l, d.0) {
+        return Err(why);
+    }
+    let stack_sh: Vec<_> = l.iter().map(|s| &s.sharding).collect();
+    let profile =
+        ModelProfile::new(g, an, precision, &stack_sh, &r.sharding).map_err(|e| e.to_string())?;
+    let replicated_root = ModelProfile::new(
+        g,
+        an,
+        precision,
+        &stack_sh,
+        &crate::sharding::RegionSharding::default(),
+    )
+    .map_err(|e| e.to_string())?;
+    Ok(Layout {
+        profile,
+        replicated_root,
+        stacks: l,
+        root: r,
+    })
 }
 
 /// The runtime's layout of the whole model from its layer stacks' bodies

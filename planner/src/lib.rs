@@ -77,10 +77,11 @@ pub struct Compiled {
 /// Find the fastest plan that fits in memory, and price its neighbours
 /// (one choice changed) for `explain`'s what-if lines.
 pub fn compile(req: &PlanRequest) -> Result<Compiled, PlanError> {
-    let mut compiled = compile_one(req)?;
+    let cache = layouts::LayoutCache::default();
+    let mut compiled = compile_one(req, &cache)?;
     // compile_one priced the gradient synchronisations on the plan itself.
     let dp_alternatives = std::mem::take(&mut compiled.plan.what_if);
-    compiled.plan.what_if = what_ifs(req, &compiled.plan);
+    compiled.plan.what_if = what_ifs(req, &compiled.plan, &cache);
     compiled.plan.what_if.extend(dp_alternatives);
     // Architecture invariant: the planner writes only plans that load.
     compiled.plan.validate().map_err(|e| {
@@ -93,7 +94,7 @@ pub fn compile(req: &PlanRequest) -> Result<Compiled, PlanError> {
 
 /// The plan's neighbours: tensor degree ×2 and ÷2, the other recompute
 /// policies, micro-batch ×2; every other choice stays as planned.
-fn what_ifs(req: &PlanRequest, plan: &Plan) -> Vec<dplc_ir::WhatIf> {
+fn what_ifs(req: &PlanRequest, plan: &Plan, cache: &layouts::LayoutCache) -> Vec<dplc_ir::WhatIf> {
     let s = &plan.strategy;
     let m = &plan.mesh;
     let base = StrategyConstraints {
@@ -161,12 +162,15 @@ fn what_ifs(req: &PlanRequest, plan: &Plan) -> Vec<dplc_ir::WhatIf> {
             // priced anyway (keeping the plan's ZeRO stage where it applies),
             // so the line says by how much it misses.
             let alt = |pinned: StrategyConstraints, ignore_memory: bool| {
-                compile_one(&PlanRequest {
-                    pinned,
-                    top_k: 0,
-                    ignore_memory,
-                    ..req.clone()
-                })
+                compile_one(
+                    &PlanRequest {
+                        pinned,
+                        top_k: 0,
+                        ignore_memory,
+                        ..req.clone()
+                    },
+                    cache,
+                )
             };
             let priced = alt(pinned.clone(), false).or_else(|_| {
                 let keep_zero = StrategyConstraints {
@@ -407,7 +411,7 @@ pub fn unbound_dim_message(dim: &str) -> String {
     )
 }
 
-fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
+fn compile_one(req: &PlanRequest, cache: &layouts::LayoutCache) -> Result<Compiled, PlanError> {
     let start = Instant::now();
     let global_batch = req.global_batch.unwrap_or(req.train.global_batch);
     let seq = req.seq.unwrap_or(req.train.seq);
@@ -460,12 +464,18 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
         }
     }
     let precision = req.train.precision;
-    let layouts =
-        layouts::Layouts::new(req.graph, precision, &req.cluster, seq, degrees(req, world))?;
+    let layouts = layouts::Layouts::new(
+        req.graph,
+        precision,
+        &req.cluster,
+        seq,
+        degrees(req, world),
+        cache,
+    )?;
     let profile = match layouts.get((1, 1)) {
         Some(l) => &l.profile,
         None => {
-            let why = match layouts.by_degrees.get(&(1, 1)) {
+            let why = match layouts.by_degrees.get(&(1, 1)).map(|l| &**l) {
                 Some(Err(why)) => why.as_str(),
                 _ => "no layout",
             };
@@ -519,7 +529,7 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
     let mut stats: Vec<LayoutStats> = layouts
         .by_degrees
         .values()
-        .filter_map(|l| l.as_ref().ok())
+        .filter_map(|l| (**l).as_ref().ok())
         .flat_map(|l| {
             let n = l.stacks.len();
             l.stacks
@@ -578,7 +588,7 @@ fn compile_one(req: &PlanRequest) -> Result<Compiled, PlanError> {
         .by_degrees
         .iter()
         .filter_map(|(&(tp, ep), l)| {
-            l.as_ref().err().map(|why| dplc_ir::SkippedDegree {
+            (**l).as_ref().err().map(|why| dplc_ir::SkippedDegree {
                 tp,
                 ep,
                 reason: why.clone(),
