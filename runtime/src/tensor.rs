@@ -169,6 +169,9 @@ pub fn gather_strided<T: Copy>(
     strides: &[usize],
     offset: usize,
 ) -> Vec<T> {
+    if let Some(out) = transpose_tiled(src, shape, strides, offset) {
+        return out;
+    }
     let out_strides = self::strides(shape);
     let walk = Walk::new(shape, [&out_strides, strides]);
     let mut out = Vec::with_capacity(shape.iter().product());
@@ -179,6 +182,66 @@ pub fn gather_strided<T: Copy>(
         s => out.extend((0..len).map(|j| src[o + j * s])),
     });
     out
+}
+
+/// Tiles of [`transpose_tiled`]: 32 × 32 four-byte elements, 4 KiB read
+/// and 4 KiB written, well inside L1.
+const TILE: usize = 32;
+
+/// [`gather_strided`] when the last two axes read a matrix transposed (the
+/// source's contiguous axis is the second-to-last, the last strides over
+/// it), over any outer axes: in square tiles, so each cache line read
+/// serves a tile's whole row instead of one element. An element walk
+/// misses the cache at every element of a large matrix (a tied output
+/// layer's `transpose(wte)` was half of a gpt2-sized reference step).
+/// `None` for every other pattern, and for matrices small enough to stay
+/// in cache either way.
+fn transpose_tiled<T: Copy>(
+    src: &[T],
+    shape: &[usize],
+    strides: &[usize],
+    offset: usize,
+) -> Option<Vec<T>> {
+    let r = shape.len();
+    if r < 2 || strides[r - 2] != 1 || strides[r - 1] <= 1 {
+        return None;
+    }
+    let (rows, cols, step) = (shape[r - 2], shape[r - 1], strides[r - 1]);
+    if rows * cols < TILE * TILE {
+        return None;
+    }
+    let outer: usize = shape[..r - 2].iter().product();
+    let first = *src.get(offset)?;
+    let mut out = vec![first; outer * rows * cols];
+    let mut index = vec![0usize; r - 2];
+    for o in 0..outer {
+        let base: usize = offset + index.iter().zip(strides).map(|(i, s)| i * s).sum::<usize>();
+        let dst = &mut out[o * rows * cols..(o + 1) * rows * cols];
+        for i0 in (0..rows).step_by(TILE) {
+            for j0 in (0..cols).step_by(TILE) {
+                for i in i0..(i0 + TILE).min(rows) {
+                    let row = &mut dst[i * cols..(i + 1) * cols];
+                    for (j, d) in row
+                        .iter_mut()
+                        .enumerate()
+                        .take((j0 + TILE).min(cols))
+                        .skip(j0)
+                    {
+                        *d = src[base + i + j * step];
+                    }
+                }
+            }
+        }
+        // The next outer index, last axis fastest.
+        for a in (0..r - 2).rev() {
+            index[a] += 1;
+            if index[a] < shape[a] {
+                break;
+            }
+            index[a] = 0;
+        }
+    }
+    Some(out)
 }
 
 /// Strides of `from` read as a tensor of shape `to` (numpy broadcasting, right-aligned).
@@ -270,6 +333,32 @@ mod tests {
                 o
             })
             .collect()
+    }
+
+    /// Large transposes take the tiled path; it reads what the walk does,
+    /// with outer axes, ragged tiles and an offset.
+    #[test]
+    fn tiled_transposes_match_an_element_walk() {
+        let cases: [(&[usize], &[usize], usize); 4] = [
+            // A [100, 70] matrix read as its transpose.
+            (&[70, 100], &[1, 70], 0),
+            // Batched: [3, 45, 33] with the last two axes swapped.
+            (&[3, 33, 45], &[45 * 33, 1, 33], 0),
+            // Outer axes permuted too, from an offset.
+            (&[2, 3, 40, 50], &[40 * 50, 2 * 40 * 50, 1, 40], 7),
+            // Exactly one tile.
+            (&[32, 32], &[1, 32], 0),
+        ];
+        for (shape, st, off) in cases {
+            let n: usize = naive(shape, st, off).into_iter().max().unwrap() + 1;
+            let src: Vec<usize> = (0..n).collect();
+            assert!(transpose_tiled(&src, shape, st, off).is_some(), "{shape:?}");
+            assert_eq!(
+                gather_strided(&src, shape, st, off),
+                naive(shape, st, off),
+                "{shape:?} {st:?} {off}"
+            );
+        }
     }
 
     #[test]
