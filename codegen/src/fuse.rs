@@ -78,6 +78,70 @@ pub enum KeySize {
     SplitParts,
 }
 
+/// Where a launch runs: what the dropout key's size arguments
+/// ([`KeySize`]) read besides the tensors' sizes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeyPlace {
+    /// The flat `repeat` iteration (0 outside a `repeat`).
+    pub layer: u64,
+    /// Global index of the micro-batch's first sample.
+    pub first_sample: u64,
+    /// Samples in the micro-batch.
+    pub micro_batch: usize,
+    /// The rank's place in its context-parallel group and the group's size.
+    pub cp_rank: usize,
+    pub cp: usize,
+    /// The rank's place in its tensor-parallel group and the group's size.
+    pub tp_rank: usize,
+    pub tp: usize,
+}
+
+impl KeySize {
+    /// The size argument's value at `at`, with `numel` counting a tensor's
+    /// elements in the rank's program: the one binding every launcher
+    /// (the fused executor, the kernels' tests) shares.
+    pub fn bind(self, at: &KeyPlace, numel: impl Fn(TensorId) -> usize) -> i64 {
+        match self {
+            KeySize::Layer => at.layer as i64,
+            KeySize::FirstSample => at.first_sample as i64,
+            KeySize::PerSample(t) => elements_per_sample(numel(t), at.micro_batch) as i64,
+            KeySize::WholePerSample {
+                tensor,
+                split,
+                context,
+            } => {
+                let tp = if split { at.tp } else { 1 };
+                let cp = if context { at.cp } else { 1 };
+                elements_per_sample(numel(tensor) * tp * cp, at.micro_batch) as i64
+            }
+            KeySize::ContextRank => at.cp_rank as i64,
+            KeySize::ContextRanks => at.cp as i64,
+            KeySize::SplitPart => at.tp_rank as i64,
+            KeySize::SplitParts => at.tp as i64,
+        }
+    }
+}
+
+/// Elements per sample of a dropout's output of `numel` elements (of the
+/// whole tensor) in a micro-batch of `micro_batch` samples: `numel /
+/// micro_batch` when that divides (the batch axis is outermost, so each
+/// sample's elements are contiguous), or 0 where the tensor does not
+/// depend on the sample and every element is keyed with the one shared
+/// sample (see [`crate::DrawKey`]). The CPU reference's masks and the
+/// kernels' draws both split by this rule.
+pub fn elements_per_sample(numel: usize, micro_batch: usize) -> usize {
+    let per = if micro_batch > 0 && numel.is_multiple_of(micro_batch) {
+        numel / micro_batch
+    } else {
+        numel
+    };
+    if per == numel && micro_batch != 1 {
+        0
+    } else {
+        per
+    }
+}
+
 /// One fused attention and how to bind it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct FusedAttention {

@@ -40,10 +40,9 @@ impl DropoutKey {
     /// its flat index in the whole tensor, the serial run's index of the
     /// same element: under context parallelism `context` is the axis of the
     /// rank's sequence chunks, under tensor or sequence parallelism `split`
-    /// the axis of its part (see `Op::Dropout`). Elements are laid out
-    /// sample after sample when the whole tensor's size divides by the batch
-    /// (the batch axis is outermost); otherwise the tensor does not depend
-    /// on the sample and all share one key.
+    /// the axis of its part (see `Op::Dropout`). Samples are keyed as
+    /// `dplc_codegen::elements_per_sample` splits the whole tensor, the
+    /// rule the fused kernels' draws follow too.
     pub fn mask(
         &self,
         p: f64,
@@ -61,15 +60,11 @@ impl DropoutKey {
                 .map(|axis| (axis, self.cp_rank, self.cp)),
         };
         let whole: usize = at.whole_shape(shape).iter().product();
-        let per_sample = if self.batch > 0 && whole.is_multiple_of(self.batch) {
-            whole / self.batch
-        } else {
-            whole
-        };
+        let per_sample = dplc_codegen::elements_per_sample(whole, self.batch);
         (0..n)
             .map(|i| {
                 let i = at.whole_index(shape, i);
-                let (sample, pos) = if per_sample == whole && self.batch != 1 {
+                let (sample, pos) = if per_sample == 0 {
                     (u64::MAX, i as u64)
                 } else {
                     (

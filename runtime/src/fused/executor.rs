@@ -19,8 +19,8 @@ use crate::interp::ParamKey;
 use crate::tensor::{Data, Tensor};
 use dplc_codegen::{
     add_kernel, column_sum_kernel, convert_kernel, Args, AttentionBuffer, AttentionPass,
-    BackwardStep, Elem, FusedAttention, FusedKernel, FusionPlan, GradBinding, KeySize, Operand,
-    Step,
+    BackwardStep, Elem, FusedAttention, FusedKernel, FusionPlan, GradBinding, KeyPlace, KeySize,
+    Operand, Step,
 };
 use dplc_ir::{DType, Graph, NodeId, Op, Recompute, RegionId, TensorId};
 use std::cell::RefCell;
@@ -272,25 +272,17 @@ impl<'a> Executor<'a> {
             .iter()
             .map(|d| d.eval(&|s| self.syms[s.index()]))
             .collect();
+        let at = KeyPlace {
+            layer,
+            first_sample: self.first_sample,
+            micro_batch: self.micro_batch,
+            cp_rank: self.cp_rank,
+            cp: self.cp,
+            tp_rank: self.tp_rank,
+            tp: self.tp,
+        };
         for &(i, key) in key_sizes {
-            sizes[i] = match key {
-                KeySize::Layer => layer as i64,
-                KeySize::FirstSample => self.first_sample as i64,
-                KeySize::PerSample(t) => per_sample(self.numel(t), self.micro_batch) as i64,
-                KeySize::WholePerSample {
-                    tensor,
-                    split,
-                    context,
-                } => {
-                    let tp = if split { self.tp } else { 1 };
-                    let cp = if context { self.cp } else { 1 };
-                    per_sample(self.numel(tensor) * tp * cp, self.micro_batch) as i64
-                }
-                KeySize::ContextRank => self.cp_rank as i64,
-                KeySize::ContextRanks => self.cp as i64,
-                KeySize::SplitPart => self.tp_rank as i64,
-                KeySize::SplitParts => self.tp as i64,
-            };
+            sizes[i] = key.bind(&at, |t| self.numel(t));
         }
         Args {
             sizes,
@@ -1498,26 +1490,8 @@ pub fn flat_args(len: usize) -> Args {
     }
 }
 
-/// Elements per sample of a dropout's output of `numel` elements in a
-/// micro-batch of `micro_batch` samples, as the CPU reference splits it
-/// (`kernels::DropoutKey::mask`), or 0 where the reference keys every element
-/// with the shared sample `u64::MAX` (see `dplc_codegen::DrawKey`).
-fn per_sample(numel: usize, micro_batch: usize) -> usize {
-    let per = if micro_batch > 0 && numel.is_multiple_of(micro_batch) {
-        numel / micro_batch
-    } else {
-        numel
-    };
-    if per == numel && micro_batch != 1 {
-        0
-    } else {
-        per
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::per_sample;
     use crate::kernels::DropoutKey;
     use dplc_codegen::{draw_seed, draw_state, drop_threshold, dropout_draw};
 
@@ -1544,7 +1518,7 @@ mod tests {
                 };
                 let keep = key.mask(p, &[numel], None, None);
                 let state = draw_state(draw_seed(seed, step), node, layer as i64);
-                let per = per_sample(numel, batch) as i64;
+                let per = dplc_codegen::elements_per_sample(numel, batch) as i64;
                 let threshold = drop_threshold(p) as f32;
                 let fused: Vec<bool> = (0..numel as i64)
                     .map(|i| dropout_draw(state, first as i64, per, i) >= threshold)
