@@ -64,13 +64,9 @@ impl DropoutKey {
         (0..n)
             .map(|i| {
                 let i = at.whole_index(shape, i);
-                let (sample, pos) = if per_sample == 0 {
-                    (u64::MAX, i as u64)
-                } else {
-                    (
-                        self.first_sample + (i / per_sample) as u64,
-                        (i % per_sample) as u64,
-                    )
+                let (sample, pos) = match i.checked_div(per_sample) {
+                    Some(s) => (self.first_sample + s as u64, (i % per_sample) as u64),
+                    None => (u64::MAX, i as u64),
                 };
                 let u = rng::uniform(&[self.seed, self.step, self.node, self.layer, sample, pos]);
                 f64::from(u) >= p
