@@ -925,6 +925,64 @@ fn fused_attention_with_dropout_on_split_values_draws_the_serial_masks() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// Mistral's sliding window under context parallelism: a rank's window
+/// term is the whole `[s, s]` term sliced to its query chunks, which the
+/// fused attention takes, masking at the queries' places in the whole
+/// sequence (the window of 8 crosses the chunks of 8 at 32 positions). So
+/// `--compute fused` runs the attention as the one kernel under cp, and
+/// beside tp with sequence parallelism, and trains as the serial reference.
+#[test]
+fn fused_attention_with_a_sliding_window_under_cp_trains_as_the_serial_run() {
+    let run = |cluster: &str, strategy: &str, compute: &str| -> serde_json::Value {
+        let mut args = vec![
+            "run",
+            "models/mistral.dpl",
+            "--model",
+            "mistral_tiny",
+            "--cluster",
+            cluster,
+            "--seq",
+            "32",
+            "--global-batch",
+            "4",
+            "--steps",
+            "3",
+            "--json",
+            "--compute",
+            compute,
+        ];
+        if !strategy.is_empty() {
+            args.extend(["--strategy", strategy]);
+        }
+        let out = dplc(&args);
+        assert!(out.status.success(), "{strategy}: {}", stderr(&out));
+        let text = String::from_utf8(out.stdout).unwrap();
+        serde_json::from_str(text.lines().last().expect("a summary")).unwrap()
+    };
+    let serial = run("1xcpu", "", "reference");
+    for (cluster, strategy) in [("2xcpu", "cp=2"), ("4xcpu", "cp=2,tp=2,sp=true")] {
+        let got = run(cluster, strategy, "fused");
+        assert_eq!(got["fused_attentions"], 1, "{strategy}: {got}");
+        assert_eq!(
+            got["unfused_attentions"],
+            serde_json::json!([]),
+            "{strategy}: {got}"
+        );
+        let (a, b) = (
+            serial["losses"].as_array().unwrap(),
+            got["losses"].as_array().unwrap(),
+        );
+        assert_eq!(a.len(), b.len(), "{strategy}");
+        for (x, y) in a.iter().zip(b) {
+            let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
+            assert!(
+                (x - y).abs() <= 1e-5 * x.abs(),
+                "{strategy}: serial {a:?}, fused {b:?}"
+            );
+        }
+    }
+}
+
 /// Compile `model` of `src` on 4 CPU ranks under each of `strategies` (with
 /// `extra` compile flags) and check that `dplc verify` passes the plan on
 /// both computes.

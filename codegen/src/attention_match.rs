@@ -53,8 +53,9 @@ pub(crate) struct AttentionMatch {
     /// its reader takes (written in that layout, so no copy follows).
     pub out: View,
     /// Queries are the rank's sequence chunks under context parallelism
-    /// (`dplc_ir::split_context`) and keys every position: the causal mask
-    /// compares a key's position with the query's place in the whole sequence.
+    /// (`dplc_ir::split_context`) and keys every position: the causal and
+    /// window masks compare a key's position with the query's place in the
+    /// whole sequence.
     pub query_context: bool,
     pub dropout: Option<MatchDropout>,
 }
@@ -369,17 +370,46 @@ fn positions(g: &Graph, t: TensorId, col: bool) -> Option<bool> {
     if let Some(Op::Cast(_)) = g.producer(x).map(|p| &p.op) {
         x = g.producer(x)?.inputs[0];
     }
-    let mut chunks = false;
-    if let Some(Op::Relayout {
-        from: TensorLayout::Replicated,
-        to: TensorLayout::Context { axis: 0 },
-        ..
-    }) = g.producer(x).map(|p| &p.op)
-    {
-        chunks = true;
-        x = g.producer(x)?.inputs[0];
+    let whole = rank_chunks_of(g, x);
+    let x = whole.unwrap_or(x);
+    matches!(g.producer(x).map(|p| &p.op), Some(Op::Iota { .. })).then_some(whole.is_some())
+}
+
+/// The whole value that `t` is the cp rank's query chunks of: `t` made by
+/// a relayout from replicated to context chunks along axis 0, which is how
+/// `dplc_ir::split_context` slices what it builds from positions alone.
+fn rank_chunks_of(g: &Graph, t: TensorId) -> Option<TensorId> {
+    let n = g.producer(t)?;
+    matches!(
+        n.op,
+        Op::Relayout {
+            from: TensorLayout::Replicated,
+            to: TensorLayout::Context { axis: 0 },
+            ..
+        }
+    )
+    .then(|| n.inputs[0])
+}
+
+/// The window term subtracted from the scores: the serial graph's
+/// (`dplc_ir::window_mask`) or a cp rank's, the whole `[s, s]` term sliced
+/// to the rank's query chunks. The window, whether it is the rank's, and
+/// the nodes that make it (their values read by nothing else).
+fn window_term(g: &Graph, r: &Region, t: TensorId) -> Res<(i64, bool, Vec<NodeId>)> {
+    let not = || "the scores minus a term that is not a window mask".to_string();
+    let whole = rank_chunks_of(g, t);
+    let mask = dplc_ir::window_mask(g, whole.unwrap_or(t)).ok_or_else(not)?;
+    let mut nodes = mask.nodes.to_vec();
+    if whole.is_some() {
+        nodes.push(producer_id(g, t).ok_or_else(not)?);
     }
-    matches!(g.producer(x).map(|p| &p.op), Some(Op::Iota { .. })).then_some(chunks)
+    for &n in &nodes {
+        let out = g.node(n).outputs[0];
+        if (r.pinned)(out) || r.consumers.get(&out).map(Vec::len) != Some(1) {
+            return Err(format!("the window term's {out} is read elsewhere"));
+        }
+    }
+    Ok((mask.window as i64, whole.is_some(), nodes))
 }
 
 /// The causal mask of a cp rank's program (`dplc_ir::split_context`):
@@ -459,7 +489,8 @@ fn attention_at(g: &Graph, r: &Region, qk: NodeId) -> Res<AttentionMatch> {
     }
     let mut nodes = vec![qk];
     let (mut scale, mut bias, mut window, mut causal) = (None, None, None, false);
-    let mut query_context = false;
+    // Per mask, whether it is a cp rank's (its queries the rank's chunks).
+    let mut placed: Vec<bool> = Vec::new();
     let mut cur = scores;
     let softmax = loop {
         let c = only_reader(cur)?;
@@ -482,18 +513,20 @@ fn attention_at(g: &Graph, r: &Region, qk: NodeId) -> Res<AttentionMatch> {
                 bias = Some(other(n));
             }
             Op::Binary(BinaryOp::Sub) if window.is_none() && n.inputs[0] == cur => {
-                let mask = dplc_ir::window_mask(g, n.inputs[1])
-                    .ok_or("the scores minus a term that is not a window mask")?;
-                let (w, made) = (mask.window as i64, mask.nodes.to_vec());
+                let (w, ranks, made) = window_term(g, r, n.inputs[1])?;
                 window = Some(w);
+                placed.push(ranks);
                 nodes.extend(made);
             }
-            Op::CausalMask if !causal => causal = true,
+            Op::CausalMask if !causal => {
+                causal = true;
+                placed.push(false);
+            }
             Op::Select if !causal && n.inputs[2] == cur => {
                 let made = context_causal_mask(g, r, n)
                     .ok_or("the scores selected by a condition that is not a causal mask")?;
                 causal = true;
-                query_context = true;
+                placed.push(true);
                 nodes.extend(made);
             }
             Op::Softmax { axis } if *axis == 3 => break c,
@@ -508,6 +541,11 @@ fn attention_at(g: &Graph, r: &Region, qk: NodeId) -> Res<AttentionMatch> {
         cur = n.outputs[0];
     };
     nodes.push(softmax);
+    // The kernel has one place for its queries, which every mask reads.
+    let query_context = placed.first().copied().unwrap_or(false);
+    if placed.iter().any(|&p| p != query_context) {
+        return Err("masks of the whole sequence and of a cp rank's queries together".into());
+    }
     let mut probs = g.node(softmax).outputs[0];
     let mut dropout = None;
     let mut pv = only_reader(probs)?;

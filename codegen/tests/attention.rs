@@ -453,32 +453,36 @@ fn latent_attention_backward() {
     );
 }
 
+/// The sequence's length of the mask tests: the values' width, so that
+/// one-hot values read the probabilities off the output.
 const SEQ: usize = 16;
 const BATCH: usize = 2;
 const HEADS: usize = 4;
 
-/// One rank's place: piece `part` of `tp` of the heads, cp rank `rank` of `cp`'s queries.
+/// One rank's place: piece `part` of `tp` of the heads, cp rank `rank` of
+/// `cp`'s queries, in a sequence of `seq` positions.
 #[derive(Clone, Copy, Debug)]
 struct Place {
     part: usize,
     tp: usize,
     rank: usize,
     cp: usize,
+    seq: usize,
 }
 
 impl Place {
     /// The rank's query positions in the whole sequence, in the order it holds them.
     fn positions(&self) -> Vec<usize> {
-        match dplc_ir::context_chunks(SEQ, self.cp, self.rank) {
+        match dplc_ir::context_chunks(self.seq, self.cp, self.rank) {
             Some([a, b]) if self.cp > 1 => a.chain(b).collect(),
-            _ => (0..SEQ).collect(),
+            _ => (0..self.seq).collect(),
         }
     }
 }
 
-/// The rank's program, as the runtime makes it.
-fn placed_program(at: Place) -> Graph {
-    common::placed_attention(at.tp as u64, at.cp as u64)
+/// The rank's program of `model`, as the runtime makes it.
+fn placed_program(model: &str, at: Place) -> Graph {
+    common::placed_attention(model, at.tp as u64, at.cp as u64)
 }
 
 /// Launch arguments at the rank's place: its sizes, the key's words as the
@@ -527,11 +531,17 @@ fn placed_args(
     }
 }
 
-/// The dropped probabilities `[batch, heads, queries, keys]` of the rank's
-/// part, row-major, from its fused attention (zero scores, one-hot values).
-fn fused_mask(at: Place) -> Vec<f32> {
-    let g = placed_program(at);
-    let syms = syms(&[("batch", BATCH as i64), ("seq", SEQ as i64)]);
+/// The output `[batch, heads, queries, values]` of the rank's part, row-major,
+/// from the fused attention of its program of `model`: Q, K and V read
+/// element `x(role, [batch, head, position, feature])` of the whole tensors,
+/// at the rank's heads and query positions.
+fn fused_output(
+    model: &str,
+    at: Place,
+    x: &dyn Fn(AttentionBuffer, [usize; 4]) -> f32,
+) -> Vec<f32> {
+    let g = placed_program(model, at);
+    let syms = syms(&[("batch", BATCH as i64), ("seq", at.seq as i64)]);
     let plan = fuse(&g, g.root());
     assert!(
         plan.unfused_attention.is_empty(),
@@ -550,92 +560,190 @@ fn fused_mask(at: Place) -> Vec<f32> {
     assert!(k.causal, "{at:?}: {}", k.text());
     let args = placed_args(&g, &fa.sizes, &fa.key_sizes, &syms, at);
     let fwd = AttentionPass::Forward;
-    let mut x: HashMap<AttentionBuffer, Vec<f32>> = [AttentionBuffer::Q, AttentionBuffer::K]
-        .into_iter()
-        .map(|r| (r, vec![0.0; len(k, fwd, r, &args)]))
-        .collect();
-    let mut v = vec![0.0; len(k, fwd, AttentionBuffer::V, &args)];
-    let s = k.v.at.strides.map(|s| args.size(s));
-    let kv_heads = args.size(k.kv_heads);
-    for b in 0..BATCH as i64 {
-        for h in 0..kv_heads {
-            for j in 0..SEQ as i64 {
-                v[(args.size(k.v.at.offset) + b * s[0] + h * s[1] + j * s[2] + j * s[3])
-                    as usize] = 1.0;
+    let (heads, kv_heads) = (args.size(k.heads) as usize, args.size(k.kv_heads) as usize);
+    let queries = args.size(k.q_len) as usize;
+    let positions = at.positions();
+    let (head_dim, value_dim) = (k.head_dim as usize, k.value_dim as usize);
+    let mut inputs = HashMap::new();
+    for (role, view, heads, rows, width) in [
+        (AttentionBuffer::Q, &k.q, heads, queries, head_dim),
+        (AttentionBuffer::K, &k.k, kv_heads, at.seq, head_dim),
+        (AttentionBuffer::V, &k.v, kv_heads, at.seq, value_dim),
+    ] {
+        let mut buf = vec![0.0; len(k, fwd, role, &args)];
+        let s = view.at.strides.map(|s| args.size(s) as usize);
+        let offset = args.size(view.at.offset) as usize;
+        for b in 0..BATCH {
+            for h in 0..heads {
+                for i in 0..rows {
+                    // Queries are the rank's chunks; keys and values every position.
+                    let p = if role == AttentionBuffer::Q {
+                        positions[i]
+                    } else {
+                        i
+                    };
+                    for d in 0..width {
+                        buf[offset + b * s[0] + h * s[1] + i * s[2] + d * s[3]] =
+                            x(role, [b, at.part * heads + h, p, d]);
+                    }
+                }
             }
         }
+        inputs.insert(role, buf);
     }
-    x.insert(AttentionBuffer::V, v);
-    let out = &run(k, fwd, &args, &x)[&AttentionBuffer::Out];
-    let (heads, queries) = (args.size(k.heads), args.size(k.q_len));
-    let o = k.out.at.strides.map(|s| args.size(s));
-    let mut mask = Vec::new();
-    for b in 0..BATCH as i64 {
+    let out = &run(k, fwd, &args, &inputs)[&AttentionBuffer::Out];
+    let o = k.out.at.strides.map(|s| args.size(s) as usize);
+    let offset = args.size(k.out.at.offset) as usize;
+    let mut rows = Vec::new();
+    for b in 0..BATCH {
         for h in 0..heads {
             for i in 0..queries {
-                for d in 0..SEQ as i64 {
-                    mask.push(
-                        out[(args.size(k.out.at.offset) + b * o[0] + h * o[1] + i * o[2] + d * o[3])
-                            as usize],
-                    );
+                for d in 0..value_dim {
+                    rows.push(out[offset + b * o[0] + h * o[1] + i * o[2] + d * o[3]]);
                 }
             }
         }
     }
-    mask
+    rows
 }
 
-/// The same from the unfused path: the fused kernel that computes the
-/// dropout's output from zero scores (and the rank's query positions).
-fn unfused_mask(at: Place) -> Vec<f32> {
-    let g = placed_program(at);
-    let syms = syms(&[("batch", BATCH as i64), ("seq", SEQ as i64)]);
+/// The dropped probabilities `[batch, heads, queries, keys]` of the rank's
+/// part, row-major, from its fused attention (zero scores, one-hot values).
+fn fused_mask(model: &str, at: Place) -> Vec<f32> {
+    fused_output(model, at, &|role, [_, _, j, d]| {
+        f32::from(u8::from(role == AttentionBuffer::V && j == d))
+    })
+}
+
+/// The same from the unfused path: the program's kernels run in order on
+/// zero inputs (so zero scores), up to the one that computes the dropout's
+/// output, with the runtime's part of the relayouts that take the rank's
+/// query chunks of a whole value (positions, the window term).
+fn unfused_mask(model: &str, at: Place) -> Vec<f32> {
+    use dplc_ir::TensorLayout::{Context, Replicated};
+    let g = placed_program(model, at);
+    let syms = syms(&[("batch", BATCH as i64), ("seq", at.seq as i64)]);
     let config = dplc_codegen::FuseConfig {
         cut: &[],
         attention: dplc_ir::AttentionKind::Unfused,
     };
     let plan = dplc_codegen::fuse_with(&g, g.root(), &config);
-    let (drop_out, fk) = plan
-        .steps
-        .iter()
-        .find_map(|s| match s {
-            Step::Kernel(k) => k.nodes.iter().find_map(|&n| match g.node(n).op {
-                Op::Dropout { .. } => Some((g.node(n).outputs[0], k)),
-                _ => None,
-            }),
-            _ => None,
-        })
-        .expect("a kernel draws the dropout");
-    let args = placed_args(&g, &fk.sizes, &fk.key_sizes, &syms, at);
-    let positions: Vec<i32> = at.positions().iter().map(|&p| p as i32).collect();
-    let mut bufs: Vec<Data> = fk
-        .buffers
-        .iter()
-        .zip(&fk.kernel.buffers)
-        .map(|(&t, b)| {
-            let n: usize = g
-                .tensor(t)
-                .shape
-                .dims()
-                .iter()
-                .map(|d| dim(d, &syms, &g))
-                .product();
-            let ints = |v: Vec<i32>| match b.elem {
-                dplc_codegen::Elem::I32 => Data::I32(v),
-                _ => Data::F32(v.iter().map(|&p| p as f32).collect()),
-            };
-            match (b.output, &g.producer(t).map(|p| &p.op)) {
-                (true, _) => Data::F32(vec![]),
-                // The sequence's positions, and the rank's part of them.
-                (false, Some(Op::Iota { .. })) => ints((0..n as i32).collect()),
-                (false, Some(Op::Relayout { .. })) => ints(positions.clone()),
-                (false, _) => Data::F32(vec![0.0; n]),
+    let positions = at.positions();
+    let rank_rows = |x: &[f32]| -> Vec<f32> {
+        let row = x.len() / at.seq;
+        positions
+            .iter()
+            .flat_map(|&p| x[p * row..(p + 1) * row].iter().copied())
+            .collect()
+    };
+    let mut values: HashMap<dplc_ir::TensorId, Data> = HashMap::new();
+    for step in &plan.steps {
+        match step {
+            Step::Extern { node, .. } => {
+                let n = g.node(*node);
+                let chunks = matches!(
+                    n.op,
+                    Op::Relayout {
+                        from: Replicated,
+                        to: Context { axis: 0 },
+                        ..
+                    }
+                );
+                let rows = match values.get(&n.inputs[0]) {
+                    Some(Data::F32(x)) if chunks => Data::F32(rank_rows(x)),
+                    Some(Data::I32(x)) if chunks => {
+                        let x: Vec<f32> = x.iter().map(|&v| v as f32).collect();
+                        Data::I32(rank_rows(&x).iter().map(|&v| v as i32).collect())
+                    }
+                    _ => continue,
+                };
+                values.insert(n.outputs[0], rows);
             }
+            Step::Kernel(fk) => {
+                let args = placed_args(&g, &fk.sizes, &fk.key_sizes, &syms, at);
+                let mut bufs: Vec<Data> = fk
+                    .buffers
+                    .iter()
+                    .zip(&fk.kernel.buffers)
+                    .map(|(&t, b)| {
+                        let n: usize = g
+                            .tensor(t)
+                            .shape
+                            .dims()
+                            .iter()
+                            .map(|d| dim(d, &syms, &g))
+                            .product();
+                        match (b.output, values.get(&t)) {
+                            (false, Some(x)) => x.clone(),
+                            (false, None) if b.elem == dplc_codegen::Elem::I32 => {
+                                Data::I32(vec![0; n])
+                            }
+                            _ => Data::F32(vec![0.0; n]),
+                        }
+                    })
+                    .collect();
+                dplc_codegen::interpret(&fk.kernel, &args, &mut bufs).unwrap();
+                let dropout = fk
+                    .nodes
+                    .iter()
+                    .find(|&&n| matches!(g.node(n).op, Op::Dropout { .. }))
+                    .map(|&n| g.node(n).outputs[0]);
+                for (&t, buf) in fk.buffers.iter().zip(bufs) {
+                    if Some(t) == dropout {
+                        return buf.f32().to_vec();
+                    }
+                    values.insert(t, buf);
+                }
+            }
+            _ => {}
+        }
+    }
+    panic!("{at:?}: no kernel draws the dropout")
+}
+
+/// The rank's rows of `whole` (`[batch, heads, positions, VALUES]` of the
+/// serial run): its heads under tp, its query chunks under cp.
+fn rank_part(whole: &[f32], at: Place) -> Vec<f64> {
+    const VALUES: usize = 16;
+    let heads = HEADS / at.tp;
+    let mut want = Vec::new();
+    for b in 0..BATCH {
+        for h in at.part * heads..(at.part + 1) * heads {
+            for &i in &at.positions() {
+                let row = ((b * HEADS + h) * at.seq + i) * VALUES;
+                want.extend(whole[row..row + VALUES].iter().map(|&x| f64::from(x)));
+            }
+        }
+    }
+    want
+}
+
+/// Every place of tp and cp 1 or 2 but the serial one, in `seq` positions.
+fn places(seq: usize) -> impl Iterator<Item = Place> {
+    [(2, 1), (1, 2), (2, 2)]
+        .into_iter()
+        .flat_map(move |(tp, cp)| {
+            (0..tp).flat_map(move |part| {
+                (0..cp).map(move |rank| Place {
+                    part,
+                    tp,
+                    rank,
+                    cp,
+                    seq,
+                })
+            })
         })
-        .collect();
-    dplc_codegen::interpret(&fk.kernel, &args, &mut bufs).unwrap();
-    let i = fk.buffers.iter().position(|&t| t == drop_out).unwrap();
-    bufs[i].f32().to_vec()
+}
+
+/// The serial run's place in `seq` positions.
+fn serial(seq: usize) -> Place {
+    Place {
+        part: 0,
+        tp: 1,
+        rank: 0,
+        cp: 1,
+        seq,
+    }
 }
 
 /// A rank's part of the probabilities — its heads under tp, its query
@@ -645,34 +753,72 @@ fn unfused_mask(at: Place) -> Vec<f32> {
 /// of the same program.
 #[test]
 fn split_dropout_draws_the_whole_attentions_masks() {
-    let whole = fused_mask(Place {
-        part: 0,
-        tp: 1,
-        rank: 0,
-        cp: 1,
-    });
+    let whole = fused_mask(common::PLACED, serial(SEQ));
     let kept = whole.iter().filter(|&&x| x > 0.0).count();
     let seen = BATCH * HEADS * SEQ * (SEQ + 1) / 2;
     assert!(kept < seen && kept > seen * 3 / 4, "{kept} of {seen} kept");
-    for (tp, cp) in [(2, 1), (1, 2), (2, 2)] {
-        for part in 0..tp {
-            for rank in 0..cp {
-                let at = Place { part, tp, rank, cp };
-                let positions = at.positions();
-                let heads = HEADS / tp;
-                let mut want = Vec::new();
-                for b in 0..BATCH {
-                    for h in part * heads..(part + 1) * heads {
-                        for &i in &positions {
-                            let row = ((b * HEADS + h) * SEQ + i) * SEQ;
-                            want.extend_from_slice(&whole[row..row + SEQ]);
-                        }
-                    }
-                }
-                let want: Vec<f64> = want.iter().map(|&x| f64::from(x)).collect();
-                close(&format!("fused {at:?}"), &fused_mask(at), &want, 1e-6);
-                close(&format!("unfused {at:?}"), &unfused_mask(at), &want, 1e-6);
-            }
+    for at in places(SEQ) {
+        let want = rank_part(&whole, at);
+        close(
+            &format!("fused {at:?}"),
+            &fused_mask(common::PLACED, at),
+            &want,
+            1e-6,
+        );
+        close(
+            &format!("unfused {at:?}"),
+            &unfused_mask(common::PLACED, at),
+            &want,
+            1e-6,
+        );
+    }
+}
+
+/// A sliding window under cp: the rank's window term (the whole `[s, s]`
+/// term sliced to its query chunks) fuses, and the kernel masks at the
+/// queries' places in the whole sequence, across the two chunks. Its
+/// dropped probabilities equal the serial attention's at the same elements
+/// and the unfused kernels' of the same program; so does its output on
+/// random inputs, also over sequences of several key tiles, where the
+/// rank's query chunks fill whole tiles (256 positions: tiles skipped past
+/// the window) and where a tile spans both chunks (200: none skipped there).
+#[test]
+fn a_ranks_window_masks_at_the_whole_sequences_places() {
+    let model = common::PLACED_WINDOWED;
+    let whole = fused_mask(model, serial(SEQ));
+    let kept = whole.iter().filter(|&&x| x > 0.0).count();
+    let seen: usize = BATCH * HEADS * (0..SEQ).map(|i| (i + 1).min(5)).sum::<usize>();
+    assert!(kept < seen && kept > seen * 3 / 4, "{kept} of {seen} kept");
+    for at in places(SEQ) {
+        let want = rank_part(&whole, at);
+        close(
+            &format!("fused {at:?}"),
+            &fused_mask(model, at),
+            &want,
+            1e-6,
+        );
+        close(
+            &format!("unfused {at:?}"),
+            &unfused_mask(model, at),
+            &want,
+            1e-6,
+        );
+    }
+    let random = |role: AttentionBuffer, [b, h, i, d]: [usize; 4]| {
+        let mut r = Rng((((role as usize * 7 + b) * 31 + h) * 1031 + i) as u64 * 1009 + d as u64);
+        r.next();
+        r.normal_ish()
+    };
+    for seq in [SEQ, 200, 256] {
+        let whole = fused_output(model, serial(seq), &random);
+        for at in places(seq).filter(|at| at.cp > 1) {
+            let got = fused_output(model, at, &random);
+            close(
+                &format!("output {at:?}"),
+                &got,
+                &rank_part(&whole, at),
+                1e-5,
+            );
         }
     }
 }

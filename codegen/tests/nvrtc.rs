@@ -63,10 +63,18 @@ fn all_sources(full_size: bool) -> BTreeMap<String, CudaSource> {
     }
     // A bare attention with dropout as a rank of tp 2 and cp 2 runs it:
     // its draws at the whole tensor's places (heads over tp, query chunks
-    // over cp) and its causal mask at the queries' places in the sequence.
+    // over cp) and its causal mask at the queries' places in the sequence;
+    // with a sliding window, the window's first key tile at the block's
+    // first query's place too (in f32 alone: the tile bounds are the same
+    // code in every dtype, and the test's time is short).
     add_graph(
-        &common::placed_attention(2, 2),
+        &common::placed_attention(common::PLACED, 2, 2),
         &[DType::F32, DType::BF16, DType::F16],
+        &mut add,
+    );
+    add_graph(
+        &common::placed_attention(common::PLACED_WINDOWED, 2, 2),
+        &[DType::F32],
         &mut add,
     );
     // Beside the zoo (which has no running sum), the scan kernels.

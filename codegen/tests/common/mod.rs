@@ -507,6 +507,17 @@ pub const PLACED: &str = "model m(heads = 4) {\n  input q: f32[batch, heads, seq
     a = dropout(softmax(causal_mask(q @ transpose(k, 2, 3) * 0.35), -1), 0.1) @ v\n  \
     return mean(mean(mean(mean(a, -1), -1), -1), -1)\n}\n";
 
+/// [`PLACED`] with a sliding window of 5 as the standard `attention` block
+/// writes it (keys 5 or more positions behind a query weigh nothing): under
+/// cp 2 at 16 positions the window crosses the rank's two chunks of 4.
+pub const PLACED_WINDOWED: &str = "model m(heads = 4) {\n  input q: f32[batch, heads, seq, 8]\n  \
+    input k: f32[batch, heads, seq, 8]\n  input v: f32[batch, heads, seq, 16]\n  \
+    t = cast(positions(dim(q, 2)), f32)\n  \
+    behind = reshape(t, [dim(q, 2), 1]) - reshape(t, [1, dim(q, 2)])\n  \
+    s = q @ transpose(k, 2, 3) * 0.35 - ge(behind, 5) * 1.0e30\n  \
+    a = dropout(softmax(causal_mask(s), -1), 0.1) @ v\n  \
+    return mean(mean(mean(mean(a, -1), -1), -1), -1)\n}\n";
+
 /// Megatron's layout of the bare attention over `tp`: the inputs whole,
 /// sliced to the rank's heads where the score matmul reads them, every
 /// `[batch, heads, ·, ·]` value split along its heads, gathered again for
@@ -551,11 +562,11 @@ pub fn heads_layout(g: &Graph, tp: u64) -> dplc_ir::ModelLayout {
     }
 }
 
-/// A rank's program of [`PLACED`], as the runtime makes it: the model split
-/// over a context group of `cp` (`split_context`), then localized to its
-/// heads over `tp`.
-pub fn placed_attention(tp: u64, cp: u64) -> Graph {
-    let whole = lower_m(PLACED);
+/// A rank's program of `model` ([`PLACED`], [`PLACED_WINDOWED`]), as the
+/// runtime makes it: the model split over a context group of `cp`
+/// (`split_context`), then localized to its heads over `tp`.
+pub fn placed_attention(model: &str, tp: u64, cp: u64) -> Graph {
+    let whole = lower_m(model);
     let mut g = whole.clone();
     if cp > 1 {
         g = dplc_ir::split_context(&whole, cp).unwrap();
