@@ -494,7 +494,6 @@ fn placed_args(
     syms: &HashMap<String, i64>,
     at: Place,
 ) -> Args {
-    use dplc_codegen::KeySize;
     let numel = |t: dplc_ir::TensorId| -> usize {
         g.tensor(t)
             .shape
@@ -503,26 +502,19 @@ fn placed_args(
             .map(|d| dim(d, syms, g))
             .product()
     };
+    // The executor's binding, at layer 3 of a micro-batch starting at sample 5.
+    let key = dplc_codegen::KeyPlace {
+        layer: 3,
+        first_sample: 5,
+        micro_batch: BATCH,
+        cp_rank: at.rank,
+        cp: at.cp,
+        tp_rank: at.part,
+        tp: at.tp,
+    };
     let mut sizes: Vec<i64> = sizes.iter().map(|d| dim(d, syms, g) as i64).collect();
-    for &(i, key) in key_sizes {
-        sizes[i] = match key {
-            KeySize::Layer => 3,
-            KeySize::FirstSample => 5,
-            KeySize::PerSample(t) => (numel(t) / BATCH) as i64,
-            KeySize::WholePerSample {
-                tensor,
-                split,
-                context,
-            } => {
-                let tp = if split { at.tp } else { 1 };
-                let cp = if context { at.cp } else { 1 };
-                (numel(tensor) * tp * cp / BATCH) as i64
-            }
-            KeySize::ContextRank => at.rank as i64,
-            KeySize::ContextRanks => at.cp as i64,
-            KeySize::SplitPart => at.part as i64,
-            KeySize::SplitParts => at.tp as i64,
-        };
+    for &(i, k) in key_sizes {
+        sizes[i] = k.bind(&key, numel);
     }
     Args {
         sizes,
