@@ -154,6 +154,15 @@ fn impossible_plans_are_refused_by_explain_viz_and_verify() {
             "strategy.zero_stage: ZeRO stage 9; stages are 0, 1, 2 and 3",
         ),
         (
+            "group0",
+            edit(&|p| {
+                if let Some((_, link)) = p.collectives[0].group {
+                    p.collectives[0].group = Some((0, link));
+                }
+            }),
+            "collectives[0].group: 0 ranks; a group holds 1 to the cluster's 4",
+        ),
+        (
             "nodes",
             edit(&|p| p.cluster.nodes = 2),
             "mesh: dp 2 × tp 2 × pp 1 × cp 1 = 4 devices, but the cluster has 8",

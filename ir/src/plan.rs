@@ -1419,6 +1419,14 @@ impl Plan {
         }
         for (i, c) in self.collectives.iter().enumerate() {
             non_negative(&format!("collectives[{i}].time_s"), c.time_s)?;
+            if let Some((size, _)) = c.group {
+                if size == 0 || size > world {
+                    return Err(PlanInvalid::new(
+                        &format!("collectives[{i}].group"),
+                        format!("{size} ranks; a group holds 1 to the cluster's {world}"),
+                    ));
+                }
+            }
         }
         for (i, a) in self.alternatives.iter().enumerate() {
             non_negative(&format!("alternatives[{i}].step_time_s"), a.step_time_s)?;
