@@ -1422,7 +1422,7 @@ impl Plan {
             if let Some((size, _)) = c.group {
                 if size == 0 || size > world {
                     return Err(PlanInvalid::new(
-                        &format!("collectives[{i}].group"),
+                        format!("collectives[{i}].group"),
                         format!("{size} ranks; a group holds 1 to the cluster's {world}"),
                     ));
                 }
