@@ -871,55 +871,11 @@ fn fused_attention_with_dropout_on_split_values_draws_the_serial_masks() {
         ),
     );
     let src = src.to_str().unwrap();
-    let run = |model: &str, cluster: &str, strategy: &str, compute: &str| -> serde_json::Value {
-        let mut args = vec![
-            "run",
-            src,
-            "--model",
-            model,
-            "--cluster",
-            cluster,
-            "--seq",
-            "16",
-            "--global-batch",
-            "4",
-            "--steps",
-            "3",
-            "--json",
-            "--compute",
-            compute,
-        ];
-        if !strategy.is_empty() {
-            args.extend(["--strategy", strategy]);
-        }
-        let out = dplc(&args);
-        assert!(out.status.success(), "{model} {strategy}: {}", stderr(&out));
-        let text = String::from_utf8(out.stdout).unwrap();
-        serde_json::from_str(text.lines().last().expect("a summary")).unwrap()
-    };
     for model in ["gpt_dropout", "llama_dropout"] {
-        let serial = run(model, "1xcpu", "", "reference");
+        let serial = run_summary(src, model, "1xcpu", "", 16, "reference");
         for strategy in ["tp=2,sp=true", "cp=2"] {
-            let got = run(model, "2xcpu", strategy, "fused");
-            let name = format!("{model} {strategy}");
-            assert_eq!(got["fused_attentions"], 1, "{name}: {got}");
-            assert_eq!(
-                got["unfused_attentions"],
-                serde_json::json!([]),
-                "{name}: {got}"
-            );
-            let (a, b) = (
-                serial["losses"].as_array().unwrap(),
-                got["losses"].as_array().unwrap(),
-            );
-            assert_eq!(a.len(), b.len(), "{name}");
-            for (x, y) in a.iter().zip(b) {
-                let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
-                assert!(
-                    (x - y).abs() <= 1e-5 * x.abs(),
-                    "{name}: serial {a:?}, fused {b:?}"
-                );
-            }
+            let got = run_summary(src, model, "2xcpu", strategy, 16, "fused");
+            assert_fused_as_serial(&format!("{model} {strategy}"), &serial, &got);
         }
     }
     std::fs::remove_dir_all(&dir).ok();
@@ -933,59 +889,83 @@ fn fused_attention_with_dropout_on_split_values_draws_the_serial_masks() {
 /// beside tp with sequence parallelism, and trains as the serial reference.
 #[test]
 fn fused_attention_with_a_sliding_window_under_cp_trains_as_the_serial_run() {
-    let run = |cluster: &str, strategy: &str, compute: &str| -> serde_json::Value {
-        let mut args = vec![
-            "run",
+    let run = |cluster: &str, strategy: &str, compute: &str| {
+        run_summary(
             "models/mistral.dpl",
-            "--model",
             "mistral_tiny",
-            "--cluster",
             cluster,
-            "--seq",
-            "32",
-            "--global-batch",
-            "4",
-            "--steps",
-            "3",
-            "--json",
-            "--compute",
+            strategy,
+            32,
             compute,
-        ];
-        if !strategy.is_empty() {
-            args.extend(["--strategy", strategy]);
-        }
-        let out = dplc(&args);
-        assert!(out.status.success(), "{strategy}: {}", stderr(&out));
-        let text = String::from_utf8(out.stdout).unwrap();
-        serde_json::from_str(text.lines().last().expect("a summary")).unwrap()
+        )
     };
     let serial = run("1xcpu", "", "reference");
     for (cluster, strategy) in [("2xcpu", "cp=2"), ("4xcpu", "cp=2,tp=2,sp=true")] {
-        let got = run(cluster, strategy, "fused");
-        assert_eq!(got["fused_attentions"], 1, "{strategy}: {got}");
-        assert_eq!(
-            got["unfused_attentions"],
-            serde_json::json!([]),
-            "{strategy}: {got}"
-        );
-        let (a, b) = (
-            serial["losses"].as_array().unwrap(),
-            got["losses"].as_array().unwrap(),
-        );
-        assert_eq!(a.len(), b.len(), "{strategy}");
-        for (x, y) in a.iter().zip(b) {
-            let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
-            assert!(
-                (x - y).abs() <= 1e-5 * x.abs(),
-                "{strategy}: serial {a:?}, fused {b:?}"
-            );
-        }
+        assert_fused_as_serial(strategy, &serial, &run(cluster, strategy, "fused"));
     }
 }
 
-/// Compile `model` of `src` on 4 CPU ranks under each of `strategies` (with
-/// `extra` compile flags) and check that `dplc verify` passes the plan on
-/// both computes.
+/// The summary object of `dplc run SRC --model MODEL --json` for 3 steps at
+/// sequence `seq` and global batch 4, on `compute`, pinned to `strategy`
+/// (the search's choice when empty).
+fn run_summary(
+    src: &str,
+    model: &str,
+    cluster: &str,
+    strategy: &str,
+    seq: u64,
+    compute: &str,
+) -> serde_json::Value {
+    let seq = seq.to_string();
+    let mut args = vec![
+        "run",
+        src,
+        "--model",
+        model,
+        "--cluster",
+        cluster,
+        "--seq",
+        &seq,
+        "--global-batch",
+        "4",
+        "--steps",
+        "3",
+        "--json",
+        "--compute",
+        compute,
+    ];
+    if !strategy.is_empty() {
+        args.extend(["--strategy", strategy]);
+    }
+    let out = dplc(&args);
+    assert!(out.status.success(), "{model} {strategy}: {}", stderr(&out));
+    let text = String::from_utf8(out.stdout).unwrap();
+    serde_json::from_str(text.lines().last().expect("a summary")).unwrap()
+}
+
+/// `got` ran its one attention as the fused kernel and trained as `serial`
+/// did (losses within 1e-5).
+fn assert_fused_as_serial(name: &str, serial: &serde_json::Value, got: &serde_json::Value) {
+    assert_eq!(got["fused_attentions"], 1, "{name}: {got}");
+    assert_eq!(
+        got["unfused_attentions"],
+        serde_json::json!([]),
+        "{name}: {got}"
+    );
+    let (a, b) = (
+        serial["losses"].as_array().unwrap(),
+        got["losses"].as_array().unwrap(),
+    );
+    assert_eq!(a.len(), b.len(), "{name}");
+    for (x, y) in a.iter().zip(b) {
+        let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
+        assert!(
+            (x - y).abs() <= 1e-5 * x.abs(),
+            "{name}: serial {a:?}, fused {b:?}"
+        );
+    }
+}
+
 /// A model written to `file` in a scratch directory of its own (the
 /// directory, to remove, and the file).
 fn scratch_model(tag: &str, file: &str, text: &str) -> (PathBuf, PathBuf) {
@@ -996,6 +976,9 @@ fn scratch_model(tag: &str, file: &str, text: &str) -> (PathBuf, PathBuf) {
     (dir, src)
 }
 
+/// Compile `model` of `src` on 4 CPU ranks under each of `strategies` (with
+/// `extra` compile flags) and check that `dplc verify` passes the plan on
+/// both computes.
 fn verify_splits(src: &str, model: Option<&str>, strategies: &[&str], extra: &[&str]) {
     // One directory per source and model: tests run in parallel, and each
     // removes its own when done.

@@ -219,14 +219,10 @@ fn transpose_tiled<T: Copy>(
         let dst = &mut out[o * rows * cols..(o + 1) * rows * cols];
         for i0 in (0..rows).step_by(TILE) {
             for j0 in (0..cols).step_by(TILE) {
+                let j1 = (j0 + TILE).min(cols);
                 for i in i0..(i0 + TILE).min(rows) {
-                    let row = &mut dst[i * cols..(i + 1) * cols];
-                    for (j, d) in row
-                        .iter_mut()
-                        .enumerate()
-                        .take((j0 + TILE).min(cols))
-                        .skip(j0)
-                    {
+                    let row = &mut dst[i * cols + j0..i * cols + j1];
+                    for (d, j) in row.iter_mut().zip(j0..) {
                         *d = src[base + i + j * step];
                     }
                 }
