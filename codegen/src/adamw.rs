@@ -1,6 +1,11 @@
 //! The optimizer updates over a flat parameter shard, as kernels: AdamW with
 //! decoupled weight decay and bias-corrected moments (Loshchilov & Hutter;
 //! PyTorch's AdamW), and SGD with momentum.
+//!
+//! Each rule also has its scalar form ([`AdamwScalars::apply`],
+//! [`SgdScalars::apply`]): the kernel's `f32` operations in the kernel's
+//! order, which is how a host-resident optimizer takes the very step the
+//! kernels take (the tests below hold the two to the same bits).
 
 use crate::flat::{elementwise, load};
 use crate::interp::Args;
@@ -38,6 +43,22 @@ impl AdamwScalars {
             ],
             seed: 0,
         }
+    }
+}
+
+impl AdamwScalars {
+    /// One element's step, as [`adamw_kernel`] computes it.
+    pub fn apply(&self, p: &mut f32, m: &mut f32, v: &mut f32, g: f32) {
+        let g = g * self.grad_scale;
+        let m2 = self.beta1 * *m + (1.0 - self.beta1) * g;
+        let v2 = self.beta2 * *v + (1.0 - self.beta2) * (g * g);
+        let t = self.step as f32;
+        let bc1 = 1.0 - self.beta1.powf(t);
+        let bc2 = 1.0 - self.beta2.powf(t);
+        let update = (m2 / bc1) / ((v2 / bc2).sqrt() + self.eps);
+        *p -= self.lr * (update + self.weight_decay * *p);
+        *m = m2;
+        *v = v2;
     }
 }
 
@@ -124,6 +145,15 @@ impl SgdScalars {
     }
 }
 
+impl SgdScalars {
+    /// One element's step, as [`sgd_kernel`] computes it.
+    pub fn apply(&self, p: &mut f32, m: &mut f32, g: f32) {
+        let m2 = self.momentum * *m + g * self.grad_scale;
+        *p -= self.lr * m2;
+        *m = m2;
+    }
+}
+
 /// One SGD-with-momentum step over `n0` elements (PyTorch's form:
 /// `m' = μ m + g`, `p' = p − lr m'`). Buffers: `b0, b1` the new parameter and
 /// momentum (f32); `b2..b4` the parameter, gradient (storage type) and
@@ -154,4 +184,78 @@ pub fn sgd_kernel() -> Kernel {
         b,
         &[(0, p2), (1, m2)],
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::interp::{interpret, Data};
+
+    fn inputs(n: usize) -> [Vec<f32>; 4] {
+        let f = |k: f32| (0..n).map(move |i| ((i as f32 + k) * 0.731).sin());
+        [
+            f(0.0).collect(),
+            f(1.0).map(|x| x * 3.0).collect(),
+            f(2.0).map(|x| x * 0.1).collect(),
+            f(3.0).map(|x| x * x * 0.01).collect(),
+        ]
+    }
+
+    /// The scalar forms are the kernels' arithmetic, to the bit.
+    #[test]
+    fn scalar_steps_are_the_kernels_bits() {
+        let n = 257;
+        let [p, g, m, v] = inputs(n);
+        let s = AdamwScalars {
+            lr: 6e-4,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step: 7,
+            grad_scale: 0.25,
+        };
+        let mut bufs = vec![
+            Data::F32(vec![]),
+            Data::F32(vec![]),
+            Data::F32(vec![]),
+            Data::F32(p.clone()),
+            Data::F32(g.clone()),
+            Data::F32(m.clone()),
+            Data::F32(v.clone()),
+        ];
+        interpret(&adamw_kernel(), &s.args(n as i64), &mut bufs).unwrap();
+        for i in 0..n {
+            let (mut pi, mut mi, mut vi) = (p[i], m[i], v[i]);
+            s.apply(&mut pi, &mut mi, &mut vi, g[i]);
+            let bits = |b: usize| bufs[b].f32()[i].to_bits();
+            assert_eq!(
+                (bits(0), bits(1), bits(2)),
+                (pi.to_bits(), mi.to_bits(), vi.to_bits()),
+                "adamw element {i}"
+            );
+        }
+        let s = SgdScalars {
+            lr: 0.1,
+            momentum: 0.9,
+            grad_scale: 0.5,
+        };
+        let mut bufs = vec![
+            Data::F32(vec![]),
+            Data::F32(vec![]),
+            Data::F32(p.clone()),
+            Data::F32(g.clone()),
+            Data::F32(m.clone()),
+        ];
+        interpret(&sgd_kernel(), &s.args(n as i64), &mut bufs).unwrap();
+        for i in 0..n {
+            let (mut pi, mut mi) = (p[i], m[i]);
+            s.apply(&mut pi, &mut mi, g[i]);
+            assert_eq!(
+                (bufs[0].f32()[i].to_bits(), bufs[1].f32()[i].to_bits()),
+                (pi.to_bits(), mi.to_bits()),
+                "sgd element {i}"
+            );
+        }
+    }
 }

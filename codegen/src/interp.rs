@@ -834,7 +834,12 @@ impl<'k> Program<'k> {
                     // A value that does not vary along the row is the same at every `j`.
                     let xs = (0..n).map(|j| a.at(j));
                     out.data.push(match kind {
-                        RowReduce::Sum => xs.fold(0.0f32, |acc, x| acc + x),
+                        // Accumulated in f64 and rounded once, as the
+                        // reference's sums are: a GPU's tree of partial sums
+                        // is near that, a running f32 sum over thousands of
+                        // elements is not (a gradient norm off by 1e-6 moves
+                        // every clipped parameter by as much).
+                        RowReduce::Sum => xs.fold(0.0f64, |acc, x| acc + f64::from(x)) as f32,
                         RowReduce::Max => xs.fold(f32::NEG_INFINITY, f32::max),
                     });
                 }

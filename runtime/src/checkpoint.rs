@@ -545,14 +545,14 @@ pub(crate) fn write_shards<'a>(
     dir: &Path,
     rank: usize,
     graph: &Graph,
-    owned: impl Iterator<Item = OwnedShard<'a>>,
+    owned: Vec<OwnedShard<'a>>,
     kill: Option<KillPoint>,
 ) -> Result<()> {
     let mut entries = Vec::new();
     let mut buffers: Vec<(String, Vec<u8>)> = Vec::new();
     for shard in owned {
         let name = &graph.param(shard.key.param).name;
-        for (kind, values) in [("value", shard.value), ("m", shard.m), ("v", shard.v)] {
+        for (kind, values) in [("value", &shard.value), ("m", &shard.m), ("v", &shard.v)] {
             buffers.push((tensor_name(name, shard.key.layer, kind), f32_bytes(values)));
         }
         entries.push(ShardEntry {

@@ -109,6 +109,16 @@ pub trait Backend {
     fn download(&mut self, buf: &Self::Buf, elem: Elem, len: usize) -> Result<Vec<f32>>;
     /// The first `len` elements of an index buffer.
     fn download_i32(&mut self, buf: &Self::Buf, len: usize) -> Result<Vec<i32>>;
+    /// Copy `len` `f32` elements from `src[from..]` to `dst[to..]` (the two
+    /// ranges do not overlap when the buffers are the same).
+    fn copy(
+        &mut self,
+        src: &Self::Buf,
+        from: usize,
+        dst: &Self::Buf,
+        to: usize,
+        len: usize,
+    ) -> Result<()>;
     /// Run `kernel` with one buffer per kernel buffer.
     fn launch(&mut self, kernel: &Kernel, args: &Args, bufs: &[Self::Buf]) -> Result<()>;
     /// Run one pass of a fused attention, with one buffer per
@@ -209,6 +219,37 @@ impl Backend for HostBackend {
                 "download",
                 format!("{len} indices asked of a buffer of {} elements", d.len()),
             )),
+        }
+    }
+
+    fn copy(
+        &mut self,
+        src: &Self::Buf,
+        from: usize,
+        dst: &Self::Buf,
+        to: usize,
+        len: usize,
+    ) -> Result<()> {
+        let short = || kernel_err("copy", format!("{len} floats from {from} to {to}"));
+        if Rc::ptr_eq(src, dst) {
+            let mut d = dst.data.borrow_mut();
+            let Data::F32(v) = &mut *d else {
+                return Err(short());
+            };
+            if from.max(to) + len > v.len() {
+                return Err(short());
+            }
+            v.copy_within(from..from + len, to);
+            return Ok(());
+        }
+        let s = src.data.borrow();
+        let mut d = dst.data.borrow_mut();
+        match (&*s, &mut *d) {
+            (Data::F32(s), Data::F32(d)) if from + len <= s.len() && to + len <= d.len() => {
+                d[to..to + len].copy_from_slice(&s[from..from + len]);
+                Ok(())
+            }
+            _ => Err(short()),
         }
     }
 

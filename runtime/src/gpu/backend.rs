@@ -161,6 +161,18 @@ impl Backend for CudaBackend {
         Ok(self.dev.download_i32(buf, len)?)
     }
 
+    fn copy(
+        &mut self,
+        src: &Self::Buf,
+        from: usize,
+        dst: &Self::Buf,
+        to: usize,
+        len: usize,
+    ) -> Result<()> {
+        let w = self.bytes(Elem::F32, 1);
+        Ok(self.dev.copy_at(src, from * w, dst, to * w, len * w)?)
+    }
+
     fn launch(&mut self, kernel: &Kernel, args: &Args, bufs: &[Self::Buf]) -> Result<()> {
         let dev = self.dev.clone();
         let k = self.kernel(kernel)?;

@@ -317,6 +317,36 @@ impl GpuDevice {
         .map_err(|e| driver("copy on device", e))
     }
 
+    /// Queue a device-to-device copy of `bytes` bytes from `src` at byte
+    /// `from` to `dst` at byte `to`.
+    pub fn copy_at(
+        &self,
+        src: &DeviceBuffer,
+        from: usize,
+        dst: &DeviceBuffer,
+        to: usize,
+        bytes: usize,
+    ) -> GpuResult<()> {
+        if from + bytes > src.bytes() || to + bytes > dst.bytes() {
+            return Err(GpuError::Invalid(format!(
+                "copying {bytes} bytes from {from} of {} to {to} of {}",
+                src.bytes(),
+                dst.bytes()
+            )));
+        }
+        // SAFETY: both ranges lie inside their buffers (checked), which are
+        // used on this device's stream only.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                dst.device_ptr() + to as u64,
+                src.device_ptr() + from as u64,
+                bytes,
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(|e| driver("copy on device", e))
+    }
+
     /// Copy raw bytes to a new device buffer.
     pub fn upload_bytes(&self, data: &[u8]) -> GpuResult<DeviceBuffer> {
         let mut b = self.alloc(data.len())?;

@@ -12,7 +12,7 @@ use crate::comm::Message;
 use crate::error::{kernel_err, Result, RuntimeError};
 use crate::interp::{add_grad, Frame, Grads, Interp, Value};
 use crate::kernels::DropoutKey;
-use crate::params::ParamStore;
+use crate::params::{HostStorage, ParamStore, Storage};
 use crate::tensor::Tensor;
 use dplc_ir::{TensorId, TensorLayout};
 use std::collections::{HashMap, HashSet};
@@ -61,8 +61,8 @@ pub(super) enum Forwarded {
     Send(Message),
 }
 
-/// One rank's compute backend.
-pub(super) trait StageCompute {
+/// One rank's compute backend, over a store whose state lives in `S`.
+pub(super) trait StageCompute<S: Storage> {
     /// Chunk `pass.chunk`'s forward: `received` is what the previous chunk
     /// sent (empty on the first). Root parameters are gathered around it.
     fn forward(
@@ -70,7 +70,7 @@ pub(super) trait StageCompute {
         pass: &Pass,
         inputs: &HashMap<TensorId, Value>,
         received: Message,
-        store: &mut ParamStore,
+        store: &mut ParamStore<S>,
     ) -> Result<Forwarded>;
 
     /// Chunk `pass.chunk`'s backward after its forward: `received` is the
@@ -81,16 +81,11 @@ pub(super) trait StageCompute {
         &mut self,
         pass: &Pass,
         received: Option<Message>,
-        store: &mut ParamStore,
+        store: &mut ParamStore<S>,
     ) -> Result<Message>;
 
     /// Bytes of activations the live micro-batches hold.
     fn activation_bytes(&self) -> u64;
-
-    /// The device allocator's peak so far, where the compute has a device.
-    fn device_peak_bytes(&self) -> Option<u64> {
-        None
-    }
 }
 
 /// The forward state a backend kept for `pass`'s backward.
@@ -156,13 +151,13 @@ impl<'a, 'b> Reference<'a, 'b> {
     }
 }
 
-impl StageCompute for Reference<'_, '_> {
+impl StageCompute<HostStorage> for Reference<'_, '_> {
     fn forward(
         &mut self,
         pass: &Pass,
         inputs: &HashMap<TensorId, Value>,
         received: Message,
-        store: &mut ParamStore,
+        store: &mut ParamStore<HostStorage>,
     ) -> Result<Forwarded> {
         let sh = self.sh;
         let g = sh.graph;
@@ -265,7 +260,7 @@ impl StageCompute for Reference<'_, '_> {
         &mut self,
         pass: &Pass,
         received: Option<Message>,
-        store: &mut ParamStore,
+        store: &mut ParamStore<HostStorage>,
     ) -> Result<Message> {
         let sh = self.sh;
         let g = sh.graph;

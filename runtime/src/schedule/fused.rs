@@ -2,12 +2,13 @@
 //! backward run as `fused::Executor` planned them, on any [`Backend`]
 //! (`HostBackend` interprets the GPU's kernels on a CPU).
 //!
-//! The parameter state stays with the schedule executor's `ParamStore`, so
-//! every ZeRO stage, the gradient sync and the optimizer are the reference's:
-//! a chunk uploads the values it reads (once per step below ZeRO-3, at each
-//! use under ZeRO-3, where the store gathers them per layer), and hands its
-//! gradients back after its backward. What crosses a pipeline cut goes
-//! through the host as the reference's messages do.
+//! The parameter state is the schedule executor's `ParamStore`, resident on
+//! the same backend (`DeviceStorage`): a chunk reads the store's parameter
+//! buffers (gathered per layer under ZeRO-3) and adds its gradients to the
+//! store's accumulators there, so every ZeRO stage, the gradient sync and
+//! the optimizer rule are the reference's, run where the kernels run. What
+//! crosses a pipeline cut goes through the host as the reference's
+//! messages do.
 //!
 //! Under tensor and expert parallelism each rank runs its local program
 //! (`dplc_ir::localize`): the model at the rank's shapes, with the plan's
@@ -16,18 +17,19 @@
 
 use super::compute::{take_live, Forwarded, Pass, StageCompute};
 use super::Shared;
-use crate::comm::Message;
+use crate::comm::{Communicator, Message};
 use crate::error::{kernel_err, Result, RuntimeError};
 use crate::fused::{
     tensor_dims, to_backend, to_host, Backend, ChunkSpan, Executor, FusedGraph, HostSteps,
     ParamBufs, RegionRun, Val,
 };
-use crate::interp::{ParamAccess, ParamKey, Value};
+use crate::interp::{ParamKey, Value};
 use crate::kernels::{self, DropoutKey, OpCtx};
-use crate::params::{ParamStore, Unit, ZeroStage};
+use crate::params::{DeviceBuf, DeviceStorage, Links, ParamStore, Unit};
+use crate::shard::MeshGroups;
 use crate::tensor::Tensor;
 use dplc_codegen::Elem;
-use dplc_ir::{GradPlan, Graph, NodeId, Op, TensorId};
+use dplc_ir::{DType, GradPlan, Graph, NodeId, Op, TensorId};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -40,17 +42,18 @@ pub(crate) struct FusedProgram {
     grad: GradPlan,
 }
 
+/// The store a fused compute runs over: its state on the same backend.
+type Store<B, L> = ParamStore<DeviceStorage<B, L>>;
+
 pub(super) struct Fused<'a, 'b, B: Backend> {
     sh: &'a Shared<'b>,
-    be: B,
     prog: &'a FusedProgram,
+    /// The storage type of the backend's floats.
+    dtype: DType,
     /// Each pipeline chunk's part of the root.
     spans: Vec<ChunkSpan>,
     /// Each live (micro-batch, chunk)'s forward, kept for its backward.
     live: HashMap<(usize, usize), RegionRun<B>>,
-    /// The parameter values uploaded in this step (below ZeRO-3: they change
-    /// only at the optimizer step).
-    uploaded: Option<(u64, BTreeMap<ParamKey, Val<B>>)>,
 }
 
 /// The fused executor of one pass: its plan, the dropout key's words, and
@@ -114,12 +117,13 @@ pub(super) fn plan(sh: &Shared) -> Result<FusedProgram> {
     Ok(FusedProgram { graph, fused, grad })
 }
 
-/// The host steps of one rank: layout changes over its groups through the
-/// parameter store's communicator, MoE routing by the reference kernels.
+/// The host steps of one rank: layout changes over its mesh groups through
+/// the parameter store's communicator, MoE routing by the reference kernels.
 struct Host<'s> {
     prog: &'s FusedProgram,
     syms: &'s [i64],
-    store: &'s mut ParamStore,
+    comm: &'s mut Communicator,
+    mesh: &'s MeshGroups,
 }
 
 impl Host<'_> {
@@ -166,11 +170,13 @@ impl HostSteps for Host<'_> {
                 let x = ins
                     .first()
                     .ok_or_else(|| kernel_err("relayout", "no input"))?;
-                Ok(vec![self.store.convert(x, from, to)?])
+                Ok(vec![crate::shard::convert(
+                    self.comm, self.mesh, x, from, to,
+                )?])
             }
             Op::VocabParallel(v) => {
                 let refs: Vec<&Tensor> = ins.iter().collect();
-                self.store.vocab_forward(v, &refs)
+                crate::vocab::forward(self.comm, self.mesh, v, &refs)
             }
             ref op => {
                 let shapes = self.out_shapes(node);
@@ -200,13 +206,15 @@ impl HostSteps for Host<'_> {
         match g.node(node).op {
             Op::Relayout { from, to, grad } => {
                 let target = dplc_ir::TensorLayout::relayout_grad_target(from, to);
-                Ok(vec![Some(self.store.convert(&gout, grad, target)?)])
+                Ok(vec![Some(crate::shard::convert(
+                    self.comm, self.mesh, &gout, grad, target,
+                )?)])
             }
             Op::VocabParallel(v) => {
                 let need = self.prog.grad.input_grads(g, node);
                 let ins: Vec<&Tensor> = ins.iter().collect();
                 let outs: Vec<&Tensor> = outs.iter().collect();
-                self.store.vocab_backward(v, (&ins, &outs), &gout, &need)
+                crate::vocab::backward(self.comm, self.mesh, v, (&ins, &outs), &gout, &need)
             }
             ref op => {
                 let need = self.prog.grad.input_grads(g, node);
@@ -261,9 +269,9 @@ fn local_nodes(g: &Graph, sh: &Shared, c: usize) -> HashSet<NodeId> {
 }
 
 impl<'a, 'b, B: Backend> Fused<'a, 'b, B> {
-    /// The fused compute of one rank, on its own backend `be`, running the
-    /// plan [`plan`] made.
-    pub fn new(sh: &'a Shared<'b>, prog: &'a FusedProgram, be: B) -> Self {
+    /// The fused compute of one rank, running the plan [`plan`] made on a
+    /// backend whose floats are stored as `dtype` (the rank's store owns it).
+    pub fn new(sh: &'a Shared<'b>, prog: &'a FusedProgram, dtype: DType) -> Self {
         let part = &sh.part;
         let whole = part.chunks.len() == 1;
         let spans = part
@@ -288,27 +296,22 @@ impl<'a, 'b, B: Backend> Fused<'a, 'b, B> {
             .collect();
         Fused {
             sh,
-            be,
             prog,
+            dtype,
             spans,
             live: HashMap::new(),
-            uploaded: None,
         }
     }
 
-    /// The parameters chunk `c` reads, on the backend: the root's this rank
-    /// holds and those of the chunk's layers.
-    fn params(&mut self, pass: &Pass, store: &mut ParamStore) -> Result<ParamBufs<B>> {
-        // Below ZeRO-3 a value changes only at the optimizer step.
-        let cache = store.zero != ZeroStage::Three;
-        if cache && self.uploaded.as_ref().is_none_or(|(s, _)| *s != pass.step) {
-            self.uploaded = Some((pass.step, BTreeMap::new()));
-        }
+    /// The parameters chunk `pass.chunk` reads, as the store holds them on
+    /// the backend: the root's this rank holds and those of the chunk's
+    /// layers (each layer gathered for the moment under ZeRO-3).
+    fn params<L: Links<B>>(&self, pass: &Pass, store: &mut Store<B, L>) -> Result<ParamBufs<B>> {
         let mut values = BTreeMap::new();
         let layers = self.spans[pass.chunk].layers.clone();
         for unit in std::iter::once(Unit::Root).chain(layers.map(Unit::Layer)) {
             // The root's parameters are gathered by the executor around the
-            // whole chunk; a layer's here, just for the upload.
+            // whole chunk; a layer's here.
             let layer = unit != Unit::Root;
             if layer {
                 store.gather(unit)?;
@@ -320,21 +323,7 @@ impl<'a, 'b, B: Backend> Fused<'a, 'b, B> {
                 .map(|(&k, _)| k)
                 .collect();
             for key in keys {
-                let cached = match &self.uploaded {
-                    Some((_, c)) if cache => c.get(&key).cloned(),
-                    _ => None,
-                };
-                let v = match cached {
-                    Some(v) => v,
-                    None => {
-                        let v = self.upload(&*store.param(key)?)?;
-                        if let (true, Some((_, c))) = (cache, &mut self.uploaded) {
-                            c.insert(key, v.clone());
-                        }
-                        v
-                    }
-                };
-                values.insert(key, v);
+                values.insert(key, store.value(key)?);
             }
             if layer {
                 store.release(unit, false)?;
@@ -344,15 +333,6 @@ impl<'a, 'b, B: Backend> Fused<'a, 'b, B> {
             values,
             grads: BTreeMap::new(),
         })
-    }
-
-    /// A host tensor of `t`'s local shape from a backend value.
-    fn download(&mut self, t: TensorId, v: &Val<B>) -> Result<Tensor> {
-        to_host(&mut self.be, &self.prog.graph, &self.sh.syms, t, v)
-    }
-
-    fn upload(&mut self, t: &Tensor) -> Result<Val<B>> {
-        to_backend(&mut self.be, t)
     }
 
     /// The tensors a message across the cut after chunk `c` carries, in
@@ -368,55 +348,68 @@ impl<'a, 'b, B: Backend> Fused<'a, 'b, B> {
         out.extend(&self.sh.part.extras);
         out
     }
+
+    /// A message's tensors on the backend.
+    fn upload(be: &mut B, msg: &Message) -> Result<Vec<Option<Val<B>>>> {
+        msg.iter()
+            .map(|v| v.as_ref().map(|v| to_backend(be, v)).transpose())
+            .collect()
+    }
+
+    /// Backend values as the message across the cut after chunk `c`.
+    fn download(&self, be: &mut B, c: usize, vals: &[Option<Val<B>>]) -> Result<Message> {
+        self.message_tensors(c)
+            .into_iter()
+            .zip(vals)
+            .map(|(t, v)| {
+                v.as_ref()
+                    .map(|v| to_host(be, &self.prog.graph, &self.sh.syms, t, v))
+                    .transpose()
+            })
+            .collect()
+    }
 }
 
-impl<B: Backend> StageCompute for Fused<'_, '_, B> {
+impl<B: Backend, L: Links<B>> StageCompute<DeviceStorage<B, L>> for Fused<'_, '_, B> {
     fn forward(
         &mut self,
         pass: &Pass,
         inputs: &HashMap<TensorId, Value>,
         received: Message,
-        store: &mut ParamStore,
+        store: &mut Store<B, L>,
     ) -> Result<Forwarded> {
         let params = self.params(pass, store)?;
+        let ParamStore {
+            storage,
+            comm,
+            mesh,
+            ..
+        } = store;
+        let be = &mut storage.be;
         let mut fed = HashMap::new();
         for (&t, v) in inputs {
-            fed.insert(t, self.upload(v)?);
+            fed.insert(t, to_backend(be, v)?);
         }
-        let mut got = Vec::with_capacity(received.len());
-        for v in &received {
-            got.push(match v {
-                Some(v) => Some(self.upload(v)?),
-                None => None,
-            });
-        }
+        let got = Self::upload(be, &received)?;
         let span = self.spans[pass.chunk].clone();
         let extras = &self.sh.part.extras;
         let mut host = Host {
             prog: self.prog,
             syms: &self.sh.syms,
-            store,
+            comm,
+            mesh,
         };
         let exec = executor(self.sh, self.prog, pass, &mut host);
-        let (run, sent) = exec.forward_chunk(&mut self.be, &span, got, extras, &fed, &params)?;
+        let (run, sent) = exec.forward_chunk(be, &span, got, extras, &fed, &params)?;
         let out = match sent {
             None => {
                 let loss_t = self.prog.graph.outputs()[0];
-                let loss = exec.read(&mut self.be, &run, loss_t)?;
+                let loss = exec.read(be, &run, loss_t)?;
                 Forwarded::Loss(f64::from(
                     *loss.first().ok_or_else(|| kernel_err("fused", "no loss"))?,
                 ))
             }
-            Some(vals) => {
-                let mut msg = Message::with_capacity(vals.len());
-                for (t, v) in self.message_tensors(pass.chunk).into_iter().zip(&vals) {
-                    msg.push(match v {
-                        Some(v) => Some(self.download(t, v)?),
-                        None => None,
-                    });
-                }
-                Forwarded::Send(msg)
-            }
+            Some(vals) => Forwarded::Send(self.download(be, pass.chunk, &vals)?),
         };
         self.live.insert((pass.micro, pass.chunk), run);
         Ok(out)
@@ -426,44 +419,40 @@ impl<B: Backend> StageCompute for Fused<'_, '_, B> {
         &mut self,
         pass: &Pass,
         received: Option<Message>,
-        store: &mut ParamStore,
+        store: &mut Store<B, L>,
     ) -> Result<Message> {
         let mut run = take_live(&mut self.live, pass)?;
         let mut params = self.params(pass, store)?;
-        for (&key, v) in &params.values {
-            let zeros = self.be.zeros(Elem::F32, v.len)?;
-            params.grads.insert(
-                key,
-                Val {
-                    buf: zeros,
-                    elem: Elem::F32,
-                    len: v.len,
-                },
-            );
-        }
-        let got = match received {
-            None => None,
-            Some(msg) => {
-                let mut got = Vec::with_capacity(msg.len());
-                for g in &msg {
-                    got.push(match g {
-                        Some(g) => Some(self.upload(g)?),
-                        None => None,
-                    });
-                }
-                Some(got)
-            }
-        };
         let span = self.spans[pass.chunk].clone();
         let sent = {
+            let ParamStore {
+                storage,
+                comm,
+                mesh,
+                ..
+            } = &mut *store;
+            let be = &mut storage.be;
+            for (&key, v) in &params.values {
+                let zeros = be.zeros(Elem::F32, v.len)?;
+                params.grads.insert(
+                    key,
+                    Val {
+                        buf: zeros,
+                        elem: Elem::F32,
+                        len: v.len,
+                    },
+                );
+            }
+            let got = received.map(|msg| Self::upload(be, &msg)).transpose()?;
             let mut host = Host {
                 prog: self.prog,
                 syms: &self.sh.syms,
-                store: &mut *store,
+                comm,
+                mesh,
             };
             let exec = executor(self.sh, self.prog, pass, &mut host);
             exec.backward_chunk(
-                &mut self.be,
+                be,
                 &span,
                 &mut run,
                 got,
@@ -473,13 +462,7 @@ impl<B: Backend> StageCompute for Fused<'_, '_, B> {
             )?
         };
         for (key, g) in std::mem::take(&mut params.grads) {
-            let shape = store
-                .slots
-                .get(&key)
-                .map(|s| s.shape.clone())
-                .ok_or_else(|| kernel_err("fused", format!("{key:?} is not held")))?;
-            let data = self.be.download(&g.buf, g.elem, g.len)?;
-            store.add_grad(key, Tensor::f32(shape, data))?;
+            store.add_grad(key, DeviceBuf::from_val(g)?)?;
         }
         // ZeRO-2 and 3: each layer's gradients are reduce-scattered once its
         // backward is done, last layer first as the reference does.
@@ -489,26 +472,11 @@ impl<B: Backend> StageCompute for Fused<'_, '_, B> {
         if span.receives.is_none() {
             return Ok(Vec::new());
         }
-        let mut msg = Message::with_capacity(sent.len());
-        for (t, g) in self
-            .message_tensors(pass.chunk.saturating_sub(1))
-            .into_iter()
-            .zip(&sent)
-        {
-            msg.push(match g {
-                Some(g) => Some(self.download(t, g)?),
-                None => None,
-            });
-        }
-        Ok(msg)
-    }
-
-    fn device_peak_bytes(&self) -> Option<u64> {
-        self.be.peak_bytes().map(|b| b as u64)
+        self.download(&mut store.storage.be, pass.chunk.saturating_sub(1), &sent)
     }
 
     fn activation_bytes(&self) -> u64 {
-        let float_bytes = self.be.dtype().size_bytes() as usize;
+        let float_bytes = self.dtype.size_bytes() as usize;
         let mut seen = HashSet::new();
         self.live
             .values()

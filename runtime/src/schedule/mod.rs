@@ -18,10 +18,13 @@ use crate::checkpoint::{self, Resume};
 use crate::comm::{Communicator, Group, World};
 use crate::data::{feeds, Corpus, Feed};
 use crate::error::{Result, RuntimeError};
-use crate::fused::HostBackend;
+use crate::fused::{Backend, HostBackend};
 use crate::gradsync::Traffic;
 use crate::interp::{ParamKey, Value};
-use crate::params::{DpState, HeldParam, ParamStore, Unit, ZeroStage};
+use crate::params::{
+    DeviceStorage, DpState, HeldParam, HostStaged, HostStorage, ParamStore, Storage, StoreInit,
+    Unit, ZeroStage,
+};
 use crate::partition::{schedule, Partition, Work};
 use crate::shard::{concat_along, Layouts, MeshGroups};
 use crate::tensor::Tensor;
@@ -688,14 +691,14 @@ fn region_within(g: &Graph, mut r: RegionId, outer: RegionId) -> bool {
     }
 }
 
-struct Rank<'a, 'b> {
+struct Rank<'a, 'b, S: Storage> {
     sh: &'a Shared<'b>,
     at: Coords,
     stage: usize,
     dp_index: usize,
-    store: ParamStore,
+    store: ParamStore<S>,
     pp_group: Group,
-    compute: Box<dyn StageCompute + 'a>,
+    compute: Box<dyn StageCompute<S> + 'a>,
     losses: Vec<f64>,
     step: u64,
     /// Layers the forwards of micro-batch 0 ran in the run's first step.
@@ -718,7 +721,7 @@ fn run_rank(
     let cfg = sh.cfg;
     let rank = comm.rank();
     let at = Coords::of(rank, cfg);
-    let (dp_index, stage) = (at.dp_index, at.stage);
+    let dp_index = at.dp_index;
     // A dedicated parameter server: it joins the step's collectives (the
     // pushes it sums, the norm, the loss, the pulls it sends) and runs no
     // model compute.
@@ -726,7 +729,6 @@ fn run_rank(
     let group_of = |f: &dyn Fn(usize) -> Coords, n: usize| {
         Group::new((0..n).map(|i| f(i).rank(cfg)).collect())
     };
-    let pp_group = group_of(&|s| Coords { stage: s, ..at }, cfg.pp);
     let tp_group = group_of(&|t| Coords { tp_index: t, ..at }, cfg.tp);
     let first = at.dp_index - at.dp_index % cfg.ep;
     let ep_group = group_of(
@@ -768,19 +770,19 @@ fn run_rank(
         },
         cfg.cp,
     );
-    let store = ParamStore::new(
-        sh.graph,
-        held,
+    let init = StoreInit {
+        graph: sh.graph,
+        keys: held,
         comm,
-        MeshGroups {
+        mesh: MeshGroups {
             tp: tp_group,
             ep: ep_group,
             cp: cp_group,
             skip_partial_sum: cfg.faults.skip_tp_sum,
         },
-        sh.seed,
-        sh.resume.as_ref().map(|r| &r.params),
-        DpState {
+        seed: sh.seed,
+        resume: sh.resume.as_ref().map(|r| &r.params),
+        dp_sync: DpState {
             zero: cfg.zero,
             sync: cfg.sync,
             compress: cfg.compress,
@@ -789,27 +791,67 @@ fn run_rank(
             versions,
             server,
         },
-    )?;
-    let compute: Box<dyn StageCompute> = match cfg.compute {
-        _ if server => Box::new(Reference::new(sh)),
-        Compute::Reference => Box::new(Reference::new(sh)),
-        Compute::Fused => {
-            let plan = sh
-                .fused
-                .as_ref()
-                .ok_or_else(|| RuntimeError::Config("a fused run without its fused plan".into()))?;
-            match cfg.device {
-                Device::Host => Box::new(fused::Fused::new(sh, plan, HostBackend::new())),
-                Device::Cuda { dtype, .. } => {
-                    let dev = sh.gpus[rank % sh.gpus.len().max(1)]
-                        .clone()
-                        .ok_or_else(|| RuntimeError::Config(format!("rank {rank} has no GPU")))?;
-                    let be = crate::gpu::CudaBackend::new(dev, dtype)?;
-                    Box::new(fused::Fused::new(sh, plan, be))
-                }
-            }
-        }
     };
+    // The reference keeps the state on the host; the fused compute keeps it
+    // where its kernels run, in its backend's buffers. A dedicated server
+    // computes nothing, so it holds its shards on the host.
+    let fused_plan = || {
+        sh.fused
+            .as_ref()
+            .ok_or_else(|| RuntimeError::Config("a fused run without its fused plan".into()))
+    };
+    match cfg.compute {
+        Compute::Fused if !server => match cfg.device {
+            Device::Host => {
+                let be = HostBackend::new();
+                let compute = fused::Fused::new(sh, fused_plan()?, be.dtype());
+                let store = ParamStore::new(init, DeviceStorage::new(be, HostStaged))?;
+                drive(sh, at, server, store, Box::new(compute), steps, tx)
+            }
+            Device::Cuda { dtype, .. } => {
+                let dev = sh.gpus[rank % sh.gpus.len().max(1)]
+                    .clone()
+                    .ok_or_else(|| RuntimeError::Config(format!("rank {rank} has no GPU")))?;
+                let be = crate::gpu::CudaBackend::new(dev, dtype)?;
+                let compute = fused::Fused::new(sh, fused_plan()?, dtype);
+                let store = ParamStore::new(init, DeviceStorage::new(be, HostStaged))?;
+                drive(sh, at, server, store, Box::new(compute), steps, tx)
+            }
+        },
+        _ => {
+            let store = ParamStore::new(init, HostStorage)?;
+            drive(
+                sh,
+                at,
+                server,
+                store,
+                Box::new(Reference::new(sh)),
+                steps,
+                tx,
+            )
+        }
+    }
+}
+
+/// Run rank `at`'s steps over its store and compute, and hand back what
+/// it exported.
+fn drive<'a, S: Storage>(
+    sh: &'a Shared,
+    at: Coords,
+    server: bool,
+    store: ParamStore<S>,
+    compute: Box<dyn StageCompute<S> + 'a>,
+    steps: u64,
+    tx: &mpsc::Sender<StepStats>,
+) -> Result<RankOut> {
+    let cfg = sh.cfg;
+    let rank = store.comm.rank();
+    let (dp_index, stage) = (at.dp_index, at.stage);
+    let pp_group = Group::new(
+        (0..cfg.pp)
+            .map(|s| Coords { stage: s, ..at }.rank(cfg))
+            .collect(),
+    );
     let mut r = Rank {
         sh,
         at,
@@ -945,7 +987,7 @@ fn run_rank(
         traffic,
         stage,
         peak_activation_bytes: r.peak_activation_bytes,
-        device_peak_bytes: r.compute.device_peak_bytes(),
+        device_peak_bytes: r.store.storage.peak_bytes(),
         layers_run: r.layers_run,
         exported,
     };
@@ -1024,7 +1066,7 @@ fn gather_trace(comm: &mut Communicator, cfg: &RunConfig) -> Result<()> {
     Ok(())
 }
 
-impl<'a, 'b> Rank<'a, 'b> {
+impl<S: Storage> Rank<'_, '_, S> {
     fn chunks(&self) -> usize {
         self.sh.part.chunks.len()
     }
@@ -1064,7 +1106,7 @@ impl<'a, 'b> Rank<'a, 'b> {
             .filter(|k| k.rank == rank && k.step == done)
             .map(|k| k.at);
         let world = Group::new((0..cfg.ranks()).collect());
-        let barrier = |store: &mut ParamStore| -> Result<()> {
+        let barrier = |store: &mut ParamStore<S>| -> Result<()> {
             if cfg.ranks() > 1 {
                 store.comm.all_reduce(&world, &mut [0.0])?;
             }
@@ -1074,7 +1116,7 @@ impl<'a, 'b> Rank<'a, 'b> {
             checkpoint::prepare_step_dir(&dir)?;
         }
         barrier(&mut self.store)?;
-        checkpoint::write_shards(&dir, rank, sh.graph, self.store.owned_shards(), kill)?;
+        checkpoint::write_shards(&dir, rank, sh.graph, self.store.owned_shards()?, kill)?;
         checkpoint::write_feedback(&dir, rank, sh.graph, &self.store.feedback)?;
         if cfg.sync.staleness() > 0 && self.dp_index < cfg.replicas() {
             let older = self.store.older_versions()?;
@@ -1306,20 +1348,13 @@ impl<'a, 'b> Rank<'a, 'b> {
                     })
                     .collect(),
             );
-            let slot = self
-                .store
-                .slots
-                .get_mut(key)
-                .expect("tied keys are held by their stages");
-            let mut g = std::mem::take(&mut slot.grad);
-            self.store.comm.all_reduce(&group, &mut g)?;
-            self.store.slots.get_mut(key).expect("held").grad = g;
+            self.store.all_reduce_grad(*key, &group)?;
         }
         if !cfg.faults.skip_grad_sync {
             self.store.reduce_grads(cfg.bucket_elems, self.step)?;
         }
         // Every gradient element is counted by exactly one rank of the world.
-        let mut sq = vec![self.store.local_sq_norm() as f32];
+        let mut sq = vec![self.store.local_sq_norm()? as f32];
         if cfg.faults.nan_grad_at == Some((self.store.comm.rank(), self.step)) {
             sq[0] = f32::NAN;
         }
@@ -1367,7 +1402,7 @@ impl<'a, 'b> Rank<'a, 'b> {
                 });
             }
             self.skipped_nonfinite += 1;
-            self.store.discard_grads();
+            self.store.discard_grads()?;
         } else {
             self.store
                 .step(&sh.spec.optimizer, lr, clip, self.step + 1)?;

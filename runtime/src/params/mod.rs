@@ -1,6 +1,20 @@
 //! Parameter storage of one rank: full values, the shard it updates, AdamW
 //! moments and gradients, laid out per ZeRO stage; and the layer hooks through
 //! which ZeRO-3 all-gathers weights and reduce-scatters gradients per layer.
+//!
+//! The store decides what every rank holds and when it moves; where the
+//! vectors live is its [`Storage`]'s business: host memory for the
+//! reference compute, the compute backend's buffers for the fused one
+//! ([`device`]), so both run the same ZeRO stages, gradient sync and
+//! optimizer rule. What only the host does (a parameter server's push and
+//! pull, compression, async weight versions, checkpoints) stages the
+//! vectors through the host.
+
+mod device;
+mod storage;
+
+pub(crate) use device::{DeviceBuf, DeviceStorage, HostStaged, Links};
+pub(crate) use storage::{HostStorage, Pieces, Storage};
 
 use crate::comm::{Communicator, Group};
 use crate::error::{kernel_err, Result};
@@ -9,10 +23,12 @@ use crate::interp::{ParamAccess, ParamKey, Value};
 use crate::rng;
 use crate::shard::{self, MeshGroups};
 use crate::tensor::Tensor;
+use dplc_codegen::{AdamwScalars, SgdScalars};
 use dplc_ir::{Compression, GradSync, Graph, Init, Optimizer, TensorLayout, VocabOp};
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ops::Range;
-use std::sync::Arc;
+use storage::{Moments, Update};
 
 /// How much of the training state data-parallel ranks split between them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -53,9 +69,9 @@ pub(crate) struct OwnedShard<'a> {
     pub part: Option<(usize, usize, usize)>,
     /// Where it lies in that part, flattened.
     pub range: Range<usize>,
-    pub value: &'a [f32],
-    pub m: &'a [f32],
-    pub v: &'a [f32],
+    pub value: Cow<'a, [f32]>,
+    pub m: Cow<'a, [f32]>,
+    pub v: Cow<'a, [f32]>,
 }
 
 /// Which layer a parameter belongs to, for ZeRO-3's per-layer gathers.
@@ -65,22 +81,22 @@ pub(crate) enum Unit {
     Layer(u64),
 }
 
-pub(crate) struct Slot {
+pub(crate) struct Slot<S: Storage> {
     pub shape: Vec<usize>,
     pub numel: usize,
     /// The full value, when present (always below ZeRO-3; while gathered at 3).
-    pub full: Option<Value>,
+    pub full: Option<S::Value>,
     /// Every data-parallel rank's part, in rank order.
     pub shards: Vec<Range<usize>>,
     /// The part this rank updates (all of it without ZeRO).
     pub own: Range<usize>,
     /// fp32 master values of `own`.
-    pub master: Vec<f32>,
-    pub m: Vec<f32>,
-    pub v: Vec<f32>,
+    pub master: S::Buf,
+    pub m: S::Buf,
+    pub v: S::Buf,
     /// Gradient: whole while accumulating, `own`'s part once reduce-scattered
-    /// (ZeRO-2 after the step's sync, ZeRO-3 always).
-    pub grad: Vec<f32>,
+    /// (ZeRO-1 after the step's sync, ZeRO-2 and 3 always).
+    pub grad: S::Buf,
     /// Matrices decay; biases and norm gains do not (the GPT-2 convention).
     pub decay: bool,
     pub unit: Unit,
@@ -129,15 +145,17 @@ pub(crate) fn init_value(init: Init, seed: u64, key: ParamKey, n: usize) -> Vec<
     }
 }
 
-pub(crate) struct ParamStore {
-    pub slots: BTreeMap<ParamKey, Slot>,
+pub(crate) struct ParamStore<S: Storage> {
+    pub slots: BTreeMap<ParamKey, Slot<S>>,
     pub zero: ZeroStage,
+    /// Where the vectors live and how they are summed.
+    pub storage: S,
     pub comm: Communicator,
     /// The tensor- and expert-parallel groups layouts convert over.
     pub mesh: MeshGroups,
-    /// ZeRO-3: full gradients of the current micro-batch, waiting for their
-    /// layer's reduce-scatter.
-    pending: HashMap<ParamKey, Vec<f32>>,
+    /// ZeRO-2 and 3: whole gradients of the current micro-batch, waiting
+    /// for their unit's reduce-scatter.
+    pending: HashMap<ParamKey, S::Buf>,
     /// How the data-parallel group combines gradients. A parameter server
     /// keeps ZeRO-1's layout (each server updates its own shard of every
     /// tensor; `shards` has empty ranges for the workers that serve none).
@@ -150,7 +168,7 @@ pub(crate) struct ParamStore {
     /// Bytes the data-parallel reduction and the weights' return moved.
     pub traffic: Traffic,
     /// Async: the weights of the last `staleness + 1` versions, newest first.
-    versions: VecDeque<BTreeMap<ParamKey, Value>>,
+    versions: VecDeque<BTreeMap<ParamKey, S::Value>>,
 }
 
 /// How a store's data-parallel group holds its state (the ZeRO stage) and
@@ -168,41 +186,58 @@ pub(crate) struct DpState<'a> {
     pub server: bool,
 }
 
-impl ParamStore {
-    /// Every element of training state this rank owns (see [`OwnedShard`]).
-    pub fn owned_shards(&self) -> impl Iterator<Item = OwnedShard<'_>> {
-        self.slots.iter().filter_map(|(&key, slot)| {
+/// Where a rank's store comes from: its graph, the tensors it holds, its
+/// links to the other ranks, and the state to start from.
+pub(crate) struct StoreInit<'a> {
+    pub graph: &'a Graph,
+    pub keys: Vec<HeldParam>,
+    pub comm: Communicator,
+    pub mesh: MeshGroups,
+    pub seed: u64,
+    pub resume: Option<&'a BTreeMap<ParamKey, LogicalParam>>,
+    pub dp_sync: DpState<'a>,
+}
+
+impl<S: Storage> ParamStore<S> {
+    /// Every element of training state this rank owns (see [`OwnedShard`]),
+    /// on the host.
+    pub fn owned_shards(&mut self) -> Result<Vec<OwnedShard<'_>>> {
+        let storage = &mut self.storage;
+        let mut out = Vec::new();
+        for (&key, slot) in &self.slots {
             let range = slot.shards[slot.pos].clone();
             if !slot.norm_owner || range.is_empty() {
-                return None;
+                continue;
             }
             // Below ZeRO-1 a replica holds every element; above, its own range.
-            let whole = slot.master.len() == slot.numel;
-            let at = if whole {
+            let len = S::len(&slot.master);
+            let at = if len == slot.numel {
                 range.clone()
             } else {
-                0..slot.master.len()
+                0..len
             };
-            Some(OwnedShard {
+            out.push(OwnedShard {
                 key,
                 part: slot.part,
-                value: &slot.master[at.clone()],
-                m: &slot.m[at.clone()],
-                v: &slot.v[at],
+                value: storage.read(&slot.master, at.clone())?,
+                m: storage.read(&slot.m, at.clone())?,
+                v: storage.read(&slot.v, at)?,
                 range,
-            })
-        })
+            });
+        }
+        Ok(out)
     }
 
-    pub fn new(
-        graph: &Graph,
-        keys: Vec<HeldParam>,
-        comm: Communicator,
-        mesh: MeshGroups,
-        seed: u64,
-        resume: Option<&BTreeMap<ParamKey, LogicalParam>>,
-        dp_sync: DpState,
-    ) -> Result<ParamStore> {
+    pub fn new(init: StoreInit, mut storage: S) -> Result<ParamStore<S>> {
+        let StoreInit {
+            graph,
+            keys,
+            comm,
+            mesh,
+            seed,
+            resume,
+            dp_sync,
+        } = init;
         let mut slots = BTreeMap::new();
         let mut feedback = BTreeMap::new();
         // A parameter server lays its state out as ZeRO-1 does over its servers.
@@ -222,131 +257,98 @@ impl ParamStore {
             } = held;
             let dp = group.size();
             let pos = group.position(comm.rank()).unwrap_or(0);
-            let slot = {
-                let info = graph.param(key.param);
-                let mut shape: Vec<usize> = info
-                    .shape
-                    .dims()
-                    .iter()
-                    .map(|d| d.as_const().unwrap_or(0).max(0) as usize)
-                    .collect();
-                let numel: usize = shape.iter().product();
-                // The whole tensor's initial value (or its checkpointed
-                // state), then this rank's part of it, so that every split
-                // starts from the serial run's values.
-                let whole_shape = shape.clone();
-                let (mut value, mut m, mut v) = match resume {
-                    None => (init_value(info.init, seed, key, numel), None, None),
-                    Some(state) => {
-                        let s = state.get(&key).ok_or_else(|| {
-                            kernel_err("checkpoint", format!("{key:?} is not in the checkpoint"))
-                        })?;
-                        (s.value.clone(), Some(s.m.clone()), Some(s.v.clone()))
-                    }
-                };
-                if let Some((axis, parts, index)) = part {
-                    let mine = |x: Vec<f32>| -> Result<Vec<f32>> {
-                        let whole = Tensor::f32(whole_shape.clone(), x);
-                        shard::split_along(&whole, axis, parts)?
-                            .swap_remove(index)
-                            .into_f()
-                    };
-                    value = mine(value)?;
-                    m = m.map(mine).transpose()?;
-                    v = v.map(mine).transpose()?;
-                    shape[axis] /= parts;
+            let info = graph.param(key.param);
+            let mut shape: Vec<usize> = info
+                .shape
+                .dims()
+                .iter()
+                .map(|d| d.as_const().unwrap_or(0).max(0) as usize)
+                .collect();
+            let numel: usize = shape.iter().product();
+            // The whole tensor's initial value (or its checkpointed state),
+            // then this rank's part of it, so that every split starts from
+            // the serial run's values.
+            let whole_shape = shape.clone();
+            let (mut value, mut m, mut v) = match resume {
+                None => (init_value(info.init, seed, key, numel), None, None),
+                Some(state) => {
+                    let s = state.get(&key).ok_or_else(|| {
+                        kernel_err("checkpoint", format!("{key:?} is not in the checkpoint"))
+                    })?;
+                    (s.value.clone(), Some(s.m.clone()), Some(s.v.clone()))
                 }
-                let numel: usize = shape.iter().product();
-                let dedicated = dp_sync.sync.dedicated_servers() as usize;
-                let shards = match ps_shards {
-                    // Dedicated servers are the group's last members, after
-                    // the workers, which serve nothing.
-                    Some(servers) if dedicated > 0 => {
-                        let mut s = vec![numel..numel; dp.saturating_sub(servers)];
-                        s.extend(split(numel, servers));
-                        s
-                    }
-                    // Co-located servers are the group's first members; the rest serve nothing.
-                    Some(servers) => {
-                        let mut s = split(numel, servers.min(dp));
-                        s.resize(dp, numel..numel);
-                        s
-                    }
-                    None => split(numel, dp),
+            };
+            if let Some((axis, parts, index)) = part {
+                let mine = |x: Vec<f32>| -> Result<Vec<f32>> {
+                    let whole = Tensor::f32(whole_shape.clone(), x);
+                    shard::split_along(&whole, axis, parts)?
+                        .swap_remove(index)
+                        .into_f()
                 };
-                match dp_sync.compress {
-                    Compression::TopK { .. } | Compression::PowerSgd { .. } => {
-                        let q = match dp_sync.compress {
-                            Compression::PowerSgd { rank, .. } => {
-                                gradsync::powersgd_dims(&shape, rank as usize)
-                                    .map(|(_, cols, r)| {
-                                        gradsync::initial_q(
-                                            seed,
-                                            (key.param.index() as u64, key.layer),
-                                            cols,
-                                            r,
-                                        )
-                                    })
-                                    .unwrap_or_default()
-                            }
-                            _ => Vec::new(),
-                        };
-                        let state = match dp_sync.feedback.and_then(|f| f.get(&key)) {
-                            Some(saved) => {
-                                if saved.error.len() != numel || saved.q.len() != q.len() {
-                                    return Err(kernel_err(
-                                        "checkpoint",
-                                        format!(
-                                            "the error-feedback state of {key:?} has another shape; \
-                                             resume with the compression and split it was saved with"
-                                        ),
-                                    ));
-                                }
-                                saved.clone()
-                            }
-                            None => Feedback {
-                                error: vec![0.0; numel],
-                                q,
-                            },
-                        };
-                        feedback.insert(key, state);
-                    }
-                    Compression::None | Compression::Bf16 | Compression::Fp16 => {}
+                value = mine(value)?;
+                m = m.map(mine).transpose()?;
+                v = v.map(mine).transpose()?;
+                shape[axis] /= parts;
+            }
+            let numel: usize = shape.iter().product();
+            let dedicated = dp_sync.sync.dedicated_servers() as usize;
+            let shards = match ps_shards {
+                // Dedicated servers are the group's last members, after
+                // the workers, which serve nothing.
+                Some(servers) if dedicated > 0 => {
+                    let mut s = vec![numel..numel; dp.saturating_sub(servers)];
+                    s.extend(split(numel, servers));
+                    s
                 }
-                let own = if zero == ZeroStage::None {
-                    0..numel
-                } else {
-                    shards[pos].clone()
-                };
-                // ZeRO-1 accumulates whole gradients over the micro-batches and
-                // reduce-scatters once per step; ZeRO-2 and 3 reduce-scatter
-                // each unit's gradients after its backward of every
-                // micro-batch and keep only their part (what the planner
-                // prices: a reduce-scatter per micro-batch, sharded
-                // gradient memory).
-                let grad_len = if zero.shards_grads() {
-                    own.len()
-                } else {
-                    numel
-                };
-                Slot {
-                    full: (zero != ZeroStage::Three)
-                        .then(|| Arc::new(Tensor::f32(shape.clone(), value.clone()))),
-                    master: value[own.clone()].to_vec(),
-                    m: m.map_or_else(|| vec![0.0; own.len()], |m| m[own.clone()].to_vec()),
-                    v: v.map_or_else(|| vec![0.0; own.len()], |v| v[own.clone()].to_vec()),
-                    grad: vec![0.0; grad_len],
-                    decay: shape.len() >= 2,
-                    shape,
-                    numel,
-                    shards,
-                    own,
-                    unit,
-                    norm_owner,
-                    group,
-                    pos,
-                    part,
+                // Co-located servers are the group's first members; the rest serve nothing.
+                Some(servers) => {
+                    let mut s = split(numel, servers.min(dp));
+                    s.resize(dp, numel..numel);
+                    s
                 }
+                None => split(numel, dp),
+            };
+            if let Some(state) = initial_feedback(&dp_sync, seed, key, &shape, numel)? {
+                feedback.insert(key, state);
+            }
+            let own = if zero == ZeroStage::None {
+                0..numel
+            } else {
+                shards[pos].clone()
+            };
+            // ZeRO-1 accumulates whole gradients over the micro-batches and
+            // reduce-scatters once per step; ZeRO-2 and 3 reduce-scatter
+            // each unit's gradients after its backward of every micro-batch
+            // and keep only their part (what the planner prices: a
+            // reduce-scatter per micro-batch, sharded gradient memory).
+            let grad_len = if zero.shards_grads() {
+                own.len()
+            } else {
+                numel
+            };
+            let part_of = |x: Option<Vec<f32>>| {
+                x.map_or_else(|| vec![0.0; own.len()], |x| x[own.clone()].to_vec())
+            };
+            let (m, v) = (part_of(m), part_of(v));
+            let slot = Slot {
+                full: match zero {
+                    ZeroStage::Three => None,
+                    _ => Some(storage.value_from_host(&shape, value.clone())?),
+                },
+                master: storage.stage_in(value[own.clone()].to_vec())?,
+                m: storage.stage_in(m)?,
+                v: storage.stage_in(v)?,
+                grad: storage.zeros(grad_len)?,
+                decay: shape.len() >= 2,
+                shape,
+                numel,
+                shards,
+                own,
+                unit,
+                norm_owner,
+                group,
+                pos,
+                part,
             };
             slots.insert(key, slot);
         }
@@ -356,7 +358,7 @@ impl ParamStore {
             versions.push_back(
                 slots
                     .iter()
-                    .filter_map(|(k, s): (&ParamKey, &Slot)| s.full.clone().map(|f| (*k, f)))
+                    .filter_map(|(k, s): (&ParamKey, &Slot<S>)| s.full.clone().map(|f| (*k, f)))
                     .collect(),
             );
             for older in dp_sync.versions.into_iter().flatten().take(staleness) {
@@ -374,7 +376,7 @@ impl ParamStore {
                             ),
                         ));
                     }
-                    version.insert(key, Arc::new(Tensor::f32(slot.shape.clone(), values)));
+                    version.insert(key, storage.value_from_host(&slot.shape, values)?);
                 }
                 versions.push_back(version);
             }
@@ -382,6 +384,7 @@ impl ParamStore {
         Ok(ParamStore {
             slots,
             zero,
+            storage,
             comm,
             mesh,
             pending: HashMap::new(),
@@ -408,11 +411,13 @@ impl ParamStore {
             return Ok(());
         }
         for key in self.keys_of(unit) {
-            let slot = self.slots.get(&key).expect("key listed from the slots");
-            let parts = self.comm.all_gather(&slot.group, &slot.master)?;
             let slot = self.slots.get_mut(&key).expect("key listed from the slots");
-            let full: Vec<f32> = parts.concat();
-            slot.full = Some(Arc::new(Tensor::f32(slot.shape.clone(), full)));
+            let whole = self
+                .storage
+                .all_gather(&mut self.comm, &slot.group, &[(&slot.master, &slot.shards)])?
+                .pop()
+                .ok_or_else(|| kernel_err("all_gather", "nothing gathered"))?;
+            slot.full = Some(self.storage.value(&slot.shape, &whole)?);
         }
         Ok(())
     }
@@ -424,26 +429,66 @@ impl ParamStore {
             return Ok(());
         }
         for key in self.keys_of(unit) {
+            let slot = self.slots.get_mut(&key).expect("key listed from the slots");
             if reduce {
-                let slot = self.slots.get(&key).expect("key listed from the slots");
-                let full = self
-                    .pending
-                    .remove(&key)
-                    .unwrap_or_else(|| vec![0.0; slot.numel]);
-                let part = self.comm.reduce_scatter(&slot.group, &full, &slot.shards)?;
+                let full = match self.pending.remove(&key) {
+                    Some(g) => g,
+                    None => self.storage.zeros(slot.numel)?,
+                };
+                let part = self
+                    .storage
+                    .reduce_scatter(&mut self.comm, &slot.group, &[(&full, &slot.shards)])?
+                    .pop()
+                    .ok_or_else(|| kernel_err("reduce_scatter", "nothing reduced"))?;
                 self.traffic
-                    .reduce_scatter(slot.group.size(), full.len() * 4);
-                let slot = self.slots.get_mut(&key).expect("key listed from the slots");
-                slot.grad.iter_mut().zip(part).for_each(|(g, p)| *g += p);
+                    .reduce_scatter(slot.group.size(), S::len(&full) * 4);
+                self.storage.add(&mut slot.grad, &part)?;
             }
             if self.zero == ZeroStage::Three {
-                self.slots
-                    .get_mut(&key)
-                    .expect("key listed from the slots")
-                    .full = None;
+                slot.full = None;
             }
         }
         Ok(())
+    }
+
+    /// Add `grad` (whole, this rank's shape) to `key`'s gradient: to the
+    /// accumulator below ZeRO-2, to the micro-batch's pending sum above.
+    pub fn add_grad(&mut self, key: ParamKey, grad: S::Buf) -> Result<()> {
+        if self.zero.shards_grads() {
+            return match self.pending.get_mut(&key) {
+                Some(acc) => self.storage.add(acc, &grad),
+                None => {
+                    self.pending.insert(key, grad);
+                    Ok(())
+                }
+            };
+        }
+        let slot = self
+            .slots
+            .get_mut(&key)
+            .ok_or_else(|| kernel_err("param", format!("{key:?} is not held by this rank")))?;
+        self.storage.add(&mut slot.grad, &grad)
+    }
+
+    /// `key`'s whole value as the compute reads it.
+    pub fn value(&self, key: ParamKey) -> Result<S::Value> {
+        let slot = self
+            .slots
+            .get(&key)
+            .ok_or_else(|| kernel_err("param", format!("{key:?} is not held by this rank")))?;
+        slot.full
+            .clone()
+            .ok_or_else(|| kernel_err("param", format!("{key:?} is used while not gathered")))
+    }
+
+    /// Sum `key`'s gradient over `group` (a tied weight's copies).
+    pub fn all_reduce_grad(&mut self, key: ParamKey, group: &Group) -> Result<()> {
+        let slot = self
+            .slots
+            .get_mut(&key)
+            .ok_or_else(|| kernel_err("param", format!("{key:?} is not held by this rank")))?;
+        self.storage
+            .all_reduce(&mut self.comm, group, &mut [&mut slot.grad])
     }
 
     /// Sum every gradient over the data-parallel group: all-reduce in buckets
@@ -476,27 +521,17 @@ impl ParamStore {
                 // gradient, in key order, is one range of the flat buffer.
                 for (ranks, keys) in self.by_group() {
                     let group = Group::new(ranks);
-                    let members = group.size();
-                    let mut flat = Vec::new();
-                    let mut ranges = Vec::with_capacity(members);
-                    for p in 0..members {
-                        let start = flat.len();
-                        for k in &keys {
-                            let slot = &self.slots[k];
-                            let r = slot.shards.get(p).cloned().unwrap_or(0..0);
-                            flat.extend_from_slice(&slot.grad[r]);
-                        }
-                        ranges.push(start..flat.len());
-                    }
-                    let mut mine = self
-                        .comm
-                        .reduce_scatter(&group, &flat, &ranges)?
-                        .into_iter();
-                    self.traffic.reduce_scatter(members, flat.len() * 4);
-                    for k in &keys {
-                        let slot = self.slots.get_mut(k).expect("key from the slots");
-                        let n = slot.shards[slot.pos].len();
-                        slot.grad = mine.by_ref().take(n).collect();
+                    let pieces: Vec<Pieces<'_, S::Buf>> = keys
+                        .iter()
+                        .map(|k| (&self.slots[k].grad, &self.slots[k].shards[..]))
+                        .collect();
+                    let bytes: usize = pieces.iter().map(|(g, _)| S::len(g) * 4).sum();
+                    let mine = self
+                        .storage
+                        .reduce_scatter(&mut self.comm, &group, &pieces)?;
+                    self.traffic.reduce_scatter(group.size(), bytes);
+                    for (k, part) in keys.iter().zip(mine) {
+                        self.slots.get_mut(k).expect("key from the slots").grad = part;
                     }
                 }
             }
@@ -509,7 +544,8 @@ impl ParamStore {
     /// every gradient (the group's tensors in key order, one message per
     /// server) to that server, which sums them in group order — the order
     /// the all-reduce sums in, so the sums are the same bits. A dedicated
-    /// server collects without adding anything of its own.
+    /// server collects without adding anything of its own. Staged through
+    /// the host.
     fn push_to_servers(&mut self) -> Result<()> {
         for (ranks, keys) in self.by_group() {
             let group = Group::new(ranks);
@@ -521,7 +557,9 @@ impl ParamStore {
                 let mut flat = Vec::new();
                 for k in &keys {
                     let slot = &self.slots[k];
-                    flat.extend_from_slice(&slot.grad[slot.shards[at].clone()]);
+                    flat.extend_from_slice(
+                        &self.storage.read(&slot.grad, slot.shards[at].clone())?,
+                    );
                 }
                 if self.dedicated_servers() > 0 {
                     self.comm.reduce_to_collector(&with, root, &mut flat)?;
@@ -536,7 +574,8 @@ impl ParamStore {
                         let slot = self.slots.get_mut(k).expect("key from the slots");
                         let r = slot.shards[at].clone();
                         let len = r.len();
-                        slot.grad[r].copy_from_slice(&flat[pos..pos + len]);
+                        self.storage
+                            .write(&mut slot.grad, r.start, &flat[pos..pos + len])?;
                         pos += len;
                     }
                 }
@@ -593,13 +632,13 @@ impl ParamStore {
                     whole = false;
                     continue;
                 };
-                let mut flat: Vec<f32> = if me == root {
-                    keys.iter()
-                        .flat_map(|k| self.slots[k].master.iter().copied())
-                        .collect()
-                } else {
-                    Vec::new()
-                };
+                let mut flat: Vec<f32> = Vec::new();
+                if me == root {
+                    for k in &keys {
+                        let master = &self.slots[k].master;
+                        flat.extend_from_slice(&self.storage.read(master, 0..S::len(master))?);
+                    }
+                }
                 self.comm.broadcast(&with, root, &mut flat)?;
                 self.traffic
                     .star(with.size(), me == root, flat.len() * 4, false);
@@ -618,7 +657,7 @@ impl ParamStore {
             }
             for (k, full) in keys.iter().zip(fulls) {
                 let slot = self.slots.get_mut(k).expect("key from the slots");
-                slot.full = Some(Arc::new(Tensor::f32(slot.shape.clone(), full)));
+                slot.full = Some(self.storage.value_from_host(&slot.shape, full)?);
             }
         }
         Ok(())
@@ -633,54 +672,64 @@ impl ParamStore {
     }
 
     /// Compressed all-reduce of every gradient (ZeRO-0), with error
-    /// feedback. A warm-up step's bytes are not the steady state's: they
-    /// are left out of `traffic`.
+    /// feedback, staged through the host. A warm-up step's bytes are not
+    /// the steady state's: they are left out of `traffic`.
     fn compressed_reduce(&mut self, step: u64) -> Result<()> {
         let at = self.compressed_step(step);
         let mut warmup_traffic = Traffic::default();
         for (ranks, keys) in self.by_group() {
             let group = Group::new(ranks);
-            // Both maps iterate in key order; bf16/fp16 keep no state.
-            let mut feedback = self
-                .feedback
-                .iter_mut()
-                .filter(|(k, _)| keys.contains(k))
-                .peekable();
-            let mut tensors: Vec<gradsync::Tensor> = Vec::with_capacity(keys.len());
-            for (k, slot) in self.slots.iter_mut().filter(|(k, _)| keys.contains(k)) {
-                let state = match feedback.peek() {
-                    Some((fk, _)) if *fk == k => feedback.next().map(|(_, f)| f),
-                    _ => None,
-                };
-                tensors.push(gradsync::Tensor {
-                    grad: &mut slot.grad,
-                    shape: &slot.shape,
-                    feedback: state,
-                });
+            let mut grads = Vec::with_capacity(keys.len());
+            for k in &keys {
+                let slot = self.slots.get_mut(k).expect("key from the slots");
+                grads.push(self.storage.stage_out(std::mem::take(&mut slot.grad))?);
             }
-            let traffic = if at.warming_up() {
-                &mut warmup_traffic
-            } else {
-                &mut self.traffic
-            };
-            gradsync::compressed_all_reduce(&mut self.comm, &group, at, &mut tensors, traffic)?;
+            {
+                // Both maps iterate in key order; bf16/fp16 keep no state.
+                let mut feedback = self
+                    .feedback
+                    .iter_mut()
+                    .filter(|(k, _)| keys.contains(k))
+                    .peekable();
+                let mut tensors: Vec<gradsync::Tensor> = Vec::with_capacity(keys.len());
+                for (k, grad) in keys.iter().zip(grads.iter_mut()) {
+                    let state = match feedback.peek() {
+                        Some((fk, _)) if *fk == k => feedback.next().map(|(_, f)| f),
+                        _ => None,
+                    };
+                    tensors.push(gradsync::Tensor {
+                        grad,
+                        shape: &self.slots[k].shape,
+                        feedback: state,
+                    });
+                }
+                let traffic = if at.warming_up() {
+                    &mut warmup_traffic
+                } else {
+                    &mut self.traffic
+                };
+                gradsync::compressed_all_reduce(&mut self.comm, &group, at, &mut tensors, traffic)?;
+            }
+            for (k, grad) in keys.iter().zip(grads) {
+                let grad = self.storage.stage_in(grad)?;
+                self.slots.get_mut(k).expect("key from the slots").grad = grad;
+            }
         }
         Ok(())
     }
 
     /// Async: the weight versions older than the current weights, newest
     /// first, as a checkpoint keeps them.
-    pub fn older_versions(&self) -> Result<Vec<BTreeMap<ParamKey, Vec<f32>>>> {
-        self.versions
-            .iter()
-            .skip(1)
-            .map(|version| {
-                version
-                    .iter()
-                    .map(|(k, v)| Ok((*k, v.f()?.to_vec())))
-                    .collect()
-            })
-            .collect()
+    pub fn older_versions(&mut self) -> Result<Vec<BTreeMap<ParamKey, Vec<f32>>>> {
+        let mut out = Vec::new();
+        for version in self.versions.iter().skip(1) {
+            let mut host = BTreeMap::new();
+            for (k, v) in version {
+                host.insert(*k, self.storage.value_to_host(v)?);
+            }
+            out.push(host);
+        }
+        Ok(out)
     }
 
     /// Async: compute the coming step on the weights `lag` versions old
@@ -713,117 +762,109 @@ impl ParamStore {
         bucket: usize,
     ) -> Result<()> {
         let group = Group::new(group.to_vec());
-        {
-            let mut start = 0;
-            while start < keys.len() {
-                let mut end = start;
-                let mut size = 0;
-                while end < keys.len()
-                    && (end == start || size + self.slots[&keys[end]].numel <= bucket)
-                {
-                    size += self.slots[&keys[end]].numel;
-                    end += 1;
-                }
-                let mut flat: Vec<f32> = Vec::with_capacity(size);
-                for k in &keys[start..end] {
-                    flat.extend_from_slice(&self.slots[k].grad);
-                }
-                self.comm.all_reduce(&group, &mut flat)?;
-                self.traffic.all_reduce(group.size(), flat.len() * 4);
-                let mut at = 0;
-                for k in &keys[start..end] {
-                    let slot = self.slots.get_mut(k).expect("key from the slots");
-                    slot.grad.copy_from_slice(&flat[at..at + slot.numel]);
-                    at += slot.numel;
-                }
-                start = end;
+        let mut start = 0;
+        while start < keys.len() {
+            let mut end = start;
+            let mut size = 0;
+            while end < keys.len()
+                && (end == start || size + self.slots[&keys[end]].numel <= bucket)
+            {
+                size += self.slots[&keys[end]].numel;
+                end += 1;
             }
+            let bucket_keys = &keys[start..end];
+            let mut grads: Vec<&mut S::Buf> = self
+                .slots
+                .iter_mut()
+                .filter(|(k, _)| bucket_keys.contains(k))
+                .map(|(_, s)| &mut s.grad)
+                .collect();
+            self.storage
+                .all_reduce(&mut self.comm, &group, &mut grads)?;
+            self.traffic.all_reduce(group.size(), size * 4);
+            start = end;
         }
         Ok(())
     }
 
     /// Σ g² over the gradient elements this rank counts towards the global norm.
-    pub fn local_sq_norm(&self) -> f64 {
-        self.slots
-            .values()
-            .filter(|s| s.norm_owner)
-            .map(|s| {
-                let part: &[f32] = if s.grad.len() == s.numel {
-                    &s.grad[s.shards[s.pos].clone()]
-                } else {
-                    &s.grad
-                };
-                part.iter()
-                    .map(|&g| f64::from(g) * f64::from(g))
-                    .sum::<f64>()
-            })
-            .sum()
+    pub fn local_sq_norm(&mut self) -> Result<f64> {
+        let mut sum = 0.0;
+        for s in self.slots.values().filter(|s| s.norm_owner) {
+            let len = S::len(&s.grad);
+            let part = if len == s.numel {
+                s.shards[s.pos].clone()
+            } else {
+                0..len
+            };
+            sum += self.storage.sq_norm(&s.grad, part)?;
+        }
+        Ok(sum)
     }
 
     /// Forget this step's gradients: the next step accumulates from zero
     /// (after an optimizer step, or instead of one for a skipped step).
-    pub fn discard_grads(&mut self) {
+    pub fn discard_grads(&mut self) -> Result<()> {
         for slot in self.slots.values_mut() {
-            if self.zero == ZeroStage::One {
-                // Reduce-scatter left only this rank's part; accumulation
-                // needs the whole tensor again.
-                slot.grad = vec![0.0; slot.numel];
+            // ZeRO-1's reduce-scatter left only this rank's part;
+            // accumulation needs the whole tensor again.
+            let len = if self.zero == ZeroStage::One {
+                slot.numel
             } else {
-                slot.grad.iter_mut().for_each(|g| *g = 0.0);
-            }
+                S::len(&slot.grad)
+            };
+            slot.grad = self.storage.zeros(len)?;
         }
+        Ok(())
     }
 
     /// One optimizer step on this rank's part of every parameter, with the
     /// gradient multiplied by `clip`, then the parameters made whole again.
     pub fn step(&mut self, opt: &Optimizer, lr: f64, clip: f64, t: u64) -> Result<()> {
         for slot in self.slots.values_mut() {
-            let offset = if slot.grad.len() == slot.numel {
+            let at = if S::len(&slot.grad) == slot.numel {
                 slot.own.start
             } else {
                 0
             };
-            let grad = &slot.grad[offset..offset + slot.own.len()];
-            match *opt {
+            let rule = match *opt {
                 Optimizer::AdamW {
                     beta1,
                     beta2,
                     eps,
                     weight_decay,
                     ..
-                } => {
-                    let (bc1, bc2) = (1.0 - beta1.powi(t as i32), 1.0 - beta2.powi(t as i32));
-                    let wd = if slot.decay { weight_decay } else { 0.0 };
-                    for (j, &g) in grad.iter().enumerate() {
-                        let g = f64::from(g) * clip;
-                        let m = beta1 * f64::from(slot.m[j]) + (1.0 - beta1) * g;
-                        let v = beta2 * f64::from(slot.v[j]) + (1.0 - beta2) * g * g;
-                        slot.m[j] = m as f32;
-                        slot.v[j] = v as f32;
-                        let p = f64::from(slot.master[j]);
-                        // Decoupled weight decay: shrink the weight, not the gradient.
-                        let update = (m / bc1) / ((v / bc2).sqrt() + eps) + wd * p;
-                        slot.master[j] = (p - lr * update) as f32;
-                    }
-                }
-                Optimizer::Sgd { momentum, .. } => {
-                    for (j, &g) in grad.iter().enumerate() {
-                        let g = f64::from(g) * clip;
-                        let m = momentum * f64::from(slot.m[j]) + g;
-                        slot.m[j] = m as f32;
-                        slot.master[j] = (f64::from(slot.master[j]) - lr * m) as f32;
-                    }
-                }
-            }
+                } => Update::AdamW(AdamwScalars {
+                    lr: lr as f32,
+                    beta1: beta1 as f32,
+                    beta2: beta2 as f32,
+                    eps: eps as f32,
+                    weight_decay: if slot.decay { weight_decay as f32 } else { 0.0 },
+                    step: t,
+                    grad_scale: clip as f32,
+                }),
+                Optimizer::Sgd { momentum, .. } => Update::Sgd(SgdScalars {
+                    lr: lr as f32,
+                    momentum: momentum as f32,
+                    grad_scale: clip as f32,
+                }),
+            };
+            self.storage.update(
+                rule,
+                Moments {
+                    master: &mut slot.master,
+                    m: &mut slot.m,
+                    v: &mut slot.v,
+                    grad: &slot.grad,
+                    at,
+                },
+            )?;
         }
-        self.discard_grads();
+        self.discard_grads()?;
         match self.zero {
             ZeroStage::None => {
                 for slot in self.slots.values_mut() {
-                    slot.full = Some(Arc::new(Tensor::f32(
-                        slot.shape.clone(),
-                        slot.master.clone(),
-                    )));
+                    slot.full = Some(self.storage.value(&slot.shape, &slot.master)?);
                 }
             }
             ZeroStage::One if self.sync.ps_shards().is_some() => self.pull_from_servers()?,
@@ -833,24 +874,14 @@ impl ParamStore {
                 // meeting costs the ranks a wait on each other.
                 for (ranks, keys) in self.by_group() {
                     let group = Group::new(ranks);
-                    let mine: Vec<f32> = keys
+                    let pieces: Vec<Pieces<'_, S::Buf>> = keys
                         .iter()
-                        .flat_map(|k| self.slots[k].master.iter().copied())
+                        .map(|k| (&self.slots[k].master, &self.slots[k].shards[..]))
                         .collect();
-                    let parts = self.comm.all_gather(&group, &mine)?;
-                    let mut at = vec![0usize; parts.len()];
-                    for k in &keys {
+                    let wholes = self.storage.all_gather(&mut self.comm, &group, &pieces)?;
+                    for (k, whole) in keys.iter().zip(wholes) {
                         let slot = self.slots.get_mut(k).expect("key from the slots");
-                        let mut full = Vec::with_capacity(slot.numel);
-                        for (p, piece) in parts.iter().enumerate() {
-                            let n = slot.shards.get(p).map_or(0, |r| r.len());
-                            let part = piece.get(at[p]..at[p] + n).ok_or_else(|| {
-                                kernel_err("all_gather", "a member sent fewer parts than it owns")
-                            })?;
-                            full.extend_from_slice(part);
-                            at[p] += n;
-                        }
-                        slot.full = Some(Arc::new(Tensor::f32(slot.shape.clone(), full)));
+                        slot.full = Some(self.storage.value(&slot.shape, &whole)?);
                     }
                 }
             }
@@ -877,9 +908,14 @@ impl ParamStore {
         for k in keys {
             let slot = &self.slots[&k];
             let full = if self.zero == ZeroStage::None {
-                slot.master.clone()
+                self.storage.read(&slot.master, 0..slot.numel)?.into_owned()
             } else {
-                self.comm.all_gather(&slot.group, &slot.master)?.concat()
+                let whole = self
+                    .storage
+                    .all_gather(&mut self.comm, &slot.group, &[(&slot.master, &slot.shards)])?
+                    .pop()
+                    .ok_or_else(|| kernel_err("all_gather", "nothing gathered"))?;
+                self.storage.stage_out(whole)?
             };
             out.push((k, Tensor::f32(slot.shape.clone(), full)));
         }
@@ -887,33 +923,53 @@ impl ParamStore {
     }
 }
 
-impl ParamAccess for ParamStore {
+/// Top-k's and PowerSGD's error-feedback state for one tensor of `shape`
+/// (`numel` elements): the checkpoint's where it carried one, else zero
+/// error and PowerSGD's orthonormalised warm start. `None` for the
+/// compressions that keep no state.
+fn initial_feedback(
+    dp_sync: &DpState,
+    seed: u64,
+    key: ParamKey,
+    shape: &[usize],
+    numel: usize,
+) -> Result<Option<Feedback>> {
+    let q = match dp_sync.compress {
+        Compression::PowerSgd { rank, .. } => gradsync::powersgd_dims(shape, rank as usize)
+            .map(|(_, cols, r)| {
+                gradsync::initial_q(seed, (key.param.index() as u64, key.layer), cols, r)
+            })
+            .unwrap_or_default(),
+        Compression::TopK { .. } => Vec::new(),
+        Compression::None | Compression::Bf16 | Compression::Fp16 => return Ok(None),
+    };
+    Ok(Some(match dp_sync.feedback.and_then(|f| f.get(&key)) {
+        Some(saved) => {
+            if saved.error.len() != numel || saved.q.len() != q.len() {
+                return Err(kernel_err(
+                    "checkpoint",
+                    format!(
+                        "the error-feedback state of {key:?} has another shape; \
+                         resume with the compression and split it was saved with"
+                    ),
+                ));
+            }
+            saved.clone()
+        }
+        None => Feedback {
+            error: vec![0.0; numel],
+            q,
+        },
+    }))
+}
+
+impl ParamAccess for ParamStore<HostStorage> {
     fn param(&mut self, key: ParamKey) -> Result<Value> {
-        let slot = self
-            .slots
-            .get(&key)
-            .ok_or_else(|| kernel_err("param", format!("{key:?} is not held by this rank")))?;
-        slot.full
-            .clone()
-            .ok_or_else(|| kernel_err("param", format!("{key:?} is used while not gathered")))
+        self.value(key)
     }
 
     fn add_grad(&mut self, key: ParamKey, grad: Tensor) -> Result<()> {
-        let g = grad.into_f()?;
-        if self.zero.shards_grads() {
-            let acc = self
-                .pending
-                .entry(key)
-                .or_insert_with(|| vec![0.0; g.len()]);
-            acc.iter_mut().zip(&g).for_each(|(a, b)| *a += b);
-            return Ok(());
-        }
-        let slot = self
-            .slots
-            .get_mut(&key)
-            .ok_or_else(|| kernel_err("param", format!("{key:?} is not held by this rank")))?;
-        slot.grad.iter_mut().zip(&g).for_each(|(a, b)| *a += b);
-        Ok(())
+        ParamStore::add_grad(self, key, grad.into_f()?)
     }
 
     fn layer_hook(&mut self, layer: u64, backward: bool, enter: bool) -> Result<()> {

@@ -1,0 +1,385 @@
+//! Training state resident on a compute backend: master values, moments,
+//! gradients and the compute's parameter copies are the backend's buffers
+//! (a GPU's memory under `CudaBackend`; interpreted on a CPU under
+//! `HostBackend`, which is how this path is tested without a GPU). The
+//! optimizer, gradient accumulation, the norm and the storage-type copies
+//! run as codegen's flat kernels; nothing crosses to the host in a step but
+//! the norm's partial sums, and whatever the links stage.
+//!
+//! The collectives go through [`Links`]: [`HostStaged`] copies through the
+//! host and sums with the CPU communicator (any backend; several ranks on
+//! one GPU), `crate::gpu::NcclLinks` runs NCCL on the device buffers.
+
+use super::storage::{
+    all_gather_host, all_reduce_host, reduce_scatter_host, Moments, Pieces, Storage, Update,
+};
+use crate::comm::{Communicator, Group};
+use crate::error::{kernel_err, Result};
+use crate::fused::{flat_args, Backend, Val};
+use dplc_codegen::{
+    adamw_kernel, add_kernel, convert_kernel, sgd_kernel, sum_squares_kernel, Args, Elem, Kernel,
+    SUM_SQUARES_COLS,
+};
+use std::borrow::Cow;
+use std::ops::Range;
+
+/// A flat `f32` vector in a backend's memory (no buffer while empty).
+pub(crate) struct DeviceBuf<B: Backend> {
+    pub buf: Option<B::Buf>,
+    pub len: usize,
+}
+
+impl<B: Backend> Default for DeviceBuf<B> {
+    fn default() -> Self {
+        DeviceBuf { buf: None, len: 0 }
+    }
+}
+
+impl<B: Backend> DeviceBuf<B> {
+    /// The buffer of a vector known to be non-empty.
+    pub fn get(&self) -> Result<&B::Buf> {
+        self.buf
+            .as_ref()
+            .ok_or_else(|| kernel_err("device state", "an empty vector read as a buffer"))
+    }
+
+    pub fn from_val(v: Val<B>) -> Result<Self> {
+        if v.elem != Elem::F32 {
+            return Err(kernel_err("device state", "gradients are kept in f32"));
+        }
+        Ok(DeviceBuf {
+            buf: Some(v.buf),
+            len: v.len,
+        })
+    }
+}
+
+/// How a rank's device state is summed over a group.
+pub(crate) trait Links<B: Backend> {
+    fn all_reduce(
+        &mut self,
+        be: &mut B,
+        comm: &mut Communicator,
+        group: &Group,
+        vs: &mut [&mut DeviceBuf<B>],
+    ) -> Result<()>;
+    fn reduce_scatter(
+        &mut self,
+        be: &mut B,
+        comm: &mut Communicator,
+        group: &Group,
+        vs: &[Pieces<'_, DeviceBuf<B>>],
+    ) -> Result<Vec<DeviceBuf<B>>>;
+    fn all_gather(
+        &mut self,
+        be: &mut B,
+        comm: &mut Communicator,
+        group: &Group,
+        vs: &[Pieces<'_, DeviceBuf<B>>],
+    ) -> Result<Vec<DeviceBuf<B>>>;
+}
+
+/// Through the host: each collective copies its vectors down, runs the CPU
+/// communicator's collective (the host storage's very code, so the sums
+/// are the reference's bits) and copies the result up. Correct on any
+/// backend and any placement of ranks; not fast.
+#[derive(Default)]
+pub(crate) struct HostStaged;
+
+fn down<B: Backend>(be: &mut B, v: &DeviceBuf<B>) -> Result<Vec<f32>> {
+    match &v.buf {
+        Some(b) => be.download(b, Elem::F32, v.len),
+        None => Ok(Vec::new()),
+    }
+}
+
+fn up<B: Backend>(be: &mut B, data: &[f32]) -> Result<DeviceBuf<B>> {
+    Ok(DeviceBuf {
+        buf: if data.is_empty() {
+            None
+        } else {
+            Some(be.upload(Elem::F32, data)?)
+        },
+        len: data.len(),
+    })
+}
+
+impl<B: Backend> Links<B> for HostStaged {
+    fn all_reduce(
+        &mut self,
+        be: &mut B,
+        comm: &mut Communicator,
+        group: &Group,
+        vs: &mut [&mut DeviceBuf<B>],
+    ) -> Result<()> {
+        let mut host: Vec<Vec<f32>> = vs.iter().map(|v| down(be, v)).collect::<Result<_>>()?;
+        let mut refs: Vec<&mut Vec<f32>> = host.iter_mut().collect();
+        all_reduce_host(comm, group, &mut refs)?;
+        for (v, h) in vs.iter_mut().zip(&host) {
+            **v = up(be, h)?;
+        }
+        Ok(())
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        be: &mut B,
+        comm: &mut Communicator,
+        group: &Group,
+        vs: &[Pieces<'_, DeviceBuf<B>>],
+    ) -> Result<Vec<DeviceBuf<B>>> {
+        let host: Vec<Vec<f32>> = vs.iter().map(|(v, _)| down(be, v)).collect::<Result<_>>()?;
+        let pieces: Vec<Pieces<'_, Vec<f32>>> =
+            host.iter().zip(vs).map(|(h, (_, s))| (h, *s)).collect();
+        reduce_scatter_host(comm, group, &pieces)?
+            .iter()
+            .map(|h| up(be, h))
+            .collect()
+    }
+
+    fn all_gather(
+        &mut self,
+        be: &mut B,
+        comm: &mut Communicator,
+        group: &Group,
+        vs: &[Pieces<'_, DeviceBuf<B>>],
+    ) -> Result<Vec<DeviceBuf<B>>> {
+        let host: Vec<Vec<f32>> = vs.iter().map(|(v, _)| down(be, v)).collect::<Result<_>>()?;
+        let pieces: Vec<Pieces<'_, Vec<f32>>> =
+            host.iter().zip(vs).map(|(h, (_, s))| (h, *s)).collect();
+        all_gather_host(comm, group, &pieces)?
+            .iter()
+            .map(|h| up(be, h))
+            .collect()
+    }
+}
+
+/// The flat kernels a step runs besides the model's, built once.
+struct StepKernels {
+    adamw: Kernel,
+    sgd: Kernel,
+    add: Kernel,
+    sum_squares: Kernel,
+    to_storage: Kernel,
+}
+
+/// Training state in a backend's buffers (see the module header).
+pub(crate) struct DeviceStorage<B: Backend, L> {
+    pub be: B,
+    links: L,
+    kernels: StepKernels,
+}
+
+impl<B: Backend, L: Links<B>> DeviceStorage<B, L> {
+    pub fn new(be: B, links: L) -> Self {
+        DeviceStorage {
+            be,
+            links,
+            kernels: StepKernels {
+                adamw: adamw_kernel(),
+                sgd: sgd_kernel(),
+                add: add_kernel(Elem::F32, Elem::F32, Elem::F32),
+                sum_squares: sum_squares_kernel(Elem::F32),
+                to_storage: convert_kernel(Elem::Float, Elem::F32),
+            },
+        }
+    }
+
+    /// A new vector holding `v[at]`.
+    fn slice(&mut self, v: &DeviceBuf<B>, at: Range<usize>) -> Result<DeviceBuf<B>> {
+        if at == (0..v.len) {
+            return Ok(DeviceBuf {
+                buf: v.buf.clone(),
+                len: v.len,
+            });
+        }
+        if at.end > v.len {
+            return Err(kernel_err("slice", format!("{at:?} of {} elements", v.len)));
+        }
+        if at.is_empty() {
+            return Ok(DeviceBuf::default());
+        }
+        let out = self.be.alloc(Elem::F32, at.len())?;
+        self.be.copy(v.get()?, at.start, &out, 0, at.len())?;
+        Ok(DeviceBuf {
+            buf: Some(out),
+            len: at.len(),
+        })
+    }
+}
+
+impl<B: Backend, L: Links<B>> Storage for DeviceStorage<B, L> {
+    type Buf = DeviceBuf<B>;
+    type Value = Val<B>;
+
+    fn len(v: &DeviceBuf<B>) -> usize {
+        v.len
+    }
+
+    fn stage_in(&mut self, data: Vec<f32>) -> Result<DeviceBuf<B>> {
+        up(&mut self.be, &data)
+    }
+
+    fn stage_out(&mut self, v: DeviceBuf<B>) -> Result<Vec<f32>> {
+        down(&mut self.be, &v)
+    }
+
+    fn read<'a>(&mut self, v: &'a DeviceBuf<B>, at: Range<usize>) -> Result<Cow<'a, [f32]>> {
+        let part = self.slice(v, at)?;
+        Ok(Cow::Owned(down(&mut self.be, &part)?))
+    }
+
+    fn write(&mut self, v: &mut DeviceBuf<B>, at: usize, data: &[f32]) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        if at + data.len() > v.len {
+            return Err(kernel_err(
+                "write",
+                format!("{} at {at} of {}", data.len(), v.len),
+            ));
+        }
+        let src = self.be.upload(Elem::F32, data)?;
+        self.be.copy(&src, 0, v.get()?, at, data.len())
+    }
+
+    fn zeros(&mut self, len: usize) -> Result<DeviceBuf<B>> {
+        Ok(DeviceBuf {
+            buf: if len == 0 {
+                None
+            } else {
+                Some(self.be.zeros(Elem::F32, len)?)
+            },
+            len,
+        })
+    }
+
+    fn add(&mut self, acc: &mut DeviceBuf<B>, x: &DeviceBuf<B>) -> Result<()> {
+        if acc.len != x.len {
+            return Err(kernel_err(
+                "add",
+                format!("{} elements added to {}", x.len, acc.len),
+            ));
+        }
+        if acc.len == 0 {
+            return Ok(());
+        }
+        let a = acc.get()?.clone();
+        self.be.launch(
+            &self.kernels.add,
+            &flat_args(acc.len),
+            &[a.clone(), a, x.get()?.clone()],
+        )
+    }
+
+    fn sq_norm(&mut self, v: &DeviceBuf<B>, at: Range<usize>) -> Result<f64> {
+        if at.is_empty() {
+            return Ok(0.0);
+        }
+        let part = self.slice(v, at)?;
+        let rows = part.len.div_ceil(SUM_SQUARES_COLS as usize);
+        let partial = self.be.alloc(Elem::F32, rows)?;
+        let args = Args {
+            sizes: vec![rows as i64, SUM_SQUARES_COLS, part.len as i64],
+            ..Args::default()
+        };
+        self.be.launch(
+            &self.kernels.sum_squares,
+            &args,
+            &[partial.clone(), part.get()?.clone()],
+        )?;
+        Ok(self
+            .be
+            .download(&partial, Elem::F32, rows)?
+            .iter()
+            .map(|&x| f64::from(x))
+            .sum())
+    }
+
+    fn update(&mut self, rule: Update, st: Moments<'_, DeviceBuf<B>>) -> Result<()> {
+        let n = st.master.len;
+        if n == 0 {
+            return Ok(());
+        }
+        let grad = self.slice(st.grad, st.at..st.at + n)?;
+        let (p, m, g) = (
+            st.master.get()?.clone(),
+            st.m.get()?.clone(),
+            grad.get()?.clone(),
+        );
+        match rule {
+            Update::AdamW(s) => {
+                let v = st.v.get()?.clone();
+                self.be.launch(
+                    &self.kernels.adamw,
+                    &s.args(n as i64),
+                    &[p.clone(), m.clone(), v.clone(), p, g, m, v],
+                )
+            }
+            Update::Sgd(s) => self.be.launch(
+                &self.kernels.sgd,
+                &s.args(n as i64),
+                &[p.clone(), m.clone(), p, g, m],
+            ),
+        }
+    }
+
+    fn value(&mut self, _shape: &[usize], master: &DeviceBuf<B>) -> Result<Val<B>> {
+        let out = self.be.alloc(Elem::Float, master.len)?;
+        if master.len > 0 {
+            self.be.launch(
+                &self.kernels.to_storage,
+                &flat_args(master.len),
+                &[out.clone(), master.get()?.clone()],
+            )?;
+        }
+        Ok(Val {
+            buf: out,
+            elem: Elem::Float,
+            len: master.len,
+        })
+    }
+
+    fn value_from_host(&mut self, _shape: &[usize], data: Vec<f32>) -> Result<Val<B>> {
+        Ok(Val {
+            buf: self.be.upload(Elem::Float, &data)?,
+            elem: Elem::Float,
+            len: data.len(),
+        })
+    }
+
+    fn value_to_host(&mut self, v: &Val<B>) -> Result<Vec<f32>> {
+        self.be.download(&v.buf, v.elem, v.len)
+    }
+
+    fn peak_bytes(&self) -> Option<u64> {
+        self.be.peak_bytes().map(|b| b as u64)
+    }
+
+    fn all_reduce(
+        &mut self,
+        comm: &mut Communicator,
+        group: &Group,
+        vs: &mut [&mut DeviceBuf<B>],
+    ) -> Result<()> {
+        self.links.all_reduce(&mut self.be, comm, group, vs)
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        comm: &mut Communicator,
+        group: &Group,
+        vs: &[Pieces<'_, DeviceBuf<B>>],
+    ) -> Result<Vec<DeviceBuf<B>>> {
+        self.links.reduce_scatter(&mut self.be, comm, group, vs)
+    }
+
+    fn all_gather(
+        &mut self,
+        comm: &mut Communicator,
+        group: &Group,
+        vs: &[Pieces<'_, DeviceBuf<B>>],
+    ) -> Result<Vec<DeviceBuf<B>>> {
+        self.links.all_gather(&mut self.be, comm, group, vs)
+    }
+}
