@@ -723,6 +723,7 @@ pub fn train_prepared_on(
         if let Some(d) = &report.device {
             summary["device"] = json!(d.name);
             summary["kernels"] = json!(d.kernels);
+            summary["collectives"] = json!(d.collectives.name());
             summary["peak_memory_bytes"] = json!(d.peak_bytes);
             summary["predicted_peak_memory_bytes"] = json!(p.plan.estimate.peak_memory_bytes);
             // By kind: `buffers` holds the CUDA context and library
@@ -744,11 +745,13 @@ pub fn train_prepared_on(
         if let Some(d) = &report.device {
             let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
             note!(
-                "on {}: peak device memory {:.2} GiB (the plan predicted {:.2} GiB); {} kernels",
+                "on {}: peak device memory {:.2} GiB (the plan predicted {:.2} GiB); {} kernels; \
+                 collectives {}",
                 d.name,
                 gib(d.peak_bytes),
                 gib(p.plan.estimate.peak_memory_bytes),
-                d.kernels
+                d.kernels,
+                d.collectives.name()
             );
         }
         if let Some(last) = report.checkpoints.last() {

@@ -43,8 +43,8 @@ pub use mpi_world::MpiProcess;
 pub use params::ZeroStage;
 pub use partition::Schedule;
 pub use schedule::{
-    train, train_process, AttentionUse, Compute, Device, DeviceUse, Faults, Parameters, Process,
-    RunConfig, StepStats, StopFlag, TraceSink, TraceSpan, TrainReport,
+    train, train_process, AttentionUse, Collectives, Compute, Device, DeviceUse, Faults,
+    Parameters, Process, RunConfig, StepStats, StopFlag, TraceSink, TraceSpan, TrainReport,
 };
 pub use tcp_world::TcpProcess;
 pub use tensor::{Data, Tensor};

@@ -12,11 +12,11 @@ use dplc_codegen::{adamw_kernel, interpret, Args, BackwardStep, Data, Elem, Kern
 use dplc_ir::{DType, Dim, Graph};
 use dplc_runtime::gpu::{
     compile_graph, driver_present, matmul_cpu, nccl_present, open_devices, Blas, DeviceBuffer,
-    DeviceCollectives, GpuDevice, GpuError, HostStagedCommunicator, MatMul, NcclCommunicator,
+    DeviceCollectives, GpuDevice, GpuError, MatMul, NcclCommunicator,
 };
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// Say why a test is skipped, past the test harness's output capture, so a
 /// passing run on a machine without a GPU still shows it.
@@ -392,34 +392,6 @@ fn nccl_all_reduce_on_one_rank() {
     assert_eq!(dev.download_f32(&b, x.len(), DType::F32).unwrap(), x);
 }
 
-#[test]
-fn two_ranks_share_one_gpu_through_the_host() {
-    let Some(dev) = gpu_or_skip("two_ranks_share_one_gpu_through_the_host") else {
-        return;
-    };
-    let world = dplc_runtime::World::new(2, Duration::from_secs(30));
-    let group = dplc_runtime::Group::new(vec![0, 1]);
-    let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..2)
-            .map(|r| {
-                let (dev, world, group) = (dev.clone(), world.clone(), group.clone());
-                s.spawn(move || {
-                    let mut c =
-                        HostStagedCommunicator::new(dev.clone(), world.communicator(r), group);
-                    let x: Vec<f32> = (0..64).map(|i| (i * (r + 1)) as f32).collect();
-                    let mut b = dev.upload_f32(&x, DType::F32).unwrap();
-                    c.all_reduce(&mut b, 64).unwrap();
-                    dev.download_f32(&b, 64, DType::F32).unwrap()
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    let want: Vec<f32> = (0..64).map(|i| (3 * i) as f32).collect();
-    assert_eq!(sums[0], want);
-    assert_eq!(sums[1], want);
-}
-
 /// Achieved bandwidth of each fused kernel of a GPT-2-small layer (batch 8,
 /// seq 1024, bf16) against a device-to-device copy. Prints one line per kernel.
 #[test]
@@ -775,6 +747,78 @@ fn every_split_on_one_gpu_matches_the_host_fused_compute() {
             used.peak_bytes,
             used.name
         );
+    }
+}
+
+/// Ranks with a GPU each keep their state on it and sum it with NCCL
+/// (every ZeRO stage, and a pipeline whose tied embedding sums across
+/// stages): the same training as the fused compute on the host backend,
+/// and the run says it used NCCL. Needs two GPUs.
+#[test]
+fn ranks_with_a_gpu_each_sum_through_nccl() {
+    use dplc_runtime::{Collectives, Compute, Device, RunConfig, ZeroStage};
+    let test = "ranks_with_a_gpu_each_sum_through_nccl";
+    if gpu_or_skip(test).is_none() || nvrtc_or_skip(test).is_none() {
+        return;
+    }
+    if GpuDevice::new(1).is_err() {
+        skip(test, "one GPU: NCCL between ranks needs two");
+        return;
+    }
+    if !nccl_present() {
+        skip(test, "libnccl.so.2 is not loadable");
+        return;
+    }
+    let (g, spec) = tiny_gpt(dplc_ir::Precision::Fp32);
+    let data = dplc_runtime::Corpus::synthetic(5, 32, 1 << 12);
+    let base = RunConfig {
+        dp: 2,
+        micro_batch: 1,
+        num_micro_batches: 2,
+        compute: Compute::Fused,
+        ..RunConfig::default()
+    };
+    let mut splits: Vec<(&str, RunConfig)> = [
+        ("dp2", ZeroStage::None),
+        ("dp2 ZeRO-1", ZeroStage::One),
+        ("dp2 ZeRO-2", ZeroStage::Two),
+        ("dp2 ZeRO-3", ZeroStage::Three),
+    ]
+    .into_iter()
+    .map(|(name, zero)| {
+        (
+            name,
+            RunConfig {
+                zero,
+                ..base.clone()
+            },
+        )
+    })
+    .collect();
+    splits.push((
+        "pp2",
+        RunConfig {
+            dp: 1,
+            pp: 2,
+            num_micro_batches: 4,
+            ..base.clone()
+        },
+    ));
+    for (name, cfg) in splits {
+        let host = dplc_runtime::train(&g, &spec, &cfg, &data, 4, 3, |_| {}).unwrap();
+        let gpu_cfg = RunConfig {
+            device: Device::Cuda {
+                gpus: 2,
+                dtype: DType::F32,
+            },
+            ..cfg
+        };
+        let gpu = dplc_runtime::train(&g, &spec, &gpu_cfg, &data, 4, 3, |_| {}).unwrap();
+        let losses =
+            |r: &dplc_runtime::TrainReport| r.steps.iter().map(|s| s.loss).collect::<Vec<_>>();
+        assert_close(name, &losses(&host), &losses(&gpu), 1e-4);
+        let used = gpu.device.expect("a GPU run reports its device");
+        assert_eq!(used.collectives, Collectives::Nccl, "{name}");
     }
 }
 

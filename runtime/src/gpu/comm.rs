@@ -1,13 +1,13 @@
 //! Collectives on device buffers, with the operations of the CPU
-//! `Communicator`: on NCCL across processes (one per GPU, bootstrapped from
-//! the launcher's environment), or staged through the host over the CPU
-//! communicator for several in-process ranks sharing one GPU.
+//! `Communicator`, on NCCL: one communicator per group, bootstrapped from the
+//! launcher's environment or (`super::links`) over the CPU communicator.
+//! Ranks that share a GPU stage through the host instead
+//! (`crate::params::HostStaged`).
 
 use super::device::{DeviceBuffer, GpuDevice};
 use super::error::{nccl, GpuError, GpuResult};
 use super::launch_env::LaunchEnv;
 use super::rendezvous::{share_id, ID_BYTES};
-use crate::comm::{Communicator, Group};
 use cudarc::nccl::{result as nccl_result, sys as nccl_sys};
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -252,110 +252,5 @@ impl DeviceCollectives for NcclCommunicator {
         }
         .map(drop)
         .map_err(|e| nccl("ncclRecv", e))
-    }
-}
-
-/// In-process ranks sharing one GPU (schedules tested without several GPUs):
-/// each collective copies to the host, runs the CPU communicator's collective
-/// over `group`, and copies back. Correct, not fast.
-pub struct HostStagedCommunicator {
-    dev: Arc<GpuDevice>,
-    comm: Communicator,
-    group: Group,
-}
-
-impl HostStagedCommunicator {
-    pub fn new(dev: Arc<GpuDevice>, comm: Communicator, group: Group) -> Self {
-        HostStagedCommunicator { dev, comm, group }
-    }
-
-    fn down(&self, b: &DeviceBuffer, count: usize) -> GpuResult<Vec<f32>> {
-        self.dev.download_f32(b, count, dplc_ir::DType::F32)
-    }
-
-    fn up(&self, b: &mut DeviceBuffer, data: &[f32]) -> GpuResult<()> {
-        self.dev.write_f32(b, data, dplc_ir::DType::F32)
-    }
-}
-
-fn cpu(e: crate::RuntimeError) -> GpuError {
-    GpuError::Invalid(format!("host-staged collective: {e}"))
-}
-
-impl DeviceCollectives for HostStagedCommunicator {
-    fn rank(&self) -> usize {
-        self.group.position(self.comm.rank()).unwrap_or(0)
-    }
-
-    fn world_size(&self) -> usize {
-        self.group.size()
-    }
-
-    fn all_reduce(&mut self, buf: &mut DeviceBuffer, count: usize) -> GpuResult<()> {
-        let mut x = self.down(buf, count)?;
-        self.comm.all_reduce(&self.group, &mut x).map_err(cpu)?;
-        self.up(buf, &x)
-    }
-
-    fn reduce_scatter(
-        &mut self,
-        send: &DeviceBuffer,
-        recv: &mut DeviceBuffer,
-        count: usize,
-    ) -> GpuResult<()> {
-        let n = self.group.size();
-        let x = self.down(send, count * n)?;
-        let ranges: Vec<_> = (0..n).map(|i| i * count..(i + 1) * count).collect();
-        let mine = self
-            .comm
-            .reduce_scatter(&self.group, &x, &ranges)
-            .map_err(cpu)?;
-        self.up(recv, &mine)
-    }
-
-    fn all_gather(
-        &mut self,
-        send: &DeviceBuffer,
-        recv: &mut DeviceBuffer,
-        count: usize,
-    ) -> GpuResult<()> {
-        let x = self.down(send, count)?;
-        let all = self.comm.all_gather(&self.group, &x).map_err(cpu)?;
-        self.up(recv, &all.concat())
-    }
-
-    fn broadcast(&mut self, root: usize, buf: &mut DeviceBuffer, count: usize) -> GpuResult<()> {
-        let mut x = self.down(buf, count)?;
-        self.comm
-            .broadcast(&self.group, root, &mut x)
-            .map_err(cpu)?;
-        self.up(buf, &x)
-    }
-
-    fn send(&mut self, to: usize, buf: &DeviceBuffer, count: usize) -> GpuResult<()> {
-        let x = self.down(buf, count)?;
-        let to = self.group.ranks()[to];
-        let t = crate::Tensor::f32(vec![count], x);
-        self.comm.send(to, 0, vec![Some(t)]).map_err(cpu)
-    }
-
-    fn recv(&mut self, from: usize, buf: &mut DeviceBuffer, count: usize) -> GpuResult<()> {
-        let from = self.group.ranks()[from];
-        let mut msg = self.comm.recv(from, 0).map_err(cpu)?;
-        match msg.pop().flatten() {
-            Some(t) if msg.is_empty() => {
-                let x = t.into_f().map_err(cpu)?;
-                if x.len() != count {
-                    return Err(GpuError::Invalid(format!(
-                        "received {} elements, expected {count}",
-                        x.len()
-                    )));
-                }
-                self.up(buf, &x)
-            }
-            _ => Err(GpuError::Invalid(
-                "received something other than one tensor".into(),
-            )),
-        }
     }
 }

@@ -383,3 +383,119 @@ impl<B: Backend, L: Links<B>> Storage for DeviceStorage<B, L> {
         self.links.all_gather(&mut self.be, comm, group, vs)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::World;
+    use crate::fused::HostBackend;
+    use crate::params::split;
+    use crate::params::storage::HostStorage;
+    use dplc_codegen::AdamwScalars;
+    use std::time::Duration;
+
+    fn vector(rank: usize, k: usize, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i * 7 + k * 3 + rank * 11) as f32 * 0.37).sin())
+            .collect()
+    }
+
+    /// What one rank gets from a round of every storage operation.
+    fn round<S: Storage>(s: &mut S, comm: &mut Communicator) -> Vec<Vec<f32>> {
+        let group = Group::new(vec![0, 1]);
+        let rank = comm.rank();
+        let sizes = [13, 6, 1];
+        let shards: Vec<Vec<Range<usize>>> = sizes.iter().map(|&n| split(n, 2)).collect();
+        let mut vs: Vec<S::Buf> = (0..sizes.len())
+            .map(|k| s.stage_in(vector(rank, k, sizes[k])).unwrap())
+            .collect();
+        let mut out = Vec::new();
+        let mut refs: Vec<&mut S::Buf> = vs.iter_mut().collect();
+        s.all_reduce(comm, &group, &mut refs).unwrap();
+        let pieces: Vec<Pieces<'_, S::Buf>> =
+            vs.iter().zip(&shards).map(|(v, r)| (v, &r[..])).collect();
+        let mine = s.reduce_scatter(comm, &group, &pieces).unwrap();
+        let mine_pieces: Vec<Pieces<'_, S::Buf>> =
+            mine.iter().zip(&shards).map(|(v, r)| (v, &r[..])).collect();
+        let whole = s.all_gather(comm, &group, &mine_pieces).unwrap();
+        // An update from an offset into a longer gradient, then a write.
+        let (mut p, mut m, mut v) = (
+            s.stage_in(vector(rank, 5, 4)).unwrap(),
+            s.zeros(4).unwrap(),
+            s.zeros(4).unwrap(),
+        );
+        let grad = s.stage_in(vector(rank, 6, 9)).unwrap();
+        let rule = Update::AdamW(AdamwScalars {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step: 2,
+            grad_scale: 0.5,
+        });
+        let st = Moments {
+            master: &mut p,
+            m: &mut m,
+            v: &mut v,
+            grad: &grad,
+            at: 3,
+        };
+        s.update(rule, st).unwrap();
+        s.write(&mut p, 1, &[9.0, 8.0]).unwrap();
+        let mut acc = s.stage_in(vector(rank, 7, 9)).unwrap();
+        s.add(&mut acc, &grad).unwrap();
+        let norm = s.sq_norm(&acc, 2..8).unwrap();
+        for v in vs
+            .into_iter()
+            .chain(mine)
+            .chain(whole)
+            .chain([p, m, v, acc])
+        {
+            out.push(s.stage_out(v).unwrap());
+        }
+        out.push(s.read(&grad, 2..5).unwrap().into_owned());
+        out.push(vec![norm as f32]);
+        out
+    }
+
+    /// The device storage (interpreted, staged through the host) is the
+    /// host storage: the same bits for every collective, update, add and
+    /// copy, on two ranks.
+    #[test]
+    fn device_state_is_the_host_state() {
+        let run = |device: bool| -> Vec<Vec<Vec<f32>>> {
+            let world = World::new(2, Duration::from_secs(20));
+            std::thread::scope(|sc| {
+                let hs: Vec<_> = (0..2)
+                    .map(|r| {
+                        let mut comm = world.communicator(r);
+                        sc.spawn(move || {
+                            if device {
+                                let mut s = DeviceStorage::new(HostBackend::new(), HostStaged);
+                                round(&mut s, &mut comm)
+                            } else {
+                                round(&mut HostStorage, &mut comm)
+                            }
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            })
+        };
+        let (host, device) = (run(false), run(true));
+        for (r, (h, d)) in host.iter().zip(&device).enumerate() {
+            let n = h.len();
+            assert_eq!(h[..n - 1], d[..n - 1], "rank {r}");
+            let (a, b) = (h[n - 1][0], d[n - 1][0]);
+            assert!(((a - b) / a).abs() < 1e-6, "rank {r}: norm {a} vs {b}");
+        }
+        // The sums are sums: rank 0's first vector, all-reduced.
+        let want: Vec<f32> = vector(0, 0, 13)
+            .iter()
+            .zip(vector(1, 0, 13))
+            .map(|(a, b)| a + b)
+            .collect();
+        assert_eq!(host[0][0], want);
+    }
+}

@@ -12,7 +12,7 @@ mod fused;
 mod report;
 
 pub use config::{Device, Faults, Process, RunConfig, StopFlag, TraceSink, TraceSpan};
-pub use report::{AttentionUse, DeviceUse, Parameters, StepStats, TrainReport};
+pub use report::{AttentionUse, Collectives, DeviceUse, Parameters, StepStats, TrainReport};
 
 use crate::checkpoint::{self, Resume};
 use crate::comm::{Communicator, Group, World};
@@ -75,6 +75,8 @@ struct Shared<'a> {
     /// The GPUs of a `Device::Cuda` run by ordinal, opened once: those of
     /// this process's ranks only.
     gpus: Vec<Option<Arc<crate::gpu::GpuDevice>>>,
+    /// How GPU ranks sum their state ([`Shared::collectives`]).
+    collectives: Collectives,
 }
 
 impl Shared<'_> {
@@ -343,6 +345,7 @@ fn train_on(
         lock: None,
         fused: None,
         gpus: Vec::new(),
+        collectives: Collectives::HostStaged,
     };
     if cfg.compute == Compute::Fused {
         shared.fused = Some(fused::plan(&shared)?);
@@ -366,6 +369,17 @@ fn train_on(
             if shared.gpus[i].is_none() {
                 shared.gpus[i] = Some(Arc::new(crate::gpu::GpuDevice::new(i)?));
             }
+        }
+        // NCCL needs a GPU per rank (a process holds one rank). A parameter
+        // server's dedicated ranks hold their shards on the host, so its
+        // groups stage through the host too.
+        let own_gpu = process.is_some() || cfg.world_size() <= gpus;
+        if own_gpu
+            && cfg.world_size() > 1
+            && cfg.sync.ps_shards().is_none()
+            && crate::gpu::nccl_present()
+        {
+            shared.collectives = Collectives::Nccl;
         }
     }
     // Every (parameter, layer) some rank holds: what a checkpoint must cover.
@@ -532,6 +546,7 @@ fn train_on(
             name: g.name().to_string(),
             peak_bytes: device_peak.unwrap_or(0),
             kernels: shared.fused.as_ref().map_or(0, |f| f.kernel_count()),
+            collectives: shared.collectives,
         }),
         attention: shared.fused.as_ref().map(|f| f.attentions()),
     })
@@ -812,10 +827,19 @@ fn run_rank(
                 let dev = sh.gpus[rank % sh.gpus.len().max(1)]
                     .clone()
                     .ok_or_else(|| RuntimeError::Config(format!("rank {rank} has no GPU")))?;
-                let be = crate::gpu::CudaBackend::new(dev, dtype)?;
-                let compute = fused::Fused::new(sh, fused_plan()?, dtype);
-                let store = ParamStore::new(init, DeviceStorage::new(be, HostStaged))?;
-                drive(sh, at, server, store, Box::new(compute), steps, tx)
+                let be = crate::gpu::CudaBackend::new(dev.clone(), dtype)?;
+                let compute = Box::new(fused::Fused::new(sh, fused_plan()?, dtype));
+                match sh.collectives {
+                    Collectives::Nccl => {
+                        let links = crate::gpu::NcclLinks::new(dev);
+                        let store = ParamStore::new(init, DeviceStorage::new(be, links))?;
+                        drive(sh, at, server, store, compute, steps, tx)
+                    }
+                    Collectives::HostStaged => {
+                        let store = ParamStore::new(init, DeviceStorage::new(be, HostStaged))?;
+                        drive(sh, at, server, store, compute, steps, tx)
+                    }
+                }
             }
         },
         _ => {

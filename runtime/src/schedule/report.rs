@@ -102,4 +102,25 @@ pub struct DeviceUse {
     pub peak_bytes: u64,
     /// Distinct fused kernels the program launches.
     pub kernels: usize,
+    /// How the ranks summed their device-resident state.
+    pub collectives: Collectives,
+}
+
+/// How GPU ranks run the collectives on their device-resident state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Collectives {
+    /// NCCL on the device buffers: every rank has a GPU of its own.
+    Nccl,
+    /// Copied through the host and summed by the CPU communicator: ranks
+    /// that share a GPU, a parameter server's groups, or no NCCL library.
+    HostStaged,
+}
+
+impl Collectives {
+    pub fn name(self) -> &'static str {
+        match self {
+            Collectives::Nccl => "nccl",
+            Collectives::HostStaged => "host-staged",
+        }
+    }
 }
