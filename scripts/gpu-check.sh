@@ -4,7 +4,9 @@
 #   2. runs the GPU tests: every generated kernel (forward, backward, column
 #      sums, AdamW) against the CPU interpreter on random inputs (f32 within
 #      1e-5, bf16 within 1e-2, norm-wise relative), cuBLAS against a CPU matmul,
-#      the allocator, NCCL on one rank, two in-process ranks on one GPU;
+#      the allocator, NCCL on one rank; on the schedule executor every split
+#      on one GPU against the host backend and, with two GPUs, device-resident
+#      state summed by NCCL (dp2 at ZeRO 0-3, pp2);
 #   3. benchmarks each fused kernel of a GPT-2-small layer (bf16, batch 8,
 #      seq 1024) against a measured device-to-device copy (target >= 85%);
 #   4. trains gpt_tiny (20 steps) and gpt2 (5 steps) on GPU 0 with

@@ -42,16 +42,6 @@ impl<B: Backend> DeviceBuf<B> {
             .as_ref()
             .ok_or_else(|| kernel_err("device state", "an empty vector read as a buffer"))
     }
-
-    pub fn from_val(v: Val<B>) -> Result<Self> {
-        if v.elem != Elem::F32 {
-            return Err(kernel_err("device state", "gradients are kept in f32"));
-        }
-        Ok(DeviceBuf {
-            buf: Some(v.buf),
-            len: v.len,
-        })
-    }
 }
 
 /// How a rank's device state is summed over a group.

@@ -470,6 +470,25 @@ impl<S: Storage> ParamStore<S> {
         self.storage.add(&mut slot.grad, &grad)
     }
 
+    /// The buffer `key`'s gradient of the current micro-batch accumulates
+    /// into, for a compute that adds in place where the state lives: the
+    /// step's accumulator below ZeRO-2 (whole until ZeRO-1's reduce-scatter
+    /// at the step's end), the micro-batch's pending sum above.
+    pub fn accumulator(&mut self, key: ParamKey) -> Result<&S::Buf> {
+        let slot = self
+            .slots
+            .get(&key)
+            .ok_or_else(|| kernel_err("param", format!("{key:?} is not held by this rank")))?;
+        if !self.zero.shards_grads() {
+            return Ok(&slot.grad);
+        }
+        if !self.pending.contains_key(&key) {
+            let zeros = self.storage.zeros(slot.numel)?;
+            self.pending.insert(key, zeros);
+        }
+        Ok(&self.pending[&key])
+    }
+
     /// `key`'s whole value as the compute reads it.
     pub fn value(&self, key: ParamKey) -> Result<S::Value> {
         let slot = self

@@ -25,7 +25,7 @@ use crate::fused::{
 };
 use crate::interp::{ParamKey, Value};
 use crate::kernels::{self, DropoutKey, OpCtx};
-use crate::params::{DeviceBuf, DeviceStorage, Links, ParamStore, Unit};
+use crate::params::{DeviceStorage, Links, ParamStore, Unit};
 use crate::shard::MeshGroups;
 use crate::tensor::Tensor;
 use dplc_codegen::Elem;
@@ -423,6 +423,16 @@ impl<B: Backend, L: Links<B>> StageCompute<DeviceStorage<B, L>> for Fused<'_, '_
     ) -> Result<Message> {
         let mut run = take_live(&mut self.live, pass)?;
         let mut params = self.params(pass, store)?;
+        // The kernels add each gradient into the store's own accumulator.
+        for &key in params.values.keys() {
+            let acc = store.accumulator(key)?;
+            let acc = Val {
+                buf: acc.get()?.clone(),
+                elem: Elem::F32,
+                len: acc.len,
+            };
+            params.grads.insert(key, acc);
+        }
         let span = self.spans[pass.chunk].clone();
         let sent = {
             let ParamStore {
@@ -432,17 +442,6 @@ impl<B: Backend, L: Links<B>> StageCompute<DeviceStorage<B, L>> for Fused<'_, '_
                 ..
             } = &mut *store;
             let be = &mut storage.be;
-            for (&key, v) in &params.values {
-                let zeros = be.zeros(Elem::F32, v.len)?;
-                params.grads.insert(
-                    key,
-                    Val {
-                        buf: zeros,
-                        elem: Elem::F32,
-                        len: v.len,
-                    },
-                );
-            }
             let got = received.map(|msg| Self::upload(be, &msg)).transpose()?;
             let mut host = Host {
                 prog: self.prog,
@@ -461,9 +460,6 @@ impl<B: Backend, L: Links<B>> StageCompute<DeviceStorage<B, L>> for Fused<'_, '_
                 &mut params,
             )?
         };
-        for (key, g) in std::mem::take(&mut params.grads) {
-            store.add_grad(key, DeviceBuf::from_val(g)?)?;
-        }
         // ZeRO-2 and 3: each layer's gradients are reduce-scattered once its
         // backward is done, last layer first as the reference does.
         for l in span.layers.clone().rev() {
