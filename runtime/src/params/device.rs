@@ -118,13 +118,7 @@ impl<B: Backend> Links<B> for HostStaged {
         group: &Group,
         vs: &[Pieces<'_, DeviceBuf<B>>],
     ) -> Result<Vec<DeviceBuf<B>>> {
-        let host: Vec<Vec<f32>> = vs.iter().map(|(v, _)| down(be, v)).collect::<Result<_>>()?;
-        let pieces: Vec<Pieces<'_, Vec<f32>>> =
-            host.iter().zip(vs).map(|(h, (_, s))| (h, *s)).collect();
-        reduce_scatter_host(comm, group, &pieces)?
-            .iter()
-            .map(|h| up(be, h))
-            .collect()
+        through_host(be, vs, |pieces| reduce_scatter_host(comm, group, pieces))
     }
 
     fn all_gather(
@@ -134,14 +128,20 @@ impl<B: Backend> Links<B> for HostStaged {
         group: &Group,
         vs: &[Pieces<'_, DeviceBuf<B>>],
     ) -> Result<Vec<DeviceBuf<B>>> {
-        let host: Vec<Vec<f32>> = vs.iter().map(|(v, _)| down(be, v)).collect::<Result<_>>()?;
-        let pieces: Vec<Pieces<'_, Vec<f32>>> =
-            host.iter().zip(vs).map(|(h, (_, s))| (h, *s)).collect();
-        all_gather_host(comm, group, &pieces)?
-            .iter()
-            .map(|h| up(be, h))
-            .collect()
+        through_host(be, vs, |pieces| all_gather_host(comm, group, pieces))
     }
+}
+
+/// `collective` on host copies of `vs`, its results copied up.
+fn through_host<B: Backend>(
+    be: &mut B,
+    vs: &[Pieces<'_, DeviceBuf<B>>],
+    collective: impl FnOnce(&[Pieces<'_, Vec<f32>>]) -> Result<Vec<Vec<f32>>>,
+) -> Result<Vec<DeviceBuf<B>>> {
+    let host: Vec<Vec<f32>> = vs.iter().map(|(v, _)| down(be, v)).collect::<Result<_>>()?;
+    let pieces: Vec<Pieces<'_, Vec<f32>>> =
+        host.iter().zip(vs).map(|(h, (_, s))| (h, *s)).collect();
+    collective(&pieces)?.iter().map(|h| up(be, h)).collect()
 }
 
 /// The flat kernels a step runs besides the model's, built once.
