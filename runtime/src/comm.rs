@@ -85,6 +85,13 @@ pub(crate) enum Envelope {
         rank: usize,
         reason: String,
     },
+    /// `rank` has been blocked in a wait for a while (`true`) or no longer
+    /// is (`false`): a peer that times out waiting for it then knows it is
+    /// not the culprit.
+    Waiting {
+        rank: usize,
+        waiting: bool,
+    },
 }
 
 /// How envelopes reach the ranks of other processes. `post` never blocks
@@ -100,7 +107,8 @@ struct State {
     failure: Option<(usize, String)>,
     slots: HashMap<(Vec<usize>, u64), Slot>,
     mail: HashMap<(usize, usize, u64), VecDeque<Message>>,
-    /// This process's ranks that are blocked in a wait right now.
+    /// The ranks blocked in a wait right now: this process's, and those of
+    /// other processes that said so ([`Envelope::Waiting`]).
     waiting: HashSet<usize>,
     /// The other processes' ranks, when this process holds only `World::local`.
     transport: Option<Box<dyn Transport>>,
@@ -145,6 +153,13 @@ impl State {
                 Envelope::Poison { rank, reason } => {
                     if self.failure.is_none() {
                         self.failure = Some((rank, reason));
+                    }
+                }
+                Envelope::Waiting { rank, waiting } => {
+                    if waiting {
+                        self.waiting.insert(rank);
+                    } else {
+                        self.waiting.remove(&rank);
                     }
                 }
             }
@@ -268,6 +283,17 @@ impl World {
         }
     }
 
+    /// Tell the other processes whether `rank` is blocked in a wait.
+    fn announce(&self, s: &mut State, rank: usize, waiting: bool) {
+        if let (Some(me), Some(t)) = (self.local, s.transport.as_mut()) {
+            let news = Envelope::Waiting { rank, waiting };
+            for to in (0..self.size).filter(|&r| r != me) {
+                // One that cannot be reached is gone; its own wait says so.
+                let _ = t.post(to, &news);
+            }
+        }
+    }
+
     /// The first failure, if any rank failed.
     pub fn failure(&self) -> Option<(usize, String)> {
         let mut s = self.lock();
@@ -319,7 +345,9 @@ impl Communicator {
     /// stopped answering is the fault, not the rank left waiting for it. A
     /// missing peer of this process that is itself waiting is blocked on
     /// someone else, so it is not blamed: its own wait names the culprit
-    /// (until twice the timeout, which ends even a cycle of waits).
+    /// (until twice the timeout, which ends even a cycle of waits). Ranks of
+    /// other processes learn the same of this one once it has waited a
+    /// quarter of the timeout.
     fn wait<T>(
         &self,
         what: &str,
@@ -329,6 +357,14 @@ impl Communicator {
         let start = Instant::now();
         let mut s = self.world.lock();
         s.waiting.insert(self.rank);
+        let mut announced = false;
+        // Leave the waiting set, here and, if told, in the other processes.
+        let leave = |s: &mut State, announced: bool| {
+            s.waiting.remove(&self.rank);
+            if announced {
+                self.world.announce(s, self.rank, false);
+            }
+        };
         loop {
             s.pump(self.rank);
             if let Some((rank, reason)) = &s.failure {
@@ -336,16 +372,20 @@ impl Communicator {
                     rank: *rank,
                     reason: reason.clone(),
                 };
-                s.waiting.remove(&self.rank);
+                leave(&mut s, announced);
                 return Err(err);
             }
             if let Some(v) = ready(&mut s) {
-                s.waiting.remove(&self.rank);
+                leave(&mut s, announced);
                 drop(s);
                 self.world.notify();
                 return Ok(v);
             }
             let waited = start.elapsed();
+            if !announced && waited > self.world.timeout / 4 {
+                self.world.announce(&mut s, self.rank, true);
+                announced = true;
+            }
             if waited > self.world.timeout {
                 let silent = missing(&s);
                 let culprit = silent.iter().copied().find(|r| !s.waiting.contains(r));
@@ -362,7 +402,7 @@ impl Communicator {
                     // saw this one leave before the failure was recorded
                     // would blame it instead of the culprit.
                     self.world.poison_locked(&mut s, blamed, err.to_string());
-                    s.waiting.remove(&self.rank);
+                    leave(&mut s, announced);
                     drop(s);
                     self.world.notify();
                     return Err(err);

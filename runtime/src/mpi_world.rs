@@ -251,6 +251,11 @@ pub(crate) fn encode(e: &Envelope) -> Vec<u8> {
             u64s(&mut w, reason.len() as u64);
             w.extend_from_slice(reason.as_bytes());
         }
+        Envelope::Waiting { rank, waiting } => {
+            w.push(3);
+            u64s(&mut w, *rank as u64);
+            w.push(u8::from(*waiting));
+        }
     }
     w
 }
@@ -341,6 +346,15 @@ pub(crate) fn decode(bytes: &[u8]) -> Option<Envelope> {
             let (rank, n) = (r.len()?, r.len()?);
             let reason = String::from_utf8_lossy(r.take(n)?).into_owned();
             Envelope::Poison { rank, reason }
+        }
+        3 => {
+            let rank = r.len()?;
+            let waiting = match r.u8()? {
+                0 => false,
+                1 => true,
+                _ => return None,
+            };
+            Envelope::Waiting { rank, waiting }
         }
         _ => return None,
     };
@@ -484,6 +498,14 @@ mod tests {
             Envelope::Poison {
                 rank: 3,
                 reason: "rank 3 stopped answering at step 2".into(),
+            },
+            Envelope::Waiting {
+                rank: 2,
+                waiting: true,
+            },
+            Envelope::Waiting {
+                rank: 5,
+                waiting: false,
             },
         ];
         for e in cases {

@@ -306,3 +306,60 @@ impl Drop for TcpTransport {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::{Group, World};
+
+    /// Rank 2 waits on rank 0, which soon waits on rank 1, which never
+    /// answers: rank 2's deadline passes first, yet it does not blame rank
+    /// 0 (whose process said it is blocked) but learns of rank 1 from rank
+    /// 0's own timeout.
+    #[test]
+    fn a_timeout_blames_past_a_peer_that_is_itself_waiting() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a local port")
+            .port();
+        let timeout = Duration::from_millis(800);
+        let errs: Vec<String> = std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..3)
+                .map(|rank| {
+                    sc.spawn(move || -> String {
+                        let p =
+                            TcpProcess::join(rank, 3, "127.0.0.1", port, Duration::from_secs(10))
+                                .expect("joins");
+                        let world = World::remote(3, rank, timeout, p.transport().expect("links"));
+                        let mut c = world.communicator(rank);
+                        c.set_step(4);
+                        match rank {
+                            0 => {
+                                std::thread::sleep(timeout / 2);
+                                c.recv(1, 0).expect_err("rank 1 never sends").to_string()
+                            }
+                            // Silent until the run is known to have failed.
+                            1 => {
+                                while world.failure().is_none() {
+                                    std::thread::sleep(Duration::from_millis(10));
+                                }
+                                String::new()
+                            }
+                            _ => c
+                                .all_reduce(&Group::new(vec![0, 2]), &mut [1.0])
+                                .expect_err("rank 0 is blocked")
+                                .to_string(),
+                        }
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("rank")).collect()
+        });
+        for (rank, e) in errs.iter().enumerate().filter(|(r, _)| *r != 1) {
+            assert!(
+                e.contains("rank 1 stopped answering at step 4"),
+                "rank {rank}: {e}"
+            );
+        }
+    }
+}

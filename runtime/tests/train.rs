@@ -507,6 +507,39 @@ fn a_failing_rank_over_tcp_is_named_by_the_others() {
     assert!(start.elapsed() < std::time::Duration::from_secs(10));
 }
 
+/// A rank that stops answering over TCP is the one every process names
+/// (dp2 × pp2: rank 1 stalls; its pipeline peer waits for it, and that
+/// peer's data-parallel partner waits for the peer). Which wait ends first
+/// is up to the scheduler; `tcp_world`'s unit test pins the order in which
+/// the partner's deadline passes first.
+#[test]
+fn a_stalled_rank_over_tcp_is_named_by_every_process() {
+    let g = Gpt::default().build();
+    let cfg = RunConfig {
+        dp: 2,
+        pp: 2,
+        micro_batch: 1,
+        num_micro_batches: 2,
+        zero: ZeroStage::One,
+        faults: Faults {
+            stall_rank_at: Some((1, 2)),
+            ..Faults::default()
+        },
+        timeout: std::time::Duration::from_secs(3),
+        ..RunConfig::default()
+    };
+    let start = std::time::Instant::now();
+    for (rank, r) in run_over_tcp(&g, cfg).iter().enumerate() {
+        let err = r.as_ref().expect_err("every rank stops");
+        assert!(
+            err.to_string()
+                .contains("rank 1 stopped answering at step 2"),
+            "rank {rank}: {err}"
+        );
+    }
+    assert!(start.elapsed() < std::time::Duration::from_secs(20));
+}
+
 /// A non-finite gradient stops the run at that step, before the optimizer
 /// can poison the state, on every rank alike; with an allowance the step is
 /// skipped (nothing updated) and training goes on.
