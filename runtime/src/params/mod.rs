@@ -605,27 +605,28 @@ impl<S: Storage> ParamStore<S> {
         bucket: usize,
     ) -> Result<()> {
         let group = Group::new(group.to_vec());
-        let mut start = 0;
-        while start < keys.len() {
-            let mut end = start;
-            let mut size = 0;
-            while end < keys.len()
-                && (end == start || size + self.slots[&keys[end]].numel <= bucket)
-            {
-                size += self.slots[&keys[end]].numel;
-                end += 1;
+        // Consecutive keys (in key order) fill a bucket up to `bucket`
+        // elements; a larger tensor is a bucket of its own.
+        let mut bucket_of = HashMap::with_capacity(keys.len());
+        let mut sizes: Vec<usize> = Vec::new();
+        for k in keys {
+            let n = self.slots[k].numel;
+            match sizes.last_mut() {
+                Some(size) if *size + n <= bucket => *size += n,
+                _ => sizes.push(n),
             }
-            let bucket_keys = &keys[start..end];
-            let mut grads: Vec<&mut S::Buf> = self
-                .slots
-                .iter_mut()
-                .filter(|(k, _)| bucket_keys.contains(k))
-                .map(|(_, s)| &mut s.grad)
-                .collect();
+            bucket_of.insert(*k, sizes.len() - 1);
+        }
+        let mut buckets: Vec<Vec<&mut S::Buf>> = sizes.iter().map(|_| Vec::new()).collect();
+        for (k, slot) in self.slots.iter_mut() {
+            if let Some(&b) = bucket_of.get(k) {
+                buckets[b].push(&mut slot.grad);
+            }
+        }
+        for (mut grads, size) in buckets.into_iter().zip(sizes) {
             self.storage
                 .all_reduce(&mut self.comm, &group, &mut grads)?;
             self.traffic.all_reduce(group.size(), size * 4);
-            start = end;
         }
         Ok(())
     }
