@@ -724,7 +724,11 @@ pub fn train_prepared_on(
             summary["device"] = json!(d.name);
             summary["kernels"] = json!(d.kernels);
             summary["collectives"] = json!(d.collectives.name());
-            summary["peak_memory_bytes"] = json!(d.peak_bytes);
+        }
+        // The fused compute counts its memory (a GPU's allocator, or the
+        // host backend's buffers on CPU ranks): beside what the plan said.
+        if let Some(peak) = report.memory_peak_bytes {
+            summary["peak_memory_bytes"] = json!(peak);
             summary["predicted_peak_memory_bytes"] = json!(p.plan.estimate.peak_memory_bytes);
             // By kind: `buffers` holds the CUDA context and library
             // workspaces, which the allocator's peak does not count.

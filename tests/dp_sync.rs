@@ -84,6 +84,19 @@ fn async_with_staleness_zero_is_the_synchronous_run() {
     let async1 = run(&dp4(GradSync::async_ps(4, 1), Compression::None), 5);
     assert_eq!(sync.steps[0].loss, async1.steps[0].loss);
     assert_ne!(losses(&sync), losses(&async1));
+    // The fused compute keeps its weight versions on its backend, each a
+    // copy of its own (a whole f32 value shares its master's memory): it
+    // reads the same stale weights as the reference.
+    let async2 = dp4(GradSync::async_ps(4, 2), Compression::None);
+    let fused = RunConfig {
+        compute: dplc_runtime::Compute::Fused,
+        ..async2.clone()
+    };
+    assert_losses(
+        "async staleness 2, fused",
+        &run(&async2, 5).steps,
+        &run(&fused, 5).steps,
+    );
 }
 
 #[test]

@@ -20,6 +20,7 @@ use dplc_codegen::{
     adamw_kernel, add_kernel, convert_kernel, sgd_kernel, sum_squares_kernel, Args, Elem, Kernel,
     SUM_SQUARES_COLS,
 };
+use dplc_ir::DType;
 use std::borrow::Cow;
 use std::ops::Range;
 
@@ -175,6 +176,13 @@ impl<B: Backend, L: Links<B>> DeviceStorage<B, L> {
         }
     }
 
+    /// Whether a whole parameter's compute value is its master vector
+    /// itself: when floats are stored as f32, a second copy would only
+    /// hold the same numbers.
+    fn shares_master(&self) -> bool {
+        self.be.dtype() == DType::F32
+    }
+
     /// A new vector holding `v[at]`.
     fn slice(&mut self, v: &DeviceBuf<B>, at: Range<usize>) -> Result<DeviceBuf<B>> {
         if at == (0..v.len) {
@@ -315,6 +323,17 @@ impl<B: Backend, L: Links<B>> Storage for DeviceStorage<B, L> {
     }
 
     fn value(&mut self, _shape: &[usize], master: &DeviceBuf<B>) -> Result<Val<B>> {
+        // Stored as f32, the compute reads the master values themselves, as
+        // an fp32 run keeps one copy of its weights.
+        if self.shares_master() {
+            if let Some(buf) = &master.buf {
+                return Ok(Val {
+                    buf: buf.clone(),
+                    elem: Elem::Float,
+                    len: master.len,
+                });
+            }
+        }
         let out = self.be.alloc(Elem::Float, master.len)?;
         if master.len > 0 {
             self.be.launch(
@@ -340,6 +359,19 @@ impl<B: Backend, L: Links<B>> Storage for DeviceStorage<B, L> {
 
     fn value_to_host(&mut self, v: &Val<B>) -> Result<Vec<f32>> {
         self.be.download(&v.buf, v.elem, v.len)
+    }
+
+    fn keep(&mut self, v: &Val<B>) -> Result<Val<B>> {
+        if !self.shares_master() || v.len == 0 {
+            return Ok(v.clone());
+        }
+        let out = self.be.alloc(Elem::Float, v.len)?;
+        self.be.copy(&v.buf, 0, &out, 0, v.len)?;
+        Ok(Val {
+            buf: out,
+            elem: Elem::Float,
+            len: v.len,
+        })
     }
 
     fn peak_bytes(&self) -> Option<u64> {

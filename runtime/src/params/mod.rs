@@ -332,12 +332,16 @@ impl<S: Storage> ParamStore<S> {
                 x.map_or_else(|| vec![0.0; own.len()], |x| x[own.clone()].to_vec())
             };
             let (m, v) = (part_of(m), part_of(v));
+            let master = storage.stage_in(value[own.clone()].to_vec())?;
             let slot = Slot {
+                // Below ZeRO-1 the master is the whole tensor, which the
+                // compute's copy is made from as after every step.
                 full: match zero {
                     ZeroStage::Three => None,
-                    _ => Some(storage.value_from_host(&shape, value.clone())?),
+                    ZeroStage::None => Some(storage.value(&shape, &master)?),
+                    _ => Some(storage.value_from_host(&shape, value)?),
                 },
-                master: storage.stage_in(value[own.clone()].to_vec())?,
+                master,
                 m: storage.stage_in(m)?,
                 v: storage.stage_in(v)?,
                 grad: storage.zeros(grad_len)?,
@@ -357,12 +361,14 @@ impl<S: Storage> ParamStore<S> {
         let staleness = dp_sync.sync.staleness() as usize;
         let mut versions = VecDeque::new();
         if staleness > 0 && !dp_sync.server {
-            versions.push_back(
-                slots
-                    .iter()
-                    .filter_map(|(k, s): (&ParamKey, &Slot<S>)| s.full.clone().map(|f| (*k, f)))
-                    .collect(),
-            );
+            let mut current = BTreeMap::new();
+            for (k, s) in &slots {
+                let s: &Slot<S> = s;
+                if let Some(f) = &s.full {
+                    current.insert(*k, storage.keep(f)?);
+                }
+            }
+            versions.push_back(current);
             for older in dp_sync.versions.into_iter().flatten().take(staleness) {
                 let mut version = BTreeMap::new();
                 for (key, values) in older {
@@ -734,11 +740,12 @@ impl<S: Storage> ParamStore<S> {
         let keep = self.sync.staleness() as usize + 1;
         // A dedicated server keeps none (it computes nothing).
         if keep > 1 && !self.versions.is_empty() {
-            let newest = self
-                .slots
-                .iter()
-                .filter_map(|(k, s)| s.full.clone().map(|f| (*k, f)))
-                .collect();
+            let mut newest = BTreeMap::new();
+            for (k, s) in &self.slots {
+                if let Some(f) = &s.full {
+                    newest.insert(*k, self.storage.keep(f)?);
+                }
+            }
             self.versions.push_front(newest);
             self.versions.truncate(keep);
         }

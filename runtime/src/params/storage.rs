@@ -66,6 +66,9 @@ pub(crate) trait Storage {
     fn value(&mut self, shape: &[usize], master: &Self::Buf) -> Result<Self::Value>;
     fn value_from_host(&mut self, shape: &[usize], data: Vec<f32>) -> Result<Self::Value>;
     fn value_to_host(&mut self, v: &Self::Value) -> Result<Vec<f32>>;
+    /// A copy of `v` that later optimizer steps leave as it is: a weight
+    /// version async workers read (a value may share its master's memory).
+    fn keep(&mut self, v: &Self::Value) -> Result<Self::Value>;
     /// Bytes at the device's high-water mark, where the storage has a device.
     fn peak_bytes(&self) -> Option<u64> {
         None
@@ -256,6 +259,11 @@ impl Storage for HostStorage {
 
     fn value_to_host(&mut self, v: &Value) -> Result<Vec<f32>> {
         Ok(v.f()?.to_vec())
+    }
+
+    fn keep(&mut self, v: &Value) -> Result<Value> {
+        // Built from a copy of the master values: nothing writes it later.
+        Ok(v.clone())
     }
 
     fn all_reduce(

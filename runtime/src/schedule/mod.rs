@@ -542,6 +542,7 @@ fn train_on(
         stage_layers,
         peak_activation_bytes,
         dp_traffic,
+        memory_peak_bytes: device_peak,
         device: shared.gpus.iter().flatten().next().map(|g| DeviceUse {
             name: g.name().to_string(),
             peak_bytes: device_peak.unwrap_or(0),

@@ -77,6 +77,11 @@ pub struct TrainReport {
     /// the weights' return over the whole run, by rank (see
     /// [`crate::Traffic`]); zero for ranks in other processes.
     pub dp_traffic: Vec<crate::Traffic>,
+    /// The most bytes any rank's compute memory held at once — training
+    /// state, activations and temporaries — where its backend counts them:
+    /// the fused compute, on a GPU's allocator or the host backend's
+    /// buffers (`None` on the reference compute).
+    pub memory_peak_bytes: Option<u64>,
     /// What a GPU run used of its devices (`None` on CPU ranks).
     pub device: Option<DeviceUse>,
     /// How the fused compute ran the model's attentions (`None` on the
