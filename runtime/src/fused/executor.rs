@@ -956,6 +956,18 @@ impl<'a> Executor<'a> {
     }
 
     /// Add `g` to the gradient of `t` (it becomes the gradient when there is none).
+    /// Forget the gradients of `step`'s outputs once its backward has read
+    /// them: no other step reads them, and holding them would keep every
+    /// intermediate gradient of the region alive until the region's end. A
+    /// view's gradient is its base's, which the base's own step reads.
+    fn drop_output_grads<B: Backend>(&self, grads: &mut HashMap<TensorId, Val<B>>, step: &Step) {
+        for t in step_outputs(self.graph, step) {
+            if self.base(t) == t {
+                grads.remove(&t);
+            }
+        }
+    }
+
     fn add_grad<B: Backend>(
         &self,
         be: &mut B,
@@ -1232,6 +1244,7 @@ impl<'a> Executor<'a> {
                     };
                     if !matches!(self.graph.node(*node).op, Op::Repeat { .. }) {
                         self.host_backward(be, run, grads, *node)?;
+                        self.drop_output_grads(grads, &plan.steps[at]);
                         continue;
                     }
                     let (count, _, _) = self.repeat_parts(*node)?;
@@ -1255,6 +1268,7 @@ impl<'a> Executor<'a> {
                     }
                 }
             }
+            self.drop_output_grads(grads, &plan.steps[at]);
         }
         for &n in &self.graph.region(r).nodes {
             if let Op::Param(p) = self.graph.node(n).op {
