@@ -1157,12 +1157,13 @@ fn context_parallel_plans_run_and_verify() {
 
 /// The fused compute counts its whole memory on CPU ranks and reports it
 /// beside the plan's: never below the plan's state and kept activations
-/// (which it holds to the byte at the end of the forward), and within the
-/// backward's working set above it (README's table: 1.17–1.52× on the tiny
-/// zoo; each gradient is dropped once its step's backward has read it).
+/// (which it holds to the byte at the end of the forward), and within 10%
+/// above them — the backward's working set, which frees each gradient and
+/// saved value after the last backward step that reads it (README's table;
+/// 1.05–1.07× here, 1.6× when a region held both to its end).
 #[test]
 fn a_fused_run_reports_its_memory_beside_the_plans() {
-    for (model, bound) in [("gpt_tiny", 1.4), ("llama_tiny", 1.3)] {
+    for (model, bound) in [("gpt_tiny", 1.1), ("llama_tiny", 1.1), ("moe_tiny", 1.1)] {
         let v = run_summary("models/tiny.dpl", model, "1xcpu", "dp=1", 64, "fused");
         let measured = v["peak_memory_bytes"].as_f64().expect("measured memory");
         let predicted = v["predicted_peak_memory_bytes"]

@@ -956,15 +956,26 @@ impl<'a> Executor<'a> {
     }
 
     /// Add `g` to the gradient of `t` (it becomes the gradient when there is none).
-    /// Forget the gradients of `step`'s outputs once its backward has read
-    /// them: no other step reads them, and holding them would keep every
-    /// intermediate gradient of the region alive until the region's end. A
-    /// view's gradient is its base's, which the base's own step reads.
-    fn drop_output_grads<B: Backend>(&self, grads: &mut HashMap<TensorId, Val<B>>, step: &Step) {
+    /// Forget what a backward step was the last to read: the gradients of
+    /// `step`'s outputs (no other step reads them; a view's gradient is its
+    /// base's, which the base's own step reads) and the saved values no
+    /// later backward step reads (`free`). Holding them kept every
+    /// intermediate gradient and activation of a region alive to the
+    /// region's end; autograd frees both as it goes.
+    fn done_with<B: Backend>(
+        &self,
+        run: &mut RegionRun<B>,
+        grads: &mut HashMap<TensorId, Val<B>>,
+        step: &Step,
+        free: &[TensorId],
+    ) {
         for t in step_outputs(self.graph, step) {
             if self.base(t) == t {
                 grads.remove(&t);
             }
+        }
+        for t in free {
+            run.values.remove(t);
         }
     }
 
@@ -1118,8 +1129,14 @@ impl<'a> Executor<'a> {
     ) -> Result<Vec<Option<Val<B>>>> {
         let (plan, back) = self.plan(r)?;
         self.recompute_dropped(be, r, run, layer)?;
+        let free_after = &self
+            .fused
+            .lifetimes
+            .get(&r)
+            .ok_or_else(|| kernel_err("fused", format!("region {r} has no plan")))?
+            .free_after_backward;
         let mut carried_out = Vec::new();
-        for bstep in back {
+        for (bi, bstep) in back.iter().enumerate() {
             let at = match bstep {
                 BackwardStep::Kernel { step, .. }
                 | BackwardStep::MatMul { step }
@@ -1244,7 +1261,7 @@ impl<'a> Executor<'a> {
                     };
                     if !matches!(self.graph.node(*node).op, Op::Repeat { .. }) {
                         self.host_backward(be, run, grads, *node)?;
-                        self.drop_output_grads(grads, &plan.steps[at]);
+                        self.done_with(run, grads, &plan.steps[at], &free_after[bi]);
                         continue;
                     }
                     let (count, _, _) = self.repeat_parts(*node)?;
@@ -1268,7 +1285,7 @@ impl<'a> Executor<'a> {
                     }
                 }
             }
-            self.drop_output_grads(grads, &plan.steps[at]);
+            self.done_with(run, grads, &plan.steps[at], &free_after[bi]);
         }
         for &n in &self.graph.region(r).nodes {
             if let Op::Param(p) = self.graph.node(n).op {

@@ -52,6 +52,10 @@ pub(super) struct Lifetimes {
     pub(super) handed_on: Vec<TensorId>,
     /// Every base the backward reads.
     pub(super) saved: HashSet<TensorId>,
+    /// Per backward step (in backward order), the saved bases no later
+    /// backward step reads: freed once it has run, as autograd frees a
+    /// node's saved tensors after its backward.
+    pub(super) free_after_backward: Vec<Vec<TensorId>>,
 }
 
 /// The in-memory tensor behind `t` (through reshapes).
@@ -90,13 +94,16 @@ impl Lifetimes {
                 })
                 .collect()
         };
-        for b in back {
+        // The last backward step that reads each base.
+        let mut last_read: HashMap<TensorId, usize> = HashMap::new();
+        for (bi, b) in back.iter().enumerate() {
+            let mut reads: Vec<TensorId> = Vec::new();
             match b {
                 BackwardStep::Kernel { step, backward } => {
                     if let Step::Kernel(k) = &plan.steps[*step] {
                         for bind in &backward.bindings {
                             if let GradBinding::Forward(j) = *bind {
-                                saved.insert(base(k.buffers[j]));
+                                reads.push(k.buffers[j]);
                             }
                         }
                     }
@@ -104,26 +111,43 @@ impl Lifetimes {
                 BackwardStep::MatMul { step } => {
                     if let Step::MatMul { node, a, b } = &plan.steps[*step] {
                         let outs = &graph.node(*node).outputs;
-                        saved.extend(
-                            rule(*node, &[a.tensor, b.tensor], outs)
-                                .into_iter()
-                                .map(base),
-                        );
+                        reads.extend(rule(*node, &[a.tensor, b.tensor], outs));
                     }
                 }
                 BackwardStep::Attention { step } => {
                     // Q, K, V, the bias and the output (the log-sum-exp is
                     // the step's own, outside the graph).
                     if let Step::Attention(at) = &plan.steps[*step] {
-                        saved.extend(at.inputs().into_iter().map(base));
-                        saved.insert(base(at.out));
+                        reads.extend(at.inputs());
+                        reads.push(at.out);
                     }
                 }
                 BackwardStep::Extern { step, .. } => {
                     if let Step::Extern { node, .. } = &plan.steps[*step] {
                         let n = graph.node(*node);
                         if is_host_step(&n.op) {
-                            saved.extend(rule(*node, &n.inputs, &n.outputs).into_iter().map(base));
+                            reads.extend(rule(*node, &n.inputs, &n.outputs));
+                        }
+                    }
+                }
+            }
+            for t in reads {
+                saved.insert(base(t));
+                last_read.insert(base(t), bi);
+            }
+        }
+        // A host step's backward reads each of its inputs and outputs that
+        // any backward step keeps (the executor hands it what is saved).
+        for (bi, b) in back.iter().enumerate() {
+            if let BackwardStep::Extern { step, .. } = b {
+                if let Step::Extern { node, .. } = &plan.steps[*step] {
+                    let n = graph.node(*node);
+                    if is_host_step(&n.op) {
+                        for t in n.inputs.iter().chain(&n.outputs).map(|&t| base(t)) {
+                            if saved.contains(&t) {
+                                let last = last_read.entry(t).or_insert(bi);
+                                *last = (*last).max(bi);
+                            }
                         }
                     }
                 }
@@ -166,10 +190,15 @@ impl Lifetimes {
                 free_after[i].push(t);
             }
         }
+        let mut free_after_backward = vec![Vec::new(); back.len()];
+        for (t, bi) in last_read {
+            free_after_backward[bi].push(t);
+        }
         Lifetimes {
             free_after,
             handed_on,
             saved,
+            free_after_backward,
         }
     }
 }
