@@ -6,11 +6,13 @@
 //! the caller's [`HostSteps`].
 //!
 //! A region's forward keeps only what its backward reads (and its results):
-//! every other value is freed after the last step that reads it, and a layer's
-//! activations are freed once its backward has run. Under full recomputation
-//! a layer keeps only its arguments and runs forward again before backward. So peak memory is the
-//! saved activations plus one region's transients, which is what the planner's
-//! memory model counts.
+//! every other value is freed after the last step that reads it. Its
+//! backward frees as it goes, as autograd does: each step's output
+//! gradients once the step has read them, each saved value after the last
+//! backward step that reads it. Under full recomputation a layer keeps only
+//! its arguments and runs forward again before its backward. So peak memory
+//! is the saved activations plus one step's gradients and temporaries; the
+//! planner's memory model counts the first (README: measured against it).
 
 use super::backend::{Backend, MatMul};
 use super::plan::{base_of, is_host_step, step_outputs, FusedGraph};
