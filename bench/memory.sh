@@ -27,6 +27,7 @@ tiny.dpl moe_tiny 1xcpu dp=1
 tiny.dpl gpt_tiny 1xcpu recompute=full
 tiny.dpl gpt_tiny 1xcpu recompute=selective
 tiny.dpl gpt_tiny 1xcpu attention=unfused
+tiny.dpl gpt_tiny 2xcpu dp=2,zero=2
 tiny.dpl gpt_tiny 2xcpu dp=2,zero=3
 tiny.dpl gpt_tiny 2xcpu pp=2
 tiny.dpl gpt_tiny 2xcpu tp=2,sp=on

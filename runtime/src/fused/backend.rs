@@ -167,6 +167,14 @@ impl HostBackend {
         HostBackend::default()
     }
 
+    /// Another handle on the same memory: buffers of either are the
+    /// other's, and live bytes and their peak are counted once for both.
+    pub fn handle(&self) -> HostBackend {
+        HostBackend {
+            live: Rc::clone(&self.live),
+        }
+    }
+
     fn wrap(&self, data: Data) -> Rc<HostBuf> {
         let bytes = data.len() * 4;
         let mut live = self.live.borrow_mut();

@@ -44,6 +44,20 @@ pub trait HostSteps {
         outs: Vec<Tensor>,
         gouts: Vec<Option<Tensor>>,
     ) -> Result<Vec<Option<Tensor>>>;
+    /// Layer `layer` (its iteration of repeat node `stack`) is about to
+    /// read its parameters (`enter`), or the pass is done with them, in the
+    /// forward or the backward: where they are sharded, the caller puts the
+    /// layer's entries into the pass's [`ParamBufs`] (gathered weights; in
+    /// the backward, the gradient accumulators) and takes them out again,
+    /// reducing the gradients.
+    fn layer(&mut self, _stack: NodeId, _layer: u64, _backward: bool, _enter: bool) -> Result<()> {
+        Ok(())
+    }
+    /// Whether a layer's weights leave the pass after its forward, to be
+    /// gathered again for its backward (FSDP's reshard after forward).
+    fn reshards(&self) -> bool {
+        false
+    }
 }
 
 /// A value on the device: its buffer, element type and element count.
@@ -174,11 +188,22 @@ pub struct Executor<'a> {
     pub host: Option<RefCell<&'a mut dyn HostSteps>>,
 }
 
-/// Parameters the forward reads and where the backward leaves their gradients.
+/// Parameters the forward reads and where the backward leaves their
+/// gradients. Shared with the host steps' [`HostSteps::layer`] hook, which
+/// fills a layer's entries when the pass reaches it where they are sharded.
 pub struct ParamBufs<B: Backend> {
-    pub values: BTreeMap<ParamKey, Val<B>>,
+    pub values: RefCell<BTreeMap<ParamKey, Val<B>>>,
     /// `f32` gradients, accumulated over micro-batches.
-    pub grads: BTreeMap<ParamKey, Val<B>>,
+    pub grads: RefCell<BTreeMap<ParamKey, Val<B>>>,
+}
+
+impl<B: Backend> ParamBufs<B> {
+    pub fn new(values: BTreeMap<ParamKey, Val<B>>) -> Self {
+        ParamBufs {
+            values: RefCell::new(values),
+            grads: RefCell::new(BTreeMap::new()),
+        }
+    }
 }
 
 /// A backend value of tensor `t` of `graph` as a host tensor of its shape
@@ -533,7 +558,7 @@ impl<'a> Executor<'a> {
                 // A pipeline stage holds the parameters of its own chunks:
                 // one it does not hold is an error where it is read.
                 Op::Param(p) => {
-                    if let Some(v) = params.values.get(&ParamKey { param: p, layer }) {
+                    if let Some(v) = params.values.borrow().get(&ParamKey { param: p, layer }) {
                         run.values.insert(node.outputs[0], v.clone());
                     }
                 }
@@ -739,6 +764,42 @@ impl<'a> Executor<'a> {
         Ok(())
     }
 
+    /// Tell the host steps' owner that layer `layer` of repeat node
+    /// `stack` needs its parameters or is done with them
+    /// ([`HostSteps::layer`]).
+    fn layer_hook(&self, stack: NodeId, layer: u64, backward: bool, enter: bool) -> Result<()> {
+        match &self.host {
+            Some(h) => h.borrow_mut().layer(stack, layer, backward, enter),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether a layer's weights leave the pass after its forward.
+    fn reshards(&self) -> bool {
+        self.host.as_ref().is_some_and(|h| h.borrow().reshards())
+    }
+
+    /// Bind the parameters of `layer` a layer run dropped after its
+    /// forward (see [`HostSteps::reshards`]), gathered again.
+    fn rebind_params<B: Backend>(
+        &self,
+        r: RegionId,
+        run: &mut RegionRun<B>,
+        layer: u64,
+        params: &ParamBufs<B>,
+    ) {
+        for &n in &self.graph.region(r).nodes {
+            let node = self.graph.node(n);
+            if let Op::Param(p) = node.op {
+                if let Some(v) = params.values.borrow().get(&ParamKey { param: p, layer }) {
+                    run.values
+                        .entry(node.outputs[0])
+                        .or_insert_with(|| v.clone());
+                }
+            }
+        }
+    }
+
     fn host(&self, node: NodeId) -> Result<std::cell::RefMut<'_, &'a mut dyn HostSteps>> {
         self.host.as_ref().map(RefCell::borrow_mut).ok_or_else(|| {
             RuntimeError::Unsupported(format!(
@@ -877,10 +938,21 @@ impl<'a> Executor<'a> {
         let results = self.graph.region(body).results.clone();
         let core = &self.fused.core_steps[&body];
         let mut runs = Vec::with_capacity((layers.end - layers.start) as usize);
+        let reshards = self.reshards();
         for layer in layers {
             let args: Vec<Val<B>> = carried.iter().chain(&captured).cloned().collect();
+            self.layer_hook(n, layer, false, true)?;
             let mut body_run =
                 self.forward(be, body, args.clone(), &HashMap::new(), layer, params)?;
+            if reshards {
+                // Its weights are gathered again for its backward.
+                for &n in &self.graph.region(body).nodes {
+                    if let Op::Param(_) = self.graph.node(n).op {
+                        body_run.values.remove(&self.graph.node(n).outputs[0]);
+                    }
+                }
+            }
+            self.layer_hook(n, layer, false, false)?;
             carried = results
                 .iter()
                 .map(|&t| self.get(&body_run, t))
@@ -1035,7 +1107,7 @@ impl<'a> Executor<'a> {
         run: &mut RegionRun<B>,
         grads: &mut HashMap<TensorId, Val<B>>,
         layer: u64,
-        params: &mut ParamBufs<B>,
+        params: &ParamBufs<B>,
     ) -> Result<()> {
         self.backward_steps(be, r, run, grads, layer, params, None)?;
         Ok(())
@@ -1055,7 +1127,7 @@ impl<'a> Executor<'a> {
         received: Option<Vec<Option<Val<B>>>>,
         extras: &[TensorId],
         loss_scale: f32,
-        params: &mut ParamBufs<B>,
+        params: &ParamBufs<B>,
     ) -> Result<Vec<Option<Val<B>>>> {
         let r = self.graph.root();
         let mut grads: HashMap<TensorId, Val<B>> = HashMap::new();
@@ -1126,7 +1198,7 @@ impl<'a> Executor<'a> {
         run: &mut RegionRun<B>,
         grads: &mut HashMap<TensorId, Val<B>>,
         layer: u64,
-        params: &mut ParamBufs<B>,
+        params: &ParamBufs<B>,
         span: Option<&ChunkSpan>,
     ) -> Result<Vec<Option<Val<B>>>> {
         let (plan, back) = self.plan(r)?;
@@ -1294,7 +1366,7 @@ impl<'a> Executor<'a> {
                 let t = self.graph.node(n).outputs[0];
                 if let Some(g) = grads.remove(&t) {
                     let key = ParamKey { param: p, layer };
-                    let acc = params.grads.get(&key).cloned().ok_or_else(|| {
+                    let acc = params.grads.borrow().get(&key).cloned().ok_or_else(|| {
                         kernel_err("fused backward", format!("no gradient buffer for {p}"))
                     })?;
                     // Accumulate into the f32 gradient in place.
@@ -1454,7 +1526,7 @@ impl<'a> Executor<'a> {
         grads: &mut HashMap<TensorId, Val<B>>,
         n: NodeId,
         layers: std::ops::Range<u64>,
-        params: &mut ParamBufs<B>,
+        params: &ParamBufs<B>,
     ) -> Result<Vec<Option<Val<B>>>> {
         let (_, body, n_carried) = self.repeat_parts(n)?;
         let node = self.graph.node(n);
@@ -1477,8 +1549,12 @@ impl<'a> Executor<'a> {
         let region = self.graph.region(body);
         while let Some(layer_run) = runs.pop() {
             let layer = layers.start + runs.len() as u64;
+            self.layer_hook(n, layer, true, true)?;
             let mut body_run = match layer_run {
-                LayerRun::Kept(r) => r,
+                LayerRun::Kept(mut r) => {
+                    self.rebind_params(body, &mut r, layer, params);
+                    r
+                }
                 LayerRun::Checkpoint(args) => {
                     self.forward(be, body, args, &HashMap::new(), layer, params)?
                 }
@@ -1498,6 +1574,9 @@ impl<'a> Executor<'a> {
                     self.add_grad(be, grads, node.inputs[j], g)?;
                 }
             }
+            // Its weights and gradients leave before the next layer's come.
+            drop(body_run);
+            self.layer_hook(n, layer, true, false)?;
         }
         carried.truncate(n_carried);
         Ok(carried)

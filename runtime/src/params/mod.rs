@@ -48,7 +48,7 @@ pub enum ZeroStage {
 impl ZeroStage {
     /// Whether each rank keeps only its part of every gradient, reduced
     /// after each unit's backward of every micro-batch (ZeRO-2 and 3).
-    fn shards_grads(self) -> bool {
+    pub(crate) fn shards_grads(self) -> bool {
         self >= ZeroStage::Two
     }
 }

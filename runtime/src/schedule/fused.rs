@@ -17,7 +17,7 @@
 
 use super::compute::{take_live, Forwarded, Pass, StageCompute};
 use super::Shared;
-use crate::comm::{Communicator, Message};
+use crate::comm::Message;
 use crate::error::{kernel_err, Result, RuntimeError};
 use crate::fused::{
     tensor_dims, to_backend, to_host, Backend, ChunkSpan, Executor, FusedGraph, HostSteps,
@@ -25,11 +25,10 @@ use crate::fused::{
 };
 use crate::interp::{ParamKey, Value};
 use crate::kernels::{self, DropoutKey, OpCtx};
-use crate::params::{DeviceStorage, Links, ParamStore, Unit};
-use crate::shard::MeshGroups;
+use crate::params::{DeviceStorage, Links, ParamStore, Unit, ZeroStage};
 use crate::tensor::Tensor;
 use dplc_codegen::Elem;
-use dplc_ir::{DType, GradPlan, Graph, NodeId, Op, TensorId};
+use dplc_ir::{GradPlan, Graph, NodeId, Op, TensorId};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -48,8 +47,10 @@ type Store<B, L> = ParamStore<DeviceStorage<B, L>>;
 pub(super) struct Fused<'a, 'b, B: Backend> {
     sh: &'a Shared<'b>,
     prog: &'a FusedProgram,
-    /// The storage type of the backend's floats.
-    dtype: DType,
+    /// This compute's handle on the backend the store's state lives on (the
+    /// same device), so that the pass can ask the store for a layer's
+    /// weights while it runs.
+    be: B,
     /// Each pipeline chunk's part of the root.
     spans: Vec<ChunkSpan>,
     /// Each live (micro-batch, chunk)'s forward, kept for its backward.
@@ -118,15 +119,31 @@ pub(super) fn plan(sh: &Shared) -> Result<FusedProgram> {
 }
 
 /// The host steps of one rank: layout changes over its mesh groups through
-/// the parameter store's communicator, MoE routing by the reference kernels.
-struct Host<'s> {
+/// the parameter store's communicator, MoE routing by the reference kernels;
+/// and its layer hook, which hands the pass each layer's sharded weights and
+/// gradient accumulators when it reaches the layer (ZeRO-2 and 3, as the
+/// reference's layer hooks do).
+struct Host<'s, B: Backend, L: Links<B>> {
     prog: &'s FusedProgram,
     syms: &'s [i64],
-    comm: &'s mut Communicator,
-    mesh: &'s MeshGroups,
+    /// Where each layer stack's layers sit in the model's numbering (the
+    /// store's units).
+    part: &'s crate::partition::Partition,
+    store: &'s mut Store<B, L>,
+    params: &'s ParamBufs<B>,
 }
 
-impl Host<'_> {
+impl<B: Backend, L: Links<B>> Host<'_, B, L> {
+    /// The keys of the parameters of unit `unit` this rank holds.
+    fn unit_keys(&self, unit: Unit) -> Vec<ParamKey> {
+        self.store
+            .slots
+            .iter()
+            .filter(|(_, s)| s.unit == unit)
+            .map(|(&k, _)| k)
+            .collect()
+    }
+
     fn out_shapes(&self, node: NodeId) -> Vec<Vec<usize>> {
         let g = &self.prog.graph;
         g.node(node)
@@ -163,20 +180,26 @@ impl FusedProgram {
     }
 }
 
-impl HostSteps for Host<'_> {
+impl<B: Backend, L: Links<B>> HostSteps for Host<'_, B, L> {
     fn forward(&mut self, node: NodeId, ins: Vec<Tensor>) -> Result<Vec<Tensor>> {
         match self.prog.graph.node(node).op {
             Op::Relayout { from, to, .. } => {
                 let x = ins
                     .first()
                     .ok_or_else(|| kernel_err("relayout", "no input"))?;
+                let store = &mut *self.store;
                 Ok(vec![crate::shard::convert(
-                    self.comm, self.mesh, x, from, to,
+                    &mut store.comm,
+                    &store.mesh,
+                    x,
+                    from,
+                    to,
                 )?])
             }
             Op::VocabParallel(v) => {
                 let refs: Vec<&Tensor> = ins.iter().collect();
-                crate::vocab::forward(self.comm, self.mesh, v, &refs)
+                let store = &mut *self.store;
+                crate::vocab::forward(&mut store.comm, &store.mesh, v, &refs)
             }
             ref op => {
                 let shapes = self.out_shapes(node);
@@ -206,15 +229,21 @@ impl HostSteps for Host<'_> {
         match g.node(node).op {
             Op::Relayout { from, to, grad } => {
                 let target = dplc_ir::TensorLayout::relayout_grad_target(from, to);
+                let store = &mut *self.store;
                 Ok(vec![Some(crate::shard::convert(
-                    self.comm, self.mesh, &gout, grad, target,
+                    &mut store.comm,
+                    &store.mesh,
+                    &gout,
+                    grad,
+                    target,
                 )?)])
             }
             Op::VocabParallel(v) => {
                 let need = self.prog.grad.input_grads(g, node);
                 let ins: Vec<&Tensor> = ins.iter().collect();
                 let outs: Vec<&Tensor> = outs.iter().collect();
-                crate::vocab::backward(self.comm, self.mesh, v, (&ins, &outs), &gout, &need)
+                let store = &mut *self.store;
+                crate::vocab::backward(&mut store.comm, &store.mesh, v, (&ins, &outs), &gout, &need)
             }
             ref op => {
                 let need = self.prog.grad.input_grads(g, node);
@@ -230,6 +259,65 @@ impl HostSteps for Host<'_> {
             }
         }
     }
+
+    fn layer(&mut self, stack: NodeId, layer: u64, backward: bool, enter: bool) -> Result<()> {
+        let zero = self.store.zero;
+        let first = self
+            .part
+            .stacks
+            .iter()
+            .find(|st| st.node == stack)
+            .map(|st| st.first)
+            .ok_or_else(|| kernel_err("fused", format!("{stack} is not a layer stack")))?;
+        let unit = Unit::Layer(first + layer);
+        let keys = self.unit_keys(unit);
+        if enter {
+            if zero == ZeroStage::Three {
+                self.store.gather(unit)?;
+                let mut values = self.params.values.borrow_mut();
+                for &key in &keys {
+                    values.insert(key, self.store.value(key)?);
+                }
+            }
+            if backward && zero.shards_grads() {
+                let mut grads = self.params.grads.borrow_mut();
+                for &key in &keys {
+                    grads.insert(key, accumulator(self.store, key)?);
+                }
+            }
+            return Ok(());
+        }
+        if zero == ZeroStage::Three {
+            let mut values = self.params.values.borrow_mut();
+            for key in &keys {
+                values.remove(key);
+            }
+        }
+        if backward && zero.shards_grads() {
+            let mut grads = self.params.grads.borrow_mut();
+            for key in &keys {
+                grads.remove(key);
+            }
+        }
+        // ZeRO-2 and 3: the layer's gradients are reduce-scattered once its
+        // backward is done (last layer first, as the reference does);
+        // ZeRO-3 frees its gathered weights.
+        self.store.release(unit, backward)
+    }
+
+    fn reshards(&self) -> bool {
+        self.store.zero == ZeroStage::Three
+    }
+}
+
+/// `key`'s gradient accumulator in the store, as the kernels add into it.
+fn accumulator<B: Backend, L: Links<B>>(store: &mut Store<B, L>, key: ParamKey) -> Result<Val<B>> {
+    let acc = store.accumulator(key)?;
+    Ok(Val {
+        buf: acc.get()?.clone(),
+        elem: Elem::F32,
+        len: acc.len,
+    })
 }
 
 /// The root nodes of the local program `g` that pipeline chunk `c` runs:
@@ -269,9 +357,9 @@ fn local_nodes(g: &Graph, sh: &Shared, c: usize) -> HashSet<NodeId> {
 }
 
 impl<'a, 'b, B: Backend> Fused<'a, 'b, B> {
-    /// The fused compute of one rank, running the plan [`plan`] made on a
-    /// backend whose floats are stored as `dtype` (the rank's store owns it).
-    pub fn new(sh: &'a Shared<'b>, prog: &'a FusedProgram, dtype: DType) -> Self {
+    /// The fused compute of one rank, running the plan [`plan`] made on its
+    /// handle `be` of the backend the rank's store keeps its state on.
+    pub fn new(sh: &'a Shared<'b>, prog: &'a FusedProgram, be: B) -> Self {
         let part = &sh.part;
         let whole = part.chunks.len() == 1;
         let spans = part
@@ -297,42 +385,30 @@ impl<'a, 'b, B: Backend> Fused<'a, 'b, B> {
         Fused {
             sh,
             prog,
-            dtype,
+            be,
             spans,
             live: HashMap::new(),
         }
     }
 
-    /// The parameters chunk `pass.chunk` reads, as the store holds them on
-    /// the backend: the root's this rank holds and those of the chunk's
-    /// layers (each layer gathered for the moment under ZeRO-3).
+    /// The parameters chunk `pass.chunk` reads from the start, as the store
+    /// holds them on the backend: the root's this rank holds and, where
+    /// they are whole, those of the chunk's layers. ZeRO-3's sharded layers
+    /// come one at a time, through the host's layer hook.
     fn params<L: Links<B>>(&self, pass: &Pass, store: &mut Store<B, L>) -> Result<ParamBufs<B>> {
-        let mut values = BTreeMap::new();
+        let sharded = store.zero == ZeroStage::Three;
         let layers = self.spans[pass.chunk].layers.clone();
-        for unit in std::iter::once(Unit::Root).chain(layers.map(Unit::Layer)) {
-            // The root's parameters are gathered by the executor around the
-            // whole chunk; a layer's here.
-            let layer = unit != Unit::Root;
-            if layer {
-                store.gather(unit)?;
-            }
-            let keys: Vec<ParamKey> = store
-                .slots
-                .iter()
-                .filter(|(_, s)| s.unit == unit)
-                .map(|(&k, _)| k)
-                .collect();
-            for key in keys {
+        let mut values = BTreeMap::new();
+        for (&key, slot) in &store.slots {
+            let wanted = match slot.unit {
+                Unit::Root => true,
+                Unit::Layer(l) => !sharded && layers.contains(&l),
+            };
+            if wanted {
                 values.insert(key, store.value(key)?);
             }
-            if layer {
-                store.release(unit, false)?;
-            }
         }
-        Ok(ParamBufs {
-            values,
-            grads: BTreeMap::new(),
-        })
+        Ok(ParamBufs::new(values))
     }
 
     /// The tensors a message across the cut after chunk `c` carries, in
@@ -350,20 +426,20 @@ impl<'a, 'b, B: Backend> Fused<'a, 'b, B> {
     }
 
     /// A message's tensors on the backend.
-    fn upload(be: &mut B, msg: &Message) -> Result<Vec<Option<Val<B>>>> {
+    fn upload(&mut self, msg: &Message) -> Result<Vec<Option<Val<B>>>> {
         msg.iter()
-            .map(|v| v.as_ref().map(|v| to_backend(be, v)).transpose())
+            .map(|v| v.as_ref().map(|v| to_backend(&mut self.be, v)).transpose())
             .collect()
     }
 
     /// Backend values as the message across the cut after chunk `c`.
-    fn download(&self, be: &mut B, c: usize, vals: &[Option<Val<B>>]) -> Result<Message> {
+    fn download(&mut self, c: usize, vals: &[Option<Val<B>>]) -> Result<Message> {
         self.message_tensors(c)
             .into_iter()
             .zip(vals)
             .map(|(t, v)| {
                 v.as_ref()
-                    .map(|v| to_host(be, &self.prog.graph, &self.sh.syms, t, v))
+                    .map(|v| to_host(&mut self.be, &self.prog.graph, &self.sh.syms, t, v))
                     .transpose()
             })
             .collect()
@@ -379,37 +455,38 @@ impl<B: Backend, L: Links<B>> StageCompute<DeviceStorage<B, L>> for Fused<'_, '_
         store: &mut Store<B, L>,
     ) -> Result<Forwarded> {
         let params = self.params(pass, store)?;
-        let ParamStore {
-            storage,
-            comm,
-            mesh,
-            ..
-        } = store;
-        let be = &mut storage.be;
         let mut fed = HashMap::new();
         for (&t, v) in inputs {
-            fed.insert(t, to_backend(be, v)?);
+            fed.insert(t, to_backend(&mut self.be, v)?);
         }
-        let got = Self::upload(be, &received)?;
+        let got = self.upload(&received)?;
         let span = self.spans[pass.chunk].clone();
-        let extras = &self.sh.part.extras;
-        let mut host = Host {
-            prog: self.prog,
-            syms: &self.sh.syms,
-            comm,
-            mesh,
+        let (run, sent, loss) = {
+            let mut host = Host {
+                prog: self.prog,
+                syms: &self.sh.syms,
+                part: &self.sh.part,
+                store,
+                params: &params,
+            };
+            let exec = executor(self.sh, self.prog, pass, &mut host);
+            let extras = &self.sh.part.extras;
+            let (run, sent) =
+                exec.forward_chunk(&mut self.be, &span, got, extras, &fed, &params)?;
+            let loss = match sent {
+                None => Some(exec.read(&mut self.be, &run, self.prog.graph.outputs()[0])?),
+                Some(_) => None,
+            };
+            (run, sent, loss)
         };
-        let exec = executor(self.sh, self.prog, pass, &mut host);
-        let (run, sent) = exec.forward_chunk(be, &span, got, extras, &fed, &params)?;
-        let out = match sent {
-            None => {
-                let loss_t = self.prog.graph.outputs()[0];
-                let loss = exec.read(be, &run, loss_t)?;
-                Forwarded::Loss(f64::from(
-                    *loss.first().ok_or_else(|| kernel_err("fused", "no loss"))?,
-                ))
-            }
-            Some(vals) => Forwarded::Send(self.download(be, pass.chunk, &vals)?),
+        let out = match (sent, loss) {
+            (Some(vals), _) => Forwarded::Send(self.download(pass.chunk, &vals)?),
+            (None, loss) => Forwarded::Loss(f64::from(
+                *loss
+                    .as_deref()
+                    .and_then(<[f32]>::first)
+                    .ok_or_else(|| kernel_err("fused", "no loss"))?,
+            )),
         };
         self.live.insert((pass.micro, pass.chunk), run);
         Ok(out)
@@ -422,57 +499,49 @@ impl<B: Backend, L: Links<B>> StageCompute<DeviceStorage<B, L>> for Fused<'_, '_
         store: &mut Store<B, L>,
     ) -> Result<Message> {
         let mut run = take_live(&mut self.live, pass)?;
-        let mut params = self.params(pass, store)?;
-        // The kernels add each gradient into the store's own accumulator.
-        for &key in params.values.keys() {
-            let acc = store.accumulator(key)?;
-            let acc = Val {
-                buf: acc.get()?.clone(),
-                elem: Elem::F32,
-                len: acc.len,
-            };
-            params.grads.insert(key, acc);
+        let params = self.params(pass, store)?;
+        // The kernels add each gradient into the store's own accumulator;
+        // a sharded layer's come with its weights, through the layer hook.
+        let keys: Vec<ParamKey> = params.values.borrow().keys().copied().collect();
+        for key in keys {
+            let sharded = store.zero.shards_grads()
+                && store.slots.get(&key).is_some_and(|s| s.unit != Unit::Root);
+            if !sharded {
+                params
+                    .grads
+                    .borrow_mut()
+                    .insert(key, accumulator(store, key)?);
+            }
         }
+        let got = received.map(|msg| self.upload(&msg)).transpose()?;
         let span = self.spans[pass.chunk].clone();
         let sent = {
-            let ParamStore {
-                storage,
-                comm,
-                mesh,
-                ..
-            } = &mut *store;
-            let be = &mut storage.be;
-            let got = received.map(|msg| Self::upload(be, &msg)).transpose()?;
             let mut host = Host {
                 prog: self.prog,
                 syms: &self.sh.syms,
-                comm,
-                mesh,
+                part: &self.sh.part,
+                store,
+                params: &params,
             };
             let exec = executor(self.sh, self.prog, pass, &mut host);
             exec.backward_chunk(
-                be,
+                &mut self.be,
                 &span,
                 &mut run,
                 got,
                 &self.sh.part.extras,
                 self.sh.loss_scale(),
-                &mut params,
+                &params,
             )?
         };
-        // ZeRO-2 and 3: each layer's gradients are reduce-scattered once its
-        // backward is done, last layer first as the reference does.
-        for l in span.layers.clone().rev() {
-            store.release(Unit::Layer(l), true)?;
-        }
         if span.receives.is_none() {
             return Ok(Vec::new());
         }
-        self.download(&mut store.storage.be, pass.chunk.saturating_sub(1), &sent)
+        self.download(pass.chunk.saturating_sub(1), &sent)
     }
 
     fn activation_bytes(&self) -> u64 {
-        let float_bytes = self.dtype.size_bytes() as usize;
+        let float_bytes = self.be.dtype().size_bytes() as usize;
         let mut seen = HashSet::new();
         self.live
             .values()

@@ -18,7 +18,7 @@ use crate::checkpoint::{self, Resume};
 use crate::comm::{Communicator, Group, World};
 use crate::data::{feeds, Corpus, Feed};
 use crate::error::{Result, RuntimeError};
-use crate::fused::{Backend, HostBackend};
+use crate::fused::HostBackend;
 use crate::gradsync::Traffic;
 use crate::interp::{ParamKey, Value};
 use crate::params::{
@@ -820,7 +820,7 @@ fn run_rank(
         Compute::Fused if !server => match cfg.device {
             Device::Host => {
                 let be = HostBackend::new();
-                let compute = fused::Fused::new(sh, fused_plan()?, be.dtype());
+                let compute = fused::Fused::new(sh, fused_plan()?, be.handle());
                 let store = ParamStore::new(init, DeviceStorage::new(be, HostStaged))?;
                 drive(sh, at, server, store, Box::new(compute), steps, tx)
             }
@@ -828,8 +828,11 @@ fn run_rank(
                 let dev = sh.gpus[rank % sh.gpus.len().max(1)]
                     .clone()
                     .ok_or_else(|| RuntimeError::Config(format!("rank {rank} has no GPU")))?;
+                // Two handles on the one device: the compute's and the
+                // store's (its allocator and stream are the device's).
                 let be = crate::gpu::CudaBackend::new(dev.clone(), dtype)?;
-                let compute = Box::new(fused::Fused::new(sh, fused_plan()?, dtype));
+                let handle = crate::gpu::CudaBackend::new(dev.clone(), dtype)?;
+                let compute = Box::new(fused::Fused::new(sh, fused_plan()?, handle));
                 match sh.collectives {
                     Collectives::Nccl => {
                         let links = crate::gpu::NcclLinks::new(dev);
