@@ -3,12 +3,15 @@
 //! (`HostBackend` interprets the GPU's kernels on a CPU).
 //!
 //! The parameter state is the schedule executor's `ParamStore`, resident on
-//! the same backend (`DeviceStorage`): a chunk reads the store's parameter
-//! buffers (gathered per layer under ZeRO-3) and adds its gradients to the
-//! store's accumulators there, so every ZeRO stage, the gradient sync and
-//! the optimizer rule are the reference's, run where the kernels run. What
-//! crosses a pipeline cut goes through the host as the reference's
-//! messages do.
+//! the same device (`DeviceStorage`; the compute runs on its own handle of
+//! the backend): a chunk reads the store's parameter buffers and adds its
+//! gradients to the store's accumulators there, so every ZeRO stage, the
+//! gradient sync and the optimizer rule are the reference's, run where the
+//! kernels run. Under ZeRO-2 and 3 the host's layer hook hands the pass
+//! each layer's gathered weights and accumulators as it reaches the layer,
+//! and reduce-scatters them after its backward, as the reference's layer
+//! hooks do. What crosses a pipeline cut goes through the host as the
+//! reference's messages do.
 //!
 //! Under tensor and expert parallelism each rank runs its local program
 //! (`dplc_ir::localize`): the model at the rank's shapes, with the plan's
