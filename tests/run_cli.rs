@@ -1175,6 +1175,21 @@ fn a_fused_run_reports_its_memory_beside_the_plans() {
             "{model}: {measured} vs {predicted} bytes"
         );
     }
+    // ZeRO-3 gathers one layer's weights at a time and drops them after its
+    // forward (1.15x here), as FSDP does.
+    let v = run_summary(
+        "models/tiny.dpl",
+        "gpt_tiny",
+        "2xcpu",
+        "dp=2,zero=3",
+        64,
+        "fused",
+    );
+    let ratio = v["peak_memory_bytes"].as_f64().expect("measured")
+        / v["predicted_peak_memory_bytes"]
+            .as_f64()
+            .expect("predicted");
+    assert!((1.0..1.2).contains(&ratio), "ZeRO-3: {ratio}");
     // The reference compute has no backend that counts memory.
     let v = run_summary(
         "models/tiny.dpl",
