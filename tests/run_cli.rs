@@ -1159,8 +1159,8 @@ fn context_parallel_plans_run_and_verify() {
 /// beside the plan's: never below the plan's state and kept activations
 /// (which it holds to the byte at the end of the forward), and within 10%
 /// above them — the backward's working set, which frees each gradient and
-/// saved value after the last backward step that reads it (README's table;
-/// 1.05–1.07× here, 1.6× when a region held both to its end).
+/// saved value after the last backward step that reads it (1.05–1.07×
+/// here; README's table has the configurations before and after).
 #[test]
 fn a_fused_run_reports_its_memory_beside_the_plans() {
     for (model, bound) in [("gpt_tiny", 1.1), ("llama_tiny", 1.1), ("moe_tiny", 1.1)] {

@@ -24,7 +24,7 @@ use dplc_codegen::{
     BackwardStep, Elem, FusedAttention, FusedKernel, FusionPlan, GradBinding, KeyPlace, KeySize,
     Operand, Step,
 };
-use dplc_ir::{DType, Graph, NodeId, Op, Recompute, RegionId, TensorId};
+use dplc_ir::{DType, Graph, NodeId, Op, ParamId, Recompute, RegionId, TensorId};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -552,23 +552,14 @@ impl<'a> Executor<'a> {
         for (&a, v) in region.args.iter().zip(args) {
             run.values.insert(a, v);
         }
+        self.bind_params(r, &mut run, layer, params);
         for &n in &region.nodes {
             let node = self.graph.node(n);
-            match node.op {
-                // A pipeline stage holds the parameters of its own chunks:
-                // one it does not hold is an error where it is read.
-                Op::Param(p) => {
-                    if let Some(v) = params.values.borrow().get(&ParamKey { param: p, layer }) {
-                        run.values.insert(node.outputs[0], v.clone());
-                    }
-                }
-                Op::Input(_) => {
-                    let v = inputs.get(&node.outputs[0]).ok_or_else(|| {
-                        kernel_err("fused", format!("input {} is not fed", node.outputs[0]))
-                    })?;
-                    run.values.insert(node.outputs[0], v.clone());
-                }
-                _ => {}
+            if let Op::Input(_) = node.op {
+                let v = inputs.get(&node.outputs[0]).ok_or_else(|| {
+                    kernel_err("fused", format!("input {} is not fed", node.outputs[0]))
+                })?;
+                run.values.insert(node.outputs[0], v.clone());
             }
         }
         Ok(run)
@@ -779,23 +770,32 @@ impl<'a> Executor<'a> {
         self.host.as_ref().is_some_and(|h| h.borrow().reshards())
     }
 
-    /// Bind the parameters of `layer` a layer run dropped after its
-    /// forward (see [`HostSteps::reshards`]), gathered again.
-    fn rebind_params<B: Backend>(
+    /// Region `r`'s parameter nodes: each parameter and the tensor it is.
+    fn param_nodes(&self, r: RegionId) -> impl Iterator<Item = (ParamId, TensorId)> + '_ {
+        self.graph.region(r).nodes.iter().filter_map(|&n| {
+            let node = self.graph.node(n);
+            match node.op {
+                Op::Param(p) => Some((p, node.outputs[0])),
+                _ => None,
+            }
+        })
+    }
+
+    /// Bind `layer`'s parameters in `run` where not bound yet: at the run's
+    /// start, and again before its backward where its forward dropped them
+    /// (see [`HostSteps::reshards`]). A pipeline stage holds the parameters
+    /// of its own chunks: one it does not hold is an error where it is read.
+    fn bind_params<B: Backend>(
         &self,
         r: RegionId,
         run: &mut RegionRun<B>,
         layer: u64,
         params: &ParamBufs<B>,
     ) {
-        for &n in &self.graph.region(r).nodes {
-            let node = self.graph.node(n);
-            if let Op::Param(p) = node.op {
-                if let Some(v) = params.values.borrow().get(&ParamKey { param: p, layer }) {
-                    run.values
-                        .entry(node.outputs[0])
-                        .or_insert_with(|| v.clone());
-                }
+        let values = params.values.borrow();
+        for (p, t) in self.param_nodes(r) {
+            if let Some(v) = values.get(&ParamKey { param: p, layer }) {
+                run.values.entry(t).or_insert_with(|| v.clone());
             }
         }
     }
@@ -946,10 +946,8 @@ impl<'a> Executor<'a> {
                 self.forward(be, body, args.clone(), &HashMap::new(), layer, params)?;
             if reshards {
                 // Its weights are gathered again for its backward.
-                for &n in &self.graph.region(body).nodes {
-                    if let Op::Param(_) = self.graph.node(n).op {
-                        body_run.values.remove(&self.graph.node(n).outputs[0]);
-                    }
+                for (_, t) in self.param_nodes(body) {
+                    body_run.values.remove(&t);
                 }
             }
             self.layer_hook(n, layer, false, false)?;
@@ -1361,21 +1359,18 @@ impl<'a> Executor<'a> {
             }
             self.done_with(run, grads, &plan.steps[at], &free_after[bi]);
         }
-        for &n in &self.graph.region(r).nodes {
-            if let Op::Param(p) = self.graph.node(n).op {
-                let t = self.graph.node(n).outputs[0];
-                if let Some(g) = grads.remove(&t) {
-                    let key = ParamKey { param: p, layer };
-                    let acc = params.grads.borrow().get(&key).cloned().ok_or_else(|| {
-                        kernel_err("fused backward", format!("no gradient buffer for {p}"))
-                    })?;
-                    // Accumulate into the f32 gradient in place.
-                    be.launch(
-                        &add_kernel(Elem::F32, Elem::F32, g.elem),
-                        &flat_args(acc.len),
-                        &[acc.buf.clone(), acc.buf.clone(), g.buf],
-                    )?;
-                }
+        for (p, t) in self.param_nodes(r) {
+            if let Some(g) = grads.remove(&t) {
+                let key = ParamKey { param: p, layer };
+                let acc = params.grads.borrow().get(&key).cloned().ok_or_else(|| {
+                    kernel_err("fused backward", format!("no gradient buffer for {p}"))
+                })?;
+                // Accumulate into the f32 gradient in place.
+                be.launch(
+                    &add_kernel(Elem::F32, Elem::F32, g.elem),
+                    &flat_args(acc.len),
+                    &[acc.buf.clone(), acc.buf.clone(), g.buf],
+                )?;
             }
         }
         Ok(carried_out)
@@ -1552,7 +1547,7 @@ impl<'a> Executor<'a> {
             self.layer_hook(n, layer, true, true)?;
             let mut body_run = match layer_run {
                 LayerRun::Kept(mut r) => {
-                    self.rebind_params(body, &mut r, layer, params);
+                    self.bind_params(body, &mut r, layer, params);
                     r
                 }
                 LayerRun::Checkpoint(args) => {

@@ -51,6 +51,12 @@ impl ZeroStage {
     pub(crate) fn shards_grads(self) -> bool {
         self >= ZeroStage::Two
     }
+
+    /// Whether each rank keeps only its part of every weight, gathered per
+    /// layer when a pass reaches it and freed after (ZeRO-3).
+    pub(crate) fn shards_weights(self) -> bool {
+        self == ZeroStage::Three
+    }
 }
 
 /// A parameter's logical (unsharded) training state: what a checkpoint
@@ -405,7 +411,8 @@ impl<S: Storage> ParamStore<S> {
         })
     }
 
-    fn keys_of(&self, unit: Unit) -> Vec<ParamKey> {
+    /// The keys of the parameters of `unit` this rank holds.
+    pub(crate) fn keys_of(&self, unit: Unit) -> Vec<ParamKey> {
         self.slots
             .iter()
             .filter(|(_, s)| s.unit == unit)
@@ -415,7 +422,7 @@ impl<S: Storage> ParamStore<S> {
 
     /// ZeRO-3: all-gather the parameters of `unit` from their shards.
     pub fn gather(&mut self, unit: Unit) -> Result<()> {
-        if self.zero != ZeroStage::Three {
+        if !self.zero.shards_weights() {
             return Ok(());
         }
         for key in self.keys_of(unit) {
@@ -452,7 +459,7 @@ impl<S: Storage> ParamStore<S> {
                     .reduce_scatter(slot.group.size(), S::len(&full) * 4);
                 self.storage.add(&mut slot.grad, &part)?;
             }
-            if self.zero == ZeroStage::Three {
+            if self.zero.shards_weights() {
                 slot.full = None;
             }
         }

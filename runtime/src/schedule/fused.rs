@@ -28,7 +28,7 @@ use crate::fused::{
 };
 use crate::interp::{ParamKey, Value};
 use crate::kernels::{self, DropoutKey, OpCtx};
-use crate::params::{DeviceStorage, Links, ParamStore, Unit, ZeroStage};
+use crate::params::{DeviceStorage, Links, ParamStore, Unit};
 use crate::tensor::Tensor;
 use dplc_codegen::Elem;
 use dplc_ir::{GradPlan, Graph, NodeId, Op, TensorId};
@@ -137,16 +137,6 @@ struct Host<'s, B: Backend, L: Links<B>> {
 }
 
 impl<B: Backend, L: Links<B>> Host<'_, B, L> {
-    /// The keys of the parameters of unit `unit` this rank holds.
-    fn unit_keys(&self, unit: Unit) -> Vec<ParamKey> {
-        self.store
-            .slots
-            .iter()
-            .filter(|(_, s)| s.unit == unit)
-            .map(|(&k, _)| k)
-            .collect()
-    }
-
     fn out_shapes(&self, node: NodeId) -> Vec<Vec<usize>> {
         let g = &self.prog.graph;
         g.node(node)
@@ -267,15 +257,13 @@ impl<B: Backend, L: Links<B>> HostSteps for Host<'_, B, L> {
         let zero = self.store.zero;
         let first = self
             .part
-            .stacks
-            .iter()
-            .find(|st| st.node == stack)
-            .map(|st| st.first)
-            .ok_or_else(|| kernel_err("fused", format!("{stack} is not a layer stack")))?;
+            .stack(stack)
+            .ok_or_else(|| kernel_err("fused", format!("{stack} is not a layer stack")))?
+            .first;
         let unit = Unit::Layer(first + layer);
-        let keys = self.unit_keys(unit);
+        let keys = self.store.keys_of(unit);
         if enter {
-            if zero == ZeroStage::Three {
+            if zero.shards_weights() {
                 self.store.gather(unit)?;
                 let mut values = self.params.values.borrow_mut();
                 for &key in &keys {
@@ -290,7 +278,7 @@ impl<B: Backend, L: Links<B>> HostSteps for Host<'_, B, L> {
             }
             return Ok(());
         }
-        if zero == ZeroStage::Three {
+        if zero.shards_weights() {
             let mut values = self.params.values.borrow_mut();
             for key in &keys {
                 values.remove(key);
@@ -309,7 +297,7 @@ impl<B: Backend, L: Links<B>> HostSteps for Host<'_, B, L> {
     }
 
     fn reshards(&self) -> bool {
-        self.store.zero == ZeroStage::Three
+        self.store.zero.shards_weights()
     }
 }
 
@@ -399,7 +387,7 @@ impl<'a, 'b, B: Backend> Fused<'a, 'b, B> {
     /// they are whole, those of the chunk's layers. ZeRO-3's sharded layers
     /// come one at a time, through the host's layer hook.
     fn params<L: Links<B>>(&self, pass: &Pass, store: &mut Store<B, L>) -> Result<ParamBufs<B>> {
-        let sharded = store.zero == ZeroStage::Three;
+        let sharded = store.zero.shards_weights();
         let layers = self.spans[pass.chunk].layers.clone();
         let mut values = BTreeMap::new();
         for (&key, slot) in &store.slots {
@@ -476,20 +464,20 @@ impl<B: Backend, L: Links<B>> StageCompute<DeviceStorage<B, L>> for Fused<'_, '_
             let extras = &self.sh.part.extras;
             let (run, sent) =
                 exec.forward_chunk(&mut self.be, &span, got, extras, &fed, &params)?;
+            // The last chunk reads its loss while the pass is at hand.
             let loss = match sent {
-                None => Some(exec.read(&mut self.be, &run, self.prog.graph.outputs()[0])?),
+                None => {
+                    let loss = exec.read(&mut self.be, &run, self.prog.graph.outputs()[0])?;
+                    let first = loss.first().ok_or_else(|| kernel_err("fused", "no loss"))?;
+                    Some(f64::from(*first))
+                }
                 Some(_) => None,
             };
             (run, sent, loss)
         };
         let out = match (sent, loss) {
             (Some(vals), _) => Forwarded::Send(self.download(pass.chunk, &vals)?),
-            (None, loss) => Forwarded::Loss(f64::from(
-                *loss
-                    .as_deref()
-                    .and_then(<[f32]>::first)
-                    .ok_or_else(|| kernel_err("fused", "no loss"))?,
-            )),
+            (None, loss) => Forwarded::Loss(loss.ok_or_else(|| kernel_err("fused", "no loss"))?),
         };
         self.live.insert((pass.micro, pass.chunk), run);
         Ok(out)
