@@ -631,3 +631,42 @@ fn an_offloaded_plan_goes_to_deepspeed_megatron_and_torchtitan_offloaded() {
     assert!(toml_text.contains("enable_cpu_offload = true"));
     assert!(text(&out.stderr).contains("offload=optimizer+params"));
 }
+
+/// dplc keeps each expert whole on its expert-parallel rank and prices it
+/// so; Megatron would split the experts over tp by default, so a plan with
+/// both says `--expert-tensor-parallel-size 1`, and one without experts
+/// split never does.
+#[test]
+fn experts_go_to_megatron_whole_over_tp() {
+    let plan = compile(
+        "models/mixtral.dpl",
+        "mixtral_8x7b",
+        "2x8xH100",
+        &["--strategy", "tp=2,pp=2,ep=4,dp=4"],
+        "experts_tp.ron",
+    );
+    let out = export(&plan, "megatron", &[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let script = text(&out.stdout);
+    check_megatron(&script);
+    assert!(
+        script.contains("--expert-model-parallel-size 4"),
+        "{script}"
+    );
+    assert!(
+        script.contains("--expert-tensor-parallel-size 1"),
+        "{script}"
+    );
+    let plan = compile(
+        "models/mixtral.dpl",
+        "mixtral_8x7b",
+        "2x8xH100",
+        &["--strategy", "tp=2,pp=8,ep=1"],
+        "experts_ep1.ron",
+    );
+    let script = text(&export(&plan, "megatron", &[]).stdout);
+    assert!(
+        !script.contains("--expert-tensor-parallel-size"),
+        "{script}"
+    );
+}

@@ -89,15 +89,33 @@ fn layouts_travel_in_plan_files() {
     let mut req = dplc_planner::PlanRequest::new(&lowered.graph, lowered.train.clone(), cluster);
     req.pinned = dplc_planner::parse_strategy("dp=2,tp=2,ep=2,sp=true").unwrap();
     let mut plan = dplc_planner::compile(&req).unwrap().plan;
-    // Expert parallelism runs its layers on Megatron's derivation, and the
-    // root split over the vocabulary as the plan prices it.
-    let derived = dplc_planner::derive_layout(&lowered.graph, 2, 2, true).unwrap();
+    // Expert parallelism runs the layout the search priced (the e-graph's):
+    // the experts over ep, each whole over tp, the tokens reaching them in
+    // the experts layout; and the root split over the vocabulary.
     let layout = plan
         .layout
         .clone()
         .expect("a split plan carries its layout");
-    assert_eq!(layout.regions[1], derived.regions[1]);
-    assert!(derived.params.iter().all(|p| layout.params.contains(p)));
+    let g = &lowered.graph;
+    for (p, info) in g.params() {
+        if info.name.starts_with("layers.moe.w") {
+            assert_eq!(
+                layout.param_split(p),
+                Some(dplc_ir::SplitAxis::Expert),
+                "{}",
+                info.name
+            );
+        }
+    }
+    assert!(layout.regions[1].nodes.iter().any(|n| matches!(
+        g.node(n.node).op,
+        dplc_ir::Op::MatMul
+    ) && n.inputs
+        == [
+            dplc_ir::TensorLayout::Experts,
+            dplc_ir::TensorLayout::Experts
+        ]));
+    assert_eq!((layout.tp, layout.ep), (2, 2));
     assert!(layout.regions[0]
         .nodes
         .iter()
@@ -184,4 +202,85 @@ fn every_layer_stack_is_laid_out() {
         "both stacks' weights split: {:?}",
         layout.params
     );
+}
+
+/// What runs is what was priced, for the parameters: the weights the plan
+/// prices on a rank are the elements its layout puts there (each tensor-split
+/// parameter a `tp`-th, each expert-split one an `ep`-th), to the byte. Under
+/// expert parallelism the runtime keeps every expert whole on its rank (its
+/// layout splits the experts over ep alone), and the plan prices that, not
+/// experts split over tp as well (it did, and read a dp2 × ep2 × tp2 MoE run
+/// at 1.66× its measured memory).
+#[test]
+fn the_plan_prices_the_parameters_its_layout_holds() {
+    let mut wrong = Vec::new();
+    for (file, model, cluster, strategy) in [
+        (
+            "tiny.dpl",
+            "moe_tiny",
+            "4xcpu",
+            "dp=2,ep=2,tp=2,pp=1,zero=1",
+        ),
+        (
+            "tiny.dpl",
+            "moe_tiny",
+            "4xcpu",
+            "dp=2,ep=2,tp=2,pp=1,zero=1,sp=off",
+        ),
+        ("tiny.dpl", "moe_tiny", "2xcpu", "dp=1,tp=2,pp=1,zero=0"),
+        ("tiny.dpl", "gpt_tiny", "2xcpu", "dp=1,tp=2,pp=1,zero=0"),
+        ("tiny.dpl", "llama_tiny", "4xcpu", "dp=2,tp=2,pp=1,zero=2"),
+        (
+            "deepseek.dpl",
+            "deepseek_tiny",
+            "4xcpu",
+            "dp=2,ep=2,tp=2,pp=1,zero=1",
+        ),
+        (
+            "mixtral.dpl",
+            "mixtral_8x7b",
+            "4x8xH200",
+            "dp=16,ep=8,tp=2,pp=1,zero=1",
+        ),
+    ] {
+        let path = format!("{}/models/{file}", env!("CARGO_MANIFEST_DIR"));
+        let text = std::fs::read_to_string(&path).expect("the zoo file exists");
+        let unit = dplc_frontend::parse(file, &text).expect("parses");
+        let lowered = unit.lower(model).expect("lowers");
+        let g = &lowered.graph;
+        let mut req = dplc_planner::PlanRequest::new(
+            g,
+            lowered.train.clone(),
+            dplc_planner::parse_cluster(cluster).unwrap(),
+        );
+        req.pinned = dplc_planner::parse_strategy(strategy).unwrap();
+        let plan = dplc_planner::compile(&req).unwrap().plan;
+        let layout = plan
+            .layout
+            .as_ref()
+            .expect("a split plan carries its layout");
+        let held: u128 = g
+            .params()
+            .map(|(p, _)| {
+                let n = g.param_elements(p);
+                match layout.param_split(p) {
+                    None => n,
+                    Some(dplc_ir::SplitAxis::Tensor { .. }) => n / layout.tp as u128,
+                    Some(dplc_ir::SplitAxis::Expert) => n / layout.ep as u128,
+                }
+            })
+            .sum();
+        let bytes = match lowered.train.precision {
+            dplc_ir::Precision::Fp32 => 4,
+            _ => 2,
+        };
+        if plan.stages[0].memory.weights as u128 != held * bytes {
+            wrong.push(format!(
+                "{model} {strategy}: the plan prices {} bytes of weights, its layout holds {}",
+                plan.stages[0].memory.weights,
+                held * bytes
+            ));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }

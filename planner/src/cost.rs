@@ -50,8 +50,14 @@ const GRAD_BYTES: f64 = 4.0;
 /// fp32 master weights and two fp32 Adam moments (Megatron; the ZeRO paper
 /// counts the same 12 bytes, with 2-byte gradients, for 16 in all).
 const OPTIMIZER_BYTES_MIXED: f64 = 12.0;
-/// fp32 training keeps no master copy: two moments.
+/// fp32 training keeps no master copy where the weights it updates are its
+/// own (unsharded, or ZeRO-3's shards): two moments.
 const OPTIMIZER_BYTES_FP32: f64 = 8.0;
+/// Under ZeRO-1/2 an fp32 run still holds the whole weights for the compute,
+/// and its optimizer updates its shard of them as a master of its own (the
+/// runtime's store, as DeepSpeed's fp32 partition is a copy of the flat
+/// weights), then gathers the shards back into the weights.
+const OPTIMIZER_BYTES_FP32_SHARDED: f64 = 12.0;
 /// Optimizer step traffic per parameter, as the stack runs it: AdamW reads
 /// the fp32 gradient (4) and reads and writes master weight, m and v (3 × 8);
 /// the global gradient norm reads the gradients again (4) and zeroing them
@@ -931,10 +937,10 @@ impl<'a> CostModel<'a> {
         };
         let mixed = self.profile.precision != Precision::Fp32;
         let w_bytes = self.profile.precision.bytes() as f64;
-        let opt_bytes = if mixed {
-            OPTIMIZER_BYTES_MIXED
-        } else {
-            OPTIMIZER_BYTES_FP32
+        let opt_bytes = match (mixed, c.zero) {
+            (true, _) => OPTIMIZER_BYTES_MIXED,
+            (false, 1 | 2) => OPTIMIZER_BYTES_FP32_SHARDED,
+            (false, _) => OPTIMIZER_BYTES_FP32,
         };
         let grad_bytes = if mixed { GRAD_BYTES } else { 4.0 };
         let flight = Self::in_flight(c, i);

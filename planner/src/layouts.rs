@@ -314,7 +314,7 @@ fn layout_at(
 pub(crate) fn model_layout(
     g: &Graph,
     bodies: Vec<RuntimeLayout>,
-    tp: u64,
+    (tp, ep): (u64, u64),
     sequence_parallel: bool,
 ) -> Option<dplc_ir::ModelLayout> {
     use dplc_ir::{NodeLayout, Op, RegionLayout, TensorLayout};
@@ -379,7 +379,7 @@ pub(crate) fn model_layout(
     params.sort_by_key(|p| p.param);
     Some(dplc_ir::ModelLayout {
         tp,
-        ep: 1,
+        ep,
         sequence_parallel: sequence_parallel && tp > 1,
         regions,
         params,

@@ -604,11 +604,9 @@ fn compile_one(req: &PlanRequest, cache: &layouts::LayoutCache) -> Result<Compil
         plan.programs = programs;
         plan.programs.push(root);
         // The runtime executes the e-graph's layouts of the layer stacks
-        // where its layouts can say them; expert parallelism uses the
-        // Megatron derivation.
+        // where its layouts can say them, else the Megatron derivation.
         let model = runtime
-            .filter(|_| c.ep == 1)
-            .and_then(|l| layouts::model_layout(req.graph, l, c.tp, c.sp))
+            .and_then(|l| layouts::model_layout(req.graph, l, (c.tp, c.ep), c.sp))
             .or_else(|| derive_layout(req.graph, c.tp, c.ep, c.sp).ok());
         // The root runs as priced: split over the vocabulary as the root's
         // e-graph split it, or whole on every rank.

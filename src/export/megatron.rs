@@ -276,6 +276,11 @@ pub fn parallel_flags(plan: &Plan) -> Vec<Flag> {
         arg("--context-parallel-size", m.cp),
         arg("--expert-model-parallel-size", m.ep),
     ];
+    // dplc keeps each expert whole on its expert-parallel rank (the plan
+    // prices it so); Megatron would split the experts over tp by default.
+    if m.ep > 1 && m.tp > 1 {
+        f.push(arg("--expert-tensor-parallel-size", 1));
+    }
     if s.sequence_parallel && m.tp > 1 {
         f.push(flag("--sequence-parallel"));
     }

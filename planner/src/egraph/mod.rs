@@ -506,18 +506,21 @@ pub struct RuntimeLayout {
 }
 
 /// What one rank holds of a class, as the runtime says it; `None` where the
-/// runtime has no word for it (expert or context splits).
+/// runtime has no word for it (a context split, experts split over tp too,
+/// or a split over ep of another axis than the experts').
 fn runtime_part(data: &Data) -> Option<dplc_ir::TensorLayout> {
     use dplc_ir::TensorLayout as L;
     let l = data.layout()?;
-    if l.get(MeshAxis::Ep) != Part::Replicated || l.get(MeshAxis::Cp) != Part::Replicated {
+    if l.get(MeshAxis::Cp) != Part::Replicated {
         return None;
     }
-    Some(match l.get(MeshAxis::Tp) {
-        Part::Replicated => L::Replicated,
-        Part::Sharded(axis) => L::Split { axis },
-        Part::Partial => L::Partial,
-    })
+    match (l.get(MeshAxis::Ep), l.get(MeshAxis::Tp)) {
+        (Part::Replicated, Part::Replicated) => Some(L::Replicated),
+        (Part::Replicated, Part::Sharded(axis)) => Some(L::Split { axis }),
+        (Part::Replicated, Part::Partial) => Some(L::Partial),
+        (Part::Sharded(0), Part::Replicated) => Some(L::Experts),
+        _ => None,
+    }
 }
 
 /// Translate the extracted program into per-node layouts: every IR node the
@@ -537,13 +540,18 @@ fn runtime_layout(
     let ctx = &eg.analysis.ctx;
     let reg = g.region(region);
     let mut nodes: BTreeMap<dplc_ir::NodeId, (Vec<L>, Vec<Option<L>>)> = BTreeMap::new();
-    let mut params: BTreeMap<ParamId, usize> = BTreeMap::new();
+    let mut params: BTreeMap<ParamId, SplitAxis> = BTreeMap::new();
     for &c in &p.order {
         let n = &p.choice[&c];
         if let ShardLang::Shard([m, a, x]) = n {
             if CostModel::stored_shard(eg, n) && eg[*x].data.flags().weight {
-                let (Some(MeshAxis::Tp), Some(a)) = (mesh_of(eg, *m), num_of(eg, *a)) else {
-                    return None;
+                let split = match (mesh_of(eg, *m), num_of(eg, *a)) {
+                    (Some(MeshAxis::Tp), Some(a)) => SplitAxis::Tensor { axis: a as usize },
+                    // Experts over ep: the leading axis, the weight whole over tp.
+                    (Some(MeshAxis::Ep), Some(0)) if runtime_part(&eg[c].data)? == L::Experts => {
+                        SplitAxis::Expert
+                    }
+                    _ => return None,
                 };
                 // Only a parameter stored split as it is (no view between).
                 let direct = eg[*x].nodes.iter().find_map(|xn| match xn {
@@ -554,10 +562,7 @@ fn runtime_layout(
                     _ => None,
                 });
                 let p = direct?;
-                if params
-                    .insert(p, a as usize)
-                    .is_some_and(|old| old != a as usize)
-                {
+                if params.insert(p, split).is_some_and(|old| old != split) {
                     return None;
                 }
             }
@@ -607,9 +612,11 @@ fn runtime_layout(
                 (Op::Param(p), _) => NodeLayout {
                     node: n,
                     inputs: Vec::new(),
-                    outputs: vec![params
-                        .get(p)
-                        .map_or(L::Replicated, |&axis| L::Split { axis })],
+                    outputs: vec![match params.get(p) {
+                        None => L::Replicated,
+                        Some(&SplitAxis::Tensor { axis }) => L::Split { axis },
+                        Some(SplitAxis::Expert) => L::Experts,
+                    }],
                 },
                 (_, Some((inputs, outs))) => NodeLayout {
                     node: n,
@@ -643,10 +650,7 @@ fn runtime_layout(
         },
         params: params
             .into_iter()
-            .map(|(param, axis)| ParamSplit {
-                param,
-                split: SplitAxis::Tensor { axis },
-            })
+            .map(|(param, split)| ParamSplit { param, split })
             .collect(),
     })
 }
