@@ -1190,6 +1190,22 @@ fn a_fused_run_reports_its_memory_beside_the_plans() {
             .as_f64()
             .expect("predicted");
     assert!((1.0..1.2).contains(&ratio), "ZeRO-3: {ratio}");
+    // Sequence parallelism keeps a column-parallel input's shard and gathers
+    // it again for the weight gradient, as the plan prices it (1.08x; 1.15x
+    // when the gathered input was kept); expert parallelism holds the
+    // experts the plan prices on a rank (1.29x; 1.66x when the plan split
+    // them over tp as well and the run did not).
+    for (model, cluster, strategy, bound) in [
+        ("gpt_tiny", "2xcpu", "tp=2,sp=on", 1.1),
+        ("moe_tiny", "4xcpu", "dp=2,ep=2", 1.35),
+    ] {
+        let v = run_summary("models/tiny.dpl", model, cluster, strategy, 64, "fused");
+        let ratio = v["peak_memory_bytes"].as_f64().expect("measured")
+            / v["predicted_peak_memory_bytes"]
+                .as_f64()
+                .expect("predicted");
+        assert!((1.0..bound).contains(&ratio), "{model} {strategy}: {ratio}");
+    }
     // The reference compute has no backend that counts memory.
     let v = run_summary(
         "models/tiny.dpl",

@@ -1201,12 +1201,12 @@ impl<'a> Executor<'a> {
     ) -> Result<Vec<Option<Val<B>>>> {
         let (plan, back) = self.plan(r)?;
         self.recompute_dropped(be, r, run, layer)?;
-        let free_after = &self
+        let lifetimes = self
             .fused
             .lifetimes
             .get(&r)
-            .ok_or_else(|| kernel_err("fused", format!("region {r} has no plan")))?
-            .free_after_backward;
+            .ok_or_else(|| kernel_err("fused", format!("region {r} has no plan")))?;
+        let free_after = &lifetimes.free_after_backward;
         let mut carried_out = Vec::new();
         for (bi, bstep) in back.iter().enumerate() {
             let at = match bstep {
@@ -1322,6 +1322,15 @@ impl<'a> Executor<'a> {
                             "a matmul step that is not one",
                         ));
                     };
+                    // A gathered input the forward let go: gathered again
+                    // from the shard it kept (the first of its readers).
+                    for t in [self.base(a.tensor), self.base(b.tensor)] {
+                        if let Some(&gather) = lifetimes.regather.get(&t) {
+                            if !run.values.contains_key(&t) {
+                                self.host_forward(be, run, gather)?;
+                            }
+                        }
+                    }
                     self.matmul_backward(be, run, grads, *node, a, b)?;
                 }
                 BackwardStep::Extern { step, .. } => {

@@ -56,6 +56,32 @@ pub(super) struct Lifetimes {
     /// backward step reads: freed once it has run, as autograd frees a
     /// node's saved tensors after its backward.
     pub(super) free_after_backward: Vec<Vec<TensorId>>,
+    /// Gathered matmul inputs the forward does not keep, with the relayout
+    /// that makes them: the backward runs it again, from the shard it keeps
+    /// instead, before the first matmul backward that reads the value
+    /// ([`regathered`]).
+    pub(super) regather: HashMap<TensorId, NodeId>,
+}
+
+/// The relayout that makes `t` when the backward may make it again rather
+/// than keep it: an all-gather of a sequence- or tensor-parallel shard into
+/// the whole value (Megatron's sequence parallelism keeps the shard of a
+/// column-parallel linear's input and gathers it again for the weight
+/// gradient, which is what the planner prices), or Megatron's `f`, whose
+/// forward is a copy.
+fn regathered(graph: &Graph, t: TensorId) -> Option<NodeId> {
+    use dplc_ir::TensorLayout::{Replicated, Split};
+    let dplc_ir::TensorDef::Node { node, .. } = graph.tensor(t).def else {
+        return None;
+    };
+    match graph.node(node).op {
+        Op::Relayout {
+            from: Split { .. } | Replicated,
+            to: Replicated,
+            ..
+        } => Some(node),
+        _ => None,
+    }
 }
 
 /// The in-memory tensor behind `t` (through reshapes).
@@ -94,10 +120,9 @@ impl Lifetimes {
                 })
                 .collect()
         };
-        // The last backward step that reads each base.
-        let mut last_read: HashMap<TensorId, usize> = HashMap::new();
-        for (bi, b) in back.iter().enumerate() {
-            let mut reads: Vec<TensorId> = Vec::new();
+        // What each backward step reads.
+        let mut reads: Vec<Vec<TensorId>> = vec![Vec::new(); back.len()];
+        for (b, reads) in back.iter().zip(&mut reads) {
             match b {
                 BackwardStep::Kernel { step, backward } => {
                     if let Step::Kernel(k) = &plan.steps[*step] {
@@ -131,9 +156,63 @@ impl Lifetimes {
                     }
                 }
             }
-            for t in reads {
+        }
+        // A gathered value only matmul backwards read is gathered again from
+        // its shard, which is what they read instead: kept from its last
+        // forward reader until its first backward one, it is not in memory.
+        let is_matmul = |b: &BackwardStep| matches!(b, BackwardStep::MatMul { .. });
+        let only_matmuls_read = |t: TensorId| {
+            back.iter()
+                .zip(&reads)
+                .all(|(b, r)| is_matmul(b) || !r.iter().any(|&x| base(x) == t))
+                && !region.results.iter().any(|&x| base(x) == t)
+        };
+        let regather: HashMap<TensorId, NodeId> = back
+            .iter()
+            .zip(&reads)
+            .filter(|(b, _)| is_matmul(b))
+            .flat_map(|(_, r)| r.iter().map(|&x| base(x)))
+            .filter_map(|t| {
+                regathered(graph, t)
+                    .filter(|_| only_matmuls_read(t))
+                    .map(|n| (t, n))
+            })
+            .collect();
+        for (b, r) in back.iter().zip(&mut reads) {
+            if is_matmul(b) {
+                for x in r.iter_mut() {
+                    if let Some(&node) = regather.get(&base(*x)) {
+                        *x = graph.node(node).inputs[0];
+                    }
+                }
+            }
+        }
+        // The last backward step that reads each base; a regathered value's
+        // last matmul reader frees it.
+        let mut last_read: HashMap<TensorId, usize> = HashMap::new();
+        let mut free_after_backward = vec![Vec::new(); back.len()];
+        for (bi, (b, r)) in back.iter().zip(&reads).enumerate() {
+            for &t in r {
                 saved.insert(base(t));
                 last_read.insert(base(t), bi);
+            }
+            if let BackwardStep::MatMul { step } = b {
+                if let Step::MatMul { a, b, .. } = &plan.steps[*step] {
+                    for t in [base(a.tensor), base(b.tensor)] {
+                        if regather.contains_key(&t) {
+                            let later = back[bi + 1..].iter().any(|later| match later {
+                                BackwardStep::MatMul { step } => matches!(
+                                    &plan.steps[*step],
+                                    Step::MatMul { a, b, .. } if base(a.tensor) == t || base(b.tensor) == t
+                                ),
+                                _ => false,
+                            });
+                            if !later {
+                                free_after_backward[bi].push(t);
+                            }
+                        }
+                    }
+                }
             }
         }
         // A host step's backward reads each of its inputs and outputs that
@@ -190,7 +269,6 @@ impl Lifetimes {
                 free_after[i].push(t);
             }
         }
-        let mut free_after_backward = vec![Vec::new(); back.len()];
         for (t, bi) in last_read {
             free_after_backward[bi].push(t);
         }
@@ -199,6 +277,7 @@ impl Lifetimes {
             handed_on,
             saved,
             free_after_backward,
+            regather,
         }
     }
 }
