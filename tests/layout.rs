@@ -210,7 +210,10 @@ fn every_layer_stack_is_laid_out() {
 /// expert parallelism the runtime keeps every expert whole on its rank (its
 /// layout splits the experts over ep alone), and the plan prices that, not
 /// experts split over tp as well (it did, and read a dp2 × ep2 × tp2 MoE run
-/// at 1.66× its measured memory).
+/// at 1.66× its measured memory). Each case below failed once: a tied
+/// embedding counted one and a half times (gpt2 at tp 2), experts priced
+/// split over tp 8 and run whole (mixtral: 11.7 GB priced, 90.6 GB held), a
+/// vocabulary-split root priced and a whole one run (bert, t5).
 #[test]
 fn the_plan_prices_the_parameters_its_layout_holds() {
     let mut wrong = Vec::new();
@@ -242,6 +245,26 @@ fn the_plan_prices_the_parameters_its_layout_holds() {
             "4x8xH200",
             "dp=16,ep=8,tp=2,pp=1,zero=1",
         ),
+        // A node the e-graph computes in two layouts (a reshape of the keys
+        // and values, whole and split by heads) runs once, whole.
+        (
+            "mixtral.dpl",
+            "mixtral_8x7b",
+            "8x8xH200",
+            "tp=8,pp=1,zero=0",
+        ),
+        // A tied embedding is stored once, as the root's layout holds it.
+        ("gpt2.dpl", "gpt2", "8x8xH200", "tp=2,pp=1,zero=0"),
+        // A root whose vocabulary split the runtime cannot say (the head
+        // reads the tied embedding through a view) is planned whole.
+        (
+            "bert.dpl",
+            "bert_base",
+            "8x8xH200",
+            "tp=2,pp=1,sp=on,zero=0",
+        ),
+        ("bert.dpl", "bert_base", "8x8xH200", "tp=8,pp=1,zero=0"),
+        ("t5.dpl", "t5_tiny", "8x8xH200", "tp=8,pp=1,zero=0"),
     ] {
         let path = format!("{}/models/{file}", env!("CARGO_MANIFEST_DIR"));
         let text = std::fs::read_to_string(&path).expect("the zoo file exists");

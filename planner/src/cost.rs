@@ -880,7 +880,7 @@ impl<'a> CostModel<'a> {
             all += prof.post.params.per_rank(tp, ep);
         } else if i == c.pp - 1 {
             // One stage holds both ends: a tied embedding is stored once.
-            all += prof.post.params.per_rank(tp, ep) - prof.tied_params / tp;
+            all += prof.post.params.per_rank(tp, ep) - prof.tied_params.per_rank(tp, ep);
         }
         (all, expert)
     }

@@ -28,6 +28,18 @@ pub(crate) struct Layout {
 }
 
 impl Layout {
+    /// The root split the search takes unless pinned: over the vocabulary
+    /// where the runtime can run the root's e-graph layout, whole on every
+    /// rank where it cannot (a tied weight the head reads through a view
+    /// stored split), so the plan prices the root it runs.
+    pub fn default_root(&self) -> dplc_ir::RootSplit {
+        if self.root.runtime_layout.is_some() {
+            dplc_ir::RootSplit::Vocab
+        } else {
+            dplc_ir::RootSplit::Replicated
+        }
+    }
+
     /// The profile the search prices for `root`.
     pub fn profile_for(&self, root: dplc_ir::RootSplit) -> &ModelProfile {
         match root {

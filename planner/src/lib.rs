@@ -72,6 +72,19 @@ pub struct Compiled {
     /// Every e-graph the search ran (one per region and distinct degrees),
     /// then those of the chosen plan's programs.
     pub layouts: Vec<LayoutStats>,
+    /// What the runtime cannot run of the priced layout, where the plan's
+    /// layout fell back to Megatron's rule or a whole root.
+    unrun: Option<Unrun>,
+}
+
+/// A part of the priced layout the runtime's layouts cannot say, so the
+/// plan would run another than it was priced on.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Unrun {
+    /// A layer stack's layout under sequence parallelism.
+    SequenceParallelStacks,
+    /// The root split over the vocabulary.
+    VocabRoot,
 }
 
 /// Find the fastest plan that fits in memory, and price its neighbours
@@ -79,6 +92,29 @@ pub struct Compiled {
 pub fn compile(req: &PlanRequest) -> Result<Compiled, PlanError> {
     let cache = layouts::LayoutCache::default();
     let mut compiled = compile_one(req, &cache)?;
+    // Architecture invariant: what runs is what was priced. Where the plan's
+    // layout cannot be run as the search priced it, plan again without the
+    // choice the runtime cannot run (unless the user pinned it).
+    let mut pinned = req.pinned.clone();
+    while let Some(unrun) = compiled.unrun {
+        match unrun {
+            Unrun::SequenceParallelStacks if pinned.sequence_parallel.is_none() => {
+                pinned.sequence_parallel = Some(false);
+            }
+            Unrun::VocabRoot if pinned.root.is_none() => {
+                pinned.root = Some(dplc_ir::RootSplit::Replicated);
+            }
+            _ => break,
+        }
+        let again = PlanRequest {
+            pinned: pinned.clone(),
+            ..req.clone()
+        };
+        let search_time_ms = compiled.search_time_ms;
+        compiled = compile_one(&again, &cache)?;
+        compiled.search_time_ms += search_time_ms;
+        compiled.plan.search.pinned = req.pinned.to_string();
+    }
     // compile_one priced the gradient synchronisations on the plan itself.
     let dp_alternatives = std::mem::take(&mut compiled.plan.what_if);
     compiled.plan.what_if = what_ifs(req, &compiled.plan, &cache);
@@ -600,19 +636,32 @@ fn compile_one(req: &PlanRequest, cache: &layouts::LayoutCache) -> Result<Compil
         (dplc_ir::RootSplit::Replicated, Some(whole)) => whole.root.region_program.clone(),
         _ => root,
     };
+    let mut unrun = None;
     if c.tp > 1 || c.ep > 1 {
         plan.programs = programs;
         plan.programs.push(root);
         // The runtime executes the e-graph's layouts of the layer stacks
-        // where its layouts can say them, else the Megatron derivation.
-        let model = runtime
-            .and_then(|l| layouts::model_layout(req.graph, l, (c.tp, c.ep), c.sp))
-            .or_else(|| derive_layout(req.graph, c.tp, c.ep, c.sp).ok());
+        // where its layouts can say them, else the Megatron derivation
+        // (which `compile` plans away from where it can).
+        let model =
+            match runtime.and_then(|l| layouts::model_layout(req.graph, l, (c.tp, c.ep), c.sp)) {
+                Some(m) => Some(m),
+                None => {
+                    if c.sp {
+                        unrun = Some(Unrun::SequenceParallelStacks);
+                    }
+                    derive_layout(req.graph, c.tp, c.ep, c.sp).ok()
+                }
+            };
         // The root runs as priced: split over the vocabulary as the root's
         // e-graph split it, or whole on every rank.
         plan.layout = match (c.root, model, root_runtime) {
-            (dplc_ir::RootSplit::Vocab, Some(m), Some(r)) if c.tp > 1 => {
-                layouts::with_root(req.graph, m.clone(), &r).or(Some(m))
+            (dplc_ir::RootSplit::Vocab, Some(m), r) if c.tp > 1 => {
+                let with = r.and_then(|r| layouts::with_root(req.graph, m.clone(), &r));
+                if with.is_none() {
+                    unrun = unrun.or(Some(Unrun::VocabRoot));
+                }
+                with.or(Some(m))
             }
             (_, m, _) => m,
         };
@@ -621,6 +670,7 @@ fn compile_one(req: &PlanRequest, cache: &layouts::LayoutCache) -> Result<Compil
         plan,
         search_time_ms: start.elapsed().as_secs_f64() * 1e3,
         layouts: stats,
+        unrun,
     })
 }
 

@@ -239,8 +239,10 @@ pub(crate) struct ModelProfile {
     pub stacks: Vec<StackProfile>,
     pub pre: RegionProfile,
     pub post: RegionProfile,
-    /// Parameters used both before and after the layers (tied embeddings).
-    pub tied_params: f64,
+    /// Parameters used both before and after the layers (tied embeddings),
+    /// split as the root's layout holds them: `pre` and `post` each count
+    /// them, a stage holding both ends stores them once.
+    pub tied_params: ParamCounts,
     pub precision: Precision,
     pub batch_sym: Option<SymId>,
     pub seq_sym: Option<SymId>,
@@ -847,7 +849,7 @@ impl ModelProfile {
         let (mut pre_params, mut post_params) = (Vec::new(), Vec::new());
         let pre_set: BTreeSet<NodeId> = segments[0].iter().copied().collect();
         let consumers = region_consumers(g, root_nodes);
-        let mut tied = 0.0;
+        let mut tied = Vec::new();
         let mut param_layout = Vec::new();
         let mut matrices = Vec::new();
         for (p, info) in g.params() {
@@ -885,7 +887,7 @@ impl ModelProfile {
                 post_params.push(p);
             }
             if before && after {
-                tied += g.param_elements(p) as f64;
+                tied.push(p);
             }
         }
         let mut pre = pre;
@@ -951,7 +953,7 @@ impl ModelProfile {
             stacks,
             pre,
             post,
-            tied_params: tied,
+            tied_params: param_counts(g, &tied, root_sh, false),
             precision,
             batch_sym,
             seq_sym,

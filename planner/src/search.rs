@@ -179,7 +179,6 @@ pub(crate) fn search(
         .profile;
     let world = cluster.world_size();
     let capacity = cluster.device.memory_bytes;
-    let root = pins.root.unwrap_or_default();
     // Rows one sample puts into a GEMM: its tokens, or 1 without a sequence.
     let rows_per_sample = if profile.seq_sym.is_some() { seq } else { 1 };
     let mut costs: HashMap<(u64, u64), CostModel> = HashMap::new();
@@ -240,6 +239,7 @@ pub(crate) fn search(
                     let Some(layout) = layouts.get((tp, ep)) else {
                         continue;
                     };
+                    let root = pins.root.unwrap_or_else(|| layout.default_root());
                     let cost = costs
                         .entry((tp, ep))
                         .or_insert_with(|| CostModel::new(layout.profile_for(root), cluster, seq));

@@ -587,14 +587,28 @@ fn runtime_layout(
             .collect::<Option<_>>()?;
         let out = runtime_part(&eg[c].data)?;
         let node = g.node(tag.node);
+        if inputs.len() != node.inputs.len() {
+            return None;
+        }
         let entry = nodes
             .entry(tag.node)
             .or_insert_with(|| (inputs.clone(), vec![None; node.outputs.len()]));
         if matches!(info.op, Op::Param(_)) {
             continue;
         }
-        if entry.0 != inputs || entry.0.len() != node.inputs.len() {
-            return None;
+        if entry.0 != inputs {
+            // A node the program computes in two layouts runs once, whole,
+            // where one of the two is: its other readers take their part of
+            // the whole value (a slice, no communication), which costs no
+            // more than the second computation the search priced.
+            let whole = |ls: &[L]| ls.iter().all(|&l| l == L::Replicated);
+            if whole(&inputs) && out == L::Replicated {
+                *entry = (inputs, vec![None; node.outputs.len()]);
+            } else if whole(&entry.0) {
+                continue;
+            } else {
+                return None;
+            }
         }
         match entry.1.get_mut(tag.output as usize) {
             Some(slot @ None) => *slot = Some(out),
