@@ -1217,3 +1217,34 @@ fn a_fused_run_reports_its_memory_beside_the_plans() {
     );
     assert!(v.get("peak_memory_bytes").is_none(), "{v}");
 }
+
+/// A node the sharding e-graph computes in two layouts (Mixtral's shape at
+/// tp 4: a reshape of the keys and values, whole for one reader and split by
+/// heads for another) runs once, whole, and the split reader takes its
+/// slice: the plan keeps the e-graph's layout (it fell back to Megatron's
+/// rule before, which ran the experts whole where the price split them) and
+/// verifies against the serial run on both computes.
+#[test]
+fn a_value_the_layout_computes_twice_runs_once_and_verifies() {
+    let dir = std::env::temp_dir().join(format!("dplc-twice-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("mixtral.dpl");
+    let zoo = std::fs::read_to_string("models/mixtral.dpl").unwrap();
+    std::fs::write(
+        &src,
+        format!(
+            "{zoo}\nmodel mixtral_tiny = mixtral_8x7b(vocab = 256, d = 256, heads = 32, \
+             kv_heads = 8, layers = 2, ffn = 64, experts = 8)\n\ntrain mixtral_tiny {{\n    \
+             seq = 32\n    global_batch = 4\n    precision = fp32\n    optimizer = adamw(lr = \
+             1e-3, betas = (0.9, 0.95), eps = 1e-8, weight_decay = 0.01)\n    steps = 5\n}}\n"
+        ),
+    )
+    .unwrap();
+    verify_splits(
+        src.to_str().unwrap(),
+        Some("mixtral_tiny"),
+        &["tp=4,dp=1"],
+        &[],
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
