@@ -107,7 +107,7 @@ tensors = s["predicted_peak_memory_bytes"] - m.get("buffers", 0)
 print(f"{sys.argv[2]}: {s['steps']} steps, loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}, "
       f"{tps:.0f} tokens/s after the first step, peak {s['peak_memory_bytes']/gib:.2f} GiB measured "
       f"vs {s['predicted_peak_memory_bytes']/gib:.2f} GiB predicted ({tensors/gib:.2f} GiB without "
-      f"the buffers and runtime reserve the allocator does not see; activations "
+      f"the plan's buffers: the CUDA context's reserve, gather buffers, the loss gradient; activations "
       f"{m.get('activations', 0)/gib:.2f}), {s['kernels']} kernels")
 PY
 )"$'\n'

@@ -1163,7 +1163,10 @@ fn context_parallel_plans_run_and_verify() {
 /// here; README's table has the configurations before and after).
 #[test]
 fn a_fused_run_reports_its_memory_beside_the_plans() {
-    for (model, bound) in [("gpt_tiny", 1.1), ("llama_tiny", 1.1), ("moe_tiny", 1.1)] {
+    // Serial runs hold what the plan prices within 2% (1.000-1.003x): the
+    // state, the kept activations and the loss's input gradient the
+    // backward starts with (1.07-1.09x before the plan counted it).
+    for model in ["gpt_tiny", "llama_tiny", "moe_tiny"] {
         let v = run_summary("models/tiny.dpl", model, "1xcpu", "dp=1", 64, "fused");
         let measured = v["peak_memory_bytes"].as_f64().expect("measured memory");
         let predicted = v["predicted_peak_memory_bytes"]
@@ -1171,12 +1174,12 @@ fn a_fused_run_reports_its_memory_beside_the_plans() {
             .expect("predicted memory");
         let ratio = measured / predicted;
         assert!(
-            (1.0..bound).contains(&ratio),
+            (0.98..1.02).contains(&ratio),
             "{model}: {measured} vs {predicted} bytes"
         );
     }
     // ZeRO-3 gathers one layer's weights at a time and drops them after its
-    // forward (1.15x here), as FSDP does.
+    // forward (1.06x here), as FSDP does.
     let v = run_summary(
         "models/tiny.dpl",
         "gpt_tiny",
@@ -1189,15 +1192,15 @@ fn a_fused_run_reports_its_memory_beside_the_plans() {
         / v["predicted_peak_memory_bytes"]
             .as_f64()
             .expect("predicted");
-    assert!((1.0..1.2).contains(&ratio), "ZeRO-3: {ratio}");
+    assert!((1.0..1.1).contains(&ratio), "ZeRO-3: {ratio}");
     // Sequence parallelism keeps a column-parallel input's shard and gathers
-    // it again for the weight gradient, as the plan prices it (1.08x; 1.15x
+    // it again for the weight gradient, as the plan prices it (1.01x; 1.15x
     // when the gathered input was kept); expert parallelism holds the
-    // experts the plan prices on a rank (1.29x; 1.66x when the plan split
+    // experts the plan prices on a rank (1.23x; 1.66x when the plan split
     // them over tp as well and the run did not).
     for (model, cluster, strategy, bound) in [
-        ("gpt_tiny", "2xcpu", "tp=2,sp=on", 1.1),
-        ("moe_tiny", "4xcpu", "dp=2,ep=2", 1.35),
+        ("gpt_tiny", "2xcpu", "tp=2,sp=on", 1.05),
+        ("moe_tiny", "4xcpu", "dp=2,ep=2", 1.25),
     ] {
         let v = run_summary("models/tiny.dpl", model, cluster, strategy, 64, "fused");
         let ratio = v["peak_memory_bytes"].as_f64().expect("measured")

@@ -396,6 +396,9 @@ pub(crate) struct PassCost {
     /// The largest tensor a sequence-parallel all-gather assembles whole
     /// (Megatron's reused global "mpu" buffer, forward and backward).
     pub gather_buffer_bytes: f64,
+    /// The largest one tensor kept for backward (after the loss: the
+    /// logits), whose gradient the backward's first step writes beside it.
+    pub largest_saved_bytes: f64,
 }
 
 impl PassCost {
@@ -842,6 +845,7 @@ impl<'a> CostModel<'a> {
             // A linear layer's input is kept as the FP8 copy its GEMM read.
             let b = if fp8 && s.gemm_input { b / elt } else { b };
             pc.full_saved_bytes += b;
+            pc.largest_saved_bytes = pc.largest_saved_bytes.max(b);
             if !(c.recompute == Recompute::Selective && s.attention_core) {
                 pc.saved_bytes += b;
             }
@@ -955,6 +959,15 @@ impl<'a> CostModel<'a> {
         let layer_weights = |k: usize| self.profile.stacks[k].layer.params.per_rank(tp, ep);
         let boundary = self.boundary_bytes(c);
         let mut buffers = 2.0 * boundary * f64::from(c.pp > 1);
+        if i == c.pp - 1 {
+            // The backward starts with the loss's input gradient (the
+            // logits'), written beside the logits it reads: the largest
+            // tensor of the step, at the moment every micro-batch's kept
+            // activations are still held (dplc's kernels, as PyTorch's
+            // cross-entropy, do not write it over the softmax in place as
+            // Megatron's vocabulary-parallel one does).
+            buffers += post.largest_saved_bytes;
+        }
         if self.cluster.device.multiprocessors > 0 {
             buffers += RUNTIME_RESERVE_BYTES;
         }
