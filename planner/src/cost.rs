@@ -397,7 +397,7 @@ pub(crate) struct PassCost {
     /// (Megatron's reused global "mpu" buffer, forward and backward).
     pub gather_buffer_bytes: f64,
     /// The largest one tensor kept for backward (after the loss: the
-    /// logits), whose gradient the backward's first step writes beside it.
+    /// logits), whose gradient the backward writes beside it.
     pub largest_saved_bytes: f64,
 }
 
@@ -959,15 +959,24 @@ impl<'a> CostModel<'a> {
         let layer_weights = |k: usize| self.profile.stacks[k].layer.params.per_rank(tp, ep);
         let boundary = self.boundary_bytes(c);
         let mut buffers = 2.0 * boundary * f64::from(c.pp > 1);
-        if i == c.pp - 1 {
-            // The backward starts with the loss's input gradient (the
-            // logits'), written beside the logits it reads: the largest
-            // tensor of the step, at the moment every micro-batch's kept
-            // activations are still held (dplc's kernels, as PyTorch's
-            // cross-entropy, do not write it over the softmax in place as
-            // Megatron's vocabulary-parallel one does).
-            buffers += post.largest_saved_bytes;
-        }
+        // The backward's working set beyond what is kept, at its largest
+        // while the kept activations are all still held: a layer's backward
+        // holds the gradient of its largest intermediate and that of the
+        // op's input at once (twice its largest kept tensor); the last stage
+        // starts with the loss's input gradient (the logits') beside the
+        // logits it reads (dplc's kernels, as PyTorch's cross-entropy, do
+        // not write it over the softmax in place as Megatron's
+        // vocabulary-parallel one does).
+        // The last stage reaches its layers' backward having let go of what
+        // the loss and the head kept.
+        let layer_backward =
+            2.0 * Self::largest(&shares, |k| parts.stacks[k].0.largest_saved_bytes);
+        buffers += if i == c.pp - 1 {
+            post.largest_saved_bytes
+                .max(layer_backward - post.saved_bytes)
+        } else {
+            layer_backward
+        };
         if self.cluster.device.multiprocessors > 0 {
             buffers += RUNTIME_RESERVE_BYTES;
         }
