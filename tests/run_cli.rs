@@ -1200,6 +1200,9 @@ fn a_fused_run_reports_its_memory_beside_the_plans() {
     // them over tp as well and the run did not).
     for (model, cluster, strategy, bound) in [
         ("gpt_tiny", "2xcpu", "tp=2,sp=on", 1.05),
+        // A pipeline's first stage peaks in a layer's backward (1.04x;
+        // 1.16x before the plan counted that working set).
+        ("gpt_tiny", "2xcpu", "pp=2", 1.1),
         ("moe_tiny", "4xcpu", "dp=2,ep=2", 1.25),
     ] {
         let v = run_summary("models/tiny.dpl", model, cluster, strategy, 64, "fused");
