@@ -717,7 +717,8 @@ impl<'a> CostModel<'a> {
                     if sharded.is_zero() && replicated.is_zero() {
                         continue;
                     }
-                    let bytes = bind.eval(sharded) / tp + bind.eval(replicated) / rep_div;
+                    let whole_div = if op.experts { 1.0 } else { rep_div };
+                    let bytes = bind.eval(sharded) / tp + bind.eval(replicated) / whole_div;
                     // Backward reads the output gradient and the saved inputs and
                     // writes the input gradient: about twice the forward traffic.
                     let t = self.memory_time(bytes);
@@ -837,7 +838,12 @@ impl<'a> CostModel<'a> {
         }
         let mut largest_core = 0.0f64;
         for s in &r.saved {
-            let b = bind.eval(&s.bytes) / if s.sharded { tp } else { rep_div };
+            let b = bind.eval(&s.bytes)
+                / match (s.sharded, s.experts) {
+                    (true, _) => tp,
+                    (false, true) => 1.0,
+                    (false, false) => rep_div,
+                };
             if fused && s.attention_core {
                 largest_core = largest_core.max(b);
                 continue;

@@ -101,6 +101,9 @@ pub(crate) struct OpCost {
     /// (`dplc_ir::context_traffic`): MoE routing, the loss's mean, the
     /// tables built from positions.
     pub whole_sequence: bool,
+    /// Writes a tensor of the experts layout: whole on every tensor-parallel
+    /// rank, where sequence parallelism splits the other unsharded ones.
+    pub experts: bool,
 }
 
 /// One tensor kept for backward.
@@ -108,6 +111,9 @@ pub(crate) struct OpCost {
 pub(crate) struct Saved {
     pub bytes: Poly,
     pub sharded: bool,
+    /// In the experts layout: whole on every tensor-parallel rank, where
+    /// sequence parallelism splits the other unsharded tensors.
+    pub experts: bool,
     pub attention_core: bool,
     /// Read only by linear layers' GEMMs (through views): under FP8 the
     /// one-byte copy those GEMMs read is what backward keeps.
@@ -494,6 +500,7 @@ impl RegionBuilder<'_> {
                     },
                     attention_core: both_activations,
                     whole_sequence: false,
+                    experts: false,
                 })
             }
             _ => {
@@ -551,6 +558,7 @@ impl RegionBuilder<'_> {
                     },
                     attention_core: quadratic,
                     whole_sequence: false,
+                    experts: false,
                 })
             }
         }
@@ -616,6 +624,7 @@ fn region_profile(
         p.saved.push(Saved {
             bytes,
             sharded: b.sharded(s.tensor),
+            experts: sharding.experts.contains(&an.storage_root(s.tensor)),
             attention_core: dplc_ir::attention_core(&s.elements, seq),
             gemm_input: b.weight_gemm_input(s.tensor),
         });
@@ -736,6 +745,13 @@ fn region_profile(
         for op in &mut p.ops {
             op.whole_sequence = ctx.whole.contains(&op.node);
         }
+    }
+    for op in &mut p.ops {
+        op.experts = g
+            .node(op.node)
+            .outputs
+            .iter()
+            .any(|&t| sharding.experts.contains(&an.storage_root(t)));
     }
     for e in &sharding.all_to_all {
         p.all_to_all_bytes

@@ -63,6 +63,10 @@ pub struct RegionSharding {
     pub split_params: BTreeMap<ParamId, usize>,
     /// Parameters with a leading experts dimension: split over expert parallelism.
     pub expert_params: BTreeSet<ParamId>,
+    /// Tensors held in the experts layout (a rank's experts, with the slots
+    /// of every expert-parallel rank), by storage root: whole on every
+    /// tensor-parallel rank, under sequence parallelism too.
+    pub experts: BTreeSet<TensorId>,
     pub collectives: Vec<TpCollective>,
     /// Elements each MoE all-to-all moves (dispatch and combine, per pass).
     pub all_to_all: Vec<Dim>,

@@ -846,6 +846,9 @@ fn region_sharding(
         let (Some(t), Some(l)) = (names.tensor[&c], eg[c].data.layout()) else {
             continue;
         };
+        if l.get(MeshAxis::Ep) == Part::Sharded(0) {
+            out.experts.insert(an.storage_root(t));
+        }
         let e = copies.entry(an.storage_root(t)).or_insert((false, false));
         match l.get(tp) {
             Part::Sharded(a) => {
