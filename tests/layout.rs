@@ -307,3 +307,34 @@ fn the_plan_prices_the_parameters_its_layout_holds() {
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
+
+/// A pinned choice the runtime cannot run as priced (T5's layer stacks under
+/// sequence parallelism) is planned as asked, with a caveat that says so in
+/// the summary and the JSON; unpinned, `compile` plans without it and has
+/// nothing to say.
+#[test]
+fn a_pinned_choice_the_runtime_cannot_run_as_priced_says_so() {
+    let path = format!("{}/models/t5.dpl", env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(&path).expect("the zoo file exists");
+    let unit = dplc_frontend::parse("t5.dpl", &text).expect("parses");
+    let lowered = unit.lower("t5_small").expect("lowers");
+    let compile = |strategy: &str| {
+        let mut req = dplc_planner::PlanRequest::new(
+            &lowered.graph,
+            lowered.train.clone(),
+            dplc_planner::parse_cluster("8x8xH200").unwrap(),
+        );
+        req.pinned = dplc_planner::parse_strategy(strategy).unwrap();
+        dplc_planner::compile(&req).unwrap()
+    };
+    let pinned = compile("tp=2,sp=on");
+    assert!(pinned.plan.strategy.sequence_parallel);
+    let caveat = pinned.caveat().expect("a caveat");
+    assert!(caveat.contains("unpin sp=on"), "{caveat}");
+    assert!(dplc_planner::summary(&pinned).contains("  caveat    "));
+    assert_eq!(dplc_planner::to_json(&pinned)["caveat"], caveat.as_str());
+    let free = compile("tp=2");
+    assert!(!free.plan.strategy.sequence_parallel);
+    assert_eq!(free.caveat(), None);
+    assert!(dplc_planner::to_json(&free)["caveat"].is_null());
+}

@@ -77,6 +77,28 @@ pub struct Compiled {
     unrun: Option<Unrun>,
 }
 
+impl Compiled {
+    /// Why the plan would run another layout than it was priced on, where a
+    /// pinned choice keeps `compile` from planning it away.
+    pub fn caveat(&self) -> Option<String> {
+        let (choice, pin) = match self.unrun? {
+            Unrun::SequenceParallelStacks => (
+                "its layer stacks split along the sequence as priced",
+                "sp=on",
+            ),
+            Unrun::VocabRoot => (
+                "its embedding, head and loss split over the vocabulary as priced",
+                "root=vocab",
+            ),
+        };
+        Some(format!(
+            "dplc's runtime cannot run {choice}; it runs Megatron's rule (or a whole root) \
+             instead, whose memory and step time may differ from these estimates; unpin \
+             {pin} for a plan that runs as priced"
+        ))
+    }
+}
+
 /// A part of the priced layout the runtime's layouts cannot say, so the
 /// plan would run another than it was priced on.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -774,6 +774,9 @@ pub fn summary(compiled: &Compiled) -> String {
             format!("; pinned {}", p.search.pinned)
         }
     );
+    if let Some(caveat) = compiled.caveat() {
+        let _ = writeln!(s, "  caveat    {caveat}");
+    }
     for a in &p.alternatives {
         let _ = writeln!(
             s,
@@ -936,6 +939,7 @@ pub fn to_json(compiled: &Compiled) -> serde_json::Value {
             "feasible": p.search.feasible,
             "time_ms": compiled.search_time_ms,
         },
+        "caveat": compiled.caveat(),
         "alternatives": p.alternatives.iter().map(|a| json!({
             "rank": a.rank,
             "mesh": {"dp": a.mesh.dp, "tp": a.mesh.tp, "pp": a.mesh.pp, "cp": a.mesh.cp, "ep": a.mesh.ep},
