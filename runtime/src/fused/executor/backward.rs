@@ -1,0 +1,704 @@
+//! The fused executor's backward: a region's backward steps in reverse —
+//! fused backward kernels with their column sums, the two gradient matmuls
+//! of each forward matmul, the attention kernel's backward, host steps'
+//! backward — freeing each gradient and saved value after its last reader.
+
+use super::*;
+
+impl<'a> Executor<'a> {
+    /// A fused attention backward: the passes whose gradients are wanted,
+    /// each writing its gradients whole into zeroed buffers of its operands'.
+    fn attention_backward<B: Backend>(
+        &self,
+        be: &mut B,
+        run: &RegionRun<B>,
+        grads: &mut HashMap<TensorId, Val<B>>,
+        at: &FusedAttention,
+        layer: u64,
+    ) -> Result<()> {
+        let Some(dout) = grads.get(&self.base(at.out)).cloned() else {
+            return Ok(());
+        };
+        let k = &at.kernel;
+        let args = self.sized_args(&at.sizes, &at.key_sizes, layer);
+        let wants = [
+            AttentionBuffer::Q,
+            AttentionBuffer::K,
+            AttentionBuffer::V,
+            AttentionBuffer::Bias,
+        ]
+        .map(|r| at.tensor(r).is_some_and(|t| self.fused.grad.needs_grad(t)));
+        let lse =
+            run.lse.get(&at.out).cloned().ok_or_else(|| {
+                kernel_err("fused backward", "an attention without its log-sum-exp")
+            })?;
+        for pass in [
+            AttentionPass::QueryGrad,
+            AttentionPass::KeyValueGrad,
+            AttentionPass::BiasGrad,
+        ] {
+            if !k.runs(pass, wants) {
+                continue;
+            }
+            let mut bufs = Vec::new();
+            let mut made = Vec::new();
+            for (role, spec) in k.roles(pass).into_iter().zip(k.buffers(pass)) {
+                let len = spec
+                    .len
+                    .iter()
+                    .map(|&s| args.size(s))
+                    .product::<i64>()
+                    .max(0) as usize;
+                let v = match role {
+                    AttentionBuffer::LogSumExp => lse.clone(),
+                    AttentionBuffer::OutGrad => self.as_elem(be, &dout, Elem::Float)?,
+                    AttentionBuffer::QGrad
+                    | AttentionBuffer::KGrad
+                    | AttentionBuffer::VGrad
+                    | AttentionBuffer::BiasGrad => {
+                        let v: Val<B> = Val {
+                            buf: be.zeros(spec.elem, len)?,
+                            elem: spec.elem,
+                            len,
+                        };
+                        made.push((at.tensor(role).expect("an operand's gradient"), v.clone()));
+                        v
+                    }
+                    _ => {
+                        let t = at.tensor(role).expect("an operand's role");
+                        self.as_elem(be, &self.get(run, t)?, Elem::Float)?
+                    }
+                };
+                bufs.push(v.buf);
+            }
+            be.attention(k, pass, &args, &bufs)?;
+            for (t, g) in made {
+                if self.fused.grad.needs_grad(t) {
+                    self.add_grad(be, grads, t, g)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A host step backward: the gradients of its outputs in `grads` become
+    /// those of its inputs.
+    fn host_backward<B: Backend>(
+        &self,
+        be: &mut B,
+        run: &RegionRun<B>,
+        grads: &mut HashMap<TensorId, Val<B>>,
+        node: NodeId,
+    ) -> Result<()> {
+        let n = self.graph.node(node);
+        let mut gouts = Vec::with_capacity(n.outputs.len());
+        for &t in &n.outputs {
+            gouts.push(match grads.remove(&self.base(t)) {
+                Some(g) => Some(self.to_host(be, t, &g)?),
+                None => None,
+            });
+        }
+        if gouts.iter().all(Option::is_none) {
+            return Ok(());
+        }
+        // A layout change moves the gradient only; the others read what
+        // their forward kept (the activation rule's values). Where the VJP
+        // reads only a value's shape (top-k's input), it gets zeros.
+        let (ins, outs) = if matches!(n.op, Op::Relayout { .. }) {
+            (Vec::new(), Vec::new())
+        } else {
+            let saved = &self
+                .fused
+                .lifetimes
+                .get(&n.region)
+                .ok_or_else(|| kernel_err("fused", format!("region {} has no plan", n.region)))?
+                .saved;
+            let mut host = |ts: &[TensorId]| -> Result<Vec<Tensor>> {
+                ts.iter()
+                    .map(|&t| {
+                        if saved.contains(&self.base(t)) {
+                            return self.to_host(be, t, &self.get(run, t)?);
+                        }
+                        let dims = self.dims(t);
+                        Ok(if self.graph.tensor(t).dtype.is_float() {
+                            Tensor::zeros(&dims)
+                        } else {
+                            let len = dims.iter().product();
+                            Tensor::i32(dims, vec![0; len])
+                        })
+                    })
+                    .collect()
+            };
+            (host(&n.inputs)?, host(&n.outputs)?)
+        };
+        let gins = self.host(node)?.backward(node, ins, outs, gouts)?;
+        for (&t, g) in n.inputs.iter().zip(gins) {
+            if let Some(g) = g {
+                if self.fused.grad.needs_grad(t) {
+                    let g = to_backend(be, &g)?;
+                    self.add_grad(be, grads, t, g)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Forget what a backward step was the last to read: the gradients of
+    /// `step`'s outputs (no other step reads them; a view's gradient is its
+    /// base's, which the base's own step reads) and the saved values no
+    /// later backward step reads (`free`). Holding them kept every
+    /// intermediate gradient and activation of a region alive to the
+    /// region's end; autograd frees both as it goes.
+    fn done_with<B: Backend>(
+        &self,
+        run: &mut RegionRun<B>,
+        grads: &mut HashMap<TensorId, Val<B>>,
+        step: &Step,
+        free: &[TensorId],
+    ) {
+        for t in step_outputs(self.graph, step) {
+            if self.base(t) == t {
+                grads.remove(&t);
+            }
+        }
+        for t in free {
+            run.values.remove(t);
+        }
+    }
+
+    /// Add `g` to the gradient of `t` (it becomes the gradient when there is none).
+    fn add_grad<B: Backend>(
+        &self,
+        be: &mut B,
+        grads: &mut HashMap<TensorId, Val<B>>,
+        t: TensorId,
+        g: Val<B>,
+    ) -> Result<()> {
+        let t = self.base(t);
+        match grads.get(&t) {
+            None => {
+                grads.insert(t, g);
+            }
+            Some(acc) => {
+                if acc.len != g.len {
+                    return Err(kernel_err(
+                        "fused backward",
+                        format!(
+                            "gradients of {t} with {} and {} elements meet",
+                            acc.len, g.len
+                        ),
+                    ));
+                }
+                // A fresh sum: `acc` may be another tensor's gradient too (a
+                // buffer handed through unchanged).
+                let out = be.alloc(acc.elem, acc.len)?;
+                be.launch(
+                    &add_kernel(acc.elem, acc.elem, g.elem),
+                    &flat_args(acc.len),
+                    &[out.clone(), acc.buf.clone(), g.buf.clone()],
+                )?;
+                let elem = acc.elem;
+                grads.insert(
+                    t,
+                    Val {
+                        buf: out,
+                        elem,
+                        len: g.len,
+                    },
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Walk region `r` back from `grads` (seeded at its results); leaves the
+    /// gradients of its arguments in `grads` and adds its parameters'
+    /// gradients to `params.grads`.
+    pub fn backward<B: Backend>(
+        &self,
+        be: &mut B,
+        r: RegionId,
+        run: &mut RegionRun<B>,
+        grads: &mut HashMap<TensorId, Val<B>>,
+        layer: u64,
+        params: &ParamBufs<B>,
+    ) -> Result<()> {
+        self.backward_steps(be, r, run, grads, layer, params, None)?;
+        Ok(())
+    }
+
+    /// One pipeline chunk of the root backward, after [`Executor::forward_chunk`].
+    /// `received` are the gradients the next chunk sent back (those of what
+    /// this chunk sent, in its order), or `None` on the last chunk, whose
+    /// loss is seeded with `loss_scale`. Returns what this chunk sends back
+    /// for what it received (nothing on the first chunk).
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_chunk<B: Backend>(
+        &self,
+        be: &mut B,
+        span: &ChunkSpan,
+        run: &mut RegionRun<B>,
+        received: Option<Vec<Option<Val<B>>>>,
+        extras: &[TensorId],
+        loss_scale: f32,
+        params: &ParamBufs<B>,
+    ) -> Result<Vec<Option<Val<B>>>> {
+        let r = self.graph.root();
+        let mut grads: HashMap<TensorId, Val<B>> = HashMap::new();
+        match received {
+            None => {
+                let loss_t = *self
+                    .graph
+                    .outputs()
+                    .first()
+                    .ok_or_else(|| kernel_err("fused", "the model returns nothing"))?;
+                let seed = Val {
+                    buf: be.upload(Elem::Float, &[loss_scale])?,
+                    elem: Elem::Float,
+                    len: 1,
+                };
+                grads.insert(self.base(loss_t), seed);
+            }
+            Some(msg) => {
+                let rep = span
+                    .sends
+                    .ok_or_else(|| kernel_err("fused", "gradients reached the last chunk"))?;
+                let outs = &self.graph.node(rep).outputs;
+                if msg.len() != outs.len() + extras.len() {
+                    return Err(kernel_err(
+                        "recv",
+                        format!(
+                            "{} gradients arrived for {}",
+                            msg.len(),
+                            outs.len() + extras.len()
+                        ),
+                    ));
+                }
+                for (&t, g) in outs.iter().chain(extras).zip(msg) {
+                    if let Some(g) = g {
+                        self.add_grad(be, &mut grads, t, g)?;
+                    }
+                }
+            }
+        }
+        let carried = self.backward_steps(be, r, run, &mut grads, 0, params, Some(span))?;
+        let Some((rep, continues)) = span.receives else {
+            return Ok(Vec::new());
+        };
+        let outs = &self.graph.node(rep).outputs;
+        let mut out = if continues {
+            carried
+        } else {
+            outs.iter().map(|&t| grads.remove(&self.base(t))).collect()
+        };
+        for t in extras {
+            out.push(if outs.contains(t) {
+                None
+            } else {
+                grads.remove(&self.base(*t))
+            });
+        }
+        Ok(out)
+    }
+
+    /// The backward of region `r`'s steps; on the root of a pipeline chunk
+    /// (`span`), those it runs only, returning the gradients of the carried
+    /// values of the stack it continues from the previous chunk.
+    #[allow(clippy::too_many_arguments)]
+    fn backward_steps<B: Backend>(
+        &self,
+        be: &mut B,
+        r: RegionId,
+        run: &mut RegionRun<B>,
+        grads: &mut HashMap<TensorId, Val<B>>,
+        layer: u64,
+        params: &ParamBufs<B>,
+        span: Option<&ChunkSpan>,
+    ) -> Result<Vec<Option<Val<B>>>> {
+        let (plan, back) = self.plan(r)?;
+        self.recompute_dropped(be, r, run, layer)?;
+        let lifetimes = self
+            .fused
+            .lifetimes
+            .get(&r)
+            .ok_or_else(|| kernel_err("fused", format!("region {r} has no plan")))?;
+        let free_after = &lifetimes.free_after_backward;
+        let mut carried_out = Vec::new();
+        for (bi, bstep) in back.iter().enumerate() {
+            let at = match bstep {
+                BackwardStep::Kernel { step, .. }
+                | BackwardStep::MatMul { step }
+                | BackwardStep::Attention { step }
+                | BackwardStep::Extern { step, .. } => *step,
+            };
+            if let Some(span) = span {
+                if !self.runs_step(span, &plan.steps[at])? {
+                    continue;
+                }
+            }
+            match bstep {
+                BackwardStep::Kernel { step, backward } => {
+                    let Step::Kernel(k) = &plan.steps[*step] else {
+                        return Err(kernel_err(
+                            "fused backward",
+                            "a kernel step that is not one",
+                        ));
+                    };
+                    let has_grad = k
+                        .buffers
+                        .iter()
+                        .zip(&k.kernel.buffers)
+                        .any(|(&t, b)| b.output && grads.contains_key(&self.base(t)));
+                    if !has_grad {
+                        continue;
+                    }
+                    let args = self.args(k, layer);
+                    let mut bufs = Vec::new();
+                    let mut made: Vec<(GradBinding, Val<B>)> = Vec::new();
+                    for (i, (bind, kb)) in backward
+                        .bindings
+                        .iter()
+                        .zip(&backward.kernel.buffers)
+                        .enumerate()
+                    {
+                        let len = args.buffer_len(&backward.kernel, i);
+                        let v = match *bind {
+                            GradBinding::Forward(j) => {
+                                self.as_elem(be, &self.get(run, k.buffers[j])?, kb.elem)?
+                            }
+                            GradBinding::OutputGrad(j) => match grads.get(&self.base(k.buffers[j]))
+                            {
+                                Some(g) => self.as_elem(be, &g.clone(), kb.elem)?,
+                                None => Val {
+                                    buf: be.zeros(kb.elem, len)?,
+                                    elem: kb.elem,
+                                    len,
+                                },
+                            },
+                            GradBinding::InputGrad(_) => Val {
+                                buf: be.alloc(kb.elem, len)?,
+                                elem: kb.elem,
+                                len,
+                            },
+                            GradBinding::InputGradAccumulate(_) | GradBinding::Partial(_) => Val {
+                                buf: be.zeros(kb.elem, len)?,
+                                elem: kb.elem,
+                                len,
+                            },
+                        };
+                        bufs.push(v.buf.clone());
+                        if kb.output {
+                            made.push((*bind, v));
+                        }
+                    }
+                    be.launch(&backward.kernel, &args, &bufs)?;
+                    for (bind, v) in made {
+                        match bind {
+                            GradBinding::InputGrad(j) | GradBinding::InputGradAccumulate(j) => {
+                                self.add_grad(be, grads, k.buffers[j], v)?;
+                            }
+                            GradBinding::Partial(j) => {
+                                let cs = backward
+                                    .column_sums
+                                    .iter()
+                                    .find(|c| c.input == j)
+                                    .ok_or_else(|| {
+                                        kernel_err("fused backward", "a partial without its sum")
+                                    })?;
+                                let cargs = Args {
+                                    sizes: cs.sizes(&args.sizes),
+                                    ..Args::default()
+                                };
+                                let len = cargs.sizes[1].max(0) as usize;
+                                let out: Val<B> = Val {
+                                    buf: be.alloc(Elem::Float, len)?,
+                                    elem: Elem::Float,
+                                    len,
+                                };
+                                be.launch(&cs.kernel, &cargs, &[v.buf, out.buf.clone()])?;
+                                self.add_grad(be, grads, k.buffers[j], out)?;
+                            }
+                            GradBinding::Forward(_) | GradBinding::OutputGrad(_) => {}
+                        }
+                    }
+                }
+                BackwardStep::Attention { step } => {
+                    let Step::Attention(at) = &plan.steps[*step] else {
+                        return Err(kernel_err(
+                            "fused backward",
+                            "an attention step that is not one",
+                        ));
+                    };
+                    self.attention_backward(be, run, grads, at, layer)?;
+                }
+                BackwardStep::MatMul { step } => {
+                    let Step::MatMul { node, a, b } = &plan.steps[*step] else {
+                        return Err(kernel_err(
+                            "fused backward",
+                            "a matmul step that is not one",
+                        ));
+                    };
+                    // A gathered input the forward let go: gathered again
+                    // from the shard it kept (the first of its readers).
+                    for t in [self.base(a.tensor), self.base(b.tensor)] {
+                        if let Some(&gather) = lifetimes.regather.get(&t) {
+                            if !run.values.contains_key(&t) {
+                                self.host_forward(be, run, gather)?;
+                            }
+                        }
+                    }
+                    self.matmul_backward(be, run, grads, *node, a, b)?;
+                }
+                BackwardStep::Extern { step, .. } => {
+                    let Step::Extern { node, .. } = &plan.steps[*step] else {
+                        return Err(kernel_err(
+                            "fused backward",
+                            "an extern step that is not one",
+                        ));
+                    };
+                    if !matches!(self.graph.node(*node).op, Op::Repeat { .. }) {
+                        self.host_backward(be, run, grads, *node)?;
+                        self.done_with(run, grads, &plan.steps[at], &free_after[bi]);
+                        continue;
+                    }
+                    let (count, _, _) = self.repeat_parts(*node)?;
+                    let (layers, continued) = match span {
+                        Some(span) if span.nodes.is_some() => (
+                            span.stacks[node].clone(),
+                            span.receives == Some((*node, true)),
+                        ),
+                        _ => (0..count, false),
+                    };
+                    let carried = self.backward_repeat(be, run, grads, *node, layers, params)?;
+                    if !continued {
+                        let inputs = &self.graph.node(*node).inputs;
+                        for (&t, g) in inputs.iter().zip(carried) {
+                            if let Some(g) = g {
+                                self.add_grad(be, grads, t, g)?;
+                            }
+                        }
+                    } else {
+                        carried_out = carried;
+                    }
+                }
+            }
+            self.done_with(run, grads, &plan.steps[at], &free_after[bi]);
+        }
+        for (p, t) in self.param_nodes(r) {
+            if let Some(g) = grads.remove(&t) {
+                let key = ParamKey { param: p, layer };
+                let acc = params.grads.borrow().get(&key).cloned().ok_or_else(|| {
+                    kernel_err("fused backward", format!("no gradient buffer for {p}"))
+                })?;
+                // Accumulate into the f32 gradient in place.
+                be.launch(
+                    &add_kernel(Elem::F32, Elem::F32, g.elem),
+                    &flat_args(acc.len),
+                    &[acc.buf.clone(), acc.buf.clone(), g.buf],
+                )?;
+            }
+        }
+        Ok(carried_out)
+    }
+
+    fn matmul_backward<B: Backend>(
+        &self,
+        be: &mut B,
+        run: &RegionRun<B>,
+        grads: &mut HashMap<TensorId, Val<B>>,
+        node: NodeId,
+        a: &Operand,
+        b: &Operand,
+    ) -> Result<()> {
+        let n = self.graph.node(node);
+        let Some(dc) = grads.get(&self.base(n.outputs[0])).cloned() else {
+            return Ok(());
+        };
+        let dc = self.as_elem(be, &dc, Elem::Float)?;
+        let mm = self.matmul_of(node, a, b, be.dtype())?;
+        // Each gradient reads the other operand only; the forward kept just that.
+        if self.fused.grad.needs_grad(n.inputs[0]) {
+            let y = self.get(run, b.tensor)?;
+            let y = self.as_elem(be, &y, Elem::Float)?;
+            // dA = dC·op(B)ᵀ, stored as A is: transposed, dAᵀ = op(B)·dCᵀ.
+            let g = if mm.a_transposed {
+                MatMul {
+                    m: mm.k,
+                    n: mm.m,
+                    k: mm.n,
+                    a_transposed: mm.b_transposed,
+                    b_transposed: true,
+                    a_batched: mm.b_batched,
+                    b_batched: mm.batch > 1,
+                    ..mm
+                }
+            } else {
+                MatMul {
+                    m: mm.m,
+                    n: mm.k,
+                    k: mm.n,
+                    a_transposed: false,
+                    b_transposed: !mm.b_transposed,
+                    a_batched: mm.batch > 1,
+                    b_batched: mm.b_batched,
+                    ..mm
+                }
+            };
+            let (l, r) = if mm.a_transposed {
+                (&y, &dc)
+            } else {
+                (&dc, &y)
+            };
+            let d = self.reduced_matmul(be, &g, l, r, mm.a_batched)?;
+            self.add_grad(be, grads, a.tensor, d)?;
+        }
+        if self.fused.grad.needs_grad(n.inputs[1]) {
+            let x = self.get(run, a.tensor)?;
+            let x = self.as_elem(be, &x, Elem::Float)?;
+            // dB = op(A)ᵀ·dC; stored transposed, dBᵀ = dCᵀ·op(A).
+            let g = if mm.b_transposed {
+                MatMul {
+                    m: mm.n,
+                    n: mm.k,
+                    k: mm.m,
+                    a_transposed: true,
+                    b_transposed: mm.a_transposed,
+                    a_batched: mm.batch > 1,
+                    b_batched: mm.a_batched,
+                    ..mm
+                }
+            } else {
+                MatMul {
+                    m: mm.k,
+                    n: mm.n,
+                    k: mm.m,
+                    a_transposed: !mm.a_transposed,
+                    b_transposed: false,
+                    a_batched: mm.a_batched,
+                    b_batched: mm.batch > 1,
+                    ..mm
+                }
+            };
+            let (l, r) = if mm.b_transposed {
+                (&dc, &x)
+            } else {
+                (&x, &dc)
+            };
+            let d = self.reduced_matmul(be, &g, l, r, mm.b_batched)?;
+            self.add_grad(be, grads, b.tensor, d)?;
+        }
+        Ok(())
+    }
+
+    /// Run `g`; when the operand it differentiates is shared over the batch
+    /// (`batched` false with a batch above 1), sum the per-batch results.
+    fn reduced_matmul<B: Backend>(
+        &self,
+        be: &mut B,
+        g: &MatMul,
+        l: &Val<B>,
+        r: &Val<B>,
+        batched: bool,
+    ) -> Result<Val<B>> {
+        let per = g.m * g.n;
+        let all = be.alloc(Elem::Float, per * g.batch)?;
+        be.matmul(g, &l.buf, &r.buf, &all)?;
+        if batched || g.batch == 1 {
+            return Ok(Val {
+                buf: all,
+                elem: Elem::Float,
+                len: per * g.batch,
+            });
+        }
+        // The column sum reads f32 shares.
+        let shares = self.as_elem(
+            be,
+            &Val {
+                buf: all,
+                elem: Elem::Float,
+                len: per * g.batch,
+            },
+            Elem::F32,
+        )?;
+        let out = be.alloc(Elem::Float, per)?;
+        be.launch(
+            &column_sum_kernel(),
+            &Args {
+                sizes: vec![g.batch as i64, per as i64],
+                ..Args::default()
+            },
+            &[shares.buf, out.clone()],
+        )?;
+        Ok(Val {
+            buf: out,
+            elem: Elem::Float,
+            len: per,
+        })
+    }
+
+    /// The backward of layers `layers` of repeat `n` (as its forward ran
+    /// them), from the gradients of its outputs in `grads`; adds its captured
+    /// inputs' gradients to `grads` and returns its carried inputs'.
+    fn backward_repeat<B: Backend>(
+        &self,
+        be: &mut B,
+        run: &mut RegionRun<B>,
+        grads: &mut HashMap<TensorId, Val<B>>,
+        n: NodeId,
+        layers: std::ops::Range<u64>,
+        params: &ParamBufs<B>,
+    ) -> Result<Vec<Option<Val<B>>>> {
+        let (_, body, n_carried) = self.repeat_parts(n)?;
+        let node = self.graph.node(n);
+        // Taken out of the run: each layer's activations are freed after its backward.
+        let mut runs = run
+            .repeats
+            .remove(&n)
+            .ok_or_else(|| kernel_err("fused backward", "a repeat without its forward"))?;
+        if runs.len() as u64 != layers.end - layers.start {
+            return Err(kernel_err(
+                "fused backward",
+                format!("{} layers ran forward, {layers:?} go back", runs.len()),
+            ));
+        }
+        let mut carried: Vec<Option<Val<B>>> = node
+            .outputs
+            .iter()
+            .map(|&t| grads.remove(&self.base(t)))
+            .collect();
+        let region = self.graph.region(body);
+        while let Some(layer_run) = runs.pop() {
+            let layer = layers.start + runs.len() as u64;
+            self.layer_hook(n, layer, true, true)?;
+            let mut body_run = match layer_run {
+                LayerRun::Kept(mut r) => {
+                    self.bind_params(body, &mut r, layer, params);
+                    r
+                }
+                LayerRun::Checkpoint(args) => {
+                    self.forward(be, body, args, &HashMap::new(), layer, params)?
+                }
+            };
+            let mut body_grads: HashMap<TensorId, Val<B>> = HashMap::new();
+            for (&t, g) in region.results.iter().zip(carried.iter_mut()) {
+                if let Some(g) = g.take() {
+                    self.add_grad(be, &mut body_grads, t, g)?;
+                }
+            }
+            self.backward(be, body, &mut body_run, &mut body_grads, layer, params)?;
+            for (j, &a) in region.args.iter().enumerate() {
+                let g = body_grads.remove(&a);
+                if j < n_carried {
+                    carried[j] = g;
+                } else if let Some(g) = g {
+                    self.add_grad(be, grads, node.inputs[j], g)?;
+                }
+            }
+            // Its weights and gradients leave before the next layer's come.
+            drop(body_run);
+            self.layer_hook(n, layer, true, false)?;
+        }
+        carried.truncate(n_carried);
+        Ok(carried)
+    }
+}
