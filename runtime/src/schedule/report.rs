@@ -59,7 +59,7 @@ impl Parameters {
 pub struct TrainReport {
     pub steps: Vec<StepStats>,
     pub params: Parameters,
-    /// The run was stopped through [`RunConfig::stop`] before its last step.
+    /// The run was stopped through [`RunConfig::stop`](crate::RunConfig::stop) before its last step.
     pub interrupted: bool,
     /// The step directories of the checkpoints it saved, in order.
     pub checkpoints: Vec<PathBuf>,
