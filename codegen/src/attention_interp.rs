@@ -163,14 +163,7 @@ pub fn interpret_attention(
             ),
         ));
     }
-    let len_of = |i: usize| -> usize {
-        specs[i]
-            .len
-            .iter()
-            .map(|&s| args.size(s))
-            .product::<i64>()
-            .max(0) as usize
-    };
+    let len_of = |i: usize| args.len_of(&specs[i]);
     let p = Problem {
         k: kernel,
         args,

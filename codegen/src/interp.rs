@@ -1,7 +1,9 @@
 //! A CPU interpreter of the kernel IR in `f32`: the reference every fused
 //! kernel is tested against without a GPU, and the semantics CUDA emission keeps.
 
-use crate::kernel::{draw_state, dropout_draw, Cond, Elem, Expr, Idx, Kernel, RowReduce, Size};
+use crate::kernel::{
+    draw_state, dropout_draw, Buffer, Cond, Elem, Expr, Idx, Kernel, RowReduce, Size,
+};
 use crate::CodegenError;
 use dplc_ir::{BinaryOp, UnaryOp};
 
@@ -54,7 +56,12 @@ impl Args {
 
     /// Elements of buffer `b` of `kernel`.
     pub fn buffer_len(&self, kernel: &Kernel, b: usize) -> usize {
-        kernel.buffers[b]
+        self.len_of(&kernel.buffers[b])
+    }
+
+    /// Elements of a buffer of this launch's sizes.
+    pub fn len_of(&self, buffer: &Buffer) -> usize {
+        buffer
             .len
             .iter()
             .map(|&s| self.size(s))

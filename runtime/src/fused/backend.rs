@@ -355,12 +355,7 @@ fn run_on_host(
                 format!("{}: output {} is bound twice", op, kb.label),
             ));
         }
-        let len = specs[i]
-            .len
-            .iter()
-            .map(|&s| args.size(s))
-            .product::<i64>()
-            .max(0) as usize;
+        let len = args.len_of(&specs[i]);
         let mut slot = b.data.borrow_mut();
         let fits = match (&*slot, kb.elem) {
             (Data::F32(v), Elem::F32 | Elem::Float) => v.len() >= len,

@@ -643,12 +643,7 @@ impl<'a> Executor<'a> {
         let mut bufs = Vec::new();
         let (mut out, mut lse) = (None, None);
         for (role, spec) in k.roles(pass).into_iter().zip(k.buffers(pass)) {
-            let len = spec
-                .len
-                .iter()
-                .map(|&s| args.size(s))
-                .product::<i64>()
-                .max(0) as usize;
+            let len = args.len_of(&spec);
             let v = match role {
                 AttentionBuffer::Out | AttentionBuffer::LogSumExp => {
                     let v: Val<B> = Val {

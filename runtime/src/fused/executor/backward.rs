@@ -43,12 +43,7 @@ impl<'a> Executor<'a> {
             let mut bufs = Vec::new();
             let mut made = Vec::new();
             for (role, spec) in k.roles(pass).into_iter().zip(k.buffers(pass)) {
-                let len = spec
-                    .len
-                    .iter()
-                    .map(|&s| args.size(s))
-                    .product::<i64>()
-                    .max(0) as usize;
+                let len = args.len_of(&spec);
                 let v = match role {
                     AttentionBuffer::LogSumExp => lse.clone(),
                     AttentionBuffer::OutGrad => self.as_elem(be, &dout, Elem::Float)?,
