@@ -6,9 +6,11 @@
 //! interpreter or the fused kernels; everything else is decided here, once,
 //! for both.
 
+mod checks;
 mod compute;
 mod config;
 mod fused;
+mod held;
 mod report;
 
 pub use config::{Device, Faults, Process, RunConfig, StopFlag, TraceSink, TraceSpan};
@@ -204,7 +206,7 @@ fn train_on(
     // sequence positions, with the K/V all-gathers made explicit.
     let (cp_graph, cp_cfg);
     let (graph, cfg) = if cfg.cp > 1 {
-        context_checks(graph, spec, cfg)?;
+        checks::context_checks(graph, spec, cfg)?;
         let config = |e: dplc_ir::IrError| RuntimeError::Config(e.to_string());
         cp_graph = dplc_ir::split_context(graph, cfg.cp as u64).map_err(config)?;
         // The plan's tensor-parallel layout, with the program's new nodes.
@@ -266,7 +268,7 @@ fn train_on(
             spec.global_batch
         )));
     }
-    check_dp_sync(cfg)?;
+    checks::check_dp_sync(cfg)?;
     let v = cfg.schedule.chunks();
     if v > 1 && !cfg.num_micro_batches.is_multiple_of(cfg.pp) {
         return Err(RuntimeError::Config(format!(
@@ -384,7 +386,7 @@ fn train_on(
     }
     // Every (parameter, layer) some rank holds: what a checkpoint must cover.
     let all_keys: BTreeSet<ParamKey> = (0..cfg.pp)
-        .flat_map(|stage| rank_stage_keys(&shared, stage))
+        .flat_map(|stage| held::rank_stage_keys(&shared, stage))
         .map(|(k, _, _)| k)
         .collect();
     if cfg.checkpoint.is_some() || cfg.resume_from.is_some() {
@@ -553,160 +555,6 @@ fn train_on(
     })
 }
 
-/// What this runtime runs of the gradient synchronisations and
-/// compressions: a parameter server or a compressed all-reduce over
-/// replicated state (ZeRO-0), compression over the all-reduce only.
-fn check_dp_sync(cfg: &RunConfig) -> Result<()> {
-    use dplc_ir::{Compression, GradSync};
-    let changed = cfg.sync != GradSync::AllReduce || cfg.compress != Compression::None;
-    if changed && cfg.zero != ZeroStage::None {
-        return Err(RuntimeError::Config(format!(
-            "{} with compress={} runs over replicated optimizer state: use zero=0 with it \
-             (a parameter server shards the state over its servers itself)",
-            cfg.sync.keys(),
-            cfg.compress.name()
-        )));
-    }
-    if cfg.sync != GradSync::AllReduce && cfg.compress != Compression::None {
-        return Err(RuntimeError::Config(format!(
-            "compress={} compresses the all-reduce; a parameter server pushes fp32 gradients: \
-             drop compress or use sync=allreduce",
-            cfg.compress.name()
-        )));
-    }
-    if let Some(shards) = cfg.sync.ps_shards() {
-        if shards == 0 {
-            return Err(RuntimeError::Config(
-                "ps_shards=0: a parameter server needs at least one shard".into(),
-            ));
-        }
-        if cfg.server_replicas() == 0 && shards as usize > cfg.dp {
-            return Err(RuntimeError::Config(format!(
-                "ps_shards={shards}: the servers live on the {} data-parallel workers; give 1 to {} \
-                 (or ps_ranks=dedicated)",
-                cfg.dp, cfg.dp
-            )));
-        }
-    }
-    if cfg.server_replicas() > 0 && (cfg.cp > 1 || cfg.ep > 1) {
-        return Err(RuntimeError::Config(format!(
-            "ps_ranks=dedicated runs beside data, pipeline and tensor parallelism, not cp {} or \
-             ep {}: drop cp and ep, or ps_ranks",
-            cfg.cp, cfg.ep
-        )));
-    }
-    Ok(())
-}
-
-/// The parameter tensors rank `at` holds: their ZeRO-3 unit, whether it counts
-/// them in the gradient norm, the data-parallel group they sync over, and the
-/// part it holds of a tensor- or expert-parallel split.
-fn rank_keys(sh: &Shared, at: Coords) -> Vec<HeldParam> {
-    let cfg = sh.cfg;
-    let stage = at.stage;
-    // Dedicated servers of the stage and part follow its workers.
-    let dp_group = Group::new(
-        (0..cfg.replicas() + cfg.server_replicas())
-            .map(|d| Coords { dp_index: d, ..at }.rank(cfg))
-            .collect(),
-    );
-    let expert_group = Group::new(
-        (0..cfg.replicas())
-            .filter(|d| d % cfg.ep == at.dp_index % cfg.ep)
-            .map(|d| Coords { dp_index: d, ..at }.rank(cfg))
-            .collect(),
-    );
-    let held = |(key, unit, owner): (ParamKey, Unit, bool)| {
-        let split = sh.layouts.as_ref().and_then(|l| l.param(key.param));
-        let (group, part, owner) = match split {
-            None => (dp_group.clone(), None, owner && at.tp_index == 0),
-            Some(SplitAxis::Tensor { axis }) => {
-                (dp_group.clone(), Some((axis, cfg.tp, at.tp_index)), owner)
-            }
-            Some(SplitAxis::Expert) => (
-                expert_group.clone(),
-                Some((0, cfg.ep, at.dp_index % cfg.ep)),
-                owner && at.tp_index == 0,
-            ),
-        };
-        HeldParam {
-            key,
-            unit,
-            norm_owner: owner,
-            group,
-            part,
-        }
-    };
-    rank_stage_keys(sh, stage).into_iter().map(held).collect()
-}
-
-fn rank_stage_keys(sh: &Shared, stage: usize) -> Vec<(ParamKey, Unit, bool)> {
-    let g = sh.graph;
-    let pp = sh.cfg.pp;
-    let mut keys = Vec::new();
-    let mut seen = HashSet::new();
-    for (c, chunk) in sh
-        .part
-        .chunks
-        .iter()
-        .enumerate()
-        .filter(|(c, _)| c % pp == stage)
-    {
-        let _ = c;
-        for &n in &chunk.nodes {
-            if let Op::Param(p) = g.node(n).op {
-                let key = ParamKey { param: p, layer: 0 };
-                if seen.insert(key) {
-                    let owner = sh.tied.get(&key).is_none_or(|st| st[0] == stage);
-                    keys.push((key, Unit::Root, owner));
-                }
-            }
-        }
-        // Each stack's layers this chunk runs: a parameter is keyed by its
-        // stack's iteration, held with the model's number of the layer.
-        for stack in &sh.part.stacks {
-            let Op::Repeat { count, body, .. } = g.node(stack.node).op else {
-                continue;
-            };
-            let from = chunk.layers.start.max(stack.first);
-            let to = chunk.layers.end.min(stack.first + count);
-            for (p, info) in g.params() {
-                let region = g.tensor_region(info.tensor);
-                if !region_within(g, region, body) {
-                    continue;
-                }
-                let inner = g.trip_count(region) / count.max(1);
-                for global in from..to {
-                    let i = global - stack.first;
-                    for j in 0..inner {
-                        keys.push((
-                            ParamKey {
-                                param: p,
-                                layer: i * inner + j,
-                            },
-                            Unit::Layer(global),
-                            true,
-                        ));
-                    }
-                }
-            }
-        }
-    }
-    keys
-}
-
-fn region_within(g: &Graph, mut r: RegionId, outer: RegionId) -> bool {
-    loop {
-        if r == outer {
-            return true;
-        }
-        match g.region(r).parent {
-            Some(p) => r = p,
-            None => return false,
-        }
-    }
-}
-
 struct Rank<'a, 'b, S: Storage> {
     sh: &'a Shared<'b>,
     at: Coords,
@@ -754,7 +602,7 @@ fn run_rank(
         },
         cfg.ep,
     );
-    let held = rank_keys(sh, at);
+    let held = held::rank_keys(sh, at);
     // Top-k and PowerSGD carry their error feedback over a checkpoint.
     let feedback = match &sh.resume {
         Some(resume) if cfg.compress.has_feedback() => Some(checkpoint::read_feedback(
@@ -1450,26 +1298,4 @@ impl<S: Storage> Rank<'_, '_, S> {
             skipped,
         })
     }
-}
-
-/// What context parallelism runs here, refused before any rank starts:
-/// every rank of a cp group reads its positions of the same sample.
-fn context_checks(graph: &Graph, spec: &TrainSpec, cfg: &RunConfig) -> Result<()> {
-    let refuse = |what: &str| {
-        Err(RuntimeError::Unsupported(format!(
-            "context parallelism (cp {}) {what}",
-            cfg.cp
-        )))
-    };
-    if let Some(why) = dplc_ir::validate::context_refusal(graph) {
-        return refuse(&format!("{why}: run without cp"));
-    }
-    if !(spec.seq as usize).is_multiple_of(2 * cfg.cp) {
-        return refuse(&format!(
-            "cuts the sequence into 2·cp = {} load-balanced chunks: it must divide seq {}",
-            2 * cfg.cp,
-            spec.seq
-        ));
-    }
-    Ok(())
 }
