@@ -1179,7 +1179,8 @@ fn a_fused_run_reports_its_memory_beside_the_plans() {
         );
     }
     // ZeRO-3 gathers one layer's weights at a time and drops them after its
-    // forward (1.06x here), as FSDP does.
+    // forward, and reduce-scatters its gradients after its backward, as FSDP
+    // does (1.01x here).
     let v = run_summary(
         "models/tiny.dpl",
         "gpt_tiny",
@@ -1192,7 +1193,7 @@ fn a_fused_run_reports_its_memory_beside_the_plans() {
         / v["predicted_peak_memory_bytes"]
             .as_f64()
             .expect("predicted");
-    assert!((1.0..1.1).contains(&ratio), "ZeRO-3: {ratio}");
+    assert!((0.98..1.05).contains(&ratio), "ZeRO-3: {ratio}");
     // Sequence parallelism keeps a column-parallel input's shard and gathers
     // it again for the weight gradient, as the plan prices it (1.01x; 1.15x
     // when the gathered input was kept); expert parallelism holds the

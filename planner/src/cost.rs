@@ -1002,6 +1002,12 @@ impl<'a> CostModel<'a> {
             let gathered = if c.gathers_fp8() { 1.0 } else { w_bytes };
             buffers += 2.0 * largest_layer * gathered;
         }
+        if c.zero >= 2 {
+            // A layer's whole gradients, written by its backward before they
+            // are reduce-scattered to the shard this rank keeps (FSDP's
+            // unsharded gradients of one unit; DeepSpeed's reduce bucket).
+            buffers += largest_layer * grad_bytes;
+        }
         // FP8 keeps each layer weight's cast and its transpose, a byte each;
         // under ZeRO-3 a rank casts only what it holds: its shard, and the
         // gathered layers in flight (two, as the bf16 ones in `buffers`).
