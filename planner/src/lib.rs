@@ -81,20 +81,21 @@ impl Compiled {
     /// Why the plan would run another layout than it was priced on, where a
     /// pinned choice keeps `compile` from planning it away.
     pub fn caveat(&self) -> Option<String> {
-        let (choice, pin) = match self.unrun? {
+        let (choice, instead, pin) = match self.unrun? {
             Unrun::SequenceParallelStacks => (
                 "its layer stacks split along the sequence as priced",
+                "Megatron's rule for them",
                 "sp=on",
             ),
             Unrun::VocabRoot => (
                 "its embedding, head and loss split over the vocabulary as priced",
+                "them whole on every rank",
                 "root=vocab",
             ),
         };
         Some(format!(
-            "dplc's runtime cannot run {choice}; it runs Megatron's rule (or a whole root) \
-             instead, whose memory and step time may differ from these estimates; unpin \
-             {pin} for a plan that runs as priced"
+            "dplc's runtime cannot run {choice}; it runs {instead} instead, whose memory and \
+             step time may differ from these estimates; unpin {pin} for a plan that runs as priced"
         ))
     }
 }
