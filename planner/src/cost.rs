@@ -968,13 +968,12 @@ impl<'a> CostModel<'a> {
         // The backward's working set beyond what is kept, at its largest
         // while the kept activations are all still held: a layer's backward
         // holds the gradient of its largest intermediate and that of the
-        // op's input at once (twice its largest kept tensor); the last stage
+        // op's input at once (twice its largest kept tensor). The last stage
         // starts with the loss's input gradient (the logits') beside the
-        // logits it reads (dplc's kernels, as PyTorch's cross-entropy, do
+        // logits it reads — dplc's kernels, as PyTorch's cross-entropy, do
         // not write it over the softmax in place as Megatron's
-        // vocabulary-parallel one does).
-        // The last stage reaches its layers' backward having let go of what
-        // the loss and the head kept.
+        // vocabulary-parallel one does — and reaches its layers' backward
+        // having let go of what the loss and the head kept.
         let layer_backward =
             2.0 * Self::largest(&shares, |k| parts.stacks[k].0.largest_saved_bytes);
         buffers += if i == c.pp - 1 {
