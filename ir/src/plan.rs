@@ -894,9 +894,12 @@ pub struct MemoryBreakdown {
     pub activations: u64,
     /// Embedding, logits and loss tensors of the first and last stages.
     pub embedding_and_loss: u64,
-    /// Point-to-point buffers, the gathered layers under ZeRO-3, the transient
-    /// activations of the layer being recomputed, and the runtime's own share
-    /// (CUDA context, library workspaces, NCCL buffers).
+    /// Point-to-point buffers, the gathered layers under ZeRO-3, a layer's
+    /// whole gradients before their reduce-scatter under ZeRO-2/3, the
+    /// transient activations of the layer being recomputed, the backward's
+    /// working set (the loss's input gradient, or a layer's two largest
+    /// gradients), and the runtime's own share (CUDA context, library
+    /// workspaces, NCCL buffers).
     pub buffers: u64,
     /// Host memory this rank's offloaded state takes (not in the device's
     /// total): optimizer state, weights or activations under `offload`.
