@@ -245,8 +245,9 @@ fn the_plan_prices_the_parameters_its_layout_holds() {
             "4x8xH200",
             "dp=16,ep=8,tp=2,pp=1,zero=1",
         ),
-        // A node the e-graph computes in two layouts (a reshape of the keys
-        // and values, whole and split by heads) runs once, whole.
+        // A node the e-graph computes in two layouts (three reshapes of each
+        // Mixtral layer, whole for one reader and split for another) runs
+        // once, whole.
         (
             "mixtral.dpl",
             "mixtral_8x7b",

@@ -1228,8 +1228,8 @@ fn a_fused_run_reports_its_memory_beside_the_plans() {
 }
 
 /// A node the sharding e-graph computes in two layouts (Mixtral's shape at
-/// tp 4: a reshape of the keys and values, whole for one reader and split by
-/// heads for another) runs once, whole, and the split reader takes its
+/// tp 4: three reshapes a layer, whole for one reader and split for
+/// another) runs once, whole, and the split reader takes its
 /// slice: the plan keeps the e-graph's layout (it fell back to Megatron's
 /// rule before, which ran the experts whole where the price split them) and
 /// verifies against the serial run on both computes.
