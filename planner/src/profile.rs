@@ -394,6 +394,11 @@ impl RegionBuilder<'_> {
         self.sharding.sharded.contains(&self.an.storage_root(t))
     }
 
+    /// Whether `t` is held in the experts layout.
+    fn experts(&self, t: TensorId) -> bool {
+        self.sharding.experts.contains(&self.an.storage_root(t))
+    }
+
     /// A tensor reaches memory unless an elementwise op produces it and one
     /// elementwise op (or norm/softmax prologue) consumes it, and backward does not keep it.
     fn materialized(&self, t: TensorId) -> bool {
@@ -500,7 +505,7 @@ impl RegionBuilder<'_> {
                     },
                     attention_core: both_activations,
                     whole_sequence: false,
-                    experts: false,
+                    experts: node.outputs.iter().any(|&o| self.experts(o)),
                 })
             }
             _ => {
@@ -558,7 +563,7 @@ impl RegionBuilder<'_> {
                     },
                     attention_core: quadratic,
                     whole_sequence: false,
-                    experts: false,
+                    experts: node.outputs.iter().any(|&o| self.experts(o)),
                 })
             }
         }
@@ -624,7 +629,7 @@ fn region_profile(
         p.saved.push(Saved {
             bytes,
             sharded: b.sharded(s.tensor),
-            experts: sharding.experts.contains(&an.storage_root(s.tensor)),
+            experts: b.experts(s.tensor),
             attention_core: dplc_ir::attention_core(&s.elements, seq),
             gemm_input: b.weight_gemm_input(s.tensor),
         });
@@ -745,13 +750,6 @@ fn region_profile(
         for op in &mut p.ops {
             op.whole_sequence = ctx.whole.contains(&op.node);
         }
-    }
-    for op in &mut p.ops {
-        op.experts = g
-            .node(op.node)
-            .outputs
-            .iter()
-            .any(|&t| sharding.experts.contains(&an.storage_root(t)));
     }
     for e in &sharding.all_to_all {
         p.all_to_all_bytes

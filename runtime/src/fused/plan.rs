@@ -187,10 +187,10 @@ impl Lifetimes {
                 }
             }
         }
-        // The last backward step that reads each base; a regathered value's
-        // last matmul reader frees it.
+        // The last backward step that reads each base; a regathered value
+        // lives from its first matmul reader to its last.
         let mut last_read: HashMap<TensorId, usize> = HashMap::new();
-        let mut free_after_backward = vec![Vec::new(); back.len()];
+        let mut last_regather: HashMap<TensorId, usize> = HashMap::new();
         for (bi, (b, r)) in back.iter().zip(&reads).enumerate() {
             for &t in r {
                 saved.insert(base(t));
@@ -200,16 +200,7 @@ impl Lifetimes {
                 if let Step::MatMul { a, b, .. } = &plan.steps[*step] {
                     for t in [base(a.tensor), base(b.tensor)] {
                         if regather.contains_key(&t) {
-                            let later = back[bi + 1..].iter().any(|later| match later {
-                                BackwardStep::MatMul { step } => matches!(
-                                    &plan.steps[*step],
-                                    Step::MatMul { a, b, .. } if base(a.tensor) == t || base(b.tensor) == t
-                                ),
-                                _ => false,
-                            });
-                            if !later {
-                                free_after_backward[bi].push(t);
-                            }
+                            last_regather.insert(t, bi);
                         }
                     }
                 }
@@ -269,7 +260,8 @@ impl Lifetimes {
                 free_after[i].push(t);
             }
         }
-        for (t, bi) in last_read {
+        let mut free_after_backward = vec![Vec::new(); back.len()];
+        for (t, bi) in last_read.into_iter().chain(last_regather) {
             free_after_backward[bi].push(t);
         }
         Lifetimes {

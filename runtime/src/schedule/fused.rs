@@ -136,7 +136,22 @@ struct Host<'s, B: Backend, L: Links<B>> {
     params: &'s ParamBufs<B>,
 }
 
-impl<B: Backend, L: Links<B>> Host<'_, B, L> {
+impl<'s, B: Backend, L: Links<B>> Host<'s, B, L> {
+    fn new(
+        sh: &'s Shared<'_>,
+        prog: &'s FusedProgram,
+        store: &'s mut Store<B, L>,
+        params: &'s ParamBufs<B>,
+    ) -> Self {
+        Host {
+            prog,
+            syms: &sh.syms,
+            part: &sh.part,
+            store,
+            params,
+        }
+    }
+
     fn out_shapes(&self, node: NodeId) -> Vec<Vec<usize>> {
         let g = &self.prog.graph;
         g.node(node)
@@ -453,13 +468,7 @@ impl<B: Backend, L: Links<B>> StageCompute<DeviceStorage<B, L>> for Fused<'_, '_
         let got = self.upload(&received)?;
         let span = self.spans[pass.chunk].clone();
         let (run, sent, loss) = {
-            let mut host = Host {
-                prog: self.prog,
-                syms: &self.sh.syms,
-                part: &self.sh.part,
-                store,
-                params: &params,
-            };
+            let mut host = Host::new(self.sh, self.prog, store, &params);
             let exec = executor(self.sh, self.prog, pass, &mut host);
             let extras = &self.sh.part.extras;
             let (run, sent) =
@@ -507,13 +516,7 @@ impl<B: Backend, L: Links<B>> StageCompute<DeviceStorage<B, L>> for Fused<'_, '_
         let got = received.map(|msg| self.upload(&msg)).transpose()?;
         let span = self.spans[pass.chunk].clone();
         let sent = {
-            let mut host = Host {
-                prog: self.prog,
-                syms: &self.sh.syms,
-                part: &self.sh.part,
-                store,
-                params: &params,
-            };
+            let mut host = Host::new(self.sh, self.prog, store, &params);
             let exec = executor(self.sh, self.prog, pass, &mut host);
             exec.backward_chunk(
                 &mut self.be,
