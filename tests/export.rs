@@ -670,3 +670,59 @@ fn experts_go_to_megatron_whole_over_tp() {
         "{script}"
     );
 }
+
+#[test]
+fn an_interleaved_split_that_counts_the_embedding_and_loss_goes_to_megatron_as_such() {
+    // Llama 3.1 405B as Megatron-Bridge runs it on 1024 H100s (tp 8, pp 8,
+    // cp 2, 8 chunks a stage): 126 layers do not fill 64 equal chunks, so
+    // the time-balanced split gives the first and last stages 15 and their
+    // end chunks one layer, beside the embedding and the loss — Megatron's
+    // --account-for-embedding/loss-in-pipeline-split.
+    let plan = compile(
+        "models/llama3.dpl",
+        "llama3_405b",
+        "128x8xH100",
+        &[
+            "--seq",
+            "8192",
+            "--global-batch",
+            "512",
+            "--strategy",
+            "tp=8,pp=8,cp=2,dp=8,mb=1,schedule=interleaved,v=8,zero=1,sp=on,fp8=on,fp8_gather=on,recompute=none,offload=none",
+        ],
+        "llama405b_interleaved.ron",
+    );
+    let out = export(&plan, "megatron", &[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let script = text(&out.stdout);
+    check_megatron(&script);
+    for f in [
+        "--num-virtual-stages-per-pipeline-rank 8",
+        "--account-for-embedding-in-pipeline-split",
+        "--account-for-loss-in-pipeline-split",
+    ] {
+        assert!(script.contains(f), "{f} missing:\n{script}");
+    }
+    assert!(!script.contains("--decoder-first-pipeline-num-layers"));
+
+    // 24 layers in 4 stages of 4 chunks: no equal chunks, with or without
+    // a short one at the ends, so Megatron cannot build it; the closest
+    // plan it can run is named.
+    let plan = compile(
+        "models/megatron_gpt.dpl",
+        "gpt_1_7b",
+        "4x8xA100",
+        &[
+            "--global-batch",
+            "512",
+            "--strategy",
+            "tp=2,pp=4,schedule=interleaved,v=4",
+        ],
+        "gpt_interleaved_v4.ron",
+    );
+    let out = export(&plan, "megatron", &[]);
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(err.contains("in 4 chunks"), "{err}");
+    assert!(err.contains("schedule=1f1b"), "{err}");
+}

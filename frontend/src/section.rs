@@ -422,7 +422,8 @@ fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
                              memory = 80 GB, memory_bandwidth = 3.35 TB/s, host_memory = 256 GB, \
                              host_link = 64 GB/s, host_memory_bandwidth = 77 GB/s, matmul_efficiency = 0.8, \
                              fp8_matmul_efficiency = 0.65, flash2_efficiency = 0.29, \
-                             flash2_backward_efficiency = 0.29, multiprocessors = 132)";
+                             flash2_backward_efficiency = 0.29, fused_attention_efficiency = 0.64, \
+                             fused_attention_backward_efficiency = 0.54, multiprocessors = 132)";
     let f = Fields::new(
         v,
         span,
@@ -441,6 +442,8 @@ fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
             "fp8_matmul_efficiency",
             "flash2_efficiency",
             "flash2_backward_efficiency",
+            "fused_attention_efficiency",
+            "fused_attention_backward_efficiency",
             "multiprocessors",
         ],
         SIGNATURE,
@@ -474,6 +477,8 @@ fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
     let fp8_matmul_efficiency = fraction("fp8_matmul_efficiency")?;
     let flash2_efficiency = fraction("flash2_efficiency")?;
     let flash2_backward_efficiency = fraction("flash2_backward_efficiency")?;
+    let fused_attention_efficiency = fraction("fused_attention_efficiency")?;
+    let fused_attention_backward_efficiency = fraction("fused_attention_backward_efficiency")?;
     let spec = DeviceSpec {
         name,
         peak_bf16: bf16,
@@ -496,6 +501,8 @@ fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
         fp8_matmul_efficiency,
         flash2_efficiency,
         flash2_backward_efficiency,
+        fused_attention_efficiency,
+        fused_attention_backward_efficiency,
         multiprocessors: f.count("multiprocessors", Some(0))?,
     };
     for (key, x) in [

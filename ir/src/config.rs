@@ -180,6 +180,13 @@ pub struct DeviceSpec {
     /// The same for its backward; `None` takes the forward's.
     #[serde(default)]
     pub flash2_backward_efficiency: Option<f64>,
+    /// The fraction of peak the device's fused attention forward reaches
+    /// (`attention=fused`); `None` takes the matmul efficiency.
+    #[serde(default)]
+    pub fused_attention_efficiency: Option<f64>,
+    /// The same for its backward; `None` takes the forward's.
+    #[serde(default)]
+    pub fused_attention_backward_efficiency: Option<f64>,
     /// Streaming multiprocessors (compute units) for wave quantization; 0: none.
     pub multiprocessors: u64,
 }

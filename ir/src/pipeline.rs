@@ -99,12 +99,23 @@ pub fn even_split(total: u64, parts: u64) -> Vec<u64> {
 
 /// Layers per virtual stage, in pipeline order (virtual stage `c · pp + s` is
 /// chunk `c` of stage `s`), given the layers of each pipeline stage: a stage's
-/// layers are cut into `chunks` consecutive runs as equal as they go.
+/// layers are cut into `chunks` consecutive runs as equal as they go. The
+/// first stage's shorter runs come first, beside the embedding its first
+/// chunk also runs, and every other stage's last — the last stage's beside
+/// the head and loss — as Megatron-LM's `--account-for-embedding-in-pipeline-split`
+/// and `--account-for-loss-in-pipeline-split` place them.
 pub fn virtual_stage_layers(stage_layers: &[u64], chunks: u64) -> Vec<u64> {
     let pp = stage_layers.len();
     let per_stage: Vec<Vec<u64>> = stage_layers
         .iter()
-        .map(|&l| even_split(l, chunks))
+        .enumerate()
+        .map(|(s, &l)| {
+            let mut runs = even_split(l, chunks);
+            if s == 0 {
+                runs.reverse();
+            }
+            runs
+        })
         .collect();
     (0..chunks.max(1) as usize * pp)
         .map(|k| per_stage[k % pp][k / pp])
@@ -166,7 +177,14 @@ mod tests {
     fn stage_layers_cut_into_virtual_stages_in_pipeline_order() {
         assert_eq!(even_split(10, 4), vec![3, 3, 2, 2]);
         assert_eq!(virtual_stage_layers(&[3, 5], 1), vec![3, 5]);
-        // Stage 0 runs chunks [2, 1], stage 1 [3, 2]: virtual order s0c0 s1c0 s0c1 s1c1.
-        assert_eq!(virtual_stage_layers(&[3, 5], 2), vec![2, 3, 1, 2]);
+        // Stage 0 runs chunks [1, 2] (the short one beside the embedding),
+        // stage 1 [3, 2]: virtual order s0c0 s1c0 s0c1 s1c1.
+        assert_eq!(virtual_stage_layers(&[3, 5], 2), vec![1, 3, 2, 2]);
+        // Llama 3.1 405B's 126 layers on 8 stages of 8 chunks, as Megatron
+        // accounts for the embedding and the loss: (126 + 2) / 64 = 2 a
+        // chunk, the first and the last one short.
+        let v = virtual_stage_layers(&[15, 16, 16, 16, 16, 16, 16, 15], 8);
+        assert_eq!((v[0], v[63]), (1, 1));
+        assert!(v[1..63].iter().all(|&n| n == 2));
     }
 }

@@ -768,9 +768,10 @@ pub enum AttentionKind {
     /// One kernel over blocks of queries and keys (FlashAttention-2/3): no
     /// `s × s` tensor is stored, only the output and the row log-sum-exp, and
     /// the backward recomputes the scores inside its kernel; the causal
-    /// half of the blocks is skipped. Its block matmuls run at the device's
-    /// large-GEMM rate (FlashAttention-3 and cuDNN's fused attention on
-    /// Hopper, FlashAttention-2 on Ampere).
+    /// half of the blocks is skipped. Its block matmuls run at the rate the
+    /// device's best fused kernel reaches (`Device::fused_attention_efficiency`:
+    /// FlashAttention-3's measured forward and backward on Hopper,
+    /// FlashAttention-2's on Ampere).
     Fused,
     /// The same kernel as FlashAttention-2 runs it (PyTorch SDPA's flash
     /// backend): its block matmuls at the fraction of peak FlashAttention-2

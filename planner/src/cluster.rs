@@ -42,6 +42,12 @@ pub struct Device {
     pub flash2_efficiency: f64,
     /// The same for its backward pass (five block matmuls to the forward's two).
     pub flash2_backward_efficiency: f64,
+    /// The fraction of peak the device's best fused attention kernel
+    /// reaches in its forward pass (`attention=fused`: FlashAttention-3 on
+    /// Hopper, FlashAttention-2 on Ampere), causal FLOPs counted as computed.
+    pub fused_attention_efficiency: f64,
+    /// The same for its backward pass.
+    pub fused_attention_backward_efficiency: f64,
     pub intra_node: Link,
     pub inter_node: Link,
     /// Devices in the usual node (DGX/HGX have 8).
@@ -119,6 +125,15 @@ const DEFAULT_MAMF: f64 = 0.8;
 /// no figure is at hand: the device's large-GEMM efficiency.
 const A100_FLASH2: (f64, f64) = (197.0 / 312.0, 186.0 / 312.0);
 const H100_FLASH2: (f64, f64) = (284.1 / 989.4, 287.1 / 989.4);
+/// The fused attention a Hopper stack runs (FlashAttention-3; Transformer
+/// Engine's cuDNN kernel is of its class), from the same benchmark as
+/// FlashAttention-2's H100 figures (pull request #1791, `main`, head
+/// dimension 128, causal, sequence 8192): "Fav3 fwd: 0.873ms, 630.0 TFLOPS",
+/// "Fav3 bwd: 2.585ms, 531.6 TFLOPS" (63.7% and 53.7% of 989.4) — below the
+/// GEMM rate, the backward most (its five block matmuls share the SMs with
+/// the softmax's recomputation and dQ's atomic accumulation). Ampere has
+/// nothing faster than FlashAttention-2, so there `fused` is FlashAttention-2.
+const H100_FLASH3: (f64, f64) = (630.0 / 989.4, 531.6 / 989.4);
 
 /// NVLink/NVSwitch and NCCL-over-InfiniBand latencies per hop: a few microseconds
 /// (NCCL's own tuning model uses ~1–2 µs per NVLink step and ~5 µs over the network).
@@ -176,6 +191,8 @@ pub fn catalog() -> Vec<Device> {
         fp8_matmul_efficiency: A100_MAMF,
         flash2_efficiency: A100_FLASH2.0,
         flash2_backward_efficiency: A100_FLASH2.1,
+        fused_attention_efficiency: A100_FLASH2.0,
+        fused_attention_backward_efficiency: A100_FLASH2.1,
         intra_node: link("nvswitch", 300.0 * GB, NVLINK_LATENCY_S),
         inter_node: link("infiniband", 25.0 * GB, IB_LATENCY_S),
         devices_per_node: 8,
@@ -200,6 +217,8 @@ pub fn catalog() -> Vec<Device> {
         fp8_matmul_efficiency,
         flash2_efficiency: H100_FLASH2.0,
         flash2_backward_efficiency: H100_FLASH2.1,
+        fused_attention_efficiency: H100_FLASH3.0,
+        fused_attention_backward_efficiency: H100_FLASH3.1,
         intra_node: link("nvswitch", 450.0 * GB, NVLINK_LATENCY_S),
         inter_node: link("infiniband", 50.0 * GB, IB_LATENCY_S),
         devices_per_node: 8,
@@ -234,6 +253,8 @@ pub fn catalog() -> Vec<Device> {
             fp8_matmul_efficiency: B200_FP8_MSMF,
             flash2_efficiency: B200_MSMF,
             flash2_backward_efficiency: B200_MSMF,
+            fused_attention_efficiency: B200_MSMF,
+            fused_attention_backward_efficiency: B200_MSMF,
             intra_node: link("nvswitch", 900.0 * GB, NVLINK_LATENCY_S),
             inter_node: link("infiniband", 50.0 * GB, IB_LATENCY_S),
             devices_per_node: 8,
@@ -254,6 +275,8 @@ pub fn catalog() -> Vec<Device> {
             fp8_matmul_efficiency: DEFAULT_MAMF,
             flash2_efficiency: DEFAULT_MAMF,
             flash2_backward_efficiency: DEFAULT_MAMF,
+            fused_attention_efficiency: DEFAULT_MAMF,
+            fused_attention_backward_efficiency: DEFAULT_MAMF,
             intra_node: link("infinity-fabric", 448.0 * GB, NVLINK_LATENCY_S),
             inter_node: link("infiniband", 50.0 * GB, IB_LATENCY_S),
             devices_per_node: 8,
@@ -274,6 +297,8 @@ pub fn catalog() -> Vec<Device> {
             fp8_matmul_efficiency: DEFAULT_MAMF,
             flash2_efficiency: DEFAULT_MAMF,
             flash2_backward_efficiency: DEFAULT_MAMF,
+            fused_attention_efficiency: DEFAULT_MAMF,
+            fused_attention_backward_efficiency: DEFAULT_MAMF,
             intra_node: link("nvlink", 150.0 * GB, NVLINK_LATENCY_S),
             inter_node: link("infiniband", 6.25 * GB, IB_LATENCY_S),
             devices_per_node: 8,
@@ -294,6 +319,8 @@ pub fn catalog() -> Vec<Device> {
             fp8_matmul_efficiency: DEFAULT_MAMF,
             flash2_efficiency: DEFAULT_MAMF,
             flash2_backward_efficiency: DEFAULT_MAMF,
+            fused_attention_efficiency: DEFAULT_MAMF,
+            fused_attention_backward_efficiency: DEFAULT_MAMF,
             intra_node: link("shm", 10.0 * GB, 1e-6),
             inter_node: link("ethernet", 1.25 * GB, 20e-6),
             devices_per_node: 1024,
@@ -477,6 +504,15 @@ fn custom_device(d: &dplc_ir::DeviceSpec, spec: &ClusterSpec) -> Result<Device, 
         flash2_backward_efficiency: d
             .flash2_backward_efficiency
             .or(d.flash2_efficiency)
+            .or(d.matmul_efficiency)
+            .unwrap_or(DEFAULT_MAMF),
+        fused_attention_efficiency: d
+            .fused_attention_efficiency
+            .or(d.matmul_efficiency)
+            .unwrap_or(DEFAULT_MAMF),
+        fused_attention_backward_efficiency: d
+            .fused_attention_backward_efficiency
+            .or(d.fused_attention_efficiency)
             .or(d.matmul_efficiency)
             .unwrap_or(DEFAULT_MAMF),
         intra_node: unused(),

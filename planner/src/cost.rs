@@ -742,9 +742,11 @@ impl<'a> CostModel<'a> {
             let causal = attended_share(self.seq, r.causal, r.window, fused_tile(c.attention));
             let (forward, backward) = match c.attention {
                 AttentionKind::Flash2 => (dev.flash2_efficiency, dev.flash2_backward_efficiency),
-                AttentionKind::Fused | AttentionKind::Unfused => {
-                    (dev.matmul_efficiency, dev.matmul_efficiency)
-                }
+                AttentionKind::Fused => (
+                    dev.fused_attention_efficiency,
+                    dev.fused_attention_backward_efficiency,
+                ),
+                AttentionKind::Unfused => (dev.matmul_efficiency, dev.matmul_efficiency),
             };
             let pass = |efficiency: f64| {
                 (causal * attention_flops / (self.peak_flops * efficiency))

@@ -189,7 +189,7 @@ pub(crate) fn search(
         smallest: None,
     };
     let keep = top_k + 1;
-    let mut partitions: HashMap<(Config, bool), Vec<u64>> = HashMap::new();
+    let mut partitions: HashMap<(Config, Option<u64>), Vec<u64>> = HashMap::new();
     let layers = profile.layers;
     let tps: Vec<u64> = divisors(world)
         .into_iter()
@@ -392,7 +392,7 @@ fn explore(
     profile: &ModelProfile,
     pins: &StrategyConstraints,
     cost: &mut CostModel,
-    partitions: &mut HashMap<(Config, bool), Vec<u64>>,
+    partitions: &mut HashMap<(Config, Option<u64>), Vec<u64>>,
     out: &mut Outcome,
     (capacity, host_capacity): (u64, u64),
     keep: usize,
@@ -471,7 +471,8 @@ fn explore(
                         ..base
                     };
                     out.evaluated += 1;
-                    let interleaved = schedule == PipelineSchedule::Interleaved;
+                    // Interleaved, the split keeps a layer in each of a stage's chunks.
+                    let interleaved = (schedule == PipelineSchedule::Interleaved).then_some(v);
                     let key = (
                         Config {
                             zero: 0,

@@ -12,13 +12,23 @@ impl CostModel<'_> {
     /// Layers per pipeline stage, balanced by time: the first stage also runs
     /// the embedding and the last the head and loss; a layer costs what a
     /// layer of its stack costs, and a stack's first layer brings its lead-in.
+    /// Interleaved, a stage's time is that of all its chunks, and each
+    /// chunk keeps a layer; several stacks interleave evenly (their
+    /// balancing assumes a stage's layers are contiguous).
     pub fn partition(&mut self, c: &Config) -> Vec<u64> {
         let parts = self.parts(c);
         let (l, p) = (self.profile.layers, c.pp);
         let mut counts = dplc_ir::even_split(l, p);
-        if c.schedule == PipelineSchedule::Interleaved || p == 1 || c.even_stages {
+        let interleaved = c.schedule == PipelineSchedule::Interleaved;
+        let stacks = self.profile.stacks.len();
+        if p == 1 || c.even_stages || (interleaved && stacks > 1) {
             return counts;
         }
+        let fewest = if interleaved {
+            c.virtual_stages.max(1)
+        } else {
+            1
+        };
         let extra = |i: usize| {
             (if i == 0 { parts.pre.total() } else { 0.0 })
                 + (if i as u64 == p - 1 {
@@ -27,7 +37,7 @@ impl CostModel<'_> {
                     0.0
                 })
         };
-        if self.profile.stacks.len() > 1 {
+        if stacks > 1 {
             return self.balance_stacks(&parts, p, extra);
         }
         // One stack: every layer costs the same, and moving a layer from the
@@ -44,7 +54,7 @@ impl CostModel<'_> {
                     lo = i;
                 }
             }
-            if counts[hi] <= 1 {
+            if counts[hi] <= fewest {
                 break;
             }
             let old = time(&counts, hi);

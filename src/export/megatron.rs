@@ -54,17 +54,25 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
             |p| p.schedule = Some(PipelineSchedule::OneFOneB),
         ));
     }
-    if s.schedule == PipelineSchedule::Interleaved
-        && !plan.layers.is_multiple_of(m.pp * s.virtual_stages.max(1))
-    {
+    if s.schedule == PipelineSchedule::Interleaved && interleave_flags(plan).is_none() {
+        let v = s.virtual_stages.max(1);
+        let even = dplc_ir::even_split(plan.layers, m.pp);
+        let even_fits = accounted_split(plan.layers, m.pp, v)
+            .any(|(_, chunks)| chunks == dplc_ir::virtual_stage_layers(&even, v));
         gaps.push(Gap::new(
             format!(
-                "interleaving {} layers over {} stages × {} chunks (Megatron needs whole, equal chunks)",
-                plan.layers, m.pp, s.virtual_stages
+                "interleaving the stage split {:?} in {} chunks (Megatron's chunks are equal, but for one \
+                 short beside the embedding or the loss)",
+                plan.stage_layers(),
+                v
             ),
-            |p| {
-                p.schedule = Some(PipelineSchedule::OneFOneB);
-                p.virtual_stages = Some(1);
+            move |p| {
+                if even_fits {
+                    p.even_stages = Some(true);
+                } else {
+                    p.schedule = Some(PipelineSchedule::OneFOneB);
+                    p.virtual_stages = Some(1);
+                }
             },
         ));
     }
@@ -180,6 +188,43 @@ fn stage_flags(plan: &Plan) -> Option<Vec<(&'static str, u64)>> {
     }
 }
 
+/// Megatron's chunk sizes, in pipeline order, for `layers` over `pp × v`
+/// chunks with each pair of `--account-for-embedding-in-pipeline-split` and
+/// `--account-for-loss-in-pipeline-split`: the embedding or the loss counts
+/// as a layer of the first or the last chunk, which builds one fewer.
+fn accounted_split(layers: u64, pp: u64, v: u64) -> impl Iterator<Item = ((bool, bool), Vec<u64>)> {
+    [(false, false), (true, false), (false, true), (true, true)]
+        .into_iter()
+        .filter_map(move |(embedding, loss)| {
+            let chunks = pp * v;
+            let total = layers + u64::from(embedding) + u64::from(loss);
+            if chunks == 0 || !total.is_multiple_of(chunks) {
+                return None;
+            }
+            let mut split = vec![total / chunks; chunks as usize];
+            split[0] -= u64::from(embedding);
+            split[chunks as usize - 1] -= u64::from(loss);
+            (!split.contains(&0)).then_some(((embedding, loss), split))
+        })
+}
+
+/// The interleaved schedule's flags for the plan's chunks, when Megatron
+/// builds the same ones.
+fn interleave_flags(plan: &Plan) -> Option<Vec<Flag>> {
+    let v = plan.strategy.virtual_stages.max(1);
+    let chunks = dplc_ir::virtual_stage_layers(&plan.stage_layers(), v);
+    let ((embedding, loss), _) =
+        accounted_split(plan.layers, plan.mesh.pp, v).find(|(_, split)| *split == chunks)?;
+    let mut f = vec![arg("--num-virtual-stages-per-pipeline-rank", v)];
+    if embedding {
+        f.push(flag("--account-for-embedding-in-pipeline-split"));
+    }
+    if loss {
+        f.push(flag("--account-for-loss-in-pipeline-split"));
+    }
+    Some(f)
+}
+
 /// One command-line flag, with its value if it takes one.
 pub struct Flag(pub &'static str, pub Option<String>);
 
@@ -288,10 +333,7 @@ pub fn parallel_flags(plan: &Plan) -> Vec<Flag> {
         f.push(flag("--use-tp-pp-dp-mapping"));
     }
     if s.schedule == PipelineSchedule::Interleaved && s.virtual_stages > 1 {
-        f.push(arg(
-            "--num-layers-per-virtual-pipeline-stage",
-            plan.layers / (m.pp * s.virtual_stages),
-        ));
+        f.extend(interleave_flags(plan).unwrap_or_default());
     } else if let Some(flags) = stage_flags(plan) {
         f.extend(flags.into_iter().map(|(k, v)| arg(k, v)));
     }
