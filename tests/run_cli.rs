@@ -1207,6 +1207,9 @@ fn a_fused_run_reports_its_memory_beside_the_plans() {
         // 1.16x before the plan counted that working set).
         ("gpt_tiny", "2xcpu", "pp=2", 1.1),
         ("moe_tiny", "4xcpu", "dp=2,ep=2", 1.1),
+        // ZeRO-3 under a pipeline holds the stage's gathered weights and
+        // whole gradients through the step (1.05x).
+        ("gpt_tiny", "4xcpu", "dp=2,pp=2,zero=3", 1.1),
     ] {
         let v = run_summary("models/tiny.dpl", model, cluster, strategy, 64, "fused");
         let ratio = v["peak_memory_bytes"].as_f64().expect("measured")
@@ -1225,6 +1228,44 @@ fn a_fused_run_reports_its_memory_beside_the_plans() {
         "reference",
     );
     assert!(v.get("peak_memory_bytes").is_none(), "{v}");
+}
+
+/// ZeRO-3 under a pipeline gathers each weight once a step and
+/// reduce-scatters each gradient once, after the stage's last backward
+/// (torchtitan's FSDP2 under pipelining): the data-parallel bytes are
+/// ZeRO-1's, and what the plan predicts; without a pipeline every
+/// micro-batch reduces its layers again.
+#[test]
+fn zero_3_under_a_pipeline_reduces_once_a_step() {
+    let bytes = |strategy: &str| {
+        let cluster = if strategy.contains("pp=2") {
+            "4xcpu"
+        } else {
+            "2xcpu"
+        };
+        let v = run_summary(
+            "models/tiny.dpl",
+            "gpt_tiny",
+            cluster,
+            strategy,
+            64,
+            "fused",
+        );
+        let measured = v["dp_bytes_sent_per_step"]
+            .as_f64()
+            .expect("measured bytes");
+        let predicted = v["predicted_dp_bytes_per_step"]
+            .as_f64()
+            .expect("predicted bytes");
+        assert_eq!(measured, predicted, "{strategy}");
+        measured
+    };
+    assert_eq!(
+        bytes("dp=2,pp=2,mb=1,zero=3"),
+        bytes("dp=2,pp=2,mb=1,zero=1")
+    );
+    // Two micro-batches a replica: ZeRO-3 without a pipeline reduces twice.
+    assert_eq!(bytes("dp=2,mb=1,zero=3"), 2.0 * bytes("dp=2,mb=1,zero=1"));
 }
 
 /// A node the sharding e-graph computes in two layouts (Mixtral's shape at

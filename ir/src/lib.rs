@@ -41,7 +41,9 @@ pub use layout::{
 pub use localize::localize;
 pub use mask::{scalar_constant, window_mask, WindowMask};
 pub use op::{BinaryOp, Init, Op, ReduceKind, UnaryOp, VocabOp};
-pub use pipeline::{even_split, pipeline_order, virtual_stage_layers, PipelineWork};
+pub use pipeline::{
+    even_split, pipeline_order, virtual_stage_layers, zero3_holds_the_step, PipelineWork,
+};
 pub use plan::{powersgd_factors, topk_sparsifies, POWERSGD_MIN_COMPRESSION_RATE};
 pub use plan::{
     Alternative, AttentionKind, AxisComm, AxisMapping, AxisPart, BackwardCollective,

@@ -89,6 +89,17 @@ pub fn pipeline_order(
     out
 }
 
+/// Whether ZeRO-3 keeps a stage's gathered weights and whole gradients
+/// through the step: under a pipeline it does (torchtitan's FSDP2 does not
+/// reshard after forward when pipelining, and PyTorch's pipeline stage
+/// defers the gradients' reduce-scatter to its last backward), so each
+/// weight is gathered once a step and each gradient reduce-scattered once,
+/// where without a pipeline every micro-batch gathers and reduces its
+/// layers again. The planner prices it and the runtime runs it from here.
+pub fn zero3_holds_the_step(zero_stage: u8, pp: u64) -> bool {
+    zero_stage >= 3 && pp > 1
+}
+
 /// `total` split into `parts` counts as equal as they go, the larger first.
 pub fn even_split(total: u64, parts: u64) -> Vec<u64> {
     let parts = parts.max(1);

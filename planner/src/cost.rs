@@ -204,6 +204,19 @@ pub(crate) struct Config {
 }
 
 impl Config {
+    /// Whether ZeRO-3 keeps the stage's gathered weights and whole
+    /// gradients through the step (under a pipeline; one all-gather and one
+    /// reduce-scatter a step, [`dplc_ir::zero3_holds_the_step`]).
+    pub fn holds_the_step(&self) -> bool {
+        dplc_ir::zero3_holds_the_step(self.zero, self.pp)
+    }
+
+    /// Whether ZeRO-3 gathers each layer's weights as a pass reaches it and
+    /// frees them after (FSDP's resharding, every micro-batch).
+    pub fn gathers_per_layer(&self) -> bool {
+        self.zero >= 3 && !self.holds_the_step()
+    }
+
     /// Whether ZeRO's weight all-gathers move FP8 casts: pinned, with FP8
     /// GEMMs to read them and a sharded stage to gather.
     pub fn gathers_fp8(&self) -> bool {
@@ -997,13 +1010,13 @@ impl<'a> CostModel<'a> {
             .max(pre.gather_buffer_bytes)
             .max(post.gather_buffer_bytes);
         let largest_layer = Self::largest(&shares, layer_weights);
-        if c.zero >= 3 {
+        if c.gathers_per_layer() {
             // The gathered weights of the layer running and the next one
             // prefetched (their FP8 casts when those are what is gathered).
             let gathered = if c.gathers_fp8() { 1.0 } else { w_bytes };
             buffers += 2.0 * largest_layer * gathered;
         }
-        if c.zero >= 2 {
+        if c.zero >= 2 && !c.holds_the_step() {
             // A layer's whole gradients, written by its backward before they
             // are reduce-scattered to the shard this rank keeps (FSDP's
             // unsharded gradients of one unit; DeepSpeed's reduce bucket).
@@ -1016,21 +1029,21 @@ impl<'a> CostModel<'a> {
             .iter()
             .map(|sh| sh.layers as f64 * layer_weights(sh.stack))
             .sum();
-        let fp8_weights = match (c.fp8, c.zero >= 3) {
+        let fp8_weights = match (c.fp8, c.gathers_per_layer()) {
             (false, _) => 0.0,
             // Gathering the casts, a rank keeps no cast of its own: the FP8
             // weights are the gathered ones (ZeRO-3, counted in `buffers`)
             // or the compute weights themselves (ZeRO-1/2, Megatron's
             // `--fp8-param-gather`, counted below); only the transposes the
             // backward reads are extra.
-            _ if c.gathers_fp8() && c.zero >= 3 => 2.0 * largest_layer,
+            _ if c.gathers_fp8() && c.gathers_per_layer() => 2.0 * largest_layer,
             _ if c.gathers_fp8() => stage_weights,
             (true, false) => 2.0 * stage_weights,
             (true, true) => 2.0 * (stage_weights / dp + 2.0 * largest_layer),
         };
         // ZeRO-1/2 gathering FP8 keeps the layers' compute weights in FP8
         // only (one byte instead of the training precision's).
-        let fp8_compute_saving = if c.gathers_fp8() && c.zero < 3 {
+        let fp8_compute_saving = if c.gathers_fp8() && !c.gathers_per_layer() {
             stage_weights * (w_bytes - 1.0)
         } else {
             0.0
@@ -1039,9 +1052,12 @@ impl<'a> CostModel<'a> {
             .iter()
             .map(|sh| sh.layers as f64 * parts.stacks[sh.stack].0.saved_bytes)
             .sum();
+        // Held through the step, the whole weights and gradients sit beside
+        // the shards they are gathered from and reduced into.
+        let held = if c.holds_the_step() { params } else { 0.0 };
         let mut m = MemoryBreakdown {
-            weights: (shard(3) * w_bytes + fp8_weights - fp8_compute_saving) as u64,
-            gradients: (shard(2) * grad_bytes) as u64,
+            weights: ((shard(3) + held) * w_bytes + fp8_weights - fp8_compute_saving) as u64,
+            gradients: ((shard(2) + held) * grad_bytes) as u64,
             optimizer: (shard(1) * opt_bytes) as u64,
             activations: (saved * flight) as u64,
             embedding_and_loss: embedding_and_loss as u64,
@@ -1074,9 +1090,10 @@ impl<'a> CostModel<'a> {
         }
         if o.params {
             // ZeRO-Infinity: the weight shards too; the device keeps only the
-            // gathered layers (in `buffers`).
-            m.host += m.weights - fp8_weights as u64;
-            m.weights = fp8_weights as u64;
+            // gathered layers (in `buffers`, or held through the step).
+            let on_device = (fp8_weights + held * w_bytes) as u64;
+            m.host += m.weights - on_device;
+            m.weights = on_device;
         }
         if o.activations {
             // Each layer's saved tensors go out in forward and come back in
@@ -1358,7 +1375,19 @@ impl<'a> CostModel<'a> {
         } else {
             0.0
         };
-        let (mut exposed_dp, mut whole_dp) = if c.zero >= 3 {
+        let (mut exposed_dp, mut whole_dp) = if c.holds_the_step() {
+            // Held through the step: the weights are gathered once, layer by
+            // layer ahead of the first micro-batch's forward (the first
+            // waits), and the whole gradients reduce-scattered once after
+            // the last backward, with no compute left to hide them behind.
+            let l = layers0;
+            let gather = collective_time(CollectiveKind::AllGather, gathered_bytes, &dp_link);
+            let (g, f) = (gather / l, stages[0].forward / l);
+            (
+                g + (l - 1.0) * (g - f).max(0.0) + dp_reduce,
+                gather + dp_reduce,
+            )
+        } else if c.zero >= 3 {
             // ZeRO-3 (FSDP) works layer by layer, every micro-batch: the
             // forward gathers a layer's weights while the layer before it
             // computes (the first gather waits), the backward gathers them
@@ -1536,7 +1565,11 @@ impl<'a> CostModel<'a> {
             offload_s: offload,
             offload_bytes: offload_bytes as u64,
             dp_link_bytes: ((dense_cut.link_bytes + expert_cut.link_bytes)
-                * if c.zero >= 2 { m } else { 1.0 }) as u64,
+                * if c.zero >= 2 && !c.holds_the_step() {
+                    m
+                } else {
+                    1.0
+                }) as u64,
             comm_by_axis,
         }
     }

@@ -390,7 +390,8 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
         } else {
             CollectiveKind::AllReduce
         };
-        let count = if c.zero >= 2 { m } else { 1 };
+        let held = c.holds_the_step();
+        let count = if c.zero >= 2 && !held { m } else { 1 };
         push(
             &mut out,
             kind,
@@ -402,7 +403,8 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
             &link,
         );
         let w = profile.precision.bytes() as f64;
-        if c.zero >= 1 {
+        // ZeRO-3 gathers its weights where a pass needs them instead.
+        if (1..3).contains(&c.zero) {
             push(
                 &mut out,
                 CollectiveKind::AllGather,
@@ -414,7 +416,18 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
                 &link,
             );
         }
-        if c.zero >= 3 {
+        if held {
+            push(
+                &mut out,
+                CollectiveKind::AllGather,
+                MeshAxis::Dp,
+                "weights, held through the step",
+                params * w,
+                StepPhase::Forward,
+                1,
+                &link,
+            );
+        } else if c.zero >= 3 {
             push(
                 &mut out,
                 CollectiveKind::AllGather,

@@ -46,6 +46,16 @@ pub enum ZeroStage {
 }
 
 impl ZeroStage {
+    /// The stage's number, as plans write it.
+    pub(crate) fn stage(self) -> u8 {
+        match self {
+            ZeroStage::None => 0,
+            ZeroStage::One => 1,
+            ZeroStage::Two => 2,
+            ZeroStage::Three => 3,
+        }
+    }
+
     /// Whether each rank keeps only its part of every gradient, reduced
     /// after each unit's backward of every micro-batch (ZeRO-2 and 3).
     pub(crate) fn shards_grads(self) -> bool {
@@ -162,8 +172,13 @@ pub(crate) struct ParamStore<S: Storage> {
     /// The tensor- and expert-parallel groups layouts convert over.
     pub mesh: MeshGroups,
     /// ZeRO-2 and 3: whole gradients of the current micro-batch, waiting
-    /// for their unit's reduce-scatter.
+    /// for their unit's reduce-scatter (of the step's micro-batches when
+    /// `hold`).
     pending: HashMap<ParamKey, S::Buf>,
+    /// ZeRO-3 keeps each unit's gathered weights and whole gradients from
+    /// its first gather to the step's end ([`dplc_ir::zero3_holds_the_step`]):
+    /// one all-gather and one reduce-scatter a step ([`Self::release_held`]).
+    hold: bool,
     /// How the data-parallel group combines gradients. A parameter server
     /// keeps ZeRO-1's layout (each server updates its own shard of every
     /// tensor; `shards` has empty ranges for the workers that serve none).
@@ -192,6 +207,8 @@ pub(crate) struct DpState<'a> {
     /// A dedicated parameter server: it computes nothing, so it keeps no
     /// weight versions (and takes no weights back).
     pub server: bool,
+    /// ZeRO-3 under a pipeline ([`dplc_ir::zero3_holds_the_step`]).
+    pub hold: bool,
 }
 
 /// Where a rank's store comes from: its graph, the tensors it holds, its
@@ -398,6 +415,7 @@ impl<S: Storage> ParamStore<S> {
         Ok(ParamStore {
             slots,
             zero,
+            hold: dp_sync.hold && zero.shards_weights(),
             storage,
             comm,
             mesh,
@@ -420,13 +438,17 @@ impl<S: Storage> ParamStore<S> {
             .collect()
     }
 
-    /// ZeRO-3: all-gather the parameters of `unit` from their shards.
+    /// ZeRO-3: all-gather the parameters of `unit` from their shards (held
+    /// ones are gathered already).
     pub fn gather(&mut self, unit: Unit) -> Result<()> {
         if !self.zero.shards_weights() {
             return Ok(());
         }
         for key in self.keys_of(unit) {
             let slot = self.slots.get_mut(&key).expect("key listed from the slots");
+            if self.hold && slot.full.is_some() {
+                continue;
+            }
             let whole = self
                 .storage
                 .all_gather(&mut self.comm, &slot.group, &[(&slot.master, &slot.shards)])?
@@ -439,11 +461,27 @@ impl<S: Storage> ParamStore<S> {
 
     /// ZeRO-2 and 3: reduce-scatter the gradients `unit` got in this
     /// micro-batch (when `reduce`); ZeRO-3 then frees its gathered parameters.
+    /// Held, both wait for the step's end ([`Self::release_held`]).
     pub fn release(&mut self, unit: Unit, reduce: bool) -> Result<()> {
-        if !self.zero.shards_grads() {
+        if !self.zero.shards_grads() || self.hold {
             return Ok(());
         }
-        for key in self.keys_of(unit) {
+        self.release_keys(self.keys_of(unit), reduce)
+    }
+
+    /// The step's end under `hold`: every unit's whole gradients are
+    /// reduce-scattered to this rank's shard, once, and its gathered weights
+    /// freed — what PyTorch's pipeline stage runs after its last backward.
+    pub fn release_held(&mut self) -> Result<()> {
+        if !self.hold {
+            return Ok(());
+        }
+        let keys: Vec<ParamKey> = self.slots.keys().copied().collect();
+        self.release_keys(keys, true)
+    }
+
+    fn release_keys(&mut self, keys: Vec<ParamKey>, reduce: bool) -> Result<()> {
+        for key in keys {
             let slot = self.slots.get_mut(&key).expect("key listed from the slots");
             if reduce {
                 let full = match self.pending.remove(&key) {

@@ -654,6 +654,7 @@ fn run_rank(
             feedback: feedback.as_ref(),
             versions,
             server,
+            hold: dplc_ir::zero3_holds_the_step(cfg.zero.stage(), cfg.pp as u64),
         },
     };
     // The reference keeps the state on the host; the fused compute keeps it
@@ -1016,12 +1017,7 @@ impl<S: Storage> Rank<'_, '_, S> {
                     tp: cfg.tp,
                     pp: cfg.pp,
                     ep: cfg.ep,
-                    zero: match cfg.zero {
-                        ZeroStage::None => 0,
-                        ZeroStage::One => 1,
-                        ZeroStage::Two => 2,
-                        ZeroStage::Three => 3,
-                    },
+                    zero: cfg.zero.stage(),
                     micro_batch: cfg.micro_batch,
                     num_micro_batches: cfg.num_micro_batches,
                     sequence_parallel: cfg.sequence_parallel,
@@ -1206,6 +1202,9 @@ impl<S: Storage> Rank<'_, '_, S> {
     fn finish_step(&mut self, start: Instant) -> Result<StepStats> {
         let sh = self.sh;
         let cfg = sh.cfg;
+        // ZeRO-3 under a pipeline reduce-scatters the step's gradients now,
+        // after the stage's last backward.
+        self.store.release_held()?;
         // Tied weights (an embedding reused by the head on another stage):
         // every copy gets the sum of the copies' gradients.
         for (key, stages) in &sh.tied {
