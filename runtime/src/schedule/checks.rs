@@ -1,13 +1,90 @@
-//! What the runtime refuses of a configuration before any rank starts:
-//! gradient synchronisations and compressions it does not run, and context
-//! parallelism a model or sequence cannot take.
+//! What the runtime refuses of a configuration before any rank starts: a
+//! mesh the model, batch or schedule cannot take, gradient
+//! synchronisations and compressions it does not run, context parallelism
+//! a model or sequence cannot take, and a model without a scalar loss.
 
 use super::*;
+
+/// Every degree and the micro-batching at least one.
+pub(super) fn positive_degrees(cfg: &RunConfig) -> Result<()> {
+    if cfg.dp == 0
+        || cfg.cp == 0
+        || cfg.pp == 0
+        || cfg.tp == 0
+        || cfg.ep == 0
+        || cfg.micro_batch == 0
+        || cfg.num_micro_batches == 0
+    {
+        return Err(RuntimeError::Config(
+            "dp, cp, pp, tp, ep, micro_batch and num_micro_batches must be positive".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The mesh against the batch, the sequence and the schedule: experts
+/// split the replicas, sequence parallelism each rank's positions, the
+/// replicas' micro-batches the global batch, interleaving whole rounds of
+/// micro-batches; and the gradient synchronisation it runs.
+pub(super) fn mesh_fits(spec: &TrainSpec, cfg: &RunConfig) -> Result<()> {
+    if !cfg.dp.is_multiple_of(cfg.ep) {
+        return Err(RuntimeError::Config(format!(
+            "expert parallelism splits the data-parallel replicas: ep {} must divide dp {}",
+            cfg.ep, cfg.dp
+        )));
+    }
+    // Under cp each rank splits its own `seq / cp` positions over tp.
+    if cfg.sequence_parallel && !(spec.seq as usize / cfg.cp).is_multiple_of(cfg.tp) {
+        return Err(RuntimeError::Config(format!(
+            "sequence parallelism splits the sequence: tp {} must divide seq {}{}",
+            cfg.tp,
+            spec.seq,
+            if cfg.cp > 1 {
+                format!(" / cp {}", cfg.cp)
+            } else {
+                String::new()
+            }
+        )));
+    }
+    if cfg.global_batch() as u64 != spec.global_batch {
+        return Err(RuntimeError::Config(format!(
+            "dp {} × micro_batch {} × micro-batches {} = {} samples, but the global batch is {}",
+            cfg.dp,
+            cfg.micro_batch,
+            cfg.num_micro_batches,
+            cfg.global_batch(),
+            spec.global_batch
+        )));
+    }
+    check_dp_sync(cfg)?;
+    if cfg.schedule.chunks() > 1 && !cfg.num_micro_batches.is_multiple_of(cfg.pp) {
+        return Err(RuntimeError::Config(format!(
+            "the interleaved schedule needs the micro-batches ({}) to be a multiple of pp ({})",
+            cfg.num_micro_batches, cfg.pp
+        )));
+    }
+    Ok(())
+}
+
+/// The model's first result is what the backward starts from: a scalar
+/// float loss.
+pub(super) fn scalar_loss(graph: &Graph) -> Result<()> {
+    let loss = *graph
+        .outputs()
+        .first()
+        .ok_or_else(|| RuntimeError::Config("the model returns nothing".into()))?;
+    if !graph.tensor(loss).shape.dims().is_empty() || !graph.tensor(loss).dtype.is_float() {
+        return Err(RuntimeError::Config(
+            "the model's first result must be a scalar float loss".into(),
+        ));
+    }
+    Ok(())
+}
 
 /// What this runtime runs of the gradient synchronisations and
 /// compressions: a parameter server or a compressed all-reduce over
 /// replicated state (ZeRO-0), compression over the all-reduce only.
-pub(super) fn check_dp_sync(cfg: &RunConfig) -> Result<()> {
+fn check_dp_sync(cfg: &RunConfig) -> Result<()> {
     use dplc_ir::{Compression, GradSync};
     let changed = cfg.sync != GradSync::AllReduce || cfg.compress != Compression::None;
     if changed && cfg.zero != ZeroStage::None {
