@@ -10,6 +10,7 @@ pub mod egraph;
 mod error;
 mod layouts;
 mod megatron;
+mod memory;
 mod profile;
 mod report;
 mod search;
