@@ -672,7 +672,7 @@ fn experts_go_to_megatron_whole_over_tp() {
 }
 
 #[test]
-fn an_interleaved_split_that_counts_the_embedding_and_loss_goes_to_megatron_as_such() {
+fn an_interleaved_split_goes_to_megatron_and_torchtitan_as_planned() {
     // Llama 3.1 405B as Megatron-Bridge runs it on 1024 H100s (tp 8, pp 8,
     // cp 2, 8 chunks a stage): 126 layers do not fill 64 equal chunks, so
     // the time-balanced split gives the first and last stages 15 and their
@@ -704,6 +704,24 @@ fn an_interleaved_split_that_counts_the_embedding_and_loss_goes_to_megatron_as_s
         assert!(script.contains(f), "{f} missing:\n{script}");
     }
     assert!(!script.contains("--decoder-first-pipeline-num-layers"));
+
+    // torchtitan runs its closest plan: FSDP2 (ZeRO-3) for the distributed
+    // optimizer, holding the step under the pipeline (no reshard after
+    // forward), FP8 kept, the model parts exactly the plan's chunks.
+    let out = export(&plan, "torchtitan", &["--closest"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let toml_text = text(&out.stdout);
+    check_torchtitan(&toml_text, 1024);
+    for line in [
+        "fsdp_reshard_after_forward = \"never\"",
+        "pipeline_parallel_schedule = \"Interleaved1F1B\"",
+        "[\"tok_embeddings\", \"layers.0\"],",
+        "[\"layers.1\", \"layers.2\"],",
+        "[\"layers.125\", \"norm\", \"output\"],",
+        "converters = [\"quantize.linear.float8\"]",
+    ] {
+        assert!(toml_text.contains(line), "{line} missing:\n{toml_text}");
+    }
 
     // 24 layers in 4 stages of 4 chunks: no equal chunks, with or without
     // a short one at the ends, so Megatron cannot build it; the closest

@@ -267,8 +267,22 @@ fn closest(
         ep: all.ep,
         ..StrategyConstraints::default()
     };
+    // What changes the numbers training computes (FP8, how replicas
+    // combine gradients) the search never takes unasked, so it is kept
+    // while the rest is searched again: a closest plan does not quietly
+    // train in another precision.
+    let numerics = StrategyConstraints {
+        fp8: all.fp8,
+        fp8_gather: all.fp8_gather,
+        sync: all.sync,
+        ps_shards: all.ps_shards,
+        ps_ranks: all.ps_ranks,
+        staleness: all.staleness,
+        compress: all.compress,
+        ..mesh.clone()
+    };
     let mut why = String::new();
-    for base in [all, mesh, StrategyConstraints::default()] {
+    for base in [all, numerics, mesh, StrategyConstraints::default()] {
         let mut pins = base;
         for g in gaps {
             (g.pin)(&mut pins);

@@ -61,10 +61,11 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
         ));
     }
     if m.dp > 1 && s.zero_stage == 1 {
-        // With a pipeline dplc prices no ZeRO beyond 1, so the nearest plan
-        // it can price replicates (DDP); without one, FSDP2 without
-        // resharding after forward is ZeRO-2.
-        let zero = if m.pp > 1 { 0 } else { 2 };
+        // Under a pipeline FSDP2 holds a stage's gathered weights and whole
+        // gradients through the step (ZeRO-3 as dplc runs it there, the
+        // traffic of ZeRO-1); without one, FSDP2 without resharding after
+        // forward is ZeRO-2.
+        let zero = if m.pp > 1 { 3 } else { 2 };
         gaps.push(Gap::new(
             "ZeRO-1 (torchtitan shards with FSDP2: gradients and optimizer state together)",
             move |p| p.zero = Some(zero),
@@ -214,12 +215,7 @@ fn model_args(t: &Transformer) -> String {
 /// final norm and output with the last, the layers as the plan splits them
 /// (chunk `c` of stage `s` is part `c·pp + s`, as torchtitan loops them).
 fn model_parts(plan: &Plan) -> Vec<Vec<String>> {
-    let (pp, v) = (plan.mesh.pp, plan.chunks());
-    let counts: Vec<u64> = if v > 1 {
-        dplc_ir::even_split(plan.layers, pp * v)
-    } else {
-        plan.stage_layers()
-    };
+    let counts = dplc_ir::virtual_stage_layers(&plan.stage_layers(), plan.chunks());
     let mut parts = Vec::new();
     let mut next = 0;
     for (i, n) in counts.iter().enumerate() {
@@ -326,7 +322,9 @@ pub fn render(job: &Job) -> String {
         let _ = writeln!(
             w,
             "fsdp_reshard_after_forward = {}",
-            if s.zero_stage >= 3 {
+            // ZeRO-3 gathers per layer and micro-batch but under a
+            // pipeline, where it holds the step (`zero3_holds_the_step`).
+            if s.zero_stage >= 3 && !dplc_ir::zero3_holds_the_step(s.zero_stage, m.pp) {
                 "\"always\""
             } else {
                 "\"never\""
