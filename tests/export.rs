@@ -723,6 +723,21 @@ fn an_interleaved_split_goes_to_megatron_and_torchtitan_as_planned() {
         assert!(toml_text.contains(line), "{line} missing:\n{toml_text}");
     }
 
+    // ZeRO-2 under a pipeline is not what FSDP2 runs there (it holds the
+    // gradients through the step): the closest torchtitan plan is ZeRO-3.
+    let plan = compile(
+        "models/tiny.dpl",
+        "llama_tiny",
+        "4xA100",
+        &["--strategy", "dp=2,pp=2,zero=2"],
+        "llama_tiny_pp_zero2.ron",
+    );
+    let out = export(&plan, "torchtitan", &[]);
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(err.contains("ZeRO-2 under a pipeline"), "{err}");
+    assert!(err.contains("zero=3"), "{err}");
+
     // 24 layers in 4 stages of 4 chunks: no equal chunks, with or without
     // a short one at the ends, so Megatron cannot build it; the closest
     // plan it can run is named.

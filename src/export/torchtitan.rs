@@ -71,6 +71,13 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
             move |p| p.zero = Some(zero),
         ));
     }
+    if m.dp > 1 && m.pp > 1 && s.zero_stage == 2 {
+        gaps.push(Gap::new(
+            "ZeRO-2 under a pipeline (FSDP2 under pipelining keeps the gradients whole until the \
+             stage's last backward: ZeRO-3 holding the step)",
+            |p| p.zero = Some(3),
+        ));
+    }
     if s.zero_stage == 3 && s.shards == dplc_ir::ShardLayout::Flat {
         gaps.push(Gap::new(
             "ZeRO-3 in flat buffers (FSDP2 shards each parameter: it copies every all-gather out \
