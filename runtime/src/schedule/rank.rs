@@ -46,14 +46,19 @@ pub(super) fn run_rank(
         Group::new((0..n).map(|i| f(i).rank(cfg)).collect())
     };
     let tp_group = group_of(&|t| Coords { tp_index: t, ..at }, cfg.tp);
-    let first = at.dp_index - at.dp_index % cfg.ep;
-    let ep_group = group_of(
-        &|e| Coords {
-            dp_index: first + e,
-            ..at
-        },
-        cfg.ep,
-    );
+    // The `n` consecutive replicas of this one's block of `n`: its expert
+    // group (n = ep) and its context group (n = cp).
+    let block = |n: usize| {
+        let first = at.dp_index - at.dp_index % n;
+        group_of(
+            &|i| Coords {
+                dp_index: first + i,
+                ..at
+            },
+            n,
+        )
+    };
+    let ep_group = block(cfg.ep);
     let held = held::rank_keys(sh, at);
     // Top-k and PowerSGD carry their error feedback over a checkpoint.
     let feedback = match &sh.resume {
@@ -78,14 +83,7 @@ pub(super) fn run_rank(
         }
         _ => None,
     };
-    let first_cp = at.dp_index - at.dp_index % cfg.cp;
-    let cp_group = group_of(
-        &|c| Coords {
-            dp_index: first_cp + c,
-            ..at
-        },
-        cfg.cp,
-    );
+    let cp_group = block(cfg.cp);
     let init = StoreInit {
         graph: sh.graph,
         keys: held,
