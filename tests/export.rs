@@ -688,7 +688,7 @@ fn an_interleaved_split_goes_to_megatron_and_torchtitan_as_planned() {
             "--global-batch",
             "512",
             "--strategy",
-            "tp=8,pp=8,cp=2,dp=8,mb=1,schedule=interleaved,v=8,zero=1,sp=on,fp8=on,fp8_gather=on,recompute=none,offload=none",
+            "tp=8,pp=8,cp=2,dp=8,mb=1,schedule=interleaved,v=8,zero=1,sp=on,fp8=on,fp8_gather=on,fp8_bf16_ends=1,recompute=none,offload=none",
         ],
         "llama405b_interleaved.ron",
     );
@@ -697,6 +697,9 @@ fn an_interleaved_split_goes_to_megatron_and_torchtitan_as_planned() {
     let script = text(&out.stdout);
     check_megatron(&script);
     for f in [
+        "--first-last-layers-bf16",
+        "--num-layers-at-start-in-bf16 1",
+        "--num-layers-at-end-in-bf16 1",
         "--num-virtual-stages-per-pipeline-rank 8",
         "--account-for-embedding-in-pipeline-split",
         "--account-for-loss-in-pipeline-split",
@@ -719,6 +722,7 @@ fn an_interleaved_split_goes_to_megatron_and_torchtitan_as_planned() {
         "[\"layers.1\", \"layers.2\"],",
         "[\"layers.125\", \"norm\", \"output\"],",
         "converters = [\"quantize.linear.float8\"]",
+        "filter_fqns = [\"output\", \"layers.0.\", \"layers.125.\"]",
     ] {
         assert!(toml_text.contains(line), "{line} missing:\n{toml_text}");
     }

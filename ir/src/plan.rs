@@ -186,6 +186,11 @@ pub struct Strategy {
     /// written before this field existed gathered in the training precision.
     #[serde(default, skip_serializing_if = "is_off")]
     pub fp8_gather: bool,
+    /// Under `fp8`, the first and the last this many layers run their
+    /// GEMMs in bf16 (Megatron's `--first-last-layers-bf16`). Plans written
+    /// before this field existed ran every layer in FP8.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub fp8_bf16_ends: u64,
     /// State kept in host memory and moved over the host link (ZeRO-Offload
     /// and ZeRO-Infinity). Plans written before this field existed offloaded nothing.
     #[serde(default, skip_serializing_if = "Offload::is_none")]
@@ -851,6 +856,14 @@ impl fmt::Display for Strategy {
         }
         if self.fp8_gather {
             f.write_str(", fp8 weight gathers")?;
+        }
+        if self.fp8_bf16_ends > 0 {
+            write!(
+                f,
+                ", the first and last {} layer{} in bf16",
+                self.fp8_bf16_ends,
+                if self.fp8_bf16_ends == 1 { "" } else { "s" }
+            )?;
         }
         if !self.offload.is_none() {
             write!(f, ", offload {}", self.offload.name())?;

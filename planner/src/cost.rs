@@ -178,6 +178,8 @@ pub(crate) struct Config {
     pub fp8: bool,
     /// ZeRO's weight all-gathers move the FP8 casts (`fp8_gather=on`).
     pub fp8_gather: bool,
+    /// Layers at each end whose GEMMs stay bf16 under FP8 (`fp8_bf16_ends`).
+    pub fp8_bf16_ends: u64,
     /// State kept in host memory (`offload=`).
     pub offload: Offload,
     /// Elementwise ops fused into chains, or one kernel each (`elementwise=eager`).
@@ -930,7 +932,33 @@ impl<'a> CostModel<'a> {
         shares.iter().map(|sh| f(sh.stack)).fold(0.0, f64::max)
     }
 
-    /// Step time of `c` with stages holding `counts` layers.
+    /// What FP8's bf16 end layers (`fp8_bf16_ends`) add to stage `i`'s
+    /// pass: the first stage's first layers and the last stage's last run
+    /// their GEMMs at the bf16 rate instead of FP8's. (The FP8 casts those
+    /// layers do not keep, a byte or two a weight of a few layers, stay in
+    /// the memory.)
+    pub(crate) fn bf16_ends(&mut self, c: &Config, counts: &[u64], i: usize) -> PassCost {
+        let mut extra = PassCost::default();
+        let ends = c.fp8_bf16_ends as f64;
+        let (first, last) = (i == 0, i as u64 + 1 == c.pp);
+        if !c.fp8 || ends == 0.0 || !(first || last) {
+            return extra;
+        }
+        let fp8 = self.parts(c);
+        let bf16 = self.parts(&Config { fp8: false, ..*c });
+        let stacks = self.profile.stacks.len();
+        // Never more than the stage holds.
+        let held = counts.get(i).copied().unwrap_or(0) as f64;
+        for (at_end, stack) in [(first, 0), (last, stacks - 1)] {
+            if at_end {
+                let n = ends.min(held);
+                extra.add(&bf16.stacks[stack].0, n);
+                extra.add(&fp8.stacks[stack].0, -n);
+            }
+        }
+        extra
+    }
+
     /// The work of one micro-batch on stage `i` (all its chunks) holding `counts[i]` layers.
     pub fn stage_pass(&mut self, c: &Config, counts: &[u64], i: usize) -> PassCost {
         let parts = self.parts(c);
@@ -942,6 +970,7 @@ impl<'a> CostModel<'a> {
         if i as u64 == c.pp - 1 {
             s.add(&parts.post, 1.0);
         }
+        s.add(&self.bf16_ends(c, counts, i), 1.0);
         let bandwidth = self.cluster.device.memory_bandwidth * MEMORY_EFFICIENCY;
         if c.grad_accum == GradAccum::Separate {
             // A memory-bound pass over the stage's weight gradients after
@@ -1103,6 +1132,7 @@ impl<'a> CostModel<'a> {
             / rep_div
     }
 
+    /// Step time of `c` with stages holding `counts` layers.
     pub fn step_time(&mut self, c: &Config, counts: &[u64]) -> TimeBreakdown {
         let (p, m, v) = (c.pp, c.num_micro_batches as f64, c.virtual_stages as f64);
         let stages: Vec<PassCost> = (0..p as usize)

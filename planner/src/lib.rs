@@ -510,6 +510,11 @@ fn compile_one(req: &PlanRequest, cache: &layouts::LayoutCache) -> Result<Compil
             req.cluster.device.name
         )));
     }
+    if req.pinned.fp8_bf16_ends.is_some_and(|n| n > 0) && req.pinned.fp8 != Some(true) {
+        return Err(PlanError::Strategy(
+            "fp8_bf16_ends keeps the end layers' GEMMs in bf16 under FP8: it needs fp8=on".into(),
+        ));
+    }
     if req.pinned.fp8_gather == Some(true) {
         if req.pinned.fp8 != Some(true) {
             return Err(PlanError::Strategy(

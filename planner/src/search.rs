@@ -280,6 +280,7 @@ pub(crate) fn search(
                                 even_stages: pins.even_stages.unwrap_or(false),
                                 fp8: pins.fp8.unwrap_or(false),
                                 fp8_gather: pins.fp8_gather.unwrap_or(false),
+                                fp8_bf16_ends: pins.fp8_bf16_ends.unwrap_or(0),
                                 offload: Offload::NONE,
                                 elementwise: pins.elementwise.unwrap_or_default(),
                                 shards: pins.shards.unwrap_or_default(),

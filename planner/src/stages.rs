@@ -29,13 +29,21 @@ impl CostModel<'_> {
         } else {
             1
         };
+        // FP8's bf16 end layers weigh on the first and the last stage.
+        let ends = [
+            self.bf16_ends(c, &counts, 0).total(),
+            self.bf16_ends(c, &counts, p as usize - 1).total(),
+        ];
         let extra = |i: usize| {
-            (if i == 0 { parts.pre.total() } else { 0.0 })
-                + (if i as u64 == p - 1 {
-                    parts.post.total()
-                } else {
-                    0.0
-                })
+            (if i == 0 {
+                parts.pre.total() + ends[0]
+            } else {
+                0.0
+            }) + (if i as u64 == p - 1 {
+                parts.post.total() + ends[1]
+            } else {
+                0.0
+            })
         };
         if stacks > 1 {
             return self.balance_stacks(&parts, p, extra);

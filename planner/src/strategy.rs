@@ -51,6 +51,10 @@ pub struct StrategyConstraints {
     /// (torchao's FSDP float8 all-gather, Megatron's `--fp8-param-gather`);
     /// needs `fp8=on` and zero ≥ 1. The search keeps what is pinned (off).
     pub fp8_gather: Option<bool>,
+    /// `fp8_bf16_ends=N`: under `fp8=on`, the first N and the last N layers
+    /// keep their GEMMs in bf16 (Megatron's `--first-last-layers-bf16`, on
+    /// with N = 1 in NVIDIA's FP8 current-scaling recipes). Pinned only.
+    pub fp8_bf16_ends: Option<u64>,
     /// `offload=none|optimizer|params|activations`, parts joined by `+`:
     /// state kept in host memory. The search offloads only when nothing
     /// fits without it.
@@ -195,6 +199,7 @@ impl StrategyConstraints {
             order: Some(AxisOrder::of(m)),
             fp8: s.fp8.then_some(true),
             fp8_gather: s.fp8_gather.then_some(true),
+            fp8_bf16_ends: (s.fp8_bf16_ends > 0).then_some(s.fp8_bf16_ends),
             offload: (!s.offload.is_none()).then_some(s.offload),
             elementwise: (s.elementwise != Elementwise::Fused).then_some(s.elementwise),
             shards: (s.shards != ShardLayout::Flat).then_some(s.shards),
@@ -401,6 +406,13 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
             }
             "fp8" => c.fp8 = Some(on_off()?),
             "fp8_gather" => c.fp8_gather = Some(on_off()?),
+            "fp8_bf16_ends" => {
+                c.fp8_bf16_ends = Some(value.parse().map_err(|_| {
+                    err(format!(
+                        "fp8_bf16_ends is how many layers at each end keep bf16 GEMMs, got `{value}`"
+                    ))
+                })?)
+            }
             "elementwise" => {
                 c.elementwise = Some(match value.to_ascii_lowercase().as_str() {
                     "fused" => Elementwise::Fused,
@@ -483,7 +495,7 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
             }
             _ => {
                 return Err(err(format!(
-                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap, attention, tp_overlap, grad_accum, root, order, stages, fp8, fp8_gather, offload, elementwise, shards, sync, ps_shards, ps_ranks, staleness, compress"
+                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap, attention, tp_overlap, grad_accum, root, order, stages, fp8, fp8_gather, fp8_bf16_ends, offload, elementwise, shards, sync, ps_shards, ps_ranks, staleness, compress"
                 )))
             }
         }
@@ -543,6 +555,7 @@ fn choice_of(key: &str) -> Option<&'static str> {
         "stages" => "stages",
         "fp8" => "fp8",
         "fp8_gather" => "fp8_gather",
+        "fp8_bf16_ends" => "fp8_bf16_ends",
         "offload" => "offload",
         "elementwise" => "elementwise",
         "shards" => "shards",
@@ -610,6 +623,9 @@ impl fmt::Display for StrategyConstraints {
         }
         if let Some(on) = self.fp8_gather {
             parts.push(format!("fp8_gather={}", if on { "on" } else { "off" }));
+        }
+        if let Some(n) = self.fp8_bf16_ends {
+            parts.push(format!("fp8_bf16_ends={n}"));
         }
         if let Some(e) = self.elementwise {
             parts.push(format!("elementwise={}", e.name()));

@@ -779,6 +779,38 @@ fn fp8_runs_the_layers_linear_gemms_at_the_fp8_rate_and_keeps_their_casts() {
     assert!(mf.activations as f64 > 0.5 * mb.activations as f64);
 }
 
+/// NVIDIA's FP8 current-scaling recipes keep the first and last layers'
+/// GEMMs in bf16 (`--first-last-layers-bf16`): with `fp8_bf16_ends=N` the
+/// two end stages each run N layers at the bf16 rate, so the step grows by
+/// what N layers cost in bf16 over FP8 on the slowest stage, and nothing else
+/// moves; without FP8 it is refused.
+#[test]
+fn fp8_bf16_ends_run_the_end_layers_at_the_bf16_rate() {
+    let strategy = "tp=8,pp=1,dp=1,mb=1,zero=0,recompute=none,sp=on";
+    let (bf16, fp8) = fp8_pair("8xH100", strategy);
+    let g = gpt("gpt", GPT_22B);
+    let mut req = PlanRequest::new(&g, train(2048, 64), parse_cluster("8xH100").unwrap());
+    req.pinned = parse_strategy(&format!("{strategy},fp8=on,fp8_bf16_ends=2")).unwrap();
+    let ends = compile(&req).unwrap().plan;
+    assert_eq!(ends.strategy.fp8_bf16_ends, 2);
+    // One stage holds both ends: four of the 48 layers in bf16.
+    let layer = |p: &dplc_ir::Plan| p.estimate.breakdown.compute_s / 48.0;
+    let expected = fp8.estimate.breakdown.compute_s + 4.0 * (layer(&bf16) - layer(&fp8));
+    // The embedding and head run at the same rate either way; the layers'
+    // share of compute makes the per-layer estimate a close bound.
+    let got = ends.estimate.breakdown.compute_s;
+    assert!(
+        got > fp8.estimate.breakdown.compute_s && (got / expected - 1.0).abs() < 0.01,
+        "{got} s, expected about {expected} s"
+    );
+    assert!(ends
+        .strategy
+        .to_string()
+        .contains("the first and last 2 layers in bf16"));
+    let e = error(GPT_22B, "8xH100", 64, "fp8_bf16_ends=1");
+    assert!(e.to_string().contains("needs fp8=on"), "{e}");
+}
+
 #[test]
 fn fp8_is_refused_where_no_tensor_core_runs_it_and_never_chosen_unasked() {
     let e = error(GPT_1_7B, "8xA100", 64, "fp8=on");

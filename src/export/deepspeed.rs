@@ -100,6 +100,7 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
             |p| {
                 p.fp8 = None;
                 p.fp8_gather = None;
+                p.fp8_bf16_ends = None;
             },
         ));
     }

@@ -413,6 +413,12 @@ pub fn training_flags(job: &Job) -> Vec<Flag> {
             // The distributed optimizer (or FSDP) gathers the FP8 params.
             f.push(flag("--fp8-param-gather"));
         }
+        let ends = job.plan.strategy.fp8_bf16_ends;
+        if ends > 0 {
+            f.push(flag("--first-last-layers-bf16"));
+            f.push(arg("--num-layers-at-start-in-bf16", ends));
+            f.push(arg("--num-layers-at-end-in-bf16", ends));
+        }
     }
     let lr = match t.optimizer {
         Optimizer::AdamW {

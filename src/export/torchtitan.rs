@@ -241,6 +241,25 @@ fn model_parts(plan: &Plan) -> Vec<Vec<String>> {
     parts
 }
 
+/// The modules float8 leaves in bf16, as `filter_fqns` names them (a
+/// linear whose name contains one is skipped): the output layer, and the
+/// end layers the plan keeps in bf16 (`layers.0.` matches layer 0's
+/// linears, not layer 10's).
+fn bf16_modules(plan: &Plan) -> Vec<String> {
+    let n = plan.strategy.fp8_bf16_ends.min(plan.layers);
+    let ends = (0..n).chain(plan.layers - n..plan.layers);
+    let mut layers: Vec<u64> = ends.collect();
+    layers.sort_unstable();
+    layers.dedup();
+    std::iter::once(toml_str("output"))
+        .chain(
+            layers
+                .into_iter()
+                .map(|l| toml_str(&format!("layers.{l}."))),
+        )
+        .collect()
+}
+
 fn toml_str(s: &str) -> String {
     format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "\\\""))
 }
@@ -370,7 +389,8 @@ pub fn render(job: &Job) -> String {
     if s.fp8 {
         let _ = writeln!(
             w,
-            "\n[quantize.linear.float8]\nrecipe_name = \"tensorwise\"\nfilter_fqns = [\"output\"]"
+            "\n[quantize.linear.float8]\nrecipe_name = \"tensorwise\"\nfilter_fqns = [{}]",
+            bf16_modules(plan).join(", ")
         );
         if s.fp8_gather {
             // FSDP2 gathers the float8 casts, their scales from one amax
