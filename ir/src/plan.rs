@@ -1385,6 +1385,15 @@ impl Plan {
         rules::context(m.cp, s.seq, None).map_err(mesh)?;
         rules::sequence_parallel(s.sequence_parallel, m.tp)
             .map_err(|e| PlanInvalid::new("strategy.sequence_parallel", e))?;
+        if s.fp8_bf16_ends > 0 && (!s.fp8 || s.fp8_bf16_ends.saturating_mul(2) > self.layers) {
+            return Err(PlanInvalid::new(
+                "strategy.fp8_bf16_ends",
+                format!(
+                    "{}: the first and last layers kept in bf16 need fp8 and at most half of the {} layers at each end",
+                    s.fp8_bf16_ends, self.layers
+                ),
+            ));
+        }
         let v = s.virtual_stages;
         match s.schedule {
             PipelineSchedule::Interleaved if v < 2 => {

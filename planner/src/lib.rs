@@ -510,10 +510,19 @@ fn compile_one(req: &PlanRequest, cache: &layouts::LayoutCache) -> Result<Compil
             req.cluster.device.name
         )));
     }
-    if req.pinned.fp8_bf16_ends.is_some_and(|n| n > 0) && req.pinned.fp8 != Some(true) {
-        return Err(PlanError::Strategy(
-            "fp8_bf16_ends keeps the end layers' GEMMs in bf16 under FP8: it needs fp8=on".into(),
-        ));
+    if let Some(n) = req.pinned.fp8_bf16_ends.filter(|&n| n > 0) {
+        if req.pinned.fp8 != Some(true) {
+            return Err(PlanError::Strategy(
+                "fp8_bf16_ends keeps the end layers' GEMMs in bf16 under FP8: it needs fp8=on"
+                    .into(),
+            ));
+        }
+        let layers = dplc_ir::Analysis::new(req.graph).layers();
+        if n.saturating_mul(2) > layers {
+            return Err(PlanError::Strategy(format!(
+                "fp8_bf16_ends={n} keeps {n} layers at each end in bf16, but the model has {layers}"
+            )));
+        }
     }
     if req.pinned.fp8_gather == Some(true) {
         if req.pinned.fp8 != Some(true) {
