@@ -6,9 +6,11 @@ each it builds what the engine builds from that file, on the CPU, without
 GPUs or a cluster:
 
 - megatron: Megatron-Core's TransformerConfig from the flags (its
-  __post_init__ checks the parallel sizes and their combinations), then the
-  GPT model itself at tp = pp = 1 on the meta device, whose parameter count
-  must equal dplc's (at tp = 1 Megatron pads no vocabulary row).
+  __post_init__ checks the parallel sizes and their combinations), the
+  layers its `get_num_layers_to_build` puts in each pipeline chunk (which
+  must be the plan's), then the GPT model itself at tp = pp = 1 on the meta
+  device, whose parameter count must equal dplc's (at tp = 1 Megatron pads
+  no vocabulary row).
 - torchtitan: torchtitan's ConfigManager parses the TOML into its JobConfig;
   ParallelDims validates the degrees against the world; the llama3 model of
   the flavour (or of the TransformerModelArgs line the export gives) is
@@ -79,15 +81,19 @@ def check_megatron(entry):
         recompute_num_layers=num("--recompute-num-layers"),
     )
     pp = num("--pipeline-model-parallel-size", 1)
+    vp = num("--num-virtual-stages-per-pipeline-rank")
     # The configuration as the plan runs it: Megatron validates the sizes.
-    TransformerConfig(
+    parallel = TransformerConfig(
         tensor_model_parallel_size=num("--tensor-model-parallel-size", 1),
         pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vp,
         context_parallel_size=num("--context-parallel-size", 1),
         expert_model_parallel_size=num("--expert-model-parallel-size", 1),
         sequence_parallel="--sequence-parallel" in f,
         num_layers_in_first_pipeline_stage=num("--decoder-first-pipeline-num-layers"),
         num_layers_in_last_pipeline_stage=num("--decoder-last-pipeline-num-layers"),
+        account_for_embedding_in_pipeline_split="--account-for-embedding-in-pipeline-split" in f,
+        account_for_loss_in_pipeline_split="--account-for-loss-in-pipeline-split" in f,
         pipeline_dtype=torch.bfloat16 if pp > 1 else None,
         **common,
     )
@@ -108,7 +114,36 @@ def check_megatron(entry):
             position_embedding_type=f["--position-embedding-type"],
             rotary_base=num("--rotary-base", 10000),
         )
+    if pp > 1 and not entry["closest"]:
+        built = megatron_chunks(parallel, pp, vp or 1)
+        if built != entry["chunks"]:
+            raise ValueError(f"Megatron builds chunks of {built} layers, the plan runs {entry['chunks']}")
     return sum(p.numel() for p in model.parameters())
+
+
+def megatron_chunks(config, pp, vp):
+    """The layers Megatron-Core builds in each model chunk, in pipeline order
+    (chunk c of stage s is c·pp + s), from its own `get_num_layers_to_build`
+    at each pipeline and virtual rank."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    chunks = []
+    ps.set_pipeline_model_parallel_world_size(pp)
+    ps.set_virtual_pipeline_model_parallel_world_size(vp if vp > 1 else None)
+    try:
+        for c in range(vp):
+            for s in range(pp):
+                ps.set_pipeline_model_parallel_rank(s)
+                if vp > 1:
+                    ps.set_virtual_pipeline_model_parallel_rank(c)
+                chunks.append(get_num_layers_to_build(config))
+    finally:
+        ps.set_pipeline_model_parallel_world_size(1)
+        ps.set_pipeline_model_parallel_rank(0)
+        ps.set_virtual_pipeline_model_parallel_world_size(None)
+        ps.set_virtual_pipeline_model_parallel_rank(None)
+    return chunks
 
 
 def check_torchtitan(entry):

@@ -42,7 +42,8 @@ pub use localize::localize;
 pub use mask::{scalar_constant, window_mask, WindowMask};
 pub use op::{BinaryOp, Init, Op, ReduceKind, UnaryOp, VocabOp};
 pub use pipeline::{
-    even_split, pipeline_order, virtual_stage_layers, zero3_holds_the_step, PipelineWork,
+    accounted_stage_layers, even_split, pipeline_order, virtual_stage_layers, zero3_holds_the_step,
+    PipelineWork,
 };
 pub use plan::{powersgd_factors, topk_sparsifies, POWERSGD_MIN_COMPRESSION_RATE};
 pub use plan::{

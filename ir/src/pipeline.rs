@@ -108,6 +108,31 @@ pub fn even_split(total: u64, parts: u64) -> Vec<u64> {
         .collect()
 }
 
+/// Megatron-LM's stage split when it counts the embedding and/or the loss
+/// as a layer (`--account-for-embedding-in-pipeline-split`,
+/// `--account-for-loss-in-pipeline-split`): `layers` plus those over `pp`
+/// stages of `chunks` equal chunks, the first chunk (beside the embedding)
+/// and the last (beside the loss) one layer short. `None` where the counts
+/// do not divide or a chunk would be empty. [`virtual_stage_layers`] cuts
+/// these stages into exactly Megatron's chunks.
+pub fn accounted_stage_layers(
+    layers: u64,
+    pp: u64,
+    chunks: u64,
+    embedding: bool,
+    loss: bool,
+) -> Option<Vec<u64>> {
+    let slots = pp.checked_mul(chunks.max(1))?;
+    let total = layers + u64::from(embedding) + u64::from(loss);
+    if slots == 0 || !total.is_multiple_of(slots) || total / slots < 2 && (embedding || loss) {
+        return None;
+    }
+    let mut stages = vec![total / pp; pp as usize];
+    stages[0] -= u64::from(embedding);
+    stages[pp as usize - 1] -= u64::from(loss);
+    Some(stages)
+}
+
 /// Layers per virtual stage, in pipeline order (virtual stage `c · pp + s` is
 /// chunk `c` of stage `s`), given the layers of each pipeline stage: a stage's
 /// layers are cut into `chunks` consecutive runs as equal as they go. The
@@ -194,8 +219,22 @@ mod tests {
         // Llama 3.1 405B's 126 layers on 8 stages of 8 chunks, as Megatron
         // accounts for the embedding and the loss: (126 + 2) / 64 = 2 a
         // chunk, the first and the last one short.
-        let v = virtual_stage_layers(&[15, 16, 16, 16, 16, 16, 16, 15], 8);
+        let stages = accounted_stage_layers(126, 8, 8, true, true).unwrap();
+        assert_eq!(stages, [15, 16, 16, 16, 16, 16, 16, 15]);
+        let v = virtual_stage_layers(&stages, 8);
         assert_eq!((v[0], v[63]), (1, 1));
         assert!(v[1..63].iter().all(|&n| n == 2));
+        // Megatron's plain interleaving needs equal chunks; the others a
+        // count that divides and a layer in the short chunk.
+        assert_eq!(
+            accounted_stage_layers(32, 2, 4, false, false),
+            Some(vec![16, 16])
+        );
+        assert_eq!(accounted_stage_layers(32, 2, 4, true, true), None);
+        assert_eq!(accounted_stage_layers(3, 2, 2, false, true), None);
+        assert_eq!(
+            accounted_stage_layers(7, 2, 2, false, true),
+            Some(vec![4, 3])
+        );
     }
 }

@@ -12,9 +12,11 @@ impl CostModel<'_> {
     /// Layers per pipeline stage, balanced by time: the first stage also runs
     /// the embedding and the last the head and loss; a layer costs what a
     /// layer of its stack costs, and a stack's first layer brings its lead-in.
-    /// Interleaved, a stage's time is that of all its chunks, and each
-    /// chunk keeps a layer; several stacks interleave evenly (their
-    /// balancing assumes a stage's layers are contiguous).
+    /// Interleaved, the split is one whose chunks Megatron-LM's interleaving
+    /// builds: the even one, or one counting the embedding and/or the loss
+    /// as a layer (`dplc_ir::accounted_stage_layers`), whichever has the
+    /// fastest slowest stage (a stage's time is that of all its chunks);
+    /// several stacks interleave evenly.
     pub fn partition(&mut self, c: &Config) -> Vec<u64> {
         let parts = self.parts(c);
         let (l, p) = (self.profile.layers, c.pp);
@@ -24,11 +26,6 @@ impl CostModel<'_> {
         if p == 1 || c.even_stages || (interleaved && stacks > 1) {
             return counts;
         }
-        let fewest = if interleaved {
-            c.virtual_stages.max(1)
-        } else {
-            1
-        };
         // FP8's bf16 end layers weigh on the first and the last stage.
         let ends = [
             self.bf16_ends(c, &counts, 0).total(),
@@ -52,6 +49,21 @@ impl CostModel<'_> {
         // slowest stage to the fastest is exact.
         let layer = parts.stacks[0].0.total();
         let time = |counts: &[u64], i: usize| counts[i] as f64 * layer + extra(i);
+        if interleaved {
+            let v = c.virtual_stages.max(1);
+            let slowest =
+                |counts: &[u64]| (0..p as usize).map(|i| time(counts, i)).fold(0.0, f64::max);
+            return [(true, false), (false, true), (true, true)]
+                .into_iter()
+                .filter_map(|(e, l_)| dplc_ir::accounted_stage_layers(l, p, v, e, l_))
+                .fold(counts, |best, split| {
+                    if slowest(&split) < slowest(&best) {
+                        split
+                    } else {
+                        best
+                    }
+                });
+        }
         for _ in 0..l {
             let (mut hi, mut lo) = (0, 0);
             for i in 0..p as usize {
@@ -62,7 +74,7 @@ impl CostModel<'_> {
                     lo = i;
                 }
             }
-            if counts[hi] <= fewest {
+            if counts[hi] <= 1 {
                 break;
             }
             let old = time(&counts, hi);

@@ -170,10 +170,10 @@ fn stage_flags(plan: &Plan) -> Option<Vec<(&'static str, u64)>> {
         return Some(Vec::new());
     }
     match middle {
-        [] => Some(vec![
-            ("--decoder-first-pipeline-num-layers", *first),
-            ("--decoder-last-pipeline-num-layers", *last),
-        ]),
+        // Two stages: the last takes what the first leaves (Megatron-Core
+        // 0.12.0 divides the middle layers by the middle stages, none here,
+        // when both are given).
+        [] => Some(vec![("--decoder-first-pipeline-num-layers", *first)]),
         [m, rest @ ..] if rest.iter().all(|c| c == m) => {
             let mut flags = Vec::new();
             if first != m {
@@ -188,23 +188,15 @@ fn stage_flags(plan: &Plan) -> Option<Vec<(&'static str, u64)>> {
     }
 }
 
-/// Megatron's chunk sizes, in pipeline order, for `layers` over `pp × v`
-/// chunks with each pair of `--account-for-embedding-in-pipeline-split` and
-/// `--account-for-loss-in-pipeline-split`: the embedding or the loss counts
-/// as a layer of the first or the last chunk, which builds one fewer.
+/// Megatron's chunks, in pipeline order, for `layers` over `pp × v` with
+/// each pair of `--account-for-embedding-in-pipeline-split` and
+/// `--account-for-loss-in-pipeline-split`.
 fn accounted_split(layers: u64, pp: u64, v: u64) -> impl Iterator<Item = ((bool, bool), Vec<u64>)> {
     [(false, false), (true, false), (false, true), (true, true)]
         .into_iter()
         .filter_map(move |(embedding, loss)| {
-            let chunks = pp * v;
-            let total = layers + u64::from(embedding) + u64::from(loss);
-            if chunks == 0 || !total.is_multiple_of(chunks) {
-                return None;
-            }
-            let mut split = vec![total / chunks; chunks as usize];
-            split[0] -= u64::from(embedding);
-            split[chunks as usize - 1] -= u64::from(loss);
-            (!split.contains(&0)).then_some(((embedding, loss), split))
+            let stages = dplc_ir::accounted_stage_layers(layers, pp, v, embedding, loss)?;
+            Some(((embedding, loss), dplc_ir::virtual_stage_layers(&stages, v)))
         })
 }
 
