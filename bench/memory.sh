@@ -30,6 +30,7 @@ tiny.dpl gpt_tiny 1xcpu attention=unfused
 tiny.dpl gpt_tiny 2xcpu dp=2,zero=2
 tiny.dpl gpt_tiny 2xcpu dp=2,zero=3
 tiny.dpl gpt_tiny 2xcpu pp=2
+tiny.dpl gpt_tiny 4xcpu dp=2,pp=2,zero=3
 tiny.dpl gpt_tiny 2xcpu tp=2,sp=on
 tiny.dpl llama_tiny 2xcpu cp=2
 tiny.dpl moe_tiny 4xcpu dp=2,ep=2
