@@ -12,7 +12,8 @@ GPUs or a cluster:
   device, whose parameter count must equal dplc's (at tp = 1 Megatron pads
   no vocabulary row).
 - torchtitan: torchtitan's ConfigManager parses the TOML into its JobConfig;
-  ParallelDims validates the degrees against the world; the llama3 model of
+  ParallelDims validates the degrees against the world; the layers of each
+  pipeline part it reads must be the plan's chunks; the llama3 model of
   the flavour (or of the TransformerModelArgs line the export gives) is
   built on the meta device and its parameters counted.
 - deepspeed: DeepSpeedConfig reads the JSON with the plan's data-parallel
@@ -163,6 +164,14 @@ def check_torchtitan(entry):
         etp=p.expert_tensor_parallel_degree,
         world_size=entry["world"],
     )
+    parts = p.module_fqns_per_model_part
+    if p.pipeline_parallel_degree > 1 and parts and not entry["closest"]:
+        # torchtitan builds each pipeline part from these module names, in
+        # its part order (chunk c of stage s is part c·pp + s): its layers
+        # must be the plan's chunks.
+        built = [sum(1 for m in part if m.startswith("layers.")) for part in parts]
+        if built != entry["chunks"]:
+            raise ValueError(f"torchtitan builds parts of {built} layers, the plan runs {entry['chunks']}")
     args = llama3_args.get(job.model.flavor)
     if args is None:
         line = re.search(r"TransformerModelArgs\(.*\)", open(entry["path"]).read()).group(0)

@@ -58,5 +58,6 @@ llama_tiny_tp2pp2|models/tiny.dpl|llama_tiny|8xH100|--strategy tp=2,pp=2,dp=2
 mixtral_2x8xh100|models/mixtral.dpl|mixtral_8x7b|2x8xH100|
 gpt_1t_384x8xa100|models/megatron_gpt.dpl|gpt_1t|384x8xA100|--global-batch 3072
 llama405b_interleaved|models/llama3.dpl|llama3_405b|128x8xH100|--seq 8192 --global-batch 512 --strategy tp=8,pp=8,cp=2,dp=8,mb=1,schedule=interleaved,v=8,zero=1,sp=on,fp8=on,fp8_gather=on,fp8_bf16_ends=1,recompute=none,offload=none
+llama405b_fsdp_pp|models/llama3.dpl|llama3_405b|128x8xH100|--seq 8192 --global-batch 512 --strategy tp=8,pp=8,cp=2,dp=8,mb=1,schedule=interleaved,v=8,zero=3,shards=per_param,grad_accum=separate,sp=on,tp_overlap=ring,fp8=on,fp8_gather=on,fp8_bf16_ends=1,recompute=none,offload=none
 LIST
 "$PY" bench/validate_exports.py "$OUT/manifest.jsonl"
