@@ -55,7 +55,9 @@ impl CostModel<'_> {
                 |counts: &[u64]| (0..p as usize).map(|i| time(counts, i)).fold(0.0, f64::max);
             return [(true, false), (false, true), (true, true)]
                 .into_iter()
-                .filter_map(|(e, l_)| dplc_ir::accounted_stage_layers(l, p, v, e, l_))
+                .filter_map(|(embedding, loss)| {
+                    dplc_ir::accounted_stage_layers(l, p, v, embedding, loss)
+                })
                 .fold(counts, |best, split| {
                     if slowest(&split) < slowest(&best) {
                         split
