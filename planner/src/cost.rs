@@ -902,7 +902,7 @@ impl<'a> CostModel<'a> {
     /// The layers' dense (non-expert) parameters on one rank running
     /// `shares`: the weights FP8 GEMMs read (norm gains among them, a
     /// negligible share).
-    fn layer_dense_params(&self, c: &Config, shares: &[StackShare]) -> f64 {
+    pub(crate) fn layer_dense_params(&self, c: &Config, shares: &[StackShare]) -> f64 {
         let (tp, ep) = (c.tp as f64, c.ep as f64);
         shares
             .iter()
@@ -918,7 +918,7 @@ impl<'a> CostModel<'a> {
     /// ([`Config::gathers_fp8`]; the embedding and the output layer stay in
     /// the training precision, as their GEMMs do), all in the training
     /// precision otherwise.
-    fn gathered_weight_bytes(&self, c: &Config, dense: f64, layer: f64) -> f64 {
+    pub(crate) fn gathered_weight_bytes(&self, c: &Config, dense: f64, layer: f64) -> f64 {
         let w = self.profile.precision.bytes() as f64;
         if c.gathers_fp8() {
             (dense - layer) * w + layer

@@ -3,7 +3,7 @@
 
 use crate::cluster::Cluster;
 use crate::cost::{collective_time, group_link, Config, CostModel, GroupLink};
-use crate::profile::{Bind, ModelProfile, RegionProfile, StackShare};
+use crate::profile::{Bind, ModelProfile, RegionProfile};
 use crate::search::{complexity, Candidate};
 use crate::sharding::{Pass, TpCollectiveKind};
 use crate::Compiled;
@@ -383,7 +383,9 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
     // ranks included (`CostModel::replica_link`).
     if c.dp * c.cp > 1 {
         let link = cost.replica_link(c);
-        let params = grads_per_rank(cost, c, &shares0);
+        // Stage 0's parameters, as the step prices its reduction (with the
+        // head and loss when one stage holds everything).
+        let (params, _) = cost.stage_params(c, 0, &shares0);
         // fp32 main gradients with mixed precision, fp32 gradients without.
         let grad_bytes = 4.0;
         let kind = if c.zero >= 1 {
@@ -404,6 +406,9 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
             &link,
         );
         let w = profile.precision.bytes() as f64;
+        // What ZeRO-3's gathers move: the layers' FP8 casts when they
+        // gather those (`fp8_gather`), as the step prices them.
+        let gathered = cost.gathered_weight_bytes(c, params, cost.layer_dense_params(c, &shares0));
         // ZeRO-3 gathers its weights where a pass needs them instead.
         if (1..3).contains(&c.zero) {
             push(
@@ -423,7 +428,7 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
                 CollectiveKind::AllGather,
                 MeshAxis::Dp,
                 "weights, held through the step",
-                params * w,
+                gathered,
                 StepPhase::Forward,
                 1,
                 &link,
@@ -434,7 +439,7 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
                 CollectiveKind::AllGather,
                 MeshAxis::Dp,
                 "weights for forward",
-                params * w,
+                gathered,
                 StepPhase::Forward,
                 m,
                 &link,
@@ -444,7 +449,7 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
                 CollectiveKind::AllGather,
                 MeshAxis::Dp,
                 "weights for backward",
-                params * w,
+                gathered,
                 StepPhase::Backward,
                 m,
                 &link,
@@ -478,16 +483,6 @@ fn push(
         time_s: collective_time(kind, bytes, link),
         group: Some((link.size, link.level)),
     });
-}
-
-fn grads_per_rank(cost: &CostModel, c: &Config, shares0: &[StackShare]) -> f64 {
-    let p = cost.profile;
-    let (tp, ep) = (c.tp as f64, c.ep as f64);
-    shares0
-        .iter()
-        .map(|sh| sh.layers as f64 * p.stacks[sh.stack].layer.params.per_rank(tp, ep))
-        .sum::<f64>()
-        + p.pre.params.per_rank(tp, ep)
 }
 
 #[allow(clippy::too_many_arguments)]
