@@ -415,7 +415,7 @@ impl<S: Storage> ParamStore<S> {
         Ok(ParamStore {
             slots,
             zero,
-            hold: dp_sync.hold && zero.shards_weights(),
+            hold: dp_sync.hold,
             storage,
             comm,
             mesh,
