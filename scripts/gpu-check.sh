@@ -1,31 +1,45 @@
 #!/usr/bin/env bash
 # The GPU check of the CUDA backend, for a machine with an NVIDIA GPU:
-#   1. builds the runtime's tests (release);
-#   2. runs the GPU tests: every generated kernel (forward, backward, column
-#      sums, AdamW) against the CPU interpreter on random inputs (f32 within
-#      1e-5, bf16 within 1e-2, norm-wise relative), cuBLAS against a CPU matmul,
-#      the allocator, NCCL on one rank; on the schedule executor every split
-#      on one GPU against the host backend and, with two GPUs, device-resident
-#      state summed by NCCL (dp2 at ZeRO 0-3, pp2);
-#   3. benchmarks each fused kernel of a GPT-2-small layer (bf16, batch 8,
-#      seq 1024) against a measured device-to-device copy (target >= 85%);
-#   4. trains gpt_tiny (20 steps) and gpt2 (5 steps) on GPU 0 with
-#      `dplc run --cluster 1xH100 --json`: tokens/s, the loss, and the
-#      allocator's measured peak against the plan's predicted peak memory;
-#   5. with --torch, times PyTorch eager and torch.compile on a GPT-2-small
-#      layer forward+backward, and on the whole gpt2 training step of (4) with
-#      the same micro-batch, micro-batch count and sequence
-#      (bench/torch_gpt2_step.py), and states dplc's tokens/s against both;
-#   6. appends the results, with date, device and command, to bench/RESULTS.md
-#      and copies the raw logs to $OUT when that is set.
+#   1. the GPU tests (runtime/tests/gpu.rs): every generated kernel (forward,
+#      backward, column sums, AdamW) and every fused-attention pass against the
+#      CPU interpreter on random inputs (f32 within 1e-5, bf16 within 1e-2,
+#      norm-wise relative), cuBLAS against a CPU matmul, the allocator, NCCL
+#      on one rank; on the schedule executor every split on one GPU against
+#      the host backend (serial, dp2 ZeRO-3, tp2 with sequence parallelism,
+#      pp2 1F1B) and, with two GPUs, device-resident state summed by NCCL;
+#   2. each fused kernel of a GPT-2-small layer (bf16, batch 8, seq 1024)
+#      against a measured device-to-device copy (target >= 85%);
+#   3. fused attention forward and backward (bf16, causal) at GPT-2-small's
+#      and Llama 2 7B's shapes; with --torch, PyTorch's flash SDPA at the same
+#      shapes (bench/torch_attention.py) and the ratio (target >= 0.8x);
+#   4. trains gpt_tiny, gpt2 and a Llama-shaped model (bench/llama_gpu.dpl)
+#      on GPU 0 with `dplc run --cluster 1xH100 --json`, and gpt2 split tp=2
+#      and pp=2 over two ranks sharing GPU 0 (`--cluster 2xH100 --gpus 1`)
+#      beside the same step unsplit: losses, tokens/s, the measured step
+#      against the plan's predicted step, the allocator's measured peak
+#      against the plan's predicted peak memory;
+#   5. with --torch, PyTorch eager and torch.compile on a GPT-2-small layer
+#      forward+backward, and on the whole gpt2 training step of (4) with the
+#      same micro-batch, micro-batch count and sequence
+#      (bench/torch_gpt2_step.py), and dplc's tokens/s against both;
+#   6. writes the results, with date, device and command, to
+#      $LOG_DIR/gpu-check.md and appends them to bench/RESULTS.md; the raw logs
+#      go to $LOG_DIR (target/gpu-check, or $OUT when that is set, as one
+#      logs.tar.gz).
 #
-# NVRTC, cuBLAS and NCCL are found as installed (DPLC_NVRTC_LIB, the CUDA
-# toolkit, or the nvidia-* wheels PyTorch brings); the machine needs no network.
+# Every part runs under its own time limit and a failing part does not stop
+# the others; the script exits non-zero when any part failed.
 #
-# Status: written without access to a GPU; it has not been run on one yet.
-# The training step (4) is the fused executor, tested on the CPU through its
-# host backend (tests/fused_matrix.rs), never yet on a GPU.
-set -euo pipefail
+# Binaries: built with cargo where the machine has it (unless
+# DPLC_GPU_PREBUILT is set); else the ones scripts/gpu-prebuild.sh left in
+# .gpu-bin/ (build them on a machine with a toolchain and carry the folder).
+#
+# Libraries: NVRTC, cuBLAS and NCCL as installed (the CUDA toolkit, or the
+# nvidia-* wheels PyTorch brings), CUDA 12 or 13: cudarc opens them by the
+# CUDA 12 sonames, so the script links the ones it finds under those names in
+# a folder it puts first on LD_LIBRARY_PATH (the calls dplc makes are the same
+# in both). The machine needs no network.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 
 TORCH=0
@@ -36,110 +50,188 @@ for a in "$@"; do
     esac
 done
 
-LOG_DIR="${OUT:-target/gpu-check}"
+LOG_DIR="target/gpu-check"
+rm -rf "$LOG_DIR"
 mkdir -p "$LOG_DIR"
-
-# Libraries the pip wheels of PyTorch carry (cudarc opens them by soname).
-if command -v python3 >/dev/null; then
-    WHEEL_LIBS="$(python3 - <<'PY' 2>/dev/null || true
-import importlib.util, os
-dirs = []
-for mod in ("nvidia.cuda_nvrtc", "nvidia.cublas", "nvidia.nccl", "nvidia.cuda_runtime"):
-    try:
-        spec = importlib.util.find_spec(mod)
-    except ModuleNotFoundError:
-        spec = None
-    if spec and spec.submodule_search_locations:
-        d = os.path.join(list(spec.submodule_search_locations)[0], "lib")
-        if os.path.isdir(d):
-            dirs.append(d)
-print(":".join(dirs))
-PY
-)"
-    if [[ -n "$WHEEL_LIBS" ]]; then
-        export LD_LIBRARY_PATH="${WHEEL_LIBS}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+FAILED=()
+# Run one part under a time limit; a failure is recorded, not fatal.
+part() {
+    local name="$1" limit="$2"
+    shift 2
+    echo "== $name" >&2
+    local t0=$SECONDS
+    timeout --kill-after=10 "$limit" "$@"
+    local rc=$?
+    echo "== $name: exit $rc after $((SECONDS - t0)) s" >&2
+    if [[ $rc != 0 ]]; then
+        FAILED+=("$name (exit $rc)")
     fi
+    # The logs so far, in case the machine is taken back before the end.
+    finish
+    return 0
+}
+finish() {
+    if [[ -n "${OUT:-}" ]]; then
+        tar czf "$OUT/logs.tar.gz" -C "$LOG_DIR" . 2>/dev/null
+        [[ -f "$LOG_DIR/gpu-check.md" ]] && cp "$LOG_DIR/gpu-check.md" "$OUT/"
+    fi
+}
+trap finish EXIT
+
+# --- the libraries, under the sonames cudarc opens
+SHIM="$PWD/$LOG_DIR/culibs"
+mkdir -p "$SHIM"
+SEARCH=()
+if command -v python3 >/dev/null; then
+    while IFS= read -r d; do SEARCH+=("$d"); done < <(python3 - <<'PY' 2>/dev/null
+import site, os
+for p in site.getsitepackages() + [site.getusersitepackages()]:
+    for sub in ("nvidia", "torch/lib"):
+        d = os.path.join(p, sub)
+        if os.path.isdir(d):
+            print(d)
+PY
+)
 fi
-if [[ -z "${DPLC_NVRTC_LIB:-}" ]]; then
-    for d in ${LD_LIBRARY_PATH//:/ } /usr/local/cuda/lib64 /usr/lib/x86_64-linux-gnu; do
-        if [[ -f "$d/libnvrtc.so.12" ]]; then
-            export DPLC_NVRTC_LIB="$d/libnvrtc.so.12"
-            break
-        fi
+SEARCH+=(/usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu /usr/local/nvidia/lib64 /usr/local/nvidia/lib)
+find_lib() {
+    local name d f
+    for name in "$@"; do
+        for d in "${SEARCH[@]}"; do
+            [[ -d "$d" ]] || continue
+            f="$(find -L "$d" -maxdepth 5 -name "$name" \( -type f -o -type l \) 2>/dev/null | sort | head -1)"
+            if [[ -n "$f" ]]; then
+                readlink -f "$f"
+                return 0
+            fi
+        done
     done
+    return 1
+}
+LIB_DIRS=""
+link_lib() {
+    local what="$1" found
+    shift
+    if found="$(find_lib "$@")"; then
+        ln -sf "$found" "$SHIM/lib$what.so"
+        ln -sf "$found" "$SHIM/lib$what.so.12"
+        LIB_DIRS+=":$(dirname "$found")"
+        echo "$what: $found" >&2
+    else
+        echo "$what: not found (searched ${SEARCH[*]})" >&2
+    fi
+}
+link_lib nvrtc libnvrtc.so.12 libnvrtc.so.13 'libnvrtc.so.1[0-9]*'
+link_lib cublas libcublas.so.12 libcublas.so.13 'libcublas.so.1[0-9]*'
+link_lib nccl libnccl.so.2 'libnccl.so*'
+export LD_LIBRARY_PATH="$SHIM${LIB_DIRS}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+if [[ -e "$SHIM/libnvrtc.so.12" ]]; then
+    export DPLC_NVRTC_LIB="$SHIM/libnvrtc.so.12"
 fi
-if [[ -z "${DPLC_NVRTC_LIB:-}" ]]; then
-    DPLC_NVRTC_LIB="$(scripts/install-nvrtc.sh)"
-    export DPLC_NVRTC_LIB
-fi
-echo "NVRTC: $DPLC_NVRTC_LIB" >&2
+export DPLC_PTX_CACHE="$PWD/$LOG_DIR/ptx"
 
 DEVICE="$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1 || echo unknown)"
 DATE="$(date -u +%Y-%m-%dT%H:%MZ)"
-COMMIT="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+COMMIT="$(git rev-parse --short HEAD 2>/dev/null || cat .gpu-bin/COMMIT 2>/dev/null || echo unknown)"
+{
+    echo "device: $DEVICE"
+    nvidia-smi 2>&1 | head -15
+    python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)' 2>&1
+    echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+    ls -l "$SHIM"
+} > "$LOG_DIR/env.log" 2>&1
 
-cargo build --release -p dplc-runtime --tests
+# --- the binaries
+if [[ -z "${DPLC_GPU_PREBUILT:-}" ]] && command -v cargo >/dev/null; then
+    scripts/gpu-prebuild.sh || exit 1
+fi
+BIN="$PWD/.gpu-bin"
+if [[ ! -x "$BIN/dplc" || ! -x "$BIN/gpu-tests" ]]; then
+    echo "error: no cargo here and no .gpu-bin/: run scripts/gpu-prebuild.sh on a machine with a Rust toolchain and carry .gpu-bin" >&2
+    exit 1
+fi
+DPLC="$BIN/dplc"
+TESTS="$BIN/gpu-tests"
 
-echo "== GPU tests" >&2
-cargo test --release -p dplc-runtime --test gpu -- --test-threads=1 --nocapture 2>&1 | tee "$LOG_DIR/gpu-tests.log"
+# --- 1. correctness
+part "GPU tests" 240 bash -c "'$TESTS' --test-threads=1 --nocapture > '$LOG_DIR/gpu-tests.log' 2>&1"
 
-echo "== kernel bandwidth" >&2
-cargo test --release -p dplc-runtime --test gpu bench_kernel_bandwidth -- --ignored --nocapture 2>&1 \
-    | tee "$LOG_DIR/bandwidth.log"
+# --- 2. bandwidth
+part "kernel bandwidth" 90 bash -c "'$TESTS' bench_kernel_bandwidth --ignored --nocapture > '$LOG_DIR/bandwidth.log' 2>&1"
 
-echo "== training steps" >&2
-cargo build --release
-TRAIN_LINES=""
-for spec in "models/tiny.dpl --model gpt_tiny --steps 20" "models/gpt2.dpl --model gpt2 --steps 5"; do
-    name="$(echo "$spec" | tr ' /.' '___')"
+# --- 3. attention
+part "fused attention" 90 bash -c "'$TESTS' bench_attention --ignored --nocapture > '$LOG_DIR/attention.log' 2>&1"
+if [[ "$TORCH" == 1 ]]; then
+    part "torch attention" 90 bash -c "PYTHONUNBUFFERED=1 python3 bench/torch_attention.py > '$LOG_DIR/torch-attention.log' 2>&1"
+fi
+
+# --- 4. training
+RUNS=(
+    "tiny|models/tiny.dpl --model gpt_tiny --steps 20"
+    "gpt2|models/gpt2.dpl --model gpt2 --global-batch 64 --steps 4"
+    "llama|bench/llama_gpu.dpl --model llama_gpu --steps 5"
+    "gpt2_serial|models/gpt2.dpl --model gpt2 --global-batch 16 --steps 3"
+    "gpt2_tp2|models/gpt2.dpl --model gpt2 --global-batch 16 --steps 3 --cluster 2xH100 --gpus 1 --strategy tp=2"
+    "gpt2_pp2|models/gpt2.dpl --model gpt2 --global-batch 16 --steps 3 --cluster 2xH100 --gpus 1 --strategy pp=2"
+)
+for r in "${RUNS[@]}"; do
+    name="${r%%|*}"
+    spec="${r#*|}"
+    [[ "$spec" == *--cluster* ]] || spec+=" --cluster 1xH100"
+    echo "$spec" > "$LOG_DIR/$name.cmd"
     # shellcheck disable=SC2086
-    if ./target/release/dplc run $spec --cluster 1xH100 --json > "$LOG_DIR/$name.jsonl" 2> "$LOG_DIR/$name.err"; then
-        TRAIN_LINES+="$(python3 - "$LOG_DIR/$name.jsonl" "$spec" <<'PY'
-import json, sys
-lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-s = [l for l in lines if l.get("summary")][-1]
-steps = [l for l in lines if "step" in l and not l.get("summary")]
-steady = steps[1:] or steps
-tps = sum(l["tokens_per_s"] for l in steady) / len(steady)
-gib = 1 << 30
-m = s.get("predicted_memory") or {}
-tensors = s["predicted_peak_memory_bytes"] - m.get("buffers", 0)
-print(f"{sys.argv[2]}: {s['steps']} steps, loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}, "
-      f"{tps:.0f} tokens/s after the first step, peak {s['peak_memory_bytes']/gib:.2f} GiB measured "
-      f"vs {s['predicted_peak_memory_bytes']/gib:.2f} GiB predicted ({tensors/gib:.2f} GiB without "
-      f"the plan's buffers: the CUDA context's reserve, gather buffers, the loss gradient; activations "
-      f"{m.get('activations', 0)/gib:.2f}), {s['kernels']} kernels")
-PY
-)"$'\n'
-    else
-        TRAIN_LINES+="$spec: failed: $(tail -3 "$LOG_DIR/$name.err" | tr '\n' ' ')"$'\n'
-    fi
+    part "train $name" 120 bash -c "'$DPLC' run $spec --json > '$LOG_DIR/$name.jsonl' 2> '$LOG_DIR/$name.err'"
 done
+TRAIN_LINES="$(python3 - "$LOG_DIR" <<'PY'
+import json, os, sys
+d = sys.argv[1]
+gib = 1 << 30
+for name in ["tiny", "gpt2", "llama", "gpt2_serial", "gpt2_tp2", "gpt2_pp2"]:
+    cmd = open(os.path.join(d, name + ".cmd")).read().strip()
+    try:
+        lines = [json.loads(l) for l in open(os.path.join(d, name + ".jsonl")) if l.strip()]
+        s = [l for l in lines if l.get("summary")][-1]
+    except Exception:
+        err = open(os.path.join(d, name + ".err")).read().strip().splitlines()[-3:]
+        print(f"dplc run {cmd}: failed: {' / '.join(err)}")
+        continue
+    steps = [l for l in lines if "step" in l and not l.get("summary")]
+    steady = steps[1:] or steps
+    step_s = sorted(s["global_batch"] / l["samples_per_s"] for l in steady)[len(steady) // 2]
+    line = (f"dplc run {cmd}: {s['steps']} steps, losses {' '.join(f'{x:.4f}' for x in s['losses'])}; "
+            f"step {step_s * 1e3:.1f} ms measured (median after the first) vs {s['predicted_step_time_s'] * 1e3:.1f} ms "
+            f"predicted ({step_s / s['predicted_step_time_s']:.2f}x); {s.get('tokens_per_s', 0):.0f} tokens/s overall")
+    if "peak_memory_bytes" in s:
+        m = s.get("predicted_memory") or {}
+        tensors = s["predicted_peak_memory_bytes"] - m.get("buffers", 0)
+        line += (f"; peak {s['peak_memory_bytes'] / gib:.3f} GiB measured vs {tensors / gib:.3f} GiB predicted "
+                 f"without the plan's buffers ({s['peak_memory_bytes'] / max(tensors, 1):.2f}x; "
+                 f"{s['predicted_peak_memory_bytes'] / gib:.3f} GiB with them)")
+    line += f"; {s.get('kernels', '?')} kernels, collectives {s.get('collectives', '?')}"
+    print(line)
+PY
+)"
 echo "$TRAIN_LINES" >&2
 
+# --- 5. PyTorch
 TORCH_LINES=""
 STEP_LINES=""
 if [[ "$TORCH" == 1 ]]; then
-    echo "== PyTorch baseline" >&2
-    python3 bench/torch_gpt2_layer.py 2>&1 | tee "$LOG_DIR/torch.log"
+    part "torch layer" 150 bash -c "PYTHONUNBUFFERED=1 python3 bench/torch_gpt2_layer.py > '$LOG_DIR/torch.log' 2>&1"
     TORCH_LINES="$(grep -E '^(eager|compile)' "$LOG_DIR/torch.log" || true)"
-    GPT2_RUN="$LOG_DIR/models_gpt2_dpl_--model_gpt2_--steps_5.jsonl"
-    if [[ -s "$GPT2_RUN" ]]; then
-        # The same step dplc took: its micro-batch, count and sequence.
-        read -r MB M SEQ DPLC_TPS < <(python3 - "$GPT2_RUN" <<'PY'
+    if read -r MB M SEQ DPLC_TPS < <(python3 - "$LOG_DIR/gpt2.jsonl" <<'PY' 2>/dev/null
 import json, sys
 lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 s = [l for l in lines if l.get("summary")][-1]
 steps = [l for l in lines if "step" in l and not l.get("summary")]
 steady = steps[1:] or steps
-tps = sum(l["tokens_per_s"] for l in steady) / len(steady)
+tps = sorted(l["tokens_per_s"] for l in steady)[len(steady) // 2]
 print(s["micro_batch"], s["num_micro_batches"], s["seq"], round(tps))
 PY
-)
-        python3 bench/torch_gpt2_step.py --micro-batch "$MB" --micro-batches "$M" --seq "$SEQ" 2>&1 \
-            | tee "$LOG_DIR/torch-step.log"
+    ); then
+        part "torch step" 200 bash -c "PYTHONUNBUFFERED=1 python3 bench/torch_gpt2_step.py --micro-batch $MB --micro-batches $M --seq $SEQ > '$LOG_DIR/torch-step.log' 2>&1"
         STEP_LINES="$(grep -E '^(device|eager_step|compile_step)' "$LOG_DIR/torch-step.log" || true)"
-        STEP_LINES+=$'\n'"dplc_step ${DPLC_TPS} tokens/s (gpt2, ${M} x ${MB} sequences of ${SEQ}, from step 4)"
+        STEP_LINES+=$'\n'"dplc_step ${DPLC_TPS} tokens/s (gpt2, ${M} x ${MB} sequences of ${SEQ}, median after the first step)"
         for mode in eager compile; do
             theirs="$(awk -v m="${mode}_step" '$1 == m { print $2 }' "$LOG_DIR/torch-step.log")"
             if [[ -n "$theirs" ]]; then
@@ -157,17 +249,26 @@ fi
     echo
     echo "\`scripts/gpu-check.sh $*\`"
     echo
+    if [[ ${#FAILED[@]} -gt 0 ]]; then
+        echo "Failed parts: ${FAILED[*]}"
+        echo
+    fi
     echo "Tests:"
     echo '```'
-    grep -E '^(test |test result|SKIPPED)' "$LOG_DIR/gpu-tests.log" || true
+    grep -E '^(test |test result|SKIPPED|[0-9]+ attention passes)' "$LOG_DIR/gpu-tests.log" || true
     echo '```'
     echo "Fused kernels of a GPT-2-small layer (bf16, batch 8, seq 1024) against a device-to-device copy:"
     echo '```'
     grep -E 'GB/s' "$LOG_DIR/bandwidth.log" || true
     echo '```'
-    echo "Training on GPU 0 (\`dplc run … --cluster 1xH100 --json\`):"
+    echo "Fused attention (bf16, causal), dplc against PyTorch's flash SDPA:"
     echo '```'
-    echo -n "$TRAIN_LINES"
+    grep -E '^attention ' "$LOG_DIR/attention.log" || true
+    grep -E '^sdpa ' "$LOG_DIR/torch-attention.log" 2>/dev/null || true
+    echo '```'
+    echo "Training (\`dplc run … --json\`):"
+    echo '```'
+    echo "$TRAIN_LINES"
     echo '```'
     if [[ -n "$TORCH_LINES" ]]; then
         echo "PyTorch on the same GPU (GPT-2-small layer forward+backward, bf16, batch 8, seq 1024):"
@@ -181,6 +282,10 @@ fi
         echo "$STEP_LINES"
         echo '```'
     fi
-} >> bench/RESULTS.md
-cp bench/RESULTS.md "$LOG_DIR/RESULTS.md"
-echo "results appended to bench/RESULTS.md" >&2
+} > "$LOG_DIR/gpu-check.md"
+cat "$LOG_DIR/gpu-check.md" >> bench/RESULTS.md
+cat "$LOG_DIR/gpu-check.md"
+if [[ ${#FAILED[@]} -gt 0 ]]; then
+    echo "failed: ${FAILED[*]}" >&2
+    exit 1
+fi

@@ -433,7 +433,7 @@ pub fn launch(args: &LaunchArgs) -> Result<()> {
     }
     let p = Prepared::from_plan(plan)?;
     if processes == 1 {
-        return run::train_on_gpus(&p, &args.train);
+        return run::train_on_gpus(&p, &args.train, None);
     }
     // One process per GPU, each rank of the plan on its node's GPU
     // `local_rank`, meeting the others over TCP at the launcher's

@@ -18,6 +18,12 @@ pub struct Args {
     /// Also write the plan it trains with (RON), e.g. for `dplc verify`.
     #[arg(long)]
     pub save_plan: Option<PathBuf>,
+    /// GPU clusters: run the plan's ranks on this machine's first N GPUs,
+    /// rank r on GPU r mod N (ranks sharing a GPU stage their collectives
+    /// through the host), e.g. a tp=2 plan of a 2xH100 cluster on one GPU.
+    /// Default: one GPU per rank.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub gpus: Option<u32>,
 }
 
 /// How to train a planned model: what `run` and `launch` share.
@@ -457,7 +463,14 @@ pub fn run(args: &Args) -> Result<()> {
     if p.plan.cluster.device != "cpu" {
         // GPUs: the CUDA backend (cudarc, cuBLAS, NCCL); without a driver this
         // is where the run stops, with "no CUDA driver found".
-        return train_on_gpus(&p, &args.train);
+        return train_on_gpus(&p, &args.train, args.gpus.map(|n| n as usize));
+    }
+    if args.gpus.is_some() {
+        return Err(miette!(
+            help = "--gpus is for GPU clusters (e.g. --cluster 2xH100)",
+            "--gpus given for a CPU cluster ({})",
+            p.plan.cluster.name
+        ));
     }
     if let Some(path) = &args.save_plan {
         compile::write_plan(&p.plan, path, &args.plan.inputs())?;
@@ -479,10 +492,11 @@ pub fn refuse_reference_on_gpus(args: &TrainOpts) -> Result<()> {
 
 /// Train a prepared model on GPUs: the same schedule executor as CPU ranks,
 /// its stages on the fused kernels of the CUDA backend, one rank per GPU of
-/// the plan's cluster (every strategy, checkpoints, `--trace`, faults).
-pub fn train_on_gpus(p: &Prepared, args: &TrainOpts) -> Result<()> {
-    let gpus = (p.plan.cluster.nodes * p.plan.cluster.devices_per_node) as usize;
-    let gpus = gpus.min(p.cfg.world_size()).max(1);
+/// the plan's cluster, or on this machine's first `gpus` (every strategy,
+/// checkpoints, `--trace`, faults).
+pub fn train_on_gpus(p: &Prepared, args: &TrainOpts, gpus: Option<usize>) -> Result<()> {
+    let cluster = (p.plan.cluster.nodes * p.plan.cluster.devices_per_node) as usize;
+    let gpus = gpus.unwrap_or(cluster).min(p.cfg.world_size()).max(1);
     // Say "no CUDA driver found" (or which GPU is missing) before anything else.
     refuse_reference_on_gpus(args)?;
     dplc_runtime::gpu::open_devices(gpus).map_err(|e| miette!("{e}"))?;
@@ -694,7 +708,14 @@ pub fn train_prepared_on(
                 "seconds": elapsed,
                 "samples_per_s": samples / elapsed.max(1e-9),
         });
+        // The step as planned, so a peer can take the same one
+        // (bench/torch_gpt2_step.py under scripts/gpu-check.sh).
+        let st = &p.plan.strategy;
+        summary["global_batch"] = json!(p.train.global_batch);
+        summary["micro_batch"] = json!(st.micro_batch);
+        summary["num_micro_batches"] = json!(st.num_micro_batches);
         if has_seq {
+            summary["seq"] = json!(p.train.seq);
             summary["tokens_per_s"] = json!(samples * p.train.seq as f64 / elapsed.max(1e-9));
         }
         // The data-parallel reduction as it ran and as the plan priced it:

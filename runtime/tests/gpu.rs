@@ -416,20 +416,12 @@ fn bench_kernel_bandwidth() {
     let compiled = compile_graph(&g, dtype, dev.arch(), dplc_ir::AttentionKind::Fused, &nvrtc)
         .expect("compiles");
     let syms: HashMap<String, i64> = [("batch".to_string(), 8), ("seq".to_string(), 1024)].into();
-    let time = |f: &mut dyn FnMut()| -> f64 {
-        f();
-        dev.synchronize().unwrap();
-        let reps = 20;
-        let t = Instant::now();
-        for _ in 0..reps {
-            f();
-        }
-        dev.synchronize().unwrap();
-        t.elapsed().as_secs_f64() / reps as f64
-    };
-    // The copy: 256 MiB device to device.
+    let time = |f: &mut dyn FnMut()| median_time(&dev, f);
+    let mut rng = Rng(11);
+    // The copy: 256 MiB device to device, of random data (METHOD: never time zeros).
     let bytes = 256usize << 20;
-    let src = dev.zeros(bytes).unwrap();
+    let noise: Vec<f32> = (0..bytes / 4).map(|_| rng.normal_ish()).collect();
+    let src = dev.upload_f32(&noise, DType::F32).unwrap();
     let mut dst = dev.zeros(bytes).unwrap();
     let copy_s = time(&mut || dev.copy(&src, &mut dst, bytes).unwrap());
     let copy_bw = 2.0 * bytes as f64 / copy_s;
@@ -469,10 +461,19 @@ fn bench_kernel_bandwidth() {
             .iter()
             .enumerate()
             .map(|(i, b)| {
-                let w = if b.elem == Elem::Float { 2 } else { 4 };
-                let n = args.buffer_len(&k, i) * w;
-                moved += n;
-                dev.zeros(n.max(16)).unwrap()
+                let (w, d) = if b.elem == Elem::Float {
+                    (2, dtype)
+                } else {
+                    (4, DType::F32)
+                };
+                let len = args.buffer_len(&k, i);
+                moved += len * w;
+                if b.elem == Elem::Float || b.elem == Elem::F32 {
+                    let v: Vec<f32> = (0..len.max(8)).map(|_| rng.normal_ish()).collect();
+                    dev.upload_f32(&v, d).unwrap()
+                } else {
+                    dev.zeros((len * w).max(16)).unwrap()
+                }
             })
             .collect();
         let refs: Vec<&DeviceBuffer> = bufs.iter().collect();
@@ -484,6 +485,143 @@ fn bench_kernel_bandwidth() {
             s * 1e6,
             bw / 1e9,
             100.0 * bw / copy_bw
+        );
+    }
+}
+
+/// Median seconds of `f` over 30 timed runs after 3 warm-ups, the device
+/// synchronised around each (the kernels here run far past the launch gap).
+fn median_time(dev: &GpuDevice, f: &mut dyn FnMut()) -> f64 {
+    for _ in 0..3 {
+        f();
+    }
+    dev.synchronize().unwrap();
+    let mut times: Vec<f64> = (0..30)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            dev.synchronize().unwrap();
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
+}
+
+/// Fused attention's passes (bf16, causal, no dropout) at GPT-2-small's
+/// shape (batch 8, 12 heads of 64, seq 1024) and Llama 2 7B's (batch 2, 32
+/// heads of 128, seq 4096), on random operands, the backward fed the
+/// forward's output and log-sum-exp. Prints one `attention` line per shape
+/// in FlashAttention's convention (causal forward `2·b·h·s²·d` FLOPs,
+/// backward 2.5×); `bench/torch_attention.py` times PyTorch's flash SDPA at
+/// the same shapes.
+#[test]
+#[ignore = "a benchmark: scripts/gpu-check.sh runs it"]
+fn bench_attention() {
+    use dplc_codegen::{AttentionBuffer, AttentionPass};
+    let Some(dev) = gpu_or_skip("bench_attention") else {
+        return;
+    };
+    let Some(nvrtc) = nvrtc_or_skip("bench_attention") else {
+        return;
+    };
+    let dtype = DType::BF16;
+    let mut rng = Rng(5);
+    for (shape, batch, heads, head_dim, seq) in [
+        ("gpt2", 8i64, 12i64, 64i64, 1024i64),
+        ("llama2_7b", 2, 32, 128, 4096),
+    ] {
+        let g = common::Gpt {
+            vocab: 256,
+            d: heads * head_dim,
+            heads,
+            layers: 1,
+            ctx: seq,
+            dropout: 0.0,
+        }
+        .build();
+        let compiled = compile_graph(&g, dtype, dev.arch(), dplc_ir::AttentionKind::Fused, &nvrtc)
+            .expect("compiles");
+        let syms: HashMap<String, i64> =
+            [("batch".to_string(), batch), ("seq".to_string(), seq)].into();
+        let at = compiled
+            .regions
+            .iter()
+            .flat_map(|(_, plan, _)| &plan.steps)
+            .find_map(|s| match s {
+                Step::Attention(at) => Some(at.clone()),
+                _ => None,
+            })
+            .expect("the layer has a fused attention");
+        let k = &at.kernel;
+        let mut sizes: Vec<i64> = at.sizes.iter().map(|d| dim(d, &syms, &g)).collect();
+        for (i, _) in &at.key_sizes {
+            sizes[*i] = 0;
+        }
+        let args = Args {
+            sizes,
+            scalars: vec![],
+            seed: 3,
+        };
+        let mut bufs: HashMap<AttentionBuffer, DeviceBuffer> = HashMap::new();
+        let mut seconds = Vec::new();
+        for pass in [
+            AttentionPass::Forward,
+            AttentionPass::QueryGrad,
+            AttentionPass::KeyValueGrad,
+        ] {
+            let roles = k.roles(pass);
+            for (&role, b) in roles.iter().zip(k.buffers(pass)) {
+                let n = b.len.iter().map(|&s| args.size(s)).product::<i64>() as usize;
+                let d = if b.elem == Elem::Float {
+                    dtype
+                } else {
+                    DType::F32
+                };
+                if !bufs.contains_key(&role) {
+                    // Inputs random; outputs poisoned (the forward writes
+                    // what the backward reads).
+                    let v: Vec<f32> = (0..n)
+                        .map(|_| if b.output { f32::NAN } else { rng.normal_ish() })
+                        .collect();
+                    bufs.insert(role, dev.upload_f32(&v, d).expect("upload"));
+                }
+            }
+            let src = &compiled.attention[&dplc_codegen::attention_name(k, pass, dtype)];
+            let gk = dev
+                .load_attention(k, pass, &src.source, &src.ptx, dtype)
+                .expect("loads");
+            let refs: Vec<&DeviceBuffer> = roles.iter().map(|r| &bufs[r]).collect();
+            let s = median_time(&dev, &mut || dev.launch(&gk, &refs, &args).unwrap());
+            seconds.push(s);
+        }
+        // Every output written and finite.
+        for role in [
+            AttentionBuffer::Out,
+            AttentionBuffer::QGrad,
+            AttentionBuffer::KGrad,
+        ] {
+            let b = &bufs[&role];
+            let v = dev
+                .download_f32(b, b.bytes() / dtype.size_bytes() as usize, dtype)
+                .expect("download");
+            assert!(
+                v.iter().all(|x| x.is_finite()),
+                "{shape}: {role:?} holds an unwritten or non-finite element"
+            );
+        }
+        let fwd_flops = 2.0 * (batch * heads * seq * seq * head_dim) as f64;
+        let (fwd, bwd) = (seconds[0], seconds[1] + seconds[2]);
+        println!(
+            "attention {shape} b{batch} h{heads} d{head_dim} s{seq}: fwd {:.3} ms ({:.0} TFLOP/s), \
+             bwd {:.3} ms ({:.0} TFLOP/s; dq {:.3} ms, dkdv {:.3} ms), fwd+bwd {:.3} ms",
+            fwd * 1e3,
+            fwd_flops / fwd / 1e12,
+            bwd * 1e3,
+            2.5 * fwd_flops / bwd / 1e12,
+            seconds[1] * 1e3,
+            seconds[2] * 1e3,
+            (fwd + bwd) * 1e3
         );
     }
 }
