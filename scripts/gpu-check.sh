@@ -43,12 +43,17 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 TORCH=0
-for a in "$@"; do
-    case "$a" in
+PARTS="tests,bandwidth,attention,train,torch-layer,torch-step"
+while [[ $# -gt 0 ]]; do
+    case "$1" in
         --torch) TORCH=1 ;;
-        *) echo "usage: $0 [--torch]" >&2; exit 2 ;;
+        --parts) PARTS="${2:?--parts takes a comma-separated list}"; shift ;;
+        *) echo "usage: $0 [--torch] [--parts tests,bandwidth,attention,train,torch-layer,torch-step]" >&2; exit 2 ;;
     esac
+    shift
 done
+# Whether part $1 was asked for.
+wanted() { [[ ",$PARTS," == *",$1,"* ]]; }
 
 LOG_DIR="target/gpu-check"
 rm -rf "$LOG_DIR"
@@ -79,57 +84,10 @@ finish() {
 trap finish EXIT
 
 # --- the libraries, under the sonames cudarc opens
-SHIM="$PWD/$LOG_DIR/culibs"
-mkdir -p "$SHIM"
-SEARCH=()
-if command -v python3 >/dev/null; then
-    while IFS= read -r d; do SEARCH+=("$d"); done < <(python3 - <<'PY' 2>/dev/null
-import site, os
-for p in site.getsitepackages() + [site.getusersitepackages()]:
-    for sub in ("nvidia", "torch/lib"):
-        d = os.path.join(p, sub)
-        if os.path.isdir(d):
-            print(d)
-PY
-)
-fi
-SEARCH+=(/usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu /usr/local/nvidia/lib64 /usr/local/nvidia/lib)
-find_lib() {
-    local name d f
-    for name in "$@"; do
-        for d in "${SEARCH[@]}"; do
-            [[ -d "$d" ]] || continue
-            f="$(find -L "$d" -maxdepth 5 -name "$name" \( -type f -o -type l \) 2>/dev/null | sort | head -1)"
-            if [[ -n "$f" ]]; then
-                readlink -f "$f"
-                return 0
-            fi
-        done
-    done
-    return 1
-}
-LIB_DIRS=""
-link_lib() {
-    local what="$1" found
-    shift
-    if found="$(find_lib "$@")"; then
-        ln -sf "$found" "$SHIM/lib$what.so"
-        ln -sf "$found" "$SHIM/lib$what.so.12"
-        LIB_DIRS+=":$(dirname "$found")"
-        echo "$what: $found" >&2
-    else
-        echo "$what: not found (searched ${SEARCH[*]})" >&2
-    fi
-}
-link_lib nvrtc libnvrtc.so.12 libnvrtc.so.13 'libnvrtc.so.1[0-9]*'
-link_lib cublas libcublas.so.12 libcublas.so.13 'libcublas.so.1[0-9]*'
-link_lib nccl libnccl.so.2 'libnccl.so*'
-export LD_LIBRARY_PATH="$SHIM${LIB_DIRS}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-if [[ -e "$SHIM/libnvrtc.so.12" ]]; then
-    export DPLC_NVRTC_LIB="$SHIM/libnvrtc.so.12"
-fi
+CULIBS="$PWD/$LOG_DIR/culibs"
 export DPLC_PTX_CACHE="$PWD/$LOG_DIR/ptx"
-
+# shellcheck source=scripts/cuda-env.sh
+source scripts/cuda-env.sh
 DEVICE="$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1 || echo unknown)"
 DATE="$(date -u +%Y-%m-%dT%H:%MZ)"
 COMMIT="$(git rev-parse --short HEAD 2>/dev/null || cat .gpu-bin/COMMIT 2>/dev/null || echo unknown)"
@@ -138,7 +96,7 @@ COMMIT="$(git rev-parse --short HEAD 2>/dev/null || cat .gpu-bin/COMMIT 2>/dev/n
     nvidia-smi 2>&1 | head -15
     python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)' 2>&1
     echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
-    ls -l "$SHIM"
+    ls -l "$CULIBS"
 } > "$LOG_DIR/env.log" 2>&1
 
 # --- the binaries
@@ -154,26 +112,27 @@ DPLC="$BIN/dplc"
 TESTS="$BIN/gpu-tests"
 
 # --- 1. correctness
-part "GPU tests" 240 bash -c "'$TESTS' --test-threads=1 --nocapture > '$LOG_DIR/gpu-tests.log' 2>&1"
+wanted tests && part "GPU tests" 240 bash -c "'$TESTS' --test-threads=1 --nocapture > '$LOG_DIR/gpu-tests.log' 2>&1"
 
 # --- 2. bandwidth
-part "kernel bandwidth" 90 bash -c "'$TESTS' bench_kernel_bandwidth --ignored --nocapture > '$LOG_DIR/bandwidth.log' 2>&1"
+wanted bandwidth && part "kernel bandwidth" 90 bash -c "'$TESTS' bench_kernel_bandwidth --ignored --nocapture > '$LOG_DIR/bandwidth.log' 2>&1"
 
 # --- 3. attention
-part "fused attention" 90 bash -c "'$TESTS' bench_attention --ignored --nocapture > '$LOG_DIR/attention.log' 2>&1"
-if [[ "$TORCH" == 1 ]]; then
+wanted attention && part "fused attention" 90 bash -c "'$TESTS' bench_attention --ignored --nocapture > '$LOG_DIR/attention.log' 2>&1"
+if [[ "$TORCH" == 1 ]] && wanted attention; then
     part "torch attention" 90 bash -c "PYTHONUNBUFFERED=1 python3 bench/torch_attention.py > '$LOG_DIR/torch-attention.log' 2>&1"
 fi
 
 # --- 4. training
 RUNS=(
     "tiny|models/tiny.dpl --model gpt_tiny --steps 20"
-    "gpt2|models/gpt2.dpl --model gpt2 --global-batch 64 --steps 4"
-    "llama|bench/llama_gpu.dpl --model llama_gpu --steps 5"
-    "gpt2_serial|models/gpt2.dpl --model gpt2 --global-batch 16 --steps 3"
-    "gpt2_tp2|models/gpt2.dpl --model gpt2 --global-batch 16 --steps 3 --cluster 2xH100 --gpus 1 --strategy tp=2"
-    "gpt2_pp2|models/gpt2.dpl --model gpt2 --global-batch 16 --steps 3 --cluster 2xH100 --gpus 1 --strategy pp=2"
+    "gpt2|models/gpt2.dpl --model gpt2 --global-batch 32 --steps 4"
+    "llama|bench/llama_gpu.dpl --model llama_gpu --steps 3"
+    "gpt2_serial|models/gpt2.dpl --model gpt2 --global-batch 8 --steps 3"
+    "gpt2_tp2|models/gpt2.dpl --model gpt2 --global-batch 8 --steps 3 --cluster 2xH100 --gpus 1 --strategy tp=2"
+    "gpt2_pp2|models/gpt2.dpl --model gpt2 --global-batch 8 --steps 3 --cluster 2xH100 --gpus 1 --strategy pp=2"
 )
+wanted train || RUNS=()
 for r in "${RUNS[@]}"; do
     name="${r%%|*}"
     spec="${r#*|}"
@@ -187,6 +146,8 @@ import json, os, sys
 d = sys.argv[1]
 gib = 1 << 30
 for name in ["tiny", "gpt2", "llama", "gpt2_serial", "gpt2_tp2", "gpt2_pp2"]:
+    if not os.path.exists(os.path.join(d, name + ".cmd")):
+        continue
     cmd = open(os.path.join(d, name + ".cmd")).read().strip()
     try:
         lines = [json.loads(l) for l in open(os.path.join(d, name + ".jsonl")) if l.strip()]
@@ -216,9 +177,11 @@ echo "$TRAIN_LINES" >&2
 # --- 5. PyTorch
 TORCH_LINES=""
 STEP_LINES=""
-if [[ "$TORCH" == 1 ]]; then
+if [[ "$TORCH" == 1 ]] && wanted torch-layer; then
     part "torch layer" 150 bash -c "PYTHONUNBUFFERED=1 python3 bench/torch_gpt2_layer.py > '$LOG_DIR/torch.log' 2>&1"
     TORCH_LINES="$(grep -E '^(eager|compile)' "$LOG_DIR/torch.log" || true)"
+fi
+if [[ "$TORCH" == 1 ]] && wanted torch-step; then
     if read -r MB M SEQ DPLC_TPS < <(python3 - "$LOG_DIR/gpt2.jsonl" <<'PY' 2>/dev/null
 import json, sys
 lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
@@ -229,7 +192,7 @@ tps = sorted(l["tokens_per_s"] for l in steady)[len(steady) // 2]
 print(s["micro_batch"], s["num_micro_batches"], s["seq"], round(tps))
 PY
     ); then
-        part "torch step" 200 bash -c "PYTHONUNBUFFERED=1 python3 bench/torch_gpt2_step.py --micro-batch $MB --micro-batches $M --seq $SEQ > '$LOG_DIR/torch-step.log' 2>&1"
+        part "torch step" 200 bash -c "PYTHONUNBUFFERED=1 python3 bench/torch_gpt2_step.py --micro-batch $MB --micro-batches $M --seq $SEQ --warmup 1 --steps 3 > '$LOG_DIR/torch-step.log' 2>&1"
         STEP_LINES="$(grep -E '^(device|eager_step|compile_step)' "$LOG_DIR/torch-step.log" || true)"
         STEP_LINES+=$'\n'"dplc_step ${DPLC_TPS} tokens/s (gpt2, ${M} x ${MB} sequences of ${SEQ}, median after the first step)"
         for mode in eager compile; do

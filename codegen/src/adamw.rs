@@ -63,8 +63,10 @@ impl AdamwScalars {
 }
 
 /// One AdamW step over `n0` elements. Buffers: `b0..b2` the new parameter,
-/// first and second moment (f32); `b3..b6` the parameter, gradient (storage
-/// type), first and second moment. Each element is read before it is written
+/// first and second moment; `b3..b6` the parameter, gradient, first and
+/// second moment — all `f32`, whatever the storage type: the optimizer's
+/// gradient is the store's `f32` accumulator (read as bf16, its bytes were
+/// garbage on the first GPU run in bf16). Each element is read before it is written
 /// by the same thread, so a caller may pass `b0 = b3`, `b1 = b5`, `b2 = b6`
 /// to update in place.
 pub fn adamw_kernel() -> Kernel {
@@ -116,7 +118,7 @@ pub fn adamw_kernel() -> Kernel {
             ("m_out", Elem::F32, true),
             ("v_out", Elem::F32, true),
             ("p", Elem::F32, false),
-            ("g", Elem::Float, false),
+            ("g", Elem::F32, false),
             ("m", Elem::F32, false),
             ("v", Elem::F32, false),
         ],
@@ -156,8 +158,8 @@ impl SgdScalars {
 
 /// One SGD-with-momentum step over `n0` elements (PyTorch's form:
 /// `m' = μ m + g`, `p' = p − lr m'`). Buffers: `b0, b1` the new parameter and
-/// momentum (f32); `b2..b4` the parameter, gradient (storage type) and
-/// momentum. In place as [`adamw_kernel`] is.
+/// momentum; `b2..b4` the parameter, gradient and momentum, all `f32` as
+/// [`adamw_kernel`]'s. In place as [`adamw_kernel`] is.
 pub fn sgd_kernel() -> Kernel {
     let mut b = Builder::default();
     let p = load(&mut b, 2);
@@ -178,7 +180,7 @@ pub fn sgd_kernel() -> Kernel {
             ("p_out", Elem::F32, true),
             ("m_out", Elem::F32, true),
             ("p", Elem::F32, false),
-            ("g", Elem::Float, false),
+            ("g", Elem::F32, false),
             ("m", Elem::F32, false),
         ],
         b,

@@ -140,12 +140,16 @@ fn stored(x: f32, elem: Elem, dtype: DType) -> f32 {
 
 /// Run `k` on the GPU and in the interpreter on the same random inputs;
 /// returns the worst norm-wise relative error over the outputs.
+/// Worst norm-wise relative error of `k` on the GPU against the interpreter,
+/// on random inputs; the buffers in `non_negative` are drawn as magnitudes
+/// (a second moment, which AdamW takes the root of).
 fn compare(
     dev: &GpuDevice,
     compiled: &dplc_runtime::gpu::CompiledGraph,
     k: &Kernel,
     args: &Args,
     rng: &mut Rng,
+    non_negative: &[usize],
 ) -> f64 {
     let dtype = compiled.dtype;
     let ck = compiled.get(k).expect("compiled");
@@ -169,8 +173,12 @@ fn compare(
             bufs.push(dev.upload_i32(&v).expect("upload"));
             host.push(Data::I32(v));
         } else {
+            let magnitude = non_negative.contains(&i);
             let v: Vec<f32> = (0..n)
-                .map(|_| stored(rng.normal_ish(), b.elem, dtype))
+                .map(|_| {
+                    let x = rng.normal_ish();
+                    stored(if magnitude { x.abs() } else { x }, b.elem, dtype)
+                })
                 .collect();
             let d = if b.elem == Elem::Float {
                 dtype
@@ -232,7 +240,7 @@ fn kernels_match(dtype: DType, tol: f64, test: &str) {
                 scalars: vec![],
                 seed: 9,
             };
-            let err = compare(&dev, &compiled, &fk.kernel, &args, &mut rng);
+            let err = compare(&dev, &compiled, &fk.kernel, &args, &mut rng, &[]);
             assert!(
                 err <= tol,
                 "{} ({dtype:?}): relative error {err:e} > {tol:e}",
@@ -253,7 +261,7 @@ fn kernels_match(dtype: DType, tol: f64, test: &str) {
                 scalars: vec![],
                 seed: 9,
             };
-            let err = compare(&dev, &compiled, &backward.kernel, &args, &mut rng);
+            let err = compare(&dev, &compiled, &backward.kernel, &args, &mut rng, &[]);
             assert!(
                 err <= tol,
                 "{} ({dtype:?}): relative error {err:e} > {tol:e}",
@@ -266,7 +274,7 @@ fn kernels_match(dtype: DType, tol: f64, test: &str) {
                     scalars: vec![],
                     seed: 0,
                 };
-                let err = compare(&dev, &compiled, &cs.kernel, &cargs, &mut rng);
+                let err = compare(&dev, &compiled, &cs.kernel, &cargs, &mut rng, &[]);
                 assert!(err <= tol, "column_sum ({dtype:?}): {err:e}");
             }
         }
@@ -282,7 +290,8 @@ fn kernels_match(dtype: DType, tol: f64, test: &str) {
         grad_scale: 1.0,
     }
     .args(4099);
-    let err = compare(&dev, &compiled, &adamw, &args, &mut rng);
+    // Buffers p', m', v', then p, g, m, v: the input v is a second moment.
+    let err = compare(&dev, &compiled, &adamw, &args, &mut rng, &[6]);
     assert!(err <= tol, "adamw ({dtype:?}): {err:e}");
     eprintln!(
         "{checked} kernels + AdamW match the interpreter on {} ({dtype:?})",
@@ -564,6 +573,7 @@ fn bench_attention() {
             seed: 3,
         };
         let mut bufs: HashMap<AttentionBuffer, DeviceBuffer> = HashMap::new();
+        let mut lens: HashMap<AttentionBuffer, (usize, DType)> = HashMap::new();
         let mut seconds = Vec::new();
         for pass in [
             AttentionPass::Forward,
@@ -579,12 +589,23 @@ fn bench_attention() {
                     DType::F32
                 };
                 if !bufs.contains_key(&role) {
-                    // Inputs random; outputs poisoned (the forward writes
-                    // what the backward reads).
+                    // Inputs random. The forward's outputs poisoned (it
+                    // writes every element, which the backward reads); the
+                    // gradients zeroed, as the executor gives them (a view
+                    // of a fused QKV buffer writes only its own columns).
+                    let gradient = matches!(
+                        role,
+                        AttentionBuffer::QGrad | AttentionBuffer::KGrad | AttentionBuffer::VGrad
+                    );
                     let v: Vec<f32> = (0..n)
-                        .map(|_| if b.output { f32::NAN } else { rng.normal_ish() })
+                        .map(|_| match (b.output, gradient) {
+                            (false, _) => rng.normal_ish(),
+                            (true, false) => f32::NAN,
+                            (true, true) => 0.0,
+                        })
                         .collect();
                     bufs.insert(role, dev.upload_f32(&v, d).expect("upload"));
+                    lens.insert(role, (n, d));
                 }
             }
             let src = &compiled.attention[&dplc_codegen::attention_name(k, pass, dtype)];
@@ -598,13 +619,13 @@ fn bench_attention() {
         // Every output written and finite.
         for role in [
             AttentionBuffer::Out,
+            AttentionBuffer::LogSumExp,
             AttentionBuffer::QGrad,
             AttentionBuffer::KGrad,
+            AttentionBuffer::VGrad,
         ] {
-            let b = &bufs[&role];
-            let v = dev
-                .download_f32(b, b.bytes() / dtype.size_bytes() as usize, dtype)
-                .expect("download");
+            let (n, d) = lens[&role];
+            let v = dev.download_f32(&bufs[&role], n, d).expect("download");
             assert!(
                 v.iter().all(|x| x.is_finite()),
                 "{shape}: {role:?} holds an unwritten or non-finite element"

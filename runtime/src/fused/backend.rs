@@ -202,6 +202,16 @@ impl Backend for HostBackend {
         }))
     }
 
+    /// Poisoned, as a GPU's caching allocator hands back whatever its
+    /// reused block last held: floats NaN, indices out of every range, so a
+    /// read of an element nobody wrote shows on the CPU too.
+    fn alloc(&mut self, elem: Elem, len: usize) -> Result<Self::Buf> {
+        Ok(self.wrap(match elem {
+            Elem::I32 => Data::I32(vec![i32::MIN; len]),
+            Elem::F32 | Elem::Float => Data::F32(vec![f32::NAN; len]),
+        }))
+    }
+
     fn upload(&mut self, _elem: Elem, data: &[f32]) -> Result<Self::Buf> {
         Ok(self.wrap(Data::F32(data.to_vec())))
     }

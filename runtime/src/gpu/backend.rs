@@ -24,6 +24,20 @@ pub struct CudaBackend {
     kernels: KernelCache<GpuKernel>,
     /// Fused attention passes, by name (`{pass}_{dtype}_{hash8}`).
     attention: HashMap<String, GpuKernel>,
+    /// `DPLC_CHECK_FINITE=1`: wait for every launch and fail, naming it,
+    /// at the first that writes a NaN or an infinity ([`Self::check_finite`]);
+    /// `=trace` also prints what every launch read and wrote.
+    check_finite: bool,
+    trace: bool,
+}
+
+/// One buffer of a launch, as [`CudaBackend::check_finite`] reads it.
+struct Bound<'a> {
+    label: String,
+    output: bool,
+    elem: Elem,
+    len: usize,
+    buf: &'a DeviceBuffer,
 }
 
 /// Loaded kernels by name, found without naming them on every launch.
@@ -88,6 +102,8 @@ impl CudaBackend {
             dtype,
             kernels: KernelCache::new(),
             attention: HashMap::new(),
+            check_finite: std::env::var_os("DPLC_CHECK_FINITE").is_some_and(|v| !v.is_empty()),
+            trace: std::env::var_os("DPLC_CHECK_FINITE").is_some_and(|v| v == "trace"),
         })
     }
 
@@ -119,6 +135,51 @@ impl CudaBackend {
             Elem::F32 => DType::F32,
             Elem::I32 => DType::I32,
         }
+    }
+
+    /// Wait for the launch `what` and fail if an output holds a NaN or an
+    /// infinity, saying how many and what each buffer held (non-finite
+    /// count, largest magnitude): the first kernel to make one is the fault,
+    /// or its inputs were already out of range. Slow — a debugging switch.
+    fn check_finite(&self, what: &str, bound: &[Bound<'_>]) -> Result<()> {
+        self.dev.synchronize()?;
+        let mut bad = false;
+        let mut report = Vec::new();
+        for b in bound {
+            if b.elem == Elem::I32 || b.len == 0 {
+                continue;
+            }
+            let v = self.dev.download_f32(b.buf, b.len, self.storage(b.elem))?;
+            let non_finite = v.iter().filter(|x| !x.is_finite()).count();
+            let max = v
+                .iter()
+                .filter(|x| x.is_finite())
+                .fold(0.0f32, |m, x| m.max(x.abs()));
+            let mean = v
+                .iter()
+                .filter(|x| x.is_finite())
+                .map(|x| f64::from(x.abs()))
+                .sum::<f64>()
+                / v.len().max(1) as f64;
+            bad |= b.output && non_finite > 0;
+            report.push(format!(
+                "{} {} ({} elements): {non_finite} non-finite, max |x| {max:e}, mean |x| {mean:e}",
+                if b.output { "wrote" } else { "read" },
+                b.label,
+                b.len
+            ));
+        }
+        if self.trace {
+            eprintln!("launch {what}: {}", report.join("; "));
+        }
+        if bad {
+            return Err(GpuError::Invalid(format!(
+                "DPLC_CHECK_FINITE: {what} wrote a NaN or an infinity: {}",
+                report.join("; ")
+            ))
+            .into());
+        }
+        Ok(())
     }
 
     fn bytes(&self, elem: Elem, len: usize) -> usize {
@@ -175,9 +236,26 @@ impl Backend for CudaBackend {
 
     fn launch(&mut self, kernel: &Kernel, args: &Args, bufs: &[Self::Buf]) -> Result<()> {
         let dev = self.dev.clone();
+        let check = self.check_finite;
         let k = self.kernel(kernel)?;
         let refs: Vec<&DeviceBuffer> = bufs.iter().map(|b| &**b).collect();
-        Ok(dev.launch(k, &refs, args)?)
+        dev.launch(k, &refs, args)?;
+        if let Some(name) = check.then(|| k.name.clone()) {
+            let bound: Vec<Bound<'_>> = kernel
+                .buffers
+                .iter()
+                .enumerate()
+                .map(|(i, b)| Bound {
+                    label: b.label.clone(),
+                    output: b.output,
+                    elem: b.elem,
+                    len: args.buffer_len(kernel, i),
+                    buf: &bufs[i],
+                })
+                .collect();
+            self.check_finite(&name, &bound)?;
+        }
+        Ok(())
     }
 
     fn attention(
@@ -200,11 +278,47 @@ impl Backend for CudaBackend {
             self.attention.insert(name.clone(), loaded);
         }
         let refs: Vec<&DeviceBuffer> = bufs.iter().map(|b| &**b).collect();
-        Ok(self.dev.launch(&self.attention[&name], &refs, args)?)
+        self.dev.launch(&self.attention[&name], &refs, args)?;
+        if self.check_finite {
+            let bound: Vec<Bound<'_>> = kernel
+                .buffers(pass)
+                .into_iter()
+                .enumerate()
+                .map(|(i, b)| Bound {
+                    len: b.len.iter().map(|&s| args.size(s)).product::<i64>() as usize,
+                    label: b.label,
+                    output: b.output,
+                    elem: b.elem,
+                    buf: &bufs[i],
+                })
+                .collect();
+            self.check_finite(&name, &bound)?;
+        }
+        Ok(())
     }
 
     fn matmul(&mut self, mm: &MatMul, a: &Self::Buf, b: &Self::Buf, c: &Self::Buf) -> Result<()> {
-        Ok(self.blas.matmul(mm, a, b, c)?)
+        self.blas.matmul(mm, a, b, c)?;
+        if self.check_finite {
+            let (a_len, b_len) = (
+                mm.m * mm.k * if mm.a_batched { mm.batch } else { 1 },
+                mm.k * mm.n * if mm.b_batched { mm.batch } else { 1 },
+            );
+            let bound = [
+                ("A", false, a_len, a),
+                ("B", false, b_len, b),
+                ("C", true, mm.m * mm.n * mm.batch, c),
+            ]
+            .map(|(label, output, len, buf)| Bound {
+                label: label.into(),
+                output,
+                elem: Elem::Float,
+                len,
+                buf,
+            });
+            self.check_finite(&format!("{mm:?}"), &bound)?;
+        }
+        Ok(())
     }
 
     fn synchronize(&mut self) -> Result<()> {
