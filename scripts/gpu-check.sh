@@ -90,7 +90,11 @@ export DPLC_PTX_CACHE="$PWD/$LOG_DIR/ptx"
 source scripts/cuda-env.sh
 DEVICE="$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1 || echo unknown)"
 DATE="$(date -u +%Y-%m-%dT%H:%MZ)"
-COMMIT="$(git rev-parse --short HEAD 2>/dev/null || cat .gpu-bin/COMMIT 2>/dev/null || echo unknown)"
+if [[ -n "${DPLC_GPU_PREBUILT:-}" && -f .gpu-bin/COMMIT ]]; then
+    COMMIT="$(cat .gpu-bin/COMMIT)"
+else
+    COMMIT="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+fi
 {
     echo "device: $DEVICE"
     nvidia-smi 2>&1 | head -15
@@ -163,11 +167,12 @@ for name in ["tiny", "gpt2", "llama", "gpt2_serial", "gpt2_tp2", "gpt2_pp2"]:
             f"step {step_s * 1e3:.1f} ms measured (median after the first) vs {s['predicted_step_time_s'] * 1e3:.1f} ms "
             f"predicted ({step_s / s['predicted_step_time_s']:.2f}x); {s.get('tokens_per_s', 0):.0f} tokens/s overall")
     if "peak_memory_bytes" in s:
-        m = s.get("predicted_memory") or {}
-        tensors = s["predicted_peak_memory_bytes"] - m.get("buffers", 0)
-        line += (f"; peak {s['peak_memory_bytes'] / gib:.3f} GiB measured vs {tensors / gib:.3f} GiB predicted "
-                 f"without the plan's buffers ({s['peak_memory_bytes'] / max(tensors, 1):.2f}x; "
-                 f"{s['predicted_peak_memory_bytes'] / gib:.3f} GiB with them)")
+        # The allocator's peak against the plan's peak less the runtime's
+        # reserve outside the allocator (the CUDA context and workspaces).
+        alloc = s["predicted_allocator_peak_bytes"]
+        line += (f"; allocator peak {s['peak_memory_bytes'] / gib:.3f} GiB measured vs {alloc / gib:.3f} GiB "
+                 f"predicted ({s['peak_memory_bytes'] / max(alloc, 1):.3f}x; "
+                 f"{s['predicted_peak_memory_bytes'] / gib:.3f} GiB with the reserve)")
     line += f"; {s.get('kernels', '?')} kernels, collectives {s.get('collectives', '?')}"
     print(line)
 PY

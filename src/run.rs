@@ -72,6 +72,13 @@ pub struct TrainOpts {
     /// CPU ranks; GPUs always run fused.
     #[arg(long, value_enum)]
     pub compute: Option<ComputeArg>,
+    /// CPU ranks' fused compute: store float tensors as a GPU of this
+    /// precision does — rounded, counted at their width in the measured
+    /// peak memory, a kernel reading a buffer as the wrong float type
+    /// refused — to reproduce a bf16 GPU run's numbers on a CPU. Default
+    /// f32, exact against the reference.
+    #[arg(long, value_enum, requires = "compute")]
+    pub storage: Option<StorageArg>,
     /// Skip up to N steps whose loss or gradient norm is NaN or infinite
     /// (their gradients dropped, as Megatron does); one more stops the run.
     /// By default the first such step stops it, naming the step.
@@ -90,6 +97,24 @@ impl TrainOpts {
             ));
         }
         Ok(std::time::Duration::from_secs_f64(self.timeout))
+    }
+}
+
+/// `--storage`: how the fused compute on CPU ranks stores float tensors.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StorageArg {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl From<StorageArg> for dplc_ir::DType {
+    fn from(s: StorageArg) -> Self {
+        match s {
+            StorageArg::F32 => dplc_ir::DType::F32,
+            StorageArg::Bf16 => dplc_ir::DType::BF16,
+            StorageArg::F16 => dplc_ir::DType::F16,
+        }
     }
 }
 
@@ -575,6 +600,17 @@ pub fn train_prepared_on(
         dplc_runtime::Device::Host => args.compute.unwrap_or(ComputeArg::Reference).into(),
         dplc_runtime::Device::Cuda { .. } => dplc_runtime::Compute::Fused,
     };
+    if let Some(storage) = args.storage {
+        if cfg.compute != dplc_runtime::Compute::Fused
+            || !matches!(device, dplc_runtime::Device::Host)
+        {
+            return Err(miette!(
+                help = "add --compute fused on CPU ranks; a GPU run stores its precision's type",
+                "--storage is for the fused compute on CPU ranks"
+            ));
+        }
+        cfg.host_storage = storage.into();
+    }
     cfg.device = device;
     if let Ok(spec) = std::env::var("DPLC_FAULT") {
         cfg.faults = fault_from_env(&spec, process.is_some())?;
@@ -751,6 +787,12 @@ pub fn train_prepared_on(
         if let Some(peak) = report.memory_peak_bytes {
             summary["peak_memory_bytes"] = json!(peak);
             summary["predicted_peak_memory_bytes"] = json!(p.plan.estimate.peak_memory_bytes);
+            // What the allocator's peak compares with: the peak less what a
+            // GPU process holds outside its allocator (the same for every
+            // stage, so the peak stage's).
+            let reserve = p.plan.stages.first().map_or(0, |s| s.memory.reserve);
+            summary["predicted_allocator_peak_bytes"] =
+                json!(p.plan.estimate.peak_memory_bytes.saturating_sub(reserve));
             // By kind: `buffers` holds the CUDA context and library
             // workspaces, which the allocator's peak does not count.
             summary["predicted_memory"] = json!(p.plan.stages.first().map(|s| &s.memory));

@@ -1298,3 +1298,72 @@ fn a_value_the_layout_computes_twice_runs_once_and_verifies() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `--storage bf16` stores the fused compute's floats as a bf16 GPU run
+/// does: the same kernels train within bf16's precision of the exact run,
+/// under a split too, the activations' bytes counted at two bytes (a lower
+/// measured peak) and every buffer read as the float type it holds (a
+/// mismatch fails the run; the optimizer's read of its f32 gradient as bf16
+/// was such a bug, found on the first GPU).
+#[test]
+fn bf16_storage_runs_the_fused_kernels_as_a_bf16_gpu_does() {
+    let run = |strategy: &str, storage: &str| -> serde_json::Value {
+        let mut args = vec![
+            "run",
+            "models/tiny.dpl",
+            "--cluster",
+            "4xcpu",
+            "--strategy",
+            strategy,
+            "--compute",
+            "fused",
+            "--storage",
+            storage,
+            "--steps",
+            "3",
+            "--json",
+        ];
+        args.extend(SMALL);
+        let out = dplc(&args);
+        assert!(
+            out.status.success(),
+            "{strategy} {storage}: {}",
+            stderr(&out)
+        );
+        let text = String::from_utf8(out.stdout).unwrap();
+        serde_json::from_str(text.lines().last().expect("a summary")).unwrap()
+    };
+    for strategy in ["dp=4,tp=1,pp=1", "tp=2,pp=2,dp=1"] {
+        let exact = run(strategy, "f32");
+        let bf16 = run(strategy, "bf16");
+        let (a, b) = (
+            exact["losses"].as_array().unwrap(),
+            bf16["losses"].as_array().unwrap(),
+        );
+        for (x, y) in a.iter().zip(b) {
+            let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
+            assert!(x != y, "{strategy}: bf16 rounds ({x})");
+            assert!(
+                (x - y).abs() <= 2e-2 * x.abs(),
+                "{strategy}: {a:?} vs {b:?}"
+            );
+        }
+        let peak = |v: &serde_json::Value| v["peak_memory_bytes"].as_u64().unwrap();
+        assert!(
+            peak(&bf16) < peak(&exact),
+            "{strategy}: bf16 peak {} against f32 {}",
+            peak(&bf16),
+            peak(&exact)
+        );
+    }
+    let out = dplc(&[
+        "run",
+        "models/tiny.dpl",
+        "--cluster",
+        "1xcpu",
+        "--storage",
+        "bf16",
+    ]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("--compute"), "{}", stderr(&out));
+}

@@ -915,6 +915,11 @@ pub struct MemoryBreakdown {
     /// gradients), and the runtime's own share (CUDA context, library
     /// workspaces, NCCL buffers).
     pub buffers: u64,
+    /// The part of `buffers` a GPU process holds outside its tensor
+    /// allocator (the CUDA context, library workspaces, fragmentation): the
+    /// allocator's measured peak is to be compared with the total less this.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub reserve: u64,
     /// Host memory this rank's offloaded state takes (not in the device's
     /// total): optimizer state, weights or activations under `offload`.
     #[serde(default, skip_serializing_if = "is_zero")]
@@ -1528,6 +1533,12 @@ impl Plan {
             }
             if st.memory.checked_total().is_none() {
                 return bad("its memory adds up to more than 2^64 bytes".into());
+            }
+            if st.memory.reserve > st.memory.buffers {
+                return bad(format!(
+                    "its runtime reserve ({} bytes) is part of its buffers ({} bytes) and cannot exceed them",
+                    st.memory.reserve, st.memory.buffers
+                ));
             }
             non_negative(
                 &format!("{field}.micro_batches_in_flight"),

@@ -1110,3 +1110,17 @@ fn fp8_gather_halves_the_layers_fsdp_gathers() {
     let e = error(GPT_1_7B, "8xH100", 64, "zero=0,fp8=on,fp8_gather=on");
     assert!(e.to_string().contains("zero ≥ 1"), "{e}");
 }
+
+/// A GPU stage's buffers include what the process holds outside its tensor
+/// allocator, stated apart so a measured allocator peak can be compared
+/// with the rest (the GPU check reads 0.97–1.00×); a CPU stage has none.
+#[test]
+fn the_runtime_reserve_is_stated_as_part_of_the_buffers() {
+    let gpu = plan(GPT_1_7B, "1x8xA100", 64, "tp=8,pp=1,dp=1,mb=1", true);
+    for st in &gpu.plan.stages {
+        assert_eq!(st.memory.reserve, 3 << 29, "stage {}: 1.5 GiB", st.stage);
+        assert!(st.memory.reserve < st.memory.buffers, "stage {}", st.stage);
+    }
+    let cpu = plan(GPT_1_7B, "8xcpu", 64, "tp=8,pp=1,dp=1,mb=1", true);
+    assert!(cpu.plan.stages.iter().all(|st| st.memory.reserve == 0));
+}

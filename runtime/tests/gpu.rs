@@ -588,7 +588,7 @@ fn bench_attention() {
                 } else {
                     DType::F32
                 };
-                if !bufs.contains_key(&role) {
+                if let std::collections::hash_map::Entry::Vacant(slot) = bufs.entry(role) {
                     // Inputs random. The forward's outputs poisoned (it
                     // writes every element, which the backward reads); the
                     // gradients zeroed, as the executor gives them (a view
@@ -604,7 +604,7 @@ fn bench_attention() {
                             (true, true) => 0.0,
                         })
                         .collect();
-                    bufs.insert(role, dev.upload_f32(&v, d).expect("upload"));
+                    slot.insert(dev.upload_f32(&v, d).expect("upload"));
                     lens.insert(role, (n, d));
                 }
             }

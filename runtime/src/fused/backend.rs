@@ -10,7 +10,7 @@ use dplc_codegen::{
     CodegenError, Data, Elem, Kernel,
 };
 use dplc_ir::DType;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
 /// One (batched) matmul: `C[b] (m×n) = op(A[b]) (m×k) · op(B[b]) (k×n)`, row-major.
@@ -142,16 +142,34 @@ pub trait Backend {
     }
 }
 
-/// The CPU device: `f32` storage, kernels interpreted, matmuls in f64.
-#[derive(Default)]
+/// The CPU device: kernels interpreted, matmuls in f64, float tensors
+/// stored as a GPU would store them. Values live as `f32`, but with a bf16
+/// or f16 storage type ([`HostBackend::with_storage`]) every
+/// [`Elem::Float`] value a kernel, a matmul or an upload writes is rounded
+/// to it, buffers count their bytes at its width, and a kernel that reads a
+/// buffer as the other float type than it holds is refused — on a GPU it
+/// would read the bytes as the wrong type (the optimizer once read its `f32`
+/// gradient as bf16, which no f32 run could show).
 pub struct HostBackend {
     live: Rc<RefCell<(usize, usize)>>,
+    storage: DType,
+}
+
+impl Default for HostBackend {
+    fn default() -> Self {
+        HostBackend {
+            live: Rc::default(),
+            storage: DType::F32,
+        }
+    }
 }
 
 /// A host buffer; it tells its backend when it is freed, so peak memory is
 /// measured the way the GPU's caching allocator measures it.
 pub struct HostBuf {
     data: RefCell<Data>,
+    /// What it holds, as a GPU buffer's bytes would be read.
+    elem: Cell<Elem>,
     bytes: usize,
     live: Rc<RefCell<(usize, usize)>>,
 }
@@ -163,8 +181,18 @@ impl Drop for HostBuf {
 }
 
 impl HostBackend {
+    /// `f32` storage.
     pub fn new() -> HostBackend {
         HostBackend::default()
+    }
+
+    /// Float tensors stored as `storage` (`F32`, `BF16` or `F16`), as a GPU
+    /// run of that precision stores them.
+    pub fn with_storage(storage: DType) -> HostBackend {
+        HostBackend {
+            live: Rc::default(),
+            storage,
+        }
     }
 
     /// Another handle on the same memory: buffers of either are the
@@ -172,55 +200,109 @@ impl HostBackend {
     pub fn handle(&self) -> HostBackend {
         HostBackend {
             live: Rc::clone(&self.live),
+            storage: self.storage,
         }
     }
 
-    fn wrap(&self, data: Data) -> Rc<HostBuf> {
-        let bytes = data.len() * 4;
+    fn wrap(&self, data: Data, elem: Elem) -> Rc<HostBuf> {
+        let width = match elem {
+            Elem::Float => self.storage.size_bytes() as usize,
+            Elem::F32 | Elem::I32 => 4,
+        };
+        let bytes = data.len() * width;
         let mut live = self.live.borrow_mut();
         live.0 += bytes;
         live.1 = live.1.max(live.0);
         Rc::new(HostBuf {
             data: RefCell::new(data),
+            elem: Cell::new(elem),
             bytes,
             live: self.live.clone(),
         })
     }
+
+    /// `x` as the storage type holds it.
+    fn stored(&self, x: f32) -> f32 {
+        stored_as(self.storage, x)
+    }
+}
+
+/// `x` rounded to `storage` (to nearest even, as the GPU's conversions do).
+fn stored_as(storage: DType, x: f32) -> f32 {
+    use crate::gpu::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+    match storage {
+        DType::BF16 => bf16_to_f32(f32_to_bf16(x)),
+        DType::F16 => f16_to_f32(f32_to_f16(x)),
+        _ => x,
+    }
+}
+
+/// Refuse to read `buf` as `declared` when it holds the other float type
+/// and the two differ in storage (bf16 or f16 runs): a GPU would read its
+/// bytes as the wrong type. An f32 run stores both alike.
+fn check_elem(storage: DType, what: &str, declared: Elem, buf: &HostBuf) -> Result<()> {
+    let held = buf.elem.get();
+    let floats = declared != Elem::I32 && held != Elem::I32;
+    if storage != DType::F32 && floats && declared != held {
+        return Err(kernel_err(
+            "launch",
+            format!(
+                "{what} reads a buffer holding {held:?} as {declared:?}: with {storage:?} \
+                 storage a GPU would read its bytes as the wrong type"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 impl Backend for HostBackend {
     type Buf = Rc<HostBuf>;
 
     fn dtype(&self) -> DType {
-        DType::F32
+        self.storage
     }
 
     fn zeros(&mut self, elem: Elem, len: usize) -> Result<Self::Buf> {
-        Ok(self.wrap(match elem {
-            Elem::I32 => Data::I32(vec![0; len]),
-            Elem::F32 | Elem::Float => Data::F32(vec![0.0; len]),
-        }))
+        Ok(self.wrap(
+            match elem {
+                Elem::I32 => Data::I32(vec![0; len]),
+                Elem::F32 | Elem::Float => Data::F32(vec![0.0; len]),
+            },
+            elem,
+        ))
     }
 
     /// Poisoned, as a GPU's caching allocator hands back whatever its
     /// reused block last held: floats NaN, indices out of every range, so a
     /// read of an element nobody wrote shows on the CPU too.
     fn alloc(&mut self, elem: Elem, len: usize) -> Result<Self::Buf> {
-        Ok(self.wrap(match elem {
-            Elem::I32 => Data::I32(vec![i32::MIN; len]),
-            Elem::F32 | Elem::Float => Data::F32(vec![f32::NAN; len]),
-        }))
+        Ok(self.wrap(
+            match elem {
+                Elem::I32 => Data::I32(vec![i32::MIN; len]),
+                Elem::F32 | Elem::Float => Data::F32(vec![f32::NAN; len]),
+            },
+            elem,
+        ))
     }
 
-    fn upload(&mut self, _elem: Elem, data: &[f32]) -> Result<Self::Buf> {
-        Ok(self.wrap(Data::F32(data.to_vec())))
+    fn upload(&mut self, elem: Elem, data: &[f32]) -> Result<Self::Buf> {
+        if elem == Elem::I32 {
+            return Err(kernel_err("upload", "floats uploaded as i32"));
+        }
+        let data = if elem == Elem::Float {
+            data.iter().map(|&x| self.stored(x)).collect()
+        } else {
+            data.to_vec()
+        };
+        Ok(self.wrap(Data::F32(data), elem))
     }
 
     fn upload_i32(&mut self, data: &[i32]) -> Result<Self::Buf> {
-        Ok(self.wrap(Data::I32(data.to_vec())))
+        Ok(self.wrap(Data::I32(data.to_vec()), Elem::I32))
     }
 
-    fn download(&mut self, buf: &Self::Buf, _elem: Elem, len: usize) -> Result<Vec<f32>> {
+    fn download(&mut self, buf: &Self::Buf, elem: Elem, len: usize) -> Result<Vec<f32>> {
+        check_elem(self.storage, "download", elem, buf)?;
         match &*buf.data.borrow() {
             Data::F32(v) if v.len() >= len => Ok(v[..len].to_vec()),
             d => Err(kernel_err(
@@ -248,6 +330,9 @@ impl Backend for HostBackend {
         to: usize,
         len: usize,
     ) -> Result<()> {
+        // The trait copies `f32` elements.
+        check_elem(self.storage, "copy", Elem::F32, src)?;
+        check_elem(self.storage, "copy", Elem::F32, dst)?;
         let short = || kernel_err("copy", format!("{len} floats from {from} to {to}"));
         if Rc::ptr_eq(src, dst) {
             let mut d = dst.data.borrow_mut();
@@ -272,9 +357,14 @@ impl Backend for HostBackend {
     }
 
     fn launch(&mut self, kernel: &Kernel, args: &Args, bufs: &[Self::Buf]) -> Result<()> {
-        run_on_host(&kernel.op, &kernel.buffers, args, bufs, |refs| {
-            interpret_refs(kernel, args, refs)
-        })
+        run_on_host(
+            self.storage,
+            &kernel.op,
+            &kernel.buffers,
+            args,
+            bufs,
+            |refs| interpret_refs(kernel, args, refs),
+        )
     }
 
     fn attention(
@@ -284,12 +374,21 @@ impl Backend for HostBackend {
         args: &Args,
         bufs: &[Self::Buf],
     ) -> Result<()> {
-        run_on_host(pass.name(), &kernel.buffers(pass), args, bufs, |refs| {
-            interpret_attention(kernel, pass, args, refs)
-        })
+        run_on_host(
+            self.storage,
+            pass.name(),
+            &kernel.buffers(pass),
+            args,
+            bufs,
+            |refs| interpret_attention(kernel, pass, args, refs),
+        )
     }
 
     fn matmul(&mut self, mm: &MatMul, a: &Self::Buf, b: &Self::Buf, c: &Self::Buf) -> Result<()> {
+        let what = format!("{mm:?}");
+        for x in [a, b] {
+            check_elem(self.storage, &what, Elem::Float, x)?;
+        }
         let out = {
             let (a, b) = (a.data.borrow(), b.data.borrow());
             let batches = |batched: bool| if batched { mm.batch } else { 1 };
@@ -310,7 +409,10 @@ impl Backend for HostBackend {
         let mut slot = c.data.borrow_mut();
         match &mut *slot {
             Data::F32(v) if v.len() >= out.len() => {
-                v[..out.len()].copy_from_slice(&out);
+                for (slot, x) in v.iter_mut().zip(out) {
+                    *slot = stored_as(self.storage, x);
+                }
+                c.elem.set(Elem::Float);
                 Ok(())
             }
             _ => Err(kernel_err("matmul", format!("{mm:?}: C is too small"))),
@@ -323,9 +425,10 @@ impl Backend for HostBackend {
 }
 
 /// Bind `bufs` as the kernel buffers `specs` say (outputs sized for their
-/// type, an input also bound as an output read from a snapshot) and run
-/// `interpret` over them.
+/// type, an input also bound as an output read from a snapshot), run
+/// `interpret` over them, and round what it wrote as floats to `storage`.
 fn run_on_host(
+    storage: DType,
     op: &str,
     specs: &[Buffer],
     args: &Args,
@@ -355,6 +458,7 @@ fn run_on_host(
     let mut snapshots: Vec<Option<Data>> = Vec::with_capacity(bufs.len());
     for (i, (b, kb)) in bufs.iter().zip(specs).enumerate() {
         if !kb.output {
+            check_elem(storage, &format!("{op}'s {}", kb.label), kb.elem, b)?;
             let aliased = bound_as_output(b, bufs.len());
             snapshots.push(aliased.then(|| b.data.borrow().clone()));
             continue;
@@ -416,7 +520,22 @@ fn run_on_host(
             }
         });
     }
-    interpret(&mut refs).map_err(|e| kernel_err("launch", e.to_string()))
+    interpret(&mut refs).map_err(|e| kernel_err("launch", e.to_string()))?;
+    drop(refs);
+    drop(writes);
+    drop(reads);
+    for (b, kb) in bufs.iter().zip(specs).filter(|(_, kb)| kb.output) {
+        b.elem.set(kb.elem);
+        if kb.elem == Elem::Float && storage != DType::F32 {
+            if let Data::F32(v) = &mut *b.data.borrow_mut() {
+                let len = v.len().min(args.len_of(kb));
+                for x in &mut v[..len] {
+                    *x = stored_as(storage, *x);
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -450,6 +569,50 @@ mod tests {
             }
         }
         c
+    }
+
+    /// A bf16 host stores floats as a GPU of that precision does: rounded,
+    /// at two bytes each, and refuses a kernel that reads an `f32` buffer as
+    /// the storage type (the optimizer's bug of the first GPU run).
+    #[test]
+    fn a_bf16_host_rounds_counts_and_refuses_a_wrong_float_type() {
+        use crate::gpu::{bf16_to_f32, f32_to_bf16};
+        use dplc_codegen::add_kernel;
+        let mut be = HostBackend::with_storage(DType::BF16);
+        let x = [1.0f32 + 1.0 / 1024.0, -2.71234, 1e-3];
+        let a = be.upload(Elem::Float, &x).unwrap();
+        let rounded: Vec<f32> = x.iter().map(|&v| bf16_to_f32(f32_to_bf16(v))).collect();
+        assert_eq!(be.download(&a, Elem::Float, 3).unwrap(), rounded);
+        let f = be.upload(Elem::F32, &x).unwrap();
+        assert_eq!(be.download(&f, Elem::F32, 3).unwrap(), x);
+        assert_eq!(be.peak_bytes(), Some(3 * 2 + 3 * 4));
+        // f32 + bf16 into bf16: the sum is rounded.
+        let out = be.alloc(Elem::Float, 3).unwrap();
+        let add = add_kernel(Elem::Float, Elem::F32, Elem::Float);
+        let args = crate::fused::flat_args(3);
+        be.launch(&add, &args, &[out.clone(), f.clone(), a.clone()])
+            .unwrap();
+        let want: Vec<f32> = x
+            .iter()
+            .zip(&rounded)
+            .map(|(p, q)| bf16_to_f32(f32_to_bf16(p + q)))
+            .collect();
+        assert_eq!(be.download(&out, Elem::Float, 3).unwrap(), want);
+        // The f32 buffer read as bf16: refused, naming the buffer.
+        let wrong = add_kernel(Elem::Float, Elem::Float, Elem::Float);
+        let err = be
+            .launch(&wrong, &args, &[out.clone(), f.clone(), a.clone()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("holding F32 as Float"), "{err}");
+        // An f32 host stores both alike and lets it pass.
+        let mut be = HostBackend::new();
+        let (f, a) = (
+            be.upload(Elem::F32, &x).unwrap(),
+            be.upload(Elem::Float, &x).unwrap(),
+        );
+        let out = be.alloc(Elem::Float, 3).unwrap();
+        be.launch(&wrong, &args, &[out, f, a]).unwrap();
     }
 
     #[test]

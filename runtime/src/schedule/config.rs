@@ -258,6 +258,12 @@ pub struct RunConfig {
     pub compute: Compute,
     /// Where the fused kernels run (GPUs need `Compute::Fused`).
     pub device: Device,
+    /// How CPU ranks' fused compute stores float tensors: `F32` (exact, to
+    /// check the kernels against the reference), or `BF16`/`F16` as a GPU
+    /// run of that precision stores them (rounded, counted at their width,
+    /// a kernel reading a buffer as the wrong float type refused). A GPU
+    /// run's storage is its `Device::Cuda` dtype.
+    pub host_storage: dplc_ir::DType,
     /// Elements per all-reduce bucket of data-parallel gradient sync.
     pub bucket_elems: usize,
     /// A rank waiting longer than this for a peer fails the run.
@@ -298,6 +304,7 @@ impl Default for RunConfig {
             attention: dplc_ir::AttentionKind::Fused,
             compute: Compute::Reference,
             device: Device::Host,
+            host_storage: dplc_ir::DType::F32,
             bucket_elems: 1 << 16,
             timeout: Duration::from_secs(60),
             skip_nonfinite: 0,

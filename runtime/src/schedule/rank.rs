@@ -118,7 +118,7 @@ pub(super) fn run_rank(
     match cfg.compute {
         Compute::Fused if !server => match cfg.device {
             Device::Host => {
-                let be = HostBackend::new();
+                let be = HostBackend::with_storage(cfg.host_storage);
                 let compute = fused::Fused::new(sh, fused_plan()?, be.handle());
                 let store = ParamStore::new(init, DeviceStorage::new(be, HostStaged))?;
                 drive(sh, at, server, store, Box::new(compute), steps, tx)
