@@ -1113,11 +1113,7 @@ impl Lower<'_, '_> {
         let len = tensor.shape.dims().iter().map(|d| self.size(d)).collect();
         self.buffers.push(Buffer {
             label: t.to_string(),
-            elem: if tensor.dtype == DType::I32 {
-                Elem::I32
-            } else {
-                Elem::Float
-            },
+            elem: tensor_elem(&tensor),
             output,
             len,
         });
@@ -1651,5 +1647,19 @@ impl Lower<'_, '_> {
             }
             _ => unreachable!("reductions return above"),
         })
+    }
+}
+
+/// How a kernel stores graph tensor `t`: indices as `i32`; a float scalar
+/// (the loss, a mean) in `f32`, as mixed precision keeps its loss — it
+/// costs nothing, and in bf16 a loss near 11 moves in steps of 0.0625; every
+/// other float in the storage type. The executor's loss seed reads it too.
+pub fn tensor_elem(t: &dplc_ir::Tensor) -> Elem {
+    if t.dtype == DType::I32 {
+        Elem::I32
+    } else if t.shape.dims().is_empty() {
+        Elem::F32
+    } else {
+        Elem::Float
     }
 }

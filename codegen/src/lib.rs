@@ -34,8 +34,8 @@ pub use cuda::{emit_cuda, kernel_name, CudaSource, LaunchShape, ROW_BLOCK};
 pub use error::CodegenError;
 pub use flat::{add_kernel, convert_kernel, sum_squares_kernel, SUM_SQUARES_COLS};
 pub use fuse::{
-    elements_per_sample, fuse, fuse_cut, fuse_graph, fuse_with, FuseConfig, FusedAttention,
-    FusedKernel, FusionPlan, KeyPlace, KeySize, Operand, Step,
+    elements_per_sample, fuse, fuse_cut, fuse_graph, fuse_with, tensor_elem, FuseConfig,
+    FusedAttention, FusedKernel, FusionPlan, KeyPlace, KeySize, Operand, Step,
 };
 pub use interp::{
     binary, erf, erf_f64, interpret, interpret_refs, unary, unary_grad, Args, BufferRef, Data,

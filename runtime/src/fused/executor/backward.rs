@@ -247,9 +247,10 @@ impl<'a> Executor<'a> {
                     .outputs()
                     .first()
                     .ok_or_else(|| kernel_err("fused", "the model returns nothing"))?;
+                let elem = dplc_codegen::tensor_elem(self.graph.tensor(loss_t));
                 let seed = Val {
-                    buf: be.upload(Elem::Float, &[loss_scale])?,
-                    elem: Elem::Float,
+                    buf: be.upload(elem, &[loss_scale])?,
+                    elem,
                     len: 1,
                 };
                 grads.insert(self.base(loss_t), seed);
