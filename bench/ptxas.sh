@@ -37,11 +37,11 @@ while [[ $# -ge 2 ]]; do
     printf '  %-48s %5s %7s %7s %7s %7s\n' kernel regs stack spill_st spill_ld smem
     for ptx in "$work/$model"/kernels/*.ptx; do
         info="$("$PTXAS" -arch=sm_90 -v "$ptx" -o /dev/null 2>&1)"
-        regs="$(grep -oE 'Used [0-9]+ registers' <<<"$info" | grep -oE '[0-9]+' | head -1)"
-        stack="$(grep -oE '[0-9]+ bytes stack frame' <<<"$info" | grep -oE '^[0-9]+' | head -1)"
-        st="$(grep -oE '[0-9]+ bytes spill stores' <<<"$info" | grep -oE '^[0-9]+' | head -1)"
-        ld="$(grep -oE '[0-9]+ bytes spill loads' <<<"$info" | grep -oE '^[0-9]+' | head -1)"
-        smem="$(grep -oE '[0-9]+ bytes smem' <<<"$info" | grep -oE '^[0-9]+' | head -1)"
+        regs="$(grep -oE 'Used [0-9]+ registers' <<<"$info" | grep -oE '[0-9]+' | head -1 || true)"
+        stack="$(grep -oE '[0-9]+ bytes stack frame' <<<"$info" | grep -oE '^[0-9]+' | head -1 || true)"
+        st="$(grep -oE '[0-9]+ bytes spill stores' <<<"$info" | grep -oE '^[0-9]+' | head -1 || true)"
+        ld="$(grep -oE '[0-9]+ bytes spill loads' <<<"$info" | grep -oE '^[0-9]+' | head -1 || true)"
+        smem="$(grep -oE '[0-9]+ bytes smem' <<<"$info" | grep -oE '^[0-9]+' | head -1 || true)"
         printf '  %-48s %5s %7s %7s %7s %7s\n' "$(basename "$ptx" .ptx)" "${regs:-?}" "${stack:-0}" "${st:-0}" "${ld:-0}" "${smem:-0}"
     done
 done
