@@ -18,6 +18,8 @@
 #      beside the same step unsplit: losses, tokens/s, the measured step
 #      against the plan's predicted step, the allocator's measured peak
 #      against the plan's predicted peak memory;
+#      and profiles a gpt2 step (DPLC_PROFILE=1: every call waited for and
+#      timed, one row per kernel, matmul shape and memory operation);
 #   5. with --torch, PyTorch eager and torch.compile on a GPT-2-small layer
 #      forward+backward, and on the whole gpt2 training step of (4) with the
 #      same micro-batch, micro-batch count and sequence
@@ -43,12 +45,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 TORCH=0
-PARTS="tests,bandwidth,attention,train,torch-layer,torch-step"
+PARTS="tests,bandwidth,attention,train,profile,torch-layer,torch-step"
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --torch) TORCH=1 ;;
         --parts) PARTS="${2:?--parts takes a comma-separated list}"; shift ;;
-        *) echo "usage: $0 [--torch] [--parts tests,bandwidth,attention,train,torch-layer,torch-step]" >&2; exit 2 ;;
+        *) echo "usage: $0 [--torch] [--parts tests,bandwidth,attention,train,profile,torch-layer,torch-step]" >&2; exit 2 ;;
     esac
     shift
 done
@@ -179,6 +181,11 @@ PY
 )"
 echo "$TRAIN_LINES" >&2
 
+# --- 4b. where a gpt2 step's time goes: every call waited for and timed
+if wanted profile; then
+    part "profile gpt2" 180 bash -c "DPLC_PROFILE=1 '$DPLC' run models/gpt2.dpl --model gpt2 --global-batch 32 --steps 3 --cluster 1xH100 --json --trace '$LOG_DIR/gpt2-trace.json' > '$LOG_DIR/profile.jsonl' 2> '$LOG_DIR/profile.err'"
+fi
+
 # --- 5. PyTorch
 TORCH_LINES=""
 STEP_LINES=""
@@ -234,6 +241,12 @@ fi
     grep -E '^attention ' "$LOG_DIR/attention.log" || true
     grep -E '^sdpa ' "$LOG_DIR/torch-attention.log" 2>/dev/null || true
     echo '```'
+    if [[ -s "$LOG_DIR/profile.err" ]]; then
+        echo "Where a gpt2 step's time goes (\`DPLC_PROFILE=1 dplc run models/gpt2.dpl --global-batch 32 --steps 3\`, every call waited for; one table per backend: the compute's, then the training state's):"
+        echo '```'
+        grep -A 44 '^DPLC_PROFILE' "$LOG_DIR/profile.err" || true
+        echo '```'
+    fi
     echo "Training (\`dplc run … --json\`):"
     echo '```'
     echo "$TRAIN_LINES"

@@ -12,8 +12,9 @@ use dplc_codegen::{
     Elem, Kernel, Nvrtc,
 };
 use dplc_ir::DType;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
+use std::time::Instant;
 
 /// One rank's view of a GPU.
 pub struct CudaBackend {
@@ -29,6 +30,55 @@ pub struct CudaBackend {
     /// `=trace` also prints what every launch read and wrote.
     check_finite: bool,
     trace: bool,
+    /// `DPLC_PROFILE=1`: every call waited for and timed ([`Profile`]).
+    profile: Option<Profile>,
+}
+
+/// A per-call profile for machines without Nsight: each launch, matmul and
+/// memory operation is waited for before and after and its time added to
+/// its kernel's (or operation's) row; the table goes to stderr when the
+/// backend drops. Waiting serialises the GPU with the host, so the rows are
+/// device time plus a launch each, and the gap to the wall time is the
+/// host's own.
+struct Profile {
+    opened: Instant,
+    calls: BTreeMap<String, (u64, f64)>,
+}
+
+impl Profile {
+    fn report(&self, device: &str) -> String {
+        let wall = self.opened.elapsed().as_secs_f64();
+        let busy: f64 = self.calls.values().map(|c| c.1).sum();
+        let mut rows: Vec<_> = self.calls.iter().collect();
+        rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+        let mut out = format!(
+            "DPLC_PROFILE on {device}: {wall:.3} s since the backend opened, {busy:.3} s in its calls\n\
+             {:>8} {:>11} {:>10} {:>6}  what\n",
+            "calls", "total ms", "mean us", "share"
+        );
+        for (what, (n, t)) in rows.iter().take(40) {
+            out += &format!(
+                "{n:>8} {:>11.3} {:>10.1} {:>5.1}%  {what}\n",
+                t * 1e3,
+                t / *n as f64 * 1e6,
+                100.0 * t / wall.max(1e-12)
+            );
+        }
+        if rows.len() > 40 {
+            out += &format!("   … {} more\n", rows.len() - 40);
+        }
+        out
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        if let Some(p) = &self.profile {
+            if !p.calls.is_empty() {
+                eprint!("{}", p.report(self.dev.name()));
+            }
+        }
+    }
 }
 
 /// One buffer of a launch, as [`CudaBackend::check_finite`] reads it.
@@ -104,6 +154,12 @@ impl CudaBackend {
             attention: HashMap::new(),
             check_finite: std::env::var_os("DPLC_CHECK_FINITE").is_some_and(|v| !v.is_empty()),
             trace: std::env::var_os("DPLC_CHECK_FINITE").is_some_and(|v| v == "trace"),
+            profile: std::env::var_os("DPLC_PROFILE")
+                .is_some_and(|v| v == "1")
+                .then(|| Profile {
+                    opened: Instant::now(),
+                    calls: BTreeMap::new(),
+                }),
         })
     }
 
@@ -182,6 +238,29 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Under `DPLC_PROFILE`, wait for the queue and start a call's clock.
+    fn begin(&self) -> Result<Option<Instant>> {
+        if self.profile.is_none() {
+            return Ok(None);
+        }
+        self.dev.synchronize()?;
+        Ok(Some(Instant::now()))
+    }
+
+    /// Under `DPLC_PROFILE`, wait for the call begun at `t0` and add its
+    /// time to `what`'s row.
+    fn end(&mut self, t0: Option<Instant>, what: impl FnOnce() -> String) -> Result<()> {
+        let Some(t0) = t0 else { return Ok(()) };
+        self.dev.synchronize()?;
+        let t = t0.elapsed().as_secs_f64();
+        if let Some(p) = &mut self.profile {
+            let row = p.calls.entry(what()).or_default();
+            row.0 += 1;
+            row.1 += t;
+        }
+        Ok(())
+    }
+
     fn bytes(&self, elem: Elem, len: usize) -> usize {
         // Never a zero-byte allocation: a scalar view may be read as one element.
         len.max(1) * self.storage(elem).size_bytes() as usize
@@ -196,30 +275,48 @@ impl Backend for CudaBackend {
     }
 
     fn zeros(&mut self, elem: Elem, len: usize) -> Result<Self::Buf> {
-        Ok(Arc::new(self.dev.zeros(self.bytes(elem, len))?))
+        let t0 = self.begin()?;
+        let b = Arc::new(self.dev.zeros(self.bytes(elem, len))?);
+        self.end(t0, || "zeros (alloc and memset)".into())?;
+        Ok(b)
     }
 
     fn alloc(&mut self, elem: Elem, len: usize) -> Result<Self::Buf> {
-        Ok(Arc::new(self.dev.alloc(self.bytes(elem, len))?))
+        let t0 = self.begin()?;
+        let b = Arc::new(self.dev.alloc(self.bytes(elem, len))?);
+        self.end(t0, || "alloc".into())?;
+        Ok(b)
     }
 
     fn upload(&mut self, elem: Elem, data: &[f32]) -> Result<Self::Buf> {
         if elem == Elem::I32 {
             return Err(GpuError::Invalid("upload of floats as i32".into()).into());
         }
-        Ok(Arc::new(self.dev.upload_f32(data, self.storage(elem))?))
+        let t0 = self.begin()?;
+        let b = Arc::new(self.dev.upload_f32(data, self.storage(elem))?);
+        self.end(t0, || "upload".into())?;
+        Ok(b)
     }
 
     fn upload_i32(&mut self, data: &[i32]) -> Result<Self::Buf> {
-        Ok(Arc::new(self.dev.upload_i32(data)?))
+        let t0 = self.begin()?;
+        let b = Arc::new(self.dev.upload_i32(data)?);
+        self.end(t0, || "upload".into())?;
+        Ok(b)
     }
 
     fn download(&mut self, buf: &Self::Buf, elem: Elem, len: usize) -> Result<Vec<f32>> {
-        Ok(self.dev.download_f32(buf, len, self.storage(elem))?)
+        let t0 = self.begin()?;
+        let v = self.dev.download_f32(buf, len, self.storage(elem))?;
+        self.end(t0, || "download".into())?;
+        Ok(v)
     }
 
     fn download_i32(&mut self, buf: &Self::Buf, len: usize) -> Result<Vec<i32>> {
-        Ok(self.dev.download_i32(buf, len)?)
+        let t0 = self.begin()?;
+        let v = self.dev.download_i32(buf, len)?;
+        self.end(t0, || "download".into())?;
+        Ok(v)
     }
 
     fn copy(
@@ -231,16 +328,25 @@ impl Backend for CudaBackend {
         len: usize,
     ) -> Result<()> {
         let w = self.bytes(Elem::F32, 1);
-        Ok(self.dev.copy_at(src, from * w, dst, to * w, len * w)?)
+        let t0 = self.begin()?;
+        self.dev.copy_at(src, from * w, dst, to * w, len * w)?;
+        self.end(t0, || "copy".into())
     }
 
     fn launch(&mut self, kernel: &Kernel, args: &Args, bufs: &[Self::Buf]) -> Result<()> {
         let dev = self.dev.clone();
         let check = self.check_finite;
+        if self.profile.is_some() {
+            // Compiled and loaded outside the clock.
+            self.kernel(kernel)?;
+        }
+        let t0 = self.begin()?;
         let k = self.kernel(kernel)?;
         let refs: Vec<&DeviceBuffer> = bufs.iter().map(|b| &**b).collect();
         dev.launch(k, &refs, args)?;
-        if let Some(name) = check.then(|| k.name.clone()) {
+        let name = (check || t0.is_some()).then(|| k.name.clone());
+        self.end(t0, || name.clone().unwrap_or_default())?;
+        if let Some(name) = name.filter(|_| check) {
             let bound: Vec<Bound<'_>> = kernel
                 .buffers
                 .iter()
@@ -278,7 +384,9 @@ impl Backend for CudaBackend {
             self.attention.insert(name.clone(), loaded);
         }
         let refs: Vec<&DeviceBuffer> = bufs.iter().map(|b| &**b).collect();
+        let t0 = self.begin()?;
         self.dev.launch(&self.attention[&name], &refs, args)?;
+        self.end(t0, || name.clone())?;
         if self.check_finite {
             let bound: Vec<Bound<'_>> = kernel
                 .buffers(pass)
@@ -298,7 +406,23 @@ impl Backend for CudaBackend {
     }
 
     fn matmul(&mut self, mm: &MatMul, a: &Self::Buf, b: &Self::Buf, c: &Self::Buf) -> Result<()> {
+        let t0 = self.begin()?;
         self.blas.matmul(mm, a, b, c)?;
+        self.end(t0, || {
+            format!(
+                "matmul {}x{}x{}{}{}{}",
+                mm.m,
+                mm.n,
+                mm.k,
+                if mm.batch > 1 {
+                    format!(" ×{}", mm.batch)
+                } else {
+                    String::new()
+                },
+                if mm.a_transposed { " Aᵀ" } else { "" },
+                if mm.b_transposed { " Bᵀ" } else { "" }
+            )
+        })?;
         if self.check_finite {
             let (a_len, b_len) = (
                 mm.m * mm.k * if mm.a_batched { mm.batch } else { 1 },
