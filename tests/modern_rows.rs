@@ -78,6 +78,8 @@ const TT_H200: &str = "pytorch/torchtitan benchmarks/llama3-8b_h200_202506_train
 const NEMO_2407: &str = "NVIDIA/NeMo docs/source/performance/performance_summary.md @ 070a0bb168d405d653b9734c0017cf5078e77c0d (NeMo 24.07, DGX-H100, FP8)";
 const MBRIDGE: &str = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md @ df0289c180dd20ff26933455c7a0a11084f6a36f (DGX-H100, FP8)";
 
+const DPLC_H200: &str = "dplc bench/RESULTS.md, \"The GPU check on an NVIDIA H200\" (2026-11-26, run 3): bench/torch_gpt2_step.py --micro-batch 32 --micro-batches 1 --seq 1024 --warmup 1 --steps 3, PyTorch 2.11.0+cu130 on one NVIDIA H200 (driver 580.159.04): models/gpt2.dpl's GPT-2 small (dropout 0.1, tied head), bf16 autocast over fp32 master weights, SDPA (flash), AdamW, clipping";
+
 const NO_LAYER_SAC: &str = "torchtitan's layer-level selective checkpointing (every second layer, full) is not a dplc recompute policy; pinned as full";
 const FSDP_PP: &str = "FSDP (ZeRO-3) under a pipeline plans and runs as torchtitan runs it: each stage's weights gathered once a step and its gradients reduce-scattered once after its last backward (FSDP2 does not reshard after forward when pipelining, and PyTorch's pipeline stage defers the reduce-scatter); it reads 1.30 (1.22 when every micro-batch gathered again), fast by at least every Grand Teton row's offset (a 500 W part priced at the sustained rates measured at 700 W); what interleaving gains is checked against the source instead (interleaving_gains_what_torchtitan_measured)";
 const GRAND_TETON: &str = "500 W HBM2e H100 whose peak the source does not know; priced at the H100 die's sustained rates measured at 700 W, an upper bound (these rows read +10% to +42%)";
@@ -86,6 +88,7 @@ const H200_FAST: &str = "10.4% fast at 32 GPUs, 12.4% at 64, with FSDP's float8 
 const RECOMPUTE_NS: &str = "recompute n/s: dplc's plan without recomputation needs 82.1 GiB (its bf16 compute weights beside their FP8 casts), so the search recomputes fully; with the FP8 weights gathered and kept alone (`fp8_gather=on`, as MLPerf-style GPT-3 configs set FP8 params, which this source does not state) it fits without recomputation and reads 0.974; see bench/RESULTS.md";
 const GPT3_5B: &str = "12.5% fast with every knob the table states (the search takes ZeRO-1 and no recomputation); the model's 0.1 dropout (NeMo's GPTConfig5B keeps TransformerConfig's default, 175B sets 0) and the FP8 casts of its small 4096-wide GEMMs are the suspects, neither measured; see bench/RESULTS.md";
 const GPT3_20B: &str = "16% slow: with the stated knobs dplc's ZeRO-1 plan needs 83 GiB (bf16 weights beside their FP8 casts and fp32 gradients) and the search takes ZeRO-2, whose per-micro-batch reduce-scatters cost 0.28 s; with FP8 parameter gathers (`zero=1,fp8_gather=on`, as NeMo's later FP8 recipes set, not stated for 24.07) it fits and reads 1.040; see bench/RESULTS.md";
+const EAGER_SMALL: &str = "PyTorch eager at GPT-2 small's size takes twice its torch.compile step (146.3 ms against 71.5 ms) where dplc prices eager's extra elementwise passes at +3%: a 124M-parameter step is short enough that issuing each op from Python may bound it; not measured (the lease ended before a profile); see bench/RESULTS.md";
 const CP_RING: &str = "500 W Grand Teton part (an upper bound), and torchtitan's 4- and 8-way context parallelism runs SDPA once per ring step (load balancing n/s), which dplc prices as one overlapped ring; see bench/RESULTS.md";
 
 fn rows() -> Vec<Row> {
@@ -116,7 +119,13 @@ fn rows() -> Vec<Row> {
     const L3: &str = "llama3.dpl";
     const L2: &str = "llama2.dpl";
     const GPT: &str = "megatron_gpt.dpl";
+    const GPT2: &str = "gpt2.dpl";
     vec![
+        // ---- PyTorch on one H200, measured by dplc's own GPU check (its peer for the gpt2 step).
+        r("PyTorch 2.11 GPT-2 small, 1 H200, torch.compile", DPLC_H200, (GPT2, "gpt2"), "1xH200", (1024, 32),
+          "tp=1,pp=1,cp=1,dp=1,mb=32,recompute=none,zero=0", "attention=flash2,elementwise=fused,offload=none", 458281.0, 0.991, Asserted),
+        r("PyTorch 2.11 GPT-2 small, 1 H200, eager", DPLC_H200, (GPT2, "gpt2"), "1xH200", (1024, 32),
+          "tp=1,pp=1,cp=1,dp=1,mb=32,recompute=none,zero=0", "attention=flash2,elementwise=eager,offload=none", 223945.0, 1.976, NotAsserted(EAGER_SMALL)),
         // ---- torchtitan, 64 A100 80GB (host size n/s: DGX A100 assumed), eager, seq 8192 / 4096 (cfg).
         r("TT A100 Llama3 8B, selective layer AC", TT_PERF_A100, (L3, "llama3_8b"), "8x8xA100", (8192, 64),
           "tp=1,pp=1,cp=1,dp=64,mb=1,recompute=full", TORCHTITAN_EAGER, 2904.0, 1.014, NotAsserted(NO_LAYER_SAC)),
