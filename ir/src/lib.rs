@@ -17,6 +17,7 @@ mod pipeline;
 mod plan;
 mod print;
 mod shape;
+mod strategy;
 pub mod validate;
 
 pub use analysis::{
@@ -45,14 +46,16 @@ pub use pipeline::{
     accounted_stage_layers, even_split, pipeline_order, virtual_stage_layers, zero3_holds_the_step,
     PipelineWork,
 };
-pub use plan::{powersgd_factors, topk_sparsifies, POWERSGD_MIN_COMPRESSION_RATE};
 pub use plan::{
-    Alternative, AttentionKind, AxisComm, AxisMapping, AxisPart, BackwardCollective,
-    ClusterSummary, Collective, CollectiveKind, Compression, Elementwise, Estimate, GradAccum,
-    GradSync, LinkLevel, MemoryBreakdown, Mesh, MeshAxis, ModelSource, Offload, ParamSharding,
-    PipelineSchedule, Plan, ProgramValue, Recompute, RegionProgram, RootSplit, SearchStats,
-    ServerRanks, ShardLayout, SkippedDegree, StagePlan, StepPhase, Strategy, TimeBreakdown,
-    TpOverlap, WhatIf,
+    Alternative, AxisComm, AxisPart, BackwardCollective, Collective, CollectiveKind, Estimate,
+    MemoryBreakdown, ModelSource, ParamSharding, Plan, ProgramValue, RegionProgram, SearchStats,
+    SkippedDegree, StagePlan, StepPhase, TimeBreakdown, WhatIf,
+};
+pub use strategy::{powersgd_factors, topk_sparsifies, POWERSGD_MIN_COMPRESSION_RATE};
+pub use strategy::{
+    AttentionKind, AxisMapping, ClusterSummary, Compression, Elementwise, GradAccum, GradSync,
+    LinkLevel, Mesh, MeshAxis, Offload, PipelineSchedule, Recompute, RootSplit, ServerRanks,
+    ShardLayout, Strategy, TpOverlap,
 };
 
 pub use print::print_graph;
