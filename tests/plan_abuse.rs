@@ -193,6 +193,11 @@ fn impossible_plans_are_refused_by_explain_viz_and_verify() {
             "strategy.virtual_stages: 2 needs the interleaved schedule, not 1f1b",
         ),
         (
+            "reserve",
+            edit(&|p| p.stages[0].memory.reserve = p.stages[0].memory.buffers + 1),
+            "stages[0]: its runtime reserve",
+        ),
+        (
             "bf16_ends",
             edit(&|p| p.strategy.fp8_bf16_ends = u64::MAX),
             "strategy.fp8_bf16_ends: 18446744073709551615: the first and last layers kept in bf16 need fp8",
