@@ -1,0 +1,150 @@
+// CUDA's thread model on a CPU, for the generated CUDA C itself
+// (codegen/tests/host_cuda.rs): a block's threads are OS threads released
+// together; `__syncthreads` is a barrier over them; a warp shuffle is an
+// exchange through the warp's slots between two barriers over its 32
+// threads; `__shared__` memory is a static of the kernel, which the blocks,
+// run one after another, share in turn; atomics are `std::atomic_ref`.
+// Enough for the elementwise, row and scan kernels (no tensor cores, no
+// inline PTX: the storage conversions below replace the generated ones).
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+struct dplc_dim3 {
+    unsigned x, y, z;
+};
+struct uint4 {
+    unsigned x, y, z, w;
+};
+struct uint2 {
+    unsigned x, y;
+};
+
+inline thread_local dplc_dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+struct dplc_warp_state {
+    explicit dplc_warp_state(std::ptrdiff_t n) : bar(n) {}
+    std::barrier<> bar;
+    float slot[32];
+};
+inline thread_local std::barrier<>* dplc_block_bar;
+inline thread_local dplc_warp_state* dplc_warp;
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+#define __launch_bounds__(...)
+#define __align__(n) alignas(n)
+#define __shared__ static
+
+inline void __syncthreads() { dplc_block_bar->arrive_and_wait(); }
+
+inline float dplc_exchange(float v, int from) {
+    const int lane = threadIdx.x & 31;
+    dplc_warp->slot[lane] = v;
+    dplc_warp->bar.arrive_and_wait();
+    const float r = dplc_warp->slot[from];
+    dplc_warp->bar.arrive_and_wait();
+    return r;
+}
+inline float __shfl_xor_sync(unsigned, float v, int mask) {
+    return dplc_exchange(v, (threadIdx.x & 31) ^ mask);
+}
+inline float __shfl_up_sync(unsigned, float v, int delta) {
+    const int lane = threadIdx.x & 31;
+    const float r = dplc_exchange(v, lane >= delta ? lane - delta : lane);
+    return lane >= delta ? r : v;
+}
+inline float __shfl_down_sync(unsigned, float v, int delta) {
+    const int lane = threadIdx.x & 31;
+    const float r = dplc_exchange(v, lane + delta < 32 ? lane + delta : lane);
+    return lane + delta < 32 ? r : v;
+}
+
+inline float __uint_as_float(unsigned u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline float __int_as_float(int i) {
+    float f;
+    std::memcpy(&f, &i, 4);
+    return f;
+}
+inline unsigned __float_as_uint(float f) {
+    unsigned u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
+inline int __float_as_int(float f) {
+    int i;
+    std::memcpy(&i, &f, 4);
+    return i;
+}
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
+inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
+
+// The storage types, as the GPU's conversions round (to nearest even).
+#define DPLC_STORAGE
+#if DPLC_DTYPE == 0
+typedef float dplc_t;
+inline float dplc_ld(float x) { return x; }
+inline float dplc_st(float x) { return x; }
+#elif DPLC_DTYPE == 1
+typedef unsigned short dplc_t;
+inline float dplc_ld(unsigned short h) { return __uint_as_float(((unsigned)h) << 16); }
+inline unsigned short dplc_st(float f) {
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+#else
+typedef unsigned short dplc_t;
+inline float dplc_ld(unsigned short h) {
+    _Float16 x;
+    std::memcpy(&x, &h, 2);
+    return (float)x;
+}
+inline unsigned short dplc_st(float f) {
+    _Float16 x = (_Float16)f;
+    unsigned short h;
+    std::memcpy(&h, &x, 2);
+    return h;
+}
+#endif
+
+// Run `body` as a grid of `grid` blocks of `block` threads, one block after
+// another.
+template <class F>
+void dplc_run(unsigned grid, unsigned block, F body) {
+    for (unsigned b = 0; b < grid; ++b) {
+        std::barrier<> bar(block);
+        std::vector<std::unique_ptr<dplc_warp_state>> warps;
+        for (unsigned w = 0; w * 32 < block; ++w) {
+            const unsigned n = block - w * 32 < 32 ? block - w * 32 : 32;
+            warps.push_back(std::make_unique<dplc_warp_state>(n));
+        }
+        std::vector<std::thread> threads;
+        threads.reserve(block);
+        for (unsigned t = 0; t < block; ++t) {
+            threads.emplace_back([&, t] {
+                threadIdx = {t, 0, 0};
+                blockIdx = {b, 0, 0};
+                blockDim = {block, 1, 1};
+                gridDim = {grid, 1, 1};
+                dplc_block_bar = &bar;
+                dplc_warp = warps[t / 32].get();
+                body();
+            });
+        }
+        for (auto& t : threads) t.join();
+    }
+}
