@@ -1,6 +1,7 @@
 //! CUDA C emission from the kernel IR through a small C syntax tree: f32,
 //! bf16 or f16 storage with f32 arithmetic, 16-byte vector access along the
-//! contiguous axis, and one block per row with warp-shuffle reductions.
+//! contiguous axis, and a warp per narrow row (a block per wide one) with
+//! warp-shuffle reductions.
 
 use crate::kernel::{Cond, Elem, Expr, Idx, Kernel, RowReduce, Size, Store};
 use dplc_ir::{BinaryOp, DType, UnaryOp};
@@ -17,7 +18,16 @@ pub enum LaunchShape {
     Elementwise { vector: u32 },
     /// One block of `block` threads per row.
     Rows { block: u32 },
+    /// One warp per row, `block / 32` rows a block: a narrow row (a model
+    /// width of at most [`WARP_ROW_VECTORS`] vectors) keeps a warp busy
+    /// and reduces with shuffles alone, where a block would leave most of
+    /// its threads idle and meet at barriers twice a reduction.
+    WarpRows { block: u32 },
 }
+
+/// The widest row, in vector accesses, a row kernel gives a warp rather
+/// than a block: eight accesses a lane (768 bf16 columns are 96 accesses).
+pub const WARP_ROW_VECTORS: i64 = 256;
 
 /// Generated CUDA C for one kernel.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -962,11 +972,28 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
             });
         }
         Some(inner_size) => {
-            launch = LaunchShape::Rows { block: ROW_BLOCK };
             // A running sum walks the row in tiles of one element a thread.
             let lanes = match scan {
                 Some(_) => 1,
                 None => e.lane_count(Some(inner_size)),
+            };
+            // A narrow row of a fixed width is a warp's; a wide one, or one
+            // with a running sum (a block-wide exchange), a block's.
+            let warp_row = scan.is_none()
+                && matches!(inner_size, Size::Const(c) if c / lanes as i64 <= WARP_ROW_VECTORS);
+            launch = if warp_row {
+                LaunchShape::WarpRows { block: ROW_BLOCK }
+            } else {
+                LaunchShape::Rows { block: ROW_BLOCK }
+            };
+            // Who walks a row: a warp's lanes, or the block's threads.
+            let (in_row, row_threads) = if warp_row {
+                (id("dplc_lane"), C::Lit("32LL".into()))
+            } else {
+                (
+                    C::Cast("long long", Box::new(id("threadIdx.x"))),
+                    C::Cast("long long", Box::new(id("blockDim.x"))),
+                )
             };
             let l = Lanes {
                 var: Idx::Inner,
@@ -981,7 +1008,17 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
                     bin("*", rows, size(s))
                 };
             }
-            body.push(S::Line("__shared__ float red[32];".into()));
+            if warp_row {
+                body.push(S::Line(
+                    "const long long dplc_lane = threadIdx.x & 31;".into(),
+                ));
+                body.push(S::Line(
+                    "const long long dplc_warps = blockDim.x >> 5, dplc_warp = threadIdx.x >> 5;"
+                        .into(),
+                ));
+            } else {
+                body.push(S::Line("__shared__ float red[32];".into()));
+            }
             body.push(decl("long long", "rows", rows));
             let mut row = decompose("row", outer, None);
             let mut done = vec![false; kernel.values.len()];
@@ -994,19 +1031,16 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
                 if let (false, Some(reverse)) = (scans.is_empty(), scan) {
                     return scan_tiles(&scans, reverse, inner_size, section);
                 }
-                let (to, step) = match (lanes, inner_size) {
-                    (1, s) => (size(s), C::Cast("long long", Box::new(id("blockDim.x")))),
-                    (n, Size::Const(c)) => (
-                        C::Lit(format!("{}LL", c / n as i64)),
-                        C::Cast("long long", Box::new(id("blockDim.x"))),
-                    ),
+                let to = match (lanes, inner_size) {
+                    (1, s) => size(s),
+                    (n, Size::Const(c)) => C::Lit(format!("{}LL", c / n as i64)),
                     _ => unreachable!("lanes need a fixed row"),
                 };
                 S::For {
                     var: if lanes > 1 { "jv".into() } else { "j".into() },
-                    from: C::Cast("long long", Box::new(id("threadIdx.x"))),
+                    from: in_row.clone(),
                     to,
-                    step,
+                    step: row_threads.clone(),
                     body: section,
                 }
             };
@@ -1034,14 +1068,13 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
                     &deps,
                     e.section(&deps, &[], Some((*kind, value.0 as usize)), lanes_ref),
                 ));
-                let f = match kind {
-                    RowReduce::Sum => "dplc_block_sum",
-                    RowReduce::Max => "dplc_block_max",
+                let reduced = match (kind, warp_row) {
+                    (RowReduce::Sum, true) => call("dplc_warp_sum", vec![id("acc")]),
+                    (RowReduce::Max, true) => call("dplc_warp_max", vec![id("acc")]),
+                    (RowReduce::Sum, false) => call("dplc_block_sum", vec![id("acc"), id("red")]),
+                    (RowReduce::Max, false) => call("dplc_block_max", vec![id("acc"), id("red")]),
                 };
-                block.push(S::Assign(
-                    id(format!("v{i}")),
-                    call(f, vec![id("acc"), id("red")]),
-                ));
+                block.push(S::Assign(id(format!("v{i}")), reduced));
                 row.push(var("float", format!("v{i}"), None));
                 row.push(S::Block(block));
                 done[i] = true;
@@ -1061,16 +1094,27 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
             }
             if !row_stores.is_empty() {
                 let stores = e.section(&[], &row_stores, None, None);
-                row.push(S::If(
-                    bin("==", id("threadIdx.x"), C::Lit("0".into())),
-                    stores,
-                ));
+                row.push(S::If(bin("==", in_row.clone(), C::Lit("0".into())), stores));
             }
+            let block_index = C::Cast("long long", Box::new(id("blockIdx.x")));
+            let blocks = C::Cast("long long", Box::new(id("gridDim.x")));
+            let (first, step) = if warp_row {
+                (
+                    bin(
+                        "+",
+                        bin("*", block_index, id("dplc_warps")),
+                        id("dplc_warp"),
+                    ),
+                    bin("*", blocks, id("dplc_warps")),
+                )
+            } else {
+                (block_index, blocks)
+            };
             body.push(S::For {
                 var: "row".into(),
-                from: C::Cast("long long", Box::new(id("blockIdx.x"))),
+                from: first,
                 to: id("rows"),
-                step: C::Cast("long long", Box::new(id("gridDim.x"))),
+                step,
                 body: row,
             });
         }

@@ -525,6 +525,13 @@ impl GpuDevice {
                 (threads.div_ceil(256).clamp(1, cap), 256)
             }
             LaunchShape::Rows { block } => (outer.clamp(1, cap.max(1 << 16)), block),
+            LaunchShape::WarpRows { block } => {
+                let rows_per_block = u64::from(block / 32).max(1);
+                (
+                    outer.div_ceil(rows_per_block).clamp(1, cap.max(1 << 16)),
+                    block,
+                )
+            }
         };
         let cfg = LaunchConfig {
             grid_dim: (grid as u32, 1, 1),
