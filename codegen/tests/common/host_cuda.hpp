@@ -31,6 +31,9 @@ struct dplc_warp_state {
     explicit dplc_warp_state(std::ptrdiff_t n) : bar(n) {}
     std::barrier<> bar;
     float slot[32];
+    // A tensor-core step's operand fragments, by lane.
+    unsigned a[32][4];
+    unsigned b[32][2];
 };
 inline thread_local std::barrier<>* dplc_block_bar;
 inline thread_local dplc_warp_state* dplc_warp;
@@ -40,7 +43,7 @@ inline thread_local dplc_warp_state* dplc_warp;
 #define __forceinline__ inline
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
-#define __align__(n) alignas(n)
+#define __align__(n) __attribute__((aligned(n)))
 #define __shared__ static
 
 inline void __syncthreads() { dplc_block_bar->arrive_and_wait(); }
@@ -121,8 +124,44 @@ inline unsigned short dplc_st(float f) {
 }
 #endif
 
+// The tensor-core step `mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}`
+// as the PTX ISA lays out its fragments: lane = 4 g + t holds A's rows g and
+// g + 8 at columns 2t, 2t + 1 (registers 0, 1) and 2t + 8, 2t + 9 (2, 3), B's
+// column g at rows 2t, 2t + 1 (b0) and 2t + 8, 2t + 9 (b1), and C's rows g
+// (c0, c1) and g + 8 (c2, c3) at columns 2t, 2t + 1; the lower-indexed
+// element of a pair in the register's low half. Every lane of the warp
+// takes part, as in `mma.sync`. Products summed in f32.
+#if DPLC_DTYPE != 0
+#define DPLC_MMA
+inline float dplc_half(unsigned v, int high) { return dplc_ld((unsigned short)(high ? v >> 16 : v & 0xffffu)); }
+inline void dplc_mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    const int lane = threadIdx.x & 31;
+    dplc_warp_state* w = dplc_warp;
+    for (int i = 0; i < 4; ++i) w->a[lane][i] = a[i];
+    w->b[lane][0] = b0;
+    w->b[lane][1] = b1;
+    w->bar.arrive_and_wait();
+    const int g = lane >> 2, t = lane & 3;
+    for (int i = 0; i < 4; ++i) {
+        const int r = g + (i >= 2 ? 8 : 0), n = 2 * t + (i & 1);
+        float sum = 0.0f;
+        for (int k = 0; k < 16; ++k) {
+            const unsigned av = w->a[(r & 7) * 4 + ((k & 7) >> 1)][(r >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)];
+            const unsigned bv = w->b[n * 4 + ((k & 7) >> 1)][k >= 8 ? 1 : 0];
+            sum += dplc_half(av, k & 1) * dplc_half(bv, k & 1);
+        }
+        c[i] += sum;
+    }
+    w->bar.arrive_and_wait();
+}
+inline unsigned dplc_pack(float lo, float hi) {
+    return (unsigned)dplc_st(lo) | ((unsigned)dplc_st(hi) << 16);
+}
+#endif
+
 // Run `body` as a grid of `grid` blocks of `block` threads, one block after
-// another.
+// another. A thread that has finished leaves the barriers, as an exited
+// GPU thread no longer holds its block's or its warp's back.
 template <class F>
 void dplc_run(unsigned grid, unsigned block, F body) {
     for (unsigned b = 0; b < grid; ++b) {
@@ -143,6 +182,8 @@ void dplc_run(unsigned grid, unsigned block, F body) {
                 dplc_block_bar = &bar;
                 dplc_warp = warps[t / 32].get();
                 body();
+                bar.arrive_and_drop();
+                dplc_warp->bar.arrive_and_drop();
             });
         }
         for (auto& t : threads) t.join();
