@@ -176,28 +176,39 @@ fn translation_unit(cases: &[(String, &Case)], dtype: u32) -> String {
         let src = emit_cuda(&case.kernel, dtype_of(dtype));
         tu += &src.source;
         let k = &case.kernel;
-        let mut args: Vec<String> = k
-            .buffers
-            .iter()
-            .enumerate()
-            .map(|(i, b)| {
-                let c = if b.output { "" } else { "const " };
-                format!("({c}{}*)b[{i}]", c_type(b.elem))
-            })
-            .collect();
-        args.extend((0..k.sizes).map(|i| format!("n[{i}]")));
-        args.extend((0..k.scalars).map(|i| format!("s[{i}]")));
-        if k.uses_random() {
-            args.push("seed".into());
-        }
-        tu += &format!(
-            "\nextern \"C\" void launch_{name}(void** b, const long long* n, const float* s, \
-             unsigned long long seed, unsigned grid, unsigned block) {{\n    (void)n; (void)s; (void)seed;\n    \
-             dplc_run(grid, block, [&] {{ {name}({}); }});\n}}\n",
-            args.join(", ")
-        );
+        tu += &launcher(name, &k.buffers, k.sizes, k.scalars, k.uses_random());
     }
     tu
+}
+
+/// `launch_<name>(buffers, sizes, scalars, seed, grid, block)`: kernel
+/// `name`'s arguments from arrays, run as a grid on the CPU.
+fn launcher(
+    name: &str,
+    buffers: &[dplc_codegen::Buffer],
+    sizes: usize,
+    scalars: usize,
+    random: bool,
+) -> String {
+    let mut args: Vec<String> = buffers
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let c = if b.output { "" } else { "const " };
+            format!("({c}{}*)b[{i}]", c_type(b.elem))
+        })
+        .collect();
+    args.extend((0..sizes).map(|i| format!("n[{i}]")));
+    args.extend((0..scalars).map(|i| format!("s[{i}]")));
+    if random {
+        args.push("seed".into());
+    }
+    format!(
+        "\nextern \"C\" void launch_{name}(void** b, const long long* n, const float* s, \
+         unsigned long long seed, unsigned grid, unsigned block) {{\n    \
+         (void)n; (void)s; (void)seed;\n    dplc_run(grid, block, [&] {{ {name}({}); }});\n}}\n",
+        args.join(", ")
+    )
 }
 
 fn dtype_of(code: u32) -> DType {
@@ -668,27 +679,8 @@ fn attention_unit(cases: &[AttentionCase], dtype: u32) -> String {
                 continue;
             }
             tu += &src.source;
-            let mut args: Vec<String> = k
-                .buffers(pass)
-                .iter()
-                .enumerate()
-                .map(|(i, b)| {
-                    let c = if b.output { "" } else { "const " };
-                    format!("({c}{}*)b[{i}]", c_type(b.elem))
-                })
-                .collect();
-            args.extend((0..k.sizes).map(|i| format!("n[{i}]")));
-            if k.dropout.is_some() {
-                args.push("seed".into());
-            }
-            tu += &format!(
-                "\nextern \"C\" void launch_{}(void** b, const long long* n, const float* s, \
-                 unsigned long long seed, unsigned grid, unsigned block) {{\n    (void)s; (void)seed;\n    \
-                 dplc_run(grid, block, [&] {{ {}({}); }});\n}}\n",
-                src.name,
-                src.name,
-                args.join(", ")
-            );
+            let buffers = k.buffers(pass);
+            tu += &launcher(&src.name, &buffers, k.sizes, 0, k.dropout.is_some());
         }
     }
     tu
