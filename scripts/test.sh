@@ -6,7 +6,8 @@
 # pip and network access), so codegen's zoo test compiles every kernel to PTX,
 # and Debian's Open MPI with libclang (apt, as root or with sudo), so the `mpi`
 # feature builds and tests/mpi_launch.rs runs CPU ranks as processes under
-# mpirun. No GPU or CUDA driver is needed.
+# mpirun, with a C++ compiler, so codegen/tests/host_cuda.rs runs the
+# generated CUDA C on the CPU. No GPU or CUDA driver is needed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
