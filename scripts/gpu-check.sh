@@ -57,6 +57,11 @@ done
 # Whether part $1 was asked for.
 wanted() { [[ ",$PARTS," == *",$1,"* ]]; }
 
+if ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "error: no NVIDIA GPU here (nvidia-smi -L fails); the GPU tests skip without one: cargo test -p dplc-runtime --test gpu" >&2
+    exit 1
+fi
+
 LOG_DIR="target/gpu-check"
 rm -rf "$LOG_DIR"
 mkdir -p "$LOG_DIR"
