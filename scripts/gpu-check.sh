@@ -44,6 +44,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
+ARGS="$*"
 TORCH=0
 PARTS="tests,bandwidth,attention,train,profile,torch-layer,torch-step"
 while [[ $# -gt 0 ]]; do
@@ -227,7 +228,7 @@ fi
     echo
     echo "## GPU check ($DATE, $DEVICE, commit $COMMIT)"
     echo
-    echo "\`scripts/gpu-check.sh $*\`"
+    echo "\`scripts/gpu-check.sh $ARGS\`"
     echo
     if [[ ${#FAILED[@]} -gt 0 ]]; then
         echo "Failed parts: ${FAILED[*]}"
@@ -246,7 +247,7 @@ fi
     grep -E '^attention ' "$LOG_DIR/attention.log" || true
     grep -E '^sdpa ' "$LOG_DIR/torch-attention.log" 2>/dev/null || true
     echo '```'
-    if [[ -s "$LOG_DIR/profile.err" ]]; then
+    if grep -q '^DPLC_PROFILE' "$LOG_DIR/profile.err" 2>/dev/null; then
         echo "Where a gpt2 step's time goes (\`DPLC_PROFILE=1 dplc run models/gpt2.dpl --global-batch 32 --steps 3\`, every call waited for; one table per backend: the compute's, then the training state's):"
         echo '```'
         grep -A 44 '^DPLC_PROFILE' "$LOG_DIR/profile.err" || true
