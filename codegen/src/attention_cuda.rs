@@ -3,10 +3,10 @@
 //! shared memory, the online softmax in registers, causal and window tiles
 //! skipped, f32 accumulation; for bf16/f16 storage the two block matmuls on
 //! tensor cores with `mma.sync.m16n8k16`), and its backward recomputing the
-//! scores per tile: `dQ` a block per query tile, `dK`/`dV` a block per key
-//! tile summed over the query heads of its key head, the bias gradient a
-//! thread per bias element. Every pass strides over its work items, so any
-//! grid is correct.
+//! scores per tile: `dQ` a block per query tile (for bf16/f16 its four block
+//! matmuls on tensor cores too), `dK`/`dV` a block per key tile summed over
+//! the query heads of its key head, the bias gradient a thread per bias
+//! element. Every pass strides over its work items, so any grid is correct.
 
 use crate::attention::{AttentionBuffer, AttentionKernel, AttentionPass};
 use crate::cuda::{at, bin, call, decl, float_lit, id, index_with, size, var, Writer, C, S};
@@ -1549,6 +1549,411 @@ fn forward_mma(c: &Ctx) -> (Vec<S>, u32) {
     (out, 128)
 }
 
+/// A-operand fragments of `role` (a `[query][feature]` operand of `width`
+/// features) for this thread's rows `row[0]`, `row[1]`, straight from
+/// memory into `name[width / 16 * 4]` (zeros past the last query): the
+/// `m16n8k16` layout of [`forward_mma`]'s `Q`.
+fn row_fragments(c: &Ctx, role: AttentionBuffer, name: &str, width: i64) -> Vec<S> {
+    let k = c.k;
+    let (b, h) = (id("b"), id("hh"));
+    let bits = |r: C, d: C| {
+        C::Cond(
+            Box::new(bin("<", r.clone(), size(k.q_len))),
+            Box::new(C::Cast(
+                "unsigned",
+                Box::new(at(c.buf(role), c.addr(role, b.clone(), h.clone(), r, d))),
+            )),
+            Box::new(C::Lit("0u".into())),
+        )
+    };
+    let mut load = Vec::new();
+    for (reg, (rsel, dofs)) in [(0, 0), (1, 0), (0, 8), (1, 8)].into_iter().enumerate() {
+        let d = bin(
+            "+",
+            bin("+", bin("*", id("ks"), ll(16)), ll(dofs)),
+            bin("*", id("tq"), ll(2)),
+        );
+        load.push(set(
+            ix(name, bin("+", bin("*", id("ks"), ll(4)), ll(reg as i64))),
+            pair_bits(
+                bits(ix("row", ll(rsel)), d.clone()),
+                bits(ix("row", ll(rsel)), bin("+", d, ll(1))),
+            ),
+        ));
+    }
+    vec![
+        array("unsigned", name, width / 16 * 4),
+        unrolled("ks", width / 16, load),
+    ]
+}
+
+/// `acc[nb·4 ..] += A·Bᵀ` for `nb` in `0..tiles`: A the fragments `frag`
+/// over `width / 16` steps, B's column `nb·8 + g` the row of the shared
+/// tile `tile` (rows `stride` apart) — two consecutive features of one row
+/// per register, as [`forward_mma`]'s `S = Q·Kᵀ`.
+fn mma_rows(acc: &str, frag: &str, tile: &str, stride: i64, width: i64, tiles: i64) -> S {
+    let word = |dofs: i64| {
+        at(
+            C::Cast(
+                "const unsigned*",
+                Box::new(C::Ref(Box::new(ix(
+                    tile,
+                    bin(
+                        "+",
+                        bin(
+                            "*",
+                            bin("+", bin("*", id("nb"), ll(8)), id("g")),
+                            ll(stride),
+                        ),
+                        bin(
+                            "+",
+                            bin("+", bin("*", id("ks"), ll(16)), ll(dofs)),
+                            bin("*", id("tq"), ll(2)),
+                        ),
+                    ),
+                )))),
+            ),
+            ll(0),
+        )
+    };
+    unrolled(
+        "nb",
+        tiles,
+        vec![
+            unrolled(
+                "x",
+                4,
+                vec![set(
+                    ix(acc, bin("+", bin("*", id("nb"), ll(4)), id("x"))),
+                    zero(),
+                )],
+            ),
+            unrolled(
+                "ks",
+                width / 16,
+                vec![S::Expr(call(
+                    "dplc_mma",
+                    vec![
+                        C::Ref(Box::new(ix(acc, bin("*", id("nb"), ll(4))))),
+                        C::Ref(Box::new(ix(frag, bin("*", id("ks"), ll(4))))),
+                        word(0),
+                        word(8),
+                    ],
+                ))],
+            ),
+        ],
+    )
+}
+
+/// `out[nb·4 ..] += P·T` for `nb` in `0..width / 8`: P the accumulator
+/// tiles `scores` (keys along columns, packed into A fragments sixteen keys
+/// at a time), T the shared tile `tile` (`[key][feature]`, rows `stride`
+/// apart) — [`forward_mma`]'s `O += P·V`.
+fn mma_cols(out: &str, scores: &str, tile: &str, stride: i64, keys: i64, width: i64) -> S {
+    let p = |tile_ofs: i64, x: i64| {
+        ix(
+            scores,
+            bin(
+                "+",
+                bin(
+                    "*",
+                    bin("+", bin("*", id("kk"), ll(2)), ll(tile_ofs)),
+                    ll(4),
+                ),
+                ll(x),
+            ),
+        )
+    };
+    let bits = |kofs: i64| {
+        let key = bin(
+            "+",
+            bin("+", bin("*", id("kk"), ll(16)), ll(kofs)),
+            bin("*", id("tq"), ll(2)),
+        );
+        let col = bin("+", bin("*", id("nb"), ll(8)), id("g"));
+        pair_bits(
+            ix(
+                tile,
+                bin("+", bin("*", key.clone(), ll(stride)), col.clone()),
+            ),
+            ix(
+                tile,
+                bin("+", bin("*", bin("+", key, ll(1)), ll(stride)), col),
+            ),
+        )
+    };
+    let mut step = vec![
+        array("unsigned", "pf", 4),
+        set(ix("pf", ll(0)), call("dplc_pack", vec![p(0, 0), p(0, 1)])),
+        set(ix("pf", ll(1)), call("dplc_pack", vec![p(0, 2), p(0, 3)])),
+        set(ix("pf", ll(2)), call("dplc_pack", vec![p(1, 0), p(1, 1)])),
+        set(ix("pf", ll(3)), call("dplc_pack", vec![p(1, 2), p(1, 3)])),
+    ];
+    step.push(unrolled(
+        "nb",
+        width / 8,
+        vec![S::Expr(call(
+            "dplc_mma",
+            vec![
+                C::Ref(Box::new(ix(out, bin("*", id("nb"), ll(4))))),
+                id("pf"),
+                bits(0),
+                bits(8),
+            ],
+        ))],
+    ));
+    unrolled("kk", keys / 16, step)
+}
+
+/// Whether the `dQ` pass runs on tensor cores: the forward's condition,
+/// with the value width whole `k16` steps too (`dO·Vᵀ` steps along it).
+fn query_grad_tensor_cores(k: &AttentionKernel, dtype: DType) -> bool {
+    tensor_cores(k, dtype) && k.value_dim % 16 == 0
+}
+
+/// The tensor-core `dQ` pass: 4 warps of 16 query rows, as [`forward_mma`];
+/// per key tile `S = Q·Kᵀ` and `dP = dO·Vᵀ` as `m16n8k16` steps, `dS = P ∘
+/// (dP·keep − δ)` in their accumulators (P from the saved log-sum-exp),
+/// then `dQ += dS·K` with `dS` packed to the storage type as FlashAttention-2
+/// packs it. A thread holds rows `g` and `g + 8` of its warp's 16.
+fn query_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
+    use AttentionBuffer::*;
+    let k = c.k;
+    let (hd, vd) = (k.head_dim, k.value_dim);
+    // Key rows per tile: S and dP hold t / 8 accumulator tiles each, so the
+    // wider heads take narrower tiles; K and V staged as 16-bit elements,
+    // rows padded by 8 against bank conflicts.
+    let (kstride, vstride) = (hd + 8, vd + 8);
+    let t = [if hd.max(vd) > 64 { 32 } else { 64 }, 32, 16]
+        .into_iter()
+        .find(|t| 2 * t * (kstride + vstride) <= SHARED_BYTES)
+        .unwrap_or(16);
+    let ns = t / 8;
+    let (b, h) = (id("b"), id("hh"));
+    let mut body = decompose(k.heads, k.q_len, "i0");
+    body.push(decl("long long", "kh", bin("/", h.clone(), ll(k.group))));
+    body.push(decl("long long", "lane", bin("%", thread(), ll(32))));
+    body.push(decl("long long", "g", bin("/", id("lane"), ll(4))));
+    body.push(decl("long long", "tq", bin("%", id("lane"), ll(4))));
+    body.push(decl(
+        "long long",
+        "r0",
+        bin(
+            "+",
+            bin("+", id("i0"), bin("*", bin("/", thread(), ll(32)), ll(16))),
+            id("g"),
+        ),
+    ));
+    body.push(array("long long", "row", 2));
+    body.push(set(ix("row", ll(0)), id("r0")));
+    body.push(set(ix("row", ll(1)), bin("+", id("r0"), ll(8))));
+    body.extend(row_fragments(c, Q, "qf", hd));
+    body.extend(row_fragments(c, OutGrad, "of", vd));
+    // Each row's log-sum-exp, and δ = Σ dO ∘ O over the quad sharing it.
+    body.push(array("float", "lse", 2));
+    body.push(array("float", "delta", 2));
+    let shfl = |v: C, o: i64| {
+        call(
+            "__shfl_xor_sync",
+            vec![C::Lit("0xffffffffu".into()), v, C::Lit(o.to_string())],
+        )
+    };
+    let qi = ix("row", id("r"));
+    let part = bin(
+        "+",
+        bin("*", id("nb"), ll(8)),
+        bin("+", bin("*", id("tq"), ll(2)), id("x")),
+    );
+    body.push(unrolled(
+        "r",
+        2,
+        vec![
+            decl("int", "live", bin("<", qi.clone(), size(k.q_len))),
+            var("float", "dsum", Some(zero())),
+            S::If(
+                id("live"),
+                vec![unrolled(
+                    "nb",
+                    vd / 8,
+                    vec![unrolled(
+                        "x",
+                        2,
+                        vec![add_to(
+                            id("dsum"),
+                            bin(
+                                "*",
+                                c.load(OutGrad, b.clone(), h.clone(), qi.clone(), part.clone()),
+                                c.load(Out, b.clone(), h.clone(), qi.clone(), part.clone()),
+                            ),
+                        )],
+                    )],
+                )],
+            ),
+            add_to(id("dsum"), shfl(id("dsum"), 1)),
+            add_to(id("dsum"), shfl(id("dsum"), 2)),
+            set(ix("delta", id("r")), id("dsum")),
+            set(
+                ix("lse", id("r")),
+                C::Cond(
+                    Box::new(id("live")),
+                    Box::new(at(
+                        c.buf(LogSumExp),
+                        c.lse_at(b.clone(), h.clone(), qi.clone()),
+                    )),
+                    Box::new(neg_inf()),
+                ),
+            ),
+        ],
+    ));
+    body.push(array("float", "dq", hd / 8 * 4));
+    body.push(unrolled(
+        "x",
+        hd / 8 * 4,
+        vec![set(ix("dq", id("x")), zero())],
+    ));
+    body.extend(c.key_range(t));
+    let stage = |name: &str, role: AttentionBuffer, width: i64, stride: i64| {
+        let row = bin("/", id("e"), ll(width));
+        let d = bin("%", id("e"), ll(width));
+        let j = bin("+", id("j0"), row.clone());
+        loop_over(
+            "e",
+            thread(),
+            ll(t * width),
+            C::Cast("long long", Box::new(id("blockDim.x"))),
+            vec![set(
+                ix(name, bin("+", bin("*", row, ll(stride)), d.clone())),
+                C::Cond(
+                    Box::new(bin("<", j.clone(), size(k.k_len))),
+                    Box::new(at(c.buf(role), c.addr(role, b.clone(), id("kh"), j, d))),
+                    Box::new(C::Cast("dplc_t", Box::new(C::Lit("0".into())))),
+                ),
+            )],
+        )
+    };
+    let mut tile = vec![
+        sync(),
+        stage("kt", K, hd, kstride),
+        stage("vt", V, vd, vstride),
+        sync(),
+        array("float", "s", ns * 4),
+        array("float", "dp", ns * 4),
+        mma_rows("s", "qf", "kt", kstride, hd, ns),
+        mma_rows("dp", "of", "vt", vstride, vd, ns),
+    ];
+    // dS in S's place: P from the log-sum-exp (0 where masked or past an
+    // end), the dropout's factor on dP.
+    let (qi, kj) = (
+        ix("row", bin("/", id("x"), ll(2))),
+        bin(
+            "+",
+            bin("+", id("j0"), bin("*", id("nb"), ll(8))),
+            bin("+", bin("*", id("tq"), ll(2)), bin("%", id("x"), ll(2))),
+        ),
+    );
+    let at_x = |name: &str| ix(name, bin("+", bin("*", id("nb"), ll(4)), id("x")));
+    let lse_x = ix("lse", bin("/", id("x"), ll(2)));
+    let delta_x = ix("delta", bin("/", id("x"), ll(2)));
+    tile.push(unrolled(
+        "nb",
+        ns,
+        vec![unrolled(
+            "x",
+            4,
+            vec![
+                decl("long long", "qi", qi),
+                decl("long long", "kj", kj),
+                decl(
+                    "float",
+                    "p",
+                    C::Cond(
+                        Box::new(bin(
+                            "&&",
+                            c.visible(&id("qi"), &id("kj")),
+                            bin("!=", lse_x.clone(), neg_inf()),
+                        )),
+                        Box::new(call(
+                            "expf",
+                            vec![bin(
+                                "-",
+                                c.scaled(at_x("s"), &b, &h, &id("qi"), &id("kj")),
+                                lse_x,
+                            )],
+                        )),
+                        Box::new(zero()),
+                    ),
+                ),
+                decl(
+                    "float",
+                    "kp",
+                    c.keep(&b, &h, &id("qi"), &id("kj"))
+                        .unwrap_or(C::Lit("1.0f".into())),
+                ),
+                set(
+                    at_x("s"),
+                    bin(
+                        "*",
+                        id("p"),
+                        bin("-", bin("*", at_x("dp"), id("kp")), delta_x),
+                    ),
+                ),
+            ],
+        )],
+    ));
+    tile.push(mma_cols("dq", "s", "kt", kstride, t, hd));
+    body.push(loop_over("j0", id("jbegin"), id("jend"), ll(t), tile));
+    let write = vec![unrolled(
+        "nb",
+        hd / 8,
+        vec![unrolled(
+            "x",
+            2,
+            vec![c.store(
+                QGrad,
+                b.clone(),
+                h.clone(),
+                id("qi"),
+                bin(
+                    "+",
+                    bin("+", bin("*", id("nb"), ll(8)), bin("*", id("tq"), ll(2))),
+                    id("x"),
+                ),
+                bin(
+                    "*",
+                    ix(
+                        "dq",
+                        bin(
+                            "+",
+                            bin("+", bin("*", id("nb"), ll(4)), bin("*", id("r"), ll(2))),
+                            id("x"),
+                        ),
+                    ),
+                    f32_lit(k.scale),
+                ),
+            )],
+        )],
+    )];
+    body.push(unrolled(
+        "r",
+        2,
+        vec![
+            decl("long long", "qi", ix("row", id("r"))),
+            S::If(bin("<", id("qi"), size(k.q_len)), write),
+        ],
+    ));
+    let items = bin(
+        "*",
+        bin("/", bin("+", size(k.q_len), ll(ROWS - 1)), ll(ROWS)),
+        bin("*", size(k.batch), size(k.heads)),
+    );
+    let out = vec![
+        shared("dplc_t", "kt", t * kstride),
+        shared("dplc_t", "vt", t * vstride),
+        items_loop(items, false, body),
+    ];
+    (out, 128)
+}
+
 /// Emit CUDA C for `pass` of `kernel` with float buffers stored as `dtype`.
 /// Its launch strides over [`AttentionKernel::items`]: a block of `block`
 /// threads per item (`Rows`), or for the bias gradient a thread per item
@@ -1559,10 +1964,15 @@ pub fn emit_attention(kernel: &AttentionKernel, pass: AttentionPass, dtype: DTyp
         k: kernel,
         roles: kernel.roles(pass),
     };
-    let mma = pass == AttentionPass::Forward && tensor_cores(kernel, dtype);
+    let mma = match pass {
+        AttentionPass::Forward => tensor_cores(kernel, dtype),
+        AttentionPass::QueryGrad => query_grad_tensor_cores(kernel, dtype),
+        AttentionPass::KeyValueGrad | AttentionPass::BiasGrad => false,
+    };
     let (body, block) = match pass {
         AttentionPass::Forward if mma => forward_mma(&c),
         AttentionPass::Forward => forward_scalar(&c),
+        AttentionPass::QueryGrad if mma => query_grad_mma(&c),
         AttentionPass::QueryGrad => query_grad(&c),
         AttentionPass::KeyValueGrad => key_value_grad(&c),
         AttentionPass::BiasGrad => bias_grad(&c),

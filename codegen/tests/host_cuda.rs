@@ -704,7 +704,18 @@ fn fused_attention_cuda_runs_on_the_cpu_as_the_interpreter_computes() {
         attention_cases(&common::zoo("tiny.dpl", model).graph, 70, &mut cases);
     }
     attention_cases(&common::lower_m(common::PLACED), 70, &mut cases);
-    assert!(cases.len() >= 3, "{} attentions", cases.len());
+    // The tensor-core paths with dropout, a window and a value width other
+    // than the key's: the common bare attentions at widths of whole `k16`
+    // steps, under cp 2 too (its queries placed in the sequence).
+    for model in [common::PLACED, common::PLACED_WINDOWED] {
+        let wide = model.replace("seq, 8]", "seq, 16]").replace(
+            "v: f32[batch, heads, seq, 16]",
+            "v: f32[batch, heads, seq, 32]",
+        );
+        attention_cases(&common::lower_m(&wide), 70, &mut cases);
+        attention_cases(&common::placed_attention(&wide, 1, 2), 70, &mut cases);
+    }
+    assert!(cases.len() >= 7, "{} attentions", cases.len());
     let dir = std::env::temp_dir().join(format!("dplc-host-attention-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let dtypes = [(0u32, 1e-4), (1, 2e-2), (2, 2e-2)];
