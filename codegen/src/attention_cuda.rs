@@ -3,10 +3,10 @@
 //! shared memory, the online softmax in registers, causal and window tiles
 //! skipped, f32 accumulation; for bf16/f16 storage the two block matmuls on
 //! tensor cores with `mma.sync.m16n8k16`), and its backward recomputing the
-//! scores per tile: `dQ` a block per query tile (for bf16/f16 its four block
-//! matmuls on tensor cores too), `dK`/`dV` a block per key tile summed over
-//! the query heads of its key head, the bias gradient a thread per bias
-//! element. Every pass strides over its work items, so any grid is correct.
+//! scores per tile: `dQ` a block per query tile, `dK`/`dV` a block per key
+//! tile summed over the query heads of its key head (for bf16/f16 both
+//! passes' block matmuls on tensor cores too), the bias gradient a thread
+//! per bias element. Every pass strides over its work items, so any grid is correct.
 
 use crate::attention::{AttentionBuffer, AttentionKernel, AttentionPass};
 use crate::cuda::{at, bin, call, decl, float_lit, id, index_with, size, var, Writer, C, S};
@@ -1549,16 +1549,22 @@ fn forward_mma(c: &Ctx) -> (Vec<S>, u32) {
     (out, 128)
 }
 
-/// A-operand fragments of `role` (a `[query][feature]` operand of `width`
-/// features) for this thread's rows `row[0]`, `row[1]`, straight from
-/// memory into `name[width / 16 * 4]` (zeros past the last query): the
-/// `m16n8k16` layout of [`forward_mma`]'s `Q`.
-fn row_fragments(c: &Ctx, role: AttentionBuffer, name: &str, width: i64) -> Vec<S> {
-    let k = c.k;
-    let (b, h) = (id("b"), id("hh"));
+/// A-operand fragments of `role` (a `[row][feature]` operand of `width`
+/// features, rows of head `head`, `len` of them) for this thread's rows
+/// `row[0]`, `row[1]`, straight from memory into `name[width / 16 * 4]`
+/// (zeros past the last row): the `m16n8k16` layout of [`forward_mma`]'s `Q`.
+fn row_fragments(
+    c: &Ctx,
+    role: AttentionBuffer,
+    (head, len): (C, Size),
+    name: &str,
+    width: i64,
+) -> Vec<S> {
+    let b = id("b");
+    let h = head;
     let bits = |r: C, d: C| {
         C::Cond(
-            Box::new(bin("<", r.clone(), size(k.q_len))),
+            Box::new(bin("<", r.clone(), size(len))),
             Box::new(C::Cast(
                 "unsigned",
                 Box::new(at(c.buf(role), c.addr(role, b.clone(), h.clone(), r, d))),
@@ -1747,8 +1753,8 @@ fn query_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
     body.push(array("long long", "row", 2));
     body.push(set(ix("row", ll(0)), id("r0")));
     body.push(set(ix("row", ll(1)), bin("+", id("r0"), ll(8))));
-    body.extend(row_fragments(c, Q, "qf", hd));
-    body.extend(row_fragments(c, OutGrad, "of", vd));
+    body.extend(row_fragments(c, Q, (h.clone(), k.q_len), "qf", hd));
+    body.extend(row_fragments(c, OutGrad, (h.clone(), k.q_len), "of", vd));
     // Each row's log-sum-exp, and δ = Σ dO ∘ O over the quad sharing it.
     body.push(array("float", "lse", 2));
     body.push(array("float", "delta", 2));
@@ -1954,6 +1960,248 @@ fn query_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
     (out, 128)
 }
 
+/// The tensor-core `dK`/`dV` pass: 4 warps of 16 key rows of one key head
+/// (64 keys a block), over the query heads that share it and their query
+/// tiles: per tile `Sᵀ = K·Qᵀ` and `dPᵀ = V·dOᵀ` as `m16n8k16` steps (keys
+/// along rows, queries along columns), then `dV += Pᵀ·dO` with P dropped as
+/// the forward dropped it and `dK += dSᵀ·Q`, P and dS packed to the storage
+/// type as FlashAttention-2 packs them; each query's log-sum-exp and δ =
+/// Σ dO ∘ O staged beside its Q and dO rows.
+fn key_value_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
+    use AttentionBuffer::*;
+    let k = c.k;
+    let (hd, vd) = (k.head_dim, k.value_dim);
+    let (qstride, ostride) = (hd + 8, vd + 8);
+    // Query rows per tile: Sᵀ and dPᵀ hold t / 8 accumulator tiles each
+    // beside dK and dV, so the wider heads take narrower tiles.
+    let t = [if hd.max(vd) > 64 { 32 } else { 64 }, 32, 16]
+        .into_iter()
+        .find(|t| 2 * t * (qstride + ostride) + 8 * t <= SHARED_BYTES)
+        .unwrap_or(16);
+    let ns = t / 8;
+    let (b, h) = (id("b"), id("h"));
+    let mut body = decompose(k.kv_heads, k.k_len, "j0");
+    body.push(decl("long long", "kh", id("hh")));
+    body.push(decl("long long", "lane", bin("%", thread(), ll(32))));
+    body.push(decl("long long", "g", bin("/", id("lane"), ll(4))));
+    body.push(decl("long long", "tq", bin("%", id("lane"), ll(4))));
+    body.push(decl(
+        "long long",
+        "r0",
+        bin(
+            "+",
+            bin("+", id("j0"), bin("*", bin("/", thread(), ll(32)), ll(16))),
+            id("g"),
+        ),
+    ));
+    body.push(array("long long", "row", 2));
+    body.push(set(ix("row", ll(0)), id("r0")));
+    body.push(set(ix("row", ll(1)), bin("+", id("r0"), ll(8))));
+    body.extend(row_fragments(c, K, (id("kh"), k.k_len), "kf", hd));
+    body.extend(row_fragments(c, V, (id("kh"), k.k_len), "vf", vd));
+    body.push(array("float", "dk", hd / 8 * 4));
+    body.push(array("float", "dv", vd / 8 * 4));
+    body.push(unrolled(
+        "x",
+        hd / 8 * 4,
+        vec![set(ix("dk", id("x")), zero())],
+    ));
+    body.push(unrolled(
+        "x",
+        vd / 8 * 4,
+        vec![set(ix("dv", id("x")), zero())],
+    ));
+    // The block's keys are [j0, j0 + 64), as `query_range` takes them.
+    body.extend(c.query_range(t));
+    let stage = |name: &str, role: AttentionBuffer, width: i64, stride: i64| {
+        let row = bin("/", id("e"), ll(width));
+        let d = bin("%", id("e"), ll(width));
+        let i = bin("+", id("i0"), row.clone());
+        loop_over(
+            "e",
+            thread(),
+            ll(t * width),
+            C::Cast("long long", Box::new(id("blockDim.x"))),
+            vec![set(
+                ix(name, bin("+", bin("*", row, ll(stride)), d.clone())),
+                C::Cond(
+                    Box::new(bin("<", i.clone(), size(k.q_len))),
+                    Box::new(at(c.buf(role), c.addr(role, b.clone(), h.clone(), i, d))),
+                    Box::new(C::Cast("dplc_t", Box::new(C::Lit("0".into())))),
+                ),
+            )],
+        )
+    };
+    // Per query row of the tile: its log-sum-exp and δ, staged once.
+    let qi = bin("+", id("i0"), id("q"));
+    let mut live_row = delta(c, &b, &h, &id("qi"));
+    live_row.push(set(ix("dt", id("q")), id("delta")));
+    live_row.push(set(
+        ix("lt", id("q")),
+        at(c.buf(LogSumExp), c.lse_at(b.clone(), h.clone(), id("qi"))),
+    ));
+    let rowstats = vec![
+        decl("long long", "qi", qi),
+        set(ix("lt", id("q")), neg_inf()),
+        set(ix("dt", id("q")), zero()),
+        S::If(bin("<", id("qi"), size(k.q_len)), live_row),
+    ];
+    let mut tile = vec![
+        sync(),
+        stage("qt", Q, hd, qstride),
+        stage("ot", OutGrad, vd, ostride),
+        loop_over(
+            "q",
+            thread(),
+            ll(t),
+            C::Cast("long long", Box::new(id("blockDim.x"))),
+            rowstats,
+        ),
+        sync(),
+        array("float", "s", ns * 4),
+        array("float", "dp", ns * 4),
+        mma_rows("s", "kf", "qt", qstride, hd, ns),
+        mma_rows("dp", "vf", "ot", ostride, vd, ns),
+    ];
+    // Pᵀ dropped in S's place, dSᵀ in dP's: key `row[x / 2]`, query
+    // `i0 + 8·nb + 2·tq + x % 2`.
+    let at_x = |name: &str| ix(name, bin("+", bin("*", id("nb"), ll(4)), id("x")));
+    let qcol = bin(
+        "+",
+        bin("*", id("nb"), ll(8)),
+        bin("+", bin("*", id("tq"), ll(2)), bin("%", id("x"), ll(2))),
+    );
+    tile.push(unrolled(
+        "nb",
+        ns,
+        vec![unrolled(
+            "x",
+            4,
+            vec![
+                decl("long long", "kj", ix("row", bin("/", id("x"), ll(2)))),
+                decl("long long", "qc", qcol),
+                decl("long long", "qi", bin("+", id("i0"), id("qc"))),
+                decl("float", "lq", ix("lt", id("qc"))),
+                decl(
+                    "float",
+                    "p",
+                    C::Cond(
+                        Box::new(bin(
+                            "&&",
+                            c.visible(&id("qi"), &id("kj")),
+                            bin("!=", id("lq"), neg_inf()),
+                        )),
+                        Box::new(call(
+                            "expf",
+                            vec![bin(
+                                "-",
+                                c.scaled(at_x("s"), &b, &h, &id("qi"), &id("kj")),
+                                id("lq"),
+                            )],
+                        )),
+                        Box::new(zero()),
+                    ),
+                ),
+                decl(
+                    "float",
+                    "kp",
+                    c.keep(&b, &h, &id("qi"), &id("kj"))
+                        .unwrap_or(C::Lit("1.0f".into())),
+                ),
+                set(
+                    at_x("dp"),
+                    bin(
+                        "*",
+                        id("p"),
+                        bin("-", bin("*", at_x("dp"), id("kp")), ix("dt", id("qc"))),
+                    ),
+                ),
+                set(at_x("s"), bin("*", id("p"), id("kp"))),
+            ],
+        )],
+    ));
+    tile.push(mma_cols("dv", "s", "ot", ostride, t, vd));
+    tile.push(mma_cols("dk", "dp", "qt", qstride, t, hd));
+    let heads = loop_over(
+        "gq",
+        ll(0),
+        ll(k.group),
+        ll(1),
+        vec![
+            decl(
+                "long long",
+                "h",
+                bin("+", bin("*", id("kh"), ll(k.group)), id("gq")),
+            ),
+            loop_over("i0", id("ibegin"), id("iend"), ll(t), tile),
+        ],
+    );
+    body.push(heads);
+    let col = bin(
+        "+",
+        bin("+", bin("*", id("nb"), ll(8)), bin("*", id("tq"), ll(2))),
+        id("x"),
+    );
+    let acc = |name: &str| {
+        ix(
+            name,
+            bin(
+                "+",
+                bin("+", bin("*", id("nb"), ll(4)), bin("*", id("r"), ll(2))),
+                id("x"),
+            ),
+        )
+    };
+    let write = vec![
+        unrolled(
+            "nb",
+            hd / 8,
+            vec![unrolled(
+                "x",
+                2,
+                vec![c.store(
+                    KGrad,
+                    b.clone(),
+                    id("kh"),
+                    id("kj"),
+                    col.clone(),
+                    bin("*", acc("dk"), f32_lit(k.scale)),
+                )],
+            )],
+        ),
+        unrolled(
+            "nb",
+            vd / 8,
+            vec![unrolled(
+                "x",
+                2,
+                vec![c.store(VGrad, b.clone(), id("kh"), id("kj"), col, acc("dv"))],
+            )],
+        ),
+    ];
+    body.push(unrolled(
+        "r",
+        2,
+        vec![
+            decl("long long", "kj", ix("row", id("r"))),
+            S::If(bin("<", id("kj"), size(k.k_len)), write),
+        ],
+    ));
+    let items = bin(
+        "*",
+        bin("/", bin("+", size(k.k_len), ll(ROWS - 1)), ll(ROWS)),
+        bin("*", size(k.batch), size(k.kv_heads)),
+    );
+    let out = vec![
+        shared("dplc_t", "qt", t * qstride),
+        shared("dplc_t", "ot", t * ostride),
+        shared("float", "lt", t),
+        shared("float", "dt", t),
+        items_loop(items, false, body),
+    ];
+    (out, 128)
+}
+
 /// Emit CUDA C for `pass` of `kernel` with float buffers stored as `dtype`.
 /// Its launch strides over [`AttentionKernel::items`]: a block of `block`
 /// threads per item (`Rows`), or for the bias gradient a thread per item
@@ -1966,14 +2214,17 @@ pub fn emit_attention(kernel: &AttentionKernel, pass: AttentionPass, dtype: DTyp
     };
     let mma = match pass {
         AttentionPass::Forward => tensor_cores(kernel, dtype),
-        AttentionPass::QueryGrad => query_grad_tensor_cores(kernel, dtype),
-        AttentionPass::KeyValueGrad | AttentionPass::BiasGrad => false,
+        AttentionPass::QueryGrad | AttentionPass::KeyValueGrad => {
+            query_grad_tensor_cores(kernel, dtype)
+        }
+        AttentionPass::BiasGrad => false,
     };
     let (body, block) = match pass {
         AttentionPass::Forward if mma => forward_mma(&c),
         AttentionPass::Forward => forward_scalar(&c),
         AttentionPass::QueryGrad if mma => query_grad_mma(&c),
         AttentionPass::QueryGrad => query_grad(&c),
+        AttentionPass::KeyValueGrad if mma => key_value_grad_mma(&c),
         AttentionPass::KeyValueGrad => key_value_grad(&c),
         AttentionPass::BiasGrad => bias_grad(&c),
     };
