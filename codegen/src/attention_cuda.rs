@@ -433,6 +433,98 @@ impl Ctx<'_> {
     }
 }
 
+/// A tile of an operand staged as raw 16-bit storage for the tensor-core
+/// passes: `rows` rows from `first` (of `len`) of head `head`, `width`
+/// features each, into shared `name` with rows `stride` apart.
+struct Tile16 {
+    name: &'static str,
+    role: AttentionBuffer,
+    head: C,
+    first: C,
+    len: Size,
+    rows: i64,
+    width: i64,
+    stride: i64,
+}
+
+impl Ctx<'_> {
+    /// Stage `tile`, zeros past its operand's end: eight elements a 16-byte
+    /// access where the operand's features are contiguous and the source
+    /// row is 16-byte aligned (checked as it runs: a view of a fused buffer
+    /// starts where it starts), else one at a time.
+    fn stage16(&self, tile: Tile16) -> S {
+        let Tile16 {
+            name,
+            role,
+            head,
+            first,
+            len,
+            rows,
+            width,
+            stride,
+        } = tile;
+        let contiguous = self.k.operand(role).expect("an operand").at.strides[3] == Size::Const(1);
+        let step = C::Cast("long long", Box::new(id("blockDim.x")));
+        if !(contiguous && width % 8 == 0 && stride % 8 == 0) {
+            let row = bin("/", id("e"), ll(width));
+            let d = bin("%", id("e"), ll(width));
+            let src = bin("+", first, row.clone());
+            return loop_over(
+                "e",
+                thread(),
+                ll(rows * width),
+                step,
+                vec![set(
+                    ix(name, bin("+", bin("*", row, ll(stride)), d.clone())),
+                    C::Cond(
+                        Box::new(bin("<", src.clone(), size(len))),
+                        Box::new(at(self.buf(role), self.addr(role, id("b"), head, src, d))),
+                        Box::new(C::Cast("dplc_t", Box::new(C::Lit("0".into())))),
+                    ),
+                )],
+            );
+        }
+        let per_row = width / 8;
+        let row = bin("/", id("e"), ll(per_row));
+        let d = bin("*", bin("%", id("e"), ll(per_row)), ll(8));
+        let src_row = bin("+", first, row.clone());
+        let src = C::Ref(Box::new(at(
+            self.buf(role),
+            self.addr(role, id("b"), head, id("sr"), id("sd")),
+        )));
+        let dst = C::Ref(Box::new(ix(
+            name,
+            bin("+", bin("*", row, ll(stride)), id("sd")),
+        )));
+        loop_over(
+            "e",
+            thread(),
+            ll(rows * per_row),
+            step,
+            vec![
+                decl("long long", "sr", src_row),
+                decl("long long", "sd", d),
+                S::Line("uint4 v = make_uint4(0u, 0u, 0u, 0u);".into()),
+                S::If(
+                    bin("<", id("sr"), size(len)),
+                    vec![
+                        decl("dplc_t*", "src", src),
+                        S::Line(
+                            "if ((((unsigned long long)src) & 15ULL) == 0ULL) { v = *reinterpret_cast<const uint4*>(src); } \
+                             else { __align__(16) dplc_t w[8]; for (int x = 0; x < 8; ++x) w[x] = src[x]; v = *reinterpret_cast<const uint4*>(w); }"
+                                .into(),
+                        ),
+                    ],
+                ),
+                S::Line(format!(
+                    "*reinterpret_cast<uint4*>({}) = v;",
+                    dst.render()
+                )),
+            ],
+        )
+    }
+}
+
 /// The `item`'s head and tile: `(b, h)` of query heads (or key heads) and the tile's first row.
 fn decompose(heads: Size, tiles_of: Size, first: &str) -> Vec<S> {
     let tiles = bin("/", bin("+", size(tiles_of), ll(ROWS - 1)), ll(ROWS));
@@ -1209,24 +1301,17 @@ fn forward_mma(c: &Ctx) -> (Vec<S>, u32) {
     ));
     body.extend(c.key_range(t));
     // Stage the tiles (raw 16-bit storage; zeros past the last key).
-    let stage = |name: &str, role: AttentionBuffer, width: i64, stride: i64| {
-        let row = bin("/", id("e"), ll(width));
-        let d = bin("%", id("e"), ll(width));
-        let j = bin("+", id("j0"), row.clone());
-        loop_over(
-            "e",
-            thread(),
-            ll(t * width),
-            C::Cast("long long", Box::new(id("blockDim.x"))),
-            vec![set(
-                ix(name, bin("+", bin("*", row, ll(stride)), d.clone())),
-                C::Cond(
-                    Box::new(bin("<", j.clone(), size(k.k_len))),
-                    Box::new(at(c.buf(role), c.addr(role, b.clone(), id("kh"), j, d))),
-                    Box::new(C::Cast("dplc_t", Box::new(C::Lit("0".into())))),
-                ),
-            )],
-        )
+    let stage = |name: &'static str, role: AttentionBuffer, width: i64, stride: i64| {
+        c.stage16(Tile16 {
+            name,
+            role,
+            head: id("kh"),
+            first: id("j0"),
+            len: k.k_len,
+            rows: t,
+            width,
+            stride,
+        })
     };
     let mut tile = vec![
         sync(),
@@ -1818,24 +1903,17 @@ fn query_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
         vec![set(ix("dq", id("x")), zero())],
     ));
     body.extend(c.key_range(t));
-    let stage = |name: &str, role: AttentionBuffer, width: i64, stride: i64| {
-        let row = bin("/", id("e"), ll(width));
-        let d = bin("%", id("e"), ll(width));
-        let j = bin("+", id("j0"), row.clone());
-        loop_over(
-            "e",
-            thread(),
-            ll(t * width),
-            C::Cast("long long", Box::new(id("blockDim.x"))),
-            vec![set(
-                ix(name, bin("+", bin("*", row, ll(stride)), d.clone())),
-                C::Cond(
-                    Box::new(bin("<", j.clone(), size(k.k_len))),
-                    Box::new(at(c.buf(role), c.addr(role, b.clone(), id("kh"), j, d))),
-                    Box::new(C::Cast("dplc_t", Box::new(C::Lit("0".into())))),
-                ),
-            )],
-        )
+    let stage = |name: &'static str, role: AttentionBuffer, width: i64, stride: i64| {
+        c.stage16(Tile16 {
+            name,
+            role,
+            head: id("kh"),
+            first: id("j0"),
+            len: k.k_len,
+            rows: t,
+            width,
+            stride,
+        })
     };
     let mut tile = vec![
         sync(),
@@ -2013,24 +2091,17 @@ fn key_value_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
     ));
     // The block's keys are [j0, j0 + 64), as `query_range` takes them.
     body.extend(c.query_range(t));
-    let stage = |name: &str, role: AttentionBuffer, width: i64, stride: i64| {
-        let row = bin("/", id("e"), ll(width));
-        let d = bin("%", id("e"), ll(width));
-        let i = bin("+", id("i0"), row.clone());
-        loop_over(
-            "e",
-            thread(),
-            ll(t * width),
-            C::Cast("long long", Box::new(id("blockDim.x"))),
-            vec![set(
-                ix(name, bin("+", bin("*", row, ll(stride)), d.clone())),
-                C::Cond(
-                    Box::new(bin("<", i.clone(), size(k.q_len))),
-                    Box::new(at(c.buf(role), c.addr(role, b.clone(), h.clone(), i, d))),
-                    Box::new(C::Cast("dplc_t", Box::new(C::Lit("0".into())))),
-                ),
-            )],
-        )
+    let stage = |name: &'static str, role: AttentionBuffer, width: i64, stride: i64| {
+        c.stage16(Tile16 {
+            name,
+            role,
+            head: h.clone(),
+            first: id("i0"),
+            len: k.q_len,
+            rows: t,
+            width,
+            stride,
+        })
     };
     // Per query row of the tile: its log-sum-exp and δ, staged once.
     let qi = bin("+", id("i0"), id("q"));

@@ -71,7 +71,7 @@ pub(crate) fn at(a: C, i: C) -> C {
 }
 
 impl C {
-    fn render(&self) -> String {
+    pub(crate) fn render(&self) -> String {
         match self {
             C::Id(s) | C::Lit(s) => s.clone(),
             C::Call(f, args) => {

@@ -24,6 +24,7 @@ struct uint4 {
 struct uint2 {
     unsigned x, y;
 };
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 
 inline thread_local dplc_dim3 threadIdx, blockIdx, blockDim, gridDim;
 
