@@ -1013,137 +1013,153 @@ fn a_gpu_run_without_a_driver_fails_typed() {
     );
 }
 
-/// Every pass of each fused attention of a GPT (causal, dropout 0.1) on the
-/// GPU against the host interpreter on the same random operands (rounded
-/// through the storage type): the forward's output and log-sum-exp, then
-/// each backward pass from the host's forward. Worst norm-wise relative error.
+/// Every pass of each fused attention of two GPTs (causal, dropout 0.1;
+/// head widths 8 and 16, the second taking the tensor-core passes in bf16)
+/// on the GPU against the host interpreter on the same random operands
+/// (rounded through the storage type): the forward's output and
+/// log-sum-exp, then each backward pass from the host's forward. Worst
+/// norm-wise relative error.
 fn attention_matches(dtype: DType, tol: f64, test: &str) {
     use dplc_codegen::{interpret_attention, AttentionBuffer, AttentionPass, BufferRef};
     let Some(dev) = gpu_or_skip(test) else { return };
     let Some(nvrtc) = nvrtc_or_skip(test) else {
         return;
     };
-    let g = common::Gpt::default().build();
-    let compiled = compile_graph(&g, dtype, dev.arch(), dplc_ir::AttentionKind::Fused, &nvrtc)
-        .expect("compiles");
-    // Past one tile of queries and keys.
-    let syms: HashMap<String, i64> = [("batch".to_string(), 2), ("seq".to_string(), 8)].into();
     let mut rng = Rng(7);
     let mut checked = 0;
-    for (_, plan, _) in &compiled.regions {
-        for step in &plan.steps {
-            let Step::Attention(at) = step else { continue };
-            let k = &at.kernel;
-            let mut sizes: Vec<i64> = at.sizes.iter().map(|d| dim(d, &syms, &g)).collect();
-            for (n, (i, _)) in at.key_sizes.iter().enumerate() {
-                sizes[*i] = [2, 4, 64][n];
-            }
-            let args = Args {
-                sizes,
-                scalars: vec![],
-                seed: 9,
-            };
-            let len = |pass: AttentionPass, role: AttentionBuffer| -> usize {
-                let i = k.roles(pass).iter().position(|&r| r == role).unwrap();
-                k.buffers(pass)[i]
-                    .len
-                    .iter()
-                    .map(|&s| args.size(s))
-                    .product::<i64>() as usize
-            };
-            let mut values: HashMap<AttentionBuffer, Vec<f32>> = HashMap::new();
-            for role in [
-                AttentionBuffer::Q,
-                AttentionBuffer::K,
-                AttentionBuffer::V,
-                AttentionBuffer::OutGrad,
-            ] {
-                let n = len(AttentionPass::KeyValueGrad, role);
-                let v = (0..n)
-                    .map(|_| stored(rng.normal_ish(), Elem::Float, dtype))
-                    .collect();
-                values.insert(role, v);
-            }
-            for pass in [
-                AttentionPass::Forward,
-                AttentionPass::QueryGrad,
-                AttentionPass::KeyValueGrad,
-            ] {
-                let roles = k.roles(pass);
-                let specs = k.buffers(pass);
-                let mut host: Vec<Data> = Vec::new();
-                let mut bufs: Vec<DeviceBuffer> = Vec::new();
-                for (&role, b) in roles.iter().zip(&specs) {
-                    let n = len(pass, role);
-                    let d = if b.elem == Elem::Float {
-                        dtype
-                    } else {
-                        DType::F32
-                    };
-                    if b.output {
-                        host.push(Data::F32(vec![0.0; n]));
-                        bufs.push(dev.zeros(n * d.size_bytes() as usize).expect("alloc"));
-                    } else {
-                        let v = values[&role].clone();
-                        bufs.push(dev.upload_f32(&v, d).expect("upload"));
-                        host.push(Data::F32(v));
-                    }
+    // Head width 8 (the scalar passes) at 8 positions, and 16 (under bf16
+    // and f16 the tensor-core passes) at 70, past one 64-wide tile.
+    let wide = common::Gpt {
+        d: 32,
+        heads: 2,
+        ctx: 128,
+        ..Default::default()
+    };
+    for (gpt, seq) in [(common::Gpt::default(), 8), (wide, 70)] {
+        let g = gpt.build();
+        let compiled = compile_graph(&g, dtype, dev.arch(), dplc_ir::AttentionKind::Fused, &nvrtc)
+            .expect("compiles");
+        let syms: HashMap<String, i64> =
+            [("batch".to_string(), 2), ("seq".to_string(), seq)].into();
+        for (_, plan, _) in &compiled.regions {
+            for step in &plan.steps {
+                let Step::Attention(at) = step else { continue };
+                let k = &at.kernel;
+                let mut sizes: Vec<i64> = at.sizes.iter().map(|d| dim(d, &syms, &g)).collect();
+                for (n, (i, _)) in at.key_sizes.iter().enumerate() {
+                    sizes[*i] = [2, 4, 64][n];
                 }
-                let src = &compiled
-                    .attention
-                    .get(&dplc_codegen::attention_name(k, pass, dtype))
-                    .expect("compiled");
-                let gk = dev
-                    .load_attention(k, pass, &src.source, &src.ptx, dtype)
-                    .expect("loads");
-                let refs: Vec<&DeviceBuffer> = bufs.iter().collect();
-                dev.launch(&gk, &refs, &args)
-                    .unwrap_or_else(|e| panic!("{}: {e}", gk.name));
-                {
-                    let mut inputs = host.clone();
-                    let mut refs: Vec<BufferRef> = Vec::new();
-                    for ((spec, h), i) in specs.iter().zip(host.iter_mut()).zip(inputs.iter_mut()) {
-                        refs.push(if spec.output {
-                            BufferRef::Output(h)
+                let args = Args {
+                    sizes,
+                    scalars: vec![],
+                    seed: 9,
+                };
+                let len = |pass: AttentionPass, role: AttentionBuffer| -> usize {
+                    let i = k.roles(pass).iter().position(|&r| r == role).unwrap();
+                    k.buffers(pass)[i]
+                        .len
+                        .iter()
+                        .map(|&s| args.size(s))
+                        .product::<i64>() as usize
+                };
+                let mut values: HashMap<AttentionBuffer, Vec<f32>> = HashMap::new();
+                for role in [
+                    AttentionBuffer::Q,
+                    AttentionBuffer::K,
+                    AttentionBuffer::V,
+                    AttentionBuffer::OutGrad,
+                ] {
+                    let n = len(AttentionPass::KeyValueGrad, role);
+                    let v = (0..n)
+                        .map(|_| stored(rng.normal_ish(), Elem::Float, dtype))
+                        .collect();
+                    values.insert(role, v);
+                }
+                for pass in [
+                    AttentionPass::Forward,
+                    AttentionPass::QueryGrad,
+                    AttentionPass::KeyValueGrad,
+                ] {
+                    let roles = k.roles(pass);
+                    let specs = k.buffers(pass);
+                    let mut host: Vec<Data> = Vec::new();
+                    let mut bufs: Vec<DeviceBuffer> = Vec::new();
+                    for (&role, b) in roles.iter().zip(&specs) {
+                        let n = len(pass, role);
+                        let d = if b.elem == Elem::Float {
+                            dtype
                         } else {
-                            BufferRef::Input(i)
-                        });
+                            DType::F32
+                        };
+                        if b.output {
+                            host.push(Data::F32(vec![0.0; n]));
+                            bufs.push(dev.zeros(n * d.size_bytes() as usize).expect("alloc"));
+                        } else {
+                            let v = values[&role].clone();
+                            bufs.push(dev.upload_f32(&v, d).expect("upload"));
+                            host.push(Data::F32(v));
+                        }
                     }
-                    interpret_attention(k, pass, &args, &mut refs).expect("interprets");
-                }
-                for ((&role, b), (h, buf)) in roles.iter().zip(&specs).zip(host.iter().zip(&bufs)) {
-                    if !b.output {
-                        continue;
+                    let src = &compiled
+                        .attention
+                        .get(&dplc_codegen::attention_name(k, pass, dtype))
+                        .expect("compiled");
+                    let gk = dev
+                        .load_attention(k, pass, &src.source, &src.ptx, dtype)
+                        .expect("loads");
+                    let refs: Vec<&DeviceBuffer> = bufs.iter().collect();
+                    dev.launch(&gk, &refs, &args)
+                        .unwrap_or_else(|e| panic!("{}: {e}", gk.name));
+                    {
+                        let mut inputs = host.clone();
+                        let mut refs: Vec<BufferRef> = Vec::new();
+                        for ((spec, h), i) in
+                            specs.iter().zip(host.iter_mut()).zip(inputs.iter_mut())
+                        {
+                            refs.push(if spec.output {
+                                BufferRef::Output(h)
+                            } else {
+                                BufferRef::Input(i)
+                            });
+                        }
+                        interpret_attention(k, pass, &args, &mut refs).expect("interprets");
                     }
-                    let want = h.f32();
-                    let d = if b.elem == Elem::Float {
-                        dtype
-                    } else {
-                        DType::F32
-                    };
-                    let got = dev.download_f32(buf, want.len(), d).expect("download");
-                    let (mut num, mut den) = (0.0f64, 0.0f64);
-                    for (x, y) in got.iter().zip(want) {
-                        if y.is_infinite() && x == y {
+                    for ((&role, b), (h, buf)) in
+                        roles.iter().zip(&specs).zip(host.iter().zip(&bufs))
+                    {
+                        if !b.output {
                             continue;
                         }
-                        num += (f64::from(*x) - f64::from(*y)).powi(2);
-                        den += f64::from(*y).powi(2);
+                        let want = h.f32();
+                        let d = if b.elem == Elem::Float {
+                            dtype
+                        } else {
+                            DType::F32
+                        };
+                        let got = dev.download_f32(buf, want.len(), d).expect("download");
+                        let (mut num, mut den) = (0.0f64, 0.0f64);
+                        for (x, y) in got.iter().zip(want) {
+                            if y.is_infinite() && x == y {
+                                continue;
+                            }
+                            num += (f64::from(*x) - f64::from(*y)).powi(2);
+                            den += f64::from(*y).powi(2);
+                        }
+                        let rel = num.sqrt() / den.sqrt().max(1e-30);
+                        assert!(
+                            rel <= tol,
+                            "{} {role:?} ({dtype:?}): relative error {rel:e} > {tol:e}",
+                            gk.name
+                        );
+                        // The backward passes read the host's forward.
+                        values.insert(role, want.to_vec());
                     }
-                    let rel = num.sqrt() / den.sqrt().max(1e-30);
-                    assert!(
-                        rel <= tol,
-                        "{} {role:?} ({dtype:?}): relative error {rel:e} > {tol:e}",
-                        gk.name
-                    );
-                    // The backward passes read the host's forward.
-                    values.insert(role, want.to_vec());
+                    checked += 1;
                 }
-                checked += 1;
             }
         }
     }
-    assert!(checked >= 3, "{checked} attention passes");
+    assert!(checked >= 6, "{checked} attention passes");
     eprintln!(
         "{checked} attention passes match the interpreter on {} ({dtype:?})",
         dev.name()
