@@ -541,6 +541,16 @@ fn decompose(heads: Size, tiles_of: Size, first: &str) -> Vec<S> {
     ]
 }
 
+/// Work items of a pass that gives a block each 64-row tile of `len` rows
+/// of every head: `⌈len / 64⌉ · batch · heads` ([`AttentionKernel::items`]).
+fn tile_items(len: Size, batch: Size, heads: Size) -> C {
+    bin(
+        "*",
+        bin("/", bin("+", size(len), ll(ROWS - 1)), ll(ROWS)),
+        bin("*", size(batch), size(heads)),
+    )
+}
+
 fn params(k: &AttentionKernel, pass: AttentionPass) -> Vec<String> {
     let mut p = Vec::new();
     for (i, b) in k.buffers(pass).iter().enumerate() {
@@ -692,11 +702,7 @@ fn forward_scalar(c: &Ctx) -> (Vec<S>, u32) {
             set(at(c.buf(LogSumExp), c.lse_at(b, h, i)), lse),
         ],
     ));
-    let items = bin(
-        "*",
-        bin("/", bin("+", size(k.q_len), ll(ROWS - 1)), ll(ROWS)),
-        bin("*", size(k.batch), size(k.heads)),
-    );
+    let items = tile_items(k.q_len, k.batch, k.heads);
     let out = vec![
         shared("float", "kt", t * hd),
         shared("float", "vt", t * vd),
@@ -853,11 +859,7 @@ fn query_grad(c: &Ctx) -> (Vec<S>, u32) {
             )],
         )],
     ));
-    let items = bin(
-        "*",
-        bin("/", bin("+", size(k.q_len), ll(ROWS - 1)), ll(ROWS)),
-        bin("*", size(k.batch), size(k.heads)),
-    );
+    let items = tile_items(k.q_len, k.batch, k.heads);
     let out = vec![
         shared("float", "kt", t * hd),
         shared("float", "vt", t * vd),
@@ -1069,11 +1071,7 @@ fn key_value_grad(c: &Ctx) -> (Vec<S>, u32) {
             ),
         ],
     ));
-    let items = bin(
-        "*",
-        bin("/", bin("+", size(k.k_len), ll(ROWS - 1)), ll(ROWS)),
-        bin("*", size(k.batch), size(k.kv_heads)),
-    );
+    let items = tile_items(k.k_len, k.batch, k.kv_heads);
     let out = vec![
         shared("float", "qt", t * hd),
         shared("float", "gt", t * vd),
@@ -1239,54 +1237,13 @@ fn forward_mma(c: &Ctx) -> (Vec<S>, u32) {
         .find(|t| 2 * t * (hd + 8 + vd) <= SHARED_BYTES)
         .unwrap_or(16);
     let kstride = hd + 8;
-    let (nq, ns, nv) = (hd / 16, t / 8, vd / 8);
+    let (ns, nv) = (t / 8, vd / 8);
     let (b, h) = (id("b"), id("hh"));
     let mut body = decompose(k.heads, k.q_len, "i0");
     body.push(decl("long long", "kh", bin("/", h.clone(), ll(k.group))));
-    body.push(decl("long long", "lane", bin("%", thread(), ll(32))));
-    body.push(decl("long long", "g", bin("/", id("lane"), ll(4))));
-    body.push(decl("long long", "tq", bin("%", id("lane"), ll(4))));
-    // This thread's two rows.
-    body.push(decl(
-        "long long",
-        "r0",
-        bin(
-            "+",
-            bin("+", id("i0"), bin("*", bin("/", thread(), ll(32)), ll(16))),
-            id("g"),
-        ),
-    ));
-    body.push(array("long long", "row", 2));
-    body.push(set(ix("row", ll(0)), id("r0")));
-    body.push(set(ix("row", ll(1)), bin("+", id("r0"), ll(8))));
+    body.extend(warp_rows("i0"));
     // Q's fragments, straight from memory (zeros past the last query).
-    body.push(array("unsigned", "qf", nq * 4));
-    let qbits = |r: C, d: C| {
-        C::Cond(
-            Box::new(bin("<", r.clone(), size(k.q_len))),
-            Box::new(C::Cast(
-                "unsigned",
-                Box::new(at(c.buf(Q), c.addr(Q, b.clone(), h.clone(), r, d))),
-            )),
-            Box::new(C::Lit("0u".into())),
-        )
-    };
-    let mut qload = Vec::new();
-    for (reg, (rsel, dofs)) in [(0, 0), (1, 0), (0, 8), (1, 8)].into_iter().enumerate() {
-        let d = bin(
-            "+",
-            bin("+", bin("*", id("ks"), ll(16)), ll(dofs)),
-            bin("*", id("tq"), ll(2)),
-        );
-        qload.push(set(
-            ix("qf", bin("+", bin("*", id("ks"), ll(4)), ll(reg as i64))),
-            pair_bits(
-                qbits(ix("row", ll(rsel)), d.clone()),
-                qbits(ix("row", ll(rsel)), bin("+", d, ll(1))),
-            ),
-        ));
-    }
-    body.push(unrolled("ks", nq, qload));
+    body.extend(row_fragments(c, Q, (h.clone(), k.q_len), "qf", hd));
     body.push(array("float", "o", nv * 4));
     body.push(unrolled("x", nv * 4, vec![set(ix("o", id("x")), zero())]));
     body.push(array("float", "m", 2));
@@ -1321,57 +1278,7 @@ fn forward_mma(c: &Ctx) -> (Vec<S>, u32) {
         array("float", "s", ns * 4),
     ];
     // S = Q·Kᵀ: B's fragment is two consecutive features of one key.
-    let kword = |dofs: i64| {
-        at(
-            C::Cast(
-                "const unsigned*",
-                Box::new(C::Ref(Box::new(ix(
-                    "kt",
-                    bin(
-                        "+",
-                        bin(
-                            "*",
-                            bin("+", bin("*", id("nb"), ll(8)), id("g")),
-                            ll(kstride),
-                        ),
-                        bin(
-                            "+",
-                            bin("+", bin("*", id("ks"), ll(16)), ll(dofs)),
-                            bin("*", id("tq"), ll(2)),
-                        ),
-                    ),
-                )))),
-            ),
-            ll(0),
-        )
-    };
-    tile.push(unrolled(
-        "nb",
-        ns,
-        vec![
-            unrolled(
-                "x",
-                4,
-                vec![set(
-                    ix("s", bin("+", bin("*", id("nb"), ll(4)), id("x"))),
-                    zero(),
-                )],
-            ),
-            unrolled(
-                "ks",
-                nq,
-                vec![S::Expr(call(
-                    "dplc_mma",
-                    vec![
-                        C::Ref(Box::new(ix("s", bin("*", id("nb"), ll(4))))),
-                        C::Ref(Box::new(ix("qf", bin("*", id("ks"), ll(4))))),
-                        kword(0),
-                        kword(8),
-                    ],
-                ))],
-            ),
-        ],
-    ));
+    tile.push(mma_rows("s", "qf", "kt", kstride, hd, ns));
     // Scale, bias, masks; the rows' maxima over the quad of threads sharing them.
     let (i, j) = (
         ix("row", bin("/", id("x"), ll(2))),
@@ -1510,53 +1417,7 @@ fn forward_mma(c: &Ctx) -> (Vec<S>, u32) {
     rows.push(unrolled("nb", ns, vec![unrolled("x", 2, prob)]));
     tile.push(unrolled("r", 2, rows));
     // O += P·V: P's fragment for keys [16·kk, 16·kk + 16) is score tiles 2kk and 2kk + 1.
-    let p = |tile_ofs: i64, x: i64| {
-        ix(
-            "s",
-            bin(
-                "+",
-                bin(
-                    "*",
-                    bin("+", bin("*", id("kk"), ll(2)), ll(tile_ofs)),
-                    ll(4),
-                ),
-                ll(x),
-            ),
-        )
-    };
-    let mut pv = vec![
-        array("unsigned", "pf", 4),
-        set(ix("pf", ll(0)), call("dplc_pack", vec![p(0, 0), p(0, 1)])),
-        set(ix("pf", ll(1)), call("dplc_pack", vec![p(0, 2), p(0, 3)])),
-        set(ix("pf", ll(2)), call("dplc_pack", vec![p(1, 0), p(1, 1)])),
-        set(ix("pf", ll(3)), call("dplc_pack", vec![p(1, 2), p(1, 3)])),
-    ];
-    let vbits = |kofs: i64| {
-        let key = bin(
-            "+",
-            bin("+", bin("*", id("kk"), ll(16)), ll(kofs)),
-            bin("*", id("tq"), ll(2)),
-        );
-        let col = bin("+", bin("*", id("nb"), ll(8)), id("g"));
-        pair_bits(
-            ix("vt", bin("+", bin("*", key.clone(), ll(vd)), col.clone())),
-            ix("vt", bin("+", bin("*", bin("+", key, ll(1)), ll(vd)), col)),
-        )
-    };
-    pv.push(unrolled(
-        "nb",
-        nv,
-        vec![S::Expr(call(
-            "dplc_mma",
-            vec![
-                C::Ref(Box::new(ix("o", bin("*", id("nb"), ll(4))))),
-                id("pf"),
-                vbits(0),
-                vbits(8),
-            ],
-        ))],
-    ));
-    tile.push(unrolled("kk", t / 16, pv));
+    tile.push(mma_cols("o", "s", "vt", vd, t, vd));
     body.push(loop_over("j0", id("jbegin"), id("jend"), ll(t), tile));
     // The rows' sums over the quad, then O / l and the log-sum-exp.
     let mut fin = vec![
@@ -1621,17 +1482,37 @@ fn forward_mma(c: &Ctx) -> (Vec<S>, u32) {
     ));
     fin.push(S::If(bin("<", id("qi"), size(k.q_len)), write));
     body.push(unrolled("r", 2, fin));
-    let items = bin(
-        "*",
-        bin("/", bin("+", size(k.q_len), ll(ROWS - 1)), ll(ROWS)),
-        bin("*", size(k.batch), size(k.heads)),
-    );
+    let items = tile_items(k.q_len, k.batch, k.heads);
     let out = vec![
         shared("dplc_t", "kt", t * kstride),
         shared("dplc_t", "vt", t * vd),
         items_loop(items, false, body),
     ];
     (out, 128)
+}
+
+/// A tensor-core pass's rows: 4 warps of 16 from `first`, this thread's
+/// `row[0] = first + 16·warp + g` and `row[1] = row[0] + 8` (`g` = lane / 4,
+/// `tq` = lane % 4: a thread holds, of each 16×8 accumulator tile, those
+/// rows at columns `2·tq` and `2·tq + 1`).
+fn warp_rows(first: &str) -> Vec<S> {
+    vec![
+        decl("long long", "lane", bin("%", thread(), ll(32))),
+        decl("long long", "g", bin("/", id("lane"), ll(4))),
+        decl("long long", "tq", bin("%", id("lane"), ll(4))),
+        decl(
+            "long long",
+            "r0",
+            bin(
+                "+",
+                bin("+", id(first), bin("*", bin("/", thread(), ll(32)), ll(16))),
+                id("g"),
+            ),
+        ),
+        array("long long", "row", 2),
+        set(ix("row", ll(0)), id("r0")),
+        set(ix("row", ll(1)), bin("+", id("r0"), ll(8))),
+    ]
 }
 
 /// A-operand fragments of `role` (a `[row][feature]` operand of `width`
@@ -1823,21 +1704,7 @@ fn query_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
     let (b, h) = (id("b"), id("hh"));
     let mut body = decompose(k.heads, k.q_len, "i0");
     body.push(decl("long long", "kh", bin("/", h.clone(), ll(k.group))));
-    body.push(decl("long long", "lane", bin("%", thread(), ll(32))));
-    body.push(decl("long long", "g", bin("/", id("lane"), ll(4))));
-    body.push(decl("long long", "tq", bin("%", id("lane"), ll(4))));
-    body.push(decl(
-        "long long",
-        "r0",
-        bin(
-            "+",
-            bin("+", id("i0"), bin("*", bin("/", thread(), ll(32)), ll(16))),
-            id("g"),
-        ),
-    ));
-    body.push(array("long long", "row", 2));
-    body.push(set(ix("row", ll(0)), id("r0")));
-    body.push(set(ix("row", ll(1)), bin("+", id("r0"), ll(8))));
+    body.extend(warp_rows("i0"));
     body.extend(row_fragments(c, Q, (h.clone(), k.q_len), "qf", hd));
     body.extend(row_fragments(c, OutGrad, (h.clone(), k.q_len), "of", vd));
     // Each row's log-sum-exp, and δ = Σ dO ∘ O over the quad sharing it.
@@ -2025,11 +1892,7 @@ fn query_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
             S::If(bin("<", id("qi"), size(k.q_len)), write),
         ],
     ));
-    let items = bin(
-        "*",
-        bin("/", bin("+", size(k.q_len), ll(ROWS - 1)), ll(ROWS)),
-        bin("*", size(k.batch), size(k.heads)),
-    );
+    let items = tile_items(k.q_len, k.batch, k.heads);
     let out = vec![
         shared("dplc_t", "kt", t * kstride),
         shared("dplc_t", "vt", t * vstride),
@@ -2060,21 +1923,7 @@ fn key_value_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
     let (b, h) = (id("b"), id("h"));
     let mut body = decompose(k.kv_heads, k.k_len, "j0");
     body.push(decl("long long", "kh", id("hh")));
-    body.push(decl("long long", "lane", bin("%", thread(), ll(32))));
-    body.push(decl("long long", "g", bin("/", id("lane"), ll(4))));
-    body.push(decl("long long", "tq", bin("%", id("lane"), ll(4))));
-    body.push(decl(
-        "long long",
-        "r0",
-        bin(
-            "+",
-            bin("+", id("j0"), bin("*", bin("/", thread(), ll(32)), ll(16))),
-            id("g"),
-        ),
-    ));
-    body.push(array("long long", "row", 2));
-    body.push(set(ix("row", ll(0)), id("r0")));
-    body.push(set(ix("row", ll(1)), bin("+", id("r0"), ll(8))));
+    body.extend(warp_rows("j0"));
     body.extend(row_fragments(c, K, (id("kh"), k.k_len), "kf", hd));
     body.extend(row_fragments(c, V, (id("kh"), k.k_len), "vf", vd));
     body.push(array("float", "dk", hd / 8 * 4));
@@ -2258,11 +2107,7 @@ fn key_value_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
             S::If(bin("<", id("kj"), size(k.k_len)), write),
         ],
     ));
-    let items = bin(
-        "*",
-        bin("/", bin("+", size(k.k_len), ll(ROWS - 1)), ll(ROWS)),
-        bin("*", size(k.batch), size(k.kv_heads)),
-    );
+    let items = tile_items(k.k_len, k.batch, k.kv_heads);
     let out = vec![
         shared("dplc_t", "qt", t * qstride),
         shared("dplc_t", "ot", t * ostride),
