@@ -1,0 +1,1043 @@
+//! The tensor-core passes of the fused attention (bf16/f16 storage, head
+//! and value widths of whole `m16n8k16` steps): the forward, `dQ` and
+//! `dK`/`dV`, four warps of 16 rows a block, their block matmuls as
+//! `mma.sync.m16n8k16` steps on fragments laid out as the PTX ISA states,
+//! tiles staged in shared memory as raw 16-bit storage.
+
+use super::*;
+
+/// Whether the forward runs its block matmuls on tensor cores: 16-bit
+/// storage, and widths that are whole `m16n8k16` steps.
+pub(super) fn tensor_cores(k: &AttentionKernel, dtype: DType) -> bool {
+    matches!(dtype, DType::BF16 | DType::F16)
+        && k.head_dim % 16 == 0
+        && k.value_dim % 8 == 0
+        && k.head_dim <= 256
+        && k.value_dim <= 256
+}
+
+/// A tile of an operand staged as raw 16-bit storage for the tensor-core
+/// passes: `rows` rows from `first` (of `len`) of head `head`, `width`
+/// features each, into shared `name` with rows `stride` apart.
+struct Tile16 {
+    name: &'static str,
+    role: AttentionBuffer,
+    head: C,
+    first: C,
+    len: Size,
+    rows: i64,
+    width: i64,
+    stride: i64,
+}
+
+impl Ctx<'_> {
+    /// Stage `tile`, zeros past its operand's end: eight elements a 16-byte
+    /// access where the operand's features are contiguous and the source
+    /// row is 16-byte aligned (checked as it runs: a view of a fused buffer
+    /// starts where it starts), else one at a time.
+    fn stage16(&self, tile: Tile16) -> S {
+        let Tile16 {
+            name,
+            role,
+            head,
+            first,
+            len,
+            rows,
+            width,
+            stride,
+        } = tile;
+        let contiguous = self.k.operand(role).expect("an operand").at.strides[3] == Size::Const(1);
+        let step = C::Cast("long long", Box::new(id("blockDim.x")));
+        if !(contiguous && width % 8 == 0 && stride % 8 == 0) {
+            let row = bin("/", id("e"), ll(width));
+            let d = bin("%", id("e"), ll(width));
+            let src = bin("+", first, row.clone());
+            return loop_over(
+                "e",
+                thread(),
+                ll(rows * width),
+                step,
+                vec![set(
+                    ix(name, bin("+", bin("*", row, ll(stride)), d.clone())),
+                    C::Cond(
+                        Box::new(bin("<", src.clone(), size(len))),
+                        Box::new(at(self.buf(role), self.addr(role, id("b"), head, src, d))),
+                        Box::new(C::Cast("dplc_t", Box::new(C::Lit("0".into())))),
+                    ),
+                )],
+            );
+        }
+        let per_row = width / 8;
+        let row = bin("/", id("e"), ll(per_row));
+        let d = bin("*", bin("%", id("e"), ll(per_row)), ll(8));
+        let src_row = bin("+", first, row.clone());
+        let src = C::Ref(Box::new(at(
+            self.buf(role),
+            self.addr(role, id("b"), head, id("sr"), id("sd")),
+        )));
+        let dst = C::Ref(Box::new(ix(
+            name,
+            bin("+", bin("*", row, ll(stride)), id("sd")),
+        )));
+        loop_over(
+            "e",
+            thread(),
+            ll(rows * per_row),
+            step,
+            vec![
+                decl("long long", "sr", src_row),
+                decl("long long", "sd", d),
+                S::Line("uint4 v = make_uint4(0u, 0u, 0u, 0u);".into()),
+                S::If(
+                    bin("<", id("sr"), size(len)),
+                    vec![
+                        decl("dplc_t*", "src", src),
+                        S::Line(
+                            "if ((((unsigned long long)src) & 15ULL) == 0ULL) { v = *reinterpret_cast<const uint4*>(src); } \
+                             else { __align__(16) dplc_t w[8]; for (int x = 0; x < 8; ++x) w[x] = src[x]; v = *reinterpret_cast<const uint4*>(w); }"
+                                .into(),
+                        ),
+                    ],
+                ),
+                S::Line(format!(
+                    "*reinterpret_cast<uint4*>({}) = v;",
+                    dst.render()
+                )),
+            ],
+        )
+    }
+}
+
+/// Tensor-core helpers: one `m16n8k16` step with f32 accumulators, and two
+/// floats packed into the storage type's pair (the lower column in the low half).
+pub(super) const MMA_BF16: &str = r#"#ifndef DPLC_MMA
+#define DPLC_MMA
+__device__ __forceinline__ void dplc_mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ unsigned dplc_pack(float lo, float hi) {
+    unsigned r; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
+}
+#endif
+"#;
+
+pub(super) const MMA_F16: &str = r#"#ifndef DPLC_MMA
+#define DPLC_MMA
+__device__ __forceinline__ void dplc_mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ unsigned dplc_pack(float lo, float hi) {
+    unsigned r; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
+}
+#endif
+"#;
+
+/// Two 16-bit elements as one register, the first in the low half.
+fn pair_bits(lo: C, hi: C) -> C {
+    bin(
+        "|",
+        C::Cast("unsigned", Box::new(lo)),
+        bin("<<", C::Cast("unsigned", Box::new(hi)), C::Lit("16".into())),
+    )
+}
+
+/// The tensor-core forward: 4 warps of 16 query rows; per key tile, `S =
+/// Q·Kᵀ` and `O += P·V` as `m16n8k16` steps. A thread holds, of each 16×8
+/// accumulator tile, rows `g` and `g + 8` at columns `2t` and `2t + 1`
+/// (`g` = lane / 4, `t` = lane % 4), so the scores' tiles are the
+/// probabilities' operand fragments as they are.
+pub(super) fn forward_mma(c: &Ctx) -> (Vec<S>, u32) {
+    use AttentionBuffer::*;
+    let k = c.k;
+    let (hd, vd) = (k.head_dim, k.value_dim);
+    // Key rows per tile: K and V tiles of 16-bit elements (K rows padded by
+    // 8 against bank conflicts) within the shared memory.
+    let t = [64i64, 48, 32, 16]
+        .into_iter()
+        .find(|t| 2 * t * (hd + 8 + vd) <= SHARED_BYTES)
+        .unwrap_or(16);
+    let kstride = hd + 8;
+    let (ns, nv) = (t / 8, vd / 8);
+    let (b, h) = (id("b"), id("hh"));
+    let mut body = decompose(k.heads, k.q_len, "i0");
+    body.push(decl("long long", "kh", bin("/", h.clone(), ll(k.group))));
+    body.extend(warp_rows("i0"));
+    // Q's fragments, straight from memory (zeros past the last query).
+    body.extend(row_fragments(c, Q, (h.clone(), k.q_len), "qf", hd));
+    body.push(array("float", "o", nv * 4));
+    body.push(unrolled("x", nv * 4, vec![set(ix("o", id("x")), zero())]));
+    body.push(array("float", "m", 2));
+    body.push(array("float", "l", 2));
+    body.push(unrolled(
+        "r",
+        2,
+        vec![
+            set(ix("m", id("r")), neg_inf()),
+            set(ix("l", id("r")), zero()),
+        ],
+    ));
+    body.extend(c.key_range(t));
+    // Stage the tiles (raw 16-bit storage; zeros past the last key).
+    let stage = |name: &'static str, role: AttentionBuffer, width: i64, stride: i64| {
+        c.stage16(Tile16 {
+            name,
+            role,
+            head: id("kh"),
+            first: id("j0"),
+            len: k.k_len,
+            rows: t,
+            width,
+            stride,
+        })
+    };
+    let mut tile = vec![
+        sync(),
+        stage("kt", K, hd, kstride),
+        stage("vt", V, vd, vd),
+        sync(),
+        array("float", "s", ns * 4),
+    ];
+    // S = Q·Kᵀ: B's fragment is two consecutive features of one key.
+    tile.push(mma_rows("s", "qf", "kt", kstride, hd, ns));
+    // Scale, bias, masks; the rows' maxima over the quad of threads sharing them.
+    let (i, j) = (
+        ix("row", bin("/", id("x"), ll(2))),
+        bin(
+            "+",
+            bin("+", id("j0"), bin("*", id("nb"), ll(8))),
+            bin("+", bin("*", id("tq"), ll(2)), bin("%", id("x"), ll(2))),
+        ),
+    );
+    let sx = ix("s", bin("+", bin("*", id("nb"), ll(4)), id("x")));
+    tile.push(unrolled(
+        "nb",
+        ns,
+        vec![unrolled(
+            "x",
+            4,
+            vec![
+                decl("long long", "qi", i.clone()),
+                decl("long long", "kj", j.clone()),
+                set(
+                    sx.clone(),
+                    C::Cond(
+                        Box::new(c.visible(&id("qi"), &id("kj"))),
+                        Box::new(c.scaled(sx.clone(), &b, &h, &id("qi"), &id("kj"))),
+                        Box::new(neg_inf()),
+                    ),
+                ),
+            ],
+        )],
+    ));
+    let shfl = |v: C, o: i64| {
+        call(
+            "__shfl_xor_sync",
+            vec![C::Lit("0xffffffffu".into()), v, C::Lit(o.to_string())],
+        )
+    };
+    let mut rows = vec![var("float", "mx", Some(ix("m", id("r"))))];
+    rows.push(unrolled(
+        "nb",
+        ns,
+        vec![unrolled(
+            "x",
+            2,
+            vec![set(
+                id("mx"),
+                call(
+                    "fmaxf",
+                    vec![
+                        id("mx"),
+                        ix(
+                            "s",
+                            bin(
+                                "+",
+                                bin("+", bin("*", id("nb"), ll(4)), bin("*", id("r"), ll(2))),
+                                id("x"),
+                            ),
+                        ),
+                    ],
+                ),
+            )],
+        )],
+    ));
+    rows.push(set(
+        id("mx"),
+        call("fmaxf", vec![id("mx"), shfl(id("mx"), 1)]),
+    ));
+    rows.push(set(
+        id("mx"),
+        call("fmaxf", vec![id("mx"), shfl(id("mx"), 2)]),
+    ));
+    // A row with nothing seen yet keeps its state (and subtracts 0, not −∞).
+    rows.push(decl(
+        "float",
+        "base",
+        C::Cond(
+            Box::new(bin("==", id("mx"), neg_inf())),
+            Box::new(zero()),
+            Box::new(id("mx")),
+        ),
+    ));
+    rows.push(decl(
+        "float",
+        "alpha",
+        call("expf", vec![bin("-", ix("m", id("r")), id("base"))]),
+    ));
+    rows.push(set(ix("m", id("r")), id("mx")));
+    rows.push(mul_by(ix("l", id("r")), id("alpha")));
+    rows.push(unrolled(
+        "nb",
+        nv,
+        vec![unrolled(
+            "x",
+            2,
+            vec![mul_by(
+                ix(
+                    "o",
+                    bin(
+                        "+",
+                        bin("+", bin("*", id("nb"), ll(4)), bin("*", id("r"), ll(2))),
+                        id("x"),
+                    ),
+                ),
+                id("alpha"),
+            )],
+        )],
+    ));
+    let sr = ix(
+        "s",
+        bin(
+            "+",
+            bin("+", bin("*", id("nb"), ll(4)), bin("*", id("r"), ll(2))),
+            id("x"),
+        ),
+    );
+    let mut prob = vec![
+        decl(
+            "float",
+            "e",
+            call("expf", vec![bin("-", sr.clone(), id("base"))]),
+        ),
+        add_to(ix("l", id("r")), id("e")),
+    ];
+    let qi = ix("row", id("r"));
+    let kj = bin(
+        "+",
+        bin("+", id("j0"), bin("*", id("nb"), ll(8))),
+        bin("+", bin("*", id("tq"), ll(2)), id("x")),
+    );
+    prob.push(set(
+        sr,
+        match c.keep(&b, &h, &qi, &kj) {
+            Some(keep) => bin("*", id("e"), keep),
+            None => id("e"),
+        },
+    ));
+    rows.push(unrolled("nb", ns, vec![unrolled("x", 2, prob)]));
+    tile.push(unrolled("r", 2, rows));
+    // O += P·V: P's fragment for keys [16·kk, 16·kk + 16) is score tiles 2kk and 2kk + 1.
+    tile.push(mma_cols("o", "s", "vt", vd, t, vd));
+    body.push(loop_over("j0", id("jbegin"), id("jend"), ll(t), tile));
+    // The rows' sums over the quad, then O / l and the log-sum-exp.
+    let mut fin = vec![
+        add_to(ix("l", id("r")), shfl(ix("l", id("r")), 1)),
+        add_to(ix("l", id("r")), shfl(ix("l", id("r")), 2)),
+        decl("long long", "qi", ix("row", id("r"))),
+        decl(
+            "float",
+            "inv",
+            C::Cond(
+                Box::new(bin(">", ix("l", id("r")), zero())),
+                Box::new(bin("/", C::Lit("1.0f".into()), ix("l", id("r")))),
+                Box::new(zero()),
+            ),
+        ),
+    ];
+    let mut write = vec![unrolled(
+        "nb",
+        nv,
+        vec![unrolled(
+            "x",
+            2,
+            vec![c.store(
+                Out,
+                b.clone(),
+                h.clone(),
+                id("qi"),
+                bin(
+                    "+",
+                    bin("+", bin("*", id("nb"), ll(8)), bin("*", id("tq"), ll(2))),
+                    id("x"),
+                ),
+                bin(
+                    "*",
+                    ix(
+                        "o",
+                        bin(
+                            "+",
+                            bin("+", bin("*", id("nb"), ll(4)), bin("*", id("r"), ll(2))),
+                            id("x"),
+                        ),
+                    ),
+                    id("inv"),
+                ),
+            )],
+        )],
+    )];
+    write.push(S::If(
+        bin("==", id("tq"), ll(0)),
+        vec![set(
+            at(c.buf(LogSumExp), c.lse_at(b.clone(), h.clone(), id("qi"))),
+            C::Cond(
+                Box::new(bin(">", ix("l", id("r")), zero())),
+                Box::new(bin(
+                    "+",
+                    ix("m", id("r")),
+                    call("logf", vec![ix("l", id("r"))]),
+                )),
+                Box::new(neg_inf()),
+            ),
+        )],
+    ));
+    fin.push(S::If(bin("<", id("qi"), size(k.q_len)), write));
+    body.push(unrolled("r", 2, fin));
+    let items = tile_items(k.q_len, k.batch, k.heads);
+    let out = vec![
+        shared("dplc_t", "kt", t * kstride),
+        shared("dplc_t", "vt", t * vd),
+        items_loop(items, false, body),
+    ];
+    (out, 128)
+}
+
+/// A tensor-core pass's rows: 4 warps of 16 from `first`, this thread's
+/// `row[0] = first + 16·warp + g` and `row[1] = row[0] + 8` (`g` = lane / 4,
+/// `tq` = lane % 4: a thread holds, of each 16×8 accumulator tile, those
+/// rows at columns `2·tq` and `2·tq + 1`).
+fn warp_rows(first: &str) -> Vec<S> {
+    vec![
+        decl("long long", "lane", bin("%", thread(), ll(32))),
+        decl("long long", "g", bin("/", id("lane"), ll(4))),
+        decl("long long", "tq", bin("%", id("lane"), ll(4))),
+        decl(
+            "long long",
+            "r0",
+            bin(
+                "+",
+                bin("+", id(first), bin("*", bin("/", thread(), ll(32)), ll(16))),
+                id("g"),
+            ),
+        ),
+        array("long long", "row", 2),
+        set(ix("row", ll(0)), id("r0")),
+        set(ix("row", ll(1)), bin("+", id("r0"), ll(8))),
+    ]
+}
+
+/// A-operand fragments of `role` (a `[row][feature]` operand of `width`
+/// features, rows of head `head`, `len` of them) for this thread's rows
+/// `row[0]`, `row[1]`, straight from memory into `name[width / 16 * 4]`
+/// (zeros past the last row): the `m16n8k16` layout of [`forward_mma`]'s `Q`.
+fn row_fragments(
+    c: &Ctx,
+    role: AttentionBuffer,
+    (head, len): (C, Size),
+    name: &str,
+    width: i64,
+) -> Vec<S> {
+    let b = id("b");
+    let h = head;
+    let bits = |r: C, d: C| {
+        C::Cond(
+            Box::new(bin("<", r.clone(), size(len))),
+            Box::new(C::Cast(
+                "unsigned",
+                Box::new(at(c.buf(role), c.addr(role, b.clone(), h.clone(), r, d))),
+            )),
+            Box::new(C::Lit("0u".into())),
+        )
+    };
+    let mut load = Vec::new();
+    for (reg, (rsel, dofs)) in [(0, 0), (1, 0), (0, 8), (1, 8)].into_iter().enumerate() {
+        let d = bin(
+            "+",
+            bin("+", bin("*", id("ks"), ll(16)), ll(dofs)),
+            bin("*", id("tq"), ll(2)),
+        );
+        load.push(set(
+            ix(name, bin("+", bin("*", id("ks"), ll(4)), ll(reg as i64))),
+            pair_bits(
+                bits(ix("row", ll(rsel)), d.clone()),
+                bits(ix("row", ll(rsel)), bin("+", d, ll(1))),
+            ),
+        ));
+    }
+    vec![
+        array("unsigned", name, width / 16 * 4),
+        unrolled("ks", width / 16, load),
+    ]
+}
+
+/// `acc[nb·4 ..] += A·Bᵀ` for `nb` in `0..tiles`: A the fragments `frag`
+/// over `width / 16` steps, B's column `nb·8 + g` the row of the shared
+/// tile `tile` (rows `stride` apart) — two consecutive features of one row
+/// per register, as [`forward_mma`]'s `S = Q·Kᵀ`.
+fn mma_rows(acc: &str, frag: &str, tile: &str, stride: i64, width: i64, tiles: i64) -> S {
+    let word = |dofs: i64| {
+        at(
+            C::Cast(
+                "const unsigned*",
+                Box::new(C::Ref(Box::new(ix(
+                    tile,
+                    bin(
+                        "+",
+                        bin(
+                            "*",
+                            bin("+", bin("*", id("nb"), ll(8)), id("g")),
+                            ll(stride),
+                        ),
+                        bin(
+                            "+",
+                            bin("+", bin("*", id("ks"), ll(16)), ll(dofs)),
+                            bin("*", id("tq"), ll(2)),
+                        ),
+                    ),
+                )))),
+            ),
+            ll(0),
+        )
+    };
+    unrolled(
+        "nb",
+        tiles,
+        vec![
+            unrolled(
+                "x",
+                4,
+                vec![set(
+                    ix(acc, bin("+", bin("*", id("nb"), ll(4)), id("x"))),
+                    zero(),
+                )],
+            ),
+            unrolled(
+                "ks",
+                width / 16,
+                vec![S::Expr(call(
+                    "dplc_mma",
+                    vec![
+                        C::Ref(Box::new(ix(acc, bin("*", id("nb"), ll(4))))),
+                        C::Ref(Box::new(ix(frag, bin("*", id("ks"), ll(4))))),
+                        word(0),
+                        word(8),
+                    ],
+                ))],
+            ),
+        ],
+    )
+}
+
+/// `out[nb·4 ..] += P·T` for `nb` in `0..width / 8`: P the accumulator
+/// tiles `scores` (keys along columns, packed into A fragments sixteen keys
+/// at a time), T the shared tile `tile` (`[key][feature]`, rows `stride`
+/// apart) — [`forward_mma`]'s `O += P·V`.
+fn mma_cols(out: &str, scores: &str, tile: &str, stride: i64, keys: i64, width: i64) -> S {
+    let p = |tile_ofs: i64, x: i64| {
+        ix(
+            scores,
+            bin(
+                "+",
+                bin(
+                    "*",
+                    bin("+", bin("*", id("kk"), ll(2)), ll(tile_ofs)),
+                    ll(4),
+                ),
+                ll(x),
+            ),
+        )
+    };
+    let bits = |kofs: i64| {
+        let key = bin(
+            "+",
+            bin("+", bin("*", id("kk"), ll(16)), ll(kofs)),
+            bin("*", id("tq"), ll(2)),
+        );
+        let col = bin("+", bin("*", id("nb"), ll(8)), id("g"));
+        pair_bits(
+            ix(
+                tile,
+                bin("+", bin("*", key.clone(), ll(stride)), col.clone()),
+            ),
+            ix(
+                tile,
+                bin("+", bin("*", bin("+", key, ll(1)), ll(stride)), col),
+            ),
+        )
+    };
+    let mut step = vec![
+        array("unsigned", "pf", 4),
+        set(ix("pf", ll(0)), call("dplc_pack", vec![p(0, 0), p(0, 1)])),
+        set(ix("pf", ll(1)), call("dplc_pack", vec![p(0, 2), p(0, 3)])),
+        set(ix("pf", ll(2)), call("dplc_pack", vec![p(1, 0), p(1, 1)])),
+        set(ix("pf", ll(3)), call("dplc_pack", vec![p(1, 2), p(1, 3)])),
+    ];
+    step.push(unrolled(
+        "nb",
+        width / 8,
+        vec![S::Expr(call(
+            "dplc_mma",
+            vec![
+                C::Ref(Box::new(ix(out, bin("*", id("nb"), ll(4))))),
+                id("pf"),
+                bits(0),
+                bits(8),
+            ],
+        ))],
+    ));
+    unrolled("kk", keys / 16, step)
+}
+
+/// Whether the `dQ` pass runs on tensor cores: the forward's condition,
+/// with the value width whole `k16` steps too (`dO·Vᵀ` steps along it).
+pub(super) fn query_grad_tensor_cores(k: &AttentionKernel, dtype: DType) -> bool {
+    tensor_cores(k, dtype) && k.value_dim % 16 == 0
+}
+
+/// The tensor-core `dQ` pass: 4 warps of 16 query rows, as [`forward_mma`];
+/// per key tile `S = Q·Kᵀ` and `dP = dO·Vᵀ` as `m16n8k16` steps, `dS = P ∘
+/// (dP·keep − δ)` in their accumulators (P from the saved log-sum-exp),
+/// then `dQ += dS·K` with `dS` packed to the storage type as FlashAttention-2
+/// packs it. A thread holds rows `g` and `g + 8` of its warp's 16.
+pub(super) fn query_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
+    use AttentionBuffer::*;
+    let k = c.k;
+    let (hd, vd) = (k.head_dim, k.value_dim);
+    // Key rows per tile: S and dP hold t / 8 accumulator tiles each, so the
+    // wider heads take narrower tiles; K and V staged as 16-bit elements,
+    // rows padded by 8 against bank conflicts.
+    let (kstride, vstride) = (hd + 8, vd + 8);
+    let t = [if hd.max(vd) > 64 { 32 } else { 64 }, 32, 16]
+        .into_iter()
+        .find(|t| 2 * t * (kstride + vstride) <= SHARED_BYTES)
+        .unwrap_or(16);
+    let ns = t / 8;
+    let (b, h) = (id("b"), id("hh"));
+    let mut body = decompose(k.heads, k.q_len, "i0");
+    body.push(decl("long long", "kh", bin("/", h.clone(), ll(k.group))));
+    body.extend(warp_rows("i0"));
+    body.extend(row_fragments(c, Q, (h.clone(), k.q_len), "qf", hd));
+    body.extend(row_fragments(c, OutGrad, (h.clone(), k.q_len), "of", vd));
+    // Each row's log-sum-exp, and δ = Σ dO ∘ O over the quad sharing it.
+    body.push(array("float", "lse", 2));
+    body.push(array("float", "delta", 2));
+    let shfl = |v: C, o: i64| {
+        call(
+            "__shfl_xor_sync",
+            vec![C::Lit("0xffffffffu".into()), v, C::Lit(o.to_string())],
+        )
+    };
+    let qi = ix("row", id("r"));
+    let part = bin(
+        "+",
+        bin("*", id("nb"), ll(8)),
+        bin("+", bin("*", id("tq"), ll(2)), id("x")),
+    );
+    body.push(unrolled(
+        "r",
+        2,
+        vec![
+            decl("int", "live", bin("<", qi.clone(), size(k.q_len))),
+            var("float", "dsum", Some(zero())),
+            S::If(
+                id("live"),
+                vec![unrolled(
+                    "nb",
+                    vd / 8,
+                    vec![unrolled(
+                        "x",
+                        2,
+                        vec![add_to(
+                            id("dsum"),
+                            bin(
+                                "*",
+                                c.load(OutGrad, b.clone(), h.clone(), qi.clone(), part.clone()),
+                                c.load(Out, b.clone(), h.clone(), qi.clone(), part.clone()),
+                            ),
+                        )],
+                    )],
+                )],
+            ),
+            add_to(id("dsum"), shfl(id("dsum"), 1)),
+            add_to(id("dsum"), shfl(id("dsum"), 2)),
+            set(ix("delta", id("r")), id("dsum")),
+            set(
+                ix("lse", id("r")),
+                C::Cond(
+                    Box::new(id("live")),
+                    Box::new(at(
+                        c.buf(LogSumExp),
+                        c.lse_at(b.clone(), h.clone(), qi.clone()),
+                    )),
+                    Box::new(neg_inf()),
+                ),
+            ),
+        ],
+    ));
+    body.push(array("float", "dq", hd / 8 * 4));
+    body.push(unrolled(
+        "x",
+        hd / 8 * 4,
+        vec![set(ix("dq", id("x")), zero())],
+    ));
+    body.extend(c.key_range(t));
+    let stage = |name: &'static str, role: AttentionBuffer, width: i64, stride: i64| {
+        c.stage16(Tile16 {
+            name,
+            role,
+            head: id("kh"),
+            first: id("j0"),
+            len: k.k_len,
+            rows: t,
+            width,
+            stride,
+        })
+    };
+    let mut tile = vec![
+        sync(),
+        stage("kt", K, hd, kstride),
+        stage("vt", V, vd, vstride),
+        sync(),
+        array("float", "s", ns * 4),
+        array("float", "dp", ns * 4),
+        mma_rows("s", "qf", "kt", kstride, hd, ns),
+        mma_rows("dp", "of", "vt", vstride, vd, ns),
+    ];
+    // dS in S's place: P from the log-sum-exp (0 where masked or past an
+    // end), the dropout's factor on dP.
+    let (qi, kj) = (
+        ix("row", bin("/", id("x"), ll(2))),
+        bin(
+            "+",
+            bin("+", id("j0"), bin("*", id("nb"), ll(8))),
+            bin("+", bin("*", id("tq"), ll(2)), bin("%", id("x"), ll(2))),
+        ),
+    );
+    let at_x = |name: &str| ix(name, bin("+", bin("*", id("nb"), ll(4)), id("x")));
+    let lse_x = ix("lse", bin("/", id("x"), ll(2)));
+    let delta_x = ix("delta", bin("/", id("x"), ll(2)));
+    tile.push(unrolled(
+        "nb",
+        ns,
+        vec![unrolled(
+            "x",
+            4,
+            vec![
+                decl("long long", "qi", qi),
+                decl("long long", "kj", kj),
+                decl(
+                    "float",
+                    "p",
+                    C::Cond(
+                        Box::new(bin(
+                            "&&",
+                            c.visible(&id("qi"), &id("kj")),
+                            bin("!=", lse_x.clone(), neg_inf()),
+                        )),
+                        Box::new(call(
+                            "expf",
+                            vec![bin(
+                                "-",
+                                c.scaled(at_x("s"), &b, &h, &id("qi"), &id("kj")),
+                                lse_x,
+                            )],
+                        )),
+                        Box::new(zero()),
+                    ),
+                ),
+                decl(
+                    "float",
+                    "kp",
+                    c.keep(&b, &h, &id("qi"), &id("kj"))
+                        .unwrap_or(C::Lit("1.0f".into())),
+                ),
+                set(
+                    at_x("s"),
+                    bin(
+                        "*",
+                        id("p"),
+                        bin("-", bin("*", at_x("dp"), id("kp")), delta_x),
+                    ),
+                ),
+            ],
+        )],
+    ));
+    tile.push(mma_cols("dq", "s", "kt", kstride, t, hd));
+    body.push(loop_over("j0", id("jbegin"), id("jend"), ll(t), tile));
+    let write = vec![unrolled(
+        "nb",
+        hd / 8,
+        vec![unrolled(
+            "x",
+            2,
+            vec![c.store(
+                QGrad,
+                b.clone(),
+                h.clone(),
+                id("qi"),
+                bin(
+                    "+",
+                    bin("+", bin("*", id("nb"), ll(8)), bin("*", id("tq"), ll(2))),
+                    id("x"),
+                ),
+                bin(
+                    "*",
+                    ix(
+                        "dq",
+                        bin(
+                            "+",
+                            bin("+", bin("*", id("nb"), ll(4)), bin("*", id("r"), ll(2))),
+                            id("x"),
+                        ),
+                    ),
+                    f32_lit(k.scale),
+                ),
+            )],
+        )],
+    )];
+    body.push(unrolled(
+        "r",
+        2,
+        vec![
+            decl("long long", "qi", ix("row", id("r"))),
+            S::If(bin("<", id("qi"), size(k.q_len)), write),
+        ],
+    ));
+    let items = tile_items(k.q_len, k.batch, k.heads);
+    let out = vec![
+        shared("dplc_t", "kt", t * kstride),
+        shared("dplc_t", "vt", t * vstride),
+        items_loop(items, false, body),
+    ];
+    (out, 128)
+}
+
+/// The tensor-core `dK`/`dV` pass: 4 warps of 16 key rows of one key head
+/// (64 keys a block), over the query heads that share it and their query
+/// tiles: per tile `Sᵀ = K·Qᵀ` and `dPᵀ = V·dOᵀ` as `m16n8k16` steps (keys
+/// along rows, queries along columns), then `dV += Pᵀ·dO` with P dropped as
+/// the forward dropped it and `dK += dSᵀ·Q`, P and dS packed to the storage
+/// type as FlashAttention-2 packs them; each query's log-sum-exp and δ =
+/// Σ dO ∘ O staged beside its Q and dO rows.
+pub(super) fn key_value_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
+    use AttentionBuffer::*;
+    let k = c.k;
+    let (hd, vd) = (k.head_dim, k.value_dim);
+    let (qstride, ostride) = (hd + 8, vd + 8);
+    // Query rows per tile: Sᵀ and dPᵀ hold t / 8 accumulator tiles each
+    // beside dK and dV, so the wider heads take narrower tiles.
+    let t = [if hd.max(vd) > 64 { 32 } else { 64 }, 32, 16]
+        .into_iter()
+        .find(|t| 2 * t * (qstride + ostride) + 8 * t <= SHARED_BYTES)
+        .unwrap_or(16);
+    let ns = t / 8;
+    let (b, h) = (id("b"), id("h"));
+    let mut body = decompose(k.kv_heads, k.k_len, "j0");
+    body.push(decl("long long", "kh", id("hh")));
+    body.extend(warp_rows("j0"));
+    body.extend(row_fragments(c, K, (id("kh"), k.k_len), "kf", hd));
+    body.extend(row_fragments(c, V, (id("kh"), k.k_len), "vf", vd));
+    body.push(array("float", "dk", hd / 8 * 4));
+    body.push(array("float", "dv", vd / 8 * 4));
+    body.push(unrolled(
+        "x",
+        hd / 8 * 4,
+        vec![set(ix("dk", id("x")), zero())],
+    ));
+    body.push(unrolled(
+        "x",
+        vd / 8 * 4,
+        vec![set(ix("dv", id("x")), zero())],
+    ));
+    // The block's keys are [j0, j0 + 64), as `query_range` takes them.
+    body.extend(c.query_range(t));
+    let stage = |name: &'static str, role: AttentionBuffer, width: i64, stride: i64| {
+        c.stage16(Tile16 {
+            name,
+            role,
+            head: h.clone(),
+            first: id("i0"),
+            len: k.q_len,
+            rows: t,
+            width,
+            stride,
+        })
+    };
+    // Per query row of the tile: its log-sum-exp and δ, staged once.
+    let qi = bin("+", id("i0"), id("q"));
+    let mut live_row = delta(c, &b, &h, &id("qi"));
+    live_row.push(set(ix("dt", id("q")), id("delta")));
+    live_row.push(set(
+        ix("lt", id("q")),
+        at(c.buf(LogSumExp), c.lse_at(b.clone(), h.clone(), id("qi"))),
+    ));
+    let rowstats = vec![
+        decl("long long", "qi", qi),
+        set(ix("lt", id("q")), neg_inf()),
+        set(ix("dt", id("q")), zero()),
+        S::If(bin("<", id("qi"), size(k.q_len)), live_row),
+    ];
+    let mut tile = vec![
+        sync(),
+        stage("qt", Q, hd, qstride),
+        stage("ot", OutGrad, vd, ostride),
+        loop_over(
+            "q",
+            thread(),
+            ll(t),
+            C::Cast("long long", Box::new(id("blockDim.x"))),
+            rowstats,
+        ),
+        sync(),
+        array("float", "s", ns * 4),
+        array("float", "dp", ns * 4),
+        mma_rows("s", "kf", "qt", qstride, hd, ns),
+        mma_rows("dp", "vf", "ot", ostride, vd, ns),
+    ];
+    // Pᵀ dropped in S's place, dSᵀ in dP's: key `row[x / 2]`, query
+    // `i0 + 8·nb + 2·tq + x % 2`.
+    let at_x = |name: &str| ix(name, bin("+", bin("*", id("nb"), ll(4)), id("x")));
+    let qcol = bin(
+        "+",
+        bin("*", id("nb"), ll(8)),
+        bin("+", bin("*", id("tq"), ll(2)), bin("%", id("x"), ll(2))),
+    );
+    tile.push(unrolled(
+        "nb",
+        ns,
+        vec![unrolled(
+            "x",
+            4,
+            vec![
+                decl("long long", "kj", ix("row", bin("/", id("x"), ll(2)))),
+                decl("long long", "qc", qcol),
+                decl("long long", "qi", bin("+", id("i0"), id("qc"))),
+                decl("float", "lq", ix("lt", id("qc"))),
+                decl(
+                    "float",
+                    "p",
+                    C::Cond(
+                        Box::new(bin(
+                            "&&",
+                            c.visible(&id("qi"), &id("kj")),
+                            bin("!=", id("lq"), neg_inf()),
+                        )),
+                        Box::new(call(
+                            "expf",
+                            vec![bin(
+                                "-",
+                                c.scaled(at_x("s"), &b, &h, &id("qi"), &id("kj")),
+                                id("lq"),
+                            )],
+                        )),
+                        Box::new(zero()),
+                    ),
+                ),
+                decl(
+                    "float",
+                    "kp",
+                    c.keep(&b, &h, &id("qi"), &id("kj"))
+                        .unwrap_or(C::Lit("1.0f".into())),
+                ),
+                set(
+                    at_x("dp"),
+                    bin(
+                        "*",
+                        id("p"),
+                        bin("-", bin("*", at_x("dp"), id("kp")), ix("dt", id("qc"))),
+                    ),
+                ),
+                set(at_x("s"), bin("*", id("p"), id("kp"))),
+            ],
+        )],
+    ));
+    tile.push(mma_cols("dv", "s", "ot", ostride, t, vd));
+    tile.push(mma_cols("dk", "dp", "qt", qstride, t, hd));
+    let heads = loop_over(
+        "gq",
+        ll(0),
+        ll(k.group),
+        ll(1),
+        vec![
+            decl(
+                "long long",
+                "h",
+                bin("+", bin("*", id("kh"), ll(k.group)), id("gq")),
+            ),
+            loop_over("i0", id("ibegin"), id("iend"), ll(t), tile),
+        ],
+    );
+    body.push(heads);
+    let col = bin(
+        "+",
+        bin("+", bin("*", id("nb"), ll(8)), bin("*", id("tq"), ll(2))),
+        id("x"),
+    );
+    let acc = |name: &str| {
+        ix(
+            name,
+            bin(
+                "+",
+                bin("+", bin("*", id("nb"), ll(4)), bin("*", id("r"), ll(2))),
+                id("x"),
+            ),
+        )
+    };
+    let write = vec![
+        unrolled(
+            "nb",
+            hd / 8,
+            vec![unrolled(
+                "x",
+                2,
+                vec![c.store(
+                    KGrad,
+                    b.clone(),
+                    id("kh"),
+                    id("kj"),
+                    col.clone(),
+                    bin("*", acc("dk"), f32_lit(k.scale)),
+                )],
+            )],
+        ),
+        unrolled(
+            "nb",
+            vd / 8,
+            vec![unrolled(
+                "x",
+                2,
+                vec![c.store(VGrad, b.clone(), id("kh"), id("kj"), col, acc("dv"))],
+            )],
+        ),
+    ];
+    body.push(unrolled(
+        "r",
+        2,
+        vec![
+            decl("long long", "kj", ix("row", id("r"))),
+            S::If(bin("<", id("kj"), size(k.k_len)), write),
+        ],
+    ));
+    let items = tile_items(k.k_len, k.batch, k.kv_heads);
+    let out = vec![
+        shared("dplc_t", "qt", t * qstride),
+        shared("dplc_t", "ot", t * ostride),
+        shared("float", "lt", t),
+        shared("float", "dt", t),
+        items_loop(items, false, body),
+    ];
+    (out, 128)
+}
