@@ -332,6 +332,25 @@ fn compile(tu: &str, dir: &Path, tag: &str) -> Result<PathBuf, String> {
     Ok(lib)
 }
 
+/// `‖got − want‖ / ‖want‖`, an element of `want`'s infinities equal where
+/// `got` has it too; a NaN in `got` where `want` has none (an element the
+/// kernel left poisoned, or computed wrong) fails naming `what`.
+fn relative_error(what: &str, got: &[f32], want: &[f32]) -> f64 {
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (j, (x, y)) in got.iter().zip(want).enumerate() {
+        assert!(
+            !x.is_nan() || y.is_nan(),
+            "{what}[{j}] unwritten or NaN (want {y})"
+        );
+        if y.is_infinite() && x == y {
+            continue;
+        }
+        num += (f64::from(*x) - f64::from(*y)).powi(2);
+        den += f64::from(*y).powi(2);
+    }
+    num.sqrt() / den.sqrt().max(1e-30)
+}
+
 type Launch = unsafe extern "C" fn(*mut *mut u8, *const i64, *const f32, u64, u32, u32);
 
 /// Run `case` through `lib`'s launcher and the interpreter on the same
@@ -417,19 +436,7 @@ fn check(
             DType::F32
         };
         let got = from_storage(&bytes[i], d);
-        let (mut num, mut den) = (0.0f64, 0.0f64);
-        for (j, (x, y)) in got.iter().zip(want).enumerate() {
-            assert!(
-                !x.is_nan() || y.is_nan(),
-                "{name}: output b{i}[{j}] unwritten or NaN (want {y})"
-            );
-            if y.is_infinite() && x == y {
-                continue;
-            }
-            num += (f64::from(*x) - f64::from(*y)).powi(2);
-            den += f64::from(*y).powi(2);
-        }
-        worst = worst.max(num.sqrt() / den.sqrt().max(1e-30));
+        worst = worst.max(relative_error(&format!("{name}: output b{i}"), &got, want));
     }
     worst
 }
@@ -639,20 +646,11 @@ fn check_attention(
                 DType::F32
             };
             let got = from_storage(got, d);
-            let (mut num, mut den) = (0.0f64, 0.0f64);
-            for (x, y) in got.iter().zip(want) {
-                assert!(
-                    !x.is_nan() || y.is_nan(),
-                    "{}: {role:?} unwritten or NaN",
-                    src.name
-                );
-                if y.is_infinite() && x == y {
-                    continue;
-                }
-                num += (f64::from(*x) - f64::from(*y)).powi(2);
-                den += f64::from(*y).powi(2);
-            }
-            worst = worst.max(num.sqrt() / den.sqrt().max(1e-30));
+            worst = worst.max(relative_error(
+                &format!("{}: {role:?}", src.name),
+                &got,
+                want,
+            ));
             // The backward passes read the interpreter's forward.
             values.insert(role, want.to_vec());
         }
