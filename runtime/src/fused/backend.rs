@@ -153,14 +153,14 @@ pub trait Backend {
 pub struct HostBackend {
     live: Rc<RefCell<(usize, usize)>>,
     storage: DType,
+    /// Uploads and downloads so far, every handle's: each is a copy over
+    /// the host link and, downloading, a wait for the device on a GPU.
+    crossings: Rc<Cell<usize>>,
 }
 
 impl Default for HostBackend {
     fn default() -> Self {
-        HostBackend {
-            live: Rc::default(),
-            storage: DType::F32,
-        }
+        HostBackend::with_storage(DType::F32)
     }
 }
 
@@ -192,7 +192,17 @@ impl HostBackend {
         HostBackend {
             live: Rc::default(),
             storage,
+            crossings: Rc::default(),
         }
+    }
+
+    /// How many uploads and downloads every handle on this memory made.
+    pub fn crossings(&self) -> usize {
+        self.crossings.get()
+    }
+
+    fn cross(&self) {
+        self.crossings.set(self.crossings.get() + 1);
     }
 
     /// Another handle on the same memory: buffers of either are the
@@ -201,6 +211,7 @@ impl HostBackend {
         HostBackend {
             live: Rc::clone(&self.live),
             storage: self.storage,
+            crossings: Rc::clone(&self.crossings),
         }
     }
 
@@ -286,6 +297,7 @@ impl Backend for HostBackend {
     }
 
     fn upload(&mut self, elem: Elem, data: &[f32]) -> Result<Self::Buf> {
+        self.cross();
         if elem == Elem::I32 {
             return Err(kernel_err("upload", "floats uploaded as i32"));
         }
@@ -298,10 +310,12 @@ impl Backend for HostBackend {
     }
 
     fn upload_i32(&mut self, data: &[i32]) -> Result<Self::Buf> {
+        self.cross();
         Ok(self.wrap(Data::I32(data.to_vec()), Elem::I32))
     }
 
     fn download(&mut self, buf: &Self::Buf, elem: Elem, len: usize) -> Result<Vec<f32>> {
+        self.cross();
         check_elem(self.storage, "download", elem, buf)?;
         match &*buf.data.borrow() {
             Data::F32(v) if v.len() >= len => Ok(v[..len].to_vec()),
@@ -313,6 +327,7 @@ impl Backend for HostBackend {
     }
 
     fn download_i32(&mut self, buf: &Self::Buf, len: usize) -> Result<Vec<i32>> {
+        self.cross();
         match &*buf.data.borrow() {
             Data::I32(v) if v.len() >= len => Ok(v[..len].to_vec()),
             d => Err(kernel_err(

@@ -270,28 +270,48 @@ impl<B: Backend, L: Links<B>> Storage for DeviceStorage<B, L> {
         )
     }
 
-    fn sq_norm(&mut self, v: &DeviceBuf<B>, at: Range<usize>) -> Result<f64> {
-        if at.is_empty() {
+    fn sq_norm(&mut self, parts: &[(&DeviceBuf<B>, Range<usize>)]) -> Result<f64> {
+        // Each part's row sums land in one buffer, read back once: a read
+        // waits for the device, and a model has hundreds of tensors.
+        let mut rows = Vec::with_capacity(parts.len());
+        let mut partials = Vec::with_capacity(parts.len());
+        for (v, at) in parts {
+            let part = self.slice(v, at.clone())?;
+            let n = part.len.div_ceil(SUM_SQUARES_COLS as usize);
+            rows.push(n);
+            if n == 0 {
+                continue;
+            }
+            let partial = self.be.alloc(Elem::F32, n)?;
+            let args = Args {
+                sizes: vec![n as i64, SUM_SQUARES_COLS, part.len as i64],
+                ..Args::default()
+            };
+            self.be.launch(
+                &self.kernels.sum_squares,
+                &args,
+                &[partial.clone(), part.get()?.clone()],
+            )?;
+            partials.push(partial);
+        }
+        let total: usize = rows.iter().sum();
+        if total == 0 {
             return Ok(0.0);
         }
-        let part = self.slice(v, at)?;
-        let rows = part.len.div_ceil(SUM_SQUARES_COLS as usize);
-        let partial = self.be.alloc(Elem::F32, rows)?;
-        let args = Args {
-            sizes: vec![rows as i64, SUM_SQUARES_COLS, part.len as i64],
-            ..Args::default()
-        };
-        self.be.launch(
-            &self.kernels.sum_squares,
-            &args,
-            &[partial.clone(), part.get()?.clone()],
-        )?;
-        Ok(self
-            .be
-            .download(&partial, Elem::F32, rows)?
-            .iter()
-            .map(|&x| f64::from(x))
-            .sum())
+        let all = self.be.alloc(Elem::F32, total)?;
+        let mut at = 0;
+        for (partial, &n) in partials.iter().zip(rows.iter().filter(|&&n| n > 0)) {
+            self.be.copy(partial, 0, &all, at, n)?;
+            at += n;
+        }
+        let host = self.be.download(&all, Elem::F32, total)?;
+        let mut sum = 0.0;
+        let mut at = 0;
+        for n in rows {
+            sum += host[at..at + n].iter().map(|&x| f64::from(x)).sum::<f64>();
+            at += n;
+        }
+        Ok(sum)
     }
 
     fn update(&mut self, rule: Update, st: Moments<'_, DeviceBuf<B>>) -> Result<()> {
@@ -384,6 +404,10 @@ impl<B: Backend, L: Links<B>> Storage for DeviceStorage<B, L> {
         group: &Group,
         vs: &mut [&mut DeviceBuf<B>],
     ) -> Result<()> {
+        // A group of one sums nothing: no copy through the host, no wait.
+        if group.size() == 1 {
+            return Ok(());
+        }
         self.links.all_reduce(&mut self.be, comm, group, vs)
     }
 
@@ -393,6 +417,9 @@ impl<B: Backend, L: Links<B>> Storage for DeviceStorage<B, L> {
         group: &Group,
         vs: &[Pieces<'_, DeviceBuf<B>>],
     ) -> Result<Vec<DeviceBuf<B>>> {
+        if group.size() == 1 {
+            return vs.iter().map(|(v, s)| self.slice(v, own(s))).collect();
+        }
         self.links.reduce_scatter(&mut self.be, comm, group, vs)
     }
 
@@ -402,8 +429,19 @@ impl<B: Backend, L: Links<B>> Storage for DeviceStorage<B, L> {
         group: &Group,
         vs: &[Pieces<'_, DeviceBuf<B>>],
     ) -> Result<Vec<DeviceBuf<B>>> {
+        if group.size() == 1 {
+            return vs
+                .iter()
+                .map(|(v, s)| self.slice(v, 0..own(s).len()))
+                .collect();
+        }
         self.links.all_gather(&mut self.be, comm, group, vs)
     }
+}
+
+/// The range a group's only member owns of a vector.
+fn own(shards: &[Range<usize>]) -> Range<usize> {
+    shards.first().cloned().unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -467,7 +505,7 @@ mod tests {
         s.write(&mut p, 1, &[9.0, 8.0]).unwrap();
         let mut acc = s.stage_in(vector(rank, 7, 9)).unwrap();
         s.add(&mut acc, &grad).unwrap();
-        let norm = s.sq_norm(&acc, 2..8).unwrap();
+        let norm = s.sq_norm(&[(&acc, 2..8), (&grad, 1..4)]).unwrap();
         for v in vs
             .into_iter()
             .chain(mine)
@@ -519,5 +557,39 @@ mod tests {
             .map(|(a, b)| a + b)
             .collect();
         assert_eq!(host[0][0], want);
+    }
+
+    /// A rank alone in its group copies nothing to the host for a
+    /// collective, and reads a norm over many tensors back once.
+    #[test]
+    fn one_rank_state_stays_on_the_device() {
+        let world = World::new(1, Duration::from_secs(20));
+        let mut comm = world.communicator(0);
+        let be = HostBackend::new();
+        let mut s = DeviceStorage::new(be.handle(), HostStaged);
+        let group = Group::new(vec![0]);
+        let mut a = s.stage_in(vector(0, 1, 10)).unwrap();
+        let b = s.stage_in(vector(0, 2, 3)).unwrap();
+        let before = be.crossings();
+        s.all_reduce(&mut comm, &group, &mut [&mut a]).unwrap();
+        let shards = [0..10];
+        let mine = s
+            .reduce_scatter(&mut comm, &group, &[(&a, &shards[..])])
+            .unwrap();
+        let whole = s
+            .all_gather(&mut comm, &group, &[(&mine[0], &shards[..])])
+            .unwrap();
+        let norm = s.sq_norm(&[(&a, 2..8), (&b, 0..3)]).unwrap();
+        assert_eq!(be.crossings() - before, 1, "only the norm's one read");
+        let want: f64 = vector(0, 1, 10)[2..8]
+            .iter()
+            .chain(&vector(0, 2, 3))
+            .map(|&x| f64::from(x) * f64::from(x))
+            .sum();
+        assert!(((norm - want) / want).abs() < 1e-6, "{norm} vs {want}");
+        assert_eq!(
+            s.stage_out(whole.into_iter().next().unwrap()).unwrap(),
+            vector(0, 1, 10)
+        );
     }
 }

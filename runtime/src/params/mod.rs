@@ -684,17 +684,21 @@ impl<S: Storage> ParamStore<S> {
 
     /// Σ g² over the gradient elements this rank counts towards the global norm.
     pub fn local_sq_norm(&mut self) -> Result<f64> {
-        let mut sum = 0.0;
-        for s in self.slots.values().filter(|s| s.norm_owner) {
-            let len = S::len(&s.grad);
-            let part = if len == s.numel {
-                s.shards[s.pos].clone()
-            } else {
-                0..len
-            };
-            sum += self.storage.sq_norm(&s.grad, part)?;
-        }
-        Ok(sum)
+        let parts: Vec<(&S::Buf, Range<usize>)> = self
+            .slots
+            .values()
+            .filter(|s| s.norm_owner)
+            .map(|s| {
+                let len = S::len(&s.grad);
+                let part = if len == s.numel {
+                    s.shards[s.pos].clone()
+                } else {
+                    0..len
+                };
+                (&s.grad, part)
+            })
+            .collect();
+        self.storage.sq_norm(&parts)
     }
 
     /// Forget this step's gradients: the next step accumulates from zero

@@ -59,8 +59,9 @@ pub(crate) trait Storage {
     fn zeros(&mut self, len: usize) -> Result<Self::Buf>;
     /// `acc += x`, element by element (same lengths).
     fn add(&mut self, acc: &mut Self::Buf, x: &Self::Buf) -> Result<()>;
-    /// Σ x² over `v[at]`.
-    fn sq_norm(&mut self, v: &Self::Buf, at: Range<usize>) -> Result<f64>;
+    /// Σ x² over every part `v[at]`: each part summed in `f64`, the parts
+    /// added in order (one wait for all of them on a device).
+    fn sq_norm(&mut self, parts: &[(&Self::Buf, Range<usize>)]) -> Result<f64>;
     fn update(&mut self, rule: Update, st: Moments<'_, Self::Buf>) -> Result<()>;
     /// The compute's copy of a whole master vector of shape `shape`.
     fn value(&mut self, shape: &[usize], master: &Self::Buf) -> Result<Self::Value>;
@@ -236,12 +237,16 @@ impl Storage for HostStorage {
         Ok(())
     }
 
-    fn sq_norm(&mut self, v: &Vec<f32>, at: Range<usize>) -> Result<f64> {
-        Ok(self
-            .read(v, at)?
-            .iter()
-            .map(|&g| f64::from(g) * f64::from(g))
-            .sum())
+    fn sq_norm(&mut self, parts: &[(&Vec<f32>, Range<usize>)]) -> Result<f64> {
+        let mut sum = 0.0;
+        for (v, at) in parts {
+            sum += self
+                .read(v, at.clone())?
+                .iter()
+                .map(|&g| f64::from(g) * f64::from(g))
+                .sum::<f64>();
+        }
+        Ok(sum)
     }
 
     fn update(&mut self, rule: Update, st: Moments<'_, Vec<f32>>) -> Result<()> {
