@@ -1,7 +1,8 @@
 """PyTorch's peer for runtime/tests/gpu.rs::bench_attention (scripts/gpu-check.sh
 --torch): causal scaled_dot_product_attention on the flash backend, bf16, at
-the same shapes (GPT-2 small: batch 8, 12 heads of 64, seq 1024; Llama 2 7B:
-batch 2, 32 heads of 128, seq 4096), random operands. Prints one `sdpa` line
+the same shapes (GPT-2 small: batch 8, 12 heads of 64, seq 1024, without
+dropout and with GPT-2's 0.1; Llama 2 7B: batch 2, 32 heads of 128, seq 4096),
+random operands. Prints one `sdpa` line
 per shape: the forward, and the backward as (forward+backward) - forward,
 median of 30 after warm-up, timed with CUDA events, with TFLOP/s in
 FlashAttention's convention (forward 2*b*h*s^2*d for causal, backward 2.5x)."""
@@ -11,7 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-SHAPES = [("gpt2", 8, 12, 64, 1024), ("llama2_7b", 2, 32, 128, 4096)]
+SHAPES = [
+    ("gpt2", 8, 12, 64, 1024, 0.0),
+    ("llama2_7b", 2, 32, 128, 4096, 0.0),
+    ("gpt2_dropout", 8, 12, 64, 1024, 0.1),
+]
 
 
 def median_ms(fn, reps=30, warmup=5):
@@ -32,17 +37,17 @@ def median_ms(fn, reps=30, warmup=5):
 def main():
     torch.manual_seed(0)
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
-    for name, b, h, d, s in SHAPES:
+    for name, b, h, d, s, p in SHAPES:
         q, k, v = (
             torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             for _ in range(3)
         )
         grad = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            fwd = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+            fwd = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p))
 
             def step():
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
                 out.backward(grad)
 
             both = median_ms(step)

@@ -517,9 +517,9 @@ fn median_time(dev: &GpuDevice, f: &mut dyn FnMut()) -> f64 {
     times[times.len() / 2]
 }
 
-/// Fused attention's passes (bf16, causal, no dropout) at GPT-2-small's
-/// shape (batch 8, 12 heads of 64, seq 1024) and Llama 2 7B's (batch 2, 32
-/// heads of 128, seq 4096), on random operands, the backward fed the
+/// Fused attention's passes (bf16, causal) at GPT-2-small's shape (batch 8,
+/// 12 heads of 64, seq 1024; without dropout and with GPT-2's 0.1) and
+/// Llama 2 7B's (batch 2, 32 heads of 128, seq 4096), on random operands, the backward fed the
 /// forward's output and log-sum-exp. Prints one `attention` line per shape
 /// in FlashAttention's convention (causal forward `2·b·h·s²·d` FLOPs,
 /// backward 2.5×); `bench/torch_attention.py` times PyTorch's flash SDPA at
@@ -536,9 +536,10 @@ fn bench_attention() {
     };
     let dtype = DType::BF16;
     let mut rng = Rng(5);
-    for (shape, batch, heads, head_dim, seq) in [
-        ("gpt2", 8i64, 12i64, 64i64, 1024i64),
-        ("llama2_7b", 2, 32, 128, 4096),
+    for (shape, batch, heads, head_dim, seq, dropout) in [
+        ("gpt2", 8i64, 12i64, 64i64, 1024i64, 0.0),
+        ("llama2_7b", 2, 32, 128, 4096, 0.0),
+        ("gpt2_dropout", 8, 12, 64, 1024, 0.1),
     ] {
         let g = common::Gpt {
             vocab: 256,
@@ -546,7 +547,7 @@ fn bench_attention() {
             heads,
             layers: 1,
             ctx: seq,
-            dropout: 0.0,
+            dropout,
         }
         .build();
         let compiled = compile_graph(&g, dtype, dev.arch(), dplc_ir::AttentionKind::Fused, &nvrtc)
