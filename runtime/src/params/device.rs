@@ -572,7 +572,7 @@ mod tests {
         let b = s.stage_in(vector(0, 2, 3)).unwrap();
         let before = be.crossings();
         s.all_reduce(&mut comm, &group, &mut [&mut a]).unwrap();
-        let shards = vec![Range { start: 0, end: 10 }];
+        let shards = [Range { start: 0, end: 10 }];
         let mine = s
             .reduce_scatter(&mut comm, &group, &[(&a, &shards[..])])
             .unwrap();
