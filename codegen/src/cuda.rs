@@ -1,7 +1,8 @@
 //! CUDA C emission from the kernel IR through a small C syntax tree: f32,
 //! bf16 or f16 storage with f32 arithmetic, 16-byte vector access along the
-//! contiguous axis, and a warp per narrow row (a block per wide one) with
-//! warp-shuffle reductions.
+//! contiguous axis, a warp per narrow row (a block per wide one) with
+//! warp-shuffle reductions, and rows that are columns in memory read side
+//! by side.
 
 use crate::kernel::{Cond, Elem, Expr, Idx, Kernel, RowReduce, Size, Store};
 use dplc_ir::{BinaryOp, DType, UnaryOp};
@@ -23,7 +24,17 @@ pub enum LaunchShape {
     /// and reduces with shuffles alone, where a block would leave most of
     /// its threads idle and meet at barriers twice a reduction.
     WarpRows { block: u32 },
+    /// A block's threads across [`COLUMN_TILE`] neighbouring rows, each
+    /// row walked by `block / COLUMN_TILE` threads: for a row kernel whose
+    /// rows are columns in memory (a column sum: row `c` reads
+    /// `x[r * n + c]`), a warp then reads whole 32-byte sectors where a
+    /// block per row read one float from each of 32 sectors.
+    Columns { block: u32 },
 }
+
+/// Neighbouring rows a [`LaunchShape::Columns`] block reads side by side:
+/// eight `f32` columns are one 32-byte sector.
+pub const COLUMN_TILE: u32 = 8;
 
 /// The widest row, in vector accesses, a row kernel gives a warp rather
 /// than a block: eight accesses a lane (768 bf16 columns are 96 accesses).
@@ -315,6 +326,32 @@ __device__ float dplc_block_max(float v, float* red) {
     __syncthreads();
     v = (lane < warps) ? red[lane] : __int_as_float(0xff800000);
     return dplc_warp_max(v);
+}
+#endif
+"#;
+
+// Reductions of a `Columns` kernel.
+const COLUMNS: &str = r#"#ifndef DPLC_COLUMNS
+#define DPLC_COLUMNS
+// A `Columns` block: thread t walks row t % 8 of the tile; every thread of
+// the row gets its sum (max). `red` holds one float a thread.
+__device__ float dplc_column_sum(float v, float* red) {
+    const int col = threadIdx.x & 7, groups = blockDim.x >> 3;
+    __syncthreads();
+    red[threadIdx.x] = v;
+    __syncthreads();
+    v = 0.0f;
+    for (int g = 0; g < groups; ++g) v += red[g * 8 + col];
+    return v;
+}
+__device__ float dplc_column_max(float v, float* red) {
+    const int col = threadIdx.x & 7, groups = blockDim.x >> 3;
+    __syncthreads();
+    red[threadIdx.x] = v;
+    __syncthreads();
+    v = __int_as_float(0xff800000);
+    for (int g = 0; g < groups; ++g) v = fmaxf(v, red[g * 8 + col]);
+    return v;
 }
 #endif
 "#;
@@ -759,6 +796,35 @@ impl Emit<'_> {
         need.into_iter().collect()
     }
 
+    /// Whether this row kernel's rows are columns in memory: it stores only
+    /// per row, and every load along its rows steps by one from row to
+    /// neighbouring row (the last outer axis) and not along the row. A
+    /// column sum is one; it runs as [`LaunchShape::Columns`].
+    fn reads_columns(&self, along: &[bool]) -> bool {
+        let k = self.k;
+        let Some(last) = k.space.outer.len().checked_sub(1) else {
+            return false;
+        };
+        if k.stores
+            .iter()
+            .any(|s| along[s.value.0 as usize] || s.index.uses_inner())
+        {
+            return false;
+        }
+        let mut loads = k.values.iter().enumerate().filter_map(|(i, v)| match v {
+            Expr::Load { index, .. } if along[i] => Some(index),
+            _ => None,
+        });
+        let across = |ix: &Idx| {
+            ix.contiguous_in(&Idx::Inner).is_none() && ix.contiguous_in(&Idx::Var(last)).is_some()
+        };
+        let mut any = false;
+        loads.all(|ix| {
+            any = true;
+            across(ix)
+        }) && any
+    }
+
     /// How many lanes a thread handles along `extent` (1 when not divisible).
     fn lane_count(&self, extent: Option<Size>) -> usize {
         let widest = self
@@ -977,18 +1043,27 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
                 Some(_) => 1,
                 None => e.lane_count(Some(inner_size)),
             };
-            // A narrow row of a fixed width is a warp's; a wide one, or one
-            // with a running sum (a block-wide exchange), a block's.
-            let warp_row = scan.is_none()
+            // Rows that are columns in memory go side by side; a narrow row
+            // of a fixed width is a warp's; a wide one, or one with a
+            // running sum (a block-wide exchange), a block's.
+            let columns = scan.is_none() && e.reads_columns(&along);
+            let lanes = if columns { 1 } else { lanes };
+            let warp_row = !columns
+                && scan.is_none()
                 && matches!(inner_size, Size::Const(c) if c / lanes as i64 <= WARP_ROW_VECTORS);
-            launch = if warp_row {
+            launch = if columns {
+                LaunchShape::Columns { block: ROW_BLOCK }
+            } else if warp_row {
                 LaunchShape::WarpRows { block: ROW_BLOCK }
             } else {
                 LaunchShape::Rows { block: ROW_BLOCK }
             };
-            // Who walks a row: a warp's lanes, or the block's threads.
+            // Who walks a row: a warp's lanes, a column's group of threads,
+            // or the block's threads.
             let (in_row, row_threads) = if warp_row {
                 (id("dplc_lane"), C::Lit("32LL".into()))
+            } else if columns {
+                (id("dplc_first"), id("dplc_groups"))
             } else {
                 (
                     C::Cast("long long", Box::new(id("threadIdx.x"))),
@@ -1016,11 +1091,40 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
                     "const long long dplc_warps = blockDim.x >> 5, dplc_warp = threadIdx.x >> 5;"
                         .into(),
                 ));
+            } else if columns {
+                body.push(S::Line(format!("__shared__ float red[{ROW_BLOCK}];")));
+                body.push(S::Line(format!(
+                    "const long long dplc_col = threadIdx.x % {COLUMN_TILE}, \
+                     dplc_group = threadIdx.x / {COLUMN_TILE}, \
+                     dplc_groups = blockDim.x / {COLUMN_TILE};"
+                )));
             } else {
                 body.push(S::Line("__shared__ float red[32];".into()));
             }
             body.push(decl("long long", "rows", rows));
-            let mut row = decompose("row", outer, None);
+            let mut row = Vec::new();
+            if columns {
+                // Every thread goes through every reduction's barriers: one
+                // past the last row computes the last row's values and
+                // walks and stores nothing.
+                row.push(S::Line(format!(
+                    "const long long dplc_row = tile * {COLUMN_TILE} + dplc_col;"
+                )));
+                row.push(S::Line("const bool dplc_live = dplc_row < rows;".into()));
+                row.push(S::Line(
+                    "const long long row = dplc_live ? dplc_row : rows - 1;".into(),
+                ));
+                row.push(decl(
+                    "long long",
+                    "dplc_first",
+                    C::Cond(
+                        Box::new(id("dplc_live")),
+                        Box::new(id("dplc_group")),
+                        Box::new(size(inner_size)),
+                    ),
+                ));
+            }
+            row.extend(decompose("row", outer, None));
             let mut done = vec![false; kernel.values.len()];
             let j_loop = |deps: &[usize], section: Vec<S>| {
                 let scans: Vec<usize> = deps
@@ -1068,11 +1172,17 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
                     &deps,
                     e.section(&deps, &[], Some((*kind, value.0 as usize)), lanes_ref),
                 ));
-                let reduced = match (kind, warp_row) {
-                    (RowReduce::Sum, true) => call("dplc_warp_sum", vec![id("acc")]),
-                    (RowReduce::Max, true) => call("dplc_warp_max", vec![id("acc")]),
-                    (RowReduce::Sum, false) => call("dplc_block_sum", vec![id("acc"), id("red")]),
-                    (RowReduce::Max, false) => call("dplc_block_max", vec![id("acc"), id("red")]),
+                let reduced = match (kind, warp_row, columns) {
+                    (RowReduce::Sum, true, _) => call("dplc_warp_sum", vec![id("acc")]),
+                    (RowReduce::Max, true, _) => call("dplc_warp_max", vec![id("acc")]),
+                    (RowReduce::Sum, _, true) => {
+                        call("dplc_column_sum", vec![id("acc"), id("red")])
+                    }
+                    (RowReduce::Max, _, true) => {
+                        call("dplc_column_max", vec![id("acc"), id("red")])
+                    }
+                    (RowReduce::Sum, ..) => call("dplc_block_sum", vec![id("acc"), id("red")]),
+                    (RowReduce::Max, ..) => call("dplc_block_max", vec![id("acc"), id("red")]),
                 };
                 block.push(S::Assign(id(format!("v{i}")), reduced));
                 row.push(var("float", format!("v{i}"), None));
@@ -1094,34 +1204,61 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
             }
             if !row_stores.is_empty() {
                 let stores = e.section(&[], &row_stores, None, None);
-                row.push(S::If(bin("==", in_row.clone(), C::Lit("0".into())), stores));
+                let first_of_row = if columns {
+                    bin(
+                        "&&",
+                        id("dplc_live"),
+                        bin("==", id("dplc_group"), C::Lit("0".into())),
+                    )
+                } else {
+                    bin("==", in_row.clone(), C::Lit("0".into()))
+                };
+                row.push(S::If(first_of_row, stores));
             }
             let block_index = C::Cast("long long", Box::new(id("blockIdx.x")));
             let blocks = C::Cast("long long", Box::new(id("gridDim.x")));
-            let (first, step) = if warp_row {
-                (
-                    bin(
-                        "+",
-                        bin("*", block_index, id("dplc_warps")),
-                        id("dplc_warp"),
-                    ),
-                    bin("*", blocks, id("dplc_warps")),
-                )
+            if columns {
+                body.push(decl(
+                    "long long",
+                    "tiles",
+                    C::Lit(format!("(rows + {}) / {COLUMN_TILE}", COLUMN_TILE - 1)),
+                ));
+                body.push(S::For {
+                    var: "tile".into(),
+                    from: block_index,
+                    to: id("tiles"),
+                    step: blocks,
+                    body: row,
+                });
             } else {
-                (block_index, blocks)
-            };
-            body.push(S::For {
-                var: "row".into(),
-                from: first,
-                to: id("rows"),
-                step,
-                body: row,
-            });
+                let (first, step) = if warp_row {
+                    (
+                        bin(
+                            "+",
+                            bin("*", block_index, id("dplc_warps")),
+                            id("dplc_warp"),
+                        ),
+                        bin("*", blocks, id("dplc_warps")),
+                    )
+                } else {
+                    (block_index, blocks)
+                };
+                body.push(S::For {
+                    var: "row".into(),
+                    from: first,
+                    to: id("rows"),
+                    step,
+                    body: row,
+                });
+            }
         }
     }
     let mut w = Writer::with_prelude(dtype);
     if kernel.is_row_kernel() {
         w.out.push_str(REDUCE);
+    }
+    if matches!(launch, LaunchShape::Columns { .. }) {
+        w.out.push_str(COLUMNS);
     }
     if scan.is_some() {
         w.out.push_str(SCAN);

@@ -30,7 +30,9 @@ pub use attention_interp::interpret_attention;
 pub use backward::{
     backward, backward_plan, column_sum_kernel, Backward, BackwardStep, ColumnSum, GradBinding,
 };
-pub use cuda::{emit_cuda, kernel_name, CudaSource, LaunchShape, ROW_BLOCK, WARP_ROW_VECTORS};
+pub use cuda::{
+    emit_cuda, kernel_name, CudaSource, LaunchShape, COLUMN_TILE, ROW_BLOCK, WARP_ROW_VECTORS,
+};
 pub use error::CodegenError;
 pub use flat::{add_kernel, convert_kernel, sum_squares_kernel, SUM_SQUARES_COLS};
 pub use fuse::{

@@ -407,6 +407,8 @@ fn check(
         dplc_codegen::LaunchShape::Rows { block } => block.min(64),
         // Two warps: two rows a block, the grid striding over the rest.
         dplc_codegen::LaunchShape::WarpRows { block } => block.min(64),
+        // Eight threads a column, the grid striding over the tiles.
+        dplc_codegen::LaunchShape::Columns { block } => block.min(64),
     };
     // SAFETY: the launcher takes the kernel's buffers in order, each sized
     // for this launch (with slack), and the arrays of its sizes and scalars.

@@ -193,6 +193,18 @@ fn adamw_cuda() {
     insta::assert_snapshot!(format!("==== {}\n{}", src.name, src.source));
 }
 
+/// A column sum reads its columns side by side: eight neighbouring columns
+/// a tile, each walked by a group of the block's threads.
+#[test]
+fn column_sum_cuda() {
+    let src = emit_cuda(&dplc_codegen::column_sum_kernel(), DType::BF16);
+    assert_eq!(
+        src.launch,
+        dplc_codegen::LaunchShape::Columns { block: 256 }
+    );
+    insta::assert_snapshot!(format!("==== {}\n{}", src.name, src.source));
+}
+
 #[test]
 fn names_are_stable_and_distinct_per_dtype() {
     let k = adamw_kernel();

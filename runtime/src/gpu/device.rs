@@ -525,6 +525,12 @@ impl GpuDevice {
                 (threads.div_ceil(256).clamp(1, cap), 256)
             }
             LaunchShape::Rows { block } => (outer.clamp(1, cap.max(1 << 16)), block),
+            LaunchShape::Columns { block } => (
+                outer
+                    .div_ceil(u64::from(dplc_codegen::COLUMN_TILE))
+                    .clamp(1, cap.max(1 << 16)),
+                block,
+            ),
             LaunchShape::WarpRows { block } => {
                 let rows_per_block = u64::from(block / 32).max(1);
                 (
