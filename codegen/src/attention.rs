@@ -134,6 +134,11 @@ pub enum AttentionBuffer {
     Out,
     /// `f32 [batch, heads, q_len]`: the log-sum-exp of each score row.
     LogSumExp,
+    /// `f32 [batch, heads, q_len]`: `δ_i = dO_i · O_i` of each query row,
+    /// written by the `dQ` pass (which reads both rows anyway) and read by
+    /// the `dK`/`dV` pass, which would otherwise recompute it for every
+    /// key tile (FlashAttention-2 computes it once, before both).
+    Delta,
     /// The gradient of the output (read).
     OutGrad,
     /// Gradients written, each element once, laid out as their operand's
@@ -156,8 +161,8 @@ impl AttentionKernel {
         r.push(LogSumExp);
         match pass {
             AttentionPass::Forward => {}
-            AttentionPass::QueryGrad => r.extend([OutGrad, QGrad]),
-            AttentionPass::KeyValueGrad => r.extend([OutGrad, KGrad, VGrad]),
+            AttentionPass::QueryGrad => r.extend([OutGrad, QGrad, Delta]),
+            AttentionPass::KeyValueGrad => r.extend([OutGrad, Delta, KGrad, VGrad]),
             AttentionPass::BiasGrad => r.extend([OutGrad, BiasGrad]),
         }
         r
@@ -172,7 +177,7 @@ impl AttentionKernel {
             V | VGrad => Some(&self.v),
             Bias | BiasGrad => self.bias.as_ref(),
             Out | OutGrad => Some(&self.out),
-            LogSumExp => None,
+            LogSumExp | Delta => None,
         }
     }
 
@@ -188,6 +193,7 @@ impl AttentionKernel {
         use AttentionBuffer::*;
         let output = match role {
             Out | LogSumExp => pass == AttentionPass::Forward,
+            Delta => pass == AttentionPass::QueryGrad,
             QGrad | KGrad | VGrad | BiasGrad => true,
             Q | K | V | Bias | OutGrad => false,
         };
@@ -202,7 +208,7 @@ impl AttentionKernel {
                 len: op.len.clone(),
             },
             None => Buffer {
-                label: "lse".into(),
+                label: if role == Delta { "delta" } else { "lse" }.into(),
                 elem: Elem::F32,
                 output,
                 len: vec![self.batch, self.heads, self.q_len],
@@ -215,7 +221,8 @@ impl AttentionKernel {
     pub fn runs(&self, pass: AttentionPass, wants: [bool; 4]) -> bool {
         match pass {
             AttentionPass::Forward => true,
-            AttentionPass::QueryGrad => wants[0],
+            // The `dK`/`dV` pass reads the δ the `dQ` pass writes.
+            AttentionPass::QueryGrad => wants[0] || wants[1] || wants[2],
             AttentionPass::KeyValueGrad => wants[1] || wants[2],
             AttentionPass::BiasGrad => self.bias.is_some() && wants[3],
         }

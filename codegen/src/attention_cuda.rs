@@ -692,6 +692,10 @@ fn query_grad(c: &Ctx) -> (Vec<S>, u32) {
     ];
     row.extend(delta(c, &b, &h, &i).into_iter().skip(1));
     row.push(set(
+        at(c.buf(Delta), c.lse_at(b.clone(), h.clone(), i.clone())),
+        id("delta"),
+    ));
+    row.push(set(
         id("lse"),
         at(c.buf(LogSumExp), c.lse_at(b.clone(), h.clone(), i.clone())),
     ));
@@ -828,8 +832,10 @@ fn key_value_grad(c: &Ctx) -> (Vec<S>, u32) {
         set(ix("lt", id("r")), neg_inf()),
         set(ix("dt", id("r")), zero()),
     ];
-    let mut live_row = delta(c, &b, &h, &i);
-    live_row.push(set(ix("dt", id("r")), id("delta")));
+    let mut live_row = vec![set(
+        ix("dt", id("r")),
+        at(c.buf(Delta), c.lse_at(b.clone(), h.clone(), i.clone())),
+    )];
     live_row.push(set(
         ix("lt", id("r")),
         at(c.buf(LogSumExp), c.lse_at(b.clone(), h.clone(), i.clone())),

@@ -131,6 +131,8 @@ struct Inputs<'a> {
     out: &'a [f32],
     lse: &'a [f32],
     dout: &'a [f32],
+    /// The `dQ` pass's δ, as the `dK`/`dV` pass reads it.
+    delta: &'a [f32],
 }
 
 fn err(pass: AttentionPass, detail: String) -> CodegenError {
@@ -228,6 +230,7 @@ pub fn interpret_attention(
         out: read(AttentionBuffer::Out),
         lse: read(AttentionBuffer::LogSumExp),
         dout: read(AttentionBuffer::OutGrad),
+        delta: read(AttentionBuffer::Delta),
     };
     match pass {
         AttentionPass::Forward => {
@@ -237,10 +240,10 @@ pub fn interpret_attention(
             forward(&p, &x, out, lse);
         }
         AttentionPass::QueryGrad => {
-            let [(_, dq)] = &mut writes[..] else {
-                unreachable!("one gradient")
+            let [(_, dq), (_, delta)] = &mut writes[..] else {
+                unreachable!("one gradient and δ")
             };
-            query_grad(&p, &x, dq);
+            query_grad(&p, &x, dq, delta);
         }
         AttentionPass::KeyValueGrad => {
             let [(_, dk), (_, dv)] = &mut writes[..] else {
@@ -371,7 +374,7 @@ fn delta(p: &Problem, x: &Inputs, b: i64, h: i64, i: i64) -> f32 {
         .sum()
 }
 
-fn query_grad(p: &Problem, x: &Inputs, dq: &mut [f32]) {
+fn query_grad(p: &Problem, x: &Inputs, dq: &mut [f32], deltas: &mut [f32]) {
     let hd = p.k.head_dim as usize;
     let scale = p.k.scale as f32;
     for b in 0..p.batch {
@@ -380,6 +383,7 @@ fn query_grad(p: &Problem, x: &Inputs, dq: &mut [f32]) {
             for (i0, i1) in tiles(p.q_len, BLOCK_Q) {
                 for i in i0..i1 {
                     let dl = delta(p, x, b, h, i);
+                    deltas[p.lse_at(b, h, i)] = dl;
                     let mut acc = vec![0.0f32; hd];
                     for (j0, j1) in tiles(p.k_len, BLOCK_K) {
                         if p.tile_masked(i0, i1, j0, j1) {
@@ -418,7 +422,8 @@ fn key_value_grad(p: &Problem, x: &Inputs, dk: &mut [f32], dv: &mut [f32]) {
                                 continue;
                             }
                             for i in i0..i1 {
-                                let g = pair_grad(p, x, b, h, i, j, delta(p, x, b, h, i));
+                                let dl = x.delta[p.lse_at(b, h, i)];
+                                let g = pair_grad(p, x, b, h, i, j, dl);
                                 if g.p == 0.0 {
                                     continue;
                                 }

@@ -245,6 +245,7 @@ fn dense(
     let n = |r| x.get(&r).map_or(0, |v: &Vec<f32>| v.len());
     let mut out = vec![0.0f64; len(k, AttentionPass::Forward, AttentionBuffer::Out, args)];
     let mut lse = vec![0.0f64; (nb * nh * sq) as usize];
+    let mut deltas = vec![0.0f64; (nb * nh * sq) as usize];
     let (mut dq, mut dk, mut dv, mut db) = (
         vec![0.0f64; n(AttentionBuffer::Q)],
         vec![0.0f64; n(AttentionBuffer::K)],
@@ -312,6 +313,7 @@ fn dense(
                     })
                     .collect();
                 let delta: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
+                deltas[((b * nh + h) * sq + i) as usize] = delta;
                 for j in 0..sk {
                     let ju = j as usize;
                     let ds = p[ju] * (dp[ju] - delta);
@@ -333,6 +335,7 @@ fn dense(
     HashMap::from([
         (Out, out),
         (LogSumExp, lse),
+        (Delta, deltas),
         (QGrad, dq),
         (KGrad, dk),
         (VGrad, dv),
@@ -393,6 +396,10 @@ fn backward_matches_textbook(g: &Graph, syms: &HashMap<String, i64>) -> usize {
                 }
                 for (role, got) in run(k, pass, &args, &x) {
                     close(&format!("{role:?}"), &got, &want[&role], 2e-4);
+                    // The dK/dV pass reads the dQ pass's δ.
+                    if role == AttentionBuffer::Delta {
+                        x.insert(role, got);
+                    }
                 }
             }
             checked += 1;

@@ -598,7 +598,10 @@ fn check_attention(
                 // Gradients are zeroed by the caller (a view of a fused
                 // buffer writes only its columns); the forward's outputs
                 // poisoned: it writes every element.
-                let zeroed = !matches!(role, AttentionBuffer::Out | AttentionBuffer::LogSumExp);
+                let zeroed = !matches!(
+                    role,
+                    AttentionBuffer::Out | AttentionBuffer::LogSumExp | AttentionBuffer::Delta
+                );
                 bytes.push(vec![
                     if zeroed { 0 } else { 0xff };
                     n * d.size_bytes() as usize + 16

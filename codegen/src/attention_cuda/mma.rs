@@ -674,6 +674,13 @@ pub(super) fn query_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
             add_to(id("dsum"), shfl(id("dsum"), 1)),
             add_to(id("dsum"), shfl(id("dsum"), 2)),
             set(ix("delta", id("r")), id("dsum")),
+            S::If(
+                bin("&&", id("live"), bin("==", id("tq"), ll(0))),
+                vec![set(
+                    at(c.buf(Delta), c.lse_at(b.clone(), h.clone(), qi.clone())),
+                    id("dsum"),
+                )],
+            ),
             set(
                 ix("lse", id("r")),
                 C::Cond(
@@ -830,8 +837,8 @@ pub(super) fn query_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
 /// tiles: per tile `Sᵀ = K·Qᵀ` and `dPᵀ = V·dOᵀ` as `m16n8k16` steps (keys
 /// along rows, queries along columns), then `dV += Pᵀ·dO` with P dropped as
 /// the forward dropped it and `dK += dSᵀ·Q`, P and dS packed to the storage
-/// type as FlashAttention-2 packs them; each query's log-sum-exp and δ =
-/// Σ dO ∘ O staged beside its Q and dO rows.
+/// type as FlashAttention-2 packs them; each query's log-sum-exp and δ
+/// (the `dQ` pass's) staged beside its Q and dO rows.
 pub(super) fn key_value_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
     use AttentionBuffer::*;
     let k = c.k;
@@ -878,8 +885,10 @@ pub(super) fn key_value_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
     };
     // Per query row of the tile: its log-sum-exp and δ, staged once.
     let qi = bin("+", id("i0"), id("q"));
-    let mut live_row = delta(c, &b, &h, &id("qi"));
-    live_row.push(set(ix("dt", id("q")), id("delta")));
+    let mut live_row = vec![set(
+        ix("dt", id("q")),
+        at(c.buf(Delta), c.lse_at(b.clone(), h.clone(), id("qi"))),
+    )];
     live_row.push(set(
         ix("lt", id("q")),
         at(c.buf(LogSumExp), c.lse_at(b.clone(), h.clone(), id("qi"))),

@@ -32,6 +32,8 @@ impl<'a> Executor<'a> {
             run.lse.get(&at.out).cloned().ok_or_else(|| {
                 kernel_err("fused backward", "an attention without its log-sum-exp")
             })?;
+        // δ of every query row: the dQ pass writes it, the dK/dV pass reads it.
+        let mut delta: Option<B::Buf> = None;
         for pass in [
             AttentionPass::QueryGrad,
             AttentionPass::KeyValueGrad,
@@ -46,6 +48,18 @@ impl<'a> Executor<'a> {
                 let len = args.len_of(&spec);
                 let v = match role {
                     AttentionBuffer::LogSumExp => lse.clone(),
+                    AttentionBuffer::Delta => {
+                        let buf = match &delta {
+                            Some(b) => b.clone(),
+                            None => be.alloc(spec.elem, len)?,
+                        };
+                        delta = Some(buf.clone());
+                        Val {
+                            buf,
+                            elem: spec.elem,
+                            len,
+                        }
+                    }
                     AttentionBuffer::OutGrad => self.as_elem(be, &dout, Elem::Float)?,
                     AttentionBuffer::QGrad
                     | AttentionBuffer::KGrad
