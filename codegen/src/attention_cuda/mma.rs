@@ -154,13 +154,15 @@ pub(super) fn forward_mma(c: &Ctx) -> (Vec<S>, u32) {
     use AttentionBuffer::*;
     let k = c.k;
     let (hd, vd) = (k.head_dim, k.value_dim);
-    // Key rows per tile: K and V tiles of 16-bit elements (K rows padded by
-    // 8 against bank conflicts) within the shared memory.
+    // Key rows per tile: K and V tiles of 16-bit elements within the shared
+    // memory, rows padded by 8 elements against bank conflicts: `O += P·V`
+    // reads V down a column, two keys a register, and unpadded rows of 64
+    // or 128 elements put the four key pairs a quad reads in one bank.
+    let (kstride, vstride) = (hd + 8, vd + 8);
     let t = [64i64, 48, 32, 16]
         .into_iter()
-        .find(|t| 2 * t * (hd + 8 + vd) <= SHARED_BYTES)
+        .find(|t| 2 * t * (kstride + vstride) <= SHARED_BYTES)
         .unwrap_or(16);
-    let kstride = hd + 8;
     let (ns, nv) = (t / 8, vd / 8);
     let (b, h) = (id("b"), id("hh"));
     let mut body = decompose(k.heads, k.q_len, "i0");
@@ -197,7 +199,7 @@ pub(super) fn forward_mma(c: &Ctx) -> (Vec<S>, u32) {
     let mut tile = vec![
         sync(),
         stage("kt", K, hd, kstride),
-        stage("vt", V, vd, vd),
+        stage("vt", V, vd, vstride),
         sync(),
         array("float", "s", ns * 4),
     ];
@@ -341,7 +343,7 @@ pub(super) fn forward_mma(c: &Ctx) -> (Vec<S>, u32) {
     rows.push(unrolled("nb", ns, vec![unrolled("x", 2, prob)]));
     tile.push(unrolled("r", 2, rows));
     // O += P·V: P's fragment for keys [16·kk, 16·kk + 16) is score tiles 2kk and 2kk + 1.
-    tile.push(mma_cols("o", "s", "vt", vd, t, vd));
+    tile.push(mma_cols("o", "s", "vt", vstride, t, vd));
     body.push(loop_over("j0", id("jbegin"), id("jend"), ll(t), tile));
     // The rows' sums over the quad, then O / l and the log-sum-exp.
     let mut fin = vec![
@@ -409,7 +411,7 @@ pub(super) fn forward_mma(c: &Ctx) -> (Vec<S>, u32) {
     let items = tile_items(k.q_len, k.batch, k.heads);
     let out = vec![
         shared("dplc_t", "kt", t * kstride),
-        shared("dplc_t", "vt", t * vd),
+        shared("dplc_t", "vt", t * vstride),
         items_loop(items, false, body),
     ];
     (out, 128)
