@@ -200,7 +200,7 @@ fn column_sum_cuda() {
     let src = emit_cuda(&dplc_codegen::column_sum_kernel(), DType::BF16);
     assert_eq!(
         src.launch,
-        dplc_codegen::LaunchShape::Columns { block: 256 }
+        dplc_codegen::LaunchShape::Columns { block: 1024 }
     );
     insta::assert_snapshot!(format!("==== {}\n{}", src.name, src.source));
 }
