@@ -28,6 +28,9 @@ struct Tile16 {
     rows: i64,
     width: i64,
     stride: i64,
+    /// Copy the aligned 16-byte pieces with `cp.async` (the caller waits
+    /// for them, [`Ctx::pipelined`]) rather than through registers.
+    async_copy: bool,
 }
 
 impl Ctx<'_> {
@@ -45,6 +48,7 @@ impl Ctx<'_> {
             rows,
             width,
             stride,
+            async_copy,
         } = tile;
         let contiguous = self.k.operand(role).expect("an operand").at.strides[3] == Size::Const(1);
         let step = C::Cast("long long", Box::new(id("blockDim.x")));
@@ -79,6 +83,35 @@ impl Ctx<'_> {
             name,
             bin("+", bin("*", row, ll(stride)), id("sd")),
         )));
+        if async_copy {
+            // In range and aligned: straight to shared memory; else through
+            // registers (zeros past the end), visible after the barrier
+            // that follows the wait.
+            return loop_over(
+                "e",
+                thread(),
+                ll(rows * per_row),
+                step,
+                vec![
+                    decl("long long", "sr", src_row),
+                    decl("long long", "sd", d),
+                    var("dplc_t*", "dst", Some(dst)),
+                    S::Line("uint4 v = make_uint4(0u, 0u, 0u, 0u);".into()),
+                    S::If(
+                        bin("<", id("sr"), size(len)),
+                        vec![
+                            decl("dplc_t*", "src", src),
+                            S::Line(
+                                "if ((((unsigned long long)src) & 15ULL) == 0ULL) { dplc_cp_async16(dst, src); continue; } \
+                                 __align__(16) dplc_t w[8]; for (int x = 0; x < 8; ++x) w[x] = src[x]; v = *reinterpret_cast<const uint4*>(w);"
+                                    .into(),
+                            ),
+                        ],
+                    ),
+                    S::Line("*reinterpret_cast<uint4*>(dst) = v;".into()),
+                ],
+            );
+        }
         loop_over(
             "e",
             thread(),
@@ -108,6 +141,100 @@ impl Ctx<'_> {
     }
 }
 
+/// An operand a [`Ctx::pipelined`] loop stages each tile of: its shared
+/// double buffer `buf` (two tiles of `rows × stride` elements), the tile a
+/// step computes on as `cur` and the one it fetches as `next`.
+struct Staged {
+    buf: &'static str,
+    cur: &'static str,
+    next: &'static str,
+    role: AttentionBuffer,
+    head: C,
+    len: Size,
+    width: i64,
+    stride: i64,
+}
+
+impl Staged {
+    fn tile_len(&self, rows: i64) -> i64 {
+        rows * self.stride
+    }
+}
+
+impl Ctx<'_> {
+    /// `for walk in (begin..end).step_by(rows)`, each step's tiles of
+    /// `staged` fetched with `cp.async` while the step before computes: the
+    /// first tile before the loop, then at the top of each step a wait for
+    /// this step's tiles and one barrier (after which every thread is done
+    /// with the other buffer), the next step's fetch, and `compute` on
+    /// `cur`. A barrier before the first fetch keeps it from the buffer the
+    /// block's previous item may still be reading.
+    fn pipelined(
+        &self,
+        walk: &str,
+        (begin, end): (C, C),
+        rows: i64,
+        staged: &[Staged],
+        compute: Vec<S>,
+    ) -> Vec<S> {
+        let fetch = |first: C| -> Vec<S> {
+            staged
+                .iter()
+                .map(|st| {
+                    self.stage16(Tile16 {
+                        name: st.next,
+                        role: st.role,
+                        head: st.head.clone(),
+                        first: first.clone(),
+                        len: st.len,
+                        rows,
+                        width: st.width,
+                        stride: st.stride,
+                        async_copy: true,
+                    })
+                })
+                .collect()
+        };
+        let at_buffer = |st: &Staged, which: C| {
+            C::Ref(Box::new(ix(st.buf, bin("*", which, ll(st.tile_len(rows))))))
+        };
+        let mut first = vec![];
+        for st in staged {
+            first.push(var("dplc_t*", st.next, Some(at_buffer(st, ll(0)))));
+        }
+        first.extend(fetch(begin.clone()));
+        let mut step = vec![S::Expr(call("dplc_cp_async_wait", vec![])), sync()];
+        for st in staged {
+            step.push(decl("dplc_t*", st.cur, at_buffer(st, id("dplc_cur"))));
+        }
+        let ahead = bin("+", id(walk), ll(rows));
+        let mut prefetch = vec![];
+        for st in staged {
+            prefetch.push(var(
+                "dplc_t*",
+                st.next,
+                Some(at_buffer(st, bin("^", id("dplc_cur"), ll(1)))),
+            ));
+        }
+        prefetch.extend(fetch(ahead.clone()));
+        step.push(S::If(bin("<", ahead, end.clone()), prefetch));
+        step.push(S::Expr(call("dplc_cp_async_commit", vec![])));
+        step.extend(compute);
+        step.push(S::Line("dplc_cur ^= 1;".into()));
+        vec![
+            sync(),
+            var_int("dplc_cur"),
+            S::If(bin("<", begin.clone(), end.clone()), first),
+            S::Expr(call("dplc_cp_async_commit", vec![])),
+            loop_over(walk, begin, end, ll(rows), step),
+        ]
+    }
+}
+
+fn var_int(name: &str) -> S {
+    S::Line(format!("int {name} = 0;"))
+}
+
 /// Tensor-core helpers: one `m16n8k16` step with f32 accumulators, and two
 /// floats packed into the storage type's pair (the lower column in the low half).
 pub(super) const MMA_BF16: &str = r#"#ifndef DPLC_MMA
@@ -120,6 +247,14 @@ __device__ __forceinline__ void dplc_mma(float* c, const unsigned* a, unsigned b
 __device__ __forceinline__ unsigned dplc_pack(float lo, float hi) {
     unsigned r; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
 }
+// A 16-byte copy global → shared that the copying thread waits for later
+// (sm_80's cp.async): the next tile's fetch overlaps this tile's compute.
+__device__ __forceinline__ void dplc_cp_async16(void* smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                 :: "r"((unsigned)__cvta_generic_to_shared(smem)), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void dplc_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void dplc_cp_async_wait() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 #endif
 "#;
 
@@ -133,6 +268,14 @@ __device__ __forceinline__ void dplc_mma(float* c, const unsigned* a, unsigned b
 __device__ __forceinline__ unsigned dplc_pack(float lo, float hi) {
     unsigned r; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
 }
+// A 16-byte copy global → shared that the copying thread waits for later
+// (sm_80's cp.async): the next tile's fetch overlaps this tile's compute.
+__device__ __forceinline__ void dplc_cp_async16(void* smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                 :: "r"((unsigned)__cvta_generic_to_shared(smem)), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void dplc_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void dplc_cp_async_wait() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 #endif
 "#;
 
@@ -161,7 +304,7 @@ pub(super) fn forward_mma(c: &Ctx) -> (Vec<S>, u32) {
     let (kstride, vstride) = (hd + 8, vd + 8);
     let t = [64i64, 48, 32, 16]
         .into_iter()
-        .find(|t| 2 * t * (kstride + vstride) <= SHARED_BYTES)
+        .find(|t| 2 * 2 * t * (kstride + vstride) <= SHARED_BYTES)
         .unwrap_or(16);
     let (ns, nv) = (t / 8, vd / 8);
     let (b, h) = (id("b"), id("hh"));
@@ -183,26 +326,31 @@ pub(super) fn forward_mma(c: &Ctx) -> (Vec<S>, u32) {
         ],
     ));
     body.extend(c.key_range(t));
-    // Stage the tiles (raw 16-bit storage; zeros past the last key).
-    let stage = |name: &'static str, role: AttentionBuffer, width: i64, stride: i64| {
-        c.stage16(Tile16 {
-            name,
-            role,
+    // The key tiles (raw 16-bit storage; zeros past the last key), each
+    // fetched while the one before computes.
+    let staged = [
+        Staged {
+            buf: "kbuf",
+            cur: "kt",
+            next: "kn",
+            role: K,
             head: id("kh"),
-            first: id("j0"),
             len: k.k_len,
-            rows: t,
-            width,
-            stride,
-        })
-    };
-    let mut tile = vec![
-        sync(),
-        stage("kt", K, hd, kstride),
-        stage("vt", V, vd, vstride),
-        sync(),
-        array("float", "s", ns * 4),
+            width: hd,
+            stride: kstride,
+        },
+        Staged {
+            buf: "vbuf",
+            cur: "vt",
+            next: "vn",
+            role: V,
+            head: id("kh"),
+            len: k.k_len,
+            width: vd,
+            stride: vstride,
+        },
     ];
+    let mut tile = vec![array("float", "s", ns * 4)];
     // S = Q·Kᵀ: B's fragment is two consecutive features of one key.
     tile.push(mma_rows("s", "qf", "kt", kstride, hd, ns));
     // Scale, bias, masks; the rows' maxima over the quad of threads sharing them.
@@ -344,7 +492,7 @@ pub(super) fn forward_mma(c: &Ctx) -> (Vec<S>, u32) {
     tile.push(unrolled("r", 2, rows));
     // O += P·V: P's fragment for keys [16·kk, 16·kk + 16) is score tiles 2kk and 2kk + 1.
     tile.push(mma_cols("o", "s", "vt", vstride, t, vd));
-    body.push(loop_over("j0", id("jbegin"), id("jend"), ll(t), tile));
+    body.extend(c.pipelined("j0", (id("jbegin"), id("jend")), t, &staged, tile));
     // The rows' sums over the quad, then O / l and the log-sum-exp.
     let mut fin = vec![
         add_to(ix("l", id("r")), shfl(ix("l", id("r")), 1)),
@@ -410,8 +558,8 @@ pub(super) fn forward_mma(c: &Ctx) -> (Vec<S>, u32) {
     body.push(unrolled("r", 2, fin));
     let items = tile_items(k.q_len, k.batch, k.heads);
     let out = vec![
-        shared("dplc_t", "kt", t * kstride),
-        shared("dplc_t", "vt", t * vstride),
+        shared("dplc_t", "kbuf", 2 * t * kstride),
+        shared("dplc_t", "vbuf", 2 * t * vstride),
         items_loop(items, false, body),
     ];
     (out, 128)
@@ -624,7 +772,7 @@ pub(super) fn query_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
     let (kstride, vstride) = (hd + 8, vd + 8);
     let t = [if hd.max(vd) > 64 { 32 } else { 64 }, 32, 16]
         .into_iter()
-        .find(|t| 2 * t * (kstride + vstride) <= SHARED_BYTES)
+        .find(|t| 2 * 2 * t * (kstride + vstride) <= SHARED_BYTES)
         .unwrap_or(16);
     let ns = t / 8;
     let (b, h) = (id("b"), id("hh"));
@@ -703,23 +851,29 @@ pub(super) fn query_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
         vec![set(ix("dq", id("x")), zero())],
     ));
     body.extend(c.key_range(t));
-    let stage = |name: &'static str, role: AttentionBuffer, width: i64, stride: i64| {
-        c.stage16(Tile16 {
-            name,
-            role,
+    let staged = [
+        Staged {
+            buf: "kbuf",
+            cur: "kt",
+            next: "kn",
+            role: K,
             head: id("kh"),
-            first: id("j0"),
             len: k.k_len,
-            rows: t,
-            width,
-            stride,
-        })
-    };
+            width: hd,
+            stride: kstride,
+        },
+        Staged {
+            buf: "vbuf",
+            cur: "vt",
+            next: "vn",
+            role: V,
+            head: id("kh"),
+            len: k.k_len,
+            width: vd,
+            stride: vstride,
+        },
+    ];
     let mut tile = vec![
-        sync(),
-        stage("kt", K, hd, kstride),
-        stage("vt", V, vd, vstride),
-        sync(),
         array("float", "s", ns * 4),
         array("float", "dp", ns * 4),
         mma_rows("s", "qf", "kt", kstride, hd, ns),
@@ -785,7 +939,7 @@ pub(super) fn query_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
         )],
     ));
     tile.push(mma_cols("dq", "s", "kt", kstride, t, hd));
-    body.push(loop_over("j0", id("jbegin"), id("jend"), ll(t), tile));
+    body.extend(c.pipelined("j0", (id("jbegin"), id("jend")), t, &staged, tile));
     let write = vec![unrolled(
         "nb",
         hd / 8,
@@ -827,8 +981,8 @@ pub(super) fn query_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
     ));
     let items = tile_items(k.q_len, k.batch, k.heads);
     let out = vec![
-        shared("dplc_t", "kt", t * kstride),
-        shared("dplc_t", "vt", t * vstride),
+        shared("dplc_t", "kbuf", 2 * t * kstride),
+        shared("dplc_t", "vbuf", 2 * t * vstride),
         items_loop(items, false, body),
     ];
     (out, 128)
@@ -850,7 +1004,7 @@ pub(super) fn key_value_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
     // beside dK and dV, so the wider heads take narrower tiles.
     let t = [if hd.max(vd) > 64 { 32 } else { 64 }, 32, 16]
         .into_iter()
-        .find(|t| 2 * t * (qstride + ostride) + 8 * t <= SHARED_BYTES)
+        .find(|t| 2 * 2 * t * (qstride + ostride) + 8 * t <= SHARED_BYTES)
         .unwrap_or(16);
     let ns = t / 8;
     let (b, h) = (id("b"), id("h"));
@@ -873,19 +1027,30 @@ pub(super) fn key_value_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
     ));
     // The block's keys are [j0, j0 + 64), as `query_range` takes them.
     body.extend(c.query_range(t));
-    let stage = |name: &'static str, role: AttentionBuffer, width: i64, stride: i64| {
-        c.stage16(Tile16 {
-            name,
-            role,
+    let staged = [
+        Staged {
+            buf: "qbuf",
+            cur: "qt",
+            next: "qn",
+            role: Q,
             head: h.clone(),
-            first: id("i0"),
             len: k.q_len,
-            rows: t,
-            width,
-            stride,
-        })
-    };
-    // Per query row of the tile: its log-sum-exp and δ, staged once.
+            width: hd,
+            stride: qstride,
+        },
+        Staged {
+            buf: "obuf",
+            cur: "ot",
+            next: "on",
+            role: OutGrad,
+            head: h.clone(),
+            len: k.q_len,
+            width: vd,
+            stride: ostride,
+        },
+    ];
+    // Per query row of the tile: its log-sum-exp and δ, staged once (the
+    // barrier at the step's top has every thread done with the last ones).
     let qi = bin("+", id("i0"), id("q"));
     let mut live_row = vec![set(
         ix("dt", id("q")),
@@ -902,9 +1067,6 @@ pub(super) fn key_value_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
         S::If(bin("<", id("qi"), size(k.q_len)), live_row),
     ];
     let mut tile = vec![
-        sync(),
-        stage("qt", Q, hd, qstride),
-        stage("ot", OutGrad, vd, ostride),
         loop_over(
             "q",
             thread(),
@@ -988,7 +1150,7 @@ pub(super) fn key_value_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
                 "h",
                 bin("+", bin("*", id("kh"), ll(k.group)), id("gq")),
             ),
-            loop_over("i0", id("ibegin"), id("iend"), ll(t), tile),
+            S::Block(c.pipelined("i0", (id("ibegin"), id("iend")), t, &staged, tile)),
         ],
     );
     body.push(heads);
@@ -1044,8 +1206,8 @@ pub(super) fn key_value_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
     ));
     let items = tile_items(k.k_len, k.batch, k.kv_heads);
     let out = vec![
-        shared("dplc_t", "qt", t * qstride),
-        shared("dplc_t", "ot", t * ostride),
+        shared("dplc_t", "qbuf", 2 * t * qstride),
+        shared("dplc_t", "obuf", 2 * t * ostride),
         shared("float", "lt", t),
         shared("float", "dt", t),
         items_loop(items, false, body),

@@ -158,6 +158,17 @@ inline void dplc_mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
 inline unsigned dplc_pack(float lo, float hi) {
     return (unsigned)dplc_st(lo) | ((unsigned)dplc_st(hi) << 16);
 }
+// `cp.async`: a thread's copies land when it waits for them, not before, so
+// a tile read before its wait (or before the barrier after every thread's
+// wait) reads what the buffer held.
+struct dplc_pending_copy { void* dst; const void* src; };
+inline thread_local std::vector<dplc_pending_copy> dplc_pending;
+inline void dplc_cp_async16(void* smem, const void* gmem) { dplc_pending.push_back({smem, gmem}); }
+inline void dplc_cp_async_commit() {}
+inline void dplc_cp_async_wait() {
+    for (const auto& c : dplc_pending) std::memcpy(c.dst, c.src, 16);
+    dplc_pending.clear();
+}
 #endif
 
 // Run `body` as a grid of `grid` blocks of `block` threads, one block after
