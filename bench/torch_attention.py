@@ -1,7 +1,8 @@
 """PyTorch's peer for runtime/tests/gpu.rs::bench_attention (scripts/gpu-check.sh
 --torch): causal scaled_dot_product_attention on the flash backend, bf16, at
 the same shapes (GPT-2 small: batch 8, 12 heads of 64, seq 1024, without
-dropout and with GPT-2's 0.1; Llama 2 7B: batch 2, 32 heads of 128, seq 4096),
+dropout and with GPT-2's 0.1, and a gpt2 step's 32 sequences with dropout;
+Llama 2 7B: batch 2, 32 heads of 128, seq 4096),
 random operands. Prints one `sdpa` line
 per shape: the forward, and the backward as (forward+backward) - forward,
 median of 30 after warm-up, timed with CUDA events, with TFLOP/s in
@@ -16,6 +17,7 @@ SHAPES = [
     ("gpt2", 8, 12, 64, 1024, 0.0),
     ("llama2_7b", 2, 32, 128, 4096, 0.0),
     ("gpt2_dropout", 8, 12, 64, 1024, 0.1),
+    ("gpt2_step", 32, 12, 64, 1024, 0.1),
 ]
 
 

@@ -540,6 +540,9 @@ fn bench_attention() {
         ("gpt2", 8i64, 12i64, 64i64, 1024i64, 0.0),
         ("llama2_7b", 2, 32, 128, 4096, 0.0),
         ("gpt2_dropout", 8, 12, 64, 1024, 0.1),
+        // A gpt2 training step's micro-batch: 151 MB of Q, K and V, past
+        // the L2 cache the smaller shapes sit in between launches.
+        ("gpt2_step", 32, 12, 64, 1024, 0.1),
     ] {
         let g = common::Gpt {
             vocab: 256,
@@ -565,8 +568,28 @@ fn bench_attention() {
             .expect("the layer has a fused attention");
         let k = &at.kernel;
         let mut sizes: Vec<i64> = at.sizes.iter().map(|d| dim(d, &syms, &g)).collect();
-        for (i, _) in &at.key_sizes {
-            sizes[*i] = 0;
+        // The dropout's key as a run binds it (the first micro-batch of
+        // layer 0): with its per-sample size, each draw splits its index
+        // into sample and position, as in training.
+        let place = dplc_codegen::KeyPlace {
+            layer: 0,
+            first_sample: 0,
+            micro_batch: batch as usize,
+            cp_rank: 0,
+            cp: 1,
+            tp_rank: 0,
+            tp: 1,
+        };
+        let numel = |t: dplc_ir::TensorId| -> usize {
+            g.tensor(t)
+                .shape
+                .0
+                .iter()
+                .map(|d| dim(d, &syms, &g))
+                .product::<i64>() as usize
+        };
+        for &(i, key) in &at.key_sizes {
+            sizes[i] = key.bind(&place, numel);
         }
         let args = Args {
             sizes,
