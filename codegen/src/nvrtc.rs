@@ -203,7 +203,50 @@ fn write_atomic(path: &Path, text: &str) -> Result<(), CodegenError> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(err)?;
     }
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    // A temporary name of this write alone: ranks that share a process
+    // (threads) compile the same kernels at once, and a name per process
+    // let one rename away the file another had just written.
+    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = path.with_extension(format!("tmp{}-{n}", std::process::id()));
     std::fs::write(&tmp, text).map_err(err)?;
-    std::fs::rename(&tmp, path).map_err(err)
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        err(e)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::write_atomic;
+
+    /// Ranks on threads of one process write the same cache entry at once:
+    /// every write succeeds and the entry is one writer's whole text (a
+    /// temporary name per process made the GPU's tp=2 run over one GPU fail
+    /// with "No such file or directory").
+    #[test]
+    fn concurrent_writers_of_one_cache_entry_all_succeed() {
+        let dir = std::env::temp_dir().join(format!("dplc-ptx-race-{}", std::process::id()));
+        let path = dir.join("k.ptx");
+        std::thread::scope(|s| {
+            for t in 0..8 {
+                let path = &path;
+                s.spawn(move || {
+                    for _ in 0..50 {
+                        write_atomic(path, &format!("writer {t}\n").repeat(100)).unwrap();
+                    }
+                });
+            }
+        });
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(
+            text.lines().count() == 100 && text.lines().all(|l| l == text.lines().next().unwrap())
+        );
+        assert_eq!(
+            std::fs::read_dir(&dir).unwrap().count(),
+            1,
+            "no temporary left"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
