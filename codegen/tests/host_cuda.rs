@@ -39,10 +39,34 @@ fn skip(why: &str) {
 /// Every forward, backward and column-sum kernel of `g` at batch 3, seq 8.
 fn graph_cases(g: &Graph, out: &mut Vec<Case>) {
     let syms: HashMap<String, i64> = [("batch".to_string(), 3), ("seq".to_string(), 8)].into();
-    let sized = |dims: &[dplc_ir::Dim]| -> Vec<i64> {
-        dims.iter()
+    // The dropout's key as a run binds it (layer 1 of a micro-batch of 3
+    // from sample 5): each draw splits its index into sample and position.
+    let place = dplc_codegen::KeyPlace {
+        layer: 1,
+        first_sample: 5,
+        micro_batch: 3,
+        cp_rank: 0,
+        cp: 1,
+        tp_rank: 0,
+        tp: 1,
+    };
+    let numel = |t: dplc_ir::TensorId| -> usize {
+        g.tensor(t)
+            .shape
+            .0
+            .iter()
+            .map(|d| common::dim(d, &syms, g))
+            .product()
+    };
+    let sized_keyed = |dims: &[dplc_ir::Dim], keys: &[(usize, dplc_codegen::KeySize)]| {
+        let mut sizes: Vec<i64> = dims
+            .iter()
             .map(|d| common::dim(d, &syms, g) as i64)
-            .collect()
+            .collect();
+        for &(i, key) in keys {
+            sizes[i] = key.bind(&place, numel);
+        }
+        sizes
     };
     let args = |sizes: Vec<i64>| Args {
         sizes,
@@ -55,7 +79,7 @@ fn graph_cases(g: &Graph, out: &mut Vec<Case>) {
             if let Step::Kernel(k) = step {
                 out.push(Case {
                     kernel: k.kernel.clone(),
-                    args: args(sized(&k.sizes)),
+                    args: args(sized_keyed(&k.sizes, &k.key_sizes)),
                     non_negative: vec![],
                 });
             }
@@ -67,7 +91,7 @@ fn graph_cases(g: &Graph, out: &mut Vec<Case>) {
             let Step::Kernel(fk) = &plan.steps[step] else {
                 continue;
             };
-            let sizes = sized(&fk.sizes);
+            let sizes = sized_keyed(&fk.sizes, &fk.key_sizes);
             for cs in &backward.column_sums {
                 out.push(Case {
                     kernel: cs.kernel.clone(),
@@ -453,6 +477,18 @@ fn the_generated_cuda_runs_on_the_cpu_as_the_interpreter_computes() {
     for model in ["gpt_tiny", "llama_tiny"] {
         graph_cases(&common::zoo("tiny.dpl", model).graph, &mut cases);
     }
+    // gpt_tiny with GPT-2's dropout: the kernels that draw it.
+    let text =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny.dpl"))
+            .unwrap();
+    let dropped = text.replacen(
+        "layers = 2, dropout = 0.0)",
+        "layers = 2, dropout = 0.1)",
+        1,
+    );
+    assert_ne!(dropped, text, "gpt_tiny's header changed");
+    let unit = dplc_frontend::parse("models/tiny.dpl", &dropped).unwrap();
+    graph_cases(&unit.lower("gpt_tiny").unwrap().graph, &mut cases);
     graph_cases(&common::lower_m(common::SCANS), &mut cases);
     step_cases(&mut cases);
     let dir = std::env::temp_dir().join(format!("dplc-host-cuda-{}", std::process::id()));
