@@ -22,7 +22,7 @@ pub(super) fn row_kernel(
     // Rows that are columns in memory go side by side; a narrow row
     // of a fixed width is a warp's; a wide one, or one with a
     // running sum (a block-wide exchange), a block's.
-    let columns = scan.is_none() && e.reads_columns(&along);
+    let columns = scan.is_none() && e.reads_columns(along);
     let lanes = if columns { 1 } else { lanes };
     let warp_row = !columns
         && scan.is_none()
@@ -152,7 +152,7 @@ pub(super) fn row_kernel(
             continue;
         };
         row_values(i, &mut done, &mut row);
-        let deps = e.along_deps(&[value.0 as usize], &along);
+        let deps = e.along_deps(&[value.0 as usize], along);
         let init = match kind {
             RowReduce::Sum => C::Lit("0.0f".into()),
             RowReduce::Max => float_lit(f64::NEG_INFINITY),
@@ -182,7 +182,7 @@ pub(super) fn row_kernel(
         .partition(|s| along[s.value.0 as usize] || s.index.uses_inner());
     if !elem_stores.is_empty() {
         let roots: Vec<usize> = elem_stores.iter().map(|s| s.value.0 as usize).collect();
-        let deps = e.along_deps(&roots, &along);
+        let deps = e.along_deps(&roots, along);
         row.push(j_loop(
             &deps,
             e.section(&deps, &elem_stores, None, lanes_ref),
