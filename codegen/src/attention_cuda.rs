@@ -11,7 +11,9 @@
 //! bias, dropout, tile ranges) and the scalar passes.
 
 use crate::attention::{AttentionBuffer, AttentionKernel, AttentionPass};
-use crate::cuda::{at, bin, call, decl, float_lit, id, index_with, size, var, Writer, C, S};
+use crate::cuda::{
+    at, bin, call, decl, float_lit, grid_thread, id, index_with, size, var, Writer, C, S,
+};
 use crate::cuda::{CudaSource, LaunchShape};
 use crate::kernel::{drop_threshold, Elem, Idx, Size};
 use dplc_ir::DType;
@@ -128,15 +130,7 @@ fn unrolled(v: &str, n: i64, body: Vec<S>) -> S {
 fn items_loop(items: C, per_thread: bool, body: Vec<S>) -> S {
     let (from, step) = if per_thread {
         (
-            bin(
-                "+",
-                bin(
-                    "*",
-                    C::Cast("long long", Box::new(id("blockIdx.x"))),
-                    id("blockDim.x"),
-                ),
-                id("threadIdx.x"),
-            ),
+            grid_thread(),
             bin(
                 "*",
                 C::Cast("long long", Box::new(id("gridDim.x"))),

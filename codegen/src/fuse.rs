@@ -96,6 +96,21 @@ pub struct KeyPlace {
     pub tp: usize,
 }
 
+impl KeyPlace {
+    /// Bind every dropout key argument `keys` names in `sizes` (a launch's
+    /// size arguments) at this place; `numel` counts a tensor's elements.
+    pub fn bind_keys(
+        &self,
+        sizes: &mut [i64],
+        keys: &[(usize, KeySize)],
+        numel: impl Fn(TensorId) -> usize,
+    ) {
+        for &(i, key) in keys {
+            sizes[i] = key.bind(self, &numel);
+        }
+    }
+}
+
 impl KeySize {
     /// The size argument's value at `at`, with `numel` counting a tensor's
     /// elements in the rank's program: the one binding every launcher

@@ -63,9 +63,7 @@ fn graph_cases(g: &Graph, out: &mut Vec<Case>) {
             .iter()
             .map(|d| common::dim(d, &syms, g) as i64)
             .collect();
-        for &(i, key) in keys {
-            sizes[i] = key.bind(&place, numel);
-        }
+        place.bind_keys(&mut sizes, keys, numel);
         sizes
     };
     let args = |sizes: Vec<i64>| Args {

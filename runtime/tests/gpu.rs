@@ -588,9 +588,7 @@ fn bench_attention() {
                 .map(|d| dim(d, &syms, &g))
                 .product::<i64>() as usize
         };
-        for &(i, key) in &at.key_sizes {
-            sizes[i] = key.bind(&place, numel);
-        }
+        place.bind_keys(&mut sizes, &at.key_sizes, numel);
         let args = Args {
             sizes,
             scalars: vec![],

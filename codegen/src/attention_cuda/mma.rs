@@ -28,16 +28,14 @@ struct Tile16 {
     rows: i64,
     width: i64,
     stride: i64,
-    /// Copy the aligned 16-byte pieces with `cp.async` (the caller waits
-    /// for them, [`Ctx::pipelined`]) rather than through registers.
-    async_copy: bool,
 }
 
 impl Ctx<'_> {
     /// Stage `tile`, zeros past its operand's end: eight elements a 16-byte
-    /// access where the operand's features are contiguous and the source
-    /// row is 16-byte aligned (checked as it runs: a view of a fused buffer
-    /// starts where it starts), else one at a time.
+    /// `cp.async` where the operand's features are contiguous and the
+    /// source row is 16-byte aligned (checked as it runs: a view of a fused
+    /// buffer starts where it starts), else one at a time through
+    /// registers. The caller waits for the copies ([`Ctx::pipelined`]).
     fn stage16(&self, tile: Tile16) -> S {
         let Tile16 {
             name,
@@ -48,7 +46,6 @@ impl Ctx<'_> {
             rows,
             width,
             stride,
-            async_copy,
         } = tile;
         let contiguous = self.k.operand(role).expect("an operand").at.strides[3] == Size::Const(1);
         let step = C::Cast("long long", Box::new(id("blockDim.x")));
@@ -83,35 +80,10 @@ impl Ctx<'_> {
             name,
             bin("+", bin("*", row, ll(stride)), id("sd")),
         )));
-        if async_copy {
-            // In range and aligned: straight to shared memory; else through
-            // registers (zeros past the end), visible after the barrier
-            // that follows the wait.
-            return loop_over(
-                "e",
-                thread(),
-                ll(rows * per_row),
-                step,
-                vec![
-                    decl("long long", "sr", src_row),
-                    decl("long long", "sd", d),
-                    var("dplc_t*", "dst", Some(dst)),
-                    S::Line("uint4 v = make_uint4(0u, 0u, 0u, 0u);".into()),
-                    S::If(
-                        bin("<", id("sr"), size(len)),
-                        vec![
-                            decl("dplc_t*", "src", src),
-                            S::Line(
-                                "if ((((unsigned long long)src) & 15ULL) == 0ULL) { dplc_cp_async16(dst, src); continue; } \
-                                 __align__(16) dplc_t w[8]; for (int x = 0; x < 8; ++x) w[x] = src[x]; v = *reinterpret_cast<const uint4*>(w);"
-                                    .into(),
-                            ),
-                        ],
-                    ),
-                    S::Line("*reinterpret_cast<uint4*>(dst) = v;".into()),
-                ],
-            );
-        }
+        // In range and aligned: straight to shared memory with `cp.async`
+        // (the caller waits, [`Ctx::pipelined`]); else through registers
+        // (zeros past the end), visible after the barrier that follows the
+        // wait.
         loop_over(
             "e",
             thread(),
@@ -120,22 +92,20 @@ impl Ctx<'_> {
             vec![
                 decl("long long", "sr", src_row),
                 decl("long long", "sd", d),
+                var("dplc_t*", "dst", Some(dst)),
                 S::Line("uint4 v = make_uint4(0u, 0u, 0u, 0u);".into()),
                 S::If(
                     bin("<", id("sr"), size(len)),
                     vec![
                         decl("dplc_t*", "src", src),
                         S::Line(
-                            "if ((((unsigned long long)src) & 15ULL) == 0ULL) { v = *reinterpret_cast<const uint4*>(src); } \
-                             else { __align__(16) dplc_t w[8]; for (int x = 0; x < 8; ++x) w[x] = src[x]; v = *reinterpret_cast<const uint4*>(w); }"
+                            "if ((((unsigned long long)src) & 15ULL) == 0ULL) { dplc_cp_async16(dst, src); continue; } \
+                             __align__(16) dplc_t w[8]; for (int x = 0; x < 8; ++x) w[x] = src[x]; v = *reinterpret_cast<const uint4*>(w);"
                                 .into(),
                         ),
                     ],
                 ),
-                S::Line(format!(
-                    "*reinterpret_cast<uint4*>({}) = v;",
-                    dst.render()
-                )),
+                S::Line("*reinterpret_cast<uint4*>(dst) = v;".into()),
             ],
         )
     }
@@ -190,7 +160,6 @@ impl Ctx<'_> {
                         rows,
                         width: st.width,
                         stride: st.stride,
-                        async_copy: true,
                     })
                 })
                 .collect()
@@ -328,28 +297,7 @@ pub(super) fn forward_mma(c: &Ctx) -> (Vec<S>, u32) {
     body.extend(c.key_range(t));
     // The key tiles (raw 16-bit storage; zeros past the last key), each
     // fetched while the one before computes.
-    let staged = [
-        Staged {
-            buf: "kbuf",
-            cur: "kt",
-            next: "kn",
-            role: K,
-            head: id("kh"),
-            len: k.k_len,
-            width: hd,
-            stride: kstride,
-        },
-        Staged {
-            buf: "vbuf",
-            cur: "vt",
-            next: "vn",
-            role: V,
-            head: id("kh"),
-            len: k.k_len,
-            width: vd,
-            stride: vstride,
-        },
-    ];
+    let staged = key_value_tiles(k, kstride, vstride);
     let mut tile = vec![array("float", "s", ns * 4)];
     // S = Q·Kᵀ: B's fragment is two consecutive features of one key.
     tile.push(mma_rows("s", "qf", "kt", kstride, hd, ns));
@@ -563,6 +511,35 @@ pub(super) fn forward_mma(c: &Ctx) -> (Vec<S>, u32) {
         items_loop(items, false, body),
     ];
     (out, 128)
+}
+
+/// The key and value tiles of key head `kh` the forward and the dQ pass
+/// walk (`kt`/`vt`, fetched into `kn`/`vn`), rows `kstride` and `vstride`
+/// elements apart.
+fn key_value_tiles(k: &AttentionKernel, kstride: i64, vstride: i64) -> [Staged; 2] {
+    use AttentionBuffer::*;
+    [
+        Staged {
+            buf: "kbuf",
+            cur: "kt",
+            next: "kn",
+            role: K,
+            head: id("kh"),
+            len: k.k_len,
+            width: k.head_dim,
+            stride: kstride,
+        },
+        Staged {
+            buf: "vbuf",
+            cur: "vt",
+            next: "vn",
+            role: V,
+            head: id("kh"),
+            len: k.k_len,
+            width: k.value_dim,
+            stride: vstride,
+        },
+    ]
 }
 
 /// A tensor-core pass's rows: 4 warps of 16 from `first`, this thread's
@@ -851,28 +828,7 @@ pub(super) fn query_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
         vec![set(ix("dq", id("x")), zero())],
     ));
     body.extend(c.key_range(t));
-    let staged = [
-        Staged {
-            buf: "kbuf",
-            cur: "kt",
-            next: "kn",
-            role: K,
-            head: id("kh"),
-            len: k.k_len,
-            width: hd,
-            stride: kstride,
-        },
-        Staged {
-            buf: "vbuf",
-            cur: "vt",
-            next: "vn",
-            role: V,
-            head: id("kh"),
-            len: k.k_len,
-            width: vd,
-            stride: vstride,
-        },
-    ];
+    let staged = key_value_tiles(k, kstride, vstride);
     let mut tile = vec![
         array("float", "s", ns * 4),
         array("float", "dp", ns * 4),

@@ -61,7 +61,7 @@ mod rows;
 mod syntax;
 
 use prelude::{COLUMNS, GRADS, REDUCE, SCAN};
-pub(crate) use syntax::{at, bin, call, decl, id, var, Writer, C, S};
+pub(crate) use syntax::{at, bin, call, decl, grid_thread, id, var, Writer, C, S};
 
 // ---- emission --------------------------------------------------------------
 
@@ -646,15 +646,7 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
             inner.extend(e.section(&values, &stores, None, (lanes > 1).then_some(&l)));
             body.push(S::For {
                 var: "flat".into(),
-                from: bin(
-                    "+",
-                    bin(
-                        "*",
-                        C::Cast("long long", Box::new(id("blockIdx.x"))),
-                        id("blockDim.x"),
-                    ),
-                    id("threadIdx.x"),
-                ),
+                from: grid_thread(),
                 to: id("total"),
                 step: id("stride"),
                 body: inner,

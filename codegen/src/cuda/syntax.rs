@@ -205,3 +205,16 @@ impl Writer {
         }
     }
 }
+
+/// This thread's index in the whole grid, as `long long`.
+pub(crate) fn grid_thread() -> C {
+    bin(
+        "+",
+        bin(
+            "*",
+            C::Cast("long long", Box::new(id("blockIdx.x"))),
+            id("blockDim.x"),
+        ),
+        id("threadIdx.x"),
+    )
+}

@@ -312,9 +312,7 @@ impl<'a> Executor<'a> {
             tp_rank: self.tp_rank,
             tp: self.tp,
         };
-        for &(i, key) in key_sizes {
-            sizes[i] = key.bind(&at, |t| self.numel(t));
-        }
+        at.bind_keys(&mut sizes, key_sizes, |t| self.numel(t));
         Args {
             sizes,
             scalars: Vec::new(),
