@@ -47,7 +47,8 @@ fn a_described_device_plans_as_the_catalog_device_it_describes() {
         fp32 = 66.9 TFLOP/s, memory = 80 GiB, memory_bandwidth = 3350 GB/s,
         matmul_efficiency = 0.7160905599353143,
         fused_attention_efficiency = 0.6367495451788964,
-        fused_attention_backward_efficiency = 0.5372953305033354, multiprocessors = 132)
+        fused_attention_backward_efficiency = 0.5372953305033354,
+        unaligned_matmul_efficiency = 0.12511995670597734, multiprocessors = 132)
     intra_node = nvswitch(bandwidth = 450 GB/s, latency = 2 us)
     inter_node = infiniband(bandwidth = 50 GB/s per device, latency = 5 us)
 }

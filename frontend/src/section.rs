@@ -444,6 +444,7 @@ fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
             "flash2_backward_efficiency",
             "fused_attention_efficiency",
             "fused_attention_backward_efficiency",
+            "unaligned_matmul_efficiency",
             "multiprocessors",
         ],
         SIGNATURE,
@@ -479,6 +480,7 @@ fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
     let flash2_backward_efficiency = fraction("flash2_backward_efficiency")?;
     let fused_attention_efficiency = fraction("fused_attention_efficiency")?;
     let fused_attention_backward_efficiency = fraction("fused_attention_backward_efficiency")?;
+    let unaligned_matmul_efficiency = fraction("unaligned_matmul_efficiency")?;
     let spec = DeviceSpec {
         name,
         peak_bf16: bf16,
@@ -503,6 +505,7 @@ fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
         flash2_backward_efficiency,
         fused_attention_efficiency,
         fused_attention_backward_efficiency,
+        unaligned_matmul_efficiency,
         multiprocessors: f.count("multiprocessors", Some(0))?,
     };
     for (key, x) in [

@@ -187,6 +187,12 @@ pub struct DeviceSpec {
     /// The same for its backward; `None` takes the forward's.
     #[serde(default)]
     pub fused_attention_backward_efficiency: Option<f64>,
+    /// The fraction of peak a GEMM sustains when a row of an operand or of
+    /// its output is not a whole number of 16-byte pieces and the stack
+    /// does not pad it (`elementwise=eager`); `None` takes the matmul
+    /// efficiency (no penalty).
+    #[serde(default)]
+    pub unaligned_matmul_efficiency: Option<f64>,
     /// Streaming multiprocessors (compute units) for wave quantization; 0: none.
     pub multiprocessors: u64,
 }

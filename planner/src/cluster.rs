@@ -48,6 +48,12 @@ pub struct Device {
     pub fused_attention_efficiency: f64,
     /// The same for its backward pass.
     pub fused_attention_backward_efficiency: f64,
+    /// The fraction of peak a GEMM sustains when a row of an operand or of
+    /// its output is not a whole number of 16-byte pieces (GPT-2's 50,257
+    /// logits) and the stack does not pad it: eager PyTorch
+    /// (`elementwise=eager`); Inductor pads such GEMMs, Megatron pads the
+    /// vocabulary. Where none was measured, the large-GEMM efficiency.
+    pub unaligned_matmul_efficiency: f64,
     pub intra_node: Link,
     pub inter_node: Link,
     /// Devices in the usual node (DGX/HGX have 8).
@@ -134,6 +140,16 @@ const H100_FLASH2: (f64, f64) = (284.1 / 989.4, 287.1 / 989.4);
 /// the softmax's recomputation and dQ's atomic accumulation). Ampere has
 /// nothing faster than FlashAttention-2, so there `fused` is FlashAttention-2.
 const H100_FLASH3: (f64, f64) = (630.0 / 989.4, 531.6 / 989.4);
+/// A GEMM whose rows are not whole 16-byte pieces on the H100 die, measured
+/// by this project on an H200 (bench/RESULTS.md, "The second H200 session",
+/// run E: cuBLAS 13, bf16, median of three steps): GPT-2's logits and their
+/// two gradients, 32,768 × 50,257 × 768 each (7.589 TFLOP), in 26.69 +
+/// 17.95 + 16.66 ms = 123.8 TFLOP/s, 12.5% of 989.4, where the same run's
+/// aligned GEMMs of the same model ran at 525–715 TFLOP/s: Hopper's tensor
+/// memory accelerator needs 16-byte strides, and without it cuBLAS falls
+/// back to kernels that load two bytes at a time.
+const H100_UNALIGNED: f64 =
+    (2.0 * 32768.0 * 50257.0 * 768.0 * 3.0 / (26.69 + 17.95 + 16.66) / 1e-3) / (989.4 * TERA);
 
 /// NVLink/NVSwitch and NCCL-over-InfiniBand latencies per hop: a few microseconds
 /// (NCCL's own tuning model uses ~1–2 µs per NVLink step and ~5 µs over the network).
@@ -193,6 +209,7 @@ pub fn catalog() -> Vec<Device> {
         flash2_backward_efficiency: A100_FLASH2.1,
         fused_attention_efficiency: A100_FLASH2.0,
         fused_attention_backward_efficiency: A100_FLASH2.1,
+        unaligned_matmul_efficiency: A100_MAMF,
         intra_node: link("nvswitch", 300.0 * GB, NVLINK_LATENCY_S),
         inter_node: link("infiniband", 25.0 * GB, IB_LATENCY_S),
         devices_per_node: 8,
@@ -219,6 +236,7 @@ pub fn catalog() -> Vec<Device> {
         flash2_backward_efficiency: H100_FLASH2.1,
         fused_attention_efficiency: H100_FLASH3.0,
         fused_attention_backward_efficiency: H100_FLASH3.1,
+        unaligned_matmul_efficiency: H100_UNALIGNED,
         intra_node: link("nvswitch", 450.0 * GB, NVLINK_LATENCY_S),
         inter_node: link("infiniband", 50.0 * GB, IB_LATENCY_S),
         devices_per_node: 8,
@@ -255,6 +273,7 @@ pub fn catalog() -> Vec<Device> {
             flash2_backward_efficiency: B200_MSMF,
             fused_attention_efficiency: B200_MSMF,
             fused_attention_backward_efficiency: B200_MSMF,
+            unaligned_matmul_efficiency: B200_MSMF,
             intra_node: link("nvswitch", 900.0 * GB, NVLINK_LATENCY_S),
             inter_node: link("infiniband", 50.0 * GB, IB_LATENCY_S),
             devices_per_node: 8,
@@ -277,6 +296,7 @@ pub fn catalog() -> Vec<Device> {
             flash2_backward_efficiency: DEFAULT_MAMF,
             fused_attention_efficiency: DEFAULT_MAMF,
             fused_attention_backward_efficiency: DEFAULT_MAMF,
+            unaligned_matmul_efficiency: DEFAULT_MAMF,
             intra_node: link("infinity-fabric", 448.0 * GB, NVLINK_LATENCY_S),
             inter_node: link("infiniband", 50.0 * GB, IB_LATENCY_S),
             devices_per_node: 8,
@@ -299,6 +319,7 @@ pub fn catalog() -> Vec<Device> {
             flash2_backward_efficiency: DEFAULT_MAMF,
             fused_attention_efficiency: DEFAULT_MAMF,
             fused_attention_backward_efficiency: DEFAULT_MAMF,
+            unaligned_matmul_efficiency: DEFAULT_MAMF,
             intra_node: link("nvlink", 150.0 * GB, NVLINK_LATENCY_S),
             inter_node: link("infiniband", 6.25 * GB, IB_LATENCY_S),
             devices_per_node: 8,
@@ -321,6 +342,7 @@ pub fn catalog() -> Vec<Device> {
             flash2_backward_efficiency: DEFAULT_MAMF,
             fused_attention_efficiency: DEFAULT_MAMF,
             fused_attention_backward_efficiency: DEFAULT_MAMF,
+            unaligned_matmul_efficiency: DEFAULT_MAMF,
             intra_node: link("shm", 10.0 * GB, 1e-6),
             inter_node: link("ethernet", 1.25 * GB, 20e-6),
             devices_per_node: 1024,
@@ -513,6 +535,10 @@ fn custom_device(d: &dplc_ir::DeviceSpec, spec: &ClusterSpec) -> Result<Device, 
         fused_attention_backward_efficiency: d
             .fused_attention_backward_efficiency
             .or(d.fused_attention_efficiency)
+            .or(d.matmul_efficiency)
+            .unwrap_or(DEFAULT_MAMF),
+        unaligned_matmul_efficiency: d
+            .unaligned_matmul_efficiency
             .or(d.matmul_efficiency)
             .unwrap_or(DEFAULT_MAMF),
         intra_node: unused(),

@@ -66,6 +66,14 @@ fn separate_accum_bytes(precision: Precision) -> f64 {
     precision.bytes() as f64 + 8.0
 }
 
+/// Whether a row of `len` elements of `elt` bytes is a whole number of
+/// 16-byte pieces, the alignment a GEMM's fast kernels load (Hopper's
+/// tensor memory accelerator needs 16-byte strides).
+fn whole_pieces(len: f64, elt: f64) -> bool {
+    let per = 16.0 / elt;
+    len.fract() == 0.0 && (len / per).fract() == 0.0
+}
+
 /// Output tiles cuBLAS uses for large bf16/fp16 GEMMs on sm80/sm90; it picks
 /// the one that wastes least (NVIDIA, "Matrix Multiplication Background User's
 /// Guide": tile and wave quantization).
@@ -699,7 +707,19 @@ impl<'a> CostModel<'a> {
                         (t + cast_in, t * *backward_gemms as f64 + cast_grad)
                     } else {
                         let bytes = (m * k + k * n + m * n) * elt / div;
-                        let t = self.gemm_time(mt, nt, flops, bytes);
+                        // The rows each rank's GEMMs read and write: `n`
+                        // (output, B) and `k` (A), as split.
+                        let kt = if *split == GemmSplit::Row { k / tp } else { k };
+                        let t = if c.elementwise == Elementwise::Eager
+                            && !(whole_pieces(nt, elt) && whole_pieces(kt, elt))
+                        {
+                            // Nothing pads it: the unaligned kernels' rate.
+                            let dev = &self.cluster.device;
+                            let rate = self.peak_flops * dev.unaligned_matmul_efficiency;
+                            self.gemm_time_at(rate, mt, nt, flops, bytes)
+                        } else {
+                            self.gemm_time(mt, nt, flops, bytes)
+                        };
                         gemm_times.insert(op.node, t);
                         (t, t * *backward_gemms as f64)
                     }
