@@ -285,6 +285,7 @@ impl Ctx<'_> {
         let draw = call(
             "dplc_random",
             vec![
+                id("dplc_rng"),
                 id("seed"),
                 C::Lit(format!("{}ULL", d.key.node)),
                 size(d.key.layer),
@@ -1137,6 +1138,10 @@ pub fn emit_attention(kernel: &AttentionKernel, pass: AttentionPass, dtype: DTyp
     for (i, s) in p.iter().enumerate() {
         let sep = if i + 1 == p.len() { ") {" } else { "," };
         w.line(&format!("{s}{sep}"));
+    }
+    // The dropout's draw site's memo of its key, per thread (`dplc_random`).
+    if kernel.dropout.is_some() {
+        w.line("dplc_draws dplc_rng = {0ULL, 0ULL, false};");
     }
     w.stmts(&body);
     w.depth -= 1;

@@ -130,7 +130,7 @@ fn gpt2_dropout_draws() {
                     for line in src
                         .source
                         .lines()
-                        .filter(|l| l.contains("dplc_random(seed"))
+                        .filter(|l| l.contains("dplc_random(dplc_rng"))
                     {
                         out += &format!("cuda: {}\n", line.trim());
                     }
@@ -151,7 +151,7 @@ fn gpt2_dropout_draws() {
             for line in src
                 .source
                 .lines()
-                .filter(|l| l.contains("dplc_random(seed"))
+                .filter(|l| l.contains("dplc_random(dplc_rng"))
             {
                 out += &format!("cuda: {}\n", line.trim());
             }

@@ -235,6 +235,7 @@ impl Emit<'_> {
             Expr::Random { key, index: ix } => call(
                 "dplc_random",
                 vec![
+                    id(draws_memo(i)),
                     id("seed"),
                     C::Lit(format!("{}ULL", key.node)),
                     size(key.layer),
@@ -542,6 +543,11 @@ fn operands(e: &Expr) -> Vec<usize> {
     }
 }
 
+/// The name of draw site `i`'s memo (a `dplc_draws` a thread).
+fn draws_memo(i: usize) -> String {
+    format!("dplc_rng{i}")
+}
+
 /// `{op}_{dtype}_{hash8}`: the hash covers the kernel IR and the storage type.
 pub fn kernel_name(k: &Kernel, dtype: DType) -> String {
     let h = crate::kernel::fnv1a(format!("{}\n{}", dtype.name(), k.text()).as_bytes());
@@ -608,6 +614,15 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
         .scan_direction()
         .expect("generated kernels scan in one direction");
     let mut body = Vec::new();
+    // Each draw site's memo of its key, per thread (`dplc_random`).
+    for (i, v) in kernel.values.iter().enumerate() {
+        if matches!(v, Expr::Random { .. }) {
+            body.push(S::Line(format!(
+                "dplc_draws {} = {{0ULL, 0ULL, false}};",
+                draws_memo(i)
+            )));
+        }
+    }
     let launch;
     match kernel.space.inner {
         None => {

@@ -27,12 +27,20 @@ __device__ __forceinline__ unsigned long long dplc_mix(unsigned long long z) {
 __device__ __forceinline__ unsigned long long dplc_absorb(unsigned long long h, unsigned long long w) {
     return dplc_mix(h ^ dplc_mix(w));
 }
+// A call site's key folded up to its last sample: the key's words and the
+// sample are hashed once per sample rather than once per element (half a
+// draw's work), the draws unchanged.
+struct dplc_draws {
+    unsigned long long sample, h;
+    bool ready;
+};
 // `seed` is the key after the run's seed and the step; element `index` is
 // position index % per of sample first + index / per (per 0: position index
-// of the shared sample ~0).
-__device__ __forceinline__ float dplc_random(unsigned long long seed, unsigned long long node,
-                                             long long layer, long long first, long long per,
-                                             long long index) {
+// of the shared sample ~0). `memo` is the call site's (one per site a
+// thread, declared `dplc_draws m = {0ULL, 0ULL, false};`).
+__device__ __forceinline__ float dplc_random(dplc_draws& memo, unsigned long long seed,
+                                             unsigned long long node, long long layer,
+                                             long long first, long long per, long long index) {
     unsigned long long sample = ~0ULL, pos = (unsigned long long)index;
     if (per > 0) {
         // index / per without a 64-bit division (tens of instructions an
@@ -52,8 +60,13 @@ __device__ __forceinline__ float dplc_random(unsigned long long seed, unsigned l
         sample = (unsigned long long)(first + q);
         pos = (unsigned long long)r;
     }
-    unsigned long long h = dplc_absorb(dplc_absorb(seed, node), (unsigned long long)layer);
-    h = dplc_absorb(dplc_absorb(h, sample), pos);
+    if (!memo.ready || memo.sample != sample) {
+        const unsigned long long key = dplc_absorb(dplc_absorb(seed, node), (unsigned long long)layer);
+        memo.h = dplc_absorb(key, sample);
+        memo.sample = sample;
+        memo.ready = true;
+    }
+    const unsigned long long h = dplc_absorb(memo.h, pos);
     return (float)(h >> 40) * (1.0f / 16777216.0f);
 }
 #endif
