@@ -12,9 +12,9 @@
 #   3. fused attention forward and backward (bf16, causal) at GPT-2-small's
 #      and Llama 2 7B's shapes; with --torch, PyTorch's flash SDPA at the same
 #      shapes (bench/torch_attention.py) and the ratio (target >= 0.8x);
-#   4. trains gpt_tiny, gpt2 and a Llama-shaped model (bench/llama_gpu.dpl)
-#      on GPU 0 with `dplc run --cluster 1xH100 --json`, and gpt2 split tp=2
-#      and pp=2 over two ranks sharing GPU 0 (`--cluster 2xH100 --gpus 1`)
+#   4. trains gpt_tiny, gpt2 (with its dropout and without: what the draws
+#      cost a step) and a Llama-shaped model (bench/llama_gpu.dpl) on GPU 0
+#      with `dplc run --cluster 1xH100 --json`, and gpt2 split tp=2 and pp=2 over two ranks sharing GPU 0 (`--cluster 2xH100 --gpus 1`)
 #      beside the same step unsplit: losses, tokens/s, the measured step
 #      against the plan's predicted step, the allocator's measured peak
 #      against the plan's predicted peak memory;
@@ -23,7 +23,8 @@
 #   5. with --torch, PyTorch eager and torch.compile on a GPT-2-small layer
 #      forward+backward, and on the whole gpt2 training step of (4) with the
 #      same micro-batch, micro-batch count and sequence
-#      (bench/torch_gpt2_step.py), and dplc's tokens/s against both;
+#      (bench/torch_gpt2_step.py), and dplc's tokens/s against both; eager
+#      again without dropout, beside dplc's dropout-free run;
 #   6. writes the results, with date, device and command, to
 #      $LOG_DIR/gpu-check.md and appends them to bench/RESULTS.md; the raw logs
 #      go to $LOG_DIR (target/gpu-check, or $OUT when that is set, as one
@@ -136,9 +137,12 @@ if [[ "$TORCH" == 1 ]] && wanted attention; then
 fi
 
 # --- 4. training
+# gpt2 without dropout, beside the run with it: what the draws cost a step.
+sed 's/dropout = 0\.1)/dropout = 0.0)/' models/gpt2.dpl > "$LOG_DIR/gpt2_nodrop.dpl"
 RUNS=(
     "tiny|models/tiny.dpl --model gpt_tiny --steps 20"
     "gpt2|models/gpt2.dpl --model gpt2 --global-batch 32 --steps 4"
+    "gpt2_nodrop|$LOG_DIR/gpt2_nodrop.dpl --model gpt2 --global-batch 32 --steps 4"
     "llama|bench/llama_gpu.dpl --model llama_gpu --steps 3"
     "gpt2_serial|models/gpt2.dpl --model gpt2 --global-batch 8 --steps 3"
     "gpt2_tp2|models/gpt2.dpl --model gpt2 --global-batch 8 --steps 3 --cluster 2xH100 --gpus 1 --strategy tp=2"
@@ -157,7 +161,7 @@ TRAIN_LINES="$(python3 - "$LOG_DIR" <<'PY'
 import json, os, sys
 d = sys.argv[1]
 gib = 1 << 30
-for name in ["tiny", "gpt2", "llama", "gpt2_serial", "gpt2_tp2", "gpt2_pp2"]:
+for name in ["tiny", "gpt2", "gpt2_nodrop", "llama", "gpt2_serial", "gpt2_tp2", "gpt2_pp2"]:
     if not os.path.exists(os.path.join(d, name + ".cmd")):
         continue
     cmd = open(os.path.join(d, name + ".cmd")).read().strip()
@@ -212,6 +216,10 @@ PY
     ); then
         part "torch step" 200 bash -c "PYTHONUNBUFFERED=1 python3 bench/torch_gpt2_step.py --micro-batch $MB --micro-batches $M --seq $SEQ --warmup 1 --steps 3 > '$LOG_DIR/torch-step.log' 2>&1"
         STEP_LINES="$(grep -E '^(device|eager_step|compile_step)' "$LOG_DIR/torch-step.log" || true)"
+        # PyTorch eager without dropout, beside dplc's gpt2_nodrop run.
+        part "torch step, no dropout" 120 bash -c "PYTHONUNBUFFERED=1 python3 bench/torch_gpt2_step.py --micro-batch $MB --micro-batches $M --seq $SEQ --warmup 1 --steps 3 --modes eager --dropout 0 > '$LOG_DIR/torch-step-nodrop.log' 2>&1"
+        NODROP="$(awk '$1 == "eager_step" { print $2 }' "$LOG_DIR/torch-step-nodrop.log")"
+        [[ -n "$NODROP" ]] && STEP_LINES+=$'\n'"eager_step without dropout: ${NODROP} tokens/s"
         STEP_LINES+=$'\n'"dplc_step ${DPLC_TPS} tokens/s (gpt2, ${M} x ${MB} sequences of ${SEQ}, median after the first step)"
         for mode in eager compile; do
             theirs="$(awk -v m="${mode}_step" '$1 == m { print $2 }' "$LOG_DIR/torch-step.log")"
