@@ -15,8 +15,9 @@
 #   4. trains gpt_tiny, gpt2 (with its dropout and without: what the draws
 #      cost a step) and a Llama-shaped model (bench/llama_gpu.dpl) on GPU 0
 #      with `dplc run --cluster 1xH100 --json`, and gpt2 split tp=2 and pp=2
-#      over two ranks sharing GPU 0 (`--cluster 2xH100 --gpus 1`) beside the same step unsplit: losses, tokens/s, the measured step
-#      against the plan's predicted step, the allocator's measured peak
+#      over two ranks sharing GPU 0 (`--cluster 2xH100 --gpus 1`) beside
+#      the same step unsplit: losses, tokens/s, the measured step against
+#      the plan's predicted step, the allocator's measured peak
 #      against the plan's predicted peak memory;
 #      and profiles a gpt2 step (DPLC_PROFILE=1: every call waited for and
 #      timed, one row per kernel, matmul shape and memory operation);
