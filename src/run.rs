@@ -782,6 +782,9 @@ pub fn train_prepared_on(
             summary["kernels"] = json!(d.kernels);
             summary["collectives"] = json!(d.collectives.name());
         }
+        if let Some(n) = report.host_crossings {
+            summary["host_crossings"] = json!(n);
+        }
         // The fused compute counts its memory (a GPU's allocator, or the
         // host backend's buffers on CPU ranks): beside what the plan said.
         if let Some(peak) = report.memory_peak_bytes {

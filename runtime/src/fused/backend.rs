@@ -140,6 +140,12 @@ pub trait Backend {
     fn peak_bytes(&self) -> Option<usize> {
         None
     }
+    /// Uploads and downloads so far, every handle on this memory's, when
+    /// counted: each is a copy over the host link and, downloading, a wait
+    /// for the device.
+    fn host_crossings(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// The CPU device: kernels interpreted, matmuls in f64, float tensors
@@ -153,9 +159,9 @@ pub trait Backend {
 pub struct HostBackend {
     live: Rc<RefCell<(usize, usize)>>,
     storage: DType,
-    /// Uploads and downloads so far, every handle's: each is a copy over
-    /// the host link and, downloading, a wait for the device on a GPU.
-    crossings: Rc<Cell<usize>>,
+    /// Uploads and downloads so far, every handle's
+    /// ([`Backend::host_crossings`]).
+    crossings: Rc<Cell<u64>>,
 }
 
 impl Default for HostBackend {
@@ -194,11 +200,6 @@ impl HostBackend {
             storage,
             crossings: Rc::default(),
         }
-    }
-
-    /// How many uploads and downloads every handle on this memory made.
-    pub fn crossings(&self) -> usize {
-        self.crossings.get()
     }
 
     fn cross(&self) {
@@ -432,6 +433,10 @@ impl Backend for HostBackend {
             }
             _ => Err(kernel_err("matmul", format!("{mm:?}: C is too small"))),
         }
+    }
+
+    fn host_crossings(&self) -> Option<u64> {
+        Some(self.crossings.get())
     }
 
     fn peak_bytes(&self) -> Option<usize> {

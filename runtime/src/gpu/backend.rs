@@ -464,6 +464,10 @@ impl Backend for CudaBackend {
         Ok(self.dev.synchronize()?)
     }
 
+    fn host_crossings(&self) -> Option<u64> {
+        Some(self.dev.host_crossings())
+    }
+
     fn peak_bytes(&self) -> Option<usize> {
         Some(self.dev.memory_stats().peak_requested)
     }

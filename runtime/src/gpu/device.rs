@@ -154,6 +154,8 @@ pub struct GpuDevice {
     stream: Arc<CudaStream>,
     pool: Pool,
     sm_count: u32,
+    /// Uploads and downloads so far, every backend's on this device.
+    crossings: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for GpuDevice {
@@ -228,6 +230,7 @@ impl GpuDevice {
             stream,
             pool,
             sm_count,
+            crossings: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -349,6 +352,8 @@ impl GpuDevice {
 
     /// Copy raw bytes to a new device buffer.
     pub fn upload_bytes(&self, data: &[u8]) -> GpuResult<DeviceBuffer> {
+        self.crossings
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut b = self.alloc(data.len())?;
         let mut view = b.slice_mut().slice_mut(0..data.len());
         self.stream
@@ -379,6 +384,8 @@ impl GpuDevice {
 
     /// Read back the first `len` bytes of a buffer (waits for the stream).
     pub fn download_bytes(&self, b: &DeviceBuffer, len: usize) -> GpuResult<Vec<u8>> {
+        self.crossings
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if len > b.bytes() {
             return Err(GpuError::Invalid(format!(
                 "reading {len} bytes of a {}-byte buffer",
@@ -392,6 +399,11 @@ impl GpuDevice {
             .map_err(|e| driver("copy to host", e))?;
         self.synchronize()?;
         Ok(out)
+    }
+
+    /// Uploads and downloads so far on this device.
+    pub fn host_crossings(&self) -> u64 {
+        self.crossings.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Upload floats stored as `dtype` (f32, bf16 or f16; rounded to nearest even).

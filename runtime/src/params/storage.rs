@@ -74,6 +74,11 @@ pub(crate) trait Storage {
     fn peak_bytes(&self) -> Option<u64> {
         None
     }
+    /// Copies between the host and the device so far, where the storage has
+    /// a device that counts them (the compute's on it included).
+    fn host_crossings(&self) -> Option<u64> {
+        None
+    }
 
     /// Sum the concatenation of `vs` over `group`, in place (one message).
     fn all_reduce(

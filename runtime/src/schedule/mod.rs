@@ -123,6 +123,8 @@ struct RankOut {
     stage: usize,
     peak_activation_bytes: u64,
     device_peak_bytes: Option<u64>,
+    /// Host–device copies its store's device counted (the compute's too).
+    host_crossings: Option<u64>,
     /// Layers its forwards ran for micro-batch 0 of the first step.
     layers_run: u64,
     exported: Vec<Exported>,
@@ -386,6 +388,7 @@ fn assemble(
     let mut stage_layers = vec![0; cfg.pp];
     let mut peak_activation_bytes = 0;
     let mut device_peak = None;
+    let mut host_crossings = None;
     let mut dp_traffic = vec![Traffic::default(); cfg.ranks()];
     for r in results {
         let out = r?;
@@ -395,6 +398,7 @@ fn assemble(
         }
         peak_activation_bytes = peak_activation_bytes.max(out.peak_activation_bytes);
         device_peak = device_peak.max(out.device_peak_bytes);
+        host_crossings = host_crossings.max(out.host_crossings);
         for e in out.exported {
             let (axis, index) = e.part.unwrap_or((0, 0));
             parts
@@ -426,6 +430,7 @@ fn assemble(
         peak_activation_bytes,
         dp_traffic,
         memory_peak_bytes: device_peak,
+        host_crossings,
         device: shared.gpus.iter().flatten().next().map(|g| DeviceUse {
             name: g.name().to_string(),
             peak_bytes: device_peak.unwrap_or(0),

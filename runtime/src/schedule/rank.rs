@@ -315,6 +315,7 @@ fn drive<'a, S: Storage>(
         stage,
         peak_activation_bytes: r.peak_activation_bytes,
         device_peak_bytes: r.store.storage.peak_bytes(),
+        host_crossings: r.store.storage.host_crossings(),
         layers_run: r.layers_run,
         exported,
     };

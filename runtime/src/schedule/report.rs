@@ -82,6 +82,12 @@ pub struct TrainReport {
     /// the fused compute, on a GPU's allocator or the host backend's
     /// buffers (`None` on the reference compute).
     pub memory_peak_bytes: Option<u64>,
+    /// The most copies between host and device any rank's fused compute
+    /// made over the run (uploads and downloads, its training state's
+    /// included; `None` on the reference compute). Past the first step a
+    /// one-rank step crosses only for its inputs, its losses and its
+    /// gradient norm.
+    pub host_crossings: Option<u64>,
     /// What a GPU run used of its devices (`None` on CPU ranks).
     pub device: Option<DeviceUse>,
     /// How the fused compute ran the model's attentions (`None` on the
