@@ -145,7 +145,7 @@ const H100_FLASH3: (f64, f64) = (630.0 / 989.4, 531.6 / 989.4);
 /// run E: cuBLAS 13, bf16, median of three steps): GPT-2's logits and their
 /// two gradients, 32,768 × 50,257 × 768 each (7.589 TFLOP), in 26.69 +
 /// 17.95 + 16.66 ms = 123.8 TFLOP/s, 12.5% of 989.4, where the same run's
-/// aligned GEMMs of the same model ran at 525–715 TFLOP/s: Hopper's tensor
+/// aligned GEMMs of the same model ran at 525–728 TFLOP/s: Hopper's tensor
 /// memory accelerator needs 16-byte strides, and without it cuBLAS falls
 /// back to kernels that load two bytes at a time.
 const H100_UNALIGNED: f64 =
