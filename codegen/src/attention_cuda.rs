@@ -20,8 +20,8 @@ use dplc_ir::DType;
 
 mod mma;
 use mma::{
-    forward_mma, key_value_grad_mma, query_grad_mma, query_grad_tensor_cores, tensor_cores,
-    MMA_BF16, MMA_F16,
+    forward_mma, key_value_grad_mma, mma_prelude, query_grad_mma, query_grad_tensor_cores,
+    tensor_cores,
 };
 
 /// Rows of a block's own tile (queries, or keys for `dK`/`dV`): one a thread
@@ -1119,11 +1119,7 @@ pub fn emit_attention(kernel: &AttentionKernel, pass: AttentionPass, dtype: DTyp
     };
     let mut w = Writer::with_prelude(dtype);
     if mma {
-        w.out.push_str(if dtype == DType::BF16 {
-            MMA_BF16
-        } else {
-            MMA_F16
-        });
+        w.out.push_str(&mma_prelude(dtype));
     }
     w.line("");
     w.line(&format!("// {}", pass.name()));

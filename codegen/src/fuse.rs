@@ -97,6 +97,20 @@ pub struct KeyPlace {
 }
 
 impl KeyPlace {
+    /// Micro-batch `micro_batch` samples from `first_sample`, at `layer`,
+    /// on a rank with no tensor or context split.
+    pub fn unsplit(layer: u64, first_sample: u64, micro_batch: usize) -> KeyPlace {
+        KeyPlace {
+            layer,
+            first_sample,
+            micro_batch,
+            cp_rank: 0,
+            cp: 1,
+            tp_rank: 0,
+            tp: 1,
+        }
+    }
+
     /// Bind every dropout key argument `keys` names in `sizes` (a launch's
     /// size arguments) at this place; `numel` counts a tensor's elements.
     pub fn bind_keys(

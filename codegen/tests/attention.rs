@@ -520,9 +520,7 @@ fn placed_args(
         tp: at.tp,
     };
     let mut sizes: Vec<i64> = sizes.iter().map(|d| dim(d, syms, g) as i64).collect();
-    for &(i, k) in key_sizes {
-        sizes[i] = k.bind(&key, numel);
-    }
+    key.bind_keys(&mut sizes, key_sizes, numel);
     Args {
         sizes,
         scalars: vec![],

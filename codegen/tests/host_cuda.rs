@@ -41,15 +41,7 @@ fn graph_cases(g: &Graph, out: &mut Vec<Case>) {
     let syms: HashMap<String, i64> = [("batch".to_string(), 3), ("seq".to_string(), 8)].into();
     // The dropout's key as a run binds it (layer 1 of a micro-batch of 3
     // from sample 5): each draw splits its index into sample and position.
-    let place = dplc_codegen::KeyPlace {
-        layer: 1,
-        first_sample: 5,
-        micro_batch: 3,
-        cp_rank: 0,
-        cp: 1,
-        tp_rank: 0,
-        tp: 1,
-    };
+    let place = dplc_codegen::KeyPlace::unsplit(1, 5, 3);
     let numel = |t: dplc_ir::TensorId| -> usize {
         g.tensor(t)
             .shape

@@ -571,15 +571,7 @@ fn bench_attention() {
         // The dropout's key as a run binds it (the first micro-batch of
         // layer 0): with its per-sample size, each draw splits its index
         // into sample and position, as in training.
-        let place = dplc_codegen::KeyPlace {
-            layer: 0,
-            first_sample: 0,
-            micro_batch: batch as usize,
-            cp_rank: 0,
-            cp: 1,
-            tp_rank: 0,
-            tp: 1,
-        };
+        let place = dplc_codegen::KeyPlace::unsplit(0, 0, batch as usize);
         let numel = |t: dplc_ir::TensorId| -> usize {
             g.tensor(t)
                 .shape

@@ -204,17 +204,24 @@ fn var_int(name: &str) -> S {
     S::Line(format!("int {name} = 0;"))
 }
 
-/// Tensor-core helpers: one `m16n8k16` step with f32 accumulators, and two
-/// floats packed into the storage type's pair (the lower column in the low half).
-pub(super) const MMA_BF16: &str = r#"#ifndef DPLC_MMA
+/// Tensor-core helpers for 16-bit storage `ty` (`bf16` or `f16`): one
+/// `m16n8k16` step with f32 accumulators, two floats packed into the
+/// storage type's pair (the lower column in the low half), and sm_80's
+/// `cp.async` for the tiles.
+pub(super) fn mma_prelude(dtype: DType) -> String {
+    let ty = if dtype == DType::BF16 { "bf16" } else { "f16" };
+    MMA_PRELUDE.replace("{ty}", ty)
+}
+
+const MMA_PRELUDE: &str = r#"#ifndef DPLC_MMA
 #define DPLC_MMA
 __device__ __forceinline__ void dplc_mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 __device__ __forceinline__ unsigned dplc_pack(float lo, float hi) {
-    unsigned r; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
+    unsigned r; asm("cvt.rn.{ty}x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
 }
 // A 16-byte copy global → shared that the copying thread waits for later
 // (sm_80's cp.async): the next tile's fetch overlaps this tile's compute.
@@ -227,26 +234,35 @@ __device__ __forceinline__ void dplc_cp_async_wait() { asm volatile("cp.async.wa
 #endif
 "#;
 
-pub(super) const MMA_F16: &str = r#"#ifndef DPLC_MMA
-#define DPLC_MMA
-__device__ __forceinline__ void dplc_mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+/// Score `s`'s probability `p` (0 where query `qi` may not see key `kj`
+/// or the row saw nothing: its log-sum-exp `lse` is −∞) and the dropout's
+/// factor `kp`, declared as the backward passes recompute them.
+fn probability(c: &Ctx, s: C, lse: C, b: &C, h: &C) -> [S; 2] {
+    let (qi, kj) = (id("qi"), id("kj"));
+    [
+        decl(
+            "float",
+            "p",
+            C::Cond(
+                Box::new(bin(
+                    "&&",
+                    c.visible(&qi, &kj),
+                    bin("!=", lse.clone(), neg_inf()),
+                )),
+                Box::new(call(
+                    "expf",
+                    vec![bin("-", c.scaled(s, b, h, &qi, &kj), lse)],
+                )),
+                Box::new(zero()),
+            ),
+        ),
+        decl(
+            "float",
+            "kp",
+            c.keep(b, h, &qi, &kj).unwrap_or(C::Lit("1.0f".into())),
+        ),
+    ]
 }
-__device__ __forceinline__ unsigned dplc_pack(float lo, float hi) {
-    unsigned r; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
-}
-// A 16-byte copy global → shared that the copying thread waits for later
-// (sm_80's cp.async): the next tile's fetch overlaps this tile's compute.
-__device__ __forceinline__ void dplc_cp_async16(void* smem, const void* gmem) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-                 :: "r"((unsigned)__cvta_generic_to_shared(smem)), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void dplc_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void dplc_cp_async_wait() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-#endif
-"#;
 
 /// Two 16-bit elements as one register, the first in the low half.
 fn pair_bits(lo: C, hi: C) -> C {
@@ -846,8 +862,8 @@ pub(super) fn query_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
         ),
     );
     let at_x = |name: &str| ix(name, bin("+", bin("*", id("nb"), ll(4)), id("x")));
-    let lse_x = ix("lse", bin("/", id("x"), ll(2)));
     let delta_x = ix("delta", bin("/", id("x"), ll(2)));
+    let [p, kp] = probability(c, at_x("s"), ix("lse", bin("/", id("x"), ll(2))), &b, &h);
     tile.push(unrolled(
         "nb",
         ns,
@@ -857,32 +873,8 @@ pub(super) fn query_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
             vec![
                 decl("long long", "qi", qi),
                 decl("long long", "kj", kj),
-                decl(
-                    "float",
-                    "p",
-                    C::Cond(
-                        Box::new(bin(
-                            "&&",
-                            c.visible(&id("qi"), &id("kj")),
-                            bin("!=", lse_x.clone(), neg_inf()),
-                        )),
-                        Box::new(call(
-                            "expf",
-                            vec![bin(
-                                "-",
-                                c.scaled(at_x("s"), &b, &h, &id("qi"), &id("kj")),
-                                lse_x,
-                            )],
-                        )),
-                        Box::new(zero()),
-                    ),
-                ),
-                decl(
-                    "float",
-                    "kp",
-                    c.keep(&b, &h, &id("qi"), &id("kj"))
-                        .unwrap_or(C::Lit("1.0f".into())),
-                ),
+                p.clone(),
+                kp.clone(),
                 set(
                     at_x("s"),
                     bin(
@@ -1044,6 +1036,7 @@ pub(super) fn key_value_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
         bin("*", id("nb"), ll(8)),
         bin("+", bin("*", id("tq"), ll(2)), bin("%", id("x"), ll(2))),
     );
+    let [p, kp] = probability(c, at_x("s"), id("lq"), &b, &h);
     tile.push(unrolled(
         "nb",
         ns,
@@ -1055,32 +1048,8 @@ pub(super) fn key_value_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
                 decl("long long", "qc", qcol),
                 decl("long long", "qi", bin("+", id("i0"), id("qc"))),
                 decl("float", "lq", ix("lt", id("qc"))),
-                decl(
-                    "float",
-                    "p",
-                    C::Cond(
-                        Box::new(bin(
-                            "&&",
-                            c.visible(&id("qi"), &id("kj")),
-                            bin("!=", id("lq"), neg_inf()),
-                        )),
-                        Box::new(call(
-                            "expf",
-                            vec![bin(
-                                "-",
-                                c.scaled(at_x("s"), &b, &h, &id("qi"), &id("kj")),
-                                id("lq"),
-                            )],
-                        )),
-                        Box::new(zero()),
-                    ),
-                ),
-                decl(
-                    "float",
-                    "kp",
-                    c.keep(&b, &h, &id("qi"), &id("kj"))
-                        .unwrap_or(C::Lit("1.0f".into())),
-                ),
+                p.clone(),
+                kp.clone(),
                 set(
                     at_x("dp"),
                     bin(
