@@ -112,6 +112,20 @@ fn dim(d: &Dim, syms: &HashMap<String, i64>, g: &Graph) -> i64 {
     v.as_int().expect("whole dimension")
 }
 
+/// `‖got − want‖ / ‖want‖`, infinities that agree left out (a masked
+/// score's −∞ on both sides).
+fn relative_error(got: &[f32], want: &[f32]) -> f64 {
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (x, y) in got.iter().zip(want) {
+        if y.is_infinite() && x == y {
+            continue;
+        }
+        num += (f64::from(*x) - f64::from(*y)).powi(2);
+        den += f64::from(*y).powi(2);
+    }
+    num.sqrt() / den.sqrt().max(1e-30)
+}
+
 struct Rng(u64);
 
 impl Rng {
@@ -205,15 +219,7 @@ fn compare(
             DType::F32
         };
         let got = dev.download_f32(&bufs[i], want.len(), d).expect("download");
-        let (mut num, mut den) = (0.0f64, 0.0f64);
-        for (x, y) in got.iter().zip(want) {
-            if y.is_infinite() && x == y {
-                continue;
-            }
-            num += (f64::from(*x) - f64::from(*y)).powi(2);
-            den += f64::from(*y).powi(2);
-        }
-        let rel = num.sqrt() / den.sqrt().max(1e-30);
+        let rel = relative_error(&got, want);
         assert!(rel.is_finite(), "{}: non-finite output", gk.name);
         worst = worst.max(rel);
     }
@@ -1151,15 +1157,7 @@ fn attention_matches(dtype: DType, tol: f64, test: &str) {
                             DType::F32
                         };
                         let got = dev.download_f32(buf, want.len(), d).expect("download");
-                        let (mut num, mut den) = (0.0f64, 0.0f64);
-                        for (x, y) in got.iter().zip(want) {
-                            if y.is_infinite() && x == y {
-                                continue;
-                            }
-                            num += (f64::from(*x) - f64::from(*y)).powi(2);
-                            den += f64::from(*y).powi(2);
-                        }
-                        let rel = num.sqrt() / den.sqrt().max(1e-30);
+                        let rel = relative_error(&got, want);
                         assert!(
                             rel <= tol,
                             "{} {role:?} ({dtype:?}): relative error {rel:e} > {tol:e}",
