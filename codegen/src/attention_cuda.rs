@@ -19,6 +19,7 @@ use crate::kernel::{drop_threshold, Elem, Idx, Size};
 use dplc_ir::DType;
 
 mod mma;
+mod staging;
 use mma::{
     forward_mma, key_value_grad_mma, mma_prelude, query_grad_mma, query_grad_tensor_cores,
     tensor_cores,
