@@ -498,6 +498,17 @@ impl Plan {
                 ),
             ));
         }
+        if s.recompute_layers > 0
+            && (s.recompute != Recompute::Full || s.recompute_layers > self.layers)
+        {
+            return Err(PlanInvalid::new(
+                "strategy.recompute_layers",
+                format!(
+                    "{}: recomputing some layers of each chunk needs recompute = full and at most the model's {} layers",
+                    s.recompute_layers, self.layers
+                ),
+            ));
+        }
         let v = s.virtual_stages;
         match s.schedule {
             PipelineSchedule::Interleaved if v < 2 => {

@@ -137,6 +137,53 @@ impl Recompute {
     }
 }
 
+/// What a stage keeps of each layer for its backward: the policy, and
+/// under `Full` how many layers of each chunk it covers (Megatron's
+/// `--recompute-method block --recompute-num-layers N`: the first N layers
+/// of each model chunk rerun their forward, the others keep everything).
+/// A chunk is a stage's run of one stack's layers — each virtual stage's
+/// when interleaved. The one place that says which layers are recomputed:
+/// the runtime asks [`LayerRecompute::at`], the planner
+/// [`LayerRecompute::recomputed`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LayerRecompute {
+    pub policy: Recompute,
+    /// Under `Full`, the layers of each chunk recomputed; 0: every layer.
+    pub layers: u64,
+}
+
+impl LayerRecompute {
+    pub fn of(s: &Strategy) -> LayerRecompute {
+        LayerRecompute {
+            policy: s.recompute,
+            layers: s.recompute_layers,
+        }
+    }
+
+    /// Whether only some layers of a chunk are recomputed.
+    pub fn is_partial(self) -> bool {
+        self.policy == Recompute::Full && self.layers > 0
+    }
+
+    /// What the layer at `position` of its chunk (0: the chunk's first) does.
+    pub fn at(self, position: u64) -> Recompute {
+        if self.is_partial() && position >= self.layers {
+            Recompute::None
+        } else {
+            self.policy
+        }
+    }
+
+    /// How many of a chunk's `len` layers rerun their forward under `Full`.
+    pub fn recomputed(self, len: u64) -> u64 {
+        match self.policy {
+            Recompute::Full if self.layers > 0 => self.layers.min(len),
+            Recompute::Full => len,
+            _ => 0,
+        }
+    }
+}
+
 /// The choices besides the mesh.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Strategy {
@@ -151,6 +198,11 @@ pub struct Strategy {
     /// 0: replicated; 1: optimizer states sharded over dp; 2: + gradients; 3: + weights.
     pub zero_stage: u8,
     pub recompute: Recompute,
+    /// Under `recompute = full`, the layers of each model chunk recomputed
+    /// ([`LayerRecompute`]); 0: every layer. Plans written before this field
+    /// existed recomputed every layer.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub recompute_layers: u64,
     pub sequence_parallel: bool,
     /// Data-parallel gradient reduction starts bucket by bucket while the last
     /// micro-batch's backward runs (`true`), or only once backward is done:
@@ -834,9 +886,21 @@ impl fmt::Display for Strategy {
         }
         write!(
             f,
-            ", ZeRO-{}, recompute {}, sequence parallel {}",
+            ", ZeRO-{}, recompute {}",
             self.zero_stage,
-            self.recompute.name(),
+            self.recompute.name()
+        )?;
+        if self.recompute_layers > 0 {
+            write!(
+                f,
+                " (the first {} layer{} of each chunk)",
+                self.recompute_layers,
+                if self.recompute_layers == 1 { "" } else { "s" }
+            )?;
+        }
+        write!(
+            f,
+            ", sequence parallel {}",
             if self.sequence_parallel { "on" } else { "off" }
         )?;
         if !self.overlap_grad_reduce {

@@ -171,6 +171,9 @@ pub(crate) struct Config {
     pub virtual_stages: u64,
     pub zero: u8,
     pub recompute: Recompute,
+    /// Under `Recompute::Full`, the layers of each chunk recomputed; 0: every
+    /// layer ([`dplc_ir::LayerRecompute`]).
+    pub recompute_layers: u64,
     pub sp: bool,
     /// Data-parallel gradient reduction overlapped with the last backward.
     pub overlap: bool,
@@ -201,6 +204,24 @@ pub(crate) struct Config {
 }
 
 impl Config {
+    /// What a stage keeps of each layer for its backward.
+    pub fn layer_recompute(&self) -> dplc_ir::LayerRecompute {
+        dplc_ir::LayerRecompute {
+            policy: self.recompute,
+            layers: self.recompute_layers,
+        }
+    }
+
+    /// This configuration with nothing recomputed: what the layers that
+    /// partial recomputation keeps cost.
+    pub fn keeping_every_layer(&self) -> Config {
+        Config {
+            recompute: Recompute::None,
+            recompute_layers: 0,
+            ..*self
+        }
+    }
+
     /// Whether ZeRO-3 keeps the stage's gathered weights and whole
     /// gradients through the step (under a pipeline; one all-gather and one
     /// reduce-scatter a step, [`dplc_ir::zero3_holds_the_step`]).
@@ -979,11 +1000,23 @@ impl<'a> CostModel<'a> {
         extra
     }
 
+    /// The work of stage `i`'s layers (and lead-ins) for one micro-batch:
+    /// under partial recomputation the layers it recomputes at the cost of
+    /// full recomputation, the others at the cost of none.
+    pub(crate) fn layers_pass(&mut self, c: &Config, counts: &[u64], i: usize) -> PassCost {
+        let (rerun, kept) = self.recompute_split(c, counts, i);
+        let mut s = self.parts(c).of(&rerun);
+        if !kept.is_empty() {
+            s.add(&self.parts(&c.keeping_every_layer()).of(&kept), 1.0);
+        }
+        s
+    }
+
     /// The work of one micro-batch on stage `i` (all its chunks) holding `counts[i]` layers.
     pub fn stage_pass(&mut self, c: &Config, counts: &[u64], i: usize) -> PassCost {
         let parts = self.parts(c);
         let shares = self.stage_shares(c, counts, i);
-        let mut s = parts.of(&shares);
+        let mut s = self.layers_pass(c, counts, i);
         if i == 0 {
             s.add(&parts.pre, 1.0);
         }

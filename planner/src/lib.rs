@@ -187,12 +187,18 @@ fn what_ifs(req: &PlanRequest, plan: &Plan, cache: &layouts::LayoutCache) -> Vec
             ));
         }
     }
+    let now = match s.recompute_layers {
+        0 => s.recompute.name().to_string(),
+        n => format!("{} (first {n} of each chunk)", s.recompute.name()),
+    };
     for r in [Recompute::None, Recompute::Selective, Recompute::Full] {
-        if r != s.recompute {
+        if r != s.recompute || s.recompute_layers > 0 {
             variants.push((
-                format!("recompute {} → {}", s.recompute.name(), r.name()),
+                format!("recompute {now} → {}", r.name()),
                 StrategyConstraints {
                     recompute: Some(r),
+                    // `full` here is every layer.
+                    recompute_layers: (r == Recompute::Full).then_some(0),
                     ..base.clone()
                 },
             ));
@@ -521,6 +527,19 @@ fn compile_one(req: &PlanRequest, cache: &layouts::LayoutCache) -> Result<Compil
         if n.saturating_mul(2) > layers {
             return Err(PlanError::Strategy(format!(
                 "fp8_bf16_ends={n} keeps {n} layers at each end in bf16, but the model has {layers}"
+            )));
+        }
+    }
+    if let Some(n) = req.pinned.recompute_layers.filter(|&n| n > 0) {
+        if req.pinned.recompute.is_some_and(|r| r != Recompute::Full) {
+            return Err(PlanError::Strategy(format!(
+                "recompute_layers={n} recomputes some layers fully: it needs recompute=full (or no recompute pinned)"
+            )));
+        }
+        let layers = dplc_ir::Analysis::new(req.graph).layers();
+        if n > layers {
+            return Err(PlanError::Strategy(format!(
+                "recompute_layers={n} recomputes {n} layers of each chunk, but the model has {layers}"
             )));
         }
     }

@@ -4,7 +4,8 @@
 //! stage peaks. The step time is `cost`'s; the constants here are stated
 //! with their sources, the same for every model and cluster.
 
-use crate::cost::{Config, CostModel, GRAD_BYTES};
+use crate::cost::{Config, CostModel, Parts, GRAD_BYTES};
+use crate::profile::StackShare;
 use dplc_ir::{MemoryBreakdown, Precision, Recompute};
 
 /// What a GPU process holds besides the plan's tensors: the CUDA context
@@ -134,10 +135,20 @@ impl CostModel<'_> {
         } else {
             0.0
         };
-        let saved: f64 = shares
-            .iter()
-            .map(|sh| sh.layers as f64 * parts.stacks[sh.stack].0.saved_bytes)
-            .sum();
+        // Under partial recomputation the layers it keeps hold everything.
+        let (rerun, kept) = self.recompute_split(c, counts, i as usize);
+        let every = if kept.is_empty() {
+            parts.clone()
+        } else {
+            self.parts(&c.keeping_every_layer())
+        };
+        let kept_by = |shares: &[StackShare], parts: &Parts| -> f64 {
+            shares
+                .iter()
+                .map(|sh| sh.layers as f64 * parts.stacks[sh.stack].0.saved_bytes)
+                .sum()
+        };
+        let saved = kept_by(&rerun, &parts) + kept_by(&kept, &every);
         // Held through the step, the whole weights and gradients sit beside
         // the shards they are gathered from and reduced into.
         let held = if c.holds_the_step() { params } else { 0.0 };
@@ -185,8 +196,12 @@ impl CostModel<'_> {
         if o.activations {
             // Each layer's saved tensors go out in forward and come back in
             // backward: the device holds the layer at work and the next.
-            let on_device = Self::largest(&shares, |k| parts.stacks[k].0.saved_bytes)
-                * (layers.min(2) as f64)
+            let on_device = Self::largest(&shares, |k| {
+                parts.stacks[k]
+                    .0
+                    .saved_bytes
+                    .max(every.stacks[k].0.saved_bytes)
+            }) * (layers.min(2) as f64)
                 * flight;
             m.host += m.activations.saturating_sub(on_device as u64);
             m.activations = on_device as u64;

@@ -61,6 +61,11 @@ pub(crate) fn strategy(c: &Config, global_batch: u64, seq: u64) -> Strategy {
         virtual_stages: c.virtual_stages,
         zero_stage: c.zero,
         recompute: c.recompute,
+        recompute_layers: if c.recompute == Recompute::Full {
+            c.recompute_layers
+        } else {
+            0
+        },
         sequence_parallel: c.sp,
         overlap_grad_reduce: c.overlap,
         attention: c.attention,
@@ -83,6 +88,7 @@ pub(crate) fn strategy(c: &Config, global_batch: u64, seq: u64) -> Strategy {
 pub(crate) fn step_flops(
     profile: &ModelProfile,
     c: &Config,
+    recomputed: &[u64],
     global_batch: u64,
     seq: u64,
 ) -> (f64, f64) {
@@ -97,7 +103,8 @@ pub(crate) fn step_flops(
     let extra: f64 = profile
         .stacks
         .iter()
-        .map(|st| {
+        .zip(recomputed)
+        .map(|(st, &rerun)| {
             let layers = st.layers as f64;
             match c.recompute {
                 Recompute::None => 0.0,
@@ -106,7 +113,7 @@ pub(crate) fn step_flops(
                     layers * bind.eval(&st.attention_core_flops)
                 }
                 Recompute::Selective => 0.0,
-                Recompute::Full => layers * bind.eval(&st.layer.forward_flops),
+                Recompute::Full => rerun as f64 * bind.eval(&st.layer.forward_flops),
                 Recompute::Op => layers * bind.eval(&st.op_recompute_flops),
             }
         })
@@ -178,25 +185,32 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
     let m = c.num_micro_batches;
     // The first stage's: its layers of each stack.
     let shares0 = cost.stage_shares(c, &cand.counts, 0);
+    // Of those, per stack, the layers full recomputation runs again.
+    let mut rerun0 = vec![0u64; profile.stacks.len()];
+    if c.recompute == Recompute::Full {
+        for sh in cost.recompute_split(c, &cand.counts, 0).0 {
+            rerun0[sh.stack] += sh.layers;
+        }
+    }
     let names: Vec<String> = (0..profile.stacks.len())
         .map(|i| crate::layouts::stack_name(i, profile.stacks.len()))
         .collect();
     let mut out = Vec::new();
     let tp_link = cost.link(c, MeshAxis::Tp);
     if c.tp > 1 {
-        // Each region, how often a micro-batch runs it, its name, and
-        // whether it is a layer (which full recomputation runs twice).
-        let mut regions: Vec<(&RegionProfile, u64, &str, bool)> = Vec::new();
+        // Each region, how often a micro-batch runs it, its name, and how
+        // often full recomputation runs it again.
+        let mut regions: Vec<(&RegionProfile, u64, &str, u64)> = Vec::new();
         for sh in &shares0 {
             let st = &profile.stacks[sh.stack];
-            regions.push((&st.layer, sh.layers, &names[sh.stack], true));
+            regions.push((&st.layer, sh.layers, &names[sh.stack], rerun0[sh.stack]));
             if sh.first && sh.stack > 0 {
-                regions.push((&st.lead_in, 1, "between stacks", false));
+                regions.push((&st.lead_in, 1, "between stacks", 0));
             }
         }
-        regions.push((&profile.pre, 1, "embedding", false));
-        regions.push((&profile.post, u64::from(c.pp == 1), "head", false));
-        for (region, per_mb, name, is_layer) in regions {
+        regions.push((&profile.pre, 1, "embedding", 0));
+        regions.push((&profile.post, u64::from(c.pp == 1), "head", 0));
+        for (region, per_mb, name, rerun) in regions {
             for col in &region.collectives {
                 if col.sequence_parallel_only && !c.sp {
                     continue;
@@ -225,7 +239,7 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
                         per_mb * m,
                         &tp_link,
                     );
-                    if phase == StepPhase::Forward && c.recompute == Recompute::Full && is_layer {
+                    if phase == StepPhase::Forward && rerun > 0 {
                         push(
                             &mut out,
                             kind,
@@ -233,7 +247,7 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
                             &what,
                             bytes,
                             StepPhase::Recompute,
-                            per_mb * m,
+                            rerun * m,
                             &tp_link,
                         );
                     }
@@ -247,9 +261,9 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
         // gradients of those with one.
         let link = cost.link(c, MeshAxis::Cp);
         // Each region, how often a micro-batch runs it, what its gathers and
-        // reduce-scatters move, and whether it is a layer (gathering again
-        // when fully recomputed).
-        let mut regions: Vec<(&RegionProfile, u64, String, String, bool)> = Vec::new();
+        // reduce-scatters move, and how often full recomputation gathers
+        // again.
+        let mut regions: Vec<(&RegionProfile, u64, String, String, u64)> = Vec::new();
         for sh in &shares0 {
             let st = &profile.stacks[sh.stack];
             let name = &names[sh.stack];
@@ -258,7 +272,7 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
                 sh.layers,
                 format!("{name}: keys and values (every operand read along the whole sequence)"),
                 format!("{name}: key and value gradients"),
-                true,
+                rerun0[sh.stack],
             ));
             if sh.first && sh.stack > 0 {
                 regions.push((
@@ -266,7 +280,7 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
                     1,
                     "between stacks: operands read along the whole sequence".into(),
                     "between stacks: their gradients".into(),
-                    false,
+                    0,
                 ));
             }
         }
@@ -275,16 +289,16 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
             1,
             "embedding: operands read along the whole sequence".into(),
             "embedding: their gradients".into(),
-            false,
+            0,
         ));
         regions.push((
             &profile.post,
             u64::from(c.pp == 1),
             "head: per-token losses before their mean".into(),
             "head: their gradients".into(),
-            false,
+            0,
         ));
-        for (region, per_mb, gathered, scattered, is_layer) in regions {
+        for (region, per_mb, gathered, scattered, rerun) in regions {
             let (forward, backward) = region.cp_traffic(&bind, c.tp as f64);
             push(
                 &mut out,
@@ -296,7 +310,7 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
                 per_mb * m,
                 &link,
             );
-            if is_layer && c.recompute == Recompute::Full {
+            if rerun > 0 {
                 push(
                     &mut out,
                     CollectiveKind::AllGather,
@@ -304,7 +318,7 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
                     &gathered,
                     forward,
                     StepPhase::Recompute,
-                    per_mb * m,
+                    rerun * m,
                     &link,
                 );
             }
@@ -550,7 +564,8 @@ pub(crate) fn build_plan(
             }
         })
         .collect();
-    let (model_flops, hw_flops) = step_flops(profile, &c, global_batch, seq);
+    let recomputed = cost.recomputed_layers(&c, &best.counts);
+    let (model_flops, hw_flops) = step_flops(profile, &c, &recomputed, global_batch, seq);
     let world = cluster.world_size() as f64;
     let step = best.step_time;
     let peak = cluster.device.peak_flops(profile.precision);

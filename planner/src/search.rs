@@ -270,6 +270,7 @@ pub(crate) fn search(
                                 virtual_stages: 1,
                                 zero: 0,
                                 recompute: Recompute::None,
+                                recompute_layers: pins.recompute_layers.unwrap_or(0),
                                 sp: false,
                                 overlap: pins.overlap_grad_reduce.unwrap_or(true),
                                 attention: pins.attention.unwrap_or(AttentionKind::Fused),
@@ -415,7 +416,9 @@ fn explore(
             Recompute::Full,
             Recompute::Op,
         ] {
-            if pins.recompute.is_some_and(|p| p != recompute) {
+            if pins.recompute.is_some_and(|p| p != recompute)
+                || (pins.recompute_layers.is_some() && recompute != Recompute::Full)
+            {
                 continue;
             }
             // torchtitan's op-level policy is an engine's, priced when pinned.
@@ -477,6 +480,7 @@ fn explore(
                     let key = (
                         Config {
                             zero: 0,
+                            recompute_layers: 0,
                             schedule: PipelineSchedule::OneFOneB,
                             virtual_stages: 1,
                             order: AxisOrder::DataInner,
@@ -489,6 +493,18 @@ fn explore(
                         .or_insert_with(|| cost.partition(&c))
                         .clone();
                     let (peak, stage) = cost.peak_memory(&c, &counts);
+                    // Unasked, full recomputation covers only the layers it
+                    // must: the fewest of each chunk that fit.
+                    let (c, peak, stage) = if c.recompute == Recompute::Full
+                        && pins.recompute.is_none()
+                        && pins.recompute_layers.is_none()
+                        && peak <= capacity
+                        && !ignore_memory
+                    {
+                        fewest_recomputed(cost, c, &counts, capacity).unwrap_or((c, peak, stage))
+                    } else {
+                        (c, peak, stage)
+                    };
                     let smaller = out
                         .smallest
                         .as_ref()
@@ -526,6 +542,46 @@ fn explore(
             }
         }
     }
+}
+
+/// The configuration recomputing the fewest layers of each chunk (the
+/// first ones, Megatron's block method) whose peak still fits `capacity`,
+/// with its peak and the stage at it; `None` when only every layer fits.
+/// `c` recomputes every layer and fits; the peak only falls as more layers
+/// are recomputed, so a bisection finds the fewest.
+fn fewest_recomputed(
+    cost: &mut CostModel,
+    c: Config,
+    counts: &[u64],
+    capacity: u64,
+) -> Option<(Config, u64, u64)> {
+    let chunks = if c.schedule == PipelineSchedule::Interleaved {
+        c.virtual_stages.max(1)
+    } else {
+        1
+    };
+    let longest = dplc_ir::virtual_stage_layers(counts, chunks)
+        .into_iter()
+        .max()
+        .unwrap_or(0);
+    let with = |k: u64| Config {
+        recompute_layers: k,
+        ..c
+    };
+    // Invariant: `hi` layers fit (`longest` is every layer); `lo` do not.
+    let (mut lo, mut hi) = (0, longest);
+    let mut at_hi = None;
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        let (peak, stage) = cost.peak_memory(&with(mid), counts);
+        if peak <= capacity {
+            hi = mid;
+            at_hi = Some((peak, stage));
+        } else {
+            lo = mid;
+        }
+    }
+    at_hi.map(|(peak, stage)| (with(hi), peak, stage))
 }
 
 /// Step times within 0.05% of each other tie: the model is not that precise,

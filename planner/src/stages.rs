@@ -153,32 +153,54 @@ impl CostModel<'_> {
                 first: i == 0,
             }];
         }
-        let chunks = if c.schedule == PipelineSchedule::Interleaved {
-            c.virtual_stages.max(1)
-        } else {
-            1
-        };
-        let mut ranges: Vec<Range<u64>> = Vec::new();
-        let mut start = 0;
-        for (k, n) in dplc_ir::virtual_stage_layers(counts, chunks)
-            .into_iter()
-            .enumerate()
-        {
-            if k % counts.len() == i {
-                ranges.push(start..start + n);
-            }
-            start += n;
+        let mut out = Vec::new();
+        for r in stage_ranges(c, counts, i) {
+            merge(&mut out, prof.shares(r));
         }
-        let mut out: Vec<StackShare> = Vec::new();
-        for r in ranges {
-            for sh in prof.shares(r) {
-                match out.iter_mut().find(|o| o.stack == sh.stack) {
-                    Some(o) => {
-                        o.layers += sh.layers;
-                        o.first |= sh.first;
-                    }
-                    None => out.push(sh),
+        out
+    }
+
+    /// Stage `i`'s layers split by what partial recomputation does with
+    /// them: `(recomputed, kept)`, the first `c.recompute_layers` of each
+    /// chunk's run of a stack and the rest ([`dplc_ir::LayerRecompute`]).
+    /// Without partial recomputation every layer is in the first list.
+    pub fn recompute_split(
+        &self,
+        c: &Config,
+        counts: &[u64],
+        i: usize,
+    ) -> (Vec<StackShare>, Vec<StackShare>) {
+        let policy = c.layer_recompute();
+        if !policy.is_partial() {
+            return (self.stage_shares(c, counts, i), Vec::new());
+        }
+        let (mut rerun, mut kept) = (Vec::new(), Vec::new());
+        for r in stage_ranges(c, counts, i) {
+            for sh in self.profile.shares(r) {
+                let n = policy.recomputed(sh.layers);
+                merge(&mut rerun, [StackShare { layers: n, ..sh }]);
+                if sh.layers > n {
+                    merge(
+                        &mut kept,
+                        [StackShare {
+                            layers: sh.layers - n,
+                            first: false,
+                            ..sh
+                        }],
+                    );
                 }
+            }
+        }
+        (rerun, kept)
+    }
+
+    /// Per stack, the layers of the whole model that rerun their forward
+    /// under full recomputation (all of them unless it is partial).
+    pub fn recomputed_layers(&self, c: &Config, counts: &[u64]) -> Vec<u64> {
+        let mut out = vec![0; self.profile.stacks.len()];
+        for i in 0..counts.len() {
+            for sh in self.recompute_split(c, counts, i).0 {
+                out[sh.stack] += sh.layers;
             }
         }
         out
@@ -195,6 +217,41 @@ impl CostModel<'_> {
             PipelineSchedule::Interleaved => {
                 ((2 * (p - i - 1) + (v - 1) * p + 1).min(m * v)) as f64 / v as f64
             }
+        }
+    }
+}
+
+/// The model's layer ranges stage `i` runs, one per chunk (one unless
+/// interleaved), when the stages hold `counts` layers.
+fn stage_ranges(c: &Config, counts: &[u64], i: usize) -> Vec<Range<u64>> {
+    let chunks = if c.schedule == PipelineSchedule::Interleaved {
+        c.virtual_stages.max(1)
+    } else {
+        1
+    };
+    let mut ranges = Vec::new();
+    let mut start = 0;
+    for (k, n) in dplc_ir::virtual_stage_layers(counts, chunks)
+        .into_iter()
+        .enumerate()
+    {
+        if k % counts.len() == i {
+            ranges.push(start..start + n);
+        }
+        start += n;
+    }
+    ranges
+}
+
+/// Add `shares` to `out`, one entry per stack.
+fn merge(out: &mut Vec<StackShare>, shares: impl IntoIterator<Item = StackShare>) {
+    for sh in shares {
+        match out.iter_mut().find(|o| o.stack == sh.stack) {
+            Some(o) => {
+                o.layers += sh.layers;
+                o.first |= sh.first;
+            }
+            None => out.push(sh),
         }
     }
 }

@@ -22,6 +22,13 @@ pub struct StrategyConstraints {
     pub virtual_stages: Option<u64>,
     pub zero: Option<u8>,
     pub recompute: Option<Recompute>,
+    /// `recompute_layers=N` (implies `recompute=full`): only the first N
+    /// layers of each model chunk rerun their forward, Megatron's
+    /// `--recompute-method block --recompute-num-layers N`;
+    /// `recompute_layers=all` (`Some(0)`) pins every layer. Unpinned, a
+    /// pinned `recompute=full` covers every layer and the search's own full
+    /// recomputation the fewest layers that fit.
+    pub recompute_layers: Option<u64>,
     pub sequence_parallel: Option<bool>,
     /// `overlap=off` pins the data-parallel gradient reduction after backward;
     /// the search itself always overlaps (it is never slower).
@@ -190,6 +197,7 @@ impl StrategyConstraints {
             virtual_stages: Some(s.virtual_stages),
             zero: Some(s.zero_stage),
             recompute: Some(s.recompute),
+            recompute_layers: (s.recompute == Recompute::Full).then_some(s.recompute_layers),
             sequence_parallel: Some(s.sequence_parallel),
             overlap_grad_reduce: (!s.overlap_grad_reduce).then_some(false),
             attention: Some(s.attention),
@@ -335,6 +343,16 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
                             "recompute is none, selective, full or op, got `{value}`"
                         )))
                     }
+                })
+            }
+            "recompute_layers" => {
+                c.recompute_layers = Some(match value.to_ascii_lowercase().as_str() {
+                    "all" => 0,
+                    v => v.parse().ok().filter(|&n: &u64| n > 0).ok_or_else(|| {
+                        err(format!(
+                            "recompute_layers is how many layers of each chunk rerun their forward (at least 1), or `all`, got `{value}`"
+                        ))
+                    })?,
                 })
             }
             "sp" | "sequence_parallel" => c.sequence_parallel = Some(on_off()?),
@@ -495,7 +513,7 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
             }
             _ => {
                 return Err(err(format!(
-                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, sp, overlap, attention, tp_overlap, grad_accum, root, order, stages, fp8, fp8_gather, fp8_bf16_ends, offload, elementwise, shards, sync, ps_shards, ps_ranks, staleness, compress"
+                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, recompute_layers, sp, overlap, attention, tp_overlap, grad_accum, root, order, stages, fp8, fp8_gather, fp8_bf16_ends, offload, elementwise, shards, sync, ps_shards, ps_ranks, staleness, compress"
                 )))
             }
         }
@@ -545,6 +563,7 @@ fn choice_of(key: &str) -> Option<&'static str> {
         "zero" => "zero",
         "schedule" => "schedule",
         "recompute" => "recompute",
+        "recompute_layers" => "recompute_layers",
         "sp" | "sequence_parallel" => "sp",
         "overlap" | "overlap_grad_reduce" => "overlap",
         "attention" => "attention",
@@ -592,6 +611,11 @@ impl fmt::Display for StrategyConstraints {
         }
         if let Some(r) = self.recompute {
             parts.push(format!("recompute={}", r.name()));
+        }
+        match self.recompute_layers {
+            Some(0) => parts.push("recompute_layers=all".to_string()),
+            Some(n) => parts.push(format!("recompute_layers={n}")),
+            None => {}
         }
         let on_off = |b: bool| if b { "on" } else { "off" };
         if let Some(sp) = self.sequence_parallel {

@@ -9,8 +9,8 @@ use crate::shard::Layouts;
 use crate::tensor::Tensor;
 use crate::vjp;
 use dplc_ir::{
-    GradPlan, Graph, NodeId, Op, ParamId, Recompute, RegionId, Shape, TensorId, TensorLayout,
-    VocabOp,
+    GradPlan, Graph, LayerRecompute, NodeId, Op, ParamId, Recompute, RegionId, Shape, TensorId,
+    TensorLayout, VocabOp,
 };
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
@@ -134,8 +134,9 @@ pub(crate) struct Interp<'g> {
     /// Seed, step and samples of this micro-batch; node and layer are set per op.
     pub key: DropoutKey,
     /// What a layer keeps for its backward: everything, everything but the
-    /// core-attention tensors (`dplc_ir::attention_core`), or its arguments.
-    pub recompute: Recompute,
+    /// core-attention tensors (`dplc_ir::attention_core`), or its arguments
+    /// — by its place in the chunk under partial recomputation.
+    pub recompute: LayerRecompute,
     /// Tensor- and expert-parallel layouts; `None` runs everything whole.
     pub layouts: Option<&'g Layouts>,
 }
@@ -408,7 +409,7 @@ impl<'g> Interp<'g> {
         layer: u64,
         access: &mut dyn ParamAccess,
     ) -> Result<()> {
-        if self.recompute != Recompute::Selective {
+        if self.recompute.policy != Recompute::Selective {
             return Ok(());
         }
         for &n in &self.graph.region(region).nodes {
@@ -452,6 +453,7 @@ impl<'g> Interp<'g> {
             .map(|&t| Self::value(frame, t).cloned())
             .collect::<Result<Vec<_>>>()?;
         let results = self.graph.region(body).results.clone();
+        let first = range.start;
         for i in range {
             let layer = outer_layer * count + i;
             let args: Vec<Value> = carried.iter().chain(&captured).cloned().collect();
@@ -473,7 +475,7 @@ impl<'g> Interp<'g> {
                     self.read_as(&mut body_frame, t, want, access)
                 })
                 .collect::<Result<_>>()?;
-            let tape = match self.recompute {
+            let tape = match self.recompute.at(i - first) {
                 // Op-level checkpointing is refused before a run (see
                 // `dplc run`); a layer checkpoint computes the same values.
                 Recompute::Full | Recompute::Op => Tape::Recompute(args),

@@ -225,7 +225,14 @@ pub fn launch(job: &Job, config: &str) -> String {
         Recompute::Selective | Recompute::Op => {
             flags.push("--recompute-granularity selective".into())
         }
-        Recompute::Full => flags.push("--recompute-granularity full".into()),
+        Recompute::Full if s.recompute_layers == 0 => {
+            flags.push("--recompute-granularity full".into())
+        }
+        Recompute::Full => {
+            flags.push("--recompute-granularity full".into());
+            flags.push("--recompute-method block".into());
+            flags.push(format!("--recompute-num-layers {}", s.recompute_layers));
+        }
     }
     flags.push("--deepspeed".into());
     flags.push(format!("--deepspeed_config {config}"));

@@ -373,10 +373,17 @@ pub fn parallel_flags(plan: &Plan) -> Vec<Flag> {
         Recompute::Selective => f.push(arg("--recompute-granularity", "selective")),
         // Named as a gap; the closest plan recomputes selectively.
         Recompute::Op => f.push(arg("--recompute-granularity", "selective")),
-        Recompute::Full => {
+        // Every layer: `uniform` over groups of one. Some: `block`, the
+        // first N layers of each model chunk, as dplc recomputes them.
+        Recompute::Full if s.recompute_layers == 0 => {
             f.push(arg("--recompute-granularity", "full"));
             f.push(arg("--recompute-method", "uniform"));
             f.push(arg("--recompute-num-layers", 1));
+        }
+        Recompute::Full => {
+            f.push(arg("--recompute-granularity", "full"));
+            f.push(arg("--recompute-method", "block"));
+            f.push(arg("--recompute-num-layers", s.recompute_layers));
         }
     }
     f.push(arg(

@@ -60,6 +60,20 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
             },
         ));
     }
+    let chunks = dplc_ir::virtual_stage_layers(&plan.stage_layers(), plan.chunks());
+    let partial = s.recompute == Recompute::Full
+        && s.recompute_layers > 0
+        && chunks.iter().any(|&n| n > s.recompute_layers);
+    if partial && layer_ac_every(plan).is_none() {
+        gaps.push(Gap::new(
+            format!(
+                "the first {} layers of each chunk recomputed (torchtitan's layer checkpointing \
+                 reruns every N-th layer: as many only where every chunk holds N × {} layers)",
+                s.recompute_layers, s.recompute_layers
+            ),
+            |p| p.recompute_layers = Some(0),
+        ));
+    }
     if m.dp > 1 && s.zero_stage == 1 {
         // Under a pipeline FSDP2 holds a stage's gathered weights and whole
         // gradients through the step (ZeRO-3 as dplc runs it there, the
@@ -216,6 +230,18 @@ fn model_args(t: &Transformer) -> String {
         number(t.norm_eps),
         number(theta)
     )
+}
+
+/// The N of torchtitan's layer checkpointing (`selective_ac_option = "N"`,
+/// every N-th layer rerun) that recomputes as many layers as the plan's
+/// partial recomputation, the first `recompute_layers` of each chunk: where
+/// every chunk holds N times that many. `None` when the plan recomputes
+/// every layer, or no N does.
+fn layer_ac_every(plan: &Plan) -> Option<u64> {
+    let k = plan.strategy.recompute_layers;
+    let counts = dplc_ir::virtual_stage_layers(&plan.stage_layers(), plan.chunks());
+    let n = *counts.first()?;
+    (k > 0 && k < n && counts.iter().all(|&c| c == n) && n % k == 0).then_some(n / k)
 }
 
 /// The modules of each model part: the embedding with the first, the
@@ -401,15 +427,24 @@ pub fn render(job: &Job) -> String {
             );
         }
     }
+    let every = layer_ac_every(plan);
     let _ = writeln!(
         w,
         "\n[activation_checkpoint]\nmode = {}",
         match s.recompute {
             Recompute::None => "\"none\"",
             Recompute::Selective | Recompute::Op => "\"selective\"",
+            Recompute::Full if every.is_some() => "\"selective\"",
             Recompute::Full => "\"full\"",
         }
     );
+    if let (Recompute::Full, Some(n)) = (s.recompute, every) {
+        let _ = writeln!(
+            w,
+            "selective_ac_option = \"{n}\"  # every {n}th layer: as many as dplc's first {} of each chunk, the same price",
+            s.recompute_layers
+        );
+    }
     if matches!(s.recompute, Recompute::Selective | Recompute::Op) {
         let _ = writeln!(
             w,

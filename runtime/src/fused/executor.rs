@@ -799,6 +799,7 @@ impl<'a> Executor<'a> {
         let core = &self.fused.core_steps[&body];
         let mut runs = Vec::with_capacity((layers.end - layers.start) as usize);
         let reshards = self.reshards();
+        let first = layers.start;
         for layer in layers {
             let args: Vec<Val<B>> = carried.iter().chain(&captured).cloned().collect();
             self.layer_hook(n, layer, false, true)?;
@@ -822,7 +823,7 @@ impl<'a> Executor<'a> {
                     body_run.values.remove(t);
                 }
             }
-            runs.push(match self.fused.recompute {
+            runs.push(match self.fused.recompute.at(layer - first) {
                 // `dplc run` and `build` refuse op-level checkpointing (an
                 // engine's policy dplc prices, not runs); a layer checkpoint
                 // computes the same values.

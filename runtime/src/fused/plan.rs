@@ -10,7 +10,10 @@ use dplc_codegen::{
     add_kernel, backward_plan, column_sum_kernel, convert_kernel, fuse_with, AttentionPass,
     BackwardStep, Elem, FuseConfig, FusionPlan, GradBinding, Step,
 };
-use dplc_ir::{AttentionKind, GradPlan, Graph, NodeId, Op, Recompute, RegionId, SavedAt, TensorId};
+use dplc_ir::{
+    AttentionKind, GradPlan, Graph, LayerRecompute, NodeId, Op, Recompute, RegionId, SavedAt,
+    TensorId,
+};
 use std::collections::{HashMap, HashSet};
 
 /// Whether `op` runs as a host step (the others a library call or kernel).
@@ -36,7 +39,7 @@ pub struct FusedGraph {
     /// What a layer keeps for its backward. Recomputed values are the same
     /// values: a dropout draw depends on the step, node, layer and sample,
     /// not on when it runs.
-    pub(super) recompute: Recompute,
+    pub(super) recompute: LayerRecompute,
     /// Per region, the forward steps that write a core-attention tensor:
     /// what selective recomputation drops after a layer's forward and runs
     /// again before its backward.
@@ -310,7 +313,11 @@ impl FusedGraph {
     /// Plan `graph` for a run without recomputation or pipeline cuts, each
     /// attention the fused kernel takes as one step.
     pub fn new(graph: &Graph) -> Result<FusedGraph> {
-        FusedGraph::for_run(graph, Recompute::None, AttentionKind::Fused, &[])
+        let none = LayerRecompute {
+            policy: Recompute::None,
+            layers: 0,
+        };
+        FusedGraph::for_run(graph, none, AttentionKind::Fused, &[])
     }
 
     /// Plan `graph` for a run that recomputes as `recompute` says and runs
@@ -319,7 +326,7 @@ impl FusedGraph {
     /// executor cannot run (MoE routing).
     pub fn for_run(
         graph: &Graph,
-        recompute: Recompute,
+        recompute: LayerRecompute,
         attention: AttentionKind,
         cut: &[TensorId],
     ) -> Result<FusedGraph> {
@@ -350,7 +357,7 @@ impl FusedGraph {
             .iter()
             .map(
                 |(&r, (plan, _)): (&RegionId, &(FusionPlan, Vec<BackwardStep>))| {
-                    let steps = if recompute == Recompute::Selective && r != graph.root() {
+                    let steps = if recompute.policy == Recompute::Selective && r != graph.root() {
                         plan.steps
                             .iter()
                             .enumerate()

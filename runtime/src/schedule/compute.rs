@@ -145,7 +145,7 @@ impl<'a, 'b> Reference<'a, 'b> {
                 tp_rank: pass.tp_rank,
                 tp: sh.cfg.tp,
             },
-            recompute: sh.cfg.recompute,
+            recompute: sh.cfg.layer_recompute(),
             layouts: sh.layouts.as_ref(),
         }
     }

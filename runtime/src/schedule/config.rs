@@ -249,6 +249,9 @@ pub struct RunConfig {
     /// but the core-attention tensors, recomputed before its backward
     /// (`Selective`), or only its inputs, its forward run again (`Full`).
     pub recompute: Recompute,
+    /// Under `Full`, the layers of each chunk recomputed (the first ones);
+    /// 0: every layer ([`dplc_ir::LayerRecompute`]).
+    pub recompute_layers: u64,
     /// How the fused compute runs each attention's core: one fused kernel
     /// (`Fused`, `Flash2`: the same kernels; the two differ in the planner's
     /// rate only) where codegen takes it, or op by op (`Unfused`), as the
@@ -301,6 +304,7 @@ impl Default for RunConfig {
             compress: dplc_ir::Compression::None,
             schedule: Schedule::OneFOneB,
             recompute: Recompute::None,
+            recompute_layers: 0,
             attention: dplc_ir::AttentionKind::Fused,
             compute: Compute::Reference,
             device: Device::Host,
@@ -337,6 +341,14 @@ impl RunConfig {
     }
     /// Weight replicas: every data- and context-parallel rank of a stage,
     /// over which gradients are reduced and ZeRO shards the states.
+    /// What each layer keeps for its backward.
+    pub fn layer_recompute(&self) -> dplc_ir::LayerRecompute {
+        dplc_ir::LayerRecompute {
+            policy: self.recompute,
+            layers: self.recompute_layers,
+        }
+    }
+
     pub fn replicas(&self) -> usize {
         self.dp * self.cp
     }
@@ -382,6 +394,7 @@ impl RunConfig {
             compress: s.compress,
             schedule,
             recompute: s.recompute,
+            recompute_layers: s.recompute_layers,
             attention: s.attention,
             ..RunConfig::default()
         })

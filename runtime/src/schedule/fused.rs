@@ -116,7 +116,12 @@ pub(super) fn plan(sh: &Shared) -> Result<FusedProgram> {
         }
         _ => g.clone(),
     };
-    let fused = FusedGraph::for_run(&graph, cfg.recompute, cfg.attention, &sh.part.extras)?;
+    let fused = FusedGraph::for_run(
+        &graph,
+        cfg.layer_recompute(),
+        cfg.attention,
+        &sh.part.extras,
+    )?;
     let grad = GradPlan::new(&graph);
     Ok(FusedProgram { graph, fused, grad })
 }
