@@ -429,8 +429,14 @@ fn describe(plan: &dplc_ir::Plan) -> String {
     if s.sequence_parallel {
         parts.push("sp".into());
     }
-    if s.recompute != dplc_ir::Recompute::None {
-        parts.push(format!("recompute {}", s.recompute.name()));
+    match s.recompute_layers {
+        _ if s.recompute == dplc_ir::Recompute::None => {}
+        0 => parts.push(format!("recompute {}", s.recompute.name())),
+        n => parts.push(format!(
+            "recompute {} (the first {n} layer{} of each chunk)",
+            s.recompute.name(),
+            if n == 1 { "" } else { "s" }
+        )),
     }
     parts.push(format!(
         "micro-batch {} × {}",

@@ -763,3 +763,59 @@ fn an_interleaved_split_goes_to_megatron_and_torchtitan_as_planned() {
     assert!(err.contains("in 4 chunks"), "{err}");
     assert!(err.contains("schedule=1f1b"), "{err}");
 }
+
+/// Partial recomputation goes to Megatron and DeepSpeed as the block
+/// method (the first N layers of each chunk) and to torchtitan as its
+/// layer checkpointing (every M-th layer) where the counts agree: llama3_8b
+/// on one stage, 8 of its 32 layers, every 4th; 12 of 32 no M gives, so
+/// torchtitan is handed the closest plan, every layer.
+#[test]
+fn partial_recomputation_goes_to_each_engine_as_its_own_knob() {
+    let at = |k: u64| {
+        compile(
+            "models/llama3.dpl",
+            "llama3_8b",
+            "8xH100",
+            &[
+                "--seq",
+                "4096",
+                "--strategy",
+                &format!("tp=2,dp=4,recompute_layers={k}"),
+            ],
+            &format!("partial{k}.ron"),
+        )
+    };
+    let plan = at(8);
+    let out = export(&plan, "megatron", &[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let script = text(&out.stdout);
+    check_megatron(&script);
+    for flag in [
+        "--recompute-granularity full",
+        "--recompute-method block",
+        "--recompute-num-layers 8",
+    ] {
+        assert!(script.contains(flag), "{flag} missing:\n{script}");
+    }
+    let out = export(&plan, "deepspeed", &["--closest"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    // (The closest plan for the other gaps: ZeRO-1, the tp overlap.)
+    let out = export(&plan, "torchtitan", &["--closest"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let toml_text = text(&out.stdout);
+    check_torchtitan(&toml_text, 8);
+    assert!(toml_text.contains("mode = \"selective\""), "{toml_text}");
+    assert!(
+        toml_text.contains("selective_ac_option = \"4\""),
+        "{toml_text}"
+    );
+    assert!(!text(&out.stderr).contains("layers of each chunk recomputed"));
+    let out = export(&at(12), "torchtitan", &["--closest"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("the first 12 layers of each chunk recomputed"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert!(text(&out.stdout).contains("mode = \"full\""));
+}

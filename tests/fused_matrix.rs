@@ -319,18 +319,20 @@ fn fused_uneven_stages_run_as_planned() {
 /// values of unfused attention, and fused attention has none to drop.
 #[test]
 fn fused_recomputation_is_the_same_run_in_less_memory() {
-    let at = |recompute, attention| {
+    let at_some = |recompute, recompute_layers, attention| {
         run(
             "gpt_tiny4_dropout",
             &fused(RunConfig {
                 num_micro_batches: 4,
                 recompute,
+                recompute_layers,
                 attention,
                 ..RunConfig::default()
             }),
             Opt::AdamW,
         )
     };
+    let at = |recompute, attention| at_some(recompute, 0, attention);
     let same = |a: &TrainReport, b: &TrainReport| {
         for (x, y) in a.steps.iter().zip(&b.steps) {
             assert_eq!(x.loss.to_bits(), y.loss.to_bits(), "step {} loss", x.step);
@@ -344,16 +346,20 @@ fn fused_recomputation_is_the_same_run_in_less_memory() {
     let kept = at(Recompute::None, AttentionKind::Fused);
     let selective = at(Recompute::Selective, AttentionKind::Fused);
     let full = at(Recompute::Full, AttentionKind::Fused);
+    // Partial: the first two of the four layers rerun, the others keep all.
+    let half = at_some(Recompute::Full, 2, AttentionKind::Fused);
     same(&kept, &selective);
     same(&kept, &full);
-    let (k, s, f) = (
+    same(&kept, &half);
+    let (k, s, f, h) = (
         kept.peak_activation_bytes,
         selective.peak_activation_bytes,
         full.peak_activation_bytes,
+        half.peak_activation_bytes,
     );
     assert!(
-        f < s && s == k,
-        "fused attention, activation bytes: kept {k}, selective {s}, full {f}"
+        f < h && h < k && s == k,
+        "fused attention, activation bytes: kept {k}, selective {s}, full {f}, first two of four {h}"
     );
     // Op by op, selective drops the core-attention values.
     let kept = at(Recompute::None, AttentionKind::Unfused);
@@ -409,7 +415,8 @@ model nested(vocab = 256, d = 32) {
 /// `dplc_ir::saved_values`, read by both — on gpt_tiny, llama_tiny and
 /// moe_tiny (4 layers, seq 64, f32) at micro-batches 1, 4 and 16, with
 /// fused attention (no score matrix kept: the output and the log-sum-exp)
-/// and no recomputation.
+/// and no recomputation, and at micro-batch 4 with the first two layers
+/// recomputed (each keeps its input) and the other two whole.
 #[test]
 fn the_fused_computes_activations_are_the_plans() {
     let text = format!(
@@ -421,7 +428,12 @@ fn the_fused_computes_activations_are_the_plans() {
     for model in ["gpt4", "llama4", "moe4"] {
         let lowered = unit.lower(model).expect("lowers");
         let (graph, mut spec) = (lowered.graph, lowered.train);
-        for mb in [1usize, 4, 16] {
+        for (mb, recompute) in [
+            (1usize, "recompute=none"),
+            (4, "recompute=none"),
+            (16, "recompute=none"),
+            (4, "recompute_layers=2"),
+        ] {
             spec.seq = 64;
             spec.global_batch = mb as u64;
             spec.precision = dplc_ir::Precision::Fp32;
@@ -431,7 +443,7 @@ fn the_fused_computes_activations_are_the_plans() {
                 dplc_planner::parse_cluster("1xH100").unwrap(),
             );
             req.pinned = dplc_planner::parse_strategy(&format!(
-                "mb={mb},recompute=none,attention=fused,tp_overlap=none"
+                "mb={mb},{recompute},attention=fused,tp_overlap=none"
             ))
             .unwrap();
             let plan = dplc_planner::compile(&req).unwrap().plan;
@@ -439,6 +451,8 @@ fn the_fused_computes_activations_are_the_plans() {
             let planned = (m.activations + m.embedding_and_loss) as f64;
             let cfg = fused(RunConfig {
                 micro_batch: mb,
+                recompute: plan.strategy.recompute,
+                recompute_layers: plan.strategy.recompute_layers,
                 ..RunConfig::default()
             });
             let data = Corpus::synthetic(5, 256, 1 << 14);
@@ -446,7 +460,7 @@ fn the_fused_computes_activations_are_the_plans() {
             let held = report.peak_activation_bytes as f64;
             let ratio = held / planned;
             eprintln!(
-                "{model} mb {mb}: the fused compute holds {:.3} MiB of activations, \
+                "{model} mb {mb} {recompute}: the fused compute holds {:.3} MiB of activations, \
                  {ratio:.4}× the plan's {:.3} MiB",
                 held / (1u64 << 20) as f64,
                 planned / (1u64 << 20) as f64

@@ -203,6 +203,11 @@ fn impossible_plans_are_refused_by_explain_viz_and_verify() {
             "strategy.fp8_bf16_ends: 18446744073709551615: the first and last layers kept in bf16 need fp8",
         ),
         (
+            "recompute_layers",
+            edit(&|p| p.strategy.recompute_layers = 2),
+            "strategy.recompute_layers: 2: recomputing some layers of each chunk needs recompute = full",
+        ),
+        (
             "layout",
             edit(&|p| {
                 p.mesh.tp = 4;

@@ -158,7 +158,21 @@ fn data_and_pipeline_parallel_with_zero_and_recompute_match_serial() {
         recompute: dplc_ir::Recompute::Full,
         ..RunConfig::default()
     };
-    assert_same("dp2 pp2 zero1 recompute", &base, &run(&g, cfg).unwrap());
+    assert_same(
+        "dp2 pp2 zero1 recompute",
+        &base,
+        &run(&g, cfg.clone()).unwrap(),
+    );
+    // The first layer of each stage's two recomputed, the second kept.
+    let first = RunConfig {
+        recompute_layers: 1,
+        ..cfg
+    };
+    assert_same(
+        "dp2 pp2 zero1 recompute 1 of 2",
+        &base,
+        &run(&g, first).unwrap(),
+    );
 }
 
 #[test]

@@ -241,7 +241,7 @@ fn layer_ac_every(plan: &Plan) -> Option<u64> {
     let k = plan.strategy.recompute_layers;
     let counts = dplc_ir::virtual_stage_layers(&plan.stage_layers(), plan.chunks());
     let n = *counts.first()?;
-    (k > 0 && k < n && counts.iter().all(|&c| c == n) && n % k == 0).then_some(n / k)
+    (k > 0 && k < n && counts.iter().all(|&c| c == n) && n % k == 0).then(|| n / k)
 }
 
 /// The modules of each model part: the embedding with the first, the
