@@ -78,12 +78,14 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
         ));
     }
     if s.offload.activations {
+        // Pinned, or the search, free again, offloads them again.
+        let planned = s.offload;
         gaps.push(Gap::new(
             "activations offloaded without recomputation (DeepSpeed offloads only checkpointed activations)",
-            |p| {
-                p.offload = p.offload.map(|o| dplc_ir::Offload {
+            move |p| {
+                p.offload = Some(dplc_ir::Offload {
                     activations: false,
-                    ..o
+                    ..p.offload.unwrap_or(planned)
                 })
             },
         ));

@@ -108,16 +108,18 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
         ));
     }
     if s.offload.params || s.offload.activations {
+        // Pinned, or the search, free again, offloads them again.
+        let planned = s.offload;
         gaps.push(Gap::new(
             format!(
                 "offload={} (Megatron offloads the optimizer only, with --optimizer-cpu-offload)",
                 s.offload.name()
             ),
-            |p| {
-                p.offload = p.offload.map(|o| dplc_ir::Offload {
+            move |p| {
+                p.offload = Some(dplc_ir::Offload {
                     params: false,
                     activations: false,
-                    ..o
+                    ..p.offload.unwrap_or(planned)
                 });
                 p.zero = None;
             },

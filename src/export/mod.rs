@@ -308,7 +308,11 @@ fn closest(
             for g in &more {
                 (g.pin)(&mut pins);
             }
-            why = format!("{pins} still has choices {} cannot express", engine.name());
+            let tried = match pins.to_string() {
+                s if s.is_empty() => "the search's own choice".to_string(),
+                s => format!("`{s}`"),
+            };
+            why = format!("{tried} still has choices {} cannot express", engine.name());
         }
     }
     Err(miette!(
