@@ -1016,7 +1016,11 @@ impl<'a> CostModel<'a> {
     pub fn stage_pass(&mut self, c: &Config, counts: &[u64], i: usize) -> PassCost {
         let parts = self.parts(c);
         let shares = self.stage_shares(c, counts, i);
-        let mut s = self.layers_pass(c, counts, i);
+        let mut s = if c.layer_recompute().is_partial() {
+            self.layers_pass(c, counts, i)
+        } else {
+            parts.of(&shares)
+        };
         if i == 0 {
             s.add(&parts.pre, 1.0);
         }

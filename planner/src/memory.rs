@@ -136,19 +136,19 @@ impl CostModel<'_> {
             0.0
         };
         // Under partial recomputation the layers it keeps hold everything.
-        let (rerun, kept) = self.recompute_split(c, counts, i as usize);
-        let every = if kept.is_empty() {
-            parts.clone()
-        } else {
-            self.parts(&c.keeping_every_layer())
-        };
         let kept_by = |shares: &[StackShare], parts: &Parts| -> f64 {
             shares
                 .iter()
                 .map(|sh| sh.layers as f64 * parts.stacks[sh.stack].0.saved_bytes)
                 .sum()
         };
-        let saved = kept_by(&rerun, &parts) + kept_by(&kept, &every);
+        let (saved, every) = if c.layer_recompute().is_partial() {
+            let (rerun, kept) = self.recompute_split(c, counts, i as usize);
+            let every = self.parts(&c.keeping_every_layer());
+            (kept_by(&rerun, &parts) + kept_by(&kept, &every), every)
+        } else {
+            (kept_by(&shares, &parts), parts.clone())
+        };
         // Held through the step, the whole weights and gradients sit beside
         // the shards they are gathered from and reduced into.
         let held = if c.holds_the_step() { params } else { 0.0 };

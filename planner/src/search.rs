@@ -400,6 +400,11 @@ fn explore(
     keep: usize,
     ignore_memory: bool,
 ) {
+    // The peaks of the configurations that do not fit without recomputation:
+    // where one does fit, partial recomputation of it is slower and not
+    // searched for; where it does not, its peak starts the search for the
+    // fewest layers to recompute.
+    let mut whole_peaks: fxhash::FxHashMap<Config, u64> = fxhash::FxHashMap::default();
     // Sequence parallelism needs a tensor group.
     let sps: &[bool] = if base.tp > 1 {
         &[false, true]
@@ -495,15 +500,19 @@ fn explore(
                     let (peak, stage) = cost.peak_memory(&c, &counts);
                     // Unasked, full recomputation covers only the layers it
                     // must: the fewest of each chunk that fit.
-                    let (c, peak, stage) = if c.recompute == Recompute::Full
-                        && pins.recompute.is_none()
+                    let searched = pins.recompute.is_none()
                         && pins.recompute_layers.is_none()
-                        && peak <= capacity
-                        && !ignore_memory
-                    {
-                        fewest_recomputed(cost, c, &counts, capacity).unwrap_or((c, peak, stage))
-                    } else {
-                        (c, peak, stage)
+                        && !ignore_memory;
+                    if searched && c.recompute == Recompute::None && peak > capacity {
+                        whole_peaks.insert(c, peak);
+                    }
+                    let whole = (searched && c.recompute == Recompute::Full && peak <= capacity)
+                        .then(|| whole_peaks.get(&c.keeping_every_layer()).copied())
+                        .flatten();
+                    let (c, peak, stage) = match whole {
+                        Some(whole) => fewest_recomputed(cost, c, &counts, capacity, (whole, peak))
+                            .unwrap_or((c, peak, stage)),
+                        None => (c, peak, stage),
                     };
                     let smaller = out
                         .smallest
@@ -547,41 +556,53 @@ fn explore(
 /// The configuration recomputing the fewest layers of each chunk (the
 /// first ones, Megatron's block method) whose peak still fits `capacity`,
 /// with its peak and the stage at it; `None` when only every layer fits.
-/// `c` recomputes every layer and fits; the peak only falls as more layers
-/// are recomputed, so a bisection finds the fewest.
+/// `c` recomputes every layer and fits, at peak `every`; without
+/// recomputation it peaks at `none`, over `capacity`. The peak falls as
+/// more layers are recomputed, close to linearly (each layer recomputed
+/// keeps its input instead of its activations): the line through the two
+/// ends gives a first guess, and a walk from it finds the fewest, in a
+/// step or two where the line holds.
 fn fewest_recomputed(
     cost: &mut CostModel,
     c: Config,
     counts: &[u64],
     capacity: u64,
+    (none, every): (u64, u64),
 ) -> Option<(Config, u64, u64)> {
-    let chunks = if c.schedule == PipelineSchedule::Interleaved {
-        c.virtual_stages.max(1)
-    } else {
-        1
-    };
-    let longest = dplc_ir::virtual_stage_layers(counts, chunks)
-        .into_iter()
-        .max()
-        .unwrap_or(0);
+    // The longest chunk: an even split of the largest stage.
+    let v = crate::stages::chunks(&c);
+    let longest = counts.iter().max().map_or(0, |&n| n.div_ceil(v));
     let with = |k: u64| Config {
         recompute_layers: k,
         ..c
     };
-    // Invariant: `hi` layers fit (`longest` is every layer); `lo` do not.
-    let (mut lo, mut hi) = (0, longest);
-    let mut at_hi = None;
-    while hi - lo > 1 {
-        let mid = lo + (hi - lo) / 2;
-        let (peak, stage) = cost.peak_memory(&with(mid), counts);
-        if peak <= capacity {
-            hi = mid;
-            at_hi = Some((peak, stage));
-        } else {
-            lo = mid;
+    let share = (none - capacity) as f64 / (none - every).max(1) as f64;
+    let guess = ((longest as f64 * share).ceil() as u64).clamp(1, longest.max(1));
+    let mut fits = |k: u64| {
+        if k >= longest {
+            return Some((every, u64::MAX));
+        }
+        let (peak, stage) = cost.peak_memory(&with(k), counts);
+        (peak <= capacity).then_some((peak, stage))
+    };
+    let (mut k, mut at) = (guess, fits(guess));
+    if at.is_some() {
+        while k > 1 {
+            match fits(k - 1) {
+                Some(p) => (k, at) = (k - 1, Some(p)),
+                None => break,
+            }
+        }
+    } else {
+        while at.is_none() && k < longest {
+            k += 1;
+            at = fits(k);
         }
     }
-    at_hi.map(|(peak, stage)| (with(hi), peak, stage))
+    match at {
+        Some((peak, stage)) if k < longest => Some((with(k), peak, stage)),
+        _ => None,
+    }
 }
 
 /// Step times within 0.05% of each other tie: the model is not that precise,

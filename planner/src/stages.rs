@@ -174,6 +174,23 @@ impl CostModel<'_> {
         if !policy.is_partial() {
             return (self.stage_shares(c, counts, i), Vec::new());
         }
+        if self.profile.stacks.len() == 1 {
+            // One stack: the stage's chunks are an even split of its layers
+            // (as `dplc_ir::virtual_stage_layers` cuts them), `n/v` or one
+            // more; the search asks this of every configuration it tries,
+            // so without building the model's ranges.
+            let (n, v) = (counts[i], chunks(c));
+            let (base, longer) = (n / v, n % v);
+            let rerun =
+                longer * policy.recomputed(base + 1) + (v - longer) * policy.recomputed(base);
+            let share = |layers, first| StackShare {
+                stack: 0,
+                layers,
+                first,
+            };
+            let kept = (n > rerun).then(|| share(n - rerun, false));
+            return (vec![share(rerun, i == 0)], kept.into_iter().collect());
+        }
         let (mut rerun, mut kept) = (Vec::new(), Vec::new());
         for r in stage_ranges(c, counts, i) {
             for sh in self.profile.shares(r) {
@@ -224,14 +241,9 @@ impl CostModel<'_> {
 /// The model's layer ranges stage `i` runs, one per chunk (one unless
 /// interleaved), when the stages hold `counts` layers.
 fn stage_ranges(c: &Config, counts: &[u64], i: usize) -> Vec<Range<u64>> {
-    let chunks = if c.schedule == PipelineSchedule::Interleaved {
-        c.virtual_stages.max(1)
-    } else {
-        1
-    };
     let mut ranges = Vec::new();
     let mut start = 0;
-    for (k, n) in dplc_ir::virtual_stage_layers(counts, chunks)
+    for (k, n) in dplc_ir::virtual_stage_layers(counts, chunks(c))
         .into_iter()
         .enumerate()
     {
@@ -253,5 +265,14 @@ fn merge(out: &mut Vec<StackShare>, shares: impl IntoIterator<Item = StackShare>
             }
             None => out.push(sh),
         }
+    }
+}
+
+/// Model chunks per stage: `v` when interleaved, else one.
+pub(crate) fn chunks(c: &Config) -> u64 {
+    if c.schedule == PipelineSchedule::Interleaved {
+        c.virtual_stages.max(1)
+    } else {
+        1
     }
 }
