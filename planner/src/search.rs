@@ -498,66 +498,92 @@ fn explore(
                         .or_insert_with(|| cost.partition(&c))
                         .clone();
                     let (peak, stage) = cost.peak_memory(&c, &counts);
-                    // Unasked, full recomputation covers only the layers it
-                    // must: the fewest of each chunk that fit.
                     let searched = pins.recompute.is_none()
                         && pins.recompute_layers.is_none()
                         && !ignore_memory;
-                    if searched && c.recompute == Recompute::None && peak > capacity {
+                    if searched && c.recompute == Recompute::None {
                         whole_peaks.insert(c, peak);
                     }
-                    let whole = (searched && c.recompute == Recompute::Full && peak <= capacity)
-                        .then(|| whole_peaks.get(&c.keeping_every_layer()).copied())
-                        .flatten();
-                    let (c, peak, stage) = match whole {
-                        Some(whole) => fewest_recomputed(cost, c, &counts, capacity, (whole, peak))
-                            .unwrap_or((c, peak, stage)),
-                        None => (c, peak, stage),
-                    };
-                    let smaller = out
-                        .smallest
-                        .as_ref()
-                        .is_none_or(|s| peak < s.memory.total());
-                    if smaller {
-                        out.smallest = Some(Smallest {
-                            config: c,
-                            stage,
-                            memory: cost.stage_memory(&c, &counts, stage),
-                        });
-                    }
-                    if peak > capacity && !ignore_memory {
-                        continue;
-                    }
-                    if !c.offload.is_none() && !ignore_memory {
-                        let host = (0..c.pp)
-                            .map(|i| cost.stage_memory(&c, &counts, i).host)
-                            .max()
-                            .unwrap_or(0);
-                        if host > host_capacity {
-                            continue;
+                    // Unasked, full recomputation also tries only the layers
+                    // it must: the fewest of each chunk that fit — where
+                    // nothing recomputed does not fit, or where what is kept
+                    // goes to the host and back (its traffic may cost more
+                    // than recomputing it).
+                    let partial = match whole_peaks.get(&c.keeping_every_layer()) {
+                        Some(&whole)
+                            if searched
+                                && c.recompute == Recompute::Full
+                                && peak <= capacity
+                                && (whole > capacity || c.offload.activations) =>
+                        {
+                            fewest_recomputed(cost, c, &counts, capacity, (whole, peak))
                         }
-                    }
-                    out.feasible += 1;
-                    let time = cost.step_time(&c, &counts);
-                    let cand = Candidate {
-                        config: c,
-                        step_time: step_total(&time),
-                        time,
-                        peak_memory: peak,
-                        counts,
+                        _ => None,
                     };
-                    insert(&mut out.best, cand, keep);
+                    let limits = (capacity, host_capacity, ignore_memory);
+                    if let Some(p) = partial {
+                        out.evaluated += 1;
+                        consider(cost, out, p, counts.clone(), limits, keep);
+                    }
+                    consider(cost, out, (c, peak, stage), counts, limits, keep);
                 }
             }
         }
     }
 }
 
+/// Keep `c` (peaking at `peak` on `stage` with the stages holding
+/// `counts` layers) among the best if it fits the device and host memory of
+/// `limits`, and note it if its peak is the smallest yet.
+fn consider(
+    cost: &mut CostModel,
+    out: &mut Outcome,
+    (c, peak, stage): (Config, u64, u64),
+    counts: Vec<u64>,
+    (capacity, host_capacity, ignore_memory): (u64, u64, bool),
+    keep: usize,
+) {
+    let smaller = out
+        .smallest
+        .as_ref()
+        .is_none_or(|s| peak < s.memory.total());
+    if smaller {
+        out.smallest = Some(Smallest {
+            config: c,
+            stage,
+            memory: cost.stage_memory(&c, &counts, stage),
+        });
+    }
+    if peak > capacity && !ignore_memory {
+        return;
+    }
+    if !c.offload.is_none() && !ignore_memory {
+        let host = (0..c.pp)
+            .map(|i| cost.stage_memory(&c, &counts, i).host)
+            .max()
+            .unwrap_or(0);
+        if host > host_capacity {
+            return;
+        }
+    }
+    out.feasible += 1;
+    let time = cost.step_time(&c, &counts);
+    let cand = Candidate {
+        config: c,
+        step_time: step_total(&time),
+        time,
+        peak_memory: peak,
+        counts,
+    };
+    insert(&mut out.best, cand, keep);
+}
+
 /// The configuration recomputing the fewest layers of each chunk (the
 /// first ones, Megatron's block method) whose peak still fits `capacity`,
 /// with its peak and the stage at it; `None` when only every layer fits.
 /// `c` recomputes every layer and fits, at peak `every`; without
-/// recomputation it peaks at `none`, over `capacity`. The peak falls as
+/// recomputation it peaks at `none` (over `capacity`, or under it with the
+/// activations offloaded: then the fewest is one). The peak falls as
 /// more layers are recomputed, close to linearly (each layer recomputed
 /// keeps its input instead of its activations): the line through the two
 /// ends gives a first guess, and a walk from it finds the fewest, in a
@@ -576,7 +602,7 @@ fn fewest_recomputed(
         recompute_layers: k,
         ..c
     };
-    let share = (none - capacity) as f64 / (none - every).max(1) as f64;
+    let share = (none as f64 - capacity as f64) / (none as f64 - every as f64).max(1.0);
     let guess = ((longest as f64 * share).ceil() as u64).clamp(1, longest.max(1));
     let mut fits = |k: u64| {
         if k >= longest {
