@@ -364,11 +364,18 @@ fn schedules(
         v.push((PipelineSchedule::GPipe, 1));
         // Megatron needs the micro-batches to be a multiple of the stages.
         // Chunks that differ by a layer run and are priced when `v` is
-        // pinned; unasked the search keeps to equal chunks, which Megatron
-        // can express.
+        // pinned; unasked the search keeps to the chunks Megatron builds:
+        // equal ones, or equal but for the first and the last, a layer
+        // short beside the embedding and the loss it counts as layers
+        // (`--account-for-embedding/loss-in-pipeline-split`; Llama 3.1
+        // 405B's 126 layers and those two in 16 stages of 8, as the Llama 3
+        // paper splits them). `CostModel::partition` takes the split.
         for chunks in 2..=(layers / pp) {
-            let equal = layers.is_multiple_of(pp * chunks) || pins.virtual_stages == Some(chunks);
-            if equal
+            let megatron = layers.is_multiple_of(pp * chunks)
+                || [(true, false), (false, true), (true, true)].iter().any(|&(e, l)| {
+                    dplc_ir::accounted_stage_layers(layers, pp, chunks, e, l).is_some()
+                });
+            if (megatron || pins.virtual_stages == Some(chunks))
                 && rules::interleaving(layers, pp, chunks, m).is_ok()
                 && rules::pipeline_passes(m, chunks, pp).is_ok()
             {
