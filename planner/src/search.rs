@@ -372,9 +372,11 @@ fn schedules(
         // paper splits them). `CostModel::partition` takes the split.
         for chunks in 2..=(layers / pp) {
             let megatron = layers.is_multiple_of(pp * chunks)
-                || [(true, false), (false, true), (true, true)].iter().any(|&(e, l)| {
-                    dplc_ir::accounted_stage_layers(layers, pp, chunks, e, l).is_some()
-                });
+                || [(true, false), (false, true), (true, true)]
+                    .iter()
+                    .any(|&(e, l)| {
+                        dplc_ir::accounted_stage_layers(layers, pp, chunks, e, l).is_some()
+                    });
             if (megatron || pins.virtual_stages == Some(chunks))
                 && rules::interleaving(layers, pp, chunks, m).is_ok()
                 && rules::pipeline_passes(m, chunks, pp).is_ok()
