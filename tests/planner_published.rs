@@ -3,7 +3,7 @@
 //! (Table 1 hardware TFLOP/s per GPU). The published configuration is pinned;
 //! the search fills in what the papers do not state.
 //!
-//! The same cost-model constants serve every row (see planner/src/cost.rs);
+//! The same cost-model constants serve every row (see planner/src/cost/);
 //! nothing is calibrated per row. Megatron ran attention unfused in 2021–2022
 //! (no FlashAttention) and its tensor-parallel collectives on the critical
 //! path, so every row pins `attention=unfused,tp_overlap=none` as its stack.

@@ -1,0 +1,272 @@
+//! What communication costs: the links a group of ranks sees, the
+//! alpha–beta time of each collective on them, how much of a
+//! tensor-parallel collective Megatron's overlaps hide, what hidden
+//! communication takes from the compute beside it, and the data-parallel
+//! gradient reduction as each synchronisation and compression sends it.
+
+use super::{Config, CostModel, KERNEL_OVERHEAD_S, MEMORY_EFFICIENCY};
+use crate::cluster::{Cluster, Link};
+use crate::sharding::{Pass, TpCollectiveKind};
+use dplc_ir::{CollectiveKind, Compression, LinkLevel, TpOverlap};
+
+/// NCCL reaches about 80% of the link's line rate: "with the protocol overhead
+/// (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s" of 450
+/// (S. Jeaugey, NVIDIA/nccl-tests#212); the same holds over InfiniBand.
+pub(crate) const NCCL_EFFICIENCY: f64 = 0.8;
+
+/// Compute runs slower while collectives run beside it: their kernels take
+/// SMs and memory bandwidth from the kernels they overlap. Lee et al. 2025
+/// ("Characterizing Compute-Communication Overlap in GPU-Accelerated
+/// Distributed Deep Learning: Performance and Power Implications",
+/// arXiv:2507.03114), training GPT and Llama models on A100, H100, MI250
+/// and MI210: "overlapping computation and communication can result in an
+/// average computational slowdown of 18.9%, with a maximum of 40.0%",
+/// against the same compute with no communication beside it.
+const OVERLAP_COMPUTE_SLOWDOWN: f64 = 0.189;
+
+/// What `hidden_s` seconds of communication overlapped with compute add to
+/// the step: while they run compute advances at 1/(1 + s) of its pace, so
+/// over them it does `hidden_s/(1 + s)` seconds of work and the rest waits.
+pub fn overlap_slowdown(hidden_s: f64) -> f64 {
+    hidden_s * OVERLAP_COMPUTE_SLOWDOWN / (1.0 + OVERLAP_COMPUTE_SLOWDOWN)
+}
+
+/// PowerSGD's GEMMs are skinny (`rows × cols` by `cols × R`, R a few):
+/// memory-bound, so they reach a small part of the tensor cores' peak.
+/// 10% is what a bf16 GEMV-like GEMM of rank ≤ 8 reaches on A100/H100.
+pub(crate) const GEMM_EFFICIENCY_SKINNY: f64 = 0.1;
+
+/// What one data-parallel gradient reduction costs ([`CostModel::dp_reduction`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct DpReduction {
+    /// Seconds on the wire.
+    pub wire_s: f64,
+    /// Seconds of compression kernels.
+    pub compute_s: f64,
+    /// Bytes the busiest rank's link carries in one direction.
+    pub link_bytes: f64,
+}
+
+/// The bandwidth and latency a group of `size` ranks spaced `stride` apart sees.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct GroupLink {
+    pub size: u64,
+    pub level: LinkLevel,
+    pub bandwidth: f64,
+    pub latency: f64,
+}
+
+pub(crate) fn group_link(cluster: &Cluster, stride: u64, size: u64) -> GroupLink {
+    let dpn = cluster.devices_per_node;
+    if size <= 1 {
+        return GroupLink {
+            size: 1,
+            level: LinkLevel::None,
+            bandwidth: f64::INFINITY,
+            latency: 0.0,
+        };
+    }
+    let eff = |l: &Link| l.bandwidth * NCCL_EFFICIENCY;
+    if stride * size <= dpn {
+        GroupLink {
+            size,
+            level: LinkLevel::IntraNode,
+            bandwidth: eff(&cluster.intra_node),
+            latency: cluster.intra_node.latency_s,
+        }
+    } else {
+        // Members of the group that share a node send over their own NICs in
+        // parallel (NCCL runs one ring per NIC), up to the intra-node rate.
+        let per_node = (dpn / stride.max(1)).clamp(1, size) as f64;
+        GroupLink {
+            size,
+            level: LinkLevel::InterNode,
+            bandwidth: (eff(&cluster.inter_node) * per_node).min(eff(&cluster.intra_node)),
+            latency: cluster.inter_node.latency_s,
+        }
+    }
+}
+
+/// Seconds for one collective of `bytes` (the full tensor) on `link`:
+/// alpha–beta cost of the ring, or of a tree when latency dominates.
+pub(crate) fn collective_time(kind: CollectiveKind, bytes: f64, link: &GroupLink) -> f64 {
+    let n = link.size as f64;
+    if link.size <= 1 || bytes <= 0.0 {
+        return 0.0;
+    }
+    let (a, bw) = (link.latency, link.bandwidth);
+    match kind {
+        CollectiveKind::AllReduce => {
+            let ring = 2.0 * (n - 1.0) / n * bytes / bw + 2.0 * (n - 1.0) * a;
+            let tree = 2.0 * n.log2().ceil() * a + 2.0 * bytes / bw;
+            ring.min(tree)
+        }
+        CollectiveKind::AllGather | CollectiveKind::ReduceScatter | CollectiveKind::AllToAll => {
+            (n - 1.0) / n * bytes / bw + (n - 1.0) * a
+        }
+        CollectiveKind::SendRecv => bytes / bw + a,
+    }
+}
+
+/// The part of a tensor-parallel collective taking `t` seconds that stays on
+/// the critical path beside GEMMs taking `beside` seconds (forward time of
+/// the GEMMs it overlaps; a weight- or input-gradient GEMM takes the same).
+///
+/// - A column-parallel input gradient (backward): Megatron launches the
+///   all-reduce once the input-gradient GEMM is done and computes the weight
+///   gradient meanwhile. With sequence parallelism the all-reduce is a
+///   reduce-scatter of the input gradient, beside the weight-gradient GEMM,
+///   and the all-gather of the output gradient that the row-parallel layer's
+///   backward starts with (`_ReduceScatterToSequenceParallelRegion.backward`),
+///   half the time each; `async` runs that all-gather synchronously, the
+///   userbuffers overlap of `ring` exchanges it beside the row-parallel
+///   input-gradient GEMM (priced as one of the GEMMs beside it).
+/// - The sequence-parallel re-gather of a column-parallel input (backward,
+///   `regather`): launched before the input-gradient GEMM and awaited after
+///   it, under `async` and `ring` alike.
+/// - With `Ring` the forward all-gathers and row-parallel reductions too: the
+///   GEMM is cut into `tp` chunks and each chunk's transfer runs beside the
+///   next chunk's compute, leaving the longer of the two plus one chunk.
+pub(super) fn exposed_tp(c: &Config, col: TpExposure, t: f64, beside: f64) -> f64 {
+    let TpExposure {
+        kind,
+        pass,
+        regather,
+    } = col;
+    if beside <= 0.0 || c.tp_overlap == TpOverlap::None || kind == TpCollectiveKind::RowStats {
+        return t;
+    }
+    match pass {
+        Pass::Backward if regather => (t - beside).max(0.0),
+        Pass::Backward if kind == TpCollectiveKind::AllReduce => {
+            if !c.sp {
+                (t - beside).max(0.0)
+            } else if c.tp_overlap == TpOverlap::Ring {
+                2.0 * (t / 2.0 - beside).max(0.0)
+            } else {
+                (t / 2.0 - beside).max(0.0) + t / 2.0
+            }
+        }
+        Pass::Forward if c.tp_overlap == TpOverlap::Ring => {
+            (t - beside).max(0.0) + t.min(beside) / c.tp as f64
+        }
+        _ => t,
+    }
+}
+
+/// What decides how much of a tensor-parallel collective overlap can hide.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct TpExposure {
+    pub kind: TpCollectiveKind,
+    pub pass: Pass,
+    /// The sequence-parallel re-gather of a saved input shard.
+    pub regather: bool,
+}
+
+impl CostModel<'_> {
+    /// The one place a data-parallel gradient reduction is priced: `params`
+    /// gradients of `grad_bytes` each over `link`, as `c.sync` combines
+    /// them and `c.compress` shrinks them.
+    ///
+    /// - all-reduce: the ring (or tree), `2(n−1)/n` of the bytes on each
+    ///   rank's link; ZeRO ≥ 1 reduce-scatters, `(n−1)/n`;
+    /// - bf16/fp16: the same collective on 2-byte elements, plus a cast
+    ///   pass each way (read 4 write 2, read 2 write 4 bytes per element);
+    /// - PowerSGD rank R: two all-reduces of the factors, `R·(rows + cols)`
+    ///   per compressed matrix instead of `rows·cols` (vectors, and
+    ///   matrices the factors would not halve, uncompressed:
+    ///   `dplc_ir::powersgd_factors`), plus its GEMMs (`M·Q` and `Mᵀ·P`,
+    ///   4·R flops per element) and four passes over the fp32 gradient and
+    ///   error (add, two GEMM reads, error write);
+    /// - top-k fraction F: an all-gather of every rank's `F·matrix params`
+    ///   (index, value) pairs, 8 bytes each — each link carries `(n−1)·k·8`
+    ///   — plus a ring all-reduce of the vectors, and four memory passes
+    ///   (error add, selection, error write, scatter-add of the `n·k`
+    ///   received pairs);
+    ///
+    /// A compression's warm-up steps (plain or denser) are not priced: the
+    /// estimate is the steady state.
+    /// - parameter server with N shards on the first N workers: each server
+    ///   receives `(n−1)/N` of every worker's gradient and sends as many
+    ///   weights back, on top of its own worker's push, so its link carries
+    ///   `max(1, (n+N−2)/N)` × the gradient bytes each way: N = n is the
+    ///   ring's `2(n−1)/n` (BytePS), N = 1 is `n−1` (the bottleneck at the
+    ///   server). On N dedicated server ranks (`ps_ranks=dedicated`, each
+    ///   with a link of the data-parallel group's kind) a server carries
+    ///   `n/N` × the gradient each way and a worker 1×: `max(1, n/N)`, half
+    ///   the ring's bytes at N = n — what BytePS's extra machines buy.
+    ///   Async costs the same bytes; `step_time` hides them behind the next
+    ///   step instead of waiting at a barrier.
+    pub(crate) fn dp_reduction(
+        &self,
+        c: &Config,
+        params: f64,
+        grad_bytes: f64,
+        link: &GroupLink,
+    ) -> DpReduction {
+        let n = link.size as f64;
+        if link.size <= 1 || params <= 0.0 {
+            return DpReduction::default();
+        }
+        let bytes = params * grad_bytes;
+        let mem = |b: f64| b / (self.cluster.device.memory_bandwidth * MEMORY_EFFICIENCY);
+        if let Some(shards) = c.sync.ps_shards() {
+            let link_bytes = if c.sync.dedicated_servers() > 0 {
+                // A server takes 1/N of each of the n workers' gradients in
+                // and sends as many weights out; a worker pushes its whole
+                // gradient and pulls the whole weights: the busier of the two.
+                bytes * (n / (shards as f64).max(1.0)).max(1.0)
+            } else {
+                let shards = (shards as f64).clamp(1.0, n);
+                bytes * ((n + shards - 2.0) / shards).max(1.0)
+            };
+            return DpReduction {
+                wire_s: link_bytes / link.bandwidth + 2.0 * link.latency,
+                compute_s: 0.0,
+                link_bytes,
+            };
+        }
+        if c.zero >= 1 {
+            return DpReduction {
+                wire_s: collective_time(CollectiveKind::ReduceScatter, bytes, link),
+                compute_s: 0.0,
+                link_bytes: (n - 1.0) / n * bytes,
+            };
+        }
+        let all_reduce = |b: f64, compute_s: f64| DpReduction {
+            wire_s: collective_time(CollectiveKind::AllReduce, b, link),
+            compute_s,
+            link_bytes: 2.0 * (n - 1.0) / n * b,
+        };
+        match c.compress {
+            Compression::None => all_reduce(bytes, 0.0),
+            Compression::Bf16 | Compression::Fp16 => {
+                all_reduce(params * 2.0, mem(params * 12.0) + 2.0 * KERNEL_OVERHEAD_S)
+            }
+            Compression::PowerSgd { rank, .. } => {
+                let (compressed, factors) = self.profile.powersgd_shares(rank);
+                let sent = params * ((1.0 - compressed) + compressed * factors);
+                let flops = 4.0 * rank as f64 * params * compressed;
+                let gemm = flops
+                    / (self.cluster.device.peak_flops(self.profile.precision)
+                        * GEMM_EFFICIENCY_SKINNY);
+                all_reduce(
+                    sent * 4.0,
+                    gemm + mem(params * 16.0) + 4.0 * KERNEL_OVERHEAD_S,
+                )
+            }
+            Compression::TopK { per_million, .. } => {
+                let sparse = params * self.profile.matrix_share();
+                let k = sparse * per_million as f64 / 1e6;
+                let gathered = n * k * 8.0;
+                let vectors = all_reduce((params - sparse) * 4.0, 0.0);
+                DpReduction {
+                    wire_s: collective_time(CollectiveKind::AllGather, gathered, link)
+                        + vectors.wire_s,
+                    compute_s: mem(sparse * 16.0 + n * k * 12.0) + 4.0 * KERNEL_OVERHEAD_S,
+                    link_bytes: (n - 1.0) * k * 8.0 + vectors.link_bytes,
+                }
+            }
+        }
+    }
+}

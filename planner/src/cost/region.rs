@@ -1,0 +1,461 @@
+//! What one layer (or the embedding, a stack's lead-in, the head) costs a
+//! rank for one micro-batch: its GEMMs at the device's sustained rate with
+//! tile and wave quantisation, its memory-bound passes, its attention as
+//! the configured kernel runs it, its tensor-, context- and
+//! expert-parallel collectives, and what it keeps for backward under each
+//! recompute policy.
+
+use super::comm::{collective_time, exposed_tp, TpExposure};
+use super::{Config, CostModel, Part, PassCost, KERNEL_OVERHEAD_S, MEMORY_EFFICIENCY};
+use crate::profile::{Bind, RegionProfile, Work};
+use crate::sharding::{GemmSplit, Pass, TpCollectiveKind};
+use dplc_ir::{AttentionKind, CollectiveKind, Elementwise, MeshAxis, Recompute};
+use std::collections::HashMap;
+
+/// Whether a row of `len` elements of `elt` bytes is a whole number of
+/// 16-byte pieces, the alignment a GEMM's fast kernels load (Hopper's
+/// tensor memory accelerator needs 16-byte strides).
+fn whole_pieces(len: f64, elt: f64) -> bool {
+    let per = 16.0 / elt;
+    len.fract() == 0.0 && (len / per).fract() == 0.0
+}
+
+/// Output tiles cuBLAS uses for large bf16/fp16 GEMMs on sm80/sm90; it picks
+/// the one that wastes least (NVIDIA, "Matrix Multiplication Background User's
+/// Guide": tile and wave quantization).
+const GEMM_TILES: [(f64, f64); 2] = [(256.0, 128.0), (128.0, 128.0)];
+
+/// The fraction of the machine a GEMM with an `m × n` output keeps busy: tiles
+/// are rounded up to whole tiles (tile quantization) and run in waves of one
+/// tile per multiprocessor (wave quantization).
+pub(crate) fn wave_efficiency(m: f64, n: f64, multiprocessors: u64) -> f64 {
+    if multiprocessors == 0 || m <= 0.0 || n <= 0.0 {
+        return 1.0;
+    }
+    let sms = multiprocessors as f64;
+    GEMM_TILES
+        .iter()
+        .map(|&(tm, tn)| {
+            let tiles = (m / tm).ceil() * (n / tn).ceil();
+            let waves = (tiles / sms).ceil();
+            (m * n) / (waves * sms * tm * tn)
+        })
+        .fold(0.0, f64::max)
+}
+
+/// The query × key tile a fused attention kernel computes at once, for
+/// head dimension 128 (the Llama and Mistral shape): FlashAttention-2 on
+/// sm80 runs 128 × 64 (Dao-AILab/flash-attention
+/// `csrc/flash_attn/src/flash_fwd_launch_template.h`, `run_mha_fwd_hdim128`),
+/// FlashAttention-3 on sm90 128 × 128 when causal or windowed
+/// (`hopper/tile_size.h`, `tile_size_fwd_sm90`).
+fn fused_tile(kind: AttentionKind) -> (u64, u64) {
+    match kind {
+        AttentionKind::Flash2 => (128, 64),
+        AttentionKind::Fused | AttentionKind::Unfused => (128, 128),
+    }
+}
+
+/// Key positions, summed over a sequence of `seq` queries, that a fused
+/// kernel with `(queries, keys)` tiles computes: each block of queries
+/// visits the key tiles from the first its window reaches (from 0 without
+/// one) to the one holding its last query (the last key without a causal
+/// mask), every visited tile whole.
+fn visited_pairs(seq: u64, causal: bool, window: Option<u64>, tile: (u64, u64)) -> f64 {
+    let (tq, tk) = (tile.0.max(1), tile.1.max(1));
+    let mut pairs = 0.0;
+    let mut q0 = 0;
+    while q0 < seq {
+        let q1 = (q0 + tq).min(seq);
+        let begin = window.map_or(0, |w| (q0 + 1).saturating_sub(w) / tk * tk);
+        let end = if causal {
+            ((q1).div_ceil(tk) * tk).min(seq)
+        } else {
+            seq
+        };
+        pairs += (q1 - q0) as f64 * end.saturating_sub(begin) as f64;
+        q0 = q1;
+    }
+    pairs
+}
+
+/// The share of the `seq × seq` scores a fused attention kernel's time
+/// follows: 1 unmasked, ½ causal (its block matmuls' rates are measured
+/// with the causal half counted, FlashAttention's benchmark convention, so
+/// the diagonal tiles' waste is inside the rate), and under a sliding
+/// window the causal share scaled by the tiles the kernel visits with the
+/// window against without it: it skips the key tiles wholly behind the
+/// window as it skips those above the diagonal (FlashAttention's local
+/// attention, dplc's own kernel: `key_range` in codegen).
+pub(crate) fn attended_share(seq: u64, causal: bool, window: Option<u64>, tile: (u64, u64)) -> f64 {
+    let base = if causal { 0.5 } else { 1.0 };
+    match window {
+        Some(w) if w < seq => {
+            let all = visited_pairs(seq, causal, None, tile);
+            if all <= 0.0 {
+                return base;
+            }
+            base * visited_pairs(seq, causal, Some(w), tile) / all
+        }
+        _ => base,
+    }
+}
+
+impl CostModel<'_> {
+    fn gemm_time(&self, m: f64, n: f64, flops: f64, bytes: f64) -> f64 {
+        let rate = self.peak_flops * self.cluster.device.matmul_efficiency;
+        self.gemm_time_at(rate, m, n, flops, bytes)
+    }
+
+    /// A GEMM's time at the sustained tensor-core rate `rate` (the training
+    /// precision's, or FP8's).
+    fn gemm_time_at(&self, rate: f64, m: f64, n: f64, flops: f64, bytes: f64) -> f64 {
+        let dev = &self.cluster.device;
+        let waves = wave_efficiency(m, n, dev.multiprocessors);
+        let compute = flops / (rate * waves);
+        let memory = bytes / (dev.memory_bandwidth * MEMORY_EFFICIENCY);
+        compute.max(memory) + KERNEL_OVERHEAD_S
+    }
+
+    fn memory_time(&self, bytes: f64) -> f64 {
+        bytes / (self.cluster.device.memory_bandwidth * MEMORY_EFFICIENCY) + KERNEL_OVERHEAD_S
+    }
+
+    fn region(&self, part: Part) -> &RegionProfile {
+        match part {
+            Part::Layer(i) => &self.profile.stacks[i].layer,
+            Part::LeadIn(i) => &self.profile.stacks[i].lead_in,
+            Part::Pre => &self.profile.pre,
+            Part::Post => &self.profile.post,
+        }
+    }
+
+    pub(super) fn region_cost(&self, c: &Config, part: Part) -> PassCost {
+        let r = self.region(part);
+        let bind = self.bind(c);
+        let tp = c.tp as f64;
+        let rep_div = if c.sp { tp } else { 1.0 };
+        let elt = self.profile.precision.bytes() as f64;
+        let mut pc = PassCost::default();
+        let mut core_forward = 0.0;
+        let fused = c.attention.is_fused();
+        // FP8 covers the layers' linear GEMMs only: the embedding, the output
+        // layer and the attention core stay in the training precision, as
+        // Transformer Engine's layers run them.
+        let fp8 = c.fp8 && matches!(part, Part::Layer(_));
+        let fp8_rate = self.cluster.device.peak_fp8 * self.cluster.device.fp8_matmul_efficiency;
+        let (mut attention_flops, mut attention_bytes) = (0.0, 0.0);
+        // Each GEMM's forward time: what tensor-parallel collectives hide behind.
+        let mut gemm_times: HashMap<dplc_ir::NodeId, f64> = HashMap::new();
+        // Op-level checkpointing (torchtitan's `op`): the forward it redoes,
+        // the GEMM outputs and the attention output it keeps instead.
+        let (mut weight_gemms, mut op_recompute, mut op_saved) = (0u32, 0.0, 0.0);
+        let whole_bind = Bind { cp: 1.0, ..bind };
+        for op in &r.ops {
+            // What every cp rank runs on the whole sequence costs it whole.
+            let bind = if op.whole_sequence { whole_bind } else { bind };
+            if fused && op.attention_core {
+                // One fused kernel does the core: its two matmuls' work, and
+                // traffic of Q, K, V and the output only; the scale, mask,
+                // softmax and dropout happen in registers.
+                if let Work::Gemm { m, n, k, split, .. } = &op.work {
+                    let div = if *split == GemmSplit::Replicated {
+                        1.0
+                    } else {
+                        tp
+                    };
+                    let (m, n, k) = bind.eval_gemm(m, n, k);
+                    attention_flops += 2.0 * m * n * k / div;
+                    // Q·Kᵀ reads Q and K, P·V reads V and writes O: each of
+                    // them rows × head width, the smaller of the two sides.
+                    attention_bytes += 2.0 * m * n.min(k) * elt / div;
+                    if n <= k {
+                        // P·V: its output is the kernel's, which op-level
+                        // checkpointing keeps.
+                        op_saved += m * n * elt / div;
+                    }
+                }
+                continue;
+            }
+            // Op-level checkpointing keeps the output of every other weight
+            // GEMM (the 1st, 3rd, …: torchtitan counts `mm`s and saves all
+            // but every second one) and recomputes everything else.
+            let mut kept_by_op = false;
+            if let Work::Gemm { m, n, split, .. } = &op.work {
+                if !op.attention_core {
+                    weight_gemms += 1;
+                    if weight_gemms % 2 == 1 {
+                        kept_by_op = true;
+                        // The output as the GEMM writes it: a column (or
+                        // batch) split writes its shard, a row split the
+                        // whole partial sum.
+                        let out_div = match split {
+                            GemmSplit::Column | GemmSplit::Batch => tp,
+                            GemmSplit::Row | GemmSplit::Replicated => 1.0,
+                        };
+                        op_saved += bind.eval(m) * bind.eval(n) * elt / out_div;
+                    }
+                }
+            }
+            let (fwd, bwd) = match &op.work {
+                Work::Gemm {
+                    m,
+                    n,
+                    k,
+                    split,
+                    backward_gemms,
+                } => {
+                    let div = if *split == GemmSplit::Replicated {
+                        1.0
+                    } else {
+                        tp
+                    };
+                    let (m, n, k) = bind.eval_gemm(m, n, k);
+                    let flops = 2.0 * m * n * k / div;
+                    // The output tile grid each rank computes: column and batch
+                    // splits narrow `n` or the batch (in `m`); a row split narrows `k`.
+                    let (mt, nt) = match split {
+                        GemmSplit::Column => (m, n / tp),
+                        GemmSplit::Batch => (m / tp, n),
+                        GemmSplit::Row | GemmSplit::Replicated => (m, n),
+                    };
+                    if fp8 && !op.attention_core {
+                        // Transformer Engine: the operands cast to FP8 (one
+                        // byte), the GEMMs at the FP8 rate, forward and both
+                        // backward ones. Each cast reads the bf16 tensor and
+                        // writes the FP8 one, its amax taken on the way: the
+                        // input in forward; in backward the output gradient,
+                        // once more transposed for the weight gradient.
+                        let bytes = (m * k + k * n) / div + m * n * elt / div;
+                        let t = self.gemm_time_at(fp8_rate, mt, nt, flops, bytes);
+                        let cast_in = self.memory_time(m * k * (elt + 1.0) / div);
+                        let cast_grad = self.memory_time(m * n * (elt + 2.0) / div);
+                        gemm_times.insert(op.node, t);
+                        (t + cast_in, t * *backward_gemms as f64 + cast_grad)
+                    } else {
+                        let bytes = (m * k + k * n + m * n) * elt / div;
+                        // The rows each rank's GEMMs read and write: `n`
+                        // (output, B) and `k` (A), as split.
+                        let kt = if *split == GemmSplit::Row { k / tp } else { k };
+                        let t = if c.elementwise == Elementwise::Eager
+                            && !(whole_pieces(nt, elt) && whole_pieces(kt, elt))
+                        {
+                            // Nothing pads it: the unaligned kernels' rate.
+                            let dev = &self.cluster.device;
+                            let rate = self.peak_flops * dev.unaligned_matmul_efficiency;
+                            self.gemm_time_at(rate, mt, nt, flops, bytes)
+                        } else {
+                            self.gemm_time(mt, nt, flops, bytes)
+                        };
+                        gemm_times.insert(op.node, t);
+                        (t, t * *backward_gemms as f64)
+                    }
+                }
+                Work::Memory {
+                    sharded,
+                    replicated,
+                    eager,
+                } => {
+                    // Fused, a chain moves only what enters and leaves it;
+                    // eager, every op is a kernel moving all its operands
+                    // (an op inside a fused chain moves nothing of its own).
+                    let (sharded, replicated) = match c.elementwise {
+                        Elementwise::Fused => (sharded, replicated),
+                        Elementwise::Eager => (&eager.sharded, &eager.replicated),
+                    };
+                    if sharded.is_zero() && replicated.is_zero() {
+                        continue;
+                    }
+                    let whole_div = if op.experts { 1.0 } else { rep_div };
+                    let bytes = bind.eval(sharded) / tp + bind.eval(replicated) / whole_div;
+                    // Backward reads the output gradient and the saved inputs and
+                    // writes the input gradient: about twice the forward traffic.
+                    let t = self.memory_time(bytes);
+                    (t, 2.0 * t)
+                }
+            };
+            pc.forward += fwd;
+            pc.backward += bwd;
+            if op.attention_core {
+                core_forward += fwd;
+            }
+            if !kept_by_op {
+                op_recompute += fwd;
+            }
+        }
+        // Selective recomputation redoes the unfused core; a fused kernel
+        // keeps no core tensor to drop, and recomputes inside its backward.
+        let mut selective = core_forward;
+        if attention_flops > 0.0 {
+            let dev = &self.cluster.device;
+            let causal = attended_share(self.seq, r.causal, r.window, fused_tile(c.attention));
+            let (forward, backward) = match c.attention {
+                AttentionKind::Flash2 => (dev.flash2_efficiency, dev.flash2_backward_efficiency),
+                AttentionKind::Fused => (
+                    dev.fused_attention_efficiency,
+                    dev.fused_attention_backward_efficiency,
+                ),
+                AttentionKind::Unfused => (dev.matmul_efficiency, dev.matmul_efficiency),
+            };
+            let pass = |efficiency: f64| {
+                (causal * attention_flops / (self.peak_flops * efficiency))
+                    .max(attention_bytes / (dev.memory_bandwidth * MEMORY_EFFICIENCY))
+                    + KERNEL_OVERHEAD_S
+            };
+            let t = pass(forward);
+            pc.forward += t;
+            // The backward's block matmuls: Q·Kᵀ again, dV, dP, dQ and dK —
+            // five to the forward's two, at the backward kernel's own rate.
+            pc.backward += 2.5 * pass(backward);
+            selective = 0.0;
+        }
+        let layer = matches!(part, Part::Layer(_));
+        pc.recompute = match (c.recompute, layer) {
+            (Recompute::Selective, true) => selective,
+            (Recompute::Full, true) => pc.forward,
+            (Recompute::Op, true) => op_recompute,
+            _ => 0.0,
+        };
+        // Tensor-parallel collectives are on the critical path except where
+        // `c.tp_overlap` hides them behind GEMMs (see `exposed_tp`);
+        // recomputing the forward repeats the forward ones.
+        let tp_link = self.link(c, MeshAxis::Tp);
+        for col in &r.collectives {
+            if col.sequence_parallel_only && !c.sp {
+                continue;
+            }
+            let bytes = bind.eval(&col.bytes);
+            if c.sp && c.tp > 1 && col.sequence_parallel_only {
+                pc.gather_buffer_bytes = pc.gather_buffer_bytes.max(bytes);
+            }
+            let kind = match col.kind {
+                TpCollectiveKind::AllReduce | TpCollectiveKind::RowStats => {
+                    CollectiveKind::AllReduce
+                }
+                TpCollectiveKind::AllGather => CollectiveKind::AllGather,
+            };
+            let beside: f64 = col.beside.iter().filter_map(|n| gemm_times.get(n)).sum();
+            let whole = collective_time(kind, bytes, &tp_link);
+            let exposure = TpExposure {
+                kind: col.kind,
+                pass: col.pass,
+                regather: col.sequence_parallel_only,
+            };
+            let t = exposed_tp(c, exposure, whole, beside);
+            // Op-level checkpointing keeps the row-parallel reductions'
+            // outputs (torchtitan saves `reduce_scatter`) and redoes the
+            // gathers feeding the GEMMs it recomputes.
+            let recomputed = match c.recompute {
+                Recompute::Full => true,
+                Recompute::Op => col.kind == TpCollectiveKind::AllGather,
+                Recompute::None | Recompute::Selective => false,
+            };
+            let repeats = if col.pass == Pass::Forward && layer && recomputed {
+                2.0
+            } else {
+                1.0
+            };
+            pc.comm += t * repeats;
+            pc.hidden_comm += (whole - t) * repeats;
+        }
+        // Context parallelism: what the rank's program all-gathers along the
+        // sequence in forward (K and V, above all), the gradients of those
+        // with one reduce-scattered in backward, all exposed: the runtime
+        // gathers K and V before the score matmul and waits, and the
+        // attention that follows needs every key (a ring that overlaps
+        // blocks of keys with the attention over the previous ones is not
+        // what it runs).
+        if c.cp > 1 {
+            let cp_link = self.link(c, MeshAxis::Cp);
+            let (gathered, scattered) = r.cp_traffic(&bind, tp);
+            // A layer run again under full recomputation gathers again.
+            let again = if layer && c.recompute == Recompute::Full {
+                2.0
+            } else {
+                1.0
+            };
+            let t = again * collective_time(CollectiveKind::AllGather, gathered, &cp_link)
+                + collective_time(CollectiveKind::ReduceScatter, scattered, &cp_link);
+            pc.comm += t;
+            pc.cp_comm += t;
+        }
+        if c.ep > 1 {
+            let ep_link = self.link(c, MeshAxis::Ep);
+            let bytes = bind.eval(&r.all_to_all_bytes) / rep_div;
+            // Dispatch and combine in forward, their transposes in backward.
+            let t = 2.0 * collective_time(CollectiveKind::AllToAll, bytes, &ep_link);
+            pc.comm += t;
+            pc.ep_comm += t;
+        }
+        let mut largest_core = 0.0f64;
+        for s in &r.saved {
+            let b = bind.eval(&s.bytes)
+                / match (s.sharded, s.experts) {
+                    (true, _) => tp,
+                    (false, true) => 1.0,
+                    (false, false) => rep_div,
+                };
+            if fused && s.attention_core {
+                largest_core = largest_core.max(b);
+                continue;
+            }
+            // A linear layer's input is kept as the FP8 copy its GEMM read.
+            let b = if fp8 && s.gemm_input { b / elt } else { b };
+            pc.full_saved_bytes += b;
+            pc.largest_saved_bytes = pc.largest_saved_bytes.max(b);
+            if !(c.recompute == Recompute::Selective && s.attention_core) {
+                pc.saved_bytes += b;
+            }
+        }
+        // A fused kernel keeps the fp32 log-sum-exp of each score row: the
+        // scores' elements over the key length.
+        let lse = largest_core / self.seq.max(1) as f64 * (4.0 / elt);
+        pc.full_saved_bytes += lse;
+        pc.saved_bytes += lse;
+        if let Part::Layer(i) = part {
+            let input = bind.eval(&self.profile.stacks[i].carried_bytes) / rep_div;
+            match c.recompute {
+                Recompute::Full => pc.saved_bytes = input,
+                Recompute::Op => pc.saved_bytes = input + op_saved + lse,
+                Recompute::None | Recompute::Selective => {}
+            }
+        }
+        pc
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::attended_share;
+
+    /// `(seq, causal, window, tile, share of seq² the kernel's time follows)`.
+    type Case = (u64, bool, Option<u64>, (u64, u64), f64);
+
+    #[test]
+    fn attended_share_counts_visited_tiles() {
+        let cases: [Case; 7] = [
+            (8192, false, None, (128, 128), 1.0),
+            (8192, true, None, (128, 64), 0.5),
+            // A window as long as the sequence masks nothing more.
+            (8192, true, Some(8192), (128, 128), 0.5),
+            // Pair by pair: 1 + 2 + 2 + 2 of the causal 1 + 2 + 3 + 4 keys.
+            (4, true, Some(2), (1, 1), 0.5 * 7.0 / 10.0),
+            // Whole tiles: the second block of queries reaches back into the
+            // first key tile, so nothing is skipped.
+            (4, true, Some(2), (2, 2), 0.5),
+            // Mistral at seq 8192 under FlashAttention-3's tiles: 0.75 of the
+            // causal pairs, 33 of a block's 128-key tiles once the window
+            // trails it (1584 of the causal 2080 tiles).
+            (8192, true, Some(4096), (128, 128), 0.5 * 1584.0 / 2080.0),
+            // Without the causal mask a query sees every key ahead too.
+            (8192, false, Some(4096), (128, 128), 0.87890625),
+        ];
+        for (seq, causal, window, tile, want) in cases {
+            let got = attended_share(seq, causal, window, tile);
+            assert!(
+                (got - want).abs() < 1e-6,
+                "seq {seq} causal {causal} window {window:?} tile {tile:?}: {got} != {want}"
+            );
+        }
+    }
+}
