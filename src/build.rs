@@ -163,6 +163,12 @@ pub fn build(args: &BuildArgs) -> Result<()> {
                 "dplc's kernels fuse elementwise ops, so an artifact cannot run them eagerly"
             ));
         }
+        if pinned.autocast == Some(true) {
+            return Err(miette::miette!(
+                help = "drop autocast from --strategy",
+                "dplc's runtime keeps activations in the training precision, so an artifact cannot run PyTorch's autocast"
+            ));
+        }
         if pinned.shards == Some(dplc_ir::ShardLayout::PerParam) {
             return Err(miette::miette!(
                 help = "drop shards from --strategy, or `dplc export` the plan to torchtitan",

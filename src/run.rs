@@ -182,6 +182,12 @@ pub fn prepare(args: &PlanArgs) -> Result<Prepared> {
                 "dplc's runtime fuses elementwise ops; elementwise=eager prices another engine"
             ));
         }
+        if pinned.autocast == Some(true) {
+            return Err(miette!(
+                help = "drop autocast from --strategy to train here; `dplc compile` prices PyTorch's autocast",
+                "dplc's runtime keeps activations in the training precision; autocast=on prices PyTorch's automatic mixed precision"
+            ));
+        }
         if pinned.shards == Some(dplc_ir::ShardLayout::PerParam) {
             return Err(miette!(
                 help = "drop shards from --strategy to train here; `dplc compile` prices FSDP2's copies and `dplc export` hands them to torchtitan",

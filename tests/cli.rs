@@ -136,7 +136,7 @@ fn every_command_has_help() {
 }
 
 /// An engine's stack keys (`recompute=op`, `elementwise=eager`,
-/// `shards=per_param`) are priced by `compile` and refused by `run`, whose
+/// `shards=per_param`, `autocast=on`) are priced by `compile` and refused by `run`, whose
 /// own kernels and buffers do none of them.
 #[test]
 fn engine_stack_keys_are_priced_not_run() {
@@ -144,6 +144,7 @@ fn engine_stack_keys_are_priced_not_run() {
         "dp=2,recompute=op",
         "dp=2,elementwise=eager",
         "dp=2,zero=3,shards=per_param",
+        "dp=2,autocast=on",
     ] {
         let compiled = dplc(&[
             "compile",

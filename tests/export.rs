@@ -826,3 +826,28 @@ fn partial_recomputation_goes_to_each_engine_as_its_own_knob() {
     );
     assert!(text(&out.stdout).contains("mode = \"full\""));
 }
+
+/// A plan priced with PyTorch's autocast goes to no engine as it is: each
+/// keeps activations in the training precision, and the closest plan
+/// drops autocast.
+#[test]
+fn autocast_is_named_as_a_gap() {
+    let plan = compile(
+        "models/llama3.dpl",
+        "llama3_8b",
+        "8xH100",
+        &["--seq", "4096", "--strategy", "tp=2,dp=4,autocast=on"],
+        "autocast.ron",
+    );
+    for engine in ["megatron", "deepspeed", "torchtitan"] {
+        let out = export(&plan, engine, &[]);
+        assert_eq!(out.status.code(), Some(1), "{engine}");
+        let err = text(&out.stderr).replace("\n  | ", " ");
+        assert!(
+            err.contains("autocast over fp32 weights"),
+            "{engine}: {err}"
+        );
+        let out = export(&plan, engine, &["--closest"]);
+        assert!(out.status.success(), "{engine}: {}", text(&out.stderr));
+    }
+}

@@ -248,6 +248,14 @@ pub struct Strategy {
     /// and ZeRO-Infinity). Plans written before this field existed offloaded nothing.
     #[serde(default, skip_serializing_if = "Offload::is_none")]
     pub offload: Offload,
+    /// PyTorch's automatic mixed precision (`torch.autocast` over fp32
+    /// weights): GEMMs in the training precision, norms, softmax and the
+    /// loss in fp32, an elementwise op in the wider of its operands' types,
+    /// each weight cast for the forward. Prices another engine's run (dplc's
+    /// runtime keeps activations in the training precision). Plans written
+    /// before this field existed had none.
+    #[serde(default, skip_serializing_if = "is_off")]
+    pub autocast: bool,
     /// How the elementwise ops run. Plans written before this field existed
     /// fused them.
     #[serde(default, skip_serializing_if = "Elementwise::is_fused")]
@@ -932,6 +940,9 @@ impl fmt::Display for Strategy {
         }
         if !self.offload.is_none() {
             write!(f, ", offload {}", self.offload.name())?;
+        }
+        if self.autocast {
+            f.write_str(", autocast")?;
         }
         if self.elementwise != Elementwise::Fused {
             write!(f, ", elementwise {}", self.elementwise.name())?;

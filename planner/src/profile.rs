@@ -71,6 +71,11 @@ pub(crate) enum Work {
         split: GemmSplit,
         /// Backward GEMMs: one per operand that needs a gradient.
         backward_gemms: u32,
+        /// Under autocast, the eager cast of each fp32 activation operand to
+        /// the training precision before the GEMM reads it (read 4 bytes,
+        /// write the training precision's); torch.compile fuses it into
+        /// the producer.
+        autocast_casts: Traffic,
     },
     /// A memory-bound kernel: bytes read and written, split by whether the
     /// tensors are sharded over tensor parallelism. `sharded`/`replicated`
@@ -81,6 +86,9 @@ pub(crate) enum Work {
         sharded: Poly,
         replicated: Poly,
         eager: Traffic,
+        /// The same two, fused and eager, with each tensor at its width
+        /// under autocast ([`RegionBuilder::autocast_bytes`]).
+        autocast: [Traffic; 2],
     },
 }
 
@@ -110,6 +118,8 @@ pub(crate) struct OpCost {
 #[derive(Clone, Debug)]
 pub(crate) struct Saved {
     pub bytes: Poly,
+    /// Under autocast: an activation at its autocast width.
+    pub autocast_bytes: Poly,
     pub sharded: bool,
     /// In the experts layout: whole on every tensor-parallel rank, where
     /// sequence parallelism splits the other unsharded tensors.
@@ -374,6 +384,8 @@ struct RegionBuilder<'a> {
     g: &'a Graph,
     an: &'a Analysis<'a>,
     precision: Precision,
+    /// Bytes per element of each float tensor under autocast.
+    autocast: BTreeMap<TensorId, u64>,
     seq: Option<SymId>,
     sharding: &'a RegionSharding,
     consumers: BTreeMap<TensorId, Vec<NodeId>>,
@@ -423,8 +435,20 @@ impl RegionBuilder<'_> {
     }
 
     /// Whether every reader of `t` in the region, through reshapes and
+    /// transposes, is a GEMM, and one is.
+    fn gemm_input(&self, t: TensorId) -> bool {
+        self.gemm_readers(t, false)
+    }
+
+    /// Whether every reader of `t` in the region, through reshapes and
     /// transposes, is a GEMM against a weight (a linear layer), and one is.
     fn weight_gemm_input(&self, t: TensorId) -> bool {
+        self.gemm_readers(t, true)
+    }
+
+    /// Whether every reader of `t` in the region, through reshapes and
+    /// transposes, is a GEMM (against a weight, if `weight`), and one is.
+    fn gemm_readers(&self, t: TensorId, weight: bool) -> bool {
         let mut stack = vec![t];
         let mut gemms = 0;
         while let Some(t) = stack.pop() {
@@ -435,10 +459,11 @@ impl RegionBuilder<'_> {
                         stack.extend(node.outputs.iter().copied())
                     }
                     Op::MatMul
-                        if node
-                            .inputs
-                            .iter()
-                            .any(|&i| i != t && !self.an.is_activation(i)) =>
+                        if !weight
+                            || node
+                                .inputs
+                                .iter()
+                                .any(|&i| i != t && !self.an.is_activation(i)) =>
                     {
                         gemms += 1
                     }
@@ -449,13 +474,79 @@ impl RegionBuilder<'_> {
         gemms > 0
     }
 
-    fn add_traffic(&self, t: TensorId, extra: u64, sharded: &mut Poly, replicated: &mut Poly) {
+    fn add_bytes(&self, t: TensorId, bytes: u64, sharded: &mut Poly, replicated: &mut Poly) {
         if !self.an.is_activation(t) {
             return;
         }
-        let b = elt_bytes(self.g.tensor(t).dtype, self.precision) + extra;
         let target = if self.sharded(t) { sharded } else { replicated };
-        target.add_dim(&self.numel(t), Ratio::int(b as i64));
+        target.add_dim(&self.numel(t), Ratio::int(bytes as i64));
+    }
+
+    /// Bytes per element of `t` under PyTorch's autocast over fp32 weights
+    /// (its op lists, `torch/csrc/autograd/autocast_mode.cpp`): GEMMs
+    /// write the training precision; norms, softmax, reductions, the loss
+    /// and the embedding (an fp32 table) write fp32; any other op writes
+    /// the widest of its activation operands (type promotion; a weight
+    /// operand — a bias, a norm's gain — is fused into its op as PyTorch's
+    /// modules run it and does not widen). A region's arguments are fp32:
+    /// the residual stream a layer carries is the embedding's output and
+    /// residual sums of it.
+    fn autocast_bytes(&self, t: TensorId) -> u64 {
+        // Not written in the region: an argument (the fp32 stream), a
+        // weight (fp32), or an integer (4 bytes).
+        self.autocast.get(&t).copied().unwrap_or(4)
+    }
+
+    /// What node `n`'s memory-bound kernel moves, `(fused, eager)`, with
+    /// each tensor at `bytes_of` bytes per element: fused, a chain moves
+    /// what enters and leaves it; eager, every operand. A dropout also
+    /// writes its mask (a byte an element); eager RMSNorm runs as its
+    /// composed ops (`eager_rms_norm_bytes` for its input's width).
+    fn memory_traffic(&self, n: NodeId, bytes_of: impl Fn(TensorId) -> u64) -> (Traffic, Traffic) {
+        let node = self.g.node(n);
+        let (mut fused, mut eager) = (Traffic::default(), Traffic::default());
+        for &t in &node.inputs {
+            let chained = self.g.producer(t).is_some_and(|p| fusible(&p.op))
+                && fusible(&node.op)
+                && !self.materialized(t);
+            if !chained {
+                self.add_bytes(t, bytes_of(t), &mut fused.sharded, &mut fused.replicated);
+            }
+            self.add_bytes(t, bytes_of(t), &mut eager.sharded, &mut eager.replicated);
+        }
+        for &o in &node.outputs {
+            if !fusible(&node.op) || self.materialized(o) {
+                self.add_bytes(o, bytes_of(o), &mut fused.sharded, &mut fused.replicated);
+            }
+            self.add_bytes(o, bytes_of(o), &mut eager.sharded, &mut eager.replicated);
+        }
+        if matches!(node.op, Op::Dropout { .. }) {
+            // The mask is written too, one byte per element.
+            let o = node.outputs[0];
+            for traffic in [&mut fused, &mut eager] {
+                let target = if self.sharded(o) {
+                    &mut traffic.sharded
+                } else {
+                    &mut traffic.replicated
+                };
+                target.add_dim(&self.numel(o), Ratio::ONE);
+            }
+        }
+        if let (Op::RmsNorm { .. }, Some(&x), Some(&o)) =
+            (&node.op, node.inputs.first(), node.outputs.first())
+        {
+            if self.an.is_activation(x) {
+                let bytes = eager_rms_norm_bytes(bytes_of(x));
+                eager = Traffic::default();
+                let target = if self.sharded(o) {
+                    &mut eager.sharded
+                } else {
+                    &mut eager.replicated
+                };
+                target.add_dim(&self.numel(x), Ratio::int(bytes as i64));
+            }
+        }
+        (fused, eager)
     }
 
     fn op_cost(&self, n: NodeId) -> Option<OpCost> {
@@ -493,6 +584,14 @@ impl RegionBuilder<'_> {
                     .unwrap_or(GemmSplit::Replicated);
                 let backward_gemms =
                     self.an.requires_grad(a) as u32 + self.an.requires_grad(b) as u32;
+                let e = self.precision.bytes();
+                let mut autocast_casts = Traffic::default();
+                for t in [a, b] {
+                    if g.tensor(t).dtype.is_float() && self.autocast_bytes(t) > e {
+                        let c = &mut autocast_casts;
+                        self.add_bytes(t, 4 + e, &mut c.sharded, &mut c.replicated);
+                    }
+                }
                 let both_activations = self.an.is_activation(a) && self.an.is_activation(b);
                 Some(OpCost {
                     node: n,
@@ -502,6 +601,7 @@ impl RegionBuilder<'_> {
                         k: poly(&kd),
                         split,
                         backward_gemms,
+                        autocast_casts,
                     },
                     attention_core: both_activations,
                     whole_sequence: false,
@@ -509,48 +609,25 @@ impl RegionBuilder<'_> {
                 })
             }
             _ => {
-                let (mut sharded, mut replicated) = (Poly::zero(), Poly::zero());
-                let mut eager = Traffic::default();
-                for &t in &node.inputs {
-                    let fused = g.producer(t).is_some_and(|p| fusible(&p.op))
-                        && fusible(&node.op)
-                        && !self.materialized(t);
-                    if !fused {
-                        self.add_traffic(t, 0, &mut sharded, &mut replicated);
+                let (fused, eager) =
+                    self.memory_traffic(n, |t| elt_bytes(g.tensor(t).dtype, self.precision));
+                // Fused, a tensor only GEMMs read is written in the GEMMs'
+                // precision: torch.compile folds autocast's cast into the
+                // kernel that produces it.
+                let e = self.precision.bytes();
+                let (autocast_fused, _) = self.memory_traffic(n, |t| {
+                    let wide = self.autocast_bytes(t);
+                    if self.gemm_input(t) {
+                        wide.min(e)
+                    } else {
+                        wide
                     }
-                    self.add_traffic(t, 0, &mut eager.sharded, &mut eager.replicated);
-                }
-                for &o in &node.outputs {
-                    if !fusible(&node.op) || self.materialized(o) {
-                        self.add_traffic(o, 0, &mut sharded, &mut replicated);
-                    }
-                    self.add_traffic(o, 0, &mut eager.sharded, &mut eager.replicated);
-                }
-                if matches!(node.op, Op::Dropout { .. }) {
-                    // The mask is written too, one byte per element.
-                    let o = node.outputs[0];
-                    for (sharded, replicated) in [
-                        (&mut sharded, &mut replicated),
-                        (&mut eager.sharded, &mut eager.replicated),
-                    ] {
-                        let target = if self.sharded(o) { sharded } else { replicated };
-                        target.add_dim(&self.numel(o), Ratio::ONE);
-                    }
-                }
-                if let (Op::RmsNorm { .. }, Some(&x), Some(o)) =
-                    (&node.op, node.inputs.first(), out)
-                {
-                    if self.an.is_activation(x) {
-                        let bytes = eager_rms_norm_bytes(self.precision.bytes());
-                        eager = Traffic::default();
-                        let target = if self.sharded(o) {
-                            &mut eager.sharded
-                        } else {
-                            &mut eager.replicated
-                        };
-                        target.add_dim(&self.numel(x), Ratio::int(bytes as i64));
-                    }
-                }
+                });
+                let (_, autocast_eager) = self.memory_traffic(n, |t| self.autocast_bytes(t));
+                let Traffic {
+                    sharded,
+                    replicated,
+                } = fused;
                 if eager.sharded.is_zero() && eager.replicated.is_zero() {
                     return None;
                 }
@@ -560,6 +637,7 @@ impl RegionBuilder<'_> {
                         sharded,
                         replicated,
                         eager,
+                        autocast: [autocast_fused, autocast_eager],
                     },
                     attention_core: quadratic,
                     whole_sequence: false,
@@ -578,6 +656,50 @@ fn region_consumers(g: &Graph, nodes: &[NodeId]) -> BTreeMap<TensorId, Vec<NodeI
         }
     }
     map
+}
+
+/// Bytes per element of each float tensor of `region` under autocast (the
+/// rules of [`RegionBuilder::autocast_bytes`]), in the region's order.
+fn autocast_widths(
+    g: &Graph,
+    an: &Analysis,
+    region: RegionId,
+    precision: Precision,
+) -> BTreeMap<TensorId, u64> {
+    let e = precision.bytes();
+    let mut widths: BTreeMap<TensorId, u64> = BTreeMap::new();
+    for &n in &g.region(region).nodes {
+        let node = g.node(n);
+        let width = match &node.op {
+            Op::MatMul => e,
+            Op::LayerNorm { .. }
+            | Op::RmsNorm { .. }
+            | Op::Softmax { .. }
+            | Op::LogSoftmax { .. }
+            | Op::Reduce { .. }
+            | Op::CumSum { .. }
+            | Op::TakeAlong
+            | Op::Embedding
+            | Op::Input(_)
+            | Op::Param(_)
+            | Op::Constant(_) => 4,
+            Op::Cast(dtype) => elt_bytes(*dtype, precision),
+            _ => node
+                .inputs
+                .iter()
+                .filter(|&&t| an.is_activation(t) && g.tensor(t).dtype.is_float())
+                // An argument of the region: the fp32 residual stream.
+                .map(|t| widths.get(t).copied().unwrap_or(4))
+                .max()
+                .unwrap_or(e),
+        };
+        for &o in &node.outputs {
+            if g.tensor(o).dtype.is_float() {
+                widths.insert(o, width);
+            }
+        }
+    }
+    widths
 }
 
 /// Build the profile of the nodes `nodes` of `region`.
@@ -604,6 +726,7 @@ fn region_profile(
         g,
         an,
         precision,
+        autocast: autocast_widths(g, an, region, precision),
         seq,
         sharding,
         consumers: region_consumers(g, &reg.nodes),
@@ -626,8 +749,15 @@ fn region_profile(
     for s in saved {
         let mut bytes = Poly::zero();
         bytes.add_dim(&s.elements, Ratio::int(s.kind.bytes(precision) as i64));
+        let mut autocast_bytes = Poly::zero();
+        let wide = match s.kind {
+            dplc_ir::SavedKind::Float => b.autocast_bytes(s.tensor),
+            kind => kind.bytes(precision),
+        };
+        autocast_bytes.add_dim(&s.elements, Ratio::int(wide as i64));
         p.saved.push(Saved {
             bytes,
+            autocast_bytes,
             sharded: b.sharded(s.tensor),
             experts: b.experts(s.tensor),
             attention_core: dplc_ir::attention_core(&s.elements, seq),

@@ -76,6 +76,7 @@ pub(crate) fn strategy(c: &Config, global_batch: u64, seq: u64) -> Strategy {
         fp8_gather: c.gathers_fp8(),
         fp8_bf16_ends: if c.fp8 { c.fp8_bf16_ends } else { 0 },
         offload: c.offload,
+        autocast: c.autocast,
         elementwise: c.elementwise,
         shards: c.shards,
         sync: c.sync,

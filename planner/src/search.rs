@@ -283,6 +283,7 @@ pub(crate) fn search(
                                 fp8_gather: pins.fp8_gather.unwrap_or(false),
                                 fp8_bf16_ends: pins.fp8_bf16_ends.unwrap_or(0),
                                 offload: Offload::NONE,
+                                autocast: pins.autocast.unwrap_or(false),
                                 elementwise: pins.elementwise.unwrap_or_default(),
                                 shards: pins.shards.unwrap_or_default(),
                                 sync: GradSync::AllReduce,

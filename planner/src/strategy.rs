@@ -66,6 +66,10 @@ pub struct StrategyConstraints {
     /// state kept in host memory. The search offloads only when nothing
     /// fits without it.
     pub offload: Option<dplc_ir::Offload>,
+    /// `autocast=on` prices PyTorch's automatic mixed precision over fp32
+    /// weights (`torch.autocast`): pinned only, as it prices another
+    /// engine's run.
+    pub autocast: Option<bool>,
     /// `elementwise=fused|eager`: eager runs every elementwise op as its own
     /// kernel (PyTorch without torch.compile); the search fuses them.
     pub elementwise: Option<Elementwise>,
@@ -209,6 +213,7 @@ impl StrategyConstraints {
             fp8_gather: s.fp8_gather.then_some(true),
             fp8_bf16_ends: (s.fp8_bf16_ends > 0).then_some(s.fp8_bf16_ends),
             offload: (!s.offload.is_none()).then_some(s.offload),
+            autocast: s.autocast.then_some(true),
             elementwise: (s.elementwise != Elementwise::Fused).then_some(s.elementwise),
             shards: (s.shards != ShardLayout::Flat).then_some(s.shards),
             sync: (!s.sync.is_all_reduce()).then_some(SyncMode::of(s.sync)),
@@ -423,6 +428,7 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
                 })
             }
             "fp8" => c.fp8 = Some(on_off()?),
+            "autocast" => c.autocast = Some(on_off()?),
             "fp8_gather" => c.fp8_gather = Some(on_off()?),
             "fp8_bf16_ends" => {
                 c.fp8_bf16_ends = Some(value.parse().map_err(|_| {
@@ -513,7 +519,7 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
             }
             _ => {
                 return Err(err(format!(
-                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, recompute_layers, sp, overlap, attention, tp_overlap, grad_accum, root, order, stages, fp8, fp8_gather, fp8_bf16_ends, offload, elementwise, shards, sync, ps_shards, ps_ranks, staleness, compress"
+                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, recompute_layers, sp, overlap, attention, tp_overlap, grad_accum, root, order, stages, fp8, fp8_gather, fp8_bf16_ends, autocast, offload, elementwise, shards, sync, ps_shards, ps_ranks, staleness, compress"
                 )))
             }
         }
@@ -573,6 +579,7 @@ fn choice_of(key: &str) -> Option<&'static str> {
         "order" => "order",
         "stages" => "stages",
         "fp8" => "fp8",
+        "autocast" => "autocast",
         "fp8_gather" => "fp8_gather",
         "fp8_bf16_ends" => "fp8_bf16_ends",
         "offload" => "offload",
@@ -650,6 +657,9 @@ impl fmt::Display for StrategyConstraints {
         }
         if let Some(n) = self.fp8_bf16_ends {
             parts.push(format!("fp8_bf16_ends={n}"));
+        }
+        if let Some(a) = self.autocast {
+            parts.push(format!("autocast={}", on_off(a)));
         }
         if let Some(e) = self.elementwise {
             parts.push(format!("elementwise={}", e.name()));

@@ -23,6 +23,7 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
     let s = &plan.strategy;
     let m = &plan.mesh;
     let mut gaps = Vec::new();
+    gaps.extend(super::autocast_gap(plan, "DeepSpeed"));
     if s.recompute == dplc_ir::Recompute::Op {
         gaps.push(Gap::new(
             "op-level selective checkpointing (torchtitan's; Megatron-DeepSpeed recomputes the attention core or whole layers)",

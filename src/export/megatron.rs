@@ -48,6 +48,7 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
     let s = &plan.strategy;
     let m = &plan.mesh;
     let mut gaps = Vec::new();
+    gaps.extend(super::autocast_gap(plan, "Megatron"));
     if m.pp > 1 && s.schedule == PipelineSchedule::GPipe {
         gaps.push(Gap::new(
             "the GPipe schedule (Megatron runs 1F1B or interleaved 1F1B)",

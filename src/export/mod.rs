@@ -113,6 +113,20 @@ impl Gap {
     }
 }
 
+/// PyTorch's autocast over fp32 weights, which none of the engines runs as
+/// dplc prices it: each keeps its activations in the training precision
+/// (Megatron's `--bf16`, DeepSpeed's bf16 mode, FSDP2's parameter casts).
+fn autocast_gap(plan: &Plan, engine: &str) -> Option<Gap> {
+    plan.strategy.autocast.then(|| {
+        Gap::new(
+            format!(
+                "autocast over fp32 weights ({engine} keeps activations in the training precision)"
+            ),
+            |p| p.autocast = None,
+        )
+    })
+}
+
 /// What every renderer reads: the plan, the model's shape and its training setup.
 pub struct Job<'a> {
     pub plan: &'a Plan,

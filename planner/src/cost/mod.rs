@@ -91,6 +91,8 @@ pub(crate) struct Config {
     pub fp8_bf16_ends: u64,
     /// State kept in host memory (`offload=`).
     pub offload: Offload,
+    /// PyTorch's automatic mixed precision over fp32 weights (`autocast=on`).
+    pub autocast: bool,
     /// Elementwise ops fused into chains, or one kernel each (`elementwise=eager`).
     pub elementwise: Elementwise,
     /// Where ZeRO-3 keeps what it gathers and reduces (`shards=per_param`: FSDP2's copies).
@@ -225,7 +227,7 @@ type LayerKey = (
     bool,
     Recompute,
     AttentionKind,
-    (TpOverlap, bool, Elementwise),
+    (TpOverlap, bool, Elementwise, bool),
     u64,
 );
 
@@ -333,7 +335,7 @@ impl<'a> CostModel<'a> {
             c.sp,
             c.recompute,
             c.attention,
-            (c.tp_overlap, c.fp8, c.elementwise),
+            (c.tp_overlap, c.fp8, c.elementwise, c.autocast),
             // The tp and cp groups are the innermost axes (their links follow
             // from tp and cp); the expert group is the innermost part of dp,
             // which sits beyond pp when the pipeline is inner.
@@ -479,6 +481,15 @@ impl<'a> CostModel<'a> {
             // each micro-batch's backward.
             let (params, _) = self.stage_params(c, i as u64, &shares);
             s.backward += params * separate_accum_bytes(self.profile.precision) / bandwidth;
+        }
+        if c.autocast && self.profile.precision != Precision::Fp32 {
+            // Autocast casts each fp32 weight to the training precision the
+            // first time a forward's GEMM reads it (read 4 bytes, write 2),
+            // and the weight's gradient back to fp32 for its accumulation.
+            let (params, _) = self.stage_params(c, i as u64, &shares);
+            let cast = params * (4.0 + self.profile.precision.bytes() as f64) / bandwidth;
+            s.forward += cast;
+            s.backward += cast;
         }
         if c.zero >= 3 && c.shards == ShardLayout::PerParam {
             // FSDP2 (pytorch/pytorch torch/distributed/fsdp/_fully_shard/

@@ -204,7 +204,22 @@ impl CostModel<'_> {
                     k,
                     split,
                     backward_gemms,
+                    autocast_casts,
                 } => {
+                    // Eager autocast casts an fp32 operand before the GEMM,
+                    // and its gradient back in backward.
+                    let casts = if c.autocast && c.elementwise == Elementwise::Eager {
+                        let whole_div = if op.experts { 1.0 } else { rep_div };
+                        let bytes = bind.eval(&autocast_casts.sharded) / tp
+                            + bind.eval(&autocast_casts.replicated) / whole_div;
+                        if bytes > 0.0 {
+                            self.memory_time(bytes)
+                        } else {
+                            0.0
+                        }
+                    } else {
+                        0.0
+                    };
                     let div = if *split == GemmSplit::Replicated {
                         1.0
                     } else {
@@ -231,7 +246,10 @@ impl CostModel<'_> {
                         let cast_in = self.memory_time(m * k * (elt + 1.0) / div);
                         let cast_grad = self.memory_time(m * n * (elt + 2.0) / div);
                         gemm_times.insert(op.node, t);
-                        (t + cast_in, t * *backward_gemms as f64 + cast_grad)
+                        (
+                            t + cast_in + casts,
+                            t * *backward_gemms as f64 + cast_grad + casts,
+                        )
                     } else {
                         let bytes = (m * k + k * n + m * n) * elt / div;
                         // The rows each rank's GEMMs read and write: `n`
@@ -248,20 +266,28 @@ impl CostModel<'_> {
                             self.gemm_time(mt, nt, flops, bytes)
                         };
                         gemm_times.insert(op.node, t);
-                        (t, t * *backward_gemms as f64)
+                        (t + casts, t * *backward_gemms as f64 + casts)
                     }
                 }
                 Work::Memory {
                     sharded,
                     replicated,
                     eager,
+                    autocast,
                 } => {
                     // Fused, a chain moves only what enters and leaves it;
                     // eager, every op is a kernel moving all its operands
-                    // (an op inside a fused chain moves nothing of its own).
-                    let (sharded, replicated) = match c.elementwise {
-                        Elementwise::Fused => (sharded, replicated),
-                        Elementwise::Eager => (&eager.sharded, &eager.replicated),
+                    // (an op inside a fused chain moves nothing of its own);
+                    // under autocast, each tensor at its autocast width.
+                    let (sharded, replicated) = match (c.elementwise, c.autocast) {
+                        (Elementwise::Fused, false) => (sharded, replicated),
+                        (Elementwise::Eager, false) => (&eager.sharded, &eager.replicated),
+                        (Elementwise::Fused, true) => {
+                            (&autocast[0].sharded, &autocast[0].replicated)
+                        }
+                        (Elementwise::Eager, true) => {
+                            (&autocast[1].sharded, &autocast[1].replicated)
+                        }
                     };
                     if sharded.is_zero() && replicated.is_zero() {
                         continue;
@@ -389,7 +415,12 @@ impl CostModel<'_> {
         }
         let mut largest_core = 0.0f64;
         for s in &r.saved {
-            let b = bind.eval(&s.bytes)
+            let bytes = if c.autocast {
+                &s.autocast_bytes
+            } else {
+                &s.bytes
+            };
+            let b = bind.eval(bytes)
                 / match (s.sharded, s.experts) {
                     (true, _) => tp,
                     (false, true) => 1.0,
