@@ -327,12 +327,20 @@ pub fn render(plan: &Plan) -> String {
 
     if !plan.what_if.is_empty() {
         let _ = writeln!(s, "\nwhat if (every other choice as planned)");
+        // One column for the changes, as wide as the longest.
+        let width = plan
+            .what_if
+            .iter()
+            .map(|w| w.change.chars().count())
+            .max()
+            .unwrap_or(0)
+            .max(28);
         for w in &plan.what_if {
             match (w.step_time_s, w.peak_memory_bytes) {
                 (Some(t), Some(mem)) => {
                     let _ = writeln!(
                         s,
-                        "  {:<28} {:>9.3} s ({:+.1}%)  peak {:>7} GiB{}{}",
+                        "  {:<width$} {:>9.3} s ({:+.1}%)  peak {:>7} GiB{}{}",
                         w.change,
                         t,
                         100.0 * (t / e.step_time_s - 1.0),
@@ -346,7 +354,7 @@ pub fn render(plan: &Plan) -> String {
                     );
                 }
                 _ => {
-                    let _ = writeln!(s, "  {:<28} impossible: {}", w.change, w.note);
+                    let _ = writeln!(s, "  {:<width$} impossible: {}", w.change, w.note);
                 }
             }
         }

@@ -187,14 +187,20 @@ fn what_ifs(req: &PlanRequest, plan: &Plan, cache: &layouts::LayoutCache) -> Vec
             ));
         }
     }
+    let partial = s.recompute == Recompute::Full && s.recompute_layers > 0;
     let now = match s.recompute_layers {
-        0 => s.recompute.name().to_string(),
-        n => format!("{} (first {n} of each chunk)", s.recompute.name()),
+        n if partial => format!("first {n}/chunk"),
+        _ => s.recompute.name().to_string(),
     };
     for r in [Recompute::None, Recompute::Selective, Recompute::Full] {
-        if r != s.recompute || s.recompute_layers > 0 {
+        if r != s.recompute || partial {
+            let to = if partial && r == Recompute::Full {
+                "every layer"
+            } else {
+                r.name()
+            };
             variants.push((
-                format!("recompute {now} → {}", r.name()),
+                format!("recompute {now} → {to}"),
                 StrategyConstraints {
                     recompute: Some(r),
                     // `full` here is every layer.
