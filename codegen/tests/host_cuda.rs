@@ -479,6 +479,26 @@ fn the_generated_cuda_runs_on_the_cpu_as_the_interpreter_computes() {
     assert_ne!(dropped, text, "gpt_tiny's header changed");
     let unit = dplc_frontend::parse("models/tiny.dpl", &dropped).unwrap();
     graph_cases(&unit.lower("gpt_tiny").unwrap().graph, &mut cases);
+    // A vocabulary of 4,099 logits, no multiple of a vector (GPT-2's
+    // 50,257 is not either): each row of the loss starts misaligned its own
+    // way, and the row kernels walk its head and tail one element at a time.
+    let odd = text.replacen(
+        "model gpt_tiny(vocab = 256,",
+        "model gpt_tiny(vocab = 4099,",
+        1,
+    );
+    assert_ne!(odd, text, "gpt_tiny's header changed");
+    let unit = dplc_frontend::parse("models/tiny.dpl", &odd).unwrap();
+    let before = cases.len();
+    graph_cases(&unit.lower("gpt_tiny").unwrap().graph, &mut cases);
+    assert!(
+        cases[before..]
+            .iter()
+            .any(|c| emit_cuda(&c.kernel, DType::BF16)
+                .source
+                .contains("dplc_head")),
+        "a loss row walked from its unaligned head"
+    );
     graph_cases(&common::lower_m(common::SCANS), &mut cases);
     step_cases(&mut cases);
     let dir = std::env::temp_dir().join(format!("dplc-host-cuda-{}", std::process::id()));

@@ -216,3 +216,46 @@ fn names_are_stable_and_distinct_per_dtype() {
         "{a}"
     );
 }
+
+/// gpt2's loss: 50,257 logits a row, no multiple of a 16-byte vector, so
+/// each row starts misaligned its own way. Forward and backward walk each
+/// row's unaligned head and its tail an element at a time and the rest in
+/// vectors (`dplc_head`, `dplc_vectors`, `dplc_tail`); the values are
+/// checked on the CPU by `host_cuda.rs` (a vocabulary of 4,099).
+#[test]
+fn gpt2_loss_rows_walk_in_vectors_after_their_head() {
+    let g = zoo("gpt2.dpl", "gpt2").graph;
+    let plan = fuse(&g, g.root());
+    let mut out = String::new();
+    let mut emit = |k: &dplc_codegen::Kernel| {
+        if k.op.starts_with("log_softmax") {
+            let src = emit_cuda(k, DType::BF16);
+            assert!(
+                src.source.contains("dplc_head") && src.source.contains("uint4"),
+                "{} does not walk in vectors",
+                src.name
+            );
+            let kernel = src
+                .source
+                .split("extern \"C\"")
+                .nth(1)
+                .expect("a kernel after the prelude");
+            out += &format!(
+                "==== {} ({:?})\nextern \"C\"{kernel}\n",
+                src.name, src.launch
+            );
+        }
+    };
+    for step in &plan.steps {
+        if let Step::Kernel(k) = step {
+            emit(&k.kernel);
+        }
+    }
+    for step in dplc_codegen::backward_plan(&g, &plan) {
+        if let dplc_codegen::BackwardStep::Kernel { backward, .. } = step {
+            emit(&backward.kernel);
+        }
+    }
+    assert_eq!(out.matches("====").count(), 2, "a forward and a backward");
+    insta::assert_snapshot!(out);
+}

@@ -151,6 +151,10 @@ struct Lanes {
     /// `Idx::Var(a)` or `Idx::Inner`.
     var: Idx,
     count: usize,
+    /// A row whose length is no multiple of `count`: every access along it
+    /// starts at this same base, and the walk starts `dplc_head` elements
+    /// in, where `base + dplc_head` is aligned (`rows::row_kernel`).
+    phased: Option<Idx>,
 }
 
 struct Emit<'k> {
@@ -268,7 +272,10 @@ impl Emit<'_> {
             return None;
         }
         let base = ix.contiguous_in(&lanes.var)?;
-        base.multiple_of(lanes.count as i64).then_some(base)
+        match &lanes.phased {
+            Some(phased) => (base == *phased).then_some(base),
+            None => base.multiple_of(lanes.count as i64).then_some(base),
+        }
     }
 
     /// Compute `values` (in order) and do `stores` for each lane of one step of
@@ -286,6 +293,11 @@ impl Emit<'_> {
         let mut vector_loads: BTreeSet<usize> = BTreeSet::new();
         // The lane variable at lane 0: a vector access reads from `base + first`.
         let first = lanes.map(|l| match l.var {
+            Idx::Inner if l.phased.is_some() => bin(
+                "+",
+                id("dplc_head"),
+                bin("*", id("jv"), C::Lit(format!("{}LL", l.count))),
+            ),
             Idx::Inner => bin("*", id("jv"), C::Lit(format!("{}LL", l.count))),
             _ => id(format!("{}v", lanes_var_name(l))),
         });
@@ -657,6 +669,7 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
             let l = Lanes {
                 var: Idx::Var(outer.len().saturating_sub(1)),
                 count: lanes,
+                phased: None,
             };
             inner.extend(e.section(&values, &stores, None, (lanes > 1).then_some(&l)));
             body.push(S::For {

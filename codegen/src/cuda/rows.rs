@@ -24,8 +24,22 @@ pub(super) fn row_kernel(
     // running sum (a block-wide exchange), a block's.
     let columns = scan.is_none() && e.reads_columns(along);
     let lanes = if columns { 1 } else { lanes };
+    // A wide row of a length no multiple of the vector (GPT-2's 50,257
+    // logits) still walks in 16-byte vectors when every access along it
+    // shares one base: each row starts `dplc_head` elements short of an
+    // aligned address, walked one at a time, as is the tail.
+    let phased = if scan.is_none() && !columns && lanes == 1 {
+        phased_base(e, inner_size)
+    } else {
+        None
+    };
+    let lanes = match &phased {
+        Some((_, n)) => *n,
+        None => lanes,
+    };
     let warp_row = !columns
         && scan.is_none()
+        && phased.is_none()
         && matches!(inner_size, Size::Const(c) if c / lanes as i64 <= WARP_ROW_VECTORS);
     let launch = if columns {
         LaunchShape::Columns {
@@ -51,6 +65,7 @@ pub(super) fn row_kernel(
     let l = Lanes {
         var: Idx::Inner,
         count: lanes,
+        phased: phased.as_ref().map(|(base, _)| base.clone()),
     };
     let outer = &kernel.space.outer;
     let mut rows = C::Lit("1LL".into());
@@ -102,19 +117,46 @@ pub(super) fn row_kernel(
         ));
     }
     row.extend(decompose("row", outer, None));
+    if let Some((base, n)) = &phased {
+        // Elements before the first aligned one, the vectors after them,
+        // and where the tail starts.
+        let n = C::Lit(format!("{n}LL"));
+        let head = bin(
+            "%",
+            bin("-", n.clone(), bin("%", index(base), n.clone())),
+            n.clone(),
+        );
+        row.push(decl(
+            "long long",
+            "dplc_head",
+            call("dplc_imin", vec![head, size(inner_size)]),
+        ));
+        row.push(decl(
+            "long long",
+            "dplc_vectors",
+            bin("/", bin("-", size(inner_size), id("dplc_head")), n.clone()),
+        ));
+        row.push(decl(
+            "long long",
+            "dplc_tail",
+            bin("+", id("dplc_head"), bin("*", id("dplc_vectors"), n)),
+        ));
+    }
     let mut done = vec![false; kernel.values.len()];
-    let j_loop = |deps: &[usize], section: Vec<S>| {
+    let lanes_ref = (lanes > 1).then_some(&l);
+    let j_loop = |deps: &[usize], section: &dyn Fn(Option<&Lanes>) -> Vec<S>| {
         let scans: Vec<usize> = deps
             .iter()
             .copied()
             .filter(|&i| matches!(kernel.values[i], Expr::Scan { .. }))
             .collect();
         if let (false, Some(reverse)) = (scans.is_empty(), scan) {
-            return scan_tiles(&scans, reverse, inner_size, section);
+            return scan_tiles(&scans, reverse, inner_size, section(None));
         }
-        let to = match (lanes, inner_size) {
-            (1, s) => size(s),
-            (n, Size::Const(c)) => C::Lit(format!("{}LL", c / n as i64)),
+        let to = match (lanes, inner_size, &phased) {
+            (_, _, Some(_)) => id("dplc_vectors"),
+            (1, s, None) => size(s),
+            (n, Size::Const(c), None) => C::Lit(format!("{}LL", c / n as i64)),
             _ => unreachable!("lanes need a fixed row"),
         };
         let walk = S::For {
@@ -122,7 +164,7 @@ pub(super) fn row_kernel(
             from: in_row.clone(),
             to,
             step: row_threads.clone(),
-            body: section,
+            body: section(lanes_ref),
         };
         // Unrolled, a thread's loads along the row are in flight
         // together: a load feeding the running reduction otherwise
@@ -132,13 +174,28 @@ pub(super) fn row_kernel(
         // took a column sum from 468 to 62 µs and the layernorms
         // 3–8% faster, and the dropout layernorm backward from 804
         // to 1,391 µs.
-        if columns || !kernel.uses_random() {
+        let walk = if columns || !kernel.uses_random() {
             S::Block(vec![S::Line("#pragma unroll 4".into()), walk])
         } else {
             walk
+        };
+        if phased.is_none() {
+            return walk;
         }
+        // The unaligned head and the tail, an element a thread.
+        let one_by_one = |from: C, to: C| S::For {
+            var: "j".into(),
+            from,
+            to,
+            step: row_threads.clone(),
+            body: section(None),
+        };
+        S::Block(vec![
+            one_by_one(in_row.clone(), id("dplc_head")),
+            walk,
+            one_by_one(bin("+", id("dplc_tail"), in_row.clone()), size(inner_size)),
+        ])
     };
-    let lanes_ref = (lanes > 1).then_some(&l);
     let row_values = |upto: usize, done: &mut Vec<bool>, out: &mut Vec<S>| {
         for i in 0..upto {
             if !done[i] && !along[i] && !matches!(kernel.values[i], Expr::Reduce { .. }) {
@@ -158,10 +215,9 @@ pub(super) fn row_kernel(
             RowReduce::Max => float_lit(f64::NEG_INFINITY),
         };
         let mut block = vec![var("float", "acc", Some(init))];
-        block.push(j_loop(
-            &deps,
-            e.section(&deps, &[], Some((*kind, value.0 as usize)), lanes_ref),
-        ));
+        block.push(j_loop(&deps, &|l| {
+            e.section(&deps, &[], Some((*kind, value.0 as usize)), l)
+        }));
         let reduced = match (kind, warp_row, columns) {
             (RowReduce::Sum, true, _) => call("dplc_warp_sum", vec![id("acc")]),
             (RowReduce::Max, true, _) => call("dplc_warp_max", vec![id("acc")]),
@@ -183,10 +239,7 @@ pub(super) fn row_kernel(
     if !elem_stores.is_empty() {
         let roots: Vec<usize> = elem_stores.iter().map(|s| s.value.0 as usize).collect();
         let deps = e.along_deps(&roots, along);
-        row.push(j_loop(
-            &deps,
-            e.section(&deps, &elem_stores, None, lanes_ref),
-        ));
+        row.push(j_loop(&deps, &|l| e.section(&deps, &elem_stores, None, l)));
     }
     if !row_stores.is_empty() {
         let stores = e.section(&[], &row_stores, None, None);
@@ -238,4 +291,44 @@ pub(super) fn row_kernel(
         });
     }
     (body, launch)
+}
+
+/// The base every access along a wide row of `inner` elements shares,
+/// and the vector's lanes, when the row's length is no multiple of them
+/// (so rows start misaligned, each its own way): `None` for a narrow row,
+/// one the plain walk vectorises, or one with an access along the row at
+/// another base (a broadcast vector, a second tensor's row) or not
+/// contiguous in it.
+fn phased_base(e: &Emit, inner: Size) -> Option<(Idx, usize)> {
+    let kernel = e.k;
+    let widest = kernel
+        .buffers
+        .iter()
+        .filter(|b| b.elem != Elem::I32)
+        .map(|b| storage_bytes(b.elem, e.dtype))
+        .max()?;
+    let lanes = 16 / widest;
+    let Size::Const(len) = inner else {
+        return None;
+    };
+    if lanes < 2 || len % lanes as i64 == 0 || len / (lanes as i64) <= WARP_ROW_VECTORS {
+        return None;
+    }
+    let loads = kernel.values.iter().filter_map(|v| match v {
+        Expr::Load { buf, index } => Some((*buf, index)),
+        _ => None,
+    });
+    let stores = kernel.stores.iter().map(|s| (s.buf, &s.index));
+    let mut shared: Option<Idx> = None;
+    for (buf, ix) in loads.chain(stores) {
+        if kernel.buffers[buf].elem == Elem::I32 || !ix.uses_inner() {
+            continue;
+        }
+        let base = ix.contiguous_in(&Idx::Inner)?;
+        match &shared {
+            Some(b) if *b != base => return None,
+            _ => shared = Some(base),
+        }
+    }
+    shared.map(|b| (b, lanes))
 }
