@@ -536,10 +536,14 @@ fn compile_one(req: &PlanRequest, cache: &layouts::LayoutCache) -> Result<Compil
             )));
         }
     }
-    if let Some(n) = req.pinned.recompute_layers.filter(|&n| n > 0) {
+    if let Some(n) = req.pinned.recompute_layers {
         if req.pinned.recompute.is_some_and(|r| r != Recompute::Full) {
+            let what = match n {
+                0 => "all".to_string(),
+                n => n.to_string(),
+            };
             return Err(PlanError::Strategy(format!(
-                "recompute_layers={n} recomputes some layers fully: it needs recompute=full (or no recompute pinned)"
+                "recompute_layers={what} says which layers recompute fully: it needs recompute=full (or no recompute pinned)"
             )));
         }
         let layers = dplc_ir::Analysis::new(req.graph).layers();

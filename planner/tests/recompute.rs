@@ -111,6 +111,10 @@ fn partial_recomputation_is_refused_where_it_means_nothing() {
             "recompute=selective,recompute_layers=2",
             "needs recompute=full",
         ),
+        (
+            "recompute=none,recompute_layers=all",
+            "needs recompute=full",
+        ),
         ("recompute_layers=49", "the model has 48"),
     ] {
         let e = request(&format!("{BASE},{strategy}"), true)
