@@ -135,7 +135,13 @@ pub fn saved_values(op: &Op, grads: &[bool]) -> Vec<SavedValue> {
                 save(g(0), Output(0), Float);
             }
         }
-        Op::Softmax { .. } | Op::LogSoftmax { .. } => save(g(0), Output(0), Float),
+        Op::Softmax { .. } => save(g(0), Output(0), Float),
+        // The logits, not the log-probabilities: the backward recomputes
+        // the softmax from them, as dplc's fused cross-entropy kernels do
+        // (and torch.compile's and Megatron's fused losses); the
+        // log-probabilities never reach memory. Under autocast the logits
+        // are the GEMM's bf16 where the log-probabilities are fp32.
+        Op::LogSoftmax { .. } => save(g(0), Input(0), Float),
         Op::LayerNorm { .. } | Op::RmsNorm { .. } => save(any, Input(0), Float),
         Op::Dropout { .. } => save(g(0), Input(0), Mask),
         Op::Embedding | Op::TakeAlong => save(g(0), Input(1), Index),

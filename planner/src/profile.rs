@@ -434,6 +434,26 @@ impl RegionBuilder<'_> {
         }
     }
 
+    /// Whether `t` is the log-probabilities of a cross-entropy: a
+    /// log-softmax's output read only by the loss's gather, and not kept
+    /// (the backward recomputes it from the logits). Fused, the two are one
+    /// kernel — dplc's `log_softmax_take_along`, torch.compile's and
+    /// Megatron's fused losses: it reads the logits and writes the losses,
+    /// and the log-probabilities never reach memory.
+    fn fused_loss(&self, t: TensorId) -> bool {
+        let from_log_softmax = self
+            .g
+            .producer(t)
+            .is_some_and(|p| matches!(p.op, Op::LogSoftmax { .. }));
+        from_log_softmax
+            && !self.escapes.contains(&t)
+            && !self.saved_roots.contains(&t)
+            && matches!(
+                self.consumers.get(&t).map(Vec::as_slice),
+                Some([only]) if matches!(self.g.node(*only).op, Op::TakeAlong)
+            )
+    }
+
     /// Whether every reader of `t` in the region, through reshapes and
     /// transposes, is a GEMM, and one is.
     fn gemm_input(&self, t: TensorId) -> bool {
@@ -506,16 +526,17 @@ impl RegionBuilder<'_> {
         let node = self.g.node(n);
         let (mut fused, mut eager) = (Traffic::default(), Traffic::default());
         for &t in &node.inputs {
-            let chained = self.g.producer(t).is_some_and(|p| fusible(&p.op))
+            let chained = (self.g.producer(t).is_some_and(|p| fusible(&p.op))
                 && fusible(&node.op)
-                && !self.materialized(t);
+                && !self.materialized(t))
+                || self.fused_loss(t);
             if !chained {
                 self.add_bytes(t, bytes_of(t), &mut fused.sharded, &mut fused.replicated);
             }
             self.add_bytes(t, bytes_of(t), &mut eager.sharded, &mut eager.replicated);
         }
         for &o in &node.outputs {
-            if !fusible(&node.op) || self.materialized(o) {
+            if (!fusible(&node.op) || self.materialized(o)) && !self.fused_loss(o) {
                 self.add_bytes(o, bytes_of(o), &mut fused.sharded, &mut fused.replicated);
             }
             self.add_bytes(o, bytes_of(o), &mut eager.sharded, &mut eager.replicated);

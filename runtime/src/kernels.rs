@@ -551,7 +551,7 @@ fn reduce(kind: ReduceKind, x: &Tensor, axis: usize, out_shape: &[usize]) -> Res
     Ok(Tensor::f32(out_shape.to_vec(), out))
 }
 
-fn softmax(x: &Tensor, axis: usize, log: bool) -> Result<Tensor> {
+pub(crate) fn softmax(x: &Tensor, axis: usize, log: bool) -> Result<Tensor> {
     let xs = x.f()?;
     let (outer, n, inner) = split_axis(&x.shape, axis);
     let mut out = vec![0.0f32; xs.len()];

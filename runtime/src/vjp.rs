@@ -277,7 +277,15 @@ pub fn backward(
         }
         Op::Softmax { axis } | Op::LogSoftmax { axis } => {
             let log = matches!(op, Op::LogSoftmax { .. });
-            let ys = outs[0].f()?;
+            // A log-softmax keeps its input (`dplc_ir::saved_values`): its
+            // output is computed again, bit for bit the forward's.
+            let again;
+            let ys = if log {
+                again = kernels::softmax(x, *axis, true)?;
+                again.f()?
+            } else {
+                outs[0].f()?
+            };
             let (outer, n, inner) = split_axis(&x.shape, *axis);
             let mut dx = vec![0.0f32; x.numel()];
             for o in 0..outer {
