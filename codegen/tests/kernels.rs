@@ -76,28 +76,32 @@ fn cuda_of(model: &str, dtype: DType) -> String {
     out
 }
 
+/// The kernels of the root region's forward and of its backward, in order.
+fn root_kernels(g: &dplc_ir::Graph) -> Vec<dplc_codegen::Kernel> {
+    let plan = fuse(g, g.root());
+    let forward = plan.steps.iter().filter_map(|step| match step {
+        Step::Kernel(k) => Some(k.kernel.clone()),
+        _ => None,
+    });
+    let backward = dplc_codegen::backward_plan(g, &plan)
+        .into_iter()
+        .filter_map(|step| match step {
+            dplc_codegen::BackwardStep::Kernel { backward, .. } => Some(backward.kernel),
+            _ => None,
+        });
+    forward.chain(backward).collect()
+}
+
 /// A running sum's forward kernel (an elementwise chain into the scan) and
 /// its backward (the reverse scan): rows walked in tiles of the block, a
 /// carry between tiles.
 #[test]
 fn scan_cuda_f32() {
-    let g = common::lower_m(common::SCANS);
-    let plan = fuse(&g, g.root());
     let mut out = String::new();
-    let mut emit = |k: &dplc_codegen::Kernel| {
+    for k in root_kernels(&common::lower_m(common::SCANS)) {
         if k.op.starts_with("mul_sub_cumsum") {
-            let src = emit_cuda(k, DType::F32);
+            let src = emit_cuda(&k, DType::F32);
             out += &format!("==== {} ({:?})\n{}\n", src.name, src.launch, src.source);
-        }
-    };
-    for step in &plan.steps {
-        if let Step::Kernel(k) = step {
-            emit(&k.kernel);
-        }
-    }
-    for step in dplc_codegen::backward_plan(&g, &plan) {
-        if let dplc_codegen::BackwardStep::Kernel { backward, .. } = step {
-            emit(&backward.kernel);
         }
     }
     insta::assert_snapshot!(out);
@@ -224,12 +228,10 @@ fn names_are_stable_and_distinct_per_dtype() {
 /// checked on the CPU by `host_cuda.rs` (a vocabulary of 4,099).
 #[test]
 fn gpt2_loss_rows_walk_in_vectors_after_their_head() {
-    let g = zoo("gpt2.dpl", "gpt2").graph;
-    let plan = fuse(&g, g.root());
     let mut out = String::new();
-    let mut emit = |k: &dplc_codegen::Kernel| {
+    for k in root_kernels(&zoo("gpt2.dpl", "gpt2").graph) {
         if k.op.starts_with("log_softmax") {
-            let src = emit_cuda(k, DType::BF16);
+            let src = emit_cuda(&k, DType::BF16);
             assert!(
                 src.source.contains("dplc_head") && src.source.contains("uint4"),
                 "{} does not walk in vectors",
@@ -244,16 +246,6 @@ fn gpt2_loss_rows_walk_in_vectors_after_their_head() {
                 "==== {} ({:?})\nextern \"C\"{kernel}\n",
                 src.name, src.launch
             );
-        }
-    };
-    for step in &plan.steps {
-        if let Step::Kernel(k) = step {
-            emit(&k.kernel);
-        }
-    }
-    for step in dplc_codegen::backward_plan(&g, &plan) {
-        if let dplc_codegen::BackwardStep::Kernel { backward, .. } = step {
-            emit(&backward.kernel);
         }
     }
     assert_eq!(out.matches("====").count(), 2, "a forward and a backward");
