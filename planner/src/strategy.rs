@@ -707,6 +707,14 @@ mod tests {
         assert_eq!(c.elementwise, Some(Elementwise::Eager));
         assert_eq!(c.shards, Some(ShardLayout::PerParam));
         assert_eq!(parse_strategy(&c.to_string()).unwrap(), c);
+        for (s, layers, autocast) in [
+            ("recompute_layers=3,autocast=on", Some(3), Some(true)),
+            ("recompute_layers=ALL,autocast=off", Some(0), Some(false)),
+        ] {
+            let c = parse_strategy(s).unwrap();
+            assert_eq!((c.recompute_layers, c.autocast), (layers, autocast));
+            assert_eq!(parse_strategy(&c.to_string()).unwrap(), c);
+        }
     }
 
     #[test]
@@ -733,6 +741,9 @@ mod tests {
         assert!(parse_strategy("attention=sometimes").is_err());
         assert!(parse_strategy("elementwise=lazy").is_err());
         assert!(parse_strategy("shards=bucketed").is_err());
+        assert!(parse_strategy("recompute_layers=-1").is_err());
+        assert!(parse_strategy("recompute_layers=0").is_err());
+        assert!(parse_strategy("autocast=maybe").is_err());
         assert!(parse_strategy("schedule=1f1b,v=2").is_err());
     }
 
