@@ -179,31 +179,6 @@ pub fn backward_plan(g: &Graph, plan: &FusionPlan) -> Vec<BackwardStep> {
     out
 }
 
-/// Whether an expression varies along the row, given its operands' flags.
-fn expr_along(e: &Expr, along: &[bool]) -> bool {
-    let a = |v: &ValueId| along[v.0 as usize];
-    match e {
-        Expr::Load { index, .. } | Expr::FromIndex(index) | Expr::Random { index, .. } => {
-            index.uses_inner()
-        }
-        Expr::Const(_) | Expr::Scalar(_) | Expr::Reduce { .. } => false,
-        Expr::Scan { .. } => true,
-        Expr::Unary(_, x) | Expr::UnaryGrad(_, x) => a(x),
-        Expr::Binary(_, x, y) => a(x) || a(y),
-        Expr::Select {
-            cond,
-            then,
-            otherwise,
-        } => {
-            let c = match cond {
-                Cond::IdxLt(x, y) => x.uses_inner() || y.uses_inner(),
-                Cond::ValLt(x, y) => a(x) || a(y),
-            };
-            c || a(then) || a(otherwise)
-        }
-    }
-}
-
 /// A [`Builder`] that also tracks which values vary along the row.
 struct Body {
     b: Builder,
@@ -212,7 +187,7 @@ struct Body {
 
 impl Body {
     fn push(&mut self, e: Expr) -> ValueId {
-        let along = expr_along(&e, &self.along);
+        let along = crate::kernel::varies_along(&e, &self.along);
         let v = self.b.push(e);
         if v.0 as usize == self.along.len() {
             self.along.push(along);

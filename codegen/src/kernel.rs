@@ -424,32 +424,12 @@ impl Kernel {
 
     /// Per value: whether it varies along the row (depends on `j`).
     pub fn along_row(&self) -> Vec<bool> {
-        let mut elem = Vec::with_capacity(self.values.len());
+        let mut along = Vec::with_capacity(self.values.len());
         for e in &self.values {
-            let v = match e {
-                Expr::Load { index, .. } | Expr::FromIndex(index) | Expr::Random { index, .. } => {
-                    index.uses_inner()
-                }
-                Expr::Const(_) | Expr::Scalar(_) => false,
-                Expr::Unary(_, a) | Expr::UnaryGrad(_, a) => elem[a.0 as usize],
-                Expr::Binary(_, a, b) => elem[a.0 as usize] || elem[b.0 as usize],
-                Expr::Select {
-                    cond,
-                    then,
-                    otherwise,
-                } => {
-                    let c = match cond {
-                        Cond::IdxLt(a, b) => a.uses_inner() || b.uses_inner(),
-                        Cond::ValLt(a, b) => elem[a.0 as usize] || elem[b.0 as usize],
-                    };
-                    c || elem[then.0 as usize] || elem[otherwise.0 as usize]
-                }
-                Expr::Reduce { .. } => false,
-                Expr::Scan { .. } => true,
-            };
-            elem.push(v);
+            let v = varies_along(e, &along);
+            along.push(v);
         }
-        elem
+        along
     }
 
     /// The stable textual form: hashed for the name, shown in goldens.
@@ -628,4 +608,31 @@ pub fn dropout_draw(state: u64, first_sample: i64, per_sample: i64, index: i64) 
 /// elements as `u < p` in f64 would.
 pub fn drop_threshold(p: f64) -> f64 {
     (p * 16_777_216.0).ceil() / 16_777_216.0
+}
+
+/// Whether `e` varies along the row (depends on `j`), given whether each
+/// earlier value does: a load, index or draw at an index that reads `j`, a
+/// running sum, or an op on such a value.
+pub(crate) fn varies_along(e: &Expr, along: &[bool]) -> bool {
+    let a = |v: &ValueId| along[v.0 as usize];
+    match e {
+        Expr::Load { index, .. } | Expr::FromIndex(index) | Expr::Random { index, .. } => {
+            index.uses_inner()
+        }
+        Expr::Const(_) | Expr::Scalar(_) | Expr::Reduce { .. } => false,
+        Expr::Scan { .. } => true,
+        Expr::Unary(_, x) | Expr::UnaryGrad(_, x) => a(x),
+        Expr::Binary(_, x, y) => a(x) || a(y),
+        Expr::Select {
+            cond,
+            then,
+            otherwise,
+        } => {
+            let c = match cond {
+                Cond::IdxLt(x, y) => x.uses_inner() || y.uses_inner(),
+                Cond::ValLt(x, y) => a(x) || a(y),
+            };
+            c || a(then) || a(otherwise)
+        }
+    }
 }

@@ -518,11 +518,16 @@ impl RegionBuilder<'_> {
     }
 
     /// What node `n`'s memory-bound kernel moves, `(fused, eager)`, with
-    /// each tensor at `bytes_of` bytes per element: fused, a chain moves
-    /// what enters and leaves it; eager, every operand. A dropout also
-    /// writes its mask (a byte an element); eager RMSNorm runs as its
-    /// composed ops (`eager_rms_norm_bytes` for its input's width).
-    fn memory_traffic(&self, n: NodeId, bytes_of: impl Fn(TensorId) -> u64) -> (Traffic, Traffic) {
+    /// each tensor at `fused_bytes` / `bytes_of` bytes per element: fused, a
+    /// chain moves what enters and leaves it; eager, every operand. A
+    /// dropout also writes its mask (a byte an element); eager RMSNorm runs
+    /// as its composed ops (`eager_rms_norm_bytes` for its input's width).
+    fn memory_traffic(
+        &self,
+        n: NodeId,
+        fused_bytes: impl Fn(TensorId) -> u64,
+        bytes_of: impl Fn(TensorId) -> u64,
+    ) -> (Traffic, Traffic) {
         let node = self.g.node(n);
         let (mut fused, mut eager) = (Traffic::default(), Traffic::default());
         for &t in &node.inputs {
@@ -531,13 +536,13 @@ impl RegionBuilder<'_> {
                 && !self.materialized(t))
                 || self.fused_loss(t);
             if !chained {
-                self.add_bytes(t, bytes_of(t), &mut fused.sharded, &mut fused.replicated);
+                self.add_bytes(t, fused_bytes(t), &mut fused.sharded, &mut fused.replicated);
             }
             self.add_bytes(t, bytes_of(t), &mut eager.sharded, &mut eager.replicated);
         }
         for &o in &node.outputs {
             if (!fusible(&node.op) || self.materialized(o)) && !self.fused_loss(o) {
-                self.add_bytes(o, bytes_of(o), &mut fused.sharded, &mut fused.replicated);
+                self.add_bytes(o, fused_bytes(o), &mut fused.sharded, &mut fused.replicated);
             }
             self.add_bytes(o, bytes_of(o), &mut eager.sharded, &mut eager.replicated);
         }
@@ -630,21 +635,24 @@ impl RegionBuilder<'_> {
                 })
             }
             _ => {
-                let (fused, eager) =
-                    self.memory_traffic(n, |t| elt_bytes(g.tensor(t).dtype, self.precision));
+                let uniform = |t: TensorId| elt_bytes(g.tensor(t).dtype, self.precision);
+                let (fused, eager) = self.memory_traffic(n, uniform, uniform);
                 // Fused, a tensor only GEMMs read is written in the GEMMs'
                 // precision: torch.compile folds autocast's cast into the
                 // kernel that produces it.
                 let e = self.precision.bytes();
-                let (autocast_fused, _) = self.memory_traffic(n, |t| {
-                    let wide = self.autocast_bytes(t);
-                    if self.gemm_input(t) {
-                        wide.min(e)
-                    } else {
-                        wide
-                    }
-                });
-                let (_, autocast_eager) = self.memory_traffic(n, |t| self.autocast_bytes(t));
+                let (autocast_fused, autocast_eager) = self.memory_traffic(
+                    n,
+                    |t| {
+                        let wide = self.autocast_bytes(t);
+                        if self.gemm_input(t) {
+                            wide.min(e)
+                        } else {
+                            wide
+                        }
+                    },
+                    |t| self.autocast_bytes(t),
+                );
                 let Traffic {
                     sharded,
                     replicated,
