@@ -91,6 +91,9 @@ fn attention_note(kind: AttentionKind) -> &'static str {
         AttentionKind::Flash2 => {
             "one kernel for the core at FlashAttention-2's rate: no score matrix stored"
         }
+        AttentionKind::Flash1 => {
+            "one kernel for the core at FlashAttention (v1)'s rate, half FlashAttention-2's: no score matrix stored"
+        }
         AttentionKind::Unfused => "scores, mask, softmax and dropout op by op, scores stored",
     }
 }

@@ -433,6 +433,30 @@ fn a_parameter_server_or_compression_is_named_as_a_gap() {
     }
 }
 
+/// FlashAttention (v1)'s kernel is priced at half FlashAttention-2's rate;
+/// Megatron's `flash` backend and torchtitan's SDPA run FlashAttention-2 or
+/// newer, so the export names it and offers the plan at FlashAttention-2's
+/// price; DeepSpeed's config sets no attention kernel.
+#[test]
+fn flash1_is_named_as_a_gap_where_the_engine_runs_a_newer_kernel() {
+    let plan = compile(
+        "models/tiny.dpl",
+        "llama_tiny",
+        "8xH100",
+        &["--strategy", "tp=2,pp=2,dp=2,mb=1,attention=flash1"],
+        "flash1.ron",
+    );
+    for engine in ["megatron", "torchtitan"] {
+        let out = export(&plan, engine, &[]);
+        assert_eq!(out.status.code(), Some(1), "{engine}");
+        let err = text(&out.stderr);
+        assert!(err.contains("FlashAttention (v1)"), "{engine}: {err}");
+        let out = export(&plan, engine, &["--closest"]);
+        assert!(out.status.success(), "{engine}: {}", text(&out.stderr));
+        assert!(text(&out.stderr).contains("attention=flash2"), "{engine}");
+    }
+}
+
 #[test]
 fn a_gpipe_plan_goes_to_megatron_as_1f1b() {
     let plan = compile(

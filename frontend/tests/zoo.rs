@@ -88,6 +88,26 @@ fn t5_parameter_counts() {
     assert_eq!(params("t5.dpl", "t5_large"), 737_668_096);
 }
 
+/// llm-foundry's published training benchmarks (mosaicml/llm-foundry
+/// scripts/train/benchmarking/README.md @ 5e85bd6, the NumParams column at
+/// sequence 2048): the `mpt_causal_lm` defaults, learned positions and biases.
+#[test]
+fn mpt_parameter_counts() {
+    for (model, count) in [
+        ("mpt_125m", 125_311_488),
+        ("mpt_350m", 355_985_408),
+        ("mpt_760m", 760_470_528),
+        ("mpt_1b", 1_315_950_592),
+        ("mpt_3b", 2_651_837_440),
+        ("mpt_7b", 6_658_859_008),
+        ("mpt_13b", 12_853_954_560),
+        ("mpt_30b", 29_975_214_080),
+        ("mpt_70b", 64_862_437_376),
+    ] {
+        assert_eq!(params("mpt.dpl", model), count, "{model}");
+    }
+}
+
 #[test]
 fn every_zoo_file_checks() {
     for file in [
@@ -102,6 +122,7 @@ fn every_zoo_file_checks() {
         "deepseek.dpl",
         "t5.dpl",
         "megatron_gpt.dpl",
+        "mpt.dpl",
         "tiny.dpl",
     ] {
         let unit = dplc_frontend::parse(file, &zoo(file))

@@ -845,6 +845,12 @@ pub enum AttentionKind {
     /// is well below the GEMM rate (it uses none of Hopper's asynchronous
     /// tensor-core and copy instructions).
     Flash2,
+    /// The same kernel as FlashAttention (v1) or its Triton port runs it
+    /// (what stacks of 2022–2023 ran: llm-foundry's `attn_impl: triton`,
+    /// Megatron's first `--use-flash-attn`): its block matmuls at half of
+    /// FlashAttention-2's rate on the device, the factor FlashAttention-2's
+    /// paper measured between the two.
+    Flash1,
     /// The scores, softmax and dropout materialised op by op, as Megatron ran
     /// in 2021–2022 (the published rows of that time).
     Unfused,
@@ -855,13 +861,17 @@ impl AttentionKind {
         match self {
             AttentionKind::Fused => "fused",
             AttentionKind::Flash2 => "flash2",
+            AttentionKind::Flash1 => "flash1",
             AttentionKind::Unfused => "unfused",
         }
     }
 
     /// One kernel for the core (no score matrix stored), at whatever rate.
     pub fn is_fused(self) -> bool {
-        matches!(self, AttentionKind::Fused | AttentionKind::Flash2)
+        matches!(
+            self,
+            AttentionKind::Fused | AttentionKind::Flash2 | AttentionKind::Flash1
+        )
     }
 }
 

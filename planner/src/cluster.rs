@@ -131,6 +131,18 @@ const DEFAULT_MAMF: f64 = 0.8;
 /// no figure is at hand: the device's large-GEMM efficiency.
 const A100_FLASH2: (f64, f64) = (197.0 / 312.0, 186.0 / 312.0);
 const H100_FLASH2: (f64, f64) = (284.1 / 989.4, 287.1 / 989.4);
+/// How much faster FlashAttention-2 runs than FlashAttention (v1) and its
+/// Triton port (`attention=flash1`): Dao 2023 (arXiv:2307.08691) §4.1, on
+/// the A100 80GB: "FlashAttention-2 is around 2× faster than
+/// FlashAttention", and against the Triton port "around 1.3-1.5× faster
+/// ... in the forward pass and around 2× faster in the backward pass"
+/// (the port's own header, `flash_attn/flash_attn_triton.py` @
+/// 00583fb14af7b84c4dca7531dc23126870eb0d35: "Overall Triton forward +
+/// backward is slightly slower than CUDA forward + backward"). One factor
+/// for both passes and both kernels; on devices other than the A100 it is
+/// applied to the device's FlashAttention-2 rate, no other measurement
+/// being at hand.
+pub(crate) const FLASH2_OVER_FLASH1: f64 = 2.0;
 /// The fused attention a Hopper stack runs (FlashAttention-3; Transformer
 /// Engine's cuDNN kernel is of its class), from the same benchmark as
 /// FlashAttention-2's H100 figures (pull request #1791, `main`, head

@@ -366,10 +366,11 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
                 c.attention = Some(match value.to_ascii_lowercase().as_str() {
                     "fused" | "flash" => AttentionKind::Fused,
                     "flash2" => AttentionKind::Flash2,
+                    "flash1" => AttentionKind::Flash1,
                     "unfused" => AttentionKind::Unfused,
                     _ => {
                         return Err(err(format!(
-                            "attention is fused, flash2 or unfused, got `{value}`"
+                            "attention is fused, flash2, flash1 or unfused, got `{value}`"
                         )))
                     }
                 })

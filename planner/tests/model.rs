@@ -927,9 +927,10 @@ fn op_level_checkpointing_sits_between_none_and_full() {
 }
 
 /// `attention=flash2` runs the same kernel at FlashAttention-2's fraction
-/// of peak: slower than the GEMM rate on an H100 (35%), the same memory.
+/// of peak: slower than the GEMM rate on an H100 (35%), the same memory;
+/// `attention=flash1` at half that.
 #[test]
-fn flash2_prices_attention_at_its_measured_fraction_of_peak() {
+fn flash2_and_flash1_price_attention_at_their_measured_fractions_of_peak() {
     let base = "tp=1,pp=1,dp=8,mb=1,zero=1,recompute=none";
     let fused = plan_as_pinned(GPT_1_7B, "8xH100", 32, &format!("{base},attention=fused")).plan;
     let flash2 = plan_as_pinned(GPT_1_7B, "8xH100", 32, &format!("{base},attention=flash2")).plan;
@@ -938,6 +939,19 @@ fn flash2_prices_attention_at_its_measured_fraction_of_peak() {
     assert_eq!(
         flash2.estimate.model_flops_per_step,
         fused.estimate.model_flops_per_step
+    );
+    // FlashAttention (v1) and its Triton port: the same kernel's shape at
+    // half FlashAttention-2's rate, so attention's time doubles: the step
+    // grows by at least as much as flash2's exceeds the fused kernel's.
+    let flash1 = plan_as_pinned(GPT_1_7B, "8xH100", 32, &format!("{base},attention=flash1")).plan;
+    assert!(
+        flash1.estimate.step_time_s - flash2.estimate.step_time_s
+            > flash2.estimate.step_time_s - fused.estimate.step_time_s
+    );
+    assert_eq!(flash1.stages[0].memory, flash2.stages[0].memory);
+    assert_eq!(
+        flash1.estimate.model_flops_per_step,
+        flash2.estimate.model_flops_per_step
     );
 }
 

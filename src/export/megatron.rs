@@ -49,6 +49,7 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
     let m = &plan.mesh;
     let mut gaps = Vec::new();
     gaps.extend(super::autocast_gap(plan, "Megatron"));
+    gaps.extend(super::flash1_gap(plan, "Megatron"));
     if m.pp > 1 && s.schedule == PipelineSchedule::GPipe {
         gaps.push(Gap::new(
             "the GPipe schedule (Megatron runs 1F1B or interleaved 1F1B)",
@@ -392,7 +393,7 @@ pub fn parallel_flags(plan: &Plan) -> Vec<Flag> {
     f.push(arg(
         "--attention-backend",
         match s.attention {
-            AttentionKind::Fused | AttentionKind::Flash2 => "flash",
+            AttentionKind::Fused | AttentionKind::Flash2 | AttentionKind::Flash1 => "flash",
             AttentionKind::Unfused => "unfused",
         },
     ));

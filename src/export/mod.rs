@@ -127,6 +127,18 @@ fn autocast_gap(plan: &Plan, engine: &str) -> Option<Gap> {
     })
 }
 
+/// FlashAttention (v1)'s kernel, which neither Megatron's `flash` backend
+/// nor torchtitan's SDPA runs any more: both run FlashAttention-2 or newer,
+/// twice its speed, so the plan would be priced slower than it runs.
+fn flash1_gap(plan: &Plan, engine: &str) -> Option<Gap> {
+    (plan.strategy.attention == dplc_ir::AttentionKind::Flash1).then(|| {
+        Gap::new(
+            format!("FlashAttention (v1)'s kernel ({engine} runs FlashAttention-2 or newer)"),
+            |p| p.attention = Some(dplc_ir::AttentionKind::Flash2),
+        )
+    })
+}
+
 /// What every renderer reads: the plan, the model's shape and its training setup.
 pub struct Job<'a> {
     pub plan: &'a Plan,

@@ -41,6 +41,7 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
     let m = &plan.mesh;
     let mut gaps = Vec::new();
     gaps.extend(super::autocast_gap(plan, "torchtitan"));
+    gaps.extend(super::flash1_gap(plan, "torchtitan"));
     let o = s.offload;
     // FSDP2's CPU offload: all of a ZeRO-3 rank's state, or nothing.
     let fsdp_offload = o.optimizer && o.params && !o.activations && s.zero_stage == 3;

@@ -7,6 +7,7 @@
 
 use super::comm::{collective_time, exposed_tp, TpExposure};
 use super::{Config, CostModel, Part, PassCost, KERNEL_OVERHEAD_S, MEMORY_EFFICIENCY};
+use crate::cluster::FLASH2_OVER_FLASH1;
 use crate::profile::{Bind, RegionProfile, Work};
 use crate::sharding::{GemmSplit, Pass, TpCollectiveKind};
 use dplc_ir::{AttentionKind, CollectiveKind, Elementwise, MeshAxis, Recompute};
@@ -48,11 +49,12 @@ pub(crate) fn wave_efficiency(m: f64, n: f64, multiprocessors: u64) -> f64 {
 /// sm80 runs 128 × 64 (Dao-AILab/flash-attention
 /// `csrc/flash_attn/src/flash_fwd_launch_template.h`, `run_mha_fwd_hdim128`),
 /// FlashAttention-3 on sm90 128 × 128 when causal or windowed
-/// (`hopper/tile_size.h`, `tile_size_fwd_sm90`).
+/// (`hopper/tile_size.h`, `tile_size_fwd_sm90`), FlashAttention's Triton
+/// port 128 × 128 (`flash_attn/flash_attn_triton.py`, `BLOCK = 128`).
 fn fused_tile(kind: AttentionKind) -> (u64, u64) {
     match kind {
         AttentionKind::Flash2 => (128, 64),
-        AttentionKind::Fused | AttentionKind::Unfused => (128, 128),
+        AttentionKind::Fused | AttentionKind::Flash1 | AttentionKind::Unfused => (128, 128),
     }
 }
 
@@ -317,6 +319,10 @@ impl CostModel<'_> {
             let causal = attended_share(self.seq, r.causal, r.window, fused_tile(c.attention));
             let (forward, backward) = match c.attention {
                 AttentionKind::Flash2 => (dev.flash2_efficiency, dev.flash2_backward_efficiency),
+                AttentionKind::Flash1 => (
+                    dev.flash2_efficiency / FLASH2_OVER_FLASH1,
+                    dev.flash2_backward_efficiency / FLASH2_OVER_FLASH1,
+                ),
                 AttentionKind::Fused => (
                     dev.fused_attention_efficiency,
                     dev.fused_attention_backward_efficiency,
