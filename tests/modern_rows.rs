@@ -1,5 +1,5 @@
 //! Published throughput of today's stacks (torchtitan's FSDP2 benchmarks,
-//! NVIDIA NeMo and Megatron-Bridge on DGX-H100, torchtitan on H200, Meta's
+//! NVIDIA NeMo and Megatron-Bridge on DGX-H100 and DGX-B200, torchtitan on H200, Meta's
 //! Llama 3 405B pre-training) as test data: each row pins the configuration
 //! its source states, and the prediction of tokens/s per GPU (model TFLOP/s
 //! per GPU where that is what the source gives) is compared with the
@@ -93,6 +93,7 @@ const TT_405B: &str = "pytorch/torchtitan docs/performance.md @ 3faaa1a0dee68ce0
 const TT_H200: &str = "pytorch/torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md @ cbccb387871a5e1f522c1e222c51ab88b03c0392, llama3_8b.toml @ e7c0cae: seq 8192, selective op AC, float8 tensorwise";
 const NEMO_2407: &str = "NVIDIA/NeMo docs/source/performance/performance_summary.md @ 070a0bb168d405d653b9734c0017cf5078e77c0d (NeMo 24.07, DGX-H100, FP8)";
 const MBRIDGE: &str = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md @ df0289c180dd20ff26933455c7a0a11084f6a36f (DGX-H100, FP8)";
+const MBRIDGE_B200: &str = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md @ df0289c180dd20ff26933455c7a0a11084f6a36f, 25.11 NeMo container, System: DGX-B200, FP8-CS (the FP8-MX figures in parentheses not taken)";
 
 const LLAMA3: &str = "Grattafiori et al. 2024, The Llama 3 Herd of Models (arXiv:2407.21783), §3.3.2 Table 4: Llama 3 405B pre-training on 700 W H100 80GB HBM3 in Grand Teton servers, 400 Gbps RoCE per GPU; TP 8, PP 16, seq 8192 (131072 with CP 16), 16M tokens a batch, BF16; the interleaved schedule with the first and last stage a layer short (§3.3.2), chunks per stage, attention kernel and recomputation not stated (the search chooses)";
 const DPLC_H200: &str = "dplc bench/RESULTS.md, \"The GPU check on an NVIDIA H200\" (2026-11-26, run 3): bench/torch_gpt2_step.py --micro-batch 32 --micro-batches 1 --seq 1024 --warmup 1 --steps 3, PyTorch 2.11.0+cu130 on one NVIDIA H200 (driver 580.159.04): models/gpt2.dpl's GPT-2 small (dropout 0.1, tied head), bf16 autocast over fp32 master weights, SDPA (flash), AdamW, clipping";
@@ -105,6 +106,7 @@ const RECOMPUTE_NS: &str = "recompute n/s: dplc's plan without recomputation nee
 const GPT3_5B: &str = "12.5% fast with every knob the table states (the search takes ZeRO-1 and no recomputation); the model's 0.1 dropout (NeMo's GPTConfig5B keeps TransformerConfig's default, 175B sets 0) and the FP8 casts of its small 4096-wide GEMMs are the suspects, neither measured; see bench/RESULTS.md";
 const GPT3_20B: &str = "16% slow: with the stated knobs dplc's ZeRO-1 plan needs 83 GiB (bf16 weights beside their FP8 casts and fp32 gradients) and the search takes ZeRO-2, whose per-micro-batch reduce-scatters cost 0.28 s; with FP8 parameter gathers (`zero=1,fp8_gather=on`, as NeMo's later FP8 recipes set, not stated for 24.07) it fits and reads 1.040; see bench/RESULTS.md";
 const LLAMA3_CP: &str = "23% fast at 131,072 tokens; the paper reports TFLOP/s per GPU, not tokens/s, and at this length attention is 57% of dplc's model FLOPs counted over the whole sequence (Megatron's convention) and 40% counted causally, and the source does not say which it counts (the 8K rows move by 4% between the two); with FlashAttention-2's rate instead of the fused (FlashAttention-3) one dplc reads 0.889; see bench/RESULTS.md";
+const B200_8B: &str = "11.9% fast; no fused-attention rate is measured for the B200, so its attention runs at the device's GEMM rate (with the H100 die's ratios of FlashAttention-3's forward and backward to its GEMM rate it reads 1.068, not asserted: that ratio is the H100's); the 405B row on the same system reads 1.026; see bench/RESULTS.md";
 const CP_RING: &str = "500 W Grand Teton part (an upper bound), and torchtitan's 4- and 8-way context parallelism runs SDPA once per ring step (load balancing n/s), which dplc prices as one overlapped ring; see bench/RESULTS.md";
 
 fn rows() -> Vec<Row> {
@@ -264,6 +266,11 @@ fn rows() -> Vec<Row> {
           "tp=8,pp=8,cp=2,dp=8,mb=1,schedule=interleaved,v=8,zero=1,sp=on,tp_overlap=ring,recompute=none,fp8=on,fp8_gather=on,fp8_bf16_ends=1", "offload=none", 292.0, 1.084, Asserted),
         r("Megatron-Bridge 26.02 Llama3.1 405B, 1024 GPUs, TP 8 PP 8 CP 2 VP 8", MBRIDGE, (L3, "llama3_405b"), "128x8xH100", (8192, 1536),
           "tp=8,pp=8,cp=2,dp=8,mb=1,schedule=interleaved,v=8,zero=1,sp=on,tp_overlap=ring,recompute=none,fp8=on,fp8_gather=on,fp8_bf16_ends=1", "offload=none", 311.0, 1.062, Asserted),
+        // ---- The same source on DGX-B200 (25.11, FP8 current scaling, the recipe as on H100).
+        r("Megatron-Bridge 25.11 Llama3 8B, 8 B200", MBRIDGE_B200, (L3, "llama3_8b"), "8xB200", (8192, 128),
+          "tp=1,pp=1,cp=1,dp=8,mb=2,zero=1,fp8=on,fp8_gather=on,fp8_bf16_ends=1", "offload=none", 30624.0, 1.119, NotAsserted(B200_8B)),
+        r("Megatron-Bridge 25.11 Llama3.1 405B, 128 B200, TP 4 PP 8 CP 2 VP 8", MBRIDGE_B200, (L3, "llama3_405b"), "16x8xB200", (8192, 64),
+          "tp=4,pp=8,cp=2,dp=2,mb=1,schedule=interleaved,v=8,zero=1,sp=on,tp_overlap=ring,recompute=none,fp8=on,fp8_gather=on,fp8_bf16_ends=1", "offload=none", 661.0, 1.026, Asserted),
         // ---- The Llama 3 paper, Meta's 405B pre-training (model TFLOP/s per GPU).
         tflops(r("Llama 3 405B, 8,192 H100, TP 8 PP 16 DP 64", LLAMA3, (L3, "llama3_405b"), "1024x8xH100", (8192, 2048),
           "tp=8,pp=16,cp=1,dp=64,mb=1,schedule=interleaved", "", 430.0, 0.977, Asserted)),
