@@ -176,18 +176,12 @@ pub struct Executor<'a> {
     /// The dropout key's state after the run's seed and the step: every
     /// kernel's `seed` argument (see `dplc_codegen::DrawKey`).
     pub seed: u64,
-    /// Global index of this micro-batch's first sample, and its samples: the
-    /// rest of the key, with which the kernels draw the CPU reference's masks.
-    pub first_sample: u64,
-    pub micro_batch: usize,
-    /// This rank's place in its context-parallel group and the group's
-    /// size: the positions a dropout of the rank's chunks draws at.
-    pub cp_rank: usize,
-    pub cp: usize,
-    /// Its place in its tensor-parallel group and the group's size: where
-    /// a dropout of the rank's part of a split value draws.
-    pub tp_rank: usize,
-    pub tp: usize,
+    /// The rest of the key, with which the kernels draw the CPU reference's
+    /// masks: the micro-batch's first sample and its samples, the rank's
+    /// places in its context- and tensor-parallel groups (the positions a
+    /// dropout of the rank's chunk or part of a split value draws at). Each
+    /// launch sets its own layer.
+    pub place: KeyPlace,
     /// Who runs the host steps; `None` where the graph has none.
     pub host: Option<RefCell<&'a mut dyn HostSteps>>,
 }
@@ -305,12 +299,7 @@ impl<'a> Executor<'a> {
             .collect();
         let at = KeyPlace {
             layer,
-            first_sample: self.first_sample,
-            micro_batch: self.micro_batch,
-            cp_rank: self.cp_rank,
-            cp: self.cp,
-            tp_rank: self.tp_rank,
-            tp: self.tp,
+            ..self.place
         };
         at.bind_keys(&mut sizes, key_sizes, |t| self.numel(t));
         Args {

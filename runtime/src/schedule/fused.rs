@@ -73,12 +73,15 @@ fn executor<'x>(
         fused: &prog.fused,
         syms: sh.syms.clone(),
         seed: crate::rng::hash(&[sh.seed, pass.step]),
-        first_sample: pass.first_sample,
-        micro_batch: sh.cfg.micro_batch,
-        cp_rank: pass.cp_rank,
-        cp: sh.cfg.cp,
-        tp_rank: pass.tp_rank,
-        tp: sh.cfg.tp,
+        place: dplc_codegen::KeyPlace {
+            layer: 0,
+            first_sample: pass.first_sample,
+            micro_batch: sh.cfg.micro_batch,
+            cp_rank: pass.cp_rank,
+            cp: sh.cfg.cp,
+            tp_rank: pass.tp_rank,
+            tp: sh.cfg.tp,
+        },
         host: Some(RefCell::new(host)),
     }
 }
