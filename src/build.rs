@@ -187,6 +187,22 @@ pub fn build(args: &BuildArgs) -> Result<()> {
     let plan = compiled.plan;
     let dir = &args.output;
     check_output_dir(dir, &args.plan.inputs())?;
+    // Everything that can fail for a reason other than the disk — reading
+    // the executable, NVRTC, the kernels — runs before the directory is
+    // touched: a failed build leaves no half-written artifact behind (one
+    // that a second build would then refuse to write into), nor a broken
+    // earlier one.
+    let exe = std::env::current_exe()
+        .and_then(std::fs::read)
+        .into_diagnostic()
+        .wrap_err("cannot read the dplc executable to copy it")?;
+    let text =
+        ron::ser::to_string_pretty(&plan, ron::ser::PrettyConfig::default()).into_diagnostic()?;
+    let ptx = if is_cpu(&plan) {
+        Vec::new()
+    } else {
+        gpu_kernels(&plan, &lowered)?
+    };
     std::fs::create_dir_all(dir)
         .into_diagnostic()
         .wrap_err_with(|| format!("cannot create {}", dir.display()))?;
@@ -201,10 +217,6 @@ pub fn build(args: &BuildArgs) -> Result<()> {
         _ => {}
     }
     let mut files = Vec::new();
-    let exe = std::env::current_exe()
-        .and_then(std::fs::read)
-        .into_diagnostic()
-        .wrap_err("cannot read the dplc executable to copy it")?;
     write(dir, "dplc", &exe, &mut files)?;
     #[cfg(unix)]
     {
@@ -212,42 +224,16 @@ pub fn build(args: &BuildArgs) -> Result<()> {
         std::fs::set_permissions(dir.join("dplc"), std::fs::Permissions::from_mode(0o755))
             .into_diagnostic()?;
     }
-    let text =
-        ron::ser::to_string_pretty(&plan, ron::ser::PrettyConfig::default()).into_diagnostic()?;
     write(dir, "plan.ron", text.as_bytes(), &mut files)?;
-    let mut kernels = 0;
-    if !is_cpu(&plan) {
-        let arch = arch_of(&plan.cluster.device)?;
-        let nvrtc = Nvrtc::load().map_err(|e| {
-            miette!(
-                help = "install it with scripts/install-nvrtc.sh and export DPLC_NVRTC_LIB=<the path it prints>",
-                "a GPU plan needs NVRTC to generate its kernels: {e}"
-            )
-        })?;
-        let precision = lowered.train.precision;
-        let graph = compile_graph(
-            &lowered.graph,
-            storage_dtype(precision),
-            arch,
-            plan.strategy.attention,
-            &nvrtc,
-        )
-        .map_err(|e| miette!("{e}"))?;
-        let ptx = graph
-            .kernels
-            .iter()
-            .map(|(name, k)| (name, &k.ptx))
-            .chain(graph.attention.iter().map(|(name, a)| (name, &a.ptx)));
-        for (name, ptx) in ptx {
-            write(
-                dir,
-                &format!("kernels/{name}.ptx"),
-                ptx.text.as_bytes(),
-                &mut files,
-            )?;
-            kernels += 1;
-        }
+    for (name, ptx) in &ptx {
+        write(
+            dir,
+            &format!("kernels/{name}.ptx"),
+            ptx.as_bytes(),
+            &mut files,
+        )?;
     }
+    let kernels = ptx.len();
     let world = world_size(&plan);
     let manifest = Manifest {
         format: 1,
@@ -275,6 +261,37 @@ pub fn build(args: &BuildArgs) -> Result<()> {
         }
     );
     Ok(())
+}
+
+/// The PTX of a GPU plan's kernels, by name: what NVRTC makes of the
+/// fused program for the plan's device.
+fn gpu_kernels(plan: &Plan, lowered: &dplc_frontend::Lowered) -> Result<Vec<(String, String)>> {
+    let arch = arch_of(&plan.cluster.device)?;
+    let nvrtc = Nvrtc::load().map_err(|e| {
+        miette!(
+            help = "install it with scripts/install-nvrtc.sh and export DPLC_NVRTC_LIB=<the path it prints>",
+            "a GPU plan needs NVRTC to generate its kernels: {e}"
+        )
+    })?;
+    let graph = compile_graph(
+        &lowered.graph,
+        storage_dtype(lowered.train.precision),
+        arch,
+        plan.strategy.attention,
+        &nvrtc,
+    )
+    .map_err(|e| miette!("{e}"))?;
+    Ok(graph
+        .kernels
+        .iter()
+        .map(|(name, k)| (name.clone(), k.ptx.text.clone()))
+        .chain(
+            graph
+                .attention
+                .iter()
+                .map(|(name, a)| (name.clone(), a.ptx.text.clone())),
+        )
+        .collect())
 }
 
 fn run_md(plan: &Plan, m: &Manifest, dir: &Path) -> String {

@@ -205,6 +205,48 @@ fn gpu_artifacts_carry_their_kernels_and_refuse_other_worlds() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A GPU build that cannot make its kernels stops before it writes: no
+/// half-written directory is left (which a second build would refuse to
+/// write into), and an earlier artifact in the directory stays whole.
+#[test]
+fn a_failed_gpu_build_writes_nothing() {
+    let no_nvrtc = [("DPLC_NVRTC_LIB", "/nonexistent/libnvrtc.so.12")];
+    let gpu_build = |dir: &Path| {
+        dplc_at(
+            Path::new(env!("CARGO_BIN_EXE_dplc")),
+            &[
+                "build",
+                "models/tiny.dpl",
+                "--model",
+                "gpt_tiny",
+                "--cluster",
+                "8xA100",
+                "-o",
+                dir.to_str().unwrap(),
+            ],
+            &no_nvrtc,
+        )
+    };
+    let fresh = tmp("failed-gpu");
+    let out = gpu_build(&fresh);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("needs NVRTC"), "{}", stderr(&out));
+    assert!(
+        !fresh.exists(),
+        "a failed build created {}",
+        fresh.display()
+    );
+    // Over an earlier (CPU) artifact: refused the same way, the artifact
+    // still launches.
+    let earlier = build_cpu("failed-gpu-over-cpu");
+    let out = gpu_build(&earlier);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(earlier.join("manifest.json").is_file());
+    let out = dplc(&["launch", earlier.to_str().unwrap(), "--steps", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let _ = std::fs::remove_dir_all(&earlier);
+}
+
 #[test]
 fn gpu_runs_without_a_driver_say_so() {
     if dplc_runtime::gpu::driver_present() {
