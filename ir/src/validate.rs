@@ -222,8 +222,9 @@ pub fn max_seq(graph: &Graph) -> Option<MaxSeq> {
 pub fn fits_context(seq: u64, graph: &Graph) -> Result<(), String> {
     match max_seq(graph) {
         Some(m) if seq > m.tokens => Err(format!(
-            "the sequence length {seq} is longer than `{}` reads: its position table `{}` has {} rows",
-            graph.name, m.table, m.tokens
+            "the sequence length {seq} is longer than `{}` reads: its position table `{}` has {} rows \
+             (use a sequence of at most {}, or derive the model with a table of {seq} rows)",
+            graph.name, m.table, m.tokens, m.tokens
         )),
         _ => Ok(()),
     }
