@@ -107,6 +107,8 @@ const GPT3_5B: &str = "12.5% fast with every knob the table states (the search t
 const GPT3_20B: &str = "16% slow: with the stated knobs dplc's ZeRO-1 plan needs 83 GiB (bf16 weights beside their FP8 casts and fp32 gradients) and the search takes ZeRO-2, whose per-micro-batch reduce-scatters cost 0.28 s; with FP8 parameter gathers (`zero=1,fp8_gather=on`, as NeMo's later FP8 recipes set, not stated for 24.07) it fits and reads 1.040; see bench/RESULTS.md";
 const LLAMA3_CP: &str = "23% fast at 131,072 tokens; the paper reports TFLOP/s per GPU, not tokens/s, and at this length attention is 57% of dplc's model FLOPs counted over the whole sequence (Megatron's convention) and 40% counted causally, and the source does not say which it counts (the 8K rows move by 4% between the two); with FlashAttention-2's rate instead of the fused (FlashAttention-3) one dplc reads 0.889; see bench/RESULTS.md";
 const B200_8B: &str = "11.9% fast; no fused-attention rate is measured for the B200, so its attention runs at the device's GEMM rate (with the H100 die's ratios of FlashAttention-3's forward and backward to its GEMM rate it reads 1.068, not asserted: that ratio is the H100's); the 405B row on the same system reads 1.026; see bench/RESULTS.md";
+const NEMOTRON_8B: &str = "12.3% fast with every knob the table states (the search takes ZeRO-1 and no recomputation), as NeMo's other micro-batch-4 row, GPT-3 5B (12.5-13%); not explained; see bench/RESULTS.md";
+const NEMOTRON_340B: &str = "recompute n/s: with the stated knobs dplc's plan needs recomputation to fit (its bf16 weights beside their FP8 casts, fp32 gradients, and the MLP's 73,728-wide activations), and the search recomputes every layer; not explained further; see bench/RESULTS.md";
 const CP_RING: &str = "500 W Grand Teton part (an upper bound), and torchtitan's 4- and 8-way context parallelism runs SDPA once per ring step (load balancing n/s), which dplc prices as one overlapped ring; see bench/RESULTS.md";
 
 fn rows() -> Vec<Row> {
@@ -143,6 +145,7 @@ fn rows() -> Vec<Row> {
     const L2: &str = "llama2.dpl";
     const GPT: &str = "megatron_gpt.dpl";
     const GPT2: &str = "gpt2.dpl";
+    const NEMOTRON: &str = "nemotron.dpl";
     vec![
         // ---- PyTorch on one H200, measured by dplc's own GPU check (its peer for the gpt2 step).
         r("PyTorch 2.11 GPT-2 small, 1 H200, torch.compile", DPLC_H200, (GPT2, "gpt2"), "1xH200", (1024, 32),
@@ -248,6 +251,12 @@ fn rows() -> Vec<Row> {
           "tp=1,pp=1,cp=1,dp=64,mb=4,fp8=on", "offload=none", 22521.0, 1.132, NotAsserted(GPT3_5B)),
         r("NeMo GPT3 20B, 64 GPUs, TP 2", NEMO_2407, (GPT, "nemo_gpt3_20b"), "8x8xH100", (2048, 256),
           "tp=2,pp=1,cp=1,dp=32,mb=2,sp=on,fp8=on", "offload=none", 5851.0, 0.839, NotAsserted(GPT3_20B)),
+        // Nemotron (models/nemotron.dpl: NeMo's NemotronConfig, squared ReLU,
+        // rotary on half of each head); the table's 22B has no config in NeMo.
+        r("NeMo Nemotron3 8B, 64 GPUs, TP 2", NEMO_2407, (NEMOTRON, "nemotron3_8b"), "8x8xH100", (4096, 256),
+          "tp=2,pp=1,cp=1,dp=32,mb=4,sp=on,fp8=on", "offload=none", 12701.0, 1.123, NotAsserted(NEMOTRON_8B)),
+        r("NeMo Nemotron4 340B, 128 GPUs, TP 8 PP 8 VP 12", NEMO_2407, (NEMOTRON, "nemotron4_340b"), "16x8xH100", (4096, 32),
+          "tp=8,pp=8,cp=1,dp=2,mb=1,schedule=interleaved,v=12,sp=on,fp8=on", "offload=none", 322.0, 0.709, NotAsserted(NEMOTRON_340B)),
         // ---- NVIDIA Megatron-Bridge on DGX-H100, FP8 current scaling: the
         // recipe's `bf16_with_fp8_current_scaling_mixed` (Megatron-Bridge
         // src/megatron/bridge/training/mixed_precision.py) gathers the FP8

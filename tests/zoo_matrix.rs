@@ -14,6 +14,7 @@ const TINY: &[(&str, &str, &[&str])] = &[
     ("models/gemma.dpl", "gemma_tiny", &["--seq", "16"]),
     ("models/mistral.dpl", "mistral_tiny", &["--seq", "16"]),
     ("models/deepseek.dpl", "deepseek_tiny", &["--seq", "16"]),
+    ("models/nemotron.dpl", "nemotron_tiny", &["--seq", "16"]),
     ("models/vit.dpl", "vit_tiny", &[]),
     ("models/t5.dpl", "t5_tiny", &[]),
 ];

@@ -46,6 +46,8 @@ cases! {
     matmul_inner_dim_mismatch: "model m() {\n    input x: f32[b, 4]\n    param w: [5, 8]\n    return x @ w\n}\n";
     shape_error_inside_std_block: "model m() {\n    input x: f32[b, s, 64]\n    return attention(x, 48, 4)\n}\n";
     heads_not_dividing_width: "model m() {\n    input x: f32[b, s, 64]\n    return attention(x, 64, 5)\n}\n";
+    partial_rotary_of_an_odd_width: "model m() {\n    input x: f32[b, s, 64]\n    return attention(x, 64, 4, rotary = true, rotary_dims = 5)\n}\n";
+    partial_rotary_wider_than_a_head: "model m() {\n    input x: f32[b, s, 64]\n    return attention(x, 64, 4, rotary = true, rotary_dims = 32)\n}\n";
     reshape_count_mismatch: "model m() {\n    input x: f32[b, 4]\n    return reshape(x, [b, 3])\n}\n";
     non_integer_dim: "model m(d = 10, heads = 4) {\n    param w: [d / heads, 2]\n    return w\n}\n";
     non_positive_dim: "model m(d = 10) {\n    param w: [d - 10, 2]\n    return w\n}\n";

@@ -108,6 +108,17 @@ fn mpt_parameter_counts() {
     }
 }
 
+/// Nemotron-4 15B (Parmar et al. 2024, arXiv:2402.16819 §2): "12.5B
+/// non-embedding parameters" (the embeddings, input and output, 3.15B, which
+/// the paper rounds to "3.2B"). No exact count is published for Nemotron.
+#[test]
+fn nemotron_parameter_counts() {
+    let total = params("nemotron.dpl", "nemotron4_15b");
+    let embeddings = 2 * 256_000 * 6144;
+    assert_eq!(total, 15_628_775_424);
+    assert_eq!(((total - embeddings) as f64 / 1e8).round(), 125.0);
+}
+
 #[test]
 fn every_zoo_file_checks() {
     for file in [
@@ -123,6 +134,7 @@ fn every_zoo_file_checks() {
         "t5.dpl",
         "megatron_gpt.dpl",
         "mpt.dpl",
+        "nemotron.dpl",
         "tiny.dpl",
     ] {
         let unit = dplc_frontend::parse(file, &zoo(file))
