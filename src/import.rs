@@ -327,25 +327,27 @@ fn llama_like(c: &Config, name: &str) -> Result<String> {
     let theta = c.number_or("rope_theta", 10000.0)?;
     let context = c.size_or("max_position_embeddings", Some(4096))?;
     c.act("hidden_act", "silu", &["silu"])?;
-    if d % heads != 0 {
-        return Err(c.err(
-            "num_attention_heads",
-            format!("{heads} does not divide hidden_size {d}"),
-        ));
-    }
     if heads % kv_heads != 0 {
         return Err(c.err(
             "num_key_value_heads",
             format!("{kv_heads} does not divide num_attention_heads {heads}"),
         ));
     }
-    let head_dim = c.size_or("head_dim", Some(d / heads))?;
-    if head_dim != d / heads {
+    // A head width of its own (Mistral NeMo's 128 on a 5120-wide model)
+    // goes to the attention block as `head_dim`; otherwise the heads split
+    // the width evenly.
+    let head_dim = match c.get("head_dim") {
+        None | Some(Value::Null) => None,
+        Some(_) => Some(c.size("head_dim")?),
+    }
+    .filter(|&hd| d % heads != 0 || hd != d / heads);
+    if head_dim.is_none() && d % heads != 0 {
         return Err(c.err(
-            "head_dim",
-            format!("is {head_dim}, not hidden_size / num_attention_heads = {}; the standard attention block uses that width", d / heads),
+            "num_attention_heads",
+            format!("{heads} does not divide hidden_size {d} and the config gives no head_dim"),
         ));
     }
+    let head_dim_arg = head_dim.map_or(String::new(), |hd| format!(", head_dim = {hd}"));
     let bias_default = family == "qwen2";
     let qkv_bias = c.flag_or("attention_bias", bias_default)?;
     // Qwen2's attention carries q/k/v biases and an unbiased output.
@@ -420,7 +422,7 @@ fn llama_like(c: &Config, name: &str) -> Result<String> {
          \x20   repeat layers {{\n\
          \x20       h = h + attention(rms_norm(h, d, norm_eps, name = \"attention_norm\"), d, heads,\n\
          \x20                         kv_heads = kv_heads, rotary = true, rope_theta = rope_theta,\n\
-         \x20                         qkv_bias = {qkv_bias}, out_bias = {out_bias}{window_arg})\n\
+         \x20                         qkv_bias = {qkv_bias}, out_bias = {out_bias}{head_dim_arg}{window_arg})\n\
          \x20       h = h + {ffn_call}\n\
          \x20   }}\n\
          \x20   h = rms_norm(h, d, norm_eps, name = \"norm\")\n{output}\

@@ -131,6 +131,48 @@ fn an_imported_model_plans_and_trains_like_a_written_one() {
     assert!(mistral.contains("window = 4096)"), "{mistral}");
 }
 
+/// A head width of its own (Mistral NeMo's 128 heads on a 5120-wide model)
+/// is imported as the attention's `head_dim`; a `head_dim` equal to the
+/// even split changes nothing. The config is Llama 3 8B's with the width
+/// changed, so the count is by hand: embedding and untied output 2 × 128256
+/// × 5120, per layer q and o 2 × 5120 × 4096, k and v 2 × 5120 × 1024, the
+/// SwiGLU 3 × 5120 × 14336 and two norms, 32 layers and the final norm.
+#[test]
+fn a_head_width_of_its_own_is_imported_as_head_dim() {
+    let base = std::fs::read_to_string("tests/data/hf/llama3_8b.json").unwrap();
+    let wide = base.replace(
+        "\"hidden_size\": 4096,",
+        "\"hidden_size\": 5120,\n  \"head_dim\": 128,",
+    );
+    assert_ne!(wide, base);
+    let p = tmp("wide_heads.json");
+    std::fs::write(&p, &wide).unwrap();
+    let out = dplc(&[
+        "import",
+        "hf",
+        p.to_str().unwrap(),
+        "-o",
+        tmp("wide_heads.dpl").to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let dpl = std::fs::read_to_string(tmp("wide_heads.dpl")).unwrap();
+    assert!(dpl.contains("head_dim = 128"), "{dpl}");
+    let per_layer = 2 * 5120 * 4096 + 2 * 5120 * 1024 + 3 * 5120 * 14336 + 2 * 5120;
+    assert_eq!(
+        params(tmp("wide_heads.dpl").to_str().unwrap(), None),
+        2 * 128_256 * 5120 + 32 * per_layer + 5120
+    );
+    let even = base.replace(
+        "\"hidden_size\": 4096,",
+        "\"hidden_size\": 4096,\n  \"head_dim\": 128,",
+    );
+    let p = tmp("even_heads.json");
+    std::fs::write(&p, &even).unwrap();
+    let out = dplc(&["import", "hf", p.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("head_dim"));
+}
+
 #[test]
 fn what_cannot_be_imported_is_refused_naming_the_field() {
     let write = |name: &str, text: &str| {
