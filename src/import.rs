@@ -19,7 +19,7 @@ pub struct Args {
 
 #[derive(clap::Subcommand)]
 enum Source {
-    /// A Hugging Face config.json (model_type llama, mistral, qwen2, mixtral, gemma or gpt2).
+    /// A Hugging Face config.json (model_type llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, gemma or gpt2).
     Hf {
         /// The config.json file.
         config: PathBuf,
@@ -35,7 +35,7 @@ enum Source {
     },
 }
 
-const FAMILIES: &str = "llama, mistral, qwen2, mixtral, gemma, gpt2";
+const FAMILIES: &str = "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, gemma, gpt2";
 
 pub fn run(args: &Args) -> Result<()> {
     let Source::Hf {
@@ -73,7 +73,7 @@ pub fn run(args: &Args) -> Result<()> {
     let name = model_name(name.as_deref(), obj, config)?;
     let c = Config { obj, file: config };
     let dpl = match c.str("model_type")? {
-        "llama" | "mistral" | "qwen2" | "mixtral" => llama_like(&c, &name)?,
+        "llama" | "mistral" | "qwen2" | "qwen3" | "qwen3_moe" | "mixtral" => llama_like(&c, &name)?,
         "gemma" => gemma(&c, &name)?,
         "gpt2" => gpt2(&c, &name)?,
         other => {
@@ -322,11 +322,18 @@ fn llama_like(c: &Config, name: &str) -> Result<String> {
     let layers = c.size("num_hidden_layers")?;
     let heads = c.size("num_attention_heads")?;
     let kv_heads = c.size_or("num_key_value_heads", Some(heads))?;
-    let ffn = c.size("intermediate_size")?;
+    // Qwen3-MoE's experts are `moe_intermediate_size` wide.
+    let ffn = if family == "qwen3_moe" {
+        c.size("moe_intermediate_size")?
+    } else {
+        c.size("intermediate_size")?
+    };
     let eps = c.number_or("rms_norm_eps", 1e-6)?;
     let theta = c.number_or("rope_theta", 10000.0)?;
     let context = c.size_or("max_position_embeddings", Some(4096))?;
     c.act("hidden_act", "silu", &["silu"])?;
+    // Qwen3 RMS-normalises each head's query and key.
+    let qk_norm = family.starts_with("qwen3");
     if heads % kv_heads != 0 {
         return Err(c.err(
             "num_key_value_heads",
@@ -348,6 +355,11 @@ fn llama_like(c: &Config, name: &str) -> Result<String> {
         ));
     }
     let head_dim_arg = head_dim.map_or(String::new(), |hd| format!(", head_dim = {hd}"));
+    let qk_norm_arg = if qk_norm {
+        ", qk_norm = true, qk_norm_eps = norm_eps"
+    } else {
+        ""
+    };
     let bias_default = family == "qwen2";
     let qkv_bias = c.flag_or("attention_bias", bias_default)?;
     // Qwen2's attention carries q/k/v biases and an unbiased output.
@@ -383,7 +395,34 @@ fn llama_like(c: &Config, name: &str) -> Result<String> {
         ),
         None => (String::new(), String::new()),
     };
-    let ffn_call = if family == "mixtral" {
+    let ffn_call = if family == "qwen3_moe" {
+        let experts = c.size("num_experts")?;
+        let top_k = c.size("num_experts_per_tok")?;
+        if top_k > experts {
+            return Err(c.err(
+                "num_experts_per_tok",
+                format!("{top_k} exceeds num_experts {experts}"),
+            ));
+        }
+        // The moe block weighs the chosen experts by a softmax over their k
+        // logits: Qwen3's softmax over all of them renormalised over the k.
+        c.neutral(
+            "norm_topk_prob",
+            |v| v == &Value::Bool(true),
+            "the moe block renormalises the chosen experts' weights",
+        )?;
+        c.neutral(
+            "decoder_sparse_step",
+            |v| v.as_u64() == Some(1),
+            "every layer's FFN is a mixture of experts here",
+        )?;
+        c.neutral(
+            "mlp_only_layers",
+            |v| v.as_array().is_some_and(Vec::is_empty),
+            "every layer's FFN is a mixture of experts here",
+        )?;
+        format!("moe(rms_norm(h, d, norm_eps, name = \"ffn_norm\"), d, ffn, {experts}, {top_k})")
+    } else if family == "mixtral" {
         let experts = c.size("num_local_experts")?;
         let top_k = c.size("num_experts_per_tok")?;
         if top_k > experts {
@@ -398,7 +437,7 @@ fn llama_like(c: &Config, name: &str) -> Result<String> {
             c.neutral(
                 key,
                 |v| v.as_u64().is_some_and(|n| n <= 1),
-                "a mixture of experts is imported as model_type mixtral",
+                "a mixture of experts is imported as model_type mixtral or qwen3_moe",
             )?;
         }
         "swiglu(rms_norm(h, d, norm_eps, name = \"ffn_norm\"), d, ffn)".to_string()
@@ -422,7 +461,7 @@ fn llama_like(c: &Config, name: &str) -> Result<String> {
          \x20   repeat layers {{\n\
          \x20       h = h + attention(rms_norm(h, d, norm_eps, name = \"attention_norm\"), d, heads,\n\
          \x20                         kv_heads = kv_heads, rotary = true, rope_theta = rope_theta,\n\
-         \x20                         qkv_bias = {qkv_bias}, out_bias = {out_bias}{head_dim_arg}{window_arg})\n\
+         \x20                         qkv_bias = {qkv_bias}, out_bias = {out_bias}{head_dim_arg}{qk_norm_arg}{window_arg})\n\
          \x20       h = h + {ffn_call}\n\
          \x20   }}\n\
          \x20   h = rms_norm(h, d, norm_eps, name = \"norm\")\n{output}\

@@ -31,6 +31,7 @@ const ZOO: &[(&str, &str)] = &[
     (include_str!("../models/mistral.dpl"), "mistral_tiny"),
     (include_str!("../models/gemma.dpl"), "gemma_tiny"),
     (include_str!("../models/nemotron.dpl"), "nemotron_tiny"),
+    (include_str!("../models/qwen3.dpl"), "qwen3_tiny"),
     (include_str!("../models/deepseek.dpl"), "deepseek_tiny"),
     (include_str!("../models/t5.dpl"), "t5_tiny"),
 ];

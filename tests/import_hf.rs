@@ -173,6 +173,83 @@ fn a_head_width_of_its_own_is_imported_as_head_dim() {
     assert!(!String::from_utf8_lossy(&out.stdout).contains("head_dim"));
 }
 
+/// Qwen3 (dense and MoE): each head's query and key RMS-normalised, a head
+/// width of its own, experts `moe_intermediate_size` wide. The configs carry
+/// the shapes the model cards state (Qwen/Qwen3-4B: 4.0B parameters, 3.6B
+/// without the tied embedding; Qwen/Qwen3-30B-A3B: 30.5B, 29.9B without the
+/// embedding and untied output), counted by hand: per layer q and o 2 × d ×
+/// 4096, k and v 2 × d × kv × 128, the q and k norms 2 × 128, the FFN (3 × d
+/// × 9728, or 128 experts of 3 × d × 768 and a d × 128 router) and two norms.
+#[test]
+fn qwen3_imports_with_its_query_key_norms_and_experts() {
+    let dense = r#"{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+        "vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728,
+        "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000, "tie_word_embeddings": true,
+        "attention_bias": false, "attention_dropout": 0.0, "torch_dtype": "bfloat16"}"#;
+    let moe = r#"{"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+        "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+        "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000, "tie_word_embeddings": false,
+        "attention_bias": false, "attention_dropout": 0.0, "torch_dtype": "bfloat16"}"#;
+    let layer = |d: u64, kv: u64, ffn: u64| 2 * d * 4096 + 2 * d * kv * 128 + 2 * 128 + ffn + 2 * d;
+    for (name, text, total, embeddings, card) in [
+        (
+            "qwen3_4b",
+            dense,
+            151_936 * 2560 + 36 * layer(2560, 8, 3 * 2560 * 9728) + 2560,
+            151_936 * 2560,
+            (40, 36),
+        ),
+        (
+            "qwen3_30b_a3b",
+            moe,
+            2 * 151_936 * 2048 + 48 * layer(2048, 4, 128 * 3 * 2048 * 768 + 2048 * 128) + 2048,
+            2 * 151_936 * 2048,
+            (305, 299),
+        ),
+    ] {
+        let p = tmp(&format!("{name}.json"));
+        std::fs::write(&p, text).unwrap();
+        let out_file = tmp(&format!("{name}.dpl"));
+        let out = dplc(&[
+            "import",
+            "hf",
+            p.to_str().unwrap(),
+            "-o",
+            out_file.to_str().unwrap(),
+        ]);
+        assert!(out.status.success(), "{name}: {}", stderr(&out));
+        let dpl = std::fs::read_to_string(&out_file).unwrap();
+        assert!(dpl.contains("qk_norm = true"), "{dpl}");
+        let counted = params(out_file.to_str().unwrap(), None);
+        assert_eq!(counted, total, "{name}");
+        // The model card's figures, in tenths of a billion.
+        let tenths = |n: u64| (n as f64 / 1e8).round() as u64;
+        assert_eq!(
+            (tenths(counted), tenths(counted - embeddings)),
+            card,
+            "{name}"
+        );
+        let o = dplc(&["check", out_file.to_str().unwrap()]);
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+    }
+    // Weights over all the experts, not renormalised over the chosen: refused.
+    let p = tmp("qwen3_moe_raw.json");
+    std::fs::write(
+        &p,
+        moe.replace("\"norm_topk_prob\": true", "\"norm_topk_prob\": false"),
+    )
+    .unwrap();
+    let out = dplc(&["import", "hf", p.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("norm_topk_prob"), "{}", stderr(&out));
+}
+
 #[test]
 fn what_cannot_be_imported_is_refused_naming_the_field() {
     let write = |name: &str, text: &str| {

@@ -15,6 +15,7 @@ const TINY: &[(&str, &str, &[&str])] = &[
     ("models/mistral.dpl", "mistral_tiny", &["--seq", "16"]),
     ("models/deepseek.dpl", "deepseek_tiny", &["--seq", "16"]),
     ("models/nemotron.dpl", "nemotron_tiny", &["--seq", "16"]),
+    ("models/qwen3.dpl", "qwen3_tiny", &["--seq", "16"]),
     ("models/vit.dpl", "vit_tiny", &[]),
     ("models/t5.dpl", "t5_tiny", &[]),
 ];

@@ -119,6 +119,14 @@ fn nemotron_parameter_counts() {
     assert_eq!(((total - embeddings) as f64 / 1e8).round(), 125.0);
 }
 
+/// What the Qwen3 fields give (tests/import_hf.rs counts them by hand; the
+/// model cards round them to 4.0B and 30.5B).
+#[test]
+fn qwen3_parameter_counts() {
+    assert_eq!(params("qwen3.dpl", "qwen3_4b"), 4_022_468_096);
+    assert_eq!(params("qwen3.dpl", "qwen3_30b_a3b"), 30_532_122_624);
+}
+
 #[test]
 fn every_zoo_file_checks() {
     for file in [
@@ -135,6 +143,7 @@ fn every_zoo_file_checks() {
         "megatron_gpt.dpl",
         "mpt.dpl",
         "nemotron.dpl",
+        "qwen3.dpl",
         "tiny.dpl",
     ] {
         let unit = dplc_frontend::parse(file, &zoo(file))
