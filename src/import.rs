@@ -19,7 +19,7 @@ pub struct Args {
 
 #[derive(clap::Subcommand)]
 enum Source {
-    /// A Hugging Face config.json (model_type llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, gemma or gpt2).
+    /// A Hugging Face config.json (model_type llama, mistral, qwen2, qwen3, qwen3_moe, phi3, mixtral, gemma or gpt2).
     Hf {
         /// The config.json file.
         config: PathBuf,
@@ -35,7 +35,7 @@ enum Source {
     },
 }
 
-const FAMILIES: &str = "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, gemma, gpt2";
+const FAMILIES: &str = "llama, mistral, qwen2, qwen3, qwen3_moe, phi3, mixtral, gemma, gpt2";
 
 pub fn run(args: &Args) -> Result<()> {
     let Source::Hf {
@@ -73,7 +73,9 @@ pub fn run(args: &Args) -> Result<()> {
     let name = model_name(name.as_deref(), obj, config)?;
     let c = Config { obj, file: config };
     let dpl = match c.str("model_type")? {
-        "llama" | "mistral" | "qwen2" | "qwen3" | "qwen3_moe" | "mixtral" => llama_like(&c, &name)?,
+        "llama" | "mistral" | "qwen2" | "qwen3" | "qwen3_moe" | "phi3" | "mixtral" => {
+            llama_like(&c, &name)?
+        }
         "gemma" => gemma(&c, &name)?,
         "gpt2" => gpt2(&c, &name)?,
         other => {
@@ -355,6 +357,32 @@ fn llama_like(c: &Config, name: &str) -> Result<String> {
         ));
     }
     let head_dim_arg = head_dim.map_or(String::new(), |hd| format!(", head_dim = {hd}"));
+    // Partial rotary (Phi-3's and Phi-4-mini's `partial_rotary_factor`):
+    // transformers turns the first `int(factor × head width)` channels.
+    let factor = c.number_or("partial_rotary_factor", 1.0)?;
+    if !(factor > 0.0 && factor <= 1.0) {
+        return Err(c.err(
+            "partial_rotary_factor",
+            format!("is {factor}, not in (0, 1]"),
+        ));
+    }
+    let width = head_dim.unwrap_or(d / heads);
+    let turned = (factor * width as f64) as u64;
+    if !turned.is_multiple_of(2) || turned == 0 {
+        return Err(c.err(
+            "partial_rotary_factor",
+            format!("turns {turned} of {width} channels; rotary turns pairs"),
+        ));
+    }
+    let rotary_arg = if turned < width {
+        format!(", rotary_dims = {turned}")
+    } else {
+        String::new()
+    };
+    // Phi-3's dropouts (0 in every published config) are not imported.
+    for key in ["resid_pdrop", "embd_pdrop"] {
+        c.neutral(key, |v| v.as_f64() == Some(0.0), "dropout is not imported")?;
+    }
     let qk_norm_arg = if qk_norm {
         ", qk_norm = true, qk_norm_eps = norm_eps"
     } else {
@@ -461,7 +489,7 @@ fn llama_like(c: &Config, name: &str) -> Result<String> {
          \x20   repeat layers {{\n\
          \x20       h = h + attention(rms_norm(h, d, norm_eps, name = \"attention_norm\"), d, heads,\n\
          \x20                         kv_heads = kv_heads, rotary = true, rope_theta = rope_theta,\n\
-         \x20                         qkv_bias = {qkv_bias}, out_bias = {out_bias}{head_dim_arg}{qk_norm_arg}{window_arg})\n\
+         \x20                         qkv_bias = {qkv_bias}, out_bias = {out_bias}{head_dim_arg}{rotary_arg}{qk_norm_arg}{window_arg})\n\
          \x20       h = h + {ffn_call}\n\
          \x20   }}\n\
          \x20   h = rms_norm(h, d, norm_eps, name = \"norm\")\n{output}\

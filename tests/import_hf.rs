@@ -250,6 +250,77 @@ fn qwen3_imports_with_its_query_key_norms_and_experts() {
     assert!(stderr(&out).contains("norm_topk_prob"), "{}", stderr(&out));
 }
 
+/// Phi-3 (model_type phi3): Llama's layer, its 4K variant's window of 2047
+/// keys, and partial rotary where a config sets `partial_rotary_factor`.
+/// The config carries Phi-3-mini's shape as its model card states it
+/// (3.8B), counted by hand: embedding and untied output 2 × 32064 × 3072,
+/// per layer four 3072² projections, the SwiGLU 3 × 3072 × 8192 and two
+/// norms, 32 layers and the final norm.
+#[test]
+fn phi3_imports_with_its_window_and_partial_rotary() {
+    let mini = r#"{"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
+        "vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "hidden_act": "silu", "max_position_embeddings": 4096, "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0, "rope_scaling": null, "sliding_window": 2047,
+        "attention_dropout": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+        "tie_word_embeddings": false, "torch_dtype": "bfloat16"}"#;
+    let import_text = |name: &str, text: &str| {
+        let p = tmp(&format!("{name}.json"));
+        std::fs::write(&p, text).unwrap();
+        let out_file = tmp(&format!("{name}.dpl"));
+        let out = dplc(&[
+            "import",
+            "hf",
+            p.to_str().unwrap(),
+            "-o",
+            out_file.to_str().unwrap(),
+        ]);
+        (out, out_file)
+    };
+    let (out, file) = import_text("phi3_mini", mini);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let dpl = std::fs::read_to_string(&file).unwrap();
+    assert!(dpl.contains("window = 2047"), "{dpl}");
+    assert!(!dpl.contains("rotary_dims"), "{dpl}");
+    let layer = 4 * 3072 * 3072 + 3 * 3072 * 8192 + 2 * 3072;
+    let total = 2 * 32_064 * 3072 + 32 * layer + 3072;
+    assert_eq!(total, 3_821_079_552);
+    assert_eq!(params(file.to_str().unwrap(), None), total);
+    // Three quarters of each 96-wide head turned: 72 channels.
+    let partial = mini.replace(
+        "\"rope_theta\": 10000.0,",
+        "\"rope_theta\": 10000.0, \"partial_rotary_factor\": 0.75,",
+    );
+    let (out, file) = import_text("phi3_partial", &partial);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let dpl = std::fs::read_to_string(&file).unwrap();
+    assert!(dpl.contains("rotary_dims = 72"), "{dpl}");
+    assert_eq!(params(file.to_str().unwrap(), None), total);
+    let o = dplc(&["check", file.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // A dropout the import would drop, and a factor that turns an odd count: refused.
+    for (name, text, want) in [
+        (
+            "phi3_dropout",
+            mini.replace("\"resid_pdrop\": 0.0", "\"resid_pdrop\": 0.1"),
+            "resid_pdrop",
+        ),
+        (
+            "phi3_odd",
+            mini.replace(
+                "\"rope_theta\": 10000.0,",
+                "\"rope_theta\": 10000.0, \"partial_rotary_factor\": 0.53125,",
+            ),
+            "partial_rotary_factor",
+        ),
+    ] {
+        let (out, _) = import_text(name, &text);
+        assert_eq!(out.status.code(), Some(1), "{name}");
+        assert!(stderr(&out).contains(want), "{name}: {}", stderr(&out));
+    }
+}
+
 #[test]
 fn what_cannot_be_imported_is_refused_naming_the_field() {
     let write = |name: &str, text: &str| {
