@@ -433,12 +433,14 @@ fn llama_like(c: &Config, name: &str) -> Result<String> {
             ));
         }
         // The moe block weighs the chosen experts by a softmax over their k
-        // logits: Qwen3's softmax over all of them renormalised over the k.
-        c.neutral(
-            "norm_topk_prob",
-            |v| v == &Value::Bool(true),
-            "the moe block renormalises the chosen experts' weights",
-        )?;
+        // logits: Qwen3's softmax over all of them renormalised over the k,
+        // which its configs set (transformers' default is not to).
+        if c.get("norm_topk_prob") != Some(&Value::Bool(true)) {
+            return Err(c.err(
+                "norm_topk_prob",
+                "is not true: the moe block renormalises the chosen experts' weights".into(),
+            ));
+        }
         c.neutral(
             "decoder_sparse_step",
             |v| v.as_u64() == Some(1),
