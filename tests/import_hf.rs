@@ -238,16 +238,28 @@ fn qwen3_imports_with_its_query_key_norms_and_experts() {
         let o = dplc(&["check", out_file.to_str().unwrap()]);
         assert!(o.status.success(), "{name}: {}", stderr(&o));
     }
-    // Weights over all the experts, not renormalised over the chosen: refused.
-    let p = tmp("qwen3_moe_raw.json");
-    std::fs::write(
-        &p,
-        moe.replace("\"norm_topk_prob\": true", "\"norm_topk_prob\": false"),
-    )
-    .unwrap();
-    let out = dplc(&["import", "hf", p.to_str().unwrap()]);
-    assert_eq!(out.status.code(), Some(1));
-    assert!(stderr(&out).contains("norm_topk_prob"), "{}", stderr(&out));
+    // Weights over all the experts, not renormalised over the chosen (set,
+    // or left to transformers' default): refused.
+    for (name, raw) in [
+        (
+            "qwen3_moe_raw.json",
+            moe.replace("\"norm_topk_prob\": true", "\"norm_topk_prob\": false"),
+        ),
+        (
+            "qwen3_moe_default.json",
+            moe.replace("\"norm_topk_prob\": true,", ""),
+        ),
+    ] {
+        let p = tmp(name);
+        std::fs::write(&p, raw).unwrap();
+        let out = dplc(&["import", "hf", p.to_str().unwrap()]);
+        assert_eq!(out.status.code(), Some(1), "{name}");
+        assert!(
+            stderr(&out).contains("norm_topk_prob"),
+            "{name}: {}",
+            stderr(&out)
+        );
+    }
 }
 
 /// Phi-3 (model_type phi3): Llama's layer, its 4K variant's window of 2047
