@@ -19,7 +19,7 @@ pub struct Args {
 
 #[derive(clap::Subcommand)]
 enum Source {
-    /// A Hugging Face config.json (model_type llama, mistral, qwen2, qwen3, qwen3_moe, phi3, mixtral, gemma or gpt2).
+    /// A Hugging Face config.json (model_type llama, mistral, qwen2, qwen3, qwen3_moe, phi3, mixtral, gemma, gpt2 or gpt_neox).
     Hf {
         /// The config.json file.
         config: PathBuf,
@@ -35,7 +35,8 @@ enum Source {
     },
 }
 
-const FAMILIES: &str = "llama, mistral, qwen2, qwen3, qwen3_moe, phi3, mixtral, gemma, gpt2";
+const FAMILIES: &str =
+    "llama, mistral, qwen2, qwen3, qwen3_moe, phi3, mixtral, gemma, gpt2, gpt_neox";
 
 pub fn run(args: &Args) -> Result<()> {
     let Source::Hf {
@@ -78,6 +79,7 @@ pub fn run(args: &Args) -> Result<()> {
         }
         "gemma" => gemma(&c, &name)?,
         "gpt2" => gpt2(&c, &name)?,
+        "gpt_neox" => gpt_neox(&c, &name)?,
         other => {
             return Err(miette!(
                 code = "dplc::import",
@@ -676,6 +678,106 @@ fn gpt2(c: &Config, name: &str) -> Result<String> {
         pad = " ".repeat(7 + name.len()),
         eps = number(eps),
         dropout = number(dropout),
+    );
+    s.push_str(&train_section(c, name, seq)?);
+    Ok(s)
+}
+
+/// GPT-NeoX and Pythia: LayerNorm with biases, rotary on the first
+/// `rotary_pct` of each head, biased linears, GeLU, the attention and the
+/// MLP side by side on the layer's input (`use_parallel_residual`, every
+/// Pythia) or one after the other, an untied output (`embed_out`).
+fn gpt_neox(c: &Config, name: &str) -> Result<String> {
+    let vocab = c.size("vocab_size")?;
+    let d = c.size("hidden_size")?;
+    let layers = c.size("num_hidden_layers")?;
+    let heads = c.size("num_attention_heads")?;
+    let ffn = c.size("intermediate_size")?;
+    let eps = c.number_or("layer_norm_eps", 1e-5)?;
+    let theta = c.number_or("rotary_emb_base", 10000.0)?;
+    let context = c.size_or("max_position_embeddings", Some(2048))?;
+    let act = c.act("hidden_act", "gelu", &["gelu", "gelu_new", "gelu_fast"])?;
+    let act = if act == "gelu" { "gelu" } else { "gelu_tanh" };
+    if d % heads != 0 {
+        return Err(c.err(
+            "num_attention_heads",
+            format!("{heads} does not divide hidden_size {d}"),
+        ));
+    }
+    let width = d / heads;
+    let pct = c.number_or("rotary_pct", 1.0)?;
+    if !(pct > 0.0 && pct <= 1.0) {
+        return Err(c.err("rotary_pct", format!("is {pct}, not in (0, 1]")));
+    }
+    // transformers turns `int(head width × rotary_pct)` channels.
+    let turned = (width as f64 * pct) as u64;
+    if !turned.is_multiple_of(2) || turned == 0 {
+        return Err(c.err(
+            "rotary_pct",
+            format!("turns {turned} of {width} channels; rotary turns pairs"),
+        ));
+    }
+    let rotary_arg = if turned < width {
+        format!(", rotary_dims = {turned}")
+    } else {
+        String::new()
+    };
+    let bias = c.flag_or("attention_bias", true)?;
+    let parallel = c.flag_or("use_parallel_residual", true)?;
+    for key in ["attention_dropout", "hidden_dropout"] {
+        c.neutral(key, |v| v.as_f64() == Some(0.0), "dropout is not imported")?;
+    }
+    c.neutral(
+        "tie_word_embeddings",
+        |v| v == &Value::Bool(false),
+        "GPT-NeoX's output (`embed_out`) is a weight of its own",
+    )?;
+    c.neutral("rope_scaling", |v| v.is_null(), "not modelled")?;
+    let attention = format!(
+        "attention(layer_norm(h, d, norm_eps, name = \"input_layernorm\"), d, heads,\n\
+         \x20                         rotary = true, rope_theta = rope_theta{rotary_arg},\n\
+         \x20                         qkv_bias = {bias}, out_bias = {bias})"
+    );
+    let mlp = |input: &str| {
+        format!(
+            "mlp(layer_norm({input}, d, norm_eps, name = \"post_attention_layernorm\"), d, ffn, bias = {bias}, act = \"{act}\")"
+        )
+    };
+    let body = if parallel {
+        format!(
+            "\x20       // The attention and the MLP read the same input (use_parallel_residual).\n\
+             \x20       h = h + {attention}\n\
+             \x20             + {}\n",
+            mlp("h")
+        )
+    } else {
+        format!(
+            "\x20       h = h + {attention}\n\
+             \x20       h = h + {}\n",
+            mlp("h")
+        )
+    };
+    let (seq, _) = train_seq(c, context)?;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "// {name}: imported from a Hugging Face config.json (model_type gpt_neox) by\n\
+         // `dplc import hf`.\n\n\
+         model {name}(vocab = {vocab}, d = {d}, heads = {heads}, layers = {layers}, ffn = {ffn},\n\
+         {pad}rope_theta = {theta}, norm_eps = {eps}) {{\n\
+         \x20   input tokens: i32[batch, seq]\n\
+         \x20   input targets: i32[batch, seq]\n\
+         \x20   param embed: [vocab, d]\n\
+         \x20   h = embedding(embed, tokens)\n\
+         \x20   repeat layers {{\n\
+         {body}\
+         \x20   }}\n\
+         \x20   h = layer_norm(h, d, norm_eps, name = \"final_layer_norm\")\n\
+         \x20   param output: [d, vocab]\n\
+         \x20   return cross_entropy(h @ output, targets)\n}}\n",
+        pad = " ".repeat(7 + name.len()),
+        theta = number(theta),
+        eps = number(eps),
     );
     s.push_str(&train_section(c, name, seq)?);
     Ok(s)

@@ -333,6 +333,60 @@ fn phi3_imports_with_its_window_and_partial_rotary() {
     }
 }
 
+/// GPT-NeoX (Pythia): attention and MLP side by side on each layer's input,
+/// a quarter of each head turned by rotary, biased linears, an untied output.
+/// The configs carry the shapes of the Pythia suite (Biderman et al. 2023,
+/// Table 1: 70M, 160M, 410M, 1B — width, layers, heads; 50,304-token
+/// vocabulary, `rotary_pct` 0.25, parallel residual), and the counts are the
+/// published ones (the EleutherAI/pythia model cards' totals).
+#[test]
+fn gpt_neox_imports_pythia_with_its_published_counts() {
+    for (name, d, layers, heads, published) in [
+        ("pythia_70m", 512, 6, 8, 70_426_624),
+        ("pythia_160m", 768, 12, 12, 162_322_944),
+        ("pythia_410m", 1024, 24, 16, 405_334_016),
+        ("pythia_1b", 2048, 16, 8, 1_011_781_632),
+    ] {
+        let config = format!(
+            r#"{{"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox",
+            "hidden_act": "gelu", "hidden_size": {d}, "intermediate_size": {ffn},
+            "layer_norm_eps": 1e-05, "max_position_embeddings": 2048,
+            "num_attention_heads": {heads}, "num_hidden_layers": {layers},
+            "rotary_emb_base": 10000, "rotary_pct": 0.25, "tie_word_embeddings": false,
+            "torch_dtype": "float16", "use_parallel_residual": true, "vocab_size": 50304}}"#,
+            ffn = 4 * d
+        );
+        let p = tmp(&format!("{name}.json"));
+        std::fs::write(&p, config).unwrap();
+        let file = tmp(&format!("{name}.dpl"));
+        let out = dplc(&[
+            "import",
+            "hf",
+            p.to_str().unwrap(),
+            "-o",
+            file.to_str().unwrap(),
+        ]);
+        assert!(out.status.success(), "{name}: {}", stderr(&out));
+        assert_eq!(params(file.to_str().unwrap(), None), published, "{name}");
+        let dpl = std::fs::read_to_string(&file).unwrap();
+        assert!(
+            dpl.contains(&format!("rotary_dims = {}", d / heads / 4)),
+            "{dpl}"
+        );
+    }
+    // Imported, it plans and trains under a split like a written model.
+    let file = tmp("pythia_70m.dpl");
+    let o = dplc(&[
+        "compile",
+        file.to_str().unwrap(),
+        "--cluster",
+        "8xA100",
+        "--strategy",
+        "tp=2",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
 #[test]
 fn what_cannot_be_imported_is_refused_naming_the_field() {
     let write = |name: &str, text: &str| {
