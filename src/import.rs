@@ -19,7 +19,7 @@ pub struct Args {
 
 #[derive(clap::Subcommand)]
 enum Source {
-    /// A Hugging Face config.json (model_type llama, mistral, qwen2, qwen3, qwen3_moe, phi3, mixtral, gemma, gpt2 or gpt_neox).
+    /// A Hugging Face config.json (model_type llama, mistral, qwen2, qwen3, qwen3_moe, phi, phi3, mixtral, gemma, gpt2 or gpt_neox).
     Hf {
         /// The config.json file.
         config: PathBuf,
@@ -80,6 +80,7 @@ pub fn run(args: &Args) -> Result<()> {
         "gemma" => gemma(&c, &name)?,
         "gpt2" => gpt2(&c, &name)?,
         "gpt_neox" => gpt_neox(&c, &name)?,
+        "phi" => phi(&c, &name)?,
         other => {
             return Err(miette!(
                 code = "dplc::import",
@@ -778,6 +779,95 @@ fn gpt_neox(c: &Config, name: &str) -> Result<String> {
         pad = " ".repeat(7 + name.len()),
         theta = number(theta),
         eps = number(eps),
+    );
+    s.push_str(&train_section(c, name, seq)?);
+    Ok(s)
+}
+
+/// Phi-1, Phi-1.5 and Phi-2 (model_type phi): one LayerNorm per layer whose
+/// output both the attention and the MLP read, their sum added to the
+/// residual with the residual dropout; rotary on the first
+/// `partial_rotary_factor` of each head; biased linears; GeLU; an untied
+/// output with a bias.
+fn phi(c: &Config, name: &str) -> Result<String> {
+    let vocab = c.size("vocab_size")?;
+    let d = c.size("hidden_size")?;
+    let layers = c.size("num_hidden_layers")?;
+    let heads = c.size("num_attention_heads")?;
+    let kv_heads = c.size_or("num_key_value_heads", Some(heads))?;
+    let ffn = c.size("intermediate_size")?;
+    let eps = c.number_or("layer_norm_eps", 1e-5)?;
+    let theta = c.number_or("rope_theta", 10000.0)?;
+    let context = c.size_or("max_position_embeddings", Some(2048))?;
+    let act = c.act(
+        "hidden_act",
+        "gelu_new",
+        &["gelu_new", "gelu_pytorch_tanh", "gelu"],
+    )?;
+    let act = if act == "gelu" { "gelu" } else { "gelu_tanh" };
+    if d % heads != 0 || heads % kv_heads != 0 {
+        return Err(c.err(
+            "num_attention_heads",
+            format!("{heads} heads ({kv_heads} of keys and values) do not split hidden_size {d}"),
+        ));
+    }
+    let width = d / heads;
+    let factor = c.number_or("partial_rotary_factor", 0.5)?;
+    let turned = (factor * width as f64) as u64;
+    let fits = factor > 0.0 && factor <= 1.0 && turned > 0 && turned.is_multiple_of(2);
+    if !fits {
+        return Err(c.err(
+            "partial_rotary_factor",
+            format!("is {factor}: it turns {turned} of {width} channels; rotary turns pairs"),
+        ));
+    }
+    let rotary_arg = if turned < width {
+        format!(", rotary_dims = {turned}")
+    } else {
+        String::new()
+    };
+    c.neutral("qk_layernorm", |v| v == &Value::Bool(false), "not modelled")?;
+    for key in ["attention_dropout", "embd_pdrop"] {
+        c.neutral(
+            key,
+            |v| v.as_f64() == Some(0.0),
+            "dropout is not imported there",
+        )?;
+    }
+    let dropout = c.number_or("resid_pdrop", 0.0)?;
+    c.neutral(
+        "tie_word_embeddings",
+        |v| v == &Value::Bool(false),
+        "Phi's output (`lm_head`, with a bias) is a weight of its own",
+    )?;
+    c.neutral("rope_scaling", |v| v.is_null(), "not modelled")?;
+    let (seq, _) = train_seq(c, context)?;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "// {name}: imported from a Hugging Face config.json (model_type phi) by\n\
+         // `dplc import hf`.\n\n\
+         model {name}(vocab = {vocab}, d = {d}, heads = {heads}, kv_heads = {kv_heads}, layers = {layers},\n\
+         {pad}ffn = {ffn}, rope_theta = {theta}, norm_eps = {eps}, dropout = {dropout}) {{\n\
+         \x20   input tokens: i32[batch, seq]\n\
+         \x20   input targets: i32[batch, seq]\n\
+         \x20   param embed: [vocab, d]\n\
+         \x20   h = embedding(embed, tokens)\n\
+         \x20   repeat layers {{\n\
+         \x20       // The attention and the MLP read one normalised input.\n\
+         \x20       x = layer_norm(h, d, norm_eps, name = \"input_layernorm\")\n\
+         \x20       h = h + dropout(attention(x, d, heads, kv_heads = kv_heads, rotary = true,\n\
+         \x20                                 rope_theta = rope_theta{rotary_arg}), dropout)\n\
+         \x20             + dropout(mlp(x, d, ffn, act = \"{act}\"), dropout)\n\
+         \x20   }}\n\
+         \x20   h = layer_norm(h, d, norm_eps, name = \"final_layernorm\")\n\
+         \x20   param output: [d, vocab]\n\
+         \x20   param output_bias: [vocab] = zeros\n\
+         \x20   return cross_entropy(h @ output + output_bias, targets)\n}}\n",
+        pad = " ".repeat(7 + name.len()),
+        theta = number(theta),
+        eps = number(eps),
+        dropout = number(dropout),
     );
     s.push_str(&train_section(c, name, seq)?);
     Ok(s)

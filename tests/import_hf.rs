@@ -264,8 +264,9 @@ fn qwen3_imports_with_its_query_key_norms_and_experts() {
 
 /// Phi-3 (model_type phi3): Llama's layer, its 4K variant's window of 2047
 /// keys, and partial rotary where a config sets `partial_rotary_factor`.
-/// The config carries Phi-3-mini's shape as its model card states it
-/// (3.8B), counted by hand: embedding and untied output 2 × 32064 × 3072,
+/// The config carries Phi-3-mini's shape as its model card states it; its
+/// count, published as 3,821,079,552 for microsoft/Phi-3-mini-4k-instruct,
+/// by hand: embedding and untied output 2 × 32064 × 3072,
 /// per layer four 3072² projections, the SwiGLU 3 × 3072 × 8192 and two
 /// norms, 32 layers and the final norm.
 #[test]
@@ -385,6 +386,49 @@ fn gpt_neox_imports_pythia_with_its_published_counts() {
         "tp=2",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
+}
+
+/// Phi-2 (model_type phi): one LayerNorm feeding the attention and the MLP
+/// side by side, rotary on 40% of each head, the residual dropout, an
+/// untied output with a bias. The config carries microsoft/phi-2's fields;
+/// its count is the published 2,779,683,840.
+#[test]
+fn phi_imports_phi2_with_its_published_count() {
+    let phi2 = r#"{"architectures": ["PhiForCausalLM"], "model_type": "phi",
+        "attention_dropout": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.1,
+        "hidden_act": "gelu_new", "hidden_size": 2560, "intermediate_size": 10240,
+        "layer_norm_eps": 1e-05, "max_position_embeddings": 2048,
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
+        "partial_rotary_factor": 0.4, "qk_layernorm": false, "rope_scaling": null,
+        "rope_theta": 10000.0, "tie_word_embeddings": false, "torch_dtype": "float16",
+        "vocab_size": 51200}"#;
+    let p = tmp("phi2.json");
+    std::fs::write(&p, phi2).unwrap();
+    let file = tmp("phi2.dpl");
+    let out = dplc(&[
+        "import",
+        "hf",
+        p.to_str().unwrap(),
+        "-o",
+        file.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(params(file.to_str().unwrap(), None), 2_779_683_840);
+    let dpl = std::fs::read_to_string(&file).unwrap();
+    assert!(
+        dpl.contains("rotary_dims = 32") && dpl.contains("dropout = 0.1"),
+        "{dpl}"
+    );
+    // A query/key LayerNorm (Phi-1.5's option) is not modelled: refused.
+    let p = tmp("phi_qk.json");
+    std::fs::write(
+        &p,
+        phi2.replace("\"qk_layernorm\": false", "\"qk_layernorm\": true"),
+    )
+    .unwrap();
+    let out = dplc(&["import", "hf", p.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("qk_layernorm"), "{}", stderr(&out));
 }
 
 #[test]
