@@ -172,10 +172,25 @@ pub fn run(args: &Args) -> Result<()> {
     let spare = planned.iter().min().map_or(0, |&l| l.saturating_sub(v));
     let reduced: Vec<u64> = planned.iter().map(|&l| l.saturating_sub(spare)).collect();
     let layers = reduced.iter().sum::<u64>().max(2);
-    let lowered = reduced_model(&source_name, &source_text, &plan.model, layers)?;
+    let depth_of = |l: &dplc_frontend::Lowered| dplc_ir::Analysis::new(&l.graph).layers();
+    let mut lowered = reduced_model(&source_name, &source_text, &plan.model, layers)?;
+    // A `layers` argument that is not the repeat's count (Gemma 2 repeats
+    // `layers / 2` pairs): scale it to the depth wanted, once.
+    let first = depth_of(&lowered);
+    if first > 0 && first < layers {
+        let scaled = reduced_model(
+            &source_name,
+            &source_text,
+            &plan.model,
+            layers * layers / first,
+        )?;
+        if depth_of(&scaled) == layers {
+            lowered = scaled;
+        }
+    }
     let mut split = RunConfig::from_plan(&plan).map_err(|e| miette!("{e}"))?;
     // A model without a `layers` argument runs at full depth, as planned.
-    let depth = dplc_ir::Analysis::new(&lowered.graph).layers();
+    let depth = depth_of(&lowered);
     if split.pp > 1 {
         split.stage_layers = Some(if depth == layers { reduced } else { planned });
     }

@@ -431,6 +431,72 @@ fn phi_imports_phi2_with_its_published_count() {
     assert!(stderr(&out).contains("qk_layernorm"), "{}", stderr(&out));
 }
 
+/// Gemma 2 (model_type gemma2): norms before and after the attention and
+/// the FFN, scores scaled by `query_pre_attn_scalar` and soft-capped, layers
+/// alternating a sliding window and the whole context (a pair a repeat),
+/// soft-capped logits. The config carries google/gemma-2-2b's fields; its
+/// count is the published 2,614,341,888. A small one with the same blocks
+/// verifies under tensor and pipeline parallelism (`dplc verify` scales the
+/// `layers` argument to the pairs it repeats).
+#[test]
+fn gemma2_imports_with_its_published_count_and_verifies_split() {
+    let fields =
+        |d: u64, heads: u64, kv: u64, hd: u64, layers: u64, ffn: u64, vocab: u64, window: u64| {
+            format!(
+                r#"{{"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+            "attention_bias": false, "attention_dropout": 0.0,
+            "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+            "head_dim": {hd}, "hidden_act": "gelu_pytorch_tanh",
+            "hidden_activation": "gelu_pytorch_tanh", "hidden_size": {d},
+            "intermediate_size": {ffn}, "max_position_embeddings": 8192,
+            "num_attention_heads": {heads}, "num_hidden_layers": {layers},
+            "num_key_value_heads": {kv}, "query_pre_attn_scalar": {hd},
+            "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": {window},
+            "torch_dtype": "float32", "vocab_size": {vocab}}}"#
+            )
+        };
+    let import = |name: &str, text: String| {
+        let p = tmp(&format!("{name}.json"));
+        std::fs::write(&p, text).unwrap();
+        let file = tmp(&format!("{name}.dpl"));
+        let out = dplc(&[
+            "import",
+            "hf",
+            p.to_str().unwrap(),
+            "-o",
+            file.to_str().unwrap(),
+        ]);
+        assert!(out.status.success(), "{name}: {}", stderr(&out));
+        file
+    };
+    let two_b = import(
+        "gemma2_2b",
+        fields(2304, 8, 4, 256, 26, 9216, 256_000, 4096),
+    );
+    assert_eq!(params(two_b.to_str().unwrap(), None), 2_614_341_888);
+    let small = import("gemma2_small", fields(48, 4, 2, 16, 4, 96, 128, 8));
+    let s = small.to_str().unwrap();
+    let plan = tmp("gemma2_small.ron");
+    let o = dplc(&[
+        "compile",
+        s,
+        "--cluster",
+        "4xcpu",
+        "--strategy",
+        "tp=2,pp=2",
+        "--seq",
+        "16",
+        "--global-batch",
+        "8",
+        "-o",
+        plan.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = dplc(&["verify", plan.to_str().unwrap(), "--source", s]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("reduced to 2 layers"));
+}
+
 #[test]
 fn what_cannot_be_imported_is_refused_naming_the_field() {
     let write = |name: &str, text: &str| {
