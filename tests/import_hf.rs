@@ -497,6 +497,75 @@ fn gemma2_imports_with_its_published_count_and_verifies_split() {
     assert!(String::from_utf8_lossy(&o.stdout).contains("reduced to 2 layers"));
 }
 
+/// More checkpoints through the families above, each config carrying the
+/// shape its model card states and each count the published one:
+/// meta-llama/Llama-3.2-1B (tied, 1,235,814,400), HuggingFaceTB/SmolLM2-135M
+/// (9 heads of 64, 3 KV heads, 134,515,008), TinyLlama/TinyLlama-1.1B
+/// (1,100,048,384), Qwen/Qwen2.5-1.5B (q/k/v biases, tied, 1,543,714,304)
+/// and distilbert/distilgpt2 (GPT-2 small at six layers, 81,912,576).
+#[test]
+fn more_checkpoints_import_with_their_published_counts() {
+    let llama = |model_type: &str,
+                 d: u64,
+                 ffn: u64,
+                 layers: u64,
+                 heads: u64,
+                 kv: u64,
+                 vocab: u64,
+                 tied: bool| {
+        format!(
+            r#"{{"model_type": "{model_type}", "hidden_act": "silu", "hidden_size": {d},
+            "intermediate_size": {ffn}, "num_hidden_layers": {layers},
+            "num_attention_heads": {heads}, "num_key_value_heads": {kv},
+            "max_position_embeddings": 2048, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+            "tie_word_embeddings": {tied}, "vocab_size": {vocab}, "torch_dtype": "bfloat16"}}"#
+        )
+    };
+    let cases = [
+        (
+            "llama3_2_1b",
+            llama("llama", 2048, 8192, 16, 32, 8, 128_256, true),
+            1_235_814_400u64,
+        ),
+        (
+            "smollm2_135m",
+            llama("llama", 576, 1536, 30, 9, 3, 49_152, true),
+            134_515_008,
+        ),
+        (
+            "tinyllama_1_1b",
+            llama("llama", 2048, 5632, 22, 32, 4, 32_000, false),
+            1_100_048_384,
+        ),
+        (
+            "qwen2_5_1_5b",
+            llama("qwen2", 1536, 8960, 28, 12, 2, 151_936, true),
+            1_543_714_304,
+        ),
+        (
+            "distilgpt2",
+            std::fs::read_to_string("tests/data/hf/gpt2.json")
+                .unwrap()
+                .replace("\"n_layer\": 12", "\"n_layer\": 6"),
+            81_912_576,
+        ),
+    ];
+    for (name, config, published) in cases {
+        let p = tmp(&format!("{name}.json"));
+        std::fs::write(&p, &config).unwrap();
+        let file = tmp(&format!("{name}.dpl"));
+        let out = dplc(&[
+            "import",
+            "hf",
+            p.to_str().unwrap(),
+            "-o",
+            file.to_str().unwrap(),
+        ]);
+        assert!(out.status.success(), "{name}: {}", stderr(&out));
+        assert_eq!(params(file.to_str().unwrap(), None), published, "{name}");
+    }
+}
+
 #[test]
 fn what_cannot_be_imported_is_refused_naming_the_field() {
     let write = |name: &str, text: &str| {
