@@ -19,7 +19,7 @@ pub struct Args {
 
 #[derive(clap::Subcommand)]
 enum Source {
-    /// A Hugging Face config.json (model_type llama, mistral, qwen2, qwen3, qwen3_moe, phi, phi3, mixtral, gemma, gemma2, gpt2 or gpt_neox).
+    /// A Hugging Face config.json (model_type llama, mistral, qwen2, qwen3, qwen3_moe, phi, phi3, mixtral, gemma, gemma2, gpt2, gpt_neox or opt).
     Hf {
         /// The config.json file.
         config: PathBuf,
@@ -82,6 +82,7 @@ pub fn run(args: &Args) -> Result<()> {
         "gpt2" => gpt2(&c, &name)?,
         "gpt_neox" => gpt_neox(&c, &name)?,
         "phi" => phi(&c, &name)?,
+        "opt" => opt(&c, &name)?,
         other => {
             return Err(miette!(
                 code = "dplc::import",
@@ -1031,6 +1032,82 @@ fn gemma2(c: &Config, name: &str) -> Result<String> {
         scalar = number(scalar),
         capped = cap("scores", attn_cap),
         final_capped = cap("logits", final_cap),
+    );
+    s.push_str(&train_section(c, name, seq)?);
+    Ok(s)
+}
+
+/// OPT (Zhang et al. 2022): GPT-2's layer with ReLU, learned positions read
+/// two rows into their table (`OPTLearnedPositionalEmbedding`'s offset), the
+/// output tied to the embedding. Only the pre-norm layout without a
+/// projection (every OPT but 350M) is imported.
+fn opt(c: &Config, name: &str) -> Result<String> {
+    let vocab = c.size("vocab_size")?;
+    let d = c.size("hidden_size")?;
+    let layers = c.size("num_hidden_layers")?;
+    let heads = c.size("num_attention_heads")?;
+    let ffn = c.size("ffn_dim")?;
+    let ctx = c.size("max_position_embeddings")?;
+    c.act("activation_function", "relu", &["relu"])?;
+    if d % heads != 0 {
+        return Err(c.err(
+            "num_attention_heads",
+            format!("{heads} does not divide hidden_size {d}"),
+        ));
+    }
+    c.neutral(
+        "do_layer_norm_before",
+        |v| v == &Value::Bool(true),
+        "only OPT's pre-norm layout (every size but 350M) is imported",
+    )?;
+    c.neutral(
+        "word_embed_proj_dim",
+        |v| v.as_u64() == Some(d),
+        "a projection between the embedding and the layers (OPT-350M) is not imported",
+    )?;
+    for key in ["attention_dropout", "activation_dropout", "layerdrop"] {
+        c.neutral(
+            key,
+            |v| v.as_f64() == Some(0.0),
+            "dropout there is not imported",
+        )?;
+    }
+    c.neutral(
+        "enable_bias",
+        |v| v == &Value::Bool(true),
+        "OPT's linears have biases",
+    )?;
+    c.neutral(
+        "tie_word_embeddings",
+        |v| v == &Value::Bool(true),
+        "OPT's output is its embedding",
+    )?;
+    let dropout = c.number_or("dropout", 0.1)?;
+    let seq = ctx.min(8192);
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "// {name}: imported from a Hugging Face config.json (model_type opt) by\n\
+         // `dplc import hf`.\n\n\
+         model {name}(vocab = {vocab}, ctx = {ctx}, d = {d}, heads = {heads}, layers = {layers},\n\
+         {pad}ffn = {ffn}, dropout = {dropout}) {{\n\
+         \x20   input tokens: i32[batch, seq]\n\
+         \x20   input targets: i32[batch, seq]\n\
+         \x20   param embed: [vocab, d]\n\
+         \x20   // OPT's position table has two rows before the first position.\n\
+         \x20   param embed_positions: [ctx + 2, d]\n\
+         \x20   pos = embedding(slice(embed_positions, 0, 2, ctx), positions(seq))\n\
+         \x20   h = dropout(embedding(embed, tokens) + pos, dropout)\n\
+         \x20   repeat layers {{\n\
+         \x20       h = h + dropout(attention(layer_norm(h, d, name = \"self_attn_layer_norm\"), d, heads,\n\
+         \x20                                 causal = true), dropout)\n\
+         \x20       h = h + mlp(layer_norm(h, d, name = \"final_layer_norm\"), d, ffn, act = \"relu\",\n\
+         \x20                   dropout = dropout)\n\
+         \x20   }}\n\
+         \x20   h = layer_norm(h, d, name = \"final_layer_norm\")\n\
+         \x20   return cross_entropy(h @ transpose(embed), targets)\n}}\n",
+        pad = " ".repeat(7 + name.len()),
+        dropout = number(dropout),
     );
     s.push_str(&train_section(c, name, seq)?);
     Ok(s)

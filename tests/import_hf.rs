@@ -566,6 +566,56 @@ fn more_checkpoints_import_with_their_published_counts() {
     }
 }
 
+/// OPT (model_type opt): GPT-2's layer with ReLU and learned positions two
+/// rows into their table. facebook/opt-125m's config imports with its
+/// published 125,239,296; OPT-350M's post-norm layout with a projection is
+/// refused by field.
+#[test]
+fn opt_imports_with_its_published_count() {
+    let opt = r#"{"activation_dropout": 0.0, "activation_function": "relu",
+        "architectures": ["OPTForCausalLM"], "attention_dropout": 0.0,
+        "do_layer_norm_before": true, "dropout": 0.1, "ffn_dim": 3072,
+        "hidden_size": 768, "layerdrop": 0.0, "max_position_embeddings": 2048,
+        "model_type": "opt", "num_attention_heads": 12, "num_hidden_layers": 12,
+        "torch_dtype": "float16", "vocab_size": 50272, "word_embed_proj_dim": 768}"#;
+    let p = tmp("opt_125m.json");
+    std::fs::write(&p, opt).unwrap();
+    let file = tmp("opt_125m.dpl");
+    let out = dplc(&[
+        "import",
+        "hf",
+        p.to_str().unwrap(),
+        "-o",
+        file.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(params(file.to_str().unwrap(), None), 125_239_296);
+    for (name, text, want) in [
+        (
+            "opt_post_norm.json",
+            opt.replace(
+                "\"do_layer_norm_before\": true",
+                "\"do_layer_norm_before\": false",
+            ),
+            "do_layer_norm_before",
+        ),
+        (
+            "opt_projected.json",
+            opt.replace(
+                "\"word_embed_proj_dim\": 768",
+                "\"word_embed_proj_dim\": 512",
+            ),
+            "word_embed_proj_dim",
+        ),
+    ] {
+        let p = tmp(name);
+        std::fs::write(&p, text).unwrap();
+        let out = dplc(&["import", "hf", p.to_str().unwrap()]);
+        assert_eq!(out.status.code(), Some(1), "{name}");
+        assert!(stderr(&out).contains(want), "{name}: {}", stderr(&out));
+    }
+}
+
 #[test]
 fn what_cannot_be_imported_is_refused_naming_the_field() {
     let write = |name: &str, text: &str| {
