@@ -19,7 +19,7 @@ pub struct Args {
 
 #[derive(clap::Subcommand)]
 enum Source {
-    /// A Hugging Face config.json (model_type llama, mistral, qwen2, qwen3, qwen3_moe, phi, phi3, mixtral, gemma, gemma2, gpt2, gpt_neox or opt).
+    /// A Hugging Face config.json (model_type llama, mistral, qwen2, qwen3, qwen3_moe, phi, phi3, mixtral, gemma, gemma2, gpt2, gpt_neox, opt or bloom).
     Hf {
         /// The config.json file.
         config: PathBuf,
@@ -83,6 +83,7 @@ pub fn run(args: &Args) -> Result<()> {
         "gpt_neox" => gpt_neox(&c, &name)?,
         "phi" => phi(&c, &name)?,
         "opt" => opt(&c, &name)?,
+        "bloom" => bloom(&c, &name)?,
         other => {
             return Err(miette!(
                 code = "dplc::import",
@@ -1110,5 +1111,65 @@ fn opt(c: &Config, name: &str) -> Result<String> {
         dropout = number(dropout),
     );
     s.push_str(&train_section(c, name, seq)?);
+    Ok(s)
+}
+
+/// BLOOM (BigScience 2022): ALiBi instead of positions (each head adds
+/// `slope × key position` to its scores, the slopes `2^(-8(h+1)/heads)`), a
+/// LayerNorm on the embedding, GPT-2's layer with biases and tanh GeLU, the
+/// output tied to the embedding. Head counts that are not powers of two
+/// (BLOOM-176B's 112) take ALiBi's interleaved slopes, which are not
+/// imported.
+fn bloom(c: &Config, name: &str) -> Result<String> {
+    let vocab = c.size("vocab_size")?;
+    let d = c.size("hidden_size")?;
+    let layers = c.size("n_layer")?;
+    let heads = c.size("n_head")?;
+    let eps = c.number_or("layer_norm_epsilon", 1e-5)?;
+    if d % heads != 0 {
+        return Err(c.err("n_head", format!("{heads} does not divide hidden_size {d}")));
+    }
+    if !heads.is_power_of_two() {
+        return Err(c.err(
+            "n_head",
+            format!("is {heads}, not a power of two: ALiBi's interleaved slopes are not imported"),
+        ));
+    }
+    c.neutral(
+        "apply_residual_connection_post_layernorm",
+        |v| v == &Value::Bool(false),
+        "only BLOOM's pre-norm residual is imported",
+    )?;
+    for key in ["attention_dropout", "hidden_dropout"] {
+        c.neutral(key, |v| v.as_f64() == Some(0.0), "dropout is not imported")?;
+    }
+    c.neutral(
+        "tie_word_embeddings",
+        |v| v == &Value::Bool(true),
+        "BLOOM's output is its embedding",
+    )?;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "// {name}: imported from a Hugging Face config.json (model_type bloom) by\n\
+         // `dplc import hf`.\n\n\
+         model {name}(vocab = {vocab}, d = {d}, heads = {heads}, layers = {layers}, eps = {eps}) {{\n\
+         \x20   input tokens: i32[batch, seq]\n\
+         \x20   input targets: i32[batch, seq]\n\
+         \x20   param embed: [vocab, d]\n\
+         \x20   h = layer_norm(embedding(embed, tokens), d, eps, name = \"word_embeddings_layernorm\")\n\
+         \x20   // ALiBi: head h adds 2^(-8(h+1)/heads) × the key's position to its scores.\n\
+         \x20   slopes = exp((cast(positions(heads), f32) + 1.0) * (-8.0 * log(2.0) / heads))\n\
+         \x20   keys = cast(positions(seq), f32)\n\
+         \x20   alibi = expand(reshape(slopes, [heads, 1, 1]) * reshape(keys, [1, 1, seq]), [heads, seq, seq])\n\
+         \x20   repeat layers {{\n\
+         \x20       h = h + attention(layer_norm(h, d, eps, name = \"input_layernorm\"), d, heads, bias = alibi)\n\
+         \x20       h = h + mlp(layer_norm(h, d, eps, name = \"post_attention_layernorm\"), d, 4 * d)\n\
+         \x20   }}\n\
+         \x20   h = layer_norm(h, d, eps, name = \"ln_f\")\n\
+         \x20   return cross_entropy(h @ transpose(embed), targets)\n}}\n",
+        eps = number(eps),
+    );
+    s.push_str(&train_section(c, name, 2048)?);
     Ok(s)
 }

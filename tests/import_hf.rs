@@ -616,6 +616,44 @@ fn opt_imports_with_its_published_count() {
     }
 }
 
+/// BLOOM (model_type bloom): ALiBi slopes as the attention's score bias, a
+/// LayerNorm on the embedding, biased linears, a tied output.
+/// bigscience/bloom-560m's config imports with its published 559,214,592;
+/// 112 heads (BLOOM-176B: ALiBi's interleaved slopes) are refused by field.
+#[test]
+fn bloom_imports_with_its_published_count() {
+    let bloom = r#"{"apply_residual_connection_post_layernorm": false,
+        "attention_dropout": 0.0, "architectures": ["BloomForCausalLM"],
+        "hidden_dropout": 0.0, "hidden_size": 1024, "layer_norm_epsilon": 1e-05,
+        "model_type": "bloom", "n_head": 16, "n_layer": 24, "vocab_size": 250880}"#;
+    let p = tmp("bloom_560m.json");
+    std::fs::write(&p, bloom).unwrap();
+    let file = tmp("bloom_560m.dpl");
+    let out = dplc(&[
+        "import",
+        "hf",
+        p.to_str().unwrap(),
+        "-o",
+        file.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(params(file.to_str().unwrap(), None), 559_214_592);
+    assert!(std::fs::read_to_string(&file)
+        .unwrap()
+        .contains("bias = alibi"));
+    let p = tmp("bloom_112.json");
+    std::fs::write(
+        &p,
+        bloom
+            .replace("\"n_head\": 16", "\"n_head\": 112")
+            .replace("\"hidden_size\": 1024", "\"hidden_size\": 14336"),
+    )
+    .unwrap();
+    let out = dplc(&["import", "hf", p.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("n_head"), "{}", stderr(&out));
+}
+
 #[test]
 fn what_cannot_be_imported_is_refused_naming_the_field() {
     let write = |name: &str, text: &str| {
