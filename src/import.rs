@@ -260,6 +260,35 @@ impl Config<'_> {
         }
     }
 
+    /// `heads` (the field `key`) split the model's width `d` evenly.
+    fn heads_split(&self, key: &str, heads: u64, d: u64) -> Result<()> {
+        if d.is_multiple_of(heads) {
+            Ok(())
+        } else {
+            Err(self.err(key, format!("{heads} does not divide the width {d}")))
+        }
+    }
+
+    /// The attention's `rotary_dims` argument for a head `width` wide of
+    /// which the fraction `key` (default `default`) turns: transformers turns
+    /// the first `int(fraction × width)` channels; empty when all of them.
+    fn rotary_dims(&self, key: &str, default: f64, width: u64) -> Result<String> {
+        let fraction = self.number_or(key, default)?;
+        let turned = (fraction * width as f64) as u64;
+        let fits = fraction > 0.0 && fraction <= 1.0 && turned > 0 && turned.is_multiple_of(2);
+        if !fits {
+            return Err(self.err(
+                key,
+                format!("is {fraction}: it turns {turned} of {width} channels; rotary turns pairs"),
+            ));
+        }
+        Ok(if turned < width {
+            format!(", rotary_dims = {turned}")
+        } else {
+            String::new()
+        })
+    }
+
     /// The precision of the train section, from `torch_dtype`.
     fn precision(&self) -> Result<&'static str> {
         match self.get("torch_dtype").or_else(|| self.get("dtype")) {
@@ -363,28 +392,8 @@ fn llama_like(c: &Config, name: &str) -> Result<String> {
         ));
     }
     let head_dim_arg = head_dim.map_or(String::new(), |hd| format!(", head_dim = {hd}"));
-    // Partial rotary (Phi-3's and Phi-4-mini's `partial_rotary_factor`):
-    // transformers turns the first `int(factor × head width)` channels.
-    let factor = c.number_or("partial_rotary_factor", 1.0)?;
-    if !(factor > 0.0 && factor <= 1.0) {
-        return Err(c.err(
-            "partial_rotary_factor",
-            format!("is {factor}, not in (0, 1]"),
-        ));
-    }
-    let width = head_dim.unwrap_or(d / heads);
-    let turned = (factor * width as f64) as u64;
-    if !turned.is_multiple_of(2) || turned == 0 {
-        return Err(c.err(
-            "partial_rotary_factor",
-            format!("turns {turned} of {width} channels; rotary turns pairs"),
-        ));
-    }
-    let rotary_arg = if turned < width {
-        format!(", rotary_dims = {turned}")
-    } else {
-        String::new()
-    };
+    // Partial rotary (Phi-3's and Phi-4-mini's `partial_rotary_factor`).
+    let rotary_arg = c.rotary_dims("partial_rotary_factor", 1.0, head_dim.unwrap_or(d / heads))?;
     // Phi-3's dropouts (0 in every published config) are not imported.
     for key in ["resid_pdrop", "embd_pdrop"] {
         c.neutral(key, |v| v.as_f64() == Some(0.0), "dropout is not imported")?;
@@ -632,9 +641,7 @@ fn gpt2(c: &Config, name: &str) -> Result<String> {
         "gelu_new" | "gelu_pytorch_tanh" => "gelu_tanh",
         other => other,
     };
-    if d % heads != 0 {
-        return Err(c.err("n_head", format!("{heads} does not divide n_embd {d}")));
-    }
+    c.heads_split("n_head", heads, d)?;
     let dropout = c.number_or("resid_pdrop", 0.1)?;
     for key in ["attn_pdrop", "embd_pdrop"] {
         let p = c.number_or(key, dropout)?;
@@ -702,30 +709,8 @@ fn gpt_neox(c: &Config, name: &str) -> Result<String> {
     let context = c.size_or("max_position_embeddings", Some(2048))?;
     let act = c.act("hidden_act", "gelu", &["gelu", "gelu_new", "gelu_fast"])?;
     let act = if act == "gelu" { "gelu" } else { "gelu_tanh" };
-    if d % heads != 0 {
-        return Err(c.err(
-            "num_attention_heads",
-            format!("{heads} does not divide hidden_size {d}"),
-        ));
-    }
-    let width = d / heads;
-    let pct = c.number_or("rotary_pct", 1.0)?;
-    if !(pct > 0.0 && pct <= 1.0) {
-        return Err(c.err("rotary_pct", format!("is {pct}, not in (0, 1]")));
-    }
-    // transformers turns `int(head width × rotary_pct)` channels.
-    let turned = (width as f64 * pct) as u64;
-    if !turned.is_multiple_of(2) || turned == 0 {
-        return Err(c.err(
-            "rotary_pct",
-            format!("turns {turned} of {width} channels; rotary turns pairs"),
-        ));
-    }
-    let rotary_arg = if turned < width {
-        format!(", rotary_dims = {turned}")
-    } else {
-        String::new()
-    };
+    c.heads_split("num_attention_heads", heads, d)?;
+    let rotary_arg = c.rotary_dims("rotary_pct", 1.0, d / heads)?;
     let bias = c.flag_or("attention_bias", true)?;
     let parallel = c.flag_or("use_parallel_residual", true)?;
     for key in ["attention_dropout", "hidden_dropout"] {
@@ -814,21 +799,7 @@ fn phi(c: &Config, name: &str) -> Result<String> {
             format!("{heads} heads ({kv_heads} of keys and values) do not split hidden_size {d}"),
         ));
     }
-    let width = d / heads;
-    let factor = c.number_or("partial_rotary_factor", 0.5)?;
-    let turned = (factor * width as f64) as u64;
-    let fits = factor > 0.0 && factor <= 1.0 && turned > 0 && turned.is_multiple_of(2);
-    if !fits {
-        return Err(c.err(
-            "partial_rotary_factor",
-            format!("is {factor}: it turns {turned} of {width} channels; rotary turns pairs"),
-        ));
-    }
-    let rotary_arg = if turned < width {
-        format!(", rotary_dims = {turned}")
-    } else {
-        String::new()
-    };
+    let rotary_arg = c.rotary_dims("partial_rotary_factor", 0.5, d / heads)?;
     c.neutral("qk_layernorm", |v| v == &Value::Bool(false), "not modelled")?;
     for key in ["attention_dropout", "embd_pdrop"] {
         c.neutral(
@@ -1050,12 +1021,7 @@ fn opt(c: &Config, name: &str) -> Result<String> {
     let ffn = c.size("ffn_dim")?;
     let ctx = c.size("max_position_embeddings")?;
     c.act("activation_function", "relu", &["relu"])?;
-    if d % heads != 0 {
-        return Err(c.err(
-            "num_attention_heads",
-            format!("{heads} does not divide hidden_size {d}"),
-        ));
-    }
+    c.heads_split("num_attention_heads", heads, d)?;
     c.neutral(
         "do_layer_norm_before",
         |v| v == &Value::Bool(true),
@@ -1126,9 +1092,7 @@ fn bloom(c: &Config, name: &str) -> Result<String> {
     let layers = c.size("n_layer")?;
     let heads = c.size("n_head")?;
     let eps = c.number_or("layer_norm_epsilon", 1e-5)?;
-    if d % heads != 0 {
-        return Err(c.err("n_head", format!("{heads} does not divide hidden_size {d}")));
-    }
+    c.heads_split("n_head", heads, d)?;
     if !heads.is_power_of_two() {
         return Err(c.err(
             "n_head",
