@@ -40,6 +40,22 @@ fn import(config: &str) -> PathBuf {
     out
 }
 
+/// Write `text` as `NAME.json` and import it to `NAME.dpl`: the command's
+/// output and the .dpl's path.
+fn import_text(name: &str, text: &str) -> (Output, PathBuf) {
+    let config = tmp(&format!("{name}.json"));
+    std::fs::write(&config, text).expect("write the config");
+    let file = tmp(&format!("{name}.dpl"));
+    let out = dplc(&[
+        "import",
+        "hf",
+        config.to_str().unwrap(),
+        "-o",
+        file.to_str().unwrap(),
+    ]);
+    (out, file)
+}
+
 /// The parameters `dplc inspect` counts for the file's (only) model.
 fn params(file: &str, model: Option<&str>) -> u64 {
     let mut args = vec!["inspect", file, "--json"];
@@ -213,16 +229,7 @@ fn qwen3_imports_with_its_query_key_norms_and_experts() {
             (305, 299),
         ),
     ] {
-        let p = tmp(&format!("{name}.json"));
-        std::fs::write(&p, text).unwrap();
-        let out_file = tmp(&format!("{name}.dpl"));
-        let out = dplc(&[
-            "import",
-            "hf",
-            p.to_str().unwrap(),
-            "-o",
-            out_file.to_str().unwrap(),
-        ]);
+        let (out, out_file) = import_text(name, text);
         assert!(out.status.success(), "{name}: {}", stderr(&out));
         let dpl = std::fs::read_to_string(&out_file).unwrap();
         assert!(dpl.contains("qk_norm = true"), "{dpl}");
@@ -278,19 +285,6 @@ fn phi3_imports_with_its_window_and_partial_rotary() {
         "rope_theta": 10000.0, "rope_scaling": null, "sliding_window": 2047,
         "attention_dropout": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
         "tie_word_embeddings": false, "torch_dtype": "bfloat16"}"#;
-    let import_text = |name: &str, text: &str| {
-        let p = tmp(&format!("{name}.json"));
-        std::fs::write(&p, text).unwrap();
-        let out_file = tmp(&format!("{name}.dpl"));
-        let out = dplc(&[
-            "import",
-            "hf",
-            p.to_str().unwrap(),
-            "-o",
-            out_file.to_str().unwrap(),
-        ]);
-        (out, out_file)
-    };
     let (out, file) = import_text("phi3_mini", mini);
     assert!(out.status.success(), "{}", stderr(&out));
     let dpl = std::fs::read_to_string(&file).unwrap();
@@ -357,16 +351,7 @@ fn gpt_neox_imports_pythia_with_its_published_counts() {
             "torch_dtype": "float16", "use_parallel_residual": true, "vocab_size": 50304}}"#,
             ffn = 4 * d
         );
-        let p = tmp(&format!("{name}.json"));
-        std::fs::write(&p, config).unwrap();
-        let file = tmp(&format!("{name}.dpl"));
-        let out = dplc(&[
-            "import",
-            "hf",
-            p.to_str().unwrap(),
-            "-o",
-            file.to_str().unwrap(),
-        ]);
+        let (out, file) = import_text(name, &config);
         assert!(out.status.success(), "{name}: {}", stderr(&out));
         assert_eq!(params(file.to_str().unwrap(), None), published, "{name}");
         let dpl = std::fs::read_to_string(&file).unwrap();
@@ -402,16 +387,7 @@ fn phi_imports_phi2_with_its_published_count() {
         "partial_rotary_factor": 0.4, "qk_layernorm": false, "rope_scaling": null,
         "rope_theta": 10000.0, "tie_word_embeddings": false, "torch_dtype": "float16",
         "vocab_size": 51200}"#;
-    let p = tmp("phi2.json");
-    std::fs::write(&p, phi2).unwrap();
-    let file = tmp("phi2.dpl");
-    let out = dplc(&[
-        "import",
-        "hf",
-        p.to_str().unwrap(),
-        "-o",
-        file.to_str().unwrap(),
-    ]);
+    let (out, file) = import_text("phi2", phi2);
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(params(file.to_str().unwrap(), None), 2_779_683_840);
     let dpl = std::fs::read_to_string(&file).unwrap();
@@ -456,16 +432,7 @@ fn gemma2_imports_with_its_published_count_and_verifies_split() {
             )
         };
     let import = |name: &str, text: String| {
-        let p = tmp(&format!("{name}.json"));
-        std::fs::write(&p, text).unwrap();
-        let file = tmp(&format!("{name}.dpl"));
-        let out = dplc(&[
-            "import",
-            "hf",
-            p.to_str().unwrap(),
-            "-o",
-            file.to_str().unwrap(),
-        ]);
+        let (out, file) = import_text(name, &text);
         assert!(out.status.success(), "{name}: {}", stderr(&out));
         file
     };
@@ -551,16 +518,7 @@ fn more_checkpoints_import_with_their_published_counts() {
         ),
     ];
     for (name, config, published) in cases {
-        let p = tmp(&format!("{name}.json"));
-        std::fs::write(&p, &config).unwrap();
-        let file = tmp(&format!("{name}.dpl"));
-        let out = dplc(&[
-            "import",
-            "hf",
-            p.to_str().unwrap(),
-            "-o",
-            file.to_str().unwrap(),
-        ]);
+        let (out, file) = import_text(name, &config);
         assert!(out.status.success(), "{name}: {}", stderr(&out));
         assert_eq!(params(file.to_str().unwrap(), None), published, "{name}");
     }
@@ -578,16 +536,7 @@ fn opt_imports_with_its_published_count() {
         "hidden_size": 768, "layerdrop": 0.0, "max_position_embeddings": 2048,
         "model_type": "opt", "num_attention_heads": 12, "num_hidden_layers": 12,
         "torch_dtype": "float16", "vocab_size": 50272, "word_embed_proj_dim": 768}"#;
-    let p = tmp("opt_125m.json");
-    std::fs::write(&p, opt).unwrap();
-    let file = tmp("opt_125m.dpl");
-    let out = dplc(&[
-        "import",
-        "hf",
-        p.to_str().unwrap(),
-        "-o",
-        file.to_str().unwrap(),
-    ]);
+    let (out, file) = import_text("opt_125m", opt);
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(params(file.to_str().unwrap(), None), 125_239_296);
     for (name, text, want) in [
@@ -626,16 +575,7 @@ fn bloom_imports_with_its_published_count() {
         "attention_dropout": 0.0, "architectures": ["BloomForCausalLM"],
         "hidden_dropout": 0.0, "hidden_size": 1024, "layer_norm_epsilon": 1e-05,
         "model_type": "bloom", "n_head": 16, "n_layer": 24, "vocab_size": 250880}"#;
-    let p = tmp("bloom_560m.json");
-    std::fs::write(&p, bloom).unwrap();
-    let file = tmp("bloom_560m.dpl");
-    let out = dplc(&[
-        "import",
-        "hf",
-        p.to_str().unwrap(),
-        "-o",
-        file.to_str().unwrap(),
-    ]);
+    let (out, file) = import_text("bloom_560m", bloom);
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(params(file.to_str().unwrap(), None), 559_214_592);
     assert!(std::fs::read_to_string(&file)
