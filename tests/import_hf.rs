@@ -594,6 +594,71 @@ fn bloom_imports_with_its_published_count() {
     assert!(stderr(&out).contains("n_head"), "{}", stderr(&out));
 }
 
+/// Small models of the new families, imported, run every split they are
+/// planned under as the serial run does (`dplc verify`, reference compute):
+/// Pythia's parallel residual and partial rotary, Phi's shared norm and
+/// residual dropout, OPT's offset positions, BLOOM's ALiBi bias.
+#[test]
+fn imported_small_models_verify_under_splits() {
+    let configs = [
+        (
+            "small_pythia",
+            r#"{"model_type": "gpt_neox", "hidden_act": "gelu", "hidden_size": 64,
+            "intermediate_size": 256, "layer_norm_eps": 1e-05, "max_position_embeddings": 64,
+            "num_attention_heads": 4, "num_hidden_layers": 2, "rotary_emb_base": 10000,
+            "rotary_pct": 0.25, "tie_word_embeddings": false, "torch_dtype": "float32",
+            "use_parallel_residual": true, "vocab_size": 128}"#,
+        ),
+        (
+            "small_phi",
+            r#"{"model_type": "phi", "attention_dropout": 0.0, "embd_pdrop": 0.0,
+            "hidden_act": "gelu_new", "hidden_size": 64, "intermediate_size": 256,
+            "max_position_embeddings": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+            "partial_rotary_factor": 0.5, "qk_layernorm": false, "resid_pdrop": 0.1,
+            "tie_word_embeddings": false, "torch_dtype": "float32", "vocab_size": 128}"#,
+        ),
+        (
+            "small_opt",
+            r#"{"model_type": "opt", "activation_function": "relu", "activation_dropout": 0.0,
+            "attention_dropout": 0.0, "do_layer_norm_before": true, "dropout": 0.1,
+            "ffn_dim": 128, "hidden_size": 32, "layerdrop": 0.0, "max_position_embeddings": 64,
+            "num_attention_heads": 4, "num_hidden_layers": 2, "torch_dtype": "float32",
+            "vocab_size": 128, "word_embed_proj_dim": 32}"#,
+        ),
+        (
+            "small_bloom",
+            r#"{"model_type": "bloom", "apply_residual_connection_post_layernorm": false,
+            "attention_dropout": 0.0, "hidden_dropout": 0.0, "hidden_size": 32,
+            "n_head": 4, "n_layer": 2, "torch_dtype": "float32", "vocab_size": 128}"#,
+        ),
+    ];
+    for (name, config) in configs {
+        let (out, file) = import_text(name, config);
+        assert!(out.status.success(), "{name}: {}", stderr(&out));
+        let f = file.to_str().unwrap();
+        for split in ["tp=2,pp=2", "cp=2,dp=2"] {
+            let plan = tmp(&format!("{name}-{}.ron", split.replace([',', '='], "_")));
+            let o = dplc(&[
+                "compile",
+                f,
+                "--cluster",
+                "4xcpu",
+                "--strategy",
+                split,
+                "--seq",
+                "16",
+                "--global-batch",
+                "8",
+                "-o",
+                plan.to_str().unwrap(),
+            ]);
+            assert!(o.status.success(), "{name} {split}: {}", stderr(&o));
+            let o = dplc(&["verify", plan.to_str().unwrap(), "--source", f]);
+            assert!(o.status.success(), "{name} {split}: {}", stderr(&o));
+        }
+    }
+}
+
 #[test]
 fn what_cannot_be_imported_is_refused_naming_the_field() {
     let write = |name: &str, text: &str| {
