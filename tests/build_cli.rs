@@ -49,6 +49,17 @@ const CPU_PLAN: [&str; 12] = [
     "--seed",
 ];
 
+/// `dplc build` of gpt_tiny for 8 A100s, up to the output directory.
+const GPU_BUILD: [&str; 7] = [
+    "build",
+    "models/tiny.dpl",
+    "--model",
+    "gpt_tiny",
+    "--cluster",
+    "8xA100",
+    "-o",
+];
+
 fn build_cpu(name: &str) -> PathBuf {
     let dir = tmp(name);
     let mut args = vec!["build"];
@@ -144,16 +155,7 @@ fn corrupted_or_missing_files_and_other_worlds_are_refused() {
 fn gpu_artifacts_carry_their_kernels_and_refuse_other_worlds() {
     let dir = tmp("gpu");
     let d = dir.to_str().unwrap();
-    let out = dplc(&[
-        "build",
-        "models/tiny.dpl",
-        "--model",
-        "gpt_tiny",
-        "--cluster",
-        "8xA100",
-        "-o",
-        d,
-    ]);
+    let out = dplc(&[&GPU_BUILD[..], &[d]].concat());
     if !out.status.success() {
         let err = stderr(&out);
         assert!(err.contains("needs NVRTC"), "{err}");
@@ -214,16 +216,7 @@ fn a_failed_gpu_build_writes_nothing() {
     let gpu_build = |dir: &Path| {
         dplc_at(
             Path::new(env!("CARGO_BIN_EXE_dplc")),
-            &[
-                "build",
-                "models/tiny.dpl",
-                "--model",
-                "gpt_tiny",
-                "--cluster",
-                "8xA100",
-                "-o",
-                dir.to_str().unwrap(),
-            ],
+            &[&GPU_BUILD[..], &[dir.to_str().unwrap()]].concat(),
             &no_nvrtc,
         )
     };

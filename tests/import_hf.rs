@@ -56,6 +56,13 @@ fn import_text(name: &str, text: &str) -> (Output, PathBuf) {
     (out, file)
 }
 
+/// Importing `text` (written as `NAME.json`) is refused, naming `field`.
+fn assert_refused(name: &str, text: &str, field: &str) {
+    let (out, _) = import_text(name, text);
+    assert_eq!(out.status.code(), Some(1), "{name}");
+    assert!(stderr(&out).contains(field), "{name}: {}", stderr(&out));
+}
+
 /// The parameters `dplc inspect` counts for the file's (only) model.
 fn params(file: &str, model: Option<&str>) -> u64 {
     let mut args = vec!["inspect", file, "--json"];
@@ -161,21 +168,13 @@ fn a_head_width_of_its_own_is_imported_as_head_dim() {
         "\"hidden_size\": 5120,\n  \"head_dim\": 128,",
     );
     assert_ne!(wide, base);
-    let p = tmp("wide_heads.json");
-    std::fs::write(&p, &wide).unwrap();
-    let out = dplc(&[
-        "import",
-        "hf",
-        p.to_str().unwrap(),
-        "-o",
-        tmp("wide_heads.dpl").to_str().unwrap(),
-    ]);
+    let (out, wide_file) = import_text("wide_heads", &wide);
     assert!(out.status.success(), "{}", stderr(&out));
-    let dpl = std::fs::read_to_string(tmp("wide_heads.dpl")).unwrap();
+    let dpl = std::fs::read_to_string(&wide_file).unwrap();
     assert!(dpl.contains("head_dim = 128"), "{dpl}");
     let per_layer = 2 * 5120 * 4096 + 2 * 5120 * 1024 + 3 * 5120 * 14336 + 2 * 5120;
     assert_eq!(
-        params(tmp("wide_heads.dpl").to_str().unwrap(), None),
+        params(wide_file.to_str().unwrap(), None),
         2 * 128_256 * 5120 + 32 * per_layer + 5120
     );
     let even = base.replace(
@@ -247,26 +246,16 @@ fn qwen3_imports_with_its_query_key_norms_and_experts() {
     }
     // Weights over all the experts, not renormalised over the chosen (set,
     // or left to transformers' default): refused.
-    for (name, raw) in [
-        (
-            "qwen3_moe_raw.json",
-            moe.replace("\"norm_topk_prob\": true", "\"norm_topk_prob\": false"),
-        ),
-        (
-            "qwen3_moe_default.json",
-            moe.replace("\"norm_topk_prob\": true,", ""),
-        ),
-    ] {
-        let p = tmp(name);
-        std::fs::write(&p, raw).unwrap();
-        let out = dplc(&["import", "hf", p.to_str().unwrap()]);
-        assert_eq!(out.status.code(), Some(1), "{name}");
-        assert!(
-            stderr(&out).contains("norm_topk_prob"),
-            "{name}: {}",
-            stderr(&out)
-        );
-    }
+    assert_refused(
+        "qwen3_moe_raw",
+        &moe.replace("\"norm_topk_prob\": true", "\"norm_topk_prob\": false"),
+        "norm_topk_prob",
+    );
+    assert_refused(
+        "qwen3_moe_default",
+        &moe.replace("\"norm_topk_prob\": true,", ""),
+        "norm_topk_prob",
+    );
 }
 
 /// Phi-3 (model_type phi3): Llama's layer, its 4K variant's window of 2047
@@ -322,9 +311,7 @@ fn phi3_imports_with_its_window_and_partial_rotary() {
             "partial_rotary_factor",
         ),
     ] {
-        let (out, _) = import_text(name, &text);
-        assert_eq!(out.status.code(), Some(1), "{name}");
-        assert!(stderr(&out).contains(want), "{name}: {}", stderr(&out));
+        assert_refused(name, &text, want);
     }
 }
 
@@ -396,15 +383,11 @@ fn phi_imports_phi2_with_its_published_count() {
         "{dpl}"
     );
     // A query/key LayerNorm (Phi-1.5's option) is not modelled: refused.
-    let p = tmp("phi_qk.json");
-    std::fs::write(
-        &p,
-        phi2.replace("\"qk_layernorm\": false", "\"qk_layernorm\": true"),
-    )
-    .unwrap();
-    let out = dplc(&["import", "hf", p.to_str().unwrap()]);
-    assert_eq!(out.status.code(), Some(1));
-    assert!(stderr(&out).contains("qk_layernorm"), "{}", stderr(&out));
+    assert_refused(
+        "phi_qk",
+        &phi2.replace("\"qk_layernorm\": false", "\"qk_layernorm\": true"),
+        "qk_layernorm",
+    );
 }
 
 /// Gemma 2 (model_type gemma2): norms before and after the attention and
@@ -541,7 +524,7 @@ fn opt_imports_with_its_published_count() {
     assert_eq!(params(file.to_str().unwrap(), None), 125_239_296);
     for (name, text, want) in [
         (
-            "opt_post_norm.json",
+            "opt_post_norm",
             opt.replace(
                 "\"do_layer_norm_before\": true",
                 "\"do_layer_norm_before\": false",
@@ -549,7 +532,7 @@ fn opt_imports_with_its_published_count() {
             "do_layer_norm_before",
         ),
         (
-            "opt_projected.json",
+            "opt_projected",
             opt.replace(
                 "\"word_embed_proj_dim\": 768",
                 "\"word_embed_proj_dim\": 512",
@@ -557,11 +540,7 @@ fn opt_imports_with_its_published_count() {
             "word_embed_proj_dim",
         ),
     ] {
-        let p = tmp(name);
-        std::fs::write(&p, text).unwrap();
-        let out = dplc(&["import", "hf", p.to_str().unwrap()]);
-        assert_eq!(out.status.code(), Some(1), "{name}");
-        assert!(stderr(&out).contains(want), "{name}: {}", stderr(&out));
+        assert_refused(name, &text, want);
     }
 }
 
@@ -581,17 +560,13 @@ fn bloom_imports_with_its_published_count() {
     assert!(std::fs::read_to_string(&file)
         .unwrap()
         .contains("bias = alibi"));
-    let p = tmp("bloom_112.json");
-    std::fs::write(
-        &p,
-        bloom
+    assert_refused(
+        "bloom_112",
+        &bloom
             .replace("\"n_head\": 16", "\"n_head\": 112")
             .replace("\"hidden_size\": 1024", "\"hidden_size\": 14336"),
-    )
-    .unwrap();
-    let out = dplc(&["import", "hf", p.to_str().unwrap()]);
-    assert_eq!(out.status.code(), Some(1));
-    assert!(stderr(&out).contains("n_head"), "{}", stderr(&out));
+        "n_head",
+    );
 }
 
 /// Small models of the new families, imported, run every split they are

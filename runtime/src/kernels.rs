@@ -305,19 +305,9 @@ pub(crate) fn unary(u: UnaryOp, x: f32) -> f32 {
     }
 }
 
+/// A binary op's `f32` semantics: the fused kernels' (`dplc_codegen::binary`).
 pub(crate) fn binary_f(b: BinaryOp, x: f32, y: f32) -> f32 {
-    match b {
-        BinaryOp::Add => x + y,
-        BinaryOp::Sub => x - y,
-        BinaryOp::Mul => x * y,
-        BinaryOp::Div => x / y,
-        BinaryOp::Max => x.max(y),
-        BinaryOp::Min => x.min(y),
-        BinaryOp::Pow => x.powf(y),
-        cmp => cmp
-            .compare(f64::from(x), f64::from(y))
-            .map_or(f32::NAN, |v| v as f32),
-    }
+    dplc_codegen::binary(b, x, y)
 }
 
 /// The shape `where(c, a, b)` broadcasts its three operands to.

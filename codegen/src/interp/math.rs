@@ -83,7 +83,8 @@ pub fn unary_grad(op: UnaryOp, x: f32) -> f32 {
     }
 }
 
-/// `f32` semantics of a binary op.
+/// `f32` semantics of a binary op (inlined: the CPU reference calls it per element).
+#[inline]
 pub fn binary(op: BinaryOp, a: f32, b: f32) -> f32 {
     match op {
         BinaryOp::Add => a + b,
