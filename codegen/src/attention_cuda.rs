@@ -284,25 +284,84 @@ impl Ctx<'_> {
     /// The dropout's factor of element `(b, h, i, j)` (`None` without dropout).
     fn keep(&self, b: &C, h: &C, i: &C, j: &C) -> Option<C> {
         let d = self.k.dropout.as_ref()?;
+        let (state, pos) = self.draw_at(b, h, i, j)?;
+        Some(self.factor(call("dplc_sample_draw", vec![state, pos]), d.p))
+    }
+
+    /// The dropout's factors of elements `(b, h, i, j)` and `(b, h, i, j +
+    /// 1)` into `into[at]` and `into[at + 1]` (nothing without dropout):
+    /// where their positions are one pair's (`j` even in a row of even
+    /// length, the usual case) one mix draws both (`dplc_sample_draw2`).
+    fn keep_pair(&self, b: &C, h: &C, i: &C, j: &C, into: &str, at: C) -> Vec<S> {
+        let (Some(d), Some((state, pos))) = (self.k.dropout.as_ref(), self.draw_at(b, h, i, j))
+        else {
+            return Vec::new();
+        };
+        let u = |n: i64| ix("dplc_u", ll(n));
+        vec![S::Block(vec![
+            array("float", "dplc_u", 2),
+            S::Expr(call("dplc_sample_draw2", vec![state, pos, u(0), u(1)])),
+            set(ix(into, at.clone()), self.factor(u(0), d.p)),
+            set(ix(into, bin("+", at, ll(1))), self.factor(u(1), d.p)),
+        ])]
+    }
+
+    /// 0 where `draw` drops the element, else `1 / (1 - p)`.
+    fn factor(&self, draw: C, p: f64) -> C {
+        C::Cond(
+            Box::new(bin("<", draw, f32_lit(drop_threshold(p)))),
+            Box::new(zero()),
+            Box::new(f32_lit(1.0 / (1.0 - p))),
+        )
+    }
+
+    /// The sample's key state and the position there of element `(b, h,
+    /// i, j)`'s draw.
+    ///
+    /// The whole tensor's flat index has the batch leading, so sample `b`'s
+    /// elements are `[b·per, (b + 1)·per)` of it (`per` 0: one shared
+    /// sample): the split into sample and position that `dplc_random` does
+    /// by division is `b` and a subtraction here ([`crate::batch_draw`]),
+    /// the sample's key state is the same for a whole block (hoisted), and
+    /// the draw has no branch, so a thread's draws overlap instead of
+    /// waiting on each other (under dropout they had been most of the
+    /// passes' time on the H200).
+    fn draw_at(&self, b: &C, h: &C, i: &C, j: &C) -> Option<(C, C)> {
+        let d = self.k.dropout.as_ref()?;
         let bhij = [b, h, i, j];
         let index = index_with(&d.index, &|a| bhij[a].clone());
-        let draw = call(
-            "dplc_random",
+        let per = size(d.key.per_sample);
+        let split = |yes: C, no: C| {
+            C::Cond(
+                Box::new(bin(">", per.clone(), ll(0))),
+                Box::new(yes),
+                Box::new(no),
+            )
+        };
+        let sample = split(
+            C::Cast(
+                "unsigned long long",
+                Box::new(bin("+", size(d.key.first_sample), b.clone())),
+            ),
+            C::Lit("~0ULL".into()),
+        );
+        let pos = C::Cast(
+            "unsigned long long",
+            Box::new(split(
+                bin("-", index.clone(), bin("*", b.clone(), per.clone())),
+                index,
+            )),
+        );
+        let state = call(
+            "dplc_sample_state",
             vec![
-                id("dplc_rng"),
                 id("seed"),
                 C::Lit(format!("{}ULL", d.key.node)),
                 size(d.key.layer),
-                size(d.key.first_sample),
-                size(d.key.per_sample),
-                index,
+                sample,
             ],
         );
-        Some(C::Cond(
-            Box::new(bin("<", draw, f32_lit(drop_threshold(d.p)))),
-            Box::new(zero()),
-            Box::new(f32_lit(1.0 / (1.0 - d.p))),
-        ))
+        Some((state, pos))
     }
 
     /// The key tiles of width `t` a block of queries `[i0, i0 + 64)` visits:
@@ -517,10 +576,6 @@ pub fn emit_attention(kernel: &AttentionKernel, pass: AttentionPass, dtype: DTyp
     for (i, s) in p.iter().enumerate() {
         let sep = if i + 1 == p.len() { ") {" } else { "," };
         w.line(&format!("{s}{sep}"));
-    }
-    // The dropout's draw site's memo of its key, per thread (`dplc_random`).
-    if kernel.dropout.is_some() {
-        w.line("dplc_draws dplc_rng = {0ULL, 0ULL, false};");
     }
     w.stmts(&body);
     w.depth -= 1;

@@ -7,7 +7,7 @@ use crate::attention::{
     AttentionBuffer, AttentionKernel, AttentionOperand, AttentionPass, BLOCK_K, BLOCK_Q,
 };
 use crate::interp::{Args, BufferRef, Data};
-use crate::kernel::{draw_state, drop_threshold, dropout_draw, Idx};
+use crate::kernel::{batch_draw, draw_state, drop_threshold, Idx};
 use crate::CodegenError;
 
 /// An operand's element addresses at a launch's sizes.
@@ -99,7 +99,7 @@ impl Problem<'_> {
     fn keep(&self, b: i64, h: i64, i: i64, j: i64) -> f32 {
         let Some(d) = &self.drop else { return 1.0 };
         let index = self.eval(d.index, [b, h, i, j]);
-        if dropout_draw(d.state, d.first_sample, d.per_sample, index) < d.threshold {
+        if batch_draw(d.state, d.first_sample, d.per_sample, b, index) < d.threshold {
             0.0
         } else {
             d.kept

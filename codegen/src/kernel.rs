@@ -586,9 +586,9 @@ pub fn draw_state(seed: u64, node: u64, layer: i64) -> u64 {
 
 /// The draw of [`Expr::Random`] for element `index`, from [`draw_state`]
 /// and the key's `first_sample` and `per_sample` (see [`DrawKey`]): the
-/// reference's `rng::uniform`, the top 24 bits of the hash as a float in
-/// `[0, 1)`, exactly representable in f32. CUDA's `dplc_random` is the same
-/// integer arithmetic (C's `/` and `%` truncate as Rust's do).
+/// index split into its sample and its position there, then
+/// [`sample_draw`]. CUDA's `dplc_random` is the same integer arithmetic (C's
+/// `/` and `%` truncate as Rust's do).
 pub fn dropout_draw(state: u64, first_sample: i64, per_sample: i64, index: i64) -> f32 {
     let (sample, pos) = if per_sample > 0 {
         (
@@ -598,8 +598,48 @@ pub fn dropout_draw(state: u64, first_sample: i64, per_sample: i64, index: i64) 
     } else {
         (u64::MAX, index as u64)
     };
-    let h = key_absorb(key_absorb(state, sample), pos);
-    (h >> 40) as f32 * (1.0 / 16_777_216.0)
+    sample_draw(key_absorb(state, sample), pos)
+}
+
+/// [`dropout_draw`] of an element of sample `b` of the micro-batch, the
+/// split into sample and position by `b` instead of a division: the two are
+/// equal where the tensor lays its samples out one after another (`index`
+/// in `[b·per, (b + 1)·per)`), as a fused attention's whole probabilities
+/// do with the batch leading. The attention kernels draw this way (CUDA's
+/// `keep` in `attention_cuda.rs`), their interpreter too.
+pub fn batch_draw(state: u64, first_sample: i64, per_sample: i64, b: i64, index: i64) -> f32 {
+    if per_sample > 0 {
+        sample_draw(
+            key_absorb(state, (first_sample + b) as u64),
+            (index - b * per_sample) as u64,
+        )
+    } else {
+        sample_draw(key_absorb(state, u64::MAX), index as u64)
+    }
+}
+
+/// SplitMix64's increment (the golden ratio's fraction): consecutive pairs
+/// of a sample are its outputs.
+const PAIR_STEP: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// The draw at position `pos` of a sample whose key state (after
+/// [`draw_state`]'s words and the sample) is `sample_state`: a uniform in
+/// `[0, 1)` with 24 bits, exactly representable in f32. Positions `2g` and
+/// `2g + 1` share one 64-bit mix — SplitMix64's `g`-th output from the
+/// sample's state, whose top and low 24-bit fields (bits 40–63, 8–31) are
+/// the two draws — so a GPU thread that holds neighbouring elements (a
+/// tensor-core fragment holds scores in column pairs; a vector lane holds
+/// eight) mixes once for two: on the H200 the draw was most of fused
+/// attention's time under dropout. The CPU reference's mask
+/// (`runtime::kernels::DropoutKey::mask`) calls this very function.
+pub fn sample_draw(sample_state: u64, pos: u64) -> f32 {
+    let bits = key_mix(sample_state.wrapping_add((pos >> 1).wrapping_mul(PAIR_STEP)));
+    let field = if pos & 1 == 0 {
+        bits >> 40
+    } else {
+        (bits >> 8) & 0xFF_FFFF
+    };
+    field as f32 * (1.0 / 16_777_216.0)
 }
 
 /// The `f32` threshold a draw is compared with to drop with probability `p`:
@@ -634,5 +674,55 @@ pub(crate) fn varies_along(e: &Expr, along: &[bool]) -> bool {
             };
             c || a(then) || a(otherwise)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The pair-sharing draw is still a uniform one: mean and variance of
+    /// U[0, 1), a drop rate of `p`, and no correlation between the two
+    /// draws of a pair, between neighbouring pairs, or between samples.
+    #[test]
+    fn draws_are_uniform_and_independent() {
+        let n = 1 << 18;
+        let state = draw_state(draw_seed(7, 3), 41, 2);
+        let (a, b) = (key_absorb(state, 0), key_absorb(state, 1));
+        let xs: Vec<f64> = (0..n).map(|i| f64::from(sample_draw(a, i))).collect();
+        let ys: Vec<f64> = (0..n).map(|i| f64::from(sample_draw(b, i))).collect();
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+        let corr = |u: &[f64], v: &[f64]| {
+            let (mu, mv) = (mean(u), mean(v));
+            let cov: f64 = u.iter().zip(v).map(|(x, y)| (x - mu) * (y - mv)).sum();
+            let su: f64 = u.iter().map(|x| (x - mu).powi(2)).sum::<f64>().sqrt();
+            let sv: f64 = v.iter().map(|y| (y - mv).powi(2)).sum::<f64>().sqrt();
+            cov / (su * sv)
+        };
+        let m = mean(&xs);
+        let var = xs.iter().map(|x| (x - m).powi(2)).sum::<f64>() / n as f64;
+        assert!((m - 0.5).abs() < 0.003, "mean {m}");
+        assert!((var - 1.0 / 12.0).abs() < 0.001, "variance {var}");
+        let dropped = xs.iter().filter(|&&x| x < drop_threshold(0.1)).count() as f64 / n as f64;
+        assert!((dropped - 0.1).abs() < 0.003, "drop rate {dropped}");
+        let even: Vec<f64> = xs.iter().step_by(2).copied().collect();
+        let odd: Vec<f64> = xs.iter().skip(1).step_by(2).copied().collect();
+        let next_pair: Vec<f64> = xs.iter().skip(2).step_by(2).copied().collect();
+        for (what, r) in [
+            ("within a pair", corr(&even, &odd)),
+            ("across pairs", corr(&even[..next_pair.len()], &next_pair)),
+            ("across samples", corr(&xs, &ys)),
+        ] {
+            assert!(r.abs() < 0.01, "correlation {what}: {r}");
+        }
+        // The split into sample and position is the draw's key.
+        assert_eq!(
+            dropout_draw(state, 5, 16, 16 + 3),
+            sample_draw(key_absorb(state, 6), 3)
+        );
+        assert_eq!(
+            dropout_draw(state, 5, 0, 3),
+            sample_draw(key_absorb(state, u64::MAX), 3)
+        );
     }
 }

@@ -44,7 +44,8 @@ pub use interp::{
     binary, erf, erf_f64, interpret, interpret_refs, unary, unary_grad, Args, BufferRef, Data,
 };
 pub use kernel::{
-    draw_seed, draw_state, drop_threshold, dropout_draw, fnv1a, key_absorb, Buffer, Builder, Cond,
-    DrawKey, Elem, Expr, Idx, Kernel, RowReduce, Size, Space, Store, ValueId,
+    batch_draw, draw_seed, draw_state, drop_threshold, dropout_draw, fnv1a, key_absorb,
+    sample_draw, Buffer, Builder, Cond, DrawKey, Elem, Expr, Idx, Kernel, RowReduce, Size, Space,
+    Store, ValueId,
 };
 pub use nvrtc::{Arch, Nvrtc, Ptx};

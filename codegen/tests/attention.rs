@@ -19,14 +19,12 @@ fn syms(pairs: &[(&str, i64)]) -> HashMap<String, i64> {
     pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
 }
 
-/// The launch arguments of `at` at `syms`; the dropout key's words fixed.
+/// The launch arguments of `at` at `syms`; the dropout key's words as a
+/// run binds them at layer 3 of a micro-batch from sample 5.
 fn args_of(g: &Graph, at: &FusedAttention, syms: &HashMap<String, i64>) -> Args {
-    let mut sizes: Vec<i64> = at.sizes.iter().map(|d| dim(d, syms, g) as i64).collect();
-    for (n, (i, _)) in at.key_sizes.iter().enumerate() {
-        sizes[*i] = [3, 5, 7][n];
-    }
+    let place = dplc_codegen::KeyPlace::unsplit(3, 5, syms["batch"] as usize);
     Args {
-        sizes,
+        sizes: common::launch_sizes(g, &at.sizes, &at.key_sizes, syms, &place),
         scalars: vec![],
         seed: 0x5eed,
     }

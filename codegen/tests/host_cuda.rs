@@ -557,24 +557,17 @@ struct AttentionCase {
 }
 
 /// The fused attentions of `g` at batch 2, seq `seq` (the dropout key's
-/// words given values, as a launch binds them).
+/// words as a launch binds them, at layer 2 of a micro-batch from sample 4).
 fn attention_cases(g: &Graph, seq: i64, out: &mut Vec<AttentionCase>) {
     let syms: HashMap<String, i64> = [("batch".to_string(), 2), ("seq".to_string(), seq)].into();
+    let place = dplc_codegen::KeyPlace::unsplit(2, 4, 2);
     for (r, _) in g.regions() {
         for step in fuse(g, r).steps {
             let Step::Attention(at) = step else { continue };
-            let mut sizes: Vec<i64> = at
-                .sizes
-                .iter()
-                .map(|d| common::dim(d, &syms, g) as i64)
-                .collect();
-            for (n, (i, _)) in at.key_sizes.iter().enumerate() {
-                sizes[*i] = [2, 4, 64][n % 3];
-            }
             out.push(AttentionCase {
                 kernel: at.kernel.clone(),
                 args: Args {
-                    sizes,
+                    sizes: common::launch_sizes(g, &at.sizes, &at.key_sizes, &syms, &place),
                     scalars: vec![],
                     seed: 9,
                 },
@@ -764,6 +757,10 @@ fn fused_attention_cuda_runs_on_the_cpu_as_the_interpreter_computes() {
         attention_cases(&common::lower_m(&wide), 70, &mut cases);
         attention_cases(&common::placed_attention(&wide, 1, 2), 70, &mut cases);
     }
+    // An odd sequence: neighbouring keys straddle the draws' pairs in
+    // every other row (`dplc_sample_draw2`'s second path).
+    let wide = common::PLACED.replace("seq, 8]", "seq, 16]");
+    attention_cases(&common::lower_m(&wide), 69, &mut cases);
     assert!(cases.len() >= 7, "{} attentions", cases.len());
     let dir = std::env::temp_dir().join(format!("dplc-host-attention-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -118,8 +118,8 @@ fn gpt_tiny_cuda_bf16() {
 }
 
 /// gpt2's kernels that draw dropout masks (the fused attention's too): each
-/// one's IR, its key's size arguments, and the CUDA lines that draw (the prelude's `dplc_random` is in
-/// the gpt_tiny goldens).
+/// one's IR, its key's size arguments, and the CUDA lines that draw (the
+/// prelude's `dplc_random` and `dplc_sample_draw` are in the gpt_tiny goldens).
 #[test]
 fn gpt2_dropout_draws() {
     let g = zoo("gpt2.dpl", "gpt2").graph;
@@ -134,7 +134,7 @@ fn gpt2_dropout_draws() {
                     for line in src
                         .source
                         .lines()
-                        .filter(|l| l.contains("dplc_random(dplc_rng"))
+                        .filter(|l| l.contains("dplc_sample_draw(dplc_sample_state"))
                     {
                         out += &format!("cuda: {}\n", line.trim());
                     }

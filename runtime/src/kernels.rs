@@ -2,7 +2,6 @@
 //! tensors. Matmuls go through `matrixmultiply`'s packed sgemm.
 
 use crate::error::{kernel_err, Result};
-use crate::rng;
 use crate::tensor::{
     broadcast_data, broadcast_shape, broadcast_strides, gather_strided, split_axis, strides, Data,
     Tensor, Walk,
@@ -61,6 +60,13 @@ impl DropoutKey {
         };
         let whole: usize = at.whole_shape(shape).iter().product();
         let per_sample = dplc_codegen::elements_per_sample(whole, self.batch);
+        // The key's words fold once; the sample's and the position's are
+        // the element's (the draw is the fused kernels' very function).
+        let state = dplc_codegen::draw_state(
+            dplc_codegen::draw_seed(self.seed, self.step),
+            self.node,
+            self.layer as i64,
+        );
         (0..n)
             .map(|i| {
                 let i = at.whole_index(shape, i);
@@ -68,7 +74,7 @@ impl DropoutKey {
                     Some(s) => (self.first_sample + s as u64, (i % per_sample) as u64),
                     None => (u64::MAX, i as u64),
                 };
-                let u = rng::uniform(&[self.seed, self.step, self.node, self.layer, sample, pos]);
+                let u = dplc_codegen::sample_draw(dplc_codegen::key_absorb(state, sample), pos);
                 f64::from(u) >= p
             })
             .collect()

@@ -1,6 +1,9 @@
 //! A counter-based random number generator: every draw is a hash of its key
-//! (seed, step, node, layer, sample, position), so a value never depends on how
-//! the batch or the parameters are split across ranks or in what order they run.
+//! (the seed and what the value is: a parameter's element, a data token), so
+//! a value never depends on how the batch or the parameters are split across
+//! ranks or in what order they run. Dropout's draw, keyed the same way
+//! (seed, step, node, layer, sample, position), is codegen's `sample_draw`,
+//! which the CPU reference and every fused kernel share.
 //!
 //! SplitMix64's finaliser is the mixing function (the same construction as
 //! Philox/Threefry in spirit: a stateless bijective mix of a counter); it needs

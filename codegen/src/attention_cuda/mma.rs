@@ -252,20 +252,29 @@ pub(super) fn forward_mma(c: &Ctx) -> (Vec<S>, u32) {
         ),
         add_to(ix("l", id("r")), id("e")),
     ];
+    // The thread's two neighbouring keys of the row draw as one pair.
     let qi = ix("row", id("r"));
     let kj = bin(
         "+",
         bin("+", id("j0"), bin("*", id("nb"), ll(8))),
-        bin("+", bin("*", id("tq"), ll(2)), id("x")),
+        bin("*", id("tq"), ll(2)),
     );
+    let pair = c.keep_pair(&b, &h, &qi, &kj, "kp", ll(0));
     prob.push(set(
         sr,
-        match c.keep(&b, &h, &qi, &kj) {
-            Some(keep) => bin("*", id("e"), keep),
-            None => id("e"),
+        if pair.is_empty() {
+            id("e")
+        } else {
+            bin("*", id("e"), ix("kp", id("x")))
         },
     ));
-    rows.push(unrolled("nb", ns, vec![unrolled("x", 2, prob)]));
+    let mut per_nb = Vec::new();
+    if !pair.is_empty() {
+        per_nb.push(array("float", "kp", 2));
+        per_nb.extend(pair);
+    }
+    per_nb.push(unrolled("x", 2, prob));
+    rows.push(unrolled("nb", ns, per_nb));
     tile.push(unrolled("r", 2, rows));
     // O += P·V: P's fragment for keys [16·kk, 16·kk + 16) is score tiles 2kk and 2kk + 1.
     tile.push(mma_cols("o", "s", "vt", vstride, t, vd));
@@ -676,29 +685,45 @@ pub(super) fn query_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
     );
     let at_x = |name: &str| ix(name, bin("+", bin("*", id("nb"), ll(4)), id("x")));
     let delta_x = ix("delta", bin("/", id("x"), ll(2)));
-    let [p, kp] = probability(c, at_x("s"), ix("lse", bin("/", id("x"), ll(2))), &b, &h);
-    tile.push(unrolled(
-        "nb",
-        ns,
-        vec![unrolled(
-            "x",
-            4,
-            vec![
-                decl("long long", "qi", qi),
-                decl("long long", "kj", kj),
-                p.clone(),
-                kp.clone(),
-                set(
-                    at_x("s"),
-                    bin(
-                        "*",
-                        id("p"),
-                        bin("-", bin("*", at_x("dp"), id("kp")), delta_x),
-                    ),
+    let [p, mut kp] = probability(c, at_x("s"), ix("lse", bin("/", id("x"), ll(2))), &b, &h);
+    // Each of the thread's two rows draws its two neighbouring keys as one pair.
+    let pair = c.keep_pair(
+        &b,
+        &h,
+        &ix("row", id("y")),
+        &bin(
+            "+",
+            bin("+", id("j0"), bin("*", id("nb"), ll(8))),
+            bin("*", id("tq"), ll(2)),
+        ),
+        "kq",
+        bin("*", id("y"), ll(2)),
+    );
+    let mut per_nb = Vec::new();
+    if !pair.is_empty() {
+        per_nb.push(array("float", "kq", 4));
+        per_nb.push(unrolled("y", 2, pair));
+        kp = decl("float", "kp", ix("kq", id("x")));
+    }
+    per_nb.push(unrolled(
+        "x",
+        4,
+        vec![
+            decl("long long", "qi", qi),
+            decl("long long", "kj", kj),
+            p.clone(),
+            kp.clone(),
+            set(
+                at_x("s"),
+                bin(
+                    "*",
+                    id("p"),
+                    bin("-", bin("*", at_x("dp"), id("kp")), delta_x),
                 ),
-            ],
-        )],
+            ),
+        ],
     ));
+    tile.push(unrolled("nb", ns, per_nb));
     tile.push(mma_cols("dq", "s", "kt", kstride, t, hd));
     body.extend(c.pipelined("j0", (id("jbegin"), id("jend")), t, &staged, tile));
     let write = vec![unrolled(

@@ -629,10 +629,7 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
     // Each draw site's memo of its key, per thread (`dplc_random`).
     for (i, v) in kernel.values.iter().enumerate() {
         if matches!(v, Expr::Random { .. }) {
-            body.push(S::Line(format!(
-                "dplc_draws {} = {{0ULL, 0ULL, false}};",
-                draws_memo(i)
-            )));
+            body.push(S::Line(format!("dplc_draws {} = {{}};", draws_memo(i))));
         }
     }
     let launch;

@@ -16,8 +16,8 @@ __device__ __forceinline__ float dplc_gelu(float x) { return 0.5f * x * (1.0f + 
 __device__ __forceinline__ float dplc_gelu_tanh(float x) {
     return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
 }
-// The CPU reference's dropout draw (runtime/src/rng.rs; codegen's
-// `dropout_draw`): SplitMix64's finaliser folded over the key words.
+// The dropout draw (codegen's `dropout_draw` and `sample_draw`, which the
+// CPU reference calls too): SplitMix64's finaliser folded over the key words.
 __device__ __forceinline__ unsigned long long dplc_mix(unsigned long long z) {
     z += 0x9e3779b97f4a7c15ULL;
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
@@ -27,26 +27,55 @@ __device__ __forceinline__ unsigned long long dplc_mix(unsigned long long z) {
 __device__ __forceinline__ unsigned long long dplc_absorb(unsigned long long h, unsigned long long w) {
     return dplc_mix(h ^ dplc_mix(w));
 }
-// A call site's key folded up to its last sample: the key's words and the
-// sample are hashed once per sample rather than once per element (half a
-// draw's work), the draws unchanged.
+// The key state of `sample` under a launch's key (codegen's `draw_state`
+// and `key_absorb`).
+__device__ __forceinline__ unsigned long long dplc_sample_state(unsigned long long seed,
+                                                                unsigned long long node,
+                                                                long long layer,
+                                                                unsigned long long sample) {
+    return dplc_absorb(dplc_absorb(dplc_absorb(seed, node), (unsigned long long)layer), sample);
+}
+// The draw at `pos` of the sample whose key state is `state` (codegen's
+// `sample_draw`): positions 2g and 2g + 1 share SplitMix64's g-th output
+// from `state`, its bits 40-63 and 8-31. Branch-free, so a thread's draws
+// overlap.
+__device__ __forceinline__ float dplc_sample_draw(unsigned long long state, unsigned long long pos) {
+    const unsigned long long bits = dplc_mix(state + (pos >> 1) * 0x9e3779b97f4a7c15ULL);
+    const unsigned long long field = (pos & 1ULL) ? ((bits >> 8) & 0xffffffULL) : (bits >> 40);
+    return (float)field * (1.0f / 16777216.0f);
+}
+// The draws at `pos` and `pos + 1` into `u[0]` and `u[1]`: one mix when
+// they are one pair's (pos even), two otherwise.
+__device__ __forceinline__ void dplc_sample_draw2(unsigned long long state, unsigned long long pos,
+                                                  float& u0, float& u1) {
+    const unsigned long long bits = dplc_mix(state + (pos >> 1) * 0x9e3779b97f4a7c15ULL);
+    if ((pos & 1ULL) == 0ULL) {
+        u0 = (float)(bits >> 40) * (1.0f / 16777216.0f);
+        u1 = (float)((bits >> 8) & 0xffffffULL) * (1.0f / 16777216.0f);
+    } else {
+        u0 = (float)((bits >> 8) & 0xffffffULL) * (1.0f / 16777216.0f);
+        u1 = dplc_sample_draw(state, pos + 1ULL);
+    }
+}
+// A call site's memo: the key folded up to its last sample (hashed once per
+// sample, not per element) and the last pair's 64 bits (positions 2g and
+// 2g + 1 share one mix, so a thread drawing neighbours mixes once for two).
+// Declared `dplc_draws m = {};` (nothing held).
 struct dplc_draws {
-    unsigned long long sample, h;
-    bool ready;
+    unsigned long long sample, state, pair, bits;
+    bool has_sample, has_pair;
 };
 // `seed` is the key after the run's seed and the step; element `index` is
 // position index % per of sample first + index / per (per 0: position index
-// of the shared sample ~0). `memo` is the call site's (one per site a
-// thread, declared `dplc_draws m = {0ULL, 0ULL, false};`).
+// of the shared sample ~0).
 __device__ __forceinline__ float dplc_random(dplc_draws& memo, unsigned long long seed,
                                              unsigned long long node, long long layer,
                                              long long first, long long per, long long index) {
     unsigned long long sample = ~0ULL, pos = (unsigned long long)index;
     if (per > 0) {
         // index / per without a 64-bit division (tens of instructions an
-        // element; the H200 ran dropout attention 2x slower with the split
-        // than without): the quotient from the double reciprocal, which
-        // the caller's loops hoist with `per`, is off by at most one below
+        // element): the quotient from the double reciprocal, which the
+        // caller's loops hoist with `per`, is off by at most one below
         // 2^50 and corrected there, so the split is the reference's.
         long long q, r;
         if (index < (1LL << 50)) {
@@ -60,14 +89,20 @@ __device__ __forceinline__ float dplc_random(dplc_draws& memo, unsigned long lon
         sample = (unsigned long long)(first + q);
         pos = (unsigned long long)r;
     }
-    if (!memo.ready || memo.sample != sample) {
-        const unsigned long long key = dplc_absorb(dplc_absorb(seed, node), (unsigned long long)layer);
-        memo.h = dplc_absorb(key, sample);
+    if (!memo.has_sample || memo.sample != sample) {
+        memo.state = dplc_sample_state(seed, node, layer, sample);
         memo.sample = sample;
-        memo.ready = true;
+        memo.has_sample = true;
+        memo.has_pair = false;
     }
-    const unsigned long long h = dplc_absorb(memo.h, pos);
-    return (float)(h >> 40) * (1.0f / 16777216.0f);
+    const unsigned long long pair = pos >> 1;
+    if (!memo.has_pair || memo.pair != pair) {
+        memo.bits = dplc_mix(memo.state + pair * 0x9e3779b97f4a7c15ULL);
+        memo.pair = pair;
+        memo.has_pair = true;
+    }
+    const unsigned long long field = (pos & 1ULL) ? ((memo.bits >> 8) & 0xffffffULL) : (memo.bits >> 40);
+    return (float)field * (1.0f / 16777216.0f);
 }
 #endif
 "#;

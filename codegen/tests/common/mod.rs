@@ -159,6 +159,29 @@ impl Rng {
     }
 }
 
+/// A launch's size arguments at `syms`: the dimensions, and the dropout
+/// key's words bound at `place` as the executor binds them.
+#[allow(dead_code)]
+pub fn launch_sizes(
+    g: &Graph,
+    dims: &[Dim],
+    keys: &[(usize, dplc_codegen::KeySize)],
+    syms: &HashMap<String, i64>,
+    place: &dplc_codegen::KeyPlace,
+) -> Vec<i64> {
+    let numel = |t: dplc_ir::TensorId| -> usize {
+        g.tensor(t)
+            .shape
+            .dims()
+            .iter()
+            .map(|d| dim(d, syms, g))
+            .product()
+    };
+    let mut sizes: Vec<i64> = dims.iter().map(|d| dim(d, syms, g) as i64).collect();
+    place.bind_keys(&mut sizes, keys, numel);
+    sizes
+}
+
 pub fn dim(d: &Dim, syms: &HashMap<String, i64>, g: &Graph) -> usize {
     let mut v = d.coeff();
     for s in d.syms() {

@@ -908,7 +908,6 @@ mod tests {
     #[test]
     fn kernel_draws_are_the_reference_masks() {
         let (seed, step, node, layer, first) = (11u64, 3u64, 41u64, 2u64, 6u64);
-        assert_eq!(draw_seed(seed, step), crate::rng::hash(&[seed, step]));
         for (numel, batch) in [(24usize, 4usize), (10, 1), (10, 4), (7, 3)] {
             for p in [0.1, 0.5, 0.3333] {
                 let key = DropoutKey {
@@ -932,12 +931,6 @@ mod tests {
                     .collect();
                 assert_eq!(fused, keep, "{numel} elements, {batch} samples, p {p}");
             }
-        }
-        // The draws themselves are the reference's uniforms.
-        let state = draw_state(draw_seed(seed, step), node, layer as i64);
-        for i in 0..16i64 {
-            let want = crate::rng::uniform(&[seed, step, node, layer, first + 1, i as u64]);
-            assert_eq!(dropout_draw(state, first as i64, 16, 16 + i), want);
         }
     }
 }
