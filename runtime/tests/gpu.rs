@@ -356,7 +356,7 @@ fn cublas_matmul_matches_cpu() {
             let dc = dev
                 .alloc(mm.batch * mm.m * mm.n * dtype.size_bytes() as usize)
                 .unwrap();
-            blas.matmul(&mm, &da, &db, &dc).unwrap();
+            blas.matmul(&dev, &mm, &da, &db, &dc).unwrap();
             let got = dev
                 .download_f32(&dc, mm.batch * mm.m * mm.n, dtype)
                 .unwrap();
@@ -364,6 +364,53 @@ fn cublas_matmul_matches_cpu() {
             let tol = if dtype == DType::F32 { 1e-4 } else { 1e-2 };
             for (x, y) in got.iter().zip(&want) {
                 assert!((x - y).abs() <= tol * (1.0 + y.abs()), "{mm:?}: {x} vs {y}");
+            }
+        }
+    }
+}
+
+/// Matmuls whose rows are no multiple of 8 elements, through the aligned
+/// scratch a large one takes (forced here at a small size and a small
+/// scratch, so blocks are ragged): every transposition, B copied whole
+/// where its rows are unaligned, against the CPU.
+#[test]
+fn an_unaligned_matmul_through_aligned_scratch_matches_cpu() {
+    let Some(dev) = gpu_or_skip("an_unaligned_matmul_through_aligned_scratch_matches_cpu") else {
+        return;
+    };
+    let blas = Blas::new(&dev).expect("cuBLAS");
+    let mut rng = Rng(5);
+    for dtype in [DType::BF16, DType::F16] {
+        for (ta, tb) in [(false, true), (false, false), (true, false), (true, true)] {
+            let mm = MatMul {
+                m: 203,
+                n: 77,
+                k: 45,
+                batch: 1,
+                a_transposed: ta,
+                b_transposed: tb,
+                a_batched: false,
+                b_batched: false,
+                dtype,
+            };
+            let a: Vec<f32> = (0..mm.m * mm.k)
+                .map(|_| stored(rng.normal_ish(), Elem::Float, dtype))
+                .collect();
+            let b: Vec<f32> = (0..mm.k * mm.n)
+                .map(|_| stored(rng.normal_ish(), Elem::Float, dtype))
+                .collect();
+            let da = dev.upload_f32(&a, dtype).unwrap();
+            let db = dev.upload_f32(&b, dtype).unwrap();
+            let dc = dev.alloc(mm.m * mm.n * 2).unwrap();
+            blas.matmul_staged(&dev, &mm, &da, &db, &dc, 40 << 10)
+                .unwrap();
+            let got = dev.download_f32(&dc, mm.m * mm.n, dtype).unwrap();
+            let want = matmul_cpu(&mm, &a, &b);
+            for (x, y) in got.iter().zip(&want) {
+                assert!(
+                    (x - y).abs() <= 1e-2 * (1.0 + y.abs()),
+                    "{mm:?}: {x} vs {y}"
+                );
             }
         }
     }

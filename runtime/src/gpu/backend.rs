@@ -422,7 +422,7 @@ impl Backend for CudaBackend {
 
     fn matmul(&mut self, mm: &MatMul, a: &Self::Buf, b: &Self::Buf, c: &Self::Buf) -> Result<()> {
         let t0 = self.begin()?;
-        self.blas.matmul(mm, a, b, c)?;
+        self.blas.matmul(&self.dev, mm, a, b, c)?;
         self.end(t0, || {
             format!(
                 "matmul {}x{}x{}{}{}{}",

@@ -350,6 +350,61 @@ impl GpuDevice {
         .map_err(|e| driver("copy on device", e))
     }
 
+    /// Queue a device-to-device copy of `height` rows of `width` bytes: row
+    /// `r` from `src` at byte `from + r·src_pitch` to `dst` at byte `to +
+    /// r·dst_pitch` (a block of a row-major matrix into another's).
+    #[allow(clippy::too_many_arguments)]
+    pub fn copy_2d(
+        &self,
+        src: &DeviceBuffer,
+        (from, src_pitch): (usize, usize),
+        dst: &DeviceBuffer,
+        (to, dst_pitch): (usize, usize),
+        width: usize,
+        height: usize,
+    ) -> GpuResult<()> {
+        if height == 0 || width == 0 {
+            return Ok(());
+        }
+        let end = |at: usize, pitch: usize| at + (height - 1) * pitch + width;
+        if width > src_pitch
+            || width > dst_pitch
+            || end(from, src_pitch) > src.bytes()
+            || end(to, dst_pitch) > dst.bytes()
+        {
+            return Err(GpuError::Invalid(format!(
+                "copying {height} rows of {width} bytes from {from} (pitch {src_pitch}) of {} \
+                 to {to} (pitch {dst_pitch}) of {}",
+                src.bytes(),
+                dst.bytes()
+            )));
+        }
+        use cudarc::driver::sys::{CUmemorytype, CUDA_MEMCPY2D};
+        let copy = CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcHost: std::ptr::null(),
+            srcDevice: src.device_ptr() + from as u64,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: src_pitch,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: dst.device_ptr() + to as u64,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: dst_pitch,
+            WidthInBytes: width,
+            Height: height,
+        };
+        // SAFETY: every row read and written lies inside its buffer (checked
+        // above); both are used on this device's stream only.
+        unsafe { cudarc::driver::sys::cuMemcpy2DAsync_v2(&copy, self.stream.cu_stream()) }
+            .result()
+            .map_err(|e| driver("2-D copy on device", e))
+    }
+
     /// Copy raw bytes to a new device buffer.
     pub fn upload_bytes(&self, data: &[u8]) -> GpuResult<DeviceBuffer> {
         self.crossings
