@@ -369,10 +369,10 @@ fn cublas_matmul_matches_cpu() {
     }
 }
 
-/// Matmuls whose rows are no multiple of 8 elements, through the aligned
-/// scratch a large one takes (forced here at a small size and a small
-/// scratch, so blocks are ragged): every transposition, B copied whole
-/// where its rows are unaligned, against the CPU.
+/// A matmul whose transposed A has rows of no multiple of 8 elements,
+/// through the aligned scratch a large one takes (forced here at a small
+/// size and a small scratch, so the last block is ragged), B either way,
+/// against the CPU.
 #[test]
 fn an_unaligned_matmul_through_aligned_scratch_matches_cpu() {
     let Some(dev) = gpu_or_skip("an_unaligned_matmul_through_aligned_scratch_matches_cpu") else {
@@ -381,13 +381,13 @@ fn an_unaligned_matmul_through_aligned_scratch_matches_cpu() {
     let blas = Blas::new(&dev).expect("cuBLAS");
     let mut rng = Rng(5);
     for dtype in [DType::BF16, DType::F16] {
-        for (ta, tb) in [(false, true), (false, false), (true, false), (true, true)] {
+        for tb in [false, true] {
             let mm = MatMul {
                 m: 203,
-                n: 77,
-                k: 45,
+                n: 80,
+                k: 48,
                 batch: 1,
-                a_transposed: ta,
+                a_transposed: true,
                 b_transposed: tb,
                 a_batched: false,
                 b_batched: false,
@@ -402,7 +402,8 @@ fn an_unaligned_matmul_through_aligned_scratch_matches_cpu() {
             let da = dev.upload_f32(&a, dtype).unwrap();
             let db = dev.upload_f32(&b, dtype).unwrap();
             let dc = dev.alloc(mm.m * mm.n * 2).unwrap();
-            blas.matmul_staged(&dev, &mm, &da, &db, &dc, 40 << 10)
+            // 64 rows a block: 203 = 3 · 64 + 11.
+            blas.matmul_staged(&dev, &mm, &da, &db, &dc, 64 * 48 * 2)
                 .unwrap();
             let got = dev.download_f32(&dc, mm.m * mm.n, dtype).unwrap();
             let want = matmul_cpu(&mm, &a, &b);
