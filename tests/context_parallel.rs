@@ -134,9 +134,13 @@ fn splits(compute: Compute) -> Vec<(&'static str, RunConfig)> {
 fn check(compute: Compute) {
     for &(src, model) in ZOO {
         let base = run(src, model, &serial(), Opt::Sgd);
+        // The comparison is not vacuous: every step has a gradient to
+        // apply. (Not "the loss falls": with dropout drawn anew each step,
+        // five SGD steps move T5's loss, at chance, ln 64, by less than the
+        // draws' noise.)
         assert!(
-            base.steps[4].loss < base.steps[0].loss,
-            "{model}: loss falls: {:?}",
+            base.steps.iter().all(|s| s.grad_norm > 1e-2),
+            "{model}: every step has a gradient: {:?}",
             base.steps
         );
         for (name, cfg) in splits(compute) {
