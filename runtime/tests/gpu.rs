@@ -369,10 +369,10 @@ fn cublas_matmul_matches_cpu() {
     }
 }
 
-/// A matmul whose transposed A has rows of no multiple of 8 elements,
-/// through the aligned scratch a large one takes (forced here at a small
-/// size and a small scratch, so the last block is ragged), B either way,
-/// against the CPU.
+/// Matmuls whose every dimension is no multiple of 8, in every
+/// transposition, through the padded, aligned scratch a large one takes
+/// (forced here at a small size, with scratch for 64 rows, so the blocks
+/// are ragged): zero padding of n and k, B copied whole, against the CPU.
 #[test]
 fn an_unaligned_matmul_through_aligned_scratch_matches_cpu() {
     let Some(dev) = gpu_or_skip("an_unaligned_matmul_through_aligned_scratch_matches_cpu") else {
@@ -381,13 +381,13 @@ fn an_unaligned_matmul_through_aligned_scratch_matches_cpu() {
     let blas = Blas::new(&dev).expect("cuBLAS");
     let mut rng = Rng(5);
     for dtype in [DType::BF16, DType::F16] {
-        for tb in [false, true] {
+        for (ta, tb) in [(false, true), (false, false), (true, false), (true, true)] {
             let mm = MatMul {
                 m: 203,
-                n: 80,
-                k: 48,
+                n: 77,
+                k: 45,
                 batch: 1,
-                a_transposed: true,
+                a_transposed: ta,
                 b_transposed: tb,
                 a_batched: false,
                 b_batched: false,
@@ -402,8 +402,8 @@ fn an_unaligned_matmul_through_aligned_scratch_matches_cpu() {
             let da = dev.upload_f32(&a, dtype).unwrap();
             let db = dev.upload_f32(&b, dtype).unwrap();
             let dc = dev.alloc(mm.m * mm.n * 2).unwrap();
-            // 64 rows a block: 203 = 3 · 64 + 11.
-            blas.matmul_staged(&dev, &mm, &da, &db, &dc, 64 * 48 * 2)
+            // 64 rows a block (A's 48 and C's 80 padded elements a row): 203 = 3 · 64 + 11.
+            blas.matmul_staged(&dev, &mm, &da, &db, &dc, 64 * 2 * (48 + 80))
                 .unwrap();
             let got = dev.download_f32(&dc, mm.m * mm.n, dtype).unwrap();
             let want = matmul_cpu(&mm, &a, &b);

@@ -2,18 +2,13 @@
 //! f16 storage with f32 accumulation, the form the fusion plan's `MatMul`
 //! steps take (an operand may be transposed, or shared across the batch).
 //!
-//! A large 16-bit matmul whose only unaligned dimension is C's rows (`m`)
-//! and whose A is stored transposed — A's rows, of `m` elements, then do
-//! not start on 16-byte boundaries (gpt2's embedding gradient, `dLogitsᵀ ·
-//! X`, with its vocabulary of 50,257) — runs in blocks of C's rows, each
-//! block's columns of A copied into aligned scratch ([`staging`]): on an
-//! H200 that ran at 2.2× the single call's speed. Unaligned `n` or `k`
-//! are not helped by aligned rows alone (measured: the logits and their
-//! input gradient ran 13–31% slower staged, every block's GEMM still had
-//! the odd dimension); they would need the dimension padded with zeros.
+//! A large 16-bit matmul with a dimension that is no multiple of 8 (gpt2's
+//! vocabulary of 50,257) runs as [`super::staging`] plans it: padded with
+//! zeros into aligned scratch, in blocks of C's rows.
 
 use super::device::{DeviceBuffer, GpuDevice};
 use super::error::{blas, GpuError, GpuResult};
+use super::staging::{staging, At, Buf, Staged, Step, SCRATCH_BYTES, STAGE_ABOVE};
 pub use crate::fused::{matmul_cpu, MatMul};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::CudaBlas;
@@ -100,7 +95,7 @@ impl Blas {
         let stride = |on: bool, n: usize| if on { n as i64 } else { 0 };
         self.gemm(
             mm,
-            mm.m,
+            (mm.m, mm.n, mm.k),
             Operand {
                 ptr: a.device_ptr(),
                 ld: lda,
@@ -119,42 +114,79 @@ impl Blas {
         )
     }
 
-    /// The matmul in blocks of `plan.rows` rows of C, each block's columns
-    /// of the transposed A copied into aligned scratch first.
+    /// The staged plan's copies and GEMMs, its scratch zeroed first (the
+    /// padding the copies leave untouched must read as zeros).
     fn staged(
         &self,
         dev: &GpuDevice,
         mm: &MatMul,
-        plan: &Staging,
+        plan: &Staged,
         a: &DeviceBuffer,
         b: &DeviceBuffer,
         c: &DeviceBuffer,
     ) -> GpuResult<()> {
         let w = mm.dtype.size_bytes() as usize;
-        let (m, n, k) = (mm.m, mm.n, mm.k);
-        let scratch = dev.alloc(k * aligned(plan.rows) * w)?;
-        let ldb = if mm.b_transposed { k } else { n };
-        for m0 in (0..m).step_by(plan.rows) {
-            let rows = plan.rows.min(m - m0);
-            // op(A)'s rows [m0, m0 + rows) are columns of the stored k×m.
-            let lda = aligned(rows);
-            dev.copy_2d(a, (m0 * w, m * w), &scratch, (0, lda * w), rows * w, k)?;
-            let one = |ptr: u64, ld: usize| Operand { ptr, ld, stride: 0 };
-            self.gemm(
-                mm,
-                rows,
-                one(scratch.device_ptr(), lda),
-                one(b.device_ptr(), ldb),
-                one(c.device_ptr() + (m0 * n * w) as u64, n),
-            )?;
+        let scratch: Vec<Option<DeviceBuffer>> = plan
+            .scratch
+            .iter()
+            .map(|&n| (n > 0).then(|| dev.zeros(n * w)).transpose())
+            .collect::<GpuResult<_>>()?;
+        let buf = |x: Buf| -> GpuResult<&DeviceBuffer> {
+            let s = |i: usize| {
+                scratch[i]
+                    .as_ref()
+                    .ok_or_else(|| GpuError::Invalid(format!("matmul {mm:?}: no scratch {x:?}")))
+            };
+            match x {
+                Buf::A => Ok(a),
+                Buf::B => Ok(b),
+                Buf::C => Ok(c),
+                Buf::ScratchA => s(0),
+                Buf::ScratchB => s(1),
+                Buf::ScratchC => s(2),
+            }
+        };
+        let operand = |at: At| -> GpuResult<Operand> {
+            Ok(Operand {
+                ptr: buf(at.buf)?.device_ptr() + (at.offset * w) as u64,
+                ld: at.ld,
+                stride: 0,
+            })
+        };
+        for step in &plan.steps {
+            match *step {
+                Step::Copy {
+                    src,
+                    dst,
+                    width,
+                    height,
+                } => dev.copy_2d(
+                    buf(src.buf)?,
+                    (src.offset * w, src.ld * w),
+                    buf(dst.buf)?,
+                    (dst.offset * w, dst.ld * w),
+                    width * w,
+                    height,
+                )?,
+                Step::Gemm { m, n, k, a, b, c } => {
+                    self.gemm(mm, (m, n, k), operand(a)?, operand(b)?, operand(c)?)?
+                }
+            }
         }
         Ok(())
     }
 
-    /// One cuBLAS call: `m` rows of `C = op(A)·op(B)` for `mm`'s `n`, `k`,
-    /// batch and transpositions, each operand at its address and leading
+    /// One cuBLAS call: `C = op(A)·op(B)` of `m × n × k` with `mm`'s batch
+    /// and transpositions, each operand at its address and leading
     /// dimension.
-    fn gemm(&self, mm: &MatMul, m: usize, a: Operand, b: Operand, c: Operand) -> GpuResult<()> {
+    fn gemm(
+        &self,
+        mm: &MatMul,
+        (m, n, k): (usize, usize, usize),
+        a: Operand,
+        b: Operand,
+        c: Operand,
+    ) -> GpuResult<()> {
         let dt = data_type(mm.dtype)?;
         // Row-major C = A·B is column-major Cᵀ = Bᵀ·Aᵀ: swap the operands. A
         // row-major buffer read column-major is its transpose, so an operand
@@ -177,9 +209,9 @@ impl Blas {
                 *self.handle.handle(),
                 op(mm.b_transposed),
                 op(mm.a_transposed),
-                int(mm.n, "n")?,
+                int(n, "n")?,
                 int(m, "m")?,
-                int(mm.k, "k")?,
+                int(k, "k")?,
                 (&alpha) as *const f32 as *const c_void,
                 b.ptr as *const c_void,
                 dt,
@@ -230,94 +262,4 @@ fn check_sizes(mm: &MatMul, a: &DeviceBuffer, b: &DeviceBuffer, c: &DeviceBuffer
         }
     }
     Ok(())
-}
-
-/// Elements a row must be a multiple of for cuBLAS's aligned kernels (16
-/// bytes of 16-bit elements).
-const ALIGN: usize = 8;
-
-/// `x` rounded up to [`ALIGN`].
-fn aligned(x: usize) -> usize {
-    x.div_ceil(ALIGN) * ALIGN
-}
-
-/// Multiply-adds below which an unaligned matmul runs as it is (the
-/// copies and extra calls would cost more than the unaligned kernels lose).
-const STAGE_ABOVE: usize = 1 << 30;
-
-/// The most scratch a staged matmul holds for its blocks: the device
-/// allocator's peak grows by at most this much.
-const SCRATCH_BYTES: usize = 64 << 20;
-
-/// How a 16-bit matmul with a transposed A of unaligned rows runs aligned:
-/// in blocks of `rows` rows of C (a multiple of 64 but the last), each
-/// block's columns of A through scratch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Staging {
-    pub rows: usize,
-}
-
-/// The staging of `mm` with at most `scratch_bytes` of scratch, or `None`
-/// where it runs as one call: 32-bit storage (cuBLAS aligns those
-/// itself), batched, fewer than `min_madds` multiply-adds, an A stored
-/// untransposed or with aligned rows (nothing to stage), or an unaligned
-/// `n` or `k` (every block's GEMM would keep it: see the module header).
-pub fn staging(mm: &MatMul, min_madds: usize, scratch_bytes: usize) -> Option<Staging> {
-    let w = mm.dtype.size_bytes() as usize;
-    let (m, n, k) = (mm.m, mm.n, mm.k);
-    let unaligned = |x: usize| !x.is_multiple_of(ALIGN);
-    if w != 2
-        || mm.batch != 1
-        || !mm.a_transposed
-        || !unaligned(m)
-        || unaligned(n)
-        || unaligned(k)
-        || m * n * k < min_madds
-    {
-        return None;
-    }
-    let rows = scratch_bytes / (k * w).max(1) / 64 * 64;
-    (rows > 0).then(|| Staging { rows: rows.min(m) })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn mm(m: usize, n: usize, k: usize, a_transposed: bool, b_transposed: bool) -> MatMul {
-        MatMul {
-            m,
-            n,
-            k,
-            batch: 1,
-            a_transposed,
-            b_transposed,
-            a_batched: false,
-            b_batched: false,
-            dtype: DType::BF16,
-        }
-    }
-
-    /// gpt2's embedding gradient at 32 × 1024 tokens (`dLogitsᵀ · X`: A
-    /// stored 32768 × 50257) is staged in blocks within the scratch; its
-    /// logits and their input gradient (an unaligned `n` or `k`), aligned,
-    /// small, 32-bit and batched matmuls run as one call.
-    #[test]
-    fn an_unaligned_transposed_a_is_staged_in_blocks() {
-        let plan = |x: &MatMul| staging(x, STAGE_ABOVE, SCRATCH_BYTES);
-        let de = plan(&mm(50257, 768, 32768, true, false)).unwrap();
-        assert!(de.rows >= 64 && de.rows % 64 == 0, "{de:?}");
-        assert!(aligned(de.rows) * 32768 * 2 <= SCRATCH_BYTES);
-        assert_eq!(plan(&mm(50257, 768, 32768, true, true)), Some(de));
-        assert_eq!(plan(&mm(32768, 50257, 768, false, true)), None);
-        assert_eq!(plan(&mm(32768, 768, 50257, false, false)), None);
-        assert_eq!(plan(&mm(3072, 768, 32768, true, false)), None);
-        assert_eq!(plan(&mm(50257, 768, 16, true, false)), None);
-        let mut f32_de = mm(50257, 768, 32768, true, false);
-        f32_de.dtype = DType::F32;
-        assert_eq!(plan(&f32_de), None);
-        let mut batched = mm(50257, 768, 32768, true, false);
-        batched.batch = 2;
-        assert_eq!(plan(&batched), None);
-    }
 }

@@ -15,6 +15,7 @@ mod launch_env;
 mod links;
 mod open;
 mod rendezvous;
+mod staging;
 
 pub use alloc::{size_class, Allocation, CachingAllocator, MemoryStats, RawMemory};
 pub use backend::CudaBackend;
