@@ -20,7 +20,8 @@
 #      the plan's predicted step, the allocator's measured peak
 #      against the plan's predicted peak memory;
 #      and profiles a gpt2 step (DPLC_PROFILE=1: every call waited for and
-#      timed, one row per kernel, matmul shape and memory operation);
+#      timed, one row per kernel, matmul shape and memory operation), and
+#      the tp=2 step of two ranks sharing the GPU;
 #   5. with --torch, PyTorch eager and torch.compile on a GPT-2-small layer
 #      forward+backward, and on the whole gpt2 training step of (4) with the
 #      same micro-batch, micro-batch count and sequence
@@ -195,6 +196,9 @@ echo "$TRAIN_LINES" >&2
 # --- 4b. where a gpt2 step's time goes: every call waited for and timed
 if wanted profile; then
     part "profile gpt2" 180 bash -c "DPLC_PROFILE=1 '$DPLC' run models/gpt2.dpl --model gpt2 --global-batch 32 --steps 3 --cluster 1xH100 --json --trace '$LOG_DIR/gpt2-trace.json' > '$LOG_DIR/profile.jsonl' 2> '$LOG_DIR/profile.err'"
+    # Two ranks sharing the GPU: one table per rank and backend (where
+    # host-staged collectives spend a tp=2 step).
+    part "profile gpt2 tp2" 120 bash -c "DPLC_PROFILE=1 '$DPLC' run models/gpt2.dpl --model gpt2 --global-batch 8 --steps 2 --cluster 2xH100 --gpus 1 --strategy tp=2 --json > '$LOG_DIR/profile-tp2.jsonl' 2> '$LOG_DIR/profile-tp2.err'"
 fi
 
 # --- 5. PyTorch
@@ -260,6 +264,12 @@ fi
         echo "Where a gpt2 step's time goes (\`DPLC_PROFILE=1 dplc run models/gpt2.dpl --global-batch 32 --steps 3\`, every call waited for; one table per backend: the compute's, then the training state's):"
         echo '```'
         grep -A 44 '^DPLC_PROFILE' "$LOG_DIR/profile.err" || true
+        echo '```'
+    fi
+    if grep -q '^DPLC_PROFILE' "$LOG_DIR/profile-tp2.err" 2>/dev/null; then
+        echo "Two ranks sharing the GPU (\`DPLC_PROFILE=1 dplc run models/gpt2.dpl --global-batch 8 --steps 2 --cluster 2xH100 --gpus 1 --strategy tp=2\`; a table per rank and backend, the 16 costliest rows each):"
+        echo '```'
+        grep -A 18 '^DPLC_PROFILE' "$LOG_DIR/profile-tp2.err" || true
         echo '```'
     fi
     echo "Training (\`dplc run … --json\`):"
