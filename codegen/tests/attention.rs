@@ -499,14 +499,6 @@ fn placed_args(
     syms: &HashMap<String, i64>,
     at: Place,
 ) -> Args {
-    let numel = |t: dplc_ir::TensorId| -> usize {
-        g.tensor(t)
-            .shape
-            .dims()
-            .iter()
-            .map(|d| dim(d, syms, g))
-            .product()
-    };
     // The executor's binding, at layer 3 of a micro-batch starting at sample 5.
     let key = dplc_codegen::KeyPlace {
         layer: 3,
@@ -517,8 +509,7 @@ fn placed_args(
         tp_rank: at.part,
         tp: at.tp,
     };
-    let mut sizes: Vec<i64> = sizes.iter().map(|d| dim(d, syms, g) as i64).collect();
-    key.bind_keys(&mut sizes, key_sizes, numel);
+    let sizes = common::launch_sizes(g, sizes, key_sizes, syms, &key);
     Args {
         sizes,
         scalars: vec![],

@@ -56,11 +56,7 @@ impl Blas {
         b: &DeviceBuffer,
         c: &DeviceBuffer,
     ) -> GpuResult<()> {
-        check_sizes(mm, a, b, c)?;
-        match staging(mm, STAGE_ABOVE, SCRATCH_BYTES) {
-            Some(plan) => self.staged(dev, mm, &plan, a, b, c),
-            None => self.direct(mm, a, b, c),
-        }
+        self.run(dev, mm, [a, b, c], STAGE_ABOVE, SCRATCH_BYTES)
     }
 
     /// [`Blas::matmul`] through aligned scratch of at most `scratch_bytes`
@@ -75,8 +71,21 @@ impl Blas {
         c: &DeviceBuffer,
         scratch_bytes: usize,
     ) -> GpuResult<()> {
+        self.run(dev, mm, [a, b, c], 0, scratch_bytes)
+    }
+
+    /// The matmul staged as [`staging`] plans it for these bounds, else as
+    /// one call.
+    fn run(
+        &self,
+        dev: &GpuDevice,
+        mm: &MatMul,
+        [a, b, c]: [&DeviceBuffer; 3],
+        min_madds: usize,
+        scratch_bytes: usize,
+    ) -> GpuResult<()> {
         check_sizes(mm, a, b, c)?;
-        match staging(mm, 0, scratch_bytes) {
+        match staging(mm, min_madds, scratch_bytes) {
             Some(plan) => self.staged(dev, mm, &plan, a, b, c),
             None => self.direct(mm, a, b, c),
         }
