@@ -36,6 +36,24 @@ __device__ __forceinline__ void dplc_mma(float* c, const unsigned* a, unsigned b
 __device__ __forceinline__ unsigned dplc_pack(float lo, float hi) {
     unsigned r; asm("cvt.rn.{ty}x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
 }
+// Four 8×8 tiles of 16-bit elements from shared memory, each transposed
+// (sm_75's ldmatrix): lane l gives the address of row l % 8 of tile l / 8,
+// and register i of lane 4g + t holds tile i's rows 2t and 2t + 1 at
+// column g, the lower row in the low half — an `m16n8k16` B fragment of a
+// [k][n] tile in one instruction, where two 16-bit loads built each
+// register.
+__device__ __forceinline__ void dplc_ldsm_x4_t(unsigned* r, const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"((unsigned)__cvta_generic_to_shared(row)));
+}
+// The same, untransposed: register i of lane 4g + t holds tile i's row g
+// at columns 2t and 2t + 1 — the B fragments of `A·Bᵀ` for a [n][k] tile.
+__device__ __forceinline__ void dplc_ldsm_x4(unsigned* r, const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"((unsigned)__cvta_generic_to_shared(row)));
+}
 // A 16-byte copy global → shared that the copying thread waits for later
 // (sm_80's cp.async): the next tile's fetch overlaps this tile's compute.
 __device__ __forceinline__ void dplc_cp_async16(void* smem, const void* gmem) {
@@ -448,59 +466,86 @@ fn row_fragments(
     ]
 }
 
-/// `acc[nb·4 ..] += A·Bᵀ` for `nb` in `0..tiles`: A the fragments `frag`
+/// `acc[nb·4 ..] = A·Bᵀ` for `nb` in `0..tiles`: A the fragments `frag`
 /// over `width / 16` steps, B's column `nb·8 + g` the row of the shared
-/// tile `tile` (rows `stride` apart) — two consecutive features of one row
-/// per register, as [`forward_mma`]'s `S = Q·Kᵀ`.
+/// tile `tile` (rows `stride` apart, a multiple of 8; the tile 16-byte
+/// aligned) — two consecutive features of one row per register, loaded by
+/// `ldmatrix` — as [`forward_mma`]'s `S = Q·Kᵀ`.
 fn mma_rows(acc: &str, frag: &str, tile: &str, stride: i64, width: i64, tiles: i64) -> S {
-    let word = |dofs: i64| {
-        at(
-            C::Cast(
-                "const unsigned*",
-                Box::new(C::Ref(Box::new(ix(
-                    tile,
-                    bin(
-                        "+",
-                        bin(
-                            "*",
-                            bin("+", bin("*", id("nb"), ll(8)), id("g")),
-                            ll(stride),
-                        ),
-                        bin(
-                            "+",
-                            bin("+", bin("*", id("ks"), ll(16)), ll(dofs)),
-                            bin("*", id("tq"), ll(2)),
-                        ),
-                    ),
-                )))),
-            ),
-            ll(0),
+    // Key tiles are 16, 32, 48 or 64 rows: whole pairs of 8-key blocks.
+    assert!(
+        tiles % 2 == 0,
+        "{tiles} key blocks: a tile is whole 16-row steps"
+    );
+    let mma = |nb: C, b0: C, b1: C| {
+        S::Expr(call(
+            "dplc_mma",
+            vec![
+                C::Ref(Box::new(ix(acc, bin("*", nb, ll(4))))),
+                C::Ref(Box::new(ix(frag, bin("*", id("ks"), ll(4))))),
+                b0,
+                b1,
+            ],
+        ))
+    };
+    let zeroed = |nb: C| {
+        unrolled(
+            "x",
+            4,
+            vec![set(ix(acc, bin("+", bin("*", nb, ll(4)), id("x"))), zero())],
         )
     };
-    unrolled(
-        "nb",
-        tiles,
-        vec![
-            unrolled(
-                "x",
-                4,
-                vec![set(
-                    ix(acc, bin("+", bin("*", id("nb"), ll(4)), id("x"))),
-                    zero(),
-                )],
+    // Two key blocks a `ldmatrix.x4`: lane 4g + t points at key 8·(2·nb2 +
+    // g / 4) + (4g + t) % 8, features 16·ks + 8·((g / 2) % 2), so its tiles
+    // are features 0–7 and 8–15 of block 2·nb2, then of block 2·nb2 + 1
+    // (registers b0, b1 of the first `mma`, then of the second).
+    let row_addr = ix(
+        tile,
+        bin(
+            "+",
+            bin(
+                "*",
+                bin(
+                    "+",
+                    bin(
+                        "*",
+                        bin("+", bin("*", id("nb2"), ll(2)), bin("/", id("g"), ll(4))),
+                        ll(8),
+                    ),
+                    bin("+", bin("*", bin("%", id("g"), ll(2)), ll(4)), id("tq")),
+                ),
+                ll(stride),
             ),
+            bin(
+                "+",
+                bin("*", id("ks"), ll(16)),
+                bin("*", bin("%", bin("/", id("g"), ll(2)), ll(2)), ll(8)),
+            ),
+        ),
+    );
+    let kb = |i: i64| ix("kb", ll(i));
+    let (first, second) = (
+        bin("*", id("nb2"), ll(2)),
+        bin("+", bin("*", id("nb2"), ll(2)), ll(1)),
+    );
+    unrolled(
+        "nb2",
+        tiles / 2,
+        vec![
+            zeroed(first.clone()),
+            zeroed(second.clone()),
             unrolled(
                 "ks",
                 width / 16,
-                vec![S::Expr(call(
-                    "dplc_mma",
-                    vec![
-                        C::Ref(Box::new(ix(acc, bin("*", id("nb"), ll(4))))),
-                        C::Ref(Box::new(ix(frag, bin("*", id("ks"), ll(4))))),
-                        word(0),
-                        word(8),
-                    ],
-                ))],
+                vec![
+                    array("unsigned", "kb", 4),
+                    S::Expr(call(
+                        "dplc_ldsm_x4",
+                        vec![id("kb"), C::Ref(Box::new(row_addr))],
+                    )),
+                    mma(first, kb(0), kb(1)),
+                    mma(second, kb(2), kb(3)),
+                ],
             ),
         ],
     )
@@ -550,19 +595,60 @@ fn mma_cols(out: &str, scores: &str, tile: &str, stride: i64, keys: i64, width: 
         set(ix("pf", ll(2)), call("dplc_pack", vec![p(1, 0), p(1, 1)])),
         set(ix("pf", ll(3)), call("dplc_pack", vec![p(1, 2), p(1, 3)])),
     ];
-    step.push(unrolled(
-        "nb",
-        width / 8,
-        vec![S::Expr(call(
+    // Two column blocks of T a `ldmatrix.x4.trans`: lane 4g + t points at
+    // key 16·kk + (4g + t) % 16 of block 2·nb2 + g / 4, so its tiles are
+    // keys 0–7 and 8–15 of block 2·nb2, then of block 2·nb2 + 1 (registers
+    // b0, b1 of the first `mma`, then of the second). Rows are 16-byte
+    // aligned: `stride` is a multiple of 8 and the tile 16-byte aligned.
+    let lane_row = bin("+", bin("*", bin("%", id("g"), ll(4)), ll(4)), id("tq"));
+    let row_addr = ix(
+        tile,
+        bin(
+            "+",
+            bin(
+                "*",
+                bin("+", bin("*", id("kk"), ll(16)), lane_row),
+                ll(stride),
+            ),
+            bin(
+                "*",
+                bin("+", bin("*", id("nb2"), ll(2)), bin("/", id("g"), ll(4))),
+                ll(8),
+            ),
+        ),
+    );
+    let mma = |nb: C, b0: C, b1: C| {
+        S::Expr(call(
             "dplc_mma",
             vec![
-                C::Ref(Box::new(ix(out, bin("*", id("nb"), ll(4))))),
+                C::Ref(Box::new(ix(out, bin("*", nb, ll(4))))),
                 id("pf"),
-                bits(0),
-                bits(8),
+                b0,
+                b1,
             ],
-        ))],
+        ))
+    };
+    let tb = |i: i64| ix("tb", ll(i));
+    step.push(unrolled(
+        "nb2",
+        width / 16,
+        vec![
+            array("unsigned", "tb", 4),
+            S::Expr(call(
+                "dplc_ldsm_x4_t",
+                vec![id("tb"), C::Ref(Box::new(row_addr))],
+            )),
+            mma(bin("*", id("nb2"), ll(2)), tb(0), tb(1)),
+            mma(bin("+", bin("*", id("nb2"), ll(2)), ll(1)), tb(2), tb(3)),
+        ],
     ));
+    // An odd last column block (a value width of 8 · odd): two 16-bit loads a register.
+    if width % 16 != 0 {
+        step.push(S::Block(vec![
+            decl("long long", "nb", ll(width / 8 - 1)),
+            mma(id("nb"), bits(0), bits(8)),
+        ]));
+    }
     unrolled("kk", keys / 16, step)
 }
 
