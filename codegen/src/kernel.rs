@@ -341,11 +341,11 @@ pub enum Expr {
     },
 }
 
-/// The key of a dropout draw besides the element: the CPU reference hashes
-/// (seed, step, node, layer, sample, position) (`runtime/src/rng.rs`), and a
-/// kernel gets the state after seed and step as its `seed` argument, the
-/// node here and the rest as size arguments, so one kernel serves every
-/// layer and micro-batch.
+/// The key of a dropout draw besides the element: a draw hashes (seed, step,
+/// node, layer, sample, position) ([`dropout_draw`], which the CPU reference
+/// calls too), and a kernel gets the state after seed and step as its
+/// `seed` argument, the node here and the rest as size arguments, so one
+/// kernel serves every layer and micro-batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct DrawKey {
     /// The dropout node's index in the graph.
@@ -556,7 +556,8 @@ impl Builder {
     }
 }
 
-/// The dropout key's starting state (`runtime/src/rng.rs`: π's fraction).
+/// The dropout key's starting state (π's fraction, as `runtime/src/rng.rs`'s
+/// hash of key words starts: [`draw_seed`] is that hash of seed and step).
 const KEY_START: u64 = 0x243F_6A88_85A3_08D3;
 
 /// SplitMix64's finaliser: the mixing function of the dropout key.
