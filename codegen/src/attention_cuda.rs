@@ -292,9 +292,24 @@ impl Ctx<'_> {
     /// 1)` into `into[at]` and `into[at + 1]` (nothing without dropout):
     /// where their positions are one pair's (`j` even in a row of even
     /// length, the usual case) one mix draws both (`dplc_sample_draw2`).
+    /// Neighbouring keys are neighbouring positions wherever the draw's
+    /// index steps by one with the key (every placement dplc makes: a
+    /// rank's keys are the whole sequence's); elsewhere each draws alone.
     fn keep_pair(&self, b: &C, h: &C, i: &C, j: &C, into: &str, at: C) -> Vec<S> {
-        let (Some(d), Some((state, pos))) = (self.k.dropout.as_ref(), self.draw_at(b, h, i, j))
-        else {
+        let Some(d) = self.k.dropout.as_ref() else {
+            return Vec::new();
+        };
+        let next = bin("+", j.clone(), ll(1));
+        if !self.keys_neighbour() {
+            let (Some(k0), Some(k1)) = (self.keep(b, h, i, j), self.keep(b, h, i, &next)) else {
+                return Vec::new();
+            };
+            return vec![
+                set(ix(into, at.clone()), k0),
+                set(ix(into, bin("+", at, ll(1))), k1),
+            ];
+        }
+        let Some((state, pos)) = self.draw_at(b, h, i, j) else {
             return Vec::new();
         };
         let u = |n: i64| ix("dplc_u", ll(n));
@@ -303,6 +318,68 @@ impl Ctx<'_> {
             S::Expr(call("dplc_sample_draw2", vec![state, pos, u(0), u(1)])),
             set(ix(into, at.clone()), self.factor(u(0), d.p)),
             set(ix(into, bin("+", at, ll(1))), self.factor(u(1), d.p)),
+        ])]
+    }
+
+    /// Whether the dropout's index steps by one with the key (`j`), so
+    /// neighbouring keys draw at neighbouring positions.
+    fn keys_neighbour(&self) -> bool {
+        self.k
+            .dropout
+            .as_ref()
+            .is_some_and(|d| d.index.contiguous_in(&Idx::Var(3)).is_some())
+    }
+
+    /// The dK/dV pass's dropout factors (nothing without dropout): its
+    /// thread holds keys `row[0]`, `row[1]` (of the lane's parity, `g % 2`)
+    /// at queries `q` and `q + 1`, so a key pair's draws are split between
+    /// it and lane `lane ^ 4` (the other key of each pair, the same
+    /// queries). Each lane draws the pairs of one query — `q + g % 2` — for
+    /// both its keys, one mix a pair, and the two swap the draws each other
+    /// holds: two mixes and two shuffles for four draws, where each had
+    /// been a mix. Into `into[2y + x]` for key `row[y]`, query `q + x`.
+    /// Where neighbouring keys are not neighbouring positions
+    /// ([`Ctx::keys_neighbour`]) nothing: each element draws alone.
+    fn keep_swapped(&self, b: &C, h: &C, q: &C, into: &str) -> Vec<S> {
+        let Some(d) = self.k.dropout.as_ref().filter(|_| self.keys_neighbour()) else {
+            return Vec::new();
+        };
+        let odd = bin("%", id("g"), ll(2));
+        let mine = bin("+", q.clone(), odd.clone());
+        let key = bin("-", ix("row", id("y")), odd.clone());
+        let Some((state, pos)) = self.draw_at(b, h, &mine, &key) else {
+            return Vec::new();
+        };
+        let u = |n: i64| ix("dplc_u", ll(n));
+        let is_odd = bin("!=", odd, ll(0));
+        let pick = |yes: C, no: C| C::Cond(Box::new(is_odd.clone()), Box::new(yes), Box::new(no));
+        let at = |x: i64| ix(into, bin("+", bin("*", id("y"), ll(2)), ll(x)));
+        vec![S::Block(vec![
+            S::Unroll,
+            loop_over(
+                "y",
+                ll(0),
+                ll(2),
+                ll(1),
+                vec![
+                    array("float", "dplc_u", 2),
+                    S::Expr(call("dplc_sample_draw2", vec![state, pos, u(0), u(1)])),
+                    decl(
+                        "float",
+                        "dplc_theirs",
+                        call(
+                            "__shfl_xor_sync",
+                            vec![
+                                C::Lit("0xffffffffu".into()),
+                                pick(u(0), u(1)),
+                                C::Lit("4".into()),
+                            ],
+                        ),
+                    ),
+                    set(at(0), self.factor(pick(id("dplc_theirs"), u(0)), d.p)),
+                    set(at(1), self.factor(pick(u(1), id("dplc_theirs")), d.p)),
+                ],
+            ),
         ])]
     }
 

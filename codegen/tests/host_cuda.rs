@@ -766,6 +766,8 @@ fn fused_attention_cuda_runs_on_the_cpu_as_the_interpreter_computes() {
         "v: f32[batch, heads, seq, 24]",
     );
     attention_cases(&common::lower_m(&wide), 69, &mut cases);
+    // Under cp 3 at 18 positions a rank's queries are two chunks of 3.
+    attention_cases(&common::placed_attention(&wide, 1, 3), 18, &mut cases);
     assert!(cases.len() >= 7, "{} attentions", cases.len());
     let dir = std::env::temp_dir().join(format!("dplc-host-attention-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -960,32 +960,42 @@ pub(super) fn key_value_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
         bin("*", id("nb"), ll(8)),
         bin("+", bin("*", id("tq"), ll(2)), bin("%", id("x"), ll(2))),
     );
-    let [p, kp] = probability(c, at_x("s"), id("lq"), &b, &h);
-    tile.push(unrolled(
-        "nb",
-        ns,
-        vec![unrolled(
-            "x",
-            4,
-            vec![
-                decl("long long", "kj", ix("row", bin("/", id("x"), ll(2)))),
-                decl("long long", "qc", qcol),
-                decl("long long", "qi", bin("+", id("i0"), id("qc"))),
-                decl("float", "lq", ix("lt", id("qc"))),
-                p.clone(),
-                kp.clone(),
-                set(
-                    at_x("dp"),
-                    bin(
-                        "*",
-                        id("p"),
-                        bin("-", bin("*", at_x("dp"), id("kp")), ix("dt", id("qc"))),
-                    ),
+    let [p, mut kp] = probability(c, at_x("s"), id("lq"), &b, &h);
+    // The dropout's draws, swapped between the lanes that hold a key pair.
+    let first_query = bin(
+        "+",
+        id("i0"),
+        bin("+", bin("*", id("nb"), ll(8)), bin("*", id("tq"), ll(2))),
+    );
+    let swapped = c.keep_swapped(&b, &h, &first_query, "kq");
+    let mut per_nb = Vec::new();
+    if !swapped.is_empty() {
+        per_nb.push(array("float", "kq", 4));
+        per_nb.extend(swapped);
+        kp = decl("float", "kp", ix("kq", id("x")));
+    }
+    per_nb.push(unrolled(
+        "x",
+        4,
+        vec![
+            decl("long long", "kj", ix("row", bin("/", id("x"), ll(2)))),
+            decl("long long", "qc", qcol),
+            decl("long long", "qi", bin("+", id("i0"), id("qc"))),
+            decl("float", "lq", ix("lt", id("qc"))),
+            p.clone(),
+            kp.clone(),
+            set(
+                at_x("dp"),
+                bin(
+                    "*",
+                    id("p"),
+                    bin("-", bin("*", at_x("dp"), id("kp")), ix("dt", id("qc"))),
                 ),
-                set(at_x("s"), bin("*", id("p"), id("kp"))),
-            ],
-        )],
+            ),
+            set(at_x("s"), bin("*", id("p"), id("kp"))),
+        ],
     ));
+    tile.push(unrolled("nb", ns, per_nb));
     tile.push(mma_cols("dv", "s", "ot", ostride, t, vd));
     tile.push(mma_cols("dk", "dp", "qt", qstride, t, hd));
     let heads = loop_over(

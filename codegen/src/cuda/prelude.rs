@@ -44,8 +44,8 @@ __device__ __forceinline__ float dplc_sample_draw(unsigned long long state, unsi
     const unsigned long long field = (pos & 1ULL) ? ((bits >> 8) & 0xffffffULL) : (bits >> 40);
     return (float)field * (1.0f / 16777216.0f);
 }
-// The draws at `pos` and `pos + 1` into `u[0]` and `u[1]`: one mix when
-// they are one pair's (pos even), two otherwise.
+// The draws at `pos` and `pos + 1` into `u0` and `u1`: one mix when they
+// are one pair's (pos even), two otherwise.
 __device__ __forceinline__ void dplc_sample_draw2(unsigned long long state, unsigned long long pos,
                                                   float& u0, float& u1) {
     const unsigned long long bits = dplc_mix(state + (pos >> 1) * 0x9e3779b97f4a7c15ULL);
