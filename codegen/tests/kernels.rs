@@ -152,11 +152,11 @@ fn gpt2_dropout_draws() {
                 src.name, k.key_sizes
             );
             out += &k.kernel.text();
-            for line in src
-                .source
-                .lines()
-                .filter(|l| l.contains("dplc_random(dplc_rng"))
-            {
+            for line in src.source.lines().filter(|l| {
+                l.contains("dplc_random(dplc_rng")
+                    || l.contains("dplc_sample_draw(dplc_ds")
+                    || l.contains("const unsigned long long dplc_ds")
+            }) {
                 out += &format!("cuda: {}\n", line.trim());
             }
         }

@@ -157,12 +157,101 @@ struct Lanes {
     phased: Option<Idx>,
 }
 
+#[derive(Clone, Copy)]
 struct Emit<'k> {
     k: &'k Kernel,
     dtype: DType,
+    /// A row kernel: a draw whose index runs along the row with `j` reads
+    /// its sample's key state and position from the row's preamble
+    /// ([`Emit::row_draws`]) instead of the per-element `dplc_random`.
+    rows: bool,
 }
 
 impl Emit<'_> {
+    /// A row kernel's preamble for each draw whose index runs along the row
+    /// (`base + j`): the row's sample key state `dplc_ds{i}`, the position
+    /// of its first element `dplc_dp{i}`, and whether the whole row lies in
+    /// that sample `dplc_dok{i}`; and `dplc_rows_ok`, all of them, which
+    /// the caller tests once a row (`None` without such a draw): where it
+    /// holds the draws read the preamble, one division a row where each
+    /// element had divided and no branch along the row, so a thread's
+    /// draws overlap; where it does not (a row spanning two samples) each
+    /// element splits its own index (`dplc_random`).
+    fn row_draws(&self, row_len: Size) -> (Vec<S>, Option<C>) {
+        let mut out = Vec::new();
+        let mut oks = Vec::new();
+        for (i, v) in self.k.values.iter().enumerate() {
+            let Expr::Random { key, index: ix } = v else {
+                continue;
+            };
+            let Some(base) = ix.contiguous_in(&Idx::Inner) else {
+                continue;
+            };
+            let n = |what: &str| format!("dplc_{what}{i}");
+            let per = size(key.per_sample);
+            let split = bin(">", id(n("per")), C::Lit("0LL".into()));
+            out.extend([
+                decl("long long", n("per"), per),
+                decl("long long", n("base"), index(&base)),
+                decl(
+                    "long long",
+                    n("q"),
+                    C::Cond(
+                        Box::new(split.clone()),
+                        Box::new(bin("/", id(n("base")), id(n("per")))),
+                        Box::new(C::Lit("0LL".into())),
+                    ),
+                ),
+                decl(
+                    "long long",
+                    n("r"),
+                    bin("-", id(n("base")), bin("*", id(n("q")), id(n("per")))),
+                ),
+                decl(
+                    "bool",
+                    n("dok"),
+                    bin(
+                        "||",
+                        bin("<=", id(n("per")), C::Lit("0LL".into())),
+                        bin("<=", bin("+", id(n("r")), size(row_len)), id(n("per"))),
+                    ),
+                ),
+                decl(
+                    "unsigned long long",
+                    n("ds"),
+                    call(
+                        "dplc_sample_state",
+                        vec![
+                            id("seed"),
+                            C::Lit(format!("{}ULL", key.node)),
+                            size(key.layer),
+                            C::Cond(
+                                Box::new(split),
+                                Box::new(C::Cast(
+                                    "unsigned long long",
+                                    Box::new(bin("+", size(key.first_sample), id(n("q")))),
+                                )),
+                                Box::new(C::Lit("~0ULL".into())),
+                            ),
+                        ],
+                    ),
+                ),
+                decl(
+                    "unsigned long long",
+                    n("dp"),
+                    C::Cast("unsigned long long", Box::new(id(n("r")))),
+                ),
+            ]);
+            oks.push(id(n("dok")));
+        }
+        let all = oks.into_iter().reduce(|a, b| bin("&&", a, b));
+        let ok = all.map(|all| {
+            out.push(decl("bool", "dplc_rows_ok", all));
+            id("dplc_rows_ok")
+        });
+        (out, ok)
+    }
+
     fn value(&self, i: usize, loaded: &dyn Fn(usize) -> Option<C>) -> C {
         let v = |x: crate::kernel::ValueId| vname(x);
         match &self.k.values[i] {
@@ -236,18 +325,35 @@ impl Emit<'_> {
                 };
                 C::Cond(Box::new(c), Box::new(v(*then)), Box::new(v(*otherwise)))
             }
-            Expr::Random { key, index: ix } => call(
-                "dplc_random",
-                vec![
-                    id(draws_memo(i)),
-                    id("seed"),
-                    C::Lit(format!("{}ULL", key.node)),
-                    size(key.layer),
-                    size(key.first_sample),
-                    size(key.per_sample),
-                    index(ix),
-                ],
-            ),
+            Expr::Random { key, index: ix } => {
+                let any = call(
+                    "dplc_random",
+                    vec![
+                        id(draws_memo(i)),
+                        id("seed"),
+                        C::Lit(format!("{}ULL", key.node)),
+                        size(key.layer),
+                        size(key.first_sample),
+                        size(key.per_sample),
+                        index(ix),
+                    ],
+                );
+                if !self.rows || ix.contiguous_in(&Idx::Inner).is_none() {
+                    return any;
+                }
+                // The row's sample and position (the row lies in one sample).
+                call(
+                    "dplc_sample_draw",
+                    vec![
+                        id(format!("dplc_ds{i}")),
+                        bin(
+                            "+",
+                            id(format!("dplc_dp{i}")),
+                            C::Cast("unsigned long long", Box::new(id("j"))),
+                        ),
+                    ],
+                )
+            }
             Expr::UnaryGrad(op, a) => call(&format!("dplc_d_{}", op.name()), vec![v(*a)]),
             Expr::Reduce { .. } => unreachable!("reductions are emitted as block reductions"),
             // A thread past the row's end (the last tile's) adds nothing.
@@ -608,7 +714,11 @@ fn decompose(flat: &str, outer: &[Size], lanes: Option<usize>) -> Vec<S> {
 /// Emit CUDA C for `kernel` with float buffers stored as `dtype`.
 pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
     let name = kernel_name(kernel, dtype);
-    let e = Emit { k: kernel, dtype };
+    let e = Emit {
+        k: kernel,
+        dtype,
+        rows: kernel.space.inner.is_some(),
+    };
     let along = kernel.along_row();
     let mut params = Vec::new();
     for (i, b) in kernel.buffers.iter().enumerate() {

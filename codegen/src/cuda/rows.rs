@@ -117,6 +117,8 @@ pub(super) fn row_kernel(
         ));
     }
     row.extend(decompose("row", outer, None));
+    let (draws, draws_ok) = e.row_draws(inner_size);
+    row.extend(draws);
     if let Some((base, n)) = &phased {
         // Elements before the first aligned one, the vectors after them,
         // and where the tail starts.
@@ -142,117 +144,135 @@ pub(super) fn row_kernel(
             bin("+", id("dplc_head"), bin("*", id("dplc_vectors"), n)),
         ));
     }
-    let mut done = vec![false; kernel.values.len()];
-    let lanes_ref = (lanes > 1).then_some(&l);
-    let j_loop = |deps: &[usize], section: &dyn Fn(Option<&Lanes>) -> Vec<S>| {
-        let scans: Vec<usize> = deps
-            .iter()
-            .copied()
-            .filter(|&i| matches!(kernel.values[i], Expr::Scan { .. }))
-            .collect();
-        if let (false, Some(reverse)) = (scans.is_empty(), scan) {
-            return scan_tiles(&scans, reverse, inner_size, section(None));
-        }
-        let to = match (lanes, inner_size, &phased) {
-            (_, _, Some(_)) => id("dplc_vectors"),
-            (1, s, None) => size(s),
-            (n, Size::Const(c), None) => C::Lit(format!("{}LL", c / n as i64)),
-            _ => unreachable!("lanes need a fixed row"),
-        };
-        let walk = S::For {
-            var: if lanes > 1 { "jv".into() } else { "j".into() },
-            from: in_row.clone(),
-            to,
-            step: row_threads.clone(),
-            body: section(lanes_ref),
-        };
-        // Unrolled, a thread's loads along the row are in flight
-        // together: a load feeding the running reduction otherwise
-        // waits out its latency before the next is issued. Not
-        // where the row draws dropout: four draws at once (64-bit
-        // hashing) cost more than they hide. On the H200 unrolling
-        // took a column sum from 468 to 62 µs and the layernorms
-        // 3–8% faster, and the dropout layernorm backward from 804
-        // to 1,391 µs.
-        let walk = if columns || !kernel.uses_random() {
-            S::Block(vec![S::Line("#pragma unroll 4".into()), walk])
-        } else {
-            walk
-        };
-        if phased.is_none() {
-            return walk;
-        }
-        // The unaligned head and the tail, an element a thread.
-        let one_by_one = |from: C, to: C| S::For {
-            var: "j".into(),
-            from,
-            to,
-            step: row_threads.clone(),
-            body: section(None),
-        };
-        S::Block(vec![
-            one_by_one(in_row.clone(), id("dplc_head")),
-            walk,
-            one_by_one(bin("+", id("dplc_tail"), in_row.clone()), size(inner_size)),
-        ])
-    };
-    let row_values = |upto: usize, done: &mut Vec<bool>, out: &mut Vec<S>| {
-        for i in 0..upto {
-            if !done[i] && !along[i] && !matches!(kernel.values[i], Expr::Reduce { .. }) {
-                done[i] = true;
-                out.push(decl("float", format!("v{i}"), e.value(i, &|_| None)));
+    // The row's work: its reductions and stores. Where its draws read the
+    // row's sample from the preamble, twice: with them, and with each
+    // element splitting its own index should the row span two samples.
+    let body_for = |e: &Emit| -> Vec<S> {
+        let mut row = Vec::new();
+        let mut done = vec![false; kernel.values.len()];
+        let lanes_ref = (lanes > 1).then_some(&l);
+        let j_loop = |deps: &[usize], section: &dyn Fn(Option<&Lanes>) -> Vec<S>| {
+            let scans: Vec<usize> = deps
+                .iter()
+                .copied()
+                .filter(|&i| matches!(kernel.values[i], Expr::Scan { .. }))
+                .collect();
+            if let (false, Some(reverse)) = (scans.is_empty(), scan) {
+                return scan_tiles(&scans, reverse, inner_size, section(None));
             }
+            let to = match (lanes, inner_size, &phased) {
+                (_, _, Some(_)) => id("dplc_vectors"),
+                (1, s, None) => size(s),
+                (n, Size::Const(c), None) => C::Lit(format!("{}LL", c / n as i64)),
+                _ => unreachable!("lanes need a fixed row"),
+            };
+            let walk = S::For {
+                var: if lanes > 1 { "jv".into() } else { "j".into() },
+                from: in_row.clone(),
+                to,
+                step: row_threads.clone(),
+                body: section(lanes_ref),
+            };
+            // Unrolled, a thread's loads along the row are in flight
+            // together: a load feeding the running reduction otherwise
+            // waits out its latency before the next is issued. Not
+            // where the row draws dropout: four draws at once (64-bit
+            // hashing) cost more than they hide. On the H200 unrolling
+            // took a column sum from 468 to 62 µs and the layernorms
+            // 3–8% faster, and the dropout layernorm backward from 804
+            // to 1,391 µs.
+            let walk = if columns || !kernel.uses_random() {
+                S::Block(vec![S::Line("#pragma unroll 4".into()), walk])
+            } else {
+                walk
+            };
+            if phased.is_none() {
+                return walk;
+            }
+            // The unaligned head and the tail, an element a thread.
+            let one_by_one = |from: C, to: C| S::For {
+                var: "j".into(),
+                from,
+                to,
+                step: row_threads.clone(),
+                body: section(None),
+            };
+            S::Block(vec![
+                one_by_one(in_row.clone(), id("dplc_head")),
+                walk,
+                one_by_one(bin("+", id("dplc_tail"), in_row.clone()), size(inner_size)),
+            ])
+        };
+        let row_values = |upto: usize, done: &mut Vec<bool>, out: &mut Vec<S>| {
+            for i in 0..upto {
+                if !done[i] && !along[i] && !matches!(kernel.values[i], Expr::Reduce { .. }) {
+                    done[i] = true;
+                    out.push(decl("float", format!("v{i}"), e.value(i, &|_| None)));
+                }
+            }
+        };
+        for (i, v) in kernel.values.iter().enumerate() {
+            let Expr::Reduce { kind, value } = v else {
+                continue;
+            };
+            row_values(i, &mut done, &mut row);
+            let deps = e.along_deps(&[value.0 as usize], along);
+            let init = match kind {
+                RowReduce::Sum => C::Lit("0.0f".into()),
+                RowReduce::Max => float_lit(f64::NEG_INFINITY),
+            };
+            let mut block = vec![var("float", "acc", Some(init))];
+            block.push(j_loop(&deps, &|l| {
+                e.section(&deps, &[], Some((*kind, value.0 as usize)), l)
+            }));
+            let reduced = match (kind, warp_row, columns) {
+                (RowReduce::Sum, true, _) => call("dplc_warp_sum", vec![id("acc")]),
+                (RowReduce::Max, true, _) => call("dplc_warp_max", vec![id("acc")]),
+                (RowReduce::Sum, _, true) => call("dplc_column_sum", vec![id("acc"), id("red")]),
+                (RowReduce::Max, _, true) => call("dplc_column_max", vec![id("acc"), id("red")]),
+                (RowReduce::Sum, ..) => call("dplc_block_sum", vec![id("acc"), id("red")]),
+                (RowReduce::Max, ..) => call("dplc_block_max", vec![id("acc"), id("red")]),
+            };
+            block.push(S::Assign(id(format!("v{i}")), reduced));
+            row.push(var("float", format!("v{i}"), None));
+            row.push(S::Block(block));
+            done[i] = true;
         }
+        row_values(kernel.values.len(), &mut done, &mut row);
+        let (elem_stores, row_stores): (Vec<&Store>, Vec<&Store>) = kernel
+            .stores
+            .iter()
+            .partition(|s| along[s.value.0 as usize] || s.index.uses_inner());
+        if !elem_stores.is_empty() {
+            let roots: Vec<usize> = elem_stores.iter().map(|s| s.value.0 as usize).collect();
+            let deps = e.along_deps(&roots, along);
+            row.push(j_loop(&deps, &|l| e.section(&deps, &elem_stores, None, l)));
+        }
+        if !row_stores.is_empty() {
+            let stores = e.section(&[], &row_stores, None, None);
+            let first_of_row = if columns {
+                bin(
+                    "&&",
+                    id("dplc_live"),
+                    bin("==", id("dplc_group"), C::Lit("0".into())),
+                )
+            } else {
+                bin("==", in_row.clone(), C::Lit("0".into()))
+            };
+            row.push(S::If(first_of_row, stores));
+        }
+        row
     };
-    for (i, v) in kernel.values.iter().enumerate() {
-        let Expr::Reduce { kind, value } = v else {
-            continue;
-        };
-        row_values(i, &mut done, &mut row);
-        let deps = e.along_deps(&[value.0 as usize], along);
-        let init = match kind {
-            RowReduce::Sum => C::Lit("0.0f".into()),
-            RowReduce::Max => float_lit(f64::NEG_INFINITY),
-        };
-        let mut block = vec![var("float", "acc", Some(init))];
-        block.push(j_loop(&deps, &|l| {
-            e.section(&deps, &[], Some((*kind, value.0 as usize)), l)
-        }));
-        let reduced = match (kind, warp_row, columns) {
-            (RowReduce::Sum, true, _) => call("dplc_warp_sum", vec![id("acc")]),
-            (RowReduce::Max, true, _) => call("dplc_warp_max", vec![id("acc")]),
-            (RowReduce::Sum, _, true) => call("dplc_column_sum", vec![id("acc"), id("red")]),
-            (RowReduce::Max, _, true) => call("dplc_column_max", vec![id("acc"), id("red")]),
-            (RowReduce::Sum, ..) => call("dplc_block_sum", vec![id("acc"), id("red")]),
-            (RowReduce::Max, ..) => call("dplc_block_max", vec![id("acc"), id("red")]),
-        };
-        block.push(S::Assign(id(format!("v{i}")), reduced));
-        row.push(var("float", format!("v{i}"), None));
-        row.push(S::Block(block));
-        done[i] = true;
-    }
-    row_values(kernel.values.len(), &mut done, &mut row);
-    let (elem_stores, row_stores): (Vec<&Store>, Vec<&Store>) = kernel
-        .stores
-        .iter()
-        .partition(|s| along[s.value.0 as usize] || s.index.uses_inner());
-    if !elem_stores.is_empty() {
-        let roots: Vec<usize> = elem_stores.iter().map(|s| s.value.0 as usize).collect();
-        let deps = e.along_deps(&roots, along);
-        row.push(j_loop(&deps, &|l| e.section(&deps, &elem_stores, None, l)));
-    }
-    if !row_stores.is_empty() {
-        let stores = e.section(&[], &row_stores, None, None);
-        let first_of_row = if columns {
-            bin(
-                "&&",
-                id("dplc_live"),
-                bin("==", id("dplc_group"), C::Lit("0".into())),
-            )
-        } else {
-            bin("==", in_row.clone(), C::Lit("0".into()))
-        };
-        row.push(S::If(first_of_row, stores));
+    match draws_ok {
+        Some(ok) => {
+            let plain = Emit { rows: false, ..*e };
+            row.push(S::If(ok.clone(), body_for(e)));
+            row.push(S::If(
+                bin("==", ok, C::Lit("false".into())),
+                body_for(&plain),
+            ));
+        }
+        None => row.extend(body_for(e)),
     }
     let block_index = C::Cast("long long", Box::new(id("blockIdx.x")));
     let blocks = C::Cast("long long", Box::new(id("gridDim.x")));
