@@ -157,35 +157,25 @@ inline void dplc_mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
     }
     w->bar.arrive_and_wait();
 }
-// `ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16`: lane l gives row l % 8
-// of tile l / 8; register i of lane 4g + t takes tile i's rows 2t and
-// 2t + 1 at column g, the lower row in the low half.
-inline void dplc_ldsm_x4_t(unsigned* r, const void* row) {
+// `ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16`: lane l gives row l % 8
+// of tile l / 8; register i of lane 4g + t takes tile i's row g at columns
+// 2t and 2t + 1, or transposed its rows 2t and 2t + 1 at column g — the
+// lower in the low half.
+inline void dplc_ldsm_x4_any(unsigned* r, const void* row, bool trans) {
     const int lane = threadIdx.x & 31;
     dplc_warp_state* w = dplc_warp;
     w->rows[lane] = static_cast<const unsigned short*>(row);
     w->bar.arrive_and_wait();
     const int g = lane >> 2, t = lane & 3;
     for (int i = 0; i < 4; ++i) {
-        const unsigned lo = w->rows[8 * i + 2 * t][g], hi = w->rows[8 * i + 2 * t + 1][g];
+        const unsigned lo = trans ? w->rows[8 * i + 2 * t][g] : w->rows[8 * i + g][2 * t];
+        const unsigned hi = trans ? w->rows[8 * i + 2 * t + 1][g] : w->rows[8 * i + g][2 * t + 1];
         r[i] = lo | (hi << 16);
     }
     w->bar.arrive_and_wait();
 }
-// The same untransposed: register i of lane 4g + t takes tile i's row g at
-// columns 2t and 2t + 1.
-inline void dplc_ldsm_x4(unsigned* r, const void* row) {
-    const int lane = threadIdx.x & 31;
-    dplc_warp_state* w = dplc_warp;
-    w->rows[lane] = static_cast<const unsigned short*>(row);
-    w->bar.arrive_and_wait();
-    const int g = lane >> 2, t = lane & 3;
-    for (int i = 0; i < 4; ++i) {
-        const unsigned lo = w->rows[8 * i + g][2 * t], hi = w->rows[8 * i + g][2 * t + 1];
-        r[i] = lo | (hi << 16);
-    }
-    w->bar.arrive_and_wait();
-}
+inline void dplc_ldsm_x4(unsigned* r, const void* row) { dplc_ldsm_x4_any(r, row, false); }
+inline void dplc_ldsm_x4_t(unsigned* r, const void* row) { dplc_ldsm_x4_any(r, row, true); }
 inline unsigned dplc_pack(float lo, float hi) {
     return (unsigned)dplc_st(lo) | ((unsigned)dplc_st(hi) << 16);
 }
