@@ -248,6 +248,10 @@ fi
         echo "Failed parts: ${FAILED[*]}"
         echo
     fi
+    echo "Issue #20's targets (\`bench/gpu_targets.py\` on this run's logs):"
+    echo
+    python3 bench/gpu_targets.py "$LOG_DIR" || true
+    echo
     echo "Tests:"
     echo '```'
     grep -E '^(test |test result|SKIPPED|[0-9]+ attention passes)' "$LOG_DIR/gpu-tests.log" || true
