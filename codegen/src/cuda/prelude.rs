@@ -35,20 +35,29 @@ __device__ __forceinline__ unsigned long long dplc_sample_state(unsigned long lo
                                                                 unsigned long long sample) {
     return dplc_absorb(dplc_absorb(dplc_absorb(seed, node), (unsigned long long)layer), sample);
 }
-// The draw at `pos` of the sample whose key state is `state` (codegen's
-// `sample_draw`): positions 2g and 2g + 1 share SplitMix64's g-th output
-// from `state`, its bits 40-63 and 8-31. Branch-free, so a thread's draws
-// overlap.
-__device__ __forceinline__ float dplc_sample_draw(unsigned long long state, unsigned long long pos) {
-    const unsigned long long bits = dplc_mix(state + (pos >> 1) * 0x9e3779b97f4a7c15ULL);
+// Positions 2g and 2g + 1 of a sample share SplitMix64's g-th output from
+// the sample's key state `state` (codegen's `sample_draw`)...
+__device__ __forceinline__ unsigned long long dplc_pair_bits(unsigned long long state, unsigned long long pair) {
+    return dplc_mix(state + pair * 0x9e3779b97f4a7c15ULL);
+}
+// ...the even one its bits 40-63, the odd one its bits 8-31, as a uniform
+// in [0, 1) exact in f32.
+__device__ __forceinline__ float dplc_pair_draw(unsigned long long bits, unsigned long long pos) {
     const unsigned long long field = (pos & 1ULL) ? ((bits >> 8) & 0xffffffULL) : (bits >> 40);
     return (float)field * (1.0f / 16777216.0f);
+}
+// The draw at `pos` of the sample whose key state is `state`. Branch-free,
+// so a thread's draws overlap.
+__device__ __forceinline__ float dplc_sample_draw(unsigned long long state, unsigned long long pos) {
+    return dplc_pair_draw(dplc_pair_bits(state, pos >> 1), pos);
 }
 // The draws at `pos` and `pos + 1` into `u0` and `u1`: one mix when they
 // are one pair's (pos even), two otherwise.
 __device__ __forceinline__ void dplc_sample_draw2(unsigned long long state, unsigned long long pos,
                                                   float& u0, float& u1) {
-    const unsigned long long bits = dplc_mix(state + (pos >> 1) * 0x9e3779b97f4a7c15ULL);
+    const unsigned long long bits = dplc_pair_bits(state, pos >> 1);
+    // The fields spelled out where the parity is known (dplc_pair_draw's
+    // select left the dK/dV pass 15 registers more and a spill).
     if ((pos & 1ULL) == 0ULL) {
         u0 = (float)(bits >> 40) * (1.0f / 16777216.0f);
         u1 = (float)((bits >> 8) & 0xffffffULL) * (1.0f / 16777216.0f);
@@ -97,12 +106,11 @@ __device__ __forceinline__ float dplc_random(dplc_draws& memo, unsigned long lon
     }
     const unsigned long long pair = pos >> 1;
     if (!memo.has_pair || memo.pair != pair) {
-        memo.bits = dplc_mix(memo.state + pair * 0x9e3779b97f4a7c15ULL);
+        memo.bits = dplc_pair_bits(memo.state, pair);
         memo.pair = pair;
         memo.has_pair = true;
     }
-    const unsigned long long field = (pos & 1ULL) ? ((memo.bits >> 8) & 0xffffffULL) : (memo.bits >> 40);
-    return (float)field * (1.0f / 16777216.0f);
+    return dplc_pair_draw(memo.bits, pos);
 }
 #endif
 "#;

@@ -353,7 +353,6 @@ impl GpuDevice {
     /// Queue a device-to-device copy of `height` rows of `width` bytes: row
     /// `r` from `src` at byte `from + r·src_pitch` to `dst` at byte `to +
     /// r·dst_pitch` (a block of a row-major matrix into another's).
-    #[allow(clippy::too_many_arguments)]
     pub fn copy_2d(
         &self,
         src: &DeviceBuffer,
