@@ -262,21 +262,55 @@ impl Ctx<'_> {
         }
     }
 
+    /// Whether queries `[i, i + rows)` see every key of `[j, j + cols)`, all
+    /// inside the problem: a test a tile makes once, so that its elements
+    /// skip their masks (`None` where queries sit at placed positions, which
+    /// need not rise with the index: then each element is tested).
+    fn all_visible(&self, i: &C, rows: i64, j: &C, cols: i64) -> Option<C> {
+        if self.k.query_position != Idx::Var(2) {
+            return None;
+        }
+        let last_i = bin("+", i.clone(), ll(rows - 1));
+        let last_j = bin("+", j.clone(), ll(cols - 1));
+        let mut all = bin(
+            "&&",
+            bin("<", last_i.clone(), size(self.k.q_len)),
+            bin("<", last_j.clone(), size(self.k.k_len)),
+        );
+        if self.k.causal {
+            all = bin("&&", all, bin("<=", last_j, i.clone()));
+        }
+        if let Some(w) = self.k.window {
+            all = bin("&&", all, bin("<", bin("-", last_i, j.clone()), ll(w)));
+        }
+        Some(all)
+    }
+
     /// `score·scale (+ bias)` from the dot product.
     fn scaled(&self, dot: C, b: &C, h: &C, i: &C, j: &C) -> C {
-        let s = bin("*", dot, f32_lit(self.k.scale));
+        self.scaled_by(dot, 1.0, b, h, i, j)
+    }
+
+    /// `(score·scale + bias)·unit` from the dot product, `unit` folded into
+    /// the scale (`log2 e` for scores in base 2).
+    fn scaled_by(&self, dot: C, unit: f64, b: &C, h: &C, i: &C, j: &C) -> C {
+        let s = bin("*", dot, f32_lit(self.k.scale * unit));
         match self.k.bias {
-            Some(_) => bin(
-                "+",
-                s,
-                self.load(
+            Some(_) => {
+                let bias = self.load(
                     AttentionBuffer::Bias,
                     b.clone(),
                     h.clone(),
                     i.clone(),
                     j.clone(),
-                ),
-            ),
+                );
+                let bias = if unit == 1.0 {
+                    bias
+                } else {
+                    bin("*", bias, f32_lit(unit))
+                };
+                bin("+", s, bias)
+            }
             None => s,
         }
     }

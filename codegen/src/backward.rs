@@ -555,6 +555,17 @@ pub fn backward(fwd: &Kernel, needs_grad: &[bool]) -> Result<Backward, String> {
             give(x, dx, &mut contrib);
             continue;
         }
+        if let Some(x) = log_sum_exp(fwd, ValueId(i as u32)) {
+            // d lse / dx = exp(x − lse), the softmax: the row maximum is a
+            // shift that cancels, so nothing flows back through it (through
+            // `max` it would be a row-long select adding a rounding error,
+            // and one more walk of the row).
+            let d = body.bin(BinaryOp::Sub, vals[x.0 as usize], v);
+            let p = body.push(Expr::Unary(UnaryOp::Exp, d));
+            let dx = body.bin(BinaryOp::Mul, a, p);
+            give(x, dx, &mut contrib);
+            continue;
+        }
         match body.b.values[v.0 as usize].clone() {
             Expr::Load { .. }
             | Expr::Const(_)
@@ -980,6 +991,36 @@ fn softmax_input(fwd: &Kernel, v: ValueId) -> Option<ValueId> {
         return None;
     };
     matches!(at(*d2), Expr::Binary(BinaryOp::Sub, _, m2) if m2 == m).then_some(*x)
+}
+
+/// `x` when forward value `v` is the log-sum-exp of its row as fusion
+/// lowers it: `m + log Σ exp(x − m)` with `m` the row maximum of `x`.
+fn log_sum_exp(fwd: &Kernel, v: ValueId) -> Option<ValueId> {
+    let at = |v: ValueId| &fwd.values[v.0 as usize];
+    let Expr::Binary(BinaryOp::Add, m, l) = at(v) else {
+        return None;
+    };
+    let Expr::Reduce {
+        kind: RowReduce::Max,
+        value: x,
+    } = at(*m)
+    else {
+        return None;
+    };
+    let Expr::Unary(UnaryOp::Log, s) = at(*l) else {
+        return None;
+    };
+    let Expr::Reduce {
+        kind: RowReduce::Sum,
+        value: e,
+    } = at(*s)
+    else {
+        return None;
+    };
+    let Expr::Unary(UnaryOp::Exp, d) = at(*e) else {
+        return None;
+    };
+    matches!(at(*d), Expr::Binary(BinaryOp::Sub, x2, m2) if x2 == x && m2 == m).then_some(*x)
 }
 
 fn give(to: ValueId, c: ValueId, contrib: &mut BTreeMap<ValueId, Vec<ValueId>>) {

@@ -758,6 +758,13 @@ fn fused_attention_cuda_runs_on_the_cpu_as_the_interpreter_computes() {
         attention_cases(&common::lower_m(&wide), 70, &mut cases);
         attention_cases(&common::placed_attention(&wide, 1, 2), 70, &mut cases);
     }
+    // At 136 positions whole tiles lie under the causal diagonal: the
+    // passes' unmasked branch (`all_visible`), beside the masked one.
+    let wide = common::PLACED.replace("seq, 8]", "seq, 16]").replace(
+        "v: f32[batch, heads, seq, 16]",
+        "v: f32[batch, heads, seq, 32]",
+    );
+    attention_cases(&common::lower_m(&wide), 136, &mut cases);
     // An odd sequence: neighbouring keys straddle the draws' pairs in
     // every other row (`dplc_sample_draw2`'s second path); a value width
     // of 8 · odd: `O += P·V` ends on a column block no `ldmatrix.x4` pairs.

@@ -538,7 +538,13 @@ fn bench_kernel_bandwidth() {
                     let v: Vec<f32> = (0..len.max(8)).map(|_| rng.normal_ish()).collect();
                     dev.upload_f32(&v, d).unwrap()
                 } else {
-                    dev.zeros((len * w).max(16)).unwrap()
+                    // Tokens and targets, uniform over the vocabulary as
+                    // text's are near enough: all zeros would send every
+                    // gather's gradient to one row, one atomic queue.
+                    let ids: Vec<i32> = (0..len.max(4))
+                        .map(|_| (rng.next() % gpt2.vocab as u64) as i32)
+                        .collect();
+                    dev.upload_i32(&ids).unwrap()
                 }
             })
             .collect();

@@ -6,6 +6,7 @@
 
 use super::staging::Staged;
 use super::*;
+use std::f64::consts::{LN_2, LOG2_E};
 
 /// Whether the forward runs its block matmuls on tensor cores: 16-bit
 /// storage, and widths that are whole `m16n8k16` steps.
@@ -54,6 +55,13 @@ __device__ __forceinline__ void dplc_ldsm_x4(unsigned* r, const void* row) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"((unsigned)__cvta_generic_to_shared(row)));
 }
+// 2^x by the special-function unit (`ex2.approx`, relative error under
+// 2^-22): the tensor-core passes keep scores in base 2, `log2 e` folded
+// into the scale, so each probability is one FFMA and one MUFU.EX2 where
+// `expf` costs a range reduction around them.
+__device__ __forceinline__ float dplc_exp2(float x) {
+    float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y;
+}
 // A 16-byte copy global → shared that the copying thread waits for later
 // (sm_80's cp.async): the next tile's fetch overlaps this tile's compute.
 __device__ __forceinline__ void dplc_cp_async16(void* smem, const void* gmem) {
@@ -66,26 +74,33 @@ __device__ __forceinline__ void dplc_cp_async_wait() { asm volatile("cp.async.wa
 "#;
 
 /// Score `s`'s probability `p` (0 where query `qi` may not see key `kj`
-/// or the row saw nothing: its log-sum-exp `lse` is −∞) and the dropout's
-/// factor `kp`, declared as the backward passes recompute them.
-fn probability(c: &Ctx, s: C, lse: C, b: &C, h: &C) -> [S; 2] {
+/// or the row saw nothing: its log-sum-exp `lse2`, in base 2 as
+/// [`lse_base2`] loads it, is −∞) and the dropout's factor `kp`, declared
+/// as the backward passes recompute them.
+/// In a tile whose every pair is seen (`open`), no test.
+fn probability(c: &Ctx, s: C, lse2: C, b: &C, h: &C, open: bool) -> [S; 2] {
     let (qi, kj) = (id("qi"), id("kj"));
+    let p = call(
+        "dplc_exp2",
+        vec![bin(
+            "-",
+            c.scaled_by(s, LOG2_E, b, h, &qi, &kj),
+            lse2.clone(),
+        )],
+    );
     [
         decl(
             "float",
             "p",
-            C::Cond(
-                Box::new(bin(
-                    "&&",
-                    c.visible(&qi, &kj),
-                    bin("!=", lse.clone(), neg_inf()),
-                )),
-                Box::new(call(
-                    "expf",
-                    vec![bin("-", c.scaled(s, b, h, &qi, &kj), lse)],
-                )),
-                Box::new(zero()),
-            ),
+            if open {
+                p
+            } else {
+                C::Cond(
+                    Box::new(bin("&&", c.visible(&qi, &kj), bin("!=", lse2, neg_inf()))),
+                    Box::new(p),
+                    Box::new(zero()),
+                )
+            },
         ),
         decl(
             "float",
@@ -93,6 +108,36 @@ fn probability(c: &Ctx, s: C, lse: C, b: &C, h: &C) -> [S; 2] {
             c.keep(b, h, &qi, &kj).unwrap_or(C::Lit("1.0f".into())),
         ),
     ]
+}
+
+/// Row `qi`'s log-sum-exp from the forward's buffer, in base 2 (what
+/// [`probability`] subtracts from base-2 scores).
+fn lse_base2(c: &Ctx, b: C, h: C, qi: C) -> C {
+    bin(
+        "*",
+        at(c.buf(AttentionBuffer::LogSumExp), c.lse_at(b, h, qi)),
+        f32_lit(LOG2_E),
+    )
+}
+
+/// The first of the warp's 16 rows ([`warp_rows`]).
+fn warp_first_row() -> C {
+    bin("-", id("r0"), id("g"))
+}
+
+/// A tile's element-wise step, `make(open)`: where the tile can be tested
+/// whole (`all_visible`), unmasked when every pair in it is seen — the
+/// test uniform across the warp, so the branch does not diverge — else
+/// masked element by element.
+fn open_or_masked(all_visible: Option<C>, make: impl Fn(bool) -> S) -> Vec<S> {
+    match all_visible {
+        Some(open) => vec![
+            decl("bool", "dplc_open", open),
+            S::If(id("dplc_open"), vec![make(true)]),
+            S::If(call("!", vec![id("dplc_open")]), vec![make(false)]),
+        ],
+        None => vec![make(false)],
+    }
 }
 
 /// Two 16-bit elements as one register, the first in the low half.
@@ -158,25 +203,36 @@ pub(super) fn forward_mma(c: &Ctx) -> (Vec<S>, u32) {
         ),
     );
     let sx = ix("s", bin("+", bin("*", id("nb"), ll(4)), id("x")));
-    tile.push(unrolled(
-        "nb",
-        ns,
-        vec![unrolled(
-            "x",
-            4,
-            vec![
-                decl("long long", "qi", i.clone()),
-                decl("long long", "kj", j.clone()),
-                set(
-                    sx.clone(),
-                    C::Cond(
-                        Box::new(c.visible(&id("qi"), &id("kj"))),
-                        Box::new(c.scaled(sx.clone(), &b, &h, &id("qi"), &id("kj"))),
-                        Box::new(neg_inf()),
+    let scores = |open: bool| {
+        let scaled = c.scaled_by(sx.clone(), LOG2_E, &b, &h, &id("qi"), &id("kj"));
+        unrolled(
+            "nb",
+            ns,
+            vec![unrolled(
+                "x",
+                4,
+                vec![
+                    decl("long long", "qi", i.clone()),
+                    decl("long long", "kj", j.clone()),
+                    set(
+                        sx.clone(),
+                        if open {
+                            scaled
+                        } else {
+                            C::Cond(
+                                Box::new(c.visible(&id("qi"), &id("kj"))),
+                                Box::new(scaled),
+                                Box::new(neg_inf()),
+                            )
+                        },
                     ),
-                ),
-            ],
-        )],
+                ],
+            )],
+        )
+    };
+    tile.extend(open_or_masked(
+        c.all_visible(&warp_first_row(), 16, &id("j0"), t),
+        scores,
     ));
     let shfl = |v: C, o: i64| {
         call(
@@ -231,7 +287,7 @@ pub(super) fn forward_mma(c: &Ctx) -> (Vec<S>, u32) {
     rows.push(decl(
         "float",
         "alpha",
-        call("expf", vec![bin("-", ix("m", id("r")), id("base"))]),
+        call("dplc_exp2", vec![bin("-", ix("m", id("r")), id("base"))]),
     ));
     rows.push(set(ix("m", id("r")), id("mx")));
     rows.push(mul_by(ix("l", id("r")), id("alpha")));
@@ -266,7 +322,7 @@ pub(super) fn forward_mma(c: &Ctx) -> (Vec<S>, u32) {
         decl(
             "float",
             "e",
-            call("expf", vec![bin("-", sr.clone(), id("base"))]),
+            call("dplc_exp2", vec![bin("-", sr.clone(), id("base"))]),
         ),
         add_to(ix("l", id("r")), id("e")),
     ];
@@ -349,10 +405,11 @@ pub(super) fn forward_mma(c: &Ctx) -> (Vec<S>, u32) {
             at(c.buf(LogSumExp), c.lse_at(b.clone(), h.clone(), id("qi"))),
             C::Cond(
                 Box::new(bin(">", ix("l", id("r")), zero())),
+                // Natural again: (m + log2 l) · ln 2.
                 Box::new(bin(
-                    "+",
-                    ix("m", id("r")),
-                    call("logf", vec![ix("l", id("r"))]),
+                    "*",
+                    bin("+", ix("m", id("r")), call("log2f", vec![ix("l", id("r"))])),
+                    f32_lit(LN_2),
                 )),
                 Box::new(neg_inf()),
             ),
@@ -736,10 +793,7 @@ pub(super) fn query_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
                 ix("lse", id("r")),
                 C::Cond(
                     Box::new(id("live")),
-                    Box::new(at(
-                        c.buf(LogSumExp),
-                        c.lse_at(b.clone(), h.clone(), qi.clone()),
-                    )),
+                    Box::new(lse_base2(c, b.clone(), h.clone(), qi.clone())),
                     Box::new(neg_inf()),
                 ),
             ),
@@ -771,7 +825,7 @@ pub(super) fn query_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
     );
     let at_x = |name: &str| ix(name, bin("+", bin("*", id("nb"), ll(4)), id("x")));
     let delta_x = ix("delta", bin("/", id("x"), ll(2)));
-    let [p, mut kp] = probability(c, at_x("s"), ix("lse", bin("/", id("x"), ll(2))), &b, &h);
+    let lse2 = ix("lse", bin("/", id("x"), ll(2)));
     // Each of the thread's two rows draws its two neighbouring keys as one pair.
     let pair = c.keep_pair(
         &b,
@@ -785,31 +839,38 @@ pub(super) fn query_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
         "kq",
         bin("*", id("y"), ll(2)),
     );
-    let mut per_nb = Vec::new();
-    if !pair.is_empty() {
-        per_nb.push(array("float", "kq", 4));
-        per_nb.push(unrolled("y", 2, pair));
-        kp = decl("float", "kp", ix("kq", id("x")));
-    }
-    per_nb.push(unrolled(
-        "x",
-        4,
-        vec![
-            decl("long long", "qi", qi),
-            decl("long long", "kj", kj),
-            p.clone(),
-            kp.clone(),
-            set(
-                at_x("s"),
-                bin(
-                    "*",
-                    id("p"),
-                    bin("-", bin("*", at_x("dp"), id("kp")), delta_x),
+    let scores = |open: bool| {
+        let [p, mut kp] = probability(c, at_x("s"), lse2.clone(), &b, &h, open);
+        let mut per_nb = Vec::new();
+        if !pair.is_empty() {
+            per_nb.push(array("float", "kq", 4));
+            per_nb.push(unrolled("y", 2, pair.clone()));
+            kp = decl("float", "kp", ix("kq", id("x")));
+        }
+        per_nb.push(unrolled(
+            "x",
+            4,
+            vec![
+                decl("long long", "qi", qi.clone()),
+                decl("long long", "kj", kj.clone()),
+                p,
+                kp,
+                set(
+                    at_x("s"),
+                    bin(
+                        "*",
+                        id("p"),
+                        bin("-", bin("*", at_x("dp"), id("kp")), delta_x.clone()),
+                    ),
                 ),
-            ),
-        ],
+            ],
+        ));
+        unrolled("nb", ns, per_nb)
+    };
+    tile.extend(open_or_masked(
+        c.all_visible(&warp_first_row(), 16, &id("j0"), t),
+        scores,
     ));
-    tile.push(unrolled("nb", ns, per_nb));
     tile.push(mma_cols("dq", "s", "kt", kstride, t, hd));
     body.extend(c.pipelined("j0", (id("jbegin"), id("jend")), t, &staged, tile));
     let write = vec![unrolled(
@@ -930,7 +991,7 @@ pub(super) fn key_value_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
     )];
     live_row.push(set(
         ix("lt", id("q")),
-        at(c.buf(LogSumExp), c.lse_at(b.clone(), h.clone(), id("qi"))),
+        lse_base2(c, b.clone(), h.clone(), id("qi")),
     ));
     let rowstats = vec![
         decl("long long", "qi", qi),
@@ -960,7 +1021,6 @@ pub(super) fn key_value_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
         bin("*", id("nb"), ll(8)),
         bin("+", bin("*", id("tq"), ll(2)), bin("%", id("x"), ll(2))),
     );
-    let [p, mut kp] = probability(c, at_x("s"), id("lq"), &b, &h);
     // The dropout's draws, swapped between the lanes that hold a key pair.
     let first_query = bin(
         "+",
@@ -968,34 +1028,42 @@ pub(super) fn key_value_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
         bin("+", bin("*", id("nb"), ll(8)), bin("*", id("tq"), ll(2))),
     );
     let swapped = c.keep_swapped(&b, &h, &first_query, "kq");
-    let mut per_nb = Vec::new();
-    if !swapped.is_empty() {
-        per_nb.push(array("float", "kq", 4));
-        per_nb.extend(swapped);
-        kp = decl("float", "kp", ix("kq", id("x")));
-    }
-    per_nb.push(unrolled(
-        "x",
-        4,
-        vec![
-            decl("long long", "kj", ix("row", bin("/", id("x"), ll(2)))),
-            decl("long long", "qc", qcol),
-            decl("long long", "qi", bin("+", id("i0"), id("qc"))),
-            decl("float", "lq", ix("lt", id("qc"))),
-            p.clone(),
-            kp.clone(),
-            set(
-                at_x("dp"),
-                bin(
-                    "*",
-                    id("p"),
-                    bin("-", bin("*", at_x("dp"), id("kp")), ix("dt", id("qc"))),
+    let scores = |open: bool| {
+        let [p, mut kp] = probability(c, at_x("s"), id("lq"), &b, &h, open);
+        let mut per_nb = Vec::new();
+        if !swapped.is_empty() {
+            per_nb.push(array("float", "kq", 4));
+            per_nb.extend(swapped.clone());
+            kp = decl("float", "kp", ix("kq", id("x")));
+        }
+        per_nb.push(unrolled(
+            "x",
+            4,
+            vec![
+                decl("long long", "kj", ix("row", bin("/", id("x"), ll(2)))),
+                decl("long long", "qc", qcol.clone()),
+                decl("long long", "qi", bin("+", id("i0"), id("qc"))),
+                decl("float", "lq", ix("lt", id("qc"))),
+                p,
+                kp,
+                set(
+                    at_x("dp"),
+                    bin(
+                        "*",
+                        id("p"),
+                        bin("-", bin("*", at_x("dp"), id("kp")), ix("dt", id("qc"))),
+                    ),
                 ),
-            ),
-            set(at_x("s"), bin("*", id("p"), id("kp"))),
-        ],
+                set(at_x("s"), bin("*", id("p"), id("kp"))),
+            ],
+        ));
+        unrolled("nb", ns, per_nb)
+    };
+    // The warp's 16 keys against the tile's queries.
+    tile.extend(open_or_masked(
+        c.all_visible(&id("i0"), t, &warp_first_row(), 16),
+        scores,
     ));
-    tile.push(unrolled("nb", ns, per_nb));
     tile.push(mma_cols("dv", "s", "ot", ostride, t, vd));
     tile.push(mma_cols("dk", "dp", "qt", qstride, t, hd));
     let heads = loop_over(

@@ -146,6 +146,17 @@ fn vname(v: crate::kernel::ValueId) -> C {
     id(format!("v{}", v.0))
 }
 
+/// What a walk along the row folds into its accumulators.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Fold {
+    /// `acc` combines value `v` by the reduction.
+    Row(RowReduce, usize),
+    /// `acc` runs the maximum of value `x` and `accs` the sum of
+    /// `exp(x − acc)` beside it, rescaled as the maximum grows: a softmax's
+    /// two statistics in one walk of the row instead of two.
+    MaxSum(usize),
+}
+
 /// The varying index of a vectorised section and its lane count.
 struct Lanes {
     /// `Idx::Var(a)` or `Idx::Inner`.
@@ -390,7 +401,7 @@ impl Emit<'_> {
         &self,
         values: &[usize],
         stores: &[&Store],
-        fold: Option<(RowReduce, usize)>,
+        fold: Option<Fold>,
         lanes: Option<&Lanes>,
     ) -> Vec<S> {
         let mut pre = Vec::new();
@@ -447,12 +458,16 @@ impl Emit<'_> {
             body.push(decl("float", format!("v{i}"), self.value(i, &loaded)));
         }
         let computed = body.len();
-        if let Some((kind, v)) = fold {
-            let next = match kind {
-                RowReduce::Sum => bin("+", id("acc"), id(format!("v{v}"))),
-                RowReduce::Max => call("fmaxf", vec![id("acc"), id(format!("v{v}"))]),
-            };
-            body.push(S::Assign(id("acc"), next));
+        match fold {
+            Some(Fold::Row(kind, v)) => {
+                let next = match kind {
+                    RowReduce::Sum => bin("+", id("acc"), id(format!("v{v}"))),
+                    RowReduce::Max => call("fmaxf", vec![id("acc"), id(format!("v{v}"))]),
+                };
+                body.push(S::Assign(id("acc"), next));
+            }
+            Some(Fold::MaxSum(x)) => body.push(S::Line(format!("dplc_max_sum(acc, accs, v{x});"))),
+            None => {}
         }
         for (n, st) in stores.iter().enumerate() {
             let elem = self.k.buffers[st.buf].elem;

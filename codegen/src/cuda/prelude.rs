@@ -125,6 +125,20 @@ __device__ __forceinline__ float dplc_warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
+// One element into a running maximum `m` and the sum `s` of exp(· − m)
+// beside it: one exp an element, the smaller side's, rescaling the sum when
+// `x` raises the maximum. -inf adds nothing; NaN poisons the sum.
+__device__ __forceinline__ void dplc_max_sum(float& m, float& s, float x) {
+    const float d = x - m;
+    const float e = (x == __int_as_float(0xff800000)) ? 0.0f : expf(-fabsf(d));
+    s = (d > 0.0f) ? fmaf(s, e, 1.0f) : s + e;
+    m = fmaxf(m, x);
+}
+// A thread's sum at its maximum `m`, rescaled to the row's maximum `row`
+// (a thread that saw no element adds nothing).
+__device__ __forceinline__ float dplc_max_sum_rescale(float m, float s, float row) {
+    return (m == __int_as_float(0xff800000) && row != m) ? 0.0f : s * expf(m - row);
+}
 // Every thread of the block gets the result; `red` holds 32 floats.
 __device__ float dplc_block_sum(float v, float* red) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;

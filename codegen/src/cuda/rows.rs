@@ -3,6 +3,8 @@
 //! side by side — how each walks its row and reduces it.
 
 use super::*;
+use crate::kernel::ValueId;
+use std::collections::BTreeMap;
 
 /// The statements of a row kernel whose rows have `inner_size` elements,
 /// and how it launches.
@@ -211,19 +213,55 @@ pub(super) fn row_kernel(
                 }
             }
         };
+        // A softmax's maximum and its sum of exponentials walk the row
+        // once, together (wide rows read from memory, so a second walk is
+        // a second read of the row).
+        let max_sums = if columns {
+            BTreeMap::new()
+        } else {
+            max_sum_pairs(kernel)
+        };
         for (i, v) in kernel.values.iter().enumerate() {
             let Expr::Reduce { kind, value } = v else {
                 continue;
             };
+            if done[i] {
+                continue;
+            }
             row_values(i, &mut done, &mut row);
             let deps = e.along_deps(&[value.0 as usize], along);
+            if let Some(&sum) = max_sums.get(&i) {
+                let (max_of, sum_of) = if warp_row {
+                    ("dplc_warp_max(acc)", "dplc_warp_sum(dplc_s)")
+                } else {
+                    ("dplc_block_max(acc, red)", "dplc_block_sum(dplc_s, red)")
+                };
+                let block = vec![
+                    var("float", "acc", Some(float_lit(f64::NEG_INFINITY))),
+                    var("float", "accs", Some(C::Lit("0.0f".into()))),
+                    j_loop(&deps, &|l| {
+                        e.section(&deps, &[], Some(Fold::MaxSum(value.0 as usize)), l)
+                    }),
+                    S::Assign(id(format!("v{i}")), C::Lit(max_of.into())),
+                    S::Line(format!(
+                        "const float dplc_s = dplc_max_sum_rescale(acc, accs, v{i});"
+                    )),
+                    S::Assign(id(format!("v{sum}")), C::Lit(sum_of.into())),
+                ];
+                row.push(var("float", format!("v{i}"), None));
+                row.push(var("float", format!("v{sum}"), None));
+                row.push(S::Block(block));
+                done[i] = true;
+                done[sum] = true;
+                continue;
+            }
             let init = match kind {
                 RowReduce::Sum => C::Lit("0.0f".into()),
                 RowReduce::Max => float_lit(f64::NEG_INFINITY),
             };
             let mut block = vec![var("float", "acc", Some(init))];
             block.push(j_loop(&deps, &|l| {
-                e.section(&deps, &[], Some((*kind, value.0 as usize)), l)
+                e.section(&deps, &[], Some(Fold::Row(*kind, value.0 as usize)), l)
             }));
             let reduced = match (kind, warp_row, columns) {
                 (RowReduce::Sum, true, _) => call("dplc_warp_sum", vec![id("acc")]),
@@ -351,4 +389,37 @@ fn phased_base(e: &Emit, inner: Size) -> Option<(Idx, usize)> {
         }
     }
     shared.map(|b| (b, lanes))
+}
+
+/// The softmax statistics a row kernel computes: `max → sum` for each row
+/// maximum `m` of a value `x` whose row sum of `exp(x − m)` the kernel also
+/// takes (fusion's lowering of softmax and log-softmax).
+fn max_sum_pairs(kernel: &Kernel) -> BTreeMap<usize, usize> {
+    let at = |v: ValueId| &kernel.values[v.0 as usize];
+    let mut pairs = BTreeMap::new();
+    for (i, v) in kernel.values.iter().enumerate() {
+        let Expr::Reduce {
+            kind: RowReduce::Sum,
+            value: e,
+        } = v
+        else {
+            continue;
+        };
+        let Expr::Unary(UnaryOp::Exp, d) = at(*e) else {
+            continue;
+        };
+        let Expr::Binary(BinaryOp::Sub, x, m) = at(*d) else {
+            continue;
+        };
+        if let Expr::Reduce {
+            kind: RowReduce::Max,
+            value: x2,
+        } = at(*m)
+        {
+            if x2 == x {
+                pairs.entry(m.0 as usize).or_insert(i);
+            }
+        }
+    }
+    pairs
 }

@@ -176,6 +176,8 @@ inline void dplc_ldsm_x4_any(unsigned* r, const void* row, bool trans) {
 }
 inline void dplc_ldsm_x4(unsigned* r, const void* row) { dplc_ldsm_x4_any(r, row, false); }
 inline void dplc_ldsm_x4_t(unsigned* r, const void* row) { dplc_ldsm_x4_any(r, row, true); }
+// `ex2.approx`: the host's exp2 (the GPU's is within 2 ulp of it).
+inline float dplc_exp2(float x) { return exp2f(x); }
 inline unsigned dplc_pack(float lo, float hi) {
     return (unsigned)dplc_st(lo) | ((unsigned)dplc_st(hi) << 16);
 }
