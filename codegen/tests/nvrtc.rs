@@ -182,7 +182,14 @@ fn every_zoo_kernel_compiles() {
     // tensor-core fragments). A kernel without tiles that differs from
     // another only in its numbers (sizes, strides, the name) compiles as
     // that one does: one of each such family is enough.
-    let tiled = |s: &CudaSource| s.source.contains("__shared__") || s.source.contains("mma.sync");
+    // A row kernel's reduction scratch (`red`) has one size whatever the
+    // kernel's numbers: it is no tile.
+    let tiled = |s: &CudaSource| {
+        s.source.contains("mma.sync")
+            || s.source.lines().any(|l| {
+                l.contains("__shared__") && !l.trim_start().starts_with("__shared__ float red[")
+            })
+    };
     let mut families = BTreeSet::new();
     let mut every_arch = all_sources(false);
     let mut family =

@@ -55,13 +55,6 @@ __device__ __forceinline__ void dplc_ldsm_x4(unsigned* r, const void* row) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"((unsigned)__cvta_generic_to_shared(row)));
 }
-// 2^x by the special-function unit (`ex2.approx`, relative error under
-// 2^-22): the tensor-core passes keep scores in base 2, `log2 e` folded
-// into the scale, so each probability is one FFMA and one MUFU.EX2 where
-// `expf` costs a range reduction around them.
-__device__ __forceinline__ float dplc_exp2(float x) {
-    float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y;
-}
 // A 16-byte copy global → shared that the copying thread waits for later
 // (sm_80's cp.async): the next tile's fetch overlaps this tile's compute.
 __device__ __forceinline__ void dplc_cp_async16(void* smem, const void* gmem) {

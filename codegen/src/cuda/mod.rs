@@ -466,7 +466,18 @@ impl Emit<'_> {
                 };
                 body.push(S::Assign(id("acc"), next));
             }
-            Some(Fold::MaxSum(x)) => body.push(S::Line(format!("dplc_max_sum(acc, accs, v{x});"))),
+            // A vector's elements fold together (`post`), one at a time else.
+            Some(Fold::MaxSum(x)) => match lanes {
+                Some(l) => {
+                    pre.push(S::Line(format!("float dplc_xs[{}];", l.count)));
+                    body.push(S::Assign(
+                        at(id("dplc_xs"), id("lane")),
+                        id(format!("v{x}")),
+                    ));
+                    post.push(S::Line("dplc_max_sum(acc, accs, dplc_xs);".into()));
+                }
+                None => body.push(S::Line(format!("dplc_max_sum(acc, accs, v{x});"))),
+            },
             None => {}
         }
         for (n, st) in stores.iter().enumerate() {

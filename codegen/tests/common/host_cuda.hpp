@@ -93,6 +93,9 @@ inline int __float_as_int(float f) {
     std::memcpy(&i, &f, 4);
     return i;
 }
+// `ex2.approx`: the host's exp2 (the GPU's is within 2 ulp of it).
+#define DPLC_EXP2
+inline float dplc_exp2(float x) { return exp2f(x); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
 inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
@@ -176,8 +179,6 @@ inline void dplc_ldsm_x4_any(unsigned* r, const void* row, bool trans) {
 }
 inline void dplc_ldsm_x4(unsigned* r, const void* row) { dplc_ldsm_x4_any(r, row, false); }
 inline void dplc_ldsm_x4_t(unsigned* r, const void* row) { dplc_ldsm_x4_any(r, row, true); }
-// `ex2.approx`: the host's exp2 (the GPU's is within 2 ulp of it).
-inline float dplc_exp2(float x) { return exp2f(x); }
 inline unsigned dplc_pack(float lo, float hi) {
     return (unsigned)dplc_st(lo) | ((unsigned)dplc_st(hi) << 16);
 }
