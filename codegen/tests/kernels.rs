@@ -155,6 +155,7 @@ fn gpt2_dropout_draws() {
             for line in src.source.lines().filter(|l| {
                 l.contains("dplc_random(dplc_rng")
                     || l.contains("dplc_sample_draw(dplc_ds")
+                    || l.contains("dplc_sample_draw2(dplc_ds")
                     || l.contains("const unsigned long long dplc_ds")
             }) {
                 out += &format!("cuda: {}\n", line.trim());

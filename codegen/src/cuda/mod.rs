@@ -337,6 +337,9 @@ impl Emit<'_> {
                 C::Cond(Box::new(c), Box::new(v(*then)), Box::new(v(*otherwise)))
             }
             Expr::Random { key, index: ix } => {
+                if let Some(drawn) = loaded(i) {
+                    return drawn;
+                }
                 let any = call(
                     "dplc_random",
                     vec![
@@ -443,7 +446,45 @@ impl Emit<'_> {
                 bin("+", first.clone().expect("lanes"), id("lane")),
             ));
         }
+        // A vector's dropout draws, where the row's sample is hoisted: the
+        // lanes' neighbouring positions drawn two at a time (one mix for a
+        // pair whose first position is even; `dplc_sample_draw2`).
+        let mut vector_draws: BTreeSet<usize> = BTreeSet::new();
+        if let Some(l) = lanes.filter(|l| self.rows && l.var == Idx::Inner && l.count % 2 == 0) {
+            for &i in values {
+                let Expr::Random { index: ix, .. } = &self.k.values[i] else {
+                    continue;
+                };
+                if ix.contiguous_in(&Idx::Inner).is_none() {
+                    continue;
+                }
+                pre.push(S::Line(format!("float dplc_u{i}[{}];", l.count)));
+                for p in (0..l.count).step_by(2) {
+                    let pos = bin(
+                        "+",
+                        id(format!("dplc_dp{i}")),
+                        C::Cast(
+                            "unsigned long long",
+                            Box::new(bin(
+                                "+",
+                                first.clone().expect("lanes"),
+                                C::Lit(format!("{p}LL")),
+                            )),
+                        ),
+                    );
+                    pre.push(S::Line(format!(
+                        "dplc_sample_draw2(dplc_ds{i}, {}, dplc_u{i}[{p}], dplc_u{i}[{}]);",
+                        pos.render(),
+                        p + 1
+                    )));
+                }
+                vector_draws.insert(i);
+            }
+        }
         let loaded = |i: usize| -> Option<C> {
+            if vector_draws.contains(&i) {
+                return Some(at(id(format!("dplc_u{i}")), id("lane")));
+            }
             vector_loads.contains(&i).then(|| {
                 let raw = at(id(format!("l{i}")), id("lane"));
                 match self.k.values[i] {
