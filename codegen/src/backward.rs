@@ -973,24 +973,8 @@ fn softmax_input(fwd: &Kernel, v: ValueId) -> Option<ValueId> {
     let Expr::Binary(BinaryOp::Sub, x, m) = at(*d) else {
         return None;
     };
-    let Expr::Reduce {
-        kind: RowReduce::Max,
-        ..
-    } = at(*m)
-    else {
-        return None;
-    };
-    let Expr::Reduce {
-        kind: RowReduce::Sum,
-        value: e2,
-    } = at(*s)
-    else {
-        return None;
-    };
-    let Expr::Unary(UnaryOp::Exp, d2) = at(*e2) else {
-        return None;
-    };
-    matches!(at(*d2), Expr::Binary(BinaryOp::Sub, _, m2) if m2 == m).then_some(*x)
+    let (_, m2) = fwd.exp_sum_of_max(*s)?;
+    (m2 == *m).then_some(*x)
 }
 
 /// `x` when forward value `v` is the log-sum-exp of its row as fusion
@@ -1000,27 +984,11 @@ fn log_sum_exp(fwd: &Kernel, v: ValueId) -> Option<ValueId> {
     let Expr::Binary(BinaryOp::Add, m, l) = at(v) else {
         return None;
     };
-    let Expr::Reduce {
-        kind: RowReduce::Max,
-        value: x,
-    } = at(*m)
-    else {
-        return None;
-    };
     let Expr::Unary(UnaryOp::Log, s) = at(*l) else {
         return None;
     };
-    let Expr::Reduce {
-        kind: RowReduce::Sum,
-        value: e,
-    } = at(*s)
-    else {
-        return None;
-    };
-    let Expr::Unary(UnaryOp::Exp, d) = at(*e) else {
-        return None;
-    };
-    matches!(at(*d), Expr::Binary(BinaryOp::Sub, x2, m2) if x2 == x && m2 == m).then_some(*x)
+    let (x, m2) = fwd.exp_sum_of_max(*s)?;
+    (m2 == *m).then_some(x)
 }
 
 fn give(to: ValueId, c: ValueId, contrib: &mut BTreeMap<ValueId, Vec<ValueId>>) {

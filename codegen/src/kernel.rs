@@ -417,6 +417,29 @@ impl Kernel {
         }
     }
 
+    /// `(x, m)` when value `s` is a softmax's denominator as fusion lowers
+    /// it: the row sum of `exp(x − m)`, `m` the row maximum of that same
+    /// `x`. The CUDA walks the pair once; backward differentiates the
+    /// softmax and log-sum-exp built on it whole.
+    pub(crate) fn exp_sum_of_max(&self, s: ValueId) -> Option<(ValueId, ValueId)> {
+        let at = |v: ValueId| &self.values[v.0 as usize];
+        let Expr::Reduce {
+            kind: RowReduce::Sum,
+            value: e,
+        } = at(s)
+        else {
+            return None;
+        };
+        let Expr::Unary(UnaryOp::Exp, d) = at(*e) else {
+            return None;
+        };
+        let Expr::Binary(BinaryOp::Sub, x, m) = at(*d) else {
+            return None;
+        };
+        matches!(at(*m), Expr::Reduce { kind: RowReduce::Max, value } if value == x)
+            .then_some((*x, *m))
+    }
+
     /// Whether the kernel draws random numbers (and so takes a `seed`).
     pub fn uses_random(&self) -> bool {
         self.values.iter().any(|e| matches!(e, Expr::Random { .. }))

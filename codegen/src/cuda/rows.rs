@@ -397,33 +397,13 @@ fn phased_base(e: &Emit, inner: Size) -> Option<(Idx, usize)> {
 }
 
 /// The softmax statistics a row kernel computes: `max → sum` for each row
-/// maximum `m` of a value `x` whose row sum of `exp(x − m)` the kernel also
-/// takes (fusion's lowering of softmax and log-softmax).
+/// maximum whose row sum of exponentials the kernel also takes
+/// ([`Kernel::exp_sum_of_max`]).
 fn max_sum_pairs(kernel: &Kernel) -> BTreeMap<usize, usize> {
-    let at = |v: ValueId| &kernel.values[v.0 as usize];
     let mut pairs = BTreeMap::new();
-    for (i, v) in kernel.values.iter().enumerate() {
-        let Expr::Reduce {
-            kind: RowReduce::Sum,
-            value: e,
-        } = v
-        else {
-            continue;
-        };
-        let Expr::Unary(UnaryOp::Exp, d) = at(*e) else {
-            continue;
-        };
-        let Expr::Binary(BinaryOp::Sub, x, m) = at(*d) else {
-            continue;
-        };
-        if let Expr::Reduce {
-            kind: RowReduce::Max,
-            value: x2,
-        } = at(*m)
-        {
-            if x2 == x {
-                pairs.entry(m.0 as usize).or_insert(i);
-            }
+    for i in 0..kernel.values.len() {
+        if let Some((_, m)) = kernel.exp_sum_of_max(ValueId(i as u32)) {
+            pairs.entry(m.0 as usize).or_insert(i);
         }
     }
     pairs
