@@ -57,17 +57,25 @@ def tests(log_dir):
 def bandwidth(log_dir):
     """Kernels moving at least 1 MB (the loss's scalar means move bytes, not megabytes)."""
     text = read(log_dir / "bandwidth.log") or ""
-    pct = []
-    for m in re.finditer(r"([\d.]+) us\s+(\d+) GB/s\s+([\d.]+)% of copy", text):
+    pct, own = [], []
+    pattern = r"([\d.]+) us\s+(\d+) GB/s\s+([\d.]+)% of copy(?:\s+([\d.]+)% of a copy of its bytes)?"
+    for m in re.finditer(pattern, text):
         moved = float(m.group(1)) * 1e-6 * float(m.group(2)) * 1e9
         if moved >= 1e6:
             pct.append(float(m.group(3)))
+            if m.group(4):
+                own.append(float(m.group(4)))
     if not pct:
         return ("fused kernels' bandwidth", "not run", "≥ 85% of copy", "—")
     over = sum(p >= 85.0 for p in pct)
+    # Beside the bar, the same kernels against a copy of their own bytes: a
+    # kernel too short to reach the large copy's rate reads as a copy of
+    # its size does (the bar itself stays the large copy).
+    mine = (f"; {sum(p >= 85.0 for p in own)} of {len(own)} at 85% of a copy of their own bytes"
+            if own else "")
     return ("fused kernels' bandwidth (those moving ≥ 1 MB)",
             f"{min(pct):.1f}–{max(pct):.1f}% of copy (median {statistics.median(pct):.1f}%), "
-            f"{over} of {len(pct)} at the bar",
+            f"{over} of {len(pct)} at the bar{mine}",
             "≥ 85% of copy", "yes" if over == len(pct) else "no")
 
 
