@@ -128,6 +128,22 @@ fn without_numbers(source: &str) -> String {
     out
 }
 
+/// The sizes of `source`'s array declarations (`[3072]`, not an index
+/// such as `[0LL]`), in order.
+fn array_sizes(source: &str) -> String {
+    let mut out = String::new();
+    let mut rest = source;
+    while let Some(open) = rest.find('[') {
+        rest = &rest[open + 1..];
+        let end = rest.find(']').unwrap_or(rest.len());
+        if end > 0 && rest[..end].bytes().all(|b| b.is_ascii_digit()) {
+            out.push_str(&rest[..end]);
+            out.push(',');
+        }
+    }
+    out
+}
+
 /// Every forward and backward kernel of `g`'s regions, in `dtypes`.
 fn add_graph(g: &dplc_ir::Graph, dtypes: &[DType], add: &mut impl FnMut(CudaSource)) {
     for (r, _) in g.regions() {
@@ -177,11 +193,14 @@ fn every_zoo_kernel_compiles() {
         }
         Err(e) => panic!("{e}"),
     };
-    // What a kernel's constant sizes can break is a resource limit: shared
-    // memory and the registers of tiles (attention, scans, row reductions,
-    // tensor-core fragments). A kernel without tiles that differs from
-    // another only in its numbers (sizes, strides, the name) compiles as
-    // that one does: one of each such family is enough.
+    // A kernel that differs from another only in its numbers (sizes,
+    // strides, scales, the name) compiles to PTX as that one does: one of
+    // each such family is enough. Where a number can still break the C++
+    // is an array's size (a tile's, a fragment's), so a kernel with tiles
+    // (attention, scans, tensor-core fragments) keeps its own family for
+    // each set of array sizes. (Registers and shared memory past a
+    // device's limits are ptxas's and the driver's to refuse, not NVRTC's:
+    // `bench/ptxas.sh` reports them.)
     // A row kernel's reduction scratch (`red`) has one size whatever the
     // kernel's numbers: it is no tile.
     let tiled = |s: &CudaSource| {
@@ -192,11 +211,16 @@ fn every_zoo_kernel_compiles() {
     };
     let mut families = BTreeSet::new();
     let mut every_arch = all_sources(false);
-    let mut family =
-        |s: &CudaSource| families.insert(without_numbers(&s.source.replace(&s.name, "")));
-    every_arch.retain(|_, s| tiled(s) || family(s));
+    let mut family = |s: &CudaSource| {
+        let mut key = without_numbers(&s.source.replace(&s.name, ""));
+        if tiled(s) {
+            key.push_str(&array_sizes(&s.source));
+        }
+        families.insert(key)
+    };
+    every_arch.retain(|_, s| family(s));
     let mut sm90: BTreeMap<String, CudaSource> = all_sources(true);
-    sm90.retain(|name, s| !every_arch.contains_key(name) && (tiled(s) || family(s)));
+    sm90.retain(|name, s| !every_arch.contains_key(name) && family(s));
     let start = Instant::now();
     // Kernels of one storage type share translation units of up to 48 (their
     // helpers are include-guarded): NVRTC's fixed cost per program dominates
