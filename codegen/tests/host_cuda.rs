@@ -30,6 +30,10 @@ struct Case {
     args: Args,
     /// Buffers drawn as magnitudes (a second moment).
     non_negative: Vec<usize>,
+    /// Buffers with about seven in eight of their elements −∞ (masked
+    /// scores, which a softmax's statistics must skip; so many that some
+    /// threads see nothing else).
+    masked: Vec<usize>,
 }
 
 fn skip(why: &str) {
@@ -72,6 +76,7 @@ fn graph_cases(g: &Graph, out: &mut Vec<Case>) {
                     kernel: k.kernel.clone(),
                     args: args(sized_keyed(&k.sizes, &k.key_sizes)),
                     non_negative: vec![],
+                    masked: vec![],
                 });
             }
         }
@@ -88,12 +93,14 @@ fn graph_cases(g: &Graph, out: &mut Vec<Case>) {
                     kernel: cs.kernel.clone(),
                     args: args(cs.sizes(&sizes)),
                     non_negative: vec![],
+                    masked: vec![],
                 });
             }
             out.push(Case {
                 kernel: backward.kernel,
                 args: args(sizes),
                 non_negative: vec![],
+                masked: vec![],
             });
         }
     }
@@ -111,6 +118,7 @@ fn step_cases(out: &mut Vec<Case>) {
             seed: 0,
         },
         non_negative: vec![],
+        masked: vec![],
     };
     let adamw = AdamwScalars {
         lr: 1e-3,
@@ -126,6 +134,7 @@ fn step_cases(out: &mut Vec<Case>) {
         args: adamw.args(n),
         // p', m', v', then p, g, m, v: v is a second moment.
         non_negative: vec![6],
+        masked: vec![],
     });
     let sgd = SgdScalars {
         lr: 0.1,
@@ -136,6 +145,7 @@ fn step_cases(out: &mut Vec<Case>) {
         kernel: sgd_kernel(),
         args: sgd.args(n),
         non_negative: vec![],
+        masked: vec![],
     });
     for (to, from) in [(Elem::Float, Elem::F32), (Elem::F32, Elem::Float)] {
         out.push(flat(convert_kernel(to, from)));
@@ -155,6 +165,7 @@ fn step_cases(out: &mut Vec<Case>) {
             seed: 0,
         },
         non_negative: vec![],
+        masked: vec![],
     });
     out.push(Case {
         kernel: column_sum_kernel(),
@@ -164,6 +175,7 @@ fn step_cases(out: &mut Vec<Case>) {
             seed: 0,
         },
         non_negative: vec![],
+        masked: vec![],
     });
 }
 
@@ -243,9 +255,10 @@ fn stored(x: f32, dtype: DType) -> f32 {
             f32::from_bits(r & 0xffff_0000)
         }
         DType::F16 => {
-            // Round to 11 significant bits (the cases stay in f16's range).
-            if x == 0.0 {
-                return 0.0;
+            // Round to 11 significant bits (the cases stay in f16's range;
+            // a masked −∞ stays −∞).
+            if x == 0.0 || !x.is_finite() {
+                return x;
             }
             let e = x.abs().log2().floor() as i32;
             let q = 2f32.powi(e - 10);
@@ -272,6 +285,12 @@ fn f16_bits(x: f32) -> u16 {
         return if x.is_sign_negative() { 0x8000 } else { 0 };
     }
     let sign = if x < 0.0 { 0x8000u16 } else { 0 };
+    if x.is_nan() {
+        return 0x7e00;
+    }
+    if x.is_infinite() {
+        return sign | 0x7c00;
+    }
     let a = x.abs();
     let e = a.log2().floor() as i32;
     if e < -14 {
@@ -398,6 +417,7 @@ fn check(
             host.push(Data::I32(v));
         } else {
             let magnitude = case.non_negative.contains(&i);
+            let masked = case.masked.contains(&i);
             let d = if b.elem == Elem::Float {
                 dtype
             } else {
@@ -406,6 +426,9 @@ fn check(
             let v: Vec<f32> = (0..n)
                 .map(|_| {
                     let x = rng.normal_ish();
+                    if masked && rng.next() % 8 != 0 {
+                        return f32::NEG_INFINITY;
+                    }
                     stored(if magnitude { x.abs() } else { x }, d)
                 })
                 .collect();
@@ -500,6 +523,28 @@ fn the_generated_cuda_runs_on_the_cpu_as_the_interpreter_computes() {
                 .contains("dplc_head")),
         "a loss row walked from its unaligned head"
     );
+    // The loss rows again (the vocabulary of 4,099 walked by a block, 256
+    // by a warp) with most logits masked: the one-walk maximum and sum
+    // skip −∞, a thread or lane that saw only −∞ adds nothing, and the
+    // gradient there is 0.
+    let losses: Vec<Case> = cases
+        .iter()
+        .filter(|c| c.kernel.op.starts_with("log_softmax_take_along"))
+        .map(|c| {
+            let logits = (0..c.kernel.buffers.len())
+                .filter(|&i| !c.kernel.buffers[i].output && c.kernel.buffers[i].elem == Elem::Float)
+                .max_by_key(|&i| c.args.buffer_len(&c.kernel, i))
+                .expect("a loss reads its logits");
+            Case {
+                kernel: c.kernel.clone(),
+                args: c.args.clone(),
+                non_negative: vec![],
+                masked: vec![logits],
+            }
+        })
+        .collect();
+    assert!(losses.len() >= 4, "{} loss kernels", losses.len());
+    cases.extend(losses);
     graph_cases(&common::lower_m(common::SCANS), &mut cases);
     step_cases(&mut cases);
     let dir = std::env::temp_dir().join(format!("dplc-host-cuda-{}", std::process::id()));
