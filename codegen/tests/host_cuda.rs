@@ -426,7 +426,7 @@ fn check(
             let v: Vec<f32> = (0..n)
                 .map(|_| {
                     let x = rng.normal_ish();
-                    if masked && rng.next() % 8 != 0 {
+                    if masked && !rng.next().is_multiple_of(8) {
                         return f32::NEG_INFINITY;
                     }
                     stored(if magnitude { x.abs() } else { x }, d)
