@@ -52,8 +52,19 @@ pub(crate) struct DpReduction {
 pub(crate) struct GroupLink {
     pub size: u64,
     pub level: LinkLevel,
+    /// A ring's bus bandwidth per device: across nodes, the NICs of the
+    /// group's members on one node carry rings side by side.
     pub bandwidth: f64,
     pub latency: f64,
+    /// Members of the group on one node (`size` when it stays in a node).
+    pub per_node: u64,
+    /// What one member's own links carry, in and out of its node: an
+    /// all-to-all sends each peer its own piece directly, so the bytes for
+    /// peers on other nodes leave through the sender's NIC alone (no ring
+    /// spreads them over the node's NICs) while those for its node's peers
+    /// cross the switch.
+    pub nic_bandwidth: f64,
+    pub intra_bandwidth: f64,
 }
 
 pub(crate) fn group_link(cluster: &Cluster, stride: u64, size: u64) -> GroupLink {
@@ -64,6 +75,9 @@ pub(crate) fn group_link(cluster: &Cluster, stride: u64, size: u64) -> GroupLink
             level: LinkLevel::None,
             bandwidth: f64::INFINITY,
             latency: 0.0,
+            per_node: 1,
+            nic_bandwidth: f64::INFINITY,
+            intra_bandwidth: f64::INFINITY,
         };
     }
     let eff = |l: &Link| l.bandwidth * NCCL_EFFICIENCY;
@@ -73,6 +87,9 @@ pub(crate) fn group_link(cluster: &Cluster, stride: u64, size: u64) -> GroupLink
             level: LinkLevel::IntraNode,
             bandwidth: eff(&cluster.intra_node),
             latency: cluster.intra_node.latency_s,
+            per_node: size,
+            nic_bandwidth: eff(&cluster.intra_node),
+            intra_bandwidth: eff(&cluster.intra_node),
         }
     } else {
         // Members of the group that share a node send over their own NICs in
@@ -83,6 +100,9 @@ pub(crate) fn group_link(cluster: &Cluster, stride: u64, size: u64) -> GroupLink
             level: LinkLevel::InterNode,
             bandwidth: (eff(&cluster.inter_node) * per_node).min(eff(&cluster.intra_node)),
             latency: cluster.inter_node.latency_s,
+            per_node: per_node as u64,
+            nic_bandwidth: eff(&cluster.inter_node),
+            intra_bandwidth: eff(&cluster.intra_node),
         }
     }
 }
@@ -101,8 +121,17 @@ pub(crate) fn collective_time(kind: CollectiveKind, bytes: f64, link: &GroupLink
             let tree = 2.0 * n.log2().ceil() * a + 2.0 * bytes / bw;
             ring.min(tree)
         }
-        CollectiveKind::AllGather | CollectiveKind::ReduceScatter | CollectiveKind::AllToAll => {
+        CollectiveKind::AllGather | CollectiveKind::ReduceScatter => {
             (n - 1.0) / n * bytes / bw + (n - 1.0) * a
+        }
+        // Each member sends `bytes / n` to every peer at once: the pieces for
+        // its node's `p − 1` peers cross the switch while those for the
+        // `n − p` peers elsewhere leave through its NIC, whichever is longer.
+        CollectiveKind::AllToAll => {
+            let p = (link.per_node as f64).clamp(1.0, n);
+            let within = (p - 1.0) / n * bytes / link.intra_bandwidth;
+            let across = (n - p) / n * bytes / link.nic_bandwidth;
+            within.max(across) + (n - 1.0) * a
         }
         CollectiveKind::SendRecv => bytes / bw + a,
     }
@@ -268,5 +297,40 @@ impl CostModel<'_> {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{collective_time, group_link};
+    use crate::cluster::parse_cluster;
+    use dplc_ir::CollectiveKind;
+
+    /// An all-to-all across two DGX H100 nodes is bound by each GPU's own NIC
+    /// (half its bytes leave the node at 40 GB/s), where a ring all-gather of
+    /// the same group spreads over the node's eight NICs; inside a node the
+    /// two are the same.
+    #[test]
+    fn an_all_to_all_across_nodes_leaves_through_each_senders_nic() {
+        let cluster = parse_cluster("2x8xH100").unwrap();
+        let bytes = 1e9;
+        let across = group_link(&cluster, 1, 16);
+        let nic = 50e9 * super::NCCL_EFFICIENCY;
+        let a2a = collective_time(CollectiveKind::AllToAll, bytes, &across);
+        let want = 0.5 * bytes / nic + 15.0 * across.latency;
+        assert!((a2a - want).abs() < 1e-9, "{a2a} != {want}");
+        let ring = collective_time(CollectiveKind::AllGather, bytes, &across);
+        assert!(a2a > 4.0 * ring, "all-to-all {a2a} s vs ring {ring} s");
+
+        let within = group_link(&cluster, 1, 8);
+        let a2a = collective_time(CollectiveKind::AllToAll, bytes, &within);
+        let ring = collective_time(CollectiveKind::AllGather, bytes, &within);
+        assert!((a2a - ring).abs() < 1e-12);
+
+        // Spread one to a node (a stride of 8), every byte leaves through a NIC.
+        let spread = group_link(&cluster, 8, 2);
+        let a2a = collective_time(CollectiveKind::AllToAll, bytes, &spread);
+        let want = 0.5 * bytes / nic + spread.latency;
+        assert!((a2a - want).abs() < 1e-9, "{a2a} != {want}");
     }
 }
