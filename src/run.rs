@@ -194,6 +194,12 @@ pub fn prepare(args: &PlanArgs) -> Result<Prepared> {
                 "dplc's runtime gathers ZeRO-3's weights into flat buffers; shards=per_param prices FSDP2"
             ));
         }
+        if pinned.dispatch == Some(dplc_ir::Dispatch::Hierarchical) {
+            return Err(miette!(
+                help = "drop dispatch from --strategy to train here; `dplc compile` prices DeepEP's and HybridEP's dispatch and `dplc export` hands it to Megatron-LM",
+                "dplc's ranks dispatch MoE tokens with one all-to-all; dispatch=hierarchical prices another engine's dispatcher"
+            ));
+        }
         // Attention runs as the plan prices it: one fused kernel per
         // attention codegen takes (the default, `attention=fused`), or op
         // by op when `attention=unfused` is pinned (RunConfig::attention).

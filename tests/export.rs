@@ -700,6 +700,38 @@ fn experts_go_to_megatron_whole_over_tp() {
         !script.contains("--expert-tensor-parallel-size"),
         "{script}"
     );
+    assert!(!script.contains("--moe-token-dispatcher-type"), "{script}");
+}
+
+/// The token dispatcher the plan priced: one all-to-all, or DeepEP's
+/// hierarchical dispatch (0.12.0's `flex` with `--moe-enable-deepep`).
+#[test]
+fn the_priced_token_dispatcher_goes_to_megatron() {
+    for (dispatch, flags) in [
+        ("alltoall", &["--moe-token-dispatcher-type alltoall"][..]),
+        (
+            "deepep",
+            &["--moe-token-dispatcher-type flex", "--moe-enable-deepep"][..],
+        ),
+    ] {
+        let plan = compile(
+            "models/mixtral.dpl",
+            "mixtral_8x7b",
+            "2x8xH100",
+            &[
+                "--strategy",
+                &format!("tp=2,pp=2,ep=4,dp=4,dispatch={dispatch}"),
+            ],
+            &format!("dispatch_{dispatch}.ron"),
+        );
+        let out = export(&plan, "megatron", &[]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let script = text(&out.stdout);
+        check_megatron(&script);
+        for flag in flags {
+            assert!(script.contains(flag), "{dispatch}: no {flag} in {script}");
+        }
+    }
 }
 
 #[test]

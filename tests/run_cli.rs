@@ -1401,3 +1401,25 @@ fn a_one_rank_fused_step_crosses_the_host_only_for_inputs_losses_and_the_norm() 
         "{per_step} host crossings a step with {m} micro-batches"
     );
 }
+
+/// Knobs that price another engine's stack are refused by `dplc run` with
+/// what to do, before any rank starts: its ranks send one all-to-all.
+#[test]
+fn run_refuses_a_dispatcher_it_does_not_run() {
+    let out = dplc(&[
+        "run",
+        "models/tiny.dpl",
+        "--model",
+        "moe_tiny",
+        "--cluster",
+        "4xcpu",
+        "--strategy",
+        "ep=2,dispatch=hierarchical",
+        "--steps",
+        "1",
+    ]);
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(err.contains("dispatch=hierarchical"), "{err}");
+    assert!(err.contains("drop dispatch from --strategy"), "{err}");
+}

@@ -223,6 +223,11 @@ pub struct Strategy {
     /// written without it while they do).
     #[serde(default, skip_serializing_if = "GradAccum::is_fused")]
     pub grad_accum: GradAccum,
+    /// How an MoE layer's tokens reach their experts' ranks. Plans written
+    /// before this field existed sent one all-to-all (and are written
+    /// without it while they do).
+    #[serde(default, skip_serializing_if = "Dispatch::is_all_to_all")]
+    pub dispatch: Dispatch,
     /// How the model's ends (embedding, head, loss) split under tensor
     /// parallelism. Plans written before this field existed were vocabulary-parallel.
     #[serde(default, skip_serializing_if = "RootSplit::is_vocab")]
@@ -734,6 +739,39 @@ impl GradAccum {
     }
 }
 
+/// How an MoE layer's token dispatcher moves each token to the ranks of
+/// its `top_k` experts (and the combine brings the outputs back).
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+pub enum Dispatch {
+    /// One all-to-all of every (token, expert) pair: a token routed to two
+    /// experts on one rank, or to several on another node, travels once per
+    /// expert (Megatron-Core's `alltoall` dispatcher, NCCL's all-to-all;
+    /// what dplc's ranks run).
+    #[default]
+    AllToAll,
+    /// Each token crosses to every other node holding one of its experts
+    /// once, over RDMA, and is forwarded inside that node over NVLink to
+    /// each rank holding one, once per rank; the combine sums on the node
+    /// before sending back (DeepEP's normal kernels and HybridEP,
+    /// Megatron-Core's `flex` dispatcher).
+    Hierarchical,
+}
+
+impl Dispatch {
+    pub fn name(self) -> &'static str {
+        match self {
+            Dispatch::AllToAll => "alltoall",
+            Dispatch::Hierarchical => "hierarchical",
+        }
+    }
+
+    fn is_all_to_all(&self) -> bool {
+        *self == Dispatch::AllToAll
+    }
+}
+
 /// How the elementwise ops between the GEMMs run.
 #[derive(
     Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
@@ -930,6 +968,9 @@ impl fmt::Display for Strategy {
         }
         if self.grad_accum != GradAccum::Fused {
             write!(f, ", grad accumulation {}", self.grad_accum.name())?;
+        }
+        if self.dispatch != Dispatch::AllToAll {
+            write!(f, ", token dispatch {}", self.dispatch.name())?;
         }
         if self.tp_overlap != TpOverlap::None {
             write!(f, ", tp overlap {}", self.tp_overlap.name())?;

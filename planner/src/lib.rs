@@ -676,7 +676,7 @@ fn compile_one(req: &PlanRequest, cache: &layouts::LayoutCache) -> Result<Compil
         seq,
         &out.best,
         out.evaluated,
-        out.evaluated * analytic_choices(&req.pinned, &req.cluster),
+        out.evaluated * analytic_choices(req),
         out.feasible,
         req.pinned.to_string(),
     );
@@ -748,9 +748,12 @@ fn compile_one(req: &PlanRequest, cache: &layouts::LayoutCache) -> Result<Compil
 /// parallelism and TE's userbuffers, so it is pinned, not searched), fused
 /// gradient accumulation, the overlapped gradient reduction, the
 /// vocabulary-split root, time-balanced stages — or that changes the
-/// numerics and is never chosen unasked (FP8, where the device has it).
+/// numerics and is never chosen unasked (FP8, where the device has it) —
+/// or, for a model with experts, the token dispatcher (hierarchical is never
+/// slower, but the search keeps the all-to-all dplc's ranks run).
 /// A pinned knob has one choice.
-fn analytic_choices(pins: &StrategyConstraints, cluster: &Cluster) -> u64 {
+fn analytic_choices(req: &PlanRequest) -> u64 {
+    let (pins, cluster) = (&req.pinned, &req.cluster);
     let knob = |pinned: bool, choices: u64| if pinned { 1 } else { choices };
     knob(pins.attention.is_some(), 2)
         * knob(pins.tp_overlap.is_some(), 3)
@@ -759,6 +762,10 @@ fn analytic_choices(pins: &StrategyConstraints, cluster: &Cluster) -> u64 {
         * knob(pins.root.is_some(), 2)
         * knob(pins.even_stages.is_some(), 2)
         * knob(pins.fp8.is_some() || cluster.device.peak_fp8 <= 0.0, 2)
+        * knob(
+            pins.dispatch.is_some() || rules::model_experts(req.graph).is_none(),
+            2,
+        )
 }
 
 /// The tensor- and expert-parallel degrees the search may try: divisors of the

@@ -2,7 +2,7 @@
 //! human summary and the `--json` object.
 
 use crate::cluster::Cluster;
-use crate::cost::{collective_time, group_link, Config, CostModel, GroupLink};
+use crate::cost::{collective_time, dispatch_time, group_link, Config, CostModel, GroupLink};
 use crate::profile::{Bind, ModelProfile, RegionProfile};
 use crate::search::{complexity, Candidate};
 use crate::sharding::{Pass, TpCollectiveKind};
@@ -33,10 +33,11 @@ pub(crate) fn mesh(c: &Config, cluster: &Cluster) -> Mesh {
             size,
             stride,
             link: l.level,
-            bandwidth_bytes_per_s: if l.level == LinkLevel::None {
-                0.0
-            } else {
-                l.bandwidth
+            bandwidth_bytes_per_s: match (l.level, axis) {
+                (LinkLevel::None, _) => 0.0,
+                // Expert parallelism's traffic is all-to-all.
+                (_, MeshAxis::Ep) => l.all_to_all_bandwidth(),
+                _ => l.bandwidth,
             },
         });
     }
@@ -71,6 +72,11 @@ pub(crate) fn strategy(c: &Config, global_batch: u64, seq: u64) -> Strategy {
         attention: c.attention,
         tp_overlap: c.tp_overlap,
         grad_accum: c.grad_accum,
+        dispatch: if c.ep > 1 {
+            c.dispatch
+        } else {
+            dplc_ir::Dispatch::AllToAll
+        },
         root: c.root,
         fp8: c.fp8,
         fp8_gather: c.gathers_fp8(),
@@ -340,27 +346,23 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
         let div = if c.sp { c.tp as f64 } else { 1.0 };
         for sh in &shares0 {
             let name = &names[sh.stack];
-            let bytes = bind.eval(&profile.stacks[sh.stack].layer.all_to_all_bytes) / div;
-            push(
-                &mut out,
-                CollectiveKind::AllToAll,
-                MeshAxis::Ep,
-                &format!("{name}: token dispatch and combine"),
-                bytes / 2.0,
-                StepPhase::Forward,
-                2 * sh.layers * m,
-                &link,
-            );
-            push(
-                &mut out,
-                CollectiveKind::AllToAll,
-                MeshAxis::Ep,
-                &format!("{name}: token dispatch and combine gradients"),
-                bytes / 2.0,
-                StepPhase::Backward,
-                2 * sh.layers * m,
-                &link,
-            );
+            let layer = &profile.stacks[sh.stack].layer;
+            let bytes = bind.eval(&layer.all_to_all_bytes) / div / 2.0;
+            let time_s = dispatch_time(c.dispatch, bytes, &link, layer.routing);
+            for (what, phase) in [
+                ("token dispatch and combine", StepPhase::Forward),
+                ("token dispatch and combine gradients", StepPhase::Backward),
+            ] {
+                push_timed(
+                    &mut out,
+                    (CollectiveKind::AllToAll, MeshAxis::Ep),
+                    &format!("{name}: {what}"),
+                    bytes,
+                    phase,
+                    2 * sh.layers * m,
+                    (&link, time_s),
+                );
+            }
         }
     }
     if c.pp > 1 {
@@ -485,6 +487,21 @@ fn push(
     count: u64,
     link: &GroupLink,
 ) {
+    let time_s = collective_time(kind, bytes, link);
+    push_timed(out, (kind, axis), what, bytes, phase, count, (link, time_s));
+}
+
+/// [`push`] for a collective whose time is not the textbook algorithm's
+/// (a hierarchical MoE dispatch).
+fn push_timed(
+    out: &mut Vec<Collective>,
+    (kind, axis): (CollectiveKind, MeshAxis),
+    what: &str,
+    bytes: f64,
+    phase: StepPhase,
+    count: u64,
+    (link, time_s): (&GroupLink, f64),
+) {
     if count == 0 || bytes <= 0.0 {
         return;
     }
@@ -495,7 +512,7 @@ fn push(
         bytes: bytes as u64,
         phase,
         count_per_step: count,
-        time_s: collective_time(kind, bytes, link),
+        time_s,
         group: Some((link.size, link.level)),
     });
 }

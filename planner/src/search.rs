@@ -276,6 +276,7 @@ pub(crate) fn search(
                                 attention: pins.attention.unwrap_or(AttentionKind::Fused),
                                 tp_overlap: pins.tp_overlap.unwrap_or(TpOverlap::Async),
                                 grad_accum: pins.grad_accum.unwrap_or_default(),
+                                dispatch: pins.dispatch.unwrap_or_default(),
                                 root,
                                 order,
                                 even_stages: pins.even_stages.unwrap_or(false),

@@ -3,8 +3,8 @@
 
 use crate::PlanError;
 use dplc_ir::{
-    AttentionKind, Compression, Elementwise, GradAccum, GradSync, PipelineSchedule, Recompute,
-    RootSplit, ServerRanks, ShardLayout, TpOverlap,
+    AttentionKind, Compression, Dispatch, Elementwise, GradAccum, GradSync, PipelineSchedule,
+    Recompute, RootSplit, ServerRanks, ShardLayout, TpOverlap,
 };
 use std::fmt;
 
@@ -41,6 +41,9 @@ pub struct StrategyConstraints {
     pub tp_overlap: Option<TpOverlap>,
     /// `grad_accum=fused|separate`; the search uses Megatron's default, fused.
     pub grad_accum: Option<GradAccum>,
+    /// `dispatch=alltoall|hierarchical` (`deepep`, `hybridep` and `flex` read
+    /// as `hierarchical`); the search sends one all-to-all, as dplc's ranks do.
+    pub dispatch: Option<Dispatch>,
     /// `root=vocab|replicated`; the search uses the e-graph's vocabulary split.
     pub root: Option<RootSplit>,
     /// `order=tp-cp-dp-pp|tp-cp-pp-dp`: the rank order of the mesh; the
@@ -207,6 +210,7 @@ impl StrategyConstraints {
             attention: Some(s.attention),
             tp_overlap: Some(s.tp_overlap),
             grad_accum: (s.grad_accum != GradAccum::Fused).then_some(s.grad_accum),
+            dispatch: (s.dispatch != Dispatch::AllToAll).then_some(s.dispatch),
             root: (s.root != RootSplit::Vocab).then_some(s.root),
             order: Some(AxisOrder::of(m)),
             fp8: s.fp8.then_some(true),
@@ -417,6 +421,17 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
                     }
                 })
             }
+            "dispatch" => {
+                c.dispatch = Some(match value.to_ascii_lowercase().as_str() {
+                    "alltoall" | "all_to_all" | "all-to-all" => Dispatch::AllToAll,
+                    "hierarchical" | "deepep" | "hybridep" | "flex" => Dispatch::Hierarchical,
+                    _ => {
+                        return Err(err(format!(
+                            "dispatch is alltoall or hierarchical (deepep, hybridep), got `{value}`"
+                        )))
+                    }
+                })
+            }
             "order" => {
                 c.order = Some(match value.to_ascii_lowercase().as_str() {
                     "tp-cp-dp-pp" => AxisOrder::DataInner,
@@ -520,7 +535,7 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
             }
             _ => {
                 return Err(err(format!(
-                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, recompute_layers, sp, overlap, attention, tp_overlap, grad_accum, root, order, stages, fp8, fp8_gather, fp8_bf16_ends, autocast, offload, elementwise, shards, sync, ps_shards, ps_ranks, staleness, compress"
+                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, recompute_layers, sp, overlap, attention, tp_overlap, grad_accum, dispatch, root, order, stages, fp8, fp8_gather, fp8_bf16_ends, autocast, offload, elementwise, shards, sync, ps_shards, ps_ranks, staleness, compress"
                 )))
             }
         }
@@ -576,6 +591,7 @@ fn choice_of(key: &str) -> Option<&'static str> {
         "attention" => "attention",
         "tp_overlap" => "tp_overlap",
         "grad_accum" => "grad_accum",
+        "dispatch" => "dispatch",
         "root" => "root",
         "order" => "order",
         "stages" => "stages",
@@ -640,6 +656,9 @@ impl fmt::Display for StrategyConstraints {
         }
         if let Some(g) = self.grad_accum {
             parts.push(format!("grad_accum={}", g.name()));
+        }
+        if let Some(d) = self.dispatch {
+            parts.push(format!("dispatch={}", d.name()));
         }
         if let Some(r) = self.root {
             parts.push(format!("root={}", r.name()));

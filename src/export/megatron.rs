@@ -322,6 +322,21 @@ pub fn parallel_flags(plan: &Plan) -> Vec<Flag> {
     if m.ep > 1 && m.tp > 1 {
         f.push(arg("--expert-tensor-parallel-size", 1));
     }
+    // The dispatcher the plan priced (Megatron's default gathers every token
+    // to every expert rank instead).
+    if m.ep > 1 {
+        match s.dispatch {
+            dplc_ir::Dispatch::AllToAll => {
+                f.push(arg("--moe-token-dispatcher-type", "alltoall"));
+            }
+            // 0.12.0's switch for DeepEP (later releases name the backend
+            // with --moe-flex-dispatcher-backend).
+            dplc_ir::Dispatch::Hierarchical => {
+                f.push(arg("--moe-token-dispatcher-type", "flex"));
+                f.push(flag("--moe-enable-deepep"));
+            }
+        }
+    }
     if s.sequence_parallel && m.tp > 1 {
         f.push(flag("--sequence-parallel"));
     }

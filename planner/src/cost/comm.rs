@@ -6,8 +6,9 @@
 
 use super::{Config, CostModel, KERNEL_OVERHEAD_S, MEMORY_EFFICIENCY};
 use crate::cluster::{Cluster, Link};
+use crate::profile::Routing;
 use crate::sharding::{Pass, TpCollectiveKind};
-use dplc_ir::{CollectiveKind, Compression, LinkLevel, TpOverlap};
+use dplc_ir::{CollectiveKind, Compression, Dispatch, LinkLevel, TpOverlap};
 
 /// NCCL reaches about 80% of the link's line rate: "with the protocol overhead
 /// (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s" of 450
@@ -45,6 +46,20 @@ pub(crate) struct DpReduction {
     pub compute_s: f64,
     /// Bytes the busiest rank's link carries in one direction.
     pub link_bytes: f64,
+}
+
+impl GroupLink {
+    /// The rate at which one member's `n − 1` pieces of an all-to-all leave
+    /// it: each goes straight to its peer, those for its node's `p − 1`
+    /// peers over the switch while those for the `n − p` elsewhere leave
+    /// through its NIC, whichever takes longer.
+    pub fn all_to_all_bandwidth(&self) -> f64 {
+        let n = self.size as f64;
+        let p = (self.per_node as f64).clamp(1.0, n);
+        let within = (p - 1.0) / self.intra_bandwidth;
+        let across = (n - p) / self.nic_bandwidth;
+        (n - 1.0) / within.max(across)
+    }
 }
 
 /// The bandwidth and latency a group of `size` ranks spaced `stride` apart sees.
@@ -124,17 +139,54 @@ pub(crate) fn collective_time(kind: CollectiveKind, bytes: f64, link: &GroupLink
         CollectiveKind::AllGather | CollectiveKind::ReduceScatter => {
             (n - 1.0) / n * bytes / bw + (n - 1.0) * a
         }
-        // Each member sends `bytes / n` to every peer at once: the pieces for
-        // its node's `p − 1` peers cross the switch while those for the
-        // `n − p` peers elsewhere leave through its NIC, whichever is longer.
         CollectiveKind::AllToAll => {
-            let p = (link.per_node as f64).clamp(1.0, n);
-            let within = (p - 1.0) / n * bytes / link.intra_bandwidth;
-            let across = (n - p) / n * bytes / link.nic_bandwidth;
-            within.max(across) + (n - 1.0) * a
+            (n - 1.0) / n * bytes / link.all_to_all_bandwidth() + (n - 1.0) * a
         }
         CollectiveKind::SendRecv => bytes / bw + a,
     }
+}
+
+/// Seconds for one MoE dispatch or combine over the expert group `link`,
+/// `bytes` counting every (token, expert) pair: what one all-to-all moves.
+/// A hierarchical dispatcher (DeepEP, HybridEP) sends each token across to
+/// every other node holding one of its experts once and forwards it inside
+/// that node to each rank holding one, once per rank; the combine retraces
+/// the path, summing on the node first. With `routing`'s `top_k` of
+/// `experts` spread evenly over the group (as many on each rank), a token
+/// reaches a set of `m` experts' worth of ranks with the chance that not all
+/// `k` of its distinct experts lie outside them:
+/// `1 − C(E − m, k) / C(E, k)`.
+pub(crate) fn dispatch_time(
+    dispatch: Dispatch,
+    bytes: f64,
+    link: &GroupLink,
+    routing: Option<Routing>,
+) -> f64 {
+    let routing = routing.filter(|r| dispatch == Dispatch::Hierarchical && r.top_k > 0);
+    let Some(Routing { experts, top_k }) = routing else {
+        return collective_time(CollectiveKind::AllToAll, bytes, link);
+    };
+    if link.size <= 1 || bytes <= 0.0 {
+        return 0.0;
+    }
+    let (n, e, k) = (link.size as f64, experts as f64, top_k as f64);
+    let p = (link.per_node as f64).clamp(1.0, n);
+    let reaches = |held: f64| {
+        let missed: f64 = (0..top_k)
+            .map(|i| ((e - held - i as f64) / (e - i as f64)).max(0.0))
+            .product();
+        1.0 - missed
+    };
+    let per_rank = e / n;
+    // Other ranks, and other nodes, holding at least one of a token's experts.
+    let ranks = (n - 1.0) * reaches(per_rank);
+    let nodes = (n / p - 1.0) * reaches(per_rank * p);
+    let copy = bytes / k;
+    // Each node reached takes the token over RDMA; every other rank reached
+    // takes it over the switch (from its own node, or forwarded there).
+    let within = copy * (ranks - nodes) / link.intra_bandwidth;
+    let across = copy * nodes / link.nic_bandwidth;
+    within.max(across) + (n - 1.0) * link.latency
 }
 
 /// The part of a tensor-parallel collective taking `t` seconds that stays on
@@ -302,9 +354,10 @@ impl CostModel<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::{collective_time, group_link};
+    use super::{collective_time, dispatch_time, group_link};
     use crate::cluster::parse_cluster;
-    use dplc_ir::CollectiveKind;
+    use crate::profile::Routing;
+    use dplc_ir::{CollectiveKind, Dispatch};
 
     /// An all-to-all across two DGX H100 nodes is bound by each GPU's own NIC
     /// (half its bytes leave the node at 40 GB/s), where a ring all-gather of
@@ -332,5 +385,59 @@ mod tests {
         let a2a = collective_time(CollectiveKind::AllToAll, bytes, &spread);
         let want = 0.5 * bytes / nic + spread.latency;
         assert!((a2a - want).abs() < 1e-9, "{a2a} != {want}");
+    }
+
+    /// Qwen3-30B-A3B's routing (8 of 128 experts) over 16 ranks on two
+    /// nodes: an all-to-all sends half of a token's 8 copies across, a
+    /// hierarchical dispatcher the token once to the other node whenever one
+    /// of its experts is there (all but 1 − C(64, 8)/C(128, 8) of the time).
+    #[test]
+    fn a_hierarchical_dispatch_crosses_to_each_node_once() {
+        let cluster = parse_cluster("2x8xH100").unwrap();
+        let link = group_link(&cluster, 1, 16);
+        let routing = Some(Routing {
+            experts: 128,
+            top_k: 8,
+        });
+        let bytes = 8e9;
+        let flat = dispatch_time(Dispatch::AllToAll, bytes, &link, routing);
+        assert_eq!(
+            flat,
+            collective_time(CollectiveKind::AllToAll, bytes, &link)
+        );
+        let hier = dispatch_time(Dispatch::Hierarchical, bytes, &link, routing);
+        let missed: f64 = (0..8)
+            .map(|i| (64.0 - i as f64) / (128.0 - i as f64))
+            .product();
+        let want = 1e9 * (1.0 - missed) / link.nic_bandwidth + 15.0 * link.latency;
+        assert!((hier - want).abs() < 1e-9, "{hier} != {want}");
+        assert!(flat / hier > 3.9 && flat / hier < 4.1, "{flat} / {hier}");
+    }
+
+    /// One expert a token moves one copy either way; more, and the
+    /// hierarchical dispatcher never sends more than the all-to-all, inside a
+    /// node or across, spread or packed.
+    #[test]
+    fn a_hierarchical_dispatch_is_never_slower_and_equal_at_top_1() {
+        let cluster = parse_cluster("8x8xH100").unwrap();
+        for (stride, size) in [(1, 8), (1, 16), (1, 64), (2, 16), (8, 8), (4, 4)] {
+            let link = group_link(&cluster, stride, size);
+            for (experts, top_k) in [(64, 1), (64, 2), (128, 8), (256, 8), (8, 2), (64, 6)] {
+                if experts % size != 0 {
+                    continue;
+                }
+                let routing = Some(Routing { experts, top_k });
+                let flat = dispatch_time(Dispatch::AllToAll, 1e9, &link, routing);
+                let hier = dispatch_time(Dispatch::Hierarchical, 1e9, &link, routing);
+                let case = format!("stride {stride} size {size}, top {top_k} of {experts}");
+                assert!(hier <= flat * (1.0 + 1e-12), "{case}: {hier} > {flat}");
+                if top_k == 1 {
+                    assert!(
+                        (hier - flat).abs() <= 1e-12 * flat,
+                        "{case}: {hier} != {flat}"
+                    );
+                }
+            }
+        }
     }
 }

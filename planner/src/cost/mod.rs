@@ -12,7 +12,7 @@ mod comm;
 mod region;
 
 pub use comm::overlap_slowdown;
-pub(crate) use comm::{collective_time, group_link, GroupLink};
+pub(crate) use comm::{collective_time, dispatch_time, group_link, GroupLink};
 
 use crate::cluster::Cluster;
 use crate::profile::{Bind, ModelProfile, StackShare};
@@ -78,6 +78,8 @@ pub(crate) struct Config {
     pub attention: AttentionKind,
     pub tp_overlap: TpOverlap,
     pub grad_accum: GradAccum,
+    /// How MoE tokens reach their experts' ranks (`dispatch=`).
+    pub dispatch: dplc_ir::Dispatch,
     pub root: dplc_ir::RootSplit,
     pub order: AxisOrder,
     /// Layers split evenly over the stages (`stages=even`, what Megatron's
@@ -219,7 +221,8 @@ impl PassCost {
 
 /// What the per-micro-batch costs of a layer depend on: tp, cp, ep,
 /// micro-batch, sequence parallelism, recomputation, attention kind,
-/// tensor-parallel overlap, FP8 and the elementwise kernels — and the expert group's stride, which the rank
+/// tensor-parallel overlap, FP8, the elementwise kernels, autocast and the
+/// token dispatcher — and the expert group's stride, which the rank
 /// order and the pipeline degree move (the links of the groups follow).
 type LayerKey = (
     (u64, u64, u64),
@@ -227,7 +230,7 @@ type LayerKey = (
     bool,
     Recompute,
     AttentionKind,
-    (TpOverlap, bool, Elementwise, bool),
+    (TpOverlap, bool, Elementwise, bool, dplc_ir::Dispatch),
     u64,
 );
 
@@ -335,7 +338,7 @@ impl<'a> CostModel<'a> {
             c.sp,
             c.recompute,
             c.attention,
-            (c.tp_overlap, c.fp8, c.elementwise, c.autocast),
+            (c.tp_overlap, c.fp8, c.elementwise, c.autocast, c.dispatch),
             // The tp and cp groups are the innermost axes (their links follow
             // from tp and cp); the expert group is the innermost part of dp,
             // which sits beyond pp when the pipeline is inner.

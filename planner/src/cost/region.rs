@@ -5,7 +5,7 @@
 //! expert-parallel collectives, and what it keeps for backward under each
 //! recompute policy.
 
-use super::comm::{collective_time, exposed_tp, TpExposure};
+use super::comm::{collective_time, dispatch_time, exposed_tp, TpExposure};
 use super::{Config, CostModel, Part, PassCost, KERNEL_OVERHEAD_S, MEMORY_EFFICIENCY};
 use crate::cluster::FLASH2_OVER_FLASH1;
 use crate::profile::{Bind, RegionProfile, Work};
@@ -415,7 +415,7 @@ impl CostModel<'_> {
             let ep_link = self.link(c, MeshAxis::Ep);
             let bytes = bind.eval(&r.all_to_all_bytes) / rep_div;
             // Dispatch and combine in forward, their transposes in backward.
-            let t = 2.0 * collective_time(CollectiveKind::AllToAll, bytes, &ep_link);
+            let t = 2.0 * dispatch_time(c.dispatch, bytes, &ep_link, r.routing);
             pc.comm += t;
             pc.ep_comm += t;
         }

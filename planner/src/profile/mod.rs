@@ -176,6 +176,13 @@ impl ParamCounts {
     }
 }
 
+/// An MoE layer's routing: each token goes to `top_k` of `experts`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Routing {
+    pub experts: u64,
+    pub top_k: u64,
+}
+
 /// A region's costs: a layer body, or the part of the model before or after the layers.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct RegionProfile {
@@ -193,7 +200,12 @@ pub(crate) struct RegionProfile {
     /// before their mean, an MoE layer's tokens before routing.
     pub cp_gather_whole_bytes: Poly,
     pub cp_reduce_scatter_whole_bytes: Poly,
+    /// Both ways of the region's token dispatch and combine, every
+    /// (token, expert) pair counted: what one all-to-all moves.
     pub all_to_all_bytes: Poly,
+    /// The region's MoE routing, where it has one: what decides how much of
+    /// `all_to_all_bytes` a hierarchical dispatcher sends.
+    pub routing: Option<Routing>,
     pub params: ParamCounts,
     pub forward_flops: Poly,
     /// The region masks its attention causally: a fused kernel skips the

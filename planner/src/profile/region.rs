@@ -4,7 +4,7 @@
 //! autocast's per-tensor widths — what the region keeps for backward, and
 //! the collectives its layout inserts.
 
-use super::{CollectiveCost, OpCost, RegionProfile, Saved, Traffic, Work};
+use super::{CollectiveCost, OpCost, RegionProfile, Routing, Saved, Traffic, Work};
 use crate::sharding::{GemmSplit, Pass, RegionSharding, TpCollectiveKind};
 use dplc_ir::{
     Analysis, DType, Dim, Graph, NodeId, Op, Poly, Precision, Ratio, RegionId, SymId, TensorDef,
@@ -557,7 +557,17 @@ pub(super) fn region_profile(
                     p.forward_flops.add_dim(&macs, Ratio::int(2));
                 }
             }
-            Op::MoeDispatch { .. } | Op::MoeCombine => {}
+            Op::MoeDispatch { experts, .. } => {
+                let top_k = g
+                    .tensor(node.inputs[1])
+                    .shape
+                    .last()
+                    .and_then(Dim::as_const);
+                p.routing = top_k.map(|k| Routing {
+                    experts: experts as u64,
+                    top_k: k as u64,
+                });
+            }
             _ => {}
         }
     }
