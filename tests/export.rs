@@ -703,18 +703,14 @@ fn experts_go_to_megatron_whole_over_tp() {
     assert!(!script.contains("--moe-token-dispatcher-type"), "{script}");
 }
 
-/// The token dispatcher the plan priced: one all-to-all, or DeepEP's
-/// hierarchical dispatch (0.12.0's `flex` with `--moe-enable-deepep`).
+/// The token dispatcher the plan priced goes to Megatron as its `alltoall`
+/// dispatcher; DeepEP's hierarchical one is a gap (Megatron's flex
+/// dispatcher cannot drop at a capacity factor, which dplc's experts do),
+/// whose closest plan sends the all-to-all.
 #[test]
 fn the_priced_token_dispatcher_goes_to_megatron() {
-    for (dispatch, flags) in [
-        ("alltoall", &["--moe-token-dispatcher-type alltoall"][..]),
-        (
-            "deepep",
-            &["--moe-token-dispatcher-type flex", "--moe-enable-deepep"][..],
-        ),
-    ] {
-        let plan = compile(
+    let plan = |dispatch: &str| {
+        compile(
             "models/mixtral.dpl",
             "mixtral_8x7b",
             "2x8xH100",
@@ -723,15 +719,35 @@ fn the_priced_token_dispatcher_goes_to_megatron() {
                 &format!("tp=2,pp=2,ep=4,dp=4,dispatch={dispatch}"),
             ],
             &format!("dispatch_{dispatch}.ron"),
-        );
-        let out = export(&plan, "megatron", &[]);
-        assert!(out.status.success(), "{}", text(&out.stderr));
-        let script = text(&out.stdout);
-        check_megatron(&script);
-        for flag in flags {
-            assert!(script.contains(flag), "{dispatch}: no {flag} in {script}");
-        }
-    }
+        )
+    };
+    let out = export(&plan("alltoall"), "megatron", &[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let script = text(&out.stdout);
+    check_megatron(&script);
+    assert!(
+        script.contains("--moe-token-dispatcher-type alltoall"),
+        "{script}"
+    );
+
+    let deepep = plan("deepep");
+    let out = export(&deepep, "megatron", &[]);
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("DeepEP's hierarchical token dispatch"),
+        "{err}"
+    );
+    // The closest plan leaves the dispatcher at its default, the all-to-all.
+    assert!(!err.contains("dispatch="), "{err}");
+    let out = export(&deepep, "megatron", &["--closest"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let script = text(&out.stdout);
+    check_megatron(&script);
+    assert!(
+        script.contains("--moe-token-dispatcher-type alltoall"),
+        "{script}"
+    );
 }
 
 #[test]

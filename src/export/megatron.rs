@@ -133,6 +133,15 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
             |p| p.zero = Some(1),
         ));
     }
+    // TransformerConfig.__post_init__: "moe_expert_capacity_factor only works
+    // with alltoall token dispatcher", and dplc's experts always have one.
+    if m.ep > 1 && s.dispatch == dplc_ir::Dispatch::Hierarchical {
+        gaps.push(Gap::new(
+            "DeepEP's hierarchical token dispatch (Megatron's flex dispatcher cannot drop tokens \
+             at a capacity factor, which dplc's experts do)",
+            |p| p.dispatch = Some(dplc_ir::Dispatch::AllToAll),
+        ));
+    }
     if m.tp > 1 {
         if s.root == RootSplit::Replicated {
             gaps.push(Gap::new(
@@ -323,19 +332,9 @@ pub fn parallel_flags(plan: &Plan) -> Vec<Flag> {
         f.push(arg("--expert-tensor-parallel-size", 1));
     }
     // The dispatcher the plan priced (Megatron's default gathers every token
-    // to every expert rank instead).
+    // to every expert rank instead); a hierarchical one is a gap.
     if m.ep > 1 {
-        match s.dispatch {
-            dplc_ir::Dispatch::AllToAll => {
-                f.push(arg("--moe-token-dispatcher-type", "alltoall"));
-            }
-            // 0.12.0's switch for DeepEP (later releases name the backend
-            // with --moe-flex-dispatcher-backend).
-            dplc_ir::Dispatch::Hierarchical => {
-                f.push(arg("--moe-token-dispatcher-type", "flex"));
-                f.push(flag("--moe-enable-deepep"));
-            }
-        }
+        f.push(arg("--moe-token-dispatcher-type", "alltoall"));
     }
     if s.sequence_parallel && m.tp > 1 {
         f.push(flag("--sequence-parallel"));
