@@ -339,6 +339,11 @@ fn a_hierarchical_dispatcher_sends_a_token_once_to_each_node() {
     assert_eq!(flat.plan.strategy.dispatch, dplc_ir::Dispatch::AllToAll);
     assert!(ep_comm(&flat) > 0.0);
     assert!((ep_comm(&flat) - ep_comm(&hier)).abs() < 1e-9 * ep_comm(&flat));
+    let l = lowered("gpt2.dpl", "gpt2");
+    let mut req = PlanRequest::new(&l.graph, l.train.clone(), parse_cluster("8xA100").unwrap());
+    req.pinned = parse_strategy("dispatch=hierarchical").unwrap();
+    let err = compile(&req).unwrap_err().to_string();
+    assert!(err.contains("the model has no experts"), "{err}");
     assert!(parse_strategy("dispatch=broadcast")
         .unwrap_err()
         .to_string()

@@ -112,6 +112,11 @@ pub(crate) fn validate(
             pin("ep", rules::expert_groups(ep, dp))?;
         }
     }
+    if pins.dispatch == Some(dplc_ir::Dispatch::Hierarchical) && profile.experts.is_none() {
+        return bad(
+            "dispatch=hierarchical routes tokens to experts, but the model has no experts".into(),
+        );
+    }
     if let Some(tp) = pins.tp {
         pin(
             "sp",
