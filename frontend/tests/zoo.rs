@@ -120,11 +120,22 @@ fn nemotron_parameter_counts() {
 }
 
 /// What the Qwen3 fields give (tests/import_hf.rs counts them by hand; the
-/// model cards round them to 4.0B and 30.5B).
+/// model cards round them to 4.0B, 30.5B and 235B). The 235B by hand: the
+/// embedding and the untied output 2 × 151,936 × 4,096; a layer's attention
+/// 4,096 × (8,192 + 2 × 512) + 8,192 × 4,096 + 2 × 128 (the query and key
+/// norms), its two norms 2 × 4,096, router 4,096 × 128 and experts
+/// 128 × 3 × 4,096 × 1,536, 94 times; the final norm 4,096.
 #[test]
 fn qwen3_parameter_counts() {
     assert_eq!(params("qwen3.dpl", "qwen3_4b"), 4_022_468_096);
     assert_eq!(params("qwen3.dpl", "qwen3_30b_a3b"), 30_532_122_624);
+    let layer = 4_096 * (8_192 + 2 * 512) + 8_192 * 4_096 + 2 * 128
+        + 2 * 4_096
+        + 4_096 * 128
+        + 128 * 3 * 4_096 * 1_536;
+    let by_hand = 2 * 151_936 * 4_096 + 94 * layer + 4_096;
+    assert_eq!(by_hand, 235_093_634_560);
+    assert_eq!(params("qwen3.dpl", "qwen3_235b_a22b"), by_hand);
 }
 
 #[test]
