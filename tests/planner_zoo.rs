@@ -325,6 +325,16 @@ fn a_hierarchical_dispatcher_sends_a_token_once_to_each_node() {
     let ratio = ep_comm(&flat) / ep_comm(&hier);
     assert!((3.3..4.0).contains(&ratio), "{ratio}");
     assert!(hier.plan.estimate.step_time_s < flat.plan.estimate.step_time_s);
+    // Each plan prices the other dispatcher as a what-if.
+    let what_if = |c: &Compiled, change: &str| {
+        let w = c.plan.what_if.iter().find(|w| w.change == change);
+        w.and_then(|w| w.step_time_s)
+            .unwrap_or_else(|| panic!("no `{change}` in {:?}", c.plan.what_if))
+    };
+    let to_hier = what_if(&flat, "dispatch alltoall → hierarchical");
+    assert!((to_hier - hier.plan.estimate.step_time_s).abs() < 1e-9 * to_hier);
+    let to_flat = what_if(&hier, "dispatch hierarchical → alltoall");
+    assert!((to_flat - flat.plan.estimate.step_time_s).abs() < 1e-9 * to_flat);
 
     let mixtral = |d: &str| {
         plan(

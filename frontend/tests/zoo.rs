@@ -129,7 +129,9 @@ fn nemotron_parameter_counts() {
 fn qwen3_parameter_counts() {
     assert_eq!(params("qwen3.dpl", "qwen3_4b"), 4_022_468_096);
     assert_eq!(params("qwen3.dpl", "qwen3_30b_a3b"), 30_532_122_624);
-    let layer = 4_096 * (8_192 + 2 * 512) + 8_192 * 4_096 + 2 * 128
+    let layer = 4_096 * (8_192 + 2 * 512)
+        + 8_192 * 4_096
+        + 2 * 128
         + 2 * 4_096
         + 4_096 * 128
         + 128 * 3 * 4_096 * 1_536;

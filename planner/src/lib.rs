@@ -220,6 +220,21 @@ fn what_ifs(req: &PlanRequest, plan: &Plan, cache: &layouts::LayoutCache) -> Vec
             },
         ));
     }
+    if m.ep > 1 {
+        // Would DeepEP or HybridEP pay here (or what the one all-to-all dplc's
+        // ranks send costs a plan priced with them)?
+        let other = match s.dispatch {
+            dplc_ir::Dispatch::AllToAll => dplc_ir::Dispatch::Hierarchical,
+            dplc_ir::Dispatch::Hierarchical => dplc_ir::Dispatch::AllToAll,
+        };
+        variants.push((
+            format!("dispatch {} → {}", s.dispatch.name(), other.name()),
+            StrategyConstraints {
+                dispatch: Some(other),
+                ..base.clone()
+            },
+        ));
+    }
     variants.push((
         format!("micro-batch {} → {}", s.micro_batch, s.micro_batch * 2),
         StrategyConstraints {
