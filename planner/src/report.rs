@@ -349,6 +349,12 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
             let layer = &profile.stacks[sh.stack].layer;
             let bytes = bind.eval(&layer.all_to_all_bytes) / div / 2.0;
             let time_s = dispatch_time(c.dispatch, bytes, &link, layer.routing);
+            // The bytes are every (token, expert) pair's; a hierarchical
+            // dispatcher's time counts the copies it does not send.
+            let how = match c.dispatch {
+                dplc_ir::Dispatch::AllToAll => "",
+                dplc_ir::Dispatch::Hierarchical => " (hierarchical: a token once per node)",
+            };
             for (what, phase) in [
                 ("token dispatch and combine", StepPhase::Forward),
                 ("token dispatch and combine gradients", StepPhase::Backward),
@@ -356,7 +362,7 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
                 push_timed(
                     &mut out,
                     (CollectiveKind::AllToAll, MeshAxis::Ep),
-                    &format!("{name}: {what}"),
+                    &format!("{name}: {what}{how}"),
                     bytes,
                     phase,
                     2 * sh.layers * m,
