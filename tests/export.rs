@@ -688,6 +688,11 @@ fn experts_go_to_megatron_whole_over_tp() {
         script.contains("--expert-tensor-parallel-size 1"),
         "{script}"
     );
+    // The dispatcher the plan priced: one all-to-all.
+    assert!(
+        script.contains("--moe-token-dispatcher-type alltoall"),
+        "{script}"
+    );
     let plan = compile(
         "models/mixtral.dpl",
         "mixtral_8x7b",
@@ -703,34 +708,19 @@ fn experts_go_to_megatron_whole_over_tp() {
     assert!(!script.contains("--moe-token-dispatcher-type"), "{script}");
 }
 
-/// The token dispatcher the plan priced goes to Megatron as its `alltoall`
-/// dispatcher; DeepEP's hierarchical one is a gap (Megatron's flex
+/// DeepEP's hierarchical dispatch is a gap for Megatron (its flex
 /// dispatcher cannot drop at a capacity factor, which dplc's experts do),
-/// whose closest plan sends the all-to-all.
+/// whose closest plan sends the all-to-all (the dispatcher itself:
+/// `experts_go_to_megatron_whole_over_tp`).
 #[test]
-fn the_priced_token_dispatcher_goes_to_megatron() {
-    let plan = |dispatch: &str| {
-        compile(
-            "models/mixtral.dpl",
-            "mixtral_8x7b",
-            "2x8xH100",
-            &[
-                "--strategy",
-                &format!("tp=2,pp=2,ep=4,dp=4,dispatch={dispatch}"),
-            ],
-            &format!("dispatch_{dispatch}.ron"),
-        )
-    };
-    let out = export(&plan("alltoall"), "megatron", &[]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let script = text(&out.stdout);
-    check_megatron(&script);
-    assert!(
-        script.contains("--moe-token-dispatcher-type alltoall"),
-        "{script}"
+fn a_hierarchical_dispatch_is_a_megatron_gap() {
+    let deepep = compile(
+        "models/mixtral.dpl",
+        "mixtral_8x7b",
+        "2x8xH100",
+        &["--strategy", "tp=2,pp=2,ep=4,dp=4,dispatch=deepep"],
+        "dispatch_deepep.ron",
     );
-
-    let deepep = plan("deepep");
     let out = export(&deepep, "megatron", &[]);
     assert!(!out.status.success());
     let err = text(&out.stderr);
