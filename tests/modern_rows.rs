@@ -269,12 +269,16 @@ fn rows() -> Vec<Row> {
         // params (`fp8_param_gather`) and keeps the first and last layer in
         // bf16 (`first_last_layers_bf16`, one at each end), pinned as
         // `fp8_gather=on,fp8_bf16_ends=1`.
+        // The recipes (src/megatron/bridge/recipes/llama/llama3.py, same
+        // commit: llama3_70b_pretrain_config, llama31_405b_pretrain_config)
+        // overlap tensor-parallel communication with Transformer Engine's
+        // userbuffers (`tp_comm_overlap=True`): `tp_overlap=ring`.
         r("Megatron-Bridge 25.11 Llama3 8B, 8 GPUs, FSDP", MBRIDGE, (L3, "llama3_8b"), "8xH100", (8192, 128),
           "tp=1,pp=1,cp=1,dp=8,mb=1,zero=3,fp8=on,fp8_gather=on,fp8_bf16_ends=1", "offload=none", 14451.0, 1.000, Asserted),
         r("Megatron-Bridge 25.11 Llama3 70B, 64 GPUs, TP 4 PP 8 VP 5", MBRIDGE, (L3, "llama3_70b"), "8x8xH100", (8192, 128),
-          "tp=4,pp=8,cp=1,dp=2,mb=1,schedule=interleaved,v=5,zero=1,sp=on,fp8=on,fp8_gather=on,fp8_bf16_ends=1", "offload=none", 1602.0, 0.921, Asserted),
+          "tp=4,pp=8,cp=1,dp=2,mb=1,schedule=interleaved,v=5,zero=1,sp=on,tp_overlap=ring,fp8=on,fp8_gather=on,fp8_bf16_ends=1", "offload=none", 1602.0, 0.980, Asserted),
         r("Megatron-Bridge 26.02 Llama3 70B, 64 GPUs, TP 4 PP 8 VP 5", MBRIDGE, (L3, "llama3_70b"), "8x8xH100", (8192, 256),
-          "tp=4,pp=8,cp=1,dp=2,mb=1,schedule=interleaved,v=5,zero=1,sp=on,fp8=on,fp8_gather=on,fp8_bf16_ends=1", "offload=none", 1621.0, 0.924, Asserted),
+          "tp=4,pp=8,cp=1,dp=2,mb=1,schedule=interleaved,v=5,zero=1,sp=on,tp_overlap=ring,fp8=on,fp8_gather=on,fp8_bf16_ends=1", "offload=none", 1621.0, 0.983, Asserted),
         // 126 layers in 8 stages of 8 chunks, the embedding and the loss
         // counted as layers (the recipe's account_for_*_in_pipeline_split).
         r("Megatron-Bridge 25.11 Llama3.1 405B, 1024 GPUs, TP 8 PP 8 CP 2 VP 8", MBRIDGE, (L3, "llama3_405b"), "128x8xH100", (8192, 512),
