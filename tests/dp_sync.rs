@@ -478,7 +478,14 @@ fn the_planner_prices_servers_and_compression_in_the_order_of_their_bytes() {
         "{b_psd} vs {b_ring}"
     );
     assert!((b_psd1 / b_psd - 32.0).abs() < 1e-3);
-    assert!(t_psd < t_ring, "{t_psd} vs {t_ring}");
+    // Fewer bytes are not less time across nodes: a server's pieces go point
+    // to point, each rank's through its own NIC, where the ring reduces
+    // inside each node and crosses on all eight NICs side by side. So the
+    // dedicated servers (half the ring's bytes, 1× a worker's NIC) and a
+    // shard per worker (the ring's bytes) both lose to the ring here, the
+    // dedicated ones less.
+    assert!(t_psd > t_ring, "{t_psd} vs {t_ring}");
+    assert!(t_psd < t_ps32, "{t_psd} vs {t_ps32}");
     // bf16 halves the ring; top-k 1% sends (n−1)·k pairs of 8 bytes, 0.62×
     // the fp32 gradient at n = 32; PowerSGD rank 4 a few percent of it.
     assert!((b_bf16 / b_ring - 0.5).abs() < 1e-3);
@@ -487,7 +494,7 @@ fn the_planner_prices_servers_and_compression_in_the_order_of_their_bytes() {
     // traffic behind the next step; every compression beats fp32 here.
     assert!(t_ps1 > 1.3 * t_ring, "{t_ps1} vs {t_ring}");
     assert!(t_async < t_ps32 && t_async < t_ring);
-    assert!((t_ps32 / t_ring - 1.0).abs() < 0.01);
+    assert!(t_ps32 > 1.1 * t_ring, "{t_ps32} vs {t_ring}");
     for (name, t) in [("bf16", t_bf16), ("topk", t_topk), ("powersgd", t_psgd)] {
         assert!(t < t_ring, "{name}: {t} vs {t_ring}");
     }
@@ -505,6 +512,12 @@ fn the_planner_prices_servers_and_compression_in_the_order_of_their_bytes() {
     assert!(
         ps1.note
             .contains("server link carries 31.00× the gradient bytes"),
+        "{}",
+        ps1.note
+    );
+    assert!(
+        ps1.note
+            .contains("point to point at 26 GB/s a rank, where the ring runs at 160"),
         "{}",
         ps1.note
     );

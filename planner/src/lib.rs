@@ -425,6 +425,17 @@ fn dp_what_ifs(
                     bytes, plain
                 ),
             };
+            // Across nodes a server's traffic goes point to point, slower
+            // than the ring's bytes (which reduce inside each node first).
+            let link = cost.replica_link(&alt);
+            let rate = cost::server_rate(alt.sync, &link);
+            if alt.sync != GradSync::AllReduce && rate < 0.99 * link.bandwidth {
+                note.push_str(&format!(
+                    "; point to point at {:.0} GB/s a rank, where the ring runs at {:.0}",
+                    rate / 1e9,
+                    link.bandwidth / 1e9
+                ));
+            }
             if alt.sync.staleness() > 0 {
                 note.push_str(&format!(
                     "; no barrier, weights up to {} step stale",

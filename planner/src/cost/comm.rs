@@ -8,7 +8,7 @@ use super::{Config, CostModel, KERNEL_OVERHEAD_S, MEMORY_EFFICIENCY};
 use crate::cluster::{Cluster, Link};
 use crate::profile::Routing;
 use crate::sharding::{Pass, TpCollectiveKind};
-use dplc_ir::{CollectiveKind, Compression, Dispatch, LinkLevel, TpOverlap};
+use dplc_ir::{CollectiveKind, Compression, Dispatch, GradSync, LinkLevel, TpOverlap};
 
 /// NCCL reaches about 80% of the link's line rate: "with the protocol overhead
 /// (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s" of 450
@@ -146,6 +146,19 @@ pub(crate) fn collective_time(kind: CollectiveKind, bytes: f64, link: &GroupLink
     }
 }
 
+/// The rate at which a parameter server's pushes and pulls leave a rank of
+/// the data-parallel group `link`: each piece goes straight to its server,
+/// as an all-to-all's do, so no ring spreads the traffic for other nodes
+/// over the node's NICs — across nodes a rank's own NIC carries it, all of
+/// it where the servers are ranks of their own beyond the cluster.
+pub(crate) fn server_rate(sync: GradSync, link: &GroupLink) -> f64 {
+    match (sync.dedicated_servers() > 0, link.level) {
+        (true, LinkLevel::InterNode) => link.nic_bandwidth,
+        (true, _) => link.bandwidth,
+        (false, _) => link.all_to_all_bandwidth(),
+    }
+}
+
 /// Seconds for one MoE dispatch or combine over the expert group `link`,
 /// `bytes` counting every (token, expert) pair: what one all-to-all moves.
 /// A hierarchical dispatcher (DeepEP, HybridEP) sends each token across to
@@ -276,6 +289,10 @@ impl CostModel<'_> {
     ///   with a link of the data-parallel group's kind) a server carries
     ///   `n/N` × the gradient each way and a worker 1×: `max(1, n/N)`, half
     ///   the ring's bytes at N = n — what BytePS's extra machines buy.
+    ///   The bytes are the ring's at N = n, not its rate: a worker sends
+    ///   each server its piece directly, so across nodes they leave through
+    ///   its own NIC ([`GroupLink::all_to_all_bandwidth`]) where a ring's
+    ///   run over all of the node's NICs side by side.
     ///   Async costs the same bytes; `step_time` hides them behind the next
     ///   step instead of waiting at a barrier.
     pub(crate) fn dp_reduction(
@@ -302,7 +319,7 @@ impl CostModel<'_> {
                 bytes * ((n + shards - 2.0) / shards).max(1.0)
             };
             return DpReduction {
-                wire_s: link_bytes / link.bandwidth + 2.0 * link.latency,
+                wire_s: link_bytes / server_rate(c.sync, link) + 2.0 * link.latency,
                 compute_s: 0.0,
                 link_bytes,
             };

@@ -12,7 +12,7 @@ mod comm;
 mod region;
 
 pub use comm::overlap_slowdown;
-pub(crate) use comm::{collective_time, dispatch_time, group_link, GroupLink};
+pub(crate) use comm::{collective_time, dispatch_time, group_link, server_rate, GroupLink};
 
 use crate::cluster::Cluster;
 use crate::profile::{Bind, ModelProfile, StackShare};
