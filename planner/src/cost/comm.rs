@@ -142,7 +142,16 @@ pub(crate) fn collective_time(kind: CollectiveKind, bytes: f64, link: &GroupLink
         CollectiveKind::AllToAll => {
             (n - 1.0) / n * bytes / link.all_to_all_bandwidth() + (n - 1.0) * a
         }
-        CollectiveKind::SendRecv => bytes / bw + a,
+        // One message over one path: across nodes, the sender's own NIC
+        // (the node's other NICs carry other ranks' messages, not pieces
+        // of this one).
+        CollectiveKind::SendRecv => {
+            let rate = match link.level {
+                LinkLevel::InterNode => link.nic_bandwidth,
+                _ => bw,
+            };
+            bytes / rate + a
+        }
     }
 }
 
@@ -379,9 +388,9 @@ mod tests {
     /// An all-to-all across two DGX H100 nodes is bound by each GPU's own NIC
     /// (half its bytes leave the node at 40 GB/s), where a ring all-gather of
     /// the same group spreads over the node's eight NICs; inside a node the
-    /// two are the same.
+    /// two are the same; a pipeline's send goes over one NIC too.
     #[test]
-    fn an_all_to_all_across_nodes_leaves_through_each_senders_nic() {
+    fn an_all_to_all_or_a_send_across_nodes_leaves_through_each_senders_nic() {
         let cluster = parse_cluster("2x8xH100").unwrap();
         let bytes = 1e9;
         let across = group_link(&cluster, 1, 16);
@@ -396,6 +405,15 @@ mod tests {
         let a2a = collective_time(CollectiveKind::AllToAll, bytes, &within);
         let ring = collective_time(CollectiveKind::AllGather, bytes, &within);
         assert!((a2a - ring).abs() < 1e-12);
+
+        // A pipeline's send across nodes takes one path, the sender's NIC,
+        // however many of the group's ranks share its node.
+        let pipeline = group_link(&cluster, 4, 4);
+        let hop = collective_time(CollectiveKind::SendRecv, bytes, &pipeline);
+        assert!(
+            (hop - (bytes / nic + pipeline.latency)).abs() < 1e-9,
+            "{hop}"
+        );
 
         // Spread one to a node (a stride of 8), every byte leaves through a NIC.
         let spread = group_link(&cluster, 8, 2);
