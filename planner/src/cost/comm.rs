@@ -48,20 +48,6 @@ pub(crate) struct DpReduction {
     pub link_bytes: f64,
 }
 
-impl GroupLink {
-    /// The rate at which one member's `n − 1` pieces of an all-to-all leave
-    /// it: each goes straight to its peer, those for its node's `p − 1`
-    /// peers over the switch while those for the `n − p` elsewhere leave
-    /// through its NIC, whichever takes longer.
-    pub fn all_to_all_bandwidth(&self) -> f64 {
-        let n = self.size as f64;
-        let p = (self.per_node as f64).clamp(1.0, n);
-        let within = (p - 1.0) / self.intra_bandwidth;
-        let across = (n - p) / self.nic_bandwidth;
-        (n - 1.0) / within.max(across)
-    }
-}
-
 /// The bandwidth and latency a group of `size` ranks spaced `stride` apart sees.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct GroupLink {
@@ -80,6 +66,30 @@ pub(crate) struct GroupLink {
     /// cross the switch.
     pub nic_bandwidth: f64,
     pub intra_bandwidth: f64,
+}
+
+impl GroupLink {
+    /// The rate at which one member's `n − 1` pieces of an all-to-all leave
+    /// it: each goes straight to its peer, those for its node's `p − 1`
+    /// peers over the switch while those for the `n − p` elsewhere leave
+    /// through its NIC, whichever takes longer.
+    pub fn all_to_all_bandwidth(&self) -> f64 {
+        let n = self.size as f64;
+        let p = (self.per_node as f64).clamp(1.0, n);
+        let within = (p - 1.0) / self.intra_bandwidth;
+        let across = (n - p) / self.nic_bandwidth;
+        (n - 1.0) / within.max(across)
+    }
+
+    /// The rate of one message to one peer of the group: across nodes it
+    /// takes one path, the sender's NIC (the node's other NICs carry other
+    /// ranks' messages, not pieces of this one).
+    pub fn send_bandwidth(&self) -> f64 {
+        match self.level {
+            LinkLevel::InterNode => self.nic_bandwidth,
+            _ => self.bandwidth,
+        }
+    }
 }
 
 pub(crate) fn group_link(cluster: &Cluster, stride: u64, size: u64) -> GroupLink {
@@ -142,16 +152,7 @@ pub(crate) fn collective_time(kind: CollectiveKind, bytes: f64, link: &GroupLink
         CollectiveKind::AllToAll => {
             (n - 1.0) / n * bytes / link.all_to_all_bandwidth() + (n - 1.0) * a
         }
-        // One message over one path: across nodes, the sender's own NIC
-        // (the node's other NICs carry other ranks' messages, not pieces
-        // of this one).
-        CollectiveKind::SendRecv => {
-            let rate = match link.level {
-                LinkLevel::InterNode => link.nic_bandwidth,
-                _ => bw,
-            };
-            bytes / rate + a
-        }
+        CollectiveKind::SendRecv => bytes / link.send_bandwidth() + a,
     }
 }
 
@@ -161,10 +162,10 @@ pub(crate) fn collective_time(kind: CollectiveKind, bytes: f64, link: &GroupLink
 /// over the node's NICs — across nodes a rank's own NIC carries it, all of
 /// it where the servers are ranks of their own beyond the cluster.
 pub(crate) fn server_rate(sync: GradSync, link: &GroupLink) -> f64 {
-    match (sync.dedicated_servers() > 0, link.level) {
-        (true, LinkLevel::InterNode) => link.nic_bandwidth,
-        (true, _) => link.bandwidth,
-        (false, _) => link.all_to_all_bandwidth(),
+    if sync.dedicated_servers() > 0 {
+        link.send_bandwidth()
+    } else {
+        link.all_to_all_bandwidth()
     }
 }
 
