@@ -204,6 +204,36 @@ pub(crate) struct Layouts {
 #[derive(Default)]
 pub(crate) struct LayoutCache {
     done: RefCell<BTreeMap<Degrees, Arc<Result<Layout, String>>>>,
+    /// The programs under sequence parallelism, extracted for a plan's own
+    /// degrees (the what-ifs that keep them ask again).
+    sequence_parallel: RefCell<BTreeMap<Degrees, SpPrograms>>,
+}
+
+/// A region's programs at some degrees under sequence parallelism: the
+/// layer stacks' and the root's.
+pub(crate) type SpPrograms = Arc<Result<(Vec<ShardResult>, ShardResult), String>>;
+
+impl LayoutCache {
+    /// The layer stacks' and the root's programs at degrees `d` with the
+    /// residual stream split along the sequence, extracted once.
+    pub fn sequence_parallel(
+        &self,
+        g: &Graph,
+        cluster: &Cluster,
+        precision: Precision,
+        seq: u64,
+        d: Degrees,
+    ) -> SpPrograms {
+        if let Some(done) = self.sequence_parallel.borrow().get(&d) {
+            return done.clone();
+        }
+        let an = Analysis::new(g);
+        let programs = Arc::new(extract(g, &an, cluster, precision, seq, d, true));
+        self.sequence_parallel
+            .borrow_mut()
+            .insert(d, programs.clone());
+        programs
+    }
 }
 
 impl Layouts {

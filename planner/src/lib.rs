@@ -671,17 +671,9 @@ fn compile_one(req: &PlanRequest, cache: &layouts::LayoutCache) -> Result<Compil
     // The plan's programs at its own degrees; under sequence parallelism the
     // e-graph runs again with the residual stream split along the sequence.
     let (stacks, root) = if c.sp {
-        let an = dplc_ir::Analysis::new(req.graph);
-        let (l, r) = layouts::extract(
-            req.graph,
-            &an,
-            &req.cluster,
-            precision,
-            seq,
-            (c.tp, c.ep),
-            true,
-        )
-        .map_err(PlanError::Model)?;
+        let programs =
+            cache.sequence_parallel(req.graph, &req.cluster, precision, seq, (c.tp, c.ep));
+        let (l, r) = (*programs).clone().map_err(PlanError::Model)?;
         let n = l.len();
         for (i, s) in l.iter().enumerate() {
             stats.push(LayoutStats::of(&layouts::stack_name(i, n), s));
