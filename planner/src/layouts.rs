@@ -265,19 +265,22 @@ impl Layouts {
         let extracted: Vec<(Degrees, Result<Layout, String>)> = if threads <= 1 {
             missing.iter().map(|&d| (d, one(d))).collect()
         } else {
-            // Degrees dealt round-robin: neighbouring degrees cost alike.
+            // Each worker takes the next degree when it is done with one:
+            // their costs differ by an order of magnitude (a degree that
+            // splits nothing saturates at once), so a fixed deal leaves a
+            // core idle.
+            let next = std::sync::atomic::AtomicUsize::new(0);
             std::thread::scope(|scope| {
-                let one = &one;
-                let missing = &missing;
+                let (one, missing, next) = (&one, &missing, &next);
                 let workers: Vec<_> = (0..threads)
-                    .map(|w| {
+                    .map(|_| {
                         scope.spawn(move || {
-                            missing
-                                .iter()
-                                .skip(w)
-                                .step_by(threads)
-                                .map(|&d| (d, one(d)))
-                                .collect::<Vec<_>>()
+                            let mut done = Vec::new();
+                            loop {
+                                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                let Some(&d) = missing.get(i) else { break done };
+                                done.push((d, one(d)));
+                            }
                         })
                     })
                     .collect();

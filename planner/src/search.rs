@@ -14,7 +14,7 @@ use dplc_ir::{
     AttentionKind, Compression, GradSync, MemoryBreakdown, Offload, PipelineSchedule, Recompute,
     TimeBreakdown, TpOverlap,
 };
-use std::collections::HashMap;
+use fxhash::FxHashMap as HashMap;
 
 /// One evaluated, feasible configuration.
 #[derive(Clone, Debug)]
@@ -186,7 +186,7 @@ pub(crate) fn search(
     let capacity = cluster.device.memory_bytes;
     // Rows one sample puts into a GEMM: its tokens, or 1 without a sequence.
     let rows_per_sample = if profile.seq_sym.is_some() { seq } else { 1 };
-    let mut costs: HashMap<(u64, u64), CostModel> = HashMap::new();
+    let mut costs: HashMap<(u64, u64), CostModel> = HashMap::default();
     let mut out = Outcome {
         best: Vec::new(),
         evaluated: 0,
@@ -194,7 +194,7 @@ pub(crate) fn search(
         smallest: None,
     };
     let keep = top_k + 1;
-    let mut partitions: HashMap<(Config, Option<u64>), Vec<u64>> = HashMap::new();
+    let mut partitions: HashMap<(Config, Option<u64>), Vec<u64>> = HashMap::default();
     let layers = profile.layers;
     let tps: Vec<u64> = divisors(world)
         .into_iter()

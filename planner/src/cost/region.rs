@@ -11,7 +11,7 @@ use crate::cluster::FLASH2_OVER_FLASH1;
 use crate::profile::{Bind, RegionProfile, Work};
 use crate::sharding::{GemmSplit, Pass, TpCollectiveKind};
 use dplc_ir::{AttentionKind, CollectiveKind, Elementwise, MeshAxis, Recompute};
-use std::collections::HashMap;
+use fxhash::FxHashMap as HashMap;
 
 /// Whether a row of `len` elements of `elt` bytes is a whole number of
 /// 16-byte pieces, the alignment a GEMM's fast kernels load (Hopper's
@@ -148,7 +148,7 @@ impl CostModel<'_> {
         let fp8_rate = self.cluster.device.peak_fp8 * self.cluster.device.fp8_matmul_efficiency;
         let (mut attention_flops, mut attention_bytes) = (0.0, 0.0);
         // Each GEMM's forward time: what tensor-parallel collectives hide behind.
-        let mut gemm_times: HashMap<dplc_ir::NodeId, f64> = HashMap::new();
+        let mut gemm_times: HashMap<dplc_ir::NodeId, f64> = HashMap::default();
         // Op-level checkpointing (torchtitan's `op`): the forward it redoes,
         // the GEMM outputs and the attention output it keeps instead.
         let (mut weight_gemms, mut op_recompute, mut op_saved) = (0u32, 0.0, 0.0);

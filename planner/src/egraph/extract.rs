@@ -7,7 +7,8 @@ use super::lang::{MeshAxis, ShardLang};
 use super::{LinkCost, ShardOptions};
 use dplc_ir::{Dim, Op};
 use egg::{Id, Language};
-use std::collections::{BTreeMap, HashMap, HashSet};
+use fxhash::{FxHashMap as HashMap, FxHashSet as HashSet};
+use std::collections::BTreeMap;
 
 /// Cost of the e-nodes: compute, memory traffic and communication of one
 /// training step (forward and backward) on one rank.
@@ -56,7 +57,7 @@ pub fn local_numel(data: &Data, opts: &ShardOptions, eg: &ShardGraph) -> f64 {
 
 impl<'a> CostModel<'a> {
     pub fn new(opts: &'a ShardOptions, eg: &ShardGraph) -> CostModel<'a> {
-        let mut computed_split = HashSet::new();
+        let mut computed_split = HashSet::default();
         for class in eg.classes() {
             for n in &class.nodes {
                 if let ShardLang::MatMul([_, a, _]) = n {
@@ -232,14 +233,14 @@ pub fn extract(eg: &ShardGraph, roots: &[Id], cost: &CostModel) -> Program {
     let roots: Vec<Id> = roots.iter().map(|r| eg.find(*r)).collect();
     let mut classes: Vec<Id> = eg.classes().map(|c| c.id).collect();
     classes.sort();
-    let mut node_costs: HashMap<(Id, usize), f64> = HashMap::new();
+    let mut node_costs: HashMap<(Id, usize), f64> = HashMap::default();
     for &c in &classes {
         for (i, n) in eg[c].nodes.iter().enumerate() {
             node_costs.insert((c, i), cost.node_cost(eg, c, n));
         }
     }
     // Tree-cost fixpoint (shared operands counted per use): a starting choice.
-    let mut best: HashMap<Id, (f64, usize)> = HashMap::new();
+    let mut best: HashMap<Id, (f64, usize)> = HashMap::default();
     loop {
         let mut changed = false;
         for &c in &classes {
@@ -311,7 +312,7 @@ pub fn extract(eg: &ShardGraph, roots: &[Id], cost: &CostModel) -> Program {
 
 /// Classes reachable from `roots` under `choice`, operands first; `None` on a cycle.
 fn topo(eg: &ShardGraph, roots: &[Id], choice: &HashMap<Id, usize>) -> Option<Vec<Id>> {
-    let mut state: HashMap<Id, u8> = HashMap::new();
+    let mut state: HashMap<Id, u8> = HashMap::default();
     let mut order = Vec::new();
     fn visit(
         eg: &ShardGraph,

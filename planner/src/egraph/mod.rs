@@ -20,8 +20,9 @@ use analysis::{mesh_of, num_of, tag_of, Context, Data, Part, ShardAnalysis, Shar
 use dplc_ir::{Analysis, Dim, Graph, Op, ParamId, RegionId, TensorId};
 use egg::{Id, Language, Runner, SimpleScheduler, StopReason};
 use extract::{CostModel, Program};
+use fxhash::FxHashMap as HashMap;
 pub use lang::{MeshAxis, OpTag, ShardLang};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -344,8 +345,8 @@ struct Names {
 
 impl Names {
     fn new(eg: &ShardGraph, p: &Program) -> Names {
-        let mut tensor = HashMap::new();
-        let mut value = HashMap::new();
+        let mut tensor = HashMap::default();
+        let mut value = HashMap::default();
         for (i, &c) in p.order.iter().enumerate() {
             value.insert(c, format!("v{i}"));
             let t = tensor_behind(eg, &p.choice[&c], &tensor);
