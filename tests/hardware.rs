@@ -46,9 +46,13 @@ fn a_described_device_plans_as_the_catalog_device_it_describes() {
     device = accelerator(name = "my-H100", bf16 = 989.4 TFLOP/s, fp16 = 989.4 TFLOP/s,
         fp32 = 66.9 TFLOP/s, memory = 80 GiB, memory_bandwidth = 3350 GB/s,
         matmul_efficiency = 0.7160905599353143,
+        flash2_efficiency = 0.287143723468769,
+        flash2_backward_efficiency = 0.29017586416009705,
         fused_attention_efficiency = 0.6367495451788964,
         fused_attention_backward_efficiency = 0.5372953305033354,
-        unaligned_matmul_efficiency = 0.12511995670597734, multiprocessors = 132)
+        unaligned_matmul_efficiency = 0.12511995670597734,
+        attention_dropout_forward_ps = 0.7064254195601852,
+        attention_dropout_backward_ps = 0.3885339807581018, multiprocessors = 132)
     intra_node = nvswitch(bandwidth = 450 GB/s, latency = 2 us)
     inter_node = infiniband(bandwidth = 50 GB/s per device, latency = 5 us)
 }

@@ -359,3 +359,62 @@ fn a_hierarchical_dispatcher_sends_a_token_once_to_each_node() {
         .to_string()
         .contains("dispatch is alltoall or hierarchical"));
 }
+
+/// A dropout on the attention's scores costs a fused kernel its draws, per
+/// attended score, at the device's measured rate (the H100 die's; none is
+/// measured for the A100), and FlashAttention-3 has none: with dropout,
+/// `attention=fused` is FlashAttention-2 on Hopper.
+#[test]
+fn attention_dropout_is_priced_per_attended_score() {
+    let text = |p: f64| {
+        format!(
+            "model m(vocab = 1024, d = 1024, heads = 8, layers = 2) {{
+                 input tokens: i32[batch, seq]
+                 input targets: i32[batch, seq]
+                 param embed: [vocab, d]
+                 h = embedding(embed, tokens)
+                 repeat layers {{
+                     h = h + attention(layer_norm(h, d), d, heads, dropout = {p})
+                 }}
+                 return cross_entropy(h @ transpose(embed), targets)
+             }}
+             train m {{ seq = 4096 global_batch = 8 precision = bf16 optimizer = adamw(lr = 1e-4) }}"
+        )
+    };
+    let step = |p: f64, cluster: &str, attention: &str| {
+        let unit = dplc_frontend::parse("m.dpl", &text(p)).expect("the model parses");
+        let l = unit.lower("m").expect("the model lowers");
+        let mut req = PlanRequest::new(&l.graph, l.train.clone(), parse_cluster(cluster).unwrap());
+        let pins = format!("tp=1,pp=1,dp=8,mb=1,zero=0,recompute=none,attention={attention}");
+        req.pinned = parse_strategy(&pins).unwrap();
+        compile(&req)
+            .expect("the model plans")
+            .plan
+            .estimate
+            .step_time_s
+    };
+    let same = |a: f64, b: f64| (a - b).abs() <= 1e-12 * a.max(b);
+    // Hopper: with dropout, fused is FlashAttention-2 with the draws.
+    assert!(same(
+        step(0.1, "8xH100", "fused"),
+        step(0.1, "8xH100", "flash2")
+    ));
+    assert!(step(0.0, "8xH100", "fused") < step(0.0, "8xH100", "flash2"));
+    assert!(step(0.1, "8xH100", "flash2") > step(0.0, "8xH100", "flash2"));
+    // The draws: two layers of one micro-batch, 8 heads × 4096² scores of
+    // which FlashAttention-2's kernel pays for half under the causal mask
+    // (`cost::region::attended_share`), at the H200's measured 0.040 +
+    // 0.022 ms for 56,623,104 scores. The residual dropout's masks cost a
+    // little beside them: on the A100, where no draw is measured, that is
+    // all the dropout costs, and at the H100's memory bandwidth it takes
+    // 2,039/3,350 of the A100's time.
+    let draws = 2.0 * 8.0 * 4096.0 * 4096.0 * 0.5 * (0.040e-3 + 0.022e-3) / 56_623_104.0;
+    let hopper = step(0.1, "8xH100", "flash2") - step(0.0, "8xH100", "flash2");
+    let ampere = step(0.1, "8xA100", "flash2") - step(0.0, "8xA100", "flash2");
+    let masks = ampere * 2039.0 / 3350.0;
+    assert!(ampere > 0.0);
+    assert!(
+        ((hopper - masks) / draws - 1.0).abs() < 0.1,
+        "{hopper} − {masks} vs {draws}"
+    );
+}

@@ -445,6 +445,8 @@ fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
             "fused_attention_efficiency",
             "fused_attention_backward_efficiency",
             "unaligned_matmul_efficiency",
+            "attention_dropout_forward_ps",
+            "attention_dropout_backward_ps",
             "multiprocessors",
         ],
         SIGNATURE,
@@ -481,6 +483,18 @@ fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
     let fused_attention_efficiency = fraction("fused_attention_efficiency")?;
     let fused_attention_backward_efficiency = fraction("fused_attention_backward_efficiency")?;
     let unaligned_matmul_efficiency = fraction("unaligned_matmul_efficiency")?;
+    let picoseconds = |key: &str| match f.get(key) {
+        None => Ok(None),
+        Some((v, s)) => {
+            let ps = number(v, s)?;
+            if !(ps.is_finite() && ps >= 0.0) {
+                return Err(expected(v, s, "picoseconds per attended score, e.g. 0.71"));
+            }
+            Ok(Some(ps))
+        }
+    };
+    let attention_dropout_forward_ps = picoseconds("attention_dropout_forward_ps")?;
+    let attention_dropout_backward_ps = picoseconds("attention_dropout_backward_ps")?;
     let spec = DeviceSpec {
         name,
         peak_bf16: bf16,
@@ -506,6 +520,8 @@ fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
         fused_attention_efficiency,
         fused_attention_backward_efficiency,
         unaligned_matmul_efficiency,
+        attention_dropout_forward_ps,
+        attention_dropout_backward_ps,
         multiprocessors: f.count("multiprocessors", Some(0))?,
     };
     for (key, x) in [

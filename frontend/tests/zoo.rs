@@ -170,10 +170,11 @@ fn every_zoo_file_checks() {
 fn megatron_models_are_listed_in_source_order() {
     let unit = dplc_frontend::parse("m.dpl", &zoo("megatron_gpt.dpl")).unwrap();
     let names = unit.model_names();
-    assert_eq!(names.len(), 14);
+    assert_eq!(names.len(), 15);
     assert_eq!(names[0], "gpt_1_7b");
     assert_eq!(names[11], "gpt_175b");
     assert_eq!(names[13], "nemo_gpt3_20b");
+    assert_eq!(names[14], "nemo_gpt3_175b");
     let lowered = unit.lower("gpt_175b").unwrap();
     assert_eq!(lowered.train.seq, 2048);
     assert!(lowered

@@ -193,6 +193,13 @@ pub struct DeviceSpec {
     /// efficiency (no penalty).
     #[serde(default)]
     pub unaligned_matmul_efficiency: Option<f64>,
+    /// Picoseconds a FlashAttention-2 kernel's forward spends on the
+    /// dropout of each attended score; `None`: not priced.
+    #[serde(default)]
+    pub attention_dropout_forward_ps: Option<f64>,
+    /// The same for its backward; `None` takes the forward's.
+    #[serde(default)]
+    pub attention_dropout_backward_ps: Option<f64>,
     /// Streaming multiprocessors (compute units) for wave quantization; 0: none.
     pub multiprocessors: u64,
 }

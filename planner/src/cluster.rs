@@ -54,6 +54,12 @@ pub struct Device {
     /// (`elementwise=eager`); Inductor pads such GEMMs, Megatron pads the
     /// vocabulary. Where none was measured, the large-GEMM efficiency.
     pub unaligned_matmul_efficiency: f64,
+    /// Seconds a FlashAttention-2 kernel spends, forward and backward, on
+    /// the dropout of each attended score (its counter-based draw and
+    /// mask), beyond the kernel without dropout. FlashAttention-3 has no
+    /// dropout, so an attention with dropout runs at FlashAttention-2's
+    /// rate plus this. 0 where none was measured.
+    pub attention_dropout_s: (f64, f64),
     pub intra_node: Link,
     pub inter_node: Link,
     /// Devices in the usual node (DGX/HGX have 8).
@@ -163,6 +169,16 @@ const H100_FLASH3: (f64, f64) = (630.0 / 989.4, 531.6 / 989.4);
 const H100_UNALIGNED: f64 =
     (2.0 * 32768.0 * 50257.0 * 768.0 * 3.0 / (26.69 + 17.95 + 16.66) / 1e-3) / (989.4 * TERA);
 
+/// FlashAttention-2's dropout on the H100 die, measured by this project on
+/// an H200 (bench/RESULTS.md, "The GPU check on an NVIDIA H200", run 3:
+/// PyTorch 2.11's flash SDPA, GPT-2's shape b 8, h 12, d 64, s 1024,
+/// causal): forward 0.093 → 0.133 ms and backward 0.342 → 0.364 ms with
+/// dropout 0.1, over the 56.6 M scores its 128 × 64 tiles attend (96 heads
+/// × 589,824): 0.71 ps and 0.39 ps a score (the same run's whole step,
+/// fwd + bwd, +14.5%; another run's +12%). A per-score cost, so a wider head
+/// pays a smaller share of its time.
+const H100_FLASH2_DROPOUT_S: (f64, f64) = (0.040e-3 / 56_623_104.0, 0.022e-3 / 56_623_104.0);
+
 /// NVLink/NVSwitch and NCCL-over-InfiniBand latencies per hop: a few microseconds
 /// (NCCL's own tuning model uses ~1–2 µs per NVLink step and ~5 µs over the network).
 const NVLINK_LATENCY_S: f64 = 2e-6;
@@ -222,6 +238,8 @@ pub fn catalog() -> Vec<Device> {
         fused_attention_efficiency: A100_FLASH2.0,
         fused_attention_backward_efficiency: A100_FLASH2.1,
         unaligned_matmul_efficiency: A100_MAMF,
+        // No dropout measurement on the A100.
+        attention_dropout_s: (0.0, 0.0),
         intra_node: link("nvswitch", 300.0 * GB, NVLINK_LATENCY_S),
         inter_node: link("infiniband", 25.0 * GB, IB_LATENCY_S),
         devices_per_node: 8,
@@ -249,6 +267,7 @@ pub fn catalog() -> Vec<Device> {
         fused_attention_efficiency: H100_FLASH3.0,
         fused_attention_backward_efficiency: H100_FLASH3.1,
         unaligned_matmul_efficiency: H100_UNALIGNED,
+        attention_dropout_s: H100_FLASH2_DROPOUT_S,
         intra_node: link("nvswitch", 450.0 * GB, NVLINK_LATENCY_S),
         inter_node: link("infiniband", 50.0 * GB, IB_LATENCY_S),
         devices_per_node: 8,
@@ -286,6 +305,7 @@ pub fn catalog() -> Vec<Device> {
             fused_attention_efficiency: B200_MSMF,
             fused_attention_backward_efficiency: B200_MSMF,
             unaligned_matmul_efficiency: B200_MSMF,
+            attention_dropout_s: (0.0, 0.0),
             intra_node: link("nvswitch", 900.0 * GB, NVLINK_LATENCY_S),
             inter_node: link("infiniband", 50.0 * GB, IB_LATENCY_S),
             devices_per_node: 8,
@@ -309,6 +329,7 @@ pub fn catalog() -> Vec<Device> {
             fused_attention_efficiency: DEFAULT_MAMF,
             fused_attention_backward_efficiency: DEFAULT_MAMF,
             unaligned_matmul_efficiency: DEFAULT_MAMF,
+            attention_dropout_s: (0.0, 0.0),
             intra_node: link("infinity-fabric", 448.0 * GB, NVLINK_LATENCY_S),
             inter_node: link("infiniband", 50.0 * GB, IB_LATENCY_S),
             devices_per_node: 8,
@@ -332,6 +353,7 @@ pub fn catalog() -> Vec<Device> {
             fused_attention_efficiency: DEFAULT_MAMF,
             fused_attention_backward_efficiency: DEFAULT_MAMF,
             unaligned_matmul_efficiency: DEFAULT_MAMF,
+            attention_dropout_s: (0.0, 0.0),
             intra_node: link("nvlink", 150.0 * GB, NVLINK_LATENCY_S),
             inter_node: link("infiniband", 6.25 * GB, IB_LATENCY_S),
             devices_per_node: 8,
@@ -355,6 +377,7 @@ pub fn catalog() -> Vec<Device> {
             fused_attention_efficiency: DEFAULT_MAMF,
             fused_attention_backward_efficiency: DEFAULT_MAMF,
             unaligned_matmul_efficiency: DEFAULT_MAMF,
+            attention_dropout_s: (0.0, 0.0),
             intra_node: link("shm", 10.0 * GB, 1e-6),
             inter_node: link("ethernet", 1.25 * GB, 20e-6),
             devices_per_node: 1024,
@@ -553,6 +576,13 @@ fn custom_device(d: &dplc_ir::DeviceSpec, spec: &ClusterSpec) -> Result<Device, 
             .unaligned_matmul_efficiency
             .or(d.matmul_efficiency)
             .unwrap_or(DEFAULT_MAMF),
+        attention_dropout_s: (
+            d.attention_dropout_forward_ps.unwrap_or(0.0) * 1e-12,
+            d.attention_dropout_backward_ps
+                .or(d.attention_dropout_forward_ps)
+                .unwrap_or(0.0)
+                * 1e-12,
+        ),
         intra_node: unused(),
         inter_node: unused(),
         devices_per_node: spec.devices_per_node,

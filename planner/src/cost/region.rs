@@ -316,8 +316,16 @@ impl CostModel<'_> {
         let mut selective = core_forward;
         if attention_flops > 0.0 {
             let dev = &self.cluster.device;
-            let causal = attended_share(self.seq, r.causal, r.window, fused_tile(c.attention));
-            let (forward, backward) = match c.attention {
+            // Scores the kernel draws a dropout for; FlashAttention-3 has no
+            // dropout, so with one the stack runs FlashAttention-2.
+            let dropped = bind.eval(&r.attention_dropout.sharded) / tp
+                + bind.eval(&r.attention_dropout.replicated) / rep_div;
+            let kind = match c.attention {
+                AttentionKind::Fused if dropped > 0.0 => AttentionKind::Flash2,
+                kind => kind,
+            };
+            let causal = attended_share(self.seq, r.causal, r.window, fused_tile(kind));
+            let (forward, backward) = match kind {
                 AttentionKind::Flash2 => (dev.flash2_efficiency, dev.flash2_backward_efficiency),
                 AttentionKind::Flash1 => (
                     dev.flash2_efficiency / FLASH2_OVER_FLASH1,
@@ -334,11 +342,13 @@ impl CostModel<'_> {
                     .max(attention_bytes / (dev.memory_bandwidth * MEMORY_EFFICIENCY))
                     + KERNEL_OVERHEAD_S
             };
-            let t = pass(forward);
+            // The dropout's draws, per attended score.
+            let (draw_forward, draw_backward) = dev.attention_dropout_s;
+            let t = pass(forward) + causal * dropped * draw_forward;
             pc.forward += t;
             // The backward's block matmuls: Q·Kᵀ again, dV, dP, dQ and dK —
             // five to the forward's two, at the backward kernel's own rate.
-            pc.backward += 2.5 * pass(backward);
+            pc.backward += 2.5 * pass(backward) + causal * dropped * draw_backward;
             selective = 0.0;
         }
         let layer = matches!(part, Part::Layer(_));

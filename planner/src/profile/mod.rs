@@ -206,6 +206,10 @@ pub(crate) struct RegionProfile {
     /// The region's MoE routing, where it has one: what decides how much of
     /// `all_to_all_bytes` a hierarchical dispatcher sends.
     pub routing: Option<Routing>,
+    /// Scores the attention's dropout draws for (elements of the dropouts
+    /// on attention-core tensors, by how they split over tp): what a fused
+    /// kernel pays for beyond its matmuls (`Device::attention_dropout_s`).
+    pub attention_dropout: Traffic,
     pub params: ParamCounts,
     pub forward_flops: Poly,
     /// The region masks its attention causally: a fused kernel skips the

@@ -557,6 +557,15 @@ pub(super) fn region_profile(
                     p.forward_flops.add_dim(&macs, Ratio::int(2));
                 }
             }
+            Op::Dropout { .. } if dplc_ir::attention_core_tensor(g, node.outputs[0]) => {
+                let scores = &mut p.attention_dropout;
+                b.add_bytes(
+                    node.outputs[0],
+                    1,
+                    &mut scores.sharded,
+                    &mut scores.replicated,
+                );
+            }
             Op::MoeDispatch { experts, .. } => {
                 let top_k = g
                     .tensor(node.inputs[1])
