@@ -86,7 +86,7 @@ fn comm_by_axis(plan: &Plan) -> BTreeMap<MeshAxis, AxisTotals> {
 fn attention_note(kind: AttentionKind) -> &'static str {
     match kind {
         AttentionKind::Fused => {
-            "one kernel for the core, FlashAttention-2/3: no score matrix stored"
+            "one kernel for the core, FlashAttention-3 where the device has it and the attention no dropout, else FlashAttention-2: no score matrix stored"
         }
         AttentionKind::Flash2 => {
             "one kernel for the core at FlashAttention-2's rate: no score matrix stored"
