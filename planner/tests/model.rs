@@ -931,10 +931,27 @@ fn op_level_checkpointing_sits_between_none_and_full() {
 /// `attention=flash1` at half that.
 #[test]
 fn flash2_and_flash1_price_attention_at_their_measured_fractions_of_peak() {
+    // Without dropout: with it, FlashAttention-3 (which has none) is not an
+    // option and `fused` is FlashAttention-2 on Hopper too.
+    let as_pinned = |strategy: &str| {
+        let g = gpt_with_dropout("gpt", GPT_1_7B, 0.0);
+        let mut req = PlanRequest::new(&g, train(2048, 32), parse_cluster("8xH100").unwrap());
+        req.pinned = parse_strategy(strategy).unwrap();
+        req.ignore_memory = true;
+        compile(&req).unwrap().plan
+    };
     let base = "tp=1,pp=1,dp=8,mb=1,zero=1,recompute=none";
-    let fused = plan_as_pinned(GPT_1_7B, "8xH100", 32, &format!("{base},attention=fused")).plan;
-    let flash2 = plan_as_pinned(GPT_1_7B, "8xH100", 32, &format!("{base},attention=flash2")).plan;
+    let fused = as_pinned(&format!("{base},attention=fused"));
+    let flash2 = as_pinned(&format!("{base},attention=flash2"));
     assert!(flash2.estimate.step_time_s > fused.estimate.step_time_s * 1.02);
+    // With dropout the two are one kernel.
+    let dropout = |kind: &str| {
+        plan_as_pinned(GPT_1_7B, "8xH100", 32, &format!("{base},attention={kind}"))
+            .plan
+            .estimate
+            .step_time_s
+    };
+    assert_eq!(dropout("fused"), dropout("flash2"));
     assert_eq!(flash2.stages[0].memory, fused.stages[0].memory);
     assert_eq!(
         flash2.estimate.model_flops_per_step,
@@ -943,7 +960,7 @@ fn flash2_and_flash1_price_attention_at_their_measured_fractions_of_peak() {
     // FlashAttention (v1) and its Triton port: the same kernel's shape at
     // half FlashAttention-2's rate, so attention's time doubles: the step
     // grows by at least as much as flash2's exceeds the fused kernel's.
-    let flash1 = plan_as_pinned(GPT_1_7B, "8xH100", 32, &format!("{base},attention=flash1")).plan;
+    let flash1 = as_pinned(&format!("{base},attention=flash1"));
     assert!(
         flash1.estimate.step_time_s - flash2.estimate.step_time_s
             > flash2.estimate.step_time_s - fused.estimate.step_time_s

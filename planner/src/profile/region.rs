@@ -557,7 +557,10 @@ pub(super) fn region_profile(
                     p.forward_flops.add_dim(&macs, Ratio::int(2));
                 }
             }
-            Op::Dropout { .. } if dplc_ir::attention_core_tensor(g, node.outputs[0]) => {
+            // A zero probability draws nothing (the kernels skip it).
+            Op::Dropout { p: rate, .. }
+                if rate > 0.0 && dplc_ir::attention_core_tensor(g, node.outputs[0]) =>
+            {
                 let scores = &mut p.attention_dropout;
                 b.add_bytes(
                     node.outputs[0],
