@@ -196,7 +196,7 @@ pub fn prepare(args: &PlanArgs) -> Result<Prepared> {
         }
         if pinned.dispatch == Some(dplc_ir::Dispatch::Hierarchical) {
             return Err(miette!(
-                help = "drop dispatch from --strategy to train here; `dplc compile` prices DeepEP's and HybridEP's dispatch and `dplc export` hands it to Megatron-LM",
+                help = "drop dispatch from --strategy to train here; `dplc compile` prices DeepEP's and HybridEP's dispatch",
                 "dplc's ranks dispatch MoE tokens with one all-to-all; dispatch=hierarchical prices another engine's dispatcher"
             ));
         }
