@@ -8,9 +8,8 @@ use crate::profile::{layer_body, ModelProfile};
 use crate::PlanError;
 use dplc_ir::{Analysis, Graph, LinkLevel, Precision};
 use serde::Serialize;
-use std::cell::RefCell;
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 /// The tensor- and expert-parallel degrees a layout is extracted for.
@@ -201,12 +200,28 @@ pub(crate) struct Layouts {
 /// The layouts one `compile` has extracted, by degrees: the search and each
 /// what-if ask for some of the same ones (the same graph, cluster,
 /// precision and sequence), and an e-graph is most of a search's time.
+/// What-ifs run side by side: a degree asked for twice at once is
+/// extracted once, the second asker waiting for the first.
 #[derive(Default)]
 pub(crate) struct LayoutCache {
-    done: RefCell<BTreeMap<Degrees, Arc<Result<Layout, String>>>>,
+    done: Cells<Arc<Result<Layout, String>>>,
     /// The programs under sequence parallelism, extracted for a plan's own
     /// degrees (the what-ifs that keep them ask again).
-    sequence_parallel: RefCell<BTreeMap<Degrees, SpPrograms>>,
+    sequence_parallel: Cells<SpPrograms>,
+}
+
+/// A value per degrees, each computed once.
+type Cells<V> = Mutex<BTreeMap<Degrees, Arc<OnceLock<V>>>>;
+
+/// The cell for `d`, made empty if new. (The lock is held only to find the
+/// cell, never while a value is computed.)
+fn cell<V>(cells: &Cells<V>, d: Degrees) -> Arc<OnceLock<V>> {
+    cells
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .entry(d)
+        .or_default()
+        .clone()
 }
 
 /// A region's programs at some degrees under sequence parallelism: the
@@ -224,15 +239,12 @@ impl LayoutCache {
         seq: u64,
         d: Degrees,
     ) -> SpPrograms {
-        if let Some(done) = self.sequence_parallel.borrow().get(&d) {
-            return done.clone();
-        }
-        let an = Analysis::new(g);
-        let programs = Arc::new(extract(g, &an, cluster, precision, seq, d, true));
-        self.sequence_parallel
-            .borrow_mut()
-            .insert(d, programs.clone());
-        programs
+        cell(&self.sequence_parallel, d)
+            .get_or_init(|| {
+                let an = Analysis::new(g);
+                Arc::new(extract(g, &an, cluster, precision, seq, d, true))
+            })
+            .clone()
     }
 }
 
@@ -249,54 +261,18 @@ impl Layouts {
     ) -> Result<Layouts, PlanError> {
         let an = Analysis::new(g);
         layer_body(g, &an)?;
-        let degrees: Vec<Degrees> = degrees.into_iter().collect();
-        let missing: Vec<Degrees> = {
-            let done = cache.done.borrow();
-            degrees
-                .iter()
-                .copied()
-                .filter(|d| !done.contains_key(d))
-                .collect()
-        };
-        let one = |d: Degrees| layout_at(g, &an, precision, cluster, seq, d);
-        let threads = std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .min(missing.len());
-        let extracted: Vec<(Degrees, Result<Layout, String>)> = if threads <= 1 {
-            missing.iter().map(|&d| (d, one(d))).collect()
-        } else {
-            // Each worker takes the next degree when it is done with one:
-            // their costs differ by an order of magnitude (a degree that
-            // splits nothing saturates at once), so a fixed deal leaves a
-            // core idle.
-            let next = std::sync::atomic::AtomicUsize::new(0);
-            std::thread::scope(|scope| {
-                let (one, missing, next) = (&one, &missing, &next);
-                let workers: Vec<_> = (0..threads)
-                    .map(|_| {
-                        scope.spawn(move || {
-                            let mut done = Vec::new();
-                            loop {
-                                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                                let Some(&d) = missing.get(i) else { break done };
-                                done.push((d, one(d)));
-                            }
-                        })
-                    })
-                    .collect();
-                workers
-                    .into_iter()
-                    .flat_map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-                    .collect()
-            })
-        };
-        let mut done = cache.done.borrow_mut();
-        for (d, layout) in extracted {
-            done.insert(d, Arc::new(layout));
-        }
-        let by_degrees = degrees
+        let cells: Vec<(Degrees, Arc<OnceLock<_>>)> = degrees
             .into_iter()
-            .filter_map(|d| done.get(&d).map(|l| (d, l.clone())))
+            .map(|d| (d, cell(&cache.done, d)))
+            .collect();
+        let missing: Vec<&(Degrees, Arc<OnceLock<_>>)> =
+            cells.iter().filter(|(_, c)| c.get().is_none()).collect();
+        crate::deal::map(&missing, |(d, c)| {
+            c.get_or_init(|| Arc::new(layout_at(g, &an, precision, cluster, seq, *d)));
+        });
+        let by_degrees = cells
+            .into_iter()
+            .filter_map(|(d, c)| c.get().map(|l| (d, l.clone())))
             .collect();
         Ok(Layouts { by_degrees })
     }

@@ -6,6 +6,7 @@
 
 mod cluster;
 mod cost;
+mod deal;
 pub mod egraph;
 mod error;
 mod layouts;
@@ -242,9 +243,10 @@ fn what_ifs(req: &PlanRequest, plan: &Plan, cache: &layouts::LayoutCache) -> Vec
             ..base.clone()
         },
     ));
-    variants
-        .into_iter()
-        .map(|(change, pinned)| {
+    // Each neighbour is its own search; they run side by side.
+    crate::deal::map(&variants, |(change, pinned)| {
+        let change = change.clone();
+        {
             // The fastest neighbour that fits; if none fits, the same choices
             // priced anyway (keeping the plan's ZeRO stage where it applies),
             // so the line says by how much it misses.
@@ -259,6 +261,7 @@ fn what_ifs(req: &PlanRequest, plan: &Plan, cache: &layouts::LayoutCache) -> Vec
                     cache,
                 )
             };
+            let pinned = pinned.clone();
             let priced = alt(pinned.clone(), false).or_else(|_| {
                 let keep_zero = StrategyConstraints {
                     zero: pinned.zero.or(Some(s.zero_stage)),
@@ -296,8 +299,8 @@ fn what_ifs(req: &PlanRequest, plan: &Plan, cache: &layouts::LayoutCache) -> Vec
                     note: e.to_string(),
                 },
             }
-        })
-        .collect()
+        }
+    })
 }
 
 /// The other ways to synchronise and compress the plan's data-parallel

@@ -183,18 +183,7 @@ pub(crate) fn search(
         .expect("compile checks the single-rank layout first")
         .profile;
     let world = cluster.world_size();
-    let capacity = cluster.device.memory_bytes;
-    // Rows one sample puts into a GEMM: its tokens, or 1 without a sequence.
-    let rows_per_sample = if profile.seq_sym.is_some() { seq } else { 1 };
-    let mut costs: HashMap<(u64, u64), CostModel> = HashMap::default();
-    let mut out = Outcome {
-        best: Vec::new(),
-        evaluated: 0,
-        feasible: 0,
-        smallest: None,
-    };
     let keep = top_k + 1;
-    let mut partitions: HashMap<(Config, Option<u64>), Vec<u64>> = HashMap::default();
     let layers = profile.layers;
     let tps: Vec<u64> = divisors(world)
         .into_iter()
@@ -204,6 +193,9 @@ pub(crate) fn search(
                 && (t <= cluster.devices_per_node || pins.tp == Some(t))
         })
         .collect();
+    // The meshes, in a fixed order; each is searched on its own (the
+    // partitions it caches are its own) and the outcomes fold in this order.
+    let mut meshes: Vec<(u64, u64, u64)> = Vec::new();
     for &tp in &tps {
         for cp in divisors(world / tp) {
             // Context parallelism pays off only for long sequences; it stays on the
@@ -223,98 +215,174 @@ pub(crate) fn search(
                 if !allowed(pins.dp, dp) || !global_batch.is_multiple_of(dp) {
                     continue;
                 }
-                let eps: Vec<u64> = match profile.experts {
-                    Some(e) => divisors(dp)
-                        .into_iter()
-                        .filter(|&x| {
-                            e % x == 0 && allowed(pins.ep, x) && layouts.get((tp, x)).is_some()
-                        })
-                        .collect(),
-                    None => vec![1],
-                };
-                let orders: &[AxisOrder] = match pins.order {
-                    Some(AxisOrder::PipelineInner) if dp > 1 && pp > 1 => {
-                        &[AxisOrder::PipelineInner]
-                    }
-                    None if dp > 1 && pp > 1 => &[AxisOrder::DataInner, AxisOrder::PipelineInner],
-                    _ => &[AxisOrder::DataInner],
-                };
-                let per_replica = global_batch / dp;
-                for &ep in &eps {
-                    let Some(layout) = layouts.get((tp, ep)) else {
+                meshes.push((tp, cp, pp));
+            }
+        }
+    }
+    let search = Mesh {
+        layouts,
+        cluster,
+        profile,
+        pins,
+        offloads,
+        global_batch,
+        seq,
+        keep,
+        ignore_memory,
+    };
+    let outcomes = crate::deal::map_with(&meshes, HashMap::default, |costs, &mesh| {
+        search.explore(mesh, costs)
+    });
+    let mut out = Outcome {
+        best: Vec::new(),
+        evaluated: 0,
+        feasible: 0,
+        smallest: None,
+    };
+    for o in outcomes {
+        out.evaluated += o.evaluated;
+        out.feasible += o.feasible;
+        if let Some(s) = o.smallest {
+            if out
+                .smallest
+                .as_ref()
+                .is_none_or(|t| s.memory.total() < t.memory.total())
+            {
+                out.smallest = Some(s);
+            }
+        }
+        for cand in o.best {
+            insert(&mut out.best, cand, keep);
+        }
+    }
+    out
+}
+
+/// What every mesh of one search shares.
+struct Mesh<'a> {
+    layouts: &'a Layouts,
+    cluster: &'a Cluster,
+    profile: &'a ModelProfile,
+    pins: &'a StrategyConstraints,
+    offloads: &'a [Offload],
+    global_batch: u64,
+    seq: u64,
+    keep: usize,
+    ignore_memory: bool,
+}
+
+impl<'a> Mesh<'a> {
+    /// The best configurations on the mesh `(tp, cp, pp)` (dp the rest),
+    /// with `costs` the worker's cost models by (tp, ep).
+    fn explore(
+        &self,
+        (tp, cp, pp): (u64, u64, u64),
+        costs: &mut HashMap<(u64, u64), CostModel<'a>>,
+    ) -> Outcome {
+        let (pins, profile) = (self.pins, self.profile);
+        let dp = self.cluster.world_size() / (tp * cp * pp);
+        let capacity = self.cluster.device.memory_bytes;
+        // Rows one sample puts into a GEMM: its tokens, or 1 without a sequence.
+        let rows_per_sample = if profile.seq_sym.is_some() {
+            self.seq
+        } else {
+            1
+        };
+        let mut out = Outcome {
+            best: Vec::new(),
+            evaluated: 0,
+            feasible: 0,
+            smallest: None,
+        };
+        let mut partitions: HashMap<(Config, Option<u64>), Vec<u64>> = HashMap::default();
+        let eps: Vec<u64> = match profile.experts {
+            Some(e) => divisors(dp)
+                .into_iter()
+                .filter(|&x| {
+                    e % x == 0 && allowed(pins.ep, x) && self.layouts.get((tp, x)).is_some()
+                })
+                .collect(),
+            None => vec![1],
+        };
+        let orders: &[AxisOrder] = match pins.order {
+            Some(AxisOrder::PipelineInner) if dp > 1 && pp > 1 => &[AxisOrder::PipelineInner],
+            None if dp > 1 && pp > 1 => &[AxisOrder::DataInner, AxisOrder::PipelineInner],
+            _ => &[AxisOrder::DataInner],
+        };
+        let per_replica = self.global_batch / dp;
+        for &ep in &eps {
+            let Some(layout) = self.layouts.get((tp, ep)) else {
+                continue;
+            };
+            let root = pins.root.unwrap_or_else(|| layout.default_root());
+            let cost = costs.entry((tp, ep)).or_insert_with(|| {
+                CostModel::new(layout.profile_for(root), self.cluster, self.seq)
+            });
+            for &order in orders {
+                for mb in divisors(per_replica) {
+                    if !allowed(pins.micro_batch, mb)
+                        || (mb.saturating_mul(rows_per_sample) > MAX_MICRO_BATCH_ROWS
+                            && mb > 1
+                            && pins.micro_batch != Some(mb))
+                    {
                         continue;
+                    }
+                    let m = per_replica / mb;
+                    if !allowed(pins.num_micro_batches, m)
+                        || rules::pipeline_passes(m, 1, pp).is_err()
+                    {
+                        continue;
+                    }
+                    let base = Config {
+                        tp,
+                        cp,
+                        pp,
+                        dp,
+                        ep,
+                        micro_batch: mb,
+                        num_micro_batches: m,
+                        schedule: PipelineSchedule::OneFOneB,
+                        virtual_stages: 1,
+                        zero: 0,
+                        recompute: Recompute::None,
+                        recompute_layers: pins.recompute_layers.unwrap_or(0),
+                        sp: false,
+                        overlap: pins.overlap_grad_reduce.unwrap_or(true),
+                        attention: pins.attention.unwrap_or(AttentionKind::Fused),
+                        tp_overlap: pins.tp_overlap.unwrap_or(TpOverlap::Async),
+                        grad_accum: pins.grad_accum.unwrap_or_default(),
+                        dispatch: pins.dispatch.unwrap_or_default(),
+                        root,
+                        order,
+                        even_stages: pins.even_stages.unwrap_or(false),
+                        fp8: pins.fp8.unwrap_or(false),
+                        fp8_gather: pins.fp8_gather.unwrap_or(false),
+                        fp8_bf16_ends: pins.fp8_bf16_ends.unwrap_or(0),
+                        offload: Offload::NONE,
+                        autocast: pins.autocast.unwrap_or(false),
+                        elementwise: pins.elementwise.unwrap_or_default(),
+                        shards: pins.shards.unwrap_or_default(),
+                        sync: GradSync::AllReduce,
+                        compress: Compression::None,
                     };
-                    let root = pins.root.unwrap_or_else(|| layout.default_root());
-                    let cost = costs
-                        .entry((tp, ep))
-                        .or_insert_with(|| CostModel::new(layout.profile_for(root), cluster, seq));
-                    for &order in orders {
-                        for mb in divisors(per_replica) {
-                            if !allowed(pins.micro_batch, mb)
-                                || (mb.saturating_mul(rows_per_sample) > MAX_MICRO_BATCH_ROWS
-                                    && mb > 1
-                                    && pins.micro_batch != Some(mb))
-                            {
-                                continue;
-                            }
-                            let m = per_replica / mb;
-                            if !allowed(pins.num_micro_batches, m)
-                                || rules::pipeline_passes(m, 1, pp).is_err()
-                            {
-                                continue;
-                            }
-                            let base = Config {
-                                tp,
-                                cp,
-                                pp,
-                                dp,
-                                ep,
-                                micro_batch: mb,
-                                num_micro_batches: m,
-                                schedule: PipelineSchedule::OneFOneB,
-                                virtual_stages: 1,
-                                zero: 0,
-                                recompute: Recompute::None,
-                                recompute_layers: pins.recompute_layers.unwrap_or(0),
-                                sp: false,
-                                overlap: pins.overlap_grad_reduce.unwrap_or(true),
-                                attention: pins.attention.unwrap_or(AttentionKind::Fused),
-                                tp_overlap: pins.tp_overlap.unwrap_or(TpOverlap::Async),
-                                grad_accum: pins.grad_accum.unwrap_or_default(),
-                                dispatch: pins.dispatch.unwrap_or_default(),
-                                root,
-                                order,
-                                even_stages: pins.even_stages.unwrap_or(false),
-                                fp8: pins.fp8.unwrap_or(false),
-                                fp8_gather: pins.fp8_gather.unwrap_or(false),
-                                fp8_bf16_ends: pins.fp8_bf16_ends.unwrap_or(0),
-                                offload: Offload::NONE,
-                                autocast: pins.autocast.unwrap_or(false),
-                                elementwise: pins.elementwise.unwrap_or_default(),
-                                shards: pins.shards.unwrap_or_default(),
-                                sync: GradSync::AllReduce,
-                                compress: Compression::None,
-                            };
-                            for &offload in offloads {
-                                explore(
-                                    Config { offload, ..base },
-                                    profile,
-                                    pins,
-                                    cost,
-                                    &mut partitions,
-                                    &mut out,
-                                    (capacity, cluster.device.host_memory_bytes),
-                                    keep,
-                                    ignore_memory,
-                                );
-                            }
-                        }
+                    for &offload in self.offloads {
+                        explore(
+                            Config { offload, ..base },
+                            profile,
+                            pins,
+                            cost,
+                            &mut partitions,
+                            &mut out,
+                            (capacity, self.cluster.device.host_memory_bytes),
+                            self.keep,
+                            self.ignore_memory,
+                        );
                     }
                 }
             }
         }
+        out
     }
-    out
 }
 
 /// The gradient synchronisations and compressions to try for `dp`
