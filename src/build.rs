@@ -175,6 +175,15 @@ pub fn build(args: &BuildArgs) -> Result<()> {
                 "dplc's runtime gathers ZeRO-3's weights into flat buffers, so an artifact cannot copy them per parameter"
             ));
         }
+        if pinned
+            .grad_reduce
+            .is_some_and(|g| g != dplc_ir::GradReduce::Fp32)
+        {
+            return Err(miette::miette!(
+                help = "drop grad_reduce from --strategy, or `dplc export` the plan to Megatron-LM",
+                "dplc's runtime accumulates and reduces gradients in fp32, so an artifact cannot keep them in half precision"
+            ));
+        }
         if pinned.offload.is_some_and(|o| !o.is_none()) {
             return Err(miette::miette!(
                 help = "drop offload from --strategy, or `dplc export` the plan to DeepSpeed",

@@ -25,7 +25,8 @@ pub struct PlanArgs {
     /// overlap (`overlap=off`: the data-parallel gradient reduction waits for backward),
     /// sync (allreduce|ps|async) ps_shards ps_ranks (colocated|dedicated) staleness compress
     /// (none|bf16|fp16|powersgd:R[:W]|topk:F[:W], W warm-up steps: the schedule's by default);
-    /// an engine's stack: attention tp_overlap grad_accum dispatch (alltoall|hierarchical: DeepEP's
+    /// an engine's stack: attention tp_overlap grad_accum grad_reduce (fp32|bf16|fp16: the main
+    /// gradients' precision) dispatch (alltoall|hierarchical: DeepEP's
     /// token dispatch) root order stages fp8 fp8_gather
     /// (on: ZeRO gathers the weights' FP8 casts) offload elementwise shards (flat|per_param:
     /// FSDP2's per-parameter copies under ZeRO-3).

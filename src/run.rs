@@ -194,6 +194,15 @@ pub fn prepare(args: &PlanArgs) -> Result<Prepared> {
                 "dplc's runtime gathers ZeRO-3's weights into flat buffers; shards=per_param prices FSDP2"
             ));
         }
+        if pinned
+            .grad_reduce
+            .is_some_and(|g| g != dplc_ir::GradReduce::Fp32)
+        {
+            return Err(miette!(
+                help = "drop grad_reduce from --strategy to train here; `dplc compile` prices half-precision main gradients and `dplc export` hands them to Megatron-LM",
+                "dplc's ranks accumulate and reduce gradients in fp32; grad_reduce=bf16 prices another engine's gradient buffers"
+            ));
+        }
         if pinned.dispatch == Some(dplc_ir::Dispatch::Hierarchical) {
             return Err(miette!(
                 help = "drop dispatch from --strategy to train here; `dplc compile` prices DeepEP's and HybridEP's dispatch",

@@ -740,6 +740,48 @@ fn a_hierarchical_dispatch_is_a_megatron_gap() {
     );
 }
 
+/// Half-precision main gradients (`grad_reduce=bf16`, Megatron-Bridge's
+/// performance recipes' `grad_reduce_in_fp32=False`): Megatron-LM's
+/// `--grad-reduce-in-bf16`, DeepSpeed's communication and accumulation
+/// dtypes; torchtitan reduces in float32 only, a gap whose closest plan keeps
+/// fp32 gradients.
+#[test]
+fn half_precision_gradients_go_where_the_engine_keeps_them() {
+    let plan = compile(
+        "models/llama3.dpl",
+        "llama3_8b",
+        "2x8xH100",
+        &["--strategy", "tp=2,pp=2,dp=4,zero=1,grad_reduce=bf16"],
+        "grad_reduce_bf16.ron",
+    );
+    let out = export(&plan, "megatron", &[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let script = text(&out.stdout);
+    check_megatron(&script);
+    assert!(script.contains("--grad-reduce-in-bf16"), "{script}");
+    let out = export(&plan, "deepspeed", &["--closest"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let config: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(config["communication_data_type"], "bf16", "{config}");
+    assert_eq!(config["data_types"]["grad_accum_dtype"], "bf16", "{config}");
+    let out = export(&plan, "torchtitan", &[]);
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(err.contains("main gradients reduced in bf16"), "{err}");
+    assert!(!err.contains("grad_reduce="), "{err}");
+    // The default keeps Megatron's fp32 main gradients: no flag.
+    let fp32 = compile(
+        "models/llama3.dpl",
+        "llama3_8b",
+        "2x8xH100",
+        &["--strategy", "tp=2,pp=2,dp=4,zero=1"],
+        "grad_reduce_fp32.ron",
+    );
+    let out = export(&fp32, "megatron", &[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(!text(&out.stdout).contains("--grad-reduce-in-bf16"));
+}
+
 #[test]
 fn an_interleaved_split_goes_to_megatron_and_torchtitan_as_planned() {
     // Llama 3.1 405B as Megatron-Bridge runs it on 1024 H100s (tp 8, pp 8,

@@ -106,7 +106,8 @@ const A100_GAP: &str = "dplc reads torchtitan's eager A100 runs 11-19% fast afte
 const H200_FAST: &str = "10.4% fast at 32 GPUs, 12.4% at 64, with FSDP's float8 all-gather its command line turns on priced (1.087 and 1.107 before it): torchtitan loses 1.7% from 32 to 64 GPUs, dplc predicts no loss; see bench/RESULTS.md";
 const GPT3_20B: &str = "18% slow: with the stated knobs dplc's ZeRO-1 plan needs 83 GiB (bf16 weights beside their FP8 casts and fp32 gradients) and the search takes ZeRO-2, whose per-micro-batch reduce-scatters cost 0.23 s exposed; with FP8 parameter gathers (`zero=1,fp8_gather=on`, as NeMo's later FP8 recipes set, not stated for 24.07) it fits and reads 0.993; see bench/RESULTS.md";
 const LLAMA3_CP: &str = "23% fast at 131,072 tokens; the paper reports TFLOP/s per GPU, not tokens/s, and at this length attention is 57% of dplc's model FLOPs counted over the whole sequence (Megatron's convention) and 40% counted causally, and the source does not say which it counts (the 8K rows move by 4% between the two); with FlashAttention-2's rate instead of the fused (FlashAttention-3) one dplc reads 0.889; see bench/RESULTS.md";
-const B200_8B: &str = "11.9% fast; no fused-attention rate is measured for the B200, so its attention runs at the device's GEMM rate (with the H100 die's ratios of FlashAttention-3's forward and backward to its GEMM rate it reads 1.068, not asserted: that ratio is the H100's); the 405B row on the same system reads 1.026; see bench/RESULTS.md";
+const B200_8B: &str = "11.9% fast; no fused-attention rate is measured for the B200, so its attention runs at the device's GEMM rate (with the H100 die's ratios of FlashAttention-3's forward and backward to its GEMM rate it read 1.068 before the recipe's bf16 main gradients were pinned, not asserted: that ratio is the H100's); the 405B row on the same system reads 1.067; see bench/RESULTS.md";
+const MBRIDGE_405B_2511: &str = "10.9% fast with the recipe's bf16 main gradients pinned (1.084 with fp32 ones: their reduce-scatter across nodes is exposed at the end of the step); the same configuration on the next container (26.02, the next row) published 6.5% more and reads 1.070, asserted: what separates the two containers is software dplc does not see; see bench/RESULTS.md";
 const NEMOTRON_8B: &str = "12.3% fast with every knob the table states (the search takes ZeRO-1 and no recomputation), as NeMo's other micro-batch-4 row, GPT-3 5B (12.5-13%); not explained; see bench/RESULTS.md";
 const NEMOTRON_340B: &str = "recompute n/s: with the stated knobs dplc's plan needs recomputation to fit (its bf16 weights beside their FP8 casts, fp32 gradients, and the MLP's 73,728-wide activations), and the search recomputes every layer; not explained further; see bench/RESULTS.md";
 const QWEN3_MOE: &str = "2.1x fast: this run is dropless (the page: \"all benchmarks are token-dropless\"), where dplc's `moe` drops at a capacity factor (static shapes: every expert padded to capacity); the same configuration with token dropping (25.09, the row below) published 10,494 tokens/s, 2.0x this row, and dplc reads that 1.06; later containers run the dropless model 1.7x faster on the same 16 H100s (26.02 5,113 in the archive @ 067f987, which corrects the 2,557 this commit printed; 26.02.01 9,058; 26.04.01 8,960); see bench/RESULTS.md";
@@ -270,33 +271,38 @@ fn rows() -> Vec<Row> {
         // The recipes (src/megatron/bridge/recipes/llama/llama3.py, same
         // commit: llama3_70b_pretrain_config, llama31_405b_pretrain_config)
         // overlap tensor-parallel communication with Transformer Engine's
-        // userbuffers (`tp_comm_overlap=True`): `tp_overlap=ring`.
+        // userbuffers (`tp_comm_overlap=True`): `tp_overlap=ring`. Every
+        // performance config keeps the main gradients in bf16
+        // (scripts/performance/configs/llama/llama3_llm_pretrain.py and
+        // llama31_llm_pretrain.py, same commit: `cfg.ddp.grad_reduce_in_fp32 =
+        // False`; qwen3_llm_pretrain.py, the 25.09 YAMLs and the 26.04.01
+        // Qwen3 recipe alike): `grad_reduce=bf16`.
         r("Megatron-Bridge 25.11 Llama3 8B, 8 GPUs, FSDP", MBRIDGE, (L3, "llama3_8b"), "8xH100", (8192, 128),
-          "tp=1,pp=1,cp=1,dp=8,mb=1,zero=3,fp8=on,fp8_gather=on,fp8_bf16_ends=1", "offload=none", 14451.0, 1.000, Asserted),
+          "tp=1,pp=1,cp=1,dp=8,mb=1,zero=3,fp8=on,fp8_gather=on,fp8_bf16_ends=1,grad_reduce=bf16", "offload=none", 14451.0, 1.013, Asserted),
         r("Megatron-Bridge 25.11 Llama3 70B, 64 GPUs, TP 4 PP 8 VP 5", MBRIDGE, (L3, "llama3_70b"), "8x8xH100", (8192, 128),
-          "tp=4,pp=8,cp=1,dp=2,mb=1,schedule=interleaved,v=5,zero=1,sp=on,tp_overlap=ring,fp8=on,fp8_gather=on,fp8_bf16_ends=1", "offload=none", 1602.0, 0.960, Asserted),
+          "tp=4,pp=8,cp=1,dp=2,mb=1,schedule=interleaved,v=5,zero=1,sp=on,tp_overlap=ring,fp8=on,fp8_gather=on,fp8_bf16_ends=1,grad_reduce=bf16", "offload=none", 1602.0, 0.960, Asserted),
         r("Megatron-Bridge 26.02 Llama3 70B, 64 GPUs, TP 4 PP 8 VP 5", MBRIDGE, (L3, "llama3_70b"), "8x8xH100", (8192, 256),
-          "tp=4,pp=8,cp=1,dp=2,mb=1,schedule=interleaved,v=5,zero=1,sp=on,tp_overlap=ring,fp8=on,fp8_gather=on,fp8_bf16_ends=1", "offload=none", 1621.0, 0.960, Asserted),
+          "tp=4,pp=8,cp=1,dp=2,mb=1,schedule=interleaved,v=5,zero=1,sp=on,tp_overlap=ring,fp8=on,fp8_gather=on,fp8_bf16_ends=1,grad_reduce=bf16", "offload=none", 1621.0, 0.960, Asserted),
         // 126 layers in 8 stages of 8 chunks, the embedding and the loss
         // counted as layers (the recipe's account_for_*_in_pipeline_split).
         r("Megatron-Bridge 25.11 Llama3.1 405B, 1024 GPUs, TP 8 PP 8 CP 2 VP 8", MBRIDGE, (L3, "llama3_405b"), "128x8xH100", (8192, 512),
-          "tp=8,pp=8,cp=2,dp=8,mb=1,schedule=interleaved,v=8,zero=1,sp=on,tp_overlap=ring,recompute=none,fp8=on,fp8_gather=on,fp8_bf16_ends=1", "offload=none", 292.0, 1.084, Asserted),
+          "tp=8,pp=8,cp=2,dp=8,mb=1,schedule=interleaved,v=8,zero=1,sp=on,tp_overlap=ring,recompute=none,fp8=on,fp8_gather=on,fp8_bf16_ends=1,grad_reduce=bf16", "offload=none", 292.0, 1.109, NotAsserted(MBRIDGE_405B_2511)),
         r("Megatron-Bridge 26.02 Llama3.1 405B, 1024 GPUs, TP 8 PP 8 CP 2 VP 8", MBRIDGE, (L3, "llama3_405b"), "128x8xH100", (8192, 1536),
-          "tp=8,pp=8,cp=2,dp=8,mb=1,schedule=interleaved,v=8,zero=1,sp=on,tp_overlap=ring,recompute=none,fp8=on,fp8_gather=on,fp8_bf16_ends=1", "offload=none", 311.0, 1.062, Asserted),
+          "tp=8,pp=8,cp=2,dp=8,mb=1,schedule=interleaved,v=8,zero=1,sp=on,tp_overlap=ring,recompute=none,fp8=on,fp8_gather=on,fp8_bf16_ends=1,grad_reduce=bf16", "offload=none", 311.0, 1.070, Asserted),
         // Fine-grained MoE (models/qwen3.dpl): EP 8 within the data-parallel ranks, one layer a chunk.
         r("Megatron-Bridge 25.11 Qwen3 30B-A3B, 16 GPUs, PP 2 VP 24 EP 8", MBRIDGE, (QWEN3, "qwen3_30b_a3b"), "2x8xH100", (4096, 512),
-          "tp=1,pp=2,cp=1,dp=8,ep=8,mb=2,schedule=interleaved,v=24,zero=1,fp8=on,fp8_gather=on,fp8_bf16_ends=1", "offload=none", 5275.0, 2.110, NotAsserted(QWEN3_MOE)),
+          "tp=1,pp=2,cp=1,dp=8,ep=8,mb=2,schedule=interleaved,v=24,zero=1,fp8=on,fp8_gather=on,fp8_bf16_ends=1,grad_reduce=bf16", "offload=none", 5275.0, 2.110, NotAsserted(QWEN3_MOE)),
         // The same configuration in 25.09 with token dropping (capacity 1.0, padded): dplc's MoE.
         r("Megatron-Bridge 25.09 Qwen3 30B-A3B (tokendrop), 16 GPUs, PP 2 VP 24 EP 8", MBRIDGE_2509, (QWEN3, "qwen3_30b_a3b"), "2x8xH100", (4096, 512),
-          "tp=1,pp=2,cp=1,dp=8,ep=8,mb=2,schedule=interleaved,v=24,zero=1,fp8=on,fp8_gather=on,dispatch=alltoall", "offload=none", 10494.0, 1.064, NotAsserted(QWEN3_TOKENDROP)),
+          "tp=1,pp=2,cp=1,dp=8,ep=8,mb=2,schedule=interleaved,v=24,zero=1,fp8=on,fp8_gather=on,dispatch=alltoall,grad_reduce=bf16", "offload=none", 10494.0, 1.063, NotAsserted(QWEN3_TOKENDROP)),
         // The same model on the archive's later container: 16 ranks of EP over two nodes, HybridEP.
         r("Megatron-Bridge 26.04.01 Qwen3 30B-A3B, 16 GPUs, EP 16, HybridEP", MBRIDGE_2604, (QWEN3, "qwen3_30b_a3b"), "2x8xH100", (4096, 1024),
-          "tp=1,pp=1,cp=1,dp=16,ep=16,mb=1,zero=1,recompute=none,dispatch=hierarchical,fp8=on,fp8_gather=on,fp8_bf16_ends=1", "offload=none", 8960.0, 1.579, NotAsserted(QWEN3_MOE_HOST)),
+          "tp=1,pp=1,cp=1,dp=16,ep=16,mb=1,zero=1,recompute=none,dispatch=hierarchical,fp8=on,fp8_gather=on,fp8_bf16_ends=1,grad_reduce=bf16", "offload=none", 8960.0, 1.579, NotAsserted(QWEN3_MOE_HOST)),
         // ---- The same source on DGX-B200 (25.11, FP8 current scaling, the recipe as on H100).
         r("Megatron-Bridge 25.11 Llama3 8B, 8 B200", MBRIDGE_B200, (L3, "llama3_8b"), "8xB200", (8192, 128),
-          "tp=1,pp=1,cp=1,dp=8,mb=2,zero=1,fp8=on,fp8_gather=on,fp8_bf16_ends=1", "offload=none", 30624.0, 1.119, NotAsserted(B200_8B)),
+          "tp=1,pp=1,cp=1,dp=8,mb=2,zero=1,fp8=on,fp8_gather=on,fp8_bf16_ends=1,grad_reduce=bf16", "offload=none", 30624.0, 1.120, NotAsserted(B200_8B)),
         r("Megatron-Bridge 25.11 Llama3.1 405B, 128 B200, TP 4 PP 8 CP 2 VP 8", MBRIDGE_B200, (L3, "llama3_405b"), "16x8xB200", (8192, 64),
-          "tp=4,pp=8,cp=2,dp=2,mb=1,schedule=interleaved,v=8,zero=1,sp=on,tp_overlap=ring,recompute=none,fp8=on,fp8_gather=on,fp8_bf16_ends=1", "offload=none", 661.0, 1.026, Asserted),
+          "tp=4,pp=8,cp=2,dp=2,mb=1,schedule=interleaved,v=8,zero=1,sp=on,tp_overlap=ring,recompute=none,fp8=on,fp8_gather=on,fp8_bf16_ends=1,grad_reduce=bf16", "offload=none", 661.0, 1.067, Asserted),
         // ---- The Llama 3 paper, Meta's 405B pre-training (model TFLOP/s per GPU).
         tflops(r("Llama 3 405B, 8,192 H100, TP 8 PP 16 DP 64", LLAMA3, (L3, "llama3_405b"), "1024x8xH100", (8192, 2048),
           "tp=8,pp=16,cp=1,dp=64,mb=1,schedule=interleaved", "", 430.0, 0.977, Asserted)),

@@ -360,6 +360,58 @@ fn a_hierarchical_dispatcher_sends_a_token_once_to_each_node() {
         .contains("dispatch is alltoall or hierarchical"));
 }
 
+/// Half-precision main gradients (`grad_reduce=bf16`): the gradients a
+/// rank keeps and the bytes their reduction sends are halved, exactly, and
+/// the plan carries the choice; the search never makes it unasked; a
+/// precision the model does not train in is refused.
+#[test]
+fn half_precision_main_gradients_halve_what_is_kept_and_sent() {
+    let llama = |extra: &str| {
+        plan(
+            "llama3.dpl",
+            "llama3_8b",
+            "2x8xH100",
+            &format!("tp=2,pp=2,cp=1,dp=4,mb=1,zero=1,recompute=none{extra}"),
+            0,
+        )
+    };
+    let (fp32, bf16) = (llama(""), llama(",grad_reduce=bf16"));
+    assert_eq!(fp32.plan.strategy.grad_reduce, dplc_ir::GradReduce::Fp32);
+    assert_eq!(bf16.plan.strategy.grad_reduce, dplc_ir::GradReduce::Bf16);
+    assert!(summary(&bf16).contains("gradients in bf16"));
+    for (a, b) in fp32.plan.stages.iter().zip(&bf16.plan.stages) {
+        assert_eq!(a.memory.gradients, 2 * b.memory.gradients);
+        assert_eq!(a.memory.weights, b.memory.weights);
+        assert_eq!(a.memory.optimizer, b.memory.optimizer);
+    }
+    let reduced = |c: &Compiled| {
+        let x = c.plan.collectives.iter();
+        x.filter(|x| x.phase == dplc_ir::StepPhase::GradientSync)
+            .map(|x| (x.what.clone(), x.bytes))
+            .collect::<Vec<_>>()
+    };
+    let (a, b) = (reduced(&fp32), reduced(&bf16));
+    assert_eq!(a.len(), 1);
+    assert_eq!(a[0], ("gradients (fp32)".to_string(), 2 * b[0].1));
+    assert_eq!(b[0].0, "gradients (bf16)");
+    // Round-trips through the plan's pins; the search keeps fp32 unasked.
+    let again = dplc_planner::StrategyConstraints::of_plan(&bf16.plan);
+    assert_eq!(again.grad_reduce, Some(dplc_ir::GradReduce::Bf16));
+    assert!(again.to_string().contains("grad_reduce=bf16"));
+    let free = plan("llama3.dpl", "llama3_8b", "2x8xH100", "", 0);
+    assert_eq!(free.plan.strategy.grad_reduce, dplc_ir::GradReduce::Fp32);
+    // gpt2 trains in bf16: fp16 gradients are not its precision.
+    let l = lowered("gpt2.dpl", "gpt2");
+    let mut req = PlanRequest::new(&l.graph, l.train.clone(), parse_cluster("8xA100").unwrap());
+    req.pinned = parse_strategy("grad_reduce=fp16").unwrap();
+    let err = compile(&req).unwrap_err().to_string();
+    assert!(err.contains("this model trains in bf16"), "{err}");
+    assert!(parse_strategy("grad_reduce=int8")
+        .unwrap_err()
+        .to_string()
+        .contains("grad_reduce is fp32, bf16 or fp16"));
+}
+
 /// A dropout on the attention's scores costs a fused kernel its draws, per
 /// attended score, at the device's measured rate (the H100 die's; none is
 /// measured for the A100), and FlashAttention-3 has none: with dropout,

@@ -1423,3 +1423,25 @@ fn run_refuses_a_dispatcher_it_does_not_run() {
     assert!(err.contains("dispatch=hierarchical"), "{err}");
     assert!(err.contains("drop dispatch from --strategy"), "{err}");
 }
+
+/// Half-precision main gradients are priced and exported, not run: `dplc
+/// run` refuses them with the way out, exit non-zero.
+#[test]
+fn run_refuses_gradients_it_does_not_keep() {
+    let out = dplc(&[
+        "run",
+        "models/tiny.dpl",
+        "--model",
+        "gpt_tiny",
+        "--cluster",
+        "2xcpu",
+        "--strategy",
+        "grad_reduce=bf16",
+        "--steps",
+        "1",
+    ]);
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(err.contains("grad_reduce=bf16"), "{err}");
+    assert!(err.contains("drop grad_reduce from --strategy"), "{err}");
+}

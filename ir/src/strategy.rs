@@ -223,6 +223,11 @@ pub struct Strategy {
     /// written without it while they do).
     #[serde(default, skip_serializing_if = "GradAccum::is_fused")]
     pub grad_accum: GradAccum,
+    /// The precision of the main gradients and of their data-parallel
+    /// reduction. Plans written before this field existed kept them in fp32
+    /// (and are written without it while they do).
+    #[serde(default, skip_serializing_if = "GradReduce::is_fp32")]
+    pub grad_reduce: GradReduce,
     /// How an MoE layer's tokens reach their experts' ranks. Plans written
     /// before this field existed sent one all-to-all (and are written
     /// without it while they do).
@@ -739,6 +744,47 @@ impl GradAccum {
     }
 }
 
+/// The precision the main gradients are accumulated and reduced in under
+/// mixed precision.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+pub enum GradReduce {
+    /// fp32 main gradients, reduced in fp32 (Megatron-LM with bf16, which
+    /// forces `--accumulate-allreduce-grads-in-fp32`; torchtitan's
+    /// `mixed_precision_reduce = "float32"`; FSDP's `reduce_dtype`).
+    #[default]
+    Fp32,
+    /// Main gradients in bf16, accumulated and reduced in bf16
+    /// (Megatron-Core's `grad_reduce_in_fp32=False`, as Megatron-Bridge's
+    /// performance recipes set it; Megatron-LM's `--grad-reduce-in-bf16`).
+    Bf16,
+    /// The same in fp16, for fp16 training.
+    Fp16,
+}
+
+impl GradReduce {
+    pub fn name(self) -> &'static str {
+        match self {
+            GradReduce::Fp32 => "fp32",
+            GradReduce::Bf16 => "bf16",
+            GradReduce::Fp16 => "fp16",
+        }
+    }
+
+    /// Bytes of a main gradient element: what it keeps and sends.
+    pub fn bytes(self) -> u64 {
+        match self {
+            GradReduce::Fp32 => 4,
+            GradReduce::Bf16 | GradReduce::Fp16 => 2,
+        }
+    }
+
+    fn is_fp32(&self) -> bool {
+        *self == GradReduce::Fp32
+    }
+}
+
 /// How an MoE layer's token dispatcher moves each token to the ranks of
 /// its `top_k` experts (and the combine brings the outputs back).
 #[derive(
@@ -968,6 +1014,9 @@ impl fmt::Display for Strategy {
         }
         if self.grad_accum != GradAccum::Fused {
             write!(f, ", grad accumulation {}", self.grad_accum.name())?;
+        }
+        if self.grad_reduce != GradReduce::Fp32 {
+            write!(f, ", gradients in {}", self.grad_reduce.name())?;
         }
         if self.dispatch != Dispatch::AllToAll {
             write!(f, ", token dispatch {}", self.dispatch.name())?;

@@ -551,6 +551,28 @@ fn compile_one(req: &PlanRequest, cache: &layouts::LayoutCache) -> Result<Compil
             req.cluster.device.name
         )));
     }
+    if let Some(g) = req.pinned.grad_reduce {
+        let training = req.train.precision;
+        let matches = match g {
+            dplc_ir::GradReduce::Fp32 => true,
+            dplc_ir::GradReduce::Bf16 => training == dplc_ir::Precision::Bf16,
+            dplc_ir::GradReduce::Fp16 => training == dplc_ir::Precision::Fp16,
+        };
+        if !matches {
+            let instead = match training {
+                dplc_ir::Precision::Fp32 => "an fp32 model's gradients are fp32 (`compress=bf16` \
+                                             rounds them for the reduction only)"
+                    .to_string(),
+                p => format!("grad_reduce={} keeps them in it", p.name()),
+            };
+            return Err(PlanError::Strategy(format!(
+                "grad_reduce={} keeps the main gradients in the training precision, and this \
+                 model trains in {}: {instead}",
+                g.name(),
+                training.name()
+            )));
+        }
+    }
     if let Some(n) = req.pinned.fp8_bf16_ends.filter(|&n| n > 0) {
         if req.pinned.fp8 != Some(true) {
             return Err(PlanError::Strategy(

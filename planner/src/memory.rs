@@ -4,7 +4,7 @@
 //! stage peaks. The step time is `cost`'s; the constants here are stated
 //! with their sources, the same for every model and cluster.
 
-use crate::cost::{Config, CostModel, Parts, GRAD_BYTES};
+use crate::cost::{Config, CostModel, Parts};
 use crate::profile::StackShare;
 use dplc_ir::{MemoryBreakdown, Precision, Recompute};
 
@@ -51,7 +51,7 @@ impl CostModel<'_> {
             (false, 1 | 2) => OPTIMIZER_BYTES_FP32_SHARDED,
             (false, _) => OPTIMIZER_BYTES_FP32,
         };
-        let grad_bytes = if mixed { GRAD_BYTES } else { 4.0 };
+        let grad_bytes = c.grad_bytes(self.profile.precision);
         let flight = Self::in_flight(c, i);
         let mut embedding_and_loss = 0.0;
         if i == 0 {

@@ -72,6 +72,7 @@ pub(crate) fn strategy(c: &Config, global_batch: u64, seq: u64) -> Strategy {
         attention: c.attention,
         tp_overlap: c.tp_overlap,
         grad_accum: c.grad_accum,
+        grad_reduce: c.grad_reduce,
         dispatch: if c.ep > 1 {
             c.dispatch
         } else {
@@ -409,8 +410,11 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
         // Stage 0's parameters, as the step prices its reduction (with the
         // head and loss when one stage holds everything).
         let (params, _) = cost.stage_params(c, 0, &shares0);
-        // fp32 main gradients with mixed precision, fp32 gradients without.
-        let grad_bytes = 4.0;
+        let grad_bytes = c.grad_bytes(profile.precision);
+        let grads = match profile.precision {
+            dplc_ir::Precision::Fp32 => "fp32",
+            _ => c.grad_reduce.name(),
+        };
         let kind = if c.zero >= 1 {
             CollectiveKind::ReduceScatter
         } else {
@@ -422,7 +426,7 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
             &mut out,
             kind,
             MeshAxis::Dp,
-            "gradients (fp32)",
+            &format!("gradients ({grads})"),
             params * grad_bytes,
             StepPhase::GradientSync,
             count,

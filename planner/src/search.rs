@@ -351,6 +351,7 @@ impl<'a> Mesh<'a> {
                         attention: pins.attention.unwrap_or(AttentionKind::Fused),
                         tp_overlap: pins.tp_overlap.unwrap_or(TpOverlap::Async),
                         grad_accum: pins.grad_accum.unwrap_or_default(),
+                        grad_reduce: pins.grad_reduce.unwrap_or_default(),
                         dispatch: pins.dispatch.unwrap_or_default(),
                         root,
                         order,

@@ -3,8 +3,8 @@
 
 use crate::PlanError;
 use dplc_ir::{
-    AttentionKind, Compression, Dispatch, Elementwise, GradAccum, GradSync, PipelineSchedule,
-    Recompute, RootSplit, ServerRanks, ShardLayout, TpOverlap,
+    AttentionKind, Compression, Dispatch, Elementwise, GradAccum, GradReduce, GradSync,
+    PipelineSchedule, Recompute, RootSplit, ServerRanks, ShardLayout, TpOverlap,
 };
 use std::fmt;
 
@@ -41,6 +41,10 @@ pub struct StrategyConstraints {
     pub tp_overlap: Option<TpOverlap>,
     /// `grad_accum=fused|separate`; the search uses Megatron's default, fused.
     pub grad_accum: Option<GradAccum>,
+    /// `grad_reduce=fp32|bf16|fp16`: the main gradients' precision; the
+    /// search keeps them in fp32 (the half-precision ones change what the
+    /// optimizer reads: the user's call).
+    pub grad_reduce: Option<GradReduce>,
     /// `dispatch=alltoall|hierarchical` (`deepep`, `hybridep` and `flex` read
     /// as `hierarchical`); the search sends one all-to-all, as dplc's ranks do.
     pub dispatch: Option<Dispatch>,
@@ -210,6 +214,7 @@ impl StrategyConstraints {
             attention: Some(s.attention),
             tp_overlap: Some(s.tp_overlap),
             grad_accum: (s.grad_accum != GradAccum::Fused).then_some(s.grad_accum),
+            grad_reduce: (s.grad_reduce != GradReduce::Fp32).then_some(s.grad_reduce),
             dispatch: (s.dispatch != Dispatch::AllToAll).then_some(s.dispatch),
             root: (s.root != RootSplit::Vocab).then_some(s.root),
             order: Some(AxisOrder::of(m)),
@@ -421,6 +426,18 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
                     }
                 })
             }
+            "grad_reduce" => {
+                c.grad_reduce = Some(match value.to_ascii_lowercase().as_str() {
+                    "fp32" | "float32" => GradReduce::Fp32,
+                    "bf16" | "bfloat16" => GradReduce::Bf16,
+                    "fp16" | "float16" => GradReduce::Fp16,
+                    _ => {
+                        return Err(err(format!(
+                            "grad_reduce is fp32, bf16 or fp16, got `{value}`"
+                        )))
+                    }
+                })
+            }
             "dispatch" => {
                 c.dispatch = Some(match value.to_ascii_lowercase().as_str() {
                     "alltoall" | "all_to_all" | "all-to-all" => Dispatch::AllToAll,
@@ -535,7 +552,7 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
             }
             _ => {
                 return Err(err(format!(
-                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, recompute_layers, sp, overlap, attention, tp_overlap, grad_accum, dispatch, root, order, stages, fp8, fp8_gather, fp8_bf16_ends, autocast, offload, elementwise, shards, sync, ps_shards, ps_ranks, staleness, compress"
+                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, recompute_layers, sp, overlap, attention, tp_overlap, grad_accum, grad_reduce, dispatch, root, order, stages, fp8, fp8_gather, fp8_bf16_ends, autocast, offload, elementwise, shards, sync, ps_shards, ps_ranks, staleness, compress"
                 )))
             }
         }
@@ -591,6 +608,7 @@ fn choice_of(key: &str) -> Option<&'static str> {
         "attention" => "attention",
         "tp_overlap" => "tp_overlap",
         "grad_accum" => "grad_accum",
+        "grad_reduce" => "grad_reduce",
         "dispatch" => "dispatch",
         "root" => "root",
         "order" => "order",
@@ -656,6 +674,9 @@ impl fmt::Display for StrategyConstraints {
         }
         if let Some(g) = self.grad_accum {
             parts.push(format!("grad_accum={}", g.name()));
+        }
+        if let Some(g) = self.grad_reduce {
+            parts.push(format!("grad_reduce={}", g.name()));
         }
         if let Some(d) = self.dispatch {
             parts.push(format!("dispatch={}", d.name()));

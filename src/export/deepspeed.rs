@@ -153,6 +153,12 @@ pub fn render(job: &Job) -> String {
     if let Some(clip) = train.grad_clip {
         config["gradient_clipping"] = json!(clip);
     }
+    if plan.strategy.grad_reduce != dplc_ir::GradReduce::Fp32 {
+        // Half-precision main gradients: accumulated and reduced as such.
+        let dtype = plan.strategy.grad_reduce.name();
+        config["communication_data_type"] = json!(dtype);
+        config["data_types"] = json!({ "grad_accum_dtype": dtype });
+    }
     match train.precision {
         Precision::Bf16 => config["bf16"] = json!({ "enabled": true }),
         // Dynamic loss scaling, as dplc prices fp16 (unscale and inf check).

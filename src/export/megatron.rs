@@ -423,6 +423,16 @@ pub fn training_flags(job: &Job) -> Vec<Flag> {
         Precision::Fp16 => f.push(flag("--fp16")),
         Precision::Fp32 => {}
     }
+    // The main gradients' precision: Megatron-LM keeps bf16 training's in
+    // fp32 unless told otherwise, and fp16 training's in fp16 unless told
+    // otherwise (arguments.py); the compile refused any other pairing.
+    match (t.precision, job.plan.strategy.grad_reduce) {
+        (Precision::Bf16, dplc_ir::GradReduce::Bf16) => f.push(flag("--grad-reduce-in-bf16")),
+        (Precision::Fp16, dplc_ir::GradReduce::Fp32) => {
+            f.push(flag("--accumulate-allreduce-grads-in-fp32"))
+        }
+        _ => {}
+    }
     if job.plan.strategy.fp8 {
         // Transformer Engine's hybrid recipe: E4M3 forward, E5M2 gradients.
         f.push(arg("--fp8-format", "hybrid"));

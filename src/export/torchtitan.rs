@@ -107,6 +107,15 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
             |p| p.overlap_grad_reduce = None,
         ));
     }
+    if s.grad_reduce != dplc_ir::GradReduce::Fp32 {
+        gaps.push(Gap::new(
+            format!(
+                "main gradients reduced in {} (torchtitan's `mixed_precision_reduce` is float32 only)",
+                s.grad_reduce.name()
+            ),
+            |p| p.grad_reduce = None,
+        ));
+    }
     if s.num_micro_batches > 1 && s.grad_accum == GradAccum::Fused {
         gaps.push(Gap::new(
             "gradient accumulation fused into the GEMM (torchtitan accumulates separately)",

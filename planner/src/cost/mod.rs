@@ -29,28 +29,33 @@ pub(crate) const MEMORY_EFFICIENCY: f64 = 0.8;
 
 /// CUDA kernel launch and framework dispatch, per kernel (a few microseconds).
 pub(crate) const KERNEL_OVERHEAD_S: f64 = 4e-6;
-/// Megatron keeps fp32 main gradients (`accumulate_allreduce_grads_in_fp32`
-/// with bf16) and reduces them in fp32.
-pub(crate) const GRAD_BYTES: f64 = 4.0;
 /// Optimizer step traffic per parameter, as the stack runs it: AdamW reads
 /// the fp32 gradient (4) and reads and writes master weight, m and v (3 × 8);
 /// the global gradient norm reads the gradients again (4) and zeroing them
 /// for the next step writes them (4) — 36 bytes in fp32, where the master is
 /// the weight. Mixed precision also writes the working copy (2); fp16's loss
 /// scaling first unscales the gradients and checks them for inf/NaN (one
-/// more read and write, 8).
-fn optimizer_step_bytes(precision: Precision) -> f64 {
-    match precision {
+/// more read and write, 8). Main gradients of `grad` bytes below fp32's
+/// (`grad_reduce=bf16`) are read by the norm and zeroed at that size, and
+/// cast into an fp32 copy the step reads (Megatron's distributed optimizer
+/// copies its shard: read `grad`, write 4).
+fn optimizer_step_bytes(precision: Precision, grad: f64) -> f64 {
+    let fp32_grads = match precision {
         Precision::Fp32 => 36.0,
         Precision::Bf16 => 38.0,
         Precision::Fp16 => 46.0,
+    };
+    if grad < 4.0 {
+        fp32_grads - 8.0 + 3.0 * grad + 4.0
+    } else {
+        fp32_grads
     }
 }
 /// Accumulating a micro-batch's weight gradient outside its GEMM
 /// (`GradAccum::Separate`), per parameter: read the new gradient in the
-/// training precision, read and write the fp32 main gradient (4 + 4).
-fn separate_accum_bytes(precision: Precision) -> f64 {
-    precision.bytes() as f64 + 8.0
+/// training precision, read and write the main gradient (`grad` bytes).
+fn separate_accum_bytes(precision: Precision, grad: f64) -> f64 {
+    precision.bytes() as f64 + 2.0 * grad
 }
 
 pub use crate::strategy::AxisOrder;
@@ -78,6 +83,8 @@ pub(crate) struct Config {
     pub attention: AttentionKind,
     pub tp_overlap: TpOverlap,
     pub grad_accum: GradAccum,
+    /// The main gradients' precision (`grad_reduce=`).
+    pub grad_reduce: dplc_ir::GradReduce,
     /// How MoE tokens reach their experts' ranks (`dispatch=`).
     pub dispatch: dplc_ir::Dispatch,
     pub root: dplc_ir::RootSplit,
@@ -135,6 +142,16 @@ impl Config {
     /// frees them after (FSDP's resharding, every micro-batch).
     pub fn gathers_per_layer(&self) -> bool {
         self.zero >= 3 && !self.holds_the_step()
+    }
+
+    /// Bytes of a main-gradient element, as kept and reduced: the stack's
+    /// choice under mixed precision (fp32 unless `grad_reduce` says
+    /// otherwise), fp32 for an fp32 model.
+    pub fn grad_bytes(&self, precision: Precision) -> f64 {
+        match precision {
+            Precision::Fp32 => 4.0,
+            _ => self.grad_reduce.bytes() as f64,
+        }
     }
 
     /// Whether ZeRO's weight all-gathers move FP8 casts: pinned, with FP8
@@ -483,7 +500,8 @@ impl<'a> CostModel<'a> {
             // A memory-bound pass over the stage's weight gradients after
             // each micro-batch's backward.
             let (params, _) = self.stage_params(c, i as u64, &shares);
-            s.backward += params * separate_accum_bytes(self.profile.precision) / bandwidth;
+            let grad = c.grad_bytes(self.profile.precision);
+            s.backward += params * separate_accum_bytes(self.profile.precision, grad) / bandwidth;
         }
         if c.autocast && self.profile.precision != Precision::Fp32 {
             // Autocast casts each fp32 weight to the training precision the
@@ -506,10 +524,10 @@ impl<'a> CostModel<'a> {
             // it as the fp32 one the reduce-scatter sends).
             let (params, expert) = self.stage_params(c, i as u64, &shares);
             let dense = params - expert;
-            let (w, grad) = match self.profile.precision {
-                Precision::Fp32 => (4.0, 4.0),
-                p => (p.bytes() as f64, GRAD_BYTES),
-            };
+            let (w, grad) = (
+                self.profile.precision.bytes() as f64,
+                c.grad_bytes(self.profile.precision),
+            );
             let layer = self.layer_dense_params(c, &shares);
             let gathered = self.gathered_weight_bytes(c, dense, layer);
             s.forward += 2.0 * gathered / bandwidth;
@@ -588,11 +606,7 @@ impl<'a> CostModel<'a> {
         let edp = (c.dp / c.ep).max(1);
         let (edp_stride, _) = c.stride_size(MeshAxis::Dp);
         let edp_link = group_link(self.cluster, edp_stride * c.ep, edp);
-        let grad_bytes = if self.profile.precision == Precision::Fp32 {
-            4.0
-        } else {
-            GRAD_BYTES
-        };
+        let grad_bytes = c.grad_bytes(self.profile.precision);
         let w_bytes = self.profile.precision.bytes() as f64;
         let dense_cut = self.dp_reduction(c, dense, grad_bytes, &dp_link);
         let layer_dense = self.layer_dense_params(c, &shares0);
@@ -689,10 +703,15 @@ impl<'a> CostModel<'a> {
             let up = opt_params * w_bytes / link;
             offload_bytes += 2.0 * opt_params * w_bytes;
             offload += (down - stages[0].backward * (1.0 - 1.0 / layers0)).max(down / layers0) + up;
-            opt_params * (optimizer_step_bytes(self.profile.precision) + 4.0)
+            opt_params
+                * (optimizer_step_bytes(
+                    self.profile.precision,
+                    c.grad_bytes(self.profile.precision),
+                ) + 4.0)
                 / (dev.host_memory_bandwidth * MEMORY_EFFICIENCY)
         } else {
-            opt_params * optimizer_step_bytes(self.profile.precision)
+            opt_params
+                * optimizer_step_bytes(self.profile.precision, c.grad_bytes(self.profile.precision))
                 / (dev.memory_bandwidth * MEMORY_EFFICIENCY)
         };
         if c.offload.params || c.offload.activations {
