@@ -51,6 +51,38 @@ fn optimizer_step_bytes(precision: Precision, grad: f64) -> f64 {
         fp32_grads
     }
 }
+/// What is left, after the step's last backward, of a data-parallel
+/// reduction of `reduce` seconds on one link, when each model chunk's
+/// reduction starts as its last micro-batch's backward ends (Megatron-Core's
+/// `grad_sync_func`, `schedules.py`: launched per chunk at its last
+/// micro-batch, at the same slot across the pipeline) and its buckets as its
+/// layers finish. Stage 0 ends the step (`backward`: one micro-batch's
+/// backward of its `layers`, in `chunks` chunks of `pp`-micro-batch groups):
+/// the interleaved cooldown runs the last group's chunk v−1 first and chunk
+/// 0 last, so chunk j's reduction has j·pp backward slots still to hide
+/// behind. The chunks' reductions queue on the link, each its share. One
+/// chunk (1F1B, GPipe) hides all but the last layer's bucket behind the last
+/// backward, as before.
+fn reduction_after_backward(
+    reduce: f64,
+    backward: f64,
+    layers: f64,
+    (chunks, pp): (u64, u64),
+) -> f64 {
+    let v = chunks.max(1) as f64;
+    let slot = backward / v;
+    let per_chunk = reduce / v;
+    // A chunk's first buckets are ready one of its layers into its last slot.
+    let within = slot * (1.0 - v / layers.max(v));
+    // When the link frees, with the step's last backward ending at 0.
+    let mut free = f64::NEG_INFINITY;
+    for j in (0..chunks.max(1)).rev() {
+        let ready = -(j as f64) * pp as f64 * slot - within;
+        free = free.max(ready) + per_chunk;
+    }
+    free.max(0.0)
+}
+
 /// Accumulating a micro-batch's weight gradient outside its GEMM
 /// (`GradAccum::Separate`), per parameter: read the new gradient in the
 /// training precision, read and write the main gradient (`grad` bytes).
@@ -667,6 +699,14 @@ impl<'a> CostModel<'a> {
         } else if c.zero >= 2 {
             // ZeRO-2 reduce-scatters every micro-batch's gradients during its backward.
             (m * (dp_reduce - hidden).max(0.0), m * dp_reduce)
+        } else if c.overlap && c.sync.staleness() == 0 {
+            let exposed = reduction_after_backward(
+                dp_reduce,
+                stages[0].backward + stages[0].recompute,
+                layers0,
+                (crate::stages::chunks(c), c.pp),
+            );
+            (exposed, dp_reduce)
         } else {
             ((dp_reduce - hidden).max(0.0), dp_reduce)
         };
@@ -843,4 +883,31 @@ pub(crate) fn step_total(t: &TimeBreakdown) -> f64 {
         + t.optimizer_s
         + t.overlap_slowdown_s
         + t.offload_s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::reduction_after_backward;
+
+    #[test]
+    fn one_chunk_hides_all_but_the_last_layers_bucket() {
+        // 1 s of reduction behind a 0.8 s backward of 8 layers: 0.7 s hides.
+        let left = reduction_after_backward(1.0, 0.8, 8.0, (1, 4));
+        assert!((left - 0.3).abs() < 1e-12, "{left}");
+        assert_eq!(reduction_after_backward(0.5, 0.8, 8.0, (1, 4)), 0.0);
+    }
+
+    #[test]
+    fn interleaved_chunks_reduce_during_the_cooldown() {
+        // 2 chunks of 4 layers, pp 4: a slot is 0.4 s; chunk 1's reduction
+        // (0.5 s) is ready 4 slots and 3/4 of one before the end (1.9 s),
+        // chunk 0's 0.3 s before it; the link is free by then, so 0.2 s
+        // is left — where one chunk would leave 0.3.
+        let left = reduction_after_backward(1.0, 0.8, 8.0, (2, 4));
+        assert!((left - 0.2).abs() < 1e-12, "{left}");
+        // A reduction longer than the cooldown queues: 4 s in two halves,
+        // the first from −1.9 s to 0.1 s, the second after it: 2.1 s left.
+        let left = reduction_after_backward(4.0, 0.8, 8.0, (2, 4));
+        assert!((left - 2.1).abs() < 1e-12, "{left}");
+    }
 }
