@@ -394,6 +394,16 @@ fn half_precision_main_gradients_halve_what_is_kept_and_sent() {
     assert_eq!(a.len(), 1);
     assert_eq!(a[0], ("gradients (fp32)".to_string(), 2 * b[0].1));
     assert_eq!(b[0].0, "gradients (bf16)");
+    // Each plan prices the other precision as a what-if, every other choice kept.
+    let what_if = |c: &Compiled, change: &str| {
+        let w = c.plan.what_if.iter().find(|w| w.change == change);
+        w.and_then(|w| w.step_time_s)
+            .unwrap_or_else(|| panic!("no `{change}` in {:?}", c.plan.what_if))
+    };
+    let to_bf16 = what_if(&fp32, "grad_reduce=bf16");
+    assert!((to_bf16 - bf16.plan.estimate.step_time_s).abs() < 1e-9 * to_bf16);
+    let to_fp32 = what_if(&bf16, "grad_reduce=fp32");
+    assert!((to_fp32 - fp32.plan.estimate.step_time_s).abs() < 1e-9 * to_fp32);
     // Round-trips through the plan's pins; the search keeps fp32 unasked.
     let again = dplc_planner::StrategyConstraints::of_plan(&bf16.plan);
     assert_eq!(again.grad_reduce, Some(dplc_ir::GradReduce::Bf16));

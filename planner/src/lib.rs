@@ -325,7 +325,8 @@ fn dp_what_ifs(
     let link = cost.replica_link(&c);
     // Bytes on the busiest link per fp32 gradient byte.
     let ratio = |cost: &cost::CostModel, alt: &cost::Config| {
-        cost.dp_reduction(alt, 1.0, 4.0, &link).link_bytes / 4.0
+        let grad = alt.grad_bytes(profile.precision);
+        cost.dp_reduction(alt, 1.0, grad, &link).link_bytes / 4.0
     };
     let mut variants: Vec<(String, cost::Config)> = Vec::new();
     let base = cost::Config {
@@ -393,6 +394,25 @@ fn dp_what_ifs(
             },
         );
     }
+    // The main gradients in the other precision, every other choice kept.
+    let half = match profile.precision {
+        dplc_ir::Precision::Bf16 => Some(dplc_ir::GradReduce::Bf16),
+        dplc_ir::Precision::Fp16 => Some(dplc_ir::GradReduce::Fp16),
+        dplc_ir::Precision::Fp32 => None,
+    };
+    if let Some(half) = half {
+        let other = match c.grad_reduce {
+            dplc_ir::GradReduce::Fp32 => half,
+            _ => dplc_ir::GradReduce::Fp32,
+        };
+        variants.push((
+            format!("grad_reduce={}", other.name()),
+            cost::Config {
+                grad_reduce: other,
+                ..c
+            },
+        ));
+    }
     let plain = ratio(&cost, &base);
     variants
         .into_iter()
@@ -458,6 +478,12 @@ fn dp_what_ifs(
                 (true, _) => note.push_str("; the search takes it with --allow sync"),
                 (false, true) => note.push_str("; the search takes it with --allow compress"),
                 (false, false) => {}
+            }
+            if alt.grad_reduce != c.grad_reduce {
+                note.push_str(&format!(
+                    "; main gradients kept and reduced in {}: pin it, the search keeps fp32",
+                    alt.grad_reduce.name()
+                ));
             }
             dplc_ir::WhatIf {
                 change,
