@@ -18,6 +18,13 @@ fn plan(file: &str, model: &str, cluster: &str, strategy: &str, top_k: usize) ->
     compile(&req).unwrap_or_else(|e| panic!("{model} on {cluster}: {e}"))
 }
 
+/// The step time `c`'s plan prices for its what-if `change`.
+fn what_if(c: &Compiled, change: &str) -> f64 {
+    let w = c.plan.what_if.iter().find(|w| w.change == change);
+    w.and_then(|w| w.step_time_s)
+        .unwrap_or_else(|| panic!("no `{change}` in {:?}", c.plan.what_if))
+}
+
 /// The summary without the search's wall time, which varies run to run.
 fn golden(c: &Compiled) -> String {
     let s = summary(c);
@@ -326,11 +333,6 @@ fn a_hierarchical_dispatcher_sends_a_token_once_to_each_node() {
     assert!((3.3..4.0).contains(&ratio), "{ratio}");
     assert!(hier.plan.estimate.step_time_s < flat.plan.estimate.step_time_s);
     // Each plan prices the other dispatcher as a what-if.
-    let what_if = |c: &Compiled, change: &str| {
-        let w = c.plan.what_if.iter().find(|w| w.change == change);
-        w.and_then(|w| w.step_time_s)
-            .unwrap_or_else(|| panic!("no `{change}` in {:?}", c.plan.what_if))
-    };
     let to_hier = what_if(&flat, "dispatch alltoall → hierarchical");
     assert!((to_hier - hier.plan.estimate.step_time_s).abs() < 1e-9 * to_hier);
     let to_flat = what_if(&hier, "dispatch hierarchical → alltoall");
@@ -395,11 +397,6 @@ fn half_precision_main_gradients_halve_what_is_kept_and_sent() {
     assert_eq!(a[0], ("gradients (fp32)".to_string(), 2 * b[0].1));
     assert_eq!(b[0].0, "gradients (bf16)");
     // Each plan prices the other precision as a what-if, every other choice kept.
-    let what_if = |c: &Compiled, change: &str| {
-        let w = c.plan.what_if.iter().find(|w| w.change == change);
-        w.and_then(|w| w.step_time_s)
-            .unwrap_or_else(|| panic!("no `{change}` in {:?}", c.plan.what_if))
-    };
     let to_bf16 = what_if(&fp32, "grad_reduce=bf16");
     assert!((to_bf16 - bf16.plan.estimate.step_time_s).abs() < 1e-9 * to_bf16);
     let to_fp32 = what_if(&bf16, "grad_reduce=fp32");
