@@ -211,6 +211,28 @@ fn gpu_artifacts_carry_their_kernels_and_refuse_other_worlds() {
 /// half-written directory is left (which a second build would refuse to
 /// write into), and an earlier artifact in the directory stays whole.
 #[test]
+fn a_stack_the_runtime_does_not_run_is_refused_and_writes_nothing() {
+    // Half-precision main gradients are priced and exported, not run.
+    let dir = tmp("grad-reduce");
+    let out = dplc(&[
+        "build",
+        "models/tiny.dpl",
+        "--model",
+        "gpt_tiny",
+        "--cluster",
+        "4xcpu",
+        "--strategy",
+        "dp=4,grad_reduce=bf16",
+        "-o",
+        dir.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(err.contains("drop grad_reduce from --strategy"), "{err}");
+    assert!(!dir.exists(), "a refused build created {}", dir.display());
+}
+
+#[test]
 fn a_failed_gpu_build_writes_nothing() {
     let no_nvrtc = [("DPLC_NVRTC_LIB", "/nonexistent/libnvrtc.so.12")];
     let gpu_build = |dir: &Path| {
