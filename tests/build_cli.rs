@@ -207,9 +207,7 @@ fn gpu_artifacts_carry_their_kernels_and_refuse_other_worlds() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A GPU build that cannot make its kernels stops before it writes: no
-/// half-written directory is left (which a second build would refuse to
-/// write into), and an earlier artifact in the directory stays whole.
+/// A stack the runtime does not run is refused before anything is written.
 #[test]
 fn a_stack_the_runtime_does_not_run_is_refused_and_writes_nothing() {
     // Half-precision main gradients are priced and exported, not run.
@@ -232,6 +230,9 @@ fn a_stack_the_runtime_does_not_run_is_refused_and_writes_nothing() {
     assert!(!dir.exists(), "a refused build created {}", dir.display());
 }
 
+/// A GPU build that cannot make its kernels stops before it writes: no
+/// half-written directory is left (which a second build would refuse to
+/// write into), and an earlier artifact in the directory stays whole.
 #[test]
 fn a_failed_gpu_build_writes_nothing() {
     let no_nvrtc = [("DPLC_NVRTC_LIB", "/nonexistent/libnvrtc.so.12")];
