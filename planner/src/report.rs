@@ -432,9 +432,8 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
             count,
             &link,
         );
-        let w = profile.precision.bytes() as f64;
-        // What ZeRO-3's gathers move: the layers' FP8 casts when they
-        // gather those (`fp8_gather`), as the step prices them.
+        // What ZeRO's gathers move: the layers' FP8 casts when they gather
+        // those (`fp8_gather`), as the step prices them.
         let gathered = cost.gathered_weight_bytes(c, params, cost.layer_dense_params(c, &shares0));
         // ZeRO-3 gathers its weights where a pass needs them instead.
         if (1..3).contains(&c.zero) {
@@ -442,8 +441,12 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
                 &mut out,
                 CollectiveKind::AllGather,
                 MeshAxis::Dp,
-                "updated weights",
-                params * w,
+                if c.gathers_fp8() {
+                    "updated weights (the layers' FP8 casts)"
+                } else {
+                    "updated weights"
+                },
+                gathered,
                 StepPhase::Optimizer,
                 1,
                 &link,
