@@ -419,6 +419,37 @@ fn half_precision_main_gradients_halve_what_is_kept_and_sent() {
         .contains("grad_reduce is fp32, bf16 or fp16"));
 }
 
+/// ZeRO-1's weight all-gather is listed with the bytes the step prices: the
+/// layers' FP8 casts (a byte each) under `fp8_gather`, the embedding and
+/// the head in bf16.
+#[test]
+fn the_listed_weight_gather_moves_what_the_step_prices() {
+    let gather = |extra: &str| {
+        let c = plan(
+            "llama3.dpl",
+            "llama3_8b",
+            "2x8xH100",
+            &format!("tp=1,pp=1,cp=1,dp=16,mb=1,zero=1,fp8=on{extra}"),
+            0,
+        );
+        let x = c.plan.collectives.iter();
+        let g: Vec<_> = x
+            .filter(|x| x.phase == dplc_ir::StepPhase::Optimizer)
+            .map(|x| (x.what.clone(), x.bytes))
+            .collect();
+        assert_eq!(g.len(), 1, "{g:?}");
+        g[0].clone()
+    };
+    let (bf16, fp8) = (gather(""), gather(",fp8_gather=on"));
+    assert_eq!(bf16.0, "updated weights");
+    assert_eq!(fp8.0, "updated weights (the layers' FP8 casts)");
+    // 8.03 G parameters, 1.05 G of them outside the layers: the embedding,
+    // the head and the final norm's gain.
+    let (params, ends) = (8_030_261_248u64, 2 * 128_256 * 4096 + 4096);
+    assert_eq!(bf16.1, 2 * params);
+    assert_eq!(fp8.1, 2 * ends + (params - ends));
+}
+
 /// A dropout on the attention's scores costs a fused kernel its draws, per
 /// attended score, at the device's measured rate (the H100 die's; none is
 /// measured for the A100), and FlashAttention-3 has none: with dropout,
