@@ -107,8 +107,9 @@ const A100_GAP: &str = "dplc reads torchtitan's eager A100 runs 11-19% fast afte
 const H200_FAST: &str = "10.4% fast at 32 GPUs, 12.4% at 64, with FSDP's float8 all-gather its command line turns on priced (1.087 and 1.107 before it): torchtitan loses 1.7% from 32 to 64 GPUs, dplc predicts no loss; see bench/RESULTS.md";
 const GPT3_20B: &str = "18% slow: with the stated knobs dplc's ZeRO-1 plan needs 83 GiB (bf16 weights beside their FP8 casts and fp32 gradients) and the search takes ZeRO-2, whose per-micro-batch reduce-scatters cost 0.23 s exposed; with FP8 parameter gathers (`zero=1,fp8_gather=on`, as NeMo's later FP8 recipes set, not stated for 24.07) it fits and reads 0.993; see bench/RESULTS.md";
 const LLAMA3_CP: &str = "23% fast at 131,072 tokens; the paper reports TFLOP/s per GPU, not tokens/s, and at this length attention is 57% of dplc's model FLOPs counted over the whole sequence (Megatron's convention) and 40% counted causally, and the source does not say which it counts (the 8K rows move by 4% between the two); with FlashAttention-2's rate instead of the fused (FlashAttention-3) one dplc reads 0.889; see bench/RESULTS.md";
-const B200_8B: &str = "12.0% fast; no fused-attention rate is measured for the B200, so its attention runs at the device's GEMM rate (with the H100 die's ratios of FlashAttention-3's forward and backward to its GEMM rate it read 1.068 before the recipe's bf16 main gradients were pinned, not asserted: that ratio is the H100's); the 405B row on the same system reads 1.086; see bench/RESULTS.md";
-const MBRIDGE_405B_2511: &str = "12.2% fast with the recipe's bf16 main gradients pinned and each chunk's gradient reduction started at its last backward, as Megatron-Core does (1.084 with neither: an fp32 reduce-scatter across nodes left at the end of the step); the same configuration on the next container (26.02, the next row) published 6.5% more and reads 1.074, asserted: what separates the two containers is software dplc does not see; see bench/RESULTS.md";
+const B200_8B: &str = "12.0% fast; no fused-attention rate is measured for the B200, so its attention runs at the device's GEMM rate (with the H100 die's ratios of FlashAttention-3's forward and backward to its GEMM rate it read 1.068 before the recipe's bf16 main gradients were pinned, not asserted: that ratio is the H100's); the 405B row on the same system reads 1.097; see bench/RESULTS.md";
+const MBRIDGE_405B_2511: &str = "12.8% fast with the recipe's bf16 main gradients pinned and each chunk's gradient reduction and weight gather overlapped as Megatron-Core's interleaved schedule launches them (1.084 with none of these: an fp32 reduce-scatter across nodes left at the end of the step); the same configuration on the next container (26.02, the next row) published 6.5% more and reads 1.076, asserted: what separates the two containers is software dplc does not see; see bench/RESULTS.md";
+const NEMO_13B: &str = "10.2% fast: 1.080 until the chunks' gradient reductions and weight gathers were overlapped as Megatron-Core's interleaved schedule launches them (each chunk's reduction at its last backward, 1.094; each chunk's gather at the previous chunk's first forward, 1.102), both read from its source; the other NeMo 24.07 rows with interleaving read 0.949-1.039; not explained further; see bench/RESULTS.md";
 const NEMOTRON_8B: &str = "12.3% fast with every knob the table states (the search takes ZeRO-1 and no recomputation), as NeMo's other micro-batch-4 row, GPT-3 5B (12.5-13%); not explained; see bench/RESULTS.md";
 const NEMOTRON_340B: &str = "recompute n/s: with the stated knobs dplc's plan needs recomputation to fit (its bf16 weights beside their FP8 casts, fp32 gradients, and the MLP's 73,728-wide activations), and the search recomputes every layer; not explained further; see bench/RESULTS.md";
 const QWEN3_MOE: &str = "2.1x fast: this run is dropless (the page: \"all benchmarks are token-dropless\"), where dplc's `moe` drops at a capacity factor (static shapes: every expert padded to capacity); the same configuration with token dropping (25.09, the row below) published 10,494 tokens/s, 2.0x this row, and dplc reads that 1.06; later containers run the dropless model 1.7x faster on the same 16 H100s (26.02 5,113 in the archive @ 067f987, which corrects the 2,557 this commit printed; 26.02.01 9,058; 26.04.01 8,960); see bench/RESULTS.md";
@@ -242,17 +243,17 @@ fn rows() -> Vec<Row> {
         r("NeMo Llama2 7B, 8 GPUs", NEMO_2407, (L2, "llama2_7b"), "8xH100", (4096, 128),
           "tp=1,pp=1,cp=1,dp=8,mb=1,zero=1,fp8=on", "offload=none", 16847.0, 1.096, Asserted),
         r("NeMo Llama2 13B, 16 GPUs, PP 4 VP 10", NEMO_2407, (L2, "llama2_13b"), "2x8xH100", (4096, 128),
-          "tp=1,pp=4,cp=1,dp=4,mb=1,schedule=interleaved,v=10,zero=1,fp8=on", "offload=none", 8646.0, 1.094, Asserted),
+          "tp=1,pp=4,cp=1,dp=4,mb=1,schedule=interleaved,v=10,zero=1,fp8=on", "offload=none", 8646.0, 1.102, NotAsserted(NEMO_13B)),
         r("NeMo Llama2 70B, 64 GPUs, TP 4 PP 4 VP 20", NEMO_2407, (L2, "llama2_70b"), "8x8xH100", (4096, 128),
-          "tp=4,pp=4,cp=1,dp=4,mb=1,schedule=interleaved,v=20,zero=1,sp=on,fp8=on", "offload=none", 1707.0, 0.943, Asserted),
+          "tp=4,pp=4,cp=1,dp=4,mb=1,schedule=interleaved,v=20,zero=1,sp=on,fp8=on", "offload=none", 1707.0, 0.949, Asserted),
         r("NeMo Llama3 8B, 8 GPUs, CP 2", NEMO_2407, (L3, "llama3_8b"), "8xH100", (8192, 128),
           "tp=1,pp=1,cp=2,dp=4,mb=1,zero=1,fp8=on", "offload=none", 12036.0, 1.058, Asserted),
         r("NeMo Llama3 70B, 64 GPUs, TP 4 PP 4 CP 2 VP 5", NEMO_2407, (L3, "llama3_70b"), "8x8xH100", (8192, 128),
-          "tp=4,pp=4,cp=2,dp=2,mb=1,schedule=interleaved,v=5,zero=1,sp=on,fp8=on", "offload=none", 1533.0, 1.032, Asserted),
+          "tp=4,pp=4,cp=2,dp=2,mb=1,schedule=interleaved,v=5,zero=1,sp=on,fp8=on", "offload=none", 1533.0, 1.035, Asserted),
         r("NeMo GPT3 175B, 128 GPUs, TP 4 PP 8 VP 6", NEMO_2407, (GPT, "nemo_gpt3_175b"), "16x8xH100", (2048, 256),
-          "tp=4,pp=8,cp=1,dp=4,mb=1,schedule=interleaved,v=6,zero=1,sp=on,fp8=on", "offload=none", 726.0, 1.028, Asserted),
+          "tp=4,pp=8,cp=1,dp=4,mb=1,schedule=interleaved,v=6,zero=1,sp=on,fp8=on", "offload=none", 726.0, 1.039, Asserted),
         r("NeMo GPT3 175B, 512 GPUs, TP 4 PP 8 VP 6", NEMO_2407, (GPT, "nemo_gpt3_175b"), "64x8xH100", (2048, 2048),
-          "tp=4,pp=8,cp=1,dp=16,mb=2,schedule=interleaved,v=6,zero=1,sp=on,fp8=on", "offload=none", 782.0, 0.993, Asserted),
+          "tp=4,pp=8,cp=1,dp=16,mb=2,schedule=interleaved,v=6,zero=1,sp=on,fp8=on", "offload=none", 782.0, 0.999, Asserted),
         r("NeMo GPT3 5B, 64 GPUs", NEMO_2407, (GPT, "nemo_gpt3_5b"), "8x8xH100", (2048, 2048),
           "tp=1,pp=1,cp=1,dp=64,mb=4,fp8=on", "offload=none", 22521.0, 1.045, Asserted),
         r("NeMo GPT3 20B, 64 GPUs, TP 2", NEMO_2407, (GPT, "nemo_gpt3_20b"), "8x8xH100", (2048, 256),
@@ -262,7 +263,7 @@ fn rows() -> Vec<Row> {
         r("NeMo Nemotron3 8B, 64 GPUs, TP 2", NEMO_2407, (NEMOTRON, "nemotron3_8b"), "8x8xH100", (4096, 256),
           "tp=2,pp=1,cp=1,dp=32,mb=4,sp=on,fp8=on", "offload=none", 12701.0, 1.123, NotAsserted(NEMOTRON_8B)),
         r("NeMo Nemotron4 340B, 128 GPUs, TP 8 PP 8 VP 12", NEMO_2407, (NEMOTRON, "nemotron4_340b"), "16x8xH100", (4096, 32),
-          "tp=8,pp=8,cp=1,dp=2,mb=1,schedule=interleaved,v=12,sp=on,fp8=on", "offload=none", 322.0, 0.730, NotAsserted(NEMOTRON_340B)),
+          "tp=8,pp=8,cp=1,dp=2,mb=1,schedule=interleaved,v=12,sp=on,fp8=on", "offload=none", 322.0, 0.743, NotAsserted(NEMOTRON_340B)),
         // ---- NVIDIA Megatron-Bridge on DGX-H100, FP8 current scaling: the
         // recipe's `bf16_with_fp8_current_scaling_mixed` (Megatron-Bridge
         // src/megatron/bridge/training/mixed_precision.py) gathers the FP8
@@ -287,9 +288,9 @@ fn rows() -> Vec<Row> {
         // 126 layers in 8 stages of 8 chunks, the embedding and the loss
         // counted as layers (the recipe's account_for_*_in_pipeline_split).
         r("Megatron-Bridge 25.11 Llama3.1 405B, 1024 GPUs, TP 8 PP 8 CP 2 VP 8", MBRIDGE, (L3, "llama3_405b"), "128x8xH100", (8192, 512),
-          "tp=8,pp=8,cp=2,dp=8,mb=1,schedule=interleaved,v=8,zero=1,sp=on,tp_overlap=ring,recompute=none,fp8=on,fp8_gather=on,fp8_bf16_ends=1,grad_reduce=bf16", "offload=none", 292.0, 1.122, NotAsserted(MBRIDGE_405B_2511)),
+          "tp=8,pp=8,cp=2,dp=8,mb=1,schedule=interleaved,v=8,zero=1,sp=on,tp_overlap=ring,recompute=none,fp8=on,fp8_gather=on,fp8_bf16_ends=1,grad_reduce=bf16", "offload=none", 292.0, 1.128, NotAsserted(MBRIDGE_405B_2511)),
         r("Megatron-Bridge 26.02 Llama3.1 405B, 1024 GPUs, TP 8 PP 8 CP 2 VP 8", MBRIDGE, (L3, "llama3_405b"), "128x8xH100", (8192, 1536),
-          "tp=8,pp=8,cp=2,dp=8,mb=1,schedule=interleaved,v=8,zero=1,sp=on,tp_overlap=ring,recompute=none,fp8=on,fp8_gather=on,fp8_bf16_ends=1,grad_reduce=bf16", "offload=none", 311.0, 1.074, Asserted),
+          "tp=8,pp=8,cp=2,dp=8,mb=1,schedule=interleaved,v=8,zero=1,sp=on,tp_overlap=ring,recompute=none,fp8=on,fp8_gather=on,fp8_bf16_ends=1,grad_reduce=bf16", "offload=none", 311.0, 1.076, Asserted),
         // Fine-grained MoE (models/qwen3.dpl): EP 8 within the data-parallel ranks, one layer a chunk.
         r("Megatron-Bridge 25.11 Qwen3 30B-A3B, 16 GPUs, PP 2 VP 24 EP 8", MBRIDGE, (QWEN3, "qwen3_30b_a3b"), "2x8xH100", (4096, 512),
           "tp=1,pp=2,cp=1,dp=8,ep=8,mb=2,schedule=interleaved,v=24,zero=1,fp8=on,fp8_gather=on,fp8_bf16_ends=1,grad_reduce=bf16", "offload=none", 5275.0, 2.110, NotAsserted(QWEN3_MOE)),
@@ -303,14 +304,14 @@ fn rows() -> Vec<Row> {
         r("Megatron-Bridge 25.11 Llama3 8B, 8 B200", MBRIDGE_B200, (L3, "llama3_8b"), "8xB200", (8192, 128),
           "tp=1,pp=1,cp=1,dp=8,mb=2,zero=1,fp8=on,fp8_gather=on,fp8_bf16_ends=1,grad_reduce=bf16", "offload=none", 30624.0, 1.120, NotAsserted(B200_8B)),
         r("Megatron-Bridge 25.11 Llama3.1 405B, 128 B200, TP 4 PP 8 CP 2 VP 8", MBRIDGE_B200, (L3, "llama3_405b"), "16x8xB200", (8192, 64),
-          "tp=4,pp=8,cp=2,dp=2,mb=1,schedule=interleaved,v=8,zero=1,sp=on,tp_overlap=ring,recompute=none,fp8=on,fp8_gather=on,fp8_bf16_ends=1,grad_reduce=bf16", "offload=none", 661.0, 1.086, Asserted),
+          "tp=4,pp=8,cp=2,dp=2,mb=1,schedule=interleaved,v=8,zero=1,sp=on,tp_overlap=ring,recompute=none,fp8=on,fp8_gather=on,fp8_bf16_ends=1,grad_reduce=bf16", "offload=none", 661.0, 1.097, Asserted),
         // ---- The Llama 3 paper, Meta's 405B pre-training (model TFLOP/s per GPU).
         tflops(r("Llama 3 405B, 8,192 H100, TP 8 PP 16 DP 64", LLAMA3, (L3, "llama3_405b"), "1024x8xH100", (8192, 2048),
-          "tp=8,pp=16,cp=1,dp=64,mb=1,schedule=interleaved", "", 430.0, 0.982, Asserted)),
+          "tp=8,pp=16,cp=1,dp=64,mb=1,schedule=interleaved", "", 430.0, 0.986, Asserted)),
         tflops(r("Llama 3 405B, 16,384 H100, TP 8 PP 16 DP 128", LLAMA3, (L3, "llama3_405b"), "2048x8xH100", (8192, 2048),
-          "tp=8,pp=16,cp=1,dp=128,mb=1,schedule=interleaved", "", 400.0, 0.936, Asserted)),
+          "tp=8,pp=16,cp=1,dp=128,mb=1,schedule=interleaved", "", 400.0, 0.942, Asserted)),
         tflops(r("Llama 3 405B, 16,384 H100, TP 8 CP 16 PP 16 DP 8, seq 131072", LLAMA3, (L3, "llama3_405b"), "2048x8xH100", (131072, 128),
-          "tp=8,pp=16,cp=16,dp=8,mb=1,schedule=interleaved", "", 380.0, 1.231, NotAsserted(LLAMA3_CP))),
+          "tp=8,pp=16,cp=16,dp=8,mb=1,schedule=interleaved", "", 380.0, 1.233, NotAsserted(LLAMA3_CP))),
     ]
 }
 

@@ -83,6 +83,35 @@ fn reduction_after_backward(
     free.max(0.0)
 }
 
+/// What the first stage waits, at the start of a step, for the updated
+/// weights' all-gather (`gather` seconds on one link) overlapped with the
+/// forward (`forward`: one micro-batch's forward of the stage's layers, in
+/// `chunks` chunks of `pp`-micro-batch groups). Megatron-Core
+/// (`schedules.py` @ d98e8a6, `param_sync_func`) launches the first two
+/// chunks' gathers at the step's start and chunk j's (j ≥ 2) when chunk
+/// j − 1's first forward begins; chunk j's first forward begins after j·pp
+/// forward slots, and a chunk's gather may finish during its first forward
+/// (layer by layer). The gathers queue on the link; each wait delays what
+/// follows. One chunk: the gather hides behind the first forward, as before.
+fn gather_before_forward(gather: f64, forward: f64, (chunks, pp): (u64, u64)) -> f64 {
+    let v = chunks.max(1);
+    let slot = forward / v as f64;
+    let per_chunk = gather / v as f64;
+    let pp = pp as f64;
+    let (mut free, mut waited) = (0.0f64, 0.0f64);
+    for j in 0..v {
+        let launch = if j <= 1 {
+            0.0
+        } else {
+            (j - 1) as f64 * pp * slot + waited
+        };
+        free = free.max(launch) + per_chunk;
+        let needed = (j as f64 * pp + 1.0) * slot + waited;
+        waited += (free - needed).max(0.0);
+    }
+    waited
+}
+
 /// Accumulating a micro-batch's weight gradient outside its GEMM
 /// (`GradAccum::Separate`), per parameter: read the new gradient in the
 /// training precision, read and write the main gradient (`grad` bytes).
@@ -722,7 +751,8 @@ impl<'a> CostModel<'a> {
             };
             let gather = dense_gather
                 + collective_time(CollectiveKind::AllGather, expert * w_bytes, &edp_link);
-            exposed_dp += (gather - stages[0].forward).max(0.0);
+            exposed_dp +=
+                gather_before_forward(gather, stages[0].forward, (crate::stages::chunks(c), c.pp));
             whole_dp += gather;
         }
         let opt_params = if c.zero >= 1 {
@@ -887,7 +917,7 @@ pub(crate) fn step_total(t: &TimeBreakdown) -> f64 {
 
 #[cfg(test)]
 mod tests {
-    use super::reduction_after_backward;
+    use super::{gather_before_forward, reduction_after_backward};
 
     #[test]
     fn one_chunk_hides_all_but_the_last_layers_bucket() {
@@ -895,6 +925,29 @@ mod tests {
         let left = reduction_after_backward(1.0, 0.8, 8.0, (1, 4));
         assert!((left - 0.3).abs() < 1e-12, "{left}");
         assert_eq!(reduction_after_backward(0.5, 0.8, 8.0, (1, 4)), 0.0);
+    }
+
+    #[test]
+    fn one_chunk_gathers_behind_the_first_forward() {
+        assert!((gather_before_forward(1.0, 0.8, (1, 4)) - 0.2).abs() < 1e-12);
+        assert_eq!(gather_before_forward(0.5, 0.8, (1, 4)), 0.0);
+    }
+
+    #[test]
+    fn interleaved_chunks_gather_during_the_warm_up() {
+        // Two chunks of a 0.8 s forward (0.4 s slots), pp 4, 1 s of gather:
+        // both launched at the start; chunk 0 is done at 0.5 s, needed by
+        // 0.4 (waits 0.1); chunk 1 at 1.0 s, needed by 5 slots + 0.1 = 2.1.
+        let waited = gather_before_forward(1.0, 0.8, (2, 4));
+        assert!((waited - 0.1).abs() < 1e-12, "{waited}");
+        // Four chunks, 4 s (1 s each), 0.2 s slots: chunk 0 done at 1
+        // (needed 0.2: waits 0.8); chunk 1 at 2 (needed 5 × 0.2 + 0.8 = 1.8:
+        // 0.2 more); chunk 2 launched at chunk 1's first forward (4 slots +
+        // 1.0 waited = 1.8 s), queued to 3.0, needed 9 × 0.2 + 1.0 = 2.8:
+        // 0.2 more; chunk 3 launched at 8 × 0.2 + 1.2 = 2.8, queued to 4.0,
+        // needed 13 × 0.2 + 1.2 = 3.8: 0.2 more. 1.4 s in all.
+        let waited = gather_before_forward(4.0, 0.8, (4, 4));
+        assert!((waited - 1.4).abs() < 1e-12, "{waited}");
     }
 
     #[test]
