@@ -34,9 +34,10 @@ pub struct PlanArgs {
     pub strategy: String,
     /// Let the search choose what changes the training dynamics: `sync`
     /// (a parameter server or async updates instead of the all-reduce),
-    /// `compress` (bf16, PowerSGD or top-k gradients), or `sync,compress`.
-    /// Without it the search all-reduces fp32 gradients; `--strategy`
-    /// pins either whatever this says.
+    /// `compress` (bf16, PowerSGD or top-k gradients), `grad_reduce` (main
+    /// gradients kept and reduced in the training precision), or several
+    /// (`sync,compress`). Without it the search all-reduces fp32 gradients;
+    /// `--strategy` pins any of them whatever this says.
     #[arg(long, default_value = "")]
     pub allow: String,
     /// Samples per step (default: the model's train section).

@@ -407,6 +407,26 @@ fn half_precision_main_gradients_halve_what_is_kept_and_sent() {
     assert!(again.to_string().contains("grad_reduce=bf16"));
     let free = plan("llama3.dpl", "llama3_8b", "2x8xH100", "", 0);
     assert_eq!(free.plan.strategy.grad_reduce, dplc_ir::GradReduce::Fp32);
+    // `--allow grad_reduce` lets the search take them where they pay:
+    // llama3_8b on 64 A100s reduce-scatters across nodes every step.
+    let l = lowered("llama3.dpl", "llama3_8b");
+    let mut req = PlanRequest::new(
+        &l.graph,
+        l.train.clone(),
+        parse_cluster("8x8xA100").unwrap(),
+    );
+    (req.seq, req.global_batch) = (Some(8192), Some(64));
+    let kept = compile(&req).unwrap();
+    assert_eq!(kept.plan.strategy.grad_reduce, dplc_ir::GradReduce::Fp32);
+    req.pinned.allow = dplc_planner::Allow::parse("grad_reduce").unwrap();
+    let taken = compile(&req).unwrap();
+    assert_eq!(taken.plan.strategy.grad_reduce, dplc_ir::GradReduce::Bf16);
+    assert!(taken.plan.estimate.step_time_s < kept.plan.estimate.step_time_s);
+    assert!(taken.plan.search.configs_evaluated > kept.plan.search.configs_evaluated);
+    assert!(dplc_planner::Allow::parse("grad")
+        .unwrap_err()
+        .to_string()
+        .contains("sync, compress and/or grad_reduce"));
     // gpt2 trains in bf16: fp16 gradients are not its precision.
     let l = lowered("gpt2.dpl", "gpt2");
     let mut req = PlanRequest::new(&l.graph, l.train.clone(), parse_cluster("8xA100").unwrap());

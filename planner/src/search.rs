@@ -11,8 +11,8 @@ use crate::profile::ModelProfile;
 use crate::{PlanError, StrategyConstraints};
 use dplc_ir::validate::{self as rules, divisors};
 use dplc_ir::{
-    AttentionKind, Compression, GradSync, MemoryBreakdown, Offload, PipelineSchedule, Recompute,
-    TimeBreakdown, TpOverlap,
+    AttentionKind, Compression, GradReduce, GradSync, MemoryBreakdown, Offload, PipelineSchedule,
+    Recompute, TimeBreakdown, TpOverlap,
 };
 use fxhash::FxHashMap as HashMap;
 
@@ -310,6 +310,7 @@ impl<'a> Mesh<'a> {
             _ => &[AxisOrder::DataInner],
         };
         let per_replica = self.global_batch / dp;
+        let grad_reduces = grad_reduces(pins, profile.precision, dp * cp);
         for &ep in &eps {
             let Some(layout) = self.layouts.get((tp, ep)) else {
                 continue;
@@ -351,7 +352,7 @@ impl<'a> Mesh<'a> {
                         attention: pins.attention.unwrap_or(AttentionKind::Fused),
                         tp_overlap: pins.tp_overlap.unwrap_or(TpOverlap::Async),
                         grad_accum: pins.grad_accum.unwrap_or_default(),
-                        grad_reduce: pins.grad_reduce.unwrap_or_default(),
+                        grad_reduce: GradReduce::Fp32,
                         dispatch: pins.dispatch.unwrap_or_default(),
                         root,
                         order,
@@ -366,9 +367,17 @@ impl<'a> Mesh<'a> {
                         sync: GradSync::AllReduce,
                         compress: Compression::None,
                     };
-                    for &offload in self.offloads {
+                    for (&offload, &grad_reduce) in self
+                        .offloads
+                        .iter()
+                        .flat_map(|o| grad_reduces.iter().map(move |g| (o, g)))
+                    {
                         explore(
-                            Config { offload, ..base },
+                            Config {
+                                offload,
+                                grad_reduce,
+                                ..base
+                            },
                             profile,
                             pins,
                             cost,
@@ -383,6 +392,26 @@ impl<'a> Mesh<'a> {
             }
         }
         out
+    }
+}
+
+/// The main gradients' precisions to try for `replicas` replicas: the
+/// pinned one, else fp32, and the training precision too where `--allow
+/// grad_reduce` names it and there is a reduction for it to halve.
+fn grad_reduces(
+    pins: &StrategyConstraints,
+    precision: dplc_ir::Precision,
+    replicas: u64,
+) -> Vec<GradReduce> {
+    let half = match precision {
+        dplc_ir::Precision::Bf16 => Some(GradReduce::Bf16),
+        dplc_ir::Precision::Fp16 => Some(GradReduce::Fp16),
+        dplc_ir::Precision::Fp32 => None,
+    };
+    match (pins.grad_reduce, half) {
+        (Some(g), _) => vec![g],
+        (None, Some(h)) if pins.allow.grad_reduce && replicas > 1 => vec![GradReduce::Fp32, h],
+        _ => vec![GradReduce::Fp32],
     }
 }
 
@@ -726,8 +755,9 @@ fn time_bucket(step_time: f64) -> i64 {
 pub(crate) fn complexity(c: &Config) -> (u8, u8, Recompute, u64) {
     // A change to the training dynamics first: on a tie the all-reduce of
     // fp32 gradients wins.
-    let dynamics =
-        u8::from(c.sync != GradSync::AllReduce) + u8::from(c.compress != Compression::None);
+    let dynamics = u8::from(c.sync != GradSync::AllReduce)
+        + u8::from(c.compress != Compression::None)
+        + u8::from(c.grad_reduce != GradReduce::Fp32);
     (dynamics, c.zero, c.recompute, c.virtual_stages)
 }
 

@@ -132,27 +132,30 @@ impl SyncMode {
 }
 
 /// Choices that change what training computes, which the search makes only
-/// when the user names them (`--allow sync,compress`).
+/// when the user names them (`--allow sync,compress,grad_reduce`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Allow {
     pub sync: bool,
     pub compress: bool,
+    /// Main gradients in the training precision (`grad_reduce`).
+    pub grad_reduce: bool,
 }
 
 impl Allow {
-    /// Read `sync,compress` (either, both, or `none`).
+    /// Read `sync,compress,grad_reduce` (any of them, or `none`).
     pub fn parse(spec: &str) -> Result<Allow, PlanError> {
         let mut a = Allow::default();
         for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             match item.to_ascii_lowercase().as_str() {
                 "sync" => a.sync = true,
                 "compress" => a.compress = true,
+                "grad_reduce" => a.grad_reduce = true,
                 "none" => {}
                 _ => {
                     return Err(PlanError::StrategySyntax {
                         spec: spec.to_string(),
                         detail: format!(
-                            "--allow names sync and/or compress (comma-separated), got `{item}`"
+                            "--allow names sync, compress and/or grad_reduce (comma-separated), got `{item}`"
                         ),
                     })
                 }
