@@ -553,6 +553,7 @@ fn the_search_changes_the_training_dynamics_only_when_allowed() {
         Allow {
             sync: true,
             compress: true,
+            ..Allow::default()
         },
     )
     .plan;
