@@ -34,6 +34,7 @@ pub(crate) struct Smallest {
     pub memory: MemoryBreakdown,
 }
 
+#[derive(Default)]
 pub(crate) struct Outcome {
     /// Best first; at most `top_k + 1`.
     pub best: Vec<Candidate>,
@@ -219,7 +220,7 @@ pub(crate) fn search(
             }
         }
     }
-    let search = Mesh {
+    let shared = Mesh {
         layouts,
         cluster,
         profile,
@@ -231,14 +232,9 @@ pub(crate) fn search(
         ignore_memory,
     };
     let outcomes = crate::deal::map_with(&meshes, HashMap::default, |costs, &mesh| {
-        search.explore(mesh, costs)
+        shared.explore(mesh, costs)
     });
-    let mut out = Outcome {
-        best: Vec::new(),
-        evaluated: 0,
-        feasible: 0,
-        smallest: None,
-    };
+    let mut out = Outcome::default();
     for o in outcomes {
         out.evaluated += o.evaluated;
         out.feasible += o.feasible;
@@ -288,12 +284,7 @@ impl<'a> Mesh<'a> {
         } else {
             1
         };
-        let mut out = Outcome {
-            best: Vec::new(),
-            evaluated: 0,
-            feasible: 0,
-            smallest: None,
-        };
+        let mut out = Outcome::default();
         let mut partitions: HashMap<(Config, Option<u64>), Vec<u64>> = HashMap::default();
         let eps: Vec<u64> = match profile.experts {
             Some(e) => divisors(dp)
