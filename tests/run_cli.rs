@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 
 mod common;
-use common::dplc;
+use common::{dplc, verify_splits};
 use std::time::{Duration, Instant};
 
 fn stderr(out: &Output) -> String {
@@ -487,72 +487,6 @@ fn a_kill_during_a_checkpoint_write_then_resume() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// `--compute fused`: the planner's own plans of gpt_tiny and llama_tiny on
-/// 2, 4 and 8 CPU ranks verify with the fused kernels computing the split
-/// run; `dplc run --compute fused` trains with a falling loss; a split the
-/// fused kernels cannot run yet is refused with the way out, exit non-zero.
-#[test]
-fn the_fused_compute_verifies_the_planners_plans() {
-    let dir = std::env::temp_dir().join(format!("dplc-fused-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    for model in ["gpt_tiny", "llama_tiny", "moe_tiny"] {
-        for ranks in [2, 4, 8] {
-            let plan = dir.join(format!("{model}-{ranks}.ron"));
-            let plan_s = plan.to_str().unwrap();
-            let cluster = format!("{ranks}xcpu");
-            let out = dplc(&[
-                "compile",
-                "models/tiny.dpl",
-                "--model",
-                model,
-                "--cluster",
-                &cluster,
-                "-o",
-                plan_s,
-            ]);
-            assert!(out.status.success(), "{}", stderr(&out));
-            let out = dplc(&["verify", plan_s, "--compute", "fused", "--json"]);
-            assert!(out.status.success(), "{model} {ranks}: {}", stderr(&out));
-            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-            assert_eq!(v["pass"], true, "{v}");
-            assert_eq!(v["compute"], "fused", "{v}");
-        }
-    }
-    let mut args = vec!["run", "models/tiny.dpl", "--cluster", "2xcpu"];
-    args.extend(SMALL);
-    args.extend(["--steps", "8", "--json", "--compute", "fused"]);
-    let out = dplc(&args);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let text = String::from_utf8_lossy(&out.stdout);
-    let summary: serde_json::Value =
-        serde_json::from_str(text.lines().last().expect("a summary line")).unwrap();
-    assert!(
-        summary["final_loss"].as_f64().unwrap() < summary["first_loss"].as_f64().unwrap(),
-        "{summary}"
-    );
-    // Tensor and sequence parallelism pinned, on each rank's local program.
-    let plan = dir.join("tp.ron");
-    let plan_s = plan.to_str().unwrap();
-    let out = dplc(&[
-        "compile",
-        "models/tiny.dpl",
-        "--model",
-        "moe_tiny",
-        "--cluster",
-        "4xcpu",
-        "--strategy",
-        "tp=2,ep=2,sp=on",
-        "-o",
-        plan_s,
-    ]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let out = dplc(&["verify", plan_s, "--compute", "fused", "--json"]);
-    assert!(out.status.success(), "tp2 ep2 sp: {}", stderr(&out));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(v["pass"], true, "{v}");
-    std::fs::remove_dir_all(&dir).ok();
-}
-
 /// Multi-query attention (one KV head, as Gemma 2B, Falcon and PaLM have)
 /// splits under tensor parallelism: the query heads split, K and V stay
 /// whole on every rank, and the split trains as the serial run does on both
@@ -635,98 +569,6 @@ fn a_rope_key_shared_across_heads_splits_under_tensor_parallelism() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The zoo's multi-query model (Gemma's shape: one KV head, 256-wide heads
-/// in the full model, a tied and √d-scaled embedding) verifies under tensor,
-/// data and pipeline splits on both computes, as its planner priced them.
-#[test]
-fn the_gemma_zoo_model_verifies_under_its_splits() {
-    verify_splits(
-        "models/gemma.dpl",
-        Some("gemma_tiny"),
-        &["tp=2,dp=2", "dp=2,pp=2", "tp=2,pp=2,sp=true"],
-        &["--seq", "16", "--global-batch", "8"],
-    );
-}
-
-/// Sharded gradients and weights under a pipeline (torchtitan's FSDP + PP),
-/// pinned, run as priced and equal to the serial run on both computes.
-#[test]
-fn zero_2_and_3_under_a_pipeline_verify_when_pinned() {
-    verify_splits(
-        "models/tiny.dpl",
-        Some("gpt_tiny"),
-        &["dp=2,pp=2,zero=2", "dp=2,pp=2,zero=3"],
-        &[],
-    );
-}
-
-/// The zoo's dense-then-MoE model (DeepSeek-V2-Lite's shape: a dense layer
-/// stack, then a stack of routed plus shared experts, latent attention with
-/// one rotary key shared by every head) verifies under tensor, data,
-/// pipeline and expert splits on both computes, as its planner priced them.
-#[test]
-fn the_deepseek_zoo_model_verifies_under_its_splits() {
-    verify_splits(
-        "models/deepseek.dpl",
-        Some("deepseek_tiny"),
-        &["tp=2,dp=2", "dp=2,pp=2", "tp=2,ep=2,dp=2"],
-        &[],
-    );
-}
-
-/// The zoo's sliding-window model (Mistral's shape): a window as long as the
-/// sequence is plain causal attention, a shorter one changes what is
-/// learned, and the windowed model verifies under tensor, data and pipeline
-/// splits on both computes.
-#[test]
-fn the_sliding_window_model_masks_and_verifies() {
-    let dir = std::env::temp_dir().join(format!("dplc-window-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let src = dir.join("mistral.dpl");
-    let zoo = std::fs::read_to_string("models/mistral.dpl").unwrap();
-    std::fs::write(
-        &src,
-        format!("{zoo}\nmodel whole = mistral_tiny(window = 0)\nmodel as_long = mistral_tiny(window = 32)\n"),
-    )
-    .unwrap();
-    let losses = |model: &str| -> Vec<f64> {
-        let out = dplc(&[
-            "run",
-            src.to_str().unwrap(),
-            "--model",
-            model,
-            "--cluster",
-            "1xcpu",
-            "--steps",
-            "3",
-            "--seq",
-            "32",
-            "--json",
-        ]);
-        assert!(out.status.success(), "{model}: {}", stderr(&out));
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter_map(|v| v["loss"].as_f64())
-            .collect()
-    };
-    let (whole, as_long, windowed) = (losses("whole"), losses("as_long"), losses("mistral_tiny"));
-    for (a, b) in whole.iter().zip(&as_long) {
-        assert!((a - b).abs() < 1e-6, "{whole:?} vs {as_long:?}");
-    }
-    assert!(
-        (whole[2] - windowed[2]).abs() > 1e-5,
-        "{whole:?} vs {windowed:?}"
-    );
-    verify_splits(
-        "models/mistral.dpl",
-        Some("mistral_tiny"),
-        &["tp=2,dp=2", "dp=2,pp=2"],
-        &[],
-    );
-    std::fs::remove_dir_all(&dir).ok();
-}
-
 /// `where` and the comparisons inside a layer (a leaky gate on the MLP's
 /// output) train as the serial run does under tensor, data and pipeline
 /// splits on both computes.
@@ -799,28 +641,6 @@ fn a_shared_block_trains_under_every_split() {
         &["--seq", "16", "--global-batch", "8"],
     );
     std::fs::remove_dir_all(&dir).ok();
-}
-
-/// The zoo's encoder-decoder (T5's shape: two stacks, a relative position
-/// bias made once per stack, cross-attention to the encoder's output,
-/// decoder inputs shifted right, one embedding read in three places,
-/// dropout 0.1) verifies under tensor × data with and without sequence
-/// parallelism (the e-graph's layout for both stacks, dropout on split
-/// values), data × pipeline (cut between the two stacks) and tensor ×
-/// pipeline with sequence parallelism on both computes.
-#[test]
-fn the_t5_zoo_model_verifies_under_its_splits() {
-    verify_splits(
-        "models/t5.dpl",
-        Some("t5_tiny"),
-        &[
-            "tp=2,dp=2",
-            "tp=2,dp=2,sp=false",
-            "dp=2,pp=2",
-            "tp=2,pp=2,sp=true",
-        ],
-        &["--seq", "16", "--global-batch", "8"],
-    );
 }
 
 /// Dropout on values split over the tensor-parallel group (attention
@@ -974,53 +794,6 @@ fn scratch_model(tag: &str, file: &str, text: &str) -> (PathBuf, PathBuf) {
     let src = dir.join(file);
     std::fs::write(&src, text).expect("the model is written");
     (dir, src)
-}
-
-/// Compile `model` of `src` on 4 CPU ranks under each of `strategies` (with
-/// `extra` compile flags) and check that `dplc verify` passes the plan on
-/// both computes.
-fn verify_splits(src: &str, model: Option<&str>, strategies: &[&str], extra: &[&str]) {
-    // One directory per source and model: tests run in parallel, and each
-    // removes its own when done.
-    let stem = std::path::Path::new(src)
-        .file_stem()
-        .map_or("model".into(), |s| s.to_string_lossy().into_owned());
-    let dir = std::env::temp_dir().join(format!(
-        "dplc-splits-{stem}-{}-{}",
-        model.unwrap_or("model"),
-        std::process::id()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    for strategy in strategies {
-        let plan = dir.join(format!("{strategy}.ron"));
-        let mut args = vec!["compile", src, "--cluster", "4xcpu", "--strategy", strategy];
-        if let Some(m) = model {
-            args.extend(["--model", m]);
-        }
-        args.extend(extra);
-        args.extend(["-o", plan.to_str().unwrap()]);
-        let out = dplc(&args);
-        assert!(out.status.success(), "{strategy}: {}", stderr(&out));
-        for compute in ["reference", "fused"] {
-            let out = dplc(&[
-                "verify",
-                plan.to_str().unwrap(),
-                "--json",
-                "--steps",
-                "3",
-                "--compute",
-                compute,
-            ]);
-            assert!(
-                out.status.success(),
-                "{strategy} {compute}: {}",
-                stderr(&out)
-            );
-            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-            assert_eq!(v["pass"], true, "{strategy} {compute}: {v}");
-        }
-    }
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// `dplc run --json` of two synchronisations, their loss curves drawn side

@@ -96,3 +96,56 @@ impl Drop for Scratch {
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
+
+/// Compile each of `strategies` for `model` on 4 CPU ranks and verify the
+/// plan on both computes.
+/// Compile `model` of `src` on 4 CPU ranks under each of `strategies` (with
+/// `extra` compile flags) and check that `dplc verify` passes the plan on
+/// both computes.
+pub fn verify_splits(src: &str, model: Option<&str>, strategies: &[&str], extra: &[&str]) {
+    // One directory per source and model: tests run in parallel, and each
+    // removes its own when done.
+    let stem = std::path::Path::new(src)
+        .file_stem()
+        .map_or("model".into(), |s| s.to_string_lossy().into_owned());
+    let dir = std::env::temp_dir().join(format!(
+        "dplc-splits-{stem}-{}-{}",
+        model.unwrap_or("model"),
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    for strategy in strategies {
+        let plan = dir.join(format!("{strategy}.ron"));
+        let mut args = vec!["compile", src, "--cluster", "4xcpu", "--strategy", strategy];
+        if let Some(m) = model {
+            args.extend(["--model", m]);
+        }
+        args.extend(extra);
+        args.extend(["-o", plan.to_str().unwrap()]);
+        let out = dplc(&args);
+        assert!(
+            out.status.success(),
+            "{strategy}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for compute in ["reference", "fused"] {
+            let out = dplc(&[
+                "verify",
+                plan.to_str().unwrap(),
+                "--json",
+                "--steps",
+                "3",
+                "--compute",
+                compute,
+            ]);
+            assert!(
+                out.status.success(),
+                "{strategy} {compute}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            assert_eq!(v["pass"], true, "{strategy} {compute}: {v}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
