@@ -470,6 +470,33 @@ fn the_listed_weight_gather_moves_what_the_step_prices() {
     assert_eq!(fp8.1, 2 * ends + (params - ends));
 }
 
+/// The expert weights' gradients and gathers are listed over the ranks
+/// holding the same experts (dp / ep of them), as the step prices them, and
+/// not at all where each expert lives on one rank of the replicas.
+#[test]
+fn expert_reductions_are_listed_over_the_expert_replicas() {
+    let listed = |strategy: &str| {
+        let c = plan("mixtral.dpl", "mixtral_8x7b", "4x8xH100", strategy, 0);
+        let x = c.plan.collectives.into_iter();
+        x.filter(|x| x.axis == dplc_ir::MeshAxis::Dp)
+            .map(|x| (x.what, x.group.map(|(size, _)| size)))
+            .collect::<Vec<_>>()
+    };
+    let split = listed("tp=2,pp=2,dp=8,ep=4");
+    let group = |what: &str| {
+        let hit = split.iter().find(|(w, _)| w == what);
+        hit.unwrap_or_else(|| panic!("no `{what}` in {split:?}")).1
+    };
+    assert_eq!(group("gradients (fp32)"), Some(8));
+    assert_eq!(group("expert gradients (fp32)"), Some(2));
+    assert_eq!(group("updated expert weights"), Some(2));
+    let whole = listed("tp=2,pp=2,dp=8,ep=8");
+    assert!(
+        whole.iter().all(|(w, _)| !w.contains("expert")),
+        "{whole:?}"
+    );
+}
+
 /// A dropout on the attention's scores costs a fused kernel its draws, per
 /// attended score, at the device's measured rate (the H100 die's; none is
 /// measured for the A100), and FlashAttention-3 has none: with dropout,

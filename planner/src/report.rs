@@ -408,8 +408,13 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
     if c.dp * c.cp > 1 {
         let link = cost.replica_link(c);
         // Stage 0's parameters, as the step prices its reduction (with the
-        // head and loss when one stage holds everything).
-        let (params, _) = cost.stage_params(c, 0, &shares0);
+        // head and loss when one stage holds everything): the dense ones
+        // over the replicas, the experts' over the ranks holding the same
+        // experts.
+        let (params, expert) = cost.stage_params(c, 0, &shares0);
+        let dense = params - expert;
+        let expert_link = cost.expert_replica_link(c);
+        let experts = expert > 0.0 && expert_link.size > 1;
         let grad_bytes = c.grad_bytes(profile.precision);
         let grads = match profile.precision {
             dplc_ir::Precision::Fp32 => "fp32",
@@ -427,14 +432,39 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
             kind,
             MeshAxis::Dp,
             &format!("gradients ({grads})"),
-            params * grad_bytes,
+            dense * grad_bytes,
             StepPhase::GradientSync,
             count,
             &link,
         );
+        if experts {
+            push(
+                &mut out,
+                kind,
+                MeshAxis::Dp,
+                &format!("expert gradients ({grads})"),
+                expert * grad_bytes,
+                StepPhase::GradientSync,
+                count,
+                &expert_link,
+            );
+        }
         // What ZeRO's gathers move: the layers' FP8 casts when they gather
         // those (`fp8_gather`), as the step prices them.
-        let gathered = cost.gathered_weight_bytes(c, params, cost.layer_dense_params(c, &shares0));
+        let gathered = cost.gathered_weight_bytes(c, dense, cost.layer_dense_params(c, &shares0));
+        if c.zero >= 1 && experts {
+            // The experts' updated shards, gathered once after the step.
+            push(
+                &mut out,
+                CollectiveKind::AllGather,
+                MeshAxis::Dp,
+                "updated expert weights",
+                expert * profile.precision.bytes() as f64,
+                StepPhase::Optimizer,
+                1,
+                &expert_link,
+            );
+        }
         // ZeRO-3 gathers its weights where a pass needs them instead.
         if (1..3).contains(&c.zero) {
             push(

@@ -385,6 +385,14 @@ impl<'a> CostModel<'a> {
         group_link(self.cluster, stride, size)
     }
 
+    /// The ranks holding the same experts: the data-parallel replicas
+    /// outside the expert group (`dp / ep` of them, strided past it), over
+    /// which the expert gradients are reduced and their shards gathered.
+    pub fn expert_replica_link(&self, c: &Config) -> GroupLink {
+        let (stride, _) = c.stride_size(MeshAxis::Dp);
+        group_link(self.cluster, stride * c.ep, (c.dp / c.ep).max(1))
+    }
+
     /// The ranks holding the same dense weights: the data-parallel replicas
     /// and, within each, the context-parallel ranks (each holds the whole
     /// layer and sees a part of the sequence). Their gradients are reduced,
@@ -665,8 +673,7 @@ impl<'a> CostModel<'a> {
         let dp_link = self.replica_link(c);
         let replicas = (c.dp * c.cp) as f64;
         let edp = (c.dp / c.ep).max(1);
-        let (edp_stride, _) = c.stride_size(MeshAxis::Dp);
-        let edp_link = group_link(self.cluster, edp_stride * c.ep, edp);
+        let edp_link = self.expert_replica_link(c);
         let grad_bytes = c.grad_bytes(self.profile.precision);
         let w_bytes = self.profile.precision.bytes() as f64;
         let dense_cut = self.dp_reduction(c, dense, grad_bytes, &dp_link);
