@@ -5,24 +5,8 @@ use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 
 mod common;
-use common::{dplc, verify_splits};
+use common::{dplc, stderr, verify_splits, SMALL};
 use std::time::{Duration, Instant};
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-/// A small run: gpt_tiny at seq 16, four samples a step.
-const SMALL: [&str; 8] = [
-    "--model",
-    "gpt_tiny",
-    "--seq",
-    "16",
-    "--global-batch",
-    "4",
-    "--seed",
-    "3",
-];
 
 #[test]
 fn run_json_streams_steps_and_the_loss_falls() {

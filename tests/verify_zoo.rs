@@ -4,24 +4,7 @@
 //! from `run_cli.rs` so each test binary stays well under a minute.
 
 mod common;
-use common::{dplc, verify_splits};
-use std::process::Output;
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-/// A small run: gpt_tiny at seq 16, four samples a step.
-const SMALL: [&str; 8] = [
-    "--model",
-    "gpt_tiny",
-    "--seq",
-    "16",
-    "--global-batch",
-    "4",
-    "--seed",
-    "3",
-];
+use common::{dplc, stderr, verify_splits, SMALL};
 
 /// `--compute fused`: the planner's own plans of gpt_tiny and llama_tiny on
 /// 2, 4 and 8 CPU ranks verify with the fused kernels computing the split

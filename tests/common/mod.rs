@@ -123,11 +123,7 @@ pub fn verify_splits(src: &str, model: Option<&str>, strategies: &[&str], extra:
         args.extend(extra);
         args.extend(["-o", plan.to_str().unwrap()]);
         let out = dplc(&args);
-        assert!(
-            out.status.success(),
-            "{strategy}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert!(out.status.success(), "{strategy}: {}", stderr(&out));
         for compute in ["reference", "fused"] {
             let out = dplc(&[
                 "verify",
@@ -141,7 +137,7 @@ pub fn verify_splits(src: &str, model: Option<&str>, strategies: &[&str], extra:
             assert!(
                 out.status.success(),
                 "{strategy} {compute}: {}",
-                String::from_utf8_lossy(&out.stderr)
+                stderr(&out)
             );
             let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
             assert_eq!(v["pass"], true, "{strategy} {compute}: {v}");
@@ -149,3 +145,20 @@ pub fn verify_splits(src: &str, model: Option<&str>, strategies: &[&str], extra:
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The `dplc` process's standard error, as text.
+pub fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// A small run: gpt_tiny at seq 16, four samples a step.
+pub const SMALL: [&str; 8] = [
+    "--model",
+    "gpt_tiny",
+    "--seq",
+    "16",
+    "--global-batch",
+    "4",
+    "--seed",
+    "3",
+];
