@@ -11,18 +11,6 @@ use std::collections::BTreeSet;
 /// Threads per block of a row kernel (the kernel's `__launch_bounds__`).
 pub const ROW_BLOCK: u32 = 256;
 
-/// Threads per block of a row kernel whose rows hold at least
-/// [`WIDE_ROW`] elements: a GPU keeps two such blocks a multiprocessor
-/// where it kept eight, so the rows in flight (GPT-2's 50,257 logits are
-/// 100 KB in bf16: 26 MB over an H100's 132 multiprocessors, where eight
-/// blocks each made 106) stay in the L2 cache, and a kernel that walks its
-/// row twice (statistics, then the write) reads it from memory once.
-pub const WIDE_ROW_BLOCK: u32 = 1024;
-
-/// The row length from which a block-per-row kernel takes
-/// [`WIDE_ROW_BLOCK`] threads.
-pub const WIDE_ROW: i64 = 16384;
-
 /// How the runtime launches a kernel (both kinds stride over their grid, so
 /// any grid size is correct).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -895,10 +883,8 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
     }
     let bounds = if kernel.is_row_kernel() {
         let block = match launch {
-            LaunchShape::Columns { block }
-            | LaunchShape::Rows { block }
-            | LaunchShape::WarpRows { block } => block,
-            LaunchShape::Elementwise { .. } => ROW_BLOCK,
+            LaunchShape::Columns { block } => block,
+            _ => ROW_BLOCK,
         };
         format!("__launch_bounds__({block}) ")
     } else {

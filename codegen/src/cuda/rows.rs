@@ -49,10 +49,6 @@ pub(super) fn row_kernel(
         }
     } else if warp_row {
         LaunchShape::WarpRows { block: ROW_BLOCK }
-    } else if scan.is_none() && matches!(inner_size, Size::Const(c) if c >= WIDE_ROW) {
-        LaunchShape::Rows {
-            block: WIDE_ROW_BLOCK,
-        }
     } else {
         LaunchShape::Rows { block: ROW_BLOCK }
     };
