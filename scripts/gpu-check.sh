@@ -134,7 +134,7 @@ wanted tests && part "GPU tests" 240 bash -c "'$TESTS' --test-threads=1 --nocapt
 wanted bandwidth && part "kernel bandwidth" 180 bash -c "'$TESTS' bench_kernel_bandwidth --ignored --nocapture > '$LOG_DIR/bandwidth.log' 2>&1"
 
 # --- 3. attention
-wanted attention && part "fused attention" 90 bash -c "'$TESTS' bench_attention --ignored --nocapture > '$LOG_DIR/attention.log' 2>&1"
+wanted attention && part "fused attention" 150 bash -c "'$TESTS' bench_attention --ignored --nocapture > '$LOG_DIR/attention.log' 2>&1"
 if [[ "$TORCH" == 1 ]] && wanted attention; then
     part "torch attention" 90 bash -c "PYTHONUNBUFFERED=1 python3 bench/torch_attention.py > '$LOG_DIR/torch-attention.log' 2>&1"
 fi
@@ -262,7 +262,7 @@ fi
     echo '```'
     echo "Fused attention (bf16, causal), dplc against PyTorch's flash SDPA:"
     echo '```'
-    grep -E '^attention ' "$LOG_DIR/attention.log" || true
+    grep -E '^(attention|variant) ' "$LOG_DIR/attention.log" || true
     grep -E '^sdpa ' "$LOG_DIR/torch-attention.log" 2>/dev/null || true
     echo '```'
     if grep -q '^DPLC_PROFILE' "$LOG_DIR/profile.err" 2>/dev/null; then

@@ -31,8 +31,17 @@ use scalar::{bias_grad, forward_scalar, key_value_grad, query_grad};
 /// Rows of a block's own tile (queries, or keys for `dK`/`dV`): one a thread
 /// in the scalar kernels, sixteen a warp in the tensor-core forward.
 const ROWS: i64 = 64;
-/// Static shared memory a block may use.
+/// Shared memory the backward and scalar passes size their tiles to: the
+/// 48 KB a block may take without asking. Their tiles are bounded by
+/// registers first (the tensor-core backward keeps `t / 8` accumulator
+/// tiles of scores and of their gradients beside its row's gradients).
 const SHARED_BYTES: i64 = 48 * 1024;
+/// Shared memory the tensor-core forward sizes its key tiles to: at head
+/// width 128 two double-buffered 64-key tiles of K and V take 68 KB, where
+/// 48 KB held 32 keys (twice the barriers and waits a key). Under the
+/// 99 KB a block may ask for on every part dplc compiles for (A100 163 KB,
+/// its sm_86/89 siblings 99, H100/H200 227).
+const FORWARD_SHARED_BYTES: i64 = 96 * 1024;
 /// Threads of a block of the bias-gradient pass (a thread an element).
 const BIAS_BLOCK: u32 = 256;
 
@@ -102,13 +111,61 @@ fn array(ty: &'static str, name: &str, len: i64) -> S {
     }
 }
 
-fn shared(ty: &'static str, name: &str, len: i64) -> S {
-    S::Array {
+/// How a pass declares its block's dynamic shared memory ([`carve`]); a
+/// host emulation defines the macro first, as a static array of the bytes.
+const SHARED_PRELUDE: &str = r#"#ifndef DPLC_DYNAMIC_SHARED
+#define DPLC_DYNAMIC_SHARED(name, bytes) extern __shared__ __align__(16) unsigned char name[]
+#endif
+"#;
+
+/// A pass as it launches: its body, its block's threads, and the shared
+/// arrays it carves from the block's dynamic shared memory.
+struct Pass {
+    body: Vec<S>,
+    block: u32,
+    shared: Vec<Shared>,
+}
+
+/// An array in a block's shared memory: `len` elements of `ty`, `bytes` each.
+struct Shared {
+    ty: &'static str,
+    bytes: i64,
+    name: &'static str,
+    len: i64,
+}
+
+fn shared(ty: &'static str, bytes: i64, name: &'static str, len: i64) -> Shared {
+    Shared {
         ty,
-        name: name.into(),
-        len: len.max(1) as usize,
-        shared: true,
+        bytes,
+        name,
+        len: len.max(1),
     }
+}
+
+/// The arrays of `shared` laid out in the block's dynamic shared memory,
+/// each from a 16-byte boundary (`cp.async` and `ldmatrix` address whole
+/// 16-byte rows): their declarations and the bytes the launch must give.
+/// One mechanism for every pass, so a tile past the static 48 KB needs
+/// nothing else (the launcher raises the function's limit).
+fn carve(shared: &[Shared]) -> (Vec<S>, u32) {
+    let mut at_byte = 0i64;
+    let mut decls = vec![];
+    for s in shared {
+        decls.push(S::Line(format!(
+            "{}* {} = reinterpret_cast<{}*>(dplc_smem + {at_byte});",
+            s.ty, s.name, s.ty
+        )));
+        at_byte += (s.len * s.bytes + 15) / 16 * 16;
+    }
+    if at_byte == 0 {
+        return (vec![], 0);
+    }
+    let mut out = vec![S::Line(format!(
+        "DPLC_DYNAMIC_SHARED(dplc_smem, {at_byte});"
+    ))];
+    out.extend(decls);
+    (out, at_byte as u32)
 }
 
 fn ix(name: &str, i: C) -> C {
@@ -661,7 +718,7 @@ pub fn emit_attention(kernel: &AttentionKernel, pass: AttentionPass, dtype: DTyp
         }
         AttentionPass::BiasGrad => false,
     };
-    let (body, block) = match pass {
+    let pass_code = match pass {
         AttentionPass::Forward if mma => forward_mma(&c),
         AttentionPass::Forward => forward_scalar(&c),
         AttentionPass::QueryGrad if mma => query_grad_mma(&c),
@@ -671,6 +728,7 @@ pub fn emit_attention(kernel: &AttentionKernel, pass: AttentionPass, dtype: DTyp
         AttentionPass::BiasGrad => bias_grad(&c),
     };
     let mut w = Writer::with_prelude(dtype);
+    w.out.push_str(SHARED_PRELUDE);
     if mma {
         w.out.push_str(&mma_prelude(dtype));
     }
@@ -680,7 +738,8 @@ pub fn emit_attention(kernel: &AttentionKernel, pass: AttentionPass, dtype: DTyp
         w.line(&format!("// {l}"));
     }
     w.line(&format!(
-        "extern \"C\" __global__ void __launch_bounds__({block}) {name}("
+        "extern \"C\" __global__ void __launch_bounds__({}) {name}(",
+        pass_code.block
     ));
     w.depth += 1;
     let p = params(kernel, pass);
@@ -688,16 +747,21 @@ pub fn emit_attention(kernel: &AttentionKernel, pass: AttentionPass, dtype: DTyp
         let sep = if i + 1 == p.len() { ") {" } else { "," };
         w.line(&format!("{s}{sep}"));
     }
+    let (mut body, shared_bytes) = carve(&pass_code.shared);
+    body.extend(pass_code.body);
     w.stmts(&body);
     w.depth -= 1;
     w.line("}");
     let launch = match pass {
         AttentionPass::BiasGrad => LaunchShape::Elementwise { vector: 1 },
-        _ => LaunchShape::Rows { block },
+        _ => LaunchShape::Rows {
+            block: pass_code.block,
+        },
     };
     CudaSource {
         name,
         source: w.out,
         launch,
+        shared_bytes,
     }
 }

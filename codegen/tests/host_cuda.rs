@@ -810,6 +810,14 @@ fn fused_attention_cuda_runs_on_the_cpu_as_the_interpreter_computes() {
         "v: f32[batch, heads, seq, 32]",
     );
     attention_cases(&common::lower_m(&wide), 136, &mut cases);
+    // Llama's head width: the forward's 64-key tiles, double-buffered, take
+    // 68 KB of dynamic shared memory (one head: the emulated tensor cores
+    // are slow at this width).
+    let wide = common::PLACED
+        .replace("heads = 4", "heads = 1")
+        .replace("seq, 8]", "seq, 128]")
+        .replace("seq, 16]", "seq, 128]");
+    attention_cases(&common::lower_m(&wide), 65, &mut cases);
     // An odd sequence: neighbouring keys straddle the draws' pairs in
     // every other row (`dplc_sample_draw2`'s second path); a value width
     // of 8 · odd: `O += P·V` ends on a column block no `ldmatrix.x4` pairs.

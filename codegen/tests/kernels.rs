@@ -180,7 +180,10 @@ fn gpt_tiny_attention_cuda_bf16() {
                 AttentionPass::KeyValueGrad,
             ] {
                 let src = emit_attention(&at.kernel, pass, DType::BF16);
-                out += &format!("==== {} ({:?})\n", src.name, src.launch);
+                out += &format!(
+                    "==== {} ({:?}, {} bytes of shared memory)\n",
+                    src.name, src.launch, src.shared_bytes
+                );
                 let body = src
                     .source
                     .find("\n// attention_")
@@ -251,4 +254,37 @@ fn gpt2_loss_rows_walk_in_vectors_after_their_head() {
     }
     assert_eq!(out.matches("====").count(), 2, "a forward and a backward");
     insta::assert_snapshot!(out);
+}
+
+/// At Llama's head width of 128 the tensor-core forward's key tiles take
+/// 64 keys, double-buffered K and V rows padded by 8: 2 · 2 · 64 · 136 · 2
+/// = 69,632 bytes of dynamic shared memory, past the static 48 KB that held
+/// 32 keys; the backward passes, bounded by their registers, keep 32 keys
+/// (or queries) a tile within 48 KB. At GPT-2's width of 64 nothing moves.
+#[test]
+fn wide_heads_take_their_forward_key_tiles_past_48_kb() {
+    let sizes = |width: usize| -> Vec<u32> {
+        let model = common::PLACED
+            .replace("seq, 8]", &format!("seq, {width}]"))
+            .replace("seq, 16]", &format!("seq, {width}]"));
+        let g = common::lower_m(&model);
+        let at = g
+            .regions()
+            .flat_map(|(r, _)| fuse(&g, r).steps)
+            .find_map(|s| match s {
+                Step::Attention(at) => Some(at),
+                _ => None,
+            })
+            .expect("a fused attention");
+        [
+            AttentionPass::Forward,
+            AttentionPass::QueryGrad,
+            AttentionPass::KeyValueGrad,
+        ]
+        .into_iter()
+        .map(|pass| emit_attention(&at.kernel, pass, DType::BF16).shared_bytes)
+        .collect()
+    };
+    assert_eq!(sizes(128), [69_632, 34_816, 35_072]);
+    assert_eq!(sizes(64), [36_864, 36_864, 37_376]);
 }

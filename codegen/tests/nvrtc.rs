@@ -252,6 +252,7 @@ fn every_zoo_kernel_compiles() {
                         .collect::<Vec<_>>()
                         .join("\n"),
                     launch: chunk[0].launch,
+                    shared_bytes: 0,
                 };
                 batches.push((batch, archs));
             }
@@ -319,6 +320,7 @@ fn compile_errors_carry_log_and_source_and_the_cache_hits() {
         name: "broken_f32_00000000".into(),
         source: "extern \"C\" __global__ void broken_f32_00000000() { undeclared = 1; }\n".into(),
         launch: dplc_codegen::LaunchShape::Elementwise { vector: 1 },
+        shared_bytes: 0,
     };
     match nvrtc.compile(&bad, Arch::Sm80) {
         Err(CodegenError::Compile { log, code, .. }) => {

@@ -147,7 +147,7 @@ fn pair_bits(lo: C, hi: C) -> C {
 /// accumulator tile, rows `g` and `g + 8` at columns `2t` and `2t + 1`
 /// (`g` = lane / 4, `t` = lane % 4), so the scores' tiles are the
 /// probabilities' operand fragments as they are.
-pub(super) fn forward_mma(c: &Ctx) -> (Vec<S>, u32) {
+pub(super) fn forward_mma(c: &Ctx) -> Pass {
     use AttentionBuffer::*;
     let k = c.k;
     let (hd, vd) = (k.head_dim, k.value_dim);
@@ -158,7 +158,7 @@ pub(super) fn forward_mma(c: &Ctx) -> (Vec<S>, u32) {
     let (kstride, vstride) = (hd + 8, vd + 8);
     let t = [64i64, 48, 32, 16]
         .into_iter()
-        .find(|t| 2 * 2 * t * (kstride + vstride) <= SHARED_BYTES)
+        .find(|t| 2 * 2 * t * (kstride + vstride) <= FORWARD_SHARED_BYTES)
         .unwrap_or(16);
     let (ns, nv) = (t / 8, vd / 8);
     let (b, h) = (id("b"), id("hh"));
@@ -411,12 +411,14 @@ pub(super) fn forward_mma(c: &Ctx) -> (Vec<S>, u32) {
     fin.push(S::If(bin("<", id("qi"), size(k.q_len)), write));
     body.push(unrolled("r", 2, fin));
     let items = tile_items(k.q_len, k.batch, k.heads);
-    let out = vec![
-        shared("dplc_t", "kbuf", 2 * t * kstride),
-        shared("dplc_t", "vbuf", 2 * t * vstride),
-        items_loop(items, false, body),
-    ];
-    (out, 128)
+    Pass {
+        body: vec![items_loop(items, false, body)],
+        block: 128,
+        shared: vec![
+            shared("dplc_t", 2, "kbuf", 2 * t * kstride),
+            shared("dplc_t", 2, "vbuf", 2 * t * vstride),
+        ],
+    }
 }
 
 /// The key and value tiles of key head `kh` the forward and the dQ pass
@@ -713,7 +715,7 @@ pub(super) fn query_grad_tensor_cores(k: &AttentionKernel, dtype: DType) -> bool
 /// (dP·keep − δ)` in their accumulators (P from the saved log-sum-exp),
 /// then `dQ += dS·K` with `dS` packed to the storage type as FlashAttention-2
 /// packs it. A thread holds rows `g` and `g + 8` of its warp's 16.
-pub(super) fn query_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
+pub(super) fn query_grad_mma(c: &Ctx) -> Pass {
     use AttentionBuffer::*;
     let k = c.k;
     let (hd, vd) = (k.head_dim, k.value_dim);
@@ -906,12 +908,14 @@ pub(super) fn query_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
         ],
     ));
     let items = tile_items(k.q_len, k.batch, k.heads);
-    let out = vec![
-        shared("dplc_t", "kbuf", 2 * t * kstride),
-        shared("dplc_t", "vbuf", 2 * t * vstride),
-        items_loop(items, false, body),
-    ];
-    (out, 128)
+    Pass {
+        body: vec![items_loop(items, false, body)],
+        block: 128,
+        shared: vec![
+            shared("dplc_t", 2, "kbuf", 2 * t * kstride),
+            shared("dplc_t", 2, "vbuf", 2 * t * vstride),
+        ],
+    }
 }
 
 /// The tensor-core `dK`/`dV` pass: 4 warps of 16 key rows of one key head
@@ -921,7 +925,7 @@ pub(super) fn query_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
 /// the forward dropped it and `dK += dSᵀ·Q`, P and dS packed to the storage
 /// type as FlashAttention-2 packs them; each query's log-sum-exp and δ
 /// (the `dQ` pass's) staged beside its Q and dO rows.
-pub(super) fn key_value_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
+pub(super) fn key_value_grad_mma(c: &Ctx) -> Pass {
     use AttentionBuffer::*;
     let k = c.k;
     let (hd, vd) = (k.head_dim, k.value_dim);
@@ -1125,12 +1129,14 @@ pub(super) fn key_value_grad_mma(c: &Ctx) -> (Vec<S>, u32) {
         ],
     ));
     let items = tile_items(k.k_len, k.batch, k.kv_heads);
-    let out = vec![
-        shared("dplc_t", "qbuf", 2 * t * qstride),
-        shared("dplc_t", "obuf", 2 * t * ostride),
-        shared("float", "lt", t),
-        shared("float", "dt", t),
-        items_loop(items, false, body),
-    ];
-    (out, 128)
+    Pass {
+        body: vec![items_loop(items, false, body)],
+        block: 128,
+        shared: vec![
+            shared("dplc_t", 2, "qbuf", 2 * t * qstride),
+            shared("dplc_t", 2, "obuf", 2 * t * ostride),
+            shared("float", 4, "lt", t),
+            shared("float", 4, "dt", t),
+        ],
+    }
 }

@@ -6,7 +6,7 @@
 use super::*;
 
 /// The scalar forward: a thread per query row, key/value tiles in shared memory.
-pub(super) fn forward_scalar(c: &Ctx) -> (Vec<S>, u32) {
+pub(super) fn forward_scalar(c: &Ctx) -> Pass {
     use AttentionBuffer::*;
     let k = c.k;
     let (hd, vd) = (k.head_dim, k.value_dim);
@@ -139,12 +139,14 @@ pub(super) fn forward_scalar(c: &Ctx) -> (Vec<S>, u32) {
         ],
     ));
     let items = tile_items(k.q_len, k.batch, k.heads);
-    let out = vec![
-        shared("float", "kt", t * hd),
-        shared("float", "vt", t * vd),
-        items_loop(items, false, body),
-    ];
-    (out, ROWS as u32)
+    Pass {
+        body: vec![items_loop(items, false, body)],
+        block: ROWS as u32,
+        shared: vec![
+            shared("float", 4, "kt", t * hd),
+            shared("float", 4, "vt", t * vd),
+        ],
+    }
 }
 
 /// `Δ_i = dO_i · O_i` of query `i` of head `h`, read from memory.
@@ -187,7 +189,7 @@ fn pair(c: &Ctx, b: &C, h: &C, i: &C, j: &C, lse: C, delta: C) -> Vec<S> {
 }
 
 /// The scalar `dQ` pass: a thread per query row.
-pub(super) fn query_grad(c: &Ctx) -> (Vec<S>, u32) {
+pub(super) fn query_grad(c: &Ctx) -> Pass {
     use AttentionBuffer::*;
     let k = c.k;
     let (hd, vd) = (k.head_dim, k.value_dim);
@@ -300,17 +302,19 @@ pub(super) fn query_grad(c: &Ctx) -> (Vec<S>, u32) {
         )],
     ));
     let items = tile_items(k.q_len, k.batch, k.heads);
-    let out = vec![
-        shared("float", "kt", t * hd),
-        shared("float", "vt", t * vd),
-        items_loop(items, false, body),
-    ];
-    (out, ROWS as u32)
+    Pass {
+        body: vec![items_loop(items, false, body)],
+        block: ROWS as u32,
+        shared: vec![
+            shared("float", 4, "kt", t * hd),
+            shared("float", 4, "vt", t * vd),
+        ],
+    }
 }
 
 /// The scalar `dK`/`dV` pass: a thread per key row of one key head, over
 /// the query heads that share it and their query tiles.
-pub(super) fn key_value_grad(c: &Ctx) -> (Vec<S>, u32) {
+pub(super) fn key_value_grad(c: &Ctx) -> Pass {
     use AttentionBuffer::*;
     let k = c.k;
     let (hd, vd) = (k.head_dim, k.value_dim);
@@ -514,19 +518,21 @@ pub(super) fn key_value_grad(c: &Ctx) -> (Vec<S>, u32) {
         ],
     ));
     let items = tile_items(k.k_len, k.batch, k.kv_heads);
-    let out = vec![
-        shared("float", "qt", t * hd),
-        shared("float", "gt", t * vd),
-        shared("float", "lt", t),
-        shared("float", "dt", t),
-        items_loop(items, false, body),
-    ];
-    (out, ROWS as u32)
+    Pass {
+        body: vec![items_loop(items, false, body)],
+        block: ROWS as u32,
+        shared: vec![
+            shared("float", 4, "qt", t * hd),
+            shared("float", 4, "gt", t * vd),
+            shared("float", 4, "lt", t),
+            shared("float", 4, "dt", t),
+        ],
+    }
 }
 
 /// The bias gradient: a thread per element the bias holds, summing the
 /// score gradients over the axes it broadcasts along (row-major).
-pub(super) fn bias_grad(c: &Ctx) -> (Vec<S>, u32) {
+pub(super) fn bias_grad(c: &Ctx) -> Pass {
     use AttentionBuffer::*;
     let k = c.k;
     let bias = k.bias.as_ref().expect("a bias");
@@ -620,8 +626,9 @@ pub(super) fn bias_grad(c: &Ctx) -> (Vec<S>, u32) {
             });
         }
     }
-    (
-        vec![items_loop(items.unwrap_or_else(|| ll(1)), true, body)],
-        BIAS_BLOCK,
-    )
+    Pass {
+        body: vec![items_loop(items.unwrap_or_else(|| ll(1)), true, body)],
+        block: BIAS_BLOCK,
+        shared: vec![],
+    }
 }

@@ -54,6 +54,10 @@ pub struct CudaSource {
     pub name: String,
     pub source: String,
     pub launch: LaunchShape,
+    /// Dynamic shared memory each block takes, in bytes (0: the kernel's
+    /// shared arrays, if any, are static). Past 48 KB the launcher must
+    /// first raise the function's limit, as CUDA requires.
+    pub shared_bytes: u32,
 }
 
 mod prelude;
@@ -903,5 +907,6 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
         name,
         source: w.out,
         launch,
+        shared_bytes: 0,
     }
 }

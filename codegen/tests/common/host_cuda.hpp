@@ -2,7 +2,7 @@
 // (codegen/tests/host_cuda.rs): a block's threads are OS threads released
 // together; `__syncthreads` is a barrier over them; a warp shuffle is an
 // exchange through the warp's slots between two barriers over its 32
-// threads; `__shared__` memory is a static of the kernel, which the blocks,
+// threads; `__shared__` memory (dynamic too) is a static of the kernel, which the blocks,
 // run one after another, share in turn; atomics are `std::atomic_ref`.
 // Enough for the elementwise, row and scan kernels (no tensor cores, no
 // inline PTX: the storage conversions below replace the generated ones).
@@ -48,6 +48,9 @@ inline thread_local dplc_warp_state* dplc_warp;
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
 #define __shared__ static
+// A block's dynamic shared memory: a static of the kernel too, of the bytes
+// the launch would give.
+#define DPLC_DYNAMIC_SHARED(name, bytes) static __attribute__((aligned(16))) unsigned char name[bytes]
 
 inline void __syncthreads() { dplc_block_bar->arrive_and_wait(); }
 

@@ -141,6 +141,8 @@ pub struct GpuKernel {
     pub name: String,
     pub program: Program,
     pub launch: LaunchShape,
+    /// Dynamic shared memory a block takes ([`CudaSource::shared_bytes`]).
+    shared_bytes: u32,
     pub dtype: DType,
     function: CudaFunction,
 }
@@ -538,10 +540,28 @@ impl GpuDevice {
         let function = module
             .load_function(&src.name)
             .map_err(|e| driver(&format!("finding {}", src.name), e))?;
+        // Past 48 KB a block's dynamic shared memory must be allowed first.
+        if src.shared_bytes > 48 * 1024 {
+            function
+                .set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    src.shared_bytes as i32,
+                )
+                .map_err(|e| {
+                    driver(
+                        &format!(
+                            "allowing {} {} bytes of shared memory a block",
+                            src.name, src.shared_bytes
+                        ),
+                        e,
+                    )
+                })?;
+        }
         Ok(GpuKernel {
             name: src.name.clone(),
             program,
             launch: src.launch,
+            shared_bytes: src.shared_bytes,
             dtype,
             function,
         })
@@ -608,7 +628,7 @@ impl GpuDevice {
         let cfg = LaunchConfig {
             grid_dim: (grid as u32, 1, 1),
             block_dim: (block, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: k.shared_bytes,
         };
         if outer == 0 {
             return Ok(());
