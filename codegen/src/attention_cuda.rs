@@ -118,12 +118,31 @@ const SHARED_PRELUDE: &str = r#"#ifndef DPLC_DYNAMIC_SHARED
 #endif
 "#;
 
-/// A pass as it launches: its body, its block's threads, and the shared
-/// arrays it carves from the block's dynamic shared memory.
+/// A pass as it launches: its body, its block's threads, the shared arrays
+/// it carves from the block's dynamic shared memory, and whether it asks
+/// the assembler for registers few enough that as many blocks share a
+/// multiprocessor as its shared memory allows ([`resident_blocks`]).
 struct Pass {
     body: Vec<S>,
     block: u32,
     shared: Vec<Shared>,
+    fill: bool,
+}
+
+/// Shared memory a Hopper multiprocessor gives its blocks (227 KB).
+const SM_SHARED_BYTES: u32 = 227 * 1024;
+
+/// Blocks of `shared_bytes` each that a multiprocessor's shared memory
+/// holds, at most four: what a filling pass asks of `__launch_bounds__`.
+/// Measured on the H200 (bench_attention, run M), the tensor-core forward
+/// left to the assembler's choice of registers ran fewer blocks than its
+/// shared memory holds: at head width 64 (36 KB, three blocks by its 130
+/// registers) four blocks took GPT-2's forward from 0.134 to 0.126 ms and
+/// the gpt2 step's micro-batch from 0.738 to 0.670 ms; at 128 (68 KB, two
+/// by its 172 registers) three took Llama 2 7B's from 1.998 to 1.628 ms,
+/// and four, which its shared memory cannot hold, 2.151 ms.
+fn resident_blocks(shared_bytes: u32) -> u32 {
+    (SM_SHARED_BYTES / shared_bytes.max(1)).clamp(1, 4)
 }
 
 /// An array in a block's shared memory: `len` elements of `ty`, `bytes` each.
@@ -737,9 +756,14 @@ pub fn emit_attention(kernel: &AttentionKernel, pass: AttentionPass, dtype: DTyp
     for l in kernel.signature().lines() {
         w.line(&format!("// {l}"));
     }
+    let (mut body, shared_bytes) = carve(&pass_code.shared);
+    let bounds = if pass_code.fill {
+        format!("{}, {}", pass_code.block, resident_blocks(shared_bytes))
+    } else {
+        pass_code.block.to_string()
+    };
     w.line(&format!(
-        "extern \"C\" __global__ void __launch_bounds__({}) {name}(",
-        pass_code.block
+        "extern \"C\" __global__ void __launch_bounds__({bounds}) {name}("
     ));
     w.depth += 1;
     let p = params(kernel, pass);
@@ -747,7 +771,6 @@ pub fn emit_attention(kernel: &AttentionKernel, pass: AttentionPass, dtype: DTyp
         let sep = if i + 1 == p.len() { ") {" } else { "," };
         w.line(&format!("{s}{sep}"));
     }
-    let (mut body, shared_bytes) = carve(&pass_code.shared);
     body.extend(pass_code.body);
     w.stmts(&body);
     w.depth -= 1;

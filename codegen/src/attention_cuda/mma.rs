@@ -418,6 +418,7 @@ pub(super) fn forward_mma(c: &Ctx) -> Pass {
             shared("dplc_t", 2, "kbuf", 2 * t * kstride),
             shared("dplc_t", 2, "vbuf", 2 * t * vstride),
         ],
+        fill: true,
     }
 }
 
@@ -915,6 +916,7 @@ pub(super) fn query_grad_mma(c: &Ctx) -> Pass {
             shared("dplc_t", 2, "kbuf", 2 * t * kstride),
             shared("dplc_t", 2, "vbuf", 2 * t * vstride),
         ],
+        fill: false,
     }
 }
 
@@ -1138,5 +1140,6 @@ pub(super) fn key_value_grad_mma(c: &Ctx) -> Pass {
             shared("float", 4, "lt", t),
             shared("float", 4, "dt", t),
         ],
+        fill: false,
     }
 }
