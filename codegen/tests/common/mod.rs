@@ -2,6 +2,8 @@
 //! unfused reference evaluator of the IR on concrete shapes.
 #![allow(dead_code)]
 
+pub mod host;
+
 use dplc_codegen::{Data, FusionPlan, Step};
 use dplc_ir::{DType, Dim, Graph, Op, ReduceKind, RegionId, TensorId};
 use std::collections::HashMap;
