@@ -119,20 +119,29 @@ const SHARED_PRELUDE: &str = r#"#ifndef DPLC_DYNAMIC_SHARED
 "#;
 
 /// A pass as it launches: its body, its block's threads, the shared arrays
-/// it carves from the block's dynamic shared memory, and whether it asks
-/// the assembler for registers few enough that as many blocks share a
-/// multiprocessor as its shared memory allows ([`resident_blocks`]).
+/// it carves from the block's dynamic shared memory, and, for a pass that
+/// asks the assembler for registers few enough that more blocks share a
+/// multiprocessor ([`resident_blocks`]), the registers its arrays hold a
+/// thread.
 struct Pass {
     body: Vec<S>,
     block: u32,
     shared: Vec<Shared>,
-    fill: bool,
+    fill: Option<u32>,
 }
 
 /// Shared memory a Hopper multiprocessor gives its blocks (227 KB).
 const SM_SHARED_BYTES: u32 = 227 * 1024;
+/// Registers of a multiprocessor (every part since Volta).
+const SM_REGISTERS: u32 = 65536;
+/// Registers a thread needs beside its register arrays (addresses, indices,
+/// the softmax's temporaries): the fewest ptxas 12.8 fit the forward into
+/// at head width 128 under `__launch_bounds__(128, 3)` — 168 for 132 of
+/// arrays, 16 bytes spilled.
+const REGISTERS_BESIDE_ARRAYS: u32 = 36;
 
-/// Blocks of `shared_bytes` each that a multiprocessor's shared memory
+/// The blocks of `block` threads, `shared_bytes` of shared memory and
+/// `array_registers` registers of arrays a thread that a multiprocessor
 /// holds, at most four: what a filling pass asks of `__launch_bounds__`.
 /// Measured on the H200 (bench_attention, run M), the tensor-core forward
 /// left to the assembler's choice of registers ran fewer blocks than its
@@ -140,9 +149,13 @@ const SM_SHARED_BYTES: u32 = 227 * 1024;
 /// registers) four blocks took GPT-2's forward from 0.134 to 0.126 ms and
 /// the gpt2 step's micro-batch from 0.738 to 0.670 ms; at 128 (68 KB, two
 /// by its 172 registers) three took Llama 2 7B's from 1.998 to 1.628 ms,
-/// and four, which its shared memory cannot hold, 2.151 ms.
-fn resident_blocks(shared_bytes: u32) -> u32 {
-    (SM_SHARED_BYTES / shared_bytes.max(1)).clamp(1, 4)
+/// and four, which neither its shared memory nor its arrays fit, 2.151 ms.
+/// The arrays bound it where they are wide (two blocks at width 256: four
+/// such threads' arrays alone would not fit a block of 128 registers each).
+fn resident_blocks(block: u32, shared_bytes: u32, array_registers: u32) -> u32 {
+    let by_shared = SM_SHARED_BYTES / shared_bytes.max(1);
+    let by_registers = SM_REGISTERS / (block * (array_registers + REGISTERS_BESIDE_ARRAYS));
+    by_shared.min(by_registers).clamp(1, 4)
 }
 
 /// An array in a block's shared memory: `len` elements of `ty`, `bytes` each.
@@ -757,10 +770,13 @@ pub fn emit_attention(kernel: &AttentionKernel, pass: AttentionPass, dtype: DTyp
         w.line(&format!("// {l}"));
     }
     let (mut body, shared_bytes) = carve(&pass_code.shared);
-    let bounds = if pass_code.fill {
-        format!("{}, {}", pass_code.block, resident_blocks(shared_bytes))
-    } else {
-        pass_code.block.to_string()
+    let bounds = match pass_code.fill {
+        Some(registers) => format!(
+            "{}, {}",
+            pass_code.block,
+            resident_blocks(pass_code.block, shared_bytes, registers)
+        ),
+        None => pass_code.block.to_string(),
     };
     w.line(&format!(
         "extern \"C\" __global__ void __launch_bounds__({bounds}) {name}("

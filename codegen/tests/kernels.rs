@@ -261,7 +261,7 @@ fn gpt2_loss_rows_walk_in_vectors_after_their_head() {
 /// = 69,632 bytes of dynamic shared memory, past the static 48 KB that held
 /// 32 keys, and it asks for registers that let three such blocks share a
 /// Hopper multiprocessor (227 KB); at GPT-2's width of 64, four (at most
-/// four). The backward passes, bounded by their registers, keep 32 keys
+/// four); at Gemma's 256, two (its register arrays). The backward passes, bounded by their registers, keep 32 keys
 /// (or queries) a tile within 48 KB and the assembler's registers.
 #[test]
 fn wide_heads_take_their_forward_key_tiles_past_48_kb() {
@@ -300,5 +300,11 @@ fn wide_heads_take_their_forward_key_tiles_past_48_kb() {
     assert_eq!(
         sizes(64),
         expect([(36_864, "128, 4"), (36_864, "128"), (37_376, "128")])
+    );
+    // Gemma's 256: the arrays (Q's fragments, O's accumulators) bound the
+    // forward to two blocks, so the assembler keeps all its registers.
+    assert_eq!(
+        sizes(256),
+        expect([(67_584, "128, 2"), (33_792, "128"), (33_920, "128")])
     );
 }

@@ -418,7 +418,8 @@ pub(super) fn forward_mma(c: &Ctx) -> Pass {
             shared("dplc_t", 2, "kbuf", 2 * t * kstride),
             shared("dplc_t", 2, "vbuf", 2 * t * vstride),
         ],
-        fill: true,
+        // Q's fragments, O's and S's accumulators, the rows' statistics.
+        fill: Some((hd / 16 * 4 + nv * 4 + ns * 4 + 4) as u32),
     }
 }
 
@@ -916,7 +917,7 @@ pub(super) fn query_grad_mma(c: &Ctx) -> Pass {
             shared("dplc_t", 2, "kbuf", 2 * t * kstride),
             shared("dplc_t", 2, "vbuf", 2 * t * vstride),
         ],
-        fill: false,
+        fill: None,
     }
 }
 
@@ -1140,6 +1141,6 @@ pub(super) fn key_value_grad_mma(c: &Ctx) -> Pass {
             shared("float", 4, "lt", t),
             shared("float", 4, "dt", t),
         ],
-        fill: false,
+        fill: None,
     }
 }

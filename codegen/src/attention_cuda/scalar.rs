@@ -146,7 +146,7 @@ pub(super) fn forward_scalar(c: &Ctx) -> Pass {
             shared("float", 4, "kt", t * hd),
             shared("float", 4, "vt", t * vd),
         ],
-        fill: false,
+        fill: None,
     }
 }
 
@@ -310,7 +310,7 @@ pub(super) fn query_grad(c: &Ctx) -> Pass {
             shared("float", 4, "kt", t * hd),
             shared("float", 4, "vt", t * vd),
         ],
-        fill: false,
+        fill: None,
     }
 }
 
@@ -529,7 +529,7 @@ pub(super) fn key_value_grad(c: &Ctx) -> Pass {
             shared("float", 4, "lt", t),
             shared("float", 4, "dt", t),
         ],
-        fill: false,
+        fill: None,
     }
 }
 
@@ -633,6 +633,6 @@ pub(super) fn bias_grad(c: &Ctx) -> Pass {
         body: vec![items_loop(items.unwrap_or_else(|| ll(1)), true, body)],
         block: BIAS_BLOCK,
         shared: vec![],
-        fill: false,
+        fill: None,
     }
 }
