@@ -130,6 +130,18 @@ struct Pass {
     fill: Option<u32>,
 }
 
+impl Pass {
+    /// A pass whose blocks stride over `items` (a tile each), running `body`.
+    fn tiles(items: C, body: Vec<S>, block: u32, shared: Vec<Shared>) -> Pass {
+        Pass {
+            body: vec![items_loop(items, false, body)],
+            block,
+            shared,
+            fill: None,
+        }
+    }
+}
+
 /// Shared memory a Hopper multiprocessor gives its blocks (227 KB).
 const SM_SHARED_BYTES: u32 = 227 * 1024;
 /// Registers of a multiprocessor (every part since Volta).

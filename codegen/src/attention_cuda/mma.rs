@@ -412,14 +412,17 @@ pub(super) fn forward_mma(c: &Ctx) -> Pass {
     body.push(unrolled("r", 2, fin));
     let items = tile_items(k.q_len, k.batch, k.heads);
     Pass {
-        body: vec![items_loop(items, false, body)],
-        block: 128,
-        shared: vec![
-            shared("dplc_t", 2, "kbuf", 2 * t * kstride),
-            shared("dplc_t", 2, "vbuf", 2 * t * vstride),
-        ],
         // Q's fragments, O's and S's accumulators, the rows' statistics.
         fill: Some((hd / 16 * 4 + nv * 4 + ns * 4 + 4) as u32),
+        ..Pass::tiles(
+            items,
+            body,
+            128,
+            vec![
+                shared("dplc_t", 2, "kbuf", 2 * t * kstride),
+                shared("dplc_t", 2, "vbuf", 2 * t * vstride),
+            ],
+        )
     }
 }
 
@@ -910,15 +913,15 @@ pub(super) fn query_grad_mma(c: &Ctx) -> Pass {
         ],
     ));
     let items = tile_items(k.q_len, k.batch, k.heads);
-    Pass {
-        body: vec![items_loop(items, false, body)],
-        block: 128,
-        shared: vec![
+    Pass::tiles(
+        items,
+        body,
+        128,
+        vec![
             shared("dplc_t", 2, "kbuf", 2 * t * kstride),
             shared("dplc_t", 2, "vbuf", 2 * t * vstride),
         ],
-        fill: None,
-    }
+    )
 }
 
 /// The tensor-core `dK`/`dV` pass: 4 warps of 16 key rows of one key head
@@ -1132,15 +1135,15 @@ pub(super) fn key_value_grad_mma(c: &Ctx) -> Pass {
         ],
     ));
     let items = tile_items(k.k_len, k.batch, k.kv_heads);
-    Pass {
-        body: vec![items_loop(items, false, body)],
-        block: 128,
-        shared: vec![
+    Pass::tiles(
+        items,
+        body,
+        128,
+        vec![
             shared("dplc_t", 2, "qbuf", 2 * t * qstride),
             shared("dplc_t", 2, "obuf", 2 * t * ostride),
             shared("float", 4, "lt", t),
             shared("float", 4, "dt", t),
         ],
-        fill: None,
-    }
+    )
 }

@@ -139,15 +139,15 @@ pub(super) fn forward_scalar(c: &Ctx) -> Pass {
         ],
     ));
     let items = tile_items(k.q_len, k.batch, k.heads);
-    Pass {
-        body: vec![items_loop(items, false, body)],
-        block: ROWS as u32,
-        shared: vec![
+    Pass::tiles(
+        items,
+        body,
+        ROWS as u32,
+        vec![
             shared("float", 4, "kt", t * hd),
             shared("float", 4, "vt", t * vd),
         ],
-        fill: None,
-    }
+    )
 }
 
 /// `Δ_i = dO_i · O_i` of query `i` of head `h`, read from memory.
@@ -303,15 +303,15 @@ pub(super) fn query_grad(c: &Ctx) -> Pass {
         )],
     ));
     let items = tile_items(k.q_len, k.batch, k.heads);
-    Pass {
-        body: vec![items_loop(items, false, body)],
-        block: ROWS as u32,
-        shared: vec![
+    Pass::tiles(
+        items,
+        body,
+        ROWS as u32,
+        vec![
             shared("float", 4, "kt", t * hd),
             shared("float", 4, "vt", t * vd),
         ],
-        fill: None,
-    }
+    )
 }
 
 /// The scalar `dK`/`dV` pass: a thread per key row of one key head, over
@@ -520,17 +520,17 @@ pub(super) fn key_value_grad(c: &Ctx) -> Pass {
         ],
     ));
     let items = tile_items(k.k_len, k.batch, k.kv_heads);
-    Pass {
-        body: vec![items_loop(items, false, body)],
-        block: ROWS as u32,
-        shared: vec![
+    Pass::tiles(
+        items,
+        body,
+        ROWS as u32,
+        vec![
             shared("float", 4, "qt", t * hd),
             shared("float", 4, "gt", t * vd),
             shared("float", 4, "lt", t),
             shared("float", 4, "dt", t),
         ],
-        fill: None,
-    }
+    )
 }
 
 /// The bias gradient: a thread per element the bias holds, summing the
