@@ -36,12 +36,13 @@ const ROWS: i64 = 64;
 /// registers first (the tensor-core backward keeps `t / 8` accumulator
 /// tiles of scores and of their gradients beside its row's gradients).
 const SHARED_BYTES: i64 = 48 * 1024;
-/// Shared memory the tensor-core forward sizes its key tiles to: at head
-/// width 128 two double-buffered 64-key tiles of K and V take 68 KB, where
-/// 48 KB held 32 keys (twice the barriers and waits a key). Under the
-/// 99 KB a block may ask for on every part dplc compiles for (A100 163 KB,
-/// its sm_86/89 siblings 99, H100/H200 227).
-const FORWARD_SHARED_BYTES: i64 = 96 * 1024;
+/// The most shared memory a block of the tensor-core passes takes: under
+/// the 99 KB a block may ask for on every part dplc compiles for (A100
+/// 163 KB, its sm_86/89 siblings 99, H100/H200 227). The forward sizes its
+/// key tiles to it (at head width 128 two double-buffered 64-key tiles of
+/// K and V take 68 KB, where 48 KB held 32 keys: twice the barriers and
+/// waits a key); the dK/dV pass stages its own K and V rows within it.
+const MOST_SHARED_BYTES: i64 = 96 * 1024;
 /// Threads of a block of the bias-gradient pass (a thread an element).
 const BIAS_BLOCK: u32 = 256;
 

@@ -4,9 +4,18 @@
 //! `mma.sync.m16n8k16` steps on fragments laid out as the PTX ISA states,
 //! tiles staged in shared memory as raw 16-bit storage (`staging`).
 
-use super::staging::Staged;
+use super::staging::{Staged, Tile16};
 use super::*;
 use std::f64::consts::{LN_2, LOG2_E};
+
+/// Registers of arrays a thread of the `dK`/`dV` pass may hold with K's and
+/// V's A fragments in registers (K and V fragments, the dK, dV, Sᵀ and dPᵀ
+/// accumulators); past it the fragments are read from shared memory at each
+/// step by `ldmatrix`, as FlashAttention-2's backward keeps K and V. At head
+/// width 64 (64-query tiles) the arrays hold 160 registers and ptxas uses
+/// 239 with no spill; at 128 (32-query tiles) they hold 224 and ptxas used
+/// all 255 and spilled 60 bytes.
+const KEY_VALUE_REGISTER_ARRAYS: i64 = 192;
 
 /// Whether the forward runs its block matmuls on tensor cores: 16-bit
 /// storage, and widths that are whole `m16n8k16` steps.
@@ -158,7 +167,7 @@ pub(super) fn forward_mma(c: &Ctx) -> Pass {
     let (kstride, vstride) = (hd + 8, vd + 8);
     let t = [64i64, 48, 32, 16]
         .into_iter()
-        .find(|t| 2 * 2 * t * (kstride + vstride) <= FORWARD_SHARED_BYTES)
+        .find(|t| 2 * 2 * t * (kstride + vstride) <= MOST_SHARED_BYTES)
         .unwrap_or(16);
     let (ns, nv) = (t / 8, vd / 8);
     let (b, h) = (id("b"), id("hh"));
@@ -185,7 +194,7 @@ pub(super) fn forward_mma(c: &Ctx) -> Pass {
     let staged = key_value_tiles(k, kstride, vstride);
     let mut tile = vec![array("float", "s", ns * 4)];
     // S = Q·Kᵀ: B's fragment is two consecutive features of one key.
-    tile.push(mma_rows("s", "qf", "kt", kstride, hd, ns));
+    tile.push(mma_rows("s", RowsA::Registers("qf"), "kt", kstride, hd, ns));
     // Scale, bias, masks; the rows' maxima over the quad of threads sharing them.
     let (i, j) = (
         ix("row", bin("/", id("x"), ll(2))),
@@ -523,34 +532,41 @@ fn row_fragments(
     ]
 }
 
-/// `acc[nb·4 ..] = A·Bᵀ` for `nb` in `0..tiles`: A the fragments `frag`
-/// over `width / 16` steps, B's column `nb·8 + g` the row of the shared
-/// tile `tile` (rows `stride` apart, a multiple of 8; the tile 16-byte
-/// aligned) — two consecutive features of one row per register, loaded by
+/// Where the A operand of [`mma_rows`] comes from.
+enum RowsA<'a> {
+    /// Fragments in registers, `name[ks·4 ..]` for step `ks`
+    /// ([`row_fragments`]).
+    Registers(&'a str),
+    /// A shared `[row][feature]` tile of the block's 64 rows, rows `stride`
+    /// apart: each step's fragment loaded by `ldmatrix` from the warp's 16.
+    Shared(&'a str, i64),
+}
+
+/// `acc[nb·4 ..] = A·Bᵀ` for `nb` in `0..tiles`: A the rows of `a` over
+/// `width / 16` steps, B's column `nb·8 + g` the row of the shared tile
+/// `tile` (rows `stride` apart, a multiple of 8; the tile 16-byte aligned)
+/// — two consecutive features of one row per register, loaded by
 /// `ldmatrix` — as [`forward_mma`]'s `S = Q·Kᵀ`.
-fn mma_rows(acc: &str, frag: &str, tile: &str, stride: i64, width: i64, tiles: i64) -> S {
+fn mma_rows(acc: &str, a: RowsA, tile: &str, stride: i64, width: i64, tiles: i64) -> S {
     // Key tiles are 16, 32, 48 or 64 rows: whole pairs of 8-key blocks.
     assert!(
         tiles % 2 == 0,
         "{tiles} key blocks: a tile is whole 16-row steps"
     );
+    let frag = match a {
+        RowsA::Registers(name) => C::Ref(Box::new(ix(name, bin("*", id("ks"), ll(4))))),
+        RowsA::Shared(..) => id("af"),
+    };
     let mma = |nb: C, b0: C, b1: C| {
         S::Expr(call(
             "dplc_mma",
             vec![
                 C::Ref(Box::new(ix(acc, bin("*", nb, ll(4))))),
-                C::Ref(Box::new(ix(frag, bin("*", id("ks"), ll(4))))),
+                frag.clone(),
                 b0,
                 b1,
             ],
         ))
-    };
-    let zeroed = |nb: C| {
-        unrolled(
-            "x",
-            4,
-            vec![set(ix(acc, bin("+", bin("*", nb, ll(4)), id("x"))), zero())],
-        )
     };
     // Two key blocks a `ldmatrix.x4`: lane 4g + t points at key 8·(2·nb2 +
     // g / 4) + (4g + t) % 8, features 16·ks + 8·((g / 2) % 2), so its tiles
@@ -585,27 +601,77 @@ fn mma_rows(acc: &str, frag: &str, tile: &str, stride: i64, width: i64, tiles: i
         bin("*", id("nb2"), ll(2)),
         bin("+", bin("*", id("nb2"), ll(2)), ll(1)),
     );
-    unrolled(
-        "nb2",
-        tiles / 2,
-        vec![
-            zeroed(first.clone()),
-            zeroed(second.clone()),
-            unrolled(
-                "ks",
-                width / 16,
-                vec![
-                    array("unsigned", "kb", 4),
-                    S::Expr(call(
-                        "dplc_ldsm_x4",
-                        vec![id("kb"), C::Ref(Box::new(row_addr))],
-                    )),
-                    mma(first, kb(0), kb(1)),
-                    mma(second, kb(2), kb(3)),
-                ],
-            ),
-        ],
-    )
+    let pair = vec![
+        array("unsigned", "kb", 4),
+        S::Expr(call(
+            "dplc_ldsm_x4",
+            vec![id("kb"), C::Ref(Box::new(row_addr))],
+        )),
+        mma(first.clone(), kb(0), kb(1)),
+        mma(second.clone(), kb(2), kb(3)),
+    ];
+    let zeroed = |nb: C| {
+        unrolled(
+            "x",
+            4,
+            vec![set(ix(acc, bin("+", bin("*", nb, ll(4)), id("x"))), zero())],
+        )
+    };
+    match a {
+        // Steps inside the key blocks: the fragments are at hand.
+        RowsA::Registers(_) => unrolled(
+            "nb2",
+            tiles / 2,
+            vec![
+                zeroed(first),
+                zeroed(second),
+                unrolled("ks", width / 16, pair),
+            ],
+        ),
+        // Key blocks inside the steps: each step's fragment loaded once.
+        // Lane l points at row (l % 8) + 8·((l / 8) % 2) of the warp's 16,
+        // features 16·ks + 8·(l / 16): its four tiles are rows 0–7 and
+        // 8–15 of features 0–7, then of 8–15 — registers a0..a3 of the
+        // `m16n8k16` A fragment.
+        RowsA::Shared(name, a_stride) => {
+            let a_row = bin(
+                "+",
+                bin("*", bin("/", thread(), ll(32)), ll(16)),
+                bin(
+                    "+",
+                    bin("%", id("lane"), ll(8)),
+                    bin("*", bin("%", bin("/", id("lane"), ll(8)), ll(2)), ll(8)),
+                ),
+            );
+            let a_addr = ix(
+                name,
+                bin(
+                    "+",
+                    bin("*", a_row, ll(a_stride)),
+                    bin(
+                        "+",
+                        bin("*", id("ks"), ll(16)),
+                        bin("*", bin("/", id("lane"), ll(16)), ll(8)),
+                    ),
+                ),
+            );
+            S::Block(vec![
+                unrolled("nb2", tiles / 2, vec![zeroed(first), zeroed(second)]),
+                unrolled(
+                    "ks",
+                    width / 16,
+                    vec![
+                        array("unsigned", "af", 4),
+                        S::Expr(call(
+                            "dplc_ldsm_x4",
+                            vec![id("af"), C::Ref(Box::new(a_addr))],
+                        )),
+                        unrolled("nb2", tiles / 2, pair),
+                    ],
+                ),
+            ])
+        }
+    }
 }
 
 /// `out[nb·4 ..] += P·T` for `nb` in `0..width / 8`: P the accumulator
@@ -810,8 +876,8 @@ pub(super) fn query_grad_mma(c: &Ctx) -> Pass {
     let mut tile = vec![
         array("float", "s", ns * 4),
         array("float", "dp", ns * 4),
-        mma_rows("s", "qf", "kt", kstride, hd, ns),
-        mma_rows("dp", "of", "vt", vstride, vd, ns),
+        mma_rows("s", RowsA::Registers("qf"), "kt", kstride, hd, ns),
+        mma_rows("dp", RowsA::Registers("of"), "vt", vstride, vd, ns),
     ];
     // dS in S's place: P from the log-sum-exp (0 where masked or past an
     // end), the dropout's factor on dP.
@@ -947,8 +1013,39 @@ pub(super) fn key_value_grad_mma(c: &Ctx) -> Pass {
     let mut body = decompose(k.kv_heads, k.k_len, "j0");
     body.push(decl("long long", "kh", id("hh")));
     body.extend(warp_rows("j0"));
-    body.extend(row_fragments(c, K, (id("kh"), k.k_len), "kf", hd));
-    body.extend(row_fragments(c, V, (id("kh"), k.k_len), "vf", vd));
+    // K's and V's A fragments: in registers, or the block's 64 rows of each
+    // staged in shared memory once per item and read at each step.
+    let (kstride, vstride) = (hd + 8, vd + 8);
+    let arrays = (hd + vd) / 4 + (hd + vd) / 2 + t;
+    let streamed = 2 * 2 * t * (qstride + ostride) + 8 * t;
+    let own_bytes = 2 * ROWS * (kstride + vstride);
+    let from_shared =
+        arrays > KEY_VALUE_REGISTER_ARRAYS && streamed + own_bytes <= MOST_SHARED_BYTES;
+    let mut own = vec![];
+    if from_shared {
+        // After every thread is done with the last item's rows; waited for
+        // here, so no copy is in flight when the next item rewrites them.
+        body.push(sync());
+        for (name, role, width, stride) in [("kown", K, hd, kstride), ("vown", V, vd, vstride)] {
+            body.push(c.stage16(Tile16 {
+                name,
+                role,
+                head: id("kh"),
+                first: id("j0"),
+                len: k.k_len,
+                rows: ROWS,
+                width,
+                stride,
+            }));
+            own.push(shared("dplc_t", 2, name, ROWS * stride));
+        }
+        body.push(S::Expr(call("dplc_cp_async_commit", vec![])));
+        body.push(S::Expr(call("dplc_cp_async_wait", vec![])));
+        body.push(sync());
+    } else {
+        body.extend(row_fragments(c, K, (id("kh"), k.k_len), "kf", hd));
+        body.extend(row_fragments(c, V, (id("kh"), k.k_len), "vf", vd));
+    }
     body.push(array("float", "dk", hd / 8 * 4));
     body.push(array("float", "dv", vd / 8 * 4));
     body.push(unrolled(
@@ -1013,9 +1110,35 @@ pub(super) fn key_value_grad_mma(c: &Ctx) -> Pass {
         sync(),
         array("float", "s", ns * 4),
         array("float", "dp", ns * 4),
-        mma_rows("s", "kf", "qt", qstride, hd, ns),
-        mma_rows("dp", "vf", "ot", ostride, vd, ns),
     ];
+    if from_shared {
+        tile.push(mma_rows(
+            "s",
+            RowsA::Shared("kown", kstride),
+            "qt",
+            qstride,
+            hd,
+            ns,
+        ));
+        tile.push(mma_rows(
+            "dp",
+            RowsA::Shared("vown", vstride),
+            "ot",
+            ostride,
+            vd,
+            ns,
+        ));
+    } else {
+        tile.push(mma_rows("s", RowsA::Registers("kf"), "qt", qstride, hd, ns));
+        tile.push(mma_rows(
+            "dp",
+            RowsA::Registers("vf"),
+            "ot",
+            ostride,
+            vd,
+            ns,
+        ));
+    }
     // Pᵀ dropped in S's place, dSᵀ in dP's: key `row[x / 2]`, query
     // `i0 + 8·nb + 2·tq + x % 2`.
     let at_x = |name: &str| ix(name, bin("+", bin("*", id("nb"), ll(4)), id("x")));
@@ -1135,15 +1258,12 @@ pub(super) fn key_value_grad_mma(c: &Ctx) -> Pass {
         ],
     ));
     let items = tile_items(k.k_len, k.batch, k.kv_heads);
-    Pass::tiles(
-        items,
-        body,
-        128,
-        vec![
-            shared("dplc_t", 2, "qbuf", 2 * t * qstride),
-            shared("dplc_t", 2, "obuf", 2 * t * ostride),
-            shared("float", 4, "lt", t),
-            shared("float", 4, "dt", t),
-        ],
-    )
+    let mut arrays = vec![
+        shared("dplc_t", 2, "qbuf", 2 * t * qstride),
+        shared("dplc_t", 2, "obuf", 2 * t * ostride),
+        shared("float", 4, "lt", t),
+        shared("float", 4, "dt", t),
+    ];
+    arrays.extend(own);
+    Pass::tiles(items, body, 128, arrays)
 }

@@ -7,15 +7,15 @@ use super::*;
 /// A tile of an operand staged as raw 16-bit storage for the tensor-core
 /// passes: `rows` rows from `first` (of `len`) of head `head`, `width`
 /// features each, into shared `name` with rows `stride` apart.
-struct Tile16 {
-    name: &'static str,
-    role: AttentionBuffer,
-    head: C,
-    first: C,
-    len: Size,
-    rows: i64,
-    width: i64,
-    stride: i64,
+pub(super) struct Tile16 {
+    pub(super) name: &'static str,
+    pub(super) role: AttentionBuffer,
+    pub(super) head: C,
+    pub(super) first: C,
+    pub(super) len: Size,
+    pub(super) rows: i64,
+    pub(super) width: i64,
+    pub(super) stride: i64,
 }
 
 impl Ctx<'_> {
@@ -24,7 +24,7 @@ impl Ctx<'_> {
     /// source row is 16-byte aligned (checked as it runs: a view of a fused
     /// buffer starts where it starts), else one at a time through
     /// registers. The caller waits for the copies ([`Ctx::pipelined`]).
-    fn stage16(&self, tile: Tile16) -> S {
+    pub(super) fn stage16(&self, tile: Tile16) -> S {
         let Tile16 {
             name,
             role,
