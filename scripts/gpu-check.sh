@@ -15,8 +15,10 @@
 #      shapes (bench/torch_attention.py) and the ratio (target >= 0.8x);
 #   4. trains gpt_tiny, gpt2 (with its dropout and without: what the draws
 #      cost a step) and a Llama-shaped model (bench/llama_gpu.dpl) on GPU 0
-#      with `dplc run --cluster 1xH100 --json`, and gpt2 split tp=2 and pp=2
-#      over two ranks sharing GPU 0 (`--cluster 2xH100 --gpus 1`) beside
+#      with `dplc run --cluster 1xPART --json` (PART the catalog's name for
+#      this GPU: H200, H100, …, so that the predictions are this device's),
+#      and gpt2 split tp=2 and pp=2
+#      over two ranks sharing GPU 0 (`--cluster 2xPART --gpus 1`) beside
 #      the same step unsplit: losses, tokens/s, the measured step against
 #      the plan's predicted step, the allocator's measured peak
 #      against the plan's predicted peak memory;
@@ -101,6 +103,15 @@ export DPLC_PTX_CACHE="$PWD/$LOG_DIR/ptx"
 # shellcheck source=scripts/cuda-env.sh
 source scripts/cuda-env.sh
 DEVICE="$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1 || echo unknown)"
+# The catalog part the runs' plans are priced for: the GPU this is, so the
+# predicted step and memory describe this device (H100 where unknown).
+case "$DEVICE" in
+    *GH200*) PART=GH200 ;;
+    *H200*) PART=H200 ;;
+    *B200*) PART=B200 ;;
+    *A100*) PART=A100 ;;
+    *) PART=H100 ;;
+esac
 DATE="$(date -u +%Y-%m-%dT%H:%MZ)"
 if [[ -n "${DPLC_GPU_PREBUILT:-}" && -f .gpu-bin/COMMIT ]]; then
     COMMIT="$(cat .gpu-bin/COMMIT)"
@@ -148,14 +159,14 @@ RUNS=(
     "gpt2_nodrop|$LOG_DIR/gpt2_nodrop.dpl --model gpt2 --global-batch 32 --steps 4"
     "llama|bench/llama_gpu.dpl --model llama_gpu --steps 3"
     "gpt2_serial|models/gpt2.dpl --model gpt2 --global-batch 8 --steps 3"
-    "gpt2_tp2|models/gpt2.dpl --model gpt2 --global-batch 8 --steps 3 --cluster 2xH100 --gpus 1 --strategy tp=2"
-    "gpt2_pp2|models/gpt2.dpl --model gpt2 --global-batch 8 --steps 3 --cluster 2xH100 --gpus 1 --strategy pp=2"
+    "gpt2_tp2|models/gpt2.dpl --model gpt2 --global-batch 8 --steps 3 --cluster 2x$PART --gpus 1 --strategy tp=2"
+    "gpt2_pp2|models/gpt2.dpl --model gpt2 --global-batch 8 --steps 3 --cluster 2x$PART --gpus 1 --strategy pp=2"
 )
 wanted train || RUNS=()
 for r in "${RUNS[@]}"; do
     name="${r%%|*}"
     spec="${r#*|}"
-    [[ "$spec" == *--cluster* ]] || spec+=" --cluster 1xH100"
+    [[ "$spec" == *--cluster* ]] || spec+=" --cluster 1x$PART"
     echo "$spec" > "$LOG_DIR/$name.cmd"
     # shellcheck disable=SC2086
     part "train $name" 120 bash -c "'$DPLC' run $spec --json > '$LOG_DIR/$name.jsonl' 2> '$LOG_DIR/$name.err'"
@@ -196,10 +207,10 @@ echo "$TRAIN_LINES" >&2
 
 # --- 4b. where a gpt2 step's time goes: every call waited for and timed
 if wanted profile; then
-    part "profile gpt2" 180 bash -c "DPLC_PROFILE=1 '$DPLC' run models/gpt2.dpl --model gpt2 --global-batch 32 --steps 3 --cluster 1xH100 --json --trace '$LOG_DIR/gpt2-trace.json' > '$LOG_DIR/profile.jsonl' 2> '$LOG_DIR/profile.err'"
+    part "profile gpt2" 180 bash -c "DPLC_PROFILE=1 '$DPLC' run models/gpt2.dpl --model gpt2 --global-batch 32 --steps 3 --cluster 1x$PART --json --trace '$LOG_DIR/gpt2-trace.json' > '$LOG_DIR/profile.jsonl' 2> '$LOG_DIR/profile.err'"
     # Two ranks sharing the GPU: one table per rank and backend (where
     # host-staged collectives spend a tp=2 step).
-    part "profile gpt2 tp2" 120 bash -c "DPLC_PROFILE=1 '$DPLC' run models/gpt2.dpl --model gpt2 --global-batch 8 --steps 2 --cluster 2xH100 --gpus 1 --strategy tp=2 --json > '$LOG_DIR/profile-tp2.jsonl' 2> '$LOG_DIR/profile-tp2.err'"
+    part "profile gpt2 tp2" 120 bash -c "DPLC_PROFILE=1 '$DPLC' run models/gpt2.dpl --model gpt2 --global-batch 8 --steps 2 --cluster 2x$PART --gpus 1 --strategy tp=2 --json > '$LOG_DIR/profile-tp2.jsonl' 2> '$LOG_DIR/profile-tp2.err'"
 fi
 
 # --- 5. PyTorch
@@ -272,7 +283,7 @@ fi
         echo '```'
     fi
     if grep -q '^DPLC_PROFILE' "$LOG_DIR/profile-tp2.err" 2>/dev/null; then
-        echo "Two ranks sharing the GPU (\`DPLC_PROFILE=1 dplc run models/gpt2.dpl --global-batch 8 --steps 2 --cluster 2xH100 --gpus 1 --strategy tp=2\`; a table per rank and backend, the 16 costliest rows each):"
+        echo "Two ranks sharing the GPU (\`DPLC_PROFILE=1 dplc run models/gpt2.dpl --global-batch 8 --steps 2 --cluster 2x$PART --gpus 1 --strategy tp=2\`; a table per rank and backend, the 16 costliest rows each):"
         echo '```'
         grep -A 18 '^DPLC_PROFILE' "$LOG_DIR/profile-tp2.err" || true
         echo '```'
