@@ -385,12 +385,15 @@ impl<'a> Executor<'a> {
                                     len,
                                 },
                             },
-                            GradBinding::InputGrad(_) => Val {
+                            // Every element written: a plain gradient, or
+                            // each point's share for a column sum (one plain
+                            // store a point of the forward's iteration space).
+                            GradBinding::InputGrad(_) | GradBinding::Partial(_) => Val {
                                 buf: be.alloc(kb.elem, len)?,
                                 elem: kb.elem,
                                 len,
                             },
-                            GradBinding::InputGradAccumulate(_) | GradBinding::Partial(_) => Val {
+                            GradBinding::InputGradAccumulate(_) => Val {
                                 buf: be.zeros(kb.elem, len)?,
                                 elem: kb.elem,
                                 len,
