@@ -181,6 +181,36 @@ impl AttentionKernel {
         }
     }
 
+    /// The sizes of `role`'s view of Q, K or V — batch, heads (key heads
+    /// for K and V), rows, features — whose product is the elements the
+    /// view reaches; `None` for the others. A gradient whose view reaches as
+    /// many elements as its buffer holds is written whole by its pass (a
+    /// view of a fused QKV buffer reaches a third of it).
+    pub fn view_sizes(&self, role: AttentionBuffer) -> Option<[Size; 4]> {
+        use AttentionBuffer::*;
+        match role {
+            Q | QGrad => Some([
+                self.batch,
+                self.heads,
+                self.q_len,
+                Size::Const(self.head_dim),
+            ]),
+            K | KGrad => Some([
+                self.batch,
+                self.kv_heads,
+                self.k_len,
+                Size::Const(self.head_dim),
+            ]),
+            V | VGrad => Some([
+                self.batch,
+                self.kv_heads,
+                self.k_len,
+                Size::Const(self.value_dim),
+            ]),
+            _ => None,
+        }
+    }
+
     /// The buffers of `pass` as kernel arguments, in [`Self::roles`] order.
     pub fn buffers(&self, pass: AttentionPass) -> Vec<Buffer> {
         self.roles(pass)

@@ -100,13 +100,18 @@ fn check_attention(
             };
             if b.output {
                 host.push(Data::F32(vec![0.0; n]));
-                // Gradients are zeroed by the caller (a view of a fused
-                // buffer writes only its columns); the forward's outputs
-                // poisoned: it writes every element.
-                let zeroed = !matches!(
-                    role,
-                    AttentionBuffer::Out | AttentionBuffer::LogSumExp | AttentionBuffer::Delta
-                );
+                // As the executor gives them: a gradient whose view reaches
+                // part of its buffer zeroed (a view of a fused buffer writes
+                // only its columns; the bias's), one reaching every element
+                // poisoned, as the forward's outputs: each is written whole.
+                let whole = k.view_sizes(role).is_some_and(|v| {
+                    v.iter().map(|&s| case.args.size(s)).product::<i64>() == n as i64
+                });
+                let zeroed = !whole
+                    && !matches!(
+                        role,
+                        AttentionBuffer::Out | AttentionBuffer::LogSumExp | AttentionBuffer::Delta
+                    );
                 bytes.push(vec![
                     if zeroed { 0 } else { 0xff };
                     n * d.size_bytes() as usize + 16

@@ -1206,7 +1206,24 @@ fn attention_matches(dtype: DType, tol: f64, test: &str) {
                         };
                         if b.output {
                             host.push(Data::F32(vec![0.0; n]));
-                            bufs.push(dev.zeros(n * d.size_bytes() as usize).expect("alloc"));
+                            // As the executor gives them: what a pass writes
+                            // whole (the forward's outputs, δ, a gradient
+                            // whose view reaches its whole buffer) poisoned,
+                            // so an element left unwritten fails; the rest
+                            // zeroed.
+                            let whole = matches!(
+                                role,
+                                AttentionBuffer::Out
+                                    | AttentionBuffer::LogSumExp
+                                    | AttentionBuffer::Delta
+                            ) || k.view_sizes(role).is_some_and(|v| {
+                                v.iter().map(|&s| args.size(s)).product::<i64>() == n as i64
+                            });
+                            bufs.push(if whole {
+                                dev.upload_f32(&vec![f32::NAN; n], d).expect("upload")
+                            } else {
+                                dev.zeros(n * d.size_bytes() as usize).expect("alloc")
+                            });
                         } else {
                             let v = values[&role].clone();
                             bufs.push(dev.upload_f32(&v, d).expect("upload"));
