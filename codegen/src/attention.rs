@@ -10,6 +10,7 @@
 //! and `dV` (summed over the query heads sharing a key head), and one over
 //! the bias's elements for its gradient; each writes every element once.
 
+use crate::interp::Args;
 use crate::kernel::{Buffer, DrawKey, Elem, Idx, Size};
 use std::fmt::{self, Write as _};
 
@@ -181,12 +182,26 @@ impl AttentionKernel {
         }
     }
 
+    /// Whether the pass that writes output `role` (a buffer of
+    /// `buffer_len` elements at `args`) writes every element of it, so its
+    /// caller need not zero it: the forward's output and log-sum-exp and δ
+    /// always; a gradient of Q, K or V when its view reaches every element
+    /// of its buffer (a view of a fused QKV buffer reaches a third); the
+    /// bias's gradient never (it sums over the bias's broadcast).
+    pub fn written_whole(&self, role: AttentionBuffer, args: &Args, buffer_len: usize) -> bool {
+        use AttentionBuffer::*;
+        match role {
+            Out | LogSumExp | Delta => true,
+            _ => self.view_sizes(role).is_some_and(|v| {
+                v.iter().map(|&s| args.size(s)).product::<i64>() == buffer_len as i64
+            }),
+        }
+    }
+
     /// The sizes of `role`'s view of Q, K or V — batch, heads (key heads
     /// for K and V), rows, features — whose product is the elements the
-    /// view reaches; `None` for the others. A gradient whose view reaches as
-    /// many elements as its buffer holds is written whole by its pass (a
-    /// view of a fused QKV buffer reaches a third of it).
-    pub fn view_sizes(&self, role: AttentionBuffer) -> Option<[Size; 4]> {
+    /// view reaches; `None` for the others.
+    fn view_sizes(&self, role: AttentionBuffer) -> Option<[Size; 4]> {
         use AttentionBuffer::*;
         match role {
             Q | QGrad => Some([

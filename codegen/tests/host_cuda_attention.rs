@@ -104,14 +104,7 @@ fn check_attention(
                 // part of its buffer zeroed (a view of a fused buffer writes
                 // only its columns; the bias's), one reaching every element
                 // poisoned, as the forward's outputs: each is written whole.
-                let whole = k.view_sizes(role).is_some_and(|v| {
-                    v.iter().map(|&s| case.args.size(s)).product::<i64>() == n as i64
-                });
-                let zeroed = !whole
-                    && !matches!(
-                        role,
-                        AttentionBuffer::Out | AttentionBuffer::LogSumExp | AttentionBuffer::Delta
-                    );
+                let zeroed = !k.written_whole(role, &case.args, n);
                 bytes.push(vec![
                     if zeroed { 0 } else { 0xff };
                     n * d.size_bytes() as usize + 16

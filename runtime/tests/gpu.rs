@@ -1211,15 +1211,7 @@ fn attention_matches(dtype: DType, tol: f64, test: &str) {
                             // whose view reaches its whole buffer) poisoned,
                             // so an element left unwritten fails; the rest
                             // zeroed.
-                            let whole = matches!(
-                                role,
-                                AttentionBuffer::Out
-                                    | AttentionBuffer::LogSumExp
-                                    | AttentionBuffer::Delta
-                            ) || k.view_sizes(role).is_some_and(|v| {
-                                v.iter().map(|&s| args.size(s)).product::<i64>() == n as i64
-                            });
-                            bufs.push(if whole {
+                            bufs.push(if k.written_whole(role, &args, n) {
                                 dev.upload_f32(&vec![f32::NAN; n], d).expect("upload")
                             } else {
                                 dev.zeros(n * d.size_bytes() as usize).expect("alloc")

@@ -65,15 +65,9 @@ impl<'a> Executor<'a> {
                     | AttentionBuffer::KGrad
                     | AttentionBuffer::VGrad
                     | AttentionBuffer::BiasGrad => {
-                        // Zeros where the pass writes part of the buffer (a
-                        // view of a fused QKV buffer; a bias's gradient sums
-                        // into it); a view reaching every element is written
-                        // whole.
-                        let whole = k.view_sizes(role).is_some_and(|v| {
-                            v.iter().map(|&s| args.size(s)).product::<i64>() == len as i64
-                        });
+                        // Zeros unless the pass writes the whole buffer.
                         let v: Val<B> = Val {
-                            buf: if whole {
+                            buf: if k.written_whole(role, &args, len) {
                                 be.alloc(spec.elem, len)?
                             } else {
                                 be.zeros(spec.elem, len)?
