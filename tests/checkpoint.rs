@@ -20,7 +20,7 @@ use std::path::Path;
 use std::process::Output;
 
 mod common;
-use common::{dplc, with_layout, Opt, Scratch, LOSS_TOL, TINY};
+use common::{dplc, with_layout, Opt, Scratch, LOSS_TOL, SMALL, TINY};
 
 const SEED: u64 = 11;
 const SGD_TOL: f64 = 1e-6;
@@ -475,21 +475,9 @@ fn json_losses(out: &Output) -> Vec<(u64, f64)> {
 fn dplc_run_saves_and_resumes() {
     let dir = Scratch::new("ckpt", "cli");
     let ck = dir.0.display().to_string();
-    let small = [
-        "run",
-        "models/tiny.dpl",
-        "--model",
-        "gpt_tiny",
-        "--seq",
-        "16",
-        "--global-batch",
-        "4",
-        "--seed",
-        "3",
-        "--json",
-    ];
     let with = |extra: &[&str]| {
-        let mut a: Vec<&str> = small.to_vec();
+        let mut a = vec!["run", "models/tiny.dpl", "--json"];
+        a.extend(SMALL);
         a.extend(extra);
         dplc(&a)
     };

@@ -772,6 +772,16 @@ impl GradReduce {
         }
     }
 
+    /// The half-width main gradients a model training in `precision` may
+    /// keep (its own precision); none for an fp32 model.
+    pub fn half_for(precision: crate::Precision) -> Option<GradReduce> {
+        match precision {
+            crate::Precision::Bf16 => Some(GradReduce::Bf16),
+            crate::Precision::Fp16 => Some(GradReduce::Fp16),
+            crate::Precision::Fp32 => None,
+        }
+    }
+
     /// Bytes of a main gradient element: what it keeps and sends.
     pub fn bytes(self) -> u64 {
         match self {

@@ -395,12 +395,7 @@ fn dp_what_ifs(
         );
     }
     // The main gradients in the other precision, every other choice kept.
-    let half = match profile.precision {
-        dplc_ir::Precision::Bf16 => Some(dplc_ir::GradReduce::Bf16),
-        dplc_ir::Precision::Fp16 => Some(dplc_ir::GradReduce::Fp16),
-        dplc_ir::Precision::Fp32 => None,
-    };
-    if let Some(half) = half {
+    if let Some(half) = dplc_ir::GradReduce::half_for(profile.precision) {
         let other = match c.grad_reduce {
             dplc_ir::GradReduce::Fp32 => half,
             _ => dplc_ir::GradReduce::Fp32,
@@ -579,11 +574,8 @@ fn compile_one(req: &PlanRequest, cache: &layouts::LayoutCache) -> Result<Compil
     }
     if let Some(g) = req.pinned.grad_reduce {
         let training = req.train.precision;
-        let matches = match g {
-            dplc_ir::GradReduce::Fp32 => true,
-            dplc_ir::GradReduce::Bf16 => training == dplc_ir::Precision::Bf16,
-            dplc_ir::GradReduce::Fp16 => training == dplc_ir::Precision::Fp16,
-        };
+        let matches =
+            g == dplc_ir::GradReduce::Fp32 || Some(g) == dplc_ir::GradReduce::half_for(training);
         if !matches {
             let instead = match training {
                 dplc_ir::Precision::Fp32 => "an fp32 model's gradients are fp32 (`compress=bf16` \

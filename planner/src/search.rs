@@ -394,12 +394,7 @@ fn grad_reduces(
     precision: dplc_ir::Precision,
     replicas: u64,
 ) -> Vec<GradReduce> {
-    let half = match precision {
-        dplc_ir::Precision::Bf16 => Some(GradReduce::Bf16),
-        dplc_ir::Precision::Fp16 => Some(GradReduce::Fp16),
-        dplc_ir::Precision::Fp32 => None,
-    };
-    match (pins.grad_reduce, half) {
+    match (pins.grad_reduce, GradReduce::half_for(precision)) {
         (Some(g), _) => vec![g],
         (None, Some(h)) if pins.allow.grad_reduce && replicas > 1 => vec![GradReduce::Fp32, h],
         _ => vec![GradReduce::Fp32],
