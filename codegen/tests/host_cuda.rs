@@ -333,6 +333,16 @@ fn the_generated_cuda_runs_on_the_cpu_as_the_interpreter_computes() {
                 .contains("dplc_head")),
         "a loss row walked from its unaligned head"
     );
+    // Its backward walks the logits twice and keeps them in shared memory
+    // between the walks, each row's copy aligned its own way (so a block's
+    // next row waits for the last: without the barrier this case fails).
+    assert!(
+        cases[before..].iter().any(|c| {
+            let src = emit_cuda(&c.kernel, DType::BF16);
+            src.shared_bytes > 0 && src.source.contains("dplc_kept")
+        }),
+        "a loss row kept in shared memory"
+    );
     // The loss rows again (the vocabulary of 4,099 walked by a block, 256
     // by a warp) with most logits masked: the one-walk maximum and sum
     // skip −∞, a thread or lane that saw only −∞ adds nothing, and the

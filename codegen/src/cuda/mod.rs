@@ -64,6 +64,7 @@ mod prelude;
 mod rows;
 mod syntax;
 
+pub(crate) use prelude::SHARED;
 use prelude::{COLUMNS, GRADS, REDUCE, SCAN};
 pub(crate) use syntax::{at, bin, call, decl, grid_thread, id, var, Writer, C, S};
 
@@ -180,6 +181,27 @@ struct Emit<'k> {
     /// its sample's key state and position from the row's preamble
     /// ([`Emit::row_draws`]) instead of the per-element `dplc_random`.
     rows: bool,
+    /// The loads of this walk along the row that a block keeps in shared
+    /// memory between its walks (`rows::row_cache`).
+    cached: &'k [Cached],
+}
+
+/// A load along the row that the block keeps in shared memory: element `j`
+/// of the row at `dplc_kept{value}[dplc_pad + j]`. The walk that `fill`s it
+/// reads memory and writes shared memory; the later walks read shared
+/// memory. Within a row a thread reads back only the elements it wrote
+/// (every walk gives a thread the same positions), so only a new row waits
+/// for the block (`rows::row_kernel`).
+#[derive(Clone, Copy, Debug)]
+struct Cached {
+    value: usize,
+    fill: bool,
+}
+
+impl Cached {
+    fn name(&self) -> String {
+        format!("dplc_kept{}", self.value)
+    }
 }
 
 impl Emit<'_> {
@@ -390,6 +412,11 @@ impl Emit<'_> {
         }
     }
 
+    /// How this walk reads value `i` from the row's copy in shared memory, if it does.
+    fn cached(&self, i: usize) -> Option<Cached> {
+        self.cached.iter().find(|c| c.value == i).copied()
+    }
+
     /// Base of a load or store that is contiguous in the lane variable and aligned.
     fn vector_base(&self, buf: usize, ix: &Idx, lanes: &Lanes) -> Option<Idx> {
         if self.k.buffers[buf].elem == Elem::I32 {
@@ -436,10 +463,23 @@ impl Emit<'_> {
                             elem_type(elem),
                             l.count
                         )));
+                        let first = first.clone().expect("lanes");
+                        let global = format!("b{buf} + {}", bin("+", index(&base), first.clone()).render());
+                        let cache = self.cached(i).map(|c| {
+                            (c, format!("{} + {}", c.name(), bin("+", id("dplc_pad"), first).render()))
+                        });
+                        let from = match &cache {
+                            Some((c, shared)) if !c.fill => shared.clone(),
+                            _ => global,
+                        };
                         pre.push(S::Line(format!(
-                            "*reinterpret_cast<{vt}*>(l{i}) = *reinterpret_cast<const {vt}*>(b{buf} + {});",
-                            bin("+", index(&base), first.clone().expect("lanes")).render()
+                            "*reinterpret_cast<{vt}*>(l{i}) = *reinterpret_cast<const {vt}*>({from});"
                         )));
+                        if let Some((Cached { fill: true, .. }, shared)) = &cache {
+                            pre.push(S::Line(format!(
+                                "*reinterpret_cast<{vt}*>({shared}) = *reinterpret_cast<const {vt}*>(l{i});"
+                            )));
+                        }
                         vector_loads.insert(i);
                     }
                 }
@@ -489,17 +529,30 @@ impl Emit<'_> {
             if vector_draws.contains(&i) {
                 return Some(at(id(format!("dplc_u{i}")), id("lane")));
             }
-            vector_loads.contains(&i).then(|| {
-                let raw = at(id(format!("l{i}")), id("lane"));
-                match self.k.values[i] {
-                    Expr::Load { buf, .. } if self.k.buffers[buf].elem == Elem::Float => {
-                        call("dplc_ld", vec![raw])
-                    }
-                    _ => raw,
+            let raw = if vector_loads.contains(&i) {
+                at(id(format!("l{i}")), id("lane"))
+            } else {
+                at(id(self.cached(i)?.name()), bin("+", id("dplc_pad"), id("j")))
+            };
+            Some(match self.k.values[i] {
+                Expr::Load { buf, .. } if self.k.buffers[buf].elem == Elem::Float => {
+                    call("dplc_ld", vec![raw])
                 }
+                _ => raw,
             })
         };
         for &i in values {
+            // An element the vector did not bring: to shared memory first.
+            if let (Some(c), false, Expr::Load { buf, index: ix }) =
+                (self.cached(i), vector_loads.contains(&i), &self.k.values[i])
+            {
+                if c.fill {
+                    body.push(S::Assign(
+                        at(id(c.name()), bin("+", id("dplc_pad"), id("j"))),
+                        at(id(format!("b{buf}")), index(ix)),
+                    ));
+                }
+            }
             body.push(decl("float", format!("v{i}"), self.value(i, &loaded)));
         }
         let computed = body.len();
@@ -532,12 +585,39 @@ impl Emit<'_> {
                 Elem::F32 => v,
                 Elem::I32 => C::Cast("int", Box::new(v)),
             };
-            // Accumulating stores are atomic adds, one element at a time.
-            let vector = lanes
-                .filter(|_| !st.accumulate)
-                .and_then(|l| self.vector_base(st.buf, &st.index, l).map(|b| (l, b)));
+            let vector = lanes.and_then(|l| self.vector_base(st.buf, &st.index, l).map(|b| (l, b)));
             match vector {
-                None if st.accumulate => {
+                // Accumulating stores are atomic adds: four `f32` at a time
+                // where the GPU has the vector form (sm_90), else one at a time.
+                Some((l, base)) if st.accumulate && elem == Elem::F32 && l.count % 4 == 0 => {
+                    pre.push(S::Line(format!("float o{n}[{}];", l.count)));
+                    body.push(S::Assign(at(id(format!("o{n}")), id("lane")), vname(st.value)));
+                    let at_lane = |lane: String| {
+                        format!(
+                            "b{} + {} + {lane}",
+                            st.buf,
+                            bin("+", index(&base), first.clone().expect("lanes")).render()
+                        )
+                    };
+                    post.push(S::Line("#if __CUDA_ARCH__ >= 900".into()));
+                    for q in (0..l.count).step_by(4) {
+                        post.push(S::Line(format!(
+                            "atomicAdd(reinterpret_cast<float4*>({}), make_float4(o{n}[{q}], o{n}[{}], o{n}[{}], o{n}[{}]));",
+                            at_lane(format!("{q}")),
+                            q + 1,
+                            q + 2,
+                            q + 3
+                        )));
+                    }
+                    post.push(S::Line("#else".into()));
+                    post.push(S::Line(format!(
+                        "for (int q = 0; q < {}; q++) atomicAdd({}, o{n}[q]);",
+                        l.count,
+                        at_lane("q".into())
+                    )));
+                    post.push(S::Line("#endif".into()));
+                }
+                None | Some(_) if st.accumulate => {
                     let target = C::Ref(Box::new(at(id(format!("b{}", st.buf)), index(&st.index))));
                     let add = call("atomicAdd", vec![target, vname(st.value)]);
                     body.push(S::Line(format!("{};", add.render())));
@@ -789,6 +869,7 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
         k: kernel,
         dtype,
         rows: kernel.space.inner.is_some(),
+        cached: &[],
     };
     let along = kernel.along_row();
     let mut params = Vec::new();
@@ -814,6 +895,7 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
         }
     }
     let launch;
+    let mut shared_bytes = 0;
     match kernel.space.inner {
         None => {
             let outer = &kernel.space.outer;
@@ -859,9 +941,10 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
             });
         }
         Some(inner_size) => {
-            let (rows, shape) = rows::row_kernel(&e, &along, scan, inner_size);
+            let (rows, shape, shared) = rows::row_kernel(&e, &along, scan, inner_size);
             body.extend(rows);
             launch = shape;
+            shared_bytes = shared;
         }
     }
     let mut w = Writer::with_prelude(dtype);
@@ -873,6 +956,9 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
     }
     if scan.is_some() {
         w.out.push_str(SCAN);
+    }
+    if shared_bytes > 0 {
+        w.out.push_str(SHARED);
     }
     if kernel
         .values
@@ -907,6 +993,6 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
         name,
         source: w.out,
         launch,
-        shared_bytes: 0,
+        shared_bytes,
     }
 }
