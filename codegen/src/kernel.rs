@@ -642,36 +642,55 @@ pub fn batch_draw(state: u64, first_sample: i64, per_sample: i64, b: i64, index:
     }
 }
 
-/// SplitMix64's increment (the golden ratio's fraction): consecutive pairs
-/// of a sample are its outputs.
-const PAIR_STEP: u64 = 0x9E37_79B9_7F4A_7C15;
+/// A 32-bit integer hash (Wellons' "lowbias32": two multiplies, three
+/// xor-shifts): the draw's mixing function, a quarter of the integer work
+/// of a 64-bit SplitMix64 mix.
+fn hash32(mut x: u32) -> u32 {
+    x ^= x >> 16;
+    x = x.wrapping_mul(0x7FEB_352D);
+    x ^= x >> 15;
+    x = x.wrapping_mul(0x846C_A68B);
+    x ^ (x >> 16)
+}
+
+/// The 32 bits pair `pair` of a sample draws from, under the sample's key
+/// state: the pair's number, its low word xor the state's high word, times
+/// the golden ratio's 32-bit fraction (a bijection of the pair's low word)
+/// plus the state's low word, the pair's high word folded in, then
+/// [`hash32`]. The state's high word goes in before the multiply so two
+/// samples' sequences are not shifted copies of each other.
+fn pair_bits(sample_state: u64, pair: u64) -> u32 {
+    let (lo, hi) = (sample_state as u32, (sample_state >> 32) as u32);
+    let x = ((pair as u32) ^ hi).wrapping_mul(0x9E37_79B9).wrapping_add(lo)
+        ^ ((pair >> 32) as u32).wrapping_mul(0x85EB_CA6B);
+    hash32(x)
+}
 
 /// The draw at position `pos` of a sample whose key state (after
 /// [`draw_state`]'s words and the sample) is `sample_state`: a uniform in
-/// `[0, 1)` with 24 bits, exactly representable in f32. Positions `2g` and
-/// `2g + 1` share one 64-bit mix — SplitMix64's `g`-th output from the
-/// sample's state, whose top and low 24-bit fields (bits 40–63, 8–31) are
-/// the two draws — so a GPU thread that holds neighbouring elements (a
-/// tensor-core fragment holds scores in column pairs; a vector lane holds
-/// eight) mixes once for two: on the H200 the draw was most of fused
-/// attention's time under dropout. The CPU reference's mask
+/// `[0, 1)` with 16 bits, exactly representable in f32. Positions `2g` and
+/// `2g + 1` share one 32-bit hash ([`pair_bits`]), its high and low halves,
+/// so a GPU thread that holds neighbouring elements (a tensor-core fragment
+/// holds scores in column pairs; a vector lane holds eight) hashes once for
+/// two. On the H200 the draw was most of fused attention's time under
+/// dropout (GPT-2's shape: 0.497 ms forward and backward without, 0.853
+/// with): the integer pipe, not the tensor cores, bound it, so the draw is
+/// a 32-bit hash of a pair where it had been a 64-bit mix, and a 16-bit
+/// field that converts to f32 by its bits where a 24-bit one took a 64-bit
+/// integer conversion. The CPU reference's mask
 /// (`runtime::kernels::DropoutKey::mask`) calls this very function.
 pub fn sample_draw(sample_state: u64, pos: u64) -> f32 {
-    let bits = key_mix(sample_state.wrapping_add((pos >> 1).wrapping_mul(PAIR_STEP)));
-    let field = if pos & 1 == 0 {
-        bits >> 40
-    } else {
-        (bits >> 8) & 0xFF_FFFF
-    };
-    field as f32 * (1.0 / 16_777_216.0)
+    let bits = pair_bits(sample_state, pos >> 1);
+    let field = if pos & 1 == 0 { bits >> 16 } else { bits & 0xFFFF };
+    field as f32 * (1.0 / 65_536.0)
 }
 
 /// The `f32` threshold a draw is compared with to drop with probability `p`:
-/// the reference keeps an element when `f64::from(u) >= p`, and a draw is
-/// `k / 2^24`, so `u < ceil(p·2^24) / 2^24` (exact in f32) drops the same
-/// elements as `u < p` in f64 would.
+/// a draw is `k / 2^16`, so `u < ceil(p·2^16) / 2^16` (exact in f32) drops
+/// with probability `p` rounded up to the next multiple of 2^-16 (0.1
+/// drops 6,554 of 65,536: 0.100006).
 pub fn drop_threshold(p: f64) -> f64 {
-    (p * 16_777_216.0).ceil() / 16_777_216.0
+    (p * 65_536.0).ceil() / 65_536.0
 }
 
 /// Whether `e` varies along the row (depends on `j`), given whether each
@@ -705,7 +724,7 @@ pub(crate) fn varies_along(e: &Expr, along: &[bool]) -> bool {
 mod tests {
     use super::*;
 
-    /// The pair-sharing draw is still a uniform one: mean and variance of
+    /// The pair-sharing draw is a uniform one: mean and variance of
     /// U[0, 1), a drop rate of `p`, and no correlation between the two
     /// draws of a pair, between neighbouring pairs, or between samples.
     #[test]

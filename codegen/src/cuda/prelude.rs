@@ -45,43 +45,52 @@ __device__ __forceinline__ unsigned long long dplc_sample_state(unsigned long lo
                                                                 unsigned long long sample) {
     return dplc_absorb(dplc_absorb(dplc_absorb(seed, node), (unsigned long long)layer), sample);
 }
-// Positions 2g and 2g + 1 of a sample share SplitMix64's g-th output from
-// the sample's key state `state` (codegen's `sample_draw`)...
-__device__ __forceinline__ unsigned long long dplc_pair_bits(unsigned long long state, unsigned long long pair) {
-    return dplc_mix(state + pair * 0x9e3779b97f4a7c15ULL);
+// A 32-bit integer hash (lowbias32; codegen's `hash32`).
+__device__ __forceinline__ unsigned dplc_hash32(unsigned x) {
+    x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; return x ^ (x >> 16);
 }
-// ...the even one its bits 40-63, the odd one its bits 8-31, as a uniform
-// in [0, 1) exact in f32.
-__device__ __forceinline__ float dplc_pair_draw(unsigned long long bits, unsigned long long pos) {
-    const unsigned long long field = (pos & 1ULL) ? ((bits >> 8) & 0xffffffULL) : (bits >> 40);
-    return (float)field * (1.0f / 16777216.0f);
+// Positions 2g and 2g + 1 of a sample share one hash of g under the
+// sample's key state `state` (codegen's `pair_bits`)...
+__device__ __forceinline__ unsigned dplc_pair_bits(unsigned long long state, unsigned long long pair) {
+    const unsigned lo = (unsigned)state, hi = (unsigned)(state >> 32);
+    return dplc_hash32(((((unsigned)pair) ^ hi) * 0x9e3779b9u + lo) ^ ((unsigned)(pair >> 32) * 0x85ebca6bu));
+}
+// ...the even one its high half, the odd one its low half, as a uniform in
+// [0, 1) exact in f32: 1 + k / 2^16 by its bits, less one (exact), where an
+// integer conversion costs a slower instruction.
+__device__ __forceinline__ float dplc_field(unsigned k) {
+    return __uint_as_float(0x3f800000u | (k << 7)) - 1.0f;
+}
+__device__ __forceinline__ float dplc_pair_draw(unsigned bits, unsigned long long pos) {
+    return dplc_field((pos & 1ULL) ? (bits & 0xffffu) : (bits >> 16));
 }
 // The draw at `pos` of the sample whose key state is `state`. Branch-free,
 // so a thread's draws overlap.
 __device__ __forceinline__ float dplc_sample_draw(unsigned long long state, unsigned long long pos) {
     return dplc_pair_draw(dplc_pair_bits(state, pos >> 1), pos);
 }
-// The draws at `pos` and `pos + 1` into `u0` and `u1`: one mix when they
+// The draws at `pos` and `pos + 1` into `u0` and `u1`: one hash when they
 // are one pair's (pos even), two otherwise.
 __device__ __forceinline__ void dplc_sample_draw2(unsigned long long state, unsigned long long pos,
                                                   float& u0, float& u1) {
-    const unsigned long long bits = dplc_pair_bits(state, pos >> 1);
+    const unsigned bits = dplc_pair_bits(state, pos >> 1);
     // The fields spelled out where the parity is known (dplc_pair_draw's
     // select left the dK/dV pass 15 registers more and a spill).
     if ((pos & 1ULL) == 0ULL) {
-        u0 = (float)(bits >> 40) * (1.0f / 16777216.0f);
-        u1 = (float)((bits >> 8) & 0xffffffULL) * (1.0f / 16777216.0f);
+        u0 = dplc_field(bits >> 16);
+        u1 = dplc_field(bits & 0xffffu);
     } else {
-        u0 = (float)((bits >> 8) & 0xffffffULL) * (1.0f / 16777216.0f);
+        u0 = dplc_field(bits & 0xffffu);
         u1 = dplc_sample_draw(state, pos + 1ULL);
     }
 }
 // A call site's memo: the key folded up to its last sample (hashed once per
-// sample, not per element) and the last pair's 64 bits (positions 2g and
-// 2g + 1 share one mix, so a thread drawing neighbours mixes once for two).
+// sample, not per element) and the last pair's 32 bits (positions 2g and
+// 2g + 1 share one hash, so a thread drawing neighbours hashes once for two).
 // Declared `dplc_draws m = {};` (nothing held).
 struct dplc_draws {
-    unsigned long long sample, state, pair, bits;
+    unsigned long long sample, state, pair;
+    unsigned bits;
     bool has_sample, has_pair;
 };
 // `seed` is the key after the run's seed and the step; element `index` is
