@@ -343,6 +343,25 @@ fn the_generated_cuda_runs_on_the_cpu_as_the_interpreter_computes() {
         }),
         "a loss row kept in shared memory"
     );
+    // llama_tiny at width 4,096: its norms' rows are a block's (past a
+    // warp's 256 vectors), walked twice (the sum of squares, then the
+    // stores), and kept in shared memory between the walks.
+    let wide = text.replacen(
+        "model llama_tiny(vocab = 256, ctx = 64, d = 64,",
+        "model llama_tiny(vocab = 256, ctx = 64, d = 4096,",
+        1,
+    );
+    assert_ne!(wide, text, "llama_tiny's header changed");
+    let unit = dplc_frontend::parse("models/tiny.dpl", &wide).unwrap();
+    let before = cases.len();
+    graph_cases(&unit.lower("llama_tiny").unwrap().graph, &mut cases);
+    assert!(
+        cases[before..].iter().any(|c| {
+            !c.kernel.op.starts_with("log_softmax")
+                && emit_cuda(&c.kernel, DType::BF16).source.contains("dplc_kept")
+        }),
+        "a norm's row kept in shared memory"
+    );
     // The loss rows again (the vocabulary of 4,099 walked by a block, 256
     // by a warp) with most logits masked: the one-walk maximum and sum
     // skip −∞, a thread or lane that saw only −∞ adds nothing, and the
