@@ -112,6 +112,13 @@ fn array(ty: &'static str, name: &str, len: i64) -> S {
     }
 }
 
+/// How a pass declares its block's dynamic shared memory ([`carve`]); a
+/// host emulation defines the macro first, as a static array of the bytes.
+const SHARED_PRELUDE: &str = r#"#ifndef DPLC_DYNAMIC_SHARED
+#define DPLC_DYNAMIC_SHARED(name, bytes) extern __shared__ __align__(16) unsigned char name[]
+#endif
+"#;
+
 /// A pass as it launches: its body, its block's threads, the shared arrays
 /// it carves from the block's dynamic shared memory, and, for a pass that
 /// asks the assembler for registers few enough that more blocks share a
@@ -766,7 +773,7 @@ pub fn emit_attention(kernel: &AttentionKernel, pass: AttentionPass, dtype: DTyp
         AttentionPass::BiasGrad => bias_grad(&c),
     };
     let mut w = Writer::with_prelude(dtype);
-    w.out.push_str(crate::cuda::SHARED);
+    w.out.push_str(SHARED_PRELUDE);
     if mma {
         w.out.push_str(&mma_prelude(dtype));
     }

@@ -303,10 +303,3 @@ __device__ __forceinline__ unsigned short dplc_st(float f) {
 #endif
 "#;
 
-/// How a kernel declares its block's dynamic shared memory (the attention
-/// passes' `carve`, a row kernel's row cache); a host emulation defines the
-/// macro first, as a static array of the bytes.
-pub(crate) const SHARED: &str = r#"#ifndef DPLC_DYNAMIC_SHARED
-#define DPLC_DYNAMIC_SHARED(name, bytes) extern __shared__ __align__(16) unsigned char name[]
-#endif
-"#;

@@ -7,13 +7,13 @@ use crate::kernel::ValueId;
 use std::collections::BTreeMap;
 
 /// The statements of a row kernel whose rows have `inner_size` elements,
-/// how it launches, and the dynamic shared memory a block takes.
+/// and how it launches.
 pub(super) fn row_kernel(
     e: &Emit,
     along: &[bool],
     scan: Option<bool>,
     inner_size: Size,
-) -> (Vec<S>, LaunchShape, u32) {
+) -> (Vec<S>, LaunchShape) {
     let kernel = e.k;
     let mut body = Vec::new();
     // A running sum walks the row in tiles of one element a thread.
@@ -43,19 +43,6 @@ pub(super) fn row_kernel(
         && scan.is_none()
         && phased.is_none()
         && matches!(inner_size, Size::Const(c) if c / lanes as i64 <= WARP_ROW_VECTORS);
-    // The walks along the row, and the loads the block keeps in shared
-    // memory from the first walk that reads them to the last.
-    let max_sums = if columns {
-        BTreeMap::new()
-    } else {
-        max_sum_pairs(kernel)
-    };
-    let walks = walks(e, along, &max_sums);
-    let (cache, shared_bytes) = if warp_row || columns || scan.is_some() {
-        (Vec::new(), 0)
-    } else {
-        row_cache(e, &walks, inner_size, lanes)
-    };
     let launch = if columns {
         LaunchShape::Columns {
             block: COLUMN_BLOCK,
@@ -108,20 +95,6 @@ pub(super) fn row_kernel(
     } else {
         body.push(S::Line("__shared__ float red[32];".into()));
     }
-    if shared_bytes > 0 {
-        body.push(S::Line(format!(
-            "DPLC_DYNAMIC_SHARED(dplc_smem, {shared_bytes});"
-        )));
-        for (value, at_byte) in &cache {
-            let Expr::Load { buf, .. } = kernel.values[*value] else {
-                unreachable!("the row cache holds loads")
-            };
-            let ty = elem_type(kernel.buffers[buf].elem);
-            body.push(S::Line(format!(
-                "{ty}* dplc_kept{value} = reinterpret_cast<{ty}*>(dplc_smem + {at_byte});"
-            )));
-        }
-    }
     body.push(decl("long long", "rows", rows));
     let mut row = Vec::new();
     if columns {
@@ -144,11 +117,6 @@ pub(super) fn row_kernel(
                 Box::new(size(inner_size)),
             ),
         ));
-    }
-    // Each row's copy starts where its vectors align, so this row's fill
-    // may land where another thread still reads the last row's.
-    if !cache.is_empty() {
-        row.push(S::Line("__syncthreads();".into()));
     }
     row.extend(decompose("row", outer, None));
     let (draws, draws_ok) = e.row_draws(inner_size);
@@ -175,19 +143,8 @@ pub(super) fn row_kernel(
         row.push(decl(
             "long long",
             "dplc_tail",
-            bin("+", id("dplc_head"), bin("*", id("dplc_vectors"), n.clone())),
+            bin("+", id("dplc_head"), bin("*", id("dplc_vectors"), n)),
         ));
-        // The row's copy in shared memory starts `dplc_pad` elements in,
-        // so its vectors are as aligned there as in memory.
-        if !cache.is_empty() {
-            row.push(decl(
-                "long long",
-                "dplc_pad",
-                bin("%", bin("-", n.clone(), id("dplc_head")), n),
-            ));
-        }
-    } else if !cache.is_empty() {
-        row.push(decl("long long", "dplc_pad", C::Lit("0LL".into())));
     }
     // The row's work: its reductions and stores. Where its draws read the
     // row's sample from the preamble, twice: with them, and with each
@@ -261,31 +218,23 @@ pub(super) fn row_kernel(
                 }
             }
         };
-        for (w, walk) in walks.iter().enumerate() {
-            // This walk's view of the row's copy in shared memory.
-            let cached: Vec<Cached> = cache
-                .iter()
-                .filter(|(v, _)| walk.deps.contains(v))
-                .map(|&(value, _)| Cached {
-                    value,
-                    fill: !walks[..w].iter().any(|before| before.deps.contains(&value)),
-                })
-                .collect();
-            let e = &Emit {
-                cached: &cached,
-                ..*e
-            };
-            let deps = &walk.deps;
-            let Some(i) = walk.reduce else {
-                row_values(kernel.values.len(), &mut done, &mut row);
-                let stores = elem_stores(kernel, along);
-                row.push(j_loop(deps, &|l| e.section(deps, &stores, None, l)));
+        // A softmax's maximum and its sum of exponentials walk the row
+        // once, together (wide rows read from memory, so a second walk is
+        // a second read of the row).
+        let max_sums = if columns {
+            BTreeMap::new()
+        } else {
+            max_sum_pairs(kernel)
+        };
+        for (i, v) in kernel.values.iter().enumerate() {
+            let Expr::Reduce { kind, value } = v else {
                 continue;
             };
-            let Expr::Reduce { kind, value } = &kernel.values[i] else {
-                unreachable!("a reduction's walk")
-            };
+            if done[i] {
+                continue;
+            }
             row_values(i, &mut done, &mut row);
+            let deps = e.along_deps(&[value.0 as usize], along);
             if let Some(&sum) = max_sums.get(&i) {
                 let (max_of, sum_of) = if warp_row {
                     ("dplc_warp_max(acc)", "dplc_warp_sum(dplc_s)")
@@ -295,8 +244,8 @@ pub(super) fn row_kernel(
                 let block = vec![
                     var("float", "acc", Some(float_lit(f64::NEG_INFINITY))),
                     var("float", "accs", Some(C::Lit("0.0f".into()))),
-                    j_loop(deps, &|l| {
-                        e.section(deps, &[], Some(Fold::MaxSum(value.0 as usize)), l)
+                    j_loop(&deps, &|l| {
+                        e.section(&deps, &[], Some(Fold::MaxSum(value.0 as usize)), l)
                     }),
                     S::Assign(id(format!("v{i}")), C::Lit(max_of.into())),
                     S::Line(format!(
@@ -316,8 +265,8 @@ pub(super) fn row_kernel(
                 RowReduce::Max => float_lit(f64::NEG_INFINITY),
             };
             let mut block = vec![var("float", "acc", Some(init))];
-            block.push(j_loop(deps, &|l| {
-                e.section(deps, &[], Some(Fold::Row(*kind, value.0 as usize)), l)
+            block.push(j_loop(&deps, &|l| {
+                e.section(&deps, &[], Some(Fold::Row(*kind, value.0 as usize)), l)
             }));
             let reduced = match (kind, warp_row, columns) {
                 (RowReduce::Sum, true, _) => call("dplc_warp_sum", vec![id("acc")]),
@@ -333,11 +282,15 @@ pub(super) fn row_kernel(
             done[i] = true;
         }
         row_values(kernel.values.len(), &mut done, &mut row);
-        let row_stores: Vec<&Store> = kernel
+        let (elem_stores, row_stores): (Vec<&Store>, Vec<&Store>) = kernel
             .stores
             .iter()
-            .filter(|s| !(along[s.value.0 as usize] || s.index.uses_inner()))
-            .collect();
+            .partition(|s| along[s.value.0 as usize] || s.index.uses_inner());
+        if !elem_stores.is_empty() {
+            let roots: Vec<usize> = elem_stores.iter().map(|s| s.value.0 as usize).collect();
+            let deps = e.along_deps(&roots, along);
+            row.push(j_loop(&deps, &|l| e.section(&deps, &elem_stores, None, l)));
+        }
         if !row_stores.is_empty() {
             let stores = e.section(&[], &row_stores, None, None);
             let first_of_row = if columns {
@@ -400,92 +353,7 @@ pub(super) fn row_kernel(
             body: row,
         });
     }
-    (body, launch, shared_bytes)
-}
-
-/// One walk of a row kernel along its row: a reduction's (`reduce`: a
-/// softmax's maximum, whose sum of exponentials walks with it), or the
-/// stores' along the row (`None`); with the values it computes there.
-struct Walk {
-    reduce: Option<usize>,
-    deps: Vec<usize>,
-}
-
-/// A row kernel's walks along its row, in the order it makes them: each
-/// reduction's, then the stores'.
-fn walks(e: &Emit, along: &[bool], max_sums: &BTreeMap<usize, usize>) -> Vec<Walk> {
-    let kernel = e.k;
-    let paired: Vec<usize> = max_sums.values().copied().collect();
-    let mut out: Vec<Walk> = kernel
-        .values
-        .iter()
-        .enumerate()
-        .filter_map(|(i, v)| match v {
-            Expr::Reduce { value, .. } if !paired.contains(&i) => Some(Walk {
-                reduce: Some(i),
-                deps: e.along_deps(&[value.0 as usize], along),
-            }),
-            _ => None,
-        })
-        .collect();
-    let stores = elem_stores(kernel, along);
-    if !stores.is_empty() {
-        let roots: Vec<usize> = stores.iter().map(|s| s.value.0 as usize).collect();
-        out.push(Walk {
-            reduce: None,
-            deps: e.along_deps(&roots, along),
-        });
-    }
-    out
-}
-
-/// The stores a row kernel makes along its row (the others, once a row).
-fn elem_stores<'k>(kernel: &'k Kernel, along: &[bool]) -> Vec<&'k Store> {
-    kernel
-        .stores
-        .iter()
-        .filter(|s| along[s.value.0 as usize] || s.index.uses_inner())
-        .collect()
-}
-
-/// Shared memory a block may keep its row in: two blocks a multiprocessor
-/// ([`crate::attention_cuda`]'s Hopper figure, 227 KB, halved), so GPT-2's
-/// row of 50,257 bf16 logits (100.5 KB) fits.
-const ROW_CACHE_BYTES: i64 = 227 * 1024 / 2;
-
-/// The loads a block walking a row of `inner` elements keeps in shared
-/// memory, each with its byte offset there, and the bytes in all: a load
-/// along the row (element `j` at `base + j`) that two or more walks read,
-/// while the row fits [`ROW_CACHE_BYTES`]. The cross-entropy's backward
-/// walks its logits twice, once for their maximum and sum of exponentials
-/// and once for the gradient: kept, the second walk reads shared memory
-/// instead of the row again (on the H200 it had run at 63% of a copy of its
-/// bytes, the two reads' share).
-fn row_cache(e: &Emit, walks: &[Walk], inner: Size, lanes: usize) -> (Vec<(usize, i64)>, u32) {
-    let Size::Const(len) = inner else {
-        return (Vec::new(), 0);
-    };
-    let kernel = e.k;
-    let mut cache = Vec::new();
-    let mut at_byte = 0i64;
-    for (i, v) in kernel.values.iter().enumerate() {
-        let Expr::Load { buf, index } = v else {
-            continue;
-        };
-        let elem = kernel.buffers[*buf].elem;
-        let reads = walks.iter().filter(|w| w.deps.contains(&i)).count();
-        if elem == Elem::I32 || reads < 2 || index.contiguous_in(&Idx::Inner).is_none() {
-            continue;
-        }
-        // The row and the pad that aligns its vectors, from a 16-byte boundary.
-        let bytes = ((len + lanes as i64) * storage_bytes(elem, e.dtype) as i64 + 15) / 16 * 16;
-        if at_byte + bytes > ROW_CACHE_BYTES {
-            continue;
-        }
-        cache.push((i, at_byte));
-        at_byte += bytes;
-    }
-    (cache, at_byte as u32)
+    (body, launch)
 }
 
 /// The base every access along a wide row of `inner` elements shares,
