@@ -661,7 +661,9 @@ fn hash32(mut x: u32) -> u32 {
 /// samples' sequences are not shifted copies of each other.
 fn pair_bits(sample_state: u64, pair: u64) -> u32 {
     let (lo, hi) = (sample_state as u32, (sample_state >> 32) as u32);
-    let x = ((pair as u32) ^ hi).wrapping_mul(0x9E37_79B9).wrapping_add(lo)
+    let x = ((pair as u32) ^ hi)
+        .wrapping_mul(0x9E37_79B9)
+        .wrapping_add(lo)
         ^ ((pair >> 32) as u32).wrapping_mul(0x85EB_CA6B);
     hash32(x)
 }
@@ -681,7 +683,11 @@ fn pair_bits(sample_state: u64, pair: u64) -> u32 {
 /// (`runtime::kernels::DropoutKey::mask`) calls this very function.
 pub fn sample_draw(sample_state: u64, pos: u64) -> f32 {
     let bits = pair_bits(sample_state, pos >> 1);
-    let field = if pos & 1 == 0 { bits >> 16 } else { bits & 0xFFFF };
+    let field = if pos & 1 == 0 {
+        bits >> 16
+    } else {
+        bits & 0xFFFF
+    };
     field as f32 * (1.0 / 65_536.0)
 }
 

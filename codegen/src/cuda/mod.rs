@@ -540,7 +540,10 @@ impl Emit<'_> {
                 // backward from 272.7 to 106.6 µs.
                 Some((l, base)) if st.accumulate && elem == Elem::F32 && l.count % 4 == 0 => {
                     pre.push(S::Line(format!("float o{n}[{}];", l.count)));
-                    body.push(S::Assign(at(id(format!("o{n}")), id("lane")), vname(st.value)));
+                    body.push(S::Assign(
+                        at(id(format!("o{n}")), id("lane")),
+                        vname(st.value),
+                    ));
                     let at_lane = |lane: String| {
                         format!(
                             "b{} + {} + {lane}",

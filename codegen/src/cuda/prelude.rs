@@ -302,4 +302,3 @@ __device__ __forceinline__ unsigned short dplc_st(float f) {
 }
 #endif
 "#;
-
