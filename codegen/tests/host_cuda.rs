@@ -301,30 +301,33 @@ fn the_generated_cuda_runs_on_the_cpu_as_the_interpreter_computes() {
     for model in ["gpt_tiny", "llama_tiny"] {
         graph_cases(&common::zoo("tiny.dpl", model).graph, &mut cases);
     }
-    // gpt_tiny with GPT-2's dropout: the kernels that draw it.
+    // tiny.dpl's `model` with one header field changed (`from` → `to`).
     let text =
         std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny.dpl"))
             .unwrap();
-    let dropped = text.replacen(
+    let variant = |model: &str, from: &str, to: &str| {
+        let changed = text.replacen(from, to, 1);
+        assert_ne!(changed, text, "{model}'s header changed");
+        let unit = dplc_frontend::parse("models/tiny.dpl", &changed).unwrap();
+        unit.lower(model).unwrap().graph
+    };
+    // gpt_tiny with GPT-2's dropout: the kernels that draw it.
+    let dropped = variant(
+        "gpt_tiny",
         "layers = 2, dropout = 0.0)",
         "layers = 2, dropout = 0.1)",
-        1,
     );
-    assert_ne!(dropped, text, "gpt_tiny's header changed");
-    let unit = dplc_frontend::parse("models/tiny.dpl", &dropped).unwrap();
-    graph_cases(&unit.lower("gpt_tiny").unwrap().graph, &mut cases);
+    graph_cases(&dropped, &mut cases);
     // A vocabulary of 4,099 logits, no multiple of a vector (GPT-2's
     // 50,257 is not either): each row of the loss starts misaligned its own
     // way, and the row kernels walk its head and tail one element at a time.
-    let odd = text.replacen(
+    let odd = variant(
+        "gpt_tiny",
         "model gpt_tiny(vocab = 256,",
         "model gpt_tiny(vocab = 4099,",
-        1,
     );
-    assert_ne!(odd, text, "gpt_tiny's header changed");
-    let unit = dplc_frontend::parse("models/tiny.dpl", &odd).unwrap();
     let before = cases.len();
-    graph_cases(&unit.lower("gpt_tiny").unwrap().graph, &mut cases);
+    graph_cases(&odd, &mut cases);
     assert!(
         cases[before..]
             .iter()
@@ -336,15 +339,13 @@ fn the_generated_cuda_runs_on_the_cpu_as_the_interpreter_computes() {
     // llama_tiny at width 4,096: its norms' rows are a block's (past a
     // warp's 256 vectors), each walked twice (the sum of squares, then the
     // stores).
-    let wide = text.replacen(
+    let wide = variant(
+        "llama_tiny",
         "model llama_tiny(vocab = 256, ctx = 64, d = 64,",
         "model llama_tiny(vocab = 256, ctx = 64, d = 4096,",
-        1,
     );
-    assert_ne!(wide, text, "llama_tiny's header changed");
-    let unit = dplc_frontend::parse("models/tiny.dpl", &wide).unwrap();
     let before = cases.len();
-    graph_cases(&unit.lower("llama_tiny").unwrap().graph, &mut cases);
+    graph_cases(&wide, &mut cases);
     assert!(
         cases[before..].iter().any(|c| {
             !c.kernel.op.starts_with("log_softmax")
