@@ -70,6 +70,18 @@ impl AdamwScalars {
 /// by the same thread, so a caller may pass `b0 = b3`, `b1 = b5`, `b2 = b6`
 /// to update in place.
 pub fn adamw_kernel() -> Kernel {
+    adamw(false)
+}
+
+/// [`adamw_kernel`] that also writes the new parameter in the storage type
+/// into `b7` (`value`): the compute's copy of the weights, which a
+/// separate conversion would make with a second launch and a second read
+/// of the parameter (a step of gpt2 runs one per parameter tensor, 196).
+pub fn adamw_value_kernel() -> Kernel {
+    adamw(true)
+}
+
+fn adamw(value: bool) -> Kernel {
     let mut b = Builder::default();
     let p = load(&mut b, 3);
     let g_raw = load(&mut b, 4);
@@ -110,21 +122,24 @@ pub fn adamw_kernel() -> Kernel {
     let total = b.binary(Add, upd, decay);
     let delta = b.binary(Mul, lr, total);
     let p2v = b.binary(Sub, p, delta);
-    elementwise(
-        "adamw".to_string(),
-        7,
-        &[
-            ("p_out", Elem::F32, true),
-            ("m_out", Elem::F32, true),
-            ("v_out", Elem::F32, true),
-            ("p", Elem::F32, false),
-            ("g", Elem::F32, false),
-            ("m", Elem::F32, false),
-            ("v", Elem::F32, false),
-        ],
-        b,
-        &[(0, p2v), (1, m2), (2, v2)],
-    )
+    let mut buffers = vec![
+        ("p_out", Elem::F32, true),
+        ("m_out", Elem::F32, true),
+        ("v_out", Elem::F32, true),
+        ("p", Elem::F32, false),
+        ("g", Elem::F32, false),
+        ("m", Elem::F32, false),
+        ("v", Elem::F32, false),
+    ];
+    let mut stores = vec![(0, p2v), (1, m2), (2, v2)];
+    let op = if value {
+        buffers.push(("value", Elem::Float, true));
+        stores.push((7, p2v));
+        "adamw_value"
+    } else {
+        "adamw"
+    };
+    elementwise(op.to_string(), 7, &buffers, b, &stores)
 }
 
 /// The scalar arguments of [`sgd_kernel`], in argument order `s0..s2`.
@@ -227,6 +242,14 @@ mod tests {
             Data::F32(v.clone()),
         ];
         interpret(&adamw_kernel(), &s.args(n as i64), &mut bufs).unwrap();
+        // The variant that also writes the compute's copy: the same step.
+        let mut with_value = bufs[3..].to_vec();
+        with_value.splice(
+            0..0,
+            [Data::F32(vec![]), Data::F32(vec![]), Data::F32(vec![])],
+        );
+        with_value.push(Data::F32(vec![]));
+        interpret(&adamw_value_kernel(), &s.args(n as i64), &mut with_value).unwrap();
         for i in 0..n {
             let (mut pi, mut mi, mut vi) = (p[i], m[i], v[i]);
             s.apply(&mut pi, &mut mi, &mut vi, g[i]);
@@ -235,6 +258,12 @@ mod tests {
                 (bits(0), bits(1), bits(2)),
                 (pi.to_bits(), mi.to_bits(), vi.to_bits()),
                 "adamw element {i}"
+            );
+            let value_bits = |b: usize| with_value[b].f32()[i].to_bits();
+            assert_eq!(
+                (value_bits(0), value_bits(1), value_bits(2), value_bits(7)),
+                (pi.to_bits(), mi.to_bits(), vi.to_bits(), pi.to_bits()),
+                "adamw_value element {i}"
             );
         }
         let s = SgdScalars {

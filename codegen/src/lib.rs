@@ -20,7 +20,7 @@ mod interp;
 mod kernel;
 mod nvrtc;
 
-pub use adamw::{adamw_kernel, sgd_kernel, AdamwScalars, SgdScalars};
+pub use adamw::{adamw_kernel, adamw_value_kernel, sgd_kernel, AdamwScalars, SgdScalars};
 pub use attention::{
     AttentionBuffer, AttentionDropout, AttentionKernel, AttentionOperand, AttentionPass, Strided,
     BLOCK_K, BLOCK_Q,

@@ -17,9 +17,9 @@ use common::host::{
 };
 
 use dplc_codegen::{
-    adamw_kernel, add_kernel, backward_plan, column_sum_kernel, convert_kernel, emit_cuda, fuse,
-    interpret, sgd_kernel, sum_squares_kernel, AdamwScalars, Args, BackwardStep, Data, Elem,
-    Kernel, SgdScalars, Step, SUM_SQUARES_COLS,
+    adamw_kernel, adamw_value_kernel, add_kernel, backward_plan, column_sum_kernel, convert_kernel,
+    emit_cuda, fuse, interpret, sgd_kernel, sum_squares_kernel, AdamwScalars, Args, BackwardStep,
+    Data, Elem, Kernel, SgdScalars, Step, SUM_SQUARES_COLS,
 };
 use dplc_ir::{DType, Graph};
 use std::collections::{BTreeMap, HashMap};
@@ -126,13 +126,16 @@ fn step_cases(out: &mut Vec<Case>) {
         step: 3,
         grad_scale: 0.5,
     };
-    out.push(Case {
-        kernel: adamw_kernel(),
-        args: adamw.args(n),
-        // p', m', v', then p, g, m, v: v is a second moment.
-        non_negative: vec![6],
-        masked: vec![],
-    });
+    // p', m', v', then p, g, m, v (a second moment), and the variant's
+    // compute copy after them.
+    for kernel in [adamw_kernel(), adamw_value_kernel()] {
+        out.push(Case {
+            kernel,
+            args: adamw.args(n),
+            non_negative: vec![6],
+            masked: vec![],
+        });
+    }
     let sgd = SgdScalars {
         lr: 0.1,
         momentum: 0.9,

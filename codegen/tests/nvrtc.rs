@@ -10,9 +10,9 @@
 mod common;
 
 use dplc_codegen::{
-    adamw_kernel, add_kernel, backward_plan, column_sum_kernel, convert_kernel, emit_attention,
-    emit_cuda, fuse, sgd_kernel, sum_squares_kernel, Arch, AttentionPass, BackwardStep,
-    CodegenError, CudaSource, Elem, Nvrtc, Step,
+    adamw_kernel, adamw_value_kernel, add_kernel, backward_plan, column_sum_kernel, convert_kernel,
+    emit_attention, emit_cuda, fuse, sgd_kernel, sum_squares_kernel, Arch, AttentionPass,
+    BackwardStep, CodegenError, CudaSource, Elem, Nvrtc, Step,
 };
 use dplc_ir::DType;
 use std::collections::{BTreeMap, BTreeSet};
@@ -46,6 +46,7 @@ fn all_sources(full_size: bool) -> BTreeMap<String, CudaSource> {
     }
     for dtype in [DType::F32, DType::BF16, DType::F16] {
         add(emit_cuda(&adamw_kernel(), dtype));
+        add(emit_cuda(&adamw_value_kernel(), dtype));
         add(emit_cuda(&column_sum_kernel(), dtype));
         // The training step's flat kernels (the fused executor's).
         add(emit_cuda(&sgd_kernel(), dtype));

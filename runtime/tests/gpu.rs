@@ -8,7 +8,10 @@
 
 mod common;
 
-use dplc_codegen::{adamw_kernel, interpret, Args, BackwardStep, Data, Elem, Kernel, Nvrtc, Step};
+use dplc_codegen::{
+    adamw_kernel, adamw_value_kernel, interpret, Args, BackwardStep, Data, Elem, Kernel, Nvrtc,
+    Step,
+};
 use dplc_ir::{DType, Dim, Graph};
 use dplc_runtime::gpu::{
     compile_graph, driver_present, matmul_cpu, nccl_present, open_devices, Blas, DeviceBuffer,
@@ -296,9 +299,12 @@ fn kernels_match(dtype: DType, tol: f64, test: &str) {
         grad_scale: 1.0,
     }
     .args(4099);
-    // Buffers p', m', v', then p, g, m, v: the input v is a second moment.
-    let err = compare(&dev, &compiled, &adamw, &args, &mut rng, &[6]);
-    assert!(err <= tol, "adamw ({dtype:?}): {err:e}");
+    // Buffers p', m', v', then p, g, m, v: the input v is a second moment;
+    // the variant writes the compute's copy after them.
+    for adamw in [adamw, adamw_value_kernel()] {
+        let err = compare(&dev, &compiled, &adamw, &args, &mut rng, &[6]);
+        assert!(err <= tol, "{} ({dtype:?}): {err:e}", adamw.op);
+    }
     eprintln!(
         "{checked} kernels + AdamW match the interpreter on {} ({dtype:?})",
         dev.name()

@@ -6,9 +6,9 @@
 
 use super::error::GpuResult;
 use dplc_codegen::{
-    adamw_kernel, backward_plan, column_sum_kernel, emit_attention, emit_cuda, fuse_with, Arch,
-    AttentionKernel, AttentionPass, BackwardStep, CudaSource, FuseConfig, FusionPlan, Kernel,
-    Nvrtc, Ptx, Step,
+    adamw_kernel, adamw_value_kernel, backward_plan, column_sum_kernel, emit_attention, emit_cuda,
+    fuse_with, Arch, AttentionKernel, AttentionPass, BackwardStep, CudaSource, FuseConfig,
+    FusionPlan, Kernel, Nvrtc, Ptx, Step,
 };
 use dplc_ir::{AttentionKind, DType, Graph, RegionId};
 use std::collections::BTreeMap;
@@ -78,6 +78,7 @@ pub fn compile_graph(
     };
     let mut attention_passes: BTreeMap<String, CompiledAttention> = BTreeMap::new();
     add(&adamw_kernel())?;
+    add(&adamw_value_kernel())?;
     add(&column_sum_kernel())?;
     let mut regions = Vec::new();
     for (r, _) in graph.regions() {

@@ -11,14 +11,15 @@
 //! one GPU), `crate::gpu::NcclLinks` runs NCCL on the device buffers.
 
 use super::storage::{
-    all_gather_host, all_reduce_host, reduce_scatter_host, Moments, Pieces, Storage, Update,
+    all_gather_host, all_reduce_host, reduce_scatter_host, update_then_value, Moments, Pieces,
+    Storage, Update,
 };
 use crate::comm::{Communicator, Group};
 use crate::error::{kernel_err, Result};
 use crate::fused::{flat_args, Backend, Val};
 use dplc_codegen::{
-    adamw_kernel, add_kernel, convert_kernel, sgd_kernel, sum_squares_kernel, Args, Elem, Kernel,
-    SUM_SQUARES_COLS,
+    adamw_kernel, adamw_value_kernel, add_kernel, convert_kernel, sgd_kernel, sum_squares_kernel,
+    Args, Elem, Kernel, SUM_SQUARES_COLS,
 };
 use dplc_ir::DType;
 use std::borrow::Cow;
@@ -148,6 +149,7 @@ fn through_host<B: Backend>(
 /// The flat kernels a step runs besides the model's, built once.
 struct StepKernels {
     adamw: Kernel,
+    adamw_value: Kernel,
     sgd: Kernel,
     add: Kernel,
     sum_squares: Kernel,
@@ -168,6 +170,7 @@ impl<B: Backend, L: Links<B>> DeviceStorage<B, L> {
             links,
             kernels: StepKernels {
                 adamw: adamw_kernel(),
+                adamw_value: adamw_value_kernel(),
                 sgd: sgd_kernel(),
                 add: add_kernel(Elem::F32, Elem::F32, Elem::F32),
                 sum_squares: sum_squares_kernel(Elem::F32),
@@ -340,6 +343,39 @@ impl<B: Backend, L: Links<B>> Storage for DeviceStorage<B, L> {
                 &[p.clone(), m.clone(), p, g, m],
             ),
         }
+    }
+
+    fn update_value(
+        &mut self,
+        rule: Update,
+        st: Moments<'_, DeviceBuf<B>>,
+        shape: &[usize],
+    ) -> Result<Val<B>> {
+        // AdamW writes the compute's copy as it steps (one launch, one
+        // read of the master); where the copy is the master itself, or the
+        // rule another, the two passes.
+        let n = st.master.len;
+        let (Update::AdamW(s), false, true) = (rule, self.shares_master(), n > 0) else {
+            return update_then_value(self, rule, st, shape);
+        };
+        let grad = self.slice(st.grad, st.at..st.at + n)?;
+        let (p, m, v, g) = (
+            st.master.get()?.clone(),
+            st.m.get()?.clone(),
+            st.v.get()?.clone(),
+            grad.get()?.clone(),
+        );
+        let out = self.be.alloc(Elem::Float, n)?;
+        self.be.launch(
+            &self.kernels.adamw_value,
+            &s.args(n as i64),
+            &[p.clone(), m.clone(), v.clone(), p, g, m, v, out.clone()],
+        )?;
+        Ok(Val {
+            buf: out,
+            elem: Elem::Float,
+            len: n,
+        })
     }
 
     fn value(&mut self, _shape: &[usize], master: &DeviceBuf<B>) -> Result<Val<B>> {
@@ -561,6 +597,61 @@ mod tests {
             .map(|(a, b)| a + b)
             .collect();
         assert_eq!(host[0][0], want);
+    }
+
+    /// AdamW with the compute's copy made as it steps (`update_value`, one
+    /// launch) is the update then the copy (two): the same master, moments
+    /// and bf16 value, bit for bit; so is SGD, which takes the two passes.
+    #[test]
+    fn adamw_makes_the_compute_copy_as_it_steps() {
+        let adamw = Update::AdamW(AdamwScalars {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step: 3,
+            grad_scale: 0.5,
+        });
+        let sgd = Update::Sgd(dplc_codegen::SgdScalars {
+            lr: 0.1,
+            momentum: 0.9,
+            grad_scale: 0.5,
+        });
+        for rule in [adamw, sgd] {
+            let run = |fused: bool| {
+                let mut s = DeviceStorage::new(HostBackend::with_storage(DType::BF16), HostStaged);
+                let (mut p, mut m, mut v) = (
+                    s.stage_in(vector(0, 5, 37)).unwrap(),
+                    s.stage_in(vector(0, 6, 37)).unwrap(),
+                    s.stage_in(vector(0, 7, 37).iter().map(|x| x * x).collect())
+                        .unwrap(),
+                );
+                let grad = s.stage_in(vector(0, 8, 40)).unwrap();
+                let st = Moments {
+                    master: &mut p,
+                    m: &mut m,
+                    v: &mut v,
+                    grad: &grad,
+                    at: 2,
+                };
+                let value = if fused {
+                    s.update_value(rule, st, &[37]).unwrap()
+                } else {
+                    s.update(rule, st).unwrap();
+                    s.value(&[37], &p).unwrap()
+                };
+                let value = s.value_to_host(&value).unwrap();
+                let state: Vec<Vec<f32>> = [p, m, v]
+                    .into_iter()
+                    .map(|b| s.stage_out(b).unwrap())
+                    .collect();
+                (value, state)
+            };
+            let (fused, apart) = (run(true), run(false));
+            assert_eq!(fused, apart, "{rule:?}");
+            assert_ne!(fused.0, vector(0, 5, 37), "{rule:?}: the value moved");
+        }
     }
 
     /// A rank alone in its group copies nothing to the host for a

@@ -748,24 +748,24 @@ impl<S: Storage> ParamStore<S> {
                     grad_scale: clip as f32,
                 }),
             };
-            self.storage.update(
-                rule,
-                Moments {
-                    master: &mut slot.master,
-                    m: &mut slot.m,
-                    v: &mut slot.v,
-                    grad: &slot.grad,
-                    at,
-                },
-            )?;
+            let moments = Moments {
+                master: &mut slot.master,
+                m: &mut slot.m,
+                v: &mut slot.v,
+                grad: &slot.grad,
+                at,
+            };
+            // Unsharded, the compute's copy is made from the master as it
+            // steps (one pass on a device: `Storage::update_value`).
+            if self.zero == ZeroStage::None {
+                slot.full = Some(self.storage.update_value(rule, moments, &slot.shape)?);
+            } else {
+                self.storage.update(rule, moments)?;
+            }
         }
         self.discard_grads()?;
         match self.zero {
-            ZeroStage::None => {
-                for slot in self.slots.values_mut() {
-                    slot.full = Some(self.storage.value(&slot.shape, &slot.master)?);
-                }
-            }
+            ZeroStage::None => {}
             ZeroStage::One if self.sync.ps_shards().is_some() => self.pull_from_servers()?,
             ZeroStage::One | ZeroStage::Two => {
                 // One all-gather per data-parallel group, not one per

@@ -65,6 +65,16 @@ pub(crate) trait Storage {
     fn update(&mut self, rule: Update, st: Moments<'_, Self::Buf>) -> Result<()>;
     /// The compute's copy of a whole master vector of shape `shape`.
     fn value(&mut self, shape: &[usize], master: &Self::Buf) -> Result<Self::Value>;
+    /// [`Storage::update`] of a whole master vector, then its [`Storage::value`]:
+    /// one pass where the storage can make both at once.
+    fn update_value(
+        &mut self,
+        rule: Update,
+        st: Moments<'_, Self::Buf>,
+        shape: &[usize],
+    ) -> Result<Self::Value> {
+        update_then_value(self, rule, st, shape)
+    }
     fn value_from_host(&mut self, shape: &[usize], data: Vec<f32>) -> Result<Self::Value>;
     fn value_to_host(&mut self, v: &Self::Value) -> Result<Vec<f32>>;
     /// A copy of `v` that later optimizer steps leave as it is: a weight
@@ -102,6 +112,33 @@ pub(crate) trait Storage {
         group: &Group,
         vs: &[Pieces<'_, Self::Buf>],
     ) -> Result<Vec<Self::Buf>>;
+}
+
+/// [`Storage::update_value`] as two passes: the update, then the value.
+pub(crate) fn update_then_value<S: Storage + ?Sized>(
+    storage: &mut S,
+    rule: Update,
+    st: Moments<'_, S::Buf>,
+    shape: &[usize],
+) -> Result<S::Value> {
+    let Moments {
+        master,
+        m,
+        v,
+        grad,
+        at,
+    } = st;
+    storage.update(
+        rule,
+        Moments {
+            master: &mut *master,
+            m,
+            v,
+            grad,
+            at,
+        },
+    )?;
+    storage.value(shape, master)
 }
 
 /// Training state in host memory, summed by the CPU communicator.
