@@ -423,16 +423,18 @@ pub(super) fn forward_mma(c: &Ctx) -> Pass {
     Pass {
         // Q's fragments, O's and S's accumulators, the rows' statistics.
         fill: Some((hd / 16 * 4 + nv * 4 + ns * 4 + 4) as u32),
-        ..Pass::tiles(
-            items,
-            body,
-            128,
-            vec![
-                shared("dplc_t", 2, "kbuf", 2 * t * kstride),
-                shared("dplc_t", 2, "vbuf", 2 * t * vstride),
-            ],
-        )
+        ..Pass::tiles(items, body, 128, key_value_arrays(t, kstride, vstride))
     }
+}
+
+/// The shared arrays [`key_value_tiles`] stages into: two `t`-key tiles
+/// each (the one computed on and the one fetched), rows `kstride` and
+/// `vstride` elements apart.
+fn key_value_arrays(t: i64, kstride: i64, vstride: i64) -> Vec<Shared> {
+    vec![
+        shared("dplc_t", 2, "kbuf", 2 * t * kstride),
+        shared("dplc_t", 2, "vbuf", 2 * t * vstride),
+    ]
 }
 
 /// The key and value tiles of key head `kh` the forward and the dQ pass
@@ -979,15 +981,7 @@ pub(super) fn query_grad_mma(c: &Ctx) -> Pass {
         ],
     ));
     let items = tile_items(k.q_len, k.batch, k.heads);
-    Pass::tiles(
-        items,
-        body,
-        128,
-        vec![
-            shared("dplc_t", 2, "kbuf", 2 * t * kstride),
-            shared("dplc_t", 2, "vbuf", 2 * t * vstride),
-        ],
-    )
+    Pass::tiles(items, body, 128, key_value_arrays(t, kstride, vstride))
 }
 
 /// The tensor-core `dK`/`dV` pass: 4 warps of 16 key rows of one key head

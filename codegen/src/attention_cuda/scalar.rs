@@ -139,15 +139,16 @@ pub(super) fn forward_scalar(c: &Ctx) -> Pass {
         ],
     ));
     let items = tile_items(k.q_len, k.batch, k.heads);
-    Pass::tiles(
-        items,
-        body,
-        ROWS as u32,
-        vec![
-            shared("float", 4, "kt", t * hd),
-            shared("float", 4, "vt", t * vd),
-        ],
-    )
+    Pass::tiles(items, body, ROWS as u32, key_value_arrays(t, hd, vd))
+}
+
+/// The key and value tiles of `t` keys the forward and the dQ pass walk,
+/// in shared memory (`hd` and `vd` floats a key).
+fn key_value_arrays(t: i64, hd: i64, vd: i64) -> Vec<Shared> {
+    vec![
+        shared("float", 4, "kt", t * hd),
+        shared("float", 4, "vt", t * vd),
+    ]
 }
 
 /// `Δ_i = dO_i · O_i` of query `i` of head `h`, read from memory.
@@ -303,15 +304,7 @@ pub(super) fn query_grad(c: &Ctx) -> Pass {
         )],
     ));
     let items = tile_items(k.q_len, k.batch, k.heads);
-    Pass::tiles(
-        items,
-        body,
-        ROWS as u32,
-        vec![
-            shared("float", 4, "kt", t * hd),
-            shared("float", 4, "vt", t * vd),
-        ],
-    )
+    Pass::tiles(items, body, ROWS as u32, key_value_arrays(t, hd, vd))
 }
 
 /// The scalar `dK`/`dV` pass: a thread per key row of one key head, over

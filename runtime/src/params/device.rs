@@ -186,6 +186,49 @@ impl<B: Backend, L: Links<B>> DeviceStorage<B, L> {
         self.be.dtype() == DType::F32
     }
 
+    /// One update's launch, in place; with `value`, AdamW also writes the
+    /// new parameter there in the storage type ([`adamw_value_kernel`]).
+    fn launch_update(
+        &mut self,
+        rule: Update,
+        st: Moments<'_, DeviceBuf<B>>,
+        value: Option<&B::Buf>,
+    ) -> Result<()> {
+        let n = st.master.len;
+        if n == 0 {
+            return Ok(());
+        }
+        let grad = self.slice(st.grad, st.at..st.at + n)?;
+        let (p, m, g) = (
+            st.master.get()?.clone(),
+            st.m.get()?.clone(),
+            grad.get()?.clone(),
+        );
+        match rule {
+            Update::AdamW(s) => {
+                let v = st.v.get()?.clone();
+                let mut bufs = vec![p.clone(), m.clone(), v.clone(), p, g, m, v];
+                let kernel = match value {
+                    Some(out) => {
+                        bufs.push(out.clone());
+                        &self.kernels.adamw_value
+                    }
+                    None => &self.kernels.adamw,
+                };
+                self.be.launch(kernel, &s.args(n as i64), &bufs)
+            }
+            Update::Sgd(_) if value.is_some() => Err(kernel_err(
+                "sgd",
+                "writes no compute copy as it steps".to_string(),
+            )),
+            Update::Sgd(s) => self.be.launch(
+                &self.kernels.sgd,
+                &s.args(n as i64),
+                &[p.clone(), m.clone(), p, g, m],
+            ),
+        }
+    }
+
     /// A new vector holding `v[at]`.
     fn slice(&mut self, v: &DeviceBuf<B>, at: Range<usize>) -> Result<DeviceBuf<B>> {
         if at == (0..v.len) {
@@ -318,31 +361,7 @@ impl<B: Backend, L: Links<B>> Storage for DeviceStorage<B, L> {
     }
 
     fn update(&mut self, rule: Update, st: Moments<'_, DeviceBuf<B>>) -> Result<()> {
-        let n = st.master.len;
-        if n == 0 {
-            return Ok(());
-        }
-        let grad = self.slice(st.grad, st.at..st.at + n)?;
-        let (p, m, g) = (
-            st.master.get()?.clone(),
-            st.m.get()?.clone(),
-            grad.get()?.clone(),
-        );
-        match rule {
-            Update::AdamW(s) => {
-                let v = st.v.get()?.clone();
-                self.be.launch(
-                    &self.kernels.adamw,
-                    &s.args(n as i64),
-                    &[p.clone(), m.clone(), v.clone(), p, g, m, v],
-                )
-            }
-            Update::Sgd(s) => self.be.launch(
-                &self.kernels.sgd,
-                &s.args(n as i64),
-                &[p.clone(), m.clone(), p, g, m],
-            ),
-        }
+        self.launch_update(rule, st, None)
     }
 
     fn update_value(
@@ -355,22 +374,11 @@ impl<B: Backend, L: Links<B>> Storage for DeviceStorage<B, L> {
         // read of the master); where the copy is the master itself, or the
         // rule another, the two passes.
         let n = st.master.len;
-        let (Update::AdamW(s), false, true) = (rule, self.shares_master(), n > 0) else {
+        let (Update::AdamW(_), false, true) = (rule, self.shares_master(), n > 0) else {
             return update_then_value(self, rule, st, shape);
         };
-        let grad = self.slice(st.grad, st.at..st.at + n)?;
-        let (p, m, v, g) = (
-            st.master.get()?.clone(),
-            st.m.get()?.clone(),
-            st.v.get()?.clone(),
-            grad.get()?.clone(),
-        );
         let out = self.be.alloc(Elem::Float, n)?;
-        self.be.launch(
-            &self.kernels.adamw_value,
-            &s.args(n as i64),
-            &[p.clone(), m.clone(), v.clone(), p, g, m, v, out.clone()],
-        )?;
+        self.launch_update(rule, st, Some(&out))?;
         Ok(Val {
             buf: out,
             elem: Elem::Float,
