@@ -6,9 +6,14 @@
 //! query head, in tiles of [`BLOCK_Q`] queries against [`BLOCK_K`] keys with
 //! the online softmax, saving `O` and the `f32` log-sum-exp of each score row.
 //! Backward recomputes the scores tile by tile from `Q`, `K` and the
-//! log-sum-exp: one pass per query tile for `dQ`, one per key tile for `dK`
-//! and `dV` (summed over the query heads sharing a key head), and one over
-//! the bias's elements for its gradient; each writes every element once.
+//! log-sum-exp, in one of two ways ([`AttentionBackward`]): two passes that
+//! each recompute them — one per query tile for `dQ` (and each row's δ),
+//! one per key tile for `dK` and `dV` (summed over the query heads sharing
+//! a key head) — or, as FlashAttention-2 does, one pass per key tile that
+//! also adds each tile's share of `dQ` into an `f32` sum, between a pass
+//! for δ and one that scales the sum into `dQ`. A last pass over the bias's
+//! elements gives its gradient. Each pass writes its outputs whole but the
+//! sum, which its caller zeroes.
 
 use crate::interp::Args;
 use crate::kernel::{Buffer, DrawKey, Elem, Idx, Size};
@@ -99,19 +104,41 @@ pub struct AttentionKernel {
 pub enum AttentionPass {
     /// `O` and the log-sum-exp.
     Forward,
-    /// `dQ`, one query tile per block.
+    /// `dQ` and each row's δ, one query tile per block (two-pass backward).
     QueryGrad,
-    /// `dK` and `dV`, one key tile of one key head per block.
+    /// `dK` and `dV`, one key tile of one key head per block (two-pass backward).
     KeyValueGrad,
+    /// Each query row's δ = `dO·O` (one-pass backward, before [`Self::Grads`]).
+    Delta,
+    /// `dK` and `dV` as [`Self::KeyValueGrad`] writes them, and each key
+    /// tile's share of the unscaled `dQ` added into its `f32` sum
+    /// (one-pass backward).
+    Grads,
+    /// `dQ` = the scale times the sum [`Self::Grads`] added (one-pass backward).
+    QueryGradScale,
     /// The bias's gradient, summed over the axes it broadcasts along.
     BiasGrad,
 }
 
+/// How the backward recomputes the scores: twice (a `dQ` pass by query
+/// tiles, a `dK`/`dV` pass by key tiles), or once (by key tiles, `dQ`
+/// summed across them with atomic adds). Which one a kernel's code takes is
+/// the codegen's call (`attention_backward`): the one pass needs the
+/// tensor-core `dK`/`dV` pass and room for its score-gradient tile.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AttentionBackward {
+    TwoPass,
+    OnePass,
+}
+
 impl AttentionPass {
-    pub const ALL: [AttentionPass; 4] = [
+    pub const ALL: [AttentionPass; 7] = [
         AttentionPass::Forward,
         AttentionPass::QueryGrad,
         AttentionPass::KeyValueGrad,
+        AttentionPass::Delta,
+        AttentionPass::Grads,
+        AttentionPass::QueryGradScale,
         AttentionPass::BiasGrad,
     ];
 
@@ -120,6 +147,9 @@ impl AttentionPass {
             AttentionPass::Forward => "attention_fwd",
             AttentionPass::QueryGrad => "attention_bwd_dq",
             AttentionPass::KeyValueGrad => "attention_bwd_dkdv",
+            AttentionPass::Delta => "attention_bwd_delta",
+            AttentionPass::Grads => "attention_bwd",
+            AttentionPass::QueryGradScale => "attention_bwd_dq_scale",
             AttentionPass::BiasGrad => "attention_bwd_dbias",
         }
     }
@@ -142,6 +172,9 @@ pub enum AttentionBuffer {
     Delta,
     /// The gradient of the output (read).
     OutGrad,
+    /// `f32 [batch, heads, q_len, head_dim]`: the unscaled `dQ`, summed
+    /// over key tiles by the one-pass backward's atomic adds.
+    QGradSum,
     /// Gradients written, each element once, laid out as their operand's
     /// buffer; elements no view reads stay as the caller zeroed them.
     QGrad,
@@ -164,9 +197,23 @@ impl AttentionKernel {
             AttentionPass::Forward => {}
             AttentionPass::QueryGrad => r.extend([OutGrad, QGrad, Delta]),
             AttentionPass::KeyValueGrad => r.extend([OutGrad, Delta, KGrad, VGrad]),
+            AttentionPass::Delta => r.extend([OutGrad, Delta]),
+            AttentionPass::Grads => r.extend([OutGrad, Delta, KGrad, VGrad, QGradSum]),
+            AttentionPass::QueryGradScale => r.extend([QGradSum, QGrad]),
             AttentionPass::BiasGrad => r.extend([OutGrad, BiasGrad]),
         }
         r
+    }
+
+    /// Every pass of the kernel in launch order, the backward's as `backward` makes it.
+    pub fn passes(&self, backward: AttentionBackward) -> Vec<AttentionPass> {
+        use AttentionPass::*;
+        match backward {
+            AttentionBackward::TwoPass => vec![Forward, QueryGrad, KeyValueGrad, BiasGrad],
+            AttentionBackward::OnePass => {
+                vec![Forward, Delta, Grads, QueryGradScale, BiasGrad]
+            }
+        }
     }
 
     /// The operand a buffer is laid out as (`None` for the log-sum-exp).
@@ -178,7 +225,7 @@ impl AttentionKernel {
             V | VGrad => Some(&self.v),
             Bias | BiasGrad => self.bias.as_ref(),
             Out | OutGrad => Some(&self.out),
-            LogSumExp | Delta => None,
+            LogSumExp | Delta | QGradSum => None,
         }
     }
 
@@ -187,7 +234,7 @@ impl AttentionKernel {
     /// caller need not zero it: the forward's output and log-sum-exp and δ
     /// always; a gradient of Q, K or V when its view reaches every element
     /// of its buffer (a view of a fused QKV buffer reaches a third); the
-    /// bias's gradient never (it sums over the bias's broadcast).
+    /// bias's gradient and `dQ`'s sum never (they add into their buffer).
     pub fn written_whole(&self, role: AttentionBuffer, args: &Args, buffer_len: usize) -> bool {
         use AttentionBuffer::*;
         match role {
@@ -238,7 +285,8 @@ impl AttentionKernel {
         use AttentionBuffer::*;
         let output = match role {
             Out | LogSumExp => pass == AttentionPass::Forward,
-            Delta => pass == AttentionPass::QueryGrad,
+            Delta => matches!(pass, AttentionPass::QueryGrad | AttentionPass::Delta),
+            QGradSum => pass == AttentionPass::Grads,
             QGrad | KGrad | VGrad | BiasGrad => true,
             Q | K | V | Bias | OutGrad => false,
         };
@@ -251,6 +299,17 @@ impl AttentionKernel {
                 elem: Elem::Float,
                 output,
                 len: op.len.clone(),
+            },
+            None if role == QGradSum => Buffer {
+                label: "dq_sum".into(),
+                elem: Elem::F32,
+                output,
+                len: vec![
+                    self.batch,
+                    self.heads,
+                    self.q_len,
+                    Size::Const(self.head_dim),
+                ],
             },
             None => Buffer {
                 label: if role == Delta { "delta" } else { "lse" }.into(),
@@ -269,6 +328,8 @@ impl AttentionKernel {
             // The `dK`/`dV` pass reads the δ the `dQ` pass writes.
             AttentionPass::QueryGrad => wants[0] || wants[1] || wants[2],
             AttentionPass::KeyValueGrad => wants[1] || wants[2],
+            AttentionPass::Delta | AttentionPass::Grads => wants[0] || wants[1] || wants[2],
+            AttentionPass::QueryGradScale => wants[0],
             AttentionPass::BiasGrad => self.bias.is_some() && wants[3],
         }
     }
@@ -278,10 +339,13 @@ impl AttentionKernel {
     pub fn items(&self, pass: AttentionPass, sizes: &dyn Fn(Size) -> i64) -> i64 {
         let tiles = |len: Size, block: i64| (sizes(len) + block - 1) / block;
         match pass {
-            AttentionPass::Forward | AttentionPass::QueryGrad => {
+            AttentionPass::Forward
+            | AttentionPass::QueryGrad
+            | AttentionPass::Delta
+            | AttentionPass::QueryGradScale => {
                 tiles(self.q_len, BLOCK_Q) * sizes(self.batch) * sizes(self.heads)
             }
-            AttentionPass::KeyValueGrad => {
+            AttentionPass::KeyValueGrad | AttentionPass::Grads => {
                 tiles(self.k_len, BLOCK_K) * sizes(self.batch) * sizes(self.kv_heads)
             }
             AttentionPass::BiasGrad => match &self.bias {

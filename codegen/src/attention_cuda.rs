@@ -11,7 +11,7 @@
 //! bias, dropout, tile ranges) and the entry point; `scalar` holds the
 //! scalar passes, `mma` the tensor-core ones.
 
-use crate::attention::{AttentionBuffer, AttentionKernel, AttentionPass};
+use crate::attention::{AttentionBackward, AttentionBuffer, AttentionKernel, AttentionPass};
 use crate::cuda::{
     at, bin, call, decl, float_lit, grid_thread, id, index_with, size, var, Writer, C, S,
 };
@@ -22,9 +22,10 @@ use dplc_ir::DType;
 mod mma;
 mod scalar;
 mod staging;
+pub use mma::attention_backward;
 use mma::{
-    forward_mma, key_value_grad_mma, mma_prelude, query_grad_mma, query_grad_tensor_cores,
-    tensor_cores,
+    delta_pass, forward_mma, key_value_grad_mma, mma_prelude, query_grad_mma, query_grad_scale,
+    query_grad_tensor_cores, tensor_cores,
 };
 use scalar::{bias_grad, forward_scalar, key_value_grad, query_grad};
 
@@ -761,15 +762,27 @@ pub fn emit_attention(kernel: &AttentionKernel, pass: AttentionPass, dtype: DTyp
         AttentionPass::QueryGrad | AttentionPass::KeyValueGrad => {
             query_grad_tensor_cores(kernel, dtype)
         }
-        AttentionPass::BiasGrad => false,
+        AttentionPass::Grads => true,
+        AttentionPass::Delta | AttentionPass::QueryGradScale | AttentionPass::BiasGrad => false,
     };
     let pass_code = match pass {
         AttentionPass::Forward if mma => forward_mma(&c),
         AttentionPass::Forward => forward_scalar(&c),
         AttentionPass::QueryGrad if mma => query_grad_mma(&c),
         AttentionPass::QueryGrad => query_grad(&c),
-        AttentionPass::KeyValueGrad if mma => key_value_grad_mma(&c),
+        AttentionPass::KeyValueGrad if mma => key_value_grad_mma(&c, false),
         AttentionPass::KeyValueGrad => key_value_grad(&c),
+        AttentionPass::Delta => delta_pass(&c),
+        AttentionPass::Grads => {
+            assert_eq!(
+                attention_backward(kernel, dtype),
+                AttentionBackward::OnePass,
+                "{}: the one-pass backward asked of a kernel `attention_backward` gives two",
+                pass.name()
+            );
+            key_value_grad_mma(&c, true)
+        }
+        AttentionPass::QueryGradScale => query_grad_scale(&c),
         AttentionPass::BiasGrad => bias_grad(&c),
     };
     let mut w = Writer::with_prelude(dtype);

@@ -133,6 +133,8 @@ struct Inputs<'a> {
     dout: &'a [f32],
     /// The `dQ` pass's δ, as the `dK`/`dV` pass reads it.
     delta: &'a [f32],
+    /// The one-pass backward's unscaled `dQ`, as its last pass reads it.
+    dq_sum: &'a [f32],
 }
 
 fn err(pass: AttentionPass, detail: String) -> CodegenError {
@@ -231,6 +233,7 @@ pub fn interpret_attention(
         lse: read(AttentionBuffer::LogSumExp),
         dout: read(AttentionBuffer::OutGrad),
         delta: read(AttentionBuffer::Delta),
+        dq_sum: read(AttentionBuffer::QGradSum),
     };
     match pass {
         AttentionPass::Forward => {
@@ -249,7 +252,42 @@ pub fn interpret_attention(
             let [(_, dk), (_, dv)] = &mut writes[..] else {
                 unreachable!("two gradients")
             };
-            key_value_grad(&p, &x, dk, dv);
+            key_value_grad(&p, &x, dk, dv, None);
+        }
+        AttentionPass::Delta => {
+            let [(_, deltas)] = &mut writes[..] else {
+                unreachable!("δ")
+            };
+            for b in 0..p.batch {
+                for h in 0..p.heads {
+                    for i in 0..p.q_len {
+                        deltas[p.lse_at(b, h, i)] = delta(&p, &x, b, h, i);
+                    }
+                }
+            }
+        }
+        AttentionPass::Grads => {
+            let [(_, dk), (_, dv), (_, dq_sum)] = &mut writes[..] else {
+                unreachable!("two gradients and dQ's sum")
+            };
+            key_value_grad(&p, &x, dk, dv, Some(dq_sum));
+        }
+        AttentionPass::QueryGradScale => {
+            let [(_, dq)] = &mut writes[..] else {
+                unreachable!("one gradient")
+            };
+            let hd = p.k.head_dim;
+            let scale = p.k.scale as f32;
+            for b in 0..p.batch {
+                for h in 0..p.heads {
+                    for i in 0..p.q_len {
+                        let row = p.lse_at(b, h, i) * hd as usize;
+                        for d in 0..hd {
+                            dq[p.q_at.at(b, h, i, d)] = x.dq_sum[row + d as usize] * scale;
+                        }
+                    }
+                }
+            }
         }
         AttentionPass::BiasGrad => {
             let [(_, db)] = &mut writes[..] else {
@@ -407,7 +445,15 @@ fn query_grad(p: &Problem, x: &Inputs, dq: &mut [f32], deltas: &mut [f32]) {
     }
 }
 
-fn key_value_grad(p: &Problem, x: &Inputs, dk: &mut [f32], dv: &mut [f32]) {
+/// `dK` and `dV` by key tiles; with `dq_sum`, each pair's `dS·K` added
+/// into the unscaled `dQ` of its query row (`[b, h, i, d]`, row-major) too.
+fn key_value_grad(
+    p: &Problem,
+    x: &Inputs,
+    dk: &mut [f32],
+    dv: &mut [f32],
+    mut dq_sum: Option<&mut Vec<f32>>,
+) {
     let (hd, vd) = (p.k.head_dim as usize, p.k.value_dim as usize);
     let scale = p.k.scale as f32;
     for b in 0..p.batch {
@@ -432,6 +478,12 @@ fn key_value_grad(p: &Problem, x: &Inputs, dk: &mut [f32], dv: &mut [f32]) {
                                 }
                                 for (d, a) in ak.iter_mut().enumerate() {
                                     *a += g.ds * x.q[p.q_at.at(b, h, i, d as i64)];
+                                }
+                                if let Some(sum) = dq_sum.as_deref_mut() {
+                                    let row = p.lse_at(b, h, i) * hd;
+                                    for d in 0..hd {
+                                        sum[row + d] += g.ds * x.k[p.k_at.at(b, kh, j, d as i64)];
+                                    }
                                 }
                             }
                         }

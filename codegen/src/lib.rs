@@ -22,10 +22,10 @@ mod nvrtc;
 
 pub use adamw::{adamw_kernel, adamw_value_kernel, sgd_kernel, AdamwScalars, SgdScalars};
 pub use attention::{
-    AttentionBuffer, AttentionDropout, AttentionKernel, AttentionOperand, AttentionPass, Strided,
-    BLOCK_K, BLOCK_Q,
+    AttentionBackward, AttentionBuffer, AttentionDropout, AttentionKernel, AttentionOperand,
+    AttentionPass, Strided, BLOCK_K, BLOCK_Q,
 };
-pub use attention_cuda::{attention_name, emit_attention};
+pub use attention_cuda::{attention_backward, attention_name, emit_attention};
 pub use attention_interp::interpret_attention;
 pub use backward::{
     backward, backward_plan, column_sum_kernel, Backward, BackwardStep, ColumnSum, GradBinding,

@@ -384,18 +384,20 @@ fn backward_matches_textbook(g: &Graph, syms: &HashMap<String, i64>) -> usize {
                 1e-4,
             );
             x.extend(fwd);
-            for pass in [
-                AttentionPass::QueryGrad,
-                AttentionPass::KeyValueGrad,
-                AttentionPass::BiasGrad,
-            ] {
-                if !k.runs(pass, [true; 4]) {
+            // Both backwards' passes in `ALL`'s order, which is each one's
+            // launch order: two passes (dQ, then dK and dV) and one (δ, then
+            // dK, dV and dQ's sum, then dQ from the sum).
+            for pass in AttentionPass::ALL {
+                if pass == AttentionPass::Forward || !k.runs(pass, [true; 4]) {
                     continue;
                 }
                 for (role, got) in run(k, pass, &args, &x) {
-                    close(&format!("{role:?}"), &got, &want[&role], 2e-4);
-                    // The dK/dV pass reads the dQ pass's δ.
-                    if role == AttentionBuffer::Delta {
+                    // dQ's sum is checked through the dQ made from it.
+                    if role != AttentionBuffer::QGradSum {
+                        close(&format!("{pass:?} {role:?}"), &got, &want[&role], 2e-4);
+                    }
+                    // Passes by key tiles read δ; the last one-pass, dQ's sum.
+                    if matches!(role, AttentionBuffer::Delta | AttentionBuffer::QGradSum) {
                         x.insert(role, got);
                     }
                 }

@@ -78,10 +78,7 @@ fn check_attention(
         );
     }
     let mut worst = 0.0f64;
-    for pass in AttentionPass::ALL {
-        if !k.runs(pass, [true; 4]) {
-            continue;
-        }
+    for pass in common::attention_passes(k, dtype) {
         let src = dplc_codegen::emit_attention(k, pass, dtype);
         let block = match src.launch {
             dplc_codegen::LaunchShape::Rows { block } => block,
@@ -168,7 +165,6 @@ fn check_attention(
 
 /// `launch_<name>` for every pass of every case in `dtype` (0, 1, 2).
 fn attention_unit(cases: &[AttentionCase], dtype: u32) -> String {
-    use dplc_codegen::AttentionPass;
     let mut tu = format!(
         "#define DPLC_DTYPE {dtype}\n{}\n",
         include_str!("common/host_cuda.hpp")
@@ -176,10 +172,7 @@ fn attention_unit(cases: &[AttentionCase], dtype: u32) -> String {
     let mut seen = std::collections::BTreeSet::new();
     for case in cases {
         let k = &case.kernel;
-        for pass in AttentionPass::ALL {
-            if !k.runs(pass, [true; 4]) {
-                continue;
-            }
+        for pass in common::attention_passes(k, dtype_of(dtype)) {
             let src = dplc_codegen::emit_attention(k, pass, dtype_of(dtype));
             if !seen.insert(src.name.clone()) {
                 continue;
@@ -266,19 +259,26 @@ fn fused_attention_cuda_runs_on_the_cpu_as_the_interpreter_computes() {
             .map(|j| j.join().unwrap().unwrap_or_else(|e| panic!("{e}")))
             .collect()
     });
-    let mut rng = common::Rng(23);
-    for (&(code, tol), lib_path) in dtypes.iter().zip(&libs) {
-        let dtype = dtype_of(code);
-        // SAFETY: a library this test just built from the generated C.
-        let lib = unsafe { libloading::Library::new(lib_path) }.expect("loads");
-        for case in &cases {
-            let err = check_attention(&lib, case, dtype, &mut rng);
-            assert!(
-                err <= tol,
-                "attention ({dtype:?}): relative error {err:e} > {tol:e}"
-            );
+    // Each storage type's checks on their own thread (their own library,
+    // their own random inputs): the CPU's cores share the emulation.
+    std::thread::scope(|s| {
+        for (&(code, tol), lib_path) in dtypes.iter().zip(&libs) {
+            let cases = &cases;
+            s.spawn(move || {
+                let dtype = dtype_of(code);
+                let mut rng = common::Rng(23 + u64::from(code));
+                // SAFETY: a library this test just built from the generated C.
+                let lib = unsafe { libloading::Library::new(lib_path) }.expect("loads");
+                for case in cases {
+                    let err = check_attention(&lib, case, dtype, &mut rng);
+                    assert!(
+                        err <= tol,
+                        "attention ({dtype:?}): relative error {err:e} > {tol:e}"
+                    );
+                }
+            });
         }
-    }
+    });
     let _ = std::fs::remove_dir_all(&dir);
     eprintln!(
         "{} fused attentions' passes run as C on the CPU in f32, bf16 and f16, equal to the interpreter",

@@ -165,8 +165,10 @@ fn gpt2_dropout_draws() {
     insta::assert_snapshot!(out);
 }
 
-/// gpt_tiny's fused attention in bf16: the forward on tensor cores
-/// (`mma.sync.m16n8k16`), the backward passes' scalar tiles.
+/// gpt_tiny's fused attention in bf16, every pass on tensor cores
+/// (`mma.sync.m16n8k16`) but δ's and dQ's scaling: the forward, the
+/// two-pass backward (dQ; dK and dV) and the one-pass backward (δ; dK, dV
+/// and dQ's sum; dQ).
 #[test]
 fn gpt_tiny_attention_cuda_bf16() {
     let g = zoo("tiny.dpl", "gpt_tiny").graph;
@@ -174,11 +176,7 @@ fn gpt_tiny_attention_cuda_bf16() {
     for (r, _) in g.regions() {
         for step in fuse(&g, r).steps {
             let Step::Attention(at) = step else { continue };
-            for pass in [
-                AttentionPass::Forward,
-                AttentionPass::QueryGrad,
-                AttentionPass::KeyValueGrad,
-            ] {
+            for pass in common::attention_passes(&at.kernel, DType::BF16) {
                 let src = emit_attention(&at.kernel, pass, DType::BF16);
                 out += &format!(
                     "==== {} ({:?}, {} bytes of shared memory)\n",
@@ -266,7 +264,10 @@ fn gpt2_loss_rows_walk_in_vectors_after_their_head() {
 /// and the assembler's registers; at 128 the dK/dV pass also stages its
 /// block's 64 rows of K and V (2 · 64 · 136 · 2 = 34,816 bytes) and reads
 /// their fragments from there, where at 64 they fit in registers and at 256
-/// the two would pass 96 KB.
+/// the two would pass 96 KB. The one-pass backward's pass by key tiles
+/// always stages them, beside its `t × 72` tile of score gradients: at 128
+/// 35,072 + 34,816 + 4,608 bytes, at 64 37,376 + 18,432 + 9,216; at 256 it
+/// would pass 96 KB, so that width keeps two passes.
 #[test]
 fn wide_heads_take_their_forward_key_tiles_past_48_kb() {
     let sizes = |width: usize| -> Vec<(u32, String)> {
@@ -297,6 +298,26 @@ fn wide_heads_take_their_forward_key_tiles_past_48_kb() {
         .collect()
     };
     let expect = |v: [(u32, &str); 3]| v.map(|(b, s)| (b, s.to_string())).to_vec();
+    let one_pass = |width: usize| -> Option<u32> {
+        let model = common::PLACED
+            .replace("seq, 8]", &format!("seq, {width}]"))
+            .replace("seq, 16]", &format!("seq, {width}]"));
+        let g = common::lower_m(&model);
+        let at = g
+            .regions()
+            .flat_map(|(r, _)| fuse(&g, r).steps)
+            .find_map(|s| match s {
+                Step::Attention(at) => Some(at),
+                _ => None,
+            })
+            .expect("a fused attention");
+        (dplc_codegen::attention_backward(&at.kernel, DType::BF16)
+            == dplc_codegen::AttentionBackward::OnePass)
+            .then(|| emit_attention(&at.kernel, AttentionPass::Grads, DType::BF16).shared_bytes)
+    };
+    assert_eq!(one_pass(128), Some(74_496));
+    assert_eq!(one_pass(64), Some(65_024));
+    assert_eq!(one_pass(256), None);
     assert_eq!(
         sizes(128),
         expect([(69_632, "128, 3"), (34_816, "128"), (69_888, "128")])

@@ -11,8 +11,8 @@ mod common;
 
 use dplc_codegen::{
     adamw_kernel, adamw_value_kernel, add_kernel, backward_plan, column_sum_kernel, convert_kernel,
-    emit_attention, emit_cuda, fuse, sgd_kernel, sum_squares_kernel, Arch, AttentionPass,
-    BackwardStep, CodegenError, CudaSource, Elem, Nvrtc, Step,
+    emit_attention, emit_cuda, fuse, sgd_kernel, sum_squares_kernel, Arch, BackwardStep,
+    CodegenError, CudaSource, Elem, Nvrtc, Step,
 };
 use dplc_ir::DType;
 use std::collections::{BTreeMap, BTreeSet};
@@ -157,11 +157,8 @@ fn add_graph(g: &dplc_ir::Graph, dtypes: &[DType], add: &mut impl FnMut(CudaSour
                     }
                 }
                 Step::Attention(at) => {
-                    for pass in AttentionPass::ALL {
-                        if !at.kernel.runs(pass, [true; 4]) {
-                            continue;
-                        }
-                        for &dtype in dtypes {
+                    for &dtype in dtypes {
+                        for pass in common::attention_passes(&at.kernel, dtype) {
                             add(emit_attention(&at.kernel, pass, dtype));
                         }
                     }

@@ -600,7 +600,7 @@ fn median_time(dev: &GpuDevice, f: &mut dyn FnMut()) -> f64 {
 #[test]
 #[ignore = "a benchmark: scripts/gpu-check.sh runs it"]
 fn bench_attention() {
-    use dplc_codegen::{AttentionBuffer, AttentionPass};
+    use dplc_codegen::{attention_backward, AttentionBackward, AttentionBuffer, AttentionPass};
     let Some(dev) = gpu_or_skip("bench_attention") else {
         return;
     };
@@ -662,11 +662,19 @@ fn bench_attention() {
         let mut bufs: HashMap<AttentionBuffer, DeviceBuffer> = HashMap::new();
         let mut lens: HashMap<AttentionBuffer, (usize, DType)> = HashMap::new();
         let mut seconds = Vec::new();
-        for pass in [
-            AttentionPass::Forward,
-            AttentionPass::QueryGrad,
-            AttentionPass::KeyValueGrad,
-        ] {
+        // The passes as the executor launches them, then the other
+        // backward's (the two-pass one, where the codegen takes one pass)
+        // timed beside them.
+        let backward = attention_backward(k, dtype);
+        let mut passes = k.passes(backward);
+        if backward == AttentionBackward::OnePass {
+            passes.extend([AttentionPass::QueryGrad, AttentionPass::KeyValueGrad]);
+        }
+        let mut other = Vec::new();
+        for pass in passes {
+            if pass == AttentionPass::BiasGrad {
+                continue;
+            }
             let roles = k.roles(pass);
             for (&role, b) in roles.iter().zip(k.buffers(pass)) {
                 let n = b.len.iter().map(|&s| args.size(s)).product::<i64>() as usize;
@@ -682,7 +690,10 @@ fn bench_attention() {
                     // of a fused QKV buffer writes only its own columns).
                     let gradient = matches!(
                         role,
-                        AttentionBuffer::QGrad | AttentionBuffer::KGrad | AttentionBuffer::VGrad
+                        AttentionBuffer::QGrad
+                            | AttentionBuffer::KGrad
+                            | AttentionBuffer::VGrad
+                            | AttentionBuffer::QGradSum
                     );
                     let v: Vec<f32> = (0..n)
                         .map(|_| match (b.output, gradient) {
@@ -695,20 +706,43 @@ fn bench_attention() {
                     lens.insert(role, (n, d));
                 }
             }
-            let src = &compiled.attention[&dplc_codegen::attention_name(k, pass, dtype)];
+            let source = dplc_codegen::emit_attention(k, pass, dtype);
+            let ptx = match compiled.attention.get(&source.name) {
+                Some(c) => c.ptx.clone(),
+                None => nvrtc.compile(&source, dev.arch()).expect("compiles"),
+            };
+            let src = source;
             let gk = dev
-                .load_attention(k, pass, &src.source, &src.ptx, dtype)
+                .load_attention(k, pass, &src, &ptx, dtype)
                 .expect("loads");
             let refs: Vec<&DeviceBuffer> = roles.iter().map(|r| &bufs[r]).collect();
-            let s = median_time(&dev, &mut || dev.launch(&gk, &refs, &args).unwrap());
-            seconds.push(s);
+            // dQ's sum is zeroed before each pass that adds into it, as the
+            // executor zeroes it: timed with the pass.
+            let sum_at = roles.iter().position(|&r| r == AttentionBuffer::QGradSum);
+            let s = match (pass, sum_at) {
+                (AttentionPass::Grads, Some(at)) => {
+                    let bytes = lens[&AttentionBuffer::QGradSum].0 * 4;
+                    median_time(&dev, &mut || {
+                        let zeroed = dev.zeros(bytes).unwrap();
+                        let mut refs = refs.clone();
+                        refs[at] = &zeroed;
+                        dev.launch(&gk, &refs, &args).unwrap();
+                    })
+                }
+                _ => median_time(&dev, &mut || dev.launch(&gk, &refs, &args).unwrap()),
+            };
+            if k.passes(backward).contains(&pass) {
+                seconds.push((pass, s));
+            } else {
+                other.push((pass, s));
+            }
             // The forward asks the assembler for registers few enough that
             // as many blocks share a multiprocessor as its shared memory
             // holds (`__launch_bounds__(128, n)`); timed beside it, the same
             // kernel with the registers left to the assembler, so each run
             // checks the choice again.
             if pass == AttentionPass::Forward {
-                let mut free = src.source.clone();
+                let mut free = src.clone();
                 let bounds = free
                     .source
                     .find("__launch_bounds__(128, ")
@@ -744,18 +778,34 @@ fn bench_attention() {
             );
         }
         let fwd_flops = 2.0 * (batch * heads * seq * seq * head_dim) as f64;
-        let (fwd, bwd) = (seconds[0], seconds[1] + seconds[2]);
+        let list = |passes: &[(AttentionPass, f64)]| -> String {
+            passes
+                .iter()
+                .map(|(p, s)| format!("{} {:.3} ms", p.name(), s * 1e3))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let fwd = seconds[0].1;
+        let bwd: f64 = seconds[1..].iter().map(|(_, s)| s).sum();
         println!(
             "attention {shape} b{batch} h{heads} d{head_dim} s{seq}: fwd {:.3} ms ({:.0} TFLOP/s), \
-             bwd {:.3} ms ({:.0} TFLOP/s; dq {:.3} ms, dkdv {:.3} ms), fwd+bwd {:.3} ms",
+             bwd {:.3} ms ({:.0} TFLOP/s, {backward:?}; {}), fwd+bwd {:.3} ms",
             fwd * 1e3,
             fwd_flops / fwd / 1e12,
             bwd * 1e3,
             2.5 * fwd_flops / bwd / 1e12,
-            seconds[1] * 1e3,
-            seconds[2] * 1e3,
+            list(&seconds[1..]),
             (fwd + bwd) * 1e3
         );
+        if !other.is_empty() {
+            let two: f64 = other.iter().map(|(_, s)| s).sum();
+            println!(
+                "variant {shape} two-pass backward: {:.3} ms ({}), fwd+bwd {:.3} ms",
+                two * 1e3,
+                list(&other),
+                (fwd + two) * 1e3
+            );
+        }
     }
 }
 
@@ -1129,10 +1179,14 @@ fn a_gpu_run_without_a_driver_fails_typed() {
 /// head widths 8 and 16, the second taking the tensor-core passes in bf16)
 /// on the GPU against the host interpreter on the same random operands
 /// (rounded through the storage type): the forward's output and
-/// log-sum-exp, then each backward pass from the host's forward. Worst
-/// norm-wise relative error.
+/// log-sum-exp, then each backward pass from the host's forward (both the
+/// two-pass and, where the codegen takes it, the one-pass backward's).
+/// Worst norm-wise relative error.
 fn attention_matches(dtype: DType, tol: f64, test: &str) {
-    use dplc_codegen::{interpret_attention, AttentionBuffer, AttentionPass, BufferRef};
+    use dplc_codegen::{
+        attention_backward, interpret_attention, AttentionBackward, AttentionBuffer, AttentionPass,
+        BufferRef,
+    };
     let Some(dev) = gpu_or_skip(test) else { return };
     let Some(nvrtc) = nvrtc_or_skip(test) else {
         return;
@@ -1194,11 +1248,14 @@ fn attention_matches(dtype: DType, tol: f64, test: &str) {
                         .collect();
                     values.insert(role, v);
                 }
-                for pass in [
-                    AttentionPass::Forward,
-                    AttentionPass::QueryGrad,
-                    AttentionPass::KeyValueGrad,
-                ] {
+                // Both backwards where the codegen takes the one pass (its
+                // passes after the two-pass ones, in `ALL`'s order).
+                let mut wanted = k.passes(AttentionBackward::TwoPass);
+                wanted.extend(k.passes(attention_backward(k, dtype)));
+                for pass in AttentionPass::ALL {
+                    if !wanted.contains(&pass) || !k.runs(pass, [true, true, true, false]) {
+                        continue;
+                    }
                     let roles = k.roles(pass);
                     let specs = k.buffers(pass);
                     let mut host: Vec<Data> = Vec::new();
@@ -1228,12 +1285,13 @@ fn attention_matches(dtype: DType, tol: f64, test: &str) {
                             host.push(Data::F32(v));
                         }
                     }
-                    let src = &compiled
-                        .attention
-                        .get(&dplc_codegen::attention_name(k, pass, dtype))
-                        .expect("compiled");
+                    let source = dplc_codegen::emit_attention(k, pass, dtype);
+                    let ptx = match compiled.attention.get(&source.name) {
+                        Some(c) => c.ptx.clone(),
+                        None => nvrtc.compile(&source, dev.arch()).expect("compiles"),
+                    };
                     let gk = dev
-                        .load_attention(k, pass, &src.source, &src.ptx, dtype)
+                        .load_attention(k, pass, &source, &ptx, dtype)
                         .expect("loads");
                     let refs: Vec<&DeviceBuffer> = bufs.iter().collect();
                     dev.launch(&gk, &refs, &args)

@@ -810,63 +810,17 @@ pub(super) fn query_grad_mma(c: &Ctx) -> Pass {
     // Each row's log-sum-exp, and δ = Σ dO ∘ O over the quad sharing it.
     body.push(array("float", "lse", 2));
     body.push(array("float", "delta", 2));
-    let shfl = |v: C, o: i64| {
-        call(
-            "__shfl_xor_sync",
-            vec![C::Lit("0xffffffffu".into()), v, C::Lit(o.to_string())],
-        )
-    };
     let qi = ix("row", id("r"));
-    let part = bin(
-        "+",
-        bin("*", id("nb"), ll(8)),
-        bin("+", bin("*", id("tq"), ll(2)), id("x")),
-    );
-    body.push(unrolled(
-        "r",
-        2,
-        vec![
-            decl("int", "live", bin("<", qi.clone(), size(k.q_len))),
-            var("float", "dsum", Some(zero())),
-            S::If(
-                id("live"),
-                vec![unrolled(
-                    "nb",
-                    vd / 8,
-                    vec![unrolled(
-                        "x",
-                        2,
-                        vec![add_to(
-                            id("dsum"),
-                            bin(
-                                "*",
-                                c.load(OutGrad, b.clone(), h.clone(), qi.clone(), part.clone()),
-                                c.load(Out, b.clone(), h.clone(), qi.clone(), part.clone()),
-                            ),
-                        )],
-                    )],
-                )],
-            ),
-            add_to(id("dsum"), shfl(id("dsum"), 1)),
-            add_to(id("dsum"), shfl(id("dsum"), 2)),
-            set(ix("delta", id("r")), id("dsum")),
-            S::If(
-                bin("&&", id("live"), bin("==", id("tq"), ll(0))),
-                vec![set(
-                    at(c.buf(Delta), c.lse_at(b.clone(), h.clone(), qi.clone())),
-                    id("dsum"),
-                )],
-            ),
-            set(
-                ix("lse", id("r")),
-                C::Cond(
-                    Box::new(id("live")),
-                    Box::new(lse_base2(c, b.clone(), h.clone(), qi.clone())),
-                    Box::new(neg_inf()),
-                ),
-            ),
-        ],
+    let mut per_row = row_delta(c);
+    per_row.push(set(
+        ix("lse", id("r")),
+        C::Cond(
+            Box::new(id("live")),
+            Box::new(lse_base2(c, b.clone(), h.clone(), qi.clone())),
+            Box::new(neg_inf()),
+        ),
     ));
+    body.push(unrolled("r", 2, per_row));
     body.push(array("float", "dq", hd / 8 * 4));
     body.push(unrolled(
         "x",
@@ -984,6 +938,108 @@ pub(super) fn query_grad_mma(c: &Ctx) -> Pass {
     Pass::tiles(items, body, 128, key_value_arrays(t, kstride, vstride))
 }
 
+/// Row `row[r]`'s δ = Σ dO ∘ O (query head `hh` of sample `b`), each of
+/// the quad sharing the row summing a quarter of it: into `delta[r]` and,
+/// by the quad's first thread, the δ buffer; `live` says whether the row
+/// is inside the problem.
+fn row_delta(c: &Ctx) -> Vec<S> {
+    use AttentionBuffer::*;
+    let (b, h) = (id("b"), id("hh"));
+    let shfl = |v: C, o: i64| {
+        call(
+            "__shfl_xor_sync",
+            vec![C::Lit("0xffffffffu".into()), v, C::Lit(o.to_string())],
+        )
+    };
+    let qi = ix("row", id("r"));
+    let part = bin(
+        "+",
+        bin("*", id("nb"), ll(8)),
+        bin("+", bin("*", id("tq"), ll(2)), id("x")),
+    );
+    vec![
+        decl("int", "live", bin("<", qi.clone(), size(c.k.q_len))),
+        var("float", "dsum", Some(zero())),
+        S::If(
+            id("live"),
+            vec![unrolled(
+                "nb",
+                c.k.value_dim / 8,
+                vec![unrolled(
+                    "x",
+                    2,
+                    vec![add_to(
+                        id("dsum"),
+                        bin(
+                            "*",
+                            c.load(OutGrad, b.clone(), h.clone(), qi.clone(), part.clone()),
+                            c.load(Out, b.clone(), h.clone(), qi.clone(), part.clone()),
+                        ),
+                    )],
+                )],
+            )],
+        ),
+        add_to(id("dsum"), shfl(id("dsum"), 1)),
+        add_to(id("dsum"), shfl(id("dsum"), 2)),
+        set(ix("delta", id("r")), id("dsum")),
+        S::If(
+            bin("&&", id("live"), bin("==", id("tq"), ll(0))),
+            vec![set(at(c.buf(Delta), c.lse_at(b, h, qi)), id("dsum"))],
+        ),
+    ]
+}
+
+/// The one-pass backward's first pass: each query row's δ, a quad of
+/// threads a row as the two-pass `dQ` pass makes it (value widths of
+/// whole 8-column blocks, as every tensor-core pass has).
+pub(super) fn delta_pass(c: &Ctx) -> Pass {
+    let k = c.k;
+    let mut body = decompose(k.heads, k.q_len, "i0");
+    body.extend(warp_rows("i0"));
+    body.push(array("float", "delta", 2));
+    body.push(unrolled("r", 2, row_delta(c)));
+    Pass::tiles(tile_items(k.q_len, k.batch, k.heads), body, 128, vec![])
+}
+
+/// The one-pass backward's last pass: `dQ` = scale · its `f32` sum, a block
+/// a 64-row tile, its threads along the rows (both buffers read and written
+/// in order where `dQ`'s features are contiguous).
+pub(super) fn query_grad_scale(c: &Ctx) -> Pass {
+    use AttentionBuffer::*;
+    let k = c.k;
+    let hd = k.head_dim;
+    let mut body = decompose(k.heads, k.q_len, "i0");
+    let qi = bin("+", id("i0"), bin("/", id("e"), ll(hd)));
+    let d = bin("%", id("e"), ll(hd));
+    let sum_at = bin(
+        "+",
+        bin("*", c.lse_at(id("b"), id("hh"), id("qi")), ll(hd)),
+        id("d"),
+    );
+    body.push(loop_over(
+        "e",
+        thread(),
+        ll(ROWS * hd),
+        C::Cast("long long", Box::new(id("blockDim.x"))),
+        vec![
+            decl("long long", "qi", qi),
+            decl("long long", "d", d),
+            S::If(
+                bin("<", id("qi"), size(k.q_len)),
+                vec![c.store(
+                    QGrad,
+                    id("b"),
+                    id("hh"),
+                    id("qi"),
+                    id("d"),
+                    bin("*", at(c.buf(QGradSum), sum_at), f32_lit(k.scale)),
+                )],
+            ),
+        ],
+    ));
+    Pass::tiles(tile_items(k.q_len, k.batch, k.heads), body, 128, vec![])
+}
+
 /// The tensor-core `dK`/`dV` pass: 4 warps of 16 key rows of one key head
 /// (64 keys a block), over the query heads that share it and their query
 /// tiles: per tile `Sᵀ = K·Qᵀ` and `dPᵀ = V·dOᵀ` as `m16n8k16` steps (keys
@@ -991,9 +1047,16 @@ pub(super) fn query_grad_mma(c: &Ctx) -> Pass {
 /// the forward dropped it and `dK += dSᵀ·Q`, P and dS packed to the storage
 /// type as FlashAttention-2 packs them; each query's log-sum-exp and δ
 /// (the `dQ` pass's) staged beside its Q and dO rows.
-pub(super) fn key_value_grad_mma(c: &Ctx) -> Pass {
-    use AttentionBuffer::*;
-    let k = c.k;
+/// The `dK`/`dV` pass's tiling: query rows per streamed tile, and the
+/// shared bytes of its streamed tiles (Q, dO, their rows' statistics) and
+/// of its own 64 rows of K and V.
+struct KeyValueTiling {
+    t: i64,
+    streamed: i64,
+    own: i64,
+}
+
+fn key_value_tiling(k: &AttentionKernel) -> KeyValueTiling {
     let (hd, vd) = (k.head_dim, k.value_dim);
     let (qstride, ostride) = (hd + 8, vd + 8);
     // Query rows per tile: Sᵀ and dPᵀ hold t / 8 accumulator tiles each
@@ -1002,19 +1065,73 @@ pub(super) fn key_value_grad_mma(c: &Ctx) -> Pass {
         .into_iter()
         .find(|t| 2 * 2 * t * (qstride + ostride) + 8 * t <= SHARED_BYTES)
         .unwrap_or(16);
+    KeyValueTiling {
+        t,
+        streamed: 2 * 2 * t * (qstride + ostride) + 8 * t,
+        own: 2 * ROWS * ((hd + 8) + (vd + 8)),
+    }
+}
+
+/// Bytes of the one-pass backward's score-gradient tile: `t` query rows of
+/// the block's 64 keys, padded by 8 as the other tiles are.
+fn score_grad_tile_bytes(t: i64) -> i64 {
+    2 * t * (ROWS + 8)
+}
+
+/// The `dQ` share of the one-pass backward: the block's `t × head_dim`
+/// tile split over its 4 warps, each a 16-row block of queries and a run of
+/// column blocks — `(warps a row block, column blocks a warp)`, or `None`
+/// where the split leaves a warp an odd count of column blocks (each
+/// `ldmatrix.x4` feeds two).
+fn query_grad_split(t: i64, head_dim: i64) -> Option<(i64, i64)> {
+    let per_row_block = 4 / (t / 16);
+    let columns = head_dim / 8;
+    (columns % (2 * per_row_block) == 0).then_some((per_row_block, columns / per_row_block))
+}
+
+/// Whether the backward is one pass (`dK`, `dV` and `dQ`'s share by key
+/// tiles, FlashAttention-2's) for `k` stored as `dtype`: the tensor-core
+/// `dK`/`dV` pass, with room in a block's shared memory for its own K and
+/// V rows, its streamed tiles and the score gradients `dQ` is made from,
+/// and a `dQ` tile its warps split evenly. Else two passes, each
+/// recomputing the scores. One decision for the code, the executor and
+/// the host backend alike.
+pub fn attention_backward(k: &AttentionKernel, dtype: DType) -> AttentionBackward {
+    let tiling = key_value_tiling(k);
+    let fits = tiling.streamed + tiling.own + score_grad_tile_bytes(tiling.t) <= MOST_SHARED_BYTES;
+    if query_grad_tensor_cores(k, dtype) && fits && query_grad_split(tiling.t, k.head_dim).is_some()
+    {
+        AttentionBackward::OnePass
+    } else {
+        AttentionBackward::TwoPass
+    }
+}
+
+/// With `with_dq` (the one-pass backward's [`AttentionPass::Grads`]) each
+/// query tile's `dS` also goes through shared memory into `dQ += dS·K`
+/// over the block's 64 keys, added into `dQ`'s `f32` sum atomically.
+pub(super) fn key_value_grad_mma(c: &Ctx, with_dq: bool) -> Pass {
+    use AttentionBuffer::*;
+    let k = c.k;
+    let (hd, vd) = (k.head_dim, k.value_dim);
+    let (qstride, ostride) = (hd + 8, vd + 8);
+    let KeyValueTiling {
+        t,
+        streamed,
+        own: own_bytes,
+    } = key_value_tiling(k);
     let ns = t / 8;
     let (b, h) = (id("b"), id("h"));
     let mut body = decompose(k.kv_heads, k.k_len, "j0");
     body.push(decl("long long", "kh", id("hh")));
     body.extend(warp_rows("j0"));
     // K's and V's A fragments: in registers, or the block's 64 rows of each
-    // staged in shared memory once per item and read at each step.
+    // staged in shared memory once per item and read at each step (always
+    // with `dQ`, whose `dS·K` reads K's rows as B fragments).
     let (kstride, vstride) = (hd + 8, vd + 8);
     let arrays = (hd + vd) / 4 + (hd + vd) / 2 + t;
-    let streamed = 2 * 2 * t * (qstride + ostride) + 8 * t;
-    let own_bytes = 2 * ROWS * (kstride + vstride);
-    let from_shared =
-        arrays > KEY_VALUE_REGISTER_ARRAYS && streamed + own_bytes <= MOST_SHARED_BYTES;
+    let from_shared = with_dq
+        || (arrays > KEY_VALUE_REGISTER_ARRAYS && streamed + own_bytes <= MOST_SHARED_BYTES);
     let mut own = vec![];
     if from_shared {
         // After every thread is done with the last item's rows; waited for
@@ -1184,8 +1301,30 @@ pub(super) fn key_value_grad_mma(c: &Ctx) -> Pass {
         c.all_visible(&id("i0"), t, &warp_first_row(), 16),
         scores,
     ));
+    let dstride = ROWS + 8;
+    if with_dq {
+        // dSᵀ's accumulators into the tile `dS[query][key]`, read back
+        // after the barrier below as the A fragments of `dS·K`.
+        let key = bin("-", ix("row", bin("/", id("x"), ll(2))), id("j0"));
+        tile.push(unrolled(
+            "nb",
+            ns,
+            vec![unrolled(
+                "x",
+                4,
+                vec![set(
+                    ix("dsbuf", bin("+", bin("*", qcol.clone(), ll(dstride)), key)),
+                    call("dplc_st", vec![at_x("dp")]),
+                )],
+            )],
+        ));
+    }
     tile.push(mma_cols("dv", "s", "ot", ostride, t, vd));
     tile.push(mma_cols("dk", "dp", "qt", qstride, t, hd));
+    if with_dq {
+        tile.push(sync());
+        tile.push(query_grad_share(c, t, dstride, kstride));
+    }
     let heads = loop_over(
         "gq",
         ll(0),
@@ -1259,5 +1398,177 @@ pub(super) fn key_value_grad_mma(c: &Ctx) -> Pass {
         shared("float", 4, "dt", t),
     ];
     arrays.extend(own);
+    if with_dq {
+        arrays.push(shared("dplc_t", 2, "dsbuf", t * dstride));
+    }
     Pass::tiles(items, body, 128, arrays)
+}
+
+/// `dQ += dS·K` for the query tile at `i0` of head `h` against the block's
+/// 64 keys: A the shared `dS[query][key]` tile (rows `dstride` apart), B
+/// the block's K rows (`kown`, rows `kstride` apart) loaded transposed as
+/// [`mma_cols`] loads V; each warp's `16 × 8·n` share added into the `f32`
+/// sum of `dQ` (row-major `[b, h, i, d]`) two columns an atomic add.
+fn query_grad_share(c: &Ctx, t: i64, dstride: i64, kstride: i64) -> S {
+    let k = c.k;
+    let (per_row_block, n) =
+        query_grad_split(t, k.head_dim).expect("attention_backward checked the split");
+    let warp = bin("/", thread(), ll(32));
+    let mut out = vec![
+        decl("long long", "qb", bin("%", warp.clone(), ll(t / 16))),
+        decl(
+            "long long",
+            "c0",
+            bin("*", bin("/", warp, ll(t / 16)), ll(n * 8)),
+        ),
+        array("float", "dqs", n * 4),
+        unrolled("x", n * 4, vec![set(ix("dqs", id("x")), zero())]),
+    ];
+    debug_assert!(per_row_block * (t / 16) == 4);
+    // Lane l points at query (l % 8) + 8·((l / 8) % 2) of the warp's 16,
+    // keys 16·ks + 8·(l / 16): the four tiles are the A fragment's a0..a3.
+    let a_row = bin(
+        "+",
+        bin("*", id("qb"), ll(16)),
+        bin(
+            "+",
+            bin("%", id("lane"), ll(8)),
+            bin("*", bin("%", bin("/", id("lane"), ll(8)), ll(2)), ll(8)),
+        ),
+    );
+    let a_addr = ix(
+        "dsbuf",
+        bin(
+            "+",
+            bin("*", a_row, ll(dstride)),
+            bin(
+                "+",
+                bin("*", id("ks"), ll(16)),
+                bin("*", bin("/", id("lane"), ll(16)), ll(8)),
+            ),
+        ),
+    );
+    // Lane 4g + t points at key 16·ks + (4g + t) % 16 of column block
+    // 2·nb2 + g / 4 of the warp's: B fragments of two column blocks.
+    let b_addr = ix(
+        "kown",
+        bin(
+            "+",
+            bin(
+                "*",
+                bin(
+                    "+",
+                    bin("*", id("ks"), ll(16)),
+                    bin("%", id("lane"), ll(16)),
+                ),
+                ll(kstride),
+            ),
+            bin(
+                "+",
+                id("c0"),
+                bin(
+                    "*",
+                    bin("+", bin("*", id("nb2"), ll(2)), bin("/", id("g"), ll(4))),
+                    ll(8),
+                ),
+            ),
+        ),
+    );
+    let mma = |nb: C, b0: C, b1: C| {
+        S::Expr(call(
+            "dplc_mma",
+            vec![
+                C::Ref(Box::new(ix("dqs", bin("*", nb, ll(4))))),
+                id("af"),
+                b0,
+                b1,
+            ],
+        ))
+    };
+    let kb = |i: i64| ix("kb", ll(i));
+    out.push(unrolled(
+        "ks",
+        ROWS / 16,
+        vec![
+            array("unsigned", "af", 4),
+            S::Expr(call(
+                "dplc_ldsm_x4",
+                vec![id("af"), C::Ref(Box::new(a_addr))],
+            )),
+            unrolled(
+                "nb2",
+                n / 2,
+                vec![
+                    array("unsigned", "kb", 4),
+                    S::Expr(call(
+                        "dplc_ldsm_x4_t",
+                        vec![id("kb"), C::Ref(Box::new(b_addr))],
+                    )),
+                    mma(bin("*", id("nb2"), ll(2)), kb(0), kb(1)),
+                    mma(bin("+", bin("*", id("nb2"), ll(2)), ll(1)), kb(2), kb(3)),
+                ],
+            ),
+        ],
+    ));
+    // Rows g and g + 8 of the warp's 16, columns 2·tq and 2·tq + 1 of each
+    // block: one pair an add (sm_90's vector atomics; two adds elsewhere).
+    let qi = bin(
+        "+",
+        id("i0"),
+        bin(
+            "+",
+            bin("*", id("qb"), ll(16)),
+            bin("+", id("g"), bin("*", id("r"), ll(8))),
+        ),
+    );
+    let at_sum = bin(
+        "+",
+        bin("*", c.lse_at(id("b"), id("h"), id("qi")), ll(k.head_dim)),
+        bin(
+            "+",
+            id("c0"),
+            bin("+", bin("*", id("nb"), ll(8)), bin("*", id("tq"), ll(2))),
+        ),
+    );
+    let sum = c.buf(AttentionBuffer::QGradSum);
+    let v = |x: i64| {
+        ix(
+            "dqs",
+            bin(
+                "+",
+                bin("+", bin("*", id("nb"), ll(4)), bin("*", id("r"), ll(2))),
+                ll(x),
+            ),
+        )
+    };
+    let add_pair = vec![
+        var("float*", "dst", Some(C::Ref(Box::new(at(sum, at_sum))))),
+        S::Line("#if __CUDA_ARCH__ >= 900".into()),
+        S::Expr(call(
+            "atomicAdd",
+            vec![
+                C::Cast("float2*", Box::new(id("dst"))),
+                call("make_float2", vec![v(0), v(1)]),
+            ],
+        )),
+        S::Line("#else".into()),
+        S::Expr(call("atomicAdd", vec![id("dst"), v(0)])),
+        S::Expr(call(
+            "atomicAdd",
+            vec![bin("+", id("dst"), C::Lit("1".into())), v(1)],
+        )),
+        S::Line("#endif".into()),
+    ];
+    out.push(unrolled(
+        "r",
+        2,
+        vec![
+            decl("long long", "qi", qi),
+            S::If(
+                bin("<", id("qi"), size(k.q_len)),
+                vec![unrolled("nb", n, add_pair)],
+            ),
+        ],
+    ));
+    S::Block(out)
 }

@@ -202,8 +202,8 @@ pub struct FusedAttention {
 
 impl FusedAttention {
     /// The graph tensor a buffer role stands for (its gradient, for a
-    /// gradient's role); `None` for the log-sum-exp and δ, which the graph
-    /// lacks.
+    /// gradient's role); `None` for the log-sum-exp, δ and `dQ`'s sum,
+    /// which the graph lacks.
     pub fn tensor(&self, role: AttentionBuffer) -> Option<TensorId> {
         use AttentionBuffer::*;
         match role {
@@ -212,7 +212,7 @@ impl FusedAttention {
             V | VGrad => Some(self.v),
             Bias | BiasGrad => self.bias,
             Out | OutGrad => Some(self.out),
-            LogSumExp | Delta => None,
+            LogSumExp | Delta | QGradSum => None,
         }
     }
 

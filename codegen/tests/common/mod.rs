@@ -9,6 +9,23 @@ use dplc_ir::{DType, Dim, Graph, Op, ReduceKind, RegionId, TensorId};
 use std::collections::HashMap;
 use std::path::Path;
 
+/// The passes of `k` the codegen may emit in `dtype`, in launch order: the
+/// two-pass backward's and, where the codegen takes it, the one-pass
+/// backward's (`ALL`'s order is each one's launch order) — every pass a
+/// test of the generated code should see.
+pub fn attention_passes(
+    k: &dplc_codegen::AttentionKernel,
+    dtype: DType,
+) -> Vec<dplc_codegen::AttentionPass> {
+    use dplc_codegen::{attention_backward, AttentionBackward, AttentionPass};
+    let mut wanted = k.passes(AttentionBackward::TwoPass);
+    wanted.extend(k.passes(attention_backward(k, dtype)));
+    AttentionPass::ALL
+        .into_iter()
+        .filter(|p| wanted.contains(p) && k.runs(*p, [true; 4]))
+        .collect()
+}
+
 pub fn zoo(file: &str, model: &str) -> dplc_frontend::Lowered {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../models")

@@ -22,9 +22,9 @@ use crate::error::{kernel_err, Result, RuntimeError};
 use crate::interp::ParamKey;
 use crate::tensor::{Data, Tensor};
 use dplc_codegen::{
-    add_kernel, column_sum_kernel, convert_kernel, Args, AttentionBuffer, AttentionPass,
-    BackwardStep, Elem, FusedAttention, FusedKernel, FusionPlan, GradBinding, KeyPlace, KeySize,
-    Operand, Step,
+    add_kernel, attention_backward, column_sum_kernel, convert_kernel, Args, AttentionBuffer,
+    AttentionPass, BackwardStep, Elem, FusedAttention, FusedKernel, FusionPlan, GradBinding,
+    KeyPlace, KeySize, Operand, Step,
 };
 use dplc_ir::{DType, Graph, NodeId, Op, ParamId, Recompute, RegionId, TensorId};
 use std::cell::RefCell;

@@ -440,13 +440,18 @@ impl FusedGraph {
         usage
     }
 
-    /// Every pass of every fused attention the executor may launch.
-    pub fn attention_passes(&self) -> Vec<(dplc_codegen::AttentionKernel, AttentionPass)> {
+    /// Every pass of every fused attention the executor may launch with
+    /// floats stored as `dtype`.
+    pub fn attention_passes(
+        &self,
+        dtype: dplc_ir::DType,
+    ) -> Vec<(dplc_codegen::AttentionKernel, AttentionPass)> {
         let mut out = Vec::new();
         for (plan, _) in self.regions.values() {
             for step in &plan.steps {
                 if let Step::Attention(at) = step {
-                    for pass in AttentionPass::ALL {
+                    let backward = dplc_codegen::attention_backward(&at.kernel, dtype);
+                    for pass in at.kernel.passes(backward) {
                         if at.kernel.runs(pass, [true; 4]) {
                             out.push((at.kernel.clone(), pass));
                         }

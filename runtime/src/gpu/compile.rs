@@ -6,9 +6,9 @@
 
 use super::error::GpuResult;
 use dplc_codegen::{
-    adamw_kernel, adamw_value_kernel, backward_plan, column_sum_kernel, emit_attention, emit_cuda,
-    fuse_with, Arch, AttentionKernel, AttentionPass, BackwardStep, CudaSource, FuseConfig,
-    FusionPlan, Kernel, Nvrtc, Ptx, Step,
+    adamw_kernel, adamw_value_kernel, attention_backward, backward_plan, column_sum_kernel,
+    emit_attention, emit_cuda, fuse_with, Arch, AttentionKernel, AttentionPass, BackwardStep,
+    CudaSource, FuseConfig, FusionPlan, Kernel, Nvrtc, Ptx, Step,
 };
 use dplc_ir::{AttentionKind, DType, Graph, RegionId};
 use std::collections::BTreeMap;
@@ -91,7 +91,8 @@ pub fn compile_graph(
             match step {
                 Step::Kernel(k) => add(&k.kernel)?,
                 Step::Attention(at) => {
-                    for pass in AttentionPass::ALL {
+                    let backward = attention_backward(&at.kernel, dtype);
+                    for pass in at.kernel.passes(backward) {
                         if !at.kernel.runs(pass, [true; 4]) {
                             continue;
                         }

@@ -185,9 +185,10 @@ const NO_DRAWS: DropoutKey = DropoutKey {
 };
 
 impl FusedProgram {
-    /// Kernels its forward and backward launch (the fused attentions' passes included).
-    pub fn kernel_count(&self) -> usize {
-        self.fused.kernels().len() + self.fused.attention_passes().len()
+    /// Kernels its forward and backward launch with floats stored as
+    /// `dtype` (the fused attentions' passes included).
+    pub fn kernel_count(&self, dtype: dplc_ir::DType) -> usize {
+        self.fused.kernels().len() + self.fused.attention_passes(dtype).len()
     }
 
     /// How fusion took the program's attentions.

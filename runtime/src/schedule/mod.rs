@@ -434,7 +434,10 @@ fn assemble(
         device: shared.gpus.iter().flatten().next().map(|g| DeviceUse {
             name: g.name().to_string(),
             peak_bytes: device_peak.unwrap_or(0),
-            kernels: shared.fused.as_ref().map_or(0, |f| f.kernel_count()),
+            kernels: match (&shared.fused, &shared.cfg.device) {
+                (Some(f), Device::Cuda { dtype, .. }) => f.kernel_count(*dtype),
+                _ => 0,
+            },
             collectives: shared.collectives,
         }),
         attention: shared.fused.as_ref().map(|f| f.attentions()),

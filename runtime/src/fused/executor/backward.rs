@@ -32,14 +32,14 @@ impl<'a> Executor<'a> {
             run.lse.get(&at.out).cloned().ok_or_else(|| {
                 kernel_err("fused backward", "an attention without its log-sum-exp")
             })?;
-        // δ of every query row: the dQ pass writes it, the dK/dV pass reads it.
-        let mut delta: Option<B::Buf> = None;
-        for pass in [
-            AttentionPass::QueryGrad,
-            AttentionPass::KeyValueGrad,
-            AttentionPass::BiasGrad,
-        ] {
-            if !k.runs(pass, wants) {
+        // The passes' own values, made by the first pass that binds each:
+        // δ of every query row (the dQ or δ pass writes it, the passes by
+        // key tiles read it) and the one-pass backward's sum of dQ (zeroed:
+        // its pass adds into it).
+        let mut scratch: HashMap<AttentionBuffer, B::Buf> = HashMap::new();
+        let backward = attention_backward(k, be.dtype());
+        for pass in k.passes(backward) {
+            if pass == AttentionPass::Forward || !k.runs(pass, wants) {
                 continue;
             }
             let mut bufs = Vec::new();
@@ -48,12 +48,15 @@ impl<'a> Executor<'a> {
                 let len = args.len_of(&spec);
                 let v = match role {
                     AttentionBuffer::LogSumExp => lse.clone(),
-                    AttentionBuffer::Delta => {
-                        let buf = match &delta {
+                    AttentionBuffer::Delta | AttentionBuffer::QGradSum => {
+                        let buf = match scratch.get(&role) {
                             Some(b) => b.clone(),
-                            None => be.alloc(spec.elem, len)?,
+                            None if k.written_whole(role, &args, len) => {
+                                be.alloc(spec.elem, len)?
+                            }
+                            None => be.zeros(spec.elem, len)?,
                         };
-                        delta = Some(buf.clone());
+                        scratch.insert(role, buf.clone());
                         Val {
                             buf,
                             elem: spec.elem,
