@@ -10,9 +10,9 @@
 mod common;
 
 use dplc_codegen::{
-    adamw_kernel, adamw_value_kernel, add_kernel, backward_plan, column_sum_kernel, convert_kernel,
-    emit_attention, emit_cuda, fuse, sgd_kernel, sum_squares_kernel, Arch, BackwardStep,
-    CodegenError, CudaSource, Elem, Nvrtc, Step,
+    adamw_kernel, adamw_value_kernel, add_kernel, attention_backward, backward_plan,
+    column_sum_kernel, convert_kernel, emit_attention, emit_cuda, fuse, sgd_kernel,
+    sum_squares_kernel, Arch, BackwardStep, CodegenError, CudaSource, Elem, Nvrtc, Step,
 };
 use dplc_ir::DType;
 use std::collections::{BTreeMap, BTreeSet};
@@ -156,10 +156,15 @@ fn add_graph(g: &dplc_ir::Graph, dtypes: &[DType], add: &mut impl FnMut(CudaSour
                         add(emit_cuda(&k.kernel, dtype));
                     }
                 }
+                // The passes a run launches (the backward the codegen takes
+                // for the storage type; the widest heads take two passes).
                 Step::Attention(at) => {
                     for &dtype in dtypes {
-                        for pass in common::attention_passes(&at.kernel, dtype) {
-                            add(emit_attention(&at.kernel, pass, dtype));
+                        let k = &at.kernel;
+                        for pass in k.passes(attention_backward(k, dtype)) {
+                            if k.runs(pass, [true; 4]) {
+                                add(emit_attention(k, pass, dtype));
+                            }
                         }
                     }
                 }

@@ -217,8 +217,7 @@ pub fn forward_shape(k: &AttentionKernel, row_tiles: Option<i64>) -> ForwardShap
             .into_iter()
             .map(|q_shared| ForwardShape { mt: 2, t, q_shared })
             .find(|f| {
-                f.registers(k) <= THREAD_REGISTERS
-                    && f.shared_bytes(k) <= FORWARD_PAIR_SHARED_BYTES
+                f.registers(k) <= THREAD_REGISTERS && f.shared_bytes(k) <= FORWARD_PAIR_SHARED_BYTES
             })
     });
     let single = || {
@@ -1178,52 +1177,173 @@ fn row_delta(c: &Ctx) -> Vec<S> {
     ]
 }
 
-/// The one-pass backward's first pass: each query row's δ, a quad of
-/// threads a row as the two-pass `dQ` pass makes it (value widths of
-/// whole 8-column blocks, as every tensor-core pass has).
+/// The one-pass backward's first pass: each query row's δ. Where O's and
+/// dO's features are contiguous, `value_dim / 8` threads a row (a power of
+/// two up to a warp), each reading eight elements of both rows a 16-byte
+/// load where the rows are aligned (checked as it runs), the row's sum
+/// gathered by shuffles; elsewhere a quad of threads a row, as the
+/// two-pass `dQ` pass makes it.
 pub(super) fn delta_pass(c: &Ctx) -> Pass {
+    use AttentionBuffer::*;
     let k = c.k;
+    let vd = k.value_dim;
+    let lanes = vd / 8;
+    let contiguous = [Out, OutGrad]
+        .iter()
+        .all(|&r| k.operand(r).expect("an operand").at.strides[3] == Size::Const(1));
     let mut body = decompose(k.heads, k.q_len, "i0");
-    body.extend(warp_rows("i0", 1));
-    body.push(array("float", "delta", 2));
-    body.push(unrolled("r", 2, row_delta(c)));
+    if !(contiguous && vd % 8 == 0 && (lanes as u64).is_power_of_two() && lanes <= 32) {
+        body.extend(warp_rows("i0", 1));
+        body.push(array("float", "delta", 2));
+        body.push(unrolled("r", 2, row_delta(c)));
+        return Pass::tiles(tile_items(k.q_len, k.batch, k.heads), body, 128, vec![]);
+    }
+    let (b, h) = (id("b"), id("hh"));
+    let part = bin("*", id("part"), ll(8));
+    let row_at = |role: AttentionBuffer| {
+        C::Ref(Box::new(at(
+            c.buf(role),
+            c.addr(role, b.clone(), h.clone(), id("qi"), part.clone()),
+        )))
+    };
+    let mut live = vec![
+        decl("dplc_t*", "po", row_at(Out)),
+        decl("dplc_t*", "pd", row_at(OutGrad)),
+        S::Line("__align__(16) dplc_t wo[8];".into()),
+        S::Line("__align__(16) dplc_t wd[8];".into()),
+        S::Line(
+            "if (((((unsigned long long)po) | ((unsigned long long)pd)) & 15ULL) == 0ULL) { \
+             *reinterpret_cast<uint4*>(wo) = *reinterpret_cast<const uint4*>(po); \
+             *reinterpret_cast<uint4*>(wd) = *reinterpret_cast<const uint4*>(pd); } \
+             else { for (int x = 0; x < 8; ++x) { wo[x] = po[x]; wd[x] = pd[x]; } }"
+                .into(),
+        ),
+    ];
+    live.push(unrolled(
+        "x",
+        8,
+        vec![add_to(
+            id("dsum"),
+            bin(
+                "*",
+                call("dplc_ld", vec![ix("wd", id("x"))]),
+                call("dplc_ld", vec![ix("wo", id("x"))]),
+            ),
+        )],
+    ));
+    let mut per_row = vec![
+        decl(
+            "long long",
+            "qi",
+            bin("+", id("i0"), bin("/", id("e"), ll(lanes))),
+        ),
+        decl("long long", "part", bin("%", id("e"), ll(lanes))),
+        var("float", "dsum", Some(zero())),
+        S::If(bin("<", id("qi"), size(k.q_len)), live),
+    ];
+    // The row's lanes are `lanes` neighbours of one warp (`e` steps by the
+    // block, a multiple of 32), so a butterfly over them sums the row.
+    let mut o = lanes / 2;
+    while o >= 1 {
+        per_row.push(add_to(
+            id("dsum"),
+            call(
+                "__shfl_xor_sync",
+                vec![
+                    C::Lit("0xffffffffu".into()),
+                    id("dsum"),
+                    C::Lit(o.to_string()),
+                ],
+            ),
+        ));
+        o /= 2;
+    }
+    per_row.push(S::If(
+        bin(
+            "&&",
+            bin("==", id("part"), ll(0)),
+            bin("<", id("qi"), size(k.q_len)),
+        ),
+        vec![set(
+            at(c.buf(Delta), c.lse_at(b.clone(), h.clone(), id("qi"))),
+            id("dsum"),
+        )],
+    ));
+    // Every thread of the block takes the same count of rows' parts (64 ·
+    // lanes is a multiple of 128 for lanes ≥ 2), so whole warps shuffle.
+    body.push(loop_over(
+        "e",
+        thread(),
+        ll(ROWS * lanes.max(2)),
+        C::Cast("long long", Box::new(id("blockDim.x"))),
+        per_row,
+    ));
     Pass::tiles(tile_items(k.q_len, k.batch, k.heads), body, 128, vec![])
 }
 
 /// The one-pass backward's last pass: `dQ` = scale · its `f32` sum, a block
-/// a 64-row tile, its threads along the rows (both buffers read and written
-/// in order where `dQ`'s features are contiguous).
+/// a 64-row tile, each thread four neighbouring features of a row (one
+/// 16-byte load of the sum on the GPU, whose allocations are aligned; one
+/// at a time in a host emulation), `dQ`'s elements stored one by one.
 pub(super) fn query_grad_scale(c: &Ctx) -> Pass {
     use AttentionBuffer::*;
     let k = c.k;
     let hd = k.head_dim;
+    let quads = hd / 4;
     let mut body = decompose(k.heads, k.q_len, "i0");
-    let qi = bin("+", id("i0"), bin("/", id("e"), ll(hd)));
-    let d = bin("%", id("e"), ll(hd));
     let sum_at = bin(
         "+",
         bin("*", c.lse_at(id("b"), id("hh"), id("qi")), ll(hd)),
-        id("d"),
+        id("d0"),
     );
+    let mut live = vec![
+        decl(
+            "float*",
+            "src",
+            C::Ref(Box::new(at(c.buf(QGradSum), sum_at))),
+        ),
+        array("float", "v", 4),
+        S::Line("#ifdef __CUDA_ARCH__".into()),
+        S::Line(
+            "if ((((unsigned long long)src) & 15ULL) == 0ULL) { \
+             const float4 w = *reinterpret_cast<const float4*>(src); \
+             v[0] = w.x; v[1] = w.y; v[2] = w.z; v[3] = w.w; } \
+             else { for (int x = 0; x < 4; ++x) v[x] = src[x]; }"
+                .into(),
+        ),
+        S::Line("#else".into()),
+        S::Line("for (int x = 0; x < 4; ++x) v[x] = src[x];".into()),
+        S::Line("#endif".into()),
+    ];
+    live.push(unrolled(
+        "x",
+        4,
+        vec![c.store(
+            QGrad,
+            id("b"),
+            id("hh"),
+            id("qi"),
+            bin("+", id("d0"), id("x")),
+            bin("*", ix("v", id("x")), f32_lit(k.scale)),
+        )],
+    ));
     body.push(loop_over(
         "e",
         thread(),
-        ll(ROWS * hd),
+        ll(ROWS * quads),
         C::Cast("long long", Box::new(id("blockDim.x"))),
         vec![
-            decl("long long", "qi", qi),
-            decl("long long", "d", d),
-            S::If(
-                bin("<", id("qi"), size(k.q_len)),
-                vec![c.store(
-                    QGrad,
-                    id("b"),
-                    id("hh"),
-                    id("qi"),
-                    id("d"),
-                    bin("*", at(c.buf(QGradSum), sum_at), f32_lit(k.scale)),
-                )],
+            decl(
+                "long long",
+                "qi",
+                bin("+", id("i0"), bin("/", id("e"), ll(quads))),
             ),
+            decl(
+                "long long",
+                "d0",
+                bin("*", bin("%", id("e"), ll(quads)), ll(4)),
+            ),
+            S::If(bin("<", id("qi"), size(k.q_len)), live),
         ],
     ));
     Pass::tiles(tile_items(k.q_len, k.batch, k.heads), body, 128, vec![])
