@@ -22,7 +22,7 @@ use dplc_ir::DType;
 mod mma;
 mod scalar;
 mod staging;
-pub use mma::{attention_backward, forward_shape, ForwardShape};
+pub use mma::attention_backward;
 use mma::{
     delta_pass, forward_mma, key_value_grad_mma, mma_prelude, query_grad_mma, query_grad_scale,
     query_grad_tensor_cores, tensor_cores,
@@ -123,7 +123,8 @@ const SHARED_PRELUDE: &str = r#"#ifndef DPLC_DYNAMIC_SHARED
 /// A pass as it launches: its body, its block's threads, the shared arrays
 /// it carves from the block's dynamic shared memory, and, for a pass that
 /// asks the assembler for registers few enough that more blocks share a
-/// multiprocessor ([`resident_blocks`]), the registers a thread needs.
+/// multiprocessor ([`resident_blocks`]), the registers its arrays hold a
+/// thread.
 struct Pass {
     body: Vec<S>,
     block: u32,
@@ -147,30 +148,29 @@ impl Pass {
 const SM_SHARED_BYTES: u32 = 227 * 1024;
 /// Registers of a multiprocessor (every part since Volta).
 const SM_REGISTERS: u32 = 65536;
-/// The blocks of `block` threads, `shared_bytes` of shared memory and
-/// `registers` registers a thread that a multiprocessor holds, at most
-/// [`MOST_RESIDENT_WARPS`] warps of them: what a filling pass asks of
-/// `__launch_bounds__`. Measured on the H200 (bench_attention, run M), the
-/// tensor-core forward left to the assembler's choice of registers ran
-/// fewer blocks than its shared memory holds: at head width 64 (36 KB,
-/// three blocks by its 130 registers) four blocks took GPT-2's forward from
-/// 0.134 to 0.126 ms and the gpt2 step's micro-batch from 0.738 to 0.670
-/// ms; at 128 (68 KB, two by its 172 registers) three took Llama 2 7B's
-/// from 1.998 to 1.628 ms, and four, which neither its shared memory nor
-/// its arrays fit, 2.151 ms. The registers bound it where the arrays are
-/// wide (two blocks at width 256: four such threads' arrays alone would not
-/// fit a block of 128 registers each).
-fn resident_blocks(block: u32, shared_bytes: u32, registers: u32) -> u32 {
-    let by_shared = SM_SHARED_BYTES / shared_bytes.max(1);
-    let by_registers = SM_REGISTERS / (block * registers.max(1));
-    by_shared
-        .min(by_registers)
-        .clamp(1, MOST_RESIDENT_WARPS * 32 / block)
-}
+/// Registers a thread needs beside its register arrays (addresses, indices,
+/// the softmax's temporaries): the fewest ptxas 12.8 fit the forward into
+/// at head width 128 under `__launch_bounds__(128, 3)` — 168 for 132 of
+/// arrays, 16 bytes spilled.
+const REGISTERS_BESIDE_ARRAYS: u32 = 36;
 
-/// The most warps the resident-block rule asks for a multiprocessor (four
-/// blocks of four warps as measured; as many two-warp blocks).
-const MOST_RESIDENT_WARPS: u32 = 16;
+/// The blocks of `block` threads, `shared_bytes` of shared memory and
+/// `array_registers` registers of arrays a thread that a multiprocessor
+/// holds, at most four: what a filling pass asks of `__launch_bounds__`.
+/// Measured on the H200 (bench_attention, run M), the tensor-core forward
+/// left to the assembler's choice of registers ran fewer blocks than its
+/// shared memory holds: at head width 64 (36 KB, three blocks by its 130
+/// registers) four blocks took GPT-2's forward from 0.134 to 0.126 ms and
+/// the gpt2 step's micro-batch from 0.738 to 0.670 ms; at 128 (68 KB, two
+/// by its 172 registers) three took Llama 2 7B's from 1.998 to 1.628 ms,
+/// and four, which neither its shared memory nor its arrays fit, 2.151 ms.
+/// The arrays bound it where they are wide (two blocks at width 256: four
+/// such threads' arrays alone would not fit a block of 128 registers each).
+fn resident_blocks(block: u32, shared_bytes: u32, array_registers: u32) -> u32 {
+    let by_shared = SM_SHARED_BYTES / shared_bytes.max(1);
+    let by_registers = SM_REGISTERS / (block * (array_registers + REGISTERS_BESIDE_ARRAYS));
+    by_shared.min(by_registers).clamp(1, 4)
+}
 
 /// An array in a block's shared memory: `len` elements of `ty`, `bytes` each.
 struct Shared {
@@ -752,41 +752,7 @@ fn params(k: &AttentionKernel, pass: AttentionPass) -> Vec<String> {
 /// threads per item (`Rows`), or for the bias gradient a thread per item
 /// (`Elementwise`).
 pub fn emit_attention(kernel: &AttentionKernel, pass: AttentionPass, dtype: DType) -> CudaSource {
-    emit(
-        kernel,
-        pass,
-        dtype,
-        attention_name(kernel, pass, dtype),
-        forward_shape(kernel, None),
-    )
-}
-
-/// The tensor-core forward of `kernel` tiled as `shape` rather than as the
-/// codegen chooses ([`forward_shape`]), named apart (`…_mt2_t32q`): for a
-/// benchmark to time the alternatives beside each other.
-pub fn emit_attention_forward(
-    kernel: &AttentionKernel,
-    dtype: DType,
-    shape: ForwardShape,
-) -> CudaSource {
-    let pass = AttentionPass::Forward;
-    let name = format!(
-        "{}_mt{}_t{}{}",
-        attention_name(kernel, pass, dtype),
-        shape.mt,
-        shape.t,
-        if shape.q_shared { "q" } else { "" }
-    );
-    emit(kernel, pass, dtype, name, shape)
-}
-
-fn emit(
-    kernel: &AttentionKernel,
-    pass: AttentionPass,
-    dtype: DType,
-    name: String,
-    forward: ForwardShape,
-) -> CudaSource {
+    let name = attention_name(kernel, pass, dtype);
     let c = Ctx {
         k: kernel,
         roles: kernel.roles(pass),
@@ -800,7 +766,7 @@ fn emit(
         AttentionPass::Delta | AttentionPass::QueryGradScale | AttentionPass::BiasGrad => false,
     };
     let pass_code = match pass {
-        AttentionPass::Forward if mma => forward_mma(&c, forward),
+        AttentionPass::Forward if mma => forward_mma(&c),
         AttentionPass::Forward => forward_scalar(&c),
         AttentionPass::QueryGrad if mma => query_grad_mma(&c),
         AttentionPass::QueryGrad => query_grad(&c),

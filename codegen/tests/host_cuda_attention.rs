@@ -42,39 +42,19 @@ fn attention_cases(g: &Graph, seq: i64, out: &mut Vec<AttentionCase>) {
     }
 }
 
-/// The code of every pass of `k` in `dtype` ([`common::attention_passes`]),
-/// and where the tensor-core forward takes two row tiles a warp, the
-/// forward at one (the widest heads' tiling) right after it. In f16, whose
+/// The passes of `k` to check in `dtype`: both backwards' where the
+/// codegen takes the one pass ([`common::attention_passes`]); in f16, whose
 /// code differs from bf16's only in the storage type's conversions, the
 /// passes the codegen takes alone (the test stays well under a minute).
-fn sources(
-    k: &dplc_codegen::AttentionKernel,
-    dtype: DType,
-) -> Vec<(dplc_codegen::AttentionPass, dplc_codegen::CudaSource)> {
-    use dplc_codegen::{
-        attention_backward, emit_attention, emit_attention_forward, forward_shape, AttentionPass,
-    };
+fn passes(k: &dplc_codegen::AttentionKernel, dtype: DType) -> Vec<dplc_codegen::AttentionPass> {
     if dtype == DType::F16 {
         return k
-            .passes(attention_backward(k, dtype))
+            .passes(dplc_codegen::attention_backward(k, dtype))
             .into_iter()
             .filter(|&p| k.runs(p, [true; 4]))
-            .map(|p| (p, emit_attention(k, p, dtype)))
             .collect();
     }
-    let mut out = Vec::new();
-    for pass in common::attention_passes(k, dtype) {
-        let src = emit_attention(k, pass, dtype);
-        let paired = pass == AttentionPass::Forward
-            && src.source.contains("dplc_mma(")
-            && forward_shape(k, None).mt == 2;
-        out.push((pass, src));
-        if paired {
-            let single = emit_attention_forward(k, dtype, forward_shape(k, Some(1)));
-            out.push((pass, single));
-        }
-    }
-    out
+    common::attention_passes(k, dtype)
 }
 
 /// Every pass of `case` on the CPU-compiled C against the interpreter, the
@@ -113,7 +93,8 @@ fn check_attention(
         );
     }
     let mut worst = 0.0f64;
-    for (pass, src) in sources(k, dtype) {
+    for pass in passes(k, dtype) {
+        let src = dplc_codegen::emit_attention(k, pass, dtype);
         let block = match src.launch {
             dplc_codegen::LaunchShape::Rows { block } => block,
             _ => 64,
@@ -206,7 +187,8 @@ fn attention_unit(cases: &[AttentionCase], dtype: u32) -> String {
     let mut seen = std::collections::BTreeSet::new();
     for case in cases {
         let k = &case.kernel;
-        for (pass, src) in sources(k, dtype_of(dtype)) {
+        for pass in passes(k, dtype_of(dtype)) {
+            let src = dplc_codegen::emit_attention(k, pass, dtype_of(dtype));
             if !seen.insert(src.name.clone()) {
                 continue;
             }

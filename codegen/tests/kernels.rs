@@ -254,16 +254,12 @@ fn gpt2_loss_rows_walk_in_vectors_after_their_head() {
     insta::assert_snapshot!(out);
 }
 
-/// The tensor-core forward takes two 16-row tiles a warp in blocks of two
-/// warps where its arrays fit (`forward_shape`): at GPT-2's width of 64 with
-/// Q's fragments in registers and 64-key tiles (double-buffered K and V
-/// rows padded by 8: 2 · 2 · 64 · 72 · 2 = 36,864 bytes), four blocks a
-/// multiprocessor by their registers (ptxas uses 247 there); at Llama's 128 with Q read from a
-/// shared copy of the block's rows (64 · 136 · 2 = 17,408 bytes) beside
-/// 32-key tiles (34,816), four blocks; at Gemma's 256, whose O alone would
-/// take 256 registers at two tiles, one tile a warp in blocks of four warps,
-/// 32-key tiles (67,584 bytes, past the static 48 KB) and two blocks (its
-/// register arrays). The backward passes,
+/// At Llama's head width of 128 the tensor-core forward's key tiles take
+/// 64 keys, double-buffered K and V rows padded by 8: 2 · 2 · 64 · 136 · 2
+/// = 69,632 bytes of dynamic shared memory, past the static 48 KB that held
+/// 32 keys, and it asks for registers that let three such blocks share a
+/// Hopper multiprocessor (227 KB); at GPT-2's width of 64, four (at most
+/// four); at Gemma's 256, two (its register arrays). The backward passes,
 /// bounded by their registers, keep 32 keys (or queries) a tile within 48 KB
 /// and the assembler's registers; at 128 the dK/dV pass also stages its
 /// block's 64 rows of K and V (2 · 64 · 136 · 2 = 34,816 bytes) and reads
@@ -324,11 +320,11 @@ fn wide_heads_take_their_forward_key_tiles_past_48_kb() {
     assert_eq!(one_pass(256), None);
     assert_eq!(
         sizes(128),
-        expect([(52_224, "64, 4"), (34_816, "128"), (69_888, "128")])
+        expect([(69_632, "128, 3"), (34_816, "128"), (69_888, "128")])
     );
     assert_eq!(
         sizes(64),
-        expect([(36_864, "64, 4"), (36_864, "128"), (37_376, "128")])
+        expect([(36_864, "128, 4"), (36_864, "128"), (37_376, "128")])
     );
     // Gemma's 256: the arrays (Q's fragments, O's accumulators) bound the
     // forward to two blocks, so the assembler keeps all its registers.

@@ -738,34 +738,28 @@ fn bench_attention() {
             }
             // The forward asks the assembler for registers few enough that
             // as many blocks share a multiprocessor as its shared memory
-            // holds (`__launch_bounds__(block, n)`), and tiles its rows as
-            // `forward_shape` says; timed beside it, the same kernel with
-            // the registers left to the assembler, and the other tiling (one
-            // row tile a warp or two), so each run checks both choices again.
+            // holds (`__launch_bounds__(128, n)`); timed beside it, the same
+            // kernel with the registers left to the assembler, so each run
+            // checks the choice again.
             if pass == AttentionPass::Forward {
-                let chosen = dplc_codegen::forward_shape(k, None);
-                println!("variant {shape} {}: as generated {chosen:?}", pass.name());
-                let mut variants = Vec::new();
                 let mut free = src.clone();
-                if let (Some(bounds), dplc_codegen::LaunchShape::Rows { block }) =
-                    (free.source.find("__launch_bounds__("), free.launch)
-                {
-                    let end = bounds + free.source[bounds..].find(')').expect("closed") + 1;
-                    let loose = format!("__launch_bounds__({block})");
-                    free.source.replace_range(bounds..end, &loose);
-                    variants.push((loose, free));
-                }
-                let other = dplc_codegen::forward_shape(k, Some(3 - chosen.mt));
-                variants.push((
-                    format!("{other:?}"),
-                    dplc_codegen::emit_attention_forward(k, dtype, other),
-                ));
-                for (what, v) in variants {
-                    let ptx = nvrtc.compile(&v, dev.arch()).expect("compiles");
-                    let gk = dev.load_attention(k, pass, &v, &ptx, dtype).expect("loads");
-                    let s = median_time(&dev, &mut || dev.launch(&gk, &refs, &args).unwrap());
-                    println!("variant {shape} {}: {what} {:.3} ms", pass.name(), s * 1e3);
-                }
+                let bounds = free
+                    .source
+                    .find("__launch_bounds__(128, ")
+                    .expect("the forward states its resident blocks");
+                let end = bounds + free.source[bounds..].find(')').expect("closed") + 1;
+                free.source
+                    .replace_range(bounds..end, "__launch_bounds__(128)");
+                let ptx = nvrtc.compile(&free, dev.arch()).expect("compiles");
+                let gk = dev
+                    .load_attention(k, pass, &free, &ptx, dtype)
+                    .expect("loads");
+                let s = median_time(&dev, &mut || dev.launch(&gk, &refs, &args).unwrap());
+                println!(
+                    "variant {shape} {}: __launch_bounds__(128) {:.3} ms",
+                    pass.name(),
+                    s * 1e3
+                );
             }
         }
         // Every output written and finite.
@@ -1258,25 +1252,10 @@ fn attention_matches(dtype: DType, tol: f64, test: &str) {
                 // passes after the two-pass ones, in `ALL`'s order).
                 let mut wanted = k.passes(AttentionBackward::TwoPass);
                 wanted.extend(k.passes(attention_backward(k, dtype)));
-                // The forward at the other tiling too (one row tile a warp,
-                // the widest heads', beside two), right after the forward.
-                let mut sources = Vec::new();
                 for pass in AttentionPass::ALL {
                     if !wanted.contains(&pass) || !k.runs(pass, [true, true, true, false]) {
                         continue;
                     }
-                    let source = dplc_codegen::emit_attention(k, pass, dtype);
-                    let paired = pass == AttentionPass::Forward
-                        && source.source.contains("dplc_mma(")
-                        && dplc_codegen::forward_shape(k, None).mt == 2;
-                    sources.push((pass, source));
-                    if paired {
-                        let single = dplc_codegen::forward_shape(k, Some(1));
-                        sources
-                            .push((pass, dplc_codegen::emit_attention_forward(k, dtype, single)));
-                    }
-                }
-                for (pass, source) in sources {
                     let roles = k.roles(pass);
                     let specs = k.buffers(pass);
                     let mut host: Vec<Data> = Vec::new();
@@ -1306,6 +1285,7 @@ fn attention_matches(dtype: DType, tol: f64, test: &str) {
                             host.push(Data::F32(v));
                         }
                     }
+                    let source = dplc_codegen::emit_attention(k, pass, dtype);
                     let ptx = match compiled.attention.get(&source.name) {
                         Some(c) => c.ptx.clone(),
                         None => nvrtc.compile(&source, dev.arch()).expect("compiles"),

@@ -151,155 +151,38 @@ fn pair_bits(lo: C, hi: C) -> C {
     )
 }
 
-/// Registers a thread of the forward needs beside its arrays (addresses,
-/// indices, the softmax's temporaries, the fragments in flight), as ptxas
-/// 12.8 allocates them without a bound on sm_90: at one row tile a warp
-/// the fewest it fit at head width 128 under `__launch_bounds__(128, 3)`
-/// (168 for 132 of arrays, 16 bytes spilled); at two, 247 for GPT-2's 164
-/// of arrays and 245 for Llama 2 7B's 168 (no spill; `bench/ptxas.sh`).
-const FORWARD_REGISTERS_BESIDE: [i64; 2] = [36, 84];
-/// Registers a thread may hold.
-const THREAD_REGISTERS: i64 = 255;
-/// Shared memory of a forward block of two warps: four such blocks (eight
-/// warps) share a Hopper multiprocessor's 227 KB.
-const FORWARD_PAIR_SHARED_BYTES: i64 = 56 * 1024;
-
-/// How the tensor-core forward tiles its work: `mt` 16-row tiles a warp
-/// (each K or V fragment it loads from shared memory feeds `mt` row tiles'
-/// `mma`s), `t` keys a tile, Q's fragments in registers or read from a
-/// shared copy of the block's rows at each step.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ForwardShape {
-    pub mt: i64,
-    pub t: i64,
-    pub q_shared: bool,
-}
-
-impl ForwardShape {
-    /// Warps of a block: its 64 query rows ([`ROWS`]) at `16·mt` a warp.
-    fn warps(self) -> i64 {
-        ROWS / (16 * self.mt)
-    }
-
-    /// Registers a thread needs: its arrays (Q's fragments where they stay
-    /// in registers, O's and S's accumulators, the rows' statistics) and
-    /// those beside them.
-    fn registers(self, k: &AttentionKernel) -> i64 {
-        let q = if self.q_shared {
-            0
-        } else {
-            self.mt * k.head_dim / 16 * 4
-        };
-        let arrays = q + self.mt * (k.value_dim / 8 * 4 + self.t / 8 * 4 + 4);
-        arrays + FORWARD_REGISTERS_BESIDE[self.mt as usize - 1]
-    }
-
-    fn shared_bytes(self, k: &AttentionKernel) -> i64 {
-        let q = if self.q_shared {
-            2 * ROWS * (k.head_dim + 8)
-        } else {
-            0
-        };
-        2 * 2 * self.t * ((k.head_dim + 8) + (k.value_dim + 8)) + q
-    }
-}
-
-/// The forward's tiling for `k`, with `row_tiles` a warp where the caller
-/// fixes it (a benchmark's variant), else the codegen's choice: two row
-/// tiles a warp (two-warp blocks) with the widest key tile that keeps four
-/// such blocks a multiprocessor and the arrays in registers — Q's
-/// fragments too where they fit, else a shared copy of Q — and where
-/// nothing fits (the widest heads) one row tile a warp, four warps, the
-/// key tile the 96 KB a block may take holds double-buffered.
-pub fn forward_shape(k: &AttentionKernel, row_tiles: Option<i64>) -> ForwardShape {
-    let pairs = [64i64, 48, 32, 16].into_iter().find_map(|t| {
-        [false, true]
-            .into_iter()
-            .map(|q_shared| ForwardShape { mt: 2, t, q_shared })
-            .find(|f| {
-                f.registers(k) <= THREAD_REGISTERS && f.shared_bytes(k) <= FORWARD_PAIR_SHARED_BYTES
-            })
-    });
-    let single = || {
-        let t = [64i64, 48, 32, 16]
-            .into_iter()
-            .find(|t| 2 * 2 * t * ((k.head_dim + 8) + (k.value_dim + 8)) <= MOST_SHARED_BYTES)
-            .unwrap_or(16);
-        ForwardShape {
-            mt: 1,
-            t,
-            q_shared: false,
-        }
-    };
-    match (row_tiles, pairs) {
-        (Some(1), _) | (None, None) => single(),
-        (_, Some(pair)) => pair,
-        // Two row tiles asked where no tiling fits them: Q shared, the
-        // narrowest keys.
-        (Some(_), None) => ForwardShape {
-            mt: 2,
-            t: 16,
-            q_shared: true,
-        },
-    }
-}
-
-/// The tensor-core forward: warps of `16·mt` query rows ([`forward_shape`]);
-/// per key tile, `S = Q·Kᵀ` and `O += P·V` as `m16n8k16` steps. A thread
-/// holds, of each 16×8 accumulator tile, rows `g` and `g + 8` at columns
-/// `2t` and `2t + 1` (`g` = lane / 4, `t` = lane % 4), so the scores'
-/// tiles are the probabilities' operand fragments as they are.
-pub(super) fn forward_mma(c: &Ctx, shape: ForwardShape) -> Pass {
+/// The tensor-core forward: 4 warps of 16 query rows; per key tile, `S =
+/// Q·Kᵀ` and `O += P·V` as `m16n8k16` steps. A thread holds, of each 16×8
+/// accumulator tile, rows `g` and `g + 8` at columns `2t` and `2t + 1`
+/// (`g` = lane / 4, `t` = lane % 4), so the scores' tiles are the
+/// probabilities' operand fragments as they are.
+pub(super) fn forward_mma(c: &Ctx) -> Pass {
     use AttentionBuffer::*;
     let k = c.k;
     let (hd, vd) = (k.head_dim, k.value_dim);
-    let ForwardShape { mt, t, q_shared } = shape;
-    // K and V tiles of 16-bit elements within the shared memory, rows
-    // padded by 8 elements against bank conflicts: `O += P·V` reads V down
-    // a column, two keys a register, and unpadded rows of 64 or 128
-    // elements put the four key pairs a quad reads in one bank.
-    let (kstride, vstride, qstride) = (hd + 8, vd + 8, hd + 8);
+    // Key rows per tile: K and V tiles of 16-bit elements within the shared
+    // memory, rows padded by 8 elements against bank conflicts: `O += P·V`
+    // reads V down a column, two keys a register, and unpadded rows of 64
+    // or 128 elements put the four key pairs a quad reads in one bank.
+    let (kstride, vstride) = (hd + 8, vd + 8);
+    let t = [64i64, 48, 32, 16]
+        .into_iter()
+        .find(|t| 2 * 2 * t * (kstride + vstride) <= MOST_SHARED_BYTES)
+        .unwrap_or(16);
     let (ns, nv) = (t / 8, vd / 8);
     let (b, h) = (id("b"), id("hh"));
     let mut body = decompose(k.heads, k.q_len, "i0");
     body.push(decl("long long", "kh", bin("/", h.clone(), ll(k.group))));
-    body.extend(warp_rows("i0", mt));
-    let mut shared_arrays = key_value_arrays(t, kstride, vstride);
-    let q_operand = if q_shared {
-        // The block's Q rows, staged once an item after every thread is
-        // done with the last item's (and waited for here).
-        body.push(sync());
-        body.push(c.stage16(Tile16 {
-            name: "qs",
-            role: Q,
-            head: h.clone(),
-            first: id("i0"),
-            len: k.q_len,
-            rows: ROWS,
-            width: hd,
-            stride: qstride,
-        }));
-        body.push(S::Expr(call("dplc_cp_async_commit", vec![])));
-        body.push(S::Expr(call("dplc_cp_async_wait", vec![])));
-        body.push(sync());
-        shared_arrays.push(shared("dplc_t", 2, "qs", ROWS * qstride));
-        RowsA::Shared("qs", qstride)
-    } else {
-        // Q's fragments, straight from memory (zeros past the last query).
-        body.extend(row_fragments(c, Q, (h.clone(), k.q_len), "qf", hd, mt));
-        RowsA::Registers("qf")
-    };
-    body.push(array("float", "o", mt * nv * 4));
-    body.push(unrolled(
-        "x",
-        mt * nv * 4,
-        vec![set(ix("o", id("x")), zero())],
-    ));
-    body.push(array("float", "m", 2 * mt));
-    body.push(array("float", "l", 2 * mt));
+    body.extend(warp_rows("i0"));
+    // Q's fragments, straight from memory (zeros past the last query).
+    body.extend(row_fragments(c, Q, (h.clone(), k.q_len), "qf", hd));
+    body.push(array("float", "o", nv * 4));
+    body.push(unrolled("x", nv * 4, vec![set(ix("o", id("x")), zero())]));
+    body.push(array("float", "m", 2));
+    body.push(array("float", "l", 2));
     body.push(unrolled(
         "r",
-        2 * mt,
+        2,
         vec![
             set(ix("m", id("r")), neg_inf()),
             set(ix("l", id("r")), zero()),
@@ -309,92 +192,54 @@ pub(super) fn forward_mma(c: &Ctx, shape: ForwardShape) -> Pass {
     // The key tiles (raw 16-bit storage; zeros past the last key), each
     // fetched while the one before computes.
     let staged = key_value_tiles(k, kstride, vstride);
-    let mut tile = vec![array("float", "s", mt * ns * 4)];
+    let mut tile = vec![array("float", "s", ns * 4)];
     // S = Q·Kᵀ: B's fragment is two consecutive features of one key.
-    tile.push(mma_rows("s", q_operand, "kt", kstride, (hd, ns, mt)));
+    tile.push(mma_rows("s", RowsA::Registers("qf"), "kt", kstride, hd, ns));
     // Scale, bias, masks; the rows' maxima over the quad of threads sharing them.
     let (i, j) = (
-        ix(
-            "row",
-            bin("+", bin("*", id("mm"), ll(2)), bin("/", id("x"), ll(2))),
-        ),
+        ix("row", bin("/", id("x"), ll(2))),
         bin(
             "+",
             bin("+", id("j0"), bin("*", id("nb"), ll(8))),
             bin("+", bin("*", id("tq"), ll(2)), bin("%", id("x"), ll(2))),
         ),
     );
-    let sx = ix(
-        "s",
-        bin(
-            "+",
-            bin("*", bin("+", bin("*", id("mm"), ll(ns)), id("nb")), ll(4)),
-            id("x"),
-        ),
-    );
+    let sx = ix("s", bin("+", bin("*", id("nb"), ll(4)), id("x")));
     let scores = |open: bool| {
         let scaled = c.scaled_by(sx.clone(), LOG2_E, &b, &h, &id("qi"), &id("kj"));
         unrolled(
-            "mm",
-            mt,
+            "nb",
+            ns,
             vec![unrolled(
-                "nb",
-                ns,
-                vec![unrolled(
-                    "x",
-                    4,
-                    vec![
-                        decl("long long", "qi", i.clone()),
-                        decl("long long", "kj", j.clone()),
-                        set(
-                            sx.clone(),
-                            if open {
-                                scaled.clone()
-                            } else {
-                                C::Cond(
-                                    Box::new(c.visible(&id("qi"), &id("kj"))),
-                                    Box::new(scaled.clone()),
-                                    Box::new(neg_inf()),
-                                )
-                            },
-                        ),
-                    ],
-                )],
+                "x",
+                4,
+                vec![
+                    decl("long long", "qi", i.clone()),
+                    decl("long long", "kj", j.clone()),
+                    set(
+                        sx.clone(),
+                        if open {
+                            scaled
+                        } else {
+                            C::Cond(
+                                Box::new(c.visible(&id("qi"), &id("kj"))),
+                                Box::new(scaled),
+                                Box::new(neg_inf()),
+                            )
+                        },
+                    ),
+                ],
             )],
         )
     };
     tile.extend(open_or_masked(
-        c.all_visible(&warp_first_row(), 16 * mt, &id("j0"), t),
+        c.all_visible(&warp_first_row(), 16, &id("j0"), t),
         scores,
     ));
     let shfl = |v: C, o: i64| {
         call(
             "__shfl_xor_sync",
             vec![C::Lit("0xffffffffu".into()), v, C::Lit(o.to_string())],
-        )
-    };
-    // Row `r` (of the thread's 2·mt) of accumulator `name`, `per_tile`
-    // column blocks a row tile: block `nb`, column `x` of the thread's two.
-    let acc = |name: &str, per_tile: i64| {
-        ix(
-            name,
-            bin(
-                "+",
-                bin(
-                    "+",
-                    bin(
-                        "*",
-                        bin(
-                            "+",
-                            bin("*", bin("/", id("r"), ll(2)), ll(per_tile)),
-                            id("nb"),
-                        ),
-                        ll(4),
-                    ),
-                    bin("*", bin("%", id("r"), ll(2)), ll(2)),
-                ),
-                id("x"),
-            ),
         )
     };
     let mut rows = vec![var("float", "mx", Some(ix("m", id("r"))))];
@@ -404,7 +249,23 @@ pub(super) fn forward_mma(c: &Ctx, shape: ForwardShape) -> Pass {
         vec![unrolled(
             "x",
             2,
-            vec![set(id("mx"), call("fmaxf", vec![id("mx"), acc("s", ns)]))],
+            vec![set(
+                id("mx"),
+                call(
+                    "fmaxf",
+                    vec![
+                        id("mx"),
+                        ix(
+                            "s",
+                            bin(
+                                "+",
+                                bin("+", bin("*", id("nb"), ll(4)), bin("*", id("r"), ll(2))),
+                                id("x"),
+                            ),
+                        ),
+                    ],
+                ),
+            )],
         )],
     ));
     rows.push(set(
@@ -435,9 +296,30 @@ pub(super) fn forward_mma(c: &Ctx, shape: ForwardShape) -> Pass {
     rows.push(unrolled(
         "nb",
         nv,
-        vec![unrolled("x", 2, vec![mul_by(acc("o", nv), id("alpha"))])],
+        vec![unrolled(
+            "x",
+            2,
+            vec![mul_by(
+                ix(
+                    "o",
+                    bin(
+                        "+",
+                        bin("+", bin("*", id("nb"), ll(4)), bin("*", id("r"), ll(2))),
+                        id("x"),
+                    ),
+                ),
+                id("alpha"),
+            )],
+        )],
     ));
-    let sr = acc("s", ns);
+    let sr = ix(
+        "s",
+        bin(
+            "+",
+            bin("+", bin("*", id("nb"), ll(4)), bin("*", id("r"), ll(2))),
+            id("x"),
+        ),
+    );
     let mut prob = vec![
         decl(
             "float",
@@ -469,9 +351,9 @@ pub(super) fn forward_mma(c: &Ctx, shape: ForwardShape) -> Pass {
     }
     per_nb.push(unrolled("x", 2, prob));
     rows.push(unrolled("nb", ns, per_nb));
-    tile.push(unrolled("r", 2 * mt, rows));
+    tile.push(unrolled("r", 2, rows));
     // O += P·V: P's fragment for keys [16·kk, 16·kk + 16) is score tiles 2kk and 2kk + 1.
-    tile.push(mma_cols("o", "s", "vt", vstride, (t, vd, mt)));
+    tile.push(mma_cols("o", "s", "vt", vstride, t, vd));
     body.extend(c.pipelined("j0", (id("jbegin"), id("jend")), t, &staged, tile));
     // The rows' sums over the quad, then O / l and the log-sum-exp.
     let mut fin = vec![
@@ -504,7 +386,18 @@ pub(super) fn forward_mma(c: &Ctx, shape: ForwardShape) -> Pass {
                     bin("+", bin("*", id("nb"), ll(8)), bin("*", id("tq"), ll(2))),
                     id("x"),
                 ),
-                bin("*", acc("o", nv), id("inv")),
+                bin(
+                    "*",
+                    ix(
+                        "o",
+                        bin(
+                            "+",
+                            bin("+", bin("*", id("nb"), ll(4)), bin("*", id("r"), ll(2))),
+                            id("x"),
+                        ),
+                    ),
+                    id("inv"),
+                ),
             )],
         )],
     )];
@@ -525,11 +418,12 @@ pub(super) fn forward_mma(c: &Ctx, shape: ForwardShape) -> Pass {
         )],
     ));
     fin.push(S::If(bin("<", id("qi"), size(k.q_len)), write));
-    body.push(unrolled("r", 2 * mt, fin));
+    body.push(unrolled("r", 2, fin));
     let items = tile_items(k.q_len, k.batch, k.heads);
     Pass {
-        fill: Some(shape.registers(k) as u32),
-        ..Pass::tiles(items, body, 32 * shape.warps() as u32, shared_arrays)
+        // Q's fragments, O's and S's accumulators, the rows' statistics.
+        fill: Some((hd / 16 * 4 + nv * 4 + ns * 4 + 4) as u32),
+        ..Pass::tiles(items, body, 128, key_value_arrays(t, kstride, vstride))
     }
 }
 
@@ -572,13 +466,12 @@ fn key_value_tiles(k: &AttentionKernel, kstride: i64, vstride: i64) -> [Staged; 
     ]
 }
 
-/// A tensor-core pass's rows: warps of `16·mt` rows from `first` (`mt`
-/// 16-row tiles a warp), this thread's `row[2m] = first + 16·mt·warp +
-/// 16·m + g` and `row[2m + 1] = row[2m] + 8` (`g` = lane / 4, `tq` = lane
-/// % 4: a thread holds, of each 16×8 accumulator tile, those rows at
-/// columns `2·tq` and `2·tq + 1`).
-fn warp_rows(first: &str, mt: i64) -> Vec<S> {
-    let mut out = vec![
+/// A tensor-core pass's rows: 4 warps of 16 from `first`, this thread's
+/// `row[0] = first + 16·warp + g` and `row[1] = row[0] + 8` (`g` = lane / 4,
+/// `tq` = lane % 4: a thread holds, of each 16×8 accumulator tile, those
+/// rows at columns `2·tq` and `2·tq + 1`).
+fn warp_rows(first: &str) -> Vec<S> {
+    vec![
         decl("long long", "lane", bin("%", thread(), ll(32))),
         decl("long long", "g", bin("/", id("lane"), ll(4))),
         decl("long long", "tq", bin("%", id("lane"), ll(4))),
@@ -587,50 +480,26 @@ fn warp_rows(first: &str, mt: i64) -> Vec<S> {
             "r0",
             bin(
                 "+",
-                bin(
-                    "+",
-                    id(first),
-                    bin("*", bin("/", thread(), ll(32)), ll(16 * mt)),
-                ),
+                bin("+", id(first), bin("*", bin("/", thread(), ll(32)), ll(16))),
                 id("g"),
             ),
         ),
-        array("long long", "row", 2 * mt),
-    ];
-    for m in 0..mt {
-        let base = if m == 0 {
-            id("r0")
-        } else {
-            bin("+", id("r0"), ll(16 * m))
-        };
-        out.push(set(ix("row", ll(2 * m)), base.clone()));
-        out.push(set(ix("row", ll(2 * m + 1)), bin("+", base, ll(8))));
-    }
-    out
-}
-
-/// `i + k·m` with the term left out for tile 0, so a pass of one row tile
-/// a warp reads as it always did.
-fn tile_offset(i: C, per_tile: i64, m: i64) -> C {
-    if m == 0 {
-        i
-    } else {
-        bin("+", ll(per_tile * m), i)
-    }
+        array("long long", "row", 2),
+        set(ix("row", ll(0)), id("r0")),
+        set(ix("row", ll(1)), bin("+", id("r0"), ll(8))),
+    ]
 }
 
 /// A-operand fragments of `role` (a `[row][feature]` operand of `width`
 /// features, rows of head `head`, `len` of them) for this thread's rows
-/// `row[..2·mt]`, straight from memory into `name[mt · width / 16 · 4]`
-/// (row tile `m`'s from `m · width / 16 · 4`; zeros past the last row):
-/// the `m16n8k16` layout of [`forward_mma`]'s `Q`.
+/// `row[0]`, `row[1]`, straight from memory into `name[width / 16 * 4]`
+/// (zeros past the last row): the `m16n8k16` layout of [`forward_mma`]'s `Q`.
 fn row_fragments(
     c: &Ctx,
     role: AttentionBuffer,
     (head, len): (C, Size),
     name: &str,
     width: i64,
-    mt: i64,
 ) -> Vec<S> {
     let b = id("b");
     let h = head;
@@ -644,80 +513,58 @@ fn row_fragments(
             Box::new(C::Lit("0u".into())),
         )
     };
-    let mut out = vec![array("unsigned", name, mt * width / 16 * 4)];
-    for m in 0..mt {
-        let mut load = Vec::new();
-        for (reg, (rsel, dofs)) in [(0, 0), (1, 0), (0, 8), (1, 8)].into_iter().enumerate() {
-            let d = bin(
-                "+",
-                bin("+", bin("*", id("ks"), ll(16)), ll(dofs)),
-                bin("*", id("tq"), ll(2)),
-            );
-            load.push(set(
-                ix(
-                    name,
-                    tile_offset(
-                        bin("+", bin("*", id("ks"), ll(4)), ll(reg as i64)),
-                        width / 16 * 4,
-                        m,
-                    ),
-                ),
-                pair_bits(
-                    bits(ix("row", ll(2 * m + rsel)), d.clone()),
-                    bits(ix("row", ll(2 * m + rsel)), bin("+", d, ll(1))),
-                ),
-            ));
-        }
-        out.push(unrolled("ks", width / 16, load));
+    let mut load = Vec::new();
+    for (reg, (rsel, dofs)) in [(0, 0), (1, 0), (0, 8), (1, 8)].into_iter().enumerate() {
+        let d = bin(
+            "+",
+            bin("+", bin("*", id("ks"), ll(16)), ll(dofs)),
+            bin("*", id("tq"), ll(2)),
+        );
+        load.push(set(
+            ix(name, bin("+", bin("*", id("ks"), ll(4)), ll(reg as i64))),
+            pair_bits(
+                bits(ix("row", ll(rsel)), d.clone()),
+                bits(ix("row", ll(rsel)), bin("+", d, ll(1))),
+            ),
+        ));
     }
-    out
+    vec![
+        array("unsigned", name, width / 16 * 4),
+        unrolled("ks", width / 16, load),
+    ]
 }
 
 /// Where the A operand of [`mma_rows`] comes from.
 enum RowsA<'a> {
-    /// Fragments in registers, `name[ks·4 ..]` for step `ks` (row tile
-    /// `m`'s from `m · width / 16 · 4`, [`row_fragments`]).
+    /// Fragments in registers, `name[ks·4 ..]` for step `ks`
+    /// ([`row_fragments`]).
     Registers(&'a str),
-    /// A shared `[row][feature]` tile of the block's rows, rows `stride`
-    /// apart: each step's fragment loaded by `ldmatrix` from the warp's.
+    /// A shared `[row][feature]` tile of the block's 64 rows, rows `stride`
+    /// apart: each step's fragment loaded by `ldmatrix` from the warp's 16.
     Shared(&'a str, i64),
 }
 
-/// `acc[(m·tiles + nb)·4 ..] = A·Bᵀ` for row tile `m` in `0..mt` and `nb`
-/// in `0..tiles`: A the rows of `a` over `width / 16` steps, B's column
-/// `nb·8 + g` the row of the shared tile `tile` (rows `stride` apart, a
-/// multiple of 8; the tile 16-byte aligned) — two consecutive features of
-/// one row per register, loaded by `ldmatrix` once for the warp's `mt`
-/// row tiles — as [`forward_mma`]'s `S = Q·Kᵀ`.
-fn mma_rows(
-    acc: &str,
-    a: RowsA,
-    tile: &str,
-    stride: i64,
-    (width, tiles, mt): (i64, i64, i64),
-) -> S {
+/// `acc[nb·4 ..] = A·Bᵀ` for `nb` in `0..tiles`: A the rows of `a` over
+/// `width / 16` steps, B's column `nb·8 + g` the row of the shared tile
+/// `tile` (rows `stride` apart, a multiple of 8; the tile 16-byte aligned)
+/// — two consecutive features of one row per register, loaded by
+/// `ldmatrix` — as [`forward_mma`]'s `S = Q·Kᵀ`.
+fn mma_rows(acc: &str, a: RowsA, tile: &str, stride: i64, width: i64, tiles: i64) -> S {
     // Key tiles are 16, 32, 48 or 64 rows: whole pairs of 8-key blocks.
     assert!(
         tiles % 2 == 0,
         "{tiles} key blocks: a tile is whole 16-row steps"
     );
-    let frag = |m: i64| match a {
-        RowsA::Registers(name) => C::Ref(Box::new(ix(
-            name,
-            tile_offset(bin("*", id("ks"), ll(4)), width / 16 * 4, m),
-        ))),
-        RowsA::Shared(..) if mt == 1 => id("af"),
-        RowsA::Shared(..) => C::Ref(Box::new(ix("af", ll(4 * m)))),
+    let frag = match a {
+        RowsA::Registers(name) => C::Ref(Box::new(ix(name, bin("*", id("ks"), ll(4))))),
+        RowsA::Shared(..) => id("af"),
     };
-    let mma = |m: i64, nb: C, b0: C, b1: C| {
+    let mma = |nb: C, b0: C, b1: C| {
         S::Expr(call(
             "dplc_mma",
             vec![
-                C::Ref(Box::new(ix(
-                    acc,
-                    tile_offset(bin("*", nb, ll(4)), tiles * 4, m),
-                ))),
-                frag(m),
+                C::Ref(Box::new(ix(acc, bin("*", nb, ll(4))))),
+                frag.clone(),
                 b0,
                 b1,
             ],
@@ -756,117 +603,95 @@ fn mma_rows(
         bin("*", id("nb2"), ll(2)),
         bin("+", bin("*", id("nb2"), ll(2)), ll(1)),
     );
-    let mut pair = vec![
+    let pair = vec![
         array("unsigned", "kb", 4),
         S::Expr(call(
             "dplc_ldsm_x4",
             vec![id("kb"), C::Ref(Box::new(row_addr))],
         )),
+        mma(first.clone(), kb(0), kb(1)),
+        mma(second.clone(), kb(2), kb(3)),
     ];
-    for m in 0..mt {
-        pair.push(mma(m, first.clone(), kb(0), kb(1)));
-        pair.push(mma(m, second.clone(), kb(2), kb(3)));
-    }
-    let zeroed = |nb: C| -> Vec<S> {
-        (0..mt)
-            .map(|m| {
-                unrolled(
-                    "x",
-                    4,
-                    vec![set(
-                        ix(
-                            acc,
-                            bin(
-                                "+",
-                                tile_offset(bin("*", nb.clone(), ll(4)), tiles * 4, m),
-                                id("x"),
-                            ),
-                        ),
-                        zero(),
-                    )],
-                )
-            })
-            .collect()
+    let zeroed = |nb: C| {
+        unrolled(
+            "x",
+            4,
+            vec![set(ix(acc, bin("+", bin("*", nb, ll(4)), id("x"))), zero())],
+        )
     };
-    let mut zero_pair = zeroed(first.clone());
-    zero_pair.extend(zeroed(second.clone()));
     match a {
         // Steps inside the key blocks: the fragments are at hand.
-        RowsA::Registers(_) => {
-            zero_pair.push(unrolled("ks", width / 16, pair));
-            unrolled("nb2", tiles / 2, zero_pair)
-        }
-        // Key blocks inside the steps: each step's fragments loaded once.
-        // Lane l points at row (l % 8) + 8·((l / 8) % 2) of the warp's
-        // tile m, features 16·ks + 8·(l / 16): its four tiles are rows 0–7
-        // and 8–15 of features 0–7, then of 8–15 — registers a0..a3 of the
+        RowsA::Registers(_) => unrolled(
+            "nb2",
+            tiles / 2,
+            vec![
+                zeroed(first),
+                zeroed(second),
+                unrolled("ks", width / 16, pair),
+            ],
+        ),
+        // Key blocks inside the steps: each step's fragment loaded once.
+        // Lane l points at row (l % 8) + 8·((l / 8) % 2) of the warp's 16,
+        // features 16·ks + 8·(l / 16): its four tiles are rows 0–7 and
+        // 8–15 of features 0–7, then of 8–15 — registers a0..a3 of the
         // `m16n8k16` A fragment.
         RowsA::Shared(name, a_stride) => {
-            let mut step = vec![array("unsigned", "af", 4 * mt)];
-            for m in 0..mt {
-                let a_row = bin(
+            let a_row = bin(
+                "+",
+                bin("*", bin("/", thread(), ll(32)), ll(16)),
+                bin(
                     "+",
-                    tile_offset(bin("*", bin("/", thread(), ll(32)), ll(16 * mt)), 16, m),
+                    bin("%", id("lane"), ll(8)),
+                    bin("*", bin("%", bin("/", id("lane"), ll(8)), ll(2)), ll(8)),
+                ),
+            );
+            let a_addr = ix(
+                name,
+                bin(
+                    "+",
+                    bin("*", a_row, ll(a_stride)),
                     bin(
                         "+",
-                        bin("%", id("lane"), ll(8)),
-                        bin("*", bin("%", bin("/", id("lane"), ll(8)), ll(2)), ll(8)),
+                        bin("*", id("ks"), ll(16)),
+                        bin("*", bin("/", id("lane"), ll(16)), ll(8)),
                     ),
-                );
-                let a_addr = ix(
-                    name,
-                    bin(
-                        "+",
-                        bin("*", a_row, ll(a_stride)),
-                        bin(
-                            "+",
-                            bin("*", id("ks"), ll(16)),
-                            bin("*", bin("/", id("lane"), ll(16)), ll(8)),
-                        ),
-                    ),
-                );
-                step.push(S::Expr(call(
-                    "dplc_ldsm_x4",
-                    vec![frag(m), C::Ref(Box::new(a_addr))],
-                )));
-            }
-            step.push(unrolled("nb2", tiles / 2, pair));
+                ),
+            );
             S::Block(vec![
-                unrolled("nb2", tiles / 2, zero_pair),
-                unrolled("ks", width / 16, step),
+                unrolled("nb2", tiles / 2, vec![zeroed(first), zeroed(second)]),
+                unrolled(
+                    "ks",
+                    width / 16,
+                    vec![
+                        array("unsigned", "af", 4),
+                        S::Expr(call(
+                            "dplc_ldsm_x4",
+                            vec![id("af"), C::Ref(Box::new(a_addr))],
+                        )),
+                        unrolled("nb2", tiles / 2, pair),
+                    ],
+                ),
             ])
         }
     }
 }
 
-/// `out[(m·width/8 + nb)·4 ..] += P·T` for row tile `m` in `0..mt` and
-/// `nb` in `0..width / 8`: P the accumulator tiles `scores` (row tile
-/// `m`'s from `m·keys/8·4`; keys along columns, packed into A fragments
-/// sixteen keys at a time), T the shared tile `tile` (`[key][feature]`,
-/// rows `stride` apart), each B fragment loaded once for the warp's `mt`
-/// row tiles — [`forward_mma`]'s `O += P·V`.
-fn mma_cols(
-    out: &str,
-    scores: &str,
-    tile: &str,
-    stride: i64,
-    (keys, width, mt): (i64, i64, i64),
-) -> S {
-    let p = |m: i64, tile_ofs: i64, x: i64| {
+/// `out[nb·4 ..] += P·T` for `nb` in `0..width / 8`: P the accumulator
+/// tiles `scores` (keys along columns, packed into A fragments sixteen keys
+/// at a time), T the shared tile `tile` (`[key][feature]`, rows `stride`
+/// apart) — [`forward_mma`]'s `O += P·V`.
+fn mma_cols(out: &str, scores: &str, tile: &str, stride: i64, keys: i64, width: i64) -> S {
+    let p = |tile_ofs: i64, x: i64| {
         ix(
             scores,
-            tile_offset(
+            bin(
+                "+",
                 bin(
-                    "+",
-                    bin(
-                        "*",
-                        bin("+", bin("*", id("kk"), ll(2)), ll(tile_ofs)),
-                        ll(4),
-                    ),
-                    ll(x),
+                    "*",
+                    bin("+", bin("*", id("kk"), ll(2)), ll(tile_ofs)),
+                    ll(4),
                 ),
-                keys / 8 * 4,
-                m,
+                ll(x),
             ),
         )
     };
@@ -888,14 +713,13 @@ fn mma_cols(
             ),
         )
     };
-    let mut step = vec![array("unsigned", "pf", 4 * mt)];
-    for m in 0..mt {
-        let at = |i: i64| ix("pf", ll(4 * m + i));
-        step.push(set(at(0), call("dplc_pack", vec![p(m, 0, 0), p(m, 0, 1)])));
-        step.push(set(at(1), call("dplc_pack", vec![p(m, 0, 2), p(m, 0, 3)])));
-        step.push(set(at(2), call("dplc_pack", vec![p(m, 1, 0), p(m, 1, 1)])));
-        step.push(set(at(3), call("dplc_pack", vec![p(m, 1, 2), p(m, 1, 3)])));
-    }
+    let mut step = vec![
+        array("unsigned", "pf", 4),
+        set(ix("pf", ll(0)), call("dplc_pack", vec![p(0, 0), p(0, 1)])),
+        set(ix("pf", ll(1)), call("dplc_pack", vec![p(0, 2), p(0, 3)])),
+        set(ix("pf", ll(2)), call("dplc_pack", vec![p(1, 0), p(1, 1)])),
+        set(ix("pf", ll(3)), call("dplc_pack", vec![p(1, 2), p(1, 3)])),
+    ];
     // Two column blocks of T a `ldmatrix.x4.trans`: lane 4g + t points at
     // key 16·kk + (4g + t) % 16 of block 2·nb2 + g / 4, so its tiles are
     // keys 0–7 and 8–15 of block 2·nb2, then of block 2·nb2 + 1 (registers
@@ -918,49 +742,37 @@ fn mma_cols(
             ),
         ),
     );
-    let mma = |m: i64, nb: C, b0: C, b1: C| {
+    let mma = |nb: C, b0: C, b1: C| {
         S::Expr(call(
             "dplc_mma",
             vec![
-                C::Ref(Box::new(ix(
-                    out,
-                    tile_offset(bin("*", nb, ll(4)), width / 8 * 4, m),
-                ))),
-                if m == 0 {
-                    id("pf")
-                } else {
-                    C::Ref(Box::new(ix("pf", ll(4 * m))))
-                },
+                C::Ref(Box::new(ix(out, bin("*", nb, ll(4))))),
+                id("pf"),
                 b0,
                 b1,
             ],
         ))
     };
     let tb = |i: i64| ix("tb", ll(i));
-    let mut pair = vec![
-        array("unsigned", "tb", 4),
-        S::Expr(call(
-            "dplc_ldsm_x4_t",
-            vec![id("tb"), C::Ref(Box::new(row_addr))],
-        )),
-    ];
-    for m in 0..mt {
-        pair.push(mma(m, bin("*", id("nb2"), ll(2)), tb(0), tb(1)));
-        pair.push(mma(
-            m,
-            bin("+", bin("*", id("nb2"), ll(2)), ll(1)),
-            tb(2),
-            tb(3),
-        ));
-    }
-    step.push(unrolled("nb2", width / 16, pair));
+    step.push(unrolled(
+        "nb2",
+        width / 16,
+        vec![
+            array("unsigned", "tb", 4),
+            S::Expr(call(
+                "dplc_ldsm_x4_t",
+                vec![id("tb"), C::Ref(Box::new(row_addr))],
+            )),
+            mma(bin("*", id("nb2"), ll(2)), tb(0), tb(1)),
+            mma(bin("+", bin("*", id("nb2"), ll(2)), ll(1)), tb(2), tb(3)),
+        ],
+    ));
     // An odd last column block (a value width of 8 · odd): two 16-bit loads a register.
     if width % 16 != 0 {
-        let mut last = vec![decl("long long", "nb", ll(width / 8 - 1))];
-        for m in 0..mt {
-            last.push(mma(m, id("nb"), bits(0), bits(8)));
-        }
-        step.push(S::Block(last));
+        step.push(S::Block(vec![
+            decl("long long", "nb", ll(width / 8 - 1)),
+            mma(id("nb"), bits(0), bits(8)),
+        ]));
     }
     unrolled("kk", keys / 16, step)
 }
@@ -992,9 +804,9 @@ pub(super) fn query_grad_mma(c: &Ctx) -> Pass {
     let (b, h) = (id("b"), id("hh"));
     let mut body = decompose(k.heads, k.q_len, "i0");
     body.push(decl("long long", "kh", bin("/", h.clone(), ll(k.group))));
-    body.extend(warp_rows("i0", 1));
-    body.extend(row_fragments(c, Q, (h.clone(), k.q_len), "qf", hd, 1));
-    body.extend(row_fragments(c, OutGrad, (h.clone(), k.q_len), "of", vd, 1));
+    body.extend(warp_rows("i0"));
+    body.extend(row_fragments(c, Q, (h.clone(), k.q_len), "qf", hd));
+    body.extend(row_fragments(c, OutGrad, (h.clone(), k.q_len), "of", vd));
     // Each row's log-sum-exp, and δ = Σ dO ∘ O over the quad sharing it.
     body.push(array("float", "lse", 2));
     body.push(array("float", "delta", 2));
@@ -1020,8 +832,8 @@ pub(super) fn query_grad_mma(c: &Ctx) -> Pass {
     let mut tile = vec![
         array("float", "s", ns * 4),
         array("float", "dp", ns * 4),
-        mma_rows("s", RowsA::Registers("qf"), "kt", kstride, (hd, ns, 1)),
-        mma_rows("dp", RowsA::Registers("of"), "vt", vstride, (vd, ns, 1)),
+        mma_rows("s", RowsA::Registers("qf"), "kt", kstride, hd, ns),
+        mma_rows("dp", RowsA::Registers("of"), "vt", vstride, vd, ns),
     ];
     // dS in S's place: P from the log-sum-exp (0 where masked or past an
     // end), the dropout's factor on dP.
@@ -1081,7 +893,7 @@ pub(super) fn query_grad_mma(c: &Ctx) -> Pass {
         c.all_visible(&warp_first_row(), 16, &id("j0"), t),
         scores,
     ));
-    tile.push(mma_cols("dq", "s", "kt", kstride, (t, hd, 1)));
+    tile.push(mma_cols("dq", "s", "kt", kstride, t, hd));
     body.extend(c.pipelined("j0", (id("jbegin"), id("jend")), t, &staged, tile));
     let write = vec![unrolled(
         "nb",
@@ -1193,7 +1005,7 @@ pub(super) fn delta_pass(c: &Ctx) -> Pass {
         .all(|&r| k.operand(r).expect("an operand").at.strides[3] == Size::Const(1));
     let mut body = decompose(k.heads, k.q_len, "i0");
     if !(contiguous && vd % 8 == 0 && (lanes as u64).is_power_of_two() && lanes <= 32) {
-        body.extend(warp_rows("i0", 1));
+        body.extend(warp_rows("i0"));
         body.push(array("float", "delta", 2));
         body.push(unrolled("r", 2, row_delta(c)));
         return Pass::tiles(tile_items(k.q_len, k.batch, k.heads), body, 128, vec![]);
@@ -1433,7 +1245,7 @@ pub(super) fn key_value_grad_mma(c: &Ctx, with_dq: bool) -> Pass {
     let (b, h) = (id("b"), id("h"));
     let mut body = decompose(k.kv_heads, k.k_len, "j0");
     body.push(decl("long long", "kh", id("hh")));
-    body.extend(warp_rows("j0", 1));
+    body.extend(warp_rows("j0"));
     // K's and V's A fragments: in registers, or the block's 64 rows of each
     // staged in shared memory once per item and read at each step (always
     // with `dQ`, whose `dS·K` reads K's rows as B fragments).
@@ -1463,8 +1275,8 @@ pub(super) fn key_value_grad_mma(c: &Ctx, with_dq: bool) -> Pass {
         body.push(S::Expr(call("dplc_cp_async_wait", vec![])));
         body.push(sync());
     } else {
-        body.extend(row_fragments(c, K, (id("kh"), k.k_len), "kf", hd, 1));
-        body.extend(row_fragments(c, V, (id("kh"), k.k_len), "vf", vd, 1));
+        body.extend(row_fragments(c, K, (id("kh"), k.k_len), "kf", hd));
+        body.extend(row_fragments(c, V, (id("kh"), k.k_len), "vf", vd));
     }
     body.push(array("float", "dk", hd / 8 * 4));
     body.push(array("float", "dv", vd / 8 * 4));
@@ -1537,29 +1349,26 @@ pub(super) fn key_value_grad_mma(c: &Ctx, with_dq: bool) -> Pass {
             RowsA::Shared("kown", kstride),
             "qt",
             qstride,
-            (hd, ns, 1),
+            hd,
+            ns,
         ));
         tile.push(mma_rows(
             "dp",
             RowsA::Shared("vown", vstride),
             "ot",
             ostride,
-            (vd, ns, 1),
+            vd,
+            ns,
         ));
     } else {
-        tile.push(mma_rows(
-            "s",
-            RowsA::Registers("kf"),
-            "qt",
-            qstride,
-            (hd, ns, 1),
-        ));
+        tile.push(mma_rows("s", RowsA::Registers("kf"), "qt", qstride, hd, ns));
         tile.push(mma_rows(
             "dp",
             RowsA::Registers("vf"),
             "ot",
             ostride,
-            (vd, ns, 1),
+            vd,
+            ns,
         ));
     }
     // Pᵀ dropped in S's place, dSᵀ in dP's: key `row[x / 2]`, query
@@ -1631,8 +1440,8 @@ pub(super) fn key_value_grad_mma(c: &Ctx, with_dq: bool) -> Pass {
             )],
         ));
     }
-    tile.push(mma_cols("dv", "s", "ot", ostride, (t, vd, 1)));
-    tile.push(mma_cols("dk", "dp", "qt", qstride, (t, hd, 1)));
+    tile.push(mma_cols("dv", "s", "ot", ostride, t, vd));
+    tile.push(mma_cols("dk", "dp", "qt", qstride, t, hd));
     if with_dq {
         tile.push(sync());
         tile.push(query_grad_share(c, t, dstride, kstride));
