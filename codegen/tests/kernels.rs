@@ -270,7 +270,7 @@ fn gpt2_loss_rows_walk_in_vectors_after_their_head() {
 /// would pass 96 KB, so that width keeps two passes.
 #[test]
 fn wide_heads_take_their_forward_key_tiles_past_48_kb() {
-    let sizes = |width: usize| -> Vec<(u32, String)> {
+    let attention = |width: usize| {
         let model = common::PLACED
             .replace("seq, 8]", &format!("seq, {width}]"))
             .replace("seq, 16]", &format!("seq, {width}]"));
@@ -281,8 +281,11 @@ fn wide_heads_take_their_forward_key_tiles_past_48_kb() {
             .find_map(|s| match s {
                 Step::Attention(at) => Some(at),
                 _ => None,
-            })
-            .expect("a fused attention");
+            });
+        at.expect("a fused attention")
+    };
+    let sizes = |width: usize| -> Vec<(u32, String)> {
+        let at = attention(width);
         [
             AttentionPass::Forward,
             AttentionPass::QueryGrad,
@@ -299,18 +302,7 @@ fn wide_heads_take_their_forward_key_tiles_past_48_kb() {
     };
     let expect = |v: [(u32, &str); 3]| v.map(|(b, s)| (b, s.to_string())).to_vec();
     let one_pass = |width: usize| -> Option<u32> {
-        let model = common::PLACED
-            .replace("seq, 8]", &format!("seq, {width}]"))
-            .replace("seq, 16]", &format!("seq, {width}]"));
-        let g = common::lower_m(&model);
-        let at = g
-            .regions()
-            .flat_map(|(r, _)| fuse(&g, r).steps)
-            .find_map(|s| match s {
-                Step::Attention(at) => Some(at),
-                _ => None,
-            })
-            .expect("a fused attention");
+        let at = attention(width);
         (dplc_codegen::attention_backward(&at.kernel, DType::BF16)
             == dplc_codegen::AttentionBackward::OnePass)
             .then(|| emit_attention(&at.kernel, AttentionPass::Grads, DType::BF16).shared_bytes)

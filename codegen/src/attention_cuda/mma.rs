@@ -353,7 +353,13 @@ pub(super) fn forward_mma(c: &Ctx) -> Pass {
     rows.push(unrolled("nb", ns, per_nb));
     tile.push(unrolled("r", 2, rows));
     // O += P·V: P's fragment for keys [16·kk, 16·kk + 16) is score tiles 2kk and 2kk + 1.
-    tile.push(mma_cols("o", "s", "vt", vstride, t, vd));
+    tile.push(mma_cols(
+        "o",
+        ColsA::Packed("s"),
+        "vt",
+        vstride,
+        (t, vd, None),
+    ));
     body.extend(c.pipelined("j0", (id("jbegin"), id("jend")), t, &staged, tile));
     // The rows' sums over the quad, then O / l and the log-sum-exp.
     let mut fin = vec![
@@ -676,24 +682,31 @@ fn mma_rows(acc: &str, a: RowsA, tile: &str, stride: i64, width: i64, tiles: i64
     }
 }
 
-/// `out[nb·4 ..] += P·T` for `nb` in `0..width / 8`: P the accumulator
-/// tiles `scores` (keys along columns, packed into A fragments sixteen keys
-/// at a time), T the shared tile `tile` (`[key][feature]`, rows `stride`
-/// apart) — [`forward_mma`]'s `O += P·V`.
-fn mma_cols(out: &str, scores: &str, tile: &str, stride: i64, keys: i64, width: i64) -> S {
-    let p = |tile_ofs: i64, x: i64| {
-        ix(
-            scores,
-            bin(
-                "+",
-                bin(
-                    "*",
-                    bin("+", bin("*", id("kk"), ll(2)), ll(tile_ofs)),
-                    ll(4),
-                ),
-                ll(x),
-            ),
-        )
+/// Where the A operand of [`mma_cols`] comes from: `[row][key]`, sixteen
+/// keys a step.
+enum ColsA<'a> {
+    /// Accumulator tiles in registers (keys along columns), packed into A
+    /// fragments as they are — [`forward_mma`]'s P.
+    Packed(&'a str),
+    /// A shared tile, rows `stride` apart, the warp's 16 rows from `first`:
+    /// each step's fragment loaded by `ldmatrix`.
+    Shared(&'a str, i64, C),
+}
+
+/// `out[nb·4 ..] += A·T` for `nb` in `0..width / 8`: A over `keys` (packed
+/// accumulator tiles or a shared tile, [`ColsA`]), T the shared tile
+/// `tile` (`[key][feature]`, rows `stride` apart) from column `first_col`
+/// — [`forward_mma`]'s `O += P·V`, the one-pass backward's `dQ += dS·K`.
+fn mma_cols(
+    out: &str,
+    a: ColsA,
+    tile: &str,
+    stride: i64,
+    (keys, width, first_col): (i64, i64, Option<C>),
+) -> S {
+    let from = |col: C| match &first_col {
+        Some(c0) => bin("+", c0.clone(), col),
+        None => col,
     };
     let bits = |kofs: i64| {
         let key = bin(
@@ -701,7 +714,7 @@ fn mma_cols(out: &str, scores: &str, tile: &str, stride: i64, keys: i64, width: 
             bin("+", bin("*", id("kk"), ll(16)), ll(kofs)),
             bin("*", id("tq"), ll(2)),
         );
-        let col = bin("+", bin("*", id("nb"), ll(8)), id("g"));
+        let col = from(bin("+", bin("*", id("nb"), ll(8)), id("g")));
         pair_bits(
             ix(
                 tile,
@@ -713,13 +726,69 @@ fn mma_cols(out: &str, scores: &str, tile: &str, stride: i64, keys: i64, width: 
             ),
         )
     };
-    let mut step = vec![
-        array("unsigned", "pf", 4),
-        set(ix("pf", ll(0)), call("dplc_pack", vec![p(0, 0), p(0, 1)])),
-        set(ix("pf", ll(1)), call("dplc_pack", vec![p(0, 2), p(0, 3)])),
-        set(ix("pf", ll(2)), call("dplc_pack", vec![p(1, 0), p(1, 1)])),
-        set(ix("pf", ll(3)), call("dplc_pack", vec![p(1, 2), p(1, 3)])),
-    ];
+    let (mut step, frag) = match &a {
+        ColsA::Packed(scores) => {
+            let p = |tile_ofs: i64, x: i64| {
+                ix(
+                    scores,
+                    bin(
+                        "+",
+                        bin(
+                            "*",
+                            bin("+", bin("*", id("kk"), ll(2)), ll(tile_ofs)),
+                            ll(4),
+                        ),
+                        ll(x),
+                    ),
+                )
+            };
+            (
+                vec![
+                    array("unsigned", "pf", 4),
+                    set(ix("pf", ll(0)), call("dplc_pack", vec![p(0, 0), p(0, 1)])),
+                    set(ix("pf", ll(1)), call("dplc_pack", vec![p(0, 2), p(0, 3)])),
+                    set(ix("pf", ll(2)), call("dplc_pack", vec![p(1, 0), p(1, 1)])),
+                    set(ix("pf", ll(3)), call("dplc_pack", vec![p(1, 2), p(1, 3)])),
+                ],
+                id("pf"),
+            )
+        }
+        // Lane l points at row (l % 8) + 8·((l / 8) % 2) of the warp's 16,
+        // keys 16·kk + 8·(l / 16): the four tiles are the A fragment's a0..a3.
+        ColsA::Shared(name, a_stride, first) => {
+            let a_row = bin(
+                "+",
+                first.clone(),
+                bin(
+                    "+",
+                    bin("%", id("lane"), ll(8)),
+                    bin("*", bin("%", bin("/", id("lane"), ll(8)), ll(2)), ll(8)),
+                ),
+            );
+            let a_addr = ix(
+                name,
+                bin(
+                    "+",
+                    bin("*", a_row, ll(*a_stride)),
+                    bin(
+                        "+",
+                        bin("*", id("kk"), ll(16)),
+                        bin("*", bin("/", id("lane"), ll(16)), ll(8)),
+                    ),
+                ),
+            );
+            (
+                vec![
+                    array("unsigned", "af", 4),
+                    S::Expr(call(
+                        "dplc_ldsm_x4",
+                        vec![id("af"), C::Ref(Box::new(a_addr))],
+                    )),
+                ],
+                id("af"),
+            )
+        }
+    };
     // Two column blocks of T a `ldmatrix.x4.trans`: lane 4g + t points at
     // key 16·kk + (4g + t) % 16 of block 2·nb2 + g / 4, so its tiles are
     // keys 0–7 and 8–15 of block 2·nb2, then of block 2·nb2 + 1 (registers
@@ -735,11 +804,11 @@ fn mma_cols(out: &str, scores: &str, tile: &str, stride: i64, keys: i64, width: 
                 bin("+", bin("*", id("kk"), ll(16)), lane_row),
                 ll(stride),
             ),
-            bin(
+            from(bin(
                 "*",
                 bin("+", bin("*", id("nb2"), ll(2)), bin("/", id("g"), ll(4))),
                 ll(8),
-            ),
+            )),
         ),
     );
     let mma = |nb: C, b0: C, b1: C| {
@@ -747,7 +816,7 @@ fn mma_cols(out: &str, scores: &str, tile: &str, stride: i64, keys: i64, width: 
             "dplc_mma",
             vec![
                 C::Ref(Box::new(ix(out, bin("*", nb, ll(4))))),
-                id("pf"),
+                frag.clone(),
                 b0,
                 b1,
             ],
@@ -893,7 +962,13 @@ pub(super) fn query_grad_mma(c: &Ctx) -> Pass {
         c.all_visible(&warp_first_row(), 16, &id("j0"), t),
         scores,
     ));
-    tile.push(mma_cols("dq", "s", "kt", kstride, t, hd));
+    tile.push(mma_cols(
+        "dq",
+        ColsA::Packed("s"),
+        "kt",
+        kstride,
+        (t, hd, None),
+    ));
     body.extend(c.pipelined("j0", (id("jbegin"), id("jend")), t, &staged, tile));
     let write = vec![unrolled(
         "nb",
@@ -1440,8 +1515,20 @@ pub(super) fn key_value_grad_mma(c: &Ctx, with_dq: bool) -> Pass {
             )],
         ));
     }
-    tile.push(mma_cols("dv", "s", "ot", ostride, t, vd));
-    tile.push(mma_cols("dk", "dp", "qt", qstride, t, hd));
+    tile.push(mma_cols(
+        "dv",
+        ColsA::Packed("s"),
+        "ot",
+        ostride,
+        (t, vd, None),
+    ));
+    tile.push(mma_cols(
+        "dk",
+        ColsA::Packed("dp"),
+        "qt",
+        qstride,
+        (t, hd, None),
+    ));
     if with_dq {
         tile.push(sync());
         tile.push(query_grad_share(c, t, dstride, kstride));
@@ -1526,14 +1613,16 @@ pub(super) fn key_value_grad_mma(c: &Ctx, with_dq: bool) -> Pass {
 }
 
 /// `dQ += dS·K` for the query tile at `i0` of head `h` against the block's
-/// 64 keys: A the shared `dS[query][key]` tile (rows `dstride` apart), B
-/// the block's K rows (`kown`, rows `kstride` apart) loaded transposed as
-/// [`mma_cols`] loads V; each warp's `16 × 8·n` share added into the `f32`
-/// sum of `dQ` (row-major `[b, h, i, d]`) two columns an atomic add.
+/// 64 keys, through [`mma_cols`]: A the shared `dS[query][key]` tile (rows
+/// `dstride` apart), B the block's K rows (`kown`, rows `kstride` apart);
+/// each warp's `16 × 8·n` share (a 16-query block, `n` column blocks from
+/// `c0`) added into the `f32` sum of `dQ` (row-major `[b, h, i, d]`) two
+/// columns an atomic add.
 fn query_grad_share(c: &Ctx, t: i64, dstride: i64, kstride: i64) -> S {
     let k = c.k;
     let (per_row_block, n) =
         query_grad_split(t, k.head_dim).expect("attention_backward checked the split");
+    debug_assert!(per_row_block * (t / 16) == 4);
     let warp = bin("/", thread(), ll(32));
     let mut out = vec![
         decl("long long", "qb", bin("%", warp.clone(), ll(t / 16))),
@@ -1544,93 +1633,14 @@ fn query_grad_share(c: &Ctx, t: i64, dstride: i64, kstride: i64) -> S {
         ),
         array("float", "dqs", n * 4),
         unrolled("x", n * 4, vec![set(ix("dqs", id("x")), zero())]),
+        mma_cols(
+            "dqs",
+            ColsA::Shared("dsbuf", dstride, bin("*", id("qb"), ll(16))),
+            "kown",
+            kstride,
+            (ROWS, n * 8, Some(id("c0"))),
+        ),
     ];
-    debug_assert!(per_row_block * (t / 16) == 4);
-    // Lane l points at query (l % 8) + 8·((l / 8) % 2) of the warp's 16,
-    // keys 16·ks + 8·(l / 16): the four tiles are the A fragment's a0..a3.
-    let a_row = bin(
-        "+",
-        bin("*", id("qb"), ll(16)),
-        bin(
-            "+",
-            bin("%", id("lane"), ll(8)),
-            bin("*", bin("%", bin("/", id("lane"), ll(8)), ll(2)), ll(8)),
-        ),
-    );
-    let a_addr = ix(
-        "dsbuf",
-        bin(
-            "+",
-            bin("*", a_row, ll(dstride)),
-            bin(
-                "+",
-                bin("*", id("ks"), ll(16)),
-                bin("*", bin("/", id("lane"), ll(16)), ll(8)),
-            ),
-        ),
-    );
-    // Lane 4g + t points at key 16·ks + (4g + t) % 16 of column block
-    // 2·nb2 + g / 4 of the warp's: B fragments of two column blocks.
-    let b_addr = ix(
-        "kown",
-        bin(
-            "+",
-            bin(
-                "*",
-                bin(
-                    "+",
-                    bin("*", id("ks"), ll(16)),
-                    bin("%", id("lane"), ll(16)),
-                ),
-                ll(kstride),
-            ),
-            bin(
-                "+",
-                id("c0"),
-                bin(
-                    "*",
-                    bin("+", bin("*", id("nb2"), ll(2)), bin("/", id("g"), ll(4))),
-                    ll(8),
-                ),
-            ),
-        ),
-    );
-    let mma = |nb: C, b0: C, b1: C| {
-        S::Expr(call(
-            "dplc_mma",
-            vec![
-                C::Ref(Box::new(ix("dqs", bin("*", nb, ll(4))))),
-                id("af"),
-                b0,
-                b1,
-            ],
-        ))
-    };
-    let kb = |i: i64| ix("kb", ll(i));
-    out.push(unrolled(
-        "ks",
-        ROWS / 16,
-        vec![
-            array("unsigned", "af", 4),
-            S::Expr(call(
-                "dplc_ldsm_x4",
-                vec![id("af"), C::Ref(Box::new(a_addr))],
-            )),
-            unrolled(
-                "nb2",
-                n / 2,
-                vec![
-                    array("unsigned", "kb", 4),
-                    S::Expr(call(
-                        "dplc_ldsm_x4_t",
-                        vec![id("kb"), C::Ref(Box::new(b_addr))],
-                    )),
-                    mma(bin("*", id("nb2"), ll(2)), kb(0), kb(1)),
-                    mma(bin("+", bin("*", id("nb2"), ll(2)), ll(1)), kb(2), kb(3)),
-                ],
-            ),
-        ],
-    ));
     // Rows g and g + 8 of the warp's 16, columns 2·tq and 2·tq + 1 of each
     // block: one pair an add (sm_90's vector atomics; two adds elsewhere).
     let qi = bin(
