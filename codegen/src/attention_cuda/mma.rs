@@ -540,6 +540,35 @@ fn row_fragments(
     ]
 }
 
+/// Where lane `l` points `ldmatrix.x4` for the `m16n8k16` A fragment of
+/// step `step` (16 columns a step) of the 16 rows from `first` of the
+/// shared tile `name` (rows `stride` apart): row (l % 8) + 8·((l / 8) % 2),
+/// columns 16·step + 8·(l / 16), so its four tiles are rows 0–7 and 8–15
+/// of columns 0–7, then of 8–15 — registers a0..a3.
+fn a_fragment_at(name: &str, stride: i64, first: C, step: &str) -> C {
+    let row = bin(
+        "+",
+        first,
+        bin(
+            "+",
+            bin("%", id("lane"), ll(8)),
+            bin("*", bin("%", bin("/", id("lane"), ll(8)), ll(2)), ll(8)),
+        ),
+    );
+    ix(
+        name,
+        bin(
+            "+",
+            bin("*", row, ll(stride)),
+            bin(
+                "+",
+                bin("*", id(step), ll(16)),
+                bin("*", bin("/", id("lane"), ll(16)), ll(8)),
+            ),
+        ),
+    )
+}
+
 /// Where the A operand of [`mma_rows`] comes from.
 enum RowsA<'a> {
     /// Fragments in registers, `name[ks·4 ..]` for step `ks`
@@ -637,31 +666,12 @@ fn mma_rows(acc: &str, a: RowsA, tile: &str, stride: i64, width: i64, tiles: i64
             ],
         ),
         // Key blocks inside the steps: each step's fragment loaded once.
-        // Lane l points at row (l % 8) + 8·((l / 8) % 2) of the warp's 16,
-        // features 16·ks + 8·(l / 16): its four tiles are rows 0–7 and
-        // 8–15 of features 0–7, then of 8–15 — registers a0..a3 of the
-        // `m16n8k16` A fragment.
         RowsA::Shared(name, a_stride) => {
-            let a_row = bin(
-                "+",
-                bin("*", bin("/", thread(), ll(32)), ll(16)),
-                bin(
-                    "+",
-                    bin("%", id("lane"), ll(8)),
-                    bin("*", bin("%", bin("/", id("lane"), ll(8)), ll(2)), ll(8)),
-                ),
-            );
-            let a_addr = ix(
+            let a_addr = a_fragment_at(
                 name,
-                bin(
-                    "+",
-                    bin("*", a_row, ll(a_stride)),
-                    bin(
-                        "+",
-                        bin("*", id("ks"), ll(16)),
-                        bin("*", bin("/", id("lane"), ll(16)), ll(8)),
-                    ),
-                ),
+                a_stride,
+                bin("*", bin("/", thread(), ll(32)), ll(16)),
+                "ks",
             );
             S::Block(vec![
                 unrolled("nb2", tiles / 2, vec![zeroed(first), zeroed(second)]),
@@ -753,30 +763,8 @@ fn mma_cols(
                 id("pf"),
             )
         }
-        // Lane l points at row (l % 8) + 8·((l / 8) % 2) of the warp's 16,
-        // keys 16·kk + 8·(l / 16): the four tiles are the A fragment's a0..a3.
         ColsA::Shared(name, a_stride, first) => {
-            let a_row = bin(
-                "+",
-                first.clone(),
-                bin(
-                    "+",
-                    bin("%", id("lane"), ll(8)),
-                    bin("*", bin("%", bin("/", id("lane"), ll(8)), ll(2)), ll(8)),
-                ),
-            );
-            let a_addr = ix(
-                name,
-                bin(
-                    "+",
-                    bin("*", a_row, ll(*a_stride)),
-                    bin(
-                        "+",
-                        bin("*", id("kk"), ll(16)),
-                        bin("*", bin("/", id("lane"), ll(16)), ll(8)),
-                    ),
-                ),
-            );
+            let a_addr = a_fragment_at(name, *a_stride, first.clone(), "kk");
             (
                 vec![
                     array("unsigned", "af", 4),
