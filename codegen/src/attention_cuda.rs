@@ -5,11 +5,14 @@
 //! tensor cores with `mma.sync.m16n8k16`), and its backward recomputing the
 //! scores per tile: `dQ` a block per query tile, `dK`/`dV` a block per key
 //! tile summed over the query heads of its key head (for bf16/f16 both
-//! passes' block matmuls on tensor cores too, in `mma`), the bias gradient
-//! a thread per bias element. Every pass strides over its work items, so
-//! any grid is correct. Here: the passes' shared context (addresses, masks,
-//! bias, dropout, tile ranges) and the entry point; `scalar` holds the
-//! scalar passes, `mma` the tensor-core ones.
+//! passes' block matmuls on tensor cores too, in `mma`) — or, where it fits,
+//! FlashAttention-2's one pass by key tiles that also adds each tile's
+//! share of `dQ` into an `f32` sum, between a δ pass and one that scales
+//! the sum (`one_pass`) —, the bias gradient a thread per bias element.
+//! Every pass strides over its work items, so any grid is correct. Here:
+//! the passes' shared context (addresses, masks, bias, dropout, tile
+//! ranges) and the entry point; `scalar` holds the scalar passes, `mma`
+//! the tensor-core ones, `one_pass` what the one-pass backward adds.
 
 use crate::attention::{AttentionBackward, AttentionBuffer, AttentionKernel, AttentionPass};
 use crate::cuda::{
@@ -20,13 +23,15 @@ use crate::kernel::{drop_threshold, Elem, Idx, Size};
 use dplc_ir::DType;
 
 mod mma;
+mod one_pass;
 mod scalar;
 mod staging;
-pub use mma::attention_backward;
 use mma::{
-    delta_pass, forward_mma, key_value_grad_mma, mma_prelude, query_grad_mma, query_grad_scale,
-    query_grad_tensor_cores, tensor_cores,
+    forward_mma, key_value_grad_mma, mma_prelude, query_grad_mma, query_grad_tensor_cores,
+    tensor_cores,
 };
+pub use one_pass::attention_backward;
+use one_pass::{delta_pass, query_grad_scale};
 use scalar::{bias_grad, forward_scalar, key_value_grad, query_grad};
 
 /// Rows of a block's own tile (queries, or keys for `dK`/`dV`): one a thread
