@@ -810,3 +810,77 @@ fn a_ranks_window_masks_at_the_whole_sequences_places() {
         }
     }
 }
+
+/// The two backwards' launch lists and what each pass binds: the one pass
+/// reads the δ its own first pass writes and adds into dQ's `f32` sum, the
+/// one buffer its caller must zero (never written whole), which the last
+/// pass scales into dQ; `attention_backward` takes it for the tensor-core
+/// storage types and keeps two passes in f32.
+#[test]
+fn the_one_pass_backward_launches_delta_grads_and_the_scaling_in_order() {
+    use dplc_codegen::{attention_backward, AttentionBackward};
+    use dplc_ir::DType;
+    use AttentionBuffer as B;
+    use AttentionPass as P;
+    let g = common::zoo("tiny.dpl", "gpt_tiny").graph;
+    let at = g
+        .regions()
+        .flat_map(|(r, _)| fuse(&g, r).steps)
+        .find_map(|s| match s {
+            Step::Attention(at) => Some(at),
+            _ => None,
+        })
+        .expect("a fused attention");
+    let k = &at.kernel;
+    assert_eq!(
+        k.passes(AttentionBackward::TwoPass),
+        [P::Forward, P::QueryGrad, P::KeyValueGrad, P::BiasGrad]
+    );
+    assert_eq!(
+        k.passes(AttentionBackward::OnePass),
+        [
+            P::Forward,
+            P::Delta,
+            P::Grads,
+            P::QueryGradScale,
+            P::BiasGrad
+        ]
+    );
+    assert_eq!(
+        attention_backward(k, DType::BF16),
+        AttentionBackward::OnePass
+    );
+    assert_eq!(
+        attention_backward(k, DType::F16),
+        AttentionBackward::OnePass
+    );
+    assert_eq!(
+        attention_backward(k, DType::F32),
+        AttentionBackward::TwoPass
+    );
+    let outputs = |pass: P| -> Vec<B> {
+        k.roles(pass)
+            .into_iter()
+            .zip(k.buffers(pass))
+            .filter(|(_, b)| b.output)
+            .map(|(r, _)| r)
+            .collect()
+    };
+    assert_eq!(outputs(P::Delta), [B::Delta]);
+    assert_eq!(outputs(P::Grads), [B::KGrad, B::VGrad, B::QGradSum]);
+    assert_eq!(outputs(P::QueryGradScale), [B::QGrad]);
+    assert!(k.roles(P::Grads).contains(&B::Delta));
+    assert!(k.roles(P::QueryGradScale).contains(&B::QGradSum));
+    let args = args_of(&g, &at, &syms(&[("batch", 2), ("seq", 20)]));
+    let len = |pass: P, role: B| len(k, pass, role, &args);
+    let sum = len(P::Grads, B::QGradSum);
+    assert_eq!(sum, len(P::Delta, B::Delta) * k.head_dim as usize);
+    assert!(!k.written_whole(B::QGradSum, &args, sum));
+    assert!(k.written_whole(B::Delta, &args, len(P::Delta, B::Delta)));
+    // Without Q's gradient no scaling; without K's and V's the one pass
+    // still runs, for dQ's sum.
+    assert!(!k.runs(P::QueryGradScale, [false, true, true, false]));
+    assert!(k.runs(P::Grads, [true, false, false, false]));
+    assert!(k.runs(P::Delta, [true, false, false, false]));
+    assert!(!k.runs(P::Grads, [false, false, false, true]));
+}
