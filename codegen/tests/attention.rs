@@ -823,14 +823,7 @@ fn the_one_pass_backward_launches_delta_grads_and_the_scaling_in_order() {
     use AttentionBuffer as B;
     use AttentionPass as P;
     let g = common::zoo("tiny.dpl", "gpt_tiny").graph;
-    let at = g
-        .regions()
-        .flat_map(|(r, _)| fuse(&g, r).steps)
-        .find_map(|s| match s {
-            Step::Attention(at) => Some(at),
-            _ => None,
-        })
-        .expect("a fused attention");
+    let at = common::first_attention(&g);
     let k = &at.kernel;
     assert_eq!(
         k.passes(AttentionBackward::TwoPass),

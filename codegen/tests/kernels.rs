@@ -274,15 +274,7 @@ fn wide_heads_take_their_forward_key_tiles_past_48_kb() {
         let model = common::PLACED
             .replace("seq, 8]", &format!("seq, {width}]"))
             .replace("seq, 16]", &format!("seq, {width}]"));
-        let g = common::lower_m(&model);
-        let at = g
-            .regions()
-            .flat_map(|(r, _)| fuse(&g, r).steps)
-            .find_map(|s| match s {
-                Step::Attention(at) => Some(at),
-                _ => None,
-            });
-        at.expect("a fused attention")
+        common::first_attention(&common::lower_m(&model))
     };
     let sizes = |width: usize| -> Vec<(u32, String)> {
         let at = attention(width);

@@ -571,6 +571,28 @@ fn bench_kernel_bandwidth() {
     }
 }
 
+/// Pass `pass` of `k` in `dtype` loaded on `dev`, and its code: the PTX
+/// `compile_graph` made, or compiled here for a pass the graph's own
+/// backward does not launch (the two-pass backward where it takes one).
+fn load_attention_pass(
+    dev: &GpuDevice,
+    nvrtc: &Nvrtc,
+    compiled: &dplc_runtime::gpu::CompiledGraph,
+    k: &dplc_codegen::AttentionKernel,
+    pass: dplc_codegen::AttentionPass,
+    dtype: DType,
+) -> (dplc_codegen::CudaSource, dplc_runtime::gpu::GpuKernel) {
+    let source = dplc_codegen::emit_attention(k, pass, dtype);
+    let ptx = match compiled.attention.get(&source.name) {
+        Some(c) => c.ptx.clone(),
+        None => nvrtc.compile(&source, dev.arch()).expect("compiles"),
+    };
+    let gk = dev
+        .load_attention(k, pass, &source, &ptx, dtype)
+        .expect("loads");
+    (source, gk)
+}
+
 /// Median seconds of `f` over 30 timed runs after 3 warm-ups, the device
 /// synchronised around each (the kernels here run far past the launch gap).
 fn median_time(dev: &GpuDevice, f: &mut dyn FnMut()) -> f64 {
@@ -706,15 +728,7 @@ fn bench_attention() {
                     lens.insert(role, (n, d));
                 }
             }
-            let source = dplc_codegen::emit_attention(k, pass, dtype);
-            let ptx = match compiled.attention.get(&source.name) {
-                Some(c) => c.ptx.clone(),
-                None => nvrtc.compile(&source, dev.arch()).expect("compiles"),
-            };
-            let src = source;
-            let gk = dev
-                .load_attention(k, pass, &src, &ptx, dtype)
-                .expect("loads");
+            let (src, gk) = load_attention_pass(&dev, &nvrtc, &compiled, k, pass, dtype);
             let refs: Vec<&DeviceBuffer> = roles.iter().map(|r| &bufs[r]).collect();
             // dQ's sum is zeroed before each pass that adds into it, as the
             // executor zeroes it: timed with the pass.
@@ -1285,14 +1299,7 @@ fn attention_matches(dtype: DType, tol: f64, test: &str) {
                             host.push(Data::F32(v));
                         }
                     }
-                    let source = dplc_codegen::emit_attention(k, pass, dtype);
-                    let ptx = match compiled.attention.get(&source.name) {
-                        Some(c) => c.ptx.clone(),
-                        None => nvrtc.compile(&source, dev.arch()).expect("compiles"),
-                    };
-                    let gk = dev
-                        .load_attention(k, pass, &source, &ptx, dtype)
-                        .expect("loads");
+                    let (_, gk) = load_attention_pass(&dev, &nvrtc, &compiled, k, pass, dtype);
                     let refs: Vec<&DeviceBuffer> = bufs.iter().collect();
                     dev.launch(&gk, &refs, &args)
                         .unwrap_or_else(|e| panic!("{}: {e}", gk.name));

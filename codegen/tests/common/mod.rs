@@ -26,6 +26,17 @@ pub fn attention_passes(
         .collect()
 }
 
+/// The first fused attention of `g`'s regions.
+pub fn first_attention(g: &dplc_ir::Graph) -> dplc_codegen::FusedAttention {
+    g.regions()
+        .flat_map(|(r, _)| dplc_codegen::fuse(g, r).steps)
+        .find_map(|s| match s {
+            Step::Attention(at) => Some(at),
+            _ => None,
+        })
+        .expect("a fused attention")
+}
+
 pub fn zoo(file: &str, model: &str) -> dplc_frontend::Lowered {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../models")
