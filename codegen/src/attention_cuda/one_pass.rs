@@ -16,14 +16,13 @@ fn score_grad_tile_bytes(t: i64) -> i64 {
 }
 
 /// The `dQ` share of the one-pass backward: the block's `t × head_dim`
-/// tile split over its 4 warps, each a 16-row block of queries and a run of
-/// column blocks — `(warps a row block, column blocks a warp)`, or `None`
-/// where the split leaves a warp an odd count of column blocks (each
-/// `ldmatrix.x4` feeds two).
-fn query_grad_split(t: i64, head_dim: i64) -> Option<(i64, i64)> {
+/// tile split over its 4 warps, `64 / t` warps to each 16-row block of
+/// queries, each a run of column blocks — how many, or `None` where a warp
+/// would take an odd count (each `ldmatrix.x4` feeds two).
+fn query_grad_split(t: i64, head_dim: i64) -> Option<i64> {
     let per_row_block = 4 / (t / 16);
     let columns = head_dim / 8;
-    (columns % (2 * per_row_block) == 0).then_some((per_row_block, columns / per_row_block))
+    (columns % (2 * per_row_block) == 0).then_some(columns / per_row_block)
 }
 
 /// Whether the backward is one pass (`dK`, `dV` and `dQ`'s share by key
@@ -59,7 +58,11 @@ pub(super) fn delta_pass(c: &Ctx) -> Pass {
         .iter()
         .all(|&r| k.operand(r).expect("an operand").at.strides[3] == Size::Const(1));
     let mut body = decompose(k.heads, k.q_len, "i0");
-    if !(contiguous && vd % 8 == 0 && (lanes as u64).is_power_of_two() && lanes <= 32) {
+    // At least two threads a row, so that every thread of the block takes
+    // the same count of rows' parts (64 · lanes a multiple of 128).
+    let vector =
+        contiguous && vd % 8 == 0 && (2..=32).contains(&lanes) && (lanes as u64).is_power_of_two();
+    if !vector {
         body.extend(warp_rows("i0"));
         body.push(array("float", "delta", 2));
         body.push(unrolled("r", 2, row_delta(c)));
@@ -136,12 +139,11 @@ pub(super) fn delta_pass(c: &Ctx) -> Pass {
             id("dsum"),
         )],
     ));
-    // Every thread of the block takes the same count of rows' parts (64 ·
-    // lanes is a multiple of 128 for lanes ≥ 2), so whole warps shuffle.
+    // Every thread takes the same count of rows' parts: whole warps shuffle.
     body.push(loop_over(
         "e",
         thread(),
-        ll(ROWS * lanes.max(2)),
+        ll(ROWS * lanes),
         C::Cast("long long", Box::new(id("blockDim.x"))),
         per_row,
     ));
@@ -224,9 +226,7 @@ pub(super) fn query_grad_scale(c: &Ctx) -> Pass {
 /// columns an atomic add.
 pub(super) fn query_grad_share(c: &Ctx, t: i64, dstride: i64, kstride: i64) -> S {
     let k = c.k;
-    let (per_row_block, n) =
-        query_grad_split(t, k.head_dim).expect("attention_backward checked the split");
-    debug_assert!(per_row_block * (t / 16) == 4);
+    let n = query_grad_split(t, k.head_dim).expect("attention_backward checked the split");
     let warp = bin("/", thread(), ll(32));
     let mut out = vec![
         decl("long long", "qb", bin("%", warp.clone(), ll(t / 16))),
