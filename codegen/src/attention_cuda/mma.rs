@@ -5,7 +5,7 @@
 //! `mma.sync.m16n8k16` steps on fragments laid out as the PTX ISA states,
 //! tiles staged in shared memory as raw 16-bit storage (`staging`).
 
-use super::one_pass::query_grad_share;
+use super::one_pass::{query_grad_share, SCORE_GRAD_STRIDE};
 use super::staging::{Staged, Tile16};
 use super::*;
 use std::f64::consts::{LN_2, LOG2_E};
@@ -1280,7 +1280,7 @@ pub(super) fn key_value_grad_mma(c: &Ctx, with_dq: bool) -> Pass {
         c.all_visible(&id("i0"), t, &warp_first_row(), 16),
         scores,
     ));
-    let dstride = ROWS + 8;
+    let dstride = SCORE_GRAD_STRIDE;
     if with_dq {
         // dSᵀ's accumulators into the tile `dS[query][key]`, read back
         // after the barrier below as the A fragments of `dS·K`.

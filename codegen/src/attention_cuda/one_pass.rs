@@ -9,10 +9,14 @@ use super::mma::{
 };
 use super::*;
 
-/// Bytes of the one-pass backward's score-gradient tile: `t` query rows of
-/// the block's 64 keys, padded by 8 as the other tiles are.
+/// Elements between rows of the one-pass backward's score-gradient tile
+/// (`dS[query][key]` over the block's 64 keys), padded by 8 as the other
+/// tiles are.
+pub(super) const SCORE_GRAD_STRIDE: i64 = ROWS + 8;
+
+/// Bytes of the score-gradient tile of `t` query rows.
 fn score_grad_tile_bytes(t: i64) -> i64 {
-    2 * t * (ROWS + 8)
+    2 * t * SCORE_GRAD_STRIDE
 }
 
 /// The `dQ` share of the one-pass backward: the block's `t × head_dim`
