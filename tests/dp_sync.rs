@@ -228,6 +228,49 @@ fn dedicated_servers_sum_as_the_all_reduce_does() {
     assert_eq!(losses(&colocated), losses(&async_dedicated));
 }
 
+/// The fused compute keeps parameters, gradients, moments and error
+/// feedback in its backend's buffers (`DeviceStorage`, what a GPU rank
+/// holds; on CPU ranks its host backend with host-staged collectives, the
+/// path ranks sharing a GPU take): every synchronisation and compression
+/// runs through it as through the reference's host store.
+#[test]
+fn every_mode_runs_the_same_on_the_device_storage() {
+    let dedicated = GradSync::ps(2).with_servers(ServerRanks::Dedicated);
+    let modes = [
+        (GradSync::ps(4), Compression::None),
+        (GradSync::ps(1), Compression::None),
+        (dedicated, Compression::None),
+        (GradSync::async_ps(4, 1), Compression::None),
+        (GradSync::AllReduce, Compression::Bf16),
+        (GradSync::AllReduce, Compression::Fp16),
+        (
+            GradSync::AllReduce,
+            Compression::PowerSgd {
+                rank: 2,
+                warmup: Some(1),
+            },
+        ),
+        (
+            GradSync::AllReduce,
+            Compression::TopK {
+                per_million: 100_000,
+                warmup: Some(1),
+            },
+        ),
+    ];
+    for (sync, compress) in modes {
+        let reference = dp4(sync, compress);
+        let fused = RunConfig {
+            compute: dplc_runtime::Compute::Fused,
+            ..reference.clone()
+        };
+        let (r, f) = (run(&reference, 4), run(&fused, 4));
+        let name = format!("{sync:?}, {}, fused", compress.name());
+        assert_losses(&name, &r.steps, &f.steps);
+        assert_eq!(r.dp_traffic, f.dp_traffic, "{name}: bytes moved");
+    }
+}
+
 #[test]
 fn a_parameter_server_resumes_from_its_shards() {
     for (name, sync) in [
