@@ -1,5 +1,7 @@
 //! CPU ranks in separate processes: a built artifact launched under mpirun as
-//! one process per rank trains bit for bit as the same artifact's threads, and
+//! one process per rank trains bit for bit as the same artifact's threads
+//! (pipelines, tensor parallelism, parameter servers, async updates and
+//! compressed gradients), and
 //! a rank whose process dies or hangs ends the job, named with its step,
 //! within the timeout. Without the `mpi` feature, a launch says so.
 
@@ -113,7 +115,17 @@ mod with_mpi {
         if !mpirun_present() {
             return;
         }
-        for (name, strategy) in [("dp2pp2", "dp=2,pp=2,mb=1"), ("tp2pp2", "tp=2,pp=2,mb=1")] {
+        // The data-parallel synchronisations and compressions too: a
+        // parameter server's pushes and pulls, PowerSGD's and top-k's
+        // gathers, each process's error feedback its own.
+        for (name, strategy) in [
+            ("dp2pp2", "dp=2,pp=2,mb=1"),
+            ("tp2pp2", "tp=2,pp=2,mb=1"),
+            ("ps", "dp=4,zero=0,sync=ps,ps_shards=2"),
+            ("async", "dp=4,zero=0,sync=async,staleness=1"),
+            ("powersgd", "dp=4,zero=0,compress=powersgd:2:1"),
+            ("topk", "dp=4,zero=0,compress=topk:0.1:1"),
+        ] {
             let dir = build(name, strategy);
             let args = ["--steps", "4", "--seed", "3", "--json"];
             let threads = launch(&dir, &args, &[]);
