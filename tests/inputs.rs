@@ -207,21 +207,47 @@ fn arrays_feed_the_inputs_they_name() {
     write_npy(&bad, "<i8", &[16], &bad_labels);
     let wide = dir.join("wide.npy");
     write_npy(&wide, "<f4", &[4, 3, 8, 8], &images[..4 * 3 * 8 * 8 * 4]);
-    for (arg, says) in [
+    // Data that would feed nothing is refused too, not silently replaced
+    // by synthetic samples: a misspelt input, a safetensors file of other
+    // tensors, an input given twice; and a header whose shape's product
+    // wraps around to the element count the file holds.
+    let other = dir.join("other.safetensors");
+    write_safetensors(&other, &[("pixels", "F32", &[16, 3, 16, 16], &images)]);
+    let wrap = dir.join("wrap.npy");
+    let huge = (1usize << 62) + 1;
+    write_npy(&wrap, "<i8", &[huge, 4], &labels[..4 * 8]);
+    let a = |s: String| vec![s];
+    for (args, says) in [
         (
-            format!("labels={}", bad.display()),
+            a(format!("labels={}", bad.display())),
             "input `labels`: id 10 is outside [0, 10)",
         ),
         (
-            format!("images={}", wide.display()),
+            a(format!("images={}", wide.display())),
             "input `images`: the model takes samples of shape [3, 16, 16]",
         ),
         (
-            format!("images={}", dir.join("missing.npy").display()),
+            a(format!("images={}", dir.join("missing.npy").display())),
             "cannot read",
         ),
+        (
+            a(format!("imagez={}", img.display())),
+            "the data holds `imagez`, which is no input",
+        ),
+        (
+            a(other.display().to_string()),
+            "the data holds `pixels`, which is no input",
+        ),
+        (
+            vec![img_arg.clone(), format!("images={}", wide.display())],
+            "input `images` is already fed by an earlier --data",
+        ),
+        (
+            a(format!("labels={}", wrap.display())),
+            "has more elements than memory can address",
+        ),
     ] {
-        let out = dplc(&[
+        let mut argv = vec![
             "run",
             "models/vit.dpl",
             "--model",
@@ -230,11 +256,15 @@ fn arrays_feed_the_inputs_they_name() {
             "1xcpu",
             "--steps",
             "1",
-            "--data",
-            &arg,
-        ]);
-        assert_eq!(out.status.code(), Some(1), "{arg}");
-        assert!(stderr(&out).contains(says), "{arg}: {}", stderr(&out));
+        ];
+        for arg in &args {
+            argv.extend(["--data", arg]);
+        }
+        let out = dplc(&argv);
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        // The message as one line, however the report wrapped it.
+        let said = stderr(&out).replace("\n  | ", " ");
+        assert!(said.contains(says), "{args:?}: {said}");
     }
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -14,6 +14,8 @@ use std::path::Path;
 #[derive(Clone, Debug, PartialEq)]
 pub struct Corpus {
     tokens: Vec<i32>,
+    /// The token file the stream was read from (none: synthetic).
+    file: Option<std::path::PathBuf>,
     seed: u64,
     arrays: BTreeMap<String, Samples>,
 }
@@ -63,6 +65,7 @@ impl Corpus {
     pub fn from_tokens(tokens: Vec<i32>, seed: u64) -> Corpus {
         Corpus {
             tokens,
+            file: None,
             seed,
             arrays: BTreeMap::new(),
         }
@@ -88,7 +91,10 @@ impl Corpus {
                     .collect()
             }
         };
-        Ok(Corpus::from_tokens(tokens, seed))
+        Ok(Corpus {
+            file: Some(path.to_path_buf()),
+            ..Corpus::from_tokens(tokens, seed)
+        })
     }
 
     pub fn len(&self) -> usize {
@@ -153,6 +159,11 @@ impl Corpus {
         };
         if count == 0 {
             return Err("no samples (axis 0 is empty)".into());
+        }
+        if self.arrays.contains_key(name) {
+            return Err(format!(
+                "input `{name}` is already fed by an earlier --data; give each input one file"
+            ));
         }
         self.arrays.insert(
             name.to_string(),
@@ -297,6 +308,8 @@ pub(crate) fn feeds(
     let batch = graph.sym_by_name("batch");
     let seq = graph.sym_by_name("seq");
     let mut out = Vec::new();
+    // How many of `tokens` and `targets` the stream could feed.
+    let mut stream_inputs = 0;
     for (_, input) in graph.inputs() {
         let dims = input.shape.dims();
         let is = |d: &dplc_ir::Dim, s: Option<dplc_ir::SymId>| {
@@ -310,7 +323,11 @@ pub(crate) fn feeds(
             )));
         }
         let int = !input.dtype.is_float();
-        let lm = int && dims.len() == 2 && is(&dims[1], seq) && !data.has_array(&input.name);
+        let stream_shaped = int && dims.len() == 2 && is(&dims[1], seq);
+        if stream_shaped && matches!(input.name.as_str(), "tokens" | "targets") {
+            stream_inputs += 1;
+        }
+        let lm = stream_shaped && !data.has_array(&input.name);
         let feed = match input.name.as_str() {
             "tokens" if lm => Feed::Tokens,
             "targets" if lm => Feed::Targets,
@@ -331,7 +348,45 @@ pub(crate) fn feeds(
         };
         out.push((input.tensor, feed));
     }
+    check_every_file_feeds(graph, data, &out, stream_inputs)?;
     Ok(out)
+}
+
+/// Data the user gave that would feed nothing is refused, not ignored: an
+/// array named after no input (a misspelt `--data NAME=…`, a safetensors
+/// file of other tensors) or a token file when arrays feed both `tokens`
+/// and `targets`; and where the stream could feed both (`stream_inputs`:
+/// both are `[batch, seq]` ids), they come from one source, never one from
+/// an array and the other from the stream.
+fn check_every_file_feeds(
+    graph: &dplc_ir::Graph,
+    data: &Corpus,
+    feeds: &[(dplc_ir::TensorId, Feed)],
+    stream_inputs: usize,
+) -> Result<()> {
+    let inputs: Vec<&str> = graph.inputs().map(|(_, i)| i.name.as_str()).collect();
+    let list = inputs.join(", ");
+    for name in data.arrays.keys() {
+        if !inputs.contains(&name.as_str()) {
+            return Err(RuntimeError::Data(format!(
+                "the data holds `{name}`, which is no input of the model (its inputs: {list}); \
+                 name each array after the input it feeds"
+            )));
+        }
+    }
+    let stream = feeds.iter().filter(|(_, f)| f.is_stream()).count();
+    if stream_inputs == 2 && stream == 1 {
+        return Err(RuntimeError::Data(
+            "`tokens` and `targets` are one stream: give both as arrays, or neither (a token file or the synthetic corpus feeds them)".into(),
+        ));
+    }
+    if let (Some(file), 0) = (&data.file, stream) {
+        return Err(RuntimeError::Data(format!(
+            "the token file {} feeds nothing: arrays feed every input; drop it or the arrays",
+            file.display()
+        )));
+    }
+    Ok(())
 }
 
 fn read(path: &Path) -> Result<Vec<u8>> {
@@ -470,8 +525,15 @@ fn npy(bytes: &[u8]) -> std::result::Result<(Vec<usize>, Data), String> {
                 .map_err(|_| format!("shape entry `{d}` is not a size"))
         })
         .collect::<std::result::Result<_, _>>()?;
+    // A header can claim any shape: its element count is checked, not
+    // wrapped, before it is compared with what the file holds.
+    let n = shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .ok_or(format!(
+            "the shape {shape:?} has more elements than memory can address"
+        ))?;
     let data = from_le(ty, &bytes[at + len..])?;
-    let n: usize = shape.iter().product();
     let got = match &data {
         Data::F32(v) => v.len(),
         Data::I32(v) => v.len(),
@@ -509,6 +571,42 @@ mod tests {
         assert_eq!(
             c.check(64, Some(256)).unwrap_err().to_string(),
             "data: the data has 5 tokens but one sample needs seq + 1 = 65"
+        );
+    }
+
+    /// An `.npy` file (version 1.0) with `header`'s dict and `data` after it.
+    fn npy_file(header: &str, data: &[u8]) -> Vec<u8> {
+        let mut h = header.to_string();
+        while (10 + h.len() + 1) % 64 != 0 {
+            h.push(' ');
+        }
+        h.push('\n');
+        let mut f = b"\x93NUMPY\x01\x00".to_vec();
+        f.extend_from_slice(&(h.len() as u16).to_le_bytes());
+        f.extend_from_slice(h.as_bytes());
+        f.extend_from_slice(data);
+        f
+    }
+
+    /// A header whose shape's product wraps around to the element count the
+    /// file holds is refused, not read as 2^58 samples.
+    #[test]
+    fn a_shape_that_overflows_is_refused() {
+        let data = vec![0u8; 6400 * 4];
+        let ok = npy_file(
+            "{'descr': '<i4', 'fortran_order': False, 'shape': (100, 64), }",
+            &data,
+        );
+        assert_eq!(npy(&ok).unwrap().0, vec![100, 64]);
+        let huge = (1usize << 58) + 100;
+        let wrap = npy_file(
+            &format!("{{'descr': '<i4', 'fortran_order': False, 'shape': ({huge}, 64), }}"),
+            &data,
+        );
+        let err = npy(&wrap).unwrap_err();
+        assert!(
+            err.contains("more elements than memory can address"),
+            "{err}"
         );
     }
 }
