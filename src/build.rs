@@ -95,12 +95,21 @@ fn check_output_dir(dir: &Path, inputs: &[&Path]) -> Result<()> {
     let mut entries = std::fs::read_dir(dir)
         .into_diagnostic()
         .wrap_err_with(|| format!("cannot read {}", dir.display()))?;
-    if entries.next().is_some() && !dir.join(MANIFEST).is_file() {
-        return Err(miette!(
-            help = "name a new or empty directory, or an artifact `dplc build` wrote before",
-            "{} is not empty and is not a dplc artifact (it has no {MANIFEST}); dplc will not write into it",
-            dir.display()
-        ));
+    // A directory of other things is never written into: an earlier
+    // artifact is recognised by its manifest, which must be dplc's (a web
+    // app's `manifest.json` is not).
+    if entries.next().is_some() {
+        let ours = std::fs::read_to_string(dir.join(MANIFEST))
+            .ok()
+            .and_then(|text| serde_json::from_str::<Manifest>(&text).ok())
+            .is_some_and(|m| m.format == 1);
+        if !ours {
+            return Err(miette!(
+                help = "name a new or empty directory, or an artifact `dplc build` wrote before",
+                "{} is not empty and is not a dplc artifact (it has no dplc build {MANIFEST}); dplc will not write into it",
+                dir.display()
+            ));
+        }
     }
     for input in inputs {
         if input
@@ -195,7 +204,7 @@ pub fn build(args: &BuildArgs) -> Result<()> {
     })?;
     let plan = compiled.plan;
     let dir = &args.output;
-    check_output_dir(dir, &args.plan.inputs())?;
+    check_output_dir(dir, &crate::compile::as_paths(&args.plan.inputs()))?;
     // Everything that can fail for a reason other than the disk — reading
     // the executable, NVRTC, the kernels — runs before the directory is
     // touched: a failed build leaves no half-written artifact behind (one

@@ -49,9 +49,12 @@ pub struct PlanArgs {
 }
 
 impl PlanArgs {
-    /// The files this command reads: outputs may not be written over them.
-    pub fn inputs(&self) -> Vec<&Path> {
-        vec![self.file.as_path(), Path::new(&self.cluster)]
+    /// The files this command reads: outputs may not be written over them
+    /// (the cluster's too when `--cluster` names a section in `clusters/`).
+    pub fn inputs(&self) -> Vec<PathBuf> {
+        let mut inputs = vec![self.file.clone(), PathBuf::from(&self.cluster)];
+        inputs.extend(zoo_cluster_file(&self.cluster, &self.file));
+        inputs
     }
 }
 
@@ -73,6 +76,11 @@ pub struct Args {
     verbose: bool,
 }
 
+/// `paths` borrowed, as the output rule takes them.
+pub fn as_paths(paths: &[PathBuf]) -> Vec<&Path> {
+    paths.iter().map(PathBuf::as_path).collect()
+}
+
 /// A planner error as the command line shows it.
 pub fn plan_error(e: dplc_planner::PlanError) -> miette::Report {
     use dplc_planner::PlanError::*;
@@ -84,6 +92,25 @@ pub fn plan_error(e: dplc_planner::PlanError) -> miette::Report {
         Infeasible(_) => "dplc::does-not-fit",
     };
     miette!(code = code, "{e}")
+}
+
+/// The file in `clusters/` beside `file` that defines the cluster section
+/// `spec` (the zoo keeps its clusters beside the models), if one does.
+fn zoo_cluster_file(spec: &str, file: &Path) -> Option<PathBuf> {
+    let dir = file.parent()?.join("clusters");
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "dpl"))
+        .collect();
+    paths.sort();
+    paths.into_iter().find(|path| {
+        load::parse(path)
+            .ok()
+            .and_then(|unit| unit.clusters().ok())
+            .is_some_and(|cs| cs.iter().any(|c| c.name == spec))
+    })
 }
 
 /// The cluster `spec` names, looked up as a shorthand, a section of `unit`,
@@ -111,22 +138,10 @@ pub fn resolve_cluster(spec: &str, unit: &dplc_frontend::Unit, file: &Path) -> R
             )),
         };
     }
-    // The zoo keeps its clusters beside the models, in `clusters/`.
-    if let Some(dir) = file.parent().map(|d| d.join("clusters")) {
-        let mut paths: Vec<PathBuf> = std::fs::read_dir(&dir)
-            .into_iter()
-            .flatten()
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "dpl"))
-            .collect();
-        paths.sort();
-        for path in paths {
-            let Ok(other) = load::parse(&path) else {
-                continue;
-            };
-            if let Some(c) = other.clusters()?.iter().find(|c| c.name == spec) {
-                return dplc_planner::cluster_from_spec(c).map_err(plan_error);
-            }
+    if let Some(path) = zoo_cluster_file(spec, file) {
+        let other = load::parse(&path)?;
+        if let Some(c) = other.clusters()?.iter().find(|c| c.name == spec) {
+            return dplc_planner::cluster_from_spec(c).map_err(plan_error);
         }
     }
     // A count too large for a u64 is still a shorthand: parse_cluster names the overflow.
@@ -297,7 +312,8 @@ pub fn run(args: &Args) -> Result<()> {
     let (compiled, _) = plan(&args.plan, args.top, |_, _| Ok(()))?;
     let compiled = &compiled;
     if let Some(path) = &args.output {
-        write_plan(&compiled.plan, path, &args.plan.inputs())?;
+        let inputs = args.plan.inputs();
+        write_plan(&compiled.plan, path, &as_paths(&inputs))?;
     }
     if args.json {
         let mut v = dplc_planner::to_json(compiled);

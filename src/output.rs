@@ -9,7 +9,10 @@
 //!   reader never sees half of it and a failed write leaves the old one;
 //! - anything else that exists (a device such as `/dev/null`, a FIFO) is
 //!   written in place, as a shell redirection would, never replaced;
-//! - a directory is refused.
+//! - a directory is refused;
+//! - one command's outputs are distinct files, none inside a directory the
+//!   command keeps (a checkpoint directory it saves into or resumes from):
+//!   [`check_outputs`].
 
 use miette::{miette, IntoDiagnostic, Result, WrapErr};
 use std::fmt::Arguments;
@@ -77,6 +80,76 @@ pub fn check(path: &Path, inputs: &[&Path]) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// One file a command writes, and the flag that named it.
+pub struct Output<'a> {
+    pub flag: &'static str,
+    pub path: &'a Path,
+}
+
+/// A directory a command reads or writes as a whole (a checkpoint
+/// directory), and the flag that named it.
+pub struct KeptDir<'a> {
+    pub flag: &'static str,
+    pub path: &'a Path,
+}
+
+/// Refuse, before anything is written, an output set that would destroy
+/// its own work: two outputs landing in one file (the second would replace
+/// the first), or an output inside a kept directory (a trace written over
+/// a checkpoint's manifest makes the checkpoint unloadable).
+pub fn check_outputs(outputs: &[Output<'_>], kept: &[KeptDir<'_>]) -> Result<()> {
+    let lands: Vec<PathBuf> = outputs
+        .iter()
+        .map(|o| resolve(o.path).map(|t| absolute(&t)))
+        .collect::<Result<_>>()?;
+    for (i, (a, at)) in outputs.iter().zip(&lands).enumerate() {
+        if let Some((b, _)) = outputs.iter().zip(&lands).take(i).find(|(_, bt)| *bt == at) {
+            return Err(miette!(
+                help = "give each output its own file",
+                "{} {} and {} {} name the same file",
+                b.flag,
+                b.path.display(),
+                a.flag,
+                a.path.display()
+            ));
+        }
+        for dir in kept {
+            if at.starts_with(absolute(dir.path)) {
+                return Err(miette!(
+                    help = "write it outside that directory",
+                    "{} {} is inside {} {}, which dplc keeps checkpoints in",
+                    a.flag,
+                    a.path.display(),
+                    dir.flag,
+                    dir.path.display()
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `path` made absolute with every part that exists resolved (links,
+/// `..`), the rest appended as written: the same file gets the same name
+/// whether or not it exists yet.
+fn absolute(path: &Path) -> PathBuf {
+    let path = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut existing = path.as_path();
+    let mut rest = Vec::new();
+    loop {
+        if let Ok(real) = std::fs::canonicalize(existing) {
+            return rest.iter().rev().fold(real, |p, part| p.join(part));
+        }
+        match (existing.parent(), existing.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_os_string());
+                existing = parent;
+            }
+            _ => return path.clone(),
+        }
+    }
 }
 
 /// Write `bytes` to `path` under the rule above; `inputs` are the paths the
@@ -298,6 +371,41 @@ mod tests {
         write(Path::new("/dev/null"), b"plan", &[]).unwrap();
         let meta = std::fs::metadata("/dev/null").unwrap();
         assert!(!meta.is_file(), "/dev/null is still a device");
+    }
+
+    #[test]
+    fn outputs_are_distinct_and_outside_kept_directories() {
+        let d = scratch("outputs");
+        let ck = d.join("ck");
+        std::fs::create_dir_all(ck.join("step-000002")).unwrap();
+        let out = |flag, path| Output { flag, path };
+        let kept = [KeptDir {
+            flag: "--checkpoint-dir",
+            path: &ck,
+        }];
+        let manifest = ck.join("step-000002").join("manifest.json");
+        let err = check_outputs(&[out("--trace", &manifest)], &kept).unwrap_err();
+        assert!(
+            err.to_string().contains("is inside --checkpoint-dir"),
+            "{err}"
+        );
+        // However it is spelt, and before the directory exists.
+        let dotted = d.join("ck").join("..").join("ck").join("t.json");
+        assert!(check_outputs(&[out("--trace", &dotted)], &kept).is_err());
+        let later = d.join("later");
+        let kept_later = [KeptDir {
+            flag: "--checkpoint-dir",
+            path: &later,
+        }];
+        let inside = later.join("x.json");
+        assert!(check_outputs(&[out("--trace", &inside)], &kept_later).is_err());
+        // Two outputs in one file, one of them named through `./`.
+        let (a, b) = (d.join("same.out"), d.join(".").join("same.out"));
+        let err = check_outputs(&[out("--trace", &a), out("--save-plan", &b)], &[]).unwrap_err();
+        assert!(err.to_string().contains("name the same file"), "{err}");
+        let (p, t) = (d.join("plan.ron"), d.join("trace.json"));
+        check_outputs(&[out("--save-plan", &p), out("--trace", &t)], &kept).unwrap();
+        let _ = std::fs::remove_dir_all(&d);
     }
 
     #[test]

@@ -511,7 +511,12 @@ fn progress(st: &StepStats, steps: u64, from: u64, started: Instant, tty: bool) 
 }
 
 pub fn run(args: &Args) -> Result<()> {
+    check_outputs(&args.train, args.save_plan.as_deref())?;
     let p = prepare(&args.plan)?;
+    if let Some(path) = &args.save_plan {
+        let inputs = args.plan.inputs();
+        compile::write_plan(&p.plan, path, &compile::as_paths(&inputs))?;
+    }
     if p.plan.cluster.device != "cpu" {
         // GPUs: the CUDA backend (cudarc, cuBLAS, NCCL); without a driver this
         // is where the run stops, with "no CUDA driver found".
@@ -524,10 +529,41 @@ pub fn run(args: &Args) -> Result<()> {
             p.plan.cluster.name
         ));
     }
-    if let Some(path) = &args.save_plan {
-        compile::write_plan(&p.plan, path, &args.plan.inputs())?;
-    }
     train_prepared(&p, &args.train)
+}
+
+/// A run's outputs (`--save-plan`, `--trace`) are distinct files outside
+/// the checkpoint directories it saves into and resumes from
+/// ([`crate::output::check_outputs`]), checked before anything is written.
+fn check_outputs(args: &TrainOpts, save_plan: Option<&Path>) -> Result<()> {
+    use crate::output::{KeptDir, Output};
+    let mut outputs = Vec::new();
+    if let Some(path) = save_plan {
+        outputs.push(Output {
+            flag: "--save-plan",
+            path,
+        });
+    }
+    if let Some(path) = &args.trace {
+        outputs.push(Output {
+            flag: "--trace",
+            path,
+        });
+    }
+    let mut kept = Vec::new();
+    if let Some(path) = &args.checkpoint_dir {
+        kept.push(KeptDir {
+            flag: "--checkpoint-dir",
+            path,
+        });
+    }
+    if let Some(Some(path)) = &args.resume {
+        kept.push(KeptDir {
+            flag: "--resume",
+            path,
+        });
+    }
+    crate::output::check_outputs(&outputs, &kept)
 }
 
 /// GPUs always run the fused kernels: `--compute reference` there is a mistake.
@@ -584,6 +620,7 @@ pub fn train_prepared_on(
     process: Option<dplc_runtime::Process<'_>>,
     device: dplc_runtime::Device,
 ) -> Result<()> {
+    check_outputs(args, None)?;
     // Only rank 0 speaks for a world of processes.
     let quiet = process.is_some_and(|p| p.rank() != 0);
     let steps = args.steps.or(p.train.steps).unwrap_or(100);

@@ -137,6 +137,13 @@ fn max_loss_dev(a: &TrainReport, b: &TrainReport) -> f64 {
 }
 
 pub fn run(args: &Args) -> Result<()> {
+    // Zero steps compare nothing, and would pass whatever the plan does.
+    if args.steps == 0 {
+        return Err(miette!(
+            help = "give --steps 1 or more (the default is 5)",
+            "--steps must be positive: a check of zero steps compares nothing"
+        ));
+    }
     let mut plan: Plan = crate::compile::read_plan(&args.plan)?;
     // The model's text: --source, else the copy the plan carries, else the zoo.
     let (source_name, source_text) = match &args.source {

@@ -105,6 +105,11 @@ fn build_writes_only_into_a_new_empty_or_artifact_directory() {
     let busy = d.0.join("busy");
     std::fs::create_dir_all(&busy).unwrap();
     std::fs::write(busy.join("notes.txt"), "mine").unwrap();
+    // Someone else's manifest.json does not make a directory an artifact.
+    let webapp = d.0.join("webapp");
+    std::fs::create_dir_all(&webapp).unwrap();
+    std::fs::write(webapp.join("manifest.json"), r#"{"name": "my pwa"}"#).unwrap();
+    std::fs::write(webapp.join("RUN.md"), "notes").unwrap();
     let build = |out: &Path| {
         dplc()
             .args(["build", "models/tiny.dpl"])
@@ -114,12 +119,22 @@ fn build_writes_only_into_a_new_empty_or_artifact_directory() {
             .output()
             .expect("dplc runs")
     };
-    for out in [busy.as_path(), Path::new("/"), Path::new("models")] {
+    for out in [
+        busy.as_path(),
+        webapp.as_path(),
+        Path::new("/"),
+        Path::new("models"),
+    ] {
         let o = build(out);
         assert_eq!(o.status.code(), Some(1), "{}: {}", out.display(), text(&o));
         assert!(text(&o).contains("is not a dplc artifact"), "{}", text(&o));
     }
     assert_eq!(std::fs::read_dir(&busy).unwrap().count(), 1);
+    assert_eq!(std::fs::read_dir(&webapp).unwrap().count(), 2);
+    assert_eq!(
+        std::fs::read_to_string(webapp.join("RUN.md")).unwrap(),
+        "notes"
+    );
     let art = d.0.join("art");
     let o = build(&art);
     assert!(o.status.success(), "{}", text(&o));
@@ -428,4 +443,31 @@ fn zero_without_data_parallel_ranks_is_named() {
         text(&o)
     );
     assert!(!text(&o).contains("global batch"), "{}", text(&o));
+}
+
+/// `--cluster NAME` found in `clusters/` beside the model is an input like
+/// any other: `compile -o` refuses to write the plan over it.
+#[test]
+fn a_zoo_cluster_file_is_an_input() {
+    let d = Scratch::new("abuse", "zoo-cluster");
+    let zoo = d.0.join("zoo");
+    std::fs::create_dir_all(zoo.join("clusters")).unwrap();
+    std::fs::copy("models/tiny.dpl", zoo.join("tiny.dpl")).unwrap();
+    let cluster = zoo.join("clusters").join("cpu_4.dpl");
+    std::fs::copy("models/clusters/cpu_4.dpl", &cluster).unwrap();
+    let before = std::fs::read(&cluster).unwrap();
+    let o = dplc()
+        .arg("compile")
+        .arg(zoo.join("tiny.dpl"))
+        .args(["--model", "gpt_tiny", "--cluster", "cpu_4", "-o"])
+        .arg(&cluster)
+        .output()
+        .expect("dplc runs");
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("is an input of this command"),
+        "{}",
+        text(&o)
+    );
+    assert_eq!(std::fs::read(&cluster).unwrap(), before);
 }

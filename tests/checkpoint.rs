@@ -608,7 +608,32 @@ fn a_second_run_on_a_checkpoint_directory_is_refused() {
             .expect("joins")
             .expect("the first run ends well");
     });
-    run(&cfg, 2, Opt::AdamW);
+    // Free again: a run continuing the first saves its next step there.
+    run(&resuming(&cfg, &dir.0), 3, Opt::AdamW);
+}
+
+/// A run never saves over an earlier run's checkpoint: a fresh run whose
+/// steps an earlier run already saved in the directory is refused before
+/// it trains, naming the checkpoint, and the earlier run's files are
+/// untouched; continuing that run, or another directory, is what it asks for.
+#[test]
+fn a_run_does_not_save_over_an_earlier_runs_checkpoint() {
+    let dir = Scratch::new("ckpt", "over");
+    let cfg = dp2_zero1();
+    run(&saving(&cfg, &dir.0, 2), 4, Opt::AdamW);
+    let manifest = dir.0.join("step-000002").join("manifest.json");
+    let before = std::fs::read(&manifest).expect("step 2 saved");
+    let e = try_run("gpt_tiny", &saving(&cfg, &dir.0, 0), 3, Opt::AdamW).expect_err("refused");
+    assert!(
+        e.to_string()
+            .contains("step-000002, which this run would save over")
+            && e.to_string().contains("--resume"),
+        "{e}"
+    );
+    assert_eq!(std::fs::read(&manifest).expect("still there"), before);
+    // Continuing the run saves its later steps beside the earlier ones.
+    let more = run(&resuming(&saving(&cfg, &dir.0, 0), &dir.0), 6, Opt::AdamW);
+    assert_eq!(more.checkpoints.len(), 1);
 }
 
 /// A reused directory: `--resume DIR` continues the latest run that saved

@@ -180,6 +180,15 @@ fn verify_passes_a_plan_and_catches_a_broken_one() {
     assert_eq!(v["ranks"], 8);
     assert!(v["param_deviation"].as_f64().unwrap() < 1e-6, "{v}");
 
+    // Zero steps would compare nothing and pass a broken plan.
+    let out = dplc(&["verify", plan_s, "--steps", "0", "--inject", "grad-sync"]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("--steps must be positive"),
+        "{}",
+        stderr(&out)
+    );
+
     for fault in ["tp-sum", "grad-sync"] {
         let out = dplc(&["verify", plan_s, "--inject", fault]);
         assert!(!out.status.success(), "{fault} must fail the check");
@@ -1201,4 +1210,67 @@ fn run_refuses_gradients_it_does_not_keep() {
     let err = stderr(&out);
     assert!(err.contains("grad_reduce=bf16"), "{err}");
     assert!(err.contains("drop grad_reduce from --strategy"), "{err}");
+}
+
+/// A run's own outputs never destroy its work: `--trace` or `--save-plan`
+/// inside the checkpoint directory it saves into or resumes from (a
+/// manifest overwritten makes the checkpoint unloadable), or both on one
+/// file, are refused before anything is written; the checkpoint still
+/// resumes afterwards.
+#[test]
+fn run_outputs_stay_out_of_the_checkpoints() {
+    let dir = std::env::temp_dir().join(format!("dplc-run-outputs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let ck = dir.join("ck");
+    let ck_s = ck.to_str().unwrap();
+    let train = |extra: &[&str]| {
+        let mut args = vec!["run", "models/tiny.dpl", "--cluster", "2xcpu"];
+        args.extend(SMALL);
+        args.extend(extra);
+        dplc(&args)
+    };
+    let out = train(&["--steps", "2", "--checkpoint-dir", ck_s]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let manifest = ck.join("step-000002").join("manifest.json");
+    let before = std::fs::read(&manifest).unwrap();
+    let m = manifest.to_str().unwrap();
+    let same = dir.join("same.out");
+    let same_s = same.to_str().unwrap();
+    for (extra, says) in [
+        (
+            vec!["--steps", "4", "--resume", ck_s, "--save-plan", m],
+            "--save-plan",
+        ),
+        (
+            vec![
+                "--steps",
+                "4",
+                "--checkpoint-dir",
+                ck_s,
+                "--resume",
+                "--trace",
+                m,
+            ],
+            "--trace",
+        ),
+        (
+            vec!["--steps", "1", "--trace", same_s, "--save-plan", same_s],
+            "name the same file",
+        ),
+    ] {
+        let out = train(&extra);
+        assert_eq!(out.status.code(), Some(1), "{extra:?}: {}", stderr(&out));
+        let said = stderr(&out).replace("\n  | ", " ");
+        assert!(said.contains(says), "{extra:?}: {said}");
+    }
+    assert_eq!(
+        std::fs::read(&manifest).unwrap(),
+        before,
+        "the manifest is untouched"
+    );
+    assert!(!same.exists(), "nothing written");
+    let out = train(&["--steps", "3", "--resume", ck_s]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    std::fs::remove_dir_all(&dir).ok();
 }

@@ -14,8 +14,11 @@ pub(crate) struct DirLock {
 }
 
 /// Take `root` for a run that saves into it: refuse it, naming the holder,
-/// while another run does; tag the new run after every run already there.
-pub(crate) fn lock_dir(root: &Path) -> Result<DirLock> {
+/// while another run does; refuse it when an earlier run's checkpoint
+/// there has a step this run may save (`writes`: every step after the one
+/// it starts from), which the save would replace; tag the new run after
+/// every run already there.
+pub(crate) fn lock_dir(root: &Path, writes: std::ops::RangeInclusive<u64>) -> Result<DirLock> {
     std::fs::create_dir_all(root)
         .map_err(|e| io_err(root, "create the checkpoint directory", e))?;
     let path = root.join(LOCK);
@@ -43,7 +46,27 @@ pub(crate) fn lock_dir(root: &Path) -> Result<DirLock> {
             return Err(io_err(&path, "lock the checkpoint directory", e))
         }
     }
-    let seq = step_manifests(root)?
+    let earlier = step_manifests(root)?;
+    if let Some((_, path, m)) = earlier
+        .iter()
+        .filter(|(step, _, _)| writes.contains(step))
+        .min_by_key(|(step, _, _)| *step)
+    {
+        let whose = m
+            .run
+            .as_ref()
+            .map_or("an earlier run".to_string(), |r| format!("run {}", r.id));
+        return Err(err(
+            root,
+            format!(
+                "holds {whose}'s checkpoint {}, which this run would save over; \
+                 continue that run with --resume {}, or save into another --checkpoint-dir",
+                path.display(),
+                root.display()
+            ),
+        ));
+    }
+    let seq = earlier
         .iter()
         .filter_map(|(_, _, m)| m.run.as_ref().map(|r| r.seq))
         .max()

@@ -276,7 +276,8 @@ fn train_on(
     // The process that writes the checkpoints holds their directory.
     if let Some(ck) = &cfg.checkpoint {
         if process.is_none_or(|p| p.rank() == 0) {
-            shared.lock = Some(checkpoint::lock_dir(&ck.dir)?);
+            let writes = shared.start_step + 1..=steps;
+            shared.lock = Some(checkpoint::lock_dir(&ck.dir, writes)?);
         }
     }
     let shared = shared;
