@@ -198,9 +198,7 @@ pub fn plan(
     restrict(&mut req.pinned, &lowered.graph)?;
     req.top_k = top_k;
     let mut compiled = dplc_planner::compile(&req).map_err(plan_error)?;
-    let text = std::fs::read_to_string(&args.file)
-        .into_diagnostic()
-        .wrap_err_with(|| format!("cannot read {}", args.file.display()))?;
+    let text = load::read_text(&args.file)?;
     compiled.plan.source = ModelSource {
         file: args.file.display().to_string(),
         model: name,
@@ -248,9 +246,7 @@ pub fn write_plan(plan: &Plan, path: &Path, inputs: &[&Path]) -> Result<()> {
 /// reads a plan comes through here, so none explains, draws or verifies an
 /// impossible one.
 pub fn read_plan(path: &Path) -> Result<Plan> {
-    let text = std::fs::read_to_string(path)
-        .into_diagnostic()
-        .wrap_err_with(|| format!("cannot read {}", path.display()))?;
+    let text = load::read_text(path)?;
     let plan: Plan = ron::from_str(&text).map_err(|e| {
         miette!(
             code = "dplc::plan",

@@ -3,15 +3,53 @@
 use miette::{miette, Result};
 use std::path::Path;
 
-/// Read and parse `path` (the standard library comes with it).
-pub fn parse(path: &Path) -> Result<dplc_frontend::Unit> {
-    let bytes = std::fs::read(path).map_err(|e| {
+/// The most a text input (a .dpl, a plan, a config) may hold: far above
+/// any real one, and a bound on what `/dev/zero` or a mistyped path to a
+/// dataset can make a command read into memory.
+pub const TEXT_LIMIT: u64 = 64 << 20;
+
+/// The bytes of `path`, refused once they pass `limit` (read through a
+/// bounded reader, so a device or a FIFO that never ends is refused too).
+pub fn read_capped(path: &Path, limit: u64) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let cannot = |e: std::io::Error| {
         miette!(
             help = "check the path",
             "cannot read {}: {e}",
             path.display()
         )
-    })?;
+    };
+    let file = std::fs::File::open(path).map_err(cannot)?;
+    let mut bytes = Vec::new();
+    file.take(limit + 1)
+        .read_to_end(&mut bytes)
+        .map_err(cannot)?;
+    if bytes.len() as u64 > limit {
+        return Err(miette!(
+            help = "name the file this command reads; inputs of this kind are far smaller",
+            "{} holds more than {} MiB; dplc stops reading it there",
+            path.display(),
+            limit >> 20
+        ));
+    }
+    Ok(bytes)
+}
+
+/// [`read_capped`] at [`TEXT_LIMIT`], as UTF-8 text.
+pub fn read_text(path: &Path) -> Result<String> {
+    let bytes = read_capped(path, TEXT_LIMIT)?;
+    String::from_utf8(bytes).map_err(|e| {
+        miette!(
+            help = "save the file as UTF-8",
+            "{} is not UTF-8 text: {e}",
+            path.display()
+        )
+    })
+}
+
+/// Read and parse `path` (the standard library comes with it).
+pub fn parse(path: &Path) -> Result<dplc_frontend::Unit> {
+    let bytes = read_capped(path, TEXT_LIMIT)?;
     let text = String::from_utf8(bytes).map_err(|e| {
         // Name the first bad byte where an editor would show it.
         let good = &e.as_bytes()[..e.utf8_error().valid_up_to()];

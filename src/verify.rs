@@ -44,7 +44,7 @@ pub struct Args {
 }
 
 fn read(path: &Path) -> Result<String> {
-    std::fs::read_to_string(path).map_err(|e| miette!("cannot read {}: {e}", path.display()))
+    load::read_text(path)
 }
 
 fn find_source(model: &str) -> Result<PathBuf> {

@@ -257,8 +257,9 @@ pub struct RunCurve {
 
 /// Read a `dplc run --json` output: its summary line carries the losses.
 fn read_run(path: &std::path::Path) -> Result<RunCurve> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| miette!("cannot read {}: {e}", path.display()))?;
+    // A run's JSON lines grow with its steps: a larger bound than a plan's.
+    let bytes = crate::load::read_capped(path, 16 * crate::load::TEXT_LIMIT)?;
+    let text = String::from_utf8_lossy(&bytes);
     let summary = text
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())

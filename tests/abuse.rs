@@ -471,3 +471,38 @@ fn a_zoo_cluster_file_is_an_input() {
     );
     assert_eq!(std::fs::read(&cluster).unwrap(), before);
 }
+
+/// An input that never ends (`/dev/zero`) is refused after a bounded read,
+/// never read until memory runs out: the text inputs at 64 MiB, data files
+/// unless they are regular files.
+#[cfg(unix)]
+#[test]
+fn an_endless_input_is_refused_after_a_bounded_read() {
+    for args in [
+        vec!["check", "/dev/zero"],
+        vec!["verify", "/dev/zero"],
+        vec!["import", "hf", "/dev/zero"],
+    ] {
+        let o = dplc().args(&args).output().expect("dplc runs");
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {}", text(&o));
+        assert!(
+            text(&o).contains("holds more than 64 MiB"),
+            "{args:?}: {}",
+            text(&o)
+        );
+    }
+    let o = dplc()
+        .args([
+            "run",
+            "models/tiny.dpl",
+            "--model",
+            "gpt_tiny",
+            "--cluster",
+            "1xcpu",
+        ])
+        .args(["--steps", "1", "--data", "/dev/zero"])
+        .output()
+        .expect("dplc runs");
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("is not a regular file"), "{}", text(&o));
+}

@@ -73,8 +73,7 @@ impl Corpus {
 
     /// Read a token file.
     pub fn from_file(path: &Path, format: TokenFormat, seed: u64) -> Result<Corpus> {
-        let bytes = std::fs::read(path)
-            .map_err(|e| RuntimeError::Data(format!("cannot read {}: {e}", path.display())))?;
+        let bytes = read(path)?;
         let tokens = match format {
             TokenFormat::Bytes => bytes.iter().map(|&b| i32::from(b)).collect(),
             TokenFormat::U16 => {
@@ -389,9 +388,18 @@ fn check_every_file_feeds(
     Ok(())
 }
 
+/// A data file's bytes. Only a regular file is read: its size is known, so
+/// a device (`/dev/zero`) or a FIFO cannot feed the run without end.
 fn read(path: &Path) -> Result<Vec<u8>> {
-    std::fs::read(path)
-        .map_err(|e| RuntimeError::Data(format!("cannot read {}: {e}", path.display())))
+    let cannot =
+        |e: std::io::Error| RuntimeError::Data(format!("cannot read {}: {e}", path.display()));
+    if !std::fs::metadata(path).map_err(cannot)?.is_file() {
+        return Err(RuntimeError::Data(format!(
+            "{} is not a regular file; give the data as a file",
+            path.display()
+        )));
+    }
+    std::fs::read(path).map_err(cannot)
 }
 
 fn data_err(path: &Path, e: impl std::fmt::Display) -> RuntimeError {
@@ -577,7 +585,7 @@ mod tests {
     /// An `.npy` file (version 1.0) with `header`'s dict and `data` after it.
     fn npy_file(header: &str, data: &[u8]) -> Vec<u8> {
         let mut h = header.to_string();
-        while (10 + h.len() + 1) % 64 != 0 {
+        while !(10 + h.len() + 1).is_multiple_of(64) {
             h.push(' ');
         }
         h.push('\n');

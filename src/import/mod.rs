@@ -53,14 +53,8 @@ pub fn run(args: &Args) -> Result<()> {
         output,
         ..
     } = &args.from;
-    let text = std::fs::read_to_string(config).map_err(|e| {
-        miette!(
-            code = "dplc::io",
-            help = "check the path",
-            "cannot read {}: {e}",
-            config.display()
-        )
-    })?;
+    let text = crate::load::read_text(config)
+        .map_err(|e| miette!(code = "dplc::io", help = "check the path", "{e}"))?;
     let v: Value = serde_json::from_str(&text).map_err(|e| {
         miette!(
             code = "dplc::import",
