@@ -1014,10 +1014,12 @@ fn the_host_backend_trains_the_test_gpt() {
 
 /// GPU runs go through the one schedule executor: several ranks sharing one
 /// GPU run data, tensor (with sequence) and pipeline parallelism and ZeRO-3,
-/// and each matches the same split computed by the same fused kernels on the
-/// host backend.
+/// a parameter server, async updates and compressed gradients, and each
+/// matches the same split computed by the same fused kernels on the host
+/// backend.
 #[test]
 fn every_split_on_one_gpu_matches_the_host_fused_compute() {
+    use dplc_ir::{Compression, GradSync};
     use dplc_runtime::{Compute, Device, RunConfig, ZeroStage};
     let test = "every_split_on_one_gpu_matches_the_host_fused_compute";
     if gpu_or_skip(test).is_none() || nvrtc_or_skip(test).is_none() {
@@ -1058,7 +1060,45 @@ fn every_split_on_one_gpu_matches_the_host_fused_compute() {
             },
         ),
     ];
-    for (name, mut cfg) in splits {
+    // The data-parallel synchronisations and compressions keep their state
+    // (servers' shards, older weight versions, error feedback) where the
+    // store keeps the rest: on the GPU.
+    let dp2 = |sync: GradSync, compress: Compression| RunConfig {
+        dp: 2,
+        num_micro_batches: 2,
+        sync,
+        compress,
+        ..base.clone()
+    };
+    let syncs = [
+        ("dp2 ps", dp2(GradSync::ps(2), Compression::None)),
+        (
+            "dp2 async 1",
+            dp2(GradSync::async_ps(2, 1), Compression::None),
+        ),
+        ("dp2 bf16", dp2(GradSync::AllReduce, Compression::Bf16)),
+        (
+            "dp2 powersgd:2",
+            dp2(
+                GradSync::AllReduce,
+                Compression::PowerSgd {
+                    rank: 2,
+                    warmup: Some(1),
+                },
+            ),
+        ),
+        (
+            "dp2 topk:0.1",
+            dp2(
+                GradSync::AllReduce,
+                Compression::TopK {
+                    per_million: 100_000,
+                    warmup: Some(1),
+                },
+            ),
+        ),
+    ];
+    for (name, mut cfg) in splits.into_iter().chain(syncs) {
         if cfg.tp > 1 {
             cfg.layout = Some(dplc_planner::derive_layout(&g, 2, 1, true).unwrap());
         }
