@@ -31,8 +31,8 @@ pub use backward::{
     backward, backward_plan, column_sum_kernel, Backward, BackwardStep, ColumnSum, GradBinding,
 };
 pub use cuda::{
-    emit_cuda, kernel_name, CudaSource, LaunchShape, COLUMN_BLOCK, COLUMN_TILE, ROW_BLOCK,
-    WARP_ROW_VECTORS,
+    emit_cuda, emit_cuda_rows_of, kernel_name, CudaSource, LaunchShape, COLUMN_BLOCK, COLUMN_TILE,
+    ROW_BLOCK, WARP_ROW_VECTORS,
 };
 pub use error::CodegenError;
 pub use flat::{add_kernel, convert_kernel, sum_squares_kernel, SUM_SQUARES_COLS};

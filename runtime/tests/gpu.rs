@@ -568,6 +568,24 @@ fn bench_kernel_bandwidth() {
             100.0 * bw / copy_bw,
             100.0 * bw / (2.0 * same as f64 / same_s)
         );
+        // A block a row: the same code with more threads a block, fewer
+        // rows in flight, so a row walked twice (the cross-entropy
+        // backward's statistics, then its gradient) may still be in L2 the
+        // second time. Printed as a variant (gpu_targets.py reads only the
+        // line above).
+        if let dplc_codegen::LaunchShape::Rows { block } = ck.source.launch {
+            for wider in [512, 1024].into_iter().filter(|&b| b > block) {
+                let source = dplc_codegen::emit_cuda_rows_of(&k, dtype, wider);
+                let ptx = nvrtc.compile(&source, dev.arch()).expect("compiles");
+                let vk = dev.load(&k, &source, &ptx, dtype).unwrap();
+                let vs = time(&mut || dev.launch(&vk, &refs, &args).unwrap());
+                println!(
+                    "  variant: {wider}-thread row blocks {:.1} µs, {:.1}% of copy",
+                    vs * 1e6,
+                    100.0 * moved as f64 / vs / copy_bw
+                );
+            }
+        }
     }
 }
 

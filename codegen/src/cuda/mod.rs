@@ -180,6 +180,8 @@ struct Emit<'k> {
     /// its sample's key state and position from the row's preamble
     /// ([`Emit::row_draws`]) instead of the per-element `dplc_random`.
     rows: bool,
+    /// Threads of a block that walks one row ([`LaunchShape::Rows`]).
+    row_block: u32,
 }
 
 impl Emit<'_> {
@@ -816,11 +818,21 @@ fn decompose(flat: &str, outer: &[Size], lanes: Option<usize>) -> Vec<S> {
 
 /// Emit CUDA C for `kernel` with float buffers stored as `dtype`.
 pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
+    emit_cuda_rows_of(kernel, dtype, ROW_BLOCK)
+}
+
+/// [`emit_cuda`] with `row_block` threads to a block that walks one row
+/// (a wide row's kernel; the others as `emit_cuda` makes them): the same
+/// code at another occupancy, which the GPU bench times beside the
+/// default (how many rows are in flight at once decides whether a row's
+/// second walk finds it in L2).
+pub fn emit_cuda_rows_of(kernel: &Kernel, dtype: DType, row_block: u32) -> CudaSource {
     let name = kernel_name(kernel, dtype);
     let e = Emit {
         k: kernel,
         dtype,
         rows: kernel.space.inner.is_some(),
+        row_block,
     };
     let along = kernel.along_row();
     let mut params = Vec::new();
@@ -919,8 +931,10 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
     }
     let bounds = if kernel.is_row_kernel() {
         let block = match launch {
-            LaunchShape::Columns { block } => block,
-            _ => ROW_BLOCK,
+            LaunchShape::Columns { block }
+            | LaunchShape::Rows { block }
+            | LaunchShape::WarpRows { block } => block,
+            LaunchShape::Elementwise { .. } => ROW_BLOCK,
         };
         format!("__launch_bounds__({block}) ")
     } else {

@@ -50,7 +50,7 @@ pub(super) fn row_kernel(
     } else if warp_row {
         LaunchShape::WarpRows { block: ROW_BLOCK }
     } else {
-        LaunchShape::Rows { block: ROW_BLOCK }
+        LaunchShape::Rows { block: e.row_block }
     };
     // Who walks a row: a warp's lanes, a column's group of threads,
     // or the block's threads.
