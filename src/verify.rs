@@ -47,6 +47,32 @@ fn read(path: &Path) -> Result<String> {
     load::read_text(path)
 }
 
+/// What a plan pins that changes what training computes — compressed
+/// gradients, asynchronous updates (the keys `--allow` governs) — by
+/// design: no split can equal the serial run with them, so the check sets
+/// them aside (an async server becomes a synchronous one over the same
+/// shards) and says which. A synchronous server sums as the all-reduce
+/// does and is checked as planned.
+fn set_dynamics_aside(split: &mut RunConfig) -> Vec<String> {
+    let mut aside = Vec::new();
+    if !split.compress.is_none() {
+        aside.push(format!("compress={}", split.compress.name()));
+        split.compress = dplc_ir::Compression::None;
+    }
+    if let dplc_ir::GradSync::Async {
+        shards,
+        staleness,
+        servers,
+    } = split.sync
+    {
+        if staleness > 0 {
+            aside.push(format!("sync=async (staleness {staleness})"));
+            split.sync = dplc_ir::GradSync::ps(shards).with_servers(servers);
+        }
+    }
+    aside
+}
+
 fn find_source(model: &str) -> Result<PathBuf> {
     let dir = Path::new("models");
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
@@ -196,6 +222,7 @@ pub fn run(args: &Args) -> Result<()> {
         }
     }
     let mut split = RunConfig::from_plan(&plan).map_err(|e| miette!("{e}"))?;
+    let aside = set_dynamics_aside(&mut split);
     // A model without a `layers` argument runs at full depth, as planned.
     let depth = depth_of(&lowered);
     if split.pp > 1 {
@@ -288,6 +315,7 @@ pub fn run(args: &Args) -> Result<()> {
                 "param_deviation_at": o.param_at,
                 "layout": layout_source,
                 "compute": split.compute.name(),
+                "set_aside": aside,
             })
         );
     } else {
@@ -303,6 +331,14 @@ pub fn run(args: &Args) -> Result<()> {
             args.steps,
             split.compute.name()
         );
+        if !aside.is_empty() {
+            outln!(
+                "  {} change{} what training computes by design (the --allow keys); the split is checked without {}",
+                aside.join(", "),
+                if aside.len() == 1 { "s" } else { "" },
+                if aside.len() == 1 { "it" } else { "them" }
+            );
+        }
         outln!(
             "  loss, model's optimizer   max relative deviation {:.2e}  (tolerance {LOSS_TOL:.0e})",
             o.loss_dev

@@ -1274,3 +1274,51 @@ fn run_outputs_stay_out_of_the_checkpoints() {
     assert!(out.status.success(), "{}", stderr(&out));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Compressed gradients and async updates change what training computes by
+/// design: `verify` checks such a plan's split without them and says so,
+/// rather than failing it for the change it was asked to make.
+#[test]
+fn verify_sets_aside_what_changes_the_training_dynamics() {
+    let dir = std::env::temp_dir().join(format!("dplc-verify-dyn-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, strategy, says) in [
+        (
+            "topk",
+            "dp=2,zero=0,compress=topk:0.1",
+            "compress=topk:0.1 changes",
+        ),
+        (
+            "async",
+            "dp=2,zero=0,sync=async,staleness=1",
+            "sync=async (staleness 1) changes",
+        ),
+    ] {
+        let plan = dir.join(format!("{name}.ron"));
+        let plan_s = plan.to_str().unwrap();
+        let mut args = vec![
+            "run",
+            "models/tiny.dpl",
+            "--cluster",
+            "2xcpu",
+            "--strategy",
+            strategy,
+        ];
+        args.extend(SMALL);
+        args.extend(["--steps", "1", "--save-plan", plan_s]);
+        let out = dplc(&args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let out = dplc(&["verify", plan_s, "--steps", "2"]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{name}: {text}{}", stderr(&out));
+        assert!(
+            text.contains(says) && text.contains("pass"),
+            "{name}: {text}"
+        );
+        let out = dplc(&["verify", plan_s, "--steps", "2", "--json"]);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["pass"], true, "{v}");
+        assert_eq!(v["set_aside"].as_array().map(Vec::len), Some(1), "{v}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
