@@ -190,30 +190,71 @@ fn escape(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"")
 }
 
-/// Graphviz of the layer's per-rank program.
+/// Graphviz of the layer's per-rank program: a model with several layer
+/// stacks (an encoder and a decoder) draws each as a cluster of its own.
 pub fn dot(plan: &Plan) -> Result<String> {
-    let Some(prog) = plan.programs.iter().find(|p| p.region == "layer") else {
-        return Err(miette!(
+    let layers: Vec<&RegionProgram> = plan
+        .programs
+        .iter()
+        .filter(|p| p.region != "model")
+        .collect();
+    match layers.as_slice() {
+        [] => Err(miette!(
             help =
                 "pin a tensor-parallel degree, e.g. `dplc compile … --strategy tp=2 -o plan.ron`",
             "the plan splits no layer (tp = ep = 1): it has no sharded program to draw"
-        ));
-    };
-    Ok(dot_program(plan, prog))
+        )),
+        [one] => {
+            let mut s = String::new();
+            let _ = writeln!(s, "digraph layer {{");
+            let _ = writeln!(
+                s,
+                "  label=\"{} layer at {}\"; labelloc=t; rankdir=TB;",
+                escape(&plan.model),
+                degrees(one)
+            );
+            dot_program(&mut s, one, "", "  ");
+            let _ = writeln!(s, "}}");
+            Ok(s)
+        }
+        many => {
+            let mut s = String::new();
+            let _ = writeln!(s, "digraph layers {{");
+            let _ = writeln!(
+                s,
+                "  label=\"{} layer stacks\"; labelloc=t; rankdir=TB;",
+                escape(&plan.model)
+            );
+            for prog in many {
+                let _ = writeln!(s, "  subgraph cluster_{} {{", prog.region);
+                let _ = writeln!(
+                    s,
+                    "    label=\"{} at {}\";",
+                    escape(&prog.region),
+                    degrees(prog)
+                );
+                dot_program(&mut s, prog, &format!("{}_", prog.region), "    ");
+                let _ = writeln!(s, "  }}");
+            }
+            let _ = writeln!(s, "}}");
+            Ok(s)
+        }
+    }
 }
 
-fn dot_program(plan: &Plan, prog: &RegionProgram) -> String {
-    let mut s = String::new();
-    let _ = writeln!(s, "digraph layer {{");
-    let _ = writeln!(
-        s,
-        "  label=\"{} layer at tp {} ep {} sp {}\"; labelloc=t; rankdir=TB;",
-        escape(&plan.model),
+fn degrees(prog: &RegionProgram) -> String {
+    format!(
+        "tp {} ep {} sp {}",
         prog.tp,
         prog.ep,
         if prog.sequence_parallel { "on" } else { "off" }
-    );
-    let _ = writeln!(s, "  node [shape=box, fontname=monospace, fontsize=10];");
+    )
+}
+
+/// `prog`'s nodes and edges, each name prefixed (`prefix`) so that several
+/// programs share one graph, each line indented by `pad`.
+fn dot_program(s: &mut String, prog: &RegionProgram, prefix: &str, pad: &str) {
+    let _ = writeln!(s, "{pad}node [shape=box, fontname=monospace, fontsize=10];");
     for v in &prog.values {
         let op = v.expr.trim_start_matches('(');
         let op = op.split([' ', ')']).next().unwrap_or("");
@@ -224,7 +265,7 @@ fn dot_program(plan: &Plan, prog: &RegionProgram) -> String {
         };
         let _ = writeln!(
             s,
-            "  {} [label=\"{} = {}\\n{}\\n{}\", {style}];",
+            "{pad}{prefix}{} [label=\"{} = {}\\n{}\\n{}\", {style}];",
             v.name,
             v.name,
             escape(op),
@@ -232,21 +273,19 @@ fn dot_program(plan: &Plan, prog: &RegionProgram) -> String {
             escape(&layout_text(&v.layout))
         );
         for i in &v.inputs {
-            let _ = writeln!(s, "  {i} -> {};", v.name);
+            let _ = writeln!(s, "{pad}{prefix}{i} -> {prefix}{};", v.name);
         }
     }
     for (i, b) in prog.backward.iter().enumerate() {
         let _ = writeln!(
             s,
-            "  bwd{i} [label=\"backward {} {}\\nof {}\", shape=note, style=filled, fillcolor=\"#e76f51\"];",
+            "{pad}{prefix}bwd{i} [label=\"backward {} {}\\nof {}\", shape=note, style=filled, fillcolor=\"#e76f51\"];",
             b.kind.name(),
             b.axis.name(),
             escape(&b.of)
         );
-        let _ = writeln!(s, "  {} -> bwd{i} [style=dashed];", b.of);
+        let _ = writeln!(s, "{pad}{prefix}{} -> {prefix}bwd{i} [style=dashed];", b.of);
     }
-    let _ = writeln!(s, "}}");
-    s
 }
 
 /// One run's curve, read from what `dplc run --json` printed.

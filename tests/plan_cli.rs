@@ -350,6 +350,22 @@ fn dot_draws_the_layer_program_with_its_collectives() {
     let out = dplc(&["viz", plan.to_str().unwrap(), "--format", "dot"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("splits no layer"));
+    // An encoder and a decoder: each stack a cluster of the one graph, its
+    // names its own.
+    let plan = compile(
+        "models/t5.dpl",
+        "t5_tiny",
+        "2xcpu",
+        &["--strategy", "tp=2"],
+        "t5-tp2.ron",
+    );
+    let dot = ok(&["viz", plan.to_str().unwrap(), "--format", "dot"]);
+    assert!(dot.starts_with("digraph layers {"), "{dot}");
+    for stack in ["stack0", "stack1"] {
+        assert!(dot.contains(&format!("subgraph cluster_{stack} {{")), "{dot}");
+        assert!(dot.contains(&format!("{stack}_v0 [label=")), "{dot}");
+    }
+    assert_eq!(dot.matches('{').count(), dot.matches('}').count(), "{dot}");
 }
 
 #[test]
