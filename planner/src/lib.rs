@@ -902,7 +902,8 @@ fn no_configuration(pins: &StrategyConstraints, world: u64) -> String {
     // pp that fill the cluster leave it one (so does a pinned dp=1 cp=1).
     let sharding = world / (pins.tp.unwrap_or(1) * pins.pp.unwrap_or(1)).max(1);
     let single = sharding <= 1 || (pins.dp == Some(1) && pins.cp == Some(1));
-    if let (Some(zero @ 1..), true) = (pins.zero, single) {
+    let offloads = pins.offload.is_some_and(|o| o.optimizer || o.params);
+    if let (Some(zero @ 1..), true, false) = (pins.zero, single, offloads) {
         return format!(
             "no configuration satisfies `{pins}` on {world} devices: zero={zero} shards state \
              over the data-parallel ranks and this split leaves one; pin zero=0, or leave \

@@ -541,10 +541,18 @@ fn explore(
             for (schedule, v) in schedules(base.pp, base.num_micro_batches, profile.layers, pins) {
                 // Offloaded weights are ZeRO-3's shards (ZeRO-Infinity), one
                 // rank's included.
+                let one_rank: [u8; 1];
                 let zeros: &[u8] = if base.offload.params {
                     &[3]
                 } else if base.dp * base.cp == 1 {
-                    &[0]
+                    // Nothing to shard over one rank; but DeepSpeed's
+                    // ZeRO-Offload runs an offloaded optimizer on one GPU
+                    // under a ZeRO stage, so a pinned one is kept there.
+                    one_rank = [match pins.zero {
+                        Some(z @ 1..=3) if base.offload.optimizer => z,
+                        _ => 0,
+                    }];
+                    &one_rank
                 } else if base.pp > 1 && pins.zero.is_none() {
                     // Sharded gradients and weights under a pipeline
                     // (torchtitan's FSDP + PP) run and are priced when

@@ -91,6 +91,14 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
             },
         ));
     }
+    if (s.offload.optimizer || s.offload.params) && s.zero_stage == 0 {
+        // ds_config's `offload_optimizer` and `offload_param` are ZeRO's
+        // (DeepSpeed's docs: valid for stages 1–3 and 3).
+        gaps.push(Gap::new(
+            "offloaded state without ZeRO (DeepSpeed offloads the optimizer at ZeRO 1–3 and parameters at ZeRO-3)",
+            |p| p.zero = Some(if p.offload.is_some_and(|o| o.params) { 3 } else { 1 }),
+        ));
+    }
     if s.shards == dplc_ir::ShardLayout::PerParam {
         gaps.push(Gap::new(
             "ZeRO-3 per parameter (FSDP2's copies; DeepSpeed gathers into flat buffers)",
@@ -234,8 +242,12 @@ pub fn launch(job: &Job, config: &str) -> String {
         Recompute::Selective | Recompute::Op => {
             flags.push("--recompute-granularity selective".into())
         }
+        // Megatron's full granularity needs a method: every layer, one at
+        // a time, as dplc recomputes them.
         Recompute::Full if s.recompute_layers == 0 => {
-            flags.push("--recompute-granularity full".into())
+            flags.push("--recompute-granularity full".into());
+            flags.push("--recompute-method uniform".into());
+            flags.push("--recompute-num-layers 1".into());
         }
         Recompute::Full => {
             flags.push("--recompute-granularity full".into());

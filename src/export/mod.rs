@@ -246,7 +246,11 @@ pub fn run(args: &Args) -> Result<()> {
         Engine::Megatron => megatron::render(&job),
         Engine::Torchtitan => torchtitan::render(&job),
         Engine::Deepspeed => {
-            if plan.mesh.tp > 1 || plan.mesh.pp > 1 {
+            // A ds_config alone neither splits a layer nor recomputes one
+            // (its `activation_checkpointing` configures what the model's
+            // code checkpoints): Megatron-DeepSpeed's flags do both.
+            let recomputes = plan.strategy.recompute != dplc_ir::Recompute::None;
+            if plan.mesh.tp > 1 || plan.mesh.pp > 1 || recomputes {
                 let config = args
                     .output
                     .as_ref()
