@@ -347,6 +347,35 @@ fn the_library_refuses_what_the_flags_refuse() {
 }
 
 #[test]
+fn the_largest_top_lists_every_plan() {
+    // `--top usize::MAX` once wrapped `top + 1` to zero: "does not fit".
+    let out = dplc(&[
+        "compile",
+        "models/tiny.dpl",
+        "--model",
+        "gpt_tiny",
+        "--cluster",
+        "4xcpu",
+        "--top",
+        "18446744073709551615",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(!stderr.contains("does not fit"), "{stderr}");
+    let lowered = lower("gpt_tiny");
+    let mut req = PlanRequest::new(
+        &lowered.graph,
+        lowered.train.clone(),
+        parse_cluster("4xcpu").expect("cluster"),
+    );
+    req.top_k = usize::MAX;
+    let compiled = dplc_planner::compile(&req).expect("the largest top plans");
+    req.top_k = 3;
+    let three = dplc_planner::compile(&req).expect("top 3 plans");
+    assert_eq!(compiled.plan.mesh, three.plan.mesh, "the same winner");
+}
+
+#[test]
 fn seq_beyond_the_position_table_is_refused() {
     let err = refused(&[
         "compile",

@@ -184,7 +184,9 @@ pub(crate) fn search(
         .expect("compile checks the single-rank layout first")
         .profile;
     let world = cluster.world_size();
-    let keep = top_k + 1;
+    // `--top` is the user's number: any count past the configurations
+    // there are keeps them all, so the largest one must not wrap to zero.
+    let keep = top_k.saturating_add(1);
     let layers = profile.layers;
     let tps: Vec<u64> = divisors(world)
         .into_iter()
