@@ -224,6 +224,14 @@ fn impossible_plans_are_refused_by_explain_viz_and_verify() {
             "layout: for tp 2 ep 1 sequence parallel true, but the plan runs tp 4",
         ),
         (
+            "sp-seq",
+            edit(&|p| {
+                p.strategy.sequence_parallel = true;
+                p.strategy.seq = 31;
+            }),
+            "strategy.sequence_parallel: sequence parallelism splits the sequence over the tensor-parallel group: tp 2 must divide seq 31; use sp=off",
+        ),
+        (
             "step-time",
             edit(&|p| p.estimate.step_time_s = f64::NAN),
             "estimate.step_time_s: NaN; it is a finite number > 0",
@@ -242,6 +250,8 @@ fn a_layout_the_model_cannot_take_names_the_heads() {
     assert_eq!((p.mesh.dp, p.mesh.tp), (3, 2));
     p.mesh.tp = 3;
     p.mesh.dp = 2;
+    // Sequence parallelism would be refused first: tp 3 does not divide seq 64.
+    p.strategy.sequence_parallel = false;
     p.strategy.micro_batch = 6;
     p.strategy.num_micro_batches = 1;
     p.mesh.axes.clear();
@@ -373,6 +383,61 @@ fn the_largest_top_lists_every_plan() {
     req.top_k = 3;
     let three = dplc_planner::compile(&req).expect("top 3 plans");
     assert_eq!(compiled.plan.mesh, three.plan.mesh, "the same winner");
+}
+
+#[test]
+fn sequence_parallelism_needs_tp_to_divide_seq() {
+    // Unpinned, the search once took tp 2 with sp at seq 31, which the
+    // runtime refused; it keeps sp off where tp does not divide seq.
+    let lowered = lower("gpt_tiny");
+    let mut req = PlanRequest::new(
+        &lowered.graph,
+        lowered.train.clone(),
+        parse_cluster("2xcpu").expect("cluster"),
+    );
+    req.global_batch = Some(1);
+    for seq in [31, 32] {
+        req.seq = Some(seq);
+        let plan = dplc_planner::compile(&req).expect("plans").plan;
+        assert!(
+            !plan.strategy.sequence_parallel || seq.is_multiple_of(plan.mesh.tp),
+            "seq {seq}: sp with tp {}",
+            plan.mesh.tp
+        );
+    }
+    let args = |seq: &'static str, extra: &[&'static str]| {
+        let mut a = vec![
+            "models/tiny.dpl",
+            "--model",
+            "gpt_tiny",
+            "--cluster",
+            "2xcpu",
+            "--global-batch",
+            "1",
+            "--seq",
+            seq,
+        ];
+        a.extend_from_slice(extra);
+        a
+    };
+    let out = dplc(&[&["run"][..], &args("31", &["--steps", "2"])].concat());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Pinned, the planner refuses it and names the fix.
+    let err = refused(&[&["compile"][..], &args("31", &["--strategy", "tp=2,sp=on"])].concat());
+    assert_says(
+        &err,
+        "sp: sequence parallelism splits the sequence over the tensor-parallel group: tp 2 must divide seq 31; use sp=off",
+    );
+    let out = dplc(&[&["compile"][..], &args("32", &["--strategy", "tp=2,sp=on"])].concat());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]

@@ -487,7 +487,7 @@ impl Plan {
         // The plan alone: which ops read the sequence whole is the model's
         // to say (the planner refused cp for them).
         rules::context(m.cp, s.seq, None).map_err(mesh)?;
-        rules::sequence_parallel(s.sequence_parallel, m.tp)
+        rules::sequence_parallel(s.sequence_parallel, m.tp, m.cp, s.seq)
             .map_err(|e| PlanInvalid::new("strategy.sequence_parallel", e))?;
         if s.fp8_bf16_ends > 0 && (!s.fp8 || s.fp8_bf16_ends.saturating_mul(2) > self.layers) {
             return Err(PlanInvalid::new(

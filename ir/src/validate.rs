@@ -295,12 +295,31 @@ pub fn expert_groups(ep: u64, dp: u64) -> Result<(), String> {
     Ok(())
 }
 
-/// Sequence parallelism splits along the tensor-parallel group.
-pub fn sequence_parallel(sp: bool, tp: u64) -> Result<(), String> {
-    if sp && tp == 1 {
+/// Sequence parallelism splits each rank's positions (`seq / cp` of them)
+/// evenly over the tensor-parallel group. The planner's search and pin
+/// checks, `Plan::validate` and the runtime all read this one rule.
+pub fn sequence_parallel(sp: bool, tp: u64, cp: u64, seq: u64) -> Result<(), String> {
+    if !sp {
+        return Ok(());
+    }
+    if tp == 1 {
         return Err(
             "sequence parallelism needs tp > 1: it splits along the tensor-parallel group".into(),
         );
+    }
+    // A zero degree or a cp that does not divide seq is the degrees' and
+    // context rules' to name; here it only must not divide by zero.
+    let positions = seq.checked_div(cp).unwrap_or(seq);
+    if !positions.is_multiple_of(tp) {
+        let per_rank = if cp > 1 {
+            format!("seq {seq} / cp {cp} = {positions}")
+        } else {
+            format!("seq {seq}")
+        };
+        return Err(format!(
+            "sequence parallelism splits the sequence over the tensor-parallel group: tp {tp} \
+             must divide {per_rank}; use sp=off, or a sequence length tp divides"
+        ));
     }
     Ok(())
 }

@@ -119,9 +119,11 @@ pub(crate) fn validate(
         );
     }
     if let Some(tp) = pins.tp {
+        // Unpinned, cp is 1 or a divisor of seq: tp must divide seq either way.
+        let cp = pins.cp.unwrap_or(1);
         pin(
             "sp",
-            rules::sequence_parallel(pins.sequence_parallel == Some(true), tp),
+            rules::sequence_parallel(pins.sequence_parallel == Some(true), tp, cp, seq),
         )?;
     }
     if let Some(dp) = pins.dp {
@@ -507,8 +509,7 @@ fn explore(
     // searched for; where it does not, its peak starts the search for the
     // fewest layers to recompute.
     let mut whole_peaks: fxhash::FxHashMap<Config, u64> = fxhash::FxHashMap::default();
-    // Sequence parallelism needs a tensor group.
-    let sps: &[bool] = if base.tp > 1 {
+    let sps: &[bool] = if rules::sequence_parallel(true, base.tp, base.cp, cost.seq).is_ok() {
         &[false, true]
     } else {
         &[false]

@@ -33,19 +33,13 @@ pub(super) fn mesh_fits(spec: &TrainSpec, cfg: &RunConfig) -> Result<()> {
             cfg.ep, cfg.dp
         )));
     }
-    // Under cp each rank splits its own `seq / cp` positions over tp.
-    if cfg.sequence_parallel && !(spec.seq as usize / cfg.cp).is_multiple_of(cfg.tp) {
-        return Err(RuntimeError::Config(format!(
-            "sequence parallelism splits the sequence: tp {} must divide seq {}{}",
-            cfg.tp,
-            spec.seq,
-            if cfg.cp > 1 {
-                format!(" / cp {}", cfg.cp)
-            } else {
-                String::new()
-            }
-        )));
-    }
+    dplc_ir::validate::sequence_parallel(
+        cfg.sequence_parallel,
+        cfg.tp as u64,
+        cfg.cp as u64,
+        spec.seq,
+    )
+    .map_err(RuntimeError::Config)?;
     if cfg.global_batch() as u64 != spec.global_batch {
         return Err(RuntimeError::Config(format!(
             "dp {} × micro_batch {} × micro-batches {} = {} samples, but the global batch is {}",
