@@ -19,6 +19,60 @@ pub const MAX_GLOBAL_BATCH: u64 = 1 << 24;
 /// (micro-batches × model chunks × stages): `viz` and the runtime walk each.
 pub const MAX_PIPELINE_PASSES: u64 = 1 << 20;
 
+/// The range a number of a cluster's hardware is read over, as the cost
+/// model prices it. Outside it a number is a slip (a unit dropped or
+/// doubled), and at the edges step times turn absurd or infinite: a zero
+/// bandwidth prices every transfer at infinity.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Bounds {
+    pub min: f64,
+    pub max: f64,
+    /// The range as a cluster section would write it.
+    pub shown: &'static str,
+}
+
+impl Bounds {
+    pub fn contains(&self, x: f64) -> bool {
+        x.is_finite() && (self.min..=self.max).contains(&x)
+    }
+
+    /// `x` within the bounds, or what is wrong in words (the caller names the key).
+    pub fn check(&self, x: f64) -> Result<(), String> {
+        if self.contains(x) {
+            Ok(())
+        } else {
+            Err(format!("must be in the range {}", self.shown))
+        }
+    }
+}
+
+/// A link's (or a device's memory's, or its host link's) bandwidth: a
+/// byte a second up to 1000 TB/s, well past NVLink 5's 1.8 TB/s.
+pub const BANDWIDTH: Bounds = Bounds {
+    min: 1.0,
+    max: 1e15,
+    shown: "1 B/s to 1000 TB/s",
+};
+/// A link's latency: none up to a second, a thousand times a WAN's.
+pub const LATENCY: Bounds = Bounds {
+    min: 0.0,
+    max: 1.0,
+    shown: "0 s to 1 s",
+};
+/// A device's peak compute rate at one precision: a GFLOP/s (a slow CPU
+/// core) up to 1000 PFLOP/s, far past any chip's.
+pub const FLOP_RATE: Bounds = Bounds {
+    min: 1e9,
+    max: 1e18,
+    shown: "1 GFLOP/s to 1000 PFLOP/s",
+};
+/// A device's (or its host's) memory: a megabyte up to 1000 TB.
+pub const MEMORY: Bounds = Bounds {
+    min: 1e6,
+    max: 1e15,
+    shown: "1 MB to 1000 TB",
+};
+
 /// Why a plan cannot be run or drawn: the field, and what is wrong with it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{field}: {detail}")]

@@ -601,11 +601,22 @@ pub fn cluster_from_spec(spec: &ClusterSpec) -> Result<Cluster, PlanError> {
     };
     let mut c = Cluster::new(spec.nodes, spec.devices_per_node, dev);
     c.name = spec.name.clone();
-    for (ours, theirs) in [
-        (&mut c.intra_node, &spec.intra_node),
-        (&mut c.inter_node, &spec.inter_node),
+    for (name, ours, theirs) in [
+        ("intra_node", &mut c.intra_node, &spec.intra_node),
+        ("inter_node", &mut c.inter_node, &spec.inter_node),
     ] {
         if let Some(l) = theirs {
+            // The frontend refuses these with the line; a spec built in code
+            // is held to the same ranges.
+            for (what, bounds, x) in [
+                ("bandwidth", &rules::BANDWIDTH, l.bandwidth_bytes_per_s),
+                ("latency", &rules::LATENCY, l.latency_s),
+            ] {
+                bounds.check(x).map_err(|why| PlanError::Cluster {
+                    spec: spec.name.clone(),
+                    detail: format!("{name} {what} {why}"),
+                })?;
+            }
             *ours = link(&l.kind, l.bandwidth_bytes_per_s, l.latency_s);
         }
     }
@@ -633,6 +644,39 @@ mod tests {
         ));
         assert!(parse_cluster("0xA100").is_err());
         assert!(parse_cluster("12xA100").is_err());
+    }
+
+    #[test]
+    fn a_link_outside_the_cost_models_range_is_refused() {
+        let spec = |bandwidth_bytes_per_s, latency_s| ClusterSpec {
+            name: "c".into(),
+            nodes: 1,
+            devices_per_node: 4,
+            device: "cpu".into(),
+            custom_device: None,
+            intra_node: Some(dplc_ir::LinkSpec {
+                kind: "shm".into(),
+                bandwidth_bytes_per_s,
+                latency_s,
+            }),
+            inter_node: None,
+        };
+        assert!(cluster_from_spec(&spec(10e9, 1e-6)).is_ok());
+        for (bandwidth, latency, what) in [
+            (0.0, 1e-6, "intra_node bandwidth"),
+            (-1e9, 1e-6, "intra_node bandwidth"),
+            (f64::INFINITY, 1e-6, "intra_node bandwidth"),
+            (10e9, 1e308, "intra_node latency"),
+            (10e9, f64::NAN, "intra_node latency"),
+        ] {
+            let e = cluster_from_spec(&spec(bandwidth, latency))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!("{what} must be in the range")),
+                "{bandwidth} {latency}: {e}"
+            );
+        }
     }
 
     #[test]
