@@ -173,7 +173,7 @@ pub fn plan(
     check_sizes(args)?;
     let unit = load::parse(&args.file)?;
     let name = load::choose_model(&unit, &args.file, args.model.as_deref())?;
-    let lowered = unit.lower(&name)?;
+    let lowered = unit.lower_to_train(&name)?;
     let cluster = resolve_cluster(&args.cluster, &unit, &args.file)?;
     let mut req = PlanRequest::new(&lowered.graph, lowered.train.clone(), cluster.clone());
     req.global_batch = args.global_batch;

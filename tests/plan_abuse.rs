@@ -441,6 +441,61 @@ fn sequence_parallelism_needs_tp_to_divide_seq() {
 }
 
 #[test]
+fn a_model_that_cannot_train_is_refused_at_compile_by_its_line() {
+    let no_params = "model m(d = 4) {\n    input x: f32[batch, d]\n    h = x\n    repeat 2 {\n        h = h * 2.0\n    }\n    return sum(sum(h))\n}\n";
+    let no_loss = TINY.replace(
+        "return cross_entropy(h @ transpose(wte), targets)",
+        "return h @ transpose(wte)",
+    );
+    assert_ne!(no_loss, TINY);
+    for (name, text, model, needle, at) in [
+        (
+            "noparams.dpl",
+            no_params.to_string(),
+            "m",
+            "`m` has no parameters: a training step updates parameters, so a model needs some to train",
+            "noparams.dpl:1:7",
+        ),
+        (
+            "noloss.dpl",
+            no_loss,
+            "gpt_tiny",
+            "`gpt_tiny` returns f32[batch, seq, 256] first, not a scalar float loss",
+            "noloss.dpl:14:5",
+        ),
+    ] {
+        let path = tmp(name);
+        std::fs::write(&path, &text).expect("write model");
+        let p = path.to_str().expect("UTF-8");
+        for command in ["compile", "run"] {
+            let err = refused(&[command, p, "--model", model, "--cluster", "2xcpu"]);
+            assert_says(&err, needle);
+            assert_says(&err, at);
+            assert!(!err.contains("bug in dplc"), "{err}");
+        }
+        // Not training, a model may return anything.
+        let out = dplc(&["inspect", p, "--model", model]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // The library refuses it too, before it searches.
+        let lowered = dplc_frontend::parse(name, &text)
+            .expect("parses")
+            .lower(model)
+            .expect("lowers");
+        let req = PlanRequest::new(
+            &lowered.graph,
+            lowered.train.clone(),
+            parse_cluster("2xcpu").expect("cluster"),
+        );
+        let e = dplc_planner::compile(&req).map(|_| ()).unwrap_err().to_string();
+        assert_says(&e, needle);
+    }
+}
+
+#[test]
 fn seq_beyond_the_position_table_is_refused() {
     let err = refused(&[
         "compile",

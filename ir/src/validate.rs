@@ -73,6 +73,50 @@ pub const MEMORY: Bounds = Bounds {
     shown: "1 MB to 1000 TB",
 };
 
+/// Why a model cannot be trained: what `compile` plans and `run` executes is
+/// a training step, which updates parameters from the gradient of a scalar
+/// float loss, the model's first result.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Untrainable {
+    #[error(
+        "`{model}` has no parameters: a training step updates parameters, so a model needs \
+         some to train (declare them with `param`, or call blocks such as `linear` that do)"
+    )]
+    NoParams { model: String },
+    #[error(
+        "`{model}` returns nothing: a training step starts its backward from a scalar float \
+         loss, returned first (e.g. `return cross_entropy(logits, targets)`)"
+    )]
+    NoResult { model: String },
+    #[error(
+        "`{model}` returns {found} first, not a scalar float loss: a training step starts its \
+         backward from one (return the loss first, e.g. `return cross_entropy(logits, targets)`; \
+         `dplc inspect` shows a model that does not train)"
+    )]
+    NotALoss { model: String, found: String },
+}
+
+/// A model a training step can run: it has parameters, and its first result
+/// is a scalar float loss. `compile` (the frontend, located, and the
+/// planner) and the runtime all ask this.
+pub fn trainable(graph: &Graph) -> Result<(), Untrainable> {
+    let model = || graph.name.clone();
+    if graph.param_count() == 0 {
+        return Err(Untrainable::NoParams { model: model() });
+    }
+    let Some(&loss) = graph.outputs().first() else {
+        return Err(Untrainable::NoResult { model: model() });
+    };
+    let t = graph.tensor(loss);
+    if !t.shape.dims().is_empty() || !t.dtype.is_float() {
+        return Err(Untrainable::NotALoss {
+            model: model(),
+            found: format!("{}{}", t.dtype, t.shape.display(graph.sym_names())),
+        });
+    }
+    Ok(())
+}
+
 /// Why a plan cannot be run or drawn: the field, and what is wrong with it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{field}: {detail}")]
