@@ -16,6 +16,8 @@ mod syntax;
 mod value;
 
 pub use diag::{Diagnostic, Diagnostics};
+pub use elab::MAX_REPEAT;
+pub use syntax::is_name;
 
 use ast::{FileId, Item, Span};
 use diag::{Diag, DiagExt, Res, Source};
