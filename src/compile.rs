@@ -259,6 +259,7 @@ pub fn read_plan(path: &Path) -> Result<Plan> {
 /// fit to the model it carries.
 pub fn check_plan(plan: &Plan) -> std::result::Result<(), String> {
     plan.validate().map_err(|e| e.to_string())?;
+    dplc_planner::check_plan_cluster(plan).map_err(|e| e.to_string())?;
     if plan.source.text.is_empty() {
         return Ok(());
     }

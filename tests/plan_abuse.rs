@@ -496,6 +496,103 @@ fn a_model_that_cannot_train_is_refused_at_compile_by_its_line() {
 }
 
 #[test]
+fn a_plan_must_agree_with_its_device_its_memory_and_its_source() {
+    let base = compile("gpt_tiny", "4xcpu", "tp=2", None);
+    let edit = |f: &dyn Fn(&mut Plan)| {
+        let mut p = base.clone();
+        f(&mut p);
+        p
+    };
+    let wider = TINY.replacen("d = 64", "d = 128", 1);
+    assert_ne!(wider, TINY);
+    let cases: Vec<(&str, Plan, &str)> = vec![
+        (
+            "params1",
+            edit(&|p| p.params = 1),
+            "params: the plan records 1 parameters, but its source lowers `gpt_tiny` to 120576",
+        ),
+        (
+            "tpu",
+            edit(&|p| p.cluster.device = "TPU".into()),
+            "cluster.device: `TPU` is not in dplc's catalog",
+        ),
+        (
+            "mem1",
+            edit(&|p| p.cluster.memory_bytes = 1),
+            "more than the device's 1 (cluster.memory_bytes): the plan does not fit",
+        ),
+        (
+            "mem-catalog",
+            edit(&|p| p.cluster.memory_bytes *= 2),
+            "cluster.memory_bytes: 34359738368 bytes, but the catalog's `cpu` has 17179869184",
+        ),
+        (
+            "peak",
+            edit(&|p| p.estimate.peak_memory_bytes = 1),
+            "estimate.peak_memory_bytes: 1 bytes, but the largest stage holds",
+        ),
+        (
+            "d128",
+            edit(&|p| p.source.text = wider.clone()),
+            "params: the plan records 120576 parameters, but its source lowers `gpt_tiny` to 437760",
+        ),
+        (
+            "sharding",
+            edit(&|p| p.param_sharding[0].elements += 1),
+            "param_sharding[0]: `wte` has 16385 elements in the plan, 16384 in its source",
+        ),
+        (
+            "sharding-name",
+            edit(&|p| p.param_sharding[0].name = "nope".into()),
+            "param_sharding[0]: `nope` is not a parameter of `gpt_tiny`",
+        ),
+    ];
+    for (name, plan, needle) in &cases {
+        every_command_refuses(plan, &format!("{name}.ron"), needle);
+    }
+    // A device a cluster section describes is recorded in the plan, and
+    // loads as the catalog's do.
+    let path = tmp("custom-cluster.dpl");
+    std::fs::write(
+        &path,
+        "cluster mine {\n    devices_per_node = 2\n    device = accelerator(name = \"X\", bf16 = 100 TFLOP/s, \
+         memory = 16 GB, memory_bandwidth = 1 TB/s)\n    intra_node = nvlink(bandwidth = 100 GB/s, latency = 2 us)\n}\n",
+    )
+    .expect("write cluster");
+    let plan_path = tmp("custom.ron");
+    let out = dplc(&[
+        "compile",
+        "models/tiny.dpl",
+        "--model",
+        "gpt_tiny",
+        "--cluster",
+        path.to_str().expect("UTF-8"),
+        "-o",
+        plan_path.to_str().expect("UTF-8"),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = dplc(&["explain", plan_path.to_str().expect("UTF-8")]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut custom: Plan =
+        ron::from_str(&std::fs::read_to_string(&plan_path).expect("read plan")).expect("a plan");
+    assert_eq!(custom.cluster.device, "X");
+    custom.cluster.device = "Y".into();
+    every_command_refuses(
+        &custom,
+        "custom-renamed.ron",
+        "cluster.device: `Y`, but the plan's accelerator(…) is named `X`",
+    );
+}
+
+#[test]
 fn seq_beyond_the_position_table_is_refused() {
     let err = refused(&[
         "compile",
@@ -751,7 +848,7 @@ fn number_spots(text: &str) -> Vec<(usize, usize)> {
 }
 
 /// What `read_plan` does, with the model lowered once per source: parse,
-/// validate, and check against the carried model (with the planner's layout
+/// validate (the plan, its device), and check against the carried model (with the planner's layout
 /// where the plan has none).
 fn load(
     text: &str,
@@ -759,6 +856,7 @@ fn load(
 ) -> Result<Plan, String> {
     let plan: Plan = ron::from_str(text).map_err(|e| format!("not a plan: {e}"))?;
     plan.validate().map_err(|e| e.to_string())?;
+    dplc_planner::check_plan_cluster(&plan).map_err(|e| e.to_string())?;
     if plan.source.text.is_empty() {
         return Ok(plan);
     }

@@ -20,7 +20,9 @@ mod stages;
 mod strategy;
 mod timeline;
 
-pub use cluster::{catalog, cluster_from_spec, device, parse_cluster, Cluster, Device, Link};
+pub use cluster::{
+    catalog, check_plan_cluster, cluster_from_spec, device, parse_cluster, Cluster, Device, Link,
+};
 pub use cost::overlap_slowdown;
 pub use error::PlanError;
 pub use layouts::LayoutStats;
