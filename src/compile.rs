@@ -188,7 +188,7 @@ pub fn plan(
     check_sizes(args)?;
     let unit = load::parse(&args.file)?;
     let name = load::choose_model(&unit, &args.file, args.model.as_deref())?;
-    let lowered = unit.lower(&name)?;
+    let lowered = unit.lower_to_train(&name)?;
     let cluster = resolve_cluster(&args.cluster, &unit, &args.file)?;
     let mut req = PlanRequest::new(&lowered.graph, lowered.train.clone(), cluster.clone());
     req.global_batch = args.global_batch;
@@ -270,6 +270,7 @@ pub fn read_plan(path: &Path) -> Result<Plan> {
 /// fit to the model it carries.
 pub fn check_plan(plan: &Plan) -> std::result::Result<(), String> {
     plan.validate().map_err(|e| e.to_string())?;
+    dplc_planner::check_plan_cluster(plan).map_err(|e| e.to_string())?;
     if plan.source.text.is_empty() {
         return Ok(());
     }

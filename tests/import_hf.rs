@@ -705,3 +705,109 @@ fn what_cannot_be_imported_is_refused_naming_the_field() {
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("--name"));
 }
+
+/// `dplc check` on `file`: passes, or the error.
+fn checks(file: &std::path::Path) -> Result<(), String> {
+    let o = dplc(&["check", file.to_str().unwrap()]);
+    if o.status.success() {
+        Ok(())
+    } else {
+        Err(stderr(&o))
+    }
+}
+
+#[test]
+fn an_imported_file_always_checks_whatever_the_name() {
+    let base = std::fs::read_to_string("tests/data/hf/llama3_8b.json").unwrap();
+    let gpt2 = std::fs::read_to_string("tests/data/hf/gpt2.json").unwrap();
+    let gemma = std::fs::read_to_string("tests/data/hf/gemma_2b.json").unwrap();
+    let with_path = |text: &str, path: &str| {
+        text.replacen('{', &format!("{{\"_name_or_path\": \"{path}\", "), 1)
+    };
+    // Names from `_name_or_path`: keywords of the language, a leading
+    // digit, characters a name cannot hold, nothing at all.
+    let cases = [
+        ("kw_input", with_path(&base, "my-org/Input"), "input_model"),
+        ("kw_model", with_path(&gpt2, "model"), "model_model"),
+        ("kw_repeat", with_path(&gemma, "org/repeat"), "repeat_model"),
+        ("kw_true", with_path(&base, "True"), "true_model"),
+        (
+            "kw_cluster",
+            with_path(&base, "a/b/cluster/"),
+            "cluster_model",
+        ),
+        ("digit", with_path(&base, "org/7b"), "m7b"),
+        (
+            "dashes",
+            with_path(&base, "meta-llama/Llama-3-8B"),
+            "llama_3_8b",
+        ),
+        ("empty", with_path(&base, ""), "empty"),
+    ];
+    for (name, text, model) in cases {
+        let (out, file) = import_text(name, &text);
+        assert!(out.status.success(), "{name}: {}", stderr(&out));
+        let dpl = std::fs::read_to_string(&file).unwrap();
+        assert!(dpl.contains(&format!("model {model}(")), "{name}:\n{dpl}");
+        checks(&file).unwrap_or_else(|e| panic!("{name} ({model}) does not check: {e}"));
+    }
+    // A keyword given as --name is refused, naming a name that works.
+    let config = tmp("named.json");
+    std::fs::write(&config, &base).unwrap();
+    for keyword in [
+        "input", "model", "repeat", "block", "param", "if", "true", "train", "cluster",
+    ] {
+        let o = dplc(&["import", "hf", config.to_str().unwrap(), "--name", keyword]);
+        assert_eq!(o.status.code(), Some(1), "--name {keyword}");
+        let err = stderr(&o);
+        assert!(
+            err.contains(&format!("`{keyword}` is a keyword"))
+                && err.contains(&format!("--name {keyword}_model")),
+            "--name {keyword}: {err}"
+        );
+    }
+    // A name that only starts like a keyword is a name.
+    let file = tmp("inputs.dpl");
+    let o = dplc(&[
+        "import",
+        "hf",
+        config.to_str().unwrap(),
+        "--name",
+        "inputs",
+        "-o",
+        file.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    checks(&file).unwrap();
+}
+
+#[test]
+fn layer_counts_past_the_languages_repeat_limit_are_refused_by_field() {
+    let llama = std::fs::read_to_string("tests/data/hf/llama3_8b.json").unwrap();
+    let gpt2 = std::fs::read_to_string("tests/data/hf/gpt2.json").unwrap();
+    let max = dplc_frontend::MAX_REPEAT;
+    for (name, text, field) in [
+        (
+            "layers_huge",
+            llama.replace(
+                "\"num_hidden_layers\": 32",
+                "\"num_hidden_layers\": 1000000000",
+            ),
+            "num_hidden_layers",
+        ),
+        (
+            "n_layer_huge",
+            gpt2.replace("\"n_layer\": 12", &format!("\"n_layer\": {}", max + 1)),
+            "n_layer",
+        ),
+    ] {
+        let (out, file) = import_text(name, &text);
+        assert_eq!(out.status.code(), Some(1), "{name}");
+        let err = stderr(&out);
+        assert!(
+            err.contains(&format!("`{field}` is")) && err.contains(&format!("at most {max}")),
+            "{name}: {err}"
+        );
+        assert!(!file.exists(), "{name}: nothing is written on a refusal");
+    }
+}

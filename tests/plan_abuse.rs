@@ -224,6 +224,14 @@ fn impossible_plans_are_refused_by_explain_viz_and_verify() {
             "layout: for tp 2 ep 1 sequence parallel true, but the plan runs tp 4",
         ),
         (
+            "sp-seq",
+            edit(&|p| {
+                p.strategy.sequence_parallel = true;
+                p.strategy.seq = 31;
+            }),
+            "strategy.sequence_parallel: sequence parallelism splits the sequence over the tensor-parallel group: tp 2 must divide seq 31; use sp=off",
+        ),
+        (
             "step-time",
             edit(&|p| p.estimate.step_time_s = f64::NAN),
             "estimate.step_time_s: NaN; it is a finite number > 0",
@@ -242,6 +250,8 @@ fn a_layout_the_model_cannot_take_names_the_heads() {
     assert_eq!((p.mesh.dp, p.mesh.tp), (3, 2));
     p.mesh.tp = 3;
     p.mesh.dp = 2;
+    // Sequence parallelism would be refused first: tp 3 does not divide seq 64.
+    p.strategy.sequence_parallel = false;
     p.strategy.micro_batch = 6;
     p.strategy.num_micro_batches = 1;
     p.mesh.axes.clear();
@@ -344,6 +354,242 @@ fn the_library_refuses_what_the_flags_refuse() {
         dplc_planner::device("H100").expect("device"),
     );
     assert_says(&plan(None, None, wraps), "overflows a 64-bit count");
+}
+
+#[test]
+fn the_largest_top_lists_every_plan() {
+    // `--top usize::MAX` once wrapped `top + 1` to zero: "does not fit".
+    let out = dplc(&[
+        "compile",
+        "models/tiny.dpl",
+        "--model",
+        "gpt_tiny",
+        "--cluster",
+        "4xcpu",
+        "--top",
+        "18446744073709551615",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(!stderr.contains("does not fit"), "{stderr}");
+    let lowered = lower("gpt_tiny");
+    let mut req = PlanRequest::new(
+        &lowered.graph,
+        lowered.train.clone(),
+        parse_cluster("4xcpu").expect("cluster"),
+    );
+    req.top_k = usize::MAX;
+    let compiled = dplc_planner::compile(&req).expect("the largest top plans");
+    req.top_k = 3;
+    let three = dplc_planner::compile(&req).expect("top 3 plans");
+    assert_eq!(compiled.plan.mesh, three.plan.mesh, "the same winner");
+}
+
+#[test]
+fn sequence_parallelism_needs_tp_to_divide_seq() {
+    // Unpinned, the search once took tp 2 with sp at seq 31, which the
+    // runtime refused; it keeps sp off where tp does not divide seq.
+    let lowered = lower("gpt_tiny");
+    let mut req = PlanRequest::new(
+        &lowered.graph,
+        lowered.train.clone(),
+        parse_cluster("2xcpu").expect("cluster"),
+    );
+    req.global_batch = Some(1);
+    for seq in [31, 32] {
+        req.seq = Some(seq);
+        let plan = dplc_planner::compile(&req).expect("plans").plan;
+        assert!(
+            !plan.strategy.sequence_parallel || seq.is_multiple_of(plan.mesh.tp),
+            "seq {seq}: sp with tp {}",
+            plan.mesh.tp
+        );
+    }
+    let args = |seq: &'static str, extra: &[&'static str]| {
+        let mut a = vec![
+            "models/tiny.dpl",
+            "--model",
+            "gpt_tiny",
+            "--cluster",
+            "2xcpu",
+            "--global-batch",
+            "1",
+            "--seq",
+            seq,
+        ];
+        a.extend_from_slice(extra);
+        a
+    };
+    let out = dplc(&[&["run"][..], &args("31", &["--steps", "2"])].concat());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Pinned, the planner refuses it and names the fix.
+    let err = refused(&[&["compile"][..], &args("31", &["--strategy", "tp=2,sp=on"])].concat());
+    assert_says(
+        &err,
+        "sp: sequence parallelism splits the sequence over the tensor-parallel group: tp 2 must divide seq 31; use sp=off",
+    );
+    let out = dplc(&[&["compile"][..], &args("32", &["--strategy", "tp=2,sp=on"])].concat());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn a_model_that_cannot_train_is_refused_at_compile_by_its_line() {
+    let no_params = "model m(d = 4) {\n    input x: f32[batch, d]\n    h = x\n    repeat 2 {\n        h = h * 2.0\n    }\n    return sum(sum(h))\n}\n";
+    let no_loss = TINY.replace(
+        "return cross_entropy(h @ transpose(wte), targets)",
+        "return h @ transpose(wte)",
+    );
+    assert_ne!(no_loss, TINY);
+    for (name, text, model, needle, at) in [
+        (
+            "noparams.dpl",
+            no_params.to_string(),
+            "m",
+            "`m` has no parameters: a training step updates parameters, so a model needs some to train",
+            "noparams.dpl:1:7",
+        ),
+        (
+            "noloss.dpl",
+            no_loss,
+            "gpt_tiny",
+            "`gpt_tiny` returns f32[batch, seq, 256] first, not a scalar float loss",
+            "noloss.dpl:14:5",
+        ),
+    ] {
+        let path = tmp(name);
+        std::fs::write(&path, &text).expect("write model");
+        let p = path.to_str().expect("UTF-8");
+        for command in ["compile", "run"] {
+            let err = refused(&[command, p, "--model", model, "--cluster", "2xcpu"]);
+            assert_says(&err, needle);
+            assert_says(&err, at);
+            assert!(!err.contains("bug in dplc"), "{err}");
+        }
+        // Not training, a model may return anything.
+        let out = dplc(&["inspect", p, "--model", model]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // The library refuses it too, before it searches.
+        let lowered = dplc_frontend::parse(name, &text)
+            .expect("parses")
+            .lower(model)
+            .expect("lowers");
+        let req = PlanRequest::new(
+            &lowered.graph,
+            lowered.train.clone(),
+            parse_cluster("2xcpu").expect("cluster"),
+        );
+        let e = dplc_planner::compile(&req).map(|_| ()).unwrap_err().to_string();
+        assert_says(&e, needle);
+    }
+}
+
+#[test]
+fn a_plan_must_agree_with_its_device_its_memory_and_its_source() {
+    let base = compile("gpt_tiny", "4xcpu", "tp=2", None);
+    let edit = |f: &dyn Fn(&mut Plan)| {
+        let mut p = base.clone();
+        f(&mut p);
+        p
+    };
+    let wider = TINY.replacen("d = 64", "d = 128", 1);
+    assert_ne!(wider, TINY);
+    let cases: Vec<(&str, Plan, &str)> = vec![
+        (
+            "params1",
+            edit(&|p| p.params = 1),
+            "params: the plan records 1 parameters, but its source lowers `gpt_tiny` to 120576",
+        ),
+        (
+            "tpu",
+            edit(&|p| p.cluster.device = "TPU".into()),
+            "cluster.device: `TPU` is not in dplc's catalog",
+        ),
+        (
+            "mem1",
+            edit(&|p| p.cluster.memory_bytes = 1),
+            "more than the device's 1 (cluster.memory_bytes): the plan does not fit",
+        ),
+        (
+            "mem-catalog",
+            edit(&|p| p.cluster.memory_bytes *= 2),
+            "cluster.memory_bytes: 34359738368 bytes, but the catalog's `cpu` has 17179869184",
+        ),
+        (
+            "peak",
+            edit(&|p| p.estimate.peak_memory_bytes = 1),
+            "estimate.peak_memory_bytes: 1 bytes, but the largest stage holds",
+        ),
+        (
+            "d128",
+            edit(&|p| p.source.text = wider.clone()),
+            "params: the plan records 120576 parameters, but its source lowers `gpt_tiny` to 437760",
+        ),
+        (
+            "sharding",
+            edit(&|p| p.param_sharding[0].elements += 1),
+            "param_sharding[0]: `wte` has 16385 elements in the plan, 16384 in its source",
+        ),
+        (
+            "sharding-name",
+            edit(&|p| p.param_sharding[0].name = "nope".into()),
+            "param_sharding[0]: `nope` is not a parameter of `gpt_tiny`",
+        ),
+    ];
+    for (name, plan, needle) in &cases {
+        every_command_refuses(plan, &format!("{name}.ron"), needle);
+    }
+    // A device a cluster section describes is recorded in the plan, and
+    // loads as the catalog's do.
+    let path = tmp("custom-cluster.dpl");
+    std::fs::write(
+        &path,
+        "cluster mine {\n    devices_per_node = 2\n    device = accelerator(name = \"X\", bf16 = 100 TFLOP/s, \
+         memory = 16 GB, memory_bandwidth = 1 TB/s)\n    intra_node = nvlink(bandwidth = 100 GB/s, latency = 2 us)\n}\n",
+    )
+    .expect("write cluster");
+    let plan_path = tmp("custom.ron");
+    let out = dplc(&[
+        "compile",
+        "models/tiny.dpl",
+        "--model",
+        "gpt_tiny",
+        "--cluster",
+        path.to_str().expect("UTF-8"),
+        "-o",
+        plan_path.to_str().expect("UTF-8"),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = dplc(&["explain", plan_path.to_str().expect("UTF-8")]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut custom: Plan =
+        ron::from_str(&std::fs::read_to_string(&plan_path).expect("read plan")).expect("a plan");
+    assert_eq!(custom.cluster.device, "X");
+    custom.cluster.device = "Y".into();
+    every_command_refuses(
+        &custom,
+        "custom-renamed.ron",
+        "cluster.device: `Y`, but the plan's accelerator(…) is named `X`",
+    );
 }
 
 #[test]
@@ -602,7 +848,7 @@ fn number_spots(text: &str) -> Vec<(usize, usize)> {
 }
 
 /// What `read_plan` does, with the model lowered once per source: parse,
-/// validate, and check against the carried model (with the planner's layout
+/// validate (the plan, its device), and check against the carried model (with the planner's layout
 /// where the plan has none).
 fn load(
     text: &str,
@@ -610,6 +856,7 @@ fn load(
 ) -> Result<Plan, String> {
     let plan: Plan = ron::from_str(text).map_err(|e| format!("not a plan: {e}"))?;
     plan.validate().map_err(|e| e.to_string())?;
+    dplc_planner::check_plan_cluster(&plan).map_err(|e| e.to_string())?;
     if plan.source.text.is_empty() {
         return Ok(plan);
     }

@@ -16,6 +16,8 @@ mod syntax;
 mod value;
 
 pub use diag::{Diagnostic, Diagnostics};
+pub use elab::MAX_REPEAT;
+pub use syntax::is_name;
 
 use ast::{FileId, Item, Span};
 use diag::{Diag, DiagExt, Res, Source};
@@ -220,6 +222,45 @@ impl Unit {
     pub fn lower(&self, model: &str) -> Result<Lowered, Diagnostics> {
         self.lower_inner(model)
             .map_err(|d| Diagnostics::one(&self.prog.sources, d))
+    }
+
+    /// Lower `model` for a training step, as `compile` plans one: it must
+    /// have parameters and return a scalar float loss first
+    /// ([`dplc_ir::validate::trainable`]). The error points at the model's
+    /// `return` where the loss is wrong, else at its name.
+    pub fn lower_to_train(&self, model: &str) -> Result<Lowered, Diagnostics> {
+        let lowered = self.lower(model)?;
+        // A dimension without a value comes first: the planner names it and
+        // says how to bind it, and a loss's shape cannot be judged without it.
+        if lowered.graph.unbound_dims().is_empty() {
+            dplc_ir::validate::trainable(&lowered.graph).map_err(|why| {
+                Diagnostics::one(&self.prog.sources, self.untrainable(model, why))
+            })?;
+        }
+        Ok(lowered)
+    }
+
+    fn untrainable(&self, model: &str, why: dplc_ir::validate::Untrainable) -> Box<Diag> {
+        use dplc_ir::validate::Untrainable;
+        let name = model_span(&self.prog, model).unwrap_or_else(|| nowhere(&self.prog));
+        let (at, label) = match why {
+            Untrainable::NoParams { .. } => (name, "has no parameters"),
+            Untrainable::NoResult { .. } | Untrainable::NotALoss { .. } => {
+                let ret = self
+                    .prog
+                    .resolve_model(model, name)
+                    .ok()
+                    .and_then(|(def, _)| {
+                        def.body
+                            .iter()
+                            .rev()
+                            .find(|s| matches!(s.kind, ast::StmtKind::Return(_)))
+                            .map(|s| s.span)
+                    });
+                (ret.unwrap_or(name), "not a scalar float loss")
+            }
+        };
+        Diag::new("dpl::not-trainable", at, why.to_string()).label(label)
     }
 
     fn lower_inner(&self, model: &str) -> Res<Lowered> {

@@ -5,6 +5,7 @@ use crate::ast::{Section, Span, UnitKind};
 use crate::diag::{did_you_mean, Diag, DiagExt, Res};
 use crate::elab::{Elab, Program};
 use crate::value::Value;
+use dplc_ir::validate::{self as rules, Bounds};
 use dplc_ir::{ClusterSpec, DeviceSpec, LinkSpec, LrSchedule, Optimizer, Precision, TrainSpec};
 
 const TRAIN_KEYS: &[&str] = &[
@@ -89,6 +90,17 @@ fn expected(v: &Value, span: Span, what: &str) -> Box<Diag> {
     };
     Diag::new(code, span, format!("expected {what}, found {found}"))
         .label(format!("should be {what}"))
+}
+
+/// A hardware number the cost model cannot price: where and the range it takes.
+fn out_of_range(key: &str, at: Span, bounds: &Bounds, or_none: &str) -> Box<Diag> {
+    Diag::new(
+        "dpl::out-of-range",
+        at,
+        format!("`{key}` must be {or_none}in the range {}", bounds.shown),
+    )
+    .label("out of range")
+    .help("the planner prices every transfer and kernel with these numbers: check the unit")
 }
 
 fn positive(v: &Value, span: Span) -> Res<u64> {
@@ -206,6 +218,38 @@ impl<'a> Fields<'a> {
                 format!("`{}` needs `{key}`", self.kind),
             )
             .label(format!("`{key}` is missing"))),
+        }
+    }
+
+    /// Field `key` as a quantity of `unit` within `bounds` (see
+    /// [`Fields::quantity`]).
+    fn bounded(
+        &self,
+        key: &str,
+        (unit, example): (UnitKind, &str),
+        default: Option<f64>,
+        bounds: &Bounds,
+    ) -> Res<f64> {
+        let x = self.quantity(key, unit, example, default)?;
+        match self.get(key) {
+            Some((_, at)) if !bounds.contains(x) => Err(out_of_range(key, at, bounds, "")),
+            _ => Ok(x),
+        }
+    }
+
+    /// As [`Fields::bounded`], where 0 (the default) says the device has none.
+    fn bounded_or_none(
+        &self,
+        key: &str,
+        (unit, example): (UnitKind, &str),
+        bounds: &Bounds,
+    ) -> Res<f64> {
+        let x = self.quantity(key, unit, example, Some(0.0))?;
+        match self.get(key) {
+            Some((_, at)) if x != 0.0 && !bounds.contains(x) => {
+                Err(out_of_range(key, at, bounds, "0 (none) or "))
+            }
+            _ => Ok(x),
         }
     }
 
@@ -407,8 +451,13 @@ fn link(v: &Value, span: Span) -> Res<LinkSpec> {
     )?;
     Ok(LinkSpec {
         kind: kind.to_string(),
-        bandwidth_bytes_per_s: f.quantity("bandwidth", UnitKind::Bandwidth, "300 GB/s", None)?,
-        latency_s: f.quantity("latency", UnitKind::Time, "2 us", None)?,
+        bandwidth_bytes_per_s: f.bounded(
+            "bandwidth",
+            (UnitKind::Bandwidth, "300 GB/s"),
+            None,
+            &rules::BANDWIDTH,
+        )?,
+        latency_s: f.bounded("latency", (UnitKind::Time, "2 us"), None, &rules::LATENCY)?,
     })
 }
 
@@ -461,11 +510,11 @@ fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
             )
         }
     };
-    let rate = |key: &str, default: Option<f64>| {
-        f.quantity(key, UnitKind::FlopRate, "989 TFLOP/s", default)
-    };
+    const RATE: (UnitKind, &str) = (UnitKind::FlopRate, "989 TFLOP/s");
+    const BANDWIDTH: (UnitKind, &str) = (UnitKind::Bandwidth, "64 GB/s");
+    let rate = |key: &str, default: Option<f64>| f.bounded(key, RATE, default, &rules::FLOP_RATE);
     let bf16 = rate("bf16", None)?;
-    let memory = f.quantity("memory", UnitKind::Bytes, "80 GB", None)?;
+    let memory = f.bounded("memory", (UnitKind::Bytes, "80 GB"), None, &rules::MEMORY)?;
     let fraction = |key: &str| match f.get(key) {
         None => Ok(None),
         Some((v, s)) => {
@@ -501,18 +550,26 @@ fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
         peak_fp16: rate("fp16", Some(bf16))?,
         peak_fp32: rate("fp32", Some(bf16 / 16.0))?,
         // No FP8 tensor cores unless the section says so.
-        peak_fp8: rate("fp8", Some(0.0))?,
+        peak_fp8: f.bounded_or_none("fp8", RATE, &rules::FLOP_RATE)?,
         // No host to offload to unless the section says so.
-        host_memory_bytes: f.quantity("host_memory", UnitKind::Bytes, "256 GB", Some(0.0))? as u64,
-        host_link_bandwidth: f.quantity("host_link", UnitKind::Bandwidth, "64 GB/s", Some(0.0))?,
-        host_memory_bandwidth: f.quantity(
+        host_memory_bytes: f.bounded_or_none(
+            "host_memory",
+            (UnitKind::Bytes, "256 GB"),
+            &rules::MEMORY,
+        )? as u64,
+        host_link_bandwidth: f.bounded_or_none("host_link", BANDWIDTH, &rules::BANDWIDTH)?,
+        host_memory_bandwidth: f.bounded_or_none(
             "host_memory_bandwidth",
-            UnitKind::Bandwidth,
-            "77 GB/s",
-            Some(0.0),
+            BANDWIDTH,
+            &rules::BANDWIDTH,
         )?,
         memory_bytes: memory as u64,
-        memory_bandwidth: f.quantity("memory_bandwidth", UnitKind::Bandwidth, "3.35 TB/s", None)?,
+        memory_bandwidth: f.bounded(
+            "memory_bandwidth",
+            (UnitKind::Bandwidth, "3.35 TB/s"),
+            None,
+            &rules::BANDWIDTH,
+        )?,
         matmul_efficiency,
         fp8_matmul_efficiency,
         flash2_efficiency,
@@ -524,23 +581,6 @@ fn accelerator(v: &Value, span: Span) -> Res<DeviceSpec> {
         attention_dropout_backward_ps,
         multiprocessors: f.count("multiprocessors", Some(0))?,
     };
-    for (key, x) in [
-        ("bf16", spec.peak_bf16),
-        ("fp16", spec.peak_fp16),
-        ("fp32", spec.peak_fp32),
-        ("memory", memory),
-        ("memory_bandwidth", spec.memory_bandwidth),
-    ] {
-        if !(x.is_finite() && x > 0.0) {
-            let at = f.get(key).map_or(span, |(_, s)| s);
-            return Err(Diag::new(
-                "dpl::bad-value",
-                at,
-                format!("`{key}` must be a positive, finite quantity"),
-            )
-            .label("here"));
-        }
-    }
     Ok(spec)
 }
 
@@ -555,10 +595,11 @@ pub fn cluster_spec(prog: &Program, s: &Section) -> Res<ClusterSpec> {
         intra_node: None,
         inter_node: None,
     };
+    let mut count_spans = (s.name.span, s.name.span);
     for (key, v, span) in entries(prog, s, CLUSTER_KEYS, "cluster")? {
         match key.as_str() {
-            "nodes" => spec.nodes = positive(&v, span)?,
-            "devices_per_node" => spec.devices_per_node = positive(&v, span)?,
+            "nodes" => (spec.nodes, count_spans.0) = (positive(&v, span)?, span),
+            "devices_per_node" => (spec.devices_per_node, count_spans.1) = (positive(&v, span)?, span),
             "device" => match &v {
                 Value::Record { kind, .. } if kind == "accelerator" => {
                     let d = accelerator(&v, span)?;
@@ -594,6 +635,22 @@ pub fn cluster_spec(prog: &Program, s: &Section) -> Res<ClusterSpec> {
             )
             .label(format!("needs `{key} = …`")));
         }
+    }
+    if let Err(why) = rules::world(spec.nodes, spec.devices_per_node) {
+        // Blame the count that is past the limit alone, else the two together.
+        let at = if spec.nodes > rules::MAX_DEVICES {
+            count_spans.0
+        } else if spec.devices_per_node > rules::MAX_DEVICES {
+            count_spans.1
+        } else {
+            s.name.span
+        };
+        return Err(Diag::new(
+            "dpl::out-of-range",
+            at,
+            format!("cluster `{}`: {why}", s.name.name),
+        )
+        .label("too many devices"));
     }
     Ok(spec)
 }

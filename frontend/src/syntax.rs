@@ -300,6 +300,16 @@ fn is_primary(rule: Rule) -> bool {
     )
 }
 
+/// Whether `name` can name a model, block or section: the grammar's
+/// `ident`, which excludes its keywords. Tools that write .dpl (`dplc
+/// import`) ask here rather than keep a list of their own.
+pub fn is_name(name: &str) -> bool {
+    DplParser::parse(Rule::ident, name)
+        .ok()
+        .and_then(|mut pairs| pairs.next())
+        .is_some_and(|p| p.as_str().len() == name.len())
+}
+
 fn is_keyword_token(rule: Rule) -> bool {
     matches!(
         rule,
@@ -827,6 +837,18 @@ mod tests {
             ")".repeat(500)
         );
         assert_eq!(parse(&text).unwrap_err().code, "dpl::too-deep");
+    }
+
+    #[test]
+    fn a_name_is_the_grammars_ident_and_never_a_keyword() {
+        for name in ["gpt", "_x", "inputs", "model_model", "m7b", "returned"] {
+            assert!(is_name(name), "{name}");
+        }
+        for name in [
+            "input", "model", "true", "repeat", "", "7b", "a-b", "a b", "x.",
+        ] {
+            assert!(!is_name(name), "{name}");
+        }
     }
 
     #[test]

@@ -88,6 +88,16 @@ cases! {
     float_literal_overflow: "model m() {\n    param w: [4]\n    return w * 1e400\n}\n";
     integer_literal_overflow: "model m() {\n    param w: [99_999_999_999_999_999_999_999]\n    return w\n}\n";
     quantity_overflow: "cluster c {\n    devices_per_node = 8\n    device = A100\n    intra_node = nvswitch(bandwidth = 1e300 TB/s, latency = 2 us)\n}\n";
+    link_bandwidth_zero: "cluster c {\n    devices_per_node = 4\n    device = cpu\n    intra_node = shm(bandwidth = 0 GB/s, latency = 1 us)\n}\n";
+    link_bandwidth_negative: "cluster c {\n    devices_per_node = 4\n    device = cpu\n    intra_node = shm(bandwidth = -1 GB/s, latency = 1 us)\n}\n";
+    link_bandwidth_tiny: "cluster c {\n    devices_per_node = 4\n    device = cpu\n    intra_node = shm(bandwidth = 1e-300 B/s, latency = 1 us)\n}\n";
+    link_latency_huge: "cluster c {\n    devices_per_node = 4\n    device = cpu\n    intra_node = shm(bandwidth = 10 GB/s, latency = 1e308 s)\n}\n";
+    link_latency_negative: "cluster c {\n    devices_per_node = 4\n    device = cpu\n    intra_node = shm(bandwidth = 10 GB/s, latency = -2 us)\n}\n";
+    accelerator_memory_too_small: "cluster c {\n    devices_per_node = 1\n    device = accelerator(name = \"X\", bf16 = 100 TFLOP/s, memory = 1 B, memory_bandwidth = 1 TB/s)\n}\n";
+    accelerator_rate_too_large: "cluster c {\n    devices_per_node = 1\n    device = accelerator(name = \"X\", bf16 = 1e9 PFLOP/s, memory = 16 GB, memory_bandwidth = 1 TB/s)\n}\n";
+    accelerator_host_link_zero_is_none: "cluster c {\n    devices_per_node = 1\n    device = accelerator(name = \"X\", bf16 = 100 TFLOP/s, memory = 16 GB, memory_bandwidth = 1 TB/s, host_link = 0 GB/s)\n}\n";
+    accelerator_host_link_tiny: "cluster c {\n    devices_per_node = 1\n    device = accelerator(name = \"X\", bf16 = 100 TFLOP/s, memory = 16 GB, memory_bandwidth = 1 TB/s, host_link = 1e-9 B/s)\n}\n";
+    cluster_too_many_devices: "cluster c {\n    nodes = 2048\n    devices_per_node = 1024\n    device = cpu\n}\n";
     variant_cycle: "model gpt(d = 4) { param w: [d]  return w }\nmodel a = b(d = 8)\nmodel b = a(d = 16)\n";
     variant_of_itself: "model a = a(d = 8)\n";
     variant_chain_into_a_cycle: "model c = b(d = 4)\nmodel b = a(d = 8)\nmodel a = b(d = 16)\n";

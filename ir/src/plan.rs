@@ -487,7 +487,7 @@ impl Plan {
         // The plan alone: which ops read the sequence whole is the model's
         // to say (the planner refused cp for them).
         rules::context(m.cp, s.seq, None).map_err(mesh)?;
-        rules::sequence_parallel(s.sequence_parallel, m.tp)
+        rules::sequence_parallel(s.sequence_parallel, m.tp, m.cp, s.seq)
             .map_err(|e| PlanInvalid::new("strategy.sequence_parallel", e))?;
         if s.fp8_bf16_ends > 0 && (!s.fp8 || s.fp8_bf16_ends.saturating_mul(2) > self.layers) {
             return Err(PlanInvalid::new(
@@ -557,6 +557,21 @@ impl Plan {
             ("breakdown.offload_s", b.offload_s),
         ] {
             non_negative(&format!("estimate.{name}"), x)?;
+        }
+        // The peak is the largest stage's (whether it fits the device is
+        // the loader's to ask: the library prices plans that do not, with
+        // `ignore_memory`).
+        let e = &self.estimate;
+        let largest = self.stages.iter().map(|st| st.memory.total()).max();
+        if e.peak_memory_bytes == 0 || largest != Some(e.peak_memory_bytes) {
+            return Err(PlanInvalid::new(
+                "estimate.peak_memory_bytes",
+                format!(
+                    "{} bytes, but the largest stage holds {} bytes",
+                    e.peak_memory_bytes,
+                    largest.unwrap_or(0)
+                ),
+            ));
         }
         for (i, c) in self.collectives.iter().enumerate() {
             non_negative(&format!("collectives[{i}].time_s"), c.time_s)?;
@@ -702,6 +717,46 @@ impl Plan {
                 "the plan is for {} layers, `{}` has {layers}",
                 self.layers, graph.name
             ));
+        }
+        // The parameters the plan shards are the model's: a source edited
+        // after planning (a wider `d`) lowers to others.
+        let params = graph.param_count();
+        if u128::from(self.params) != params {
+            return bad(format!(
+                "params: the plan records {} parameters, but its source lowers `{}` to {params}",
+                self.params, graph.name
+            ));
+        }
+        if self.param_sharding.len() != graph.params().len() {
+            return bad(format!(
+                "param_sharding: {} entries, but `{}` has {} parameters",
+                self.param_sharding.len(),
+                graph.name,
+                graph.params().len()
+            ));
+        }
+        for (i, ps) in self.param_sharding.iter().enumerate() {
+            let Some((id, _)) = graph.params().find(|(_, p)| p.name == ps.name) else {
+                return bad(format!(
+                    "param_sharding[{i}]: `{}` is not a parameter of `{}`",
+                    ps.name, graph.name
+                ));
+            };
+            let elements = graph.param_elements(id);
+            if u128::from(ps.elements) != elements {
+                return bad(format!(
+                    "param_sharding[{i}]: `{}` has {} elements in the plan, {elements} in its source",
+                    ps.name, ps.elements
+                ));
+            }
+            let rank = graph.param(id).shape.rank();
+            if let Some((axis, dim)) = ps.splits.iter().find(|(_, d)| *d >= rank) {
+                return bad(format!(
+                    "param_sharding[{i}]: `{}` is split over {axis:?} along dimension {dim}, \
+                     but it has {rank}",
+                    ps.name
+                ));
+            }
         }
         rules::expert_count(m.ep, rules::model_experts(graph)).map_err(crate::PlanMismatch)?;
         rules::fits_context(self.strategy.seq, graph).map_err(crate::PlanMismatch)?;

@@ -88,6 +88,11 @@ pub struct ClusterSummary {
     pub device: String,
     pub memory_bytes: u64,
     pub peak_flops: f64,
+    /// The device as its cluster section described it (`accelerator(…)`),
+    /// where it is not the catalog's: what a loaded plan's `device` and
+    /// `memory_bytes` are checked against. Absent for a catalog device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub custom_device: Option<crate::DeviceSpec>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]

@@ -19,6 +19,104 @@ pub const MAX_GLOBAL_BATCH: u64 = 1 << 24;
 /// (micro-batches × model chunks × stages): `viz` and the runtime walk each.
 pub const MAX_PIPELINE_PASSES: u64 = 1 << 20;
 
+/// The range a number of a cluster's hardware is read over, as the cost
+/// model prices it. Outside it a number is a slip (a unit dropped or
+/// doubled), and at the edges step times turn absurd or infinite: a zero
+/// bandwidth prices every transfer at infinity.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Bounds {
+    pub min: f64,
+    pub max: f64,
+    /// The range as a cluster section would write it.
+    pub shown: &'static str,
+}
+
+impl Bounds {
+    pub fn contains(&self, x: f64) -> bool {
+        x.is_finite() && (self.min..=self.max).contains(&x)
+    }
+
+    /// `x` within the bounds, or what is wrong in words (the caller names the key).
+    pub fn check(&self, x: f64) -> Result<(), String> {
+        if self.contains(x) {
+            Ok(())
+        } else {
+            Err(format!("must be in the range {}", self.shown))
+        }
+    }
+}
+
+/// A link's (or a device's memory's, or its host link's) bandwidth: a
+/// byte a second up to 1000 TB/s, well past NVLink 5's 1.8 TB/s.
+pub const BANDWIDTH: Bounds = Bounds {
+    min: 1.0,
+    max: 1e15,
+    shown: "1 B/s to 1000 TB/s",
+};
+/// A link's latency: none up to a second, a thousand times a WAN's.
+pub const LATENCY: Bounds = Bounds {
+    min: 0.0,
+    max: 1.0,
+    shown: "0 s to 1 s",
+};
+/// A device's peak compute rate at one precision: a GFLOP/s (a slow CPU
+/// core) up to 1000 PFLOP/s, far past any chip's.
+pub const FLOP_RATE: Bounds = Bounds {
+    min: 1e9,
+    max: 1e18,
+    shown: "1 GFLOP/s to 1000 PFLOP/s",
+};
+/// A device's (or its host's) memory: a megabyte up to 1000 TB.
+pub const MEMORY: Bounds = Bounds {
+    min: 1e6,
+    max: 1e15,
+    shown: "1 MB to 1000 TB",
+};
+
+/// Why a model cannot be trained: what `compile` plans and `run` executes is
+/// a training step, which updates parameters from the gradient of a scalar
+/// float loss, the model's first result.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Untrainable {
+    #[error(
+        "`{model}` has no parameters: a training step updates parameters, so a model needs \
+         some to train (declare them with `param`, or call blocks such as `linear` that do)"
+    )]
+    NoParams { model: String },
+    #[error(
+        "`{model}` returns nothing: a training step starts its backward from a scalar float \
+         loss, returned first (e.g. `return cross_entropy(logits, targets)`)"
+    )]
+    NoResult { model: String },
+    #[error(
+        "`{model}` returns {found} first, not a scalar float loss: a training step starts its \
+         backward from one (return the loss first, e.g. `return cross_entropy(logits, targets)`; \
+         `dplc inspect` shows a model that does not train)"
+    )]
+    NotALoss { model: String, found: String },
+}
+
+/// A model a training step can run: it has parameters, and its first result
+/// is a scalar float loss. `compile` (the frontend, located, and the
+/// planner) and the runtime all ask this.
+pub fn trainable(graph: &Graph) -> Result<(), Untrainable> {
+    let model = || graph.name.clone();
+    if graph.param_count() == 0 {
+        return Err(Untrainable::NoParams { model: model() });
+    }
+    let Some(&loss) = graph.outputs().first() else {
+        return Err(Untrainable::NoResult { model: model() });
+    };
+    let t = graph.tensor(loss);
+    if !t.shape.dims().is_empty() || !t.dtype.is_float() {
+        return Err(Untrainable::NotALoss {
+            model: model(),
+            found: format!("{}{}", t.dtype, t.shape.display(graph.sym_names())),
+        });
+    }
+    Ok(())
+}
+
 /// Why a plan cannot be run or drawn: the field, and what is wrong with it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{field}: {detail}")]
@@ -295,12 +393,31 @@ pub fn expert_groups(ep: u64, dp: u64) -> Result<(), String> {
     Ok(())
 }
 
-/// Sequence parallelism splits along the tensor-parallel group.
-pub fn sequence_parallel(sp: bool, tp: u64) -> Result<(), String> {
-    if sp && tp == 1 {
+/// Sequence parallelism splits each rank's positions (`seq / cp` of them)
+/// evenly over the tensor-parallel group. The planner's search and pin
+/// checks, `Plan::validate` and the runtime all read this one rule.
+pub fn sequence_parallel(sp: bool, tp: u64, cp: u64, seq: u64) -> Result<(), String> {
+    if !sp {
+        return Ok(());
+    }
+    if tp == 1 {
         return Err(
             "sequence parallelism needs tp > 1: it splits along the tensor-parallel group".into(),
         );
+    }
+    // A zero degree or a cp that does not divide seq is the degrees' and
+    // context rules' to name; here it only must not divide by zero.
+    let positions = seq.checked_div(cp).unwrap_or(seq);
+    if !positions.is_multiple_of(tp) {
+        let per_rank = if cp > 1 {
+            format!("seq {seq} / cp {cp} = {positions}")
+        } else {
+            format!("seq {seq}")
+        };
+        return Err(format!(
+            "sequence parallelism splits the sequence over the tensor-parallel group: tp {tp} \
+             must divide {per_rank}; use sp=off, or a sequence length tp divides"
+        ));
     }
     Ok(())
 }

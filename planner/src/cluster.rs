@@ -3,7 +3,7 @@
 
 use crate::PlanError;
 use dplc_ir::validate as rules;
-use dplc_ir::{ClusterSpec, Precision};
+use dplc_ir::{ClusterSpec, Plan, PlanInvalid, Precision};
 
 const GIB: u64 = 1 << 30;
 const TERA: f64 = 1e12;
@@ -427,6 +427,9 @@ pub struct Cluster {
     pub device: Device,
     pub intra_node: Link,
     pub inter_node: Link,
+    /// The cluster section's `accelerator(…)`, where the device is not the
+    /// catalog's; plans record it ([`check_plan_cluster`]).
+    pub custom_device: Option<dplc_ir::DeviceSpec>,
 }
 
 impl Cluster {
@@ -450,8 +453,65 @@ impl Cluster {
             intra_node: device.intra_node.clone(),
             inter_node: device.inter_node.clone(),
             device,
+            custom_device: None,
         }
     }
+}
+
+/// Whether a plan's device is one dplc knows, as the plan describes it (a
+/// catalog device with the catalog's memory, or the `accelerator(…)` the
+/// plan recorded from its cluster section, by name and memory), and the
+/// plan fits it. `compile` writes only plans that fit; the library's
+/// `ignore_memory` prices others, which do not load.
+pub fn check_plan_cluster(plan: &Plan) -> Result<(), PlanInvalid> {
+    let c = &plan.cluster;
+    let peak = plan.estimate.peak_memory_bytes;
+    if peak > c.memory_bytes {
+        return Err(PlanInvalid::new(
+            "estimate.peak_memory_bytes",
+            format!(
+                "{peak} bytes a rank, more than the device's {} (cluster.memory_bytes): \
+                 the plan does not fit the cluster it names",
+                c.memory_bytes
+            ),
+        ));
+    }
+    let (known, memory_bytes) = match &c.custom_device {
+        Some(d) => {
+            if d.name != c.device {
+                return Err(PlanInvalid::new(
+                    "cluster.device",
+                    format!(
+                        "`{}`, but the plan's accelerator(…) is named `{}`",
+                        c.device, d.name
+                    ),
+                ));
+            }
+            (format!("its accelerator(…) `{}`", d.name), d.memory_bytes)
+        }
+        None => {
+            let d = device(&c.device).map_err(|_| {
+                let names: Vec<String> = catalog().into_iter().map(|d| d.name).collect();
+                PlanInvalid::new(
+                    "cluster.device",
+                    format!(
+                        "`{}` is not in dplc's catalog ({}), and the plan describes no \
+                         accelerator(…) of that name",
+                        c.device,
+                        names.join(", ")
+                    ),
+                )
+            })?;
+            (format!("the catalog's `{}`", d.name), d.memory_bytes)
+        }
+    };
+    if c.memory_bytes != memory_bytes {
+        return Err(PlanInvalid::new(
+            "cluster.memory_bytes",
+            format!("{} bytes, but {known} has {memory_bytes}", c.memory_bytes),
+        ));
+    }
+    Ok(())
 }
 
 /// Read `8xA100` (one node of 8), `4x8xH100` (4 nodes of 8) or `16xcpu`.
@@ -601,11 +661,23 @@ pub fn cluster_from_spec(spec: &ClusterSpec) -> Result<Cluster, PlanError> {
     };
     let mut c = Cluster::new(spec.nodes, spec.devices_per_node, dev);
     c.name = spec.name.clone();
-    for (ours, theirs) in [
-        (&mut c.intra_node, &spec.intra_node),
-        (&mut c.inter_node, &spec.inter_node),
+    c.custom_device = spec.custom_device.clone();
+    for (name, ours, theirs) in [
+        ("intra_node", &mut c.intra_node, &spec.intra_node),
+        ("inter_node", &mut c.inter_node, &spec.inter_node),
     ] {
         if let Some(l) = theirs {
+            // The frontend refuses these with the line; a spec built in code
+            // is held to the same ranges.
+            for (what, bounds, x) in [
+                ("bandwidth", &rules::BANDWIDTH, l.bandwidth_bytes_per_s),
+                ("latency", &rules::LATENCY, l.latency_s),
+            ] {
+                bounds.check(x).map_err(|why| PlanError::Cluster {
+                    spec: spec.name.clone(),
+                    detail: format!("{name} {what} {why}"),
+                })?;
+            }
             *ours = link(&l.kind, l.bandwidth_bytes_per_s, l.latency_s);
         }
     }
@@ -633,6 +705,48 @@ mod tests {
         ));
         assert!(parse_cluster("0xA100").is_err());
         assert!(parse_cluster("12xA100").is_err());
+    }
+
+    #[test]
+    fn a_link_outside_the_cost_models_range_is_refused() {
+        let spec = |bandwidth_bytes_per_s, latency_s| ClusterSpec {
+            name: "c".into(),
+            nodes: 1,
+            devices_per_node: 4,
+            device: "cpu".into(),
+            custom_device: None,
+            intra_node: Some(dplc_ir::LinkSpec {
+                kind: "shm".into(),
+                bandwidth_bytes_per_s,
+                latency_s,
+            }),
+            inter_node: None,
+        };
+        assert!(cluster_from_spec(&spec(10e9, 1e-6)).is_ok());
+        for (bandwidth, latency, what) in [
+            (0.0, 1e-6, "intra_node bandwidth"),
+            (-1e9, 1e-6, "intra_node bandwidth"),
+            (f64::INFINITY, 1e-6, "intra_node bandwidth"),
+            (10e9, 1e308, "intra_node latency"),
+            (10e9, f64::NAN, "intra_node latency"),
+        ] {
+            let e = cluster_from_spec(&spec(bandwidth, latency))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!("{what} must be in the range")),
+                "{bandwidth} {latency}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_catalog_device_is_found_by_the_name_plans_record() {
+        // `check_plan_cluster` looks a plan's `cluster.device` up by name.
+        for d in catalog() {
+            let found = device(&d.name).unwrap_or_else(|e| panic!("{}: {e}", d.name));
+            assert_eq!(found.memory_bytes, d.memory_bytes, "{}", d.name);
+        }
     }
 
     #[test]

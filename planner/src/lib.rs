@@ -20,7 +20,9 @@ mod stages;
 mod strategy;
 mod timeline;
 
-pub use cluster::{catalog, cluster_from_spec, device, parse_cluster, Cluster, Device, Link};
+pub use cluster::{
+    catalog, check_plan_cluster, cluster_from_spec, device, parse_cluster, Cluster, Device, Link,
+};
 pub use cost::overlap_slowdown;
 pub use error::PlanError;
 pub use layouts::LayoutStats;
@@ -544,6 +546,7 @@ fn compile_one(req: &PlanRequest, cache: &layouts::LayoutCache) -> Result<Compil
     if let Some(dim) = req.graph.unbound_dims().first() {
         return Err(PlanError::Model(unbound_dim_message(dim)));
     }
+    rules::trainable(req.graph).map_err(|e| PlanError::Model(e.to_string()))?;
     let world = rules::world(req.cluster.nodes, req.cluster.devices_per_node).map_err(request)?;
     if let Some(o) = req.pinned.offload.filter(|o| !o.is_none()) {
         if req.cluster.device.host_memory_bytes == 0

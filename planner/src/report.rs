@@ -668,6 +668,7 @@ pub(crate) fn build_plan(
             device: cluster.device.name.to_string(),
             memory_bytes: cluster.device.memory_bytes,
             peak_flops: peak,
+            custom_device: cluster.custom_device.clone(),
         },
         mesh: mesh(&c, cluster),
         strategy: strategy(&c, global_batch, seq),

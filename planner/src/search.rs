@@ -119,9 +119,11 @@ pub(crate) fn validate(
         );
     }
     if let Some(tp) = pins.tp {
+        // Unpinned, cp is 1 or a divisor of seq: tp must divide seq either way.
+        let cp = pins.cp.unwrap_or(1);
         pin(
             "sp",
-            rules::sequence_parallel(pins.sequence_parallel == Some(true), tp),
+            rules::sequence_parallel(pins.sequence_parallel == Some(true), tp, cp, seq),
         )?;
     }
     if let Some(dp) = pins.dp {
@@ -184,7 +186,9 @@ pub(crate) fn search(
         .expect("compile checks the single-rank layout first")
         .profile;
     let world = cluster.world_size();
-    let keep = top_k + 1;
+    // `--top` is the user's number: any count past the configurations
+    // there are keeps them all, so the largest one must not wrap to zero.
+    let keep = top_k.saturating_add(1);
     let layers = profile.layers;
     let tps: Vec<u64> = divisors(world)
         .into_iter()
@@ -505,8 +509,7 @@ fn explore(
     // searched for; where it does not, its peak starts the search for the
     // fewest layers to recompute.
     let mut whole_peaks: fxhash::FxHashMap<Config, u64> = fxhash::FxHashMap::default();
-    // Sequence parallelism needs a tensor group.
-    let sps: &[bool] = if base.tp > 1 {
+    let sps: &[bool] = if rules::sequence_parallel(true, base.tp, base.cp, cost.seq).is_ok() {
         &[false, true]
     } else {
         &[false]

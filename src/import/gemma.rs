@@ -61,7 +61,7 @@ fn shape(c: &Config) -> Result<Shape> {
     Ok(Shape {
         vocab: c.size("vocab_size")?,
         d,
-        layers: c.size("num_hidden_layers")?,
+        layers: c.layers("num_hidden_layers")?,
         heads,
         kv_heads,
         head_dim,

@@ -10,7 +10,7 @@ use std::fmt::Write;
 pub(super) fn gpt2(c: &Config, name: &str) -> Result<String> {
     let vocab = c.size("vocab_size")?;
     let d = c.size("n_embd")?;
-    let layers = c.size("n_layer")?;
+    let layers = c.layers("n_layer")?;
     let heads = c.size("n_head")?;
     let ctx = c.size("n_positions")?;
     let inner = c.size_or("n_inner", Some(4 * d))?;
@@ -84,7 +84,7 @@ pub(super) fn gpt2(c: &Config, name: &str) -> Result<String> {
 pub(super) fn gpt_neox(c: &Config, name: &str) -> Result<String> {
     let vocab = c.size("vocab_size")?;
     let d = c.size("hidden_size")?;
-    let layers = c.size("num_hidden_layers")?;
+    let layers = c.layers("num_hidden_layers")?;
     let heads = c.size("num_attention_heads")?;
     let ffn = c.size("intermediate_size")?;
     let eps = c.number_or("layer_norm_eps", 1e-5)?;
@@ -163,7 +163,7 @@ pub(super) fn gpt_neox(c: &Config, name: &str) -> Result<String> {
 pub(super) fn phi(c: &Config, name: &str) -> Result<String> {
     let vocab = c.size("vocab_size")?;
     let d = c.size("hidden_size")?;
-    let layers = c.size("num_hidden_layers")?;
+    let layers = c.layers("num_hidden_layers")?;
     let heads = c.size("num_attention_heads")?;
     let kv_heads = c.size_or("num_key_value_heads", Some(heads))?;
     let ffn = c.size("intermediate_size")?;
@@ -237,7 +237,7 @@ pub(super) fn phi(c: &Config, name: &str) -> Result<String> {
 pub(super) fn opt(c: &Config, name: &str) -> Result<String> {
     let vocab = c.size("vocab_size")?;
     let d = c.size("hidden_size")?;
-    let layers = c.size("num_hidden_layers")?;
+    let layers = c.layers("num_hidden_layers")?;
     let heads = c.size("num_attention_heads")?;
     let ffn = c.size("ffn_dim")?;
     let ctx = c.size("max_position_embeddings")?;
@@ -310,7 +310,7 @@ pub(super) fn opt(c: &Config, name: &str) -> Result<String> {
 pub(super) fn bloom(c: &Config, name: &str) -> Result<String> {
     let vocab = c.size("vocab_size")?;
     let d = c.size("hidden_size")?;
-    let layers = c.size("n_layer")?;
+    let layers = c.layers("n_layer")?;
     let heads = c.size("n_head")?;
     let eps = c.number_or("layer_norm_epsilon", 1e-5)?;
     c.heads_split("n_head", heads, d)?;

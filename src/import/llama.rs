@@ -13,7 +13,7 @@ pub(super) fn llama_like(c: &Config, name: &str) -> Result<String> {
     let family = c.str("model_type")?.to_string();
     let vocab = c.size("vocab_size")?;
     let d = c.size("hidden_size")?;
-    let layers = c.size("num_hidden_layers")?;
+    let layers = c.layers("num_hidden_layers")?;
     let heads = c.size("num_attention_heads")?;
     let kv_heads = c.size_or("num_key_value_heads", Some(heads))?;
     // Qwen3-MoE's experts are `moe_intermediate_size` wide.

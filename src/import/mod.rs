@@ -97,6 +97,17 @@ pub fn run(args: &Args) -> Result<()> {
             ))
         }
     };
+    // Architecture invariant: what `import` writes passes `dplc check`. The
+    // fields are checked one by one above; this catches what no single field
+    // says (sizes that together overflow the language's limits).
+    if let Err(d) = dplc_frontend::parse("imported.dpl", &dpl).and_then(|unit| unit.check()) {
+        return Err(miette!(
+            code = "dplc::import",
+            help = "the config's sizes are past what a .dpl model can hold; fix the fields, or write the model in .dpl (docs/language.md)",
+            "{}: the model it describes does not check as .dpl: {d}",
+            config.display()
+        ));
+    }
     match output {
         Some(path) => {
             crate::output::write(path, dpl.as_bytes(), &[config.as_path()])?;
@@ -119,18 +130,20 @@ fn kind(v: &Value) -> &'static str {
 }
 
 /// `--name`, else the last part of `_name_or_path`, else the file's
-/// directory or stem, as a .dpl name.
+/// directory or stem, as a .dpl name: the grammar's (`dplc_frontend::is_name`),
+/// so never a keyword. A given name must be one already; a derived one is
+/// made one (other characters become `_`, a keyword gets `_model`).
 fn model_name(given: Option<&str>, obj: &Map<String, Value>, file: &Path) -> Result<String> {
     if let Some(n) = given {
-        let ok = n
-            .chars()
-            .next()
-            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-            && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
-        if !ok {
+        if !dplc_frontend::is_name(n) {
+            let help = if dplc_frontend::is_name(&format!("{n}_model")) {
+                format!("`{n}` is a keyword of the .dpl language; choose another name, e.g. --name {n}_model")
+            } else {
+                "a .dpl name is letters, digits and _, not starting with a digit".to_string()
+            };
             return Err(miette!(
                 code = "dplc::input",
-                help = "a .dpl name is letters, digits and _, not starting with a digit",
+                help = help,
                 "--name `{n}` is not a .dpl name"
             ));
         }
@@ -156,7 +169,7 @@ fn model_name(given: Option<&str>, obj: &Map<String, Value>, file: &Path) -> Res
     };
     let raw = from_path
         .or_else(from_file)
-        .unwrap_or_else(|| "model".into());
+        .unwrap_or_else(|| "imported".into());
     let mut s: String = raw
         .chars()
         .map(|c| {
@@ -169,6 +182,9 @@ fn model_name(given: Option<&str>, obj: &Map<String, Value>, file: &Path) -> Res
         .collect();
     if !s.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_') {
         s.insert(0, 'm');
+    }
+    if !dplc_frontend::is_name(&s) {
+        s.push_str("_model");
     }
     Ok(s)
 }
@@ -203,6 +219,20 @@ impl Config<'_> {
 
     fn size(&self, key: &str) -> Result<u64> {
         self.size_or(key, None)
+    }
+
+    /// A layer count: a size the model's `repeat` can declare
+    /// ([`dplc_frontend::MAX_REPEAT`]).
+    fn layers(&self, key: &str) -> Result<u64> {
+        let layers = self.size(key)?;
+        let max = dplc_frontend::MAX_REPEAT as u64;
+        if layers > max {
+            return Err(self.err(
+                key,
+                format!("is {layers}: a .dpl `repeat` runs at most {max} layers"),
+            ));
+        }
+        Ok(layers)
     }
 
     /// A positive integer, or `default` when the field is absent.

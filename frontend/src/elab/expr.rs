@@ -52,6 +52,19 @@ impl<'p> Elab<'p> {
                         })
                     }
                     (UnOp::Neg, Value::Float(x)) => Ok(Value::Float(-x)),
+                    // Negative only to be refused by name where a quantity is read.
+                    (
+                        UnOp::Neg,
+                        Value::Quantity {
+                            value,
+                            unit,
+                            per_device,
+                        },
+                    ) => Ok(Value::Quantity {
+                        value: -value,
+                        unit: *unit,
+                        per_device: *per_device,
+                    }),
                     (UnOp::Neg, Value::Tensor(t)) => self
                         .node1(Op::Unary(dplc_ir::UnaryOp::Neg), &[*t], e.span)
                         .map(Value::Tensor),

@@ -28,7 +28,7 @@ const MAX_CALL_DEPTH: usize = 64;
 /// Graphs with more nodes than this are refused: a runaway elaboration.
 const MAX_NODES: usize = 500_000;
 /// The most iterations a `repeat` may declare.
-const MAX_REPEAT: i64 = 1_000_000;
+pub const MAX_REPEAT: i64 = 1_000_000;
 /// The most elements one parameter may have.
 const MAX_PARAM_ELEMENTS: u128 = 1 << 50;
 /// `repeat` nested deeper than this is refused.

@@ -1,7 +1,8 @@
 //! What the runtime refuses of a configuration before any rank starts: a
 //! mesh the model, batch or schedule cannot take, gradient
 //! synchronisations and compressions it does not run, context parallelism
-//! a model or sequence cannot take, and a model without a scalar loss.
+//! a model or sequence cannot take, and a model without a scalar loss or
+//! parameters.
 
 use super::*;
 
@@ -33,19 +34,13 @@ pub(super) fn mesh_fits(spec: &TrainSpec, cfg: &RunConfig) -> Result<()> {
             cfg.ep, cfg.dp
         )));
     }
-    // Under cp each rank splits its own `seq / cp` positions over tp.
-    if cfg.sequence_parallel && !(spec.seq as usize / cfg.cp).is_multiple_of(cfg.tp) {
-        return Err(RuntimeError::Config(format!(
-            "sequence parallelism splits the sequence: tp {} must divide seq {}{}",
-            cfg.tp,
-            spec.seq,
-            if cfg.cp > 1 {
-                format!(" / cp {}", cfg.cp)
-            } else {
-                String::new()
-            }
-        )));
-    }
+    dplc_ir::validate::sequence_parallel(
+        cfg.sequence_parallel,
+        cfg.tp as u64,
+        cfg.cp as u64,
+        spec.seq,
+    )
+    .map_err(RuntimeError::Config)?;
     if cfg.global_batch() as u64 != spec.global_batch {
         return Err(RuntimeError::Config(format!(
             "dp {} × micro_batch {} × micro-batches {} = {} samples, but the global batch is {}",
@@ -67,18 +62,9 @@ pub(super) fn mesh_fits(spec: &TrainSpec, cfg: &RunConfig) -> Result<()> {
 }
 
 /// The model's first result is what the backward starts from: a scalar
-/// float loss.
+/// float loss, and there are parameters to update ([`dplc_ir::validate::trainable`]).
 pub(super) fn scalar_loss(graph: &Graph) -> Result<()> {
-    let loss = *graph
-        .outputs()
-        .first()
-        .ok_or_else(|| RuntimeError::Config("the model returns nothing".into()))?;
-    if !graph.tensor(loss).shape.dims().is_empty() || !graph.tensor(loss).dtype.is_float() {
-        return Err(RuntimeError::Config(
-            "the model's first result must be a scalar float loss".into(),
-        ));
-    }
-    Ok(())
+    dplc_ir::validate::trainable(graph).map_err(|e| RuntimeError::Config(e.to_string()))
 }
 
 /// What this runtime runs of the gradient synchronisations and
