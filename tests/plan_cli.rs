@@ -362,7 +362,10 @@ fn dot_draws_the_layer_program_with_its_collectives() {
     let dot = ok(&["viz", plan.to_str().unwrap(), "--format", "dot"]);
     assert!(dot.starts_with("digraph layers {"), "{dot}");
     for stack in ["stack0", "stack1"] {
-        assert!(dot.contains(&format!("subgraph cluster_{stack} {{")), "{dot}");
+        assert!(
+            dot.contains(&format!("subgraph cluster_{stack} {{")),
+            "{dot}"
+        );
         assert!(dot.contains(&format!("{stack}_v0 [label=")), "{dot}");
     }
     assert_eq!(dot.matches('{').count(), dot.matches('}').count(), "{dot}");
