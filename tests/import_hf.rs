@@ -811,3 +811,51 @@ fn layer_counts_past_the_languages_repeat_limit_are_refused_by_field() {
         assert!(!file.exists(), "{name}: nothing is written on a refusal");
     }
 }
+
+/// Qwen2 as transformers builds it: its q/k/v projections always carry
+/// biases (Qwen2Attention ignores `attention_bias`), and its sliding window
+/// covers only the layers from `max_window_layers` on — all of them or none
+/// are imported, a window over some layers is refused by field.
+#[test]
+fn qwen2_imports_as_transformers_builds_it() {
+    let qwen2 = |extra: &str| {
+        format!(
+            r#"{{"model_type": "qwen2", "hidden_act": "silu", "hidden_size": 1536,
+            "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
+            "num_key_value_heads": 2, "max_position_embeddings": 32768, "rms_norm_eps": 1e-06,
+            "rope_theta": 1000000.0, "tie_word_embeddings": true, "vocab_size": 151936,
+            "torch_dtype": "bfloat16", "sliding_window": 4096{extra}}}"#
+        )
+    };
+    // Qwen2.5-1.5B's count whatever `attention_bias` says.
+    for (name, extra) in [
+        ("qwen2_plain", String::new()),
+        ("qwen2_nobias", r#", "attention_bias": false"#.to_string()),
+        (
+            "qwen2_no_window",
+            r#", "use_sliding_window": true, "max_window_layers": 28"#.to_string(),
+        ),
+    ] {
+        let (out, file) = import_text(name, &qwen2(&extra));
+        assert!(out.status.success(), "{name}: {}", stderr(&out));
+        let file = file.to_str().unwrap();
+        assert_eq!(params(file, None), 1_543_714_304, "{name}");
+        let text = std::fs::read_to_string(file).unwrap();
+        assert!(
+            !text.contains("window ="),
+            "{name}: no layer slides\n{text}"
+        );
+    }
+    let (out, file) = import_text(
+        "qwen2_all_window",
+        &qwen2(r#", "use_sliding_window": true, "max_window_layers": 0"#),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = std::fs::read_to_string(file).unwrap();
+    assert!(text.contains("window = 4096"), "{text}");
+    assert_refused(
+        "qwen2_some_window",
+        &qwen2(r#", "use_sliding_window": true, "max_window_layers": 21"#),
+        "max_window_layers",
+    );
+}

@@ -60,10 +60,13 @@ pub(super) fn llama_like(c: &Config, name: &str) -> Result<String> {
     } else {
         ""
     };
-    let bias_default = family == "qwen2";
-    let qkv_bias = c.flag_or("attention_bias", bias_default)?;
-    // Qwen2's attention carries q/k/v biases and an unbiased output.
-    let out_bias = if family == "qwen2" { false } else { qkv_bias };
+    // Qwen2's attention always carries q/k/v biases and an unbiased output
+    // (transformers' Qwen2Attention: `bias=True` whatever `attention_bias`
+    // says, which it does not read).
+    let qwen2 = family == "qwen2";
+    let said = c.flag_or("attention_bias", qwen2)?;
+    let qkv_bias = qwen2 || said;
+    let out_bias = !qwen2 && said;
     c.neutral(
         "mlp_bias",
         |v| v == &Value::Bool(false),

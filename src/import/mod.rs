@@ -343,9 +343,21 @@ impl Config<'_> {
 /// and the sliding window where a model has one narrower than the context
 /// (the standard attention's `window`).
 fn train_seq(c: &Config, context: u64) -> Result<(u64, Option<u64>)> {
-    let sliding = match c.get("use_sliding_window") {
-        Some(Value::Bool(false)) => None,
-        _ => match c.get("sliding_window") {
+    // Qwen's configs switch their window on with `use_sliding_window`,
+    // off unless given (Qwen2Config's default); Mistral's and Phi-3's have
+    // no switch: a `sliding_window` slides.
+    let qwen = c
+        .get("model_type")
+        .and_then(Value::as_str)
+        .is_some_and(|t| t.starts_with("qwen"));
+    let switched_off = match c.get("use_sliding_window") {
+        Some(Value::Bool(on)) => !on,
+        _ => qwen,
+    };
+    let sliding = if switched_off {
+        None
+    } else {
+        match c.get("sliding_window") {
             None => None,
             Some(v) => Some(v.as_u64().filter(|&w| w > 0).ok_or_else(|| {
                 c.err(
@@ -353,7 +365,34 @@ fn train_seq(c: &Config, context: u64) -> Result<(u64, Option<u64>)> {
                     format!("is {v}, not a positive whole number"),
                 )
             })?),
-        },
+        }
+    };
+    // Qwen2's and Qwen3's window slides only the layers from
+    // `max_window_layers` on (transformers' `layer_types`); dplc's layers
+    // share one attention, so all or none of them slide.
+    let sliding = match (sliding, c.get("max_window_layers")) {
+        (Some(w), Some(v)) => {
+            let from = v
+                .as_u64()
+                .ok_or_else(|| c.err("max_window_layers", format!("is {v}, not a whole number")))?;
+            let layers = c.size("num_hidden_layers")?;
+            match from {
+                0 => Some(w),
+                f if f >= layers => None,
+                f => {
+                    return Err(c.err(
+                        "max_window_layers",
+                        format!(
+                            "is {f}: the sliding window covers only layers {f} to {} of {layers}, \
+                             and dplc's layers share one attention; set it to 0 (every layer \
+                             slides) or {layers} (none does)",
+                            layers - 1
+                        ),
+                    ))
+                }
+            }
+        }
+        (sliding, _) => sliding,
     };
     Ok((context.min(8192), sliding.filter(|&w| w < context)))
 }
