@@ -506,3 +506,21 @@ fn an_endless_input_is_refused_after_a_bounded_read() {
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains("is not a regular file"), "{}", text(&o));
 }
+
+/// Expert groups live inside the data-parallel ranks: pinned degrees that
+/// leave too few of them for `ep` say so, not that a layout failed.
+#[test]
+fn expert_groups_beyond_the_data_parallel_ranks_are_named() {
+    let o = dplc()
+        .args(["compile", "models/qwen3.dpl", "--model", "qwen3_30b_a3b"])
+        .args(["--cluster", "4x8xH100", "--strategy", "ep=32,tp=2"])
+        .output()
+        .expect("dplc runs");
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let said = text(&o).replace("\n  | ", " ");
+    assert!(
+        said.contains("ep=32 needs its expert groups inside the data-parallel ranks")
+            && said.contains("at most 16 of the 32 devices"),
+        "{said}"
+    );
+}

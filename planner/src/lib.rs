@@ -276,15 +276,26 @@ fn what_ifs(req: &PlanRequest, plan: &Plan, cache: &layouts::LayoutCache) -> Vec
                     let e = &c.plan.estimate;
                     let dm = &c.plan.mesh;
                     dplc_ir::WhatIf {
-                        change,
+                        change: change.clone(),
                         step_time_s: Some(e.step_time_s),
                         peak_memory_bytes: Some(e.peak_memory_bytes),
                         fits: e.peak_memory_bytes <= req.cluster.device.memory_bytes,
                         note: {
                             let ds = &c.plan.strategy;
                             let mut also = Vec::new();
-                            if dm.dp != m.dp {
-                                also.push(format!("dp {} → {}", m.dp, dm.dp));
+                            // Every degree the neighbour moved besides
+                            // its own change, so pinning what it says
+                            // gives the plan it priced.
+                            for (name, was, is) in [
+                                ("dp", m.dp, dm.dp),
+                                ("tp", m.tp, dm.tp),
+                                ("pp", m.pp, dm.pp),
+                                ("cp", m.cp, dm.cp),
+                                ("ep", m.ep, dm.ep),
+                            ] {
+                                if was != is && !change.starts_with(&format!("{name} ")) {
+                                    also.push(format!("{name} {was} → {is}"));
+                                }
                             }
                             if ds.zero_stage != s.zero_stage {
                                 also.push(format!("ZeRO-{} → {}", s.zero_stage, ds.zero_stage));

@@ -81,6 +81,20 @@ pub(crate) fn validate(
         rules::mesh_fills(dp, tp, pp, cp, world)
             .map_err(|why| PlanError::Strategy(format!("{pins}: {why}")))?;
     }
+    // Expert groups are carved from the data-parallel ranks, which the
+    // pinned degrees bound: say so before asking for layouts the search
+    // never builds for such a split.
+    if let (Some(ep), None) = (pins.ep, pins.dp) {
+        let others = pins.tp.unwrap_or(1) * pins.pp.unwrap_or(1) * pins.cp.unwrap_or(1);
+        let most = world / others.max(1);
+        if others > 1 && rules::expert_groups(ep, most).is_err() {
+            return bad(format!(
+                "{pins}: ep={ep} needs its expert groups inside the data-parallel ranks, and the \
+                 pinned degrees leave at most {most} of the {world} devices to them; lower ep or \
+                 the other degrees"
+            ));
+        }
+    }
     if let Some(tp) = pins.tp {
         if let Err(why) = layouts.at_tp(tp) {
             return bad(format!("tp={tp} cannot split the layer: {why}"));
