@@ -524,3 +524,26 @@ fn expert_groups_beyond_the_data_parallel_ranks_are_named() {
         "{said}"
     );
 }
+
+/// A model whose plans fit the device only by offloading more than the
+/// host holds is refused naming host memory, not the device's.
+#[test]
+fn an_offload_the_host_cannot_hold_names_host_memory() {
+    let o = dplc()
+        .args(["compile", "models/llama3.dpl", "--model", "llama3_70b"])
+        .args([
+            "--cluster",
+            "8xA100",
+            "--strategy",
+            "offload=optimizer+params+activations",
+        ])
+        .output()
+        .expect("dplc runs");
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let said = text(&o).replace("\n  | ", " ");
+    assert!(
+        said.contains("offload more than the host holds")
+            && said.contains("a rank's share of the host is 128.00 GiB"),
+        "{said}"
+    );
+}

@@ -947,6 +947,32 @@ fn no_configuration(pins: &StrategyConstraints, world: u64) -> String {
 
 fn infeasible(req: &PlanRequest, out: &search::Outcome, world: u64) -> PlanError {
     let cap = req.cluster.device.memory_bytes;
+    // Plans that fit the device but not the host: host memory is what is short.
+    if let Some(h) = &out.host_short {
+        let c = &h.config;
+        let host_cap = req.cluster.device.host_memory_bytes;
+        return PlanError::Infeasible(format!(
+            "{} does not fit on {}: plans that fit the {} memory offload more than the host \
+             holds — the least any needs is {} of host memory a rank (stage {} of dp {} × tp {} \
+             × pp {} × cp {}, ZeRO-{}, offload {}: {}), and a rank's share of the host is {}. \
+             To make it fit, try more nodes (each brings its host memory), offloading less than \
+             `{}`, or a cluster section whose `host_memory` is larger.",
+            req.graph.name,
+            req.cluster.name,
+            req.cluster.device.name,
+            gib(h.memory.host),
+            h.stage,
+            c.dp,
+            c.tp,
+            c.pp,
+            c.cp,
+            c.zero,
+            c.offload.name(),
+            breakdown(&h.memory),
+            gib(host_cap),
+            c.offload.name()
+        ));
+    }
     let Some(s) = &out.smallest else {
         return PlanError::Strategy(no_configuration(&req.pinned, world));
     };

@@ -41,6 +41,24 @@ pub(crate) struct Outcome {
     pub evaluated: u64,
     pub feasible: u64,
     pub smallest: Option<Smallest>,
+    /// Of the configurations that fit the device but offload more than a
+    /// rank's share of the host holds, the one needing the least host
+    /// memory (its stage's breakdown, `host` the bytes): what an infeasible
+    /// offloaded model is short of.
+    pub host_short: Option<Smallest>,
+}
+
+impl Outcome {
+    /// `s` kept as the host-memory shortfall if it needs less host than the last.
+    fn note_host_short(&mut self, s: Smallest) {
+        if self
+            .host_short
+            .as_ref()
+            .is_none_or(|t| s.memory.host < t.memory.host)
+        {
+            self.host_short = Some(s);
+        }
+    }
 }
 
 fn allowed(pin: Option<u64>, v: u64) -> bool {
@@ -264,6 +282,9 @@ pub(crate) fn search(
             {
                 out.smallest = Some(s);
             }
+        }
+        if let Some(s) = o.host_short {
+            out.note_host_short(s);
         }
         for cand in o.best {
             insert(&mut out.best, cand, keep);
@@ -683,11 +704,16 @@ fn consider(
         return;
     }
     if !c.offload.is_none() && !ignore_memory {
-        let host = (0..c.pp)
-            .map(|i| cost.stage_memory(&c, &counts, i).host)
-            .max()
-            .unwrap_or(0);
-        if host > host_capacity {
+        let (stage, memory) = (0..c.pp)
+            .map(|i| (i, cost.stage_memory(&c, &counts, i)))
+            .max_by_key(|(_, m)| m.host)
+            .expect("a plan has a stage");
+        if memory.host > host_capacity {
+            out.note_host_short(Smallest {
+                config: c,
+                stage,
+                memory,
+            });
             return;
         }
     }
