@@ -192,6 +192,14 @@ pub fn plan(
     let cluster = resolve_cluster(&args.cluster, &unit, &args.file)?;
     let mut req = PlanRequest::new(&lowered.graph, lowered.train.clone(), cluster.clone());
     req.global_batch = args.global_batch;
+    // A model without a sequence axis (an image classifier) has no use for
+    // one: a `--seq` given to it would be silently ignored.
+    if args.seq.is_some() && lowered.graph.sym_by_name("seq").is_none() {
+        return Err(miette!(
+            help = "leave out --seq: this model's inputs have no `seq` dimension",
+            "--seq given, but `{name}` has no sequence axis"
+        ));
+    }
     req.seq = args.seq;
     req.pinned = dplc_planner::parse_strategy(&args.strategy).map_err(plan_error)?;
     req.pinned.allow = dplc_planner::Allow::parse(&args.allow).map_err(plan_error)?;

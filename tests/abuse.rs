@@ -547,3 +547,56 @@ fn an_offload_the_host_cannot_hold_names_host_memory() {
         "{said}"
     );
 }
+
+/// Options that would be silently ignored are refused: a `--seq` for a
+/// model without a sequence axis, an overlap of tensor-parallel
+/// communication at tp=1, DeepEP's dispatch at ep=1.
+#[test]
+fn options_with_nothing_to_act_on_are_refused() {
+    for (args, says) in [
+        (
+            vec![
+                "compile",
+                "models/vit.dpl",
+                "--model",
+                "vit_tiny",
+                "--cluster",
+                "1xcpu",
+                "--seq",
+                "16",
+            ],
+            "has no sequence axis",
+        ),
+        (
+            vec![
+                "compile",
+                "models/tiny.dpl",
+                "--model",
+                "gpt_tiny",
+                "--cluster",
+                "2xcpu",
+                "--strategy",
+                "tp=1,tp_overlap=ring",
+            ],
+            "tp=1 has none",
+        ),
+        (
+            vec![
+                "compile",
+                "models/mixtral.dpl",
+                "--model",
+                "mixtral_8x7b",
+                "--cluster",
+                "8xH100",
+                "--strategy",
+                "ep=1,dispatch=hierarchical",
+            ],
+            "ep=1 has none",
+        ),
+    ] {
+        let o = dplc().args(&args).output().expect("dplc runs");
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {}", text(&o));
+        let said = text(&o).replace("\n  | ", " ");
+        assert!(said.contains(says), "{args:?}: {said}");
+    }
+}

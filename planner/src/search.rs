@@ -150,6 +150,21 @@ pub(crate) fn validate(
             "dispatch=hierarchical routes tokens to experts, but the model has no experts".into(),
         );
     }
+    // A pinned overlap with nothing to overlap is a slip, as sp=on at tp=1 is.
+    if pins.tp == Some(1) && pins.tp_overlap.is_some_and(|o| o != TpOverlap::None) {
+        return bad(format!(
+            "tp_overlap={} overlaps tensor-parallel communication, and tp=1 has none; \
+             drop tp_overlap or raise tp",
+            pins.tp_overlap.map_or("", |o| o.name())
+        ));
+    }
+    if pins.ep == Some(1) && pins.dispatch == Some(dplc_ir::Dispatch::Hierarchical) {
+        return bad(
+            "dispatch=hierarchical routes tokens between expert-parallel ranks, and ep=1 has \
+             none; drop dispatch or raise ep"
+                .into(),
+        );
+    }
     if let Some(tp) = pins.tp {
         // Unpinned, cp is 1 or a divisor of seq: tp must divide seq either way.
         let cp = pins.cp.unwrap_or(1);
