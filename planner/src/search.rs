@@ -150,8 +150,10 @@ pub(crate) fn validate(
             "dispatch=hierarchical routes tokens to experts, but the model has no experts".into(),
         );
     }
-    // A pinned overlap with nothing to overlap is a slip, as sp=on at tp=1 is.
-    if pins.tp == Some(1) && pins.tp_overlap.is_some_and(|o| o != TpOverlap::None) {
+    // A pinned chunked overlap with nothing to overlap is a slip, as sp=on at
+    // tp=1 is (Megatron's asynchronous backward is the default, which a
+    // plan's own pins carry at any tp).
+    if pins.tp == Some(1) && pins.tp_overlap == Some(TpOverlap::Ring) {
         return bad(format!(
             "tp_overlap={} overlaps tensor-parallel communication, and tp=1 has none; \
              drop tp_overlap or raise tp",
