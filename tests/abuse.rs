@@ -26,6 +26,13 @@ fn text(out: &Output) -> String {
     .replace("\n  | ", " ")
 }
 
+/// `dplc ARGS`, which must be refused (exit 1): what it said.
+fn refused(args: &[&str]) -> String {
+    let o = dplc().args(args).output().expect("dplc runs");
+    assert_eq!(o.status.code(), Some(1), "{args:?}: {}", text(&o));
+    text(&o)
+}
+
 const TINY: [&str; 9] = [
     "--model",
     "gpt_tiny",
@@ -483,41 +490,38 @@ fn an_endless_input_is_refused_after_a_bounded_read() {
         vec!["verify", "/dev/zero"],
         vec!["import", "hf", "/dev/zero"],
     ] {
-        let o = dplc().args(&args).output().expect("dplc runs");
-        assert_eq!(o.status.code(), Some(1), "{args:?}: {}", text(&o));
-        assert!(
-            text(&o).contains("holds more than 64 MiB"),
-            "{args:?}: {}",
-            text(&o)
-        );
+        let said = refused(&args);
+        assert!(said.contains("holds more than 64 MiB"), "{args:?}: {said}");
     }
-    let o = dplc()
-        .args([
-            "run",
-            "models/tiny.dpl",
-            "--model",
-            "gpt_tiny",
-            "--cluster",
-            "1xcpu",
-        ])
-        .args(["--steps", "1", "--data", "/dev/zero"])
-        .output()
-        .expect("dplc runs");
-    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
-    assert!(text(&o).contains("is not a regular file"), "{}", text(&o));
+    let said = refused(&[
+        "run",
+        "models/tiny.dpl",
+        "--model",
+        "gpt_tiny",
+        "--cluster",
+        "1xcpu",
+        "--steps",
+        "1",
+        "--data",
+        "/dev/zero",
+    ]);
+    assert!(said.contains("is not a regular file"), "{said}");
 }
 
 /// Expert groups live inside the data-parallel ranks: pinned degrees that
 /// leave too few of them for `ep` say so, not that a layout failed.
 #[test]
 fn expert_groups_beyond_the_data_parallel_ranks_are_named() {
-    let o = dplc()
-        .args(["compile", "models/qwen3.dpl", "--model", "qwen3_30b_a3b"])
-        .args(["--cluster", "4x8xH100", "--strategy", "ep=32,tp=2"])
-        .output()
-        .expect("dplc runs");
-    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
-    let said = text(&o).replace("\n  | ", " ");
+    let said = refused(&[
+        "compile",
+        "models/qwen3.dpl",
+        "--model",
+        "qwen3_30b_a3b",
+        "--cluster",
+        "4x8xH100",
+        "--strategy",
+        "ep=32,tp=2",
+    ]);
     assert!(
         said.contains("ep=32 needs its expert groups inside the data-parallel ranks")
             && said.contains("at most 16 of the 32 devices"),
@@ -529,18 +533,16 @@ fn expert_groups_beyond_the_data_parallel_ranks_are_named() {
 /// host holds is refused naming host memory, not the device's.
 #[test]
 fn an_offload_the_host_cannot_hold_names_host_memory() {
-    let o = dplc()
-        .args(["compile", "models/llama3.dpl", "--model", "llama3_70b"])
-        .args([
-            "--cluster",
-            "8xA100",
-            "--strategy",
-            "offload=optimizer+params+activations",
-        ])
-        .output()
-        .expect("dplc runs");
-    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
-    let said = text(&o).replace("\n  | ", " ");
+    let said = refused(&[
+        "compile",
+        "models/llama3.dpl",
+        "--model",
+        "llama3_70b",
+        "--cluster",
+        "8xA100",
+        "--strategy",
+        "offload=optimizer+params+activations",
+    ]);
     assert!(
         said.contains("offload more than the host holds")
             && said.contains("a rank's share of the host is 128.00 GiB"),
@@ -549,54 +551,32 @@ fn an_offload_the_host_cannot_hold_names_host_memory() {
 }
 
 /// Options that would be silently ignored are refused: a `--seq` for a
-/// model without a sequence axis, an overlap of tensor-parallel
+/// model without a sequence axis, a chunked overlap of tensor-parallel
 /// communication at tp=1, DeepEP's dispatch at ep=1.
 #[test]
 fn options_with_nothing_to_act_on_are_refused() {
-    for (args, says) in [
+    let compile = |file: &'static str, model: &'static str, cluster: &'static str| {
+        vec!["compile", file, "--model", model, "--cluster", cluster]
+    };
+    for (mut args, extra, says) in [
         (
-            vec![
-                "compile",
-                "models/vit.dpl",
-                "--model",
-                "vit_tiny",
-                "--cluster",
-                "1xcpu",
-                "--seq",
-                "16",
-            ],
+            compile("models/vit.dpl", "vit_tiny", "1xcpu"),
+            ["--seq", "16"],
             "has no sequence axis",
         ),
         (
-            vec![
-                "compile",
-                "models/tiny.dpl",
-                "--model",
-                "gpt_tiny",
-                "--cluster",
-                "2xcpu",
-                "--strategy",
-                "tp=1,tp_overlap=ring",
-            ],
+            compile("models/tiny.dpl", "gpt_tiny", "2xcpu"),
+            ["--strategy", "tp=1,tp_overlap=ring"],
             "tp=1 has none",
         ),
         (
-            vec![
-                "compile",
-                "models/mixtral.dpl",
-                "--model",
-                "mixtral_8x7b",
-                "--cluster",
-                "8xH100",
-                "--strategy",
-                "ep=1,dispatch=hierarchical",
-            ],
+            compile("models/mixtral.dpl", "mixtral_8x7b", "8xH100"),
+            ["--strategy", "ep=1,dispatch=hierarchical"],
             "ep=1 has none",
         ),
     ] {
-        let o = dplc().args(&args).output().expect("dplc runs");
-        assert_eq!(o.status.code(), Some(1), "{args:?}: {}", text(&o));
-        let said = text(&o).replace("\n  | ", " ");
+        args.extend(extra);
+        let said = refused(&args);
         assert!(said.contains(says), "{args:?}: {said}");
     }
 }
