@@ -580,3 +580,22 @@ fn options_with_nothing_to_act_on_are_refused() {
         assert!(said.contains(says), "{args:?}: {said}");
     }
 }
+
+/// With nothing pinned, a cluster no split of the model and batch can fill
+/// says what bounds the split, not that an empty pin list failed.
+#[test]
+fn a_cluster_no_split_fills_says_why() {
+    let said = refused(&[
+        "compile",
+        "models/tiny.dpl",
+        "--model",
+        "gpt_tiny",
+        "--cluster",
+        "1048576xcpu",
+    ]);
+    assert!(
+        said.contains("no split of this model and batch fills 1048576 devices")
+            && !said.contains("``"),
+        "{said}"
+    );
+}

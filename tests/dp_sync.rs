@@ -612,7 +612,8 @@ fn strategy_keys_are_checked_where_they_are_read() {
     let e = |s: &str| parse_strategy(s).expect_err(s).to_string();
     assert!(e("staleness=2").contains("give it with sync=async"));
     assert!(e("ps_shards=2").contains("give it with sync=ps or sync=async"));
-    assert!(e("compress=topk:2").contains("topk:F (F a fraction in (0, 1])"));
+    assert!(e("compress=topk:2").contains("topk:F (F a fraction in (0, 1]"));
+    assert!(e("compress=topk:1e-7").contains("at least 1e-6"));
     assert!(e("compress=powersgd:0").contains("powersgd:R (R a positive rank)"));
     assert!(e("sync=gossip").contains("sync is allreduce, ps or async"));
     assert!(e("ps_ranks=dedicated").contains("give it with sync=ps or sync=async"));

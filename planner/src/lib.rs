@@ -940,6 +940,14 @@ fn no_configuration(pins: &StrategyConstraints, world: u64) -> String {
             );
         }
     }
+    if *pins == StrategyConstraints::default() {
+        // Nothing pinned: the batch and the model bound every degree.
+        return format!(
+            "no split of this model and batch fills {world} devices: dp × micro-batch must \
+             divide the global batch and tp, pp and cp the model (its heads, layers, sequence); \
+             plan for fewer devices or a larger --global-batch"
+        );
+    }
     format!(
         "no configuration satisfies `{pins}` on {world} devices (check that the global batch splits over dp × mb)"
     )

@@ -537,7 +537,8 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
                 c.compress = Some(Compression::parse(value).ok_or_else(|| {
                     err(format!(
                         "compress is none, bf16, fp16, powersgd:R (R a positive rank) or \
-                         topk:F (F a fraction in (0, 1]), either with :W warm-up steps \
+                         topk:F (F a fraction in (0, 1], at least 1e-6: kept in millionths), \
+                         either with :W warm-up steps \
                          (powersgd:4:100), got `{value}`"
                     ))
                 })?)
