@@ -430,6 +430,27 @@ fn agree(m: &Manifest, plan: &Plan, dir: &Path) -> Result<()> {
 }
 
 pub fn launch(args: &LaunchArgs) -> Result<()> {
+    // The artifact is this command's input, whole: no trace over its
+    // executable or plan, no checkpoints among its files.
+    let mut outputs = Vec::new();
+    if let Some(path) = &args.train.trace {
+        outputs.push(crate::output::Output {
+            flag: "--trace",
+            path,
+        });
+    }
+    if let Some(path) = &args.train.checkpoint_dir {
+        outputs.push(crate::output::Output {
+            flag: "--checkpoint-dir",
+            path,
+        });
+    }
+    let artifact = crate::output::KeptDir {
+        flag: "the artifact",
+        path: &args.dir,
+        holds: "the executable, its plan and its kernels",
+    };
+    crate::output::check_outputs(&outputs, &[artifact])?;
     let m = check(&args.dir)?;
     let plan = read_plan(&args.dir.join("plan.ron"))?;
     agree(&m, &plan, &args.dir)?;

@@ -89,10 +89,11 @@ pub struct Output<'a> {
 }
 
 /// A directory a command reads or writes as a whole (a checkpoint
-/// directory), and the flag that named it.
+/// directory, a built artifact), the flag that named it and what it holds.
 pub struct KeptDir<'a> {
     pub flag: &'static str,
     pub path: &'a Path,
+    pub holds: &'static str,
 }
 
 /// Refuse, before anything is written, an output set that would destroy
@@ -119,11 +120,12 @@ pub fn check_outputs(outputs: &[Output<'_>], kept: &[KeptDir<'_>]) -> Result<()>
             if at.starts_with(absolute(dir.path)) {
                 return Err(miette!(
                     help = "write it outside that directory",
-                    "{} {} is inside {} {}, which dplc keeps checkpoints in",
+                    "{} {} is inside {} {}, which holds {}",
                     a.flag,
                     a.path.display(),
                     dir.flag,
-                    dir.path.display()
+                    dir.path.display(),
+                    dir.holds
                 ));
             }
         }
@@ -382,6 +384,7 @@ mod tests {
         let kept = [KeptDir {
             flag: "--checkpoint-dir",
             path: &ck,
+            holds: "checkpoints",
         }];
         let manifest = ck.join("step-000002").join("manifest.json");
         let err = check_outputs(&[out("--trace", &manifest)], &kept).unwrap_err();
@@ -396,6 +399,7 @@ mod tests {
         let kept_later = [KeptDir {
             flag: "--checkpoint-dir",
             path: &later,
+            holds: "checkpoints",
         }];
         let inside = later.join("x.json");
         assert!(check_outputs(&[out("--trace", &inside)], &kept_later).is_err());

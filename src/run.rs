@@ -555,12 +555,14 @@ fn check_outputs(args: &TrainOpts, save_plan: Option<&Path>) -> Result<()> {
         kept.push(KeptDir {
             flag: "--checkpoint-dir",
             path,
+            holds: "checkpoints",
         });
     }
     if let Some(Some(path)) = &args.resume {
         kept.push(KeptDir {
             flag: "--resume",
             path,
+            holds: "checkpoints",
         });
     }
     crate::output::check_outputs(&outputs, &kept)

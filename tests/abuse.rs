@@ -148,6 +148,33 @@ fn build_writes_only_into_a_new_empty_or_artifact_directory() {
     // An artifact is rebuilt in place.
     let o = build(&art);
     assert!(o.status.success(), "{}", text(&o));
+    // A launch writes nothing into its artifact: no trace over its plan or
+    // executable, no checkpoints among its files.
+    let plan = std::fs::read(art.join("plan.ron")).unwrap();
+    for (flag, path) in [
+        ("--trace", art.join("plan.ron")),
+        ("--trace", art.join("dplc")),
+        ("--checkpoint-dir", art.clone()),
+        ("--checkpoint-dir", art.join("ck")),
+    ] {
+        let o = Command::new(art.join("dplc"))
+            .arg("launch")
+            .arg(&art)
+            .args(["--steps", "1", flag])
+            .arg(&path)
+            .output()
+            .expect("runs");
+        assert_eq!(
+            o.status.code(),
+            Some(1),
+            "{flag} {}: {}",
+            path.display(),
+            text(&o)
+        );
+        assert!(text(&o).contains("is inside the artifact"), "{}", text(&o));
+    }
+    assert_eq!(std::fs::read(art.join("plan.ron")).unwrap(), plan);
+    assert!(!art.join("ck").exists());
     // A rewritten manifest that lists another world is refused by launch.
     let m = art.join("manifest.json");
     let t = std::fs::read_to_string(&m).unwrap();
