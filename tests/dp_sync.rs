@@ -176,6 +176,61 @@ fn error_feedback_survives_a_checkpoint() {
     }
 }
 
+/// Error feedback and older weight versions are each rank's own, saved
+/// under the run's split and staleness: a resume under another split (or
+/// staleness) is refused before any rank starts, saying which it needs —
+/// never run with some ranks' state dropped.
+#[test]
+fn side_state_resumes_only_under_its_split() {
+    let topk = Compression::TopK {
+        per_million: 100_000,
+        warmup: Some(0),
+    };
+    let cases = [
+        (
+            "topk-dp",
+            dp4(GradSync::AllReduce, topk),
+            RunConfig {
+                dp: 2,
+                num_micro_batches: 2,
+                ..dp4(GradSync::AllReduce, topk)
+            },
+            "saved under dp 4",
+        ),
+        (
+            "async-staleness",
+            dp4(GradSync::async_ps(4, 1), Compression::None),
+            dp4(GradSync::async_ps(4, 2), Compression::None),
+            "resume with staleness=1",
+        ),
+    ];
+    for (name, saved, resumed, says) in cases {
+        let dir = Scratch::new("dpsync-split", name);
+        let first = run(
+            &RunConfig {
+                checkpoint: Some(CheckpointConfig {
+                    dir: dir.0.clone(),
+                    every: 0,
+                }),
+                ..saved
+            },
+            2,
+        );
+        let e = try_run(
+            &RunConfig {
+                resume_from: Some(first.checkpoints[0].clone()),
+                ..resumed
+            },
+            4,
+            16,
+            Some(Opt::AdamW),
+        )
+        .expect_err("refused")
+        .to_string();
+        assert!(e.contains(says), "{name}: {e}");
+    }
+}
+
 /// Servers on ranks of their own (`ps_ranks=dedicated`): four workers and
 /// N more ranks that hold the shards and the optimizer state and run no
 /// model compute. With a server per worker each sums its shard in the

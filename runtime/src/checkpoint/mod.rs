@@ -59,7 +59,9 @@ mod side;
 use disk::{killed, latest_step_dir, sha256_hex, write_atomic};
 pub(crate) use disk::{lock_dir, prepare_step_dir, DirLock};
 pub(crate) use load::load;
-pub(crate) use side::{read_feedback, read_versions, write_feedback, write_versions};
+pub(crate) use side::{
+    read_feedback, read_versions, saved_versions, write_feedback, write_versions,
+};
 
 const FORMAT: &str = "dplc-checkpoint";
 /// Version 2 adds the run that wrote a checkpoint and the manifest's own
@@ -322,6 +324,12 @@ impl Checkpoint {
             out.push_str(&format!(", ZeRO-{}", s.zero));
         }
         out
+    }
+
+    /// The degrees it was saved under: dp, cp, tp, pp, ep.
+    pub(crate) fn degrees(&self) -> [usize; 5] {
+        let s = &self.manifest.split;
+        [s.dp, s.cp, s.tp, s.pp, s.ep]
     }
 
     /// The id of the run that saved it (checkpoints before version 2: none).

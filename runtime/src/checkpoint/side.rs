@@ -180,3 +180,15 @@ pub(crate) fn read_versions(
         })
         .collect()
 }
+
+/// How many older weight versions rank 0's file of the checkpoint in `dir`
+/// holds (the staleness it was saved with); `None` without such a file.
+pub(crate) fn saved_versions(dir: &Path) -> Option<usize> {
+    let bytes = std::fs::read(dir.join(versions_file(0))).ok()?;
+    let (_, header) = SafeTensors::read_metadata(&bytes).ok()?;
+    header
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get(VERSIONS_KEY))
+        .and_then(|n| n.parse().ok())
+}

@@ -129,6 +129,7 @@ pub(super) fn resume(shared: &mut Shared<'_>, steps: u64) -> Result<()> {
     }
     if let Some(path) = &cfg.resume_from {
         let ck = checkpoint::Checkpoint::open(path)?;
+        side_state_resumes(&ck, cfg)?;
         let resume = checkpoint::load(&ck, graph, &shared.spec.optimizer, shared.seed, &all_keys)?;
         if resume.step > steps {
             return Err(RuntimeError::Config(format!(
@@ -140,6 +141,60 @@ pub(super) fn resume(shared: &mut Shared<'_>, steps: u64) -> Result<()> {
         shared.start_step = resume.step;
         shared.sample_base = resume.next_sample;
         shared.resume = Some(resume);
+    }
+    Ok(())
+}
+
+/// Per-rank state beyond the parameters — top-k's and PowerSGD's error
+/// feedback, an async rank's older weight versions — is each rank's own,
+/// written under the split (and staleness) it ran: a resume that needs it
+/// must run that split, checked here before any rank starts rather than
+/// found missing (or silently dropped) by one of them.
+fn side_state_resumes(ck: &checkpoint::Checkpoint, cfg: &RunConfig) -> Result<()> {
+    let what = match (cfg.compress.has_feedback(), cfg.sync.staleness()) {
+        (true, _) => "error feedback",
+        (false, 0) => return Ok(()),
+        (false, _) => "older weight versions",
+    };
+    let planned = [cfg.dp, cfg.cp, cfg.tp, cfg.pp, cfg.ep];
+    if ck.degrees() != planned {
+        return Err(RuntimeError::Config(format!(
+            "the checkpoint {} keeps each rank's {what}, saved under {}; this run is dp {} × \
+             tp {} × pp {}{}{}: resume with the split it was saved with, or without {}",
+            ck.dir().display(),
+            ck.split(),
+            cfg.dp,
+            cfg.tp,
+            cfg.pp,
+            if cfg.cp > 1 {
+                format!(", cp {}", cfg.cp)
+            } else {
+                String::new()
+            },
+            if cfg.ep > 1 {
+                format!(", ep {}", cfg.ep)
+            } else {
+                String::new()
+            },
+            if cfg.compress.has_feedback() {
+                "compress"
+            } else {
+                "sync=async"
+            }
+        )));
+    }
+    let staleness = cfg.sync.staleness() as usize;
+    if staleness > 0 {
+        if let Some(saved) = checkpoint::saved_versions(ck.dir()) {
+            if saved != staleness {
+                return Err(RuntimeError::Config(format!(
+                    "the checkpoint {} keeps {saved} older weight version(s) a rank \
+                     (staleness {saved}); this run asks for staleness {staleness}: resume with \
+                     staleness={saved}",
+                    ck.dir().display()
+                )));
+            }
+        }
     }
     Ok(())
 }
