@@ -542,31 +542,52 @@ fn launch_cpu_processes(
             "{e}"
         )
     })?;
-    if process.size() as u64 != processes {
-        return Err(miette!(
+    // Past MPI_Init every failure ends the job (below): a process that just
+    // returned would wait in MPI_Finalize for peers that wait for it.
+    let result = if process.size() as u64 != processes {
+        Err(miette!(
             help = "start the processes with mpirun (RUN.md has the line)",
             "the launcher started {processes} processes, but MPI sees {}: CPU ranks in \
              separate processes meet through MPI",
             process.size()
-        ));
-    }
-    if process.rank() != env_rank {
-        return Err(miette!(
+        ))
+    } else if process.rank() != env_rank {
+        Err(miette!(
+            help = "let mpirun number the processes: leave RANK and WORLD_SIZE unset",
             "MPI says this is rank {}, but the launcher's environment says {env_rank}",
             process.rank()
-        ));
+        ))
+    } else {
+        Prepared::from_plan(plan).and_then(|p| {
+            run::train_prepared_on(
+                &p,
+                train,
+                Some(dplc_runtime::Process::Mpi(&process)),
+                dplc_runtime::Device::Host,
+            )
+        })
+    };
+    match result {
+        Ok(()) => Ok(()),
+        // Every process got the signal (mpirun passes it on) and stopped at
+        // the same step: each ends as a failed command does, MPI finalised
+        // — an abort here left mpirun hanging in its own teardown.
+        Err(report) if report.downcast_ref::<run::Interrupted>().is_some() => Err(report),
+        Err(report) => {
+            // Rank 0 speaks for the job, on stdout under --json as a single
+            // process would; the others give it a moment to, since the
+            // first abort ends every process.
+            if process.rank() == 0 {
+                if train.json {
+                    crate::json_error(&report);
+                }
+            } else {
+                note!("rank {}: {report:?}", process.rank());
+                std::thread::sleep(std::time::Duration::from_secs(2));
+                process.abort(1);
+            }
+            note!("{report:?}");
+            process.abort(1);
+        }
     }
-    let result = Prepared::from_plan(plan).and_then(|p| {
-        run::train_prepared_on(
-            &p,
-            train,
-            Some(dplc_runtime::Process::Mpi(&process)),
-            dplc_runtime::Device::Host,
-        )
-    });
-    if let Err(report) = result {
-        note!("{report:?}");
-        process.abort(1);
-    }
-    Ok(())
 }

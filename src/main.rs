@@ -112,7 +112,7 @@ fn main() -> ExitCode {
 /// `{"error": {"code", "message", "file", "line", "column", "help"}}` on
 /// stdout: the report's code (`dplc::error` when it has none), its message
 /// with its causes, and where its first label points (1-based), if it has one.
-fn json_error(report: &miette::Report) {
+pub(crate) fn json_error(report: &miette::Report) {
     let code = report
         .code()
         .map_or("dplc::error".to_string(), |c| c.to_string());

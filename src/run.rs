@@ -895,10 +895,37 @@ pub fn train_prepared_on(
         }
     }
     if report.interrupted {
-        return Err(miette!(
-            "interrupted: stopped cleanly after step {} of {steps} (loss {last:.4})",
-            from + done
-        ));
+        return Err(Interrupted {
+            step: from + done,
+            steps,
+            loss: last,
+        }
+        .into());
     }
     Ok(())
 }
+
+/// A run a signal stopped: every rank at the same step boundary, the
+/// checkpoint saved. The command fails (it did not train the steps asked
+/// for), but no rank did: a world of processes ends as each process does,
+/// not by aborting the job.
+#[derive(Debug)]
+pub struct Interrupted {
+    step: u64,
+    steps: u64,
+    loss: f64,
+}
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "interrupted: stopped cleanly after step {} of {} (loss {:.4})",
+            self.step, self.steps, self.loss
+        )
+    }
+}
+
+impl std::error::Error for Interrupted {}
+
+impl miette::Diagnostic for Interrupted {}

@@ -187,6 +187,112 @@ mod with_mpi {
         }
     }
 
+    /// Past MPI_Init a process's own failure ends the job at once, said by
+    /// that process (a launcher rank that disagrees with MPI's), and under
+    /// `--json` rank 0's failure is the JSON error object on stdout; a
+    /// signal to mpirun stops every rank at a step boundary, saves, and
+    /// ends the job without an abort (which had left mpirun hanging).
+    #[test]
+    fn a_process_failure_is_said_and_a_signal_ends_the_job_cleanly() {
+        if !mpirun_present() {
+            return;
+        }
+        let dir = build("said", "dp=4");
+        let start = Instant::now();
+        let mut cmd = Command::new("timeout");
+        cmd.args([
+            "-k",
+            "5",
+            "60",
+            "mpirun",
+            "--allow-run-as-root",
+            "--oversubscribe",
+        ])
+        .args(["-np", "3"])
+        .arg(dir.join("dplc"))
+        .arg("launch")
+        .arg(&dir)
+        .args(["--steps", "4", "--timeout", "30", ":", "-np", "1"])
+        .args(["-x", "RANK=0", "-x", "WORLD_SIZE=4"])
+        .arg(dir.join("dplc"))
+        .arg("launch")
+        .arg(&dir)
+        .args(["--steps", "4", "--timeout", "30"]);
+        let out = cmd.output().expect("mpirun runs");
+        assert_ne!(out.status.code(), Some(0), "{}", text(&out));
+        assert!(
+            text(&out).contains("MPI says this is rank 3, but the launcher's environment says 0"),
+            "{}",
+            text(&out)
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(25),
+            "{:?}",
+            start.elapsed()
+        );
+
+        let out = mpirun(
+            &dir,
+            &["--steps", "4", "--resume", "/nonexistent", "--json"],
+            &[],
+        );
+        assert_ne!(out.status.code(), Some(0), "{}", text(&out));
+        let error = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find(|v| v.get("error").is_some());
+        assert!(error.is_some(), "no JSON error object: {}", text(&out));
+
+        let ck = tmp("signal-ck");
+        let mut child = Command::new("timeout")
+            .args([
+                "-k",
+                "5",
+                "60",
+                "mpirun",
+                "--allow-run-as-root",
+                "--oversubscribe",
+            ])
+            .args(["-np", "4"])
+            .arg(dir.join("dplc"))
+            .arg("launch")
+            .arg(&dir)
+            .args(["--steps", "100000", "--checkpoint-dir"])
+            .arg(&ck)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("mpirun starts");
+        // Signal mpirun itself once the ranks train (a step line on stderr
+        // is not needed: a few seconds in, they are past their start).
+        std::thread::sleep(Duration::from_secs(4));
+        let mpirun_pid =
+            std::fs::read_to_string(format!("/proc/{}/task/{}/children", child.id(), child.id()))
+                .ok()
+                .and_then(|c| c.split_whitespace().next().map(str::to_string))
+                .expect("timeout's child, mpirun");
+        let _ = Command::new("kill").args(["-TERM", &mpirun_pid]).status();
+        let start = Instant::now();
+        let status = child.wait().expect("waits");
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "mpirun hung: {:?}",
+            start.elapsed()
+        );
+        assert!(
+            !matches!(status.code(), Some(0) | Some(124) | Some(137)),
+            "{status:?}"
+        );
+        let saved = std::fs::read_dir(&ck)
+            .expect("the checkpoint directory")
+            .flatten()
+            .any(|e| e.path().join("manifest.json").is_file());
+        assert!(saved, "a checkpoint saved at the interrupt");
+        for d in [&dir, &ck] {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+
     #[test]
     fn a_dead_or_hung_rank_ends_the_job_within_the_timeout() {
         if !mpirun_present() {
