@@ -527,6 +527,32 @@ pub fn launch(args: &LaunchArgs) -> Result<()> {
     Ok(())
 }
 
+/// The first process whose plan or training options differ from rank 0's,
+/// found before any rank starts: the processes of one job train one run,
+/// and a mismatch (another artifact, another `--seed`) would train a
+/// different one without a word.
+fn disagreeing(
+    process: &dplc_runtime::MpiProcess,
+    plan: &Plan,
+    train: &run::TrainOpts,
+) -> Option<usize> {
+    let plan_text = ron::to_string(plan).unwrap_or_default();
+    let options = format!(
+        "{:?} {:?} {:?} {:?} {:?} {:?} {:?} {:?}",
+        train.steps,
+        train.seed,
+        train.data,
+        train.resume,
+        train.compute,
+        train.storage,
+        train.checkpoint_dir,
+        train.skip_nonfinite
+    );
+    let fingerprint = fnv1a(format!("{plan_text}\n{options}").as_bytes());
+    let all = process.fingerprints(fingerprint);
+    all.iter().position(|&f| f != all[0])
+}
+
 /// One CPU rank per process, the processes joined by MPI: every process
 /// trains its rank and rank 0 prints. A rank that fails ends the whole job
 /// (MPI_Abort) after printing its error, so no process is left waiting.
@@ -557,6 +583,13 @@ fn launch_cpu_processes(
             "MPI says this is rank {}, but the launcher's environment says {env_rank}",
             process.rank()
         ))
+    } else if let Some(rank) = disagreeing(&process, &plan, train) {
+        Err(miette!(
+            help = "start every process of the job from one artifact with the same options",
+            "rank {rank} was started with another plan or other options than rank 0 \
+             (the artifact, --steps, --seed, --data, --resume, --compute, --storage or \
+             --checkpoint-dir differ)"
+        ))
     } else {
         Prepared::from_plan(plan).and_then(|p| {
             run::train_prepared_on(
@@ -582,8 +615,10 @@ fn launch_cpu_processes(
                     crate::json_error(&report);
                 }
             } else {
-                note!("rank {}: {report:?}", process.rank());
+                // Rank 0's abort usually ends this process in the meantime;
+                // if rank 0 is not failing too, this rank says why.
                 std::thread::sleep(std::time::Duration::from_secs(2));
+                note!("rank {}: {report:?}", process.rank());
                 process.abort(1);
             }
             note!("{report:?}");

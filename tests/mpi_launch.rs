@@ -231,6 +231,34 @@ mod with_mpi {
             start.elapsed()
         );
 
+        // One process started with another seed: refused before step 0.
+        let mut cmd = Command::new("timeout");
+        cmd.args([
+            "-k",
+            "5",
+            "60",
+            "mpirun",
+            "--allow-run-as-root",
+            "--oversubscribe",
+        ])
+        .args(["-np", "3"])
+        .arg(dir.join("dplc"))
+        .arg("launch")
+        .arg(&dir)
+        .args(["--steps", "4", ":", "-np", "1"])
+        .arg(dir.join("dplc"))
+        .arg("launch")
+        .arg(&dir)
+        .args(["--steps", "4", "--seed", "1"]);
+        let out = cmd.output().expect("mpirun runs");
+        assert_ne!(out.status.code(), Some(0), "{}", text(&out));
+        assert!(
+            text(&out).contains("rank 3 was started with another plan or other options"),
+            "{}",
+            text(&out)
+        );
+        assert!(losses(&out.stdout).is_empty(), "no step ran");
+
         let out = mpirun(
             &dir,
             &["--steps", "4", "--resume", "/nonexistent", "--json"],

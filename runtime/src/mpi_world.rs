@@ -52,6 +52,10 @@ impl MpiProcess {
         std::process::exit(code)
     }
 
+    pub fn fingerprints(&self, fingerprint: u64) -> Vec<u64> {
+        vec![fingerprint]
+    }
+
     pub(crate) fn transport(&self) -> Box<dyn crate::comm::Transport> {
         unreachable!("an MpiProcess exists only with the mpi feature")
     }
@@ -88,6 +92,16 @@ mod with_mpi {
         /// leave peers blocked in MPI_Finalize.
         pub fn abort(&self, code: i32) -> ! {
             self.universe.world().abort(code)
+        }
+
+        /// Each process's `fingerprint`, in rank order (MPI_Allgather),
+        /// before any rank starts: what the processes of one job must share.
+        pub fn fingerprints(&self, fingerprint: u64) -> Vec<u64> {
+            use mpi::collective::CommunicatorCollectives;
+            let world = self.universe.world();
+            let mut all = vec![0u64; self.size];
+            world.all_gather_into(&fingerprint, &mut all[..]);
+            all
         }
 
         pub(crate) fn transport(&self) -> Box<dyn Transport> {
