@@ -716,6 +716,18 @@ pub fn train_prepared_on(
                     .map(|r| format!(", run {r}"))
                     .unwrap_or_default()
             );
+            // Allowed (a run may go on at another length or batch), but said:
+            // the samples after the checkpoint are then cut differently.
+            let (seq, batch) = ck.seq_and_batch();
+            let has_seq = p.graph.sym_by_name("seq").is_some();
+            if (has_seq && seq != p.train.seq) || batch != p.train.global_batch {
+                note!(
+                    "the checkpoint trained at {}global batch {batch}; this run goes on at {}global batch {}",
+                    if has_seq { format!("seq {seq}, ") } else { String::new() },
+                    if has_seq { format!("seq {}, ", p.train.seq) } else { String::new() },
+                    p.train.global_batch
+                );
+            }
         }
     }
     install_interrupt(&cfg.stop);

@@ -1322,3 +1322,53 @@ fn verify_sets_aside_what_changes_the_training_dynamics() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A run may go on from a checkpoint at another sequence length or batch,
+/// and says so: the samples after the checkpoint are cut differently.
+#[test]
+fn a_resume_at_another_length_says_so() {
+    let dir = std::env::temp_dir().join(format!("dplc-resume-len-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let ck = dir.join("ck");
+    let ck_s = ck.to_str().unwrap();
+    let tiny = [
+        "run",
+        "models/tiny.dpl",
+        "--model",
+        "gpt_tiny",
+        "--cluster",
+        "1xcpu",
+    ];
+    let mut args = tiny.to_vec();
+    args.extend([
+        "--steps",
+        "2",
+        "--seq",
+        "16",
+        "--global-batch",
+        "4",
+        "--checkpoint-dir",
+        ck_s,
+    ]);
+    let out = dplc(&args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mut args = tiny.to_vec();
+    args.extend([
+        "--steps",
+        "3",
+        "--seq",
+        "32",
+        "--global-batch",
+        "4",
+        "--resume",
+        ck_s,
+    ]);
+    let out = dplc(&args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("the checkpoint trained at seq 16, global batch 4; this run goes on at seq 32, global batch 4"),
+        "{}",
+        stderr(&out)
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -326,6 +326,12 @@ impl Checkpoint {
         out
     }
 
+    /// The sequence length and global batch it trained at.
+    pub fn seq_and_batch(&self) -> (u64, u64) {
+        let d = &self.manifest.data;
+        (d.seq, d.global_batch)
+    }
+
     /// The degrees it was saved under: dp, cp, tp, pp, ep.
     pub(crate) fn degrees(&self) -> [usize; 5] {
         let s = &self.manifest.split;
