@@ -110,6 +110,34 @@ mod with_mpi {
         cmd.output().expect("timeout and mpirun run")
     }
 
+    /// Four processes of `DIR/dplc launch DIR ARGS` under mpirun, the last
+    /// one started with mpirun options `env` and launch arguments `extra`
+    /// besides (an MPMD line: `-np 3 … : -np 1 …`), killed after a minute.
+    fn mpirun_odd_one(dir: &Path, args: &[&str], env: &[&str], extra: &[&str]) -> Output {
+        let mut cmd = Command::new("timeout");
+        cmd.args([
+            "-k",
+            "5",
+            "60",
+            "mpirun",
+            "--allow-run-as-root",
+            "--oversubscribe",
+        ])
+        .args(["-np", "3"])
+        .arg(dir.join("dplc"))
+        .arg("launch")
+        .arg(dir)
+        .args(args)
+        .args([":", "-np", "1"])
+        .args(env)
+        .arg(dir.join("dplc"))
+        .arg("launch")
+        .arg(dir)
+        .args(args)
+        .args(extra);
+        cmd.output().expect("timeout and mpirun run")
+    }
+
     #[test]
     fn four_processes_train_bit_for_bit_as_four_threads() {
         if !mpirun_present() {
@@ -199,26 +227,12 @@ mod with_mpi {
         }
         let dir = build("said", "dp=4");
         let start = Instant::now();
-        let mut cmd = Command::new("timeout");
-        cmd.args([
-            "-k",
-            "5",
-            "60",
-            "mpirun",
-            "--allow-run-as-root",
-            "--oversubscribe",
-        ])
-        .args(["-np", "3"])
-        .arg(dir.join("dplc"))
-        .arg("launch")
-        .arg(&dir)
-        .args(["--steps", "4", "--timeout", "30", ":", "-np", "1"])
-        .args(["-x", "RANK=0", "-x", "WORLD_SIZE=4"])
-        .arg(dir.join("dplc"))
-        .arg("launch")
-        .arg(&dir)
-        .args(["--steps", "4", "--timeout", "30"]);
-        let out = cmd.output().expect("mpirun runs");
+        let out = mpirun_odd_one(
+            &dir,
+            &["--steps", "4", "--timeout", "30"],
+            &["-x", "RANK=0", "-x", "WORLD_SIZE=4"],
+            &[],
+        );
         assert_ne!(out.status.code(), Some(0), "{}", text(&out));
         assert!(
             text(&out).contains("MPI says this is rank 3, but the launcher's environment says 0"),
@@ -232,25 +246,7 @@ mod with_mpi {
         );
 
         // One process started with another seed: refused before step 0.
-        let mut cmd = Command::new("timeout");
-        cmd.args([
-            "-k",
-            "5",
-            "60",
-            "mpirun",
-            "--allow-run-as-root",
-            "--oversubscribe",
-        ])
-        .args(["-np", "3"])
-        .arg(dir.join("dplc"))
-        .arg("launch")
-        .arg(&dir)
-        .args(["--steps", "4", ":", "-np", "1"])
-        .arg(dir.join("dplc"))
-        .arg("launch")
-        .arg(&dir)
-        .args(["--steps", "4", "--seed", "1"]);
-        let out = cmd.output().expect("mpirun runs");
+        let out = mpirun_odd_one(&dir, &["--steps", "4", "--json"], &[], &["--seed", "1"]);
         assert_ne!(out.status.code(), Some(0), "{}", text(&out));
         assert!(
             text(&out).contains("rank 3 was started with another plan or other options"),
