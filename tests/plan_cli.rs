@@ -636,3 +636,26 @@ fn explain_shows_the_group_a_collective_spans() {
         "{line}"
     );
 }
+
+/// A tp neighbour the plan's other degrees leave no room for is priced
+/// with them freed, not reported impossible for the product of pins it
+/// kept; its line names the degrees that moved.
+#[test]
+fn a_wider_tp_what_if_frees_what_leaves_it_no_room() {
+    let plan = compile(
+        "models/llama3.dpl",
+        "llama3_70b",
+        "8x8xH100",
+        &[],
+        "llama3-70b-whatif.ron",
+    );
+    let text = ok(&["explain", plan.to_str().unwrap()]);
+    let tp_lines: Vec<&str> = text
+        .lines()
+        .filter(|l| l.trim_start().starts_with("tp ") && l.contains('→'))
+        .collect();
+    assert!(!tp_lines.is_empty(), "{text}");
+    for l in tp_lines {
+        assert!(!l.contains("does not divide"), "{l}");
+    }
+}

@@ -170,12 +170,24 @@ fn what_ifs(req: &PlanRequest, plan: &Plan, cache: &layouts::LayoutCache) -> Vec
         ..StrategyConstraints::of_plan(plan)
     };
     let mut variants: Vec<(String, StrategyConstraints)> = Vec::new();
+    let world = req.cluster.world_size();
     for tp in [m.tp * 2, m.tp / 2] {
         if tp >= 1 && tp != m.tp {
+            // A wider tp that the plan's pp × cp leave no room for frees
+            // them (and the chunks), rather than pricing nothing.
+            let room = tp.saturating_mul(m.pp).saturating_mul(m.cp) <= world;
+            let (pp, cp, virtual_stages) = if room {
+                (base.pp, base.cp, base.virtual_stages)
+            } else {
+                (None, None, None)
+            };
             variants.push((
                 format!("tp {} → {tp}", m.tp),
                 StrategyConstraints {
                     tp: Some(tp),
+                    pp,
+                    cp,
+                    virtual_stages,
                     sequence_parallel: if tp == 1 {
                         Some(false)
                     } else {
