@@ -536,7 +536,8 @@ fn disagreeing(
     plan: &Plan,
     train: &run::TrainOpts,
 ) -> Option<usize> {
-    let plan_text = ron::to_string(plan).unwrap_or_default();
+    // An empty text on every process would hide the mismatch this is for.
+    let plan_text = ron::to_string(plan).expect("a plan read from RON writes back as RON");
     let options = format!(
         "{:?} {:?} {:?} {:?} {:?} {:?} {:?} {:?}",
         train.steps,

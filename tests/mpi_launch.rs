@@ -85,24 +85,26 @@ mod with_mpi {
         found
     }
 
+    /// `mpirun` (as root, oversubscribed) under `timeout`: killed after
+    /// `seconds` whatever happens, so a hang fails the test instead of
+    /// stalling CI.
+    fn mpirun_within(seconds: u64) -> Command {
+        let mut cmd = Command::new("timeout");
+        cmd.args(["-k", "5", &seconds.to_string(), "mpirun"])
+            .args(["--allow-run-as-root", "--oversubscribe"]);
+        cmd
+    }
+
     /// `mpirun -np 4 DIR/dplc launch DIR ARGS`, killed after two minutes
     /// whatever happens, so a hang fails the test instead of stalling CI.
     fn mpirun(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
-        let mut cmd = Command::new("timeout");
-        cmd.args([
-            "-k",
-            "5",
-            "120",
-            "mpirun",
-            "--allow-run-as-root",
-            "--oversubscribe",
-        ])
-        .args(["-np", "4"])
-        .arg(dir.join("dplc"))
-        .arg("launch")
-        .arg(dir)
-        .args(args)
-        .env("NO_COLOR", "1");
+        let mut cmd = mpirun_within(120);
+        cmd.args(["-np", "4"])
+            .arg(dir.join("dplc"))
+            .arg("launch")
+            .arg(dir)
+            .args(args)
+            .env("NO_COLOR", "1");
         for var in ["RANK", "WORLD_SIZE", "SLURM_PROCID"] {
             cmd.env_remove(var);
         }
@@ -114,27 +116,19 @@ mod with_mpi {
     /// one started with mpirun options `env` and launch arguments `extra`
     /// besides (an MPMD line: `-np 3 … : -np 1 …`), killed after a minute.
     fn mpirun_odd_one(dir: &Path, args: &[&str], env: &[&str], extra: &[&str]) -> Output {
-        let mut cmd = Command::new("timeout");
-        cmd.args([
-            "-k",
-            "5",
-            "60",
-            "mpirun",
-            "--allow-run-as-root",
-            "--oversubscribe",
-        ])
-        .args(["-np", "3"])
-        .arg(dir.join("dplc"))
-        .arg("launch")
-        .arg(dir)
-        .args(args)
-        .args([":", "-np", "1"])
-        .args(env)
-        .arg(dir.join("dplc"))
-        .arg("launch")
-        .arg(dir)
-        .args(args)
-        .args(extra);
+        let mut cmd = mpirun_within(60);
+        cmd.args(["-np", "3"])
+            .arg(dir.join("dplc"))
+            .arg("launch")
+            .arg(dir)
+            .args(args)
+            .args([":", "-np", "1"])
+            .args(env)
+            .arg(dir.join("dplc"))
+            .arg("launch")
+            .arg(dir)
+            .args(args)
+            .args(extra);
         cmd.output().expect("timeout and mpirun run")
     }
 
@@ -268,15 +262,7 @@ mod with_mpi {
         assert!(error.is_some(), "no JSON error object: {}", text(&out));
 
         let ck = tmp("signal-ck");
-        let mut child = Command::new("timeout")
-            .args([
-                "-k",
-                "5",
-                "60",
-                "mpirun",
-                "--allow-run-as-root",
-                "--oversubscribe",
-            ])
+        let mut child = mpirun_within(60)
             .args(["-np", "4"])
             .arg(dir.join("dplc"))
             .arg("launch")
@@ -284,7 +270,7 @@ mod with_mpi {
             .args(["--steps", "100000", "--checkpoint-dir"])
             .arg(&ck)
             .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
             .spawn()
             .expect("mpirun starts");
         // Signal mpirun itself once the ranks train (a step line on stderr
