@@ -40,6 +40,10 @@ pub enum GradBinding {
     /// Per-point shares of the gradient of forward input `k` (`f32`), summed by
     /// the [`ColumnSum`] of that input.
     Partial(usize),
+    /// The row statistics the forward kernel kept (its last buffer, `f32`;
+    /// see [`with_row_stats`]): each row's reductions, read instead of
+    /// walking the row once more to recompute them.
+    RowStats,
 }
 
 /// Sums a partial buffer over its leading axes into an input's gradient.
@@ -78,6 +82,45 @@ pub struct Backward {
     pub bindings: Vec<GradBinding>,
     /// Run after `kernel`, one per broadcast input.
     pub column_sums: Vec<ColumnSum>,
+}
+
+impl Backward {
+    /// The row statistics that `forward` (the kernel that keeps them, see
+    /// [`with_row_stats`]) writes for this backward's arguments `bufs`:
+    /// what a caller running the backward alone binds to
+    /// [`GradBinding::RowStats`] (forward inputs the backward does not read
+    /// taken as zeros). `None` when it reads none.
+    pub fn row_stats(
+        &self,
+        forward: &Kernel,
+        args: &crate::Args,
+        bufs: &[crate::Data],
+    ) -> Result<Option<crate::Data>, crate::CodegenError> {
+        if !self.bindings.contains(&GradBinding::RowStats) {
+            return Ok(None);
+        }
+        let mut fwd: Vec<crate::Data> = forward
+            .buffers
+            .iter()
+            .enumerate()
+            .map(|(j, b)| {
+                let bound = self
+                    .bindings
+                    .iter()
+                    .position(|x| *x == GradBinding::Forward(j));
+                match (bound, b.output, b.elem) {
+                    (Some(p), false, _) => bufs[p].clone(),
+                    (_, true, _) => crate::Data::F32(vec![]),
+                    (None, false, Elem::I32) => {
+                        crate::Data::I32(vec![0; args.buffer_len(forward, j)])
+                    }
+                    (None, false, _) => crate::Data::F32(vec![0.0; args.buffer_len(forward, j)]),
+                }
+            })
+            .collect();
+        crate::interpret(forward, args, &mut fwd)?;
+        Ok(fwd.pop())
+    }
 }
 
 /// The column-sum kernel: `n0` rows of `n1` columns of `f32` shares.
@@ -138,10 +181,15 @@ pub enum BackwardStep {
 
 /// The backward pass of a fused region: the forward steps in reverse, each
 /// kernel with its fused backward. Only inputs that need a gradient get one.
-pub fn backward_plan(g: &Graph, plan: &FusionPlan) -> Vec<BackwardStep> {
+/// A row kernel whose backward would recompute its row reductions keeps them
+/// instead (its kernel gains the statistics buffer and
+/// [`FusedKernel::keeps_row_stats`](crate::FusedKernel) is set), as a fused
+/// attention keeps its log-sum-exp: the backward then reads each row once
+/// less — for the cross-entropy over a vocabulary, a third of its traffic.
+pub fn backward_plan(g: &Graph, plan: &mut FusionPlan) -> Vec<BackwardStep> {
     let grads = GradPlan::new(g);
     let mut out = Vec::new();
-    for (i, step) in plan.steps.iter().enumerate().rev() {
+    for (i, step) in plan.steps.iter_mut().enumerate().rev() {
         match step {
             Step::MatMul { .. } => out.push(BackwardStep::MatMul { step: i }),
             Step::Attention(at) => {
@@ -165,8 +213,14 @@ pub fn backward_plan(g: &Graph, plan: &FusionPlan) -> Vec<BackwardStep> {
                 {
                     continue;
                 }
-                match backward(&k.kernel, &needs) {
-                    Ok(backward) => out.push(BackwardStep::Kernel { step: i, backward }),
+                match backward_keeping_row_stats(&k.kernel, &needs) {
+                    Ok((backward, kept)) => {
+                        if let Some(kernel) = kept {
+                            k.kernel = kernel;
+                            k.keeps_row_stats = true;
+                        }
+                        out.push(BackwardStep::Kernel { step: i, backward })
+                    }
                     Err(reason) => out.push(BackwardStep::Extern {
                         step: i,
                         node: k.nodes.last().copied(),
@@ -177,6 +231,65 @@ pub fn backward_plan(g: &Graph, plan: &FusionPlan) -> Vec<BackwardStep> {
         }
     }
     out
+}
+
+/// `fwd` keeping its row statistics: a last output buffer (`f32`, one row
+/// of `n` per point of the outer space) that every row reduction of the
+/// forward is stored to, in the order of the values. `None` for a kernel
+/// without a row, without reductions, or with running sums (whose walk the
+/// statistics would not save).
+pub fn with_row_stats(fwd: &Kernel) -> Option<Kernel> {
+    if !fwd.is_row_kernel() || fwd.values.iter().any(|e| matches!(e, Expr::Scan { .. })) {
+        return None;
+    }
+    let reduced: Vec<ValueId> = (0..fwd.values.len())
+        .filter(|&i| matches!(fwd.values[i], Expr::Reduce { .. }))
+        .map(|i| ValueId(i as u32))
+        .collect();
+    if reduced.is_empty() {
+        return None;
+    }
+    let n = reduced.len() as i64;
+    let mut kernel = fwd.clone();
+    let buf = kernel.buffers.len();
+    let mut len = fwd.space.outer.clone();
+    len.push(Size::Const(n));
+    kernel.buffers.push(Buffer {
+        label: "row_stats".into(),
+        elem: Elem::F32,
+        output: true,
+        len,
+    });
+    let row = flat_index(&fwd.space.outer, false);
+    for (j, &value) in reduced.iter().enumerate() {
+        kernel.stores.push(Store {
+            buf,
+            index: Idx::add(Idx::mul(row.clone(), Idx::Const(n)), Idx::Const(j as i64)),
+            value,
+            accumulate: false,
+        });
+    }
+    Some(kernel)
+}
+
+/// The fused backward of `fwd` reading the row statistics the forward
+/// keeps, when it reads them (it recomputed a reduction): the backward and
+/// the forward kernel that keeps them ([`with_row_stats`]); else the
+/// backward of `fwd` as it is and `None`.
+pub fn backward_keeping_row_stats(
+    fwd: &Kernel,
+    needs_grad: &[bool],
+) -> Result<(Backward, Option<Kernel>), String> {
+    let plain = backward(fwd, needs_grad)?;
+    if let Some(kept) = with_row_stats(fwd) {
+        let stats = kept.buffers.len() - 1;
+        if let Ok(b) = backward_of(&kept, needs_grad, Some(stats)) {
+            if b.bindings.contains(&GradBinding::RowStats) {
+                return Ok((b, Some(kept)));
+            }
+        }
+    }
+    Ok((plain, None))
 }
 
 /// A [`Builder`] that also tracks which values vary along the row.
@@ -455,6 +568,17 @@ enum Write {
 /// `k` needs a gradient (outputs and index buffers are ignored). Every float
 /// output is taken to have a gradient; pass zeros for one that has none.
 pub fn backward(fwd: &Kernel, needs_grad: &[bool]) -> Result<Backward, String> {
+    backward_of(fwd, needs_grad, None)
+}
+
+/// [`backward`], reading the row reductions from forward buffer `stats`
+/// (the statistics [`with_row_stats`] stores) instead of recomputing them
+/// when it is given.
+fn backward_of(
+    fwd: &Kernel,
+    needs_grad: &[bool],
+    stats: Option<usize>,
+) -> Result<Backward, String> {
     if fwd.stores.iter().any(|s| s.accumulate) {
         return Err("a kernel with accumulating stores has no backward".into());
     }
@@ -470,20 +594,46 @@ pub fn backward(fwd: &Kernel, needs_grad: &[bool]) -> Result<Backward, String> {
             bindings.push(GradBinding::Forward(k));
         }
     }
+    let stats_at = stats.map(|sb| {
+        buffers.push(Buffer {
+            output: false,
+            ..fwd.buffers[sb].clone()
+        });
+        bindings.push(GradBinding::RowStats);
+        buffers.len() - 1
+    });
+    let kept_stat = |st: &&Store| Some(st.buf) == stats;
     let mut body = Body {
         b: Builder::default(),
         along: Vec::new(),
     };
-    // Recompute the forward values.
+    // Recompute the forward values; a kept reduction is read instead, and
+    // remembered (its gradient flows as the reduction's).
     let mut vals: Vec<ValueId> = Vec::with_capacity(fwd.values.len());
-    for e in &fwd.values {
-        let e = remap_expr(e, &vals, &in_map);
-        vals.push(body.push(e));
+    let mut kept_reductions: BTreeMap<ValueId, (RowReduce, ValueId)> = BTreeMap::new();
+    for (i, e) in fwd.values.iter().enumerate() {
+        let kept = stats_at.zip(
+            fwd.stores
+                .iter()
+                .find(|st| kept_stat(st) && st.value.0 as usize == i),
+        );
+        let v = match (e, kept) {
+            (Expr::Reduce { kind, value }, Some((at, st))) => {
+                let l = body.push(Expr::Load {
+                    buf: at,
+                    index: st.index.clone(),
+                });
+                kept_reductions.insert(l, (*kind, vals[value.0 as usize]));
+                l
+            }
+            _ => body.push(remap_expr(e, &vals, &in_map)),
+        };
+        vals.push(v);
     }
     // A softmax whose output the forward stores: its backward reads the
     // stored rows, not the scores (the scores need not be kept).
     let mut softmax_out: BTreeMap<usize, (ValueId, ValueId)> = BTreeMap::new();
-    for st in &fwd.stores {
+    for st in fwd.stores.iter().filter(|st| !kept_stat(st)) {
         let out = &fwd.buffers[st.buf];
         let i = st.value.0 as usize;
         if out.elem == Elem::I32 || !row_kernel || softmax_out.contains_key(&i) {
@@ -501,7 +651,7 @@ pub fn backward(fwd: &Kernel, needs_grad: &[bool]) -> Result<Backward, String> {
     }
     // Seed the adjoints from the output gradients.
     let mut contrib: BTreeMap<ValueId, Vec<ValueId>> = BTreeMap::new();
-    for st in &fwd.stores {
+    for st in fwd.stores.iter().filter(|st| !kept_stat(st)) {
         let out = &fwd.buffers[st.buf];
         if out.elem == Elem::I32 {
             continue;
@@ -564,6 +714,11 @@ pub fn backward(fwd: &Kernel, needs_grad: &[bool]) -> Result<Backward, String> {
             let p = body.push(Expr::Unary(UnaryOp::Exp, d));
             let dx = body.bin(BinaryOp::Mul, a, p);
             give(x, dx, &mut contrib);
+            continue;
+        }
+        if let Some(&(kind, value)) = kept_reductions.get(&v) {
+            let c = reduction_grad(&mut body, kind, value, v, a);
+            give(value, c, &mut contrib);
             continue;
         }
         match body.b.values[v.0 as usize].clone() {
@@ -653,11 +808,7 @@ pub fn backward(fwd: &Kernel, needs_grad: &[bool]) -> Result<Backward, String> {
                 give(otherwise, co, &mut contrib);
             }
             Expr::Reduce { kind, value } => {
-                let c = match kind {
-                    RowReduce::Sum => a,
-                    // Every element equal to the maximum gets the gradient.
-                    RowReduce::Max => body.gate(Cond::ValLt(value, v), a, false),
-                };
+                let c = reduction_grad(&mut body, kind, value, v, a);
                 give(value, c, &mut contrib);
             }
             // Each element of a running sum reaches every later one: its
@@ -989,6 +1140,22 @@ fn log_sum_exp(fwd: &Kernel, v: ValueId) -> Option<ValueId> {
     };
     let (x, m2) = fwd.exp_sum_of_max(*s)?;
     (m2 == *m).then_some(x)
+}
+
+/// What row reduction `v` of `value` gives back to each element, its
+/// adjoint being `a`.
+fn reduction_grad(
+    body: &mut Body,
+    kind: RowReduce,
+    value: ValueId,
+    v: ValueId,
+    a: ValueId,
+) -> ValueId {
+    match kind {
+        RowReduce::Sum => a,
+        // Every element equal to the maximum gets the gradient.
+        RowReduce::Max => body.gate(Cond::ValLt(value, v), a, false),
+    }
 }
 
 fn give(to: ValueId, c: ValueId, contrib: &mut BTreeMap<ValueId, Vec<ValueId>>) {

@@ -191,7 +191,7 @@ impl Idx {
         }
     }
 
-    fn mentions(&self, var: &Idx) -> bool {
+    pub(crate) fn mentions(&self, var: &Idx) -> bool {
         match var {
             Idx::Inner => self.uses_inner(),
             Idx::Var(a) => self.uses_var(*a),

@@ -28,11 +28,12 @@ pub use attention::{
 pub use attention_cuda::{attention_backward, attention_name, emit_attention};
 pub use attention_interp::interpret_attention;
 pub use backward::{
-    backward, backward_plan, column_sum_kernel, Backward, BackwardStep, ColumnSum, GradBinding,
+    backward, backward_keeping_row_stats, backward_plan, column_sum_kernel, with_row_stats,
+    Backward, BackwardStep, ColumnSum, GradBinding,
 };
 pub use cuda::{
-    emit_cuda, emit_cuda_rows_of, kernel_name, CudaSource, LaunchShape, COLUMN_BLOCK, COLUMN_TILE,
-    ROW_BLOCK, WARP_ROW_VECTORS,
+    emit_cuda, kernel_name, CudaSource, LaunchShape, COLUMN_BLOCK, COLUMN_TILE, ROW_BLOCK,
+    WARP_ROW_VECTORS,
 };
 pub use error::CodegenError;
 pub use flat::{add_kernel, convert_kernel, sum_squares_kernel, SUM_SQUARES_COLS};

@@ -8,8 +8,8 @@ mod common;
 
 use common::{data_of, evaluate, zoo, Rng};
 use dplc_codegen::{
-    backward, backward_plan, emit_cuda, fuse, interpret, Args, BackwardStep, Data, FusedKernel,
-    GradBinding, Kernel, Step,
+    backward, backward_keeping_row_stats, backward_plan, emit_cuda, fuse, interpret, Args,
+    BackwardStep, Data, FusedKernel, GradBinding, Kernel, Step,
 };
 use dplc_ir::{DType, Graph};
 use std::collections::HashMap;
@@ -33,7 +33,9 @@ fn loss(k: &Kernel, args: &Args, inputs: &[Data], grads: &HashMap<usize, Vec<f32
     l
 }
 
-/// Check the backward of one fused kernel; returns false when it has none.
+/// Check the backward of one fused kernel, and the backward reading the row
+/// statistics the kernel keeps when it would keep them; returns false when
+/// it has none.
 fn check_kernel(
     g: &Graph,
     k: &FusedKernel,
@@ -54,7 +56,7 @@ fn check_kernel(
             return false;
         }
     };
-    let inputs: Vec<Data> = match env {
+    let mut inputs: Vec<Data> = match env {
         Some(env) => k
             .buffers
             .iter()
@@ -84,12 +86,35 @@ fn check_kernel(
             })
             .collect(),
     };
+    check_backward(fwd, &bwd, None, args, &inputs, rng);
+    match backward_keeping_row_stats(fwd, &needs) {
+        Ok((bwd, Some(kept))) => {
+            inputs.push(Data::F32(vec![]));
+            check_backward(&kept, &bwd, Some(fwd.buffers.len()), args, &inputs, rng);
+        }
+        Ok((_, None)) => {}
+        Err(reason) => panic!("{}: {reason}", fwd.op),
+    }
+    true
+}
+
+/// Check `bwd` against the directional derivative of `fwd` on `inputs`;
+/// `stats` is the forward buffer of the row statistics (not differentiated).
+fn check_backward(
+    fwd: &Kernel,
+    bwd: &dplc_codegen::Backward,
+    stats: Option<usize>,
+    args: &Args,
+    inputs: &[Data],
+    rng: &mut Rng,
+) {
+    let inputs = inputs.to_vec();
     let fwd_out = run(fwd, args, inputs.clone());
     let out_grads: HashMap<usize, Vec<f32>> = fwd
         .buffers
         .iter()
         .enumerate()
-        .filter(|(_, b)| b.output)
+        .filter(|&(i, b)| b.output && Some(i) != stats)
         .map(|(i, _)| (i, (0..fwd_out[i].len()).map(|_| rng.normal_ish()).collect()))
         .collect();
     let bufs: Vec<Data> = bwd
@@ -99,6 +124,7 @@ fn check_kernel(
             GradBinding::Forward(i) if fwd.buffers[i].output => fwd_out[i].clone(),
             GradBinding::Forward(i) => inputs[i].clone(),
             GradBinding::OutputGrad(i) => Data::F32(out_grads[&i].clone()),
+            GradBinding::RowStats => fwd_out[stats.expect("the forward keeps statistics")].clone(),
             _ => Data::F32(vec![]),
         })
         .collect();
@@ -166,7 +192,6 @@ fn check_kernel(
             );
         }
     }
-    true
 }
 
 fn check_model(model: &str, syms: &[(&str, i64)]) -> (usize, usize) {
@@ -226,9 +251,9 @@ fn backward_cuda(model: &str, dtype: DType) -> String {
     let g = zoo("tiny.dpl", model).graph;
     let mut out = String::new();
     for (r, _) in g.regions() {
-        let plan = fuse(&g, r);
+        let mut plan = fuse(&g, r);
         out += &format!("==== region {r}\n");
-        for step in backward_plan(&g, &plan) {
+        for step in backward_plan(&g, &mut plan) {
             match step {
                 BackwardStep::MatMul { step } => {
                     out += &format!("matmul backward of step {step}\n")
@@ -275,8 +300,8 @@ fn every_zoo_kernel_has_a_fused_backward() {
     for (name, lowered) in common::all_zoo() {
         let g = &lowered.graph;
         for (r, _) in g.regions() {
-            let plan = fuse(g, r);
-            for step in backward_plan(g, &plan) {
+            let mut plan = fuse(g, r);
+            for step in backward_plan(g, &mut plan) {
                 match step {
                     BackwardStep::Kernel { .. } => kernels += 1,
                     BackwardStep::Extern { step, reason, .. } => {

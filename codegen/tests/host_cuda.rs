@@ -19,7 +19,7 @@ use common::host::{
 use dplc_codegen::{
     adamw_kernel, adamw_value_kernel, add_kernel, backward_plan, column_sum_kernel, convert_kernel,
     emit_cuda, fuse, interpret, sgd_kernel, sum_squares_kernel, AdamwScalars, Args, BackwardStep,
-    Data, Elem, Kernel, SgdScalars, Step, SUM_SQUARES_COLS,
+    Data, Elem, GradBinding, Kernel, SgdScalars, Step, SUM_SQUARES_COLS,
 };
 use dplc_ir::{DType, Graph};
 use std::collections::{BTreeMap, HashMap};
@@ -36,6 +36,9 @@ struct Case {
     /// scores, which a softmax's statistics must skip; so many that some
     /// threads see nothing else).
     masked: Vec<usize>,
+    /// A backward reading row statistics: its forward, which computes them
+    /// from the case's inputs (random statistics would be no row's).
+    row_stats: Option<(Kernel, dplc_codegen::Backward)>,
 }
 
 /// Every forward, backward and column-sum kernel of `g` at batch 3, seq 8.
@@ -66,7 +69,8 @@ fn graph_cases(g: &Graph, out: &mut Vec<Case>) {
         seed: 9,
     };
     for (r, _) in g.regions() {
-        let plan = fuse(g, r);
+        let mut plan = fuse(g, r);
+        let back = backward_plan(g, &mut plan);
         for step in &plan.steps {
             if let Step::Kernel(k) = step {
                 out.push(Case {
@@ -74,10 +78,11 @@ fn graph_cases(g: &Graph, out: &mut Vec<Case>) {
                     args: args(sized_keyed(&k.sizes, &k.key_sizes)),
                     non_negative: vec![],
                     masked: vec![],
+                    row_stats: None,
                 });
             }
         }
-        for step in backward_plan(g, &plan) {
+        for step in back {
             let BackwardStep::Kernel { step, backward } = step else {
                 continue;
             };
@@ -91,13 +96,15 @@ fn graph_cases(g: &Graph, out: &mut Vec<Case>) {
                     args: args(cs.sizes(&sizes)),
                     non_negative: vec![],
                     masked: vec![],
+                    row_stats: None,
                 });
             }
             out.push(Case {
-                kernel: backward.kernel,
+                kernel: backward.kernel.clone(),
                 args: args(sizes),
                 non_negative: vec![],
                 masked: vec![],
+                row_stats: fk.keeps_row_stats.then(|| (fk.kernel.clone(), backward)),
             });
         }
     }
@@ -116,6 +123,7 @@ fn step_cases(out: &mut Vec<Case>) {
         },
         non_negative: vec![],
         masked: vec![],
+        row_stats: None,
     };
     let adamw = AdamwScalars {
         lr: 1e-3,
@@ -134,6 +142,7 @@ fn step_cases(out: &mut Vec<Case>) {
             args: adamw.args(n),
             non_negative: vec![6],
             masked: vec![],
+            row_stats: None,
         });
     }
     let sgd = SgdScalars {
@@ -146,6 +155,7 @@ fn step_cases(out: &mut Vec<Case>) {
         args: sgd.args(n),
         non_negative: vec![],
         masked: vec![],
+        row_stats: None,
     });
     for (to, from) in [(Elem::Float, Elem::F32), (Elem::F32, Elem::Float)] {
         out.push(flat(convert_kernel(to, from)));
@@ -166,6 +176,7 @@ fn step_cases(out: &mut Vec<Case>) {
         },
         non_negative: vec![],
         masked: vec![],
+        row_stats: None,
     });
     out.push(Case {
         kernel: column_sum_kernel(),
@@ -176,6 +187,7 @@ fn step_cases(out: &mut Vec<Case>) {
         },
         non_negative: vec![],
         masked: vec![],
+        row_stats: None,
     });
 }
 
@@ -248,6 +260,19 @@ fn check(
             bytes.push(to_storage(&v, d));
             host.push(Data::F32(v));
         }
+    }
+    if let Some((forward, backward)) = &case.row_stats {
+        let at = backward
+            .bindings
+            .iter()
+            .position(|b| *b == GradBinding::RowStats)
+            .expect("a backward reading statistics");
+        let stats = backward
+            .row_stats(forward, &case.args, &host)
+            .expect("interprets")
+            .expect("statistics");
+        bytes[at] = to_storage(stats.f32(), DType::F32);
+        host[at] = stats;
     }
     let mut ptrs: Vec<*mut u8> = bytes.iter_mut().map(|b| b.as_mut_ptr()).collect();
     let sizes = case.args.sizes.clone();
@@ -376,6 +401,7 @@ fn the_generated_cuda_runs_on_the_cpu_as_the_interpreter_computes() {
                 args: c.args.clone(),
                 non_negative: vec![],
                 masked: vec![logits],
+                row_stats: None,
             }
         })
         .collect();

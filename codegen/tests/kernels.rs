@@ -78,17 +78,16 @@ fn cuda_of(model: &str, dtype: DType) -> String {
 
 /// The kernels of the root region's forward and of its backward, in order.
 fn root_kernels(g: &dplc_ir::Graph) -> Vec<dplc_codegen::Kernel> {
-    let plan = fuse(g, g.root());
+    let mut plan = fuse(g, g.root());
+    let backward = dplc_codegen::backward_plan(g, &mut plan);
     let forward = plan.steps.iter().filter_map(|step| match step {
         Step::Kernel(k) => Some(k.kernel.clone()),
         _ => None,
     });
-    let backward = dplc_codegen::backward_plan(g, &plan)
-        .into_iter()
-        .filter_map(|step| match step {
-            dplc_codegen::BackwardStep::Kernel { backward, .. } => Some(backward.kernel),
-            _ => None,
-        });
+    let backward = backward.into_iter().filter_map(|step| match step {
+        dplc_codegen::BackwardStep::Kernel { backward, .. } => Some(backward.kernel),
+        _ => None,
+    });
     forward.chain(backward).collect()
 }
 

@@ -148,7 +148,9 @@ fn array_sizes(source: &str) -> String {
 /// Every forward and backward kernel of `g`'s regions, in `dtypes`.
 fn add_graph(g: &dplc_ir::Graph, dtypes: &[DType], add: &mut impl FnMut(CudaSource)) {
     for (r, _) in g.regions() {
-        let plan = fuse(g, r);
+        let mut plan = fuse(g, r);
+        // The backward decides which forward kernels keep row statistics.
+        let back = backward_plan(g, &mut plan);
         for step in &plan.steps {
             match step {
                 Step::Kernel(k) => {
@@ -171,7 +173,7 @@ fn add_graph(g: &dplc_ir::Graph, dtypes: &[DType], add: &mut impl FnMut(CudaSour
                 Step::MatMul { .. } | Step::Extern { .. } => {}
             }
         }
-        for step in backward_plan(g, &plan) {
+        for step in back {
             if let BackwardStep::Kernel { backward, .. } = step {
                 for &dtype in dtypes {
                     add(emit_cuda(&backward.kernel, dtype));

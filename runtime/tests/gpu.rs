@@ -159,7 +159,9 @@ fn stored(x: f32, elem: Elem, dtype: DType) -> f32 {
 /// returns the worst norm-wise relative error over the outputs.
 /// Worst norm-wise relative error of `k` on the GPU against the interpreter,
 /// on random inputs; the buffers in `non_negative` are drawn as magnitudes
-/// (a second moment, which AdamW takes the root of).
+/// (a second moment, which AdamW takes the root of). A backward reading row
+/// statistics (`row_stats`: its forward and itself) is given those its
+/// forward computes from the same inputs.
 fn compare(
     dev: &GpuDevice,
     compiled: &dplc_runtime::gpu::CompiledGraph,
@@ -167,6 +169,7 @@ fn compare(
     args: &Args,
     rng: &mut Rng,
     non_negative: &[usize],
+    row_stats: Option<(&Kernel, &dplc_codegen::Backward)>,
 ) -> f64 {
     let dtype = compiled.dtype;
     let ck = compiled.get(k).expect("compiled");
@@ -175,8 +178,19 @@ fn compare(
         .expect("loads");
     let mut host: Vec<Data> = Vec::new();
     let mut bufs: Vec<DeviceBuffer> = Vec::new();
+    let stats_at = row_stats.and_then(|(_, bwd)| {
+        bwd.bindings
+            .iter()
+            .position(|b| *b == dplc_codegen::GradBinding::RowStats)
+    });
     for (i, b) in k.buffers.iter().enumerate() {
         let n = args.buffer_len(k, i);
+        if Some(i) == stats_at {
+            // Placeholder: the statistics follow from the other inputs.
+            host.push(Data::F32(vec![]));
+            bufs.push(dev.zeros(n * 4).expect("alloc"));
+            continue;
+        }
         let width = if b.elem == Elem::Float {
             dtype.size_bytes() as usize
         } else {
@@ -205,6 +219,14 @@ fn compare(
             bufs.push(dev.upload_f32(&v, d).expect("upload"));
             host.push(Data::F32(v));
         }
+    }
+    if let (Some(at), Some((forward, bwd))) = (stats_at, row_stats) {
+        let stats = bwd
+            .row_stats(forward, args, &host)
+            .expect("interprets")
+            .expect("statistics");
+        bufs[at] = dev.upload_f32(stats.f32(), DType::F32).expect("upload");
+        host[at] = stats;
     }
     let refs: Vec<&DeviceBuffer> = bufs.iter().collect();
     dev.launch(&gk, &refs, args)
@@ -249,7 +271,7 @@ fn kernels_match(dtype: DType, tol: f64, test: &str) {
                 scalars: vec![],
                 seed: 9,
             };
-            let err = compare(&dev, &compiled, &fk.kernel, &args, &mut rng, &[]);
+            let err = compare(&dev, &compiled, &fk.kernel, &args, &mut rng, &[], None);
             assert!(
                 err <= tol,
                 "{} ({dtype:?}): relative error {err:e} > {tol:e}",
@@ -270,7 +292,16 @@ fn kernels_match(dtype: DType, tol: f64, test: &str) {
                 scalars: vec![],
                 seed: 9,
             };
-            let err = compare(&dev, &compiled, &backward.kernel, &args, &mut rng, &[]);
+            let stats = fk.keeps_row_stats.then_some((&fk.kernel, backward));
+            let err = compare(
+                &dev,
+                &compiled,
+                &backward.kernel,
+                &args,
+                &mut rng,
+                &[],
+                stats,
+            );
             assert!(
                 err <= tol,
                 "{} ({dtype:?}): relative error {err:e} > {tol:e}",
@@ -283,7 +314,7 @@ fn kernels_match(dtype: DType, tol: f64, test: &str) {
                     scalars: vec![],
                     seed: 0,
                 };
-                let err = compare(&dev, &compiled, &cs.kernel, &cargs, &mut rng, &[]);
+                let err = compare(&dev, &compiled, &cs.kernel, &cargs, &mut rng, &[], None);
                 assert!(err <= tol, "column_sum ({dtype:?}): {err:e}");
             }
         }
@@ -302,7 +333,7 @@ fn kernels_match(dtype: DType, tol: f64, test: &str) {
     // Buffers p', m', v', then p, g, m, v: the input v is a second moment;
     // the variant writes the compute's copy after them.
     for adamw in [adamw, adamw_value_kernel()] {
-        let err = compare(&dev, &compiled, &adamw, &args, &mut rng, &[6]);
+        let err = compare(&dev, &compiled, &adamw, &args, &mut rng, &[6], None);
         assert!(err <= tol, "{} ({dtype:?}): {err:e}", adamw.op);
     }
     eprintln!(
@@ -568,24 +599,6 @@ fn bench_kernel_bandwidth() {
             100.0 * bw / copy_bw,
             100.0 * bw / (2.0 * same as f64 / same_s)
         );
-        // A block a row: the same code with more threads a block, fewer
-        // rows in flight, so a row walked twice (the cross-entropy
-        // backward's statistics, then its gradient) may still be in L2 the
-        // second time. Printed as a variant (gpu_targets.py reads only the
-        // line above).
-        if let dplc_codegen::LaunchShape::Rows { block } = ck.source.launch {
-            for wider in [512, 1024].into_iter().filter(|&b| b > block) {
-                let source = dplc_codegen::emit_cuda_rows_of(&k, dtype, wider);
-                let ptx = nvrtc.compile(&source, dev.arch()).expect("compiles");
-                let vk = dev.load(&k, &source, &ptx, dtype).unwrap();
-                let vs = time(&mut || dev.launch(&vk, &refs, &args).unwrap());
-                println!(
-                    "  variant: {wider}-thread row blocks {:.1} µs, {:.1}% of copy",
-                    vs * 1e6,
-                    100.0 * moved as f64 / vs / copy_bw
-                );
-            }
-        }
     }
 }
 

@@ -672,16 +672,30 @@ impl Emit<'_> {
         }) && any
     }
 
-    /// How many lanes a thread handles along `extent` (1 when not divisible).
-    fn lane_count(&self, extent: Option<Size>) -> usize {
-        let widest = self
-            .k
-            .buffers
+    /// Storage bytes of the widest float buffer read or written along the
+    /// axis `along`: the one a 16-byte vector of lanes is sized by (a
+    /// buffer indexed by the row alone, such as row statistics, does not
+    /// narrow the row's vectors).
+    fn widest_along(&self, along: &Idx) -> Option<usize> {
+        let k = self.k;
+        let walks =
+            |b: usize| {
+                k.values.iter().any(
+                |e| matches!(e, Expr::Load { buf, index } if *buf == b && index.mentions(along)),
+            ) || k.stores.iter().any(|st| st.buf == b && st.index.mentions(along))
+            };
+        k.buffers
             .iter()
-            .filter(|b| b.elem != Elem::I32)
-            .map(|b| storage_bytes(b.elem, self.dtype))
+            .enumerate()
+            .filter(|&(i, b)| b.elem != Elem::I32 && walks(i))
+            .map(|(_, b)| storage_bytes(b.elem, self.dtype))
             .max()
-            .unwrap_or(4);
+    }
+
+    /// How many lanes a thread handles along `extent`, the axis `along`
+    /// (1 when not divisible): a 16-byte vector of [`Self::widest_along`].
+    fn lane_count(&self, extent: Option<Size>, along: &Idx) -> usize {
+        let widest = self.widest_along(along).unwrap_or(4);
         let lanes = 16 / widest;
         match extent {
             Some(Size::Const(n)) if n % lanes as i64 == 0 && lanes > 1 => lanes,
@@ -822,11 +836,12 @@ pub fn emit_cuda(kernel: &Kernel, dtype: DType) -> CudaSource {
 }
 
 /// [`emit_cuda`] with `row_block` threads to a block that walks one row
-/// (a wide row's kernel; the others as `emit_cuda` makes them): the same
-/// code at another occupancy, which the GPU bench times beside the
-/// default (how many rows are in flight at once decides whether a row's
-/// second walk finds it in L2).
-pub fn emit_cuda_rows_of(kernel: &Kernel, dtype: DType, row_block: u32) -> CudaSource {
+/// (a wide row's kernel; the others as `emit_cuda` makes them). The H200
+/// run of 2026-11-27 timed every such kernel at 512 and 1,024 threads too:
+/// none was faster than at [`ROW_BLOCK`] (bench/RESULTS.md), so fewer rows
+/// in flight do not bring a row's second walk into L2; the walk went
+/// instead ([`crate::with_row_stats`]).
+fn emit_cuda_rows_of(kernel: &Kernel, dtype: DType, row_block: u32) -> CudaSource {
     let name = kernel_name(kernel, dtype);
     let e = Emit {
         k: kernel,
@@ -861,7 +876,8 @@ pub fn emit_cuda_rows_of(kernel: &Kernel, dtype: DType, row_block: u32) -> CudaS
     match kernel.space.inner {
         None => {
             let outer = &kernel.space.outer;
-            let lanes = e.lane_count(outer.last().copied());
+            let along = Idx::Var(outer.len().saturating_sub(1));
+            let lanes = e.lane_count(outer.last().copied(), &along);
             launch = LaunchShape::Elementwise {
                 vector: lanes as u32,
             };

@@ -19,7 +19,7 @@ pub(super) fn row_kernel(
     // A running sum walks the row in tiles of one element a thread.
     let lanes = match scan {
         Some(_) => 1,
-        None => e.lane_count(Some(inner_size)),
+        None => e.lane_count(Some(inner_size), &Idx::Inner),
     };
     // Rows that are columns in memory go side by side; a narrow row
     // of a fixed width is a warp's; a wide one, or one with a
@@ -364,13 +364,7 @@ pub(super) fn row_kernel(
 /// contiguous in it.
 fn phased_base(e: &Emit, inner: Size) -> Option<(Idx, usize)> {
     let kernel = e.k;
-    let widest = kernel
-        .buffers
-        .iter()
-        .filter(|b| b.elem != Elem::I32)
-        .map(|b| storage_bytes(b.elem, e.dtype))
-        .max()?;
-    let lanes = 16 / widest;
+    let lanes = 16 / e.widest_along(&Idx::Inner)?;
     let Size::Const(len) = inner else {
         return None;
     };

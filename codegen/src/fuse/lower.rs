@@ -147,6 +147,7 @@ pub(super) fn lower_root(
             sizes: l.sizes,
             key_sizes: l.key_sizes,
             nodes,
+            keeps_row_stats: false,
         },
         l.absorbed,
     ))

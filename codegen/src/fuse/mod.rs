@@ -52,6 +52,11 @@ pub struct FusedKernel {
     pub key_sizes: Vec<(usize, KeySize)>,
     /// The graph nodes computed (or recomputed) inside the kernel.
     pub nodes: Vec<NodeId>,
+    /// The kernel's last buffer, beyond `buffers`, holds its row statistics
+    /// for its backward ([`crate::with_row_stats`]): a value of the step
+    /// that the graph does not have, kept as a fused attention keeps its
+    /// log-sum-exp. Set by [`crate::backward_plan`].
+    pub keeps_row_stats: bool,
 }
 
 /// A size argument that is a word of the dropout key rather than a dimension.

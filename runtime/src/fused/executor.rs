@@ -84,9 +84,11 @@ impl<B: Backend> Clone for Val<B> {
 /// What one run of a region keeps for its backward.
 pub struct RegionRun<B: Backend> {
     values: HashMap<TensorId, Val<B>>,
-    /// Each fused attention's log-sum-exp (`f32` per score row), by its
-    /// output: kept for its backward, a value the graph does not have.
-    lse: HashMap<TensorId, Val<B>>,
+    /// Values of a step that the graph does not have, kept for its
+    /// backward, by the step's (first) output: a fused attention's
+    /// log-sum-exp (`f32` per score row), a row kernel's statistics
+    /// ([`FusedKernel::keeps_row_stats`]).
+    side: HashMap<TensorId, Val<B>>,
     /// Per repeat node, the runs of its body, first layer first.
     repeats: HashMap<NodeId, Vec<LayerRun<B>>>,
     /// Selective recomputation dropped the core-attention values: their
@@ -98,7 +100,7 @@ impl<B: Backend> RegionRun<B> {
     fn new() -> Self {
         RegionRun {
             values: HashMap::new(),
-            lse: HashMap::new(),
+            side: HashMap::new(),
             repeats: HashMap::new(),
             dropped: false,
         }
@@ -128,7 +130,7 @@ impl<B: Backend> RegionRun<B> {
                 bytes += size(v);
             }
         }
-        bytes += self.lse.values().map(size).sum::<usize>();
+        bytes += self.side.values().map(size).sum::<usize>();
         for layer in self.repeats.values().flatten() {
             bytes += match layer {
                 LayerRun::Kept(r) => r.activation_bytes(graph, float_bytes, &mut HashSet::new()),
@@ -137,6 +139,16 @@ impl<B: Backend> RegionRun<B> {
         }
         bytes
     }
+}
+
+/// The tensor a fused kernel's own values are kept by: its first output.
+pub(super) fn side_key(k: &FusedKernel) -> Result<TensorId> {
+    k.buffers
+        .iter()
+        .zip(&k.kernel.buffers)
+        .find(|(_, b)| b.output)
+        .map(|(&t, _)| t)
+        .ok_or_else(|| kernel_err("fused", format!("kernel {} writes nothing", k.kernel.op)))
 }
 
 /// One layer of a `repeat`: its activations, or under full recomputation only
@@ -583,7 +595,23 @@ impl<'a> Executor<'a> {
                         bufs.push(self.get(run, t)?.buf);
                     }
                 }
+                let stats = if k.keeps_row_stats {
+                    let i = k.buffers.len();
+                    let len = args.buffer_len(&k.kernel, i);
+                    let v: Val<B> = Val {
+                        buf: be.alloc(Elem::F32, len)?,
+                        elem: Elem::F32,
+                        len,
+                    };
+                    bufs.push(v.buf.clone());
+                    Some(v)
+                } else {
+                    None
+                };
                 be.launch(&k.kernel, &args, &bufs)?;
+                if let Some(v) = stats {
+                    run.side.insert(side_key(k)?, v);
+                }
                 run.values.extend(outs);
             }
             Step::MatMul { node, a, b } => {
@@ -660,7 +688,7 @@ impl<'a> Executor<'a> {
             .into_iter()
             .any(|t| self.fused.grad.needs_grad(t))
         {
-            run.lse
+            run.side
                 .insert(at.out, lse.expect("the forward writes the log-sum-exp"));
         }
         Ok(())

@@ -336,7 +336,7 @@ impl FusedGraph {
                 cut: if r == graph.root() { cut } else { &[] },
                 attention,
             };
-            let plan = fuse_with(graph, r, &config);
+            let mut plan = fuse_with(graph, r, &config);
             for step in &plan.steps {
                 if let Step::Extern { node, reason } = step {
                     let op = &graph.node(*node).op;
@@ -349,7 +349,7 @@ impl FusedGraph {
                     }
                 }
             }
-            let back = backward_plan(graph, &plan);
+            let back = backward_plan(graph, &mut plan);
             regions.insert(r, (plan, back));
         }
         let grad = GradPlan::new(graph);

@@ -86,7 +86,10 @@ pub fn compile_graph(
             attention,
             ..FuseConfig::default()
         };
-        let plan = fuse_with(graph, r, &config);
+        let mut plan = fuse_with(graph, r, &config);
+        // First: the backward decides which forward kernels keep their
+        // row statistics, and so which forward kernels run.
+        let back = backward_plan(graph, &mut plan);
         for step in &plan.steps {
             match step {
                 Step::Kernel(k) => add(&k.kernel)?,
@@ -114,7 +117,6 @@ pub fn compile_graph(
                 Step::MatMul { .. } | Step::Extern { .. } => {}
             }
         }
-        let back = backward_plan(graph, &plan);
         for step in &back {
             if let BackwardStep::Kernel { backward, .. } = step {
                 add(&backward.kernel)?;

@@ -29,7 +29,7 @@ impl<'a> Executor<'a> {
         ]
         .map(|r| at.tensor(r).is_some_and(|t| self.fused.grad.needs_grad(t)));
         let lse =
-            run.lse.get(&at.out).cloned().ok_or_else(|| {
+            run.side.get(&at.out).cloned().ok_or_else(|| {
                 kernel_err("fused backward", "an attention without its log-sum-exp")
             })?;
         // The passes' own values, made by the first pass that binds each:
@@ -384,6 +384,17 @@ impl<'a> Executor<'a> {
                             GradBinding::Forward(j) => {
                                 self.as_elem(be, &self.get(run, k.buffers[j])?, kb.elem)?
                             }
+                            GradBinding::RowStats => {
+                                run.side.get(&side_key(k)?).cloned().ok_or_else(|| {
+                                    kernel_err(
+                                        "fused backward",
+                                        format!(
+                                            "kernel {} without its row statistics",
+                                            k.kernel.op
+                                        ),
+                                    )
+                                })?
+                            }
                             GradBinding::OutputGrad(j) => match grads.get(&self.base(k.buffers[j]))
                             {
                                 Some(g) => self.as_elem(be, &g.clone(), kb.elem)?,
@@ -439,7 +450,9 @@ impl<'a> Executor<'a> {
                                 be.launch(&cs.kernel, &cargs, &[v.buf, out.buf.clone()])?;
                                 self.add_grad(be, grads, k.buffers[j], out)?;
                             }
-                            GradBinding::Forward(_) | GradBinding::OutputGrad(_) => {}
+                            GradBinding::Forward(_)
+                            | GradBinding::OutputGrad(_)
+                            | GradBinding::RowStats => {}
                         }
                     }
                 }
