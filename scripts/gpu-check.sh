@@ -210,7 +210,7 @@ if wanted profile; then
     part "profile gpt2" 180 bash -c "DPLC_PROFILE=1 '$DPLC' run models/gpt2.dpl --model gpt2 --global-batch 32 --steps 3 --cluster 1x$PART --json --trace '$LOG_DIR/gpt2-trace.json' > '$LOG_DIR/profile.jsonl' 2> '$LOG_DIR/profile.err'"
     # Two ranks sharing the GPU: one table per rank and backend (where
     # host-staged collectives spend a tp=2 step).
-    part "profile gpt2 tp2" 120 bash -c "DPLC_PROFILE=1 '$DPLC' run models/gpt2.dpl --model gpt2 --global-batch 8 --steps 2 --cluster 2x$PART --gpus 1 --strategy tp=2 --json > '$LOG_DIR/profile-tp2.jsonl' 2> '$LOG_DIR/profile-tp2.err'"
+    part "profile gpt2 tp2" 120 bash -c "DPLC_PROFILE=1 '$DPLC' run models/gpt2.dpl --model gpt2 --global-batch 8 --steps 2 --cluster 2x$PART --gpus 1 --strategy tp=2 --json --trace '$LOG_DIR/tp2-trace.json' > '$LOG_DIR/profile-tp2.jsonl' 2> '$LOG_DIR/profile-tp2.err'"
 fi
 
 # --- 5. PyTorch
