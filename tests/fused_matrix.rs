@@ -300,6 +300,56 @@ fn gpt_tiny_with_dropout_fused_strategies_match_the_serial_reference() {
     check_matrix("gpt_tiny4_dropout");
 }
 
+/// A root split over the vocabulary as the planner prices it (`root=vocab`:
+/// the embedding, the head and the loss over each rank's slice, the group
+/// exchanging picks and each row's statistics) runs on the fused compute's
+/// device path — the slices by kernels, a few bytes a row through the host
+/// — and trains the serial run's function, with and without sequence
+/// parallelism.
+#[test]
+fn the_vocabulary_split_root_matches_the_serial_reference() {
+    for model in ["gpt_tiny4", "llama_tiny4"] {
+        let (graph, mut spec) = lower(model);
+        spec.seq = 16;
+        spec.global_batch = 4;
+        let serial = run(
+            model,
+            &RunConfig {
+                micro_batch: 1,
+                num_micro_batches: 4,
+                ..RunConfig::default()
+            },
+            Opt::Sgd,
+        );
+        for sp in [false, true] {
+            let mut req = dplc_planner::PlanRequest::new(
+                &graph,
+                spec.clone(),
+                dplc_planner::parse_cluster("2xcpu").unwrap(),
+            );
+            req.pinned = dplc_planner::parse_strategy(&format!("tp=2,sp={sp},root=vocab")).unwrap();
+            let plan = dplc_planner::compile(&req).unwrap().plan;
+            assert_eq!(plan.strategy.root, dplc_ir::RootSplit::Vocab);
+            let cfg = RunConfig {
+                tp: 2,
+                sequence_parallel: sp,
+                micro_batch: 1,
+                num_micro_batches: 4,
+                layout: plan.layout,
+                ..RunConfig::default()
+            };
+            let name = format!("{model} tp2 sp={sp} root=vocab (fused)");
+            let split = run(model, &fused(cfg), Opt::Sgd);
+            assert_losses(&name, &serial.steps, &split.steps);
+            let (d, at) = serial.params.max_rel_diff(&split.params, 1e-3);
+            assert!(
+                d < SGD_TOL,
+                "{name}: SGD parameters differ by {d:e} at {at}"
+            );
+        }
+    }
+}
+
 /// The plan's uneven stages run as planned on the fused compute too: the
 /// layers each stage ran come back from the run.
 #[test]

@@ -11,7 +11,7 @@ use crate::kernel::{
 };
 use dplc_ir::BinaryOp;
 
-fn flat(label: &str, elem: Elem, output: bool, len: Vec<Size>) -> Buffer {
+pub(crate) fn flat(label: &str, elem: Elem, output: bool, len: Vec<Size>) -> Buffer {
     Buffer {
         label: label.to_string(),
         elem,

@@ -19,6 +19,7 @@ mod fuse;
 mod interp;
 mod kernel;
 mod nvrtc;
+mod vocab;
 
 pub use adamw::{adamw_kernel, adamw_value_kernel, sgd_kernel, AdamwScalars, SgdScalars};
 pub use attention::{
@@ -50,3 +51,8 @@ pub use kernel::{
     Store, ValueId,
 };
 pub use nvrtc::{Arch, Nvrtc, Ptx};
+pub use vocab::{
+    vocab_embedding_backward_kernel, vocab_embedding_kernel, vocab_normalize_backward_kernel,
+    vocab_normalize_kernel, vocab_row_stats_kernel, vocab_row_sum_kernel,
+    vocab_take_backward_kernel, vocab_take_kernel,
+};

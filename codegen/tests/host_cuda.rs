@@ -19,7 +19,12 @@ use common::host::{
 use dplc_codegen::{
     adamw_kernel, adamw_value_kernel, add_kernel, backward_plan, column_sum_kernel, convert_kernel,
     emit_cuda, fuse, interpret, sgd_kernel, sum_squares_kernel, AdamwScalars, Args, BackwardStep,
-    Data, Elem, GradBinding, Kernel, SgdScalars, Step, SUM_SQUARES_COLS,
+    Data, Elem, Kernel, SgdScalars, Step, SUM_SQUARES_COLS,
+};
+use dplc_codegen::{
+    vocab_embedding_backward_kernel, vocab_embedding_kernel, vocab_normalize_backward_kernel,
+    vocab_normalize_kernel, vocab_row_stats_kernel, vocab_row_sum_kernel,
+    vocab_take_backward_kernel, vocab_take_kernel, GradBinding,
 };
 use dplc_ir::{DType, Graph};
 use std::collections::{BTreeMap, HashMap};
@@ -189,6 +194,45 @@ fn step_cases(out: &mut Vec<Case>) {
         masked: vec![],
         row_stats: None,
     });
+    vocab_cases(out);
+}
+
+/// The kernels of the ops over a split vocabulary: the softmax's over 37
+/// rows of 4,099 entries (a wide row past a vector's multiple), its
+/// statistics drawn as a maximum and a positive sum; the picks and the
+/// embedding over a slice of two entries from index 1, so that the ids
+/// drawn (0 to 3) fall before, in and after it.
+fn vocab_cases(out: &mut Vec<Case>) {
+    let case = |kernel: Kernel, sizes: Vec<i64>, non_negative: Vec<usize>| Case {
+        kernel,
+        args: Args {
+            sizes,
+            scalars: vec![],
+            seed: 0,
+        },
+        non_negative,
+        masked: vec![],
+        row_stats: None,
+    };
+    let wide = vec![37, 4099];
+    out.push(case(vocab_row_stats_kernel(), wide.clone(), vec![]));
+    for log in [true, false] {
+        out.push(case(vocab_normalize_kernel(log), wide.clone(), vec![1]));
+        out.push(case(vocab_row_sum_kernel(log), wide.clone(), vec![]));
+        out.push(case(
+            vocab_normalize_backward_kernel(log),
+            wide.clone(),
+            vec![],
+        ));
+    }
+    out.push(case(vocab_take_kernel(), vec![37, 2, 1], vec![]));
+    out.push(case(vocab_take_backward_kernel(), vec![37, 2, 1], vec![]));
+    out.push(case(vocab_embedding_kernel(), vec![37, 2, 1, 9], vec![]));
+    out.push(case(
+        vocab_embedding_backward_kernel(),
+        vec![37, 2, 1, 9],
+        vec![],
+    ));
 }
 
 /// One translation unit of `cases`' kernels in `dtype` (0 f32, 1 bf16, 2

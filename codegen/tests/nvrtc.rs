@@ -51,6 +51,24 @@ fn all_sources(full_size: bool) -> BTreeMap<String, CudaSource> {
         // The training step's flat kernels (the fused executor's).
         add(emit_cuda(&sgd_kernel(), dtype));
         add(emit_cuda(&sum_squares_kernel(Elem::F32), dtype));
+        // The ops over a split vocabulary, run on the device.
+        for log in [true, false] {
+            add(emit_cuda(&dplc_codegen::vocab_normalize_kernel(log), dtype));
+            add(emit_cuda(&dplc_codegen::vocab_row_sum_kernel(log), dtype));
+            add(emit_cuda(
+                &dplc_codegen::vocab_normalize_backward_kernel(log),
+                dtype,
+            ));
+        }
+        for k in [
+            dplc_codegen::vocab_row_stats_kernel(),
+            dplc_codegen::vocab_take_kernel(),
+            dplc_codegen::vocab_take_backward_kernel(),
+            dplc_codegen::vocab_embedding_kernel(),
+            dplc_codegen::vocab_embedding_backward_kernel(),
+        ] {
+            add(emit_cuda(&k, dtype));
+        }
         for (to, from) in [(Elem::Float, Elem::F32), (Elem::F32, Elem::Float)] {
             add(emit_cuda(&convert_kernel(to, from), dtype));
         }

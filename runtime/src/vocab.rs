@@ -19,7 +19,7 @@ use dplc_ir::VocabOp;
 
 /// This rank's slice of a split axis of local length `n`: its first index
 /// and the length of the whole axis.
-fn slice(comm: &Communicator, groups: &MeshGroups, n: usize) -> (usize, usize) {
+pub(crate) fn slice(comm: &Communicator, groups: &MeshGroups, n: usize) -> (usize, usize) {
     let p = groups.tp.position(comm.rank()).unwrap_or(0);
     (p * n, n * groups.tp.size())
 }
@@ -62,20 +62,35 @@ fn row_stats(
         let sum: f32 = (0..n).map(|j| (xs[idx(r, j)] - max).exp()).sum();
         mine.extend([max, sum]);
     }
-    let all = comm.all_gather(&groups.tp, &mine)?;
-    Ok((0..rows)
-        .map(|r| {
-            let max = all
-                .iter()
-                .map(|s| s[2 * r])
-                .fold(f32::NEG_INFINITY, f32::max);
-            let sum = all
-                .iter()
-                .map(|s| s[2 * r + 1] * (s[2 * r] - max).exp())
-                .sum();
-            (max, sum)
-        })
-        .collect())
+    let all = combine_row_stats(comm, groups, &mine)?;
+    Ok(all.chunks(2).map(|p| (p[0], p[1])).collect())
+}
+
+/// The group's row statistics from this rank's `mine` (per row its slice's
+/// maximum and sum of exponentials relative to it, interleaved): the whole
+/// axis's, interleaved likewise, combined in group order so that every
+/// rank has the same bits. The fused compute's device path computes `mine`
+/// by a kernel and combines here, as the host path does.
+pub(crate) fn combine_row_stats(
+    comm: &mut Communicator,
+    groups: &MeshGroups,
+    mine: &[f32],
+) -> Result<Vec<f32>> {
+    let rows = mine.len() / 2;
+    let all = comm.all_gather(&groups.tp, mine)?;
+    let mut out = Vec::with_capacity(2 * rows);
+    for r in 0..rows {
+        let max = all
+            .iter()
+            .map(|s| s[2 * r])
+            .fold(f32::NEG_INFINITY, f32::max);
+        let sum: f32 = all
+            .iter()
+            .map(|s| s[2 * r + 1] * (s[2 * r] - max).exp())
+            .sum();
+        out.extend([max, sum]);
+    }
+    Ok(out)
 }
 
 /// Per row of `(outer, n, inner)`, the sum over the whole axis of `f(j)`.

@@ -1043,8 +1043,56 @@ fn the_host_backend_trains_the_test_gpt() {
     assert!(losses[3] < losses[0], "the loss falls: {losses:?}");
 }
 
+/// The planner's layout of `g` at tp=2 with its root split over the
+/// vocabulary (the embedding, head and loss over each rank's slice, which the
+/// fused compute runs on the device).
+fn vocab_root_layout(g: &Graph, spec: &dplc_ir::TrainSpec) -> dplc_ir::ModelLayout {
+    let mut req = dplc_planner::PlanRequest::new(
+        g,
+        spec.clone(),
+        dplc_planner::parse_cluster("2xcpu").unwrap(),
+    );
+    req.pinned = dplc_planner::parse_strategy("tp=2,root=vocab").unwrap();
+    let plan = dplc_planner::compile(&req).unwrap().plan;
+    assert_eq!(plan.strategy.root, dplc_ir::RootSplit::Vocab);
+    plan.layout.expect("a tp plan carries its layout")
+}
+
+/// The zoo's gpt_tiny in f32 over sequences of 8, four a step: a model the
+/// planner splits over its vocabulary (the hand-built test GPT it does not).
+fn zoo_gpt_tiny() -> (Graph, dplc_ir::TrainSpec) {
+    let text = include_str!("../../models/tiny.dpl");
+    let unit = dplc_frontend::parse("models/tiny.dpl", text).expect("the zoo parses");
+    let lowered = unit.lower("gpt_tiny").expect("gpt_tiny lowers");
+    let mut spec = lowered.train;
+    spec.seq = 8;
+    spec.global_batch = 4;
+    spec.precision = dplc_ir::Precision::Fp32;
+    spec.steps = Some(4);
+    (lowered.graph, spec)
+}
+
+/// The vocabulary-split layout the GPU test runs is one the planner makes
+/// (checked without a GPU, so that the GPU test's split is sound).
+#[test]
+fn gpt_tiny_has_a_vocabulary_split_root() {
+    let (g, spec) = zoo_gpt_tiny();
+    let layout = vocab_root_layout(&g, &spec);
+    let over_vocab = layout
+        .regions
+        .iter()
+        .flat_map(|r| &r.nodes)
+        .filter(|n| n.vocab_op(&g.node(n.node).op).is_some())
+        .count();
+    assert!(
+        over_vocab >= 3,
+        "{over_vocab} ops over the split vocabulary"
+    );
+}
+
 /// GPU runs go through the one schedule executor: several ranks sharing one
-/// GPU run data, tensor (with sequence) and pipeline parallelism and ZeRO-3,
+/// GPU run data, tensor (with sequence, and with the root split over the
+/// vocabulary) and pipeline parallelism and ZeRO-3,
 /// a parameter server, async updates and compressed gradients, and each
 /// matches the same split computed by the same fused kernels on the host
 /// backend.
@@ -1129,11 +1177,24 @@ fn every_split_on_one_gpu_matches_the_host_fused_compute() {
             ),
         ),
     ];
-    for (name, mut cfg) in splits.into_iter().chain(syncs) {
-        if cfg.tp > 1 {
-            cfg.layout = Some(dplc_planner::derive_layout(&g, 2, 1, true).unwrap());
+    // The root split over the vocabulary: its ops run on the device.
+    let (tiny, tiny_spec) = zoo_gpt_tiny();
+    let tiny_data = dplc_runtime::Corpus::synthetic(5, 256, 1 << 12);
+    let vocab = RunConfig {
+        tp: 2,
+        layout: Some(vocab_root_layout(&tiny, &tiny_spec)),
+        ..base.clone()
+    };
+    let cases = splits
+        .into_iter()
+        .chain(syncs)
+        .map(|(name, cfg)| (name, &g, &spec, &data, cfg))
+        .chain([("tp2 root=vocab", &tiny, &tiny_spec, &tiny_data, vocab)]);
+    for (name, g, spec, data, mut cfg) in cases {
+        if cfg.tp > 1 && cfg.layout.is_none() {
+            cfg.layout = Some(dplc_planner::derive_layout(g, 2, 1, true).unwrap());
         }
-        let host = dplc_runtime::train(&g, &spec, &cfg, &data, 4, 3, |_| {}).unwrap();
+        let host = dplc_runtime::train(g, spec, &cfg, data, 4, 3, |_| {}).unwrap();
         let gpu_cfg = RunConfig {
             device: Device::Cuda {
                 gpus: 1,
@@ -1141,7 +1202,7 @@ fn every_split_on_one_gpu_matches_the_host_fused_compute() {
             },
             ..cfg
         };
-        let gpu = dplc_runtime::train(&g, &spec, &gpu_cfg, &data, 4, 3, |_| {}).unwrap();
+        let gpu = dplc_runtime::train(g, spec, &gpu_cfg, data, 4, 3, |_| {}).unwrap();
         let losses =
             |r: &dplc_runtime::TrainReport| r.steps.iter().map(|s| s.loss).collect::<Vec<_>>();
         assert_close(name, &losses(&host), &losses(&gpu), 1e-4);

@@ -31,6 +31,7 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 mod backward;
+mod vocab;
 
 /// The steps no kernel runs, done on the host by the executor's caller: a
 /// layout change over the tensor- or expert-parallel group (a collective),
@@ -62,6 +63,23 @@ pub trait HostSteps {
     fn reshards(&self) -> bool {
         false
     }
+    /// The tensor-parallel group's side of an op over a split vocabulary,
+    /// which the fused compute runs on the device between these exchanges.
+    fn vocab(&mut self) -> &mut dyn VocabGroup;
+}
+
+/// The tensor-parallel group's exchanges of the ops over a split vocabulary
+/// (`dplc_ir::VocabOp`): a few bytes a row through the host.
+pub trait VocabGroup {
+    /// This rank's slice of an axis of `n` local entries: its first index
+    /// and the whole axis's length.
+    fn slice(&self, n: usize) -> (usize, usize);
+    /// The whole axis's row statistics from this rank's slice's (per row
+    /// maximum and sum of exponentials relative to it, interleaved),
+    /// combined in group order: the same bits on every rank.
+    fn row_stats(&mut self, mine: &[f32]) -> Result<Vec<f32>>;
+    /// The group's sum of each row's parts.
+    fn row_sums(&mut self, sums: &mut [f32]) -> Result<()>;
 }
 
 /// A value on the device: its buffer, element type and element count.
@@ -637,7 +655,10 @@ impl<'a> Executor<'a> {
                         ),
                     ));
                 }
-                self.host_forward(be, run, *node)?;
+                match self.vocab_on_device(*node) {
+                    Some(v) => self.vocab_forward(be, run, *node, v)?,
+                    None => self.host_forward(be, run, *node)?,
+                }
             }
         }
         Ok(())

@@ -9,6 +9,8 @@ mod executor;
 mod plan;
 
 pub use backend::{matmul_cpu, Backend, HostBackend, HostBuf, MatMul};
-pub use executor::{flat_args, ChunkSpan, Executor, HostSteps, ParamBufs, RegionRun, Val};
+pub use executor::{
+    flat_args, ChunkSpan, Executor, HostSteps, ParamBufs, RegionRun, Val, VocabGroup,
+};
 pub(crate) use executor::{tensor_dims, to_backend, to_host};
 pub use plan::FusedGraph;

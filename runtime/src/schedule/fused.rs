@@ -24,7 +24,7 @@ use crate::comm::Message;
 use crate::error::{kernel_err, Result, RuntimeError};
 use crate::fused::{
     tensor_dims, to_backend, to_host, Backend, ChunkSpan, Executor, FusedGraph, HostSteps,
-    ParamBufs, RegionRun, Val,
+    ParamBufs, RegionRun, Val, VocabGroup,
 };
 use crate::interp::{ParamKey, Value};
 use crate::kernels::{self, DropoutKey, OpCtx};
@@ -322,6 +322,26 @@ impl<B: Backend, L: Links<B>> HostSteps for Host<'_, B, L> {
 
     fn reshards(&self) -> bool {
         self.store.zero.shards_weights()
+    }
+
+    fn vocab(&mut self) -> &mut dyn VocabGroup {
+        self
+    }
+}
+
+impl<B: Backend, L: Links<B>> VocabGroup for Host<'_, B, L> {
+    fn slice(&self, n: usize) -> (usize, usize) {
+        crate::vocab::slice(&self.store.comm, &self.store.mesh, n)
+    }
+
+    fn row_stats(&mut self, mine: &[f32]) -> Result<Vec<f32>> {
+        let store = &mut *self.store;
+        crate::vocab::combine_row_stats(&mut store.comm, &store.mesh, mine)
+    }
+
+    fn row_sums(&mut self, sums: &mut [f32]) -> Result<()> {
+        let store = &mut *self.store;
+        store.comm.all_reduce(&store.mesh.tp, sums)
     }
 }
 

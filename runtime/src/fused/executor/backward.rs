@@ -184,7 +184,7 @@ impl<'a> Executor<'a> {
     }
 
     /// Add `g` to the gradient of `t` (it becomes the gradient when there is none).
-    fn add_grad<B: Backend>(
+    pub(super) fn add_grad<B: Backend>(
         &self,
         be: &mut B,
         grads: &mut HashMap<TensorId, Val<B>>,
@@ -491,7 +491,10 @@ impl<'a> Executor<'a> {
                         ));
                     };
                     if !matches!(self.graph.node(*node).op, Op::Repeat { .. }) {
-                        self.host_backward(be, run, grads, *node)?;
+                        match self.vocab_on_device(*node) {
+                            Some(v) => self.vocab_backward(be, run, grads, *node, v)?,
+                            None => self.host_backward(be, run, grads, *node)?,
+                        }
                         self.done_with(run, grads, &plan.steps[at], &free_after[bi]);
                         continue;
                     }
