@@ -146,6 +146,10 @@ pub trait Backend {
     fn host_crossings(&self) -> Option<u64> {
         None
     }
+    /// Whether `buf` is this handle's alone, so that writing over it is
+    /// seen by no other value (a gradient may be handed on unchanged as
+    /// another tensor's).
+    fn unique(buf: &Self::Buf) -> bool;
 }
 
 /// The CPU device: kernels interpreted, matmuls in f64, float tensors
@@ -269,6 +273,10 @@ fn check_elem(storage: DType, what: &str, declared: Elem, buf: &HostBuf) -> Resu
 
 impl Backend for HostBackend {
     type Buf = Rc<HostBuf>;
+
+    fn unique(buf: &Self::Buf) -> bool {
+        Rc::strong_count(buf) == 1
+    }
 
     fn dtype(&self) -> DType {
         self.storage

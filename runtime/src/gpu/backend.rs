@@ -285,6 +285,10 @@ impl CudaBackend {
 impl Backend for CudaBackend {
     type Buf = Arc<DeviceBuffer>;
 
+    fn unique(buf: &Self::Buf) -> bool {
+        Arc::strong_count(buf) == 1
+    }
+
     fn dtype(&self) -> DType {
         self.dtype
     }

@@ -125,7 +125,11 @@ impl<'a> Executor<'a> {
         if !self.fused.grad.needs_grad(n.inputs[0]) {
             return Ok(());
         }
-        let g = self.as_elem(be, &g, Elem::Float)?;
+        // The gradient as floats, its other handle let go.
+        let g = {
+            let taken = g;
+            self.as_elem(be, &taken, Elem::Float)?
+        };
         let dims = self.dims(n.inputs[0]);
         let last = *dims
             .last()
@@ -171,10 +175,20 @@ impl<'a> Executor<'a> {
                     vec![g.buf.clone(), y.buf.clone(), sums.clone()]
                 };
                 be.launch(&vocab_row_sum_kernel(log), &args, &reads)?;
+                drop(reads);
                 let mut all = be.download(&sums, Elem::F32, rows)?;
                 self.host(node)?.vocab().row_sums(&mut all)?;
                 let sums = be.upload(Elem::F32, &all)?;
-                let dx = self.float(be, y.len)?;
+                // Written over the output gradient where no other value
+                // holds it (each element read and written by one thread):
+                // the backward then holds two tensors of the slice's
+                // logits, the kept output and this, as the plan prices the
+                // loss's working set — not three.
+                let dx = if B::unique(&g.buf) {
+                    g.clone()
+                } else {
+                    self.float(be, y.len)?
+                };
                 be.launch(
                     &vocab_normalize_backward_kernel(log),
                     &args,
