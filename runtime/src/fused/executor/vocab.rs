@@ -21,6 +21,25 @@ fn sized(sizes: &[usize]) -> Args {
     }
 }
 
+/// `Ok` where the `ids` pick one entry a row, as the kernels index: a
+/// pick's input (`values` of them, last axis `n`) holds `ids × n`, an
+/// embedding's table is `[n, width]`.
+fn check_pick(op: VocabOp, dims: &[usize], ids: usize, values: usize) -> Result<()> {
+    let fits = match op {
+        VocabOp::Embedding => dims.len() == 2,
+        VocabOp::TakeAlong => dims.last().is_some_and(|&n| ids * n == values),
+        VocabOp::Softmax { .. } | VocabOp::LogSoftmax { .. } => true,
+    };
+    if fits {
+        Ok(())
+    } else {
+        Err(kernel_err(
+            "vocab_parallel",
+            format!("{op:?} of shape {dims:?} with {ids} ids: not one id a row"),
+        ))
+    }
+}
+
 impl<'a> Executor<'a> {
     /// Whether node `node`, an op over a split vocabulary, runs on the
     /// device: all do but a softmax over another axis than the last (the
@@ -62,6 +81,7 @@ impl<'a> Executor<'a> {
             VocabOp::Embedding => {
                 let (vocab, width) = (dims[0], last);
                 let ids = self.get(run, n.inputs[1])?;
+                check_pick(v, &dims, ids.len, x.len)?;
                 let (lo, _) = self.host(node)?.vocab().slice(vocab);
                 let y = self.float(be, ids.len * width)?;
                 be.launch(
@@ -73,6 +93,7 @@ impl<'a> Executor<'a> {
             }
             VocabOp::TakeAlong => {
                 let ids = self.get(run, n.inputs[1])?;
+                check_pick(v, &dims, ids.len, x.len)?;
                 let (lo, _) = self.host(node)?.vocab().slice(last);
                 let y = self.float(be, ids.len)?;
                 be.launch(
@@ -138,6 +159,7 @@ impl<'a> Executor<'a> {
             VocabOp::Embedding => {
                 let (vocab, width) = (dims[0], last);
                 let ids = self.get(run, n.inputs[1])?;
+                check_pick(v, &dims, ids.len, vocab * width)?;
                 let (lo, _) = self.host(node)?.vocab().slice(vocab);
                 let len = vocab * width;
                 let dt: Val<B> = Val {
@@ -154,6 +176,7 @@ impl<'a> Executor<'a> {
             }
             VocabOp::TakeAlong => {
                 let ids = self.get(run, n.inputs[1])?;
+                check_pick(v, &dims, ids.len, dims.iter().product())?;
                 let (lo, _) = self.host(node)?.vocab().slice(last);
                 let dx = self.float(be, ids.len * last)?;
                 be.launch(
