@@ -29,8 +29,9 @@ pub use attention::{
 pub use attention_cuda::{attention_backward, attention_name, emit_attention};
 pub use attention_interp::interpret_attention;
 pub use backward::{
-    backward, backward_keeping_row_stats, backward_plan, column_sum_kernel, with_row_stats,
-    Backward, BackwardStep, ColumnSum, GradBinding,
+    backward, backward_keeping_row_stats, backward_plan, column_chunk_kernel, column_chunks,
+    column_sum_kernel, with_row_stats, Backward, BackwardStep, ColumnSum, GradBinding,
+    COLUMN_CHUNK,
 };
 pub use cuda::{
     emit_cuda, kernel_name, CudaSource, LaunchShape, COLUMN_BLOCK, COLUMN_TILE, ROW_BLOCK,

@@ -194,6 +194,19 @@ fn step_cases(out: &mut Vec<Case>) {
         masked: vec![],
         row_stats: None,
     });
+    // A long column sum's first pass: 2,100 rows in chunks of 1,024, the
+    // last one short.
+    out.push(Case {
+        kernel: dplc_codegen::column_chunk_kernel(),
+        args: Args {
+            sizes: vec![2100, 65, 1024, 3],
+            scalars: vec![],
+            seed: 0,
+        },
+        non_negative: vec![],
+        masked: vec![],
+        row_stats: None,
+    });
     vocab_cases(out);
 }
 

@@ -48,6 +48,7 @@ fn all_sources(full_size: bool) -> BTreeMap<String, CudaSource> {
         add(emit_cuda(&adamw_kernel(), dtype));
         add(emit_cuda(&adamw_value_kernel(), dtype));
         add(emit_cuda(&column_sum_kernel(), dtype));
+        add(emit_cuda(&dplc_codegen::column_chunk_kernel(), dtype));
         // The training step's flat kernels (the fused executor's).
         add(emit_cuda(&sgd_kernel(), dtype));
         add(emit_cuda(&sum_squares_kernel(Elem::F32), dtype));

@@ -319,6 +319,15 @@ fn kernels_match(dtype: DType, tol: f64, test: &str) {
             }
         }
     }
+    // A long column sum's first pass (2,100 rows in chunks of 1,024).
+    let chunks = dplc_codegen::column_chunk_kernel();
+    let cargs = Args {
+        sizes: vec![2100, 65, 1024, 3],
+        scalars: vec![],
+        seed: 0,
+    };
+    let err = compare(&dev, &compiled, &chunks, &cargs, &mut rng, &[], None);
+    assert!(err <= tol, "column_chunk ({dtype:?}): {err:e}");
     let adamw = adamw_kernel();
     let args = dplc_codegen::AdamwScalars {
         lr: 1e-3,

@@ -468,6 +468,7 @@ impl FusedGraph {
         // The executor's own: gradient sums and element-type conversions.
         let mut out = vec![
             column_sum_kernel(),
+            dplc_codegen::column_chunk_kernel(),
             add_kernel(Elem::F32, Elem::F32, Elem::Float),
             add_kernel(Elem::F32, Elem::F32, Elem::F32),
             add_kernel(Elem::Float, Elem::Float, Elem::Float),

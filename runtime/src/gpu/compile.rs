@@ -80,6 +80,7 @@ pub fn compile_graph(
     add(&adamw_kernel())?;
     add(&adamw_value_kernel())?;
     add(&column_sum_kernel())?;
+    add(&dplc_codegen::column_chunk_kernel())?;
     let mut regions = Vec::new();
     for (r, _) in graph.regions() {
         let config = FuseConfig {

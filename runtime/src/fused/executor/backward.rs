@@ -4,6 +4,7 @@
 //! backward — freeing each gradient and saved value after its last reader.
 
 use super::*;
+use dplc_codegen::{column_chunk_kernel, column_chunks, COLUMN_CHUNK};
 
 impl<'a> Executor<'a> {
     /// A fused attention backward: the passes whose gradients are wanted,
@@ -437,17 +438,22 @@ impl<'a> Executor<'a> {
                                     .ok_or_else(|| {
                                         kernel_err("fused backward", "a partial without its sum")
                                     })?;
-                                let cargs = Args {
-                                    sizes: cs.sizes(&args.sizes),
-                                    ..Args::default()
+                                let (rows, cols) = match cs.sizes(&args.sizes)[..] {
+                                    [rows, cols] => (rows, cols),
+                                    _ => {
+                                        return Err(kernel_err(
+                                            "fused backward",
+                                            "a column sum of other than rows and columns",
+                                        ))
+                                    }
                                 };
-                                let len = cargs.sizes[1].max(0) as usize;
+                                let len = cols.max(0) as usize;
                                 let out: Val<B> = Val {
                                     buf: be.alloc(Elem::Float, len)?,
                                     elem: Elem::Float,
                                     len,
                                 };
-                                be.launch(&cs.kernel, &cargs, &[v.buf, out.buf.clone()])?;
+                                column_sum(be, &cs.kernel, v.buf, (rows, cols), &out.buf)?;
                                 self.add_grad(be, grads, k.buffers[j], out)?;
                             }
                             GradBinding::Forward(_)
@@ -658,13 +664,12 @@ impl<'a> Executor<'a> {
             Elem::F32,
         )?;
         let out = be.alloc(Elem::Float, per)?;
-        be.launch(
+        column_sum(
+            be,
             &column_sum_kernel(),
-            &Args {
-                sizes: vec![g.batch as i64, per as i64],
-                ..Args::default()
-            },
-            &[shares.buf, out.clone()],
+            shares.buf,
+            (g.batch as i64, per as i64),
+            &out,
         )?;
         Ok(Val {
             buf: out,
@@ -737,5 +742,74 @@ impl<'a> Executor<'a> {
         }
         carried.truncate(n_carried);
         Ok(carried)
+    }
+}
+
+/// The column sums of `rows × cols` f32 `shares` into `out` by `sum` (a
+/// column-sum kernel, whose output type is its own): in two passes where
+/// the rows are many ([`column_chunks`]), each chunk's sums first.
+fn column_sum<B: Backend>(
+    be: &mut B,
+    sum: &dplc_codegen::Kernel,
+    shares: B::Buf,
+    (rows, cols): (i64, i64),
+    out: &B::Buf,
+) -> Result<()> {
+    let (shares, rows) = match column_chunks(rows) {
+        Some(chunks) => {
+            let part = be.alloc(Elem::F32, (chunks * cols).max(0) as usize)?;
+            be.launch(
+                &column_chunk_kernel(),
+                &Args {
+                    sizes: vec![rows, cols, COLUMN_CHUNK, chunks],
+                    ..Args::default()
+                },
+                &[shares, part.clone()],
+            )?;
+            (part, chunks)
+        }
+        None => (shares, rows),
+    };
+    be.launch(
+        sum,
+        &Args {
+            sizes: vec![rows, cols],
+            ..Args::default()
+        },
+        &[shares, out.clone()],
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::column_sum;
+    use crate::fused::{Backend, HostBackend};
+    use dplc_codegen::{column_sum_kernel, Elem};
+
+    /// A column sum over more rows than a chunk (two passes: each chunk's
+    /// sums, then theirs) equals the sum in f64, the last chunk short.
+    #[test]
+    fn a_long_column_sum_takes_two_passes_to_the_same_sums() {
+        let (rows, cols) = (2 * dplc_codegen::COLUMN_CHUNK + 37, 5);
+        let shares: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7919) % 13) as f32 - 6.0 + 0.25 * (i % 3) as f32)
+            .collect();
+        let mut be = HostBackend::new();
+        let buf = be.upload(Elem::F32, &shares).unwrap();
+        let out = be.alloc(Elem::F32, cols as usize).unwrap();
+        let mut sum = column_sum_kernel();
+        sum.buffers[1].elem = Elem::F32;
+        column_sum(&mut be, &sum, buf, (rows, cols), &out).unwrap();
+        let got = be.download(&out, Elem::F32, cols as usize).unwrap();
+        for c in 0..cols as usize {
+            let want: f64 = (0..rows as usize)
+                .map(|r| f64::from(shares[r * cols as usize + c]))
+                .sum();
+            assert!(
+                (f64::from(got[c]) - want).abs() <= 1e-6 * want.abs().max(1.0),
+                "column {c}: {} against {want}",
+                got[c]
+            );
+        }
     }
 }
