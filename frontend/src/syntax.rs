@@ -174,9 +174,14 @@ fn syntax_error(file: FileId, text: &str, e: pest::error::Error<Rule>) -> Box<Di
     } else {
         end
     };
-    let found = match text[start..].chars().next() {
+    let first = text[start..].chars().next();
+    let found = match first {
         None => "the end of the file".to_string(),
         Some(c) if c.is_whitespace() => "a line break or space".to_string(),
+        // Named by its code point: a combining mark or an invisible
+        // character shows as nothing (or joins the one before it) when
+        // printed alone.
+        Some(c) if !c.is_ascii() => format!("`{c}` (U+{:04X})", u32::from(c)),
         Some(_) => {
             let word: String = text[start..]
                 .chars()
@@ -203,13 +208,19 @@ fn syntax_error(file: FileId, text: &str, e: pest::error::Error<Rule>) -> Box<Di
         }
         ErrorVariant::CustomError { message } => message.clone(),
     };
+    let help = if first.is_some_and(|c| !c.is_ascii()) {
+        "names are ASCII letters, digits and `_` (a comment may hold any text); see \
+         docs/language.md for the grammar"
+    } else {
+        "see docs/language.md for the grammar"
+    };
     Diag::new(
         "dpl::syntax",
         span_at(file, start, end),
         format!("syntax error: expected {expected}, found {found}"),
     )
     .label(format!("expected {expected}"))
-    .help("see docs/language.md for the grammar")
+    .help(help)
 }
 
 /// How a grammar rule reads in an error message.

@@ -53,7 +53,11 @@ cases! {
         => "dpl::bad-char [2:1] a byte-order mark (U+FEFF) at 2:1: only the start of a file may have one";
     two_byte_order_marks: "\u{feff}\u{feff}model m() { param w: [4]  return w }\n"
         => "dpl::bad-char [1:4] a byte-order mark (U+FEFF) at 1:4: only the start of a file may have one";
-    unclosed_comment: "model m() {\n    param w: [4]\n/* return w\n}\n"
+    // A combining mark after a name shows as nothing alone: named by its
+    // code point (the help says names are ASCII).
+    combining_mark_in_a_name: "model m\u{301}() { param w: [4]  return w }\n"
+        => "dpl::syntax [1:8] syntax error: expected a parameter list `(…)`, found `\u{301}` (U+0301)";
+        unclosed_comment: "model m() {\n    param w: [4]\n/* return w\n}\n"
         => "dpl::unclosed-comment [3:1] the comment opened at 3:1 is never closed";
     comments_do_not_nest: "/* a /* b */ c */\nmodel m() { param w: [4]  return w }\n"
         => "dpl::syntax [1:14] syntax error: expected `block`, `cluster`, `model`, `train` or the end of the file, found `c`";
