@@ -671,7 +671,7 @@ fn pair_bits(sample_state: u64, pair: u64) -> u32 {
 /// The draw at position `pos` of a sample whose key state (after
 /// [`draw_state`]'s words and the sample) is `sample_state`: a uniform in
 /// `[0, 1)` with 16 bits, exactly representable in f32. Positions `2g` and
-/// `2g + 1` share one 32-bit hash ([`pair_bits`]), its high and low halves,
+/// `2g + 1` share one 32-bit hash (`pair_bits`), its high and low halves,
 /// so a GPU thread that holds neighbouring elements (a tensor-core fragment
 /// holds scores in column pairs; a vector lane holds eight) hashes once for
 /// two. On the H200 the draw was most of fused attention's time under

@@ -26,7 +26,7 @@ pub fn unary(op: UnaryOp, x: f32) -> f32 {
     }
 }
 
-/// `d op(x) / dx` in `f32` (the backward kernels' [`Expr::UnaryGrad`]).
+/// `d op(x) / dx` in `f32` (the backward kernels' [`crate::Expr::UnaryGrad`]).
 pub fn unary_grad(op: UnaryOp, x: f32) -> f32 {
     match op {
         UnaryOp::Neg => -1.0,

@@ -2,7 +2,7 @@
 //! e-graph of layouts and collectives; rewrite rules discover the tensor-,
 //! sequence-, vocabulary- and expert-parallel layouts, and a DAG-aware
 //! extraction picks the fastest per-rank program. [`shard_region`] returns it
-//! as the [`crate::sharding::RegionSharding`] the rest of the planner reads,
+//! as the `sharding::RegionSharding` the rest of the planner reads,
 //! and in the runtime's terms ([`RuntimeLayout`], module `runtime`).
 
 pub mod analysis;

@@ -47,7 +47,7 @@ impl Blas {
     }
 
     /// Queue `C = op(A)·op(B)` on the device's stream (through aligned
-    /// scratch from `dev` where [`staging`] says it pays).
+    /// scratch from `dev` where `staging` says it pays).
     pub fn matmul(
         &self,
         dev: &GpuDevice,
@@ -60,7 +60,7 @@ impl Blas {
     }
 
     /// [`Blas::matmul`] through aligned scratch of at most `scratch_bytes`
-    /// whatever the matmul's size, where [`staging`] would stage it (the
+    /// whatever the matmul's size, where `staging` would stage it (the
     /// GPU test's entry to the staged path at small sizes).
     pub fn matmul_staged(
         &self,
