@@ -133,8 +133,15 @@ def splits(log_dir):
         ran = True
         same = s["losses"] == serial["losses"]
         met &= same
+        # The plan prices one device a rank; here the ranks share one GPU
+        # and exchange through the host, which the prediction does not say.
+        shared = ""
+        if s.get("gpus") and s.get("ranks", 0) > s["gpus"]:
+            shared = (f" for {s['ranks']} devices ({s['ranks']} ranks shared {s['gpus']} GPU, "
+                      f"collectives {s.get('collectives', '?')})")
         parts.append(f"{name}: losses {'equal' if same else 'differ'}, "
-                     f"step {measured * 1e3:.1f} ms, {measured / s['predicted_step_time_s']:.0f}× the prediction")
+                     f"step {measured * 1e3:.1f} ms, {measured / s['predicted_step_time_s']:.0f}× "
+                     f"the prediction{shared}")
     return ("tp=2 and pp=2 on one GPU equal the single rank", "; ".join(parts),
             "equal losses", ("yes" if met else "no") if ran else "—")
 
