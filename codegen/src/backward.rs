@@ -123,80 +123,6 @@ impl Backward {
     }
 }
 
-/// Rows of shares a block of [`column_chunk_kernel`] sums: a column sum over
-/// more rows than this goes in two passes, so that a narrow gradient (a
-/// bias of 768) over many rows (32,768 tokens) still spreads over every
-/// multiprocessor — in one pass it has a block per 8 columns, 96 blocks
-/// for 132 multiprocessors.
-pub const COLUMN_CHUNK: i64 = 1024;
-
-/// The chunks a column sum of `rows` rows takes its first pass in (`None`:
-/// one pass). A function of the sizes alone, so the summation order, and
-/// the bits, are every device's.
-pub fn column_chunks(rows: i64) -> Option<i64> {
-    (rows > COLUMN_CHUNK).then(|| (rows + COLUMN_CHUNK - 1) / COLUMN_CHUNK)
-}
-
-/// The first pass of a long column sum: `b1[s][c] = Σ_{j < n2} b0[s·n2 + j][c]`
-/// over the rows that exist, `n0` rows of `n1` columns of `f32` shares in
-/// `n3` chunks of `n2` rows; [`column_sum_kernel`] then sums the chunks.
-pub fn column_chunk_kernel() -> Kernel {
-    let (rows, cols, chunk, chunks) = (
-        Size::Param(0),
-        Size::Param(1),
-        Size::Param(2),
-        Size::Param(3),
-    );
-    let mut b = Builder::default();
-    let row = Idx::add(Idx::mul(Idx::Var(0), Idx::Size(chunk)), Idx::Inner);
-    let last = Idx::sub(Idx::Size(rows), Idx::Const(1));
-    // The last chunk's rows past the end read the last row and add nothing.
-    let x = b.push(Expr::Load {
-        buf: 0,
-        index: Idx::add(
-            Idx::mul(Idx::min(row.clone(), last), Idx::Size(cols)),
-            Idx::Var(1),
-        ),
-    });
-    let zero = b.konst(0.0);
-    let v = b.push(Expr::Select {
-        cond: Cond::IdxLt(row, Idx::Size(rows)),
-        then: x,
-        otherwise: zero,
-    });
-    let s = b.reduce(RowReduce::Sum, v);
-    Kernel {
-        op: "column_chunk".into(),
-        sizes: 4,
-        scalars: 0,
-        buffers: vec![
-            Buffer {
-                label: "shares".into(),
-                elem: Elem::F32,
-                output: false,
-                len: vec![rows, cols],
-            },
-            Buffer {
-                label: "chunk_sums".into(),
-                elem: Elem::F32,
-                output: true,
-                len: vec![chunks, cols],
-            },
-        ],
-        space: Space {
-            outer: vec![chunks, cols],
-            inner: Some(chunk),
-        },
-        values: b.values,
-        stores: vec![Store {
-            buf: 1,
-            index: Idx::add(Idx::mul(Idx::Var(0), Idx::Size(cols)), Idx::Var(1)),
-            value: s,
-            accumulate: false,
-        }],
-    }
-}
-
 /// The column-sum kernel: `n0` rows of `n1` columns of `f32` shares.
 pub fn column_sum_kernel() -> Kernel {
     let (rows, cols) = (Size::Param(0), Size::Param(1));
@@ -354,7 +280,6 @@ pub fn backward_keeping_row_stats(
     fwd: &Kernel,
     needs_grad: &[bool],
 ) -> Result<(Backward, Option<Kernel>), String> {
-    let plain = backward(fwd, needs_grad)?;
     if let Some(kept) = with_row_stats(fwd) {
         let stats = kept.buffers.len() - 1;
         if let Ok(b) = backward_of(&kept, needs_grad, Some(stats)) {
@@ -363,7 +288,7 @@ pub fn backward_keeping_row_stats(
             }
         }
     }
-    Ok((plain, None))
+    Ok((backward(fwd, needs_grad)?, None))
 }
 
 /// A [`Builder`] that also tracks which values vary along the row.

@@ -1,6 +1,7 @@
 //! Kernels over flat buffers that a training step needs besides the model's
-//! own: adding gradients, converting between storage and `f32`, and the
-//! per-row sums of squares behind the global gradient norm.
+//! own: adding gradients, converting between storage and `f32`, the per-row
+//! sums of squares behind the global gradient norm, and a long column sum's
+//! first pass.
 //!
 //! They are ordinary kernel IR, so the CPU interpreter runs them and
 //! `emit_cuda` generates them like every fused kernel: one executor drives
@@ -139,6 +140,70 @@ pub fn sum_squares_kernel(elem: Elem) -> Kernel {
         stores: vec![Store {
             buf: 0,
             index: Idx::Var(0),
+            value: s,
+            accumulate: false,
+        }],
+    }
+}
+
+/// Rows of shares a block of [`column_chunk_kernel`] sums: a column sum over
+/// more rows than this goes in two passes, so that a narrow gradient (a
+/// bias of 768) over many rows (32,768 tokens) still spreads over every
+/// multiprocessor — in one pass it has a block per 8 columns, 96 blocks
+/// for 132 multiprocessors.
+pub const COLUMN_CHUNK: i64 = 1024;
+
+/// The chunks a column sum of `rows` rows takes its first pass in (`None`:
+/// one pass). A function of the sizes alone, so the summation order, and
+/// the bits, are every device's.
+pub fn column_chunks(rows: i64) -> Option<i64> {
+    (rows > COLUMN_CHUNK).then(|| (rows + COLUMN_CHUNK - 1) / COLUMN_CHUNK)
+}
+
+/// The first pass of a long column sum: `b1[s][c] = Σ_{j < n2} b0[s·n2 + j][c]`
+/// over the rows that exist, `n0` rows of `n1` columns of `f32` shares in
+/// `n3` chunks of `n2` rows; [`crate::column_sum_kernel`] then sums the chunks.
+pub fn column_chunk_kernel() -> Kernel {
+    let (rows, cols, chunk, chunks) = (
+        Size::Param(0),
+        Size::Param(1),
+        Size::Param(2),
+        Size::Param(3),
+    );
+    let mut b = Builder::default();
+    let row = Idx::add(Idx::mul(Idx::Var(0), Idx::Size(chunk)), Idx::Inner);
+    let last = Idx::sub(Idx::Size(rows), Idx::Const(1));
+    // The last chunk's rows past the end read the last row and add nothing.
+    let x = b.push(Expr::Load {
+        buf: 0,
+        index: Idx::add(
+            Idx::mul(Idx::min(row.clone(), last), Idx::Size(cols)),
+            Idx::Var(1),
+        ),
+    });
+    let zero = b.konst(0.0);
+    let v = b.push(Expr::Select {
+        cond: Cond::IdxLt(row, Idx::Size(rows)),
+        then: x,
+        otherwise: zero,
+    });
+    let s = b.reduce(RowReduce::Sum, v);
+    Kernel {
+        op: "column_chunk".into(),
+        sizes: 4,
+        scalars: 0,
+        buffers: vec![
+            flat("shares", Elem::F32, false, vec![rows, cols]),
+            flat("chunk_sums", Elem::F32, true, vec![chunks, cols]),
+        ],
+        space: Space {
+            outer: vec![chunks, cols],
+            inner: Some(chunk),
+        },
+        values: b.values,
+        stores: vec![Store {
+            buf: 1,
+            index: Idx::add(Idx::mul(Idx::Var(0), Idx::Size(cols)), Idx::Var(1)),
             value: s,
             accumulate: false,
         }],

@@ -29,16 +29,18 @@ pub use attention::{
 pub use attention_cuda::{attention_backward, attention_name, emit_attention};
 pub use attention_interp::interpret_attention;
 pub use backward::{
-    backward, backward_keeping_row_stats, backward_plan, column_chunk_kernel, column_chunks,
-    column_sum_kernel, with_row_stats, Backward, BackwardStep, ColumnSum, GradBinding,
-    COLUMN_CHUNK,
+    backward, backward_keeping_row_stats, backward_plan, column_sum_kernel, with_row_stats,
+    Backward, BackwardStep, ColumnSum, GradBinding,
 };
 pub use cuda::{
     emit_cuda, kernel_name, CudaSource, LaunchShape, COLUMN_BLOCK, COLUMN_TILE, ROW_BLOCK,
     WARP_ROW_VECTORS,
 };
 pub use error::CodegenError;
-pub use flat::{add_kernel, convert_kernel, sum_squares_kernel, SUM_SQUARES_COLS};
+pub use flat::{
+    add_kernel, column_chunk_kernel, column_chunks, convert_kernel, sum_squares_kernel,
+    COLUMN_CHUNK, SUM_SQUARES_COLS,
+};
 pub use fuse::{
     elements_per_sample, fuse, fuse_cut, fuse_graph, fuse_with, tensor_elem, FuseConfig,
     FusedAttention, FusedKernel, FusionPlan, KeyPlace, KeySize, Operand, Step,

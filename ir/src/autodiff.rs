@@ -55,8 +55,9 @@ pub struct SavedValue {
 /// The activation rule: the values the backward of `op` reads, given which
 /// of its inputs need a gradient (`grads`, as [`GradPlan::input_grads`]
 /// gives it). A matmul keeps the operand whose partner needs a gradient,
-/// softmax its output, a norm its input (its row statistics are recomputed
-/// in the backward kernel, one pass over a row it reads anyway), dropout a
+/// softmax its output, a norm its input (the fused kernels also keep each
+/// row's statistics, 4 bytes a reduction a row, which this rule does not
+/// count: a few bytes beside a row of the input), dropout a
 /// one-byte mask, gathers and routing their indices; sums, views, layout
 /// changes and casts keep nothing. What a fused kernel recomputes from a
 /// kept value is not kept again: see [`Analysis::activations`].

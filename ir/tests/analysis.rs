@@ -170,8 +170,9 @@ fn stored_activations_match_korthikanti() {
     };
     let got = bytes.eval(&bind);
     let (hf, af) = (h as f64, a as f64);
-    // Exactly: the norms' row statistics are recomputed in their backward
-    // kernels, not kept (Korthikanti et al. do not count them either).
+    // Exactly: the norms' row statistics (which the fused kernels keep, a
+    // few bytes a row) are not counted, as Korthikanti et al. do not count
+    // them.
     let expected = s * bsz * hf * 34.0 + 5.0 * af * s * s * bsz;
     assert_eq!(
         got,

@@ -21,25 +21,6 @@ fn sized(sizes: &[usize]) -> Args {
     }
 }
 
-/// `Ok` where the `ids` pick one entry a row, as the kernels index: a
-/// pick's input (`values` of them, last axis `n`) holds `ids × n`, an
-/// embedding's table is `[n, width]`.
-fn check_pick(op: VocabOp, dims: &[usize], ids: usize, values: usize) -> Result<()> {
-    let fits = match op {
-        VocabOp::Embedding => dims.len() == 2,
-        VocabOp::TakeAlong => dims.last().is_some_and(|&n| ids * n == values),
-        VocabOp::Softmax { .. } | VocabOp::LogSoftmax { .. } => true,
-    };
-    if fits {
-        Ok(())
-    } else {
-        Err(kernel_err(
-            "vocab_parallel",
-            format!("{op:?} of shape {dims:?} with {ids} ids: not one id a row"),
-        ))
-    }
-}
-
 impl<'a> Executor<'a> {
     /// Whether node `node`, an op over a split vocabulary, runs on the
     /// device: all do but a softmax over another axis than the last (the
@@ -53,6 +34,37 @@ impl<'a> Executor<'a> {
             Op::VocabParallel(v) => Some(v),
             _ => None,
         }
+    }
+
+    /// The ids of pick or embedding node `node` (input `dims`) and this
+    /// rank's first index along the split axis — the table's rows, or the
+    /// pick's last axis — checked to be one id a row, as the kernels index.
+    fn picks<B: Backend>(
+        &self,
+        run: &RegionRun<B>,
+        node: NodeId,
+        v: VocabOp,
+        dims: &[usize],
+    ) -> Result<(Val<B>, usize)> {
+        let n = self.graph.node(node);
+        let ids = self.get(run, n.inputs[1])?;
+        let values: usize = dims.iter().product();
+        let (split, fits) = match (v, dims) {
+            (VocabOp::Embedding, &[rows, _]) => (rows, true),
+            (VocabOp::TakeAlong, &[.., last]) => (last, ids.len * last == values),
+            _ => (0, false),
+        };
+        if !fits {
+            return Err(kernel_err(
+                "vocab_parallel",
+                format!(
+                    "{v:?} of shape {dims:?} with {} ids: not one id a row",
+                    ids.len
+                ),
+            ));
+        }
+        let (lo, _) = self.host(node)?.vocab().slice(split);
+        Ok((ids, lo))
     }
 
     fn float<B: Backend>(&self, be: &mut B, len: usize) -> Result<Val<B>> {
@@ -80,9 +92,7 @@ impl<'a> Executor<'a> {
         let y = match v {
             VocabOp::Embedding => {
                 let (vocab, width) = (dims[0], last);
-                let ids = self.get(run, n.inputs[1])?;
-                check_pick(v, &dims, ids.len, x.len)?;
-                let (lo, _) = self.host(node)?.vocab().slice(vocab);
+                let (ids, lo) = self.picks(run, node, v, &dims)?;
                 let y = self.float(be, ids.len * width)?;
                 be.launch(
                     &vocab_embedding_kernel(),
@@ -92,9 +102,7 @@ impl<'a> Executor<'a> {
                 y
             }
             VocabOp::TakeAlong => {
-                let ids = self.get(run, n.inputs[1])?;
-                check_pick(v, &dims, ids.len, x.len)?;
-                let (lo, _) = self.host(node)?.vocab().slice(last);
+                let (ids, lo) = self.picks(run, node, v, &dims)?;
                 let y = self.float(be, ids.len)?;
                 be.launch(
                     &vocab_take_kernel(),
@@ -158,9 +166,7 @@ impl<'a> Executor<'a> {
         let dx = match v {
             VocabOp::Embedding => {
                 let (vocab, width) = (dims[0], last);
-                let ids = self.get(run, n.inputs[1])?;
-                check_pick(v, &dims, ids.len, vocab * width)?;
-                let (lo, _) = self.host(node)?.vocab().slice(vocab);
+                let (ids, lo) = self.picks(run, node, v, &dims)?;
                 let len = vocab * width;
                 let dt: Val<B> = Val {
                     buf: be.zeros(Elem::F32, len)?,
@@ -175,9 +181,7 @@ impl<'a> Executor<'a> {
                 dt
             }
             VocabOp::TakeAlong => {
-                let ids = self.get(run, n.inputs[1])?;
-                check_pick(v, &dims, ids.len, dims.iter().product())?;
-                let (lo, _) = self.host(node)?.vocab().slice(last);
+                let (ids, lo) = self.picks(run, node, v, &dims)?;
                 let dx = self.float(be, ids.len * last)?;
                 be.launch(
                     &vocab_take_backward_kernel(),
