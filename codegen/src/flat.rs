@@ -1,7 +1,7 @@
 //! Kernels over flat buffers that a training step needs besides the model's
 //! own: adding gradients, converting between storage and `f32`, the per-row
-//! sums of squares behind the global gradient norm, and a long column sum's
-//! first pass.
+//! sums of squares behind the global gradient norm, a long column sum's
+//! first pass, and the group-order sum of a layout change's parts.
 //!
 //! They are ordinary kernel IR, so the CPU interpreter runs them and
 //! `emit_cuda` generates them like every fused kernel: one executor drives
@@ -210,6 +210,29 @@ pub fn column_chunk_kernel() -> Kernel {
     }
 }
 
+/// `b0[i] = (((0 + b1[i]) + b2[i]) + …) + b{parts}[i]` over `n0` elements,
+/// summed in `f32` and stored once as `elem`: the sum the CPU
+/// communicator makes of a group's parts (from zero, in group order), so a
+/// layout change's sum on the device has the reference's bits.
+pub fn sum_parts_kernel(elem: Elem, parts: usize) -> Kernel {
+    let mut k = Builder::default();
+    let mut acc = k.konst(0.0);
+    for i in 1..=parts {
+        let x = load(&mut k, i);
+        acc = k.binary(BinaryOp::Add, acc, x);
+    }
+    let labels: Vec<String> = (0..parts).map(|i| format!("part{i}")).collect();
+    let mut buffers = vec![("out", elem, true)];
+    buffers.extend(labels.iter().map(|l| (l.as_str(), elem, false)));
+    elementwise(
+        format!("sum_{parts}_parts_{}", elem_tag(elem)),
+        0,
+        &buffers,
+        k,
+        &[(0, acc)],
+    )
+}
+
 /// Columns per row of [`sum_squares_kernel`].
 pub const SUM_SQUARES_COLS: i64 = 4096;
 
@@ -247,5 +270,24 @@ mod tests {
         let mut bufs = vec![Data::F32(vec![]), Data::F32(a)];
         interpret(&sum_squares_kernel(Elem::Float), &args, &mut bufs).unwrap();
         assert_eq!(bufs[0].f32(), &[14.0, 126.0, 145.0]);
+    }
+
+    #[test]
+    fn sum_parts_adds_from_zero_in_order() {
+        // -0 + -0 is -0, but the communicator's sum starts from +0.
+        let args = Args {
+            sizes: vec![2],
+            ..Args::default()
+        };
+        let mut bufs = vec![
+            Data::F32(vec![]),
+            Data::F32(vec![-0.0, 1e8]),
+            Data::F32(vec![-0.0, 1.0]),
+            Data::F32(vec![-0.0, -1e8]),
+        ];
+        interpret(&sum_parts_kernel(Elem::F32, 3), &args, &mut bufs).unwrap();
+        let got = bufs[0].f32();
+        assert_eq!(got[0].to_bits(), 0.0f32.to_bits());
+        assert_eq!(got[1], (1e8f32 + 1.0) - 1e8);
     }
 }

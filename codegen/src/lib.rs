@@ -38,8 +38,8 @@ pub use cuda::{
 };
 pub use error::CodegenError;
 pub use flat::{
-    add_kernel, column_chunk_kernel, column_chunks, convert_kernel, sum_squares_kernel,
-    COLUMN_CHUNK, SUM_SQUARES_COLS,
+    add_kernel, column_chunk_kernel, column_chunks, convert_kernel, sum_parts_kernel,
+    sum_squares_kernel, COLUMN_CHUNK, SUM_SQUARES_COLS,
 };
 pub use fuse::{
     elements_per_sample, fuse, fuse_cut, fuse_graph, fuse_with, tensor_elem, FuseConfig,

@@ -207,6 +207,10 @@ fn step_cases(out: &mut Vec<Case>) {
         masked: vec![],
         row_stats: None,
     });
+    // A layout change's sum of a group's parts.
+    for elem in [Elem::Float, Elem::F32] {
+        out.push(flat(dplc_codegen::sum_parts_kernel(elem, 3)));
+    }
     vocab_cases(out);
 }
 

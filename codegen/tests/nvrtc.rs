@@ -49,6 +49,15 @@ fn all_sources(full_size: bool) -> BTreeMap<String, CudaSource> {
         add(emit_cuda(&adamw_value_kernel(), dtype));
         add(emit_cuda(&column_sum_kernel(), dtype));
         add(emit_cuda(&dplc_codegen::column_chunk_kernel(), dtype));
+        // A layout change's sum of a group's parts.
+        for elem in [Elem::Float, Elem::F32] {
+            for parts in [2, 8] {
+                add(emit_cuda(
+                    &dplc_codegen::sum_parts_kernel(elem, parts),
+                    dtype,
+                ));
+            }
+        }
         // The training step's flat kernels (the fused executor's).
         add(emit_cuda(&sgd_kernel(), dtype));
         add(emit_cuda(&sum_squares_kernel(Elem::F32), dtype));

@@ -12,6 +12,7 @@ use crate::tensor::Tensor;
 use dplc_ir::TensorLayout::{self, Context, Experts, Partial, Replicated, Split};
 use dplc_ir::{Graph, ModelLayout, NodeId, NodeLayout, ParamId, RegionId, SplitAxis, TensorId};
 use std::collections::HashMap;
+use std::ops::Range;
 
 /// The layouts of one model, looked up by tensor and node.
 #[derive(Debug)]
@@ -148,32 +149,13 @@ pub(crate) struct MeshGroups {
 
 /// `parts` equal pieces of `t` along `axis`, each contiguous.
 pub(crate) fn split_along(t: &Tensor, axis: usize, parts: usize) -> Result<Vec<Tensor>> {
-    let x = t.f()?;
     let n = *t
         .shape
         .get(axis)
         .ok_or_else(|| kernel_err("layout", format!("no axis {axis} to split")))?;
-    if parts == 0 || !n.is_multiple_of(parts) {
-        return Err(kernel_err(
-            "layout",
-            format!("an axis of {n} does not split into {parts}"),
-        ));
-    }
-    let outer: usize = t.shape[..axis].iter().product();
-    let inner: usize = t.shape[axis + 1..].iter().product();
-    let len = n / parts;
-    let mut shape = t.shape.clone();
-    shape[axis] = len;
-    Ok((0..parts)
-        .map(|p| {
-            let mut v = Vec::with_capacity(outer * len * inner);
-            for o in 0..outer {
-                let at = (o * n + p * len) * inner;
-                v.extend_from_slice(&x[at..at + len * inner]);
-            }
-            Tensor::f32(shape.clone(), v)
-        })
-        .collect())
+    (0..parts)
+        .map(|p| take_ranges(t, axis, &[even_piece(n, parts, p)?]))
+        .collect()
 }
 
 /// The positions cp rank `pos` of `cp` holds of `t` along `axis` (any
@@ -183,21 +165,24 @@ pub(crate) fn take_chunks(t: &Tensor, axis: usize, cp: usize, pos: usize) -> Res
         .shape
         .get(axis)
         .ok_or_else(|| kernel_err("context", format!("no axis {axis} to split")))?;
-    let ranges = dplc_ir::context_chunks(n, cp, pos).ok_or_else(|| {
-        RuntimeError::Config(format!(
-            "context parallelism cuts the sequence into 2·cp = {} chunks: it must divide {n}",
-            2 * cp
-        ))
-    })?;
+    take_ranges(t, axis, &context_ranges(n, cp, pos)?)
+}
+
+/// The positions `ranges` of `t` along `axis`, in order (any element type).
+fn take_ranges(t: &Tensor, axis: usize, ranges: &[Range<usize>]) -> Result<Tensor> {
+    let n = *t
+        .shape
+        .get(axis)
+        .ok_or_else(|| kernel_err("layout", format!("no axis {axis} to cut")))?;
+    if ranges.iter().any(|r| r.end > n) {
+        return Err(kernel_err(
+            "layout",
+            format!("positions {ranges:?} of an axis of {n}"),
+        ));
+    }
     let outer: usize = t.shape[..axis].iter().product();
     let inner: usize = t.shape[axis + 1..].iter().product();
-    fn pick<T: Copy>(
-        x: &[T],
-        outer: usize,
-        n: usize,
-        inner: usize,
-        r: &[std::ops::Range<usize>],
-    ) -> Vec<T> {
+    fn pick<T: Copy>(x: &[T], outer: usize, n: usize, inner: usize, r: &[Range<usize>]) -> Vec<T> {
         let mut v = Vec::with_capacity(outer * inner * r.iter().map(|r| r.len()).sum::<usize>());
         for o in 0..outer {
             for r in r {
@@ -209,8 +194,8 @@ pub(crate) fn take_chunks(t: &Tensor, axis: usize, cp: usize, pos: usize) -> Res
     let mut shape = t.shape.clone();
     shape[axis] = ranges.iter().map(|r| r.len()).sum();
     let data = match &t.data {
-        crate::Data::F32(x) => crate::Data::F32(pick(x, outer, n, inner, &ranges)),
-        crate::Data::I32(x) => crate::Data::I32(pick(x, outer, n, inner, &ranges)),
+        crate::Data::F32(x) => crate::Data::F32(pick(x, outer, n, inner, ranges)),
+        crate::Data::I32(x) => crate::Data::I32(pick(x, outer, n, inner, ranges)),
     };
     Ok(Tensor { shape, data })
 }
@@ -238,20 +223,236 @@ pub(crate) fn concat_along(parts: &[Tensor], axis: usize) -> Result<Tensor> {
     Ok(Tensor::f32(shape, out))
 }
 
-fn exchange(comm: &mut Communicator, group: &Group, pieces: Vec<Tensor>) -> Result<Vec<Tensor>> {
-    let shape = pieces[0].shape.clone();
-    let flat = pieces
-        .into_iter()
-        .map(Tensor::into_f)
-        .collect::<Result<Vec<_>>>()?;
-    Ok(comm
-        .all_to_all(group, flat)?
-        .into_iter()
-        .map(|v| Tensor::f32(shape.clone(), v))
-        .collect())
+/// What a layout change does to values, wherever they live: cut pieces
+/// along an axis, join them, sum a group's parts, and move pieces over a
+/// group. The host's tensors ([`HostMoves`]) and a backend's buffers
+/// (`crate::fused::relayout`) implement it, so that one [`convert_with`]
+/// says how each layout becomes each other, for the reference and for the
+/// fused compute alike.
+pub(crate) trait Moves {
+    type V: Clone;
+    /// This rank in the run.
+    fn rank(&self) -> usize;
+    fn dims<'v>(&self, v: &'v Self::V) -> &'v [usize];
+    /// The positions `ranges` of `v` along `axis`, in order, as one value.
+    fn cut(&mut self, v: &Self::V, axis: usize, ranges: &[Range<usize>]) -> Result<Self::V>;
+    /// `parts` (equal shapes) joined along `axis`.
+    fn join(&mut self, parts: &[Self::V], axis: usize) -> Result<Self::V>;
+    /// A value of zeros of `v`'s element type.
+    fn zeros(&mut self, like: &Self::V, dims: &[usize]) -> Result<Self::V>;
+    /// The sum of `parts` from zero, in order (the CPU communicator's).
+    fn sum(&mut self, parts: &[Self::V]) -> Result<Self::V>;
+    /// Piece `j` to the member at position `j`; what each member sent
+    /// here, in group order.
+    fn all_to_all(&mut self, group: &Group, pieces: Vec<Self::V>) -> Result<Vec<Self::V>>;
+    /// Every member's `v`, in group order.
+    fn all_gather(&mut self, group: &Group, v: &Self::V) -> Result<Vec<Self::V>> {
+        let n = group.size();
+        self.all_to_all(group, vec![v.clone(); n])
+    }
 }
 
-/// `v`, held in layout `from`, as this rank holds it in layout `to`.
+/// Piece `p` of `parts` equal pieces of an axis of `n`.
+fn even_piece(n: usize, parts: usize, p: usize) -> Result<Range<usize>> {
+    if parts == 0 || !n.is_multiple_of(parts) {
+        return Err(kernel_err(
+            "layout",
+            format!("an axis of {n} does not split into {parts}"),
+        ));
+    }
+    let len = n / parts;
+    Ok(p * len..(p + 1) * len)
+}
+
+fn axis_len<M: Moves>(m: &M, v: &M::V, axis: usize) -> Result<usize> {
+    m.dims(v)
+        .get(axis)
+        .copied()
+        .ok_or_else(|| kernel_err("layout", format!("no axis {axis} to split")))
+}
+
+/// `parts` equal pieces of `v` along `axis`.
+fn split<M: Moves>(m: &mut M, v: &M::V, axis: usize, parts: usize) -> Result<Vec<M::V>> {
+    let n = axis_len(m, v, axis)?;
+    (0..parts)
+        .map(|p| m.cut(v, axis, &[even_piece(n, parts, p)?]))
+        .collect()
+}
+
+/// The positions cp rank `pos` of `cp` holds along `axis`:
+/// [`dplc_ir::context_chunks`].
+fn context_ranges(n: usize, cp: usize, pos: usize) -> Result<[Range<usize>; 2]> {
+    dplc_ir::context_chunks(n, cp, pos).ok_or_else(|| {
+        RuntimeError::Config(format!(
+            "context parallelism cuts the sequence into 2·cp = {} chunks: it must divide {n}",
+            2 * cp
+        ))
+    })
+}
+
+/// `v`, held in layout `from`, as this rank holds it in layout `to`, by
+/// `m`'s moves over `groups`.
+pub(crate) fn convert_with<M: Moves>(
+    m: &mut M,
+    groups: &MeshGroups,
+    v: &M::V,
+    from: TensorLayout,
+    to: TensorLayout,
+) -> Result<M::V> {
+    if from == to {
+        return Ok(v.clone());
+    }
+    let (tp, ep, cp) = (&groups.tp, &groups.ep, &groups.cp);
+    let tp_pos = tp.position(m.rank()).unwrap_or(0);
+    let cp_pos = cp.position(m.rank()).unwrap_or(0);
+    if from == Partial && groups.skip_partial_sum {
+        return convert_with(m, groups, v, Replicated, to);
+    }
+    match (from, to) {
+        (Partial, Replicated) => {
+            let all = m.all_gather(tp, v)?;
+            m.sum(&all)
+        }
+        (Partial, Split { axis }) => {
+            // A reduce-scatter along `axis`, summed in group order everywhere.
+            let pieces = split(m, v, axis, tp.size())?;
+            let got = m.all_to_all(tp, pieces)?;
+            m.sum(&got)
+        }
+        (Split { axis }, Replicated) => {
+            let parts = m.all_gather(tp, v)?;
+            m.join(&parts, axis)
+        }
+        (Replicated, Split { axis }) => {
+            let n = axis_len(m, v, axis)?;
+            m.cut(v, axis, &[even_piece(n, tp.size(), tp_pos)?])
+        }
+        (Split { .. }, Split { .. }) => {
+            let whole = convert_with(m, groups, v, from, Replicated)?;
+            convert_with(m, groups, &whole, Replicated, to)
+        }
+        // Context parallelism: the sequence in load-balanced chunks over cp
+        // (rank q holds chunks q and 2·cp − 1 − q).
+        (Context { axis }, Replicated) => {
+            let n = cp.size();
+            let mut chunks: Vec<Option<M::V>> = vec![None; 2 * n];
+            for (q, x) in m.all_gather(cp, v)?.into_iter().enumerate() {
+                let mut halves = split(m, &x, axis, 2)?;
+                chunks[2 * n - 1 - q] = halves.pop();
+                chunks[q] = halves.pop();
+            }
+            let chunks: Vec<M::V> = chunks.into_iter().flatten().collect();
+            m.join(&chunks, axis)
+        }
+        (Replicated, Context { axis }) => {
+            let n = axis_len(m, v, axis)?;
+            m.cut(v, axis, &context_ranges(n, cp.size(), cp_pos)?)
+        }
+        (Partial, Context { axis }) => {
+            // A reduce-scatter: each rank's summand of every rank's chunks,
+            // summed in group order everywhere.
+            let n = axis_len(m, v, axis)?;
+            let pieces = (0..cp.size())
+                .map(|q| m.cut(v, axis, &context_ranges(n, cp.size(), q)?))
+                .collect::<Result<Vec<_>>>()?;
+            let got = m.all_to_all(cp, pieces)?;
+            m.sum(&got)
+        }
+        (Context { axis }, Partial) => {
+            // This rank's summand of a whole gradient: zero elsewhere.
+            let n = cp.size();
+            let mut halves = split(m, v, axis, 2)?;
+            let zero = m.zeros(v, m.dims(&halves[0]))?;
+            let mut chunks = vec![zero; 2 * n];
+            chunks[2 * n - 1 - cp_pos] = halves.pop().expect("two halves");
+            chunks[cp_pos] = halves.pop().expect("two halves");
+            m.join(&chunks, axis)
+        }
+        // Tokens to the ranks that own their experts, and back.
+        (Replicated, Experts) => {
+            let pieces = split(m, v, 0, ep.size())?;
+            let got = m.all_to_all(ep, pieces)?;
+            m.join(&got, 1)
+        }
+        (Experts, Replicated) => {
+            let pieces = split(m, v, 1, ep.size())?;
+            let got = m.all_to_all(ep, pieces)?;
+            m.join(&got, 0)
+        }
+        _ => Err(RuntimeError::Unsupported(format!(
+            "no conversion from {from:?} to {to:?}"
+        ))),
+    }
+}
+
+/// [`Moves`] on host tensors, over the CPU communicator.
+pub(crate) struct HostMoves<'c> {
+    pub comm: &'c mut Communicator,
+}
+
+impl Moves for HostMoves<'_> {
+    type V = Tensor;
+
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn dims<'v>(&self, v: &'v Tensor) -> &'v [usize] {
+        &v.shape
+    }
+
+    fn cut(&mut self, v: &Tensor, axis: usize, ranges: &[Range<usize>]) -> Result<Tensor> {
+        take_ranges(v, axis, ranges)
+    }
+
+    fn join(&mut self, parts: &[Tensor], axis: usize) -> Result<Tensor> {
+        concat_along(parts, axis)
+    }
+
+    fn zeros(&mut self, _like: &Tensor, dims: &[usize]) -> Result<Tensor> {
+        Ok(Tensor::zeros(dims))
+    }
+
+    fn sum(&mut self, parts: &[Tensor]) -> Result<Tensor> {
+        let first = parts
+            .first()
+            .ok_or_else(|| kernel_err("layout", "nothing to sum"))?;
+        let mut out = vec![0.0f32; first.numel()];
+        for p in parts {
+            out.iter_mut().zip(p.f()?).for_each(|(o, &x)| *o += x);
+        }
+        Ok(Tensor::f32(first.shape.clone(), out))
+    }
+
+    fn all_to_all(&mut self, group: &Group, pieces: Vec<Tensor>) -> Result<Vec<Tensor>> {
+        let shapes: Vec<Vec<usize>> = pieces.iter().map(|p| p.shape.clone()).collect();
+        let flat = pieces
+            .into_iter()
+            .map(Tensor::into_f)
+            .collect::<Result<Vec<_>>>()?;
+        // Every member cuts the same shapes: what arrives has this rank's.
+        let pos = group.position(self.comm.rank()).unwrap_or(0);
+        let shape = shapes.get(pos).cloned().unwrap_or_default();
+        Ok(self
+            .comm
+            .all_to_all(group, flat)?
+            .into_iter()
+            .map(|v| Tensor::f32(shape.clone(), v))
+            .collect())
+    }
+
+    fn all_gather(&mut self, group: &Group, v: &Tensor) -> Result<Vec<Tensor>> {
+        Ok(self
+            .comm
+            .all_gather(group, v.f()?)?
+            .into_iter()
+            .map(|x| Tensor::f32(v.shape.clone(), x))
+            .collect())
+    }
+}
+
+/// `v`, held in layout `from`, as this rank holds it in layout `to` (on
+/// the host).
 pub(crate) fn convert(
     comm: &mut Communicator,
     groups: &MeshGroups,
@@ -259,90 +460,7 @@ pub(crate) fn convert(
     from: TensorLayout,
     to: TensorLayout,
 ) -> Result<Tensor> {
-    if from == to {
-        return Ok(v.clone());
-    }
-    let (tp, ep, cp) = (&groups.tp, &groups.ep, &groups.cp);
-    let tp_pos = tp.position(comm.rank()).unwrap_or(0);
-    let cp_pos = cp.position(comm.rank()).unwrap_or(0);
-    if from == Partial && groups.skip_partial_sum {
-        return convert(comm, groups, v, Replicated, to);
-    }
-    match (from, to) {
-        (Partial, Replicated) => {
-            let mut x = v.f()?.to_vec();
-            comm.all_reduce(tp, &mut x)?;
-            Ok(Tensor::f32(v.shape.clone(), x))
-        }
-        (Partial, Split { axis }) => {
-            // A reduce-scatter along `axis`, summed in group order everywhere.
-            let got = exchange(comm, tp, split_along(v, axis, tp.size())?)?;
-            let mut out = vec![0.0f32; got[0].numel()];
-            for g in &got {
-                out.iter_mut().zip(g.f()?).for_each(|(o, &x)| *o += x);
-            }
-            Ok(Tensor::f32(got[0].shape.clone(), out))
-        }
-        (Split { axis }, Replicated) => {
-            let parts: Vec<Tensor> = comm
-                .all_gather(tp, v.f()?)?
-                .into_iter()
-                .map(|x| Tensor::f32(v.shape.clone(), x))
-                .collect();
-            concat_along(&parts, axis)
-        }
-        (Replicated, Split { axis }) => Ok(split_along(v, axis, tp.size())?.swap_remove(tp_pos)),
-        (Split { .. }, Split { .. }) => {
-            let whole = convert(comm, groups, v, from, Replicated)?;
-            convert(comm, groups, &whole, Replicated, to)
-        }
-        // Tokens to the ranks that own their experts, and back.
-        // Context parallelism: the sequence in load-balanced chunks over cp.
-        (Context { axis }, Replicated) => {
-            let n = cp.size();
-            let mut chunks: Vec<Option<Tensor>> = vec![None; 2 * n];
-            for (q, x) in comm.all_gather(cp, v.f()?)?.into_iter().enumerate() {
-                let mut halves = split_along(&Tensor::f32(v.shape.clone(), x), axis, 2)?;
-                chunks[2 * n - 1 - q] = halves.pop();
-                chunks[q] = halves.pop();
-            }
-            let chunks: Vec<Tensor> = chunks.into_iter().flatten().collect();
-            concat_along(&chunks, axis)
-        }
-        (Replicated, Context { axis }) => take_chunks(v, axis, cp.size(), cp_pos),
-        (Partial, Context { axis }) => {
-            // A reduce-scatter: each rank's summand of every rank's chunks,
-            // summed in group order everywhere.
-            let pieces = (0..cp.size())
-                .map(|q| take_chunks(v, axis, cp.size(), q))
-                .collect::<Result<Vec<_>>>()?;
-            let got = exchange(comm, cp, pieces)?;
-            let mut out = vec![0.0f32; got[0].numel()];
-            for g in &got {
-                out.iter_mut().zip(g.f()?).for_each(|(o, &x)| *o += x);
-            }
-            Ok(Tensor::f32(got[0].shape.clone(), out))
-        }
-        (Context { axis }, Partial) => {
-            // This rank's summand of a whole gradient: zero elsewhere.
-            let n = cp.size();
-            let mut halves = split_along(v, axis, 2)?;
-            let zero = Tensor::zeros(&halves[0].shape);
-            let mut chunks = vec![zero; 2 * n];
-            chunks[2 * n - 1 - cp_pos] = halves.pop().expect("two halves");
-            chunks[cp_pos] = halves.pop().expect("two halves");
-            concat_along(&chunks, axis)
-        }
-        (Replicated, Experts) => {
-            concat_along(&exchange(comm, ep, split_along(v, 0, ep.size())?)?, 1)
-        }
-        (Experts, Replicated) => {
-            concat_along(&exchange(comm, ep, split_along(v, 1, ep.size())?)?, 0)
-        }
-        _ => Err(RuntimeError::Unsupported(format!(
-            "no conversion from {from:?} to {to:?}"
-        ))),
-    }
+    convert_with(&mut HostMoves { comm }, groups, v, from, to)
 }
 
 #[cfg(test)]

@@ -1203,6 +1203,7 @@ fn every_split_on_one_gpu_matches_the_host_fused_compute() {
         if cfg.tp > 1 && cfg.layout.is_none() {
             cfg.layout = Some(dplc_planner::derive_layout(g, 2, 1, true).unwrap());
         }
+        let ranks = cfg.world_size();
         let host = dplc_runtime::train(g, spec, &cfg, data, 4, 3, |_| {}).unwrap();
         let gpu_cfg = RunConfig {
             device: Device::Cuda {
@@ -1217,6 +1218,14 @@ fn every_split_on_one_gpu_matches_the_host_fused_compute() {
         assert_close(name, &losses(&host), &losses(&gpu), 1e-4);
         let used = gpu.device.clone().expect("a GPU run reports its device");
         assert!(used.peak_bytes > 0, "{name}: the allocator saw the run");
+        // Ranks sharing the GPU move layout changes' pieces on it.
+        if ranks > 1 {
+            assert_eq!(
+                used.collectives,
+                dplc_runtime::Collectives::SharedDevice,
+                "{name}"
+            );
+        }
         eprintln!(
             "{name}: GPU losses {:?}, peak {} bytes on {}",
             losses(&gpu),
@@ -1277,6 +1286,18 @@ fn ranks_with_a_gpu_each_sum_through_nccl() {
             dp: 1,
             pp: 2,
             num_micro_batches: 4,
+            ..base.clone()
+        },
+    ));
+    // The layout changes' pieces through NCCL's sends and receives.
+    splits.push((
+        "tp2 sp",
+        RunConfig {
+            dp: 1,
+            tp: 2,
+            sequence_parallel: true,
+            num_micro_batches: 4,
+            layout: Some(dplc_planner::derive_layout(&g, 2, 1, true).unwrap()),
             ..base.clone()
         },
     ));

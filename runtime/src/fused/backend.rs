@@ -119,6 +119,18 @@ pub trait Backend {
         to: usize,
         len: usize,
     ) -> Result<()>;
+    /// Copy `rows` rows of `width` elements of type `elem` between two
+    /// buffers: row `r` from `src.0` at element `src.1 + r·src.2` to
+    /// `dst.0` at `dst.1 + r·dst.2` (a piece of a tensor cut along an
+    /// axis, or put back: a layout change's moves).
+    fn copy_rows(
+        &mut self,
+        elem: Elem,
+        src: (&Self::Buf, usize, usize),
+        dst: (&Self::Buf, usize, usize),
+        rows: usize,
+        width: usize,
+    ) -> Result<()>;
     /// Run `kernel` with one buffer per kernel buffer.
     fn launch(&mut self, kernel: &Kernel, args: &Args, bufs: &[Self::Buf]) -> Result<()>;
     /// Run one pass of a fused attention, with one buffer per
@@ -378,6 +390,61 @@ impl Backend for HostBackend {
             }
             _ => Err(short()),
         }
+    }
+
+    fn copy_rows(
+        &mut self,
+        elem: Elem,
+        (src, from, src_stride): (&Self::Buf, usize, usize),
+        (dst, to, dst_stride): (&Self::Buf, usize, usize),
+        rows: usize,
+        width: usize,
+    ) -> Result<()> {
+        check_elem(self.storage, "copy_rows", elem, src)?;
+        check_elem(self.storage, "copy_rows", elem, dst)?;
+        if rows == 0 || width == 0 {
+            return Ok(());
+        }
+        let bad = || {
+            kernel_err(
+                "copy_rows",
+                format!(
+                    "{rows} rows of {width} from {from} (stride {src_stride}) to {to} \
+                     (stride {dst_stride})"
+                ),
+            )
+        };
+        // Rows may not overlap (a GPU's 2-D copy asks as much).
+        if Rc::ptr_eq(src, dst) || width > src_stride || width > dst_stride {
+            return Err(bad());
+        }
+        let end = |at: usize, stride: usize| at + (rows - 1) * stride + width;
+        fn rows_of<T: Copy>(
+            s: &[T],
+            d: &mut [T],
+            (from, src_stride): (usize, usize),
+            (to, dst_stride): (usize, usize),
+            (rows, width): (usize, usize),
+        ) {
+            for r in 0..rows {
+                let (a, b) = (from + r * src_stride, to + r * dst_stride);
+                d[b..b + width].copy_from_slice(&s[a..a + width]);
+            }
+        }
+        let s = src.data.borrow();
+        let mut d = dst.data.borrow_mut();
+        let fits = |s: usize, d: usize| end(from, src_stride) <= s && end(to, dst_stride) <= d;
+        let shape = (rows, width);
+        match (&*s, &mut *d) {
+            (Data::F32(s), Data::F32(d)) if fits(s.len(), d.len()) => {
+                rows_of(s, d, (from, src_stride), (to, dst_stride), shape);
+            }
+            (Data::I32(s), Data::I32(d)) if fits(s.len(), d.len()) => {
+                rows_of(s, d, (from, src_stride), (to, dst_stride), shape);
+            }
+            _ => return Err(bad()),
+        }
+        Ok(())
     }
 
     fn launch(&mut self, kernel: &Kernel, args: &Args, bufs: &[Self::Buf]) -> Result<()> {

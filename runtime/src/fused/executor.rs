@@ -26,7 +26,7 @@ use dplc_codegen::{
     AttentionPass, BackwardStep, Elem, FusedAttention, FusedKernel, FusionPlan, GradBinding,
     KeyPlace, KeySize, Operand, Step,
 };
-use dplc_ir::{DType, Graph, NodeId, Op, ParamId, Recompute, RegionId, TensorId};
+use dplc_ir::{DType, Graph, NodeId, Op, ParamId, Recompute, RegionId, TensorId, TensorLayout};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -37,7 +37,7 @@ mod vocab;
 /// layout change over the tensor- or expert-parallel group (a collective),
 /// and MoE routing (top-k, dispatch, combine) by the reference kernels.
 /// Values cross as host tensors at the local program's shapes.
-pub trait HostSteps {
+pub trait HostSteps<B: Backend> {
     /// Node `node`'s outputs from its inputs.
     fn forward(&mut self, node: NodeId, ins: Vec<Tensor>) -> Result<Vec<Tensor>>;
     /// The gradients of node `node`'s inputs (`None` where none flows) from
@@ -66,6 +66,16 @@ pub trait HostSteps {
     /// The tensor-parallel group's side of an op over a split vocabulary,
     /// which the fused compute runs on the device between these exchanges.
     fn vocab(&mut self) -> &mut dyn VocabGroup;
+    /// A layout change on the device: `v`, held in layout `from`, as this
+    /// rank holds it in layout `to`, over the rank's mesh groups
+    /// (`crate::shard::convert`'s rules, on `be`'s buffers).
+    fn relayout(
+        &mut self,
+        be: &mut B,
+        v: Shaped<B>,
+        from: TensorLayout,
+        to: TensorLayout,
+    ) -> Result<Shaped<B>>;
 }
 
 /// The tensor-parallel group's exchanges of the ops over a split vocabulary
@@ -80,6 +90,22 @@ pub trait VocabGroup {
     fn row_stats(&mut self, mine: &[f32]) -> Result<Vec<f32>>;
     /// The group's sum of each row's parts.
     fn row_sums(&mut self, sums: &mut [f32]) -> Result<()>;
+}
+
+/// A value on the device with its shape (a layout change cuts and joins
+/// along its axes).
+pub struct Shaped<B: Backend> {
+    pub val: Val<B>,
+    pub dims: Vec<usize>,
+}
+
+impl<B: Backend> Clone for Shaped<B> {
+    fn clone(&self) -> Self {
+        Shaped {
+            val: self.val.clone(),
+            dims: self.dims.clone(),
+        }
+    }
 }
 
 /// A value on the device: its buffer, element type and element count.
@@ -198,7 +224,7 @@ pub struct ChunkSpan {
     pub sends: Option<NodeId>,
 }
 /// Runs one micro-batch forward and backward on a backend.
-pub struct Executor<'a> {
+pub struct Executor<'a, B: Backend> {
     pub graph: &'a Graph,
     pub fused: &'a FusedGraph,
     /// Values of the symbolic dims, by `SymId`.
@@ -213,7 +239,7 @@ pub struct Executor<'a> {
     /// launch sets its own layer.
     pub place: KeyPlace,
     /// Who runs the host steps; `None` where the graph has none.
-    pub host: Option<RefCell<&'a mut dyn HostSteps>>,
+    pub host: Option<RefCell<&'a mut dyn HostSteps<B>>>,
 }
 
 /// Parameters the forward reads and where the backward leaves their
@@ -283,7 +309,7 @@ pub(crate) fn tensor_dims(graph: &Graph, syms: &[i64], t: TensorId) -> Vec<usize
         .collect()
 }
 
-impl<'a> Executor<'a> {
+impl<'a, B: Backend> Executor<'a, B> {
     fn dims(&self, t: TensorId) -> Vec<usize> {
         tensor_dims(self.graph, &self.syms, t)
     }
@@ -296,7 +322,7 @@ impl<'a> Executor<'a> {
         base_of(self.graph, t)
     }
 
-    fn get<B: Backend>(&self, run: &RegionRun<B>, t: TensorId) -> Result<Val<B>> {
+    fn get(&self, run: &RegionRun<B>, t: TensorId) -> Result<Val<B>> {
         run.values
             .get(&self.base(t))
             .cloned()
@@ -385,7 +411,7 @@ impl<'a> Executor<'a> {
     }
 
     /// Run region `r` forward with its arguments bound to `args` at `layer`.
-    pub fn forward<B: Backend>(
+    pub fn forward(
         &self,
         be: &mut B,
         r: RegionId,
@@ -458,7 +484,7 @@ impl<'a> Executor<'a> {
     /// run and, for a chunk before the last, what it sends on in the same
     /// order.
     #[allow(clippy::too_many_arguments)]
-    pub fn forward_chunk<B: Backend>(
+    pub fn forward_chunk(
         &self,
         be: &mut B,
         span: &ChunkSpan,
@@ -560,7 +586,7 @@ impl<'a> Executor<'a> {
 
     /// A run of region `r` with its arguments, parameters (those held) and
     /// inputs bound.
-    fn bind<B: Backend>(
+    fn bind(
         &self,
         r: RegionId,
         args: Vec<Val<B>>,
@@ -587,13 +613,7 @@ impl<'a> Executor<'a> {
     }
 
     /// One kernel or matmul step of a forward.
-    fn run_step<B: Backend>(
-        &self,
-        be: &mut B,
-        run: &mut RegionRun<B>,
-        step: &Step,
-        layer: u64,
-    ) -> Result<()> {
+    fn run_step(&self, be: &mut B, run: &mut RegionRun<B>, step: &Step, layer: u64) -> Result<()> {
         match step {
             Step::Kernel(k) => {
                 let args = self.args(k, layer);
@@ -666,7 +686,7 @@ impl<'a> Executor<'a> {
 
     /// A fused attention forward: its output (the graph's tensor) and its
     /// log-sum-exp, kept where a backward will read it.
-    fn attention_forward<B: Backend>(
+    fn attention_forward(
         &self,
         be: &mut B,
         run: &mut RegionRun<B>,
@@ -745,13 +765,7 @@ impl<'a> Executor<'a> {
     /// start, and again before its backward where its forward dropped them
     /// (see [`HostSteps::reshards`]). A pipeline stage holds the parameters
     /// of its own chunks: one it does not hold is an error where it is read.
-    fn bind_params<B: Backend>(
-        &self,
-        r: RegionId,
-        run: &mut RegionRun<B>,
-        layer: u64,
-        params: &ParamBufs<B>,
-    ) {
+    fn bind_params(&self, r: RegionId, run: &mut RegionRun<B>, layer: u64, params: &ParamBufs<B>) {
         let values = params.values.borrow();
         for (p, t) in self.param_nodes(r) {
             if let Some(v) = values.get(&ParamKey { param: p, layer }) {
@@ -760,7 +774,7 @@ impl<'a> Executor<'a> {
         }
     }
 
-    fn host(&self, node: NodeId) -> Result<std::cell::RefMut<'_, &'a mut dyn HostSteps>> {
+    fn host(&self, node: NodeId) -> Result<std::cell::RefMut<'_, &'a mut dyn HostSteps<B>>> {
         self.host.as_ref().map(RefCell::borrow_mut).ok_or_else(|| {
             RuntimeError::Unsupported(format!(
                 "`{}` runs on the host, which this fused run does not provide; run it on the \
@@ -770,18 +784,55 @@ impl<'a> Executor<'a> {
         })
     }
 
-    fn to_host<B: Backend>(&self, be: &mut B, t: TensorId, v: &Val<B>) -> Result<Tensor> {
+    fn to_host(&self, be: &mut B, t: TensorId, v: &Val<B>) -> Result<Tensor> {
         to_host(be, self.graph, &self.syms, t, v)
     }
 
-    /// A host step forward: its inputs down, its outputs up.
-    fn host_forward<B: Backend>(
+    /// A layout change of tensor `t`'s value `x` on the device
+    /// ([`HostSteps::relayout`]), as a float value of tensor `out`'s shape;
+    /// `None` for indices, which change layout on the host.
+    fn relayout(
         &self,
         be: &mut B,
-        run: &mut RegionRun<B>,
         node: NodeId,
-    ) -> Result<()> {
+        (t, x): (TensorId, Val<B>),
+        out: TensorId,
+        (from, to): (TensorLayout, TensorLayout),
+    ) -> Result<Option<Val<B>>> {
+        if x.elem == Elem::I32 {
+            return Ok(None);
+        }
+        let v = Shaped {
+            val: x,
+            dims: self.dims(t),
+        };
+        let got = self.host(node)?.relayout(be, v, from, to)?;
+        if got.dims != self.dims(out) {
+            return Err(kernel_err(
+                "relayout",
+                format!(
+                    "{from:?} → {to:?} made {:?} where {out} is {:?}",
+                    got.dims,
+                    self.dims(out)
+                ),
+            ));
+        }
+        self.as_elem(be, &got.val, Elem::Float).map(Some)
+    }
+
+    /// A host step forward: its inputs down, its outputs up. A layout
+    /// change of floats stays on the device ([`Self::relayout`]).
+    fn host_forward(&self, be: &mut B, run: &mut RegionRun<B>, node: NodeId) -> Result<()> {
         let n = self.graph.node(node);
+        if let (Op::Relayout { from, to, .. }, [t], [out]) =
+            (&n.op, n.inputs.as_slice(), n.outputs.as_slice())
+        {
+            let x = self.get(run, *t)?;
+            if let Some(v) = self.relayout(be, node, (*t, x), *out, (*from, *to))? {
+                run.values.insert(*out, v);
+                return Ok(());
+            }
+        }
         let ins = n
             .inputs
             .iter()
@@ -811,7 +862,7 @@ impl<'a> Executor<'a> {
 
     /// Layers `layers` of repeat `n`, from `init` (else the node's carried
     /// inputs in `run`); the repeat's outputs are left in `run`.
-    fn forward_repeat<B: Backend>(
+    fn forward_repeat(
         &self,
         be: &mut B,
         run: &mut RegionRun<B>,
@@ -888,7 +939,7 @@ impl<'a> Executor<'a> {
 
     /// Selective recomputation: run again, in order, the steps whose values
     /// the layer's forward dropped.
-    fn recompute_dropped<B: Backend>(
+    fn recompute_dropped(
         &self,
         be: &mut B,
         body: RegionId,
@@ -907,7 +958,7 @@ impl<'a> Executor<'a> {
     }
 
     /// `v` as a buffer of `elem` (a conversion kernel when the types differ).
-    fn as_elem<B: Backend>(&self, be: &mut B, v: &Val<B>, elem: Elem) -> Result<Val<B>> {
+    fn as_elem(&self, be: &mut B, v: &Val<B>, elem: Elem) -> Result<Val<B>> {
         let same = v.elem == elem
             || (be.dtype() == DType::F32 && v.elem != Elem::I32 && elem != Elem::I32);
         if same {
@@ -927,12 +978,7 @@ impl<'a> Executor<'a> {
     }
 
     /// The `f32` value of a float tensor of a run (the loss, for a report).
-    pub fn read<B: Backend>(
-        &self,
-        be: &mut B,
-        run: &RegionRun<B>,
-        t: TensorId,
-    ) -> Result<Vec<f32>> {
+    pub fn read(&self, be: &mut B, run: &RegionRun<B>, t: TensorId) -> Result<Vec<f32>> {
         let v = self.get(run, t)?;
         be.download(&v.buf, v.elem, self.numel(t))
     }

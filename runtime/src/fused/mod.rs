@@ -7,10 +7,11 @@
 mod backend;
 mod executor;
 mod plan;
+pub(crate) mod relayout;
 
 pub use backend::{matmul_cpu, Backend, HostBackend, HostBuf, MatMul};
 pub use executor::{
-    flat_args, ChunkSpan, Executor, HostSteps, ParamBufs, RegionRun, Val, VocabGroup,
+    flat_args, ChunkSpan, Executor, HostSteps, ParamBufs, RegionRun, Shaped, Val, VocabGroup,
 };
 pub(crate) use executor::{tensor_dims, to_backend, to_host};
 pub use plan::FusedGraph;

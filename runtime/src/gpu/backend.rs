@@ -352,6 +352,27 @@ impl Backend for CudaBackend {
         self.end(t0, || "copy".into())
     }
 
+    fn copy_rows(
+        &mut self,
+        elem: Elem,
+        (src, from, src_stride): (&Self::Buf, usize, usize),
+        (dst, to, dst_stride): (&Self::Buf, usize, usize),
+        rows: usize,
+        width: usize,
+    ) -> Result<()> {
+        let w = self.bytes(elem, 1);
+        let t0 = self.begin()?;
+        self.dev.copy_2d(
+            src,
+            (from * w, src_stride * w),
+            dst,
+            (to * w, dst_stride * w),
+            width * w,
+            rows,
+        )?;
+        self.end(t0, || "copy_rows".into())
+    }
+
     fn launch(&mut self, kernel: &Kernel, args: &Args, bufs: &[Self::Buf]) -> Result<()> {
         let dev = self.dev.clone();
         let check = self.check_finite;

@@ -131,6 +131,62 @@ impl NcclCommunicator {
         NcclCommunicator::new(dev, env.rank, env.world_size, id)
     }
 
+    /// Pieces sent and received as one NCCL group (so that no pair waits
+    /// on another's order): each `(rank, buffer, bytes)` of `sends` the
+    /// buffer's first bytes to that rank, each of `recvs` as many from it.
+    pub fn exchange_bytes(
+        &mut self,
+        sends: &[(usize, &DeviceBuffer, usize)],
+        recvs: &mut [(usize, &mut DeviceBuffer, usize)],
+    ) -> GpuResult<()> {
+        let sizes = sends
+            .iter()
+            .map(|(j, b, n)| (*j, b.bytes(), *n))
+            .chain(recvs.iter().map(|(j, b, n)| (*j, b.bytes(), *n)));
+        for (j, have, n) in sizes {
+            if j >= self.world || have < n {
+                return Err(GpuError::Invalid(format!(
+                    "exchange: {n} bytes of a {have}-byte buffer with rank {j} of {}",
+                    self.world
+                )));
+            }
+        }
+        let (comm, stream) = (self.comm, self.stream());
+        nccl_result::group_start().map_err(|e| nccl("ncclGroupStart", e))?;
+        // SAFETY: each buffer holds the bytes moved (checked above) and is
+        // used on the communicator's stream.
+        let queued = sends
+            .iter()
+            .try_for_each(|(j, b, n)| unsafe {
+                nccl_result::send(
+                    b.device_ptr() as *const c_void,
+                    *n,
+                    BYTES,
+                    *j as i32,
+                    comm,
+                    stream,
+                )
+                .map(drop)
+            })
+            .and_then(|()| {
+                recvs.iter_mut().try_for_each(|(j, b, n)| unsafe {
+                    nccl_result::recv(
+                        b.device_ptr() as *mut c_void,
+                        *n,
+                        BYTES,
+                        *j as i32,
+                        comm,
+                        stream,
+                    )
+                    .map(drop)
+                })
+            })
+            .map_err(|e| nccl("ncclSend/ncclRecv", e));
+        // The group is closed even when a call in it failed.
+        let closed = nccl_result::group_end().map_err(|e| nccl("ncclGroupEnd", e));
+        queued.and(closed.map(drop))
+    }
+
     pub fn device(&self) -> &Arc<GpuDevice> {
         &self.dev
     }
@@ -148,6 +204,7 @@ impl Drop for NcclCommunicator {
 }
 
 const F32: nccl_sys::ncclDataType_t = nccl_sys::ncclDataType_t::ncclFloat32;
+const BYTES: nccl_sys::ncclDataType_t = nccl_sys::ncclDataType_t::ncclUint8;
 const SUM: nccl_sys::ncclRedOp_t = nccl_sys::ncclRedOp_t::ncclSum;
 
 impl DeviceCollectives for NcclCommunicator {

@@ -352,6 +352,36 @@ impl GpuDevice {
         .map_err(|e| driver("copy on device", e))
     }
 
+    /// Queue a copy of `bytes` bytes from device address `src` into the
+    /// start of `dst`: another rank's buffer on this device, named by its
+    /// address (ranks that share a GPU in one process, `super::shared`).
+    ///
+    /// # Safety
+    /// `src` must address at least `bytes` bytes of a live allocation on
+    /// this device that stays allocated until the copy is queued, and
+    /// whose writes were queued on this device's stream before it (so the
+    /// stream orders them before the copy).
+    pub unsafe fn copy_from_address(
+        &self,
+        src: u64,
+        dst: &DeviceBuffer,
+        bytes: usize,
+    ) -> GpuResult<()> {
+        if bytes > dst.bytes() {
+            return Err(GpuError::Invalid(format!(
+                "copying {bytes} bytes into a buffer of {}",
+                dst.bytes()
+            )));
+        }
+        cudarc::driver::result::memcpy_dtod_async(
+            dst.device_ptr(),
+            src,
+            bytes,
+            self.stream.cu_stream(),
+        )
+        .map_err(|e| driver("copy on device", e))
+    }
+
     /// Queue a device-to-device copy of `height` rows of `width` bytes: row
     /// `r` from `src` at byte `from + r·src_pitch` to `dst` at byte `to +
     /// r·dst_pitch` (a block of a row-major matrix into another's).

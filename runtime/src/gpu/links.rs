@@ -18,7 +18,7 @@ use super::device::{DeviceBuffer, GpuDevice};
 use super::rendezvous::ID_BYTES;
 use crate::comm::{Communicator, Group};
 use crate::error::{kernel_err, Result};
-use crate::fused::Backend;
+use crate::fused::{Backend, Val};
 use crate::params::{DeviceBuf, Links, Pieces};
 use dplc_codegen::Elem;
 use std::collections::HashMap;
@@ -212,5 +212,60 @@ impl Links<CudaBackend> for NcclLinks {
                 })
             })
             .collect()
+    }
+
+    fn all_to_all(
+        &mut self,
+        be: &mut CudaBackend,
+        comm: &mut Communicator,
+        group: &Group,
+        pieces: Vec<Val<CudaBackend>>,
+    ) -> Result<Vec<Val<CudaBackend>>> {
+        let members = group.size();
+        let pos = group
+            .position(comm.rank())
+            .ok_or_else(|| kernel_err("nccl", "an all-to-all over a group without this rank"))?;
+        if pieces.len() != members {
+            return Err(kernel_err(
+                "nccl",
+                format!("{} pieces for a group of {members}", pieces.len()),
+            ));
+        }
+        let mine = pieces[pos].clone();
+        if members == 1 || mine.len == 0 {
+            return Ok(vec![mine; members]);
+        }
+        let float = be.dtype().size_bytes() as usize;
+        let width = |elem: Elem| match elem {
+            Elem::Float => float,
+            Elem::F32 | Elem::I32 => 4,
+        };
+        let bytes = mine.len * width(mine.elem);
+        let mut got: Vec<Val<CudaBackend>> = Vec::with_capacity(members);
+        for j in 0..members {
+            got.push(if j == pos {
+                mine.clone()
+            } else {
+                Val {
+                    buf: be.alloc(mine.elem, mine.len)?,
+                    elem: mine.elem,
+                    len: mine.len,
+                }
+            });
+        }
+        let sends: Vec<(usize, &DeviceBuffer, usize)> = pieces
+            .iter()
+            .enumerate()
+            .filter(|&(j, _)| j != pos)
+            .map(|(j, p)| (j, &*p.buf, p.len * width(p.elem)))
+            .collect();
+        let mut recvs = Vec::with_capacity(members - 1);
+        for (j, v) in got.iter_mut().enumerate() {
+            if j != pos {
+                recvs.push((j, unique(&mut v.buf)?, bytes));
+            }
+        }
+        self.comm(comm, group)?.exchange_bytes(&sends, &mut recvs)?;
+        Ok(got)
     }
 }

@@ -16,6 +16,7 @@ use super::storage::{
 };
 use crate::comm::{Communicator, Group};
 use crate::error::{kernel_err, Result};
+use crate::fused::relayout::{DeviceMoves, LayoutKernels};
 use crate::fused::{flat_args, Backend, Val};
 use dplc_codegen::{
     adamw_kernel, adamw_value_kernel, add_kernel, convert_kernel, sgd_kernel, sum_squares_kernel,
@@ -69,6 +70,17 @@ pub(crate) trait Links<B: Backend> {
         group: &Group,
         vs: &[Pieces<'_, DeviceBuf<B>>],
     ) -> Result<Vec<DeviceBuf<B>>>;
+    /// Piece `j` of `pieces` to the member at position `j` of `group`; what
+    /// each member sent here, in group order. The pieces of a layout change
+    /// (`crate::fused::relayout`): floats in any storage type, every
+    /// member's piece for this rank as long as this rank's own.
+    fn all_to_all(
+        &mut self,
+        be: &mut B,
+        comm: &mut Communicator,
+        group: &Group,
+        pieces: Vec<Val<B>>,
+    ) -> Result<Vec<Val<B>>>;
 }
 
 /// Through the host: each collective copies its vectors down, runs the CPU
@@ -132,6 +144,51 @@ impl<B: Backend> Links<B> for HostStaged {
     ) -> Result<Vec<DeviceBuf<B>>> {
         through_host(be, vs, |pieces| all_gather_host(comm, group, pieces))
     }
+
+    fn all_to_all(
+        &mut self,
+        be: &mut B,
+        comm: &mut Communicator,
+        group: &Group,
+        pieces: Vec<Val<B>>,
+    ) -> Result<Vec<Val<B>>> {
+        all_to_all_host(be, comm, group, pieces)
+    }
+}
+
+/// [`Links::all_to_all`] through the host, for any backend: the pieces
+/// down as `f32` (exact from any storage type), the CPU communicator's
+/// all-to-all, the arrivals up in the pieces' type.
+pub(crate) fn all_to_all_host<B: Backend>(
+    be: &mut B,
+    comm: &mut Communicator,
+    group: &Group,
+    pieces: Vec<Val<B>>,
+) -> Result<Vec<Val<B>>> {
+    let elem = pieces
+        .first()
+        .map(|p| p.elem)
+        .ok_or_else(|| kernel_err("all_to_all", "no pieces"))?;
+    if elem == Elem::I32 {
+        return Err(kernel_err(
+            "all_to_all",
+            "indices move between ranks on the host, not as a layout change's pieces",
+        ));
+    }
+    let host: Vec<Vec<f32>> = pieces
+        .iter()
+        .map(|p| be.download(&p.buf, p.elem, p.len))
+        .collect::<Result<_>>()?;
+    comm.all_to_all(group, host)?
+        .iter()
+        .map(|h| {
+            Ok(Val {
+                buf: be.upload(elem, h)?,
+                elem,
+                len: h.len(),
+            })
+        })
+        .collect()
 }
 
 /// `collective` on host copies of `vs`, its results copied up.
@@ -161,6 +218,7 @@ pub(crate) struct DeviceStorage<B: Backend, L> {
     pub be: B,
     links: L,
     kernels: StepKernels,
+    layout: LayoutKernels,
 }
 
 impl<B: Backend, L: Links<B>> DeviceStorage<B, L> {
@@ -176,6 +234,22 @@ impl<B: Backend, L: Links<B>> DeviceStorage<B, L> {
                 sum_squares: sum_squares_kernel(Elem::F32),
                 to_storage: convert_kernel(Elem::Float, Elem::F32),
             },
+            layout: LayoutKernels::new(),
+        }
+    }
+
+    /// What a layout change on `be` (the compute's handle on this
+    /// device) moves its pieces with.
+    pub fn moves<'x>(
+        &'x mut self,
+        be: &'x mut B,
+        comm: &'x mut Communicator,
+    ) -> DeviceMoves<'x, B, L> {
+        DeviceMoves {
+            be,
+            links: &mut self.links,
+            comm,
+            kernels: &mut self.layout,
         }
     }
 

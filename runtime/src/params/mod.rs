@@ -14,7 +14,7 @@ mod device;
 mod staged;
 mod storage;
 
-pub(crate) use device::{DeviceBuf, DeviceStorage, HostStaged, Links};
+pub(crate) use device::{all_to_all_host, DeviceBuf, DeviceStorage, HostStaged, Links};
 pub(crate) use storage::{HostStorage, Pieces, Storage};
 
 use crate::comm::{Communicator, Group};

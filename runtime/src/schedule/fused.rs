@@ -24,14 +24,14 @@ use crate::comm::Message;
 use crate::error::{kernel_err, Result, RuntimeError};
 use crate::fused::{
     tensor_dims, to_backend, to_host, Backend, ChunkSpan, Executor, FusedGraph, HostSteps,
-    ParamBufs, RegionRun, Val, VocabGroup,
+    ParamBufs, RegionRun, Shaped, Val, VocabGroup,
 };
 use crate::interp::{ParamKey, Value};
 use crate::kernels::{self, DropoutKey, OpCtx};
 use crate::params::{DeviceStorage, Links, ParamStore, Unit};
 use crate::tensor::Tensor;
 use dplc_codegen::Elem;
-use dplc_ir::{GradPlan, Graph, NodeId, Op, TensorId};
+use dplc_ir::{GradPlan, Graph, NodeId, Op, TensorId, TensorLayout};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -62,12 +62,12 @@ pub(super) struct Fused<'a, 'b, B: Backend> {
 
 /// The fused executor of one pass: its plan, the dropout key's words, and
 /// the host that runs its layout changes and routing.
-fn executor<'x>(
+fn executor<'x, B: Backend>(
     sh: &'x Shared,
     prog: &'x FusedProgram,
     pass: &Pass,
-    host: &'x mut dyn HostSteps,
-) -> Executor<'x> {
+    host: &'x mut dyn HostSteps<B>,
+) -> Executor<'x, B> {
     Executor {
         graph: &prog.graph,
         fused: &prog.fused,
@@ -197,7 +197,7 @@ impl FusedProgram {
     }
 }
 
-impl<B: Backend, L: Links<B>> HostSteps for Host<'_, B, L> {
+impl<B: Backend, L: Links<B>> HostSteps<B> for Host<'_, B, L> {
     fn forward(&mut self, node: NodeId, ins: Vec<Tensor>) -> Result<Vec<Tensor>> {
         match self.prog.graph.node(node).op {
             Op::Relayout { from, to, .. } => {
@@ -326,6 +326,18 @@ impl<B: Backend, L: Links<B>> HostSteps for Host<'_, B, L> {
 
     fn vocab(&mut self) -> &mut dyn VocabGroup {
         self
+    }
+
+    fn relayout(
+        &mut self,
+        be: &mut B,
+        v: Shaped<B>,
+        from: TensorLayout,
+        to: TensorLayout,
+    ) -> Result<Shaped<B>> {
+        let store = &mut *self.store;
+        let mut moves = store.storage.moves(be, &mut store.comm);
+        crate::shard::convert_with(&mut moves, &store.mesh, &v, from, to)
     }
 }
 

@@ -142,6 +142,11 @@ pub(super) fn run_rank(
                         let store = ParamStore::new(init, DeviceStorage::new(be, HostStaged))?;
                         drive(sh, at, server, store, compute, steps, tx)
                     }
+                    Collectives::SharedDevice => {
+                        let links = crate::gpu::SharedDevice::new(sh.gpus.len());
+                        let store = ParamStore::new(init, DeviceStorage::new(be, links))?;
+                        drive(sh, at, server, store, compute, steps, tx)
+                    }
                 }
             }
         },

@@ -122,9 +122,13 @@ pub struct DeviceUse {
 pub enum Collectives {
     /// NCCL on the device buffers: every rank has a GPU of its own.
     Nccl,
-    /// Copied through the host and summed by the CPU communicator: ranks
-    /// that share a GPU, a parameter server's groups, or no NCCL library.
+    /// Copied through the host and summed by the CPU communicator: a
+    /// parameter server's groups, or no NCCL library.
     HostStaged,
+    /// Ranks of one process sharing a GPU: layout changes device to device
+    /// on its one stream, the gradient sums through the host
+    /// (`crate::gpu::SharedDevice`).
+    SharedDevice,
 }
 
 impl Collectives {
@@ -132,6 +136,7 @@ impl Collectives {
         match self {
             Collectives::Nccl => "nccl",
             Collectives::HostStaged => "host-staged",
+            Collectives::SharedDevice => "shared-device",
         }
     }
 }

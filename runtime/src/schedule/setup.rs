@@ -99,6 +99,10 @@ pub(super) fn attach_gpus(shared: &mut Shared<'_>, process: Option<Process<'_>>)
         && crate::gpu::nccl_present()
     {
         shared.collectives = Collectives::Nccl;
+    } else if !own_gpu {
+        // Rank threads of this process dealt over fewer GPUs: a group on
+        // one GPU moves its layout changes' pieces device to device.
+        shared.collectives = Collectives::SharedDevice;
     }
     Ok(())
 }

@@ -6,10 +6,10 @@
 use super::*;
 use dplc_codegen::{column_chunk_kernel, column_chunks, COLUMN_CHUNK};
 
-impl<'a> Executor<'a> {
+impl<'a, B: Backend> Executor<'a, B> {
     /// A fused attention backward: the passes whose gradients are wanted,
     /// each writing its gradients whole into zeroed buffers of its operands'.
-    fn attention_backward<B: Backend>(
+    fn attention_backward(
         &self,
         be: &mut B,
         run: &RegionRun<B>,
@@ -101,7 +101,7 @@ impl<'a> Executor<'a> {
 
     /// A host step backward: the gradients of its outputs in `grads` become
     /// those of its inputs.
-    fn host_backward<B: Backend>(
+    fn host_backward(
         &self,
         be: &mut B,
         run: &RegionRun<B>,
@@ -109,6 +109,22 @@ impl<'a> Executor<'a> {
         node: NodeId,
     ) -> Result<()> {
         let n = self.graph.node(node);
+        // A layout change's gradient changes layout on the device.
+        if let (Op::Relayout { from, to, grad }, [t], [out]) =
+            (&n.op, n.inputs.as_slice(), n.outputs.as_slice())
+        {
+            let Some(g) = grads.get(&self.base(*out)).cloned() else {
+                return Ok(());
+            };
+            let target = dplc_ir::TensorLayout::relayout_grad_target(*from, *to);
+            if let Some(gin) = self.relayout(be, node, (*out, g), *t, (*grad, target))? {
+                grads.remove(&self.base(*out));
+                if self.fused.grad.needs_grad(*t) {
+                    self.add_grad(be, grads, *t, gin)?;
+                }
+                return Ok(());
+            }
+        }
         let mut gouts = Vec::with_capacity(n.outputs.len());
         for &t in &n.outputs {
             gouts.push(match grads.remove(&self.base(t)) {
@@ -167,7 +183,7 @@ impl<'a> Executor<'a> {
     /// later backward step reads (`free`). Holding them kept every
     /// intermediate gradient and activation of a region alive to the
     /// region's end; autograd frees both as it goes.
-    fn done_with<B: Backend>(
+    fn done_with(
         &self,
         run: &mut RegionRun<B>,
         grads: &mut HashMap<TensorId, Val<B>>,
@@ -185,7 +201,7 @@ impl<'a> Executor<'a> {
     }
 
     /// Add `g` to the gradient of `t` (it becomes the gradient when there is none).
-    pub(super) fn add_grad<B: Backend>(
+    pub(super) fn add_grad(
         &self,
         be: &mut B,
         grads: &mut HashMap<TensorId, Val<B>>,
@@ -232,7 +248,7 @@ impl<'a> Executor<'a> {
     /// Walk region `r` back from `grads` (seeded at its results); leaves the
     /// gradients of its arguments in `grads` and adds its parameters'
     /// gradients to `params.grads`.
-    pub fn backward<B: Backend>(
+    pub fn backward(
         &self,
         be: &mut B,
         r: RegionId,
@@ -251,7 +267,7 @@ impl<'a> Executor<'a> {
     /// loss is seeded with `loss_scale`. Returns what this chunk sends back
     /// for what it received (nothing on the first chunk).
     #[allow(clippy::too_many_arguments)]
-    pub fn backward_chunk<B: Backend>(
+    pub fn backward_chunk(
         &self,
         be: &mut B,
         span: &ChunkSpan,
@@ -324,7 +340,7 @@ impl<'a> Executor<'a> {
     /// (`span`), those it runs only, returning the gradients of the carried
     /// values of the stack it continues from the previous chunk.
     #[allow(clippy::too_many_arguments)]
-    fn backward_steps<B: Backend>(
+    fn backward_steps(
         &self,
         be: &mut B,
         r: RegionId,
@@ -544,7 +560,7 @@ impl<'a> Executor<'a> {
         Ok(carried_out)
     }
 
-    fn matmul_backward<B: Backend>(
+    fn matmul_backward(
         &self,
         be: &mut B,
         run: &RegionRun<B>,
@@ -635,7 +651,7 @@ impl<'a> Executor<'a> {
 
     /// Run `g`; when the operand it differentiates is shared over the batch
     /// (`batched` false with a batch above 1), sum the per-batch results.
-    fn reduced_matmul<B: Backend>(
+    fn reduced_matmul(
         &self,
         be: &mut B,
         g: &MatMul,
@@ -681,7 +697,7 @@ impl<'a> Executor<'a> {
     /// The backward of layers `layers` of repeat `n` (as its forward ran
     /// them), from the gradients of its outputs in `grads`; adds its captured
     /// inputs' gradients to `grads` and returns its carried inputs'.
-    fn backward_repeat<B: Backend>(
+    fn backward_repeat(
         &self,
         be: &mut B,
         run: &mut RegionRun<B>,

@@ -21,7 +21,7 @@ fn sized(sizes: &[usize]) -> Args {
     }
 }
 
-impl<'a> Executor<'a> {
+impl<'a, B: Backend> Executor<'a, B> {
     /// Whether node `node`, an op over a split vocabulary, runs on the
     /// device: all do but a softmax over another axis than the last (the
     /// vocabulary is the last axis wherever the zoo splits it).
@@ -39,7 +39,7 @@ impl<'a> Executor<'a> {
     /// The ids of pick or embedding node `node` (input `dims`) and this
     /// rank's first index along the split axis — the table's rows, or the
     /// pick's last axis — checked to be one id a row, as the kernels index.
-    fn picks<B: Backend>(
+    fn picks(
         &self,
         run: &RegionRun<B>,
         node: NodeId,
@@ -67,7 +67,7 @@ impl<'a> Executor<'a> {
         Ok((ids, lo))
     }
 
-    fn float<B: Backend>(&self, be: &mut B, len: usize) -> Result<Val<B>> {
+    fn float(&self, be: &mut B, len: usize) -> Result<Val<B>> {
         Ok(Val {
             buf: be.alloc(Elem::Float, len)?,
             elem: Elem::Float,
@@ -76,7 +76,7 @@ impl<'a> Executor<'a> {
     }
 
     /// Node `node`'s output (`v`, this rank's share) from its inputs.
-    pub(super) fn vocab_forward<B: Backend>(
+    pub(super) fn vocab_forward(
         &self,
         be: &mut B,
         run: &mut RegionRun<B>,
@@ -139,7 +139,7 @@ impl<'a> Executor<'a> {
 
     /// The gradient of node `node`'s first input (the only one that has
     /// one), added into `grads`, from what its forward kept.
-    pub(super) fn vocab_backward<B: Backend>(
+    pub(super) fn vocab_backward(
         &self,
         be: &mut B,
         run: &RegionRun<B>,
