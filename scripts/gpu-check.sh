@@ -214,6 +214,8 @@ if wanted profile; then
     # Two ranks sharing the GPU: one table per rank and backend (where
     # host-staged collectives spend a tp=2 step).
     part "profile gpt2 tp2" 120 bash -c "DPLC_PROFILE=1 '$DPLC' run models/gpt2.dpl --model gpt2 --global-batch 8 --steps 2 --cluster 2x$PART --gpus 1 --strategy tp=2 --json --trace '$LOG_DIR/tp2-trace.json' > '$LOG_DIR/profile-tp2.jsonl' 2> '$LOG_DIR/profile-tp2.err'"
+    # And a pp=2 step: where its hops, tied-embedding sum and waits go.
+    part "profile gpt2 pp2" 120 bash -c "DPLC_PROFILE=1 '$DPLC' run models/gpt2.dpl --model gpt2 --global-batch 8 --steps 2 --cluster 2x$PART --gpus 1 --strategy pp=2 --json --trace '$LOG_DIR/pp2-trace.json' > '$LOG_DIR/profile-pp2.jsonl' 2> '$LOG_DIR/profile-pp2.err'"
 fi
 
 # --- 5. PyTorch
@@ -289,6 +291,12 @@ fi
         echo "Two ranks sharing the GPU (\`DPLC_PROFILE=1 dplc run models/gpt2.dpl --global-batch 8 --steps 2 --cluster 2x$PART --gpus 1 --strategy tp=2\`; a table per rank and backend, the 16 costliest rows each):"
         echo '```'
         grep -A 18 '^DPLC_PROFILE' "$LOG_DIR/profile-tp2.err" || true
+        echo '```'
+    fi
+    if grep -q '^DPLC_PROFILE' "$LOG_DIR/profile-pp2.err" 2>/dev/null; then
+        echo "The same with pp=2 (\`--strategy pp=2\`):"
+        echo '```'
+        grep -A 18 '^DPLC_PROFILE' "$LOG_DIR/profile-pp2.err" || true
         echo '```'
     fi
     echo "Training (\`dplc run … --json\`):"

@@ -13,5 +13,5 @@ pub use backend::{matmul_cpu, Backend, HostBackend, HostBuf, MatMul};
 pub use executor::{
     flat_args, ChunkSpan, Executor, HostSteps, ParamBufs, RegionRun, Shaped, Val, VocabGroup,
 };
-pub(crate) use executor::{tensor_dims, to_backend, to_host};
+pub(crate) use executor::{tensor_dims, to_backend};
 pub use plan::FusedGraph;

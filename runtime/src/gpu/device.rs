@@ -158,6 +158,9 @@ pub struct GpuDevice {
     sm_count: u32,
     /// Uploads and downloads so far, every backend's on this device.
     crossings: std::sync::atomic::AtomicU64,
+    /// Buffers one rank's thread hands another's on this device
+    /// ([`GpuDevice::hand_over`]), by token.
+    handed: Mutex<(u64, std::collections::HashMap<u64, Arc<DeviceBuffer>>)>,
 }
 
 impl std::fmt::Debug for GpuDevice {
@@ -233,6 +236,7 @@ impl GpuDevice {
             pool,
             sm_count,
             crossings: std::sync::atomic::AtomicU64::new(0),
+            handed: Mutex::default(),
         })
     }
 
@@ -352,34 +356,27 @@ impl GpuDevice {
         .map_err(|e| driver("copy on device", e))
     }
 
-    /// Queue a copy of `bytes` bytes from device address `src` into the
-    /// start of `dst`: another rank's buffer on this device, named by its
-    /// address (ranks that share a GPU in one process, `super::shared`).
-    ///
-    /// # Safety
-    /// `src` must address at least `bytes` bytes of a live allocation on
-    /// this device that stays allocated until the copy is queued, and
-    /// whose writes were queued on this device's stream before it (so the
-    /// stream orders them before the copy).
-    pub unsafe fn copy_from_address(
-        &self,
-        src: u64,
-        dst: &DeviceBuffer,
-        bytes: usize,
-    ) -> GpuResult<()> {
-        if bytes > dst.bytes() {
-            return Err(GpuError::Invalid(format!(
-                "copying {bytes} bytes into a buffer of {}",
-                dst.bytes()
-            )));
-        }
-        cudarc::driver::result::memcpy_dtod_async(
-            dst.device_ptr(),
-            src,
-            bytes,
-            self.stream.cu_stream(),
-        )
-        .map_err(|e| driver("copy on device", e))
+    /// Leave `buf` for another rank's thread on this device to take by the
+    /// returned token ([`GpuDevice::take_over`]): ranks sharing a GPU in
+    /// one process hand each other values without a copy. Their work is
+    /// queued on the device's one stream, so whatever the giver queued
+    /// before handing over is done before anything the taker queues after.
+    pub fn hand_over(&self, buf: Arc<DeviceBuffer>) -> u64 {
+        let mut handed = self.handed.lock().unwrap_or_else(|p| p.into_inner());
+        handed.0 += 1;
+        let token = handed.0;
+        handed.1.insert(token, buf);
+        token
+    }
+
+    /// The buffer handed over under `token`, once.
+    pub fn take_over(&self, token: u64) -> GpuResult<Arc<DeviceBuffer>> {
+        let mut handed = self.handed.lock().unwrap_or_else(|p| p.into_inner());
+        handed.1.remove(&token).ok_or_else(|| {
+            GpuError::Invalid(format!(
+                "no buffer was handed over on this device under token {token}"
+            ))
+        })
     }
 
     /// Queue a device-to-device copy of `height` rows of `width` bytes: row

@@ -1,25 +1,27 @@
-//! Links for ranks that share one GPU in one process (rank threads over
-//! fewer GPUs, as the GPU check's tp=2 and pp=2 runs are): a layout
-//! change's pieces move device to device. The ranks' backends queue all
-//! work on the device's one stream, so a copy queued after another rank
-//! queued the kernel that wrote its source reads what that kernel wrote.
+//! Links for ranks that share one GPU in one process (rank threads dealt
+//! over fewer GPUs, as the GPU check's tp=2 and pp=2 runs are): a layout
+//! change's pieces and a pipeline hop's values are handed from rank to
+//! rank without leaving the device, or even being copied.
 //!
-//! Each member tells each other member, over the CPU communicator, the
-//! address and length of the piece for it; each copies the pieces meant
-//! for it into buffers of its own; then the group meets once more, so that
-//! no piece is freed (and its memory reused) before every copy of it is
-//! queued. The store's gradient sums and gathers still go through the host
-//! ([`HostStaged`]): they run once a step, where the layout changes run
-//! several times a layer.
+//! The giver leaves each buffer with the device under a token
+//! ([`GpuDevice::hand_over`](super::GpuDevice::hand_over)) and sends the
+//! token over the CPU communicator; the taker takes the buffer by it. The
+//! ranks' backends queue all their work on the device's one stream, so
+//! what the giver queued before handing over (the kernel that wrote the
+//! value) is done before anything the taker queues after. A shared buffer
+//! is never written in place (`Backend::unique`), so giver and taker may
+//! both read it. Groups spread over several GPUs, and the store's gradient
+//! sums and gathers (once a step), go through the host ([`HostStaged`]).
 
 use super::backend::CudaBackend;
 use crate::comm::{Communicator, Group};
 use crate::error::{kernel_err, Result};
-use crate::fused::{Backend, Val};
-use crate::params::{all_to_all_host, DeviceBuf, HostStaged, Links, Pieces};
+use crate::fused::Val;
+use crate::params::{all_to_all_host, recv_host, send_host, DeviceBuf, HostStaged, Links, Pieces};
+use crate::tensor::Tensor;
 use dplc_codegen::Elem;
 
-/// Device-to-device pieces within a GPU's ranks, the rest through the host.
+/// Handed over within a GPU's ranks, the rest through the host.
 pub(crate) struct SharedDevice {
     /// Devices the run's ranks are dealt over (rank `r` has `r % gpus`).
     gpus: usize,
@@ -34,15 +36,15 @@ impl SharedDevice {
         }
     }
 
-    fn one_device(&self, group: &Group) -> bool {
-        let mut devices = group.ranks().iter().map(|r| r % self.gpus);
+    fn one_device(&self, ranks: &[usize]) -> bool {
+        let mut devices = ranks.iter().map(|r| r % self.gpus);
         let first = devices.next();
         devices.all(|d| Some(d) == first)
     }
 }
 
-/// A 64-bit address or count as four exact floats (16 bits each), and
-/// back: the CPU communicator carries `f32`s.
+/// A 64-bit token or count as four exact floats (16 bits each), and back:
+/// the CPU communicator carries `f32`s.
 fn words(x: u64) -> [f32; 4] {
     [0, 16, 32, 48].map(|s| ((x >> s) & 0xffff) as f32)
 }
@@ -52,6 +54,40 @@ fn unword(w: &[f32]) -> u64 {
         .zip([0, 16, 32, 48])
         .map(|(&x, s)| (x as u64) << s)
         .fold(0, |a, b| a | b)
+}
+
+/// What a value's note says: its element type, length and token.
+fn note(v: &Val<CudaBackend>, token: u64) -> Vec<f32> {
+    let elem = match v.elem {
+        Elem::Float => 0.0,
+        Elem::F32 => 1.0,
+        Elem::I32 => 2.0,
+    };
+    let mut w = vec![elem];
+    w.extend(words(v.len as u64));
+    w.extend(words(token));
+    w
+}
+
+/// The value a note names, taken from the device.
+fn take(be: &CudaBackend, note: &[f32]) -> Result<Val<CudaBackend>> {
+    let [elem, ..] = note else {
+        return Err(kernel_err("hand-over", "an empty note"));
+    };
+    if note.len() != 9 {
+        return Err(kernel_err("hand-over", "a malformed note"));
+    }
+    let elem = match *elem as u32 {
+        0 => Elem::Float,
+        1 => Elem::F32,
+        2 => Elem::I32,
+        _ => return Err(kernel_err("hand-over", "a note of no element type")),
+    };
+    Ok(Val {
+        buf: be.device().take_over(unword(&note[5..9]))?,
+        elem,
+        len: unword(&note[1..5]) as usize,
+    })
 }
 
 impl Links<CudaBackend> for SharedDevice {
@@ -92,68 +128,91 @@ impl Links<CudaBackend> for SharedDevice {
         group: &Group,
         pieces: Vec<Val<CudaBackend>>,
     ) -> Result<Vec<Val<CudaBackend>>> {
-        if !self.one_device(group) {
+        if !self.one_device(group.ranks()) {
             return all_to_all_host(be, comm, group, pieces);
         }
-        let members = group.size();
         let pos = group
             .position(comm.rank())
-            .ok_or_else(|| kernel_err("exchange", "a group without this rank"))?;
-        if pieces.len() != members {
+            .ok_or_else(|| kernel_err("hand-over", "a group without this rank"))?;
+        if pieces.len() != group.size() {
             return Err(kernel_err(
-                "exchange",
-                format!("{} pieces for a group of {members}", pieces.len()),
+                "hand-over",
+                format!("{} pieces for a group of {}", pieces.len(), group.size()),
             ));
         }
-        let mine = pieces[pos].clone();
-        let width = match mine.elem {
-            Elem::Float => be.dtype().size_bytes() as usize,
-            Elem::F32 | Elem::I32 => 4,
-        };
-        let notes: Vec<Vec<f32>> = pieces
+        let notes = pieces
             .iter()
-            .map(|p| {
-                let mut w = words(p.buf.device_ptr()).to_vec();
-                w.extend(words(p.len as u64));
-                w
+            .enumerate()
+            .map(|(j, p)| {
+                // This rank's own piece stays where it is.
+                let token = if j == pos {
+                    0
+                } else {
+                    be.device().hand_over(p.buf.clone())
+                };
+                note(p, token)
             })
             .collect();
         let heard = comm.all_to_all(group, notes)?;
-        let mut got = Vec::with_capacity(members);
-        for (j, note) in heard.iter().enumerate() {
-            if j == pos {
-                got.push(mine.clone());
-                continue;
-            }
-            let (address, len) = match note.as_slice() {
-                [a @ .., _, _, _, _] if a.len() == 4 => (unword(a), unword(&note[4..]) as usize),
-                _ => return Err(kernel_err("exchange", "a piece's note is malformed")),
-            };
-            if len != mine.len {
-                return Err(kernel_err(
-                    "exchange",
-                    format!(
-                        "a piece of {len} elements where this rank's has {}",
-                        mine.len
-                    ),
-                ));
-            }
-            let buf = be.alloc(mine.elem, len)?;
-            if len > 0 {
-                // SAFETY: member j holds the piece (in `pieces`) until the
-                // group meets again below, after every copy is queued; it
-                // queued the piece's writes on this device's one stream
-                // before sending its address.
-                unsafe { be.device().copy_from_address(address, &buf, len * width) }?;
-            }
-            got.push(Val {
-                buf,
-                elem: mine.elem,
-                len,
-            });
+        heard
+            .iter()
+            .enumerate()
+            .map(|(j, n)| {
+                if j == pos {
+                    Ok(pieces[pos].clone())
+                } else {
+                    take(be, n)
+                }
+            })
+            .collect()
+    }
+
+    fn send(
+        &mut self,
+        be: &mut CudaBackend,
+        comm: &mut Communicator,
+        (to, tag): (usize, u64),
+        vals: Vec<Option<Val<CudaBackend>>>,
+    ) -> Result<()> {
+        if !self.one_device(&[comm.rank(), to]) {
+            return send_host(be, comm, (to, tag), &vals);
         }
-        comm.all_to_all(group, vec![Vec::new(); members])?;
-        drop(pieces);
-        Ok(got)
+        let msg = vals
+            .iter()
+            .map(|v| {
+                v.as_ref().map(|v| {
+                    let n = note(v, be.device().hand_over(v.buf.clone()));
+                    Tensor::f32(vec![n.len()], n)
+                })
+            })
+            .collect();
+        comm.send(to, tag, msg)
+    }
+
+    fn recv(
+        &mut self,
+        be: &mut CudaBackend,
+        comm: &mut Communicator,
+        (from, tag): (usize, u64),
+    ) -> Result<Vec<Option<Val<CudaBackend>>>> {
+        if !self.one_device(&[comm.rank(), from]) {
+            return recv_host(be, comm, (from, tag));
+        }
+        comm.recv(from, tag)?
+            .iter()
+            .map(|t| t.as_ref().map(|t| take(be, t.f()?)).transpose())
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_and_counts_travel_as_exact_floats() {
+        for x in [0, 1, 0xffff, 0x1_0000, 0x7fff_ffff_ffff, u64::MAX] {
+            assert_eq!(unword(&words(x)), x);
+        }
     }
 }

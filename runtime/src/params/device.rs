@@ -17,7 +17,8 @@ use super::storage::{
 use crate::comm::{Communicator, Group};
 use crate::error::{kernel_err, Result};
 use crate::fused::relayout::{DeviceMoves, LayoutKernels};
-use crate::fused::{flat_args, Backend, Val};
+use crate::fused::{flat_args, to_backend, Backend, Val};
+use crate::tensor::Tensor;
 use dplc_codegen::{
     adamw_kernel, adamw_value_kernel, add_kernel, convert_kernel, sgd_kernel, sum_squares_kernel,
     Args, Elem, Kernel, SUM_SQUARES_COLS,
@@ -81,6 +82,65 @@ pub(crate) trait Links<B: Backend> {
         group: &Group,
         pieces: Vec<Val<B>>,
     ) -> Result<Vec<Val<B>>>;
+    /// Send a pipeline hop's values to rank `to` under `tag`, without
+    /// waiting for the receiver (the schedule's sends and receives cross
+    /// between stages). Through the host unless the links say otherwise.
+    fn send(
+        &mut self,
+        be: &mut B,
+        comm: &mut Communicator,
+        (to, tag): (usize, u64),
+        vals: Vec<Option<Val<B>>>,
+    ) -> Result<()> {
+        send_host(be, comm, (to, tag), &vals)
+    }
+    /// What rank `from` sent under `tag`, waiting for it.
+    fn recv(
+        &mut self,
+        be: &mut B,
+        comm: &mut Communicator,
+        (from, tag): (usize, u64),
+    ) -> Result<Vec<Option<Val<B>>>> {
+        recv_host(be, comm, (from, tag))
+    }
+}
+
+/// [`Links::send`] through the host: each value down (floats as `f32`,
+/// exact from any storage type) and posted by the CPU communicator.
+pub(crate) fn send_host<B: Backend>(
+    be: &mut B,
+    comm: &mut Communicator,
+    (to, tag): (usize, u64),
+    vals: &[Option<Val<B>>],
+) -> Result<()> {
+    let msg = vals
+        .iter()
+        .map(|v| {
+            v.as_ref()
+                .map(|v| {
+                    Ok(match v.elem {
+                        Elem::I32 => Tensor::i32(vec![v.len], be.download_i32(&v.buf, v.len)?),
+                        Elem::Float | Elem::F32 => {
+                            Tensor::f32(vec![v.len], be.download(&v.buf, v.elem, v.len)?)
+                        }
+                    })
+                })
+                .transpose()
+        })
+        .collect::<Result<_>>()?;
+    comm.send(to, tag, msg)
+}
+
+/// [`Links::recv`] through the host: floats up in the storage type.
+pub(crate) fn recv_host<B: Backend>(
+    be: &mut B,
+    comm: &mut Communicator,
+    (from, tag): (usize, u64),
+) -> Result<Vec<Option<Val<B>>>> {
+    comm.recv(from, tag)?
+        .iter()
+        .map(|t| t.as_ref().map(|t| to_backend(be, t)).transpose())
+        .collect()
 }
 
 /// Through the host: each collective copies its vectors down, runs the CPU
@@ -329,6 +389,15 @@ impl<B: Backend, L: Links<B>> DeviceStorage<B, L> {
 impl<B: Backend, L: Links<B>> Storage for DeviceStorage<B, L> {
     type Buf = DeviceBuf<B>;
     type Value = Val<B>;
+    type Msg = Vec<Option<Val<B>>>;
+
+    fn send(&mut self, comm: &mut Communicator, to: usize, tag: u64, msg: Self::Msg) -> Result<()> {
+        self.links.send(&mut self.be, comm, (to, tag), msg)
+    }
+
+    fn recv(&mut self, comm: &mut Communicator, from: usize, tag: u64) -> Result<Self::Msg> {
+        self.links.recv(&mut self.be, comm, (from, tag))
+    }
 
     fn len(v: &DeviceBuf<B>) -> usize {
         v.len

@@ -14,7 +14,9 @@ mod device;
 mod staged;
 mod storage;
 
-pub(crate) use device::{all_to_all_host, DeviceBuf, DeviceStorage, HostStaged, Links};
+pub(crate) use device::{
+    all_to_all_host, recv_host, send_host, DeviceBuf, DeviceStorage, HostStaged, Links,
+};
 pub(crate) use storage::{HostStorage, Pieces, Storage};
 
 use crate::comm::{Communicator, Group};
@@ -436,6 +438,17 @@ impl<S: Storage> ParamStore<S> {
             .filter(|(_, s)| s.unit == unit)
             .map(|(&k, _)| k)
             .collect()
+    }
+
+    /// Send a pipeline hop's values to rank `to` under `tag`, as the
+    /// storage moves them ([`Storage::send`]).
+    pub fn send(&mut self, to: usize, tag: u64, msg: S::Msg) -> Result<()> {
+        self.storage.send(&mut self.comm, to, tag, msg)
+    }
+
+    /// What rank `from` sent under `tag` ([`Storage::recv`]).
+    pub fn recv(&mut self, from: usize, tag: u64) -> Result<S::Msg> {
+        self.storage.recv(&mut self.comm, from, tag)
     }
 
     /// ZeRO-3: all-gather the parameters of `unit` from their shards (held

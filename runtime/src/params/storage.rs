@@ -10,7 +10,7 @@
 //! staged through the host). The store decides what to move and when; a
 //! storage only says how.
 
-use crate::comm::{Communicator, Group};
+use crate::comm::{Communicator, Group, Message};
 use crate::error::{kernel_err, Result};
 use crate::interp::Value;
 use crate::tensor::Tensor;
@@ -48,6 +48,10 @@ pub(crate) trait Storage {
     type Buf: Default;
     /// A parameter's whole value as the compute reads it.
     type Value: Clone;
+    /// What crosses a pipeline cut: the values one chunk hands the next,
+    /// held where the compute holds them (`None` where nothing flows);
+    /// the first chunk's is empty.
+    type Msg: Default;
 
     fn len(v: &Self::Buf) -> usize;
     fn stage_in(&mut self, data: Vec<f32>) -> Result<Self::Buf>;
@@ -89,6 +93,12 @@ pub(crate) trait Storage {
     fn host_crossings(&self) -> Option<u64> {
         None
     }
+
+    /// Send `msg` to rank `to` under `tag` (a pipeline hop; never waits
+    /// for the receiver).
+    fn send(&mut self, comm: &mut Communicator, to: usize, tag: u64, msg: Self::Msg) -> Result<()>;
+    /// What rank `from` sent under `tag`, waiting for it.
+    fn recv(&mut self, comm: &mut Communicator, from: usize, tag: u64) -> Result<Self::Msg>;
 
     /// Sum the concatenation of `vs` over `group`, in place (one message).
     fn all_reduce(
@@ -243,6 +253,15 @@ pub(crate) fn update_host(rule: Update, st: Moments<'_, Vec<f32>>) {
 impl Storage for HostStorage {
     type Buf = Vec<f32>;
     type Value = Value;
+    type Msg = Message;
+
+    fn send(&mut self, comm: &mut Communicator, to: usize, tag: u64, msg: Message) -> Result<()> {
+        comm.send(to, tag, msg)
+    }
+
+    fn recv(&mut self, comm: &mut Communicator, from: usize, tag: u64) -> Result<Message> {
+        comm.recv(from, tag)
+    }
 
     fn len(v: &Vec<f32>) -> usize {
         v.len()

@@ -53,12 +53,12 @@ pub(super) struct Pass {
 }
 
 /// What a chunk's forward hands on.
-pub(super) enum Forwarded {
+pub(super) enum Forwarded<M> {
     /// The last chunk: this micro-batch's mean loss.
     Loss(f64),
     /// The next chunk's activations: the layers' carried values, then the
-    /// partition's extras.
-    Send(Message),
+    /// partition's extras (held where the store's compute holds values).
+    Send(M),
 }
 
 /// One rank's compute backend, over a store whose state lives in `S`.
@@ -69,9 +69,9 @@ pub(super) trait StageCompute<S: Storage> {
         &mut self,
         pass: &Pass,
         inputs: &HashMap<TensorId, Value>,
-        received: Message,
+        received: S::Msg,
         store: &mut ParamStore<S>,
-    ) -> Result<Forwarded>;
+    ) -> Result<Forwarded<S::Msg>>;
 
     /// Chunk `pass.chunk`'s backward after its forward: `received` is the
     /// next chunk's gradients (`None` on the last chunk, which seeds the
@@ -80,9 +80,9 @@ pub(super) trait StageCompute<S: Storage> {
     fn backward(
         &mut self,
         pass: &Pass,
-        received: Option<Message>,
+        received: Option<S::Msg>,
         store: &mut ParamStore<S>,
-    ) -> Result<Message>;
+    ) -> Result<S::Msg>;
 
     /// Bytes of activations the live micro-batches hold.
     fn activation_bytes(&self) -> u64;
@@ -158,7 +158,7 @@ impl StageCompute<HostStorage> for Reference<'_, '_> {
         inputs: &HashMap<TensorId, Value>,
         received: Message,
         store: &mut ParamStore<HostStorage>,
-    ) -> Result<Forwarded> {
+    ) -> Result<Forwarded<Message>> {
         let sh = self.sh;
         let g = sh.graph;
         let c = pass.chunk;

@@ -20,11 +20,10 @@
 
 use super::compute::{take_live, Forwarded, Pass, StageCompute};
 use super::Shared;
-use crate::comm::Message;
 use crate::error::{kernel_err, Result, RuntimeError};
 use crate::fused::{
-    tensor_dims, to_backend, to_host, Backend, ChunkSpan, Executor, FusedGraph, HostSteps,
-    ParamBufs, RegionRun, Shaped, Val, VocabGroup,
+    tensor_dims, to_backend, Backend, ChunkSpan, Executor, FusedGraph, HostSteps, ParamBufs,
+    RegionRun, Shaped, Val, VocabGroup,
 };
 use crate::interp::{ParamKey, Value};
 use crate::kernels::{self, DropoutKey, OpCtx};
@@ -58,6 +57,9 @@ pub(super) struct Fused<'a, 'b, B: Backend> {
     spans: Vec<ChunkSpan>,
     /// Each live (micro-batch, chunk)'s forward, kept for its backward.
     live: HashMap<(usize, usize), RegionRun<B>>,
+    /// An `f32` value to the storage type: what crosses a cut is floats
+    /// in the storage type, as the next chunk's kernels read them.
+    to_float: dplc_codegen::Kernel,
 }
 
 /// The fused executor of one pass: its plan, the dropout key's words, and
@@ -435,7 +437,33 @@ impl<'a, 'b, B: Backend> Fused<'a, 'b, B> {
             be,
             spans,
             live: HashMap::new(),
+            to_float: dplc_codegen::convert_kernel(Elem::Float, Elem::F32),
         }
+    }
+
+    /// A hop's values with every float in the storage type.
+    fn in_storage_type(&mut self, vals: Vec<Option<Val<B>>>) -> Result<Vec<Option<Val<B>>>> {
+        if self.be.dtype() == dplc_ir::DType::F32 {
+            return Ok(vals);
+        }
+        vals.into_iter()
+            .map(|v| match v {
+                Some(v) if v.elem == Elem::F32 => {
+                    let out = self.be.alloc(Elem::Float, v.len)?;
+                    self.be.launch(
+                        &self.to_float,
+                        &crate::fused::flat_args(v.len),
+                        &[out.clone(), v.buf],
+                    )?;
+                    Ok(Some(Val {
+                        buf: out,
+                        elem: Elem::Float,
+                        len: v.len,
+                    }))
+                }
+                v => Ok(v),
+            })
+            .collect()
     }
 
     /// The parameters chunk `pass.chunk` reads from the start, as the store
@@ -472,24 +500,32 @@ impl<'a, 'b, B: Backend> Fused<'a, 'b, B> {
         out
     }
 
-    /// A message's tensors on the backend.
-    fn upload(&mut self, msg: &Message) -> Result<Vec<Option<Val<B>>>> {
-        msg.iter()
-            .map(|v| v.as_ref().map(|v| to_backend(&mut self.be, v)).transpose())
-            .collect()
-    }
-
-    /// Backend values as the message across the cut after chunk `c`.
-    fn download(&mut self, c: usize, vals: &[Option<Val<B>>]) -> Result<Message> {
-        self.message_tensors(c)
-            .into_iter()
-            .zip(vals)
-            .map(|(t, v)| {
-                v.as_ref()
-                    .map(|v| to_host(&mut self.be, &self.prog.graph, &self.sh.syms, t, v))
-                    .transpose()
-            })
-            .collect()
+    /// Check that a message across the cut after chunk `c` holds its
+    /// tensors' element counts (what arrives from another rank is read by
+    /// kernels as sized).
+    fn check_message(&self, c: usize, vals: &[Option<Val<B>>]) -> Result<()> {
+        let tensors = self.message_tensors(c);
+        if vals.len() > tensors.len() {
+            return Err(kernel_err(
+                "recv",
+                format!("{} values across a cut of {}", vals.len(), tensors.len()),
+            ));
+        }
+        for (&t, v) in tensors.iter().zip(vals) {
+            let want: usize = tensor_dims(&self.prog.graph, &self.sh.syms, t)
+                .iter()
+                .product();
+            if let Some(v) = v.as_ref().filter(|v| v.len != want) {
+                return Err(kernel_err(
+                    "recv",
+                    format!(
+                        "{t} arrived with {} elements, its shape holds {want}",
+                        v.len
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -498,15 +534,18 @@ impl<B: Backend, L: Links<B>> StageCompute<DeviceStorage<B, L>> for Fused<'_, '_
         &mut self,
         pass: &Pass,
         inputs: &HashMap<TensorId, Value>,
-        received: Message,
+        received: Vec<Option<Val<B>>>,
         store: &mut Store<B, L>,
-    ) -> Result<Forwarded> {
+    ) -> Result<Forwarded<Vec<Option<Val<B>>>>> {
         let params = self.params(pass, store)?;
         let mut fed = HashMap::new();
         for (&t, v) in inputs {
             fed.insert(t, to_backend(&mut self.be, v)?);
         }
-        let got = self.upload(&received)?;
+        if pass.chunk > 0 {
+            self.check_message(pass.chunk - 1, &received)?;
+        }
+        let got = received;
         let span = self.spans[pass.chunk].clone();
         let (run, sent, loss) = {
             let mut host = Host::new(self.sh, self.prog, store, &params);
@@ -526,7 +565,7 @@ impl<B: Backend, L: Links<B>> StageCompute<DeviceStorage<B, L>> for Fused<'_, '_
             (run, sent, loss)
         };
         let out = match (sent, loss) {
-            (Some(vals), _) => Forwarded::Send(self.download(pass.chunk, &vals)?),
+            (Some(vals), _) => Forwarded::Send(self.in_storage_type(vals)?),
             (None, loss) => Forwarded::Loss(loss.ok_or_else(|| kernel_err("fused", "no loss"))?),
         };
         self.live.insert((pass.micro, pass.chunk), run);
@@ -536,9 +575,9 @@ impl<B: Backend, L: Links<B>> StageCompute<DeviceStorage<B, L>> for Fused<'_, '_
     fn backward(
         &mut self,
         pass: &Pass,
-        received: Option<Message>,
+        received: Option<Vec<Option<Val<B>>>>,
         store: &mut Store<B, L>,
-    ) -> Result<Message> {
+    ) -> Result<Vec<Option<Val<B>>>> {
         let mut run = take_live(&mut self.live, pass)?;
         let params = self.params(pass, store)?;
         // The kernels add each gradient into the store's own accumulator;
@@ -554,7 +593,10 @@ impl<B: Backend, L: Links<B>> StageCompute<DeviceStorage<B, L>> for Fused<'_, '_
                     .insert(key, accumulator(store, key)?);
             }
         }
-        let got = received.map(|msg| self.upload(&msg)).transpose()?;
+        if let Some(msg) = &received {
+            self.check_message(pass.chunk, msg)?;
+        }
+        let got = received;
         let span = self.spans[pass.chunk].clone();
         let sent = {
             let mut host = Host::new(self.sh, self.prog, store, &params);
@@ -572,7 +614,7 @@ impl<B: Backend, L: Links<B>> StageCompute<DeviceStorage<B, L>> for Fused<'_, '_
         if span.receives.is_none() {
             return Ok(Vec::new());
         }
-        self.download(pass.chunk.saturating_sub(1), &sent)
+        self.in_storage_type(sent)
     }
 
     fn activation_bytes(&self) -> u64 {

@@ -595,10 +595,9 @@ impl<S: Storage> Rank<'_, '_, S> {
         let sh = self.sh;
         let received = if c > 0 {
             self.store
-                .comm
                 .recv(self.peer(c - 1), tag(micro, c, self.chunks(), false))?
         } else {
-            Vec::new()
+            S::Msg::default()
         };
         if micro == 0 && self.step == sh.start_step {
             let layers = &sh.part.chunks[c].layers;
@@ -613,7 +612,7 @@ impl<S: Storage> Rank<'_, '_, S> {
         self.store.release(Unit::Root, false)?;
         match out {
             Forwarded::Loss(loss) => self.losses.push(loss),
-            Forwarded::Send(msg) => self.store.comm.send(
+            Forwarded::Send(msg) => self.store.send(
                 self.peer(c + 1),
                 tag(micro, c + 1, self.chunks(), false),
                 msg,
@@ -636,7 +635,6 @@ impl<S: Storage> Rank<'_, '_, S> {
         } else {
             Some(
                 self.store
-                    .comm
                     .recv(self.peer(c + 1), tag(micro, c, self.chunks(), true))?,
             )
         };
@@ -645,7 +643,7 @@ impl<S: Storage> Rank<'_, '_, S> {
         let msg = self.compute.backward(&pass, received, &mut self.store)?;
         self.store.release(Unit::Root, true)?;
         if c > 0 {
-            self.store.comm.send(
+            self.store.send(
                 self.peer(c - 1),
                 tag(micro, c - 1, self.chunks(), true),
                 msg,
