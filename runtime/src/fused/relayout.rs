@@ -35,7 +35,7 @@ impl LayoutKernels {
         }
     }
 
-    fn sum(&mut self, elem: Elem, parts: usize) -> &Kernel {
+    pub fn sum(&mut self, elem: Elem, parts: usize) -> &Kernel {
         self.sums
             .entry((elem, parts))
             .or_insert_with(|| Box::new(sum_parts_kernel(elem, parts)))

@@ -10,13 +10,15 @@
 //! what the giver queued before handing over (the kernel that wrote the
 //! value) is done before anything the taker queues after. A shared buffer
 //! is never written in place (`Backend::unique`), so giver and taker may
-//! both read it. Groups spread over several GPUs, and the store's gradient
-//! sums and gathers (once a step), go through the host ([`HostStaged`]).
+//! both read it. The store's sums take every member's vectors so and add
+//! them from zero in group order (`sum_parts_kernel`: the host's bits);
+//! groups spread over several GPUs go through the host ([`HostStaged`]).
 
 use super::backend::CudaBackend;
 use crate::comm::{Communicator, Group};
 use crate::error::{kernel_err, Result};
-use crate::fused::Val;
+use crate::fused::relayout::LayoutKernels;
+use crate::fused::{flat_args, Backend, Val};
 use crate::params::{all_to_all_host, recv_host, send_host, DeviceBuf, HostStaged, Links, Pieces};
 use crate::tensor::Tensor;
 use dplc_codegen::Elem;
@@ -26,6 +28,8 @@ pub(crate) struct SharedDevice {
     /// Devices the run's ranks are dealt over (rank `r` has `r % gpus`).
     gpus: usize,
     host: HostStaged,
+    /// The group-order sums, built once.
+    kernels: LayoutKernels,
 }
 
 impl SharedDevice {
@@ -33,7 +37,111 @@ impl SharedDevice {
         SharedDevice {
             gpus: gpus.max(1),
             host: HostStaged,
+            kernels: LayoutKernels::new(),
         }
+    }
+
+    /// Every member's `mine` (each member's list as long), in group order:
+    /// each member hands each other member its buffers.
+    fn everyones(
+        &self,
+        be: &CudaBackend,
+        comm: &mut Communicator,
+        group: &Group,
+        mine: &[&DeviceBuf<CudaBackend>],
+    ) -> Result<Vec<Vec<DeviceBuf<CudaBackend>>>> {
+        let pos = group
+            .position(comm.rank())
+            .ok_or_else(|| kernel_err("hand-over", "a group without this rank"))?;
+        let notes = (0..group.size())
+            .map(|j| {
+                let mut w = Vec::with_capacity(8 * mine.len());
+                for v in mine {
+                    // Token 0: nothing handed (an empty vector, or this
+                    // rank's own).
+                    let token = match &v.buf {
+                        Some(b) if j != pos => be.device().hand_over(b.clone()),
+                        _ => 0,
+                    };
+                    w.extend(words(v.len as u64));
+                    w.extend(words(token));
+                }
+                w
+            })
+            .collect();
+        let heard = comm.all_to_all(group, notes)?;
+        heard
+            .iter()
+            .enumerate()
+            .map(|(j, note)| {
+                if j == pos {
+                    return Ok(mine
+                        .iter()
+                        .map(|v| DeviceBuf {
+                            buf: v.buf.clone(),
+                            len: v.len,
+                        })
+                        .collect());
+                }
+                if note.len() != 8 * mine.len() {
+                    return Err(kernel_err("hand-over", "a member sent a malformed note"));
+                }
+                note.chunks(8)
+                    .map(|w| {
+                        let (len, token) = (unword(&w[..4]) as usize, unword(&w[4..]));
+                        let buf = if token == 0 {
+                            None
+                        } else {
+                            Some(be.device().take_over(token)?)
+                        };
+                        Ok(DeviceBuf { buf, len })
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// `parts` (each `len` `f32`s) added from zero in group order.
+    fn sum(
+        &mut self,
+        be: &mut CudaBackend,
+        parts: &[&DeviceBuf<CudaBackend>],
+        len: usize,
+    ) -> Result<DeviceBuf<CudaBackend>> {
+        if len == 0 {
+            return Ok(DeviceBuf::default());
+        }
+        let out = be.alloc(Elem::F32, len)?;
+        let mut bufs = vec![out.clone()];
+        for p in parts {
+            if p.len < len {
+                return Err(kernel_err("hand-over", "a member's vector is short"));
+            }
+            bufs.push(p.get()?.clone());
+        }
+        let kernel = self.kernels.sum(Elem::F32, parts.len());
+        be.launch(kernel, &flat_args(len), &bufs)?;
+        Ok(DeviceBuf {
+            buf: Some(out),
+            len,
+        })
+    }
+
+    /// Elements `at` of `v` as a vector of their own.
+    fn cut(
+        be: &mut CudaBackend,
+        v: &DeviceBuf<CudaBackend>,
+        at: std::ops::Range<usize>,
+    ) -> Result<DeviceBuf<CudaBackend>> {
+        if at.is_empty() {
+            return Ok(DeviceBuf::default());
+        }
+        let out = be.alloc(Elem::F32, at.len())?;
+        be.copy(v.get()?, at.start, &out, 0, at.len())?;
+        Ok(DeviceBuf {
+            buf: Some(out),
+            len: at.len(),
+        })
     }
 
     fn one_device(&self, ranks: &[usize]) -> bool {
@@ -98,7 +206,17 @@ impl Links<CudaBackend> for SharedDevice {
         group: &Group,
         vs: &mut [&mut DeviceBuf<CudaBackend>],
     ) -> Result<()> {
-        self.host.all_reduce(be, comm, group, vs)
+        if !self.one_device(group.ranks()) {
+            return self.host.all_reduce(be, comm, group, vs);
+        }
+        let mine: Vec<&DeviceBuf<CudaBackend>> = vs.iter().map(|v| &**v).collect();
+        let all = self.everyones(be, comm, group, &mine)?;
+        for (i, v) in vs.iter_mut().enumerate() {
+            let parts: Vec<&DeviceBuf<CudaBackend>> = all.iter().map(|m| &m[i]).collect();
+            let len = v.len;
+            **v = self.sum(be, &parts, len)?;
+        }
+        Ok(())
     }
 
     fn reduce_scatter(
@@ -108,7 +226,24 @@ impl Links<CudaBackend> for SharedDevice {
         group: &Group,
         vs: &[Pieces<'_, DeviceBuf<CudaBackend>>],
     ) -> Result<Vec<DeviceBuf<CudaBackend>>> {
-        self.host.reduce_scatter(be, comm, group, vs)
+        if !self.one_device(group.ranks()) {
+            return self.host.reduce_scatter(be, comm, group, vs);
+        }
+        let pos = group.position(comm.rank()).unwrap_or(0);
+        let mine: Vec<&DeviceBuf<CudaBackend>> = vs.iter().map(|(v, _)| *v).collect();
+        let all = self.everyones(be, comm, group, &mine)?;
+        vs.iter()
+            .enumerate()
+            .map(|(i, (_, shards))| {
+                let at = shards.get(pos).cloned().unwrap_or(0..0);
+                let parts = all
+                    .iter()
+                    .map(|m| Self::cut(be, &m[i], at.clone()))
+                    .collect::<Result<Vec<_>>>()?;
+                let parts: Vec<&DeviceBuf<CudaBackend>> = parts.iter().collect();
+                self.sum(be, &parts, at.len())
+            })
+            .collect()
     }
 
     fn all_gather(
@@ -118,7 +253,40 @@ impl Links<CudaBackend> for SharedDevice {
         group: &Group,
         vs: &[Pieces<'_, DeviceBuf<CudaBackend>>],
     ) -> Result<Vec<DeviceBuf<CudaBackend>>> {
-        self.host.all_gather(be, comm, group, vs)
+        if !self.one_device(group.ranks()) {
+            return self.host.all_gather(be, comm, group, vs);
+        }
+        let mine: Vec<&DeviceBuf<CudaBackend>> = vs.iter().map(|(v, _)| *v).collect();
+        let all = self.everyones(be, comm, group, &mine)?;
+        vs.iter()
+            .enumerate()
+            .map(|(i, (_, shards))| {
+                // Each member's part in member order, as the host joins them.
+                let len: usize = shards.iter().map(|r| r.len()).sum();
+                if len == 0 {
+                    return Ok(DeviceBuf::default());
+                }
+                let whole = be.alloc(Elem::F32, len)?;
+                let mut at = 0;
+                for (p, m) in all.iter().enumerate() {
+                    let n = shards.get(p).map_or(0, |r| r.len());
+                    if n > 0 {
+                        if m[i].len < n {
+                            return Err(kernel_err(
+                                "all_gather",
+                                "a member sent fewer parts than it owns",
+                            ));
+                        }
+                        be.copy(m[i].get()?, 0, &whole, at, n)?;
+                    }
+                    at += n;
+                }
+                Ok(DeviceBuf {
+                    buf: Some(whole),
+                    len,
+                })
+            })
+            .collect()
     }
 
     fn all_to_all(
