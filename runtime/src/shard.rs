@@ -168,10 +168,10 @@ pub(crate) fn take_chunks(t: &Tensor, axis: usize, cp: usize, pos: usize) -> Res
     take_ranges(t, axis, &context_ranges(n, cp, pos)?)
 }
 
-/// The positions `ranges` of `t` along `axis`, in order (any element type).
-fn take_ranges(t: &Tensor, axis: usize, ranges: &[Range<usize>]) -> Result<Tensor> {
-    let n = *t
-        .shape
+/// The length of axis `axis` of `dims`, checked to hold `ranges`: what
+/// every [`Moves::cut`] checks first.
+pub(crate) fn cut_axis(dims: &[usize], axis: usize, ranges: &[Range<usize>]) -> Result<usize> {
+    let n = *dims
         .get(axis)
         .ok_or_else(|| kernel_err("layout", format!("no axis {axis} to cut")))?;
     if ranges.iter().any(|r| r.end > n) {
@@ -180,6 +180,12 @@ fn take_ranges(t: &Tensor, axis: usize, ranges: &[Range<usize>]) -> Result<Tenso
             format!("positions {ranges:?} of an axis of {n}"),
         ));
     }
+    Ok(n)
+}
+
+/// The positions `ranges` of `t` along `axis`, in order (any element type).
+fn take_ranges(t: &Tensor, axis: usize, ranges: &[Range<usize>]) -> Result<Tensor> {
+    let n = cut_axis(&t.shape, axis, ranges)?;
     let outer: usize = t.shape[..axis].iter().product();
     let inner: usize = t.shape[axis + 1..].iter().product();
     fn pick<T: Copy>(x: &[T], outer: usize, n: usize, inner: usize, r: &[Range<usize>]) -> Vec<T> {

@@ -104,16 +104,7 @@ impl<B: Backend, L: Links<B>> Moves for DeviceMoves<'_, B, L> {
     }
 
     fn cut(&mut self, v: &Shaped<B>, axis: usize, ranges: &[Range<usize>]) -> Result<Shaped<B>> {
-        let n = *v
-            .dims
-            .get(axis)
-            .ok_or_else(|| kernel_err("layout", format!("no axis {axis} to cut")))?;
-        if ranges.iter().any(|r| r.end > n) {
-            return Err(kernel_err(
-                "layout",
-                format!("positions {ranges:?} of an axis of {n}"),
-            ));
-        }
+        let n = crate::shard::cut_axis(&v.dims, axis, ranges)?;
         let (outer, inner) = outer_inner(&v.dims, axis);
         let taken: usize = ranges.iter().map(|r| r.len()).sum();
         let mut dims = v.dims.clone();

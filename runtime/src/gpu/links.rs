@@ -19,7 +19,7 @@ use super::rendezvous::ID_BYTES;
 use crate::comm::{Communicator, Group};
 use crate::error::{kernel_err, Result};
 use crate::fused::{Backend, Val};
-use crate::params::{DeviceBuf, Links, Pieces};
+use crate::params::{all_to_all_position, DeviceBuf, Links, Pieces};
 use dplc_codegen::Elem;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -222,15 +222,7 @@ impl Links<CudaBackend> for NcclLinks {
         pieces: Vec<Val<CudaBackend>>,
     ) -> Result<Vec<Val<CudaBackend>>> {
         let members = group.size();
-        let pos = group
-            .position(comm.rank())
-            .ok_or_else(|| kernel_err("nccl", "an all-to-all over a group without this rank"))?;
-        if pieces.len() != members {
-            return Err(kernel_err(
-                "nccl",
-                format!("{} pieces for a group of {members}", pieces.len()),
-            ));
-        }
+        let pos = all_to_all_position(comm, group, &pieces)?;
         let mine = pieces[pos].clone();
         if members == 1 || mine.len == 0 {
             return Ok(vec![mine; members]);

@@ -19,7 +19,10 @@ use crate::comm::{Communicator, Group};
 use crate::error::{kernel_err, Result};
 use crate::fused::relayout::LayoutKernels;
 use crate::fused::{flat_args, Backend, Val};
-use crate::params::{all_to_all_host, recv_host, send_host, DeviceBuf, HostStaged, Links, Pieces};
+use crate::params::{
+    all_to_all_host, all_to_all_position, recv_host, send_host, DeviceBuf, HostStaged, Links,
+    Pieces,
+};
 use crate::tensor::Tensor;
 use dplc_codegen::Elem;
 
@@ -299,15 +302,7 @@ impl Links<CudaBackend> for SharedDevice {
         if !self.one_device(group.ranks()) {
             return all_to_all_host(be, comm, group, pieces);
         }
-        let pos = group
-            .position(comm.rank())
-            .ok_or_else(|| kernel_err("hand-over", "a group without this rank"))?;
-        if pieces.len() != group.size() {
-            return Err(kernel_err(
-                "hand-over",
-                format!("{} pieces for a group of {}", pieces.len(), group.size()),
-            ));
-        }
+        let pos = all_to_all_position(comm, group, &pieces)?;
         let notes = pieces
             .iter()
             .enumerate()

@@ -216,6 +216,25 @@ impl<B: Backend> Links<B> for HostStaged {
     }
 }
 
+/// This rank's position in `group`, checked to have a piece for each
+/// member: what every [`Links::all_to_all`] checks first.
+pub(crate) fn all_to_all_position<V>(
+    comm: &Communicator,
+    group: &Group,
+    pieces: &[V],
+) -> Result<usize> {
+    let pos = group
+        .position(comm.rank())
+        .ok_or_else(|| kernel_err("all_to_all", "a group without this rank"))?;
+    if pieces.len() != group.size() {
+        return Err(kernel_err(
+            "all_to_all",
+            format!("{} pieces for a group of {}", pieces.len(), group.size()),
+        ));
+    }
+    Ok(pos)
+}
+
 /// [`Links::all_to_all`] through the host, for any backend: the pieces
 /// down as `f32` (exact from any storage type), the CPU communicator's
 /// all-to-all, the arrivals up in the pieces' type.

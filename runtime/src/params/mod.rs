@@ -15,7 +15,8 @@ mod staged;
 mod storage;
 
 pub(crate) use device::{
-    all_to_all_host, recv_host, send_host, DeviceBuf, DeviceStorage, HostStaged, Links,
+    all_to_all_host, all_to_all_position, recv_host, send_host, DeviceBuf, DeviceStorage,
+    HostStaged, Links,
 };
 pub(crate) use storage::{HostStorage, Pieces, Storage};
 
