@@ -18,6 +18,7 @@ mod flat;
 mod fuse;
 mod interp;
 mod kernel;
+mod moe;
 mod nvrtc;
 mod vocab;
 
@@ -52,6 +53,10 @@ pub use kernel::{
     batch_draw, draw_seed, draw_state, drop_threshold, dropout_draw, fnv1a, key_absorb,
     sample_draw, Buffer, Builder, Cond, DrawKey, Elem, Expr, Idx, Kernel, RowReduce, Size, Space,
     Store, ValueId,
+};
+pub use moe::{
+    moe_combine_backward_kernel, moe_combine_kernel, moe_combine_weights_backward_kernel,
+    moe_dispatch_backward_kernel, moe_dispatch_kernel, moe_top_k_backward_kernel, moe_top_k_kernel,
 };
 pub use nvrtc::{Arch, Nvrtc, Ptx};
 pub use vocab::{

@@ -212,6 +212,43 @@ fn step_cases(out: &mut Vec<Case>) {
         out.push(flat(dplc_codegen::sum_parts_kernel(elem, 3)));
     }
     vocab_cases(out);
+    moe_cases(out);
+}
+
+/// The kernels of MoE routing with two choices a token: top-2 over 37 rows
+/// of 9 scores, and dispatch and combine between 37 tokens and 8 slots (the
+/// tables drawn 0 to 3 index tokens 0 and 1 and slots 0 to 3).
+fn moe_cases(out: &mut Vec<Case>) {
+    let case = |kernel: Kernel, sizes: Vec<i64>| Case {
+        kernel,
+        args: Args {
+            sizes,
+            scalars: vec![],
+            seed: 0,
+        },
+        non_negative: vec![],
+        masked: vec![],
+        row_stats: None,
+    };
+    out.push(case(dplc_codegen::moe_top_k_kernel(2), vec![37, 9]));
+    out.push(case(
+        dplc_codegen::moe_top_k_backward_kernel(2),
+        vec![37, 9],
+    ));
+    out.push(case(dplc_codegen::moe_dispatch_kernel(2), vec![8, 65, 37]));
+    out.push(case(
+        dplc_codegen::moe_dispatch_backward_kernel(2),
+        vec![37, 65, 8],
+    ));
+    out.push(case(dplc_codegen::moe_combine_kernel(2), vec![37, 65, 8]));
+    out.push(case(
+        dplc_codegen::moe_combine_backward_kernel(2),
+        vec![8, 65, 37],
+    ));
+    out.push(case(
+        dplc_codegen::moe_combine_weights_backward_kernel(2),
+        vec![74, 65, 8, 37],
+    ));
 }
 
 /// The kernels of the ops over a split vocabulary: the softmax's over 37

@@ -49,6 +49,20 @@ fn all_sources(full_size: bool) -> BTreeMap<String, CudaSource> {
         add(emit_cuda(&adamw_value_kernel(), dtype));
         add(emit_cuda(&column_sum_kernel(), dtype));
         add(emit_cuda(&dplc_codegen::column_chunk_kernel(), dtype));
+        // MoE routing, top-2 and top-8.
+        for k in [2, 8] {
+            for kernel in [
+                dplc_codegen::moe_top_k_kernel(k),
+                dplc_codegen::moe_top_k_backward_kernel(k),
+                dplc_codegen::moe_dispatch_kernel(k),
+                dplc_codegen::moe_dispatch_backward_kernel(k),
+                dplc_codegen::moe_combine_kernel(k),
+                dplc_codegen::moe_combine_backward_kernel(k),
+                dplc_codegen::moe_combine_weights_backward_kernel(k),
+            ] {
+                add(emit_cuda(&kernel, dtype));
+            }
+        }
         // A layout change's sum of a group's parts.
         for elem in [Elem::Float, Elem::F32] {
             for parts in [2, 8] {

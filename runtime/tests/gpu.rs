@@ -1069,10 +1069,10 @@ fn vocab_root_layout(g: &Graph, spec: &dplc_ir::TrainSpec) -> dplc_ir::ModelLayo
 
 /// The zoo's gpt_tiny in f32 over sequences of 8, four a step: a model the
 /// planner splits over its vocabulary (the hand-built test GPT it does not).
-fn zoo_gpt_tiny() -> (Graph, dplc_ir::TrainSpec) {
+fn zoo_tiny(model: &str) -> (Graph, dplc_ir::TrainSpec) {
     let text = include_str!("../../models/tiny.dpl");
     let unit = dplc_frontend::parse("models/tiny.dpl", text).expect("the zoo parses");
-    let lowered = unit.lower("gpt_tiny").expect("gpt_tiny lowers");
+    let lowered = unit.lower(model).expect("the tiny model lowers");
     let mut spec = lowered.train;
     spec.seq = 8;
     spec.global_batch = 4;
@@ -1085,7 +1085,7 @@ fn zoo_gpt_tiny() -> (Graph, dplc_ir::TrainSpec) {
 /// (checked without a GPU, so that the GPU test's split is sound).
 #[test]
 fn gpt_tiny_has_a_vocabulary_split_root() {
-    let (g, spec) = zoo_gpt_tiny();
+    let (g, spec) = zoo_tiny("gpt_tiny");
     let layout = vocab_root_layout(&g, &spec);
     let over_vocab = layout
         .regions
@@ -1101,8 +1101,9 @@ fn gpt_tiny_has_a_vocabulary_split_root() {
 
 /// GPU runs go through the one schedule executor: several ranks sharing one
 /// GPU run data, tensor (with sequence, and with the root split over the
-/// vocabulary) and pipeline parallelism and ZeRO-3,
-/// a parameter server, async updates and compressed gradients, and each
+/// vocabulary), pipeline and expert parallelism (MoE routing on the device)
+/// and ZeRO-3, a parameter server, async updates and compressed gradients,
+/// and each
 /// matches the same split computed by the same fused kernels on the host
 /// backend.
 #[test]
@@ -1187,18 +1188,29 @@ fn every_split_on_one_gpu_matches_the_host_fused_compute() {
         ),
     ];
     // The root split over the vocabulary: its ops run on the device.
-    let (tiny, tiny_spec) = zoo_gpt_tiny();
+    let (tiny, tiny_spec) = zoo_tiny("gpt_tiny");
     let tiny_data = dplc_runtime::Corpus::synthetic(5, 256, 1 << 12);
     let vocab = RunConfig {
         tp: 2,
         layout: Some(vocab_root_layout(&tiny, &tiny_spec)),
         ..base.clone()
     };
+    // MoE routing on the device, its experts over two ranks.
+    let (moe, moe_spec) = zoo_tiny("moe_tiny");
+    let experts = RunConfig {
+        dp: 2,
+        ep: 2,
+        num_micro_batches: 2,
+        ..base.clone()
+    };
     let cases = splits
         .into_iter()
         .chain(syncs)
         .map(|(name, cfg)| (name, &g, &spec, &data, cfg))
-        .chain([("tp2 root=vocab", &tiny, &tiny_spec, &tiny_data, vocab)]);
+        .chain([
+            ("tp2 root=vocab", &tiny, &tiny_spec, &tiny_data, vocab),
+            ("moe dp2 ep2", &moe, &moe_spec, &tiny_data, experts),
+        ]);
     for (name, g, spec, data, mut cfg) in cases {
         if cfg.tp > 1 && cfg.layout.is_none() {
             cfg.layout = Some(dplc_planner::derive_layout(g, 2, 1, true).unwrap());

@@ -31,12 +31,15 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 mod backward;
+mod moe;
 mod vocab;
 
-/// The steps no kernel runs, done on the host by the executor's caller: a
-/// layout change over the tensor- or expert-parallel group (a collective),
-/// and MoE routing (top-k, dispatch, combine) by the reference kernels.
-/// Values cross as host tensors at the local program's shapes.
+/// The steps no kernel runs, done on the host by the executor's caller
+/// (values cross as host tensors at the local program's shapes), and the
+/// group exchanges of those the device runs: a layout change over the
+/// mesh's groups ([`HostSteps::relayout`], on the device), an op over a
+/// split vocabulary ([`HostSteps::vocab`]). MoE routing runs on the device
+/// but for the routing tables, made by the executor itself.
 pub trait HostSteps<B: Backend> {
     /// Node `node`'s outputs from its inputs.
     fn forward(&mut self, node: NodeId, ins: Vec<Tensor>) -> Result<Vec<Tensor>>;
@@ -677,6 +680,7 @@ impl<'a, B: Backend> Executor<'a, B> {
                 }
                 match self.vocab_on_device(*node) {
                     Some(v) => self.vocab_forward(be, run, *node, v)?,
+                    None if self.moe_on_device(*node) => self.moe_forward(be, run, *node)?,
                     None => self.host_forward(be, run, *node)?,
                 }
             }

@@ -115,7 +115,12 @@ pub fn compile_graph(
                         }
                     }
                 }
-                Step::MatMul { .. } | Step::Extern { .. } => {}
+                Step::Extern { node, .. } => {
+                    for k in routing_kernels(graph, *node) {
+                        add(&k)?;
+                    }
+                }
+                Step::MatMul { .. } => {}
             }
         }
         for step in &back {
@@ -135,4 +140,52 @@ pub fn compile_graph(
         kernels,
         attention: attention_passes,
     })
+}
+
+/// The kernels MoE routing node `node` runs on the device, forward and
+/// backward (none for other nodes): its `k` from top-k itself, or from the
+/// width of dispatch's and combine's choices.
+fn routing_kernels(graph: &Graph, node: dplc_ir::NodeId) -> Vec<Kernel> {
+    let n = graph.node(node);
+    let choices = |i: usize| {
+        n.inputs
+            .get(i)
+            .and_then(|&t| {
+                graph
+                    .tensor(t)
+                    .shape
+                    .dims()
+                    .get(1)
+                    .and_then(|d| d.as_const())
+            })
+            .and_then(|k| usize::try_from(k).ok())
+    };
+    match n.op {
+        dplc_ir::Op::TopK { k } => usize::try_from(k)
+            .map(|k| {
+                vec![
+                    dplc_codegen::moe_top_k_kernel(k),
+                    dplc_codegen::moe_top_k_backward_kernel(k),
+                ]
+            })
+            .unwrap_or_default(),
+        dplc_ir::Op::MoeDispatch { .. } => choices(1)
+            .map(|k| {
+                vec![
+                    dplc_codegen::moe_dispatch_kernel(k),
+                    dplc_codegen::moe_dispatch_backward_kernel(k),
+                ]
+            })
+            .unwrap_or_default(),
+        dplc_ir::Op::MoeCombine => choices(1)
+            .map(|k| {
+                vec![
+                    dplc_codegen::moe_combine_kernel(k),
+                    dplc_codegen::moe_combine_backward_kernel(k),
+                    dplc_codegen::moe_combine_weights_backward_kernel(k),
+                ]
+            })
+            .unwrap_or_default(),
+        _ => Vec::new(),
+    }
 }

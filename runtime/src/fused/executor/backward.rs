@@ -515,6 +515,9 @@ impl<'a, B: Backend> Executor<'a, B> {
                     if !matches!(self.graph.node(*node).op, Op::Repeat { .. }) {
                         match self.vocab_on_device(*node) {
                             Some(v) => self.vocab_backward(be, run, grads, *node, v)?,
+                            None if self.moe_on_device(*node) => {
+                                self.moe_backward(be, run, grads, *node)?
+                            }
                             None => self.host_backward(be, run, grads, *node)?,
                         }
                         self.done_with(run, grads, &plan.steps[at], &free_after[bi]);
