@@ -19,8 +19,8 @@ pub struct Args {
     #[arg(long)]
     pub save_plan: Option<PathBuf>,
     /// GPU clusters: run the plan's ranks on this machine's first N GPUs,
-    /// rank r on GPU r mod N (ranks sharing a GPU stage their collectives
-    /// through the host), e.g. a tp=2 plan of a 2xH100 cluster on one GPU.
+    /// rank r on GPU r mod N (ranks sharing a GPU hand each other their
+    /// values on it), e.g. a tp=2 plan of a 2xH100 cluster on one GPU.
     /// Default: one GPU per rank.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub gpus: Option<u32>,

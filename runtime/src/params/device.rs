@@ -254,13 +254,26 @@ pub(crate) fn all_to_all_host<B: Backend>(
             "indices move between ranks on the host, not as a layout change's pieces",
         ));
     }
+    // This rank's own piece stays where it is.
+    let pos = all_to_all_position(comm, group, &pieces)?;
     let host: Vec<Vec<f32>> = pieces
         .iter()
-        .map(|p| be.download(&p.buf, p.elem, p.len))
+        .enumerate()
+        .map(|(j, p)| {
+            if j == pos {
+                Ok(Vec::new())
+            } else {
+                be.download(&p.buf, p.elem, p.len)
+            }
+        })
         .collect::<Result<_>>()?;
     comm.all_to_all(group, host)?
         .iter()
-        .map(|h| {
+        .enumerate()
+        .map(|(j, h)| {
+            if j == pos {
+                return Ok(pieces[pos].clone());
+            }
             Ok(Val {
                 buf: be.upload(elem, h)?,
                 elem,
