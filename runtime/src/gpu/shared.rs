@@ -8,11 +8,18 @@
 //! token over the CPU communicator; the taker takes the buffer by it. The
 //! ranks' backends queue all their work on the device's one stream, so
 //! what the giver queued before handing over (the kernel that wrote the
-//! value) is done before anything the taker queues after. A shared buffer
-//! is never written in place (`Backend::unique`), so giver and taker may
-//! both read it. The store's sums take every member's vectors so and add
+//! value) is done before anything the taker queues after. The executor
+//! writes a value in place only where it holds the only handle
+//! (`Backend::unique`), so giver and taker may both read a handed buffer;
+//! a parameter's compute copy, which a layout change may hand over whole
+//! (an all-gather's own piece), is rewritten only by the optimizer step,
+//! after the step's world-wide norm all-reduce, which a taker reaches only
+//! once its reads (queued in the same conversion) are. The store's sums take every member's vectors so and add
 //! them from zero in group order (`sum_parts_kernel`: the host's bits);
-//! groups spread over several GPUs go through the host ([`HostStaged`]).
+//! the store writes its vectors in place (the optimizer, the accumulators),
+//! so its collectives end with the group meeting once more, after every
+//! member has queued its reads of the others' vectors ([`settle`]). Groups
+//! spread over several GPUs go through the host ([`HostStaged`]).
 
 use super::backend::CudaBackend;
 use crate::comm::{Communicator, Group};
@@ -201,6 +208,13 @@ fn take(be: &CudaBackend, note: &[f32]) -> Result<Val<CudaBackend>> {
     })
 }
 
+/// Wait until every member of `group` has queued its reads of the
+/// vectors handed to it: only then may a member write its own in place.
+fn settle(comm: &mut Communicator, group: &Group) -> Result<()> {
+    comm.all_to_all(group, vec![Vec::new(); group.size()])
+        .map(drop)
+}
+
 impl Links<CudaBackend> for SharedDevice {
     fn all_reduce(
         &mut self,
@@ -219,7 +233,7 @@ impl Links<CudaBackend> for SharedDevice {
             let len = v.len;
             **v = self.sum(be, &parts, len)?;
         }
-        Ok(())
+        settle(comm, group)
     }
 
     fn reduce_scatter(
@@ -235,7 +249,8 @@ impl Links<CudaBackend> for SharedDevice {
         let pos = group.position(comm.rank()).unwrap_or(0);
         let mine: Vec<&DeviceBuf<CudaBackend>> = vs.iter().map(|(v, _)| *v).collect();
         let all = self.everyones(be, comm, group, &mine)?;
-        vs.iter()
+        let mine = vs
+            .iter()
             .enumerate()
             .map(|(i, (_, shards))| {
                 let at = shards.get(pos).cloned().unwrap_or(0..0);
@@ -246,7 +261,9 @@ impl Links<CudaBackend> for SharedDevice {
                 let parts: Vec<&DeviceBuf<CudaBackend>> = parts.iter().collect();
                 self.sum(be, &parts, at.len())
             })
-            .collect()
+            .collect::<Result<Vec<_>>>()?;
+        settle(comm, group)?;
+        Ok(mine)
     }
 
     fn all_gather(
@@ -261,7 +278,8 @@ impl Links<CudaBackend> for SharedDevice {
         }
         let mine: Vec<&DeviceBuf<CudaBackend>> = vs.iter().map(|(v, _)| *v).collect();
         let all = self.everyones(be, comm, group, &mine)?;
-        vs.iter()
+        let wholes = vs
+            .iter()
             .enumerate()
             .map(|(i, (_, shards))| {
                 // Each member's part in member order, as the host joins them.
@@ -289,7 +307,9 @@ impl Links<CudaBackend> for SharedDevice {
                     len,
                 })
             })
-            .collect()
+            .collect::<Result<Vec<_>>>()?;
+        settle(comm, group)?;
+        Ok(wholes)
     }
 
     fn all_to_all(
