@@ -362,6 +362,12 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         let w = self.bytes(elem, 1);
         let t0 = self.begin()?;
+        if rows == 1 {
+            // One row: a plain copy (a 2-D copy's pitch is capped at 2 GiB,
+            // and one row's stride is the whole tensor's).
+            self.dev.copy_at(src, from * w, dst, to * w, width * w)?;
+            return self.end(t0, || "copy_rows".into());
+        }
         self.dev.copy_2d(
             src,
             (from * w, src_stride * w),
