@@ -256,6 +256,18 @@ pub(crate) trait Moves {
         let n = group.size();
         self.all_to_all(group, vec![v.clone(); n])
     }
+    /// Every member's `v` summed: by default gathered and summed from zero
+    /// in group order (the same bits on every member).
+    fn all_reduce(&mut self, group: &Group, v: &Self::V) -> Result<Self::V> {
+        let all = self.all_gather(group, v)?;
+        self.sum(&all)
+    }
+    /// Piece `j` summed over the members, at member `j`: by default the
+    /// pieces exchanged and summed from zero in group order.
+    fn reduce_scatter(&mut self, group: &Group, pieces: Vec<Self::V>) -> Result<Self::V> {
+        let got = self.all_to_all(group, pieces)?;
+        self.sum(&got)
+    }
 }
 
 /// Piece `p` of `parts` equal pieces of an axis of `n`.
@@ -315,15 +327,11 @@ pub(crate) fn convert_with<M: Moves>(
         return convert_with(m, groups, v, Replicated, to);
     }
     match (from, to) {
-        (Partial, Replicated) => {
-            let all = m.all_gather(tp, v)?;
-            m.sum(&all)
-        }
+        (Partial, Replicated) => m.all_reduce(tp, v),
         (Partial, Split { axis }) => {
-            // A reduce-scatter along `axis`, summed in group order everywhere.
+            // A reduce-scatter along `axis`.
             let pieces = split(m, v, axis, tp.size())?;
-            let got = m.all_to_all(tp, pieces)?;
-            m.sum(&got)
+            m.reduce_scatter(tp, pieces)
         }
         (Split { axis }, Replicated) => {
             let parts = m.all_gather(tp, v)?;
@@ -355,14 +363,12 @@ pub(crate) fn convert_with<M: Moves>(
             m.cut(v, axis, &context_ranges(n, cp.size(), cp_pos)?)
         }
         (Partial, Context { axis }) => {
-            // A reduce-scatter: each rank's summand of every rank's chunks,
-            // summed in group order everywhere.
+            // A reduce-scatter: each rank's summand of every rank's chunks.
             let n = axis_len(m, v, axis)?;
             let pieces = (0..cp.size())
                 .map(|q| m.cut(v, axis, &context_ranges(n, cp.size(), q)?))
                 .collect::<Result<Vec<_>>>()?;
-            let got = m.all_to_all(cp, pieces)?;
-            m.sum(&got)
+            m.reduce_scatter(cp, pieces)
         }
         (Context { axis }, Partial) => {
             // This rank's summand of a whole gradient: zero elsewhere.

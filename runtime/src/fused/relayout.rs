@@ -186,6 +186,47 @@ impl<B: Backend, L: Links<B>> Moves for DeviceMoves<'_, B, L> {
         Ok(out)
     }
 
+    fn all_gather(&mut self, group: &Group, v: &Shaped<B>) -> Result<Vec<Shaped<B>>> {
+        match self.links.gather_value(self.be, self.comm, group, &v.val)? {
+            Some(all) => Ok(all
+                .into_iter()
+                .map(|val| Shaped {
+                    val,
+                    dims: v.dims.clone(),
+                })
+                .collect()),
+            None => self.all_to_all(group, vec![v.clone(); group.size()]),
+        }
+    }
+
+    fn all_reduce(&mut self, group: &Group, v: &Shaped<B>) -> Result<Shaped<B>> {
+        match self.links.sum_value(self.be, self.comm, group, &v.val)? {
+            Some(val) => Ok(Shaped {
+                val,
+                dims: v.dims.clone(),
+            }),
+            None => {
+                let all = self.all_gather(group, v)?;
+                self.sum(&all)
+            }
+        }
+    }
+
+    fn reduce_scatter(&mut self, group: &Group, pieces: Vec<Shaped<B>>) -> Result<Shaped<B>> {
+        let pos = crate::params::all_to_all_position(self.comm, group, &pieces)?;
+        let vals: Vec<Val<B>> = pieces.iter().map(|p| p.val.clone()).collect();
+        match self.links.scatter_sum(self.be, self.comm, group, &vals)? {
+            Some(val) => Ok(Shaped {
+                val,
+                dims: pieces[pos].dims.clone(),
+            }),
+            None => {
+                let got = self.all_to_all(group, pieces)?;
+                self.sum(&got)
+            }
+        }
+    }
+
     fn all_to_all(&mut self, group: &Group, pieces: Vec<Shaped<B>>) -> Result<Vec<Shaped<B>>> {
         // Every member cuts the same shapes: what arrives has this rank's.
         let pos = group.position(self.comm.rank()).unwrap_or(0);

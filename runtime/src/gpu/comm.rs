@@ -9,6 +9,7 @@ use super::error::{nccl, GpuError, GpuResult};
 use super::launch_env::LaunchEnv;
 use super::rendezvous::{share_id, ID_BYTES};
 use cudarc::nccl::{result as nccl_result, sys as nccl_sys};
+use dplc_ir::DType;
 use std::ffi::c_void;
 use std::sync::Arc;
 use std::time::Duration;
@@ -43,6 +44,30 @@ fn check(buf: &DeviceBuffer, count: usize, what: &str) -> GpuResult<()> {
     if buf.bytes() < count * 4 {
         return Err(GpuError::Invalid(format!(
             "{what}: a {}-byte buffer for {count} f32 elements",
+            buf.bytes()
+        )));
+    }
+    Ok(())
+}
+
+/// NCCL's type for floats stored as `dtype`.
+fn nccl_type(dtype: DType) -> GpuResult<nccl_sys::ncclDataType_t> {
+    use nccl_sys::ncclDataType_t as T;
+    match dtype {
+        DType::F32 => Ok(T::ncclFloat32),
+        DType::BF16 => Ok(T::ncclBfloat16),
+        DType::F16 => Ok(T::ncclFloat16),
+        d => Err(GpuError::Invalid(format!(
+            "no NCCL collective sums values stored as {d:?}"
+        ))),
+    }
+}
+
+fn check_as(buf: &DeviceBuffer, count: usize, dtype: DType, what: &str) -> GpuResult<()> {
+    let need = count * dtype.size_bytes() as usize;
+    if buf.bytes() < need {
+        return Err(GpuError::Invalid(format!(
+            "{what}: a {}-byte buffer for {count} {dtype:?} elements",
             buf.bytes()
         )));
     }
@@ -185,6 +210,88 @@ impl NcclCommunicator {
         // The group is closed even when a call in it failed.
         let closed = nccl_result::group_end().map_err(|e| nccl("ncclGroupEnd", e));
         queued.and(closed.map(drop))
+    }
+
+    /// `send[..count]` summed over all ranks into `recv[..count]`, in
+    /// `dtype` (a layout change's values, in their storage type).
+    pub fn all_reduce_as(
+        &mut self,
+        dtype: DType,
+        send: &DeviceBuffer,
+        recv: &mut DeviceBuffer,
+        count: usize,
+    ) -> GpuResult<()> {
+        let t = nccl_type(dtype)?;
+        check_as(send, count, dtype, "all_reduce")?;
+        check_as(recv, count, dtype, "all_reduce")?;
+        // SAFETY (this and the two below): buffers hold the elements NCCL
+        // touches (checked), and are used on the communicator's stream.
+        unsafe {
+            nccl_result::all_reduce(
+                send.device_ptr() as *const c_void,
+                recv.device_ptr() as *mut c_void,
+                count,
+                t,
+                SUM,
+                self.comm,
+                self.stream(),
+            )
+        }
+        .map(drop)
+        .map_err(|e| nccl("ncclAllReduce", e))
+    }
+
+    /// Every rank's `send[..count]`, in rank order, into
+    /// `recv[..count * world]`, in `dtype`.
+    pub fn all_gather_as(
+        &mut self,
+        dtype: DType,
+        send: &DeviceBuffer,
+        recv: &mut DeviceBuffer,
+        count: usize,
+    ) -> GpuResult<()> {
+        let t = nccl_type(dtype)?;
+        check_as(send, count, dtype, "all_gather")?;
+        check_as(recv, count * self.world, dtype, "all_gather")?;
+        unsafe {
+            nccl_result::all_gather(
+                send.device_ptr() as *const c_void,
+                recv.device_ptr() as *mut c_void,
+                count,
+                t,
+                self.comm,
+                self.stream(),
+            )
+        }
+        .map(drop)
+        .map_err(|e| nccl("ncclAllGather", e))
+    }
+
+    /// `send[..count * world]` summed over all ranks, this rank's part into
+    /// `recv[..count]`, in `dtype`.
+    pub fn reduce_scatter_as(
+        &mut self,
+        dtype: DType,
+        send: &DeviceBuffer,
+        recv: &mut DeviceBuffer,
+        count: usize,
+    ) -> GpuResult<()> {
+        let t = nccl_type(dtype)?;
+        check_as(send, count * self.world, dtype, "reduce_scatter")?;
+        check_as(recv, count, dtype, "reduce_scatter")?;
+        unsafe {
+            nccl_result::reduce_scatter(
+                send.device_ptr() as *const c_void,
+                recv.device_ptr() as *mut c_void,
+                count,
+                t,
+                SUM,
+                self.comm,
+                self.stream(),
+            )
+        }
+        .map(drop)
+        .map_err(|e| nccl("ncclReduceScatter", e))
     }
 
     pub fn device(&self) -> &Arc<GpuDevice> {

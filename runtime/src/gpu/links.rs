@@ -21,6 +21,7 @@ use crate::error::{kernel_err, Result};
 use crate::fused::{Backend, Val};
 use crate::params::{all_to_all_position, DeviceBuf, Links, Pieces};
 use dplc_codegen::Elem;
+use dplc_ir::DType;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -259,5 +260,105 @@ impl Links<CudaBackend> for NcclLinks {
         }
         self.comm(comm, group)?.exchange_bytes(&sends, &mut recvs)?;
         Ok(got)
+    }
+
+    fn sum_value(
+        &mut self,
+        be: &mut CudaBackend,
+        comm: &mut Communicator,
+        group: &Group,
+        v: &Val<CudaBackend>,
+    ) -> Result<Option<Val<CudaBackend>>> {
+        let Some(dtype) = wire(be, v.elem) else {
+            return Ok(None);
+        };
+        if group.size() == 1 || v.len == 0 {
+            return Ok(Some(v.clone()));
+        }
+        let mut out = be.alloc(v.elem, v.len)?;
+        self.comm(comm, group)?
+            .all_reduce_as(dtype, &v.buf, unique(&mut out)?, v.len)?;
+        Ok(Some(Val {
+            buf: out,
+            elem: v.elem,
+            len: v.len,
+        }))
+    }
+
+    fn gather_value(
+        &mut self,
+        be: &mut CudaBackend,
+        comm: &mut Communicator,
+        group: &Group,
+        v: &Val<CudaBackend>,
+    ) -> Result<Option<Vec<Val<CudaBackend>>>> {
+        let Some(dtype) = wire(be, v.elem) else {
+            return Ok(None);
+        };
+        let members = group.size();
+        if members == 1 || v.len == 0 {
+            return Ok(Some(vec![v.clone(); members]));
+        }
+        let mut all = be.alloc(v.elem, v.len * members)?;
+        self.comm(comm, group)?
+            .all_gather_as(dtype, &v.buf, unique(&mut all)?, v.len)?;
+        // Each member's part as a value of its own.
+        (0..members)
+            .map(|j| {
+                let part = be.alloc(v.elem, v.len)?;
+                be.copy_rows(v.elem, (&all, j * v.len, v.len), (&part, 0, v.len), 1, v.len)?;
+                Ok(Val {
+                    buf: part,
+                    elem: v.elem,
+                    len: v.len,
+                })
+            })
+            .collect::<Result<_>>()
+            .map(Some)
+    }
+
+    fn scatter_sum(
+        &mut self,
+        be: &mut CudaBackend,
+        comm: &mut Communicator,
+        group: &Group,
+        pieces: &[Val<CudaBackend>],
+    ) -> Result<Option<Val<CudaBackend>>> {
+        let pos = all_to_all_position(comm, group, pieces)?;
+        let mine = &pieces[pos];
+        let (elem, len) = (mine.elem, mine.len);
+        let Some(dtype) = wire(be, elem) else {
+            return Ok(None);
+        };
+        if pieces.iter().any(|p| p.len != len || p.elem != elem) {
+            return Ok(None);
+        }
+        let members = group.size();
+        if members == 1 || len == 0 {
+            return Ok(Some(mine.clone()));
+        }
+        // The pieces side by side, member order, as NCCL scatters them.
+        let packed = be.alloc(elem, len * members)?;
+        for (j, p) in pieces.iter().enumerate() {
+            be.copy_rows(elem, (&p.buf, 0, len), (&packed, j * len, len), 1, len)?;
+        }
+        let mut out = be.alloc(elem, len)?;
+        self.comm(comm, group)?
+            .reduce_scatter_as(dtype, &packed, unique(&mut out)?, len)?;
+        Ok(Some(Val {
+            buf: out,
+            elem,
+            len,
+        }))
+    }
+}
+
+/// The type a value of `elem` travels in through NCCL's collectives: its
+/// storage type (`None` for indices, which are not summed).
+fn wire(be: &CudaBackend, elem: Elem) -> Option<DType> {
+    match elem {
+        Elem::Float => Some(be.dtype()),
+        Elem::F32 => Some(DType::F32),
+        Elem::I32 => None,
     }
 }

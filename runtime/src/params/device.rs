@@ -82,6 +82,40 @@ pub(crate) trait Links<B: Backend> {
         group: &Group,
         pieces: Vec<Val<B>>,
     ) -> Result<Vec<Val<B>>>;
+    /// Every member's `v` summed by a collective of the links' own (`None`
+    /// where they have none: the caller gathers and sums in group order).
+    fn sum_value(
+        &mut self,
+        _be: &mut B,
+        _comm: &mut Communicator,
+        _group: &Group,
+        _v: &Val<B>,
+    ) -> Result<Option<Val<B>>> {
+        Ok(None)
+    }
+    /// Every member's `v`, in group order, by a collective of the links'
+    /// own (`None`: the caller runs [`Links::all_to_all`]).
+    fn gather_value(
+        &mut self,
+        _be: &mut B,
+        _comm: &mut Communicator,
+        _group: &Group,
+        _v: &Val<B>,
+    ) -> Result<Option<Vec<Val<B>>>> {
+        Ok(None)
+    }
+    /// Piece `j` of `pieces` (equal lengths) summed over the members, at
+    /// member `j`, by a collective of the links' own (`None`: the caller
+    /// exchanges and sums in group order).
+    fn scatter_sum(
+        &mut self,
+        _be: &mut B,
+        _comm: &mut Communicator,
+        _group: &Group,
+        _pieces: &[Val<B>],
+    ) -> Result<Option<Val<B>>> {
+        Ok(None)
+    }
     /// Send a pipeline hop's values to rank `to` under `tag`, without
     /// waiting for the receiver (the schedule's sends and receives cross
     /// between stages). Through the host unless the links say otherwise.
