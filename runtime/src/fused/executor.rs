@@ -13,8 +13,10 @@
 //! its arguments and runs forward again before its backward. So peak memory
 //! is the saved activations plus one step's gradients and temporaries; the
 //! planner's memory model counts the first (README: measured against it).
-//! The backward lives in [`backward`]; this file has the forward, the
-//! bindings both passes share and the host steps' hand-off.
+//! The backward lives in [`backward`], the hand-off to the caller's
+//! [`HostSteps`] (layout changes, steps no kernel runs) in [`host`], the
+//! ops over a split vocabulary in [`vocab`] and MoE routing in [`moe`];
+//! this file has the forward and the bindings both passes share.
 
 use super::backend::{Backend, MatMul};
 use super::plan::{base_of, is_host_step, step_outputs, FusedGraph};
@@ -31,6 +33,7 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 mod backward;
+mod host;
 mod moe;
 mod vocab;
 
@@ -776,78 +779,6 @@ impl<'a, B: Backend> Executor<'a, B> {
                 run.values.entry(t).or_insert_with(|| v.clone());
             }
         }
-    }
-
-    fn host(&self, node: NodeId) -> Result<std::cell::RefMut<'_, &'a mut dyn HostSteps<B>>> {
-        self.host.as_ref().map(RefCell::borrow_mut).ok_or_else(|| {
-            RuntimeError::Unsupported(format!(
-                "`{}` runs on the host, which this fused run does not provide; run it on the \
-                 schedule executor (dplc run --compute fused) or with --compute reference",
-                self.graph.node(node).op.name()
-            ))
-        })
-    }
-
-    fn to_host(&self, be: &mut B, t: TensorId, v: &Val<B>) -> Result<Tensor> {
-        to_host(be, self.graph, &self.syms, t, v)
-    }
-
-    /// A layout change of tensor `t`'s value `x` on the device
-    /// ([`HostSteps::relayout`]), as a float value of tensor `out`'s shape;
-    /// `None` for indices, which change layout on the host.
-    fn relayout(
-        &self,
-        be: &mut B,
-        node: NodeId,
-        (t, x): (TensorId, Val<B>),
-        out: TensorId,
-        (from, to): (TensorLayout, TensorLayout),
-    ) -> Result<Option<Val<B>>> {
-        if x.elem == Elem::I32 {
-            return Ok(None);
-        }
-        let v = Shaped {
-            val: x,
-            dims: self.dims(t),
-        };
-        let got = self.host(node)?.relayout(be, v, from, to)?;
-        if got.dims != self.dims(out) {
-            return Err(kernel_err(
-                "relayout",
-                format!(
-                    "{from:?} → {to:?} made {:?} where {out} is {:?}",
-                    got.dims,
-                    self.dims(out)
-                ),
-            ));
-        }
-        self.as_elem(be, &got.val, Elem::Float).map(Some)
-    }
-
-    /// A host step forward: its inputs down, its outputs up. A layout
-    /// change of floats stays on the device ([`Self::relayout`]).
-    fn host_forward(&self, be: &mut B, run: &mut RegionRun<B>, node: NodeId) -> Result<()> {
-        let n = self.graph.node(node);
-        if let (Op::Relayout { from, to, .. }, [t], [out]) =
-            (&n.op, n.inputs.as_slice(), n.outputs.as_slice())
-        {
-            let x = self.get(run, *t)?;
-            if let Some(v) = self.relayout(be, node, (*t, x), *out, (*from, *to))? {
-                run.values.insert(*out, v);
-                return Ok(());
-            }
-        }
-        let ins = n
-            .inputs
-            .iter()
-            .map(|&t| self.to_host(be, t, &self.get(run, t)?))
-            .collect::<Result<_>>()?;
-        let outs = self.host(node)?.forward(node, ins)?;
-        for (&t, v) in n.outputs.iter().zip(&outs) {
-            let v = to_backend(be, v)?;
-            run.values.insert(t, v);
-        }
-        Ok(())
     }
 
     fn repeat_parts(&self, n: NodeId) -> Result<(u64, RegionId, usize)> {

@@ -306,7 +306,13 @@ impl Links<CudaBackend> for NcclLinks {
         (0..members)
             .map(|j| {
                 let part = be.alloc(v.elem, v.len)?;
-                be.copy_rows(v.elem, (&all, j * v.len, v.len), (&part, 0, v.len), 1, v.len)?;
+                be.copy_rows(
+                    v.elem,
+                    (&all, j * v.len, v.len),
+                    (&part, 0, v.len),
+                    1,
+                    v.len,
+                )?;
                 Ok(Val {
                     buf: part,
                     elem: v.elem,
