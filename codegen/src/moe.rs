@@ -15,13 +15,53 @@
 //! per kernel below. `k`, the choices per token, is built in.
 
 use crate::flat::flat;
-use crate::kernel::{Builder, Cond, Elem, Expr, Idx, Kernel, RowReduce, Size, Space, Store};
+use crate::kernel::{
+    Buffer, Builder, Cond, Elem, Expr, Idx, Kernel, RowReduce, Size, Space, Store,
+};
 use crate::ValueId;
 use dplc_ir::BinaryOp;
 
 const ROWS: Size = Size::Param(0);
 const WIDTH: Size = Size::Param(1);
 const OTHER: Size = Size::Param(2);
+
+/// How a kernel walks its `[n0, n1]` space.
+enum Walk {
+    /// A point an element.
+    Points,
+    /// A row of `n1` a point, reduced along.
+    Rows,
+}
+use Walk::{Points, Rows};
+
+fn kernel(
+    op: String,
+    sizes: usize,
+    walk: Walk,
+    buffers: Vec<Buffer>,
+    b: Builder,
+    stores: Vec<Store>,
+) -> Kernel {
+    let space = match walk {
+        Points => Space {
+            outer: vec![ROWS, WIDTH],
+            inner: None,
+        },
+        Rows => Space {
+            outer: vec![ROWS],
+            inner: Some(WIDTH),
+        },
+    };
+    Kernel {
+        op,
+        sizes,
+        scalars: 0,
+        buffers,
+        space,
+        values: b.values,
+        stores,
+    }
+}
 
 fn store(buf: usize, index: Idx, value: ValueId) -> Store {
     Store {
@@ -112,22 +152,18 @@ pub fn moe_top_k_kernel(k: usize) -> Kernel {
         stores.push(store(2, out, a));
     }
     let kk = Size::Const(k as i64);
-    Kernel {
-        op: format!("moe_top{k}"),
-        sizes: 2,
-        scalars: 0,
-        buffers: vec![
+    kernel(
+        format!("moe_top{k}"),
+        2,
+        Rows,
+        vec![
             flat("x", Elem::Float, false, vec![ROWS, WIDTH]),
             flat("values", Elem::Float, true, vec![ROWS, kk]),
             flat("indices", Elem::I32, true, vec![ROWS, kk]),
         ],
-        space: Space {
-            outer: vec![ROWS],
-            inner: Some(WIDTH),
-        },
-        values: b.values,
+        b,
         stores,
-    }
+    )
 }
 
 /// The gradient of [`moe_top_k_kernel`]'s input (`[rows, n1]`): each row's
@@ -154,22 +190,18 @@ pub fn moe_top_k_backward_kernel(k: usize) -> Kernel {
         acc = b.binary(BinaryOp::Add, acc, here);
     }
     let kk = Size::Const(k as i64);
-    Kernel {
-        op: format!("moe_top{k}_backward"),
-        sizes: 2,
-        scalars: 0,
-        buffers: vec![
+    kernel(
+        format!("moe_top{k}_backward"),
+        2,
+        Points,
+        vec![
             flat("indices", Elem::I32, false, vec![ROWS, kk]),
             flat("dvalues", Elem::Float, false, vec![ROWS, kk]),
             flat("dx", Elem::Float, true, vec![ROWS, WIDTH]),
         ],
-        space: Space {
-            outer: vec![ROWS, WIDTH],
-            inner: None,
-        },
-        values: b.values,
-        stores: vec![store(2, at(Idx::Var(0), Idx::Var(1)), acc)],
-    }
+        b,
+        vec![store(2, at(Idx::Var(0), Idx::Var(1)), acc)],
+    )
 }
 
 /// Tokens `b0` (`[n2, n1]`) into the experts' slots `b2` (`[n0, n1]`, `n0`
@@ -186,22 +218,18 @@ pub fn moe_dispatch_kernel(k: usize) -> Kernel {
         index: at(token, Idx::Var(1)),
     });
     let v = if_slot(&mut b, &choice, x);
-    Kernel {
-        op: format!("moe_dispatch{k}"),
-        sizes: 3,
-        scalars: 0,
-        buffers: vec![
+    kernel(
+        format!("moe_dispatch{k}"),
+        3,
+        Points,
+        vec![
             flat("x", Elem::Float, false, vec![OTHER, WIDTH]),
             flat("token_of", Elem::I32, false, vec![ROWS]),
             flat("slots", Elem::Float, true, vec![ROWS, WIDTH]),
         ],
-        space: Space {
-            outer: vec![ROWS, WIDTH],
-            inner: None,
-        },
-        values: b.values,
-        stores: vec![store(2, at(Idx::Var(0), Idx::Var(1)), v)],
-    }
+        b,
+        vec![store(2, at(Idx::Var(0), Idx::Var(1)), v)],
+    )
 }
 
 /// The tokens' gradient `b2` (`[n0, n1]`, `n0` tokens) of
@@ -225,11 +253,11 @@ pub fn moe_dispatch_backward_kernel(k: usize) -> Kernel {
         let v = if_slot(&mut b, &slot, g);
         acc = b.binary(BinaryOp::Add, acc, v);
     }
-    Kernel {
-        op: format!("moe_dispatch{k}_backward"),
-        sizes: 3,
-        scalars: 0,
-        buffers: vec![
+    kernel(
+        format!("moe_dispatch{k}_backward"),
+        3,
+        Points,
+        vec![
             flat(
                 "slot_of",
                 Elem::I32,
@@ -239,13 +267,9 @@ pub fn moe_dispatch_backward_kernel(k: usize) -> Kernel {
             flat("dslots", Elem::Float, false, vec![OTHER, WIDTH]),
             flat("dx", Elem::Float, true, vec![ROWS, WIDTH]),
         ],
-        space: Space {
-            outer: vec![ROWS, WIDTH],
-            inner: None,
-        },
-        values: b.values,
-        stores: vec![store(2, at(Idx::Var(0), Idx::Var(1)), acc)],
-    }
+        b,
+        vec![store(2, at(Idx::Var(0), Idx::Var(1)), acc)],
+    )
 }
 
 /// The experts' outputs `b0` (`[n2, n1]`, `n2` slots) back to the tokens
@@ -273,23 +297,19 @@ pub fn moe_combine_kernel(k: usize) -> Kernel {
         acc = b.binary(BinaryOp::Add, acc, v);
     }
     let kk = Size::Const(k as i64);
-    Kernel {
-        op: format!("moe_combine{k}"),
-        sizes: 3,
-        scalars: 0,
-        buffers: vec![
+    kernel(
+        format!("moe_combine{k}"),
+        3,
+        Points,
+        vec![
             flat("y", Elem::Float, false, vec![OTHER, WIDTH]),
             flat("weights", Elem::Float, false, vec![ROWS, kk]),
             flat("slot_of", Elem::I32, false, vec![ROWS, kk]),
             flat("out", Elem::Float, true, vec![ROWS, WIDTH]),
         ],
-        space: Space {
-            outer: vec![ROWS, WIDTH],
-            inner: None,
-        },
-        values: b.values,
-        stores: vec![store(3, at(Idx::Var(0), Idx::Var(1)), acc)],
-    }
+        b,
+        vec![store(3, at(Idx::Var(0), Idx::Var(1)), acc)],
+    )
 }
 
 /// The experts' outputs' gradient `b3` (`[n0, n1]`, `n0` slots) of
@@ -314,11 +334,11 @@ pub fn moe_combine_backward_kernel(k: usize) -> Kernel {
     let wg = b.binary(BinaryOp::Mul, w, g);
     let sum = b.binary(BinaryOp::Add, zero, wg);
     let v = if_slot(&mut b, &choice, sum);
-    Kernel {
-        op: format!("moe_combine{k}_backward"),
-        sizes: 3,
-        scalars: 0,
-        buffers: vec![
+    kernel(
+        format!("moe_combine{k}_backward"),
+        3,
+        Points,
+        vec![
             flat("token_of", Elem::I32, false, vec![ROWS]),
             flat(
                 "weights",
@@ -329,13 +349,9 @@ pub fn moe_combine_backward_kernel(k: usize) -> Kernel {
             flat("dout", Elem::Float, false, vec![OTHER, WIDTH]),
             flat("dy", Elem::Float, true, vec![ROWS, WIDTH]),
         ],
-        space: Space {
-            outer: vec![ROWS, WIDTH],
-            inner: None,
-        },
-        values: b.values,
-        stores: vec![store(3, at(Idx::Var(0), Idx::Var(1)), v)],
-    }
+        b,
+        vec![store(3, at(Idx::Var(0), Idx::Var(1)), v)],
+    )
 }
 
 /// The weights' gradient `b3` (`[n0]`, one per choice) of
@@ -357,21 +373,17 @@ pub fn moe_combine_weights_backward_kernel(k: usize) -> Kernel {
     let gy = b.binary(BinaryOp::Mul, g, y);
     let dot = b.reduce(RowReduce::Sum, gy);
     let v = if_slot(&mut b, &slot, dot);
-    Kernel {
-        op: format!("moe_combine{k}_weights_backward"),
-        sizes: 4,
-        scalars: 0,
-        buffers: vec![
+    kernel(
+        format!("moe_combine{k}_weights_backward"),
+        4,
+        Rows,
+        vec![
             flat("slot_of", Elem::I32, false, vec![ROWS]),
             flat("dout", Elem::Float, false, vec![Size::Param(3), WIDTH]),
             flat("y", Elem::Float, false, vec![OTHER, WIDTH]),
             flat("dweights", Elem::Float, true, vec![ROWS]),
         ],
-        space: Space {
-            outer: vec![ROWS],
-            inner: Some(WIDTH),
-        },
-        values: b.values,
-        stores: vec![store(3, Idx::Var(0), v)],
-    }
+        b,
+        vec![store(3, Idx::Var(0), v)],
+    )
 }

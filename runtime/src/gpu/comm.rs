@@ -339,21 +339,7 @@ impl DeviceCollectives for NcclCommunicator {
         recv: &mut DeviceBuffer,
         count: usize,
     ) -> GpuResult<()> {
-        check(send, count * self.world, "reduce_scatter")?;
-        check(recv, count, "reduce_scatter")?;
-        unsafe {
-            nccl_result::reduce_scatter(
-                send.device_ptr() as *const c_void,
-                recv.device_ptr() as *mut c_void,
-                count,
-                F32,
-                SUM,
-                self.comm,
-                self.stream(),
-            )
-        }
-        .map(drop)
-        .map_err(|e| nccl("ncclReduceScatter", e))
+        self.reduce_scatter_as(DType::F32, send, recv, count)
     }
 
     fn all_gather(
@@ -362,20 +348,7 @@ impl DeviceCollectives for NcclCommunicator {
         recv: &mut DeviceBuffer,
         count: usize,
     ) -> GpuResult<()> {
-        check(send, count, "all_gather")?;
-        check(recv, count * self.world, "all_gather")?;
-        unsafe {
-            nccl_result::all_gather(
-                send.device_ptr() as *const c_void,
-                recv.device_ptr() as *mut c_void,
-                count,
-                F32,
-                self.comm,
-                self.stream(),
-            )
-        }
-        .map(drop)
-        .map_err(|e| nccl("ncclAllGather", e))
+        self.all_gather_as(DType::F32, send, recv, count)
     }
 
     fn broadcast(&mut self, root: usize, buf: &mut DeviceBuffer, count: usize) -> GpuResult<()> {
