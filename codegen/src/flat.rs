@@ -21,6 +21,16 @@ pub(crate) fn flat(label: &str, elem: Elem, output: bool, len: Vec<Size>) -> Buf
     }
 }
 
+/// A plain store of `value` at `index` of buffer `buf`.
+pub(crate) fn store(buf: usize, index: Idx, value: ValueId) -> Store {
+    Store {
+        buf,
+        index,
+        value,
+        accumulate: false,
+    }
+}
+
 fn elem_tag(e: Elem) -> &'static str {
     match e {
         Elem::Float => "x",

@@ -14,7 +14,7 @@
 //! Size arguments: `n0` the rows of the output, `n1` their width, and
 //! per kernel below. `k`, the choices per token, is built in.
 
-use crate::flat::flat;
+use crate::flat::{flat, store};
 use crate::kernel::{
     Buffer, Builder, Cond, Elem, Expr, Idx, Kernel, RowReduce, Size, Space, Store,
 };
@@ -60,15 +60,6 @@ fn kernel(
         space,
         values: b.values,
         stores,
-    }
-}
-
-fn store(buf: usize, index: Idx, value: ValueId) -> Store {
-    Store {
-        buf,
-        index,
-        value,
-        accumulate: false,
     }
 }
 

@@ -15,7 +15,7 @@
 //! embedding's width). The math is `runtime/src/vocab.rs`'s, which the host
 //! runs for the reference executor.
 
-use crate::flat::flat;
+use crate::flat::{flat, store};
 use crate::kernel::{Builder, Cond, Elem, Expr, Idx, Kernel, RowReduce, Size, Space, Store};
 use crate::ValueId;
 use dplc_ir::{BinaryOp, UnaryOp};
@@ -48,15 +48,6 @@ fn rows_kernel(
         },
         values: b.values,
         stores,
-    }
-}
-
-fn store(buf: usize, index: Idx, value: ValueId) -> Store {
-    Store {
-        buf,
-        index,
-        value,
-        accumulate: false,
     }
 }
 
