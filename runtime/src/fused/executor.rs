@@ -139,6 +139,10 @@ pub struct RegionRun<B: Backend> {
     /// log-sum-exp (`f32` per score row), a row kernel's statistics
     /// ([`FusedKernel::keeps_row_stats`]).
     side: HashMap<TensorId, Val<B>>,
+    /// MoE routing tables by the choices they were made from: made once a
+    /// layer (dispatch, then combine and both backwards read them), so the
+    /// choices cross to the host once.
+    routes: HashMap<TensorId, moe::Routing<B>>,
     /// Per repeat node, the runs of its body, first layer first.
     repeats: HashMap<NodeId, Vec<LayerRun<B>>>,
     /// Selective recomputation dropped the core-attention values: their
@@ -151,6 +155,7 @@ impl<B: Backend> RegionRun<B> {
         RegionRun {
             values: HashMap::new(),
             side: HashMap::new(),
+            routes: HashMap::new(),
             repeats: HashMap::new(),
             dropped: false,
         }

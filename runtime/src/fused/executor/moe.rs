@@ -4,8 +4,9 @@
 //! slot each choice takes is the reference's own routing
 //! (`crate::kernels::moe_slots`, first come first served up to the
 //! capacity), made on the host from the choices (4 bytes a choice) and
-//! handed to the kernels as two tables; the tokens and the experts'
-//! outputs stay on the device. Before, each MoE layer downloaded its router
+//! handed to the kernels as two tables, made once a layer (kept in the
+//! run for the layer's other routing steps and backwards); the tokens and
+//! the experts' outputs stay on the device. Before, each MoE layer downloaded its router
 //! scores, tokens and experts' outputs and ran the reference kernels.
 
 use super::*;
@@ -23,9 +24,18 @@ fn sized(sizes: &[usize]) -> Args {
 
 /// A routing's tables on the device: each choice's slot (`e·capacity + c`,
 /// or −1 when dropped) and each slot's choice (or −1 when empty).
-struct Routing<B: Backend> {
+pub(super) struct Routing<B: Backend> {
     slot_of: Val<B>,
     token_of: Val<B>,
+}
+
+impl<B: Backend> Clone for Routing<B> {
+    fn clone(&self) -> Self {
+        Routing {
+            slot_of: self.slot_of.clone(),
+            token_of: self.token_of.clone(),
+        }
+    }
 }
 
 impl<'a, B: Backend> Executor<'a, B> {
@@ -37,15 +47,26 @@ impl<'a, B: Backend> Executor<'a, B> {
         )
     }
 
-    /// The routing of choices `idx` (`[tokens, k]`) over the experts'
-    /// slots (`slots` dims `[experts, capacity, d]`).
-    fn routing(&self, be: &mut B, idx: &Val<B>, slots: &[usize]) -> Result<Routing<B>> {
+    /// The routing of choices tensor `t` (`[tokens, k]`) over the experts'
+    /// slots (`slots` dims `[experts, capacity, d]`): the one `run` made
+    /// from it, else made now.
+    fn routing(
+        &self,
+        be: &mut B,
+        run: &RegionRun<B>,
+        t: TensorId,
+        slots: &[usize],
+    ) -> Result<Routing<B>> {
+        if let Some(r) = run.routes.get(&self.base(t)) {
+            return Ok(r.clone());
+        }
         let &[experts, capacity, _] = slots else {
             return Err(kernel_err(
                 "moe",
                 format!("expert slots of shape {slots:?}"),
             ));
         };
+        let idx = self.get(run, t)?;
         let choices = be.download_i32(&idx.buf, idx.len)?;
         let mut slot_of = vec![-1i32; choices.len()];
         let mut token_of = vec![-1i32; experts * capacity];
@@ -105,10 +126,12 @@ impl<'a, B: Backend> Executor<'a, B> {
                 run.values.insert(n.outputs[1], indices);
             }
             Op::MoeDispatch { .. } => {
-                let ((x, x_dims), (idx, idx_dims)) = (input(0)?, input(1)?);
+                let (x, x_dims) = input(0)?;
+                let idx_dims = self.dims(n.inputs[1]);
                 let slots = self.dims(n.outputs[0]);
                 let (tokens, k, width) = (x_dims[0], idx_dims[1], slots[2]);
-                let routing = self.routing(be, &idx, &slots)?;
+                let routing = self.routing(be, run, n.inputs[1], &slots)?;
+                run.routes.insert(self.base(n.inputs[1]), routing.clone());
                 let out = self.alloc_of(be, Elem::Float, slots.iter().product())?;
                 be.launch(
                     &moe_dispatch_kernel(k),
@@ -118,9 +141,10 @@ impl<'a, B: Backend> Executor<'a, B> {
                 run.values.insert(n.outputs[0], out);
             }
             Op::MoeCombine => {
-                let ((y, slots), (w, w_dims), (idx, _)) = (input(0)?, input(1)?, input(2)?);
+                let ((y, slots), (w, w_dims)) = (input(0)?, input(1)?);
                 let (tokens, k, width) = (w_dims[0], w_dims[1], slots[2]);
-                let routing = self.routing(be, &idx, &slots)?;
+                let routing = self.routing(be, run, n.inputs[2], &slots)?;
+                run.routes.insert(self.base(n.inputs[2]), routing.clone());
                 let out = self.alloc_of(be, Elem::Float, tokens * width)?;
                 be.launch(
                     &moe_combine_kernel(k),
@@ -171,7 +195,7 @@ impl<'a, B: Backend> Executor<'a, B> {
                 let slots = self.dims(n.outputs[0]);
                 let idx_dims = self.dims(n.inputs[1]);
                 let (tokens, k, width) = (idx_dims[0], idx_dims[1], slots[2]);
-                let routing = self.routing(be, &self.get(run, n.inputs[1])?, &slots)?;
+                let routing = self.routing(be, run, n.inputs[1], &slots)?;
                 let dx = self.alloc_of(be, Elem::Float, tokens * width)?;
                 be.launch(
                     &moe_dispatch_backward_kernel(k),
@@ -185,7 +209,7 @@ impl<'a, B: Backend> Executor<'a, B> {
                 let w_dims = self.dims(n.inputs[1]);
                 let (tokens, k, width) = (w_dims[0], w_dims[1], slots[2]);
                 let n_slots = slots[0] * slots[1];
-                let routing = self.routing(be, &self.get(run, n.inputs[2])?, &slots)?;
+                let routing = self.routing(be, run, n.inputs[2], &slots)?;
                 if needs(0) {
                     let w = self.get(run, n.inputs[1])?;
                     let dy = self.alloc_of(be, Elem::Float, n_slots * width)?;
