@@ -33,6 +33,26 @@ use crate::params::{
 use crate::tensor::Tensor;
 use dplc_codegen::Elem;
 
+/// A backend whose buffers rank threads of one process hand each other:
+/// a GPU's, shared by the ranks dealt to it (whose work queues on its one
+/// stream, in the order the threads queue it).
+pub(crate) trait HandOver: Backend {
+    /// Leave `buf` for another rank's thread to take by the token.
+    fn hand_over(&self, buf: Self::Buf) -> u64;
+    /// The buffer left under `token`, once.
+    fn take_over(&self, token: u64) -> Result<Self::Buf>;
+}
+
+impl HandOver for CudaBackend {
+    fn hand_over(&self, buf: Self::Buf) -> u64 {
+        self.device().hand_over(buf)
+    }
+
+    fn take_over(&self, token: u64) -> Result<Self::Buf> {
+        Ok(self.device().take_over(token)?)
+    }
+}
+
 /// Handed over within a GPU's ranks, the rest through the host.
 pub(crate) struct SharedDevice {
     /// Devices the run's ranks are dealt over (rank `r` has `r % gpus`).
@@ -53,13 +73,13 @@ impl SharedDevice {
 
     /// Every member's `mine` (each member's list as long), in group order:
     /// each member hands each other member its buffers.
-    fn everyones(
+    fn everyones<B: HandOver>(
         &self,
-        be: &CudaBackend,
+        be: &B,
         comm: &mut Communicator,
         group: &Group,
-        mine: &[&DeviceBuf<CudaBackend>],
-    ) -> Result<Vec<Vec<DeviceBuf<CudaBackend>>>> {
+        mine: &[&DeviceBuf<B>],
+    ) -> Result<Vec<Vec<DeviceBuf<B>>>> {
         let pos = group
             .position(comm.rank())
             .ok_or_else(|| kernel_err("hand-over", "a group without this rank"))?;
@@ -70,7 +90,7 @@ impl SharedDevice {
                     // Token 0: nothing handed (an empty vector, or this
                     // rank's own).
                     let token = match &v.buf {
-                        Some(b) if j != pos => be.device().hand_over(b.clone()),
+                        Some(b) if j != pos => be.hand_over(b.clone()),
                         _ => 0,
                     };
                     w.extend(words(v.len as u64));
@@ -102,7 +122,7 @@ impl SharedDevice {
                         let buf = if token == 0 {
                             None
                         } else {
-                            Some(be.device().take_over(token)?)
+                            Some(be.take_over(token)?)
                         };
                         Ok(DeviceBuf { buf, len })
                     })
@@ -112,12 +132,12 @@ impl SharedDevice {
     }
 
     /// `parts` (each `len` `f32`s) added from zero in group order.
-    fn sum(
+    fn sum<B: HandOver>(
         &mut self,
-        be: &mut CudaBackend,
-        parts: &[&DeviceBuf<CudaBackend>],
+        be: &mut B,
+        parts: &[&DeviceBuf<B>],
         len: usize,
-    ) -> Result<DeviceBuf<CudaBackend>> {
+    ) -> Result<DeviceBuf<B>> {
         if len == 0 {
             return Ok(DeviceBuf::default());
         }
@@ -138,11 +158,11 @@ impl SharedDevice {
     }
 
     /// Elements `at` of `v` as a vector of their own.
-    fn cut(
-        be: &mut CudaBackend,
-        v: &DeviceBuf<CudaBackend>,
+    fn cut<B: HandOver>(
+        be: &mut B,
+        v: &DeviceBuf<B>,
         at: std::ops::Range<usize>,
-    ) -> Result<DeviceBuf<CudaBackend>> {
+    ) -> Result<DeviceBuf<B>> {
         if at.is_empty() {
             return Ok(DeviceBuf::default());
         }
@@ -175,7 +195,7 @@ fn unword(w: &[f32]) -> u64 {
 }
 
 /// What a value's note says: its element type, length and token.
-fn note(v: &Val<CudaBackend>, token: u64) -> Vec<f32> {
+fn note<B: Backend>(v: &Val<B>, token: u64) -> Vec<f32> {
     let elem = match v.elem {
         Elem::Float => 0.0,
         Elem::F32 => 1.0,
@@ -188,7 +208,7 @@ fn note(v: &Val<CudaBackend>, token: u64) -> Vec<f32> {
 }
 
 /// The value a note names, taken from the device.
-fn take(be: &CudaBackend, note: &[f32]) -> Result<Val<CudaBackend>> {
+fn take<B: HandOver>(be: &B, note: &[f32]) -> Result<Val<B>> {
     let [elem, ..] = note else {
         return Err(kernel_err("hand-over", "an empty note"));
     };
@@ -202,7 +222,7 @@ fn take(be: &CudaBackend, note: &[f32]) -> Result<Val<CudaBackend>> {
         _ => return Err(kernel_err("hand-over", "a note of no element type")),
     };
     Ok(Val {
-        buf: be.device().take_over(unword(&note[5..9]))?,
+        buf: be.take_over(unword(&note[5..9]))?,
         elem,
         len: unword(&note[1..5]) as usize,
     })
@@ -215,21 +235,21 @@ fn settle(comm: &mut Communicator, group: &Group) -> Result<()> {
         .map(drop)
 }
 
-impl Links<CudaBackend> for SharedDevice {
+impl<B: HandOver> Links<B> for SharedDevice {
     fn all_reduce(
         &mut self,
-        be: &mut CudaBackend,
+        be: &mut B,
         comm: &mut Communicator,
         group: &Group,
-        vs: &mut [&mut DeviceBuf<CudaBackend>],
+        vs: &mut [&mut DeviceBuf<B>],
     ) -> Result<()> {
         if !self.one_device(group.ranks()) {
             return self.host.all_reduce(be, comm, group, vs);
         }
-        let mine: Vec<&DeviceBuf<CudaBackend>> = vs.iter().map(|v| &**v).collect();
+        let mine: Vec<&DeviceBuf<B>> = vs.iter().map(|v| &**v).collect();
         let all = self.everyones(be, comm, group, &mine)?;
         for (i, v) in vs.iter_mut().enumerate() {
-            let parts: Vec<&DeviceBuf<CudaBackend>> = all.iter().map(|m| &m[i]).collect();
+            let parts: Vec<&DeviceBuf<B>> = all.iter().map(|m| &m[i]).collect();
             let len = v.len;
             **v = self.sum(be, &parts, len)?;
         }
@@ -238,16 +258,16 @@ impl Links<CudaBackend> for SharedDevice {
 
     fn reduce_scatter(
         &mut self,
-        be: &mut CudaBackend,
+        be: &mut B,
         comm: &mut Communicator,
         group: &Group,
-        vs: &[Pieces<'_, DeviceBuf<CudaBackend>>],
-    ) -> Result<Vec<DeviceBuf<CudaBackend>>> {
+        vs: &[Pieces<'_, DeviceBuf<B>>],
+    ) -> Result<Vec<DeviceBuf<B>>> {
         if !self.one_device(group.ranks()) {
             return self.host.reduce_scatter(be, comm, group, vs);
         }
         let pos = group.position(comm.rank()).unwrap_or(0);
-        let mine: Vec<&DeviceBuf<CudaBackend>> = vs.iter().map(|(v, _)| *v).collect();
+        let mine: Vec<&DeviceBuf<B>> = vs.iter().map(|(v, _)| *v).collect();
         let all = self.everyones(be, comm, group, &mine)?;
         let mine = vs
             .iter()
@@ -258,7 +278,7 @@ impl Links<CudaBackend> for SharedDevice {
                     .iter()
                     .map(|m| Self::cut(be, &m[i], at.clone()))
                     .collect::<Result<Vec<_>>>()?;
-                let parts: Vec<&DeviceBuf<CudaBackend>> = parts.iter().collect();
+                let parts: Vec<&DeviceBuf<B>> = parts.iter().collect();
                 self.sum(be, &parts, at.len())
             })
             .collect::<Result<Vec<_>>>()?;
@@ -268,15 +288,15 @@ impl Links<CudaBackend> for SharedDevice {
 
     fn all_gather(
         &mut self,
-        be: &mut CudaBackend,
+        be: &mut B,
         comm: &mut Communicator,
         group: &Group,
-        vs: &[Pieces<'_, DeviceBuf<CudaBackend>>],
-    ) -> Result<Vec<DeviceBuf<CudaBackend>>> {
+        vs: &[Pieces<'_, DeviceBuf<B>>],
+    ) -> Result<Vec<DeviceBuf<B>>> {
         if !self.one_device(group.ranks()) {
             return self.host.all_gather(be, comm, group, vs);
         }
-        let mine: Vec<&DeviceBuf<CudaBackend>> = vs.iter().map(|(v, _)| *v).collect();
+        let mine: Vec<&DeviceBuf<B>> = vs.iter().map(|(v, _)| *v).collect();
         let all = self.everyones(be, comm, group, &mine)?;
         let wholes = vs
             .iter()
@@ -314,11 +334,11 @@ impl Links<CudaBackend> for SharedDevice {
 
     fn all_to_all(
         &mut self,
-        be: &mut CudaBackend,
+        be: &mut B,
         comm: &mut Communicator,
         group: &Group,
-        pieces: Vec<Val<CudaBackend>>,
-    ) -> Result<Vec<Val<CudaBackend>>> {
+        pieces: Vec<Val<B>>,
+    ) -> Result<Vec<Val<B>>> {
         if !self.one_device(group.ranks()) {
             return all_to_all_host(be, comm, group, pieces);
         }
@@ -331,7 +351,7 @@ impl Links<CudaBackend> for SharedDevice {
                 let token = if j == pos {
                     0
                 } else {
-                    be.device().hand_over(p.buf.clone())
+                    be.hand_over(p.buf.clone())
                 };
                 note(p, token)
             })
@@ -352,10 +372,10 @@ impl Links<CudaBackend> for SharedDevice {
 
     fn send(
         &mut self,
-        be: &mut CudaBackend,
+        be: &mut B,
         comm: &mut Communicator,
         (to, tag): (usize, u64),
-        vals: Vec<Option<Val<CudaBackend>>>,
+        vals: Vec<Option<Val<B>>>,
     ) -> Result<()> {
         if !self.one_device(&[comm.rank(), to]) {
             return send_host(be, comm, (to, tag), &vals);
@@ -364,7 +384,7 @@ impl Links<CudaBackend> for SharedDevice {
             .iter()
             .map(|v| {
                 v.as_ref().map(|v| {
-                    let n = note(v, be.device().hand_over(v.buf.clone()));
+                    let n = note(v, be.hand_over(v.buf.clone()));
                     Tensor::f32(vec![n.len()], n)
                 })
             })
@@ -374,10 +394,10 @@ impl Links<CudaBackend> for SharedDevice {
 
     fn recv(
         &mut self,
-        be: &mut CudaBackend,
+        be: &mut B,
         comm: &mut Communicator,
         (from, tag): (usize, u64),
-    ) -> Result<Vec<Option<Val<CudaBackend>>>> {
+    ) -> Result<Vec<Option<Val<B>>>> {
         if !self.one_device(&[comm.rank(), from]) {
             return recv_host(be, comm, (from, tag));
         }
@@ -397,5 +417,256 @@ mod tests {
         for x in [0, 1, 0xffff, 0x1_0000, 0x7fff_ffff_ffff, u64::MAX] {
             assert_eq!(unword(&words(x)), x);
         }
+    }
+}
+
+/// The hand-over protocol on CPU threads: a backend whose buffers are
+/// shared memory (`Arc<Mutex<…>>`), each call done when it returns, so the
+/// protocol's sums, gathers and hops are checked against the host-staged
+/// links' without a GPU (on one, the device's stream orders the same
+/// calls).
+#[cfg(test)]
+mod threads {
+    use super::*;
+    use crate::comm::World;
+    use crate::error::kernel_err;
+    use dplc_codegen::{interpret, Args, AttentionKernel, AttentionPass, Data, Kernel};
+    use dplc_ir::DType;
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    type Buf = Arc<Mutex<Data>>;
+
+    /// The process's shelf of handed buffers (a GPU's, in production).
+    type Shelf = Arc<Mutex<(u64, HashMap<u64, Buf>)>>;
+
+    struct Threaded {
+        shelf: Shelf,
+    }
+
+    fn floats(b: &Buf) -> Vec<f32> {
+        b.lock().unwrap().f32().to_vec()
+    }
+
+    impl Backend for Threaded {
+        type Buf = Buf;
+
+        fn dtype(&self) -> DType {
+            DType::F32
+        }
+
+        fn zeros(&mut self, elem: Elem, len: usize) -> Result<Buf> {
+            Ok(Arc::new(Mutex::new(match elem {
+                Elem::I32 => Data::I32(vec![0; len]),
+                Elem::F32 | Elem::Float => Data::F32(vec![0.0; len]),
+            })))
+        }
+
+        fn upload(&mut self, _elem: Elem, data: &[f32]) -> Result<Buf> {
+            Ok(Arc::new(Mutex::new(Data::F32(data.to_vec()))))
+        }
+
+        fn upload_i32(&mut self, data: &[i32]) -> Result<Buf> {
+            Ok(Arc::new(Mutex::new(Data::I32(data.to_vec()))))
+        }
+
+        fn download(&mut self, buf: &Buf, _elem: Elem, len: usize) -> Result<Vec<f32>> {
+            Ok(floats(buf)[..len].to_vec())
+        }
+
+        fn download_i32(&mut self, buf: &Buf, len: usize) -> Result<Vec<i32>> {
+            match &*buf.lock().unwrap() {
+                Data::I32(v) => Ok(v[..len].to_vec()),
+                Data::F32(_) => Err(kernel_err("test", "floats read as indices")),
+            }
+        }
+
+        fn copy(&mut self, src: &Buf, from: usize, dst: &Buf, to: usize, len: usize) -> Result<()> {
+            self.copy_rows(Elem::F32, (src, from, len), (dst, to, len), 1, len)
+        }
+
+        fn copy_rows(
+            &mut self,
+            _elem: Elem,
+            (src, from, ss): (&Buf, usize, usize),
+            (dst, to, ds): (&Buf, usize, usize),
+            rows: usize,
+            width: usize,
+        ) -> Result<()> {
+            let s = floats(src);
+            let mut d = dst.lock().unwrap();
+            let Data::F32(d) = &mut *d else {
+                return Err(kernel_err("test", "a copy into indices"));
+            };
+            for r in 0..rows {
+                d[to + r * ds..][..width].copy_from_slice(&s[from + r * ss..][..width]);
+            }
+            Ok(())
+        }
+
+        fn launch(&mut self, kernel: &Kernel, args: &Args, bufs: &[Buf]) -> Result<()> {
+            let mut data: Vec<Data> = bufs.iter().map(|b| b.lock().unwrap().clone()).collect();
+            interpret(kernel, args, &mut data).map_err(|e| kernel_err("test", e.to_string()))?;
+            for ((b, d), spec) in bufs.iter().zip(data).zip(&kernel.buffers) {
+                if spec.output {
+                    *b.lock().unwrap() = d;
+                }
+            }
+            Ok(())
+        }
+
+        fn attention(
+            &mut self,
+            _: &AttentionKernel,
+            _: AttentionPass,
+            _: &Args,
+            _: &[Buf],
+        ) -> Result<()> {
+            Err(kernel_err("test", "no attention"))
+        }
+
+        fn matmul(&mut self, _: &crate::fused::MatMul, _: &Buf, _: &Buf, _: &Buf) -> Result<()> {
+            Err(kernel_err("test", "no matmul"))
+        }
+
+        fn unique(buf: &Buf) -> bool {
+            Arc::strong_count(buf) == 1
+        }
+    }
+
+    impl HandOver for Threaded {
+        fn hand_over(&self, buf: Buf) -> u64 {
+            let mut shelf = self.shelf.lock().unwrap();
+            shelf.0 += 1;
+            let token = shelf.0;
+            shelf.1.insert(token, buf);
+            token
+        }
+
+        fn take_over(&self, token: u64) -> Result<Buf> {
+            self.shelf
+                .lock()
+                .unwrap()
+                .1
+                .remove(&token)
+                .ok_or_else(|| kernel_err("test", format!("no buffer under {token}")))
+        }
+    }
+
+    fn vector(be: &mut Threaded, v: &[f32]) -> DeviceBuf<Threaded> {
+        DeviceBuf {
+            buf: Some(be.upload(Elem::F32, v).unwrap()),
+            len: v.len(),
+        }
+    }
+
+    fn read(v: &DeviceBuf<Threaded>) -> Vec<f32> {
+        v.buf.as_ref().map(floats).unwrap_or_default()
+    }
+
+    /// On three ranks of one "device": the store's all-reduce, reduce-scatter
+    /// and all-gather, a layout change's all-to-all and a pipeline hop give
+    /// what the host-staged links give (the reference's bits), and nothing
+    /// is left on the shelf.
+    #[test]
+    fn handed_over_collectives_equal_the_host_staged_ones() {
+        let n = 3;
+        let world = World::new(n, Duration::from_secs(10));
+        let shelf = Shelf::default();
+        std::thread::scope(|s| {
+            let ranks: Vec<_> = (0..n)
+                .map(|r| {
+                    let mut comm = world.communicator(r);
+                    let shelf = shelf.clone();
+                    s.spawn(move || {
+                        let group = Group::new((0..n).collect());
+                        let mut be = Threaded { shelf };
+                        let mut links = SharedDevice::new(1);
+                        let mut host = HostStaged;
+                        let mine: Vec<f32> = (0..10)
+                            .map(|i| (i * 7 + r * 13) as f32 * 0.1 - 1.0)
+                            .collect();
+                        let other: Vec<f32> = (0..4).map(|i| (i + r) as f32 * 0.25).collect();
+
+                        // All-reduce of two vectors at once.
+                        let (mut a, mut b) = (vector(&mut be, &mine), vector(&mut be, &other));
+                        links
+                            .all_reduce(&mut be, &mut comm, &group, &mut [&mut a, &mut b])
+                            .unwrap();
+                        let (mut ha, mut hb) = (vector(&mut be, &mine), vector(&mut be, &other));
+                        host.all_reduce(&mut be, &mut comm, &group, &mut [&mut ha, &mut hb])
+                            .unwrap();
+                        assert_eq!((read(&a), read(&b)), (read(&ha), read(&hb)), "rank {r}");
+
+                        // Reduce-scatter and all-gather over uneven shards.
+                        let shards = [0..4, 4..7, 7..10];
+                        let v = vector(&mut be, &mine);
+                        let got = links
+                            .reduce_scatter(&mut be, &mut comm, &group, &[(&v, &shards)])
+                            .unwrap();
+                        let want = host
+                            .reduce_scatter(&mut be, &mut comm, &group, &[(&v, &shards)])
+                            .unwrap();
+                        assert_eq!(read(&got[0]), read(&want[0]), "rank {r}");
+                        let part = vector(&mut be, &mine[shards[r].clone()]);
+                        let got = links
+                            .all_gather(&mut be, &mut comm, &group, &[(&part, &shards)])
+                            .unwrap();
+                        let want = host
+                            .all_gather(&mut be, &mut comm, &group, &[(&part, &shards)])
+                            .unwrap();
+                        assert_eq!(read(&got[0]), read(&want[0]), "rank {r}");
+
+                        // A layout change's pieces, one for each member.
+                        let pieces = |be: &mut Threaded| -> Vec<Val<Threaded>> {
+                            (0..n)
+                                .map(|j| Val {
+                                    buf: be.upload(Elem::Float, &[(r * 10 + j) as f32; 2]).unwrap(),
+                                    elem: Elem::Float,
+                                    len: 2,
+                                })
+                                .collect()
+                        };
+                        let p = pieces(&mut be);
+                        let got = links.all_to_all(&mut be, &mut comm, &group, p).unwrap();
+                        let p = pieces(&mut be);
+                        let want = all_to_all_host(&mut be, &mut comm, &group, p).unwrap();
+                        for (g, w) in got.iter().zip(&want) {
+                            assert_eq!(floats(&g.buf), floats(&w.buf), "rank {r}");
+                        }
+
+                        // A hop from each rank to the next.
+                        let hop = vec![
+                            Some(Val {
+                                buf: be.upload(Elem::Float, &mine).unwrap(),
+                                elem: Elem::Float,
+                                len: mine.len(),
+                            }),
+                            None,
+                        ];
+                        links
+                            .send(&mut be, &mut comm, ((r + 1) % n, 7), hop)
+                            .unwrap();
+                        let got = links
+                            .recv(&mut be, &mut comm, ((r + n - 1) % n, 7))
+                            .unwrap();
+                        let from: Vec<f32> = (0..10)
+                            .map(|i| (i * 7 + ((r + n - 1) % n) * 13) as f32 * 0.1 - 1.0)
+                            .collect();
+                        assert_eq!(got.len(), 2);
+                        assert_eq!(floats(&got[0].as_ref().unwrap().buf), from, "rank {r}");
+                        assert!(got[1].is_none());
+                    })
+                })
+                .collect();
+            for h in ranks {
+                h.join().expect("a rank");
+            }
+        });
+        assert!(
+            shelf.lock().unwrap().1.is_empty(),
+            "buffers left on the shelf"
+        );
     }
 }
