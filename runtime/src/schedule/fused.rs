@@ -63,7 +63,8 @@ pub(super) struct Fused<'a, 'b, B: Backend> {
 }
 
 /// The fused executor of one pass: its plan, the dropout key's words, and
-/// the host that runs its layout changes and routing.
+/// the host steps' runner (the store's groups and links, for layout
+/// changes and the split vocabulary's exchanges).
 fn executor<'x, B: Backend>(
     sh: &'x Shared,
     prog: &'x FusedProgram,
@@ -131,9 +132,9 @@ pub(super) fn plan(sh: &Shared) -> Result<FusedProgram> {
     Ok(FusedProgram { graph, fused, grad })
 }
 
-/// The host steps of one rank: layout changes over its mesh groups through
-/// the parameter store's communicator, MoE routing by the reference kernels;
-/// and its layer hook, which hands the pass each layer's sharded weights and
+/// The host steps of one rank: layout changes over its mesh groups by the
+/// store's links (on the device; indices through the communicator), what
+/// no kernel runs by the reference kernels; and its layer hook, which hands the pass each layer's sharded weights and
 /// gradient accumulators when it reaches the layer (ZeRO-2 and 3, as the
 /// reference's layer hooks do).
 struct Host<'s, B: Backend, L: Links<B>> {
