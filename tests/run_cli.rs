@@ -1168,6 +1168,86 @@ fn a_one_rank_fused_step_crosses_the_host_only_for_inputs_losses_and_the_norm() 
     );
 }
 
+/// Rank threads share their device (the host's memory here; a GPU's with
+/// `--gpus`) and hand each other the fused compute's values on it: layout
+/// changes, pipeline hops and ZeRO's gathers and sums stay there, so a
+/// step crosses the host for its inputs, losses and norm (and index layout
+/// changes), never per layer — each split crosses as often at four layers
+/// as at two; MoE routing adds exactly its choices down and its two tables
+/// up, once a layer and micro-batch. Before, every layout change crossed
+/// twice.
+#[test]
+fn ranks_sharing_a_device_cross_the_host_as_often_at_any_depth() {
+    let dir = common::Scratch::new("run", "depth");
+    let file = dir.0.join("tiny4.dpl");
+    let tiny = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/tiny.dpl"),
+    )
+    .unwrap();
+    std::fs::write(
+        &file,
+        format!(
+            "{tiny}\nmodel gpt_tiny4 = gpt_tiny(layers = 4)\nmodel moe_tiny4 = moe_tiny(layers = 4)\n"
+        ),
+    )
+    .unwrap();
+    let file = file.to_str().unwrap();
+    // Host crossings and micro-batches of a run of `steps`.
+    let run = |model: &str, strategy: &str, steps: &str| -> (u64, u64) {
+        let out = dplc(&[
+            "run",
+            file,
+            "--model",
+            model,
+            "--cluster",
+            "2xcpu",
+            "--strategy",
+            strategy,
+            "--seq",
+            "16",
+            "--global-batch",
+            "4",
+            "--steps",
+            steps,
+            "--json",
+            "--compute",
+            "fused",
+        ]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let text = String::from_utf8_lossy(&out.stdout);
+        let summary: serde_json::Value =
+            serde_json::from_str(text.lines().last().expect("a summary line")).unwrap();
+        (
+            summary["host_crossings"].as_u64().expect("counted"),
+            summary["num_micro_batches"]
+                .as_u64()
+                .expect("micro-batches"),
+        )
+    };
+    let per_step = |model: &str, strategy: &str| {
+        let ((two, m), (four, _)) = (run(model, strategy, "2"), run(model, strategy, "4"));
+        ((four - two) / 2, m)
+    };
+    for (model, strategy, per_layer_and_micro_batch) in [
+        ("gpt_tiny", "tp=2,sp=on,mb=1", 0),
+        // (Interleaved, a stage's inputs go up once a chunk.)
+        ("gpt_tiny", "pp=2,mb=1,schedule=1f1b", 0),
+        ("gpt_tiny", "dp=2,zero=3,mb=1", 0),
+        ("moe_tiny", "dp=2,ep=2,mb=1", 3),
+    ] {
+        let ((two, m), (four, _)) = (
+            per_step(model, strategy),
+            per_step(&format!("{model}4"), strategy),
+        );
+        assert_eq!(
+            four - two,
+            2 * per_layer_and_micro_batch * m,
+            "{model} {strategy}: {two} host crossings a step at 2 layers, {four} at 4 \
+             ({m} micro-batches)"
+        );
+    }
+}
+
 /// Knobs that price another engine's stack are refused by `dplc run` with
 /// what to do, before any rank starts: its ranks send one all-to-all.
 #[test]

@@ -10,8 +10,9 @@ use dplc_codegen::{
     CodegenError, Data, Elem, Kernel,
 };
 use dplc_ir::DType;
-use std::cell::{Cell, RefCell};
-use std::rc::Rc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 /// One (batched) matmul: `C[b] (m×n) = op(A[b]) (m×k) · op(B[b]) (k×n)`, row-major.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -173,11 +174,51 @@ pub trait Backend {
 /// would read the bytes as the wrong type (the optimizer once read its `f32`
 /// gradient as bf16, which no f32 run could show).
 pub struct HostBackend {
-    live: Rc<RefCell<(usize, usize)>>,
+    live: Arc<Mutex<(usize, usize)>>,
     storage: DType,
     /// Uploads and downloads so far, every handle's
     /// ([`Backend::host_crossings`]).
-    crossings: Rc<Cell<u64>>,
+    crossings: Arc<AtomicU64>,
+    /// Buffers left for another rank's thread ([`HostBackend::sharing`]).
+    shelf: Shelf,
+}
+
+/// Buffers rank threads of one process hand each other, by token: the
+/// host's memory is every thread's, as a GPU's is every rank's on it.
+#[derive(Clone, Default)]
+pub struct Shelf(Arc<Mutex<Shelved>>);
+
+/// The last token given, and what is left under each.
+type Shelved = (u64, HashMap<u64, Arc<HostBuf>>);
+
+impl Shelf {
+    fn lock(&self) -> MutexGuard<'_, Shelved> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Leave `buf` under a fresh token.
+    pub fn hand_over(&self, buf: Arc<HostBuf>) -> u64 {
+        let mut shelf = self.lock();
+        shelf.0 += 1;
+        let token = shelf.0;
+        shelf.1.insert(token, buf);
+        token
+    }
+
+    /// The buffer left under `token`, once.
+    pub fn take_over(&self, token: u64) -> Result<Arc<HostBuf>> {
+        self.lock().1.remove(&token).ok_or_else(|| {
+            kernel_err(
+                "hand-over",
+                format!("no buffer was handed over under token {token}"),
+            )
+        })
+    }
+
+    /// Whether nothing is left on it.
+    pub fn is_empty(&self) -> bool {
+        self.lock().1.is_empty()
+    }
 }
 
 impl Default for HostBackend {
@@ -189,16 +230,38 @@ impl Default for HostBackend {
 /// A host buffer; it tells its backend when it is freed, so peak memory is
 /// measured the way the GPU's caching allocator measures it.
 pub struct HostBuf {
-    data: RefCell<Data>,
+    data: RwLock<Data>,
     /// What it holds, as a GPU buffer's bytes would be read.
-    elem: Cell<Elem>,
+    elem: Mutex<Elem>,
     bytes: usize,
-    live: Rc<RefCell<(usize, usize)>>,
+    live: Arc<Mutex<(usize, usize)>>,
+}
+
+impl HostBuf {
+    fn read(&self) -> RwLockReadGuard<'_, Data> {
+        self.data.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self) -> RwLockWriteGuard<'_, Data> {
+        self.data.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn elem(&self) -> Elem {
+        *self.elem.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn set_elem(&self, elem: Elem) {
+        *self.elem.lock().unwrap_or_else(|p| p.into_inner()) = elem;
+    }
+}
+
+fn locked(live: &Mutex<(usize, usize)>) -> MutexGuard<'_, (usize, usize)> {
+    live.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Drop for HostBuf {
     fn drop(&mut self) {
-        self.live.borrow_mut().0 -= self.bytes;
+        locked(&self.live).0 -= self.bytes;
     }
 }
 
@@ -212,38 +275,52 @@ impl HostBackend {
     /// run of that precision stores them.
     pub fn with_storage(storage: DType) -> HostBackend {
         HostBackend {
-            live: Rc::default(),
+            live: Arc::default(),
             storage,
-            crossings: Rc::default(),
+            crossings: Arc::default(),
+            shelf: Shelf::default(),
         }
     }
 
+    /// This backend handing buffers over on `shelf`: every rank thread of a
+    /// run shares one, as ranks sharing a GPU share its memory.
+    pub fn sharing(mut self, shelf: Shelf) -> HostBackend {
+        self.shelf = shelf;
+        self
+    }
+
+    /// The shelf it hands buffers over on.
+    pub fn shelf(&self) -> &Shelf {
+        &self.shelf
+    }
+
     fn cross(&self) {
-        self.crossings.set(self.crossings.get() + 1);
+        self.crossings.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Another handle on the same memory: buffers of either are the
     /// other's, and live bytes and their peak are counted once for both.
     pub fn handle(&self) -> HostBackend {
         HostBackend {
-            live: Rc::clone(&self.live),
+            live: Arc::clone(&self.live),
             storage: self.storage,
-            crossings: Rc::clone(&self.crossings),
+            crossings: Arc::clone(&self.crossings),
+            shelf: self.shelf.clone(),
         }
     }
 
-    fn wrap(&self, data: Data, elem: Elem) -> Rc<HostBuf> {
+    fn wrap(&self, data: Data, elem: Elem) -> Arc<HostBuf> {
         let width = match elem {
             Elem::Float => self.storage.size_bytes() as usize,
             Elem::F32 | Elem::I32 => 4,
         };
         let bytes = data.len() * width;
-        let mut live = self.live.borrow_mut();
+        let mut live = locked(&self.live);
         live.0 += bytes;
         live.1 = live.1.max(live.0);
-        Rc::new(HostBuf {
-            data: RefCell::new(data),
-            elem: Cell::new(elem),
+        Arc::new(HostBuf {
+            data: RwLock::new(data),
+            elem: Mutex::new(elem),
             bytes,
             live: self.live.clone(),
         })
@@ -269,7 +346,7 @@ fn stored_as(storage: DType, x: f32) -> f32 {
 /// and the two differ in storage (bf16 or f16 runs): a GPU would read its
 /// bytes as the wrong type. An f32 run stores both alike.
 fn check_elem(storage: DType, what: &str, declared: Elem, buf: &HostBuf) -> Result<()> {
-    let held = buf.elem.get();
+    let held = buf.elem();
     let floats = declared != Elem::I32 && held != Elem::I32;
     if storage != DType::F32 && floats && declared != held {
         return Err(kernel_err(
@@ -284,10 +361,10 @@ fn check_elem(storage: DType, what: &str, declared: Elem, buf: &HostBuf) -> Resu
 }
 
 impl Backend for HostBackend {
-    type Buf = Rc<HostBuf>;
+    type Buf = Arc<HostBuf>;
 
     fn unique(buf: &Self::Buf) -> bool {
-        Rc::strong_count(buf) == 1
+        Arc::strong_count(buf) == 1
     }
 
     fn dtype(&self) -> DType {
@@ -338,7 +415,7 @@ impl Backend for HostBackend {
     fn download(&mut self, buf: &Self::Buf, elem: Elem, len: usize) -> Result<Vec<f32>> {
         self.cross();
         check_elem(self.storage, "download", elem, buf)?;
-        match &*buf.data.borrow() {
+        match &*buf.read() {
             Data::F32(v) if v.len() >= len => Ok(v[..len].to_vec()),
             d => Err(kernel_err(
                 "download",
@@ -349,7 +426,7 @@ impl Backend for HostBackend {
 
     fn download_i32(&mut self, buf: &Self::Buf, len: usize) -> Result<Vec<i32>> {
         self.cross();
-        match &*buf.data.borrow() {
+        match &*buf.read() {
             Data::I32(v) if v.len() >= len => Ok(v[..len].to_vec()),
             d => Err(kernel_err(
                 "download",
@@ -370,8 +447,8 @@ impl Backend for HostBackend {
         check_elem(self.storage, "copy", Elem::F32, src)?;
         check_elem(self.storage, "copy", Elem::F32, dst)?;
         let short = || kernel_err("copy", format!("{len} floats from {from} to {to}"));
-        if Rc::ptr_eq(src, dst) {
-            let mut d = dst.data.borrow_mut();
+        if Arc::ptr_eq(src, dst) {
+            let mut d = dst.write();
             let Data::F32(v) = &mut *d else {
                 return Err(short());
             };
@@ -381,8 +458,8 @@ impl Backend for HostBackend {
             v.copy_within(from..from + len, to);
             return Ok(());
         }
-        let s = src.data.borrow();
-        let mut d = dst.data.borrow_mut();
+        let s = src.read();
+        let mut d = dst.write();
         match (&*s, &mut *d) {
             (Data::F32(s), Data::F32(d)) if from + len <= s.len() && to + len <= d.len() => {
                 d[to..to + len].copy_from_slice(&s[from..from + len]);
@@ -415,7 +492,7 @@ impl Backend for HostBackend {
             )
         };
         // Rows may not overlap (a GPU's 2-D copy asks as much).
-        if Rc::ptr_eq(src, dst) || width > src_stride || width > dst_stride {
+        if Arc::ptr_eq(src, dst) || width > src_stride || width > dst_stride {
             return Err(bad());
         }
         let end = |at: usize, stride: usize| at + (rows - 1) * stride + width;
@@ -431,8 +508,8 @@ impl Backend for HostBackend {
                 d[b..b + width].copy_from_slice(&s[a..a + width]);
             }
         }
-        let s = src.data.borrow();
-        let mut d = dst.data.borrow_mut();
+        let s = src.read();
+        let mut d = dst.write();
         let fits = |s: usize, d: usize| end(from, src_stride) <= s && end(to, dst_stride) <= d;
         let shape = (rows, width);
         match (&*s, &mut *d) {
@@ -481,7 +558,7 @@ impl Backend for HostBackend {
             check_elem(self.storage, &what, Elem::Float, x)?;
         }
         let out = {
-            let (a, b) = (a.data.borrow(), b.data.borrow());
+            let (a, b) = (a.read(), b.read());
             let batches = |batched: bool| if batched { mm.batch } else { 1 };
             let need_a = batches(mm.a_batched) * mm.m * mm.k;
             let need_b = batches(mm.b_batched) * mm.k * mm.n;
@@ -497,13 +574,13 @@ impl Backend for HostBackend {
             }
             matmul_cpu(mm, a.f32(), b.f32())
         };
-        let mut slot = c.data.borrow_mut();
+        let mut slot = c.write();
         match &mut *slot {
             Data::F32(v) if v.len() >= out.len() => {
                 for (slot, x) in v.iter_mut().zip(out) {
                     *slot = stored_as(self.storage, x);
                 }
-                c.elem.set(Elem::Float);
+                c.set_elem(Elem::Float);
                 Ok(())
             }
             _ => Err(kernel_err("matmul", format!("{mm:?}: C is too small"))),
@@ -511,11 +588,11 @@ impl Backend for HostBackend {
     }
 
     fn host_crossings(&self) -> Option<u64> {
-        Some(self.crossings.get())
+        Some(self.crossings.load(Ordering::Relaxed))
     }
 
     fn peak_bytes(&self) -> Option<usize> {
-        Some(self.live.borrow().1)
+        Some(locked(&self.live).1)
     }
 }
 
@@ -527,7 +604,7 @@ fn run_on_host(
     op: &str,
     specs: &[Buffer],
     args: &Args,
-    bufs: &[Rc<HostBuf>],
+    bufs: &[Arc<HostBuf>],
     interpret: impl FnOnce(&mut [BufferRef]) -> std::result::Result<(), CodegenError>,
 ) -> Result<()> {
     if bufs.len() != specs.len() {
@@ -541,11 +618,11 @@ fn run_on_host(
             ),
         ));
     }
-    let bound_as_output = |b: &Rc<HostBuf>, before: usize| {
+    let bound_as_output = |b: &Arc<HostBuf>, before: usize| {
         bufs[..before]
             .iter()
             .zip(specs)
-            .any(|(o, kb)| kb.output && Rc::ptr_eq(o, b))
+            .any(|(o, kb)| kb.output && Arc::ptr_eq(o, b))
     };
     // Outputs are written in place, so each must be sized for its type
     // and bound once; an input that is also an output (an in-place
@@ -555,7 +632,7 @@ fn run_on_host(
         if !kb.output {
             check_elem(storage, &format!("{op}'s {}", kb.label), kb.elem, b)?;
             let aliased = bound_as_output(b, bufs.len());
-            snapshots.push(aliased.then(|| b.data.borrow().clone()));
+            snapshots.push(aliased.then(|| b.read().clone()));
             continue;
         }
         if bound_as_output(b, i) {
@@ -565,7 +642,7 @@ fn run_on_host(
             ));
         }
         let len = args.len_of(&specs[i]);
-        let mut slot = b.data.borrow_mut();
+        let mut slot = b.write();
         let fits = match (&*slot, kb.elem) {
             (Data::F32(v), Elem::F32 | Elem::Float) => v.len() >= len,
             (Data::I32(v), Elem::I32) => v.len() >= len,
@@ -597,9 +674,9 @@ fn run_on_host(
     let mut writes = Vec::with_capacity(bufs.len());
     for ((b, kb), snap) in bufs.iter().zip(specs).zip(&snapshots) {
         let (r, w) = match (kb.output, snap) {
-            (true, _) => (None, Some(b.data.borrow_mut())),
+            (true, _) => (None, Some(b.write())),
             (false, Some(_)) => (None, None),
-            (false, None) => (Some(b.data.borrow()), None),
+            (false, None) => (Some(b.read()), None),
         };
         reads.push(r);
         writes.push(w);
@@ -620,9 +697,9 @@ fn run_on_host(
     drop(writes);
     drop(reads);
     for (b, kb) in bufs.iter().zip(specs).filter(|(_, kb)| kb.output) {
-        b.elem.set(kb.elem);
+        b.set_elem(kb.elem);
         if kb.elem == Elem::Float && storage != DType::F32 {
-            if let Data::F32(v) = &mut *b.data.borrow_mut() {
+            if let Data::F32(v) = &mut *b.write() {
                 let len = v.len().min(args.len_of(kb));
                 for x in &mut v[..len] {
                     *x = stored_as(storage, *x);

@@ -9,7 +9,7 @@ mod executor;
 mod plan;
 pub(crate) mod relayout;
 
-pub use backend::{matmul_cpu, Backend, HostBackend, HostBuf, MatMul};
+pub use backend::{matmul_cpu, Backend, HostBackend, HostBuf, MatMul, Shelf};
 pub use executor::{
     flat_args, ChunkSpan, Executor, HostSteps, ParamBufs, RegionRun, Shaped, Val, VocabGroup,
 };

@@ -504,6 +504,16 @@ impl Backend for CudaBackend {
     }
 }
 
+impl crate::params::HandOver for CudaBackend {
+    fn hand_over(&self, buf: Self::Buf) -> u64 {
+        self.device().hand_over(buf)
+    }
+
+    fn take_over(&self, token: u64) -> Result<Self::Buf> {
+        Ok(self.device().take_over(token)?)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::KernelCache;

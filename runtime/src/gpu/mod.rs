@@ -15,7 +15,6 @@ mod launch_env;
 mod links;
 mod open;
 mod rendezvous;
-mod shared;
 mod staging;
 
 pub use alloc::{size_class, Allocation, CachingAllocator, MemoryStats, RawMemory};
@@ -30,4 +29,3 @@ pub use launch_env::{first_slurm_host, LaunchEnv, Launcher, DEFAULT_MASTER_PORT}
 pub(crate) use links::NcclLinks;
 pub use open::{open_devices, storage_dtype};
 pub use rendezvous::{share_id, ID_BYTES};
-pub(crate) use shared::SharedDevice;

@@ -11,6 +11,7 @@
 //! stages the vectors through the host.
 
 mod device;
+mod shared;
 mod staged;
 mod storage;
 
@@ -18,6 +19,7 @@ pub(crate) use device::{
     all_to_all_host, all_to_all_position, recv_host, send_host, DeviceBuf, DeviceStorage,
     HostStaged, Links,
 };
+pub(crate) use shared::{HandOver, SharedDevice};
 pub(crate) use storage::{HostStorage, Pieces, Storage};
 
 use crate::comm::{Communicator, Group};

@@ -83,6 +83,9 @@ struct Shared<'a> {
     gpus: Vec<Option<Arc<crate::gpu::GpuDevice>>>,
     /// How GPU ranks sum their state ([`Shared::collectives`]).
     collectives: Collectives,
+    /// Where CPU ranks of this process hand each other the fused compute's
+    /// buffers (`crate::params::SharedDevice` over the host's memory).
+    shelf: crate::fused::Shelf,
 }
 
 impl Shared<'_> {
@@ -266,6 +269,7 @@ fn train_on(
         fused: None,
         gpus: Vec::new(),
         collectives: Collectives::HostStaged,
+        shelf: crate::fused::Shelf::default(),
     };
     if cfg.compute == Compute::Fused {
         shared.fused = Some(fused::plan(&shared)?);

@@ -118,10 +118,19 @@ pub(super) fn run_rank(
     match cfg.compute {
         Compute::Fused if !server => match cfg.device {
             Device::Host => {
-                let be = HostBackend::with_storage(cfg.host_storage);
-                let compute = fused::Fused::new(sh, fused_plan()?, be.handle());
-                let store = ParamStore::new(init, DeviceStorage::new(be, HostStaged))?;
-                drive(sh, at, server, store, Box::new(compute), steps, tx)
+                let be = HostBackend::with_storage(cfg.host_storage).sharing(sh.shelf.clone());
+                let compute = Box::new(fused::Fused::new(sh, fused_plan()?, be.handle()));
+                // Rank threads of one process share the host's memory as
+                // ranks share a GPU: they hand each other buffers. Ranks in
+                // other processes stage through the communicator.
+                if sh.remote {
+                    let store = ParamStore::new(init, DeviceStorage::new(be, HostStaged))?;
+                    drive(sh, at, server, store, compute, steps, tx)
+                } else {
+                    let links = crate::params::SharedDevice::new(1);
+                    let store = ParamStore::new(init, DeviceStorage::new(be, links))?;
+                    drive(sh, at, server, store, compute, steps, tx)
+                }
             }
             Device::Cuda { dtype, .. } => {
                 let dev = sh.gpus[rank % sh.gpus.len().max(1)]
@@ -143,7 +152,7 @@ pub(super) fn run_rank(
                         drive(sh, at, server, store, compute, steps, tx)
                     }
                     Collectives::SharedDevice => {
-                        let links = crate::gpu::SharedDevice::new(sh.gpus.len());
+                        let links = crate::params::SharedDevice::new(sh.gpus.len());
                         let store = ParamStore::new(init, DeviceStorage::new(be, links))?;
                         drive(sh, at, server, store, compute, steps, tx)
                     }

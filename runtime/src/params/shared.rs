@@ -1,11 +1,13 @@
-//! Links for ranks that share one GPU in one process (rank threads dealt
-//! over fewer GPUs, as the GPU check's tp=2 and pp=2 runs are): a layout
-//! change's pieces and a pipeline hop's values are handed from rank to
+//! Links for ranks that share one device in one process — rank threads
+//! dealt over fewer GPUs (as the GPU check's tp=2 and pp=2 runs are), or
+//! CPU ranks, whose device is the host's memory: a layout change's pieces,
+//! a pipeline hop's values and the store's vectors are handed from rank to
 //! rank without leaving the device, or even being copied.
 //!
 //! The giver leaves each buffer with the device under a token
-//! ([`GpuDevice::hand_over`](super::GpuDevice::hand_over)) and sends the
-//! token over the CPU communicator; the taker takes the buffer by it. The
+//! ([`HandOver`]: `crate::gpu::GpuDevice::hand_over` on a GPU, a
+//! [`crate::fused::Shelf`] on the host) and sends the token over the CPU
+//! communicator; the taker takes the buffer by it. The
 //! ranks' backends queue all their work on the device's one stream, so
 //! what the giver queued before handing over (the kernel that wrote the
 //! value) is done before anything the taker queues after. The executor
@@ -21,21 +23,18 @@
 //! member has queued its reads of the others' vectors ([`settle`]). Groups
 //! spread over several GPUs go through the host ([`HostStaged`]).
 
-use super::backend::CudaBackend;
+use super::{all_to_all_host, all_to_all_position, recv_host, send_host};
+use super::{DeviceBuf, HostStaged, Links, Pieces};
 use crate::comm::{Communicator, Group};
 use crate::error::{kernel_err, Result};
 use crate::fused::relayout::LayoutKernels;
-use crate::fused::{flat_args, Backend, Val};
-use crate::params::{
-    all_to_all_host, all_to_all_position, recv_host, send_host, DeviceBuf, HostStaged, Links,
-    Pieces,
-};
+use crate::fused::{flat_args, Backend, HostBackend, Val};
 use crate::tensor::Tensor;
 use dplc_codegen::Elem;
 
 /// A backend whose buffers rank threads of one process hand each other:
 /// a GPU's, shared by the ranks dealt to it (whose work queues on its one
-/// stream, in the order the threads queue it).
+/// stream, in the order the threads queue it), or the host's.
 pub(crate) trait HandOver: Backend {
     /// Leave `buf` for another rank's thread to take by the token.
     fn hand_over(&self, buf: Self::Buf) -> u64;
@@ -43,13 +42,13 @@ pub(crate) trait HandOver: Backend {
     fn take_over(&self, token: u64) -> Result<Self::Buf>;
 }
 
-impl HandOver for CudaBackend {
+impl HandOver for HostBackend {
     fn hand_over(&self, buf: Self::Buf) -> u64 {
-        self.device().hand_over(buf)
+        self.shelf().hand_over(buf)
     }
 
     fn take_over(&self, token: u64) -> Result<Self::Buf> {
-        Ok(self.device().take_over(token)?)
+        self.shelf().take_over(token)
     }
 }
 
@@ -420,152 +419,35 @@ mod tests {
     }
 }
 
-/// The hand-over protocol on CPU threads: a backend whose buffers are
-/// shared memory (`Arc<Mutex<…>>`), each call done when it returns, so the
-/// protocol's sums, gathers and hops are checked against the host-staged
-/// links' without a GPU (on one, the device's stream orders the same
-/// calls).
+/// The hand-over protocol on CPU threads, whose host backends share a
+/// shelf: its sums, gathers, all-to-alls and hops against the host-staged
+/// links'.
 #[cfg(test)]
 mod threads {
     use super::*;
     use crate::comm::World;
-    use crate::error::kernel_err;
-    use dplc_codegen::{interpret, Args, AttentionKernel, AttentionPass, Data, Kernel};
-    use dplc_ir::DType;
-    use std::collections::HashMap;
-    use std::sync::{Arc, Mutex};
+    use crate::fused::Shelf;
     use std::time::Duration;
 
-    type Buf = Arc<Mutex<Data>>;
-
-    /// The process's shelf of handed buffers (a GPU's, in production).
-    type Shelf = Arc<Mutex<(u64, HashMap<u64, Buf>)>>;
-
-    struct Threaded {
-        shelf: Shelf,
-    }
-
-    fn floats(b: &Buf) -> Vec<f32> {
-        b.lock().unwrap().f32().to_vec()
-    }
-
-    impl Backend for Threaded {
-        type Buf = Buf;
-
-        fn dtype(&self) -> DType {
-            DType::F32
-        }
-
-        fn zeros(&mut self, elem: Elem, len: usize) -> Result<Buf> {
-            Ok(Arc::new(Mutex::new(match elem {
-                Elem::I32 => Data::I32(vec![0; len]),
-                Elem::F32 | Elem::Float => Data::F32(vec![0.0; len]),
-            })))
-        }
-
-        fn upload(&mut self, _elem: Elem, data: &[f32]) -> Result<Buf> {
-            Ok(Arc::new(Mutex::new(Data::F32(data.to_vec()))))
-        }
-
-        fn upload_i32(&mut self, data: &[i32]) -> Result<Buf> {
-            Ok(Arc::new(Mutex::new(Data::I32(data.to_vec()))))
-        }
-
-        fn download(&mut self, buf: &Buf, _elem: Elem, len: usize) -> Result<Vec<f32>> {
-            Ok(floats(buf)[..len].to_vec())
-        }
-
-        fn download_i32(&mut self, buf: &Buf, len: usize) -> Result<Vec<i32>> {
-            match &*buf.lock().unwrap() {
-                Data::I32(v) => Ok(v[..len].to_vec()),
-                Data::F32(_) => Err(kernel_err("test", "floats read as indices")),
-            }
-        }
-
-        fn copy(&mut self, src: &Buf, from: usize, dst: &Buf, to: usize, len: usize) -> Result<()> {
-            self.copy_rows(Elem::F32, (src, from, len), (dst, to, len), 1, len)
-        }
-
-        fn copy_rows(
-            &mut self,
-            _elem: Elem,
-            (src, from, ss): (&Buf, usize, usize),
-            (dst, to, ds): (&Buf, usize, usize),
-            rows: usize,
-            width: usize,
-        ) -> Result<()> {
-            let s = floats(src);
-            let mut d = dst.lock().unwrap();
-            let Data::F32(d) = &mut *d else {
-                return Err(kernel_err("test", "a copy into indices"));
-            };
-            for r in 0..rows {
-                d[to + r * ds..][..width].copy_from_slice(&s[from + r * ss..][..width]);
-            }
-            Ok(())
-        }
-
-        fn launch(&mut self, kernel: &Kernel, args: &Args, bufs: &[Buf]) -> Result<()> {
-            let mut data: Vec<Data> = bufs.iter().map(|b| b.lock().unwrap().clone()).collect();
-            interpret(kernel, args, &mut data).map_err(|e| kernel_err("test", e.to_string()))?;
-            for ((b, d), spec) in bufs.iter().zip(data).zip(&kernel.buffers) {
-                if spec.output {
-                    *b.lock().unwrap() = d;
-                }
-            }
-            Ok(())
-        }
-
-        fn attention(
-            &mut self,
-            _: &AttentionKernel,
-            _: AttentionPass,
-            _: &Args,
-            _: &[Buf],
-        ) -> Result<()> {
-            Err(kernel_err("test", "no attention"))
-        }
-
-        fn matmul(&mut self, _: &crate::fused::MatMul, _: &Buf, _: &Buf, _: &Buf) -> Result<()> {
-            Err(kernel_err("test", "no matmul"))
-        }
-
-        fn unique(buf: &Buf) -> bool {
-            Arc::strong_count(buf) == 1
-        }
-    }
-
-    impl HandOver for Threaded {
-        fn hand_over(&self, buf: Buf) -> u64 {
-            let mut shelf = self.shelf.lock().unwrap();
-            shelf.0 += 1;
-            let token = shelf.0;
-            shelf.1.insert(token, buf);
-            token
-        }
-
-        fn take_over(&self, token: u64) -> Result<Buf> {
-            self.shelf
-                .lock()
-                .unwrap()
-                .1
-                .remove(&token)
-                .ok_or_else(|| kernel_err("test", format!("no buffer under {token}")))
-        }
-    }
-
-    fn vector(be: &mut Threaded, v: &[f32]) -> DeviceBuf<Threaded> {
+    fn vector(be: &mut HostBackend, v: &[f32]) -> DeviceBuf<HostBackend> {
         DeviceBuf {
             buf: Some(be.upload(Elem::F32, v).unwrap()),
             len: v.len(),
         }
     }
 
-    fn read(v: &DeviceBuf<Threaded>) -> Vec<f32> {
-        v.buf.as_ref().map(floats).unwrap_or_default()
+    fn read(be: &mut HostBackend, v: &DeviceBuf<HostBackend>) -> Vec<f32> {
+        v.buf
+            .as_ref()
+            .map(|b| be.download(b, Elem::F32, v.len).unwrap())
+            .unwrap_or_default()
     }
 
-    /// On three ranks of one "device": the store's all-reduce, reduce-scatter
+    fn floats(be: &mut HostBackend, v: &Val<HostBackend>) -> Vec<f32> {
+        be.download(&v.buf, v.elem, v.len).unwrap()
+    }
+
+    /// On three ranks of one device: the store's all-reduce, reduce-scatter
     /// and all-gather, a layout change's all-to-all and a pipeline hop give
     /// what the host-staged links give (the reference's bits), and nothing
     /// is left on the shelf.
@@ -581,7 +463,7 @@ mod threads {
                     let shelf = shelf.clone();
                     s.spawn(move || {
                         let group = Group::new((0..n).collect());
-                        let mut be = Threaded { shelf };
+                        let mut be = HostBackend::new().sharing(shelf);
                         let mut links = SharedDevice::new(1);
                         let mut host = HostStaged;
                         let mine: Vec<f32> = (0..10)
@@ -597,7 +479,8 @@ mod threads {
                         let (mut ha, mut hb) = (vector(&mut be, &mine), vector(&mut be, &other));
                         host.all_reduce(&mut be, &mut comm, &group, &mut [&mut ha, &mut hb])
                             .unwrap();
-                        assert_eq!((read(&a), read(&b)), (read(&ha), read(&hb)), "rank {r}");
+                        assert_eq!(read(&mut be, &a), read(&mut be, &ha), "rank {r}");
+                        assert_eq!(read(&mut be, &b), read(&mut be, &hb), "rank {r}");
 
                         // Reduce-scatter and all-gather over uneven shards.
                         let shards = [0..4, 4..7, 7..10];
@@ -608,7 +491,7 @@ mod threads {
                         let want = host
                             .reduce_scatter(&mut be, &mut comm, &group, &[(&v, &shards)])
                             .unwrap();
-                        assert_eq!(read(&got[0]), read(&want[0]), "rank {r}");
+                        assert_eq!(read(&mut be, &got[0]), read(&mut be, &want[0]), "rank {r}");
                         let part = vector(&mut be, &mine[shards[r].clone()]);
                         let got = links
                             .all_gather(&mut be, &mut comm, &group, &[(&part, &shards)])
@@ -616,10 +499,10 @@ mod threads {
                         let want = host
                             .all_gather(&mut be, &mut comm, &group, &[(&part, &shards)])
                             .unwrap();
-                        assert_eq!(read(&got[0]), read(&want[0]), "rank {r}");
+                        assert_eq!(read(&mut be, &got[0]), read(&mut be, &want[0]), "rank {r}");
 
                         // A layout change's pieces, one for each member.
-                        let pieces = |be: &mut Threaded| -> Vec<Val<Threaded>> {
+                        let pieces = |be: &mut HostBackend| -> Vec<Val<HostBackend>> {
                             (0..n)
                                 .map(|j| Val {
                                     buf: be.upload(Elem::Float, &[(r * 10 + j) as f32; 2]).unwrap(),
@@ -633,7 +516,7 @@ mod threads {
                         let p = pieces(&mut be);
                         let want = all_to_all_host(&mut be, &mut comm, &group, p).unwrap();
                         for (g, w) in got.iter().zip(&want) {
-                            assert_eq!(floats(&g.buf), floats(&w.buf), "rank {r}");
+                            assert_eq!(floats(&mut be, g), floats(&mut be, w), "rank {r}");
                         }
 
                         // A hop from each rank to the next.
@@ -655,7 +538,7 @@ mod threads {
                             .map(|i| (i * 7 + ((r + n - 1) % n) * 13) as f32 * 0.1 - 1.0)
                             .collect();
                         assert_eq!(got.len(), 2);
-                        assert_eq!(floats(&got[0].as_ref().unwrap().buf), from, "rank {r}");
+                        assert_eq!(floats(&mut be, got[0].as_ref().unwrap()), from, "rank {r}");
                         assert!(got[1].is_none());
                     })
                 })
@@ -664,9 +547,6 @@ mod threads {
                 h.join().expect("a rank");
             }
         });
-        assert!(
-            shelf.lock().unwrap().1.is_empty(),
-            "buffers left on the shelf"
-        );
+        assert!(shelf.is_empty(), "buffers left on the shelf");
     }
 }
