@@ -285,9 +285,10 @@ fn dedicated_servers_sum_as_the_all_reduce_does() {
 
 /// The fused compute keeps parameters, gradients, moments and error
 /// feedback in its backend's buffers (`DeviceStorage`, what a GPU rank
-/// holds; on CPU ranks its host backend with host-staged collectives, the
-/// path ranks sharing a GPU take): every synchronisation and compression
-/// runs through it as through the reference's host store.
+/// holds; on CPU rank threads its host backend handing buffers over, the
+/// path ranks sharing a GPU take, and through the host with a dedicated
+/// server's ranks): every synchronisation and compression runs through it
+/// as through the reference's host store.
 #[test]
 fn every_mode_runs_the_same_on_the_device_storage() {
     let dedicated = GradSync::ps(2).with_servers(ServerRanks::Dedicated);

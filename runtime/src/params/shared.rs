@@ -56,15 +56,22 @@ impl HandOver for HostBackend {
 pub(crate) struct SharedDevice {
     /// Devices the run's ranks are dealt over (rank `r` has `r % gpus`).
     gpus: usize,
+    /// The ranks below this hold device storage; those above are dedicated
+    /// parameter servers, on the host.
+    sharing: usize,
     host: HostStaged,
     /// The group-order sums, built once.
     kernels: LayoutKernels,
 }
 
 impl SharedDevice {
-    pub fn new(gpus: usize) -> Self {
+    /// Links of a run whose ranks below `sharing` hold device storage (the
+    /// rest are dedicated parameter servers, whose state is on the host),
+    /// dealt over `gpus` devices.
+    pub fn new(gpus: usize, sharing: usize) -> Self {
         SharedDevice {
             gpus: gpus.max(1),
+            sharing,
             host: HostStaged,
             kernels: LayoutKernels::new(),
         }
@@ -173,10 +180,16 @@ impl SharedDevice {
         })
     }
 
+    /// Whether `ranks` all hold device storage on one device: else their
+    /// exchange goes through the host, as every member's does (a
+    /// dedicated server sums on the host; ranks on another GPU cannot take
+    /// this one's buffers).
     fn one_device(&self, ranks: &[usize]) -> bool {
-        let mut devices = ranks.iter().map(|r| r % self.gpus);
-        let first = devices.next();
-        devices.all(|d| Some(d) == first)
+        let mut devices = ranks
+            .iter()
+            .map(|&r| (r < self.sharing).then_some(r % self.gpus));
+        let first = devices.next().flatten();
+        first.is_some() && devices.all(|d| d == first)
     }
 }
 
@@ -464,7 +477,7 @@ mod threads {
                     s.spawn(move || {
                         let group = Group::new((0..n).collect());
                         let mut be = HostBackend::new().sharing(shelf);
-                        let mut links = SharedDevice::new(1);
+                        let mut links = SharedDevice::new(1, n);
                         let mut host = HostStaged;
                         let mine: Vec<f32> = (0..10)
                             .map(|i| (i * 7 + r * 13) as f32 * 0.1 - 1.0)

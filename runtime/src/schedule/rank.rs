@@ -127,7 +127,7 @@ pub(super) fn run_rank(
                     let store = ParamStore::new(init, DeviceStorage::new(be, HostStaged))?;
                     drive(sh, at, server, store, compute, steps, tx)
                 } else {
-                    let links = crate::params::SharedDevice::new(1);
+                    let links = crate::params::SharedDevice::new(1, cfg.world_size());
                     let store = ParamStore::new(init, DeviceStorage::new(be, links))?;
                     drive(sh, at, server, store, compute, steps, tx)
                 }
@@ -152,7 +152,8 @@ pub(super) fn run_rank(
                         drive(sh, at, server, store, compute, steps, tx)
                     }
                     Collectives::SharedDevice => {
-                        let links = crate::params::SharedDevice::new(sh.gpus.len());
+                        let links =
+                            crate::params::SharedDevice::new(sh.gpus.len(), cfg.world_size());
                         let store = ParamStore::new(init, DeviceStorage::new(be, links))?;
                         drive(sh, at, server, store, compute, steps, tx)
                     }

@@ -127,7 +127,7 @@ pub enum Collectives {
     HostStaged,
     /// Ranks of one process sharing a GPU: layout changes device to device
     /// on its one stream, the gradient sums through the host
-    /// (`crate::gpu::SharedDevice`).
+    /// (`crate::params::SharedDevice`).
     SharedDevice,
 }
 
