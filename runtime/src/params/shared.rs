@@ -7,21 +7,27 @@
 //! The giver leaves each buffer with the device under a token
 //! ([`HandOver`]: `crate::gpu::GpuDevice::hand_over` on a GPU, a
 //! [`crate::fused::Shelf`] on the host) and sends the token over the CPU
-//! communicator; the taker takes the buffer by it. The
-//! ranks' backends queue all their work on the device's one stream, so
-//! what the giver queued before handing over (the kernel that wrote the
-//! value) is done before anything the taker queues after. The executor
-//! writes a value in place only where it holds the only handle
-//! (`Backend::unique`), so giver and taker may both read a handed buffer;
-//! a parameter's compute copy, which a layout change may hand over whole
-//! (an all-gather's own piece), is rewritten only by the optimizer step,
-//! after the step's world-wide norm all-reduce, which a taker reaches only
-//! once its reads (queued in the same conversion) are. The store's sums take every member's vectors so and add
-//! them from zero in group order (`sum_parts_kernel`: the host's bits);
-//! the store writes its vectors in place (the optimizer, the accumulators),
-//! so its collectives end with the group meeting once more, after every
-//! member has queued its reads of the others' vectors ([`settle`]). Groups
-//! spread over several GPUs go through the host ([`HostStaged`]).
+//! communicator; the taker takes the buffer by it. The ranks' backends
+//! queue all their work on the device's one stream (on the host, every
+//! call is done when it returns), so what the giver queued before handing
+//! over (the kernel that wrote the value) is done before anything the taker
+//! queues after.
+//!
+//! The executor writes a value in place only where it holds the only
+//! handle (`Backend::unique`), so giver and taker may both read a handed
+//! buffer; a parameter's compute copy, which a layout change may hand over
+//! whole (an all-gather's own piece), is rewritten only by the optimizer
+//! step, after the step's world-wide norm all-reduce, which a taker reaches
+//! only once its reads (queued in the same conversion) are. The store's
+//! sums take every member's vectors so and add them from zero in group
+//! order (`sum_parts_kernel`: the host storage's bits); the store writes
+//! its vectors in place (the optimizer, the accumulators), so its
+//! collectives end with the group meeting once more, after every member has
+//! queued its reads of the others' vectors ([`settle`]).
+//!
+//! A group goes through the host ([`HostStaged`]) where its members do not
+//! all hold device storage on one device: ranks on several GPUs, or a
+//! dedicated parameter server (its state on the host).
 
 use super::{all_to_all_host, all_to_all_position, recv_host, send_host};
 use super::{DeviceBuf, HostStaged, Links, Pieces};
