@@ -200,6 +200,9 @@ for name in ["tiny", "gpt2", "gpt2_nodrop", "llama", "gpt2_serial", "gpt2_tp2", 
                  f"predicted ({s['peak_memory_bytes'] / max(alloc, 1):.3f}x; "
                  f"{s['predicted_peak_memory_bytes'] / gib:.3f} GiB with the reserve)")
     line += f"; {s.get('kernels', '?')} kernels, collectives {s.get('collectives', '?')}"
+    if "host_crossings" in s:
+        # Uploads and downloads over the whole run, the busiest rank's.
+        line += f", {s['host_crossings']} host crossings in {s['steps']} steps"
     if s.get("gpus") and s.get("ranks", 0) > s["gpus"]:
         # The plan priced a device a rank; these ranks shared the GPU.
         line += f"; the plan priced {s['ranks']} devices, {s['ranks']} ranks shared {s['gpus']} GPU"
