@@ -750,10 +750,30 @@ fn run_summary(
     if !strategy.is_empty() {
         args.extend(["--strategy", strategy]);
     }
-    let out = dplc(&args);
-    assert!(out.status.success(), "{model} {strategy}: {}", stderr(&out));
-    let text = String::from_utf8(out.stdout).unwrap();
-    serde_json::from_str(text.lines().last().expect("a summary")).unwrap()
+    summary_of_run(&args)
+}
+
+/// `dplc run ARGS` (with `--json`), checked to succeed: its summary line.
+fn summary_of_run(args: &[&str]) -> serde_json::Value {
+    let out = dplc(args);
+    assert!(
+        out.status.success(),
+        "dplc {}: {}",
+        args.join(" "),
+        stderr(&out)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(text.lines().last().expect("a summary line")).expect("a JSON summary")
+}
+
+/// A run summary's host crossings (the busiest rank's) and micro-batches.
+fn crossings_of(summary: &serde_json::Value) -> (u64, u64) {
+    (
+        summary["host_crossings"].as_u64().expect("counted"),
+        summary["num_micro_batches"]
+            .as_u64()
+            .expect("micro-batches"),
+    )
 }
 
 /// `got` ran its one attention as the fused kernel and trained as `serial`
@@ -1090,14 +1110,7 @@ fn bf16_storage_runs_the_fused_kernels_as_a_bf16_gpu_does() {
             "--json",
         ];
         args.extend(SMALL);
-        let out = dplc(&args);
-        assert!(
-            out.status.success(),
-            "{strategy} {storage}: {}",
-            stderr(&out)
-        );
-        let text = String::from_utf8(out.stdout).unwrap();
-        serde_json::from_str(text.lines().last().expect("a summary")).unwrap()
+        summary_of_run(&args)
     };
     for strategy in ["dp=4,tp=1,pp=1", "tp=2,pp=2,dp=1"] {
         let exact = run(strategy, "f32");
@@ -1146,17 +1159,7 @@ fn a_one_rank_fused_step_crosses_the_host_only_for_inputs_losses_and_the_norm() 
         let mut args = vec!["run", "models/tiny.dpl", "--cluster", "1xcpu"];
         args.extend(SMALL);
         args.extend(["--steps", steps, "--json", "--compute", "fused"]);
-        let out = dplc(&args);
-        assert!(out.status.success(), "{}", stderr(&out));
-        let text = String::from_utf8_lossy(&out.stdout);
-        let summary: serde_json::Value =
-            serde_json::from_str(text.lines().last().expect("a summary line")).unwrap();
-        (
-            summary["host_crossings"].as_u64().expect("counted"),
-            summary["num_micro_batches"]
-                .as_u64()
-                .expect("micro-batches"),
-        )
+        crossings_of(&summary_of_run(&args))
     };
     let ((two, m), (four, _)) = (crossings("2"), crossings("4"));
     let per_step = (four - two) / 2;
@@ -1194,7 +1197,7 @@ fn ranks_sharing_a_device_cross_the_host_as_often_at_any_depth() {
     let file = file.to_str().unwrap();
     // Host crossings and micro-batches of a run of `steps`.
     let run = |model: &str, strategy: &str, steps: &str| -> (u64, u64) {
-        let out = dplc(&[
+        crossings_of(&summary_of_run(&[
             "run",
             file,
             "--model",
@@ -1212,17 +1215,7 @@ fn ranks_sharing_a_device_cross_the_host_as_often_at_any_depth() {
             "--json",
             "--compute",
             "fused",
-        ]);
-        assert!(out.status.success(), "{}", stderr(&out));
-        let text = String::from_utf8_lossy(&out.stdout);
-        let summary: serde_json::Value =
-            serde_json::from_str(text.lines().last().expect("a summary line")).unwrap();
-        (
-            summary["host_crossings"].as_u64().expect("counted"),
-            summary["num_micro_batches"]
-                .as_u64()
-                .expect("micro-batches"),
-        )
+        ]))
     };
     let per_step = |model: &str, strategy: &str| {
         let ((two, m), (four, _)) = (run(model, strategy, "2"), run(model, strategy, "4"));

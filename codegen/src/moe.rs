@@ -7,9 +7,8 @@
 //! the reference's own function and hands the kernels two tables:
 //! `slot_of[j]`, choice `j`'s slot `e·capacity + c` (−1 when dropped), and
 //! `token_of[s]`, the choice slot `s` holds (−1 when empty). Every kernel
-//! writes each element of its output once, summing in the reference's
-//! order (from zero, choice by choice), so its results are the
-//! reference's bits on the host.
+//! writes each element of its output once (no atomics), adding a token's
+//! choices in the reference's order (from zero, choice by choice).
 //!
 //! Size arguments: `n0` the rows of the output, `n1` their width, and
 //! per kernel below. `k`, the choices per token, is built in.

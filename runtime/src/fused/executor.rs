@@ -309,6 +309,27 @@ pub(crate) fn to_backend<B: Backend>(be: &mut B, t: &Tensor) -> Result<Val<B>> {
     })
 }
 
+/// `v` as a buffer of `elem`: itself where the types store alike, else
+/// converted by a kernel.
+pub(crate) fn as_elem<B: Backend>(be: &mut B, v: &Val<B>, elem: Elem) -> Result<Val<B>> {
+    let same =
+        v.elem == elem || (be.dtype() == DType::F32 && v.elem != Elem::I32 && elem != Elem::I32);
+    if same {
+        return Ok(v.clone());
+    }
+    let out = be.alloc(elem, v.len)?;
+    be.launch(
+        &convert_kernel(elem, v.elem),
+        &flat_args(v.len),
+        &[out.clone(), v.buf.clone()],
+    )?;
+    Ok(Val {
+        buf: out,
+        elem,
+        len: v.len,
+    })
+}
+
 /// The dimensions of tensor `t` with the symbolic dims bound to `syms` (by `SymId`).
 pub(crate) fn tensor_dims(graph: &Graph, syms: &[i64], t: TensorId) -> Vec<usize> {
     graph
@@ -897,24 +918,9 @@ impl<'a, B: Backend> Executor<'a, B> {
         Ok(())
     }
 
-    /// `v` as a buffer of `elem` (a conversion kernel when the types differ).
+    /// `v` as a buffer of `elem` ([`as_elem`]).
     fn as_elem(&self, be: &mut B, v: &Val<B>, elem: Elem) -> Result<Val<B>> {
-        let same = v.elem == elem
-            || (be.dtype() == DType::F32 && v.elem != Elem::I32 && elem != Elem::I32);
-        if same {
-            return Ok(v.clone());
-        }
-        let out = be.alloc(elem, v.len)?;
-        be.launch(
-            &convert_kernel(elem, v.elem),
-            &flat_args(v.len),
-            &[out.clone(), v.buf.clone()],
-        )?;
-        Ok(Val {
-            buf: out,
-            elem,
-            len: v.len,
-        })
+        as_elem(be, v, elem)
     }
 
     /// The `f32` value of a float tensor of a run (the loss, for a report).

@@ -10,8 +10,8 @@ mod plan;
 pub(crate) mod relayout;
 
 pub use backend::{matmul_cpu, Backend, HostBackend, HostBuf, MatMul, Shelf};
+pub(crate) use executor::{as_elem, tensor_dims, to_backend};
 pub use executor::{
     flat_args, ChunkSpan, Executor, HostSteps, ParamBufs, RegionRun, Shaped, Val, VocabGroup,
 };
-pub(crate) use executor::{tensor_dims, to_backend};
 pub use plan::FusedGraph;

@@ -248,6 +248,39 @@ impl<B: Backend> Links<B> for HostStaged {
     ) -> Result<Vec<Val<B>>> {
         all_to_all_host(be, comm, group, pieces)
     }
+
+    /// Down once and gathered by the communicator (an all-to-all of copies
+    /// would download the value once a member).
+    fn gather_value(
+        &mut self,
+        be: &mut B,
+        comm: &mut Communicator,
+        group: &Group,
+        v: &Val<B>,
+    ) -> Result<Option<Vec<Val<B>>>> {
+        if v.elem == Elem::I32 {
+            return Ok(None);
+        }
+        let pos = group
+            .position(comm.rank())
+            .ok_or_else(|| kernel_err("all_gather", "a group without this rank"))?;
+        let mine = be.download(&v.buf, v.elem, v.len)?;
+        comm.all_gather(group, &mine)?
+            .iter()
+            .enumerate()
+            .map(|(j, h)| {
+                if j == pos {
+                    return Ok(v.clone());
+                }
+                Ok(Val {
+                    buf: be.upload(v.elem, h)?,
+                    elem: v.elem,
+                    len: h.len(),
+                })
+            })
+            .collect::<Result<_>>()
+            .map(Some)
+    }
 }
 
 /// This rank's position in `group`, checked to have a piece for each
@@ -429,27 +462,36 @@ impl<B: Backend, L: Links<B>> DeviceStorage<B, L> {
         }
     }
 
-    /// A new vector holding `v[at]`.
+    /// `v[at]` ([`slice_of`] on this storage's backend).
     fn slice(&mut self, v: &DeviceBuf<B>, at: Range<usize>) -> Result<DeviceBuf<B>> {
-        if at == (0..v.len) {
-            return Ok(DeviceBuf {
-                buf: v.buf.clone(),
-                len: v.len,
-            });
-        }
-        if at.end > v.len {
-            return Err(kernel_err("slice", format!("{at:?} of {} elements", v.len)));
-        }
-        if at.is_empty() {
-            return Ok(DeviceBuf::default());
-        }
-        let out = self.be.alloc(Elem::F32, at.len())?;
-        self.be.copy(v.get()?, at.start, &out, 0, at.len())?;
-        Ok(DeviceBuf {
-            buf: Some(out),
-            len: at.len(),
-        })
+        slice_of(&mut self.be, v, at)
     }
+}
+
+/// `v[at]` as a vector of its own (`v` itself when `at` is all of it).
+pub(crate) fn slice_of<B: Backend>(
+    be: &mut B,
+    v: &DeviceBuf<B>,
+    at: Range<usize>,
+) -> Result<DeviceBuf<B>> {
+    if at == (0..v.len) {
+        return Ok(DeviceBuf {
+            buf: v.buf.clone(),
+            len: v.len,
+        });
+    }
+    if at.end > v.len {
+        return Err(kernel_err("slice", format!("{at:?} of {} elements", v.len)));
+    }
+    if at.is_empty() {
+        return Ok(DeviceBuf::default());
+    }
+    let out = be.alloc(Elem::F32, at.len())?;
+    be.copy(v.get()?, at.start, &out, 0, at.len())?;
+    Ok(DeviceBuf {
+        buf: Some(out),
+        len: at.len(),
+    })
 }
 
 impl<B: Backend, L: Links<B>> Storage for DeviceStorage<B, L> {

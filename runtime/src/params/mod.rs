@@ -16,7 +16,7 @@ mod staged;
 mod storage;
 
 pub(crate) use device::{
-    all_to_all_host, all_to_all_position, recv_host, send_host, DeviceBuf, DeviceStorage,
+    all_to_all_host, all_to_all_position, recv_host, send_host, slice_of, DeviceBuf, DeviceStorage,
     HostStaged, Links,
 };
 pub(crate) use shared::{HandOver, SharedDevice};

@@ -29,7 +29,7 @@
 //! all hold device storage on one device: ranks on several GPUs, or a
 //! dedicated parameter server (its state on the host).
 
-use super::{all_to_all_host, all_to_all_position, recv_host, send_host};
+use super::{all_to_all_host, all_to_all_position, recv_host, send_host, slice_of};
 use super::{DeviceBuf, HostStaged, Links, Pieces};
 use crate::comm::{Communicator, Group};
 use crate::error::{kernel_err, Result};
@@ -169,23 +169,6 @@ impl SharedDevice {
         })
     }
 
-    /// Elements `at` of `v` as a vector of their own.
-    fn cut<B: HandOver>(
-        be: &mut B,
-        v: &DeviceBuf<B>,
-        at: std::ops::Range<usize>,
-    ) -> Result<DeviceBuf<B>> {
-        if at.is_empty() {
-            return Ok(DeviceBuf::default());
-        }
-        let out = be.alloc(Elem::F32, at.len())?;
-        be.copy(v.get()?, at.start, &out, 0, at.len())?;
-        Ok(DeviceBuf {
-            buf: Some(out),
-            len: at.len(),
-        })
-    }
-
     /// Whether `ranks` all hold device storage on one device: else their
     /// exchange goes through the host, as every member's does (a
     /// dedicated server sums on the host; ranks on another GPU cannot take
@@ -294,7 +277,7 @@ impl<B: HandOver> Links<B> for SharedDevice {
                 let at = shards.get(pos).cloned().unwrap_or(0..0);
                 let parts = all
                     .iter()
-                    .map(|m| Self::cut(be, &m[i], at.clone()))
+                    .map(|m| slice_of(be, &m[i], at.clone()))
                     .collect::<Result<Vec<_>>>()?;
                 let parts: Vec<&DeviceBuf<B>> = parts.iter().collect();
                 self.sum(be, &parts, at.len())

@@ -22,8 +22,8 @@ use super::compute::{take_live, Forwarded, Pass, StageCompute};
 use super::Shared;
 use crate::error::{kernel_err, Result, RuntimeError};
 use crate::fused::{
-    tensor_dims, to_backend, Backend, ChunkSpan, Executor, FusedGraph, HostSteps, ParamBufs,
-    RegionRun, Shaped, Val, VocabGroup,
+    as_elem, tensor_dims, to_backend, Backend, ChunkSpan, Executor, FusedGraph, HostSteps,
+    ParamBufs, RegionRun, Shaped, Val, VocabGroup,
 };
 use crate::interp::{ParamKey, Value};
 use crate::kernels::{self, DropoutKey, OpCtx};
@@ -57,9 +57,6 @@ pub(super) struct Fused<'a, 'b, B: Backend> {
     spans: Vec<ChunkSpan>,
     /// Each live (micro-batch, chunk)'s forward, kept for its backward.
     live: HashMap<(usize, usize), RegionRun<B>>,
-    /// An `f32` value to the storage type: what crosses a cut is floats
-    /// in the storage type, as the next chunk's kernels read them.
-    to_float: dplc_codegen::Kernel,
 }
 
 /// The fused executor of one pass: its plan, the dropout key's words, and
@@ -438,30 +435,15 @@ impl<'a, 'b, B: Backend> Fused<'a, 'b, B> {
             be,
             spans,
             live: HashMap::new(),
-            to_float: dplc_codegen::convert_kernel(Elem::Float, Elem::F32),
         }
     }
 
-    /// A hop's values with every float in the storage type.
+    /// A hop's values with every float in the storage type, as the next
+    /// chunk's kernels read them.
     fn in_storage_type(&mut self, vals: Vec<Option<Val<B>>>) -> Result<Vec<Option<Val<B>>>> {
-        if self.be.dtype() == dplc_ir::DType::F32 {
-            return Ok(vals);
-        }
         vals.into_iter()
             .map(|v| match v {
-                Some(v) if v.elem == Elem::F32 => {
-                    let out = self.be.alloc(Elem::Float, v.len)?;
-                    self.be.launch(
-                        &self.to_float,
-                        &crate::fused::flat_args(v.len),
-                        &[out.clone(), v.buf],
-                    )?;
-                    Ok(Some(Val {
-                        buf: out,
-                        elem: Elem::Float,
-                        len: v.len,
-                    }))
-                }
+                Some(v) if v.elem == Elem::F32 => as_elem(&mut self.be, &v, Elem::Float).map(Some),
                 v => Ok(v),
             })
             .collect()

@@ -236,3 +236,65 @@ impl<'a, B: Backend> Executor<'a, B> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fused::HostBackend;
+    use crate::kernels::{DropoutKey, OpCtx};
+
+    /// The top-k kernel picks what the reference's stable sort picks,
+    /// equal scores by lower index first — except that the reference puts
+    /// `+0` before `−0`, which the kernel counts as equal (the README says
+    /// so; this pins both).
+    #[test]
+    fn top_k_breaks_ties_as_the_reference_does_but_for_signed_zeros() {
+        let rows: [[f32; 5]; 4] = [
+            [0.5, 2.0, 2.0, -1.0, 2.0],
+            [3.0, 1.0, 3.0, 3.0, 0.0],
+            [-1.0, -1.0, -1.0, -1.0, -1.0],
+            [-0.0, 0.0, -2.0, -3.0, -4.0],
+        ];
+        let x: Vec<f32> = rows.iter().flatten().copied().collect();
+        let mut be = HostBackend::new();
+        let buf = be.upload(Elem::Float, &x).unwrap();
+        let values = be.alloc(Elem::Float, 8).unwrap();
+        let indices = be.alloc(Elem::I32, 8).unwrap();
+        be.launch(
+            &moe_top_k_kernel(2),
+            &sized(&[4, 5]),
+            &[buf, values.clone(), indices.clone()],
+        )
+        .unwrap();
+        let got = be.download_i32(&indices, 8).unwrap();
+
+        let input = crate::tensor::Tensor::f32(vec![4, 5], x);
+        let shapes = [vec![4, 2], vec![4, 2]];
+        let ctx = OpCtx {
+            out_shapes: &shapes,
+            dropout: DropoutKey {
+                seed: 0,
+                step: 0,
+                node: 0,
+                layer: 0,
+                first_sample: 0,
+                batch: 0,
+                cp_rank: 0,
+                cp: 1,
+                tp_rank: 0,
+                tp: 1,
+            },
+            split: None,
+        };
+        let want = crate::kernels::forward(&Op::TopK { k: 2 }, &[&input], &ctx).unwrap();
+        let want = want[1].i().unwrap();
+        // Every row with the reference, but the signed zeros' order.
+        assert_eq!(got[..6], want[..6]);
+        assert_eq!(got[6..], [0, 1]);
+        assert_eq!(want[6..], [1, 0]);
+        assert_eq!(
+            be.download(&values, Elem::Float, 6).unwrap(),
+            [2.0, 2.0, 3.0, 3.0, -1.0, -1.0]
+        );
+    }
+}
