@@ -1176,7 +1176,8 @@ fn a_one_rank_fused_step_crosses_the_host_only_for_inputs_losses_and_the_norm() 
 /// changes, pipeline hops and ZeRO's gathers and sums stay there, so a
 /// step crosses the host for its inputs, losses and norm (and index layout
 /// changes), never per layer — each split crosses as often at four layers
-/// as at two; MoE routing adds exactly its choices down and its two tables
+/// as at two (an interleaved pipeline at eight as at four, and as often as
+/// 1F1B); MoE routing adds exactly its choices down and its two tables
 /// up, once a layer and micro-batch. Before, every layout change crossed
 /// twice.
 #[test]
@@ -1190,7 +1191,8 @@ fn ranks_sharing_a_device_cross_the_host_as_often_at_any_depth() {
     std::fs::write(
         &file,
         format!(
-            "{tiny}\nmodel gpt_tiny4 = gpt_tiny(layers = 4)\nmodel moe_tiny4 = moe_tiny(layers = 4)\n"
+            "{tiny}\nmodel gpt_tiny4 = gpt_tiny(layers = 4)\nmodel moe_tiny4 = moe_tiny(layers = 4)\n\
+             model gpt_tiny8 = gpt_tiny(layers = 8)\n"
         ),
     )
     .unwrap();
@@ -1221,24 +1223,34 @@ fn ranks_sharing_a_device_cross_the_host_as_often_at_any_depth() {
         let ((two, m), (four, _)) = (run(model, strategy, "2"), run(model, strategy, "4"));
         ((four - two) / 2, m)
     };
-    for (model, strategy, per_layer_and_micro_batch) in [
-        ("gpt_tiny", "tp=2,sp=on,mb=1", 0),
-        // (Interleaved, a stage's inputs go up once a chunk.)
-        ("gpt_tiny", "pp=2,mb=1,schedule=1f1b", 0),
-        ("gpt_tiny", "dp=2,zero=3,mb=1", 0),
-        ("moe_tiny", "dp=2,ep=2,mb=1", 3),
+    for (model, deeper, strategy, per_layer_and_micro_batch) in [
+        ("gpt_tiny", "gpt_tiny4", "tp=2,sp=on,mb=1", 0),
+        ("gpt_tiny", "gpt_tiny4", "pp=2,mb=1,schedule=1f1b", 0),
+        (
+            "gpt_tiny4",
+            "gpt_tiny8",
+            "pp=2,mb=1,schedule=interleaved,v=2",
+            0,
+        ),
+        ("gpt_tiny", "gpt_tiny4", "dp=2,zero=3,mb=1", 0),
+        ("moe_tiny", "moe_tiny4", "dp=2,ep=2,mb=1", 3),
     ] {
-        let ((two, m), (four, _)) = (
-            per_step(model, strategy),
-            per_step(&format!("{model}4"), strategy),
-        );
+        let ((two, m), (four, _)) = (per_step(model, strategy), per_step(deeper, strategy));
         assert_eq!(
             four - two,
             2 * per_layer_and_micro_batch * m,
-            "{model} {strategy}: {two} host crossings a step at 2 layers, {four} at 4 \
+            "{strategy}: {two} host crossings a step for {model}, {four} for {deeper} \
              ({m} micro-batches)"
         );
     }
+    // A stage's chunks feed the micro-batch's tokens and targets once
+    // between them, where they are read: interleaving crosses no more.
+    let (one_f_one_b, _) = per_step("gpt_tiny4", "pp=2,mb=1,schedule=1f1b");
+    let (interleaved, _) = per_step("gpt_tiny4", "pp=2,mb=1,schedule=interleaved,v=2");
+    assert_eq!(
+        interleaved, one_f_one_b,
+        "host crossings a step, interleaved against 1F1B"
+    );
 }
 
 /// Knobs that price another engine's stack are refused by `dplc run` with

@@ -218,8 +218,9 @@ pub fn mesh_fills(dp: u64, tp: u64, pp: u64, cp: u64, world: u64) -> Result<(), 
 /// A pipeline of `pp` stages needs at least one layer per stage.
 pub fn pipeline_depth(pp: u64, layers: u64) -> Result<(), String> {
     if pp > layers {
+        let noun = if layers == 1 { "layer" } else { "layers" };
         return Err(format!(
-            "pp {pp} is more stages than the model's {layers} layers"
+            "pp {pp} is more stages than the model's {layers} {noun}"
         ));
     }
     Ok(())

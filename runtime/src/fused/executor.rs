@@ -224,6 +224,10 @@ pub type ChunkForward<B> = (RegionRun<B>, Option<Vec<Option<Val<B>>>>);
 pub struct ChunkSpan {
     /// The root nodes it runs (`None`: every one).
     pub nodes: Option<HashSet<NodeId>>,
+    /// The model's inputs those nodes read (`None`: every one): only these
+    /// are fed to the chunk, so a stage's chunks upload a micro-batch's
+    /// tokens and targets once between them, where the chunks read them.
+    pub inputs: Option<HashSet<TensorId>>,
     /// The iterations it runs of each layer stack (repeat node) it runs.
     pub stacks: BTreeMap<NodeId, std::ops::Range<u64>>,
     /// The model's layers it runs, numbered across the stacks.
@@ -453,7 +457,7 @@ impl<'a, B: Backend> Executor<'a, B> {
         params: &ParamBufs<B>,
     ) -> Result<RegionRun<B>> {
         let (plan, _) = self.plan(r)?;
-        let mut run = self.bind(r, args, inputs, layer, params)?;
+        let mut run = self.bind(r, args, (inputs, None), layer, params)?;
         let free_after = self.free_after(r)?;
         for (step, dead) in plan.steps.iter().zip(free_after) {
             match step {
@@ -527,7 +531,7 @@ impl<'a, B: Backend> Executor<'a, B> {
     ) -> Result<ChunkForward<B>> {
         let r = self.graph.root();
         let (plan, _) = self.plan(r)?;
-        let mut run = self.bind(r, Vec::new(), inputs, 0, params)?;
+        let mut run = self.bind(r, Vec::new(), (inputs, span.inputs.as_ref()), 0, params)?;
         let mut state: Option<(NodeId, Vec<Val<B>>)> = None;
         if let Some((rep, continues)) = span.receives {
             let outs = &self.graph.node(rep).outputs;
@@ -617,12 +621,12 @@ impl<'a, B: Backend> Executor<'a, B> {
     }
 
     /// A run of region `r` with its arguments, parameters (those held) and
-    /// inputs bound.
+    /// inputs bound: every input must be fed, or those `read` names where given.
     fn bind(
         &self,
         r: RegionId,
         args: Vec<Val<B>>,
-        inputs: &HashMap<TensorId, Val<B>>,
+        (inputs, read): (&HashMap<TensorId, Val<B>>, Option<&HashSet<TensorId>>),
         layer: u64,
         params: &ParamBufs<B>,
     ) -> Result<RegionRun<B>> {
@@ -635,10 +639,16 @@ impl<'a, B: Backend> Executor<'a, B> {
         for &n in &region.nodes {
             let node = self.graph.node(n);
             if let Op::Input(_) = node.op {
-                let v = inputs.get(&node.outputs[0]).ok_or_else(|| {
-                    kernel_err("fused", format!("input {} is not fed", node.outputs[0]))
-                })?;
-                run.values.insert(node.outputs[0], v.clone());
+                let t = node.outputs[0];
+                match inputs.get(&t) {
+                    Some(v) => {
+                        run.values.insert(t, v.clone());
+                    }
+                    None if read.is_none_or(|read| read.contains(&t)) => {
+                        return Err(kernel_err("fused", format!("input {t} is not fed")));
+                    }
+                    None => {}
+                }
             }
         }
         Ok(run)

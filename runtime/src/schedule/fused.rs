@@ -403,6 +403,15 @@ fn local_nodes(g: &Graph, sh: &Shared, c: usize) -> HashSet<NodeId> {
     own
 }
 
+/// The model's inputs (tokens, targets, …) that `nodes` of `g` read.
+fn inputs_read(g: &Graph, nodes: &HashSet<NodeId>) -> HashSet<TensorId> {
+    nodes
+        .iter()
+        .flat_map(|&n| g.node(n).inputs.iter().copied())
+        .filter(|&t| g.producer(t).is_some_and(|p| matches!(p.op, Op::Input(_))))
+        .collect()
+}
+
 impl<'a, 'b, B: Backend> Fused<'a, 'b, B> {
     /// The fused compute of one rank, running the plan [`plan`] made on its
     /// handle `be` of the backend the rank's store keeps its state on.
@@ -413,20 +422,25 @@ impl<'a, 'b, B: Backend> Fused<'a, 'b, B> {
             .chunks
             .iter()
             .enumerate()
-            .map(|(c, chunk)| ChunkSpan {
-                nodes: (!whole).then(|| local_nodes(&prog.graph, sh, c)),
-                stacks: part
-                    .stacks
-                    .iter()
-                    .map(|st| (st.node, part.stack_layers(c, st)))
-                    .filter(|(_, l)| !l.is_empty())
-                    .collect(),
-                layers: chunk.layers.clone(),
-                receives: c
-                    .checked_sub(1)
-                    .and_then(|p| part.cut(p))
-                    .map(|cut| (cut.stack.node, cut.continues)),
-                sends: part.cut(c).map(|cut| cut.stack.node),
+            .map(|(c, chunk)| {
+                let nodes = (!whole).then(|| local_nodes(&prog.graph, sh, c));
+                let inputs = nodes.as_ref().map(|n| inputs_read(&prog.graph, n));
+                ChunkSpan {
+                    nodes,
+                    inputs,
+                    stacks: part
+                        .stacks
+                        .iter()
+                        .map(|st| (st.node, part.stack_layers(c, st)))
+                        .filter(|(_, l)| !l.is_empty())
+                        .collect(),
+                    layers: chunk.layers.clone(),
+                    receives: c
+                        .checked_sub(1)
+                        .and_then(|p| part.cut(p))
+                        .map(|cut| (cut.stack.node, cut.continues)),
+                    sends: part.cut(c).map(|cut| cut.stack.node),
+                }
             })
             .collect();
         Fused {
@@ -522,8 +536,11 @@ impl<B: Backend, L: Links<B>> StageCompute<DeviceStorage<B, L>> for Fused<'_, '_
     ) -> Result<Forwarded<Vec<Option<Val<B>>>>> {
         let params = self.params(pass, store)?;
         let mut fed = HashMap::new();
+        let read = self.spans[pass.chunk].inputs.as_ref();
         for (&t, v) in inputs {
-            fed.insert(t, to_backend(&mut self.be, v)?);
+            if read.is_none_or(|read| read.contains(&t)) {
+                fed.insert(t, to_backend(&mut self.be, v)?);
+            }
         }
         if pass.chunk > 0 {
             self.check_message(pass.chunk - 1, &received)?;
