@@ -25,6 +25,10 @@
 #      and profiles a gpt2 step (DPLC_PROFILE=1: every call waited for and
 #      timed, one row per kernel, matmul shape and memory operation), and
 #      the tp=2 step of two ranks sharing the GPU;
+#   4c. with the `ncu` part (where Nsight Compute reads the counters: the
+#      Firecracker machines), the fused attention's passes at Llama 2 7B's
+#      shape and the gpt2 step's, and the embedding's backward, profiled
+#      (bench/ncu_summary.py: one line per kernel of what bounds it);
 #   5. with --torch, PyTorch eager and torch.compile on a GPT-2-small layer
 #      forward+backward, and on the whole gpt2 training step of (4) with the
 #      same micro-batch, micro-batch count and sequence
@@ -52,12 +56,12 @@ cd "$(dirname "$0")/.."
 
 ARGS="$*"
 TORCH=0
-PARTS="tests,bandwidth,attention,train,profile,torch-layer,torch-step"
+PARTS="tests,bandwidth,attention,train,profile,ncu,torch-layer,torch-step"
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --torch) TORCH=1 ;;
         --parts) PARTS="${2:?--parts takes a comma-separated list}"; shift ;;
-        *) echo "usage: $0 [--torch] [--parts tests,bandwidth,attention,train,profile,torch-layer,torch-step]" >&2; exit 2 ;;
+        *) echo "usage: $0 [--torch] [--parts tests,bandwidth,attention,train,profile,ncu,torch-layer,torch-step]" >&2; exit 2 ;;
     esac
     shift
 done
@@ -221,6 +225,24 @@ if wanted profile; then
     part "profile gpt2 pp2" 120 bash -c "DPLC_PROFILE=1 '$DPLC' run models/gpt2.dpl --model gpt2 --global-batch 8 --steps 2 --cluster 2x$PART --gpus 1 --strategy pp=2 --json --trace '$LOG_DIR/pp2-trace.json' > '$LOG_DIR/profile-pp2.jsonl' 2> '$LOG_DIR/profile-pp2.err'"
 fi
 
+# --- 4c. what bounds the attention's passes and the embedding's backward:
+# Nsight Compute's counters, one launch of each kernel (the benchmarks run
+# each timed call once under DPLC_BENCH_PROFILED). The clocks are left as
+# they are (METHOD.md), so the durations are the run's own.
+if wanted ncu; then
+    NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)"
+    SECTIONS="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis"
+    if [[ -z "$NCU" ]]; then
+        echo "ncu: not found on PATH or under /opt/nvidia/nsight-compute" > "$LOG_DIR/ncu-attention.log"
+        FAILED+=("ncu (not installed)")
+    else
+        # shellcheck disable=SC2086
+        part "ncu attention" 240 bash -c "DPLC_BENCH_PROFILED=1 DPLC_BENCH_SHAPES=llama2_7b,gpt2_step '$NCU' --clock-control none -k 'regex:^attention_' $SECTIONS '$TESTS' bench_attention --ignored --nocapture > '$LOG_DIR/ncu-attention.log' 2>&1"
+        # shellcheck disable=SC2086
+        part "ncu embedding backward" 120 bash -c "DPLC_BENCH_PROFILED=1 '$NCU' --clock-control none -k 'regex:^embedding.*backward' $SECTIONS '$TESTS' bench_kernel_bandwidth --ignored --nocapture > '$LOG_DIR/ncu-bandwidth.log' 2>&1"
+    fi
+fi
+
 # --- 5. PyTorch
 TORCH_LINES=""
 STEP_LINES=""
@@ -300,6 +322,12 @@ fi
         echo "The same with pp=2 (\`--strategy pp=2\`):"
         echo '```'
         grep -A 18 '^DPLC_PROFILE' "$LOG_DIR/profile-pp2.err" || true
+        echo '```'
+    fi
+    if [[ -f "$LOG_DIR/ncu-attention.log" ]]; then
+        echo "Nsight Compute on one launch of each kernel (\`bench/ncu_summary.py\`; the attention at Llama 2 7B's shape and the gpt2 step's — the forward twice, as launched and under \`__launch_bounds__(128)\`, and the two-pass backward beside the one-pass — then the embedding's backward; the whole reports are in the logs):"
+        echo '```'
+        python3 bench/ncu_summary.py "$LOG_DIR/ncu-attention.log" "$LOG_DIR/ncu-bandwidth.log" 2>&1 || tail -5 "$LOG_DIR/ncu-attention.log"
         echo '```'
     fi
     echo "Training (\`dplc run … --json\`):"

@@ -633,14 +633,32 @@ fn load_attention_pass(
     (source, gk)
 }
 
+/// Whether a profiler drives this run (`DPLC_BENCH_PROFILED` set, as
+/// `scripts/gpu-check.sh`'s `ncu` part sets it): each timed call then runs
+/// once, so the profiler replays one launch of each kernel, not 33.
+fn profiled() -> bool {
+    std::env::var_os("DPLC_BENCH_PROFILED").is_some()
+}
+
+/// Whether a benchmark runs `shape`: every one, unless `DPLC_BENCH_SHAPES`
+/// lists those to run (comma-separated), as the profiler's part does.
+fn shape_wanted(shape: &str) -> bool {
+    match std::env::var("DPLC_BENCH_SHAPES") {
+        Ok(list) => list.split(',').any(|s| s.trim() == shape),
+        Err(_) => true,
+    }
+}
+
 /// Median seconds of `f` over 30 timed runs after 3 warm-ups, the device
-/// synchronised around each (the kernels here run far past the launch gap).
+/// synchronised around each (the kernels here run far past the launch gap);
+/// one run, no warm-up, under a profiler ([`profiled`]).
 fn median_time(dev: &GpuDevice, f: &mut dyn FnMut()) -> f64 {
-    for _ in 0..3 {
+    let (warm_ups, timed) = if profiled() { (0, 1) } else { (3, 30) };
+    for _ in 0..warm_ups {
         f();
     }
     dev.synchronize().unwrap();
-    let mut times: Vec<f64> = (0..30)
+    let mut times: Vec<f64> = (0..timed)
         .map(|_| {
             let t = Instant::now();
             f();
@@ -679,6 +697,9 @@ fn bench_attention() {
         // the L2 cache the smaller shapes sit in between launches.
         ("gpt2_step", 32, 12, 64, 1024, 0.1),
     ] {
+        if !shape_wanted(shape) {
+            continue;
+        }
         let g = common::Gpt {
             vocab: 256,
             d: heads * head_dim,
