@@ -28,7 +28,7 @@ mod scalar;
 mod staging;
 use mma::{
     forward_mma, key_value_grad_mma, mma_prelude, query_grad_mma, query_grad_tensor_cores,
-    tensor_cores,
+    tensor_cores, FORWARD_WARPS,
 };
 pub use one_pass::attention_backward;
 use one_pass::{delta_pass, query_grad_scale};
@@ -583,9 +583,9 @@ impl Ctx<'_> {
         Some((state, pos))
     }
 
-    /// The key tiles of width `t` a block of queries `[i0, i0 + 64)` visits:
-    /// `(begin, end)`, causal and window tiles past either end skipped.
-    fn key_range(&self, t: i64) -> Vec<S> {
+    /// The key tiles of width `t` a block of queries `[i0, i0 + rows)`
+    /// visits: `(begin, end)`, causal and window tiles past either end skipped.
+    fn key_range(&self, t: i64, rows: i64) -> Vec<S> {
         let k = self.k;
         let placed = k.query_position != Idx::Var(2);
         let begin = match k.window {
@@ -608,13 +608,13 @@ impl Ctx<'_> {
             let last = call(
                 "dplc_imin",
                 vec![
-                    bin("+", id("i0"), ll(ROWS - 1)),
+                    bin("+", id("i0"), ll(rows - 1)),
                     bin("-", size(k.q_len), ll(1)),
                 ],
             );
             bin("+", self.query_position(&last), ll(1))
         } else {
-            bin("+", id("i0"), ll(ROWS))
+            bin("+", id("i0"), ll(rows))
         };
         let end = if k.causal {
             call("dplc_imin", vec![size(k.k_len), last_seen])
@@ -708,28 +708,30 @@ impl Ctx<'_> {
     }
 }
 
-/// The `item`'s head and tile: `(b, h)` of query heads (or key heads) and the tile's first row.
-fn decompose(heads: Size, tiles_of: Size, first: &str) -> Vec<S> {
-    let tiles = bin("/", bin("+", size(tiles_of), ll(ROWS - 1)), ll(ROWS));
+/// The `item`'s head and tile: `(b, h)` of query heads (or key heads) and
+/// the first row of its tile of `rows`.
+fn decompose(heads: Size, tiles_of: Size, first: &str, rows: i64) -> Vec<S> {
+    let tiles = bin("/", bin("+", size(tiles_of), ll(rows - 1)), ll(rows));
     vec![
         decl("long long", "tiles", tiles),
         decl("long long", "bh", bin("/", id("item"), id("tiles"))),
         decl(
             "long long",
             first,
-            bin("*", bin("%", id("item"), id("tiles")), ll(ROWS)),
+            bin("*", bin("%", id("item"), id("tiles")), ll(rows)),
         ),
         decl("long long", "b", bin("/", id("bh"), size(heads))),
         decl("long long", "hh", bin("%", id("bh"), size(heads))),
     ]
 }
 
-/// Work items of a pass that gives a block each 64-row tile of `len` rows
-/// of every head: `⌈len / 64⌉ · batch · heads` ([`AttentionKernel::items`]).
-fn tile_items(len: Size, batch: Size, heads: Size) -> C {
+/// Work items of a pass that gives a block each tile of `rows` of `len`
+/// rows of every head: `⌈len / rows⌉ · batch · heads` (at 64 rows,
+/// [`AttentionKernel::items`]).
+fn tile_items(len: Size, batch: Size, heads: Size, rows: i64) -> C {
     bin(
         "*",
-        bin("/", bin("+", size(len), ll(ROWS - 1)), ll(ROWS)),
+        bin("/", bin("+", size(len), ll(rows - 1)), ll(rows)),
         bin("*", size(batch), size(heads)),
     )
 }
@@ -771,7 +773,7 @@ pub fn emit_attention(kernel: &AttentionKernel, pass: AttentionPass, dtype: DTyp
         AttentionPass::Delta | AttentionPass::QueryGradScale | AttentionPass::BiasGrad => false,
     };
     let pass_code = match pass {
-        AttentionPass::Forward if mma => forward_mma(&c),
+        AttentionPass::Forward if mma => forward_mma(&c, FORWARD_WARPS),
         AttentionPass::Forward => forward_scalar(&c),
         AttentionPass::QueryGrad if mma => query_grad_mma(&c),
         AttentionPass::QueryGrad => query_grad(&c),
@@ -790,6 +792,53 @@ pub fn emit_attention(kernel: &AttentionKernel, pass: AttentionPass, dtype: DTyp
         AttentionPass::QueryGradScale => query_grad_scale(&c),
         AttentionPass::BiasGrad => bias_grad(&c),
     };
+    let launch = match pass {
+        AttentionPass::BiasGrad => LaunchShape::Elementwise { vector: 1 },
+        _ => LaunchShape::Rows {
+            block: pass_code.block,
+        },
+    };
+    finish(kernel, pass, dtype, (name, launch), mma, pass_code)
+}
+
+/// The tensor-core forward of `kernel` with blocks of `warps` warps (16
+/// queries each) where the executor launches four, for the GPU benchmark
+/// to time beside it (`None` where the forward is not on tensor cores).
+/// Its name is the forward's with `_w{warps}`; its launch takes a block
+/// per `warps / 4` of the forward's 64-query items
+/// ([`LaunchShape::Tiles`]), which its blocks stride over as any pass's do.
+pub fn emit_attention_forward(
+    kernel: &AttentionKernel,
+    dtype: DType,
+    warps: u32,
+) -> Option<CudaSource> {
+    if !tensor_cores(kernel, dtype) || warps == 0 || !warps.is_multiple_of(FORWARD_WARPS as u32) {
+        return None;
+    }
+    let pass = AttentionPass::Forward;
+    let c = Ctx {
+        k: kernel,
+        roles: kernel.roles(pass),
+    };
+    let pass_code = forward_mma(&c, i64::from(warps));
+    let name = format!("{}_w{warps}", attention_name(kernel, pass, dtype));
+    let launch = LaunchShape::Tiles {
+        block: pass_code.block,
+        items: warps / FORWARD_WARPS as u32,
+    };
+    Some(finish(kernel, pass, dtype, (name, launch), true, pass_code))
+}
+
+/// A pass's CUDA C: the preludes, the kernel's signature as a comment, its
+/// shared arrays carved, its launch bounds, its body.
+fn finish(
+    kernel: &AttentionKernel,
+    pass: AttentionPass,
+    dtype: DType,
+    (name, launch): (String, LaunchShape),
+    mma: bool,
+    pass_code: Pass,
+) -> CudaSource {
     let mut w = Writer::with_prelude(dtype);
     w.out.push_str(SHARED_PRELUDE);
     if mma {
@@ -822,12 +871,6 @@ pub fn emit_attention(kernel: &AttentionKernel, pass: AttentionPass, dtype: DTyp
     w.stmts(&body);
     w.depth -= 1;
     w.line("}");
-    let launch = match pass {
-        AttentionPass::BiasGrad => LaunchShape::Elementwise { vector: 1 },
-        _ => LaunchShape::Rows {
-            block: pass_code.block,
-        },
-    };
     CudaSource {
         name,
         source: w.out,

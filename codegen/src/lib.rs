@@ -27,7 +27,9 @@ pub use attention::{
     AttentionBackward, AttentionBuffer, AttentionDropout, AttentionKernel, AttentionOperand,
     AttentionPass, Strided, BLOCK_K, BLOCK_Q,
 };
-pub use attention_cuda::{attention_backward, attention_name, emit_attention};
+pub use attention_cuda::{
+    attention_backward, attention_name, emit_attention, emit_attention_forward,
+};
 pub use attention_interp::interpret_attention;
 pub use backward::{
     backward, backward_keeping_row_stats, backward_plan, column_sum_kernel, with_row_stats,

@@ -383,6 +383,9 @@ fn check(
         dplc_codegen::LaunchShape::WarpRows { block } => block.min(64),
         // Eight threads a column, the grid striding over the tiles.
         dplc_codegen::LaunchShape::Columns { block } => block.min(64),
+        // Generated kernels take no several-item blocks (the attention's
+        // wider forward does: host_cuda_attention.rs).
+        dplc_codegen::LaunchShape::Tiles { block, .. } => block.min(64),
     };
     // SAFETY: the launcher takes the kernel's buffers in order, each sized
     // for this launch (with slack), and the arrays of its sizes and scalars.

@@ -93,10 +93,10 @@ fn check_attention(
         );
     }
     let mut worst = 0.0f64;
-    for pass in passes(k, dtype) {
-        let src = dplc_codegen::emit_attention(k, pass, dtype);
+    for (pass, src) in sources(k, dtype) {
         let block = match src.launch {
-            dplc_codegen::LaunchShape::Rows { block } => block,
+            dplc_codegen::LaunchShape::Rows { block }
+            | dplc_codegen::LaunchShape::Tiles { block, .. } => block,
             _ => 64,
         };
         let roles = k.roles(pass);
@@ -178,6 +178,25 @@ fn check_attention(
     worst
 }
 
+/// The code of each pass to check in `dtype` ([`passes`]), and in bf16 the
+/// tensor-core forward with blocks of eight warps beside the launched four
+/// (`emit_attention_forward`, which the GPU benchmark times beside it).
+fn sources(
+    k: &dplc_codegen::AttentionKernel,
+    dtype: DType,
+) -> Vec<(dplc_codegen::AttentionPass, dplc_codegen::CudaSource)> {
+    let mut out: Vec<_> = passes(k, dtype)
+        .into_iter()
+        .map(|p| (p, dplc_codegen::emit_attention(k, p, dtype)))
+        .collect();
+    if dtype == DType::BF16 {
+        if let Some(wide) = dplc_codegen::emit_attention_forward(k, dtype, 8) {
+            out.push((dplc_codegen::AttentionPass::Forward, wide));
+        }
+    }
+    out
+}
+
 /// `launch_<name>` for every pass of every case in `dtype` (0, 1, 2).
 fn attention_unit(cases: &[AttentionCase], dtype: u32) -> String {
     let mut tu = format!(
@@ -187,8 +206,7 @@ fn attention_unit(cases: &[AttentionCase], dtype: u32) -> String {
     let mut seen = std::collections::BTreeSet::new();
     for case in cases {
         let k = &case.kernel;
-        for pass in passes(k, dtype_of(dtype)) {
-            let src = dplc_codegen::emit_attention(k, pass, dtype_of(dtype));
+        for (pass, src) in sources(k, dtype_of(dtype)) {
             if !seen.insert(src.name.clone()) {
                 continue;
             }

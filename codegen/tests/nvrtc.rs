@@ -11,8 +11,9 @@ mod common;
 
 use dplc_codegen::{
     adamw_kernel, adamw_value_kernel, add_kernel, attention_backward, backward_plan,
-    column_sum_kernel, convert_kernel, emit_attention, emit_cuda, fuse, sgd_kernel,
-    sum_squares_kernel, Arch, BackwardStep, CodegenError, CudaSource, Elem, Nvrtc, Step,
+    column_sum_kernel, convert_kernel, emit_attention, emit_attention_forward, emit_cuda, fuse,
+    sgd_kernel, sum_squares_kernel, Arch, BackwardStep, CodegenError, CudaSource, Elem, Nvrtc,
+    Step,
 };
 use dplc_ir::DType;
 use std::collections::{BTreeMap, BTreeSet};
@@ -209,6 +210,10 @@ fn add_graph(g: &dplc_ir::Graph, dtypes: &[DType], add: &mut impl FnMut(CudaSour
                             if k.runs(pass, [true; 4]) {
                                 add(emit_attention(k, pass, dtype));
                             }
+                        }
+                        // The wider forward the GPU benchmark times beside it.
+                        if let Some(wide) = emit_attention_forward(k, dtype, 8) {
+                            add(wide);
                         }
                     }
                 }

@@ -836,6 +836,37 @@ fn bench_attention() {
                     s * 1e3
                 );
             }
+            // Blocks of eight warps (128 queries, each staged key and value
+            // tile shared by twice the rows) beside the launched four: timed,
+            // and its output against the launched forward's; then the
+            // launched forward again, whose output the backward reads.
+            if pass == AttentionPass::Forward {
+                if let Some(wide) = dplc_codegen::emit_attention_forward(k, dtype, 8) {
+                    let ptx = nvrtc.compile(&wide, dev.arch()).expect("compiles");
+                    let wk = dev
+                        .load_attention(k, pass, &wide, &ptx, dtype)
+                        .expect("loads");
+                    let (n, d) = lens[&AttentionBuffer::Out];
+                    let launched = dev
+                        .download_f32(&bufs[&AttentionBuffer::Out], n, d)
+                        .expect("download");
+                    let s = median_time(&dev, &mut || dev.launch(&wk, &refs, &args).unwrap());
+                    let got = dev
+                        .download_f32(&bufs[&AttentionBuffer::Out], n, d)
+                        .expect("download");
+                    let differ = launched
+                        .iter()
+                        .zip(&got)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0.0f32, f32::max);
+                    println!(
+                        "variant {shape} {}: 8 warps a block {:.3} ms (output within {differ:.1e} of the launched forward's)",
+                        pass.name(),
+                        s * 1e3
+                    );
+                    dev.launch(&gk, &refs, &args).expect("launches");
+                }
+            }
         }
         // Every output written and finite.
         for role in [

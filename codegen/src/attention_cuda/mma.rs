@@ -19,6 +19,10 @@ use std::f64::consts::{LN_2, LOG2_E};
 /// all 255 and spilled 60 bytes.
 const KEY_VALUE_REGISTER_ARRAYS: i64 = 192;
 
+/// Warps of a tensor-core forward block as the executor launches it: 64
+/// queries a block, [`super::ROWS`], the tile every pass's launch counts.
+pub(super) const FORWARD_WARPS: i64 = 4;
+
 /// Whether the forward runs its block matmuls on tensor cores: 16-bit
 /// storage, and widths that are whole `m16n8k16` steps.
 pub(super) fn tensor_cores(k: &AttentionKernel, dtype: DType) -> bool {
@@ -158,9 +162,14 @@ fn pair_bits(lo: C, hi: C) -> C {
 /// accumulator tile, rows `g` and `g + 8` at columns `2t` and `2t + 1`
 /// (`g` = lane / 4, `t` = lane % 4), so the scores' tiles are the
 /// probabilities' operand fragments as they are.
-pub(super) fn forward_mma(c: &Ctx) -> Pass {
+/// The tensor-core forward: a block of `warps` warps takes `16 · warps`
+/// queries of one head, each warp 16 of them (four warps as launched:
+/// [`FORWARD_WARPS`]; more share each staged key and value tile among more
+/// queries, at a block's registers).
+pub(super) fn forward_mma(c: &Ctx, warps: i64) -> Pass {
     use AttentionBuffer::*;
     let k = c.k;
+    let block_rows = 16 * warps;
     let (hd, vd) = (k.head_dim, k.value_dim);
     // Key rows per tile: K and V tiles of 16-bit elements within the shared
     // memory, rows padded by 8 elements against bank conflicts: `O += P·V`
@@ -173,7 +182,7 @@ pub(super) fn forward_mma(c: &Ctx) -> Pass {
         .unwrap_or(16);
     let (ns, nv) = (t / 8, vd / 8);
     let (b, h) = (id("b"), id("hh"));
-    let mut body = decompose(k.heads, k.q_len, "i0");
+    let mut body = decompose(k.heads, k.q_len, "i0", block_rows);
     body.push(decl("long long", "kh", bin("/", h.clone(), ll(k.group))));
     body.extend(warp_rows("i0"));
     // Q's fragments, straight from memory (zeros past the last query).
@@ -190,7 +199,7 @@ pub(super) fn forward_mma(c: &Ctx) -> Pass {
             set(ix("l", id("r")), zero()),
         ],
     ));
-    body.extend(c.key_range(t));
+    body.extend(c.key_range(t, block_rows));
     // The key tiles (raw 16-bit storage; zeros past the last key), each
     // fetched while the one before computes.
     let staged = key_value_tiles(k, kstride, vstride);
@@ -427,11 +436,16 @@ pub(super) fn forward_mma(c: &Ctx) -> Pass {
     ));
     fin.push(S::If(bin("<", id("qi"), size(k.q_len)), write));
     body.push(unrolled("r", 2, fin));
-    let items = tile_items(k.q_len, k.batch, k.heads);
+    let items = tile_items(k.q_len, k.batch, k.heads, block_rows);
     Pass {
         // Q's fragments, O's and S's accumulators, the rows' statistics.
         fill: Some((hd / 16 * 4 + nv * 4 + ns * 4 + 4) as u32),
-        ..Pass::tiles(items, body, 128, key_value_arrays(t, kstride, vstride))
+        ..Pass::tiles(
+            items,
+            body,
+            (32 * warps) as u32,
+            key_value_arrays(t, kstride, vstride),
+        )
     }
 }
 
@@ -861,7 +875,7 @@ pub(super) fn query_grad_mma(c: &Ctx) -> Pass {
         .unwrap_or(16);
     let ns = t / 8;
     let (b, h) = (id("b"), id("hh"));
-    let mut body = decompose(k.heads, k.q_len, "i0");
+    let mut body = decompose(k.heads, k.q_len, "i0", ROWS);
     body.push(decl("long long", "kh", bin("/", h.clone(), ll(k.group))));
     body.extend(warp_rows("i0"));
     body.extend(row_fragments(c, Q, (h.clone(), k.q_len), "qf", hd));
@@ -886,7 +900,7 @@ pub(super) fn query_grad_mma(c: &Ctx) -> Pass {
         hd / 8 * 4,
         vec![set(ix("dq", id("x")), zero())],
     ));
-    body.extend(c.key_range(t));
+    body.extend(c.key_range(t, ROWS));
     let staged = key_value_tiles(k, kstride, vstride);
     let mut tile = vec![
         array("float", "s", ns * 4),
@@ -999,7 +1013,7 @@ pub(super) fn query_grad_mma(c: &Ctx) -> Pass {
             S::If(bin("<", id("qi"), size(k.q_len)), write),
         ],
     ));
-    let items = tile_items(k.q_len, k.batch, k.heads);
+    let items = tile_items(k.q_len, k.batch, k.heads, ROWS);
     Pass::tiles(items, body, 128, key_value_arrays(t, kstride, vstride))
 }
 
@@ -1101,7 +1115,7 @@ pub(super) fn key_value_grad_mma(c: &Ctx, with_dq: bool) -> Pass {
     } = key_value_tiling(k);
     let ns = t / 8;
     let (b, h) = (id("b"), id("h"));
-    let mut body = decompose(k.kv_heads, k.k_len, "j0");
+    let mut body = decompose(k.kv_heads, k.k_len, "j0", ROWS);
     body.push(decl("long long", "kh", id("hh")));
     body.extend(warp_rows("j0"));
     // K's and V's A fragments: in registers, or the block's 64 rows of each
@@ -1381,7 +1395,7 @@ pub(super) fn key_value_grad_mma(c: &Ctx, with_dq: bool) -> Pass {
             S::If(bin("<", id("kj"), size(k.k_len)), write),
         ],
     ));
-    let items = tile_items(k.k_len, k.batch, k.kv_heads);
+    let items = tile_items(k.k_len, k.batch, k.kv_heads, ROWS);
     let mut arrays = vec![
         shared("dplc_t", 2, "qbuf", 2 * t * qstride),
         shared("dplc_t", 2, "obuf", 2 * t * ostride),

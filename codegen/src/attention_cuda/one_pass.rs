@@ -61,7 +61,7 @@ pub(super) fn delta_pass(c: &Ctx) -> Pass {
     let contiguous = [Out, OutGrad]
         .iter()
         .all(|&r| k.operand(r).expect("an operand").at.strides[3] == Size::Const(1));
-    let mut body = decompose(k.heads, k.q_len, "i0");
+    let mut body = decompose(k.heads, k.q_len, "i0", ROWS);
     // At least two threads a row, so that every thread of the block takes
     // the same count of rows' parts (64 · lanes a multiple of 128).
     let vector =
@@ -70,7 +70,12 @@ pub(super) fn delta_pass(c: &Ctx) -> Pass {
         body.extend(warp_rows("i0"));
         body.push(array("float", "delta", 2));
         body.push(unrolled("r", 2, row_delta(c)));
-        return Pass::tiles(tile_items(k.q_len, k.batch, k.heads), body, 128, vec![]);
+        return Pass::tiles(
+            tile_items(k.q_len, k.batch, k.heads, ROWS),
+            body,
+            128,
+            vec![],
+        );
     }
     let (b, h) = (id("b"), id("hh"));
     let part = bin("*", id("part"), ll(8));
@@ -151,7 +156,12 @@ pub(super) fn delta_pass(c: &Ctx) -> Pass {
         C::Cast("long long", Box::new(id("blockDim.x"))),
         per_row,
     ));
-    Pass::tiles(tile_items(k.q_len, k.batch, k.heads), body, 128, vec![])
+    Pass::tiles(
+        tile_items(k.q_len, k.batch, k.heads, ROWS),
+        body,
+        128,
+        vec![],
+    )
 }
 
 /// The one-pass backward's last pass: `dQ` = scale · its `f32` sum, a block
@@ -163,7 +173,7 @@ pub(super) fn query_grad_scale(c: &Ctx) -> Pass {
     let k = c.k;
     let hd = k.head_dim;
     let quads = hd / 4;
-    let mut body = decompose(k.heads, k.q_len, "i0");
+    let mut body = decompose(k.heads, k.q_len, "i0", ROWS);
     let sum_at = bin(
         "+",
         bin("*", c.lse_at(id("b"), id("hh"), id("qi")), ll(hd)),
@@ -219,7 +229,12 @@ pub(super) fn query_grad_scale(c: &Ctx) -> Pass {
             S::If(bin("<", id("qi"), size(k.q_len)), live),
         ],
     ));
-    Pass::tiles(tile_items(k.q_len, k.batch, k.heads), body, 128, vec![])
+    Pass::tiles(
+        tile_items(k.q_len, k.batch, k.heads, ROWS),
+        body,
+        128,
+        vec![],
+    )
 }
 
 /// `dQ += dS·K` for the query tile at `i0` of head `h` against the block's

@@ -13,7 +13,7 @@ pub(super) fn forward_scalar(c: &Ctx) -> Pass {
     let t = streamed_rows(hd + vd);
     let (b, h, i) = (id("b"), id("hh"), id("i"));
     let j = bin("+", id("j0"), id("jj"));
-    let mut body = decompose(k.heads, k.q_len, "i0");
+    let mut body = decompose(k.heads, k.q_len, "i0", ROWS);
     body.push(decl("long long", "kh", bin("/", h.clone(), ll(k.group))));
     body.push(decl("long long", "i", bin("+", id("i0"), thread())));
     body.push(decl("int", "live", bin("<", i.clone(), size(k.q_len))));
@@ -34,7 +34,7 @@ pub(super) fn forward_scalar(c: &Ctx) -> Pass {
     body.push(unrolled("d", vd, vec![set(ix("o", id("d")), zero())]));
     body.push(var("float", "m", Some(neg_inf())));
     body.push(var("float", "l", Some(zero())));
-    body.extend(c.key_range(t));
+    body.extend(c.key_range(t, ROWS));
     let mut tile = c.stage_key_values(t, hd, vd);
     // Scores of the tile, their maximum.
     let mut score = vec![var("float", "dot", Some(zero()))];
@@ -138,7 +138,7 @@ pub(super) fn forward_scalar(c: &Ctx) -> Pass {
             set(at(c.buf(LogSumExp), c.lse_at(b, h, i)), lse),
         ],
     ));
-    let items = tile_items(k.q_len, k.batch, k.heads);
+    let items = tile_items(k.q_len, k.batch, k.heads, ROWS);
     Pass::tiles(items, body, ROWS as u32, key_value_arrays(t, hd, vd))
 }
 
@@ -197,7 +197,7 @@ pub(super) fn query_grad(c: &Ctx) -> Pass {
     let (hd, vd) = (k.head_dim, k.value_dim);
     let t = streamed_rows(hd + vd);
     let (b, h, i) = (id("b"), id("hh"), id("i"));
-    let mut body = decompose(k.heads, k.q_len, "i0");
+    let mut body = decompose(k.heads, k.q_len, "i0", ROWS);
     body.push(decl("long long", "kh", bin("/", h.clone(), ll(k.group))));
     body.push(decl("long long", "i", bin("+", id("i0"), thread())));
     body.push(decl("int", "live", bin("<", i.clone(), size(k.q_len))));
@@ -235,7 +235,7 @@ pub(super) fn query_grad(c: &Ctx) -> Pass {
     ));
     body.push(S::If(id("live"), row));
     body.push(unrolled("d", hd, vec![set(ix("acc", id("d")), zero())]));
-    body.extend(c.key_range(t));
+    body.extend(c.key_range(t, ROWS));
     let j = id("j");
     let mut inner = vec![
         var("float", "dot", Some(zero())),
@@ -303,7 +303,7 @@ pub(super) fn query_grad(c: &Ctx) -> Pass {
             )],
         )],
     ));
-    let items = tile_items(k.q_len, k.batch, k.heads);
+    let items = tile_items(k.q_len, k.batch, k.heads, ROWS);
     Pass::tiles(items, body, ROWS as u32, key_value_arrays(t, hd, vd))
 }
 
@@ -315,7 +315,7 @@ pub(super) fn key_value_grad(c: &Ctx) -> Pass {
     let (hd, vd) = (k.head_dim, k.value_dim);
     let t = streamed_rows(hd + vd);
     let (b, h, j) = (id("b"), id("h"), id("j"));
-    let mut body = decompose(k.kv_heads, k.k_len, "j0");
+    let mut body = decompose(k.kv_heads, k.k_len, "j0", ROWS);
     body.push(decl("long long", "kh", id("hh")));
     body.push(decl("long long", "j", bin("+", id("j0"), thread())));
     body.push(decl("int", "live", bin("<", j.clone(), size(k.k_len))));
@@ -512,7 +512,7 @@ pub(super) fn key_value_grad(c: &Ctx) -> Pass {
             ),
         ],
     ));
-    let items = tile_items(k.k_len, k.batch, k.kv_heads);
+    let items = tile_items(k.k_len, k.batch, k.kv_heads, ROWS);
     Pass::tiles(
         items,
         body,

@@ -30,6 +30,10 @@ pub enum LaunchShape {
     /// `x[r * n + c]`), a warp then reads whole 32-byte sectors where a
     /// block per row read one float from each of 32 sectors.
     Columns { block: u32 },
+    /// One block of `block` threads per `items` consecutive points: a pass
+    /// whose blocks each take several of the items its launch counts (a
+    /// wider fused-attention forward, [`crate::emit_attention_forward`]).
+    Tiles { block: u32, items: u32 },
 }
 
 /// Neighbouring rows a [`LaunchShape::Columns`] block reads side by side:
@@ -949,7 +953,8 @@ fn emit_cuda_rows_of(kernel: &Kernel, dtype: DType, row_block: u32) -> CudaSourc
         let block = match launch {
             LaunchShape::Columns { block }
             | LaunchShape::Rows { block }
-            | LaunchShape::WarpRows { block } => block,
+            | LaunchShape::WarpRows { block }
+            | LaunchShape::Tiles { block, .. } => block,
             LaunchShape::Elementwise { .. } => ROW_BLOCK,
         };
         format!("__launch_bounds__({block}) ")

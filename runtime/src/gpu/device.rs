@@ -638,6 +638,12 @@ impl GpuDevice {
                 (threads.div_ceil(256).clamp(1, cap), 256)
             }
             LaunchShape::Rows { block } => (outer.clamp(1, cap.max(1 << 16)), block),
+            LaunchShape::Tiles { block, items } => (
+                outer
+                    .div_ceil(u64::from(items.max(1)))
+                    .clamp(1, cap.max(1 << 16)),
+                block,
+            ),
             LaunchShape::Columns { block } => (
                 outer
                     .div_ceil(u64::from(dplc_codegen::COLUMN_TILE))
