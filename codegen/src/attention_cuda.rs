@@ -274,6 +274,7 @@ struct Tile<'a> {
 struct Ctx<'k> {
     k: &'k AttentionKernel,
     roles: Vec<AttentionBuffer>,
+    tuning: AttentionTuning,
 }
 
 impl Ctx<'_> {
@@ -754,15 +755,104 @@ fn params(k: &AttentionKernel, pass: AttentionPass) -> Vec<String> {
     p
 }
 
+/// How the tensor-core passes are tiled and add into `dQ`'s sum: the choice
+/// the executor launches ([`AttentionTuning::LAUNCHED`]) and the variants
+/// the GPU benchmark times beside it ([`AttentionTuning::VARIANTS`]), so
+/// that each choice is made by a measurement on the same GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionTuning {
+    /// Warps of a tensor-core forward block, 16 queries each: more share
+    /// each staged key and value tile among more queries (a multiple of 4;
+    /// a block takes `forward_warps / 4` of the launch's 64-query items,
+    /// [`LaunchShape::Tiles`]).
+    pub forward_warps: u32,
+    /// `f32` lanes of each atomic add of the one-pass backward into `dQ`'s
+    /// sum on sm_90: 2 (a thread's own pair of columns) or 4 (neighbouring
+    /// lanes trade pairs first, so each add carries four columns of one row
+    /// and half as many adds reach L2).
+    pub dq_lanes: u32,
+}
+
+impl AttentionTuning {
+    pub const LAUNCHED: AttentionTuning = AttentionTuning {
+        forward_warps: FORWARD_WARPS as u32,
+        dq_lanes: 2,
+    };
+
+    /// The variants the benchmark times, each one choice away from the launched.
+    pub const VARIANTS: [AttentionTuning; 2] = [
+        AttentionTuning {
+            forward_warps: 8,
+            ..AttentionTuning::LAUNCHED
+        },
+        AttentionTuning {
+            dq_lanes: 4,
+            ..AttentionTuning::LAUNCHED
+        },
+    ];
+
+    /// What sets it apart from the launched choice, for names and reports.
+    pub fn describe(&self) -> String {
+        let mut parts = Vec::new();
+        if self.forward_warps != Self::LAUNCHED.forward_warps {
+            parts.push(format!("w{}", self.forward_warps));
+        }
+        if self.dq_lanes != Self::LAUNCHED.dq_lanes {
+            parts.push(format!("q{}", self.dq_lanes));
+        }
+        parts.join("_")
+    }
+}
+
 /// Emit CUDA C for `pass` of `kernel` with float buffers stored as `dtype`.
 /// Its launch strides over [`AttentionKernel::items`]: a block of `block`
 /// threads per item (`Rows`), or for the bias gradient a thread per item
 /// (`Elementwise`).
 pub fn emit_attention(kernel: &AttentionKernel, pass: AttentionPass, dtype: DType) -> CudaSource {
-    let name = attention_name(kernel, pass, dtype);
+    emit(kernel, pass, dtype, AttentionTuning::LAUNCHED)
+}
+
+/// `pass` of `kernel` under `tuning`, for the GPU benchmark to time beside
+/// the launched code: `None` where the tuning does not change the pass (a
+/// forward not on tensor cores, or a tuning of another pass) or is not one
+/// the code can take. Its name is the launched pass's with the tuning's
+/// [`AttentionTuning::describe`] appended.
+pub fn emit_attention_tuned(
+    kernel: &AttentionKernel,
+    pass: AttentionPass,
+    dtype: DType,
+    tuning: AttentionTuning,
+) -> Option<CudaSource> {
+    let launched = AttentionTuning::LAUNCHED;
+    let forward = tuning.forward_warps != launched.forward_warps;
+    let dq = tuning.dq_lanes != launched.dq_lanes;
+    let applies = match pass {
+        AttentionPass::Forward => forward && !dq && tensor_cores(kernel, dtype),
+        AttentionPass::Grads => {
+            dq && !forward && attention_backward(kernel, dtype) == AttentionBackward::OnePass
+        }
+        _ => false,
+    };
+    let valid = tuning.forward_warps > 0
+        && tuning.forward_warps.is_multiple_of(FORWARD_WARPS as u32)
+        && matches!(tuning.dq_lanes, 2 | 4);
+    (applies && valid).then(|| emit(kernel, pass, dtype, tuning))
+}
+
+fn emit(
+    kernel: &AttentionKernel,
+    pass: AttentionPass,
+    dtype: DType,
+    tuning: AttentionTuning,
+) -> CudaSource {
+    let mut name = attention_name(kernel, pass, dtype);
+    if tuning != AttentionTuning::LAUNCHED {
+        name = format!("{name}_{}", tuning.describe());
+    }
     let c = Ctx {
         k: kernel,
         roles: kernel.roles(pass),
+        tuning,
     };
     let mma = match pass {
         AttentionPass::Forward => tensor_cores(kernel, dtype),
@@ -773,7 +863,7 @@ pub fn emit_attention(kernel: &AttentionKernel, pass: AttentionPass, dtype: DTyp
         AttentionPass::Delta | AttentionPass::QueryGradScale | AttentionPass::BiasGrad => false,
     };
     let pass_code = match pass {
-        AttentionPass::Forward if mma => forward_mma(&c, FORWARD_WARPS),
+        AttentionPass::Forward if mma => forward_mma(&c, i64::from(tuning.forward_warps)),
         AttentionPass::Forward => forward_scalar(&c),
         AttentionPass::QueryGrad if mma => query_grad_mma(&c),
         AttentionPass::QueryGrad => query_grad(&c),
@@ -792,41 +882,21 @@ pub fn emit_attention(kernel: &AttentionKernel, pass: AttentionPass, dtype: DTyp
         AttentionPass::QueryGradScale => query_grad_scale(&c),
         AttentionPass::BiasGrad => bias_grad(&c),
     };
+    let per_block = match pass {
+        AttentionPass::Forward if mma => tuning.forward_warps / FORWARD_WARPS as u32,
+        _ => 1,
+    };
     let launch = match pass {
         AttentionPass::BiasGrad => LaunchShape::Elementwise { vector: 1 },
+        _ if per_block > 1 => LaunchShape::Tiles {
+            block: pass_code.block,
+            items: per_block,
+        },
         _ => LaunchShape::Rows {
             block: pass_code.block,
         },
     };
     finish(kernel, pass, dtype, (name, launch), mma, pass_code)
-}
-
-/// The tensor-core forward of `kernel` with blocks of `warps` warps (16
-/// queries each) where the executor launches four, for the GPU benchmark
-/// to time beside it (`None` where the forward is not on tensor cores).
-/// Its name is the forward's with `_w{warps}`; its launch takes a block
-/// per `warps / 4` of the forward's 64-query items
-/// ([`LaunchShape::Tiles`]), which its blocks stride over as any pass's do.
-pub fn emit_attention_forward(
-    kernel: &AttentionKernel,
-    dtype: DType,
-    warps: u32,
-) -> Option<CudaSource> {
-    if !tensor_cores(kernel, dtype) || warps == 0 || !warps.is_multiple_of(FORWARD_WARPS as u32) {
-        return None;
-    }
-    let pass = AttentionPass::Forward;
-    let c = Ctx {
-        k: kernel,
-        roles: kernel.roles(pass),
-    };
-    let pass_code = forward_mma(&c, i64::from(warps));
-    let name = format!("{}_w{warps}", attention_name(kernel, pass, dtype));
-    let launch = LaunchShape::Tiles {
-        block: pass_code.block,
-        items: warps / FORWARD_WARPS as u32,
-    };
-    Some(finish(kernel, pass, dtype, (name, launch), true, pass_code))
 }
 
 /// A pass's CUDA C: the preludes, the kernel's signature as a comment, its

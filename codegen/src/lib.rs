@@ -28,7 +28,7 @@ pub use attention::{
     AttentionPass, Strided, BLOCK_K, BLOCK_Q,
 };
 pub use attention_cuda::{
-    attention_backward, attention_name, emit_attention, emit_attention_forward,
+    attention_backward, attention_name, emit_attention, emit_attention_tuned, AttentionTuning,
 };
 pub use attention_interp::interpret_attention;
 pub use backward::{

@@ -178,20 +178,23 @@ fn check_attention(
     worst
 }
 
-/// The code of each pass to check in `dtype` ([`passes`]), and in bf16 the
-/// tensor-core forward with blocks of eight warps beside the launched four
-/// (`emit_attention_forward`, which the GPU benchmark times beside it).
+/// The code of each pass to check in `dtype` ([`passes`]), and in bf16 each
+/// of the tunings the GPU benchmark times beside the launched passes
+/// (`AttentionTuning::VARIANTS`: the forward with blocks of eight warps, the
+/// one-pass backward adding four columns of dQ an atomic).
 fn sources(
     k: &dplc_codegen::AttentionKernel,
     dtype: DType,
 ) -> Vec<(dplc_codegen::AttentionPass, dplc_codegen::CudaSource)> {
-    let mut out: Vec<_> = passes(k, dtype)
-        .into_iter()
-        .map(|p| (p, dplc_codegen::emit_attention(k, p, dtype)))
-        .collect();
-    if dtype == DType::BF16 {
-        if let Some(wide) = dplc_codegen::emit_attention_forward(k, dtype, 8) {
-            out.push((dplc_codegen::AttentionPass::Forward, wide));
+    let mut out = Vec::new();
+    for p in passes(k, dtype) {
+        out.push((p, dplc_codegen::emit_attention(k, p, dtype)));
+        if dtype == DType::BF16 {
+            for tuning in dplc_codegen::AttentionTuning::VARIANTS {
+                if let Some(tuned) = dplc_codegen::emit_attention_tuned(k, p, dtype, tuning) {
+                    out.push((p, tuned));
+                }
+            }
         }
     }
     out

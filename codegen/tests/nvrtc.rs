@@ -11,9 +11,9 @@ mod common;
 
 use dplc_codegen::{
     adamw_kernel, adamw_value_kernel, add_kernel, attention_backward, backward_plan,
-    column_sum_kernel, convert_kernel, emit_attention, emit_attention_forward, emit_cuda, fuse,
-    sgd_kernel, sum_squares_kernel, Arch, BackwardStep, CodegenError, CudaSource, Elem, Nvrtc,
-    Step,
+    column_sum_kernel, convert_kernel, emit_attention, emit_attention_tuned, emit_cuda, fuse,
+    sgd_kernel, sum_squares_kernel, Arch, AttentionTuning, BackwardStep, CodegenError, CudaSource,
+    Elem, Nvrtc, Step,
 };
 use dplc_ir::DType;
 use std::collections::{BTreeMap, BTreeSet};
@@ -209,11 +209,13 @@ fn add_graph(g: &dplc_ir::Graph, dtypes: &[DType], add: &mut impl FnMut(CudaSour
                         for pass in k.passes(attention_backward(k, dtype)) {
                             if k.runs(pass, [true; 4]) {
                                 add(emit_attention(k, pass, dtype));
+                                // The tunings the GPU benchmark times beside it.
+                                for tuning in AttentionTuning::VARIANTS {
+                                    if let Some(t) = emit_attention_tuned(k, pass, dtype, tuning) {
+                                        add(t);
+                                    }
+                                }
                             }
-                        }
-                        // The wider forward the GPU benchmark times beside it.
-                        if let Some(wide) = emit_attention_forward(k, dtype, 8) {
-                            add(wide);
                         }
                     }
                 }

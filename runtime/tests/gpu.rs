@@ -836,36 +836,59 @@ fn bench_attention() {
                     s * 1e3
                 );
             }
-            // Blocks of eight warps (128 queries, each staged key and value
-            // tile shared by twice the rows) beside the launched four: timed,
-            // and its output against the launched forward's; then the
-            // launched forward again, whose output the backward reads.
-            if pass == AttentionPass::Forward {
-                if let Some(wide) = dplc_codegen::emit_attention_forward(k, dtype, 8) {
-                    let ptx = nvrtc.compile(&wide, dev.arch()).expect("compiles");
-                    let wk = dev
-                        .load_attention(k, pass, &wide, &ptx, dtype)
-                        .expect("loads");
-                    let (n, d) = lens[&AttentionBuffer::Out];
-                    let launched = dev
-                        .download_f32(&bufs[&AttentionBuffer::Out], n, d)
-                        .expect("download");
-                    let s = median_time(&dev, &mut || dev.launch(&wk, &refs, &args).unwrap());
-                    let got = dev
-                        .download_f32(&bufs[&AttentionBuffer::Out], n, d)
-                        .expect("download");
-                    let differ = launched
-                        .iter()
-                        .zip(&got)
-                        .map(|(a, b)| (a - b).abs())
-                        .fold(0.0f32, f32::max);
-                    println!(
-                        "variant {shape} {}: 8 warps a block {:.3} ms (output within {differ:.1e} of the launched forward's)",
-                        pass.name(),
-                        s * 1e3
-                    );
-                    dev.launch(&gk, &refs, &args).expect("launches");
-                }
+            // The tunings the codegen does not launch yet, each timed beside
+            // the launched pass (the forward with blocks of eight warps, the
+            // one-pass backward adding four columns of dQ an atomic), its
+            // output against the launched pass's — the forward's O, the
+            // backward's sum of dQ, each into a fresh zeroed buffer — and
+            // then the launched pass again, whose outputs the next read.
+            for tuning in dplc_codegen::AttentionTuning::VARIANTS {
+                let Some(tuned) = dplc_codegen::emit_attention_tuned(k, pass, dtype, tuning) else {
+                    continue;
+                };
+                let ptx = nvrtc.compile(&tuned, dev.arch()).expect("compiles");
+                let tk = dev
+                    .load_attention(k, pass, &tuned, &ptx, dtype)
+                    .expect("loads");
+                let role = match pass {
+                    AttentionPass::Forward => AttentionBuffer::Out,
+                    _ => AttentionBuffer::QGradSum,
+                };
+                let (n, d) = lens[&role];
+                let at = roles
+                    .iter()
+                    .position(|&r| r == role)
+                    .expect("the pass writes it");
+                let once = |kernel: &dplc_runtime::gpu::GpuKernel| -> Vec<f32> {
+                    let zeroed = dev.zeros(n * d.size_bytes() as usize).unwrap();
+                    let mut refs = refs.clone();
+                    refs[at] = &zeroed;
+                    dev.launch(kernel, &refs, &args).unwrap();
+                    dev.download_f32(&zeroed, n, d).unwrap()
+                };
+                let (want, got) = (once(&gk), once(&tk));
+                let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+                let differ = want
+                    .iter()
+                    .zip(&got)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0f32, f32::max);
+                let s = median_time(&dev, &mut || {
+                    let zeroed;
+                    let mut refs = refs.clone();
+                    if role == AttentionBuffer::QGradSum {
+                        zeroed = dev.zeros(n * 4).unwrap();
+                        refs[at] = &zeroed;
+                    }
+                    dev.launch(&tk, &refs, &args).unwrap();
+                });
+                println!(
+                    "variant {shape} {}: {} {:.3} ms (output within {differ:.1e} of the launched pass's, largest {scale:.1e})",
+                    pass.name(),
+                    tuning.describe(),
+                    s * 1e3
+                );
+                dev.launch(&gk, &refs, &args).expect("launches");
             }
         }
         // Every output written and finite.

@@ -296,7 +296,11 @@ pub(super) fn query_grad_share(c: &Ctx, t: i64, dstride: i64, kstride: i64) -> S
         )
     };
     let add_pair = vec![
-        var("float*", "dst", Some(C::Ref(Box::new(at(sum, at_sum))))),
+        var(
+            "float*",
+            "dst",
+            Some(C::Ref(Box::new(at(sum.clone(), at_sum)))),
+        ),
         S::Line("#if __CUDA_ARCH__ >= 900".into()),
         S::Expr(call(
             "atomicAdd",
@@ -313,6 +317,10 @@ pub(super) fn query_grad_share(c: &Ctx, t: i64, dstride: i64, kstride: i64) -> S
         )),
         S::Line("#endif".into()),
     ];
+    if c.tuning.dq_lanes == 4 {
+        out.push(unrolled("nb", n, quad_add(c, sum)));
+        return S::Block(out);
+    }
     out.push(unrolled(
         "r",
         2,
@@ -325,4 +333,82 @@ pub(super) fn query_grad_share(c: &Ctx, t: i64, dstride: i64, kstride: i64) -> S
         ],
     ));
     S::Block(out)
+}
+
+/// Column block `nb` of a warp's `dQ` share added four columns an atomic
+/// add ([`AttentionTuning::dq_lanes`] 4): lanes `tq` and `tq ^ 1` trade
+/// the pair of columns the other adds — the even lane takes row `g`'s
+/// columns `2·tq … 2·tq + 3`, the odd lane row `g + 8`'s `2·tq − 2 … 2·tq +
+/// 1` — every lane shuffling before any tests its row.
+fn quad_add(c: &Ctx, sum: C) -> Vec<S> {
+    let k = c.k;
+    let own = |r: i64, x: i64| ix("dqs", bin("+", bin("*", id("nb"), ll(4)), ll(2 * r + x)));
+    let shfl = |v: C| {
+        call(
+            "__shfl_xor_sync",
+            vec![C::Lit("0xffffffffu".into()), v, C::Lit("1".into())],
+        )
+    };
+    let odd = id("odd");
+    let pick = |a: C, b: C| C::Cond(Box::new(odd.clone()), Box::new(a), Box::new(b));
+    let qi = bin(
+        "+",
+        id("i0"),
+        bin(
+            "+",
+            bin("*", id("qb"), ll(16)),
+            bin("+", id("g"), pick(ll(8), ll(0))),
+        ),
+    );
+    let col = bin(
+        "+",
+        id("c0"),
+        bin(
+            "+",
+            bin("*", id("nb"), ll(8)),
+            bin("-", bin("*", id("tq"), ll(2)), pick(ll(2), ll(0))),
+        ),
+    );
+    let at_sum = bin(
+        "+",
+        bin("*", c.lse_at(id("b"), id("h"), id("qi")), ll(k.head_dim)),
+        id("col"),
+    );
+    // The four columns in order: the odd lane's come from the even lane
+    // first, the even lane's from the odd lane last.
+    let lanes = [
+        pick(id("o0"), own(0, 0)),
+        pick(id("o1"), own(0, 1)),
+        pick(own(1, 0), id("o0")),
+        pick(own(1, 1), id("o1")),
+    ];
+    let mut add = vec![
+        var("float*", "dst", Some(C::Ref(Box::new(at(sum, at_sum))))),
+        S::Line("#if __CUDA_ARCH__ >= 900".into()),
+        S::Expr(call(
+            "atomicAdd",
+            vec![
+                C::Cast("float4*", Box::new(id("dst"))),
+                call("make_float4", lanes.to_vec()),
+            ],
+        )),
+        S::Line("#else".into()),
+    ];
+    for (i, lane) in lanes.into_iter().enumerate() {
+        add.push(S::Expr(call(
+            "atomicAdd",
+            vec![bin("+", id("dst"), C::Lit(i.to_string())), lane],
+        )));
+    }
+    add.push(S::Line("#endif".into()));
+    vec![
+        decl("bool", "odd", bin("!=", bin("&", id("tq"), ll(1)), ll(0))),
+        // What this lane hands its neighbour: row g + 8's pair from the
+        // even lane, row g's from the odd.
+        decl("float", "o0", shfl(pick(own(0, 0), own(1, 0)))),
+        decl("float", "o1", shfl(pick(own(0, 1), own(1, 1)))),
+        decl("long long", "qi", qi),
+        decl("long long", "col", col),
+        S::If(bin("<", id("qi"), size(k.q_len)), add),
+    ]
 }
