@@ -100,7 +100,7 @@ def attention(log_dir):
     for m in re.finditer(r"^attention (\S+) .*?: fwd ([\d.]+) ms.*?attention_bwd ([\d.]+) ms", log, re.M):
         launched[m.group(1)] = {"attention_fwd": float(m.group(2)), "attention_bwd": float(m.group(3))}
     best = {}
-    for m in re.finditer(r"^variant (\S+) (attention_fwd|attention_bwd): ([wq]\d+(?:_[wq]\d+)*) ([\d.]+) ms", log, re.M):
+    for m in re.finditer(r"^variant (\S+) (attention_fwd|attention_bwd): ([wkq]\d+(?:_[wkq]\d+)*) ([\d.]+) ms", log, re.M):
         shape, pass_, tuning, ms = m.group(1), m.group(2), m.group(3), float(m.group(4))
         ran = launched.get(shape, {}).get(pass_)
         if ran is not None and ms < ran and ms < best.get((shape, pass_), (None, ran))[1]:

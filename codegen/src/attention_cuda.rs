@@ -28,9 +28,10 @@ mod scalar;
 mod staging;
 use mma::{
     forward_mma, key_value_grad_mma, mma_prelude, query_grad_mma, query_grad_tensor_cores,
-    tensor_cores, FORWARD_WARPS,
+    tensor_cores, BACKWARD_WARPS, FORWARD_WARPS,
 };
 pub use one_pass::attention_backward;
+use one_pass::one_pass_fits;
 use one_pass::{delta_pass, query_grad_scale};
 use scalar::{bias_grad, forward_scalar, key_value_grad, query_grad};
 
@@ -49,6 +50,10 @@ const SHARED_BYTES: i64 = 48 * 1024;
 /// K and V take 68 KB, where 48 KB held 32 keys: twice the barriers and
 /// waits a key); the dK/dV pass stages its own K and V rows within it.
 const MOST_SHARED_BYTES: i64 = 96 * 1024;
+/// The most shared memory a tuned variant's block takes
+/// ([`emit_attention_tuned`]): under the A100's 163 KB and the H100's 227
+/// KB, the parts the GPU benchmark runs on.
+const TUNED_SHARED_BYTES: i64 = 160 * 1024;
 /// Threads of a block of the bias-gradient pass (a thread an element).
 const BIAS_BLOCK: u32 = 256;
 
@@ -628,8 +633,8 @@ impl Ctx<'_> {
         ]
     }
 
-    /// The query tiles of width `t` a block of keys `[j0, j0 + 64)` visits.
-    fn query_range(&self, t: i64) -> Vec<S> {
+    /// The query tiles of width `t` a block of keys `[j0, j0 + keys)` visits.
+    fn query_range(&self, t: i64, keys: i64) -> Vec<S> {
         let k = self.k;
         // Placed queries (a cp rank's chunks) are not a run of positions:
         // every query tile is visited, the masks drop what is not seen.
@@ -642,7 +647,7 @@ impl Ctx<'_> {
         let end = match k.window {
             Some(w) if !placed => call(
                 "dplc_imin",
-                vec![size(k.q_len), bin("+", id("j0"), ll(ROWS - 1 + w))],
+                vec![size(k.q_len), bin("+", id("j0"), ll(keys - 1 + w))],
             ),
             _ => size(k.q_len),
         };
@@ -766,6 +771,11 @@ pub struct AttentionTuning {
     /// a block takes `forward_warps / 4` of the launch's 64-query items,
     /// [`LaunchShape::Tiles`]).
     pub forward_warps: u32,
+    /// Warps of a one-pass backward block, 16 keys each: more share each
+    /// streamed query tile among more keys and add each query's `dQ` share
+    /// summed over more keys (a multiple of 4; a block takes
+    /// `backward_warps / 4` of the launch's 64-key items).
+    pub backward_warps: u32,
     /// `f32` lanes of each atomic add of the one-pass backward into `dQ`'s
     /// sum on sm_90: 2 (a thread's own pair of columns) or 4 (neighbouring
     /// lanes trade pairs first, so each add carries four columns of one row
@@ -776,13 +786,18 @@ pub struct AttentionTuning {
 impl AttentionTuning {
     pub const LAUNCHED: AttentionTuning = AttentionTuning {
         forward_warps: FORWARD_WARPS as u32,
+        backward_warps: BACKWARD_WARPS as u32,
         dq_lanes: 2,
     };
 
     /// The variants the benchmark times, each one choice away from the launched.
-    pub const VARIANTS: [AttentionTuning; 2] = [
+    pub const VARIANTS: [AttentionTuning; 3] = [
         AttentionTuning {
             forward_warps: 8,
+            ..AttentionTuning::LAUNCHED
+        },
+        AttentionTuning {
+            backward_warps: 8,
             ..AttentionTuning::LAUNCHED
         },
         AttentionTuning {
@@ -796,6 +811,9 @@ impl AttentionTuning {
         let mut parts = Vec::new();
         if self.forward_warps != Self::LAUNCHED.forward_warps {
             parts.push(format!("w{}", self.forward_warps));
+        }
+        if self.backward_warps != Self::LAUNCHED.backward_warps {
+            parts.push(format!("k{}", self.backward_warps));
         }
         if self.dq_lanes != Self::LAUNCHED.dq_lanes {
             parts.push(format!("q{}", self.dq_lanes));
@@ -825,17 +843,22 @@ pub fn emit_attention_tuned(
 ) -> Option<CudaSource> {
     let launched = AttentionTuning::LAUNCHED;
     let forward = tuning.forward_warps != launched.forward_warps;
-    let dq = tuning.dq_lanes != launched.dq_lanes;
+    let backward =
+        tuning.backward_warps != launched.backward_warps || tuning.dq_lanes != launched.dq_lanes;
+    let valid = [tuning.forward_warps, tuning.backward_warps]
+        .iter()
+        .all(|&w| w > 0 && w.is_multiple_of(FORWARD_WARPS as u32))
+        && matches!(tuning.dq_lanes, 2 | 4);
     let applies = match pass {
-        AttentionPass::Forward => forward && !dq && tensor_cores(kernel, dtype),
+        AttentionPass::Forward => forward && !backward && tensor_cores(kernel, dtype),
         AttentionPass::Grads => {
-            dq && !forward && attention_backward(kernel, dtype) == AttentionBackward::OnePass
+            backward
+                && !forward
+                && attention_backward(kernel, dtype) == AttentionBackward::OnePass
+                && one_pass_fits(kernel, i64::from(tuning.backward_warps), TUNED_SHARED_BYTES)
         }
         _ => false,
     };
-    let valid = tuning.forward_warps > 0
-        && tuning.forward_warps.is_multiple_of(FORWARD_WARPS as u32)
-        && matches!(tuning.dq_lanes, 2 | 4);
     (applies && valid).then(|| emit(kernel, pass, dtype, tuning))
 }
 
@@ -884,6 +907,7 @@ fn emit(
     };
     let per_block = match pass {
         AttentionPass::Forward if mma => tuning.forward_warps / FORWARD_WARPS as u32,
+        AttentionPass::Grads => tuning.backward_warps / BACKWARD_WARPS as u32,
         _ => 1,
     };
     let launch = match pass {

@@ -5,7 +5,7 @@
 //! `mma.sync.m16n8k16` steps on fragments laid out as the PTX ISA states,
 //! tiles staged in shared memory as raw 16-bit storage (`staging`).
 
-use super::one_pass::{query_grad_share, SCORE_GRAD_STRIDE};
+use super::one_pass::{query_grad_share, score_grad_stride};
 use super::staging::{Staged, Tile16};
 use super::*;
 use std::f64::consts::{LN_2, LOG2_E};
@@ -22,6 +22,9 @@ const KEY_VALUE_REGISTER_ARRAYS: i64 = 192;
 /// Warps of a tensor-core forward block as the executor launches it: 64
 /// queries a block, [`super::ROWS`], the tile every pass's launch counts.
 pub(super) const FORWARD_WARPS: i64 = 4;
+/// Warps of a tensor-core `dK`/`dV` block as the executor launches it: 64
+/// keys a block, [`super::ROWS`].
+pub(super) const BACKWARD_WARPS: i64 = 4;
 
 /// Whether the forward runs its block matmuls on tensor cores: 16-bit
 /// storage, and widths that are whole `m16n8k16` steps.
@@ -1084,7 +1087,7 @@ pub(super) struct KeyValueTiling {
     pub(super) own: i64,
 }
 
-pub(super) fn key_value_tiling(k: &AttentionKernel) -> KeyValueTiling {
+pub(super) fn key_value_tiling(k: &AttentionKernel, keys: i64) -> KeyValueTiling {
     let (hd, vd) = (k.head_dim, k.value_dim);
     let (qstride, ostride) = (hd + 8, vd + 8);
     // Query rows per tile: Sᵀ and dPᵀ hold t / 8 accumulator tiles each
@@ -1096,7 +1099,7 @@ pub(super) fn key_value_tiling(k: &AttentionKernel) -> KeyValueTiling {
     KeyValueTiling {
         t,
         streamed: 2 * 2 * t * (qstride + ostride) + 8 * t,
-        own: 2 * ROWS * ((hd + 8) + (vd + 8)),
+        own: 2 * keys * ((hd + 8) + (vd + 8)),
     }
 }
 
@@ -1108,14 +1111,21 @@ pub(super) fn key_value_grad_mma(c: &Ctx, with_dq: bool) -> Pass {
     let k = c.k;
     let (hd, vd) = (k.head_dim, k.value_dim);
     let (qstride, ostride) = (hd + 8, vd + 8);
+    // The launched block's warps, 16 keys each; a tuned one-pass's own.
+    let warps = if with_dq {
+        i64::from(c.tuning.backward_warps)
+    } else {
+        BACKWARD_WARPS
+    };
+    let keys = 16 * warps;
     let KeyValueTiling {
         t,
         streamed,
         own: own_bytes,
-    } = key_value_tiling(k);
+    } = key_value_tiling(k, keys);
     let ns = t / 8;
     let (b, h) = (id("b"), id("h"));
-    let mut body = decompose(k.kv_heads, k.k_len, "j0", ROWS);
+    let mut body = decompose(k.kv_heads, k.k_len, "j0", keys);
     body.push(decl("long long", "kh", id("hh")));
     body.extend(warp_rows("j0"));
     // K's and V's A fragments: in registers, or the block's 64 rows of each
@@ -1137,11 +1147,11 @@ pub(super) fn key_value_grad_mma(c: &Ctx, with_dq: bool) -> Pass {
                 head: id("kh"),
                 first: id("j0"),
                 len: k.k_len,
-                rows: ROWS,
+                rows: keys,
                 width,
                 stride,
             }));
-            own.push(shared("dplc_t", 2, name, ROWS * stride));
+            own.push(shared("dplc_t", 2, name, keys * stride));
         }
         body.push(S::Expr(call("dplc_cp_async_commit", vec![])));
         body.push(S::Expr(call("dplc_cp_async_wait", vec![])));
@@ -1162,8 +1172,8 @@ pub(super) fn key_value_grad_mma(c: &Ctx, with_dq: bool) -> Pass {
         vd / 8 * 4,
         vec![set(ix("dv", id("x")), zero())],
     ));
-    // The block's keys are [j0, j0 + 64), as `query_range` takes them.
-    body.extend(c.query_range(t));
+    // The block's keys are [j0, j0 + keys), as `query_range` takes them.
+    body.extend(c.query_range(t, keys));
     let staged = [
         Staged {
             buf: "qbuf",
@@ -1294,7 +1304,7 @@ pub(super) fn key_value_grad_mma(c: &Ctx, with_dq: bool) -> Pass {
         c.all_visible(&id("i0"), t, &warp_first_row(), 16),
         scores,
     ));
-    let dstride = SCORE_GRAD_STRIDE;
+    let dstride = score_grad_stride(keys);
     if with_dq {
         // dSᵀ's accumulators into the tile `dS[query][key]`, read back
         // after the barrier below as the A fragments of `dS·K`.
@@ -1328,7 +1338,7 @@ pub(super) fn key_value_grad_mma(c: &Ctx, with_dq: bool) -> Pass {
     ));
     if with_dq {
         tile.push(sync());
-        tile.push(query_grad_share(c, t, dstride, kstride));
+        tile.push(query_grad_share(c, t, keys, kstride));
     }
     let heads = loop_over(
         "gq",
@@ -1395,7 +1405,7 @@ pub(super) fn key_value_grad_mma(c: &Ctx, with_dq: bool) -> Pass {
             S::If(bin("<", id("kj"), size(k.k_len)), write),
         ],
     ));
-    let items = tile_items(k.k_len, k.batch, k.kv_heads, ROWS);
+    let items = tile_items(k.k_len, k.batch, k.kv_heads, keys);
     let mut arrays = vec![
         shared("dplc_t", 2, "qbuf", 2 * t * qstride),
         shared("dplc_t", 2, "obuf", 2 * t * ostride),
@@ -1406,5 +1416,5 @@ pub(super) fn key_value_grad_mma(c: &Ctx, with_dq: bool) -> Pass {
     if with_dq {
         arrays.push(shared("dplc_t", 2, "dsbuf", t * dstride));
     }
-    Pass::tiles(items, body, 128, arrays)
+    Pass::tiles(items, body, (32 * warps) as u32, arrays)
 }

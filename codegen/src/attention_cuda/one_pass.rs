@@ -6,27 +6,41 @@
 
 use super::mma::{
     key_value_tiling, mma_cols, query_grad_tensor_cores, row_delta, warp_rows, ColsA,
+    BACKWARD_WARPS,
 };
 use super::*;
 
 /// Elements between rows of the one-pass backward's score-gradient tile
-/// (`dS[query][key]` over the block's 64 keys), padded by 8 as the other
+/// (`dS[query][key]` over the block's `keys`), padded by 8 as the other
 /// tiles are.
-pub(super) const SCORE_GRAD_STRIDE: i64 = ROWS + 8;
+pub(super) fn score_grad_stride(keys: i64) -> i64 {
+    keys + 8
+}
 
 /// Bytes of the score-gradient tile of `t` query rows.
-fn score_grad_tile_bytes(t: i64) -> i64 {
-    2 * t * SCORE_GRAD_STRIDE
+fn score_grad_tile_bytes(t: i64, keys: i64) -> i64 {
+    2 * t * score_grad_stride(keys)
 }
 
 /// The `dQ` share of the one-pass backward: the block's `t × head_dim`
-/// tile split over its 4 warps, `64 / t` warps to each 16-row block of
-/// queries, each a run of column blocks — how many, or `None` where a warp
-/// would take an odd count (each `ldmatrix.x4` feeds two).
-fn query_grad_split(t: i64, head_dim: i64) -> Option<i64> {
-    let per_row_block = 4 / (t / 16);
+/// tile split over its `warps`, `16 · warps / t` warps to each 16-row block
+/// of queries, each a run of column blocks — how many, or `None` where a
+/// warp would take an odd count (each `ldmatrix.x4` feeds two) or none.
+fn query_grad_split(t: i64, head_dim: i64, warps: i64) -> Option<i64> {
+    let per_row_block = warps / (t / 16);
     let columns = head_dim / 8;
-    (columns % (2 * per_row_block) == 0).then_some(columns / per_row_block)
+    (per_row_block > 0 && columns % (2 * per_row_block) == 0).then_some(columns / per_row_block)
+}
+
+/// Whether the one-pass backward with blocks of `warps` warps (16 keys
+/// each) fits `limit` bytes of shared memory — its own K and V rows, its
+/// streamed tiles and the score gradients `dQ` is made from — and splits
+/// its `dQ` tile evenly.
+pub(super) fn one_pass_fits(k: &AttentionKernel, warps: i64, limit: i64) -> bool {
+    let keys = 16 * warps;
+    let tiling = key_value_tiling(k, keys);
+    tiling.streamed + tiling.own + score_grad_tile_bytes(tiling.t, keys) <= limit
+        && query_grad_split(tiling.t, k.head_dim, warps).is_some()
 }
 
 /// Whether the backward is one pass (`dK`, `dV` and `dQ`'s share by key
@@ -37,10 +51,7 @@ fn query_grad_split(t: i64, head_dim: i64) -> Option<i64> {
 /// recomputing the scores. One decision for the code, the executor and
 /// the host backend alike.
 pub fn attention_backward(k: &AttentionKernel, dtype: DType) -> AttentionBackward {
-    let tiling = key_value_tiling(k);
-    let fits = tiling.streamed + tiling.own + score_grad_tile_bytes(tiling.t) <= MOST_SHARED_BYTES;
-    if query_grad_tensor_cores(k, dtype) && fits && query_grad_split(tiling.t, k.head_dim).is_some()
-    {
+    if query_grad_tensor_cores(k, dtype) && one_pass_fits(k, BACKWARD_WARPS, MOST_SHARED_BYTES) {
         AttentionBackward::OnePass
     } else {
         AttentionBackward::TwoPass
@@ -243,9 +254,10 @@ pub(super) fn query_grad_scale(c: &Ctx) -> Pass {
 /// each warp's `16 × 8·n` share (a 16-query block, `n` column blocks from
 /// `c0`) added into the `f32` sum of `dQ` (row-major `[b, h, i, d]`) two
 /// columns an atomic add.
-pub(super) fn query_grad_share(c: &Ctx, t: i64, dstride: i64, kstride: i64) -> S {
+pub(super) fn query_grad_share(c: &Ctx, t: i64, keys: i64, kstride: i64) -> S {
     let k = c.k;
-    let n = query_grad_split(t, k.head_dim).expect("attention_backward checked the split");
+    let dstride = score_grad_stride(keys);
+    let n = query_grad_split(t, k.head_dim, keys / 16).expect("the tiling checked the split");
     let warp = bin("/", thread(), ll(32));
     let mut out = vec![
         decl("long long", "qb", bin("%", warp.clone(), ll(t / 16))),
@@ -261,7 +273,7 @@ pub(super) fn query_grad_share(c: &Ctx, t: i64, dstride: i64, kstride: i64) -> S
             ColsA::Shared("dsbuf", dstride, bin("*", id("qb"), ll(16))),
             "kown",
             kstride,
-            (ROWS, n * 8, Some(id("c0"))),
+            (keys, n * 8, Some(id("c0"))),
         ),
     ];
     // Rows g and g + 8 of the warp's 16, columns 2·tq and 2·tq + 1 of each

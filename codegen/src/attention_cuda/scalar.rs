@@ -353,7 +353,7 @@ pub(super) fn key_value_grad(c: &Ctx) -> Pass {
             set(ix("dv", id("d")), zero()),
         ],
     ));
-    body.extend(c.query_range(t));
+    body.extend(c.query_range(t, ROWS));
     let i = id("i");
     // Per query row of the tile: its log-sum-exp and Δ, staged once.
     let mut rowstats = vec![
