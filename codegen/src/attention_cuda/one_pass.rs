@@ -278,24 +278,8 @@ pub(super) fn query_grad_share(c: &Ctx, t: i64, keys: i64, kstride: i64) -> S {
     ];
     // Rows g and g + 8 of the warp's 16, columns 2·tq and 2·tq + 1 of each
     // block: one pair an add (sm_90's vector atomics; two adds elsewhere).
-    let qi = bin(
-        "+",
-        id("i0"),
-        bin(
-            "+",
-            bin("*", id("qb"), ll(16)),
-            bin("+", id("g"), bin("*", id("r"), ll(8))),
-        ),
-    );
-    let at_sum = bin(
-        "+",
-        bin("*", c.lse_at(id("b"), id("h"), id("qi")), ll(k.head_dim)),
-        bin(
-            "+",
-            id("c0"),
-            bin("+", bin("*", id("nb"), ll(8)), bin("*", id("tq"), ll(2))),
-        ),
-    );
+    let qi = query_of_share(bin("*", id("r"), ll(8)));
+    let at_sum = in_sum(c, bin("*", id("tq"), ll(2)));
     let sum = c.buf(AttentionBuffer::QGradSum);
     let v = |x: i64| {
         ix(
@@ -363,29 +347,8 @@ fn quad_add(c: &Ctx, sum: C) -> Vec<S> {
     };
     let odd = id("odd");
     let pick = |a: C, b: C| C::Cond(Box::new(odd.clone()), Box::new(a), Box::new(b));
-    let qi = bin(
-        "+",
-        id("i0"),
-        bin(
-            "+",
-            bin("*", id("qb"), ll(16)),
-            bin("+", id("g"), pick(ll(8), ll(0))),
-        ),
-    );
-    let col = bin(
-        "+",
-        id("c0"),
-        bin(
-            "+",
-            bin("*", id("nb"), ll(8)),
-            bin("-", bin("*", id("tq"), ll(2)), pick(ll(2), ll(0))),
-        ),
-    );
-    let at_sum = bin(
-        "+",
-        bin("*", c.lse_at(id("b"), id("h"), id("qi")), ll(k.head_dim)),
-        id("col"),
-    );
+    let qi = query_of_share(pick(ll(8), ll(0)));
+    let at_sum = in_sum(c, bin("-", bin("*", id("tq"), ll(2)), pick(ll(2), ll(0))));
     // The four columns in order: the odd lane's come from the even lane
     // first, the even lane's from the odd lane last.
     let lanes = [
@@ -420,7 +383,26 @@ fn quad_add(c: &Ctx, sum: C) -> Vec<S> {
         decl("float", "o0", shfl(pick(own(0, 0), own(1, 0)))),
         decl("float", "o1", shfl(pick(own(0, 1), own(1, 1)))),
         decl("long long", "qi", qi),
-        decl("long long", "col", col),
         S::If(bin("<", id("qi"), size(k.q_len)), add),
     ]
+}
+
+/// The query of row `g + below` of the warp's 16-query block `qb` of the
+/// tile at `i0`.
+fn query_of_share(below: C) -> C {
+    bin(
+        "+",
+        id("i0"),
+        bin("+", bin("*", id("qb"), ll(16)), bin("+", id("g"), below)),
+    )
+}
+
+/// Where query `qi`'s column `c0 + 8·nb + within` lies in dQ's `f32` sum
+/// (row-major `[b, h, i, d]`).
+fn in_sum(c: &Ctx, within: C) -> C {
+    bin(
+        "+",
+        bin("*", c.lse_at(id("b"), id("h"), id("qi")), ll(c.k.head_dim)),
+        bin("+", id("c0"), bin("+", bin("*", id("nb"), ll(8)), within)),
+    )
 }
