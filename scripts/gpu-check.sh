@@ -17,7 +17,8 @@
 #      cost a step) and a Llama-shaped model (bench/llama_gpu.dpl) on GPU 0
 #      with `dplc run --cluster 1xPART --json` (PART the catalog's name for
 #      this GPU: H200, H100, …, so that the predictions are this device's),
-#      and gpt2 split tp=2 and pp=2
+#      gpt2 again with the attention tunings part 3 measured faster
+#      (DPLC_ATTENTION_TUNING), and gpt2 split tp=2 and pp=2
 #      over two ranks sharing GPU 0 (`--cluster 2xPART --gpus 1`) beside
 #      the same step unsplit: losses, tokens/s, the measured step against
 #      the plan's predicted step, the allocator's measured peak
@@ -166,20 +167,26 @@ RUNS=(
     "gpt2_tp2|models/gpt2.dpl --model gpt2 --global-batch 8 --steps 3 --cluster 2x$PART --gpus 1 --strategy tp=2"
     "gpt2_pp2|models/gpt2.dpl --model gpt2 --global-batch 8 --steps 3 --cluster 2x$PART --gpus 1 --strategy pp=2"
 )
+# gpt2 again with the attention's tunings the benchmark measured faster at
+# the step's shape (bench/gpu_targets.py --faster-tuning), where any was.
+TUNING="$(python3 bench/gpu_targets.py --faster-tuning "$LOG_DIR" gpt2_step 2>/dev/null || true)"
+[[ -n "$TUNING" ]] && RUNS+=("gpt2_tuned|models/gpt2.dpl --model gpt2 --global-batch 32 --steps 4")
 wanted train || RUNS=()
 for r in "${RUNS[@]}"; do
     name="${r%%|*}"
     spec="${r#*|}"
     [[ "$spec" == *--cluster* ]] || spec+=" --cluster 1x$PART"
-    echo "$spec" > "$LOG_DIR/$name.cmd"
+    env=""
+    [[ "$name" == gpt2_tuned ]] && env="DPLC_ATTENTION_TUNING=$TUNING"
+    echo "${env:+$env }$spec" > "$LOG_DIR/$name.cmd"
     # shellcheck disable=SC2086
-    part "train $name" 120 bash -c "'$DPLC' run $spec --json > '$LOG_DIR/$name.jsonl' 2> '$LOG_DIR/$name.err'"
+    part "train $name" 120 bash -c "$env '$DPLC' run $spec --json > '$LOG_DIR/$name.jsonl' 2> '$LOG_DIR/$name.err'"
 done
 TRAIN_LINES="$(python3 - "$LOG_DIR" <<'PY'
 import json, os, sys
 d = sys.argv[1]
 gib = 1 << 30
-for name in ["tiny", "gpt2", "gpt2_nodrop", "llama", "gpt2_serial", "gpt2_tp2", "gpt2_pp2"]:
+for name in ["tiny", "gpt2", "gpt2_nodrop", "gpt2_tuned", "llama", "gpt2_serial", "gpt2_tp2", "gpt2_pp2"]:
     if not os.path.exists(os.path.join(d, name + ".cmd")):
         continue
     cmd = open(os.path.join(d, name + ".cmd")).read().strip()

@@ -806,7 +806,8 @@ impl AttentionTuning {
         },
     ];
 
-    /// What sets it apart from the launched choice, for names and reports.
+    /// What sets it apart from the launched choice, for names and reports
+    /// (`w8_k8`; empty for the launched).
     pub fn describe(&self) -> String {
         let mut parts = Vec::new();
         if self.forward_warps != Self::LAUNCHED.forward_warps {
@@ -820,6 +821,62 @@ impl AttentionTuning {
         }
         parts.join("_")
     }
+
+    /// The tuning `text` names (`w8`, `k8_q4`, `w8,k8`; empty or
+    /// `launched` for the launched), each pass's part one the benchmark
+    /// times and the host emulation checks: a [`VARIANTS`](Self::VARIANTS)
+    /// entry's, so no untested combination runs.
+    pub fn parse(text: &str) -> Result<AttentionTuning, String> {
+        let mut t = Self::LAUNCHED;
+        for word in text.split([',', '_', '+']).map(str::trim) {
+            let value = |rest: &str| {
+                rest.parse::<u32>()
+                    .map_err(|_| format!("`{word}`: a tuning is a letter and a count, e.g. `w8`"))
+            };
+            let mut letters = word.chars();
+            match (letters.next(), letters.as_str()) {
+                (None, _) => {}
+                _ if word == "launched" => {}
+                (Some('w'), n) => t.forward_warps = value(n)?,
+                (Some('k'), n) => t.backward_warps = value(n)?,
+                (Some('q'), n) => t.dq_lanes = value(n)?,
+                _ => return Err(format!("`{word}` is not a tuning")),
+            }
+        }
+        let forward = Self {
+            forward_warps: t.forward_warps,
+            ..Self::LAUNCHED
+        };
+        let backward = Self {
+            forward_warps: Self::LAUNCHED.forward_warps,
+            ..t
+        };
+        let known = |part: Self| part == Self::LAUNCHED || Self::VARIANTS.contains(&part);
+        if !known(forward) || !known(backward) {
+            let names: Vec<String> = Self::VARIANTS.iter().map(|v| v.describe()).collect();
+            return Err(format!(
+                "`{text}` is not a combination of the checked tunings: one of each pass's \
+                 among {} (the forward's w, the backward's k or q)",
+                names.join(", ")
+            ));
+        }
+        Ok(t)
+    }
+
+    /// The part of this tuning that changes `pass`; the launched elsewhere.
+    fn part_for(&self, pass: AttentionPass) -> AttentionTuning {
+        match pass {
+            AttentionPass::Forward => AttentionTuning {
+                forward_warps: self.forward_warps,
+                ..Self::LAUNCHED
+            },
+            AttentionPass::Grads => AttentionTuning {
+                forward_warps: Self::LAUNCHED.forward_warps,
+                ..*self
+            },
+            _ => Self::LAUNCHED,
+        }
+    }
 }
 
 /// Emit CUDA C for `pass` of `kernel` with float buffers stored as `dtype`.
@@ -830,10 +887,11 @@ pub fn emit_attention(kernel: &AttentionKernel, pass: AttentionPass, dtype: DTyp
     emit(kernel, pass, dtype, AttentionTuning::LAUNCHED)
 }
 
-/// `pass` of `kernel` under `tuning`, for the GPU benchmark to time beside
-/// the launched code: `None` where the tuning does not change the pass (a
-/// forward not on tensor cores, or a tuning of another pass) or is not one
-/// the code can take. Its name is the launched pass's with the tuning's
+/// `pass` of `kernel` under the part of `tuning` that changes it, for the
+/// GPU benchmark to time beside the launched code and for a run that asks
+/// for it: `None` where no part changes the pass (a forward not on tensor
+/// cores, or a tuning of another pass) or the pass cannot take it. Its name
+/// is the launched pass's with the part's
 /// [`AttentionTuning::describe`] appended.
 pub fn emit_attention_tuned(
     kernel: &AttentionKernel,
@@ -841,25 +899,21 @@ pub fn emit_attention_tuned(
     dtype: DType,
     tuning: AttentionTuning,
 ) -> Option<CudaSource> {
-    let launched = AttentionTuning::LAUNCHED;
-    let forward = tuning.forward_warps != launched.forward_warps;
-    let backward =
-        tuning.backward_warps != launched.backward_warps || tuning.dq_lanes != launched.dq_lanes;
-    let valid = [tuning.forward_warps, tuning.backward_warps]
+    let part = tuning.part_for(pass);
+    let valid = [part.forward_warps, part.backward_warps]
         .iter()
         .all(|&w| w > 0 && w.is_multiple_of(FORWARD_WARPS as u32))
-        && matches!(tuning.dq_lanes, 2 | 4);
-    let applies = match pass {
-        AttentionPass::Forward => forward && !backward && tensor_cores(kernel, dtype),
-        AttentionPass::Grads => {
-            backward
-                && !forward
-                && attention_backward(kernel, dtype) == AttentionBackward::OnePass
-                && one_pass_fits(kernel, i64::from(tuning.backward_warps), TUNED_SHARED_BYTES)
-        }
-        _ => false,
-    };
-    (applies && valid).then(|| emit(kernel, pass, dtype, tuning))
+        && matches!(part.dq_lanes, 2 | 4);
+    let applies = part != AttentionTuning::LAUNCHED
+        && match pass {
+            AttentionPass::Forward => tensor_cores(kernel, dtype),
+            AttentionPass::Grads => {
+                attention_backward(kernel, dtype) == AttentionBackward::OnePass
+                    && one_pass_fits(kernel, i64::from(part.backward_warps), TUNED_SHARED_BYTES)
+            }
+            _ => false,
+        };
+    (valid && applies).then(|| emit(kernel, pass, dtype, part))
 }
 
 fn emit(

@@ -877,3 +877,39 @@ fn the_one_pass_backward_launches_delta_grads_and_the_scaling_in_order() {
     assert!(k.runs(P::Delta, [true, false, false, false]));
     assert!(!k.runs(P::Grads, [false, false, false, true]));
 }
+
+/// `DPLC_ATTENTION_TUNING`'s words: each pass's part one the GPU benchmark
+/// times and the host emulation checks (a `VARIANTS` entry's) or the
+/// launched; anything else, combinations of untested parts included, is
+/// refused with what is accepted, and nothing panics.
+#[test]
+fn tunings_parse_to_the_checked_combinations_only() {
+    use dplc_codegen::AttentionTuning;
+    for (text, want) in [
+        ("", ""),
+        ("launched", ""),
+        ("w8", "w8"),
+        ("k8", "k8"),
+        ("q4", "q4"),
+        ("w8_k8", "w8_k8"),
+        ("w8,q4", "w8_q4"),
+        ("k8+w8", "w8_k8"),
+    ] {
+        let got = AttentionTuning::parse(text).unwrap_or_else(|e| panic!("{text}: {e}"));
+        assert_eq!(got.describe(), want, "{text}");
+    }
+    for text in [
+        "w16",
+        "k8_q4",
+        "q3",
+        "x8",
+        "w",
+        "w-1",
+        "é",
+        "w8_é",
+        "k99999999999",
+    ] {
+        let err = AttentionTuning::parse(text).expect_err(text);
+        assert!(err.contains('`'), "{text}: {err}");
+    }
+}

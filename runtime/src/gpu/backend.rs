@@ -8,8 +8,8 @@ use super::error::{GpuError, GpuResult};
 use crate::error::Result;
 use crate::fused::{Backend, MatMul};
 use dplc_codegen::{
-    attention_name, emit_attention, emit_cuda, kernel_name, Args, AttentionKernel, AttentionPass,
-    Elem, Kernel, Nvrtc,
+    attention_name, emit_attention, emit_attention_tuned, emit_cuda, kernel_name, Args,
+    AttentionKernel, AttentionPass, AttentionTuning, Elem, Kernel, Nvrtc,
 };
 use dplc_ir::DType;
 use std::collections::{BTreeMap, HashMap};
@@ -23,8 +23,14 @@ pub struct CudaBackend {
     nvrtc: Nvrtc,
     dtype: DType,
     kernels: KernelCache<GpuKernel>,
-    /// Fused attention passes, by name (`{pass}_{dtype}_{hash8}`).
+    /// Fused attention passes, by the launched pass's name
+    /// (`{pass}_{dtype}_{hash8}`), each as `tuning` emits it.
     attention: HashMap<String, GpuKernel>,
+    /// `DPLC_ATTENTION_TUNING=w8_k8` (say): the fused attention's passes as
+    /// one of the tunings the GPU benchmark times
+    /// ([`dplc_codegen::AttentionTuning::parse`]), to time a whole step
+    /// with them before the codegen launches them; unset, the launched.
+    tuning: AttentionTuning,
     /// `DPLC_CHECK_FINITE=1`: wait for every launch and fail, naming it,
     /// at the first that writes a NaN or an infinity ([`Self::check_finite`]);
     /// `=trace` also prints what every launch read and wrote.
@@ -162,6 +168,11 @@ impl CudaBackend {
             .map_err(|e| super::error::driver("binding the context", e))?;
         let blas = Blas::new(&dev)?;
         let nvrtc = Nvrtc::load()?;
+        let tuning = match std::env::var("DPLC_ATTENTION_TUNING") {
+            Ok(text) => AttentionTuning::parse(&text)
+                .map_err(|e| GpuError::Invalid(format!("DPLC_ATTENTION_TUNING: {e}")))?,
+            Err(_) => AttentionTuning::LAUNCHED,
+        };
         Ok(CudaBackend {
             dev,
             blas,
@@ -169,6 +180,7 @@ impl CudaBackend {
             dtype,
             kernels: KernelCache::new(),
             attention: HashMap::new(),
+            tuning,
             check_finite: std::env::var_os("DPLC_CHECK_FINITE").is_some_and(|v| !v.is_empty()),
             trace: std::env::var_os("DPLC_CHECK_FINITE").is_some_and(|v| v == "trace"),
             profile: std::env::var_os("DPLC_PROFILE")
@@ -419,7 +431,8 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         let name = attention_name(kernel, pass, self.dtype);
         if !self.attention.contains_key(&name) {
-            let src = emit_attention(kernel, pass, self.dtype);
+            let src = emit_attention_tuned(kernel, pass, self.dtype, self.tuning)
+                .unwrap_or_else(|| emit_attention(kernel, pass, self.dtype));
             let ptx = self
                 .nvrtc
                 .compile(&src, self.dev.arch())
@@ -432,6 +445,9 @@ impl Backend for CudaBackend {
         let refs: Vec<&DeviceBuffer> = bufs.iter().map(|b| &**b).collect();
         let t0 = self.begin()?;
         self.dev.launch(&self.attention[&name], &refs, args)?;
+        // The profile's row and a failure name the pass as it ran (a
+        // tuned pass's name says its tuning).
+        let name = self.attention[&name].name.clone();
         self.end(t0, || name.clone())?;
         if self.check_finite {
             let bound: Vec<Bound<'_>> = kernel
