@@ -244,9 +244,9 @@ if wanted ncu; then
         FAILED+=("ncu (not installed)")
     else
         # shellcheck disable=SC2086
-        part "ncu attention" 240 bash -c "DPLC_BENCH_PROFILED=1 DPLC_BENCH_SHAPES=llama2_7b,gpt2_step '$NCU' --clock-control none -k 'regex:^attention_' $SECTIONS '$TESTS' bench_attention --ignored --nocapture > '$LOG_DIR/ncu-attention.log' 2>&1"
+        part "ncu attention" 150 bash -c "DPLC_BENCH_PROFILED=1 DPLC_BENCH_SHAPES=llama2_7b,gpt2_step '$NCU' --clock-control none -k 'regex:^attention_' $SECTIONS '$TESTS' bench_attention --ignored --nocapture > '$LOG_DIR/ncu-attention.log' 2>&1"
         # shellcheck disable=SC2086
-        part "ncu embedding backward" 120 bash -c "DPLC_BENCH_PROFILED=1 '$NCU' --clock-control none -k 'regex:^embedding.*backward' $SECTIONS '$TESTS' bench_kernel_bandwidth --ignored --nocapture > '$LOG_DIR/ncu-bandwidth.log' 2>&1"
+        part "ncu embedding backward" 90 bash -c "DPLC_BENCH_PROFILED=1 '$NCU' --clock-control none -k 'regex:^embedding.*backward' $SECTIONS '$TESTS' bench_kernel_bandwidth --ignored --nocapture > '$LOG_DIR/ncu-bandwidth.log' 2>&1"
     fi
 fi
 
