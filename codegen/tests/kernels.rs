@@ -332,3 +332,51 @@ fn wide_heads_take_their_forward_key_tiles_past_48_kb() {
         expect([(67_584, "128, 2"), (33_792, "128"), (33_920, "128")])
     );
 }
+
+/// How many blocks each launch shape takes, the one rule the GPU device
+/// and the benchmarks read: a wider attention block (`Tiles`) takes as many
+/// of the launch's items as it covers, so Llama 2 7B's forward at 4,096
+/// 64-query items is 2,048 blocks of eight warps; elementwise launches stop
+/// at 32 blocks a multiprocessor and stride; the others stop at 65,536.
+#[test]
+fn launch_shapes_take_their_blocks() {
+    use dplc_codegen::LaunchShape::*;
+    for (shape, outer, sms, want) in [
+        (Rows { block: 128 }, 4096, 132, (4096, 128)),
+        (
+            Tiles {
+                block: 256,
+                items: 2,
+            },
+            4096,
+            132,
+            (2048, 256),
+        ),
+        (
+            Tiles {
+                block: 256,
+                items: 2,
+            },
+            4095,
+            132,
+            (2048, 256),
+        ),
+        (
+            Tiles {
+                block: 256,
+                items: 2,
+            },
+            0,
+            132,
+            (1, 256),
+        ),
+        (Elementwise { vector: 4 }, 1 << 20, 132, (1024, 256)),
+        (Elementwise { vector: 1 }, 1 << 30, 132, (4224, 256)),
+        (WarpRows { block: 256 }, 32768, 132, (4096, 256)),
+        (Columns { block: 1024 }, 768, 132, (96, 1024)),
+        (Rows { block: 256 }, 1 << 20, 132, (65536, 256)),
+        (Rows { block: 256 }, 1 << 22, 4096, (131072, 256)),
+    ] {
+        assert_eq!(shape.grid(outer, sms), want, "{shape:?} over {outer}");
+    }
+}

@@ -36,6 +36,35 @@ pub enum LaunchShape {
     Tiles { block: u32, items: u32 },
 }
 
+impl LaunchShape {
+    /// The blocks and threads a block of a launch over `outer` points (rows,
+    /// items) on a device of `multiprocessors`: an elementwise launch at
+    /// most 32 blocks a multiprocessor, striding over the rest; the others
+    /// a block per row, item or tile, up to 65,536 blocks (or 32 a
+    /// multiprocessor where that is more), their blocks striding past it.
+    pub fn grid(self, outer: u64, multiprocessors: u32) -> (u64, u32) {
+        let cap = u64::from(multiprocessors.max(1)) * 32;
+        let per_block = |blocks: u64| blocks.clamp(1, cap.max(1 << 16));
+        match self {
+            LaunchShape::Elementwise { vector } => {
+                let threads = outer.div_ceil(u64::from(vector.max(1)));
+                (threads.div_ceil(256).clamp(1, cap), 256)
+            }
+            LaunchShape::Rows { block } => (per_block(outer), block),
+            LaunchShape::Tiles { block, items } => {
+                (per_block(outer.div_ceil(u64::from(items.max(1)))), block)
+            }
+            LaunchShape::Columns { block } => {
+                (per_block(outer.div_ceil(u64::from(COLUMN_TILE))), block)
+            }
+            LaunchShape::WarpRows { block } => (
+                per_block(outer.div_ceil(u64::from(block / 32).max(1))),
+                block,
+            ),
+        }
+    }
+}
+
 /// Neighbouring rows a [`LaunchShape::Columns`] block reads side by side:
 /// eight `f32` columns are one 32-byte sector.
 pub const COLUMN_TILE: u32 = 8;

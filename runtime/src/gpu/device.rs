@@ -631,33 +631,7 @@ impl GpuDevice {
             }
         }
         let outer = program.extent(args);
-        let cap = u64::from(self.sm_count.max(1)) * 32;
-        let (grid, block) = match k.launch {
-            LaunchShape::Elementwise { vector } => {
-                let threads = outer.div_ceil(u64::from(vector.max(1)));
-                (threads.div_ceil(256).clamp(1, cap), 256)
-            }
-            LaunchShape::Rows { block } => (outer.clamp(1, cap.max(1 << 16)), block),
-            LaunchShape::Tiles { block, items } => (
-                outer
-                    .div_ceil(u64::from(items.max(1)))
-                    .clamp(1, cap.max(1 << 16)),
-                block,
-            ),
-            LaunchShape::Columns { block } => (
-                outer
-                    .div_ceil(u64::from(dplc_codegen::COLUMN_TILE))
-                    .clamp(1, cap.max(1 << 16)),
-                block,
-            ),
-            LaunchShape::WarpRows { block } => {
-                let rows_per_block = u64::from(block / 32).max(1);
-                (
-                    outer.div_ceil(rows_per_block).clamp(1, cap.max(1 << 16)),
-                    block,
-                )
-            }
-        };
+        let (grid, block) = k.launch.grid(outer, self.sm_count);
         let cfg = LaunchConfig {
             grid_dim: (grid as u32, 1, 1),
             block_dim: (block, 1, 1),
