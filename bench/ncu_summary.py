@@ -109,10 +109,15 @@ def main(paths):
     print()
     for name, _grid, _block, _metrics, findings in found:
         for kind, text in findings:
-            # The first two sentences say what and how much; the rest is
+            # Newer ncu opens a finding with its estimated speedup; then
+            # the first two sentences say what and how much, the rest is
             # ncu's advice.
+            gain = ""
+            m = re.match(r"Est\. (?:Local |Global )?Speedup: ([\d.]+%)\s*(.*)", text)
+            if m:
+                gain, text = f" (est. speedup {m.group(1)})", m.group(2)
             said = " ".join(re.split(r"(?<=\.)\s", text)[:2])
-            print(f"{name}: {kind} {said[:400]}")
+            print(f"{name}: {kind}{gain} {said[:400]}")
     return 0
 
 
