@@ -900,9 +900,9 @@ pub fn emit_attention_tuned(
     tuning: AttentionTuning,
 ) -> Option<CudaSource> {
     let part = tuning.part_for(pass);
-    let valid = [part.forward_warps, part.backward_warps]
-        .iter()
-        .all(|&w| w > 0 && w.is_multiple_of(FORWARD_WARPS as u32))
+    let whole = |warps: u32, launched: i64| warps > 0 && warps.is_multiple_of(launched as u32);
+    let valid = whole(part.forward_warps, FORWARD_WARPS)
+        && whole(part.backward_warps, BACKWARD_WARPS)
         && matches!(part.dq_lanes, 2 | 4);
     let applies = part != AttentionTuning::LAUNCHED
         && match pass {

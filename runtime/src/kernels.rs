@@ -35,6 +35,21 @@ pub struct DropoutKey {
 }
 
 impl DropoutKey {
+    /// The key of ops that draw nothing (routing, a test's top-k): every
+    /// word zero, one rank of one in each group.
+    pub const NONE: DropoutKey = DropoutKey {
+        seed: 0,
+        step: 0,
+        node: 0,
+        layer: 0,
+        first_sample: 0,
+        batch: 0,
+        cp_rank: 0,
+        cp: 1,
+        tp_rank: 0,
+        tp: 1,
+    };
+
     /// Keep (true) or drop each element of a tensor of `shape`, keyed by
     /// its flat index in the whole tensor, the serial run's index of the
     /// same element: under context parallelism `context` is the axis of the

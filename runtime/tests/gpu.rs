@@ -855,12 +855,13 @@ fn bench_attention() {
                     _ => AttentionBuffer::QGradSum,
                 };
                 let (n, d) = lens[&role];
+                let bytes = n * d.size_bytes() as usize;
                 let at = roles
                     .iter()
                     .position(|&r| r == role)
                     .expect("the pass writes it");
                 let once = |kernel: &dplc_runtime::gpu::GpuKernel| -> Vec<f32> {
-                    let zeroed = dev.zeros(n * d.size_bytes() as usize).unwrap();
+                    let zeroed = dev.zeros(bytes).unwrap();
                     let mut refs = refs.clone();
                     refs[at] = &zeroed;
                     dev.launch(kernel, &refs, &args).unwrap();
@@ -877,7 +878,7 @@ fn bench_attention() {
                     let zeroed;
                     let mut refs = refs.clone();
                     if role == AttentionBuffer::QGradSum {
-                        zeroed = dev.zeros(n * 4).unwrap();
+                        zeroed = dev.zeros(bytes).unwrap();
                         refs[at] = &zeroed;
                     }
                     dev.launch(&tk, &refs, &args).unwrap();

@@ -170,20 +170,6 @@ impl<'s, B: Backend, L: Links<B>> Host<'s, B, L> {
     }
 }
 
-/// Routing draws nothing: its kernels read no dropout key.
-const NO_DRAWS: DropoutKey = DropoutKey {
-    seed: 0,
-    step: 0,
-    node: 0,
-    layer: 0,
-    first_sample: 0,
-    batch: 0,
-    cp_rank: 0,
-    cp: 1,
-    tp_rank: 0,
-    tp: 1,
-};
-
 impl FusedProgram {
     /// Kernels its forward and backward launch with floats stored as
     /// `dtype` (the fused attentions' passes included).
@@ -223,7 +209,8 @@ impl<B: Backend, L: Links<B>> HostSteps<B> for Host<'_, B, L> {
                 let refs: Vec<&Tensor> = ins.iter().collect();
                 let ctx = OpCtx {
                     out_shapes: &shapes,
-                    dropout: NO_DRAWS,
+                    // Routing draws nothing: its kernels read no dropout key.
+                    dropout: DropoutKey::NONE,
                     split: None,
                 };
                 kernels::forward(op, &refs, &ctx)
@@ -269,7 +256,7 @@ impl<B: Backend, L: Links<B>> HostSteps<B> for Host<'_, B, L> {
                 let outs: Vec<&Tensor> = outs.iter().collect();
                 let ctx = OpCtx {
                     out_shapes: &shapes,
-                    dropout: NO_DRAWS,
+                    dropout: DropoutKey::NONE,
                     split: None,
                 };
                 crate::vjp::backward(op, &ins, &outs, &gout, &need, &ctx)

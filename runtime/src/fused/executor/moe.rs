@@ -272,18 +272,7 @@ mod tests {
         let shapes = [vec![4, 2], vec![4, 2]];
         let ctx = OpCtx {
             out_shapes: &shapes,
-            dropout: DropoutKey {
-                seed: 0,
-                step: 0,
-                node: 0,
-                layer: 0,
-                first_sample: 0,
-                batch: 0,
-                cp_rank: 0,
-                cp: 1,
-                tp_rank: 0,
-                tp: 1,
-            },
+            dropout: DropoutKey::NONE,
             split: None,
         };
         let want = crate::kernels::forward(&Op::TopK { k: 2 }, &[&input], &ctx).unwrap();
