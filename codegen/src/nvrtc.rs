@@ -173,10 +173,30 @@ impl Nvrtc {
 
     /// Compile to PTX, ignoring the cache.
     pub fn compile_uncached(&self, src: &CudaSource, arch: Arch) -> Result<String, CodegenError> {
+        self.compile_with(src, arch, &[])
+    }
+
+    /// Whether `src` compiles for `arch`, without NVVM's optimizer (`-G`):
+    /// the C++ checked and PTX emitted for it, several times faster than
+    /// [`Nvrtc::compile`] on the tensor-core kernels, and nothing kept. What
+    /// the tests run over every kernel; the optimizer's own failures show
+    /// only in [`Nvrtc::compile`].
+    pub fn check(&self, src: &CudaSource, arch: Arch) -> Result<(), CodegenError> {
+        self.compile_with(src, arch, &["-G"]).map(drop)
+    }
+
+    fn compile_with(
+        &self,
+        src: &CudaSource,
+        arch: Arch,
+        extra: &[&str],
+    ) -> Result<String, CodegenError> {
+        let mut options = vec!["--std=c++17".to_string()];
+        options.extend(extra.iter().map(|o| o.to_string()));
         let opts = CompileOptions {
             arch: Some(arch.option()),
             name: Some(format!("{}.cu", src.name)),
-            options: vec!["--std=c++17".into()],
+            options,
             ..Default::default()
         };
         let ptx = compile_ptx_with_opts(&src.source, opts).map_err(|e| match e {

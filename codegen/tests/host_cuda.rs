@@ -2,8 +2,8 @@
 //! scan kernel of the tiny zoo models (forward, fused backward and column
 //! sums) and the training step's flat kernels, in f32, bf16 and f16, compiled
 //! by the machine's C++ compiler against `common/host_cuda.hpp` (a block's
-//! threads as OS threads, barriers, warp shuffles, atomics, the storage
-//! conversions) and launched on random inputs, equal to the interpreter:
+//! threads as fibers on x86-64 and OS threads elsewhere, barriers, warp
+//! shuffles, atomics, the storage conversions) and launched on random inputs, equal to the interpreter:
 //! f32 within 1e-5, bf16 and f16 within 1e-2, norm-wise relative. The
 //! interpreter checks what a kernel computes; this checks the C that says
 //! it — indexing, vector widths, tiles, reductions, the draws — on any

@@ -1,11 +1,14 @@
 //! Every kernel of every zoo model, forward and fused backward (with the
-//! column sums; each fused attention's forward and backward passes), compiles with NVRTC for sm_80 and sm_90, in the model's
-//! training precision (the tiny models and the training step's kernels — AdamW,
-//! SGD, column sum, add, convert, sum of squares — in all three; t5_tiny's
-//! rank program under cp 2, whose dropouts draw at global positions, too).
-//! NVRTC needs no GPU; when its library is
-//! absent (DPLC_NVRTC_LIB unset and none on the library path) the test says
-//! so and passes. CI installs it first: `export DPLC_NVRTC_LIB=$(scripts/install-nvrtc.sh)`.
+//! column sums; each fused attention's forward and backward passes),
+//! compiles with NVRTC for sm_80 and sm_90 in the model's training precision
+//! (the tiny models and the training step's kernels — AdamW, SGD, column
+//! sum, add, convert, sum of squares — in all three; t5_tiny's rank program
+//! under cp 2, whose dropouts draw at global positions, too). Every kernel is
+//! checked without NVVM's optimizer; the tensor-core kernels a Hopper run
+//! launches also compile as the runtime compiles them, optimizer and all.
+//! NVRTC needs no GPU; when its library is absent (DPLC_NVRTC_LIB unset and
+//! none on the library path) the test says so and passes. CI installs it
+//! first: `export DPLC_NVRTC_LIB=$(scripts/install-nvrtc.sh)`.
 
 mod common;
 
@@ -298,15 +301,22 @@ fn every_zoo_kernel_compiles() {
     };
     let (tuned_sources, every_arch): (BTreeMap<_, _>, BTreeMap<_, _>) =
         every_arch.into_iter().partition(|(name, _)| tuned(name));
-    sm90.extend(tuned_sources);
+    sm90.extend(tuned_sources.clone());
     let distinct = every_arch.len();
     let (tiled_sources, untiled): (BTreeMap<_, _>, BTreeMap<_, _>) =
         every_arch.into_iter().partition(|(_, s)| tiled(s));
-    let mut batches: Vec<(CudaSource, &[Arch])> = Vec::new();
-    for (sources, archs) in [
-        (&tiled_sources, &Arch::ALL[..]),
-        (&untiled, &[Arch::Sm80][..]),
-        (&sm90, &[Arch::Sm90][..]),
+    // Every kernel is checked without NVVM's optimizer (`Nvrtc::check`: the
+    // C++ and the PTX it emits, a seventh of the time: the optimizer took
+    // 60 of this test's 70 s); the tensor-core paths a Hopper run launches
+    // (the tiny zoo's tiled kernels and the tunings) also compile as the
+    // runtime compiles them, optimizer and all, for sm_90.
+    let mut batches: Vec<(CudaSource, &[Arch], bool)> = Vec::new();
+    for (sources, archs, optimized) in [
+        (&tiled_sources, &Arch::ALL[..], false),
+        (&untiled, &[Arch::Sm80][..], false),
+        (&sm90, &[Arch::Sm90][..], false),
+        (&tiled_sources, &[Arch::Sm90][..], true),
+        (&tuned_sources, &[Arch::Sm90][..], true),
     ] {
         for dtype in ["_f32_", "_bf16_", "_f16_"] {
             let group: Vec<&CudaSource> = sources
@@ -324,14 +334,14 @@ fn every_zoo_kernel_compiles() {
                     launch: chunk[0].launch,
                     shared_bytes: 0,
                 };
-                batches.push((batch, archs));
+                batches.push((batch, archs, optimized));
             }
         }
     }
     // Two threads: CI has two cores, and NVRTC programs are independent.
-    let jobs: Vec<(&CudaSource, Arch)> = batches
+    let jobs: Vec<(&CudaSource, Arch, bool)> = batches
         .iter()
-        .flat_map(|(s, archs)| archs.iter().map(move |&a| (s, a)))
+        .flat_map(|(s, archs, optimized)| archs.iter().map(move |&a| (s, a, *optimized)))
         .collect();
     // Each thread takes the next job when it is free (the batches differ in
     // size, so fixed halves leave one core idle at the end).
@@ -344,10 +354,14 @@ fn every_zoo_kernel_compiles() {
                     let mut failed = Vec::new();
                     loop {
                         let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        let Some((s, a)) = jobs.get(i) else {
+                        let Some(&(s, a, optimized)) = jobs.get(i) else {
                             break failed;
                         };
-                        if let Err(e) = nvrtc.compile_uncached(s, *a) {
+                        let result = match optimized {
+                            true => nvrtc.compile_uncached(s, a).map(drop),
+                            false => nvrtc.check(s, a),
+                        };
+                        if let Err(e) = result {
                             failed.push(e.to_string());
                         }
                     }
@@ -361,11 +375,14 @@ fn every_zoo_kernel_compiles() {
     });
     eprintln!(
         "NVRTC {:?}: {} distinct kernels ({} with tiles for sm_80 and sm_90, the rest for sm_80), \
-         {} more for sm_90 (the full-size zoo's and the attention's tunings), in {:.1?}",
+         {} more for sm_90 (the full-size zoo's and the attention's tunings), checked without \
+         the optimizer; {} with tiles and {} tunings also with it, for sm_90; in {:.1?}",
         nvrtc.version(),
         distinct,
         tiled_sources.len(),
         sm90.len(),
+        tiled_sources.len(),
+        tuned_sources.len(),
         start.elapsed()
     );
     assert!(
@@ -397,6 +414,11 @@ fn compile_errors_carry_log_and_source_and_the_cache_hits() {
             assert!(log.contains("undeclared"), "{log}");
             assert_eq!(code, bad.source);
         }
+        other => panic!("expected a compile error, got {other:?}"),
+    }
+    // The check without the optimizer, which the zoo test runs, refuses it too.
+    match nvrtc.check(&bad, Arch::Sm90) {
+        Err(CodegenError::Compile { log, .. }) => assert!(log.contains("undeclared"), "{log}"),
         other => panic!("expected a compile error, got {other:?}"),
     }
     let dir = std::env::temp_dir().join(format!("dplc-ptx-test-{}", std::process::id()));

@@ -1,19 +1,48 @@
 // CUDA's thread model on a CPU, for the generated CUDA C itself
-// (codegen/tests/host_cuda.rs): a block's threads are OS threads released
-// together; `__syncthreads` is a barrier over them; a warp shuffle is an
-// exchange through the warp's slots between two barriers over its 32
-// threads; `__shared__` memory (dynamic too) is a static of the kernel, which the blocks,
-// run one after another, share in turn; atomics are `std::atomic_ref`.
-// Enough for the elementwise, row and scan kernels (no tensor cores, no
-// inline PTX: the storage conversions below replace the generated ones).
+// (codegen/tests/host_cuda.rs): a block's threads are released together;
+// `__syncthreads` is a barrier over them; a warp shuffle is an exchange
+// through the warp's slots between two barriers over its 32 threads;
+// `__shared__` memory (dynamic too) is a static of the kernel, which the
+// blocks, run one after another, share in turn; atomics are
+// `std::atomic_ref`. Enough for the elementwise, row and scan kernels and
+// the tensor-core passes (their `mma`, `ldmatrix` and `cp.async` below).
+//
+// On x86-64 a block's threads are fibers on the calling thread, switched
+// at their barriers: a warp-wide step (a shuffle, an `mma`) costs a few
+// user-space switches, where OS threads on a two-core machine paid a futex
+// storm for each, which made the emulated tensor cores the test suite's
+// slowest part. Elsewhere they are OS threads.
 #include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
+
+#if defined(__x86_64__) && !defined(DPLC_HOST_THREADS)
+#define DPLC_FIBERS 1
+#else
+#define DPLC_FIBERS 0
+#endif
+
+#if DPLC_FIBERS
+// A barrier among fibers: the last to arrive releases the others (a new
+// generation) and goes on; the others yield until their generation has
+// passed. Declared here, defined with the scheduler below.
+struct dplc_barrier {
+    explicit dplc_barrier(std::ptrdiff_t n) : expected(n) {}
+    std::ptrdiff_t expected, arrived = 0;
+    unsigned long generation = 0;
+    inline void arrive_and_wait();
+    inline void arrive_and_drop();
+};
+#else
+typedef std::barrier<> dplc_barrier;
+#endif
 
 struct dplc_dim3 {
     unsigned x, y, z;
@@ -30,7 +59,7 @@ inline thread_local dplc_dim3 threadIdx, blockIdx, blockDim, gridDim;
 
 struct dplc_warp_state {
     explicit dplc_warp_state(std::ptrdiff_t n) : bar(n) {}
-    std::barrier<> bar;
+    dplc_barrier bar;
     float slot[32];
     // A tensor-core step's operand fragments, by lane.
     unsigned a[32][4];
@@ -38,8 +67,11 @@ struct dplc_warp_state {
     // An `ldmatrix`'s row addresses, by lane.
     const unsigned short* rows[32];
 };
-inline thread_local std::barrier<>* dplc_block_bar;
+inline thread_local dplc_barrier* dplc_block_bar;
 inline thread_local dplc_warp_state* dplc_warp;
+// A thread's `cp.async` copies not yet landed.
+struct dplc_pending_copy { void* dst; const void* src; };
+inline thread_local std::vector<dplc_pending_copy>* dplc_pending;
 
 #define __global__
 #define __device__
@@ -188,19 +220,177 @@ inline unsigned dplc_pack(float lo, float hi) {
 // `cp.async`: a thread's copies land when it waits for them, not before, so
 // a tile read before its wait (or before the barrier after every thread's
 // wait) reads what the buffer held.
-struct dplc_pending_copy { void* dst; const void* src; };
-inline thread_local std::vector<dplc_pending_copy> dplc_pending;
-inline void dplc_cp_async16(void* smem, const void* gmem) { dplc_pending.push_back({smem, gmem}); }
+inline void dplc_cp_async16(void* smem, const void* gmem) { dplc_pending->push_back({smem, gmem}); }
 inline void dplc_cp_async_commit() {}
 inline void dplc_cp_async_wait() {
-    for (const auto& c : dplc_pending) std::memcpy(c.dst, c.src, 16);
-    dplc_pending.clear();
+    for (const auto& c : *dplc_pending) std::memcpy(c.dst, c.src, 16);
+    dplc_pending->clear();
 }
 #endif
 
 // Run `body` as a grid of `grid` blocks of `block` threads, one block after
 // another. A thread that has finished leaves the barriers, as an exited
 // GPU thread no longer holds its block's or its warp's back.
+#if DPLC_FIBERS
+// The switch saves the callee-saved registers and the floating-point
+// control words on the stack it leaves and restores them from the one it
+// enters (the System V ABI's: everything else the caller has saved).
+extern "C" __attribute__((visibility("hidden"))) void dplc_fiber_switch(void** from, void* to);
+extern "C" __attribute__((visibility("hidden"))) void dplc_fiber_main(void* fiber);
+asm(R"(
+    .text
+    .globl dplc_fiber_switch
+    .hidden dplc_fiber_switch
+    .type dplc_fiber_switch, @function
+dplc_fiber_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $16, %rsp
+    stmxcsr 8(%rsp)
+    fnstcw 12(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr 8(%rsp)
+    fldcw 12(%rsp)
+    addq $16, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size dplc_fiber_switch, .-dplc_fiber_switch
+
+    .globl dplc_fiber_entry
+    .hidden dplc_fiber_entry
+    .type dplc_fiber_entry, @function
+dplc_fiber_entry:
+    movq %r12, %rdi
+    andq $-16, %rsp
+    call dplc_fiber_main
+    ud2
+    .size dplc_fiber_entry, .-dplc_fiber_entry
+)");
+extern "C" __attribute__((visibility("hidden"))) void dplc_fiber_entry();
+
+struct dplc_fiber {
+    unsigned tid = 0;
+    void* sp = nullptr;
+    std::unique_ptr<unsigned char[]> stack;
+    // The barrier and generation it waits for (none: runnable).
+    const dplc_barrier* waits = nullptr;
+    unsigned long generation = 0;
+    bool done = false;
+    dplc_warp_state* warp = nullptr;
+    std::vector<dplc_pending_copy> pending;
+};
+// The scheduler of the calling thread: the fiber running, where to return.
+struct dplc_scheduler {
+    dplc_fiber* current = nullptr;
+    void* sp = nullptr;
+    void (*run)(void*) = nullptr;
+    void* body = nullptr;
+};
+inline thread_local dplc_scheduler dplc_sched;
+
+// Back to the scheduler; returns when the scheduler resumes this fiber.
+inline void dplc_yield() {
+    dplc_fiber_switch(&dplc_sched.current->sp, dplc_sched.sp);
+}
+inline void dplc_barrier::arrive_and_wait() {
+    const unsigned long g = generation;
+    if (++arrived == expected) {
+        arrived = 0;
+        ++generation;
+        return;
+    }
+    dplc_sched.current->waits = this;
+    dplc_sched.current->generation = g;
+    dplc_yield();
+}
+inline void dplc_barrier::arrive_and_drop() {
+    --expected;
+    if (expected > 0 && arrived == expected) {
+        arrived = 0;
+        ++generation;
+    }
+}
+extern "C" void dplc_fiber_main(void* p) {
+    dplc_fiber* f = static_cast<dplc_fiber*>(p);
+    dplc_sched.run(dplc_sched.body);
+    dplc_block_bar->arrive_and_drop();
+    dplc_warp->bar.arrive_and_drop();
+    f->done = true;
+    dplc_yield();
+    __builtin_trap();  // a finished fiber is never resumed
+}
+
+template <class F>
+void dplc_run(unsigned grid, unsigned block, F body) {
+    constexpr std::size_t stack_bytes = 256 * 1024;
+    std::vector<dplc_fiber> fibers(block);
+    for (auto& f : fibers) f.stack.reset(new unsigned char[stack_bytes]);
+    dplc_sched.run = [](void* b) { (*static_cast<F*>(b))(); };
+    dplc_sched.body = &body;
+    blockDim = {block, 1, 1};
+    gridDim = {grid, 1, 1};
+    for (unsigned b = 0; b < grid; ++b) {
+        blockIdx = {b, 0, 0};
+        dplc_barrier bar(block);
+        std::vector<std::unique_ptr<dplc_warp_state>> warps;
+        for (unsigned w = 0; w * 32 < block; ++w) {
+            const unsigned n = block - w * 32 < 32 ? block - w * 32 : 32;
+            warps.push_back(std::make_unique<dplc_warp_state>(n));
+        }
+        for (unsigned t = 0; t < block; ++t) {
+            dplc_fiber& f = fibers[t];
+            f.tid = t;
+            f.waits = nullptr;
+            f.done = false;
+            f.warp = warps[t / 32].get();
+            f.pending.clear();
+            // The frame a first switch into the fiber pops: the control
+            // words (mxcsr at byte 8, the x87 word at 12: their defaults),
+            // r15, r14, r13, r12 (the fiber, for its entry), rbx, rbp, and
+            // the entry as the return address.
+            void** sp = reinterpret_cast<void**>(f.stack.get() + stack_bytes) - 10;
+            for (int i = 0; i < 10; ++i) sp[i] = nullptr;
+            const unsigned control[4] = {0, 0, 0x1f80u, 0x037fu};
+            std::memcpy(sp, control, sizeof control);
+            sp[5] = &f;
+            sp[8] = reinterpret_cast<void*>(&dplc_fiber_entry);
+            f.sp = sp;
+        }
+        // Round robin: resume each fiber whose barrier has released it,
+        // until all are done; a pass that resumes none is a deadlock (a
+        // barrier some thread never reaches), which a GPU would hang on.
+        for (std::size_t left = block; left > 0;) {
+            bool ran = false;
+            for (auto& f : fibers) {
+                if (f.done || (f.waits && f.waits->generation == f.generation)) continue;
+                f.waits = nullptr;
+                threadIdx = {f.tid, 0, 0};
+                dplc_block_bar = &bar;
+                dplc_warp = f.warp;
+                dplc_pending = &f.pending;
+                dplc_sched.current = &f;
+                dplc_fiber_switch(&dplc_sched.sp, f.sp);
+                ran = true;
+                if (f.done) --left;
+            }
+            if (!ran) {
+                std::fputs("dplc_run: every thread waits at a barrier no other thread reaches\n", stderr);
+                std::abort();
+            }
+        }
+    }
+}
+#else
 template <class F>
 void dplc_run(unsigned grid, unsigned block, F body) {
     for (unsigned b = 0; b < grid; ++b) {
@@ -214,12 +404,14 @@ void dplc_run(unsigned grid, unsigned block, F body) {
         threads.reserve(block);
         for (unsigned t = 0; t < block; ++t) {
             threads.emplace_back([&, t] {
+                std::vector<dplc_pending_copy> pending;
                 threadIdx = {t, 0, 0};
                 blockIdx = {b, 0, 0};
                 blockDim = {block, 1, 1};
                 gridDim = {grid, 1, 1};
                 dplc_block_bar = &bar;
                 dplc_warp = warps[t / 32].get();
+                dplc_pending = &pending;
                 body();
                 bar.arrive_and_drop();
                 dplc_warp->bar.arrive_and_drop();
@@ -228,3 +420,4 @@ void dplc_run(unsigned grid, unsigned block, F body) {
         for (auto& t : threads) t.join();
     }
 }
+#endif
