@@ -170,13 +170,20 @@ fn every_zoo_file_checks() {
 fn megatron_models_are_listed_in_source_order() {
     let unit = dplc_frontend::parse("m.dpl", &zoo("megatron_gpt.dpl")).unwrap();
     let names = unit.model_names();
-    assert_eq!(names.len(), 15);
+    assert_eq!(names.len(), 24);
     assert_eq!(names[0], "gpt_1_7b");
     assert_eq!(names[11], "gpt_175b");
     assert_eq!(names[13], "nemo_gpt3_20b");
     assert_eq!(names[14], "nemo_gpt3_175b");
+    assert_eq!(names[15], "mcore_gpt_1_7b");
+    assert_eq!(names[23], "mcore_gpt_462b");
     let lowered = unit.lower("gpt_175b").unwrap();
     assert_eq!(lowered.train.seq, 2048);
+    // Megatron-Core's models take their own train section through the
+    // variant chain (mcore_gpt_462b → mcore_gpt_1_7b), not gpt_1_7b's.
+    let mcore = unit.lower("mcore_gpt_462b").unwrap();
+    assert_eq!(mcore.train.seq, 4096);
+    assert_eq!(mcore.train.precision, dplc_ir::Precision::Bf16);
     assert!(lowered
         .args
         .contains(&("d".to_string(), "12288".to_string())));
