@@ -35,6 +35,10 @@
 #      same micro-batch, micro-batch count and sequence
 #      (bench/torch_gpt2_step.py), and dplc's tokens/s against both; eager
 #      again without dropout, beside dplc's dropout-free run;
+#      and (torch-gemm) cuBLAS's sustained GEMM rate by shape, bf16 and FP8,
+#      over the training GEMMs of linears of hidden 2,048-16,384 at tp 1-8
+#      (bench/torch_gemm_sweep.py: what a shape-dependent GEMM rate in the
+#      cost model would be read from);
 #   6. writes the results, with date, device and command, to
 #      $LOG_DIR/gpu-check.md and appends them to bench/RESULTS.md; the raw logs
 #      go to $LOG_DIR (target/gpu-check, or $OUT when that is set, as one
@@ -57,12 +61,12 @@ cd "$(dirname "$0")/.."
 
 ARGS="$*"
 TORCH=0
-PARTS="tests,bandwidth,attention,train,profile,ncu,torch-layer,torch-step"
+PARTS="tests,bandwidth,attention,train,profile,ncu,torch-layer,torch-step,torch-gemm"
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --torch) TORCH=1 ;;
         --parts) PARTS="${2:?--parts takes a comma-separated list}"; shift ;;
-        *) echo "usage: $0 [--torch] [--parts tests,bandwidth,attention,train,profile,ncu,torch-layer,torch-step]" >&2; exit 2 ;;
+        *) echo "usage: $0 [--torch] [--parts tests,bandwidth,attention,train,profile,ncu,torch-layer,torch-step,torch-gemm]" >&2; exit 2 ;;
     esac
     shift
 done
@@ -286,6 +290,12 @@ PY
     fi
 fi
 
+GEMM_LINES=""
+if [[ "$TORCH" == 1 ]] && wanted torch-gemm; then
+    part "torch gemm sweep" 150 bash -c "PYTHONUNBUFFERED=1 python3 bench/torch_gemm_sweep.py --csv '$LOG_DIR/gemm-sweep.csv' > '$LOG_DIR/gemm-sweep.log' 2>&1"
+    GEMM_LINES="$(grep -E '^(device|gemm_summary|gemm [a-z0-9]+ 8192 8192 8192|fp8:)' "$LOG_DIR/gemm-sweep.log" || true)"
+fi
+
 {
     echo
     echo "## GPU check ($DATE, $DEVICE, commit $COMMIT)"
@@ -351,6 +361,12 @@ fi
         echo "A whole gpt2 training step, PyTorch (bf16 autocast, fp32 master weights, AdamW, clipping) against dplc:"
         echo '```'
         echo "$STEP_LINES"
+        echo '```'
+    fi
+    if [[ -n "$GEMM_LINES" ]]; then
+        echo "cuBLAS's sustained GEMM rate by shape (\`bench/torch_gemm_sweep.py\`; every shape in gemm-sweep.csv):"
+        echo '```'
+        echo "$GEMM_LINES"
         echo '```'
     fi
 } > "$LOG_DIR/gpu-check.md"
