@@ -30,6 +30,7 @@
 #endif
 
 #if DPLC_FIBERS
+#include <sys/mman.h>
 // A barrier among fibers: the last to arrive releases the others (a new
 // generation) and goes on; the others yield until their generation has
 // passed. Declared here, defined with the scheduler below.
@@ -278,10 +279,25 @@ dplc_fiber_entry:
 )");
 extern "C" __attribute__((visibility("hidden"))) void dplc_fiber_entry();
 
+// A fiber's stack, its lowest page unmapped: a kernel whose locals outgrow
+// it faults there instead of writing over another fiber's stack.
+constexpr std::size_t dplc_stack_bytes = 256 * 1024, dplc_guard_bytes = 4096;
+struct dplc_unmap {
+    void operator()(unsigned char* p) const { munmap(p, dplc_stack_bytes); }
+};
+inline std::unique_ptr<unsigned char, dplc_unmap> dplc_new_stack() {
+    void* p = mmap(nullptr, dplc_stack_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED || mprotect(p, dplc_guard_bytes, PROT_NONE) != 0) {
+        std::fputs("dplc_run: cannot map a fiber's stack\n", stderr);
+        std::abort();
+    }
+    return std::unique_ptr<unsigned char, dplc_unmap>(static_cast<unsigned char*>(p));
+}
+
 struct dplc_fiber {
     unsigned tid = 0;
     void* sp = nullptr;
-    std::unique_ptr<unsigned char[]> stack;
+    std::unique_ptr<unsigned char, dplc_unmap> stack;
     // The barrier and generation it waits for (none: runnable).
     const dplc_barrier* waits = nullptr;
     unsigned long generation = 0;
@@ -332,9 +348,8 @@ extern "C" void dplc_fiber_main(void* p) {
 
 template <class F>
 void dplc_run(unsigned grid, unsigned block, F body) {
-    constexpr std::size_t stack_bytes = 256 * 1024;
     std::vector<dplc_fiber> fibers(block);
-    for (auto& f : fibers) f.stack.reset(new unsigned char[stack_bytes]);
+    for (auto& f : fibers) f.stack = dplc_new_stack();
     dplc_sched.run = [](void* b) { (*static_cast<F*>(b))(); };
     dplc_sched.body = &body;
     blockDim = {block, 1, 1};
@@ -358,7 +373,7 @@ void dplc_run(unsigned grid, unsigned block, F body) {
             // words (mxcsr at byte 8, the x87 word at 12: their defaults),
             // r15, r14, r13, r12 (the fiber, for its entry), rbx, rbp, and
             // the entry as the return address.
-            void** sp = reinterpret_cast<void**>(f.stack.get() + stack_bytes) - 10;
+            void** sp = reinterpret_cast<void**>(f.stack.get() + dplc_stack_bytes) - 10;
             for (int i = 0; i < 10; ++i) sp[i] = nullptr;
             const unsigned control[4] = {0, 0, 0x1f80u, 0x037fu};
             std::memcpy(sp, control, sizeof control);
