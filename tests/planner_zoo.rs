@@ -555,3 +555,43 @@ fn attention_dropout_is_priced_per_attended_score() {
         "{hopper} − {masks} vs {draws}"
     );
 }
+
+/// A pipelined plan prices the other schedule beside it: a source that
+/// states no schedule (Megatron-Core's weak-scaling table) reads between
+/// plain 1F1B and interleaving, and `explain` shows both ends.
+#[test]
+fn a_pipelined_plan_prices_the_other_schedule() {
+    let one = plan(
+        "megatron_gpt.dpl",
+        "gpt_175b",
+        "16x8xA100",
+        "tp=8,pp=8,mb=1,schedule=1f1b",
+        0,
+    );
+    let interleaved = what_if(&one, "schedule 1f1b → interleaved");
+    assert!(
+        interleaved < one.plan.estimate.step_time_s,
+        "interleaving shrinks the bubble: {interleaved} against {}",
+        one.plan.estimate.step_time_s
+    );
+    let v = plan(
+        "megatron_gpt.dpl",
+        "gpt_175b",
+        "16x8xA100",
+        "tp=8,pp=8,mb=1,schedule=interleaved,v=4",
+        0,
+    );
+    let plain = what_if(&v, "schedule interleaved v=4 → 1f1b");
+    assert!(
+        plain > v.plan.estimate.step_time_s,
+        "plain 1F1B pays the larger bubble: {plain} against {}",
+        v.plan.estimate.step_time_s
+    );
+    // Unpipelined plans have no schedule to change.
+    let flat = plan("megatron_gpt.dpl", "gpt_1_7b", "8xA100", "pp=1", 0);
+    assert!(!flat
+        .plan
+        .what_if
+        .iter()
+        .any(|w| w.change.starts_with("schedule")));
+}

@@ -156,7 +156,8 @@ pub fn compile(req: &PlanRequest) -> Result<Compiled, PlanError> {
 }
 
 /// The plan's neighbours: tensor degree ×2 and ÷2, the other recompute
-/// policies, micro-batch ×2; every other choice stays as planned.
+/// policies, the other pipeline schedule, micro-batch ×2; every other
+/// choice stays as planned.
 fn what_ifs(req: &PlanRequest, plan: &Plan, cache: &layouts::LayoutCache) -> Vec<dplc_ir::WhatIf> {
     let s = &plan.strategy;
     let m = &plan.mesh;
@@ -246,6 +247,28 @@ fn what_ifs(req: &PlanRequest, plan: &Plan, cache: &layouts::LayoutCache) -> Vec
             format!("dispatch {} → {}", s.dispatch.name(), other.name()),
             StrategyConstraints {
                 dispatch: Some(other),
+                ..base.clone()
+            },
+        ));
+    }
+    if m.pp > 1 {
+        // What the bubble costs: interleaved against plain 1F1B, so a
+        // reader whose source states no schedule sees the range it spans
+        // (an interleaved neighbour chooses its own chunks).
+        use dplc_ir::PipelineSchedule::{Interleaved, OneFOneB};
+        let (now, to, v) = match s.schedule {
+            Interleaved => (
+                format!("interleaved v={}", s.virtual_stages),
+                OneFOneB,
+                Some(1),
+            ),
+            other => (other.name().to_string(), Interleaved, None),
+        };
+        variants.push((
+            format!("schedule {now} → {}", to.name()),
+            StrategyConstraints {
+                schedule: Some(to),
+                virtual_stages: v,
                 ..base.clone()
             },
         ));
