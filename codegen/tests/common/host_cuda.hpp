@@ -229,6 +229,16 @@ inline void dplc_cp_async_wait() {
 }
 #endif
 
+// A block's warps: 32 threads each, the last the block's remainder.
+inline std::vector<std::unique_ptr<dplc_warp_state>> dplc_block_warps(unsigned block) {
+    std::vector<std::unique_ptr<dplc_warp_state>> warps;
+    for (unsigned w = 0; w * 32 < block; ++w) {
+        const unsigned n = block - w * 32 < 32 ? block - w * 32 : 32;
+        warps.push_back(std::make_unique<dplc_warp_state>(n));
+    }
+    return warps;
+}
+
 // Run `body` as a grid of `grid` blocks of `block` threads, one block after
 // another. A thread that has finished leaves the barriers, as an exited
 // GPU thread no longer holds its block's or its warp's back.
@@ -357,11 +367,7 @@ void dplc_run(unsigned grid, unsigned block, F body) {
     for (unsigned b = 0; b < grid; ++b) {
         blockIdx = {b, 0, 0};
         dplc_barrier bar(block);
-        std::vector<std::unique_ptr<dplc_warp_state>> warps;
-        for (unsigned w = 0; w * 32 < block; ++w) {
-            const unsigned n = block - w * 32 < 32 ? block - w * 32 : 32;
-            warps.push_back(std::make_unique<dplc_warp_state>(n));
-        }
+        const auto warps = dplc_block_warps(block);
         for (unsigned t = 0; t < block; ++t) {
             dplc_fiber& f = fibers[t];
             f.tid = t;
@@ -410,11 +416,7 @@ template <class F>
 void dplc_run(unsigned grid, unsigned block, F body) {
     for (unsigned b = 0; b < grid; ++b) {
         std::barrier<> bar(block);
-        std::vector<std::unique_ptr<dplc_warp_state>> warps;
-        for (unsigned w = 0; w * 32 < block; ++w) {
-            const unsigned n = block - w * 32 < 32 ? block - w * 32 : 32;
-            warps.push_back(std::make_unique<dplc_warp_state>(n));
-        }
+        const auto warps = dplc_block_warps(block);
         std::vector<std::thread> threads;
         threads.reserve(block);
         for (unsigned t = 0; t < block; ++t) {
