@@ -390,9 +390,17 @@ void dplc_run(unsigned grid, unsigned block, F body) {
         // Round robin: resume each fiber whose barrier has released it,
         // until all are done; a pass that resumes none is a deadlock (a
         // barrier some thread never reaches), which a GPU would hang on.
-        for (std::size_t left = block; left > 0;) {
+        // Each pass runs the threads up or down, by a hash of the pass, so
+        // that between two barriers the high threads run before the low
+        // ones about as often as after (a strict alternation would line up
+        // with kernels that pass an even number of barriers a loop): a read
+        // of another thread's write with no barrier between sees the stale
+        // value in one order or the other, where a fixed order could hide it.
+        for (std::size_t left = block, pass = 0; left > 0; ++pass) {
             bool ran = false;
-            for (auto& f : fibers) {
+            const bool down = (pass * 0x9e3779b97f4a7c15ull) >> 63;
+            for (unsigned i = 0; i < block; ++i) {
+                dplc_fiber& f = fibers[down ? block - 1 - i : i];
                 if (f.done || (f.waits && f.waits->generation == f.generation)) continue;
                 f.waits = nullptr;
                 threadIdx = {f.tid, 0, 0};
