@@ -153,8 +153,8 @@ pub fn compile(tu: &str, dir: &Path, tag: &str) -> Result<PathBuf, String> {
     std::fs::write(&src, tu).map_err(|e| e.to_string())?;
     // Unoptimised: the emulated kernels run in seconds once their threads
     // are fibers (`host_cuda.hpp`), and `-O1` took longer to compile them
-    // than it saved (the attention test 31 s at -O1, 27 s at -O0; the
-    // others' 19 s, 10 s).
+    // than it saved (host_cuda_attention 31 s at -O1, 27 s at -O0;
+    // host_cuda 19 s, 10 s).
     let out = Command::new("c++")
         .args([
             "-std=c++20",

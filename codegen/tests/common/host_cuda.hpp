@@ -367,6 +367,7 @@ void dplc_run(unsigned grid, unsigned block, F body) {
     for (unsigned b = 0; b < grid; ++b) {
         blockIdx = {b, 0, 0};
         dplc_barrier bar(block);
+        dplc_block_bar = &bar;  // the block's fibers share the calling thread's
         const auto warps = dplc_block_warps(block);
         for (unsigned t = 0; t < block; ++t) {
             dplc_fiber& f = fibers[t];
@@ -404,7 +405,6 @@ void dplc_run(unsigned grid, unsigned block, F body) {
                 if (f.done || (f.waits && f.waits->generation == f.generation)) continue;
                 f.waits = nullptr;
                 threadIdx = {f.tid, 0, 0};
-                dplc_block_bar = &bar;
                 dplc_warp = f.warp;
                 dplc_pending = &f.pending;
                 dplc_sched.current = &f;
