@@ -172,6 +172,12 @@ pub fn build(args: &BuildArgs) -> Result<()> {
                 "dplc's kernels fuse elementwise ops, so an artifact cannot run them eagerly"
             ));
         }
+        if pinned.loss == Some(dplc_ir::Loss::Unfused) {
+            return Err(miette::miette!(
+                help = "drop loss from --strategy, or `dplc export` the plan to Megatron-LM",
+                "dplc's kernels fuse the cross-entropy, so an artifact cannot run it pass by pass"
+            ));
+        }
         if pinned.autocast == Some(true) {
             return Err(miette::miette!(
                 help = "drop autocast from --strategy",

@@ -182,6 +182,12 @@ pub fn prepare(args: &PlanArgs) -> Result<Prepared> {
                 "dplc's runtime fuses elementwise ops; elementwise=eager prices another engine"
             ));
         }
+        if pinned.loss == Some(dplc_ir::Loss::Unfused) {
+            return Err(miette!(
+                help = "drop loss from --strategy to train here; `dplc compile` prices an unfused loss",
+                "dplc's runtime fuses the cross-entropy; loss=unfused prices another engine"
+            ));
+        }
         if pinned.autocast == Some(true) {
             return Err(miette!(
                 help = "drop autocast from --strategy to train here; `dplc compile` prices PyTorch's autocast",

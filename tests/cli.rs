@@ -136,13 +136,14 @@ fn every_command_has_help() {
 }
 
 /// An engine's stack keys (`recompute=op`, `elementwise=eager`,
-/// `shards=per_param`, `autocast=on`) are priced by `compile` and refused by `run`, whose
+/// `loss=unfused`, `shards=per_param`, `autocast=on`) are priced by `compile` and refused by `run`, whose
 /// own kernels and buffers do none of them.
 #[test]
 fn engine_stack_keys_are_priced_not_run() {
     for pin in [
         "dp=2,recompute=op",
         "dp=2,elementwise=eager",
+        "dp=2,loss=unfused",
         "dp=2,zero=3,shards=per_param",
         "dp=2,autocast=on",
     ] {

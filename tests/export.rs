@@ -782,6 +782,35 @@ fn half_precision_gradients_go_where_the_engine_keeps_them() {
     assert!(!text(&out.stdout).contains("--grad-reduce-in-bf16"));
 }
 
+/// The loss as the plan priced it: a fused plan asks Megatron for
+/// Transformer Engine's one-pass cross-entropy; `loss=unfused` is
+/// Megatron's default, no flag.
+#[test]
+fn the_loss_goes_to_megatron_as_priced() {
+    for (pin, fused) in [
+        ("tp=2,dp=8,zero=1", true),
+        ("tp=2,dp=8,zero=1,loss=unfused", false),
+    ] {
+        let plan = compile(
+            "models/llama3.dpl",
+            "llama3_8b",
+            "2x8xH100",
+            &["--strategy", pin],
+            &format!("loss_{fused}.ron"),
+        );
+        let out = export(&plan, "megatron", &[]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let script = text(&out.stdout);
+        check_megatron(&script);
+        for flag in [
+            "--cross-entropy-loss-fusion",
+            "--cross-entropy-fusion-impl te",
+        ] {
+            assert_eq!(script.contains(flag), fused, "{pin}: {flag}\n{script}");
+        }
+    }
+}
+
 #[test]
 fn an_interleaved_split_goes_to_megatron_and_torchtitan_as_planned() {
     // Llama 3.1 405B as Megatron-Bridge runs it on 1024 H100s (tp 8, pp 8,

@@ -99,7 +99,7 @@ const MBRIDGE_2604: &str = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary
 const MBRIDGE_B200: &str = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md @ df0289c180dd20ff26933455c7a0a11084f6a36f, 25.11 NeMo container, System: DGX-B200, FP8-CS (the FP8-MX figures in parentheses not taken)";
 
 const LLAMA3: &str = "Grattafiori et al. 2024, The Llama 3 Herd of Models (arXiv:2407.21783), §3.3.2 Table 4: Llama 3 405B pre-training on 700 W H100 80GB HBM3 in Grand Teton servers, 400 Gbps RoCE per GPU; TP 8, PP 16, seq 8192 (131072 with CP 16), 16M tokens a batch, BF16; the interleaved schedule with the first and last stage a layer short (§3.3.2), chunks per stage, attention kernel and recomputation not stated (the search chooses)";
-const MCORE: &str = "NVIDIA/Megatron-LM README.md, \"Performance Benchmarking\" and images/model_table.png @ f2e5db402c (2024-07-15, \"New scaling figures on H100 GPUs\"; Megatron-Core r0.8.0, the strong-scaling figure's legend): GPT models of vocabulary 131,072 at sequence 4,096 on H100s, DP 48, per-GPU model TFLOP/s by Megatron's num_floating_point_operations (megatron/training/training.py @ core_r0.8.0, dplc's count), `--overlap-grad-reduce` and `--overlap-param-gather` (the distributed optimizer: zero=1), `--tp-comm-overlap` (with sequence parallelism); precision, micro-batch, schedule, recomputation and dropout not stated: bf16 (the MFU column is against the bf16 peak), Megatron's default dropout 0.1, the rest the search's";
+const MCORE: &str = "NVIDIA/Megatron-LM README.md, \"Performance Benchmarking\" and images/model_table.png @ f2e5db402c (2024-07-15, \"New scaling figures on H100 GPUs\"; Megatron-Core r0.8.0, the strong-scaling figure's legend): GPT models of vocabulary 131,072 at sequence 4,096 on H100s, DP 48, per-GPU model TFLOP/s by Megatron's num_floating_point_operations (megatron/training/training.py @ core_r0.8.0, dplc's count), `--overlap-grad-reduce` and `--overlap-param-gather` (the distributed optimizer: zero=1), `--tp-comm-overlap` (with sequence parallelism); `--cross-entropy-loss-fusion` not stated: Megatron's default loss pinned (loss=unfused: `vocab_parallel_cross_entropy`, fp32 pass by pass); precision, micro-batch, schedule, recomputation and dropout not stated: bf16 (the MFU column is against the bf16 peak), Megatron's default dropout 0.1, the rest the search's";
 const DPLC_H200: &str = "dplc bench/RESULTS.md, \"The GPU check on an NVIDIA H200\" (2026-11-26, run 3): bench/torch_gpt2_step.py --micro-batch 32 --micro-batches 1 --seq 1024 --warmup 1 --steps 3, PyTorch 2.11.0+cu130 on one NVIDIA H200 (driver 580.159.04): models/gpt2.dpl's GPT-2 small (dropout 0.1, tied head), bf16 autocast over fp32 master weights, SDPA (flash), AdamW, clipping";
 
 const FSDP_PP: &str = "FSDP (ZeRO-3) under a pipeline plans and runs as torchtitan runs it: each stage's weights gathered once a step and its gradients reduce-scattered once after its last backward (FSDP2 does not reshard after forward when pipelining, and PyTorch's pipeline stage defers the reduce-scatter); it reads 1.30 (1.22 when every micro-batch gathered again), fast by at least every Grand Teton row's offset (a 500 W part priced at the sustained rates measured at 700 W); what interleaving gains is checked against the source instead (interleaving_gains_what_torchtitan_measured)";
@@ -116,8 +116,7 @@ const NEMOTRON_340B: &str = "recompute n/s: with the stated knobs dplc's plan ne
 const QWEN3_MOE: &str = "2.1x fast: this run is dropless (the page: \"all benchmarks are token-dropless\"), where dplc's `moe` drops at a capacity factor (static shapes: every expert padded to capacity); the same configuration with token dropping (25.09, the row below) published 10,494 tokens/s, 2.0x this row, and dplc reads that 1.06; later containers run the dropless model 1.7x faster on the same 16 H100s (26.02 5,113 in the archive @ 067f987, which corrects the 2,557 this commit printed; 26.02.01 9,058; 26.04.01 8,960); see bench/RESULTS.md";
 const QWEN3_TOKENDROP: &str = "6.3% fast, but not for the published reason: the recipe runs without recomputation, where dplc's plan needs 81.8 GiB with the recipe's bf16 main gradients (86.6 with fp32 ones; 42.3 of activations) and the search recomputes every layer; priced as run (recompute=none, memory aside) it reads 1.27; see bench/RESULTS.md";
 const QWEN3_MOE_HOST: &str = "1.58x fast with the recipe's HybridEP dispatcher priced (pinned to one all-to-all it reads 0.86; 1.60 before an all-to-all across nodes was priced through each rank's NIC): at micro-batch 1 a layer's forward and backward take 9.5 ms of the published step against dplc's 6.0 (4.2 of compute, 1.8 of dispatch and combine); Megatron-Core's MoE report (arXiv:2603.07685) names the rest, host-boundedness from many small kernels and the dispatcher's synchronisation, which dplc does not price (no host time is in its model); see bench/RESULTS.md";
-const MCORE_SMALL: &str = "fast, by less as the model grows (1.7B 1.166 and 7.1B 1.111, then 16B 1.062 and 32B 1.016, asserted); two mechanisms dplc does not price yet would both fall with the model: Megatron's unfused vocabulary-parallel cross-entropy (its default at core_r0.8.0: the logits cast to fp32 and normalised in place, 52 B a logit where the fused loss moves 6; by that count about 1.08 and 1.09) and a GEMM rate that falls with the GEMM's size (the source's own account of its MFU; one sustained rate here, a sweep to measure it in gpu-check); the micro-batch is not stated (the search's is 4; at 1 these read 1.112 and 1.073), nor the dropout (Megatron's default 0.1 pinned; at 0 they read 1.392 and 1.247); see bench/RESULTS.md";
-const MCORE_SCHEDULE: &str = "the pipeline schedule is not stated, and it sets the bubble: the search's interleaving (7 to 23 chunks a stage) reads 1.11-1.16, Megatron's plain 1F1B 0.87-0.96, two chunks a stage 0.99-1.08; the published number lies between the first two on every such row; see bench/RESULTS.md";
+const MCORE_SCHEDULE: &str = "the pipeline schedule is not stated, and it sets the bubble: the search's interleaving (7 to 23 chunks a stage) reads 1.10-1.15, Megatron's plain 1F1B 0.86-0.95, two chunks a stage 0.98-1.07; the published number lies between the first two on every such row; see bench/RESULTS.md";
 const CP_RING: &str = "500 W Grand Teton part (an upper bound), and torchtitan's 4- and 8-way context parallelism runs SDPA once per ring step (load balancing n/s), which dplc prices as one overlapped ring; see bench/RESULTS.md";
 
 fn rows() -> Vec<Row> {
@@ -310,23 +309,23 @@ fn rows() -> Vec<Row> {
           "tp=4,pp=8,cp=2,dp=2,mb=1,schedule=interleaved,v=8,zero=1,sp=on,tp_overlap=ring,recompute=none,fp8=on,fp8_gather=on,fp8_bf16_ends=1,grad_reduce=bf16", "offload=none", 661.0, 1.097, Asserted),
         // ---- Megatron-Core's weak scaling on H100 (model TFLOP/s per GPU), DP 48 throughout.
         tflops(r("Megatron-Core GPT 1.7B, 48 H100", MCORE, (GPT, "mcore_gpt_1_7b"), "6x8xH100", (4096, 192),
-          "tp=1,pp=1,cp=1,dp=48,zero=1", "", 408.8, 1.166, NotAsserted(MCORE_SMALL))),
+          "tp=1,pp=1,cp=1,dp=48,zero=1", "loss=unfused", 408.8, 1.064, Asserted)),
         tflops(r("Megatron-Core GPT 7.1B, 96 H100, TP 2", MCORE, (GPT, "mcore_gpt_7_1b"), "12x8xH100", (4096, 192),
-          "tp=2,pp=1,cp=1,dp=48,zero=1,sp=on,tp_overlap=ring", "", 465.9, 1.111, NotAsserted(MCORE_SMALL))),
+          "tp=2,pp=1,cp=1,dp=48,zero=1,sp=on,tp_overlap=ring", "loss=unfused", 465.9, 1.083, Asserted)),
         tflops(r("Megatron-Core GPT 16B, 192 H100, TP 4", MCORE, (GPT, "mcore_gpt_16b"), "24x8xH100", (4096, 192),
-          "tp=4,pp=1,cp=1,dp=48,zero=1,sp=on,tp_overlap=ring", "", 489.1, 1.062, Asserted)),
+          "tp=4,pp=1,cp=1,dp=48,zero=1,sp=on,tp_overlap=ring", "loss=unfused", 489.1, 1.050, Asserted)),
         tflops(r("Megatron-Core GPT 32B, 384 H100, TP 8", MCORE, (GPT, "mcore_gpt_32b"), "48x8xH100", (4096, 192),
-          "tp=8,pp=1,cp=1,dp=48,zero=1,sp=on,tp_overlap=ring", "", 459.6, 1.016, Asserted)),
+          "tp=8,pp=1,cp=1,dp=48,zero=1,sp=on,tp_overlap=ring", "loss=unfused", 459.6, 1.011, Asserted)),
         tflops(r("Megatron-Core GPT 70B, 768 H100, TP 8 PP 2", MCORE, (GPT, "mcore_gpt_70b"), "96x8xH100", (4096, 384),
-          "tp=8,pp=2,cp=1,dp=48,zero=1,sp=on,tp_overlap=ring", "", 419.7, 1.123, NotAsserted(MCORE_SCHEDULE))),
+          "tp=8,pp=2,cp=1,dp=48,zero=1,sp=on,tp_overlap=ring", "loss=unfused", 419.7, 1.118, NotAsserted(MCORE_SCHEDULE))),
         tflops(r("Megatron-Core GPT 119B, 1536 H100, TP 8 PP 4", MCORE, (GPT, "mcore_gpt_119b"), "192x8xH100", (4096, 768),
-          "tp=8,pp=4,cp=1,dp=48,zero=1,sp=on,tp_overlap=ring", "", 420.5, 1.154, NotAsserted(MCORE_SCHEDULE))),
+          "tp=8,pp=4,cp=1,dp=48,zero=1,sp=on,tp_overlap=ring", "loss=unfused", 420.5, 1.147, NotAsserted(MCORE_SCHEDULE))),
         tflops(r("Megatron-Core GPT 177B, 2304 H100, TP 8 PP 6", MCORE, (GPT, "mcore_gpt_177b"), "288x8xH100", (4096, 1152),
-          "tp=8,pp=6,cp=1,dp=48,zero=1,sp=on,tp_overlap=ring", "", 432.8, 1.161, NotAsserted(MCORE_SCHEDULE))),
+          "tp=8,pp=6,cp=1,dp=48,zero=1,sp=on,tp_overlap=ring", "loss=unfused", 432.8, 1.154, NotAsserted(MCORE_SCHEDULE))),
         tflops(r("Megatron-Core GPT 314B, 3072 H100, TP 8 PP 8", MCORE, (GPT, "mcore_gpt_314b"), "384x8xH100", (4096, 1536),
-          "tp=8,pp=8,cp=1,dp=48,zero=1,sp=on,tp_overlap=ring", "", 474.4, 1.111, NotAsserted(MCORE_SCHEDULE))),
+          "tp=8,pp=8,cp=1,dp=48,zero=1,sp=on,tp_overlap=ring", "loss=unfused", 474.4, 1.105, NotAsserted(MCORE_SCHEDULE))),
         tflops(r("Megatron-Core GPT 462B, 6144 H100, TP 8 PP 16", MCORE, (GPT, "mcore_gpt_462b"), "768x8xH100", (4096, 3072),
-          "tp=8,pp=16,cp=1,dp=48,zero=1,sp=on,tp_overlap=ring", "", 459.9, 1.120, NotAsserted(MCORE_SCHEDULE))),
+          "tp=8,pp=16,cp=1,dp=48,zero=1,sp=on,tp_overlap=ring", "loss=unfused", 459.9, 1.112, NotAsserted(MCORE_SCHEDULE))),
         // ---- The Llama 3 paper, Meta's 405B pre-training (model TFLOP/s per GPU).
         tflops(r("Llama 3 405B, 8,192 H100, TP 8 PP 16 DP 64", LLAMA3, (L3, "llama3_405b"), "1024x8xH100", (8192, 2048),
           "tp=8,pp=16,cp=1,dp=64,mb=1,schedule=interleaved", "", 430.0, 0.986, Asserted)),

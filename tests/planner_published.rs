@@ -6,7 +6,9 @@
 //! The same cost-model constants serve every row (see planner/src/cost/);
 //! nothing is calibrated per row. Megatron ran attention unfused in 2021–2022
 //! (no FlashAttention) and its tensor-parallel collectives on the critical
-//! path, so every row pins `attention=unfused,tp_overlap=none` as its stack.
+//! path, and its cross-entropy in fp32 pass by pass (`mpu`'s
+//! `vocab_parallel_cross_entropy`), so every row pins
+//! `attention=unfused,tp_overlap=none,loss=unfused` as its stack.
 
 use dplc_planner::{compile, parse_cluster, parse_strategy, Compiled, PlanRequest};
 
@@ -20,7 +22,10 @@ fn plan(model: &str, cluster: &str, batch: u64, strategy: &str, ignore_memory: b
     let mut req = PlanRequest::new(&l.graph, l.train.clone(), parse_cluster(cluster).unwrap());
     req.global_batch = Some(batch);
     req.seq = Some(2048);
-    req.pinned = parse_strategy(&format!("{strategy},attention=unfused,tp_overlap=none")).unwrap();
+    req.pinned = parse_strategy(&format!(
+        "{strategy},attention=unfused,tp_overlap=none,loss=unfused"
+    ))
+    .unwrap();
     req.ignore_memory = ignore_memory;
     let c = compile(&req).unwrap_or_else(|e| panic!("{model}: {e}"));
     eprintln!("{}", dplc_planner::summary(&c));

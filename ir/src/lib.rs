@@ -54,8 +54,8 @@ pub use plan::{
 pub use strategy::{powersgd_factors, topk_sparsifies, POWERSGD_MIN_COMPRESSION_RATE};
 pub use strategy::{
     AttentionKind, AxisMapping, ClusterSummary, Compression, Dispatch, Elementwise, GradAccum,
-    GradReduce, GradSync, LayerRecompute, LinkLevel, Mesh, MeshAxis, Offload, PipelineSchedule,
-    Recompute, RootSplit, ServerRanks, ShardLayout, Strategy, TpOverlap,
+    GradReduce, GradSync, LayerRecompute, LinkLevel, Loss, Mesh, MeshAxis, Offload,
+    PipelineSchedule, Recompute, RootSplit, ServerRanks, ShardLayout, Strategy, TpOverlap,
 };
 
 pub use print::print_graph;

@@ -275,6 +275,10 @@ pub struct Strategy {
     /// fused them.
     #[serde(default, skip_serializing_if = "Elementwise::is_fused")]
     pub elementwise: Elementwise,
+    /// How the cross-entropy loss runs. Plans written before this field
+    /// existed fused it.
+    #[serde(default, skip_serializing_if = "Loss::is_fused")]
+    pub loss: Loss,
     /// Where ZeRO-3 keeps what it gathers and reduces. Plans written before
     /// this field existed kept flat buffers.
     #[serde(default, skip_serializing_if = "ShardLayout::is_flat")]
@@ -862,6 +866,40 @@ impl Elementwise {
     }
 }
 
+/// How the cross-entropy loss over the logits runs.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+pub enum Loss {
+    /// One kernel reads the logits and writes the losses, its backward
+    /// reads them again and writes their gradient; the log-probabilities
+    /// never reach memory and the logits, in the training precision, are
+    /// what backward keeps (dplc's `log_softmax_take_along`, torch.compile's
+    /// loss, Liger's and Apex's fused cross-entropy).
+    #[default]
+    Fused,
+    /// The loss in fp32, one pass over the logits at a time, as Megatron's
+    /// `vocab_parallel_cross_entropy` runs it (its default until
+    /// `--cross-entropy-loss-fusion`): the logits cast to fp32, then their
+    /// row maximum, subtracted in place, exponentiated in place, summed, and
+    /// divided in place; the fp32 softmax is what backward keeps, and the
+    /// backward scales it in place and casts it back.
+    Unfused,
+}
+
+impl Loss {
+    pub fn name(self) -> &'static str {
+        match self {
+            Loss::Fused => "fused",
+            Loss::Unfused => "unfused",
+        }
+    }
+
+    fn is_fused(&self) -> bool {
+        *self == Loss::Fused
+    }
+}
+
 /// Where ZeRO-3 puts the weights it gathers and the gradients it reduces.
 #[derive(
     Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
@@ -1061,6 +1099,9 @@ impl fmt::Display for Strategy {
         }
         if self.elementwise != Elementwise::Fused {
             write!(f, ", elementwise {}", self.elementwise.name())?;
+        }
+        if self.loss != Loss::Fused {
+            write!(f, ", loss {}", self.loss.name())?;
         }
         if self.shards != ShardLayout::Flat {
             write!(f, ", shards {}", self.shards.name())?;

@@ -148,9 +148,12 @@ fn published() {
             parse_cluster(cluster).unwrap(),
         );
         // The 2021–2022 stack the rows ran, as the tests pin it: attention
-        // unfused, tensor-parallel collectives exposed.
-        req.pinned =
-            parse_strategy(&format!("{strategy},attention=unfused,tp_overlap=none")).unwrap();
+        // unfused, tensor-parallel collectives exposed, the loss in fp32
+        // pass by pass.
+        req.pinned = parse_strategy(&format!(
+            "{strategy},attention=unfused,tp_overlap=none,loss=unfused"
+        ))
+        .unwrap();
         req.ignore_memory = what == "states" || what == "acts";
         let p = compile(&req).expect("the row plans").plan;
         let m = &p.stages[0].memory;

@@ -85,6 +85,7 @@ pub(crate) fn strategy(c: &Config, global_batch: u64, seq: u64) -> Strategy {
         offload: c.offload,
         autocast: c.autocast,
         elementwise: c.elementwise,
+        loss: c.loss,
         shards: c.shards,
         sync: c.sync,
         compress: c.compress,

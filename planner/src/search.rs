@@ -410,6 +410,7 @@ impl<'a> Mesh<'a> {
                         offload: Offload::NONE,
                         autocast: pins.autocast.unwrap_or(false),
                         elementwise: pins.elementwise.unwrap_or_default(),
+                        loss: pins.loss.unwrap_or_default(),
                         shards: pins.shards.unwrap_or_default(),
                         sync: GradSync::AllReduce,
                         compress: Compression::None,

@@ -3,7 +3,7 @@
 
 use crate::PlanError;
 use dplc_ir::{
-    AttentionKind, Compression, Dispatch, Elementwise, GradAccum, GradReduce, GradSync,
+    AttentionKind, Compression, Dispatch, Elementwise, GradAccum, GradReduce, GradSync, Loss,
     PipelineSchedule, Recompute, RootSplit, ServerRanks, ShardLayout, TpOverlap,
 };
 use std::fmt;
@@ -80,6 +80,10 @@ pub struct StrategyConstraints {
     /// `elementwise=fused|eager`: eager runs every elementwise op as its own
     /// kernel (PyTorch without torch.compile); the search fuses them.
     pub elementwise: Option<Elementwise>,
+    /// `loss=fused|unfused`: unfused runs the cross-entropy in fp32 one
+    /// pass at a time (Megatron's default loss); pinned only, as dplc's
+    /// runtime fuses it.
+    pub loss: Option<Loss>,
     /// `shards=flat|per_param`: where ZeRO-3 keeps what it gathers and
     /// reduces (`per_param`: FSDP2's copies in and out); the search keeps
     /// flat buffers, as dplc's runtime does.
@@ -227,6 +231,7 @@ impl StrategyConstraints {
             offload: (!s.offload.is_none()).then_some(s.offload),
             autocast: s.autocast.then_some(true),
             elementwise: (s.elementwise != Elementwise::Fused).then_some(s.elementwise),
+            loss: (s.loss != Loss::Fused).then_some(s.loss),
             shards: (s.shards != ShardLayout::Flat).then_some(s.shards),
             sync: (!s.sync.is_all_reduce()).then_some(SyncMode::of(s.sync)),
             ps_shards: s.sync.ps_shards(),
@@ -484,6 +489,13 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
                     }
                 })
             }
+            "loss" => {
+                c.loss = Some(match value.to_ascii_lowercase().as_str() {
+                    "fused" => Loss::Fused,
+                    "unfused" => Loss::Unfused,
+                    _ => return Err(err(format!("loss is fused or unfused, got `{value}`"))),
+                })
+            }
             "shards" => {
                 c.shards = Some(match value.to_ascii_lowercase().as_str() {
                     "flat" => ShardLayout::Flat,
@@ -556,7 +568,7 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
             }
             _ => {
                 return Err(err(format!(
-                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, recompute_layers, sp, overlap, attention, tp_overlap, grad_accum, grad_reduce, dispatch, root, order, stages, fp8, fp8_gather, fp8_bf16_ends, autocast, offload, elementwise, shards, sync, ps_shards, ps_ranks, staleness, compress"
+                    "unknown key `{key}`; keys are tp, pp, dp, cp, ep, mb, m, schedule, v, zero, recompute, recompute_layers, sp, overlap, attention, tp_overlap, grad_accum, grad_reduce, dispatch, root, order, stages, fp8, fp8_gather, fp8_bf16_ends, autocast, offload, elementwise, loss, shards, sync, ps_shards, ps_ranks, staleness, compress"
                 )))
             }
         }
@@ -623,6 +635,7 @@ fn choice_of(key: &str) -> Option<&'static str> {
         "fp8_bf16_ends" => "fp8_bf16_ends",
         "offload" => "offload",
         "elementwise" => "elementwise",
+        "loss" => "loss",
         "shards" => "shards",
         "sync" => "sync",
         "ps_shards" => "ps_shards",
@@ -709,6 +722,9 @@ impl fmt::Display for StrategyConstraints {
         if let Some(e) = self.elementwise {
             parts.push(format!("elementwise={}", e.name()));
         }
+        if let Some(l) = self.loss {
+            parts.push(format!("loss={}", l.name()));
+        }
         if let Some(s) = self.shards {
             parts.push(format!("shards={}", s.name()));
         }
@@ -740,7 +756,7 @@ mod tests {
 
     #[test]
     fn reads_every_key_and_prints_it_back() {
-        let s = "tp=8,pp=8,dp=24,cp=1,ep=1,mb=1,zero=1,schedule=interleaved,v=2,recompute=selective,sp=on,overlap=off,attention=unfused,tp_overlap=ring,elementwise=eager,shards=per_param";
+        let s = "tp=8,pp=8,dp=24,cp=1,ep=1,mb=1,zero=1,schedule=interleaved,v=2,recompute=selective,sp=on,overlap=off,attention=unfused,tp_overlap=ring,elementwise=eager,loss=unfused,shards=per_param";
         let c = parse_strategy(s).unwrap();
         assert_eq!(c.tp, Some(8));
         assert_eq!(c.schedule, Some(PipelineSchedule::Interleaved));
@@ -750,6 +766,7 @@ mod tests {
         assert_eq!(c.attention, Some(AttentionKind::Unfused));
         assert_eq!(c.tp_overlap, Some(TpOverlap::Ring));
         assert_eq!(c.elementwise, Some(Elementwise::Eager));
+        assert_eq!(c.loss, Some(Loss::Unfused));
         assert_eq!(c.shards, Some(ShardLayout::PerParam));
         assert_eq!(parse_strategy(&c.to_string()).unwrap(), c);
         for (s, layers, autocast) in [
@@ -785,6 +802,7 @@ mod tests {
         assert!(parse_strategy("overlap=maybe").is_err());
         assert!(parse_strategy("attention=sometimes").is_err());
         assert!(parse_strategy("elementwise=lazy").is_err());
+        assert!(parse_strategy("loss=chunked").is_err());
         assert!(parse_strategy("shards=bucketed").is_err());
         assert!(parse_strategy("recompute_layers=-1").is_err());
         assert!(parse_strategy("recompute_layers=0").is_err());

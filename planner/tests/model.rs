@@ -16,9 +16,9 @@ fn plan(cfg: Gpt, cluster: &str, batch: u64, strategy: &str, ignore_memory: bool
     let g = gpt("gpt", cfg);
     let mut req = PlanRequest::new(&g, train(2048, batch), parse_cluster(cluster).unwrap());
     let strategy = if strategy.is_empty() {
-        "attention=unfused,tp_overlap=none".to_string()
+        "attention=unfused,tp_overlap=none,loss=unfused".to_string()
     } else {
-        format!("{strategy},attention=unfused,tp_overlap=none")
+        format!("{strategy},attention=unfused,tp_overlap=none,loss=unfused")
     };
     req.pinned = parse_strategy(&strategy).unwrap();
     req.ignore_memory = ignore_memory;
@@ -899,6 +899,46 @@ fn eager_elementwise_ops_only_add_memory_time() {
     assert!(json["strategy"].get("elementwise").is_none());
     let json = serde_json::to_value(&eager.plan).unwrap();
     assert_eq!(json["strategy"]["elementwise"], "Eager");
+}
+
+/// `loss=unfused` (Megatron's default `vocab_parallel_cross_entropy`)
+/// passes over the logits eight times in fp32 where the fused loss reads
+/// them once each way: 52 bytes a bf16 logit against 6, the rest of the
+/// step untouched; and it keeps the fp32 softmax (4 bytes a logit) where
+/// the fused loss keeps the bf16 logits (2), the gradient written beside
+/// it the same. Fused is the default and is not written into the plan.
+#[test]
+fn an_unfused_loss_makes_its_passes_and_keeps_an_fp32_softmax() {
+    let base = "tp=1,pp=1,dp=8,mb=1,zero=1,recompute=none,attention=fused";
+    let fused = plan_as_pinned(GPT_1_7B, "8xA100", 8, base);
+    let unfused = plan_as_pinned(GPT_1_7B, "8xA100", 8, &format!("{base},loss=unfused"));
+    let (f, u) = (&fused.plan.estimate, &unfused.plan.estimate);
+    // One micro-batch of one sequence a rank: its logits.
+    let logits = 2048.0 * GPT_1_7B.vocab as f64;
+    let bandwidth = parse_cluster("8xA100").unwrap().device.memory_bandwidth;
+    // The extra bytes at the device's full bandwidth bound the extra time
+    // from below; the sustained fraction and eight kernel launches bound it
+    // from above.
+    let extra = (52.0 - 6.0) * logits / bandwidth;
+    let slower = u.breakdown.compute_s - f.breakdown.compute_s;
+    assert!(
+        slower > extra && slower < 1.5 * extra,
+        "the unfused loss adds {slower:.6} s, its bytes {extra:.6} s"
+    );
+    assert_eq!(u.model_flops_per_step, f.model_flops_per_step);
+    assert_eq!(u.breakdown.exposed_comm_s, f.breakdown.exposed_comm_s);
+    let (fm, um) = (&fused.plan.stages[0].memory, &unfused.plan.stages[0].memory);
+    assert_eq!(
+        um.embedding_and_loss - fm.embedding_and_loss,
+        (2.0 * logits) as u64,
+        "the fp32 softmax in the bf16 logits' place"
+    );
+    assert_eq!((um.activations, um.buffers), (fm.activations, fm.buffers));
+    let json = serde_json::to_value(&fused.plan).unwrap();
+    assert!(json["strategy"].get("loss").is_none());
+    let json = serde_json::to_value(&unfused.plan).unwrap();
+    assert_eq!(json["strategy"]["loss"], "Unfused");
+    assert!(unfused.plan.strategy.to_string().contains("loss unfused"));
 }
 
 /// torchtitan's op-level checkpointing keeps more than a layer's input and

@@ -411,6 +411,14 @@ pub fn parallel_flags(plan: &Plan) -> Vec<Flag> {
             AttentionKind::Unfused => "unfused",
         },
     ));
+    if s.loss == dplc_ir::Loss::Fused {
+        // Transformer Engine's cross-entropy: one pass over the logits
+        // writing their gradient in place, as dplc prices a fused loss.
+        // Megatron's `native` fusion still keeps the fp32 softmax, and its
+        // default (no flag) is the unfused loss.
+        f.push(flag("--cross-entropy-loss-fusion"));
+        f.push(arg("--cross-entropy-fusion-impl", "te"));
+    }
     f
 }
 

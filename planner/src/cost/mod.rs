@@ -17,7 +17,7 @@ pub(crate) use comm::{collective_time, dispatch_time, group_link, server_rate, G
 use crate::cluster::Cluster;
 use crate::profile::{Bind, ModelProfile, StackShare};
 use dplc_ir::{
-    AttentionKind, AxisComm, CollectiveKind, Compression, Elementwise, GradAccum, GradSync,
+    AttentionKind, AxisComm, CollectiveKind, Compression, Elementwise, GradAccum, GradSync, Loss,
     MeshAxis, Offload, PipelineSchedule, Precision, Recompute, ShardLayout, TimeBreakdown,
     TpOverlap,
 };
@@ -165,6 +165,8 @@ pub(crate) struct Config {
     pub autocast: bool,
     /// Elementwise ops fused into chains, or one kernel each (`elementwise=eager`).
     pub elementwise: Elementwise,
+    /// The cross-entropy as one kernel, or in fp32 pass by pass (`loss=unfused`).
+    pub loss: Loss,
     /// Where ZeRO-3 keeps what it gathers and reduces (`shards=per_param`: FSDP2's copies).
     pub shards: ShardLayout,
     /// How replicas combine gradients (`sync=`); priced by [`CostModel::dp_reduction`].
@@ -299,7 +301,7 @@ impl PassCost {
 
 /// What the per-micro-batch costs of a layer depend on: tp, cp, ep,
 /// micro-batch, sequence parallelism, recomputation, attention kind,
-/// tensor-parallel overlap, FP8, the elementwise kernels, autocast and the
+/// tensor-parallel overlap, FP8, the elementwise kernels, the loss, autocast and the
 /// token dispatcher — and the expert group's stride, which the rank
 /// order and the pipeline degree move (the links of the groups follow).
 type LayerKey = (
@@ -308,7 +310,7 @@ type LayerKey = (
     bool,
     Recompute,
     AttentionKind,
-    (TpOverlap, bool, Elementwise, bool, dplc_ir::Dispatch),
+    (TpOverlap, bool, Elementwise, Loss, bool, dplc_ir::Dispatch),
     u64,
 );
 
@@ -424,7 +426,14 @@ impl<'a> CostModel<'a> {
             c.sp,
             c.recompute,
             c.attention,
-            (c.tp_overlap, c.fp8, c.elementwise, c.autocast, c.dispatch),
+            (
+                c.tp_overlap,
+                c.fp8,
+                c.elementwise,
+                c.loss,
+                c.autocast,
+                c.dispatch,
+            ),
             // The tp and cp groups are the innermost axes (their links follow
             // from tp and cp); the expert group is the innermost part of dp,
             // which sits beyond pp when the pipeline is inner.

@@ -10,7 +10,7 @@ use super::{Config, CostModel, Part, PassCost, KERNEL_OVERHEAD_S, MEMORY_EFFICIE
 use crate::cluster::FLASH2_OVER_FLASH1;
 use crate::profile::{Bind, RegionProfile, Work};
 use crate::sharding::{GemmSplit, Pass, TpCollectiveKind};
-use dplc_ir::{AttentionKind, CollectiveKind, Elementwise, MeshAxis, Recompute};
+use dplc_ir::{AttentionKind, CollectiveKind, Elementwise, Loss, MeshAxis, Recompute};
 use fxhash::FxHashMap as HashMap;
 
 /// Whether a row of `len` elements of `elt` bytes is a whole number of
@@ -103,6 +103,31 @@ pub(crate) fn attended_share(seq: u64, causal: bool, window: Option<u64>, tile: 
     }
 }
 
+/// Bytes per logit of each kernel an unfused cross-entropy runs, forward
+/// and backward, over logits of `e` bytes: Megatron's
+/// `vocab_parallel_cross_entropy` (megatron/core/tensor_parallel/cross_entropy.py,
+/// core_r0.8.0 to core_v0.12.0), pass by pass. Forward: the cast to fp32
+/// (read `e`, write 4; none when the logits are fp32), the row maximum
+/// (read 4), the maximum subtracted in place (read and write 4), `exp` in
+/// place (4 + 4), the row sum (4), the division by it in place (4 + 4):
+/// 36 + `e` bytes at bf16's 2. Backward: the kept softmax scaled by the
+/// loss's gradient in place (4 + 4) and autograd's cast of the fp32
+/// gradient back to the logits' type (read 4, write `e`). The gather of
+/// the target logits and the row statistics are a row's few bytes.
+fn unfused_loss_passes(e: f64) -> (Vec<f64>, Vec<f64>) {
+    let cast = e < 4.0;
+    let mut forward = Vec::new();
+    if cast {
+        forward.push(e + 4.0);
+    }
+    forward.extend([4.0, 8.0, 8.0, 4.0, 8.0]);
+    let mut backward = vec![8.0];
+    if cast {
+        backward.push(4.0 + e);
+    }
+    (forward, backward)
+}
+
 impl CostModel<'_> {
     fn gemm_time(&self, m: f64, n: f64, flops: f64, bytes: f64) -> f64 {
         let rate = self.peak_flops * self.cluster.device.matmul_efficiency;
@@ -153,7 +178,12 @@ impl CostModel<'_> {
         // the GEMM outputs and the attention output it keeps instead.
         let (mut weight_gemms, mut op_recompute, mut op_saved) = (0u32, 0.0, 0.0);
         let whole_bind = Bind { cp: 1.0, ..bind };
+        let unfused_loss = c.loss == Loss::Unfused;
         for op in &r.ops {
+            if unfused_loss && op.cross_entropy {
+                // Priced below, pass by pass.
+                continue;
+            }
             // What every cp rank runs on the whole sequence costs it whole.
             let bind = if op.whole_sequence { whole_bind } else { bind };
             if fused && op.attention_core {
@@ -311,6 +341,17 @@ impl CostModel<'_> {
                 op_recompute += fwd;
             }
         }
+        // The unfused loss's passes over the rank's logits (its share of the
+        // vocabulary when tp splits it).
+        let logits = bind.eval(&r.cross_entropy.sharded) / tp
+            + bind.eval(&r.cross_entropy.replicated) / rep_div;
+        if unfused_loss && logits > 0.0 {
+            let (forward, backward) = unfused_loss_passes(elt);
+            let passes =
+                |bytes: &[f64]| -> f64 { bytes.iter().map(|b| self.memory_time(b * logits)).sum() };
+            pc.forward += passes(&forward);
+            pc.backward += passes(&backward);
+        }
         // Selective recomputation redoes the unfused core; a fused kernel
         // keeps no core tensor to drop, and recomputes inside its backward.
         let mut selective = core_forward;
@@ -448,8 +489,17 @@ impl CostModel<'_> {
             }
             // A linear layer's input is kept as the FP8 copy its GEMM read.
             let b = if fp8 && s.gemm_input { b / elt } else { b };
-            pc.full_saved_bytes += b;
+            // The largest kept tensor's gradient is written beside it: an
+            // unfused loss keeps the logits' fp32 softmax instead of the
+            // logits, scales it in place, and writes the gradient in the
+            // logits' type beside it.
             pc.largest_saved_bytes = pc.largest_saved_bytes.max(b);
+            let b = if unfused_loss && s.logits {
+                b * 4.0 / elt
+            } else {
+                b
+            };
+            pc.full_saved_bytes += b;
             if !(c.recompute == Recompute::Selective && s.attention_core) {
                 pc.saved_bytes += b;
             }

@@ -116,6 +116,9 @@ pub(crate) struct OpCost {
     /// Writes a tensor of the experts layout: whole on every tensor-parallel
     /// rank, where sequence parallelism splits the other unsharded ones.
     pub experts: bool,
+    /// The log-softmax or the gather of a cross-entropy: priced with the
+    /// region's [`RegionProfile::cross_entropy`] when the loss is unfused.
+    pub cross_entropy: bool,
 }
 
 /// One tensor kept for backward.
@@ -132,6 +135,9 @@ pub(crate) struct Saved {
     /// Read only by linear layers' GEMMs (through views): under FP8 the
     /// one-byte copy those GEMMs read is what backward keeps.
     pub gemm_input: bool,
+    /// The logits of a cross-entropy: kept for a fused loss's backward,
+    /// where an unfused loss keeps their fp32 softmax instead.
+    pub logits: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -218,6 +224,9 @@ pub(crate) struct RegionProfile {
     /// Keys a query sees under a sliding-window mask (`dplc_ir::window_mask`):
     /// a fused kernel skips the key tiles behind the window too.
     pub window: Option<u64>,
+    /// Elements of the logits of the region's cross-entropy losses, by how
+    /// they split over tp: what an unfused loss passes over again and again.
+    pub cross_entropy: Traffic,
 }
 
 impl RegionProfile {

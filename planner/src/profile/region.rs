@@ -305,6 +305,7 @@ impl RegionBuilder<'_> {
                     attention_core: both_activations,
                     whole_sequence: false,
                     experts: node.outputs.iter().any(|&o| self.experts(o)),
+                    cross_entropy: false,
                 })
             }
             _ => {
@@ -344,6 +345,7 @@ impl RegionBuilder<'_> {
                     attention_core: quadratic,
                     whole_sequence: false,
                     experts: node.outputs.iter().any(|&o| self.experts(o)),
+                    cross_entropy: false,
                 })
             }
         }
@@ -448,6 +450,29 @@ pub(super) fn region_profile(
             .map(|m| m.window),
         ..RegionProfile::default()
     };
+    // The cross-entropies: a log-softmax whose output only the loss's
+    // gather reads. Their logits, and the two ops that an unfused loss
+    // replaces with its passes.
+    let mut logits = BTreeSet::new();
+    for &n in nodes {
+        let node = g.node(n);
+        let (Op::LogSoftmax { .. }, [x], [o]) = (&node.op, &node.inputs[..], &node.outputs[..])
+        else {
+            continue;
+        };
+        if !b.fused_loss(*o) || !an.is_activation(*x) {
+            continue;
+        }
+        logits.insert(*x);
+        let ce = &mut p.cross_entropy;
+        b.add_bytes(*x, 1, &mut ce.sharded, &mut ce.replicated);
+        let gather = b.consumers.get(o).and_then(|c| c.first()).copied();
+        for op in &mut p.ops {
+            if op.node == n || Some(op.node) == gather {
+                op.cross_entropy = true;
+            }
+        }
+    }
     for s in saved {
         let mut bytes = Poly::zero();
         bytes.add_dim(&s.elements, Ratio::int(s.kind.bytes(precision) as i64));
@@ -464,6 +489,7 @@ pub(super) fn region_profile(
             experts: b.experts(s.tensor),
             attention_core: dplc_ir::attention_core(&s.elements, seq),
             gemm_input: b.weight_gemm_input(s.tensor),
+            logits: logits.contains(&s.tensor),
         });
     }
     for c in &sharding.collectives {
