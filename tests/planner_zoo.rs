@@ -595,3 +595,35 @@ fn a_pipelined_plan_prices_the_other_schedule() {
         .iter()
         .any(|w| w.change.starts_with("schedule")));
 }
+
+/// A plan with Megatron's unfused loss prices the fused one beside it
+/// (what `--cross-entropy-loss-fusion` buys); a fused plan has nothing to
+/// gain there and shows no such line.
+#[test]
+fn an_unfused_loss_prices_the_fused_one() {
+    let unfused = plan(
+        "megatron_gpt.dpl",
+        "mcore_gpt_1_7b",
+        "8xH100",
+        "tp=1,pp=1,mb=1,loss=unfused",
+        0,
+    );
+    let fused = what_if(&unfused, "loss unfused → fused");
+    assert!(
+        fused < unfused.plan.estimate.step_time_s,
+        "the fused loss is faster: {fused} against {}",
+        unfused.plan.estimate.step_time_s
+    );
+    let default = plan(
+        "megatron_gpt.dpl",
+        "mcore_gpt_1_7b",
+        "8xH100",
+        "tp=1,pp=1,mb=1",
+        0,
+    );
+    assert!(!default
+        .plan
+        .what_if
+        .iter()
+        .any(|w| w.change.starts_with("loss")));
+}

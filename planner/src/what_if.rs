@@ -8,8 +8,8 @@ use crate::{
 use dplc_ir::{Plan, Recompute};
 
 /// The plan's neighbours: tensor degree ×2 and ÷2, the other recompute
-/// policies, the other pipeline schedule, micro-batch ×2; every other
-/// choice stays as planned.
+/// policies, the other pipeline schedule, the fused loss for an unfused
+/// one, micro-batch ×2; every other choice stays as planned.
 pub(crate) fn neighbours(
     req: &PlanRequest,
     plan: &Plan,
@@ -88,6 +88,17 @@ pub(crate) fn neighbours(
             "overlap off → on".to_string(),
             StrategyConstraints {
                 overlap_grad_reduce: None,
+                ..base.clone()
+            },
+        ));
+    }
+    if s.loss == dplc_ir::Loss::Unfused {
+        // What a fused loss (Megatron's `--cross-entropy-loss-fusion`
+        // with Transformer Engine's kernel) would buy.
+        variants.push((
+            "loss unfused → fused".to_string(),
+            StrategyConstraints {
+                loss: None,
                 ..base.clone()
             },
         ));
