@@ -286,34 +286,3 @@ fn gpu_runs_without_a_driver_say_so() {
         stderr(&out)
     );
 }
-
-/// An engine's stack keys price another engine's run: `build` refuses
-/// each (dplc's kernels would not run what the plan priced) and writes no
-/// artifact.
-#[test]
-fn build_refuses_the_stacks_dplc_does_not_run() {
-    for pin in [
-        "dp=2,recompute=op",
-        "dp=2,elementwise=eager",
-        "dp=2,loss=unfused",
-        "dp=2,autocast=on",
-    ] {
-        let dir = tmp(&format!("refused-{}", pin.replace([',', '='], "-")));
-        let out = dplc(&[
-            "build",
-            "models/tiny.dpl",
-            "--model",
-            "gpt_tiny",
-            "--cluster",
-            "2xcpu",
-            "--strategy",
-            pin,
-            "-o",
-            dir.to_str().unwrap(),
-        ]);
-        assert!(!out.status.success(), "{pin} built");
-        let err = stderr(&out).replace("\n  | ", " ");
-        assert!(err.contains("an artifact cannot"), "{pin}: {err}");
-        assert!(!dir.join("plan.ron").exists(), "{pin} wrote a plan");
-    }
-}

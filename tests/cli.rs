@@ -136,8 +136,9 @@ fn every_command_has_help() {
 }
 
 /// An engine's stack keys (`recompute=op`, `elementwise=eager`,
-/// `loss=unfused`, `shards=per_param`, `autocast=on`) are priced by `compile` and refused by `run`, whose
-/// own kernels and buffers do none of them.
+/// `loss=unfused`, `shards=per_param`, `autocast=on`) are priced by
+/// `compile` and refused by `run` and `build`, whose own kernels and
+/// buffers do none of them; a refused build writes nothing.
 #[test]
 fn engine_stack_keys_are_priced_not_run() {
     for pin in [
@@ -177,5 +178,23 @@ fn engine_stack_keys_are_priced_not_run() {
         let err = String::from_utf8_lossy(&run.stderr).replace("\n  | ", " ");
         assert!(!run.status.success(), "{pin} ran");
         assert!(err.contains("dplc's runtime"), "{pin}: {err}");
+        let scratch = common::Scratch::new("cli", "refused-build");
+        let out = scratch.0.join("artifact");
+        let built = dplc(&[
+            "build",
+            "models/tiny.dpl",
+            "--model",
+            "gpt_tiny",
+            "--cluster",
+            "2xcpu",
+            "--strategy",
+            pin,
+            "-o",
+            out.to_str().unwrap(),
+        ]);
+        let err = String::from_utf8_lossy(&built.stderr).replace("\n  | ", " ");
+        assert!(!built.status.success(), "{pin} built");
+        assert!(err.contains("an artifact cannot"), "{pin}: {err}");
+        assert!(!out.exists(), "{pin}: a refused build wrote {out:?}");
     }
 }
