@@ -277,8 +277,9 @@ pub(crate) struct PassCost {
     /// The largest tensor a sequence-parallel all-gather assembles whole
     /// (Megatron's reused global "mpu" buffer, forward and backward).
     pub gather_buffer_bytes: f64,
-    /// The largest one tensor kept for backward (after the loss: the
-    /// logits), whose gradient the backward writes beside it.
+    /// The largest gradient the backward writes beside what is kept: that
+    /// of the largest one tensor kept for backward (after the loss: the
+    /// logits', in their type, whatever the loss keeps of them).
     pub largest_saved_bytes: f64,
 }
 

@@ -489,10 +489,10 @@ impl CostModel<'_> {
             }
             // A linear layer's input is kept as the FP8 copy its GEMM read.
             let b = if fp8 && s.gemm_input { b / elt } else { b };
-            // The largest kept tensor's gradient is written beside it: an
-            // unfused loss keeps the logits' fp32 softmax instead of the
-            // logits, scales it in place, and writes the gradient in the
-            // logits' type beside it.
+            // The gradient written beside the largest kept tensor is its
+            // size; an unfused loss keeps the logits' fp32 softmax in their
+            // place and scales it in place, but the gradient it writes
+            // beside it is in the logits' type, the same as a fused loss's.
             pc.largest_saved_bytes = pc.largest_saved_bytes.max(b);
             let b = if unfused_loss && s.logits {
                 b * 4.0 / elt
