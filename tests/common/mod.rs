@@ -78,6 +78,16 @@ pub fn dplc(args: &[&str]) -> Output {
         .expect("the dplc binary runs")
 }
 
+/// A model written to `file` in a scratch directory of its own (the
+/// directory, to remove, and the file).
+pub fn scratch_model(tag: &str, file: &str, text: &str) -> (PathBuf, PathBuf) {
+    let dir = std::env::temp_dir().join(format!("dplc-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a scratch directory");
+    let src = dir.join(file);
+    std::fs::write(&src, text).expect("the model is written");
+    (dir, src)
+}
+
 /// A scratch directory, `dplc-{prefix}-{name}-{pid}` under the system's
 /// temporary directory: emptied when made, removed when the test ends.
 pub struct Scratch(pub PathBuf);
