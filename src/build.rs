@@ -147,10 +147,18 @@ fn world_size(plan: &Plan) -> u64 {
 
 pub fn build(args: &BuildArgs) -> Result<()> {
     let (compiled, lowered) = compile::plan(&args.plan, 0, |pinned, _| {
-        if pinned.fp8 == Some(true) {
+        // What prices another engine's stack: dplc's runtime would not run
+        // what the plan priced (crate::stack holds the list).
+        if let Some(e) = crate::stack::elsewhere(pinned) {
+            let export = e
+                .export
+                .map(|to| format!(", or `dplc export` the plan to {to}"))
+                .unwrap_or_default();
             return Err(miette::miette!(
-                help = "drop fp8 from --strategy, or `dplc export` the plan to Megatron-LM or torchtitan",
-                "dplc's runtime does not run FP8 GEMMs, so an artifact cannot"
+                help = format!("{}{export}", e.instead),
+                "dplc's runtime {}, so an artifact cannot run {}",
+                e.runtime,
+                e.pin
             ));
         }
         if pinned.ps_ranks == Some(dplc_ir::ServerRanks::Dedicated) {
@@ -158,51 +166,6 @@ pub fn build(args: &BuildArgs) -> Result<()> {
                 help = "pin ps_ranks=colocated, or train it with `dplc run` on CPU ranks",
                 "an artifact runs one process per device of the cluster; dedicated parameter \
                  servers are ranks beyond them"
-            ));
-        }
-        if pinned.recompute == Some(dplc_ir::Recompute::Op) {
-            return Err(miette::miette!(
-                help = "pin recompute=none, selective or full, or `dplc export` the plan to torchtitan",
-                "dplc's runtime does not run torchtitan's op-level checkpointing, so an artifact cannot"
-            ));
-        }
-        if pinned.elementwise == Some(dplc_ir::Elementwise::Eager) {
-            return Err(miette::miette!(
-                help = "drop elementwise from --strategy, or `dplc export` the plan to torchtitan",
-                "dplc's kernels fuse elementwise ops, so an artifact cannot run them eagerly"
-            ));
-        }
-        if pinned.loss == Some(dplc_ir::Loss::Unfused) {
-            return Err(miette::miette!(
-                help = "drop loss from --strategy, or `dplc export` the plan to Megatron-LM",
-                "dplc's kernels fuse the cross-entropy, so an artifact cannot run it pass by pass"
-            ));
-        }
-        if pinned.autocast == Some(true) {
-            return Err(miette::miette!(
-                help = "drop autocast from --strategy",
-                "dplc's runtime keeps activations in the training precision, so an artifact cannot run PyTorch's autocast"
-            ));
-        }
-        if pinned.shards == Some(dplc_ir::ShardLayout::PerParam) {
-            return Err(miette::miette!(
-                help = "drop shards from --strategy, or `dplc export` the plan to torchtitan",
-                "dplc's runtime gathers ZeRO-3's weights into flat buffers, so an artifact cannot copy them per parameter"
-            ));
-        }
-        if pinned
-            .grad_reduce
-            .is_some_and(|g| g != dplc_ir::GradReduce::Fp32)
-        {
-            return Err(miette::miette!(
-                help = "drop grad_reduce from --strategy, or `dplc export` the plan to Megatron-LM",
-                "dplc's runtime accumulates and reduces gradients in fp32, so an artifact cannot keep them in half precision"
-            ));
-        }
-        if pinned.offload.is_some_and(|o| !o.is_none()) {
-            return Err(miette::miette!(
-                help = "drop offload from --strategy, or `dplc export` the plan to DeepSpeed",
-                "dplc's runtime does not offload to host memory, so an artifact cannot"
             ));
         }
         pinned.offload = Some(dplc_ir::Offload::NONE);

@@ -11,6 +11,7 @@ mod import;
 mod inspect;
 mod load;
 mod run;
+mod stack;
 mod units;
 mod verify;
 mod viz;

@@ -150,71 +150,25 @@ pub fn prepare(args: &PlanArgs) -> Result<Prepared> {
         if pinned.cp.is_none() {
             pinned.cp = Some(1);
         }
+        // What prices another engine's stack is refused before any rank
+        // starts (crate::stack holds the list).
+        if let Some(e) = crate::stack::elsewhere(pinned) {
+            let export = e
+                .export
+                .map(|to| format!(" and `dplc export` hands it to {to}"))
+                .unwrap_or_default();
+            return Err(miette!(
+                help = format!(
+                    "{} to train here; `dplc compile` prices it{export}",
+                    e.instead
+                ),
+                "dplc's runtime {}; {} prices another engine",
+                e.runtime,
+                e.pin
+            ));
+        }
         // Its ranks keep every state in their own memory.
-        match pinned.offload {
-            Some(o) if !o.is_none() => {
-                return Err(miette!(
-                    help = "drop offload from --strategy to train here; `dplc compile` prices it and `dplc export` hands it to DeepSpeed, Megatron-LM or torchtitan",
-                    "dplc's runtime does not offload to host memory"
-                ))
-            }
-            _ => pinned.offload = Some(dplc_ir::Offload::NONE),
-        }
-        // Its kernels compute in the training precision; FP8 GEMMs are
-        // priced (`dplc compile`, `dplc export`), not generated.
-        if pinned.fp8 == Some(true) {
-            return Err(miette!(
-                help = "drop fp8 from --strategy to train here; `dplc compile` prices it and `dplc export` hands it to Megatron-LM or torchtitan",
-                "dplc's runtime does not run FP8 GEMMs"
-            ));
-        }
-        // Its kernels fuse elementwise chains (the reference interpreter's
-        // op-by-op pricing is not what a GPU rank runs).
-        if pinned.recompute == Some(dplc_ir::Recompute::Op) {
-            return Err(miette!(
-                help = "pin recompute=none, selective or full to train here; `dplc compile` prices op-level checkpointing and `dplc export` hands it to torchtitan",
-                "dplc's runtime does not run torchtitan's op-level checkpointing"
-            ));
-        }
-        if pinned.elementwise == Some(dplc_ir::Elementwise::Eager) {
-            return Err(miette!(
-                help = "drop elementwise from --strategy to train here; `dplc compile` prices an eager engine's stack",
-                "dplc's runtime fuses elementwise ops; elementwise=eager prices another engine"
-            ));
-        }
-        if pinned.loss == Some(dplc_ir::Loss::Unfused) {
-            return Err(miette!(
-                help = "drop loss from --strategy to train here; `dplc compile` prices an unfused loss",
-                "dplc's runtime fuses the cross-entropy; loss=unfused prices another engine"
-            ));
-        }
-        if pinned.autocast == Some(true) {
-            return Err(miette!(
-                help = "drop autocast from --strategy to train here; `dplc compile` prices PyTorch's autocast",
-                "dplc's runtime keeps activations in the training precision; autocast=on prices PyTorch's automatic mixed precision"
-            ));
-        }
-        if pinned.shards == Some(dplc_ir::ShardLayout::PerParam) {
-            return Err(miette!(
-                help = "drop shards from --strategy to train here; `dplc compile` prices FSDP2's copies and `dplc export` hands them to torchtitan",
-                "dplc's runtime gathers ZeRO-3's weights into flat buffers; shards=per_param prices FSDP2"
-            ));
-        }
-        if pinned
-            .grad_reduce
-            .is_some_and(|g| g != dplc_ir::GradReduce::Fp32)
-        {
-            return Err(miette!(
-                help = "drop grad_reduce from --strategy to train here; `dplc compile` prices half-precision main gradients and `dplc export` hands them to Megatron-LM",
-                "dplc's ranks accumulate and reduce gradients in fp32; grad_reduce=bf16 prices another engine's gradient buffers"
-            ));
-        }
-        if pinned.dispatch == Some(dplc_ir::Dispatch::Hierarchical) {
-            return Err(miette!(
-                help = "drop dispatch from --strategy to train here; `dplc compile` prices DeepEP's and HybridEP's dispatch",
-                "dplc's ranks dispatch MoE tokens with one all-to-all; dispatch=hierarchical prices another engine's dispatcher"
-            ));
-        }
+        pinned.offload = Some(dplc_ir::Offload::NONE);
         // Attention runs as the plan prices it: one fused kernel per
         // attention codegen takes (the default, `attention=fused`), or op
         // by op when `attention=unfused` is pinned (RunConfig::attention).

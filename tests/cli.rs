@@ -136,65 +136,52 @@ fn every_command_has_help() {
 }
 
 /// An engine's stack keys (`recompute=op`, `elementwise=eager`,
-/// `loss=unfused`, `shards=per_param`, `autocast=on`) are priced by
-/// `compile` and refused by `run` and `build`, whose own kernels and
-/// buffers do none of them; a refused build writes nothing.
+/// `loss=unfused`, `shards=per_param`, `autocast=on`,
+/// `dispatch=hierarchical`) are priced by `compile` and refused by `run`
+/// and `build` (one list, `src/stack.rs`), whose own kernels and buffers do
+/// none of them: each says what to pin instead and names the pin, and a
+/// refused build writes nothing.
 #[test]
 fn engine_stack_keys_are_priced_not_run() {
-    for pin in [
-        "dp=2,recompute=op",
-        "dp=2,elementwise=eager",
-        "dp=2,loss=unfused",
-        "dp=2,zero=3,shards=per_param",
-        "dp=2,autocast=on",
+    for (model, cluster, pin) in [
+        ("gpt_tiny", "2xcpu", "dp=2,recompute=op"),
+        ("gpt_tiny", "2xcpu", "dp=2,elementwise=eager"),
+        ("gpt_tiny", "2xcpu", "dp=2,loss=unfused"),
+        ("gpt_tiny", "2xcpu", "dp=2,zero=3,shards=per_param"),
+        ("gpt_tiny", "2xcpu", "dp=2,autocast=on"),
+        ("moe_tiny", "4xcpu", "ep=2,dispatch=hierarchical"),
     ] {
-        let compiled = dplc(&[
-            "compile",
+        let key = pin.rsplit(',').next().unwrap();
+        let plan = [
             "models/tiny.dpl",
             "--model",
-            "gpt_tiny",
+            model,
             "--cluster",
-            "2xcpu",
+            cluster,
             "--strategy",
             pin,
-        ]);
+        ];
+        let compiled = dplc(&[&["compile"][..], &plan].concat());
         assert!(
             compiled.status.success(),
             "{pin}: {}",
             String::from_utf8_lossy(&compiled.stderr)
         );
-        let run = dplc(&[
-            "run",
-            "models/tiny.dpl",
-            "--model",
-            "gpt_tiny",
-            "--cluster",
-            "2xcpu",
-            "--strategy",
-            pin,
-            "--steps",
-            "1",
-        ]);
+        let run = dplc(&[&["run"][..], &plan, &["--steps", "1"]].concat());
         let err = String::from_utf8_lossy(&run.stderr).replace("\n  | ", " ");
         assert!(!run.status.success(), "{pin} ran");
         assert!(err.contains("dplc's runtime"), "{pin}: {err}");
+        assert!(
+            err.contains(key) && err.contains("to train here"),
+            "{pin}: {err}"
+        );
         let scratch = common::Scratch::new("cli", "refused-build");
         let out = scratch.0.join("artifact");
-        let built = dplc(&[
-            "build",
-            "models/tiny.dpl",
-            "--model",
-            "gpt_tiny",
-            "--cluster",
-            "2xcpu",
-            "--strategy",
-            pin,
-            "-o",
-            out.to_str().unwrap(),
-        ]);
+        let built = dplc(&[&["build"][..], &plan, &["-o", out.to_str().unwrap()]].concat());
         let err = String::from_utf8_lossy(&built.stderr).replace("\n  | ", " ");
         assert!(!built.status.success(), "{pin} built");
         assert!(err.contains("an artifact cannot"), "{pin}: {err}");
+        assert!(err.contains(key), "{pin}: {err}");
         assert!(!out.exists(), "{pin}: a refused build wrote {out:?}");
     }
 }
