@@ -987,6 +987,22 @@ pub fn to_json(compiled: &Compiled) -> serde_json::Value {
             "recompute": s.recompute.name(),
             "sequence_parallel": s.sequence_parallel,
             "overlap_grad_reduce": s.overlap_grad_reduce,
+            // The engine's stack the plan is priced on.
+            "attention": s.attention.name(),
+            "tp_overlap": s.tp_overlap.name(),
+            "grad_accum": s.grad_accum.name(),
+            "grad_reduce": s.grad_reduce.name(),
+            "dispatch": s.dispatch.name(),
+            "root": s.root.name(),
+            "fp8": s.fp8,
+            "offload": s.offload.name(),
+            "autocast": s.autocast,
+            "elementwise": s.elementwise.name(),
+            "loss": s.loss.name(),
+            "shards": s.shards.name(),
+            "compress": s.compress.name(),
+            // Every choice in words, as `compile` prints it.
+            "description": s.to_string(),
         },
         "estimate": {
             "step_time_s": e.step_time_s,

@@ -145,6 +145,20 @@ fn the_same_request_gives_a_byte_identical_plan_that_round_trips() {
         "recompute",
         "sequence_parallel",
         "overlap_grad_reduce",
+        "attention",
+        "tp_overlap",
+        "grad_accum",
+        "grad_reduce",
+        "dispatch",
+        "root",
+        "fp8",
+        "offload",
+        "autocast",
+        "elementwise",
+        "loss",
+        "shards",
+        "compress",
+        "description",
     ] {
         assert!(!json["strategy"][key].is_null(), "strategy.{key}");
     }
