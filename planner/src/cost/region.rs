@@ -537,7 +537,7 @@ impl CostModel<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::{attended_share, gemm_seconds};
+    use super::{attended_share, gemm_seconds, unfused_loss_passes};
     use crate::cluster::device;
 
     /// XLA's measured bf16 GEMM rates on an sm_90 GPU (the H100), TFLOP/s,
@@ -656,6 +656,20 @@ mod tests {
             "training-sized GEMMs off by {:.0}%",
             worst * 100.0
         );
+    }
+
+    /// Megatron's unfused loss over bf16 logits: six forward kernels
+    /// moving 38 bytes a logit and two backward ones moving 14 (52 in all,
+    /// where a fused loss moves 6); over fp32 logits no cast either way.
+    #[test]
+    fn the_unfused_loss_makes_megatrons_passes() {
+        let total = |v: &[f64]| v.iter().sum::<f64>();
+        let (forward, backward) = unfused_loss_passes(2.0);
+        assert_eq!((forward.len(), total(&forward)), (6, 38.0));
+        assert_eq!((backward.len(), total(&backward)), (2, 14.0));
+        let (forward, backward) = unfused_loss_passes(4.0);
+        assert_eq!((forward.len(), total(&forward)), (5, 32.0));
+        assert_eq!((backward.len(), total(&backward)), (1, 8.0));
     }
 
     /// `(seq, causal, window, tile, share of seq² the kernel's time follows)`.
