@@ -357,14 +357,17 @@ impl CostModel<'_> {
         }
         // The unfused loss's passes over the rank's logits (its share of the
         // vocabulary when tp splits it).
-        let logits = bind.eval(&r.cross_entropy.sharded) / tp
-            + bind.eval(&r.cross_entropy.replicated) / rep_div;
-        if unfused_loss && logits > 0.0 {
-            let (forward, backward) = unfused_loss_passes(elt);
-            let passes =
-                |bytes: &[f64]| -> f64 { bytes.iter().map(|b| self.memory_time(b * logits)).sum() };
-            pc.forward += passes(&forward);
-            pc.backward += passes(&backward);
+        if unfused_loss {
+            let logits = bind.eval(&r.cross_entropy.sharded) / tp
+                + bind.eval(&r.cross_entropy.replicated) / rep_div;
+            if logits > 0.0 {
+                let (forward, backward) = unfused_loss_passes(elt);
+                let passes = |bytes: &[f64]| -> f64 {
+                    bytes.iter().map(|b| self.memory_time(b * logits)).sum()
+                };
+                pc.forward += passes(&forward);
+                pc.backward += passes(&backward);
+            }
         }
         // Selective recomputation redoes the unfused core; a fused kernel
         // keeps no core tensor to drop, and recomputes inside its backward.
