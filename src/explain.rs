@@ -226,6 +226,19 @@ pub fn render(plan: &Plan) -> String {
         e.hardware_tflops_per_gpu,
         e.mfu * 100.0
     );
+    if e.masked_attention_flops_per_step > 0.0 && e.model_flops_per_step > 0.0 {
+        // Logs that count attention over every query-key pair read higher:
+        // say by how much, so the two compare.
+        let every_pair = 1.0 + e.masked_attention_flops_per_step / e.model_flops_per_step;
+        let _ = writeln!(
+            s,
+            "  (model FLOPs count the attention pairs the masks keep, as Megatron-LM from \
+             core_v0.16.0;\n  over every pair, as PaLM, torchtitan and earlier Megatron-LM count: \
+             {:.1} TFLOP/s per GPU, MFU {:.1}%)",
+            e.model_tflops_per_gpu * every_pair,
+            e.mfu * every_pair * 100.0
+        );
+    }
     let by_axis = comm_by_axis(plan);
     let priced = by_axis.values().any(|a| a.exposed_hidden.is_some());
     if priced {

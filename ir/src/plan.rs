@@ -228,10 +228,21 @@ pub struct Estimate {
     /// classifier), whose throughput is counted in samples; absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub samples_per_s: Option<f64>,
-    /// `3 × forward FLOPs` per step (no recomputation).
+    /// `3 × forward FLOPs` per step (no recomputation), each attention
+    /// counted over the query-key pairs its mask keeps: a causal one half,
+    /// as Megatron-LM counts it from core_v0.16.0 and FlashAttention's
+    /// benchmarks do.
     pub model_flops_per_step: f64,
-    /// Model FLOPs plus the recomputed forward.
+    /// What the kernels execute: model FLOPs, the recomputed forward, and
+    /// the masked scores an unfused attention computes (a fused kernel
+    /// skips them).
     pub hardware_flops_per_step: f64,
+    /// The attention FLOPs the masks remove (`3 ×` forward): add them to
+    /// compare with a count over every pair (PaLM's `6N + 12LHQT`,
+    /// Megatron-LM before core_v0.16.0, torchtitan's MFU). 0 in plans
+    /// written before it was counted.
+    #[serde(default)]
+    pub masked_attention_flops_per_step: f64,
     pub model_tflops_per_gpu: f64,
     pub hardware_tflops_per_gpu: f64,
     /// Model FLOP/s over the devices' peak.

@@ -92,15 +92,33 @@ pub(crate) fn strategy(c: &Config, global_batch: u64, seq: u64) -> Strategy {
     }
 }
 
-/// Model and hardware FLOPs of one step, from the graph: `3 ×` forward, plus
-/// the forward work that recomputation repeats.
+/// FLOPs of one step, from the graph: what the model needs, what the
+/// kernels execute, and what the attention masks remove.
+pub(crate) struct StepFlops {
+    /// `3 ×` the forward, each attention counted over the query-key pairs
+    /// its mask keeps (a causal one: half, as Megatron-LM's
+    /// `num_floating_point_operations` counts it from core_v0.16.0, "causal
+    /// mask (only half of the mask is non-zero)", and FlashAttention's
+    /// benchmarks).
+    pub model: f64,
+    /// The model's FLOPs, the forward recomputation repeats, and the masked
+    /// scores an unfused attention computes anyway (a fused kernel skips
+    /// their tiles).
+    pub hardware: f64,
+    /// `3 ×` the attention FLOPs the masks remove: what a count over every
+    /// pair adds (PaLM's `6N + 12LHQT`, Megatron-LM before core_v0.16.0,
+    /// torchtitan's MFU).
+    pub masked: f64,
+}
+
+/// [`StepFlops`] of `c` for a step of `global_batch` sequences of `seq`.
 pub(crate) fn step_flops(
     profile: &ModelProfile,
     c: &Config,
     recomputed: &[u64],
     global_batch: u64,
     seq: u64,
-) -> (f64, f64) {
+) -> StepFlops {
     let bind = Bind {
         batch_sym: profile.batch_sym,
         seq_sym: profile.seq_sym,
@@ -108,26 +126,48 @@ pub(crate) fn step_flops(
         seq: seq as f64,
         cp: 1.0,
     };
-    let model = 3.0 * bind.eval(&profile.forward_flops);
+    let unfused = c.attention == dplc_ir::AttentionKind::Unfused;
+    // Per stack, one layer's forward attention FLOPs its mask removes.
+    let masked: Vec<f64> = profile
+        .stacks
+        .iter()
+        .map(|st| {
+            let core = bind.eval(&st.attention_core_flops);
+            core * (1.0 - crate::cost::kept_share(seq, st.layer.causal, st.layer.window))
+        })
+        .collect();
+    let masked_forward: f64 = profile
+        .stacks
+        .iter()
+        .zip(&masked)
+        .map(|(st, m)| st.layers as f64 * m)
+        .sum();
+    let model = 3.0 * (bind.eval(&profile.forward_flops) - masked_forward);
     let extra: f64 = profile
         .stacks
         .iter()
         .zip(recomputed)
-        .map(|(st, &rerun)| {
+        .zip(&masked)
+        .map(|((st, &rerun), &masked)| {
             let layers = st.layers as f64;
+            // What one layer's forward executes of what its mask removes.
+            let skipped = if unfused { 0.0 } else { masked };
             match c.recompute {
                 Recompute::None => 0.0,
                 // A fused attention kernel has no core tensors to drop and redo.
-                Recompute::Selective if c.attention == dplc_ir::AttentionKind::Unfused => {
-                    layers * bind.eval(&st.attention_core_flops)
-                }
+                Recompute::Selective if unfused => layers * bind.eval(&st.attention_core_flops),
                 Recompute::Selective => 0.0,
-                Recompute::Full => rerun as f64 * bind.eval(&st.layer.forward_flops),
+                Recompute::Full => rerun as f64 * (bind.eval(&st.layer.forward_flops) - skipped),
                 Recompute::Op => layers * bind.eval(&st.op_recompute_flops),
             }
         })
         .sum();
-    (model, model + extra)
+    let computed_masked = if unfused { 3.0 * masked_forward } else { 0.0 };
+    StepFlops {
+        model,
+        hardware: model + extra + computed_masked,
+        masked: 3.0 * masked_forward,
+    }
 }
 
 fn reason(best: &Candidate, alt: &Candidate) -> String {
@@ -627,7 +667,8 @@ pub(crate) fn build_plan(
         })
         .collect();
     let recomputed = cost.recomputed_layers(&c, &best.counts);
-    let (model_flops, hw_flops) = step_flops(profile, &c, &recomputed, global_batch, seq);
+    let flops = step_flops(profile, &c, &recomputed, global_batch, seq);
+    let (model_flops, hw_flops) = (flops.model, flops.hardware);
     let world = cluster.world_size() as f64;
     let step = best.step_time;
     let peak = cluster.device.peak_flops(profile.precision);
@@ -641,6 +682,7 @@ pub(crate) fn build_plan(
             .then(|| global_batch as f64 / step),
         model_flops_per_step: model_flops,
         hardware_flops_per_step: hw_flops,
+        masked_attention_flops_per_step: flops.masked,
         model_tflops_per_gpu: model_flops / step / world / 1e12,
         hardware_tflops_per_gpu: hw_flops / step / world / 1e12,
         mfu: model_flops / step / world / peak,

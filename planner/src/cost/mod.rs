@@ -13,6 +13,7 @@ mod region;
 
 pub use comm::overlap_slowdown;
 pub(crate) use comm::{collective_time, dispatch_time, group_link, server_rate, GroupLink};
+pub(crate) use region::kept_share;
 
 use crate::cluster::Cluster;
 use crate::profile::{Bind, ModelProfile, StackShare};

@@ -99,6 +99,17 @@ fn visited_pairs(seq: u64, causal: bool, window: Option<u64>, tile: (u64, u64)) 
     pairs
 }
 
+/// The share of the `seq × seq` query-key pairs a causal mask and a
+/// sliding window keep: the attention the model's function needs, which
+/// model FLOPs count (`report::step_flops`). A causal mask keeps
+/// `seq (seq + 1) / 2` pairs, a hair over half.
+pub(crate) fn kept_share(seq: u64, causal: bool, window: Option<u64>) -> f64 {
+    if seq == 0 {
+        return 1.0;
+    }
+    visited_pairs(seq, causal, window, (1, 1)) / (seq as f64 * seq as f64)
+}
+
 /// The share of the `seq × seq` scores a fused attention kernel's time
 /// follows: 1 unmasked, ½ causal (its block matmuls' rates are measured
 /// with the causal half counted, FlashAttention's benchmark convention, so
