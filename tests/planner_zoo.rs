@@ -108,6 +108,38 @@ fn t5_small_plans_on_one_node() {
     }
 }
 
+/// Each attention carries its own mask, found from the graph: model FLOPs
+/// leave out exactly the pairs the masks remove. T5's decoder masks its
+/// self-attention over the 512 targets causally and not its cross-attention
+/// to the encoder (both were priced causal when a layer's attentions shared
+/// one flag); the encoder masks nothing; Mistral's window keeps, at 8,192
+/// tokens, the causal pairs of its first 4,096 keys and 4,096 a query after.
+#[test]
+fn each_attention_is_counted_by_its_own_mask() {
+    let masked = |c: &Compiled| c.plan.estimate.masked_attention_flops_per_step;
+    // Forward FLOPs of one attention's two matmuls over every pair.
+    let attention =
+        |b: f64, heads: f64, q: f64, k: f64, dh: f64| 2.0 * 2.0 * b * heads * q * k * dh;
+
+    let t5 = plan("t5.dpl", "t5_small", "8xA100", "", 1);
+    let (b, tgt) = (t5.plan.strategy.global_batch as f64, 512.0);
+    let causal_removed = 1.0 - (tgt + 1.0) / (2.0 * tgt);
+    let want = 3.0 * 6.0 * attention(b, 8.0, tgt, tgt, 64.0) * causal_removed;
+    assert!(
+        (masked(&t5) / want - 1.0).abs() < 1e-12,
+        "{} vs {want}",
+        masked(&t5)
+    );
+
+    let mistral = plan("mistral.dpl", "mistral_7b", "8x8xH100", "", 1);
+    let (b, s, w) = (mistral.plan.strategy.global_batch as f64, 8192.0, 4096.0);
+    assert_eq!(mistral.plan.strategy.seq, 8192);
+    let kept = (w * (w + 1.0) / 2.0 + (s - w) * w) / (s * s);
+    let want = 3.0 * 32.0 * attention(b, 32.0, s, s, 128.0) * (1.0 - kept);
+    let got = masked(&mistral);
+    assert!((got / want - 1.0).abs() < 1e-12, "{got} vs {want}");
+}
+
 #[test]
 fn pinned_keys_are_kept_and_the_rest_searched() {
     let c = plan(

@@ -3,7 +3,7 @@
 
 use crate::cluster::Cluster;
 use crate::cost::{collective_time, dispatch_time, group_link, Config, CostModel, GroupLink};
-use crate::profile::{Bind, ModelProfile, RegionProfile};
+use crate::profile::{Bind, ModelProfile, RegionProfile, Work};
 use crate::search::{complexity, Candidate};
 use crate::sharding::{Pass, TpCollectiveKind};
 use crate::Compiled;
@@ -127,13 +127,24 @@ pub(crate) fn step_flops(
         cp: 1.0,
     };
     let unfused = c.attention == dplc_ir::AttentionKind::Unfused;
-    // Per stack, one layer's forward attention FLOPs its mask removes.
+    // Per stack, one layer's forward attention FLOPs its masks remove.
     let masked: Vec<f64> = profile
         .stacks
         .iter()
         .map(|st| {
-            let core = bind.eval(&st.attention_core_flops);
-            core * (1.0 - crate::cost::kept_share(seq, st.layer.causal, st.layer.window))
+            st.layer
+                .ops
+                .iter()
+                .filter(|op| op.attention_core)
+                .filter_map(|op| match &op.work {
+                    Work::Gemm { m, n, k, .. } => {
+                        let (m, n, k) = bind.eval_gemm(m, n, k);
+                        let kept = crate::cost::kept_share(seq, op.mask.causal, op.mask.window);
+                        Some(2.0 * m * n * k * (1.0 - kept))
+                    }
+                    _ => None,
+                })
+                .sum()
         })
         .collect();
     let masked_forward: f64 = profile

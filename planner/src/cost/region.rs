@@ -8,7 +8,7 @@
 use super::comm::{collective_time, dispatch_time, exposed_tp, TpExposure};
 use super::{Config, CostModel, Part, PassCost, KERNEL_OVERHEAD_S, MEMORY_EFFICIENCY};
 use crate::cluster::FLASH2_OVER_FLASH1;
-use crate::profile::{Bind, RegionProfile, Work};
+use crate::profile::{AttentionMask, Bind, RegionProfile, Work};
 use crate::sharding::{GemmSplit, Pass, TpCollectiveKind};
 use dplc_ir::{AttentionKind, CollectiveKind, Elementwise, Loss, MeshAxis, Recompute};
 use fxhash::FxHashMap as HashMap;
@@ -197,6 +197,9 @@ impl CostModel<'_> {
         let fp8 = c.fp8 && matches!(part, Part::Layer(_));
         let fp8_rate = self.cluster.device.peak_fp8 * self.cluster.device.fp8_matmul_efficiency;
         let (mut attention_flops, mut attention_bytes) = (0.0, 0.0);
+        // Each attention matmul's FLOPs with its mask: a fused kernel's time
+        // follows the pairs it visits.
+        let mut masked_flops: Vec<(f64, AttentionMask)> = Vec::new();
         // Each GEMM's forward time: what tensor-parallel collectives hide behind.
         let mut gemm_times: HashMap<dplc_ir::NodeId, f64> = HashMap::default();
         // Op-level checkpointing (torchtitan's `op`): the forward it redoes,
@@ -222,7 +225,9 @@ impl CostModel<'_> {
                         tp
                     };
                     let (m, n, k) = bind.eval_gemm(m, n, k);
-                    attention_flops += 2.0 * m * n * k / div;
+                    let flops = 2.0 * m * n * k / div;
+                    attention_flops += flops;
+                    masked_flops.push((flops, op.mask));
                     // Q·Kᵀ reads Q and K, P·V reads V and writes O: each of
                     // them rows × head width, the smaller of the two sides.
                     attention_bytes += 2.0 * m * n.min(k) * elt / div;
@@ -393,7 +398,14 @@ impl CostModel<'_> {
                 AttentionKind::Fused if dropped > 0.0 => AttentionKind::Flash2,
                 kind => kind,
             };
-            let causal = attended_share(self.seq, r.causal, r.window, fused_tile(kind));
+            // The attended share of the attention's FLOPs, each matmul's own.
+            let attended = masked_flops
+                .iter()
+                .map(|(flops, m)| {
+                    flops * attended_share(self.seq, m.causal, m.window, fused_tile(kind))
+                })
+                .sum::<f64>()
+                / attention_flops;
             let (forward, backward) = match kind {
                 AttentionKind::Flash2 => (dev.flash2_efficiency, dev.flash2_backward_efficiency),
                 AttentionKind::Flash1 => (
@@ -407,17 +419,17 @@ impl CostModel<'_> {
                 AttentionKind::Unfused => (dev.matmul_efficiency, dev.matmul_efficiency),
             };
             let pass = |efficiency: f64| {
-                (causal * attention_flops / (self.peak_flops * efficiency))
+                (attended * attention_flops / (self.peak_flops * efficiency))
                     .max(attention_bytes / (dev.memory_bandwidth * MEMORY_EFFICIENCY))
                     + KERNEL_OVERHEAD_S
             };
             // The dropout's draws, per attended score.
             let (draw_forward, draw_backward) = dev.attention_dropout_s;
-            let t = pass(forward) + causal * dropped * draw_forward;
+            let t = pass(forward) + attended * dropped * draw_forward;
             pc.forward += t;
             // The backward's block matmuls: Q·Kᵀ again, dV, dP, dQ and dK —
             // five to the forward's two, at the backward kernel's own rate.
-            pc.backward += 2.5 * pass(backward) + causal * dropped * draw_backward;
+            pc.backward += 2.5 * pass(backward) + attended * dropped * draw_backward;
             selective = 0.0;
         }
         let layer = matches!(part, Part::Layer(_));

@@ -119,6 +119,20 @@ pub(crate) struct OpCost {
     /// The log-softmax or the gather of a cross-entropy: priced with the
     /// region's [`RegionProfile::cross_entropy`] when the loss is unfused.
     pub cross_entropy: bool,
+    /// For an attention's two matmuls, the mask on its scores: a fused
+    /// kernel skips the key tiles it removes, and model FLOPs leave out the
+    /// pairs. Each attention its own: a decoder layer's causal
+    /// self-attention beside its unmasked cross-attention.
+    pub mask: AttentionMask,
+}
+
+/// The mask on one attention's scores.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct AttentionMask {
+    /// Keys after the query weigh nothing.
+    pub causal: bool,
+    /// Keys a query sees under a sliding window (`dplc_ir::window_mask`).
+    pub window: Option<u64>,
 }
 
 /// One tensor kept for backward.
@@ -218,12 +232,6 @@ pub(crate) struct RegionProfile {
     pub attention_dropout: Traffic,
     pub params: ParamCounts,
     pub forward_flops: Poly,
-    /// The region masks its attention causally: a fused kernel skips the
-    /// blocks above the diagonal.
-    pub causal: bool,
-    /// Keys a query sees under a sliding-window mask (`dplc_ir::window_mask`):
-    /// a fused kernel skips the key tiles behind the window too.
-    pub window: Option<u64>,
     /// Elements of the logits of the region's cross-entropy losses, by how
     /// they split over tp: what an unfused loss passes over again and again.
     pub cross_entropy: Traffic,

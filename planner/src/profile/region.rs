@@ -4,7 +4,7 @@
 //! autocast's per-tensor widths — what the region keeps for backward, and
 //! the collectives its layout inserts.
 
-use super::{CollectiveCost, OpCost, RegionProfile, Routing, Saved, Traffic, Work};
+use super::{AttentionMask, CollectiveCost, OpCost, RegionProfile, Routing, Saved, Traffic, Work};
 use crate::sharding::{GemmSplit, Pass, RegionSharding, TpCollectiveKind};
 use dplc_ir::{
     Analysis, DType, Dim, Graph, NodeId, Op, Poly, Precision, Ratio, RegionId, SymId, TensorDef,
@@ -306,6 +306,7 @@ impl RegionBuilder<'_> {
                     whole_sequence: false,
                     experts: node.outputs.iter().any(|&o| self.experts(o)),
                     cross_entropy: false,
+                    mask: AttentionMask::default(),
                 })
             }
             _ => {
@@ -346,10 +347,79 @@ impl RegionBuilder<'_> {
                     whole_sequence: false,
                     experts: node.outputs.iter().any(|&o| self.experts(o)),
                     cross_entropy: false,
+                    mask: AttentionMask::default(),
                 })
             }
         }
     }
+}
+
+/// The mask on each attention's scores, for its two matmuls (the scores'
+/// `Q·Kᵀ` and the probabilities' product with the values): walking back
+/// from a matmul of two activations through the tensors of its operand's
+/// `[queries, keys]` shape, reaching another such matmul makes the pair an
+/// attention, a `causal_mask` on the way makes it causal and a subtracted
+/// `dplc_ir::window_mask` windowed. By shape, not by the sequence: a T5
+/// decoder's self-attention over its fixed-length targets is causal, its
+/// cross-attention to the encoder not.
+fn attention_masks(g: &Graph, an: &Analysis, nodes: &[NodeId]) -> BTreeMap<NodeId, AttentionMask> {
+    let in_region: BTreeSet<NodeId> = nodes.iter().copied().collect();
+    let of_activations = |n: NodeId| {
+        let node = g.node(n);
+        node.op == Op::MatMul && node.inputs.iter().all(|&t| an.is_activation(t))
+    };
+    let last_two = |t: TensorId| {
+        let dims = g.tensor(t).shape.dims();
+        dims[dims.len().saturating_sub(2)..].to_vec()
+    };
+    let mut masks = BTreeMap::new();
+    for &n in nodes {
+        if !of_activations(n) {
+            continue;
+        }
+        for &operand in &g.node(n).inputs {
+            let shape = last_two(operand);
+            let (mut mask, mut qk) = (AttentionMask::default(), Vec::new());
+            let (mut stack, mut seen) = (vec![operand], BTreeSet::new());
+            while let Some(t) = stack.pop() {
+                if !seen.insert(t) {
+                    continue;
+                }
+                if let Some(w) = dplc_ir::window_mask(g, t) {
+                    mask.window = Some(w.window);
+                    continue;
+                }
+                let TensorDef::Node { node: p, .. } = g.tensor(t).def else {
+                    continue;
+                };
+                if !in_region.contains(&p) {
+                    continue;
+                }
+                if of_activations(p) {
+                    // The scores' own matmul: where the walk stops.
+                    qk.push(p);
+                    continue;
+                }
+                let node = g.node(p);
+                if node.op == Op::MatMul {
+                    continue;
+                }
+                mask.causal |= node.op == Op::CausalMask;
+                stack.extend(
+                    node.inputs
+                        .iter()
+                        .copied()
+                        .filter(|&u| last_two(u) == shape),
+                );
+            }
+            if !qk.is_empty() {
+                for m in qk.into_iter().chain([n]) {
+                    masks.insert(m, mask);
+                }
+            }
+        }
+    }
+    masks
 }
 
 pub(super) fn region_consumers(g: &Graph, nodes: &[NodeId]) -> BTreeMap<TensorId, Vec<NodeId>> {
@@ -438,16 +508,16 @@ pub(super) fn region_profile(
         saved_roots: saved.iter().map(|s| s.tensor).collect(),
     };
     let node_set: BTreeSet<NodeId> = nodes.iter().copied().collect();
+    let masks = attention_masks(g, an, nodes);
     let mut p = RegionProfile {
-        ops: nodes.iter().filter_map(|&n| b.op_cost(n)).collect(),
-        causal: nodes
+        ops: nodes
             .iter()
-            .any(|&n| matches!(g.node(n).op, Op::CausalMask)),
-        window: nodes
-            .iter()
-            .filter_map(|&n| g.node(n).outputs.first())
-            .find_map(|&t| dplc_ir::window_mask(g, t))
-            .map(|m| m.window),
+            .filter_map(|&n| b.op_cost(n))
+            .map(|mut op| {
+                op.mask = masks.get(&op.node).copied().unwrap_or_default();
+                op
+            })
+            .collect(),
         ..RegionProfile::default()
     };
     // The cross-entropies: a log-softmax whose output only the loss's
