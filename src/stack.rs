@@ -60,13 +60,24 @@ pub fn elsewhere(pinned: &StrategyConstraints) -> Option<Elsewhere> {
             Some("torchtitan"),
         );
     }
-    if pinned.loss == Some(dplc_ir::Loss::Unfused) {
-        return found(
-            "loss=unfused".into(),
-            "fuses the cross-entropy",
-            drop("loss"),
-            Some("Megatron-LM"),
-        );
+    match pinned.loss {
+        Some(dplc_ir::Loss::Unfused) => {
+            return found(
+                "loss=unfused".into(),
+                "fuses the cross-entropy",
+                drop("loss"),
+                Some("Megatron-LM"),
+            );
+        }
+        Some(dplc_ir::Loss::Eager) => {
+            return found(
+                "loss=eager".into(),
+                "fuses the cross-entropy",
+                drop("loss"),
+                Some("torchtitan"),
+            );
+        }
+        Some(dplc_ir::Loss::Fused) | None => {}
     }
     if pinned.autocast == Some(true) {
         // Every export names it as a gap: the engines keep their own

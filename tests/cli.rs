@@ -147,6 +147,7 @@ fn engine_stack_keys_are_priced_not_run() {
         ("gpt_tiny", "2xcpu", "dp=2,recompute=op"),
         ("gpt_tiny", "2xcpu", "dp=2,elementwise=eager"),
         ("gpt_tiny", "2xcpu", "dp=2,loss=unfused"),
+        ("gpt_tiny", "2xcpu", "dp=2,loss=eager"),
         ("gpt_tiny", "2xcpu", "dp=2,zero=3,shards=per_param"),
         ("gpt_tiny", "2xcpu", "dp=2,autocast=on"),
         ("moe_tiny", "4xcpu", "ep=2,dispatch=hierarchical"),

@@ -811,6 +811,44 @@ fn the_loss_goes_to_megatron_as_priced() {
     }
 }
 
+/// torchtitan compiles what the plan prices fused: a fused loss is
+/// torch.compile's (the model compiled or not), an eager one is PyTorch's
+/// `F.cross_entropy` with only the model compiled.
+#[test]
+fn the_loss_goes_to_torchtitan_as_priced() {
+    for (pin, components) in [
+        ("dp=8,zero=3", None),
+        ("dp=8,zero=3,loss=eager", Some("[\"model\"]")),
+        ("dp=8,zero=3,elementwise=eager", Some("[\"loss\"]")),
+        ("dp=8,zero=3,elementwise=eager,loss=eager", None),
+    ] {
+        let plan = compile(
+            "models/llama3.dpl",
+            "llama3_8b",
+            "8xH100",
+            &["--strategy", pin],
+            &format!("loss_{}.ron", pin.replace([',', '='], "_")),
+        );
+        let out = export(&plan, "torchtitan", &["--closest"]);
+        assert!(out.status.success(), "{pin}: {}", text(&out.stderr));
+        let toml_text = text(&out.stdout);
+        check_torchtitan(&toml_text, 8);
+        let doc: toml::Value = toml::from_str(&toml_text).unwrap();
+        let got = doc.get("compile").and_then(|c| c.get("components"));
+        match components {
+            None => assert!(got.is_none(), "{pin}:\n{toml_text}"),
+            Some(want) => assert_eq!(got.map(|v| v.to_string()), Some(want.to_string()), "{pin}"),
+        }
+        let enabled = doc.get("compile").and_then(|c| c.get("enable"));
+        let compiled = !pin.contains("elementwise=eager") || !pin.contains("loss=eager");
+        assert_eq!(
+            enabled.and_then(|v| v.as_bool()),
+            compiled.then_some(true),
+            "{pin}"
+        );
+    }
+}
+
 #[test]
 fn an_interleaved_split_goes_to_megatron_and_torchtitan_as_planned() {
     // Llama 3.1 405B as Megatron-Bridge runs it on 1024 H100s (tp 8, pp 8,

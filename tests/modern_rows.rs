@@ -36,11 +36,21 @@ use dplc_planner::{
 /// sharded on its own (`shards=per_param`: every all-gather copied out into
 /// the parameters, every reduce-scatter's input copied in), SDPA runs
 /// FlashAttention-2 (PyTorch's flash backend; the sources do not name the
-/// backend), every elementwise op runs as its own kernel.
-const TORCHTITAN_EAGER: &str =
-    "zero=3,shards=per_param,attention=flash2,elementwise=eager,offload=none";
-/// torchtitan with torch.compile: Inductor fuses the elementwise chains, as
-/// dplc prices by default; SDPA is still FlashAttention-2.
+/// backend), every elementwise op runs as its own kernel, and so does the
+/// loss: PyTorch's `F.cross_entropy` over the logits cast to fp32
+/// (`loss=eager`; train.py @ 157a12c and 3faaa1a, the model's own
+/// `self.output(h).float()`; @ 9dec370 `pred.flatten(0, 1).float()`).
+const TORCHTITAN_EAGER_2024: &str =
+    "zero=3,shards=per_param,attention=flash2,elementwise=eager,offload=none,loss=eager";
+/// torchtitan with torch.compile as its 2024 tables ran it: Inductor fuses
+/// the model's elementwise chains, as dplc prices by default; SDPA is still
+/// FlashAttention-2; the loss stays eager (train.py @ 9dec370: "compiling
+/// loss function causes CUDA errors, turning off for now").
+const TORCHTITAN_COMPILED_2024: &str =
+    "zero=3,shards=per_param,attention=flash2,elementwise=fused,offload=none,loss=eager";
+/// torchtitan with torch.compile from 2025: the loss compiled too
+/// (torchtitan/components/loss.py @ 820504e, `build_cross_entropy_loss`),
+/// fused, as dplc prices by default.
 const TORCHTITAN_COMPILED: &str =
     "zero=3,shards=per_param,attention=flash2,elementwise=fused,offload=none";
 
@@ -165,55 +175,55 @@ fn rows() -> Vec<Row> {
           "tp=1,pp=1,cp=1,dp=1,mb=32,recompute=none,zero=0", "attention=flash2,elementwise=eager,offload=none,autocast=on", 223945.0, 1.036, Asserted),
         // ---- torchtitan, 64 A100 80GB (host size n/s: DGX A100 assumed), eager, seq 8192 / 4096 (cfg).
         r("TT A100 Llama3 8B, selective layer AC", TT_PERF_A100, (L3, "llama3_8b"), "8x8xA100", (8192, 64),
-          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute_layers=16", TORCHTITAN_EAGER, 2904.0, 1.141, NotAsserted(A100_GAP)),
+          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute_layers=16", TORCHTITAN_EAGER_2024, 2904.0, 1.136, NotAsserted(A100_GAP)),
         r("TT A100 Llama3 8B, selective op AC", TT_PERF_A100, (L3, "llama3_8b"), "8x8xA100", (8192, 64),
-          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute=op", TORCHTITAN_EAGER, 2973.0, 1.140, NotAsserted(A100_GAP)),
+          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute=op", TORCHTITAN_EAGER_2024, 2973.0, 1.134, NotAsserted(A100_GAP)),
         r("TT A100 Llama3 70B, full AC", TT_PERF_A100, (L3, "llama3_70b"), "8x8xA100", (8192, 64),
-          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute=full", TORCHTITAN_EAGER, 331.0, 1.116, NotAsserted(A100_GAP)),
+          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute=full", TORCHTITAN_EAGER_2024, 331.0, 1.115, NotAsserted(A100_GAP)),
         r("TT A100 Llama2 13B, no AC", TT_PERF_A100_L2, (L2, "llama2_13b"), "8x8xA100", (4096, 128),
-          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=none", TORCHTITAN_EAGER, 2162.0, 1.134, NotAsserted(A100_GAP)),
+          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=none", TORCHTITAN_EAGER_2024, 2162.0, 1.133, NotAsserted(A100_GAP)),
         r("TT A100 Llama2 13B, selective layer AC", TT_PERF_A100_L2, (L2, "llama2_13b"), "8x8xA100", (4096, 128),
-          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute_layers=20", TORCHTITAN_EAGER, 1914.0, 1.113, NotAsserted(A100_GAP)),
+          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute_layers=20", TORCHTITAN_EAGER_2024, 1914.0, 1.112, NotAsserted(A100_GAP)),
         r("TT A100 Llama2 13B, selective op AC", TT_PERF_A100_L2, (L2, "llama2_13b"), "8x8xA100", (4096, 128),
-          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=op", TORCHTITAN_EAGER, 1904.0, 1.132, NotAsserted(A100_GAP)),
+          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=op", TORCHTITAN_EAGER_2024, 1904.0, 1.131, NotAsserted(A100_GAP)),
         r("TT A100 Llama2 70B, selective op AC, local batch 1", TT_PERF_A100_L2, (L2, "llama2_70b"), "8x8xA100", (4096, 64),
-          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute=op", TORCHTITAN_EAGER, 355.0, 1.189, NotAsserted(A100_GAP)),
+          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute=op", TORCHTITAN_EAGER_2024, 355.0, 1.189, NotAsserted(A100_GAP)),
         r("TT A100 Llama2 70B, full AC, local batch 2", TT_PERF_A100_L2, (L2, "llama2_70b"), "8x8xA100", (4096, 128),
-          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=full", TORCHTITAN_EAGER, 353.0, 1.107, NotAsserted(A100_GAP)),
+          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=full", TORCHTITAN_EAGER_2024, 353.0, 1.107, NotAsserted(A100_GAP)),
         // ---- torchtitan, Grand Teton H100 (Dec 2024), Table 1 (1 host) and Table 3 (16 hosts).
         r("TT H100 Llama3.1 8B, FSDP 8, eager", TT_H100_202412, (L3, "llama3_8b"), "1 x grand_teton_h100", (8192, 16),
-          "tp=1,pp=1,cp=1,dp=8,mb=2,recompute=op", TORCHTITAN_EAGER, 5762.0, 1.188, NotAsserted(GRAND_TETON)),
+          "tp=1,pp=1,cp=1,dp=8,mb=2,recompute=op", TORCHTITAN_EAGER_2024, 5762.0, 1.179, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3.1 8B, FSDP 8, compile", TT_H100_202412, (L3, "llama3_8b"), "1 x grand_teton_h100", (8192, 16),
-          "tp=1,pp=1,cp=1,dp=8,mb=2,recompute=op", TORCHTITAN_COMPILED, 6667.0, 1.240, NotAsserted(GRAND_TETON)),
+          "tp=1,pp=1,cp=1,dp=8,mb=2,recompute=op", TORCHTITAN_COMPILED_2024, 6667.0, 1.219, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3.1 8B, FSDP 8, compile + float8", TT_H100_202412, (L3, "llama3_8b"), "1 x grand_teton_h100", (8192, 16),
-          "tp=1,pp=1,cp=1,dp=8,mb=2,recompute=op,fp8=on", TORCHTITAN_COMPILED, 8532.0, 1.207, NotAsserted(GRAND_TETON)),
+          "tp=1,pp=1,cp=1,dp=8,mb=2,recompute=op,fp8=on", TORCHTITAN_COMPILED_2024, 8532.0, 1.182, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3.1 8B, FSDP 128, eager", TT_H100_202412, (L3, "llama3_8b"), "16 x grand_teton_h100", (8192, 256),
-          "tp=1,pp=1,cp=1,dp=128,mb=2,recompute=op", TORCHTITAN_EAGER, 5605.0, 1.227, NotAsserted(GRAND_TETON)),
+          "tp=1,pp=1,cp=1,dp=128,mb=2,recompute=op", TORCHTITAN_EAGER_2024, 5605.0, 1.217, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3.1 8B, FSDP 128, compile", TT_H100_202412, (L3, "llama3_8b"), "16 x grand_teton_h100", (8192, 256),
-          "tp=1,pp=1,cp=1,dp=128,mb=2,recompute=op", TORCHTITAN_COMPILED, 6514.0, 1.276, NotAsserted(GRAND_TETON)),
+          "tp=1,pp=1,cp=1,dp=128,mb=2,recompute=op", TORCHTITAN_COMPILED_2024, 6514.0, 1.255, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3.1 8B, FSDP 128, compile + float8", TT_H100_202412, (L3, "llama3_8b"), "16 x grand_teton_h100", (8192, 256),
-          "tp=1,pp=1,cp=1,dp=128,mb=2,recompute=op,fp8=on", TORCHTITAN_COMPILED, 8380.0, 1.237, NotAsserted(GRAND_TETON)),
+          "tp=1,pp=1,cp=1,dp=128,mb=2,recompute=op,fp8=on", TORCHTITAN_COMPILED_2024, 8380.0, 1.212, NotAsserted(GRAND_TETON)),
         // Table 2: FSDP + CP, compile + float8, full AC, local batch 1.
         r("TT H100 Llama3.1 8B, FSDP 8 CP 1, seq 32768", TT_H100_202412, (L3, "llama3_8b"), "1 x grand_teton_h100", (32768, 8),
-          "tp=1,pp=1,cp=1,dp=8,mb=1,recompute=full,fp8=on", TORCHTITAN_COMPILED, 3890.0, 1.224, NotAsserted(GRAND_TETON)),
+          "tp=1,pp=1,cp=1,dp=8,mb=1,recompute=full,fp8=on", TORCHTITAN_COMPILED_2024, 3890.0, 1.212, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3.1 8B, FSDP 4 CP 2, seq 65536", TT_H100_202412, (L3, "llama3_8b"), "1 x grand_teton_h100", (65536, 4),
-          "tp=1,pp=1,cp=2,dp=4,mb=1,recompute=full,fp8=on", TORCHTITAN_COMPILED, 2540.0, 1.136, NotAsserted(GRAND_TETON)),
+          "tp=1,pp=1,cp=2,dp=4,mb=1,recompute=full,fp8=on", TORCHTITAN_COMPILED_2024, 2540.0, 1.130, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3.1 8B, FSDP 2 CP 4, seq 131072", TT_H100_202412, (L3, "llama3_8b"), "1 x grand_teton_h100", (131072, 2),
-          "tp=1,pp=1,cp=4,dp=2,mb=1,recompute=full,fp8=on", TORCHTITAN_COMPILED, 1071.0, 1.508, NotAsserted(CP_RING)),
+          "tp=1,pp=1,cp=4,dp=2,mb=1,recompute=full,fp8=on", TORCHTITAN_COMPILED_2024, 1071.0, 1.503, NotAsserted(CP_RING)),
         r("TT H100 Llama3.1 8B, FSDP 1 CP 8, seq 262144", TT_H100_202412, (L3, "llama3_8b"), "1 x grand_teton_h100", (262144, 1),
-          "tp=1,pp=1,cp=8,dp=1,mb=1,recompute=full,fp8=on", TORCHTITAN_COMPILED, 548.0, 1.567, NotAsserted(CP_RING)),
+          "tp=1,pp=1,cp=8,dp=1,mb=1,recompute=full,fp8=on", TORCHTITAN_COMPILED_2024, 548.0, 1.564, NotAsserted(CP_RING)),
         // Table 4: 2D, Llama 3.1 70B on 256 GPUs, FSDP 32 x TP 8, local batch 16, full AC, compile + float8.
         r("TT H100 Llama3.1 70B, FSDP 32 TP 8", TT_H100_202412, (L3, "llama3_70b"), "32 x grand_teton_h100", (8192, 512),
-          "tp=8,pp=1,cp=1,dp=32,mb=16,recompute=full,sp=on,tp_overlap=none,fp8=on", TORCHTITAN_COMPILED, 829.0, 1.099, NotAsserted(GRAND_TETON)),
+          "tp=8,pp=1,cp=1,dp=32,mb=16,recompute=full,sp=on,tp_overlap=none,fp8=on", TORCHTITAN_COMPILED_2024, 829.0, 1.097, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3.1 70B, FSDP 32 TP 8, async TP", TT_H100_202412, (L3, "llama3_70b"), "32 x grand_teton_h100", (8192, 512),
-          "tp=8,pp=1,cp=1,dp=32,mb=16,recompute=full,sp=on,tp_overlap=ring,fp8=on", TORCHTITAN_COMPILED, 876.0, 1.202, NotAsserted(GRAND_TETON)),
+          "tp=8,pp=1,cp=1,dp=32,mb=16,recompute=full,sp=on,tp_overlap=ring,fp8=on", TORCHTITAN_COMPILED_2024, 876.0, 1.199, NotAsserted(GRAND_TETON)),
         // Table 5: 3D, Llama 3.1 405B on 512 GPUs, FSDP 8 x TP 8 x PP 8, local batch 32, 1F1B, 8 micro-batches (code default).
         r("TT H100 Llama3.1 405B, FSDP 8 TP 8 PP 8, 1F1B", TT_H100_202412, (L3, "llama3_405b"), "64 x grand_teton_h100", (8192, 256),
-          "tp=8,pp=8,cp=1,dp=8,mb=4,m=8,schedule=1f1b,recompute=full,sp=on,tp_overlap=ring,fp8=on", TORCHTITAN_COMPILED, 100.0, 1.305, NotAsserted(FSDP_PP)),
+          "tp=8,pp=8,cp=1,dp=8,mb=4,m=8,schedule=1f1b,recompute=full,sp=on,tp_overlap=ring,fp8=on", TORCHTITAN_COMPILED_2024, 100.0, 1.305, NotAsserted(FSDP_PP)),
         // The interleaved row: chunks per rank not stated (bench/published_rows.md note 7); v=2 assumed,
         // 126 layers in 8 x 2 chunks of 8 and 7.
         r("TT H100 Llama3.1 405B, FSDP 8 TP 8 PP 8, interleaved 1F1B", TT_H100_202412, (L3, "llama3_405b"), "64 x grand_teton_h100", (8192, 256),
-          "tp=8,pp=8,cp=1,dp=8,mb=4,m=8,schedule=interleaved,v=2,recompute=full,sp=on,tp_overlap=ring,fp8=on", TORCHTITAN_COMPILED, 128.0, 1.302, NotAsserted(FSDP_PP)),
+          "tp=8,pp=8,cp=1,dp=8,mb=4,m=8,schedule=interleaved,v=2,recompute=full,sp=on,tp_overlap=ring,fp8=on", TORCHTITAN_COMPILED_2024, 128.0, 1.300, NotAsserted(FSDP_PP)),
         // asyncTP benchmark (June 2025): 70B on 256, FSDP 32 x TP 8, local batch 16, full AC; 8B on 64, FSDP 8 x TP 8, local batch 12, op SAC.
         r("TT H100 Llama3 70B, TP 8 bf16", TT_ASYNC_TP, (L3, "llama3_70b"), "32 x grand_teton_h100", (8192, 512),
           "tp=8,pp=1,cp=1,dp=32,mb=16,recompute=full,sp=on,tp_overlap=none", TORCHTITAN_COMPILED, 597.3, 1.186, NotAsserted(GRAND_TETON)),
@@ -233,11 +243,11 @@ fn rows() -> Vec<Row> {
           "tp=8,pp=1,cp=1,dp=8,mb=12,recompute=op,sp=on,tp_overlap=ring,fp8=on", TORCHTITAN_COMPILED, 5570.1, 1.425, NotAsserted(GRAND_TETON)),
         // Aug 2024: 405B on 128 H100 (94/95 GB; the same unknown peak), FSDP 16 x TP 8, compile n/s per row (cfg on).
         r("TT H100 Llama3.1 405B, FSDP 16 TP 8", TT_405B, (L3, "llama3_405b"), "16 x grand_teton_h100", (8192, 32),
-          "tp=8,pp=1,cp=1,dp=16,mb=2,recompute=full,sp=on,tp_overlap=none", TORCHTITAN_COMPILED, 109.0, 1.223, NotAsserted(GRAND_TETON)),
+          "tp=8,pp=1,cp=1,dp=16,mb=2,recompute=full,sp=on,tp_overlap=none", TORCHTITAN_COMPILED_2024, 109.0, 1.223, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3.1 405B, FSDP 16 TP 8, float8", TT_405B, (L3, "llama3_405b"), "16 x grand_teton_h100", (8192, 32),
-          "tp=8,pp=1,cp=1,dp=16,mb=2,recompute=full,sp=on,tp_overlap=none,fp8=on,fp8_gather=on", TORCHTITAN_COMPILED, 177.0, 1.027, NotAsserted(GRAND_TETON)),
+          "tp=8,pp=1,cp=1,dp=16,mb=2,recompute=full,sp=on,tp_overlap=none,fp8=on,fp8_gather=on", TORCHTITAN_COMPILED_2024, 177.0, 1.027, NotAsserted(GRAND_TETON)),
         r("TT H100 Llama3.1 405B, FSDP 16 TP 8, float8 + async TP", TT_405B, (L3, "llama3_405b"), "16 x grand_teton_h100", (8192, 32),
-          "tp=8,pp=1,cp=1,dp=16,mb=2,recompute=full,sp=on,tp_overlap=ring,fp8=on,fp8_gather=on", TORCHTITAN_COMPILED, 185.0, 1.121, NotAsserted(GRAND_TETON)),
+          "tp=8,pp=1,cp=1,dp=16,mb=2,recompute=full,sp=on,tp_overlap=ring,fp8=on,fp8_gather=on", TORCHTITAN_COMPILED_2024, 185.0, 1.121, NotAsserted(GRAND_TETON)),
         // ---- torchtitan on H200 (catalog H200; power and memory size n/s), compile + float8 (FSDP float8 all-gather), op SAC.
         r("TT H200 Llama3 8B, FSDP 32", TT_H200, (L3, "llama3_8b"), "4x8xH200", (8192, 64),
           "tp=1,pp=1,cp=1,dp=32,mb=2,recompute=op,fp8=on,fp8_gather=on", TORCHTITAN_COMPILED, 10938.0, 1.110, NotAsserted(H200_FAST)),
@@ -359,13 +369,11 @@ fn cluster(spec: &str) -> Cluster {
     }
 }
 
-/// Predicted tokens/s (or model TFLOP/s) per GPU for `row`, or why dplc cannot plan it.
-fn predict(row: &Row) -> Result<f64, String> {
+/// `row`'s plan with its configuration pinned, or why dplc cannot plan it.
+fn plan(row: &Row) -> Result<dplc_ir::Plan, String> {
     let unit = zoo(row.file);
     let l = unit.lower(row.model).map_err(|e| e.to_string())?;
-    let cl = cluster(row.cluster);
-    let world = cl.world_size() as f64;
-    let mut req = PlanRequest::new(&l.graph, l.train.clone(), cl);
+    let mut req = PlanRequest::new(&l.graph, l.train.clone(), cluster(row.cluster));
     req.global_batch = Some(row.global_batch);
     req.seq = Some(row.seq);
     let pinned = match row.stack {
@@ -373,11 +381,17 @@ fn predict(row: &Row) -> Result<f64, String> {
         stack => format!("{},{stack}", row.strategy),
     };
     req.pinned = parse_strategy(&pinned).map_err(|e| e.to_string())?;
-    let c = compile(&req).map_err(|e| e.to_string())?;
+    Ok(compile(&req).map_err(|e| e.to_string())?.plan)
+}
+
+/// Predicted tokens/s (or model TFLOP/s) per GPU for `row`, or why dplc cannot plan it.
+fn predict(row: &Row) -> Result<f64, String> {
+    let p = plan(row)?;
+    let world = (p.cluster.nodes * p.cluster.devices_per_node) as f64;
     Ok(match row.metric {
-        Metric::Tokens => c.plan.estimate.tokens_per_s / world,
+        Metric::Tokens => p.estimate.tokens_per_s / world,
         Metric::ModelTflops => {
-            let e = &c.plan.estimate;
+            let e = &p.estimate;
             (e.model_flops_per_step + e.masked_attention_flops_per_step)
                 / e.step_time_s
                 / world
@@ -584,5 +598,139 @@ fn autocast_runs_what_is_not_a_gemm_in_fp32() {
     assert!(
         slower[0] > slower[1],
         "eager pays for its casts: {slower:?}"
+    );
+}
+
+/// torchtitan's December 2024 tables publish each run's memory beside its
+/// throughput (`Memory(GiB)`: "memory readings are stable across the whole
+/// training process", the maximum across GPUs of torchtitan's
+/// `max_reserved_gib`, what PyTorch's caching allocator holds; bench/
+/// published_rows.md §3). dplc's peak is the busiest rank's allocated peak,
+/// which the reserve can only exceed. Rows within 10% are asserted; the
+/// recorded ratio catches any change.
+#[test]
+fn torchtitan_memory_within_ten_percent_where_asserted() {
+    const SEVENTY_B: &str = "20% and 15% under, not explained: dplc prices torchtitan's tensor-parallel loss (`loss_parallel`: DTensor's log-softmax over each rank's vocabulary shard) as the eager loss over that shard and nothing of DTensor's own temporaries; the two runs differ by 4.3 GiB on the same plan, what async TP's buffers and the allocator's reserve move outside dplc's model";
+    const INTERLEAVED: &str = "18% over: the chunks a stage holds are not stated (v = 2 assumed, as the throughput row); the published memory falls 9.8 GiB from 1F1B to the interleaved schedule where dplc's rises 5.7 GiB with two chunks' micro-batches in flight";
+    let published: [(&str, f64, f64, Verdict); 14] = [
+        (
+            "TT H100 Llama3.1 8B, FSDP 8, eager",
+            82.4,
+            0.933,
+            Verdict::Asserted,
+        ),
+        (
+            "TT H100 Llama3.1 8B, FSDP 8, compile",
+            77.0,
+            0.998,
+            Verdict::Asserted,
+        ),
+        (
+            "TT H100 Llama3.1 8B, FSDP 8, compile + float8",
+            76.8,
+            1.027,
+            Verdict::Asserted,
+        ),
+        (
+            "TT H100 Llama3.1 8B, FSDP 128, eager",
+            67.0,
+            0.912,
+            Verdict::Asserted,
+        ),
+        (
+            "TT H100 Llama3.1 8B, FSDP 128, compile",
+            62.0,
+            0.985,
+            Verdict::Asserted,
+        ),
+        (
+            "TT H100 Llama3.1 8B, FSDP 128, compile + float8",
+            61.8,
+            0.997,
+            Verdict::Asserted,
+        ),
+        (
+            "TT H100 Llama3.1 8B, FSDP 8 CP 1, seq 32768",
+            83.9,
+            0.969,
+            Verdict::Asserted,
+        ),
+        (
+            "TT H100 Llama3.1 8B, FSDP 4 CP 2, seq 65536",
+            84.2,
+            0.966,
+            Verdict::Asserted,
+        ),
+        (
+            "TT H100 Llama3.1 8B, FSDP 2 CP 4, seq 131072",
+            84.0,
+            0.968,
+            Verdict::Asserted,
+        ),
+        (
+            "TT H100 Llama3.1 8B, FSDP 1 CP 8, seq 262144",
+            84.5,
+            0.962,
+            Verdict::Asserted,
+        ),
+        (
+            "TT H100 Llama3.1 70B, FSDP 32 TP 8",
+            71.9,
+            0.795,
+            Verdict::NotAsserted(SEVENTY_B),
+        ),
+        (
+            "TT H100 Llama3.1 70B, FSDP 32 TP 8, async TP",
+            67.6,
+            0.846,
+            Verdict::NotAsserted(SEVENTY_B),
+        ),
+        (
+            "TT H100 Llama3.1 405B, FSDP 8 TP 8 PP 8, 1F1B",
+            82.5,
+            0.970,
+            Verdict::Asserted,
+        ),
+        (
+            "TT H100 Llama3.1 405B, FSDP 8 TP 8 PP 8, interleaved 1F1B",
+            72.7,
+            1.179,
+            Verdict::NotAsserted(INTERLEAVED),
+        ),
+    ];
+    let rows = rows();
+    let (mut failures, mut stale) = (Vec::new(), Vec::new());
+    eprintln!("| row | predicted peak GiB | published GiB | ratio | recorded | verdict |");
+    for (name, gib, recorded, verdict) in published {
+        let row = rows
+            .iter()
+            .find(|r| r.name == name)
+            .unwrap_or_else(|| panic!("no throughput row `{name}`"));
+        assert_eq!(
+            row.source, TT_H100_202412,
+            "{name}: the December 2024 tables"
+        );
+        let p = plan(row).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let got = p.estimate.peak_memory_bytes as f64 / (1u64 << 30) as f64;
+        let ratio = got / gib;
+        let line =
+            format!("| {name} | {got:.1} | {gib:.1} | {ratio:.3} | {recorded:.3} | {verdict:?} |");
+        eprintln!("{line}");
+        if (ratio - recorded).abs() > 0.0015 {
+            stale.push(line.clone());
+        }
+        if verdict == Verdict::Asserted && (ratio - 1.0).abs() > 0.10 {
+            failures.push(line);
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "rows outside 10%:\n{}",
+        failures.join("\n")
+    );
+    assert!(
+        stale.is_empty(),
+        "rows whose ratio moved from the one recorded:\n{}",
+        stale.join("\n")
     );
 }

@@ -885,6 +885,17 @@ pub enum Loss {
     /// divided in place; the fp32 softmax is what backward keeps, and the
     /// backward scales it in place and casts it back.
     Unfused,
+    /// PyTorch's `F.cross_entropy` over the logits cast to fp32, eagerly,
+    /// as torchtitan's train step ran it until it compiled the loss
+    /// (`pred.flatten(0, 1).float()`, train.py @ 9dec370; the model's own
+    /// `.float()` before it): the cast, one log-softmax kernel whose fp32
+    /// output backward keeps, the target gather; backward writes the
+    /// log-softmax's gradient into zeros, the log-softmax backward reads it
+    /// and the kept output into a third fp32 tensor, and autograd casts
+    /// that back. The logits' working set at the start of backward is three
+    /// fp32 tensors of them, where a fused loss holds the logits and their
+    /// gradient.
+    Eager,
 }
 
 impl Loss {
@@ -892,6 +903,7 @@ impl Loss {
         match self {
             Loss::Fused => "fused",
             Loss::Unfused => "unfused",
+            Loss::Eager => "eager",
         }
     }
 

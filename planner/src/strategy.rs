@@ -493,7 +493,12 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
                 c.loss = Some(match value.to_ascii_lowercase().as_str() {
                     "fused" => Loss::Fused,
                     "unfused" => Loss::Unfused,
-                    _ => return Err(err(format!("loss is fused or unfused, got `{value}`"))),
+                    "eager" => Loss::Eager,
+                    _ => {
+                        return Err(err(format!(
+                            "loss is fused, unfused or eager, got `{value}`"
+                        )))
+                    }
                 })
             }
             "shards" => {

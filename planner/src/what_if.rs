@@ -92,11 +92,12 @@ pub(crate) fn neighbours(
             },
         ));
     }
-    if s.loss == dplc_ir::Loss::Unfused {
+    if s.loss != dplc_ir::Loss::Fused {
         // What a fused loss (Megatron's `--cross-entropy-loss-fusion`
-        // with Transformer Engine's kernel) would buy.
+        // with Transformer Engine's kernel, torchtitan's compiled loss)
+        // would buy.
         variants.push((
-            "loss unfused → fused".to_string(),
+            format!("loss {} → fused", s.loss.name()),
             StrategyConstraints {
                 loss: None,
                 ..base.clone()

@@ -1007,6 +1007,51 @@ fn an_unfused_loss_makes_its_passes_and_keeps_an_fp32_softmax() {
     assert!(unfused.plan.strategy.to_string().contains("loss unfused"));
 }
 
+/// `loss=eager` (PyTorch's `F.cross_entropy` over the logits cast to fp32,
+/// torchtitan's 2024 loss) moves 36 bytes a bf16 logit in five kernels
+/// where the fused loss moves 6, keeps the fp32 log-probabilities (4 bytes
+/// a logit, as Megatron's unfused loss keeps its softmax), and starts its
+/// backward with two more fp32 tensors of the logits beside them: 8 bytes
+/// a logit of working set where the fused loss writes the logits' bf16
+/// gradient (2).
+#[test]
+fn an_eager_loss_keeps_fp32_log_probabilities_and_works_beside_them() {
+    let base = "tp=1,pp=1,dp=8,mb=1,zero=1,recompute=none,attention=fused";
+    let fused = plan_as_pinned(GPT_1_7B, "8xA100", 8, base);
+    let eager = plan_as_pinned(GPT_1_7B, "8xA100", 8, &format!("{base},loss=eager"));
+    let (f, e) = (&fused.plan.estimate, &eager.plan.estimate);
+    let logits = 2048.0 * GPT_1_7B.vocab as f64;
+    let bandwidth = parse_cluster("8xA100").unwrap().device.memory_bandwidth;
+    let extra = (36.0 - 6.0) * logits / bandwidth;
+    let slower = e.breakdown.compute_s - f.breakdown.compute_s;
+    assert!(
+        slower > extra && slower < 1.5 * extra,
+        "the eager loss adds {slower:.6} s, its bytes {extra:.6} s"
+    );
+    assert_eq!(e.model_flops_per_step, f.model_flops_per_step);
+    let (fm, em) = (&fused.plan.stages[0].memory, &eager.plan.stages[0].memory);
+    assert_eq!(
+        em.embedding_and_loss - fm.embedding_and_loss,
+        (2.0 * logits) as u64,
+        "the fp32 log-probabilities in the bf16 logits' place"
+    );
+    assert_eq!(em.activations, fm.activations);
+    let working = em.buffers as f64 - fm.buffers as f64;
+    assert!(
+        (working - 6.0 * logits).abs() <= 2.0,
+        "backward's working set grows by {working} bytes, not 6 a logit"
+    );
+    let json = serde_json::to_value(&eager.plan).unwrap();
+    assert_eq!(json["strategy"]["loss"], "Eager");
+    assert!(eager.plan.strategy.to_string().contains("loss eager"));
+    // What compiling the loss would buy, beside the plan.
+    assert!(eager
+        .plan
+        .what_if
+        .iter()
+        .any(|w| w.change == "loss eager → fused"));
+}
+
 /// torchtitan's op-level checkpointing keeps more than a layer's input and
 /// less than everything, and recomputes less than the whole forward.
 #[test]

@@ -462,16 +462,39 @@ pub fn render(job: &Job) -> String {
             "selective_ac_option = \"op\"  # torchtitan's op-level choice, not Megatron's attention-core rule"
         );
     }
-    if m.tp > 1 && s.tp_overlap == TpOverlap::Ring {
+    // torch.compile runs what the plan prices fused: the model's
+    // elementwise chains, and the loss (compiled, one pass over the logits;
+    // eager, PyTorch's `F.cross_entropy` over fp32 logits).
+    let compiled_model = if m.tp > 1 && s.tp_overlap == TpOverlap::Ring {
         let _ = writeln!(
             w,
             "\n[compile]\nenable = true  # async tensor parallelism needs torch.compile"
         );
+        true
     } else if s.elementwise == dplc_ir::Elementwise::Fused {
         let _ = writeln!(
             w,
             "\n[compile]\nenable = true  # the plan prices elementwise chains fused, as torch.compile runs them"
         );
+        true
+    } else {
+        false
+    };
+    match (compiled_model, s.loss == dplc_ir::Loss::Fused) {
+        (true, false) => {
+            let _ = writeln!(
+                w,
+                "components = [\"model\"]  # the plan prices the loss {}, not compiled",
+                s.loss.name()
+            );
+        }
+        (false, true) => {
+            let _ = writeln!(
+                w,
+                "\n[compile]\nenable = true\ncomponents = [\"loss\"]  # the plan prices the loss fused, as torch.compile runs it"
+            );
+        }
+        _ => {}
     }
     match train.optimizer {
         Optimizer::AdamW {

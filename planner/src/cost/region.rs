@@ -143,6 +143,30 @@ pub(crate) fn attended_share(seq: u64, causal: bool, window: Option<u64>, tile: 
 /// loss's gradient in place (4 + 4) and autograd's cast of the fp32
 /// gradient back to the logits' type (read 4, write `e`). The gather of
 /// the target logits and the row statistics are a row's few bytes.
+/// [`unfused_loss_passes`] for PyTorch's eager `F.cross_entropy` over the
+/// logits cast to fp32 (`Loss::Eager`, torchtitan's): forward the cast
+/// (read `e`, write 4; none for fp32 logits) and ATen's log-softmax, one
+/// kernel over each row (read 4, write 4) — the target gather is a row's
+/// few bytes; backward `nll_loss`'s gradient written into zeros (4), the
+/// log-softmax backward reading it and the kept output and writing the
+/// logits' fp32 gradient (4 + 4 + 4), and the cast back (read 4, write
+/// `e`): 36 bytes a logit in bf16, against the fused loss's 6 and
+/// Megatron's unfused 52. Counted from what each kernel must move, a
+/// lower bound: ATen's softmax may read a long row more than once.
+fn eager_loss_passes(e: f64) -> (Vec<f64>, Vec<f64>) {
+    let cast = e < 4.0;
+    let mut forward = Vec::new();
+    if cast {
+        forward.push(e + 4.0);
+    }
+    forward.push(8.0);
+    let mut backward = vec![4.0, 12.0];
+    if cast {
+        backward.push(4.0 + e);
+    }
+    (forward, backward)
+}
+
 fn unfused_loss_passes(e: f64) -> (Vec<f64>, Vec<f64>) {
     let cast = e < 4.0;
     let mut forward = Vec::new();
@@ -206,7 +230,8 @@ impl CostModel<'_> {
         // the GEMM outputs and the attention output it keeps instead.
         let (mut weight_gemms, mut op_recompute, mut op_saved) = (0u32, 0.0, 0.0);
         let whole_bind = Bind { cp: 1.0, ..bind };
-        let unfused_loss = c.loss == Loss::Unfused;
+        // A loss in fp32 pass by pass replaces the fused loss's two ops.
+        let unfused_loss = c.loss != Loss::Fused;
         for op in &r.ops {
             if unfused_loss && op.cross_entropy {
                 // Priced below, pass by pass.
@@ -371,19 +396,19 @@ impl CostModel<'_> {
                 op_recompute += fwd;
             }
         }
-        // The unfused loss's passes over the rank's logits (its share of the
-        // vocabulary when tp splits it).
-        if unfused_loss {
-            let logits = bind.eval(&r.cross_entropy.sharded) / tp
-                + bind.eval(&r.cross_entropy.replicated) / rep_div;
-            if logits > 0.0 {
-                let (forward, backward) = unfused_loss_passes(elt);
-                let passes = |bytes: &[f64]| -> f64 {
-                    bytes.iter().map(|b| self.memory_time(b * logits)).sum()
-                };
-                pc.forward += passes(&forward);
-                pc.backward += passes(&backward);
-            }
+        // An unfused or eager loss's passes over the rank's logits (its
+        // share of the vocabulary when tp splits it).
+        let logits = bind.eval(&r.cross_entropy.sharded) / tp
+            + bind.eval(&r.cross_entropy.replicated) / rep_div;
+        if unfused_loss && logits > 0.0 {
+            let (forward, backward) = match c.loss {
+                Loss::Eager => eager_loss_passes(elt),
+                _ => unfused_loss_passes(elt),
+            };
+            let passes =
+                |bytes: &[f64]| -> f64 { bytes.iter().map(|b| self.memory_time(b * logits)).sum() };
+            pc.forward += passes(&forward);
+            pc.backward += passes(&backward);
         }
         // Selective recomputation redoes the unfused core; a fused kernel
         // keeps no core tensor to drop, and recomputes inside its backward.
@@ -532,7 +557,9 @@ impl CostModel<'_> {
             // The gradient written beside the largest kept tensor is its
             // size; an unfused loss keeps the logits' fp32 softmax in their
             // place and scales it in place, but the gradient it writes
-            // beside it is in the logits' type, the same as a fused loss's.
+            // beside it is in the logits' type, the same as a fused loss's
+            // (an eager loss's fp32 working set is counted below). The
+            // eager loss keeps its fp32 log-probabilities there too.
             pc.largest_saved_bytes = pc.largest_saved_bytes.max(b);
             let b = if unfused_loss && s.logits {
                 b * 4.0 / elt
@@ -543,6 +570,13 @@ impl CostModel<'_> {
             if !(c.recompute == Recompute::Selective && s.attention_core) {
                 pc.saved_bytes += b;
             }
+        }
+        if c.loss == Loss::Eager {
+            // Eager's backward starts with two fp32 tensors of the logits
+            // beside the kept log-probabilities: `nll_loss`'s gradient and
+            // the log-softmax backward's output (the forward's cast and
+            // output, 4 + `e` beside them, are fewer bytes).
+            pc.largest_saved_bytes = pc.largest_saved_bytes.max(8.0 * logits);
         }
         // A fused kernel keeps the fp32 log-sum-exp of each score row: the
         // scores' elements over the key length.
@@ -563,7 +597,7 @@ impl CostModel<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::{attended_share, gemm_seconds, unfused_loss_passes};
+    use super::{attended_share, eager_loss_passes, gemm_seconds, unfused_loss_passes};
     use crate::cluster::device;
 
     /// XLA's measured bf16 GEMM rates on an sm_90 GPU (the H100), TFLOP/s,
@@ -696,6 +730,20 @@ mod tests {
         let (forward, backward) = unfused_loss_passes(4.0);
         assert_eq!((forward.len(), total(&forward)), (5, 32.0));
         assert_eq!((backward.len(), total(&backward)), (1, 8.0));
+    }
+
+    /// PyTorch's eager loss over bf16 logits cast to fp32: two forward
+    /// kernels moving 14 bytes a logit and three backward ones moving 22
+    /// (36 in all); over fp32 logits no cast either way.
+    #[test]
+    fn the_eager_loss_makes_pytorchs_passes() {
+        let total = |v: &[f64]| v.iter().sum::<f64>();
+        let (forward, backward) = eager_loss_passes(2.0);
+        assert_eq!((forward.len(), total(&forward)), (2, 14.0));
+        assert_eq!((backward.len(), total(&backward)), (3, 22.0));
+        let (forward, backward) = eager_loss_passes(4.0);
+        assert_eq!((forward.len(), total(&forward)), (1, 8.0));
+        assert_eq!((backward.len(), total(&backward)), (2, 16.0));
     }
 
     /// `(seq, causal, window, tile, share of seq² the kernel's time follows)`.
