@@ -28,8 +28,9 @@ pub struct PlanArgs {
     /// an engine's stack: attention tp_overlap grad_accum grad_reduce (fp32|bf16|fp16: the main
     /// gradients' precision) dispatch (alltoall|hierarchical: DeepEP's
     /// token dispatch) root order stages fp8 fp8_gather
-    /// (on: ZeRO gathers the weights' FP8 casts) offload elementwise loss (fused|unfused:
-    /// Megatron's default fp32 cross-entropy, pass by pass) shards (flat|per_param:
+    /// (on: ZeRO gathers the weights' FP8 casts) offload elementwise loss (fused|unfused|eager:
+    /// Megatron's default fp32 cross-entropy, pass by pass; PyTorch's `F.cross_entropy`
+    /// over fp32 logits, torchtitan's in 2024) shards (flat|per_param:
     /// FSDP2's per-parameter copies under ZeRO-3).
     #[arg(long, default_value = "")]
     pub strategy: String,
