@@ -1050,6 +1050,19 @@ fn an_eager_loss_keeps_fp32_log_probabilities_and_works_beside_them() {
         .what_if
         .iter()
         .any(|w| w.change == "loss eager → fused"));
+
+    // Over a vocabulary split by tp, DTensor's `loss_parallel` backward
+    // holds three fp32 tensors of each rank's logits beside the kept ones.
+    let base = "tp=2,pp=1,dp=4,mb=1,zero=1,recompute=none,attention=fused,sp=off";
+    let fused = plan_as_pinned(GPT_1_7B, "8xA100", 8, base);
+    let eager = plan_as_pinned(GPT_1_7B, "8xA100", 8, &format!("{base},loss=eager"));
+    let (fm, em) = (&fused.plan.stages[0].memory, &eager.plan.stages[0].memory);
+    let shard = logits / 2.0;
+    let working = em.buffers as f64 - fm.buffers as f64;
+    assert!(
+        (working - 10.0 * shard).abs() <= 2.0,
+        "backward's working set grows by {working} bytes, not 10 a logit of the shard"
+    );
 }
 
 /// torchtitan's op-level checkpointing keeps more than a layer's input and

@@ -153,18 +153,46 @@ pub(crate) fn attended_share(seq: u64, causal: bool, window: Option<u64>, tile: 
 /// `e`): 36 bytes a logit in bf16, against the fused loss's 6 and
 /// Megatron's unfused 52. Counted from what each kernel must move, a
 /// lower bound: ATen's softmax may read a long row more than once.
-fn eager_loss_passes(e: f64) -> (Vec<f64>, Vec<f64>) {
+///
+/// Over a vocabulary split by tensor parallelism (`vocab_parallel`)
+/// PyTorch runs the same call through DTensor's `loss_parallel` handlers
+/// (torch/distributed/tensor/parallel/loss.py; torchtitan enables them
+/// under TP unless `disable_loss_parallel`), written op by op: forward the
+/// cast, the row maximum (4), `x − max` (4 + 4), `exp` (4 + 4) and its sum
+/// (4), `shifted − logsumexp` (4 + 4); backward `zeros_like` (4), `exp` of
+/// the kept output (4 + 4), their sum (4 + 4 + 4), the product with the
+/// loss's gradient (4 + 4) and the cast back: 76 bytes a bf16 logit.
+fn eager_loss_passes(e: f64, vocab_parallel: bool) -> (Vec<f64>, Vec<f64>) {
     let cast = e < 4.0;
     let mut forward = Vec::new();
     if cast {
         forward.push(e + 4.0);
     }
-    forward.push(8.0);
-    let mut backward = vec![4.0, 12.0];
+    let mut backward = if vocab_parallel {
+        forward.extend([4.0, 8.0, 8.0, 4.0, 8.0]);
+        vec![4.0, 8.0, 12.0, 8.0]
+    } else {
+        forward.push(8.0);
+        vec![4.0, 12.0]
+    };
     if cast {
         backward.push(4.0 + e);
     }
     (forward, backward)
+}
+
+/// Bytes a logit an eager loss holds beside its kept fp32 log-probabilities
+/// at its peak, the start of backward: ATen's `nll_loss` gradient and the
+/// log-softmax backward's output (two fp32 tensors); DTensor's
+/// `loss_parallel` backward the zeros, `exp` of the output and their sum
+/// (three), more than its forward's temporaries (the cast, `x − max` and
+/// `exp` beside the logits: `e` + 8 beyond the output).
+fn eager_loss_working_set(vocab_parallel: bool) -> f64 {
+    if vocab_parallel {
+        12.0
+    } else {
+        8.0
+    }
 }
 
 fn unfused_loss_passes(e: f64) -> (Vec<f64>, Vec<f64>) {
@@ -221,9 +249,21 @@ impl CostModel<'_> {
         let fp8 = c.fp8 && matches!(part, Part::Layer(_));
         let fp8_rate = self.cluster.device.peak_fp8 * self.cluster.device.fp8_matmul_efficiency;
         let (mut attention_flops, mut attention_bytes) = (0.0, 0.0);
-        // Each attention matmul's FLOPs with its mask: a fused kernel's time
-        // follows the pairs it visits.
-        let mut masked_flops: Vec<(f64, AttentionMask)> = Vec::new();
+        // Scores the kernel draws a dropout for; FlashAttention-3 has no
+        // dropout, so with one the stack runs FlashAttention-2.
+        let dropped = if fused {
+            bind.eval(&r.attention_dropout.sharded) / tp
+                + bind.eval(&r.attention_dropout.replicated) / rep_div
+        } else {
+            0.0
+        };
+        let kind = match c.attention {
+            AttentionKind::Fused if dropped > 0.0 => AttentionKind::Flash2,
+            kind => kind,
+        };
+        // The attention FLOPs a fused kernel's time follows: each matmul's
+        // share of the pairs its mask lets the kernel visit.
+        let mut attended_flops = 0.0;
         // Each GEMM's forward time: what tensor-parallel collectives hide behind.
         let mut gemm_times: HashMap<dplc_ir::NodeId, f64> = HashMap::default();
         // Op-level checkpointing (torchtitan's `op`): the forward it redoes,
@@ -252,7 +292,9 @@ impl CostModel<'_> {
                     let (m, n, k) = bind.eval_gemm(m, n, k);
                     let flops = 2.0 * m * n * k / div;
                     attention_flops += flops;
-                    masked_flops.push((flops, op.mask));
+                    let AttentionMask { causal, window } = op.mask;
+                    attended_flops +=
+                        flops * attended_share(self.seq, causal, window, fused_tile(kind));
                     // Q·Kᵀ reads Q and K, P·V reads V and writes O: each of
                     // them rows × head width, the smaller of the two sides.
                     attention_bytes += 2.0 * m * n.min(k) * elt / div;
@@ -398,11 +440,19 @@ impl CostModel<'_> {
         }
         // An unfused or eager loss's passes over the rank's logits (its
         // share of the vocabulary when tp splits it).
-        let logits = bind.eval(&r.cross_entropy.sharded) / tp
-            + bind.eval(&r.cross_entropy.replicated) / rep_div;
+        let (vocab_split, logits) = if unfused_loss {
+            let split = bind.eval(&r.cross_entropy.sharded) / tp;
+            (
+                split,
+                split + bind.eval(&r.cross_entropy.replicated) / rep_div,
+            )
+        } else {
+            (0.0, 0.0)
+        };
+        let vocab_parallel = tp > 1.0 && vocab_split > 0.0;
         if unfused_loss && logits > 0.0 {
             let (forward, backward) = match c.loss {
-                Loss::Eager => eager_loss_passes(elt),
+                Loss::Eager => eager_loss_passes(elt, vocab_parallel),
                 _ => unfused_loss_passes(elt),
             };
             let passes =
@@ -415,22 +465,7 @@ impl CostModel<'_> {
         let mut selective = core_forward;
         if attention_flops > 0.0 {
             let dev = &self.cluster.device;
-            // Scores the kernel draws a dropout for; FlashAttention-3 has no
-            // dropout, so with one the stack runs FlashAttention-2.
-            let dropped = bind.eval(&r.attention_dropout.sharded) / tp
-                + bind.eval(&r.attention_dropout.replicated) / rep_div;
-            let kind = match c.attention {
-                AttentionKind::Fused if dropped > 0.0 => AttentionKind::Flash2,
-                kind => kind,
-            };
-            // The attended share of the attention's FLOPs, each matmul's own.
-            let attended = masked_flops
-                .iter()
-                .map(|(flops, m)| {
-                    flops * attended_share(self.seq, m.causal, m.window, fused_tile(kind))
-                })
-                .sum::<f64>()
-                / attention_flops;
+            let attended = attended_flops / attention_flops;
             let (forward, backward) = match kind {
                 AttentionKind::Flash2 => (dev.flash2_efficiency, dev.flash2_backward_efficiency),
                 AttentionKind::Flash1 => (
@@ -572,11 +607,9 @@ impl CostModel<'_> {
             }
         }
         if c.loss == Loss::Eager {
-            // Eager's backward starts with two fp32 tensors of the logits
-            // beside the kept log-probabilities: `nll_loss`'s gradient and
-            // the log-softmax backward's output (the forward's cast and
-            // output, 4 + `e` beside them, are fewer bytes).
-            pc.largest_saved_bytes = pc.largest_saved_bytes.max(8.0 * logits);
+            pc.largest_saved_bytes = pc
+                .largest_saved_bytes
+                .max(eager_loss_working_set(vocab_parallel) * logits);
         }
         // A fused kernel keeps the fp32 log-sum-exp of each score row: the
         // scores' elements over the key length.
@@ -734,16 +767,21 @@ mod tests {
 
     /// PyTorch's eager loss over bf16 logits cast to fp32: two forward
     /// kernels moving 14 bytes a logit and three backward ones moving 22
-    /// (36 in all); over fp32 logits no cast either way.
+    /// (36 in all); over fp32 logits no cast either way; over a vocabulary
+    /// split by tp, DTensor's op-by-op `loss_parallel` (76 in all).
     #[test]
     fn the_eager_loss_makes_pytorchs_passes() {
         let total = |v: &[f64]| v.iter().sum::<f64>();
-        let (forward, backward) = eager_loss_passes(2.0);
+        let (forward, backward) = eager_loss_passes(2.0, false);
         assert_eq!((forward.len(), total(&forward)), (2, 14.0));
         assert_eq!((backward.len(), total(&backward)), (3, 22.0));
-        let (forward, backward) = eager_loss_passes(4.0);
+        let (forward, backward) = eager_loss_passes(4.0, false);
         assert_eq!((forward.len(), total(&forward)), (1, 8.0));
         assert_eq!((backward.len(), total(&backward)), (2, 16.0));
+        // DTensor's `loss_parallel`, op by op: 38 bytes each way.
+        let (forward, backward) = eager_loss_passes(2.0, true);
+        assert_eq!((forward.len(), total(&forward)), (6, 38.0));
+        assert_eq!((backward.len(), total(&backward)), (5, 38.0));
     }
 
     /// `(seq, causal, window, tile, share of seq² the kernel's time follows)`.
