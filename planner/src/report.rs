@@ -127,7 +127,10 @@ pub(crate) fn step_flops(
         cp: 1.0,
     };
     let unfused = c.attention == dplc_ir::AttentionKind::Unfused;
-    // Per stack, one layer's forward attention FLOPs its masks remove.
+    // Per stack, one layer's forward attention FLOPs its masks remove, each
+    // mask's share taken over the plan's sequence: an attention over
+    // another length (a T5 decoder's fixed targets) keeps a causal share
+    // that differs from it by (1/l − 1/s)/2, a hair at any training length.
     let masked: Vec<f64> = profile
         .stacks
         .iter()
