@@ -112,7 +112,8 @@ fn t5_small_plans_on_one_node() {
 /// leave out exactly the pairs the masks remove. T5's decoder masks its
 /// self-attention over the 512 targets causally and not its cross-attention
 /// to the encoder (both were priced causal when a layer's attentions shared
-/// one flag); the encoder masks nothing; Mistral's window keeps, at 8,192
+/// one flag), over its own 512 keys whatever the encoder's length; the
+/// encoder masks nothing; Mistral's window keeps, at 8,192
 /// tokens, the causal pairs of its first 4,096 keys and 4,096 a query after.
 #[test]
 fn each_attention_is_counted_by_its_own_mask() {
@@ -121,7 +122,11 @@ fn each_attention_is_counted_by_its_own_mask() {
     let attention =
         |b: f64, heads: f64, q: f64, k: f64, dh: f64| 2.0 * 2.0 * b * heads * q * k * dh;
 
-    let t5 = plan("t5.dpl", "t5_small", "8xA100", "", 1);
+    // At 2,048 encoder tokens: the decoder's mask is over its own 512.
+    let l = lowered("t5.dpl", "t5_small");
+    let mut req = PlanRequest::new(&l.graph, l.train.clone(), parse_cluster("8xA100").unwrap());
+    req.seq = Some(2048);
+    let t5 = compile(&req).unwrap();
     let (b, tgt) = (t5.plan.strategy.global_batch as f64, 512.0);
     let causal_removed = 1.0 - (tgt + 1.0) / (2.0 * tgt);
     let want = 3.0 * 6.0 * attention(b, 8.0, tgt, tgt, 64.0) * causal_removed;

@@ -128,9 +128,8 @@ pub(crate) fn step_flops(
     };
     let unfused = c.attention == dplc_ir::AttentionKind::Unfused;
     // Per stack, one layer's forward attention FLOPs its masks remove, each
-    // mask's share taken over the plan's sequence: an attention over
-    // another length (a T5 decoder's fixed targets) keeps a causal share
-    // that differs from it by (1/l − 1/s)/2, a hair at any training length.
+    // mask's share taken over its own keys (a T5 decoder's fixed targets)
+    // or the plan's sequence.
     let masked: Vec<f64> = profile
         .stacks
         .iter()
@@ -142,7 +141,9 @@ pub(crate) fn step_flops(
                 .filter_map(|op| match &op.work {
                     Work::Gemm { m, n, k, .. } => {
                         let (m, n, k) = bind.eval_gemm(m, n, k);
-                        let kept = crate::cost::kept_share(seq, op.mask.causal, op.mask.window);
+                        let mask = op.mask;
+                        let kept =
+                            crate::cost::kept_share(mask.length(seq), mask.causal, mask.window);
                         Some(2.0 * m * n * k * (1.0 - kept))
                     }
                     _ => None,

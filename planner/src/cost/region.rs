@@ -8,7 +8,7 @@
 use super::comm::{collective_time, dispatch_time, exposed_tp, TpExposure};
 use super::{Config, CostModel, Part, PassCost, KERNEL_OVERHEAD_S, MEMORY_EFFICIENCY};
 use crate::cluster::FLASH2_OVER_FLASH1;
-use crate::profile::{AttentionMask, Bind, RegionProfile, Work};
+use crate::profile::{Bind, RegionProfile, Work};
 use crate::sharding::{GemmSplit, Pass, TpCollectiveKind};
 use dplc_ir::{AttentionKind, CollectiveKind, Elementwise, Loss, MeshAxis, Recompute};
 use fxhash::FxHashMap as HashMap;
@@ -292,9 +292,10 @@ impl CostModel<'_> {
                     let (m, n, k) = bind.eval_gemm(m, n, k);
                     let flops = 2.0 * m * n * k / div;
                     attention_flops += flops;
-                    let AttentionMask { causal, window } = op.mask;
+                    let mask = op.mask;
+                    let length = mask.length(self.seq);
                     attended_flops +=
-                        flops * attended_share(self.seq, causal, window, fused_tile(kind));
+                        flops * attended_share(length, mask.causal, mask.window, fused_tile(kind));
                     // Q·Kᵀ reads Q and K, P·V reads V and writes O: each of
                     // them rows × head width, the smaller of the two sides.
                     attention_bytes += 2.0 * m * n.min(k) * elt / div;

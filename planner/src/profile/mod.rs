@@ -133,6 +133,16 @@ pub(crate) struct AttentionMask {
     pub causal: bool,
     /// Keys a query sees under a sliding window (`dplc_ir::window_mask`).
     pub window: Option<u64>,
+    /// The keys' length where it is fixed (a T5 decoder's targets); `None`
+    /// where it is the sequence's.
+    pub keys: Option<u64>,
+}
+
+impl AttentionMask {
+    /// The length the mask's shares are taken over: its own, or `seq`.
+    pub fn length(&self, seq: u64) -> u64 {
+        self.keys.unwrap_or(seq)
+    }
 }
 
 /// One tensor kept for backward.

@@ -379,7 +379,17 @@ fn attention_masks(g: &Graph, an: &Analysis, nodes: &[NodeId]) -> BTreeMap<NodeI
         }
         for &operand in &g.node(n).inputs {
             let shape = last_two(operand);
-            let (mut mask, mut qk) = (AttentionMask::default(), Vec::new());
+            let keys = shape
+                .last()
+                .and_then(|d| d.as_const())
+                .and_then(|k| u64::try_from(k).ok());
+            let (mut mask, mut qk) = (
+                AttentionMask {
+                    keys,
+                    ..AttentionMask::default()
+                },
+                Vec::new(),
+            );
             let (mut stack, mut seen) = (vec![operand], BTreeSet::new());
             while let Some(t) = stack.pop() {
                 if !seen.insert(t) {
