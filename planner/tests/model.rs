@@ -967,6 +967,35 @@ fn eager_elementwise_ops_only_add_memory_time() {
     assert_eq!(json["strategy"]["elementwise"], "Eager");
 }
 
+/// GPT 1.7B on 8 A100s, one sequence a rank, fused and with `loss`
+/// pinned, and that sequence's logits: the extra bytes `loss` moves a bf16
+/// logit beyond the fused loss's 6, at the device's full bandwidth, bound
+/// its extra time from below, the sustained fraction and its kernel
+/// launches from above; the model FLOPs are the same, and the loss keeps
+/// fp32 tensors of the logits where the fused loss keeps them in bf16.
+fn a_loss_against_the_fused_one(loss: &str, bytes_a_logit: f64) -> (Compiled, Compiled, f64) {
+    let base = "tp=1,pp=1,dp=8,mb=1,zero=1,recompute=none,attention=fused";
+    let fused = plan_as_pinned(GPT_1_7B, "8xA100", 8, base);
+    let other = plan_as_pinned(GPT_1_7B, "8xA100", 8, &format!("{base},loss={loss}"));
+    let (f, o) = (&fused.plan.estimate, &other.plan.estimate);
+    let logits = 2048.0 * GPT_1_7B.vocab as f64;
+    let bandwidth = parse_cluster("8xA100").unwrap().device.memory_bandwidth;
+    let extra = (bytes_a_logit - 6.0) * logits / bandwidth;
+    let slower = o.breakdown.compute_s - f.breakdown.compute_s;
+    assert!(
+        slower > extra && slower < 1.5 * extra,
+        "the {loss} loss adds {slower:.6} s, its bytes {extra:.6} s"
+    );
+    assert_eq!(o.model_flops_per_step, f.model_flops_per_step);
+    let (fm, om) = (&fused.plan.stages[0].memory, &other.plan.stages[0].memory);
+    assert_eq!(
+        om.embedding_and_loss - fm.embedding_and_loss,
+        (2.0 * logits) as u64,
+        "the {loss} loss's fp32 tensor in the bf16 logits' place"
+    );
+    (fused, other, logits)
+}
+
 /// `loss=unfused` (Megatron's default `vocab_parallel_cross_entropy`)
 /// passes over the logits eight times in fp32 where the fused loss reads
 /// them once each way: 52 bytes a bf16 logit against 6, the rest of the
@@ -975,30 +1004,10 @@ fn eager_elementwise_ops_only_add_memory_time() {
 /// it the same. Fused is the default and is not written into the plan.
 #[test]
 fn an_unfused_loss_makes_its_passes_and_keeps_an_fp32_softmax() {
-    let base = "tp=1,pp=1,dp=8,mb=1,zero=1,recompute=none,attention=fused";
-    let fused = plan_as_pinned(GPT_1_7B, "8xA100", 8, base);
-    let unfused = plan_as_pinned(GPT_1_7B, "8xA100", 8, &format!("{base},loss=unfused"));
+    let (fused, unfused, _) = a_loss_against_the_fused_one("unfused", 52.0);
     let (f, u) = (&fused.plan.estimate, &unfused.plan.estimate);
-    // One micro-batch of one sequence a rank: its logits.
-    let logits = 2048.0 * GPT_1_7B.vocab as f64;
-    let bandwidth = parse_cluster("8xA100").unwrap().device.memory_bandwidth;
-    // The extra bytes at the device's full bandwidth bound the extra time
-    // from below; the sustained fraction and eight kernel launches bound it
-    // from above.
-    let extra = (52.0 - 6.0) * logits / bandwidth;
-    let slower = u.breakdown.compute_s - f.breakdown.compute_s;
-    assert!(
-        slower > extra && slower < 1.5 * extra,
-        "the unfused loss adds {slower:.6} s, its bytes {extra:.6} s"
-    );
-    assert_eq!(u.model_flops_per_step, f.model_flops_per_step);
     assert_eq!(u.breakdown.exposed_comm_s, f.breakdown.exposed_comm_s);
     let (fm, um) = (&fused.plan.stages[0].memory, &unfused.plan.stages[0].memory);
-    assert_eq!(
-        um.embedding_and_loss - fm.embedding_and_loss,
-        (2.0 * logits) as u64,
-        "the fp32 softmax in the bf16 logits' place"
-    );
     assert_eq!((um.activations, um.buffers), (fm.activations, fm.buffers));
     let json = serde_json::to_value(&fused.plan).unwrap();
     assert!(json["strategy"].get("loss").is_none());
@@ -1016,25 +1025,8 @@ fn an_unfused_loss_makes_its_passes_and_keeps_an_fp32_softmax() {
 /// gradient (2).
 #[test]
 fn an_eager_loss_keeps_fp32_log_probabilities_and_works_beside_them() {
-    let base = "tp=1,pp=1,dp=8,mb=1,zero=1,recompute=none,attention=fused";
-    let fused = plan_as_pinned(GPT_1_7B, "8xA100", 8, base);
-    let eager = plan_as_pinned(GPT_1_7B, "8xA100", 8, &format!("{base},loss=eager"));
-    let (f, e) = (&fused.plan.estimate, &eager.plan.estimate);
-    let logits = 2048.0 * GPT_1_7B.vocab as f64;
-    let bandwidth = parse_cluster("8xA100").unwrap().device.memory_bandwidth;
-    let extra = (36.0 - 6.0) * logits / bandwidth;
-    let slower = e.breakdown.compute_s - f.breakdown.compute_s;
-    assert!(
-        slower > extra && slower < 1.5 * extra,
-        "the eager loss adds {slower:.6} s, its bytes {extra:.6} s"
-    );
-    assert_eq!(e.model_flops_per_step, f.model_flops_per_step);
+    let (fused, eager, logits) = a_loss_against_the_fused_one("eager", 36.0);
     let (fm, em) = (&fused.plan.stages[0].memory, &eager.plan.stages[0].memory);
-    assert_eq!(
-        em.embedding_and_loss - fm.embedding_and_loss,
-        (2.0 * logits) as u64,
-        "the fp32 log-probabilities in the bf16 logits' place"
-    );
     assert_eq!(em.activations, fm.activations);
     let working = em.buffers as f64 - fm.buffers as f64;
     assert!(

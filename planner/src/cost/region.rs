@@ -271,9 +271,9 @@ impl CostModel<'_> {
         let (mut weight_gemms, mut op_recompute, mut op_saved) = (0u32, 0.0, 0.0);
         let whole_bind = Bind { cp: 1.0, ..bind };
         // A loss in fp32 pass by pass replaces the fused loss's two ops.
-        let unfused_loss = c.loss != Loss::Fused;
+        let pass_by_pass_loss = c.loss != Loss::Fused;
         for op in &r.ops {
-            if unfused_loss && op.cross_entropy {
+            if pass_by_pass_loss && op.cross_entropy {
                 // Priced below, pass by pass.
                 continue;
             }
@@ -441,7 +441,7 @@ impl CostModel<'_> {
         }
         // An unfused or eager loss's passes over the rank's logits (its
         // share of the vocabulary when tp splits it).
-        let (vocab_split, logits) = if unfused_loss {
+        let (vocab_split, logits) = if pass_by_pass_loss {
             let split = bind.eval(&r.cross_entropy.sharded) / tp;
             (
                 split,
@@ -451,7 +451,7 @@ impl CostModel<'_> {
             (0.0, 0.0)
         };
         let vocab_parallel = tp > 1.0 && vocab_split > 0.0;
-        if unfused_loss && logits > 0.0 {
+        if pass_by_pass_loss && logits > 0.0 {
             let (forward, backward) = match c.loss {
                 Loss::Eager => eager_loss_passes(elt, vocab_parallel),
                 _ => unfused_loss_passes(elt),
@@ -597,7 +597,7 @@ impl CostModel<'_> {
             // (an eager loss's fp32 working set is counted below). The
             // eager loss keeps its fp32 log-probabilities there too.
             pc.largest_saved_bytes = pc.largest_saved_bytes.max(b);
-            let b = if unfused_loss && s.logits {
+            let b = if pass_by_pass_loss && s.logits {
                 b * 4.0 / elt
             } else {
                 b
