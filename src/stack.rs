@@ -97,6 +97,14 @@ pub fn elsewhere(pinned: &StrategyConstraints) -> Option<Elsewhere> {
             Some("torchtitan"),
         );
     }
+    if pinned.tp_impl == Some(dplc_ir::TpImpl::DTensor) {
+        return found(
+            "tp_impl=dtensor".into(),
+            "runs Megatron's sequence-first tensor parallelism",
+            drop("tp_impl"),
+            Some("torchtitan"),
+        );
+    }
     if let Some(g) = pinned
         .grad_reduce
         .filter(|&g| g != dplc_ir::GradReduce::Fp32)

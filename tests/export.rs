@@ -1022,3 +1022,52 @@ fn autocast_is_named_as_a_gap() {
         assert!(out.status.success(), "{engine}: {}", text(&out.stderr));
     }
 }
+
+/// Tensor parallelism as the engine runs it: torchtitan's is DTensor's
+/// (batch-first, its sequence-parallel collectives copied into place, the
+/// gathered inputs kept), a gap for a plan priced with Megatron's layout
+/// whose closest plan prices DTensor's; Megatron-LM and DeepSpeed run
+/// Megatron's, a gap for a plan priced with DTensor's.
+#[test]
+fn tensor_parallelism_goes_to_each_engine_as_it_runs_it() {
+    let megatron = compile(
+        "models/llama3.dpl",
+        "llama3_8b",
+        "2x8xH100",
+        &["--strategy", "tp=8,dp=2,sp=on,zero=3,shards=per_param"],
+        "tp_megatron.ron",
+    );
+    let out = export(&megatron, "torchtitan", &[]);
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(err.contains("Megatron's tensor parallelism"), "{err}");
+    assert!(err.contains("tp_impl=dtensor"), "{err}");
+    let out = export(&megatron, "torchtitan", &["--closest"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    check_torchtitan(&text(&out.stdout), 16);
+    let out = export(&megatron, "megatron", &["--closest"]);
+    assert!(!text(&out.stderr).contains("tensor parallelism"));
+
+    let dtensor = compile(
+        "models/llama3.dpl",
+        "llama3_8b",
+        "2x8xH100",
+        &[
+            "--strategy",
+            "tp=8,dp=2,sp=on,zero=3,shards=per_param,tp_impl=dtensor",
+        ],
+        "tp_dtensor.ron",
+    );
+    let out = export(&dtensor, "torchtitan", &["--closest"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(!text(&out.stderr).contains("tensor parallelism"));
+    for engine in ["megatron", "deepspeed"] {
+        let out = export(&dtensor, engine, &[]);
+        assert!(!out.status.success(), "{engine}");
+        let err = text(&out.stderr);
+        assert!(
+            err.contains("DTensor's tensor parallelism"),
+            "{engine}: {err}"
+        );
+    }
+}

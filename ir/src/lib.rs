@@ -55,7 +55,7 @@ pub use strategy::{powersgd_factors, topk_sparsifies, POWERSGD_MIN_COMPRESSION_R
 pub use strategy::{
     AttentionKind, AxisMapping, ClusterSummary, Compression, Dispatch, Elementwise, GradAccum,
     GradReduce, GradSync, LayerRecompute, LinkLevel, Loss, Mesh, MeshAxis, Offload,
-    PipelineSchedule, Recompute, RootSplit, ServerRanks, ShardLayout, Strategy, TpOverlap,
+    PipelineSchedule, Recompute, RootSplit, ServerRanks, ShardLayout, Strategy, TpImpl, TpOverlap,
 };
 
 pub use print::print_graph;

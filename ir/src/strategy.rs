@@ -283,6 +283,10 @@ pub struct Strategy {
     /// this field existed kept flat buffers.
     #[serde(default, skip_serializing_if = "ShardLayout::is_flat")]
     pub shards: ShardLayout,
+    /// How tensor parallelism lays out and moves activations. Plans
+    /// written before this field existed ran Megatron's.
+    #[serde(default, skip_serializing_if = "TpImpl::is_megatron")]
+    pub tp_impl: TpImpl,
     /// How data-parallel replicas combine their gradients: all-reduce, a
     /// parameter server, or an asynchronous one with bounded staleness.
     /// Plans written before this field existed all-reduced.
@@ -943,6 +947,46 @@ impl ShardLayout {
     }
 }
 
+/// How tensor parallelism lays out the activations it shards on the
+/// sequence (sequence parallelism) and what its linear layers keep.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+pub enum TpImpl {
+    /// Megatron's (and dplc's runtime): activations sequence-first
+    /// (`[s, b, h]`), so a rank's sequence shard is one contiguous block
+    /// the collectives read and write in place; a column-parallel layer
+    /// keeps its input's shard and gathers it again in backward for the
+    /// weight gradient (`LinearWithGradAccumulationAndAsyncCommunication`).
+    #[default]
+    Megatron,
+    /// PyTorch DTensor's (torchtitan): activations batch-first
+    /// (`[b, s, h]`) sharded on dimension 1. NCCL gathers and scatters
+    /// along dimension 0, so with more than one sequence in the
+    /// micro-batch every all-gather is copied into place after it and
+    /// every reduce-scatter's input copied into rank order before it
+    /// (`all_gather_tensor`'s `_maybe_view_chunk_cat` and
+    /// `reduce_scatter_tensor`'s `chunk` + `cat`, torch/distributed/
+    /// _functional_collectives.py; a reduce-scatter copies at one
+    /// sequence too). Autograd keeps the gathered input of a
+    /// column-parallel GEMM: backward gathers nothing again unless
+    /// op-level checkpointing recomputed the gather.
+    DTensor,
+}
+
+impl TpImpl {
+    pub fn name(self) -> &'static str {
+        match self {
+            TpImpl::Megatron => "megatron",
+            TpImpl::DTensor => "dtensor",
+        }
+    }
+
+    fn is_megatron(&self) -> bool {
+        *self == TpImpl::Megatron
+    }
+}
+
 /// How tensor-parallel communication overlaps with the GEMMs around it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum TpOverlap {
@@ -1117,6 +1161,9 @@ impl fmt::Display for Strategy {
         }
         if self.shards != ShardLayout::Flat {
             write!(f, ", shards {}", self.shards.name())?;
+        }
+        if self.tp_impl != TpImpl::Megatron {
+            write!(f, ", tp {}", self.tp_impl.name())?;
         }
         let where_ = match self.sync.servers() {
             Some(ServerRanks::Dedicated) => " on dedicated ranks",

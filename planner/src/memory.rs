@@ -6,7 +6,7 @@
 
 use crate::cost::{Config, CostModel, Parts};
 use crate::profile::StackShare;
-use dplc_ir::{MemoryBreakdown, Precision, Recompute};
+use dplc_ir::{MemoryBreakdown, PipelineSchedule, Precision, Recompute};
 
 /// What a GPU process holds besides the plan's tensors: the CUDA context
 /// (~0.5 GiB), cuBLAS workspaces and NCCL's channel buffers (tens of MiB per
@@ -58,7 +58,15 @@ impl CostModel<'_> {
             embedding_and_loss += pre.saved_bytes * flight;
         }
         if i == c.pp - 1 {
-            embedding_and_loss += post.saved_bytes * flight;
+            // The head and the loss run in the pipeline's last chunk, whose
+            // backward follows each micro-batch's forward at once but under
+            // GPipe: one micro-batch's worth, however many the stage's
+            // earlier chunks hold (interleaving).
+            let last_chunk = match c.schedule {
+                PipelineSchedule::GPipe => flight,
+                PipelineSchedule::OneFOneB | PipelineSchedule::Interleaved => 1.0,
+            };
+            embedding_and_loss += post.saved_bytes * last_chunk;
         }
         let (tp, ep) = (c.tp as f64, c.ep as f64);
         let layer_weights = |k: usize| self.profile.stacks[k].layer.params.per_rank(tp, ep);

@@ -10,7 +10,7 @@ use crate::Compiled;
 use dplc_ir::{
     Alternative, AxisMapping, ClusterSummary, Collective, CollectiveKind, Estimate, LinkLevel,
     Mesh, MeshAxis, ParamSharding, Plan, Recompute, SearchStats, StagePlan, StepPhase, Strategy,
-    TimeBreakdown,
+    TimeBreakdown, TpImpl,
 };
 use serde_json::json;
 use std::fmt::Write;
@@ -87,6 +87,7 @@ pub(crate) fn strategy(c: &Config, global_batch: u64, seq: u64) -> Strategy {
         elementwise: c.elementwise,
         loss: c.loss,
         shards: c.shards,
+        tp_impl: c.tp_impl,
         sync: c.sync,
         compress: c.compress,
     }
@@ -276,12 +277,18 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
         regions.push((&profile.post, u64::from(c.pp == 1), "head", 0));
         for (region, per_mb, name, rerun) in regions {
             for col in &region.collectives {
-                if col.sequence_parallel_only && !c.sp {
+                if col.sequence_parallel_only && !c.regathers() {
                     continue;
                 }
                 let bytes = bind.eval(&col.bytes);
                 let phase = match col.pass {
                     Pass::Forward => StepPhase::Forward,
+                    // DTensor's gather again is op-level checkpointing's.
+                    Pass::Backward
+                        if col.sequence_parallel_only && c.tp_impl == TpImpl::DTensor =>
+                    {
+                        StepPhase::Recompute
+                    }
                     Pass::Backward => StepPhase::Backward,
                 };
                 let what = format!("{name}: {}", col.what);
@@ -1057,6 +1064,7 @@ pub fn to_json(compiled: &Compiled) -> serde_json::Value {
             "elementwise": s.elementwise.name(),
             "loss": s.loss.name(),
             "shards": s.shards.name(),
+            "tp_impl": s.tp_impl.name(),
             "compress": s.compress.name(),
             // Every choice in words, as `compile` prints it.
             "description": s.to_string(),

@@ -412,6 +412,7 @@ impl<'a> Mesh<'a> {
                         elementwise: pins.elementwise.unwrap_or_default(),
                         loss: pins.loss.unwrap_or_default(),
                         shards: pins.shards.unwrap_or_default(),
+                        tp_impl: pins.tp_impl.unwrap_or_default(),
                         sync: GradSync::AllReduce,
                         compress: Compression::None,
                     };

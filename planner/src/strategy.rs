@@ -4,7 +4,7 @@
 use crate::PlanError;
 use dplc_ir::{
     AttentionKind, Compression, Dispatch, Elementwise, GradAccum, GradReduce, GradSync, Loss,
-    PipelineSchedule, Recompute, RootSplit, ServerRanks, ShardLayout, TpOverlap,
+    PipelineSchedule, Recompute, RootSplit, ServerRanks, ShardLayout, TpImpl, TpOverlap,
 };
 use std::fmt;
 
@@ -88,6 +88,11 @@ pub struct StrategyConstraints {
     /// reduces (`per_param`: FSDP2's copies in and out); the search keeps
     /// flat buffers, as dplc's runtime does.
     pub shards: Option<ShardLayout>,
+    /// `tp_impl=megatron|dtensor`: how tensor parallelism lays out what it
+    /// shards on the sequence (`dtensor`: torchtitan's batch-first layout,
+    /// its collectives' copies, autograd's gathered inputs); the search
+    /// takes Megatron's, as dplc's runtime runs it.
+    pub tp_impl: Option<TpImpl>,
     /// `sync=allreduce|ps|async`; the search all-reduces unless the user
     /// allows it to choose (`--allow sync`), as the others change the
     /// training dynamics.
@@ -233,6 +238,7 @@ impl StrategyConstraints {
             elementwise: (s.elementwise != Elementwise::Fused).then_some(s.elementwise),
             loss: (s.loss != Loss::Fused).then_some(s.loss),
             shards: (s.shards != ShardLayout::Flat).then_some(s.shards),
+            tp_impl: (s.tp_impl != TpImpl::Megatron).then_some(s.tp_impl),
             sync: (!s.sync.is_all_reduce()).then_some(SyncMode::of(s.sync)),
             ps_shards: s.sync.ps_shards(),
             ps_ranks: s.sync.servers().filter(|&r| r == ServerRanks::Dedicated),
@@ -512,6 +518,17 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
                     }
                 })
             }
+            "tp_impl" => {
+                c.tp_impl = Some(match value.to_ascii_lowercase().as_str() {
+                    "megatron" => TpImpl::Megatron,
+                    "dtensor" => TpImpl::DTensor,
+                    _ => {
+                        return Err(err(format!(
+                            "tp_impl is megatron or dtensor, got `{value}`"
+                        )))
+                    }
+                })
+            }
             "offload" => {
                 c.offload = Some(
                     dplc_ir::Offload::parse(&value.to_ascii_lowercase()).ok_or_else(|| {
@@ -642,6 +659,7 @@ fn choice_of(key: &str) -> Option<&'static str> {
         "elementwise" => "elementwise",
         "loss" => "loss",
         "shards" => "shards",
+        "tp_impl" => "tp_impl",
         "sync" => "sync",
         "ps_shards" => "ps_shards",
         "ps_ranks" => "ps_ranks",
@@ -733,6 +751,9 @@ impl fmt::Display for StrategyConstraints {
         if let Some(s) = self.shards {
             parts.push(format!("shards={}", s.name()));
         }
+        if let Some(t) = self.tp_impl {
+            parts.push(format!("tp_impl={}", t.name()));
+        }
         if let Some(s) = self.sync {
             parts.push(format!("sync={}", s.name()));
         }
@@ -761,7 +782,7 @@ mod tests {
 
     #[test]
     fn reads_every_key_and_prints_it_back() {
-        let s = "tp=8,pp=8,dp=24,cp=1,ep=1,mb=1,zero=1,schedule=interleaved,v=2,recompute=selective,sp=on,overlap=off,attention=unfused,tp_overlap=ring,elementwise=eager,loss=unfused,shards=per_param";
+        let s = "tp=8,pp=8,dp=24,cp=1,ep=1,mb=1,zero=1,schedule=interleaved,v=2,recompute=selective,sp=on,overlap=off,attention=unfused,tp_overlap=ring,elementwise=eager,loss=unfused,shards=per_param,tp_impl=dtensor";
         let c = parse_strategy(s).unwrap();
         assert_eq!(c.tp, Some(8));
         assert_eq!(c.schedule, Some(PipelineSchedule::Interleaved));
@@ -773,6 +794,7 @@ mod tests {
         assert_eq!(c.elementwise, Some(Elementwise::Eager));
         assert_eq!(c.loss, Some(Loss::Unfused));
         assert_eq!(c.shards, Some(ShardLayout::PerParam));
+        assert_eq!(c.tp_impl, Some(TpImpl::DTensor));
         assert_eq!(parse_strategy(&c.to_string()).unwrap(), c);
         for (s, layers, autocast) in [
             ("recompute_layers=3,autocast=on", Some(3), Some(true)),

@@ -1311,3 +1311,101 @@ fn the_runtime_reserve_is_stated_as_part_of_the_buffers() {
     let cpu = plan(GPT_1_7B, "8xcpu", 64, "tp=8,pp=1,dp=1,mb=1", true);
     assert!(cpu.plan.stages.iter().all(|st| st.memory.reserve == 0));
 }
+
+/// DTensor's tensor parallelism (`tp_impl=dtensor`, torchtitan's) against
+/// Megatron's on the same plan. Every sequence-parallel reduce-scatter
+/// copies its input into rank order, and with two sequences a micro-batch
+/// every all-gather copies its output into place (with one, the pieces lie
+/// in place): a read and a write of the whole tensor each, a memory-bound
+/// pass (at 80% of the device's bandwidth, plus a launch). Backward gathers
+/// no input again where the layer's recomputed forward has, or where it was
+/// kept: without recomputation the gathered inputs stay beside their
+/// shards until backward. Op-level checkpointing keeps no all-gather, so
+/// its backward gathers again, as recomputation.
+#[test]
+fn dtensor_tp_copies_each_sequence_collective_and_keeps_what_it_gathered() {
+    use dplc_ir::{Collective, CollectiveKind, MeshAxis, Plan, StepPhase};
+    let g = gpt("gpt", GPT_1_7B);
+    let cluster = parse_cluster("8xH100").unwrap();
+    let bandwidth = cluster.device.memory_bandwidth;
+    let run = |mb: u64, pins: &str| {
+        let mut req = PlanRequest::new(&g, train(2048, mb), cluster.clone());
+        req.pinned = parse_strategy(&format!(
+            "tp=8,pp=1,dp=1,mb={mb},sp=on,tp_overlap=none,{pins}"
+        ))
+        .unwrap();
+        compile(&req).unwrap().plan
+    };
+    let tp = |p: &Plan| -> Vec<Collective> {
+        p.collectives
+            .iter()
+            .filter(|c| c.axis == MeshAxis::Tp)
+            .cloned()
+            .collect()
+    };
+    let regather = |c: &Collective| c.what.contains("re-gather");
+    for mb in [1, 2] {
+        let megatron = run(mb, "recompute=full");
+        let dtensor = run(mb, "recompute=full,tp_impl=dtensor");
+        let copies: f64 = tp(&megatron)
+            .iter()
+            .filter(|c| !regather(c))
+            .map(|c| {
+                let n = match c.kind {
+                    CollectiveKind::ReduceScatter => 1.0,
+                    CollectiveKind::AllGather if mb > 1 => 1.0,
+                    _ => 0.0,
+                };
+                n * c.count_per_step as f64 * (2.0 * c.bytes as f64 / (bandwidth * 0.8) + 4e-6)
+            })
+            .sum();
+        let regathers: f64 = tp(&megatron)
+            .iter()
+            .filter(|c| regather(c))
+            .map(|c| c.count_per_step as f64 * c.time_s)
+            .sum();
+        assert!(copies > 0.0 && regathers > 0.0, "mb {mb}");
+        assert!(!tp(&dtensor).iter().any(regather), "mb {mb}");
+        let (m, d) = (&megatron.estimate.breakdown, &dtensor.estimate.breakdown);
+        let close = |got: f64, want: f64, what: &str| {
+            assert!(
+                (got / want - 1.0).abs() < 1e-6,
+                "mb {mb}, {what}: {got} s against {want} s"
+            )
+        };
+        close(d.compute_s - m.compute_s, copies, "the copies");
+        close(
+            m.exposed_comm_s - d.exposed_comm_s,
+            regathers,
+            "the gathers again",
+        );
+    }
+
+    // Kept between forward and backward without recomputation: each
+    // gathered input beside its shard, 7/8 more of it at tp 8.
+    let megatron = run(2, "recompute=none");
+    let dtensor = run(2, "recompute=none,tp_impl=dtensor");
+    let kept: f64 = tp(&megatron)
+        .iter()
+        .filter(|c| regather(c))
+        .map(|c| c.count_per_step as f64 * c.bytes as f64 * 7.0 / 8.0)
+        .sum();
+    let held = |p: &Plan| {
+        let m = &p.stages[0].memory;
+        (m.activations + m.embedding_and_loss) as f64
+    };
+    let got = held(&dtensor) - held(&megatron);
+    assert!(
+        (got - kept).abs() <= 2.0,
+        "kept {got} bytes more, want {kept}"
+    );
+
+    // Op-level checkpointing gathers again, as recomputation.
+    let op = run(2, "recompute=op,tp_impl=dtensor");
+    let again: Vec<StepPhase> = tp(&op)
+        .iter()
+        .filter(|c| regather(c))
+        .map(|c| c.phase)
+        .collect();
+    assert!(!again.is_empty() && again.iter().all(|&p| p == StepPhase::Recompute));
+}

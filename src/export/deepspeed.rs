@@ -105,6 +105,12 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
             |p| p.shards = None,
         ));
     }
+    if s.tp_impl == dplc_ir::TpImpl::DTensor && m.tp > 1 {
+        gaps.push(Gap::new(
+            "DTensor's tensor parallelism (torchtitan's batch-first layout; DeepSpeed's runs Megatron's layers)",
+            |p| p.tp_impl = None,
+        ));
+    }
     if s.fp8 {
         gaps.push(Gap::new(
             "FP8 GEMMs (a ds_config has no FP8; Transformer Engine runs them in Megatron-LM)",

@@ -103,6 +103,12 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
             |p| p.shards = None,
         ));
     }
+    if s.tp_impl == dplc_ir::TpImpl::DTensor && m.tp > 1 {
+        gaps.push(Gap::new(
+            "DTensor's tensor parallelism (torchtitan's batch-first layout; Megatron's layers run sequence-first)",
+            |p| p.tp_impl = None,
+        ));
+    }
     if s.recompute == Recompute::Op {
         gaps.push(Gap::new(
             "op-level selective checkpointing (torchtitan's; Megatron recomputes the attention core or whole layers)",

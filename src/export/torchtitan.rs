@@ -101,6 +101,13 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
             |p| p.shards = Some(dplc_ir::ShardLayout::PerParam),
         ));
     }
+    if m.tp > 1 && s.tp_impl == dplc_ir::TpImpl::Megatron {
+        gaps.push(Gap::new(
+            "Megatron's tensor parallelism (torchtitan's DTensor runs batch-first: each sequence-parallel \
+             collective copied into place, the gathered inputs kept)",
+            |p| p.tp_impl = Some(dplc_ir::TpImpl::DTensor),
+        ));
+    }
     if m.dp > 1 && !s.overlap_grad_reduce {
         gaps.push(Gap::new(
             "the gradient reduction after backward (FSDP2 and DDP overlap it)",

@@ -19,7 +19,7 @@ use crate::cluster::Cluster;
 use crate::profile::{Bind, ModelProfile, StackShare};
 use dplc_ir::{
     AttentionKind, AxisComm, CollectiveKind, Compression, Elementwise, GradAccum, GradSync, Loss,
-    MeshAxis, Offload, PipelineSchedule, Precision, Recompute, ShardLayout, TimeBreakdown,
+    MeshAxis, Offload, PipelineSchedule, Precision, Recompute, ShardLayout, TimeBreakdown, TpImpl,
     TpOverlap,
 };
 use std::rc::Rc;
@@ -170,6 +170,8 @@ pub(crate) struct Config {
     pub loss: Loss,
     /// Where ZeRO-3 keeps what it gathers and reduces (`shards=per_param`: FSDP2's copies).
     pub shards: ShardLayout,
+    /// How tensor parallelism lays out sequence shards (`tp_impl=`).
+    pub tp_impl: TpImpl,
     /// How replicas combine gradients (`sync=`); priced by [`CostModel::dp_reduction`].
     pub sync: GradSync,
     /// What the data-parallel reduction sends (`compress=`).
@@ -177,6 +179,17 @@ pub(crate) struct Config {
 }
 
 impl Config {
+    /// Whether a column-parallel GEMM's backward all-gathers its input
+    /// again under sequence parallelism (the `sequence_parallel_only`
+    /// collectives): Megatron's layer keeps the input's shard and always
+    /// does; DTensor's autograd keeps the gathered input, gathered again
+    /// only where op-level checkpointing recomputes the gather (torchtitan
+    /// keeps no all-gather); a fully recomputed layer's forward has
+    /// gathered it.
+    pub fn regathers(&self) -> bool {
+        self.sp && (self.tp_impl == TpImpl::Megatron || self.recompute == Recompute::Op)
+    }
+
     /// What a stage keeps of each layer for its backward.
     pub fn layer_recompute(&self) -> dplc_ir::LayerRecompute {
         dplc_ir::LayerRecompute {

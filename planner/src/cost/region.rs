@@ -10,7 +10,7 @@ use super::{Config, CostModel, Part, PassCost, KERNEL_OVERHEAD_S, MEMORY_EFFICIE
 use crate::cluster::FLASH2_OVER_FLASH1;
 use crate::profile::{Bind, RegionProfile, Work};
 use crate::sharding::{GemmSplit, Pass, TpCollectiveKind};
-use dplc_ir::{AttentionKind, CollectiveKind, Elementwise, Loss, MeshAxis, Recompute};
+use dplc_ir::{AttentionKind, CollectiveKind, Elementwise, Loss, MeshAxis, Recompute, TpImpl};
 use fxhash::FxHashMap as HashMap;
 
 /// Whether a row of `len` elements of `elt` bytes is a whole number of
@@ -19,6 +19,30 @@ use fxhash::FxHashMap as HashMap;
 fn whole_pieces(len: f64, elt: f64) -> bool {
     let per = 16.0 / elt;
     len.fract() == 0.0 && (len / per).fract() == 0.0
+}
+
+/// The copies DTensor's tensor parallelism (`TpImpl::DTensor`) makes of a
+/// sequence-parallel collective's whole tensor to move its rank's sequence
+/// shard into place: NCCL gathers and scatters along dimension 0, and a
+/// batch-first activation holds a rank's positions of every sequence in
+/// as many pieces. A reduce-scatter's input is copied into rank order
+/// before it (`chunk` + `cat`, at one sequence too); an all-gather's output
+/// is copied out after it, unless the micro-batch holds one sequence and
+/// the pieces are already in place (`_maybe_view_chunk_cat` returns a
+/// view). A reduction under sequence parallelism is a reduce-scatter and an
+/// all-gather. torchtitan's async TP (`tp_overlap=ring`) fuses each
+/// collective with its GEMM, which reads and writes the shards where they
+/// lie: no copy.
+fn dtensor_layout_copies(col: &crate::profile::CollectiveCost, c: &Config) -> f64 {
+    if !c.sp || c.tp <= 1 || c.tp_overlap == dplc_ir::TpOverlap::Ring {
+        return 0.0;
+    }
+    let gather = if c.micro_batch > 1 { 1.0 } else { 0.0 };
+    match col.kind {
+        TpCollectiveKind::AllReduce => 1.0 + gather,
+        TpCollectiveKind::AllGather if col.sequence_parallel_only => gather,
+        TpCollectiveKind::AllGather | TpCollectiveKind::RowStats => 0.0,
+    }
 }
 
 /// Output tiles cuBLAS uses for large bf16/fp16 GEMMs on sm80/sm90; it picks
@@ -504,13 +528,40 @@ impl CostModel<'_> {
         // `c.tp_overlap` hides them behind GEMMs (see `exposed_tp`);
         // recomputing the forward repeats the forward ones.
         let tp_link = self.link(c, MeshAxis::Tp);
+        let dtensor = c.tp_impl == TpImpl::DTensor;
         for col in &r.collectives {
             if col.sequence_parallel_only && !c.sp {
                 continue;
             }
             let bytes = bind.eval(&col.bytes);
-            if c.sp && c.tp > 1 && col.sequence_parallel_only {
+            if dtensor && col.sequence_parallel_only {
+                // Autograd keeps the gathered input whole beside its
+                // shard: while the layer's backward runs, and between
+                // forward and backward where nothing recomputes it.
+                let gathered = bytes * (1.0 - 1.0 / tp);
+                pc.full_saved_bytes += gathered;
+                pc.saved_bytes += gathered;
+                if !c.regathers() {
+                    continue;
+                }
+                // Recomputed (and copied into place) before the GEMMs'
+                // backward.
+                pc.recompute += dtensor_layout_copies(col, c) * self.memory_time(2.0 * bytes);
+            } else if c.sp && c.tp > 1 && col.sequence_parallel_only {
                 pc.gather_buffer_bytes = pc.gather_buffer_bytes.max(bytes);
+            }
+            if dtensor && !col.sequence_parallel_only {
+                // Each copy reads and writes the whole tensor.
+                let copies = dtensor_layout_copies(col, c) * self.memory_time(2.0 * bytes);
+                match col.pass {
+                    Pass::Forward => {
+                        pc.forward += copies;
+                        if layer && c.recompute == Recompute::Full {
+                            pc.recompute += copies;
+                        }
+                    }
+                    Pass::Backward => pc.backward += copies,
+                }
             }
             let kind = match col.kind {
                 TpCollectiveKind::AllReduce | TpCollectiveKind::RowStats => {
