@@ -197,7 +197,10 @@ impl CostModel<'_> {
         if o.params {
             // ZeRO-Infinity: the weight shards too; the device keeps only the
             // gathered layers (in `buffers`, or held through the step).
-            let on_device = (fp8_weights + held * w_bytes) as u64;
+            // Never more than the rank holds: where the FP8 compute
+            // weights already stand in for the training-precision ones
+            // (ZeRO-1/2 gathering FP8), nothing is left to offload.
+            let on_device = ((fp8_weights + held * w_bytes) as u64).min(m.weights);
             m.host += m.weights - on_device;
             m.weights = on_device;
         }

@@ -297,13 +297,16 @@ fn closest(
         ep: all.ep,
         ..StrategyConstraints::default()
     };
-    // What changes the numbers training computes (FP8, how replicas
-    // combine gradients) the search never takes unasked, so it is kept
-    // while the rest is searched again: a closest plan does not quietly
-    // train in another precision.
+    // What changes the numbers training computes (FP8 and the layers kept
+    // out of it, the main gradients' precision, how replicas combine
+    // gradients) the search never takes unasked, so it is kept while the
+    // rest is searched again: a closest plan does not quietly train in
+    // another precision.
     let numerics = StrategyConstraints {
         fp8: all.fp8,
         fp8_gather: all.fp8_gather,
+        fp8_bf16_ends: all.fp8_bf16_ends,
+        grad_reduce: all.grad_reduce,
         sync: all.sync,
         ps_shards: all.ps_shards,
         ps_ranks: all.ps_ranks,
