@@ -139,7 +139,7 @@ const DPLC_H200: &str = "dplc bench/RESULTS.md, \"The GPU check on an NVIDIA H20
 const FSDP_PP: &str = "FSDP (ZeRO-3) under a pipeline plans and runs as torchtitan runs it: each stage's weights gathered once a step and its gradients reduce-scattered once after its last backward (FSDP2 does not reshard after forward when pipelining, and PyTorch's pipeline stage defers the reduce-scatter); it reads 1.32 and 1.31 at the SXM peak, 1.17 and 1.16 at the NVL's (the bounds its source puts on the 500 W part's peak), fast beyond the bracket the other FSDP and TP rows on the part fall in; what interleaving gains is checked against the source instead (interleaving_gains_what_torchtitan_measured)";
 const ASYNC_TP: &str = "torchtitan's async TP (symmetric-memory micro-pipelining of each collective with its GEMM) gains 6-16% over its vanilla TP on the same part and plan (published), where dplc's `tp_overlap=ring` gains 26-33%: priced as Megatron's userbuffers ring, each chunk's transfer behind the next chunk's GEMM, with none of DTensor's layout copies left; the vanilla rows on the part fall inside the bracket of its peak, these read 1.11-1.31 at its lower bound; see bench/RESULTS.md";
 const A100_GAP: &str = "dplc reads torchtitan's eager A100 runs 11-19% fast after every mechanism priced here; every knob its source states is priced (FSDP2 with bf16 gathers and fp32 reduce-scatters, resharding after forward, eager kernels, op-level checkpointing, layer-level checkpointing of every second layer as half of each chunk's layers recomputed (`recompute_layers`: the same count, the same price), SDPA's FlashAttention-2), except the 8B and 13B configs' Triton fused RMSNorm, which dplc prices as eager PyTorch's five passes, making those rows read slow by a few percent; the rest is not explained (no sustained matmul rate is measured for the A100, the cluster's network is not stated); see bench/RESULTS.md";
-const H200_FAST: &str = "10.4% fast at 32 GPUs, 12.4% at 64, with FSDP's float8 all-gather its command line turns on priced (1.087 and 1.107 before it): torchtitan loses 1.7% from 32 to 64 GPUs, dplc predicts no loss; see bench/RESULTS.md";
+const H200_FAST: &str = "10.8% fast at 32 GPUs, 12.5% at 64, with FSDP's float8 all-gather its command line turns on priced (1.087 and 1.107 before it): torchtitan loses 1.7% from 32 to 64 GPUs, dplc 0.1% (each layer's gathers and reduce-scatters paying their own latency); see bench/RESULTS.md";
 const GPT3_20B: &str = "18% slow: with the stated knobs dplc's ZeRO-1 plan needs 83 GiB (bf16 weights beside their FP8 casts and fp32 gradients) and the search takes ZeRO-2, whose per-micro-batch reduce-scatters cost 0.23 s exposed; with FP8 parameter gathers (`zero=1,fp8_gather=on`, as NeMo's later FP8 recipes set, not stated for 24.07) it fits and reads 0.993; see bench/RESULTS.md";
 const LLAMA3_CP: &str = "23% fast at 131,072 tokens; the paper reports TFLOP/s per GPU, not tokens/s, and at this length attention is 57% of dplc's model FLOPs counted over the whole sequence (Megatron's convention) and 40% counted causally, and the source does not say which it counts (the 8K rows move by 4% between the two); with FlashAttention-2's rate instead of the fused (FlashAttention-3) one dplc reads 0.889; see bench/RESULTS.md";
 const B200_8B: &str = "12.0% fast; no fused-attention rate is measured for the B200, so its attention runs at the device's GEMM rate (with the H100 die's ratios of FlashAttention-3's forward and backward to its GEMM rate it read 1.068 before the recipe's bf16 main gradients were pinned, not asserted: that ratio is the H100's); the 405B row on the same system reads 1.097; see bench/RESULTS.md";
@@ -197,21 +197,21 @@ fn rows() -> Vec<Row> {
           "tp=1,pp=1,cp=1,dp=1,mb=32,recompute=none,zero=0", "attention=flash2,elementwise=eager,offload=none,autocast=on", 223945.0, 1.036, Asserted),
         // ---- torchtitan, 64 A100 80GB (host size n/s: DGX A100 assumed), eager, seq 8192 / 4096 (cfg).
         r("TT A100 Llama3 8B, selective layer AC", TT_PERF_A100, (L3, "llama3_8b"), "8x8xA100", (8192, 64),
-          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute_layers=16", TORCHTITAN_EAGER_2024, 2904.0, 1.136, NotAsserted(A100_GAP)),
+          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute_layers=16", TORCHTITAN_EAGER_2024, 2904.0, 1.133, NotAsserted(A100_GAP)),
         r("TT A100 Llama3 8B, selective op AC", TT_PERF_A100, (L3, "llama3_8b"), "8x8xA100", (8192, 64),
-          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute=op", TORCHTITAN_EAGER_2024, 2973.0, 1.134, NotAsserted(A100_GAP)),
+          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute=op", TORCHTITAN_EAGER_2024, 2973.0, 1.132, NotAsserted(A100_GAP)),
         r("TT A100 Llama3 70B, full AC", TT_PERF_A100, (L3, "llama3_70b"), "8x8xA100", (8192, 64),
-          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute=full", TORCHTITAN_EAGER_2024, 331.0, 1.115, NotAsserted(A100_GAP)),
+          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute=full", TORCHTITAN_EAGER_2024, 331.0, 1.114, NotAsserted(A100_GAP)),
         r("TT A100 Llama2 13B, no AC", TT_PERF_A100_L2, (L2, "llama2_13b"), "8x8xA100", (4096, 128),
-          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=none", TORCHTITAN_EAGER_2024, 2162.0, 1.133, NotAsserted(A100_GAP)),
+          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=none", TORCHTITAN_EAGER_2024, 2162.0, 1.131, NotAsserted(A100_GAP)),
         r("TT A100 Llama2 13B, selective layer AC", TT_PERF_A100_L2, (L2, "llama2_13b"), "8x8xA100", (4096, 128),
-          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute_layers=20", TORCHTITAN_EAGER_2024, 1914.0, 1.112, NotAsserted(A100_GAP)),
+          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute_layers=20", TORCHTITAN_EAGER_2024, 1914.0, 1.110, NotAsserted(A100_GAP)),
         r("TT A100 Llama2 13B, selective op AC", TT_PERF_A100_L2, (L2, "llama2_13b"), "8x8xA100", (4096, 128),
-          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=op", TORCHTITAN_EAGER_2024, 1904.0, 1.131, NotAsserted(A100_GAP)),
+          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=op", TORCHTITAN_EAGER_2024, 1904.0, 1.129, NotAsserted(A100_GAP)),
         r("TT A100 Llama2 70B, selective op AC, local batch 1", TT_PERF_A100_L2, (L2, "llama2_70b"), "8x8xA100", (4096, 64),
-          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute=op", TORCHTITAN_EAGER_2024, 355.0, 1.189, NotAsserted(A100_GAP)),
+          "tp=1,pp=1,cp=1,dp=64,mb=1,recompute=op", TORCHTITAN_EAGER_2024, 355.0, 1.188, NotAsserted(A100_GAP)),
         r("TT A100 Llama2 70B, full AC, local batch 2", TT_PERF_A100_L2, (L2, "llama2_70b"), "8x8xA100", (4096, 128),
-          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=full", TORCHTITAN_EAGER_2024, 353.0, 1.107, NotAsserted(A100_GAP)),
+          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=full", TORCHTITAN_EAGER_2024, 353.0, 1.106, NotAsserted(A100_GAP)),
         // ---- torchtitan, Grand Teton H100 (Dec 2024), Table 1 (1 host) and Table 3 (16 hosts).
         r("TT H100 Llama3.1 8B, FSDP 8, eager", TT_H100_202412, (L3, "llama3_8b"), "1 x grand_teton_h100", (8192, 16),
           "tp=1,pp=1,cp=1,dp=8,mb=2,recompute=op", TORCHTITAN_EAGER_2024, 5762.0, 1.179, Bracketed { low: 1.050 }),
@@ -220,11 +220,11 @@ fn rows() -> Vec<Row> {
         r("TT H100 Llama3.1 8B, FSDP 8, compile + float8", TT_H100_202412, (L3, "llama3_8b"), "1 x grand_teton_h100", (8192, 16),
           "tp=1,pp=1,cp=1,dp=8,mb=2,recompute=op,fp8=on", TORCHTITAN_COMPILED_2024, 8532.0, 1.182, Bracketed { low: 1.050 }),
         r("TT H100 Llama3.1 8B, FSDP 128, eager", TT_H100_202412, (L3, "llama3_8b"), "16 x grand_teton_h100", (8192, 256),
-          "tp=1,pp=1,cp=1,dp=128,mb=2,recompute=op", TORCHTITAN_EAGER_2024, 5605.0, 1.217, Bracketed { low: 1.084 }),
+          "tp=1,pp=1,cp=1,dp=128,mb=2,recompute=op", TORCHTITAN_EAGER_2024, 5605.0, 1.212, Bracketed { low: 1.079 }),
         r("TT H100 Llama3.1 8B, FSDP 128, compile", TT_H100_202412, (L3, "llama3_8b"), "16 x grand_teton_h100", (8192, 256),
-          "tp=1,pp=1,cp=1,dp=128,mb=2,recompute=op", TORCHTITAN_COMPILED_2024, 6514.0, 1.255, Bracketed { low: 1.093 }),
+          "tp=1,pp=1,cp=1,dp=128,mb=2,recompute=op", TORCHTITAN_COMPILED_2024, 6514.0, 1.248, Bracketed { low: 1.088 }),
         r("TT H100 Llama3.1 8B, FSDP 128, compile + float8", TT_H100_202412, (L3, "llama3_8b"), "16 x grand_teton_h100", (8192, 256),
-          "tp=1,pp=1,cp=1,dp=128,mb=2,recompute=op,fp8=on", TORCHTITAN_COMPILED_2024, 8380.0, 1.212, Bracketed { low: 1.075 }),
+          "tp=1,pp=1,cp=1,dp=128,mb=2,recompute=op,fp8=on", TORCHTITAN_COMPILED_2024, 8380.0, 1.204, Bracketed { low: 1.069 }),
         // Table 2: FSDP + CP, compile + float8, full AC, local batch 1.
         r("TT H100 Llama3.1 8B, FSDP 8 CP 1, seq 32768", TT_H100_202412, (L3, "llama3_8b"), "1 x grand_teton_h100", (32768, 8),
           "tp=1,pp=1,cp=1,dp=8,mb=1,recompute=full,fp8=on", TORCHTITAN_COMPILED_2024, 3890.0, 1.212, Bracketed { low: 1.045 }),
@@ -248,13 +248,13 @@ fn rows() -> Vec<Row> {
           "tp=8,pp=8,cp=1,dp=8,mb=4,m=8,schedule=interleaved,v=2,recompute=full,sp=on,tp_overlap=ring,fp8=on", TORCHTITAN_COMPILED_2024, 128.0, 1.311, NotAsserted(FSDP_PP)),
         // asyncTP benchmark (June 2025): 70B on 256, FSDP 32 x TP 8, local batch 16, full AC; 8B on 64, FSDP 8 x TP 8, local batch 12, op SAC.
         r("TT H100 Llama3 70B, TP 8 bf16", TT_ASYNC_TP, (L3, "llama3_70b"), "32 x grand_teton_h100", (8192, 512),
-          "tp=8,pp=1,cp=1,dp=32,mb=16,recompute=full,sp=on,tp_overlap=none", TORCHTITAN_COMPILED, 597.3, 1.122, Bracketed { low: 1.004 }),
+          "tp=8,pp=1,cp=1,dp=32,mb=16,recompute=full,sp=on,tp_overlap=none", TORCHTITAN_COMPILED, 597.3, 1.122, Bracketed { low: 1.003 }),
         r("TT H100 Llama3 70B, async TP 8 bf16", TT_ASYNC_TP, (L3, "llama3_70b"), "32 x grand_teton_h100", (8192, 512),
           "tp=8,pp=1,cp=1,dp=32,mb=16,recompute=full,sp=on,tp_overlap=ring", TORCHTITAN_COMPILED, 652.4, 1.291, NotAsserted(ASYNC_TP)),
         r("TT H100 Llama3 70B, TP 8 float8 tensorwise", TT_ASYNC_TP, (L3, "llama3_70b"), "32 x grand_teton_h100", (8192, 512),
-          "tp=8,pp=1,cp=1,dp=32,mb=16,recompute=full,sp=on,tp_overlap=none,fp8=on", TORCHTITAN_COMPILED, 809.8, 1.048, Bracketed { low: 0.958 }),
+          "tp=8,pp=1,cp=1,dp=32,mb=16,recompute=full,sp=on,tp_overlap=none,fp8=on", TORCHTITAN_COMPILED, 809.8, 1.048, Bracketed { low: 0.957 }),
         r("TT H100 Llama3 70B, async TP 8 float8 tensorwise", TT_ASYNC_TP, (L3, "llama3_70b"), "32 x grand_teton_h100", (8192, 512),
-          "tp=8,pp=1,cp=1,dp=32,mb=16,recompute=full,sp=on,tp_overlap=ring,fp8=on", TORCHTITAN_COMPILED, 942.4, 1.142, Bracketed { low: 1.033 }),
+          "tp=8,pp=1,cp=1,dp=32,mb=16,recompute=full,sp=on,tp_overlap=ring,fp8=on", TORCHTITAN_COMPILED, 942.4, 1.141, Bracketed { low: 1.032 }),
         r("TT H100 Llama3 8B, TP 8 bf16", TT_ASYNC_TP, (L3, "llama3_8b"), "8 x grand_teton_h100", (8192, 96),
           "tp=8,pp=1,cp=1,dp=8,mb=12,recompute=op,sp=on,tp_overlap=none", TORCHTITAN_COMPILED, 4378.0, 1.189, Bracketed { low: 1.087 }),
         r("TT H100 Llama3 8B, async TP 8 bf16", TT_ASYNC_TP, (L3, "llama3_8b"), "8 x grand_teton_h100", (8192, 96),
@@ -267,14 +267,14 @@ fn rows() -> Vec<Row> {
         r("TT H100 Llama3.1 405B, FSDP 16 TP 8", TT_405B, (L3, "llama3_405b"), "16 x grand_teton_h100", (8192, 32),
           "tp=8,pp=1,cp=1,dp=16,mb=2,recompute=full,sp=on,tp_overlap=none", TORCHTITAN_COMPILED_2024, 109.0, 1.182, Bracketed { low: 1.054 }),
         r("TT H100 Llama3.1 405B, FSDP 16 TP 8, float8", TT_405B, (L3, "llama3_405b"), "16 x grand_teton_h100", (8192, 32),
-          "tp=8,pp=1,cp=1,dp=16,mb=2,recompute=full,sp=on,tp_overlap=none,fp8=on,fp8_gather=on", TORCHTITAN_COMPILED_2024, 177.0, 1.014, Bracketed { low: 0.920 }),
+          "tp=8,pp=1,cp=1,dp=16,mb=2,recompute=full,sp=on,tp_overlap=none,fp8=on,fp8_gather=on", TORCHTITAN_COMPILED_2024, 177.0, 1.013, Bracketed { low: 0.920 }),
         r("TT H100 Llama3.1 405B, FSDP 16 TP 8, float8 + async TP", TT_405B, (L3, "llama3_405b"), "16 x grand_teton_h100", (8192, 32),
-          "tp=8,pp=1,cp=1,dp=16,mb=2,recompute=full,sp=on,tp_overlap=ring,fp8=on,fp8_gather=on", TORCHTITAN_COMPILED_2024, 185.0, 1.130, Bracketed { low: 1.053 }),
+          "tp=8,pp=1,cp=1,dp=16,mb=2,recompute=full,sp=on,tp_overlap=ring,fp8=on,fp8_gather=on", TORCHTITAN_COMPILED_2024, 185.0, 1.128, Bracketed { low: 1.053 }),
         // ---- torchtitan on H200 (catalog H200; power and memory size n/s), compile + float8 (FSDP float8 all-gather), op SAC.
         r("TT H200 Llama3 8B, FSDP 32", TT_H200, (L3, "llama3_8b"), "4x8xH200", (8192, 64),
-          "tp=1,pp=1,cp=1,dp=32,mb=2,recompute=op,fp8=on,fp8_gather=on", TORCHTITAN_COMPILED, 10938.0, 1.110, NotAsserted(H200_FAST)),
+          "tp=1,pp=1,cp=1,dp=32,mb=2,recompute=op,fp8=on,fp8_gather=on", TORCHTITAN_COMPILED, 10938.0, 1.108, NotAsserted(H200_FAST)),
         r("TT H200 Llama3 8B, FSDP 64", TT_H200, (L3, "llama3_8b"), "8x8xH200", (8192, 128),
-          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=op,fp8=on,fp8_gather=on", TORCHTITAN_COMPILED, 10753.0, 1.130, NotAsserted(H200_FAST)),
+          "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=op,fp8=on,fp8_gather=on", TORCHTITAN_COMPILED, 10753.0, 1.125, NotAsserted(H200_FAST)),
         // ---- NVIDIA NeMo 24.07 on DGX-H100, FP8; distributed optimizer (zero=1) and recompute n/s: the search picks recompute.
         r("NeMo Llama2 7B, 8 GPUs", NEMO_2407, (L2, "llama2_7b"), "8xH100", (4096, 128),
           "tp=1,pp=1,cp=1,dp=8,mb=1,zero=1,fp8=on", "offload=none", 16847.0, 1.096, Asserted),

@@ -490,14 +490,18 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
         };
         let held = c.holds_the_step();
         let count = if c.zero >= 2 && !held { m } else { 1 };
+        // ZeRO-3 gathers (and, but held through the step, reduce-scatters)
+        // layer by layer: a collective a layer, as the step prices them.
+        let layers = cand.counts[0].max(1);
+        let per_layer = if c.zero >= 3 && !held { layers } else { 1 };
         push(
             &mut out,
             kind,
             MeshAxis::Dp,
             &format!("gradients ({grads})"),
-            dense * grad_bytes,
+            dense * grad_bytes / per_layer as f64,
             StepPhase::GradientSync,
-            count,
+            count * per_layer,
             &link,
         );
         if experts {
@@ -545,15 +549,16 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
                 &link,
             );
         }
+        let a_layer = gathered / layers as f64;
         if held {
             push(
                 &mut out,
                 CollectiveKind::AllGather,
                 MeshAxis::Dp,
-                "weights, held through the step",
-                gathered,
+                "a layer's weights, held through the step",
+                a_layer,
                 StepPhase::Forward,
-                1,
+                layers,
                 &link,
             );
         } else if c.zero >= 3 {
@@ -561,20 +566,20 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
                 &mut out,
                 CollectiveKind::AllGather,
                 MeshAxis::Dp,
-                "weights for forward",
-                gathered,
+                "a layer's weights for forward",
+                a_layer,
                 StepPhase::Forward,
-                m,
+                m * layers,
                 &link,
             );
             push(
                 &mut out,
                 CollectiveKind::AllGather,
                 MeshAxis::Dp,
-                "weights for backward",
-                gathered,
+                "a layer's weights for backward",
+                a_layer,
                 StepPhase::Backward,
-                m,
+                m * layers,
                 &link,
             );
         }

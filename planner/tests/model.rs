@@ -1409,3 +1409,57 @@ fn dtensor_tp_copies_each_sequence_collective_and_keeps_what_it_gathered() {
         .collect();
     assert!(!again.is_empty() && again.iter().all(|&p| p == StepPhase::Recompute));
 }
+
+/// ZeRO-3 gathers each layer's weights for forward and again for backward
+/// and reduce-scatters each layer's gradients, every micro-batch: a
+/// collective a layer, each paying its own latency (63 hops at 64 ranks).
+/// The plan lists them so, and their time is the step's data-parallel
+/// traffic, exposed and hidden.
+#[test]
+fn zero3_moves_a_layer_at_a_time_each_paying_its_latency() {
+    use dplc_ir::{CollectiveKind, MeshAxis, StepPhase};
+    let cfg = GPT_1_7B;
+    let g = gpt("gpt", cfg);
+    let mut req = PlanRequest::new(&g, train(2048, 128), parse_cluster("8x8xA100").unwrap());
+    req.pinned = parse_strategy("tp=1,pp=1,dp=64,mb=1,zero=3,recompute=full").unwrap();
+    let plan = compile(&req).unwrap().plan;
+    let m = plan.strategy.num_micro_batches;
+    let dp: Vec<_> = plan
+        .collectives
+        .iter()
+        .filter(|c| c.axis == MeshAxis::Dp)
+        .collect();
+    let layers = cfg.layers;
+    for (kind, phase) in [
+        (CollectiveKind::AllGather, StepPhase::Forward),
+        (CollectiveKind::AllGather, StepPhase::Backward),
+        (CollectiveKind::ReduceScatter, StepPhase::GradientSync),
+    ] {
+        let c = dp
+            .iter()
+            .find(|c| c.kind == kind && c.phase == phase)
+            .unwrap_or_else(|| panic!("{kind:?} in {phase:?}"));
+        assert_eq!(c.count_per_step, m * layers, "{kind:?} in {phase:?}");
+    }
+    let listed: f64 = dp.iter().map(|c| c.count_per_step as f64 * c.time_s).sum();
+    let axis = plan
+        .estimate
+        .breakdown
+        .comm_by_axis
+        .iter()
+        .find(|a| a.axis == MeshAxis::Dp)
+        .expect("data-parallel traffic");
+    let priced = axis.exposed_s + axis.hidden_s;
+    assert!(
+        (listed / priced - 1.0).abs() < 1e-9,
+        "listed {listed} s, priced {priced} s"
+    );
+    // The latency is paid a layer at a time: the same bytes in one
+    // collective each pass would cost less.
+    let gather = dp
+        .iter()
+        .find(|c| c.kind == CollectiveKind::AllGather)
+        .unwrap();
+    let latency = 63.0 * parse_cluster("8x8xA100").unwrap().inter_node.latency_s;
+    assert!(gather.time_s > latency, "{} s a layer", gather.time_s);
+}

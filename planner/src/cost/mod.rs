@@ -727,11 +727,12 @@ impl<'a> CostModel<'a> {
             // waits), and the whole gradients reduce-scattered once after
             // the last backward, with no compute left to hide them behind.
             let l = layers0;
-            let gather = collective_time(CollectiveKind::AllGather, gathered_bytes, &dp_link);
-            let (g, f) = (gather / l, stages[0].forward / l);
+            // One gather a layer, each paying its own latency.
+            let g = collective_time(CollectiveKind::AllGather, gathered_bytes / l, &dp_link);
+            let f = stages[0].forward / l;
             (
                 g + (l - 1.0) * (g - f).max(0.0) + dp_reduce,
-                gather + dp_reduce,
+                l * g + dp_reduce,
             )
         } else if c.zero >= 3 {
             // ZeRO-3 (FSDP) works layer by layer, every micro-batch: the
@@ -741,9 +742,11 @@ impl<'a> CostModel<'a> {
             // on the same link, beside the layer's backward (the last
             // reduce-scatter waits; without overlap all of them do). The
             // expert gradients reduce as under ZeRO-2.
+            // Each layer's gather and reduce-scatter is a collective of its
+            // own, paying its latency (at 64 ranks over nodes, 63 hops).
             let l = layers0;
-            let gather = collective_time(CollectiveKind::AllGather, gathered_bytes, &dp_link);
-            let (g, r) = (gather / l, dense_reduce / l);
+            let g = collective_time(CollectiveKind::AllGather, gathered_bytes / l, &dp_link);
+            let r = self.dp_reduction(c, dense / l, grad_bytes, &dp_link).wire_s;
             let f = stages[0].forward / l;
             let b = (stages[0].backward + stages[0].recompute) / l;
             let forward = g + (l - 1.0) * (g - f).max(0.0);
@@ -754,7 +757,7 @@ impl<'a> CostModel<'a> {
             };
             (
                 m * (forward + backward + (expert_reduce - hidden).max(0.0)),
-                m * (2.0 * gather + dp_reduce),
+                m * (l * (2.0 * g + r) + expert_reduce),
             )
         } else if c.zero >= 2 {
             // ZeRO-2 reduce-scatters every micro-batch's gradients during its backward.
