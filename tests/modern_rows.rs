@@ -127,6 +127,14 @@ const TT_ASYNC_TP: &str = "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_202
 const TT_405B: &str = "pytorch/torchtitan docs/performance.md @ 3faaa1a0dee68ce028400e3dafd1735d152cb4f8 (2024-08-23), 128 H100 (94GB), FSDP 16 x TP 8, full AC, local batch 2";
 const TT_H200: &str = "pytorch/torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md @ cbccb387871a5e1f522c1e222c51ab88b03c0392, llama3_8b.toml @ e7c0cae: seq 8192, selective op AC, float8 tensorwise";
 const NEMO_2407: &str = "NVIDIA/NeMo docs/source/performance/performance_summary.md @ 070a0bb168d405d653b9734c0017cf5078e77c0d (NeMo 24.07, DGX-H100, FP8)";
+/// NeMo 24.07's stack: Megatron-Core's default loss, `vocab_parallel_cross_entropy`
+/// in fp32 pass by pass (`loss=unfused`): `cross_entropy_loss_fusion` is
+/// False in Megatron-Core's `ModelParallelConfig` (core_r0.8.0 and
+/// core_r0.9.0, megatron/core/model_parallel_config.py), and NeMo at the
+/// table's commit never sets it (no `cross_entropy_loss_fusion` anywhere in
+/// NVIDIA/NeMo @ 070a0bb; its GPT model hands the labels to Megatron-Core's
+/// `compute_language_model_loss`).
+const NEMO_2407_STACK: &str = "offload=none,loss=unfused";
 const MBRIDGE: &str = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md @ df0289c180dd20ff26933455c7a0a11084f6a36f (DGX-H100, FP8)";
 const MBRIDGE_2509: &str = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md @ fa0315ae2684693a666be9d247adf9baf1e30028 (25.09 container, DGX-H100; FP8 per tensor, the table's parentheses being the blockwise recipe), run by scripts/performance/run_script.py and configs/qwen3/qwen3_30b_a3b_llm_pretrain.yaml at that commit: fp8_cs at micro-batch 2 (first and last layers not kept in bf16, FP8 parameter gathers), no recomputation, token drop at capacity factor 1.0 padded to capacity with the alltoall dispatcher (apply_moe_token_drop): dplc's `moe` exactly";
 const MBRIDGE_2604: &str = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md @ 067f987df03b8355b03192d88d70f1709fedf51a, \"26.04.01 NeMo Container\", DGX-H100, FP8; the 16-GPU recipe (src/megatron/bridge/recipes/qwen/h100/qwen3_moe.py, same commit, qwen3_30b_a3b_pretrain_16gpu_h100_bf16_config): TP 1, PP 1, EP 16, no recomputation, the HybridEP dispatcher";
@@ -140,12 +148,10 @@ const FSDP_PP: &str = "FSDP (ZeRO-3) under a pipeline plans and runs as torchtit
 const ASYNC_TP: &str = "torchtitan's async TP (symmetric-memory micro-pipelining of each collective with its GEMM) gains 6-16% over its vanilla TP on the same part and plan (published), where dplc's `tp_overlap=ring` gains 26-33%: priced as Megatron's userbuffers ring, each chunk's transfer behind the next chunk's GEMM, with none of DTensor's layout copies left; the vanilla rows on the part fall inside the bracket of its peak, these read 1.11-1.31 at its lower bound; see bench/RESULTS.md";
 const A100_GAP: &str = "dplc reads torchtitan's eager A100 runs 11-19% fast after every mechanism priced here; every knob its source states is priced (FSDP2 with bf16 gathers and fp32 reduce-scatters, resharding after forward, eager kernels, op-level checkpointing, layer-level checkpointing of every second layer as half of each chunk's layers recomputed (`recompute_layers`: the same count, the same price), SDPA's FlashAttention-2), except the 8B and 13B configs' Triton fused RMSNorm, which dplc prices as eager PyTorch's five passes, making those rows read slow by a few percent; the rest is not explained (no sustained matmul rate is measured for the A100, the cluster's network is not stated); see bench/RESULTS.md";
 const H200_FAST: &str = "10.8% fast at 32 GPUs, 12.5% at 64, with FSDP's float8 all-gather its command line turns on priced (1.087 and 1.107 before it): torchtitan loses 1.7% from 32 to 64 GPUs, dplc 0.1% (each layer's gathers and reduce-scatters paying their own latency); see bench/RESULTS.md";
-const GPT3_20B: &str = "18% slow: with the stated knobs dplc's ZeRO-1 plan needs 83 GiB (bf16 weights beside their FP8 casts and fp32 gradients) and the search takes ZeRO-2, whose per-micro-batch reduce-scatters cost 0.23 s exposed; with FP8 parameter gathers (`zero=1,fp8_gather=on`, as NeMo's later FP8 recipes set, not stated for 24.07) it fits and reads 0.993; see bench/RESULTS.md";
+const GPT3_20B: &str = "18% slow: with the stated knobs dplc's ZeRO-1 plan needs 83 GiB (bf16 weights beside their FP8 casts and fp32 gradients) and the search takes ZeRO-2, whose per-micro-batch reduce-scatters cost 0.23 s exposed; with FP8 parameter gathers (`zero=1,fp8_gather=on`, as NeMo's later FP8 recipes set, not stated for 24.07) it fits and reads 0.988 (0.993 with the fused loss); see bench/RESULTS.md";
 const LLAMA3_CP: &str = "23% fast at 131,072 tokens; the paper reports TFLOP/s per GPU, not tokens/s, and at this length attention is 57% of dplc's model FLOPs counted over the whole sequence (Megatron's convention) and 40% counted causally, and the source does not say which it counts (the 8K rows move by 4% between the two); with FlashAttention-2's rate instead of the fused (FlashAttention-3) one dplc reads 0.889; see bench/RESULTS.md";
 const B200_8B: &str = "12.0% fast; no fused-attention rate is measured for the B200, so its attention runs at the device's GEMM rate (with the H100 die's ratios of FlashAttention-3's forward and backward to its GEMM rate it read 1.068 before the recipe's bf16 main gradients were pinned, not asserted: that ratio is the H100's); the 405B row on the same system reads 1.097; see bench/RESULTS.md";
 const MBRIDGE_405B_2511: &str = "12.8% fast with the recipe's bf16 main gradients pinned and each chunk's gradient reduction and weight gather overlapped as Megatron-Core's interleaved schedule launches them (1.084 with none of these: an fp32 reduce-scatter across nodes left at the end of the step); the same configuration on the next container (26.02, the next row) published 6.5% more and reads 1.076, asserted: what separates the two containers is software dplc does not see; see bench/RESULTS.md";
-const NEMO_13B: &str = "10.2% fast: 1.080 until the chunks' gradient reductions and weight gathers were overlapped as Megatron-Core's interleaved schedule launches them (each chunk's reduction at its last backward, 1.094; each chunk's gather at the previous chunk's first forward, 1.102), both read from its source; the other NeMo 24.07 rows with interleaving read 0.949-1.039; not explained further; see bench/RESULTS.md";
-const NEMOTRON_8B: &str = "12.3% fast with every knob the table states (the search takes ZeRO-1 and no recomputation), as NeMo's other micro-batch-4 row, GPT-3 5B (12.5-13%); not explained; see bench/RESULTS.md";
 const NEMOTRON_340B: &str = "recompute n/s: with the stated knobs dplc's plan needs recomputation to fit (its bf16 weights beside their FP8 casts, fp32 gradients, and the MLP's 73,728-wide activations), and the search recomputes every layer; not explained further; see bench/RESULTS.md";
 const QWEN3_MOE: &str = "2.5x fast: this run is dropless (the page: \"all benchmarks are token-dropless\"), where dplc's `moe` drops at a capacity factor (static shapes: every expert padded to capacity); the same configuration with token dropping (25.09, the row below) published 10,494 tokens/s, 2.0x this row, and dplc reads that 1.27; later containers run the dropless model 1.7x faster on the same 16 H100s (26.02 5,113 in the archive @ 067f987, which corrects the 2,557 this commit printed; 26.02.01 9,058; 26.04.01 8,960); see bench/RESULTS.md";
 const QWEN3_TOKENDROP: &str = "27% fast, priced as run: the recipe's plan without recomputation fits (79.5 GiB on the last stage, 99% of the H100; it needed 81.8 while the head's activations were counted once per micro-batch the stage's 24 chunks hold in flight, where the pipeline's last chunk holds one), and the search takes it; not explained (1.06 when the search recomputed every layer to fit); see bench/RESULTS.md";
@@ -277,29 +283,29 @@ fn rows() -> Vec<Row> {
           "tp=1,pp=1,cp=1,dp=64,mb=2,recompute=op,fp8=on,fp8_gather=on", TORCHTITAN_COMPILED, 10753.0, 1.125, NotAsserted(H200_FAST)),
         // ---- NVIDIA NeMo 24.07 on DGX-H100, FP8; distributed optimizer (zero=1) and recompute n/s: the search picks recompute.
         r("NeMo Llama2 7B, 8 GPUs", NEMO_2407, (L2, "llama2_7b"), "8xH100", (4096, 128),
-          "tp=1,pp=1,cp=1,dp=8,mb=1,zero=1,fp8=on", "offload=none", 16847.0, 1.096, Asserted),
+          "tp=1,pp=1,cp=1,dp=8,mb=1,zero=1,fp8=on", NEMO_2407_STACK, 16847.0, 1.085, Asserted),
         r("NeMo Llama2 13B, 16 GPUs, PP 4 VP 10", NEMO_2407, (L2, "llama2_13b"), "2x8xH100", (4096, 128),
-          "tp=1,pp=4,cp=1,dp=4,mb=1,schedule=interleaved,v=10,zero=1,fp8=on", "offload=none", 8646.0, 1.102, NotAsserted(NEMO_13B)),
+          "tp=1,pp=4,cp=1,dp=4,mb=1,schedule=interleaved,v=10,zero=1,fp8=on", NEMO_2407_STACK, 8646.0, 1.079, Asserted),
         r("NeMo Llama2 70B, 64 GPUs, TP 4 PP 4 VP 20", NEMO_2407, (L2, "llama2_70b"), "8x8xH100", (4096, 128),
-          "tp=4,pp=4,cp=1,dp=4,mb=1,schedule=interleaved,v=20,zero=1,sp=on,fp8=on", "offload=none", 1707.0, 0.949, Asserted),
+          "tp=4,pp=4,cp=1,dp=4,mb=1,schedule=interleaved,v=20,zero=1,sp=on,fp8=on", NEMO_2407_STACK, 1707.0, 0.946, Asserted),
         r("NeMo Llama3 8B, 8 GPUs, CP 2", NEMO_2407, (L3, "llama3_8b"), "8xH100", (8192, 128),
-          "tp=1,pp=1,cp=2,dp=4,mb=1,zero=1,fp8=on", "offload=none", 12036.0, 1.058, Asserted),
+          "tp=1,pp=1,cp=2,dp=4,mb=1,zero=1,fp8=on", NEMO_2407_STACK, 12036.0, 1.013, Asserted),
         r("NeMo Llama3 70B, 64 GPUs, TP 4 PP 4 CP 2 VP 5", NEMO_2407, (L3, "llama3_70b"), "8x8xH100", (8192, 128),
-          "tp=4,pp=4,cp=2,dp=2,mb=1,schedule=interleaved,v=5,zero=1,sp=on,fp8=on", "offload=none", 1533.0, 1.035, Asserted),
+          "tp=4,pp=4,cp=2,dp=2,mb=1,schedule=interleaved,v=5,zero=1,sp=on,fp8=on", NEMO_2407_STACK, 1533.0, 1.020, Asserted),
         r("NeMo GPT3 175B, 128 GPUs, TP 4 PP 8 VP 6", NEMO_2407, (GPT, "nemo_gpt3_175b"), "16x8xH100", (2048, 256),
-          "tp=4,pp=8,cp=1,dp=4,mb=1,schedule=interleaved,v=6,zero=1,sp=on,fp8=on", "offload=none", 726.0, 1.039, Asserted),
+          "tp=4,pp=8,cp=1,dp=4,mb=1,schedule=interleaved,v=6,zero=1,sp=on,fp8=on", NEMO_2407_STACK, 726.0, 1.033, Asserted),
         r("NeMo GPT3 175B, 512 GPUs, TP 4 PP 8 VP 6", NEMO_2407, (GPT, "nemo_gpt3_175b"), "64x8xH100", (2048, 2048),
-          "tp=4,pp=8,cp=1,dp=16,mb=2,schedule=interleaved,v=6,zero=1,sp=on,fp8=on", "offload=none", 782.0, 0.999, Asserted),
+          "tp=4,pp=8,cp=1,dp=16,mb=2,schedule=interleaved,v=6,zero=1,sp=on,fp8=on", NEMO_2407_STACK, 782.0, 0.993, Asserted),
         r("NeMo GPT3 5B, 64 GPUs", NEMO_2407, (GPT, "nemo_gpt3_5b"), "8x8xH100", (2048, 2048),
-          "tp=1,pp=1,cp=1,dp=64,mb=4,fp8=on", "offload=none", 22521.0, 1.045, Asserted),
+          "tp=1,pp=1,cp=1,dp=64,mb=4,fp8=on", NEMO_2407_STACK, 22521.0, 1.024, Asserted),
         r("NeMo GPT3 20B, 64 GPUs, TP 2", NEMO_2407, (GPT, "nemo_gpt3_20b"), "8x8xH100", (2048, 256),
-          "tp=2,pp=1,cp=1,dp=32,mb=2,sp=on,fp8=on", "offload=none", 5851.0, 0.824, NotAsserted(GPT3_20B)),
+          "tp=2,pp=1,cp=1,dp=32,mb=2,sp=on,fp8=on", NEMO_2407_STACK, 5851.0, 0.822, NotAsserted(GPT3_20B)),
         // Nemotron (models/nemotron.dpl: NeMo's NemotronConfig, squared ReLU,
         // rotary on half of each head); the table's 22B has no config in NeMo.
         r("NeMo Nemotron3 8B, 64 GPUs, TP 2", NEMO_2407, (NEMOTRON, "nemotron3_8b"), "8x8xH100", (4096, 256),
-          "tp=2,pp=1,cp=1,dp=32,mb=4,sp=on,fp8=on", "offload=none", 12701.0, 1.123, NotAsserted(NEMOTRON_8B)),
+          "tp=2,pp=1,cp=1,dp=32,mb=4,sp=on,fp8=on", NEMO_2407_STACK, 12701.0, 1.057, Asserted),
         r("NeMo Nemotron4 340B, 128 GPUs, TP 8 PP 8 VP 12", NEMO_2407, (NEMOTRON, "nemotron4_340b"), "16x8xH100", (4096, 32),
-          "tp=8,pp=8,cp=1,dp=2,mb=1,schedule=interleaved,v=12,sp=on,fp8=on", "offload=none", 322.0, 0.743, NotAsserted(NEMOTRON_340B)),
+          "tp=8,pp=8,cp=1,dp=2,mb=1,schedule=interleaved,v=12,sp=on,fp8=on", NEMO_2407_STACK, 322.0, 0.736, NotAsserted(NEMOTRON_340B)),
         // ---- NVIDIA Megatron-Bridge on DGX-H100, FP8 current scaling: the
         // recipe's `bf16_with_fp8_current_scaling_mixed` (Megatron-Bridge
         // src/megatron/bridge/training/mixed_precision.py) gathers the FP8
