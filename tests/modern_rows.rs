@@ -758,8 +758,18 @@ fn torchtitan_memory_within_ten_percent_where_asserted() {
             1.139,
             Verdict::NotAsserted(INTERLEAVED),
         ),
-        ("TT H200 Llama3 8B, FSDP 32", 47.96, 1.005, Verdict::Asserted),
-        ("TT H200 Llama3 8B, FSDP 64", 46.97, 0.981, Verdict::Asserted),
+        (
+            "TT H200 Llama3 8B, FSDP 32",
+            47.96,
+            1.005,
+            Verdict::Asserted,
+        ),
+        (
+            "TT H200 Llama3 8B, FSDP 64",
+            46.97,
+            0.981,
+            Verdict::Asserted,
+        ),
     ];
     let rows = rows();
     let (mut failures, mut stale) = (Vec::new(), Vec::new());
