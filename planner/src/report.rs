@@ -263,21 +263,28 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
     let mut out = Vec::new();
     let tp_link = cost.link(c, MeshAxis::Tp);
     if c.tp > 1 {
-        // Each region, how often a micro-batch runs it, its name, and how
-        // often full recomputation runs it again.
-        let mut regions: Vec<(&RegionProfile, u64, &str, u64)> = Vec::new();
+        // Each region, how often a micro-batch runs it, its name, how
+        // often full recomputation runs it again, and whether it is a
+        // transformer layer.
+        let mut regions: Vec<(&RegionProfile, u64, &str, u64, bool)> = Vec::new();
         for sh in &shares0 {
             let st = &profile.stacks[sh.stack];
-            regions.push((&st.layer, sh.layers, &names[sh.stack], rerun0[sh.stack]));
+            regions.push((
+                &st.layer,
+                sh.layers,
+                &names[sh.stack],
+                rerun0[sh.stack],
+                true,
+            ));
             if sh.first && sh.stack > 0 {
-                regions.push((&st.lead_in, 1, "between stacks", 0));
+                regions.push((&st.lead_in, 1, "between stacks", 0, false));
             }
         }
-        regions.push((&profile.pre, 1, "embedding", 0));
-        regions.push((&profile.post, u64::from(c.pp == 1), "head", 0));
-        for (region, per_mb, name, rerun) in regions {
+        regions.push((&profile.pre, 1, "embedding", 0, false));
+        regions.push((&profile.post, u64::from(c.pp == 1), "head", 0, false));
+        for (region, per_mb, name, rerun, layer) in regions {
             for col in &region.collectives {
-                if col.sequence_parallel_only && !c.regathers() {
+                if col.sequence_parallel_only && !c.regathers(layer) {
                     continue;
                 }
                 let bytes = bind.eval(&col.bytes);

@@ -831,6 +831,7 @@ mod tests {
         assert!(parse_strategy("elementwise=lazy").is_err());
         assert!(parse_strategy("loss=chunked").is_err());
         assert!(parse_strategy("shards=bucketed").is_err());
+        assert!(parse_strategy("tp_impl=jax").is_err());
         assert!(parse_strategy("recompute_layers=-1").is_err());
         assert!(parse_strategy("recompute_layers=0").is_err());
         assert!(parse_strategy("autocast=maybe").is_err());

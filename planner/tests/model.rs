@@ -1400,14 +1400,27 @@ fn dtensor_tp_copies_each_sequence_collective_and_keeps_what_it_gathered() {
         "kept {got} bytes more, want {kept}"
     );
 
-    // Op-level checkpointing gathers again, as recomputation.
+    // Op-level checkpointing gathers again, as recomputation, in the
+    // layers it checkpoints; the head, which it does not, keeps its input.
     let op = run(2, "recompute=op,tp_impl=dtensor");
-    let again: Vec<StepPhase> = tp(&op)
+    let again: Vec<(StepPhase, bool)> = tp(&op)
         .iter()
         .filter(|c| regather(c))
-        .map(|c| c.phase)
+        .map(|c| (c.phase, c.what.starts_with("head")))
         .collect();
-    assert!(!again.is_empty() && again.iter().all(|&p| p == StepPhase::Recompute));
+    assert!(!again.is_empty(), "the layers gather again");
+    assert!(
+        tp(&run(2, "recompute=op"))
+            .iter()
+            .any(|c| regather(c) && c.what.starts_with("head")),
+        "Megatron's head gathers its input again"
+    );
+    assert!(
+        again
+            .iter()
+            .all(|&(p, head)| p == StepPhase::Recompute && !head),
+        "{again:?}"
+    );
 }
 
 /// ZeRO-3 gathers each layer's weights for forward and again for backward

@@ -181,13 +181,14 @@ pub(crate) struct Config {
 impl Config {
     /// Whether a column-parallel GEMM's backward all-gathers its input
     /// again under sequence parallelism (the `sequence_parallel_only`
-    /// collectives): Megatron's layer keeps the input's shard and always
+    /// collectives), in a transformer layer (`layer`) or outside one (the
+    /// head): Megatron's linear layer keeps the input's shard and always
     /// does; DTensor's autograd keeps the gathered input, gathered again
-    /// only where op-level checkpointing recomputes the gather (torchtitan
-    /// keeps no all-gather); a fully recomputed layer's forward has
-    /// gathered it.
-    pub fn regathers(&self) -> bool {
-        self.sp && (self.tp_impl == TpImpl::Megatron || self.recompute == Recompute::Op)
+    /// only where op-level checkpointing, which torchtitan applies to the
+    /// layers, recomputes the gather (its policy keeps no all-gather); a
+    /// fully recomputed layer's forward has gathered it.
+    pub fn regathers(&self, layer: bool) -> bool {
+        self.sp && (self.tp_impl == TpImpl::Megatron || (layer && self.recompute == Recompute::Op))
     }
 
     /// What a stage keeps of each layer for its backward.

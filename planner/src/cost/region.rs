@@ -541,7 +541,7 @@ impl CostModel<'_> {
                 let gathered = bytes * (1.0 - 1.0 / tp);
                 pc.full_saved_bytes += gathered;
                 pc.saved_bytes += gathered;
-                if !c.regathers() {
+                if !c.regathers(layer) {
                     continue;
                 }
                 // Recomputed (and copied into place) before the GEMMs'
