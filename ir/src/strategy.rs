@@ -1163,7 +1163,7 @@ impl fmt::Display for Strategy {
             write!(f, ", shards {}", self.shards.name())?;
         }
         if self.tp_impl != TpImpl::Megatron {
-            write!(f, ", tp {}", self.tp_impl.name())?;
+            write!(f, ", tp_impl {}", self.tp_impl.name())?;
         }
         let where_ = match self.sync.servers() {
             Some(ServerRanks::Dedicated) => " on dedicated ranks",
