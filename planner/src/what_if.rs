@@ -104,6 +104,18 @@ pub(crate) fn neighbours(
             },
         ));
     }
+    if s.tp_impl != dplc_ir::TpImpl::Megatron && m.tp > 1 {
+        // What Megatron's sequence-first tensor parallelism (no layout
+        // copies, shards kept and gathered again) would buy a plan priced
+        // as torchtitan's DTensor runs it.
+        variants.push((
+            format!("tp_impl {} → megatron", s.tp_impl.name()),
+            StrategyConstraints {
+                tp_impl: None,
+                ..base.clone()
+            },
+        ));
+    }
     if m.ep > 1 {
         // Would DeepEP or HybridEP pay here (or what the one all-to-all dplc's
         // ranks send costs a plan priced with them)?

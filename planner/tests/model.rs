@@ -1366,6 +1366,14 @@ fn dtensor_tp_copies_each_sequence_collective_and_keeps_what_it_gathered() {
             .sum();
         assert!(copies > 0.0 && regathers > 0.0, "mb {mb}");
         assert!(!tp(&dtensor).iter().any(regather), "mb {mb}");
+        // What Megatron's layout would buy, beside the plan.
+        assert!(
+            dtensor
+                .what_if
+                .iter()
+                .any(|w| w.change == "tp_impl dtensor → megatron"),
+            "mb {mb}"
+        );
         let (m, d) = (&megatron.estimate.breakdown, &dtensor.estimate.breakdown);
         let close = |got: f64, want: f64, what: &str| {
             assert!(
