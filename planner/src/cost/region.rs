@@ -534,25 +534,31 @@ impl CostModel<'_> {
                 continue;
             }
             let bytes = bind.eval(&col.bytes);
-            if dtensor && col.sequence_parallel_only {
-                // Autograd keeps the gathered input whole beside its
-                // shard: while the layer's backward runs, and between
-                // forward and backward where nothing recomputes it.
-                let gathered = bytes * (1.0 - 1.0 / tp);
-                pc.full_saved_bytes += gathered;
-                pc.saved_bytes += gathered;
-                if !c.regathers(layer) {
-                    continue;
+            // DTensor's copies into place, each reading and writing the
+            // whole tensor.
+            let copies = if dtensor {
+                dtensor_layout_copies(col, c) * self.memory_time(2.0 * bytes)
+            } else {
+                0.0
+            };
+            if col.sequence_parallel_only {
+                if dtensor {
+                    // Autograd keeps the gathered input whole beside its
+                    // shard: while the layer's backward runs, and between
+                    // forward and backward where nothing recomputes it.
+                    let gathered = bytes * (1.0 - 1.0 / tp);
+                    pc.full_saved_bytes += gathered;
+                    pc.saved_bytes += gathered;
+                    if !c.regathers(layer) {
+                        continue;
+                    }
+                    // Recomputed, and copied into place, before the GEMMs'
+                    // backward.
+                    pc.recompute += copies;
+                } else if c.tp > 1 {
+                    pc.gather_buffer_bytes = pc.gather_buffer_bytes.max(bytes);
                 }
-                // Recomputed (and copied into place) before the GEMMs'
-                // backward.
-                pc.recompute += dtensor_layout_copies(col, c) * self.memory_time(2.0 * bytes);
-            } else if c.sp && c.tp > 1 && col.sequence_parallel_only {
-                pc.gather_buffer_bytes = pc.gather_buffer_bytes.max(bytes);
-            }
-            if dtensor && !col.sequence_parallel_only {
-                // Each copy reads and writes the whole tensor.
-                let copies = dtensor_layout_copies(col, c) * self.memory_time(2.0 * bytes);
+            } else {
                 match col.pass {
                     Pass::Forward => {
                         pc.forward += copies;
