@@ -1288,8 +1288,12 @@ fn every_split_on_one_gpu_matches_the_host_fused_compute() {
             ("moe dp2 ep2", &moe, &moe_spec, &tiny_data, experts),
         ]);
     for (name, g, spec, data, mut cfg) in cases {
-        if cfg.tp > 1 && cfg.layout.is_none() {
-            cfg.layout = Some(dplc_planner::derive_layout(g, 2, 1, true).unwrap());
+        // Every split plan carries the layout the planner wrote for it.
+        if (cfg.tp > 1 || cfg.ep > 1) && cfg.layout.is_none() {
+            cfg.layout = Some(
+                dplc_planner::derive_layout(g, cfg.tp as u64, cfg.ep as u64, cfg.sequence_parallel)
+                    .unwrap(),
+            );
         }
         let ranks = cfg.world_size();
         let host = dplc_runtime::train(g, spec, &cfg, data, 4, 3, |_| {}).unwrap();
