@@ -427,6 +427,24 @@ fn describe(plan: &dplc_ir::Plan) -> String {
 }
 
 /// One step as the JSON line `--json` prints, on CPU ranks and GPUs alike.
+/// What the busiest device's allocator is to be compared with: each
+/// worker's stage peak less the reserve its process holds outside the
+/// allocator (the CUDA context, library workspaces), summed over the ranks
+/// that share a GPU — the plan prices a device a rank, and a GPU that two
+/// ranks share holds both ranks' memory. A rank of its own (a GPU each, or
+/// CPU ranks, whose backends count their own buffers) is its stage's peak.
+fn predicted_allocator_peak(plan: &dplc_ir::Plan, cfg: &RunConfig) -> u64 {
+    let mut per_device = std::collections::BTreeMap::<usize, u64>::new();
+    for rank in 0..cfg.world_size() {
+        let stage = plan.stages.get(cfg.stage_of(rank));
+        let peak = stage.map_or(0, |s| s.memory.total().saturating_sub(s.memory.reserve));
+        let device = cfg.gpu_of(rank).unwrap_or(rank);
+        let held = per_device.entry(device).or_default();
+        *held = held.saturating_add(peak);
+    }
+    per_device.into_values().max().unwrap_or(0)
+}
+
 fn step_json(st: &StepStats) -> serde_json::Value {
     let mut v = json!({
         "step": st.step,
@@ -828,12 +846,11 @@ pub fn train_prepared_on(
         if let Some(peak) = report.memory_peak_bytes {
             summary["peak_memory_bytes"] = json!(peak);
             summary["predicted_peak_memory_bytes"] = json!(p.plan.estimate.peak_memory_bytes);
-            // What the allocator's peak compares with: the peak less what a
-            // GPU process holds outside its allocator (the same for every
-            // stage, so the peak stage's).
-            let reserve = p.plan.stages.first().map_or(0, |s| s.memory.reserve);
+            // What the allocator's peak compares with: the busiest GPU's
+            // share of the plan, less what a process holds outside its
+            // allocator.
             summary["predicted_allocator_peak_bytes"] =
-                json!(p.plan.estimate.peak_memory_bytes.saturating_sub(reserve));
+                json!(predicted_allocator_peak(&p.plan, &cfg));
             // By kind: `buffers` holds the CUDA context and library
             // workspaces, which the allocator's peak does not count.
             summary["predicted_memory"] = json!(p.plan.stages.first().map(|s| &s.memory));

@@ -211,9 +211,9 @@ fn column_sum_cuda() {
 }
 
 /// A long column sum's first pass reads its chunk's columns side by side
-/// too, a block per eight columns of a chunk (`column_chunks`: 32 chunks of
-/// 1,024 rows for a step's 32,768 tokens, so a bias of 768 gets 3,072
-/// blocks where one pass had 96).
+/// too, a block per eight columns of a chunk (`column_chunks`: 8 chunks of
+/// 4,096 rows for a step's 32,768 tokens, so a bias of 768 gets 768
+/// blocks where one pass had 96, each thread walking 32 rows).
 #[test]
 fn column_chunks_read_columns_side_by_side() {
     let src = emit_cuda(&dplc_codegen::column_chunk_kernel(), DType::BF16);
@@ -221,9 +221,9 @@ fn column_chunks_read_columns_side_by_side() {
         src.launch,
         dplc_codegen::LaunchShape::Columns { block: 1024 }
     );
-    assert_eq!(dplc_codegen::column_chunks(32768), Some(32));
-    assert_eq!(dplc_codegen::column_chunks(1024), None);
-    assert_eq!(dplc_codegen::column_chunks(1025), Some(2));
+    assert_eq!(dplc_codegen::column_chunks(32768), Some(8));
+    assert_eq!(dplc_codegen::column_chunks(4096), None);
+    assert_eq!(dplc_codegen::column_chunks(4097), Some(2));
 }
 
 #[test]

@@ -197,24 +197,35 @@ __device__ float dplc_block_max(float v, float* red) {
 pub(super) const COLUMNS: &str = r#"#ifndef DPLC_COLUMNS
 #define DPLC_COLUMNS
 // A `Columns` block: thread t walks row t % 8 of the tile; every thread of
-// the row gets its sum (max). `red` holds one float a thread.
+// the row gets its sum (max). `red` holds one float a thread. The groups'
+// partials meet in a tree (each step folds the upper half onto the lower):
+// log2(groups) steps where a serial walk by every thread was `groups`
+// shared reads each. The order is a function of the block size alone.
 __device__ float dplc_column_sum(float v, float* red) {
-    const int col = threadIdx.x & 7, groups = blockDim.x >> 3;
+    const int col = threadIdx.x & 7, group = threadIdx.x >> 3;
     __syncthreads();
     red[threadIdx.x] = v;
     __syncthreads();
-    v = 0.0f;
-    for (int g = 0; g < groups; ++g) v += red[g * 8 + col];
-    return v;
+    for (int n = blockDim.x >> 3; n > 1;) {
+        const int half = (n + 1) >> 1;
+        if (group + half < n) red[threadIdx.x] += red[threadIdx.x + half * 8];
+        __syncthreads();
+        n = half;
+    }
+    return red[col];
 }
 __device__ float dplc_column_max(float v, float* red) {
-    const int col = threadIdx.x & 7, groups = blockDim.x >> 3;
+    const int col = threadIdx.x & 7, group = threadIdx.x >> 3;
     __syncthreads();
     red[threadIdx.x] = v;
     __syncthreads();
-    v = __int_as_float(0xff800000);
-    for (int g = 0; g < groups; ++g) v = fmaxf(v, red[g * 8 + col]);
-    return v;
+    for (int n = blockDim.x >> 3; n > 1;) {
+        const int half = (n + 1) >> 1;
+        if (group + half < n) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + half * 8]);
+        __syncthreads();
+        n = half;
+    }
+    return red[col];
 }
 #endif
 "#;

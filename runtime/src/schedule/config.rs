@@ -335,6 +335,19 @@ impl RunConfig {
     pub fn ranks(&self) -> usize {
         (self.replicas() + self.server_replicas()) * self.pp * self.tp
     }
+    /// The pipeline stage `rank` runs: ranks are laid out as
+    /// `(dp_index · pp + stage) · tp + tp_index`.
+    pub fn stage_of(&self, rank: usize) -> usize {
+        (rank / self.tp.max(1)) % self.pp.max(1)
+    }
+    /// The GPU `rank` runs on (`None` on the host): ranks go round the
+    /// GPUs, so with fewer GPUs than ranks several share one.
+    pub fn gpu_of(&self, rank: usize) -> Option<usize> {
+        match self.device {
+            Device::Host => None,
+            Device::Cuda { gpus, .. } => Some(rank % gpus.max(1)),
+        }
+    }
     /// Dedicated server replicas (0 unless `ps_ranks=dedicated`).
     pub fn server_replicas(&self) -> usize {
         self.sync.dedicated_servers() as usize

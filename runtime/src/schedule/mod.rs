@@ -111,7 +111,7 @@ impl Coords {
     fn of(rank: usize, cfg: &RunConfig) -> Coords {
         Coords {
             dp_index: rank / (cfg.pp * cfg.tp),
-            stage: (rank / cfg.tp) % cfg.pp,
+            stage: cfg.stage_of(rank),
             tp_index: rank % cfg.tp,
         }
     }

@@ -133,8 +133,11 @@ pub(super) fn run_rank(
                 }
             }
             Device::Cuda { dtype, .. } => {
-                let dev = sh.gpus[rank % sh.gpus.len().max(1)]
-                    .clone()
+                let dev = sh
+                    .gpus
+                    .get(sh.cfg.gpu_of(rank).unwrap_or(0))
+                    .cloned()
+                    .flatten()
                     .ok_or_else(|| RuntimeError::Config(format!("rank {rank} has no GPU")))?;
                 // Two handles on the one device: the compute's and the
                 // store's (its allocator and stream are the device's).

@@ -84,7 +84,7 @@ pub(super) fn attach_gpus(shared: &mut Shared<'_>, process: Option<Process<'_>>)
     };
     shared.gpus = vec![None; gpus];
     for r in ranks {
-        let i = r % gpus;
+        let i = cfg.gpu_of(r).unwrap_or(0);
         if shared.gpus[i].is_none() {
             shared.gpus[i] = Some(Arc::new(crate::gpu::GpuDevice::new(i)?));
         }
