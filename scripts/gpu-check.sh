@@ -219,8 +219,10 @@ for name in ["tiny", "gpt2", "gpt2_nodrop", "gpt2_tuned", "llama", "gpt2_serial"
         # Uploads and downloads over the whole run, the busiest rank's.
         line += f", {s['host_crossings']} host crossings in {s['steps']} steps"
     if s.get("gpus") and s.get("ranks", 0) > s["gpus"]:
-        # The plan priced a device a rank; these ranks shared the GPU.
-        line += f"; the plan priced {s['ranks']} devices, {s['ranks']} ranks shared {s['gpus']} GPU"
+        # The plan priced a device a rank; these ranks shared the GPU, whose
+        # allocator is compared with their stages' predictions summed.
+        line += (f"; the plan priced {s['ranks']} devices, {s['ranks']} ranks shared {s['gpus']} GPU"
+                 " (its memory predicted as their stages' summed)")
     print(line)
 PY
 )"
