@@ -31,8 +31,10 @@ pub struct PlanArgs {
     /// (on: ZeRO gathers the weights' FP8 casts) offload elementwise loss (fused|unfused|eager:
     /// Megatron's default fp32 cross-entropy, pass by pass; PyTorch's `F.cross_entropy`
     /// over fp32 logits, torchtitan's in 2024) shards (flat|per_param:
-    /// FSDP2's per-parameter copies under ZeRO-3) tp_impl (megatron|dtensor: torchtitan's
-    /// batch-first tensor parallelism, its collectives' copies and kept gathered inputs).
+    /// FSDP2's per-parameter copies under ZeRO-3) tp_impl (dplc|megatron|dtensor: dplc's
+    /// runtime runs the model's ends whole along the sequence, Megatron splits them;
+    /// torchtitan's batch-first tensor parallelism, its collectives' copies and kept
+    /// gathered inputs).
     #[arg(long, default_value = "")]
     pub strategy: String,
     /// Let the search choose what changes the training dynamics: `sync`

@@ -97,13 +97,24 @@ pub fn elsewhere(pinned: &StrategyConstraints) -> Option<Elsewhere> {
             Some("torchtitan"),
         );
     }
-    if pinned.tp_impl == Some(dplc_ir::TpImpl::DTensor) {
-        return found(
-            "tp_impl=dtensor".into(),
-            "runs Megatron's sequence-first tensor parallelism",
-            drop("tp_impl"),
-            Some("torchtitan"),
-        );
+    match pinned.tp_impl {
+        Some(dplc_ir::TpImpl::DTensor) => {
+            return found(
+                "tp_impl=dtensor".into(),
+                "runs Megatron's sequence-first tensor parallelism",
+                drop("tp_impl"),
+                Some("torchtitan"),
+            );
+        }
+        Some(dplc_ir::TpImpl::Megatron) => {
+            return found(
+                "tp_impl=megatron".into(),
+                "runs the model's ends whole along the sequence",
+                drop("tp_impl"),
+                Some("Megatron-LM or DeepSpeed"),
+            );
+        }
+        Some(dplc_ir::TpImpl::Dplc) | None => {}
     }
     if let Some(g) = pinned
         .grad_reduce

@@ -136,7 +136,7 @@ fn every_command_has_help() {
 }
 
 /// An engine's stack keys (`recompute=op`, `elementwise=eager`,
-/// `loss=unfused`, `shards=per_param`, `tp_impl=dtensor`, `autocast=on`,
+/// `loss=unfused`, `shards=per_param`, `tp_impl=dtensor`, `tp_impl=megatron`, `autocast=on`,
 /// `dispatch=hierarchical`) are priced by `compile` and refused by `run`
 /// and `build` (one list, `src/stack.rs`), whose own kernels and buffers do
 /// none of them: each says what to pin instead and names the pin, and a
@@ -150,6 +150,7 @@ fn engine_stack_keys_are_priced_not_run() {
         ("gpt_tiny", "2xcpu", "dp=2,loss=eager"),
         ("gpt_tiny", "2xcpu", "dp=2,zero=3,shards=per_param"),
         ("gpt_tiny", "2xcpu", "tp=2,sp=on,tp_impl=dtensor"),
+        ("gpt_tiny", "2xcpu", "tp=2,sp=on,tp_impl=megatron"),
         ("gpt_tiny", "2xcpu", "dp=2,autocast=on"),
         ("moe_tiny", "4xcpu", "ep=2,dispatch=hierarchical"),
     ] {

@@ -423,6 +423,14 @@ fn plan(row: &Row) -> Result<dplc_ir::Plan, String> {
         "" => row.strategy.to_string(),
         stack => format!("{},{stack}", row.strategy),
     };
+    // Every published row ran another engine's tensor parallelism, which
+    // splits the model's ends along the sequence under sequence
+    // parallelism: Megatron's unless the stack names DTensor's.
+    let pinned = if pinned.contains("tp_impl=") {
+        pinned
+    } else {
+        format!("{pinned},tp_impl=megatron")
+    };
     req.pinned = parse_strategy(&pinned).map_err(|e| e.to_string())?;
     Ok(compile(&req).map_err(|e| e.to_string())?.plan)
 }

@@ -7,8 +7,10 @@
 //! nothing is calibrated per row. Megatron ran attention unfused in 2021–2022
 //! (no FlashAttention) and its tensor-parallel collectives on the critical
 //! path, and its cross-entropy in fp32 pass by pass (`mpu`'s
-//! `vocab_parallel_cross_entropy`), so every row pins
-//! `attention=unfused,tp_overlap=none,loss=unfused` as its stack.
+//! `vocab_parallel_cross_entropy`), and its sequence parallelism splits the
+//! model's ends too, so every row pins
+//! `attention=unfused,tp_overlap=none,loss=unfused,tp_impl=megatron` as its
+//! stack.
 
 use dplc_planner::{compile, parse_cluster, parse_strategy, Compiled, PlanRequest};
 
@@ -23,7 +25,7 @@ fn plan(model: &str, cluster: &str, batch: u64, strategy: &str, ignore_memory: b
     req.global_batch = Some(batch);
     req.seq = Some(2048);
     req.pinned = parse_strategy(&format!(
-        "{strategy},attention=unfused,tp_overlap=none,loss=unfused"
+        "{strategy},attention=unfused,tp_overlap=none,loss=unfused,tp_impl=megatron"
     ))
     .unwrap();
     req.ignore_memory = ignore_memory;

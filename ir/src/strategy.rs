@@ -284,8 +284,10 @@ pub struct Strategy {
     #[serde(default, skip_serializing_if = "ShardLayout::is_flat")]
     pub shards: ShardLayout,
     /// How tensor parallelism lays out and moves activations. Plans
-    /// written before this field existed ran Megatron's.
-    #[serde(default, skip_serializing_if = "TpImpl::is_megatron")]
+    /// written before this field existed priced Megatron's layers with the
+    /// model's ends sequence-split under sequence parallelism, and read now
+    /// as dplc's runtime's (the ends whole).
+    #[serde(default, skip_serializing_if = "TpImpl::is_default")]
     pub tp_impl: TpImpl,
     /// How data-parallel replicas combine their gradients: all-reduce, a
     /// parameter server, or an asynchronous one with bounded staleness.
@@ -948,17 +950,27 @@ impl ShardLayout {
 }
 
 /// How tensor parallelism lays out the activations it shards on the
-/// sequence (sequence parallelism) and what its linear layers keep.
+/// sequence (sequence parallelism), what its linear layers keep, and
+/// whether the model's ends split along the sequence too.
 #[derive(
     Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
 )]
 pub enum TpImpl {
-    /// Megatron's (and dplc's runtime): activations sequence-first
-    /// (`[s, b, h]`), so a rank's sequence shard is one contiguous block
-    /// the collectives read and write in place; a column-parallel layer
-    /// keeps its input's shard and gathers it again in backward for the
-    /// weight gradient (`LinearWithGradAccumulationAndAsyncCommunication`).
+    /// dplc's runtime: Megatron's layers (below), and the model's ends
+    /// whole along the sequence on every rank — its root program
+    /// all-reduces the embedding's partial sums whole and runs the final
+    /// norm (and a tied head) over every token (a plan's `model` program).
     #[default]
+    Dplc,
+    /// Megatron's: activations sequence-first (`[s, b, h]`), so a rank's
+    /// sequence shard is one contiguous block the collectives read and
+    /// write in place; a column-parallel layer keeps its input's shard and
+    /// gathers it again in backward for the weight gradient
+    /// (`LinearWithGradAccumulationAndAsyncCommunication`). The model's
+    /// ends split along the sequence as the layers do: the embedding's
+    /// output reduce-scattered to sequence shards
+    /// (`scatter_to_sequence_parallel_region`), the final norm on a shard,
+    /// the output layer gathering its input.
     Megatron,
     /// PyTorch DTensor's (torchtitan): activations batch-first
     /// (`[b, s, h]`) sharded on dimension 1. NCCL gathers and scatters
@@ -970,20 +982,30 @@ pub enum TpImpl {
     /// _functional_collectives.py; a reduce-scatter copies at one
     /// sequence too). Autograd keeps the gathered input of a
     /// column-parallel GEMM: backward gathers nothing again unless
-    /// op-level checkpointing recomputed the gather.
+    /// op-level checkpointing recomputed the gather. The model's ends
+    /// split along the sequence (torchtitan's plan: the embedding's output
+    /// `Shard(1)`, the final norm `SequenceParallel`).
     DTensor,
 }
 
 impl TpImpl {
     pub fn name(self) -> &'static str {
         match self {
+            TpImpl::Dplc => "dplc",
             TpImpl::Megatron => "megatron",
             TpImpl::DTensor => "dtensor",
         }
     }
 
-    fn is_megatron(&self) -> bool {
-        *self == TpImpl::Megatron
+    /// Whether sequence parallelism splits the model's ends (embedding
+    /// output, final norm, loss inputs) along the sequence, as it splits a
+    /// layer's activations.
+    pub fn splits_ends(self) -> bool {
+        self != TpImpl::Dplc
+    }
+
+    fn is_default(&self) -> bool {
+        *self == TpImpl::default()
     }
 }
 
@@ -1162,7 +1184,7 @@ impl fmt::Display for Strategy {
         if self.shards != ShardLayout::Flat {
             write!(f, ", shards {}", self.shards.name())?;
         }
-        if self.tp_impl != TpImpl::Megatron {
+        if self.tp_impl != TpImpl::default() {
             write!(f, ", tp_impl {}", self.tp_impl.name())?;
         }
         let where_ = match self.sync.servers() {

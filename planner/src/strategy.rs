@@ -88,10 +88,11 @@ pub struct StrategyConstraints {
     /// reduces (`per_param`: FSDP2's copies in and out); the search keeps
     /// flat buffers, as dplc's runtime does.
     pub shards: Option<ShardLayout>,
-    /// `tp_impl=megatron|dtensor`: how tensor parallelism lays out what it
-    /// shards on the sequence (`dtensor`: torchtitan's batch-first layout,
-    /// its collectives' copies, autograd's gathered inputs); the search
-    /// takes Megatron's, as dplc's runtime runs it.
+    /// `tp_impl=dplc|megatron|dtensor`: how tensor parallelism lays out
+    /// what it shards on the sequence (`megatron`: the model's ends split
+    /// along it too; `dtensor`: torchtitan's batch-first layout, its
+    /// collectives' copies, autograd's gathered inputs); the search takes
+    /// dplc's runtime's (Megatron's layers, the ends whole).
     pub tp_impl: Option<TpImpl>,
     /// `sync=allreduce|ps|async`; the search all-reduces unless the user
     /// allows it to choose (`--allow sync`), as the others change the
@@ -238,7 +239,7 @@ impl StrategyConstraints {
             elementwise: (s.elementwise != Elementwise::Fused).then_some(s.elementwise),
             loss: (s.loss != Loss::Fused).then_some(s.loss),
             shards: (s.shards != ShardLayout::Flat).then_some(s.shards),
-            tp_impl: (s.tp_impl != TpImpl::Megatron).then_some(s.tp_impl),
+            tp_impl: (s.tp_impl != TpImpl::default()).then_some(s.tp_impl),
             sync: (!s.sync.is_all_reduce()).then_some(SyncMode::of(s.sync)),
             ps_shards: s.sync.ps_shards(),
             ps_ranks: s.sync.servers().filter(|&r| r == ServerRanks::Dedicated),
@@ -520,11 +521,12 @@ pub fn parse_strategy(spec: &str) -> Result<StrategyConstraints, PlanError> {
             }
             "tp_impl" => {
                 c.tp_impl = Some(match value.to_ascii_lowercase().as_str() {
+                    "dplc" => TpImpl::Dplc,
                     "megatron" => TpImpl::Megatron,
                     "dtensor" => TpImpl::DTensor,
                     _ => {
                         return Err(err(format!(
-                            "tp_impl is megatron or dtensor, got `{value}`"
+                            "tp_impl is dplc, megatron or dtensor, got `{value}`"
                         )))
                     }
                 })

@@ -104,14 +104,14 @@ pub(crate) fn neighbours(
             },
         ));
     }
-    if s.tp_impl != dplc_ir::TpImpl::Megatron && m.tp > 1 {
+    if s.tp_impl == dplc_ir::TpImpl::DTensor && m.tp > 1 {
         // What Megatron's sequence-first tensor parallelism (no layout
         // copies, shards kept and gathered again) would buy a plan priced
         // as torchtitan's DTensor runs it.
         variants.push((
             format!("tp_impl {} → megatron", s.tp_impl.name()),
             StrategyConstraints {
-                tp_impl: None,
+                tp_impl: Some(dplc_ir::TpImpl::Megatron),
                 ..base.clone()
             },
         ));

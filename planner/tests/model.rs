@@ -11,14 +11,15 @@ use dplc_planner::{compile, parse_cluster, parse_strategy, Compiled, PlanError, 
 const GIB: f64 = (1u64 << 30) as f64;
 
 /// A plan with the 2021–2022 Megatron stack the published rows ran:
-/// attention unfused, tensor-parallel collectives exposed.
+/// attention unfused, tensor-parallel collectives exposed, the model's
+/// ends split along the sequence under sequence parallelism.
 fn plan(cfg: Gpt, cluster: &str, batch: u64, strategy: &str, ignore_memory: bool) -> Compiled {
     let g = gpt("gpt", cfg);
     let mut req = PlanRequest::new(&g, train(2048, batch), parse_cluster(cluster).unwrap());
     let strategy = if strategy.is_empty() {
-        "attention=unfused,tp_overlap=none,loss=unfused".to_string()
+        "attention=unfused,tp_overlap=none,loss=unfused,tp_impl=megatron".to_string()
     } else {
-        format!("{strategy},attention=unfused,tp_overlap=none,loss=unfused")
+        format!("{strategy},attention=unfused,tp_overlap=none,loss=unfused,tp_impl=megatron")
     };
     req.pinned = parse_strategy(&strategy).unwrap();
     req.ignore_memory = ignore_memory;
@@ -1345,7 +1346,7 @@ fn dtensor_tp_copies_each_sequence_collective_and_keeps_what_it_gathered() {
     };
     let regather = |c: &Collective| c.what.contains("re-gather");
     for mb in [1, 2] {
-        let megatron = run(mb, "recompute=full");
+        let megatron = run(mb, "recompute=full,tp_impl=megatron");
         let dtensor = run(mb, "recompute=full,tp_impl=dtensor");
         let copies: f64 = tp(&megatron)
             .iter()
@@ -1391,7 +1392,7 @@ fn dtensor_tp_copies_each_sequence_collective_and_keeps_what_it_gathered() {
 
     // Kept between forward and backward without recomputation: each
     // gathered input beside its shard, 7/8 more of it at tp 8.
-    let megatron = run(2, "recompute=none");
+    let megatron = run(2, "recompute=none,tp_impl=megatron");
     let dtensor = run(2, "recompute=none,tp_impl=dtensor");
     let kept: f64 = tp(&megatron)
         .iter()
@@ -1418,7 +1419,7 @@ fn dtensor_tp_copies_each_sequence_collective_and_keeps_what_it_gathered() {
         .collect();
     assert!(!again.is_empty(), "the layers gather again");
     assert!(
-        tp(&run(2, "recompute=op"))
+        tp(&run(2, "recompute=op,tp_impl=megatron"))
             .iter()
             .any(|c| regather(c) && c.what.starts_with("head")),
         "Megatron's head gathers its input again"
@@ -1483,4 +1484,41 @@ fn zero3_moves_a_layer_at_a_time_each_paying_its_latency() {
         .unwrap();
     let latency = 63.0 * parse_cluster("8x8xA100").unwrap().inter_node.latency_s;
     assert!(gather.time_s > latency, "{} s a layer", gather.time_s);
+}
+
+/// Sequence parallelism and the model's ends: Megatron's (and DTensor's)
+/// split them along the sequence as they split a layer's activations, so
+/// the ends' memory falls with sequence parallelism as the layers' does;
+/// dplc's runtime runs them over every token (its root program all-reduces
+/// the embedding's sum whole), so there sequence parallelism saves nothing
+/// and the plan prices the ends as with it off. The layers price the same
+/// under both.
+#[test]
+fn sequence_parallelism_splits_the_ends_only_where_the_implementation_does() {
+    let g = gpt("gpt", GPT_1_7B);
+    let cluster = parse_cluster("8xH100").unwrap();
+    let run = |pins: &str| {
+        let mut req = PlanRequest::new(&g, train(2048, 8), cluster.clone());
+        req.pinned = parse_strategy(&format!("tp=8,pp=1,dp=1,mb=8,recompute=none,{pins}")).unwrap();
+        compile(&req).unwrap().plan.stages[0].memory.clone()
+    };
+    let off = run("sp=off");
+    let dplc = run("sp=on");
+    let megatron = run("sp=on,tp_impl=megatron");
+    let dtensor = run("sp=on,tp_impl=dtensor");
+    assert!(off.embedding_and_loss > 0);
+    // dplc's runtime: the ends as without sequence parallelism.
+    assert_eq!(dplc.embedding_and_loss, off.embedding_and_loss);
+    // Megatron's and DTensor's: what the ends keep whole, split over tp.
+    assert!(
+        megatron.embedding_and_loss < dplc.embedding_and_loss,
+        "{} against {}",
+        megatron.embedding_and_loss,
+        dplc.embedding_and_loss
+    );
+    // DTensor's split them too; it keeps the head's gathered input beside.
+    assert!(dtensor.embedding_and_loss < dplc.embedding_and_loss);
+    // The layers' activations are the same under dplc's and Megatron's.
+    assert_eq!(dplc.activations, megatron.activations);
+    assert!(dplc.activations < off.activations);
 }

@@ -101,7 +101,7 @@ pub fn gaps(plan: &Plan, _t: &Transformer) -> Vec<Gap> {
             |p| p.shards = Some(dplc_ir::ShardLayout::PerParam),
         ));
     }
-    if m.tp > 1 && s.tp_impl == dplc_ir::TpImpl::Megatron {
+    if m.tp > 1 && s.tp_impl != dplc_ir::TpImpl::DTensor {
         gaps.push(Gap::new(
             "Megatron's tensor parallelism (torchtitan's DTensor runs batch-first: each sequence-parallel \
              collective copied into place, the gathered inputs kept)",

@@ -188,7 +188,7 @@ impl Config {
     /// layers, recomputes the gather (its policy keeps no all-gather); a
     /// fully recomputed layer's forward has gathered it.
     pub fn regathers(&self, layer: bool) -> bool {
-        self.sp && (self.tp_impl == TpImpl::Megatron || (layer && self.recompute == Recompute::Op))
+        self.sp && (self.tp_impl != TpImpl::DTensor || (layer && self.recompute == Recompute::Op))
     }
 
     /// What a stage keeps of each layer for its backward.

@@ -262,7 +262,16 @@ impl CostModel<'_> {
         let r = self.region(part);
         let bind = self.bind(c);
         let tp = c.tp as f64;
-        let rep_div = if c.sp { tp } else { 1.0 };
+        // Sequence parallelism splits a layer's unsharded activations along
+        // the sequence, and the model's ends' where the implementation
+        // splits them (`TpImpl::splits_ends`: Megatron's and DTensor's, not
+        // dplc's runtime, whose root program runs them over every token).
+        let ends = matches!(part, Part::Pre | Part::Post);
+        let rep_div = if c.sp && (!ends || c.tp_impl.splits_ends()) {
+            tp
+        } else {
+            1.0
+        };
         let elt = self.profile.precision.bytes() as f64;
         let mut pc = PassCost::default();
         let mut core_forward = 0.0;
