@@ -151,7 +151,7 @@ fn published() {
         // unfused, tensor-parallel collectives exposed, the loss in fp32
         // pass by pass.
         req.pinned = parse_strategy(&format!(
-            "{strategy},attention=unfused,tp_overlap=none,loss=unfused"
+            "{strategy},attention=unfused,tp_overlap=none,loss=unfused,tp_impl=megatron"
         ))
         .unwrap();
         req.ignore_memory = what == "states" || what == "acts";
