@@ -321,28 +321,32 @@ fn a_fused_run_reports_its_memory_beside_the_plans() {
             .expect("predicted");
     assert!((0.98..1.05).contains(&ratio), "ZeRO-3: {ratio}");
     // Sequence parallelism keeps a column-parallel input's shard and gathers
-    // it again for the weight gradient, as the plan prices it (1.01x; 1.15x
-    // when the gathered input was kept); expert parallelism holds the
-    // experts the plan prices on a rank, and the experts layout whole on
-    // every tp rank (1.01x; 1.66x when the plan split the experts over tp
-    // as well and the run did not, 1.23x while it took the experts layout
-    // as split along the sequence under sequence parallelism).
-    for (model, cluster, strategy, bound) in [
-        ("gpt_tiny", "2xcpu", "tp=2,sp=on", 1.05),
+    // it again for the weight gradient, as the plan prices it; the model's
+    // ends run whole along the sequence (dplc's root program) and are
+    // priced so (`tp_impl=dplc`): 0.978-0.989x over runs here, the rank
+    // threads' hand-overs moving the peak by about 1% (1.01x while the
+    // plan priced the ends split, as Megatron runs them: under the 1.207x
+    // a GPU shared by two gpt2 ranks measured). Expert parallelism holds
+    // the experts the plan prices on a rank, and the experts layout whole
+    // on every tp rank (1.01x; 1.66x when the plan split the experts over
+    // tp as well and the run did not, 1.23x while it took the experts
+    // layout as split along the sequence under sequence parallelism).
+    for (model, cluster, strategy, within) in [
+        ("gpt_tiny", "2xcpu", "tp=2,sp=on", 0.97..1.05),
         // A pipeline's first stage peaks in a layer's backward (1.04x;
         // 1.16x before the plan counted that working set).
-        ("gpt_tiny", "2xcpu", "pp=2", 1.1),
-        ("moe_tiny", "4xcpu", "dp=2,ep=2", 1.1),
+        ("gpt_tiny", "2xcpu", "pp=2", 1.0..1.1),
+        ("moe_tiny", "4xcpu", "dp=2,ep=2", 1.0..1.1),
         // ZeRO-3 under a pipeline holds the stage's gathered weights and
         // whole gradients through the step (1.05x).
-        ("gpt_tiny", "4xcpu", "dp=2,pp=2,zero=3", 1.1),
+        ("gpt_tiny", "4xcpu", "dp=2,pp=2,zero=3", 1.0..1.1),
     ] {
         let v = run_summary("models/tiny.dpl", model, cluster, strategy, 64, "fused");
         let ratio = v["peak_memory_bytes"].as_f64().expect("measured")
             / v["predicted_peak_memory_bytes"]
                 .as_f64()
                 .expect("predicted");
-        assert!((1.0..bound).contains(&ratio), "{model} {strategy}: {ratio}");
+        assert!(within.contains(&ratio), "{model} {strategy}: {ratio}");
     }
     // The reference compute has no backend that counts memory.
     let v = run_summary(

@@ -2,7 +2,9 @@
 //! human summary and the `--json` object.
 
 use crate::cluster::Cluster;
-use crate::cost::{collective_time, dispatch_time, group_link, Config, CostModel, GroupLink};
+use crate::cost::{
+    collective_time, dispatch_time, group_link, Config, CostModel, GroupLink, Place,
+};
 use crate::profile::{Bind, ModelProfile, RegionProfile, Work};
 use crate::search::{complexity, Candidate};
 use crate::sharding::{Pass, TpCollectiveKind};
@@ -264,9 +266,8 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
     let tp_link = cost.link(c, MeshAxis::Tp);
     if c.tp > 1 {
         // Each region, how often a micro-batch runs it, its name, how
-        // often full recomputation runs it again, and whether it is a
-        // transformer layer.
-        let mut regions: Vec<(&RegionProfile, u64, &str, u64, bool)> = Vec::new();
+        // often full recomputation runs it again, and where it sits.
+        let mut regions: Vec<(&RegionProfile, u64, &str, u64, Place)> = Vec::new();
         for sh in &shares0 {
             let st = &profile.stacks[sh.stack];
             regions.push((
@@ -274,17 +275,17 @@ fn collectives(cost: &mut CostModel, cand: &Candidate) -> Vec<Collective> {
                 sh.layers,
                 &names[sh.stack],
                 rerun0[sh.stack],
-                true,
+                Place::Layer,
             ));
             if sh.first && sh.stack > 0 {
-                regions.push((&st.lead_in, 1, "between stacks", 0, false));
+                regions.push((&st.lead_in, 1, "between stacks", 0, Place::LeadIn));
             }
         }
-        regions.push((&profile.pre, 1, "embedding", 0, false));
-        regions.push((&profile.post, u64::from(c.pp == 1), "head", 0, false));
-        for (region, per_mb, name, rerun, layer) in regions {
+        regions.push((&profile.pre, 1, "embedding", 0, Place::End));
+        regions.push((&profile.post, u64::from(c.pp == 1), "head", 0, Place::End));
+        for (region, per_mb, name, rerun, place) in regions {
             for col in &region.collectives {
-                if col.sequence_parallel_only && !c.regathers(layer) {
+                if col.sequence_parallel_only && !c.regathers(place) {
                     continue;
                 }
                 let bytes = bind.eval(&col.bytes);

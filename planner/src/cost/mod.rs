@@ -178,17 +178,40 @@ pub(crate) struct Config {
     pub compress: Compression,
 }
 
+/// Where a region sits, for what sequence parallelism does in it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Place {
+    /// A transformer layer of a stack.
+    Layer,
+    /// The root's ops between stacks, run as the layers run.
+    LeadIn,
+    /// The model's ends: the embedding, the head and the loss.
+    End,
+}
+
 impl Config {
+    /// Whether sequence parallelism splits the activations tensor
+    /// parallelism leaves whole along the sequence at `place`: in the
+    /// layers always, in the model's ends where the implementation does
+    /// ([`TpImpl::splits_ends`]: not dplc's runtime, whose root program
+    /// runs them over every token).
+    pub fn splits_sequence(&self, place: Place) -> bool {
+        self.sp && (place != Place::End || self.tp_impl.splits_ends())
+    }
+
     /// Whether a column-parallel GEMM's backward all-gathers its input
     /// again under sequence parallelism (the `sequence_parallel_only`
-    /// collectives), in a transformer layer (`layer`) or outside one (the
-    /// head): Megatron's linear layer keeps the input's shard and always
-    /// does; DTensor's autograd keeps the gathered input, gathered again
-    /// only where op-level checkpointing, which torchtitan applies to the
-    /// layers, recomputes the gather (its policy keeps no all-gather); a
-    /// fully recomputed layer's forward has gathered it.
-    pub fn regathers(&self, layer: bool) -> bool {
-        self.sp && (self.tp_impl != TpImpl::DTensor || (layer && self.recompute == Recompute::Op))
+    /// collectives) at `place`: only where the input is sequence-split
+    /// ([`Config::splits_sequence`]; dplc's ends hold it whole). Megatron's
+    /// linear layer keeps the input's shard and always does; DTensor's
+    /// autograd keeps the gathered input, gathered again only where
+    /// op-level checkpointing, which torchtitan applies to the layers,
+    /// recomputes the gather (its policy keeps no all-gather); a fully
+    /// recomputed layer's forward has gathered it.
+    pub fn regathers(&self, place: Place) -> bool {
+        self.splits_sequence(place)
+            && (self.tp_impl != TpImpl::DTensor
+                || (place == Place::Layer && self.recompute == Recompute::Op))
     }
 
     /// What a stage keeps of each layer for its backward.
@@ -350,6 +373,16 @@ enum Part {
     LeadIn(usize),
     Pre,
     Post,
+}
+
+impl Part {
+    fn place(self) -> Place {
+        match self {
+            Part::Layer(_) => Place::Layer,
+            Part::LeadIn(_) => Place::LeadIn,
+            Part::Pre | Part::Post => Place::End,
+        }
+    }
 }
 
 /// Per-micro-batch costs of the model's parts under one configuration.

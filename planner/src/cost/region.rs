@@ -262,12 +262,8 @@ impl CostModel<'_> {
         let r = self.region(part);
         let bind = self.bind(c);
         let tp = c.tp as f64;
-        // Sequence parallelism splits a layer's unsharded activations along
-        // the sequence, and the model's ends' where the implementation
-        // splits them (`TpImpl::splits_ends`: Megatron's and DTensor's, not
-        // dplc's runtime, whose root program runs them over every token).
-        let ends = matches!(part, Part::Pre | Part::Post);
-        let rep_div = if c.sp && (!ends || c.tp_impl.splits_ends()) {
+        // What sequence parallelism splits here (`Config::splits_sequence`).
+        let rep_div = if c.splits_sequence(part.place()) {
             tp
         } else {
             1.0
@@ -558,12 +554,15 @@ impl CostModel<'_> {
                     let gathered = bytes * (1.0 - 1.0 / tp);
                     pc.full_saved_bytes += gathered;
                     pc.saved_bytes += gathered;
-                    if !c.regathers(layer) {
+                    if !c.regathers(part.place()) {
                         continue;
                     }
                     // Recomputed, and copied into place, before the GEMMs'
                     // backward.
                     pc.recompute += copies;
+                } else if !c.regathers(part.place()) {
+                    // Held whole (dplc's ends): nothing to gather again.
+                    continue;
                 } else if c.tp > 1 {
                     pc.gather_buffer_bytes = pc.gather_buffer_bytes.max(bytes);
                 }
