@@ -81,10 +81,18 @@ impl CostModel<'_> {
         // not write it over the softmax in place as Megatron's
         // vocabulary-parallel one does — and reaches its layers' backward
         // having let go of what the loss and the head kept.
+        // Under sequence parallelism Megatron's backward gathers a
+        // column-parallel input again into one reused buffer of the largest
+        // (`Config::regathers`): live in a layer's backward beside its
+        // gradients, and in the head's beside the logits' gradient — not at
+        // the loss before either (on CPU ranks the plan read gpt_tiny's tp2
+        // 2% over the run while it added the buffer to both).
+        let layer_gather = Self::largest(&shares, |k| parts.stacks[k].0.gather_buffer_bytes)
+            .max(pre.gather_buffer_bytes);
         let layer_backward =
-            2.0 * Self::largest(&shares, |k| parts.stacks[k].0.largest_saved_bytes);
+            2.0 * Self::largest(&shares, |k| parts.stacks[k].0.largest_saved_bytes) + layer_gather;
         buffers += if i == c.pp - 1 {
-            post.largest_saved_bytes
+            (post.largest_saved_bytes + post.gather_buffer_bytes)
                 .max(layer_backward - post.saved_bytes)
         } else {
             layer_backward
@@ -99,11 +107,6 @@ impl CostModel<'_> {
             // The layer being recomputed holds its whole working set.
             buffers += Self::largest(&shares, |k| parts.stacks[k].0.full_saved_bytes);
         }
-        // Sequence parallelism keeps the shards; the all-gathers assemble
-        // whole tensors in one reused buffer of the largest.
-        buffers += Self::largest(&shares, |k| parts.stacks[k].0.gather_buffer_bytes)
-            .max(pre.gather_buffer_bytes)
-            .max(post.gather_buffer_bytes);
         let largest_layer = Self::largest(&shares, layer_weights);
         if c.gathers_per_layer() {
             // The gathered weights of the layer running and the next one
