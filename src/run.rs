@@ -426,7 +426,6 @@ fn describe(plan: &dplc_ir::Plan) -> String {
     parts.join(", ")
 }
 
-/// One step as the JSON line `--json` prints, on CPU ranks and GPUs alike.
 /// What the busiest device's allocator is to be compared with: each
 /// worker's stage peak less the reserve its process holds outside the
 /// allocator (the CUDA context, library workspaces), summed over the ranks
@@ -445,6 +444,7 @@ fn predicted_allocator_peak(plan: &dplc_ir::Plan, cfg: &RunConfig) -> u64 {
     per_device.into_values().max().unwrap_or(0)
 }
 
+/// One step as the JSON line `--json` prints, on CPU ranks and GPUs alike.
 fn step_json(st: &StepStats) -> serde_json::Value {
     let mut v = json!({
         "step": st.step,

@@ -97,24 +97,23 @@ pub fn elsewhere(pinned: &StrategyConstraints) -> Option<Elsewhere> {
             Some("torchtitan"),
         );
     }
-    match pinned.tp_impl {
-        Some(dplc_ir::TpImpl::DTensor) => {
-            return found(
-                "tp_impl=dtensor".into(),
+    if let Some(t) = pinned.tp_impl.filter(|&t| t != dplc_ir::TpImpl::Dplc) {
+        let (runtime, export) = match t {
+            dplc_ir::TpImpl::DTensor => (
                 "runs Megatron's sequence-first tensor parallelism",
-                drop("tp_impl"),
-                Some("torchtitan"),
-            );
-        }
-        Some(dplc_ir::TpImpl::Megatron) => {
-            return found(
-                "tp_impl=megatron".into(),
+                "torchtitan",
+            ),
+            _ => (
                 "runs the model's ends whole along the sequence",
-                drop("tp_impl"),
-                Some("Megatron-LM or DeepSpeed"),
-            );
-        }
-        Some(dplc_ir::TpImpl::Dplc) | None => {}
+                "Megatron-LM or DeepSpeed",
+            ),
+        };
+        return found(
+            format!("tp_impl={}", t.name()),
+            runtime,
+            drop("tp_impl"),
+            Some(export),
+        );
     }
     if let Some(g) = pinned
         .grad_reduce

@@ -81,12 +81,13 @@ impl CostModel<'_> {
         // not write it over the softmax in place as Megatron's
         // vocabulary-parallel one does — and reaches its layers' backward
         // having let go of what the loss and the head kept.
-        // Under sequence parallelism Megatron's backward gathers a
-        // column-parallel input again into one reused buffer of the largest
+        //
+        // Under sequence parallelism a backward gathers a column-parallel
+        // input again into one reused buffer of the largest
         // (`Config::regathers`): live in a layer's backward beside its
         // gradients, and in the head's beside the logits' gradient — not at
-        // the loss before either (on CPU ranks the plan read gpt_tiny's tp2
-        // 2% over the run while it added the buffer to both).
+        // the loss before either (added to both, the plan read gpt_tiny's
+        // tp2 run on CPU ranks 2% over its peak).
         let layer_gather = Self::largest(&shares, |k| parts.stacks[k].0.gather_buffer_bytes)
             .max(pre.gather_buffer_bytes);
         let layer_backward =
